@@ -1,0 +1,372 @@
+#include "core/core.h"
+
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <sys/stat.h>
+#include <pthread.h>
+
+const char *prism_strerror(int status)
+{
+    switch (status) {
+    case PRISM_OK:        return "ok";
+    case PRISM_EAGAIN:    return "resource temporarily unavailable";
+    case PRISM_EINVAL:    return "invalid argument";
+    case PRISM_ENOMEM:    return "out of memory or budget";
+    case PRISM_EIO:       return "I/O error";
+    case PRISM_ECORRUPT:  return "corrupt input";
+    case PRISM_ELIMIT:    return "input exceeds a limit";
+    case PRISM_ENOTSUP:   return "not supported";
+    case PRISM_ENOTFOUND: return "not found";
+    default:              return "unknown error";
+    }
+}
+
+/* ---------------------------------------------------------------- logging */
+
+static char g_proc[32] = "prism";
+static prism_log_level_t g_level = PRISM_LOG_INFO;
+static pthread_mutex_t g_log_mu = PTHREAD_MUTEX_INITIALIZER;
+
+void prism_log_init(const char *process_name, prism_log_level_t min_level)
+{
+    snprintf(g_proc, sizeof(g_proc), "%s", process_name ? process_name : "prism");
+    g_level = min_level;
+    const char *env = getenv("PRISM_LOG_LEVEL");
+    if (env && *env)
+        g_level = prism_log_level_parse(env);
+}
+
+void prism_log_set_level(prism_log_level_t min_level) { g_level = min_level; }
+
+prism_log_level_t prism_log_level_parse(const char *s)
+{
+    if (!s) return PRISM_LOG_INFO;
+    if (!strcmp(s, "debug")) return PRISM_LOG_DEBUG;
+    if (!strcmp(s, "warn") || !strcmp(s, "warning")) return PRISM_LOG_WARN;
+    if (!strcmp(s, "error")) return PRISM_LOG_ERROR;
+    return PRISM_LOG_INFO;
+}
+
+static void log_v(const char *tag, const char *file, int line, const char *fmt, va_list ap)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    struct tm tm;
+    gmtime_r(&ts.tv_sec, &tm);
+    const char *base = strrchr(file, '/');
+    base = base ? base + 1 : file;
+    pthread_mutex_lock(&g_log_mu);
+    fprintf(stderr, "%02d:%02d:%02d.%03ld %s[%d] %s %s:%d: ", tm.tm_hour, tm.tm_min, tm.tm_sec,
+            ts.tv_nsec / 1000000, g_proc, (int)getpid(), tag, base, line);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    fflush(stderr);
+    pthread_mutex_unlock(&g_log_mu);
+}
+
+void prism_log(prism_log_level_t level, const char *file, int line, const char *fmt, ...)
+{
+    if (level < g_level)
+        return;
+    static const char *tags[] = {"DEBUG", "INFO", "WARN", "ERROR"};
+    va_list ap;
+    va_start(ap, fmt);
+    log_v(tags[level], file, line, fmt, ap);
+    va_end(ap);
+}
+
+void prism_abort(const char *file, int line, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    log_v("FATAL", file, line, fmt, ap);
+    va_end(ap);
+    abort();
+}
+
+/* ---------------------------------------------------------------- allocator */
+
+/* A 16-byte header in front of every block records its size so free can count it. */
+#define HDR 16
+static atomic_size_t g_used;
+static atomic_size_t g_peak;
+static atomic_uint_fast64_t g_count;
+
+static void count_add(size_t n)
+{
+    size_t now = atomic_fetch_add(&g_used, n) + n;
+    size_t peak = atomic_load(&g_peak);
+    while (now > peak && !atomic_compare_exchange_weak(&g_peak, &peak, now)) {}
+    atomic_fetch_add(&g_count, 1);
+}
+
+void *prism_malloc(size_t n)
+{
+    if (n > SIZE_MAX - HDR) return NULL;
+    uint8_t *p = malloc(n + HDR);
+    if (!p) return NULL;
+    *(size_t *)p = n;
+    count_add(n);
+    return p + HDR;
+}
+
+void *prism_calloc(size_t count, size_t n)
+{
+    if (n && count > (SIZE_MAX - HDR) / n) return NULL;
+    void *p = prism_malloc(count * n);
+    if (p) memset(p, 0, count * n);
+    return p;
+}
+
+void *prism_realloc(void *p, size_t n)
+{
+    if (!p) return prism_malloc(n);
+    if (n > SIZE_MAX - HDR) return NULL;
+    uint8_t *h = (uint8_t *)p - HDR;
+    size_t old = *(size_t *)h;
+    uint8_t *q = realloc(h, n + HDR);
+    if (!q) return NULL;
+    *(size_t *)q = n;
+    atomic_fetch_sub(&g_used, old);
+    count_add(n);
+    return q + HDR;
+}
+
+void prism_free(void *p)
+{
+    if (!p) return;
+    uint8_t *h = (uint8_t *)p - HDR;
+    atomic_fetch_sub(&g_used, *(size_t *)h);
+    free(h);
+}
+
+void *prism_xmalloc(size_t n)
+{
+    void *p = prism_malloc(n);
+    if (!p) PRISM_FATAL("out of memory allocating %zu bytes", n);
+    return p;
+}
+
+void *prism_xcalloc(size_t count, size_t n)
+{
+    void *p = prism_calloc(count, n);
+    if (!p) PRISM_FATAL("out of memory allocating %zu x %zu bytes", count, n);
+    return p;
+}
+
+char *prism_strndup(const char *s, size_t n)
+{
+    char *d = prism_malloc(n + 1);
+    if (!d) return NULL;
+    memcpy(d, s, n);
+    d[n] = 0;
+    return d;
+}
+
+char *prism_strdup(const char *s) { return s ? prism_strndup(s, strlen(s)) : NULL; }
+
+size_t prism_mem_used(void) { return atomic_load(&g_used); }
+size_t prism_mem_peak(void) { return atomic_load(&g_peak); }
+uint64_t prism_mem_alloc_count(void) { return atomic_load(&g_count); }
+
+void *prism_malloc_aligned(size_t n, size_t align)
+{
+    if (align < HDR) align = HDR;
+    if (n > SIZE_MAX - align) return NULL;
+    void *raw = NULL;
+    if (posix_memalign(&raw, align, n + align)) return NULL;
+    uint8_t *p = (uint8_t *)raw + align;
+    ((size_t *)p)[-1] = n;
+    ((size_t *)p)[-2] = align;
+    count_add(n);
+    return p;
+}
+
+void prism_free_aligned(void *p)
+{
+    if (!p) return;
+    size_t n = ((size_t *)p)[-1], align = ((size_t *)p)[-2];
+    atomic_fetch_sub(&g_used, n);
+    free((uint8_t *)p - align);
+}
+
+/* ---------------------------------------------------------------- arena */
+
+void prism_arena_init(prism_arena_t *a, const char *name, void *base, size_t cap)
+{
+    a->base = base;
+    a->cap = cap;
+    a->used = 0;
+    a->peak = 0;
+    a->name = name;
+}
+
+void *prism_arena_alloc(prism_arena_t *a, size_t n, size_t align)
+{
+    if (!align) align = 64;
+    size_t off = PRISM_ALIGN_UP(a->used, align);
+    if (off > a->cap || n > a->cap - off)
+        return NULL;
+    a->used = off + n;
+    if (a->used > a->peak) a->peak = a->used;
+    return a->base + off;
+}
+
+void prism_arena_reset(prism_arena_t *a) { a->used = 0; }
+
+/* ---------------------------------------------------------------- buffer */
+
+int prism_buf_reserve(prism_buf_t *b, size_t extra)
+{
+    if (b->len + extra + 1 <= b->cap) return PRISM_OK;
+    size_t cap = b->cap ? b->cap : 256;
+    while (cap < b->len + extra + 1) {
+        if (cap > SIZE_MAX / 2) return PRISM_ENOMEM;
+        cap *= 2;
+    }
+    char *d = prism_realloc(b->data, cap);
+    if (!d) return PRISM_ENOMEM;
+    b->data = d;
+    b->cap = cap;
+    return PRISM_OK;
+}
+
+int prism_buf_append(prism_buf_t *b, const void *p, size_t n)
+{
+    int rc = prism_buf_reserve(b, n);
+    if (rc) return rc;
+    if (n) memcpy(b->data + b->len, p, n);
+    b->len += n;
+    b->data[b->len] = 0;
+    return PRISM_OK;
+}
+
+int prism_buf_append_str(prism_buf_t *b, const char *s) { return prism_buf_append(b, s, strlen(s)); }
+
+int prism_buf_appendf(prism_buf_t *b, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (n < 0) return PRISM_EINVAL;
+    int rc = prism_buf_reserve(b, (size_t)n);
+    if (rc) return rc;
+    va_start(ap, fmt);
+    vsnprintf(b->data + b->len, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    b->len += (size_t)n;
+    return PRISM_OK;
+}
+
+void prism_buf_reset(prism_buf_t *b)
+{
+    b->len = 0;
+    if (b->data) b->data[0] = 0;
+}
+
+void prism_buf_free(prism_buf_t *b)
+{
+    prism_free(b->data);
+    b->data = NULL;
+    b->len = b->cap = 0;
+}
+
+/* ---------------------------------------------------------------- time, files */
+
+uint64_t prism_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+double prism_now_s(void) { return (double)prism_now_ns() * 1e-9; }
+
+int64_t prism_unix_time(void) { return (int64_t)time(NULL); }
+
+int prism_read_file(const char *path, size_t max_bytes, char **out, size_t *out_len)
+{
+    *out = NULL;
+    if (out_len) *out_len = 0;
+    FILE *f = fopen(path, "rb");
+    if (!f) return PRISM_EIO;
+    struct stat st;
+    if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) {
+        fclose(f);
+        return PRISM_EIO;
+    }
+    if ((uint64_t)st.st_size > max_bytes) {
+        fclose(f);
+        return PRISM_ELIMIT;
+    }
+    size_t n = (size_t)st.st_size;
+    char *buf = prism_malloc(n + 1);
+    if (!buf) {
+        fclose(f);
+        return PRISM_ENOMEM;
+    }
+    if (n && fread(buf, 1, n, f) != n) {
+        prism_free(buf);
+        fclose(f);
+        return PRISM_EIO;
+    }
+    fclose(f);
+    buf[n] = 0;
+    *out = buf;
+    if (out_len) *out_len = n;
+    return PRISM_OK;
+}
+
+int prism_path_join(char *out, size_t n, const char *dir, const char *name)
+{
+    int w = snprintf(out, n, "%s/%s", dir, name);
+    return (w < 0 || (size_t)w >= n) ? PRISM_ELIMIT : PRISM_OK;
+}
+
+bool prism_file_exists(const char *path)
+{
+    struct stat st;
+    return stat(path, &st) == 0;
+}
+
+int64_t prism_parse_bytes(const char *s)
+{
+    if (!s || !*s) return -1;
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || v < 0) return -1;
+    while (*end == ' ') end++;
+    double mul = 1;
+    switch (*end) {
+    case 0: break;
+    case 'k': case 'K': mul = 1024.0; end++; break;
+    case 'm': case 'M': mul = 1024.0 * 1024; end++; break;
+    case 'g': case 'G': mul = 1024.0 * 1024 * 1024; end++; break;
+    case 't': case 'T': mul = 1024.0 * 1024 * 1024 * 1024; end++; break;
+    case 'b': case 'B': break;
+    default: return -1;
+    }
+    if (*end == 'i' || *end == 'I') end++;
+    if (*end == 'b' || *end == 'B') end++;
+    if (*end) return -1;
+    double r = v * mul;
+    if (r > 9.0e18) return -1;
+    return (int64_t)r;
+}
+
+const char *prism_fmt_bytes(size_t bytes, char *out, size_t n)
+{
+    static const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    double v = (double)bytes;
+    int u = 0;
+    while (v >= 1024 && u < 4) { v /= 1024; u++; }
+    snprintf(out, n, u ? "%.2f %s" : "%.0f %s", v, units[u]);
+    return out;
+}

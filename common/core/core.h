@@ -1,0 +1,123 @@
+/* core: logging, status codes, counting allocator, arenas, time and file helpers.
+ *
+ * Every Prism library includes this. Conventions used across the tree:
+ *  - names are prism_<thing>_<action>; types end in _t; enum values are PRISM_<TYPE>_<NAME>.
+ *  - recoverable failures return a negative prism_status_t (PRISM_EAGAIN means "try again later");
+ *    broken invariants hit PRISM_ASSERT, which is always on and aborts with file:line.
+ *  - all heap memory goes through prism_malloc & co., so used and peak bytes are a metric;
+ *    workers additionally carve big regions up front with prism_arena_t.
+ */
+#ifndef PRISM_CORE_H
+#define PRISM_CORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdbool.h>
+#include <stdarg.h>
+
+/* ---- status codes (second error tier: recoverable) ---- */
+typedef enum {
+    PRISM_OK        = 0,
+    PRISM_EAGAIN    = -1,  /* resource temporarily full: retry later / backpressure */
+    PRISM_EINVAL    = -2,  /* bad argument or malformed input */
+    PRISM_ENOMEM    = -3,  /* allocation or budget exhausted */
+    PRISM_EIO       = -4,  /* OS / file / socket error */
+    PRISM_ECORRUPT  = -5,  /* input file or message is corrupt */
+    PRISM_ELIMIT    = -6,  /* input exceeds a configured bound */
+    PRISM_ENOTSUP   = -7,  /* valid but unsupported */
+    PRISM_ENOTFOUND = -8,
+} prism_status_t;
+
+const char *prism_strerror(int status);
+
+/* ---- logging ---- */
+typedef enum { PRISM_LOG_DEBUG, PRISM_LOG_INFO, PRISM_LOG_WARN, PRISM_LOG_ERROR } prism_log_level_t;
+
+void prism_log_init(const char *process_name, prism_log_level_t min_level);
+void prism_log_set_level(prism_log_level_t min_level);
+prism_log_level_t prism_log_level_parse(const char *s); /* "debug".."error"; INFO if unknown */
+void prism_log(prism_log_level_t level, const char *file, int line, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+#define PRISM_DEBUG(...) prism_log(PRISM_LOG_DEBUG, __FILE__, __LINE__, __VA_ARGS__)
+#define PRISM_INFO(...)  prism_log(PRISM_LOG_INFO,  __FILE__, __LINE__, __VA_ARGS__)
+#define PRISM_WARN(...)  prism_log(PRISM_LOG_WARN,  __FILE__, __LINE__, __VA_ARGS__)
+#define PRISM_ERROR(...) prism_log(PRISM_LOG_ERROR, __FILE__, __LINE__, __VA_ARGS__)
+
+/* ---- first error tier: broken invariants, always on ---- */
+_Noreturn void prism_abort(const char *file, int line, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+#define PRISM_ASSERT(x) \
+    do { if (!(x)) prism_abort(__FILE__, __LINE__, "assertion failed: %s", #x); } while (0)
+#define PRISM_FATAL(...) prism_abort(__FILE__, __LINE__, __VA_ARGS__)
+
+/* ---- counting allocator ----
+ * Thread-safe counters of live and peak heap bytes. prism_malloc returns NULL on failure
+ * (callers handle it); prism_xmalloc aborts (for start-up paths only). */
+void *prism_malloc(size_t n);
+void *prism_calloc(size_t count, size_t n);
+void *prism_realloc(void *p, size_t n);
+void  prism_free(void *p);
+void *prism_xmalloc(size_t n);
+void *prism_xcalloc(size_t count, size_t n);
+char *prism_strdup(const char *s);
+char *prism_strndup(const char *s, size_t n);
+size_t prism_mem_used(void);
+size_t prism_mem_peak(void);
+uint64_t prism_mem_alloc_count(void);  /* number of prism_malloc/calloc/realloc calls so far */
+
+/* Aligned large region (pools, arenas); counted too. Freed with prism_free_aligned. */
+void *prism_malloc_aligned(size_t n, size_t align);
+void  prism_free_aligned(void *p);
+
+/* ---- arena: bump allocator over one region carved at start-up ----
+ * prism_arena_alloc returns NULL when full (never grows). Reset frees everything at once. */
+typedef struct {
+    uint8_t *base;
+    size_t   cap;
+    size_t   used;
+    size_t   peak;
+    const char *name;
+} prism_arena_t;
+
+void  prism_arena_init(prism_arena_t *a, const char *name, void *base, size_t cap);
+void *prism_arena_alloc(prism_arena_t *a, size_t n, size_t align);
+void  prism_arena_reset(prism_arena_t *a);
+
+/* ---- growable byte buffer (router, serializers; not for worker hot paths) ---- */
+typedef struct {
+    char  *data;
+    size_t len;
+    size_t cap;
+} prism_buf_t;
+
+int  prism_buf_reserve(prism_buf_t *b, size_t extra);
+int  prism_buf_append(prism_buf_t *b, const void *p, size_t n);
+int  prism_buf_appendf(prism_buf_t *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+int  prism_buf_append_str(prism_buf_t *b, const char *s);
+void prism_buf_reset(prism_buf_t *b);
+void prism_buf_free(prism_buf_t *b);
+
+/* ---- time, files, misc ---- */
+uint64_t prism_now_ns(void);          /* monotonic */
+double   prism_now_s(void);           /* monotonic, seconds */
+int64_t  prism_unix_time(void);       /* wall clock, seconds */
+
+/* Reads a whole file into a prism_malloc'd, NUL-terminated buffer; fails with PRISM_ELIMIT
+ * when the file is larger than max_bytes. */
+int prism_read_file(const char *path, size_t max_bytes, char **out, size_t *out_len);
+/* Joins dir + "/" + name into out (size n); returns PRISM_ELIMIT if it does not fit. */
+int prism_path_join(char *out, size_t n, const char *dir, const char *name);
+bool prism_file_exists(const char *path);
+
+/* Parses sizes such as "512M", "2G", "1.5GiB", "1000000"; returns -1 on error. */
+int64_t prism_parse_bytes(const char *s);
+/* Formats bytes human-readably ("1.50 GiB") into out. */
+const char *prism_fmt_bytes(size_t bytes, char *out, size_t n);
+
+#define PRISM_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
+#define PRISM_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define PRISM_MAX(a, b) ((a) > (b) ? (a) : (b))
+#define PRISM_ALIGN_UP(x, a) (((x) + ((a) - 1)) & ~((size_t)(a) - 1))
+
+#endif

@@ -1,0 +1,56 @@
+/* metrics: Prometheus text exposition — histograms with fixed buckets, counters, and helpers to
+ * write gauges. The router keeps one prism_router_metrics_t; workers report their numbers in
+ * heartbeats and the router exports them with a worker label. */
+#ifndef PRISM_METRICS_H
+#define PRISM_METRICS_H
+
+#include "core/core.h"
+
+#define PRISM_HIST_MAX_BUCKETS 32
+
+typedef struct {
+    const double *bounds;   /* [n] upper bounds, ascending */
+    int n;
+    uint64_t counts[PRISM_HIST_MAX_BUCKETS];  /* non-cumulative */
+    uint64_t count;
+    double sum;
+} prism_hist_t;
+
+void prism_hist_init(prism_hist_t *h, const double *bounds, int n);
+void prism_hist_observe(prism_hist_t *h, double v);
+/* Writes name_bucket{labels,le=...} / name_sum / name_count lines (labels: `model_name="x"`). */
+void prism_hist_write(const prism_hist_t *h, prism_buf_t *out, const char *name, const char *help, const char *labels);
+void prism_metric_write(prism_buf_t *out, const char *name, const char *type, const char *help,
+                        const char *labels, double value);
+
+/* vLLM's bucket lists (CONVENTIONS.md). */
+extern const double prism_buckets_ttft[];
+extern const int prism_buckets_ttft_n;
+extern const double prism_buckets_itl[];
+extern const int prism_buckets_itl_n;
+extern const double prism_buckets_e2e[];
+extern const int prism_buckets_e2e_n;
+
+typedef struct {
+    prism_hist_t ttft, itl, e2e, queue;
+    uint64_t prompt_tokens, generation_tokens;
+    uint64_t success_stop, success_length, success_abort, failed;
+    uint64_t refused_limit[8];   /* by prism_refusal_t */
+} prism_router_metrics_t;
+
+typedef enum {
+    PRISM_REFUSE_BODY_TOO_LARGE,
+    PRISM_REFUSE_TOO_MANY_IMAGES,
+    PRISM_REFUSE_IMAGE_TOO_LARGE,
+    PRISM_REFUSE_QUEUE_FULL,
+    PRISM_REFUSE_IMAGE_BYTES_INFLIGHT,
+    PRISM_REFUSE_NO_WORKERS,
+    PRISM_REFUSE_BAD_REQUEST,
+    PRISM_REFUSE_COUNT
+} prism_refusal_t;
+
+extern const char *const prism_refusal_names[PRISM_REFUSE_COUNT];
+
+void prism_router_metrics_init(prism_router_metrics_t *m);
+
+#endif

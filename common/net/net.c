@@ -1,0 +1,215 @@
+#include "net/net.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Envelopes are packed into a per-thread buffer that grows to the largest message once
+ * and is then reused: no allocation per message after warm-up. */
+static _Thread_local uint8_t *t_pack_buf;
+static _Thread_local size_t t_pack_cap;
+
+/* Unpacked envelopes are short-lived, bounded by PRISM_MSG_MAX_ENVELOPE and live outside the
+ * workers' planned pools, so they use the C heap directly: prism_mem_alloc_count() then counts only
+ * the allocations a worker makes itself, which must stay flat on the request path. */
+static void *pc_alloc(void *ud, size_t n) { (void)ud; return malloc(n); }
+static void pc_free(void *ud, void *p) { (void)ud; free(p); }
+static ProtobufCAllocator g_pc_allocator = {pc_alloc, pc_free, NULL};
+
+static void drain_rest(void *sock)
+{
+    int more = 0;
+    size_t sz = sizeof(more);
+    while (zmq_getsockopt(sock, ZMQ_RCVMORE, &more, &sz) == 0 && more) {
+        zmq_msg_t f;
+        zmq_msg_init(&f);
+        zmq_msg_recv(&f, sock, 0);
+        zmq_msg_close(&f);
+        sz = sizeof(more);
+    }
+}
+
+static bool has_more(void *sock)
+{
+    int more = 0;
+    size_t sz = sizeof(more);
+    return zmq_getsockopt(sock, ZMQ_RCVMORE, &more, &sz) == 0 && more;
+}
+
+int prism_msg_recv(void *sock, bool from_router_socket, prism_msg_t *m, int flags)
+{
+    memset(m, 0, offsetof(prism_msg_t, frames));
+    m->n_frames = 0;
+    m->identity_len = 0;
+    zmq_msg_t part;
+    zmq_msg_init(&part);
+    if (zmq_msg_recv(&part, sock, flags) < 0) {
+        zmq_msg_close(&part);
+        return errno == EAGAIN ? PRISM_EAGAIN : PRISM_EIO;
+    }
+    if (from_router_socket) {
+        size_t n = zmq_msg_size(&part);
+        if (n > PRISM_MSG_MAX_IDENTITY || !has_more(sock)) {
+            zmq_msg_close(&part);
+            drain_rest(sock);
+            return PRISM_ECORRUPT;
+        }
+        memcpy(m->identity, zmq_msg_data(&part), n);
+        m->identity_len = n;
+        zmq_msg_close(&part);
+        zmq_msg_init(&part);
+        if (zmq_msg_recv(&part, sock, 0) < 0) {
+            zmq_msg_close(&part);
+            return PRISM_EIO;
+        }
+    }
+    size_t elen = zmq_msg_size(&part);
+    if (elen > PRISM_MSG_MAX_ENVELOPE) {
+        zmq_msg_close(&part);
+        drain_rest(sock);
+        return PRISM_ECORRUPT;
+    }
+    m->env = prism__envelope__unpack(&g_pc_allocator, elen, zmq_msg_data(&part));
+    zmq_msg_close(&part);
+    if (!m->env || m->env->version != PRISM_PROTOCOL_VERSION) {
+        if (m->env) {
+            PRISM_WARN("dropping message with protocol version %u (ours %u)", m->env->version,
+                       PRISM_PROTOCOL_VERSION);
+            prism__envelope__free_unpacked(m->env, &g_pc_allocator);
+            m->env = NULL;
+        }
+        drain_rest(sock);
+        return PRISM_ECORRUPT;
+    }
+    while (has_more(sock)) {
+        if (m->n_frames == PRISM_MSG_MAX_FRAMES) {
+            drain_rest(sock);
+            prism_msg_close(m);
+            return PRISM_ECORRUPT;
+        }
+        zmq_msg_t *f = &m->frames[m->n_frames];
+        zmq_msg_init(f);
+        if (zmq_msg_recv(f, sock, 0) < 0) {
+            zmq_msg_close(f);
+            prism_msg_close(m);
+            return PRISM_EIO;
+        }
+        m->n_frames++;
+    }
+    return PRISM_OK;
+}
+
+void prism_msg_close(prism_msg_t *m)
+{
+    for (int i = 0; i < m->n_frames; i++)
+        zmq_msg_close(&m->frames[i]);
+    m->n_frames = 0;
+    if (m->env)
+        prism__envelope__free_unpacked(m->env, &g_pc_allocator);
+    m->env = NULL;
+}
+
+void prism_msg_env_free(Prism__Envelope *env)
+{
+    if (env) prism__envelope__free_unpacked(env, &g_pc_allocator);
+}
+
+const void *prism_msg_frame(prism_msg_t *m, int i, size_t *len)
+{
+    if (i < 0 || i >= m->n_frames) {
+        *len = 0;
+        return NULL;
+    }
+    *len = zmq_msg_size(&m->frames[i]);
+    return zmq_msg_data(&m->frames[i]);
+}
+
+int prism_msg_send(void *sock, const void *identity, size_t identity_len, Prism__Envelope *env,
+                   const prism_frame_t *frames, int n_frames, int flags)
+{
+    env->version = PRISM_PROTOCOL_VERSION;
+    size_t n = prism__envelope__get_packed_size(env);
+    if (n > PRISM_MSG_MAX_ENVELOPE) return PRISM_ELIMIT;
+    if (n > t_pack_cap) {
+        size_t cap = PRISM_MAX(n, (size_t)4096);
+        uint8_t *b = prism_realloc(t_pack_buf, cap);
+        if (!b) return PRISM_ENOMEM;
+        t_pack_buf = b;
+        t_pack_cap = cap;
+    }
+    prism__envelope__pack(env, t_pack_buf);
+    int more = n_frames > 0 ? ZMQ_SNDMORE : 0;
+    if (identity) {
+        if (zmq_send(sock, identity, identity_len, flags | ZMQ_SNDMORE) < 0)
+            return errno == EAGAIN ? PRISM_EAGAIN : PRISM_EIO;
+        flags &= ~ZMQ_DONTWAIT;  /* the rest of a multipart message is queued atomically */
+    }
+    if (zmq_send(sock, t_pack_buf, n, flags | more) < 0)
+        return errno == EAGAIN ? PRISM_EAGAIN : PRISM_EIO;
+    flags &= ~ZMQ_DONTWAIT;
+    for (int i = 0; i < n_frames; i++) {
+        int f = (i + 1 < n_frames) ? ZMQ_SNDMORE : 0;
+        if (zmq_send(sock, frames[i].data, frames[i].len, flags | f) < 0)
+            return PRISM_EIO;
+    }
+    return PRISM_OK;
+}
+
+static void sock_common(void *s, int hwm)
+{
+    int linger = 0;
+    zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof(linger));
+    if (hwm > 0) {
+        zmq_setsockopt(s, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+        zmq_setsockopt(s, ZMQ_RCVHWM, &hwm, sizeof(hwm));
+    }
+}
+
+void *prism_sock_bind(void *zctx, int type, const char *endpoint, int hwm)
+{
+    void *s = zmq_socket(zctx, type);
+    if (!s) return NULL;
+    sock_common(s, hwm);
+    if (type == ZMQ_ROUTER) {
+        int on = 1;  /* fail loudly instead of dropping messages to unknown peers */
+        zmq_setsockopt(s, ZMQ_ROUTER_MANDATORY, &on, sizeof(on));
+    }
+    if (zmq_bind(s, endpoint) != 0) {
+        PRISM_ERROR("cannot bind %s: %s", endpoint, zmq_strerror(errno));
+        zmq_close(s);
+        return NULL;
+    }
+    return s;
+}
+
+void *prism_sock_connect(void *zctx, int type, const char *endpoint, const char *identity, int hwm)
+{
+    void *s = zmq_socket(zctx, type);
+    if (!s) return NULL;
+    sock_common(s, hwm);
+    if (identity)
+        zmq_setsockopt(s, ZMQ_ROUTING_ID, identity, strlen(identity));
+    if (zmq_connect(s, endpoint) != 0) {
+        PRISM_ERROR("cannot connect %s: %s", endpoint, zmq_strerror(errno));
+        zmq_close(s);
+        return NULL;
+    }
+    return s;
+}
+
+int prism_sock_last_endpoint(void *sock, char *out, size_t n)
+{
+    size_t len = n;
+    if (zmq_getsockopt(sock, ZMQ_LAST_ENDPOINT, out, &len) != 0) return PRISM_EIO;
+    return PRISM_OK;
+}
+
+const char *prism_role_name(Prism__Role role)
+{
+    switch (role) {
+    case PRISM__ROLE__ROLE_ENCODER: return "encoder";
+    case PRISM__ROLE__ROLE_PREFILL: return "prefill";
+    case PRISM__ROLE__ROLE_DECODE:  return "decode";
+    default:                        return "unknown";
+    }
+}

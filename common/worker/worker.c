@@ -1,0 +1,267 @@
+#include "worker/worker.h"
+
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+static volatile sig_atomic_t g_stop;
+
+static void on_signal(int sig) { (void)sig; g_stop = 1; }
+
+void prism_worker_install_signals(void)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = on_signal;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+}
+
+bool prism_worker_should_stop(void) { return g_stop != 0; }
+
+/* ---------------------------------------------------------------- memory plan */
+
+void prism_mem_plan_add(prism_mem_plan_t *p, const char *name, size_t bytes)
+{
+    PRISM_ASSERT(p->n < PRISM_PLAN_MAX);
+    p->name[p->n] = name;
+    p->bytes[p->n] = bytes;
+    p->n++;
+}
+
+size_t prism_mem_plan_total(const prism_mem_plan_t *p)
+{
+    size_t t = 0;
+    for (int i = 0; i < p->n; i++) t += p->bytes[i];
+    return t;
+}
+
+int prism_mem_plan_check(const prism_mem_plan_t *p, const char *who)
+{
+    char a[32], b[32];
+    size_t total = prism_mem_plan_total(p);
+    for (int i = 0; i < p->n; i++)
+        PRISM_INFO("%s memory plan: %-18s %s", who, p->name[i], prism_fmt_bytes(p->bytes[i], a, sizeof(a)));
+    PRISM_INFO("%s memory plan: %-18s %s of budget %s", who, "total", prism_fmt_bytes(total, a, sizeof(a)),
+               p->budget ? prism_fmt_bytes(p->budget, b, sizeof(b)) : "(none)");
+    if (p->budget && total > p->budget) {
+        PRISM_ERROR("%s: the memory plan needs %s (%zu bytes) but --mem-budget is %s (%zu bytes); "
+                    "raise --mem-budget or lower the pool sizes", who, prism_fmt_bytes(total, a, sizeof(a)), total,
+                    prism_fmt_bytes(p->budget, b, sizeof(b)), p->budget);
+        return PRISM_ENOMEM;
+    }
+    return PRISM_OK;
+}
+
+/* ---------------------------------------------------------------- options */
+
+void prism_worker_opts_defaults(prism_worker_opts_t *o, const char *role)
+{
+    memset(o, 0, sizeof(*o));
+    o->model_path = "models/prism-tiny-llava";
+    o->host = "127.0.0.1";
+    o->data_port = 0;
+    o->device = "cpu";
+    o->threads = 1;
+    o->mem_budget = 0;
+    o->log_level = "info";
+    o->heartbeat_s = 1.0;
+    static char id[128];
+    char host[64] = "host";
+    gethostname(host, sizeof(host) - 1);
+    snprintf(id, sizeof(id), "%s-%s-%d", role, host, (int)getpid());
+    o->worker_id = id;
+}
+
+int prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *t, int n)
+{
+    prism_flag_t f[] = {
+        PRISM_FLAG_STR("model-path", &o->model_path, "HF model directory (config.json, *.safetensors)"),
+        PRISM_FLAG_LIST("router", &o->routers, "Router control endpoint(s), e.g. tcp://127.0.0.1:8100 (repeatable)"),
+        PRISM_FLAG_STR("worker-id", &o->worker_id, "Unique worker id"),
+        PRISM_FLAG_STR("host", &o->host, "Address to bind the data endpoint on"),
+        PRISM_FLAG_INT("data-port", &o->data_port, "Data endpoint port (0 = pick a free port)"),
+        PRISM_FLAG_STR("device", &o->device, "Compute device: cpu or cuda"),
+        PRISM_FLAG_INT("threads", &o->threads, "CPU backend threads"),
+        PRISM_FLAG_BYTES("mem-budget", &o->mem_budget, "Memory budget (bytes, e.g. 2G); start-up fails if the plan exceeds it"),
+        PRISM_FLAG_STR("log-level", &o->log_level, "debug, info, warn or error"),
+        PRISM_FLAG_DOUBLE("heartbeat-interval", &o->heartbeat_s, "Seconds between heartbeats"),
+    };
+    for (size_t i = 0; i < PRISM_ARRAY_LEN(f); i++)
+        t[n++] = f[i];
+    t[n] = (prism_flag_t)PRISM_FLAG_END;
+    return n;
+}
+
+void prism_worker_data_bind(const prism_worker_opts_t *o, char *out, size_t n)
+{
+    if (o->data_port > 0) snprintf(out, n, "tcp://%s:%lld", o->host, (long long)o->data_port);
+    else snprintf(out, n, "tcp://%s:*", o->host);
+}
+
+/* ---------------------------------------------------------------- sockets */
+
+int prism_worker_init(prism_worker_t *w, Prism__Role role, const char *worker_id,
+                      const prism_str_list_t *routers, const char *data_bind)
+{
+    memset(w, 0, sizeof(*w));
+    prism__register__init(&w->reg);
+    w->role = role;
+    w->heartbeat_s = 1.0;
+    snprintf(w->worker_id, sizeof(w->worker_id), "%s", worker_id);
+    w->zctx = zmq_ctx_new();
+    if (!w->zctx) return PRISM_EIO;
+    if (!routers || routers->n == 0) {
+        PRISM_ERROR("no --router given: a worker needs at least one router control endpoint");
+        return PRISM_EINVAL;
+    }
+    for (int i = 0; i < routers->n && i < PRISM_WORKER_MAX_ROUTERS; i++) {
+        prism_worker_router_t *r = &w->routers[w->n_routers];
+        snprintf(r->endpoint, sizeof(r->endpoint), "%s", routers->items[i]);
+        /* Control messages are small; a generous HWM never drops a token under load. */
+        r->sock = prism_sock_connect(w->zctx, ZMQ_DEALER, r->endpoint, w->worker_id, 100000);
+        if (!r->sock) return PRISM_EIO;
+        w->n_routers++;
+    }
+    if (data_bind) {
+        /* HWM 1: at most one message queued per peer; the rest waits in the senders (backpressure). */
+        w->data_sock = prism_sock_bind(w->zctx, ZMQ_PULL, data_bind, 1);
+        if (!w->data_sock) return PRISM_EIO;
+        prism_sock_last_endpoint(w->data_sock, w->data_endpoint, sizeof(w->data_endpoint));
+    }
+    w->reg.role = role;
+    w->reg.worker_id = w->worker_id;
+    w->reg.data_endpoint = w->data_endpoint;
+    return PRISM_OK;
+}
+
+void prism_worker_close(prism_worker_t *w)
+{
+    for (int i = 0; i < w->n_routers; i++)
+        if (w->routers[i].sock) zmq_close(w->routers[i].sock);
+    for (int i = 0; i < w->n_peers; i++)
+        if (w->peers[i].sock) zmq_close(w->peers[i].sock);
+    if (w->data_sock) zmq_close(w->data_sock);
+    if (w->zctx) zmq_ctx_term(w->zctx);
+    w->zctx = NULL;
+}
+
+void *prism_worker_router_sock(prism_worker_t *w, const char *router_id)
+{
+    for (int i = 0; i < w->n_routers; i++)
+        if (router_id && !strcmp(w->routers[i].router_id, router_id))
+            return w->routers[i].sock;
+    return NULL;
+}
+
+void *prism_worker_peer_sock(prism_worker_t *w, const char *endpoint)
+{
+    for (int i = 0; i < w->n_peers; i++)
+        if (!strcmp(w->peers[i].endpoint, endpoint))
+            return w->peers[i].sock;
+    if (w->n_peers == PRISM_WORKER_MAX_PEERS) return NULL;
+    void *s = prism_sock_connect(w->zctx, ZMQ_PUSH, endpoint, NULL, 1);
+    if (!s) return NULL;
+    prism_worker_peer_t *p = &w->peers[w->n_peers++];
+    snprintf(p->endpoint, sizeof(p->endpoint), "%s", endpoint);
+    p->sock = s;
+    return s;
+}
+
+int prism_worker_reply(prism_worker_t *w, const char *router_id, uint64_t request_id, Prism__Envelope *env)
+{
+    void *s = prism_worker_router_sock(w, router_id);
+    if (!s) {
+        PRISM_WARN("request %llu: owning router '%s' is not connected; reply dropped",
+                   (unsigned long long)request_id, router_id ? router_id : "");
+        return PRISM_ENOTFOUND;
+    }
+    env->request_id = request_id;
+    env->router_id = (char *)router_id;
+    return prism_msg_send(s, NULL, 0, env, NULL, 0, 0);
+}
+
+/* ---------------------------------------------------------------- registration, heartbeats */
+
+void prism_worker_tick(prism_worker_t *w, Prism__Heartbeat *hb)
+{
+    double now = prism_now_s();
+    for (int i = 0; i < w->n_routers; i++) {
+        prism_worker_router_t *r = &w->routers[i];
+        if (r->registered || now - r->last_register_s < 0.5) continue;
+        Prism__Envelope env = PRISM__ENVELOPE__INIT;
+        env.type = PRISM__MSG_TYPE__MSG_REGISTER;
+        env.reg = &w->reg;
+        if (prism_msg_send(r->sock, NULL, 0, &env, NULL, 0, ZMQ_DONTWAIT) == PRISM_OK)
+            PRISM_DEBUG("registering with %s", r->endpoint);
+        r->last_register_s = now;
+    }
+    if (now - w->last_heartbeat_s < w->heartbeat_s) return;
+    w->last_heartbeat_s = now;
+    hb->worker_id = w->worker_id;
+    hb->mem_used = prism_mem_used();
+    hb->mem_peak = prism_mem_peak();
+    hb->alloc_count = prism_mem_alloc_count();
+    for (int i = 0; i < w->n_routers; i++) {
+        if (!w->routers[i].registered) continue;
+        Prism__Envelope env = PRISM__ENVELOPE__INIT;
+        env.type = PRISM__MSG_TYPE__MSG_HEARTBEAT;
+        env.heartbeat = hb;
+        prism_msg_send(w->routers[i].sock, NULL, 0, &env, NULL, 0, ZMQ_DONTWAIT);
+    }
+}
+
+static bool handle_control(prism_worker_t *w, prism_msg_t *m, int ri)
+{
+    if (m->env->type != PRISM__MSG_TYPE__MSG_REGISTER_ACK) return false;
+    prism_worker_router_t *r = &w->routers[ri];
+    const Prism__RegisterAck *ack = m->env->reg_ack;
+    if (ack && ack->ok) {
+        snprintf(r->router_id, sizeof(r->router_id), "%s", m->env->router_id ? m->env->router_id : "");
+        if (!r->registered)
+            PRISM_INFO("registered with router %s (%s)", r->router_id, r->endpoint);
+        r->registered = true;
+    } else {
+        /* The router does not know us (it restarted) or refused us: register again later. */
+        if (r->registered || (ack && ack->message && *ack->message))
+            PRISM_WARN("router %s: %s", r->endpoint, ack && ack->message ? ack->message : "registration lost");
+        r->registered = false;
+        r->last_register_s = prism_now_s();
+    }
+    return true;
+}
+
+int prism_worker_poll(prism_worker_t *w, int timeout_ms, bool accept_data, prism_worker_msg_fn fn, void *ud)
+{
+    zmq_pollitem_t items[PRISM_WORKER_MAX_ROUTERS + 1];
+    int n = 0;
+    for (int i = 0; i < w->n_routers; i++)
+        items[n++] = (zmq_pollitem_t){w->routers[i].sock, 0, ZMQ_POLLIN, 0};
+    bool data = accept_data && w->data_sock;
+    if (data) items[n++] = (zmq_pollitem_t){w->data_sock, 0, ZMQ_POLLIN, 0};
+    int rc = zmq_poll(items, n, timeout_ms);
+    if (rc <= 0) return rc < 0 ? PRISM_EIO : PRISM_OK;
+    for (int i = 0; i < w->n_routers; i++) {
+        if (!(items[i].revents & ZMQ_POLLIN)) continue;
+        /* Drain control messages: they are small and must not wait behind compute. */
+        for (int k = 0; k < 1024; k++) {
+            prism_msg_t m;
+            int r = prism_msg_recv(w->routers[i].sock, false, &m, ZMQ_DONTWAIT);
+            if (r == PRISM_EAGAIN || r == PRISM_EIO) break;
+            if (r != PRISM_OK) continue;
+            if (!handle_control(w, &m, i)) fn(w, &m, i, ud);
+            prism_msg_close(&m);
+        }
+    }
+    if (data && (items[n - 1].revents & ZMQ_POLLIN)) {
+        /* One data message per poll: the caller re-checks its pool before accepting another. */
+        prism_msg_t m;
+        if (prism_msg_recv(w->data_sock, false, &m, ZMQ_DONTWAIT) == PRISM_OK) {
+            fn(w, &m, -1, ud);
+            prism_msg_close(&m);
+        }
+    }
+    return PRISM_OK;
+}

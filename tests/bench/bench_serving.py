@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+"""Serving benchmark: the image matrix that made single-process servers die with OOM.
+
+Starts a local Prism cluster (router + one worker of each kind, each with --mem-budget), then for
+image sizes 512, 2048, 4096 (photo-like JPEGs of realistic file size) x concurrency 1, 4, 8, 16, 64,
+128 sends streaming OpenAI chat requests with one image and a question, and records per cell:
+requests ok / refused (429, 503) / failed (anything else), TTFT p50/p99, time per output token,
+throughput, and the peak RSS of every process during the cell (VmHWM, reset per cell through
+/proc/PID/clear_refs). Writes JSON and, when matplotlib is installed, a PNG plot.
+
+  python3 tests/bench/bench_serving.py --build-dir build --out docs/bench
+  python3 tests/bench/bench_serving.py --overload 512     # far above capacity: only 200/429/503
+
+Only the standard library is needed for the measurements.
+"""
+import argparse
+import concurrent.futures
+import http.client
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
+import cluster as cl  # noqa: E402
+
+QUESTION = "What is in the image?"
+
+
+def rss_peak_kb(pid):
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return 0
+
+
+def reset_peak(pid):
+    try:
+        with open("/proc/%d/clear_refs" % pid, "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def one_request(port, url, max_tokens, timeout):
+    body = json.dumps({"model": "prism-tiny-llava", "stream": True, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True,
+                       "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                                 {"type": "text", "text": QUESTION}]}]}).encode()
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        if r.status != 200:
+            r.read()
+            return {"status": r.status}
+        ttft, n_chunks, buf, err = None, 0, b"", False
+        while True:
+            chunk = r.read1(65536)
+            if not chunk:
+                break
+            buf += chunk
+            while b"\n\n" in buf:
+                ev, buf = buf.split(b"\n\n", 1)
+                payload = ev[6:]
+                if payload == b"[DONE]":
+                    continue
+                obj = json.loads(payload)
+                if "error" in obj:
+                    err = True
+                    continue
+                if obj.get("choices") and obj["choices"][0]["delta"].get("content"):
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    n_chunks += 1
+        t1 = time.perf_counter()
+        if err:
+            return {"status": 599}
+        return {"status": 200, "ttft": ttft if ttft is not None else t1 - t0, "e2e": t1 - t0, "chunks": n_chunks}
+    except (OSError, http.client.HTTPException):
+        return {"status": 0}
+    finally:
+        conn.close()
+
+
+def pct(xs, p):
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100.0 * (len(xs) - 1))))]
+
+
+def run_cell(c, url, concurrency, n_requests, max_tokens, timeout):
+    pids = {name: p.pid for name, p in c.procs.items()}
+    for pid in pids.values():
+        reset_peak(pid)
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as ex:
+        results = list(ex.map(lambda _: one_request(c.port, url, max_tokens, timeout), range(n_requests)))
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if r["status"] == 200]
+    refused = [r for r in results if r["status"] in (429, 503)]
+    failed = [r for r in results if r["status"] not in (200, 429, 503)]
+    ttfts = [r["ttft"] for r in ok]
+    tpots = [(r["e2e"] - r["ttft"]) / max(1, max_tokens - 1) for r in ok]
+    return {
+        "concurrency": concurrency, "requests": n_requests, "ok": len(ok), "refused": len(refused),
+        "failed": len(failed), "failed_statuses": sorted({r["status"] for r in failed}),
+        "ttft_p50_s": pct(ttfts, 50), "ttft_p99_s": pct(ttfts, 99),
+        "tpot_mean_s": statistics.mean(tpots) if tpots else None,
+        "throughput_req_s": len(ok) / wall, "throughput_tok_s": len(ok) * max_tokens / wall, "wall_s": wall,
+        "peak_rss_mib": {name: rss_peak_kb(pid) / 1024.0 for name, pid in pids.items()},
+        "alive": c.alive(),
+    }
+
+
+def plot(results, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install matplotlib)")
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for size, cells in results["cells"].items():
+        conc = [x["concurrency"] for x in cells]
+        axes[0].plot(conc, [x["ttft_p50_s"] or 0 for x in cells], marker="o", label="%spx" % size)
+        axes[1].plot(conc, [x["throughput_tok_s"] for x in cells], marker="o", label="%spx" % size)
+        for proc in ("encoder-0", "prefill-0", "decode-0"):
+            axes[2].plot(conc, [x["peak_rss_mib"].get(proc, 0) for x in cells], marker=".",
+                         label="%s %spx" % (proc.split("-")[0], size))
+    for ax, t in zip(axes, ("TTFT p50 (s)", "output tokens/s", "peak RSS per process (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_title(t)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    axes[2].legend(fontsize=6, ncol=2)
+    fig.suptitle("Prism, bundled model on CPU: image size x concurrency (0 failed requests)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--build-dir", default=os.path.join(cl.ROOT, "build"))
+    ap.add_argument("--out", default=os.path.join(cl.ROOT, "docs", "bench"))
+    ap.add_argument("--sizes", default="512,2048,4096")
+    ap.add_argument("--concurrency", default="1,4,8,16,64,128")
+    ap.add_argument("--requests-per-cell", type=int, default=0, help="default: max(8, 2 x concurrency)")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--mem-budget", default="512M", help="--mem-budget of every worker")
+    ap.add_argument("--overload", type=int, default=0, help="only run an overload burst of N concurrent 4096px requests")
+    ap.add_argument("--timeout", type=float, default=300)
+    args = ap.parse_args()
+    cl.BUILD = os.path.abspath(args.build_dir)
+    os.makedirs(args.out, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="prism-bench-")
+    urls = {}
+    for s in [int(x) for x in args.sizes.split(",")]:
+        path = cl.make_image(os.path.join(tmp, "photo_%d.jpg" % s), width=s, height=s, photo=True, quality=92, seed=s)
+        urls[s] = cl.image_url(path)
+        print("image %dx%d: %.1f KiB JPEG" % (s, s, os.path.getsize(path) / 1024), flush=True)
+    budget = ["--mem-budget", args.mem_budget]
+    c = cl.Cluster(worker_args={"encoder_worker": budget, "prefill_worker": budget, "decode_worker": budget})
+    try:
+        ready = c.wait_ready()
+        print("cluster ready in %.2fs" % ready, flush=True)
+        results = {"machine": os.uname().nodename and "%d cores" % os.cpu_count(), "ready_s": ready,
+                   "mem_budget": args.mem_budget, "max_tokens": args.max_tokens, "cells": {}}
+        if args.overload:
+            size = max(urls)
+            cell = run_cell(c, urls[size], args.overload, args.overload, args.max_tokens, args.timeout)
+            after = run_cell(c, urls[min(urls)], 1, 2, args.max_tokens, args.timeout)
+            results["overload"] = {"size": size, "burst": cell, "after": after}
+            print(json.dumps(results["overload"], indent=1))
+            name = "overload"
+        else:
+            for s, url in urls.items():
+                results["cells"][s] = []
+                for conc in [int(x) for x in args.concurrency.split(",")]:
+                    n = args.requests_per_cell or max(8, 2 * conc)
+                    cell = run_cell(c, url, conc, n, args.max_tokens, args.timeout)
+                    results["cells"][s].append(cell)
+                    print("%5dpx c=%-4d ok=%-4d refused=%-3d failed=%-3d ttft p50=%.3fs p99=%.3fs tpot=%.4fs "
+                          "%.1f tok/s  peak MiB enc=%.0f pre=%.0f dec=%.0f" % (
+                              s, conc, cell["ok"], cell["refused"], cell["failed"], cell["ttft_p50_s"] or -1,
+                              cell["ttft_p99_s"] or -1, cell["tpot_mean_s"] or -1, cell["throughput_tok_s"],
+                              cell["peak_rss_mib"]["encoder-0"], cell["peak_rss_mib"]["prefill-0"],
+                              cell["peak_rss_mib"]["decode-0"]), flush=True)
+            name = "bench_serving"
+            plot(results, os.path.join(args.out, name + ".png"))
+        status, _, metrics = c.request("GET", "/metrics")
+        results["metrics_excerpt"] = [l for l in metrics.decode().splitlines()
+                                      if l.startswith(("prism:worker_memory", "prism:requests_refused"))]
+        with open(os.path.join(args.out, name + ".json"), "w") as f:
+            json.dump(results, f, indent=1)
+        bad = [n for n, a in c.alive().items() if not a]
+        if bad:
+            print("processes died: %s" % bad)
+            return 1
+        return 0
+    finally:
+        c.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""End-to-end tests of the disaggregated request path on CPU: router -> encoder -> prefill -> decode.
+
+Run: python3 tests/integration/test_e2e.py   (PRISM_BINARY_DIR=build dir)
+"""
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cluster import Cluster, binary, chat_body, image_url, make_image, run_tests, MODEL  # noqa: E402
+
+TMP = tempfile.mkdtemp(prefix="prism-e2e-")
+JPG = make_image(os.path.join(TMP, "red_circle.jpg"), width=640, height=480, shape="circle", color="red")
+PNG = make_image(os.path.join(TMP, "blue_square.png"), width=300, height=200, shape="square", color="blue",
+                 background="gray")
+PROG = make_image(os.path.join(TMP, "photo_prog.jpg"), width=1024, height=768, photo=True, progressive=True)
+BOMB = make_image(os.path.join(TMP, "bomb.png"), bomb=65000)
+
+C = Cluster()
+READY_S = C.wait_ready()
+print("cluster ready in %.2fs" % READY_S, flush=True)
+
+
+def ok_request(body, path="/v1/chat/completions"):
+    status, r = C.post_json(path, body)
+    assert status == 200, (status, r)
+    return r
+
+
+def check_usage(r):
+    u = r["usage"]
+    assert u["prompt_tokens"] > 0 and u["completion_tokens"] >= 1, u
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"], u
+
+
+def test_health_ready_models():
+    assert C.request("GET", "/health")[0] == 200
+    assert C.request("GET", "/ready")[0] == 200
+    status, _, data = C.request("GET", "/v1/models")
+    models = json.loads(data)
+    assert status == 200 and models["data"][0]["id"] == "prism-tiny-llava", models
+    assert models["data"][0]["max_model_len"] > 0
+
+
+def test_chat_jpeg():
+    r = ok_request(chat_body("What is in the image?", [JPG], max_tokens=12, temperature=0))
+    assert r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-")
+    msg = r["choices"][0]["message"]
+    assert msg["role"] == "assistant" and isinstance(msg["content"], str)
+    assert r["choices"][0]["finish_reason"] in ("stop", "length")
+    check_usage(r)
+    # 64 image tokens per image in the bundled model: the prompt must count them.
+    assert r["usage"]["prompt_tokens"] > 64
+
+
+def test_chat_png_and_progressive_jpeg():
+    for img in (PNG, PROG):
+        r = ok_request(chat_body("Describe the image.", [img], max_tokens=8, temperature=0))
+        check_usage(r)
+
+
+def test_text_only_and_completions():
+    r = ok_request({"model": "prism-tiny-llava", "messages": [{"role": "user", "content": "Hello there"}],
+                    "max_tokens": 8})
+    check_usage(r)
+    r = ok_request({"model": "prism-tiny-llava", "prompt": "A red circle", "max_tokens": 5, "temperature": 0},
+                   path="/v1/completions")
+    assert r["object"] == "text_completion" and isinstance(r["choices"][0]["text"], str)
+    check_usage(r)
+    assert r["usage"]["completion_tokens"] <= 5
+
+
+def test_max_tokens_length_finish():
+    r = ok_request(chat_body("What do you see?", [JPG], max_tokens=3, temperature=0, ignore_eos=True))
+    assert r["usage"]["completion_tokens"] == 3 and r["choices"][0]["finish_reason"] == "length", r
+
+
+def test_stream_equals_non_stream():
+    body = chat_body("What is in the image?", [JPG], max_tokens=24, temperature=0)
+    full = ok_request(body)
+    status, events, done = C.stream("/v1/chat/completions",
+                                    dict(body, stream=True, stream_options={"include_usage": True}))
+    assert status == 200 and done, (status, events)
+    first = events[0]["choices"][0]["delta"]
+    assert first.get("role") == "assistant", first
+    ids = {e["id"] for e in events}
+    assert len(ids) == 1, ids
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert text == full["choices"][0]["message"]["content"], (text, full)
+    finishes = [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert finishes == [full["choices"][0]["finish_reason"]], finishes
+    usage = events[-1]
+    assert usage["choices"] == [] and usage["usage"] == full["usage"], (usage, full["usage"])
+
+
+def test_disaggregated_equals_single_process():
+    out = subprocess.run([binary("prism_generate"), "--model-path", MODEL, "--image", JPG, "--user",
+                          "What is in the image?", "--max-tokens", "32"], check=True, capture_output=True, text=True)
+    ref = json.loads(out.stdout)
+    r = ok_request(chat_body("What is in the image?", [JPG], max_tokens=32, temperature=0))
+    assert r["usage"]["prompt_tokens"] == ref["prompt_tokens"], (r["usage"], ref["prompt_tokens"])
+    assert r["usage"]["completion_tokens"] == len(ref["token_ids"]), (r["usage"], ref)
+    assert r["choices"][0]["message"]["content"] == ref["text"], (r["choices"][0]["message"]["content"], ref["text"])
+
+
+def test_seeded_sampling_reproducible():
+    body = chat_body("Describe the image.", [PNG], max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
+    a = ok_request(body)["choices"][0]["message"]["content"]
+    b = ok_request(body)["choices"][0]["message"]["content"]
+    assert a == b, (a, b)
+
+
+def test_logprobs():
+    r = ok_request(chat_body("What is in the image?", [JPG], max_tokens=4, temperature=0, logprobs=True,
+                             top_logprobs=3, ignore_eos=True))
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4, content
+    for entry in content:
+        assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 3
+        # greedy: the sampled token is the most likely one
+        assert abs(entry["top_logprobs"][0]["logprob"] - entry["logprob"]) < 1e-5, entry
+
+
+def test_stop_string():
+    base = ok_request(chat_body("What is in the image?", [JPG], max_tokens=24, temperature=0, ignore_eos=True))
+    text = base["choices"][0]["message"]["content"]
+    if len(text) < 4:
+        return  # nothing to cut
+    stop = text[2:4]
+    r = ok_request(chat_body("What is in the image?", [JPG], max_tokens=24, temperature=0, ignore_eos=True, stop=[stop]))
+    got = r["choices"][0]["message"]["content"]
+    assert got == text[:text.index(stop)], (got, text, stop)
+    assert r["choices"][0]["finish_reason"] == "stop"
+
+
+def test_concurrent_16_image_requests():
+    imgs = [JPG, PNG, PROG]
+
+    def one(i):
+        return C.post_json("/v1/chat/completions",
+                           chat_body("What is in the image?", [imgs[i % 3]], max_tokens=8, temperature=0))
+
+    with concurrent.futures.ThreadPoolExecutor(16) as ex:
+        results = list(ex.map(one, range(16)))
+    for status, r in results:
+        assert status == 200, (status, r)
+        check_usage(r)
+
+
+def expect_error(status_want, body=None, raw=None, path="/v1/chat/completions"):
+    status, headers, data = C.request("POST", path, raw if raw is not None else body)
+    assert status == status_want, (status, data[:300])
+    err = json.loads(data)["error"]
+    assert err["message"] and err["type"], err
+    # the cluster keeps serving
+    ok_request(chat_body("What is in the image?", [PNG], max_tokens=2))
+    return err
+
+
+def test_malformed_requests():
+    expect_error(400, raw=b"{not json")
+    expect_error(400, body={"model": "prism-tiny-llava"})
+    expect_error(400, body=chat_body("hi", max_tokens=-5))
+    bad_b64 = chat_body("hi")
+    bad_b64["messages"][0]["content"].insert(0, {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,@@@@"}})
+    expect_error(400, body=bad_b64)
+    with open(JPG, "rb") as f:
+        data = f.read()
+    trunc = os.path.join(TMP, "trunc.jpg")
+    with open(trunc, "wb") as f:
+        f.write(data[: len(data) // 2])
+    expect_error(400, body=chat_body("hi", [trunc]))
+    corrupt = os.path.join(TMP, "corrupt.jpg")
+    with open(corrupt, "wb") as f:
+        f.write(data[:300] + bytes(range(256)) * 40 + data[-100:])
+    st, _, _ = C.request("POST", "/v1/chat/completions", chat_body("hi", [corrupt]))
+    assert st in (200, 400), st  # decodable garbage may still be an image; never a 5xx
+    noimg = os.path.join(TMP, "noimg.jpg")
+    with open(noimg, "wb") as f:
+        f.write(b"this is not an image at all" * 10)
+    expect_error(400, body=chat_body("hi", [noimg]))
+    expect_error(404, body=dict(chat_body("hi"), model="no-such-model"))
+    expect_error(400, body=chat_body("hi", [JPG] * 9))  # more than --limit-mm-per-prompt
+
+
+def test_bomb_refused_from_header():
+    err = expect_error(400, body=chat_body("hi", [BOMB]))
+    assert "65000" in err["message"], err
+
+
+def test_metrics():
+    status, _, data = C.request("GET", "/metrics")
+    text = data.decode()
+    assert status == 200
+    for name in ("vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:generation_tokens_total", "prism:requests_refused_total", "prism:worker_memory_peak_bytes"):
+        assert name in text, name
+
+
+def test_all_processes_alive():
+    assert all(C.alive().values()), C.alive()
+
+
+if __name__ == "__main__":
+    try:
+        rc = run_tests([test_health_ready_models, test_chat_jpeg, test_chat_png_and_progressive_jpeg,
+                        test_text_only_and_completions, test_max_tokens_length_finish, test_stream_equals_non_stream,
+                        test_disaggregated_equals_single_process, test_seeded_sampling_reproducible, test_logprobs,
+                        test_stop_string, test_concurrent_16_image_requests, test_malformed_requests,
+                        test_bomb_refused_from_header, test_metrics, test_all_processes_alive])
+    finally:
+        C.stop()
+        if os.environ.get("PRISM_KEEP_LOGS"):
+            print("logs in", C.log_dir)
+    sys.exit(rc)

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Installs what is missing, builds, and runs every test:
+#   1. build/ (release, CUDA backend compiled when nvcc exists): unit + integration tests;
+#   2. build-asan/ (ASan + UBSan, CPU only): unit tests again under the sanitizers.
+# GPU tests (ctest label "gpu") report themselves skipped when no GPU is present.
+# Ends with a line "N passed, N failed".
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+"$root/deploy/install-deps.sh" || { echo "dependency installation failed"; echo "0 passed, 1 failed"; exit 1; }
+jobs=$(nproc)
+passed=0 failed=0
+
+run_ctest() {  # build_dir label_args...
+  local dir=$1; shift
+  local log
+  log=$(mktemp)
+  ctest --test-dir "$dir" --output-on-failure --timeout 900 "$@" 2>&1 | tee "$log"
+  local line
+  line=$(grep -E "tests passed, [0-9]+ tests failed out of [0-9]+" "$log" | tail -1)
+  if [ -n "$line" ]; then
+    local total nfail
+    nfail=$(echo "$line" | sed -E 's/.*tests passed, ([0-9]+) tests failed out of ([0-9]+).*/\1/')
+    total=$(echo "$line" | sed -E 's/.*tests passed, ([0-9]+) tests failed out of ([0-9]+).*/\2/')
+    passed=$((passed + total - nfail))
+    failed=$((failed + nfail))
+  elif ! grep -q "No tests were found" "$log"; then
+    failed=$((failed + 1))
+  fi
+  rm -f "$log"
+}
+
+echo "== build (release)"
+if cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null && cmake --build build -j"$jobs"; then
+  run_ctest build
+else
+  echo "release build failed"
+  failed=$((failed + 1))
+fi
+
+echo "== build (ASan + UBSan, unit tests)"
+if cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DPRISM_SANITIZE=ON -DPRISM_CUDA=OFF >/dev/null &&
+   cmake --build build-asan -j"$jobs"; then
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    run_ctest build-asan -L unit
+else
+  echo "sanitizer build failed"
+  failed=$((failed + 1))
+fi
+
+echo
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]

@@ -1,0 +1,187 @@
+/* Unit tests: core (allocator accounting, arena, buffer, byte sizes, CLI), kv blocks, metrics,
+ * and the encoder's embedding cache. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <setjmp.h>
+#include <cmocka.h>
+#include <math.h>
+#include <string.h>
+
+#include "core/core.h"
+#include "core/cli.h"
+#include "kv/kv.h"
+#include "metrics/metrics.h"
+#include "embed_cache.h"
+
+static void test_alloc_counts(void **state)
+{
+    size_t before = prism_mem_used();
+    uint64_t calls = prism_mem_alloc_count();
+    char *p = prism_malloc(1000);
+    assert_non_null(p);
+    assert_int_equal(prism_mem_used(), before + 1000);
+    assert_true(prism_mem_peak() >= before + 1000);
+    p = prism_realloc(p, 5000);
+    assert_int_equal(prism_mem_used(), before + 5000);
+    prism_free(p);
+    assert_int_equal(prism_mem_used(), before);
+    assert_int_equal(prism_mem_alloc_count(), calls + 2);
+    void *a = prism_malloc_aligned(4096, 256);
+    assert_int_equal((uintptr_t)a % 256, 0);
+    assert_int_equal(prism_mem_used(), before + 4096);
+    prism_free_aligned(a);
+    assert_int_equal(prism_mem_used(), before);
+    assert_null(prism_calloc(SIZE_MAX / 2, 4));  /* overflow is refused, not wrapped */
+}
+
+static void test_arena(void **state)
+{
+    uint8_t region[1024];
+    prism_arena_t a;
+    prism_arena_init(&a, "t", region, sizeof(region));
+    void *x = prism_arena_alloc(&a, 100, 64);
+    void *y = prism_arena_alloc(&a, 100, 64);
+    assert_non_null(x);
+    assert_non_null(y);
+    assert_int_equal(((uintptr_t)y - (uintptr_t)region) % 64, 0);
+    assert_null(prism_arena_alloc(&a, 2000, 64));  /* never grows */
+    assert_true(a.peak >= 228);
+    prism_arena_reset(&a);
+    assert_ptr_equal(prism_arena_alloc(&a, 10, 1), region);
+}
+
+static void test_buf(void **state)
+{
+    prism_buf_t b = {0};
+    for (int i = 0; i < 1000; i++) assert_int_equal(prism_buf_appendf(&b, "%d,", i), PRISM_OK);
+    assert_int_equal(strncmp(b.data, "0,1,2,", 6), 0);
+    assert_int_equal(b.data[b.len], 0);
+    prism_buf_reset(&b);
+    assert_int_equal(b.len, 0);
+    prism_buf_free(&b);
+}
+
+static void test_parse_bytes(void **state)
+{
+    assert_int_equal(prism_parse_bytes("1000"), 1000);
+    assert_int_equal(prism_parse_bytes("2K"), 2048);
+    assert_int_equal(prism_parse_bytes("512M"), 512ll << 20);
+    assert_int_equal(prism_parse_bytes("1.5GiB"), 3ll << 29);
+    assert_int_equal(prism_parse_bytes("2GB"), 2ll << 30);
+    assert_int_equal(prism_parse_bytes("abc"), -1);
+    assert_int_equal(prism_parse_bytes("-5"), -1);
+    assert_int_equal(prism_parse_bytes("5X"), -1);
+    assert_int_equal(prism_parse_bytes("1e30"), -1);
+}
+
+static void test_cli(void **state)
+{
+    const char *s = "def";
+    int64_t n = 1, bytes = 0;
+    bool flag = false;
+    prism_str_list_t list = {0};
+    prism_flag_t flags[] = {
+        PRISM_FLAG_STR("name", &s, "a string"), PRISM_FLAG_INT("n", &n, "a number"),
+        PRISM_FLAG_BYTES("mem", &bytes, "bytes"), PRISM_FLAG_BOOL("on", &flag, "a switch"),
+        PRISM_FLAG_LIST("router", &list, "list"), PRISM_FLAG_END,
+    };
+    char a0[] = "x", a1[] = "--name", a2[] = "abc", a3[] = "--n=42", a4[] = "--mem", a5[] = "1G", a6[] = "--on",
+         a7[] = "--router", a8[] = "tcp://a:1,tcp://b:2", a9[] = "--router=tcp://c:3";
+    char *argv[] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9};
+    assert_int_equal(prism_cli_parse(10, argv, "x", "test", flags), 0);
+    assert_string_equal(s, "abc");
+    assert_int_equal(n, 42);
+    assert_int_equal(bytes, 1ll << 30);
+    assert_true(flag);
+    assert_int_equal(list.n, 3);
+    assert_string_equal(list.items[1], "tcp://b:2");
+    char b1[] = "--nope";
+    char *bad[] = {a0, b1};
+    assert_true(prism_cli_parse(2, bad, "x", "test", flags) < 0);
+    char c1[] = "--n", c2[] = "12x";
+    char *bad2[] = {a0, c1, c2};
+    assert_true(prism_cli_parse(3, bad2, "x", "test", flags) < 0);
+    char d1[] = "--n";
+    char *bad3[] = {a0, d1};
+    assert_true(prism_cli_parse(2, bad3, "x", "test", flags) < 0);
+}
+
+static void test_kv_blocks(void **state)
+{
+    prism_kv_blocks_t b;
+    assert_int_equal(prism_kv_blocks_init(&b, 10, 16), PRISM_OK);
+    assert_int_equal(prism_kv_blocks_for_tokens(&b, 1), 1);
+    assert_int_equal(prism_kv_blocks_for_tokens(&b, 16), 1);
+    assert_int_equal(prism_kv_blocks_for_tokens(&b, 17), 2);
+    int32_t ids[10], more[10];
+    assert_int_equal(prism_kv_blocks_alloc(&b, 7, ids), PRISM_OK);
+    assert_int_equal(b.n_free, 3);
+    /* all-or-nothing: 4 > 3 free, nothing taken */
+    assert_int_equal(prism_kv_blocks_alloc(&b, 4, more), PRISM_EAGAIN);
+    assert_int_equal(b.n_free, 3);
+    bool seen[10] = {0};
+    for (int i = 0; i < 7; i++) {
+        assert_true(ids[i] >= 0 && ids[i] < 10);
+        assert_false(seen[ids[i]]);
+        seen[ids[i]] = true;
+    }
+    assert_true(fabs(prism_kv_blocks_usage(&b) - 0.7) < 1e-9);
+    prism_kv_blocks_release(&b, ids, 7);
+    assert_int_equal(b.n_free, 10);
+    assert_int_equal(prism_kv_blocks_alloc(&b, 10, more), PRISM_OK);
+    prism_kv_blocks_free_all(&b);
+}
+
+static void test_histogram(void **state)
+{
+    prism_hist_t h;
+    prism_hist_init(&h, prism_buckets_ttft, prism_buckets_ttft_n);
+    prism_hist_observe(&h, 0.003);
+    prism_hist_observe(&h, 0.5);
+    prism_hist_observe(&h, 9999);
+    prism_buf_t b = {0};
+    prism_hist_write(&h, &b, "t", "help", "model_name=\"m\"");
+    assert_non_null(strstr(b.data, "t_bucket{model_name=\"m\",le=\"0.005\"} 1\n"));
+    assert_non_null(strstr(b.data, "t_bucket{model_name=\"m\",le=\"0.5\"} 2\n"));
+    assert_non_null(strstr(b.data, "t_bucket{model_name=\"m\",le=\"+Inf\"} 3\n"));
+    assert_non_null(strstr(b.data, "t_count{model_name=\"m\"} 3\n"));
+    prism_buf_free(&b);
+}
+
+static void test_embed_cache_lru(void **state)
+{
+    prism_embed_cache_t c;
+    size_t floats = 8, slot = floats * sizeof(float) + 17;
+    assert_int_equal(prism_embed_cache_init(&c, 3 * slot, floats), PRISM_OK);
+    assert_int_equal(c.n_slots, 3);
+    float e[8];
+    for (uint64_t k = 1; k <= 3; k++) {
+        for (int i = 0; i < 8; i++) e[i] = (float)(k * 10 + i);
+        prism_embed_cache_put(&c, k, e);
+    }
+    assert_non_null(prism_embed_cache_get(&c, 1));  /* 1 becomes most recent; 2 is LRU */
+    for (int i = 0; i < 8; i++) e[i] = 99;
+    prism_embed_cache_put(&c, 4, e);
+    assert_null(prism_embed_cache_get(&c, 2));
+    const float *g = prism_embed_cache_get(&c, 3);
+    assert_non_null(g);
+    assert_true(g[0] == 30.0f && g[7] == 37.0f);
+    assert_true(prism_embed_cache_get(&c, 4)[3] == 99.0f);
+    assert_int_equal(c.hits, 3);
+    assert_int_equal(c.misses, 1);
+    prism_embed_cache_free(&c);
+    /* a zero budget disables the cache */
+    assert_int_equal(prism_embed_cache_init(&c, 0, floats), PRISM_OK);
+    prism_embed_cache_put(&c, 1, e);
+    assert_null(prism_embed_cache_get(&c, 1));
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_alloc_counts), cmocka_unit_test(test_arena),      cmocka_unit_test(test_buf),
+        cmocka_unit_test(test_parse_bytes),  cmocka_unit_test(test_cli),        cmocka_unit_test(test_kv_blocks),
+        cmocka_unit_test(test_histogram),    cmocka_unit_test(test_embed_cache_lru),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
