@@ -1,0 +1,212 @@
+/* backend: a table of tensor operations over device buffers, chosen at run time.
+ *
+ * A backend is a struct of function pointers plus a `void *ctx` (ggml_backend_i style). The CPU
+ * backend (OpenBLAS sgemm + C kernels, fp32) is always built and is the reference for tests; a
+ * CUDA backend lives in common/backend/cuda/ and fills the same table.
+ *
+ *   prism_backend_t *be = NULL;
+ *   int rc = prism_backend_create("cpu", 4, 1 << 30, &be);      // device, threads, pool bytes
+ *   float *x = prism_backend_alloc(be, n * sizeof(float));       // device memory from the pool
+ *   be->i.upload(be->ctx, x, host, n * sizeof(float));
+ *   be->i.rmsnorm(be->ctx, y, x, w, rows, dim, 1e-5f);
+ *   be->i.download(be->ctx, host, y, n * sizeof(float));
+ *   prism_backend_free(be, x);
+ *   prism_backend_destroy(be);
+ *
+ * Conventions for every op:
+ *  - Pointers named as tensors are DEVICE pointers (on the CPU backend device == host). Device
+ *    pointers may be offset with byte arithmetic on the host ((char *)p + off); callers carve
+ *    large allocations into named tensors this way.
+ *  - Integer index arrays (token ids, positions, slots, block tables, seq offsets) are DEVICE
+ *    int32 arrays too, uploaded once per forward by the caller; scalar sizes are host ints.
+ *  - Activations are always float32. Matmul weights and embedding tables are in the backend's
+ *    `weight_dtype` (fp32 on CPU, bf16 on CUDA); norm weights and biases are always float32.
+ *  - Matrices are row-major. A "row stride" is in elements and lets ops read views (e.g. the q
+ *    part of a fused qkv row) without copies.
+ *  - Ops are asynchronous on devices with streams; `synchronize` waits; download is synchronous.
+ *  - Return PRISM_OK or a negative prism_status_t for bad arguments; ops never allocate memory
+ *    (scratch is fixed at create time), so a forward pass can assert no allocation.
+ *  - A NULL optional member means "not supported"; required members are never NULL.
+ */
+#ifndef PRISM_BACKEND_H
+#define PRISM_BACKEND_H
+
+#include "core/core.h"
+
+typedef enum {
+    PRISM_DTYPE_F32  = 0,
+    PRISM_DTYPE_BF16 = 1,
+    PRISM_DTYPE_F16  = 2,
+} prism_dtype_t;
+
+size_t prism_dtype_size(prism_dtype_t t);
+const char *prism_dtype_name(prism_dtype_t t);
+
+/* Elementwise activations. */
+typedef enum {
+    PRISM_ACT_NONE       = 0,
+    PRISM_ACT_SILU       = 1,
+    PRISM_ACT_GELU_ERF   = 2,  /* HF "gelu" */
+    PRISM_ACT_GELU_TANH  = 3,  /* HF "gelu_new" / "gelu_pytorch_tanh" */
+    PRISM_ACT_QUICK_GELU = 4,  /* x * sigmoid(1.702 x) */
+    PRISM_ACT_RELU       = 5,
+} prism_act_t;
+
+/* Parses an HF hidden_act string ("gelu", "quick_gelu", "silu", ...); -1 when unknown. */
+int prism_act_parse(const char *s);
+
+/* RoPE pairing. */
+typedef enum {
+    PRISM_ROPE_NEOX       = 0,  /* rotate_half: (x[i], x[i+D/2]) — Llama/Qwen in HF layout */
+    PRISM_ROPE_INTERLEAVE = 1,  /* (x[2i], x[2i+1]) — Llama-4 */
+} prism_rope_mode_t;
+
+/* Describes where each new token's sequence sits in the paged KV cache, for attention over a
+ * flattened batch of sequences. All arrays are DEVICE int32 arrays. */
+typedef struct {
+    int n_seqs;
+    int n_tokens;                 /* total query tokens = seq_start[n_seqs] */
+    int max_q_len;                /* max over seqs of seq_start[s+1]-seq_start[s] (launch sizing) */
+    int max_ctx_len;              /* max over seqs of pos0[s] + q_len(s) */
+    int block_size;               /* tokens per KV block */
+    int max_blocks_per_seq;       /* row stride of block_tables */
+    const int32_t *seq_start;     /* [n_seqs+1] offsets of each sequence's queries */
+    const int32_t *pos0;          /* [n_seqs] tokens already cached before this step */
+    const int32_t *block_tables;  /* [n_seqs][max_blocks_per_seq] block ids (padded rows) */
+} prism_attn_meta_t;
+
+typedef struct prism_backend_i {
+    const char *(*name)(void *ctx);
+
+    /* ---- memory ----
+     * alloc takes from the backend's pool sized at create time (NULL when it is exhausted); the
+     * returned pointer is aligned to at least 256 bytes. */
+    void *(*alloc)(void *ctx, size_t bytes);
+    void  (*free)(void *ctx, void *p);
+    size_t (*pool_used)(void *ctx);
+    size_t (*pool_peak)(void *ctx);
+    size_t (*pool_cap)(void *ctx);        /* 0 = unlimited */
+    int (*upload)(void *ctx, void *dst, const void *src_host, size_t bytes);
+    int (*download)(void *ctx, void *dst_host, const void *src, size_t bytes);
+    int (*copy)(void *ctx, void *dst, const void *src, size_t bytes);
+    int (*memset0)(void *ctx, void *dst, size_t bytes);
+    /* dst[r*dst_stride ..] = src[r*src_stride ..], row_bytes each, strides in bytes. */
+    int (*copy_2d)(void *ctx, void *dst, size_t dst_stride, const void *src, size_t src_stride,
+                   size_t row_bytes, size_t n_rows);
+    /* Host float32 [n] -> device in `dt` (weights at load time; converts on the host side). */
+    int (*upload_convert)(void *ctx, void *dst, prism_dtype_t dt, const float *src_host, size_t n);
+    int (*synchronize)(void *ctx);
+
+    /* ---- linear algebra ----
+     * y[M][N] (row stride ldy) = x[M][K] (row stride ldx) · W[N][K]ᵀ (+ b[N]) (+ y when accumulate).
+     * W dtype wdt; b may be NULL. accumulate fuses residual adds. */
+    int (*matmul)(void *ctx, float *y, int ldy, const float *x, int ldx, const void *w,
+                  prism_dtype_t wdt, const float *b, int M, int N, int K, bool accumulate);
+
+    /* ---- norms (rows of dim elements, contiguous; y == x allowed) ---- */
+    int (*rmsnorm)(void *ctx, float *y, const float *x, const float *w, int n_rows, int dim, float eps);
+    int (*layernorm)(void *ctx, float *y, const float *x, const float *w, const float *b,
+                     int n_rows, int dim, float eps);
+
+    /* ---- RoPE, in place on x[n_tokens] rows of stride ld; n_heads heads of head_dim each;
+     * the first rot_dim dims of each head rotate (rot_dim == head_dim for Llama). inv_freq is a
+     * device float[rot_dim/2] precomputed by the caller (llama3 scaling already applied);
+     * pos[n_tokens] device int32. cos/sin are computed in fp32. */
+    int (*rope)(void *ctx, float *x, int ld, int n_tokens, int n_heads, int head_dim, int rot_dim,
+                const int32_t *pos, const float *inv_freq, prism_rope_mode_t mode);
+
+    /* ---- elementwise ----
+     * act: y[i] = f(x[i]) for n elements (y may equal x).
+     * silu_mul: out[r][i] = silu(gate[r*ld + i]) * up[r*ld + i]; out is [n_rows][dim] contiguous.
+     * add: y[i] = a[i] + b[i % nb] (nb == n: plain residual; nb < n: broadcast rows). */
+    int (*act)(void *ctx, prism_act_t act, float *y, const float *x, size_t n);
+    int (*silu_mul)(void *ctx, float *out, const float *gate, const float *up, int ld,
+                    int n_rows, int dim);
+    int (*add)(void *ctx, float *y, const float *a, const float *b, size_t n, size_t nb);
+    int (*scale)(void *ctx, float *y, const float *x, float s, size_t n);
+
+    /* ---- gathers ----
+     * get_rows: out[i][dim] (f32) = table[ids[i]][dim] (dtype dt); embedding lookup and row
+     * selection (e.g. the last token of each sequence before lm_head). ids device int32[n].
+     * Ids outside [0, n_table) produce zero rows (validated by the caller beforehand). */
+    int (*get_rows)(void *ctx, float *out, const void *table, prism_dtype_t dt, int n_table,
+                    const int32_t *ids, int n, int dim);
+    /* im2patch: pixels [n_img][C][H][W] -> out [n_img * (H/p)*(W/p)][C*p*p], patches row-major,
+     * feature index c*p*p + ky*p + kx (matches Conv2d weight [out][C][p][p] flattened). */
+    int (*im2patch)(void *ctx, float *out, const float *pixels, int n_img, int C, int H, int W, int p);
+
+    /* ---- attention ----
+     * All attention is blockwise with online softmax: memory is O(block) per worker, never an
+     * N×N score matrix. Scale multiplies q·k. q/out rows: [n_tokens][n_heads*head_dim] with row
+     * stride ldq/ldo (elements). GQA: kv head = q head / (n_heads / n_kv_heads).
+     *
+     * KV cache layout, per layer: k_cache/v_cache [n_blocks][block_size][n_kv_heads][head_dim].
+     *
+     * kv_write: writes k/v rows (row stride ld) of n_tokens new tokens into slots
+     *   (slot = block_id*block_size + offset; device int32[n_tokens]; slot < 0 skips the token). */
+    int (*kv_write)(void *ctx, float *k_cache, float *v_cache, const float *k, const float *v, int ld,
+                    const int32_t *slots, int n_tokens, int n_kv_heads, int head_dim);
+    /* attn_paged: causal attention of each sequence's new queries over its cached context
+     * (pos0 + q_len tokens, the new ones already written by kv_write). Prefill chunks and
+     * decode steps mix freely in one call. */
+    int (*attn_paged)(void *ctx, float *out, int ldo, const float *q, int ldq,
+                      const float *k_cache, const float *v_cache, const prism_attn_meta_t *meta,
+                      int n_heads, int n_kv_heads, int head_dim, float scale);
+    /* attn_decode: the q_len == 1 special case of attn_paged (split-K friendly on GPUs).
+     * Optional: when NULL callers use attn_paged. */
+    int (*attn_decode)(void *ctx, float *out, int ldo, const float *q, int ldq,
+                       const float *k_cache, const float *v_cache, const prism_attn_meta_t *meta,
+                       int n_heads, int n_kv_heads, int head_dim, float scale);
+    /* attn_dense: attention over contiguous q/k/v, n_seqs sequences of seq_len tokens each
+     * (ViT tiles), rows of stride ld{q,k,v,o}; non-causal unless causal. */
+    int (*attn_dense)(void *ctx, float *out, int ldo, const float *q, int ldq, const float *k, int ldk,
+                      const float *v, int ldv, int n_seqs, int seq_len, int n_heads, int n_kv_heads,
+                      int head_dim, float scale, bool causal);
+
+    /* ---- KV block transfer ----
+     * Copies n whole blocks (block_bytes each, contiguous at base + id*block_bytes) to/from host
+     * memory: dst_host + i*host_stride <- block ids[i]. ids are HOST int32 here (transfer
+     * planning is a host-side operation). */
+    int (*blocks_to_host)(void *ctx, void *dst_host, size_t host_stride, const void *base,
+                          size_t block_bytes, const int32_t *ids, int n);
+    int (*blocks_from_host)(void *ctx, void *base, size_t block_bytes, const int32_t *ids, int n,
+                            const void *src_host, size_t host_stride);
+
+    /* ---- sampling helpers ----
+     * argmax over rows: out_host[r] = argmax(logits[r][vocab]) (first max on ties). Optional. */
+    int (*argmax)(void *ctx, int32_t *out_host, const float *logits, int n_rows, int vocab);
+
+    void (*destroy)(void *ctx);
+} prism_backend_i;
+
+struct prism_backend {
+    prism_backend_i i;
+    void *ctx;
+    const char *device;           /* "cpu" | "cuda" */
+    prism_dtype_t weight_dtype;   /* dtype the model loader stores matmul weights/embeddings in */
+    int n_threads;
+};
+typedef struct prism_backend prism_backend_t;
+
+/* CPU backend: OpenBLAS + C kernels, n_threads workers (<= 0: 1). Unlimited pool. */
+prism_backend_t *prism_backend_cpu_create(int n_threads);
+/* CPU backend whose pool refuses allocations beyond pool_bytes (0 = unlimited). */
+prism_backend_t *prism_backend_cpu_create_pool(int n_threads, size_t pool_bytes);
+
+/* Creates a backend by device name ("cpu" | "cuda" | "cuda:N"). Returns PRISM_ENOTSUP for cuda
+ * in a build without the CUDA backend (or with no GPU), PRISM_EINVAL for unknown names. */
+int  prism_backend_create(const char *device, int n_threads, size_t pool_bytes, prism_backend_t **out);
+void prism_backend_destroy(prism_backend_t *be);
+bool prism_backend_has_cuda(void);
+
+/* Thin wrappers. */
+static inline void *prism_backend_alloc(prism_backend_t *be, size_t bytes) { return be->i.alloc(be->ctx, bytes); }
+static inline void  prism_backend_free(prism_backend_t *be, void *p) { if (p) be->i.free(be->ctx, p); }
+
+/* bf16/f16 <-> f32 on the host (loader and tests). */
+float    prism_bf16_to_f32(uint16_t h);
+uint16_t prism_f32_to_bf16(float f);   /* round to nearest even */
+float    prism_f16_to_f32(uint16_t h);
+uint16_t prism_f32_to_f16(float f);
+
+#endif

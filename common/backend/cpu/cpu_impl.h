@@ -1,0 +1,51 @@
+/* Internal to the CPU backend: context, a persistent worker pool and kernel entry points. */
+#ifndef PRISM_BACKEND_CPU_IMPL_H
+#define PRISM_BACKEND_CPU_IMPL_H
+
+#include "backend/backend.h"
+
+#include <pthread.h>
+#include <string.h>
+
+/* Fork-join pool of n-1 persistent threads plus the caller. Tasks are split by ith/nth; the
+ * caller runs ith 0. Created once, so running a task never allocates. */
+typedef void (*prism_cpu_task_fn)(void *arg, int ith, int nth);
+
+typedef struct prism_cpu_pool {
+    int n_threads;
+    pthread_t *threads;           /* [n_threads-1] */
+    void *args;                   /* [n_threads-1] per-worker start arguments */
+    int n_active;                 /* nth of the running task */
+    pthread_mutex_t mu;
+    pthread_cond_t start_cv, done_cv;
+    prism_cpu_task_fn fn;
+    void *arg;
+    uint64_t generation;
+    int pending;
+    bool stop;
+} prism_cpu_pool_t;
+
+int  prism_cpu_pool_init(prism_cpu_pool_t *p, int n_threads);
+void prism_cpu_pool_free(prism_cpu_pool_t *p);
+/* Runs fn(arg, ith, nth) for ith in [0, nth); nth <= n_threads, 1 runs inline. */
+void prism_cpu_pool_run(prism_cpu_pool_t *p, int nth, prism_cpu_task_fn fn, void *arg);
+
+typedef struct {
+    prism_cpu_pool_t pool;
+    size_t pool_cap, pool_used, pool_peak;   /* memory pool accounting (bytes) */
+    pthread_mutex_t mem_mu;
+} prism_cpu_ctx_t;
+
+/* Limits the attention kernels rely on for their fixed stack scratch. */
+#define PRISM_CPU_MAX_HEAD_DIM 512
+#define PRISM_CPU_MAX_GQA      64    /* q heads per kv head */
+#define PRISM_CPU_ATTN_TILE    64    /* keys per tile */
+
+int prism_cpu_attn_paged(void *ctx, float *out, int ldo, const float *q, int ldq,
+                         const float *k_cache, const float *v_cache, const prism_attn_meta_t *meta,
+                         int n_heads, int n_kv_heads, int head_dim, float scale);
+int prism_cpu_attn_dense(void *ctx, float *out, int ldo, const float *q, int ldq, const float *k, int ldk,
+                         const float *v, int ldv, int n_seqs, int seq_len, int n_heads, int n_kv_heads,
+                         int head_dim, float scale, bool causal);
+
+#endif

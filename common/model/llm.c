@@ -1,0 +1,487 @@
+/* Language model (Llama / Qwen2 / Mistral-style decoder) over the paged KV cache.
+ *
+ * One forward handles a flattened batch: every sequence contributes q_len new tokens that attend
+ * causally to its pos0 cached tokens plus themselves. Weights are fused where it saves passes
+ * (q|k|v rows in one matrix, gate|up rows in one matrix); activations live in one arena sized
+ * for (max_batch_tokens, max_seqs) at load, so forward never allocates. */
+#include "model/model_impl.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#define ERR(...) do { if (err && errlen) snprintf(err, errlen, __VA_ARGS__); } while (0)
+#define MIN_BLOCK_SIZE_PLANNED 16   /* block tables are sized for blocks of >= 16 tokens */
+
+typedef struct {
+    float *attn_norm, *mlp_norm;  /* [hidden] */
+    void *wqkv;                   /* [(n_heads + 2*n_kv)*head_dim][hidden]: q rows, k rows, v rows */
+    float *bqkv;                  /* [(n_heads + 2*n_kv)*head_dim] or NULL */
+    void *wo;                     /* [hidden][n_heads*head_dim] */
+    float *bo;                    /* [hidden] or NULL */
+    void *wgu;                    /* [2*intermediate][hidden]: gate rows, then up rows */
+    float *bgu;                   /* [2*intermediate] or NULL */
+    void *wdown;                  /* [hidden][intermediate] */
+    float *bdown;                 /* [hidden] or NULL */
+} llm_layer_t;
+
+struct prism_llm {
+    prism_backend_t *be;
+    prism_model_config_t cfg;
+    prism_dtype_t wdt;
+    void *wbuf;                   /* the one weight allocation */
+    size_t wbytes;
+    void *embed;                  /* [vocab][hidden] */
+    float *norm;                  /* [hidden] */
+    void *lm_head;                /* [vocab][hidden]; == embed when tied */
+    float *inv_freq;              /* [head_dim/2] */
+    llm_layer_t *layers;          /* [n_layers] (host array of device pointers) */
+
+    int max_tokens, max_seqs;
+    int lchunk;                   /* rows of logits computed per lm_head matmul */
+    int table_cap;                /* int32 entries available for block tables */
+    void *abuf;                   /* activation arena (device) */
+    size_t abytes;
+    float *x, *xn;                /* [T][hidden] residual stream, normed copy */
+    float *qkv;                   /* [T][(nh+2nkv)*hd] */
+    float *attn;                  /* [T][nh*hd] */
+    float *gu;                    /* [T][2*intermediate] */
+    float *act;                   /* [T][intermediate] */
+    float *xsel;                  /* [S][hidden] last-token rows */
+    float *logits;                /* [lchunk][vocab] */
+    int32_t *d_meta;              /* device: ids[T] pos[T] slots[T] seq_start[S+1] pos0[S] rows[S] tables[cap] */
+    int32_t *h_meta;              /* host mirror, same layout */
+    size_t meta_n;
+};
+
+struct prism_kv_cache {
+    prism_backend_t *be;
+    int n_layers, n_kv, head_dim, n_blocks, block_size;
+    size_t lbb;                   /* bytes of one block of K (or V) in one layer */
+    uint8_t *buf;                 /* [n_layers][2][n_blocks][block_size][n_kv][head_dim] f32 */
+};
+
+/* ---------------------------------------------------------------- sizing */
+
+static int qkv_dim(const prism_model_config_t *c) { return (c->n_heads + 2 * c->n_kv_heads) * c->head_dim; }
+
+static int logits_chunk(int T, int S)
+{
+    int l = PRISM_MAX(S, 32);
+    return PRISM_MIN(l, PRISM_MAX(T, S));
+}
+
+static int table_capacity(const prism_model_config_t *c, int S)
+{
+    int per_seq = (c->max_pos + MIN_BLOCK_SIZE_PLANNED - 1) / MIN_BLOCK_SIZE_PLANNED;
+    return S * per_seq;
+}
+
+static size_t meta_count(const prism_model_config_t *c, int T, int S)
+{
+    return (size_t)3 * T + (size_t)(S + 1) + 2 * (size_t)S + (size_t)table_capacity(c, S);
+}
+
+/* Carves the arena (or sizes it when m->abuf is NULL). */
+static size_t llm_layout(const prism_model_config_t *c, int T, int S, struct prism_llm *m)
+{
+    prism_layout_t l = {m ? m->abuf : NULL, 0};
+    size_t H = (size_t)c->hidden, I = (size_t)c->intermediate;
+    float *x = prism_layout_take(&l, (size_t)T * H * 4);
+    float *xn = prism_layout_take(&l, (size_t)T * H * 4);
+    float *qkv = prism_layout_take(&l, (size_t)T * qkv_dim(c) * 4);
+    float *attn = prism_layout_take(&l, (size_t)T * c->n_heads * c->head_dim * 4);
+    float *gu = prism_layout_take(&l, (size_t)T * 2 * I * 4);
+    float *act = prism_layout_take(&l, (size_t)T * I * 4);
+    float *xsel = prism_layout_take(&l, (size_t)S * H * 4);
+    float *logits = prism_layout_take(&l, (size_t)logits_chunk(T, S) * c->vocab * 4);
+    int32_t *meta = prism_layout_take(&l, meta_count(c, T, S) * 4);
+    if (m && m->abuf) {
+        m->x = x; m->xn = xn; m->qkv = qkv; m->attn = attn; m->gu = gu; m->act = act;
+        m->xsel = xsel; m->logits = logits; m->d_meta = meta;
+    }
+    return PRISM_ALIGN_UP(l.off, PRISM_TENSOR_ALIGN);
+}
+
+size_t prism_llm_arena_bytes(const prism_model_config_t *cfg, int max_batch_tokens, int max_seqs)
+{
+    if (max_batch_tokens <= 0 || max_seqs <= 0) return 0;
+    return llm_layout(cfg, max_batch_tokens, max_seqs, NULL);
+}
+
+/* ---------------------------------------------------------------- weights */
+
+static const char *const k_text_prefixes[] = {"language_model.model.", "model.language_model.", "model.", ""};
+
+static int load_weights(struct prism_llm *m, prism_wload_t *w, const char *pfx, const char *head_name)
+{
+    const prism_model_config_t *c = &m->cfg;
+    prism_dtype_t wdt = m->wdt;
+    int64_t H = c->hidden, I = c->intermediate, V = c->vocab, hd = c->head_dim;
+    int64_t nq = (int64_t)c->n_heads * hd, nkv = (int64_t)c->n_kv_heads * hd;
+    char name[256];
+    int rc;
+#define NAME(...) (snprintf(name, sizeof name, __VA_ARGS__), name)
+#define SHAPE(...) ((const int64_t[]){__VA_ARGS__})
+    if ((rc = prism_wload_tensor(w, &m->embed, wdt, NAME("%sembed_tokens.weight", pfx), 2, SHAPE(V, H)))) return rc;
+    if ((rc = prism_wload_tensor(w, (void **)&m->norm, PRISM_DTYPE_F32, NAME("%snorm.weight", pfx), 1, SHAPE(H)))) return rc;
+    if (c->tie_word_embeddings && !head_name) {
+        m->lm_head = m->embed;
+    } else {
+        if (!head_name) {
+            if (w->err && w->errlen)
+                snprintf(w->err, w->errlen, "weights: lm_head.weight not found (and tie_word_embeddings is false)");
+            return PRISM_ENOTFOUND;
+        }
+        if ((rc = prism_wload_tensor(w, &m->lm_head, wdt, head_name, 2, SHAPE(V, H)))) return rc;
+    }
+    size_t es = prism_dtype_size(wdt);
+    for (int L = 0; L < c->n_layers; L++) {
+        llm_layer_t *ly = &m->layers[L];
+        char p[128];
+        snprintf(p, sizeof p, "%slayers.%d.", pfx, L);
+        if ((rc = prism_wload_tensor(w, (void **)&ly->attn_norm, PRISM_DTYPE_F32, NAME("%sinput_layernorm.weight", p), 1, SHAPE(H)))) return rc;
+        if ((rc = prism_wload_tensor(w, (void **)&ly->mlp_norm, PRISM_DTYPE_F32, NAME("%spost_attention_layernorm.weight", p), 1, SHAPE(H)))) return rc;
+        ly->wqkv = prism_wload_reserve(w, (size_t)(nq + 2 * nkv) * H * es);
+        uint8_t *q = ly->wqkv;
+        if ((rc = prism_wload_fill(w, q, wdt, NAME("%sself_attn.q_proj.weight", p), 2, SHAPE(nq, H)))) return rc;
+        if ((rc = prism_wload_fill(w, q ? q + nq * H * es : NULL, wdt, NAME("%sself_attn.k_proj.weight", p), 2, SHAPE(nkv, H)))) return rc;
+        if ((rc = prism_wload_fill(w, q ? q + (nq + nkv) * H * es : NULL, wdt, NAME("%sself_attn.v_proj.weight", p), 2, SHAPE(nkv, H)))) return rc;
+        if (c->attention_bias) {
+            ly->bqkv = prism_wload_reserve(w, (size_t)(nq + 2 * nkv) * 4);
+            float *b = ly->bqkv;
+            if ((rc = prism_wload_fill(w, b, PRISM_DTYPE_F32, NAME("%sself_attn.q_proj.bias", p), 1, SHAPE(nq)))) return rc;
+            if ((rc = prism_wload_fill(w, b ? b + nq : NULL, PRISM_DTYPE_F32, NAME("%sself_attn.k_proj.bias", p), 1, SHAPE(nkv)))) return rc;
+            if ((rc = prism_wload_fill(w, b ? b + nq + nkv : NULL, PRISM_DTYPE_F32, NAME("%sself_attn.v_proj.bias", p), 1, SHAPE(nkv)))) return rc;
+        }
+        if ((rc = prism_wload_tensor(w, &ly->wo, wdt, NAME("%sself_attn.o_proj.weight", p), 2, SHAPE(H, nq)))) return rc;
+        if (c->o_bias &&
+            (rc = prism_wload_tensor(w, (void **)&ly->bo, PRISM_DTYPE_F32, NAME("%sself_attn.o_proj.bias", p), 1, SHAPE(H)))) return rc;
+        ly->wgu = prism_wload_reserve(w, (size_t)(2 * I) * H * es);
+        uint8_t *g = ly->wgu;
+        if ((rc = prism_wload_fill(w, g, wdt, NAME("%smlp.gate_proj.weight", p), 2, SHAPE(I, H)))) return rc;
+        if ((rc = prism_wload_fill(w, g ? g + I * H * es : NULL, wdt, NAME("%smlp.up_proj.weight", p), 2, SHAPE(I, H)))) return rc;
+        if ((rc = prism_wload_tensor(w, &ly->wdown, wdt, NAME("%smlp.down_proj.weight", p), 2, SHAPE(H, I)))) return rc;
+        if (c->mlp_bias) {
+            ly->bgu = prism_wload_reserve(w, (size_t)2 * I * 4);
+            if ((rc = prism_wload_fill(w, ly->bgu, PRISM_DTYPE_F32, NAME("%smlp.gate_proj.bias", p), 1, SHAPE(I)))) return rc;
+            if ((rc = prism_wload_fill(w, ly->bgu ? ly->bgu + I : NULL, PRISM_DTYPE_F32, NAME("%smlp.up_proj.bias", p), 1, SHAPE(I)))) return rc;
+            if ((rc = prism_wload_tensor(w, (void **)&ly->bdown, PRISM_DTYPE_F32, NAME("%smlp.down_proj.bias", p), 1, SHAPE(H)))) return rc;
+        }
+    }
+    m->inv_freq = prism_wload_reserve(w, (size_t)(hd / 2) * 4);
+#undef NAME
+#undef SHAPE
+    return PRISM_OK;
+}
+
+int prism_llm_load(prism_backend_t *be, const prism_model_config_t *cfg, const char *model_dir,
+                   int max_batch_tokens, int max_seqs, prism_llm_t **out, char *err, size_t errlen)
+{
+    *out = NULL;
+    if (max_batch_tokens <= 0 || max_seqs <= 0 || max_seqs > max_batch_tokens || max_batch_tokens > (1 << 24)) {
+        ERR("llm: bad limits (max_batch_tokens %d, max_seqs %d)", max_batch_tokens, max_seqs);
+        return PRISM_EINVAL;
+    }
+    prism_st_t *st = NULL;
+    struct prism_llm *m = prism_calloc(1, sizeof *m);
+    prism_wload_t w = {0};
+    int rc = PRISM_ENOMEM;
+    if (!m) goto fail;
+    m->be = be;
+    m->cfg = *cfg;
+    m->wdt = be->weight_dtype;
+    m->max_tokens = max_batch_tokens;
+    m->max_seqs = max_seqs;
+    m->layers = prism_calloc((size_t)cfg->n_layers, sizeof *m->layers);
+    if (!m->layers) goto fail;
+    rc = prism_st_open_dir(model_dir, &st, err, errlen);
+    if (rc != PRISM_OK) goto fail;
+
+    const char *pfx = prism_wload_find_prefix(st, k_text_prefixes, (int)PRISM_ARRAY_LEN(k_text_prefixes),
+                                              "embed_tokens.weight");
+    if (!pfx) {
+        ERR("weights: no embed_tokens.weight under any known prefix in %s", model_dir);
+        rc = PRISM_ENOTFOUND;
+        goto fail;
+    }
+    const char *head = prism_st_find(st, "language_model.lm_head.weight") ? "language_model.lm_head.weight"
+                     : prism_st_find(st, "lm_head.weight") ? "lm_head.weight" : NULL;
+    double t0 = prism_now_s();
+    w = (prism_wload_t){.be = be, .st = st, .err = err, .errlen = errlen};
+    if ((rc = load_weights(m, &w, pfx, head)) != PRISM_OK) goto fail;   /* pass 1: validate + size */
+    m->wbytes = PRISM_ALIGN_UP(w.off, PRISM_TENSOR_ALIGN);
+    m->wbuf = prism_backend_alloc(be, m->wbytes);
+    w.staging_n = 1u << 20;
+    w.staging = prism_malloc(w.staging_n * sizeof(float));
+    if (!m->wbuf || !w.staging) {
+        char b[32];
+        ERR("llm: cannot allocate %s of weights", prism_fmt_bytes(m->wbytes, b, sizeof b));
+        rc = PRISM_ENOMEM;
+        goto fail;
+    }
+    w.total = m->wbytes;
+    w.base = m->wbuf;
+    w.off = 0;
+    w.next_log = (size_t)1 << 30;
+    if ((rc = load_weights(m, &w, pfx, head)) != PRISM_OK) goto fail;   /* pass 2: upload */
+    {
+        int half = cfg->head_dim / 2;
+        float inv[512];
+        prism_model_rope_inv_freq(cfg, inv);
+        if ((rc = be->i.upload(be->ctx, m->inv_freq, inv, (size_t)half * 4)) != PRISM_OK) goto fail;
+    }
+    prism_free(w.staging);
+    w.staging = NULL;
+    prism_st_close(st);
+    st = NULL;
+
+    m->lchunk = logits_chunk(max_batch_tokens, max_seqs);
+    m->table_cap = table_capacity(cfg, max_seqs);
+    m->meta_n = meta_count(cfg, max_batch_tokens, max_seqs);
+    m->abytes = llm_layout(cfg, max_batch_tokens, max_seqs, NULL);
+    m->abuf = prism_backend_alloc(be, m->abytes);
+    m->h_meta = prism_malloc(m->meta_n * sizeof(int32_t));
+    if (!m->abuf || !m->h_meta) {
+        char b[32];
+        ERR("llm: cannot allocate the %s activation arena", prism_fmt_bytes(m->abytes, b, sizeof b));
+        rc = PRISM_ENOMEM;
+        goto fail;
+    }
+    llm_layout(cfg, max_batch_tokens, max_seqs, m);
+    {
+        char a[32], b[32];
+        PRISM_INFO("llm: %s weights (%d tensors, %s) + %s arena for %d tokens / %d seqs in %.2fs",
+                   cfg->arch, w.n_tensors, prism_fmt_bytes(m->wbytes, a, sizeof a),
+                   prism_fmt_bytes(m->abytes, b, sizeof b), max_batch_tokens, max_seqs, prism_now_s() - t0);
+    }
+    *out = m;
+    return PRISM_OK;
+fail:
+    prism_free(w.staging);
+    prism_st_close(st);
+    prism_llm_free(m);
+    return rc;
+}
+
+void prism_llm_free(prism_llm_t *m)
+{
+    if (!m) return;
+    prism_backend_free(m->be, m->wbuf);
+    prism_backend_free(m->be, m->abuf);
+    prism_free(m->h_meta);
+    prism_free(m->layers);
+    prism_free(m);
+}
+
+size_t prism_llm_weight_bytes(const prism_llm_t *m) { return m->wbytes; }
+const prism_model_config_t *prism_llm_config(const prism_llm_t *m) { return &m->cfg; }
+
+/* ---------------------------------------------------------------- KV cache */
+
+size_t prism_kv_cache_block_bytes(const prism_model_config_t *c, int block_size)
+{
+    return (size_t)c->n_layers * 2 * (size_t)block_size * c->n_kv_heads * c->head_dim * sizeof(float);
+}
+
+int prism_kv_cache_create(prism_backend_t *be, const prism_model_config_t *c, int n_blocks, int block_size,
+                          prism_kv_cache_t **out)
+{
+    *out = NULL;
+    if (n_blocks <= 0 || block_size <= 0 || block_size > 4096 || n_blocks > (1 << 28)) return PRISM_EINVAL;
+    prism_kv_cache_t *kv = prism_calloc(1, sizeof *kv);
+    if (!kv) return PRISM_ENOMEM;
+    kv->be = be;
+    kv->n_layers = c->n_layers;
+    kv->n_kv = c->n_kv_heads;
+    kv->head_dim = c->head_dim;
+    kv->n_blocks = n_blocks;
+    kv->block_size = block_size;
+    kv->lbb = (size_t)block_size * c->n_kv_heads * c->head_dim * sizeof(float);
+    size_t total = kv->lbb * 2 * (size_t)n_blocks * (size_t)c->n_layers;
+    kv->buf = prism_backend_alloc(be, total);
+    if (!kv->buf) {
+        prism_free(kv);
+        return PRISM_ENOMEM;
+    }
+    /* Zeroed so padding rows of partially written blocks export deterministically. */
+    be->i.memset0(be->ctx, kv->buf, total);
+    *out = kv;
+    return PRISM_OK;
+}
+
+void prism_kv_cache_free(prism_kv_cache_t *kv)
+{
+    if (!kv) return;
+    prism_backend_free(kv->be, kv->buf);
+    prism_free(kv);
+}
+
+int prism_kv_cache_n_blocks(const prism_kv_cache_t *kv) { return kv->n_blocks; }
+int prism_kv_cache_block_size(const prism_kv_cache_t *kv) { return kv->block_size; }
+
+static uint8_t *kv_layer(const prism_kv_cache_t *kv, int layer, int which)
+{
+    return kv->buf + ((size_t)layer * 2 + (size_t)which) * (size_t)kv->n_blocks * kv->lbb;
+}
+
+static int check_blocks(const prism_kv_cache_t *kv, const int32_t *blocks, int n)
+{
+    if (n < 0 || (n > 0 && !blocks)) return PRISM_EINVAL;
+    for (int i = 0; i < n; i++)
+        if (blocks[i] < 0 || blocks[i] >= kv->n_blocks) return PRISM_EINVAL;
+    return PRISM_OK;
+}
+
+int prism_kv_cache_export(prism_kv_cache_t *kv, const int32_t *blocks, int n_blocks, void *dst)
+{
+    int rc = check_blocks(kv, blocks, n_blocks);
+    if (rc != PRISM_OK || n_blocks == 0) return rc;
+    size_t bb = kv->lbb * 2 * (size_t)kv->n_layers;
+    for (int l = 0; l < kv->n_layers; l++)
+        for (int j = 0; j < 2; j++) {
+            rc = kv->be->i.blocks_to_host(kv->be->ctx, (uint8_t *)dst + ((size_t)l * 2 + j) * kv->lbb, bb,
+                                          kv_layer(kv, l, j), kv->lbb, blocks, n_blocks);
+            if (rc != PRISM_OK) return rc;
+        }
+    return kv->be->i.synchronize(kv->be->ctx);
+}
+
+int prism_kv_cache_import(prism_kv_cache_t *kv, const int32_t *blocks, int n_blocks, const void *src)
+{
+    int rc = check_blocks(kv, blocks, n_blocks);
+    if (rc != PRISM_OK || n_blocks == 0) return rc;
+    size_t bb = kv->lbb * 2 * (size_t)kv->n_layers;
+    for (int l = 0; l < kv->n_layers; l++)
+        for (int j = 0; j < 2; j++) {
+            rc = kv->be->i.blocks_from_host(kv->be->ctx, kv_layer(kv, l, j), kv->lbb, blocks, n_blocks,
+                                            (const uint8_t *)src + ((size_t)l * 2 + j) * kv->lbb, bb);
+            if (rc != PRISM_OK) return rc;
+        }
+    return kv->be->i.synchronize(kv->be->ctx);
+}
+
+/* ---------------------------------------------------------------- forward */
+
+#define CK(x) do { int rc_ = (x); if (rc_ != PRISM_OK) return rc_; } while (0)
+
+int prism_llm_forward(prism_llm_t *m, prism_kv_cache_t *kv, const prism_llm_batch_t *b, float *logits)
+{
+    const prism_model_config_t *c = &m->cfg;
+    prism_backend_t *be = m->be;
+    void *bx = be->ctx;
+    const prism_backend_i *o = &be->i;
+    int T = b->n_tokens, S = b->n_seqs;
+
+    if (S <= 0 || T <= 0 || !b->tokens || !b->seq_start || !b->pos0 || !b->block_tables || !logits)
+        return PRISM_EINVAL;
+    if (T > m->max_tokens || S > m->max_seqs) return PRISM_ELIMIT;
+    if (kv->n_layers != c->n_layers || kv->n_kv != c->n_kv_heads || kv->head_dim != c->head_dim)
+        return PRISM_EINVAL;
+    if (b->seq_start[0] != 0 || b->seq_start[S] != T) return PRISM_EINVAL;
+    int bs = kv->block_size, mbps = 1, max_q = 0, max_ctx = 0;
+    bool all_decode = true;
+    for (int s = 0; s < S; s++) {
+        int q = b->seq_start[s + 1] - b->seq_start[s];
+        if (q <= 0 || b->pos0[s] < 0 || !b->block_tables[s]) return PRISM_EINVAL;
+        if ((int64_t)b->pos0[s] + q > c->max_pos) return PRISM_EINVAL;
+        int ctx_len = b->pos0[s] + q;
+        int need = (ctx_len + bs - 1) / bs;
+        if (need > mbps) mbps = need;
+        if (q > max_q) max_q = q;
+        if (ctx_len > max_ctx) max_ctx = ctx_len;
+        all_decode = all_decode && q == 1;
+    }
+    if ((int64_t)S * mbps > m->table_cap) return PRISM_ELIMIT;
+
+    /* Host metadata, uploaded once. */
+    int32_t *ids = m->h_meta, *pos = ids + T, *slots = pos + T, *seq_start = slots + T;
+    int32_t *pos0 = seq_start + S + 1, *rows = pos0 + S, *tables = rows + S;
+    for (int s = 0; s < S; s++) {
+        int q = b->seq_start[s + 1] - b->seq_start[s];
+        int need = (b->pos0[s] + q + bs - 1) / bs;
+        for (int i = 0; i < mbps; i++) {
+            int id = i < need ? b->block_tables[s][i] : 0;
+            if (id < 0 || id >= kv->n_blocks) return PRISM_EINVAL;
+            tables[s * mbps + i] = id;
+        }
+        for (int i = 0; i < q; i++) {
+            int t = b->seq_start[s] + i, p = b->pos0[s] + i;
+            int32_t tok = b->tokens[t];
+            bool embedded = b->embeds && b->embed_mask && b->embed_mask[t];
+            if (tok < 0 || tok >= c->vocab) {
+                if (!embedded) return PRISM_EINVAL;
+                tok = 0;
+            }
+            ids[t] = tok;
+            pos[t] = p;
+            slots[t] = tables[s * mbps + p / bs] * bs + p % bs;
+        }
+        seq_start[s] = b->seq_start[s];
+        pos0[s] = b->pos0[s];
+        rows[s] = b->seq_start[s + 1] - 1;
+    }
+    seq_start[S] = T;
+    size_t meta_used = (size_t)(tables - ids) + (size_t)S * mbps;
+    CK(o->upload(bx, m->d_meta, m->h_meta, meta_used * 4));
+    int32_t *d_ids = m->d_meta, *d_pos = d_ids + T, *d_slots = d_pos + T, *d_seq_start = d_slots + T;
+    int32_t *d_pos0 = d_seq_start + S + 1, *d_rows = d_pos0 + S, *d_tables = d_rows + S;
+
+    const int H = c->hidden, I = c->intermediate, hd = c->head_dim, nh = c->n_heads, nkv = c->n_kv_heads;
+    const int QKV = qkv_dim(c), NQ = nh * hd;
+    prism_dtype_t wdt = m->wdt;
+
+    /* Embeddings, with image features overwriting masked rows (contiguous runs per upload). */
+    CK(o->get_rows(bx, m->x, m->embed, wdt, c->vocab, d_ids, T, H));
+    if (b->embeds && b->embed_mask) {
+        for (int t = 0; t < T;) {
+            if (!b->embed_mask[t]) { t++; continue; }
+            int e = t;
+            while (e < T && b->embed_mask[e]) e++;
+            CK(o->upload(bx, m->x + (size_t)t * H, b->embeds + (size_t)t * H, (size_t)(e - t) * H * 4));
+            t = e;
+        }
+    }
+
+    prism_attn_meta_t meta = {
+        .n_seqs = S, .n_tokens = T, .max_q_len = max_q, .max_ctx_len = max_ctx, .block_size = bs,
+        .max_blocks_per_seq = mbps, .seq_start = d_seq_start, .pos0 = d_pos0, .block_tables = d_tables,
+    };
+    float scale = 1.0f / sqrtf((float)hd);
+    for (int L = 0; L < c->n_layers; L++) {
+        const llm_layer_t *ly = &m->layers[L];
+        float *kc = (float *)kv_layer(kv, L, 0), *vc = (float *)kv_layer(kv, L, 1);
+        CK(o->rmsnorm(bx, m->xn, m->x, ly->attn_norm, T, H, c->rms_eps));
+        CK(o->matmul(bx, m->qkv, QKV, m->xn, H, ly->wqkv, wdt, ly->bqkv, T, QKV, H, false));
+        CK(o->rope(bx, m->qkv, QKV, T, nh, hd, hd, d_pos, m->inv_freq, PRISM_ROPE_NEOX));
+        CK(o->rope(bx, m->qkv + NQ, QKV, T, nkv, hd, hd, d_pos, m->inv_freq, PRISM_ROPE_NEOX));
+        CK(o->kv_write(bx, kc, vc, m->qkv + NQ, m->qkv + NQ + nkv * hd, QKV, d_slots, T, nkv, hd));
+        if (all_decode && o->attn_decode)
+            CK(o->attn_decode(bx, m->attn, NQ, m->qkv, QKV, kc, vc, &meta, nh, nkv, hd, scale));
+        else
+            CK(o->attn_paged(bx, m->attn, NQ, m->qkv, QKV, kc, vc, &meta, nh, nkv, hd, scale));
+        CK(o->matmul(bx, m->x, H, m->attn, NQ, ly->wo, wdt, ly->bo, T, H, NQ, true));
+        CK(o->rmsnorm(bx, m->xn, m->x, ly->mlp_norm, T, H, c->rms_eps));
+        CK(o->matmul(bx, m->gu, 2 * I, m->xn, H, ly->wgu, wdt, ly->bgu, T, 2 * I, H, false));
+        CK(o->silu_mul(bx, m->act, m->gu, m->gu + I, 2 * I, T, I));
+        CK(o->matmul(bx, m->x, H, m->act, I, ly->wdown, wdt, ly->bdown, T, H, I, true));
+    }
+
+    if (b->all_logits) {
+        CK(o->rmsnorm(bx, m->xn, m->x, m->norm, T, H, c->rms_eps));
+        for (int r0 = 0; r0 < T; r0 += m->lchunk) {
+            int n = PRISM_MIN(m->lchunk, T - r0);
+            CK(o->matmul(bx, m->logits, c->vocab, m->xn + (size_t)r0 * H, H, m->lm_head, wdt, NULL, n, c->vocab, H, false));
+            CK(o->download(bx, logits + (size_t)r0 * c->vocab, m->logits, (size_t)n * c->vocab * 4));
+        }
+    } else {
+        CK(o->get_rows(bx, m->xsel, m->x, PRISM_DTYPE_F32, T, d_rows, S, H));
+        CK(o->rmsnorm(bx, m->xsel, m->xsel, m->norm, S, H, c->rms_eps));
+        for (int r0 = 0; r0 < S; r0 += m->lchunk) {
+            int n = PRISM_MIN(m->lchunk, S - r0);
+            CK(o->matmul(bx, m->logits, c->vocab, m->xsel + (size_t)r0 * H, H, m->lm_head, wdt, NULL, n, c->vocab, H, false));
+            CK(o->download(bx, logits + (size_t)r0 * c->vocab, m->logits, (size_t)n * c->vocab * 4));
+        }
+    }
+    return PRISM_OK;
+}

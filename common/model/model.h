@@ -1,0 +1,116 @@
+/* model: checkpoint loading (config.json + safetensors) and the forward passes of the language
+ * model (Llama / Qwen2) and the CLIP vision tower + projector (LLaVA), over a prism_backend_t.
+ *
+ *   prism_model_config_t cfg;
+ *   char err[256];
+ *   prism_model_config_load("models/prism-tiny-llava", &cfg, err, sizeof err);
+ *   prism_llm_t *llm;
+ *   prism_llm_load(be, &cfg, dir, 512, 16, &llm, err, sizeof err);   // weights + activation arena
+ *   prism_kv_cache_t *kv;
+ *   prism_kv_cache_create(be, &cfg, n_blocks, 16, &kv);
+ *   prism_llm_batch_t b = { .n_seqs = 1, .n_tokens = n, .tokens = ids, .seq_start = (int32_t[]){0, n},
+ *                           .pos0 = (int32_t[]){0}, .block_tables = (const int32_t *[]){table} };
+ *   prism_llm_forward(llm, kv, &b, logits);      // logits [n_seqs][vocab] of the last tokens
+ *
+ * Memory: weights live in one backend allocation carved into named tensors; activations come
+ * from one arena sized at load for (max_batch_tokens, max_seqs) or max_images; forward and encode
+ * never allocate. The KV cache is a separate pool of fixed-size blocks owned by the caller's
+ * block manager (common/kv); this module only stores and reads block contents.
+ */
+#ifndef PRISM_MODEL_H
+#define PRISM_MODEL_H
+
+#include "core/core.h"
+#include "backend/backend.h"
+
+#define PRISM_MODEL_MAX_EOS 8
+
+typedef struct {
+    /* text (Llama / Qwen2) */
+    int hidden, n_layers, n_heads, n_kv_heads, head_dim, intermediate, vocab, max_pos;
+    float rms_eps, rope_theta;
+    int rope_scaling_type;  /* 0 none, 1 llama3 */
+    float rope_factor, rope_low_freq_factor, rope_high_freq_factor; int rope_orig_max_pos;
+    bool tie_word_embeddings, attention_bias;   /* attention_bias: Qwen2 q/k/v biases */
+    int bos_token_id, eos_token_ids[8], n_eos;  /* eos may be a list in config/generation_config */
+    /* vision (CLIP); has_vision false for text-only checkpoints */
+    bool has_vision;
+    int v_image_size, v_patch, v_hidden, v_layers, v_heads, v_intermediate;
+    float v_eps; int v_act;   /* PRISM_ACT_QUICK_GELU / PRISM_ACT_GELU_ERF / ... */
+    int v_feature_layer;      /* e.g. -2 */
+    bool v_select_default;    /* "default" drops CLS; "full" keeps it */
+    int proj_act;
+    int image_token_index, image_seq_length;  /* tokens per image after projector */
+    char arch[64];
+    /* --- additions --- */
+    int act;                  /* text MLP activation (PRISM_ACT_SILU for Llama/Qwen2) */
+    int pad_token_id;         /* -1 when absent */
+    int v_num_channels;       /* 3 */
+    bool mlp_bias;            /* Llama mlp_bias (rare) */
+    bool o_bias;              /* attention output bias (Llama attention_bias also covers o_proj) */
+    bool proj_bias;           /* LLaVA multimodal_projector_bias */
+} prism_model_config_t;
+
+/* config.json (+generation_config.json for eos); accepts llava (text_config/vision_config),
+ * llama, qwen2; rope_parameters vs rope_scaling/rope_theta; missing HF defaults filled as
+ * transformers does. Values are bounds-checked (PRISM_ECORRUPT / PRISM_ENOTSUP with err set). */
+int  prism_model_config_load(const char *model_dir, prism_model_config_t *cfg, char *err, size_t errlen);
+/* Same from a config.json text (generation_config text optional, may be NULL). */
+int  prism_model_config_parse(const char *config_json, const char *generation_config_json,
+                              prism_model_config_t *cfg, char *err, size_t errlen);
+/* Fills inv_freq[head_dim/2] for the text RoPE (llama3 scaling applied when configured). */
+void prism_model_rope_inv_freq(const prism_model_config_t *cfg, float *inv_freq);
+
+typedef struct prism_llm prism_llm_t;        /* the language model */
+typedef struct prism_kv_cache prism_kv_cache_t;  /* paged K/V storage: per layer [n_blocks][block_size][n_kv_heads][head_dim] for K and V */
+
+/* weights from model.safetensors or the sharded index; key prefixes language_model.model. /
+ * model.language_model. / model. accepted; bf16/f16/f32 → backend dtype; progress logged for big
+ * loads; activation arena for max_batch_tokens allocated here, once */
+int  prism_llm_load(prism_backend_t *be, const prism_model_config_t *cfg, const char *model_dir,
+                    int max_batch_tokens, int max_seqs, prism_llm_t **out, char *err, size_t errlen);
+void prism_llm_free(prism_llm_t *m);
+size_t prism_llm_weight_bytes(const prism_llm_t *m);
+size_t prism_llm_arena_bytes(const prism_model_config_t *cfg, int max_batch_tokens, int max_seqs); /* for budget planning before load */
+const prism_model_config_t *prism_llm_config(const prism_llm_t *m);
+
+size_t prism_kv_cache_block_bytes(const prism_model_config_t *cfg, int block_size);  /* K+V, all layers, one block */
+int  prism_kv_cache_create(prism_backend_t *be, const prism_model_config_t *cfg, int n_blocks, int block_size, prism_kv_cache_t **out);
+void prism_kv_cache_free(prism_kv_cache_t *kv);
+int  prism_kv_cache_n_blocks(const prism_kv_cache_t *kv);
+int  prism_kv_cache_block_size(const prism_kv_cache_t *kv);
+/* Export/import whole blocks as host bytes, layout per block:
+ * [n_layers][2 (K,V)][block_size][n_kv_heads][head_dim] float32 (little endian). Export writes
+ * n_blocks*block_bytes to dst; import reads it into the given block ids. PRISM_EINVAL for block
+ * ids out of range. */
+int  prism_kv_cache_export(prism_kv_cache_t *kv, const int32_t *blocks, int n_blocks, void *dst);
+int  prism_kv_cache_import(prism_kv_cache_t *kv, const int32_t *blocks, int n_blocks, const void *src);
+
+/* One forward over a flattened batch of sequences (prefill chunks and decode steps mix freely). */
+typedef struct {
+    int n_seqs;
+    int n_tokens;                       /* total new tokens */
+    const int32_t *tokens;              /* [n_tokens] */
+    const int32_t *seq_start;           /* [n_seqs+1] offsets into tokens */
+    const int32_t *pos0;                /* [n_seqs] tokens already in the cache = position of first new token */
+    const int32_t *const *block_tables; /* [n_seqs][ceil((pos0+n)/block_size)] block ids */
+    const float *embeds;                /* optional [n_tokens][hidden] host; row i replaces token i's embedding where embed_mask[i] */
+    const uint8_t *embed_mask;          /* optional [n_tokens] */
+    bool all_logits;                    /* false: logits of each sequence's last token [n_seqs][vocab]; true: every token [n_tokens][vocab] */
+} prism_llm_batch_t;
+/* PRISM_ELIMIT if n_tokens > max_batch_tokens or n_seqs > max_seqs; PRISM_EINVAL for token ids
+ * out of range, bad offsets, block ids out of range or positions beyond max_pos. */
+int  prism_llm_forward(prism_llm_t *m, prism_kv_cache_t *kv, const prism_llm_batch_t *b, float *logits /* host */);
+
+typedef struct prism_vision prism_vision_t;  /* CLIP tower + projector */
+int  prism_vision_load(prism_backend_t *be, const prism_model_config_t *cfg, const char *model_dir,
+                       int max_images, prism_vision_t **out, char *err, size_t errlen);
+void prism_vision_free(prism_vision_t *v);
+size_t prism_vision_weight_bytes(const prism_vision_t *v);
+size_t prism_vision_arena_bytes(const prism_model_config_t *cfg, int max_images);
+/* pixels [n][3][image_size][image_size] host float32 (already CLIP-normalised) → out
+ * [n][image_seq_length][text hidden] host float32. n_images > max_images: PRISM_ELIMIT (callers
+ * split into micro-batches). */
+int  prism_vision_encode(prism_vision_t *v, const float *pixels, int n_images, float *out);
+
+#endif

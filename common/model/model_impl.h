@@ -1,0 +1,50 @@
+/* Internal to prism_model: the two-pass weight loader shared by the language model and the
+ * vision tower, and the arena layout helper. */
+#ifndef PRISM_MODEL_IMPL_H
+#define PRISM_MODEL_IMPL_H
+
+#include "model/model.h"
+#include "model/safetensors.h"
+
+#define PRISM_TENSOR_ALIGN 256
+
+/* Pass 1 (base == NULL) only validates names/shapes and sums sizes; pass 2 carves `base` (one
+ * backend allocation) and uploads, converting bf16/f16/f32 to the requested dtype. */
+typedef struct {
+    prism_backend_t *be;
+    const prism_st_t *st;
+    uint8_t *base;
+    size_t off;
+    size_t total;          /* bytes after pass 1 */
+    float *staging;        /* host conversion buffer */
+    size_t staging_n;      /* floats */
+    size_t loaded_bytes, next_log;
+    int n_tensors;
+    char *err;
+    size_t errlen;
+} prism_wload_t;
+
+/* Reserves bytes in the weight block (aligned); returns the device pointer in pass 2, NULL in pass 1. */
+void *prism_wload_reserve(prism_wload_t *w, size_t bytes);
+/* Finds `name`, checks its shape against shape[ndim] (numel check when ndim < 0 with shape[0]
+ * = numel), and in pass 2 writes it at dst (dtype dt). Returns PRISM_ENOTFOUND/ECORRUPT with err. */
+int prism_wload_fill(prism_wload_t *w, void *dst, prism_dtype_t dt, const char *name, int ndim, const int64_t *shape);
+/* Reserve + fill for one tensor; *out gets the device pointer (NULL in pass 1). */
+int prism_wload_tensor(prism_wload_t *w, void **out, prism_dtype_t dt, const char *name, int ndim, const int64_t *shape);
+/* First prefix p in prefixes[] for which p+suffix exists; NULL when none. */
+const char *prism_wload_find_prefix(const prism_st_t *st, const char *const *prefixes, int n, const char *suffix);
+
+/* Bump layout over an arena: pass base NULL to size it. */
+typedef struct {
+    uint8_t *base;
+    size_t off;
+} prism_layout_t;
+
+static inline void *prism_layout_take(prism_layout_t *l, size_t bytes)
+{
+    size_t o = PRISM_ALIGN_UP(l->off, PRISM_TENSOR_ALIGN);
+    l->off = o + bytes;
+    return l->base ? l->base + o : NULL;
+}
+
+#endif

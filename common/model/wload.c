@@ -1,0 +1,83 @@
+/* Two-pass weight loader: validate + size, then one backend allocation carved into tensors. */
+#include "model/model_impl.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#define ERR(...) do { if (w->err && w->errlen) snprintf(w->err, w->errlen, __VA_ARGS__); } while (0)
+
+void *prism_wload_reserve(prism_wload_t *w, size_t bytes)
+{
+    size_t o = PRISM_ALIGN_UP(w->off, PRISM_TENSOR_ALIGN);
+    w->off = o + bytes;
+    return w->base ? w->base + o : NULL;
+}
+
+int prism_wload_fill(prism_wload_t *w, void *dst, prism_dtype_t dt, const char *name, int ndim, const int64_t *shape)
+{
+    const prism_st_tensor_t *t = prism_st_find(w->st, name);
+    if (!t) {
+        ERR("weights: tensor '%s' not found", name);
+        return PRISM_ENOTFOUND;
+    }
+    if (t->dtype != PRISM_ST_F32 && t->dtype != PRISM_ST_BF16 && t->dtype != PRISM_ST_F16) {
+        ERR("weights: tensor '%s' has an unsupported dtype", name);
+        return PRISM_ENOTSUP;
+    }
+    bool ok = true;
+    if (ndim < 0) {
+        ok = t->numel == shape[0];
+    } else {
+        ok = t->ndim == ndim;
+        for (int d = 0; ok && d < ndim; d++) ok = t->shape[d] == shape[d];
+    }
+    if (!ok) {
+        char have[128] = "", want[128] = "";
+        for (int d = 0; d < t->ndim; d++)
+            snprintf(have + strlen(have), sizeof have - strlen(have), "%s%lld", d ? "," : "", (long long)t->shape[d]);
+        for (int d = 0; d < (ndim < 0 ? 1 : ndim); d++)
+            snprintf(want + strlen(want), sizeof want - strlen(want), "%s%lld", d ? "," : "", (long long)shape[d]);
+        ERR("weights: tensor '%s' has shape [%s], expected [%s]", name, have, want);
+        return PRISM_ECORRUPT;
+    }
+    if (!w->base) return PRISM_OK;
+    size_t esz = prism_dtype_size(dt);
+    for (int64_t off = 0; off < t->numel; off += (int64_t)w->staging_n) {
+        int64_t n = PRISM_MIN((int64_t)w->staging_n, t->numel - off);
+        int rc = prism_st_read_f32(t, off, n, w->staging);
+        if (rc == PRISM_OK) rc = w->be->i.upload_convert(w->be->ctx, (uint8_t *)dst + (size_t)off * esz, dt, w->staging, (size_t)n);
+        if (rc != PRISM_OK) {
+            ERR("weights: uploading '%s' failed: %s", name, prism_strerror(rc));
+            return rc;
+        }
+    }
+    w->loaded_bytes += (size_t)t->numel * esz;
+    w->n_tensors++;
+    if (w->loaded_bytes >= w->next_log) {
+        char a[32], b[32];
+        PRISM_INFO("loading weights: %s / %s", prism_fmt_bytes(w->loaded_bytes, a, sizeof a),
+                   prism_fmt_bytes(w->total, b, sizeof b));
+        w->next_log += (size_t)1 << 30;
+    }
+    return PRISM_OK;
+}
+
+int prism_wload_tensor(prism_wload_t *w, void **out, prism_dtype_t dt, const char *name, int ndim, const int64_t *shape)
+{
+    int64_t numel = 1;
+    if (ndim < 0) numel = shape[0];
+    else for (int d = 0; d < ndim; d++) numel *= shape[d];
+    void *p = prism_wload_reserve(w, (size_t)numel * prism_dtype_size(dt));
+    *out = p;
+    return prism_wload_fill(w, p, dt, name, ndim, shape);
+}
+
+const char *prism_wload_find_prefix(const prism_st_t *st, const char *const *prefixes, int n, const char *suffix)
+{
+    char name[PRISM_ST_MAX_NAME + 64];
+    for (int i = 0; i < n; i++) {
+        snprintf(name, sizeof name, "%s%s", prefixes[i], suffix);
+        if (prism_st_find(st, name)) return prefixes[i];
+    }
+    return NULL;
+}
