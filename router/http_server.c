@@ -1,0 +1,957 @@
+/* HTTP/1.1 server on libuv + llhttp. See http_server.h for behaviour and the ownership rule.
+ *
+ * Shape: one conn_t per socket, holding at most one request at a time (conn->req). Bytes read are
+ * appended to conn->inbuf and fed to llhttp by conn_process(); on_message_complete pauses the
+ * parser, so pipelined bytes stay in inbuf until the current response completes. Requests are
+ * reference counted (connection + caller) so a late respond after a disconnect touches nothing
+ * freed. Connections are freed only from uv_close callbacks (two handles: tcp + timer).
+ * Error answers (400/413/431/417/503) are written, the write side is shut down and the connection
+ * "lingers" reading and discarding for a moment so the client sees the answer instead of a reset. */
+#include "http_server.h"
+
+#include <llhttp.h>
+#include <stdio.h>
+#include <string.h>
+#include <strings.h>
+
+#define HTTP_READ_CHUNK      (64 * 1024)
+#define HTTP_MAX_HEADERS     256
+#define HTTP_LINGER_MS       5000   /* cap on a failing connection's lifetime */
+#define HTTP_LINGER_AFTER_MS 1000   /* after our error answer is flushed */
+#define HTTP_BODY_PREALLOC   (1024 * 1024)
+
+typedef struct conn conn_t;
+
+typedef struct {
+    uint32_t name_off;   /* into req->hdrs, NUL-terminated */
+    uint32_t value_off;
+} hdr_ent_t;
+
+struct prism_http_req {
+    int refs;
+    conn_t *conn;          /* NULL once detached (response done or connection gone) */
+    char method[24];
+    prism_buf_t url;       /* raw target; split in place into path '\0' query */
+    const char *path, *query;
+    prism_buf_t hdrs;      /* packed "name\0value\0" */
+    hdr_ent_t *hents;      /* [n_hdr] */
+    int n_hdr, cap_hdr;
+    bool in_field;
+    prism_buf_t body;
+    int http_major, http_minor;
+    bool keep_alive, is_head;
+    bool dispatched, started, streaming, chunked_out, done, aborted;
+    void (*abort_cb)(prism_http_req_t *r, void *ud);
+    void *abort_ud;
+    void *user;
+};
+
+struct conn {
+    uv_tcp_t tcp;
+    uv_timer_t timer;        /* idle timeout, or linger deadline when discarding */
+    uv_shutdown_t shutdown_req;
+    prism_http_server_t *srv;
+    llhttp_t parser;
+    prism_buf_t inbuf;       /* unparsed bytes starting at in_off */
+    size_t in_off;
+    prism_http_req_t *req;   /* being parsed, or dispatched and waiting for its response */
+    size_t hdr_bytes;
+    int fail_status;
+    int open_handles;
+    bool reading, closing, handles_closed, discard, rejected, in_process, shutdown_started, shutdown_done;
+    conn_t *prev, *next;
+};
+
+struct prism_http_server {
+    uv_loop_t *loop;
+    uv_tcp_t listener;
+    prism_http_config_t cfg;
+    prism_http_handler_fn fn;
+    void *ud;
+    llhttp_settings_t settings;
+    conn_t *conns;           /* intrusive list of all open connections */
+    size_t n_conns;
+    size_t n_active;         /* accepted, not rejected, not closing (read atomically) */
+    bool stopping, listener_closed;
+    int port;
+    char scratch[HTTP_READ_CHUNK];  /* libuv reads here; read_cb copies into conn->inbuf */
+};
+
+static void conn_process(conn_t *c);
+static void conn_close_graceful(conn_t *c);
+static void conn_close_now(conn_t *c);
+
+/* ------------------------------------------------------------------ small helpers */
+
+const char *prism_http_status_text(int status)
+{
+    switch (status) {
+    case 100: return "Continue";
+    case 200: return "OK";
+    case 201: return "Created";
+    case 202: return "Accepted";
+    case 204: return "No Content";
+    case 301: return "Moved Permanently";
+    case 302: return "Found";
+    case 304: return "Not Modified";
+    case 400: return "Bad Request";
+    case 401: return "Unauthorized";
+    case 403: return "Forbidden";
+    case 404: return "Not Found";
+    case 405: return "Method Not Allowed";
+    case 408: return "Request Timeout";
+    case 409: return "Conflict";
+    case 411: return "Length Required";
+    case 413: return "Payload Too Large";
+    case 415: return "Unsupported Media Type";
+    case 417: return "Expectation Failed";
+    case 422: return "Unprocessable Entity";
+    case 429: return "Too Many Requests";
+    case 431: return "Request Header Fields Too Large";
+    case 499: return "Client Closed Request";
+    case 500: return "Internal Server Error";
+    case 501: return "Not Implemented";
+    case 502: return "Bad Gateway";
+    case 503: return "Service Unavailable";
+    case 504: return "Gateway Timeout";
+    default: return "Unknown";
+    }
+}
+
+/* JSON string escaping for error bodies (messages are ours, but may quote client input).
+ * Bytes >= 0x80 are passed through; invalid UTF-8 is the caller's concern there, so we replace
+ * any byte >= 0x80 that does not start a well-formed sequence with '?'. */
+static int json_str(prism_buf_t *b, const char *s)
+{
+    if (!s) return prism_buf_append(b, "null", 4);
+    int rc = prism_buf_append(b, "\"", 1);
+    for (const unsigned char *p = (const unsigned char *)s; !rc && *p; p++) {
+        unsigned char ch = *p;
+        if (ch == '"' || ch == '\\') {
+            char e[2] = {'\\', (char)ch};
+            rc = prism_buf_append(b, e, 2);
+        } else if (ch < 0x20) {
+            rc = prism_buf_appendf(b, "\\u%04x", ch);
+        } else if (ch < 0x80) {
+            rc = prism_buf_append(b, p, 1);
+        } else {
+            int n = (ch >= 0xC2 && ch <= 0xDF) ? 2 : (ch >= 0xE0 && ch <= 0xEF) ? 3 : (ch >= 0xF0 && ch <= 0xF4) ? 4 : 0;
+            bool ok = n > 0;
+            for (int i = 1; ok && i < n; i++) ok = (p[i] & 0xC0) == 0x80;
+            if (ok && n == 3) ok = !((ch == 0xE0 && p[1] < 0xA0) || (ch == 0xED && p[1] > 0x9F));
+            if (ok && n == 4) ok = !((ch == 0xF0 && p[1] < 0x90) || (ch == 0xF4 && p[1] > 0x8F));
+            if (ok) {
+                rc = prism_buf_append(b, p, (size_t)n);
+                p += n - 1;
+            } else {
+                rc = prism_buf_append(b, "?", 1);
+            }
+        }
+    }
+    if (!rc) rc = prism_buf_append(b, "\"", 1);
+    return rc;
+}
+
+static int build_error_json(prism_buf_t *b, const char *type, const char *message, const char *param,
+                            const char *code)
+{
+    int rc = prism_buf_append_str(b, "{\"error\":{\"message\":");
+    if (!rc) rc = json_str(b, message ? message : "");
+    if (!rc) rc = prism_buf_append_str(b, ",\"type\":");
+    if (!rc) rc = json_str(b, type ? type : "BadRequestError");
+    if (!rc) rc = prism_buf_append_str(b, ",\"param\":");
+    if (!rc) rc = json_str(b, param);
+    if (!rc) rc = prism_buf_append_str(b, ",\"code\":");
+    if (!rc) rc = json_str(b, code);
+    if (!rc) rc = prism_buf_append_str(b, "}}");
+    return rc;
+}
+
+/* ------------------------------------------------------------------ requests */
+
+static prism_http_req_t *req_new(void)
+{
+    prism_http_req_t *r = prism_calloc(1, sizeof *r);
+    if (!r) return NULL;
+    r->refs = 1;  /* the connection's */
+    r->query = "";
+    r->path = "";
+    return r;
+}
+
+static void req_unref(prism_http_req_t *r)
+{
+    PRISM_ASSERT(r->refs > 0);
+    if (--r->refs > 0) return;
+    prism_buf_free(&r->url);
+    prism_buf_free(&r->hdrs);
+    prism_buf_free(&r->body);
+    prism_free(r->hents);
+    prism_free(r);
+}
+
+void prism_http_req_release(prism_http_req_t *r)
+{
+    if (r) req_unref(r);
+}
+
+const char *prism_http_req_method(const prism_http_req_t *r) { return r->method; }
+const char *prism_http_req_path(const prism_http_req_t *r) { return r->path; }
+const char *prism_http_req_query(const prism_http_req_t *r) { return r->query; }
+int prism_http_req_http_minor(const prism_http_req_t *r) { return r->http_minor; }
+void prism_http_req_set_user(prism_http_req_t *r, void *user) { r->user = user; }
+void *prism_http_req_user(prism_http_req_t *r) { return r->user; }
+bool prism_http_req_aborted(const prism_http_req_t *r) { return r->aborted; }
+
+const char *prism_http_req_header(const prism_http_req_t *r, const char *name)
+{
+    for (int i = 0; i < r->n_hdr; i++) {
+        if (strcasecmp(r->hdrs.data + r->hents[i].name_off, name) == 0) return r->hdrs.data + r->hents[i].value_off;
+    }
+    return NULL;
+}
+
+const char *prism_http_req_body(const prism_http_req_t *r, size_t *len)
+{
+    if (len) *len = r->body.len;
+    return r->body.data ? r->body.data : "";
+}
+
+void prism_http_req_drop_body(prism_http_req_t *r)
+{
+    prism_buf_free(&r->body);
+}
+
+void prism_http_req_on_abort(prism_http_req_t *r, void (*cb)(prism_http_req_t *r, void *ud), void *ud)
+{
+    r->abort_cb = cb;
+    r->abort_ud = ud;
+}
+
+size_t prism_http_req_pending_bytes(const prism_http_req_t *r)
+{
+    if (!r->conn || r->conn->closing) return 0;
+    return uv_stream_get_write_queue_size((const uv_stream_t *)&r->conn->tcp);
+}
+
+/* ------------------------------------------------------------------ connection lifecycle */
+
+static void server_maybe_free(prism_http_server_t *s)
+{
+    if (s->stopping && s->listener_closed && s->n_conns == 0) prism_free(s);
+}
+
+static void on_conn_handle_closed(uv_handle_t *h)
+{
+    conn_t *c = h->data;
+    if (--c->open_handles > 0) return;
+    prism_http_server_t *s = c->srv;
+    if (c->prev) c->prev->next = c->next;
+    else s->conns = c->next;
+    if (c->next) c->next->prev = c->prev;
+    s->n_conns--;
+    PRISM_ASSERT(c->req == NULL);
+    prism_buf_free(&c->inbuf);
+    prism_free(c);
+    server_maybe_free(s);
+}
+
+/* Logical close: detach the request (firing its abort callback when its response was not complete)
+ * and stop reading. Handles are closed separately (now, or after a shutdown flushes writes). */
+static void conn_begin_close(conn_t *c)
+{
+    if (c->closing) return;
+    c->closing = true;
+    if (!c->rejected) __atomic_sub_fetch(&c->srv->n_active, 1, __ATOMIC_RELAXED);
+    if (c->reading) {
+        uv_read_stop((uv_stream_t *)&c->tcp);
+        c->reading = false;
+    }
+    uv_timer_stop(&c->timer);
+    prism_http_req_t *r = c->req;
+    c->req = NULL;
+    if (r) {
+        r->conn = NULL;
+        if (r->dispatched && !r->done) {
+            r->aborted = true;
+            if (r->abort_cb) {
+                void (*cb)(prism_http_req_t *, void *) = r->abort_cb;
+                r->abort_cb = NULL;
+                cb(r, r->abort_ud);
+            }
+        }
+        req_unref(r);
+    }
+}
+
+static void conn_close_handles(conn_t *c)
+{
+    if (c->handles_closed) return;
+    c->handles_closed = true;
+    uv_close((uv_handle_t *)&c->tcp, on_conn_handle_closed);
+    uv_close((uv_handle_t *)&c->timer, on_conn_handle_closed);
+}
+
+static void conn_close_now(conn_t *c)
+{
+    conn_begin_close(c);
+    conn_close_handles(c);
+}
+
+static void on_timer(uv_timer_t *t)
+{
+    conn_t *c = t->data;
+    /* idle keep-alive timeout, stalled upload, or the end of a linger: just close */
+    conn_close_now(c);
+}
+
+static void on_shutdown(uv_shutdown_t *sr, int status)
+{
+    conn_t *c = sr->data;
+    c->shutdown_done = true;
+    if (c->handles_closed) return;
+    if (c->discard && status == 0 && !c->closing) {
+        /* our error answer is flushed: give the client a moment to read it and close */
+        uv_timer_start(&c->timer, on_timer, HTTP_LINGER_AFTER_MS, 0);
+        return;
+    }
+    conn_close_now(c);
+}
+
+/* Close after queued writes reach the kernel. */
+static void conn_close_graceful(conn_t *c)
+{
+    conn_begin_close(c);
+    if (c->handles_closed) return;
+    if (c->shutdown_started && !c->shutdown_done) return;  /* on_shutdown closes */
+    if (!c->shutdown_started && uv_stream_get_write_queue_size((uv_stream_t *)&c->tcp) > 0) {
+        c->shutdown_started = true;
+        c->shutdown_req.data = c;
+        if (uv_shutdown(&c->shutdown_req, (uv_stream_t *)&c->tcp, on_shutdown) == 0) return;
+        c->shutdown_done = true;
+    }
+    conn_close_handles(c);
+}
+
+/* ------------------------------------------------------------------ writing */
+
+typedef struct {
+    uv_write_t w;
+    conn_t *c;
+    char data[];
+} wreq_t;
+
+static void on_write(uv_write_t *w, int status)
+{
+    wreq_t *wr = (wreq_t *)w;
+    conn_t *c = wr->c;
+    prism_free(wr);
+    if (status < 0 && status != UV_ECANCELED && !c->closing) {
+        PRISM_DEBUG("http: write failed: %s", uv_strerror(status));
+        conn_close_now(c);
+    }
+}
+
+/* Queues head + body + tail as one write (copied: callers' buffers are theirs). */
+static int conn_write(conn_t *c, const void *head, size_t hl, const void *body, size_t bl, const void *tail,
+                      size_t tl)
+{
+    if (c->closing || c->handles_closed || c->shutdown_started) return PRISM_EIO;
+    size_t total = hl + bl + tl;
+    if (total == 0) return PRISM_OK;
+    wreq_t *wr = prism_malloc(sizeof *wr + total);
+    if (!wr) return PRISM_ENOMEM;
+    wr->c = c;
+    if (hl) memcpy(wr->data, head, hl);
+    if (bl) memcpy(wr->data + hl, body, bl);
+    if (tl) memcpy(wr->data + hl + bl, tail, tl);
+    uv_buf_t buf = uv_buf_init(wr->data, (unsigned)total);
+    int rc = uv_write(&wr->w, (uv_stream_t *)&c->tcp, &buf, 1, on_write);
+    if (rc) {
+        prism_free(wr);
+        PRISM_DEBUG("http: uv_write: %s", uv_strerror(rc));
+        conn_close_now(c);
+        return PRISM_EIO;
+    }
+    return PRISM_OK;
+}
+
+static int build_head(prism_buf_t *h, int status, const char *content_type, const char *extra, bool chunked,
+                      bool has_length, size_t len, bool keep_alive)
+{
+    int rc = prism_buf_appendf(h, "HTTP/1.1 %d %s\r\n", status, prism_http_status_text(status));
+    if (!rc && content_type) rc = prism_buf_appendf(h, "Content-Type: %s\r\n", content_type);
+    if (!rc && chunked) rc = prism_buf_append_str(h, "Transfer-Encoding: chunked\r\n");
+    if (!rc && has_length) rc = prism_buf_appendf(h, "Content-Length: %zu\r\n", len);
+    if (!rc) rc = prism_buf_append_str(h, keep_alive ? "Connection: keep-alive\r\n" : "Connection: close\r\n");
+    if (!rc && extra && *extra) {
+        size_t el = strlen(extra);
+        rc = prism_buf_append(h, extra, el);
+        if (!rc && (el < 2 || extra[el - 2] != '\r' || extra[el - 1] != '\n')) rc = prism_buf_append(h, "\r\n", 2);
+    }
+    if (!rc) rc = prism_buf_append(h, "\r\n", 2);
+    return rc;
+}
+
+/* Answer a request-level failure the handler never saw, then linger and close. */
+static void conn_fail(conn_t *c, int status, const char *message)
+{
+    if (c->closing || c->discard) return;
+    c->discard = true;
+    if (c->req) {
+        PRISM_ASSERT(!c->req->dispatched);
+        req_unref(c->req);
+        c->req = NULL;
+    }
+    prism_buf_t body = {0}, head = {0};
+    const char *type = status == 503 ? "ServiceUnavailableError" : status >= 500 ? "InternalServerError"
+                                                                                : "BadRequestError";
+    int rc = build_error_json(&body, type, message, NULL, NULL);
+    if (!rc) rc = build_head(&head, status, "application/json", NULL, false, true, body.len, false);
+    if (!rc) rc = conn_write(c, head.data, head.len, body.data, body.len, NULL, 0);
+    prism_buf_free(&body);
+    prism_buf_free(&head);
+    if (c->closing || c->handles_closed) return;   /* the write failed and closed us */
+    if (rc) {
+        conn_close_now(c);
+        return;
+    }
+    uv_timer_start(&c->timer, on_timer, HTTP_LINGER_MS, 0);
+    c->shutdown_started = true;
+    c->shutdown_req.data = c;
+    if (uv_shutdown(&c->shutdown_req, (uv_stream_t *)&c->tcp, on_shutdown) != 0) {
+        c->shutdown_done = true;
+        conn_close_now(c);
+    }
+}
+
+/* ------------------------------------------------------------------ responses */
+
+static int req_can_respond(prism_http_req_t *r)
+{
+    if (!r) return PRISM_EINVAL;
+    if (r->aborted) return PRISM_EIO;
+    if (r->started || r->done) return PRISM_EINVAL;
+    if (!r->conn || r->conn->closing) return PRISM_EIO;
+    return PRISM_OK;
+}
+
+/* Response fully queued: move on to the next pipelined request or close. */
+static void req_complete(prism_http_req_t *r)
+{
+    conn_t *c = r->conn;
+    r->done = true;
+    if (!c) return;
+    if (!r->keep_alive || c->srv->stopping) {
+        conn_close_graceful(c);
+        return;
+    }
+    c->req = NULL;
+    r->conn = NULL;
+    req_unref(r);
+    uv_timer_start(&c->timer, on_timer, (uint64_t)(c->srv->cfg.idle_timeout_s * 1000.0), 0);
+    conn_process(c);
+}
+
+int prism_http_respond(prism_http_req_t *r, int status, const char *content_type, const char *extra_headers,
+                       const void *body, size_t len)
+{
+    int rc = req_can_respond(r);
+    if (rc) return rc;
+    conn_t *c = r->conn;
+    prism_buf_t head = {0};
+    bool ka = r->keep_alive && !c->srv->stopping;
+    rc = build_head(&head, status, content_type, extra_headers, false, true, len, ka);
+    if (rc) goto fail;
+    r->started = true;
+    rc = conn_write(c, head.data, head.len, r->is_head ? NULL : body, r->is_head ? 0 : len, NULL, 0);
+    if (rc) goto fail;
+    prism_buf_free(&head);
+    req_complete(r);
+    return PRISM_OK;
+fail:
+    prism_buf_free(&head);
+    return rc;
+}
+
+int prism_http_respond_error(prism_http_req_t *r, int status, const char *type, const char *message,
+                             const char *param, const char *code, const char *extra_headers)
+{
+    int rc = req_can_respond(r);
+    if (rc) return rc;
+    prism_buf_t body = {0};
+    rc = build_error_json(&body, type, message, param, code);
+    if (!rc) rc = prism_http_respond(r, status, "application/json", extra_headers, body.data, body.len);
+    prism_buf_free(&body);
+    return rc;
+}
+
+int prism_http_stream_begin(prism_http_req_t *r, int status, const char *content_type, const char *extra_headers)
+{
+    int rc = req_can_respond(r);
+    if (rc) return rc;
+    conn_t *c = r->conn;
+    /* HTTP/1.0 has no chunked encoding: send raw bytes and mark the end by closing. */
+    r->chunked_out = !(r->http_major == 1 && r->http_minor == 0);
+    if (!r->chunked_out) r->keep_alive = false;
+    bool ka = r->keep_alive && !c->srv->stopping;
+    prism_buf_t head = {0};
+    rc = build_head(&head, status, content_type, extra_headers, r->chunked_out, false, 0, ka);
+    if (!rc) {
+        r->started = true;
+        r->streaming = true;
+        rc = conn_write(c, head.data, head.len, NULL, 0, NULL, 0);
+    }
+    prism_buf_free(&head);
+    return rc;
+}
+
+int prism_http_stream_write(prism_http_req_t *r, const void *data, size_t len)
+{
+    if (!r) return PRISM_EINVAL;
+    if (r->aborted) return PRISM_EIO;
+    if (!r->streaming || r->done) return PRISM_EINVAL;
+    if (!r->conn || r->conn->closing) return PRISM_EIO;
+    if (len == 0 || r->is_head) return PRISM_OK;
+    if (!r->chunked_out) return conn_write(r->conn, data, len, NULL, 0, NULL, 0);
+    char hex[24];
+    int hl = snprintf(hex, sizeof hex, "%zx\r\n", len);
+    return conn_write(r->conn, hex, (size_t)hl, data, len, "\r\n", 2);
+}
+
+int prism_http_stream_end(prism_http_req_t *r)
+{
+    if (!r) return PRISM_EINVAL;
+    if (r->aborted) return PRISM_EIO;
+    if (!r->streaming || r->done) return PRISM_EINVAL;
+    if (!r->conn || r->conn->closing) return PRISM_EIO;
+    if (r->chunked_out && !r->is_head) {
+        int rc = conn_write(r->conn, "0\r\n\r\n", 5, NULL, 0, NULL, 0);
+        if (rc) return rc;
+    }
+    req_complete(r);
+    return PRISM_OK;
+}
+
+/* ------------------------------------------------------------------ parsing (llhttp callbacks) */
+
+static int hdr_account(conn_t *c, size_t n)
+{
+    c->hdr_bytes += n;
+    if (c->hdr_bytes > c->srv->cfg.max_header_bytes) {
+        c->fail_status = 431;
+        return -1;
+    }
+    return 0;
+}
+
+static int on_message_begin(llhttp_t *p)
+{
+    conn_t *c = p->data;
+    PRISM_ASSERT(c->req == NULL);
+    c->req = req_new();
+    c->hdr_bytes = 0;
+    if (!c->req) {
+        c->fail_status = 500;
+        return -1;
+    }
+    c->req->conn = c;
+    return 0;
+}
+
+static int on_url(llhttp_t *p, const char *at, size_t len)
+{
+    conn_t *c = p->data;
+    if (hdr_account(c, len)) return -1;
+    if (prism_buf_append(&c->req->url, at, len)) {
+        c->fail_status = 500;
+        return -1;
+    }
+    return 0;
+}
+
+static int on_header_field(llhttp_t *p, const char *at, size_t len)
+{
+    conn_t *c = p->data;
+    prism_http_req_t *r = c->req;
+    if (hdr_account(c, len + 4)) return -1;  /* + ": " and CRLF, roughly what the client sent */
+    if (!r->in_field) {
+        if (r->n_hdr >= HTTP_MAX_HEADERS) {
+            c->fail_status = 431;
+            return -1;
+        }
+        if (r->n_hdr == r->cap_hdr) {
+            int cap = r->cap_hdr ? r->cap_hdr * 2 : 16;
+            hdr_ent_t *e = prism_realloc(r->hents, (size_t)cap * sizeof *e);
+            if (!e) goto oom;
+            r->hents = e;
+            r->cap_hdr = cap;
+        }
+        r->hents[r->n_hdr].name_off = (uint32_t)r->hdrs.len;
+        r->in_field = true;
+    }
+    if (prism_buf_append(&r->hdrs, at, len)) goto oom;
+    return 0;
+oom:
+    c->fail_status = 500;
+    return -1;
+}
+
+static int on_header_field_complete(llhttp_t *p)
+{
+    conn_t *c = p->data;
+    prism_http_req_t *r = c->req;
+    if (!r->in_field) return 0;
+    /* the buffer always ends with a NUL, but appending one makes it part of the data */
+    if (prism_buf_append(&r->hdrs, "", 1)) goto oom;
+    r->hents[r->n_hdr].value_off = (uint32_t)r->hdrs.len;
+    return 0;
+oom:
+    c->fail_status = 500;
+    return -1;
+}
+
+static int on_header_value(llhttp_t *p, const char *at, size_t len)
+{
+    conn_t *c = p->data;
+    if (hdr_account(c, len)) return -1;
+    if (prism_buf_append(&c->req->hdrs, at, len)) {
+        c->fail_status = 500;
+        return -1;
+    }
+    return 0;
+}
+
+static int on_header_value_complete(llhttp_t *p)
+{
+    conn_t *c = p->data;
+    prism_http_req_t *r = c->req;
+    if (!r->in_field) return 0;
+    if (prism_buf_append(&r->hdrs, "", 1)) {
+        c->fail_status = 500;
+        return -1;
+    }
+    r->in_field = false;
+    r->n_hdr++;
+    return 0;
+}
+
+static int on_headers_complete(llhttp_t *p)
+{
+    conn_t *c = p->data;
+    prism_http_req_t *r = c->req;
+    const prism_http_config_t *cfg = &c->srv->cfg;
+    snprintf(r->method, sizeof r->method, "%s", llhttp_method_name((llhttp_method_t)llhttp_get_method(p)));
+    r->http_major = llhttp_get_http_major(p);
+    r->http_minor = llhttp_get_http_minor(p);
+    r->keep_alive = llhttp_should_keep_alive(p) != 0;
+    r->is_head = llhttp_get_method(p) == HTTP_HEAD;
+    if (r->url.data) {
+        r->path = r->url.data;
+        char *q = memchr(r->url.data, '?', r->url.len);
+        if (q) {
+            *q = '\0';
+            r->query = q + 1;
+        }
+    }
+    bool has_cl = (p->flags & F_CONTENT_LENGTH) != 0;
+    if (has_cl && p->content_length > cfg->max_body_bytes) {
+        c->fail_status = 413;
+        return -1;
+    }
+    if (has_cl && p->content_length > 0) {
+        size_t pre = (size_t)PRISM_MIN(p->content_length, (uint64_t)HTTP_BODY_PREALLOC);
+        if (prism_buf_reserve(&r->body, pre)) {
+            c->fail_status = 500;
+            return -1;
+        }
+    }
+    const char *expect = prism_http_req_header(r, "Expect");
+    if (expect) {
+        if (strcasecmp(expect, "100-continue") != 0) {
+            c->fail_status = 417;
+            return -1;
+        }
+        bool body_expected = (has_cl && p->content_length > 0) || (p->flags & F_CHUNKED);
+        if (r->http_minor >= 1 && body_expected) {
+            static const char cont[] = "HTTP/1.1 100 Continue\r\n\r\n";
+            if (conn_write(c, cont, sizeof cont - 1, NULL, 0, NULL, 0)) return -1;
+        }
+    }
+    return 0;
+}
+
+static int on_body(llhttp_t *p, const char *at, size_t len)
+{
+    conn_t *c = p->data;
+    prism_http_req_t *r = c->req;
+    if (r->body.len + len > c->srv->cfg.max_body_bytes) {
+        c->fail_status = 413;
+        return -1;
+    }
+    if (prism_buf_append(&r->body, at, len)) {
+        c->fail_status = 500;
+        return -1;
+    }
+    return 0;
+}
+
+static int on_message_complete(llhttp_t *p)
+{
+    (void)p;
+    return HPE_PAUSED;  /* hand the request over before parsing any pipelined bytes */
+}
+
+/* ------------------------------------------------------------------ reading / processing */
+
+static void conn_update_reading(conn_t *c);
+
+static void conn_dispatch(conn_t *c)
+{
+    prism_http_req_t *r = c->req;
+    PRISM_ASSERT(r && !r->dispatched);
+    r->dispatched = true;
+    r->refs++;  /* the caller's reference */
+    uv_timer_stop(&c->timer);
+    c->srv->fn(r, c->srv->ud);
+}
+
+static void conn_process(conn_t *c)
+{
+    if (c->in_process) return;  /* a synchronous response inside the handler: the outer loop goes on */
+    c->in_process = true;
+    for (;;) {
+        if (c->closing || c->discard) break;
+        if (c->req && c->req->dispatched) break;  /* one request at a time */
+        size_t avail = c->inbuf.len - c->in_off;
+        if (avail == 0) break;
+        const char *start = c->inbuf.data + c->in_off;
+        llhttp_errno_t e = llhttp_execute(&c->parser, start, avail);
+        if (e == HPE_OK) {
+            c->in_off += avail;
+        } else if (e == HPE_PAUSED || e == HPE_PAUSED_UPGRADE) {
+            const char *pos = llhttp_get_error_pos(&c->parser);
+            c->in_off += (size_t)(pos - start);
+            if (e == HPE_PAUSED) {
+                llhttp_resume(&c->parser);
+            } else {
+                /* no protocol upgrades here: answer this request, then close */
+                llhttp_resume_after_upgrade(&c->parser);
+                c->req->keep_alive = false;
+            }
+            if (!c->req) {
+                conn_fail(c, 400, "Malformed HTTP request.");
+                break;
+            }
+            conn_dispatch(c);
+        } else {
+            int status = c->fail_status ? c->fail_status : 400;
+            char msg[256];
+            const prism_http_config_t *cfg = &c->srv->cfg;
+            switch (status) {
+            case 413: snprintf(msg, sizeof msg, "Request body too large: the limit is %zu bytes.", cfg->max_body_bytes); break;
+            case 431: snprintf(msg, sizeof msg, "Request header fields too large: the limit is %zu bytes.", cfg->max_header_bytes); break;
+            case 417: snprintf(msg, sizeof msg, "Unsupported Expect header; only 100-continue is supported."); break;
+            case 500: snprintf(msg, sizeof msg, "Out of memory while reading the request."); break;
+            default:
+                snprintf(msg, sizeof msg, "Malformed HTTP request: %s", llhttp_get_error_reason(&c->parser));
+                break;
+            }
+            conn_fail(c, status, msg);
+            break;
+        }
+    }
+    if (c->in_off > 0) {
+        size_t rest = c->inbuf.len - c->in_off;
+        if (rest) memmove(c->inbuf.data, c->inbuf.data + c->in_off, rest);
+        c->inbuf.len = rest;
+        c->in_off = 0;
+    }
+    if (c->inbuf.len == 0 && c->inbuf.cap > 4 * HTTP_READ_CHUNK) prism_buf_free(&c->inbuf);
+    c->in_process = false;
+    conn_update_reading(c);
+}
+
+static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
+{
+    (void)suggested;
+    conn_t *c = h->data;
+    *buf = uv_buf_init(c->srv->scratch, sizeof c->srv->scratch);
+}
+
+static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
+{
+    conn_t *c = st->data;
+    if (nread == 0) return;
+    if (nread < 0) {
+        /* EOF or error. A client that goes away mid-response aborts the request (as uvicorn does). */
+        if (nread == UV_EOF) conn_close_graceful(c);
+        else conn_close_now(c);
+        return;
+    }
+    if (c->closing || c->discard) return;
+    if (prism_buf_append(&c->inbuf, buf->base, (size_t)nread)) {
+        conn_close_now(c);
+        return;
+    }
+    if (!c->req || !c->req->dispatched)
+        uv_timer_start(&c->timer, on_timer, (uint64_t)(c->srv->cfg.idle_timeout_s * 1000.0), 0);
+    conn_process(c);
+}
+
+static void conn_update_reading(conn_t *c)
+{
+    if (c->closing || c->handles_closed) return;
+    bool want = c->discard || (c->inbuf.len - c->in_off) < c->srv->cfg.max_pipeline_bytes;
+    if (want && !c->reading) {
+        if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) == 0) c->reading = true;
+    } else if (!want && c->reading) {
+        uv_read_stop((uv_stream_t *)&c->tcp);
+        c->reading = false;
+    }
+}
+
+/* ------------------------------------------------------------------ server */
+
+prism_http_config_t prism_http_config_default(void)
+{
+    prism_http_config_t c = {0};
+    c.host = "127.0.0.1";
+    c.port = 8000;
+    c.max_header_bytes = 64 * 1024;
+    c.max_body_bytes = 64u * 1024 * 1024;
+    c.max_connections = 1024;
+    c.idle_timeout_s = 60.0;
+    return c;
+}
+
+static void on_listener_closed(uv_handle_t *h);
+
+static void on_connection(uv_stream_t *l, int status)
+{
+    prism_http_server_t *s = l->data;
+    if (status < 0) {
+        PRISM_WARN("http: accept: %s", uv_strerror(status));
+        return;
+    }
+    conn_t *c = prism_calloc(1, sizeof *c);
+    if (!c) {
+        PRISM_ERROR("http: out of memory accepting a connection");
+        return;
+    }
+    c->srv = s;
+    uv_tcp_init(s->loop, &c->tcp);
+    uv_timer_init(s->loop, &c->timer);
+    c->tcp.data = c;
+    c->timer.data = c;
+    c->open_handles = 2;
+    c->next = s->conns;
+    if (s->conns) s->conns->prev = c;
+    s->conns = c;
+    s->n_conns++;
+    llhttp_init(&c->parser, HTTP_REQUEST, &s->settings);
+    c->parser.data = c;
+    c->rejected = __atomic_load_n(&s->n_active, __ATOMIC_RELAXED) >= (size_t)s->cfg.max_connections;
+    if (!c->rejected) __atomic_add_fetch(&s->n_active, 1, __ATOMIC_RELAXED);
+    if (uv_accept(l, (uv_stream_t *)&c->tcp) != 0) {
+        conn_close_now(c);
+        return;
+    }
+    uv_tcp_nodelay(&c->tcp, 1);
+    if (c->rejected) {
+        PRISM_WARN("http: connection limit (%d) reached; answering 503", s->cfg.max_connections);
+        conn_fail(c, 503, "Too many connections; try again later.");
+        conn_update_reading(c);
+        return;
+    }
+    uv_timer_start(&c->timer, on_timer, (uint64_t)(s->cfg.idle_timeout_s * 1000.0), 0);
+    conn_update_reading(c);
+}
+
+int prism_http_server_start(uv_loop_t *loop, const prism_http_config_t *cfg_in, prism_http_handler_fn fn,
+                            void *ud, prism_http_server_t **out)
+{
+    PRISM_ASSERT(loop && cfg_in && fn && out);
+    prism_http_config_t def = prism_http_config_default();
+    prism_http_server_t *s = prism_calloc(1, sizeof *s);
+    if (!s) return PRISM_ENOMEM;
+    s->loop = loop;
+    s->fn = fn;
+    s->ud = ud;
+    s->cfg = *cfg_in;
+    if (!s->cfg.host) s->cfg.host = def.host;
+    if (!s->cfg.max_header_bytes) s->cfg.max_header_bytes = def.max_header_bytes;
+    if (!s->cfg.max_body_bytes) s->cfg.max_body_bytes = def.max_body_bytes;
+    if (s->cfg.max_connections <= 0) s->cfg.max_connections = def.max_connections;
+    if (s->cfg.idle_timeout_s <= 0) s->cfg.idle_timeout_s = def.idle_timeout_s;
+    if (!s->cfg.max_pipeline_bytes) s->cfg.max_pipeline_bytes = s->cfg.max_header_bytes + HTTP_READ_CHUNK;
+
+    llhttp_settings_init(&s->settings);
+    s->settings.on_message_begin = on_message_begin;
+    s->settings.on_url = on_url;
+    s->settings.on_header_field = on_header_field;
+    s->settings.on_header_field_complete = on_header_field_complete;
+    s->settings.on_header_value = on_header_value;
+    s->settings.on_header_value_complete = on_header_value_complete;
+    s->settings.on_headers_complete = on_headers_complete;
+    s->settings.on_body = on_body;
+    s->settings.on_message_complete = on_message_complete;
+
+    union {
+        struct sockaddr sa;
+        struct sockaddr_in in4;
+        struct sockaddr_in6 in6;
+    } addr;
+    int rc = strchr(s->cfg.host, ':') ? uv_ip6_addr(s->cfg.host, s->cfg.port, &addr.in6)
+                                      : uv_ip4_addr(s->cfg.host, s->cfg.port, &addr.in4);
+    if (rc) {
+        PRISM_ERROR("http: bad listen address '%s': %s", s->cfg.host, uv_strerror(rc));
+        prism_free(s);
+        return PRISM_EINVAL;
+    }
+    uv_tcp_init(loop, &s->listener);
+    s->listener.data = s;
+    rc = uv_tcp_bind(&s->listener, &addr.sa, 0);
+    if (!rc) rc = uv_listen((uv_stream_t *)&s->listener, 511, on_connection);
+    if (rc) {
+        PRISM_ERROR("http: cannot listen on %s:%d: %s", s->cfg.host, s->cfg.port, uv_strerror(rc));
+        /* the handle memory must live until its close callback, which frees s */
+        s->stopping = true;
+        uv_close((uv_handle_t *)&s->listener, on_listener_closed);
+        *out = NULL;
+        return PRISM_EIO;
+    }
+    struct sockaddr_storage bound;
+    int blen = sizeof bound;
+    if (uv_tcp_getsockname(&s->listener, (struct sockaddr *)&bound, &blen) == 0) {
+        s->port = bound.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&bound)->sin6_port)
+                                              : ntohs(((struct sockaddr_in *)&bound)->sin_port);
+    }
+    PRISM_INFO("http: listening on %s:%d", s->cfg.host, s->port);
+    *out = s;
+    return PRISM_OK;
+}
+
+static void on_listener_closed(uv_handle_t *h)
+{
+    prism_http_server_t *s = h->data;
+    s->listener_closed = true;
+    server_maybe_free(s);
+}
+
+void prism_http_server_stop(prism_http_server_t *s)
+{
+    if (!s || s->stopping) return;
+    s->stopping = true;
+    uv_close((uv_handle_t *)&s->listener, on_listener_closed);
+    /* conn_close_now may run abort callbacks, which must not free other connections: they are
+     * freed only from close callbacks, so walking the list here is safe. */
+    for (conn_t *c = s->conns; c; c = c->next) conn_close_now(c);
+}
+
+int prism_http_server_port(const prism_http_server_t *s) { return s->port; }
+
+size_t prism_http_server_active_connections(const prism_http_server_t *s)
+{
+    return __atomic_load_n(&s->n_active, __ATOMIC_RELAXED);
+}

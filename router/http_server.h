@@ -1,0 +1,114 @@
+/* http_server: the router's HTTP/1.1 front door (libuv + llhttp), one loop thread.
+ *
+ * What it does: keep-alive (HTTP/1.1 default, HTTP/1.0 with "Connection: keep-alive",
+ * "Connection: close" honoured), pipelining (requests on one connection are handled strictly one
+ * after the other: the next one is not parsed until the previous response is complete), request
+ * bodies with Content-Length or chunked encoding, "Expect: 100-continue", fixed or chunked responses,
+ * per-connection idle timeout, a connection cap, and bounded input:
+ *   - header bytes (request line + header lines) > max_header_bytes  -> 431, connection closed
+ *   - body bytes > max_body_bytes (checked while the body streams in) -> 413 JSON error, closed
+ *   - malformed HTTP                                                  -> 400, connection closed
+ *   - connections >= max_connections: the new one is accepted, answered 503 and closed
+ * These error answers use the OpenAI error shape {"error":{"message","type","param","code"}}.
+ *
+ * OWNERSHIP RULE (read this):
+ *   The handler receives a request holding ONE reference that belongs to the caller. The caller must
+ *   call prism_http_req_release(r) exactly once, whenever it is done with r (right after responding,
+ *   or much later after an asynchronous response). The connection keeps its own reference while the
+ *   request is on it, so r stays valid memory until both are gone. Accessors (method, path, headers,
+ *   body, user pointer) stay valid until the caller's release.
+ *   If the client goes away before the response completed, the abort callback (if set) fires once,
+ *   from the loop thread; from then on respond/stream calls return PRISM_EIO without touching the
+ *   socket, and the caller still releases r as usual. The abort callback never fires for a request
+ *   whose handler has not run, and it may fire from inside a respond/stream call that finds the
+ *   socket broken (that call then returns PRISM_EIO). Everything here runs on the loop thread only.
+ *
+ * Usage:
+ *   static void on_req(prism_http_req_t *r, void *ud) {
+ *       prism_http_respond(r, 200, "application/json", NULL, "{}", 2);
+ *       prism_http_req_release(r);
+ *   }
+ *   prism_http_config_t cfg = prism_http_config_default();
+ *   cfg.port = 8000;
+ *   prism_http_server_t *s;
+ *   if (prism_http_server_start(loop, &cfg, on_req, NULL, &s) == PRISM_OK) uv_run(loop, UV_RUN_DEFAULT);
+ *   ... later, on the loop thread: prism_http_server_stop(s);  (then let the loop run to close handles)
+ */
+#ifndef PRISM_ROUTER_HTTP_SERVER_H
+#define PRISM_ROUTER_HTTP_SERVER_H
+
+#include "core/core.h"
+
+#include <uv.h>
+
+typedef struct prism_http_server prism_http_server_t;
+typedef struct prism_http_req prism_http_req_t;
+typedef void (*prism_http_handler_fn)(prism_http_req_t *req, void *ud);
+
+typedef struct {
+    const char *host;          /* bind address, "127.0.0.1" when NULL */
+    int port;                  /* 0 = ephemeral (see prism_http_server_port) */
+    size_t max_header_bytes;   /* request line + headers; 0 = 64 KiB; beyond: 431 */
+    size_t max_body_bytes;     /* 0 = 64 MiB; beyond: 413 (OpenAI-style JSON error) */
+    int max_connections;       /* 0 = 1024; beyond: accept, answer 503, close */
+    double idle_timeout_s;     /* keep-alive idle timeout; 0 = 60 s; also bounds a stalled upload */
+    size_t max_pipeline_bytes; /* bytes buffered from a client while its request is in flight;
+                                * 0 = max_header_bytes + 64 KiB. Beyond: stop reading (backpressure) */
+} prism_http_config_t;
+
+prism_http_config_t prism_http_config_default(void);
+
+/* Binds and listens; fails with PRISM_EIO when the address cannot be bound. */
+int  prism_http_server_start(uv_loop_t *loop, const prism_http_config_t *cfg, prism_http_handler_fn fn,
+                             void *ud, prism_http_server_t **out);
+/* Closes the listener and every connection through uv_close callbacks (in-flight requests see their
+ * abort callback). s is freed once the loop has run the close callbacks: do not use it afterwards. */
+void prism_http_server_stop(prism_http_server_t *s);
+int  prism_http_server_port(const prism_http_server_t *s);  /* the bound port (useful with port 0) */
+size_t prism_http_server_active_connections(const prism_http_server_t *s);
+
+/* ---- request accessors (valid until the caller's prism_http_req_release) ---- */
+const char *prism_http_req_method(const prism_http_req_t *r);   /* "GET", "POST", ... */
+const char *prism_http_req_path(const prism_http_req_t *r);     /* without the query string, not decoded */
+const char *prism_http_req_query(const prism_http_req_t *r);    /* after '?', may be "" */
+/* Case-insensitive; NULL if absent. Repeated headers: the first one. */
+const char *prism_http_req_header(const prism_http_req_t *r, const char *name);
+/* NUL-terminated for convenience (the NUL is not counted in *len). Never NULL. */
+const char *prism_http_req_body(const prism_http_req_t *r, size_t *len);
+/* Frees the body early (e.g. once parsed) so a long streaming response does not pin it. */
+void prism_http_req_drop_body(prism_http_req_t *r);
+int  prism_http_req_http_minor(const prism_http_req_t *r);     /* 0 for HTTP/1.0, 1 for HTTP/1.1 */
+
+void  prism_http_req_set_user(prism_http_req_t *r, void *user);
+void *prism_http_req_user(prism_http_req_t *r);
+
+/* Drops the caller's reference (see the ownership rule). */
+void prism_http_req_release(prism_http_req_t *r);
+/* True once the client went away before the response completed. */
+bool prism_http_req_aborted(const prism_http_req_t *r);
+/* Called at most once, on the loop thread, when the client goes away before the response completed
+ * (so upstream work can be cancelled). After it fires, r may only be released. */
+void prism_http_req_on_abort(prism_http_req_t *r, void (*cb)(prism_http_req_t *r, void *ud), void *ud);
+/* Bytes queued on this request's socket that the kernel has not taken yet (write backpressure:
+ * a streaming producer should pause above some threshold). 0 once the connection is gone. */
+size_t prism_http_req_pending_bytes(const prism_http_req_t *r);
+
+/* ---- responses ----
+ * Exactly one of respond / respond_error / stream_begin..stream_end per request. They may be called
+ * from the handler or later from the same loop thread. They return PRISM_EIO once the client is gone
+ * and PRISM_EINVAL on misuse (a second response, stream_write before stream_begin). extra_headers is
+ * "Name: value\r\n..." (each line CRLF-terminated) or NULL; it must not set Content-Length,
+ * Transfer-Encoding or Connection, which the server manages. */
+int prism_http_respond(prism_http_req_t *r, int status, const char *content_type, const char *extra_headers,
+                       const void *body, size_t len);
+/* OpenAI error body {"error":{"message","type","param","code"}}; param/code NULL -> JSON null. */
+int prism_http_respond_error(prism_http_req_t *r, int status, const char *type, const char *message,
+                             const char *param, const char *code, const char *extra_headers);
+/* Chunked transfer encoding (HTTP/1.1); an HTTP/1.0 client gets the raw bytes and a close. */
+int prism_http_stream_begin(prism_http_req_t *r, int status, const char *content_type, const char *extra_headers);
+int prism_http_stream_write(prism_http_req_t *r, const void *data, size_t len);  /* one chunk; len 0: no-op */
+int prism_http_stream_end(prism_http_req_t *r);
+
+const char *prism_http_status_text(int status);  /* "OK", "Not Found", ...; "Unknown" otherwise */
+
+#endif
