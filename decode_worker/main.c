@@ -1,0 +1,414 @@
+/* decode_worker: paged KV cache, continuous batching, sampling.
+ *
+ * Requests arrive as KV transfers from prefill workers (the prompt's K/V blocks plus the first
+ * token, already streamed to the router by prefill). Each loop iteration admits what fits, runs
+ * one decode step over every running sequence (sequences join and leave between steps), and
+ * streams each new token to the router that owns the request.
+ *
+ * Admission policy: reserve. A request is admitted only when blocks for prompt + max_tokens are
+ * free, so a running sequence never runs out of KV and nothing is ever preempted; requests that
+ * do not fit wait (one staged transfer, the rest stays in the senders: backpressure). */
+#include "core/core.h"
+#include "core/cli.h"
+#include "net/net.h"
+#include "worker/worker.h"
+#include "kv/kv.h"
+#include "sample/sample.h"
+#include "backend/backend.h"
+#include "model/model.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#define MAX_TOP_LOGPROBS 20
+#define MAX_STOP_IDS 16
+
+typedef struct {
+    bool active;
+    uint64_t request_id;
+    char router_id[128];
+    int32_t *blocks;          /* [max_blocks_per_seq] slice of the block-table pool */
+    int n_blocks;
+    int len;                  /* tokens whose K/V are in the cache */
+    int32_t last_token;       /* sampled, not yet fed */
+    int generated;
+    int max_tokens;
+    int prompt_tokens;
+    prism_sample_params_t sp;
+    uint64_t rng;
+    bool ignore_eos;
+    int n_logprobs;           /* 0 off; else 1 + top count */
+    int32_t stop_ids[MAX_STOP_IDS];
+    int n_stop_ids;
+} seq_t;
+
+typedef struct {
+    prism_worker_t w;
+    prism_model_config_t cfg;
+    prism_backend_t *be;
+    prism_llm_t *llm;
+    prism_kv_cache_t *kv;
+    prism_kv_blocks_t blocks;
+    prism_sampler_t sampler;
+    int max_running, max_model_len, max_blocks_per_seq;
+    seq_t *seqs;              /* [max_running] */
+    int32_t *block_pool;      /* [max_running][max_blocks_per_seq] */
+    /* step scratch, sized at start-up */
+    int32_t *tokens, *seq_start, *pos0;
+    const int32_t **tables;
+    int *slot_of;
+    float *logits;            /* [max_running][vocab] */
+    /* one staged KV transfer waiting for blocks */
+    bool staged;
+    uint64_t staged_rid;
+    char staged_router[128];
+    Prism__Kv *staged_kv;     /* owned copy of the header (unpacked message kept) */
+    Prism__Envelope *staged_env;
+    zmq_msg_t staged_frame;
+    uint64_t steps, tokens_out;
+} decode_t;
+
+static bool is_stop(const decode_t *d, const seq_t *s, int32_t tok)
+{
+    if (!s->ignore_eos)
+        for (int i = 0; i < d->cfg.n_eos; i++)
+            if (tok == d->cfg.eos_token_ids[i]) return true;
+    for (int i = 0; i < s->n_stop_ids; i++)
+        if (tok == s->stop_ids[i]) return true;
+    return false;
+}
+
+static void send_error(decode_t *d, const char *router_id, uint64_t rid, const char *msg)
+{
+    Prism__Tokens t = PRISM__TOKENS__INIT;
+    t.finish = PRISM__FINISH__FINISH_ERROR;
+    t.error = (char *)msg;
+    Prism__Envelope env = PRISM__ENVELOPE__INIT;
+    env.type = PRISM__MSG_TYPE__MSG_TOKENS;
+    env.tokens = &t;
+    prism_worker_reply(&d->w, router_id, rid, &env);
+}
+
+static void seq_release(decode_t *d, seq_t *s)
+{
+    prism_kv_blocks_release(&d->blocks, s->blocks, s->n_blocks);
+    s->active = false;
+    s->n_blocks = 0;
+}
+
+/* Tries to admit the staged transfer. Returns true when the stage is empty afterwards. */
+static bool admit_staged(decode_t *d)
+{
+    if (!d->staged) return true;
+    const Prism__Kv *kv = d->staged_kv;
+    int slot = -1;
+    for (int i = 0; i < d->max_running; i++)
+        if (!d->seqs[i].active) { slot = i; break; }
+    if (slot < 0) return false;
+    int total = (int)kv->n_tokens + (int)kv->sampling->max_tokens;
+    if (total > d->max_model_len) total = d->max_model_len;
+    int need = prism_kv_blocks_for_tokens(&d->blocks, total);
+    seq_t *s = &d->seqs[slot];
+    if (prism_kv_blocks_alloc(&d->blocks, need, s->blocks) != PRISM_OK)
+        return false;
+    s->n_blocks = need;
+    const void *bytes = zmq_msg_data(&d->staged_frame);
+    int rc = prism_kv_cache_import(d->kv, s->blocks, (int)kv->n_blocks, bytes);
+    if (rc != PRISM_OK) {
+        prism_kv_blocks_release(&d->blocks, s->blocks, need);
+        send_error(d, d->staged_router, d->staged_rid, "decode worker could not import the KV cache");
+    } else {
+        s->active = true;
+        s->request_id = d->staged_rid;
+        snprintf(s->router_id, sizeof(s->router_id), "%s", d->staged_router);
+        s->len = (int)kv->n_tokens;
+        s->prompt_tokens = (int)kv->n_tokens;
+        s->last_token = kv->first_token;
+        s->generated = 1;
+        s->max_tokens = (int)kv->sampling->max_tokens;
+        s->sp.temperature = kv->sampling->temperature;
+        s->sp.top_p = kv->sampling->top_p;
+        s->sp.top_k = kv->sampling->top_k;
+        s->rng = kv->rng_state;
+        s->ignore_eos = kv->sampling->ignore_eos;
+        s->n_logprobs = (int)PRISM_MIN(kv->sampling->logprobs, (uint32_t)MAX_TOP_LOGPROBS + 1);
+        s->n_stop_ids = (int)PRISM_MIN(kv->sampling->n_stop_token_ids, (size_t)MAX_STOP_IDS);
+        for (int i = 0; i < s->n_stop_ids; i++) s->stop_ids[i] = kv->sampling->stop_token_ids[i];
+        PRISM_DEBUG("request %llu admitted: %d prompt tokens, %d blocks", (unsigned long long)s->request_id,
+                    s->len, need);
+    }
+    zmq_msg_close(&d->staged_frame);
+    prism_msg_env_free(d->staged_env);
+    d->staged_env = NULL;
+    d->staged_kv = NULL;
+    d->staged = false;
+    return true;
+}
+
+static void on_kv(decode_t *d, prism_msg_t *m)
+{
+    const Prism__Envelope *e = m->env;
+    const Prism__Kv *kv = e->kv;
+    const char *router = e->router_id ? e->router_id : "";
+    size_t len = 0;
+    prism_msg_frame(m, 0, &len);
+    size_t block_bytes = prism_kv_cache_block_bytes(&d->cfg, d->blocks.block_size);
+    if (!kv || !kv->sampling || m->n_frames != 1 || kv->block_size != (uint32_t)d->blocks.block_size ||
+        kv->block_bytes != block_bytes || len != (size_t)kv->n_blocks * block_bytes ||
+        kv->n_tokens == 0 || kv->n_tokens >= (uint32_t)d->max_model_len ||
+        kv->n_blocks != (uint32_t)prism_kv_blocks_for_tokens(&d->blocks, (int)kv->n_tokens) ||
+        kv->first_token < 0 || kv->first_token >= d->cfg.vocab) {
+        PRISM_WARN("request %llu: malformed KV transfer dropped", (unsigned long long)e->request_id);
+        send_error(d, router, e->request_id, "malformed KV transfer between prefill and decode");
+        return;
+    }
+    /* Keep the message: move the frame (no copy) and take over the unpacked envelope. */
+    d->staged = true;
+    d->staged_rid = e->request_id;
+    snprintf(d->staged_router, sizeof(d->staged_router), "%s", router);
+    zmq_msg_init(&d->staged_frame);
+    zmq_msg_move(&d->staged_frame, &m->frames[0]);
+    d->staged_env = m->env;
+    d->staged_kv = m->env->kv;
+    m->env = NULL;
+    admit_staged(d);
+}
+
+static void on_abort(decode_t *d, uint64_t rid, const char *router)
+{
+    for (int i = 0; i < d->max_running; i++) {
+        seq_t *s = &d->seqs[i];
+        if (s->active && s->request_id == rid && !strcmp(s->router_id, router)) {
+            PRISM_DEBUG("request %llu aborted", (unsigned long long)rid);
+            seq_release(d, s);
+        }
+    }
+    if (d->staged && d->staged_rid == rid && !strcmp(d->staged_router, router)) {
+        zmq_msg_close(&d->staged_frame);
+        prism_msg_env_free(d->staged_env);
+        d->staged = false;
+    }
+}
+
+static void on_msg(prism_worker_t *w, prism_msg_t *m, int router_index, void *ud)
+{
+    decode_t *d = ud;
+    switch (m->env->type) {
+    case PRISM__MSG_TYPE__MSG_KV:
+        if (router_index < 0) on_kv(d, m);
+        break;
+    case PRISM__MSG_TYPE__MSG_ABORT:
+        on_abort(d, m->env->request_id, m->env->router_id ? m->env->router_id : "");
+        break;
+    default:
+        PRISM_WARN("unexpected message type %d", m->env->type);
+    }
+}
+
+/* One continuous-batching step over every running sequence. */
+static void step(decode_t *d)
+{
+    int n = 0;
+    for (int i = 0; i < d->max_running; i++) {
+        seq_t *s = &d->seqs[i];
+        if (!s->active) continue;
+        d->tokens[n] = s->last_token;
+        d->seq_start[n] = n;
+        d->pos0[n] = s->len;
+        d->tables[n] = s->blocks;
+        d->slot_of[n] = i;
+        n++;
+    }
+    if (!n) return;
+    d->seq_start[n] = n;
+    prism_llm_batch_t b = {
+        .n_seqs = n, .n_tokens = n, .tokens = d->tokens, .seq_start = d->seq_start,
+        .pos0 = d->pos0, .block_tables = d->tables, .all_logits = false,
+    };
+    int rc = prism_llm_forward(d->llm, d->kv, &b, d->logits);
+    if (rc != PRISM_OK) {
+        /* A failing forward is a broken invariant for these sequences: fail them, keep serving. */
+        PRISM_ERROR("decode step failed: %s", prism_strerror(rc));
+        for (int j = 0; j < n; j++) {
+            seq_t *s = &d->seqs[d->slot_of[j]];
+            send_error(d, s->router_id, s->request_id, "decode step failed");
+            seq_release(d, s);
+        }
+        return;
+    }
+    d->steps++;
+    for (int j = 0; j < n; j++) {
+        seq_t *s = &d->seqs[d->slot_of[j]];
+        const float *lg = d->logits + (size_t)j * d->cfg.vocab;
+        s->len++;
+        int32_t tok = prism_sample(&d->sampler, lg, &s->sp, &s->rng);
+        s->generated++;
+        s->last_token = tok;
+
+        Prism__Tokens t = PRISM__TOKENS__INIT;
+        t.n_token_ids = 1;
+        t.token_ids = &tok;
+        t.prompt_tokens = (uint32_t)s->prompt_tokens;
+        Prism__TokenLogprobs lp = PRISM__TOKEN_LOGPROBS__INIT, *lpp = &lp;
+        Prism__TopLogprob top[MAX_TOP_LOGPROBS], *topp[MAX_TOP_LOGPROBS];
+        if (s->n_logprobs > 0) {
+            int32_t ids[MAX_TOP_LOGPROBS];
+            float lps[MAX_TOP_LOGPROBS];
+            int nt = s->n_logprobs - 1;
+            prism_logprobs(&d->sampler, lg, tok, nt, &lp.logprob, ids, lps);
+            for (int k = 0; k < nt; k++) {
+                prism__top_logprob__init(&top[k]);
+                top[k].token_id = ids[k];
+                top[k].logprob = lps[k];
+                topp[k] = &top[k];
+            }
+            lp.n_top = (size_t)nt;
+            lp.top = topp;
+            t.n_logprobs = 1;
+            t.logprobs = &lpp;
+        }
+        bool done = false;
+        if (is_stop(d, s, tok)) {
+            t.finish = PRISM__FINISH__FINISH_STOP;
+            done = true;
+        } else if (s->generated >= s->max_tokens || s->len + 1 >= d->max_model_len) {
+            t.finish = PRISM__FINISH__FINISH_LENGTH;
+            done = true;
+        }
+        Prism__Envelope env = PRISM__ENVELOPE__INIT;
+        env.type = PRISM__MSG_TYPE__MSG_TOKENS;
+        env.tokens = &t;
+        prism_worker_reply(&d->w, s->router_id, s->request_id, &env);
+        d->tokens_out++;
+        if (done) seq_release(d, s);
+    }
+}
+
+static int running(const decode_t *d)
+{
+    int n = 0;
+    for (int i = 0; i < d->max_running; i++) n += d->seqs[i].active;
+    return n;
+}
+
+int main(int argc, char **argv)
+{
+    prism_worker_opts_t o;
+    prism_worker_opts_defaults(&o, "decode");
+    int64_t kv_blocks = 0, block_size = 16, max_running = 64, context_length = 0;
+    prism_flag_t flags[32] = {
+        PRISM_FLAG_INT("kv-blocks", &kv_blocks, "KV cache blocks (0 = fill --mem-budget, else 1024)"),
+        PRISM_FLAG_INT("block-size", &block_size, "Tokens per KV block"),
+        PRISM_FLAG_INT("max-running-requests", &max_running, "Most sequences in one decode batch"),
+        PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings)"),
+    };
+    prism_worker_opts_flags(&o, flags, 4);
+    int rc = prism_cli_parse(argc, argv, "decode_worker",
+                             "Prism decode worker: paged KV cache, continuous batching and sampling.", flags);
+    if (rc) return rc > 0 ? 0 : 2;
+    prism_log_init("decode", prism_log_level_parse(o.log_level));
+    prism_worker_install_signals();
+    double t0 = prism_now_s();
+
+    static decode_t d;
+    char err[512] = "";
+    if (prism_model_config_load(o.model_path, &d.cfg, err, sizeof(err)) != PRISM_OK) {
+        PRISM_ERROR("cannot load model config from %s: %s", o.model_path, err);
+        return 1;
+    }
+    if (block_size < 1 || block_size > 1024 || max_running < 1 || max_running > 4096) {
+        PRISM_ERROR("--block-size must be 1..1024 and --max-running-requests 1..4096");
+        return 2;
+    }
+    d.max_running = (int)max_running;
+    d.max_model_len = context_length > 0 ? (int)PRISM_MIN(context_length, (int64_t)d.cfg.max_pos) : d.cfg.max_pos;
+    d.max_blocks_per_seq = (d.max_model_len + (int)block_size - 1) / (int)block_size;
+
+    if (prism_backend_create(o.device, (int)o.threads, 0, &d.be) != PRISM_OK) {
+        PRISM_ERROR("cannot create backend '%s'", o.device);
+        return 1;
+    }
+    if (prism_llm_load(d.be, &d.cfg, o.model_path, d.max_running, d.max_running, &d.llm, err, sizeof(err)) != PRISM_OK) {
+        PRISM_ERROR("cannot load language model: %s", err);
+        return 1;
+    }
+    size_t block_bytes = prism_kv_cache_block_bytes(&d.cfg, (int)block_size);
+    size_t weights = prism_llm_weight_bytes(d.llm);
+    size_t arena = prism_llm_arena_bytes(&d.cfg, d.max_running, d.max_running);
+    size_t scratch = (size_t)d.max_running * d.cfg.vocab * sizeof(float) + (size_t)d.cfg.vocab * 8 +
+                     (size_t)d.max_running * d.max_blocks_per_seq * sizeof(int32_t);
+    size_t reserve = 16u << 20;
+    if (kv_blocks <= 0) {
+        if (o.mem_budget > 0) {
+            int64_t left = o.mem_budget - (int64_t)(weights + arena + scratch + reserve);
+            kv_blocks = left > 0 ? left / (int64_t)block_bytes : 0;
+        } else {
+            kv_blocks = 1024;
+        }
+    }
+    prism_mem_plan_t plan = {.budget = (size_t)o.mem_budget};
+    prism_mem_plan_add(&plan, "weights", weights);
+    prism_mem_plan_add(&plan, "kv-cache", (size_t)kv_blocks * block_bytes);
+    prism_mem_plan_add(&plan, "activations", arena);
+    prism_mem_plan_add(&plan, "logits+tables", scratch);
+    prism_mem_plan_add(&plan, "reserve", reserve);
+    if (kv_blocks < d.max_blocks_per_seq) {
+        PRISM_ERROR("decode: %lld KV blocks cannot hold one sequence of %d tokens (%d blocks of %d); "
+                    "raise --mem-budget or --kv-blocks, or lower --context-length",
+                    (long long)kv_blocks, d.max_model_len, d.max_blocks_per_seq, (int)block_size);
+        prism_mem_plan_check(&plan, "decode");
+        return 1;
+    }
+    if (prism_mem_plan_check(&plan, "decode") != PRISM_OK) return 1;
+
+    if (prism_kv_cache_create(d.be, &d.cfg, (int)kv_blocks, (int)block_size, &d.kv) != PRISM_OK ||
+        prism_kv_blocks_init(&d.blocks, (int)kv_blocks, (int)block_size) != PRISM_OK ||
+        prism_sampler_init(&d.sampler, d.cfg.vocab) != PRISM_OK) {
+        PRISM_ERROR("cannot allocate the KV cache (%lld blocks)", (long long)kv_blocks);
+        return 1;
+    }
+    d.seqs = prism_xcalloc((size_t)d.max_running, sizeof(seq_t));
+    d.block_pool = prism_xcalloc((size_t)d.max_running * d.max_blocks_per_seq, sizeof(int32_t));
+    for (int i = 0; i < d.max_running; i++) d.seqs[i].blocks = d.block_pool + (size_t)i * d.max_blocks_per_seq;
+    d.tokens = prism_xcalloc((size_t)d.max_running, sizeof(int32_t));
+    d.pos0 = prism_xcalloc((size_t)d.max_running, sizeof(int32_t));
+    d.seq_start = prism_xcalloc((size_t)d.max_running + 1, sizeof(int32_t));
+    d.slot_of = prism_xcalloc((size_t)d.max_running, sizeof(int));
+    d.tables = prism_xcalloc((size_t)d.max_running, sizeof(int32_t *));
+    d.logits = prism_xcalloc((size_t)d.max_running * d.cfg.vocab, sizeof(float));
+
+    char bind[300];
+    prism_worker_data_bind(&o, bind, sizeof(bind));
+    if (prism_worker_init(&d.w, PRISM__ROLE__ROLE_DECODE, o.worker_id, &o.routers, bind) != PRISM_OK)
+        return 1;
+    d.w.heartbeat_s = o.heartbeat_s;
+    d.w.reg.mem_budget = (uint64_t)o.mem_budget;
+    d.w.reg.mem_planned = prism_mem_plan_total(&plan);
+    d.w.reg.kv_blocks = (uint32_t)kv_blocks;
+    d.w.reg.block_size = (uint32_t)block_size;
+    d.w.reg.max_batch_tokens = (uint32_t)d.max_running;
+    d.w.reg.max_running = (uint32_t)d.max_running;
+    d.w.reg.max_model_len = (uint32_t)d.max_model_len;
+    d.w.reg.tp_size = 1;
+    PRISM_INFO("decode worker %s ready in %.2fs: data %s, %lld KV blocks x %lld tokens, batch %d",
+               d.w.worker_id, prism_now_s() - t0, d.w.data_endpoint, (long long)kv_blocks,
+               (long long)block_size, d.max_running);
+
+    while (!prism_worker_should_stop()) {
+        Prism__Heartbeat hb = PRISM__HEARTBEAT__INIT;
+        hb.running = (uint32_t)running(&d);
+        hb.waiting = d.staged ? 1 : 0;
+        hb.kv_free_blocks = (uint32_t)d.blocks.n_free;
+        hb.mem_planned = prism_mem_plan_total(&plan);
+        hb.pool_free = (uint32_t)(d.max_running - hb.running);
+        prism_worker_tick(&d.w, &hb);
+        bool busy = running(&d) > 0;
+        admit_staged(&d);
+        prism_worker_poll(&d.w, busy ? 0 : 50, !d.staged, on_msg, &d);
+        step(&d);
+    }
+    PRISM_INFO("decode worker stopping: %llu steps, %llu tokens", (unsigned long long)d.steps,
+               (unsigned long long)d.tokens_out);
+    prism_worker_close(&d.w);
+    return 0;
+}

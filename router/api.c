@@ -1,0 +1,245 @@
+/* HTTP endpoints: OpenAI API, health, readiness, models, tokenize/detokenize, metrics. */
+#include "router.h"
+#include "openai_req.h"
+
+#include <stdio.h>
+#include <string.h>
+
+static void respond_json(prism_http_req_t *h, int status, const char *json, size_t len)
+{
+    prism_http_respond(h, status, "application/json", NULL, json, len);
+}
+
+static void respond_jansson(prism_http_req_t *h, int status, json_t *j)
+{
+    char *s = json_dumps(j, JSON_COMPACT);
+    json_decref(j);
+    if (!s) {
+        prism_http_respond_error(h, 500, "InternalServerError", "could not serialise the response", NULL, NULL, NULL);
+        return;
+    }
+    respond_json(h, status, s, strlen(s));
+    prism_free(s);  /* jansson allocates through prism_malloc (set in main) */
+}
+
+static void handle_models(router_t *r, prism_http_req_t *h)
+{
+    json_t *card = json_pack("{s:s,s:s,s:I,s:s,s:s,s:i,s:[]}", "id", r->served_model_name, "object", "model",
+                             "created", (json_int_t)r->created, "owned_by", "prism", "root", r->model_path,
+                             "max_model_len", r->max_model_len, "permission");
+    respond_jansson(h, 200, json_pack("{s:s,s:[o]}", "object", "list", "data", card));
+}
+
+static void handle_tokenize(router_t *r, prism_http_req_t *h)
+{
+    size_t blen = 0;
+    const char *body = prism_http_req_body(h, &blen);
+    json_error_t jerr;
+    json_t *j = json_loadb(body ? body : "", blen, JSON_REJECT_DUPLICATES, &jerr);
+    if (!json_is_object(j)) {
+        json_decref(j);
+        prism_http_respond_error(h, 400, "BadRequestError", "Invalid JSON body.", NULL, NULL, NULL);
+        return;
+    }
+    json_t *prompt = json_object_get(j, "prompt");
+    json_t *messages = json_object_get(j, "messages");
+    int32_t *ids = NULL;
+    size_t n = 0, cap = 0;
+    int rc = PRISM_EINVAL;
+    char err[300] = "Provide either 'prompt' (string) or 'messages'.";
+    if (json_is_string(prompt)) {
+        json_t *ast = json_object_get(j, "add_special_tokens");
+        bool add = ast ? json_is_true(ast) : true;
+        rc = prism_tokenizer_encode(r->tok, json_string_value(prompt), json_string_length(prompt), add, &ids, &n, &cap);
+    } else if (json_is_array(messages)) {
+        json_t *agp = json_object_get(j, "add_generation_prompt");
+        json_t *ctx = prism_template_chat_context(messages, json_object_get(j, "tools"), agp ? json_is_true(agp) : true,
+                                                  r->bos_token, r->eos_token, NULL);
+        prism_buf_t text = {0};
+        rc = ctx ? prism_template_render(r->tmpl, ctx, &text, err, sizeof(err)) : PRISM_EINVAL;
+        json_decref(ctx);
+        if (rc == PRISM_OK) {
+            bool has_bos = r->bos_token && *r->bos_token && text.data && !strncmp(text.data, r->bos_token, strlen(r->bos_token));
+            json_t *ast = json_object_get(j, "add_special_tokens");
+            bool add = ast ? json_is_true(ast) : !has_bos;
+            rc = prism_tokenizer_encode(r->tok, text.data ? text.data : "", text.len, add, &ids, &n, &cap);
+        }
+        prism_buf_free(&text);
+    }
+    json_decref(j);
+    if (rc != PRISM_OK) {
+        prism_free(ids);
+        prism_http_respond_error(h, 400, "BadRequestError", err, NULL, NULL, NULL);
+        return;
+    }
+    json_t *arr = json_array();
+    for (size_t i = 0; i < n; i++) json_array_append_new(arr, json_integer(ids[i]));
+    prism_free(ids);
+    respond_jansson(h, 200, json_pack("{s:I,s:i,s:o}", "count", (json_int_t)n, "max_model_len", r->max_model_len,
+                                      "tokens", arr));
+}
+
+static void handle_detokenize(router_t *r, prism_http_req_t *h)
+{
+    size_t blen = 0;
+    const char *body = prism_http_req_body(h, &blen);
+    json_error_t jerr;
+    json_t *j = json_loadb(body ? body : "", blen, 0, &jerr);
+    json_t *toks = json_is_object(j) ? json_object_get(j, "tokens") : NULL;
+    if (!json_is_array(toks) || json_array_size(toks) > (1u << 20)) {
+        json_decref(j);
+        prism_http_respond_error(h, 400, "BadRequestError", "'tokens' must be a list of token ids.", "tokens", NULL, NULL);
+        return;
+    }
+    size_t n = json_array_size(toks);
+    int32_t *ids = prism_malloc(sizeof(int32_t) * (n ? n : 1));
+    for (size_t i = 0; i < n && ids; i++) {
+        json_t *v = json_array_get(toks, i);
+        json_int_t x = json_is_integer(v) ? json_integer_value(v) : -1;
+        if (x < 0 || x >= r->cfg.vocab) {
+            prism_free(ids);
+            json_decref(j);
+            prism_http_respond_error(h, 400, "BadRequestError", "Token id out of vocabulary.", "tokens", NULL, NULL);
+            return;
+        }
+        ids[i] = (int32_t)x;
+    }
+    json_decref(j);
+    prism_buf_t out = {0};
+    prism_tokenizer_decode(r->tok, ids, n, false, &out);
+    prism_free(ids);
+    prism_buf_t b = {0};
+    prism_buf_append_str(&b, "{\"prompt\":");
+    prism_oai_json_string(&b, out.data ? out.data : "", out.len);
+    prism_buf_append_str(&b, "}");
+    respond_json(h, 200, b.data, b.len);
+    prism_buf_free(&b);
+    prism_buf_free(&out);
+}
+
+static void handle_metrics(router_t *r, prism_http_req_t *h)
+{
+    prism_buf_t b = {0};
+    const prism_router_metrics_t *m = &r->metrics;
+    char lbl[300];
+    snprintf(lbl, sizeof(lbl), "model_name=\"%s\"", r->served_model_name);
+    int running = 0, waiting = 0;
+    double kv_used = 0;
+    int n_dec = 0;
+    for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
+        const router_worker_t *w = &r->workers[i];
+        if (!w->used || w->role != PRISM__ROLE__ROLE_DECODE) continue;
+        running += (int)w->running;
+        waiting += (int)w->waiting;
+        if (w->kv_blocks) kv_used += 1.0 - (double)w->kv_free_blocks / w->kv_blocks;
+        n_dec++;
+    }
+    prism_metric_write(&b, "vllm:num_requests_running", "gauge", "Requests in decode batches.", lbl, running);
+    prism_metric_write(&b, "vllm:num_requests_waiting", "gauge", "Requests waiting for a decode slot.", lbl, waiting);
+    prism_metric_write(&b, "vllm:kv_cache_usage_perc", "gauge", "KV-cache usage, 0-1, mean over decode workers.", lbl,
+                       n_dec ? kv_used / n_dec : 0);
+    prism_metric_write(&b, "vllm:prompt_tokens_total", "counter", "Prompt tokens processed.", lbl, (double)m->prompt_tokens);
+    prism_metric_write(&b, "vllm:generation_tokens_total", "counter", "Tokens generated.", lbl, (double)m->generation_tokens);
+    prism_buf_appendf(&b, "# HELP vllm:request_success_total Finished requests.\n# TYPE vllm:request_success_total counter\n");
+    snprintf(lbl, sizeof(lbl), "model_name=\"%s\",finished_reason=\"stop\"", r->served_model_name);
+    prism_metric_write(&b, "vllm:request_success_total", "counter", NULL, lbl, (double)m->success_stop);
+    snprintf(lbl, sizeof(lbl), "model_name=\"%s\",finished_reason=\"length\"", r->served_model_name);
+    prism_metric_write(&b, "vllm:request_success_total", "counter", NULL, lbl, (double)m->success_length);
+    snprintf(lbl, sizeof(lbl), "model_name=\"%s\",finished_reason=\"abort\"", r->served_model_name);
+    prism_metric_write(&b, "vllm:request_success_total", "counter", NULL, lbl, (double)m->success_abort);
+    snprintf(lbl, sizeof(lbl), "model_name=\"%s\"", r->served_model_name);
+    prism_metric_write(&b, "vllm:num_preemptions_total", "counter", "Preemptions (always 0: decode reserves KV).", lbl, 0);
+    prism_hist_write(&m->ttft, &b, "vllm:time_to_first_token_seconds", "Time to first token.", lbl);
+    prism_hist_write(&m->itl, &b, "vllm:inter_token_latency_seconds", "Mean time per output token of each request.", lbl);
+    prism_hist_write(&m->e2e, &b, "vllm:e2e_request_latency_seconds", "End-to-end request latency.", lbl);
+    prism_hist_write(&m->queue, &b, "vllm:request_queue_time_seconds", "Time a request waited in prefill.", lbl);
+    prism_metric_write(&b, "prism:requests_failed_total", "counter", "Requests that failed after admission.", lbl,
+                       (double)m->failed);
+    prism_buf_appendf(&b, "# HELP prism:requests_refused_total Requests refused, by reason.\n"
+                          "# TYPE prism:requests_refused_total counter\n");
+    for (int i = 0; i < PRISM_REFUSE_COUNT; i++) {
+        snprintf(lbl, sizeof(lbl), "reason=\"%s\"", prism_refusal_names[i]);
+        prism_metric_write(&b, "prism:requests_refused_total", "counter", NULL, lbl, (double)m->refused_limit[i]);
+    }
+    prism_metric_write(&b, "prism:router_requests_in_flight", "gauge", "Requests the router holds.", "", (double)r->n_reqs);
+    prism_metric_write(&b, "prism:router_image_bytes_in_flight", "gauge", "Image bytes the router holds.", "",
+                       (double)r->image_bytes_inflight);
+    prism_metric_write(&b, "prism:router_memory_bytes", "gauge", "Router heap bytes in use.", "", (double)prism_mem_used());
+    static const char *gauges[][2] = {
+        {"prism:worker_running", "Requests running on the worker."},
+        {"prism:worker_waiting", "Requests queued on the worker."},
+        {"prism:worker_memory_planned_bytes", "Memory plan total of the worker."},
+        {"prism:worker_memory_used_bytes", "Heap bytes in use on the worker."},
+        {"prism:worker_memory_peak_bytes", "Peak heap bytes on the worker."},
+        {"prism:worker_memory_budget_bytes", "The worker's --mem-budget (0 = none)."},
+        {"prism:worker_kv_free_blocks", "Free KV blocks on the worker."},
+        {"prism:worker_pool_free", "Free slots in the worker's receive pool."},
+        {"prism:worker_embedding_cache_hits_total", "Embedding cache hits."},
+        {"prism:worker_embedding_cache_misses_total", "Embedding cache misses."},
+        {"prism:worker_heap_allocations_total", "Heap allocations the worker made (flat while serving)."},
+    };
+    for (size_t g = 0; g < PRISM_ARRAY_LEN(gauges); g++) {
+        prism_buf_appendf(&b, "# HELP %s %s\n# TYPE %s %s\n", gauges[g][0], gauges[g][1], gauges[g][0],
+                          strstr(gauges[g][0], "_total") ? "counter" : "gauge");
+        for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
+            const router_worker_t *w = &r->workers[i];
+            if (!w->used) continue;
+            double v[] = {w->running, w->waiting, (double)w->mem_planned, (double)w->mem_used, (double)w->mem_peak,
+                          (double)w->mem_budget, w->kv_free_blocks, w->pool_free, (double)w->cache_hits,
+                          (double)w->cache_misses, (double)w->alloc_count};
+            snprintf(lbl, sizeof(lbl), "tier=\"%s\",worker=\"%s\"", prism_role_name(w->role), w->id);
+            prism_metric_write(&b, gauges[g][0], "gauge", NULL, lbl, v[g]);
+        }
+    }
+    prism_http_respond(h, 200, "text/plain; version=0.0.4", NULL, b.data, b.len);
+    prism_buf_free(&b);
+}
+
+static bool authorized(router_t *r, prism_http_req_t *h)
+{
+    if (!r->api_key || !*r->api_key) return true;
+    const char *a = prism_http_req_header(h, "authorization");
+    return a && !strncmp(a, "Bearer ", 7) && !strcmp(a + 7, r->api_key);
+}
+
+void router_on_http(prism_http_req_t *h, void *ud)
+{
+    router_t *r = ud;
+    const char *m = prism_http_req_method(h), *p = prism_http_req_path(h);
+    bool get = !strcmp(m, "GET"), post = !strcmp(m, "POST");
+    if (get && !strcmp(p, "/health")) {
+        respond_json(h, 200, "{}", 2);
+    } else if (get && !strcmp(p, "/metrics")) {
+        handle_metrics(r, h);
+    } else if (get && !strcmp(p, "/ready")) {
+        bool ok = router_ready(r, r->cfg.has_vision);
+        char b[256];
+        int n = snprintf(b, sizeof(b), "{\"ready\":%s,\"encoders\":%d,\"prefills\":%d,\"decodes\":%d}",
+                         ok ? "true" : "false", router_count_workers(r, PRISM__ROLE__ROLE_ENCODER),
+                         router_count_workers(r, PRISM__ROLE__ROLE_PREFILL), router_count_workers(r, PRISM__ROLE__ROLE_DECODE));
+        prism_http_respond(h, ok ? 200 : 503, "application/json", ok ? NULL : "Retry-After: 1\r\n", b, (size_t)n);
+    } else if (get && !strcmp(p, "/version")) {
+        respond_json(h, 200, "{\"version\":\"" PRISM_VERSION "\"}", strlen("{\"version\":\"" PRISM_VERSION "\"}"));
+    } else if (!authorized(r, h)) {
+        prism_http_respond_error(h, 401, "AuthenticationError", "Invalid or missing API key.", NULL, NULL, NULL);
+    } else if (post && !strcmp(p, "/v1/chat/completions")) {
+        router_handle_generate(r, h, true);
+        return;  /* owns h now */
+    } else if (post && !strcmp(p, "/v1/completions")) {
+        router_handle_generate(r, h, false);
+        return;
+    } else if (get && !strcmp(p, "/v1/models")) {
+        handle_models(r, h);
+    } else if (post && !strcmp(p, "/tokenize")) {
+        handle_tokenize(r, h);
+    } else if (post && !strcmp(p, "/detokenize")) {
+        handle_detokenize(r, h);
+    } else {
+        bool known = !strcmp(p, "/v1/chat/completions") || !strcmp(p, "/v1/completions") || !strcmp(p, "/v1/models") ||
+                     !strcmp(p, "/tokenize") || !strcmp(p, "/detokenize");
+        char msg[300];
+        snprintf(msg, sizeof(msg), known ? "Method %s is not allowed for %.200s." : "No route for %s %.200s.", m, p);
+        prism_http_respond_error(h, known ? 405 : 404, known ? "MethodNotAllowed" : "NotFoundError", msg, NULL, NULL, NULL);
+    }
+    prism_http_req_release(h);
+}

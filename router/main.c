@@ -1,0 +1,149 @@
+/* router: the OpenAI-compatible front door. Stateless apart from requests in flight: several
+ * routers can run behind one load balancer, and every worker connects to each of them. */
+#include "router.h"
+#include "core/cli.h"
+
+#include <libgen.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+static void on_signal(uv_signal_t *s, int sig)
+{
+    router_t *r = s->data;
+    PRISM_INFO("signal %d: shutting down", sig);
+    router_abort_all(r);
+    prism_http_server_stop(r->http);
+    router_ctl_stop(r);
+    uv_signal_stop(&r->sigint);
+    uv_signal_stop(&r->sigterm);
+    uv_close((uv_handle_t *)&r->sigint, NULL);
+    uv_close((uv_handle_t *)&r->sigterm, NULL);
+}
+
+int main(int argc, char **argv)
+{
+    static router_t r;
+    const char *model_path = "models/prism-tiny-llava", *tokenizer_path = NULL, *served = NULL, *host = "127.0.0.1",
+               *control = "tcp://127.0.0.1:8100", *chat_template = NULL, *api_key = NULL, *log_level = "info";
+    int64_t port = 8000, context_length = 0, limit_mm = 8, max_pixels = 4096ll * 4096, max_running = 256,
+            max_body = 64ll << 20, image_inflight = 1ll << 30, max_conn = 4096;
+    double worker_timeout = 10, request_timeout = 600, max_queue_wait = 120;
+    prism_flag_t flags[] = {
+        PRISM_FLAG_STR("model-path", &model_path, "HF model directory (config.json, tokenizer.json, tokenizer_config.json)"),
+        PRISM_FLAG_STR("tokenizer-path", &tokenizer_path, "Tokenizer directory (default: --model-path)"),
+        PRISM_FLAG_STR("served-model-name", &served, "Model name clients use (default: the model directory's name)"),
+        PRISM_FLAG_STR("host", &host, "HTTP bind address"),
+        PRISM_FLAG_INT("port", &port, "HTTP port"),
+        PRISM_FLAG_STR("control-endpoint", &control, "ZeroMQ endpoint workers connect to"),
+        PRISM_FLAG_STR("chat-template", &chat_template, "Jinja chat template file overriding the model's"),
+        PRISM_FLAG_STR("api-key", &api_key, "Require 'Authorization: Bearer KEY' on the API"),
+        PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings)"),
+        PRISM_FLAG_INT("limit-mm-per-prompt", &limit_mm, "Most images in one request"),
+        PRISM_FLAG_INT("max-image-pixels", &max_pixels, "Largest image (width*height from its header) accepted"),
+        PRISM_FLAG_INT("max-running-requests", &max_running, "Requests in flight; more get 429"),
+        PRISM_FLAG_BYTES("max-body-bytes", &max_body, "Largest request body; more gets 413"),
+        PRISM_FLAG_BYTES("max-image-bytes-in-flight", &image_inflight, "Image bytes held at once; more gets 429"),
+        PRISM_FLAG_INT("max-connections", &max_conn, "Open HTTP connections at once; more get 503"),
+        PRISM_FLAG_DOUBLE("worker-timeout", &worker_timeout, "Seconds without a heartbeat before a worker is dropped"),
+        PRISM_FLAG_DOUBLE("request-timeout", &request_timeout, "Seconds before an unfinished request fails"),
+        PRISM_FLAG_DOUBLE("max-queue-wait", &max_queue_wait, "Seconds a request may wait for its first token before a 503"),
+        PRISM_FLAG_STR("log-level", &log_level, "debug, info, warn or error"),
+        PRISM_FLAG_END,
+    };
+    int rc = prism_cli_parse(argc, argv, "router",
+                             "Prism router: OpenAI-compatible HTTP API in front of encoder, prefill and decode workers.", flags);
+    if (rc) return rc > 0 ? 0 : 2;
+    prism_log_init("router", prism_log_level_parse(log_level));
+    json_set_alloc_funcs(prism_malloc, prism_free);  /* parsed bodies count in the router's memory */
+    double t0 = prism_now_s();
+    if (port < 0 || port > 65535 || limit_mm < 0 || limit_mm > ROUTER_MAX_IMAGES || max_running < 1 ||
+        max_running > 1000000 || max_pixels < 1) {
+        fprintf(stderr, "router: flag out of range (see --help)\n");
+        return 2;
+    }
+
+    char err[512] = "", path[1024];
+    if (prism_model_config_load(model_path, &r.cfg, err, sizeof(err)) != PRISM_OK) {
+        PRISM_ERROR("cannot load model config from %s: %s", model_path, err);
+        return 1;
+    }
+    const char *tdir = tokenizer_path ? tokenizer_path : model_path;
+    prism_path_join(path, sizeof(path), tdir, "tokenizer.json");
+    if (prism_tokenizer_load(path, &r.tok, err, sizeof(err)) != PRISM_OK) {
+        PRISM_ERROR("cannot load %s: %s", path, err);
+        return 1;
+    }
+    prism_path_join(path, sizeof(path), tdir, "tokenizer_config.json");
+    if (prism_template_load_from_tokenizer_config(path, &r.tmpl, &r.bos_token, &r.eos_token, err, sizeof(err)) != PRISM_OK &&
+        !chat_template) {
+        PRISM_ERROR("cannot load the chat template from %s: %s (use --chat-template FILE)", path, err);
+        return 1;
+    }
+    if (chat_template) {
+        if (r.tmpl) prism_template_free(r.tmpl);
+        r.tmpl = NULL;
+        if (prism_template_load_file(chat_template, &r.tmpl, err, sizeof(err)) != PRISM_OK) {
+            PRISM_ERROR("cannot use --chat-template %s: %s", chat_template, err);
+            return 1;
+        }
+    }
+    static char name_buf[256];
+    if (!served) {
+        snprintf(path, sizeof(path), "%s", model_path);
+        size_t n = strlen(path);
+        while (n > 1 && path[n - 1] == '/') path[--n] = 0;
+        snprintf(name_buf, sizeof(name_buf), "%s", basename(path));
+        served = name_buf;
+    }
+    r.model_path = model_path;
+    r.served_model_name = served;
+    r.api_key = api_key;
+    r.max_model_len = context_length > 0 ? (int)PRISM_MIN(context_length, (int64_t)r.cfg.max_pos) : r.cfg.max_pos;
+    r.max_images_per_prompt = limit_mm ? (int)limit_mm : -1;
+    r.max_image_pixels = (uint64_t)max_pixels;
+    r.max_running = (int)max_running;
+    r.max_image_bytes_inflight = (size_t)image_inflight;
+    r.worker_timeout_s = worker_timeout;
+    r.request_timeout_s = request_timeout;
+    r.max_queue_wait_s = max_queue_wait;
+    r.created = prism_unix_time();
+    r.image_token_id = r.cfg.has_vision ? r.cfg.image_token_index : -1;
+    prism_router_metrics_init(&r.metrics);
+    r.reqs_cap = 16;
+    while (r.reqs_cap < (size_t)max_running * 2 + 2) r.reqs_cap *= 2;
+    r.reqs = prism_xcalloc(r.reqs_cap, sizeof(router_req_t *));
+
+    char host_name[64] = "host";
+    gethostname(host_name, sizeof(host_name) - 1);
+    snprintf(r.router_id, sizeof(r.router_id), "router-%s-%d-%lld", host_name, (int)getpid(), (long long)port);
+    r.loop = uv_default_loop();
+    if (router_ctl_start(&r, control) != PRISM_OK) {
+        PRISM_ERROR("cannot bind the control endpoint %s", control);
+        return 1;
+    }
+    prism_http_config_t hc = prism_http_config_default();
+    hc.host = host;
+    hc.port = (int)port;
+    hc.max_body_bytes = (size_t)max_body;
+    hc.max_connections = (int)max_conn;
+    if (prism_http_server_start(r.loop, &hc, router_on_http, &r, &r.http) != PRISM_OK) {
+        PRISM_ERROR("cannot listen on %s:%lld", host, (long long)port);
+        return 1;
+    }
+    uv_signal_init(r.loop, &r.sigint);
+    uv_signal_init(r.loop, &r.sigterm);
+    r.sigint.data = r.sigterm.data = &r;
+    uv_signal_start(&r.sigint, on_signal, SIGINT);
+    uv_signal_start(&r.sigterm, on_signal, SIGTERM);
+    signal(SIGPIPE, SIG_IGN);
+    PRISM_INFO("router %s serving '%s' on http://%s:%d in %.2fs (control %s, context %d, %d image tokens per image)",
+               r.router_id, served, host, prism_http_server_port(r.http), prism_now_s() - t0, control, r.max_model_len,
+               r.cfg.image_seq_length);
+    uv_run(r.loop, UV_RUN_DEFAULT);
+    zmq_close(r.ctl);
+    zmq_ctx_term(r.zctx);
+    PRISM_INFO("router stopped");
+    return 0;
+}

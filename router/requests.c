@@ -1,0 +1,790 @@
+/* The life of one generation request inside the router.
+ *
+ *   HTTP body -> parse/validate -> images: data URL, base64, header probe (no pixels) -> chat
+ *   template -> tokens -> each image placeholder expanded to the model's image-token count ->
+ *   pick encoder(s)/prefill/decode -> Prefill to prefill, Encode to encoder(s) -> first token from
+ *   prefill, the rest from decode -> incremental detokenization, stop strings -> SSE chunks or one
+ *   JSON response -> usage, metrics, abort to the workers if we stopped early or the client left.
+ *
+ * Everything a request owns is freed in req_destroy; the HTTP request is released exactly once. */
+#include "router.h"
+#include "openai_req.h"
+#include "image/image.h"
+#include "image/data_url.h"
+
+#include <stdio.h>
+#include <string.h>
+#include <xxhash.h>
+
+typedef enum { STAGE_SENT, STAGE_PREFILLED } stage_t;
+
+struct router_req {
+    uint64_t rid;
+    router_t *r;
+    prism_http_req_t *h;          /* NULL once released */
+    prism_oai_request_t oai;
+    prism_oai_resp_meta_t meta;
+    bool chat;
+    /* images: decoded file bytes (the router never decodes pixels) */
+    int n_images;
+    uint8_t *img[ROUTER_MAX_IMAGES];
+    size_t img_len[ROUTER_MAX_IMAGES];
+    uint64_t img_hash[ROUTER_MAX_IMAGES];
+    char encoder_id[ROUTER_MAX_IMAGES][128];
+    bool encode_pending[ROUTER_MAX_IMAGES];
+    size_t image_bytes;
+    bool bytes_counted;           /* image_bytes added to the router's in-flight total */
+    /* prompt */
+    int32_t *prompt;
+    size_t n_prompt, prompt_cap;
+    int max_tokens;
+    /* workers */
+    char prefill_id[128], decode_id[128];
+    bool prefill_pending, decode_pending;
+    /* generation */
+    stage_t stage;
+    int n_out;
+    prism_detok_t detok;
+    prism_buf_t text;             /* generated text so far (after stop-string truncation) */
+    size_t emitted;               /* bytes of text already streamed */
+    prism_oai_logprobs_t lp;
+    bool streaming_started;
+    const char *finish;           /* "stop" | "length" | NULL */
+    double t_start, t_first, t_last;
+    float decode_ms, vit_ms, queue_ms, prefill_ms;  /* worker-side timings (sums over images) */
+    int cache_hits;
+    prism_buf_t out;              /* scratch for response bytes */
+};
+
+/* ---------------------------------------------------------------- request map (open addressing) */
+
+static size_t slot_of(uint64_t rid, size_t cap) { return (size_t)(XXH3_64bits(&rid, sizeof(rid)) & (cap - 1)); }
+
+router_req_t *router_req_get(router_t *r, uint64_t rid)
+{
+    if (!r->reqs_cap) return NULL;
+    for (size_t i = slot_of(rid, r->reqs_cap), k = 0; k < r->reqs_cap; i = (i + 1) & (r->reqs_cap - 1), k++) {
+        router_req_t *q = r->reqs[i];
+        if (!q) return NULL;
+        if (q->rid == rid) return q;
+    }
+    return NULL;
+}
+
+int router_req_put(router_t *r, uint64_t rid, router_req_t *q)
+{
+    if ((r->n_reqs + 1) * 2 > r->reqs_cap) return PRISM_ELIMIT;  /* sized at start-up from --max-running */
+    size_t i = slot_of(rid, r->reqs_cap);
+    while (r->reqs[i]) i = (i + 1) & (r->reqs_cap - 1);
+    r->reqs[i] = q;
+    r->n_reqs++;
+    return PRISM_OK;
+}
+
+void router_req_del(router_t *r, uint64_t rid)
+{
+    size_t cap = r->reqs_cap, i = slot_of(rid, cap);
+    while (r->reqs[i] && r->reqs[i]->rid != rid) i = (i + 1) & (cap - 1);
+    if (!r->reqs[i]) return;
+    r->reqs[i] = NULL;
+    r->n_reqs--;
+    /* Backward-shift deletion keeps probe chains intact without tombstones. */
+    for (size_t j = (i + 1) & (cap - 1); r->reqs[j]; j = (j + 1) & (cap - 1)) {
+        router_req_t *q = r->reqs[j];
+        size_t home = slot_of(q->rid, cap);
+        bool between = (i <= j) ? (home > i && home <= j) : (home > i || home <= j);
+        if (!between) {
+            r->reqs[i] = q;
+            r->reqs[j] = NULL;
+            i = j;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- helpers */
+
+static void worker_done(router_t *r, const char *id)
+{
+    router_worker_t *w = id[0] ? router_worker_by_id(r, id) : NULL;
+    if (w && w->inflight > 0) w->inflight--;
+}
+
+static void send_abort(router_t *r, const char *worker_id, uint64_t rid)
+{
+    router_worker_t *w = worker_id[0] ? router_worker_by_id(r, worker_id) : NULL;
+    if (!w) return;
+    Prism__Abort a = PRISM__ABORT__INIT;
+    Prism__Envelope env = PRISM__ENVELOPE__INIT;
+    env.type = PRISM__MSG_TYPE__MSG_ABORT;
+    env.request_id = rid;
+    env.abort = &a;
+    router_send(r, w, &env, NULL, 0);
+}
+
+static void req_destroy(router_req_t *q)
+{
+    router_t *r = q->r;
+    router_req_del(r, q->rid);
+    for (int i = 0; i < q->n_images; i++) {
+        if (q->encode_pending[i]) worker_done(r, q->encoder_id[i]);
+        prism_free(q->img[i]);
+    }
+    if (q->prefill_pending) worker_done(r, q->prefill_id);
+    if (q->decode_pending) worker_done(r, q->decode_id);
+    if (q->bytes_counted) r->image_bytes_inflight -= q->image_bytes;
+    if (q->h) {
+        prism_http_req_set_user(q->h, NULL);
+        prism_http_req_release(q->h);
+    }
+    prism_oai_request_free(&q->oai);
+    prism_oai_resp_meta_free(&q->meta);
+    prism_detok_free(&q->detok);
+    prism_oai_logprobs_free(&q->lp);
+    prism_buf_free(&q->text);
+    prism_buf_free(&q->out);
+    prism_free(q->prompt);
+    prism_free(q);
+}
+
+/* Aborts every worker still holding this request (after a stop string, an error or a client
+ * that went away). Workers ignore aborts for requests they no longer have. */
+static void abort_workers(router_req_t *q)
+{
+    for (int i = 0; i < q->n_images; i++)
+        if (q->encode_pending[i]) send_abort(q->r, q->encoder_id[i], q->rid);
+    send_abort(q->r, q->prefill_id, q->rid);
+    send_abort(q->r, q->decode_id, q->rid);
+}
+
+static void respond_error(prism_http_req_t *h, int status, const char *message, const char *param)
+{
+    const char *type = status == 404 ? "NotFoundError" : status == 401 ? "AuthenticationError"
+                     : status == 413 ? "RequestEntityTooLargeError" : status == 429 ? "RateLimitError"
+                     : status == 503 ? "ServiceUnavailableError" : status >= 500 ? "InternalServerError"
+                     : "BadRequestError";
+    const char *extra = (status == 429 || status == 503) ? "Retry-After: 1\r\n" : NULL;
+    prism_http_respond_error(h, status, type, message, param, NULL, extra);
+}
+
+/* Ends a request that failed after it was accepted. */
+static void req_fail(router_req_t *q, int status, const char *message)
+{
+    router_t *r = q->r;
+    r->metrics.failed++;
+    abort_workers(q);
+    if (q->h && !prism_http_req_aborted(q->h)) {
+        if (q->streaming_started) {
+            prism_buf_reset(&q->out);
+            prism_oai_write_sse_error(&q->out, status >= 500 ? "InternalServerError" : "BadRequestError", message,
+                                      NULL, NULL);
+            prism_oai_write_sse_done(&q->out);
+            prism_http_stream_write(q->h, q->out.data, q->out.len);
+            prism_http_stream_end(q->h);
+        } else {
+            respond_error(q->h, status, message, NULL);
+        }
+    }
+    req_destroy(q);
+}
+
+/* ---------------------------------------------------------------- streaming and completion */
+
+static bool stream_begin(router_req_t *q)
+{
+    if (q->streaming_started) return true;
+    char extra[128];
+    snprintf(extra, sizeof(extra), "Cache-Control: no-cache\r\nx-request-id: %s\r\n", q->meta.id);
+    if (prism_http_stream_begin(q->h, 200, "text/event-stream", extra) != PRISM_OK) return false;
+    q->streaming_started = true;
+    if (q->chat) {
+        /* vLLM's first chunk: the role with empty content. */
+        prism_buf_reset(&q->out);
+        prism_oai_write_chat_chunk(&q->out, &q->meta, true, "", 0, NULL, NULL);
+        prism_http_stream_write(q->h, q->out.data, q->out.len);
+    }
+    return true;
+}
+
+/* Streams text[emitted .. upto) (and pending logprobs) as one chunk. */
+static void stream_chunk(router_req_t *q, size_t upto, const char *finish)
+{
+    if (!q->h || !stream_begin(q)) return;
+    const char *t = q->text.data ? q->text.data + q->emitted : "";
+    size_t n = upto - q->emitted;
+    if (!n && !finish && q->lp.n_tokens == 0) return;
+    const prism_oai_logprobs_t *lp = q->oai.logprobs && q->lp.n_tokens ? &q->lp : NULL;
+    prism_buf_reset(&q->out);
+    if (q->chat)
+        prism_oai_write_chat_chunk(&q->out, &q->meta, false, n || !finish ? t : NULL, n, lp, finish);
+    else
+        prism_oai_write_completion_chunk(&q->out, &q->meta, t, n, lp, finish);
+    prism_http_stream_write(q->h, q->out.data, q->out.len);
+    q->emitted = upto;
+    if (lp) prism_oai_logprobs_clear(&q->lp);
+}
+
+/* "x-prism-timing" response header and log line: where the time of this request went. */
+static void timing_line(const router_req_t *q, double now, char *out, size_t n)
+{
+    double ttft = q->t_first > 0 ? (q->t_first - q->t_start) * 1e3 : 0;
+    double dec_s = q->t_last - q->t_first;
+    double tps = q->n_out > 1 && dec_s > 0 ? (q->n_out - 1) / dec_s : 0;
+    snprintf(out, n, "images=%d cache_hits=%d image_decode_ms=%.2f vit_ms=%.2f queue_ms=%.2f prefill_ms=%.2f "
+             "ttft_ms=%.2f decode_tokens=%d decode_tok_s=%.1f e2e_ms=%.2f", q->n_images, q->cache_hits, q->decode_ms,
+             q->vit_ms, q->queue_ms, q->prefill_ms, ttft, q->n_out > 0 ? q->n_out - 1 : 0, tps, (now - q->t_start) * 1e3);
+}
+
+static void req_complete(router_req_t *q, const char *finish)
+{
+    router_t *r = q->r;
+    q->finish = finish;
+    double now = prism_now_s();
+    char timing[400];
+    timing_line(q, now, timing, sizeof(timing));
+    PRISM_DEBUG("request %llu done (%s, %zu prompt tokens): %s", (unsigned long long)q->rid, finish, q->n_prompt, timing);
+    prism_oai_usage_t u = {.prompt_tokens = (int64_t)q->n_prompt, .completion_tokens = q->n_out, .cached_tokens = -1};
+    if (q->h && !prism_http_req_aborted(q->h)) {
+        if (q->oai.stream) {
+            stream_chunk(q, q->text.len, finish);
+            prism_buf_reset(&q->out);
+            if (q->oai.include_usage) prism_oai_write_usage_chunk(&q->out, &q->meta, &u);
+            prism_oai_write_sse_done(&q->out);
+            prism_http_stream_write(q->h, q->out.data, q->out.len);
+            prism_http_stream_end(q->h);
+        } else {
+            const prism_oai_logprobs_t *lp = q->oai.logprobs ? &q->lp : NULL;
+            prism_buf_reset(&q->out);
+            if (q->chat)
+                prism_oai_write_chat_response(&q->out, &q->meta, q->text.data ? q->text.data : "", q->text.len, lp,
+                                              finish, &u);
+            else
+                prism_oai_write_completion_response(&q->out, &q->meta, q->text.data ? q->text.data : "", q->text.len,
+                                                    lp, finish, &u);
+            char extra[600];
+            snprintf(extra, sizeof(extra), "x-request-id: %s\r\nx-prism-timing: %s\r\n", q->meta.id, timing);
+            prism_http_respond(q->h, 200, "application/json", extra, q->out.data, q->out.len);
+        }
+    }
+    r->metrics.prompt_tokens += q->n_prompt;
+    r->metrics.generation_tokens += (uint64_t)q->n_out;
+    prism_hist_observe(&r->metrics.e2e, now - q->t_start);
+    if (!strcmp(finish, "stop")) r->metrics.success_stop++;
+    else r->metrics.success_length++;
+    if (q->n_out > 1 && q->t_first > 0)
+        prism_hist_observe(&r->metrics.itl, (q->t_last - q->t_first) / (q->n_out - 1));
+    abort_workers(q);
+    req_destroy(q);
+}
+
+/* Longest suffix of the text that is a prefix of some stop string: hold it back while streaming. */
+static size_t stop_holdback(const router_req_t *q)
+{
+    size_t best = 0;
+    for (int i = 0; i < q->oai.n_stop; i++) {
+        size_t sl = q->oai.stop_len[i];
+        for (size_t k = PRISM_MIN(sl - 1, q->text.len); k > best; k--)
+            if (!memcmp(q->text.data + q->text.len - k, q->oai.stop[i], k)) { best = k; break; }
+    }
+    return best;
+}
+
+/* Searches the newly added text for a stop string; truncates and returns true on a hit. */
+static bool apply_stop_strings(router_req_t *q, size_t old_len)
+{
+    if (!q->oai.n_stop || !q->text.len) return false;
+    size_t hit = SIZE_MAX;
+    for (int i = 0; i < q->oai.n_stop; i++) {
+        size_t sl = q->oai.stop_len[i];
+        size_t from = old_len >= sl ? old_len - sl + 1 : 0;
+        for (size_t p = from; p + sl <= q->text.len; p++)
+            if (!memcmp(q->text.data + p, q->oai.stop[i], sl)) {
+                if (p < hit) hit = p;
+                break;
+            }
+    }
+    if (hit == SIZE_MAX) return false;
+    q->text.len = hit;  /* the stop string itself is not returned (OpenAI semantics) */
+    q->text.data[hit] = 0;
+    if (q->emitted > hit) q->emitted = hit;
+    return true;
+}
+
+static void add_logprobs(router_req_t *q, int32_t tok, const Prism__TokenLogprobs *l)
+{
+    router_t *r = q->r;
+    prism_buf_t tb = {0}, cb[20] = {{0}};
+    prism_oai_top_logprob_t top[20];
+    int nt = (int)PRISM_MIN(l->n_top, (size_t)20);
+    prism_tokenizer_token_bytes(r->tok, tok, &tb);
+    for (int k = 0; k < nt; k++) {
+        prism_tokenizer_token_bytes(r->tok, l->top[k]->token_id, &cb[k]);
+        top[k] = (prism_oai_top_logprob_t){cb[k].data ? cb[k].data : "", cb[k].len, l->top[k]->logprob};
+    }
+    prism_oai_token_logprob_t t = {tb.data ? tb.data : "", tb.len, l->logprob, top, q->oai.top_logprobs ? nt : 0};
+    prism_oai_logprobs_add(&q->lp, &t);
+    prism_buf_free(&tb);
+    for (int k = 0; k < nt; k++) prism_buf_free(&cb[k]);
+}
+
+void router_handle_tokens(router_t *r, uint64_t rid, const Prism__Tokens *t)
+{
+    router_req_t *q = router_req_get(r, rid);
+    if (!q) return;  /* finished or aborted already */
+    if (t->from_prefill && q->prefill_pending) {
+        q->prefill_pending = false;
+        worker_done(r, q->prefill_id);
+    }
+    if (t->error && *t->error) {
+        bool busy = strstr(t->error, "full") != NULL;
+        char msg[300];
+        snprintf(msg, sizeof(msg), "%s", t->error);
+        req_fail(q, busy ? 503 : 500, msg);
+        return;
+    }
+    double now = prism_now_s();
+    if (t->from_prefill) {
+        q->t_first = now;
+        q->queue_ms = t->queue_ms;
+        q->prefill_ms = t->prefill_ms;
+        prism_hist_observe(&r->metrics.ttft, now - q->t_start);
+        prism_hist_observe(&r->metrics.queue, t->queue_ms / 1e3);
+        q->stage = STAGE_PREFILLED;
+    }
+    q->t_last = now;
+    size_t old_len = q->text.len;
+    for (size_t i = 0; i < t->n_token_ids; i++) {
+        int32_t tok = t->token_ids[i];
+        q->n_out++;
+        if (q->oai.logprobs && i < t->n_logprobs) add_logprobs(q, tok, t->logprobs[i]);
+        /* EOS and stop token ids end the text without being part of it. */
+        bool final_stop = t->finish == PRISM__FINISH__FINISH_STOP && i + 1 == t->n_token_ids;
+        if (!final_stop) prism_detok_push(&q->detok, tok, &q->text);
+    }
+    bool finished = t->finish != PRISM__FINISH__FINISH_NONE;
+    if (finished) prism_detok_flush(&q->detok, &q->text);
+    if (apply_stop_strings(q, old_len)) {
+        req_complete(q, "stop");
+        return;
+    }
+    if (finished) {
+        req_complete(q, t->finish == PRISM__FINISH__FINISH_STOP ? "stop" : "length");
+        return;
+    }
+    if (q->oai.stream) {
+        size_t safe = q->text.len - stop_holdback(q);
+        if (safe > q->emitted || q->lp.n_tokens) stream_chunk(q, safe > q->emitted ? safe : q->emitted, NULL);
+    }
+}
+
+void router_handle_encode_done(router_t *r, uint64_t rid, const Prism__EncodeDone *d)
+{
+    router_req_t *q = router_req_get(r, rid);
+    if (!q || d->image_index >= (uint32_t)q->n_images) return;
+    if (q->encode_pending[d->image_index]) {
+        q->encode_pending[d->image_index] = false;
+        worker_done(r, q->encoder_id[d->image_index]);
+    }
+    q->decode_ms += d->decode_ms;
+    q->vit_ms += d->vit_ms;
+    q->cache_hits += d->cache_hit;
+    if (d->error && *d->error) {
+        char msg[320];
+        snprintf(msg, sizeof(msg), "Image %u: %s", d->image_index, d->error);
+        req_fail(q, 400, msg);
+    }
+}
+
+void router_fail_worker_requests(router_t *r, const router_worker_t *w)
+{
+    for (size_t i = 0; i < r->reqs_cap; i++) {
+        router_req_t *q = r->reqs[i];
+        if (!q) continue;
+        bool held = (q->prefill_pending && !strcmp(q->prefill_id, w->id)) ||
+                    (q->decode_pending && !strcmp(q->decode_id, w->id));
+        for (int k = 0; k < q->n_images; k++) held |= q->encode_pending[k] && !strcmp(q->encoder_id[k], w->id);
+        if (held) {
+            char msg[256];
+            snprintf(msg, sizeof(msg), "The %s worker serving this request stopped responding.", prism_role_name(w->role));
+            req_fail(q, 503, msg);
+            i = (size_t)-1;  /* the map changed under us: rescan */
+        }
+    }
+}
+
+void router_sweep_requests(router_t *r)
+{
+    double now = prism_now_s();
+    for (size_t i = 0; i < r->reqs_cap; i++) {
+        router_req_t *q = r->reqs[i];
+        if (!q) continue;
+        if (q->stage == STAGE_SENT && now - q->t_start > r->max_queue_wait_s) {
+            r->metrics.refused_limit[PRISM_REFUSE_QUEUE_WAIT]++;
+            req_fail(q, 503, "The request waited too long for a free worker; retry after a short wait.");
+            i = (size_t)-1;
+        } else if (now - q->t_start > r->request_timeout_s) {
+            req_fail(q, 503, "The request timed out.");
+            i = (size_t)-1;
+        }
+    }
+}
+
+void router_abort_all(router_t *r)
+{
+    for (size_t i = 0; i < r->reqs_cap; i++) {
+        router_req_t *q = r->reqs[i];
+        if (q) {
+            req_fail(q, 503, "The server is shutting down.");
+            i = (size_t)-1;
+        }
+    }
+}
+
+static void on_client_gone(prism_http_req_t *h, void *ud)
+{
+    router_req_t *q = ud;
+    q->r->metrics.success_abort++;
+    PRISM_DEBUG("request %llu: client went away", (unsigned long long)q->rid);
+    abort_workers(q);
+    req_destroy(q);
+}
+
+/* ---------------------------------------------------------------- admission */
+
+/* Builds the chat-template context the way transformers does, with image parts as
+ * {"type":"image"} (what HF processors' templates expect). */
+static json_t *template_context(router_t *r, const prism_oai_request_t *o)
+{
+    json_t *msgs = json_array();
+    for (int i = 0; i < o->n_messages; i++) {
+        const prism_oai_message_t *m = &o->messages[i];
+        json_t *c = json_deep_copy(m->raw);
+        if (!m->content_is_string && !m->content_is_null) {
+            json_t *parts = json_array();
+            for (int k = 0; k < m->n_parts; k++) {
+                const prism_oai_part_t *p = &m->parts[k];
+                if (p->kind == PRISM_OAI_PART_IMAGE)
+                    json_array_append_new(parts, json_pack("{s:s}", "type", "image"));
+                else
+                    json_array_append_new(parts, json_pack("{s:s,s:s%}", "type", "text", "text", p->text, p->text_len));
+            }
+            json_object_set_new(c, "content", parts);
+        }
+        json_array_append_new(msgs, c);
+    }
+    json_t *kw = json_object_get(o->root, "chat_template_kwargs");
+    json_t *ctx = prism_template_chat_context(msgs, json_object_get(o->root, "tools"), o->add_generation_prompt,
+                                              r->bos_token, r->eos_token, json_is_object(kw) ? kw : NULL);
+    json_decref(msgs);
+    return ctx;
+}
+
+/* Decodes every image part's data URL and checks its header against the limits. Returns an HTTP
+ * status (0 = ok) and fills msg. */
+static int load_images(router_t *r, router_req_t *q, char *msg, size_t n)
+{
+    for (int i = 0; i < q->oai.n_messages; i++) {
+        const prism_oai_message_t *m = &q->oai.messages[i];
+        for (int k = 0; k < m->n_parts; k++) {
+            const prism_oai_part_t *p = &m->parts[k];
+            if (p->kind != PRISM_OAI_PART_IMAGE) continue;
+            int idx = q->n_images;
+            const char *mime, *b64;
+            size_t mime_len, b64_len;
+            if (prism_data_url_parse(p->image_url, p->image_url_len, &mime, &mime_len, &b64, &b64_len) != PRISM_OK) {
+                snprintf(msg, n, "Image %d: only base64 data URLs (data:image/jpeg;base64,... or data:image/png;base64,...) "
+                         "are accepted; remote and file URLs are disabled.", idx);
+                return 400;
+            }
+            if (!prism_data_url_mime_is_image(mime, mime_len)) {
+                snprintf(msg, n, "Image %d: unsupported media type '%.*s'; use image/jpeg or image/png.", idx,
+                         (int)PRISM_MIN(mime_len, (size_t)64), mime);
+                return 400;
+            }
+            size_t cap = prism_base64_decoded_max(b64_len), len = 0;
+            uint8_t *buf = prism_malloc(cap ? cap : 1);
+            if (!buf) return 503;
+            q->img[idx] = buf;
+            q->n_images++;
+            if (prism_base64_decode(b64, b64_len, buf, cap, &len) != PRISM_OK) {
+                snprintf(msg, n, "Image %d: invalid base64 data.", idx);
+                return 400;
+            }
+            q->img_len[idx] = len;
+            prism_image_info_t info;
+            if (prism_image_probe(buf, len, &info) != PRISM_OK) {
+                snprintf(msg, n, "Image %d: the data is not a valid JPEG or PNG image.", idx);
+                return 400;
+            }
+            if ((uint64_t)info.width * (uint64_t)info.height > r->max_image_pixels) {
+                r->metrics.refused_limit[PRISM_REFUSE_IMAGE_TOO_LARGE]++;
+                snprintf(msg, n, "Image %d is %dx%d pixels; the limit is %llu pixels per image.", idx, info.width,
+                         info.height, (unsigned long long)r->max_image_pixels);
+                return 400;
+            }
+            q->img_hash[idx] = XXH3_64bits(buf, len);
+            q->image_bytes += len;
+        }
+    }
+    return 0;
+}
+
+/* Renders + tokenizes (chat) or tokenizes (completions); expands image placeholders. */
+static int build_prompt(router_t *r, router_req_t *q, char *msg, size_t n)
+{
+    int rc;
+    if (q->chat) {
+        json_t *ctx = template_context(r, &q->oai);
+        prism_buf_t text = {0};
+        char err[256] = "";
+        rc = ctx ? prism_template_render(r->tmpl, ctx, &text, err, sizeof(err)) : PRISM_EINVAL;
+        json_decref(ctx);
+        if (rc != PRISM_OK) {
+            prism_buf_free(&text);
+            snprintf(msg, n, "Chat template error: %s", err[0] ? err : prism_strerror(rc));
+            return 400;
+        }
+        /* Add BOS unless the template already wrote it (HF processors add special tokens). */
+        bool has_bos = r->bos_token && *r->bos_token && text.data &&
+                       !strncmp(text.data, r->bos_token, strlen(r->bos_token));
+        rc = prism_tokenizer_encode(r->tok, text.data ? text.data : "", text.len, !has_bos, &q->prompt, &q->n_prompt,
+                                    &q->prompt_cap);
+        prism_buf_free(&text);
+    } else if (q->oai.prompt_token_ids) {
+        q->prompt = prism_malloc(sizeof(int32_t) * (size_t)PRISM_MAX(q->oai.n_prompt_token_ids, 1));
+        if (!q->prompt) return 503;
+        for (int i = 0; i < q->oai.n_prompt_token_ids; i++) {
+            if (q->oai.prompt_token_ids[i] < 0 || q->oai.prompt_token_ids[i] >= r->cfg.vocab) {
+                snprintf(msg, n, "Token id %d is out of vocabulary.", q->oai.prompt_token_ids[i]);
+                return 400;
+            }
+            q->prompt[i] = q->oai.prompt_token_ids[i];
+        }
+        q->n_prompt = (size_t)q->oai.n_prompt_token_ids;
+        rc = PRISM_OK;
+    } else {
+        rc = prism_tokenizer_encode(r->tok, q->oai.prompt ? q->oai.prompt : "", q->oai.prompt_len, true, &q->prompt,
+                                    &q->n_prompt, &q->prompt_cap);
+    }
+    if (rc != PRISM_OK) {
+        snprintf(msg, n, "The prompt could not be tokenized: %s", prism_strerror(rc));
+        return 400;
+    }
+    /* Expand each image placeholder to image_seq_length copies. */
+    size_t n_ph = 0;
+    for (size_t i = 0; i < q->n_prompt; i++) n_ph += q->prompt[i] == r->image_token_id;
+    if ((int)n_ph != q->n_images) {
+        snprintf(msg, n, "The prompt has %zu image placeholder(s) but the request has %d image(s).", n_ph, q->n_images);
+        return 400;
+    }
+    if (n_ph) {
+        size_t L = (size_t)r->cfg.image_seq_length, total = q->n_prompt + n_ph * (L - 1);
+        if (total > (size_t)r->max_model_len + 1) total = (size_t)r->max_model_len + 1;  /* caught below */
+        int32_t *x = prism_malloc(sizeof(int32_t) * (q->n_prompt + n_ph * (L - 1)));
+        if (!x) return 503;
+        size_t o = 0;
+        for (size_t i = 0; i < q->n_prompt; i++) {
+            if (q->prompt[i] == r->image_token_id)
+                for (size_t k = 0; k < L; k++) x[o++] = r->image_token_id;
+            else
+                x[o++] = q->prompt[i];
+        }
+        prism_free(q->prompt);
+        q->prompt = x;
+        q->n_prompt = o;
+        q->prompt_cap = o;
+    }
+    if (q->n_prompt == 0) {
+        snprintf(msg, n, "The prompt is empty.");
+        return 400;
+    }
+    if (q->n_prompt >= (size_t)r->max_model_len) {
+        snprintf(msg, n, "Input length (%zu) exceeds model's maximum context length (%d).", q->n_prompt,
+                 r->max_model_len);
+        return 400;
+    }
+    int64_t room = r->max_model_len - (int64_t)q->n_prompt;
+    if (q->oai.max_tokens < 0) {
+        q->max_tokens = (int)room;
+    } else if (q->oai.max_tokens > room) {
+        snprintf(msg, n, "This model's maximum context length is %d tokens. However, you requested %lld tokens "
+                 "(%zu in the messages, %lld in the completion). Please reduce the length of the messages or completion.",
+                 r->max_model_len, (long long)(q->oai.max_tokens + (int64_t)q->n_prompt), q->n_prompt,
+                 (long long)q->oai.max_tokens);
+        return 400;
+    } else {
+        q->max_tokens = (int)q->oai.max_tokens;
+    }
+    return 0;
+}
+
+static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
+{
+    router_worker_t *pf = router_pick(r, PRISM__ROLE__ROLE_PREFILL, 0);
+    router_worker_t *dc = router_pick(r, PRISM__ROLE__ROLE_DECODE, 0);
+    router_worker_t *enc[ROUTER_MAX_IMAGES] = {0};
+    for (int i = 0; i < q->n_images; i++)
+        if (!(enc[i] = router_pick(r, PRISM__ROLE__ROLE_ENCODER, q->img_hash[i]))) break;
+    if (!pf || !dc || (q->n_images && !enc[q->n_images - 1])) {
+        r->metrics.refused_limit[PRISM_REFUSE_NO_WORKERS]++;
+        snprintf(msg, n, "No %s worker is available; try again shortly.",
+                 !pf ? "prefill" : !dc ? "decode" : "encoder");
+        return 503;
+    }
+    /* Prefill first: it must know the request before embeddings can be used (either order works). */
+    Prism__ImageSpan spans[ROUTER_MAX_IMAGES], *span_ptrs[ROUTER_MAX_IMAGES];
+    int s = 0;
+    for (size_t i = 0; i < q->n_prompt && s < q->n_images; i++) {
+        if (q->prompt[i] != r->image_token_id) continue;
+        prism__image_span__init(&spans[s]);
+        spans[s].offset = (uint32_t)i;
+        spans[s].n_tokens = (uint32_t)r->cfg.image_seq_length;
+        span_ptrs[s] = &spans[s];
+        s++;
+        i += (size_t)r->cfg.image_seq_length - 1;
+    }
+    int32_t stop_ids[PRISM_OAI_MAX_STOP_TOKEN_IDS];
+    for (int i = 0; i < q->oai.n_stop_token_ids; i++) stop_ids[i] = (int32_t)q->oai.stop_token_ids[i];
+    Prism__Sampling sp = PRISM__SAMPLING__INIT;
+    sp.temperature = (float)q->oai.temperature;
+    sp.top_p = (float)q->oai.top_p;
+    sp.top_k = (int32_t)q->oai.top_k;
+    sp.has_seed = q->oai.has_seed;
+    sp.seed = (uint64_t)q->oai.seed;
+    sp.max_tokens = (uint32_t)q->max_tokens;
+    sp.n_stop_token_ids = (size_t)q->oai.n_stop_token_ids;
+    sp.stop_token_ids = stop_ids;
+    sp.ignore_eos = q->oai.ignore_eos;
+    sp.logprobs = q->oai.logprobs ? 1u + (uint32_t)q->oai.top_logprobs : 0u;
+    Prism__Prefill p = PRISM__PREFILL__INIT;
+    p.n_token_ids = q->n_prompt;
+    p.token_ids = q->prompt;
+    p.n_images = (size_t)s;
+    p.images = span_ptrs;
+    p.sampling = &sp;
+    p.decode_endpoint = dc->data_endpoint;
+    p.decode_id = dc->id;
+    Prism__Envelope env = PRISM__ENVELOPE__INIT;
+    env.type = PRISM__MSG_TYPE__MSG_PREFILL;
+    env.request_id = q->rid;
+    env.prefill = &p;
+    if (router_send(r, pf, &env, NULL, 0) != PRISM_OK) {
+        snprintf(msg, n, "The prefill worker could not be reached; try again shortly.");
+        return 503;
+    }
+    snprintf(q->prefill_id, sizeof(q->prefill_id), "%s", pf->id);
+    snprintf(q->decode_id, sizeof(q->decode_id), "%s", dc->id);
+    q->prefill_pending = q->decode_pending = true;
+    pf->inflight++;
+    dc->inflight++;
+    for (int i = 0; i < q->n_images; i++) {
+        Prism__Encode e = PRISM__ENCODE__INIT;
+        e.image_index = (uint32_t)i;
+        e.content_hash = q->img_hash[i];
+        e.prefill_endpoint = pf->data_endpoint;
+        e.prefill_id = pf->id;
+        e.n_tokens = (uint32_t)r->cfg.image_seq_length;
+        Prism__Envelope ee = PRISM__ENVELOPE__INIT;
+        ee.type = PRISM__MSG_TYPE__MSG_ENCODE;
+        ee.request_id = q->rid;
+        ee.encode = &e;
+        prism_frame_t f = {q->img[i], q->img_len[i]};
+        if (router_send(r, enc[i], &ee, &f, 1) != PRISM_OK) {
+            snprintf(msg, n, "The encoder worker could not be reached; try again shortly.");
+            return 503;
+        }
+        snprintf(q->encoder_id[i], sizeof(q->encoder_id[i]), "%s", enc[i]->id);
+        q->encode_pending[i] = true;
+        enc[i]->inflight++;
+        router_worker_t *w = enc[i];
+        w->image_hashes[w->n_hashes % (int)PRISM_ARRAY_LEN(w->image_hashes)] = q->img_hash[i];
+        if (w->n_hashes < (int)PRISM_ARRAY_LEN(w->image_hashes)) w->n_hashes++;
+    }
+    return 0;
+}
+
+void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
+{
+    size_t blen = 0;
+    const char *body = prism_http_req_body(h, &blen);
+    router_req_t *q = prism_calloc(1, sizeof(*q));
+    if (!q) {
+        respond_error(h, 503, "The server is out of memory; try again shortly.", NULL);
+        prism_http_req_release(h);
+        return;
+    }
+    q->r = r;
+    q->h = h;
+    q->chat = chat;
+    q->t_start = prism_now_s();
+    q->rid = ++r->next_rid;
+    prism_detok_init(&q->detok, r->tok, true);
+    prism_oai_logprobs_init(&q->lp, chat);
+    char msg[600] = "";
+    int status = 0;
+
+    prism_oai_error_t perr;
+    prism_oai_parse_opts_t popts = {.max_images = r->max_images_per_prompt};
+    if (prism_oai_parse(body ? body : "", blen, chat, &popts, &q->oai, &perr) != PRISM_OK) {
+        r->metrics.refused_limit[PRISM_REFUSE_BAD_REQUEST]++;
+        if (perr.status == 400 && strstr(perr.message, "image")) r->metrics.refused_limit[PRISM_REFUSE_TOO_MANY_IMAGES]++;
+        prism_http_respond_error(h, perr.status ? perr.status : 400, perr.type[0] ? perr.type : "BadRequestError",
+                                 perr.message, perr.param[0] ? perr.param : NULL, NULL, NULL);
+        q->h = NULL;
+        prism_http_req_release(h);
+        req_destroy(q);
+        return;
+    }
+    if (!q->oai.skip_special_tokens) {
+        prism_detok_free(&q->detok);
+        prism_detok_init(&q->detok, r->tok, false);
+    }
+    if (q->oai.model && strcmp(q->oai.model, r->served_model_name) != 0) {
+        snprintf(msg, sizeof(msg), "The model `%s` does not exist.", q->oai.model);
+        status = 404;
+        goto fail;
+    }
+    if ((int)r->n_reqs >= r->max_running) {
+        r->metrics.refused_limit[PRISM_REFUSE_QUEUE_FULL]++;
+        snprintf(msg, sizeof(msg), "The server is at capacity (%d requests in flight); retry after a short wait.",
+                 r->max_running);
+        status = 429;
+        goto fail;
+    }
+    if (chat && (status = load_images(r, q, msg, sizeof(msg))) != 0) goto fail;
+    if (q->image_bytes && r->image_bytes_inflight + q->image_bytes > r->max_image_bytes_inflight) {
+        r->metrics.refused_limit[PRISM_REFUSE_IMAGE_BYTES_INFLIGHT]++;
+        snprintf(msg, sizeof(msg), "Too many image bytes in flight; retry after a short wait.");
+        status = 429;
+        goto fail;
+    }
+    if ((status = build_prompt(r, q, msg, sizeof(msg))) != 0) goto fail;
+    if (prism_oai_resp_meta_init(&q->meta, chat, r->served_model_name) != PRISM_OK) {
+        status = 503;
+        snprintf(msg, sizeof(msg), "out of memory");
+        goto fail;
+    }
+    if (router_req_put(r, q->rid, q) != PRISM_OK) {
+        r->metrics.refused_limit[PRISM_REFUSE_QUEUE_FULL]++;
+        snprintf(msg, sizeof(msg), "The server is at capacity; retry after a short wait.");
+        status = 429;
+        goto fail;
+    }
+    r->image_bytes_inflight += q->image_bytes;
+    q->bytes_counted = true;
+    if ((status = dispatch(r, q, msg, sizeof(msg))) != 0) {
+        req_fail(q, status, msg);
+        return;
+    }
+    prism_http_req_set_user(h, q);
+    prism_http_req_on_abort(h, on_client_gone, q);
+    PRISM_DEBUG("request %llu: %zu prompt tokens, %d images, max_tokens %d", (unsigned long long)q->rid, q->n_prompt,
+                q->n_images, q->max_tokens);
+    return;
+
+fail:
+    if (status >= 400 && status < 500 && status != 429) r->metrics.refused_limit[PRISM_REFUSE_BAD_REQUEST]++;
+    respond_error(h, status, msg, NULL);
+    q->h = NULL;
+    prism_http_req_release(h);
+    req_destroy(q);
+}
