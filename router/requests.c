@@ -49,7 +49,6 @@ struct router_req {
     size_t emitted;               /* bytes of text already streamed */
     prism_oai_logprobs_t lp;
     bool streaming_started;
-    const char *finish;           /* "stop" | "length" | NULL */
     double t_start, t_first, t_last;
     float decode_ms, vit_ms, queue_ms, prefill_ms;  /* worker-side timings (sums over images) */
     int cache_hits;
@@ -237,7 +236,6 @@ static void timing_line(const router_req_t *q, double now, char *out, size_t n)
 static void req_complete(router_req_t *q, const char *finish)
 {
     router_t *r = q->r;
-    q->finish = finish;
     double now = prism_now_s();
     char timing[400];
     timing_line(q, now, timing, sizeof(timing));

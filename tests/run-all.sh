@@ -3,13 +3,13 @@
 #   1. build/ (release, CUDA backend compiled when nvcc exists): unit + integration tests;
 #   2. build-asan/ (ASan + UBSan, CPU only): unit tests again under the sanitizers.
 # GPU tests (ctest label "gpu") report themselves skipped when no GPU is present.
-# Ends with a line "N passed, N failed".
+# Ends with a line "N passed, N failed, N skipped".
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 "$root/deploy/install-deps.sh" || { echo "dependency installation failed"; echo "0 passed, 1 failed"; exit 1; }
 jobs=$(nproc)
-passed=0 failed=0
+passed=0 failed=0 skipped=0
 
 run_ctest() {  # build_dir label_args...
   local dir=$1; shift
@@ -22,8 +22,11 @@ run_ctest() {  # build_dir label_args...
     local total nfail
     nfail=$(echo "$line" | sed -E 's/.*tests passed, ([0-9]+) tests failed out of ([0-9]+).*/\1/')
     total=$(echo "$line" | sed -E 's/.*tests passed, ([0-9]+) tests failed out of ([0-9]+).*/\2/')
-    passed=$((passed + total - nfail))
+    local nskip
+    nskip=$(grep -cE "^\s+[0-9]+ - .* \(Skipped\)$" "$log" || true)
+    passed=$((passed + total - nfail - nskip))
     failed=$((failed + nfail))
+    skipped=$((skipped + nskip))
   elif ! grep -q "No tests were found" "$log"; then
     failed=$((failed + 1))
   fi
@@ -49,5 +52,5 @@ else
 fi
 
 echo
-echo "$passed passed, $failed failed"
+echo "$passed passed, $failed failed, $skipped skipped"
 [ "$failed" -eq 0 ]

@@ -7,6 +7,7 @@
 
 #ifdef PRISM_WITH_CUDA
 prism_backend_t *prism_backend_cuda_create(int device, size_t pool_bytes, int *status);
+bool prism_cuda_available(void);
 #endif
 
 size_t prism_dtype_size(prism_dtype_t t)
@@ -47,7 +48,7 @@ int prism_act_parse(const char *s)
 bool prism_backend_has_cuda(void)
 {
 #ifdef PRISM_WITH_CUDA
-    return true;
+    return prism_cuda_available();  /* built with CUDA and a device is present */
 #else
     return false;
 #endif

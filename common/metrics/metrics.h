@@ -35,7 +35,7 @@ typedef struct {
     prism_hist_t ttft, itl, e2e, queue;
     uint64_t prompt_tokens, generation_tokens;
     uint64_t success_stop, success_length, success_abort, failed;
-    uint64_t refused_limit[8];   /* by prism_refusal_t */
+    uint64_t refused_limit[16];   /* by prism_refusal_t */
 } prism_router_metrics_t;
 
 typedef enum {
@@ -46,6 +46,7 @@ typedef enum {
     PRISM_REFUSE_IMAGE_BYTES_INFLIGHT,
     PRISM_REFUSE_NO_WORKERS,
     PRISM_REFUSE_BAD_REQUEST,
+    PRISM_REFUSE_QUEUE_WAIT,
     PRISM_REFUSE_COUNT
 } prism_refusal_t;
 
