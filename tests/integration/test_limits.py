@@ -102,6 +102,27 @@ def test_backpressure_and_flat_allocations():
                                                      before[(name, worker)], v)
 
 
+def test_decode_admission_waits_for_kv():
+    """16 KV blocks of 16 tokens: room for two requests at a time; the rest wait, none fails, and
+    waiting does not change a single token."""
+    ctx = ["--context-length", "256"]
+    with Cluster(router_args=ctx, worker_args={"prefill_worker": ctx,
+                                               "decode_worker": ctx + ["--kv-blocks", "16"]}) as c:
+        c.wait_ready()
+        body = chat_body("What is in the image?", [SMALL], max_tokens=8, temperature=0, ignore_eos=True)
+        s, ref = c.post_json("/v1/chat/completions", body)
+        assert s == 200, (s, ref)
+        with concurrent.futures.ThreadPoolExecutor(12) as ex:
+            res = list(ex.map(lambda _: c.post_json("/v1/chat/completions", body), range(12)))
+        for s, r in res:
+            assert s == 200, (s, r)
+            assert r["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+        # more than the whole KV pool can hold is refused up front, not hung
+        s, r = c.post_json("/v1/chat/completions", chat_body("hi", [SMALL], max_tokens=400))
+        assert s == 400, (s, r)
+
+
 if __name__ == "__main__":
     sys.exit(run_tests([test_budget_too_small_refuses_to_start, test_backpressure_and_flat_allocations,
+                        test_decode_admission_waits_for_kv,
                         test_overload_burst_and_recovery]))
