@@ -316,6 +316,8 @@ int main(int argc, char **argv)
         PRISM_ERROR("cannot load model config from %s: %s", o.model_path, err);
         return 1;
     }
+    d.cfg.random_weights = o.random_weights;
+    d.cfg.random_seed = 1234;
     if (block_size < 1 || block_size > 1024 || max_running < 1 || max_running > 4096) {
         PRISM_ERROR("--block-size must be 1..1024 and --max-running-requests 1..4096");
         return 2;

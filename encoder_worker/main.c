@@ -292,6 +292,8 @@ int main(int argc, char **argv)
         PRISM_ERROR("cannot load model config from %s: %s", o.model_path, err);
         return 1;
     }
+    e.cfg.random_weights = o.random_weights;
+    e.cfg.random_seed = 1234;
     if (!e.cfg.has_vision) {
         PRISM_ERROR("model at %s has no vision tower: an encoder worker has nothing to do", o.model_path);
         return 1;

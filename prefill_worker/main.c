@@ -425,6 +425,8 @@ int main(int argc, char **argv)
         PRISM_ERROR("cannot load model config from %s: %s", o.model_path, err);
         return 1;
     }
+    p.cfg.random_weights = o.random_weights;
+    p.cfg.random_seed = 1234;
     if (chunk < 1 || chunk > 65536 || block_size < 1 || block_size > 1024 || max_pending < 1 ||
         max_pending > 4096 || emb_images < 1 || emb_images > 65536) {
         PRISM_ERROR("flag out of range (see --help)");

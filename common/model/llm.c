@@ -195,20 +195,22 @@ int prism_llm_load(prism_backend_t *be, const prism_model_config_t *cfg, const c
     m->max_seqs = max_seqs;
     m->layers = prism_calloc((size_t)cfg->n_layers, sizeof *m->layers);
     if (!m->layers) goto fail;
-    rc = prism_st_open_dir(model_dir, &st, err, errlen);
-    if (rc != PRISM_OK) goto fail;
-
-    const char *pfx = prism_wload_find_prefix(st, k_text_prefixes, (int)PRISM_ARRAY_LEN(k_text_prefixes),
-                                              "embed_tokens.weight");
-    if (!pfx) {
-        ERR("weights: no embed_tokens.weight under any known prefix in %s", model_dir);
-        rc = PRISM_ENOTFOUND;
-        goto fail;
+    const char *pfx = "model.", *head = cfg->tie_word_embeddings ? NULL : "lm_head.weight";
+    if (!cfg->random_weights) {
+        rc = prism_st_open_dir(model_dir, &st, err, errlen);
+        if (rc != PRISM_OK) goto fail;
+        pfx = prism_wload_find_prefix(st, k_text_prefixes, (int)PRISM_ARRAY_LEN(k_text_prefixes), "embed_tokens.weight");
+        if (!pfx) {
+            ERR("weights: no embed_tokens.weight under any known prefix in %s", model_dir);
+            rc = PRISM_ENOTFOUND;
+            goto fail;
+        }
+        head = prism_st_find(st, "language_model.lm_head.weight") ? "language_model.lm_head.weight"
+             : prism_st_find(st, "lm_head.weight") ? "lm_head.weight" : NULL;
     }
-    const char *head = prism_st_find(st, "language_model.lm_head.weight") ? "language_model.lm_head.weight"
-                     : prism_st_find(st, "lm_head.weight") ? "lm_head.weight" : NULL;
     double t0 = prism_now_s();
-    w = (prism_wload_t){.be = be, .st = st, .err = err, .errlen = errlen};
+    w = (prism_wload_t){.be = be, .st = st, .err = err, .errlen = errlen, .random = cfg->random_weights,
+                        .seed = cfg->random_seed};
     if ((rc = load_weights(m, &w, pfx, head)) != PRISM_OK) goto fail;   /* pass 1: validate + size */
     m->wbytes = PRISM_ALIGN_UP(w.off, PRISM_TENSOR_ALIGN);
     m->wbuf = prism_backend_alloc(be, m->wbytes);

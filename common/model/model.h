@@ -48,6 +48,11 @@ typedef struct {
     int v_num_channels;       /* 3 */
     bool mlp_bias;            /* Llama mlp_bias (rare) */
     bool o_bias;              /* attention output bias (Llama attention_bias also covers o_proj) */
+    /* Set by the caller, not by config.json: instantiate the shapes with seeded random weights
+     * (norms 1, biases 0, the rest N(0, 0.02)) instead of reading safetensors — for benchmarks of
+     * full-size architectures that cannot be downloaded here. */
+    bool random_weights;
+    uint64_t random_seed;
     bool proj_bias;           /* LLaVA multimodal_projector_bias */
 } prism_model_config_t;
 

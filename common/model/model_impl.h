@@ -22,6 +22,8 @@ typedef struct {
     int n_tensors;
     char *err;
     size_t errlen;
+    bool random;           /* no checkpoint: fill every tensor from a seeded RNG */
+    uint64_t seed;
 } prism_wload_t;
 
 /* Reserves bytes in the weight block (aligned); returns the device pointer in pass 2, NULL in pass 1. */

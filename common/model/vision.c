@@ -179,18 +179,21 @@ int prism_vision_load(prism_backend_t *be, const prism_model_config_t *cfg, cons
     }
     v->layers = prism_calloc((size_t)PRISM_MAX(v->n_run, 1), sizeof *v->layers);
     if (!v->layers) goto fail;
-    rc = prism_st_open_dir(model_dir, &st, err, errlen);
-    if (rc != PRISM_OK) goto fail;
-    const char *vp = prism_wload_find_prefix(st, k_vis_prefixes, (int)PRISM_ARRAY_LEN(k_vis_prefixes),
-                                             "embeddings.patch_embedding.weight");
-    const char *pp = prism_wload_find_prefix(st, k_proj_prefixes, (int)PRISM_ARRAY_LEN(k_proj_prefixes),
-                                             "linear_1.weight");
+    const char *vp = k_vis_prefixes[0], *pp = k_proj_prefixes[0];
+    if (!cfg->random_weights) {
+        rc = prism_st_open_dir(model_dir, &st, err, errlen);
+        if (rc != PRISM_OK) goto fail;
+        vp = prism_wload_find_prefix(st, k_vis_prefixes, (int)PRISM_ARRAY_LEN(k_vis_prefixes),
+                                     "embeddings.patch_embedding.weight");
+        pp = prism_wload_find_prefix(st, k_proj_prefixes, (int)PRISM_ARRAY_LEN(k_proj_prefixes), "linear_1.weight");
+    }
     if (!vp || !pp) {
         ERR("weights: no %s found in %s", vp ? "multi_modal_projector" : "vision tower", model_dir);
         rc = PRISM_ENOTFOUND;
         goto fail;
     }
-    w = (prism_wload_t){.be = be, .st = st, .err = err, .errlen = errlen};
+    w = (prism_wload_t){.be = be, .st = st, .err = err, .errlen = errlen, .random = cfg->random_weights,
+                        .seed = cfg->random_seed};
     if ((rc = load_weights(v, &w, vp, pp)) != PRISM_OK) goto fail;
     v->wbytes = PRISM_ALIGN_UP(w.off, PRISM_TENSOR_ALIGN);
     v->wbuf = prism_backend_alloc(be, v->wbytes);

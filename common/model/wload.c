@@ -13,8 +13,53 @@ void *prism_wload_reserve(prism_wload_t *w, size_t bytes)
     return w->base ? w->base + o : NULL;
 }
 
+static uint64_t name_hash(const char *s, uint64_t seed)
+{
+    uint64_t h = 1469598103934665603ull ^ seed;
+    for (; *s; s++) h = (h ^ (uint8_t)*s) * 1099511628211ull;
+    return h;
+}
+
+/* Random weights: norms 1, biases 0, everything else N(0, 0.02) from a per-tensor stream, so a
+ * tensor's values do not depend on load order. */
+static int fill_random(prism_wload_t *w, void *dst, prism_dtype_t dt, const char *name, int64_t numel)
+{
+    if (!w->base) return PRISM_OK;
+    size_t len = strlen(name), esz = prism_dtype_size(dt);
+    bool bias = len >= 4 && !strcmp(name + len - 4, "bias");
+    bool norm = !bias && (strstr(name, "norm") || strstr(name, "layrnorm"));
+    uint64_t st = name_hash(name, w->seed) | 1;
+    for (int64_t off = 0; off < numel; off += (int64_t)w->staging_n) {
+        int64_t n = PRISM_MIN((int64_t)w->staging_n, numel - off);
+        for (int64_t i = 0; i < n; i++) {
+            if (bias || norm) {
+                w->staging[i] = norm ? 1.0f : 0.0f;
+                continue;
+            }
+            /* Sum of 4 uniforms: cheap, bell-shaped, variance 4/12 -> scaled to std 0.02. */
+            double u = 0;
+            for (int k = 0; k < 4; k++) {
+                st ^= st << 13; st ^= st >> 7; st ^= st << 17;
+                u += (double)(st >> 11) * (1.0 / 9007199254740992.0);
+            }
+            w->staging[i] = (float)((u - 2.0) * 0.02 * 1.7320508);
+        }
+        int rc = w->be->i.upload_convert(w->be->ctx, (uint8_t *)dst + (size_t)off * esz, dt, w->staging, (size_t)n);
+        if (rc != PRISM_OK) return rc;
+    }
+    w->loaded_bytes += (size_t)numel * esz;
+    w->n_tensors++;
+    return PRISM_OK;
+}
+
 int prism_wload_fill(prism_wload_t *w, void *dst, prism_dtype_t dt, const char *name, int ndim, const int64_t *shape)
 {
+    if (w->random) {
+        int64_t numel = 1;
+        if (ndim < 0) numel = shape[0];
+        else for (int d = 0; d < ndim; d++) numel *= shape[d];
+        return fill_random(w, dst, dt, name, numel);
+    }
     const prism_st_tensor_t *t = prism_st_find(w->st, name);
     if (!t) {
         ERR("weights: tensor '%s' not found", name);

@@ -100,10 +100,11 @@ typedef struct {
     int64_t mem_budget;
     const char *log_level;
     double heartbeat_s;
+    bool random_weights;
 } prism_worker_opts_t;
 
 void prism_worker_opts_defaults(prism_worker_opts_t *o, const char *role);
-/* Appends the common flags to table (which must have room for 10 more entries + END). */
+/* Appends the common flags to table (which must have room for 11 more entries + END). */
 int  prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *table, int n);
 /* Resolves the data bind endpoint from host + data_port ("tcp://host:port", port 0 = any). */
 void prism_worker_data_bind(const prism_worker_opts_t *o, char *out, size_t n);
