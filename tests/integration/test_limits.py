@@ -122,7 +122,33 @@ def test_decode_admission_waits_for_kv():
         assert s == 400, (s, r)
 
 
+def test_worker_failure_fails_requests_cleanly():
+    """A decode worker killed mid-generation: its requests end with a clean error (never a hang), the
+    router stays up, and a replacement worker that registers serves the next request."""
+    with Cluster(router_args=["--worker-timeout", "1.5"]) as c:
+        c.wait_ready()
+        body = chat_body("What is in the image?", [SMALL], max_tokens=1500, temperature=0, ignore_eos=True)
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            fut = ex.submit(c.request, "POST", "/v1/chat/completions", body)
+            time.sleep(0.5)
+            dead = c.procs.pop("decode-0")
+            dead.kill()
+            dead.wait()
+            t0 = time.time()
+            status, _, data = fut.result(timeout=30)
+        assert status == 503, (status, data[:300])
+        assert "stopped responding" in json.loads(data)["error"]["message"]
+        assert time.time() - t0 < 10
+        assert c.procs["router"].poll() is None
+        status, _, _ = c.request("GET", "/ready")
+        assert status == 503  # no decode worker left
+        c._start("decode-1", "decode_worker", ["--model-path", MODEL, "--router", c.ctl, "--worker-id", "decode-1"])
+        c.wait_ready()
+        s, r = c.post_json("/v1/chat/completions", chat_body("Describe the image.", [SMALL], max_tokens=4))
+        assert s == 200, (s, r)
+
+
 if __name__ == "__main__":
     sys.exit(run_tests([test_budget_too_small_refuses_to_start, test_backpressure_and_flat_allocations,
-                        test_decode_admission_waits_for_kv,
+                        test_decode_admission_waits_for_kv, test_worker_failure_fails_requests_cleanly,
                         test_overload_burst_and_recovery]))
