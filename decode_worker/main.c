@@ -20,8 +20,6 @@
 #include <stdio.h>
 #include <string.h>
 
-#define MAX_TOP_LOGPROBS 20
-#define MAX_STOP_IDS 16
 
 typedef struct {
     bool active;
@@ -38,7 +36,7 @@ typedef struct {
     uint64_t rng;
     bool ignore_eos;
     int n_logprobs;           /* 0 off; else 1 + top count */
-    int32_t stop_ids[MAX_STOP_IDS];
+    int32_t stop_ids[PRISM_MAX_STOP_IDS];
     int n_stop_ids;
 } seq_t;
 
@@ -67,16 +65,6 @@ typedef struct {
     zmq_msg_t staged_frame;
     uint64_t steps, tokens_out;
 } decode_t;
-
-static bool is_stop(const decode_t *d, const seq_t *s, int32_t tok)
-{
-    if (!s->ignore_eos)
-        for (int i = 0; i < d->cfg.n_eos; i++)
-            if (tok == d->cfg.eos_token_ids[i]) return true;
-    for (int i = 0; i < s->n_stop_ids; i++)
-        if (tok == s->stop_ids[i]) return true;
-    return false;
-}
 
 static void send_error(decode_t *d, const char *router_id, uint64_t rid, const char *msg)
 {
@@ -131,8 +119,8 @@ static bool admit_staged(decode_t *d)
         s->sp.top_k = kv->sampling->top_k;
         s->rng = kv->rng_state;
         s->ignore_eos = kv->sampling->ignore_eos;
-        s->n_logprobs = (int)PRISM_MIN(kv->sampling->logprobs, (uint32_t)MAX_TOP_LOGPROBS + 1);
-        s->n_stop_ids = (int)PRISM_MIN(kv->sampling->n_stop_token_ids, (size_t)MAX_STOP_IDS);
+        s->n_logprobs = (int)PRISM_MIN(kv->sampling->logprobs, (uint32_t)PRISM_MAX_TOP_LOGPROBS + 1);
+        s->n_stop_ids = (int)PRISM_MIN(kv->sampling->n_stop_token_ids, (size_t)PRISM_MAX_STOP_IDS);
         for (int i = 0; i < s->n_stop_ids; i++) s->stop_ids[i] = kv->sampling->stop_token_ids[i];
         PRISM_DEBUG("request %llu admitted: %d prompt tokens, %d blocks", (unsigned long long)s->request_id,
                     s->len, need);
@@ -249,26 +237,10 @@ static void step(decode_t *d)
         t.n_token_ids = 1;
         t.token_ids = &tok;
         t.prompt_tokens = (uint32_t)s->prompt_tokens;
-        Prism__TokenLogprobs lp = PRISM__TOKEN_LOGPROBS__INIT, *lpp = &lp;
-        Prism__TopLogprob top[MAX_TOP_LOGPROBS], *topp[MAX_TOP_LOGPROBS];
-        if (s->n_logprobs > 0) {
-            int32_t ids[MAX_TOP_LOGPROBS];
-            float lps[MAX_TOP_LOGPROBS];
-            int nt = s->n_logprobs - 1;
-            prism_logprobs(&d->sampler, lg, tok, nt, &lp.logprob, ids, lps);
-            for (int k = 0; k < nt; k++) {
-                prism__top_logprob__init(&top[k]);
-                top[k].token_id = ids[k];
-                top[k].logprob = lps[k];
-                topp[k] = &top[k];
-            }
-            lp.n_top = (size_t)nt;
-            lp.top = topp;
-            t.n_logprobs = 1;
-            t.logprobs = &lpp;
-        }
+        prism_logprobs_msg_t lpm;
+        if (s->n_logprobs > 0) prism_tokens_set_logprobs(&t, &lpm, &d->sampler, lg, tok, s->n_logprobs - 1);
         bool done = false;
-        if (is_stop(d, s, tok)) {
+        if (prism_is_stop_token(&d->cfg, s->ignore_eos, s->stop_ids, s->n_stop_ids, tok)) {
             t.finish = PRISM__FINISH__FINISH_STOP;
             done = true;
         } else if (s->generated >= s->max_tokens || s->len + 1 >= d->max_model_len) {
@@ -302,22 +274,12 @@ int main(int argc, char **argv)
         PRISM_FLAG_INT("max-running-requests", &max_running, "Most sequences in one decode batch"),
         PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings)"),
     };
-    prism_worker_opts_flags(&o, flags, 4);
-    int rc = prism_cli_parse(argc, argv, "decode_worker",
-                             "Prism decode worker: paged KV cache, continuous batching and sampling.", flags);
-    if (rc) return rc > 0 ? 0 : 2;
-    prism_log_init("decode", prism_log_level_parse(o.log_level));
-    prism_worker_install_signals();
-    double t0 = prism_now_s();
-
     static decode_t d;
+    int rc = prism_worker_startup(argc, argv, "decode", "Prism decode worker: paged KV cache, continuous batching "
+                                  "and sampling.", flags, 4, &o, &d.cfg);
+    if (rc >= 0) return rc;
+    double t0 = prism_now_s();
     char err[512] = "";
-    if (prism_model_config_load(o.model_path, &d.cfg, err, sizeof(err)) != PRISM_OK) {
-        PRISM_ERROR("cannot load model config from %s: %s", o.model_path, err);
-        return 1;
-    }
-    d.cfg.random_weights = o.random_weights;
-    d.cfg.random_seed = 1234;
     if (block_size < 1 || block_size > 1024 || max_running < 1 || max_running > 4096) {
         PRISM_ERROR("--block-size must be 1..1024 and --max-running-requests 1..4096");
         return 2;

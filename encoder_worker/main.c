@@ -278,22 +278,12 @@ int main(int argc, char **argv)
         PRISM_FLAG_INT("max-image-pixels", &max_pixels, "Largest image accepted (width*height in the file)"),
         PRISM_FLAG_INT("max-decode-pixels", &max_decode_pixels, "Decode buffer size in pixels (after DCT downscaling)"),
     };
-    prism_worker_opts_flags(&o, flags, 5);
-    int rc = prism_cli_parse(argc, argv, "encoder_worker",
-                             "Prism encoder worker: image decode, CLIP preprocessing, vision tower + projector.", flags);
-    if (rc) return rc > 0 ? 0 : 2;
-    prism_log_init("encoder", prism_log_level_parse(o.log_level));
-    prism_worker_install_signals();
-    double t0 = prism_now_s();
-
     static encoder_t e;
+    int rc = prism_worker_startup(argc, argv, "encoder", "Prism encoder worker: image decode, CLIP preprocessing, "
+                                  "vision tower + projector.", flags, 5, &o, &e.cfg);
+    if (rc >= 0) return rc;
+    double t0 = prism_now_s();
     char err[512] = "", path[1024];
-    if (prism_model_config_load(o.model_path, &e.cfg, err, sizeof(err)) != PRISM_OK) {
-        PRISM_ERROR("cannot load model config from %s: %s", o.model_path, err);
-        return 1;
-    }
-    e.cfg.random_weights = o.random_weights;
-    e.cfg.random_seed = 1234;
     if (!e.cfg.has_vision) {
         PRISM_ERROR("model at %s has no vision tower: an encoder worker has nothing to do", o.model_path);
         return 1;

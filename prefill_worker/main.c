@@ -20,8 +20,6 @@
 #include <string.h>
 
 #define MAX_IMAGES 64
-#define MAX_STOP_IDS 16
-#define MAX_TOP_LOGPROBS 20
 #define ORPHAN_TIMEOUT_S 120.0
 
 typedef struct {
@@ -45,7 +43,7 @@ typedef struct {
     bool has_seed, ignore_eos;
     uint64_t seed;
     int max_tokens, n_logprobs;
-    int32_t stop_ids[MAX_STOP_IDS];
+    int32_t stop_ids[PRISM_MAX_STOP_IDS];
     int n_stop_ids;
     char decode_endpoint[256];
     double t_arrive;
@@ -76,7 +74,7 @@ typedef struct {
     char kv_router[128], kv_endpoint[256];
     Prism__Kv kv_hdr;
     Prism__Sampling kv_sampling;
-    int32_t kv_stop_ids[MAX_STOP_IDS];
+    int32_t kv_stop_ids[PRISM_MAX_STOP_IDS];
     size_t kv_len;
     uint64_t served;
 } prefill_t;
@@ -170,8 +168,8 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
     r->seed = s->seed;
     r->ignore_eos = s->ignore_eos;
     r->max_tokens = (int)s->max_tokens;
-    r->n_logprobs = (int)PRISM_MIN(s->logprobs, (uint32_t)MAX_TOP_LOGPROBS + 1);
-    r->n_stop_ids = (int)PRISM_MIN(s->n_stop_token_ids, (size_t)MAX_STOP_IDS);
+    r->n_logprobs = (int)PRISM_MIN(s->logprobs, (uint32_t)PRISM_MAX_TOP_LOGPROBS + 1);
+    r->n_stop_ids = (int)PRISM_MIN(s->n_stop_token_ids, (size_t)PRISM_MAX_STOP_IDS);
     memcpy(r->stop_ids, s->stop_token_ids, sizeof(int32_t) * (size_t)r->n_stop_ids);
     snprintf(r->decode_endpoint, sizeof(r->decode_endpoint), "%s", pf->decode_endpoint);
     r->t_arrive = prism_now_s();
@@ -235,16 +233,6 @@ static bool ready(prefill_t *p, const preq_t *r)
     for (int i = 0; i < r->n_images; i++)
         if (!emb_find(p, r->rid, r->router_id, (uint32_t)i)) return false;
     return true;
-}
-
-static bool is_stop(const prefill_t *p, const preq_t *r, int32_t tok)
-{
-    if (!r->ignore_eos)
-        for (int i = 0; i < p->cfg.n_eos; i++)
-            if (tok == p->cfg.eos_token_ids[i]) return true;
-    for (int i = 0; i < r->n_stop_ids; i++)
-        if (tok == r->stop_ids[i]) return true;
-    return false;
 }
 
 static void try_send_kv(prefill_t *p)
@@ -323,26 +311,10 @@ static void run_one(prefill_t *p)
     t.prefill_ms = (float)((t1 - t0) * 1e3);
     t.queue_ms = (float)((t0 - r->t_arrive) * 1e3);
     t.from_prefill = true;
-    Prism__TokenLogprobs lp = PRISM__TOKEN_LOGPROBS__INIT, *lpp = &lp;
-    Prism__TopLogprob top[MAX_TOP_LOGPROBS], *topp[MAX_TOP_LOGPROBS];
-    if (r->n_logprobs > 0) {
-        int32_t ids[MAX_TOP_LOGPROBS];
-        float lps[MAX_TOP_LOGPROBS];
-        int nt = r->n_logprobs - 1;
-        prism_logprobs(&p->sampler, p->logits, tok, nt, &lp.logprob, ids, lps);
-        for (int k = 0; k < nt; k++) {
-            prism__top_logprob__init(&top[k]);
-            top[k].token_id = ids[k];
-            top[k].logprob = lps[k];
-            topp[k] = &top[k];
-        }
-        lp.n_top = (size_t)nt;
-        lp.top = topp;
-        t.n_logprobs = 1;
-        t.logprobs = &lpp;
-    }
+    prism_logprobs_msg_t lpm;
+    if (r->n_logprobs > 0) prism_tokens_set_logprobs(&t, &lpm, &p->sampler, p->logits, tok, r->n_logprobs - 1);
     bool done = true;
-    if (is_stop(p, r, tok)) t.finish = PRISM__FINISH__FINISH_STOP;
+    if (prism_is_stop_token(&p->cfg, r->ignore_eos, r->stop_ids, r->n_stop_ids, tok)) t.finish = PRISM__FINISH__FINISH_STOP;
     else if (r->max_tokens <= 1 || r->n_tokens + 1 >= p->max_model_len) t.finish = PRISM__FINISH__FINISH_LENGTH;
     else done = false;
     send_tokens(p, r->router_id, r->rid, &t);
@@ -411,22 +383,12 @@ int main(int argc, char **argv)
         PRISM_FLAG_INT("embed-pool-images", &emb_images, "Image embedding slots in the receive pool"),
         PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings)"),
     };
-    prism_worker_opts_flags(&o, flags, 6);
-    int rc = prism_cli_parse(argc, argv, "prefill_worker",
-                             "Prism prefill worker: chunked prefill, first token, KV export to decode workers.", flags);
-    if (rc) return rc > 0 ? 0 : 2;
-    prism_log_init("prefill", prism_log_level_parse(o.log_level));
-    prism_worker_install_signals();
-    double t0 = prism_now_s();
-
     static prefill_t p;
+    int rc = prism_worker_startup(argc, argv, "prefill", "Prism prefill worker: chunked prefill, first token, KV "
+                                  "export to decode workers.", flags, 6, &o, &p.cfg);
+    if (rc >= 0) return rc;
+    double t0 = prism_now_s();
     char err[512] = "";
-    if (prism_model_config_load(o.model_path, &p.cfg, err, sizeof(err)) != PRISM_OK) {
-        PRISM_ERROR("cannot load model config from %s: %s", o.model_path, err);
-        return 1;
-    }
-    p.cfg.random_weights = o.random_weights;
-    p.cfg.random_seed = 1234;
     if (chunk < 1 || chunk > 65536 || block_size < 1 || block_size > 1024 || max_pending < 1 ||
         max_pending > 4096 || emb_images < 1 || emb_images > 65536) {
         PRISM_ERROR("flag out of range (see --help)");

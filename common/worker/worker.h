@@ -17,6 +17,8 @@
 #include "core/core.h"
 #include "core/cli.h"
 #include "net/net.h"
+#include "model/model.h"
+#include "sample/sample.h"
 
 #define PRISM_WORKER_MAX_ROUTERS 8
 #define PRISM_WORKER_MAX_PEERS 64
@@ -106,6 +108,32 @@ typedef struct {
 void prism_worker_opts_defaults(prism_worker_opts_t *o, const char *role);
 /* Appends the common flags to table (which must have room for 11 more entries + END). */
 int  prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *table, int n);
+/* Start-up shared by every worker: parses the common flags after the worker's own n_own entries of
+ * flags, sets up logging and signals, loads config.json (and applies --random-weights).
+ * Returns -1 to go on, else the process exit code (0 after --help, 2 for bad flags, 1 otherwise). */
+int  prism_worker_startup(int argc, char **argv, const char *role, const char *summary, prism_flag_t *flags,
+                          int n_own, prism_worker_opts_t *o, prism_model_config_t *cfg);
+
+/* ---- what prefill and decode share about finished tokens ---- */
+#define PRISM_MAX_TOP_LOGPROBS 20
+#define PRISM_MAX_STOP_IDS 16
+
+/* EOS (unless ignore_eos) or one of the request's stop token ids. */
+bool prism_is_stop_token(const prism_model_config_t *cfg, bool ignore_eos, const int32_t *stop_ids, int n_stop,
+                         int32_t tok);
+
+/* Storage for the logprobs of one token in a Tokens message. */
+typedef struct {
+    Prism__TokenLogprobs lp;
+    Prism__TokenLogprobs *lpp;
+    Prism__TopLogprob top[PRISM_MAX_TOP_LOGPROBS];
+    Prism__TopLogprob *topp[PRISM_MAX_TOP_LOGPROBS];
+} prism_logprobs_msg_t;
+
+/* Attaches tok's logprob and the n_top most likely alternatives (from raw logits) to t. */
+void prism_tokens_set_logprobs(Prism__Tokens *t, prism_logprobs_msg_t *m, prism_sampler_t *s, const float *logits,
+                               int32_t tok, int n_top);
+
 /* Resolves the data bind endpoint from host + data_port ("tcp://host:port", port 0 = any). */
 void prism_worker_data_bind(const prism_worker_opts_t *o, char *out, size_t n);
 
