@@ -22,6 +22,13 @@
 
 typedef enum { JOB_FREE, JOB_QUEUED, JOB_ENCODED, JOB_SEND } job_state_t;
 
+/* JPEG DCT-domain downscaling trades exactness for speed and memory: HF decodes every image at
+ * full size, so a scaled decode moves pixels (and can change a greedy token). "auto" decodes at full
+ * size whenever the decode buffer holds the image — identical to the reference — and scales only
+ * the images that would not fit; "always" scales every JPEG at least twice the model's resize
+ * target; "never" refuses what does not fit. */
+enum { DCT_AUTO, DCT_ALWAYS, DCT_NEVER };
+
 typedef struct {
     job_state_t state;
     uint64_t rid;
@@ -47,6 +54,7 @@ typedef struct {
     prism_embed_cache_t cache;
     int max_batch, max_queue;
     uint64_t max_pixels;
+    int dct;                  /* DCT_AUTO / DCT_ALWAYS / DCT_NEVER */
     job_t *jobs;              /* [max_queue] */
     int batch[256];           /* job indices of the batch in flight */
     int n_batch;
@@ -176,10 +184,17 @@ static int prepare(encoder_t *e, job_t *j, int slot)
     int tw = 0, th = 0;
     prism_clip_resize_target(&e->pre, info.width, info.height, &tw, &th);
     prism_image_decode_opts_t opts = {.max_pixels = e->max_pixels, .out_buf = e->rgb, .out_cap = e->rgb_cap};
-    prism_image_decode_opts_for_target(&opts, &info, tw, th);
+    bool fits = (uint64_t)info.width * (uint64_t)info.height * 3 <= e->rgb_cap;
+    if (e->dct == DCT_ALWAYS || (e->dct == DCT_AUTO && !fits))
+        prism_image_decode_opts_for_target(&opts, &info, tw, th);
     prism_image_t img;
     double t0 = prism_now_s();
     rc = prism_image_decode(data, len, &opts, &img);
+    if (rc == PRISM_ELIMIT) {
+        snprintf(j->error, sizeof(j->error), "The %dx%d %s image does not fit the encoder's decode buffer of %zu pixels.",
+                 info.width, info.height, prism_image_format_name(info.format), e->rgb_cap / 3);
+        return rc;
+    }
     if (rc != PRISM_OK) {
         snprintf(j->error, sizeof(j->error), "The image could not be decoded (%s): the %s data is corrupt or truncated.",
                  prism_strerror(rc), prism_image_format_name(info.format));
@@ -271,16 +286,18 @@ int main(int argc, char **argv)
     prism_worker_opts_defaults(&o, "encoder");
     int64_t max_batch = 8, max_queue = 64, cache_bytes = 64ll << 20, max_pixels = 4096ll * 4096,
             max_decode_pixels = 4096ll * 4096;
+    const char *dct = "auto";
     prism_flag_t flags[32] = {
         PRISM_FLAG_INT("max-batch-images", &max_batch, "Images per vision-tower batch"),
         PRISM_FLAG_INT("max-queued-images", &max_queue, "Images waiting for the encoder at once"),
         PRISM_FLAG_BYTES("embedding-cache-bytes", &cache_bytes, "Embedding cache budget (0 disables)"),
         PRISM_FLAG_INT("max-image-pixels", &max_pixels, "Largest image accepted (width*height in the file)"),
         PRISM_FLAG_INT("max-decode-pixels", &max_decode_pixels, "Decode buffer size in pixels (after DCT downscaling)"),
+        PRISM_FLAG_STR("jpeg-dct-scaling", &dct, "auto (only when a full decode does not fit the buffer), always, never"),
     };
     static encoder_t e;
     int rc = prism_worker_startup(argc, argv, "encoder", "Prism encoder worker: image decode, CLIP preprocessing, "
-                                  "vision tower + projector.", flags, 5, &o, &e.cfg);
+                                  "vision tower + projector.", flags, 6, &o, &e.cfg);
     if (rc >= 0) return rc;
     double t0 = prism_now_s();
     char err[512] = "", path[1024];
@@ -301,6 +318,13 @@ int main(int argc, char **argv)
     e.max_batch = (int)max_batch;
     e.max_queue = (int)max_queue;
     e.max_pixels = (uint64_t)max_pixels;
+    if (!strcmp(dct, "auto")) e.dct = DCT_AUTO;
+    else if (!strcmp(dct, "always")) e.dct = DCT_ALWAYS;
+    else if (!strcmp(dct, "never")) e.dct = DCT_NEVER;
+    else {
+        PRISM_ERROR("--jpeg-dct-scaling must be auto, always or never");
+        return 2;
+    }
     e.emb_floats = (size_t)e.cfg.image_seq_length * e.cfg.hidden;
     size_t S = (size_t)e.cfg.v_image_size;
     e.rgb_cap = (size_t)max_decode_pixels * 3;

@@ -79,10 +79,7 @@ int main(int argc, char **argv)
             if (prism_read_file(images.items[i], 256u << 20, &data, &len)) PRISM_FATAL("read %s", images.items[i]);
             prism_image_info_t info;
             if (prism_image_probe((uint8_t *)data, len, &info)) PRISM_FATAL("probe %s", images.items[i]);
-            int tw, th;
-            prism_clip_resize_target(&pre, info.width, info.height, &tw, &th);
-            prism_image_decode_opts_t o = {0};
-            prism_image_decode_opts_for_target(&o, &info, tw, th);
+            prism_image_decode_opts_t o = {0};  /* full-size decode, as the reference and the encoder's default */
             prism_image_t img;
             if (prism_image_decode((uint8_t *)data, len, &o, &img)) PRISM_FATAL("decode %s", images.items[i]);
             size_t ws_n = prism_clip_preprocess_workspace_bytes(&pre, img.w, img.h);
