@@ -201,6 +201,37 @@ def test_metrics():
         assert name in text, name
 
 
+def test_tokenize_detokenize():
+    status, r = C.post_json("/tokenize", {"model": "prism-tiny-llava", "prompt": "A red circle on a white background."})
+    assert status == 200 and r["count"] == len(r["tokens"]) > 1 and r["max_model_len"] > 0, r
+    status, d = C.post_json("/detokenize", {"model": "prism-tiny-llava", "tokens": r["tokens"]})
+    assert status == 200 and d["prompt"].endswith("A red circle on a white background."), d
+    status, m = C.post_json("/tokenize", {"messages": [{"role": "user", "content": "Hello"}],
+                                          "add_generation_prompt": True})
+    assert status == 200 and m["count"] > 2, m
+    status, e = C.post_json("/detokenize", {"tokens": [-1]})
+    assert status == 400 and e["error"]["message"], e
+
+
+def test_chat_template_override_and_unsupported():
+    good = os.path.join(TMP, "plain.jinja")
+    with open(good, "w") as f:
+        f.write("{% for m in messages %}{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant>{% endif %}")
+    with Cluster(router_args=["--chat-template", good]) as c2:
+        c2.wait_ready()
+        status, r = c2.post_json("/tokenize", {"messages": [{"role": "user", "content": "Hello"}]})
+        assert status == 200, r
+        status, d = c2.post_json("/detokenize", {"tokens": r["tokens"]})
+        assert "user> Hello" in d["prompt"] and d["prompt"].endswith("assistant>"), d
+    bad = os.path.join(TMP, "bad.jinja")
+    with open(bad, "w") as f:
+        f.write("{% include 'other.jinja' %}{{ messages }}")
+    p = subprocess.run([binary("router"), "--model-path", MODEL, "--port", "0", "--control-endpoint",
+                        "tcp://127.0.0.1:0", "--chat-template", bad], capture_output=True, text=True, timeout=30)
+    assert p.returncode != 0 and "include" in p.stderr, (p.returncode, p.stderr[-500:])
+
+
 def test_all_processes_alive():
     assert all(C.alive().values()), C.alive()
 
@@ -211,7 +242,8 @@ if __name__ == "__main__":
                         test_text_only_and_completions, test_max_tokens_length_finish, test_stream_equals_non_stream,
                         test_disaggregated_equals_single_process, test_seeded_sampling_reproducible, test_logprobs,
                         test_stop_string, test_concurrent_16_image_requests, test_malformed_requests,
-                        test_bomb_refused_from_header, test_metrics, test_all_processes_alive])
+                        test_bomb_refused_from_header, test_metrics, test_tokenize_detokenize,
+                        test_chat_template_override_and_unsupported, test_all_processes_alive])
     finally:
         C.stop()
         if os.environ.get("PRISM_KEEP_LOGS"):
