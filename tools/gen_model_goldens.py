@@ -5,7 +5,9 @@ reference). Deterministic (seeded); rerun after changing a case:
     python3 tools/gen_model_goldens.py            # writes tests/data/model/*
 
 Cases:
-  tiny_llava   the bundled models/prism-tiny-llava (bf16 weights, HF 'language_model.model.' keys)
+  tiny_llava   the bundled models/prism-tiny-llava (trained; bf16 weights, HF 'language_model.model.'
+               keys) on a real picture (a red circle on white drawn like prism_imgtool, through the
+               checkpoint's CLIPImageProcessor), so the greedy tokens spell the model's answer
   llava_like   a scaled-down random LLaVA-1.5-like checkpoint: CLIP quick_gelu, feature layer -2,
                'default' strategy, gelu projector; Llama with GQA, llama3 rope scaling and tied
                embeddings; saved with the newer 'model.language_model.' / 'model.vision_tower.
@@ -51,19 +53,22 @@ def write_f32(path, t):
 
 
 def greedy(model, input_ids, pixel_values=None):
+    """N_GREEDY greedy tokens (no EOS stop: the C test decodes without stopping) and the smallest
+    top-1/top-2 logit margin over those steps (a tiny one would make the golden fragile)."""
     gc = model.generation_config
     saved = gc.eos_token_id
-    gc.eos_token_id = None  # exactly N_GREEDY tokens: the C test decodes without stopping
+    gc.eos_token_id = None
     # Explicit mask: generate would otherwise infer one from pad_token_id and mask real tokens
     # (tiny-llava's BOS id is 0).
-    kw = dict(max_new_tokens=N_GREEDY, do_sample=False, attention_mask=torch.ones_like(input_ids))
+    kw = dict(max_new_tokens=N_GREEDY, do_sample=False, attention_mask=torch.ones_like(input_ids),
+              output_scores=True, return_dict_in_generate=True)
     if pixel_values is not None:
         kw["pixel_values"] = pixel_values
     out = model.generate(input_ids=input_ids, **kw)
     gc.eos_token_id = saved
-    toks = out[0, input_ids.shape[1]:].tolist()
+    toks = out.sequences[0, input_ids.shape[1]:].tolist()
     assert len(toks) == N_GREEDY, len(toks)
-    return toks
+    return toks, min_margin(torch.stack([sc[0] for sc in out.scores]))
 
 
 def min_margin(logits):
@@ -88,7 +93,7 @@ def write_case(name, model, input_ids, pixel_values, extra):
             out = model(input_ids=input_ids)
         logits = out.logits[0]
     write_f32(os.path.join(d, "logits.bin"), logits)
-    toks = greedy(model, input_ids, pixel_values)
+    toks, gen_margin = greedy(model, input_ids, pixel_values)
     meta = {
         "input_ids": input_ids[0].tolist(),
         "greedy": toks,
@@ -96,6 +101,7 @@ def write_case(name, model, input_ids, pixel_values, extra):
         "n_images": 0 if pixel_values is None else int(pixel_values.shape[0]),
         "image_size": 0 if pixel_values is None else int(pixel_values.shape[-1]),
         "min_top2_margin": min_margin(logits),
+        "min_greedy_margin": gen_margin,
         "tolerance": 1e-3,
     }
     if pixel_values is not None:
@@ -106,14 +112,19 @@ def write_case(name, model, input_ids, pixel_values, extra):
         json.dump(meta, f, indent=1)
         f.write("\n")
     print(f"{name}: prompt {input_ids.shape[1]} tokens, greedy {toks[:8]}..., "
-          f"min top-2 margin {meta['min_top2_margin']:.4f}")
+          f"min top-2 margin {meta['min_top2_margin']:.4f}, over greedy steps {gen_margin:.4f}")
 
 
 def case_tiny_llava():
-    from transformers import AutoTokenizer, LlavaForConditionalGeneration
+    import sys
+    from PIL import Image
+    from transformers import AutoTokenizer, CLIPImageProcessor, LlavaForConditionalGeneration
+    sys.path.insert(0, HERE)
+    from tiny_llava_common import render_shape
     mdir = os.path.join(ROOT, "models", "prism-tiny-llava")
     model = LlavaForConditionalGeneration.from_pretrained(mdir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(mdir)
+    proc = CLIPImageProcessor.from_pretrained(mdir)
     cfg = model.config
     text = "USER: <image>\nWhat is in the image?\nASSISTANT:"
     ids = tok(text)["input_ids"]
@@ -121,9 +132,11 @@ def case_tiny_llava():
     for t in ids:
         expanded += [t] * cfg.image_seq_length if t == cfg.image_token_index else [t]
     input_ids = torch.tensor([expanded])
-    g = torch.Generator().manual_seed(7)
-    px = torch.randn((1, 3, 112, 112), generator=g)
+    img = Image.fromarray(render_shape(160, 120, "circle", "red", "white", 0.3, 0.03, -0.02), "RGB")
+    px = proc(images=img, return_tensors="pt")["pixel_values"]
     write_case("tiny_llava", model, input_ids, px, {"model_dir": "models/prism-tiny-llava"})
+    print("tiny_llava answer:", repr(tok.decode(json.load(open(os.path.join(OUT, "tiny_llava", "golden.json")))
+                                                ["greedy"])))
 
 
 def case_llava_like():
