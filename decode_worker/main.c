@@ -301,10 +301,10 @@ int main(int argc, char **argv)
     size_t arena = prism_llm_arena_bytes(&d.cfg, d.max_running, d.max_running);
     size_t scratch = (size_t)d.max_running * d.cfg.vocab * sizeof(float) + (size_t)d.cfg.vocab * 8 +
                      (size_t)d.max_running * d.max_blocks_per_seq * sizeof(int32_t);
-    size_t reserve = 16u << 20;
+    size_t reserve = PRISM_MEM_RESERVE, runtime = prism_mem_runtime_bytes();
     if (kv_blocks <= 0) {
         if (o.mem_budget > 0) {
-            int64_t left = o.mem_budget - (int64_t)(weights + arena + scratch + reserve);
+            int64_t left = o.mem_budget - (int64_t)(weights + arena + scratch + reserve + runtime);
             kv_blocks = left > 0 ? left / (int64_t)block_bytes : 0;
         } else {
             kv_blocks = 1024;
@@ -315,6 +315,7 @@ int main(int argc, char **argv)
     prism_mem_plan_add(&plan, "kv-cache", (size_t)kv_blocks * block_bytes);
     prism_mem_plan_add(&plan, "activations", arena);
     prism_mem_plan_add(&plan, "logits+tables", scratch);
+    prism_mem_plan_add(&plan, "runtime", runtime);
     prism_mem_plan_add(&plan, "reserve", reserve);
     if (kv_blocks < d.max_blocks_per_seq) {
         PRISM_ERROR("decode: %lld KV blocks cannot hold one sequence of %d tokens (%d blocks of %d); "

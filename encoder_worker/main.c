@@ -346,7 +346,8 @@ int main(int argc, char **argv)
     prism_mem_plan_add(&plan, "pixels+outputs", (size_t)e.max_batch * (3 * S * S + e.emb_floats) * sizeof(float));
     prism_mem_plan_add(&plan, "decode-buffer", e.rgb_cap + e.ws_cap);
     prism_mem_plan_add(&plan, "embedding-cache", prism_embed_cache_bytes((size_t)cache_bytes, e.emb_floats));
-    prism_mem_plan_add(&plan, "reserve", 16u << 20);
+    prism_mem_plan_add(&plan, "runtime", prism_mem_runtime_bytes());
+    prism_mem_plan_add(&plan, "reserve", PRISM_MEM_RESERVE);
     if (prism_mem_plan_check(&plan, "encoder") != PRISM_OK) return 1;
 
     e.jobs = prism_xcalloc((size_t)e.max_queue, sizeof(job_t));

@@ -424,7 +424,8 @@ int main(int argc, char **argv)
                                              (size_t)p.chunk * (p.cfg.hidden * sizeof(float) + 1));
     prism_mem_plan_add(&plan, "embedding-pool", emb_bytes);
     prism_mem_plan_add(&plan, "prompts", (size_t)p.max_pending * p.max_model_len * sizeof(int32_t));
-    prism_mem_plan_add(&plan, "reserve", 16u << 20);
+    prism_mem_plan_add(&plan, "runtime", prism_mem_runtime_bytes());
+    prism_mem_plan_add(&plan, "reserve", PRISM_MEM_RESERVE);
     if (prism_mem_plan_check(&plan, "prefill") != PRISM_OK) return 1;
 
     if (prism_kv_cache_create(p.be, &p.cfg, (int)kv_blocks, (int)block_size, &p.kv) != PRISM_OK ||

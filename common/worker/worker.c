@@ -38,6 +38,17 @@ size_t prism_mem_plan_total(const prism_mem_plan_t *p)
     return t;
 }
 
+size_t prism_mem_runtime_bytes(void)
+{
+    FILE *f = fopen("/proc/self/statm", "r");
+    unsigned long long size = 0, resident = 0;
+    if (!f) return 0;
+    if (fscanf(f, "%llu %llu", &size, &resident) != 2) resident = 0;
+    fclose(f);
+    size_t rss = (size_t)resident * (size_t)sysconf(_SC_PAGESIZE), heap = prism_mem_used();
+    return rss > heap ? rss - heap : 0;
+}
+
 int prism_mem_plan_check(const prism_mem_plan_t *p, const char *who)
 {
     char a[32], b[32];

@@ -47,6 +47,12 @@ typedef struct {
 
 void   prism_mem_plan_add(prism_mem_plan_t *p, const char *name, size_t bytes);
 size_t prism_mem_plan_total(const prism_mem_plan_t *p);
+/* Resident memory the process holds outside our own allocator (shared libraries and their static
+ * state — the CUDA libraries alone are ~150 MiB — the BLAS thread buffers, mapped files): RSS
+ * minus the heap prism_malloc accounts for. Measured after loading the model so the plan covers
+ * what the process really costs. */
+size_t prism_mem_runtime_bytes(void);
+#define PRISM_MEM_RESERVE ((size_t)32 << 20)  /* later growth: BLAS buffers on first use, sockets */
 /* Logs the plan; PRISM_ENOMEM (with a message naming the numbers) when it exceeds the budget. */
 int    prism_mem_plan_check(const prism_mem_plan_t *p, const char *who);
 
