@@ -23,7 +23,7 @@ from cluster import Cluster, binary, chat_body, make_image, run_tests, MODEL  # 
 TMP = tempfile.mkdtemp(prefix="prism-limits-")
 BIG = make_image(os.path.join(TMP, "big.jpg"), width=4096, height=4096, photo=True, quality=90, seed=5)
 SMALL = make_image(os.path.join(TMP, "small.png"), width=200, height=120, shape="triangle", color="green")
-BUDGET = 256 << 20
+BUDGET = 512 << 20
 
 
 def metrics(c):
@@ -68,6 +68,11 @@ def test_overload_burst_and_recovery():
         for (name, worker), v in m.items():
             if name == "prism:worker_memory_peak_bytes":
                 assert v <= BUDGET, (worker, v, BUDGET)
+        for name, p in c.procs.items():  # resident memory too, not only our own heap
+            if name != "router":
+                with open("/proc/%d/status" % p.pid) as f:
+                    hwm = [int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:")][0]
+                assert hwm <= BUDGET, (name, hwm, BUDGET)
         # serves normally right after
         for _ in range(3):
             s, r = c.post_json("/v1/chat/completions", chat_body("Describe the image.", [SMALL], max_tokens=4))
