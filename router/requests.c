@@ -16,7 +16,7 @@
 #include <string.h>
 #include <xxhash.h>
 
-typedef enum { STAGE_SENT, STAGE_PREFILLED } stage_t;
+typedef enum { STAGE_QUEUED, STAGE_SENT, STAGE_PREFILLED } stage_t;
 
 struct router_req {
     uint64_t rid;
@@ -102,10 +102,12 @@ void router_req_del(router_t *r, uint64_t rid)
 
 /* ---------------------------------------------------------------- helpers */
 
+/* A worker finished its part of a request: its slot may admit a queued one. */
 static void worker_done(router_t *r, const char *id)
 {
     router_worker_t *w = id[0] ? router_worker_by_id(r, id) : NULL;
     if (w && w->inflight > 0) w->inflight--;
+    r->queue_dirty = true;
 }
 
 static void send_abort(router_t *r, const char *worker_id, uint64_t rid)
@@ -415,7 +417,7 @@ void router_sweep_requests(router_t *r)
     for (size_t i = 0; i < r->reqs_cap; i++) {
         router_req_t *q = r->reqs[i];
         if (!q) continue;
-        if (q->stage == STAGE_SENT && now - q->t_start > r->max_queue_wait_s) {
+        if (q->stage != STAGE_PREFILLED && now - q->t_start > r->max_queue_wait_s) {
             r->metrics.refused_limit[PRISM_REFUSE_QUEUE_WAIT]++;
             req_fail(q, 503, "The request waited too long for a free worker; retry after a short wait.");
             i = (size_t)-1;
@@ -615,19 +617,30 @@ static int build_prompt(router_t *r, router_req_t *q, char *msg, size_t n)
     return 0;
 }
 
+/* Sends the request to its workers: 0 when sent, DISPATCH_WAIT when every worker of a tier is at
+ * capacity (the request stays queued in the router), else an HTTP status with msg. */
+#define DISPATCH_WAIT 1
 static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
 {
-    router_worker_t *pf = router_pick(r, PRISM__ROLE__ROLE_PREFILL, 0);
-    router_worker_t *dc = router_pick(r, PRISM__ROLE__ROLE_DECODE, 0);
+    bool any_pf, any_dc, any_enc = true;
+    router_worker_t *pf = router_pick(r, PRISM__ROLE__ROLE_PREFILL, 0, &any_pf);
+    router_worker_t *dc = router_pick(r, PRISM__ROLE__ROLE_DECODE, 0, &any_dc);
     router_worker_t *enc[ROUTER_MAX_IMAGES] = {0};
+    bool enc_room = true;
+    for (int i = 0; i < q->n_images && enc_room; i++) {
+        enc[i] = router_pick(r, PRISM__ROLE__ROLE_ENCODER, q->img_hash[i], &any_enc);
+        if (enc[i]) enc[i]->inflight++;  /* count now so the next image sees this one */
+        else enc_room = false;
+    }
     for (int i = 0; i < q->n_images; i++)
-        if (!(enc[i] = router_pick(r, PRISM__ROLE__ROLE_ENCODER, q->img_hash[i]))) break;
-    if (!pf || !dc || (q->n_images && !enc[q->n_images - 1])) {
+        if (enc[i]) enc[i]->inflight--;
+    if (!any_pf || !any_dc || !any_enc) {
         r->metrics.refused_limit[PRISM_REFUSE_NO_WORKERS]++;
         snprintf(msg, n, "No %s worker is available; try again shortly.",
-                 !pf ? "prefill" : !dc ? "decode" : "encoder");
+                 !any_pf ? "prefill" : !any_dc ? "decode" : "encoder");
         return 503;
     }
+    if (!pf || !dc || !enc_room) return DISPATCH_WAIT;
     /* Prefill first: it must know the request before embeddings can be used (either order works). */
     Prism__ImageSpan spans[ROUTER_MAX_IMAGES], *span_ptrs[ROUTER_MAX_IMAGES];
     int s = 0;
@@ -697,7 +710,35 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
         w->image_hashes[w->n_hashes % (int)PRISM_ARRAY_LEN(w->image_hashes)] = q->img_hash[i];
         if (w->n_hashes < (int)PRISM_ARRAY_LEN(w->image_hashes)) w->n_hashes++;
     }
+    q->stage = STAGE_SENT;
     return 0;
+}
+
+static bool queue_push(router_t *r, uint64_t rid)
+{
+    if (r->queue_len == r->reqs_cap) return false;
+    r->queue[(r->queue_head + r->queue_len) % r->reqs_cap] = rid;
+    r->queue_len++;
+    return true;
+}
+
+void router_dispatch_queued(router_t *r)
+{
+    if (r->draining) return;  /* re-entered from a request that failed while we dispatch */
+    r->draining = true;
+    while (r->queue_len) {
+        uint64_t rid = r->queue[r->queue_head];
+        router_req_t *q = router_req_get(r, rid);
+        if (q && q->stage == STAGE_QUEUED) {
+            char msg[300];
+            int status = dispatch(r, q, msg, sizeof(msg));
+            if (status == DISPATCH_WAIT) break;  /* still no room: keep the order */
+            if (status) req_fail(q, status, msg);
+        }
+        r->queue_head = (r->queue_head + 1) % r->reqs_cap;
+        r->queue_len--;
+    }
+    r->draining = false;
 }
 
 void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
@@ -769,7 +810,13 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
     }
     r->image_bytes_inflight += q->image_bytes;
     q->bytes_counted = true;
-    if ((status = dispatch(r, q, msg, sizeof(msg))) != 0) {
+    /* Behind older queued requests, or no worker has room: wait in the router's queue. */
+    status = r->queue_len ? DISPATCH_WAIT : dispatch(r, q, msg, sizeof(msg));
+    if (status == DISPATCH_WAIT && !queue_push(r, q->rid)) {
+        status = 429;
+        snprintf(msg, sizeof(msg), "The server is at capacity; retry after a short wait.");
+    }
+    if (status != 0 && status != DISPATCH_WAIT) {
         req_fail(q, status, msg);
         return;
     }

@@ -82,6 +82,11 @@ typedef struct {
     size_t reqs_cap, n_reqs;
     uint64_t next_rid;
     size_t image_bytes_inflight;
+    /* requests accepted while every worker of a tier was at capacity, oldest first (ring) */
+    uint64_t *queue;
+    size_t queue_head, queue_len;
+    bool draining;
+    bool queue_dirty;           /* a worker slot freed since the queue was last tried */
 
     prism_router_metrics_t metrics;
 } router_t;
@@ -89,7 +94,9 @@ typedef struct {
 /* workers.c */
 int  router_ctl_start(router_t *r, const char *endpoint);
 void router_ctl_stop(router_t *r);
-router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash);
+/* Least-loaded worker of a role with a free slot (inflight < its registered capacity); NULL when
+ * none has room. *any is set when at least one worker of the role is registered. */
+router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash, bool *any);
 router_worker_t *router_worker_by_id(router_t *r, const char *id);
 int  router_send(router_t *r, router_worker_t *w, Prism__Envelope *env, const prism_frame_t *frames, int n);
 bool router_ready(const router_t *r, bool need_encoder);
@@ -102,6 +109,7 @@ void router_handle_encode_done(router_t *r, uint64_t rid, const Prism__EncodeDon
 void router_fail_worker_requests(router_t *r, const router_worker_t *w);
 void router_sweep_requests(router_t *r);
 void router_abort_all(router_t *r);
+void router_dispatch_queued(router_t *r);
 
 /* request map */
 router_req_t *router_req_get(router_t *r, uint64_t rid);

@@ -77,6 +77,7 @@ static void on_register(router_t *r, prism_msg_t *m)
     w->mem_planned = g->mem_planned;
     w->last_seen = prism_now_s();
     ack(r, m->identity, m->identity_len, true, "");
+    router_dispatch_queued(r);  /* new capacity */
 }
 
 static void on_heartbeat(router_t *r, prism_msg_t *m)
@@ -142,6 +143,10 @@ static void drain(router_t *r)
         dispatch(r, &m);
         prism_msg_close(&m);
     }
+    if (r->queue_dirty) {
+        r->queue_dirty = false;
+        router_dispatch_queued(r);
+    }
 }
 
 static void on_ctl_poll(uv_poll_t *p, int status, int events)
@@ -170,6 +175,7 @@ static void on_sweep(uv_timer_t *t)
         w->used = false;
     }
     router_sweep_requests(r);
+    router_dispatch_queued(r);
 }
 
 int router_ctl_start(router_t *r, const char *endpoint)
@@ -222,16 +228,18 @@ static double load_of(const router_worker_t *w)
     }
 }
 
-router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash)
+router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash, bool *any)
 {
     router_worker_t *best = NULL;
+    *any = false;
     for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
         router_worker_t *w = &r->workers[i];
         if (!w->used || w->role != role) continue;
+        *any = true;
+        if (w->inflight >= (int)PRISM_MAX(w->max_running, 1u)) continue;  /* full: the request waits here */
         if (prefer_hash) {
             for (int k = 0; k < w->n_hashes; k++)
-                if (w->image_hashes[k] == prefer_hash && w->inflight < (int)PRISM_MAX(w->max_running, 1u))
-                    return w;  /* its embedding cache probably holds this image */
+                if (w->image_hashes[k] == prefer_hash) return w;  /* its embedding cache probably has it */
         }
         if (!best || load_of(w) < load_of(best)) best = w;
     }
