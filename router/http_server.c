@@ -16,8 +16,8 @@
 
 #define HTTP_READ_CHUNK      (64 * 1024)
 #define HTTP_MAX_HEADERS     256
-#define HTTP_LINGER_MS       5000   /* cap on a failing connection's lifetime */
-#define HTTP_LINGER_AFTER_MS 1000   /* after our error answer is flushed */
+#define HTTP_LINGER_MS       20000  /* cap on a failing connection's lifetime */
+#define HTTP_LINGER_AFTER_MS 15000  /* after our error answer is flushed: lets a client finish sending its body and read the answer */
 #define HTTP_BODY_PREALLOC   (1024 * 1024)
 
 typedef struct conn conn_t;
@@ -38,6 +38,8 @@ struct prism_http_req {
     int n_hdr, cap_hdr;
     bool in_field;
     prism_buf_t body;
+    size_t body_charged;     /* bytes of this body counted in srv->body_bytes */
+    prism_http_server_t *srv;
     int http_major, http_minor;
     bool keep_alive, is_head;
     bool dispatched, started, streaming, chunked_out, done, aborted;
@@ -74,6 +76,7 @@ struct prism_http_server {
     size_t n_active;         /* accepted, not rejected, not closing (read atomically) */
     bool stopping, listener_closed;
     int port;
+    size_t body_bytes;       /* request bodies held right now (declared length while receiving) */
     char scratch[HTTP_READ_CHUNK];  /* libuv reads here; read_cb copies into conn->inbuf */
 };
 
@@ -179,10 +182,20 @@ static prism_http_req_t *req_new(void)
     return r;
 }
 
+static void body_uncharge(prism_http_req_t *r)
+{
+    if (r->srv && r->body_charged) {
+        PRISM_ASSERT(r->srv->body_bytes >= r->body_charged);
+        r->srv->body_bytes -= r->body_charged;
+    }
+    r->body_charged = 0;
+}
+
 static void req_unref(prism_http_req_t *r)
 {
     PRISM_ASSERT(r->refs > 0);
     if (--r->refs > 0) return;
+    body_uncharge(r);
     prism_buf_free(&r->url);
     prism_buf_free(&r->hdrs);
     prism_buf_free(&r->body);
@@ -219,6 +232,7 @@ const char *prism_http_req_body(const prism_http_req_t *r, size_t *len)
 
 void prism_http_req_drop_body(prism_http_req_t *r)
 {
+    body_uncharge(r);
     prism_buf_free(&r->body);
 }
 
@@ -407,7 +421,8 @@ static void conn_fail(conn_t *c, int status, const char *message)
     const char *type = status == 503 ? "ServiceUnavailableError" : status >= 500 ? "InternalServerError"
                                                                                 : "BadRequestError";
     int rc = build_error_json(&body, type, message, NULL, NULL);
-    if (!rc) rc = build_head(&head, status, "application/json", NULL, false, true, body.len, false);
+    if (!rc) rc = build_head(&head, status, "application/json", status == 503 ? "Retry-After: 1\r\n" : NULL, false, true,
+                             body.len, false);
     if (!rc) rc = conn_write(c, head.data, head.len, body.data, body.len, NULL, 0);
     prism_buf_free(&body);
     prism_buf_free(&head);
@@ -659,6 +674,16 @@ static int on_headers_complete(llhttp_t *p)
         c->fail_status = 413;
         return -1;
     }
+    r->srv = c->srv;
+    if (has_cl && p->content_length > 0) {
+        /* Server-wide bound on bodies held at once: refuse from the header, before reading. */
+        if (c->srv->body_bytes + p->content_length > cfg->max_body_bytes_total) {
+            c->fail_status = 503;
+            return -1;
+        }
+        c->srv->body_bytes += p->content_length;
+        r->body_charged = p->content_length;
+    }
     if (has_cl && p->content_length > 0) {
         size_t pre = (size_t)PRISM_MIN(p->content_length, (uint64_t)HTTP_BODY_PREALLOC);
         if (prism_buf_reserve(&r->body, pre)) {
@@ -688,6 +713,15 @@ static int on_body(llhttp_t *p, const char *at, size_t len)
     if (r->body.len + len > c->srv->cfg.max_body_bytes) {
         c->fail_status = 413;
         return -1;
+    }
+    if (r->body.len + len > r->body_charged) {  /* chunked: charge as it arrives */
+        size_t more = r->body.len + len - r->body_charged;
+        if (c->srv->body_bytes + more > c->srv->cfg.max_body_bytes_total) {
+            c->fail_status = 503;
+            return -1;
+        }
+        c->srv->body_bytes += more;
+        r->body_charged += more;
     }
     if (prism_buf_append(&r->body, at, len)) {
         c->fail_status = 500;
@@ -753,6 +787,8 @@ static void conn_process(conn_t *c)
             case 431: snprintf(msg, sizeof msg, "Request header fields too large: the limit is %zu bytes.", cfg->max_header_bytes); break;
             case 417: snprintf(msg, sizeof msg, "Unsupported Expect header; only 100-continue is supported."); break;
             case 500: snprintf(msg, sizeof msg, "Out of memory while reading the request."); break;
+            case 503: snprintf(msg, sizeof msg, "Too many request bytes in flight (limit %zu); retry shortly.",
+                               cfg->max_body_bytes_total); break;
             default:
                 snprintf(msg, sizeof msg, "Malformed HTTP request: %s", llhttp_get_error_reason(&c->parser));
                 break;
@@ -820,6 +856,7 @@ prism_http_config_t prism_http_config_default(void)
     c.port = 8000;
     c.max_header_bytes = 64 * 1024;
     c.max_body_bytes = 64u * 1024 * 1024;
+    c.max_body_bytes_total = (size_t)1 << 30;
     c.max_connections = 1024;
     c.idle_timeout_s = 60.0;
     return c;
@@ -882,6 +919,7 @@ int prism_http_server_start(uv_loop_t *loop, const prism_http_config_t *cfg_in, 
     if (!s->cfg.host) s->cfg.host = def.host;
     if (!s->cfg.max_header_bytes) s->cfg.max_header_bytes = def.max_header_bytes;
     if (!s->cfg.max_body_bytes) s->cfg.max_body_bytes = def.max_body_bytes;
+    if (!s->cfg.max_body_bytes_total) s->cfg.max_body_bytes_total = def.max_body_bytes_total;
     if (s->cfg.max_connections <= 0) s->cfg.max_connections = def.max_connections;
     if (s->cfg.idle_timeout_s <= 0) s->cfg.idle_timeout_s = def.idle_timeout_s;
     if (!s->cfg.max_pipeline_bytes) s->cfg.max_pipeline_bytes = s->cfg.max_header_bytes + HTTP_READ_CHUNK;

@@ -50,6 +50,8 @@ typedef struct {
     int port;                  /* 0 = ephemeral (see prism_http_server_port) */
     size_t max_header_bytes;   /* request line + headers; 0 = 64 KiB; beyond: 431 */
     size_t max_body_bytes;     /* 0 = 64 MiB; beyond: 413 (OpenAI-style JSON error) */
+    size_t max_body_bytes_total; /* bodies held at once over all connections; 0 = 1 GiB; beyond:
+                                * 503 from the header (Content-Length) or mid-upload (chunked) */
     int max_connections;       /* 0 = 1024; beyond: accept, answer 503, close */
     double idle_timeout_s;     /* keep-alive idle timeout; 0 = 60 s; also bounds a stalled upload */
     size_t max_pipeline_bytes; /* bytes buffered from a client while its request is in flight;

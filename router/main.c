@@ -28,7 +28,7 @@ int main(int argc, char **argv)
     const char *model_path = "models/prism-tiny-llava", *tokenizer_path = NULL, *served = NULL, *host = "127.0.0.1",
                *control = "tcp://127.0.0.1:8100", *chat_template = NULL, *api_key = NULL, *log_level = "info";
     int64_t port = 8000, context_length = 0, limit_mm = 8, max_pixels = 4096ll * 4096, max_running = 256,
-            max_body = 64ll << 20, image_inflight = 1ll << 30, max_conn = 4096;
+            max_body = 64ll << 20, body_total = 1ll << 30, image_inflight = 1ll << 30, max_conn = 4096;
     double worker_timeout = 10, request_timeout = 600, max_queue_wait = 120;
     prism_flag_t flags[] = {
         PRISM_FLAG_STR("model-path", &model_path, "HF model directory (config.json, tokenizer.json, tokenizer_config.json)"),
@@ -44,6 +44,7 @@ int main(int argc, char **argv)
         PRISM_FLAG_INT("max-image-pixels", &max_pixels, "Largest image (width*height from its header) accepted"),
         PRISM_FLAG_INT("max-running-requests", &max_running, "Requests in flight; more get 429"),
         PRISM_FLAG_BYTES("max-body-bytes", &max_body, "Largest request body; more gets 413"),
+        PRISM_FLAG_BYTES("max-body-bytes-in-flight", &body_total, "Request bodies held at once; more gets 503"),
         PRISM_FLAG_BYTES("max-image-bytes-in-flight", &image_inflight, "Image bytes held at once; more gets 429"),
         PRISM_FLAG_INT("max-connections", &max_conn, "Open HTTP connections at once; more get 503"),
         PRISM_FLAG_DOUBLE("worker-timeout", &worker_timeout, "Seconds without a heartbeat before a worker is dropped"),
@@ -128,6 +129,7 @@ int main(int argc, char **argv)
     hc.host = host;
     hc.port = (int)port;
     hc.max_body_bytes = (size_t)max_body;
+    hc.max_body_bytes_total = (size_t)body_total;
     hc.max_connections = (int)max_conn;
     if (prism_http_server_start(r.loop, &hc, router_on_http, &r, &r.http) != PRISM_OK) {
         PRISM_ERROR("cannot listen on %s:%lld", host, (long long)port);

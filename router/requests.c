@@ -528,6 +528,28 @@ static int load_images(router_t *r, router_req_t *q, char *msg, size_t n)
     return 0;
 }
 
+/* After images are decoded and the prompt is built, the HTTP body and the base64 strings in the
+ * parsed JSON are dead weight (the largest part of an image request): free them now instead of at
+ * request end, so a request in flight holds only its decoded image bytes. */
+static void release_request_bytes(router_req_t *q)
+{
+    prism_http_req_drop_body(q->h);
+    for (int i = 0; i < q->oai.n_messages; i++) {
+        prism_oai_message_t *m = &q->oai.messages[i];
+        json_t *content = json_object_get(m->raw, "content");
+        size_t k;
+        json_t *part;
+        json_array_foreach(content, k, part) {
+            if (json_object_get(part, "image_url")) json_object_set_new(part, "image_url", json_null());
+        }
+        for (int p = 0; p < m->n_parts; p++)
+            if (m->parts[p].kind == PRISM_OAI_PART_IMAGE) {
+                m->parts[p].image_url = NULL;
+                m->parts[p].image_url_len = 0;
+            }
+    }
+}
+
 /* Renders + tokenizes (chat) or tokenizes (completions); expands image placeholders. */
 static int build_prompt(router_t *r, router_req_t *q, char *msg, size_t n)
 {
@@ -797,6 +819,7 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
         goto fail;
     }
     if ((status = build_prompt(r, q, msg, sizeof(msg))) != 0) goto fail;
+    release_request_bytes(q);
     if (prism_oai_resp_meta_init(&q->meta, chat, r->served_model_name) != PRISM_OK) {
         status = 503;
         snprintf(msg, sizeof(msg), "out of memory");

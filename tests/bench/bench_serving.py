@@ -141,7 +141,10 @@ def plot(results, path):
         ax.grid(alpha=0.3)
     axes[0].legend()
     axes[2].legend(fontsize=6, ncol=2)
-    fig.suptitle("Prism, bundled model on CPU: image size x concurrency (0 failed requests)")
+    failed = sum(x["failed"] for cells in results["cells"].values() for x in cells)
+    refused = sum(x["refused"] for cells in results["cells"].values() for x in cells)
+    fig.suptitle("Prism, bundled model on CPU, --mem-budget %s per worker: image size x concurrency "
+                 "(%d failed, %d refused)" % (results["mem_budget"], failed, refused))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
