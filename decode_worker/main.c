@@ -346,15 +346,8 @@ int main(int argc, char **argv)
     prism_worker_data_bind(&o, bind, sizeof(bind));
     if (prism_worker_init(&d.w, PRISM__ROLE__ROLE_DECODE, o.worker_id, &o.routers, bind) != PRISM_OK)
         return 1;
-    d.w.heartbeat_s = o.heartbeat_s;
-    d.w.reg.mem_budget = (uint64_t)o.mem_budget;
-    d.w.reg.mem_planned = prism_mem_plan_total(&plan);
-    d.w.reg.kv_blocks = (uint32_t)kv_blocks;
-    d.w.reg.block_size = (uint32_t)block_size;
-    d.w.reg.max_batch_tokens = (uint32_t)d.max_running;
-    d.w.reg.max_running = (uint32_t)d.max_running;
-    d.w.reg.max_model_len = (uint32_t)d.max_model_len;
-    d.w.reg.tp_size = 1;
+    prism_worker_set_capacity(&d.w, &o, &plan, (uint32_t)kv_blocks, (uint32_t)block_size, (uint32_t)d.max_running,
+                              (uint32_t)d.max_running, (uint32_t)d.max_model_len);
     PRISM_INFO("decode worker %s ready in %.2fs: data %s, %lld KV blocks x %lld tokens, batch %d",
                d.w.worker_id, prism_now_s() - t0, d.w.data_endpoint, (long long)kv_blocks,
                (long long)block_size, d.max_running);

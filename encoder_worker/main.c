@@ -363,11 +363,8 @@ int main(int argc, char **argv)
 
     if (prism_worker_init(&e.w, PRISM__ROLE__ROLE_ENCODER, o.worker_id, &o.routers, NULL) != PRISM_OK)
         return 1;
-    e.w.heartbeat_s = o.heartbeat_s;
-    e.w.reg.mem_budget = (uint64_t)o.mem_budget;
-    e.w.reg.mem_planned = prism_mem_plan_total(&plan);
-    e.w.reg.max_batch_tokens = (uint32_t)(e.max_batch * e.cfg.image_seq_length);
-    e.w.reg.max_running = (uint32_t)e.max_queue;
+    prism_worker_set_capacity(&e.w, &o, &plan, 0, 0, (uint32_t)(e.max_batch * e.cfg.image_seq_length),
+                              (uint32_t)e.max_queue, 0);
     PRISM_INFO("encoder worker %s ready in %.2fs: batch %d images, queue %d, cache %d entries",
                e.w.worker_id, prism_now_s() - t0, e.max_batch, e.max_queue, e.cache.n_slots);
 

@@ -453,15 +453,8 @@ int main(int argc, char **argv)
     prism_worker_data_bind(&o, bind, sizeof(bind));
     if (prism_worker_init(&p.w, PRISM__ROLE__ROLE_PREFILL, o.worker_id, &o.routers, bind) != PRISM_OK)
         return 1;
-    p.w.heartbeat_s = o.heartbeat_s;
-    p.w.reg.mem_budget = (uint64_t)o.mem_budget;
-    p.w.reg.mem_planned = prism_mem_plan_total(&plan);
-    p.w.reg.kv_blocks = (uint32_t)kv_blocks;
-    p.w.reg.block_size = (uint32_t)block_size;
-    p.w.reg.max_batch_tokens = (uint32_t)p.chunk;
-    p.w.reg.max_running = (uint32_t)p.max_pending;
-    p.w.reg.max_model_len = (uint32_t)p.max_model_len;
-    p.w.reg.tp_size = 1;
+    prism_worker_set_capacity(&p.w, &o, &plan, (uint32_t)kv_blocks, (uint32_t)block_size, (uint32_t)p.chunk,
+                              (uint32_t)p.max_pending, (uint32_t)p.max_model_len);
     PRISM_INFO("prefill worker %s ready in %.2fs: data %s, chunk %d tokens, %d embedding slots",
                p.w.worker_id, prism_now_s() - t0, p.w.data_endpoint, p.chunk, p.n_emb);
 

@@ -78,33 +78,6 @@ static int bytelevel_bytes(const char *s, size_t n, prism_buf_t *out)
     return PRISM_OK;
 }
 
-static int replace_in(const prism_tok_pattern_t *pat, pcre2_match_data *md, const char *s, size_t n,
-                      const char *with, size_t wl, prism_buf_t *out)
-{
-    size_t from = 0, copied = 0, last_end = 0;
-    bool have_last = false;
-    while (from <= n) {
-        size_t ms, me;
-        if (!prism_tok_pattern_find(pat, md, s, n, from, &ms, &me)) break;
-        if (ms == me && have_last && last_end == me) {
-            if (from >= n) break;
-            from += (size_t)prism_tok_utf8_len((uint8_t)s[from]);
-            continue;
-        }
-        if (prism_buf_append(out, s + copied, ms - copied) < 0 || prism_buf_append(out, with, wl) < 0)
-            return PRISM_ENOMEM;
-        copied = me;
-        have_last = true;
-        last_end = me;
-        from = me;
-        if (ms == me) {
-            if (from >= n) break;
-            from += (size_t)prism_tok_utf8_len((uint8_t)s[from]);
-        }
-    }
-    return prism_buf_append(out, s + copied, n - copied) < 0 ? PRISM_ENOMEM : PRISM_OK;
-}
-
 static int flush_bytes(tlist_t *out, prism_buf_t *pending)
 {
     int rc = PRISM_OK;
@@ -183,7 +156,7 @@ static int dec_apply(const prism_tok_dec_t *d, pcre2_match_data *md, tlist_t *in
         for (size_t i = 0; i < in->n && !rc; i++) {
             if ((rc = tl_open(out))) return rc;
             /* replace_in reads from `in` and writes to `out`: distinct buffers */
-            rc = replace_in(&d->pat, md, tl_str(in, i), in->v[i].len, d->str, d->str_len, &out->s);
+            rc = prism_tok_replace_all(&d->pat, md, tl_str(in, i), in->v[i].len, d->str, d->str_len, &out->s);
             tl_close(out);
         }
         return rc;
@@ -253,10 +226,10 @@ static int token_text(const prism_tok_dec_t *d, pcre2_match_data *md, prism_buf_
     if (d->type != PRISM_TOK_DEC_REPLACE && d->type != PRISM_TOK_DEC_METASPACE) return PRISM_OK;
     prism_buf_t nb = {0};
     if (d->type == PRISM_TOK_DEC_REPLACE) {
-        rc = replace_in(&d->pat, md, cur->data ? cur->data : "", cur->len, d->str, d->str_len, &nb);
+        rc = prism_tok_replace_all(&d->pat, md, cur->data ? cur->data : "", cur->len, d->str, d->str_len, &nb);
     } else {
         prism_tok_pattern_t lit = { (char *)d->repl, (size_t)d->repl_len, NULL };
-        rc = replace_in(&lit, md, cur->data ? cur->data : "", cur->len, " ", 1, &nb);
+        rc = prism_tok_replace_all(&lit, md, cur->data ? cur->data : "", cur->len, " ", 1, &nb);
     }
     if (!rc) { prism_buf_free(cur); *cur = nb; } else prism_buf_free(&nb);
     return rc;

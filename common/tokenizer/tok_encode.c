@@ -202,34 +202,6 @@ static int split_piece(enc_t *E, const piece_t *p, const prism_tok_pattern_t *pa
 
 /* ---------------- normalizers ---------------- */
 
-static int replace_all(const prism_tok_pattern_t *pat, pcre2_match_data *md, const char *s, size_t n,
-                       const char *with, size_t wl, prism_buf_t *out)
-{
-    size_t from = 0, copied = 0;
-    bool have_last = false;
-    size_t last_end = 0;
-    while (from <= n) {
-        size_t ms, me;
-        if (!prism_tok_pattern_find(pat, md, s, n, from, &ms, &me)) break;
-        if (ms == me && have_last && last_end == me) {
-            if (from >= n) break;
-            from += (size_t)prism_tok_utf8_len((uint8_t)s[from]);
-            continue;
-        }
-        if (prism_buf_append(out, s + copied, ms - copied) < 0 || prism_buf_append(out, with, wl) < 0)
-            return PRISM_ENOMEM;
-        copied = me;
-        have_last = true;
-        last_end = me;
-        from = me;
-        if (ms == me) {
-            if (from >= n) break;
-            from += (size_t)prism_tok_utf8_len((uint8_t)s[from]);
-        }
-    }
-    return prism_buf_append(out, s + copied, n - copied) < 0 ? PRISM_ENOMEM : PRISM_OK;
-}
-
 int prism_tok_normalize(const prism_tokenizer_t *t, const prism_tok_norm_t *nz, const char *s, size_t n,
                         prism_buf_t *out, pcre2_match_data *md)
 {
@@ -246,7 +218,7 @@ int prism_tok_normalize(const prism_tokenizer_t *t, const prism_tok_norm_t *nz, 
         if (n && prism_buf_append(out, nz->str, nz->str_len) < 0) return PRISM_ENOMEM;
         return prism_buf_append(out, s, n) < 0 ? PRISM_ENOMEM : PRISM_OK;
     case PRISM_TOK_NORM_REPLACE:
-        return replace_all(&nz->pat, md, s, n, nz->str, nz->str_len, out);
+        return prism_tok_replace_all(&nz->pat, md, s, n, nz->str, nz->str_len, out);
     case PRISM_TOK_NORM_STRIP: {
         size_t a = 0, b = n;
         if (nz->left)

@@ -239,4 +239,8 @@ void prism_tok_norm_free(prism_tok_norm_t *n);
 void prism_tok_pre_free(prism_tok_pre_t *p);
 void prism_tok_dec_free(prism_tok_dec_t *d);
 
+/* Replaces every match of pat in s[0..n) by with, appending to out (tok_unicode.c). */
+int prism_tok_replace_all(const prism_tok_pattern_t *pat, pcre2_match_data *md, const char *s, size_t n,
+                          const char *with, size_t wl, prism_buf_t *out);
+
 #endif

@@ -459,3 +459,33 @@ int prism_tok_regex_rewrite(const char *p, size_t n, prism_buf_t *o, char *err, 
 #undef EMIT
     return PRISM_OK;
 }
+
+/* Replaces every match of pat in s[0..n) by `with`, with the regex crate's rules for empty matches
+ * (shared by the Replace normalizer and the Replace decoder). */
+int prism_tok_replace_all(const prism_tok_pattern_t *pat, pcre2_match_data *md, const char *s, size_t n,
+                          const char *with, size_t wl, prism_buf_t *out)
+{
+    size_t from = 0, copied = 0;
+    bool have_last = false;
+    size_t last_end = 0;
+    while (from <= n) {
+        size_t ms, me;
+        if (!prism_tok_pattern_find(pat, md, s, n, from, &ms, &me)) break;
+        if (ms == me && have_last && last_end == me) {
+            if (from >= n) break;
+            from += (size_t)prism_tok_utf8_len((uint8_t)s[from]);
+            continue;
+        }
+        if (prism_buf_append(out, s + copied, ms - copied) < 0 || prism_buf_append(out, with, wl) < 0)
+            return PRISM_ENOMEM;
+        copied = me;
+        have_last = true;
+        last_end = me;
+        from = me;
+        if (ms == me) {
+            if (from >= n) break;
+            from += (size_t)prism_tok_utf8_len((uint8_t)s[from]);
+        }
+    }
+    return prism_buf_append(out, s + copied, n - copied) < 0 ? PRISM_ENOMEM : PRISM_OK;
+}

@@ -160,6 +160,21 @@ void prism_tokens_set_logprobs(Prism__Tokens *t, prism_logprobs_msg_t *m, prism_
     t->logprobs = &m->lpp;
 }
 
+void prism_worker_set_capacity(prism_worker_t *w, const prism_worker_opts_t *o, const prism_mem_plan_t *plan,
+                               uint32_t kv_blocks, uint32_t block_size, uint32_t max_batch_tokens,
+                               uint32_t max_running, uint32_t max_model_len)
+{
+    w->heartbeat_s = o->heartbeat_s;
+    w->reg.mem_budget = (uint64_t)o->mem_budget;
+    w->reg.mem_planned = prism_mem_plan_total(plan);
+    w->reg.kv_blocks = kv_blocks;
+    w->reg.block_size = block_size;
+    w->reg.max_batch_tokens = max_batch_tokens;
+    w->reg.max_running = max_running;
+    w->reg.max_model_len = max_model_len;
+    w->reg.tp_size = 1;
+}
+
 void prism_worker_data_bind(const prism_worker_opts_t *o, char *out, size_t n)
 {
     if (o->data_port > 0) snprintf(out, n, "tcp://%s:%lld", o->host, (long long)o->data_port);

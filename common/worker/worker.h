@@ -140,6 +140,11 @@ typedef struct {
 void prism_tokens_set_logprobs(Prism__Tokens *t, prism_logprobs_msg_t *m, prism_sampler_t *s, const float *logits,
                                int32_t tok, int n_top);
 
+/* What registration advertises: the memory plan and capacity (0 where a field does not apply). */
+void prism_worker_set_capacity(prism_worker_t *w, const prism_worker_opts_t *o, const prism_mem_plan_t *plan,
+                               uint32_t kv_blocks, uint32_t block_size, uint32_t max_batch_tokens,
+                               uint32_t max_running, uint32_t max_model_len);
+
 /* Resolves the data bind endpoint from host + data_port ("tcp://host:port", port 0 = any). */
 void prism_worker_data_bind(const prism_worker_opts_t *o, char *out, size_t n);
 
