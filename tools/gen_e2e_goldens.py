@@ -6,13 +6,13 @@ transformers answers to it with the bundled models/prism-tiny-llava (fp32, CPU, 
 Deterministic (images drawn with numpy/PIL from fixed parameters, fixed encoder settings; greedy
 decoding). Rerun whenever the model, its tokenizer or its processor files change:
 
-    PYTHONPATH=/tmp/tvlib python3 tools/gen_e2e_goldens.py     # writes tests/data/e2e/*
+    PYTHONPATH="$TVLIB" python3 tools/gen_e2e_goldens.py     # writes tests/data/e2e/*
 
 torchvision is required: transformers 5.x gives LlavaProcessor the torchvision CLIPImageProcessor
 when torchvision is importable and CLIPImageProcessorPil otherwise; Prism's encoder_worker
 implements the torchvision one (common/image/clip.h, impl PRISM_CLIP_RESAMPLE_TORCHVISION, the
 default and what vLLM runs). Install it without CUDA packages:
-    pip install --no-deps --target /tmp/tvlib torchvision==0.29.2
+    pip install --no-deps --target "$TVLIB" torchvision==0.29.2
 
 Reference per case (what a user of transformers would do):
   * chat: text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

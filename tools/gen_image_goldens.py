@@ -16,7 +16,7 @@ Which backend is "the" reference: transformers 5.x returns the torchvision CLIPI
 torchvision is installed (vLLM always installs it) and CLIPImageProcessorPil otherwise. Both are
 recorded. torchvision is not in the project's base environment; to record it, install it without
 pulling CUDA packages, e.g.
-    pip install --no-deps --target /tmp/tvlib torchvision==0.29.2 && PYTHONPATH=/tmp/tvlib python3 tools/gen_image_goldens.py
+    pip install --no-deps --target "$TVLIB" torchvision==0.29.2 && PYTHONPATH="$TVLIB" python3 tools/gen_image_goldens.py
 (0.29.2 matches the torch 2.15 here; the CPU resize path it takes does not depend on the wheel's CUDA build).
 
 --measure-dir DIR additionally writes full 224/336 reference arrays (PIL and torchvision) there, for

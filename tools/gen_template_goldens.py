@@ -10,7 +10,7 @@ PRISM_TEMPLATE_FIXED_TIME to the same value.
 
 Writes:
   tests/data/template/chat_goldens.json     real templates x conversations (template sources included,
-                                            so the C test never needs /work/shared)
+                                            so the C test never needs the shared folder)
   tests/data/template/feature_goldens.json  one small template per language feature
   tests/data/template/random_goldens.json   seeded random expressions and whitespace-control soups
 

@@ -14,7 +14,7 @@ Outputs (tests/data/tokenizer/):
       The first line of each golden file is a header {"tokenizer": path, "n": count, "stride": k,
       "edge": e}: the golden lines describe, in order, corpus lines i with i < e or i % k == 0.
 
-Tokenizers: /work/shared/tokenizers/{llama3_1,qwen3,llama2} (or $PRISM_SHARED_DIR/tokenizers)
+Tokenizers: ../shared/tokenizers/{llama3_1,qwen3,llama2} beside the repository (or $PRISM_SHARED_DIR/tokenizers)
 and the bundled models/prism-tiny-llava/tokenizer.json (missing ones are skipped), plus three small
 synthetic tokenizers trained here (tests/data/tokenizer/synth_*.json, committed) that cover the
 components the real files do not use.

@@ -2,7 +2,7 @@
  *
  * Goldens (the JSON files in tests/data/template) come from tools/gen_template_goldens.py, which renders with
  * transformers' own jinja2 environment; every comparison here is byte-exact. The golden files carry
- * the template sources, so nothing here needs /work/shared (except the optional loader check).
+ * the template sources, so nothing here needs the shared tokenizers folder (except the optional loader check).
  *
  * PRISM_TEMPLATE_FUZZ_ITERS overrides the number of fuzz iterations (default 3000).
  */
