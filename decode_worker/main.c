@@ -276,7 +276,7 @@ int main(int argc, char **argv)
     };
     static decode_t d;
     int rc = prism_worker_startup(argc, argv, "decode", "Prism decode worker: paged KV cache, continuous batching "
-                                  "and sampling.", flags, 4, &o, &d.cfg);
+                                  "and sampling.", flags, &o, &d.cfg);
     if (rc >= 0) return rc;
     double t0 = prism_now_s();
     char err[512] = "";

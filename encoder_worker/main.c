@@ -297,7 +297,7 @@ int main(int argc, char **argv)
     };
     static encoder_t e;
     int rc = prism_worker_startup(argc, argv, "encoder", "Prism encoder worker: image decode, CLIP preprocessing, "
-                                  "vision tower + projector.", flags, 6, &o, &e.cfg);
+                                  "vision tower + projector.", flags, &o, &e.cfg);
     if (rc >= 0) return rc;
     double t0 = prism_now_s();
     char err[512] = "", path[1024];

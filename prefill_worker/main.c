@@ -385,7 +385,7 @@ int main(int argc, char **argv)
     };
     static prefill_t p;
     int rc = prism_worker_startup(argc, argv, "prefill", "Prism prefill worker: chunked prefill, first token, KV "
-                                  "export to decode workers.", flags, 6, &o, &p.cfg);
+                                  "export to decode workers.", flags, &o, &p.cfg);
     if (rc >= 0) return rc;
     double t0 = prism_now_s();
     char err[512] = "";

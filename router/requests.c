@@ -53,6 +53,7 @@ struct router_req {
     float decode_ms, vit_ms, queue_ms, prefill_ms;  /* worker-side timings (sums over images) */
     int cache_hits;
     prism_buf_t out;              /* scratch for response bytes */
+    prism_buf_t tok_bytes[21];    /* scratch for one token's logprob entry: [0] chosen, [1..] top */
 };
 
 /* ---------------------------------------------------------------- request map (open addressing) */
@@ -143,6 +144,7 @@ static void req_destroy(router_req_t *q)
     prism_oai_logprobs_free(&q->lp);
     prism_buf_free(&q->text);
     prism_buf_free(&q->out);
+    for (size_t i = 0; i < PRISM_ARRAY_LEN(q->tok_bytes); i++) prism_buf_free(&q->tok_bytes[i]);
     prism_free(q->prompt);
     prism_free(q);
 }
@@ -311,19 +313,20 @@ static bool apply_stop_strings(router_req_t *q, size_t old_len)
 
 static void add_logprobs(router_req_t *q, int32_t tok, const Prism__TokenLogprobs *l)
 {
+    /* Scratch buffers live in the request and are reused: no allocation per token after the first. */
     router_t *r = q->r;
-    prism_buf_t tb = {0}, cb[20] = {{0}};
+    prism_buf_t *tb = &q->tok_bytes[0], *cb = &q->tok_bytes[1];
     prism_oai_top_logprob_t top[20];
     int nt = (int)PRISM_MIN(l->n_top, (size_t)20);
-    prism_tokenizer_token_bytes(r->tok, tok, &tb);
+    prism_buf_reset(tb);
+    prism_tokenizer_token_bytes(r->tok, tok, tb);
     for (int k = 0; k < nt; k++) {
+        prism_buf_reset(&cb[k]);
         prism_tokenizer_token_bytes(r->tok, l->top[k]->token_id, &cb[k]);
         top[k] = (prism_oai_top_logprob_t){cb[k].data ? cb[k].data : "", cb[k].len, l->top[k]->logprob};
     }
-    prism_oai_token_logprob_t t = {tb.data ? tb.data : "", tb.len, l->logprob, top, q->oai.top_logprobs ? nt : 0};
+    prism_oai_token_logprob_t t = {tb->data ? tb->data : "", tb->len, l->logprob, top, q->oai.top_logprobs ? nt : 0};
     prism_oai_logprobs_add(&q->lp, &t);
-    prism_buf_free(&tb);
-    for (int k = 0; k < nt; k++) prism_buf_free(&cb[k]);
 }
 
 void router_handle_tokens(router_t *r, uint64_t rid, const Prism__Tokens *t)

@@ -109,8 +109,10 @@ int prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *t, int n)
 }
 
 int prism_worker_startup(int argc, char **argv, const char *role, const char *summary, prism_flag_t *flags,
-                         int n_own, prism_worker_opts_t *o, prism_model_config_t *cfg)
+                         prism_worker_opts_t *o, prism_model_config_t *cfg)
 {
+    int n_own = 0;
+    while (flags[n_own].name) n_own++;
     prism_worker_opts_flags(o, flags, n_own);
     char prog[64];
     snprintf(prog, sizeof(prog), "%s_worker", role);

@@ -114,11 +114,12 @@ typedef struct {
 void prism_worker_opts_defaults(prism_worker_opts_t *o, const char *role);
 /* Appends the common flags to table (which must have room for 11 more entries + END). */
 int  prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *table, int n);
-/* Start-up shared by every worker: parses the common flags after the worker's own n_own entries of
- * flags, sets up logging and signals, loads config.json (and applies --random-weights).
- * Returns -1 to go on, else the process exit code (0 after --help, 2 for bad flags, 1 otherwise). */
+/* Start-up shared by every worker: appends the common flags after the worker's own entries of flags
+ * (a zero-filled table with room for them), parses, sets up logging and signals, loads config.json
+ * (and applies --random-weights). Returns -1 to go on, else the process exit code (0 after --help,
+ * 2 for bad flags, 1 otherwise). */
 int  prism_worker_startup(int argc, char **argv, const char *role, const char *summary, prism_flag_t *flags,
-                          int n_own, prism_worker_opts_t *o, prism_model_config_t *cfg);
+                          prism_worker_opts_t *o, prism_model_config_t *cfg);
 
 /* ---- what prefill and decode share about finished tokens ---- */
 #define PRISM_MAX_TOP_LOGPROBS 20
