@@ -157,9 +157,18 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
                        (double)m->failed);
     prism_buf_appendf(&b, "# HELP prism:requests_refused_total Requests refused, by reason.\n"
                           "# TYPE prism:requests_refused_total counter\n");
+    /* Refusals the HTTP server answers itself, before the router sees a request. */
+    prism_http_refusals_t hr;
+    prism_http_server_refusals(r->http, &hr);
+    uint64_t refused[PRISM_REFUSE_COUNT];
+    memcpy(refused, m->refused_limit, sizeof(refused));
+    refused[PRISM_REFUSE_BODY_TOO_LARGE] += hr.body_too_large;
+    refused[PRISM_REFUSE_BODY_BYTES_INFLIGHT] += hr.body_bytes_in_flight;
+    refused[PRISM_REFUSE_CONNECTIONS] += hr.connections;
+    refused[PRISM_REFUSE_BAD_REQUEST] += hr.malformed;
     for (int i = 0; i < PRISM_REFUSE_COUNT; i++) {
         snprintf(lbl, sizeof(lbl), "reason=\"%s\"", prism_refusal_names[i]);
-        prism_metric_write(&b, "prism:requests_refused_total", "counter", NULL, lbl, (double)m->refused_limit[i]);
+        prism_metric_write(&b, "prism:requests_refused_total", "counter", NULL, lbl, (double)refused[i]);
     }
     prism_metric_write(&b, "prism:router_requests_in_flight", "gauge", "Requests the router holds.", "", (double)r->n_reqs);
     prism_metric_write(&b, "prism:router_image_bytes_in_flight", "gauge", "Image bytes the router holds.", "",

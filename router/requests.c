@@ -839,6 +839,7 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
     /* Behind older queued requests, or no worker has room: wait in the router's queue. */
     status = r->queue_len ? DISPATCH_WAIT : dispatch(r, q, msg, sizeof(msg));
     if (status == DISPATCH_WAIT && !queue_push(r, q->rid)) {
+        r->metrics.refused_limit[PRISM_REFUSE_QUEUE_FULL]++;
         status = 429;
         snprintf(msg, sizeof(msg), "The server is at capacity; retry after a short wait.");
     }
