@@ -78,6 +78,7 @@ static void test_fuzz(void **state)
     prism_clip_preproc_default(&p, 32);
     float out[3 * 32 * 32];
     long ok = 0, counts[16] = {0};
+    static uint8_t outbuf[800 * 600 * 3];
     size_t base = prism_mem_used();
     for (long it = 0; it < iters; it++) {
         size_t f = (size_t)(rnd() % nf);
@@ -86,12 +87,20 @@ static void test_fuzz(void **state)
         uint8_t *in = prism_malloc(n ? n : 1);
         memcpy(in, buf, n);
         prism_image_info_t info;
-        int rc = prism_image_probe(in, n, &info);
+        int rc = prism_image_probe(in, n, &info), probe_rc = rc;
         assert_true(rc <= 0 && rc >= PRISM_ENOTFOUND);
-        prism_image_decode_opts_t o = {.max_pixels = 4u << 20};
+        /* A pixel limit between a tiny one and one above every fixture, and sometimes a caller
+         * buffer (the encoder's pre-sized decode buffer): whatever a mutated header claims, a
+         * successful decode must respect both. */
+        uint64_t limits[] = {4096, 20000, 100000, 4u << 20};
+        prism_image_decode_opts_t o = {.max_pixels = limits[rnd() % 4]};
         if (rnd() % 4 == 0) {
             o.min_w = 16;
             o.min_h = 16;
+        }
+        if (rnd() % 3 == 0) {
+            o.out_buf = outbuf;
+            o.out_cap = (size_t)(rnd() % sizeof outbuf);
         }
         prism_image_t img;
         rc = prism_image_decode(in, n, &o, &img);
@@ -101,6 +110,22 @@ static void test_fuzz(void **state)
         if (rc == PRISM_OK) {
             ok++;
             assert_true(img.w > 0 && img.h > 0 && img.w <= 65535 && img.h <= 65535);
+            /* the limit is on the file's declared size (a bomb is refused before decoding) */
+            if ((uint64_t)img.src_w * (uint64_t)img.src_h > o.max_pixels)
+                fail_msg("iteration %ld: decoded a %dx%d file with max_pixels %llu", it, img.src_w, img.src_h,
+                         (unsigned long long)o.max_pixels);
+            assert_true(img.w <= img.src_w && img.h <= img.src_h);
+            /* the probe and the decoder agree on the declared size */
+            if (probe_rc == PRISM_OK) {
+                assert_int_equal(img.src_w, info.width);
+                assert_int_equal(img.src_h, info.height);
+            }
+            if (o.out_buf) {
+                if ((size_t)img.w * (size_t)img.h * 3 > o.out_cap)
+                    fail_msg("iteration %ld: %dx%d RGB decoded into a %zu-byte buffer", it, img.w, img.h, o.out_cap);
+                assert_ptr_equal(img.rgb, outbuf);
+                assert_false(img.owned);
+            }
             size_t ws = prism_clip_preprocess_workspace_bytes(&p, img.w, img.h);
             void *w = prism_malloc(ws);
             assert_int_equal(prism_clip_preprocess(&p, &img, w, ws, out), PRISM_OK);
