@@ -33,6 +33,7 @@ typedef struct {
     /* load from heartbeats */
     uint32_t running, waiting, kv_free_blocks, pool_free;
     uint64_t mem_used, mem_peak, cache_hits, cache_misses, alloc_count;
+    uint64_t heartbeats;          /* received since registration: lets a reader wait for fresh numbers */
     double last_seen;
     /* our own view: requests we sent that have not finished on this worker */
     int inflight;

@@ -102,6 +102,7 @@ static void on_heartbeat(router_t *r, prism_msg_t *m)
     w->cache_hits = hb->cache_hits;
     w->cache_misses = hb->cache_misses;
     w->alloc_count = hb->alloc_count;
+    w->heartbeats++;
     w->last_seen = prism_now_s();
 }
 
