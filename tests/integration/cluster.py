@@ -27,7 +27,8 @@ def free_port():
 
 def binary(name):
     sub = {"router": "router", "encoder_worker": "encoder_worker", "prefill_worker": "prefill_worker",
-           "decode_worker": "decode_worker", "prism_imgtool": "tools", "prism_generate": "tools"}[name]
+           "decode_worker": "decode_worker", "prism_imgtool": "tools", "prism_generate": "tools",
+           "prism_wire": "tools"}[name]
     return os.path.join(BUILD, sub, name)
 
 
