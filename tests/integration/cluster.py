@@ -313,3 +313,51 @@ def run_tests(tests):
     if failed:
         return 1
     return 77 if skipped and not passed else 0
+
+
+# ---- distinct requests with their own references (concurrency tests must tell answers apart) ----
+
+DISTINCT = [  # (shape, colour, background, width, height, question)
+    ("circle", "red", "white", 640, 480, "What is in the image?"),
+    ("square", "green", "black", 300, 200, "Describe the image."),
+    ("triangle", "blue", "gray", 200, 300, "What do you see?"),
+    ("circle", "yellow", "black", 256, 256, "What is shown in this picture?"),
+    ("square", "purple", "white", 500, 400, "What is in the image?"),
+    ("triangle", "orange", "white", 333, 217, "Describe this picture."),
+    ("square", "blue", "gray", 128, 128, "What can you see in the image?"),
+    ("triangle", "red", "black", 420, 300, "Tell me what is in this image."),
+]
+
+
+def reference(images, text, max_tokens):
+    """What tools/prism_generate (the same model code in one process) answers: {prompt_tokens,
+    token_ids, text}."""
+    args = [binary("prism_generate"), "--model-path", MODEL, "--user", text, "--max-tokens", str(max_tokens)]
+    if images:
+        args += ["--image", ",".join(images)]
+    out = subprocess.run(args, check=True, capture_output=True, text=True, timeout=120)
+    return json.loads(out.stdout)
+
+
+def distinct_requests(tmp, max_tokens=16, text_only=("Hello there",)):
+    """[(chat body, reference)] for different pictures and questions (plus text-only prompts); the
+    references are checked to differ, so an answer delivered to the wrong request cannot pass."""
+    out = []
+    for i, (shape, color, bg, w, h, q) in enumerate(DISTINCT):
+        path = make_image(os.path.join(tmp, "distinct%d.%s" % (i, "png" if i % 2 else "jpg")), width=w, height=h,
+                          shape=shape, color=color, background=bg)
+        out.append((chat_body(q, [path], max_tokens=max_tokens, temperature=0), reference([path], q, max_tokens)))
+    for t in text_only:
+        out.append((chat_body(t, max_tokens=max_tokens, temperature=0), reference([], t, max_tokens)))
+    texts = [ref["text"] for _, ref in out]
+    assert len(set(texts)) >= len(texts) - 1, ("references too alike to tell answers apart", texts)
+    return out
+
+
+def check_answer(status, r, ref, where=""):
+    """A non-streaming chat answer equals its own reference (text, prompt and completion tokens)."""
+    assert status == 200, (where, status, r)
+    got = r["choices"][0]["message"]["content"]
+    assert got == ref["text"], "%s: answer %r, its reference %r" % (where, got, ref["text"])
+    assert r["usage"]["prompt_tokens"] == ref["prompt_tokens"], (where, r["usage"], ref["prompt_tokens"])
+    assert r["usage"]["completion_tokens"] == len(ref["token_ids"]), (where, r["usage"], len(ref["token_ids"]))

@@ -11,7 +11,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import Cluster, binary, chat_body, image_url, make_image, run_tests, MODEL  # noqa: E402
+from cluster import (Cluster, binary, chat_body, check_answer, distinct_requests, image_url, make_image,  # noqa: E402
+                     run_tests, MODEL)
 
 TMP = tempfile.mkdtemp(prefix="prism-e2e-")
 JPG = make_image(os.path.join(TMP, "red_circle.jpg"), width=640, height=480, shape="circle", color="red")
@@ -137,18 +138,19 @@ def test_stop_string():
     assert r["choices"][0]["finish_reason"] == "stop"
 
 
-def test_concurrent_16_image_requests():
-    imgs = [JPG, PNG, PROG]
+def test_concurrent_distinct_requests():
+    """18 requests at once, 9 different pictures/questions: each answer equals its own reference
+    (identical prompts would let answers swapped between requests pass)."""
+    reqs = distinct_requests(TMP)
 
     def one(i):
-        return C.post_json("/v1/chat/completions",
-                           chat_body("What is in the image?", [imgs[i % 3]], max_tokens=8, temperature=0))
-
-    with concurrent.futures.ThreadPoolExecutor(16) as ex:
-        results = list(ex.map(one, range(16)))
-    for status, r in results:
-        assert status == 200, (status, r)
+        body, ref = reqs[i % len(reqs)]
+        status, r = C.post_json("/v1/chat/completions", body)
+        check_answer(status, r, ref, "request %d" % i)
         check_usage(r)
+
+    with concurrent.futures.ThreadPoolExecutor(18) as ex:
+        list(ex.map(one, range(2 * len(reqs))))
 
 
 def expect_error(status_want, body=None, raw=None, path="/v1/chat/completions"):
@@ -197,8 +199,15 @@ def test_metrics():
     text = data.decode()
     assert status == 200
     for name in ("vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
-                 "vllm:generation_tokens_total", "prism:requests_refused_total", "prism:worker_memory_peak_bytes"):
+                 "vllm:generation_tokens_total", "prism:requests_refused_total", "prism:worker_memory_peak_bytes",
+                 "prism:worker_heartbeats_total", "prism:worker_heap_allocations_total"):
         assert name in text, name
+    # every refusal reason is exported (a dashboard can alert on any), and vLLM's preemption counter
+    # exists and is 0: decode admission reserves KV for max_tokens, so nothing is ever preempted
+    for reason in ("body_too_large", "body_bytes_inflight", "connections", "image_bytes_inflight", "queue_full",
+                   "queue_wait", "no_workers", "bad_request", "too_many_images", "image_too_large"):
+        assert C.metric("prism:requests_refused_total", reason=reason) is not None, reason
+    assert C.metric("vllm:num_preemptions_total") == 0
 
 
 def test_tokenize_detokenize():
@@ -241,7 +250,7 @@ if __name__ == "__main__":
         rc = run_tests([test_health_ready_models, test_chat_jpeg, test_chat_png_and_progressive_jpeg,
                         test_text_only_and_completions, test_max_tokens_length_finish, test_stream_equals_non_stream,
                         test_disaggregated_equals_single_process, test_seeded_sampling_reproducible, test_logprobs,
-                        test_stop_string, test_concurrent_16_image_requests, test_malformed_requests,
+                        test_stop_string, test_concurrent_distinct_requests, test_malformed_requests,
                         test_bomb_refused_from_header, test_metrics, test_tokenize_detokenize,
                         test_chat_template_override_and_unsupported, test_all_processes_alive])
     finally:
