@@ -19,6 +19,10 @@ BUILD = os.environ.get("PRISM_BINARY_DIR") or os.path.join(ROOT, "build")
 MODEL = os.path.join(ROOT, "models", "prism-tiny-llava")
 
 
+SANITIZER_MARKS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:",
+                   "SUMMARY: UndefinedBehaviorSanitizer")
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -105,16 +109,37 @@ class Cluster:
         return {n: p.poll() is None for n, p in self.procs.items()}
 
     def stop(self):
+        if getattr(self, "stopped", False):
+            return
+        self.stopped = True
         for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        deadline = time.time() + 10
+        deadline = time.time() + 30  # sanitizer builds take a while to exit (leak check)
         for p in self.procs.values():
             try:
                 p.wait(max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        self.check_sanitizers()
+
+    def check_sanitizers(self):
+        """Fails when any process of this cluster (killed ones included) logged an AddressSanitizer,
+        LeakSanitizer or UndefinedBehaviorSanitizer report: under a sanitizer build
+        (tests/run-all.sh runs the integration tests on build-asan too) the request life is checked
+        in every process, not only in unit tests."""
+        bad = []
+        for f in sorted(os.listdir(self.log_dir)):
+            with open(os.path.join(self.log_dir, f), "rb") as fh:
+                text = fh.read().decode("utf-8", "replace")
+            for mark in SANITIZER_MARKS:
+                i = text.find(mark)
+                if i >= 0:
+                    bad.append("%s: %s" % (f, text[max(0, i - 200):i + 1500]))
+                    break
+        if bad:
+            raise AssertionError("sanitizer report(s) in %s:\n%s" % (self.log_dir, "\n".join(bad)))
 
     def __enter__(self):
         return self
