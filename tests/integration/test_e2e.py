@@ -47,6 +47,52 @@ def test_health_ready_models():
     assert models["data"][0]["max_model_len"] > 0
 
 
+def test_version_and_help():
+    status, _, data = C.request("GET", "/version")
+    assert status == 200 and json.loads(data)["version"], data
+    # every binary documents its flags
+    for name in ("router", "encoder_worker", "prefill_worker", "decode_worker", "prism_generate", "prism_imgtool",
+                 "prism_wire"):
+        p = subprocess.run([binary(name), "--help"], capture_output=True, text=True, timeout=30)
+        assert p.returncode == 0 and "Usage" in p.stdout + p.stderr and "--" in p.stdout + p.stderr, (name, p)
+
+
+def test_stop_token_ids_and_max_completion_tokens():
+    body = chat_body("What is in the image?", [JPG], max_tokens=12, temperature=0, ignore_eos=True, logprobs=True,
+                     return_tokens_as_token_ids=True)
+    full = ok_request(body)
+    ids = [int(e["token"].split(":")[1]) for e in full["choices"][0]["logprobs"]["content"]]
+    assert len(ids) == 12, ids
+    stop_id = ids[3]
+    k = ids.index(stop_id)  # first occurrence
+    r = ok_request(dict(body, stop_token_ids=[stop_id]))
+    got = [int(e["token"].split(":")[1]) for e in r["choices"][0]["logprobs"]["content"]]
+    assert got == ids[:k + 1], (got, ids, stop_id)  # the stop token is generated (and counted) ...
+    assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == k + 1, r["usage"]
+    plain = ok_request(chat_body("What is in the image?", [JPG], max_tokens=12, temperature=0, ignore_eos=True,
+                                 stop_token_ids=[stop_id]))
+    status, d = C.post_json("/detokenize", {"tokens": ids[:k]})
+    assert plain["choices"][0]["message"]["content"] == d["prompt"], (plain, d)  # ... but not in the text
+    # max_completion_tokens is OpenAI's newer name for max_tokens
+    r = ok_request(chat_body("What is in the image?", [JPG], max_completion_tokens=3, temperature=0, ignore_eos=True))
+    assert r["usage"]["completion_tokens"] == 3 and r["choices"][0]["finish_reason"] == "length", r
+
+
+def test_embedding_cache_hit():
+    """The same image again: the encoder answers from its embedding cache (no decode, no ViT), and
+    the answer is the same."""
+    body = chat_body("What is in the image?", [PROG], max_tokens=8, temperature=0)
+    timings = []
+    texts = []
+    for _ in range(2):
+        status, headers, data = C.request("POST", "/v1/chat/completions", body)
+        assert status == 200, (status, data[:200])
+        timings.append(dict(kv.split("=") for kv in {k.lower(): v for k, v in headers.items()}["x-prism-timing"].split()))
+        texts.append(json.loads(data)["choices"][0]["message"]["content"])
+    assert timings[1]["cache_hits"] == "1" and float(timings[1]["image_decode_ms"]) == 0, timings
+    assert texts[0] == texts[1], texts
+
+
 def test_chat_jpeg():
     r = ok_request(chat_body("What is in the image?", [JPG], max_tokens=12, temperature=0))
     assert r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-")
@@ -247,7 +293,8 @@ def test_all_processes_alive():
 
 if __name__ == "__main__":
     try:
-        rc = run_tests([test_health_ready_models, test_chat_jpeg, test_chat_png_and_progressive_jpeg,
+        rc = run_tests([test_health_ready_models, test_version_and_help, test_stop_token_ids_and_max_completion_tokens,
+                        test_embedding_cache_hit, test_chat_jpeg, test_chat_png_and_progressive_jpeg,
                         test_text_only_and_completions, test_max_tokens_length_finish, test_stream_equals_non_stream,
                         test_disaggregated_equals_single_process, test_seeded_sampling_reproducible, test_logprobs,
                         test_stop_string, test_concurrent_distinct_requests, test_malformed_requests,

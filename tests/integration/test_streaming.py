@@ -5,8 +5,9 @@
   (held back while it could still match), and text held back for a match that never comes is
   released at the end;
 - a worker that dies mid-stream ends the stream with an SSE error event and [DONE], promptly;
-- a client that disconnects mid-stream makes the router abort the request on the decode worker,
-  which then stops generating (its running count in /metrics returns to idle);
+- a client that disconnects mid-stream, or a stop string that hits, makes the router abort the
+  request on the decode worker, which then stops generating (its running count in /metrics
+  returns to idle);
 - a decode worker restarted under the same id while streaming: the stream still ends (known bug,
   see the marker).
 
@@ -88,6 +89,31 @@ def test_stream_earliest_of_several_stop_strings_wins():
     # listed order does not matter: the match that ends first in the text wins
     text, fin, _ = stream_text(dict(base, stop=[late, early]))
     assert text == full[:full.index(early)] and fin == "stop", (text, early, late)
+
+
+def test_stop_string_aborts_generation():
+    """A stop string that hits early ends a 1800-token request at once, and the decode worker is told
+    to stop (it would otherwise generate for seconds more)."""
+    with Cluster(common_worker_args=FAST_HB, worker_args={"decode_worker": ["--log-level", "debug"]}) as c:
+        c.wait_ready()
+        body = chat_body("Hi", max_tokens=12, temperature=0, ignore_eos=True)
+        status, r = c.post_json("/v1/chat/completions", body)
+        text = r["choices"][0]["message"]["content"]
+        stop = text[4:9]
+        t0 = time.time()
+        s = c.open_stream("/v1/chat/completions", dict(body, max_tokens=1800, stop=[stop], stream=True))
+        events = []
+        while True:
+            ev = s.next_event()
+            if ev is None:
+                break
+            events.append(ev)
+        text2 = "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                        if isinstance(e, dict) and e.get("choices"))
+        assert text2 == text[:text.index(stop)], (text2, text, stop)
+        c.wait_log("decode-0", "aborted", timeout=5)
+        wait_for(lambda: c.metric("prism:worker_running", tier="decode") == 0, 5, "the decode worker idle")
+        assert time.time() - t0 < 10
 
 
 def long_body():
@@ -180,7 +206,8 @@ if __name__ == "__main__":
     try:
         C.wait_ready()
         rc = run_tests([test_stream_stop_string_spanning_many_tokens, test_stream_stop_string_never_completed_is_released,
-                        test_stream_earliest_of_several_stop_strings_wins, test_sse_error_event_when_worker_dies,
+                        test_stream_earliest_of_several_stop_strings_wins, test_stop_string_aborts_generation,
+                        test_sse_error_event_when_worker_dies,
                         test_client_disconnect_aborts_generation, test_worker_restart_same_id_ends_streams])
     finally:
         C.stop()
