@@ -170,7 +170,7 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
     r->max_tokens = (int)s->max_tokens;
     r->n_logprobs = (int)PRISM_MIN(s->logprobs, (uint32_t)PRISM_MAX_TOP_LOGPROBS + 1);
     r->n_stop_ids = (int)PRISM_MIN(s->n_stop_token_ids, (size_t)PRISM_MAX_STOP_IDS);
-    memcpy(r->stop_ids, s->stop_token_ids, sizeof(int32_t) * (size_t)r->n_stop_ids);
+    if (r->n_stop_ids) memcpy(r->stop_ids, s->stop_token_ids, sizeof(int32_t) * (size_t)r->n_stop_ids);
     snprintf(r->decode_endpoint, sizeof(r->decode_endpoint), "%s", pf->decode_endpoint);
     r->t_arrive = prism_now_s();
 }

@@ -20,14 +20,13 @@ import json
 import os
 import re
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import Cluster, binary, chat_body, make_image, run_tests, wait_for, MODEL  # noqa: E402
+from cluster import Cluster, binary, chat_body, make_image, run_tests, run_tool, wait_for, MODEL  # noqa: E402
 
 TMP = tempfile.mkdtemp(prefix="prism-admission-")
 JPG = make_image(os.path.join(TMP, "red_circle.jpg"), width=640, height=480, shape="circle", color="red")
@@ -212,9 +211,9 @@ def test_orphan_embeddings_dropped():
         endpoint = re.search(r"data (tcp://[^,\s]+)", log).group(1)
         assert c.metric("prism:worker_pool_free", tier="prefill") == 1
         tc = CFG["text_config"]
-        subprocess.run([binary("prism_wire"), "--endpoint", endpoint, "--request-id", "999999", "--router-id",
-                        "no-such-router", "--n-tokens", str(CFG["image_seq_length"]), "--hidden",
-                        str(tc["hidden_size"])], check=True, capture_output=True, timeout=30)
+        run_tool([binary("prism_wire"), "--endpoint", endpoint, "--request-id", "999999", "--router-id",
+                  "no-such-router", "--n-tokens", str(CFG["image_seq_length"]), "--hidden", str(tc["hidden_size"])],
+                 timeout=30)
         wait_for(lambda: c.metric("prism:worker_pool_free", tier="prefill") == 0, 10, "the orphan in the pool")
         t0 = time.time()
         try:

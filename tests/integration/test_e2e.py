@@ -12,7 +12,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cluster import (Cluster, binary, chat_body, check_answer, distinct_requests, image_url, make_image,  # noqa: E402
-                     run_tests, MODEL)
+                     reference, run_tests, tool_env, MODEL)
 
 TMP = tempfile.mkdtemp(prefix="prism-e2e-")
 JPG = make_image(os.path.join(TMP, "red_circle.jpg"), width=640, height=480, shape="circle", color="red")
@@ -53,7 +53,7 @@ def test_version_and_help():
     # every binary documents its flags
     for name in ("router", "encoder_worker", "prefill_worker", "decode_worker", "prism_generate", "prism_imgtool",
                  "prism_wire"):
-        p = subprocess.run([binary(name), "--help"], capture_output=True, text=True, timeout=30)
+        p = subprocess.run([binary(name), "--help"], capture_output=True, text=True, timeout=30, env=tool_env())
         assert p.returncode == 0 and "Usage" in p.stdout + p.stderr and "--" in p.stdout + p.stderr, (name, p)
 
 
@@ -145,9 +145,7 @@ def test_stream_equals_non_stream():
 
 
 def test_disaggregated_equals_single_process():
-    out = subprocess.run([binary("prism_generate"), "--model-path", MODEL, "--image", JPG, "--user",
-                          "What is in the image?", "--max-tokens", "32"], check=True, capture_output=True, text=True)
-    ref = json.loads(out.stdout)
+    ref = reference([JPG], "What is in the image?", 32)
     r = ok_request(chat_body("What is in the image?", [JPG], max_tokens=32, temperature=0))
     assert r["usage"]["prompt_tokens"] == ref["prompt_tokens"], (r["usage"], ref["prompt_tokens"])
     assert r["usage"]["completion_tokens"] == len(ref["token_ids"]), (r["usage"], ref)
