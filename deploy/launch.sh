@@ -151,6 +151,7 @@ if [ "$use_nginx" -eq 1 ]; then
   } > "$ngx/nginx.conf"
   # nginx's unprivileged workers must reach their temp directories (bodies over 16 MB spill there).
   [ "$(id -u)" -ne 0 ] || chmod 711 "$run_dir" "$ngx"
+  "$nginx_bin" -t -q -p "$ngx" -c "$ngx/nginx.conf" -e stderr || die "nginx refuses $ngx/nginx.conf (above)"
 fi
 
 spec="$run_dir/supervisor.spec"
@@ -201,7 +202,7 @@ ready_urls=()
 if [ "$n_routers" -gt 1 ]; then
   for i in $(seq "$n_routers"); do ready_urls+=("http://$(url_host "$router_host"):${rport[i]}/ready"); done
 fi
-ready_urls+=("$front/ready")
+[ "$n_routers" -gt 1 ] && [ "$use_nginx" -eq 0 ] || ready_urls+=("$front/ready")
 deadline=$(( $(date +%s) + ready_timeout ))
 while :; do
   all=1
@@ -222,6 +223,9 @@ while :; do
 done
 what="$n_routers router$([ "$n_routers" -eq 1 ] || echo s)"
 [ "$use_nginx" -eq 0 ] || what+=" behind nginx"
+if [ "$n_routers" -gt 1 ] && [ "$use_nginx" -eq 0 ]; then
+  front="http://$(url_host "$router_host"):{${rport[1]}..${rport[n_routers]}} (no balancer: --lb none)"
+fi
 printf 'prism: cluster ready on %s in %.2fs (%s; %s encoder, %s prefill, %s decode; run dir %s; Ctrl-C stops it)\n' \
   "$front" "$(echo "$(date +%s.%N) - $t0" | bc)" "$what" "$n_enc" "$n_pre" "$n_dec" "$run_dir"
 rc=0

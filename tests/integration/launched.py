@@ -6,6 +6,7 @@ Only the Python standard library is used.
 """
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,6 +17,18 @@ from cluster import BUILD, MODEL, ROOT, Cluster
 
 LAUNCH = os.path.join(ROOT, "deploy", "launch.sh")
 SUPERVISOR = os.path.join(BUILD, "deploy", "prism_supervisor")
+TMP_DIRS = []  # removed by finish() when every test passed
+
+
+def finish(rc, *dirs):
+    """Removes this run's temporary directories (logs, images) unless a test failed or
+    PRISM_KEEP_LOGS is set; returns rc."""
+    if rc == 0 and not os.environ.get("PRISM_KEEP_LOGS"):
+        for d in TMP_DIRS + list(dirs):
+            shutil.rmtree(d, ignore_errors=True)
+    else:
+        print("logs kept in: %s" % " ".join(TMP_DIRS + list(dirs)))
+    return rc
 
 
 def free_port_range(n):
@@ -99,6 +112,7 @@ class Launched(Cluster):
         self.router_ports = [base] if routers == 1 else [base + 1 + i for i in range(routers)]
         self.control_base = base + routers + 1 if routers > 1 else base + 1
         self.tmp = tempfile.mkdtemp(prefix="prism-launch-")
+        TMP_DIRS.append(self.tmp)
         self.run_dir = os.path.join(self.tmp, "run")
         self.log_dir = os.path.join(self.tmp, "logs")
         self.launcher_log = os.path.join(self.tmp, "launch.log")

@@ -18,7 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cluster import chat_body, make_image, run_tests  # noqa: E402
-from launched import SUPERVISOR, Launched, pid_alive, wait_for  # noqa: E402
+from launched import SUPERVISOR, Launched, finish, pid_alive, wait_for  # noqa: E402
 
 TMP = tempfile.mkdtemp(prefix="prism-sup-")
 JPG = make_image(os.path.join(TMP, "red_circle.jpg"), width=320, height=240, shape="circle", color="red")
@@ -230,11 +230,11 @@ def test_a_bad_flag_fails_at_start_up_with_the_reason_and_leaves_nothing():
 
 
 if __name__ == "__main__":
-    sys.exit(run_tests([
+    sys.exit(finish(run_tests([
         test_backoff_doubles_is_capped_and_resets_after_a_healthy_run,
         test_stop_sends_sigterm_then_sigkill_after_the_grace_period,
         test_a_first_run_that_fails_is_a_configuration_error_and_stops_everything,
         test_the_supervisor_stops_everything_when_its_parent_dies,
         test_sigkill_each_role_it_comes_back_and_serves_then_ctrl_c_leaves_nothing,
         test_a_bad_flag_fails_at_start_up_with_the_reason_and_leaves_nothing,
-    ]))
+    ]), TMP))
