@@ -179,10 +179,14 @@ class Launched(Cluster):
         """How many times worker NAME has logged a registration with a router (all runs, appended)."""
         return len(re.findall(r"registered with router", self.log(name)))
 
-    def stop(self, sig=signal.SIGINT, timeout=30):
-        """Signals the launcher and waits for it; returns its exit code."""
+    def stop(self, sig=signal.SIGINT, timeout=30, group=False):
+        """Signals the launcher (group: its whole process group, as a terminal's Ctrl-C does) and
+        waits for it; returns its exit code."""
         if self.launcher.poll() is None:
-            self.launcher.send_signal(sig)
+            if group:
+                os.killpg(self.launcher.pid, sig)
+            else:
+                self.launcher.send_signal(sig)
             try:
                 self.launcher.wait(timeout)
             except subprocess.TimeoutExpired:

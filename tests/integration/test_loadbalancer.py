@@ -226,7 +226,7 @@ def nginx_tests():
         def test_ctrl_c_stops_nginx_too():
             nginx_pid = c.pid("nginx")
             assert nginx_pid
-            assert c.stop(signal.SIGINT) == 0
+            assert c.stop(signal.SIGINT, group=True) == 0  # a terminal's Ctrl-C: launcher and supervisor both get it
             assert not pid_alive(nginx_pid)
             assert not c.leftovers(), c.leftovers()
 
