@@ -69,6 +69,7 @@ class Cluster:
             self._start("router" if i == 0 else "router-%d" % i, "router",
                         ["--model-path", model, "--port", str(self.ports[i]), "--control-endpoint", self.ctls[i],
                          *router_args])
+        self.expected = {"encoders": encoders, "prefills": prefills, "decodes": decodes}
         for kind, n in (("encoder_worker", encoders), ("prefill_worker", prefills), ("decode_worker", decodes)):
             for i in range(n):
                 self.start_worker("%s-%d" % (kind.split("_")[0], i), kind)
@@ -100,8 +101,10 @@ class Cluster:
                         raise RuntimeError("%s exited during start-up (rc %s):\n%s" % (name, p.returncode,
                                                                                       self.log(name)))
                 try:
-                    status, _, _ = self.request("GET", "/ready", router=r)
-                    if status == 200:
+                    status, _, data = self.request("GET", "/ready", router=r)
+                    # ready, and every worker this cluster started registered with this router
+                    if status == 200 and all(json.loads(data).get(k, 0) >= n
+                                             for k, n in getattr(self, "expected", {}).items()):
                         break
                 except OSError:
                     pass
@@ -161,8 +164,16 @@ class Cluster:
         self.stop()
 
     # ---- HTTP ----
+    def _port(self, router):
+        """HTTP port of router number `router` (views made elsewhere may set only .port)."""
+        ports = getattr(self, "ports", None)
+        if ports:
+            return ports[router]
+        assert router == 0, router
+        return self.port
+
     def request(self, method, path, body=None, headers=None, timeout=120, router=0):
-        conn = http.client.HTTPConnection("127.0.0.1", self.ports[router], timeout=timeout)
+        conn = http.client.HTTPConnection("127.0.0.1", self._port(router), timeout=timeout)
         try:
             if isinstance(body, (dict, list)):
                 body = json.dumps(body).encode()
@@ -184,7 +195,7 @@ class Cluster:
 
     def stream(self, path, body, timeout=120, router=0, headers=None):
         """POSTs with stream=true; returns (status, [parsed events], saw_done)."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.ports[router], timeout=timeout)
+        conn = http.client.HTTPConnection("127.0.0.1", self._port(router), timeout=timeout)
         try:
             hdrs = {"Content-Type": "application/json"}
             hdrs.update(headers or {})
@@ -214,7 +225,7 @@ class Cluster:
     def open_stream(self, path, body, timeout=120, router=0):
         """Starts a streaming request and returns an SseStream to read events one at a time (and to
         drop the connection mid-stream)."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.ports[router], timeout=timeout)
+        conn = http.client.HTTPConnection("127.0.0.1", self._port(router), timeout=timeout)
         conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
         r = conn.getresponse()
         assert r.status == 200, (r.status, r.read()[:300])
@@ -319,13 +330,12 @@ def known_bug(reason):
 
 def run_tests(tests):
     """Runs test functions in order; prints one line each and a closing 'N passed, N failed, N skipped'.
-    Test names given on the command line select those tests (including known_bug ones); without
-    names every test not marked known_bug runs. Exit status: 1 on a failure, 77 when everything
+    Test names given on the command line select those tests (including known_bug ones; other
+    arguments are left to the script); without names every test not marked known_bug runs. Exit status: 1 on a failure, 77 when everything
     that ran was skipped, else 0."""
-    names = [a for a in sys.argv[1:] if not a.startswith("-")]
+    known = {t.__name__ for t in tests}
+    names = [a for a in sys.argv[1:] if a in known]  # other arguments belong to the script
     if names:
-        unknown = set(names) - {t.__name__ for t in tests}
-        assert not unknown, "no such test: %s" % sorted(unknown)
         tests = [t for t in tests if t.__name__ in names]
     else:
         tests = [t for t in tests if not getattr(t, "known_bug", None)]

@@ -19,7 +19,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import Cluster, binary, chat_body, make_image, run_tests, wait_for, MODEL  # noqa: E402
+from cluster import Cluster, binary, chat_body, known_bug, make_image, run_tests, wait_for, MODEL  # noqa: E402
 
 TMP = tempfile.mkdtemp(prefix="prism-limits-")
 BIG = make_image(os.path.join(TMP, "big.jpg"), width=4096, height=4096, photo=True, quality=90, seed=5)
@@ -76,8 +76,10 @@ def refused_counts(c):
 
 def test_overload_burst_and_recovery():
     budget = ["--mem-budget", str(BUDGET)]
+    # --worker-timeout 60: this test is about admission; a worker busy with a long batch does not
+    # heartbeat (issue 16, test_busy_encoder_keeps_heartbeating) and a slow machine would drop it.
     with Cluster(router_args=["--max-running-requests", "48", "--max-image-bytes-in-flight", "64M",
-                              "--max-body-bytes-in-flight", "256M"],
+                              "--max-body-bytes-in-flight", "256M", "--worker-timeout", "60"],
                  worker_args={"encoder_worker": budget, "prefill_worker": budget, "decode_worker": budget}) as c:
         c.wait_ready()
         body = json.dumps(chat_body("What is in the image?", [BIG], max_tokens=4, temperature=0)).encode()
@@ -230,6 +232,24 @@ def test_worker_failure_fails_requests_cleanly():
         assert s == 200, (s, r)
 
 
+@known_bug("issue 16: workers do not heartbeat during long compute, so a router drops an encoder that is "
+           "busy with a batch of large images longer than --worker-timeout and fails its requests with 503")
+def test_busy_encoder_keeps_heartbeating():
+    """An encoder decoding a batch of eight 4096x4096 JPEGs (about a second of work on one core)
+    with --worker-timeout 0.5: alive and working, it must not be dropped."""
+    imgs = [make_image(os.path.join(TMP, "busy%d.jpg" % i), width=4096, height=4096, photo=True, quality=90,
+                       seed=10 + i) for i in range(8)]
+    with Cluster(router_args=["--worker-timeout", "0.5"], common_worker_args=FAST_HB,
+                 worker_args={"encoder_worker": ["--max-batch-images", "8"]}) as c:
+        c.wait_ready()
+        with concurrent.futures.ThreadPoolExecutor(8) as ex:
+            res = list(ex.map(lambda p: c.post_json("/v1/chat/completions",
+                                                    chat_body("What is in the image?", [p], max_tokens=2)), imgs))
+        bad = [(s, r) for s, r in res if s != 200]
+        assert not bad, ("requests failed while their encoder was busy", bad[:2])
+        assert "dropped" not in c.log("router", tail=0), c.log("router")[-600:]
+
+
 def test_dct_scaling_bounds_decode_memory():
     """An encoder whose decode buffer holds 1M pixels still serves a 4096x4096 JPEG (decoded at a
     fraction of its size in the DCT domain) and refuses, with a clear 400, a PNG that cannot be."""
@@ -246,5 +266,5 @@ def test_dct_scaling_bounds_decode_memory():
 if __name__ == "__main__":
     sys.exit(run_tests([test_budget_too_small_refuses_to_start, test_backpressure_and_flat_allocations,
                         test_decode_admission_waits_for_kv, test_worker_failure_fails_requests_cleanly,
-                        test_dct_scaling_bounds_decode_memory,
+                        test_dct_scaling_bounds_decode_memory, test_busy_encoder_keeps_heartbeating,
                         test_overload_burst_and_recovery]))
