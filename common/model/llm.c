@@ -367,6 +367,13 @@ int prism_kv_cache_import(prism_kv_cache_t *kv, const int32_t *blocks, int n_blo
 
 #define CK(x) do { int rc_ = (x); if (rc_ != PRISM_OK) return rc_; } while (0)
 
+/* Host row that replaces token t's embedding (image features), or NULL. */
+static const float *embed_row(const prism_llm_batch_t *b, int t, int H)
+{
+    if (b->embed_rows) return b->embed_rows[t];
+    return b->embeds && b->embed_mask && b->embed_mask[t] ? b->embeds + (size_t)t * H : NULL;
+}
+
 int prism_llm_forward(prism_llm_t *m, prism_kv_cache_t *kv, const prism_llm_batch_t *b, float *logits)
 {
     const prism_model_config_t *c = &m->cfg;
@@ -410,7 +417,7 @@ int prism_llm_forward(prism_llm_t *m, prism_kv_cache_t *kv, const prism_llm_batc
         for (int i = 0; i < q; i++) {
             int t = b->seq_start[s] + i, p = b->pos0[s] + i;
             int32_t tok = b->tokens[t];
-            bool embedded = b->embeds && b->embed_mask && b->embed_mask[t];
+            bool embedded = embed_row(b, t, c->hidden) != NULL;
             if (tok < 0 || tok >= c->vocab) {
                 if (!embedded) return PRISM_EINVAL;
                 tok = 0;
@@ -435,12 +442,13 @@ int prism_llm_forward(prism_llm_t *m, prism_kv_cache_t *kv, const prism_llm_batc
 
     /* Embeddings, with image features overwriting masked rows (contiguous runs per upload). */
     CK(o->get_rows(bx, m->x, m->embed, wdt, c->vocab, d_ids, T, H));
-    if (b->embeds && b->embed_mask) {
+    if (b->embed_rows || (b->embeds && b->embed_mask)) {
         for (int t = 0; t < T;) {
-            if (!b->embed_mask[t]) { t++; continue; }
-            int e = t;
-            while (e < T && b->embed_mask[e]) e++;
-            CK(o->upload(bx, m->x + (size_t)t * H, b->embeds + (size_t)t * H, (size_t)(e - t) * H * 4));
+            const float *src = embed_row(b, t, H);
+            if (!src) { t++; continue; }
+            int e = t + 1;
+            while (e < T && embed_row(b, e, H) == src + (size_t)(e - t) * H) e++;
+            CK(o->upload(bx, m->x + (size_t)t * H, src, (size_t)(e - t) * H * 4));
             t = e;
         }
     }
