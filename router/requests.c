@@ -9,6 +9,7 @@
  * Everything a request owns is freed in req_destroy; the HTTP request is released exactly once. */
 #include "router.h"
 #include "openai_req.h"
+#include "openai_write.h"
 #include "image/image.h"
 #include "image/data_url.h"
 

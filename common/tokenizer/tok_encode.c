@@ -115,7 +115,7 @@ static int find_spans(enc_t *E, const prism_tok_pattern_t *p, const char *s, siz
         if (ms == me && have_last && last_match_end == me) {
             /* onig FindMatches: no empty match right after the previous match */
             if (last_end >= n) break;
-            last_end += (size_t)prism_tok_utf8_len((uint8_t)s[last_end]);
+            last_end += (size_t)prism_utf8_len((uint8_t)s[last_end]);
             continue;
         }
         last_end = me;
@@ -128,7 +128,7 @@ static int find_spans(enc_t *E, const prism_tok_pattern_t *p, const char *s, siz
             /* an accepted empty match: the next search starts one char later (onig restarts at
              * the same place and rejects the repeat, which ends up here too) */
             if (last_end >= n) break;
-            last_end += (size_t)prism_tok_utf8_len((uint8_t)s[last_end]);
+            last_end += (size_t)prism_utf8_len((uint8_t)s[last_end]);
         }
     }
     if (prev != n) SPAN(prev, n, false);
@@ -224,7 +224,7 @@ int prism_tok_normalize(const prism_tokenizer_t *t, const prism_tok_norm_t *nz, 
         if (nz->left)
             while (a < b) {
                 uint32_t cp;
-                int k = prism_tok_utf8_next(s + a, &cp);
+                int k = prism_utf8_decode_valid(s + a, &cp);
                 if (!prism_tok_is_white_space(cp)) break;
                 a += (size_t)k;
             }
@@ -233,7 +233,7 @@ int prism_tok_normalize(const prism_tokenizer_t *t, const prism_tok_norm_t *nz, 
                 size_t q = b - 1;
                 while (q > a && ((uint8_t)s[q] & 0xC0) == 0x80) q--;
                 uint32_t cp;
-                prism_tok_utf8_next(s + q, &cp);
+                prism_utf8_decode_valid(s + q, &cp);
                 if (!prism_tok_is_white_space(cp)) break;
                 b = q;
             }
@@ -266,7 +266,7 @@ static bool ends_with_word(const char *s, size_t n)
     size_t q = n - 1;
     while (q > 0 && ((uint8_t)s[q] & 0xC0) == 0x80) q--;
     uint32_t cp;
-    prism_tok_utf8_next(s + q, &cp);
+    prism_utf8_decode_valid(s + q, &cp);
     return cp == '_' || prism_tok_is_alnum(cp);
 }
 
@@ -274,7 +274,7 @@ static bool starts_with_word(const char *s, size_t n)
 {
     if (!n) return false;
     uint32_t cp;
-    prism_tok_utf8_next(s, &cp);
+    prism_utf8_decode_valid(s, &cp);
     return cp == '_' || prism_tok_is_alnum(cp);
 }
 
@@ -316,7 +316,7 @@ static int split_added(enc_t *E, const prism_tok_matcher_t *mt, bool normalized,
                 size_t q = ns - 1;
                 while (q > 0 && ((uint8_t)s[q] & 0xC0) == 0x80) q--;
                 uint32_t cp;
-                prism_tok_utf8_next(s + q, &cp);
+                prism_utf8_decode_valid(s + q, &cp);
                 if (!prism_tok_is_white_space(cp)) break;
                 ns = q;
             }
@@ -325,7 +325,7 @@ static int split_added(enc_t *E, const prism_tok_matcher_t *mt, bool normalized,
         if (a->rstrip) {
             while (stop < n) {
                 uint32_t cp;
-                int k = prism_tok_utf8_next(s + stop, &cp);
+                int k = prism_utf8_decode_valid(s + stop, &cp);
                 if (!prism_tok_is_white_space(cp)) break;
                 stop += (size_t)k;
             }
@@ -515,14 +515,14 @@ static int bpe_piece(enc_t *E, const char *s, size_t n)
     int32_t unk = -1;
     uint32_t unk_len = 0;
     for (size_t i = 0; i < n;) {
-        size_t cl = (size_t)prism_tok_utf8_len((uint8_t)s[i]);
+        size_t cl = (size_t)prism_utf8_len((uint8_t)s[i]);
         bool first = i == 0, last = i + cl >= n;
         int32_t id;
         const char *cs = s + i;
         size_t csl = cl;
         if (t->char_table && cl <= 2) {
             uint32_t cp;
-            prism_tok_utf8_next(s + i, &cp);
+            prism_utf8_decode_valid(s + i, &cp);
             id = t->char_id[cp];
         } else if (!t->cont_prefix && !t->eow_suffix) {
             id = prism_tok_vocab_get(t, s + i, cl);
@@ -612,7 +612,7 @@ static void bl_tables(void)
     prism_tok_bytelevel_init();
     for (int b = 0; b < 256; b++) {
         char u[4];
-        int k = prism_tok_utf8_encode(prism_tok_byte_cp[b], u);
+        int k = prism_utf8_encode(prism_tok_byte_cp[b], u);
         bl_utf8[b][0] = (uint8_t)u[0];
         bl_utf8[b][1] = (uint8_t)(k > 1 ? u[1] : 0);
         bl_len[b] = (uint8_t)k;
@@ -627,7 +627,7 @@ int prism_tokenizer_encode(const prism_tokenizer_t *t, const char *text, size_t 
 {
     if (!t || (!text && len) || !ids || !n || !cap) return PRISM_EINVAL;
     if (len > PRISM_TOK_MAX_TEXT_BYTES) return PRISM_ELIMIT;
-    if (!prism_tok_utf8_valid(text, len)) return PRISM_EINVAL;
+    if (!prism_utf8_valid(text, len)) return PRISM_EINVAL;
     pthread_once(&bl_tables_once, bl_tables);
 
     enc_t E = { .t = t, .ids = *ids, .n = *n, .cap = *cap };
