@@ -1,7 +1,6 @@
-/* Encoding: added-token extraction, normalizers, pre-tokenizers, BPE, post-processing.
- * Each step reproduces the corresponding HF tokenizers routine, including its corner cases
- * (onig find_iter empty-match rule, split behaviours, merge queue tie-breaking). */
-#define _GNU_SOURCE 1   /* memmem */
+/* Encoding: added-token extraction, pre-tokenizers, BPE, post-processing (normalizers are in
+ * tok_normalize.c). Each step reproduces the corresponding HF tokenizers routine, including its
+ * corner cases (onig find_iter empty-match rule, split behaviours, merge queue tie-breaking). */
 #include <string.h>
 
 #include "tokenizer/tok_internal.h"
@@ -77,27 +76,6 @@ static int arena_add(enc_t *E, const char *s, size_t n, uint32_t *off)
 }
 
 /* ---------------- patterns ---------------- */
-
-bool prism_tok_pattern_find(const prism_tok_pattern_t *p, pcre2_match_data *md, const char *s, size_t n,
-                            size_t from, size_t *ms, size_t *me)
-{
-    if (from > n) return false;
-    if (!p->re) {
-        if (p->lit_len > n - from) return false;
-        const char *hit = memmem(s + from, n - from, p->lit, p->lit_len);
-        if (!hit) return false;
-        *ms = (size_t)(hit - s);
-        *me = *ms + p->lit_len;
-        return true;
-    }
-    int rc = pcre2_match(p->re, (PCRE2_SPTR)s, n, from, PCRE2_NO_UTF_CHECK, md, NULL);
-    if (rc < 0) return false;   /* no match, or a matching limit: treat as no match */
-    PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
-    if (ov[0] > ov[1] || ov[1] > n) return false;   /* \K games */
-    *ms = ov[0];
-    *me = ov[1];
-    return true;
-}
 
 /* HF Pattern::find_matches into E->spans: spans covering s, each flagged match or not. */
 static int find_spans(enc_t *E, const prism_tok_pattern_t *p, const char *s, size_t n, size_t *out_n)
@@ -198,64 +176,6 @@ static int split_piece(enc_t *E, const piece_t *p, const prism_tok_pattern_t *pa
         if ((rc = push(out, p->off + sp[i].s, sp[i].e - sp[i].s, -1, p->first && sp[i].s == 0))) return rc;
     }
     return PRISM_OK;
-}
-
-/* ---------------- normalizers ---------------- */
-
-int prism_tok_normalize(const prism_tokenizer_t *t, const prism_tok_norm_t *nz, const char *s, size_t n,
-                        prism_buf_t *out, pcre2_match_data *md)
-{
-    switch (nz->type) {
-    case PRISM_TOK_NORM_NFC:
-    case PRISM_TOK_NORM_NFD: {
-        bool changed;
-        int rc = prism_tok_nfc(s, n, nz->type == PRISM_TOK_NORM_NFC, out, &changed);
-        if (rc) return rc;
-        if (!changed && prism_buf_append(out, s, n) < 0) return PRISM_ENOMEM;
-        return PRISM_OK;
-    }
-    case PRISM_TOK_NORM_PREPEND:
-        if (n && prism_buf_append(out, nz->str, nz->str_len) < 0) return PRISM_ENOMEM;
-        return prism_buf_append(out, s, n) < 0 ? PRISM_ENOMEM : PRISM_OK;
-    case PRISM_TOK_NORM_REPLACE:
-        return prism_tok_replace_all(&nz->pat, md, s, n, nz->str, nz->str_len, out);
-    case PRISM_TOK_NORM_STRIP: {
-        size_t a = 0, b = n;
-        if (nz->left)
-            while (a < b) {
-                uint32_t cp;
-                int k = prism_utf8_decode_valid(s + a, &cp);
-                if (!prism_tok_is_white_space(cp)) break;
-                a += (size_t)k;
-            }
-        if (nz->right)
-            while (b > a) {
-                size_t q = b - 1;
-                while (q > a && ((uint8_t)s[q] & 0xC0) == 0x80) q--;
-                uint32_t cp;
-                prism_utf8_decode_valid(s + q, &cp);
-                if (!prism_tok_is_white_space(cp)) break;
-                b = q;
-            }
-        return prism_buf_append(out, s + a, b - a) < 0 ? PRISM_ENOMEM : PRISM_OK;
-    }
-    case PRISM_TOK_NORM_SEQUENCE: {
-        prism_buf_t cur = {0}, nxt = {0};
-        int rc = PRISM_ENOMEM;
-        if (prism_buf_append(&cur, s, n) < 0) goto done;
-        for (size_t i = 0; i < nz->n_items; i++) {
-            nxt.len = 0;
-            if ((rc = prism_tok_normalize(t, &nz->items[i], cur.data ? cur.data : "", cur.len, &nxt, md))) goto done;
-            prism_buf_t sw = cur; cur = nxt; nxt = sw;
-        }
-        rc = prism_buf_append(out, cur.data ? cur.data : "", cur.len) < 0 ? PRISM_ENOMEM : PRISM_OK;
-    done:
-        prism_buf_free(&cur);
-        prism_buf_free(&nxt);
-        return rc;
-    }
-    }
-    return PRISM_EINVAL;
 }
 
 /* ---------------- added tokens ---------------- */

@@ -197,7 +197,8 @@ struct prism_tokenizer {
 static inline const char *prism_tok_str(const prism_tokenizer_t *t, uint32_t off) { return t->pool + off; }
 int32_t prism_tok_smap_get(const prism_tok_smap_t *m, const char *pool, const char *s, size_t n);
 int32_t prism_tok_vocab_get(const prism_tokenizer_t *t, const char *s, size_t n);
-/* Onig find_iter semantics; subject is valid UTF-8. Returns true with [*ms, *me) on a match. */
+/* Onig find_iter semantics; subject is valid UTF-8. Returns true with [*ms, *me) on a match
+ * (tok_unicode.c). */
 bool prism_tok_pattern_find(const prism_tok_pattern_t *p, pcre2_match_data *md, const char *s,
                             size_t n, size_t from, size_t *ms, size_t *me);
 /* Byte-level alphabet: byte -> code point and back (-1 if cp is not in the alphabet). */
@@ -205,7 +206,7 @@ extern uint16_t prism_tok_byte_cp[256];
 extern int16_t prism_tok_cp_byte[512];
 void prism_tok_bytelevel_init(void);
 
-/* Applies normalizer n to s, appending the result to out. */
+/* Applies normalizer n to s, appending the result to out (tok_normalize.c). */
 int prism_tok_normalize(const prism_tokenizer_t *t, const prism_tok_norm_t *n, const char *s, size_t len,
                         prism_buf_t *out, pcre2_match_data *md);
 

@@ -1,4 +1,6 @@
-/* Character classes, NFC/NFD and the Oniguruma -> PCRE2 regex rewrite. */
+/* Character classes, NFC/NFD, the Oniguruma -> PCRE2 regex rewrite and pattern matching (find,
+ * replace-all) shared by the encoder, the normalizers and the decoders. */
+#define _GNU_SOURCE 1   /* memmem */
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
@@ -388,6 +390,29 @@ int prism_tok_regex_rewrite(const char *p, size_t n, prism_buf_t *o, char *err, 
     }
 #undef EMIT
     return PRISM_OK;
+}
+
+/* ---------------- pattern matching ---------------- */
+
+bool prism_tok_pattern_find(const prism_tok_pattern_t *p, pcre2_match_data *md, const char *s, size_t n,
+                            size_t from, size_t *ms, size_t *me)
+{
+    if (from > n) return false;
+    if (!p->re) {
+        if (p->lit_len > n - from) return false;
+        const char *hit = memmem(s + from, n - from, p->lit, p->lit_len);
+        if (!hit) return false;
+        *ms = (size_t)(hit - s);
+        *me = *ms + p->lit_len;
+        return true;
+    }
+    int rc = pcre2_match(p->re, (PCRE2_SPTR)s, n, from, PCRE2_NO_UTF_CHECK, md, NULL);
+    if (rc < 0) return false;   /* no match, or a matching limit: treat as no match */
+    PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
+    if (ov[0] > ov[1] || ov[1] > n) return false;   /* \K games */
+    *ms = ov[0];
+    *me = ov[1];
+    return true;
 }
 
 /* Replaces every match of pat in s[0..n) by `with`, with the regex crate's rules for empty matches
