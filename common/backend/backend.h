@@ -155,6 +155,12 @@ typedef struct prism_backend_i {
      * argmax over rows: out_host[r] = argmax(logits[r][vocab]) (first max on ties). Optional. */
     int (*argmax)(void *ctx, int32_t *out_host, const float *logits, int n_rows, int vocab);
 
+    /* ---- random init (--random-weights) ----
+     * fill_random: dst[i] = std * prism_random_normalish(seed, i) (dtype.h) for i < n, stored as dt.
+     * Optional: when NULL the loader computes the same values on the host and uploads them; a
+     * device fills an 8B-parameter model in milliseconds instead of a minute of host work. */
+    int (*fill_random)(void *ctx, void *dst, prism_dtype_t dt, size_t n, uint64_t seed, float std);
+
     void (*destroy)(void *ctx);
 } prism_backend_i;
 

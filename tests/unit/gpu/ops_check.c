@@ -22,7 +22,7 @@
 
 const char *const prism_opcheck_ops[] = {
     "copy", "matmul", "rmsnorm", "layernorm", "rope", "act", "silu_mul", "add", "scale", "get_rows",
-    "im2patch", "kv", "attn_paged", "attn_decode", "attn_dense", "argmax", "sample", "scatter_rows", NULL,
+    "im2patch", "kv", "attn_paged", "attn_decode", "attn_dense", "argmax", "fill_random", "sample", "scatter_rows", NULL,
 };
 
 /* ---------------------------------------------------------------- helpers */
@@ -631,6 +631,40 @@ static void check_argmax(ck_t *c)
     free(l);
 }
 
+/* ---------------------------------------------------------------- fill_random */
+
+/* Random weights made on the device must be exactly what the host loader computes (dtype.h):
+ * CPU and GPU runs of --random-weights then load the same model. */
+static void check_fill_random(ck_t *c)
+{
+    if (!c->dev->i.fill_random) return;
+    size_t n = 1000003;
+    uint64_t seed = 0x0123456789abcdefull;
+    float *want = malloc(n * 4);
+    double m = 0, v = 0;
+    for (size_t i = 0; i < n; i++) {
+        want[i] = 0.02f * prism_random_normalish(seed, i);
+        m += want[i];
+        v += (double)want[i] * want[i];
+    }
+    m /= (double)n;
+    v = sqrt(v / (double)n - m * m);
+    float *d = put(c->dev, NULL, n * 4);
+    uint16_t *db = put(c->dev, NULL, n * 2);
+    int rc = c->dev->i.fill_random(c->dev->ctx, d, PRISM_DTYPE_F32, n, seed, 0.02f);
+    int rc2 = c->dev->i.fill_random(c->dev->ctx, db, PRISM_DTYPE_BF16, n, seed, 0.02f);
+    float *h = get(c->dev, d, n * 4);
+    uint16_t *hb = get(c->dev, db, n * 2);
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) bad += hb[i] != prism_f32_to_bf16(want[i]);
+    report(c, rc == PRISM_OK && memcmp(h, want, n * 4) == 0, "f32: %zu values bit-identical to the host's", n);
+    report(c, rc2 == PRISM_OK && bad == 0, "bf16: %zu of %zu values differ from the host's rounding", bad, n);
+    report(c, fabs(m) < 1e-4 && fabs(v - 0.02) < 2e-4, "mean %.2g, std %.4g (want 0, 0.02)", m, v);
+    free(want); free(h); free(hb);
+    prism_backend_free(c->dev, d);
+    prism_backend_free(c->dev, db);
+}
+
 /* ---------------------------------------------------------------- CUDA-only extensions */
 
 #ifdef PRISM_OPCHECK_CUDA
@@ -712,7 +746,7 @@ void prism_opcheck_run(prism_opcheck_t *t, prism_backend_t *ref, prism_backend_t
         {"rope", check_rope}, {"act", check_act}, {"silu_mul", check_silu_mul}, {"add", check_add},
         {"scale", check_scale}, {"get_rows", check_get_rows}, {"im2patch", check_im2patch}, {"kv", check_kv},
         {"attn_paged", check_attn_paged}, {"attn_decode", check_attn_decode}, {"attn_dense", check_attn_dense},
-        {"argmax", check_argmax},
+        {"argmax", check_argmax}, {"fill_random", check_fill_random},
 #ifdef PRISM_OPCHECK_CUDA
         {"sample", check_sample}, {"scatter_rows", check_scatter_rows},
 #endif
