@@ -491,7 +491,6 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
     p.images = span_ptrs;
     p.sampling = &sp;
     p.decode_endpoint = dc->data_endpoint;
-    p.decode_id = dc->id;
     Prism__Envelope env = PRISM__ENVELOPE__INIT;
     env.type = PRISM__MSG_TYPE__MSG_PREFILL;
     env.request_id = q->rid;
@@ -510,8 +509,6 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
         e.image_index = (uint32_t)i;
         e.content_hash = q->prompt.img_hash[i];
         e.prefill_endpoint = pf->data_endpoint;
-        e.prefill_id = pf->id;
-        e.n_tokens = (uint32_t)r->cfg.image_seq_length;
         Prism__Envelope ee = PRISM__ENVELOPE__INIT;
         ee.type = PRISM__MSG_TYPE__MSG_ENCODE;
         ee.request_id = q->rid;
@@ -572,7 +569,6 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
     q->chat = chat;
     q->t_start = prism_now_s();
     q->rid = ++r->next_rid;
-    prism_detok_init(&q->detok, r->tok, true);
     prism_oai_logprobs_init(&q->lp, chat);
     char msg[600] = "";
     int status = 0;
@@ -589,10 +585,7 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
         req_destroy(q);
         return;
     }
-    if (!q->oai.skip_special_tokens) {
-        prism_detok_free(&q->detok);
-        prism_detok_init(&q->detok, r->tok, false);
-    }
+    prism_detok_init(&q->detok, r->tok, q->oai.skip_special_tokens);   /* zeroed until here: free is a no-op */
     if (q->oai.model && strcmp(q->oai.model, r->served_model_name) != 0) {
         snprintf(msg, sizeof(msg), "The model `%s` does not exist.", q->oai.model);
         status = 404;
