@@ -6,11 +6,11 @@
  *
  *   prism_backend_t *be = NULL;
  *   int rc = prism_backend_create("cpu", 4, 1 << 30, &be);      // device, threads, pool bytes
- *   float *x = prism_backend_alloc(be, n * sizeof(float));       // device memory from the pool
+ *   float *x = prism_backend_buf_alloc(be, n * sizeof(float));       // device memory from the pool
  *   be->i.upload(be->ctx, x, host, n * sizeof(float));
  *   be->i.rmsnorm(be->ctx, y, x, w, rows, dim, 1e-5f);
  *   be->i.download(be->ctx, host, y, n * sizeof(float));
- *   prism_backend_free(be, x);
+ *   prism_backend_buf_free(be, x);
  *   prism_backend_destroy(be);
  *
  * Conventions for every op:
@@ -184,8 +184,8 @@ int  prism_backend_create(const char *device, int n_threads, size_t pool_bytes, 
 void prism_backend_destroy(prism_backend_t *be);
 bool prism_backend_has_cuda(void);
 
-/* Thin wrappers. */
-static inline void *prism_backend_alloc(prism_backend_t *be, size_t bytes) { return be->i.alloc(be->ctx, bytes); }
-static inline void  prism_backend_free(prism_backend_t *be, void *p) { if (p) be->i.free(be->ctx, p); }
+/* A buffer from / back to the backend's pool (the backend itself: create / destroy). */
+static inline void *prism_backend_buf_alloc(prism_backend_t *be, size_t bytes) { return be->i.alloc(be->ctx, bytes); }
+static inline void  prism_backend_buf_free(prism_backend_t *be, void *p) { if (p) be->i.free(be->ctx, p); }
 
 #endif

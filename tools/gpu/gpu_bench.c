@@ -57,11 +57,11 @@ static void bench_gemm(void)
         for (size_t mi = 0; mi < sizeof Ms / sizeof Ms[0]; mi++) {
             int M = Ms[mi], N = shapes[s].N, K = shapes[s].K;
             if (!strcmp(shapes[s].name, "square8k") && M != 8192) continue;
-            float *x = prism_backend_alloc(g_be, (size_t)M * K * 4), *y = prism_backend_alloc(g_be, (size_t)M * N * 4);
-            void *w = prism_backend_alloc(g_be, (size_t)N * K * 2);
+            float *x = prism_backend_buf_alloc(g_be, (size_t)M * K * 4), *y = prism_backend_buf_alloc(g_be, (size_t)M * N * 4);
+            void *w = prism_backend_buf_alloc(g_be, (size_t)N * K * 2);
             if (!x || !y || !w) {
                 printf("%-9s %6d: out of pool\n", shapes[s].name, M);
-                prism_backend_free(g_be, x); prism_backend_free(g_be, y); prism_backend_free(g_be, w);
+                prism_backend_buf_free(g_be, x); prism_backend_buf_free(g_be, y); prism_backend_buf_free(g_be, w);
                 continue;
             }
             g_be->i.fill_random(bx, x, PRISM_DTYPE_F32, (size_t)M * K, 1, 1.0f);
@@ -81,7 +81,7 @@ static void bench_gemm(void)
             emit("{\"bench\":\"gemm\",\"shape\":\"%s\",\"M\":%d,\"N\":%d,\"K\":%d,\"us\":%.2f,\"tflops\":%.2f,"
                  "\"pct_peak\":%.2f,\"weight_gbs\":%.1f,\"rc\":%d}", shapes[s].name, M, N, K, dt * 1e6, tf,
                  100 * tf / PEAK_TFLOPS, wgbs, rc);
-            prism_backend_free(g_be, x); prism_backend_free(g_be, y); prism_backend_free(g_be, w);
+            prism_backend_buf_free(g_be, x); prism_backend_buf_free(g_be, y); prism_backend_buf_free(g_be, w);
         }
 }
 
