@@ -22,7 +22,8 @@ void prism_seq_start(prism_seq_t *s, uint64_t rid, const char *router_id, const 
     s->sampling.base.n_unknown_fields = 0;    /* the copy points into no unpacked message */
     s->sampling.base.unknown_fields = NULL;
     s->sampling.n_stop_token_ids = PRISM_MIN(sampling->n_stop_token_ids, (size_t)PRISM_SEQ_MAX_STOP_IDS);
-    memcpy(s->stop_ids, sampling->stop_token_ids, sizeof(int32_t) * s->sampling.n_stop_token_ids);
+    if (s->sampling.n_stop_token_ids)
+        memcpy(s->stop_ids, sampling->stop_token_ids, sizeof(int32_t) * s->sampling.n_stop_token_ids);
     s->sampling.stop_token_ids = NULL;
     s->sampling.logprobs = PRISM_MIN(sampling->logprobs, (uint32_t)PRISM_SEQ_MAX_TOP_LOGPROBS + 1);
     s->sp = (prism_sample_params_t){sampling->temperature, sampling->top_p, sampling->top_k};
