@@ -237,10 +237,9 @@ def test_worker_failure_fails_requests_cleanly():
 def test_busy_encoder_keeps_heartbeating():
     """An encoder decoding a batch of eight 4096x4096 JPEGs (about a second of work on one core)
     with --worker-timeout 0.5: alive and working, it must not be dropped."""
-    imgs = [make_image(os.path.join(TMP, "busy%d.jpg" % i), width=4096, height=4096, photo=True, quality=90,
-                       seed=10 + i) for i in range(8)]
+    imgs = [BIG] * 8  # the same file, with the embedding cache off: decoded eight times
     with Cluster(router_args=["--worker-timeout", "0.5"], common_worker_args=FAST_HB,
-                 worker_args={"encoder_worker": ["--max-batch-images", "8"]}) as c:
+                 worker_args={"encoder_worker": ["--max-batch-images", "8", "--embedding-cache-bytes", "0"]}) as c:
         c.wait_ready()
         with concurrent.futures.ThreadPoolExecutor(8) as ex:
             res = list(ex.map(lambda p: c.post_json("/v1/chat/completions",
