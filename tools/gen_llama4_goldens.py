@@ -424,7 +424,9 @@ def case_llama4_tiny():
     text = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     img_w, img_h = 300, 200
     img = Image.fromarray(synth_image(img_w, img_h, seed=5))
-    enc = proc(text=text, images=[img], return_tensors="pt")
+    # The rendered template already starts with BOS: tokenize without adding another (what
+    # apply_chat_template(tokenize=True) and vLLM do).
+    enc = proc(text=text, images=[img], return_tensors="pt", add_special_tokens=False)
     input_ids, px = enc["input_ids"], enc["pixel_values"].to(torch.float32)
     aspect = ip(images=[img], return_tensors="pt")["aspect_ratios"][0].tolist()
     n_prompt = input_ids.shape[1]
@@ -646,7 +648,7 @@ def build_template_goldens():
                 "images": [{"w": w, "h": h, "seed": 60 + k} for k, (w, h) in enumerate(images)]}
         if images:
             pil = [Image.fromarray(synth_image(w, h, 60 + k)) for k, (w, h) in enumerate(images)]
-            enc = proc(text=expected, images=pil, return_tensors="pt")
+            enc = proc(text=expected, images=pil, return_tensors="pt", add_special_tokens=False)
             case["input_ids"] = enc["input_ids"][0].tolist()
             case["image_grids"] = ip(images=pil, return_tensors="pt")["aspect_ratios"].tolist()
         cases.append(case)
