@@ -73,6 +73,10 @@ typedef struct {
     const int32_t *seq_start;     /* [n_seqs+1] offsets of each sequence's queries */
     const int32_t *pos0;          /* [n_seqs] tokens already cached before this step */
     const int32_t *block_tables;  /* [n_seqs][max_blocks_per_seq] block ids (padded rows) */
+    /* Chunked (local) attention, Llama-4's attention_chunk_size: 0 = plain causal; > 0: the query
+     * at position p sees cached positions k with k <= p and k / chunk == p / chunk. Last so
+     * positional initialisers that stop at block_tables keep meaning plain causal. */
+    int chunk;
 } prism_attn_meta_t;
 
 typedef struct prism_backend_i {
@@ -147,8 +151,8 @@ typedef struct prism_backend_i {
     int (*kv_write)(void *ctx, float *k_cache, float *v_cache, const float *k, const float *v, int ld,
                     const int32_t *slots, int n_tokens, int n_kv_heads, int head_dim);
     /* attn_paged: causal attention of each sequence's new queries over its cached context
-     * (pos0 + q_len tokens, the new ones already written by kv_write). Prefill chunks and
-     * decode steps mix freely in one call. */
+     * (pos0 + q_len tokens, the new ones already written by kv_write), restricted to the query's
+     * own chunk when meta->chunk > 0. Prefill chunks and decode steps mix freely in one call. */
     int (*attn_paged)(void *ctx, float *out, int ldo, const float *q, int ldq,
                       const float *k_cache, const float *v_cache, const prism_attn_meta_t *meta,
                       int n_heads, int n_kv_heads, int head_dim, float scale);

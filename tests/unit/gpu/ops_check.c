@@ -490,6 +490,7 @@ static void check_kv(ck_t *c)
 typedef struct {
     int S, nh, nkv, hd, bs;
     const int *pos0, *qlen;
+    int chunk;   /* chunked attention (0 = plain causal) */
 } paged_case_t;
 
 static void attn_paged_case(ck_t *c, const paged_case_t *pc, bool decode)
@@ -514,7 +515,7 @@ static void attn_paged_case(ck_t *c, const paged_case_t *pc, bool decode)
     size_t cache_n = (size_t)nb * bs * nkv * hd;
     int ldq = (nh + 2 * nkv) * hd + 3, ldo = nh * hd + 1;
     float *kc = hrand(c, cache_n, 1.0f), *vc = hrand(c, cache_n, 1.0f), *q = hrand(c, (size_t)T * ldq, 1.0f);
-    prism_attn_meta_t mr = {S, T, max_q, max_ctx, bs, mbps, NULL, NULL, NULL}, md = mr;
+    prism_attn_meta_t mr = {S, T, max_q, max_ctx, bs, mbps, NULL, NULL, NULL, pc->chunk}, md = mr;
     mr.seq_start = put(c->ref, seq_start, (size_t)(S + 1) * 4);
     mr.pos0 = put(c->ref, pos0, (size_t)S * 4);
     mr.block_tables = put(c->ref, tables, (size_t)S * mbps * 4);
@@ -533,8 +534,8 @@ static void attn_paged_case(ck_t *c, const paged_case_t *pc, bool decode)
          fn(c->dev->ctx, dout, ldo, dq, ldq, dk, dv, &md, nh, nkv, hd, scale));
     float *hr = get(c->ref, ro, (size_t)T * ldo * 4), *hd_ = get(c->dev, dout, (size_t)T * ldo * 4);
     char what[128];
-    snprintf(what, sizeof what, "S%d T%d nh%d nkv%d hd%d bs%d max_ctx%d%s", S, T, nh, nkv, hd, bs, max_ctx,
-             decode ? " (decode)" : "");
+    snprintf(what, sizeof what, "S%d T%d nh%d nkv%d hd%d bs%d max_ctx%d chunk%d%s", S, T, nh, nkv, hd, bs, max_ctx,
+             pc->chunk, decode ? " (decode)" : "");
     close_f32(c, what, hr, hd_, (size_t)T * ldo, 5e-5, 1e-4);
     free(hr); free(hd_);
     prism_backend_free(c->ref, (void *)mr.seq_start); prism_backend_free(c->ref, (void *)mr.pos0);
@@ -559,6 +560,10 @@ static void check_attn_paged(ck_t *c)
     attn_paged_case(c, &(paged_case_t){1, 8, 1, 64, 16, p4, q4}, false);   /* MQA, long causal prefill */
     int p5[2] = {0, 0}, q5[2] = {1, 1};
     attn_paged_case(c, &(paged_case_t){2, 2, 1, 256, 16, p5, q5}, false);  /* max head_dim, single keys */
+    /* chunked attention: prefill chunks crossing chunk boundaries (mid-block too), decode steps */
+    int p6[4] = {5, 64, 0, 95}, q6[4] = {40, 1, 130, 1};
+    attn_paged_case(c, &(paged_case_t){4, 8, 2, 64, 16, p6, q6, 32}, false);
+    attn_paged_case(c, &(paged_case_t){4, 6, 6, 30, 7, p3, q3, 20}, false);
 }
 
 static void check_attn_decode(ck_t *c)
@@ -569,6 +574,9 @@ static void check_attn_decode(ck_t *c)
     attn_paged_case(c, &(paged_case_t){1, 8, 2, 64, 16, p2, q2}, true);     /* batch 1, long context */
     int p3[3] = {17, 2, 129}, q3[3] = {1, 1, 1};
     attn_paged_case(c, &(paged_case_t){3, 12, 3, 36, 5, p3, q3}, true);
+    int p4[4] = {3000, 4095, 4096, 8191}, q4[4] = {1, 1, 1, 1};         /* chunked: split-K below the chunk */
+    attn_paged_case(c, &(paged_case_t){4, 8, 2, 64, 16, p4, q4, 4096}, true);
+    attn_paged_case(c, &(paged_case_t){5, 12, 3, 36, 5, p1, q1, 100}, true);
 }
 
 static void attn_dense_case(ck_t *c, int S, int L, int nh, int nkv, int hd, bool causal, bool fused)
