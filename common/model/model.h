@@ -1,5 +1,6 @@
 /* model: checkpoint loading (config.json + safetensors) and the forward passes of the language
- * model (Llama / Qwen2) and the CLIP vision tower + projector (LLaVA), over a prism_backend_t.
+ * model (Llama / Qwen2 / Llama-4, table-driven per layer) and the vision towers (CLIP + projector
+ * for LLaVA; Llama-4's tower + pixel shuffle + adapter + projector), over a prism_backend_t.
  *
  *   prism_model_config_t cfg;
  *   char err[256];
@@ -139,7 +140,7 @@ typedef struct {
  * out of range, bad offsets, block ids out of range or positions beyond max_pos. */
 int  prism_llm_forward(prism_llm_t *m, prism_kv_cache_t *kv, const prism_llm_batch_t *b, float *logits /* host */);
 
-typedef struct prism_vision prism_vision_t;  /* CLIP tower + projector */
+typedef struct prism_vision prism_vision_t;  /* CLIP or Llama-4 tower + projector (cfg.vision_arch) */
 int  prism_vision_load(prism_backend_t *be, const prism_model_config_t *cfg, const char *model_dir,
                        int max_images, prism_vision_t **out, char *err, size_t errlen);
 void prism_vision_free(prism_vision_t *v);
