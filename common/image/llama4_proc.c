@@ -9,7 +9,7 @@
 #include <string.h>
 
 #define MAX_CONFIG_BYTES (1u << 20)
-#define MAX_CANVASES 2048   /* sum of divisor counts up to PRISM_LLAMA4_MAX_PATCHES, with margin */
+#define MAX_CANVASES 512    /* sum of divisor counts of 1..PRISM_LLAMA4_MAX_PATCHES (64): 280 */
 
 #define ERR(...) do { if (err && errlen) snprintf(err, errlen, __VA_ARGS__); } while (0)
 
@@ -168,7 +168,10 @@ static int canvases(int max_patches, canvas_t *out)
     int n_raw = 0;
     for (int n = max_patches; n >= 1; n--)
         for (int f = 1; f <= n; f++)
-            if (n % f == 0 && n_raw < MAX_CANVASES) raw[n_raw++] = (canvas_t){f, n / f};
+            if (n % f == 0) {
+                PRISM_ASSERT(n_raw < MAX_CANVASES);
+                raw[n_raw++] = (canvas_t){f, n / f};
+            }
     bool used[MAX_CANVASES] = {0};
     int k = 0;
     for (int i = 0; i < n_raw; i++) {

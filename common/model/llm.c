@@ -218,7 +218,8 @@ static int load_weights(struct prism_llm *m, prism_wload_t *w, const char *pfx, 
         bool moe = c->layer_flags[L] & PRISM_LAYER_MOE;
         int64_t I = moe ? EI : c->dense_intermediate;
         char f[160];
-        snprintf(f, sizeof f, "%s%s", p, c->rope_mode == PRISM_ROPE_INTERLEAVE ? (moe ? "feed_forward.shared_expert." : "feed_forward.") : "mlp.");
+        bool l4_names = strncmp(c->arch, "llama4", 6) == 0;   /* Llama-4 checkpoints say feed_forward */
+        snprintf(f, sizeof f, "%s%s", p, l4_names ? (moe ? "feed_forward.shared_expert." : "feed_forward.") : "mlp.");
         ly->wgu = prism_wload_reserve(w, (size_t)(2 * I) * H * es);
         uint8_t *g = ly->wgu;
         if ((rc = prism_wload_fill(w, g, wdt, NAME("%sgate_proj.weight", f), 2, SHAPE(I, H)))) return rc;
