@@ -290,6 +290,42 @@ static void test_bad_arguments(void **state)
     prism_free(out);
 }
 
+/* Properties over random sizes: the canvas holds at most max_patches tiles, the resize fits the
+ * canvas without distortion beyond rounding, and the processor runs (in its own workspace, which
+ * the sanitizer build checks) for random small images at several configs. */
+static void test_random_sizes(void **state)
+{
+    uint64_t rng = 12345;
+    prism_llama4_proc_t p;
+    prism_llama4_proc_default(&p);
+    for (int it = 0; it < 20000; it++) {
+        rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
+        int w = 1 + (int)(rng % PRISM_IMAGE_MAX_DIM), h = 1 + (int)((rng >> 20) % PRISM_IMAGE_MAX_DIM);
+        if (it % 3 == 0) h = 1 + (int)((rng >> 40) % 2000);
+        prism_llama4_grid_t g;
+        assert_int_equal(prism_llama4_grid(&p, w, h, &g), PRISM_OK);
+        assert_true(g.rows >= 1 && g.cols >= 1 && g.rows * g.cols <= p.max_patches);
+        assert_true(g.resized_w >= 1 && g.resized_w <= g.cols * p.tile);
+        assert_true(g.resized_h >= 1 && g.resized_h <= g.rows * p.tile);
+        /* aspect kept: the limiting side fills its canvas side (or the image already fits) */
+        assert_true(g.resized_w == g.cols * p.tile || g.resized_h == g.rows * p.tile || (g.resized_w == w && g.resized_h == h) ||
+                    g.resized_w == PRISM_MAX(w, p.tile) || g.resized_h == PRISM_MAX(h, p.tile));
+        assert_int_equal(g.n_tiles, g.rows * g.cols + (g.rows * g.cols > 1));
+    }
+    for (int it = 0; it < 60; it++) {
+        rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
+        p.tile = 14 + (int)(rng % 3) * 7;
+        p.max_patches = 1 + (int)((rng >> 8) % 9);
+        p.resize_to_max_canvas = (rng >> 16) & 1;
+        int w = 1 + (int)((rng >> 24) % 300), h = 1 + (int)((rng >> 40) % 300);
+        prism_llama4_grid_t g;
+        float *out = process(&p, w, h, (uint32_t)it, &g);
+        size_t n = (size_t)g.n_tiles * 3 * p.tile * p.tile;
+        for (size_t k = 0; k < n; k++) assert_true(out[k] >= -1.0f && out[k] <= 1.0f);
+        prism_free(out);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -299,6 +335,7 @@ int main(void)
         cmocka_unit_test(test_expand_layout),
         cmocka_unit_test(test_config_loader),
         cmocka_unit_test(test_bad_arguments),
+        cmocka_unit_test(test_random_sizes),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

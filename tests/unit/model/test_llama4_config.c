@@ -233,6 +233,50 @@ static void test_missing_ops(void **state)
     prism_backend_destroy(be);
 }
 
+/* Mutated configs (byte flips, digit swaps, truncations) are parsed or refused, never crash (this
+ * test runs under ASan/UBSan in the sanitizer build); whatever parses satisfies the invariants the
+ * model code relies on. */
+static void test_mutations(void **state)
+{
+    char *base = strdup(scout_config("", ""));
+    size_t n = strlen(base);
+    char *buf = malloc(n + 1);
+    uint64_t rng = 0x9E3779B97F4A7C15ull;
+    int parsed = 0;
+    for (int it = 0; it < 3000; it++) {
+        memcpy(buf, base, n + 1);
+        int edits = 1 + it % 4;
+        for (int e = 0; e < edits; e++) {
+            rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
+            size_t at = (size_t)(rng % n);
+            static const char repl[] = "0123456789-.,:[]{}\"e ";
+            switch ((rng >> 32) % 3) {
+            case 0: buf[at] = repl[(rng >> 40) % (sizeof repl - 1)]; break;
+            case 1: if (buf[at] >= '0' && buf[at] <= '9') buf[at] = (char)('0' + (rng >> 44) % 10); break;
+            default: if (it % 50 == 0) buf[at] = 0; break;
+            }
+        }
+        prism_model_config_t c;
+        char err[256];
+        if (prism_model_config_parse(buf, NULL, &c, err, sizeof err) != PRISM_OK) continue;
+        parsed++;
+        assert_true(c.n_layers >= 1 && c.n_layers <= PRISM_MODEL_MAX_LAYERS);
+        assert_true(c.head_dim >= 2 && c.head_dim % 2 == 0 && c.n_heads % c.n_kv_heads == 0);
+        for (int i = 0; i < c.n_layers; i++) assert_int_equal(c.layer_flags[i] & ~0x1F, 0);
+        if (c.n_experts) assert_true(c.top_k >= 1 && c.top_k <= c.n_experts && c.top_k <= PRISM_MOE_MAX_TOPK);
+        if (c.has_vision) {
+            int g = c.v_image_size / c.v_patch;
+            assert_int_equal(c.image_seq_length, (g / c.v_shuffle) * (g / c.v_shuffle));
+            assert_int_equal(c.v_intermediate, c.v_hidden * c.v_shuffle * c.v_shuffle);
+            assert_int_equal((c.v_hidden / c.v_heads) % 4, 0);
+            assert_true(c.image_token_index < c.vocab);
+        }
+    }
+    assert_true(parsed > 100);   /* the mutations also reach the valid-config paths */
+    free(buf);
+    free(base);
+}
+
 int main(void)
 {
     prism_log_init("test_llama4_config", PRISM_LOG_ERROR);
@@ -242,6 +286,7 @@ int main(void)
         cmocka_unit_test(test_refused),
         cmocka_unit_test(test_random_weights),
         cmocka_unit_test(test_missing_ops),
+        cmocka_unit_test(test_mutations),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
