@@ -248,6 +248,8 @@ static int cu_moe_combine(void *ctx, float *y, int ldy, const float *src, const 
 { return prism_cuda_moe_combine(ST(ctx), y, ldy, src, slot, n_tokens, top_k, dim); }
 static int cu_pixel_shuffle(void *ctx, float *out, const float *x, int n_img, int rows_per_img, int g, int C, int s)
 { return prism_cuda_pixel_shuffle(ST(ctx), out, x, n_img, rows_per_img, g, C, s); }
+static int cu_fill_random(void *ctx, void *dst, prism_dtype_t dt, size_t n, uint64_t seed, float std)
+{ return prism_cuda_fill_random(ST(ctx), dst, dt, n, seed, std); }
 static int cu_im2patch(void *ctx, float *out, const float *pixels, int n_img, int C, int H, int W, int p)
 { return prism_cuda_im2patch(ST(ctx), out, pixels, n_img, C, H, W, p); }
 static int cu_kv_write(void *ctx, float *kc, float *vc, const float *k, const float *v, int ld, const int32_t *slots,
@@ -508,6 +510,7 @@ prism_backend_t *prism_backend_cuda_create(int device, size_t pool_bytes, int *s
         .argmax = cu_argmax,
         .head_rmsnorm = cu_head_rmsnorm, .scale_rows = cu_scale_rows, .moe_route = cu_moe_route,
         .matmul_grouped = cu_matmul_grouped, .moe_combine = cu_moe_combine, .pixel_shuffle = cu_pixel_shuffle,
+        .fill_random = cu_fill_random,
         .destroy = cu_destroy,
     };
     be->ctx = c;

@@ -126,6 +126,7 @@ int prism_cuda_moe_combine(cudaStream_t st, float *y, int ldy, const float *src,
                            int top_k, int dim);
 int prism_cuda_pixel_shuffle(cudaStream_t st, float *out, const float *x, int n_img, int rows_per_img, int g, int C,
                              int s);
+int prism_cuda_fill_random(cudaStream_t st, void *dst, prism_dtype_t dt, size_t n, uint64_t seed, float std);
 
 typedef struct {
     float temperature, top_p;
