@@ -263,6 +263,9 @@ static int dfa_rule(dfa_t *d, int32_t nfa_start)
 
     int32_t tmp_cap = 0, *tmp = NULL;  /* raw targets */
     int32_t edge_cap = 0, *eds = NULL; /* candidate edges of the current set */
+    int32_t *byte_tg = NULL;           /* [256][n_eds] targets per byte */
+    size_t byte_cap = 0;
+    int32_t byte_n[256];
     for (int32_t cur = 0; cur < d->n_sets && !d->b->err; cur++) {
         if (ensure(d->b, (void **)&d->st, &d->cap_st, (size_t)cur + 1, sizeof *d->st) < 0) break;
         gram_state_t *gs = &d->st[cur];
@@ -291,35 +294,47 @@ static int dfa_rule(dfa_t *d, int32_t nfa_start)
             if (!nt) { gram_fail(d->b, PRISM_ENOMEM, "", "out of memory compiling the grammar"); goto done; }
             tmp = nt;
         }
-        /* byte transitions, grouped into ranges of equal target */
+        /* byte transitions: per byte, the targets of the member edges that take it (in edge
+         * order), then grouped into ranges of equal target */
+        if (byte_cap < (size_t)n_eds * 256) {
+            byte_cap = (size_t)n_eds * 256;
+            int32_t *nb = prism_realloc(byte_tg, byte_cap * sizeof *nb);
+            if (!nb) { gram_fail(d->b, PRISM_ENOMEM, "", "out of memory compiling the grammar"); goto done; }
+            byte_tg = nb;
+        }
+        memset(byte_n, 0, sizeof byte_n);
+        for (int32_t i = 0; i < n_eds; i++) {
+            const nedge_t *ed = &d->f->edges[eds[i]];
+            if (ed->kind == NE_BYTE) {
+                byte_tg[ed->arg * n_eds + byte_n[ed->arg]++] = ed->to;
+            } else if (ed->kind == NE_CLASS) {
+                const gx_class_t *cl = &d->b->classes[ed->arg];
+                for (int w = 0; w < 8; w++)
+                    for (uint32_t bits = cl->w[w]; bits; bits &= bits - 1) {
+                        int bt = w * 32 + __builtin_ctz(bits);
+                        byte_tg[bt * n_eds + byte_n[bt]++] = ed->to;
+                    }
+            }
+        }
         int32_t prev_to = -1;
         int32_t prev_raw_n = -1;
-        int32_t *prev_raw = NULL;
+        const int32_t *prev_raw = NULL;
         for (int bt = 0; bt < 256; bt++) {
-            int32_t nr = 0;
-            for (int32_t i = 0; i < n_eds; i++) {
-                const nedge_t *ed = &d->f->edges[eds[i]];
-                bool hit = ed->kind == NE_BYTE ? ed->arg == bt
-                         : ed->kind == NE_CLASS ? gx_class_has(&d->b->classes[ed->arg], (unsigned)bt) : false;
-                if (hit) tmp[nr++] = ed->to;
-            }
+            int32_t nr = byte_n[bt];
+            const int32_t *raw = byte_tg + (size_t)bt * n_eds;
             int32_t to = -1;
             if (nr) {
-                if (prev_raw && prev_raw_n == nr && !memcmp(prev_raw, tmp, (size_t)nr * sizeof *tmp)) {
+                if (prev_raw && prev_raw_n == nr && !memcmp(prev_raw, raw, (size_t)nr * sizeof *raw)) {
                     to = prev_to;
                 } else {
                     size_t start = d->n_pool;
-                    size_t m = closure(d, tmp, (size_t)nr);
+                    size_t m = closure(d, raw, (size_t)nr);
                     if (d->b->err) goto done;
                     to = intern(d, start, m);
                     if (to < 0) goto done;
-                    /* remember raw targets to skip closure for the next byte */
-                    int32_t *pr = prism_realloc(prev_raw, (size_t)nr * sizeof *pr);
-                    if (!pr) { gram_fail(d->b, PRISM_ENOMEM, "", "out of memory compiling the grammar"); goto done; }
-                    prev_raw = pr;
-                    memcpy(prev_raw, tmp, (size_t)nr * sizeof *tmp);
-                    prev_raw_n = nr;
                 }
+                prev_raw = raw;
+                prev_raw_n = nr;
             } else {
                 prev_raw_n = -1;
             }
@@ -334,7 +349,6 @@ static int dfa_rule(dfa_t *d, int32_t nfa_start)
             }
             prev_to = to;
         }
-        prism_free(prev_raw);
         /* calls, grouped by callee */
         for (int32_t i = 0; i < n_eds; i++) {
             const nedge_t *ed = &d->f->edges[eds[i]];
@@ -369,6 +383,7 @@ static int dfa_rule(dfa_t *d, int32_t nfa_start)
 done:
     prism_free(tmp);
     prism_free(eds);
+    prism_free(byte_tg);
     return d->b->err ? -1 : 0;
 }
 

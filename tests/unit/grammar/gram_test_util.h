@@ -33,6 +33,8 @@ typedef struct {
     prism_tokenizer_t *tok;
     prism_grammar_vocab_t *v;
     int32_t eos;
+    uint8_t *closes;     /* [vocab] token has a closing character ("]}) */
+    uint16_t *len;       /* [vocab] token bytes */
 } gt_tok_t;
 
 /* Loads a case; returns false (and prints why) when a shared tokenizer is absent. */
@@ -52,6 +54,18 @@ static inline bool gt_tok_load(const gt_tok_case_t *c, gt_tok_t *t)
     t->eos = prism_tokenizer_token_to_id(t->tok, c->eos);
     if (t->eos < 0) abort();
     if (prism_grammar_vocab_create(t->tok, &t->eos, 1, 0, &t->v) < 0) abort();
+    size_t nv = prism_grammar_vocab_size(t->v);
+    t->closes = calloc(nv, 1);
+    t->len = calloc(nv, sizeof *t->len);
+    prism_buf_t b = {0};
+    for (size_t i = 0; i < nv; i++) {
+        prism_buf_reset(&b);
+        if (prism_tokenizer_token_bytes(t->tok, (int32_t)i, &b) < 0) continue;
+        t->len[i] = (uint16_t)PRISM_MIN(b.len, 65535);
+        for (size_t q = 0; q < b.len; q++)
+            if (b.data[q] == '"' || b.data[q] == ']' || b.data[q] == '}') t->closes[i] = 1;
+    }
+    prism_buf_free(&b);
     return true;
 }
 
@@ -59,6 +73,8 @@ static inline void gt_tok_free(gt_tok_t *t)
 {
     prism_grammar_vocab_free(t->v);
     prism_tokenizer_free(t->tok);
+    free(t->closes);
+    free(t->len);
 }
 
 /* ---- seeded RNG ---- */
@@ -340,11 +356,8 @@ static inline bool gt_walk(prism_grammar_matcher_t *m, const gt_tok_t *t, uint64
                 h *= 0xBF58476D1CE4E5B9ULL;
                 h >>= 8;
                 if (late) {
-                    prism_buf_reset(&tb);
-                    prism_tokenizer_token_bytes(t->tok, allowed[i], &tb);
-                    for (size_t q = 0; q < tb.len; q++)
-                        if (strchr("\"]}", tb.data[q])) h += 1ULL << 56;
-                    if (tb.len > 3) h >>= 4;
+                    if (t->closes[allowed[i]]) h += 1ULL << 56;
+                    if (t->len[allowed[i]] > 3) h >>= 4;
                 }
                 if (h >= best) { best = h; pick = allowed[i]; }
             }
