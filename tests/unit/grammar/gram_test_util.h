@@ -29,13 +29,78 @@ static const gt_tok_case_t GT_TOKS[] = {
     { "llama2", "tokenizers/llama2/tokenizer.json", true, "</s>" },
 };
 
+/* ---- seeded RNG ---- */
+static inline uint64_t gt_rand(uint64_t *s)
+{
+    uint64_t x = *s += 0x9E3779B97F4A7C15ULL;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
+}
+static inline int gt_randint(uint64_t *s, int n) { return (int)(gt_rand(s) % (uint64_t)n); }
+
 typedef struct {
     prism_tokenizer_t *tok;
     prism_grammar_vocab_t *v;
     int32_t eos;
     uint8_t *closes;     /* [vocab] token has a closing character ("]}) */
     uint16_t *len;       /* [vocab] token bytes */
+    uint8_t *bytes;      /* all token bytes; token i = bytes[off[i] .. off[i+1]) */
+    uint32_t *off;       /* [vocab + 1] */
+    bool *special;       /* [vocab] */
 } gt_tok_t;
+
+static inline const uint8_t *gt_tok_bytes(const gt_tok_t *t, int32_t id, size_t *n)
+{
+    *n = t->off[id + 1] - t->off[id];
+    return t->bytes + t->off[id];
+}
+
+static inline void gt_tok_index(gt_tok_t *t, size_t nv)
+{
+    t->closes = calloc(nv, 1);
+    t->len = calloc(nv, sizeof *t->len);
+    for (size_t i = 0; i < nv; i++) {
+        size_t n;
+        const uint8_t *b = gt_tok_bytes(t, (int32_t)i, &n);
+        t->len[i] = (uint16_t)PRISM_MIN(n, 65535);
+        for (size_t q = 0; q < n; q++)
+            if (b[q] == '"' || b[q] == ']' || b[q] == '}') t->closes[i] = 1;
+    }
+}
+
+/* A synthetic vocabulary: the 256 single bytes (invalid UTF-8 ones included), an EOS, and
+ * random multi-byte tokens over JSON punctuation, digits, letters and UTF-8 pieces, so tokens
+ * that cross grammar rule boundaries ("}, ", "1,\"", "e\"]") are plentiful. */
+static inline void gt_tok_synth(uint64_t seed, size_t n, gt_tok_t *t)
+{
+    static const char *const PIECES[] = { "{", "}", "[", "]", "\"", ",", ":", " ", "\n", "\\", "0", "1", "7", "-", ".",
+                                          "e", "a", "b", "k", "x", "true", "null", "al", "\xc3\xa9", "\xe6\x97\xa5",
+                                          "\xe6", "\x97", "\\u", "00", "E+", "@", "_" };
+    memset(t, 0, sizeof *t);
+    t->off = malloc((n + 1) * sizeof *t->off);
+    t->bytes = malloc(n * 16);
+    t->special = calloc(n, sizeof *t->special);
+    uint64_t r = seed;
+    uint32_t pos = 0;
+    for (size_t i = 0; i < n; i++) {
+        t->off[i] = pos;
+        if (i < 256) { t->bytes[pos++] = (uint8_t)i; continue; }
+        if (i == 256) { memcpy(t->bytes + pos, "</s>", 4); pos += 4; t->special[i] = true; continue; }
+        int parts = 2 + (int)(gt_rand(&r) % 3);
+        for (int k = 0; k < parts; k++) {
+            const char *p = PIECES[gt_rand(&r) % PRISM_ARRAY_LEN(PIECES)];
+            size_t l = strlen(p);
+            if (pos - t->off[i] + l > 12) break;
+            memcpy(t->bytes + pos, p, l);
+            pos += (uint32_t)l;
+        }
+    }
+    t->off[n] = pos;
+    t->eos = 256;
+    if (prism_grammar_vocab_create_from_bytes(t->bytes, t->off, n, t->special, &t->eos, 1, 0, &t->v) < 0) abort();
+    gt_tok_index(t, n);
+}
 
 /* Loads a case; returns false (and prints why) when a shared tokenizer is absent. */
 static inline bool gt_tok_load(const gt_tok_case_t *c, gt_tok_t *t)
@@ -55,37 +120,34 @@ static inline bool gt_tok_load(const gt_tok_case_t *c, gt_tok_t *t)
     if (t->eos < 0) abort();
     if (prism_grammar_vocab_create(t->tok, &t->eos, 1, 0, &t->v) < 0) abort();
     size_t nv = prism_grammar_vocab_size(t->v);
-    t->closes = calloc(nv, 1);
-    t->len = calloc(nv, sizeof *t->len);
     prism_buf_t b = {0};
+    t->off = malloc((nv + 1) * sizeof *t->off);
+    t->special = calloc(nv, sizeof *t->special);
     for (size_t i = 0; i < nv; i++) {
-        prism_buf_reset(&b);
-        if (prism_tokenizer_token_bytes(t->tok, (int32_t)i, &b) < 0) continue;
-        t->len[i] = (uint16_t)PRISM_MIN(b.len, 65535);
-        for (size_t q = 0; q < b.len; q++)
-            if (b.data[q] == '"' || b.data[q] == ']' || b.data[q] == '}') t->closes[i] = 1;
+        t->off[i] = (uint32_t)b.len;
+        t->special[i] = prism_tokenizer_is_special(t->tok, (int32_t)i);
+        if (!t->special[i]) prism_tokenizer_token_bytes(t->tok, (int32_t)i, &b);
     }
-    prism_buf_free(&b);
+    t->off[nv] = (uint32_t)b.len;
+    t->bytes = (uint8_t *)b.data;
+    gt_tok_index(t, nv);
     return true;
 }
 
 static inline void gt_tok_free(gt_tok_t *t)
 {
     prism_grammar_vocab_free(t->v);
-    prism_tokenizer_free(t->tok);
+    if (t->tok) {
+        prism_tokenizer_free(t->tok);
+        prism_free(t->bytes);
+    } else {
+        free(t->bytes);
+    }
+    free(t->off);
+    free(t->special);
     free(t->closes);
     free(t->len);
 }
-
-/* ---- seeded RNG ---- */
-static inline uint64_t gt_rand(uint64_t *s)
-{
-    uint64_t x = *s += 0x9E3779B97F4A7C15ULL;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-    return x ^ (x >> 31);
-}
-static inline int gt_randint(uint64_t *s, int n) { return (int)(gt_rand(s) % (uint64_t)n); }
 
 /* ---- validator for the supported subset (independent of the compiler) ---- */
 static inline size_t gt_utf8_len(const char *s, size_t n)
@@ -331,7 +393,6 @@ static inline bool gt_walk(prism_grammar_matcher_t *m, const gt_tok_t *t, uint64
     const prism_grammar_vocab_t *v = t->v;
     size_t nv = prism_grammar_vocab_size(v);
     uint64_t r = seed;
-    prism_buf_t tb = {0};
     for (w->steps = 0; w->steps < max_steps; w->steps++) {
         int n = prism_grammar_matcher_fill_mask(m, mask);
         if (n <= 0) { fprintf(stderr, "walk: mask empty at step %d (n=%d)\n", w->steps, n); return false; }
@@ -365,9 +426,10 @@ static inline bool gt_walk(prism_grammar_matcher_t *m, const gt_tok_t *t, uint64
         int rc = prism_grammar_matcher_accept_token(m, pick);
         if (rc != PRISM_OK) { fprintf(stderr, "walk: allowed token %d rejected (%d)\n", pick, rc); return false; }
         if (pick == t->eos) { w->terminated = true; w->steps++; break; }
-        prism_tokenizer_token_bytes(t->tok, pick, &w->out);
+        size_t pl;
+        const uint8_t *pb = gt_tok_bytes(t, pick, &pl);
+        prism_buf_append(&w->out, pb, pl);
     }
-    prism_buf_free(&tb);
     return true;
 }
 

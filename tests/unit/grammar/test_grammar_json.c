@@ -14,7 +14,7 @@ static int n_schemas_for(const char *name)
 {
     const char *e = getenv("PRISM_GRAMMAR_TEST_SCHEMAS");
     if (e && atoi(e) > 0) return atoi(e);
-    return !strcmp(name, "prism_tiny_llava") ? 120 : 30;
+    return !strcmp(name, "prism_tiny_llava") || !strcmp(name, "synthetic") ? 100 : 20;
 }
 
 /* Generates from schema with several walks; returns the number of terminated walks. */
@@ -58,7 +58,10 @@ static int walk_schema(const gt_tok_t *t, const char *schema, const prism_gramma
 static void run_random(const gt_tok_case_t *c)
 {
     gt_tok_t t;
-    if (!gt_tok_load(c, &t)) skip();
+    if (!c) gt_tok_synth(999, 6000, &t);
+    else if (!gt_tok_load(c, &t)) skip();
+    static const gt_tok_case_t synth = { "synthetic", NULL, false, NULL };
+    if (!c) c = &synth;
     size_t nv = prism_grammar_vocab_size(t.v);
     int32_t *mask = malloc(prism_grammar_mask_words(t.v) * sizeof *mask);
     int32_t *allowed = malloc(nv * sizeof *allowed);
@@ -81,6 +84,7 @@ static void run_random(const gt_tok_case_t *c)
     gt_tok_free(&t);
 }
 
+static void test_random_synth(void **s) { (void)s; run_random(NULL); }
 static void test_random_tiny(void **s) { (void)s; run_random(&GT_TOKS[0]); }
 static void test_random_llama3(void **s) { (void)s; run_random(&GT_TOKS[1]); }
 static void test_random_qwen3(void **s) { (void)s; run_random(&GT_TOKS[2]); }
@@ -204,6 +208,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_accepts_bytes),
         cmocka_unit_test(test_fixed_schemas),
+        cmocka_unit_test(test_random_synth),
         cmocka_unit_test(test_random_tiny),
         cmocka_unit_test(test_random_llama3),
         cmocka_unit_test(test_random_qwen3),
