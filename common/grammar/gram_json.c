@@ -91,16 +91,16 @@ static int32_t str_char(prism_grammar_builder_t *b, bool no_escape)
     if (no_escape) return p;
     gx_class_t simple = {0};
     for (const char *s = "\"\\bfnrt"; *s; s++) gx_class_set(&simple, (unsigned char)*s);
-    /* \uXXXX without lone surrogates (JSON parsers reject them) */
-    int32_t hex = gram_regex_expr(b, "[0-9a-fA-F]", 11, false, "");
-    int32_t u_alts[3] = {
-        gx_seq2(b, gram_regex_expr(b, "[0-9a-cA-C]", 11, false, ""), prism_gexpr_repeat(b, hex, 3, 3)),
-        gx_seq3(b, gram_regex_expr(b, "[dD]", 4, false, ""), gram_regex_expr(b, "[0-7]", 5, false, ""),
-                prism_gexpr_repeat(b, hex, 2, 2)),
-        gx_seq2(b, gram_regex_expr(b, "[eEfF]", 6, false, ""), prism_gexpr_repeat(b, hex, 3, 3)),
+    /* \uXXXX without lone surrogates (JSON parsers reject them) and without \u0000 (C parsers,
+     * jansson among them, reject NUL in keys; no model output needs it) */
+    int32_t u_alts[4] = {
+        gram_regex_expr(b, "0([1-9a-fA-F][0-9a-fA-F]{2}|0[1-9a-fA-F][0-9a-fA-F]|00[1-9a-fA-F])", 66, false, ""),
+        gram_regex_expr(b, "[1-9a-cA-C][0-9a-fA-F]{3}", 25, false, ""),
+        gram_regex_expr(b, "[dD][0-7][0-9a-fA-F]{2}", 23, false, ""),
+        gram_regex_expr(b, "[eEfF][0-9a-fA-F]{3}", 20, false, ""),
     };
     int32_t esc = gx_seq2(b, gx_lit(b, "\\"),
-                          gx_alt2(b, gx_class(b, &simple), gx_seq2(b, gx_lit(b, "u"), prism_gexpr_alt(b, u_alts, 3))));
+                          gx_alt2(b, gx_class(b, &simple), gx_seq2(b, gx_lit(b, "u"), prism_gexpr_alt(b, u_alts, 4))));
     return gx_alt2(b, p, esc);
 }
 
@@ -232,6 +232,21 @@ static bool type_matches(const char *type, json_t *v)
     if (!strcmp(type, "object")) return json_is_object(v);
     if (!strcmp(type, "array")) return json_is_array(v);
     return false;
+}
+
+/* An expression used in several places becomes a rule, referenced by a call: the automaton then
+ * holds it once instead of once per use (nested arrays and objects would otherwise grow it
+ * exponentially with depth), and its states share one mask cache. */
+static int32_t shared(js_t *j, int32_t e)
+{
+    prism_grammar_builder_t *b = j->b;
+    if (e < 0) return e;
+    gx_kind_t k = (gx_kind_t)b->nodes[e].kind;
+    if (k == GX_REF || k == GX_LIT || k == GX_CLASS || k == GX_EMPTY) return e;
+    int32_t r = gx_rule_new(b);
+    if (r < 0) return r;
+    gx_rule_set(b, r, e);
+    return gx_ref(b, r);
 }
 
 /* ---- schema walk ---- */
@@ -414,7 +429,7 @@ static int32_t array_expr(js_t *j, json_t *s)
     int32_t item = -1;
     if (!items_false) {
         size_t old = path_push(j, "items");
-        item = items ? schema_expr(j, items) : any_value(j);
+        item = shared(j, items ? schema_expr(j, items) : any_value(j));
         path_pop(j, old);
         if (item < 0) return item;
     }
@@ -579,11 +594,16 @@ static int32_t object_expr(js_t *j, json_t *s)
         path_pop(j, old2);
         path_pop(j, old);
     }
+    size_t first_req = np;
+    for (size_t x = 0; x < np; x++)
+        if (required[x]) { first_req = x; break; }
     i = 0;
     json_object_foreach(props, k, v) {
         size_t old = path_push(j, "properties");
         size_t old2 = path_push(j, k);
         int32_t val = schema_expr(j, v);
+        /* with optional properties first, every value appears in several member chains */
+        if (first_req > 0 && np > 1) val = shared(j, val);
         path_pop(j, old2);
         path_pop(j, old);
         if (val < 0) { result = val; goto done; }
@@ -594,7 +614,7 @@ static int32_t object_expr(js_t *j, json_t *s)
         int32_t val;
         if (addl && json_is_object(addl)) {
             size_t old = path_push(j, "additionalProperties");
-            val = schema_expr(j, addl);
+            val = shared(j, schema_expr(j, addl));
             path_pop(j, old);
         } else {
             val = any_value(j);
@@ -606,9 +626,6 @@ static int32_t object_expr(js_t *j, json_t *s)
      * after it each property comes with a comma, optional unless required */
     int32_t alts[260];
     int na = 0;
-    size_t first_req = np;
-    for (size_t x = 0; x < np; x++)
-        if (required[x]) { first_req = x; break; }
     int32_t extra_after = extra_kv >= 0 ? prism_gexpr_repeat(b, gx_seq2(b, comma(j), extra_kv), 0, -1) : gx_empty(b);
     for (size_t j0 = 0; j0 < np && j0 <= first_req; j0++) {
         int32_t chain[260];

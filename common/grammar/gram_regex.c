@@ -389,6 +389,9 @@ static int32_t rx_repeat(rx_t *r)
             return rx_fail(r, PRISM_ELIMIT, "repetition bound too large: %s", msg);
         }
         e = prism_gexpr_repeat(r->b, e, min, max);
+        int nx = rx_peek(r);
+        if (nx == '*' || nx == '+' || nx == '?' || nx == '{')
+            return rx_fail(r, PRISM_EINVAL, "%s", "multiple repeat");
     }
     return e;
 }

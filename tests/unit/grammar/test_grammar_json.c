@@ -147,6 +147,8 @@ static void test_accepts_bytes(void **s)
         { "{\"b\":\"x\"}", true },
         { "{\"a\": 1, \"b\": \"x\", \"c\": true}", true },
         { "{\"a\": -0, \"b\": \"\\u00e9\\n\"}", true },
+        { "{\"b\": \"\\u0000\"}", false },              /* NUL breaks C parsers */
+        { "{\"b\": \"\\u0001\\ud7ff\"}", true },
         { "{\"b\": \"x\", \"c\": false}", true },
         { "{}", false },                                  /* b required */
         { "{\"a\": 1}", false },
