@@ -208,6 +208,18 @@ int32_t gx_ref(prism_grammar_builder_t *b, int32_t rule)
     return gx_new(b, GX_REF, rule, 0, 0);
 }
 
+prism_gexpr_t prism_gexpr_shared(prism_grammar_builder_t *b, prism_gexpr_t e)
+{
+    if (b->err) return b->err;
+    if (e < 0 || (size_t)e >= b->n_nodes) return gram_fail(b, PRISM_EINVAL, "", "invalid grammar expression handle");
+    gx_kind_t k = (gx_kind_t)b->nodes[e].kind;
+    if (k == GX_REF || k == GX_LIT || k == GX_CLASS || k == GX_EMPTY) return e;
+    int32_t r = gx_rule_new(b);
+    if (r < 0) return r;
+    gx_rule_set(b, r, e);
+    return gx_ref(b, r);
+}
+
 /* ---- UTF-8 ranges: split [lo, hi] until every piece is a product of byte ranges ---- */
 static int utf8_len(uint32_t c) { return c < 0x80 ? 1 : c < 0x800 ? 2 : c < 0x10000 ? 3 : 4; }
 

@@ -237,17 +237,7 @@ static bool type_matches(const char *type, json_t *v)
 /* An expression used in several places becomes a rule, referenced by a call: the automaton then
  * holds it once instead of once per use (nested arrays and objects would otherwise grow it
  * exponentially with depth), and its states share one mask cache. */
-static int32_t shared(js_t *j, int32_t e)
-{
-    prism_grammar_builder_t *b = j->b;
-    if (e < 0) return e;
-    gx_kind_t k = (gx_kind_t)b->nodes[e].kind;
-    if (k == GX_REF || k == GX_LIT || k == GX_CLASS || k == GX_EMPTY) return e;
-    int32_t r = gx_rule_new(b);
-    if (r < 0) return r;
-    gx_rule_set(b, r, e);
-    return gx_ref(b, r);
-}
+static int32_t shared(js_t *j, int32_t e) { return e < 0 ? e : prism_gexpr_shared(j->b, e); }
 
 /* ---- schema walk ---- */
 static int32_t schema_expr(js_t *j, json_t *s);

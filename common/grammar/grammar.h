@@ -148,6 +148,9 @@ prism_gexpr_t prism_gexpr_seq(prism_grammar_builder_t *b, const prism_gexpr_t *i
 prism_gexpr_t prism_gexpr_alt(prism_grammar_builder_t *b, const prism_gexpr_t *items, size_t n);
 prism_gexpr_t prism_gexpr_repeat(prism_grammar_builder_t *b, prism_gexpr_t e, int min, int max); /* max -1: unbounded */
 prism_gexpr_t prism_gexpr_regex(prism_grammar_builder_t *b, const char *re, size_t n);
+/* e as a rule of its own, referenced by a call: an expression used in many places is then held
+ * once by the automaton (and its states share one mask cache). */
+prism_gexpr_t prism_gexpr_shared(prism_grammar_builder_t *b, prism_gexpr_t e);
 /* A JSON value valid against the schema; err_path_prefix is prepended to error paths
  * (e.g. "tools[2].function.parameters"). */
 prism_gexpr_t prism_gexpr_json_schema(prism_grammar_builder_t *b, const char *schema, size_t n,

@@ -43,7 +43,7 @@ typedef struct {
     prism_tokenizer_t *tok;
     prism_grammar_vocab_t *v;
     int32_t eos;
-    uint8_t *closes;     /* [vocab] token has a closing character ("]}) */
+    uint8_t *closes;     /* [vocab] 2: token has a '"', 1: a ']' or '}' */
     uint16_t *len;       /* [vocab] token bytes */
     uint8_t *bytes;      /* all token bytes; token i = bytes[off[i] .. off[i+1]) */
     uint32_t *off;       /* [vocab + 1] */
@@ -65,7 +65,8 @@ static inline void gt_tok_index(gt_tok_t *t, size_t nv)
         const uint8_t *b = gt_tok_bytes(t, (int32_t)i, &n);
         t->len[i] = (uint16_t)PRISM_MIN(n, 65535);
         for (size_t q = 0; q < n; q++)
-            if (b[q] == '"' || b[q] == ']' || b[q] == '}') t->closes[i] = 1;
+            if (b[q] == '"') t->closes[i] = 2;  /* ends strings: the first thing a walk must finish */
+            else if ((b[q] == ']' || b[q] == '}') && !t->closes[i]) t->closes[i] = 1;
     }
 }
 
@@ -417,7 +418,7 @@ static inline bool gt_walk(prism_grammar_matcher_t *m, const gt_tok_t *t, uint64
                 h *= 0xBF58476D1CE4E5B9ULL;
                 h >>= 8;
                 if (late) {
-                    if (t->closes[allowed[i]]) h += 1ULL << 56;
+                    h += (uint64_t)t->closes[allowed[i]] << 56;
                     if (t->len[allowed[i]] > 3) h >>= 4;
                 }
                 if (h >= best) { best = h; pick = allowed[i]; }
