@@ -387,6 +387,172 @@ done:
     return d->b->err ? -1 : 0;
 }
 
+/* ---- minimization (Moore partition refinement) ----
+ * Subset construction leaves equivalent states apart (after an ASCII character and after a
+ * multi-byte one, a JSON string is in "the same" place through different NFA sets). Merging
+ * them matters beyond size: every distinct state costs a mask-cache fill over the vocabulary. */
+static const int32_t *min_sig_pool;
+static const size_t *min_sig_off;
+
+static int cmp_sig(const void *a, const void *b)
+{
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    size_t lx = min_sig_off[x + 1] - min_sig_off[x], ly = min_sig_off[y + 1] - min_sig_off[y];
+    size_t n = lx < ly ? lx : ly;
+    int c = memcmp(min_sig_pool + min_sig_off[x], min_sig_pool + min_sig_off[y], n * sizeof(int32_t));
+    if (c) return c;
+    if (lx != ly) return lx < ly ? -1 : 1;
+    return (x > y) - (x < y);
+}
+
+static int cmp_call(const void *a, const void *b)
+{
+    const gram_call_t *x = a, *y = b;
+    if (x->rule != y->rule) return x->rule < y->rule ? -1 : 1;
+    return (x->ret > y->ret) - (x->ret < y->ret);
+}
+
+static pthread_mutex_t min_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int minimize(dfa_t *d)
+{
+    int32_t n = d->n_sets;
+    if (n <= 1) return 0;
+    int32_t *cls = prism_malloc((size_t)n * sizeof *cls), *ncls = prism_malloc((size_t)n * sizeof *ncls);
+    int32_t *order = prism_malloc((size_t)n * sizeof *order);
+    size_t *off = prism_malloc(((size_t)n + 1) * sizeof *off);
+    int32_t *pool = NULL;
+    size_t cap_pool = 0;
+    gram_call_t *ctmp = NULL;
+    size_t cap_ctmp = 0;
+    int rc = -1;
+    if (!cls || !ncls || !order || !off) { gram_fail(d->b, PRISM_ENOMEM, "", "out of memory compiling the grammar"); goto done; }
+    for (int32_t i = 0; i < n; i++) cls[i] = d->st[i].final;
+    int32_t n_cls = 0;
+    for (;;) {
+        size_t np = 0;
+        for (int32_t i = 0; i < n; i++) {
+            const gram_state_t *s = &d->st[i];
+            size_t need = np + 3 + (size_t)s->n_ranges * 3 + (size_t)s->n_calls * 2;
+            if (ensure(d->b, (void **)&pool, &cap_pool, need, sizeof *pool) < 0 ||
+                ensure(d->b, (void **)&ctmp, &cap_ctmp, (size_t)s->n_calls + 1, sizeof *ctmp) < 0)
+                goto done;
+            off[i] = np;
+            pool[np++] = cls[i];
+            size_t at_n = np++;
+            int32_t nr = 0;
+            for (uint32_t r = 0; r < s->n_ranges; r++) {
+                const gram_range_t *x = &d->rg[s->range_off + r];
+                int32_t tc = cls[x->to];
+                if (nr && pool[np - 1] == tc && pool[np - 2] == (int32_t)x->lo - 1) { pool[np - 2] = x->hi; continue; }
+                pool[np++] = x->lo;
+                pool[np++] = x->hi;
+                pool[np++] = tc;
+                nr++;
+            }
+            pool[at_n] = nr;
+            for (uint32_t c = 0; c < s->n_calls; c++) {
+                ctmp[c] = d->cl[s->call_off + c];
+                ctmp[c].ret = cls[ctmp[c].ret];
+            }
+            qsort(ctmp, s->n_calls, sizeof *ctmp, cmp_call);
+            for (uint32_t c = 0; c < s->n_calls; c++) {
+                pool[np++] = ctmp[c].rule;
+                pool[np++] = ctmp[c].ret;
+            }
+            order[i] = i;
+        }
+        off[n] = np;
+        pthread_mutex_lock(&min_lock);
+        min_sig_pool = pool;
+        min_sig_off = off;
+        qsort(order, (size_t)n, sizeof *order, cmp_sig);
+        int32_t k = -1;
+        for (int32_t i = 0; i < n; i++) {
+            bool same = i > 0;  /* equal signatures (the sort breaks ties by index: compare arrays) */
+            if (same) {
+                int32_t x = order[i - 1], y = order[i];
+                size_t lx = off[x + 1] - off[x], ly = off[y + 1] - off[y];
+                same = lx == ly && !memcmp(pool + off[x], pool + off[y], lx * sizeof *pool);
+            }
+            if (!same) k++;
+            ncls[order[i]] = k;
+        }
+        pthread_mutex_unlock(&min_lock);
+        int32_t m = k + 1;
+        memcpy(cls, ncls, (size_t)n * sizeof *cls);
+        if (m == n_cls) break;
+        n_cls = m;
+    }
+    if (n_cls == n) { rc = 0; goto done; }
+    /* renumber so the start state keeps index 0, then rebuild from one representative each */
+    {
+        int32_t *map = order;  /* class -> new index */
+        for (int32_t c = 0; c < n_cls; c++) map[c] = -1;
+        int32_t next = 0;
+        map[cls[0]] = next++;
+        for (int32_t i = 1; i < n; i++)
+            if (map[cls[i]] < 0) map[cls[i]] = next++;
+        gram_state_t *st = prism_malloc((size_t)n_cls * sizeof *st);
+        gram_range_t *rg = prism_malloc((d->n_rg ? d->n_rg : 1) * sizeof *rg);
+        gram_call_t *cl = prism_malloc((d->n_cl ? d->n_cl : 1) * sizeof *cl);
+        bool *done_cls = prism_calloc((size_t)n_cls, 1);
+        if (!st || !rg || !cl || !done_cls) {
+            prism_free(st); prism_free(rg); prism_free(cl); prism_free(done_cls);
+            gram_fail(d->b, PRISM_ENOMEM, "", "out of memory compiling the grammar");
+            goto done;
+        }
+        /* states in new-index order: walk representatives */
+        int32_t *rep = ncls;
+        for (int32_t i = n - 1; i >= 0; i--) rep[map[cls[i]]] = i;  /* lowest index represents */
+        size_t nr = 0, nc = 0;
+        for (int32_t ni = 0; ni < n_cls; ni++) {
+            const gram_state_t *s = &d->st[rep[ni]];
+            gram_state_t t = { .range_off = (uint32_t)nr, .call_off = (uint32_t)nc, .final = s->final };
+            for (uint32_t r = 0; r < s->n_ranges; r++) {
+                gram_range_t x = d->rg[s->range_off + r];
+                x.to = map[cls[x.to]];
+                if (nr > t.range_off && rg[nr - 1].to == x.to && rg[nr - 1].hi + 1 == x.lo) rg[nr - 1].hi = x.hi;
+                else rg[nr++] = x;
+            }
+            size_t c0 = nc;
+            for (uint32_t c = 0; c < s->n_calls; c++) {
+                gram_call_t x = d->cl[s->call_off + c];
+                x.ret = map[cls[x.ret]];
+                bool dup = false;
+                for (size_t q = c0; q < nc; q++) dup |= cl[q].rule == x.rule && cl[q].ret == x.ret;
+                if (!dup) cl[nc++] = x;
+            }
+            t.n_ranges = (uint16_t)(nr - t.range_off);
+            t.n_calls = (uint16_t)(nc - t.call_off);
+            st[ni] = t;
+        }
+        (void)done_cls;
+        prism_free(done_cls);
+        prism_free(d->st);
+        prism_free(d->rg);
+        prism_free(d->cl);
+        d->st = st;
+        d->cap_st = (size_t)n_cls;
+        d->rg = rg;
+        d->cap_rg = d->n_rg ? d->n_rg : 1;
+        d->n_rg = nr;
+        d->cl = cl;
+        d->cap_cl = d->n_cl ? d->n_cl : 1;
+        d->n_cl = nc;
+        d->n_sets = n_cls;
+    }
+    rc = 0;
+done:
+    prism_free(cls);
+    prism_free(ncls);
+    prism_free(order);
+    prism_free(off);
+    prism_free(pool);
+    prism_free(ctmp);
+    return rc;
+}
+
 static void grammar_free(prism_grammar_t *g);
 
 int gram_compile(prism_grammar_builder_t *b, int32_t root, const prism_grammar_vocab_t *v, prism_grammar_t **out)
@@ -425,7 +591,7 @@ int gram_compile(prism_grammar_builder_t *b, int32_t root, const prism_grammar_v
     for (size_t r = 0; r < n_rules; r++) {
         d.accept = nfa_accept[r];
         d.global_base = g->n_states;
-        if (dfa_rule(&d, nfa_start[r]) < 0) goto fail;
+        if (dfa_rule(&d, nfa_start[r]) < 0 || minimize(&d) < 0) goto fail;
         size_t base = g->n_states, n = (size_t)d.n_sets;
         g->rule_start[r] = (int32_t)base;
         if (ensure(b, (void **)&g->states, &cap_states, base + n, sizeof *g->states) < 0 ||

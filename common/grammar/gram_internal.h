@@ -124,6 +124,8 @@ struct prism_grammar_vocab {
     size_t n_sorted;
     int32_t *sorted;         /* [n_sorted] token ids */
     uint16_t *lcp;           /* [n_sorted] lcp with the previous (0 for the first) */
+    uint8_t *sdata;          /* token bytes again, in sorted order: walks read them sequentially */
+    uint32_t *soff;          /* [n_sorted + 1] */
     uint32_t first_start[257]; /* sorted range of tokens whose first byte is b: [first_start[b], first_start[b+1]) */
     uint32_t max_len;
     int32_t *eos;            size_t n_eos;
@@ -136,6 +138,12 @@ static inline const uint8_t *gram_tok_bytes(const prism_grammar_vocab_t *v, int3
 {
     *len = v->off[id + 1] - v->off[id];
     return v->data + v->off[id];
+}
+
+static inline const uint8_t *gram_sorted_bytes(const prism_grammar_vocab_t *v, uint32_t j, uint32_t *len)
+{
+    *len = v->soff[j + 1] - v->soff[j];
+    return v->sdata + v->soff[j];
 }
 
 /* ---- stack pool and stepping (shared by matchers and cache fills) ---- */

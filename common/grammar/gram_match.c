@@ -237,14 +237,13 @@ static int cache_fill(prism_grammar_t *g, int32_t state, gram_cache_entry_t **ou
         uint32_t j0 = v->first_start[rg->lo], j1 = v->first_start[rg->hi + 1];
         run_min = 0;  /* a new first-byte group: no common prefix with earlier tokens */
         for (uint32_t j = j0; j < j1; j++) {
-            int32_t id = v->sorted[j];
             uint32_t L;
-            const uint8_t *bytes = gram_tok_bytes(v, id, &L);
+            const uint8_t *bytes = gram_sorted_bytes(v, j, &L);
             int lcp = j == j0 ? 0 : v->lcp[j];
             if ((uint32_t)lcp < run_min) run_min = (uint32_t)lcp;
             int k = walk_to(c, bytes, (int)L, lcp);
             if (k == (int)L && (c->lvl_n[L] > 0 || c->lvl_esc[L])) {
-                acc_ids[n_acc++] = id;
+                acc_ids[n_acc++] = v->sorted[j];
             } else if (c->lvl_esc_any[k == (int)L ? (int)L - 1 : k]) {
                 unc_lcp[n_unc] = (uint16_t)(n_unc ? run_min : 0);
                 unc[n_unc++] = (int32_t)j;
@@ -571,7 +570,7 @@ int prism_grammar_matcher_fill_mask(prism_grammar_matcher_t *m, int32_t *mask)
             int32_t id = v->sorted[e->unc[i]];
             if (prism_grammar_mask_test(mask, id)) continue;  /* another top already allows it */
             uint32_t L;
-            const uint8_t *bytes = gram_tok_bytes(v, id, &L);
+            const uint8_t *bytes = gram_sorted_bytes(v, (uint32_t)e->unc[i], &L);
             int k = walk_to(c, bytes, (int)L, e->unc_lcp[i]);
             if (k == (int)L && (c->lvl_n[L] > 0 || c->lvl_end[L])) set_bit(mask, id);
         }

@@ -29,6 +29,8 @@ void prism_grammar_vocab_free(prism_grammar_vocab_t *v)
     prism_free(v->off);
     prism_free(v->sorted);
     prism_free(v->lcp);
+    prism_free(v->sdata);
+    prism_free(v->soff);
     prism_free(v->eos);
     prism_free(v->is_eos);
     prism_free(v->usable);
@@ -77,6 +79,18 @@ static int vocab_finish(prism_grammar_vocab_t *v, const bool *special, const int
         while (k < la && k < lb && a[k] == b[k]) k++;
         v->lcp[i] = (uint16_t)k;
     }
+    v->soff = prism_malloc((v->n_sorted + 1) * sizeof *v->soff);
+    v->sdata = prism_malloc(v->off[v->n_tokens] ? v->off[v->n_tokens] : 1);
+    if (!v->soff || !v->sdata) return PRISM_ENOMEM;
+    uint32_t at = 0;
+    for (size_t i = 0; i < v->n_sorted; i++) {
+        uint32_t len;
+        const uint8_t *b = gram_tok_bytes(v, v->sorted[i], &len);
+        v->soff[i] = at;
+        memcpy(v->sdata + at, b, len);
+        at += len;
+    }
+    v->soff[v->n_sorted] = at;
     size_t j = 0;
     for (int b = 0; b < 256; b++) {
         v->first_start[b] = (uint32_t)j;
