@@ -16,7 +16,7 @@
 #define GRAM_DEF_STATES        200000
 #define GRAM_DEF_STACK_DEPTH   128
 #define GRAM_DEF_STACKS        256
-#define GRAM_DEF_NODES         16384
+#define GRAM_DEF_NODES         4096
 #define GRAM_DEF_ROLLBACK      16
 #define GRAM_MAX_EXPR_NODES    (1 << 21)
 

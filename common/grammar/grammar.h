@@ -75,7 +75,7 @@ typedef struct {
     int max_states;          /* DFA states of the compiled grammar [200000] */
     int max_stack_depth;     /* rule frames on one stack: bounds recursion at run time [128] */
     int max_stacks;          /* parallel stacks in one matcher state [256] */
-    int max_nodes;           /* per-matcher persistent stack node pool [16384] */
+    int max_nodes;           /* per-matcher persistent stack node pool [4096] */
     int max_rollback;        /* tokens a matcher can roll back [16] */
 } prism_grammar_limits_t;
 
