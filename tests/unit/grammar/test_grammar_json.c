@@ -14,7 +14,7 @@ static int n_schemas_for(const char *name)
 {
     const char *e = getenv("PRISM_GRAMMAR_TEST_SCHEMAS");
     if (e && atoi(e) > 0) return atoi(e);
-    return !strcmp(name, "prism_tiny_llava") || !strcmp(name, "synthetic") ? 100 : 20;
+    return !strcmp(name, "prism_tiny_llava") || !strcmp(name, "synthetic") ? 60 : 12;
 }
 
 /* Generates from schema with several walks; returns the number of terminated walks. */
