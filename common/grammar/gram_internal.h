@@ -93,6 +93,7 @@ typedef struct {
     uint32_t n_unc;
     int32_t *unc;            /* sorted-order indices of uncertain tokens, ascending */
     uint16_t *unc_lcp;       /* lcp of unc[i] with unc[i-1] (0 for i = 0) */
+    uint16_t max_push;       /* most frames any token pushed above this state during the fill */
 } gram_cache_entry_t;
 
 struct prism_grammar {
@@ -165,6 +166,7 @@ typedef struct gram_ctx {
     int32_t max_len;
     int32_t k;           /* levels 0..k are valid for the current walk */
     bool overflow;       /* a limit pruned a path (pool, stacks, depth) */
+    int max_depth_seen;  /* deepest node made since the last reset of this counter */
 } gram_ctx_t;
 
 int  gram_ctx_init(gram_ctx_t *c, const prism_grammar_t *g, int max_nodes, int max_stacks, int max_depth,

@@ -775,8 +775,8 @@ static int32_t schema_expr(js_t *j, json_t *s)
     }
     if (json_is_string(type)) {
         const char *t = json_string_value(type);
-        if (!type_matches(t, json_null()) && strcmp(t, "null") && strcmp(t, "string") && strcmp(t, "integer") &&
-            strcmp(t, "number") && strcmp(t, "boolean") && strcmp(t, "object") && strcmp(t, "array")) {
+        static const char *const TYPES[] = { "string", "integer", "number", "boolean", "null", "object", "array", NULL };
+        if (!in_list(TYPES, t)) {
             size_t old = path_push(j, "type");
             r = js_fail(j, PRISM_EINVAL, "unknown type '%.32s'", t);
             path_pop(j, old);

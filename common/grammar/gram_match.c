@@ -80,6 +80,7 @@ int32_t gram_node_get(gram_ctx_t *c, int32_t state, int32_t parent)
         return -1;
     }
     int32_t id = c->n_nodes++;
+    if (depth > c->max_depth_seen) c->max_depth_seen = depth;
     c->nodes[id] = (gram_node_t){ state, parent, (uint16_t)depth, c->bucket[h] };
     c->bucket[h] = id;
     c->visit[id] = 0;
@@ -220,6 +221,7 @@ static int cache_fill(prism_grammar_t *g, int32_t state, gram_cache_entry_t **ou
     ctx_clear(c);
     int32_t top = gram_node_get(c, state, GRAM_PARENT_UNKNOWN);
     PRISM_ASSERT(top >= 0);
+    c->max_depth_seen = 1;
     const gram_state_t *st = &g->states[state];
     int32_t *acc = g->cache_mask;  /* ids, at most n_sorted; reuse the mask scratch size when it fits */
     int32_t *acc_ids = prism_malloc((v->n_sorted ? v->n_sorted : 1) * sizeof *acc_ids);
@@ -280,6 +282,7 @@ static int cache_fill(prism_grammar_t *g, int32_t state, gram_cache_entry_t **ou
             memcpy(e->acc, m, words * sizeof *m);
         }
     }
+    e->max_push = (uint16_t)(c->max_depth_seen - 1);
     e->n_unc = n_unc;
     e->unc = prism_malloc((n_unc ? n_unc : 1) * sizeof *e->unc);
     e->unc_lcp = prism_malloc((n_unc ? n_unc : 1) * sizeof *e->unc_lcp);
@@ -537,6 +540,27 @@ int prism_grammar_matcher_rollback(prism_grammar_matcher_t *m, int n)
 
 static inline void set_bit(int32_t *mask, int32_t id) { mask[id >> 5] |= (int32_t)(1u << (id & 31)); }
 
+/* Every token that can start from top's state, checked against the real stack. */
+static void walk_all(prism_grammar_matcher_t *m, int32_t top, int32_t *mask)
+{
+    const prism_grammar_vocab_t *v = m->g->vocab;
+    gram_ctx_t *c = &m->c;
+    const gram_state_t *st = &m->g->states[c->nodes[top].state];
+    int32_t mark = c->n_nodes;
+    walk_begin(c, &top, 1);
+    for (uint32_t r = 0; r < st->n_ranges; r++) {
+        const gram_range_t *rg = &m->g->ranges[st->range_off + r];
+        uint32_t j0 = v->first_start[rg->lo], j1 = v->first_start[rg->hi + 1];
+        for (uint32_t j = j0; j < j1; j++) {
+            uint32_t L;
+            const uint8_t *bytes = gram_sorted_bytes(v, j, &L);
+            int k = walk_to(c, bytes, (int)L, j == j0 ? 0 : v->lcp[j]);
+            if (k == (int)L && (c->lvl_n[L] > 0 || c->lvl_end[L])) set_bit(mask, v->sorted[j]);
+        }
+    }
+    gram_ctx_truncate(c, mark);
+}
+
 int prism_grammar_matcher_fill_mask(prism_grammar_matcher_t *m, int32_t *mask)
 {
     prism_grammar_t *g = m->g;
@@ -550,6 +574,11 @@ int prism_grammar_matcher_fill_mask(prism_grammar_matcher_t *m, int32_t *mask)
         int32_t top = m->tops[t];
         gram_cache_entry_t *e = gram_cache_get(g, c->nodes[top].state);
         if (!e) return PRISM_ENOMEM;
+        if (c->nodes[top].depth + e->max_push > c->max_depth) {
+            /* near the depth limit the cached "accepted" may not hold here: walk every token */
+            walk_all(m, top, mask);
+            continue;
+        }
         switch ((gram_acc_kind_t)e->acc_kind) {
         case GRAM_ACC_LIST:
             for (uint32_t i = 0; i < e->n_acc; i++) set_bit(mask, e->acc[i]);
