@@ -5,6 +5,7 @@
  * alternatives that share prefixes (enum values, choices, keys) one path, so a matcher keeps few
  * parallel stacks. Rules that can never complete are pruned; a grammar whose root cannot
  * complete is an error. */
+#define _GNU_SOURCE 1   /* qsort_r */
 #include <stdlib.h>
 #include <string.h>
 
@@ -391,15 +392,15 @@ done:
  * Subset construction leaves equivalent states apart (after an ASCII character and after a
  * multi-byte one, a JSON string is in "the same" place through different NFA sets). Merging
  * them matters beyond size: every distinct state costs a mask-cache fill over the vocabulary. */
-static const int32_t *min_sig_pool;
-static const size_t *min_sig_off;
+typedef struct { const int32_t *pool; const size_t *off; } sig_t;
 
-static int cmp_sig(const void *a, const void *b)
+static int cmp_sig(const void *a, const void *b, void *arg)
 {
+    const sig_t *sg = arg;
     int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
-    size_t lx = min_sig_off[x + 1] - min_sig_off[x], ly = min_sig_off[y + 1] - min_sig_off[y];
+    size_t lx = sg->off[x + 1] - sg->off[x], ly = sg->off[y + 1] - sg->off[y];
     size_t n = lx < ly ? lx : ly;
-    int c = memcmp(min_sig_pool + min_sig_off[x], min_sig_pool + min_sig_off[y], n * sizeof(int32_t));
+    int c = memcmp(sg->pool + sg->off[x], sg->pool + sg->off[y], n * sizeof(int32_t));
     if (c) return c;
     if (lx != ly) return lx < ly ? -1 : 1;
     return (x > y) - (x < y);
@@ -411,8 +412,6 @@ static int cmp_call(const void *a, const void *b)
     if (x->rule != y->rule) return x->rule < y->rule ? -1 : 1;
     return (x->ret > y->ret) - (x->ret < y->ret);
 }
-
-static pthread_mutex_t min_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static int minimize(dfa_t *d)
 {
@@ -463,10 +462,8 @@ static int minimize(dfa_t *d)
             order[i] = i;
         }
         off[n] = np;
-        pthread_mutex_lock(&min_lock);
-        min_sig_pool = pool;
-        min_sig_off = off;
-        qsort(order, (size_t)n, sizeof *order, cmp_sig);
+        sig_t sg = { pool, off };
+        qsort_r(order, (size_t)n, sizeof *order, cmp_sig, &sg);
         int32_t k = -1;
         for (int32_t i = 0; i < n; i++) {
             bool same = i > 0;  /* equal signatures (the sort breaks ties by index: compare arrays) */
@@ -478,7 +475,6 @@ static int minimize(dfa_t *d)
             if (!same) k++;
             ncls[order[i]] = k;
         }
-        pthread_mutex_unlock(&min_lock);
         int32_t m = k + 1;
         memcpy(cls, ncls, (size_t)n * sizeof *cls);
         if (m == n_cls) break;
@@ -496,9 +492,8 @@ static int minimize(dfa_t *d)
         gram_state_t *st = prism_malloc((size_t)n_cls * sizeof *st);
         gram_range_t *rg = prism_malloc((d->n_rg ? d->n_rg : 1) * sizeof *rg);
         gram_call_t *cl = prism_malloc((d->n_cl ? d->n_cl : 1) * sizeof *cl);
-        bool *done_cls = prism_calloc((size_t)n_cls, 1);
-        if (!st || !rg || !cl || !done_cls) {
-            prism_free(st); prism_free(rg); prism_free(cl); prism_free(done_cls);
+        if (!st || !rg || !cl) {
+            prism_free(st); prism_free(rg); prism_free(cl);
             gram_fail(d->b, PRISM_ENOMEM, "", "out of memory compiling the grammar");
             goto done;
         }
@@ -527,8 +522,6 @@ static int minimize(dfa_t *d)
             t.n_calls = (uint16_t)(nc - t.call_off);
             st[ni] = t;
         }
-        (void)done_cls;
-        prism_free(done_cls);
         prism_free(d->st);
         prism_free(d->rg);
         prism_free(d->cl);

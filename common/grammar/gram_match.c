@@ -223,14 +223,12 @@ static int cache_fill(prism_grammar_t *g, int32_t state, gram_cache_entry_t **ou
     PRISM_ASSERT(top >= 0);
     c->max_depth_seen = 1;
     const gram_state_t *st = &g->states[state];
-    int32_t *acc = g->cache_mask;  /* ids, at most n_sorted; reuse the mask scratch size when it fits */
     int32_t *acc_ids = prism_malloc((v->n_sorted ? v->n_sorted : 1) * sizeof *acc_ids);
     int32_t *unc = prism_malloc((v->n_sorted ? v->n_sorted : 1) * sizeof *unc);
     uint16_t *unc_lcp = prism_malloc((v->n_sorted ? v->n_sorted : 1) * sizeof *unc_lcp);
     gram_cache_entry_t *e = prism_calloc(1, sizeof *e);
     int rc = PRISM_ENOMEM;
     if (!acc_ids || !unc || !unc_lcp || !e) goto fail;
-    (void)acc;
     uint32_t n_acc = 0, n_unc = 0;
     uint32_t run_min = 0;
     walk_begin(c, &top, 1);

@@ -1,26 +1,24 @@
 /* Vocabulary for grammar matching: every token's bytes, and the usable tokens sorted by bytes with
  * longest-common-prefix lengths (a token trie in array form: a walk in this order shares the
  * work of common prefixes). Built once per tokenizer. */
+#define _GNU_SOURCE 1   /* qsort_r */
 #include <stdlib.h>
 #include <string.h>
 
 #include "gram_internal.h"
 #include "tokenizer/tokenizer.h"
 
-static const prism_grammar_vocab_t *sort_v;
-
-static int cmp_tok(const void *a, const void *b)
+static int cmp_tok(const void *a, const void *b, void *arg)
 {
+    const prism_grammar_vocab_t *v = arg;
     int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
     uint32_t lx, ly;
-    const uint8_t *px = gram_tok_bytes(sort_v, x, &lx), *py = gram_tok_bytes(sort_v, y, &ly);
+    const uint8_t *px = gram_tok_bytes(v, x, &lx), *py = gram_tok_bytes(v, y, &ly);
     int c = memcmp(px, py, lx < ly ? lx : ly);
     if (c) return c;
     if (lx != ly) return lx < ly ? -1 : 1;
     return (x > y) - (x < y);
 }
-
-static pthread_mutex_t sort_lock = PTHREAD_MUTEX_INITIALIZER;
 
 void prism_grammar_vocab_free(prism_grammar_vocab_t *v)
 {
@@ -67,11 +65,7 @@ static int vocab_finish(prism_grammar_vocab_t *v, const bool *special, const int
         v->sorted[v->n_sorted++] = (int32_t)i;
         if (len > v->max_len) v->max_len = len;
     }
-    pthread_mutex_lock(&sort_lock);
-    sort_v = v;
-    qsort(v->sorted, v->n_sorted, sizeof *v->sorted, cmp_tok);
-    sort_v = NULL;
-    pthread_mutex_unlock(&sort_lock);
+    qsort_r(v->sorted, v->n_sorted, sizeof *v->sorted, cmp_tok, v);
     for (size_t i = 1; i < v->n_sorted; i++) {
         uint32_t la, lb;
         const uint8_t *a = gram_tok_bytes(v, v->sorted[i - 1], &la), *b = gram_tok_bytes(v, v->sorted[i], &lb);

@@ -53,7 +53,7 @@ struct prism_toolcall_parser {
     bool first_kw, comma_pending, first_item[TC_MAX_NEST + 1];
     char quote;
     prism_buf_t out;       /* scratch for converted text */
-    prism_buf_t name;
+    bool str_is_key;       /* pythonic: the string being read is a dict key */
 };
 
 int prism_toolcall_format_parse(const char *name)
@@ -665,7 +665,7 @@ static bool py_step(prism_toolcall_parser_t *p)
                 p->pos++;
                 if (p->sp > 0) p->first_item[p->sp] = false;
                 /* a string that is a dict key is followed by ':' */
-                if (p->sp > 0 && p->stack[p->sp - 1] == '}' && p->in_str) { p->in_str = false; p->st = P_DICT_COLON; }
+                if (p->str_is_key) { p->str_is_key = false; p->st = P_DICT_COLON; }
                 else py_value_done(p);
                 return true;
             }
@@ -693,7 +693,7 @@ static bool py_step(prism_toolcall_parser_t *p)
         if (!p->first_item[p->sp]) emit_args(p, ", ", 2);
         p->comma_pending = false;
         p->quote = c;
-        p->in_str = true;   /* marks "this string is a key" */
+        p->str_is_key = true;
         p->pos++;
         emit_args(p, "\"", 1);
         p->st = P_STRING;
@@ -795,7 +795,6 @@ void prism_toolcall_parser_free(prism_toolcall_parser_t *p)
     prism_buf_free(&p->buf);
     prism_buf_free(&p->pending);
     prism_buf_free(&p->out);
-    prism_buf_free(&p->name);
     prism_free(p);
 }
 
