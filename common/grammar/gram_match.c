@@ -605,8 +605,15 @@ int prism_grammar_matcher_fill_mask(prism_grammar_matcher_t *m, int32_t *mask)
     }
     if (m->can_end)
         for (size_t i = 0; i < v->n_eos; i++) set_bit(mask, v->eos[i]);
+    /* SWAR bit count: without -mpopcnt the builtin is a libgcc call per word */
     int count = 0;
-    for (size_t w = 0; w < words; w++) count += __builtin_popcount((uint32_t)mask[w]);
+    for (size_t w = 0; w < words; w++) {
+        uint32_t x = (uint32_t)mask[w];
+        if (!x) continue;
+        x = x - ((x >> 1) & 0x55555555u);
+        x = (x & 0x33333333u) + ((x >> 2) & 0x33333333u);
+        count += (int)((((x + (x >> 4)) & 0x0F0F0F0Fu) * 0x01010101u) >> 24);
+    }
     return count;
 }
 
