@@ -85,10 +85,11 @@ typedef struct {
      * ':' and ','. N > 0: up to N of [ \t\n] at every place JSON allows whitespace. Bounded so a
      * model cannot loop on whitespace forever. */
     int max_whitespace;
-    /* Keys not listed in "properties" are allowed only when "additionalProperties" is true or a
-     * schema (as xgrammar's strict mode; an absent keyword means false). */
     bool pythonic;           /* literals as Python: True/False/None (tool-call arguments) */
 } prism_grammar_json_opts_t;
+/* Schema semantics worth knowing (docs/STRUCTURED_OUTPUT.md has the full list): keys not in
+ * "properties" only when "additionalProperties" is true or a schema (absent = false, as
+ * xgrammar's strict mode); properties in declared order; unsupported keywords are PRISM_ENOTSUP. */
 
 /* ---- vocabulary: built once per tokenizer ----
  * Token bytes come from prism_tokenizer_token_bytes. Special tokens are never allowed by a
@@ -171,7 +172,9 @@ int  prism_grammar_matcher_create(prism_grammar_t *g, const prism_grammar_limits
 void prism_grammar_matcher_free(prism_grammar_matcher_t *m);
 /* Writes prism_grammar_mask_words(v) words. Returns the number of allowed tokens (EOS included)
  * or a negative status. 0 allowed means the matcher is stuck (a run-time limit pruned every
- * path); the caller ends the sequence. Allocates nothing. */
+ * path); the caller ends the sequence. Allocates nothing, except that the first time any
+ * matcher of the grammar reaches a state, that state's cache entry is filled (under the
+ * grammar's lock); prism_grammar_warm does all of them up front. */
 int  prism_grammar_matcher_fill_mask(prism_grammar_matcher_t *m, int32_t *mask);
 /* Advances by one sampled token. PRISM_EINVAL (state unchanged) when the token is not allowed;
  * an EOS id is accepted only where the grammar can end and terminates the matcher. */
