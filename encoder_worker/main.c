@@ -190,6 +190,12 @@ static int prepare(encoder_t *e, job_t *j, int slot)
                  info.width, info.height, (unsigned long long)e->max_pixels);
         return PRISM_ELIMIT;
     }
+    int tw, th;
+    if (prism_clip_resize_target(&e->pre, info.width, info.height, &tw, &th) != PRISM_OK) {
+        snprintf(j->error, sizeof(j->error), "Image of %dx%d pixels cannot be resized to the model's input: its "
+                 "aspect ratio is too extreme.", info.width, info.height);
+        return PRISM_ELIMIT;
+    }
     prism_image_decode_opts_t opts = {.max_pixels = e->max_pixels};
     if (e->dct == DCT_ALWAYS)
         prism_clip_decode_opts(&e->pre, &info, &opts);
