@@ -10,6 +10,9 @@
 
 /* Slack for alignment padding and libraries' small objects beyond the per-row estimates. */
 #define REGION_SLACK (64u << 10)
+/* What jpeg_create_decompress allocates with libjpeg's own malloc, once (its manager, marker
+ * reader, input controller and master: about 2 KiB), counted in the plan by generous excess. */
+#define LIBJPEG_OWN_BYTES (16u << 10)
 
 void prism_image_free(prism_image_t *img)
 {
@@ -91,7 +94,7 @@ size_t prism_image_decoder_bytes(int max_width, uint64_t whole_pixels)
         whole = (size_t)whole_pixels * 3 + PRISM_MAX(prism_image_jpeg_stream_bytes(side, true),
                                                      prism_image_png_stream_bytes(side));
     }
-    return PRISM_IMAGE_PERM_BYTES + PRISM_MAX(rows, whole) + REGION_SLACK;
+    return PRISM_IMAGE_PERM_BYTES + PRISM_MAX(rows, whole) + REGION_SLACK + LIBJPEG_OWN_BYTES;
 }
 
 /* ---------------------------------------------------------------- decoder object */

@@ -139,9 +139,11 @@ typedef struct {
 
 typedef struct prism_image_decoder prism_image_decoder_t;
 
-/* Region a decoder needs to decode, without allocating, every JPEG / PNG up to max_width pixels
- * wide, plus whole-image state (progressive JPEG coefficients at 4:2:0, interlaced PNG) for images
- * of up to whole_pixels pixels (3 bytes each; 0: only what streams in rows). */
+/* Memory a decoder needs to decode, without allocating, every JPEG / PNG up to max_width pixels
+ * wide, plus whole-image state (progressive JPEG coefficients at 4:2:0, interlaced PNG) for a
+ * (square) image of up to whole_pixels pixels (3 bytes each; 0: only what streams in rows). Pass it
+ * to prism_image_decoder_create as the region size; it also covers libjpeg's own create-time
+ * objects. */
 size_t prism_image_decoder_bytes(int max_width, uint64_t whole_pixels);
 
 /* Allocates the decoder and its region (counted: prism_malloc_aligned) and creates libjpeg's
@@ -171,7 +173,9 @@ size_t prism_image_decoder_region_bytes(const prism_image_decoder_t *d);
  * about the larger of decoding and preprocessing when a second core is free. */
 typedef struct prism_image_relay prism_image_relay_t;
 
-/* Ring bytes for rows of up to max_width pixels (at least 8 rows; about 2 MiB). */
+/* Memory of a relay for rows of up to max_width pixels: its ring (at least 8 rows of max_width,
+ * 256 KiB at least: 64 rows of a 1024-pixel image, 21 of a 4096-pixel one) and the helper thread's
+ * stack (256 KiB, mapped by pthread rather than counted by our allocator). */
 size_t prism_image_relay_bytes(int max_width);
 /* Allocates the ring (counted) and starts the helper thread (a small fixed stack). */
 int prism_image_relay_create(int max_width, prism_image_relay_t **out);

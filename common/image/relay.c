@@ -6,7 +6,7 @@
 #include <pthread.h>
 #include <string.h>
 
-#define RELAY_RING_BYTES (2u << 20)
+#define RELAY_RING_BYTES (256u << 10)
 #define RELAY_MIN_ROWS 8          /* more than libjpeg's rows per call (at most 4) */
 #define RELAY_MAX_ROWS 64
 #define RELAY_STACK (256u << 10)
@@ -31,12 +31,14 @@ struct prism_image_relay {
 
 static size_t row_stride(int w) { return ((size_t)w * 3 + 63) & ~(size_t)63; }
 
-size_t prism_image_relay_bytes(int max_width)
+static size_t ring_bytes(int max_width)
 {
     if (max_width < 1)
         max_width = 1;
     return PRISM_MAX((size_t)RELAY_RING_BYTES, RELAY_MIN_ROWS * row_stride(max_width));
 }
+
+size_t prism_image_relay_bytes(int max_width) { return ring_bytes(max_width) + RELAY_STACK; }
 
 static uint8_t *slot(prism_image_relay_t *r, int y) { return r->ring + (size_t)(y % r->depth) * r->stride; }
 
@@ -74,7 +76,7 @@ int prism_image_relay_create(int max_width, prism_image_relay_t **out)
     if (!r)
         return PRISM_ENOMEM;
     r->max_width = max_width;
-    r->ring_bytes = prism_image_relay_bytes(max_width);
+    r->ring_bytes = ring_bytes(max_width);
     r->ring = prism_malloc_aligned(r->ring_bytes, 64);
     if (!r->ring) {
         prism_free(r);
