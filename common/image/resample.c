@@ -441,26 +441,30 @@ __attribute__((target("avx2"))) static void split_s16_avx2(const uint8_t *rgb, i
                   mgb = _mm256_broadcastsi128_si256(gb), mgc = _mm256_broadcastsi128_si256(gc),
                   mba = _mm256_broadcastsi128_si256(ba), mbb = _mm256_broadcastsi128_si256(bb),
                   mbc = _mm256_broadcastsi128_si256(bc);
+    int16_t *p0 = p[0], *p1 = p[1], *p2 = p[2];
     int x = 0;
     for (; x + 32 <= n; x += 32) {
         const uint8_t *s = rgb + 3 * x;
-#define LOAD2(o) _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(s + (o)))), \
-                                         _mm_loadu_si128((const __m128i *)(s + 48 + (o))), 1)
-        __m256i a = LOAD2(0), b = LOAD2(16), c = LOAD2(32);
-#undef LOAD2
-        __m256i v[3];
-        v[0] = _mm256_or_si256(_mm256_or_si256(_mm256_shuffle_epi8(a, mra), _mm256_shuffle_epi8(b, mrb)),
-                               _mm256_shuffle_epi8(c, mrc));
-        v[1] = _mm256_or_si256(_mm256_or_si256(_mm256_shuffle_epi8(a, mga), _mm256_shuffle_epi8(b, mgb)),
-                               _mm256_shuffle_epi8(c, mgc));
-        v[2] = _mm256_or_si256(_mm256_or_si256(_mm256_shuffle_epi8(a, mba), _mm256_shuffle_epi8(b, mbb)),
-                               _mm256_shuffle_epi8(c, mbc));
-        for (int k = 0; k < 3; k++) {
-            _mm256_storeu_si256((__m256i *)(p[k] + x), _mm256_cvtepu8_epi16(_mm256_castsi256_si128(v[k])));
-            _mm256_storeu_si256((__m256i *)(p[k] + x + 16), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v[k], 1)));
-        }
+        __m256i a = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)s)),
+                                            _mm_loadu_si128((const __m128i *)(s + 48)), 1);
+        __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(s + 16))),
+                                            _mm_loadu_si128((const __m128i *)(s + 64)), 1);
+        __m256i c = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(s + 32))),
+                                            _mm_loadu_si128((const __m128i *)(s + 80)), 1);
+        __m256i r = _mm256_or_si256(_mm256_or_si256(_mm256_shuffle_epi8(a, mra), _mm256_shuffle_epi8(b, mrb)),
+                                    _mm256_shuffle_epi8(c, mrc));
+        __m256i g = _mm256_or_si256(_mm256_or_si256(_mm256_shuffle_epi8(a, mga), _mm256_shuffle_epi8(b, mgb)),
+                                    _mm256_shuffle_epi8(c, mgc));
+        __m256i bl = _mm256_or_si256(_mm256_or_si256(_mm256_shuffle_epi8(a, mba), _mm256_shuffle_epi8(b, mbb)),
+                                     _mm256_shuffle_epi8(c, mbc));
+        _mm256_storeu_si256((__m256i *)(p0 + x), _mm256_cvtepu8_epi16(_mm256_castsi256_si128(r)));
+        _mm256_storeu_si256((__m256i *)(p0 + x + 16), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(r, 1)));
+        _mm256_storeu_si256((__m256i *)(p1 + x), _mm256_cvtepu8_epi16(_mm256_castsi256_si128(g)));
+        _mm256_storeu_si256((__m256i *)(p1 + x + 16), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(g, 1)));
+        _mm256_storeu_si256((__m256i *)(p2 + x), _mm256_cvtepu8_epi16(_mm256_castsi256_si128(bl)));
+        _mm256_storeu_si256((__m256i *)(p2 + x + 16), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(bl, 1)));
     }
-    int16_t *const q[3] = {p[0] + x, p[1] + x, p[2] + x};
+    int16_t *const q[3] = {p0 + x, p1 + x, p2 + x};
     split_s16_ssse3(rgb + 3 * x, n - x, q);
 }
 #endif
@@ -524,21 +528,24 @@ static inline __m128i sse2_narrow(__m128i q0, __m128i q1, __m128i q2, __m128i q3
 static void hpass_torch_sse2(const prism_resample_t *r, const int16_t *const src[3], uint8_t *const dst[3])
 {
     const prism_resample_axis_t *a = &r->h;
+    const int16_t *restrict kk = (const int16_t *)a->k;
+    const int32_t *restrict ib = a->ib;
+    const int16_t *restrict s0p = src[0], *restrict s1p = src[1], *restrict s2p = src[2];
+    uint8_t *restrict d0 = dst[0], *restrict d1 = dst[1], *restrict d2 = dst[2];
+    const size_t kpad = (size_t)a->kpad;
+    const int wx = r->wx;
     const __m128i zero = _mm_setzero_si128();
     const __m128i half = _mm_set1_epi32(half_of(a->precision));
     const __m128i sh = _mm_cvtsi32_si128(a->precision);
-    for (int x = 0; x < r->wx; x++) {
-        const int16_t *k = (const int16_t *)a->k + (size_t)x * a->kpad;
-        int off = a->ib[2 * x], n = a->ib[2 * x + 1];
+    for (int x = 0; x < wx; x++) {
+        const int16_t *k = kk + (size_t)x * kpad;
+        int off = ib[2 * x], n = ib[2 * x + 1];
         __m128i s0 = zero, s1 = zero, s2 = zero;
         for (int t = 0; t < n; t += 8) {
             __m128i kv = _mm_load_si128((const __m128i *)(k + t));
-            __m128i p0 = _mm_loadu_si128((const __m128i *)(src[0] + off + t));
-            __m128i p1 = _mm_loadu_si128((const __m128i *)(src[1] + off + t));
-            __m128i p2 = _mm_loadu_si128((const __m128i *)(src[2] + off + t));
-            s0 = _mm_add_epi32(s0, _mm_madd_epi16(p0, kv));
-            s1 = _mm_add_epi32(s1, _mm_madd_epi16(p1, kv));
-            s2 = _mm_add_epi32(s2, _mm_madd_epi16(p2, kv));
+            s0 = _mm_add_epi32(s0, _mm_madd_epi16(_mm_loadu_si128((const __m128i *)(s0p + off + t)), kv));
+            s1 = _mm_add_epi32(s1, _mm_madd_epi16(_mm_loadu_si128((const __m128i *)(s1p + off + t)), kv));
+            s2 = _mm_add_epi32(s2, _mm_madd_epi16(_mm_loadu_si128((const __m128i *)(s2p + off + t)), kv));
         }
         /* transpose-add the three accumulators into [s0, s1, s2, s2] */
         __m128i t01lo = _mm_unpacklo_epi32(s0, s1), t01hi = _mm_unpackhi_epi32(s0, s1);
@@ -549,9 +556,9 @@ static void hpass_torch_sse2(const prism_resample_t *r, const int16_t *const src
         sum = _mm_add_epi32(sum, half);
         __m128i b = sse2_narrow(sum, sum, sum, sum, sh);
         uint32_t w = (uint32_t)_mm_cvtsi128_si32(b);
-        dst[0][x] = (uint8_t)w;
-        dst[1][x] = (uint8_t)(w >> 8);
-        dst[2][x] = (uint8_t)(w >> 16);
+        d0[x] = (uint8_t)w;
+        d1[x] = (uint8_t)(w >> 8);
+        d2[x] = (uint8_t)(w >> 16);
     }
 }
 
@@ -585,21 +592,26 @@ static void vpass_torch_sse2(const prism_resample_t *r, int j, const uint8_t *co
 __attribute__((target("avx2"))) static void hpass_torch_avx2(const prism_resample_t *r, const int16_t *const src[3],
                                                              uint8_t *const dst[3])
 {
+    /* Locals, not r->...: the byte stores below may alias anything, so the compiler would
+     * reload every field per sample. */
     const prism_resample_axis_t *a = &r->h;
+    const int16_t *restrict kk = (const int16_t *)a->k;
+    const int32_t *restrict ib = a->ib;
+    const int16_t *restrict s0p = src[0], *restrict s1p = src[1], *restrict s2p = src[2];
+    uint8_t *restrict d0 = dst[0], *restrict d1 = dst[1], *restrict d2 = dst[2];
+    const size_t kpad = (size_t)a->kpad;
+    const int wx = r->wx;
     const __m128i half = _mm_set1_epi32(half_of(a->precision));
     const __m128i sh = _mm_cvtsi32_si128(a->precision);
-    for (int x = 0; x < r->wx; x++) {
-        const int16_t *k = (const int16_t *)a->k + (size_t)x * a->kpad;
-        int off = a->ib[2 * x], n = a->ib[2 * x + 1];
+    for (int x = 0; x < wx; x++) {
+        const int16_t *k = kk + (size_t)x * kpad;
+        int off = ib[2 * x], n = ib[2 * x + 1];
         __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0;
         for (int t = 0; t < n; t += 16) {
             __m256i kv = _mm256_load_si256((const __m256i *)(k + t));
-            __m256i p0 = _mm256_loadu_si256((const __m256i *)(src[0] + off + t));
-            __m256i p1 = _mm256_loadu_si256((const __m256i *)(src[1] + off + t));
-            __m256i p2 = _mm256_loadu_si256((const __m256i *)(src[2] + off + t));
-            s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(p0, kv));
-            s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(p1, kv));
-            s2 = _mm256_add_epi32(s2, _mm256_madd_epi16(p2, kv));
+            s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(s0p + off + t)), kv));
+            s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(s1p + off + t)), kv));
+            s2 = _mm256_add_epi32(s2, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(s2p + off + t)), kv));
         }
         /* per 128-bit lane: [s0, s1, s2, s2] partial sums; then add the lanes */
         __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_hadd_epi32(s2, s2));
@@ -607,9 +619,9 @@ __attribute__((target("avx2"))) static void hpass_torch_avx2(const prism_resampl
         sum = _mm_add_epi32(sum, half);
         __m128i w = _mm_packs_epi32(_mm_sra_epi32(sum, sh), _mm_setzero_si128());
         uint32_t v = (uint32_t)_mm_cvtsi128_si32(_mm_packus_epi16(w, w));
-        dst[0][x] = (uint8_t)v;
-        dst[1][x] = (uint8_t)(v >> 8);
-        dst[2][x] = (uint8_t)(v >> 16);
+        d0[x] = (uint8_t)v;
+        d1[x] = (uint8_t)(v >> 8);
+        d2[x] = (uint8_t)(v >> 16);
     }
 }
 
