@@ -47,12 +47,19 @@ typedef struct {
     prism_image_decoder_t *d;
 } jerr_t;
 
+typedef struct {
+    struct jpeg_progress_mgr pub;     /* must stay first */
+    int last_scan;
+    uint64_t visits;                  /* coefficient blocks the scans so far cover */
+    uint64_t blocks;                  /* blocks of the whole image */
+} jprog_t;
+
 struct prism_jpeg_state {
     struct jpeg_decompress_struct ci;
     jerr_t err;
     jmem_t mem;
     struct jpeg_source_mgr src;
-    struct jpeg_progress_mgr progress;
+    jprog_t progress;
 };
 
 static size_t jround(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -279,13 +286,26 @@ static void src_skip(j_decompress_ptr c, long n)
     s->bytes_in_buffer -= (size_t)n;
 }
 
+/* Called before every unit of input libjpeg consumes: a new scan is accounted when it starts.
+ * Decoding a scan visits every block of its components, so the scans bound the CPU a file costs. */
 static void progress_monitor(j_common_ptr c)
 {
     j_decompress_ptr ci = (j_decompress_ptr)c;
+    jprog_t *p = (jprog_t *)ci->progress;
+    if (ci->input_scan_number == p->last_scan)
+        return;
+    p->last_scan = ci->input_scan_number;
+    char n[16];
     if (ci->input_scan_number > PRISM_IMAGE_MAX_JPEG_SCANS) {
-        char n[16];
         snprintf(n, sizeof n, "%d", PRISM_IMAGE_MAX_JPEG_SCANS);
         jfail(c, PRISM_ELIMIT, "the JPEG has more than %s scans", n);
+    }
+    for (int i = 0; i < ci->comps_in_scan && i < MAX_COMPS_IN_SCAN; i++)
+        if (ci->cur_comp_info[i])
+            p->visits += (uint64_t)ci->cur_comp_info[i]->width_in_blocks * ci->cur_comp_info[i]->height_in_blocks;
+    if (p->visits > (uint64_t)PRISM_IMAGE_MAX_JPEG_PASSES * p->blocks) {
+        snprintf(n, sizeof n, "%d", PRISM_IMAGE_MAX_JPEG_PASSES);
+        jfail(c, PRISM_ELIMIT, "the JPEG's scans revisit its coefficients more than %s times", n);
     }
 }
 
@@ -329,8 +349,8 @@ int prism_image_jpeg_state_create(prism_image_decoder_t *d)
     J->src.resync_to_restart = jpeg_resync_to_restart;
     J->src.term_source = src_term;
     J->ci.src = &J->src;
-    J->progress.progress_monitor = progress_monitor;
-    J->ci.progress = &J->progress;
+    J->progress.pub.progress_monitor = progress_monitor;
+    J->ci.progress = &J->progress.pub;
     d->jpeg = J;
     return PRISM_OK;
 }
@@ -415,7 +435,12 @@ int prism_image_jpeg_run(prism_image_decoder_t *d, const uint8_t *data, size_t l
         jpeg_abort_decompress(ci);
         return rc;
     }
+    J->progress.last_scan = 0;
+    J->progress.visits = 0;
+    J->progress.blocks = 0;
     jpeg_read_header(ci, TRUE);
+    for (int i = 0; i < ci->num_components; i++)
+        J->progress.blocks += (uint64_t)ci->comp_info[i].width_in_blocks * ci->comp_info[i].height_in_blocks;
     int rc = PRISM_OK;
     if ((int)ci->image_width != info->width || (int)ci->image_height != info->height) {
         rc = PRISM_ECORRUPT;

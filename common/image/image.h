@@ -45,9 +45,13 @@
 #define PRISM_IMAGE_MAX_DIM 65535
 /* Used when prism_image_decode_opts_t.max_pixels is 0: PIL's decompression-bomb error threshold. */
 #define PRISM_IMAGE_DEFAULT_MAX_PIXELS (2ull * 89478485ull)
-/* Scans a JPEG may have. Each scan of a progressive file revisits every block, so scans x pixels
- * bounds the CPU a file costs; encoders write 2-20 (libjpeg's progressive script: 10 for color). */
+/* Scans a JPEG may have, and how many times its scans may cover its coefficient blocks in all
+ * (each scan of a progressive file visits every block of its components, so this bounds the CPU a
+ * small file can cost). Encoders write 2-20 scans covering each block 4-8 times (libjpeg's
+ * progressive script: 10 scans, luma blocks 6 times); a 60 KB file with 495 scans used to cost
+ * 495 passes over a 4096x4096 image. */
 #define PRISM_IMAGE_MAX_JPEG_SCANS 64
+#define PRISM_IMAGE_MAX_JPEG_PASSES 16
 
 typedef enum {
     PRISM_IMAGE_FORMAT_UNKNOWN = 0,
@@ -103,7 +107,8 @@ typedef struct {
  * stores every row, and a region sized for this one image (allocated and freed here).
  * Errors: PRISM_EINVAL (bad arguments), PRISM_ENOTSUP (unknown format, 12-bit JPEG),
  * PRISM_ECORRUPT (corrupt or truncated data, including libjpeg's "premature end" warnings),
- * PRISM_ELIMIT (pixel / dimension / buffer bounds, more than PRISM_IMAGE_MAX_JPEG_SCANS scans),
+ * PRISM_ELIMIT (pixel / dimension / buffer bounds, more than PRISM_IMAGE_MAX_JPEG_SCANS scans or
+ * PRISM_IMAGE_MAX_JPEG_PASSES passes over the coefficients),
  * PRISM_ENOMEM. On error *out is zeroed and nothing is leaked. */
 int prism_image_decode(const uint8_t *data, size_t len, const prism_image_decode_opts_t *opts,
                        prism_image_t *out);

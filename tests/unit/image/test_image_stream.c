@@ -480,8 +480,9 @@ static void test_decoder_sizing(void **state)
 
 /* ---------------------------------------------------------------- scans */
 
-/* Grayscale progressive script: DC, then one AC coefficient per scan, then refinement scans. */
-static int scan_script(jpeg_scan_info *s, int n)
+/* Grayscale progressive script of n scans, each covering every block: DC, then one AC coefficient
+ * per scan, then refinements. */
+static int gray_script(jpeg_scan_info *s, int n)
 {
     int k = 0;
     s[k++] = (jpeg_scan_info){1, {0}, 0, 0, 0, 1};   /* DC, first pass at Al = 1 */
@@ -493,36 +494,67 @@ static int scan_script(jpeg_scan_info *s, int n)
     return k;
 }
 
-static void test_scan_cap(void **state)
+/* Luma 4x4, chroma 1x1 (1/16 of the luma blocks each): n scans that cover few blocks each. */
+static int chroma_script(jpeg_scan_info *s, int n)
+{
+    int k = 0;
+    for (int ci = 0; ci < 3; ci++)
+        s[k++] = (jpeg_scan_info){1, {ci}, 0, 0, 0, 0};
+    for (int c = 1; c <= 63 && k < n; c++) {
+        s[k++] = (jpeg_scan_info){1, {1}, c, c, 0, 0};
+        if (k < n)
+            s[k++] = (jpeg_scan_info){1, {2}, c, c, 0, 0};
+    }
+    return k;
+}
+
+static void test_scan_limits(void **state)
 {
     int w = 1024, h = 1024;
-    uint8_t *pix = ig_pixels(w, h, 1, 6);
+    uint8_t *gray = ig_pixels(w, h, 1, 6), *color = ig_pixels(w, h, 3, 7);
     jpeg_scan_info scans[128];
     prism_image_sink_t sink = {.row = drop_row};
-    int counts[] = {PRISM_IMAGE_MAX_JPEG_SCANS, 65, 128};
+    struct {
+        bool chroma;
+        int n, rc;
+        const char *why;
+    } cases[] = {
+        {false, PRISM_IMAGE_MAX_JPEG_PASSES, PRISM_OK, NULL},
+        {false, PRISM_IMAGE_MAX_JPEG_PASSES + 1, PRISM_ELIMIT, "revisit"},    /* every scan covers everything */
+        {false, 120, PRISM_ELIMIT, "revisit"},
+        {true, PRISM_IMAGE_MAX_JPEG_SCANS, PRISM_OK, NULL},
+        {true, PRISM_IMAGE_MAX_JPEG_SCANS + 1, PRISM_ELIMIT, "more than 64 scans"},   /* cheap scans */
+    };
     double t_ok = 0;
-    for (size_t i = 0; i < PRISM_ARRAY_LEN(counts); i++) {
-        int n = scan_script(scans, counts[i]);
-        assert_int_equal(n, counts[i]);
-        ig_jpeg_t o = {.comps = 1, .in_cs = JCS_GRAYSCALE, .jpeg_cs = JCS_GRAYSCALE, .scans = scans, .n_scans = n};
+    for (size_t i = 0; i < PRISM_ARRAY_LEN(cases); i++) {
+        ig_jpeg_t o = {.comps = 1, .in_cs = JCS_GRAYSCALE, .jpeg_cs = JCS_GRAYSCALE};
+        if (cases[i].chroma) {
+            o = (ig_jpeg_t){.comps = 3, .in_cs = JCS_RGB, .jpeg_cs = JCS_YCbCr, .samp = {{4, 4}, {1, 1}, {1, 1}}};
+            o.n_scans = chroma_script(scans, cases[i].n);
+        } else {
+            o.n_scans = gray_script(scans, cases[i].n);
+        }
+        assert_int_equal(o.n_scans, cases[i].n);
+        o.scans = scans;
         size_t len;
-        uint8_t *f = ig_jpeg(pix, w, h, &o, &len);
+        uint8_t *f = ig_jpeg(cases[i].chroma ? color : gray, w, h, &o, &len);
         double t0 = prism_now_s();
         int rc = prism_image_decoder_run(the_decoder(), f, len, NULL, &sink);
         double t = prism_now_s() - t0;
-        if (n <= PRISM_IMAGE_MAX_JPEG_SCANS) {
-            assert_int_equal(rc, PRISM_OK);
-            t_ok = t;
+        if (rc != cases[i].rc)
+            fail_msg("case %zu: %s (%s)", i, prism_strerror(rc), prism_image_decoder_error(the_decoder()));
+        if (rc == PRISM_OK) {
+            t_ok = PRISM_MAX(t_ok, t);
         } else {
-            assert_int_equal(rc, PRISM_ELIMIT);
-            assert_non_null(strstr(prism_image_decoder_error(the_decoder()), "scans"));
-            /* refused during the 65th scan: never more than the cost of the allowed maximum */
+            assert_non_null(strstr(prism_image_decoder_error(the_decoder()), cases[i].why));
+            /* refused as the limit is crossed: never more than the cost of the allowed maximum */
             if (!(t < 2 * t_ok + 0.05))
-                fail_msg("%d scans refused after %.3f s; %d scans decoded in %.3f s", n, t, PRISM_IMAGE_MAX_JPEG_SCANS, t_ok);
+                fail_msg("case %zu refused after %.3f s; the allowed maximum decoded in %.3f s", i, t, t_ok);
         }
         prism_free(f);
     }
-    prism_free(pix);
+    prism_free(gray);
+    prism_free(color);
 }
 
 /* ---------------------------------------------------------------- isolation */
@@ -734,7 +766,7 @@ int main(void)
         cmocka_unit_test(test_whole_decode_matches_reference),
         cmocka_unit_test(test_decode_memory_bounds),
         cmocka_unit_test(test_decoder_sizing),
-        cmocka_unit_test(test_scan_cap),
+        cmocka_unit_test(test_scan_limits),
         cmocka_unit_test(test_decoder_isolation),
         cmocka_unit_test(test_relay_errors),
         cmocka_unit_test(test_resample_kernels_agree),
