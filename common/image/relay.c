@@ -1,6 +1,8 @@
 /* Relay: the decoder (caller's thread) fills a ring of rows; a helper thread hands them, in order,
- * to the inner sink. One mutex, two condition variables; the helper takes every row available at
- * once, so the lock is taken about twice per row at most. */
+ * to the inner sink. One mutex, two condition variables. A sleeping helper is woken only once a
+ * quarter of the ring is ready (or the image ends) and takes every row available at once, and the
+ * decoder is woken only when it waits for a free slot: a few hundred wake-ups per image, not one
+ * per row. */
 #include "image/image.h"
 
 #include <pthread.h>
@@ -27,6 +29,7 @@ struct prism_image_relay {
     int err;                      /* first error of the inner sink */
     bool abort;                   /* the decode failed: skip what is left */
     bool stop;
+    bool helper_sleeps, decoder_sleeps;
 };
 
 static size_t row_stride(int w) { return ((size_t)w * 3 + 63) & ~(size_t)63; }
@@ -47,8 +50,11 @@ static void *relay_main(void *arg)
     prism_image_relay_t *r = arg;
     pthread_mutex_lock(&r->mu);
     for (;;) {
-        while (!r->stop && r->consumed == r->produced)
+        while (!r->stop && r->consumed == r->produced) {
+            r->helper_sleeps = true;
             pthread_cond_wait(&r->produced_cv, &r->mu);
+            r->helper_sleeps = false;
+        }
         if (r->stop)
             break;
         int from = r->consumed, to = r->produced;
@@ -61,7 +67,8 @@ static void *relay_main(void *arg)
         if (rc != PRISM_OK && !r->err)
             r->err = rc;
         r->consumed = to;
-        pthread_cond_signal(&r->consumed_cv);
+        if (r->decoder_sleeps)
+            pthread_cond_signal(&r->consumed_cv);
     }
     pthread_mutex_unlock(&r->mu);
     return NULL;
@@ -143,8 +150,13 @@ static int relay_rowbuf(void *ud, int y, uint8_t **buf)
     if (y < r->produced || y - r->produced >= r->depth) {
         rc = PRISM_EINVAL;   /* out of order, or more rows at once than the ring holds */
     } else {
-        while (y - r->consumed >= r->depth && !r->err)
+        while (y - r->consumed >= r->depth && !r->err) {
+            if (r->helper_sleeps)   /* the ring is full: it must run */
+                pthread_cond_signal(&r->produced_cv);
+            r->decoder_sleeps = true;
             pthread_cond_wait(&r->consumed_cv, &r->mu);
+            r->decoder_sleeps = false;
+        }
         rc = r->err;
     }
     pthread_mutex_unlock(&r->mu);
@@ -168,7 +180,8 @@ static int relay_row(void *ud, int y, const uint8_t *rgb)
         rc = PRISM_EINVAL;
     if (rc == PRISM_OK) {
         r->produced = y + 1;
-        pthread_cond_signal(&r->produced_cv);
+        if (r->helper_sleeps && r->produced - r->consumed >= (r->depth + 3) / 4)
+            pthread_cond_signal(&r->produced_cv);
     }
     pthread_mutex_unlock(&r->mu);
     return rc;
@@ -180,8 +193,13 @@ static int relay_end(void *ud, int status)
     pthread_mutex_lock(&r->mu);
     if (status != PRISM_OK)
         r->abort = true;
-    while (r->consumed < r->produced)
+    while (r->consumed < r->produced) {
+        if (r->helper_sleeps)
+            pthread_cond_signal(&r->produced_cv);
+        r->decoder_sleeps = true;
         pthread_cond_wait(&r->consumed_cv, &r->mu);
+        r->decoder_sleeps = false;
+    }
     int rc = status != PRISM_OK ? status : r->err;
     pthread_mutex_unlock(&r->mu);
     if (r->inner.end)
