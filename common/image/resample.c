@@ -3,6 +3,7 @@
 #include "image/resample.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <string.h>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -29,17 +30,24 @@ int prism_resample_force_isa(int isa)
 
 /* What this CPU runs: AVX2 when present, else SSE2 (always there on x86-64), else scalar. The
  * deinterleave needs SSSE3, which every AVX2 CPU has. */
+#if RS_X86
+static int have = ISA_SSE2;
+static bool have_ssse3;
+static pthread_once_t have_once = PTHREAD_ONCE_INIT;
+
+static void cpu_probe(void)
+{
+    __builtin_cpu_init();
+    have_ssse3 = __builtin_cpu_supports("ssse3");
+    have = __builtin_cpu_supports("avx2") ? ISA_AVX2 : ISA_SSE2;
+}
+#endif
+
 static int isa_pick(bool *ssse3)
 {
     *ssse3 = false;
 #if RS_X86
-    static int have = -1;
-    static bool have_ssse3;
-    if (have < 0) {
-        __builtin_cpu_init();
-        have_ssse3 = __builtin_cpu_supports("ssse3");
-        have = __builtin_cpu_supports("avx2") ? ISA_AVX2 : ISA_SSE2;
-    }
+    pthread_once(&have_once, cpu_probe);
     int isa = forced_isa == ISA_AUTO ? have : PRISM_MIN(forced_isa, have);
     *ssse3 = have_ssse3 && isa != ISA_SCALAR;
     return isa;
