@@ -20,8 +20,9 @@ repetition so that a busy machine slows them alike; medians of wall time:
   - previous:    the same program built against an older tree (--previous-whole, see
                  tests/bench/bench_image_whole.c), to time the code before streaming in the same run.
 rss: encoder peak resident memory (VmHWM) after serving images of 512x512 ... 4096x4096 pixels,
-one request at a time (one file in flight), a fresh cluster per size, embedding cache off: both
-photo-like JPEGs (file bytes grow with pixels) and flat PNGs (a few KB at any size).
+one request at a time (one file in flight), a fresh cluster per size, embedding cache off:
+photo-like JPEGs (file bytes grow with pixels), flat PNGs (a few KB at any size), and progressive
+JPEGs (whose coefficients, 3 bytes per pixel at 4:2:0, are whole-image state by nature).
 """
 import argparse
 import json
@@ -115,10 +116,13 @@ def vmhwm(pid):
 def rss(args):
     tmp = tempfile.mkdtemp(prefix="prism-bench-rss-")
     rows = []
-    for kind in ("jpeg", "png"):
+    for kind in ("jpeg", "png", "progressive jpeg"):
         for side in (512, 1024, 2048, 4096):
             if kind == "jpeg":
                 img = cl.make_image(os.path.join(tmp, "p%d.jpg" % side), width=side, height=side, photo=True, seed=1)
+            elif kind == "progressive jpeg":
+                img = cl.make_image(os.path.join(tmp, "q%d.jpg" % side), width=side, height=side, photo=True, seed=1,
+                                    progressive=True)
             else:
                 img = cl.make_image(os.path.join(tmp, "s%d.png" % side), width=side, height=side, shape="circle",
                                     color="green")
