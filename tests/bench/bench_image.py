@@ -11,7 +11,8 @@ repetition so that a busy machine slows them alike; medians of wall time:
                  same process on a 16x16 JPEG ("djpeg_net"), so start-up does not count against it;
   - exact:       prism_bench_image "exact": streaming decode + CLIP preprocessing to 336x336,
                  identical to transformers, on one thread;
-  - exact_relay: the same with preprocessing on a helper thread (encoder default);
+  - exact_relay: the same with preprocessing on a helper thread (encoder default; its CPU time
+                 is the decoding thread's);
   - decode:      the streaming decode alone (rows dropped);
   - dct:         DCT-scaled decode + preprocessing (--jpeg-dct-scaling always);
   - pillow_draft: Pillow Image.open + draft("RGB", (336, 336)) + convert("RGB") + load, in-process
@@ -27,6 +28,7 @@ JPEGs (whose coefficients, 3 bytes per pixel at 4:2:0, are whole-image state by 
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -42,10 +44,16 @@ def bench_bin():
     return os.path.join(cl.BUILD, "tests", "unit", "image", "prism_bench_image")
 
 
-def run_ms(argv):
+def run_ms(argv, cpu=None):
+    """Wall milliseconds of a process; its user + system CPU milliseconds appended to cpu."""
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return (time.perf_counter() - t0) * 1e3
+    t = (time.perf_counter() - t0) * 1e3
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if cpu is not None:
+        cpu.append((r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime) * 1e3)
+    return t
 
 
 def speed(args):
@@ -62,11 +70,11 @@ def speed(args):
     t = {k: [] for k in ("djpeg", "djpeg_start", "exact", "exact_relay", "decode", "dct", "pillow_draft", "whole",
                          "previous")}
     whole = os.path.join(cl.BUILD, "tests", "unit", "image", "prism_bench_image_whole")
-    cpu = {k: [] for k in ("exact", "exact_relay", "decode", "dct")}
+    cpu = {k: [] for k in ("exact", "exact_relay", "decode", "dct", "djpeg", "djpeg_start")}
     for r in range(args.reps):
         if djpeg:
-            t["djpeg"].append(run_ms([djpeg, "-outfile", os.devnull, img]))
-            t["djpeg_start"].append(run_ms([djpeg, "-outfile", os.devnull, tiny]))
+            t["djpeg"].append(run_ms([djpeg, "-outfile", os.devnull, img], cpu["djpeg"]))
+            t["djpeg_start"].append(run_ms([djpeg, "-outfile", os.devnull, tiny], cpu["djpeg_start"]))
         out = subprocess.run([bench_bin(), img, "1", "336"], check=True, capture_output=True, text=True).stdout
         for line in out.splitlines():
             d = json.loads(line)
@@ -96,6 +104,13 @@ def speed(args):
             res["previous_over_djpeg"] = med["previous"] / med["djpeg_net"]
     if "pillow_draft" in med:
         res["dct_over_pillow_draft"] = med["dct"] / med["pillow_draft"]
+    cmed = res["cpu_median_ms"]
+    if "djpeg" in cmed:
+        # CPU time moves far less than wall time on a shared machine; for the relay it is the
+        # decoding thread's (the critical path when the helper keeps up on another core)
+        cnet = cmed["djpeg"] - cmed["djpeg_start"]
+        res["cpu_exact_over_djpeg"] = cmed["exact"] / cnet
+        res["cpu_exact_relay_thread_over_djpeg"] = cmed["exact_relay"] / cnet
     if "djpeg" in best:
         # the quietest moment of each: on a shared machine the closest to what a quiet one shows
         net = best["djpeg"] - best["djpeg_start"]
