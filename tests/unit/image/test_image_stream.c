@@ -129,7 +129,8 @@ static void test_stream_goldens(void **state)
     for (int use_relay = 0; use_relay < 2; use_relay++)
         for (size_t c = 0; c < PRISM_ARRAY_LEN(cfgs); c++)
             for (int impl = 0; impl < 2; impl++) {
-                if ((impl == PRISM_CLIP_RESAMPLE_TORCHVISION && !tv) || (use_relay && c != 2) || (!HEAVY && c == 1))
+                if ((impl == PRISM_CLIP_RESAMPLE_TORCHVISION && !tv) || (use_relay && c != 2) ||
+                    (!HEAVY && (c == 1 || c == 3 || use_relay)))
                     continue;
                 prism_clip_preproc_t p;
                 load_cfg(cfgs[c], &p, (prism_clip_resample_impl_t)impl);
@@ -155,7 +156,7 @@ static void test_stream_goldens(void **state)
                     prism_free(data);
                 }
             }
-    assert_true(checked >= (HEAVY ? 10 : 8) * 24);
+    assert_true(checked >= (HEAVY ? 10 : 4) * 24);
 }
 
 /* ---------------------------------------------------------------- bit identity */
@@ -226,6 +227,8 @@ static void test_stream_bit_identity(void **state)
             bool small = sizes[s][0] * sizes[s][1] <= 336 * 336;
             if (!small && (s % 3 != g % 3 || !HEAVY))
                 continue;   /* one of the large shapes per format keeps the test to seconds */
+            if (!HEAVY && s == 2)
+                continue;
             size_t len;
             uint8_t *f = gen_file(&gens[g], sizes[s][0], sizes[s][1], seed++, &len);
             for (int c = 0; c < (small ? 2 : 1); c++) {
@@ -245,7 +248,7 @@ static void test_stream_bit_identity(void **state)
                      * the relay on every other file (goldens and fuzzing cover it too) */
                     for (int isa = 3; isa >= (small ? 1 : 3); isa--)
                         for (int use_relay = 0; use_relay < 2; use_relay++) {
-                            if ((isa != 3 || (g + s) % 2) && use_relay)
+                            if (((isa != 3 || (g + s) % 2) && use_relay) || (!HEAVY && isa != 3))
                                 continue;
                             int old = prism_resample_force_isa(isa);
                             float *out;
@@ -270,7 +273,7 @@ static void test_stream_bit_identity(void **state)
             prism_free(f);
         }
     print_message("bit identity: %zu cases\n", cases);
-    assert_true(cases > (HEAVY ? 300 : 150));
+    assert_true(cases > (HEAVY ? 300 : 60));
 }
 
 /* The whole-image API is the streaming decoder with a storing sink: same pixels as the libraries'
@@ -280,9 +283,9 @@ static void test_whole_decode_matches_reference(void **state)
     uint32_t seed = 99;
     for (size_t g = 0; g < PRISM_ARRAY_LEN(gens); g++) {
         size_t len;
-        uint8_t *f = gen_file(&gens[g], 501, 377, seed++, &len);
+        uint8_t *f = gen_file(&gens[g], HEAVY ? 501 : 201, HEAVY ? 377 : 137, seed++, &len);
         for (int scaled = 0; scaled < 2; scaled++) {
-            prism_image_decode_opts_t o = {.min_w = scaled ? 150 : 0, .min_h = scaled ? 100 : 0};
+            prism_image_decode_opts_t o = {.min_w = scaled ? 60 : 0, .min_h = scaled ? 40 : 0};
             prism_image_t a, b;
             int rc = prism_image_decode(f, len, &o, &a);
             if (rc != PRISM_OK)
@@ -293,7 +296,7 @@ static void test_whole_decode_matches_reference(void **state)
             if (memcmp(a.rgb, b.rgb, (size_t)a.w * a.h * 3) != 0)
                 fail_msg("%s scaled %d: pixels differ from the whole-image decode", gens[g].name, scaled);
             if (scaled && gens[g].jpeg)
-                assert_true(a.w < 501);
+                assert_true(a.w < (HEAVY ? 501 : 201));
             prism_image_free(&a);
             prism_image_free(&b);
         }
@@ -680,7 +683,7 @@ static int capture(void *ud, int y, const uint8_t *const planes[3])
 static void test_resample_kernels_agree(void **state)
 {
     uint32_t s = 12345;
-    for (int it = 0; it < 300; it++) {
+    for (int it = 0; it < (HEAVY ? 300 : 100); it++) {
         prism_resample_spec_t sp = {0};
         sp.filter = ig_rand(&s) % 2 ? &prism_resample_bicubic : &prism_resample_bilinear;
         sp.arith = ig_rand(&s) % 2 ? PRISM_RESAMPLE_TORCH : PRISM_RESAMPLE_PIL;
