@@ -249,21 +249,8 @@ def test_busy_encoder_keeps_heartbeating():
         assert "dropped" not in c.log("router", tail=0), c.log("router")[-600:]
 
 
-def test_dct_scaling_bounds_decode_memory():
-    """An encoder whose decode buffer holds 1M pixels still serves a 4096x4096 JPEG (decoded at a
-    fraction of its size in the DCT domain) and refuses, with a clear 400, a PNG that cannot be."""
-    png = make_image(os.path.join(TMP, "big.png"), width=2048, height=2048, shape="square", color="blue")
-    with Cluster(worker_args={"encoder_worker": ["--max-decode-pixels", "1000000"]}) as c:
-        c.wait_ready()
-        s, r = c.post_json("/v1/chat/completions", chat_body("What is in the image?", [BIG], max_tokens=4))
-        assert s == 200, (s, r)
-        s, r = c.post_json("/v1/chat/completions", chat_body("What is in the image?", [png], max_tokens=4))
-        assert s == 400 and "decode buffer" in r["error"]["message"], (s, r)
-        assert all(c.alive().values())
-
-
 if __name__ == "__main__":
     sys.exit(run_tests([test_budget_too_small_refuses_to_start, test_backpressure_and_flat_allocations,
                         test_decode_admission_waits_for_kv, test_worker_failure_fails_requests_cleanly,
-                        test_dct_scaling_bounds_decode_memory, test_busy_encoder_keeps_heartbeating,
+                        test_busy_encoder_keeps_heartbeating,
                         test_overload_burst_and_recovery]))
