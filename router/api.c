@@ -165,6 +165,9 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
     prism_metric_write(&b, "prism:router_image_bytes_in_flight", "gauge", "Image bytes the router holds.", "",
                        (double)r->image_bytes_inflight);
     prism_metric_write(&b, "prism:router_memory_bytes", "gauge", "Router heap bytes in use.", "", (double)prism_mem_used());
+    prism_metric_write(&b, "prism:router_peer_auth_failures_total", "counter",
+                       "Peers the router's control socket refused at the CURVE handshake.", "",
+                       (double)prism_net_refused(r->net));
     static const char *gauges[][2] = {
         {"prism:worker_running", "Requests running on the worker."},
         {"prism:worker_waiting", "Requests queued on the worker."},
@@ -177,6 +180,7 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
         {"prism:worker_embedding_cache_hits_total", "Embedding cache hits."},
         {"prism:worker_embedding_cache_misses_total", "Embedding cache misses."},
         {"prism:worker_heap_allocations_total", "Heap allocations the worker made (flat while serving)."},
+        {"prism:worker_peer_auth_failures_total", "Peers the worker refused at the CURVE handshake."},
     };
     for (size_t g = 0; g < PRISM_ARRAY_LEN(gauges); g++) {
         prism_buf_appendf(&b, "# HELP %s %s\n# TYPE %s %s\n", gauges[g][0], gauges[g][1], gauges[g][0],
@@ -186,7 +190,7 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
             if (!w->used) continue;
             double v[] = {w->running, w->waiting, (double)w->mem_planned, (double)w->mem_used, (double)w->mem_peak,
                           (double)w->mem_budget, w->kv_free_blocks, w->pool_free, (double)w->cache_hits,
-                          (double)w->cache_misses, (double)w->alloc_count};
+                          (double)w->cache_misses, (double)w->alloc_count, (double)w->peer_auth_failures};
             snprintf(lbl, sizeof(lbl), "tier=\"%s\",worker=\"%s\"", prism_role_name(w->role), w->id);
             prism_metric_write(&b, gauges[g][0], "gauge", NULL, lbl, v[g]);
         }

@@ -26,7 +26,9 @@ int main(int argc, char **argv)
 {
     static router_t r;
     const char *model_path = "models/prism-tiny-llava", *tokenizer_path = NULL, *served = NULL, *host = "127.0.0.1",
-               *control = "tcp://127.0.0.1:8100", *chat_template = NULL, *api_key = NULL, *log_level = "info";
+               *control = "tcp://127.0.0.1:8100", *chat_template = NULL, *api_key = NULL, *log_level = "info",
+               *curve_keys = NULL;
+    bool insecure_no_curve = false;
     int64_t port = 8000, context_length = 0, limit_mm = 8, max_pixels = 4096ll * 4096, max_running = 256,
             max_body = 64ll << 20, body_total = 1ll << 30, image_inflight = 1ll << 30, max_conn = 4096;
     double worker_timeout = 10, request_timeout = 600, max_queue_wait = 120;
@@ -37,6 +39,10 @@ int main(int argc, char **argv)
         PRISM_FLAG_STR("host", &host, "HTTP bind address"),
         PRISM_FLAG_INT("port", &port, "HTTP port"),
         PRISM_FLAG_STR("control-endpoint", &control, "ZeroMQ endpoint workers connect to"),
+        PRISM_FLAG_STR("curve-keys", &curve_keys,
+                       "CURVE key directory (made by prism_keygen): router.key and the workers' public keys"),
+        PRISM_FLAG_BOOL("insecure-no-curve", &insecure_no_curve,
+                        "Unauthenticated control socket (only on an isolated network; logs a warning)"),
         PRISM_FLAG_STR("chat-template", &chat_template, "Jinja chat template file overriding the model's"),
         PRISM_FLAG_STR("api-key", &api_key, "Require 'Authorization: Bearer KEY' on the API"),
         PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings)"),
@@ -66,6 +72,11 @@ int main(int argc, char **argv)
     }
 
     char err[512] = "", path[1024];
+    prism_net_opts_t no = {.role = PRISM_NET_ROLE_ROUTER, .curve_keys = curve_keys, .insecure = insecure_no_curve};
+    if (prism_net_create(&no, &r.net, err, sizeof(err)) != PRISM_OK) {
+        PRISM_ERROR("%s", err);
+        return 2;
+    }
     if (prism_model_config_load(model_path, &r.cfg, err, sizeof(err)) != PRISM_OK) {
         PRISM_ERROR("cannot load model config from %s: %s", model_path, err);
         return 1;
@@ -146,7 +157,7 @@ int main(int argc, char **argv)
                r.cfg.image_seq_length);
     uv_run(r.loop, UV_RUN_DEFAULT);
     zmq_close(r.ctl);
-    zmq_ctx_term(r.zctx);
+    prism_net_destroy(r.net);
     PRISM_INFO("router stopped");
     return 0;
 }

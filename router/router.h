@@ -21,6 +21,7 @@
 
 #define ROUTER_MAX_WORKERS 256
 #define ROUTER_MAX_IMAGES 64
+#define ROUTER_MAX_WORKER_MSG (4 << 20)  /* largest frame a worker may send up (tokens with logprobs) */
 
 typedef struct {
     bool used;
@@ -32,7 +33,7 @@ typedef struct {
     uint64_t mem_budget, mem_planned;
     /* load from heartbeats */
     uint32_t running, waiting, kv_free_blocks, pool_free;
-    uint64_t mem_used, mem_peak, cache_hits, cache_misses, alloc_count;
+    uint64_t mem_used, mem_peak, cache_hits, cache_misses, alloc_count, peer_auth_failures;
     double last_seen;
     /* our own view: requests we sent that have not finished on this worker */
     int inflight;
@@ -67,7 +68,7 @@ typedef struct {
     /* event loop and sockets */
     uv_loop_t *loop;
     prism_http_server_t *http;
-    void *zctx;
+    prism_net_t *net;           /* ZeroMQ context, CURVE keys, ZAP handler */
     void *ctl;                  /* ROUTER socket workers connect to */
     char router_id[160];
     uv_poll_t ctl_poll;

@@ -102,6 +102,7 @@ static void on_heartbeat(router_t *r, prism_msg_t *m)
     w->cache_hits = hb->cache_hits;
     w->cache_misses = hb->cache_misses;
     w->alloc_count = hb->alloc_count;
+    w->peer_auth_failures = hb->peer_auth_failures;
     w->last_seen = prism_now_s();
 }
 
@@ -180,8 +181,12 @@ static void on_sweep(uv_timer_t *t)
 
 int router_ctl_start(router_t *r, const char *endpoint)
 {
-    r->zctx = zmq_ctx_new();
-    r->ctl = prism_sock_bind(r->zctx, ZMQ_ROUTER, endpoint, 100000);
+    /* Only workers may connect; what they send up is small (tokens, completions, heartbeats). */
+    prism_sock_opts_t so = {.type = ZMQ_ROUTER, .endpoint = endpoint, .hwm = PRISM_NET_CONTROL_HWM,
+                            .max_msg_bytes = ROUTER_MAX_WORKER_MSG,
+                            .allow = PRISM_NET_ALLOW(PRISM_NET_ROLE_ENCODER) | PRISM_NET_ALLOW(PRISM_NET_ROLE_PREFILL) |
+                                     PRISM_NET_ALLOW(PRISM_NET_ROLE_DECODE)};
+    r->ctl = prism_sock_bind(r->net, &so);
     if (!r->ctl) return PRISM_EIO;
     int fd = -1;
     size_t sz = sizeof(fd);

@@ -26,25 +26,37 @@ def free_port():
 
 def binary(name):
     sub = {"router": "router", "encoder_worker": "encoder_worker", "prefill_worker": "prefill_worker",
-           "decode_worker": "decode_worker", "prism_imgtool": "tools", "prism_generate": "tools"}[name]
+           "decode_worker": "decode_worker", "prism_imgtool": "tools", "prism_generate": "tools",
+           "prism_keygen": "tools", "prism_peer_probe": "tests/integration"}[name]
     return os.path.join(BUILD, sub, name)
 
 
+def make_keys(directory):
+    """A cluster's CURVE key directory (prism_keygen): one keypair per role."""
+    subprocess.run([binary("prism_keygen"), "--out", directory], check=True, stdout=subprocess.DEVNULL)
+    return directory
+
+
 class Cluster:
+    """curve=True (the default, as in deploy/launch.sh): internal links authenticated with a fresh key
+    directory (self.keys); curve=False runs every process with --insecure-no-curve."""
+
     def __init__(self, encoders=1, prefills=1, decodes=1, model=MODEL, router_args=(), worker_args=None,
-                 log_dir=None):
+                 log_dir=None, curve=True):
         self.port = free_port()
         self.ctl = "tcp://127.0.0.1:%d" % free_port()
         self.model = model
         self.procs = {}
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="prism-it-")
+        self.keys = make_keys(os.path.join(self.log_dir, "curve-keys")) if curve else None
+        sec = ["--curve-keys", self.keys] if curve else ["--insecure-no-curve"]
         worker_args = worker_args or {}
         self._start("router", "router", ["--model-path", model, "--port", str(self.port),
-                                         "--control-endpoint", self.ctl, *router_args])
+                                         "--control-endpoint", self.ctl, *sec, *router_args])
         for kind, n in (("encoder_worker", encoders), ("prefill_worker", prefills), ("decode_worker", decodes)):
             for i in range(n):
                 name = "%s-%d" % (kind.split("_")[0], i)
-                self._start(name, kind, ["--model-path", model, "--router", self.ctl, "--worker-id", name,
+                self._start(name, kind, ["--model-path", model, "--router", self.ctl, "--worker-id", name, *sec,
                                          *worker_args.get(kind, ())])
         self.t_start = time.time()
 

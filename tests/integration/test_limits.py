@@ -39,7 +39,8 @@ def metrics(c):
 
 def test_budget_too_small_refuses_to_start():
     for kind in ("decode_worker", "prefill_worker", "encoder_worker"):
-        p = subprocess.run([binary(kind), "--model-path", MODEL, "--router", "tcp://127.0.0.1:1", "--mem-budget", "8M"],
+        p = subprocess.run([binary(kind), "--model-path", MODEL, "--router", "tcp://127.0.0.1:1", "--mem-budget", "8M",
+                            "--insecure-no-curve"],
                            capture_output=True, text=True, timeout=60)
         assert p.returncode != 0, (kind, p.returncode)
         assert "memory plan needs" in p.stderr or "cannot hold" in p.stderr, (kind, p.stderr[-800:])
