@@ -121,8 +121,9 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
 {
     prism_buf_t b = {0};
     const prism_router_metrics_t *m = &r->metrics;
-    char lbl[300];
-    snprintf(lbl, sizeof(lbl), "model_name=\"%s\"", r->served_model_name);
+    char lbl[700], model[300], wid[300];
+    prism_metric_label_value(model, sizeof(model), r->served_model_name);
+    snprintf(lbl, sizeof(lbl), "model_name=\"%s\"", model);
     int running = 0, waiting = 0;
     double kv_used = 0;
     int n_dec = 0;
@@ -141,13 +142,13 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
     prism_metric_write(&b, "vllm:prompt_tokens_total", "counter", "Prompt tokens processed.", lbl, (double)m->prompt_tokens);
     prism_metric_write(&b, "vllm:generation_tokens_total", "counter", "Tokens generated.", lbl, (double)m->generation_tokens);
     prism_buf_appendf(&b, "# HELP vllm:request_success_total Finished requests.\n# TYPE vllm:request_success_total counter\n");
-    snprintf(lbl, sizeof(lbl), "model_name=\"%s\",finished_reason=\"stop\"", r->served_model_name);
+    snprintf(lbl, sizeof(lbl), "model_name=\"%s\",finished_reason=\"stop\"", model);
     prism_metric_write(&b, "vllm:request_success_total", "counter", NULL, lbl, (double)m->success_stop);
-    snprintf(lbl, sizeof(lbl), "model_name=\"%s\",finished_reason=\"length\"", r->served_model_name);
+    snprintf(lbl, sizeof(lbl), "model_name=\"%s\",finished_reason=\"length\"", model);
     prism_metric_write(&b, "vllm:request_success_total", "counter", NULL, lbl, (double)m->success_length);
-    snprintf(lbl, sizeof(lbl), "model_name=\"%s\",finished_reason=\"abort\"", r->served_model_name);
+    snprintf(lbl, sizeof(lbl), "model_name=\"%s\",finished_reason=\"abort\"", model);
     prism_metric_write(&b, "vllm:request_success_total", "counter", NULL, lbl, (double)m->success_abort);
-    snprintf(lbl, sizeof(lbl), "model_name=\"%s\"", r->served_model_name);
+    snprintf(lbl, sizeof(lbl), "model_name=\"%s\"", model);
     prism_metric_write(&b, "vllm:num_preemptions_total", "counter", "Preemptions (always 0: decode reserves KV).", lbl, 0);
     prism_hist_write(&m->ttft, &b, "vllm:time_to_first_token_seconds", "Time to first token.", lbl);
     prism_hist_write(&m->itl, &b, "vllm:inter_token_latency_seconds", "Mean time per output token of each request.", lbl);
@@ -191,7 +192,8 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
             double v[] = {w->running, w->waiting, (double)w->mem_planned, (double)w->mem_used, (double)w->mem_peak,
                           (double)w->mem_budget, w->kv_free_blocks, w->pool_free, (double)w->cache_hits,
                           (double)w->cache_misses, (double)w->alloc_count, (double)w->peer_auth_failures};
-            snprintf(lbl, sizeof(lbl), "tier=\"%s\",worker=\"%s\"", prism_role_name(w->role), w->id);
+            prism_metric_label_value(wid, sizeof(wid), w->id);  /* ids come from the network */
+            snprintf(lbl, sizeof(lbl), "tier=\"%s\",worker=\"%s\"", prism_role_name(w->role), wid);
             prism_metric_write(&b, gauges[g][0], "gauge", NULL, lbl, v[g]);
         }
     }

@@ -252,10 +252,21 @@ def test_oversized_frame_insecure_cluster():
         assert status == 200, (status, r)
 
 
-def test_cluster_key_registers():
-    # the control for everything above: with the cluster's decode key the same probe is admitted
-    out, _ = probe(C.keys, "decode", targets=("router",), wait=1.5, worker_id="probe-decode")
+SAMPLE = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="([^"\\\n]|\\["\\n])*",?)*\})? \S+$')
+
+
+def test_cluster_key_registers_and_metrics_stay_well_formed():
+    # the control for everything above: with the cluster's decode key the same probe is admitted;
+    # its worker id (any bytes a peer likes) must not break the Prometheus exposition (finding 21)
+    evil = 'probe"} 1\nvllm:injected_total{x="1'
+    out, _ = probe(C.keys, "decode", targets=("router",), wait=1.5, worker_id=evil)
     assert out == {"router": "handshake ok", "register": "acked"}, out
+    status, _, data = C.request("GET", "/metrics")
+    text = data.decode()
+    assert 'worker="probe\\"} 1\\nvllm:injected_total{x=\\"1"' in text, text[-2000:]
+    for line in text.splitlines():
+        assert line.startswith("#") or SAMPLE.match(line), "malformed exposition line: %r" % line
+        assert not line.startswith("vllm:injected"), line
 
 
 if __name__ == "__main__":
@@ -263,7 +274,7 @@ if __name__ == "__main__":
         rc = run_tests([test_no_curve_refused, test_other_cluster_keys_refused, test_stranger_knowing_public_keys_refused,
                         test_cluster_key_of_wrong_role_refused, test_wrong_role_per_data_socket,
                         test_oversized_frame_curve_cluster, test_oversized_frame_insecure_cluster,
-                        test_cluster_key_registers])
+                        test_cluster_key_registers_and_metrics_stay_well_formed])
         assert all(C.alive().values()), C.alive()
     finally:
         C.stop()
