@@ -732,7 +732,10 @@ static int on_body(llhttp_t *p, const char *at, size_t len)
 
 static int on_message_complete(llhttp_t *p)
 {
-    (void)p;
+    conn_t *c = p->data;
+    /* No protocol upgrades (Connection: Upgrade, CONNECT): the request is answered, then the
+     * connection closes; the bytes after it are never parsed. */
+    if (p->upgrade && c->req) c->req->keep_alive = false;
     return HPE_PAUSED;  /* hand the request over before parsing any pipelined bytes */
 }
 
@@ -766,17 +769,14 @@ static void conn_process(conn_t *c)
         } else if (e == HPE_PAUSED || e == HPE_PAUSED_UPGRADE) {
             const char *pos = llhttp_get_error_pos(&c->parser);
             c->in_off += (size_t)(pos - start);
-            if (e == HPE_PAUSED) {
-                llhttp_resume(&c->parser);
-            } else {
-                /* no protocol upgrades here: answer this request, then close */
-                llhttp_resume_after_upgrade(&c->parser);
-                c->req->keep_alive = false;
-            }
-            if (!c->req) {
+            if (e == HPE_PAUSED) llhttp_resume(&c->parser);
+            else llhttp_resume_after_upgrade(&c->parser);
+            if (!c->req || c->req->dispatched) {
+                /* bytes after an upgrade request (on_message_complete made it the last one) */
                 conn_fail(c, 400, "Malformed HTTP request.");
                 break;
             }
+            if (c->parser.upgrade) c->req->keep_alive = false;
             conn_dispatch(c);
         } else {
             int status = c->fail_status ? c->fail_status : 400;

@@ -941,6 +941,44 @@ static void test_stop_with_open_connections(void **state)
     client_close(&c);
 }
 
+/* Finding 1: "Connection: Upgrade" followed by more bytes made the server write through a NULL
+ * request once the (synchronous) response completed, through a normal answer and an error answer
+ * alike (the router's 401). Protocol upgrades are not supported: the request is answered and the
+ * connection closed; the bytes after it are never parsed. */
+static void test_upgrade_then_more_bytes(void **state)
+{
+    (void)state;
+    harness_t *h = harness_start(NULL);
+    static const char *paths[] = {"/echo", "/error", "/async?ms=1"};
+    for (size_t i = 0; i < PRISM_ARRAY_LEN(paths); i++) {
+        for (int more = 0; more < 2; more++) {
+            client_t c;
+            assert_int_equal(client_connect(&c, h->port), 0);
+            client_sendf(&c, "GET %s HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n%s",
+                         paths[i], more ? "GET /echo HTTP/1.1\r\nHost: x\r\n\r\n" : "\x16\x03\x01garbage after the upgrade");
+            resp_t r;
+            assert_int_equal(client_read_response(&c, &r, false), 0);
+            assert_true(r.status == 200 || r.status == 404);
+            char v[32];
+            assert_non_null(resp_header(&r, "Connection", v, sizeof v));
+            assert_string_equal(v, "close");
+            resp_free(&r);
+            assert_true(client_sees_eof(&c));  /* nothing after the upgrade request is answered */
+            client_close(&c);
+        }
+    }
+    /* still serving */
+    client_t c;
+    resp_t r;
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "GET /echo HTTP/1.1\r\n\r\n");
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
+    client_close(&c);
+    harness_stop(h);
+}
+
 /* Mutated requests: the server answers or closes, never crashes, and still serves afterwards. */
 static void test_random_garbage(void **state)
 {
@@ -1001,6 +1039,7 @@ int main(void)
         cmocka_unit_test(test_connection_limit_503),
         cmocka_unit_test(test_idle_timeout),
         cmocka_unit_test(test_stop_with_open_connections),
+        cmocka_unit_test(test_upgrade_then_more_bytes),
         cmocka_unit_test(test_random_garbage),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
