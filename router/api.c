@@ -201,11 +201,23 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
     prism_buf_free(&b);
 }
 
-static bool authorized(router_t *r, prism_http_req_t *h)
+/* Open without the key: the liveness and readiness probes, the version, and the metrics when
+ * --metrics-open. Everything else needs "Authorization: Bearer KEY", compared in constant time, from
+ * the headers: a client without the key never gets its body read. */
+int router_on_headers(const prism_http_req_t *h, void *ud, char *msg, size_t n)
 {
-    if (!r->api_key || !*r->api_key) return true;
+    const router_t *r = ud;
+    if (!r->api_key || !*r->api_key) return 0;
+    const char *p = prism_http_req_path(h);
+    if (!strcmp(prism_http_req_method(h), "GET") &&
+        (!strcmp(p, "/health") || !strcmp(p, "/ready") || !strcmp(p, "/version") ||
+         (r->metrics_open && !strcmp(p, "/metrics"))))
+        return 0;
     const char *a = prism_http_req_header(h, "authorization");
-    return a && !strncmp(a, "Bearer ", 7) && !strcmp(a + 7, r->api_key);
+    if (a && !strncmp(a, "Bearer ", 7) && prism_ct_equal(a + 7, strlen(a + 7), r->api_key, strlen(r->api_key)))
+        return 0;
+    snprintf(msg, n, "Invalid or missing API key.");
+    return 401;
 }
 
 void router_on_http(prism_http_req_t *h, void *ud)
@@ -226,9 +238,7 @@ void router_on_http(prism_http_req_t *h, void *ud)
         prism_http_respond(h, ok ? 200 : 503, "application/json", ok ? NULL : "Retry-After: 1\r\n", b, (size_t)n);
     } else if (get && !strcmp(p, "/version")) {
         respond_json(h, 200, "{\"version\":\"" PRISM_VERSION "\"}", strlen("{\"version\":\"" PRISM_VERSION "\"}"));
-    } else if (!authorized(r, h)) {
-        prism_http_respond_error(h, 401, "AuthenticationError", "Invalid or missing API key.", NULL, NULL, NULL);
-    } else if (post && !strcmp(p, "/v1/chat/completions")) {
+    } else if (post && !strcmp(p, "/v1/chat/completions")) {  /* the API key was checked from the headers */
         router_handle_generate(r, h, true);
         return;  /* owns h now */
     } else if (post && !strcmp(p, "/v1/completions")) {

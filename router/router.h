@@ -48,6 +48,8 @@ typedef struct {
     const char *model_path;
     const char *served_model_name;
     const char *api_key;
+    bool metrics_open;          /* /metrics without the API key */
+    size_t max_stream_pending;  /* bytes queued for a streaming client that stopped reading; beyond: dropped */
     int max_model_len;
     int max_images_per_prompt;
     uint64_t max_image_pixels;
@@ -119,5 +121,7 @@ void router_req_del(router_t *r, uint64_t rid);
 
 /* api.c */
 void router_on_http(prism_http_req_t *h, void *ud);
+/* http_server on_headers hook: the API key, checked before any body byte is read. */
+int  router_on_headers(const prism_http_req_t *h, void *ud, char *msg, size_t n);
 
 #endif

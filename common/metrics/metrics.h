@@ -52,6 +52,7 @@ typedef enum {
     PRISM_REFUSE_NO_WORKERS,
     PRISM_REFUSE_BAD_REQUEST,
     PRISM_REFUSE_QUEUE_WAIT,
+    PRISM_REFUSE_SLOW_CLIENT,   /* a streaming client that stopped reading, dropped */
     PRISM_REFUSE_COUNT
 } prism_refusal_t;
 

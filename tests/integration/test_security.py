@@ -269,12 +269,53 @@ def test_cluster_key_registers_and_metrics_stay_well_formed():
         assert not line.startswith("vllm:injected"), line
 
 
+def wait_http(c, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if c.request("GET", "/health")[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("router not up: " + c.log("router"))
+
+
+def test_api_key_checked_from_headers():
+    # finding 18: the key is compared in constant time from the headers, before the body is read;
+    # /metrics needs it unless --metrics-open; /health, /ready (and /version) stay open
+    key = {"Authorization": "Bearer sekrit"}
+    with Cluster(encoders=0, prefills=0, decodes=0, router_args=["--api-key", "sekrit"]) as c:
+        wait_http(c)
+        assert c.request("GET", "/ready")[0] == 503  # open, just not ready
+        assert c.request("GET", "/version")[0] == 200
+        assert c.request("GET", "/metrics")[0] == 401
+        assert c.request("GET", "/metrics", headers=key)[0] == 200
+        for bad in ("Bearer sekrit2", "Bearer sekri", "Bearer ", "Basic sekrit", "sekrit"):
+            status, _, data = c.request("GET", "/v1/models", headers={"Authorization": bad})
+            assert status == 401 and b"AuthenticationError" in data, (bad, status, data)
+        assert c.request("GET", "/v1/models", headers=key)[0] == 200
+        # a large declared body and none sent: the 401 comes at once, the body is never awaited
+        s = socket.create_connection(("127.0.0.1", c.port), timeout=5)
+        t0 = time.time()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n"
+                  b"Content-Length: 60000000\r\n\r\n")
+        data = s.recv(4096)
+        s.close()
+        assert data.startswith(b"HTTP/1.1 401"), data
+        assert time.time() - t0 < 3
+    with Cluster(encoders=0, prefills=0, decodes=0, router_args=["--api-key", "sekrit", "--metrics-open"]) as c:
+        wait_http(c)
+        assert c.request("GET", "/metrics")[0] == 200
+        assert c.request("GET", "/v1/models")[0] == 401
+
+
 if __name__ == "__main__":
     try:
         rc = run_tests([test_no_curve_refused, test_other_cluster_keys_refused, test_stranger_knowing_public_keys_refused,
                         test_cluster_key_of_wrong_role_refused, test_wrong_role_per_data_socket,
                         test_oversized_frame_curve_cluster, test_oversized_frame_insecure_cluster,
-                        test_cluster_key_registers_and_metrics_stay_well_formed])
+                        test_cluster_key_registers_and_metrics_stay_well_formed, test_api_key_checked_from_headers])
         assert all(C.alive().values()), C.alive()
     finally:
         C.stop()
