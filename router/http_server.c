@@ -18,8 +18,12 @@
 
 #define HTTP_READ_CHUNK      (64 * 1024)
 #define HTTP_MAX_HEADERS     256
-#define HTTP_LINGER_MS       20000  /* cap on a failing connection's lifetime */
-#define HTTP_LINGER_AFTER_MS 15000  /* after our error answer is flushed: lets a client finish sending its body and read the answer */
+/* After an error answer the connection "lingers": it reads and discards what the client still sends
+ * (the rest of a refused body) so the client can finish and read the answer instead of getting a
+ * reset. It ends when the client closes, goes quiet for HTTP_LINGER_IDLE_MS, has sent more than any
+ * request could hold, or after HTTP_LINGER_MAX_MS. Discarding costs no memory. */
+#define HTTP_LINGER_IDLE_MS  30000  /* a client starved of CPU may pause long mid-upload */
+#define HTTP_LINGER_MAX_MS   120000
 #define HTTP_BODY_MIN_CAP    (16 * 1024)  /* first body allocation; then doubling, never past Content-Length */
 
 typedef struct conn conn_t;
@@ -70,6 +74,8 @@ struct conn {
     int open_handles;
     bool reading, closing, handles_closed, discard, rejected, in_process, shutdown_started, shutdown_done;
     bool broken;             /* a write failed: closing from the loop (see conn_break) */
+    uint64_t linger_end;     /* loop time a lingering connection closes at the latest */
+    size_t discarded;        /* bytes read and dropped while lingering */
     conn_t *prev, *next;
 };
 
@@ -340,6 +346,15 @@ static void on_timer(uv_timer_t *t)
 {
     conn_t *c = t->data;
     if (!c->broken && !c->closing && !c->discard && c->req && !c->req->dispatched) {
+        /* Bytes waiting in the kernel mean the client kept up and we did not (the loop was busy):
+         * read them first, the deadline is judged again after. */
+        uv_os_fd_t fd;
+        int avail = 0;
+        if (uv_fileno((const uv_handle_t *)&c->tcp, &fd) == 0 && ioctl(fd, FIONREAD, &avail) == 0 && avail > 0 &&
+            c->reading) {
+            uv_timer_start(&c->timer, on_timer, 10, 0);
+            return;
+        }
         /* a request that came in too slowly (slowloris): answer 408, then close */
         conn_fail(c, 408, c->headers_done ? "The request body arrived too slowly; send it faster."
                                           : "The request headers did not arrive in time.");
@@ -380,14 +395,22 @@ static void conn_arm_timer(conn_t *c)
     uv_timer_start(&c->timer, on_timer, due > now ? due - now : 0, 0);
 }
 
+/* While lingering: close once the client is quiet for a while, and never past linger_end. */
+static void conn_linger_timer(conn_t *c)
+{
+    uint64_t now = uv_now(c->srv->loop);
+    uint64_t left = c->linger_end > now ? c->linger_end - now : 0;
+    uv_timer_start(&c->timer, on_timer, PRISM_MIN(left, (uint64_t)HTTP_LINGER_IDLE_MS), 0);
+}
+
 static void on_shutdown(uv_shutdown_t *sr, int status)
 {
     conn_t *c = sr->data;
     c->shutdown_done = true;
     if (c->handles_closed) return;
     if (c->discard && status == 0 && !c->closing) {
-        /* our error answer is flushed: give the client a moment to read it and close */
-        uv_timer_start(&c->timer, on_timer, HTTP_LINGER_AFTER_MS, 0);
+        /* our error answer is flushed: let the client finish sending, read it and close */
+        conn_linger_timer(c);
         return;
     }
     conn_close_now(c);
@@ -476,6 +499,7 @@ static int build_head(prism_buf_t *h, int status, const char *content_type, cons
 static void conn_fail(conn_t *c, int status, const char *message)
 {
     if (c->closing || c->discard) return;
+    PRISM_DEBUG("http: answering %d and closing: %s", status, message);
     c->discard = true;
     if (c->req) {
         PRISM_ASSERT(!c->req->dispatched);
@@ -497,7 +521,8 @@ static void conn_fail(conn_t *c, int status, const char *message)
         conn_close_now(c);
         return;
     }
-    uv_timer_start(&c->timer, on_timer, HTTP_LINGER_MS, 0);
+    c->linger_end = uv_now(c->srv->loop) + HTTP_LINGER_MAX_MS;
+    conn_linger_timer(c);
     c->shutdown_started = true;
     c->shutdown_req.data = c;
     if (uv_shutdown(&c->shutdown_req, (uv_stream_t *)&c->tcp, on_shutdown) != 0) {
@@ -933,7 +958,13 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
         else conn_close_now(c);
         return;
     }
-    if (c->closing || c->discard) return;
+    if (c->closing) return;
+    if (c->discard) {
+        c->discarded += (size_t)nread;
+        if (c->discarded > c->srv->cfg.max_body_bytes + c->srv->cfg.max_header_bytes) conn_close_now(c);
+        else conn_linger_timer(c);  /* still sending: keep lingering (up to linger_end) */
+        return;
+    }
     if (prism_buf_append(&c->inbuf, buf->base, (size_t)nread)) {
         conn_close_now(c);
         return;

@@ -50,6 +50,7 @@ class Cluster:
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="prism-it-")
         self.keys = make_keys(os.path.join(self.log_dir, "curve-keys")) if curve else None
         sec = ["--curve-keys", self.keys] if curve else ["--insecure-no-curve"]
+        self.sec = sec
         worker_args = worker_args or {}
         self._start("router", "router", ["--model-path", model, "--port", str(self.port),
                                          "--control-endpoint", self.ctl, *sec, *router_args])
@@ -59,6 +60,11 @@ class Cluster:
                 self._start(name, kind, ["--model-path", model, "--router", self.ctl, "--worker-id", name, *sec,
                                          *worker_args.get(kind, ())])
         self.t_start = time.time()
+
+    def start_worker(self, name, kind, args=()):
+        """Starts one more worker (e.g. a replacement) with the cluster's keys."""
+        self._start(name, kind, ["--model-path", self.model, "--router", self.ctl, "--worker-id", name, *self.sec,
+                                 *args])
 
     def _start(self, name, kind, args):
         log = open(os.path.join(self.log_dir, name + ".log"), "wb")

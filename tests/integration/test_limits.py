@@ -150,7 +150,7 @@ def test_worker_failure_fails_requests_cleanly():
         assert c.procs["router"].poll() is None
         status, _, _ = c.request("GET", "/ready")
         assert status == 503  # no decode worker left
-        c._start("decode-1", "decode_worker", ["--model-path", MODEL, "--router", c.ctl, "--worker-id", "decode-1"])
+        c.start_worker("decode-1", "decode_worker")
         c.wait_ready()
         s, r = c.post_json("/v1/chat/completions", chat_body("Describe the image.", [SMALL], max_tokens=4))
         assert s == 200, (s, r)
