@@ -326,7 +326,7 @@ int prism_net_create(const prism_net_opts_t *o, prism_net_t **out, char *err, si
     }
     if (!o->insecure && (!o->curve_keys || !*o->curve_keys)) {
         snprintf(err, errlen, "internal links are authenticated with CURVE keys: give --curve-keys DIR "
-                              "(create one with `prism_keygen DIR`), or --insecure-no-curve on a trusted, isolated network");
+                              "(create one with `prism_keygen --out DIR`), or --insecure-no-curve on a trusted, isolated network");
         return PRISM_EINVAL;
     }
     prism_net_t *n = prism_calloc(1, sizeof(*n));

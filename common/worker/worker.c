@@ -130,7 +130,7 @@ int prism_worker_startup(int argc, char **argv, const char *role, const char *su
     if (!o->insecure_no_curve == !(o->curve_keys && *o->curve_keys)) {  /* fail before loading a model */
         PRISM_ERROR("%s", o->insecure_no_curve ? "--curve-keys and --insecure-no-curve contradict each other: give one"
                           : "internal links are authenticated with CURVE keys: give --curve-keys DIR (create one with "
-                            "`prism_keygen DIR`), or --insecure-no-curve on a trusted, isolated network");
+                            "`prism_keygen --out DIR`), or --insecure-no-curve on a trusted, isolated network");
         return 2;
     }
     prism_worker_install_signals();

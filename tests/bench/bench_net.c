@@ -40,7 +40,8 @@ static double run(const char *keys, size_t frame, size_t total)
     size_t sent = 0, got = 0;
     while (got < n) {
         while (sent < n && prism_msg_send(push, NULL, 0, &env, &f, 1, ZMQ_DONTWAIT) == PRISM_OK) sent++;
-        if (prism_msg_recv(pull, false, &m, 0) == PRISM_OK) {
+        zmq_pollitem_t it = {pull, 0, ZMQ_POLLIN, 0};
+        if (zmq_poll(&it, 1, 10) > 0 && prism_msg_recv(pull, false, &m, ZMQ_DONTWAIT) == PRISM_OK) {
             got++;
             prism_msg_close(&m);
         }
