@@ -24,6 +24,7 @@
  * request could hold, or after HTTP_LINGER_MAX_MS. Discarding costs no memory. */
 #define HTTP_LINGER_IDLE_MS  30000  /* a client starved of CPU may pause long mid-upload */
 #define HTTP_LINGER_MAX_MS   120000
+#define HTTP_LINGER_REJECTED_MS 5000
 #define HTTP_BODY_MIN_CAP    (16 * 1024)  /* first body allocation; then doubling, never past Content-Length */
 
 typedef struct conn conn_t;
@@ -521,7 +522,8 @@ static void conn_fail(conn_t *c, int status, const char *message)
         conn_close_now(c);
         return;
     }
-    c->linger_end = uv_now(c->srv->loop) + HTTP_LINGER_MAX_MS;
+    /* A connection over max_connections does not count as open: it may not linger long. */
+    c->linger_end = uv_now(c->srv->loop) + (c->rejected ? HTTP_LINGER_REJECTED_MS : HTTP_LINGER_MAX_MS);
     conn_linger_timer(c);
     c->shutdown_started = true;
     c->shutdown_req.data = c;
