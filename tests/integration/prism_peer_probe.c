@@ -29,7 +29,8 @@ static void link_watch(prism_net_t *net, link_t *l, int idx)
     char ep[64];
     snprintf(ep, sizeof(ep), "inproc://probe-monitor-%d", idx);
     zmq_socket_monitor(l->sock, ep, ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL |
-                                        ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH);
+                                        ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH |
+                                        ZMQ_EVENT_DISCONNECTED);
     l->mon = zmq_socket(prism_net_zctx(net), ZMQ_PAIR);
     zmq_connect(l->mon, ep);
 }
@@ -187,10 +188,21 @@ int main(int argc, char **argv)
             send_or_warn(links[2].sock, &env, NULL, 0);
         }
     }
-    /* Wait for the handshakes (and a registration answer), then report. */
+    /* Wait until every link's handshake has succeeded or failed (and, when the router took us, for its
+     * answer to the registration), at most --wait seconds; an admitted link also gets a moment to
+     * flush what was queued on it. */
     bool acked = false;
-    double t_end = prism_now_s() + wait_s;
+    double t_end = prism_now_s() + wait_s, t_resolved = 0;
     while (prism_now_s() < t_end) {
+        bool resolved = true, any_ok = false;
+        for (int i = 0; i < 3; i++) {
+            if (!links[i].sock) continue;
+            resolved &= links[i].ok > 0 || links[i].failed > 0;
+            any_ok |= links[i].ok > 0;
+        }
+        if (links[0].sock && links[0].ok && !acked) resolved = false;
+        if (resolved && !t_resolved) t_resolved = prism_now_s();
+        if (resolved && (!any_ok || prism_now_s() - t_resolved > 0.3)) break;
         zmq_pollitem_t it[1] = {{links[0].sock, 0, ZMQ_POLLIN, 0}};
         if (links[0].sock && zmq_poll(it, 1, 20) > 0) {
             prism_msg_t m;
