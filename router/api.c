@@ -1,6 +1,8 @@
 /* HTTP endpoints: OpenAI API, health, readiness, models, tokenize/detokenize, metrics. */
 #include "router.h"
 #include "openai_req.h"
+#include "openai_write.h"
+#include "core/utf8.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -110,7 +112,7 @@ static void handle_detokenize(router_t *r, prism_http_req_t *h)
     prism_free(ids);
     prism_buf_t b = {0};
     prism_buf_append_str(&b, "{\"prompt\":");
-    prism_oai_json_string(&b, out.data ? out.data : "", out.len);
+    prism_json_string(&b, out.data ? out.data : "", out.len);
     prism_buf_append_str(&b, "}");
     respond_json(h, 200, b.data, b.len);
     prism_buf_free(&b);

@@ -8,6 +8,7 @@
  * Error answers (400/413/431/417/503) are written, the write side is shut down and the connection
  * "lingers" reading and discarding for a moment so the client sees the answer instead of a reset. */
 #include "http_server.h"
+#include "openai_write.h"
 
 #include <linux/sockios.h>
 #include <llhttp.h>
@@ -136,55 +137,6 @@ const char *prism_http_status_text(int status)
     case 504: return "Gateway Timeout";
     default: return "Unknown";
     }
-}
-
-/* JSON string escaping for error bodies (messages are ours, but may quote client input).
- * Bytes >= 0x80 are passed through; invalid UTF-8 is the caller's concern there, so we replace
- * any byte >= 0x80 that does not start a well-formed sequence with '?'. */
-static int json_str(prism_buf_t *b, const char *s)
-{
-    if (!s) return prism_buf_append(b, "null", 4);
-    int rc = prism_buf_append(b, "\"", 1);
-    for (const unsigned char *p = (const unsigned char *)s; !rc && *p; p++) {
-        unsigned char ch = *p;
-        if (ch == '"' || ch == '\\') {
-            char e[2] = {'\\', (char)ch};
-            rc = prism_buf_append(b, e, 2);
-        } else if (ch < 0x20) {
-            rc = prism_buf_appendf(b, "\\u%04x", ch);
-        } else if (ch < 0x80) {
-            rc = prism_buf_append(b, p, 1);
-        } else {
-            int n = (ch >= 0xC2 && ch <= 0xDF) ? 2 : (ch >= 0xE0 && ch <= 0xEF) ? 3 : (ch >= 0xF0 && ch <= 0xF4) ? 4 : 0;
-            bool ok = n > 0;
-            for (int i = 1; ok && i < n; i++) ok = (p[i] & 0xC0) == 0x80;
-            if (ok && n == 3) ok = !((ch == 0xE0 && p[1] < 0xA0) || (ch == 0xED && p[1] > 0x9F));
-            if (ok && n == 4) ok = !((ch == 0xF0 && p[1] < 0x90) || (ch == 0xF4 && p[1] > 0x8F));
-            if (ok) {
-                rc = prism_buf_append(b, p, (size_t)n);
-                p += n - 1;
-            } else {
-                rc = prism_buf_append(b, "?", 1);
-            }
-        }
-    }
-    if (!rc) rc = prism_buf_append(b, "\"", 1);
-    return rc;
-}
-
-static int build_error_json(prism_buf_t *b, const char *type, const char *message, const char *param,
-                            const char *code)
-{
-    int rc = prism_buf_append_str(b, "{\"error\":{\"message\":");
-    if (!rc) rc = json_str(b, message ? message : "");
-    if (!rc) rc = prism_buf_append_str(b, ",\"type\":");
-    if (!rc) rc = json_str(b, type ? type : "BadRequestError");
-    if (!rc) rc = prism_buf_append_str(b, ",\"param\":");
-    if (!rc) rc = json_str(b, param);
-    if (!rc) rc = prism_buf_append_str(b, ",\"code\":");
-    if (!rc) rc = json_str(b, code);
-    if (!rc) rc = prism_buf_append_str(b, "}}");
-    return rc;
 }
 
 /* ------------------------------------------------------------------ requests */
@@ -511,7 +463,7 @@ static void conn_fail(conn_t *c, int status, const char *message)
     const char *type = status == 503 ? "ServiceUnavailableError" : status >= 500 ? "InternalServerError"
                      : status == 401 ? "AuthenticationError" : status == 403 ? "PermissionDeniedError"
                      : status == 404 ? "NotFoundError" : "BadRequestError";
-    int rc = build_error_json(&body, type, message, NULL, NULL);
+    int rc = prism_oai_write_error(&body, type, message, NULL, NULL);
     if (!rc) rc = build_head(&head, status, "application/json", status == 503 ? "Retry-After: 1\r\n" : NULL, false, true,
                              body.len, false);
     if (!rc) rc = conn_write(c, head.data, head.len, body.data, body.len, NULL, 0);
@@ -593,7 +545,7 @@ int prism_http_respond_error(prism_http_req_t *r, int status, const char *type, 
     int rc = req_can_respond(r);
     if (rc) return rc;
     prism_buf_t body = {0};
-    rc = build_error_json(&body, type, message, param, code);
+    rc = prism_oai_write_error(&body, type, message, param, code);
     if (!rc) rc = prism_http_respond(r, status, "application/json", extra_headers, body.data, body.len);
     prism_buf_free(&body);
     return rc;

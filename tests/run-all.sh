@@ -8,7 +8,7 @@
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-"$root/deploy/install-deps.sh" || { echo "dependency installation failed"; echo "0 passed, 1 failed"; exit 1; }
+"$root/deploy/install-deps.sh" --test || { echo "dependency installation failed"; echo "0 passed, 1 failed"; exit 1; }
 jobs=$(nproc)
 passed=0 failed=0 skipped=0
 

@@ -6,11 +6,11 @@
  *
  *   prism_backend_t *be = NULL;
  *   int rc = prism_backend_create("cpu", 4, 1 << 30, &be);      // device, threads, pool bytes
- *   float *x = prism_backend_alloc(be, n * sizeof(float));       // device memory from the pool
+ *   float *x = prism_backend_buf_alloc(be, n * sizeof(float));       // device memory from the pool
  *   be->i.upload(be->ctx, x, host, n * sizeof(float));
  *   be->i.rmsnorm(be->ctx, y, x, w, rows, dim, 1e-5f);
  *   be->i.download(be->ctx, host, y, n * sizeof(float));
- *   prism_backend_free(be, x);
+ *   prism_backend_buf_free(be, x);
  *   prism_backend_destroy(be);
  *
  * Conventions for every op:
@@ -32,28 +32,7 @@
 #define PRISM_BACKEND_H
 
 #include "core/core.h"
-
-typedef enum {
-    PRISM_DTYPE_F32  = 0,
-    PRISM_DTYPE_BF16 = 1,
-    PRISM_DTYPE_F16  = 2,
-} prism_dtype_t;
-
-size_t prism_dtype_size(prism_dtype_t t);
-const char *prism_dtype_name(prism_dtype_t t);
-
-/* Elementwise activations. */
-typedef enum {
-    PRISM_ACT_NONE       = 0,
-    PRISM_ACT_SILU       = 1,
-    PRISM_ACT_GELU_ERF   = 2,  /* HF "gelu" */
-    PRISM_ACT_GELU_TANH  = 3,  /* HF "gelu_new" / "gelu_pytorch_tanh" */
-    PRISM_ACT_QUICK_GELU = 4,  /* x * sigmoid(1.702 x) */
-    PRISM_ACT_RELU       = 5,
-} prism_act_t;
-
-/* Parses an HF hidden_act string ("gelu", "quick_gelu", "silu", ...); -1 when unknown. */
-int prism_act_parse(const char *s);
+#include "backend/dtype.h"
 
 /* RoPE pairing. */
 typedef enum {
@@ -176,6 +155,12 @@ typedef struct prism_backend_i {
      * argmax over rows: out_host[r] = argmax(logits[r][vocab]) (first max on ties). Optional. */
     int (*argmax)(void *ctx, int32_t *out_host, const float *logits, int n_rows, int vocab);
 
+    /* ---- random init (--random-weights) ----
+     * fill_random: dst[i] = std * prism_random_normalish(seed, i) (dtype.h) for i < n, stored as dt.
+     * Optional: when NULL the loader computes the same values on the host and uploads them; a
+     * device fills an 8B-parameter model in milliseconds instead of a minute of host work. */
+    int (*fill_random)(void *ctx, void *dst, prism_dtype_t dt, size_t n, uint64_t seed, float std);
+
     void (*destroy)(void *ctx);
 } prism_backend_i;
 
@@ -199,14 +184,8 @@ int  prism_backend_create(const char *device, int n_threads, size_t pool_bytes, 
 void prism_backend_destroy(prism_backend_t *be);
 bool prism_backend_has_cuda(void);
 
-/* Thin wrappers. */
-static inline void *prism_backend_alloc(prism_backend_t *be, size_t bytes) { return be->i.alloc(be->ctx, bytes); }
-static inline void  prism_backend_free(prism_backend_t *be, void *p) { if (p) be->i.free(be->ctx, p); }
-
-/* bf16/f16 <-> f32 on the host (loader and tests). */
-float    prism_bf16_to_f32(uint16_t h);
-uint16_t prism_f32_to_bf16(float f);   /* round to nearest even */
-float    prism_f16_to_f32(uint16_t h);
-uint16_t prism_f32_to_f16(float f);
+/* A buffer from / back to the backend's pool (the backend itself: create / destroy). */
+static inline void *prism_backend_buf_alloc(prism_backend_t *be, size_t bytes) { return be->i.alloc(be->ctx, bytes); }
+static inline void  prism_backend_buf_free(prism_backend_t *be, void *p) { if (p) be->i.free(be->ctx, p); }
 
 #endif

@@ -213,7 +213,7 @@ int prism_llm_load(prism_backend_t *be, const prism_model_config_t *cfg, const c
                         .seed = cfg->random_seed};
     if ((rc = load_weights(m, &w, pfx, head)) != PRISM_OK) goto fail;   /* pass 1: validate + size */
     m->wbytes = PRISM_ALIGN_UP(w.off, PRISM_TENSOR_ALIGN);
-    m->wbuf = prism_backend_alloc(be, m->wbytes);
+    m->wbuf = prism_backend_buf_alloc(be, m->wbytes);
     w.staging_n = 1u << 20;
     w.staging = prism_malloc(w.staging_n * sizeof(float));
     if (!m->wbuf || !w.staging) {
@@ -242,7 +242,7 @@ int prism_llm_load(prism_backend_t *be, const prism_model_config_t *cfg, const c
     m->table_cap = table_capacity(cfg, max_seqs);
     m->meta_n = meta_count(cfg, max_batch_tokens, max_seqs);
     m->abytes = llm_layout(cfg, max_batch_tokens, max_seqs, NULL);
-    m->abuf = prism_backend_alloc(be, m->abytes);
+    m->abuf = prism_backend_buf_alloc(be, m->abytes);
     m->h_meta = prism_malloc(m->meta_n * sizeof(int32_t));
     if (!m->abuf || !m->h_meta) {
         char b[32];
@@ -269,8 +269,8 @@ fail:
 void prism_llm_free(prism_llm_t *m)
 {
     if (!m) return;
-    prism_backend_free(m->be, m->wbuf);
-    prism_backend_free(m->be, m->abuf);
+    prism_backend_buf_free(m->be, m->wbuf);
+    prism_backend_buf_free(m->be, m->abuf);
     prism_free(m->h_meta);
     prism_free(m->layers);
     prism_free(m);
@@ -301,7 +301,7 @@ int prism_kv_cache_create(prism_backend_t *be, const prism_model_config_t *c, in
     kv->block_size = block_size;
     kv->lbb = (size_t)block_size * c->n_kv_heads * c->head_dim * sizeof(float);
     size_t total = kv->lbb * 2 * (size_t)n_blocks * (size_t)c->n_layers;
-    kv->buf = prism_backend_alloc(be, total);
+    kv->buf = prism_backend_buf_alloc(be, total);
     if (!kv->buf) {
         prism_free(kv);
         return PRISM_ENOMEM;
@@ -315,7 +315,7 @@ int prism_kv_cache_create(prism_backend_t *be, const prism_model_config_t *c, in
 void prism_kv_cache_free(prism_kv_cache_t *kv)
 {
     if (!kv) return;
-    prism_backend_free(kv->be, kv->buf);
+    prism_backend_buf_free(kv->be, kv->buf);
     prism_free(kv);
 }
 
@@ -367,6 +367,13 @@ int prism_kv_cache_import(prism_kv_cache_t *kv, const int32_t *blocks, int n_blo
 
 #define CK(x) do { int rc_ = (x); if (rc_ != PRISM_OK) return rc_; } while (0)
 
+/* Host row that replaces token t's embedding (image features), or NULL. */
+static const float *embed_row(const prism_llm_batch_t *b, int t, int H)
+{
+    if (b->embed_rows) return b->embed_rows[t];
+    return b->embeds && b->embed_mask && b->embed_mask[t] ? b->embeds + (size_t)t * H : NULL;
+}
+
 int prism_llm_forward(prism_llm_t *m, prism_kv_cache_t *kv, const prism_llm_batch_t *b, float *logits)
 {
     const prism_model_config_t *c = &m->cfg;
@@ -410,7 +417,7 @@ int prism_llm_forward(prism_llm_t *m, prism_kv_cache_t *kv, const prism_llm_batc
         for (int i = 0; i < q; i++) {
             int t = b->seq_start[s] + i, p = b->pos0[s] + i;
             int32_t tok = b->tokens[t];
-            bool embedded = b->embeds && b->embed_mask && b->embed_mask[t];
+            bool embedded = embed_row(b, t, c->hidden) != NULL;
             if (tok < 0 || tok >= c->vocab) {
                 if (!embedded) return PRISM_EINVAL;
                 tok = 0;
@@ -435,12 +442,13 @@ int prism_llm_forward(prism_llm_t *m, prism_kv_cache_t *kv, const prism_llm_batc
 
     /* Embeddings, with image features overwriting masked rows (contiguous runs per upload). */
     CK(o->get_rows(bx, m->x, m->embed, wdt, c->vocab, d_ids, T, H));
-    if (b->embeds && b->embed_mask) {
+    if (b->embed_rows || (b->embeds && b->embed_mask)) {
         for (int t = 0; t < T;) {
-            if (!b->embed_mask[t]) { t++; continue; }
-            int e = t;
-            while (e < T && b->embed_mask[e]) e++;
-            CK(o->upload(bx, m->x + (size_t)t * H, b->embeds + (size_t)t * H, (size_t)(e - t) * H * 4));
+            const float *src = embed_row(b, t, H);
+            if (!src) { t++; continue; }
+            int e = t + 1;
+            while (e < T && embed_row(b, e, H) == src + (size_t)(e - t) * H) e++;
+            CK(o->upload(bx, m->x + (size_t)t * H, src, (size_t)(e - t) * H * 4));
             t = e;
         }
     }

@@ -25,7 +25,7 @@
 
 #define PRISM_MODEL_MAX_EOS 8
 
-typedef struct {
+typedef struct prism_model_config {
     /* text (Llama / Qwen2) */
     int hidden, n_layers, n_heads, n_kv_heads, head_dim, intermediate, vocab, max_pos;
     float rms_eps, rope_theta;
@@ -101,6 +101,8 @@ typedef struct {
     const int32_t *const *block_tables; /* [n_seqs][ceil((pos0+n)/block_size)] block ids */
     const float *embeds;                /* optional [n_tokens][hidden] host; row i replaces token i's embedding where embed_mask[i] */
     const uint8_t *embed_mask;          /* optional [n_tokens] */
+    const float *const *embed_rows;     /* optional [n_tokens] host rows, instead of embeds/embed_mask: row i
+                                         * (when non-NULL) replaces token i's embedding, read in place */
     bool all_logits;                    /* false: logits of each sequence's last token [n_seqs][vocab]; true: every token [n_tokens][vocab] */
 } prism_llm_batch_t;
 /* PRISM_ELIMIT if n_tokens > max_batch_tokens or n_seqs > max_seqs; PRISM_EINVAL for token ids

@@ -196,7 +196,7 @@ int prism_vision_load(prism_backend_t *be, const prism_model_config_t *cfg, cons
                         .seed = cfg->random_seed};
     if ((rc = load_weights(v, &w, vp, pp)) != PRISM_OK) goto fail;
     v->wbytes = PRISM_ALIGN_UP(w.off, PRISM_TENSOR_ALIGN);
-    v->wbuf = prism_backend_alloc(be, v->wbytes);
+    v->wbuf = prism_backend_buf_alloc(be, v->wbytes);
     w.staging_n = 1u << 20;
     w.staging = prism_malloc(w.staging_n * sizeof(float));
     if (!v->wbuf || !w.staging) {
@@ -215,7 +215,7 @@ int prism_vision_load(prism_backend_t *be, const prism_model_config_t *cfg, cons
     st = NULL;
 
     v->abytes = vis_layout(cfg, max_images, NULL);
-    v->abuf = prism_backend_alloc(be, v->abytes);
+    v->abuf = prism_backend_buf_alloc(be, v->abytes);
     if (!v->abuf) {
         char b[32];
         ERR("vision: cannot allocate the %s activation arena", prism_fmt_bytes(v->abytes, b, sizeof b));
@@ -241,8 +241,8 @@ fail:
 void prism_vision_free(prism_vision_t *v)
 {
     if (!v) return;
-    prism_backend_free(v->be, v->wbuf);
-    prism_backend_free(v->be, v->abuf);
+    prism_backend_buf_free(v->be, v->wbuf);
+    prism_backend_buf_free(v->be, v->abuf);
     prism_free(v->layers);
     prism_free(v);
 }

@@ -81,7 +81,7 @@ typedef struct prism_net prism_net_t;
 
 /* Loads the keys and starts the ZAP handler. Fails (PRISM_EINVAL with a message naming the file and
  * the fix) when neither curve_keys nor insecure is given, when a key file is missing or malformed,
- * or when a secret key file is readable by others. */
+ * or when a secret key file is accessible to others (group access is allowed). */
 int   prism_net_create(const prism_net_opts_t *o, prism_net_t **out, char *err, size_t errlen);
 /* Stops the ZAP thread and terminates the context: close every socket first. */
 void  prism_net_destroy(prism_net_t *net);
@@ -91,7 +91,8 @@ bool  prism_net_secure(const prism_net_t *net);
 typedef struct {
     uint64_t auth_ok;           /* handshakes the ZAP handler admitted */
     uint64_t auth_denied;       /* handshakes with an unknown key, or a key of a role the socket does not admit */
-    uint64_t handshake_failed;  /* other failed handshakes on bound sockets: no CURVE, wrong server key, garbage */
+    uint64_t handshake_failed;  /* other failed handshakes on bound sockets: no CURVE, wrong server key, garbage
+                                 * (not connections closed before a word: TCP health probes) */
 } prism_net_stats_t;
 void prism_net_stats(const prism_net_t *net, prism_net_stats_t *st);
 /* auth_denied + handshake_failed: peers refused at the door (for metrics). */

@@ -278,8 +278,10 @@ static void monitor_handle(prism_net_t *n, void *mon)
             zmq_msg_recv(&ep, mon, 0);
             zmq_msg_close(&ep);
         }
-        if (event == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL || event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL)
-            atomic_fetch_add(&n->handshake_failed, 1);
+        /* PROTOCOL: a peer that spoke but not our CURVE (no CURVE, a wrong server key, garbage).
+         * Connections that close before saying anything (TCP health probes, scanners) are not
+         * counted: they report NO_DETAIL. */
+        if (event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL) atomic_fetch_add(&n->handshake_failed, 1);
     }
 }
 
@@ -340,8 +342,9 @@ int prism_net_create(const prism_net_opts_t *o, prism_net_t **out, char *err, si
         char path[1024];
         snprintf(path, sizeof(path), "%s/%s.key", o->curve_keys, g_role_names[o->role]);
         struct stat st;
-        if (stat(path, &st) == 0 && (st.st_mode & 077)) {
-            snprintf(err, errlen, "secret key %s is readable by other users: chmod 600 it", path);
+        /* Group access is allowed (Kubernetes mounts Secrets group-readable with fsGroup); others, never. */
+        if (stat(path, &st) == 0 && (st.st_mode & 007)) {
+            snprintf(err, errlen, "secret key %s is accessible to other users: chmod 600 (or 640) it", path);
             rc = PRISM_EINVAL;
             goto fail;
         }
@@ -442,7 +445,7 @@ static void monitor_start(prism_net_t *n, void *s)
     if (!room) return;
     char ep[64];
     snprintf(ep, sizeof(ep), "inproc://prism-monitor-%d", id);
-    if (zmq_socket_monitor(s, ep, ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL) != 0)
+    if (zmq_socket_monitor(s, ep, ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL) != 0)
         return;
     void *pair = zmq_socket(n->zctx, ZMQ_PAIR);
     if (!pair) return;

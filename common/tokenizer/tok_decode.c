@@ -67,7 +67,7 @@ static int bytelevel_bytes(const char *s, size_t n, prism_buf_t *out)
     size_t start = out->len;
     for (size_t i = 0; i < n;) {
         uint32_t cp;
-        i += (size_t)prism_tok_utf8_next(s + i, &cp);
+        i += (size_t)prism_utf8_decode_valid(s + i, &cp);
         if (cp >= 512 || prism_tok_cp_byte[cp] < 0) {
             out->len = start;
             return prism_buf_append(out, s, n) < 0 ? PRISM_ENOMEM : PRISM_OK;
@@ -82,7 +82,7 @@ static int flush_bytes(tlist_t *out, prism_buf_t *pending)
 {
     int rc = PRISM_OK;
     if (!pending->len) return rc;
-    if (prism_tok_utf8_valid(pending->data, pending->len)) rc = tl_add(out, pending->data, pending->len);
+    if (prism_utf8_valid(pending->data, pending->len)) rc = tl_add(out, pending->data, pending->len);
     else   /* String::from_utf8 failed: one U+FFFD per byte */
         for (size_t i = 0; i < pending->len && !rc; i++) rc = tl_add(out, "\xEF\xBF\xBD", 3);
     pending->len = 0;
@@ -97,7 +97,7 @@ static int dec_apply(const prism_tok_dec_t *d, pcre2_match_data *md, tlist_t *in
         prism_buf_t raw = {0};
         for (size_t i = 0; i < in->n && !rc; i++) rc = bytelevel_bytes(tl_str(in, i), in->v[i].len, &raw);
         if (!rc && !(rc = tl_open(out))) {
-            rc = prism_tok_utf8_lossy_append(&out->s, raw.data ? raw.data : "", raw.len);
+            rc = prism_utf8_lossy_append(&out->s, raw.data ? raw.data : "", raw.len);
             tl_close(out);
         }
         prism_buf_free(&raw);
@@ -116,7 +116,7 @@ static int dec_apply(const prism_tok_dec_t *d, pcre2_match_data *md, tlist_t *in
                     k += (size_t)d->repl_len;
                     run = k;
                 } else {
-                    k += (size_t)prism_tok_utf8_len((uint8_t)s[k]);
+                    k += (size_t)prism_utf8_len((uint8_t)s[k]);
                 }
             }
             if (prism_buf_append(&out->s, s + run, n - run) < 0) return PRISM_ENOMEM;

@@ -1,4 +1,5 @@
 #include "worker/worker.h"
+#include "model/model.h"
 
 #include <signal.h>
 #include <stdio.h>
@@ -117,7 +118,7 @@ int prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *t, int n)
 }
 
 int prism_worker_startup(int argc, char **argv, const char *role, const char *summary, prism_flag_t *flags,
-                         prism_worker_opts_t *o, prism_model_config_t *cfg)
+                         prism_worker_opts_t *o, struct prism_model_config *cfg)
 {
     int n_own = 0;
     while (flags[n_own].name) n_own++;
@@ -142,38 +143,6 @@ int prism_worker_startup(int argc, char **argv, const char *role, const char *su
     cfg->random_weights = o->random_weights;
     cfg->random_seed = 1234;
     return -1;
-}
-
-bool prism_is_stop_token(const prism_model_config_t *cfg, bool ignore_eos, const int32_t *stop_ids, int n_stop,
-                         int32_t tok)
-{
-    if (!ignore_eos)
-        for (int i = 0; i < cfg->n_eos; i++)
-            if (tok == cfg->eos_token_ids[i]) return true;
-    for (int i = 0; i < n_stop; i++)
-        if (tok == stop_ids[i]) return true;
-    return false;
-}
-
-void prism_tokens_set_logprobs(Prism__Tokens *t, prism_logprobs_msg_t *m, prism_sampler_t *s, const float *logits,
-                               int32_t tok, int n_top)
-{
-    int32_t ids[PRISM_MAX_TOP_LOGPROBS];
-    float lps[PRISM_MAX_TOP_LOGPROBS];
-    n_top = PRISM_MAX(0, PRISM_MIN(n_top, PRISM_MAX_TOP_LOGPROBS));
-    prism__token_logprobs__init(&m->lp);
-    prism_logprobs(s, logits, tok, n_top, &m->lp.logprob, ids, lps);
-    for (int k = 0; k < n_top; k++) {
-        prism__top_logprob__init(&m->top[k]);
-        m->top[k].token_id = ids[k];
-        m->top[k].logprob = lps[k];
-        m->topp[k] = &m->top[k];
-    }
-    m->lp.n_top = (size_t)n_top;
-    m->lp.top = m->topp;
-    m->lpp = &m->lp;
-    t->n_logprobs = 1;
-    t->logprobs = &m->lpp;
 }
 
 void prism_worker_set_capacity(prism_worker_t *w, const prism_worker_opts_t *o, const prism_mem_plan_t *plan,

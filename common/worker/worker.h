@@ -17,8 +17,8 @@
 #include "core/core.h"
 #include "core/cli.h"
 #include "net/net.h"
-#include "model/model.h"
-#include "sample/sample.h"
+
+struct prism_model_config;   /* model/model.h */
 
 #define PRISM_WORKER_MAX_ROUTERS 8
 #define PRISM_WORKER_MAX_PEERS 64
@@ -127,27 +127,7 @@ int  prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *table, int n)
  * (and applies --random-weights). Returns -1 to go on, else the process exit code (0 after --help,
  * 2 for bad flags, 1 otherwise). */
 int  prism_worker_startup(int argc, char **argv, const char *role, const char *summary, prism_flag_t *flags,
-                          prism_worker_opts_t *o, prism_model_config_t *cfg);
-
-/* ---- what prefill and decode share about finished tokens ---- */
-#define PRISM_MAX_TOP_LOGPROBS 20
-#define PRISM_MAX_STOP_IDS 16
-
-/* EOS (unless ignore_eos) or one of the request's stop token ids. */
-bool prism_is_stop_token(const prism_model_config_t *cfg, bool ignore_eos, const int32_t *stop_ids, int n_stop,
-                         int32_t tok);
-
-/* Storage for the logprobs of one token in a Tokens message. */
-typedef struct {
-    Prism__TokenLogprobs lp;
-    Prism__TokenLogprobs *lpp;
-    Prism__TopLogprob top[PRISM_MAX_TOP_LOGPROBS];
-    Prism__TopLogprob *topp[PRISM_MAX_TOP_LOGPROBS];
-} prism_logprobs_msg_t;
-
-/* Attaches tok's logprob and the n_top most likely alternatives (from raw logits) to t. */
-void prism_tokens_set_logprobs(Prism__Tokens *t, prism_logprobs_msg_t *m, prism_sampler_t *s, const float *logits,
-                               int32_t tok, int n_top);
+                          prism_worker_opts_t *o, struct prism_model_config *cfg);
 
 /* What registration advertises: the memory plan and capacity (0 where a field does not apply). */
 void prism_worker_set_capacity(prism_worker_t *w, const prism_worker_opts_t *o, const prism_mem_plan_t *plan,

@@ -232,6 +232,8 @@ static int cu_scale(void *ctx, float *y, const float *x, float s, size_t n)
 static int cu_get_rows(void *ctx, float *out, const void *table, prism_dtype_t dt, int n_table, const int32_t *ids,
                        int n, int dim)
 { return prism_cuda_get_rows(ST(ctx), out, table, dt, n_table, ids, n, dim); }
+static int cu_fill_random(void *ctx, void *dst, prism_dtype_t dt, size_t n, uint64_t seed, float std)
+{ return prism_cuda_fill_random(ST(ctx), dst, dt, n, seed, std); }
 static int cu_im2patch(void *ctx, float *out, const float *pixels, int n_img, int C, int H, int W, int p)
 { return prism_cuda_im2patch(ST(ctx), out, pixels, n_img, C, H, W, p); }
 static int cu_kv_write(void *ctx, float *kc, float *vc, const float *k, const float *v, int ld, const int32_t *slots,
@@ -490,6 +492,7 @@ prism_backend_t *prism_backend_cuda_create(int device, size_t pool_bytes, int *s
         .attn_paged = cu_attn_paged, .attn_decode = cu_attn_decode, .attn_dense = cu_attn_dense,
         .blocks_to_host = cu_blocks_to_host, .blocks_from_host = cu_blocks_from_host,
         .argmax = cu_argmax,
+        .fill_random = cu_fill_random,
         .destroy = cu_destroy,
     };
     be->ctx = c;

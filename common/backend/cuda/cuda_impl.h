@@ -114,6 +114,7 @@ int prism_cuda_attn_dense(cudaStream_t st, float *out, int ldo, const float *q, 
 int prism_cuda_kv_gather(cudaStream_t st, void *dst, const void *base, size_t block_bytes, const int32_t *ids, int n);
 int prism_cuda_kv_scatter(cudaStream_t st, void *base, size_t block_bytes, const int32_t *ids, int n, const void *src);
 int prism_cuda_argmax(cudaStream_t st, int32_t *out, const float *logits, int n_rows, int vocab);
+int prism_cuda_fill_random(cudaStream_t st, void *dst, prism_dtype_t dt, size_t n, uint64_t seed, float std);
 
 typedef struct {
     float temperature, top_p;

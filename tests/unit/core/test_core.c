@@ -1,4 +1,4 @@
-/* Unit tests: core (allocator accounting, arena, buffer, byte sizes, CLI), kv blocks, metrics,
+/* Unit tests: core (allocator accounting, buffer, byte sizes, CLI), kv blocks, metrics,
  * and the encoder's embedding cache. */
 #include <stdarg.h>
 #include <stddef.h>
@@ -32,22 +32,6 @@ static void test_alloc_counts(void **state)
     prism_free_aligned(a);
     assert_int_equal(prism_mem_used(), before);
     assert_null(prism_calloc(SIZE_MAX / 2, 4));  /* overflow is refused, not wrapped */
-}
-
-static void test_arena(void **state)
-{
-    uint8_t region[1024];
-    prism_arena_t a;
-    prism_arena_init(&a, "t", region, sizeof(region));
-    void *x = prism_arena_alloc(&a, 100, 64);
-    void *y = prism_arena_alloc(&a, 100, 64);
-    assert_non_null(x);
-    assert_non_null(y);
-    assert_int_equal(((uintptr_t)y - (uintptr_t)region) % 64, 0);
-    assert_null(prism_arena_alloc(&a, 2000, 64));  /* never grows */
-    assert_true(a.peak >= 228);
-    prism_arena_reset(&a);
-    assert_ptr_equal(prism_arena_alloc(&a, 10, 1), region);
 }
 
 static void test_buf(void **state)
@@ -192,7 +176,7 @@ static void test_embed_cache_lru(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_alloc_counts), cmocka_unit_test(test_arena),      cmocka_unit_test(test_buf),
+        cmocka_unit_test(test_alloc_counts), cmocka_unit_test(test_buf),
         cmocka_unit_test(test_parse_bytes),  cmocka_unit_test(test_cli),        cmocka_unit_test(test_kv_blocks),
         cmocka_unit_test(test_histogram),    cmocka_unit_test(test_embed_cache_lru), cmocka_unit_test(test_ct_equal),
     };

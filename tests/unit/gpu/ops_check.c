@@ -22,7 +22,7 @@
 
 const char *const prism_opcheck_ops[] = {
     "copy", "matmul", "rmsnorm", "layernorm", "rope", "act", "silu_mul", "add", "scale", "get_rows",
-    "im2patch", "kv", "attn_paged", "attn_decode", "attn_dense", "argmax", "sample", "scatter_rows", NULL,
+    "im2patch", "kv", "attn_paged", "attn_decode", "attn_dense", "argmax", "fill_random", "sample", "scatter_rows", NULL,
 };
 
 /* ---------------------------------------------------------------- helpers */
@@ -56,10 +56,10 @@ static float bf16_round(float f) { return prism_bf16_to_f32(prism_f32_to_bf16(f)
 /* alloc + upload of raw bytes on one backend */
 static void *put(prism_backend_t *be, const void *host, size_t bytes)
 {
-    void *d = prism_backend_alloc(be, bytes ? bytes : 4);
+    void *d = prism_backend_buf_alloc(be, bytes ? bytes : 4);
     if (!d) return NULL;
     if (host && bytes && be->i.upload(be->ctx, d, host, bytes) != PRISM_OK) {
-        prism_backend_free(be, d);
+        prism_backend_buf_free(be, d);
         return NULL;
     }
     return d;
@@ -168,10 +168,10 @@ static void check_copy(ck_t *c)
         }
     report(c, ok, "upload_convert(%s) + get_rows round trip", prism_dtype_name(wdt));
     free(back);
-    prism_backend_free(c->dev, dids);
-    prism_backend_free(c->dev, tab);
-    prism_backend_free(c->dev, d0);
-    prism_backend_free(c->dev, d1);
+    prism_backend_buf_free(c->dev, dids);
+    prism_backend_buf_free(c->dev, tab);
+    prism_backend_buf_free(c->dev, d0);
+    prism_backend_buf_free(c->dev, d1);
     free(h);
 }
 
@@ -205,8 +205,8 @@ static void matmul_case(ck_t *c, int M, int N, int K, int pad_x, int pad_y, bool
     close_f32(c, what, hr, hd, (size_t)M * ldy, tol * (rms(hr, (size_t)M * ldy) + 1e-3), wdt == PRISM_DTYPE_F32 ? 1e-5 : 0);
     if (!pad_ok) report(c, false, "%s wrote outside N columns", what);
     free(hr); free(hd);
-    prism_backend_free(c->ref, rx); prism_backend_free(c->ref, rw); prism_backend_free(c->ref, rb); prism_backend_free(c->ref, ry);
-    prism_backend_free(c->dev, dx); prism_backend_free(c->dev, dw); prism_backend_free(c->dev, db); prism_backend_free(c->dev, dy);
+    prism_backend_buf_free(c->ref, rx); prism_backend_buf_free(c->ref, rw); prism_backend_buf_free(c->ref, rb); prism_backend_buf_free(c->ref, ry);
+    prism_backend_buf_free(c->dev, dx); prism_backend_buf_free(c->dev, dw); prism_backend_buf_free(c->dev, db); prism_backend_buf_free(c->dev, dy);
     free(x); free(w); free(b); free(y0);
 }
 
@@ -248,10 +248,10 @@ static void norm_case(ck_t *c, bool layer, int rows, int dim, bool in_place, boo
     snprintf(what, sizeof what, "%dx%d%s%s", rows, dim, in_place ? " in-place" : "", affine ? "" : " no-affine");
     close_f32(c, what, hr, hd, n, 2e-5, 2e-5);
     free(hr); free(hd);
-    prism_backend_free(c->ref, rx); if (!in_place) prism_backend_free(c->ref, ry);
-    prism_backend_free(c->ref, rw); prism_backend_free(c->ref, rb);
-    prism_backend_free(c->dev, dx); if (!in_place) prism_backend_free(c->dev, dy);
-    prism_backend_free(c->dev, dw); prism_backend_free(c->dev, db);
+    prism_backend_buf_free(c->ref, rx); if (!in_place) prism_backend_buf_free(c->ref, ry);
+    prism_backend_buf_free(c->ref, rw); prism_backend_buf_free(c->ref, rb);
+    prism_backend_buf_free(c->dev, dx); if (!in_place) prism_backend_buf_free(c->dev, dy);
+    prism_backend_buf_free(c->dev, dw); prism_backend_buf_free(c->dev, db);
     free(x); free(w); free(b);
 }
 
@@ -294,8 +294,8 @@ static void rope_case(ck_t *c, int T, int nh, int hd, int rot, int pad, prism_ro
     /* sincosf of angles up to ~1e5 rad: both sides are within an ulp of the true value. */
     close_f32(c, what, hr, hd_, n, 2e-5, 1e-5);
     free(hr); free(hd_);
-    prism_backend_free(c->ref, rx); prism_backend_free(c->ref, rp); prism_backend_free(c->ref, ri);
-    prism_backend_free(c->dev, dx); prism_backend_free(c->dev, dp); prism_backend_free(c->dev, di);
+    prism_backend_buf_free(c->ref, rx); prism_backend_buf_free(c->ref, rp); prism_backend_buf_free(c->ref, ri);
+    prism_backend_buf_free(c->dev, dx); prism_backend_buf_free(c->dev, dp); prism_backend_buf_free(c->dev, di);
     free(x); free(pos);
 }
 
@@ -328,8 +328,8 @@ static void check_act(ck_t *c)
             snprintf(what, sizeof what, "%s n%zu%s", names[a], n, inplace ? " in-place" : "");
             close_f32(c, what, hr, hd, n, 1e-6, 1e-5);
             free(hr); free(hd); free(x);
-            prism_backend_free(c->ref, rx); prism_backend_free(c->ref, ry);
-            prism_backend_free(c->dev, dx); prism_backend_free(c->dev, dy);
+            prism_backend_buf_free(c->ref, rx); prism_backend_buf_free(c->ref, ry);
+            prism_backend_buf_free(c->dev, dx); prism_backend_buf_free(c->dev, dy);
         }
 }
 
@@ -349,8 +349,8 @@ static void check_silu_mul(ck_t *c)
         snprintf(what, sizeof what, "%dx%d ld%d", rows, dim, ld);
         close_f32(c, what, hr, hd, (size_t)rows * dim, 1e-6, 1e-5);
         free(hr); free(hd); free(g);
-        prism_backend_free(c->ref, rg); prism_backend_free(c->ref, ro);
-        prism_backend_free(c->dev, dg); prism_backend_free(c->dev, dout);
+        prism_backend_buf_free(c->ref, rg); prism_backend_buf_free(c->ref, ro);
+        prism_backend_buf_free(c->dev, dg); prism_backend_buf_free(c->dev, dout);
     }
 }
 
@@ -368,8 +368,8 @@ static void check_add(ck_t *c)
         snprintf(what, sizeof what, "n%zu nb%zu", n, nb);
         close_f32(c, what, hr, hd, n, 0, 0);
         free(hr); free(hd); free(a); free(b);
-        prism_backend_free(c->ref, ra); prism_backend_free(c->ref, rb);
-        prism_backend_free(c->dev, da); prism_backend_free(c->dev, db);
+        prism_backend_buf_free(c->ref, ra); prism_backend_buf_free(c->ref, rb);
+        prism_backend_buf_free(c->dev, da); prism_backend_buf_free(c->dev, db);
     }
 }
 
@@ -382,8 +382,8 @@ static void check_scale(ck_t *c)
     float *hr = get(c->ref, ra, n * 4), *hd = get(c->dev, da, n * 4);
     close_f32(c, "n65537 s-0.37", hr, hd, n, 0, 0);
     free(hr); free(hd); free(a);
-    prism_backend_free(c->ref, ra);
-    prism_backend_free(c->dev, da);
+    prism_backend_buf_free(c->ref, ra);
+    prism_backend_buf_free(c->dev, da);
 }
 
 /* ---------------------------------------------------------------- gathers */
@@ -416,8 +416,8 @@ static void check_get_rows(ck_t *c)
         for (int j = 0; j < dim; j++) zero = zero && hd[3 * dim + j] == 0.0f && hd[4 * dim + j] == 0.0f;
         if (!zero) report(c, false, "%s: out-of-range ids must give zero rows", what);
         free(hr); free(hd);
-        prism_backend_free(c->ref, rt); prism_backend_free(c->ref, ri); prism_backend_free(c->ref, ro);
-        prism_backend_free(c->dev, dtb); prism_backend_free(c->dev, di); prism_backend_free(c->dev, dout);
+        prism_backend_buf_free(c->ref, rt); prism_backend_buf_free(c->ref, ri); prism_backend_buf_free(c->ref, ro);
+        prism_backend_buf_free(c->dev, dtb); prism_backend_buf_free(c->dev, di); prism_backend_buf_free(c->dev, dout);
     }
     free(tab);
 }
@@ -437,8 +437,8 @@ static void check_im2patch(ck_t *c)
         snprintf(what, sizeof what, "%dx%dx%dx%d p%d", B, C, H, W, p);
         close_f32(c, what, hr, hd, n, 0, 0);
         free(hr); free(hd); free(px);
-        prism_backend_free(c->ref, rp); prism_backend_free(c->ref, ro);
-        prism_backend_free(c->dev, dp); prism_backend_free(c->dev, dout);
+        prism_backend_buf_free(c->ref, rp); prism_backend_buf_free(c->ref, ro);
+        prism_backend_buf_free(c->dev, dp); prism_backend_buf_free(c->dev, dout);
     }
 }
 
@@ -480,8 +480,8 @@ static void check_kv(ck_t *c)
     for (int i = 0; i < 5 && ok; i++) ok = memcmp(h2 + i * bb, h1 + i * stride, bb) == 0;
     report(c, ok, "blocks_from_host round trip (contiguous export)");
     free(h1); free(h2); free(hr);
-    prism_backend_free(c->ref, rk); prism_backend_free(c->ref, rkc); prism_backend_free(c->ref, rvc); prism_backend_free(c->ref, rs);
-    prism_backend_free(c->dev, dk); prism_backend_free(c->dev, dkc); prism_backend_free(c->dev, dvc); prism_backend_free(c->dev, ds);
+    prism_backend_buf_free(c->ref, rk); prism_backend_buf_free(c->ref, rkc); prism_backend_buf_free(c->ref, rvc); prism_backend_buf_free(c->ref, rs);
+    prism_backend_buf_free(c->dev, dk); prism_backend_buf_free(c->dev, dkc); prism_backend_buf_free(c->dev, dvc); prism_backend_buf_free(c->dev, ds);
     free(k); free(zero);
 }
 
@@ -537,12 +537,12 @@ static void attn_paged_case(ck_t *c, const paged_case_t *pc, bool decode)
              decode ? " (decode)" : "");
     close_f32(c, what, hr, hd_, (size_t)T * ldo, 5e-5, 1e-4);
     free(hr); free(hd_);
-    prism_backend_free(c->ref, (void *)mr.seq_start); prism_backend_free(c->ref, (void *)mr.pos0);
-    prism_backend_free(c->ref, (void *)mr.block_tables);
-    prism_backend_free(c->dev, (void *)md.seq_start); prism_backend_free(c->dev, (void *)md.pos0);
-    prism_backend_free(c->dev, (void *)md.block_tables);
-    prism_backend_free(c->ref, rk); prism_backend_free(c->ref, rv); prism_backend_free(c->ref, rq); prism_backend_free(c->ref, ro);
-    prism_backend_free(c->dev, dk); prism_backend_free(c->dev, dv); prism_backend_free(c->dev, dq); prism_backend_free(c->dev, dout);
+    prism_backend_buf_free(c->ref, (void *)mr.seq_start); prism_backend_buf_free(c->ref, (void *)mr.pos0);
+    prism_backend_buf_free(c->ref, (void *)mr.block_tables);
+    prism_backend_buf_free(c->dev, (void *)md.seq_start); prism_backend_buf_free(c->dev, (void *)md.pos0);
+    prism_backend_buf_free(c->dev, (void *)md.block_tables);
+    prism_backend_buf_free(c->ref, rk); prism_backend_buf_free(c->ref, rv); prism_backend_buf_free(c->ref, rq); prism_backend_buf_free(c->ref, ro);
+    prism_backend_buf_free(c->dev, dk); prism_backend_buf_free(c->dev, dv); prism_backend_buf_free(c->dev, dq); prism_backend_buf_free(c->dev, dout);
     free(kc); free(vc); free(q); free(seq_start); free(pos0); free(tables);
 }
 
@@ -592,12 +592,12 @@ static void attn_dense_case(ck_t *c, int S, int L, int nh, int nkv, int hd, bool
              fused ? " fused-qkv" : "");
     close_f32(c, what, hr, hd_, T * ldo, 5e-5, 1e-4);
     free(hr); free(hd_);
-    prism_backend_free(c->ref, rq); prism_backend_free(c->dev, dq);
+    prism_backend_buf_free(c->ref, rq); prism_backend_buf_free(c->dev, dq);
     if (!fused) {
-        prism_backend_free(c->ref, rk); prism_backend_free(c->ref, rv);
-        prism_backend_free(c->dev, dk); prism_backend_free(c->dev, dv);
+        prism_backend_buf_free(c->ref, rk); prism_backend_buf_free(c->ref, rv);
+        prism_backend_buf_free(c->dev, dk); prism_backend_buf_free(c->dev, dv);
     }
-    prism_backend_free(c->ref, ro); prism_backend_free(c->dev, dout);
+    prism_backend_buf_free(c->ref, ro); prism_backend_buf_free(c->dev, dout);
     free(q); free(k); free(v);
 }
 
@@ -626,9 +626,43 @@ static void check_argmax(ck_t *c)
     BOTH(c->ref->i.argmax(c->ref->ctx, ra, rl, rows, vocab), c->dev->i.argmax(c->dev->ctx, da, dl, rows, vocab));
     bool ok = memcmp(ra, da, sizeof ra) == 0 && da[0] == 5 && da[1] == vocab - 1 && da[2] == 0 && da[3] == 0;
     report(c, ok, "%d rows x %d (ties, last, constant) dev[0..3] = %d %d %d %d", rows, vocab, da[0], da[1], da[2], da[3]);
-    prism_backend_free(c->ref, rl);
-    prism_backend_free(c->dev, dl);
+    prism_backend_buf_free(c->ref, rl);
+    prism_backend_buf_free(c->dev, dl);
     free(l);
+}
+
+/* ---------------------------------------------------------------- fill_random */
+
+/* Random weights made on the device must be exactly what the host loader computes (dtype.h):
+ * CPU and GPU runs of --random-weights then load the same model. */
+static void check_fill_random(ck_t *c)
+{
+    if (!c->dev->i.fill_random) return;
+    size_t n = 1000003;
+    uint64_t seed = 0x0123456789abcdefull;
+    float *want = malloc(n * 4);
+    double m = 0, v = 0;
+    for (size_t i = 0; i < n; i++) {
+        want[i] = 0.02f * prism_random_normalish(seed, i);
+        m += want[i];
+        v += (double)want[i] * want[i];
+    }
+    m /= (double)n;
+    v = sqrt(v / (double)n - m * m);
+    float *d = put(c->dev, NULL, n * 4);
+    uint16_t *db = put(c->dev, NULL, n * 2);
+    int rc = c->dev->i.fill_random(c->dev->ctx, d, PRISM_DTYPE_F32, n, seed, 0.02f);
+    int rc2 = c->dev->i.fill_random(c->dev->ctx, db, PRISM_DTYPE_BF16, n, seed, 0.02f);
+    float *h = get(c->dev, d, n * 4);
+    uint16_t *hb = get(c->dev, db, n * 2);
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) bad += hb[i] != prism_f32_to_bf16(want[i]);
+    report(c, rc == PRISM_OK && memcmp(h, want, n * 4) == 0, "f32: %zu values bit-identical to the host's", n);
+    report(c, rc2 == PRISM_OK && bad == 0, "bf16: %zu of %zu values differ from the host's rounding", bad, n);
+    report(c, fabs(m) < 1e-4 && fabs(v - 0.02) < 2e-4, "mean %.2g, std %.4g (want 0, 0.02)", m, v);
+    free(want); free(h); free(hb);
+    prism_backend_buf_free(c->dev, d);
+    prism_backend_buf_free(c->dev, db);
 }
 
 /* ---------------------------------------------------------------- CUDA-only extensions */
@@ -675,7 +709,7 @@ static void check_sample(ck_t *c)
     /* fp32 expf may differ by an ulp between libm and CUDA: a draw landing exactly on a boundary
      * may pick the neighbour. 64 random draws essentially never do. */
     report(c, same >= rows - 1, "%d/%d rows identical to prism_sample (temperature, top-k, top-p mixes)", same, rows);
-    prism_backend_free(c->dev, dl);
+    prism_backend_buf_free(c->dev, dl);
     free(l);
     prism_sampler_free(&sm);
 }
@@ -694,7 +728,7 @@ static void check_scatter_rows(ck_t *c)
         if (rows[i] >= 0) memcpy(x + (size_t)rows[i] * ld, src + (size_t)i * dim, (size_t)dim * 4);
     report(c, rc == PRISM_OK && memcmp(h, x, (size_t)T * ld * 4) == 0, "12 rows into 50x%d (ld %d), one skipped", dim, ld);
     free(h); free(x); free(src);
-    prism_backend_free(c->dev, dx); prism_backend_free(c->dev, ds); prism_backend_free(c->dev, dr);
+    prism_backend_buf_free(c->dev, dx); prism_backend_buf_free(c->dev, ds); prism_backend_buf_free(c->dev, dr);
 }
 #endif
 
@@ -712,7 +746,7 @@ void prism_opcheck_run(prism_opcheck_t *t, prism_backend_t *ref, prism_backend_t
         {"rope", check_rope}, {"act", check_act}, {"silu_mul", check_silu_mul}, {"add", check_add},
         {"scale", check_scale}, {"get_rows", check_get_rows}, {"im2patch", check_im2patch}, {"kv", check_kv},
         {"attn_paged", check_attn_paged}, {"attn_decode", check_attn_decode}, {"attn_dense", check_attn_dense},
-        {"argmax", check_argmax},
+        {"argmax", check_argmax}, {"fill_random", check_fill_random},
 #ifdef PRISM_OPCHECK_CUDA
         {"sample", check_sample}, {"scatter_rows", check_scatter_rows},
 #endif

@@ -12,6 +12,8 @@
 #include <string.h>
 
 #include "openai_req.h"
+#include "openai_write.h"
+#include "core/utf8.h"
 
 static int parse(const char *body, bool chat, const prism_oai_parse_opts_t *o, prism_oai_request_t *r,
                  prism_oai_error_t *e)
@@ -443,7 +445,7 @@ static void test_json_string_escaping(void **state)
     for (size_t i = 0; i < PRISM_ARRAY_LEN(cases); i++) {
         prism_buf_t b = {0};
         prism_buf_append_str(&b, "[");
-        assert_int_equal(prism_oai_json_string(&b, cases[i].in, cases[i].len), PRISM_OK);
+        assert_int_equal(prism_json_string(&b, cases[i].in, cases[i].len), PRISM_OK);
         prism_buf_append_str(&b, "]");
         json_error_t je;
         json_t *j = json_loadb(b.data, b.len, JSON_ALLOW_NUL, &je);
@@ -479,14 +481,14 @@ static void test_logprob_numbers(void **state)
 static void test_utf8_complete_prefix(void **state)
 {
     (void)state;
-    assert_int_equal(prism_oai_utf8_complete_prefix("abc", 3), 3);
-    assert_int_equal(prism_oai_utf8_complete_prefix("abc\xE2\x82", 5), 3);
-    assert_int_equal(prism_oai_utf8_complete_prefix("abc\xE2\x82\xAC", 6), 6);
-    assert_int_equal(prism_oai_utf8_complete_prefix("\xF0\x9F\x98", 3), 0);
-    assert_int_equal(prism_oai_utf8_complete_prefix("a\xF0", 2), 1);
-    assert_int_equal(prism_oai_utf8_complete_prefix("abc\xFF", 4), 4);      /* invalid: nothing to wait for */
-    assert_int_equal(prism_oai_utf8_complete_prefix("ab\xE2\x28", 4), 4);   /* ill-formed already */
-    assert_int_equal(prism_oai_utf8_complete_prefix("", 0), 0);
+    assert_int_equal(prism_utf8_complete_prefix("abc", 3), 3);
+    assert_int_equal(prism_utf8_complete_prefix("abc\xE2\x82", 5), 3);
+    assert_int_equal(prism_utf8_complete_prefix("abc\xE2\x82\xAC", 6), 6);
+    assert_int_equal(prism_utf8_complete_prefix("\xF0\x9F\x98", 3), 0);
+    assert_int_equal(prism_utf8_complete_prefix("a\xF0", 2), 1);
+    assert_int_equal(prism_utf8_complete_prefix("abc\xFF", 4), 4);      /* invalid: nothing to wait for */
+    assert_int_equal(prism_utf8_complete_prefix("ab\xE2\x28", 4), 4);   /* ill-formed already */
+    assert_int_equal(prism_utf8_complete_prefix("", 0), 0);
 }
 
 static void test_ids_and_meta(void **state)

@@ -211,6 +211,9 @@ static void test_key_files_checked(void **state)
     assert_int_equal(chmod(path, 0644), 0);
     assert_int_equal(prism_net_create(&o, &n, err, sizeof(err)), PRISM_EINVAL);  /* secret readable by others */
     assert_non_null(strstr(err, "chmod 600"));
+    assert_int_equal(chmod(path, 0640), 0);  /* group-readable (Kubernetes fsGroup) is fine */
+    assert_int_equal(prism_net_create(&o, &n, err, sizeof(err)), PRISM_OK);
+    prism_net_destroy(n);
     assert_int_equal(chmod(path, 0600), 0);
     o.curve_keys = "/nonexistent-prism-keys";
     assert_int_equal(prism_net_create(&o, &n, err, sizeof(err)), PRISM_EIO);
