@@ -21,17 +21,17 @@ static void touch_sampling(const Prism__Sampling *s)
 static void touch(const Prism__Envelope *e)
 {
     touch_str(e->router_id);
-    if (e->reg) touch_str(e->reg->worker_id), touch_str(e->reg->data_endpoint), touch_str(e->reg->model_name);
+    if (e->reg) touch_str(e->reg->worker_id), touch_str(e->reg->data_endpoint);
     if (e->reg_ack) touch_str(e->reg_ack->message);
     if (e->heartbeat) touch_str(e->heartbeat->worker_id);
-    if (e->encode) touch_str(e->encode->prefill_endpoint), touch_str(e->encode->prefill_id);
+    if (e->encode) touch_str(e->encode->prefill_endpoint);
     if (e->encode_done) touch_str(e->encode_done->error);
     if (e->prefill) {
         for (size_t i = 0; i < e->prefill->n_token_ids; i++) g_sink += (size_t)e->prefill->token_ids[i];
         for (size_t i = 0; i < e->prefill->n_images; i++)
             if (e->prefill->images[i]) g_sink += e->prefill->images[i]->offset + e->prefill->images[i]->n_tokens;
         touch_sampling(e->prefill->sampling);
-        touch_str(e->prefill->decode_endpoint), touch_str(e->prefill->decode_id);
+        touch_str(e->prefill->decode_endpoint);
     }
     if (e->embeddings) touch_str(e->embeddings->error);
     if (e->tokens) {

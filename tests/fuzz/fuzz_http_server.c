@@ -9,6 +9,7 @@
 #include "fuzz_common.h"
 #include "http_server.h"
 #include "openai_req.h"
+#include "openai_write.h"
 
 #include <errno.h>
 #include <fcntl.h>

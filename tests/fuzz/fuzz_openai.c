@@ -3,6 +3,8 @@
  * the response writers the router uses, with the request's own strings. */
 #include "fuzz_common.h"
 #include "openai_req.h"
+#include "openai_write.h"
+#include "core/utf8.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
@@ -25,7 +27,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         prism_oai_usage_t u = {.prompt_tokens = 1, .completion_tokens = 2, .cached_tokens = -1};
         if (chat) prism_oai_write_chat_response(&b, &m, text, len, NULL, "stop", &u);
         else prism_oai_write_completion_response(&b, &m, text, len, NULL, "length", &u);
-        for (int i = 0; i < r.n_stop; i++) prism_oai_json_string(&b, r.stop[i], r.stop_len[i]);
+        for (int i = 0; i < r.n_stop; i++) prism_json_string(&b, r.stop[i], r.stop_len[i]);
         prism_oai_resp_meta_free(&m);
     }
     prism_buf_free(&b);
