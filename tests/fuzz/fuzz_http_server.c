@@ -3,7 +3,8 @@
  * parsed by router/openai_req.c — over a real loopback TCP connection.
  *
  * Input: [mode] [chunking] [raw bytes a client sends]. mode picks how the handler answers (at once,
- * with an error, streamed, or later from the loop, as the router does) and whether the client half-closes;
+ * with an error, streamed, or later from the loop, as the router does), whether the API key is
+ * required (checked from the headers) and whether the client half-closes;
  * chunking picks how the bytes are split between loop turns. After each input the client goes away and
  * the server must be back to zero connections and zero body bytes (no leak of either). */
 #include "fuzz_common.h"
@@ -95,6 +96,18 @@ static void answer_pending(void)
     }
 }
 
+/* The router's API key check, from the headers (router/api.c router_on_headers): mode bit 0x40
+ * turns it on, so the 401 path (answered before the body) is fuzzed too. */
+static int on_headers(const prism_http_req_t *r, void *ud, char *msg, size_t n)
+{
+    (void)ud;
+    if (!(g_mode & 0x40) || !strcmp(prism_http_req_path(r), "/health")) return 0;
+    const char *a = prism_http_req_header(r, "authorization");
+    if (a && !strncmp(a, "Bearer ", 7) && prism_ct_equal(a + 7, strlen(a + 7), "k", 1)) return 0;
+    snprintf(msg, n, "Invalid or missing API key.");
+    return 401;
+}
+
 static void init_server(void)
 {
     fuzz_init_once();
@@ -105,6 +118,7 @@ static void init_server(void)
     c.max_body_bytes = 64 << 10;
     c.max_body_bytes_total = 96 << 10;
     c.max_connections = 4;
+    c.on_headers = on_headers;
     if (prism_http_server_start(&g_loop, &c, on_request, NULL, &g_srv) != PRISM_OK) abort();
 }
 
