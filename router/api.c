@@ -248,7 +248,7 @@ void router_on_http(prism_http_req_t *h, void *ud)
     } else if (get && !strcmp(p, "/metrics")) {
         handle_metrics(r, h);
     } else if (get && !strcmp(p, "/ready")) {
-        bool ok = router_ready(r, r->cfg.has_vision);
+        bool ok = router_ready(r, r->cfg.has_vision) && !r->shutting_down;
         char b[256];
         int n = snprintf(b, sizeof(b), "{\"ready\":%s,\"encoders\":%d,\"prefills\":%d,\"decodes\":%d}",
                          ok ? "true" : "false", router_count_workers(r, PRISM__ROLE__ROLE_ENCODER),

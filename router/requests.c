@@ -636,6 +636,11 @@ void router_dispatch_queued(router_t *r)
 
 void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
 {
+    if (r->shutting_down) {  /* a keep-alive connection's next request while draining */
+        respond_error(h, 503, "The server is shutting down; retry on another instance.", NULL);
+        prism_http_req_release(h);
+        return;
+    }
     size_t blen = 0;
     const char *body = prism_http_req_body(h, &blen);
     router_req_t *q = prism_calloc(1, sizeof(*q));

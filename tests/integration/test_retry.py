@@ -6,7 +6,10 @@
   answered exactly as an undisturbed run answers it; prism:requests_retried_total counts them.
 - A tier left with no worker at all: requests wait in the router's queue for a restarted worker
   (bounded by --max-queue-wait; test_admission covers the bound) instead of failing at once.
+- SIGTERM drains a router: no new connections, /ready-style refusals for keep-alive clients, the
+  open stream ends complete, then the router exits 0.
 """
+import socket
 import os
 import signal
 import sys
@@ -89,6 +92,42 @@ def test_empty_tier_waits_for_restarted_worker():
         check_answer(*res["r"], ref, "after the decode worker came back")
 
 
+def connect_refused(port):
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        return False
+    except ConnectionRefusedError:
+        return True
+
+
+def test_router_sigterm_drains_open_stream():
+    n = 200
+    with Cluster(router_args=["--drain-timeout", "120"]) as c:
+        c.wait_ready()
+        s = c.open_stream("/v1/chat/completions", chat_body("Hi", max_tokens=n, temperature=0, ignore_eos=True,
+                                                              stream=True, stream_options={"include_usage": True}))
+        events = []
+        while not any(isinstance(e, dict) and e.get("choices") and e["choices"][0]["delta"].get("content")
+                      for e in events):
+            events.append(s.next_event())
+        router = c.procs["router"]
+        router.send_signal(signal.SIGTERM)
+        wait_for(lambda: connect_refused(c.port), 30, "the router to stop accepting connections")
+        assert router.poll() is None, "the router exited with a stream open"
+        while True:
+            ev = s.next_event()
+            if ev is None:
+                break
+            events.append(ev)
+        assert events[-1] == "[DONE]", events[-3:]
+        usage = [e["usage"] for e in events if isinstance(e, dict) and e.get("usage")]
+        assert usage and usage[-1]["completion_tokens"] == n, usage
+        finish = [e["choices"][0]["finish_reason"] for e in events if isinstance(e, dict) and e.get("choices")]
+        assert finish[-1] == "length", finish[-3:]
+        assert router.wait(60) == 0, "the router did not exit cleanly after draining"
+        assert "drained: every request finished" in c.log("router", tail=0)
+
+
 if __name__ == "__main__":
     run_tests([test_hung_encoder_requests_retried, test_hung_prefill_requests_retried,
-               test_empty_tier_waits_for_restarted_worker])
+               test_empty_tier_waits_for_restarted_worker, test_router_sigterm_drains_open_stream])
