@@ -6,20 +6,24 @@
   answered exactly as an undisturbed run answers it; prism:requests_retried_total counts them.
 - A tier left with no worker at all: requests wait in the router's queue for a restarted worker
   (bounded by --max-queue-wait; test_admission covers the bound) instead of failing at once.
+- 100 streams hung up mid-generation free every pool on every tier: the router's requests, the
+  decode worker's running set and KV blocks, the prefill worker's slots and receive pool.
 - SIGTERM drains a router: no new connections, /ready-style refusals for keep-alive clients, the
   open stream ends complete, then the router exits 0.
 """
 import socket
 import os
+import json
 import signal
 import sys
 import tempfile
 import threading
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster import Cluster, check_answer, chat_body, distinct_requests, reference, run_tests, wait_for  # noqa: E402
+from cluster import (Cluster, check_answer, chat_body, distinct_requests, make_image, reference, run_tests,  # noqa: E402
+                     wait_for)
 
-TMP = tempfile.mkdtemp(prefix="prism-retry-")
+TMP = tempfile.mkdtemp(prefix="prism-faults-")
 FAST_HB = ["--heartbeat-interval", "0.1"]
 ROUTER = ["--worker-timeout", "2"]
 _REQS = []
@@ -92,6 +96,55 @@ def test_empty_tier_waits_for_restarted_worker():
         check_answer(*res["r"], ref, "after the decode worker came back")
 
 
+def pool_state(c):
+    """What every tier holds, as the router's /metrics reports it (from the workers' heartbeats)."""
+    return {"router_requests": c.metric("prism:router_requests_in_flight"),
+            "decode_running": c.metric("prism:worker_running", tier="decode"),
+            "decode_waiting": c.metric("prism:worker_waiting", tier="decode"),
+            "decode_kv_free": c.metric("prism:worker_kv_free_blocks", tier="decode"),
+            "prefill_running": c.metric("prism:worker_running", tier="prefill"),
+            "prefill_waiting": c.metric("prism:worker_waiting", tier="prefill"),
+            "prefill_pool_free": c.metric("prism:worker_pool_free", tier="prefill"),
+            "encoder_running": c.metric("prism:worker_running", tier="encoder"),
+            "encoder_waiting": c.metric("prism:worker_waiting", tier="encoder")}
+
+
+def test_hundred_hung_up_streams_free_every_pool():
+    n = 100
+    jpg = make_image(os.path.join(TMP, "cancel.jpg"), width=320, height=240, shape="circle", color="red")
+    with Cluster(common_worker_args=FAST_HB, router_args=["--max-running-requests", "256"]) as c:
+        c.wait_ready()
+        beats = c.metric("prism:worker_heartbeats_total", tier="decode")
+        wait_for(lambda: c.metric("prism:worker_heartbeats_total", tier="decode") > beats + 1, 30, "fresh heartbeats")
+        idle = pool_state(c)
+        assert idle["router_requests"] == 0 and idle["decode_running"] == 0, idle
+        socks = []
+        for i in range(n):  # every other request carries an image: encode jobs and embedding slots too
+            body = json.dumps(chat_body("Tell me a long story %d" % i, [jpg] if i % 2 else [], max_tokens=1500,
+                                        temperature=0, ignore_eos=True, stream=True)).encode()
+            s = socket.create_connection(("127.0.0.1", c.port), timeout=30)
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            socks.append(s)
+        # all held, every tier busy
+        wait_for(lambda: c.metric("prism:router_requests_in_flight") == n, 120, "all requests held by the router")
+        # (the decode worker reserves each request's KV for its whole max_tokens: about 10 fit; the
+        # rest wait on the prefill worker, holding its slots and embedding pool)
+        wait_for(lambda: (c.metric("prism:worker_running", tier="decode") or 0) >= 8 and
+                 (c.metric("prism:worker_running", tier="prefill") or 0) >= 10, 120, "every tier busy")
+        busy = pool_state(c)
+        assert busy["decode_kv_free"] < idle["decode_kv_free"], (busy, idle)
+        for s in socks:  # the clients hang up mid-stream
+            s.close()
+        wait_for(lambda: c.metric("prism:router_requests_in_flight") == 0, 60, "the router to forget every request")
+        beats = c.metric("prism:worker_heartbeats_total")
+        wait_for(lambda: pool_state(c) == idle and c.metric("prism:worker_heartbeats_total") > beats + 3, 60,
+                 "every pool back to its idle value (idle %s, now %s)" % (idle, pool_state(c)))
+        # and the cluster still serves
+        status, r = c.post_json("/v1/chat/completions", chat_body("Hi", max_tokens=4))
+        assert status == 200, (status, r)
+
+
 def connect_refused(port):
     try:
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
@@ -130,4 +183,5 @@ def test_router_sigterm_drains_open_stream():
 
 if __name__ == "__main__":
     run_tests([test_hung_encoder_requests_retried, test_hung_prefill_requests_retried,
-               test_empty_tier_waits_for_restarted_worker, test_router_sigterm_drains_open_stream])
+               test_empty_tier_waits_for_restarted_worker, test_hundred_hung_up_streams_free_every_pool,
+               test_router_sigterm_drains_open_stream])
