@@ -94,6 +94,13 @@ def fault(c, load, name, kind, worker_timeout, settle):
             "back_after_s": round(t_back - t_fault, 2), "errors": bad}
 
 
+def ready(port):
+    try:
+        return la.at_port(port).request("GET", "/ready", timeout=5)[0] == 200
+    except OSError:
+        return False
+
+
 def rolling(c, load, names, settle):
     """SIGTERM each process in turn (the supervisor restarts it) and waits until it serves again."""
     t0 = time.time()
@@ -104,7 +111,7 @@ def rolling(c, load, names, settle):
         c.wait_restarted(name, pid, timeout=120)
         if name.startswith("router"):
             port = c.router_ports[int(name.split("-")[1]) - 1]
-            la.wait_for("%s ready" % name, lambda: la.at_port(port).request("GET", "/ready")[0] == 200, 120)
+            la.wait_for("%s ready" % name, lambda: ready(port), 120)
         else:
             la.wait_for("%s to register again" % name, lambda: c.registrations(name) > regs, 120)
         time.sleep(1)
