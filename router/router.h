@@ -64,7 +64,8 @@ typedef struct {
     double request_timeout_s;
     double max_queue_wait_s;    /* no first token by then: 503 */
     int max_retries;
-    double drain_timeout_s;            /* re-dispatches of a request whose worker died before its first token */
+    double drain_timeout_s;
+    double stage_timeout_s;     /* encode, or prefill to the first token, longer than this: retry, then 504 */            /* re-dispatches of a request whose worker died before its first token */
     int64_t created;
 
     /* model facts */
