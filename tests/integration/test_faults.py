@@ -228,6 +228,6 @@ def test_router_sigterm_drains_open_stream():
 
 
 if __name__ == "__main__":
-    run_tests([test_hung_encoder_requests_retried, test_hung_prefill_requests_retried,
+    sys.exit(run_tests([test_hung_encoder_requests_retried, test_hung_prefill_requests_retried,
                test_stage_timeout_retries_then_504, test_killed_worker_noticed_at_once, test_empty_tier_waits_for_restarted_worker, test_hundred_hung_up_streams_free_every_pool,
-               test_router_sigterm_drains_open_stream])
+               test_router_sigterm_drains_open_stream]))
