@@ -385,7 +385,7 @@ void router_handle_encode_done(router_t *r, uint64_t rid, const Prism__EncodeDon
     }
 }
 
-void router_fail_worker_requests(router_t *r, const router_worker_t *w)
+void router_fail_worker_requests(router_t *r, const router_worker_t *w, const char *why)
 {
     for (size_t i = 0; i < r->reqs_cap; i++) {
         router_req_t *q = r->reqs[i];
@@ -395,7 +395,7 @@ void router_fail_worker_requests(router_t *r, const router_worker_t *w)
         for (int k = 0; k < q->prompt.n_images; k++) held |= q->encode_pending[k] && !strcmp(q->encoder_id[k], w->id);
         if (held) {
             char msg[256];
-            snprintf(msg, sizeof(msg), "The %s worker serving this request stopped responding.", prism_role_name(w->role));
+            snprintf(msg, sizeof(msg), "The %s worker serving this request %s.", prism_role_name(w->role), why);
             req_fail(q, 503, msg);
             i = (size_t)-1;  /* the map changed under us: rescan */
         }

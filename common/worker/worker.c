@@ -1,3 +1,4 @@
+/* Worker start-up: flags, signals, the memory plan, capacity. The threads and sockets are in io.c. */
 #include "worker/worker.h"
 #include "model/model.h"
 
@@ -120,6 +121,10 @@ int prism_worker_startup(int argc, char **argv, const char *role, const char *su
     int rc = prism_cli_parse(argc, argv, prog, summary, flags);
     if (rc) return rc > 0 ? 0 : 2;
     prism_log_init(role, prism_log_level_parse(o->log_level));
+    if (!(o->heartbeat_s >= 0.01 && o->heartbeat_s <= 3600)) {
+        PRISM_ERROR("--heartbeat-interval must be between 0.01 and 3600 seconds");
+        return 2;
+    }
     prism_worker_install_signals();
     char err[512] = "";
     if (prism_model_config_load(o->model_path, cfg, err, sizeof(err)) != PRISM_OK) {
@@ -150,169 +155,4 @@ void prism_worker_data_bind(const prism_worker_opts_t *o, char *out, size_t n)
 {
     if (o->data_port > 0) snprintf(out, n, "tcp://%s:%lld", o->host, (long long)o->data_port);
     else snprintf(out, n, "tcp://%s:*", o->host);
-}
-
-/* ---------------------------------------------------------------- sockets */
-
-int prism_worker_init(prism_worker_t *w, Prism__Role role, const char *worker_id,
-                      const prism_str_list_t *routers, const char *data_bind)
-{
-    memset(w, 0, sizeof(*w));
-    prism__register__init(&w->reg);
-    w->role = role;
-    w->heartbeat_s = 1.0;
-    snprintf(w->worker_id, sizeof(w->worker_id), "%s", worker_id);
-    w->zctx = zmq_ctx_new();
-    if (!w->zctx) return PRISM_EIO;
-    if (!routers || routers->n == 0) {
-        PRISM_ERROR("no --router given: a worker needs at least one router control endpoint");
-        return PRISM_EINVAL;
-    }
-    for (int i = 0; i < routers->n && i < PRISM_WORKER_MAX_ROUTERS; i++) {
-        prism_worker_router_t *r = &w->routers[w->n_routers];
-        snprintf(r->endpoint, sizeof(r->endpoint), "%s", routers->items[i]);
-        /* Control messages are small; a generous HWM never drops a token under load. */
-        r->sock = prism_sock_connect(w->zctx, ZMQ_DEALER, r->endpoint, w->worker_id, 100000);
-        if (!r->sock) return PRISM_EIO;
-        w->n_routers++;
-    }
-    if (data_bind) {
-        /* HWM 1: at most one message queued per peer; the rest waits in the senders (backpressure). */
-        w->data_sock = prism_sock_bind(w->zctx, ZMQ_PULL, data_bind, 1);
-        if (!w->data_sock) return PRISM_EIO;
-        prism_sock_last_endpoint(w->data_sock, w->data_endpoint, sizeof(w->data_endpoint));
-    }
-    w->reg.role = role;
-    w->reg.worker_id = w->worker_id;
-    w->reg.data_endpoint = w->data_endpoint;
-    return PRISM_OK;
-}
-
-void prism_worker_close(prism_worker_t *w)
-{
-    for (int i = 0; i < w->n_routers; i++)
-        if (w->routers[i].sock) zmq_close(w->routers[i].sock);
-    for (int i = 0; i < w->n_peers; i++)
-        if (w->peers[i].sock) zmq_close(w->peers[i].sock);
-    if (w->data_sock) zmq_close(w->data_sock);
-    if (w->zctx) zmq_ctx_term(w->zctx);
-    w->zctx = NULL;
-}
-
-void *prism_worker_router_sock(prism_worker_t *w, const char *router_id)
-{
-    for (int i = 0; i < w->n_routers; i++)
-        if (router_id && !strcmp(w->routers[i].router_id, router_id))
-            return w->routers[i].sock;
-    return NULL;
-}
-
-void *prism_worker_peer_sock(prism_worker_t *w, const char *endpoint)
-{
-    for (int i = 0; i < w->n_peers; i++)
-        if (!strcmp(w->peers[i].endpoint, endpoint))
-            return w->peers[i].sock;
-    if (w->n_peers == PRISM_WORKER_MAX_PEERS) return NULL;
-    void *s = prism_sock_connect(w->zctx, ZMQ_PUSH, endpoint, NULL, 1);
-    if (!s) return NULL;
-    prism_worker_peer_t *p = &w->peers[w->n_peers++];
-    snprintf(p->endpoint, sizeof(p->endpoint), "%s", endpoint);
-    p->sock = s;
-    return s;
-}
-
-int prism_worker_reply(prism_worker_t *w, const char *router_id, uint64_t request_id, Prism__Envelope *env)
-{
-    void *s = prism_worker_router_sock(w, router_id);
-    if (!s) {
-        PRISM_WARN("request %llu: owning router '%s' is not connected; reply dropped",
-                   (unsigned long long)request_id, router_id ? router_id : "");
-        return PRISM_ENOTFOUND;
-    }
-    env->request_id = request_id;
-    env->router_id = (char *)router_id;
-    return prism_msg_send(s, NULL, 0, env, NULL, 0, 0);
-}
-
-/* ---------------------------------------------------------------- registration, heartbeats */
-
-void prism_worker_tick(prism_worker_t *w, Prism__Heartbeat *hb)
-{
-    double now = prism_now_s();
-    for (int i = 0; i < w->n_routers; i++) {
-        prism_worker_router_t *r = &w->routers[i];
-        if (r->registered || now - r->last_register_s < 0.5) continue;
-        Prism__Envelope env = PRISM__ENVELOPE__INIT;
-        env.type = PRISM__MSG_TYPE__MSG_REGISTER;
-        env.reg = &w->reg;
-        if (prism_msg_send(r->sock, NULL, 0, &env, NULL, 0, ZMQ_DONTWAIT) == PRISM_OK)
-            PRISM_DEBUG("registering with %s", r->endpoint);
-        r->last_register_s = now;
-    }
-    if (now - w->last_heartbeat_s < w->heartbeat_s) return;
-    w->last_heartbeat_s = now;
-    hb->worker_id = w->worker_id;
-    hb->mem_used = prism_mem_used();
-    hb->mem_peak = prism_mem_peak();
-    hb->alloc_count = prism_mem_alloc_count();
-    for (int i = 0; i < w->n_routers; i++) {
-        if (!w->routers[i].registered) continue;
-        Prism__Envelope env = PRISM__ENVELOPE__INIT;
-        env.type = PRISM__MSG_TYPE__MSG_HEARTBEAT;
-        env.heartbeat = hb;
-        prism_msg_send(w->routers[i].sock, NULL, 0, &env, NULL, 0, ZMQ_DONTWAIT);
-    }
-}
-
-static bool handle_control(prism_worker_t *w, prism_msg_t *m, int ri)
-{
-    if (m->env->type != PRISM__MSG_TYPE__MSG_REGISTER_ACK) return false;
-    prism_worker_router_t *r = &w->routers[ri];
-    const Prism__RegisterAck *ack = m->env->reg_ack;
-    if (ack && ack->ok) {
-        snprintf(r->router_id, sizeof(r->router_id), "%s", m->env->router_id ? m->env->router_id : "");
-        if (!r->registered)
-            PRISM_INFO("registered with router %s (%s)", r->router_id, r->endpoint);
-        r->registered = true;
-    } else {
-        /* The router does not know us (it restarted) or refused us: register again later. */
-        if (r->registered || (ack && ack->message && *ack->message))
-            PRISM_WARN("router %s: %s", r->endpoint, ack && ack->message ? ack->message : "registration lost");
-        r->registered = false;
-        r->last_register_s = prism_now_s();
-    }
-    return true;
-}
-
-int prism_worker_poll(prism_worker_t *w, int timeout_ms, bool accept_data, prism_worker_msg_fn fn, void *ud)
-{
-    zmq_pollitem_t items[PRISM_WORKER_MAX_ROUTERS + 1];
-    int n = 0;
-    for (int i = 0; i < w->n_routers; i++)
-        items[n++] = (zmq_pollitem_t){w->routers[i].sock, 0, ZMQ_POLLIN, 0};
-    bool data = accept_data && w->data_sock;
-    if (data) items[n++] = (zmq_pollitem_t){w->data_sock, 0, ZMQ_POLLIN, 0};
-    int rc = zmq_poll(items, n, timeout_ms);
-    if (rc <= 0) return rc < 0 ? PRISM_EIO : PRISM_OK;
-    for (int i = 0; i < w->n_routers; i++) {
-        if (!(items[i].revents & ZMQ_POLLIN)) continue;
-        /* Drain control messages: they are small and must not wait behind compute. */
-        for (int k = 0; k < 1024; k++) {
-            prism_msg_t m;
-            int r = prism_msg_recv(w->routers[i].sock, false, &m, ZMQ_DONTWAIT);
-            if (r == PRISM_EAGAIN || r == PRISM_EIO) break;
-            if (r != PRISM_OK) continue;
-            if (!handle_control(w, &m, i)) fn(w, &m, i, ud);
-            prism_msg_close(&m);
-        }
-    }
-    if (data && (items[n - 1].revents & ZMQ_POLLIN)) {
-        /* One data message per poll: the caller re-checks its pool before accepting another. */
-        prism_msg_t m;
-        if (prism_msg_recv(w->data_sock, false, &m, ZMQ_DONTWAIT) == PRISM_OK) {
-            fn(w, &m, -1, ud);
-            prism_msg_close(&m);
-        }
-    }
-    return PRISM_OK;
 }
