@@ -337,11 +337,14 @@ int main(int argc, char **argv)
     prism_worker_opts_t o;
     prism_worker_opts_defaults(&o, "decode");
     int64_t kv_blocks = 0, block_size = 16, max_running = 64, context_length = 0;
+    const char *overlap = "auto";
     prism_flag_t flags[32] = {
         PRISM_FLAG_INT("kv-blocks", &kv_blocks, "KV cache blocks (0 = fill --mem-budget, else 1024)"),
         PRISM_FLAG_INT("block-size", &block_size, "Tokens per KV block"),
         PRISM_FLAG_INT("max-running-requests", &max_running, "Most sequences in one decode batch"),
         PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings)"),
+        PRISM_FLAG_STR("overlap-steps", &overlap,
+                       "auto (on for devices with streams), on or off: enqueue step n+1 before sending step n's tokens"),
     };
     static decode_t d;
     int rc = prism_worker_startup(argc, argv, "decode", "Prism decode worker: paged KV cache, continuous batching "
@@ -351,6 +354,10 @@ int main(int argc, char **argv)
     char err[512] = "";
     if (block_size < 1 || block_size > 1024 || max_running < 1 || max_running > 4096) {
         PRISM_ERROR("--block-size must be 1..1024 and --max-running-requests 1..4096");
+        return 2;
+    }
+    if (strcmp(overlap, "auto") && strcmp(overlap, "on") && strcmp(overlap, "off")) {
+        PRISM_ERROR("--overlap-steps must be auto, on or off");
         return 2;
     }
     d.max_running = (int)max_running;
@@ -412,7 +419,9 @@ int main(int argc, char **argv)
     d.dropped = prism_xcalloc((size_t)d.max_running, sizeof(bool));
     d.out = prism_xcalloc((size_t)d.max_running, sizeof(out_t));
     d.logits = prism_xcalloc((size_t)d.max_running * d.cfg.vocab, sizeof(float));
-    d.overlap = strcmp(d.be->device, "cpu") != 0;
+    /* On the CPU a step computes inside begin: overlapping would only delay each token by a step
+     * ("on" exists to test the pipeline without a GPU). */
+    d.overlap = !strcmp(overlap, "on") || (!strcmp(overlap, "auto") && strcmp(d.be->device, "cpu") != 0);
 
     char bind[300];
     prism_worker_data_bind(&o, bind, sizeof(bind));

@@ -318,7 +318,10 @@ static void run_one(prefill_t *p)
             .n_seqs = 1, .n_tokens = n, .tokens = r->tokens + start, .seq_start = seq_start, .pos0 = pos0,
             .block_tables = tables, .embed_rows = any ? p->chunk_rows : NULL,
         };
-        rc = prism_llm_forward(p->llm, p->kv, &b, p->logits);
+        /* Only the last chunk's logits are needed: the others are begun and never ended (no lm_head,
+         * no wait; on a device the chunks queue back to back). */
+        if (start + n >= r->n_tokens) rc = prism_llm_forward(p->llm, p->kv, &b, p->logits);
+        else rc = prism_llm_forward_begin(p->llm, p->kv, &b);
         prism_worker_progress(&p->w, 1);
     }
     p->cur = NULL;

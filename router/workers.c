@@ -78,6 +78,8 @@ bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat
     double now = prism_now_s();
     if (w->role > 0 && w->role < (int)PRISM_ARRAY_LEN(r->heartbeat_interval))
         prism_hist_observe(&r->heartbeat_interval[w->role], now - w->last_heartbeat);
+    PRISM_DEBUG("heartbeat from %s worker %s after %.4fs (progress %llu%s)", prism_role_name(w->role), id,
+                now - w->last_heartbeat, (unsigned long long)hb->progress, hb->busy ? ", busy" : "");
     w->last_seen = w->last_heartbeat = now;
     /* Not busy (it came back for more work) or moved on: not stuck, whatever the time. */
     if (!hb->busy || hb->progress != w->progress) w->progress_at = now;

@@ -130,7 +130,9 @@ int  prism_llm_forward(prism_llm_t *m, prism_kv_cache_t *kv, const prism_llm_bat
  * one: begin validates and uploads the batch and enqueues the embeddings and every layer (the CPU
  * backend computes them there); end computes the logits and copies them to the host (it waits for
  * the device). Between the two the caller may do anything except use this model or the KV blocks
- * of the batch; b need not outlive begin. prism_llm_forward = begin + end. */
+ * of the batch; b need not outlive begin. prism_llm_forward = begin + end. A begin that is never
+ * ended is fine when its logits are not needed (a prompt chunk before the last one): its KV writes
+ * are enqueued all the same. */
 int  prism_llm_forward_begin(prism_llm_t *m, prism_kv_cache_t *kv, const prism_llm_batch_t *b);
 int  prism_llm_forward_end(prism_llm_t *m, float *logits /* host */);
 /* hook (may be NULL: none) must outlive its use by the model. */
