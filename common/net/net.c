@@ -155,6 +155,13 @@ int prism_msg_send(void *sock, const void *identity, size_t identity_len, Prism_
     return PRISM_OK;
 }
 
+void prism_msg_thread_exit(void)
+{
+    prism_free(t_pack_buf);
+    t_pack_buf = NULL;
+    t_pack_cap = 0;
+}
+
 static void sock_common(void *s, int hwm)
 {
     int linger = 0;

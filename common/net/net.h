@@ -49,6 +49,10 @@ const void *prism_msg_frame(prism_msg_t *m, int i, size_t *len);
 int prism_msg_send(void *sock, const void *identity, size_t identity_len, Prism__Envelope *env,
                    const prism_frame_t *frames, int n_frames, int flags);
 
+/* Frees the calling thread's envelope pack buffer (prism_msg_send keeps one per thread); call it
+ * before a thread that sent messages exits. */
+void prism_msg_thread_exit(void);
+
 /* Socket helpers: sensible options (linger 0, bounded queues) applied in one place. */
 void *prism_sock_bind(void *zctx, int type, const char *endpoint, int hwm);
 void *prism_sock_connect(void *zctx, int type, const char *endpoint, const char *identity, int hwm);

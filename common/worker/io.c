@@ -336,6 +336,7 @@ static void *io_main(void *arg)
         if (items[pair_i].revents & ZMQ_POLLIN) io_outbound(w);
         if (data_i >= 0 && (items[data_i].revents & ZMQ_POLLIN)) io_data(w);
     }
+    prism_msg_thread_exit();
     return NULL;
 }
 

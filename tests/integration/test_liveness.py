@@ -128,8 +128,10 @@ def images(prefix, n, seed0):
 def run_clip_l_cluster():
     model = clip_l_model()
     enc = RANDOM + ["--max-batch-images", "2", "--max-batch-seconds", "0"]
-    with Cluster(model=model, router_args=["--worker-timeout", str(WORKER_TIMEOUT), "--served-model-name",
-                                           "prism-tiny-llava"],
+    # a loaded machine may take minutes per queued image: only the liveness timeouts are short
+    router = ["--worker-timeout", str(WORKER_TIMEOUT), "--served-model-name", "prism-tiny-llava",
+              "--max-queue-wait", "3000", "--request-timeout", "3600"]
+    with Cluster(model=model, router_args=router,
                  worker_args={"encoder_worker": enc, "prefill_worker": RANDOM, "decode_worker": RANDOM}) as c:
         c.wait_ready(timeout=300)
 
@@ -152,11 +154,17 @@ def run_clip_l_cluster():
         def cancel_inside_batch_frees_its_slot_within_a_layer():
             """Two images in one batch; the client of the first leaves after a layer or two: its image
             is dropped between two layers and its slot freed, the other completes."""
-            a, b = images("cancel", 2, 20)
+            blocker, a, b = images("cancel", 3, 20)
             free0 = worker_metric(c, "prism:worker_pool_free", "encoder-0")
-            p0 = worker_metric(c, "prism:worker_progress_total", "encoder-0")
+            # a one-image batch runs while a and b queue, so that the next batch holds both
+            qx = Background(c, chat_body("What is in the image?", [blocker], max_tokens=2))
+            wait_until(lambda: worker_metric(c, "prism:worker_running", "encoder-0") == 1, 300,
+                       "the first batch to start")
             qa = Background(c, chat_body("What is in the image?", [a], max_tokens=2))
             qb = Background(c, chat_body("What is in the image?", [b], max_tokens=2))
+            status, data = qx.result()
+            assert status == 200, (status, data[:300])
+            p0 = worker_metric(c, "prism:worker_progress_total", "encoder-0")
             wait_until(lambda: worker_metric(c, "prism:worker_running", "encoder-0") == 2 and
                        worker_metric(c, "prism:worker_progress_total", "encoder-0") >= p0 + 2,
                        300, "the batch of two to pass its first layer")

@@ -102,6 +102,7 @@ static void *router_main(void *arg)
             prism_msg_close(&m);
         }
     }
+    prism_msg_thread_exit();
     return NULL;
 }
 
