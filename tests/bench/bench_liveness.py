@@ -51,7 +51,8 @@ def main():
                     worker_args={"encoder_worker": hb + ["--max-batch-images", "2", "--max-batch-seconds", "0"],
                                  "prefill_worker": hb, "decode_worker": hb}) as c:
         c.wait_ready(timeout=600)
-        stop = threading.Event()
+        stop, stop_images = threading.Event(), threading.Event()
+
         def text_client(_):
             while not stop.is_set():
                 body = cl.chat_body("tell me a long story " * 120, [], max_tokens=256, ignore_eos=True)
@@ -60,7 +61,7 @@ def main():
         # the embedding cache keys on image bytes: fresh images keep the vision tower busy
         def fresh_image_client(i):
             k = 0
-            while not stop.is_set():
+            while not stop_images.is_set():
                 p = cl.make_image(os.path.join(tl.TMP, "fresh%d_%d.jpg" % (i, k)), width=400, height=360,
                                   photo=True, seed=1000 * i + k)
                 k += 1
@@ -72,22 +73,32 @@ def main():
         for t in threads:
             t.start()
         t0 = time.time()
-        # aborts spread over the run, each while its image is inside a batch
-        n_aborts = 0
-        while time.time() - t0 < args.seconds or n_aborts < args.aborts:
-            if n_aborts < args.aborts:
-                p = cl.make_image(os.path.join(tl.TMP, "abort%d.jpg" % n_aborts), width=400, height=360,
-                                  photo=True, seed=5000 + n_aborts)
-                q = tl.Background(c, cl.chat_body("What is in the image?", [p], max_tokens=4))
-                # wait for it to be in a batch, then a random part of a layer more
-                time.sleep(random.uniform(0.5, 3.0))
-                q.close()
-                n_aborts += 1
+        while time.time() - t0 < args.seconds:
             time.sleep(1)
-        stop.set()
         elapsed = time.time() - t0
-        router_log = open(os.path.join(c.log_dir, "router.log")).read()
-        enc_log = open(os.path.join(c.log_dir, "encoder-0.log")).read()
+        with open(os.path.join(c.log_dir, "router.log")) as f:
+            router_log = f.read()   # the heartbeats of the full-load window
+        # Aborts: image clients stop (text load goes on); each aborted image is alone in its batch,
+        # and its client leaves a random number of layers into it.
+        stop_images.set()
+        tl.wait_until(lambda: tl.worker_metric(c, "prism:worker_running", "encoder-0") == 0, 3600,
+                      "the encoder to finish its queue")
+        for k in range(args.aborts):
+            p = cl.make_image(os.path.join(tl.TMP, "abort%d.jpg" % k), width=400, height=360, photo=True,
+                              seed=5000 + k)
+            q = tl.Background(c, cl.chat_body("What is in the image?", [p], max_tokens=4))
+            tl.wait_until(lambda: tl.worker_metric(c, "prism:worker_running", "encoder-0") == 1, 600, "the batch")
+            p0 = tl.worker_metric(c, "prism:worker_progress_total", "encoder-0")
+            n = random.randint(1, max(1, args.layers - 3))
+            tl.wait_until(lambda: tl.worker_metric(c, "prism:worker_progress_total", "encoder-0") >= p0 + n, 3600,
+                          "layer %d of the batch" % n)
+            time.sleep(random.uniform(0, 0.5))
+            q.close()
+            tl.wait_until(lambda: tl.worker_metric(c, "prism:worker_running", "encoder-0") == 0, 3600,
+                          "the batch to end")
+        stop.set()
+        with open(os.path.join(c.log_dir, "encoder-0.log")) as f:
+            enc_log = f.read()
     res = {"layers": args.layers, "seconds": elapsed, "heartbeat_interval": args.heartbeat, "jitter": {}, "aborts": {}}
     print("heartbeat jitter under full load (%d CLIP layers, %.0fs, nominal %.2fs, %d cores):"
           % (args.layers, elapsed, args.heartbeat, os.cpu_count()))
