@@ -59,6 +59,11 @@ def clip_l_model():
     return d
 
 
+def full_log(c, name):
+    with open(os.path.join(c.log_dir, name + ".log"), "rb") as f:
+        return f.read().decode("utf-8", "replace")
+
+
 def metrics(c):
     status, _, data = c.request("GET", "/metrics")
     assert status == 200
@@ -148,7 +153,7 @@ def run_clip_l_cluster():
                   % (first, max(q.t1 - q.t0 for q in reqs), WORKER_TIMEOUT), flush=True)
             assert first >= 2 * WORKER_TIMEOUT, "the encoder is too fast for this test: raise PRISM_TEST_CLIP_LAYERS"
             assert lost(c, "dead") == 0 and lost(c, "stuck") == 0
-            assert "missed heartbeats" not in c.log("router")
+            assert "missed heartbeats" not in full_log(c, "router")
             assert all(c.alive().values())
 
         def cancel_inside_batch_frees_its_slot_within_a_layer():
@@ -174,7 +179,7 @@ def run_clip_l_cluster():
             assert status == 200, (status, data[:300])
             line = wait_until(lambda: re.search(r"image 0: cancelled ([0-9.]+)s after its abort arrived, after layer "
                                                 r"(\d+) of (\d+) \(([0-9.]+)s per layer\): dropped from the batch, "
-                                                r"1 image\(s\) go on", c.log("encoder-0")), 30, "the cancel log line")
+                                                r"1 image\(s\) go on", full_log(c, "encoder-0")), 30, "the cancel log line")
             waited, layer, layers, per_layer = float(line[1]), int(line[2]), int(line[3]), float(line[4])
             print("  cancelled %.3fs after the abort arrived, after layer %d of %d (%.3fs per layer)"
                   % (waited, layer, layers, per_layer), flush=True)
@@ -199,7 +204,7 @@ def run_clip_l_cluster():
                 assert "stopped responding" in json.loads(data)["error"]["message"]
                 assert t < WORKER_TIMEOUT + 5, t
                 assert lost(c, "dead") == 1 and lost(c, "stuck") == 0
-                assert "encoder worker encoder-0 missed heartbeats" in c.log("router")
+                assert "encoder worker encoder-0 missed heartbeats" in full_log(c, "router")
                 print("  SIGSTOP: the request failed %.1fs later (worker timeout %.1fs)" % (t, WORKER_TIMEOUT),
                       flush=True)
             finally:
@@ -232,7 +237,7 @@ def run_stall_cluster():
             assert lost(c, "stuck") == 1 and lost(c, "dead") == 0
             assert worker_metric(c, "prism:worker_stuck", "encoder-0") == 1
             assert worker_metric(c, "prism:worker_busy", "encoder-0") == 1
-            assert "encoder worker encoder-0 is stuck" in c.log("router")
+            assert "encoder worker encoder-0 is stuck" in full_log(c, "router")
             # still heartbeating: registered, not dropped, alive; but not given work (not ready)
             time.sleep(2.5)
             assert lost(c, "dead") == 0
@@ -252,8 +257,10 @@ def run_overlap_cluster():
     the last without waiting for logits. Tokens equal the single-process reference, sequences join
     and leave, and an abort that arrives while the next step is already enqueued frees everything."""
     hb = ["--heartbeat-interval", HEARTBEAT]
+    # the encoder's time bound is a microsecond: once an image's cost is measured, batches hold one
+    enc = hb + ["--max-batch-seconds", "0.000001", "--log-level", "debug"]
     with Cluster(worker_args={"decode_worker": hb + ["--overlap-steps", "on"],
-                              "prefill_worker": hb + ["--chunked-prefill-size", "16"], "encoder_worker": hb}) as c:
+                              "prefill_worker": hb + ["--chunked-prefill-size", "16"], "encoder_worker": enc}) as c:
         c.wait_ready()
 
         def overlapped_decode_steps_are_exact():
@@ -285,7 +292,18 @@ def run_overlap_cluster():
                                                                  temperature=0))
             assert s == 200 and r["choices"][0]["message"]["content"] == ref["text"], (s, r)
 
-        return run_tests([overlapped_decode_steps_are_exact])
+        def encoder_batches_respect_the_time_bound():
+            imgs = images("bound", 8, 60)
+            reqs = [Background(c, chat_body("What is in the image?", [p], max_tokens=1)) for p in imgs]
+            for q in reqs:
+                status, data = q.result()
+                assert status == 200, (status, data[:300])
+            sizes = [int(n) for n in re.findall(r"vision batch of (\d+) image", full_log(c, "encoder-0"))]
+            allowed = [int(n) for n in re.findall(r"time bound allows (\d+) at", full_log(c, "encoder-0"))]
+            assert len(sizes) >= 8 and max(sizes) == 1, sizes
+            assert set(allowed) == {1}, allowed
+
+        return run_tests([overlapped_decode_steps_are_exact, encoder_batches_respect_the_time_bound])
 
 
 if __name__ == "__main__":
