@@ -47,7 +47,9 @@ def main():
     tl.VISION_LAYERS = args.layers
     model = tl.clip_l_model()
     hb = ["--random-weights", "--heartbeat-interval", str(args.heartbeat)]
-    with cl.Cluster(model=model, router_args=["--log-level", "debug", "--served-model-name", "prism-tiny-llava"],
+    router = ["--log-level", "debug", "--served-model-name", "prism-tiny-llava", "--max-queue-wait", "36000",
+              "--request-timeout", "36000"]   # nothing fails for waiting: the load is the point
+    with cl.Cluster(model=model, router_args=router,
                     worker_args={"encoder_worker": hb + ["--max-batch-images", "2", "--max-batch-seconds", "0"],
                                  "prefill_worker": hb, "decode_worker": hb}) as c:
         c.wait_ready(timeout=600)
@@ -68,7 +70,7 @@ def main():
                 c.request("POST", "/v1/chat/completions",
                           cl.chat_body("What is in the image?", [p], max_tokens=4), timeout=3600)
 
-        threads = [threading.Thread(target=fresh_image_client, args=(i,), daemon=True) for i in range(3)]
+        threads = [threading.Thread(target=fresh_image_client, args=(i,), daemon=True) for i in range(2)]
         threads += [threading.Thread(target=text_client, args=(i,), daemon=True) for i in range(4)]
         for t in threads:
             t.start()
