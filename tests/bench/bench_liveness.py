@@ -83,8 +83,9 @@ def main():
         # Aborts: image clients stop (text load goes on); each aborted image is alone in its batch,
         # and its client leaves a random number of layers into it.
         stop_images.set()
-        tl.wait_until(lambda: tl.worker_metric(c, "prism:worker_running", "encoder-0") == 0, 3600,
-                      "the encoder to finish its queue")
+        if args.aborts:
+            tl.wait_until(lambda: tl.worker_metric(c, "prism:worker_running", "encoder-0") == 0, 3600,
+                          "the encoder to finish its queue")
         for k in range(args.aborts):
             p = cl.make_image(os.path.join(tl.TMP, "abort%d.jpg" % k), width=400, height=360, photo=True,
                               seed=5000 + k)
