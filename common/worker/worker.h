@@ -46,8 +46,9 @@
  * routing to one whose heartbeats say busy while progress stays flat (stuck).
  *
  * Test hook (compiled in, inert unless set): PRISM_TEST_STALL_AFTER_LAYERS=N in a worker's
- * environment makes its compute thread stop making progress after N layers: it sleeps in the
- * between-layer hook until the process is told to stop, while the I/O thread keeps heartbeating.
+ * environment makes its compute thread stop making progress once its progress counter passes N:
+ * it sleeps in the next between-layer hook until the process is told to stop, while the I/O
+ * thread keeps heartbeating.
  * tests/integration/test_liveness.py uses it to check that such a worker is detected as stuck.
  */
 #ifndef PRISM_WORKER_H
