@@ -51,14 +51,13 @@ static void assert_close(const float *a, const float *b, size_t n, float tol)
         if (fabsf(a[i] - b[i]) > tol * (1.0f + fabsf(b[i]))) fail_msg("element %zu: %g vs %g", i, a[i], b[i]);
 }
 
-static void test_vision_cancel_mid_batch(void **state)
+static void vision_cancel_mid_batch(const prism_model_config_t *cfg_in, const char *dir)
 {
-    (void)state;
-    prism_model_config_t cfg = tiny();
+    prism_model_config_t cfg = *cfg_in;
     prism_backend_t *be = prism_backend_cpu_create(1);
     char err[256];
     prism_vision_t *v = NULL;
-    assert_int_equal(prism_vision_load(be, &cfg, "/nonexistent", 3, &v, err, sizeof err), PRISM_OK);
+    assert_int_equal(prism_vision_load(be, &cfg, dir, 3, &v, err, sizeof err), PRISM_OK);
     size_t S = (size_t)cfg.v_image_size, px = 3 * S * S, per = (size_t)cfg.image_seq_length * cfg.hidden;
     float *pix = prism_malloc(3 * px * sizeof(float)), *ref = prism_malloc(3 * per * sizeof(float)),
           *out = prism_malloc(3 * per * sizeof(float));
@@ -107,18 +106,38 @@ static void test_vision_cancel_mid_batch(void **state)
     prism_backend_destroy(be);
 }
 
-/* Three sequences of a mixed batch (two prompts and a decode-like one-token sequence). */
-#define NS 3
-static const int32_t k_len[NS] = {7, 5, 1};
-
-static void llm_run(prism_llm_t *m, prism_kv_cache_t *kv, bool all_logits, bool split, float *logits)
+static void test_vision_cancel_mid_batch(void **state)
 {
-    int32_t toks[13], start[NS + 1] = {0}, pos0[NS] = {0, 0, 0};
-    int32_t tab[NS][2] = {{0, 1}, {2, 3}, {4, 5}};
+    (void)state;
+    prism_model_config_t cfg = tiny();
+    vision_cancel_mid_batch(&cfg, "/nonexistent");
+}
+
+/* The Llama-4 tower: CLS last, 2D RoPE positions per image, pixel shuffle and adapter after. */
+static void test_llama4_vision_cancel_mid_batch(void **state)
+{
+    (void)state;
+    char dir[1024], err[256];
+    snprintf(dir, sizeof dir, "%s/tests/data/model/llama4_tiny", PRISM_SOURCE_DIR);
+    prism_model_config_t cfg;
+    assert_int_equal(prism_model_config_load(dir, &cfg, err, sizeof err), PRISM_OK);
+    vision_cancel_mid_batch(&cfg, dir);
+}
+
+/* Three sequences of a mixed batch: two prompts and a decode-like token late in its context (so
+ * positions, and Llama-4's per-token attention temperature, differ once sequences drop out). */
+#define NS 3
+static const int32_t k_len[NS] = {20, 12, 1}, k_pos0[NS] = {0, 0, 40};
+#define NT 33
+
+static void llm_run(prism_llm_t *m, prism_kv_cache_t *kv, int vocab, bool all_logits, bool split, float *logits)
+{
+    int32_t toks[NT], start[NS + 1] = {0};
+    int32_t tab[NS][3] = {{0, 1, 0}, {2, 0, 0}, {3, 4, 5}};
     const int32_t *tables[NS] = {tab[0], tab[1], tab[2]};
     for (int s = 0; s < NS; s++) start[s + 1] = start[s] + k_len[s];
-    for (int t = 0; t < start[NS]; t++) toks[t] = 5 + 37 * t % 300;
-    prism_llm_batch_t b = {.n_seqs = NS, .n_tokens = start[NS], .tokens = toks, .seq_start = start, .pos0 = pos0,
+    for (int t = 0; t < start[NS]; t++) toks[t] = (5 + 37 * t) % vocab;
+    prism_llm_batch_t b = {.n_seqs = NS, .n_tokens = start[NS], .tokens = toks, .seq_start = start, .pos0 = k_pos0,
                            .block_tables = tables, .all_logits = all_logits};
     if (split) {
         assert_int_equal(prism_llm_forward_begin(m, kv, &b), PRISM_OK);
@@ -128,36 +147,34 @@ static void llm_run(prism_llm_t *m, prism_kv_cache_t *kv, bool all_logits, bool 
     }
 }
 
-static void test_llm_cancel_mid_forward(void **state)
+static void llm_cancel_mid_forward(const prism_model_config_t *cfg, const char *dir)
 {
-    (void)state;
-    prism_model_config_t cfg = tiny();
     prism_backend_t *be = prism_backend_cpu_create(1);
     char err[256];
     prism_llm_t *m = NULL;
     prism_kv_cache_t *kv = NULL;
-    assert_int_equal(prism_llm_load(be, &cfg, "/nonexistent", 16, NS, &m, err, sizeof err), PRISM_OK);
-    assert_int_equal(prism_kv_cache_create(be, &cfg, 6, 16, &kv), PRISM_OK);
-    const size_t V = (size_t)cfg.vocab, T = 13;
-    float *ref = prism_malloc(T * V * sizeof(float)), *out = prism_malloc(T * V * sizeof(float));
+    assert_int_equal(prism_llm_load(be, cfg, dir, 64, NS, &m, err, sizeof err), PRISM_OK);
+    assert_int_equal(prism_kv_cache_create(be, cfg, 8, 16, &kv), PRISM_OK);
+    const size_t V = (size_t)cfg->vocab;
+    float *ref = prism_malloc(NT * V * sizeof(float)), *out = prism_malloc(NT * V * sizeof(float));
     hook_state_t h = {.cancel_item = -1};
     prism_model_hook_t hook = {on_layer, on_cancelled, &h};
 
     for (int all = 0; all < 2; all++) {
-        size_t rows = all ? T : NS;
+        size_t rows = all ? NT : NS;
         prism_llm_set_hook(m, NULL);
-        llm_run(m, kv, all, false, ref);
-        llm_run(m, kv, all, true, out);           /* begin + end == forward */
+        llm_run(m, kv, cfg->vocab, all, false, ref);
+        llm_run(m, kv, cfg->vocab, all, true, out);     /* begin + end == forward */
         assert_memory_equal(out, ref, rows * V * sizeof(float));
 
         prism_llm_set_hook(m, &hook);
-        h = (hook_state_t){.cancel_item = 1, .cancel_at = 2};
+        h = (hook_state_t){.cancel_item = 1, .cancel_at = 1};
         for (size_t i = 0; i < rows * V; i++) out[i] = NAN;
-        llm_run(m, kv, all, true, out);
-        assert_int_equal(h.calls, cfg.n_layers + 1);
+        llm_run(m, kv, cfg->vocab, all, true, out);
+        assert_int_equal(h.calls, cfg->n_layers + 1);
         assert_int_equal(h.asked[1], 1);
-        /* rows of sequence 1: [1] of last-token logits, tokens 7..11 of all_logits */
-        size_t lo = all ? 7 : 1, hi = all ? 12 : 2;
+        /* rows of sequence 1: [1] of last-token logits, tokens 20..31 of all_logits */
+        size_t lo = all ? 20 : 1, hi = all ? 32 : 2;
         for (size_t r = 0; r < rows; r++) {
             if (r >= lo && r < hi) {
                 assert_true(isnan(out[r * V]) && isnan(out[r * V + V - 1]));
@@ -169,13 +186,13 @@ static void test_llm_cancel_mid_forward(void **state)
         /* the last sequence cancelled, then the first as well: one left */
         h = (hook_state_t){.cancel_item = 2, .cancel_at = 1};
         for (size_t i = 0; i < rows * V; i++) out[i] = NAN;
-        llm_run(m, kv, all, false, out);
-        assert_close(out, ref, (all ? 12 : 2) * V, 1e-4f);
+        llm_run(m, kv, cfg->vocab, all, false, out);
+        assert_close(out, ref, (rows - 1) * V, 1e-4f);
         assert_true(isnan(out[(rows - 1) * V]));
 
         h = (hook_state_t){.cancel_item = -2, .cancel_at = 0};
         for (size_t i = 0; i < rows * V; i++) out[i] = NAN;
-        llm_run(m, kv, all, true, out);
+        llm_run(m, kv, cfg->vocab, all, true, out);
         assert_int_equal(h.calls, 1);             /* nothing left after the embeddings */
         for (size_t i = 0; i < rows * V; i++) assert_true(isnan(out[i]));
     }
@@ -188,11 +205,32 @@ static void test_llm_cancel_mid_forward(void **state)
     prism_backend_destroy(be);
 }
 
+static void test_llm_cancel_mid_forward(void **state)
+{
+    (void)state;
+    prism_model_config_t cfg = tiny();
+    llm_cancel_mid_forward(&cfg, "/nonexistent");
+}
+
+/* Llama-4 text layers: MoE routing per token, attention temperature per position, chunked
+ * attention — the per-token state a smaller batch must carry over correctly. */
+static void test_llama4_cancel_mid_forward(void **state)
+{
+    (void)state;
+    char dir[1024], err[256];
+    snprintf(dir, sizeof dir, "%s/tests/data/model/llama4_text", PRISM_SOURCE_DIR);
+    prism_model_config_t cfg;
+    assert_int_equal(prism_model_config_load(dir, &cfg, err, sizeof err), PRISM_OK);
+    llm_cancel_mid_forward(&cfg, dir);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_vision_cancel_mid_batch),
+        cmocka_unit_test(test_llama4_vision_cancel_mid_batch),
         cmocka_unit_test(test_llm_cancel_mid_forward),
+        cmocka_unit_test(test_llama4_cancel_mid_forward),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
