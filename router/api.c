@@ -159,9 +159,18 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
                        (double)m->failed);
     prism_buf_appendf(&b, "# HELP prism:requests_refused_total Requests refused, by reason.\n"
                           "# TYPE prism:requests_refused_total counter\n");
+    /* Refusals the HTTP server answers itself, before the router sees a request. */
+    prism_http_refusals_t hr;
+    prism_http_server_refusals(r->http, &hr);
+    uint64_t refused[PRISM_REFUSE_COUNT];
+    memcpy(refused, m->refused_limit, sizeof(refused));
+    refused[PRISM_REFUSE_BODY_TOO_LARGE] += hr.body_too_large;
+    refused[PRISM_REFUSE_BODY_BYTES_INFLIGHT] += hr.body_bytes_in_flight;
+    refused[PRISM_REFUSE_CONNECTIONS] += hr.connections;
+    refused[PRISM_REFUSE_BAD_REQUEST] += hr.malformed;
     for (int i = 0; i < PRISM_REFUSE_COUNT; i++) {
         snprintf(lbl, sizeof(lbl), "reason=\"%s\"", prism_refusal_names[i]);
-        prism_metric_write(&b, "prism:requests_refused_total", "counter", NULL, lbl, (double)m->refused_limit[i]);
+        prism_metric_write(&b, "prism:requests_refused_total", "counter", NULL, lbl, (double)refused[i]);
     }
     prism_metric_write(&b, "prism:router_requests_in_flight", "gauge", "Requests the router holds.", "", (double)r->n_reqs);
     prism_metric_write(&b, "prism:router_image_bytes_in_flight", "gauge", "Image bytes the router holds.", "",
@@ -179,6 +188,7 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
         {"prism:worker_embedding_cache_hits_total", "Embedding cache hits."},
         {"prism:worker_embedding_cache_misses_total", "Embedding cache misses."},
         {"prism:worker_heap_allocations_total", "Heap allocations the worker made (flat while serving)."},
+        {"prism:worker_heartbeats_total", "Heartbeats received from the worker since it registered."},
         {"prism:worker_progress_total", "Units of work the worker completed (layers, images, chunks, steps)."},
         {"prism:worker_busy", "1 when the worker's last heartbeat said it is inside one piece of work."},
         {"prism:worker_stuck", "1 while the worker is stuck: busy without progress beyond --worker-stuck-timeout."},
@@ -191,7 +201,8 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
             if (!w->used) continue;
             double v[] = {w->running, w->waiting, (double)w->mem_planned, (double)w->mem_used, (double)w->mem_peak,
                           (double)w->mem_budget, w->kv_free_blocks, w->pool_free, (double)w->cache_hits,
-                          (double)w->cache_misses, (double)w->alloc_count, (double)w->progress, w->busy, w->stuck};
+                          (double)w->cache_misses, (double)w->alloc_count, (double)w->heartbeats,
+                          (double)w->progress, w->busy, w->stuck};
             snprintf(lbl, sizeof(lbl), "tier=\"%s\",worker=\"%s\"", prism_role_name(w->role), w->id);
             prism_metric_write(&b, gauges[g][0], "gauge", NULL, lbl, v[g]);
         }

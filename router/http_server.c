@@ -78,6 +78,7 @@ struct prism_http_server {
     bool stopping, listener_closed;
     int port;
     size_t body_bytes;       /* request bodies held right now (declared length while receiving) */
+    prism_http_refusals_t refused;
     char scratch[HTTP_READ_CHUNK];  /* libuv reads here; read_cb copies into conn->inbuf */
 };
 
@@ -726,6 +727,7 @@ static void conn_process(conn_t *c)
                 c->req->keep_alive = false;
             }
             if (!c->req) {
+                c->srv->refused.malformed++;
                 conn_fail(c, 400, "Malformed HTTP request.");
                 break;
             }
@@ -745,6 +747,10 @@ static void conn_process(conn_t *c)
                 snprintf(msg, sizeof msg, "Malformed HTTP request: %s", llhttp_get_error_reason(&c->parser));
                 break;
             }
+            prism_http_refusals_t *rf = &c->srv->refused;
+            if (status == 413) rf->body_too_large++;
+            else if (status == 503) rf->body_bytes_in_flight++;
+            else if (status == 400 || status == 431 || status == 417) rf->malformed++;
             conn_fail(c, status, msg);
             break;
         }
@@ -849,6 +855,7 @@ static void on_connection(uv_stream_t *l, int status)
     uv_tcp_nodelay(&c->tcp, 1);
     if (c->rejected) {
         PRISM_WARN("http: connection limit (%d) reached; answering 503", s->cfg.max_connections);
+        s->refused.connections++;
         conn_fail(c, 503, "Too many connections; try again later.");
         conn_update_reading(c);
         return;
@@ -940,6 +947,8 @@ void prism_http_server_stop(prism_http_server_t *s)
 }
 
 int prism_http_server_port(const prism_http_server_t *s) { return s->port; }
+
+void prism_http_server_refusals(const prism_http_server_t *s, prism_http_refusals_t *out) { *out = s->refused; }
 
 size_t prism_http_server_active_connections(const prism_http_server_t *s)
 {

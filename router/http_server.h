@@ -68,6 +68,15 @@ int  prism_http_server_start(uv_loop_t *loop, const prism_http_config_t *cfg, pr
 void prism_http_server_stop(prism_http_server_t *s);
 int  prism_http_server_port(const prism_http_server_t *s);  /* the bound port (useful with port 0) */
 size_t prism_http_server_active_connections(const prism_http_server_t *s);
+/* Requests answered with an error by the server itself, before any handler ran (counters since
+ * start; the router exports them as prism:requests_refused_total). Loop thread only. */
+typedef struct {
+    uint64_t body_too_large;       /* 413: max_body_bytes */
+    uint64_t body_bytes_in_flight; /* 503: max_body_bytes_total */
+    uint64_t connections;          /* 503: max_connections */
+    uint64_t malformed;            /* 400 / 431 / 417 */
+} prism_http_refusals_t;
+void prism_http_server_refusals(const prism_http_server_t *s, prism_http_refusals_t *out);
 
 /* ---- request accessors (valid until the caller's prism_http_req_release) ---- */
 const char *prism_http_req_method(const prism_http_req_t *r);   /* "GET", "POST", ... */

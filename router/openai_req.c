@@ -122,13 +122,13 @@ static const char *const k_chat_fields[] = {
     "messages", "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
     "top_p", "top_k", "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "n", "ignore_eos",
     "add_generation_prompt", "add_special_tokens", "skip_special_tokens", "presence_penalty",
-    "frequency_penalty", "repetition_penalty",
+    "frequency_penalty", "repetition_penalty", "return_tokens_as_token_ids",
 };
 static const char *const k_completion_fields[] = {
     "prompt", "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
     "top_p", "top_k", "seed", "stop", "stop_token_ids", "logprobs", "n", "ignore_eos", "add_special_tokens",
     "skip_special_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "echo", "suffix",
-    "best_of",
+    "best_of", "return_tokens_as_token_ids",
 };
 
 static void log_unknown_fields(json_t *root, bool chat)
@@ -481,6 +481,7 @@ static int parse_sampling(json_t *root, bool chat, prism_oai_request_t *out, pri
     if ((rc = get_bool(root, "ignore_eos", &out->ignore_eos, err))) return rc;
     if ((rc = get_bool(root, "add_special_tokens", &out->add_special_tokens, err))) return rc;
     if ((rc = get_bool(root, "skip_special_tokens", &out->skip_special_tokens, err))) return rc;
+    if ((rc = get_bool(root, "return_tokens_as_token_ids", &out->return_tokens_as_token_ids, err))) return rc;
     if (chat && (rc = get_bool(root, "add_generation_prompt", &out->add_generation_prompt, err))) return rc;
     return parse_stop(root, out, err);
 }

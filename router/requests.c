@@ -306,11 +306,16 @@ static void add_logprobs(router_req_t *q, int32_t tok, const Prism__TokenLogprob
     prism_buf_t *tb = &q->tok_bytes[0], *cb = &q->tok_bytes[1];
     prism_oai_top_logprob_t top[20];
     int nt = (int)PRISM_MIN(l->n_top, (size_t)20);
+    /* return_tokens_as_token_ids (vLLM): "token_id:<id>" names the token exactly, where its text
+     * may be lossy (a partial UTF-8 sequence) or shared with another id. */
+    bool as_ids = q->oai.return_tokens_as_token_ids;
     prism_buf_reset(tb);
-    prism_tokenizer_token_bytes(r->tok, tok, tb);
+    if (as_ids) prism_buf_appendf(tb, "token_id:%d", tok);
+    else prism_tokenizer_token_bytes(r->tok, tok, tb);
     for (int k = 0; k < nt; k++) {
         prism_buf_reset(&cb[k]);
-        prism_tokenizer_token_bytes(r->tok, l->top[k]->token_id, &cb[k]);
+        if (as_ids) prism_buf_appendf(&cb[k], "token_id:%d", l->top[k]->token_id);
+        else prism_tokenizer_token_bytes(r->tok, l->top[k]->token_id, &cb[k]);
         top[k] = (prism_oai_top_logprob_t){cb[k].data ? cb[k].data : "", cb[k].len, l->top[k]->logprob};
     }
     prism_oai_token_logprob_t t = {tb->data ? tb->data : "", tb->len, l->logprob, top, q->oai.top_logprobs ? nt : 0};
@@ -624,6 +629,7 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
     /* Behind older queued requests, or no worker has room: wait in the router's queue. */
     status = r->queue_len ? DISPATCH_WAIT : dispatch(r, q, msg, sizeof(msg));
     if (status == DISPATCH_WAIT && !queue_push(r, q->rid)) {
+        r->metrics.refused_limit[PRISM_REFUSE_QUEUE_FULL]++;
         status = 429;
         snprintf(msg, sizeof(msg), "The server is at capacity; retry after a short wait.");
     }

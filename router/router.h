@@ -37,6 +37,7 @@ typedef struct {
     /* load from heartbeats */
     uint32_t running, waiting, kv_free_blocks, pool_free;
     uint64_t mem_used, mem_peak, cache_hits, cache_misses, alloc_count;
+    uint64_t heartbeats;          /* received since registration: lets a reader wait for fresh numbers */
     /* liveness: dead = silent for --worker-timeout; stuck = heartbeats say busy while progress
      * stays flat for --worker-stuck-timeout (no new work until it moves again) */
     double last_seen;            /* any message */

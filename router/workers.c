@@ -75,6 +75,7 @@ bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat
     w->cache_hits = hb->cache_hits;
     w->cache_misses = hb->cache_misses;
     w->alloc_count = hb->alloc_count;
+    w->heartbeats++;
     double now = prism_now_s();
     if (w->role > 0 && w->role < (int)PRISM_ARRAY_LEN(r->heartbeat_interval))
         prism_hist_observe(&r->heartbeat_interval[w->role], now - w->last_heartbeat);

@@ -36,7 +36,7 @@ typedef struct {
     prism_hist_t ttft, itl, e2e, queue;
     uint64_t prompt_tokens, generation_tokens;
     uint64_t success_stop, success_length, success_abort, failed;
-    uint64_t refused_limit[16];   /* by prism_refusal_t */
+    uint64_t refused_limit[16];   /* by prism_refusal_t (the HTTP server's own are added when exported) */
 } prism_router_metrics_t;
 
 typedef enum {
@@ -48,6 +48,8 @@ typedef enum {
     PRISM_REFUSE_NO_WORKERS,
     PRISM_REFUSE_BAD_REQUEST,
     PRISM_REFUSE_QUEUE_WAIT,
+    PRISM_REFUSE_BODY_BYTES_INFLIGHT,  /* counted by the HTTP server (503 from the header) */
+    PRISM_REFUSE_CONNECTIONS,          /* counted by the HTTP server (--max-connections) */
     PRISM_REFUSE_COUNT
 } prism_refusal_t;
 
