@@ -217,8 +217,8 @@ static bool hook_cancelled(void *ud, int item)
     double waited = 0;
     if (!prism_worker_aborted(&d->w, s->seq.rid, s->seq.router_id, &waited)) return false;
     if (!prism_worker_should_stop())
-        PRISM_DEBUG("request %llu: cancelled %.3fs after its abort arrived, after layer %d of %d: dropped from the "
-                    "step", (unsigned long long)s->seq.rid, waited, d->layer_done, d->layer_total);
+        PRISM_DEBUG("request %llu aborted: dropped from the step after layer %d of %d, %.3fs after the abort "
+                    "arrived", (unsigned long long)s->seq.rid, d->layer_done, d->layer_total, waited);
     d->dropped[item] = true;
     return true;
 }
