@@ -27,10 +27,13 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import Cluster, binary, chat_body, make_image, run_tests, MODEL  # noqa: E402
+from cluster import Cluster, binary, chat_body, make_image, reference, run_tests, MODEL  # noqa: E402
 
 TMP = tempfile.mkdtemp(prefix="prism-liveness-")
-VISION_LAYERS = int(os.environ.get("PRISM_TEST_CLIP_LAYERS", "8"))
+# Under the sanitizers (-O0, every op instrumented) a CLIP-L layer takes tens of seconds: fewer
+# layers keep the premise (seconds per image) and the test's time in bounds.
+SANITIZED = bool(os.environ.get("ASAN_OPTIONS"))
+VISION_LAYERS = int(os.environ.get("PRISM_TEST_CLIP_LAYERS", "3" if SANITIZED else "8"))
 WORKER_TIMEOUT = 1.0      # router --worker-timeout
 HEARTBEAT = "0.1"         # workers --heartbeat-interval
 RANDOM = ["--random-weights", "--heartbeat-interval", HEARTBEAT]
@@ -134,8 +137,9 @@ def run_clip_l_cluster():
     model = clip_l_model()
     enc = RANDOM + ["--max-batch-images", "2", "--max-batch-seconds", "0"]
     # a loaded machine may take minutes per queued image: only the liveness timeouts are short
+    # (and stuck is judged only in its own cluster below: a layer may take minutes here)
     router = ["--worker-timeout", str(WORKER_TIMEOUT), "--served-model-name", "prism-tiny-llava",
-              "--max-queue-wait", "3000", "--request-timeout", "3600"]
+              "--max-queue-wait", "3000", "--request-timeout", "3600", "--worker-stuck-timeout", "3600"]
     with Cluster(model=model, router_args=router,
                  worker_args={"encoder_worker": enc, "prefill_worker": RANDOM, "decode_worker": RANDOM}) as c:
         c.wait_ready(timeout=300)
@@ -163,16 +167,19 @@ def run_clip_l_cluster():
             free0 = worker_metric(c, "prism:worker_pool_free", "encoder-0")
             # a one-image batch runs while a and b queue, so that the next batch holds both
             qx = Background(c, chat_body("What is in the image?", [blocker], max_tokens=2))
-            wait_until(lambda: worker_metric(c, "prism:worker_running", "encoder-0") == 1, 300,
+            wait_until(lambda: worker_metric(c, "prism:worker_running", "encoder-0") == 1, 600,
                        "the first batch to start")
             qa = Background(c, chat_body("What is in the image?", [a], max_tokens=2))
             qb = Background(c, chat_body("What is in the image?", [b], max_tokens=2))
             status, data = qx.result()
             assert status == 200, (status, data[:300])
+            hb0 = worker_metric(c, "prism:worker_heartbeats_total", "encoder-0")   # numbers from after qx
+            wait_until(lambda: worker_metric(c, "prism:worker_heartbeats_total", "encoder-0") >= hb0 + 2, 60,
+                       "two fresh heartbeats")
             p0 = worker_metric(c, "prism:worker_progress_total", "encoder-0")
             wait_until(lambda: worker_metric(c, "prism:worker_running", "encoder-0") == 2 and
-                       worker_metric(c, "prism:worker_progress_total", "encoder-0") >= p0 + 2,
-                       300, "the batch of two to pass its first layer")
+                       worker_metric(c, "prism:worker_progress_total", "encoder-0") >= p0 + 1,
+                       600, "the batch of two to reach its first layer")
             assert worker_metric(c, "prism:worker_pool_free", "encoder-0") == free0 - 2
             qa.close()
             status, data = qb.result()
@@ -265,10 +272,7 @@ def run_overlap_cluster():
 
         def overlapped_decode_steps_are_exact():
             img = make_image(os.path.join(TMP, "overlap.jpg"), width=320, height=240, shape="square", color="blue")
-            out = subprocess.run([binary("prism_generate"), "--model-path", MODEL, "--image", img, "--user",
-                                  "What is in the image?", "--max-tokens", "24"], check=True, capture_output=True,
-                                 text=True)
-            ref = json.loads(out.stdout)
+            ref = reference([img], "What is in the image?", 24)
             kv0 = metrics(c)[("prism:worker_kv_free_blocks", 'tier="decode",worker="decode-0"')]
             # a long stream that the client leaves while the others run
             long = Background(c, dict(chat_body("Describe the image.", [img], max_tokens=1500, temperature=0,
