@@ -76,6 +76,7 @@ bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat
     w->cache_misses = hb->cache_misses;
     w->alloc_count = hb->alloc_count;
     w->heartbeats++;
+    w->peer_auth_failures = hb->peer_auth_failures;
     double now = prism_now_s();
     if (w->role > 0 && w->role < (int)PRISM_ARRAY_LEN(r->heartbeat_interval))
         prism_hist_observe(&r->heartbeat_interval[w->role], now - w->last_heartbeat);

@@ -30,8 +30,18 @@ static void pair_hwm(void *s)
     zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof(linger));
 }
 
-int prism_worker_init(prism_worker_t *w, Prism__Role role, const char *worker_id,
-                      const prism_str_list_t *routers, const char *data_bind)
+static prism_net_role_t net_role(Prism__Role role)
+{
+    switch (role) {
+    case PRISM__ROLE__ROLE_ENCODER: return PRISM_NET_ROLE_ENCODER;
+    case PRISM__ROLE__ROLE_PREFILL: return PRISM_NET_ROLE_PREFILL;
+    case PRISM__ROLE__ROLE_DECODE:  return PRISM_NET_ROLE_DECODE;
+    default:                        return PRISM_NET_ROLE_NONE;
+    }
+}
+
+int prism_worker_init(prism_worker_t *w, Prism__Role role, const prism_worker_opts_t *o, const char *data_bind,
+                      size_t data_max_msg_bytes)
 {
     memset(w, 0, sizeof(*w));
     prism__register__init(&w->reg);
@@ -39,37 +49,56 @@ int prism_worker_init(prism_worker_t *w, Prism__Role role, const char *worker_id
     w->heartbeat_s = 1.0;
     w->stall_after = -1;
     pthread_mutex_init(&w->mu, NULL);
-    snprintf(w->worker_id, sizeof(w->worker_id), "%s", worker_id);
+    snprintf(w->worker_id, sizeof(w->worker_id), "%s", o->worker_id);
     const char *stall = getenv("PRISM_TEST_STALL_AFTER_LAYERS");
     if (stall && *stall) {
         w->stall_after = strtoll(stall, NULL, 10);
         PRISM_WARN("test hook PRISM_TEST_STALL_AFTER_LAYERS=%lld is set: the compute thread will stop making "
                    "progress", (long long)w->stall_after);
     }
-    w->zctx = zmq_ctx_new();
-    if (!w->zctx) return PRISM_EIO;
-    if (!routers || routers->n == 0) {
+    if (o->routers.n == 0) {
         PRISM_ERROR("no --router given: a worker needs at least one router control endpoint");
         return PRISM_EINVAL;
     }
-    for (int i = 0; i < routers->n && i < PRISM_WORKER_MAX_ROUTERS; i++) {
+    if (o->max_message_bytes < 1) {
+        PRISM_ERROR("--max-message-bytes must be positive");
+        return PRISM_EINVAL;
+    }
+    char err[512];
+    prism_net_opts_t no = {.role = net_role(role), .curve_keys = o->curve_keys, .insecure = o->insecure_no_curve};
+    if (prism_net_create(&no, &w->net, err, sizeof(err)) != PRISM_OK) {
+        PRISM_ERROR("%s", err);
+        return PRISM_EINVAL;
+    }
+    for (int i = 0; i < o->routers.n && i < PRISM_WORKER_MAX_ROUTERS; i++) {
         prism_worker_router_t *r = &w->routers[w->n_routers];
-        snprintf(r->endpoint, sizeof(r->endpoint), "%s", routers->items[i]);
-        /* Control messages are small; a generous HWM never drops a token under load. */
-        r->sock = prism_sock_connect(w->zctx, ZMQ_DEALER, r->endpoint, w->worker_id, 100000);
+        snprintf(r->endpoint, sizeof(r->endpoint), "%s", o->routers.items[i]);
+        /* Control messages are small and the router never sends a worker more requests than its
+         * registered capacity, so this bound is never reached in normal operation; past it a send
+         * waits (backpressure), nothing is dropped. */
+        prism_sock_opts_t so = {.type = ZMQ_DEALER, .endpoint = r->endpoint, .hwm = PRISM_NET_CONTROL_HWM,
+                                .max_msg_bytes = PRISM_MAX(o->max_message_bytes, (int64_t)PRISM_MSG_MAX_ENVELOPE),
+                                .identity = w->worker_id, .server = PRISM_NET_ROLE_ROUTER};
+        r->sock = prism_sock_connect(w->net, &so);
         if (!r->sock) return PRISM_EIO;
         w->n_routers++;
     }
     if (data_bind) {
-        /* HWM 1: at most one message queued per peer; the rest waits in the senders (backpressure). */
-        w->data_sock = prism_sock_bind(w->zctx, ZMQ_PULL, data_bind, 1);
+        /* HWM 1: at most one message queued per peer; the rest waits in the senders (backpressure).
+         * Embeddings come from encoders only, KV from prefills only. */
+        prism_sock_opts_t so = {.type = ZMQ_PULL, .endpoint = data_bind, .hwm = 1,
+                                .max_msg_bytes = (int64_t)PRISM_MAX(data_max_msg_bytes, (size_t)PRISM_MSG_MAX_ENVELOPE),
+                                .allow = role == PRISM__ROLE__ROLE_PREFILL ? PRISM_NET_ALLOW(PRISM_NET_ROLE_ENCODER)
+                                                                          : PRISM_NET_ALLOW(PRISM_NET_ROLE_PREFILL)};
+        w->data_sock = prism_sock_bind(w->net, &so);
         if (!w->data_sock) return PRISM_EIO;
         prism_sock_last_endpoint(w->data_sock, w->data_endpoint, sizeof(w->data_endpoint));
     }
+    /* The channel between the threads stays inside the process (inproc): nothing to authenticate. */
     char inproc[64];
     snprintf(inproc, sizeof(inproc), "inproc://prism-worker-%p", (void *)w);
-    w->io_pair = zmq_socket(w->zctx, ZMQ_PAIR);
-    w->cpu_pair = zmq_socket(w->zctx, ZMQ_PAIR);
+    w->io_pair = zmq_socket(prism_net_zctx(w->net), ZMQ_PAIR);
+    w->cpu_pair = zmq_socket(prism_net_zctx(w->net), ZMQ_PAIR);
     if (!w->io_pair || !w->cpu_pair) return PRISM_EIO;
     pair_hwm(w->io_pair);
     pair_hwm(w->cpu_pair);
@@ -266,6 +295,7 @@ static void io_heartbeat(prism_worker_t *w)
     hb.mem_peak = prism_mem_peak();
     hb.mem_planned = w->reg.mem_planned;
     hb.alloc_count = prism_mem_alloc_count();
+    hb.peer_auth_failures = prism_net_refused(w->net);
     hb.progress = atomic_load(&w->progress);
     /* Busy: inside one piece of work since the previous heartbeat (never back to wait for more). */
     uint64_t polls = atomic_load(&w->polls);
@@ -391,8 +421,8 @@ void prism_worker_close(prism_worker_t *w)
     for (int i = 0; i < w->n_peers; i++)
         if (w->peers[i].sock) zmq_close(w->peers[i].sock);
     if (w->data_sock) zmq_close(w->data_sock);
-    if (w->zctx) zmq_ctx_term(w->zctx);
-    w->zctx = NULL;
+    prism_net_destroy(w->net);
+    w->net = NULL;
     pthread_mutex_destroy(&w->mu);
 }
 
@@ -477,7 +507,11 @@ void *prism_worker_peer_sock(prism_worker_t *w, const char *endpoint)
         if (!strcmp(w->peers[i].endpoint, endpoint))
             return w->peers[i].sock;
     if (w->n_peers == PRISM_WORKER_MAX_PEERS) return NULL;
-    void *s = prism_sock_connect(w->zctx, ZMQ_PUSH, endpoint, NULL, 1);
+    /* Encoders push embeddings to prefills, prefills push KV to decodes; a PUSH socket never
+     * receives, so its message bound only matters for the handshake. */
+    prism_sock_opts_t so = {.type = ZMQ_PUSH, .endpoint = endpoint, .hwm = 1, .max_msg_bytes = 64 << 10,
+                            .server = w->role == PRISM__ROLE__ROLE_ENCODER ? PRISM_NET_ROLE_PREFILL : PRISM_NET_ROLE_DECODE};
+    void *s = prism_sock_connect(w->net, &so);
     if (!s) return NULL;
     prism_worker_peer_t *p = &w->peers[w->n_peers++];
     snprintf(p->endpoint, sizeof(p->endpoint), "%s", endpoint);

@@ -81,6 +81,7 @@ void prism_worker_opts_defaults(prism_worker_opts_t *o, const char *role)
     o->mem_budget = 0;
     o->log_level = "info";
     o->heartbeat_s = 1.0;
+    o->max_message_bytes = 64ll << 20;
     static char id[128];
     char host[64] = "host";
     gethostname(host, sizeof(host) - 1);
@@ -103,7 +104,14 @@ int prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *t, int n)
         PRISM_FLAG_DOUBLE("heartbeat-interval", &o->heartbeat_s, "Seconds between heartbeats"),
         PRISM_FLAG_BOOL("random-weights", &o->random_weights,
                         "Seeded random weights of config.json's shapes instead of safetensors (benchmarks)"),
+        PRISM_FLAG_STR("curve-keys", &o->curve_keys,
+                       "CURVE key directory (made by prism_keygen): this role's secret key and the cluster's public keys"),
+        PRISM_FLAG_BOOL("insecure-no-curve", &o->insecure_no_curve,
+                        "Unauthenticated internal links (only on an isolated network; logs a warning)"),
+        PRISM_FLAG_BYTES("max-message-bytes", &o->max_message_bytes,
+                         "Largest message accepted from a router (an image file for encoders); bigger drops the link"),
     };
+    _Static_assert(sizeof(f) / sizeof(f[0]) == PRISM_WORKER_N_FLAGS, "PRISM_WORKER_N_FLAGS");
     for (size_t i = 0; i < PRISM_ARRAY_LEN(f); i++)
         t[n++] = f[i];
     t[n] = (prism_flag_t)PRISM_FLAG_END;
@@ -123,6 +131,12 @@ int prism_worker_startup(int argc, char **argv, const char *role, const char *su
     prism_log_init(role, prism_log_level_parse(o->log_level));
     if (!(o->heartbeat_s >= 0.01 && o->heartbeat_s <= 3600)) {
         PRISM_ERROR("--heartbeat-interval must be between 0.01 and 3600 seconds");
+        return 2;
+    }
+    if (!o->insecure_no_curve == !(o->curve_keys && *o->curve_keys)) {  /* fail before loading a model */
+        PRISM_ERROR("%s", o->insecure_no_curve ? "--curve-keys and --insecure-no-curve contradict each other: give one"
+                          : "internal links are authenticated with CURVE keys: give --curve-keys DIR (create one with "
+                            "`prism_keygen --out DIR`), or --insecure-no-curve on a trusted, isolated network");
         return 2;
     }
     prism_worker_install_signals();
