@@ -229,7 +229,7 @@ def run_stall_cluster():
         env = dict(os.environ, PRISM_TEST_STALL_AFTER_LAYERS="2")
         log = open(os.path.join(c.log_dir, "encoder-0.log"), "wb")
         c.procs["encoder-0"] = subprocess.Popen(
-            [binary("encoder_worker"), "--model-path", MODEL, "--router", c.ctl, "--worker-id", "encoder-0",
+            [binary("encoder_worker"), "--model-path", MODEL, "--router", c.ctl, "--worker-id", "encoder-0", *c.sec,
              "--heartbeat-interval", HEARTBEAT], stdout=log, stderr=subprocess.STDOUT, env=env)
         c.wait_ready()
 
