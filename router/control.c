@@ -68,7 +68,7 @@ static void dispatch(router_t *r, prism_msg_t *m)
         on_heartbeat(r, m);
         break;
     case PRISM__MSG_TYPE__MSG_TOKENS:
-        if (e->tokens) router_handle_tokens(r, e->request_id, e->tokens);
+        if (e->tokens && router_handle_tokens(r, m->env)) m->env = NULL;  /* held: the request owns it */
         break;
     case PRISM__MSG_TYPE__MSG_ENCODE_DONE:
         if (e->encode_done) router_handle_encode_done(r, e->request_id, e->encode_done);

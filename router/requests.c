@@ -31,6 +31,8 @@ struct router_req {
     /* workers */
     char prefill_id[128], decode_id[128];
     bool prefill_pending, decode_pending;
+    Prism__Envelope **held;       /* decode Tokens that arrived before the prefill's, in order */
+    int n_held, held_cap;
     /* generation */
     stage_t stage;
     int n_out;
@@ -134,6 +136,8 @@ static void req_destroy(router_req_t *q)
     prism_buf_free(&q->out);
     for (size_t i = 0; i < PRISM_ARRAY_LEN(q->tok_bytes); i++) prism_buf_free(&q->tok_bytes[i]);
     router_prompt_free(&q->prompt);
+    for (int i = 0; i < q->n_held; i++) prism_msg_env_free(q->held[i]);
+    prism_free(q->held);
     prism_free(q);
 }
 
@@ -330,10 +334,8 @@ static void add_logprobs(router_req_t *q, int32_t tok, const Prism__TokenLogprob
     prism_oai_logprobs_add(&q->lp, &t);
 }
 
-void router_handle_tokens(router_t *r, uint64_t rid, const Prism__Tokens *t)
+static void tokens_apply(router_t *r, router_req_t *q, const Prism__Tokens *t)
 {
-    router_req_t *q = router_req_get(r, rid);
-    if (!q) return;  /* finished or aborted already */
     if (t->from_prefill && q->prefill_pending) {
         q->prefill_pending = false;
         worker_done(r, q->prefill_id);
@@ -378,6 +380,47 @@ void router_handle_tokens(router_t *r, uint64_t rid, const Prism__Tokens *t)
         size_t safe = q->text.len - stop_holdback(q);
         if (safe > q->emitted || q->lp.n_tokens) stream_chunk(q, safe > q->emitted ? safe : q->emitted, NULL);
     }
+}
+
+/* Keeps a decode Tokens message that overtook the prefill's (see router.h). */
+static bool tokens_hold(router_req_t *q, Prism__Envelope *env)
+{
+    if (q->n_held == ROUTER_MAX_HELD_TOKENS) {
+        req_fail(q, 500, "the first token from the prefill worker never arrived");
+        return false;
+    }
+    if (q->n_held == q->held_cap) {
+        int cap = q->held_cap ? q->held_cap * 2 : 8;
+        Prism__Envelope **h = prism_realloc(q->held, (size_t)cap * sizeof(*h));
+        if (!h) {
+            req_fail(q, 500, "out of memory");
+            return false;
+        }
+        q->held = h;
+        q->held_cap = cap;
+    }
+    q->held[q->n_held++] = env;
+    return true;
+}
+
+bool router_handle_tokens(router_t *r, Prism__Envelope *env)
+{
+    router_req_t *q = router_req_get(r, env->request_id);
+    if (!q) return false;  /* finished or aborted already */
+    const Prism__Tokens *t = env->tokens;
+    if (!t->from_prefill && q->prefill_pending) return tokens_hold(q, env);
+    tokens_apply(r, q, t);
+    /* The prefill's is in: the held ones follow in the order they came. Applying one may end the
+     * request (finish, stop string, error), which frees the rest with it. */
+    uint64_t rid = env->request_id;
+    for (int i = 0; (q = router_req_get(r, rid)) && !q->prefill_pending && i < q->n_held; i++) {
+        Prism__Envelope *h = q->held[i];
+        q->held[i] = NULL;
+        tokens_apply(r, q, h->tokens);
+        prism_msg_env_free(h);
+    }
+    if (q && !q->prefill_pending) q->n_held = 0;
+    return false;
 }
 
 void router_handle_encode_done(router_t *r, uint64_t rid, const Prism__EncodeDone *d)

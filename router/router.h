@@ -25,6 +25,7 @@
 
 #define ROUTER_MAX_WORKERS 256
 #define ROUTER_MAX_IMAGES 64
+#define ROUTER_MAX_HELD_TOKENS 256        /* decode Tokens messages held for the prefill's (requests.c) */
 #define ROUTER_MAX_WORKER_MSG (4 << 20)  /* largest frame a worker may send up (tokens with logprobs) */
 
 typedef struct {
@@ -158,7 +159,11 @@ void router_prompt_free(router_prompt_t *p);
 
 /* requests.c */
 void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat);
-void router_handle_tokens(router_t *r, uint64_t rid, const Prism__Tokens *t);
+/* Applies a Tokens message (env->tokens set). The prefill's (the first token) and the decode's
+ * (the rest) come from two processes over two connections, so the decode's may arrive first: those
+ * are held, in order, until the prefill's arrives (at most ROUTER_MAX_HELD_TOKENS messages; beyond,
+ * the request fails). Returns true when it kept env (the caller must not free it). */
+bool router_handle_tokens(router_t *r, Prism__Envelope *env);
 void router_handle_encode_done(router_t *r, uint64_t rid, const Prism__EncodeDone *d);
 /* Fails (503) every request w holds; why ends "The <role> worker serving this request ...". */
 void router_fail_worker_requests(router_t *r, const router_worker_t *w, const char *why);

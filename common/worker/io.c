@@ -56,6 +56,13 @@ int prism_worker_init(prism_worker_t *w, Prism__Role role, const prism_worker_op
         PRISM_WARN("test hook PRISM_TEST_STALL_AFTER_LAYERS=%lld is set: the compute thread will stop making "
                    "progress", (long long)w->stall_after);
     }
+    const char *delay = getenv("PRISM_TEST_DELAY_REPLIES_S");
+    if (delay && *delay) {
+        double d = strtod(delay, NULL);
+        w->reply_delay_s = d >= 0 && d <= 60 ? d : 0;
+        PRISM_WARN("test hook PRISM_TEST_DELAY_REPLIES_S=%g is set: every reply to a router waits that long",
+                   w->reply_delay_s);
+    }
     if (o->routers.n == 0) {
         PRISM_ERROR("no --router given: a worker needs at least one router control endpoint");
         return PRISM_EINVAL;
@@ -259,6 +266,11 @@ static void io_outbound(prism_worker_t *w)
             drop_rest(w->io_pair);
             continue;
         }
+        if (w->reply_delay_s > 0) {  /* test hook: a reply overtaken by what the work it came from caused */
+            double d = w->reply_delay_s;
+            struct timespec ts = {(time_t)d, (long)((d - (time_t)d) * 1e9)};
+            nanosleep(&ts, NULL);
+        }
         void *s = w->routers[route].sock;
         int flags = ZMQ_DONTWAIT;
         bool more = has_more(w->io_pair);
@@ -267,7 +279,7 @@ static void io_outbound(prism_worker_t *w)
             zmq_msg_recv(&part, w->io_pair, 0);
             more = has_more(w->io_pair);
             if (zmq_msg_send(&part, s, flags | (more ? ZMQ_SNDMORE : 0)) < 0) {
-                /* 100000 messages queued for that router: it is gone; as before, the reply is lost */
+                /* PRISM_NET_CONTROL_HWM messages queued for that router: it is gone; the reply is lost */
                 PRISM_WARN("reply to router %s dropped: %s", w->routers[route].endpoint, zmq_strerror(errno));
                 zmq_msg_close(&part);
                 if (more) drop_rest(w->io_pair);

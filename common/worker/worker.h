@@ -139,6 +139,7 @@ typedef struct prism_worker {
     uint64_t data_received;
     uint64_t aborts_seen;    /* abort_seq at the last between-layer look */
     int64_t stall_after;     /* test hook: layers before the stall, -1 = never */
+    double reply_delay_s;    /* test hook: the I/O thread holds each reply this long (0 = never) */
 
     /* ---- shared ---- */
     pthread_mutex_t mu;      /* router ids, load, the abort table */

@@ -258,6 +258,37 @@ def run_stall_cluster():
         return run_tests([stalled_compute_thread_is_stuck])
 
 
+def run_late_first_token_cluster():
+    """The prefill sends the first token to the router through its I/O thread and pushes the KV to the
+    decode worker itself, so the decode's tokens can reach the router before the first one (two
+    processes, two connections). The test hook PRISM_TEST_DELAY_REPLIES_S holds every prefill reply
+    for 1.5 s, so the decode's always come first: the router must still answer the tokens in order,
+    streamed or not (seen failing without the router holding them: the first token came last)."""
+    hb = ["--heartbeat-interval", HEARTBEAT]
+    with Cluster(worker_args={"prefill_worker": hb, "decode_worker": hb},
+                 worker_env={"prefill_worker": {"PRISM_TEST_DELAY_REPLIES_S": "1.5"}}) as c:
+        c.wait_ready()
+        question = "Tell me a story."
+        ref = reference([], question, 12)
+
+        def decode_tokens_wait_for_the_first_token():
+            assert "PRISM_TEST_DELAY_REPLIES_S=1.5 is set" in full_log(c, "prefill-0")
+            s, r = c.post_json("/v1/chat/completions", chat_body(question, max_tokens=12, temperature=0))
+            assert s == 200, (s, r)
+            assert r["choices"][0]["message"]["content"] == ref["text"], (r, ref["text"])
+            assert r["usage"]["completion_tokens"] == len(ref["token_ids"]), r
+            body = dict(chat_body(question, max_tokens=12, temperature=0, logprobs=True), stream=True)
+            s, events, done = c.stream("/v1/chat/completions", body)
+            assert s == 200 and done, (s, events[-1:])
+            text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
+            assert text == ref["text"], (text, ref["text"])
+            toks = [t["token"] for e in events if e.get("choices") and (e["choices"][0].get("logprobs") or {})
+                    for t in e["choices"][0]["logprobs"]["content"]]
+            assert len(toks) == len(ref["token_ids"]), (toks, ref)
+
+        return run_tests([decode_tokens_wait_for_the_first_token])
+
+
 def run_overlap_cluster():
     """The pipelines that overlap host work with the device (on by default with CUDA), forced on for
     the CPU: decode enqueues step n+1 before sending step n's tokens, prefill begins every chunk but
@@ -312,6 +343,7 @@ def run_overlap_cluster():
 
 if __name__ == "__main__":
     rc = run_stall_cluster()
+    rc |= run_late_first_token_cluster()
     rc |= run_overlap_cluster()
     rc |= run_clip_l_cluster()
     sys.exit(rc)
