@@ -332,6 +332,17 @@ static int running(const decode_t *d)
     return n;
 }
 
+/* What the next heartbeat says (the I/O thread sends it on its own clock); returns the running count. */
+static uint32_t publish_load(decode_t *d)
+{
+    prism_worker_load_t load = {
+        .running = (uint32_t)running(d), .waiting = d->staged ? 1 : 0, .kv_free_blocks = (uint32_t)d->blocks.n_free,
+    };
+    load.pool_free = (uint32_t)d->max_running - load.running;
+    prism_worker_set_load(&d->w, &load);
+    return load.running;
+}
+
 int main(int argc, char **argv)
 {
     prism_worker_opts_t o;
@@ -431,18 +442,14 @@ int main(int argc, char **argv)
                               (uint32_t)d.max_running, (uint32_t)d.max_model_len);
     d.hook = (prism_model_hook_t){hook_layer, hook_cancelled, &d};
     prism_llm_set_hook(d.llm, &d.hook);
+    publish_load(&d);   /* the first heartbeat already tells the truth */
     if (prism_worker_start(&d.w) != PRISM_OK) return 1;
     PRISM_INFO("decode worker %s ready in %.2fs: data %s, %lld KV blocks x %lld tokens, batch %d%s",
                d.w.worker_id, prism_now_s() - t0, d.w.data_endpoint, (long long)kv_blocks,
                (long long)block_size, d.max_running, d.overlap ? ", host work overlapped with the device" : "");
 
     while (!prism_worker_should_stop()) {
-        prism_worker_load_t load = {
-            .running = (uint32_t)running(&d), .waiting = d.staged ? 1 : 0, .kv_free_blocks = (uint32_t)d.blocks.n_free,
-        };
-        load.pool_free = (uint32_t)d.max_running - load.running;
-        prism_worker_set_load(&d.w, &load);
-        bool busy = load.running > 0;
+        bool busy = publish_load(&d) > 0;
         admit_staged(&d);
         prism_worker_accept_data(&d.w, d.staged ? 0 : 1);
         prism_worker_poll(&d.w, busy ? 0 : 50, on_msg, &d);

@@ -389,6 +389,18 @@ static void expire_orphans(prefill_t *p)
     }
 }
 
+/* What the next heartbeat says (the I/O thread sends it on its own clock). */
+static void publish_load(prefill_t *p)
+{
+    int pending = 0;
+    for (int i = 0; i < p->max_pending; i++) pending += p->reqs[i].seq.used;
+    prism_worker_load_t load = {
+        .running = (uint32_t)pending, .waiting = p->kv_pending ? 1 : 0, .kv_free_blocks = (uint32_t)p->blocks.n_free,
+        .pool_free = (uint32_t)emb_free_slots(p),
+    };
+    prism_worker_set_load(&p->w, &load);
+}
+
 int main(int argc, char **argv)
 {
     prism_worker_opts_t o;
@@ -480,18 +492,13 @@ int main(int argc, char **argv)
                               (uint32_t)p.max_pending, (uint32_t)p.max_model_len);
     p.hook = (prism_model_hook_t){hook_layer, hook_cancelled, &p};
     prism_llm_set_hook(p.llm, &p.hook);
+    publish_load(&p);   /* the first heartbeat already tells the truth */
     if (prism_worker_start(&p.w) != PRISM_OK) return 1;
     PRISM_INFO("prefill worker %s ready in %.2fs: data %s, chunk %d tokens, %d embedding slots",
                p.w.worker_id, prism_now_s() - t0, p.w.data_endpoint, p.chunk, p.n_emb);
 
     while (!prism_worker_should_stop()) {
-        int pending = 0;
-        for (int i = 0; i < p.max_pending; i++) pending += p.reqs[i].seq.used;
-        prism_worker_load_t load = {
-            .running = (uint32_t)pending, .waiting = p.kv_pending ? 1 : 0, .kv_free_blocks = (uint32_t)p.blocks.n_free,
-            .pool_free = (uint32_t)emb_free_slots(&p),
-        };
-        prism_worker_set_load(&p.w, &load);
+        publish_load(&p);
         try_send_kv(&p);
         bool work = false;
         for (int i = 0; i < p.max_pending && !p.kv_pending; i++)
