@@ -129,7 +129,10 @@ static bool handle_ack(prism_worker_t *w, prism_msg_t *m, int ri)
         snprintf(r->router_id, sizeof(r->router_id), "%s", m->env->router_id ? m->env->router_id : "");
         r->registered = true;
         pthread_mutex_unlock(&w->mu);
-        if (!was) PRISM_INFO("registered with router %s (%s)", r->router_id, r->endpoint);
+        if (!was) {
+            PRISM_INFO("registered with router %s (%s)", r->router_id, r->endpoint);
+            w->last_heartbeat_s = 0;  /* a heartbeat at once: the router learns the load without waiting an interval */
+        }
     } else {
         /* The router does not know us (it restarted or dropped us) or refused us: register again. */
         if (r->registered || (ack && ack->message && *ack->message))
