@@ -227,7 +227,8 @@ def run_clip_l_cluster():
 
 
 def run_stall_cluster():
-    router = ["--worker-timeout", "2", "--worker-stuck-timeout", "1"]
+    # no retry (the only encoder is the stuck one) and a short wait for a tier with no usable worker
+    router = ["--worker-timeout", "2", "--worker-stuck-timeout", "1", "--max-retries", "0", "--max-queue-wait", "3"]
     with Cluster(encoders=0, router_args=router, worker_args={"prefill_worker": ["--heartbeat-interval", HEARTBEAT],
                                                               "decode_worker": ["--heartbeat-interval", HEARTBEAT]}) as c:
         env = dict(os.environ, PRISM_TEST_STALL_AFTER_LAYERS="2")
