@@ -47,6 +47,8 @@ typedef struct {
     uint64_t progress;           /* units of work the worker reports completed */
     double progress_at;          /* when progress last moved (or the worker was last seen not busy) */
     bool busy, stuck;
+    int conn_fd;                 /* its connection to our control socket (ZMQ_SRCFD), -1 unknown */
+    double t_conn;               /* when that connection was first seen: older disconnects are not its */
     /* our own view: requests we sent that have not finished on this worker */
     int inflight;
     uint64_t image_hashes[64];   /* recent images sent here: the router prefers a warm cache */
