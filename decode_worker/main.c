@@ -3,7 +3,13 @@
  * Requests arrive as KV transfers from prefill workers (the prompt's K/V blocks plus the first
  * token, already streamed to the router by prefill). Each loop iteration admits what fits, runs
  * one decode step over every running sequence (sequences join and leave between steps), and
- * streams each new token to the router that owns the request.
+ * streams each new token to the router that owns the request. The worker's I/O thread receives
+ * while a step runs; an abort drops its sequence between two layers of the step.
+ *
+ * On a device with streams (--device cuda) the steps overlap with host work: as soon as step n's
+ * tokens are sampled, step n+1 is enqueued, and step n's Tokens messages are built and sent,
+ * messages handled and transfers admitted while the device runs it. On the CPU a step computes
+ * inside prism_llm_forward_begin, so there tokens are sent first (nothing would overlap).
  *
  * Admission policy: reserve. A request is admitted only when blocks for prompt + max_tokens are
  * free, so a running sequence never runs out of KV and nothing is ever preempted; requests that
@@ -27,7 +33,18 @@ typedef struct {
     int32_t *blocks;          /* [max_blocks_per_seq] slice of the block-table pool */
     int n_blocks;
     int32_t last_token;       /* sampled, not yet fed */
+    bool in_step;             /* part of the step in flight */
+    bool cancel;              /* aborted while in the step in flight: released when it ends */
+    bool finishing;           /* its last token is waiting to be sent */
 } seq_t;
+
+/* One sequence's result of a step, held until it is sent. */
+typedef struct {
+    int slot;
+    int32_t tok;
+    Prism__Tokens t;
+    prism_seq_lp_msg_t lpm;   /* storage t points into */
+} out_t;
 
 typedef struct {
     prism_worker_t w;
@@ -43,8 +60,16 @@ typedef struct {
     /* step scratch, sized at start-up */
     int32_t *tokens, *seq_start, *pos0;
     const int32_t **tables;
-    int *slot_of;
+    int *slot_of;             /* [max_running] slot of each sequence of the step in flight */
+    bool *dropped;            /* [max_running] dropped by the between-layer hook */
+    int n_step;               /* sequences in the step in flight; 0 = none */
     float *logits;            /* [max_running][vocab] */
+    out_t *out;               /* [max_running] results of the last step, not sent yet */
+    int n_out;
+    bool overlap;             /* the backend runs asynchronously: enqueue the next step before sending */
+    int layer_done, layer_total;
+    double t_layer, layer_s;
+    prism_model_hook_t hook;
     /* one staged KV transfer waiting for blocks */
     bool staged;
     uint64_t staged_rid;
@@ -52,7 +77,7 @@ typedef struct {
     Prism__Kv *staged_kv;     /* owned copy of the header (unpacked message kept) */
     Prism__Envelope *staged_env;
     zmq_msg_t staged_frame;
-    uint64_t steps, tokens_out;
+    uint64_t steps, tokens_out, cancelled;
 } decode_t;
 
 static void send_error(decode_t *d, const char *router_id, uint64_t rid, const char *msg)
@@ -71,6 +96,7 @@ static void seq_release(decode_t *d, seq_t *s)
     prism_kv_blocks_release(&d->blocks, s->blocks, s->n_blocks);
     s->seq.used = false;
     s->n_blocks = 0;
+    s->cancel = s->finishing = s->in_step = false;
 }
 
 /* Tries to admit the staged transfer. Returns true when the stage is empty afterwards. */
@@ -145,7 +171,8 @@ static void on_abort(decode_t *d, uint64_t rid, const char *router)
         seq_t *s = &d->seqs[i];
         if (s->seq.used && s->seq.rid == rid && !strcmp(s->seq.router_id, router)) {
             PRISM_DEBUG("request %llu aborted", (unsigned long long)rid);
-            seq_release(d, s);
+            if (s->in_step || s->finishing) s->cancel = true;   /* the device still writes its blocks */
+            else seq_release(d, s);
         }
     }
     if (d->staged && d->staged_rid == rid && !strcmp(d->staged_router, router)) {
@@ -155,12 +182,12 @@ static void on_abort(decode_t *d, uint64_t rid, const char *router)
     }
 }
 
-static void on_msg(prism_worker_t *w, prism_msg_t *m, int router_index, void *ud)
+static void on_msg(prism_worker_t *w, prism_msg_t *m, int source, void *ud)
 {
     decode_t *d = ud;
     switch (m->env->type) {
     case PRISM__MSG_TYPE__MSG_KV:
-        if (router_index < 0) on_kv(d, m);
+        if (source < 0) on_kv(d, m);
         break;
     case PRISM__MSG_TYPE__MSG_ABORT:
         on_abort(d, m->env->request_id, m->env->router_id ? m->env->router_id : "");
@@ -170,55 +197,132 @@ static void on_msg(prism_worker_t *w, prism_msg_t *m, int router_index, void *ud
     }
 }
 
-/* One continuous-batching step over every running sequence. */
-static void step(decode_t *d)
+/* ---- between-layer hook of the language model ---- */
+
+static bool hook_layer(void *ud, int done, int total)
+{
+    decode_t *d = ud;
+    double now = prism_now_s();
+    if (done > 0) d->layer_s = now - d->t_layer;
+    d->t_layer = now;
+    d->layer_done = done;
+    d->layer_total = total;
+    return prism_worker_layer_done(&d->w);
+}
+
+static bool hook_cancelled(void *ud, int item)
+{
+    decode_t *d = ud;
+    seq_t *s = &d->seqs[d->slot_of[item]];
+    double waited = 0;
+    if (!prism_worker_aborted(&d->w, s->seq.rid, s->seq.router_id, &waited)) return false;
+    if (!prism_worker_should_stop())
+        PRISM_DEBUG("request %llu aborted: dropped from the step after layer %d of %d, %.3fs after the abort "
+                    "arrived", (unsigned long long)s->seq.rid, d->layer_done, d->layer_total, waited);
+    d->dropped[item] = true;
+    return true;
+}
+
+static void fail_step(decode_t *d, int rc)
+{
+    /* A failing forward is a broken invariant for these sequences: fail them, keep serving. */
+    PRISM_ERROR("decode step failed: %s", prism_strerror(rc));
+    for (int j = 0; j < d->n_step; j++) {
+        seq_t *s = &d->seqs[d->slot_of[j]];
+        if (!s->cancel) send_error(d, s->seq.router_id, s->seq.rid, "decode step failed");
+        seq_release(d, s);
+    }
+    d->n_step = 0;
+}
+
+/* Enqueues one step over every running sequence that goes on (the CPU backend computes it here). */
+static void launch_step(decode_t *d)
 {
     int n = 0;
     for (int i = 0; i < d->max_running; i++) {
         seq_t *s = &d->seqs[i];
-        if (!s->seq.used) continue;
+        if (!s->seq.used || s->finishing || s->cancel) continue;
         d->tokens[n] = s->last_token;
         d->seq_start[n] = n;
         d->pos0[n] = s->seq.len;
         d->tables[n] = s->blocks;
         d->slot_of[n] = i;
+        d->dropped[n] = false;
+        s->in_step = true;
         n++;
     }
+    d->n_step = n;
     if (!n) return;
     d->seq_start[n] = n;
     prism_llm_batch_t b = {
         .n_seqs = n, .n_tokens = n, .tokens = d->tokens, .seq_start = d->seq_start,
         .pos0 = d->pos0, .block_tables = d->tables, .all_logits = false,
     };
-    int rc = prism_llm_forward(d->llm, d->kv, &b, d->logits);
+    d->t_layer = prism_now_s();
+    int rc = prism_llm_forward_begin(d->llm, d->kv, &b);
+    if (rc != PRISM_OK) fail_step(d, rc);
+}
+
+/* Waits for the step in flight, samples, and keeps each sequence's Tokens message for send_out. */
+static void end_step(decode_t *d)
+{
+    int rc = prism_llm_forward_end(d->llm, d->logits);
     if (rc != PRISM_OK) {
-        /* A failing forward is a broken invariant for these sequences: fail them, keep serving. */
-        PRISM_ERROR("decode step failed: %s", prism_strerror(rc));
-        for (int j = 0; j < n; j++) {
-            seq_t *s = &d->seqs[d->slot_of[j]];
-            send_error(d, s->seq.router_id, s->seq.rid, "decode step failed");
-            seq_release(d, s);
-        }
+        fail_step(d, rc);
         return;
     }
     d->steps++;
-    for (int j = 0; j < n; j++) {
+    prism_worker_progress(&d->w, 1);
+    for (int j = 0; j < d->n_step; j++) {
         seq_t *s = &d->seqs[d->slot_of[j]];
+        s->in_step = false;
+        if (d->dropped[j] || s->cancel) {
+            d->cancelled++;
+            seq_release(d, s);
+            continue;
+        }
         const float *lg = d->logits + (size_t)j * d->cfg.vocab;
         s->seq.len++;
-        int32_t tok = prism_seq_sample(&s->seq, &d->sampler, lg);
-        s->last_token = tok;
-
-        Prism__Tokens t = PRISM__TOKENS__INIT;
-        prism_seq_lp_msg_t lpm;
-        prism_seq_tokens(&s->seq, &t, &tok, &lpm, &d->sampler, lg, &d->cfg, d->max_model_len);
-        Prism__Envelope env = PRISM__ENVELOPE__INIT;
-        env.type = PRISM__MSG_TYPE__MSG_TOKENS;
-        env.tokens = &t;
-        prism_worker_reply(&d->w, s->seq.router_id, s->seq.rid, &env);
-        d->tokens_out++;
-        if (t.finish != PRISM__FINISH__FINISH_NONE) seq_release(d, s);
+        out_t *o = &d->out[d->n_out++];
+        o->slot = d->slot_of[j];
+        o->tok = prism_seq_sample(&s->seq, &d->sampler, lg);
+        s->last_token = o->tok;
+        prism__tokens__init(&o->t);
+        /* finish decided now, so the next step can leave the sequence out; logprobs read lg, which
+         * stays intact until the next prism_llm_forward_end */
+        prism_seq_tokens(&s->seq, &o->t, &o->tok, &o->lpm, &d->sampler, lg, &d->cfg, d->max_model_len);
+        s->finishing = o->t.finish != PRISM__FINISH__FINISH_NONE;
     }
+    d->n_step = 0;
+}
+
+/* Streams the last step's tokens to their routers; finished sequences leave. */
+static void send_out(decode_t *d)
+{
+    for (int k = 0; k < d->n_out; k++) {
+        out_t *o = &d->out[k];
+        seq_t *s = &d->seqs[o->slot];
+        if (!s->cancel) {
+            Prism__Envelope env = PRISM__ENVELOPE__INIT;
+            env.type = PRISM__MSG_TYPE__MSG_TOKENS;
+            env.tokens = &o->t;
+            prism_worker_reply(&d->w, s->seq.router_id, s->seq.rid, &env);
+            d->tokens_out++;
+        }
+        if (s->finishing || s->cancel) seq_release(d, s);
+    }
+    d->n_out = 0;
+}
+
+/* One continuous-batching step. With overlap the next step is already on the device when this
+ * one's tokens go out (and the loop's message handling runs while it computes). */
+static void step(decode_t *d)
+{
+    if (!d->n_step) launch_step(d);
+    if (!d->n_step) return;
+    end_step(d);
+    if (d->overlap) launch_step(d);
+    send_out(d);
 }
 
 static int running(const decode_t *d)
@@ -228,16 +332,30 @@ static int running(const decode_t *d)
     return n;
 }
 
+/* What the next heartbeat says (the I/O thread sends it on its own clock); returns the running count. */
+static uint32_t publish_load(decode_t *d)
+{
+    prism_worker_load_t load = {
+        .running = (uint32_t)running(d), .waiting = d->staged ? 1 : 0, .kv_free_blocks = (uint32_t)d->blocks.n_free,
+    };
+    load.pool_free = (uint32_t)d->max_running - load.running;
+    prism_worker_set_load(&d->w, &load);
+    return load.running;
+}
+
 int main(int argc, char **argv)
 {
     prism_worker_opts_t o;
     prism_worker_opts_defaults(&o, "decode");
     int64_t kv_blocks = 0, block_size = 16, max_running = 64, context_length = 0;
+    const char *overlap = "auto";
     prism_flag_t flags[32] = {
         PRISM_FLAG_INT("kv-blocks", &kv_blocks, "KV cache blocks (0 = fill --mem-budget, else 1024)"),
         PRISM_FLAG_INT("block-size", &block_size, "Tokens per KV block"),
         PRISM_FLAG_INT("max-running-requests", &max_running, "Most sequences in one decode batch"),
         PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings)"),
+        PRISM_FLAG_STR("overlap-steps", &overlap,
+                       "auto (on for devices with streams), on or off: enqueue step n+1 before sending step n's tokens"),
     };
     static decode_t d;
     int rc = prism_worker_startup(argc, argv, "decode", "Prism decode worker: paged KV cache, continuous batching "
@@ -247,6 +365,10 @@ int main(int argc, char **argv)
     char err[512] = "";
     if (block_size < 1 || block_size > 1024 || max_running < 1 || max_running > 4096) {
         PRISM_ERROR("--block-size must be 1..1024 and --max-running-requests 1..4096");
+        return 2;
+    }
+    if (strcmp(overlap, "auto") && strcmp(overlap, "on") && strcmp(overlap, "off")) {
+        PRISM_ERROR("--overlap-steps must be auto, on or off");
         return 2;
     }
     d.max_running = (int)max_running;
@@ -305,7 +427,12 @@ int main(int argc, char **argv)
     d.seq_start = prism_xcalloc((size_t)d.max_running + 1, sizeof(int32_t));
     d.slot_of = prism_xcalloc((size_t)d.max_running, sizeof(int));
     d.tables = prism_xcalloc((size_t)d.max_running, sizeof(int32_t *));
+    d.dropped = prism_xcalloc((size_t)d.max_running, sizeof(bool));
+    d.out = prism_xcalloc((size_t)d.max_running, sizeof(out_t));
     d.logits = prism_xcalloc((size_t)d.max_running * d.cfg.vocab, sizeof(float));
+    /* On the CPU a step computes inside begin: overlapping would only delay each token by a step
+     * ("on" exists to test the pipeline without a GPU). */
+    d.overlap = !strcmp(overlap, "on") || (!strcmp(overlap, "auto") && strcmp(d.be->device, "cpu") != 0);
 
     char bind[300];
     prism_worker_data_bind(&o, bind, sizeof(bind));
@@ -313,25 +440,24 @@ int main(int argc, char **argv)
         return 1;
     prism_worker_set_capacity(&d.w, &o, &plan, (uint32_t)kv_blocks, (uint32_t)block_size, (uint32_t)d.max_running,
                               (uint32_t)d.max_running, (uint32_t)d.max_model_len);
-    PRISM_INFO("decode worker %s ready in %.2fs: data %s, %lld KV blocks x %lld tokens, batch %d",
+    d.hook = (prism_model_hook_t){hook_layer, hook_cancelled, &d};
+    prism_llm_set_hook(d.llm, &d.hook);
+    publish_load(&d);   /* the first heartbeat already tells the truth */
+    if (prism_worker_start(&d.w) != PRISM_OK) return 1;
+    PRISM_INFO("decode worker %s ready in %.2fs: data %s, %lld KV blocks x %lld tokens, batch %d%s",
                d.w.worker_id, prism_now_s() - t0, d.w.data_endpoint, (long long)kv_blocks,
-               (long long)block_size, d.max_running);
+               (long long)block_size, d.max_running, d.overlap ? ", host work overlapped with the device" : "");
 
     while (!prism_worker_should_stop()) {
-        Prism__Heartbeat hb = PRISM__HEARTBEAT__INIT;
-        hb.running = (uint32_t)running(&d);
-        hb.waiting = d.staged ? 1 : 0;
-        hb.kv_free_blocks = (uint32_t)d.blocks.n_free;
-        hb.mem_planned = prism_mem_plan_total(&plan);
-        hb.pool_free = (uint32_t)(d.max_running - hb.running);
-        prism_worker_tick(&d.w, &hb);
-        bool busy = running(&d) > 0;
+        bool busy = publish_load(&d) > 0;
         admit_staged(&d);
-        prism_worker_poll(&d.w, busy ? 0 : 50, !d.staged, on_msg, &d);
+        prism_worker_accept_data(&d.w, d.staged ? 0 : 1);
+        prism_worker_poll(&d.w, busy ? 0 : 50, on_msg, &d);
         step(&d);
     }
-    PRISM_INFO("decode worker stopping: %llu steps, %llu tokens", (unsigned long long)d.steps,
-               (unsigned long long)d.tokens_out);
+    if (d.n_step) prism_llm_forward_end(d.llm, d.logits);   /* let the device finish before exit */
+    PRISM_INFO("decode worker stopping: %llu steps, %llu tokens, %llu sequences cancelled", (unsigned long long)d.steps,
+               (unsigned long long)d.tokens_out, (unsigned long long)d.cancelled);
     prism_worker_close(&d.w);
     return 0;
 }

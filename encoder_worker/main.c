@@ -2,15 +2,18 @@
  * projector, embedding cache. Embeddings go straight to the prefill worker the router chose, as a
  * raw frame.
  *
- * Jobs arrive from the router with the image file as a raw frame, which is kept (zmq_msg_move, no
- * copy) in a bounded job queue. Each loop iteration forms a batch of at most --max-batch-images
- * images, streams each through the decoder into the CLIP resampler (rows are resampled as they are
- * decoded, straight into the batch's pixel buffer; no decoded image is ever held), runs the vision
- * tower once and then pushes the results. When a prefill worker's receive pool is full the push
- * waits: the encoder keeps heartbeating but takes no new batch (backpressure), so nothing grows.
+ * Jobs arrive from the router (through the worker's I/O thread, which keeps heartbeating while
+ * this thread computes) with the image file as a raw frame, which is kept (zmq_msg_move, no copy)
+ * in a bounded job queue. Each loop iteration forms a batch, oldest first, of at most
+ * --max-batch-images images and at most as many as finish within --max-batch-seconds at the
+ * measured cost per image; streams each through the decoder into the CLIP resampler (rows are
+ * resampled as they are decoded, straight into the batch's pixel buffer; no decoded image is ever
+ * held), runs the vision tower once and then pushes the results. An abort that arrives during the
+ * batch drops its image between two layers; the others go on. When a prefill worker's receive
+ * pool is full the push waits: the encoder takes no new batch (backpressure), so nothing grows.
  *
- * Cache entries a batch answers from are pinned until their jobs are sent, so a miss later in the
- * same batch (or while the batch waits for prefill) cannot evict and overwrite them. */
+ * Cache entries a batch answers from are pinned until their jobs are sent (or aborted), so a miss
+ * later in the same batch (or while the batch waits for prefill) cannot evict and overwrite them. */
 #include "core/core.h"
 #include "core/cli.h"
 #include "net/net.h"
@@ -61,8 +64,15 @@ typedef struct {
     uint64_t max_pixels;
     int dct;                  /* DCT_AUTO / DCT_ALWAYS / DCT_NEVER */
     job_t *jobs;              /* [max_queue] */
-    int batch[256];           /* job indices of the batch in flight */
+    int batch[256];           /* job indices of the batch in flight (-1: dropped) */
     int n_batch;
+    int pix_job[256];         /* job index of each image in the vision batch (-1: cancelled) */
+    int n_pix, n_live;
+    double max_batch_s;       /* time bound of one batch (0 = memory bound only) */
+    double cost_s;            /* measured seconds per image (decode + ViT), 0 until measured */
+    int layer_done, layer_total;
+    double t_layer, layer_s;  /* when the last layer finished, how long it took */
+    prism_model_hook_t hook;
     float *pixels;            /* [max_batch][3][S][S] */
     float *out;               /* [max_batch][image_seq_length][hidden] */
     prism_image_decoder_t *dec;   /* decode memory: O(width) rows + whole-image state */
@@ -70,8 +80,38 @@ typedef struct {
     void *ws;                 /* preprocess workspace */
     size_t ws_cap;
     size_t emb_floats;
-    uint64_t encoded, failed;
+    uint64_t encoded, failed, cancelled;
 } encoder_t;
+
+static void publish_load(encoder_t *e)
+{
+    int queued = 0;
+    for (int i = 0; i < e->max_queue; i++) queued += e->jobs[i].state != JOB_FREE;
+    prism_worker_load_t l = {
+        .running = (uint32_t)e->n_batch, .waiting = (uint32_t)queued, .pool_free = (uint32_t)(e->max_queue - queued),
+        .cache_hits = e->cache.hits, .cache_misses = e->cache.misses,
+    };
+    prism_worker_set_load(&e->w, &l);
+}
+
+/* The job's slot, image and pinned cache entry go back. */
+static void release_job(encoder_t *e, job_t *j)
+{
+    if (j->has_image) zmq_msg_close(&j->image);
+    j->has_image = false;
+    if (j->cache_slot >= 0) prism_embed_cache_unpin(&e->cache, j->cache_slot);
+    j->cache_slot = -1;
+    j->emb = NULL;
+    j->state = JOB_FREE;
+}
+
+/* Takes a job out of the batch in flight (it was aborted). */
+static void unbatch(encoder_t *e, const job_t *j)
+{
+    int idx = (int)(j - e->jobs);
+    for (int i = 0; i < e->n_batch; i++)
+        if (e->batch[i] == idx) e->batch[i] = -1;
+}
 
 static void finish_job(encoder_t *e, job_t *j)
 {
@@ -85,12 +125,7 @@ static void finish_job(encoder_t *e, job_t *j)
     env.type = PRISM__MSG_TYPE__MSG_ENCODE_DONE;
     env.encode_done = &d;
     prism_worker_reply(&e->w, j->router_id, j->rid, &env);
-    if (j->has_image) zmq_msg_close(&j->image);
-    j->has_image = false;
-    if (j->cache_slot >= 0) prism_embed_cache_unpin(&e->cache, j->cache_slot);
-    j->cache_slot = -1;
-    j->emb = NULL;
-    j->state = JOB_FREE;
+    release_job(e, j);
 }
 
 /* Pushes one job's embeddings (or its error) to the prefill worker. PRISM_EAGAIN: pool full. */
@@ -147,19 +182,20 @@ static void on_encode(encoder_t *e, prism_msg_t *m)
     j->t_arrive = prism_now_s();
 }
 
+/* Queued jobs leave the queue; finished ones waiting for prefill's pool are not pushed. (A job in
+ * the vision batch left it between two layers already, through the hook.) */
 static void on_abort(encoder_t *e, uint64_t rid, const char *router)
 {
     for (int i = 0; i < e->max_queue; i++) {
         job_t *j = &e->jobs[i];
-        if (j->state == JOB_QUEUED && j->rid == rid && !strcmp(j->router_id, router)) {
-            if (j->has_image) zmq_msg_close(&j->image);
-            j->has_image = false;
-            j->state = JOB_FREE;
+        if ((j->state == JOB_QUEUED || j->state == JOB_SEND) && j->rid == rid && !strcmp(j->router_id, router)) {
+            unbatch(e, j);
+            release_job(e, j);
         }
     }
 }
 
-static void on_msg(prism_worker_t *w, prism_msg_t *m, int router_index, void *ud)
+static void on_msg(prism_worker_t *w, prism_msg_t *m, int source, void *ud)
 {
     encoder_t *e = ud;
     switch (m->env->type) {
@@ -229,6 +265,7 @@ static bool flush_batch(encoder_t *e)
 {
     int left = 0;
     for (int i = 0; i < e->n_batch; i++) {
+        if (e->batch[i] < 0) continue;
         job_t *j = &e->jobs[e->batch[i]];
         if (j->state != JOB_SEND) continue;
         int rc = push_job(e, j);
@@ -245,13 +282,57 @@ static bool flush_batch(encoder_t *e)
     return left == 0;
 }
 
+/* ---- between-layer hook of the vision tower ---- */
+
+static bool hook_layer(void *ud, int done, int total)
+{
+    encoder_t *e = ud;
+    double now = prism_now_s();
+    if (done > 0) e->layer_s = now - e->t_layer;
+    e->t_layer = now;
+    e->layer_done = done;
+    e->layer_total = total;
+    return prism_worker_layer_done(&e->w);
+}
+
+static bool hook_cancelled(void *ud, int item)
+{
+    encoder_t *e = ud;
+    job_t *j = &e->jobs[e->pix_job[item]];
+    double waited = 0;
+    if (!prism_worker_aborted(&e->w, j->rid, j->router_id, &waited)) return false;
+    e->n_live--;
+    if (!prism_worker_should_stop())
+        PRISM_INFO("request %llu image %u: cancelled %.3fs after its abort arrived, after layer %d of %d "
+                   "(%.3fs per layer): dropped from the batch, %d image(s) go on",
+                   (unsigned long long)j->rid, j->image_index, waited, e->layer_done, e->layer_total, e->layer_s,
+                   e->n_live);
+    e->pix_job[item] = -1;
+    unbatch(e, j);
+    release_job(e, j);
+    e->cancelled++;
+    publish_load(e);   /* the slot is free at the next heartbeat */
+    return true;
+}
+
+/* Images in the next batch: as many as memory allows (--max-batch-images) and, once the cost of
+ * an image is measured, as many as finish within --max-batch-seconds (at least one). */
+static int batch_target(const encoder_t *e)
+{
+    if (e->max_batch_s <= 0) return e->max_batch;
+    if (e->cost_s <= 0) return 1;
+    double n = e->max_batch_s / e->cost_s;
+    return n >= e->max_batch ? e->max_batch : PRISM_MAX(1, (int)n);
+}
+
 static void run_batch(encoder_t *e)
 {
     if (e->n_batch && !flush_batch(e)) return;  /* previous results still waiting for prefill */
-    int n_pix = 0;
-    int pix_job[256];
-    /* Oldest first. */
-    for (int pass = 0; pass < e->max_queue && e->n_batch < e->max_batch; pass++) {
+    int target = batch_target(e);
+    e->n_pix = 0;
+    double decode_s = 0;
+    /* Oldest first; cache hits cost nothing and do not count against the time bound. */
+    for (int pass = 0; pass < e->max_queue && e->n_batch < e->max_batch && e->n_pix < target; pass++) {
         job_t *best = NULL;
         for (int i = 0; i < e->max_queue; i++) {
             job_t *j = &e->jobs[i];
@@ -271,20 +352,32 @@ static void run_batch(encoder_t *e)
             best->state = JOB_SEND;
             continue;
         }
-        if (prepare(e, best, n_pix) != PRISM_OK) {
+        if (prepare(e, best, e->n_pix) != PRISM_OK) {
             best->state = JOB_SEND;  /* error travels to prefill and router */
             continue;
         }
-        pix_job[n_pix++] = idx;
+        decode_s += best->decode_ms / 1e3;
+        e->pix_job[e->n_pix++] = idx;
     }
-    if (n_pix) {
+    if (e->n_pix) {
+        int n_pix = e->n_pix;
+        e->n_live = n_pix;
+        PRISM_DEBUG("vision batch of %d image(s) (time bound allows %d at %.3fs per image)", n_pix, target, e->cost_s);
+        publish_load(e);
         double t0 = prism_now_s();
+        e->t_layer = t0;
         int rc = prism_vision_encode(e->vis, e->pixels, n_pix, e->out);
-        float ms = (float)((prism_now_s() - t0) * 1e3);
+        double vit_s = prism_now_s() - t0;
+        prism_worker_progress(&e->w, (uint64_t)e->n_live);
+        if (rc == PRISM_OK && e->n_live == n_pix) {
+            double per = (decode_s + vit_s) / n_pix;
+            e->cost_s = e->cost_s > 0 ? 0.7 * e->cost_s + 0.3 * per : per;
+        }
         for (int i = 0; i < n_pix; i++) {
-            job_t *j = &e->jobs[pix_job[i]];
+            if (e->pix_job[i] < 0) continue;   /* cancelled during the batch */
+            job_t *j = &e->jobs[e->pix_job[i]];
             j->state = JOB_SEND;
-            j->vit_ms = ms / n_pix;
+            j->vit_ms = (float)(vit_s * 1e3 / n_pix);
             if (rc != PRISM_OK) {
                 snprintf(j->error, sizeof(j->error), "vision encoder failed: %s", prism_strerror(rc));
                 continue;
@@ -303,8 +396,12 @@ int main(int argc, char **argv)
     int64_t max_batch = 8, max_queue = 64, cache_bytes = 64ll << 20, max_pixels = 4096ll * 4096,
             max_decode_pixels = 4096ll * 4096, decode_threads = 2;
     const char *dct = "auto";
+    double max_batch_s = 2.0;
     prism_flag_t flags[32] = {
         PRISM_FLAG_INT("max-batch-images", &max_batch, "Images per vision-tower batch"),
+        PRISM_FLAG_DOUBLE("max-batch-seconds", &max_batch_s,
+                          "Time bound of one batch: no more images than finish in it at the measured cost per image "
+                          "(at least one; 0 = --max-batch-images alone)"),
         PRISM_FLAG_INT("max-queued-images", &max_queue, "Images waiting for the encoder at once"),
         PRISM_FLAG_BYTES("embedding-cache-bytes", &cache_bytes, "Embedding cache budget (0 disables)"),
         PRISM_FLAG_INT("max-image-pixels", &max_pixels, "Largest image accepted (width*height in the file)"),
@@ -328,7 +425,7 @@ int main(int argc, char **argv)
         return 1;
     }
     if (max_batch < 1 || max_batch > 256 || max_queue < max_batch || max_queue > 65536 || max_pixels < 1 ||
-        max_decode_pixels < 0 || decode_threads < 1 || decode_threads > 2) {
+        max_decode_pixels < 0 || decode_threads < 1 || decode_threads > 2 || !(max_batch_s >= 0 && max_batch_s <= 3600)) {
         PRISM_ERROR("flag out of range (see --help)");
         return 2;
     }
@@ -339,6 +436,7 @@ int main(int argc, char **argv)
     }
     e.max_batch = (int)max_batch;
     e.max_queue = (int)max_queue;
+    e.max_batch_s = max_batch_s;
     e.max_pixels = (uint64_t)max_pixels;
     if (!strcmp(dct, "auto")) e.dct = DCT_AUTO;
     else if (!strcmp(dct, "always")) e.dct = DCT_ALWAYS;
@@ -394,28 +492,23 @@ int main(int argc, char **argv)
         return 1;
     prism_worker_set_capacity(&e.w, &o, &plan, 0, 0, (uint32_t)(e.max_batch * e.cfg.image_seq_length),
                               (uint32_t)e.max_queue, 0);
-    PRISM_INFO("encoder worker %s ready in %.2fs: batch %d images, queue %d, cache %d entries",
-               e.w.worker_id, prism_now_s() - t0, e.max_batch, e.max_queue, e.cache.n_slots);
+    e.hook = (prism_model_hook_t){hook_layer, hook_cancelled, &e};
+    prism_vision_set_hook(e.vis, &e.hook);
+    publish_load(&e);
+    if (prism_worker_start(&e.w) != PRISM_OK) return 1;
+    PRISM_INFO("encoder worker %s ready in %.2fs: batch %d images (%.2gs bound), queue %d, cache %d entries",
+               e.w.worker_id, prism_now_s() - t0, e.max_batch, e.max_batch_s, e.max_queue, e.cache.n_slots);
 
     while (!prism_worker_should_stop()) {
-        int queued = 0;
-        for (int i = 0; i < e.max_queue; i++) queued += e.jobs[i].state != JOB_FREE;
-        Prism__Heartbeat hb = PRISM__HEARTBEAT__INIT;
-        hb.running = (uint32_t)e.n_batch;
-        hb.waiting = (uint32_t)queued;
-        hb.mem_planned = prism_mem_plan_total(&plan);
-        hb.cache_hits = e.cache.hits;
-        hb.cache_misses = e.cache.misses;
-        hb.pool_free = (uint32_t)(e.max_queue - queued);
-        prism_worker_tick(&e.w, &hb);
+        publish_load(&e);
         bool work = false;
         for (int i = 0; i < e.max_queue && !work; i++) work = e.jobs[i].state == JOB_QUEUED;
-        prism_worker_poll(&e.w, work ? 0 : (e.n_batch ? 2 : 50), false, on_msg, &e);
+        prism_worker_poll(&e.w, work ? 0 : (e.n_batch ? 2 : 50), on_msg, &e);
         run_batch(&e);
     }
-    PRISM_INFO("encoder worker stopping: %llu images encoded, %llu failed, cache %llu hits / %llu misses",
-               (unsigned long long)e.encoded, (unsigned long long)e.failed, (unsigned long long)e.cache.hits,
-               (unsigned long long)e.cache.misses);
+    PRISM_INFO("encoder worker stopping: %llu images encoded, %llu failed, %llu cancelled in a batch, "
+               "cache %llu hits / %llu misses", (unsigned long long)e.encoded, (unsigned long long)e.failed,
+               (unsigned long long)e.cancelled, (unsigned long long)e.cache.hits, (unsigned long long)e.cache.misses);
     prism_worker_close(&e.w);
     prism_image_relay_destroy(e.relay);
     prism_image_decoder_destroy(e.dec);

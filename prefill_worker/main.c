@@ -6,7 +6,8 @@
  * of image slots. When the pool is full the data socket is not read, so encoders wait
  * (backpressure) — nothing is buffered without bound. Embeddings and the Prefill request travel on
  * different sockets and may arrive in either order. Prompts run in chunks of at most
- * --chunked-prefill-size tokens. */
+ * --chunked-prefill-size tokens. The worker's I/O thread receives while a prompt runs; an abort
+ * for the prompt in flight stops it between two layers. */
 #include "core/core.h"
 #include "core/cli.h"
 #include "net/net.h"
@@ -67,7 +68,12 @@ typedef struct {
     char kv_endpoint[256];
     Prism__Kv kv_hdr;
     size_t kv_len;
-    uint64_t served;
+    preq_t *cur;             /* the prompt in the model now */
+    bool cur_dropped;
+    int layer_done, layer_total;
+    double t_layer, layer_s;
+    prism_model_hook_t hook;
+    uint64_t served, cancelled;
 } prefill_t;
 
 static int emb_free_slots(const prefill_t *p)
@@ -201,7 +207,7 @@ static void on_embeddings(prefill_t *p, prism_msg_t *m)
     PRISM_ASSERT(!"embedding accepted with no free slot");
 }
 
-static void on_msg(prism_worker_t *w, prism_msg_t *m, int router_index, void *ud)
+static void on_msg(prism_worker_t *w, prism_msg_t *m, int source, void *ud)
 {
     prefill_t *p = ud;
     switch (m->env->type) {
@@ -249,6 +255,33 @@ static void try_send_kv(prefill_t *p)
     p->kv_pending = false;
 }
 
+/* ---- between-layer hook of the language model: one sequence per forward here ---- */
+
+static bool hook_layer(void *ud, int done, int total)
+{
+    prefill_t *p = ud;
+    double now = prism_now_s();
+    if (done > 0) p->layer_s = now - p->t_layer;
+    p->t_layer = now;
+    p->layer_done = done;
+    p->layer_total = total;
+    return prism_worker_layer_done(&p->w);
+}
+
+static bool hook_cancelled(void *ud, int item)
+{
+    prefill_t *p = ud;
+    double waited = 0;
+    (void)item;
+    if (!p->cur || !prism_worker_aborted(&p->w, p->cur->seq.rid, p->cur->seq.router_id, &waited)) return false;
+    if (!prism_worker_should_stop())
+        PRISM_INFO("request %llu: cancelled %.3fs after its abort arrived, after layer %d of %d (%.3fs per layer): "
+                   "prefill stopped", (unsigned long long)p->cur->seq.rid, waited, p->layer_done, p->layer_total,
+                   p->layer_s);
+    p->cur_dropped = true;
+    return true;
+}
+
 /* Runs one whole request (chunked) if one is ready and its blocks fit. */
 static void run_one(prefill_t *p)
 {
@@ -264,7 +297,10 @@ static void run_one(prefill_t *p)
     double t0 = prism_now_s();
     const int32_t *tables[1] = {p->table};
     int hidden = p->cfg.hidden, rc = PRISM_OK;
-    for (int start = 0; start < r->n_tokens && rc == PRISM_OK; start += p->chunk) {
+    p->cur = r;
+    p->cur_dropped = false;
+    p->t_layer = t0;
+    for (int start = 0; start < r->n_tokens && rc == PRISM_OK && !p->cur_dropped; start += p->chunk) {
         int n = PRISM_MIN(p->chunk, r->n_tokens - start);
         bool any = false;
         memset(p->chunk_rows, 0, sizeof(*p->chunk_rows) * (size_t)n);
@@ -282,9 +318,21 @@ static void run_one(prefill_t *p)
             .n_seqs = 1, .n_tokens = n, .tokens = r->tokens + start, .seq_start = seq_start, .pos0 = pos0,
             .block_tables = tables, .embed_rows = any ? p->chunk_rows : NULL,
         };
-        rc = prism_llm_forward(p->llm, p->kv, &b, p->logits);
+        /* Only the last chunk's logits are needed: the others are begun and never ended (no lm_head,
+         * no wait; on a device the chunks queue back to back). */
+        if (start + n >= r->n_tokens) rc = prism_llm_forward(p->llm, p->kv, &b, p->logits);
+        else rc = prism_llm_forward_begin(p->llm, p->kv, &b);
+        prism_worker_progress(&p->w, 1);
     }
+    p->cur = NULL;
     double t1 = prism_now_s();
+    if (p->cur_dropped) {
+        /* aborted mid-prompt: the router needs no answer; blocks and slots go back at once */
+        prism_kv_blocks_release(&p->blocks, p->table, nb);
+        release_request(p, r->seq.rid, r->seq.router_id);
+        p->cancelled++;
+        return;
+    }
     if (rc != PRISM_OK) {
         PRISM_ERROR("request %llu: prefill failed: %s", (unsigned long long)r->seq.rid, prism_strerror(rc));
         send_error(p, r->seq.router_id, r->seq.rid, "prefill failed");
@@ -339,6 +387,18 @@ static void expire_orphans(prefill_t *p)
             e->used = false;
         }
     }
+}
+
+/* What the next heartbeat says (the I/O thread sends it on its own clock). */
+static void publish_load(prefill_t *p)
+{
+    int pending = 0;
+    for (int i = 0; i < p->max_pending; i++) pending += p->reqs[i].seq.used;
+    prism_worker_load_t load = {
+        .running = (uint32_t)pending, .waiting = p->kv_pending ? 1 : 0, .kv_free_blocks = (uint32_t)p->blocks.n_free,
+        .pool_free = (uint32_t)emb_free_slots(p),
+    };
+    prism_worker_set_load(&p->w, &load);
 }
 
 int main(int argc, char **argv)
@@ -430,28 +490,26 @@ int main(int argc, char **argv)
         return 1;
     prism_worker_set_capacity(&p.w, &o, &plan, (uint32_t)kv_blocks, (uint32_t)block_size, (uint32_t)p.chunk,
                               (uint32_t)p.max_pending, (uint32_t)p.max_model_len);
+    p.hook = (prism_model_hook_t){hook_layer, hook_cancelled, &p};
+    prism_llm_set_hook(p.llm, &p.hook);
+    publish_load(&p);   /* the first heartbeat already tells the truth */
+    if (prism_worker_start(&p.w) != PRISM_OK) return 1;
     PRISM_INFO("prefill worker %s ready in %.2fs: data %s, chunk %d tokens, %d embedding slots",
                p.w.worker_id, prism_now_s() - t0, p.w.data_endpoint, p.chunk, p.n_emb);
 
     while (!prism_worker_should_stop()) {
-        int pending = 0;
-        for (int i = 0; i < p.max_pending; i++) pending += p.reqs[i].seq.used;
-        Prism__Heartbeat hb = PRISM__HEARTBEAT__INIT;
-        hb.running = (uint32_t)pending;
-        hb.waiting = p.kv_pending ? 1 : 0;
-        hb.kv_free_blocks = (uint32_t)p.blocks.n_free;
-        hb.mem_planned = prism_mem_plan_total(&plan);
-        hb.pool_free = (uint32_t)emb_free_slots(&p);
-        prism_worker_tick(&p.w, &hb);
+        publish_load(&p);
         try_send_kv(&p);
         bool work = false;
         for (int i = 0; i < p.max_pending && !p.kv_pending; i++)
             work |= p.reqs[i].seq.used && ready(&p, &p.reqs[i]);
-        prism_worker_poll(&p.w, work ? 0 : (p.kv_pending ? 2 : 50), emb_free_slots(&p) > 0, on_msg, &p);
+        prism_worker_accept_data(&p.w, emb_free_slots(&p));
+        prism_worker_poll(&p.w, work ? 0 : (p.kv_pending ? 2 : 50), on_msg, &p);
         run_one(&p);
         expire_orphans(&p);
     }
-    PRISM_INFO("prefill worker stopping after %llu requests", (unsigned long long)p.served);
+    PRISM_INFO("prefill worker stopping after %llu requests (%llu cancelled mid-prompt)", (unsigned long long)p.served,
+               (unsigned long long)p.cancelled);
     prism_worker_close(&p.w);
     return 0;
 }

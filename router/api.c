@@ -204,6 +204,9 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
         {"prism:worker_embedding_cache_misses_total", "Embedding cache misses."},
         {"prism:worker_heap_allocations_total", "Heap allocations the worker made (flat while serving)."},
         {"prism:worker_heartbeats_total", "Heartbeats received from the worker since it registered."},
+        {"prism:worker_progress_total", "Units of work the worker completed (layers, images, chunks, steps)."},
+        {"prism:worker_busy", "1 when the worker's last heartbeat said it is inside one piece of work."},
+        {"prism:worker_stuck", "1 while the worker is stuck: busy without progress beyond --worker-stuck-timeout."},
         {"prism:worker_peer_auth_failures_total", "Peers the worker refused at the CURVE handshake."},
     };
     for (size_t g = 0; g < PRISM_ARRAY_LEN(gauges); g++) {
@@ -215,11 +218,22 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
             double v[] = {w->running, w->waiting, (double)w->mem_planned, (double)w->mem_used, (double)w->mem_peak,
                           (double)w->mem_budget, w->kv_free_blocks, w->pool_free, (double)w->cache_hits,
                           (double)w->cache_misses, (double)w->alloc_count, (double)w->heartbeats,
-                          (double)w->peer_auth_failures};
+                          (double)w->progress, w->busy, w->stuck, (double)w->peer_auth_failures};
             prism_metric_label_value(wid, sizeof(wid), w->id);  /* ids come from the network */
             snprintf(lbl, sizeof(lbl), "tier=\"%s\",worker=\"%s\"", prism_role_name(w->role), wid);
             prism_metric_write(&b, gauges[g][0], "gauge", NULL, lbl, v[g]);
         }
+    }
+    prism_buf_appendf(&b, "# HELP prism:workers_lost_total Workers given up on: dead (no heartbeat for --worker-timeout) "
+                          "or stuck (busy without progress for --worker-stuck-timeout).\n"
+                          "# TYPE prism:workers_lost_total counter\n");
+    prism_metric_write(&b, "prism:workers_lost_total", "counter", NULL, "reason=\"dead\"", (double)r->workers_lost_dead);
+    prism_metric_write(&b, "prism:workers_lost_total", "counter", NULL, "reason=\"stuck\"", (double)r->workers_lost_stuck);
+    for (int role = PRISM__ROLE__ROLE_ENCODER; role <= PRISM__ROLE__ROLE_DECODE; role++) {
+        snprintf(lbl, sizeof(lbl), "tier=\"%s\"", prism_role_name((Prism__Role)role));
+        prism_hist_write(&r->heartbeat_interval[role], &b, "prism:worker_heartbeat_interval_seconds",
+                         role == PRISM__ROLE__ROLE_ENCODER ? "Seconds between two heartbeats of a worker, as received." : NULL,
+                         lbl);
     }
     prism_http_respond(h, 200, "text/plain; version=0.0.4", NULL, b.data, b.len);
     prism_buf_free(&b);

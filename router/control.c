@@ -4,7 +4,7 @@
  * so the socket is drained until EAGAIN on every wake-up and before the loop blocks.
  *
  * This is the loop that calls up: registrations and heartbeats go to the registry (workers.c),
- * results and silent workers to the request life (requests.c). */
+ * results and dead or stuck workers to the request life (requests.c). */
 #include "router.h"
 
 #include <errno.h>
@@ -43,8 +43,17 @@ static void on_heartbeat(router_t *r, prism_msg_t *m)
     char id[128];
     snprintf(id, sizeof(id), "%.*s", (int)m->identity_len, (const char *)m->identity);
     /* We restarted or dropped it: ask it to register again. */
-    if (!router_worker_heartbeat(r, id, m->env->heartbeat))
+    if (!router_worker_heartbeat(r, id, m->env->heartbeat)) {
         ack(r, m->identity, m->identity_len, false, "unknown worker: register again");
+        return;
+    }
+    router_worker_t *w = router_worker_by_id(r, id);
+    if (w && w->stuck && (!w->busy || w->progress_at == w->last_heartbeat)) {
+        PRISM_WARN("%s worker %s makes progress again (progress %llu): back in service", prism_role_name(w->role),
+                   w->id, (unsigned long long)w->progress);
+        w->stuck = false;
+        router_dispatch_queued(r);
+    }
 }
 
 static void dispatch(router_t *r, prism_msg_t *m)
@@ -68,7 +77,7 @@ static void dispatch(router_t *r, prism_msg_t *m)
         on_heartbeat(r, m);
         break;
     case PRISM__MSG_TYPE__MSG_TOKENS:
-        if (e->tokens) router_handle_tokens(r, e->request_id, e->tokens);
+        if (e->tokens && router_handle_tokens(r, m->env)) m->env = NULL;  /* held: the request owns it */
         break;
     case PRISM__MSG_TYPE__MSG_ENCODE_DONE:
         if (e->encode_done) router_handle_encode_done(r, e->request_id, e->encode_done);
@@ -107,6 +116,35 @@ static void on_ctl_prepare(uv_prepare_t *p)
     drain(p->data);
 }
 
+/* Liveness. Dead: nothing heard for --worker-timeout (the process is gone, stopped or cut off):
+ * its requests fail and it leaves the registry (it registers again if it comes back). Stuck: its
+ * I/O thread heartbeats, but the compute thread has been busy without progress for
+ * --worker-stuck-timeout: its requests fail the same way and it gets no new work, but it stays
+ * registered and returns to service as soon as a heartbeat shows progress. A busy worker that
+ * makes progress is neither, however long its batch. */
+static void judge_liveness(router_t *r, double now)
+{
+    for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
+        router_worker_t *w = &r->workers[i];
+        if (!w->used) continue;
+        if (now - w->last_seen >= r->worker_timeout_s) {
+            PRISM_WARN("%s worker %s missed heartbeats for %.1fs: dead, dropped", prism_role_name(w->role), w->id,
+                       now - w->last_seen);
+            r->workers_lost_dead++;
+            router_fail_worker_requests(r, w, "stopped responding");
+            router_worker_drop(w);
+        } else if (r->worker_stuck_timeout_s > 0 && !w->stuck && w->busy &&
+                   now - w->progress_at >= r->worker_stuck_timeout_s) {
+            PRISM_WARN("%s worker %s is stuck: it heartbeats but made no progress for %.1fs while busy (progress "
+                       "%llu): its requests fail and it gets no new work until it moves", prism_role_name(w->role),
+                       w->id, now - w->progress_at, (unsigned long long)w->progress);
+            r->workers_lost_stuck++;
+            w->stuck = true;
+            router_fail_worker_requests(r, w, "stopped making progress");
+        }
+    }
+}
+
 static void on_sweep(uv_timer_t *t)
 {
     router_t *r = t->data;
@@ -124,18 +162,10 @@ static void on_sweep(uv_timer_t *t)
             if (!w->used || w->conn_fd != gone[k].fd || w->t_conn > gone[k].t) continue;
             PRISM_WARN("%s worker %s: connection lost: dropped", prism_role_name(w->role), w->id);
             r->metrics.workers_disconnected++;
-            router_fail_worker_requests(r, w);
+            router_fail_worker_requests(r, w, "stopped responding");
             router_worker_drop(w);
         }
-    double now = prism_now_s();
-    for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
-        router_worker_t *w = &r->workers[i];
-        if (!w->used || now - w->last_seen < r->worker_timeout_s) continue;
-        PRISM_WARN("%s worker %s missed heartbeats for %.1fs: dropped", prism_role_name(w->role), w->id,
-                   now - w->last_seen);
-        router_fail_worker_requests(r, w);
-        router_worker_drop(w);
-    }
+    judge_liveness(r, prism_now_s());
     router_sweep_requests(r);
     router_dispatch_queued(r);
 }

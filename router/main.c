@@ -61,7 +61,7 @@ int main(int argc, char **argv)
     int64_t port = 8000, context_length = 0, limit_mm = 8, max_pixels = 4096ll * 4096, max_running = 256,
             max_body = 64ll << 20, body_total = 1ll << 30, image_inflight = 1ll << 30, max_conn = 4096,
             min_body_rate = 8 << 10, stream_pending = 4ll << 20, max_retries = 2;
-    double worker_timeout = 10, request_timeout = 600, max_queue_wait = 120, header_timeout = 30, drain_timeout = 20,
+    double worker_timeout = 10, worker_stuck_timeout = 60, request_timeout = 600, max_queue_wait = 120, header_timeout = 30, drain_timeout = 20,
            stage_timeout = 60;
     prism_flag_t flags[] = {
         PRISM_FLAG_STR("model-path", &model_path, "HF model directory (config.json, tokenizer.json, tokenizer_config.json)"),
@@ -90,7 +90,10 @@ int main(int argc, char **argv)
                          "Bytes/s a request body must average after 10 s; slower gets 408 (slowloris)"),
         PRISM_FLAG_BYTES("max-stream-pending-bytes", &stream_pending,
                          "Bytes queued for a streaming client that stopped reading; beyond, it is dropped"),
-        PRISM_FLAG_DOUBLE("worker-timeout", &worker_timeout, "Seconds without a heartbeat before a worker is dropped"),
+        PRISM_FLAG_DOUBLE("worker-timeout", &worker_timeout, "Seconds without a heartbeat before a worker is dropped (dead)"),
+        PRISM_FLAG_DOUBLE("worker-stuck-timeout", &worker_stuck_timeout,
+                          "Seconds a worker may heartbeat busy without progress before its requests fail and it "
+                          "gets no new work (stuck; 0 = never). Must exceed the slowest layer of any batch"),
         PRISM_FLAG_DOUBLE("request-timeout", &request_timeout, "Seconds before an unfinished request fails"),
         PRISM_FLAG_DOUBLE("max-queue-wait", &max_queue_wait, "Seconds a request may wait for a worker (also while a tier has none) before a 503"),
         PRISM_FLAG_INT("max-retries", &max_retries,
@@ -110,7 +113,8 @@ int main(int argc, char **argv)
     json_set_alloc_funcs(prism_malloc, prism_free);  /* parsed bodies count in the router's memory */
     double t0 = prism_now_s();
     if (port < 0 || port > 65535 || limit_mm < 0 || limit_mm > ROUTER_MAX_IMAGES || max_running < 1 ||
-        max_running > 1000000 || max_pixels < 1 || min_body_rate < 1 || !(header_timeout > 0) || stream_pending < 1) {
+        max_running > 1000000 || max_pixels < 1 || min_body_rate < 1 || !(header_timeout > 0) || stream_pending < 1 ||
+        !(worker_timeout > 0) || !(worker_stuck_timeout >= 0)) {
         fprintf(stderr, "router: flag out of range (see --help)\n");
         return 2;
     }
@@ -164,6 +168,7 @@ int main(int argc, char **argv)
     r.max_running = (int)max_running;
     r.max_image_bytes_inflight = (size_t)image_inflight;
     r.worker_timeout_s = worker_timeout;
+    r.worker_stuck_timeout_s = worker_stuck_timeout;
     r.request_timeout_s = request_timeout;
     r.max_queue_wait_s = max_queue_wait;
     r.max_retries = max_retries < 0 ? 0 : (int)max_retries;
@@ -172,6 +177,10 @@ int main(int argc, char **argv)
     r.created = prism_unix_time();
     r.image_token_id = r.cfg.has_vision ? r.cfg.image_token_index : -1;
     prism_router_metrics_init(&r.metrics);
+    static const double hb_buckets[] = {0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.5, 0.75, 1, 1.1, 1.25,
+                                        1.5, 2, 3, 5, 10, 30};
+    for (size_t i = 0; i < PRISM_ARRAY_LEN(r.heartbeat_interval); i++)
+        prism_hist_init(&r.heartbeat_interval[i], hb_buckets, (int)PRISM_ARRAY_LEN(hb_buckets));
     r.reqs_cap = 16;
     while (r.reqs_cap < (size_t)max_running * 2 + 2) r.reqs_cap *= 2;
     r.reqs = prism_xcalloc(r.reqs_cap, sizeof(router_req_t *));

@@ -31,6 +31,8 @@ struct router_req {
     /* workers */
     char prefill_id[128], decode_id[128];
     bool prefill_pending, decode_pending;
+    Prism__Envelope **held;       /* decode Tokens that arrived before the prefill's, in order */
+    int n_held, held_cap;
     /* generation */
     stage_t stage;
     int attempts;                 /* dispatches so far; a retry is one more (bounded by --max-retries) */
@@ -139,6 +141,8 @@ static void req_destroy(router_req_t *q)
     prism_buf_free(&q->out);
     for (size_t i = 0; i < PRISM_ARRAY_LEN(q->tok_bytes); i++) prism_buf_free(&q->tok_bytes[i]);
     router_prompt_free(&q->prompt);
+    for (int i = 0; i < q->n_held; i++) prism_msg_env_free(q->held[i]);
+    prism_free(q->held);
     prism_free(q);
 }
 
@@ -335,10 +339,8 @@ static void add_logprobs(router_req_t *q, int32_t tok, const Prism__TokenLogprob
     prism_oai_logprobs_add(&q->lp, &t);
 }
 
-void router_handle_tokens(router_t *r, uint64_t rid, const Prism__Tokens *t)
+static void tokens_apply(router_t *r, router_req_t *q, const Prism__Tokens *t)
 {
-    router_req_t *q = router_req_get(r, rid);
-    if (!q) return;  /* finished or aborted already */
     if (t->from_prefill && q->prefill_pending) {
         q->prefill_pending = false;
         worker_done(r, q->prefill_id);
@@ -385,6 +387,47 @@ void router_handle_tokens(router_t *r, uint64_t rid, const Prism__Tokens *t)
     }
 }
 
+/* Keeps a decode Tokens message that overtook the prefill's (see router.h). */
+static bool tokens_hold(router_req_t *q, Prism__Envelope *env)
+{
+    if (q->n_held == ROUTER_MAX_HELD_TOKENS) {
+        req_fail(q, 500, "the first token from the prefill worker never arrived");
+        return false;
+    }
+    if (q->n_held == q->held_cap) {
+        int cap = q->held_cap ? q->held_cap * 2 : 8;
+        Prism__Envelope **h = prism_realloc(q->held, (size_t)cap * sizeof(*h));
+        if (!h) {
+            req_fail(q, 500, "out of memory");
+            return false;
+        }
+        q->held = h;
+        q->held_cap = cap;
+    }
+    q->held[q->n_held++] = env;
+    return true;
+}
+
+bool router_handle_tokens(router_t *r, Prism__Envelope *env)
+{
+    router_req_t *q = router_req_get(r, env->request_id);
+    if (!q) return false;  /* finished or aborted already */
+    const Prism__Tokens *t = env->tokens;
+    if (!t->from_prefill && q->prefill_pending) return tokens_hold(q, env);
+    tokens_apply(r, q, t);
+    /* The prefill's is in: the held ones follow in the order they came. Applying one may end the
+     * request (finish, stop string, error), which frees the rest with it. */
+    uint64_t rid = env->request_id;
+    for (int i = 0; (q = router_req_get(r, rid)) && !q->prefill_pending && i < q->n_held; i++) {
+        Prism__Envelope *h = q->held[i];
+        q->held[i] = NULL;
+        tokens_apply(r, q, h->tokens);
+        prism_msg_env_free(h);
+    }
+    if (q && !q->prefill_pending) q->n_held = 0;
+    return false;
+}
+
 void router_handle_encode_done(router_t *r, uint64_t rid, const Prism__EncodeDone *d)
 {
     router_req_t *q = router_req_get(r, rid);
@@ -420,6 +463,8 @@ static void req_release_workers(router_req_t *q)
     if (q->decode_pending) worker_done(r, q->decode_id);
     q->prefill_pending = q->decode_pending = false;
     q->prefill_id[0] = q->decode_id[0] = '\0';
+    for (int i = 0; i < q->n_held; i++) prism_msg_env_free(q->held[i]);  /* the old attempt's decode tokens */
+    q->n_held = 0;
     /* A new id: late messages for the old one (from workers that had started) match nothing, and
      * no worker's memory of the abort can catch the request's next dispatch. */
     router_req_del(r, q->rid);
@@ -457,7 +502,7 @@ static bool req_retry(router_req_t *q, const char *why)
     return true;
 }
 
-void router_fail_worker_requests(router_t *r, const router_worker_t *w)
+void router_fail_worker_requests(router_t *r, const router_worker_t *w, const char *why)
 {
     for (size_t i = 0; i < r->reqs_cap; i++) {
         router_req_t *q = r->reqs[i];
@@ -467,7 +512,7 @@ void router_fail_worker_requests(router_t *r, const router_worker_t *w)
         for (int k = 0; k < q->prompt.n_images; k++) held |= q->encode_pending[k] && !strcmp(q->encoder_id[k], w->id);
         if (held) {
             char msg[256];
-            snprintf(msg, sizeof(msg), "The %s worker serving this request stopped responding.", prism_role_name(w->role));
+            snprintf(msg, sizeof(msg), "The %s worker serving this request %s.", prism_role_name(w->role), why);
             if (!req_retry(q, msg)) req_fail(q, 503, msg);
             i = (size_t)-1;  /* the map changed under us: rescan */
         }

@@ -25,6 +25,7 @@
 
 #define ROUTER_MAX_WORKERS 256
 #define ROUTER_MAX_IMAGES 64
+#define ROUTER_MAX_HELD_TOKENS 256        /* decode Tokens messages held for the prefill's (requests.c) */
 #define ROUTER_MAX_WORKER_MSG (4 << 20)  /* largest frame a worker may send up (tokens with logprobs) */
 
 typedef struct {
@@ -39,9 +40,15 @@ typedef struct {
     uint32_t running, waiting, kv_free_blocks, pool_free;
     uint64_t mem_used, mem_peak, cache_hits, cache_misses, alloc_count, peer_auth_failures;
     uint64_t heartbeats;          /* received since registration: lets a reader wait for fresh numbers */
-    double last_seen;
-    int conn_fd;                /* its connection to our control socket (ZMQ_SRCFD), -1 unknown */
-    double t_conn;              /* when that connection was first seen: older disconnects are not its */
+    /* liveness: dead = silent for --worker-timeout; stuck = heartbeats say busy while progress
+     * stays flat for --worker-stuck-timeout (no new work until it moves again) */
+    double last_seen;            /* any message */
+    double last_heartbeat;       /* for the interval histogram */
+    uint64_t progress;           /* units of work the worker reports completed */
+    double progress_at;          /* when progress last moved (or the worker was last seen not busy) */
+    bool busy, stuck;
+    int conn_fd;                 /* its connection to our control socket (ZMQ_SRCFD), -1 unknown */
+    double t_conn;               /* when that connection was first seen: older disconnects are not its */
     /* our own view: requests we sent that have not finished on this worker */
     int inflight;
     uint64_t image_hashes[64];   /* recent images sent here: the router prefers a warm cache */
@@ -63,6 +70,7 @@ typedef struct {
     int max_running;            /* requests in flight; beyond: 429 */
     size_t max_image_bytes_inflight;
     double worker_timeout_s;
+    double worker_stuck_timeout_s;  /* 0 = never judge a worker stuck */
     double request_timeout_s;
     double max_queue_wait_s;    /* no first token by then: 503 */
     int max_retries;
@@ -105,6 +113,8 @@ typedef struct {
     bool queue_dirty;           /* a worker slot freed since the queue was last tried */
 
     prism_router_metrics_t metrics;
+    uint64_t workers_lost_dead, workers_lost_stuck;
+    prism_hist_t heartbeat_interval[4];  /* by role: seconds between a worker's heartbeats */
 } router_t;
 
 /* control.c */
@@ -116,13 +126,13 @@ int  router_send(router_t *r, router_worker_t *w, Prism__Envelope *env, const pr
 /* Adds or refreshes a worker from its registration; PRISM_EINVAL / PRISM_ELIMIT with why set when
  * it is refused. */
 int  router_worker_register(router_t *r, const char *id, const Prism__Register *g, char *why, size_t why_len);
-/* Records a heartbeat's load (hb may be NULL); false when the worker is not registered. */
+/* Records a heartbeat's load and progress (hb may be NULL); false when the worker is not registered. */
 bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat *hb);
 void router_worker_drop(router_worker_t *w);
 /* Remembers that an image with this content hash went to w (its embedding cache may hold it). */
 void router_worker_note_image(router_worker_t *w, uint64_t hash);
-/* Least-loaded worker of a role with a free slot (inflight < its registered capacity); NULL when
- * none has room. *any is set when at least one worker of the role is registered. */
+/* Least-loaded worker of a role with a free slot (inflight < its registered capacity) that is not
+ * stuck; NULL when none has room. *any is set when at least one such worker is registered. */
 router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash, bool *any);
 router_worker_t *router_worker_by_id(router_t *r, const char *id);
 bool router_ready(const router_t *r, bool need_encoder);
@@ -157,9 +167,14 @@ void router_prompt_free(router_prompt_t *p);
 
 /* requests.c */
 void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat);
-void router_handle_tokens(router_t *r, uint64_t rid, const Prism__Tokens *t);
+/* Applies a Tokens message (env->tokens set). The prefill's (the first token) and the decode's
+ * (the rest) come from two processes over two connections, so the decode's may arrive first: those
+ * are held, in order, until the prefill's arrives (at most ROUTER_MAX_HELD_TOKENS messages; beyond,
+ * the request fails). Returns true when it kept env (the caller must not free it). */
+bool router_handle_tokens(router_t *r, Prism__Envelope *env);
 void router_handle_encode_done(router_t *r, uint64_t rid, const Prism__EncodeDone *d);
-void router_fail_worker_requests(router_t *r, const router_worker_t *w);
+/* Fails (503) every request w holds; why ends "The <role> worker serving this request ...". */
+void router_fail_worker_requests(router_t *r, const router_worker_t *w, const char *why);
 void router_sweep_requests(router_t *r);
 void router_abort_all(router_t *r);
 void router_dispatch_queued(router_t *r);

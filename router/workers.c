@@ -56,7 +56,7 @@ int router_worker_register(router_t *r, const char *id, const Prism__Register *g
     w->max_model_len = g->max_model_len;
     w->mem_budget = g->mem_budget;
     w->mem_planned = g->mem_planned;
-    w->last_seen = prism_now_s();
+    w->last_seen = w->last_heartbeat = w->progress_at = prism_now_s();
     r->queue_dirty = true;  /* a worker (back) with room: requests waiting for its tier may go */
     return PRISM_OK;
 }
@@ -78,7 +78,16 @@ bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat
     w->alloc_count = hb->alloc_count;
     w->heartbeats++;
     w->peer_auth_failures = hb->peer_auth_failures;
-    w->last_seen = prism_now_s();
+    double now = prism_now_s();
+    if (w->role > 0 && w->role < (int)PRISM_ARRAY_LEN(r->heartbeat_interval))
+        prism_hist_observe(&r->heartbeat_interval[w->role], now - w->last_heartbeat);
+    PRISM_DEBUG("heartbeat from %s worker %s after %.4fs (progress %llu%s)", prism_role_name(w->role), id,
+                now - w->last_heartbeat, (unsigned long long)hb->progress, hb->busy ? ", busy" : "");
+    w->last_seen = w->last_heartbeat = now;
+    /* Not busy (it came back for more work) or moved on: not stuck, whatever the time. */
+    if (!hb->busy || hb->progress != w->progress) w->progress_at = now;
+    w->progress = hb->progress;
+    w->busy = hb->busy;
     return true;
 }
 
@@ -110,7 +119,7 @@ router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash
     *any = false;
     for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
         router_worker_t *w = &r->workers[i];
-        if (!w->used || w->role != role) continue;
+        if (!w->used || w->role != role || w->stuck) continue;
         *any = true;
         if (w->inflight >= (int)PRISM_MAX(w->max_running, 1u)) continue;  /* full: the request waits here */
         if (prefer_hash) {
@@ -133,6 +142,6 @@ int router_count_workers(const router_t *r, Prism__Role role)
 {
     int n = 0;
     for (int i = 0; i < ROUTER_MAX_WORKERS; i++)
-        n += r->workers[i].used && r->workers[i].role == role;
+        n += r->workers[i].used && r->workers[i].role == role && !r->workers[i].stuck;
     return n;
 }

@@ -36,7 +36,7 @@ void prism_hist_observe(prism_hist_t *h, double v)
 
 void prism_hist_write(const prism_hist_t *h, prism_buf_t *out, const char *name, const char *help, const char *labels)
 {
-    prism_buf_appendf(out, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    if (help) prism_buf_appendf(out, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
     uint64_t cum = 0;
     const char *sep = labels && *labels ? "," : "";
     for (int i = 0; i < h->n; i++) {

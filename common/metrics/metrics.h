@@ -18,7 +18,8 @@ typedef struct {
 
 void prism_hist_init(prism_hist_t *h, const double *bounds, int n);
 void prism_hist_observe(prism_hist_t *h, double v);
-/* Writes name_bucket{labels,le=...} / name_sum / name_count lines (labels: `model_name="x"`). */
+/* Writes name_bucket{labels,le=...} / name_sum / name_count lines (labels: `model_name="x"`),
+ * after the HELP and TYPE lines unless help is NULL (further label sets of one metric). */
 void prism_hist_write(const prism_hist_t *h, prism_buf_t *out, const char *name, const char *help, const char *labels);
 void prism_metric_write(prism_buf_t *out, const char *name, const char *type, const char *help,
                         const char *labels, double value);

@@ -72,7 +72,19 @@ struct prism_llm {
     float *logits;                /* [lchunk][vocab] */
     int32_t *d_meta;              /* device: ids[T] pos[T] slots[T] seq_start[S+1] pos0[S] rows[S] tables[cap] */
     int32_t *h_meta;              /* host mirror, same layout */
+    int32_t *h_meta2;             /* host scratch: the mirror rebuilt when sequences drop out */
     size_t meta_n;
+    const prism_model_hook_t *hook;
+    /* the forward between begin and end */
+    bool f_open;
+    int f_T, f_S, f_S0;           /* tokens and sequences left; sequences at begin */
+    bool f_all_logits;
+    float *f_x, *f_xn;            /* residual stream and spare (they swap when sequences drop out) */
+    int32_t *f_rows;              /* device: last-token row of each sequence */
+    const int32_t *f_seq_start;   /* host: [f_S+1] */
+    int32_t *keep;                /* [max_seqs] caller's index of each sequence still in the batch */
+    int32_t *ostart;              /* [max_seqs+1] caller's seq_start (row mapping of all_logits) */
+    uint8_t *gone;                /* [max_seqs] scratch of the between-layer check */
 };
 
 struct prism_kv_cache {
@@ -323,8 +335,12 @@ int prism_llm_load(prism_backend_t *be, const prism_model_config_t *cfg, const c
     m->abytes = llm_layout(cfg, max_batch_tokens, max_seqs, NULL);
     m->abuf = prism_backend_buf_alloc(be, m->abytes);
     m->h_meta = prism_malloc(m->meta_n * sizeof(int32_t));
+    m->h_meta2 = prism_malloc(m->meta_n * sizeof(int32_t));
+    m->keep = prism_malloc((size_t)max_seqs * sizeof(int32_t));
+    m->ostart = prism_malloc(((size_t)max_seqs + 1) * sizeof(int32_t));
+    m->gone = prism_malloc((size_t)max_seqs);
     m->h_qscale = prism_malloc((size_t)max_batch_tokens * sizeof(float));
-    if (!m->abuf || !m->h_meta || !m->h_qscale) {
+    if (!m->abuf || !m->h_meta || !m->h_meta2 || !m->keep || !m->ostart || !m->gone || !m->h_qscale) {
         char b[32];
         ERR("llm: cannot allocate the %s activation arena", prism_fmt_bytes(m->abytes, b, sizeof b));
         rc = PRISM_ENOMEM;
@@ -352,6 +368,10 @@ void prism_llm_free(prism_llm_t *m)
     prism_backend_buf_free(m->be, m->wbuf);
     prism_backend_buf_free(m->be, m->abuf);
     prism_free(m->h_meta);
+    prism_free(m->h_meta2);
+    prism_free(m->keep);
+    prism_free(m->ostart);
+    prism_free(m->gone);
     prism_free(m->h_qscale);
     prism_free(m->layers);
     prism_free(m);
@@ -455,15 +475,111 @@ static const float *embed_row(const prism_llm_batch_t *b, int t, int H)
     return b->embeds && b->embed_mask && b->embed_mask[t] ? b->embeds + (size_t)t * H : NULL;
 }
 
-int prism_llm_forward(prism_llm_t *m, prism_kv_cache_t *kv, const prism_llm_batch_t *b, float *logits)
+void prism_llm_set_hook(prism_llm_t *m, const prism_model_hook_t *hook) { m->hook = hook; }
+
+/* Attention temperature of each token from its position (HF: float32
+ * log1p(floor((p + 1) / floor_scale)) * attn_scale + 1), uploaded once per forward for every NoPE
+ * layer (again when sequences drop out). */
+static int upload_qscale(struct prism_llm *m, const int32_t *pos, int T)
+{
+    if (!m->qscale) return PRISM_OK;
+    const prism_model_config_t *c = &m->cfg;
+    for (int t = 0; t < T; t++) {
+        float fl = floorf(((float)pos[t] + 1.0f) / c->floor_scale);
+        m->h_qscale[t] = log1pf(fl) * c->attn_scale + 1.0f;
+    }
+    return m->be->i.upload(m->be->ctx, m->qscale, m->h_qscale, (size_t)T * 4);
+}
+
+/* Where the metadata arrays sit in the host mirror and on the device for T tokens, S sequences. */
+typedef struct {
+    int32_t *ids, *pos, *slots, *seq_start, *pos0, *rows, *tables;
+} meta_ptrs_t;
+
+static meta_ptrs_t meta_at(int32_t *base, int T, int S)
+{
+    meta_ptrs_t p;
+    p.ids = base;
+    p.pos = p.ids + T;
+    p.slots = p.pos + T;
+    p.seq_start = p.slots + T;
+    p.pos0 = p.seq_start + S + 1;
+    p.rows = p.pos0 + S;
+    p.tables = p.rows + S;
+    return p;
+}
+
+/* Between layers: asks the hook and drops cancelled sequences — their rows leave the residual
+ * stream (moved into the spare buffer, which the next layer rewrites anyway, and the two swap)
+ * and the metadata is rebuilt and uploaded for the smaller batch. Their KV blocks keep partial
+ * state; the caller releases them. */
+static int llm_between_layers(struct prism_llm *m, int done, int mbps, meta_ptrs_t *h, meta_ptrs_t *d,
+                              prism_attn_meta_t *meta)
+{
+    const prism_model_hook_t *k = m->hook;
+    if (!k || !k->layer || !k->layer(k->ud, done, m->cfg.n_layers) || !k->cancelled) return PRISM_OK;
+    int S = m->f_S, nS = 0;
+    for (int s = 0; s < S; s++) {
+        m->gone[s] = k->cancelled(k->ud, m->keep[s]);
+        nS += !m->gone[s];
+    }
+    if (nS == S) return PRISM_OK;
+    m->f_S = nS;
+    if (nS == 0) return PRISM_OK;
+    const prism_backend_i *o = &m->be->i;
+    void *bx = m->be->ctx;
+    const size_t H = (size_t)m->cfg.hidden;
+    int nT = 0;
+    for (int s = 0; s < S; s++) nT += m->gone[s] ? 0 : h->seq_start[s + 1] - h->seq_start[s];
+    meta_ptrs_t n = meta_at(m->h_meta2, nT, nS);
+    for (int s = 0, j = 0, t = 0; s < S; s++) {
+        if (m->gone[s]) continue;
+        int t0 = h->seq_start[s], q = h->seq_start[s + 1] - t0;
+        memcpy(n.ids + t, h->ids + t0, (size_t)q * 4);
+        memcpy(n.pos + t, h->pos + t0, (size_t)q * 4);
+        memcpy(n.slots + t, h->slots + t0, (size_t)q * 4);
+        memcpy(n.tables + (size_t)j * mbps, h->tables + (size_t)s * mbps, (size_t)mbps * 4);
+        n.seq_start[j] = t;
+        n.pos0[j] = h->pos0[s];
+        n.rows[j] = t + q - 1;
+        m->keep[j] = m->keep[s];
+        int rc = o->copy(bx, m->f_xn + (size_t)t * H, m->f_x + (size_t)t0 * H, (size_t)q * H * 4);
+        if (rc != PRISM_OK) return rc;
+        t += q;
+        j++;
+    }
+    n.seq_start[nS] = nT;
+    float *x = m->f_x;
+    m->f_x = m->f_xn;
+    m->f_xn = x;
+    int32_t *hm = m->h_meta;
+    m->h_meta = m->h_meta2;
+    m->h_meta2 = hm;
+    *h = n;
+    size_t used = (size_t)(n.tables - n.ids) + (size_t)nS * mbps;
+    int rc = o->upload(bx, m->d_meta, m->h_meta, used * 4);   /* stream-ordered after the layers so far */
+    if (rc != PRISM_OK) return rc;
+    *d = meta_at(m->d_meta, nT, nS);
+    if ((rc = upload_qscale(m, n.pos, nT)) != PRISM_OK) return rc;
+    m->f_T = nT;
+    meta->n_seqs = nS;
+    meta->n_tokens = nT;
+    meta->seq_start = d->seq_start;
+    meta->pos0 = d->pos0;
+    meta->block_tables = d->tables;
+    return PRISM_OK;
+}
+
+int prism_llm_forward_begin(prism_llm_t *m, prism_kv_cache_t *kv, const prism_llm_batch_t *b)
 {
     const prism_model_config_t *c = &m->cfg;
     prism_backend_t *be = m->be;
     void *bx = be->ctx;
     const prism_backend_i *o = &be->i;
+    m->f_open = false;
     int T = b->n_tokens, S = b->n_seqs;
 
-    if (S <= 0 || T <= 0 || !b->tokens || !b->seq_start || !b->pos0 || !b->block_tables || !logits)
+    if (S <= 0 || T <= 0 || !b->tokens || !b->seq_start || !b->pos0 || !b->block_tables)
         return PRISM_EINVAL;
     if (T > m->max_tokens || S > m->max_seqs) return PRISM_ELIMIT;
     if (kv->n_layers != c->n_layers || kv->n_kv != c->n_kv_heads || kv->head_dim != c->head_dim)
@@ -485,15 +601,14 @@ int prism_llm_forward(prism_llm_t *m, prism_kv_cache_t *kv, const prism_llm_batc
     if ((int64_t)S * mbps > m->table_cap) return PRISM_ELIMIT;
 
     /* Host metadata, uploaded once. */
-    int32_t *ids = m->h_meta, *pos = ids + T, *slots = pos + T, *seq_start = slots + T;
-    int32_t *pos0 = seq_start + S + 1, *rows = pos0 + S, *tables = rows + S;
+    meta_ptrs_t h = meta_at(m->h_meta, T, S);
     for (int s = 0; s < S; s++) {
         int q = b->seq_start[s + 1] - b->seq_start[s];
         int need = (b->pos0[s] + q + bs - 1) / bs;
         for (int i = 0; i < mbps; i++) {
             int id = i < need ? b->block_tables[s][i] : 0;
             if (id < 0 || id >= kv->n_blocks) return PRISM_EINVAL;
-            tables[s * mbps + i] = id;
+            h.tables[s * mbps + i] = id;
         }
         for (int i = 0; i < q; i++) {
             int t = b->seq_start[s] + i, p = b->pos0[s] + i;
@@ -503,108 +618,155 @@ int prism_llm_forward(prism_llm_t *m, prism_kv_cache_t *kv, const prism_llm_batc
                 if (!embedded) return PRISM_EINVAL;
                 tok = 0;
             }
-            ids[t] = tok;
-            pos[t] = p;
-            slots[t] = tables[s * mbps + p / bs] * bs + p % bs;
+            h.ids[t] = tok;
+            h.pos[t] = p;
+            h.slots[t] = h.tables[s * mbps + p / bs] * bs + p % bs;
         }
-        seq_start[s] = b->seq_start[s];
-        pos0[s] = b->pos0[s];
-        rows[s] = b->seq_start[s + 1] - 1;
+        h.seq_start[s] = b->seq_start[s];
+        h.pos0[s] = b->pos0[s];
+        h.rows[s] = b->seq_start[s + 1] - 1;
+        m->keep[s] = s;
+        m->ostart[s] = b->seq_start[s];
     }
-    seq_start[S] = T;
-    size_t meta_used = (size_t)(tables - ids) + (size_t)S * mbps;
+    h.seq_start[S] = T;
+    m->ostart[S] = T;
+    size_t meta_used = (size_t)(h.tables - h.ids) + (size_t)S * mbps;
     CK(o->upload(bx, m->d_meta, m->h_meta, meta_used * 4));
-    int32_t *d_ids = m->d_meta, *d_pos = d_ids + T, *d_slots = d_pos + T, *d_seq_start = d_slots + T;
-    int32_t *d_pos0 = d_seq_start + S + 1, *d_rows = d_pos0 + S, *d_tables = d_rows + S;
+    meta_ptrs_t d = meta_at(m->d_meta, T, S);
+    m->f_T = T;
+    m->f_S = m->f_S0 = S;
+    m->f_all_logits = b->all_logits;
+    m->f_x = m->x;
+    m->f_xn = m->xn;
 
     const int H = c->hidden, hd = c->head_dim, nh = c->n_heads, nkv = c->n_kv_heads;
     const int QKV = qkv_dim(c), NQ = nh * hd;
     prism_dtype_t wdt = m->wdt;
 
     /* Embeddings, with image features overwriting masked rows (contiguous runs per upload). */
-    CK(o->get_rows(bx, m->x, m->embed, wdt, c->vocab, d_ids, T, H));
+    CK(o->get_rows(bx, m->f_x, m->embed, wdt, c->vocab, d.ids, T, H));
     if (b->embed_rows || (b->embeds && b->embed_mask)) {
         for (int t = 0; t < T;) {
             const float *src = embed_row(b, t, H);
             if (!src) { t++; continue; }
             int e = t + 1;
             while (e < T && embed_row(b, e, H) == src + (size_t)(e - t) * H) e++;
-            CK(o->upload(bx, m->x + (size_t)t * H, src, (size_t)(e - t) * H * 4));
+            CK(o->upload(bx, m->f_x + (size_t)t * H, src, (size_t)(e - t) * H * 4));
             t = e;
         }
     }
-    /* Attention temperature of each token from its position (HF: float32
-     * log1p(floor((p + 1) / floor_scale)) * attn_scale + 1), uploaded once for every NoPE layer. */
-    if (m->qscale) {
-        for (int t = 0; t < T; t++) {
-            float fl = floorf(((float)pos[t] + 1.0f) / c->floor_scale);
-            m->h_qscale[t] = log1pf(fl) * c->attn_scale + 1.0f;
-        }
-        CK(o->upload(bx, m->qscale, m->h_qscale, (size_t)T * 4));
-    }
+    CK(upload_qscale(m, h.pos, T));
 
     prism_attn_meta_t meta = {
         .n_seqs = S, .n_tokens = T, .max_q_len = max_q, .max_ctx_len = max_ctx, .block_size = bs,
-        .max_blocks_per_seq = mbps, .seq_start = d_seq_start, .pos0 = d_pos0, .block_tables = d_tables,
+        .max_blocks_per_seq = mbps, .seq_start = d.seq_start, .pos0 = d.pos0, .block_tables = d.tables,
     };
     float scale = 1.0f / sqrtf((float)hd);
-    for (int L = 0; L < c->n_layers; L++) {
+    CK(llm_between_layers(m, 0, mbps, &h, &d, &meta));
+    for (int L = 0; L < c->n_layers && m->f_S > 0; L++) {
         const llm_layer_t *ly = &m->layers[L];
         const int fl = c->layer_flags[L];
         float *kc = (float *)kv_layer(kv, L, 0), *vc = (float *)kv_layer(kv, L, 1);
-        CK(o->rmsnorm(bx, m->xn, m->x, ly->attn_norm, T, H, c->rms_eps));
-        CK(o->matmul(bx, m->qkv, QKV, m->xn, H, ly->wqkv, wdt, ly->bqkv, T, QKV, H, false));
+        float *x = m->f_x, *xn = m->f_xn;
+        T = m->f_T;
+        CK(o->rmsnorm(bx, xn, x, ly->attn_norm, T, H, c->rms_eps));
+        CK(o->matmul(bx, m->qkv, QKV, xn, H, ly->wqkv, wdt, ly->bqkv, T, QKV, H, false));
         if (fl & PRISM_LAYER_ROPE) {
-            CK(o->rope(bx, m->qkv, QKV, T, nh, hd, hd, d_pos, m->inv_freq, (prism_rope_mode_t)c->rope_mode));
-            CK(o->rope(bx, m->qkv + NQ, QKV, T, nkv, hd, hd, d_pos, m->inv_freq, (prism_rope_mode_t)c->rope_mode));
+            CK(o->rope(bx, m->qkv, QKV, T, nh, hd, hd, d.pos, m->inv_freq, (prism_rope_mode_t)c->rope_mode));
+            CK(o->rope(bx, m->qkv + NQ, QKV, T, nkv, hd, hd, d.pos, m->inv_freq, (prism_rope_mode_t)c->rope_mode));
         }
         if (fl & PRISM_LAYER_QK_NORM) {
             CK(o->head_rmsnorm(bx, m->qkv, QKV, T, nh, hd, NULL, c->rms_eps));
             CK(o->head_rmsnorm(bx, m->qkv + NQ, QKV, T, nkv, hd, NULL, c->rms_eps));
         }
         if (fl & PRISM_LAYER_TEMP) CK(o->scale_rows(bx, m->qkv, QKV, T, NQ, m->qscale));
-        CK(o->kv_write(bx, kc, vc, m->qkv + NQ, m->qkv + NQ + nkv * hd, QKV, d_slots, T, nkv, hd));
+        CK(o->kv_write(bx, kc, vc, m->qkv + NQ, m->qkv + NQ + nkv * hd, QKV, d.slots, T, nkv, hd));
         meta.chunk = (fl & PRISM_LAYER_CHUNKED) ? c->attention_chunk : 0;
         if (all_decode && o->attn_decode)
             CK(o->attn_decode(bx, m->attn, NQ, m->qkv, QKV, kc, vc, &meta, nh, nkv, hd, scale));
         else
             CK(o->attn_paged(bx, m->attn, NQ, m->qkv, QKV, kc, vc, &meta, nh, nkv, hd, scale));
-        CK(o->matmul(bx, m->x, H, m->attn, NQ, ly->wo, wdt, ly->bo, T, H, NQ, true));
-        CK(o->rmsnorm(bx, m->xn, m->x, ly->mlp_norm, T, H, c->rms_eps));
+        CK(o->matmul(bx, x, H, m->attn, NQ, ly->wo, wdt, ly->bo, T, H, NQ, true));
+        CK(o->rmsnorm(bx, xn, x, ly->mlp_norm, T, H, c->rms_eps));
         /* Dense MLP, or the shared expert of a MoE layer: both add straight into the residual. */
         const int I = (fl & PRISM_LAYER_MOE) ? c->intermediate : c->dense_intermediate;
-        CK(o->matmul(bx, m->gu, 2 * I, m->xn, H, ly->wgu, wdt, ly->bgu, T, 2 * I, H, false));
+        CK(o->matmul(bx, m->gu, 2 * I, xn, H, ly->wgu, wdt, ly->bgu, T, 2 * I, H, false));
         CK(o->silu_mul(bx, m->act, m->gu, m->gu + I, 2 * I, T, I));
-        CK(o->matmul(bx, m->x, H, m->act, I, ly->wdown, wdt, ly->bdown, T, H, I, true));
+        CK(o->matmul(bx, x, H, m->act, I, ly->wdown, wdt, ly->bdown, T, H, I, true));
         if (fl & PRISM_LAYER_MOE) {
             const int E = c->n_experts, K = c->top_k, R = T * K, EI = c->intermediate;
-            CK(o->matmul(bx, m->rlogits, E, m->xn, H, ly->router, wdt, NULL, T, E, H, false));
+            CK(o->matmul(bx, m->rlogits, E, xn, H, ly->router, wdt, NULL, T, E, H, false));
             CK(o->moe_route(bx, m->rlogits, T, E, K, m->r_choice, m->r_order, m->r_w, m->r_off, m->r_slot));
             /* Expert inputs: each routed row is its token's normed state times the router score. */
-            CK(o->get_rows(bx, m->xs, m->xn, PRISM_DTYPE_F32, T, m->r_order, R, H));
+            CK(o->get_rows(bx, m->xs, xn, PRISM_DTYPE_F32, T, m->r_order, R, H));
             CK(o->scale_rows(bx, m->xs, H, R, H, m->r_w));
             CK(o->matmul_grouped(bx, m->gu2, 2 * EI, m->xs, H, ly->exp_gu, wdt, m->r_off, E, R, 2 * EI, H));
             CK(o->silu_mul(bx, m->act2, m->gu2, m->gu2 + EI, 2 * EI, R, EI));
             CK(o->matmul_grouped(bx, m->ys, H, m->act2, EI, ly->exp_down, wdt, m->r_off, E, R, H, EI));
-            CK(o->moe_combine(bx, m->x, H, m->ys, m->r_slot, T, K, H));
+            CK(o->moe_combine(bx, x, H, m->ys, m->r_slot, T, K, H));
         }
+        CK(llm_between_layers(m, L + 1, mbps, &h, &d, &meta));
     }
+    m->f_rows = d.rows;
+    m->f_seq_start = h.seq_start;
+    m->f_open = true;
+    return PRISM_OK;
+}
 
-    if (b->all_logits) {
-        CK(o->rmsnorm(bx, m->xn, m->x, m->norm, T, H, c->rms_eps));
+/* Copies logits rows [r0, r0+n) of the kept batch (device m->logits) to the caller's rows. */
+static int llm_logits_out(struct prism_llm *m, float *logits, int r0, int n)
+{
+    const prism_backend_i *o = &m->be->i;
+    void *bx = m->be->ctx;
+    const size_t V = (size_t)m->cfg.vocab;
+    if (m->f_S == m->f_S0)   /* nothing dropped: the caller's rows are ours */
+        return o->download(bx, logits + (size_t)r0 * V, m->logits, (size_t)n * V * 4);
+    if (!m->f_all_logits) {
+        for (int r = r0; r < r0 + n; r++)
+            CK(o->download(bx, logits + (size_t)m->keep[r] * V, m->logits + (size_t)(r - r0) * V, V * 4));
+        return PRISM_OK;
+    }
+    for (int s = 0; s < m->f_S; s++) {
+        int a = PRISM_MAX(r0, m->f_seq_start[s]), e = PRISM_MIN(r0 + n, m->f_seq_start[s + 1]);
+        if (a >= e) continue;
+        size_t dst = (size_t)m->ostart[m->keep[s]] + (size_t)(a - m->f_seq_start[s]);
+        CK(o->download(bx, logits + dst * V, m->logits + (size_t)(a - r0) * V, (size_t)(e - a) * V * 4));
+    }
+    return PRISM_OK;
+}
+
+int prism_llm_forward_end(prism_llm_t *m, float *logits)
+{
+    const prism_model_config_t *c = &m->cfg;
+    void *bx = m->be->ctx;
+    const prism_backend_i *o = &m->be->i;
+    if (!m->f_open || !logits) return PRISM_EINVAL;
+    m->f_open = false;
+    if (m->f_S == 0) return PRISM_OK;   /* every sequence was cancelled */
+    const int H = c->hidden, T = m->f_T, S = m->f_S;
+    prism_dtype_t wdt = m->wdt;
+    if (m->f_all_logits) {
+        CK(o->rmsnorm(bx, m->f_xn, m->f_x, m->norm, T, H, c->rms_eps));
         for (int r0 = 0; r0 < T; r0 += m->lchunk) {
             int n = PRISM_MIN(m->lchunk, T - r0);
-            CK(o->matmul(bx, m->logits, c->vocab, m->xn + (size_t)r0 * H, H, m->lm_head, wdt, NULL, n, c->vocab, H, false));
-            CK(o->download(bx, logits + (size_t)r0 * c->vocab, m->logits, (size_t)n * c->vocab * 4));
+            CK(o->matmul(bx, m->logits, c->vocab, m->f_xn + (size_t)r0 * H, H, m->lm_head, wdt, NULL, n, c->vocab, H, false));
+            CK(llm_logits_out(m, logits, r0, n));
         }
     } else {
-        CK(o->get_rows(bx, m->xsel, m->x, PRISM_DTYPE_F32, T, d_rows, S, H));
+        CK(o->get_rows(bx, m->xsel, m->f_x, PRISM_DTYPE_F32, T, m->f_rows, S, H));
         CK(o->rmsnorm(bx, m->xsel, m->xsel, m->norm, S, H, c->rms_eps));
         for (int r0 = 0; r0 < S; r0 += m->lchunk) {
             int n = PRISM_MIN(m->lchunk, S - r0);
             CK(o->matmul(bx, m->logits, c->vocab, m->xsel + (size_t)r0 * H, H, m->lm_head, wdt, NULL, n, c->vocab, H, false));
-            CK(o->download(bx, logits + (size_t)r0 * c->vocab, m->logits, (size_t)n * c->vocab * 4));
+            CK(llm_logits_out(m, logits, r0, n));
         }
     }
     return PRISM_OK;
+}
+
+int prism_llm_forward(prism_llm_t *m, prism_kv_cache_t *kv, const prism_llm_batch_t *b, float *logits)
+{
+    if (!logits) return PRISM_EINVAL;
+    CK(prism_llm_forward_begin(m, kv, b));
+    return prism_llm_forward_end(m, logits);
 }

@@ -99,6 +99,24 @@ int  prism_model_config_parse(const char *config_json, const char *generation_co
 /* Fills inv_freq[head_dim/2] for the text RoPE (llama3 scaling applied when configured). */
 void prism_model_rope_inv_freq(const prism_model_config_t *cfg, float *inv_freq);
 
+/* Between-layer hook: how a caller counts progress inside a long forward and drops cancelled items
+ * of a batch without finishing them — the model knows nothing of sockets or requests. Set once
+ * per model (prism_llm_set_hook / prism_vision_set_hook); called on the thread running the forward.
+ *   layer(ud, done, total): after the embeddings (done = 0) and after each layer; returns true when
+ *       some item may have been cancelled since the last call. Must be cheap (an atomic load).
+ *   cancelled(ud, item): asked for every item still in the batch after layer() returned true;
+ *       true drops the item now: its outputs (logits rows / embeddings) are not written and the
+ *       rest of the batch goes on, smaller. Items are numbered as the caller numbered them: the
+ *       sequences of an LLM batch, the images of a vision batch. A forward whose items are all
+ *       dropped returns PRISM_OK with nothing written.
+ * On a device with streams the layers are enqueued, not run, so there the check happens once per
+ * forward in practice (at launch). */
+typedef struct prism_model_hook {
+    bool (*layer)(void *ud, int done, int total);
+    bool (*cancelled)(void *ud, int item);
+    void *ud;
+} prism_model_hook_t;
+
 typedef struct prism_llm prism_llm_t;        /* the language model */
 typedef struct prism_kv_cache prism_kv_cache_t;  /* paged K/V storage: per layer [n_blocks][block_size][n_kv_heads][head_dim] for K and V */
 
@@ -141,6 +159,17 @@ typedef struct {
 /* PRISM_ELIMIT if n_tokens > max_batch_tokens or n_seqs > max_seqs; PRISM_EINVAL for token ids
  * out of range, bad offsets, block ids out of range or positions beyond max_pos. */
 int  prism_llm_forward(prism_llm_t *m, prism_kv_cache_t *kv, const prism_llm_batch_t *b, float *logits /* host */);
+/* The same forward in two halves, so the host can prepare the next step while a device runs this
+ * one: begin validates and uploads the batch and enqueues the embeddings and every layer (the CPU
+ * backend computes them there); end computes the logits and copies them to the host (it waits for
+ * the device). Between the two the caller may do anything except use this model or the KV blocks
+ * of the batch; b need not outlive begin. prism_llm_forward = begin + end. A begin that is never
+ * ended is fine when its logits are not needed (a prompt chunk before the last one): its KV writes
+ * are enqueued all the same. */
+int  prism_llm_forward_begin(prism_llm_t *m, prism_kv_cache_t *kv, const prism_llm_batch_t *b);
+int  prism_llm_forward_end(prism_llm_t *m, float *logits /* host */);
+/* hook (may be NULL: none) must outlive its use by the model. */
+void prism_llm_set_hook(prism_llm_t *m, const prism_model_hook_t *hook);
 
 typedef struct prism_vision prism_vision_t;  /* CLIP or Llama-4 tower + projector (cfg.vision_arch) */
 int  prism_vision_load(prism_backend_t *be, const prism_model_config_t *cfg, const char *model_dir,
@@ -152,5 +181,6 @@ size_t prism_vision_arena_bytes(const prism_model_config_t *cfg, int max_images)
  * [n][image_seq_length][text hidden] host float32. n_images > max_images: PRISM_ELIMIT (callers
  * split into micro-batches). */
 int  prism_vision_encode(prism_vision_t *v, const float *pixels, int n_images, float *out);
+void prism_vision_set_hook(prism_vision_t *v, const prism_model_hook_t *hook);
 
 #endif

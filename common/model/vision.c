@@ -62,8 +62,11 @@ struct prism_vision {
     float *p1, *p2;              /* [B*n_out][hidden] */
     float *shuf;                 /* Llama-4: [B*n_out][shuf_dim] */
     float *ad1, *ad2;            /* Llama-4: [B*n_out][v_adapter_dim] */
-    int32_t *rope_x, *rope_y;    /* Llama-4: [B*seq] 2D RoPE positions (x+1, y+1; CLS 0) */
+    int32_t *rope_x, *rope_y;    /* Llama-4: [B*seq] 2D RoPE positions (x+1, y+1; CLS 0), alike for every image */
     float *rope_inv;             /* Llama-4: [head_dim/4] */
+    const prism_model_hook_t *hook;
+    int *keep;                   /* [max_images] caller's index of each image still in the batch */
+    uint8_t *gone;               /* [max_images] scratch of the between-layer check */
 };
 
 static int vit_layers_to_run(const prism_model_config_t *c)
@@ -311,7 +314,9 @@ int prism_vision_load(prism_backend_t *be, const prism_model_config_t *cfg, cons
         goto fail;
     }
     v->layers = prism_calloc((size_t)PRISM_MAX(v->n_run, 1), sizeof *v->layers);
-    if (!v->layers) goto fail;
+    v->keep = prism_calloc((size_t)max_images, sizeof *v->keep);
+    v->gone = prism_calloc((size_t)max_images, 1);
+    if (!v->layers || !v->keep || !v->gone) goto fail;
     const char *vp = v->l4 ? k_l4_vis_prefixes[0] : k_vis_prefixes[0], *pp = k_proj_prefixes[0];
     if (!cfg->random_weights) {
         rc = prism_st_open_dir(model_dir, &st, err, errlen);
@@ -380,12 +385,53 @@ void prism_vision_free(prism_vision_t *v)
     prism_backend_buf_free(v->be, v->wbuf);
     prism_backend_buf_free(v->be, v->abuf);
     prism_free(v->layers);
+    prism_free(v->keep);
+    prism_free(v->gone);
     prism_free(v);
 }
 
 size_t prism_vision_weight_bytes(const prism_vision_t *v) { return v->wbytes; }
 
 #define CK(x) do { int rc_ = (x); if (rc_ != PRISM_OK) return rc_; } while (0)
+
+void prism_vision_set_hook(prism_vision_t *v, const prism_model_hook_t *hook) { v->hook = hook; }
+
+/* Between layers: asks the hook and drops cancelled images by moving the rows of the others
+ * into the spare buffer (*xn, rewritten by the next layer anyway) and swapping the two.
+ * Returns the images left. */
+static int vis_between_layers(struct prism_vision *v, int B, float **h, float **xn, int done, int *rc)
+{
+    const prism_model_hook_t *k = v->hook;
+    *rc = PRISM_OK;
+    if (!k || !k->layer || !k->layer(k->ud, done, v->n_run) || !k->cancelled) return B;
+    int nb = 0;
+    for (int i = 0; i < B; i++) {
+        v->gone[i] = k->cancelled(k->ud, v->keep[i]);
+        nb += !v->gone[i];
+    }
+    if (nb == B || nb == 0) return nb;
+    const size_t rows = (size_t)v->seq * v->cfg.v_hidden;
+    for (int i = 0, j = 0; i < B; i++) {
+        if (v->gone[i]) continue;
+        *rc = v->be->i.copy(v->be->ctx, *xn + (size_t)j * rows, *h + (size_t)i * rows, rows * 4);
+        if (*rc != PRISM_OK) return 0;
+        v->keep[j++] = v->keep[i];
+    }
+    float *t = *h;
+    *h = *xn;
+    *xn = t;
+    return nb;
+}
+
+/* The B images left of n_images, per floats each, to their caller's slots; dropped slots untouched. */
+static int vis_download(struct prism_vision *v, float *out, const float *src, int B, int n_images, size_t per)
+{
+    const prism_backend_i *o = &v->be->i;
+    if (B == n_images) return o->download(v->be->ctx, out, src, (size_t)B * per * 4);
+    for (int i = 0; i < B; i++)
+        CK(o->download(v->be->ctx, out + (size_t)v->keep[i] * per, src + (size_t)i * per, per * 4));
+    return PRISM_OK;
+}
 
 int prism_vision_encode(prism_vision_t *v, const float *pixels, int n_images, float *out)
 {
@@ -394,32 +440,40 @@ int prism_vision_encode(prism_vision_t *v, const float *pixels, int n_images, fl
     void *bx = v->be->ctx;
     if (n_images <= 0 || !pixels || !out) return PRISM_EINVAL;
     if (n_images > v->max_images) return PRISM_ELIMIT;
-    const int B = n_images, VH = c->v_hidden, VI = c->v_intermediate, P = c->v_patch, Cn = c->v_num_channels;
-    const int S = c->v_image_size, np = v->n_patches, seq = v->seq, T = B * seq, H = c->hidden;
+    int B = n_images;
+    const int VH = c->v_hidden, VI = c->v_intermediate, P = c->v_patch, Cn = c->v_num_channels;
+    const int S = c->v_image_size, np = v->n_patches, seq = v->seq, H = c->hidden;
     const int hd = VH / c->v_heads, feat = Cn * P * P;
     prism_dtype_t wdt = v->wdt;
+    float *h = v->h, *xn = v->xn;   /* swapped when images are dropped */
+    int rc = PRISM_OK;
+    for (int i = 0; i < B; i++) v->keep[i] = i;
 
     CK(o->upload(bx, v->pix, pixels, (size_t)B * Cn * S * S * 4));
     CK(o->im2patch(bx, v->patches, v->pix, B, Cn, S, S, P));
     /* Patch embeddings staged in xn, then placed around the CLS row: CLIP puts CLS first (row 0),
      * Llama-4 last (row np). */
-    CK(o->matmul(bx, v->xn, VH, v->patches, feat, v->patch_w, wdt, NULL, B * np, VH, feat, false));
+    CK(o->matmul(bx, xn, VH, v->patches, feat, v->patch_w, wdt, NULL, B * np, VH, feat, false));
     const int cls_row = v->l4 ? np : 0, patch_row = v->l4 ? 0 : 1;
     for (int i = 0; i < B; i++) {
-        float *img = v->h + (size_t)i * seq * VH;
+        float *img = h + (size_t)i * seq * VH;
         CK(o->copy(bx, img + (size_t)cls_row * VH, v->cls, (size_t)VH * 4));
-        CK(o->copy(bx, img + (size_t)patch_row * VH, v->xn + (size_t)i * np * VH, (size_t)np * VH * 4));
+        CK(o->copy(bx, img + (size_t)patch_row * VH, xn + (size_t)i * np * VH, (size_t)np * VH * 4));
     }
-    CK(o->add(bx, v->h, v->h, v->pos, (size_t)T * VH, (size_t)seq * VH));
-    CK(o->layernorm(bx, v->h, v->h, v->pre_w, v->pre_b, T, VH, c->v_eps));
+    CK(o->add(bx, h, h, v->pos, (size_t)B * seq * VH, (size_t)seq * VH));
+    CK(o->layernorm(bx, h, h, v->pre_w, v->pre_b, B * seq, VH, c->v_eps));
+    B = vis_between_layers(v, B, &h, &xn, 0, &rc);
+    CK(rc);
 
     float scale = 1.0f / sqrtf((float)hd);
-    for (int L = 0; L < v->n_run; L++) {
+    for (int L = 0; L < v->n_run && B > 0; L++) {
         const vit_layer_t *ly = &v->layers[L];
-        CK(o->layernorm(bx, v->xn, v->h, ly->ln1_w, ly->ln1_b, T, VH, c->v_eps));
-        CK(o->matmul(bx, v->qkv, 3 * VH, v->xn, VH, ly->wqkv, wdt, ly->bqkv, T, 3 * VH, VH, false));
+        const int T = B * seq;
+        CK(o->layernorm(bx, xn, h, ly->ln1_w, ly->ln1_b, T, VH, c->v_eps));
+        CK(o->matmul(bx, v->qkv, 3 * VH, xn, VH, ly->wqkv, wdt, ly->bqkv, T, 3 * VH, VH, false));
         if (v->l4) {
-            /* 2D RoPE: the first half of every q/k head turns with the column, the second with the row. */
+            /* 2D RoPE: the first half of every q/k head turns with the column, the second with the row.
+             * Positions repeat per image, so they hold for the first B images after any drop. */
             for (int j = 0; j < 2; j++) {
                 float *base = v->qkv + (size_t)j * VH;
                 CK(o->rope(bx, base, 3 * VH, T, c->v_heads, hd, hd / 2, v->rope_x, v->rope_inv, PRISM_ROPE_INTERLEAVE));
@@ -429,34 +483,36 @@ int prism_vision_encode(prism_vision_t *v, const float *pixels, int n_images, fl
         }
         CK(o->attn_dense(bx, v->attn, VH, v->qkv, 3 * VH, v->qkv + VH, 3 * VH, v->qkv + 2 * VH, 3 * VH,
                          B, seq, c->v_heads, c->v_heads, hd, scale, false));
-        CK(o->matmul(bx, v->h, VH, v->attn, VH, ly->wo, wdt, ly->bo, T, VH, VH, true));
-        CK(o->layernorm(bx, v->xn, v->h, ly->ln2_w, ly->ln2_b, T, VH, c->v_eps));
-        CK(o->matmul(bx, v->mlp, VI, v->xn, VH, ly->fc1, wdt, ly->fc1_b, T, VI, VH, false));
+        CK(o->matmul(bx, h, VH, v->attn, VH, ly->wo, wdt, ly->bo, T, VH, VH, true));
+        CK(o->layernorm(bx, xn, h, ly->ln2_w, ly->ln2_b, T, VH, c->v_eps));
+        CK(o->matmul(bx, v->mlp, VI, xn, VH, ly->fc1, wdt, ly->fc1_b, T, VI, VH, false));
         CK(o->act(bx, (prism_act_t)c->v_act, v->mlp, v->mlp, (size_t)T * VI));
-        CK(o->matmul(bx, v->h, VH, v->mlp, VI, ly->fc2, wdt, ly->fc2_b, T, VH, VI, true));
+        CK(o->matmul(bx, h, VH, v->mlp, VI, ly->fc2, wdt, ly->fc2_b, T, VH, VI, true));
+        B = vis_between_layers(v, B, &h, &xn, L + 1, &rc);
+        CK(rc);
     }
+    if (B == 0) return PRISM_OK;   /* every image was cancelled */
 
-    int R = B * v->n_out;
+    const int T = B * seq, R = B * v->n_out;
+    const size_t per = (size_t)v->n_out * H;
     if (v->l4) {
         const int A = c->v_adapter_dim;
-        CK(o->layernorm(bx, v->h, v->h, v->post_w, v->post_b, T, VH, c->v_eps));
-        CK(o->pixel_shuffle(bx, v->shuf, v->h, B, seq, S / P, VH, c->v_shuffle));   /* skips CLS */
+        CK(o->layernorm(bx, h, h, v->post_w, v->post_b, T, VH, c->v_eps));
+        CK(o->pixel_shuffle(bx, v->shuf, h, B, seq, S / P, VH, c->v_shuffle));   /* skips CLS */
         CK(o->matmul(bx, v->ad1, A, v->shuf, v->shuf_dim, v->ad1_w, wdt, NULL, R, A, v->shuf_dim, false));
         CK(o->act(bx, PRISM_ACT_GELU_ERF, v->ad1, v->ad1, (size_t)R * A));
         CK(o->matmul(bx, v->ad2, A, v->ad1, A, v->ad2_w, wdt, NULL, R, A, A, false));
         CK(o->act(bx, PRISM_ACT_GELU_ERF, v->ad2, v->ad2, (size_t)R * A));
         CK(o->matmul(bx, v->p1, H, v->ad2, A, v->p1_w, wdt, NULL, R, H, A, false));
-        CK(o->download(bx, out, v->p1, (size_t)R * H * 4));
-        return PRISM_OK;
+        return vis_download(v, out, v->p1, B, n_images, per);
     }
-    const float *feats = v->h;
+    const float *feats = h;
     if (c->v_select_default) {
-        CK(o->copy_2d(bx, v->sel, (size_t)np * VH * 4, v->h + VH, (size_t)seq * VH * 4, (size_t)np * VH * 4, (size_t)B));
+        CK(o->copy_2d(bx, v->sel, (size_t)np * VH * 4, h + VH, (size_t)seq * VH * 4, (size_t)np * VH * 4, (size_t)B));
         feats = v->sel;
     }
     CK(o->matmul(bx, v->p1, H, feats, VH, v->p1_w, wdt, v->p1_b, R, H, VH, false));
     CK(o->act(bx, (prism_act_t)c->proj_act, v->p1, v->p1, (size_t)R * H));
     CK(o->matmul(bx, v->p2, H, v->p1, H, v->p2_w, wdt, v->p2_b, R, H, H, false));
-    CK(o->download(bx, out, v->p2, (size_t)R * H * 4));
-    return PRISM_OK;
+    return vis_download(v, out, v->p2, B, n_images, per);
 }

@@ -169,6 +169,13 @@ int prism_msg_send(void *sock, const void *identity, size_t identity_len, Prism_
     return PRISM_OK;
 }
 
+void prism_msg_thread_exit(void)
+{
+    prism_free(t_pack_buf);
+    t_pack_buf = NULL;
+    t_pack_cap = 0;
+}
+
 int prism_sock_last_endpoint(void *sock, char *out, size_t n)
 {
     size_t len = n;

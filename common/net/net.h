@@ -144,6 +144,10 @@ const void *prism_msg_frame(prism_msg_t *m, int i, size_t *len);
 int prism_msg_send(void *sock, const void *identity, size_t identity_len, Prism__Envelope *env,
                    const prism_frame_t *frames, int n_frames, int flags);
 
+/* Frees the calling thread's envelope pack buffer (prism_msg_send keeps one per thread); call it
+ * before a thread that sent messages exits. */
+void prism_msg_thread_exit(void);
+
 /* Unpacks and checks one envelope (size bound, protocol version); NULL when malformed. The part of
  * prism_msg_recv that reads untrusted bytes, exposed for fuzzing. Free with prism_msg_env_free. */
 Prism__Envelope *prism_msg_unpack(const void *data, size_t len);

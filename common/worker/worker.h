@@ -1,15 +1,55 @@
-/* worker: what every worker process shares — connections to the routers (one DEALER socket
- * per router, identity = worker id), registration, heartbeats with load, a data socket that
- * peers push tensors to, the start-up memory plan, and the poll loop.
+/* worker: what every worker process shares — two threads, so that a worker busy with a long
+ * batch is never mistaken for a dead one.
+ *
+ *   I/O thread (io.c; started by prism_worker_start): owns every router socket (one DEALER per
+ *   router, identity = worker id) and the data socket (PULL). It registers, sends heartbeats on
+ *   time whatever the compute thread does, receives work, data and aborts, and sends the compute
+ *   thread's replies on to their routers. It never blocks on the compute thread.
+ *   Compute thread (the process's main thread): owns the model, the request tables and the PUSH
+ *   sockets to peers (embeddings, KV: data-plane sends keep their own backpressure). It takes
+ *   messages from the I/O thread (prism_worker_poll), replies (prism_worker_reply), publishes its
+ *   load (prism_worker_set_load) and counts its progress (prism_worker_progress and the model's
+ *   between-layer hook, prism_worker_layer_done).
  *
  *   prism_worker_t w;
- *   prism_worker_init(&w, PRISM__ROLE__ROLE_DECODE, id, routers, n_routers, "tcp://127.0.0.1:0");
- *   w.reg.kv_blocks = ...;                       // capacity advertised at registration
+ *   prism_worker_init(&w, PRISM__ROLE__ROLE_DECODE, &opts, "tcp://127.0.0.1:0", max_kv_bytes);
+ *   prism_worker_set_capacity(&w, ...);          // advertised at registration
+ *   prism_worker_start(&w);                      // the I/O thread: registration, heartbeats
  *   while (!prism_worker_should_stop()) {
- *       prism_worker_tick(&w, &hb);              // (re-)register, heartbeat when due
- *       prism_worker_poll(&w, timeout_ms, accept_data, on_msg, ud);
- *       ... run one step of work ...
+ *       prism_worker_set_load(&w, &load);        // what the next heartbeat says
+ *       prism_worker_accept_data(&w, free_slots);
+ *       prism_worker_poll(&w, timeout_ms, on_msg, ud);
+ *       ... run one unit of work (a batch, a chunk, a step) ...
  *   }
+ *   prism_worker_close(&w);
+ *
+ * Handover between the threads, one inproc PAIR socket pair, without copies:
+ *   inbound  [header: the unpacked envelope (pointer), source, arrival time][raw frames, moved].
+ *            The envelope is unpacked once, on the I/O thread; ownership travels with the message
+ *            and prism_msg_close on the compute thread frees it.
+ *   outbound [route: router index][envelope bytes][raw frames]: moved on to the router socket.
+ * Bounds: data messages pass only while the compute thread has granted credit
+ * (prism_worker_accept_data: the free slots of its receive pool), so the data socket keeps its
+ * backpressure exactly as before; control messages are bounded by the capacity the router
+ * respects, and beyond PRISM_WORKER_INBOX_HWM queued messages the I/O thread refuses new work
+ * with an error reply instead of queueing it.
+ *
+ * Aborts reach into long work: the I/O thread records every abort (request id, router, arrival
+ * time) in a small table and bumps a counter before passing the message on. Between layers the
+ * model calls the worker's hook, which calls prism_worker_layer_done: an atomic load tells whether
+ * an abort came since the last look, and only then does the worker ask prism_worker_aborted()
+ * about each item of its batch. The model knows nothing of sockets.
+ *
+ * Liveness is progress: every heartbeat carries the compute thread's progress counter (layers,
+ * images, chunks, steps completed) and whether it is busy (it has not come back to wait for work
+ * since the last heartbeat). The router drops a worker whose heartbeats stop (dead) and stops
+ * routing to one whose heartbeats say busy while progress stays flat (stuck).
+ *
+ * Test hook (compiled in, inert unless set): PRISM_TEST_STALL_AFTER_LAYERS=N in a worker's
+ * environment makes its compute thread stop making progress once its progress counter passes N:
+ * it sleeps in the next between-layer hook until the process is told to stop, while the I/O
+ * thread keeps heartbeating.
+ * tests/integration/test_liveness.py uses it to check that such a worker is detected as stuck.
  */
 #ifndef PRISM_WORKER_H
 #define PRISM_WORKER_H
@@ -18,23 +58,41 @@
 #include "core/cli.h"
 #include "net/net.h"
 
+#include <pthread.h>
+#include <stdatomic.h>
+
 struct prism_model_config;   /* model/model.h */
 
 #define PRISM_WORKER_MAX_ROUTERS 8
 #define PRISM_WORKER_MAX_PEERS 64
+#define PRISM_WORKER_INBOX_HWM 65536    /* messages queued for the compute thread */
+#define PRISM_WORKER_ABORTS 256         /* recent aborts the between-layer check can see */
 
 typedef struct {
     char endpoint[256];
-    char router_id[128];     /* learned from the REGISTER_ACK */
-    void *sock;              /* DEALER */
-    bool registered;
+    char router_id[128];     /* learned from the REGISTER_ACK (I/O thread writes under mu) */
+    void *sock;              /* DEALER: I/O thread */
+    bool registered;         /* under mu */
     double last_register_s;
 } prism_worker_router_t;
 
 typedef struct {
     char endpoint[256];
-    void *sock;              /* PUSH */
+    void *sock;              /* PUSH: compute thread */
 } prism_worker_peer_t;
+
+/* What the compute thread tells the routers about its load (copied into every heartbeat). */
+typedef struct {
+    uint32_t running, waiting, kv_free_blocks, pool_free;
+    uint64_t cache_hits, cache_misses;
+} prism_worker_load_t;
+
+/* An abort as the I/O thread saw it. */
+typedef struct {
+    uint64_t rid;
+    char router_id[128];
+    double t_arrive;         /* prism_now_s() when the I/O thread read it */
+} prism_worker_abort_t;
 
 /* ---- start-up memory plan: named regions that must fit the budget ---- */
 #define PRISM_PLAN_MAX 16
@@ -56,19 +114,45 @@ size_t prism_mem_runtime_bytes(void);
 /* Logs the plan; PRISM_ENOMEM (with a message naming the numbers) when it exceeds the budget. */
 int    prism_mem_plan_check(const prism_mem_plan_t *p, const char *who);
 
-typedef struct {
+typedef struct prism_worker {
     prism_net_t *net;        /* ZeroMQ context, CURVE keys, ZAP handler */
     Prism__Role role;
     char worker_id[128];
+    Prism__Register reg;     /* capacity fields filled before prism_worker_start */
+    double heartbeat_s;      /* interval */
+
+    /* ---- I/O thread (after prism_worker_start) ---- */
     prism_worker_router_t routers[PRISM_WORKER_MAX_ROUTERS];
     int n_routers;
     void *data_sock;         /* PULL, bound; NULL for encoders */
     char data_endpoint[256]; /* resolved endpoint peers connect to */
+    void *io_pair;           /* PAIR: the I/O end of the channel */
+    pthread_t io_thread;
+    bool io_started;
+    double last_heartbeat_s;
+    uint64_t hb_polls;       /* compute polls seen at the last heartbeat */
+
+    /* ---- compute thread ---- */
+    void *cpu_pair;          /* PAIR: the compute end */
     prism_worker_peer_t peers[PRISM_WORKER_MAX_PEERS];
     int n_peers;
-    Prism__Register reg;     /* capacity fields filled by the worker before the first tick */
-    double heartbeat_s;      /* interval */
-    double last_heartbeat_s;
+    uint64_t data_received;
+    uint64_t aborts_seen;    /* abort_seq at the last between-layer look */
+    int64_t stall_after;     /* test hook: layers before the stall, -1 = never */
+    double reply_delay_s;    /* test hook: the I/O thread holds each reply this long (0 = never) */
+
+    /* ---- shared ---- */
+    pthread_mutex_t mu;      /* router ids, load, the abort table */
+    prism_worker_load_t load;
+    prism_worker_abort_t aborts[PRISM_WORKER_ABORTS];  /* ring */
+    uint64_t n_aborts;
+    atomic_uint_fast64_t abort_seq;     /* bumped by the I/O thread after each abort */
+    atomic_uint_fast64_t progress;      /* units of work the compute thread completed */
+    atomic_uint_fast64_t polls;         /* compute thread's prism_worker_poll calls */
+    atomic_bool idle;                   /* compute thread is waiting for work */
+    atomic_uint_fast64_t data_limit;    /* data messages the compute thread can take, ever */
+    atomic_uint_fast64_t data_forwarded;
+    atomic_bool io_stop;
 } prism_worker_t;
 
 typedef struct prism_worker_opts prism_worker_opts_t;
@@ -77,24 +161,38 @@ typedef struct prism_worker_opts prism_worker_opts_t;
  * accepts (one image's embeddings, one prompt's KV): a bigger one drops the sender's connection. */
 int  prism_worker_init(prism_worker_t *w, Prism__Role role, const prism_worker_opts_t *o, const char *data_bind,
                        size_t data_max_msg_bytes);
+/* Starts the I/O thread: registration and heartbeats begin. */
+int  prism_worker_start(prism_worker_t *w);
+/* Stops and joins the I/O thread and closes every socket (compute thread). */
 void prism_worker_close(prism_worker_t *w);
 
-/* Registration and heartbeats; call every loop iteration (cheap when nothing is due). */
-void prism_worker_tick(prism_worker_t *w, Prism__Heartbeat *hb);
+/* ---- compute thread ---- */
 
-/* Polls router sockets (and the data socket when accept_data) for up to timeout_ms and hands
- * every message to fn. router_index is the router a control message came from, -1 for data.
- * Messages about registration are handled here and not passed on. */
-typedef void (*prism_worker_msg_fn)(prism_worker_t *w, prism_msg_t *m, int router_index, void *ud);
-int  prism_worker_poll(prism_worker_t *w, int timeout_ms, bool accept_data, prism_worker_msg_fn fn, void *ud);
-
-/* Socket of the router that owns a request (by the router_id in its envelope); NULL if unknown. */
-void *prism_worker_router_sock(prism_worker_t *w, const char *router_id);
-/* PUSH socket to a peer's data endpoint, connected on first use. */
-void *prism_worker_peer_sock(prism_worker_t *w, const char *endpoint);
-
-/* Sends a Tokens / EncodeDone style reply to the owning router (no raw frames). */
+/* Waits up to timeout_ms for messages from the I/O thread and hands each to fn (at most a bounded
+ * number per call). source is the index of the router a control message came from, -1 for the
+ * data socket. The message and its envelope are freed after fn returns (fn may take frames with
+ * zmq_msg_move, or the envelope by setting m->env = NULL and freeing it later with
+ * prism_msg_env_free). */
+typedef void (*prism_worker_msg_fn)(prism_worker_t *w, prism_msg_t *m, int source, void *ud);
+int  prism_worker_poll(prism_worker_t *w, int timeout_ms, prism_worker_msg_fn fn, void *ud);
+/* Grants data credit: free_slots more data messages may be handed over beyond those already
+ * received (the free slots of the receive pool; 0 stops reading the data socket). */
+void prism_worker_accept_data(prism_worker_t *w, int free_slots);
+void prism_worker_set_load(prism_worker_t *w, const prism_worker_load_t *load);
+/* Sends a Tokens / EncodeDone style reply (no raw frames) to the router that owns the request,
+ * through the I/O thread. PRISM_ENOTFOUND when that router is not connected (reply dropped). */
 int  prism_worker_reply(prism_worker_t *w, const char *router_id, uint64_t request_id, Prism__Envelope *env);
+/* PUSH socket to a peer's data endpoint, connected on first use (compute thread only). */
+void *prism_worker_peer_sock(prism_worker_t *w, const char *endpoint);
+/* Counts completed units of work (an image, a chunk, a step). */
+void prism_worker_progress(prism_worker_t *w, uint64_t units);
+/* For the model's between-layer hook: counts the layer as progress and returns true when an abort
+ * arrived since the last call (or the process is stopping), i.e. when the items of the batch
+ * should be checked with prism_worker_aborted. */
+bool prism_worker_layer_done(prism_worker_t *w);
+/* True when an abort for (rid, router_id) is in the recent-abort table, or the process is stopping
+ * (then every item is dropped). *waited_s (may be NULL): seconds since the abort arrived. */
+bool prism_worker_aborted(prism_worker_t *w, uint64_t rid, const char *router_id, double *waited_s);
 
 /* SIGINT/SIGTERM handling shared by all processes. */
 void prism_worker_install_signals(void);

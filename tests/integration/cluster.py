@@ -60,10 +60,11 @@ class Cluster:
     common_worker_args go to every worker (e.g. a short --heartbeat-interval for tests that read
     worker state from /metrics). curve=True (the default, as in deploy/launch.sh): internal links
     authenticated with a fresh key directory (self.keys); curve=False runs every process with
-    --insecure-no-curve."""
+    --insecure-no-curve. worker_env: {kind: {VAR: value}} added to that kind's environment (test
+    hooks such as PRISM_TEST_STALL_AFTER_LAYERS)."""
 
     def __init__(self, encoders=1, prefills=1, decodes=1, model=MODEL, router_args=(), worker_args=None,
-                 log_dir=None, routers=1, common_worker_args=(), curve=True):
+                 log_dir=None, routers=1, common_worker_args=(), curve=True, worker_env=None):
         self.ports = [free_port() for _ in range(routers)]
         self.ctls = ["tcp://127.0.0.1:%d" % free_port() for _ in range(routers)]
         self.port = self.ports[0]
@@ -74,6 +75,7 @@ class Cluster:
         self.keys = make_keys(os.path.join(self.log_dir, "curve-keys")) if curve else None
         self.sec = ["--curve-keys", self.keys] if curve else ["--insecure-no-curve"]
         self.worker_args = worker_args or {}
+        self.worker_env = worker_env or {}
         self.common_worker_args = list(common_worker_args)
         for i in range(routers):
             self._start("router" if i == 0 else "router-%d" % i, "router",
@@ -93,7 +95,8 @@ class Cluster:
 
     def _start(self, name, kind, args):
         log = open(os.path.join(self.log_dir, name + ".log"), "ab")
-        self.procs[name] = subprocess.Popen([binary(kind), *args], stdout=log, stderr=subprocess.STDOUT)
+        env = dict(os.environ, **self.worker_env[kind]) if kind in self.worker_env else None
+        self.procs[name] = subprocess.Popen([binary(kind), *args], stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def kill(self, name):
         """SIGKILL, as a crash would: no goodbye to the router."""

@@ -237,11 +237,6 @@ def make_test(fn, case, suffix):
     return t
 
 
-# Workers do not heartbeat during a long compute (issue 16, test_limits.py's known-bug test): the
-# 491-token prefill takes over 10 s in the sanitizer build on a busy machine, so these clusters give
-# workers 60 s; fidelity, not liveness, is what this file checks.
-SLOW_OK = ["--worker-timeout", "60"]
-
 # Prompts longer than this many tokens run again with --chunked-prefill-size CHUNK: prefill in
 # several chunks, image spans crossing chunk boundaries, against the same HF goldens.
 CHUNK = 32
@@ -249,7 +244,7 @@ CHUNK = 32
 
 def main():
     global C, SERVED
-    C = Cluster(model=os.path.join(ROOT, GOLD["model_dir"]), router_args=SLOW_OK)
+    C = Cluster(model=os.path.join(ROOT, GOLD["model_dir"]), router_args=())
     try:
         ready = C.wait_ready()
         SERVED = json.loads(C.request("GET", "/v1/models")[2])["data"][0]["id"]
@@ -270,7 +265,7 @@ def main():
     long_cases = [c for c in CASES if len(c["prompt_ids"]) > 4 * CHUNK]
     if not long_cases:
         return rc
-    C = Cluster(model=os.path.join(ROOT, GOLD["model_dir"]), router_args=SLOW_OK,
+    C = Cluster(model=os.path.join(ROOT, GOLD["model_dir"]), router_args=(),
                 worker_args={"prefill_worker": ["--chunked-prefill-size", str(CHUNK)]})
     try:
         C.wait_ready()

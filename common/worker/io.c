@@ -1,0 +1,581 @@
+/* The worker's two threads and the channel between them (see worker.h): the I/O thread owns the
+ * router and data sockets, registers and heartbeats on its own clock, records aborts and passes
+ * work on; the compute thread polls its end of the channel between units of work. */
+#include "worker/worker.h"
+
+#include <errno.h>
+#include <stddef.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+/* Frame 0 of an inbound message. 24 bytes: a ZeroMQ "very small message", never allocated. */
+typedef struct {
+    Prism__Envelope *env;    /* unpacked on the I/O thread; the compute thread frees it */
+    int32_t source;          /* router index, -1 = data socket */
+    double t_recv;
+} inbound_hdr_t;
+
+#define ROUTE_WAKE (-1)      /* outbound route of a bare wake-up (no envelope follows) */
+#define REGISTER_RETRY_S 0.5
+#define IO_DRAIN_MAX 1024    /* messages per socket per wake-up: the others wait one round */
+
+static void pair_hwm(void *s)
+{
+    int hwm = PRISM_WORKER_INBOX_HWM / 2, linger = 0;  /* inproc: sender's + receiver's HWM */
+    zmq_setsockopt(s, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+    zmq_setsockopt(s, ZMQ_RCVHWM, &hwm, sizeof(hwm));
+    zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof(linger));
+}
+
+static prism_net_role_t net_role(Prism__Role role)
+{
+    switch (role) {
+    case PRISM__ROLE__ROLE_ENCODER: return PRISM_NET_ROLE_ENCODER;
+    case PRISM__ROLE__ROLE_PREFILL: return PRISM_NET_ROLE_PREFILL;
+    case PRISM__ROLE__ROLE_DECODE:  return PRISM_NET_ROLE_DECODE;
+    default:                        return PRISM_NET_ROLE_NONE;
+    }
+}
+
+int prism_worker_init(prism_worker_t *w, Prism__Role role, const prism_worker_opts_t *o, const char *data_bind,
+                      size_t data_max_msg_bytes)
+{
+    memset(w, 0, sizeof(*w));
+    prism__register__init(&w->reg);
+    w->role = role;
+    w->heartbeat_s = 1.0;
+    w->stall_after = -1;
+    pthread_mutex_init(&w->mu, NULL);
+    snprintf(w->worker_id, sizeof(w->worker_id), "%s", o->worker_id);
+    const char *stall = getenv("PRISM_TEST_STALL_AFTER_LAYERS");
+    if (stall && *stall) {
+        w->stall_after = strtoll(stall, NULL, 10);
+        PRISM_WARN("test hook PRISM_TEST_STALL_AFTER_LAYERS=%lld is set: the compute thread will stop making "
+                   "progress", (long long)w->stall_after);
+    }
+    const char *delay = getenv("PRISM_TEST_DELAY_REPLIES_S");
+    if (delay && *delay) {
+        double d = strtod(delay, NULL);
+        w->reply_delay_s = d >= 0 && d <= 60 ? d : 0;
+        PRISM_WARN("test hook PRISM_TEST_DELAY_REPLIES_S=%g is set: every reply to a router waits that long",
+                   w->reply_delay_s);
+    }
+    if (o->routers.n == 0) {
+        PRISM_ERROR("no --router given: a worker needs at least one router control endpoint");
+        return PRISM_EINVAL;
+    }
+    if (o->max_message_bytes < 1) {
+        PRISM_ERROR("--max-message-bytes must be positive");
+        return PRISM_EINVAL;
+    }
+    char err[512];
+    prism_net_opts_t no = {.role = net_role(role), .curve_keys = o->curve_keys, .insecure = o->insecure_no_curve};
+    if (prism_net_create(&no, &w->net, err, sizeof(err)) != PRISM_OK) {
+        PRISM_ERROR("%s", err);
+        return PRISM_EINVAL;
+    }
+    for (int i = 0; i < o->routers.n && i < PRISM_WORKER_MAX_ROUTERS; i++) {
+        prism_worker_router_t *r = &w->routers[w->n_routers];
+        snprintf(r->endpoint, sizeof(r->endpoint), "%s", o->routers.items[i]);
+        /* Control messages are small and the router never sends a worker more requests than its
+         * registered capacity, so this bound is never reached in normal operation; past it a send
+         * waits (backpressure), nothing is dropped. */
+        prism_sock_opts_t so = {.type = ZMQ_DEALER, .endpoint = r->endpoint, .hwm = PRISM_NET_CONTROL_HWM,
+                                .max_msg_bytes = PRISM_MAX(o->max_message_bytes, (int64_t)PRISM_MSG_MAX_ENVELOPE),
+                                .identity = w->worker_id, .server = PRISM_NET_ROLE_ROUTER};
+        r->sock = prism_sock_connect(w->net, &so);
+        if (!r->sock) return PRISM_EIO;
+        w->n_routers++;
+    }
+    if (data_bind) {
+        /* HWM 1: at most one message queued per peer; the rest waits in the senders (backpressure).
+         * Embeddings come from encoders only, KV from prefills only. */
+        prism_sock_opts_t so = {.type = ZMQ_PULL, .endpoint = data_bind, .hwm = 1,
+                                .max_msg_bytes = (int64_t)PRISM_MAX(data_max_msg_bytes, (size_t)PRISM_MSG_MAX_ENVELOPE),
+                                .allow = role == PRISM__ROLE__ROLE_PREFILL ? PRISM_NET_ALLOW(PRISM_NET_ROLE_ENCODER)
+                                                                          : PRISM_NET_ALLOW(PRISM_NET_ROLE_PREFILL)};
+        w->data_sock = prism_sock_bind(w->net, &so);
+        if (!w->data_sock) return PRISM_EIO;
+        prism_sock_last_endpoint(w->data_sock, w->data_endpoint, sizeof(w->data_endpoint));
+    }
+    /* The channel between the threads stays inside the process (inproc): nothing to authenticate. */
+    char inproc[64];
+    snprintf(inproc, sizeof(inproc), "inproc://prism-worker-%p", (void *)w);
+    w->io_pair = zmq_socket(prism_net_zctx(w->net), ZMQ_PAIR);
+    w->cpu_pair = zmq_socket(prism_net_zctx(w->net), ZMQ_PAIR);
+    if (!w->io_pair || !w->cpu_pair) return PRISM_EIO;
+    pair_hwm(w->io_pair);
+    pair_hwm(w->cpu_pair);
+    if (zmq_bind(w->io_pair, inproc) != 0 || zmq_connect(w->cpu_pair, inproc) != 0) return PRISM_EIO;
+    w->reg.role = role;
+    w->reg.worker_id = w->worker_id;
+    w->reg.data_endpoint = w->data_endpoint;
+    return PRISM_OK;
+}
+
+/* ---------------------------------------------------------------- I/O thread */
+
+static bool handle_ack(prism_worker_t *w, prism_msg_t *m, int ri)
+{
+    if (m->env->type != PRISM__MSG_TYPE__MSG_REGISTER_ACK) return false;
+    prism_worker_router_t *r = &w->routers[ri];
+    const Prism__RegisterAck *ack = m->env->reg_ack;
+    if (ack && ack->ok) {
+        pthread_mutex_lock(&w->mu);
+        bool was = r->registered;
+        snprintf(r->router_id, sizeof(r->router_id), "%s", m->env->router_id ? m->env->router_id : "");
+        r->registered = true;
+        pthread_mutex_unlock(&w->mu);
+        if (!was) {
+            PRISM_INFO("registered with router %s (%s)", r->router_id, r->endpoint);
+            w->last_heartbeat_s = 0;  /* a heartbeat at once: the router learns the load without waiting an interval */
+        }
+    } else {
+        /* The router does not know us (it restarted or dropped us) or refused us: register again. */
+        if (r->registered || (ack && ack->message && *ack->message))
+            PRISM_WARN("router %s: %s", r->endpoint, ack && ack->message ? ack->message : "registration lost");
+        pthread_mutex_lock(&w->mu);
+        r->registered = false;
+        pthread_mutex_unlock(&w->mu);
+        r->last_register_s = prism_now_s();
+    }
+    return true;
+}
+
+static void record_abort(prism_worker_t *w, const Prism__Envelope *e)
+{
+    pthread_mutex_lock(&w->mu);
+    prism_worker_abort_t *a = &w->aborts[w->n_aborts % PRISM_WORKER_ABORTS];
+    a->rid = e->request_id;
+    snprintf(a->router_id, sizeof(a->router_id), "%s", e->router_id ? e->router_id : "");
+    a->t_arrive = prism_now_s();
+    w->n_aborts++;
+    pthread_mutex_unlock(&w->mu);
+    atomic_fetch_add(&w->abort_seq, 1);  /* after the entry: a reader that sees the count sees it */
+}
+
+/* The compute thread's queue is full (PRISM_WORKER_INBOX_HWM): refuse work with the reply its
+ * sender waits for, so the request fails at once instead of hanging until a timeout. */
+static void refuse(prism_worker_t *w, const prism_msg_t *m, int source)
+{
+    const Prism__Envelope *e = m->env;
+    PRISM_WARN("request %llu: %d messages already wait for the compute thread: message type %d refused",
+               (unsigned long long)e->request_id, PRISM_WORKER_INBOX_HWM, e->type);
+    if (source < 0) return;
+    Prism__Envelope env = PRISM__ENVELOPE__INIT;
+    Prism__EncodeDone d = PRISM__ENCODE_DONE__INIT;
+    Prism__Tokens t = PRISM__TOKENS__INIT;
+    char msg[] = "worker queue is full";
+    if (e->type == PRISM__MSG_TYPE__MSG_ENCODE) {
+        d.image_index = e->encode ? e->encode->image_index : 0;
+        d.error = msg;
+        env.type = PRISM__MSG_TYPE__MSG_ENCODE_DONE;
+        env.encode_done = &d;
+    } else if (e->type == PRISM__MSG_TYPE__MSG_PREFILL) {
+        t.finish = PRISM__FINISH__FINISH_ERROR;
+        t.error = msg;
+        t.from_prefill = true;
+        env.type = PRISM__MSG_TYPE__MSG_TOKENS;
+        env.tokens = &t;
+    } else {
+        return;  /* aborts are in the table already; nothing else waits for an answer */
+    }
+    env.request_id = e->request_id;
+    env.router_id = e->router_id;
+    prism_msg_send(w->routers[source].sock, NULL, 0, &env, NULL, 0, ZMQ_DONTWAIT);
+}
+
+/* Hands a received message to the compute thread: the envelope pointer and the raw frames move,
+ * nothing is copied. On return m owns nothing. */
+static bool forward(prism_worker_t *w, prism_msg_t *m, int source)
+{
+    inbound_hdr_t h = {m->env, source, prism_now_s()};
+    int more = m->n_frames ? ZMQ_SNDMORE : 0;
+    if (zmq_send(w->io_pair, &h, sizeof(h), ZMQ_DONTWAIT | more) < 0) {
+        refuse(w, m, source);
+        prism_msg_close(m);
+        return false;
+    }
+    for (int i = 0; i < m->n_frames; i++)   /* the rest of a multipart message is queued atomically */
+        zmq_msg_send(&m->frames[i], w->io_pair, i + 1 < m->n_frames ? ZMQ_SNDMORE : 0);
+    for (int i = 0; i < m->n_frames; i++) zmq_msg_close(&m->frames[i]);
+    m->n_frames = 0;
+    m->env = NULL;
+    return true;
+}
+
+static void io_routers(prism_worker_t *w, int ri)
+{
+    for (int k = 0; k < IO_DRAIN_MAX; k++) {
+        prism_msg_t m;
+        int rc = prism_msg_recv(w->routers[ri].sock, false, &m, ZMQ_DONTWAIT);
+        if (rc == PRISM_EAGAIN || rc == PRISM_EIO) break;
+        if (rc != PRISM_OK) continue;
+        if (handle_ack(w, &m, ri)) {
+            prism_msg_close(&m);
+            continue;
+        }
+        if (m.env->type == PRISM__MSG_TYPE__MSG_ABORT) record_abort(w, m.env);
+        forward(w, &m, ri);
+    }
+}
+
+static void io_data(prism_worker_t *w)
+{
+    for (int k = 0; k < IO_DRAIN_MAX; k++) {
+        if (atomic_load(&w->data_forwarded) >= atomic_load(&w->data_limit)) break;  /* no credit */
+        prism_msg_t m;
+        int rc = prism_msg_recv(w->data_sock, false, &m, ZMQ_DONTWAIT);
+        if (rc == PRISM_EAGAIN || rc == PRISM_EIO) break;
+        if (rc != PRISM_OK) continue;  /* malformed: consumed and dropped, no credit used */
+        if (forward(w, &m, -1)) atomic_fetch_add(&w->data_forwarded, 1);
+    }
+}
+
+static bool has_more(void *sock)
+{
+    int more = 0;
+    size_t sz = sizeof(more);
+    return zmq_getsockopt(sock, ZMQ_RCVMORE, &more, &sz) == 0 && more;
+}
+
+static void drop_rest(void *sock)
+{
+    while (has_more(sock)) {
+        zmq_msg_t p;
+        zmq_msg_init(&p);
+        zmq_msg_recv(&p, sock, 0);
+        zmq_msg_close(&p);
+    }
+}
+
+/* Replies from the compute thread: [route][envelope][frames] -> the router socket, moved. */
+static void io_outbound(prism_worker_t *w)
+{
+    for (int k = 0; k < IO_DRAIN_MAX; k++) {
+        zmq_msg_t part;
+        zmq_msg_init(&part);
+        if (zmq_msg_recv(&part, w->io_pair, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&part);
+            break;
+        }
+        int32_t route = ROUTE_WAKE;
+        if (zmq_msg_size(&part) == sizeof(route)) memcpy(&route, zmq_msg_data(&part), sizeof(route));
+        zmq_msg_close(&part);
+        if (route < 0 || route >= w->n_routers) {
+            drop_rest(w->io_pair);
+            continue;
+        }
+        if (w->reply_delay_s > 0) {  /* test hook: a reply overtaken by what the work it came from caused */
+            double d = w->reply_delay_s;
+            struct timespec ts = {(time_t)d, (long)((d - (time_t)d) * 1e9)};
+            nanosleep(&ts, NULL);
+        }
+        void *s = w->routers[route].sock;
+        int flags = ZMQ_DONTWAIT;
+        bool more = has_more(w->io_pair);
+        while (more) {
+            zmq_msg_init(&part);
+            zmq_msg_recv(&part, w->io_pair, 0);
+            more = has_more(w->io_pair);
+            if (zmq_msg_send(&part, s, flags | (more ? ZMQ_SNDMORE : 0)) < 0) {
+                /* PRISM_NET_CONTROL_HWM messages queued for that router: it is gone; the reply is lost */
+                PRISM_WARN("reply to router %s dropped: %s", w->routers[route].endpoint, zmq_strerror(errno));
+                zmq_msg_close(&part);
+                if (more) drop_rest(w->io_pair);
+                break;
+            }
+            flags = 0;  /* the rest of a multipart message is queued atomically */
+        }
+    }
+}
+
+static void io_heartbeat(prism_worker_t *w)
+{
+    Prism__Heartbeat hb = PRISM__HEARTBEAT__INIT;
+    pthread_mutex_lock(&w->mu);
+    prism_worker_load_t l = w->load;
+    pthread_mutex_unlock(&w->mu);
+    hb.worker_id = w->worker_id;
+    hb.running = l.running;
+    hb.waiting = l.waiting;
+    hb.kv_free_blocks = l.kv_free_blocks;
+    hb.pool_free = l.pool_free;
+    hb.cache_hits = l.cache_hits;
+    hb.cache_misses = l.cache_misses;
+    hb.mem_used = prism_mem_used();
+    hb.mem_peak = prism_mem_peak();
+    hb.mem_planned = w->reg.mem_planned;
+    hb.alloc_count = prism_mem_alloc_count();
+    hb.peer_auth_failures = prism_net_refused(w->net);
+    hb.progress = atomic_load(&w->progress);
+    /* Busy: inside one piece of work since the previous heartbeat (never back to wait for more). */
+    uint64_t polls = atomic_load(&w->polls);
+    hb.busy = !atomic_load(&w->idle) && polls == w->hb_polls;
+    w->hb_polls = polls;
+    for (int i = 0; i < w->n_routers; i++) {
+        if (!w->routers[i].registered) continue;
+        Prism__Envelope env = PRISM__ENVELOPE__INIT;
+        env.type = PRISM__MSG_TYPE__MSG_HEARTBEAT;
+        env.heartbeat = &hb;
+        prism_msg_send(w->routers[i].sock, NULL, 0, &env, NULL, 0, ZMQ_DONTWAIT);
+    }
+}
+
+/* Registration and heartbeats; returns the time the next one is due. */
+static double io_tick(prism_worker_t *w, double now)
+{
+    double next = now + 1.0;
+    for (int i = 0; i < w->n_routers; i++) {
+        prism_worker_router_t *r = &w->routers[i];
+        if (r->registered) continue;
+        if (now - r->last_register_s >= REGISTER_RETRY_S) {
+            Prism__Envelope env = PRISM__ENVELOPE__INIT;
+            env.type = PRISM__MSG_TYPE__MSG_REGISTER;
+            env.reg = &w->reg;
+            if (prism_msg_send(r->sock, NULL, 0, &env, NULL, 0, ZMQ_DONTWAIT) == PRISM_OK)
+                PRISM_DEBUG("registering with %s", r->endpoint);
+            r->last_register_s = now;
+        }
+        next = PRISM_MIN(next, r->last_register_s + REGISTER_RETRY_S);
+    }
+    if (now - w->last_heartbeat_s >= w->heartbeat_s) {
+        /* On the clock, not accumulated: a late heartbeat does not make the next one early. */
+        w->last_heartbeat_s = now;
+        io_heartbeat(w);
+    }
+    return PRISM_MIN(next, w->last_heartbeat_s + w->heartbeat_s);
+}
+
+static void *io_main(void *arg)
+{
+    prism_worker_t *w = arg;
+    sigset_t set;  /* signals go to the compute thread, which owns shutdown */
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &set, NULL);
+    while (!atomic_load(&w->io_stop)) {
+        double now = prism_now_s();
+        double next = io_tick(w, now);
+        zmq_pollitem_t items[PRISM_WORKER_MAX_ROUTERS + 2];
+        int n = 0;
+        for (int i = 0; i < w->n_routers; i++)
+            items[n++] = (zmq_pollitem_t){w->routers[i].sock, 0, ZMQ_POLLIN, 0};
+        int pair_i = n;
+        items[n++] = (zmq_pollitem_t){w->io_pair, 0, ZMQ_POLLIN, 0};
+        int data_i = -1;
+        if (w->data_sock && atomic_load(&w->data_forwarded) < atomic_load(&w->data_limit)) {
+            data_i = n;
+            items[n++] = (zmq_pollitem_t){w->data_sock, 0, ZMQ_POLLIN, 0};
+        }
+        long timeout_ms = (long)((next - prism_now_s()) * 1e3 + 0.999);
+        timeout_ms = PRISM_MAX(0L, PRISM_MIN(timeout_ms, 1000L));
+        int rc = zmq_poll(items, n, timeout_ms);
+        if (rc <= 0) continue;
+        for (int i = 0; i < w->n_routers; i++)
+            if (items[i].revents & ZMQ_POLLIN) io_routers(w, i);
+        if (items[pair_i].revents & ZMQ_POLLIN) io_outbound(w);
+        if (data_i >= 0 && (items[data_i].revents & ZMQ_POLLIN)) io_data(w);
+    }
+    prism_msg_thread_exit();
+    return NULL;
+}
+
+int prism_worker_start(prism_worker_t *w)
+{
+    PRISM_ASSERT(!w->io_started);
+    w->last_heartbeat_s = prism_now_s() - w->heartbeat_s;
+    if (pthread_create(&w->io_thread, NULL, io_main, w) != 0) {
+        PRISM_ERROR("cannot start the worker's I/O thread");
+        return PRISM_EIO;
+    }
+    w->io_started = true;
+    return PRISM_OK;
+}
+
+static void wake_io(prism_worker_t *w)
+{
+    int32_t route = ROUTE_WAKE;
+    zmq_send(w->cpu_pair, &route, sizeof(route), ZMQ_DONTWAIT);  /* a full pipe wakes it anyway */
+}
+
+void prism_worker_close(prism_worker_t *w)
+{
+    if (w->io_started) {
+        atomic_store(&w->io_stop, true);
+        wake_io(w);
+        pthread_join(w->io_thread, NULL);
+        w->io_started = false;
+    }
+    /* Envelopes still in the channel belong to us now. */
+    if (w->cpu_pair) {
+        for (;;) {
+            zmq_msg_t part;
+            zmq_msg_init(&part);
+            if (zmq_msg_recv(&part, w->cpu_pair, ZMQ_DONTWAIT) < 0) {
+                zmq_msg_close(&part);
+                break;
+            }
+            inbound_hdr_t h;
+            if (zmq_msg_size(&part) == sizeof(h)) {
+                memcpy(&h, zmq_msg_data(&part), sizeof(h));
+                prism_msg_env_free(h.env);
+            }
+            zmq_msg_close(&part);
+            drop_rest(w->cpu_pair);
+        }
+        zmq_close(w->cpu_pair);
+    }
+    if (w->io_pair) zmq_close(w->io_pair);
+    for (int i = 0; i < w->n_routers; i++)
+        if (w->routers[i].sock) zmq_close(w->routers[i].sock);
+    for (int i = 0; i < w->n_peers; i++)
+        if (w->peers[i].sock) zmq_close(w->peers[i].sock);
+    if (w->data_sock) zmq_close(w->data_sock);
+    prism_net_destroy(w->net);
+    w->net = NULL;
+    pthread_mutex_destroy(&w->mu);
+}
+
+/* ---------------------------------------------------------------- compute thread */
+
+int prism_worker_poll(prism_worker_t *w, int timeout_ms, prism_worker_msg_fn fn, void *ud)
+{
+    atomic_fetch_add(&w->polls, 1);
+    if (timeout_ms != 0) {
+        zmq_pollitem_t it = {w->cpu_pair, 0, ZMQ_POLLIN, 0};
+        atomic_store(&w->idle, true);
+        int rc = zmq_poll(&it, 1, timeout_ms);
+        atomic_store(&w->idle, false);
+        if (rc < 0) return errno == EINTR ? PRISM_OK : PRISM_EIO;
+        if (rc == 0) return PRISM_OK;
+    }
+    for (int k = 0; k < IO_DRAIN_MAX; k++) {
+        zmq_msg_t part;
+        zmq_msg_init(&part);
+        if (zmq_msg_recv(&part, w->cpu_pair, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&part);
+            break;
+        }
+        inbound_hdr_t h;
+        PRISM_ASSERT(zmq_msg_size(&part) == sizeof(h));
+        memcpy(&h, zmq_msg_data(&part), sizeof(h));
+        zmq_msg_close(&part);
+        prism_msg_t m;
+        memset(&m, 0, offsetof(prism_msg_t, frames));
+        m.env = h.env;
+        m.n_frames = 0;
+        m.identity_len = 0;
+        while (has_more(w->cpu_pair)) {
+            PRISM_ASSERT(m.n_frames < PRISM_MSG_MAX_FRAMES);  /* prism_msg_recv bounded it */
+            zmq_msg_init(&m.frames[m.n_frames]);
+            zmq_msg_recv(&m.frames[m.n_frames], w->cpu_pair, 0);
+            m.n_frames++;
+        }
+        if (h.source < 0) w->data_received++;
+        fn(w, &m, h.source, ud);
+        prism_msg_close(&m);
+    }
+    return PRISM_OK;
+}
+
+void prism_worker_accept_data(prism_worker_t *w, int free_slots)
+{
+    if (!w->data_sock) return;
+    uint64_t lim = w->data_received + (uint64_t)PRISM_MAX(free_slots, 0);
+    uint64_t old = atomic_exchange(&w->data_limit, lim);
+    /* The I/O thread stopped polling the data socket when it ran out of credit: wake it. */
+    if (lim > old && atomic_load(&w->data_forwarded) >= old) wake_io(w);
+}
+
+void prism_worker_set_load(prism_worker_t *w, const prism_worker_load_t *load)
+{
+    pthread_mutex_lock(&w->mu);
+    w->load = *load;
+    pthread_mutex_unlock(&w->mu);
+}
+
+int prism_worker_reply(prism_worker_t *w, const char *router_id, uint64_t request_id, Prism__Envelope *env)
+{
+    int32_t route = -1;
+    pthread_mutex_lock(&w->mu);
+    for (int i = 0; i < w->n_routers && route < 0; i++)
+        if (router_id && w->routers[i].router_id[0] && !strcmp(w->routers[i].router_id, router_id)) route = i;
+    pthread_mutex_unlock(&w->mu);
+    if (route < 0) {
+        PRISM_WARN("request %llu: owning router '%s' is not connected; reply dropped",
+                   (unsigned long long)request_id, router_id ? router_id : "");
+        return PRISM_ENOTFOUND;
+    }
+    env->request_id = request_id;
+    env->router_id = (char *)router_id;
+    return prism_msg_send(w->cpu_pair, &route, sizeof(route), env, NULL, 0, 0);
+}
+
+void *prism_worker_peer_sock(prism_worker_t *w, const char *endpoint)
+{
+    for (int i = 0; i < w->n_peers; i++)
+        if (!strcmp(w->peers[i].endpoint, endpoint))
+            return w->peers[i].sock;
+    if (w->n_peers == PRISM_WORKER_MAX_PEERS) return NULL;
+    /* Encoders push embeddings to prefills, prefills push KV to decodes; a PUSH socket never
+     * receives, so its message bound only matters for the handshake. */
+    prism_sock_opts_t so = {.type = ZMQ_PUSH, .endpoint = endpoint, .hwm = 1, .max_msg_bytes = 64 << 10,
+                            .server = w->role == PRISM__ROLE__ROLE_ENCODER ? PRISM_NET_ROLE_PREFILL : PRISM_NET_ROLE_DECODE};
+    void *s = prism_sock_connect(w->net, &so);
+    if (!s) return NULL;
+    prism_worker_peer_t *p = &w->peers[w->n_peers++];
+    snprintf(p->endpoint, sizeof(p->endpoint), "%s", endpoint);
+    p->sock = s;
+    return s;
+}
+
+void prism_worker_progress(prism_worker_t *w, uint64_t units)
+{
+    atomic_fetch_add(&w->progress, units);
+}
+
+static void stall(prism_worker_t *w)
+{
+    PRISM_WARN("test hook PRISM_TEST_STALL_AFTER_LAYERS=%lld: the compute thread stalls here, without progress, "
+               "until the process is stopped", (long long)w->stall_after);
+    struct timespec ts = {0, 10 * 1000 * 1000};
+    while (!prism_worker_should_stop()) nanosleep(&ts, NULL);
+}
+
+bool prism_worker_layer_done(prism_worker_t *w)
+{
+    uint64_t p = atomic_fetch_add(&w->progress, 1) + 1;
+    if (w->stall_after >= 0 && p > (uint64_t)w->stall_after) {
+        atomic_fetch_sub(&w->progress, 1);   /* that layer did not finish */
+        stall(w);
+    }
+    uint64_t seq = atomic_load(&w->abort_seq);
+    if (seq != w->aborts_seen) {
+        w->aborts_seen = seq;
+        return true;
+    }
+    return prism_worker_should_stop();
+}
+
+bool prism_worker_aborted(prism_worker_t *w, uint64_t rid, const char *router_id, double *waited_s)
+{
+    if (waited_s) *waited_s = 0;
+    if (prism_worker_should_stop()) return true;
+    bool found = false;
+    pthread_mutex_lock(&w->mu);
+    uint64_t n = PRISM_MIN(w->n_aborts, (uint64_t)PRISM_WORKER_ABORTS);
+    for (uint64_t k = 0; k < n && !found; k++) {
+        const prism_worker_abort_t *a = &w->aborts[(w->n_aborts - 1 - k) % PRISM_WORKER_ABORTS];
+        if (a->rid == rid && !strcmp(a->router_id, router_id ? router_id : "")) {
+            found = true;
+            if (waited_s) *waited_s = prism_now_s() - a->t_arrive;
+        }
+    }
+    pthread_mutex_unlock(&w->mu);
+    return found;
+}
