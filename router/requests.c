@@ -330,10 +330,28 @@ static void add_logprobs(router_req_t *q, int32_t tok, const Prism__TokenLogprob
     prism_oai_logprobs_add(&q->lp, &t);
 }
 
-void router_handle_tokens(router_t *r, uint64_t rid, const Prism__Tokens *t)
+/* Whether worker w may send this Tokens message for q: the prefill it went to sends the first token
+ * (once) and may report an error later (a failed KV transfer); the decode it went to sends the rest.
+ * Decode's tokens are not held back until prefill's arrive: they come on another connection and
+ * carry no order with them, and the prefill cannot send more than one. */
+static bool tokens_allowed(const router_req_t *q, const router_worker_t *w, const Prism__Tokens *t)
+{
+    if (t->from_prefill) {
+        if (w->role != PRISM__ROLE__ROLE_PREFILL || strcmp(q->prefill_id, w->id) != 0) return false;
+        return q->prefill_pending || (t->finish == PRISM__FINISH__FINISH_ERROR && t->n_token_ids == 0);
+    }
+    return w->role == PRISM__ROLE__ROLE_DECODE && q->decode_pending && !strcmp(q->decode_id, w->id);
+}
+
+bool router_handle_tokens(router_t *r, const router_worker_t *from, uint64_t rid, const Prism__Tokens *t)
 {
     router_req_t *q = router_req_get(r, rid);
-    if (!q) return;  /* finished or aborted already */
+    if (!q) return true;  /* finished or aborted already: a late message, not a refusal */
+    if (!tokens_allowed(q, from, t)) {
+        PRISM_WARN("request %llu: Tokens from %s worker %s, which does not hold it at that stage: dropped",
+                   (unsigned long long)rid, prism_role_name(from->role), from->id);
+        return false;
+    }
     if (t->from_prefill && q->prefill_pending) {
         q->prefill_pending = false;
         worker_done(r, q->prefill_id);
@@ -343,7 +361,7 @@ void router_handle_tokens(router_t *r, uint64_t rid, const Prism__Tokens *t)
         char msg[300];
         snprintf(msg, sizeof(msg), "%s", t->error);
         req_fail(q, busy ? 503 : 500, msg);
-        return;
+        return true;
     }
     double now = prism_now_s();
     if (t->from_prefill) {
@@ -368,26 +386,32 @@ void router_handle_tokens(router_t *r, uint64_t rid, const Prism__Tokens *t)
     if (finished) prism_detok_flush(&q->detok, &q->text);
     if (apply_stop_strings(q, old_len)) {
         req_complete(q, "stop");
-        return;
+        return true;
     }
     if (finished) {
         req_complete(q, t->finish == PRISM__FINISH__FINISH_STOP ? "stop" : "length");
-        return;
+        return true;
     }
     if (q->oai.stream) {
         size_t safe = q->text.len - stop_holdback(q);
         if (safe > q->emitted || q->lp.n_tokens) stream_chunk(q, safe > q->emitted ? safe : q->emitted, NULL);
     }
+    return true;
 }
 
-void router_handle_encode_done(router_t *r, uint64_t rid, const Prism__EncodeDone *d)
+bool router_handle_encode_done(router_t *r, const router_worker_t *from, uint64_t rid, const Prism__EncodeDone *d)
 {
     router_req_t *q = router_req_get(r, rid);
-    if (!q || d->image_index >= (uint32_t)q->prompt.n_images) return;
-    if (q->encode_pending[d->image_index]) {
-        q->encode_pending[d->image_index] = false;
-        worker_done(r, q->encoder_id[d->image_index]);
+    if (!q) return true;  /* finished or aborted already */
+    /* Only the encoder this image went to, once. */
+    if (d->image_index >= (uint32_t)q->prompt.n_images || !q->encode_pending[d->image_index] ||
+        from->role != PRISM__ROLE__ROLE_ENCODER || strcmp(q->encoder_id[d->image_index], from->id) != 0) {
+        PRISM_WARN("request %llu: EncodeDone for image %u from %s, which does not hold it: dropped",
+                   (unsigned long long)rid, d->image_index, from->id);
+        return false;
     }
+    q->encode_pending[d->image_index] = false;
+    worker_done(r, q->encoder_id[d->image_index]);
     q->decode_ms += d->decode_ms;
     q->vit_ms += d->vit_ms;
     q->cache_hits += d->cache_hit;
@@ -396,6 +420,7 @@ void router_handle_encode_done(router_t *r, uint64_t rid, const Prism__EncodeDon
         snprintf(msg, sizeof(msg), "Image %u: %s", d->image_index, d->error);
         req_fail(q, 400, msg);
     }
+    return true;
 }
 
 void router_fail_worker_requests(router_t *r, const router_worker_t *w)
@@ -581,7 +606,16 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
     q->h = h;
     q->chat = chat;
     q->t_start = prism_now_s();
-    q->rid = ++r->next_rid;
+    /* Unguessable: a peer inside the trust boundary cannot aim messages at a request it was not
+     * given (workers match data messages by request id). Unique among the requests in flight. */
+    do {
+        if (prism_random_bytes(&q->rid, sizeof(q->rid)) != PRISM_OK) {
+            respond_error(h, 503, "The server has no randomness for request ids; try again shortly.", NULL);
+            prism_http_req_release(h);
+            prism_free(q);
+            return;
+        }
+    } while (q->rid == 0 || router_req_get(r, q->rid));
     prism_oai_logprobs_init(&q->lp, chat);
     char msg[600] = "";
     int status = 0;

@@ -13,7 +13,8 @@ router_worker_t *router_worker_by_id(router_t *r, const char *id)
     return NULL;
 }
 
-int router_worker_register(router_t *r, const char *id, const Prism__Register *g, char *why, size_t why_len)
+int router_worker_register(router_t *r, const char *id, const char *peer_key, const Prism__Register *g, char *why,
+                           size_t why_len)
 {
     if (!g || !g->worker_id || strcmp(g->worker_id, id) != 0) {
         snprintf(why, why_len, "registration: worker_id must equal the socket identity");
@@ -33,6 +34,8 @@ int router_worker_register(router_t *r, const char *id, const Prism__Register *g
         return PRISM_EINVAL;
     }
     router_worker_t *w = router_worker_by_id(r, id);
+    /* Another process under a registered id: the caller fails and drops the old record first. */
+    PRISM_ASSERT(!w || router_worker_same_process(w, peer_key, g));
     if (!w) {
         for (int i = 0; i < ROUTER_MAX_WORKERS && !w; i++)
             if (!r->workers[i].used) w = &r->workers[i];
@@ -47,6 +50,8 @@ int router_worker_register(router_t *r, const char *id, const Prism__Register *g
     w->used = true;
     w->role = g->role;
     snprintf(w->id, sizeof(w->id), "%s", id);
+    snprintf(w->peer_key, sizeof(w->peer_key), "%s", peer_key);
+    w->instance = g->instance;
     snprintf(w->data_endpoint, sizeof(w->data_endpoint), "%s", g->data_endpoint ? g->data_endpoint : "");
     w->kv_blocks = g->kv_blocks;
     w->kv_free_blocks = g->kv_blocks;
@@ -58,6 +63,11 @@ int router_worker_register(router_t *r, const char *id, const Prism__Register *g
     w->mem_planned = g->mem_planned;
     w->last_seen = prism_now_s();
     return PRISM_OK;
+}
+
+bool router_worker_same_process(const router_worker_t *w, const char *peer_key, const Prism__Register *g)
+{
+    return w->instance == g->instance && w->role == g->role && !strcmp(w->peer_key, peer_key);
 }
 
 bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat *hb)

@@ -226,6 +226,11 @@ int prism_worker_init(prism_worker_t *w, Prism__Role role, const prism_worker_op
     }
     w->reg.role = role;
     w->reg.worker_id = w->worker_id;
+    /* Tells the router a restart under the same id from a re-registration of this process. */
+    if (prism_random_bytes(&w->reg.instance, sizeof(w->reg.instance)) != PRISM_OK) {
+        PRISM_ERROR("no randomness from the kernel for the process instance");
+        return PRISM_EIO;
+    }
     w->reg.data_endpoint = w->data_endpoint;
     return PRISM_OK;
 }

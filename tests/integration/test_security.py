@@ -24,7 +24,8 @@ from cluster import Cluster, binary, free_port, make_keys, run_tests  # noqa: E4
 TMP = tempfile.mkdtemp(prefix="prism-sec-")
 PF_PORT, DC_PORT = free_port(), free_port()
 DATA = {"prefill_worker": ["--data-port", str(PF_PORT)], "decode_worker": ["--data-port", str(DC_PORT)]}
-C = Cluster(encoders=1, worker_args=DATA)
+# debug log: the tests that play a cluster worker read a running request's id from the router's log
+C = Cluster(encoders=1, worker_args=DATA, router_args=["--log-level", "debug"])
 PROMPT = {"model": "prism-tiny-llava", "prompt": "A red circle on a white", "temperature": 0, "ignore_eos": True}
 MAX_TOKENS = 600
 INJECTED = 7  # token id the intruder tries to slip into answers
@@ -106,10 +107,11 @@ def router_id():
     return "router-%s-%d-%d" % (socket.gethostname()[:63], C.procs["router"].pid, C.port)
 
 
-def probe(keys, role, targets=("router", "prefill", "decode"), wait=1.5, worker_id="intruder"):
+def probe(keys, role, targets=("router", "prefill", "decode"), wait=1.5, worker_id="intruder", rids=(1, 64),
+          extra=()):
     args = [binary("prism_peer_probe"), "--role", role, "--router-id", router_id(), "--token", str(INJECTED),
-            "--first-rid", "1", "--last-rid", "64", "--wait", str(wait), "--worker-id", worker_id,
-            "--embedding-bytes", str(64 * 256 * 4)]
+            "--first-rid", str(rids[0]), "--last-rid", str(rids[1]), "--wait", str(wait), "--worker-id", worker_id,
+            "--embedding-bytes", str(64 * 256 * 4), *extra]
     if keys:
         args += ["--curve-keys", keys]
     if "router" in targets:
@@ -187,6 +189,66 @@ def test_wrong_role_per_data_socket():
     out, _ = probe(C.keys, "encoder", targets=("decode",), wait=1.0)
     assert out == {"decode-data": "handshake refused"}, out
     wait_counters_above(before, ["prefill-0", "decode-0"])
+
+
+def control_refused():
+    return C.metric("prism:router_control_messages_refused_total")
+
+
+def running_rid():
+    """The id of the request the router dispatched last (its debug log line)."""
+    ids = re.findall(r"request (\d+): \d+ prompt tokens", C.log("router", tail=0))
+    assert ids, C.log("router")
+    return int(ids[-1])
+
+
+def inside_attack(role, worker_id, expect_register, extra=()):
+    """A peer holding a cluster key (inside the CURVE boundary) registers and sends Tokens for the request
+    that is streaming; the stream must be exactly what it is without it."""
+    refused0 = control_refused()
+    t, res, first = stream_in_background()
+    assert first.wait(60), "the stream never started"
+    rid = running_rid()
+    rid = rid - (1 << 64) if rid >= 1 << 63 else rid  # the probe's flags are int64; it sends the same 64 bits
+    out, t_probe = probe(C.keys, role, targets=("router",), worker_id=worker_id, rids=(rid, rid), extra=extra)
+    t.join(120)
+    assert not t.is_alive(), "the stream did not finish"
+    assert out == {"router": "handshake ok", "register": expect_register}, out
+    assert res["t_end"] > t_probe, "the stream ended before the intruder was done; make MAX_TOKENS larger"
+    assert res["status"] == 200 and "error" not in res, res
+    assert res["text"] == REF, "the answer changed: the intruder's tokens were taken"
+    assert res["usage"]["completion_tokens"] == MAX_TOKENS and res["finish"] == "length", res
+    assert control_refused() > refused0
+
+
+def test_tokens_only_from_the_worker_holding_the_request():
+    # finding 2: a registered worker that does not hold the request cannot write into its answer,
+    # neither as its decode nor as its prefill's first token
+    inside_attack("decode", "intruder", "acked")
+    inside_attack("prefill", "intruder-pf", "acked", extra=["--from-prefill", "--register-as", "prefill"])
+
+
+def test_nul_identity_cannot_alias_a_worker():
+    # finding 3: identity "decode-0\0x" used to be cut to "decode-0" and took over the live worker's record
+    inside_attack("decode", "decode-0", "refused", extra=["--identity-nul-suffix", "x"])
+
+
+def test_key_of_another_role_cannot_register_it():
+    # an encoder key registering a decode worker is refused (the key says the role)
+    out, _ = probe(C.keys, "encoder", targets=("router",), worker_id="enc-as-decode", wait=1.0)
+    assert out == {"router": "handshake ok", "register": "refused"}, out
+
+
+def test_request_ids_unguessable():
+    # request ids come from the kernel's CSPRNG, not a counter a peer can walk
+    ids = []
+    for _ in range(3):
+        status, r = C.post_json("/v1/completions", dict(PROMPT, max_tokens=2))
+        assert status == 200, (status, r)
+        ids.append(running_rid())
+    assert len(set(ids)) == 3, ids
+    assert all(abs(a - b) > 1 << 20 for a, b in zip(ids, ids[1:])), ids
+    assert max(ids) > 1 << 40, ids
 
 
 def vm_peak_kib(pid):
@@ -315,7 +377,9 @@ if __name__ == "__main__":
         rc = run_tests([test_no_curve_refused, test_other_cluster_keys_refused, test_stranger_knowing_public_keys_refused,
                         test_cluster_key_of_wrong_role_refused, test_wrong_role_per_data_socket,
                         test_oversized_frame_curve_cluster, test_oversized_frame_insecure_cluster,
-                        test_cluster_key_registers_and_metrics_stay_well_formed, test_api_key_checked_from_headers])
+                        test_cluster_key_registers_and_metrics_stay_well_formed, test_api_key_checked_from_headers,
+                        test_tokens_only_from_the_worker_holding_the_request, test_nul_identity_cannot_alias_a_worker,
+                        test_key_of_another_role_cannot_register_it, test_request_ids_unguessable])
         assert all(C.alive().values()), C.alive()
     finally:
         C.stop()
