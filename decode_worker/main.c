@@ -82,9 +82,11 @@ static bool admit_staged(decode_t *d)
     for (int i = 0; i < d->max_running; i++)
         if (!d->seqs[i].seq.used) { slot = i; break; }
     if (slot < 0) return false;
-    int total = (int)kv->n_tokens + (int)kv->sampling->max_tokens;
-    if (total > d->max_model_len) total = d->max_model_len;
+    /* on_kv bounded both terms (n_tokens < max_model_len, max_tokens <= max_model_len): no overflow,
+     * and the blocks cover every position the sequence can reach (it ends at max_model_len). */
+    int total = (int)PRISM_MIN((int64_t)kv->n_tokens + kv->sampling->max_tokens, (int64_t)d->max_model_len);
     int need = prism_kv_blocks_for_tokens(&d->blocks, total);
+    PRISM_ASSERT(need >= (int)kv->n_blocks && need <= d->max_blocks_per_seq);
     seq_t *s = &d->seqs[slot];
     if (prism_kv_blocks_alloc(&d->blocks, need, s->blocks) != PRISM_OK)
         return false;
@@ -118,12 +120,14 @@ static void on_kv(decode_t *d, prism_msg_t *m)
     size_t len = 0;
     prism_msg_frame(m, 0, &len);
     size_t block_bytes = prism_kv_cache_block_bytes(&d->cfg, d->blocks.block_size);
-    if (!kv || !kv->sampling || m->n_frames != 1 || kv->block_size != (uint32_t)d->blocks.block_size ||
+    const char *why = kv ? prism_seq_check(kv->sampling, d->cfg.vocab, d->max_model_len) : "no Kv message";
+    if (why || m->n_frames != 1 || kv->block_size != (uint32_t)d->blocks.block_size ||
         kv->block_bytes != block_bytes || len != (size_t)kv->n_blocks * block_bytes ||
         kv->n_tokens == 0 || kv->n_tokens >= (uint32_t)d->max_model_len ||
         kv->n_blocks != (uint32_t)prism_kv_blocks_for_tokens(&d->blocks, (int)kv->n_tokens) ||
         kv->first_token < 0 || kv->first_token >= d->cfg.vocab) {
-        PRISM_WARN("request %llu: malformed KV transfer dropped", (unsigned long long)e->request_id);
+        PRISM_WARN("request %llu: malformed KV transfer dropped (%s)", (unsigned long long)e->request_id,
+                   why ? why : "sizes");
         send_error(d, router, e->request_id, "malformed KV transfer between prefill and decode");
         return;
     }

@@ -133,7 +133,7 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
     if (!pf || !pf->sampling || !pf->decode_endpoint) why = "malformed prefill request";
     else if (pf->n_token_ids == 0 || pf->n_token_ids >= (size_t)p->max_model_len) why = "prompt length out of range";
     else if (pf->n_images > MAX_IMAGES) why = "too many images";
-    else why = prism_seq_check(pf->sampling);
+    else why = prism_seq_check(pf->sampling, p->cfg.vocab, p->max_model_len);
     if (!why) {
         for (size_t i = 0; i < pf->n_token_ids; i++)
             if (pf->token_ids[i] < 0 || pf->token_ids[i] >= p->cfg.vocab) { why = "token id out of range"; break; }

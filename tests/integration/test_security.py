@@ -19,7 +19,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import Cluster, binary, free_port, make_keys, run_tests  # noqa: E402
+from cluster import MODEL, Cluster, binary, free_port, make_keys, run_tests, run_tool, wait_for  # noqa: E402
 
 TMP = tempfile.mkdtemp(prefix="prism-sec-")
 PF_PORT, DC_PORT = free_port(), free_port()
@@ -251,6 +251,28 @@ def test_request_ids_unguessable():
     assert max(ids) > 1 << 40, ids
 
 
+def test_decode_checks_kv_sampling():
+    # finding 4: Kv.sampling.max_tokens was trusted; 0xFFFFFFFF overflowed the block reservation (a sequence
+    # writing KV through blocks it never got, decoding to the context end for nobody), 0x80000000 made it
+    # negative. Decode now checks every Sampling field against its model and context.
+    with open(os.path.join(MODEL, "config.json")) as f:
+        tc = json.load(f)["text_config"]
+    block_bytes = tc["num_hidden_layers"] * 2 * 16 * tc["num_key_value_heads"] * tc["head_dim"] * 4
+    log0 = len(C.log("decode-0", tail=0))
+    for max_tokens in ("-1", str(1 << 31)):
+        run_tool([binary("prism_wire"), "--endpoint", "tcp://127.0.0.1:%d" % DC_PORT, "--type", "kv",
+                  "--curve-keys", C.keys, "--n-tokens", "16", "--block-size", "16", "--block-bytes", str(block_bytes),
+                  "--max-tokens", max_tokens, "--router-id", "no-such-router"], timeout=30)
+    wait_for(lambda: C.log("decode-0", tail=0)[log0:].count("dropped (max_tokens exceeds the context length)") == 2,
+             20, "decode refusing both KV transfers")
+    # nothing runs for them, and the decode worker still serves
+    status, r = C.post_json("/v1/completions", dict(PROMPT, max_tokens=4))
+    assert status == 200, (status, r)
+    hb = C.metric("prism:worker_heartbeats_total", worker="decode-0")
+    wait_for(lambda: C.metric("prism:worker_heartbeats_total", worker="decode-0") > hb + 1, 20, "decode heartbeats")
+    assert C.metric("prism:worker_running", worker="decode-0") == 0
+
+
 def vm_peak_kib(pid):
     with open("/proc/%d/status" % pid) as f:
         for line in f:
@@ -379,7 +401,8 @@ if __name__ == "__main__":
                         test_oversized_frame_curve_cluster, test_oversized_frame_insecure_cluster,
                         test_cluster_key_registers_and_metrics_stay_well_formed, test_api_key_checked_from_headers,
                         test_tokens_only_from_the_worker_holding_the_request, test_nul_identity_cannot_alias_a_worker,
-                        test_key_of_another_role_cannot_register_it, test_request_ids_unguessable])
+                        test_key_of_another_role_cannot_register_it, test_request_ids_unguessable,
+                        test_decode_checks_kv_sampling])
         assert all(C.alive().values()), C.alive()
     finally:
         C.stop()
