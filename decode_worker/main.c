@@ -13,6 +13,7 @@
 #include "net/net.h"
 #include "worker/worker.h"
 #include "worker/seq.h"
+#include "worker/aborts.h"
 #include "kv/kv.h"
 #include "sample/sample.h"
 #include "backend/backend.h"
@@ -53,6 +54,7 @@ typedef struct {
     Prism__Envelope *staged_env;
     zmq_msg_t staged_frame;
     uint64_t steps, tokens_out;
+    prism_abort_memo_t aborts;  /* aborts that came before their KV */
 } decode_t;
 
 static void send_error(decode_t *d, const char *router_id, uint64_t rid, const char *msg)
@@ -117,6 +119,11 @@ static void on_kv(decode_t *d, prism_msg_t *m)
     const Prism__Envelope *e = m->env;
     const Prism__Kv *kv = e->kv;
     const char *router = e->router_id ? e->router_id : "";
+    if (prism_abort_memo_take(&d->aborts, e->request_id, router, prism_now_s())) {
+        /* Its client is gone (the router sent the abort while prefill ran): nobody to decode for. */
+        PRISM_DEBUG("request %llu: KV dropped, the request was aborted before it came", (unsigned long long)e->request_id);
+        return;
+    }
     size_t len = 0;
     prism_msg_frame(m, 0, &len);
     size_t block_bytes = prism_kv_cache_block_bytes(&d->cfg, d->blocks.block_size);
@@ -145,18 +152,24 @@ static void on_kv(decode_t *d, prism_msg_t *m)
 
 static void on_abort(decode_t *d, uint64_t rid, const char *router)
 {
+    bool held = false;
     for (int i = 0; i < d->max_running; i++) {
         seq_t *s = &d->seqs[i];
         if (s->seq.used && s->seq.rid == rid && !strcmp(s->seq.router_id, router)) {
             PRISM_DEBUG("request %llu aborted", (unsigned long long)rid);
             seq_release(d, s);
+            held = true;
         }
     }
     if (d->staged && d->staged_rid == rid && !strcmp(d->staged_router, router)) {
         zmq_msg_close(&d->staged_frame);
         prism_msg_env_free(d->staged_env);
         d->staged = false;
+        held = true;
     }
+    /* Not here yet: its KV may still be on its way from prefill (the router tells a decode only
+     * about requests it may hold or receive). */
+    if (!held) prism_abort_memo_add(&d->aborts, rid, router, prism_now_s());
 }
 
 static void on_msg(prism_worker_t *w, prism_msg_t *m, int router_index, void *ud)
@@ -167,7 +180,8 @@ static void on_msg(prism_worker_t *w, prism_msg_t *m, int router_index, void *ud
         if (router_index < 0) on_kv(d, m);
         break;
     case PRISM__MSG_TYPE__MSG_ABORT:
-        on_abort(d, m->env->request_id, m->env->router_id ? m->env->router_id : "");
+        /* Only routers abort (a prefill's key on the data socket does not make it one). */
+        if (router_index >= 0) on_abort(d, m->env->request_id, m->env->router_id ? m->env->router_id : "");
         break;
     default:
         PRISM_WARN("unexpected message type %d", m->env->type);
@@ -301,6 +315,7 @@ int main(int argc, char **argv)
         PRISM_ERROR("cannot allocate the KV cache (%lld blocks)", (long long)kv_blocks);
         return 1;
     }
+    prism_abort_memo_init(&d.aborts, 600.0);
     d.seqs = prism_xcalloc((size_t)d.max_running, sizeof(seq_t));
     d.block_pool = prism_xcalloc((size_t)d.max_running * d.max_blocks_per_seq, sizeof(int32_t));
     for (int i = 0; i < d.max_running; i++) d.seqs[i].blocks = d.block_pool + (size_t)i * d.max_blocks_per_seq;

@@ -204,15 +204,18 @@ static void on_embeddings(prefill_t *p, prism_msg_t *m)
 static void on_msg(prism_worker_t *w, prism_msg_t *m, int router_index, void *ud)
 {
     prefill_t *p = ud;
+    /* Prefill and Abort come from routers only, embeddings from encoders only (the data socket
+     * admits encoder keys alone): an encoder's key does not let it start or cancel requests. */
+    bool from_router = router_index >= 0;
     switch (m->env->type) {
     case PRISM__MSG_TYPE__MSG_PREFILL:
-        on_prefill(p, m->env);
+        if (from_router) on_prefill(p, m->env);
         break;
     case PRISM__MSG_TYPE__MSG_EMBEDDINGS:
-        on_embeddings(p, m);
+        if (!from_router) on_embeddings(p, m);
         break;
     case PRISM__MSG_TYPE__MSG_ABORT:
-        drop_request(p, m->env->request_id, m->env->router_id ? m->env->router_id : "");
+        if (from_router) drop_request(p, m->env->request_id, m->env->router_id ? m->env->router_id : "");
         break;
     default:
         PRISM_WARN("unexpected message type %d", m->env->type);

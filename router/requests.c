@@ -138,13 +138,16 @@ static void req_destroy(router_req_t *q)
 }
 
 /* Aborts every worker still holding this request (after a stop string, an error or a client
- * that went away). Workers ignore aborts for requests they no longer have. */
+ * that went away). The prefill always hears it (after its first token it may still hold the KV
+ * export); the decode only while it may hold or still receive the request: a decode remembers
+ * aborts for requests it has not seen (their KV may be on its way), so it is not told about
+ * requests that ended without it. */
 static void abort_workers(router_req_t *q)
 {
     for (int i = 0; i < q->prompt.n_images; i++)
         if (q->encode_pending[i]) send_abort(q->r, q->encoder_id[i], q->rid);
     send_abort(q->r, q->prefill_id, q->rid);
-    send_abort(q->r, q->decode_id, q->rid);
+    if (q->decode_pending) send_abort(q->r, q->decode_id, q->rid);
 }
 
 static void respond_error(prism_http_req_t *h, int status, const char *message, const char *param)
@@ -355,6 +358,11 @@ bool router_handle_tokens(router_t *r, const router_worker_t *from, uint64_t rid
     if (t->from_prefill && q->prefill_pending) {
         q->prefill_pending = false;
         worker_done(r, q->prefill_id);
+    }
+    /* Decode is done with it when it ends it, or when prefill ends it (no KV goes to decode then). */
+    if (q->decode_pending && (t->finish != PRISM__FINISH__FINISH_NONE || (t->error && *t->error))) {
+        q->decode_pending = false;
+        worker_done(r, q->decode_id);
     }
     if (t->error && *t->error) {
         bool busy = strstr(t->error, "full") != NULL;

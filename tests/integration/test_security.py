@@ -1,7 +1,9 @@
 """Security of the internal links, against real processes: an intruder without the cluster's keys (no CURVE,
 another cluster's keys, a stranger who knows our public keys, or a cluster key of a role no socket admits)
 cannot register, inject Tokens, push embeddings, KV, Prefill or Abort messages; an oversized frame does not
-make a process allocate it.
+make a process allocate it. A peer inside the boundary (holding a cluster key) cannot alias a live worker's id,
+register under another role, write into a request it does not hold or aim at a request id; decode checks what
+prefill forwards and remembers aborts that come before the KV.
 
 Run: python3 tests/integration/test_security.py   (PRISM_BINARY_DIR=build dir)
 """
@@ -23,7 +25,8 @@ from cluster import MODEL, Cluster, binary, free_port, make_keys, run_tests, run
 
 TMP = tempfile.mkdtemp(prefix="prism-sec-")
 PF_PORT, DC_PORT = free_port(), free_port()
-DATA = {"prefill_worker": ["--data-port", str(PF_PORT)], "decode_worker": ["--data-port", str(DC_PORT)]}
+DATA = {"prefill_worker": ["--data-port", str(PF_PORT)],
+        "decode_worker": ["--data-port", str(DC_PORT), "--log-level", "debug"]}
 # debug log: the tests that play a cluster worker read a running request's id from the router's log
 C = Cluster(encoders=1, worker_args=DATA, router_args=["--log-level", "debug"])
 PROMPT = {"model": "prism-tiny-llava", "prompt": "A red circle on a white", "temperature": 0, "ignore_eos": True}
@@ -273,6 +276,26 @@ def test_decode_checks_kv_sampling():
     assert C.metric("prism:worker_running", worker="decode-0") == 0
 
 
+def test_abort_before_kv_is_remembered():
+    # finding 7: a client that hangs up while its prompt is in prefill makes the router abort decode before
+    # the KV gets there; decode used to admit the KV later and decode to max_tokens for nobody
+    prompt = [10 + i % 500 for i in range(800)]
+    body = json.dumps({"model": "prism-tiny-llava", "prompt": prompt, "max_tokens": 100, "ignore_eos": True,
+                       "temperature": 0}).encode()
+    rlog0, dlog0 = len(C.log("router", tail=0)), len(C.log("decode-0", tail=0))
+    s = socket.create_connection(("127.0.0.1", C.port), timeout=10)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+              % len(body) + body)
+    m = wait_for(lambda: re.search(r"request (\d+): 800 prompt tokens", C.log("router", tail=0)[rlog0:]), 30,
+                 "the request dispatched")
+    s.close()  # while prefill runs (800 tokens: long enough on any machine)
+    rid = int(m.group(1))
+    dlog = wait_for(lambda: (lambda t: ("request %d: KV dropped" % rid in t or "request %d admitted" % rid in t) and t)(
+        C.log("decode-0", tail=0)[dlog0:]), 120, "the KV at decode")
+    assert "request %d admitted" % rid not in dlog, "decode ran an aborted request for nobody"
+    assert "request %d: KV dropped" % rid in dlog
+
+
 def vm_peak_kib(pid):
     with open("/proc/%d/status" % pid) as f:
         for line in f:
@@ -402,7 +425,7 @@ if __name__ == "__main__":
                         test_cluster_key_registers_and_metrics_stay_well_formed, test_api_key_checked_from_headers,
                         test_tokens_only_from_the_worker_holding_the_request, test_nul_identity_cannot_alias_a_worker,
                         test_key_of_another_role_cannot_register_it, test_request_ids_unguessable,
-                        test_decode_checks_kv_sampling])
+                        test_decode_checks_kv_sampling, test_abort_before_kv_is_remembered])
         assert all(C.alive().values()), C.alive()
     finally:
         C.stop()
