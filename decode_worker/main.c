@@ -62,6 +62,7 @@ static void send_error(decode_t *d, const char *router_id, uint64_t rid, const c
     Prism__Tokens t = PRISM__TOKENS__INIT;
     t.finish = PRISM__FINISH__FINISH_ERROR;
     t.error = (char *)msg;
+    t.error_kind = PRISM__ERROR_KIND__ERROR_INTERNAL;   /* decode refuses nothing for load (KV waits) */
     Prism__Envelope env = PRISM__ENVELOPE__INIT;
     env.type = PRISM__MSG_TYPE__MSG_TOKENS;
     env.tokens = &t;

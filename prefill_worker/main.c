@@ -116,11 +116,12 @@ static void send_tokens(prefill_t *p, const char *router, uint64_t rid, Prism__T
     prism_worker_reply(&p->w, router, rid, &env);
 }
 
-static void send_error(prefill_t *p, const char *router, uint64_t rid, const char *msg)
+static void send_error(prefill_t *p, const char *router, uint64_t rid, Prism__ErrorKind kind, const char *msg)
 {
     Prism__Tokens t = PRISM__TOKENS__INIT;
     t.finish = PRISM__FINISH__FINISH_ERROR;
     t.error = (char *)msg;
+    t.error_kind = kind;
     t.from_prefill = true;
     send_tokens(p, router, rid, &t);
 }
@@ -146,10 +147,14 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
     preq_t *r = NULL;
     for (int i = 0; i < p->max_pending && !why; i++)
         if (!p->reqs[i].seq.used) { r = &p->reqs[i]; break; }
-    if (!why && !r) why = "prefill worker is full";
+    Prism__ErrorKind kind = PRISM__ERROR_KIND__ERROR_INTERNAL;   /* the router checked all this: a bad message */
+    if (!why && !r) {
+        why = "prefill worker is full";
+        kind = PRISM__ERROR_KIND__ERROR_OVERLOAD;
+    }
     if (why) {
         PRISM_WARN("request %llu refused: %s", (unsigned long long)e->request_id, why);
-        send_error(p, router, e->request_id, why);
+        send_error(p, router, e->request_id, kind, why);
         drop_request(p, e->request_id, router);
         return;
     }
@@ -182,7 +187,7 @@ static void on_embeddings(prefill_t *p, prism_msg_t *m)
     if (!em || !data || len != want || em->n_tokens != (uint32_t)p->cfg.image_seq_length ||
         em->hidden != (uint32_t)p->cfg.hidden || em->image_index >= MAX_IMAGES) {
         PRISM_WARN("request %llu: malformed embeddings dropped", (unsigned long long)e->request_id);
-        send_error(p, router, e->request_id, "malformed image embeddings");
+        send_error(p, router, e->request_id, PRISM__ERROR_KIND__ERROR_INTERNAL, "malformed image embeddings");
         drop_request(p, e->request_id, router);
         return;
     }
@@ -235,7 +240,7 @@ static void try_send_kv(prefill_t *p)
     prism_seq_t *q = &p->kv_seq;
     void *s = prism_worker_peer_sock(&p->w, p->kv_endpoint);
     if (!s) {
-        send_error(p, q->router_id, q->rid, "cannot reach the decode worker");
+        send_error(p, q->router_id, q->rid, PRISM__ERROR_KIND__ERROR_UNAVAILABLE, "cannot reach the decode worker");
         p->kv_pending = false;
         return;
     }
@@ -248,7 +253,8 @@ static void try_send_kv(prefill_t *p)
     prism_frame_t f = {p->kv_out, p->kv_len};
     int rc = prism_msg_send(s, NULL, 0, &env, &f, 1, ZMQ_DONTWAIT);
     if (rc == PRISM_EAGAIN) return;  /* decode is full: keep it and retry next iteration */
-    if (rc != PRISM_OK) send_error(p, q->router_id, q->rid, "KV transfer to the decode worker failed");
+    if (rc != PRISM_OK) send_error(p, q->router_id, q->rid, PRISM__ERROR_KIND__ERROR_UNAVAILABLE,
+                                  "KV transfer to the decode worker failed");
     p->kv_pending = false;
 }
 
@@ -290,7 +296,7 @@ static void run_one(prefill_t *p)
     double t1 = prism_now_s();
     if (rc != PRISM_OK) {
         PRISM_ERROR("request %llu: prefill failed: %s", (unsigned long long)r->seq.rid, prism_strerror(rc));
-        send_error(p, r->seq.router_id, r->seq.rid, "prefill failed");
+        send_error(p, r->seq.router_id, r->seq.rid, PRISM__ERROR_KIND__ERROR_INTERNAL, "prefill failed");
         prism_kv_blocks_release(&p->blocks, p->table, nb);
         release_request(p, r->seq.rid, r->seq.router_id);
         return;

@@ -333,6 +333,18 @@ static void add_logprobs(router_req_t *q, int32_t tok, const Prism__TokenLogprob
     prism_oai_logprobs_add(&q->lp, &t);
 }
 
+/* The HTTP status of a worker's error, by its kind (never by its text); unset: the sender's default. */
+static int error_status(Prism__ErrorKind kind, int unset)
+{
+    switch (kind) {
+    case PRISM__ERROR_KIND__ERROR_CLIENT:      return 400;
+    case PRISM__ERROR_KIND__ERROR_OVERLOAD:    return 503;
+    case PRISM__ERROR_KIND__ERROR_UNAVAILABLE: return 503;
+    case PRISM__ERROR_KIND__ERROR_INTERNAL:    return 500;
+    default:                                   return unset;
+    }
+}
+
 /* Whether worker w may send this Tokens message for q: the prefill it went to sends the first token
  * (once) and may report an error later (a failed KV transfer); the decode it went to sends the rest.
  * Decode's tokens are not held back until prefill's arrive: they come on another connection and
@@ -365,10 +377,9 @@ bool router_handle_tokens(router_t *r, const router_worker_t *from, uint64_t rid
         worker_done(r, q->decode_id);
     }
     if (t->error && *t->error) {
-        bool busy = strstr(t->error, "full") != NULL;
         char msg[300];
         snprintf(msg, sizeof(msg), "%s", t->error);
-        req_fail(q, busy ? 503 : 500, msg);
+        req_fail(q, error_status(t->error_kind, 500), msg);
         return true;
     }
     double now = prism_now_s();
@@ -426,7 +437,7 @@ bool router_handle_encode_done(router_t *r, const router_worker_t *from, uint64_
     if (d->error && *d->error) {
         char msg[320];
         snprintf(msg, sizeof(msg), "Image %u: %s", d->image_index, d->error);
-        req_fail(q, 400, msg);
+        req_fail(q, error_status(d->error_kind, 400), msg);
     }
     return true;
 }
