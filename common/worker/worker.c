@@ -254,12 +254,36 @@ void *prism_worker_router_sock(prism_worker_t *w, const char *router_id)
     return NULL;
 }
 
+/* Nothing of ours waits in the link's queue (with HWM 1: it can take a message now). */
+static bool peer_idle(void *sock)
+{
+    int ev = 0;
+    size_t sz = sizeof(ev);
+    return zmq_getsockopt(sock, ZMQ_EVENTS, &ev, &sz) == 0 && (ev & ZMQ_POLLOUT);
+}
+
 void *prism_worker_peer_sock(prism_worker_t *w, const char *endpoint)
 {
+    double now = prism_now_s();
     for (int i = 0; i < w->n_peers; i++)
-        if (!strcmp(w->peers[i].endpoint, endpoint))
+        if (!strcmp(w->peers[i].endpoint, endpoint)) {
+            w->peers[i].last_used = now;
             return w->peers[i].sock;
-    if (w->n_peers == PRISM_WORKER_MAX_PEERS) return NULL;
+        }
+    if (w->n_peers == PRISM_WORKER_MAX_PEERS) {
+        int lru = -1;
+        for (int i = 0; i < w->n_peers; i++) {
+            const prism_worker_peer_t *p = &w->peers[i];
+            if (now - p->last_used >= PRISM_WORKER_PEER_IDLE_S && (lru < 0 || p->last_used < w->peers[lru].last_used) &&
+                peer_idle(p->sock))
+                lru = i;
+        }
+        if (lru < 0) return NULL;
+        PRISM_INFO("closing the idle link to %s for %s (peer table full)", w->peers[lru].endpoint, endpoint);
+        zmq_close(w->peers[lru].sock);
+        w->peers[lru] = w->peers[--w->n_peers];
+        w->peers_closed++;
+    }
     /* Encoders push embeddings to prefills, prefills push KV to decodes; a PUSH socket never
      * receives, so its message bound only matters for the handshake. */
     prism_sock_opts_t so = {.type = ZMQ_PUSH, .endpoint = endpoint, .hwm = 1, .max_msg_bytes = 64 << 10,
@@ -269,6 +293,7 @@ void *prism_worker_peer_sock(prism_worker_t *w, const char *endpoint)
     prism_worker_peer_t *p = &w->peers[w->n_peers++];
     snprintf(p->endpoint, sizeof(p->endpoint), "%s", endpoint);
     p->sock = s;
+    p->last_used = now;
     return s;
 }
 

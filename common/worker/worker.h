@@ -22,6 +22,7 @@ struct prism_model_config;   /* model/model.h */
 
 #define PRISM_WORKER_MAX_ROUTERS 8
 #define PRISM_WORKER_MAX_PEERS 64
+#define PRISM_WORKER_PEER_IDLE_S 10.0   /* a peer link unused this long may be closed for a new one */
 
 typedef struct {
     char endpoint[256];
@@ -34,6 +35,7 @@ typedef struct {
 typedef struct {
     char endpoint[256];
     void *sock;              /* PUSH */
+    double last_used;
 } prism_worker_peer_t;
 
 /* ---- start-up memory plan: named regions that must fit the budget ---- */
@@ -66,6 +68,7 @@ typedef struct {
     char data_endpoint[256]; /* resolved endpoint peers connect to */
     prism_worker_peer_t peers[PRISM_WORKER_MAX_PEERS];
     int n_peers;
+    uint64_t peers_closed;   /* idle peer links closed to make room (peers restarted on new ports) */
     Prism__Register reg;     /* capacity fields filled by the worker before the first tick */
     double heartbeat_s;      /* interval */
     double last_heartbeat_s;
@@ -90,7 +93,10 @@ int  prism_worker_poll(prism_worker_t *w, int timeout_ms, bool accept_data, pris
 
 /* Socket of the router that owns a request (by the router_id in its envelope); NULL if unknown. */
 void *prism_worker_router_sock(prism_worker_t *w, const char *router_id);
-/* PUSH socket to a peer's data endpoint, connected on first use. */
+/* PUSH socket to a peer's data endpoint, connected on first use. Peers restart on new ports, so the
+ * table would fill with dead endpoints: when it is full, the least recently used link that has been
+ * idle PRISM_WORKER_PEER_IDLE_S and has nothing queued is closed to make room. NULL when none can go
+ * (every link busy) or the connect fails. */
 void *prism_worker_peer_sock(prism_worker_t *w, const char *endpoint);
 
 /* Sends a Tokens / EncodeDone style reply to the owning router (no raw frames). */
