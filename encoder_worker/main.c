@@ -152,15 +152,21 @@ static void on_encode(encoder_t *e, prism_msg_t *m)
     j->t_arrive = prism_now_s();
 }
 
+/* Frees a job the router no longer wants: queued, or encoded and waiting for its prefill to take
+ * the embeddings (a prefill that died under backpressure never will: without this the batch in
+ * flight never finishes and the encoder takes no more work). */
 static void on_abort(encoder_t *e, uint64_t rid, const char *router)
 {
     for (int i = 0; i < e->max_queue; i++) {
         job_t *j = &e->jobs[i];
-        if (j->state == JOB_QUEUED && j->rid == rid && !strcmp(j->router_id, router)) {
-            if (j->has_image) zmq_msg_close(&j->image);
-            j->has_image = false;
-            j->state = JOB_FREE;
-        }
+        if ((j->state != JOB_QUEUED && j->state != JOB_SEND) || j->rid != rid || strcmp(j->router_id, router) != 0)
+            continue;
+        if (j->has_image) zmq_msg_close(&j->image);
+        j->has_image = false;
+        if (j->cache_slot >= 0) prism_embed_cache_unpin(&e->cache, j->cache_slot);
+        j->cache_slot = -1;
+        j->emb = NULL;
+        j->state = JOB_FREE;   /* flush_batch skips it (a new job in this slot stays queued until the batch is done) */
     }
 }
 

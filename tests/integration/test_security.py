@@ -7,6 +7,7 @@ prefill forwards and remembers aborts that come before the KV.
 
 Run: python3 tests/integration/test_security.py   (PRISM_BINARY_DIR=build dir)
 """
+import base64
 import http.client
 import json
 import os
@@ -296,6 +297,51 @@ def test_abort_before_kv_is_remembered():
     assert "request %d: KV dropped" % rid in dlog
 
 
+def ready_of(c):
+    try:
+        return json.loads(c.request("GET", "/ready")[2])
+    except OSError:
+        return {}
+
+
+def test_encoder_freed_when_its_prefill_dies():
+    # finding 9: an encoder whose embeddings wait for a prefill that died (backpressure) was wedged for
+    # good: aborts freed only queued jobs. A prefill that takes nothing: the probe registered as one, with
+    # a data endpoint nobody listens on; then it goes away and a real prefill comes.
+    img = os.path.join(TMP, "enc9.png")
+    run_tool([binary("prism_imgtool"), "--out", img, "--width", "64", "--height", "64", "--shape", "circle"])
+    with open(img, "rb") as f:
+        url = "data:image/png;base64," + base64.b64encode(f.read()).decode()
+    body = {"model": "prism-tiny-llava", "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                      {"type": "text", "text": "What is this?"}]}]}
+    with Cluster(encoders=1, prefills=0, decodes=1, router_args=["--worker-timeout", "2"],
+                 worker_args={"encoder_worker": ["--max-queued-images", "2", "--max-batch-images", "1"]}) as c:
+        wait_for(lambda: ready_of(c).get("encoders") == 1 and ready_of(c).get("decodes") == 1, 60,
+                 "encoder and decode registered")
+        args = [binary("prism_peer_probe"), "--role", "prefill", "--register-as", "prefill", "--worker-id",
+                "dead-prefill", "--router", c.ctl, "--curve-keys", c.keys, "--wait", "4", "--first-rid", "1",
+                "--last-rid", "0"]
+        probe_p = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+        wait_for(lambda: ready_of(c).get("prefills") == 1, 30, "the dead prefill registered")
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(c.post_json("/v1/chat/completions", body,
+                                                                               timeout=120)[0])) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert sorted(results) == [503, 503], results  # failed when the router dropped the silent prefill
+        probe_p.wait(30)
+        c.start_worker("prefill-0", "prefill_worker")
+        wait_for(lambda: ready_of(c).get("prefills") == 1, 60, "the real prefill")
+        try:
+            status, r = c.post_json("/v1/chat/completions", body, timeout=30)
+        except OSError as e:
+            raise AssertionError("the encoder is wedged: the image request never finished (%r)" % e)
+        assert status == 200, (status, r)
+
+
 def vm_peak_kib(pid):
     with open("/proc/%d/status" % pid) as f:
         for line in f:
@@ -425,7 +471,8 @@ if __name__ == "__main__":
                         test_cluster_key_registers_and_metrics_stay_well_formed, test_api_key_checked_from_headers,
                         test_tokens_only_from_the_worker_holding_the_request, test_nul_identity_cannot_alias_a_worker,
                         test_key_of_another_role_cannot_register_it, test_request_ids_unguessable,
-                        test_decode_checks_kv_sampling, test_abort_before_kv_is_remembered])
+                        test_decode_checks_kv_sampling, test_abort_before_kv_is_remembered,
+                        test_encoder_freed_when_its_prefill_dies])
         assert all(C.alive().values()), C.alive()
     finally:
         C.stop()
