@@ -262,7 +262,10 @@ static void req_complete(router_req_t *q, const char *finish)
                 prism_oai_write_completion_response(&q->out, &q->meta, q->text.data ? q->text.data : "", q->text.len,
                                                     lp, finish, &u);
             char extra[600];
-            snprintf(extra, sizeof(extra), "x-request-id: %s\r\nx-prism-timing: %s\r\n", q->meta.id, timing);
+            if (r->timing_header)
+                snprintf(extra, sizeof(extra), "x-request-id: %s\r\nx-prism-timing: %s\r\n", q->meta.id, timing);
+            else
+                snprintf(extra, sizeof(extra), "x-request-id: %s\r\n", q->meta.id);
             prism_http_respond(q->h, 200, "application/json", extra, q->out.data, q->out.len);
         }
     }

@@ -61,6 +61,8 @@ typedef struct {
     const char *served_model_name;
     const char *api_key;
     bool metrics_open;          /* /metrics without the API key */
+    bool timing_header;         /* x-prism-timing on responses (operators: it shows image cache hits) */
+    uint8_t img_secret[192];    /* XXH3 secret for image cache keys (a client cannot aim at a cached entry) */
     size_t max_stream_pending;  /* bytes queued for a streaming client that stopped reading; beyond: dropped */
     int max_model_len;
     int max_images_per_prompt;

@@ -297,6 +297,29 @@ def test_abort_before_kv_is_remembered():
     assert "request %d: KV dropped" % rid in dlog
 
 
+def test_cache_hits_not_shown_to_clients():
+    # finding 16: x-prism-timing told any client whether someone else had sent the same image (cache_hits=1,
+    # image_decode_ms=0); it is an operator's header now (--timing-header), and the cache key is keyed by a
+    # cluster secret. The cache still works: the second request is a hit, seen in the metrics only.
+    img = os.path.join(TMP, "hit16.png")
+    run_tool([binary("prism_imgtool"), "--out", img, "--width", "48", "--height", "40", "--shape", "triangle"])
+    with open(img, "rb") as f:
+        url = "data:image/png;base64," + base64.b64encode(f.read()).decode()
+    body = {"model": "prism-tiny-llava", "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                      {"type": "text", "text": "What is this?"}]}]}
+    hits0 = C.metric("prism:worker_embedding_cache_hits_total", worker="encoder-0") or 0
+    for _ in range(2):
+        status, headers, data = C.request("POST", "/v1/chat/completions", json.dumps(body).encode(),
+                                          headers={"Content-Type": "application/json"})
+        assert status == 200, (status, data[:300])
+        low = {k.lower(): v for k, v in headers.items()}
+        assert "x-prism-timing" not in low, low
+        assert "cache" not in json.dumps(low).lower(), low
+    wait_for(lambda: (C.metric("prism:worker_embedding_cache_hits_total", worker="encoder-0") or 0) > hits0, 20,
+             "the second image counted as a cache hit (metrics)")
+
+
 def ready_of(c):
     try:
         return json.loads(c.request("GET", "/ready")[2])
@@ -472,7 +495,7 @@ if __name__ == "__main__":
                         test_tokens_only_from_the_worker_holding_the_request, test_nul_identity_cannot_alias_a_worker,
                         test_key_of_another_role_cannot_register_it, test_request_ids_unguessable,
                         test_decode_checks_kv_sampling, test_abort_before_kv_is_remembered,
-                        test_encoder_freed_when_its_prefill_dies])
+                        test_encoder_freed_when_its_prefill_dies, test_cache_hits_not_shown_to_clients])
         assert all(C.alive().values()), C.alive()
     finally:
         C.stop()
