@@ -361,6 +361,24 @@ static bool tokens_allowed(const router_req_t *q, const router_worker_t *w, cons
     return w->role == PRISM__ROLE__ROLE_DECODE && q->decode_pending && !strcmp(q->decode_id, w->id);
 }
 
+/* Every field of a Tokens message against what the request asked for: ids in the vocabulary, no
+ * more tokens than max_tokens in all, logprobs only for tokens sent and at most 20 alternatives. */
+static bool tokens_valid(const router_t *r, const router_req_t *q, const Prism__Tokens *t)
+{
+    if (t->n_token_ids > (size_t)PRISM_MAX(q->prompt.max_tokens - q->n_out, 0) || t->n_logprobs > t->n_token_ids ||
+        (unsigned)t->finish > PRISM__FINISH__FINISH_ERROR)
+        return false;
+    for (size_t i = 0; i < t->n_token_ids; i++)
+        if (t->token_ids[i] < 0 || t->token_ids[i] >= r->cfg.vocab) return false;
+    for (size_t i = 0; i < t->n_logprobs; i++) {
+        const Prism__TokenLogprobs *l = t->logprobs[i];
+        if (!l || l->n_top > 20) return false;
+        for (size_t k = 0; k < l->n_top; k++)
+            if (!l->top[k] || l->top[k]->token_id < 0 || l->top[k]->token_id >= r->cfg.vocab) return false;
+    }
+    return true;
+}
+
 bool router_handle_tokens(router_t *r, const router_worker_t *from, uint64_t rid, const Prism__Tokens *t)
 {
     router_req_t *q = router_req_get(r, rid);
@@ -368,6 +386,13 @@ bool router_handle_tokens(router_t *r, const router_worker_t *from, uint64_t rid
     if (!tokens_allowed(q, from, t)) {
         PRISM_WARN("request %llu: Tokens from %s worker %s, which does not hold it at that stage: dropped",
                    (unsigned long long)rid, prism_role_name(from->role), from->id);
+        return false;
+    }
+    if (!tokens_valid(r, q, t)) {
+        /* From the worker that holds it: the request cannot go on with that worker's answer. */
+        PRISM_WARN("request %llu: malformed Tokens from %s worker %s", (unsigned long long)rid,
+                   prism_role_name(from->role), from->id);
+        req_fail(q, 500, "A worker sent a malformed result.");
         return false;
     }
     if (t->from_prefill && q->prefill_pending) {

@@ -320,6 +320,32 @@ def test_cache_hits_not_shown_to_clients():
              "the second image counted as a cache hit (metrics)")
 
 
+def test_router_checks_tokens_from_the_holding_decode():
+    # every field of a Tokens message is checked, even from the worker that holds the request: a token id
+    # outside the vocabulary fails the request (500) at once instead of being streamed or waited out
+    with Cluster(encoders=0, prefills=1, decodes=0,
+                 router_args=["--log-level", "debug", "--worker-timeout", "60", "--request-timeout", "60"]) as c:
+        fake = [binary("prism_peer_probe"), "--role", "decode", "--register-as", "decode", "--worker-id", "fake-decode",
+                "--router", c.ctl, "--curve-keys", c.keys, "--wait", "0.5", "--token", "999999"]
+        subprocess.run(fake + ["--first-rid", "1", "--last-rid", "0"], check=True, capture_output=True, timeout=60)
+        wait_for(lambda: ready_of(c).get("prefills") == 1 and ready_of(c).get("decodes") == 1, 60,
+                 "prefill and the fake decode registered")
+        res = {}
+        t = threading.Thread(target=lambda: res.update(r=c.post_json("/v1/completions", dict(PROMPT, max_tokens=8),
+                                                                       timeout=120)))
+        t.start()
+        m = wait_for(lambda: re.search(r"request (\d+): \d+ prompt tokens", c.log("router", tail=0)), 30, "dispatch")
+        rid = int(m.group(1))
+        rid = rid - (1 << 64) if rid >= 1 << 63 else rid
+        t0 = time.time()
+        subprocess.run(fake + ["--first-rid", str(rid), "--last-rid", str(rid)], check=True, capture_output=True,
+                       timeout=60)
+        t.join(120)
+        status, body = res["r"]
+        assert status == 500 and "malformed" in body["error"]["message"], (status, body)
+        assert time.time() - t0 < 30, "the request waited for its timeout"
+
+
 def ready_of(c):
     try:
         return json.loads(c.request("GET", "/ready")[2])
@@ -495,7 +521,8 @@ if __name__ == "__main__":
                         test_tokens_only_from_the_worker_holding_the_request, test_nul_identity_cannot_alias_a_worker,
                         test_key_of_another_role_cannot_register_it, test_request_ids_unguessable,
                         test_decode_checks_kv_sampling, test_abort_before_kv_is_remembered,
-                        test_encoder_freed_when_its_prefill_dies, test_cache_hits_not_shown_to_clients])
+                        test_encoder_freed_when_its_prefill_dies, test_cache_hits_not_shown_to_clients,
+                        test_router_checks_tokens_from_the_holding_decode])
         assert all(C.alive().values()), C.alive()
     finally:
         C.stop()
