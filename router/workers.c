@@ -28,6 +28,18 @@ int router_worker_register(router_t *r, const char *id, const char *peer_key, co
         snprintf(why, why_len, "registration: a data endpoint is required");
         return PRISM_EINVAL;
     }
+    /* Handed to other workers, who connect to it: never cut short (another endpoint), tcp only. */
+    if (g->data_endpoint && *g->data_endpoint &&
+        (strlen(g->data_endpoint) >= sizeof(((router_worker_t *)0)->data_endpoint) ||
+         strncmp(g->data_endpoint, "tcp://", 6) != 0)) {
+        snprintf(why, why_len, "registration: the data endpoint must be tcp://HOST:PORT, under %zu bytes",
+                 sizeof(((router_worker_t *)0)->data_endpoint));
+        return PRISM_EINVAL;
+    }
+    if (g->max_running > 1000000 || g->kv_blocks > (1u << 30) || g->block_size > 65536) {
+        snprintf(why, why_len, "registration: capacity out of range");
+        return PRISM_EINVAL;
+    }
     if (g->role != PRISM__ROLE__ROLE_ENCODER && g->max_model_len && (int)g->max_model_len < r->max_model_len) {
         snprintf(why, why_len, "registration: worker context length %u is below the router's %d",
                  g->max_model_len, r->max_model_len);
@@ -77,7 +89,7 @@ bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat
     if (!hb) return true;
     w->running = hb->running;
     w->waiting = hb->waiting;
-    w->kv_free_blocks = hb->kv_free_blocks;
+    w->kv_free_blocks = PRISM_MIN(hb->kv_free_blocks, w->kv_blocks);   /* load_of divides by kv_blocks */
     w->pool_free = hb->pool_free;
     w->mem_used = hb->mem_used;
     w->mem_peak = hb->mem_peak;

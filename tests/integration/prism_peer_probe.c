@@ -69,7 +69,7 @@ int main(int argc, char **argv)
     const char *keys = NULL, *role_name = "encoder", *router = NULL, *router_id = "", *prefill_data = NULL,
                *decode_data = NULL, *worker_id = "probe", *nul_suffix = NULL;
     bool from_prefill = false;
-    const char *register_as = "decode";
+    const char *register_as = "decode", *data_endpoint = "tcp://127.0.0.1:1";
     int64_t first_rid = 1, last_rid = 64, token = 5, emb_bytes = 0;
     double wait_s = 2.0;
     prism_flag_t flags[] = {
@@ -81,6 +81,7 @@ int main(int argc, char **argv)
         PRISM_FLAG_STR("identity-nul-suffix", &nul_suffix,
                        "Connect with the identity WORKER_ID NUL SUFFIX (register as WORKER_ID): truncation aliasing"),
         PRISM_FLAG_STR("register-as", &register_as, "Role to register as: encoder, prefill or decode"),
+        PRISM_FLAG_STR("data-endpoint", &data_endpoint, "Data endpoint to register"),
         PRISM_FLAG_BOOL("from-prefill", &from_prefill, "Send the Tokens as a prefill's first token"),
         PRISM_FLAG_STR("prefill-data", &prefill_data, "Prefill data endpoint to attack"),
         PRISM_FLAG_STR("decode-data", &decode_data, "Decode data endpoint to attack"),
@@ -129,7 +130,7 @@ int main(int argc, char **argv)
         reg.role = !strcmp(register_as, "prefill") ? PRISM__ROLE__ROLE_PREFILL
                  : !strcmp(register_as, "encoder") ? PRISM__ROLE__ROLE_ENCODER : PRISM__ROLE__ROLE_DECODE;
         reg.worker_id = (char *)worker_id;
-        reg.data_endpoint = "tcp://127.0.0.1:1";
+        reg.data_endpoint = (char *)data_endpoint;
         reg.kv_blocks = 0;   /* no free KV to show: the router keeps picking the real decode worker */
         reg.block_size = 16;
         reg.max_running = 64;

@@ -243,6 +243,15 @@ def test_key_of_another_role_cannot_register_it():
     assert out == {"router": "handshake ok", "register": "refused"}, out
 
 
+def test_registration_fields_checked():
+    # a data endpoint is handed to other workers: one longer than the router keeps was cut short into
+    # another endpoint, and a non-tcp one (ipc://) pointed them at local files
+    for ep in ("tcp://127.0.0.1:1" + "1" * 300, "ipc:///tmp/prism-evil"):
+        out, _ = probe(C.keys, "decode", targets=("router",), worker_id="bad-endpoint", wait=1.0,
+                       extra=["--data-endpoint", ep])
+        assert out == {"router": "handshake ok", "register": "refused"}, (ep[:40], out)
+
+
 def test_request_ids_unguessable():
     # request ids come from the kernel's CSPRNG, not a counter a peer can walk
     ids = []
@@ -522,7 +531,7 @@ if __name__ == "__main__":
                         test_key_of_another_role_cannot_register_it, test_request_ids_unguessable,
                         test_decode_checks_kv_sampling, test_abort_before_kv_is_remembered,
                         test_encoder_freed_when_its_prefill_dies, test_cache_hits_not_shown_to_clients,
-                        test_router_checks_tokens_from_the_holding_decode])
+                        test_router_checks_tokens_from_the_holding_decode, test_registration_fields_checked])
         assert all(C.alive().values()), C.alive()
     finally:
         C.stop()
