@@ -91,6 +91,45 @@ static bool owns(const prism_seq_t *s, uint64_t rid, const char *router)
     return s->used && s->rid == rid && !strcmp(s->router_id, router);
 }
 
+/* Embeddings whose Prefill has not come (yet): legitimately early ones, or junk for made-up ids
+ * from a peer holding an encoder key. */
+static bool emb_orphan(const prefill_t *p, const emb_slot_t *e)
+{
+    for (int k = 0; k < p->max_pending; k++)
+        if (owns(&p->reqs[k].seq, e->rid, e->router_id)) return false;
+    return true;
+}
+
+static emb_slot_t *emb_oldest_orphan(const prefill_t *p, int *n_orphans)
+{
+    const emb_slot_t *oldest = NULL;
+    *n_orphans = 0;
+    for (int i = 0; i < p->n_emb; i++) {
+        const emb_slot_t *e = &p->emb[i];
+        if (!e->used || !emb_orphan(p, e)) continue;
+        ++*n_orphans;
+        if (!oldest || e->t_arrive < oldest->t_arrive) oldest = e;
+    }
+    return (emb_slot_t *)oldest;
+}
+
+/* Orphans may hold at most half the pool: past that the oldest one makes room for new embeddings,
+ * so junk cannot lock every image request out until --orphan-timeout. NULL when none may go. */
+static emb_slot_t *emb_evictable(const prefill_t *p)
+{
+    int n;
+    emb_slot_t *oldest = emb_oldest_orphan(p, &n);
+    return 2 * n >= p->n_emb ? oldest : NULL;
+}
+
+/* Room for one more embeddings message: a free slot, or an orphan that may go. */
+static bool emb_room(const prefill_t *p)
+{
+    for (int i = 0; i < p->n_emb; i++)
+        if (!p->emb[i].used) return true;
+    return emb_evictable(p) != NULL;
+}
+
 /* Frees a request's slot and its embedding slots (done, failed or aborted). */
 static void release_request(prefill_t *p, uint64_t rid, const char *router)
 {
@@ -203,7 +242,24 @@ static void on_embeddings(prefill_t *p, prism_msg_t *m)
         memcpy(s->data, data, want);
         return;
     }
-    PRISM_ASSERT(!"embedding accepted with no free slot");
+    /* The poll reads data only with emb_room, but a Prefill read in the same poll may have adopted
+     * the orphan that made the room: then any orphan goes, and with none this message is refused. */
+    int n;
+    emb_slot_t *old = emb_oldest_orphan(p, &n);
+    if (!old) {
+        PRISM_WARN("request %llu: embeddings refused, the pool is full", (unsigned long long)e->request_id);
+        for (int i = 0; i < p->max_pending; i++)
+            if (owns(&p->reqs[i].seq, e->request_id, router)) {
+                send_error(p, router, e->request_id, PRISM__ERROR_KIND__ERROR_OVERLOAD, "prefill embedding pool is full");
+                drop_request(p, e->request_id, router);
+                break;
+            }
+        return;
+    }
+    PRISM_WARN("dropping embeddings of request %llu: no prefill request came, and orphans fill the pool",
+               (unsigned long long)old->rid);
+    old->used = false;
+    on_embeddings(p, m);
 }
 
 static void on_msg(prism_worker_t *w, prism_msg_t *m, int router_index, void *ud)
@@ -340,10 +396,7 @@ static void expire_orphans(prefill_t *p)
     for (int i = 0; i < p->n_emb; i++) {
         emb_slot_t *e = &p->emb[i];
         if (!e->used || now - e->t_arrive < p->orphan_timeout_s) continue;
-        bool owned = false;
-        for (int k = 0; k < p->max_pending; k++)
-            owned |= owns(&p->reqs[k].seq, e->rid, e->router_id);
-        if (!owned) {
+        if (emb_orphan(p, e)) {
             PRISM_WARN("dropping embeddings of request %llu: no prefill request came", (unsigned long long)e->rid);
             e->used = false;
         }
@@ -456,7 +509,7 @@ int main(int argc, char **argv)
         bool work = false;
         for (int i = 0; i < p.max_pending && !p.kv_pending; i++)
             work |= p.reqs[i].seq.used && ready(&p, &p.reqs[i]);
-        prism_worker_poll(&p.w, work ? 0 : (p.kv_pending ? 2 : 50), emb_free_slots(&p) > 0, on_msg, &p);
+        prism_worker_poll(&p.w, work ? 0 : (p.kv_pending ? 2 : 50), emb_room(&p), on_msg, &p);
         run_one(&p);
         expire_orphans(&p);
     }

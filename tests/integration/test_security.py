@@ -355,6 +355,35 @@ def test_router_checks_tokens_from_the_holding_decode():
         assert time.time() - t0 < 30, "the request waited for its timeout"
 
 
+def test_junk_embeddings_cannot_fill_the_pool():
+    # finding 5: embeddings for made-up request ids (a peer holding an encoder key) took every slot of the
+    # prefill's pool until --orphan-timeout, locking every image request out. Orphans may hold half the pool;
+    # past that the oldest makes room.
+    with open(os.path.join(MODEL, "config.json")) as f:
+        cfg = json.load(f)
+    img = os.path.join(TMP, "pool5.png")
+    run_tool([binary("prism_imgtool"), "--out", img, "--width", "40", "--height", "40", "--shape", "circle"])
+    with open(img, "rb") as f:
+        url = "data:image/png;base64," + base64.b64encode(f.read()).decode()
+    body = {"model": "prism-tiny-llava", "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                      {"type": "text", "text": "What is this?"}]}]}
+    with Cluster(common_worker_args=["--heartbeat-interval", "0.1"],
+                 worker_args={"prefill_worker": ["--embed-pool-images", "2", "--orphan-timeout", "600"]}) as c:
+        c.wait_ready()
+        endpoint = re.search(r"data (tcp://[^,\s]+)", c.wait_log("prefill-0", "ready in")).group(1)
+        for rid in (101, 102, 103):
+            run_tool([binary("prism_wire"), "--endpoint", endpoint, "--request-id", str(rid), "--router-id", "junk",
+                      "--n-tokens", str(cfg["image_seq_length"]), "--hidden", str(cfg["text_config"]["hidden_size"]),
+                      "--curve-keys", c.keys], timeout=30)
+        wait_for(lambda: c.metric("prism:worker_pool_free", tier="prefill") == 0, 20, "junk in the pool")
+        try:
+            status, r = c.post_json("/v1/chat/completions", body, timeout=30)
+        except OSError as e:
+            raise AssertionError("the image request never completed: junk held the embedding pool (%r)" % e)
+        assert status == 200, (status, r)
+
+
 def ready_of(c):
     try:
         return json.loads(c.request("GET", "/ready")[2])
@@ -531,7 +560,8 @@ if __name__ == "__main__":
                         test_key_of_another_role_cannot_register_it, test_request_ids_unguessable,
                         test_decode_checks_kv_sampling, test_abort_before_kv_is_remembered,
                         test_encoder_freed_when_its_prefill_dies, test_cache_hits_not_shown_to_clients,
-                        test_router_checks_tokens_from_the_holding_decode, test_registration_fields_checked])
+                        test_router_checks_tokens_from_the_holding_decode, test_registration_fields_checked,
+                        test_junk_embeddings_cannot_fill_the_pool])
         assert all(C.alive().values()), C.alive()
     finally:
         C.stop()
