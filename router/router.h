@@ -72,6 +72,8 @@ typedef struct {
     double worker_timeout_s;
     double request_timeout_s;
     double max_queue_wait_s;    /* no first token by then: 503 */
+    int max_retries;
+    double drain_timeout_s;            /* re-dispatches of a request whose worker died before its first token */
     int64_t created;
 
     /* model facts */
@@ -91,6 +93,9 @@ typedef struct {
     uv_prepare_t ctl_prepare;
     uv_timer_t sweep_timer;
     uv_signal_t sigint, sigterm;
+    uv_timer_t drain_timer;
+    bool shutting_down;         /* SIGTERM/SIGINT: finishing what it holds, taking nothing new */
+    double drain_deadline;      /* prism_now_s() by which the rest is aborted (--drain-timeout) */
 
     router_worker_t workers[ROUTER_MAX_WORKERS];
 
@@ -172,6 +177,8 @@ void router_dispatch_queued(router_t *r);
 
 /* request map */
 router_req_t *router_req_get(router_t *r, uint64_t rid);
+/* A fresh request id from the kernel's CSPRNG, unique among the requests in flight; PRISM_EIO without randomness. */
+int  router_req_new_id(router_t *r, uint64_t *out);
 int  router_req_put(router_t *r, uint64_t rid, router_req_t *q);
 void router_req_del(router_t *r, uint64_t rid);
 
