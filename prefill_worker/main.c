@@ -326,6 +326,7 @@ static void run_one(prefill_t *p)
     if (!r) return;
     int nb = prism_kv_blocks_for_tokens(&p->blocks, r->n_tokens);
     if (prism_kv_blocks_alloc(&p->blocks, nb, p->table) != PRISM_OK) return;
+    PRISM_DEBUG("request %llu: prefill of %d tokens started", (unsigned long long)r->seq.rid, r->n_tokens);
     double t0 = prism_now_s();
     const int32_t *tables[1] = {p->table};
     int hidden = p->cfg.hidden, rc = PRISM_OK;

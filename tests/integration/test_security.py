@@ -26,7 +26,7 @@ from cluster import MODEL, Cluster, binary, free_port, make_keys, run_tests, run
 
 TMP = tempfile.mkdtemp(prefix="prism-sec-")
 PF_PORT, DC_PORT = free_port(), free_port()
-DATA = {"prefill_worker": ["--data-port", str(PF_PORT)],
+DATA = {"prefill_worker": ["--data-port", str(PF_PORT), "--log-level", "debug"],
         "decode_worker": ["--data-port", str(DC_PORT), "--log-level", "debug"]}
 # debug log: the tests that play a cluster worker read a running request's id from the router's log
 C = Cluster(encoders=1, worker_args=DATA, router_args=["--log-level", "debug"])
@@ -305,19 +305,20 @@ def test_decode_checks_kv_sampling():
 def test_abort_before_kv_is_remembered():
     # finding 7: a client that hangs up while its prompt is in prefill makes the router abort decode before
     # the KV gets there; decode used to admit the KV later and decode to max_tokens for nobody
-    prompt = [10 + i % 500 for i in range(800)]
+    prompt = [10 + i % 500 for i in range(1000)]
     body = json.dumps({"model": "prism-tiny-llava", "prompt": prompt, "max_tokens": 100, "ignore_eos": True,
                        "temperature": 0}).encode()
-    rlog0, dlog0 = len(C.log("router", tail=0)), len(C.log("decode-0", tail=0))
+    plog0, dlog0 = len(C.log("prefill-0", tail=0)), len(C.log("decode-0", tail=0))
     s = socket.create_connection(("127.0.0.1", C.port), timeout=10)
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
               % len(body) + body)
-    m = wait_for(lambda: re.search(r"request (\d+): 800 prompt tokens", C.log("router", tail=0)[rlog0:]), 30,
-                 "the request dispatched")
-    s.close()  # while prefill runs (800 tokens: long enough on any machine)
+    # hang up once prefill is computing (an abort that reaches prefill before that drops the request there)
+    m = wait_for(lambda: re.search(r"request (\d+): prefill of 1000 tokens started", C.log("prefill-0", tail=0)[plog0:]),
+                 60, "prefill started")
+    s.close()
     rid = int(m.group(1))
     dlog = wait_for(lambda: (lambda t: ("request %d: KV dropped" % rid in t or "request %d admitted" % rid in t) and t)(
-        C.log("decode-0", tail=0)[dlog0:]), 120, "the KV at decode")
+        C.log("decode-0", tail=0)[dlog0:]), 300, "the KV at decode")
     assert "request %d admitted" % rid not in dlog, "decode ran an aborted request for nobody"
     assert "request %d: KV dropped" % rid in dlog
 
