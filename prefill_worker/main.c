@@ -12,6 +12,7 @@
 #include "net/net.h"
 #include "worker/worker.h"
 #include "worker/seq.h"
+#include "worker/aborts.h"
 #include "kv/kv.h"
 #include "sample/sample.h"
 #include "backend/backend.h"
@@ -68,6 +69,7 @@ typedef struct {
     Prism__Kv kv_hdr;
     size_t kv_len;
     uint64_t served;
+    prism_abort_memo_t aborts;   /* aborted requests: their embeddings still on the way are dropped */
 } prefill_t;
 
 static int emb_free_slots(const prefill_t *p)
@@ -217,6 +219,7 @@ static void on_embeddings(prefill_t *p, prism_msg_t *m)
     const char *router = e->router_id ? e->router_id : "";
     size_t len = 0;
     const void *data = prism_msg_frame(m, 0, &len);
+    if (prism_abort_memo_has(&p->aborts, e->request_id, router, prism_now_s())) return;  /* came after its abort */
     if (em && em->error && *em->error) {
         /* The encoder failed on this image; the router answers the client and aborts. */
         drop_request(p, e->request_id, router);
@@ -276,7 +279,11 @@ static void on_msg(prism_worker_t *w, prism_msg_t *m, int router_index, void *ud
         if (!from_router) on_embeddings(p, m);
         break;
     case PRISM__MSG_TYPE__MSG_ABORT:
-        if (from_router) drop_request(p, m->env->request_id, m->env->router_id ? m->env->router_id : "");
+        if (from_router) {
+            const char *router = m->env->router_id ? m->env->router_id : "";
+            drop_request(p, m->env->request_id, router);
+            prism_abort_memo_add(&p->aborts, m->env->request_id, router, prism_now_s());
+        }
         break;
     default:
         PRISM_WARN("unexpected message type %d", m->env->type);
@@ -433,6 +440,7 @@ int main(int argc, char **argv)
     }
     p.chunk = (int)chunk;
     p.orphan_timeout_s = orphan_timeout;
+    prism_abort_memo_init(&p.aborts, orphan_timeout);
     p.max_pending = (int)max_pending;
     p.n_emb = p.cfg.has_vision ? (int)emb_images : 0;
     p.max_model_len = context_length > 0 ? (int)PRISM_MIN(context_length, (int64_t)p.cfg.max_pos) : p.cfg.max_pos;

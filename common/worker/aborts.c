@@ -42,3 +42,13 @@ bool prism_abort_memo_take(prism_abort_memo_t *m, uint64_t rid, const char *rout
     }
     return false;
 }
+
+bool prism_abort_memo_has(const prism_abort_memo_t *m, uint64_t rid, const char *router_id, double now)
+{
+    for (int k = 0; k < m->n; k++) {
+        const prism_abort_entry_t *e = &m->e[(m->head + k) % PRISM_ABORT_MEMO_CAP];
+        if (e->used && e->rid == rid && !strcmp(e->router_id, router_id ? router_id : ""))
+            return now - e->t <= m->ttl_s;
+    }
+    return false;
+}

@@ -5,7 +5,7 @@
  * hung up during prefill may reach decode before its KV. Without a memory the KV is admitted
  * later and decodes to max_tokens for nobody. The owner (one worker loop) adds an entry when an
  * abort names a request it does not have, and takes it when that request's data arrives (then
- * dropped). Bounded: PRISM_ABORT_MEMO_CAP entries, the oldest forgotten first, each kept at most
+ * dropped; prefill keeps it for every image's embeddings). Bounded: PRISM_ABORT_MEMO_CAP entries, the oldest forgotten first, each kept at most
  * ttl_s seconds (the router gives up on a request long before). No allocation.
  *
  *   prism_abort_memo_init(&m, 600);
@@ -38,5 +38,7 @@ void prism_abort_memo_init(prism_abort_memo_t *m, double ttl_s);
 void prism_abort_memo_add(prism_abort_memo_t *m, uint64_t rid, const char *router_id, double now);
 /* True (and the entry is forgotten) when this request was aborted within ttl_s. */
 bool prism_abort_memo_take(prism_abort_memo_t *m, uint64_t rid, const char *router_id, double now);
+/* The same, keeping the entry (a request whose data comes in several messages: one per image). */
+bool prism_abort_memo_has(const prism_abort_memo_t *m, uint64_t rid, const char *router_id, double now);
 
 #endif

@@ -20,6 +20,12 @@ static void test_abort_before_data_is_remembered_once(void **state)
     assert_true(prism_abort_memo_take(m, 7, "router-a", 101));
     assert_false(prism_abort_memo_take(m, 7, "router-a", 101));   /* taken: a second KV is not dropped */
     assert_int_equal(m->dropped, 1);
+    /* has(): kept for every image of a request */
+    prism_abort_memo_add(m, 9, "router-a", 100);
+    assert_true(prism_abort_memo_has(m, 9, "router-a", 101));
+    assert_true(prism_abort_memo_has(m, 9, "router-a", 102));
+    assert_false(prism_abort_memo_has(m, 9, "router-a", 200));   /* expired */
+    assert_false(prism_abort_memo_has(m, 9, "router-b", 101));
 }
 
 static void test_entries_expire(void **state)
