@@ -234,7 +234,7 @@ def test_orphan_embeddings_dropped():
             raise AssertionError("the image request never completed: the orphan kept the only pool slot (%r)" % e)
         assert status == 200, (status, r)
         assert "dropping embeddings of request 999999" in c.log("prefill-0", tail=0)
-        assert time.time() - t0 < 15
+        assert time.time() - t0 < 30, time.time() - t0
         wait_for(lambda: c.metric("prism:worker_pool_free", tier="prefill") == 1, 30, "the pool slot free")
 
 
