@@ -69,7 +69,7 @@ int main(int argc, char **argv)
     const char *keys = NULL, *role_name = "encoder", *router = NULL, *router_id = "", *prefill_data = NULL,
                *decode_data = NULL, *worker_id = "probe", *nul_suffix = NULL;
     bool from_prefill = false;
-    const char *register_as = "decode", *data_endpoint = "tcp://127.0.0.1:1";
+    const char *register_as = "decode", *data_endpoint = "tcp://127.0.0.1:1", *rid_file = NULL;
     int64_t first_rid = 1, last_rid = 64, token = 5, emb_bytes = 0;
     double wait_s = 2.0;
     prism_flag_t flags[] = {
@@ -82,6 +82,8 @@ int main(int argc, char **argv)
                        "Connect with the identity WORKER_ID NUL SUFFIX (register as WORKER_ID): truncation aliasing"),
         PRISM_FLAG_STR("register-as", &register_as, "Role to register as: encoder, prefill or decode"),
         PRISM_FLAG_STR("data-endpoint", &data_endpoint, "Data endpoint to register"),
+        PRISM_FLAG_STR("rid-file", &rid_file,
+                       "Stay registered; once this file holds a request id, send the Tokens for it (within --wait)"),
         PRISM_FLAG_BOOL("from-prefill", &from_prefill, "Send the Tokens as a prefill's first token"),
         PRISM_FLAG_STR("prefill-data", &prefill_data, "Prefill data endpoint to attack"),
         PRISM_FLAG_STR("decode-data", &decode_data, "Decode data endpoint to attack"),
@@ -222,6 +224,27 @@ int main(int argc, char **argv)
         }
         if (links[0].sock && links[0].ok && !acked && !nacked) resolved = false;
         if (resolved && !t_resolved) t_resolved = prism_now_s();
+        if (rid_file && links[0].sock) {   /* a registered worker that answers for one request, later */
+            resolved = false;
+            FILE *f = fopen(rid_file, "r");
+            long long rid = 0;
+            if (f && fscanf(f, "%lld", &rid) == 1) {
+                int32_t ids[1] = {(int32_t)token};
+                Prism__Tokens t = PRISM__TOKENS__INIT;
+                t.n_token_ids = 1;
+                t.token_ids = ids;
+                t.from_prefill = from_prefill;
+                prism__envelope__init(&env);
+                env.type = PRISM__MSG_TYPE__MSG_TOKENS;
+                env.request_id = (uint64_t)rid;
+                env.router_id = (char *)router_id;
+                env.tokens = &t;
+                send_or_warn(links[0].sock, &env, NULL, 0);
+                rid_file = NULL;
+                t_end = prism_now_s() + 1.0;   /* flush, then go */
+            }
+            if (f) fclose(f);
+        }
         if (resolved && (!any_ok || prism_now_s() - t_resolved > 0.3)) break;
         zmq_pollitem_t it[1] = {{links[0].sock, 0, ZMQ_POLLIN, 0}};
         if (links[0].sock && zmq_poll(it, 1, 20) > 0) {
@@ -241,7 +264,8 @@ int main(int argc, char **argv)
     }
     for (int i = 0; i < 3; i++) {
         if (!links[i].sock) continue;
-        printf("%s: handshake %s\n", links[i].name, links[i].ok ? "ok" : "refused");
+        /* (an acknowledged registration proves the handshake even when its event was not read) */
+        printf("%s: handshake %s\n", links[i].name, links[i].ok || (i == 0 && acked) ? "ok" : "refused");
         if (i == 0) printf("register: %s\n", acked ? "acked" : nacked ? "refused" : "no answer");
         zmq_close(links[i].mon);
         zmq_close(links[i].sock);
