@@ -527,11 +527,15 @@ def test_cluster_key_registers_and_metrics_stay_well_formed():
     # the control for everything above: with the cluster's decode key the same probe is admitted;
     # its worker id (any bytes a peer likes) must not break the Prometheus exposition (finding 21)
     evil = 'probe"} 1\nvllm:injected_total{x="1'
-    out, _ = probe(C.keys, "decode", targets=("router",), wait=1.5, worker_id=evil)
+    # (it stays connected while /metrics is read: the router drops a worker when its connection closes)
+    p = subprocess.Popen([binary("prism_peer_probe"), "--role", "decode", "--router", C.ctl, "--curve-keys", C.keys,
+                          "--worker-id", evil, "--wait", "6", "--first-rid", "1", "--last-rid", "0",
+                          "--rid-file", os.path.join(TMP, "never")], stdout=subprocess.PIPE, text=True)
+    label = 'worker="probe\\"} 1\\nvllm:injected_total{x=\\"1"'
+    text = wait_for(lambda: (lambda t: label in t and t)(C.request("GET", "/metrics")[2].decode()), 30,
+                    "the probe's worker in /metrics")
+    out = dict(line.split(": ", 1) for line in p.communicate(timeout=60)[0].strip().splitlines())
     assert out == {"router": "handshake ok", "register": "acked"}, out
-    status, _, data = C.request("GET", "/metrics")
-    text = data.decode()
-    assert 'worker="probe\\"} 1\\nvllm:injected_total{x=\\"1"' in text, text[-2000:]
     for line in text.splitlines():
         assert line.startswith("#") or SAMPLE.match(line), "malformed exposition line: %r" % line
         assert not line.startswith("vllm:injected"), line
