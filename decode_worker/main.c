@@ -19,6 +19,7 @@
 #include "net/net.h"
 #include "worker/worker.h"
 #include "worker/seq.h"
+#include "worker/aborts.h"
 #include "kv/kv.h"
 #include "sample/sample.h"
 #include "backend/backend.h"
@@ -78,6 +79,7 @@ typedef struct {
     Prism__Envelope *staged_env;
     zmq_msg_t staged_frame;
     uint64_t steps, tokens_out, cancelled;
+    prism_abort_memo_t aborts;  /* aborts that came before their KV */
 } decode_t;
 
 static void send_error(decode_t *d, const char *router_id, uint64_t rid, const char *msg)
@@ -85,6 +87,7 @@ static void send_error(decode_t *d, const char *router_id, uint64_t rid, const c
     Prism__Tokens t = PRISM__TOKENS__INIT;
     t.finish = PRISM__FINISH__FINISH_ERROR;
     t.error = (char *)msg;
+    t.error_kind = PRISM__ERROR_KIND__ERROR_INTERNAL;   /* decode refuses nothing for load (KV waits) */
     Prism__Envelope env = PRISM__ENVELOPE__INIT;
     env.type = PRISM__MSG_TYPE__MSG_TOKENS;
     env.tokens = &t;
@@ -108,9 +111,11 @@ static bool admit_staged(decode_t *d)
     for (int i = 0; i < d->max_running; i++)
         if (!d->seqs[i].seq.used) { slot = i; break; }
     if (slot < 0) return false;
-    int total = (int)kv->n_tokens + (int)kv->sampling->max_tokens;
-    if (total > d->max_model_len) total = d->max_model_len;
+    /* on_kv bounded both terms (n_tokens < max_model_len, max_tokens <= max_model_len): no overflow,
+     * and the blocks cover every position the sequence can reach (it ends at max_model_len). */
+    int total = (int)PRISM_MIN((int64_t)kv->n_tokens + kv->sampling->max_tokens, (int64_t)d->max_model_len);
     int need = prism_kv_blocks_for_tokens(&d->blocks, total);
+    PRISM_ASSERT(need >= (int)kv->n_blocks && need <= d->max_blocks_per_seq);
     seq_t *s = &d->seqs[slot];
     if (prism_kv_blocks_alloc(&d->blocks, need, s->blocks) != PRISM_OK)
         return false;
@@ -141,15 +146,22 @@ static void on_kv(decode_t *d, prism_msg_t *m)
     const Prism__Envelope *e = m->env;
     const Prism__Kv *kv = e->kv;
     const char *router = e->router_id ? e->router_id : "";
+    if (prism_abort_memo_take(&d->aborts, e->request_id, router, prism_now_s())) {
+        /* Its client is gone (the router sent the abort while prefill ran): nobody to decode for. */
+        PRISM_DEBUG("request %llu: KV dropped, the request was aborted before it came", (unsigned long long)e->request_id);
+        return;
+    }
     size_t len = 0;
     prism_msg_frame(m, 0, &len);
     size_t block_bytes = prism_kv_cache_block_bytes(&d->cfg, d->blocks.block_size);
-    if (!kv || !kv->sampling || m->n_frames != 1 || kv->block_size != (uint32_t)d->blocks.block_size ||
+    const char *why = kv ? prism_seq_check(kv->sampling, d->cfg.vocab, d->max_model_len) : "no Kv message";
+    if (why || m->n_frames != 1 || kv->block_size != (uint32_t)d->blocks.block_size ||
         kv->block_bytes != block_bytes || len != (size_t)kv->n_blocks * block_bytes ||
         kv->n_tokens == 0 || kv->n_tokens >= (uint32_t)d->max_model_len ||
         kv->n_blocks != (uint32_t)prism_kv_blocks_for_tokens(&d->blocks, (int)kv->n_tokens) ||
         kv->first_token < 0 || kv->first_token >= d->cfg.vocab) {
-        PRISM_WARN("request %llu: malformed KV transfer dropped", (unsigned long long)e->request_id);
+        PRISM_WARN("request %llu: malformed KV transfer dropped (%s)", (unsigned long long)e->request_id,
+                   why ? why : "sizes");
         send_error(d, router, e->request_id, "malformed KV transfer between prefill and decode");
         return;
     }
@@ -167,19 +179,25 @@ static void on_kv(decode_t *d, prism_msg_t *m)
 
 static void on_abort(decode_t *d, uint64_t rid, const char *router)
 {
+    bool held = false;
     for (int i = 0; i < d->max_running; i++) {
         seq_t *s = &d->seqs[i];
         if (s->seq.used && s->seq.rid == rid && !strcmp(s->seq.router_id, router)) {
             PRISM_DEBUG("request %llu aborted", (unsigned long long)rid);
             if (s->in_step || s->finishing) s->cancel = true;   /* the device still writes its blocks */
             else seq_release(d, s);
+            held = true;
         }
     }
     if (d->staged && d->staged_rid == rid && !strcmp(d->staged_router, router)) {
         zmq_msg_close(&d->staged_frame);
         prism_msg_env_free(d->staged_env);
         d->staged = false;
+        held = true;
     }
+    /* Not here yet: its KV may still be on its way from prefill (the router tells a decode only
+     * about requests it may hold or receive). */
+    if (!held) prism_abort_memo_add(&d->aborts, rid, router, prism_now_s());
 }
 
 static void on_msg(prism_worker_t *w, prism_msg_t *m, int source, void *ud)
@@ -190,7 +208,8 @@ static void on_msg(prism_worker_t *w, prism_msg_t *m, int source, void *ud)
         if (source < 0) on_kv(d, m);
         break;
     case PRISM__MSG_TYPE__MSG_ABORT:
-        on_abort(d, m->env->request_id, m->env->router_id ? m->env->router_id : "");
+        /* Only routers abort (a prefill's key on the data socket does not make it one). */
+        if (source >= 0) on_abort(d, m->env->request_id, m->env->router_id ? m->env->router_id : "");
         break;
     default:
         PRISM_WARN("unexpected message type %d", m->env->type);
@@ -419,6 +438,7 @@ int main(int argc, char **argv)
         PRISM_ERROR("cannot allocate the KV cache (%lld blocks)", (long long)kv_blocks);
         return 1;
     }
+    prism_abort_memo_init(&d.aborts, 600.0);
     d.seqs = prism_xcalloc((size_t)d.max_running, sizeof(seq_t));
     d.block_pool = prism_xcalloc((size_t)d.max_running * d.max_blocks_per_seq, sizeof(int32_t));
     for (int i = 0; i < d.max_running; i++) d.seqs[i].blocks = d.block_pool + (size_t)i * d.max_blocks_per_seq;

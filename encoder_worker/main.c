@@ -47,6 +47,7 @@ typedef struct {
     bool has_image;
     const float *emb;         /* result: cache entry (pinned) or batch output row */
     char error[256];
+    Prism__ErrorKind error_kind;  /* with error: CLIENT (the default: the image) unless set */
     bool cache_hit;
     int cache_slot;           /* pinned cache slot while the job is in flight; -1 none */
     float decode_ms, vit_ms;
@@ -121,6 +122,8 @@ static void finish_job(encoder_t *e, job_t *j)
     d.decode_ms = j->decode_ms;
     d.vit_ms = j->vit_ms;
     d.error = j->error;
+    d.error_kind = !j->error[0] ? PRISM__ERROR_KIND__ERROR_NONE
+                 : j->error_kind ? j->error_kind : PRISM__ERROR_KIND__ERROR_CLIENT;
     Prism__Envelope env = PRISM__ENVELOPE__INIT;
     env.type = PRISM__MSG_TYPE__MSG_ENCODE_DONE;
     env.encode_done = &d;
@@ -134,6 +137,7 @@ static int push_job(encoder_t *e, job_t *j)
     void *s = prism_worker_peer_sock(&e->w, j->prefill_endpoint);
     if (!s) {
         snprintf(j->error, sizeof(j->error), "cannot reach prefill worker");
+        j->error_kind = PRISM__ERROR_KIND__ERROR_UNAVAILABLE;
         return PRISM_EIO;
     }
     Prism__Embeddings em = PRISM__EMBEDDINGS__INIT;
@@ -164,6 +168,7 @@ static void on_encode(encoder_t *e, prism_msg_t *m)
         tmp.image_index = en ? en->image_index : 0;
         snprintf(tmp.router_id, sizeof(tmp.router_id), "%s", router);
         snprintf(tmp.error, sizeof(tmp.error), "%s", j ? "malformed encode request" : "encoder queue is full");
+        tmp.error_kind = j ? PRISM__ERROR_KIND__ERROR_INTERNAL : PRISM__ERROR_KIND__ERROR_OVERLOAD;
         PRISM_WARN("request %llu: %s", (unsigned long long)env->request_id, tmp.error);
         finish_job(e, &tmp);
         return;
@@ -182,8 +187,10 @@ static void on_encode(encoder_t *e, prism_msg_t *m)
     j->t_arrive = prism_now_s();
 }
 
-/* Queued jobs leave the queue; finished ones waiting for prefill's pool are not pushed. (A job in
- * the vision batch left it between two layers already, through the hook.) */
+/* Frees a job the router no longer wants: queued, or encoded and waiting for its prefill to take
+ * the embeddings (a prefill that died under backpressure never will: without this the batch in
+ * flight never finishes and the encoder takes no more work). A job in the vision batch left it
+ * between two layers already, through the hook. */
 static void on_abort(encoder_t *e, uint64_t rid, const char *router)
 {
     for (int i = 0; i < e->max_queue; i++) {
@@ -273,7 +280,10 @@ static bool flush_batch(encoder_t *e)
             left++;
             continue;
         }
-        if (rc != PRISM_OK && !j->error[0]) snprintf(j->error, sizeof(j->error), "embedding transfer failed");
+        if (rc != PRISM_OK && !j->error[0]) {
+            snprintf(j->error, sizeof(j->error), "embedding transfer failed");
+            j->error_kind = PRISM__ERROR_KIND__ERROR_UNAVAILABLE;
+        }
         if (j->error[0]) e->failed++;
         else e->encoded++;
         finish_job(e, j);
@@ -380,6 +390,7 @@ static void run_batch(encoder_t *e)
             j->vit_ms = (float)(vit_s * 1e3 / n_pix);
             if (rc != PRISM_OK) {
                 snprintf(j->error, sizeof(j->error), "vision encoder failed: %s", prism_strerror(rc));
+                j->error_kind = PRISM__ERROR_KIND__ERROR_INTERNAL;
                 continue;
             }
             j->emb = e->out + (size_t)i * e->emb_floats;

@@ -13,6 +13,7 @@
 #include "net/net.h"
 #include "worker/worker.h"
 #include "worker/seq.h"
+#include "worker/aborts.h"
 #include "kv/kv.h"
 #include "sample/sample.h"
 #include "backend/backend.h"
@@ -74,6 +75,7 @@ typedef struct {
     double t_layer, layer_s;
     prism_model_hook_t hook;
     uint64_t served, cancelled;
+    prism_abort_memo_t aborts;   /* aborted requests: their embeddings still on the way are dropped */
 } prefill_t;
 
 static int emb_free_slots(const prefill_t *p)
@@ -95,6 +97,45 @@ static emb_slot_t *emb_find(prefill_t *p, uint64_t rid, const char *router, uint
 static bool owns(const prism_seq_t *s, uint64_t rid, const char *router)
 {
     return s->used && s->rid == rid && !strcmp(s->router_id, router);
+}
+
+/* Embeddings whose Prefill has not come (yet): legitimately early ones, or junk for made-up ids
+ * from a peer holding an encoder key. */
+static bool emb_orphan(const prefill_t *p, const emb_slot_t *e)
+{
+    for (int k = 0; k < p->max_pending; k++)
+        if (owns(&p->reqs[k].seq, e->rid, e->router_id)) return false;
+    return true;
+}
+
+static emb_slot_t *emb_oldest_orphan(const prefill_t *p, int *n_orphans)
+{
+    const emb_slot_t *oldest = NULL;
+    *n_orphans = 0;
+    for (int i = 0; i < p->n_emb; i++) {
+        const emb_slot_t *e = &p->emb[i];
+        if (!e->used || !emb_orphan(p, e)) continue;
+        ++*n_orphans;
+        if (!oldest || e->t_arrive < oldest->t_arrive) oldest = e;
+    }
+    return (emb_slot_t *)oldest;
+}
+
+/* Orphans may hold at most half the pool: past that the oldest one makes room for new embeddings,
+ * so junk cannot lock every image request out until --orphan-timeout. NULL when none may go. */
+static emb_slot_t *emb_evictable(const prefill_t *p)
+{
+    int n;
+    emb_slot_t *oldest = emb_oldest_orphan(p, &n);
+    return 2 * n >= p->n_emb ? oldest : NULL;
+}
+
+/* Room for one more embeddings message: a free slot, or an orphan that may go. */
+/* Embedding messages the pool can take now: its free slots, or one when only an orphan can go. */
+static int emb_credit(const prefill_t *p)
+{
+    int n = emb_free_slots(p);
+    return n > 0 ? n : emb_evictable(p) != NULL;
 }
 
 /* Frees a request's slot and its embedding slots (done, failed or aborted). */
@@ -122,11 +163,12 @@ static void send_tokens(prefill_t *p, const char *router, uint64_t rid, Prism__T
     prism_worker_reply(&p->w, router, rid, &env);
 }
 
-static void send_error(prefill_t *p, const char *router, uint64_t rid, const char *msg)
+static void send_error(prefill_t *p, const char *router, uint64_t rid, Prism__ErrorKind kind, const char *msg)
 {
     Prism__Tokens t = PRISM__TOKENS__INIT;
     t.finish = PRISM__FINISH__FINISH_ERROR;
     t.error = (char *)msg;
+    t.error_kind = kind;
     t.from_prefill = true;
     send_tokens(p, router, rid, &t);
 }
@@ -139,7 +181,7 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
     if (!pf || !pf->sampling || !pf->decode_endpoint) why = "malformed prefill request";
     else if (pf->n_token_ids == 0 || pf->n_token_ids >= (size_t)p->max_model_len) why = "prompt length out of range";
     else if (pf->n_images > MAX_IMAGES) why = "too many images";
-    else why = prism_seq_check(pf->sampling);
+    else why = prism_seq_check(pf->sampling, p->cfg.vocab, p->max_model_len);
     if (!why) {
         for (size_t i = 0; i < pf->n_token_ids; i++)
             if (pf->token_ids[i] < 0 || pf->token_ids[i] >= p->cfg.vocab) { why = "token id out of range"; break; }
@@ -152,10 +194,14 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
     preq_t *r = NULL;
     for (int i = 0; i < p->max_pending && !why; i++)
         if (!p->reqs[i].seq.used) { r = &p->reqs[i]; break; }
-    if (!why && !r) why = "prefill worker is full";
+    Prism__ErrorKind kind = PRISM__ERROR_KIND__ERROR_INTERNAL;   /* the router checked all this: a bad message */
+    if (!why && !r) {
+        why = "prefill worker is full";
+        kind = PRISM__ERROR_KIND__ERROR_OVERLOAD;
+    }
     if (why) {
         PRISM_WARN("request %llu refused: %s", (unsigned long long)e->request_id, why);
-        send_error(p, router, e->request_id, why);
+        send_error(p, router, e->request_id, kind, why);
         drop_request(p, e->request_id, router);
         return;
     }
@@ -179,6 +225,7 @@ static void on_embeddings(prefill_t *p, prism_msg_t *m)
     const char *router = e->router_id ? e->router_id : "";
     size_t len = 0;
     const void *data = prism_msg_frame(m, 0, &len);
+    if (prism_abort_memo_has(&p->aborts, e->request_id, router, prism_now_s())) return;  /* came after its abort */
     if (em && em->error && *em->error) {
         /* The encoder failed on this image; the router answers the client and aborts. */
         drop_request(p, e->request_id, router);
@@ -188,7 +235,7 @@ static void on_embeddings(prefill_t *p, prism_msg_t *m)
     if (!em || !data || len != want || em->n_tokens != (uint32_t)p->cfg.image_seq_length ||
         em->hidden != (uint32_t)p->cfg.hidden || em->image_index >= MAX_IMAGES) {
         PRISM_WARN("request %llu: malformed embeddings dropped", (unsigned long long)e->request_id);
-        send_error(p, router, e->request_id, "malformed image embeddings");
+        send_error(p, router, e->request_id, PRISM__ERROR_KIND__ERROR_INTERNAL, "malformed image embeddings");
         drop_request(p, e->request_id, router);
         return;
     }
@@ -204,21 +251,45 @@ static void on_embeddings(prefill_t *p, prism_msg_t *m)
         memcpy(s->data, data, want);
         return;
     }
-    PRISM_ASSERT(!"embedding accepted with no free slot");
+    /* The I/O thread hands data over only within emb_credit, but a Prefill read in the same poll may have adopted
+     * the orphan that made the room: then any orphan goes, and with none this message is refused. */
+    int n;
+    emb_slot_t *old = emb_oldest_orphan(p, &n);
+    if (!old) {
+        PRISM_WARN("request %llu: embeddings refused, the pool is full", (unsigned long long)e->request_id);
+        for (int i = 0; i < p->max_pending; i++)
+            if (owns(&p->reqs[i].seq, e->request_id, router)) {
+                send_error(p, router, e->request_id, PRISM__ERROR_KIND__ERROR_OVERLOAD, "prefill embedding pool is full");
+                drop_request(p, e->request_id, router);
+                break;
+            }
+        return;
+    }
+    PRISM_WARN("dropping embeddings of request %llu: no prefill request came, and orphans fill the pool",
+               (unsigned long long)old->rid);
+    old->used = false;
+    on_embeddings(p, m);
 }
 
 static void on_msg(prism_worker_t *w, prism_msg_t *m, int source, void *ud)
 {
     prefill_t *p = ud;
+    /* Prefill and Abort come from routers only, embeddings from encoders only (the data socket
+     * admits encoder keys alone): an encoder's key does not let it start or cancel requests. */
+    bool from_router = source >= 0;
     switch (m->env->type) {
     case PRISM__MSG_TYPE__MSG_PREFILL:
-        on_prefill(p, m->env);
+        if (from_router) on_prefill(p, m->env);
         break;
     case PRISM__MSG_TYPE__MSG_EMBEDDINGS:
-        on_embeddings(p, m);
+        if (!from_router) on_embeddings(p, m);
         break;
     case PRISM__MSG_TYPE__MSG_ABORT:
-        drop_request(p, m->env->request_id, m->env->router_id ? m->env->router_id : "");
+        if (from_router) {
+            const char *router = m->env->router_id ? m->env->router_id : "";
+            drop_request(p, m->env->request_id, router);
+            prism_abort_memo_add(&p->aborts, m->env->request_id, router, prism_now_s());
+        }
         break;
     default:
         PRISM_WARN("unexpected message type %d", m->env->type);
@@ -238,7 +309,7 @@ static void try_send_kv(prefill_t *p)
     prism_seq_t *q = &p->kv_seq;
     void *s = prism_worker_peer_sock(&p->w, p->kv_endpoint);
     if (!s) {
-        send_error(p, q->router_id, q->rid, "cannot reach the decode worker");
+        send_error(p, q->router_id, q->rid, PRISM__ERROR_KIND__ERROR_UNAVAILABLE, "cannot reach the decode worker");
         p->kv_pending = false;
         return;
     }
@@ -251,7 +322,8 @@ static void try_send_kv(prefill_t *p)
     prism_frame_t f = {p->kv_out, p->kv_len};
     int rc = prism_msg_send(s, NULL, 0, &env, &f, 1, ZMQ_DONTWAIT);
     if (rc == PRISM_EAGAIN) return;  /* decode is full: keep it and retry next iteration */
-    if (rc != PRISM_OK) send_error(p, q->router_id, q->rid, "KV transfer to the decode worker failed");
+    if (rc != PRISM_OK) send_error(p, q->router_id, q->rid, PRISM__ERROR_KIND__ERROR_UNAVAILABLE,
+                                  "KV transfer to the decode worker failed");
     p->kv_pending = false;
 }
 
@@ -294,6 +366,7 @@ static void run_one(prefill_t *p)
     if (!r) return;
     int nb = prism_kv_blocks_for_tokens(&p->blocks, r->n_tokens);
     if (prism_kv_blocks_alloc(&p->blocks, nb, p->table) != PRISM_OK) return;
+    PRISM_DEBUG("request %llu: prefill of %d tokens started", (unsigned long long)r->seq.rid, r->n_tokens);
     double t0 = prism_now_s();
     const int32_t *tables[1] = {p->table};
     int hidden = p->cfg.hidden, rc = PRISM_OK;
@@ -335,7 +408,7 @@ static void run_one(prefill_t *p)
     }
     if (rc != PRISM_OK) {
         PRISM_ERROR("request %llu: prefill failed: %s", (unsigned long long)r->seq.rid, prism_strerror(rc));
-        send_error(p, r->seq.router_id, r->seq.rid, "prefill failed");
+        send_error(p, r->seq.router_id, r->seq.rid, PRISM__ERROR_KIND__ERROR_INTERNAL, "prefill failed");
         prism_kv_blocks_release(&p->blocks, p->table, nb);
         release_request(p, r->seq.rid, r->seq.router_id);
         return;
@@ -379,10 +452,7 @@ static void expire_orphans(prefill_t *p)
     for (int i = 0; i < p->n_emb; i++) {
         emb_slot_t *e = &p->emb[i];
         if (!e->used || now - e->t_arrive < p->orphan_timeout_s) continue;
-        bool owned = false;
-        for (int k = 0; k < p->max_pending; k++)
-            owned |= owns(&p->reqs[k].seq, e->rid, e->router_id);
-        if (!owned) {
+        if (emb_orphan(p, e)) {
             PRISM_WARN("dropping embeddings of request %llu: no prefill request came", (unsigned long long)e->rid);
             e->used = false;
         }
@@ -430,6 +500,7 @@ int main(int argc, char **argv)
     }
     p.chunk = (int)chunk;
     p.orphan_timeout_s = orphan_timeout;
+    prism_abort_memo_init(&p.aborts, orphan_timeout);
     p.max_pending = (int)max_pending;
     p.n_emb = p.cfg.has_vision ? (int)emb_images : 0;
     p.max_model_len = context_length > 0 ? (int)PRISM_MIN(context_length, (int64_t)p.cfg.max_pos) : p.cfg.max_pos;
@@ -503,7 +574,7 @@ int main(int argc, char **argv)
         bool work = false;
         for (int i = 0; i < p.max_pending && !p.kv_pending; i++)
             work |= p.reqs[i].seq.used && ready(&p, &p.reqs[i]);
-        prism_worker_accept_data(&p.w, emb_free_slots(&p));
+        prism_worker_accept_data(&p.w, emb_credit(&p));
         prism_worker_poll(&p.w, work ? 0 : (p.kv_pending ? 2 : 50), on_msg, &p);
         run_one(&p);
         expire_orphans(&p);

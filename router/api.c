@@ -191,6 +191,9 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
     prism_metric_write(&b, "prism:router_peer_auth_failures_total", "counter",
                        "Peers the router's control socket refused at the CURVE handshake.", "",
                        (double)prism_net_refused(r->net));
+    prism_metric_write(&b, "prism:router_control_messages_refused_total", "counter",
+                       "Control messages dropped: from an unregistered id or another key, a refused registration, "
+                       "or results from a worker that does not hold the request.", "", (double)r->ctl_refused);
     static const char *gauges[][2] = {
         {"prism:worker_running", "Requests running on the worker."},
         {"prism:worker_waiting", "Requests queued on the worker."},

@@ -18,37 +18,69 @@ static void ack(router_t *r, const uint8_t *identity, size_t id_len, bool ok, co
     a.message = (char *)msg;
     Prism__Envelope env = PRISM__ENVELOPE__INIT;
     env.type = PRISM__MSG_TYPE__MSG_REGISTER_ACK;
-    env.router_id = r->router_id;
+    env.router_id = ok ? r->router_id : NULL;  /* our id only to registered workers */
     env.reg_ack = &a;
     prism_msg_send(r->ctl, identity, id_len, &env, NULL, 0, ZMQ_DONTWAIT);
 }
 
-static void on_register(router_t *r, prism_msg_t *m)
+/* The sender's worker id: its ZeroMQ identity, byte for byte, as a C string. NULL when no worker
+ * id can be that identity (empty, too long, a NUL inside, as in ZeroMQ's own anonymous ids): a
+ * "%.*s" copy would cut "decode-0\0x" down to another worker's id. */
+static const char *sender_id(const prism_msg_t *m, char id[ROUTER_WORKER_ID_MAX + 1])
 {
-    char id[128], why[200] = "";
-    snprintf(id, sizeof(id), "%.*s", (int)m->identity_len, (const char *)m->identity);
-    if (router_worker_register(r, id, m->env->reg, why, sizeof(why)) != PRISM_OK) {
-        ack(r, m->identity, m->identity_len, false, why);
-        return;
+    if (m->identity_len == 0 || m->identity_len > ROUTER_WORKER_ID_MAX || memchr(m->identity, 0, m->identity_len))
+        return NULL;
+    memcpy(id, m->identity, m->identity_len);
+    id[m->identity_len] = 0;
+    return id;
+}
+
+static void on_register(router_t *r, prism_msg_t *m, const char *id)
+{
+    char why[200] = "";
+    const Prism__Register *g = m->env->reg;
+    if (!id) {
+        snprintf(why, sizeof(why), "registration: a worker id is 1..%d bytes with no NUL", ROUTER_WORKER_ID_MAX);
+        goto refuse;
     }
+    if (!g) {
+        snprintf(why, sizeof(why), "registration: no Register message");
+        goto refuse;
+    }
+    /* Under CURVE the key says the role: a decode key registers decode workers only. */
+    if (m->peer_key[0] && strcmp(prism_net_role_name(m->peer_role), prism_role_name(g->role)) != 0) {
+        snprintf(why, sizeof(why), "registration: a %s key cannot register a %s worker",
+                 prism_net_role_name(m->peer_role), prism_role_name(g->role));
+        goto refuse;
+    }
+    router_worker_t *old = router_worker_by_id(r, id);
+    if (old && !router_worker_same_process(old, m->peer_key, g)) {
+        /* ZeroMQ routes an identity to one live connection, so the old process's link is gone:
+         * this is a restart. What the old process held will never finish. */
+        PRISM_WARN("%s worker %s registered again from a new process: failing what the old one held",
+                   prism_role_name(old->role), id);
+        router_fail_worker_requests(r, old, "restarted");
+        router_worker_drop(old);
+    }
+    if (router_worker_register(r, id, m->peer_key, g, why, sizeof(why)) != PRISM_OK) goto refuse;
     router_worker_t *w = router_worker_by_id(r, id);
     w->conn_fd = m->src_fd;
     w->t_conn = prism_now_s();
     ack(r, m->identity, m->identity_len, true, "");
     router_dispatch_queued(r);  /* new capacity */
+    return;
+refuse:
+    r->ctl_refused++;
+    PRISM_WARN("%s", why);
+    ack(r, m->identity, m->identity_len, false, why);
 }
 
-static void on_heartbeat(router_t *r, prism_msg_t *m)
+/* A heartbeat from registered worker w: its load and progress; a stuck worker that moves again is
+ * back in service. */
+static void on_heartbeat(router_t *r, router_worker_t *w, const Prism__Heartbeat *hb)
 {
-    char id[128];
-    snprintf(id, sizeof(id), "%.*s", (int)m->identity_len, (const char *)m->identity);
-    /* We restarted or dropped it: ask it to register again. */
-    if (!router_worker_heartbeat(r, id, m->env->heartbeat)) {
-        ack(r, m->identity, m->identity_len, false, "unknown worker: register again");
-        return;
-    }
-    router_worker_t *w = router_worker_by_id(r, id);
-    if (w && w->stuck && (!w->busy || w->progress_at == w->last_heartbeat)) {
+    router_worker_heartbeat(r, w->id, hb);
+    if (w->stuck && (!w->busy || w->progress_at == w->last_heartbeat)) {
         PRISM_WARN("%s worker %s makes progress again (progress %llu): back in service", prism_role_name(w->role),
                    w->id, (unsigned long long)w->progress);
         w->stuck = false;
@@ -59,32 +91,47 @@ static void on_heartbeat(router_t *r, prism_msg_t *m)
 static void dispatch(router_t *r, prism_msg_t *m)
 {
     const Prism__Envelope *e = m->env;
-    char id[128];
-    snprintf(id, sizeof(id), "%.*s", (int)m->identity_len, (const char *)m->identity);
-    router_worker_t *w = router_worker_by_id(r, id);
-    if (w) {
-        w->last_seen = prism_now_s();
-        if (m->src_fd >= 0 && m->src_fd != w->conn_fd) {  /* it reconnected */
-            w->conn_fd = m->src_fd;
-            w->t_conn = w->last_seen;
-        }
+    char buf[ROUTER_WORKER_ID_MAX + 1];
+    const char *id = sender_id(m, buf);
+    if (e->type == PRISM__MSG_TYPE__MSG_REGISTER) {
+        on_register(r, m, id);
+        return;
     }
+    /* Everything else only from a registered worker, over the key it registered with. */
+    router_worker_t *w = id ? router_worker_by_id(r, id) : NULL;
+    if (w && strcmp(w->peer_key, m->peer_key) != 0) w = NULL;
+    if (!w) {
+        r->ctl_refused++;
+        if (e->type == PRISM__MSG_TYPE__MSG_HEARTBEAT && id)  /* we restarted or dropped it */
+            ack(r, m->identity, m->identity_len, false, "unknown worker: register again");
+        return;
+    }
+    w->last_seen = prism_now_s();
+    if (m->src_fd >= 0 && m->src_fd != w->conn_fd) {  /* it reconnected */
+        w->conn_fd = m->src_fd;
+        w->t_conn = w->last_seen;
+    }
+    bool ok = true;
     switch (e->type) {
-    case PRISM__MSG_TYPE__MSG_REGISTER:
-        on_register(r, m);
-        break;
     case PRISM__MSG_TYPE__MSG_HEARTBEAT:
-        on_heartbeat(r, m);
+        on_heartbeat(r, w, e->heartbeat);
         break;
     case PRISM__MSG_TYPE__MSG_TOKENS:
-        if (e->tokens && router_handle_tokens(r, m->env)) m->env = NULL;  /* held: the request owns it */
+        ok = e->tokens != NULL;
+        if (ok) {
+            bool kept;
+            ok = router_handle_tokens(r, w, m->env, &kept);
+            if (kept) m->env = NULL;  /* held: the request owns it */
+        }
         break;
     case PRISM__MSG_TYPE__MSG_ENCODE_DONE:
-        if (e->encode_done) router_handle_encode_done(r, e->request_id, e->encode_done);
+        ok = e->encode_done && router_handle_encode_done(r, w, e->request_id, e->encode_done);
         break;
     default:
-        PRISM_WARN("unexpected message type %d from %s", e->type, id);
+        ok = false;
+        PRISM_WARN("unexpected message type %d from %s", e->type, w->id);
     }
+    if (!ok) r->ctl_refused++;
 }
 
 static void drain(router_t *r)

@@ -1,6 +1,9 @@
 /* router: the OpenAI-compatible front door. Stateless apart from requests in flight: several
  * routers can run behind one load balancer, and every worker connects to each of them. */
 #include "router.h"
+
+#define XXH_STATIC_LINKING_ONLY  /* XXH3_generateSecret */
+#include <xxhash.h>
 #include "core/cli.h"
 
 #include <libgen.h>
@@ -57,7 +60,7 @@ int main(int argc, char **argv)
     const char *model_path = "models/prism-tiny-llava", *tokenizer_path = NULL, *served = NULL, *host = "127.0.0.1",
                *control = "tcp://127.0.0.1:8100", *chat_template = NULL, *api_key = NULL, *log_level = "info",
                *curve_keys = NULL;
-    bool insecure_no_curve = false, metrics_open = false;
+    bool insecure_no_curve = false, metrics_open = false, timing_header = false;
     int64_t port = 8000, context_length = 0, limit_mm = 8, max_pixels = 4096ll * 4096, max_running = 256,
             max_body = 64ll << 20, body_total = 1ll << 30, image_inflight = 1ll << 30, max_conn = 4096,
             min_body_rate = 8 << 10, stream_pending = 4ll << 20, max_retries = 2;
@@ -77,6 +80,9 @@ int main(int argc, char **argv)
         PRISM_FLAG_STR("chat-template", &chat_template, "Jinja chat template file overriding the model's"),
         PRISM_FLAG_STR("api-key", &api_key, "Require 'Authorization: Bearer KEY' (all but /health, /ready, /version)"),
         PRISM_FLAG_BOOL("metrics-open", &metrics_open, "Serve /metrics without the API key"),
+        PRISM_FLAG_BOOL("timing-header", &timing_header,
+                        "Add x-prism-timing (time split, image cache hits) to responses: for operators only, it tells "
+                        "a client whether someone else sent the same image"),
         PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings)"),
         PRISM_FLAG_INT("limit-mm-per-prompt", &limit_mm, "Most images in one request"),
         PRISM_FLAG_INT("max-image-pixels", &max_pixels, "Largest image (width*height from its header) accepted"),
@@ -125,6 +131,21 @@ int main(int argc, char **argv)
         PRISM_ERROR("%s", err);
         return 2;
     }
+    /* Image cache keys are keyed by a cluster secret (every router of a cluster holds router.key, so
+     * they agree and share encoder caches); without CURVE each router draws its own. */
+    char seed[PRISM_NET_KEY_Z85 + 1] = "";
+    if (curve_keys) {
+        prism_path_join(path, sizeof(path), curve_keys, "router.key");
+        if (prism_net_key_read(path, seed, err, sizeof(err)) != PRISM_OK) {
+            PRISM_ERROR("%s", err);
+            return 2;
+        }
+    } else if (prism_random_bytes(seed, PRISM_NET_KEY_Z85) != PRISM_OK) {
+        PRISM_ERROR("no randomness from the kernel for the image cache key");
+        return 1;
+    }
+    if (XXH3_generateSecret(r.img_secret, sizeof(r.img_secret), seed, PRISM_NET_KEY_Z85) != XXH_OK) return 1;
+    memset(seed, 0, sizeof(seed));
     if (prism_model_config_load(model_path, &r.cfg, err, sizeof(err)) != PRISM_OK) {
         PRISM_ERROR("cannot load model config from %s: %s", model_path, err);
         return 1;
@@ -161,6 +182,7 @@ int main(int argc, char **argv)
     r.served_model_name = served;
     r.api_key = api_key;
     r.metrics_open = metrics_open;
+    r.timing_header = timing_header;
     r.max_stream_pending = (size_t)stream_pending;
     r.max_model_len = context_length > 0 ? (int)PRISM_MIN(context_length, (int64_t)r.cfg.max_pos) : r.cfg.max_pos;
     r.max_images_per_prompt = limit_mm ? (int)limit_mm : -1;

@@ -83,7 +83,7 @@ int router_prompt_load_images(router_t *r, router_prompt_t *p, const prism_oai_r
                          info.height, (unsigned long long)r->max_image_pixels);
                 return 400;
             }
-            p->img_hash[idx] = XXH3_64bits(buf, len);
+            p->img_hash[idx] = XXH3_64bits_withSecret(buf, len, r->img_secret, sizeof(r->img_secret));
             p->image_bytes += len;
         }
     }

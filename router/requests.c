@@ -68,6 +68,16 @@ router_req_t *router_req_get(router_t *r, uint64_t rid)
     return NULL;
 }
 
+int router_req_new_id(router_t *r, uint64_t *out)
+{
+    /* Unguessable: a peer inside the trust boundary cannot aim messages at a request it was not
+     * given. Unique among the requests in flight; never 0. */
+    do {
+        if (prism_random_bytes(out, sizeof(*out)) != PRISM_OK) return PRISM_EIO;
+    } while (*out == 0 || router_req_get(r, *out));
+    return PRISM_OK;
+}
+
 int router_req_put(router_t *r, uint64_t rid, router_req_t *q)
 {
     if ((r->n_reqs + 1) * 2 > r->reqs_cap) return PRISM_ELIMIT;  /* sized at start-up from --max-running */
@@ -147,13 +157,16 @@ static void req_destroy(router_req_t *q)
 }
 
 /* Aborts every worker still holding this request (after a stop string, an error or a client
- * that went away). Workers ignore aborts for requests they no longer have. */
+ * that went away). The prefill always hears it (after its first token it may still hold the KV
+ * export); the decode only while it may hold or still receive the request: a decode remembers
+ * aborts for requests it has not seen (their KV may be on its way), so it is not told about
+ * requests that ended without it. */
 static void abort_workers(router_req_t *q)
 {
     for (int i = 0; i < q->prompt.n_images; i++)
         if (q->encode_pending[i]) send_abort(q->r, q->encoder_id[i], q->rid);
     send_abort(q->r, q->prefill_id, q->rid);
-    send_abort(q->r, q->decode_id, q->rid);
+    if (q->decode_pending) send_abort(q->r, q->decode_id, q->rid);
 }
 
 static void respond_error(prism_http_req_t *h, int status, const char *message, const char *param)
@@ -268,7 +281,10 @@ static void req_complete(router_req_t *q, const char *finish)
                 prism_oai_write_completion_response(&q->out, &q->meta, q->text.data ? q->text.data : "", q->text.len,
                                                     lp, finish, &u);
             char extra[600];
-            snprintf(extra, sizeof(extra), "x-request-id: %s\r\nx-prism-timing: %s\r\n", q->meta.id, timing);
+            if (r->timing_header)
+                snprintf(extra, sizeof(extra), "x-request-id: %s\r\nx-prism-timing: %s\r\n", q->meta.id, timing);
+            else
+                snprintf(extra, sizeof(extra), "x-request-id: %s\r\n", q->meta.id);
             prism_http_respond(q->h, 200, "application/json", extra, q->out.data, q->out.len);
         }
     }
@@ -339,17 +355,63 @@ static void add_logprobs(router_req_t *q, int32_t tok, const Prism__TokenLogprob
     prism_oai_logprobs_add(&q->lp, &t);
 }
 
+/* The HTTP status of a worker's error, by its kind (never by its text); unset: the sender's default. */
+static int error_status(Prism__ErrorKind kind, int unset)
+{
+    switch (kind) {
+    case PRISM__ERROR_KIND__ERROR_CLIENT:      return 400;
+    case PRISM__ERROR_KIND__ERROR_OVERLOAD:    return 503;
+    case PRISM__ERROR_KIND__ERROR_UNAVAILABLE: return 503;
+    case PRISM__ERROR_KIND__ERROR_INTERNAL:    return 500;
+    default:                                   return unset;
+    }
+}
+
+/* Whether worker w may send this Tokens message for q: the prefill it went to sends the first token
+ * (once) and may report an error later (a failed KV transfer); the decode it went to sends the rest
+ * (held until the prefill's is in: see router_handle_tokens). */
+static bool tokens_allowed(const router_req_t *q, const router_worker_t *w, const Prism__Tokens *t)
+{
+    if (t->from_prefill) {
+        if (w->role != PRISM__ROLE__ROLE_PREFILL || strcmp(q->prefill_id, w->id) != 0) return false;
+        return q->prefill_pending || (t->finish == PRISM__FINISH__FINISH_ERROR && t->n_token_ids == 0);
+    }
+    return w->role == PRISM__ROLE__ROLE_DECODE && q->decode_pending && !strcmp(q->decode_id, w->id);
+}
+
+/* Every field of a Tokens message against what the request asked for: ids in the vocabulary, no
+ * more tokens than max_tokens in all, logprobs only for tokens sent and at most 20 alternatives. */
+static bool tokens_valid(const router_t *r, const router_req_t *q, const Prism__Tokens *t)
+{
+    if (t->n_token_ids > (size_t)PRISM_MAX(q->prompt.max_tokens - q->n_out, 0) || t->n_logprobs > t->n_token_ids ||
+        (unsigned)t->finish > PRISM__FINISH__FINISH_ERROR)
+        return false;
+    for (size_t i = 0; i < t->n_token_ids; i++)
+        if (t->token_ids[i] < 0 || t->token_ids[i] >= r->cfg.vocab) return false;
+    for (size_t i = 0; i < t->n_logprobs; i++) {
+        const Prism__TokenLogprobs *l = t->logprobs[i];
+        if (!l || l->n_top > 20) return false;
+        for (size_t k = 0; k < l->n_top; k++)
+            if (!l->top[k] || l->top[k]->token_id < 0 || l->top[k]->token_id >= r->cfg.vocab) return false;
+    }
+    return true;
+}
+
 static void tokens_apply(router_t *r, router_req_t *q, const Prism__Tokens *t)
 {
     if (t->from_prefill && q->prefill_pending) {
         q->prefill_pending = false;
         worker_done(r, q->prefill_id);
     }
+    /* Decode is done with it when it ends it, or when prefill ends it (no KV goes to decode then). */
+    if (q->decode_pending && (t->finish != PRISM__FINISH__FINISH_NONE || (t->error && *t->error))) {
+        q->decode_pending = false;
+        worker_done(r, q->decode_id);
+    }
     if (t->error && *t->error) {
-        bool busy = strstr(t->error, "full") != NULL;
         char msg[300];
         snprintf(msg, sizeof(msg), "%s", t->error);
-        req_fail(q, busy ? 503 : 500, msg);
+        req_fail(q, error_status(t->error_kind, 500), msg);
         return;
     }
     double now = prism_now_s();
@@ -408,42 +470,70 @@ static bool tokens_hold(router_req_t *q, Prism__Envelope *env)
     return true;
 }
 
-bool router_handle_tokens(router_t *r, Prism__Envelope *env)
+bool router_handle_tokens(router_t *r, const router_worker_t *from, Prism__Envelope *env, bool *kept)
 {
-    router_req_t *q = router_req_get(r, env->request_id);
-    if (!q) return false;  /* finished or aborted already */
-    const Prism__Tokens *t = env->tokens;
-    if (!t->from_prefill && q->prefill_pending) return tokens_hold(q, env);
-    tokens_apply(r, q, t);
-    /* The prefill's is in: the held ones follow in the order they came. Applying one may end the
-     * request (finish, stop string, error), which frees the rest with it. */
+    *kept = false;
     uint64_t rid = env->request_id;
+    const Prism__Tokens *t = env->tokens;
+    router_req_t *q = router_req_get(r, rid);
+    if (!q) return true;  /* finished or aborted already: a late message, not a refusal */
+    if (!tokens_allowed(q, from, t)) {
+        PRISM_WARN("request %llu: Tokens from %s worker %s, which does not hold it at that stage: dropped",
+                   (unsigned long long)rid, prism_role_name(from->role), from->id);
+        return false;
+    }
+    if (!tokens_valid(r, q, t)) {
+        /* From the worker that holds it: the request cannot go on with that worker's answer. */
+        PRISM_WARN("request %llu: malformed Tokens from %s worker %s", (unsigned long long)rid,
+                   prism_role_name(from->role), from->id);
+        req_fail(q, 500, "A worker sent a malformed result.");
+        return false;
+    }
+    if (!t->from_prefill && q->prefill_pending) {
+        *kept = tokens_hold(q, env);
+        return true;
+    }
+    tokens_apply(r, q, t);
+    /* The prefill's is in: the held ones follow in the order they came, each checked again against
+     * what is left of max_tokens. Applying one may end the request (finish, stop string, error),
+     * which frees the rest with it. */
     for (int i = 0; (q = router_req_get(r, rid)) && !q->prefill_pending && i < q->n_held; i++) {
-        Prism__Envelope *h = q->held[i];
+        Prism__Envelope *held = q->held[i];
         q->held[i] = NULL;
-        tokens_apply(r, q, h->tokens);
-        prism_msg_env_free(h);
+        if (tokens_valid(r, q, held->tokens)) {
+            tokens_apply(r, q, held->tokens);
+        } else {
+            PRISM_WARN("request %llu: malformed Tokens from decode worker %s", (unsigned long long)rid, q->decode_id);
+            req_fail(q, 500, "A worker sent a malformed result.");
+        }
+        prism_msg_env_free(held);
     }
     if (q && !q->prefill_pending) q->n_held = 0;
-    return false;
+    return true;
 }
 
-void router_handle_encode_done(router_t *r, uint64_t rid, const Prism__EncodeDone *d)
+bool router_handle_encode_done(router_t *r, const router_worker_t *from, uint64_t rid, const Prism__EncodeDone *d)
 {
     router_req_t *q = router_req_get(r, rid);
-    if (!q || d->image_index >= (uint32_t)q->prompt.n_images) return;
-    if (q->encode_pending[d->image_index]) {
-        q->encode_pending[d->image_index] = false;
-        worker_done(r, q->encoder_id[d->image_index]);
+    if (!q) return true;  /* finished or aborted already */
+    /* Only the encoder this image went to, once. */
+    if (d->image_index >= (uint32_t)q->prompt.n_images || !q->encode_pending[d->image_index] ||
+        from->role != PRISM__ROLE__ROLE_ENCODER || strcmp(q->encoder_id[d->image_index], from->id) != 0) {
+        PRISM_WARN("request %llu: EncodeDone for image %u from %s, which does not hold it: dropped",
+                   (unsigned long long)rid, d->image_index, from->id);
+        return false;
     }
+    q->encode_pending[d->image_index] = false;
+    worker_done(r, q->encoder_id[d->image_index]);
     q->decode_ms += d->decode_ms;
     q->vit_ms += d->vit_ms;
     q->cache_hits += d->cache_hit;
     if (d->error && *d->error) {
         char msg[320];
         snprintf(msg, sizeof(msg), "Image %u: %s", d->image_index, d->error);
-        req_fail(q, 400, msg);
+        req_fail(q, error_status(d->error_kind, 400), msg);
     }
+    return true;
 }
 
 static bool queue_push_front(router_t *r, uint64_t rid);
@@ -468,8 +558,9 @@ static void req_release_workers(router_req_t *q)
     /* A new id: late messages for the old one (from workers that had started) match nothing, and
      * no worker's memory of the abort can catch the request's next dispatch. */
     router_req_del(r, q->rid);
-    q->rid = ++r->next_rid;
-    int rc = router_req_put(r, q->rid, q);  /* takes the entry just freed */
+    int rc = router_req_new_id(r, &q->rid);
+    PRISM_ASSERT(rc == PRISM_OK);           /* getrandom gave ids at the first dispatch */
+    rc = router_req_put(r, q->rid, q);      /* takes the entry just freed */
     PRISM_ASSERT(rc == PRISM_OK);
 }
 
@@ -741,7 +832,12 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
     q->h = h;
     q->chat = chat;
     q->t_start = prism_now_s();
-    q->rid = ++r->next_rid;
+    if (router_req_new_id(r, &q->rid) != PRISM_OK) {
+        respond_error(h, 503, "The server has no randomness for request ids; try again shortly.", NULL);
+        prism_http_req_release(h);
+        prism_free(q);
+        return;
+    }
     prism_oai_logprobs_init(&q->lp, chat);
     char msg[600] = "";
     int status = 0;

@@ -28,10 +28,17 @@
 #define ROUTER_MAX_HELD_TOKENS 256        /* decode Tokens messages held for the prefill's (requests.c) */
 #define ROUTER_MAX_WORKER_MSG (4 << 20)  /* largest frame a worker may send up (tokens with logprobs) */
 
+#define ROUTER_WORKER_ID_MAX 127  /* bytes of a worker id (its ZeroMQ identity) */
+
 typedef struct {
     bool used;
     Prism__Role role;
-    char id[128];
+    char id[ROUTER_WORKER_ID_MAX + 1];  /* the ZeroMQ identity, byte for byte (never holds a NUL) */
+    /* who registered it: the CURVE key its registration came with (empty without CURVE) and the
+     * process instance; messages under this id are read only from that key, and a registration
+     * from another instance is a restart (the old process's requests fail at once) */
+    char peer_key[PRISM_NET_KEY_Z85 + 1];
+    uint64_t instance;
     char data_endpoint[256];
     /* capacity from registration */
     uint32_t kv_blocks, block_size, max_batch_tokens, max_running, max_model_len;
@@ -63,6 +70,8 @@ typedef struct {
     const char *served_model_name;
     const char *api_key;
     bool metrics_open;          /* /metrics without the API key */
+    bool timing_header;         /* x-prism-timing on responses (operators: it shows image cache hits) */
+    uint8_t img_secret[192];    /* XXH3 secret for image cache keys (a client cannot aim at a cached entry) */
     size_t max_stream_pending;  /* bytes queued for a streaming client that stopped reading; beyond: dropped */
     int max_model_len;
     int max_images_per_prompt;
@@ -104,13 +113,13 @@ typedef struct {
     /* requests in flight, by id */
     router_req_t **reqs;        /* open-addressing map, cap entries */
     size_t reqs_cap, n_reqs;
-    uint64_t next_rid;
     size_t image_bytes_inflight;
     /* requests accepted while every worker of a tier was at capacity, oldest first (ring) */
     uint64_t *queue;
     size_t queue_head, queue_len;
     bool draining;
     bool queue_dirty;           /* a worker slot freed since the queue was last tried */
+    uint64_t ctl_refused;       /* control messages dropped: unregistered sender, wrong key, not the request's worker */
 
     prism_router_metrics_t metrics;
     uint64_t workers_lost_dead, workers_lost_stuck;
@@ -125,7 +134,10 @@ int  router_send(router_t *r, router_worker_t *w, Prism__Envelope *env, const pr
 /* workers.c (registry) */
 /* Adds or refreshes a worker from its registration; PRISM_EINVAL / PRISM_ELIMIT with why set when
  * it is refused. */
-int  router_worker_register(router_t *r, const char *id, const Prism__Register *g, char *why, size_t why_len);
+int  router_worker_register(router_t *r, const char *id, const char *peer_key, const Prism__Register *g, char *why,
+                            size_t why_len);
+/* Whether registration g (arriving with peer_key) comes from the process that registered w. */
+bool router_worker_same_process(const router_worker_t *w, const char *peer_key, const Prism__Register *g);
 /* Records a heartbeat's load and progress (hb may be NULL); false when the worker is not registered. */
 bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat *hb);
 void router_worker_drop(router_worker_t *w);
@@ -167,12 +179,14 @@ void router_prompt_free(router_prompt_t *p);
 
 /* requests.c */
 void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat);
-/* Applies a Tokens message (env->tokens set). The prefill's (the first token) and the decode's
- * (the rest) come from two processes over two connections, so the decode's may arrive first: those
- * are held, in order, until the prefill's arrives (at most ROUTER_MAX_HELD_TOKENS messages; beyond,
- * the request fails). Returns true when it kept env (the caller must not free it). */
-bool router_handle_tokens(router_t *r, Prism__Envelope *env);
-void router_handle_encode_done(router_t *r, uint64_t rid, const Prism__EncodeDone *d);
+/* Results from worker `from`: taken only when it holds the request at that stage (prefill: the first
+ * token or its error, once; decode: the rest; encoder: its image); false when refused. The prefill's
+ * Tokens (the first token) and the decode's (the rest) come from two processes over two connections,
+ * so the decode's may arrive first: those are held, in order, until the prefill's arrives (at most
+ * ROUTER_MAX_HELD_TOKENS messages; beyond, the request fails). *kept: env was kept (the caller must
+ * not free it). */
+bool router_handle_tokens(router_t *r, const router_worker_t *from, Prism__Envelope *env, bool *kept);
+bool router_handle_encode_done(router_t *r, const router_worker_t *from, uint64_t rid, const Prism__EncodeDone *d);
 /* Fails (503) every request w holds; why ends "The <role> worker serving this request ...". */
 void router_fail_worker_requests(router_t *r, const router_worker_t *w, const char *why);
 void router_sweep_requests(router_t *r);
@@ -181,6 +195,8 @@ void router_dispatch_queued(router_t *r);
 
 /* request map */
 router_req_t *router_req_get(router_t *r, uint64_t rid);
+/* A fresh request id from the kernel's CSPRNG, unique among the requests in flight; PRISM_EIO without randomness. */
+int  router_req_new_id(router_t *r, uint64_t *out);
 int  router_req_put(router_t *r, uint64_t rid, router_req_t *q);
 void router_req_del(router_t *r, uint64_t rid);
 

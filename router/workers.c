@@ -13,7 +13,8 @@ router_worker_t *router_worker_by_id(router_t *r, const char *id)
     return NULL;
 }
 
-int router_worker_register(router_t *r, const char *id, const Prism__Register *g, char *why, size_t why_len)
+int router_worker_register(router_t *r, const char *id, const char *peer_key, const Prism__Register *g, char *why,
+                           size_t why_len)
 {
     if (!g || !g->worker_id || strcmp(g->worker_id, id) != 0) {
         snprintf(why, why_len, "registration: worker_id must equal the socket identity");
@@ -27,12 +28,26 @@ int router_worker_register(router_t *r, const char *id, const Prism__Register *g
         snprintf(why, why_len, "registration: a data endpoint is required");
         return PRISM_EINVAL;
     }
+    /* Handed to other workers, who connect to it: never cut short (another endpoint), tcp only. */
+    if (g->data_endpoint && *g->data_endpoint &&
+        (strlen(g->data_endpoint) >= sizeof(((router_worker_t *)0)->data_endpoint) ||
+         strncmp(g->data_endpoint, "tcp://", 6) != 0)) {
+        snprintf(why, why_len, "registration: the data endpoint must be tcp://HOST:PORT, under %zu bytes",
+                 sizeof(((router_worker_t *)0)->data_endpoint));
+        return PRISM_EINVAL;
+    }
+    if (g->max_running > 1000000 || g->kv_blocks > (1u << 30) || g->block_size > 65536) {
+        snprintf(why, why_len, "registration: capacity out of range");
+        return PRISM_EINVAL;
+    }
     if (g->role != PRISM__ROLE__ROLE_ENCODER && g->max_model_len && (int)g->max_model_len < r->max_model_len) {
         snprintf(why, why_len, "registration: worker context length %u is below the router's %d",
                  g->max_model_len, r->max_model_len);
         return PRISM_EINVAL;
     }
     router_worker_t *w = router_worker_by_id(r, id);
+    /* Another process under a registered id: the caller fails and drops the old record first. */
+    PRISM_ASSERT(!w || router_worker_same_process(w, peer_key, g));
     if (!w) {
         for (int i = 0; i < ROUTER_MAX_WORKERS && !w; i++)
             if (!r->workers[i].used) w = &r->workers[i];
@@ -47,6 +62,8 @@ int router_worker_register(router_t *r, const char *id, const Prism__Register *g
     w->used = true;
     w->role = g->role;
     snprintf(w->id, sizeof(w->id), "%s", id);
+    snprintf(w->peer_key, sizeof(w->peer_key), "%s", peer_key);
+    w->instance = g->instance;
     snprintf(w->data_endpoint, sizeof(w->data_endpoint), "%s", g->data_endpoint ? g->data_endpoint : "");
     w->kv_blocks = g->kv_blocks;
     w->kv_free_blocks = g->kv_blocks;
@@ -61,6 +78,11 @@ int router_worker_register(router_t *r, const char *id, const Prism__Register *g
     return PRISM_OK;
 }
 
+bool router_worker_same_process(const router_worker_t *w, const char *peer_key, const Prism__Register *g)
+{
+    return w->instance == g->instance && w->role == g->role && !strcmp(w->peer_key, peer_key);
+}
+
 bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat *hb)
 {
     router_worker_t *w = router_worker_by_id(r, id);
@@ -68,7 +90,7 @@ bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat
     if (!hb) return true;
     w->running = hb->running;
     w->waiting = hb->waiting;
-    w->kv_free_blocks = hb->kv_free_blocks;
+    w->kv_free_blocks = PRISM_MIN(hb->kv_free_blocks, w->kv_blocks);   /* load_of divides by kv_blocks */
     w->pool_free = hb->pool_free;
     w->mem_used = hb->mem_used;
     w->mem_peak = hb->mem_peak;

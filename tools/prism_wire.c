@@ -1,5 +1,5 @@
 /* prism_wire: sends one hand-made protocol message to a worker's data endpoint, as an encoder
- * would. For tests and debugging of what workers do with messages the router never arranged:
+ * would (embeddings, to a prefill) or a prefill would (KV, to a decode). For tests and debugging of what workers do with messages the router never arranged:
  * embeddings for a request that never comes (the prefill worker's orphan drop), wrong sizes,
  * duplicates. Uses the same framing and the same authenticated sockets as the workers (common/net):
  * with --curve-keys it speaks CURVE as the encoder role, which a prefill data socket admits. */
@@ -15,13 +15,18 @@ int main(int argc, char **argv)
     const char *endpoint = NULL, *router_id = "prism-wire", *type = "embeddings", *error = NULL, *keys = NULL;
     bool insecure = false;
     int64_t request_id = 1, image_index = 0, n_tokens = 64, hidden = 256, bytes = -1, count = 1;
+    int64_t block_size = 16, block_bytes = 0, max_tokens = 16, first_token = 1;
     prism_flag_t flags[] = {
         PRISM_FLAG_STR("endpoint", &endpoint, "Data endpoint to PUSH to, e.g. tcp://127.0.0.1:5555 (required)"),
-        PRISM_FLAG_STR("type", &type, "Message type: embeddings"),
+        PRISM_FLAG_STR("type", &type, "Message type: embeddings (to a prefill, as an encoder) or kv (to a decode, as a prefill)"),
         PRISM_FLAG_INT("request-id", &request_id, "Envelope request id"),
         PRISM_FLAG_STR("router-id", &router_id, "Envelope router id (the owner of the request)"),
         PRISM_FLAG_INT("image-index", &image_index, "Embeddings: image index within the request"),
-        PRISM_FLAG_INT("n-tokens", &n_tokens, "Embeddings: tokens per image (the model's image_seq_length)"),
+        PRISM_FLAG_INT("n-tokens", &n_tokens, "Embeddings: tokens per image (the model's image_seq_length); kv: prompt tokens"),
+        PRISM_FLAG_INT("block-size", &block_size, "KV: tokens per block"),
+        PRISM_FLAG_INT("block-bytes", &block_bytes, "KV: bytes per block (payload = blocks for n-tokens x this)"),
+        PRISM_FLAG_INT("max-tokens", &max_tokens, "KV: Sampling.max_tokens (sent as uint32: -1 is 0xFFFFFFFF)"),
+        PRISM_FLAG_INT("first-token", &first_token, "KV: the token prefill sampled"),
         PRISM_FLAG_INT("hidden", &hidden, "Embeddings: hidden size of the language model"),
         PRISM_FLAG_INT("bytes", &bytes, "Payload bytes (default n-tokens * hidden * 4; zeros)"),
         PRISM_FLAG_STR("error", &error, "Embeddings: send this encoder error instead of a payload"),
@@ -34,23 +39,28 @@ int main(int argc, char **argv)
                              "Sends one hand-made protocol message to a worker's data endpoint (tests, debugging).", flags);
     if (rc) return rc > 0 ? 0 : 2;
     prism_log_init("prism_wire", PRISM_LOG_INFO);
-    if (!endpoint || strcmp(type, "embeddings") != 0 || n_tokens < 0 || hidden < 0 || count < 1 ||
-        n_tokens * hidden > ((int64_t)1 << 28)) {
-        fprintf(stderr, "prism_wire: --endpoint is required, --type must be embeddings, sizes in range (see --help)\n");
+    bool kv = !strcmp(type, "kv");
+    if (!endpoint || (!kv && strcmp(type, "embeddings") != 0) || n_tokens < 0 || hidden < 0 || count < 1 ||
+        n_tokens * hidden > ((int64_t)1 << 28) || block_size < 1 || block_bytes < 0 || block_bytes > (1 << 24) ||
+        n_tokens > (1 << 20)) {
+        fprintf(stderr, "prism_wire: --endpoint is required, --type must be embeddings or kv, sizes in range (see --help)\n");
         return 2;
     }
-    size_t len = bytes >= 0 ? (size_t)bytes : (size_t)(n_tokens * hidden) * sizeof(float);
+    int64_t n_blocks = (n_tokens + block_size - 1) / block_size;
+    size_t len = bytes >= 0 ? (size_t)bytes : kv ? (size_t)(n_blocks * block_bytes) : (size_t)(n_tokens * hidden) * sizeof(float);
     void *payload = prism_calloc(len ? len : 1, 1);
     char err[512];
     prism_net_t *net = NULL;
-    prism_net_opts_t no = {.role = PRISM_NET_ROLE_ENCODER, .curve_keys = keys, .insecure = insecure};
+    prism_net_opts_t no = {.role = kv ? PRISM_NET_ROLE_PREFILL : PRISM_NET_ROLE_ENCODER, .curve_keys = keys,
+                           .insecure = insecure};
     if (prism_net_create(&no, &net, err, sizeof(err)) != PRISM_OK) {
         fprintf(stderr, "prism_wire: %s\n", err);
         prism_free(payload);
         return 2;
     }
     void *s = prism_sock_connect(net, &(prism_sock_opts_t){.type = ZMQ_PUSH, .endpoint = endpoint, .hwm = 1,
-                                                          .max_msg_bytes = 1 << 20, .server = PRISM_NET_ROLE_PREFILL});
+                                                          .max_msg_bytes = 1 << 20,
+                                                          .server = kv ? PRISM_NET_ROLE_DECODE : PRISM_NET_ROLE_PREFILL});
     if (!payload || !s) {
         fprintf(stderr, "prism_wire: cannot connect to %s\n", endpoint);
         return 1;
@@ -67,6 +77,21 @@ int main(int argc, char **argv)
     env.request_id = (uint64_t)request_id;
     env.router_id = (char *)router_id;
     env.embeddings = &em;
+    Prism__Sampling sp = PRISM__SAMPLING__INIT;
+    Prism__Kv k = PRISM__KV__INIT;
+    if (kv) {
+        sp.max_tokens = (uint32_t)max_tokens;
+        sp.ignore_eos = true;
+        k.n_tokens = (uint32_t)n_tokens;
+        k.block_size = (uint32_t)block_size;
+        k.n_blocks = (uint32_t)n_blocks;
+        k.block_bytes = (uint64_t)block_bytes;
+        k.sampling = &sp;
+        k.first_token = (int32_t)first_token;
+        env.type = PRISM__MSG_TYPE__MSG_KV;
+        env.embeddings = NULL;
+        env.kv = &k;
+    }
     prism_frame_t f = {payload, len};
     for (int64_t i = 0; i < count && rc == PRISM_OK; i++)
         rc = prism_msg_send(s, NULL, 0, &env, error ? NULL : &f, error ? 0 : 1, 0);
@@ -77,7 +102,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "prism_wire: send failed: %s\n", prism_strerror(rc));
         return 1;
     }
-    printf("sent %lld embeddings message(s) for request %lld (router '%s') to %s\n", (long long)count,
+    printf("sent %lld %s message(s) for request %lld (router '%s') to %s\n", (long long)count, type,
            (long long)request_id, router_id, endpoint);
     return 0;
 }

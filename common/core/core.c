@@ -7,6 +7,7 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <pthread.h>
 
@@ -296,6 +297,21 @@ uint64_t prism_now_ns(void)
 }
 
 double prism_now_s(void) { return (double)prism_now_ns() * 1e-9; }
+
+int prism_random_bytes(void *out, size_t n)
+{
+    uint8_t *p = out;
+    while (n) {
+        ssize_t k = getrandom(p, n, 0);
+        if (k < 0) {
+            if (errno == EINTR) continue;
+            return PRISM_EIO;
+        }
+        p += k;
+        n -= (size_t)k;
+    }
+    return PRISM_OK;
+}
 
 int64_t prism_unix_time(void) { return (int64_t)time(NULL); }
 

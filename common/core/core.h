@@ -102,6 +102,9 @@ void prism_buf_free(prism_buf_t *b);
 uint64_t prism_now_ns(void);          /* monotonic */
 double   prism_now_s(void);           /* monotonic, seconds */
 int64_t  prism_unix_time(void);       /* wall clock, seconds */
+/* n bytes from the kernel's CSPRNG (getrandom): for what must be unguessable (request ids, process
+ * instance nonces). PRISM_EIO when the kernel cannot give them. */
+int      prism_random_bytes(void *out, size_t n);
 
 /* Reads a whole file into a prism_malloc'd, NUL-terminated buffer; fails with PRISM_ELIMIT
  * when the file is larger than max_bytes. */

@@ -159,6 +159,7 @@ typedef struct {
     int hwm;                 /* messages queued per peer, each way (> 0) */
     int64_t max_msg_bytes;   /* largest inbound frame (> 0): a bigger one drops the peer's connection */
     const char *identity;    /* connect: ZeroMQ routing id (the worker id), or NULL */
+    size_t identity_len;     /* bytes of identity; 0 = strlen (tests set it to put a NUL inside) */
     unsigned allow;          /* bind: PRISM_NET_ALLOW bits of the roles admitted (CURVE server) */
     prism_net_role_t server; /* connect: role of the process bound at endpoint (its key is the server key) */
     bool watch_disconnects;  /* bind, CURVE: report peers' dropped connections (prism_net_disconnects) */

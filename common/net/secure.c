@@ -544,7 +544,8 @@ void *prism_sock_connect(prism_net_t *n, const prism_sock_opts_t *o)
     void *s = zmq_socket(n->zctx, o->type);
     if (!s) return NULL;
     int rc = sock_common(s, o, false);
-    if (o->identity) rc |= zmq_setsockopt(s, ZMQ_ROUTING_ID, o->identity, strlen(o->identity));
+    if (o->identity)
+        rc |= zmq_setsockopt(s, ZMQ_ROUTING_ID, o->identity, o->identity_len ? o->identity_len : strlen(o->identity));
     if (n->secure) {
         rc |= zmq_setsockopt(s, ZMQ_CURVE_SERVERKEY, n->role_key[o->server], PRISM_NET_KEY_Z85);
         rc |= zmq_setsockopt(s, ZMQ_CURVE_PUBLICKEY, n->public_key, PRISM_NET_KEY_Z85);

@@ -112,6 +112,11 @@ int prism_worker_init(prism_worker_t *w, Prism__Role role, const prism_worker_op
     if (zmq_bind(w->io_pair, inproc) != 0 || zmq_connect(w->cpu_pair, inproc) != 0) return PRISM_EIO;
     w->reg.role = role;
     w->reg.worker_id = w->worker_id;
+    /* Tells the router a restart under the same id from a re-registration of this process. */
+    if (prism_random_bytes(&w->reg.instance, sizeof(w->reg.instance)) != PRISM_OK) {
+        PRISM_ERROR("no randomness from the kernel for the process instance");
+        return PRISM_EIO;
+    }
     w->reg.data_endpoint = w->data_endpoint;
     return PRISM_OK;
 }
@@ -516,12 +521,36 @@ int prism_worker_reply(prism_worker_t *w, const char *router_id, uint64_t reques
     return prism_msg_send(w->cpu_pair, &route, sizeof(route), env, NULL, 0, 0);
 }
 
+/* Nothing of ours waits in the link's queue (with HWM 1: it can take a message now). */
+static bool peer_idle(void *sock)
+{
+    int ev = 0;
+    size_t sz = sizeof(ev);
+    return zmq_getsockopt(sock, ZMQ_EVENTS, &ev, &sz) == 0 && (ev & ZMQ_POLLOUT);
+}
+
 void *prism_worker_peer_sock(prism_worker_t *w, const char *endpoint)
 {
+    double now = prism_now_s();
     for (int i = 0; i < w->n_peers; i++)
-        if (!strcmp(w->peers[i].endpoint, endpoint))
+        if (!strcmp(w->peers[i].endpoint, endpoint)) {
+            w->peers[i].last_used = now;
             return w->peers[i].sock;
-    if (w->n_peers == PRISM_WORKER_MAX_PEERS) return NULL;
+        }
+    if (w->n_peers == PRISM_WORKER_MAX_PEERS) {
+        int lru = -1;
+        for (int i = 0; i < w->n_peers; i++) {
+            const prism_worker_peer_t *p = &w->peers[i];
+            if (now - p->last_used >= PRISM_WORKER_PEER_IDLE_S && (lru < 0 || p->last_used < w->peers[lru].last_used) &&
+                peer_idle(p->sock))
+                lru = i;
+        }
+        if (lru < 0) return NULL;
+        PRISM_INFO("closing the idle link to %s for %s (peer table full)", w->peers[lru].endpoint, endpoint);
+        zmq_close(w->peers[lru].sock);
+        w->peers[lru] = w->peers[--w->n_peers];
+        w->peers_closed++;
+    }
     /* Encoders push embeddings to prefills, prefills push KV to decodes; a PUSH socket never
      * receives, so its message bound only matters for the handshake. */
     prism_sock_opts_t so = {.type = ZMQ_PUSH, .endpoint = endpoint, .hwm = 1, .max_msg_bytes = 64 << 10,
@@ -531,6 +560,7 @@ void *prism_worker_peer_sock(prism_worker_t *w, const char *endpoint)
     prism_worker_peer_t *p = &w->peers[w->n_peers++];
     snprintf(p->endpoint, sizeof(p->endpoint), "%s", endpoint);
     p->sock = s;
+    p->last_used = now;
     return s;
 }
 

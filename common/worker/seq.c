@@ -1,13 +1,21 @@
 /* One generation sequence: see seq.h. */
 #include "worker/seq.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
-const char *prism_seq_check(const Prism__Sampling *s)
+const char *prism_seq_check(const Prism__Sampling *s, int vocab, int max_model_len)
 {
     if (!s) return "malformed request: no sampling parameters";
     if (s->max_tokens == 0) return "max_tokens must be at least 1";
+    if (s->max_tokens > (uint32_t)max_model_len) return "max_tokens exceeds the context length";
+    if (!isfinite(s->temperature) || s->temperature < 0) return "temperature out of range";
+    if (!isfinite(s->top_p) || s->top_p < 0 || s->top_p > 1) return "top_p out of range";
+    if (s->n_stop_token_ids > PRISM_SEQ_MAX_STOP_IDS) return "too many stop token ids";
+    for (size_t i = 0; i < s->n_stop_token_ids; i++)
+        if (s->stop_token_ids[i] < 0 || s->stop_token_ids[i] >= vocab) return "stop token id out of range";
+    if (s->logprobs > PRISM_SEQ_MAX_TOP_LOGPROBS + 1) return "too many top logprobs";
     return NULL;
 }
 

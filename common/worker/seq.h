@@ -39,8 +39,12 @@ typedef struct {
     int generated;                /* tokens sampled so far (the first is prefill's) */
 } prism_seq_t;
 
-/* NULL when a Sampling message can start a sequence, else the reason (for the error reply). */
-const char *prism_seq_check(const Prism__Sampling *s);
+/* NULL when a Sampling message can start a sequence of this model (vocab) and context
+ * (max_model_len), else the reason (for the error reply). Every field is checked: max_tokens
+ * 1..max_model_len, finite temperature >= 0 and top_p, at most PRISM_SEQ_MAX_STOP_IDS stop ids,
+ * each in the vocabulary, logprobs <= 1 + PRISM_SEQ_MAX_TOP_LOGPROBS. Prefill checks what the router
+ * sent, decode what prefill forwarded: neither trusts the sender's arithmetic. */
+const char *prism_seq_check(const Prism__Sampling *s, int vocab, int max_model_len);
 /* Takes the slot: owner, a copy of the sampling message, the RNG state (prefill:
  * prism_seq_seed(); decode: what Kv carried). len = generated = 0. */
 void prism_seq_start(prism_seq_t *s, uint64_t rid, const char *router_id, const Prism__Sampling *sampling,

@@ -67,6 +67,7 @@ struct prism_model_config;   /* model/model.h */
 #define PRISM_WORKER_MAX_PEERS 64
 #define PRISM_WORKER_INBOX_HWM 65536    /* messages queued for the compute thread */
 #define PRISM_WORKER_ABORTS 256         /* recent aborts the between-layer check can see */
+#define PRISM_WORKER_PEER_IDLE_S 10.0   /* a peer link unused this long may be closed for a new one */
 
 typedef struct {
     char endpoint[256];
@@ -79,6 +80,7 @@ typedef struct {
 typedef struct {
     char endpoint[256];
     void *sock;              /* PUSH: compute thread */
+    double last_used;
 } prism_worker_peer_t;
 
 /* What the compute thread tells the routers about its load (copied into every heartbeat). */
@@ -137,6 +139,7 @@ typedef struct prism_worker {
     prism_worker_peer_t peers[PRISM_WORKER_MAX_PEERS];
     int n_peers;
     uint64_t data_received;
+    uint64_t peers_closed;   /* idle peer links closed to make room (peers restarted on new ports) */
     uint64_t aborts_seen;    /* abort_seq at the last between-layer look */
     int64_t stall_after;     /* test hook: layers before the stall, -1 = never */
     double reply_delay_s;    /* test hook: the I/O thread holds each reply this long (0 = never) */
@@ -182,7 +185,10 @@ void prism_worker_set_load(prism_worker_t *w, const prism_worker_load_t *load);
 /* Sends a Tokens / EncodeDone style reply (no raw frames) to the router that owns the request,
  * through the I/O thread. PRISM_ENOTFOUND when that router is not connected (reply dropped). */
 int  prism_worker_reply(prism_worker_t *w, const char *router_id, uint64_t request_id, Prism__Envelope *env);
-/* PUSH socket to a peer's data endpoint, connected on first use (compute thread only). */
+/* PUSH socket to a peer's data endpoint, connected on first use (compute thread only). Peers restart
+ * on new ports, so the table would fill with dead endpoints: when it is full, the least recently used
+ * link that has been idle PRISM_WORKER_PEER_IDLE_S and has nothing queued is closed to make room.
+ * NULL when none can go (every link busy) or the connect fails. */
 void *prism_worker_peer_sock(prism_worker_t *w, const char *endpoint);
 /* Counts completed units of work (an image, a chunk, a step). */
 void prism_worker_progress(prism_worker_t *w, uint64_t units);

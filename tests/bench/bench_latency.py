@@ -41,7 +41,7 @@ def main():
     ]
     readies = []
     for _ in range(3):
-        c = cl.Cluster()
+        c = cl.Cluster(router_args=["--timing-header"])
         readies.append(c.wait_ready())
         c.stop()
     print("launch to ready: median %.2fs over 3 launches (%s)" % (statistics.median(readies),
@@ -49,7 +49,7 @@ def main():
     keys = ["image_decode_ms", "vit_ms", "queue_ms", "prefill_ms", "ttft_ms", "decode_tok_s", "e2e_ms"]
     print("| request | prompt tokens | " + " | ".join(keys) + " |")
     print("|---|---|" + "---|" * len(keys))
-    with cl.Cluster(worker_args={"encoder_worker": ["--embedding-cache-bytes", "0"]}) as c:
+    with cl.Cluster(router_args=["--timing-header"], worker_args={"encoder_worker": ["--embedding-cache-bytes", "0"]}) as c:
         c.wait_ready()
         for name, img in kinds:
             rows, prompt = [], 0

@@ -21,7 +21,7 @@ PNG = make_image(os.path.join(TMP, "blue_square.png"), width=300, height=200, sh
 PROG = make_image(os.path.join(TMP, "photo_prog.jpg"), width=1024, height=768, photo=True, progressive=True)
 BOMB = make_image(os.path.join(TMP, "bomb.png"), bomb=65000)
 
-C = Cluster()
+C = Cluster(router_args=["--timing-header"])  # the time split of each answer (operators' header)
 READY_S = C.wait_ready()
 print("cluster ready in %.2fs" % READY_S, flush=True)
 

@@ -1,10 +1,13 @@
 """Security of the internal links, against real processes: an intruder without the cluster's keys (no CURVE,
 another cluster's keys, a stranger who knows our public keys, or a cluster key of a role no socket admits)
 cannot register, inject Tokens, push embeddings, KV, Prefill or Abort messages; an oversized frame does not
-make a process allocate it.
+make a process allocate it. A peer inside the boundary (holding a cluster key) cannot alias a live worker's id,
+register under another role, write into a request it does not hold or aim at a request id; decode checks what
+prefill forwards and remembers aborts that come before the KV.
 
 Run: python3 tests/integration/test_security.py   (PRISM_BINARY_DIR=build dir)
 """
+import base64
 import http.client
 import json
 import os
@@ -19,12 +22,14 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import Cluster, binary, free_port, make_keys, run_tests  # noqa: E402
+from cluster import MODEL, Cluster, binary, free_port, make_keys, run_tests, run_tool, wait_for  # noqa: E402
 
 TMP = tempfile.mkdtemp(prefix="prism-sec-")
 PF_PORT, DC_PORT = free_port(), free_port()
-DATA = {"prefill_worker": ["--data-port", str(PF_PORT)], "decode_worker": ["--data-port", str(DC_PORT)]}
-C = Cluster(encoders=1, worker_args=DATA)
+DATA = {"prefill_worker": ["--data-port", str(PF_PORT), "--log-level", "debug"],
+        "decode_worker": ["--data-port", str(DC_PORT), "--log-level", "debug"]}
+# debug log: the tests that play a cluster worker read a running request's id from the router's log
+C = Cluster(encoders=1, worker_args=DATA, router_args=["--log-level", "debug"])
 PROMPT = {"model": "prism-tiny-llava", "prompt": "A red circle on a white", "temperature": 0, "ignore_eos": True}
 MAX_TOKENS = 600
 INJECTED = 7  # token id the intruder tries to slip into answers
@@ -106,10 +111,11 @@ def router_id():
     return "router-%s-%d-%d" % (socket.gethostname()[:63], C.procs["router"].pid, C.port)
 
 
-def probe(keys, role, targets=("router", "prefill", "decode"), wait=1.5, worker_id="intruder"):
+def probe(keys, role, targets=("router", "prefill", "decode"), wait=1.5, worker_id="intruder", rids=(1, 64),
+          extra=()):
     args = [binary("prism_peer_probe"), "--role", role, "--router-id", router_id(), "--token", str(INJECTED),
-            "--first-rid", "1", "--last-rid", "64", "--wait", str(wait), "--worker-id", worker_id,
-            "--embedding-bytes", str(64 * 256 * 4)]
+            "--first-rid", str(rids[0]), "--last-rid", str(rids[1]), "--wait", str(wait), "--worker-id", worker_id,
+            "--embedding-bytes", str(64 * 256 * 4), *extra]
     if keys:
         args += ["--curve-keys", keys]
     if "router" in targets:
@@ -205,6 +211,252 @@ def test_wrong_role_per_data_socket():
     wait_counters_above(before, ["prefill-0", "decode-0"])
 
 
+def control_refused():
+    return C.metric("prism:router_control_messages_refused_total")
+
+
+def running_rid():
+    """The id of the request the router dispatched last (its debug log line)."""
+    ids = re.findall(r"request (\d+): \d+ prompt tokens", C.log("router", tail=0))
+    assert ids, C.log("router")
+    return int(ids[-1])
+
+
+def inside_attack(role, worker_id, expect_register, extra=()):
+    """A peer holding a cluster key (inside the CURVE boundary) registers and sends Tokens for the request
+    that is streaming; the stream must be exactly what it is without it."""
+    refused0 = control_refused()
+    t, res, first = stream_in_background()
+    assert first.wait(60), "the stream never started"
+    rid = running_rid()
+    rid = rid - (1 << 64) if rid >= 1 << 63 else rid  # the probe's flags are int64; it sends the same 64 bits
+    out, t_probe = probe(C.keys, role, targets=("router",), worker_id=worker_id, rids=(rid, rid), extra=extra)
+    t.join(120)
+    assert not t.is_alive(), "the stream did not finish"
+    assert out == {"router": "handshake ok", "register": expect_register}, out
+    assert res["t_end"] > t_probe, "the stream ended before the intruder was done; make MAX_TOKENS larger"
+    assert res["status"] == 200 and "error" not in res, res
+    assert res["text"] == REF, "the answer changed: the intruder's tokens were taken"
+    assert res["usage"]["completion_tokens"] == MAX_TOKENS and res["finish"] == "length", res
+    assert control_refused() > refused0
+
+
+def test_tokens_only_from_the_worker_holding_the_request():
+    # finding 2: a registered worker that does not hold the request cannot write into its answer,
+    # neither as its decode nor as its prefill's first token
+    inside_attack("decode", "intruder", "acked")
+    inside_attack("prefill", "intruder-pf", "acked", extra=["--from-prefill", "--register-as", "prefill"])
+
+
+def test_nul_identity_cannot_alias_a_worker():
+    # finding 3: identity "decode-0\0x" used to be cut to "decode-0" and took over the live worker's record
+    inside_attack("decode", "decode-0", "refused", extra=["--identity-nul-suffix", "x"])
+
+
+def test_key_of_another_role_cannot_register_it():
+    # an encoder key registering a decode worker is refused (the key says the role)
+    out, _ = probe(C.keys, "encoder", targets=("router",), worker_id="enc-as-decode", wait=1.0)
+    assert out == {"router": "handshake ok", "register": "refused"}, out
+
+
+def test_registration_fields_checked():
+    # a data endpoint is handed to other workers: one longer than the router keeps was cut short into
+    # another endpoint, and a non-tcp one (ipc://) pointed them at local files
+    for ep in ("tcp://127.0.0.1:1" + "1" * 300, "ipc:///tmp/prism-evil"):
+        out, _ = probe(C.keys, "decode", targets=("router",), worker_id="bad-endpoint", wait=1.0,
+                       extra=["--data-endpoint", ep])
+        assert out == {"router": "handshake ok", "register": "refused"}, (ep[:40], out)
+
+
+def test_request_ids_unguessable():
+    # request ids come from the kernel's CSPRNG, not a counter a peer can walk
+    ids = []
+    for _ in range(3):
+        status, r = C.post_json("/v1/completions", dict(PROMPT, max_tokens=2))
+        assert status == 200, (status, r)
+        ids.append(running_rid())
+    assert len(set(ids)) == 3, ids
+    assert all(abs(a - b) > 1 << 20 for a, b in zip(ids, ids[1:])), ids
+    assert max(ids) > 1 << 40, ids
+
+
+def test_decode_checks_kv_sampling():
+    # finding 4: Kv.sampling.max_tokens was trusted; 0xFFFFFFFF overflowed the block reservation (a sequence
+    # writing KV through blocks it never got, decoding to the context end for nobody), 0x80000000 made it
+    # negative. Decode now checks every Sampling field against its model and context.
+    with open(os.path.join(MODEL, "config.json")) as f:
+        tc = json.load(f)["text_config"]
+    block_bytes = tc["num_hidden_layers"] * 2 * 16 * tc["num_key_value_heads"] * tc["head_dim"] * 4
+    log0 = len(C.log("decode-0", tail=0))
+    for max_tokens in ("-1", str(1 << 31)):
+        run_tool([binary("prism_wire"), "--endpoint", "tcp://127.0.0.1:%d" % DC_PORT, "--type", "kv",
+                  "--curve-keys", C.keys, "--n-tokens", "16", "--block-size", "16", "--block-bytes", str(block_bytes),
+                  "--max-tokens", max_tokens, "--router-id", "no-such-router"], timeout=30)
+    wait_for(lambda: C.log("decode-0", tail=0)[log0:].count("dropped (max_tokens exceeds the context length)") == 2,
+             20, "decode refusing both KV transfers")
+    # nothing runs for them, and the decode worker still serves
+    status, r = C.post_json("/v1/completions", dict(PROMPT, max_tokens=4))
+    assert status == 200, (status, r)
+    hb = C.metric("prism:worker_heartbeats_total", worker="decode-0")
+    wait_for(lambda: C.metric("prism:worker_heartbeats_total", worker="decode-0") > hb + 1, 20, "decode heartbeats")
+    assert C.metric("prism:worker_running", worker="decode-0") == 0
+
+
+def test_abort_before_kv_is_remembered():
+    # finding 7: a client that hangs up while its prompt is in prefill makes the router abort decode before
+    # the KV gets there; decode used to admit the KV later and decode to max_tokens for nobody
+    prompt = [10 + i % 500 for i in range(1000)]
+    body = json.dumps({"model": "prism-tiny-llava", "prompt": prompt, "max_tokens": 100, "ignore_eos": True,
+                       "temperature": 0}).encode()
+    plog0, dlog0 = len(C.log("prefill-0", tail=0)), len(C.log("decode-0", tail=0))
+    s = socket.create_connection(("127.0.0.1", C.port), timeout=10)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+              % len(body) + body)
+    # hang up once prefill is computing (an abort that reaches prefill before that drops the request there)
+    m = wait_for(lambda: re.search(r"request (\d+): prefill of 1000 tokens started", C.log("prefill-0", tail=0)[plog0:]),
+                 60, "prefill started")
+    s.close()
+    rid = int(m.group(1))
+    dlog = wait_for(lambda: (lambda t: ("request %d: KV dropped" % rid in t or "request %d admitted" % rid in t) and t)(
+        C.log("decode-0", tail=0)[dlog0:]), 300, "the KV at decode")
+    assert "request %d admitted" % rid not in dlog, "decode ran an aborted request for nobody"
+    assert "request %d: KV dropped" % rid in dlog
+
+
+def test_cache_hits_not_shown_to_clients():
+    # finding 16: x-prism-timing told any client whether someone else had sent the same image (cache_hits=1,
+    # image_decode_ms=0); it is an operator's header now (--timing-header), and the cache key is keyed by a
+    # cluster secret. The cache still works: the second request is a hit, seen in the metrics only.
+    img = os.path.join(TMP, "hit16.png")
+    run_tool([binary("prism_imgtool"), "--out", img, "--width", "48", "--height", "40", "--shape", "triangle"])
+    with open(img, "rb") as f:
+        url = "data:image/png;base64," + base64.b64encode(f.read()).decode()
+    body = {"model": "prism-tiny-llava", "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                      {"type": "text", "text": "What is this?"}]}]}
+    hits0 = C.metric("prism:worker_embedding_cache_hits_total", worker="encoder-0") or 0
+    for _ in range(2):
+        status, headers, data = C.request("POST", "/v1/chat/completions", json.dumps(body).encode(),
+                                          headers={"Content-Type": "application/json"})
+        assert status == 200, (status, data[:300])
+        low = {k.lower(): v for k, v in headers.items()}
+        assert "x-prism-timing" not in low, low
+        assert "cache" not in json.dumps(low).lower(), low
+    wait_for(lambda: (C.metric("prism:worker_embedding_cache_hits_total", worker="encoder-0") or 0) > hits0, 20,
+             "the second image counted as a cache hit (metrics)")
+
+
+def test_router_checks_tokens_from_the_holding_decode():
+    # every field of a Tokens message is checked, even from the worker that holds the request: a token id
+    # outside the vocabulary fails the request (500) at once instead of being streamed or waited out
+    with Cluster(encoders=0, prefills=1, decodes=0,
+                 router_args=["--log-level", "debug", "--worker-timeout", "60", "--request-timeout", "60"]) as c:
+        rid_file = os.path.join(TMP, "fake-decode.rid")
+        fake = subprocess.Popen([binary("prism_peer_probe"), "--role", "decode", "--register-as", "decode",
+                                 "--worker-id", "fake-decode", "--router", c.ctl, "--curve-keys", c.keys, "--wait", "90",
+                                 "--token", "999999", "--first-rid", "1", "--last-rid", "0", "--rid-file", rid_file],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            wait_for(lambda: ready_of(c).get("prefills") == 1 and ready_of(c).get("decodes") == 1, 60,
+                     "prefill and the fake decode registered")
+            res = {}
+            t = threading.Thread(target=lambda: res.update(r=c.post_json("/v1/completions", dict(PROMPT, max_tokens=8),
+                                                                           timeout=120)))
+            t.start()
+            m = wait_for(lambda: re.search(r"request (\d+): \d+ prompt tokens", c.log("router", tail=0)), 30,
+                         "dispatch")
+            rid = int(m.group(1))
+            t0 = time.time()
+            with open(rid_file + ".tmp", "w") as f:
+                f.write(str(rid - (1 << 64) if rid >= 1 << 63 else rid))
+            os.rename(rid_file + ".tmp", rid_file)
+            t.join(120)
+        finally:
+            fake.kill()
+            fake.wait()
+        status, body = res["r"]
+        assert status == 500 and "malformed" in body["error"]["message"], (status, body)
+        assert time.time() - t0 < 30, "the request waited for its timeout"
+
+
+def test_junk_embeddings_cannot_fill_the_pool():
+    # finding 5: embeddings for made-up request ids (a peer holding an encoder key) took every slot of the
+    # prefill's pool until --orphan-timeout, locking every image request out. Orphans may hold half the pool;
+    # past that the oldest makes room.
+    with open(os.path.join(MODEL, "config.json")) as f:
+        cfg = json.load(f)
+    img = os.path.join(TMP, "pool5.png")
+    run_tool([binary("prism_imgtool"), "--out", img, "--width", "40", "--height", "40", "--shape", "circle"])
+    with open(img, "rb") as f:
+        url = "data:image/png;base64," + base64.b64encode(f.read()).decode()
+    body = {"model": "prism-tiny-llava", "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                      {"type": "text", "text": "What is this?"}]}]}
+    with Cluster(common_worker_args=["--heartbeat-interval", "0.1"],
+                 worker_args={"prefill_worker": ["--embed-pool-images", "2", "--orphan-timeout", "600"]}) as c:
+        c.wait_ready()
+        endpoint = re.search(r"data (tcp://[^,\s]+)", c.wait_log("prefill-0", "ready in")).group(1)
+        for rid in (101, 102, 103):
+            run_tool([binary("prism_wire"), "--endpoint", endpoint, "--request-id", str(rid), "--router-id", "junk",
+                      "--n-tokens", str(cfg["image_seq_length"]), "--hidden", str(cfg["text_config"]["hidden_size"]),
+                      "--curve-keys", c.keys], timeout=30)
+        wait_for(lambda: c.metric("prism:worker_pool_free", tier="prefill") == 0, 20, "junk in the pool")
+        try:
+            status, r = c.post_json("/v1/chat/completions", body, timeout=30)
+        except OSError as e:
+            raise AssertionError("the image request never completed: junk held the embedding pool (%r)" % e)
+        assert status == 200, (status, r)
+
+
+def ready_of(c):
+    try:
+        return json.loads(c.request("GET", "/ready")[2])
+    except OSError:
+        return {}
+
+
+def test_encoder_freed_when_its_prefill_dies():
+    # finding 9: an encoder whose embeddings wait for a prefill that died (backpressure) was wedged for
+    # good: aborts freed only queued jobs. A prefill that takes nothing: the probe registered as one, with
+    # a data endpoint nobody listens on; then it goes away and a real prefill comes.
+    img = os.path.join(TMP, "enc9.png")
+    run_tool([binary("prism_imgtool"), "--out", img, "--width", "64", "--height", "64", "--shape", "circle"])
+    with open(img, "rb") as f:
+        url = "data:image/png;base64," + base64.b64encode(f.read()).decode()
+    body = {"model": "prism-tiny-llava", "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                      {"type": "text", "text": "What is this?"}]}]}
+    with Cluster(encoders=1, prefills=0, decodes=1, router_args=["--worker-timeout", "2"],
+                 worker_args={"encoder_worker": ["--max-queued-images", "2", "--max-batch-images", "1"]}) as c:
+        wait_for(lambda: ready_of(c).get("encoders") == 1 and ready_of(c).get("decodes") == 1, 60,
+                 "encoder and decode registered")
+        args = [binary("prism_peer_probe"), "--role", "prefill", "--register-as", "prefill", "--worker-id",
+                "dead-prefill", "--router", c.ctl, "--curve-keys", c.keys, "--wait", "4", "--first-rid", "1",
+                "--last-rid", "0", "--rid-file", os.path.join(TMP, "never")]  # stays registered 4 s
+        probe_p = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+        wait_for(lambda: ready_of(c).get("prefills") == 1, 30, "the dead prefill registered")
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(c.post_json("/v1/chat/completions", body,
+                                                                               timeout=300)[0])) for _ in range(2)]
+        for t in threads:
+            t.start()
+        # the encoder pushes their embeddings to the dead endpoint (one fits the link's queue, the next
+        # waits); the fake prefill goes away, the router takes the requests back (aborts to the encoder)
+        # and they wait for a prefill; a real one comes
+        probe_p.wait(60)
+        wait_for(lambda: ready_of(c).get("prefills") == 0, 30, "the dead prefill dropped")
+        c.start_worker("prefill-0", "prefill_worker")
+        wait_for(lambda: ready_of(c).get("prefills") == 1, 60, "the real prefill")
+        for t in threads:
+            t.join(300)
+        assert len(results) == 2 and all(st in (200, 503) for st in results), results
+        try:
+            status, r = c.post_json("/v1/chat/completions", body, timeout=60)
+        except OSError as e:
+            raise AssertionError("the encoder is wedged: the image request never finished (%r)" % e)
+        assert status == 200, (status, r)
+
+
 def vm_peak_kib(pid):
     with open("/proc/%d/status" % pid) as f:
         for line in f:
@@ -275,11 +527,15 @@ def test_cluster_key_registers_and_metrics_stay_well_formed():
     # the control for everything above: with the cluster's decode key the same probe is admitted;
     # its worker id (any bytes a peer likes) must not break the Prometheus exposition (finding 21)
     evil = 'probe"} 1\nvllm:injected_total{x="1'
-    out, _ = probe(C.keys, "decode", targets=("router",), wait=1.5, worker_id=evil)
+    # (it stays connected while /metrics is read: the router drops a worker when its connection closes)
+    p = subprocess.Popen([binary("prism_peer_probe"), "--role", "decode", "--router", C.ctl, "--curve-keys", C.keys,
+                          "--worker-id", evil, "--wait", "6", "--first-rid", "1", "--last-rid", "0",
+                          "--rid-file", os.path.join(TMP, "never")], stdout=subprocess.PIPE, text=True)
+    label = 'worker="probe\\"} 1\\nvllm:injected_total{x=\\"1"'
+    text = wait_for(lambda: (lambda t: label in t and t)(C.request("GET", "/metrics")[2].decode()), 30,
+                    "the probe's worker in /metrics")
+    out = dict(line.split(": ", 1) for line in p.communicate(timeout=60)[0].strip().splitlines())
     assert out == {"router": "handshake ok", "register": "acked"}, out
-    status, _, data = C.request("GET", "/metrics")
-    text = data.decode()
-    assert 'worker="probe\\"} 1\\nvllm:injected_total{x=\\"1"' in text, text[-2000:]
     for line in text.splitlines():
         assert line.startswith("#") or SAMPLE.match(line), "malformed exposition line: %r" % line
         assert not line.startswith("vllm:injected"), line
@@ -331,7 +587,13 @@ if __name__ == "__main__":
         rc = run_tests([test_no_curve_refused, test_other_cluster_keys_refused, test_stranger_knowing_public_keys_refused,
                         test_cluster_key_of_wrong_role_refused, test_wrong_role_per_data_socket,
                         test_oversized_frame_curve_cluster, test_oversized_frame_insecure_cluster,
-                        test_cluster_key_registers_and_metrics_stay_well_formed, test_api_key_checked_from_headers])
+                        test_cluster_key_registers_and_metrics_stay_well_formed, test_api_key_checked_from_headers,
+                        test_tokens_only_from_the_worker_holding_the_request, test_nul_identity_cannot_alias_a_worker,
+                        test_key_of_another_role_cannot_register_it, test_request_ids_unguessable,
+                        test_decode_checks_kv_sampling, test_abort_before_kv_is_remembered,
+                        test_encoder_freed_when_its_prefill_dies, test_cache_hits_not_shown_to_clients,
+                        test_router_checks_tokens_from_the_holding_decode, test_registration_fields_checked,
+                        test_junk_embeddings_cannot_fill_the_pool])
         assert all(C.alive().values()), C.alive()
     finally:
         C.stop()

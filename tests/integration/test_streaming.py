@@ -19,7 +19,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import Cluster, chat_body, known_bug, make_image, run_tests, wait_for  # noqa: E402
+from cluster import Cluster, chat_body, make_image, run_tests, wait_for  # noqa: E402
 
 TMP = tempfile.mkdtemp(prefix="prism-stream-")
 JPG = make_image(os.path.join(TMP, "red_circle.jpg"), width=640, height=480, shape="circle", color="red")
@@ -173,9 +173,6 @@ def test_client_disconnect_aborts_generation():
         assert status == 200, (status, r)
 
 
-@known_bug("issue 8 (security): a worker that restarts under the same id re-registers into the old "
-           "slot and the requests the old process held are never failed, so their streams hang until "
-           "--request-timeout")
 def test_worker_restart_same_id_ends_streams():
     with Cluster(router_args=["--worker-timeout", "2"], common_worker_args=FAST_HB) as c:
         c.wait_ready()

@@ -1,6 +1,7 @@
 /* The per-sequence record prefill and decode share (common/worker/seq.h): the Sampling message
  * is kept as the router sent it (within bounds) and forwarded unchanged, copies are safe, and the
  * finish / logprob rules are the ones both workers apply. */
+#include <math.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
@@ -101,10 +102,56 @@ static void test_bounds_and_empty_lists(void **state)
     prism_seq_start(&s, 2, NULL, &none, 3, 1);
     assert_int_equal(s.sampling.n_stop_token_ids, 0);
     assert_string_equal(s.router_id, "");
-    assert_null(prism_seq_check(&none));
+    assert_null(prism_seq_check(&none, 4096, 2048));
     none.max_tokens = 0;
-    assert_non_null(prism_seq_check(&none));
-    assert_non_null(prism_seq_check(NULL));
+    assert_non_null(prism_seq_check(&none, 4096, 2048));
+    assert_non_null(prism_seq_check(NULL, 4096, 2048));
+}
+
+/* Finding 4 of issue 8: decode trusted Kv.sampling; every field is now checked against the model
+ * and context before a sequence starts. */
+static void test_check_bounds_every_field(void **state)
+{
+    (void)state;
+    int32_t stops[PRISM_SEQ_MAX_STOP_IDS + 1] = {0};
+    Prism__Sampling s = PRISM__SAMPLING__INIT;
+    s.max_tokens = 2048;
+    s.top_p = 1;
+    assert_null(prism_seq_check(&s, 4096, 2048));
+    s.max_tokens = 2049;
+    assert_non_null(prism_seq_check(&s, 4096, 2048));
+    s.max_tokens = 0xFFFFFFFFu;
+    assert_non_null(prism_seq_check(&s, 4096, 2048));
+    s.max_tokens = 0x80000000u;
+    assert_non_null(prism_seq_check(&s, 4096, 2048));
+    s.max_tokens = 8;
+    s.temperature = NAN;
+    assert_non_null(prism_seq_check(&s, 4096, 2048));
+    s.temperature = -1;
+    assert_non_null(prism_seq_check(&s, 4096, 2048));
+    s.temperature = INFINITY;
+    assert_non_null(prism_seq_check(&s, 4096, 2048));
+    s.temperature = 0.7f;
+    s.top_p = 1.5f;
+    assert_non_null(prism_seq_check(&s, 4096, 2048));
+    s.top_p = NAN;
+    assert_non_null(prism_seq_check(&s, 4096, 2048));
+    s.top_p = 0.9f;
+    s.stop_token_ids = stops;
+    s.n_stop_token_ids = PRISM_SEQ_MAX_STOP_IDS;
+    assert_null(prism_seq_check(&s, 4096, 2048));
+    s.n_stop_token_ids = PRISM_SEQ_MAX_STOP_IDS + 1;
+    assert_non_null(prism_seq_check(&s, 4096, 2048));
+    s.n_stop_token_ids = 1;
+    stops[0] = 4096;
+    assert_non_null(prism_seq_check(&s, 4096, 2048));
+    stops[0] = -1;
+    assert_non_null(prism_seq_check(&s, 4096, 2048));
+    stops[0] = 4095;
+    s.logprobs = PRISM_SEQ_MAX_TOP_LOGPROBS + 1;
+    assert_null(prism_seq_check(&s, 4096, 2048));
+    s.logprobs = PRISM_SEQ_MAX_TOP_LOGPROBS + 2;
+    assert_non_null(prism_seq_check(&s, 4096, 2048));
 }
 
 static void test_finish_rules(void **state)
@@ -175,6 +222,7 @@ int main(void)
         cmocka_unit_test(test_sampling_forwarded_unchanged),
         cmocka_unit_test(test_bounds_and_empty_lists),
         cmocka_unit_test(test_finish_rules),
+        cmocka_unit_test(test_check_bounds_every_field),
         cmocka_unit_test(test_logprobs_only_when_asked),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
