@@ -611,7 +611,7 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
         status = 429;
         goto fail;
     }
-    if (chat && (status = router_prompt_load_images(r, &q->prompt, &q->oai, msg, sizeof(msg))) != 0) goto fail;
+    if (chat && (status = router_prompt_load_images(r, &q->prompt, &q->oai, h, msg, sizeof(msg))) != 0) goto fail;
     if (q->prompt.image_bytes && r->image_bytes_inflight + q->prompt.image_bytes > r->max_image_bytes_inflight) {
         r->metrics.refused_limit[PRISM_REFUSE_IMAGE_BYTES_INFLIGHT]++;
         snprintf(msg, sizeof(msg), "Too many image bytes in flight; retry after a short wait.");

@@ -136,7 +136,8 @@ typedef struct {
 
 /* Decodes every image part's data URL and checks its header against the limits. These return
  * 0 or an HTTP status with msg filled. */
-int  router_prompt_load_images(router_t *r, router_prompt_t *p, const prism_oai_request_t *o, char *msg, size_t n);
+int  router_prompt_load_images(router_t *r, router_prompt_t *p, const prism_oai_request_t *o, prism_http_req_t *h,
+                               char *msg, size_t n);
 /* Renders + tokenizes (chat) or tokenizes (completions), expands image placeholders, checks the
  * length against the context. */
 int  router_prompt_build(router_t *r, router_prompt_t *p, const prism_oai_request_t *o, bool chat, char *msg,
