@@ -470,7 +470,7 @@ static void conn_arm_timer(conn_t *c)
     else if (!c->headers_done)
         due = c->t_req_start + (uint64_t)(cfg->header_timeout_s * 1000.0);
     else
-        due = c->t_headers + (uint64_t)(cfg->body_grace_s * 1000.0) + (uint64_t)r->body.len * 1000u / cfg->min_body_rate;
+        due = c->t_headers + (uint64_t)(cfg->body_grace_s * 1000.0) + (uint64_t)r->body_raw * 1000u / cfg->min_body_rate;
     uv_timer_start(&c->timer, on_timer, due > now ? due - now : 0, 0);
 }
 

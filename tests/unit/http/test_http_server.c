@@ -208,6 +208,24 @@ static void handler(prism_http_req_t *r, void *ud)
         prism_buf_free(&out);
         prism_buf_free(&extra);
         prism_http_req_release(r);
+    } else if (strcmp(path, "/lifted") == 0) {
+        /* lift_data_urls: the skeleton, then each lifted image as "|<len>:<bytes>" */
+        size_t bl;
+        const char *body = prism_http_req_body(r, &bl);
+        prism_buf_t out = {0};
+        prism_buf_append(&out, body, bl);
+        uint8_t *img;
+        size_t il;
+        const char *mime;
+        bool bad;
+        for (int i = 0; prism_http_req_take_image(r, i, &img, &il, &mime, &bad) == PRISM_OK; i++) {
+            prism_buf_appendf(&out, "|%zu:", il);
+            prism_buf_append(&out, img, il);
+            prism_free(img);
+        }
+        prism_http_respond(r, 200, "text/plain", NULL, out.data, out.len);
+        prism_buf_free(&out);
+        prism_http_req_release(r);
     } else if (strcmp(path, "/refusals") == 0) {
         prism_http_refusals_t rf;
         prism_http_server_refusals(h->srv, &rf);
@@ -835,6 +853,53 @@ static void test_body_pause_timeout_503(void **state)
     client_close(&a);
     assert_int_equal(atomic_load(&h->n_requests), 1);
     assert_refusals(h, "413=0 503body=1 503conn=0 bad=0");
+    harness_stop(h);
+}
+
+/* lift_data_urls: an image body streams through the lifter (the handler reads a small skeleton and
+ * takes the decoded bytes), and its upload rate is judged on the bytes received, not on the skeleton:
+ * a steady upload above min_body_rate is served, not answered 408. */
+static void test_lifted_body_rate(void **state)
+{
+    (void)state;
+    prism_http_config_t cfg = prism_http_config_default();
+    cfg.lift_data_urls = true;
+    cfg.body_grace_s = 0.3;
+    cfg.min_body_rate = 100 * 1024;
+    harness_t *h = harness_start(&cfg);
+    static uint8_t img[300 * 1024];
+    for (size_t i = 0; i < sizeof img; i++) img[i] = (uint8_t)(i * 2654435761u >> 11);
+    static const char *a = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    prism_buf_t body = {0};
+    prism_buf_append_str(&body, "{\"messages\":[{\"content\":[{\"image_url\":{\"url\":\"data:image/png;base64,");
+    for (size_t i = 0; i < sizeof img; i += 3) {
+        uint32_t v = (uint32_t)img[i] << 16 | (uint32_t)img[i + 1] << 8 | img[i + 2];
+        char q[4] = {a[v >> 18 & 63], a[v >> 12 & 63], a[v >> 6 & 63], a[v & 63]};
+        for (int k = 0; k < 4; k++) {
+            if (q[k] == '/' && (i / 3) % 2) prism_buf_append(&body, "\\/", 2);  /* as some encoders write it */
+            else prism_buf_append(&body, &q[k], 1);
+        }
+    }
+    prism_buf_append_str(&body, "\"}}]}]}");
+    client_t c;
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "POST /lifted HTTP/1.1\r\nContent-Length: %zu\r\n\r\n", body.len);
+    /* 20 KiB every 40 ms: about 500 KiB/s, for about 1 s (past the grace) */
+    for (size_t at = 0; at < body.len; at += 20 * 1024) {
+        assert_int_equal(client_send(&c, body.data + at, PRISM_MIN((size_t)20 * 1024, body.len - at)), 0);
+        usleep(40000);
+    }
+    resp_t r;
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    if (r.status != 200) fail_msg("a steady lifted upload: status %d", r.status);
+    const char *skel = "{\"messages\":[{\"content\":[{\"image_url\":{\"url\":\"prism-lifted:0\"}}]}]}|307200:";
+    assert_true(r.body_len == strlen(skel) + sizeof img);
+    assert_memory_equal(r.body, skel, strlen(skel));
+    assert_memory_equal(r.body + strlen(skel), img, sizeof img);
+    resp_free(&r);
+    client_close(&c);
+    prism_buf_free(&body);
+    assert_int_equal(prism_http_server_body_bytes(h->srv), 0);
     harness_stop(h);
 }
 
@@ -1624,6 +1689,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_body_over_limit_413),
         cmocka_unit_test(test_body_bytes_in_flight_pause),
         cmocka_unit_test(test_body_pause_timeout_503),
+        cmocka_unit_test(test_lifted_body_rate),
         cmocka_unit_test(test_header_over_limit_431),
         cmocka_unit_test(test_malformed_400),
         cmocka_unit_test(test_expect_continue),
