@@ -79,17 +79,17 @@ static int unescape(prism_lift_t *l, uint8_t b, uint8_t *ch)
 static int img_reserve(prism_lift_t *l, prism_lift_image_t *im, size_t extra)
 {
     if (im->len + extra <= im->cap) return PRISM_OK;
-    size_t cap;
-    if (!im->cap && l->declared > l->fed) {
-        /* What is left of the body bounds the decoded bytes: one allocation for a one-image body. */
-        uint64_t rest = (l->declared - l->fed) / 4 * 3 + 3;
-        cap = (size_t)PRISM_MIN(rest, (uint64_t)PRISM_MAX(l->max_image, (size_t)LIFT_GROW_MIN));
-    } else {
-        cap = PRISM_MAX(im->cap * 2, (size_t)LIFT_GROW_MIN);
+    /* Doubling, so what is allocated (and charged) stays within twice what arrived; never past what
+     * the rest of a declared body can still decode to. */
+    size_t cap = PRISM_MAX(im->cap * 2, (size_t)LIFT_GROW_MIN);
+    if (l->declared > l->fed) {
+        uint64_t most = im->len + (l->declared - l->fed) / 4 * 3 + 3;
+        if (cap > most) cap = (size_t)most;
     }
-    while (cap < im->len + extra) cap *= 2;
+    if (cap < im->len + extra) cap = im->len + extra;
     uint8_t *d = prism_realloc(im->data, cap);
     if (!d) return PRISM_ENOMEM;
+    l->held += cap - im->cap;
     im->data = d;
     im->cap = cap;
     return PRISM_OK;
@@ -99,7 +99,7 @@ static void img_bad(prism_lift_t *l, prism_lift_image_t *im)
 {
     if (im->bad) return;
     im->bad = true;
-    l->held -= im->len;
+    l->held -= im->cap;
     prism_free(im->data);
     im->data = NULL;
     im->len = im->cap = 0;
@@ -126,7 +126,6 @@ static int b64_feed(prism_lift_t *l, prism_lift_image_t *im, uint8_t c)
     im->data[im->len++] = (uint8_t)(x >> 16);
     im->data[im->len++] = (uint8_t)(x >> 8);
     im->data[im->len++] = (uint8_t)x;
-    l->held += 3;
     return PRISM_OK;
 }
 
@@ -145,13 +144,13 @@ static int b64_finish(prism_lift_t *l, prism_lift_image_t *im)
         uint32_t x = (uint32_t)l->quad[0] << 18 | (uint32_t)l->quad[1] << 12 | (nq == 3 ? (uint32_t)l->quad[2] << 6 : 0);
         im->data[im->len++] = (uint8_t)(x >> 16);
         if (nq == 3) im->data[im->len++] = (uint8_t)(x >> 8);
-        l->held += (size_t)nq - 1;
     }
-    if (im->cap > im->len + 4096) {  /* an over-estimate (several images, or padding) is given back */
-        uint8_t *d = prism_realloc(im->data, im->len ? im->len : 1);
+    if (im->cap > im->len && im->len) {  /* the doubling's slack is given back */
+        uint8_t *d = prism_realloc(im->data, im->len);
         if (d) {
+            l->held -= im->cap - im->len;
             im->data = d;
-            im->cap = im->len ? im->len : 1;
+            im->cap = im->len;
         }
     }
     return PRISM_OK;
@@ -303,7 +302,6 @@ int prism_lift_feed(prism_lift_t *l, prism_buf_t *out, const char *p, size_t n)
                     im->data[im->len++] = (uint8_t)(x >> 16);
                     im->data[im->len++] = (uint8_t)(x >> 8);
                     im->data[im->len++] = (uint8_t)x;
-                    l->held += 3;
                     j += 4;
                 }
                 l->fed += j - i;
@@ -347,7 +345,7 @@ int prism_lift_take(prism_lift_t *l, int i, uint8_t **data, size_t *len, const c
     *len = im->len;
     if (mime) *mime = im->mime;
     if (bad) *bad = im->bad;
-    l->held -= im->len;
+    l->held -= im->cap;
     im->data = NULL;
     im->len = im->cap = 0;
     return PRISM_OK;

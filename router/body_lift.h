@@ -16,9 +16,9 @@
  * its bytes are not kept. Malformed JSON is not this layer's business: the skeleton keeps it and
  * the JSON parser refuses it.
  *
- * Memory: the image buffer is sized once from what is left of the declared body (3/4 of it, capped
- * at max_image), or grows by doubling when the length is unknown (chunked), and is trimmed to its
- * length when the string ends. held() counts the image bytes written (what is resident).
+ * Memory: an image buffer grows by doubling (never past what the rest of a declared body can decode
+ * to) and is trimmed to its length when the string ends, so it is at most twice what arrived.
+ * held() counts the image buffers' capacity (what the HTTP server charges to its budget).
  * Ownership: the images belong to the lifter until taken (prism_lift_take); prism_lift_free frees
  * the rest. One thread.
  */
@@ -64,7 +64,7 @@ typedef struct {
     uint64_t declared;        /* whole body length when known, else 0 */
     uint64_t fed;             /* bytes fed so far */
     size_t max_image;         /* largest decoded image buffer */
-    size_t held;              /* image bytes written, over all images not taken */
+    size_t held;              /* image buffer capacity, over all images not taken */
     prism_lift_image_t img[PRISM_LIFT_MAX];
     int n;
 } prism_lift_t;
@@ -76,7 +76,7 @@ int  prism_lift_feed(prism_lift_t *l, prism_buf_t *out, const char *p, size_t n)
 /* End of body: a candidate string cut off by the end goes back to the skeleton as it came (the JSON
  * parser then refuses the body). */
 int  prism_lift_finish(prism_lift_t *l, prism_buf_t *out);
-/* Image bytes the lifter holds (written, not taken). */
+/* Image buffer bytes the lifter holds (capacity, not taken). */
 static inline size_t prism_lift_held(const prism_lift_t *l) { return l->held; }
 /* Hands image i over (*data is the caller's to prism_free; NULL with *len 0 for an empty or bad
  * payload). PRISM_EINVAL when i is out of range or already taken. */

@@ -526,8 +526,11 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
         ee.type = PRISM__MSG_TYPE__MSG_ENCODE;
         ee.request_id = q->rid;
         ee.encode = &e;
+        /* the buffer the body's base64 was decoded into goes out as the frame, no copy; from here
+         * ZeroMQ owns it and frees it once sent */
         prism_frame_t f = {q->prompt.img[i], q->prompt.img_len[i]};
-        if (router_send(r, enc[i], &ee, &f, 1) != PRISM_OK) {
+        q->prompt.img[i] = NULL;
+        if (router_send_take(r, enc[i], &ee, &f, 1) != PRISM_OK) {
             snprintf(msg, n, "The encoder worker could not be reached; try again shortly.");
             return 503;
         }

@@ -103,6 +103,8 @@ typedef struct {
 int  router_ctl_start(router_t *r, const char *endpoint);
 void router_ctl_stop(router_t *r);
 int  router_send(router_t *r, router_worker_t *w, Prism__Envelope *env, const prism_frame_t *frames, int n);
+/* The same, handing the frames' buffers (prism_malloc'd) to ZeroMQ without a copy, whatever it returns. */
+int  router_send_take(router_t *r, router_worker_t *w, Prism__Envelope *env, const prism_frame_t *frames, int n);
 
 /* workers.c (registry) */
 /* Adds or refreshes a worker from its registration; PRISM_EINVAL / PRISM_ELIMIT with why set when
@@ -124,7 +126,8 @@ int  router_count_workers(const router_t *r, Prism__Role role);
  * router_prompt_free. */
 typedef struct {
     int n_images;
-    uint8_t *img[ROUTER_MAX_IMAGES];        /* decoded file bytes (the router never decodes pixels) */
+    uint8_t *img[ROUTER_MAX_IMAGES];        /* decoded file bytes (the router never decodes pixels); NULL once
+                                             * handed to ZeroMQ for the encoder (img_len stays) */
     size_t img_len[ROUTER_MAX_IMAGES];
     uint64_t img_hash[ROUTER_MAX_IMAGES];
     uint32_t img_offset[ROUTER_MAX_IMAGES]; /* first token of each image's span, found while expanding */
