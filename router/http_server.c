@@ -301,6 +301,11 @@ static bool body_budget_spent(const prism_http_server_t *s)
     return s->body_bytes >= s->cfg.max_body_bytes_total;
 }
 
+static bool body_gate_closed(const prism_http_server_t *s)
+{
+    return s->cfg.may_read_body && !s->cfg.may_read_body(s->ud);
+}
+
 static void body_list_add(conn_t *c)
 {
     prism_http_server_t *s = c->srv;
@@ -339,7 +344,7 @@ static void conn_process(conn_t *c);
 static void on_resume_timer(uv_timer_t *t)
 {
     prism_http_server_t *s = t->data;
-    if (s->stopping) return;
+    if (s->stopping || body_gate_closed(s)) return;
     size_t room = s->body_bytes < s->cfg.max_body_bytes_total ? s->cfg.max_body_bytes_total - s->body_bytes : 0;
     size_t n = room / HTTP_READ_CHUNK + 1;
     conn_t *next;
@@ -362,7 +367,12 @@ static void server_resume_bodies(prism_http_server_t *s)
 /* This connection's body waits for room: the budget is spent and it is not the oldest. */
 static bool conn_body_waits(const conn_t *c)
 {
-    return c->in_body && !c->discard && c != c->srv->bodies && body_budget_spent(c->srv);
+    return c->in_body && !c->discard && c != c->srv->bodies && (body_budget_spent(c->srv) || body_gate_closed(c->srv));
+}
+
+void prism_http_server_resume_bodies(prism_http_server_t *s)
+{
+    if (s) server_resume_bodies(s);
 }
 
 /* Logical close: detach the request (firing its abort callback when its response was not complete)
@@ -415,10 +425,16 @@ static void on_timer(uv_timer_t *t)
     conn_t *c = t->data;
     if (!c->broken && !c->closing && !c->discard && c->paused) {
         /* the body waited for room longer than max_pause_s: 503, then its upload is discarded */
-        c->srv->refused.body_bytes_in_flight++;
         char msg[200];
-        snprintf(msg, sizeof msg, "Too many request bytes in flight (limit %zu); waited %.0f s; retry shortly.",
-                 c->srv->cfg.max_body_bytes_total, c->srv->cfg.max_pause_s);
+        if (body_budget_spent(c->srv)) {
+            c->srv->refused.body_bytes_in_flight++;
+            snprintf(msg, sizeof msg, "Too many request bytes in flight (limit %zu); waited %.0f s; retry shortly.",
+                     c->srv->cfg.max_body_bytes_total, c->srv->cfg.max_pause_s);
+        } else {
+            c->srv->refused.body_gate++;
+            snprintf(msg, sizeof msg, "The request waited too long for a free worker (its upload paused %.0f s); "
+                     "retry after a short wait.", c->srv->cfg.max_pause_s);
+        }
         conn_fail(c, 503, msg);
         return;
     }

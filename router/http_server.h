@@ -84,6 +84,10 @@ typedef struct {
      * type AuthenticationError): the body is never read and the connection closes after the answer.
      * ud is the server's handler ud. */
     int (*on_headers)(const prism_http_req_t *r, void *ud, char *message, size_t message_len);
+    /* Optional: the caller's own backpressure. While it returns false, bodies wait as they do for a
+     * spent budget (the oldest goes on; max_pause_s applies); call prism_http_server_resume_bodies
+     * once it may return true again. Loop thread; ud is the handler's. */
+    bool (*may_read_body)(void *ud);
 } prism_http_config_t;
 
 prism_http_config_t prism_http_config_default(void);
@@ -98,11 +102,14 @@ int  prism_http_server_port(const prism_http_server_t *s);  /* the bound port (u
 size_t prism_http_server_active_connections(const prism_http_server_t *s);
 /* Request body bytes held right now (charged to max_body_bytes_total as they arrive; any thread). */
 size_t prism_http_server_body_bytes(const prism_http_server_t *s);
+/* may_read_body turned true: paused bodies go on (from the loop's next turn). Loop thread. */
+void prism_http_server_resume_bodies(prism_http_server_t *s);
 /* Requests answered with an error by the server itself, before any handler ran (counters since
  * start; the router exports them as prism:requests_refused_total). Loop thread only. */
 typedef struct {
     uint64_t body_too_large;       /* 413: max_body_bytes */
-    uint64_t body_bytes_in_flight; /* 503: max_body_bytes_total */
+    uint64_t body_bytes_in_flight; /* 503: max_body_bytes_total (from the header, or paused too long) */
+    uint64_t body_gate;            /* 503: paused by may_read_body longer than max_pause_s */
     uint64_t connections;          /* 503: max_connections */
     uint64_t malformed;            /* 400 / 431 / 417 */
 } prism_http_refusals_t;

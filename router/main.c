@@ -15,6 +15,7 @@ static void on_signal(uv_signal_t *s, int sig)
     PRISM_INFO("signal %d: shutting down", sig);
     router_abort_all(r);
     prism_http_server_stop(r->http);
+    r->http = NULL;  /* freed by the loop's close callbacks */
     router_ctl_stop(r);
     uv_signal_stop(&r->sigint);
     uv_signal_stop(&r->sigterm);
@@ -156,6 +157,7 @@ int main(int argc, char **argv)
     hc.header_timeout_s = header_timeout;
     hc.min_body_rate = (size_t)min_body_rate;
     hc.on_headers = router_on_headers;
+    hc.may_read_body = router_may_read_body;
     if (prism_http_server_start(r.loop, &hc, router_on_http, &r, &r.http) != PRISM_OK) {
         PRISM_ERROR("cannot listen on %s:%lld", host, (long long)port);
         return 1;

@@ -574,6 +574,7 @@ void router_dispatch_queued(router_t *r)
         r->queue_len--;
     }
     r->draining = false;
+    if (!r->queue_len) prism_http_server_resume_bodies(r->http);  /* uploads paused for it go on */
 }
 
 void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)

@@ -169,5 +169,8 @@ void router_req_del(router_t *r, uint64_t rid);
 void router_on_http(prism_http_req_t *h, void *ud);
 /* http_server on_headers hook: the API key, checked before any body byte is read. */
 int  router_on_headers(const prism_http_req_t *h, void *ud, char *msg, size_t n);
+/* http_server may_read_body hook: while requests wait in the router's queue for a free worker, new
+ * uploads wait too (TCP backpressure) instead of piling up image bytes in the router. */
+bool router_may_read_body(void *ud);
 
 #endif

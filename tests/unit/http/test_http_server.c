@@ -856,6 +856,45 @@ static void test_body_pause_timeout_503(void **state)
     harness_stop(h);
 }
 
+/* may_read_body (the router's workers are full): bodies wait as for a spent budget, the oldest goes
+ * on, and the waiting ones are served once the gate opens. */
+static atomic_bool g_gate_open;
+static bool gate(void *ud)
+{
+    (void)ud;
+    return atomic_load(&g_gate_open);
+}
+
+static void test_body_gate_pauses(void **state)
+{
+    (void)state;
+    prism_http_config_t cfg = prism_http_config_default();
+    cfg.may_read_body = gate;
+    atomic_store(&g_gate_open, false);
+    harness_t *h = harness_start(&cfg);
+    client_t a, b;
+    resp_t r;
+    assert_int_equal(client_connect(&a, h->port), 0);
+    client_sendf(&a, "POST /echo HTTP/1.1\r\nContent-Length: 10\r\n\r\n01234");
+    for (int i = 0; i < 5000 && prism_http_server_body_bytes(h->srv) == 0; i++) usleep(1000);
+    assert_true(prism_http_server_body_bytes(h->srv) > 0);  /* the oldest body reads on */
+    assert_int_equal(client_connect(&b, h->port), 0);
+    client_sendf(&b, "POST /echo HTTP/1.1\r\nContent-Length: 5\r\n\r\nabcde");
+    assert_true(client_quiet(&b, 300));
+    atomic_store(&g_gate_open, true);
+    client_sendf(&a, "56789");
+    assert_int_equal(client_read_response(&a, &r, false), 0);
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
+    assert_int_equal(client_read_response(&b, &r, false), 0);
+    assert_int_equal(r.status, 200);
+    assert_int_equal(r.body_len, strlen("POST /echo ? |abcde"));
+    resp_free(&r);
+    client_close(&a);
+    client_close(&b);
+    harness_stop(h);
+}
+
 /* lift_data_urls: an image body streams through the lifter (the handler reads a small skeleton and
  * takes the decoded bytes), and its upload rate is judged on the bytes received, not on the skeleton:
  * a steady upload above min_body_rate is served, not answered 408. */
@@ -1690,6 +1729,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_body_bytes_in_flight_pause),
         cmocka_unit_test(test_body_pause_timeout_503),
         cmocka_unit_test(test_lifted_body_rate),
+        cmocka_unit_test(test_body_gate_pauses),
         cmocka_unit_test(test_header_over_limit_431),
         cmocka_unit_test(test_malformed_400),
         cmocka_unit_test(test_expect_continue),
