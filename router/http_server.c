@@ -170,6 +170,7 @@ static void server_resume_bodies(prism_http_server_t *s);
 static void body_recharge(prism_http_req_t *r)
 {
     size_t now = r->body.cap + (r->lift ? prism_lift_held(r->lift) : 0);
+    if (now == r->body_charged) return;  /* nothing to do; r may outlive its server (a late release) */
     if (!r->srv) {
         r->body_charged = now;
         return;
