@@ -160,11 +160,3 @@ int router_send(router_t *r, router_worker_t *w, Prism__Envelope *env, const pri
     return rc;
 }
 
-int router_send_take(router_t *r, router_worker_t *w, Prism__Envelope *env, const prism_frame_t *frames, int n)
-{
-    env->router_id = r->router_id;
-    int rc = prism_msg_send_take(r->ctl, w->id, strlen(w->id), env, frames, n, ZMQ_DONTWAIT);
-    if (rc != PRISM_OK)
-        PRISM_WARN("send to %s worker %s failed: %s", prism_role_name(w->role), w->id, prism_strerror(rc));
-    return rc;
-}

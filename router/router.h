@@ -63,6 +63,9 @@ typedef struct {
     double worker_timeout_s;
     double request_timeout_s;
     double max_queue_wait_s;    /* no first token by then: 503 */
+    int max_retries;
+    double drain_timeout_s;
+    double stage_timeout_s;     /* encode, or prefill to the first token, longer than this: retry, then 504 */            /* re-dispatches of a request whose worker died before its first token */
     int64_t created;
 
     /* model facts */
@@ -82,6 +85,9 @@ typedef struct {
     uv_prepare_t ctl_prepare;
     uv_timer_t sweep_timer;
     uv_signal_t sigint, sigterm;
+    uv_timer_t drain_timer;
+    bool shutting_down;         /* SIGTERM/SIGINT: finishing what it holds, taking nothing new */
+    double drain_deadline;      /* prism_now_s() by which the rest is aborted (--drain-timeout) */
 
     router_worker_t workers[ROUTER_MAX_WORKERS];
 
@@ -103,8 +109,6 @@ typedef struct {
 int  router_ctl_start(router_t *r, const char *endpoint);
 void router_ctl_stop(router_t *r);
 int  router_send(router_t *r, router_worker_t *w, Prism__Envelope *env, const prism_frame_t *frames, int n);
-/* The same, handing the frames' buffers (prism_malloc'd) to ZeroMQ without a copy, whatever it returns. */
-int  router_send_take(router_t *r, router_worker_t *w, Prism__Envelope *env, const prism_frame_t *frames, int n);
 
 /* workers.c (registry) */
 /* Adds or refreshes a worker from its registration; PRISM_EINVAL / PRISM_ELIMIT with why set when
@@ -126,8 +130,8 @@ int  router_count_workers(const router_t *r, Prism__Role role);
  * router_prompt_free. */
 typedef struct {
     int n_images;
-    uint8_t *img[ROUTER_MAX_IMAGES];        /* decoded file bytes (the router never decodes pixels); NULL once
-                                             * handed to ZeroMQ for the encoder (img_len stays) */
+    uint8_t *img[ROUTER_MAX_IMAGES];        /* decoded file bytes (the router never decodes pixels); kept
+                                             * until the request ends: a retry sends them again */
     size_t img_len[ROUTER_MAX_IMAGES];
     uint64_t img_hash[ROUTER_MAX_IMAGES];
     uint32_t img_offset[ROUTER_MAX_IMAGES]; /* first token of each image's span, found while expanding */
