@@ -363,6 +363,12 @@ void router_handle_tokens(router_t *r, uint64_t rid, const Prism__Tokens *t)
         prism_hist_observe(&r->metrics.ttft, now - q->t_start);
         prism_hist_observe(&r->metrics.queue, t->queue_ms / 1e3);
         q->stage = STAGE_PREFILLED;
+        /* no retry after the first token (req_retry): the image bytes are dead weight from here
+         * (they stay counted in image_bytes_inflight until the request ends) */
+        for (int i = 0; i < q->prompt.n_images; i++) {
+            prism_free(q->prompt.img[i]);
+            q->prompt.img[i] = NULL;
+        }
     }
     q->t_last = now;
     size_t old_len = q->text.len;

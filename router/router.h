@@ -131,7 +131,7 @@ int  router_count_workers(const router_t *r, Prism__Role role);
 typedef struct {
     int n_images;
     uint8_t *img[ROUTER_MAX_IMAGES];        /* decoded file bytes (the router never decodes pixels); kept
-                                             * until the request ends: a retry sends them again */
+                                             * until the first token (a retry sends them again), then NULL */
     size_t img_len[ROUTER_MAX_IMAGES];
     uint64_t img_hash[ROUTER_MAX_IMAGES];
     uint32_t img_offset[ROUTER_MAX_IMAGES]; /* first token of each image's span, found while expanding */
