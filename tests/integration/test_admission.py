@@ -237,7 +237,8 @@ def test_orphan_embeddings_dropped():
         c.wait_ready()
         log = c.wait_log("prefill-0", "ready in")
         endpoint = re.search(r"data (tcp://[^,\s]+)", log).group(1)
-        assert c.metric("prism:worker_pool_free", tier="prefill") == 1
+        # (the pool is reported from the first heartbeat on; registration alone says 0)
+        wait_for(lambda: c.metric("prism:worker_pool_free", tier="prefill") == 1, 30, "the pool reported")
         tc = CFG["text_config"]
         t_orphan = time.time()  # the orphan cannot be dropped before t_orphan + --orphan-timeout
         run_tool([binary("prism_wire"), "--endpoint", endpoint, "--request-id", "999999", "--router-id",
