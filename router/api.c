@@ -175,6 +175,7 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
     memcpy(refused, m->refused_limit, sizeof(refused));
     refused[PRISM_REFUSE_BODY_TOO_LARGE] += hr.body_too_large;
     refused[PRISM_REFUSE_BODY_BYTES_INFLIGHT] += hr.body_bytes_in_flight;
+    refused[PRISM_REFUSE_QUEUE_WAIT] += hr.body_gate;  /* paused while the workers were full */
     refused[PRISM_REFUSE_CONNECTIONS] += hr.connections;
     refused[PRISM_REFUSE_BAD_REQUEST] += hr.malformed;
     for (int i = 0; i < PRISM_REFUSE_COUNT; i++) {
@@ -259,6 +260,12 @@ int router_on_headers(const prism_http_req_t *h, void *ud, char *msg, size_t n)
         return 0;
     snprintf(msg, n, "Invalid or missing API key.");
     return 401;
+}
+
+bool router_may_read_body(void *ud)
+{
+    const router_t *r = ud;
+    return r->queue_len == 0;
 }
 
 void router_on_http(prism_http_req_t *h, void *ud)

@@ -16,6 +16,7 @@ static void stop_now(router_t *r)
 {
     router_abort_all(r);
     prism_http_server_stop(r->http);
+    r->http = NULL;  /* freed by the loop's close callbacks */
     router_ctl_stop(r);
     uv_timer_stop(&r->drain_timer);
     uv_close((uv_handle_t *)&r->drain_timer, NULL);
@@ -88,7 +89,7 @@ int main(int argc, char **argv)
         PRISM_FLAG_INT("max-image-pixels", &max_pixels, "Largest image (width*height from its header) accepted"),
         PRISM_FLAG_INT("max-running-requests", &max_running, "Requests in flight; more get 429"),
         PRISM_FLAG_BYTES("max-body-bytes", &max_body, "Largest request body; more gets 413"),
-        PRISM_FLAG_BYTES("max-body-bytes-in-flight", &body_total, "Request bodies held at once; more gets 503"),
+        PRISM_FLAG_BYTES("max-body-bytes-in-flight", &body_total, "Request body bytes held at once; beyond, uploads pause (503 after --max-queue-wait)"),
         PRISM_FLAG_BYTES("max-image-bytes-in-flight", &image_inflight, "Image bytes held at once; more gets 429"),
         PRISM_FLAG_INT("max-connections", &max_conn, "Open HTTP connections at once; more get 503"),
         PRISM_FLAG_DOUBLE("http-header-timeout", &header_timeout, "Seconds for a request's line and headers; slower gets 408"),
@@ -221,10 +222,13 @@ int main(int argc, char **argv)
     hc.port = (int)port;
     hc.max_body_bytes = (size_t)max_body;
     hc.max_body_bytes_total = (size_t)body_total;
+    hc.max_pause_s = max_queue_wait;
+    hc.lift_data_urls = true;  /* image data URLs are decoded while the body streams in */
     hc.max_connections = (int)max_conn;
     hc.header_timeout_s = header_timeout;
     hc.min_body_rate = (size_t)min_body_rate;
     hc.on_headers = router_on_headers;
+    hc.may_read_body = router_may_read_body;
     if (prism_http_server_start(r.loop, &hc, router_on_http, &r, &r.http) != PRISM_OK) {
         PRISM_ERROR("cannot listen on %s:%lld", host, (long long)port);
         return 1;

@@ -154,7 +154,8 @@ int  router_count_workers(const router_t *r, Prism__Role role);
  * router_prompt_free. */
 typedef struct {
     int n_images;
-    uint8_t *img[ROUTER_MAX_IMAGES];        /* decoded file bytes (the router never decodes pixels) */
+    uint8_t *img[ROUTER_MAX_IMAGES];        /* decoded file bytes (the router never decodes pixels); kept
+                                             * until the first token (a retry sends them again), then NULL */
     size_t img_len[ROUTER_MAX_IMAGES];
     uint64_t img_hash[ROUTER_MAX_IMAGES];
     uint32_t img_offset[ROUTER_MAX_IMAGES]; /* first token of each image's span, found while expanding */
@@ -166,7 +167,8 @@ typedef struct {
 
 /* Decodes every image part's data URL and checks its header against the limits. These return
  * 0 or an HTTP status with msg filled. */
-int  router_prompt_load_images(router_t *r, router_prompt_t *p, const prism_oai_request_t *o, char *msg, size_t n);
+int  router_prompt_load_images(router_t *r, router_prompt_t *p, const prism_oai_request_t *o, prism_http_req_t *h,
+                               char *msg, size_t n);
 /* Renders + tokenizes (chat) or tokenizes (completions), expands image placeholders, checks the
  * length against the context. */
 int  router_prompt_build(router_t *r, router_prompt_t *p, const prism_oai_request_t *o, bool chat, char *msg,
@@ -204,5 +206,8 @@ void router_req_del(router_t *r, uint64_t rid);
 void router_on_http(prism_http_req_t *h, void *ud);
 /* http_server on_headers hook: the API key, checked before any body byte is read. */
 int  router_on_headers(const prism_http_req_t *h, void *ud, char *msg, size_t n);
+/* http_server may_read_body hook: while requests wait in the router's queue for a free worker, new
+ * uploads wait too (TCP backpressure) instead of piling up image bytes in the router. */
+bool router_may_read_body(void *ud);
 
 #endif
