@@ -2,6 +2,7 @@
  * puts HF transformers beside it). One mode per run, one JSON object per line on stdout:
  *
  *   prism_bench_model --mode sgemm  --threads 1 --m 577 --n 4096 --k 1024   OpenBLAS sgemm GFLOP/s
+ *   prism_bench_model --mode matmul --threads 1 --m 577 --n 4096 --k 1024   the backend's matmul, same shape
  *   prism_bench_model --mode copy   --threads 1                             memcpy bandwidth GB/s
  *   prism_bench_model --mode vit    --threads 1 --model-path DIR            ViT + projector ms/image
  *   prism_bench_model --mode llm    --threads 1 --model-path DIR --tokens 2048 --decode-tokens 32
@@ -20,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static int cmp_double(const void *a, const void *b)
 {
@@ -38,6 +40,15 @@ static void print_runs(const double *v, int n)
     printf("[");
     for (int i = 0; i < n; i++) printf("%s%.3f", i ? "," : "", v[i]);
     printf("]");
+}
+
+/* CPU seconds of the whole process (all threads): on a shared machine, wall time / CPU time
+ * says how much of the run was spent waiting for a core. */
+static double cpu_now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
 static void fill_rand(float *x, size_t n, uint64_t seed)
@@ -74,6 +85,35 @@ static int run_sgemm(int threads, int reps, int M, int N, int K)
     prism_free_aligned(x);
     prism_free_aligned(w);
     prism_free_aligned(y);
+    return 0;
+}
+
+/* ---- the backend's matmul on the same shape (its pool over single-threaded sgemm slices) ---- */
+
+static int run_matmul(int threads, int reps, int M, int N, int K)
+{
+    prism_backend_t *be = prism_backend_cpu_create(threads);
+    float *x = prism_malloc_aligned(sizeof(float) * (size_t)M * K, 64);
+    float *w = prism_malloc_aligned(sizeof(float) * (size_t)N * K, 64);
+    float *y = prism_malloc_aligned(sizeof(float) * (size_t)M * N, 64);
+    if (!be || !x || !w || !y) PRISM_FATAL("matmul: out of memory");
+    fill_rand(x, (size_t)M * K, 1);
+    fill_rand(w, (size_t)N * K, 2);
+    double gf[64];
+    if (reps > 64) reps = 64;
+    for (int r = -1; r < reps; r++) {
+        double t0 = prism_now_s();
+        if (be->i.matmul(be->ctx, y, N, x, K, w, PRISM_DTYPE_F32, NULL, M, N, K, false)) PRISM_FATAL("matmul");
+        double dt = prism_now_s() - t0;
+        if (r >= 0) gf[r] = 2.0 * M * N * K / dt / 1e9;
+    }
+    printf("{\"mode\":\"matmul\",\"threads\":%d,\"m\":%d,\"n\":%d,\"k\":%d,\"gflops_runs\":", threads, M, N, K);
+    print_runs(gf, reps);
+    printf(",\"gflops\":%.2f}\n", median(gf, reps));
+    prism_free_aligned(x);
+    prism_free_aligned(w);
+    prism_free_aligned(y);
+    prism_backend_destroy(be);
     return 0;
 }
 
@@ -148,12 +188,15 @@ static int run_vit(const char *dir, bool checkpoint, int threads, int reps)
     size_t nout = (size_t)cfg.image_seq_length * cfg.hidden;
     float *pix = prism_xmalloc(npix * sizeof(float)), *out = prism_xmalloc(nout * sizeof(float));
     fill_rand(pix, npix, 3);
-    double ms[64];
+    double ms[64], cms[64];
     if (reps > 64) reps = 64;
     for (int r = -1; r < reps; r++) {
-        double t0 = prism_now_s();
+        double t0 = prism_now_s(), c0 = cpu_now_s();
         if (prism_vision_encode(v, pix, 1, out)) PRISM_FATAL("vision encode");
-        if (r >= 0) ms[r] = (prism_now_s() - t0) * 1e3;
+        if (r >= 0) {
+            ms[r] = (prism_now_s() - t0) * 1e3;
+            cms[r] = (cpu_now_s() - c0) * 1e3;
+        }
     }
     /* FLOPs of the layers actually run: 2·(4·VH² + 2·VH·VI) per token per layer for the GEMMs,
      * 4·seq·VH per token per layer for QKᵀ and PV, plus patch embedding and projector. */
@@ -166,7 +209,7 @@ static int run_vit(const char *dir, bool checkpoint, int threads, int reps)
     printf("{\"mode\":\"vit\",\"threads\":%d,\"layers\":%d,\"gflop\":%.1f,\"ms_runs\":", threads, n_run, flops / 1e9);
     print_runs(ms, reps);
     double med = median(ms, reps);
-    printf(",\"ms\":%.1f,\"gflops\":%.2f}\n", med, flops / (med / 1e3) / 1e9);
+    printf(",\"ms\":%.1f,\"cpu_ms\":%.1f,\"gflops\":%.2f}\n", med, median(cms, reps), flops / (med / 1e3) / 1e9);
     prism_free(pix);
     prism_free(out);
     prism_vision_free(v);
@@ -197,10 +240,10 @@ static int run_llm(const char *dir, bool checkpoint, int threads, int reps, int 
     float *logits = prism_xmalloc(sizeof(float) * (size_t)cfg.vocab);
 
     /* prefill of `tokens` tokens in chunks of `chunk` (one forward each) */
-    double pms[64], tps[64];
+    double pms[64], tps[64], pcms[64], tcms[64];
     if (reps > 64) reps = 64;
     for (int r = -1; r < reps; r++) {
-        double t0 = prism_now_s();
+        double t0 = prism_now_s(), c0 = cpu_now_s();
         for (int p = 0; p < tokens; p += chunk) {
             int n = PRISM_MIN(chunk, tokens - p);
             int32_t start[2] = {0, n}, pos0[1] = {p};
@@ -208,7 +251,10 @@ static int run_llm(const char *dir, bool checkpoint, int threads, int reps, int 
                                    .block_tables = tables};
             if (prism_llm_forward(m, kv, &b, logits)) PRISM_FATAL("prefill forward");
         }
-        if (r >= 0) pms[r] = (prism_now_s() - t0) * 1e3;
+        if (r >= 0) {
+            pms[r] = (prism_now_s() - t0) * 1e3;
+            pcms[r] = (cpu_now_s() - c0) * 1e3;
+        }
     }
     /* batch-1 decode after a `prompt`-token prefill (greedy on the random model's logits) */
     for (int r = -1; r < reps; r++) {
@@ -219,7 +265,7 @@ static int run_llm(const char *dir, bool checkpoint, int threads, int reps, int 
                                    .block_tables = tables};
             if (prism_llm_forward(m, kv, &b, logits)) PRISM_FATAL("prompt forward");
         }
-        double t0 = prism_now_s();
+        double t0 = prism_now_s(), c0 = cpu_now_s();
         for (int i = 0; i < decode_tokens; i++) {
             int32_t tok = 0;
             for (int j = 1; j < cfg.vocab; j++)
@@ -229,7 +275,10 @@ static int run_llm(const char *dir, bool checkpoint, int threads, int reps, int 
                                    .block_tables = tables};
             if (prism_llm_forward(m, kv, &b, logits)) PRISM_FATAL("decode forward");
         }
-        if (r >= 0) tps[r] = decode_tokens / (prism_now_s() - t0);
+        if (r >= 0) {
+            tps[r] = decode_tokens / (prism_now_s() - t0);
+            tcms[r] = (cpu_now_s() - c0) * 1e3 / decode_tokens;
+        }
     }
     /* Bytes a decode step must stream: every weight except the embedding table (one row read). */
     size_t wbytes = prism_llm_weight_bytes(m);
@@ -242,7 +291,8 @@ static int run_llm(const char *dir, bool checkpoint, int threads, int reps, int 
     printf(",\"decode_tok_s_runs\":");
     print_runs(tps, reps);
     double pm = median(pms, reps), tm = median(tps, reps);
-    printf(",\"prefill_ms\":%.1f,\"prefill_tok_s\":%.1f,\"decode_tok_s\":%.2f}\n", pm, tokens / (pm / 1e3), tm);
+    printf(",\"prefill_ms\":%.1f,\"prefill_cpu_ms\":%.1f,\"prefill_tok_s\":%.1f,\"decode_tok_s\":%.2f,"
+           "\"decode_cpu_ms_per_token\":%.2f}\n", pm, median(pcms, reps), tokens / (pm / 1e3), tm, median(tcms, reps));
     prism_free(ids);
     prism_free(table);
     prism_free(logits);
@@ -258,7 +308,7 @@ int main(int argc, char **argv)
     int64_t threads = 1, reps = 3, m = 577, n = 4096, k = 1024, tokens = 2048, chunk = 0, prompt = 128, dec = 32;
     bool checkpoint = false;
     prism_flag_t flags[] = {
-        PRISM_FLAG_STR("mode", &mode, "sgemm | copy | vit | llm"),
+        PRISM_FLAG_STR("mode", &mode, "sgemm | matmul | copy | vit | llm"),
         PRISM_FLAG_STR("model-path", &model, "Directory with config.json (vit, llm)"),
         PRISM_FLAG_BOOL("checkpoint", &checkpoint, "Read the safetensors instead of seeded random weights"),
         PRISM_FLAG_INT("threads", &threads, "Backend threads (OpenBLAS threads for sgemm, copy threads for copy)"),
@@ -285,6 +335,7 @@ int main(int argc, char **argv)
     }
     if (!strcmp(mode, "sgemm")) return run_sgemm((int)threads, (int)reps, (int)m, (int)n, (int)k);
     if (!strcmp(mode, "copy")) return run_copy((int)threads, (int)reps);
+    if (!strcmp(mode, "matmul")) return run_matmul((int)threads, (int)reps, (int)m, (int)n, (int)k);
     if (!model) {
         fprintf(stderr, "prism_bench_model: --model-path is required for --mode %s\n", mode);
         return 2;

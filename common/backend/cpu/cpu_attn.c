@@ -17,7 +17,7 @@
 #include <math.h>
 
 #define NK PRISM_CPU_ATTN_NK
-#define QK_PACK_MIN 12   /* fewer rows than this: unpacked dot products beat packing Kᵀ */
+#define QK_PACK_MIN 12   /* a sequence with fewer rows per item: dot products beat packing Kᵀ */
 
 /* Where key j of one segment's sequence lives. */
 typedef struct {
@@ -67,9 +67,14 @@ typedef struct {
 } attn_call_t;
 
 /* Rows of one segment: nt consecutive tokens (flat index tok0) of one sequence, heads
- * [h0, h0+nh) of one kv head; token i sees keys [lo[i], hi[i]). */
+ * [h0, h0+nh) of one kv head; token i sees keys [lo[i], hi[i]). pack: packed Kᵀ micro-kernel
+ * (else dot products from the rows).
+ * A row's result does not depend on which other rows share its segment: key tiles start at
+ * multiples of NK whatever the segment's first key, masked scores are exact zeros after the
+ * exp, and `pack` is decided per sequence. So outputs do not change with the thread count or
+ * with the other sequences of a batch. */
 static void attend_segment(const attn_call_t *a, float *scratch, const kv_src_t *src, int tok0, int nt, int h0,
-                           int nh, const int *lo, const int *hi)
+                           int nh, const int *lo, const int *hi, bool pack)
 {
     const prism_cpu_kern_t *k = a->k;
     const int hd = a->hd, m = nt * nh;
@@ -91,10 +96,10 @@ static void attend_segment(const attn_call_t *a, float *scratch, const kv_src_t 
     }
     memset(O, 0, sizeof(float) * (size_t)m * hd);
 
-    for (int j0 = kmin; j0 < kmax; j0 += NK) {
+    for (int j0 = kmin / NK * NK; j0 < kmax; j0 += NK) {
         int n = PRISM_MIN(NK, kmax - j0);
         kv_rows(src, j0, n, kr, vr);
-        if (m >= QK_PACK_MIN) {
+        if (pack) {
             int ldk = (n + 15) & ~15;
             k->pack_kt(Kt, ldk, kr, n, hd);
             k->qk(S, NK, Qp, hd, Kt, ldk, m, hd);
@@ -151,9 +156,10 @@ static void attend_item(const attn_call_t *a, float *scratch, long it)
     int lo[PRISM_CPU_ATTN_ROWS], hi[PRISM_CPU_ATTN_ROWS];
     while (t < end) {
         kv_src_t src;
-        int s, seg_end, first_pos;
+        int s, seg_end, first_pos, q_len;
         if (me) {
             s = seq_of_token(me->seq_start, me->n_seqs, t);
+            q_len = me->seq_start[s + 1] - me->seq_start[s];
             seg_end = PRISM_MIN(end, me->seq_start[s + 1]);
             first_pos = me->pos0[s] + (t - me->seq_start[s]);
             src = (kv_src_t){a->k_cache, a->v_cache, me->block_tables + (size_t)s * me->max_blocks_per_seq,
@@ -165,6 +171,7 @@ static void attend_item(const attn_call_t *a, float *scratch, long it)
             }
         } else {
             s = t / a->seq_len;
+            q_len = a->seq_len;
             seg_end = PRISM_MIN(end, (s + 1) * a->seq_len);
             first_pos = t - s * a->seq_len;
             src = (kv_src_t){a->dk + (size_t)s * a->seq_len * a->ldk + (size_t)g * a->hd,
@@ -175,7 +182,7 @@ static void attend_item(const attn_call_t *a, float *scratch, long it)
                 lo[i] = 0;
             }
         }
-        attend_segment(a, scratch, &src, t, seg_end - t, h0, nh, lo, hi);
+        attend_segment(a, scratch, &src, t, seg_end - t, h0, nh, lo, hi, q_len * nh >= QK_PACK_MIN);
         t = seg_end;
     }
 }
@@ -200,7 +207,10 @@ static void attn_run(prism_cpu_ctx_t *c, attn_call_t *a, long T)
     a->G = a->n_heads / a->n_kv;
     a->gc = PRISM_MIN(a->G, rows);
     a->n_hc = (a->G + a->gc - 1) / a->gc;
-    a->tq = rows / a->gc;
+    /* As many tokens per item as fit the rows, but at least ~4 items per thread (decode batches:
+     * one token per sequence) so every thread has work. */
+    long per_tile = (long)a->n_kv * a->n_hc, want = 4L * c->pool.n_threads;
+    a->tq = (int)PRISM_MAX(1L, PRISM_MIN((long)(rows / a->gc), T * per_tile / want));
     a->T = T;
     a->n_tiles = (int)((T + a->tq - 1) / a->tq);
     a->n_items = (long)a->n_tiles * a->n_kv * a->n_hc;

@@ -37,8 +37,10 @@ void prism_cpu_pool_run(prism_cpu_pool_t *p, int nth, prism_cpu_task_fn fn, void
 /* Limits the attention kernels rely on for their fixed scratch. */
 #define PRISM_CPU_MAX_HEAD_DIM 512
 #define PRISM_CPU_MAX_GQA      64    /* q heads per kv head */
-#define PRISM_CPU_ATTN_ROWS    64    /* (token, q head) rows per tile, fewer for head_dim > 128 */
-#define PRISM_CPU_ATTN_QO      (PRISM_CPU_ATTN_ROWS * 128)   /* floats of packed Q, and of O */
+/* (token, q head) rows per tile: each packed K/V tile serves this many rows, so packing is a
+ * small share of the work; fewer rows for head_dim > 64 so Q and O stay within QO floats. */
+#define PRISM_CPU_ATTN_ROWS    256
+#define PRISM_CPU_ATTN_QO      (PRISM_CPU_ATTN_ROWS * 64)   /* floats of packed Q, and of O */
 /* Per-thread attention scratch (floats): packed Q, O accumulators, packed Kᵀ and V, scores. */
 #define PRISM_CPU_ATTN_SCRATCH \
     (2 * PRISM_CPU_ATTN_QO + 2 * PRISM_CPU_MAX_HEAD_DIM * PRISM_CPU_ATTN_NK + PRISM_CPU_ATTN_ROWS * PRISM_CPU_ATTN_NK)

@@ -23,25 +23,40 @@
 
 /* ---- transcendental functions ---- */
 
-/* e^x: n = round(x/ln2), r = x - n·ln2 (two-constant split), e^r by its degree-7 Taylor
- * polynomial (|r| <= 0.347: truncation 5e-9), scaled by 2^n in two halves so that overflow
- * gives inf and underflow gradual zero without special cases. NaN propagates. */
+/* e^r on |r| <= ln2/2: degree-6 minimax polynomial (relative error 2e-9 before fp32 rounding). */
+INL vf v_exp_poly(vf r)
+{
+    vf p = VSET1(1.3829420599507413e-03f);
+    p = VFMA(p, r, VSET1(8.37477152017892e-03f));
+    p = VFMA(p, r, VSET1(4.166835803297254e-02f));
+    p = VFMA(p, r, VSET1(1.666642083211837e-01f));
+    p = VFMA(p, r, VSET1(4.999999149303688e-01f));
+    p = VFMA(p, r, VSET1(1.000000036125899f));
+    return VFMA(p, r, VSET1(1.000000000592021f));
+}
+
+/* e^x: n = round(x/ln2), r = x - n·ln2 (two-constant split), e^r by v_exp_poly, scaled by 2^n
+ * in two halves so that overflow gives inf and underflow gradual zero without special cases.
+ * NaN propagates. */
 INL vf v_exp(vf x)
 {
     x = VMIN(VSET1(88.8f), VMAX(VSET1(-110.0f), x));   /* operand order keeps NaN */
     vf n = VROUND(VMUL(x, VSET1(1.44269504088896341f)));
     vf r = VFNMA(n, VSET1(0.693359375f), x);
     r = VFNMA(n, VSET1(-2.12194440e-4f), r);
-    vf p = VSET1(1.0f / 5040.0f);
-    p = VFMA(p, r, VSET1(1.0f / 720.0f));
-    p = VFMA(p, r, VSET1(1.0f / 120.0f));
-    p = VFMA(p, r, VSET1(1.0f / 24.0f));
-    p = VFMA(p, r, VSET1(1.0f / 6.0f));
-    p = VFMA(p, r, VSET1(0.5f));
-    p = VFMA(p, r, VSET1(1.0f));
-    p = VFMA(p, r, VSET1(1.0f));
     vf n1 = VFLOOR(VMUL(n, VSET1(0.5f))), n2 = VSUB(n, n1);
-    return VMUL(VMUL(p, VPOW2I(n1)), VPOW2I(n2));
+    return VMUL(VMUL(v_exp_poly(r), VPOW2I(n1)), VPOW2I(n2));
+}
+
+/* e^x for x <= 0 (softmax: scores minus their running max; -inf for masked keys): one scaling,
+ * results below the smallest normal flush to 0. NaN propagates. */
+INL vf v_exp_le0(vf x)
+{
+    vf xc = VMAX(VSET1(-87.33f), x);
+    vf n = VROUND(VMUL(xc, VSET1(1.44269504088896341f)));
+    vf r = VFNMA(n, VSET1(0.693359375f), xc);
+    r = VFNMA(n, VSET1(-2.12194440e-4f), r);
+    return VSEL(VLT(x, VSET1(-87.33f)), VZERO(), VMUL(v_exp_poly(r), VPOW2I(n)));
 }
 
 /* erf: |x| < 0.875: x·P(x²) (degree 5); below 3.93: 1 - e^(-x²)·R(1/(1+|x|)) (degree 8) with
@@ -394,41 +409,49 @@ static void k_qk_rows(float *S, int lds, const float *Q, int ldq, const float *c
 static void k_softmax(float *S, int lds, int m, int n, float *mrun, float *lrun, float *corr)
 {
     const vf ninf = VSET1(-INFINITY);
-    for (int i = 0; i < m; i++) {
-        float *s = S + (size_t)i * lds;
-        vf mx = ninf;
-        int j = 0;
-        for (; j + VL <= n; j += VL) mx = VMAX(mx, VLOAD(s + j));
-        if (j < n) mx = VMAX(mx, VSEL(VLT(VIOTA, VSET1((float)(n - j))), VLOADN(s + j, n - j), ninf));
-        float tmax = VHMAX(mx);
-        float m_new = mrun[i] > tmax ? mrun[i] : tmax;
-        if (m_new == -INFINITY) {
-            memset(s, 0, sizeof(float) * (size_t)n);
-            corr[i] = 1.0f;
-            continue;
+    enum { CH = 64 };
+    for (int i0 = 0; i0 < m; i0 += CH) {
+        int mc = m - i0 < CH ? m - i0 : CH;
+        float mnew[CH + VL], mold[CH + VL];
+        /* tile maxima, then every row's correction e^(m_old - m_new) in one vector pass */
+        for (int i = 0; i < mc; i++) {
+            const float *s = S + (size_t)(i0 + i) * lds;
+            vf mx = ninf;
+            int j = 0;
+            for (; j + VL <= n; j += VL) mx = VMAX(mx, VLOAD(s + j));
+            if (j < n) mx = VMAX(mx, VSEL(VLT(VIOTA, VSET1((float)(n - j))), VLOADN(s + j, n - j), ninf));
+            float tmax = VHMAX(mx);
+            mold[i] = mrun[i0 + i];
+            mnew[i] = mold[i] > tmax ? mold[i] : tmax;
         }
-        if (mrun[i] == -INFINITY) {
-            corr[i] = 0.0f;
-        } else {
-            float d[VL];
-            memset(d, 0, sizeof d);
-            d[0] = mrun[i] - m_new;
-            VSTORE(d, v_exp(VLOAD(d)));
-            corr[i] = d[0];
+        for (int i = 0; i < mc; i += VL) {
+            int r = mc - i < VL ? mc - i : VL;
+            vf mo = VLOADN(mold + i, r), mn = VLOADN(mnew + i, r);
+            vf c = v_exp_le0(VSUB(mo, mn));   /* m_old -inf: 0 */
+            c = VSEL(VLT(mn, VSET1(-3.0e38f)), VSET1(1.0f), c);   /* nothing visible yet: keep 1 */
+            VSTOREN(corr + i0 + i, c, r);
         }
-        vf mv = VSET1(m_new), sum = VZERO();
-        for (j = 0; j + VL <= n; j += VL) {
-            vf p = v_exp(VSUB(VLOAD(s + j), mv));
-            VSTORE(s + j, p);
-            sum = VADD(sum, p);
+        for (int i = 0; i < mc; i++) {
+            float *s = S + (size_t)(i0 + i) * lds;
+            if (mnew[i] == -INFINITY) {
+                memset(s, 0, sizeof(float) * (size_t)n);
+                continue;
+            }
+            vf mv = VSET1(mnew[i]), sum = VZERO();
+            int j = 0;
+            for (; j + VL <= n; j += VL) {
+                vf p = v_exp_le0(VSUB(VLOAD(s + j), mv));
+                VSTORE(s + j, p);
+                sum = VADD(sum, p);
+            }
+            if (j < n) {
+                vf p = v_exp_le0(VSUB(VSEL(VLT(VIOTA, VSET1((float)(n - j))), VLOADN(s + j, n - j), ninf), mv));
+                VSTOREN(s + j, p, n - j);
+                sum = VADD(sum, p);
+            }
+            lrun[i0 + i] = lrun[i0 + i] * corr[i0 + i] + VHSUM(sum);
+            mrun[i0 + i] = mnew[i];
         }
-        if (j < n) {
-            vf p = v_exp(VSUB(VSEL(VLT(VIOTA, VSET1((float)(n - j))), VLOADN(s + j, n - j), ninf), mv));
-            VSTOREN(s + j, p, n - j);
-            sum = VADD(sum, p);
-        }
-        lrun[i] = lrun[i] * corr[i] + VHSUM(sum);
-        mrun[i] = m_new;
     }
 }
 

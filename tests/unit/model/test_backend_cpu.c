@@ -436,6 +436,48 @@ static void test_threads_agree(void **state)
     free(x); free(w); free(y1); free(y3); free(nw); free(bias);
 }
 
+/* A sequence's attention output does not depend on the batch around it or on the thread count:
+ * each sequence alone (1 thread) equals, bit for bit, its rows in a mixed batch (3 threads), for
+ * plain causal and for a chunk size that is not a multiple of the key tile. */
+static void test_attn_batch_invariant(void **state)
+{
+    (void)state;
+    enum { NH = 8, NKV = 2, HD = 64, BSZ = 16, NB = 64, S = 5, MBPS = 12 };
+    int pos0[S] = {100, 150, 0, 47, 60}, qlen[S] = {30, 1, 70, 1, 40};
+    int32_t seq_start[S + 1] = {0}, tables[S * MBPS];
+    for (int s = 0; s < S; s++) seq_start[s + 1] = seq_start[s] + qlen[s];
+    for (int i = 0; i < S * MBPS; i++) tables[i] = (int32_t)((i * 11 + 5) % NB);
+    int T = seq_start[S];
+    size_t cache_n = (size_t)NB * BSZ * NKV * HD, qn = (size_t)T * NH * HD;
+    float *kc = malloc(cache_n * 4), *vc = malloc(cache_n * 4), *q = malloc(qn * 4), *out = malloc(qn * 4);
+    float *one_out = malloc(qn * 4);
+    fill(kc, cache_n);
+    fill(vc, cache_n);
+    fill(q, qn);
+    prism_backend_t *be3 = prism_backend_cpu_create(3), *be1 = prism_backend_cpu_create(1);
+    for (int chunk = 0; chunk <= 48; chunk += 48) {
+        prism_attn_meta_t all = {.n_seqs = S, .n_tokens = T, .max_q_len = 70, .max_ctx_len = 151, .block_size = BSZ,
+                                 .max_blocks_per_seq = MBPS, .seq_start = seq_start, .pos0 = pos0,
+                                 .block_tables = tables, .chunk = chunk};
+        assert_int_equal(be3->i.attn_paged(be3->ctx, out, NH * HD, q, NH * HD, kc, vc, &all, NH, NKV, HD, 0.125f),
+                         PRISM_OK);
+        for (int s = 0; s < S; s++) {
+            int32_t one_start[2] = {0, qlen[s]};
+            prism_attn_meta_t one = {.n_seqs = 1, .n_tokens = qlen[s], .max_q_len = qlen[s],
+                                     .max_ctx_len = pos0[s] + qlen[s], .block_size = BSZ, .max_blocks_per_seq = MBPS,
+                                     .seq_start = one_start, .pos0 = pos0 + s, .block_tables = tables + s * MBPS,
+                                     .chunk = chunk};
+            const float *qs = q + (size_t)seq_start[s] * NH * HD;
+            assert_int_equal(be1->i.attn_paged(be1->ctx, one_out, NH * HD, qs, NH * HD, kc, vc, &one, NH, NKV, HD,
+                                               0.125f), PRISM_OK);
+            assert_memory_equal(one_out, out + (size_t)seq_start[s] * NH * HD, (size_t)qlen[s] * NH * HD * 4);
+        }
+    }
+    prism_backend_destroy(be3);
+    prism_backend_destroy(be1);
+    free(kc); free(vc); free(q); free(out); free(one_out);
+}
+
 static void test_attn_dense(void **state)
 {
     (void)state;
@@ -661,6 +703,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_attn_paged),
         cmocka_unit_test(test_attn_paged_chunked),
+        cmocka_unit_test(test_attn_batch_invariant),
         cmocka_unit_test(test_attn_dense),
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_norms_matmul_act),
