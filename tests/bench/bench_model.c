@@ -62,6 +62,18 @@ static void fill_rand(float *x, size_t n, uint64_t seed)
 
 /* ---- sgemm: the same call the backend's matmul makes (x · Wᵀ, row-major) ---- */
 
+/* One timed OpenBLAS sgemm with its own `threads` threads (left at 1 afterwards, as the backend
+ * expects); GFLOP/s. */
+static double sgemm_once(int threads, const float *x, const float *w, float *y, int M, int N, int K)
+{
+    openblas_set_num_threads(threads);
+    double t0 = prism_now_s();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, x, K, w, K, 0.0f, y, N);
+    double dt = prism_now_s() - t0;
+    openblas_set_num_threads(1);
+    return 2.0 * M * N * K / dt / 1e9;
+}
+
 static int run_sgemm(int threads, int reps, int M, int N, int K)
 {
     float *x = prism_malloc_aligned(sizeof(float) * (size_t)M * K, 64);
@@ -132,6 +144,24 @@ static void *copy_main(void *p)
     return NULL;
 }
 
+/* One memcpy of `bytes` split over `threads` threads; GB/s counting bytes read + bytes written,
+ * as STREAM counts copy. */
+static double copy_once(int threads, uint8_t *dst, const uint8_t *src, size_t bytes)
+{
+    pthread_t th[64];
+    copy_arg_t args[64];
+    if (threads > 64) threads = 64;
+    double t0 = prism_now_s();
+    for (int i = 0; i < threads; i++) {
+        size_t a = bytes * (size_t)i / (size_t)threads, b = bytes * (size_t)(i + 1) / (size_t)threads;
+        args[i] = (copy_arg_t){dst + a, src + a, b - a};
+        if (i) pthread_create(&th[i], NULL, copy_main, &args[i]);
+    }
+    copy_main(&args[0]);
+    for (int i = 1; i < threads; i++) pthread_join(th[i], NULL);
+    return 2.0 * (double)bytes / (prism_now_s() - t0) / 1e9;
+}
+
 static int run_copy(int threads, int reps)
 {
     const size_t bytes = (size_t)512 << 20;
@@ -139,22 +169,11 @@ static int run_copy(int threads, int reps)
     if (!src || !dst) PRISM_FATAL("copy: out of memory");
     memset(src, 1, bytes);
     memset(dst, 2, bytes);
-    if (threads > 64) threads = 64;
     double gbs[64];
     if (reps > 64) reps = 64;
     for (int r = -1; r < reps; r++) {
-        pthread_t th[64];
-        copy_arg_t args[64];
-        double t0 = prism_now_s();
-        for (int i = 0; i < threads; i++) {
-            size_t a = bytes * (size_t)i / (size_t)threads, b = bytes * (size_t)(i + 1) / (size_t)threads;
-            args[i] = (copy_arg_t){dst + a, src + a, b - a};
-            if (i) pthread_create(&th[i], NULL, copy_main, &args[i]);
-        }
-        copy_main(&args[0]);
-        for (int i = 1; i < threads; i++) pthread_join(th[i], NULL);
-        double dt = prism_now_s() - t0;
-        if (r >= 0) gbs[r] = 2.0 * (double)bytes / dt / 1e9;  /* bytes read + bytes written, as STREAM counts copy */
+        double g = copy_once(threads, dst, src, bytes);
+        if (r >= 0) gbs[r] = g;
     }
     printf("{\"mode\":\"copy\",\"threads\":%d,\"bytes\":%zu,\"gbs_runs\":", threads, bytes);
     print_runs(gbs, reps);
@@ -188,14 +207,25 @@ static int run_vit(const char *dir, bool checkpoint, int threads, int reps)
     size_t nout = (size_t)cfg.image_seq_length * cfg.hidden;
     float *pix = prism_xmalloc(npix * sizeof(float)), *out = prism_xmalloc(nout * sizeof(float));
     fill_rand(pix, npix, 3);
-    double ms[64], cms[64];
+    /* OpenBLAS sgemm on the ViT's largest GEMM, timed right after each image: on a shared
+     * machine the ratio of neighbouring runs is steadier than either figure. */
+    enum { RM = 577, RN = 4096, RK = 1024 };
+    float *rx = prism_xmalloc(sizeof(float) * RM * RK), *rw = prism_xmalloc(sizeof(float) * RN * RK);
+    float *ry = prism_xmalloc(sizeof(float) * RM * RN);
+    fill_rand(rx, (size_t)RM * RK, 4);
+    fill_rand(rw, (size_t)RN * RK, 5);
+    double ms[64], cms[64], sg[64], ratio[64];
     if (reps > 64) reps = 64;
     for (int r = -1; r < reps; r++) {
         double t0 = prism_now_s(), c0 = cpu_now_s();
         if (prism_vision_encode(v, pix, 1, out)) PRISM_FATAL("vision encode");
+        double t1 = prism_now_s(), c1 = cpu_now_s();
+        double g = 0;
+        for (int i = 0; i < 3; i++) g = PRISM_MAX(g, sgemm_once(threads, rx, rw, ry, RM, RN, RK));
         if (r >= 0) {
-            ms[r] = (prism_now_s() - t0) * 1e3;
-            cms[r] = (cpu_now_s() - c0) * 1e3;
+            ms[r] = (t1 - t0) * 1e3;
+            cms[r] = (c1 - c0) * 1e3;
+            sg[r] = g;
         }
     }
     /* FLOPs of the layers actually run: 2·(4·VH² + 2·VH·VI) per token per layer for the GEMMs,
@@ -206,10 +236,17 @@ static int run_vit(const char *dir, bool checkpoint, int threads, int reps)
     double flops = (double)n_run * seq * (2.0 * (4 * VH * VH + 2 * VH * VI) + 4.0 * seq * VH) +
                    2.0 * np * VH * (3.0 * cfg.v_patch * cfg.v_patch) +
                    2.0 * cfg.image_seq_length * (VH * H + H * H);
+    for (int r = 0; r < reps; r++) ratio[r] = flops / (ms[r] / 1e3) / 1e9 / sg[r];
     printf("{\"mode\":\"vit\",\"threads\":%d,\"layers\":%d,\"gflop\":%.1f,\"ms_runs\":", threads, n_run, flops / 1e9);
     print_runs(ms, reps);
+    printf(",\"sgemm_gflops_runs\":");
+    print_runs(sg, reps);
     double med = median(ms, reps);
-    printf(",\"ms\":%.1f,\"cpu_ms\":%.1f,\"gflops\":%.2f}\n", med, median(cms, reps), flops / (med / 1e3) / 1e9);
+    printf(",\"ms\":%.1f,\"cpu_ms\":%.1f,\"gflops\":%.2f,\"sgemm_gflops\":%.2f,\"vs_sgemm\":%.3f}\n", med,
+           median(cms, reps), flops / (med / 1e3) / 1e9, median(sg, reps), median(ratio, reps));
+    prism_free(rx);
+    prism_free(rw);
+    prism_free(ry);
     prism_free(pix);
     prism_free(out);
     prism_vision_free(v);
@@ -240,7 +277,12 @@ static int run_llm(const char *dir, bool checkpoint, int threads, int reps, int 
     float *logits = prism_xmalloc(sizeof(float) * (size_t)cfg.vocab);
 
     /* prefill of `tokens` tokens in chunks of `chunk` (one forward each) */
-    double pms[64], tps[64], pcms[64], tcms[64];
+    double pms[64], tps[64], pcms[64], tcms[64], cbw[64], roof[64];
+    const size_t cbytes = (size_t)256 << 20;
+    uint8_t *csrc = prism_malloc_aligned(cbytes, 4096), *cdst = prism_malloc_aligned(cbytes, 4096);
+    if (!csrc || !cdst) PRISM_FATAL("copy buffers: out of memory");
+    memset(csrc, 1, cbytes);
+    memset(cdst, 2, cbytes);
     if (reps > 64) reps = 64;
     for (int r = -1; r < reps; r++) {
         double t0 = prism_now_s(), c0 = cpu_now_s();
@@ -275,15 +317,21 @@ static int run_llm(const char *dir, bool checkpoint, int threads, int reps, int 
                                    .block_tables = tables};
             if (prism_llm_forward(m, kv, &b, logits)) PRISM_FATAL("decode forward");
         }
+        double t1 = prism_now_s(), c1 = cpu_now_s();
+        /* the copy bandwidth right after the steps: the roofline of this very run */
+        double bw = 0;
+        for (int i = 0; i < 3; i++) bw = PRISM_MAX(bw, copy_once(threads, cdst, csrc, cbytes));
         if (r >= 0) {
-            tps[r] = decode_tokens / (prism_now_s() - t0);
-            tcms[r] = (cpu_now_s() - c0) * 1e3 / decode_tokens;
+            tps[r] = decode_tokens / (t1 - t0);
+            tcms[r] = (c1 - c0) * 1e3 / decode_tokens;
+            cbw[r] = bw;
         }
     }
     /* Bytes a decode step must stream: every weight except the embedding table (one row read). */
     size_t wbytes = prism_llm_weight_bytes(m);
     size_t emb = (size_t)cfg.vocab * cfg.hidden * prism_dtype_size(be->weight_dtype);
     size_t step_bytes = wbytes - (cfg.tie_word_embeddings ? 0 : emb);
+    for (int r = 0; r < reps; r++) roof[r] = tps[r] / (cbw[r] * 1e9 / (double)step_bytes);
     printf("{\"mode\":\"llm\",\"threads\":%d,\"tokens\":%d,\"chunk\":%d,\"prompt\":%d,\"decode_tokens\":%d,"
            "\"weight_bytes\":%zu,\"decode_bytes_per_token\":%zu,\"prefill_ms_runs\":",
            threads, tokens, chunk, prompt, decode_tokens, wbytes, step_bytes);
@@ -292,7 +340,10 @@ static int run_llm(const char *dir, bool checkpoint, int threads, int reps, int 
     print_runs(tps, reps);
     double pm = median(pms, reps), tm = median(tps, reps);
     printf(",\"prefill_ms\":%.1f,\"prefill_cpu_ms\":%.1f,\"prefill_tok_s\":%.1f,\"decode_tok_s\":%.2f,"
-           "\"decode_cpu_ms_per_token\":%.2f}\n", pm, median(pcms, reps), tokens / (pm / 1e3), tm, median(tcms, reps));
+           "\"decode_cpu_ms_per_token\":%.2f,\"copy_gbs\":%.2f,\"vs_roofline\":%.3f}\n", pm, median(pcms, reps),
+           tokens / (pm / 1e3), tm, median(tcms, reps), median(cbw, reps), median(roof, reps));
+    prism_free_aligned(csrc);
+    prism_free_aligned(cdst);
     prism_free(ids);
     prism_free(table);
     prism_free(logits);

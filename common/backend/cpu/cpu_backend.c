@@ -155,7 +155,8 @@ static int cpu_matmul(void *vctx, float *y, int ldy, const float *x, int ldx, co
 
 #define EW_GRAIN  (1 << 15)   /* elements a thread should get before another is woken */
 
-typedef enum { EW_ACT, EW_SILU_MUL, EW_ADD, EW_ADD_ROWS, EW_SCALE, EW_RMSNORM, EW_LAYERNORM, EW_ROPE } ew_op_t;
+/* Ops before EW_SILU_MUL split elements (in groups of 16), the others whole rows. */
+typedef enum { EW_ACT, EW_ADD, EW_ADD_BCAST, EW_SCALE, EW_SILU_MUL, EW_RMSNORM, EW_LAYERNORM, EW_ROPE } ew_op_t;
 
 typedef struct {
     ew_op_t op;
@@ -163,6 +164,7 @@ typedef struct {
     float *y;
     const float *x, *a, *b, *w;
     size_t n;                    /* units to split: elements, or rows */
+    size_t nb;                   /* EW_ADD_BCAST: length of b, repeated along y */
     int dim, ld;                 /* row ops: row length, input row stride */
     float s, eps;
     prism_act_t act;
@@ -176,7 +178,7 @@ typedef struct {
 static void ew_worker(void *arg, int ith, int nth)
 {
     const ew_task_t *t = arg;
-    bool rows = t->op >= EW_ADD_ROWS;
+    bool rows = t->op >= EW_SILU_MUL;
     size_t align = rows ? 1 : 16;
     size_t units = (t->n + align - 1) / align;
     size_t i0 = PRISM_MIN(t->n, units * (size_t)ith / (size_t)nth * align);
@@ -192,8 +194,12 @@ static void ew_worker(void *arg, int ith, int nth)
         for (size_t r = i0; r < i1; r++)
             k->silu_mul(t->y + r * t->dim, t->a + r * t->ld, t->b + r * t->ld, (size_t)t->dim);
         break;
-    case EW_ADD_ROWS:   /* row r of y = row r of a + b (b one row of dim) */
-        for (size_t r = i0; r < i1; r++) k->add(t->y + r * t->dim, t->a + r * t->dim, t->b, (size_t)t->dim);
+    case EW_ADD_BCAST:   /* y[i] = a[i] + b[i % nb], a run of b at a time */
+        for (size_t i = i0; i < i1;) {
+            size_t off = i % t->nb, len = PRISM_MIN(t->nb - off, i1 - i);
+            k->add(t->y + i, t->a + i, t->b + off, len);
+            i += len;
+        }
         break;
     case EW_RMSNORM:
         for (size_t r = i0; r < i1; r++) k->rmsnorm(t->y + r * t->dim, t->x + r * t->dim, t->w, t->dim, t->eps);
@@ -222,7 +228,7 @@ static void ew_run(prism_cpu_ctx_t *c, ew_task_t *t, size_t work)
 {
     t->k = c->k;
     int nth = prism_cpu_nth(c, work, EW_GRAIN);
-    if (t->op >= EW_ADD_ROWS) nth = (int)PRISM_MIN((size_t)nth, t->n);
+    if (t->op >= EW_SILU_MUL) nth = (int)PRISM_MIN((size_t)nth, t->n);
     prism_cpu_pool_run(&c->pool, nth, ew_worker, t);
 }
 
@@ -285,17 +291,8 @@ static int cpu_silu_mul(void *ctx, float *out, const float *gate, const float *u
 static int cpu_add(void *ctx, float *y, const float *a, const float *b, size_t n, size_t nb)
 {
     if (nb == 0 || nb > n) return PRISM_EINVAL;
-    if (nb == n) {
-        ew_task_t t = {.op = EW_ADD, .y = y, .a = a, .b = b, .n = n};
-        ew_run(ctx, &t, n);
-        return PRISM_OK;
-    }
-    size_t rows = n / nb, done = rows * nb;
-    if (nb <= INT32_MAX && rows > 0) {
-        ew_task_t t = {.op = EW_ADD_ROWS, .y = y, .a = a, .b = b, .n = rows, .dim = (int)nb};
-        ew_run(ctx, &t, done);
-    }
-    for (size_t i = done; i < n; i++) y[i] = a[i] + b[i % nb];   /* a partial last row */
+    ew_task_t t = {.op = nb == n ? EW_ADD : EW_ADD_BCAST, .y = y, .a = a, .b = b, .n = n, .nb = nb};
+    ew_run(ctx, &t, n);
     return PRISM_OK;
 }
 

@@ -172,15 +172,16 @@ static void k_layernorm(float *y, const float *x, const float *w, const float *b
 {
     double mean = KSUM_D(x, dim) / dim;
     double var = KSUMSQDEV_D(x, dim, mean) / dim;
-    vf inv = VSET1((float)(1.0 / sqrt(var + eps))), m = VSET1((float)mean);
-    size_t n = (size_t)dim;
-    if (w && b)
-        EACH(n, VSTORE(y + i_, VADD(VMUL(VMUL(VSUB(VLOAD(x + i_), m), inv), VLOAD(w + i_)), VLOAD(b + i_))),
-             VSTOREN(y + i_, VADD(VMUL(VMUL(VSUB(VLOADN(x + i_, r_), m), inv), VLOADN(w + i_, r_)),
-                                  VLOADN(b + i_, r_)), r_));
-    else
-        for (int i = 0; i < dim; i++)
-            y[i] = (x[i] - (float)mean) * ((float)(1.0 / sqrt(var + eps))) * (w ? w[i] : 1.0f) + (b ? b[i] : 0.0f);
+    vf inv = VSET1((float)(1.0 / sqrt(var + eps))), m = VSET1((float)mean), one = VSET1(1.0f);
+    for (int i = 0; i < dim; i += VL) {
+        int r = dim - i < VL ? dim - i : VL;
+        vf xv = r == VL ? VLOAD(x + i) : VLOADN(x + i, r);
+        vf wv = w ? (r == VL ? VLOAD(w + i) : VLOADN(w + i, r)) : one;
+        vf bv = b ? (r == VL ? VLOAD(b + i) : VLOADN(b + i, r)) : VZERO();
+        vf yv = VADD(VMUL(VMUL(VSUB(xv, m), inv), wv), bv);
+        if (r == VL) VSTORE(y + i, yv);
+        else VSTOREN(y + i, yv, r);
+    }
 }
 
 static void k_rope(float *x, int n_heads, int head_dim, int half, const float *c, const float *s,

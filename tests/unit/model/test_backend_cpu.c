@@ -166,6 +166,9 @@ static void test_attn_paged_chunked(void **state)
  * detected one for the backend-level comparisons. */
 
 static const char *k_isa_names[] = {"scalar", "avx2", "avx512"};
+#ifdef PRISM_TEST_EMU16
+extern const prism_cpu_kern_t prism_cpu_kern_emu16;   /* cpu_kern_emu16.c */
+#endif
 
 /* |a - b| <= rel·|b| + abs_, NaN where b is NaN, equal infinities. */
 static void assert_close_f(const float *a, const float *b, size_t n, double rel, double abs_, const char *what)
@@ -203,14 +206,24 @@ static void test_kernel_tables_agree(void **state)
                                     0.875f, -0.875f, 3.93f, -3.93f, 5.56f, -5.56f};
     size_t ns = sizeof special / sizeof special[0];
     for (size_t i = 0; i < NX; i++) x[i] = i < ns ? special[i] : -30.0f + 60.0f * (float)(i - ns) / (NX - ns);
-    for (int isa = PRISM_CPU_ISA_AVX2; isa <= PRISM_CPU_ISA_AVX512; isa++) {
+    /* the tables the CPU runs, and the 16-lane emulation of the AVX-512 one where AVX2 runs */
+    for (int path = 0; path < 3; path++) {
+        int isa = path == 2 ? PRISM_CPU_ISA_AVX2 : PRISM_CPU_ISA_AVX2 + path;
+        const char *name = path == 2 ? "emu16 (AVX-512 lane logic on AVX2)" : k_isa_names[isa];
         if ((prism_cpu_isa_t)isa > best) {
-            print_message("kernel path %s: not run (this CPU lacks it)\n", k_isa_names[isa]);
+            print_message("kernel path %s: not run (this CPU lacks it)\n", name);
             continue;
         }
         const prism_cpu_kern_t *k = prism_cpu_kern_select(k_isa_names[isa]);
         assert_int_equal(k->isa, isa);
-        char what[64];
+        if (path == 2) {
+#ifdef PRISM_TEST_EMU16
+            k = &prism_cpu_kern_emu16;
+#else
+            continue;
+#endif
+        }
+        char what[128];
         /* activations over [-30, 30] and the special values, odd length (vector tails) */
         for (int act = PRISM_ACT_NONE; act <= PRISM_ACT_RELU; act++) {
             k->act((prism_act_t)act, y, x, NX);
@@ -297,7 +310,77 @@ static void test_kernel_tables_agree(void **state)
                         assert_close_f(y, r, (size_t)M * 11, 1e-6, 2e-6 * sqrt((double)K), what);
                     }
                 }
-        print_message("kernel path %s: equal to scalar within fp32 rounding\n", k->name);
+        /* attention tiles: packing is a copy, the rest equal within rounding */
+        static const int hds[] = {12, 36, 64, 80, 128}, ms[] = {1, 5, 13, 64}, ns[] = {1, 17, 64};
+        enum { KLD = 131 };   /* key/value rows KLD floats apart */
+        float *kv = malloc(sizeof(float) * 2 * 64 * KLD), *Q = malloc(sizeof(float) * 64 * 128);
+        float *Kt[2], *S[2], *O[2], ml[2][3][64];
+        for (int v = 0; v < 2; v++) {
+            Kt[v] = malloc(sizeof(float) * 128 * 64);
+            S[v] = malloc(sizeof(float) * 64 * 64);
+            O[v] = malloc(sizeof(float) * 64 * 128);
+        }
+        fill(kv, 2 * 64 * KLD);
+        const float *krows[64], *vrows[64];
+        for (int j = 0; j < 64; j++) {
+            krows[j] = kv + (size_t)j * KLD;
+            vrows[j] = kv + (size_t)(64 + j) * KLD;
+        }
+        for (size_t hi = 0; hi < 5; hi++)
+            for (size_t mi = 0; mi < 4; mi++)
+                for (size_t ni = 0; ni < 3; ni++) {
+                    int hd = hds[hi], m = ms[mi], n = ns[ni], ldk = (n + 15) & ~15;
+                    const prism_cpu_kern_t *kk[2] = {ref, k};
+                    fill(Q, (size_t)m * hd);
+                    for (int v = 0; v < 2; v++) {
+                        for (int i = 0; i < 128 * 64; i++) Kt[v][i] = 7.0f;
+                        kk[v]->pack_kt(Kt[v], ldk, krows, n, hd);
+                    }
+                    assert_memory_equal(Kt[0], Kt[1], sizeof(float) * (size_t)hd * ldk);
+                    for (int v = 0; v < 2; v++) kk[v]->qk(S[v], 64, Q, hd, Kt[v], ldk, m, hd);
+                    snprintf(what, sizeof what, "%s qk hd %d m %d n %d", name, hd, m, n);
+                    for (int i = 0; i < m; i++)
+                        assert_close_f(S[1] + i * 64, S[0] + i * 64, (size_t)ldk, 1e-5, 1e-5 * hd, what);
+                    for (int v = 0; v < 2; v++) kk[v]->qk_rows(S[v], 64, Q, hd, krows, m, n, hd);
+                    snprintf(what, sizeof what, "%s qk_rows hd %d m %d n %d", name, hd, m, n);
+                    for (int i = 0; i < m; i++)
+                        assert_close_f(S[1] + i * 64, S[0] + i * 64, (size_t)n, 1e-5, 1e-5 * hd, what);
+                    /* softmax from mixed states: fresh rows, rows with history, masked keys, a
+                     * fully masked row */
+                    for (int i = 0; i < m; i++) {
+                        for (int j = 0; j < n; j++) {
+                            float sv = S[0][i * 64 + j] * 3.0f;
+                            if ((i + j) % 5 == 1) sv = -INFINITY;
+                            if (i == 2) sv = -INFINITY;
+                            S[0][i * 64 + j] = S[1][i * 64 + j] = sv;
+                        }
+                        for (int v = 0; v < 2; v++) {
+                            ml[v][0][i] = i % 3 == 0 ? -INFINITY : 0.25f * (float)(i % 7);
+                            ml[v][1][i] = i % 3 == 0 ? 0.0f : 1.5f;
+                        }
+                    }
+                    for (int v = 0; v < 2; v++) kk[v]->softmax(S[v], 64, m, n, ml[v][0], ml[v][1], ml[v][2]);
+                    snprintf(what, sizeof what, "%s softmax m %d n %d", name, m, n);
+                    for (int i = 0; i < m; i++)
+                        assert_close_f(S[1] + i * 64, S[0] + i * 64, (size_t)n, 1e-6, 1e-30, what);
+                    assert_memory_equal(ml[1][0], ml[0][0], sizeof(float) * (size_t)m);
+                    assert_close_f(ml[1][1], ml[0][1], (size_t)m, 1e-6, 0, what);
+                    assert_close_f(ml[1][2], ml[0][2], (size_t)m, 1e-6, 0, what);
+                    /* P·V into running outputs rescaled by corr */
+                    fill(O[0], (size_t)m * hd);
+                    memcpy(O[1], O[0], sizeof(float) * (size_t)m * hd);
+                    for (int v = 0; v < 2; v++) kk[v]->pv(O[v], hd, S[0], 64, vrows, ml[0][2], m, n, hd);
+                    snprintf(what, sizeof what, "%s pv hd %d m %d n %d", name, hd, m, n);
+                    assert_close_f(O[1], O[0], (size_t)m * hd, 1e-5, 1e-5 * n, what);
+                }
+        for (int v = 0; v < 2; v++) {
+            free(Kt[v]);
+            free(S[v]);
+            free(O[v]);
+        }
+        free(kv);
+        free(Q);
+        print_message("kernel path %s: equal to scalar within fp32 rounding\n", name);
     }
     free(x); free(y); free(r); free(u); free(tol);
 }
@@ -365,7 +448,7 @@ static void test_backend_paths_agree(void **state)
         assert_true(run_attn_ops(0, qkv, kc, vc, qp, hd, nh, nkv, &outs[0]));
         for (int isa = 1; isa < 3; isa++) {
             if (!run_attn_ops(isa, qkv, kc, vc, qp, hd, nh, nkv, &outs[isa])) continue;
-            char what[64];
+            char what[128];
             snprintf(what, sizeof what, "%s attn_dense hd %d", k_isa_names[isa], hd);
             assert_close_f(outs[isa].dense, outs[0].dense, nout, 1e-5, 1e-5, what);
             assert_close_f(outs[isa].dense_c, outs[0].dense_c, nout, 1e-5, 1e-5, what);
@@ -411,19 +494,30 @@ static void test_threads_agree(void **state)
         assert_int_equal(b1->i.matmul(b1->ctx, y1, N, x, D, w, PRISM_DTYPE_F32, bias, M, N, D, true), PRISM_OK);
         assert_int_equal(b3->i.matmul(b3->ctx, y3, N, x, D, w, PRISM_DTYPE_F32, bias, M, N, D, true), PRISM_OK);
         assert_close_f(y3, y1, (size_t)M * N, 1e-5, 1e-4, "matmul 3 threads");
+        /* and against double precision, on both sides of the gemv/sgemm switch */
+        for (int r = 0; r < M; r += 5)
+            for (int n = 0; n < N; n += 13) {
+                double a = (double)((r * N + n) % 7) + bias[n];
+                for (int k = 0; k < D; k++) a += (double)x[(size_t)r * D + k] * w[(size_t)n * D + k];
+                assert_true(fabs(y1[(size_t)r * N + n] - a) < 1e-4);
+            }
     }
     prism_backend_t *bs[2] = {b1, b3};
     float *outs[2] = {y1, y3};
     for (int i = 0; i < 2; i++) {
         prism_backend_t *b = bs[i];
         float *o = outs[i];
-        assert_int_equal(b->i.layernorm(b->ctx, o, x, nw, bias, R, D, 1e-5f), PRISM_OK);
+        assert_int_equal(b->i.layernorm(b->ctx, o, x, nw, w, R, D, 1e-5f), PRISM_OK);   /* w: any D floats as bias */
         assert_int_equal(b->i.rmsnorm(b->ctx, o, o, nw, R, D, 1e-5f), PRISM_OK);
         assert_int_equal(b->i.act(b->ctx, PRISM_ACT_GELU_ERF, o, o, (size_t)R * D), PRISM_OK);
         assert_int_equal(b->i.add(b->ctx, o, o, x, (size_t)R * D, D), PRISM_OK);
         assert_int_equal(b->i.silu_mul(b->ctx, o + (size_t)R * D / 2, o, o + D / 2, D, R / 2, D / 2), PRISM_OK);
         assert_int_equal(b->i.scale(b->ctx, o, o, 0.5f, (size_t)R * D), PRISM_OK);
     }
+    assert_memory_equal(y1, y3, sizeof(float) * R * D);
+    /* broadcast add whose b does not divide n, split over threads mid-run */
+    assert_int_equal(b3->i.add(b3->ctx, y3, x, w, (size_t)R * D, 1007), PRISM_OK);
+    for (size_t i = 0; i < (size_t)R * D; i++) y1[i] = x[i] + w[i % 1007];
     assert_memory_equal(y1, y3, sizeof(float) * R * D);
     /* short tasks back to back, then with pauses beyond the spin window */
     for (int it = 0; it < 2000; it++) {
