@@ -94,10 +94,11 @@ static int cpu_upload_convert(void *ctx, void *dst, prism_dtype_t dt, const floa
 static int cpu_sync(void *ctx) { return PRISM_OK; }
 
 /* ---- matmul ----
- * The pool splits the output columns (rows of W) over threads; each thread runs OpenBLAS sgemm
- * single-threaded on its slice (OpenBLAS threads are set to 1 at create, so BLAS threads and
- * ours never oversubscribe the cores), or for a few rows of x (decode) the vectorised gemv, which
- * streams each weight row once for all rows of x. */
+ * The pool splits the output columns (rows of W) over threads — and the rows of x too when the
+ * column slices would get narrow (many threads, small N) — and each thread runs OpenBLAS sgemm
+ * single-threaded on its block (OpenBLAS threads are set to 1 at create, so BLAS threads and
+ * ours never oversubscribe the cores). For a few rows of x (decode) it runs the vectorised gemv
+ * instead, which streams each weight row once for all rows of x. */
 
 #define GEMV_MAX_M 16             /* up to this many rows of x the gemv beats OpenBLAS sgemm (which packs all of W) */
 #define MATMUL_GRAIN (1L << 19)   /* multiply-adds a thread should get before another is woken */
@@ -109,21 +110,29 @@ typedef struct {
     const float *w, *b;
     int M, N, K;
     bool accumulate;
+    int pm, pn;                   /* thread grid: row blocks x column slices */
 } mm_task_t;
+
+#define MM_MIN_COLS 256           /* narrower column slices split the rows of x instead */
 
 static void mm_worker(void *arg, int ith, int nth)
 {
     const mm_task_t *t = arg;
-    /* slices of whole 16-column groups, the last one takes the rest */
+    if (ith >= t->pm * t->pn) return;
+    int im = ith / t->pn, in = ith % t->pn;
+    /* column slices of whole 16-column groups, the last one takes the rest */
     int groups = (t->N + 15) / 16;
-    int n0 = PRISM_MIN(t->N, (int)((long)groups * ith / nth) * 16);
-    int n1 = PRISM_MIN(t->N, (int)((long)groups * (ith + 1) / nth) * 16);
-    if (n0 >= n1) return;
-    int nn = n1 - n0;
+    int n0 = PRISM_MIN(t->N, (int)((long)groups * in / t->pn) * 16);
+    int n1 = PRISM_MIN(t->N, (int)((long)groups * (in + 1) / t->pn) * 16);
+    int m0 = (int)((long)t->M * im / t->pm), m1 = (int)((long)t->M * (im + 1) / t->pm);
+    if (n0 >= n1 || m0 >= m1) return;
+    int nn = n1 - n0, mm = m1 - m0;
+    float *y = t->y + (size_t)m0 * t->ldy + n0;
+    const float *x = t->x + (size_t)m0 * t->ldx;
     bool acc = t->accumulate;
     if (t->b) {
-        for (int r = 0; r < t->M; r++) {
-            float *yr = t->y + (size_t)r * t->ldy + n0;
+        for (int r = 0; r < mm; r++) {
+            float *yr = y + (size_t)r * t->ldy;
             if (acc) t->k->add(yr, yr, t->b + n0, (size_t)nn);
             else memcpy(yr, t->b + n0, (size_t)nn * 4);
         }
@@ -131,10 +140,10 @@ static void mm_worker(void *arg, int ith, int nth)
     }
     const float *w = t->w + (size_t)n0 * t->K;
     if (t->M <= GEMV_MAX_M)
-        t->k->gemv(t->y + n0, t->ldy, t->x, t->ldx, w, t->K, t->M, nn, t->K, acc);
+        t->k->gemv(y, t->ldy, x, t->ldx, w, t->K, mm, nn, t->K, acc);
     else
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, t->M, nn, t->K, 1.0f, t->x, t->ldx, w, t->K,
-                    acc ? 1.0f : 0.0f, t->y + n0, t->ldy);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, mm, nn, t->K, 1.0f, x, t->ldx, w, t->K,
+                    acc ? 1.0f : 0.0f, y, t->ldy);
 }
 
 static int cpu_matmul(void *vctx, float *y, int ldy, const float *x, int ldx, const void *w,
@@ -144,10 +153,12 @@ static int cpu_matmul(void *vctx, float *y, int ldy, const float *x, int ldx, co
     if (wdt != PRISM_DTYPE_F32) return PRISM_ENOTSUP;  /* CPU stores weights as fp32 */
     if (M < 0 || N <= 0 || K <= 0 || ldy < N || ldx < K) return PRISM_EINVAL;
     if (M == 0) return PRISM_OK;
-    mm_task_t t = {c->k, y, ldy, x, ldx, (const float *)w, b, M, N, K, accumulate};
     int nth = prism_cpu_nth(c, (size_t)M * N * K, MATMUL_GRAIN);
-    nth = PRISM_MIN(nth, (N + 15) / 16);
-    prism_cpu_pool_run(&c->pool, nth, mm_worker, &t);
+    /* gemv: columns only (each weight row streamed once); sgemm: rows too once slices narrow */
+    int pn = M <= GEMV_MAX_M ? PRISM_MIN(nth, (N + 15) / 16) : PRISM_MAX(1, PRISM_MIN(nth, N / MM_MIN_COLS));
+    int pm = M <= GEMV_MAX_M ? 1 : PRISM_MAX(1, PRISM_MIN(nth / pn, M / 64));
+    mm_task_t t = {c->k, y, ldy, x, ldx, (const float *)w, b, M, N, K, accumulate, pm, pn};
+    prism_cpu_pool_run(&c->pool, pm * pn, mm_worker, &t);
     return PRISM_OK;
 }
 

@@ -482,7 +482,7 @@ static void test_threads_agree(void **state)
 {
     (void)state;
     enum { R = 300, D = 1000, N = 700 };
-    prism_backend_t *b1 = prism_backend_cpu_create(1), *b3 = prism_backend_cpu_create(3);
+    prism_backend_t *b1 = prism_backend_cpu_create(1), *b3 = prism_backend_cpu_create(3), *b8 = prism_backend_cpu_create(8);
     float *x = malloc(sizeof(float) * R * D), *w = malloc(sizeof(float) * N * D), *y1 = malloc(sizeof(float) * R * D);
     float *y3 = malloc(sizeof(float) * R * D), *nw = malloc(sizeof(float) * D), *bias = malloc(sizeof(float) * N);
     fill(x, (size_t)R * D);
@@ -494,6 +494,10 @@ static void test_threads_agree(void **state)
         assert_int_equal(b1->i.matmul(b1->ctx, y1, N, x, D, w, PRISM_DTYPE_F32, bias, M, N, D, true), PRISM_OK);
         assert_int_equal(b3->i.matmul(b3->ctx, y3, N, x, D, w, PRISM_DTYPE_F32, bias, M, N, D, true), PRISM_OK);
         assert_close_f(y3, y1, (size_t)M * N, 1e-5, 1e-4, "matmul 3 threads");
+        /* 8 threads on 700 columns: rows of x split too (2-D thread grid) */
+        for (int i = 0; i < M * N; i++) y3[i] = (float)(i % 7);
+        assert_int_equal(b8->i.matmul(b8->ctx, y3, N, x, D, w, PRISM_DTYPE_F32, bias, M, N, D, true), PRISM_OK);
+        assert_close_f(y3, y1, (size_t)M * N, 1e-5, 1e-4, "matmul 8 threads");
         /* and against double precision, on both sides of the gemv/sgemm switch */
         for (int r = 0; r < M; r += 5)
             for (int n = 0; n < N; n += 13) {
@@ -527,6 +531,7 @@ static void test_threads_agree(void **state)
     assert_memory_equal(y3, x, sizeof(float) << 17);
     prism_backend_destroy(b1);
     prism_backend_destroy(b3);
+    prism_backend_destroy(b8);
     free(x); free(w); free(y1); free(y3); free(nw); free(bias);
 }
 
