@@ -2,7 +2,7 @@
  *
  * A forward pass runs hundreds of short ops back to back (a decode step: ~11 per layer), so the
  * hand-off must cost microseconds, not a scheduler round trip: after a task a worker spins on the
- * generation counter for a short while (PRISM_CPU_POOL_SPIN pauses, ~tens of microseconds) and
+ * generation counter for a short while (PRISM_CPU_POOL_SPIN pauses, about 0.1 ms) and
  * only then sleeps on the condition variable; the caller likewise spins before sleeping on the
  * completion count. Start and completion also go through the mutex, so a sleeper never misses a
  * wake-up. */
