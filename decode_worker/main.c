@@ -12,6 +12,7 @@
 #include "core/cli.h"
 #include "net/net.h"
 #include "worker/worker.h"
+#include "worker/seq.h"
 #include "kv/kv.h"
 #include "sample/sample.h"
 #include "backend/backend.h"
@@ -22,22 +23,10 @@
 
 
 typedef struct {
-    bool active;
-    uint64_t request_id;
-    char router_id[128];
+    prism_seq_t seq;          /* owner, sampling, RNG, progress; seq.used marks a running sequence */
     int32_t *blocks;          /* [max_blocks_per_seq] slice of the block-table pool */
     int n_blocks;
-    int len;                  /* tokens whose K/V are in the cache */
     int32_t last_token;       /* sampled, not yet fed */
-    int generated;
-    int max_tokens;
-    int prompt_tokens;
-    prism_sample_params_t sp;
-    uint64_t rng;
-    bool ignore_eos;
-    int n_logprobs;           /* 0 off; else 1 + top count */
-    int32_t stop_ids[PRISM_MAX_STOP_IDS];
-    int n_stop_ids;
 } seq_t;
 
 typedef struct {
@@ -80,7 +69,7 @@ static void send_error(decode_t *d, const char *router_id, uint64_t rid, const c
 static void seq_release(decode_t *d, seq_t *s)
 {
     prism_kv_blocks_release(&d->blocks, s->blocks, s->n_blocks);
-    s->active = false;
+    s->seq.used = false;
     s->n_blocks = 0;
 }
 
@@ -91,7 +80,7 @@ static bool admit_staged(decode_t *d)
     const Prism__Kv *kv = d->staged_kv;
     int slot = -1;
     for (int i = 0; i < d->max_running; i++)
-        if (!d->seqs[i].active) { slot = i; break; }
+        if (!d->seqs[i].seq.used) { slot = i; break; }
     if (slot < 0) return false;
     int total = (int)kv->n_tokens + (int)kv->sampling->max_tokens;
     if (total > d->max_model_len) total = d->max_model_len;
@@ -106,24 +95,12 @@ static bool admit_staged(decode_t *d)
         prism_kv_blocks_release(&d->blocks, s->blocks, need);
         send_error(d, d->staged_router, d->staged_rid, "decode worker could not import the KV cache");
     } else {
-        s->active = true;
-        s->request_id = d->staged_rid;
-        snprintf(s->router_id, sizeof(s->router_id), "%s", d->staged_router);
-        s->len = (int)kv->n_tokens;
-        s->prompt_tokens = (int)kv->n_tokens;
+        prism_seq_start(&s->seq, d->staged_rid, d->staged_router, kv->sampling, (int)kv->n_tokens, kv->rng_state);
+        s->seq.len = (int)kv->n_tokens;
+        s->seq.generated = 1;    /* prefill sampled the first token */
         s->last_token = kv->first_token;
-        s->generated = 1;
-        s->max_tokens = (int)kv->sampling->max_tokens;
-        s->sp.temperature = kv->sampling->temperature;
-        s->sp.top_p = kv->sampling->top_p;
-        s->sp.top_k = kv->sampling->top_k;
-        s->rng = kv->rng_state;
-        s->ignore_eos = kv->sampling->ignore_eos;
-        s->n_logprobs = (int)PRISM_MIN(kv->sampling->logprobs, (uint32_t)PRISM_MAX_TOP_LOGPROBS + 1);
-        s->n_stop_ids = (int)PRISM_MIN(kv->sampling->n_stop_token_ids, (size_t)PRISM_MAX_STOP_IDS);
-        for (int i = 0; i < s->n_stop_ids; i++) s->stop_ids[i] = kv->sampling->stop_token_ids[i];
-        PRISM_DEBUG("request %llu admitted: %d prompt tokens, %d blocks", (unsigned long long)s->request_id,
-                    s->len, need);
+        PRISM_DEBUG("request %llu admitted: %d prompt tokens, %d blocks", (unsigned long long)s->seq.rid,
+                    s->seq.len, need);
     }
     zmq_msg_close(&d->staged_frame);
     prism_msg_env_free(d->staged_env);
@@ -166,7 +143,7 @@ static void on_abort(decode_t *d, uint64_t rid, const char *router)
 {
     for (int i = 0; i < d->max_running; i++) {
         seq_t *s = &d->seqs[i];
-        if (s->active && s->request_id == rid && !strcmp(s->router_id, router)) {
+        if (s->seq.used && s->seq.rid == rid && !strcmp(s->seq.router_id, router)) {
             PRISM_DEBUG("request %llu aborted", (unsigned long long)rid);
             seq_release(d, s);
         }
@@ -199,10 +176,10 @@ static void step(decode_t *d)
     int n = 0;
     for (int i = 0; i < d->max_running; i++) {
         seq_t *s = &d->seqs[i];
-        if (!s->active) continue;
+        if (!s->seq.used) continue;
         d->tokens[n] = s->last_token;
         d->seq_start[n] = n;
-        d->pos0[n] = s->len;
+        d->pos0[n] = s->seq.len;
         d->tables[n] = s->blocks;
         d->slot_of[n] = i;
         n++;
@@ -219,7 +196,7 @@ static void step(decode_t *d)
         PRISM_ERROR("decode step failed: %s", prism_strerror(rc));
         for (int j = 0; j < n; j++) {
             seq_t *s = &d->seqs[d->slot_of[j]];
-            send_error(d, s->router_id, s->request_id, "decode step failed");
+            send_error(d, s->seq.router_id, s->seq.rid, "decode step failed");
             seq_release(d, s);
         }
         return;
@@ -228,38 +205,26 @@ static void step(decode_t *d)
     for (int j = 0; j < n; j++) {
         seq_t *s = &d->seqs[d->slot_of[j]];
         const float *lg = d->logits + (size_t)j * d->cfg.vocab;
-        s->len++;
-        int32_t tok = prism_sample(&d->sampler, lg, &s->sp, &s->rng);
-        s->generated++;
+        s->seq.len++;
+        int32_t tok = prism_seq_sample(&s->seq, &d->sampler, lg);
         s->last_token = tok;
 
         Prism__Tokens t = PRISM__TOKENS__INIT;
-        t.n_token_ids = 1;
-        t.token_ids = &tok;
-        t.prompt_tokens = (uint32_t)s->prompt_tokens;
-        prism_logprobs_msg_t lpm;
-        if (s->n_logprobs > 0) prism_tokens_set_logprobs(&t, &lpm, &d->sampler, lg, tok, s->n_logprobs - 1);
-        bool done = false;
-        if (prism_is_stop_token(&d->cfg, s->ignore_eos, s->stop_ids, s->n_stop_ids, tok)) {
-            t.finish = PRISM__FINISH__FINISH_STOP;
-            done = true;
-        } else if (s->generated >= s->max_tokens || s->len + 1 >= d->max_model_len) {
-            t.finish = PRISM__FINISH__FINISH_LENGTH;
-            done = true;
-        }
+        prism_seq_lp_msg_t lpm;
+        prism_seq_tokens(&s->seq, &t, &tok, &lpm, &d->sampler, lg, &d->cfg, d->max_model_len);
         Prism__Envelope env = PRISM__ENVELOPE__INIT;
         env.type = PRISM__MSG_TYPE__MSG_TOKENS;
         env.tokens = &t;
-        prism_worker_reply(&d->w, s->router_id, s->request_id, &env);
+        prism_worker_reply(&d->w, s->seq.router_id, s->seq.rid, &env);
         d->tokens_out++;
-        if (done) seq_release(d, s);
+        if (t.finish != PRISM__FINISH__FINISH_NONE) seq_release(d, s);
     }
 }
 
 static int running(const decode_t *d)
 {
     int n = 0;
-    for (int i = 0; i < d->max_running; i++) n += d->seqs[i].active;
+    for (int i = 0; i < d->max_running; i++) n += d->seqs[i].seq.used;
     return n;
 }
 
@@ -344,7 +309,7 @@ int main(int argc, char **argv)
 
     char bind[300];
     prism_worker_data_bind(&o, bind, sizeof(bind));
-    if (prism_worker_init(&d.w, PRISM__ROLE__ROLE_DECODE, o.worker_id, &o.routers, bind) != PRISM_OK)
+    if (prism_worker_init(&d.w, PRISM__ROLE__ROLE_DECODE, &o, bind, (size_t)d.max_blocks_per_seq * block_bytes) != PRISM_OK)
         return 1;
     prism_worker_set_capacity(&d.w, &o, &plan, (uint32_t)kv_blocks, (uint32_t)block_size, (uint32_t)d.max_running,
                               (uint32_t)d.max_running, (uint32_t)d.max_model_len);

@@ -11,6 +11,7 @@
 #include "core/cli.h"
 #include "net/net.h"
 #include "worker/worker.h"
+#include "worker/seq.h"
 #include "kv/kv.h"
 #include "sample/sample.h"
 #include "backend/backend.h"
@@ -20,7 +21,6 @@
 #include <string.h>
 
 #define MAX_IMAGES 64
-#define ORPHAN_TIMEOUT_S 120.0
 
 typedef struct {
     bool used;
@@ -32,19 +32,11 @@ typedef struct {
 } emb_slot_t;
 
 typedef struct {
-    bool used;
-    uint64_t rid;
-    char router_id[128];
+    prism_seq_t seq;         /* owner, sampling, RNG; seq.used marks the slot */
     int32_t *tokens;         /* [max_model_len] slice of the token pool */
     int n_tokens;
     int n_images;
     uint32_t span_off[MAX_IMAGES], span_len[MAX_IMAGES];
-    prism_sample_params_t sp;
-    bool has_seed, ignore_eos;
-    uint64_t seed;
-    int max_tokens, n_logprobs;
-    int32_t stop_ids[PRISM_MAX_STOP_IDS];
-    int n_stop_ids;
     char decode_endpoint[256];
     double t_arrive;
 } preq_t;
@@ -58,23 +50,22 @@ typedef struct {
     prism_kv_blocks_t blocks;
     prism_sampler_t sampler;
     int max_pending, chunk, max_model_len, max_blocks_per_seq, n_emb;
+    double orphan_timeout_s; /* embeddings whose Prefill never came are dropped after this */
     preq_t *reqs;            /* [max_pending] */
     int32_t *token_pool;     /* [max_pending][max_model_len] */
     emb_slot_t *emb;         /* [n_emb] */
     float *emb_pool;         /* [n_emb][image_seq_length][hidden] */
-    float *chunk_embeds;     /* [chunk][hidden] */
-    uint8_t *chunk_mask;     /* [chunk] */
+    const float **chunk_rows; /* [chunk]: image embedding row of each token, or NULL */
     int32_t *table;          /* [max_blocks_per_seq] */
     float *logits;           /* [vocab] */
     uint8_t *kv_out;         /* [max_blocks_per_seq][block_bytes]: export staging */
     size_t block_bytes;
-    /* a finished prefill whose KV the decode worker has not taken yet */
+    /* a finished prefill whose KV the decode worker has not taken yet (its request's slot is
+     * already free for the next one: kv_seq is a copy of the record) */
     bool kv_pending;
-    uint64_t kv_rid;
-    char kv_router[128], kv_endpoint[256];
+    prism_seq_t kv_seq;
+    char kv_endpoint[256];
     Prism__Kv kv_hdr;
-    Prism__Sampling kv_sampling;
-    int32_t kv_stop_ids[PRISM_MAX_STOP_IDS];
     size_t kv_len;
     uint64_t served;
 } prefill_t;
@@ -95,16 +86,26 @@ static emb_slot_t *emb_find(prefill_t *p, uint64_t rid, const char *router, uint
     return NULL;
 }
 
-static void drop_request(prefill_t *p, uint64_t rid, const char *router)
+static bool owns(const prism_seq_t *s, uint64_t rid, const char *router)
+{
+    return s->used && s->rid == rid && !strcmp(s->router_id, router);
+}
+
+/* Frees a request's slot and its embedding slots (done, failed or aborted). */
+static void release_request(prefill_t *p, uint64_t rid, const char *router)
 {
     for (int i = 0; i < p->n_emb; i++)
         if (p->emb[i].used && p->emb[i].rid == rid && !strcmp(p->emb[i].router_id, router))
             p->emb[i].used = false;
     for (int i = 0; i < p->max_pending; i++)
-        if (p->reqs[i].used && p->reqs[i].rid == rid && !strcmp(p->reqs[i].router_id, router))
-            p->reqs[i].used = false;
-    if (p->kv_pending && p->kv_rid == rid && !strcmp(p->kv_router, router))
-        p->kv_pending = false;
+        if (owns(&p->reqs[i].seq, rid, router)) p->reqs[i].seq.used = false;
+}
+
+/* Forgets everything about a request, its staged KV export included (abort, errors). */
+static void drop_request(prefill_t *p, uint64_t rid, const char *router)
+{
+    release_request(p, rid, router);
+    if (p->kv_pending && owns(&p->kv_seq, rid, router)) p->kv_pending = false;
 }
 
 static void send_tokens(prefill_t *p, const char *router, uint64_t rid, Prism__Tokens *t)
@@ -132,7 +133,7 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
     if (!pf || !pf->sampling || !pf->decode_endpoint) why = "malformed prefill request";
     else if (pf->n_token_ids == 0 || pf->n_token_ids >= (size_t)p->max_model_len) why = "prompt length out of range";
     else if (pf->n_images > MAX_IMAGES) why = "too many images";
-    else if (pf->sampling->max_tokens == 0) why = "max_tokens must be at least 1";
+    else why = prism_seq_check(pf->sampling);
     if (!why) {
         for (size_t i = 0; i < pf->n_token_ids; i++)
             if (pf->token_ids[i] < 0 || pf->token_ids[i] >= p->cfg.vocab) { why = "token id out of range"; break; }
@@ -144,7 +145,7 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
     }
     preq_t *r = NULL;
     for (int i = 0; i < p->max_pending && !why; i++)
-        if (!p->reqs[i].used) { r = &p->reqs[i]; break; }
+        if (!p->reqs[i].seq.used) { r = &p->reqs[i]; break; }
     if (!why && !r) why = "prefill worker is full";
     if (why) {
         PRISM_WARN("request %llu refused: %s", (unsigned long long)e->request_id, why);
@@ -152,9 +153,8 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
         drop_request(p, e->request_id, router);
         return;
     }
-    r->used = true;
-    r->rid = e->request_id;
-    snprintf(r->router_id, sizeof(r->router_id), "%s", router);
+    prism_seq_start(&r->seq, e->request_id, router, pf->sampling, (int)pf->n_token_ids,
+                    prism_seq_seed(pf->sampling, e->request_id));
     r->n_tokens = (int)pf->n_token_ids;
     memcpy(r->tokens, pf->token_ids, sizeof(int32_t) * pf->n_token_ids);
     r->n_images = (int)pf->n_images;
@@ -162,15 +162,6 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
         r->span_off[i] = pf->images[i]->offset;
         r->span_len[i] = pf->images[i]->n_tokens;
     }
-    const Prism__Sampling *s = pf->sampling;
-    r->sp = (prism_sample_params_t){s->temperature, s->top_p, s->top_k};
-    r->has_seed = s->has_seed;
-    r->seed = s->seed;
-    r->ignore_eos = s->ignore_eos;
-    r->max_tokens = (int)s->max_tokens;
-    r->n_logprobs = (int)PRISM_MIN(s->logprobs, (uint32_t)PRISM_MAX_TOP_LOGPROBS + 1);
-    r->n_stop_ids = (int)PRISM_MIN(s->n_stop_token_ids, (size_t)PRISM_MAX_STOP_IDS);
-    memcpy(r->stop_ids, s->stop_token_ids, sizeof(int32_t) * (size_t)r->n_stop_ids);
     snprintf(r->decode_endpoint, sizeof(r->decode_endpoint), "%s", pf->decode_endpoint);
     r->t_arrive = prism_now_s();
 }
@@ -231,28 +222,30 @@ static void on_msg(prism_worker_t *w, prism_msg_t *m, int router_index, void *ud
 static bool ready(prefill_t *p, const preq_t *r)
 {
     for (int i = 0; i < r->n_images; i++)
-        if (!emb_find(p, r->rid, r->router_id, (uint32_t)i)) return false;
+        if (!emb_find(p, r->seq.rid, r->seq.router_id, (uint32_t)i)) return false;
     return true;
 }
 
 static void try_send_kv(prefill_t *p)
 {
     if (!p->kv_pending) return;
+    prism_seq_t *q = &p->kv_seq;
     void *s = prism_worker_peer_sock(&p->w, p->kv_endpoint);
     if (!s) {
-        send_error(p, p->kv_router, p->kv_rid, "cannot reach the decode worker");
+        send_error(p, q->router_id, q->rid, "cannot reach the decode worker");
         p->kv_pending = false;
         return;
     }
+    p->kv_hdr.sampling = (Prism__Sampling *)prism_seq_sampling(q);   /* as the router sent it */
     Prism__Envelope env = PRISM__ENVELOPE__INIT;
     env.type = PRISM__MSG_TYPE__MSG_KV;
-    env.request_id = p->kv_rid;
-    env.router_id = p->kv_router;
+    env.request_id = q->rid;
+    env.router_id = q->router_id;
     env.kv = &p->kv_hdr;
     prism_frame_t f = {p->kv_out, p->kv_len};
     int rc = prism_msg_send(s, NULL, 0, &env, &f, 1, ZMQ_DONTWAIT);
     if (rc == PRISM_EAGAIN) return;  /* decode is full: keep it and retry next iteration */
-    if (rc != PRISM_OK) send_error(p, p->kv_router, p->kv_rid, "KV transfer to the decode worker failed");
+    if (rc != PRISM_OK) send_error(p, q->router_id, q->rid, "KV transfer to the decode worker failed");
     p->kv_pending = false;
 }
 
@@ -263,7 +256,7 @@ static void run_one(prefill_t *p)
     preq_t *r = NULL;
     for (int i = 0; i < p->max_pending; i++) {
         preq_t *c = &p->reqs[i];
-        if (c->used && ready(p, c) && (!r || c->t_arrive < r->t_arrive)) r = c;
+        if (c->seq.used && ready(p, c) && (!r || c->t_arrive < r->t_arrive)) r = c;
     }
     if (!r) return;
     int nb = prism_kv_blocks_for_tokens(&p->blocks, r->n_tokens);
@@ -274,81 +267,59 @@ static void run_one(prefill_t *p)
     for (int start = 0; start < r->n_tokens && rc == PRISM_OK; start += p->chunk) {
         int n = PRISM_MIN(p->chunk, r->n_tokens - start);
         bool any = false;
-        memset(p->chunk_mask, 0, (size_t)n);
+        memset(p->chunk_rows, 0, sizeof(*p->chunk_rows) * (size_t)n);
         for (int i = 0; i < r->n_images; i++) {
-            const emb_slot_t *e = emb_find(p, r->rid, r->router_id, (uint32_t)i);
+            const emb_slot_t *e = emb_find(p, r->seq.rid, r->seq.router_id, (uint32_t)i);
             int lo = PRISM_MAX((int)r->span_off[i], start);
             int hi = PRISM_MIN((int)(r->span_off[i] + r->span_len[i]), start + n);
             for (int t = lo; t < hi; t++) {
-                memcpy(p->chunk_embeds + (size_t)(t - start) * hidden,
-                       e->data + (size_t)(t - r->span_off[i]) * hidden, sizeof(float) * hidden);
-                p->chunk_mask[t - start] = 1;
+                p->chunk_rows[t - start] = e->data + (size_t)(t - r->span_off[i]) * hidden;  /* no copy */
                 any = true;
             }
         }
         int32_t seq_start[2] = {0, n}, pos0[1] = {start};
         prism_llm_batch_t b = {
             .n_seqs = 1, .n_tokens = n, .tokens = r->tokens + start, .seq_start = seq_start, .pos0 = pos0,
-            .block_tables = tables, .embeds = any ? p->chunk_embeds : NULL, .embed_mask = any ? p->chunk_mask : NULL,
+            .block_tables = tables, .embed_rows = any ? p->chunk_rows : NULL,
         };
         rc = prism_llm_forward(p->llm, p->kv, &b, p->logits);
     }
     double t1 = prism_now_s();
     if (rc != PRISM_OK) {
-        PRISM_ERROR("request %llu: prefill failed: %s", (unsigned long long)r->rid, prism_strerror(rc));
-        send_error(p, r->router_id, r->rid, "prefill failed");
+        PRISM_ERROR("request %llu: prefill failed: %s", (unsigned long long)r->seq.rid, prism_strerror(rc));
+        send_error(p, r->seq.router_id, r->seq.rid, "prefill failed");
         prism_kv_blocks_release(&p->blocks, p->table, nb);
-        drop_request(p, r->rid, r->router_id);
+        release_request(p, r->seq.rid, r->seq.router_id);
         return;
     }
-    uint64_t rng = prism_rng_seed(r->has_seed ? r->seed : (r->rid ^ prism_now_ns()));
-    int32_t tok = prism_sample(&p->sampler, p->logits, &r->sp, &rng);
+    r->seq.len = r->n_tokens;
+    int32_t tok = prism_seq_sample(&r->seq, &p->sampler, p->logits);
 
     Prism__Tokens t = PRISM__TOKENS__INIT;
-    t.n_token_ids = 1;
-    t.token_ids = &tok;
-    t.prompt_tokens = (uint32_t)r->n_tokens;
+    prism_seq_lp_msg_t lpm;
+    prism_seq_tokens(&r->seq, &t, &tok, &lpm, &p->sampler, p->logits, &p->cfg, p->max_model_len);
     t.prefill_ms = (float)((t1 - t0) * 1e3);
     t.queue_ms = (float)((t0 - r->t_arrive) * 1e3);
     t.from_prefill = true;
-    prism_logprobs_msg_t lpm;
-    if (r->n_logprobs > 0) prism_tokens_set_logprobs(&t, &lpm, &p->sampler, p->logits, tok, r->n_logprobs - 1);
-    bool done = true;
-    if (prism_is_stop_token(&p->cfg, r->ignore_eos, r->stop_ids, r->n_stop_ids, tok)) t.finish = PRISM__FINISH__FINISH_STOP;
-    else if (r->max_tokens <= 1 || r->n_tokens + 1 >= p->max_model_len) t.finish = PRISM__FINISH__FINISH_LENGTH;
-    else done = false;
-    send_tokens(p, r->router_id, r->rid, &t);
+    send_tokens(p, r->seq.router_id, r->seq.rid, &t);
 
-    if (!done) {
+    if (t.finish == PRISM__FINISH__FINISH_NONE) {
         /* Stage the KV export; the decode worker pulls it when it has room. */
         p->kv_len = (size_t)nb * p->block_bytes;
         prism_kv_cache_export(p->kv, p->table, nb, p->kv_out);
         prism__kv__init(&p->kv_hdr);
-        prism__sampling__init(&p->kv_sampling);
         p->kv_hdr.n_tokens = (uint32_t)r->n_tokens;
         p->kv_hdr.block_size = (uint32_t)p->blocks.block_size;
         p->kv_hdr.n_blocks = (uint32_t)nb;
         p->kv_hdr.block_bytes = p->block_bytes;
         p->kv_hdr.first_token = tok;
-        p->kv_hdr.rng_state = rng;
-        p->kv_sampling.temperature = r->sp.temperature;
-        p->kv_sampling.top_p = r->sp.top_p;
-        p->kv_sampling.top_k = r->sp.top_k;
-        p->kv_sampling.max_tokens = (uint32_t)r->max_tokens;
-        p->kv_sampling.ignore_eos = r->ignore_eos;
-        p->kv_sampling.logprobs = (uint32_t)r->n_logprobs;
-        memcpy(p->kv_stop_ids, r->stop_ids, sizeof(int32_t) * (size_t)r->n_stop_ids);
-        p->kv_sampling.n_stop_token_ids = (size_t)r->n_stop_ids;
-        p->kv_sampling.stop_token_ids = p->kv_stop_ids;
-        p->kv_hdr.sampling = &p->kv_sampling;
-        p->kv_rid = r->rid;
-        snprintf(p->kv_router, sizeof(p->kv_router), "%s", r->router_id);
+        p->kv_hdr.rng_state = r->seq.rng;
+        p->kv_seq = r->seq;
         snprintf(p->kv_endpoint, sizeof(p->kv_endpoint), "%s", r->decode_endpoint);
         p->kv_pending = true;
     }
     prism_kv_blocks_release(&p->blocks, p->table, nb);
-    drop_request(p, r->rid, r->router_id);
-    if (!done) p->kv_pending = true;  /* drop_request cleared it for this rid */
+    release_request(p, r->seq.rid, r->seq.router_id);
     p->served++;
     PRISM_DEBUG("%d prompt tokens prefilled in %.1f ms", (int)t.prompt_tokens, t.prefill_ms);
     try_send_kv(p);
@@ -359,10 +330,10 @@ static void expire_orphans(prefill_t *p)
     double now = prism_now_s();
     for (int i = 0; i < p->n_emb; i++) {
         emb_slot_t *e = &p->emb[i];
-        if (!e->used || now - e->t_arrive < ORPHAN_TIMEOUT_S) continue;
+        if (!e->used || now - e->t_arrive < p->orphan_timeout_s) continue;
         bool owned = false;
         for (int k = 0; k < p->max_pending; k++)
-            owned |= p->reqs[k].used && p->reqs[k].rid == e->rid && !strcmp(p->reqs[k].router_id, e->router_id);
+            owned |= owns(&p->reqs[k].seq, e->rid, e->router_id);
         if (!owned) {
             PRISM_WARN("dropping embeddings of request %llu: no prefill request came", (unsigned long long)e->rid);
             e->used = false;
@@ -375,6 +346,7 @@ int main(int argc, char **argv)
     prism_worker_opts_t o;
     prism_worker_opts_defaults(&o, "prefill");
     int64_t kv_blocks = 0, block_size = 16, chunk = 512, max_pending = 64, emb_images = 32, context_length = 0;
+    double orphan_timeout = 120;
     prism_flag_t flags[32] = {
         PRISM_FLAG_INT("chunked-prefill-size", &chunk, "Most prompt tokens per forward step"),
         PRISM_FLAG_INT("kv-blocks", &kv_blocks, "KV blocks for prompts in flight (0 = two full contexts)"),
@@ -382,6 +354,8 @@ int main(int argc, char **argv)
         PRISM_FLAG_INT("max-pending-requests", &max_pending, "Prefill requests held at once"),
         PRISM_FLAG_INT("embed-pool-images", &emb_images, "Image embedding slots in the receive pool"),
         PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings)"),
+        PRISM_FLAG_DOUBLE("orphan-timeout", &orphan_timeout,
+                          "Seconds before embeddings whose prefill request never arrives free their slot"),
     };
     static prefill_t p;
     int rc = prism_worker_startup(argc, argv, "prefill", "Prism prefill worker: chunked prefill, first token, KV "
@@ -390,11 +364,12 @@ int main(int argc, char **argv)
     double t0 = prism_now_s();
     char err[512] = "";
     if (chunk < 1 || chunk > 65536 || block_size < 1 || block_size > 1024 || max_pending < 1 ||
-        max_pending > 4096 || emb_images < 1 || emb_images > 65536) {
+        max_pending > 4096 || emb_images < 1 || emb_images > 65536 || !(orphan_timeout > 0)) {
         PRISM_ERROR("flag out of range (see --help)");
         return 2;
     }
     p.chunk = (int)chunk;
+    p.orphan_timeout_s = orphan_timeout;
     p.max_pending = (int)max_pending;
     p.n_emb = p.cfg.has_vision ? (int)emb_images : 0;
     p.max_model_len = context_length > 0 ? (int)PRISM_MIN(context_length, (int64_t)p.cfg.max_pos) : p.cfg.max_pos;
@@ -421,7 +396,7 @@ int main(int argc, char **argv)
     prism_mem_plan_add(&plan, "kv-cache", (size_t)kv_blocks * p.block_bytes);
     prism_mem_plan_add(&plan, "kv-export", (size_t)p.max_blocks_per_seq * p.block_bytes);
     prism_mem_plan_add(&plan, "activations", prism_llm_arena_bytes(&p.cfg, p.chunk, 1) +
-                                             (size_t)p.chunk * (p.cfg.hidden * sizeof(float) + 1));
+                                             (size_t)p.chunk * sizeof(*p.chunk_rows));
     prism_mem_plan_add(&plan, "embedding-pool", emb_bytes);
     prism_mem_plan_add(&plan, "prompts", (size_t)p.max_pending * p.max_model_len * sizeof(int32_t));
     prism_mem_plan_add(&plan, "runtime", prism_mem_runtime_bytes());
@@ -442,8 +417,7 @@ int main(int argc, char **argv)
     PRISM_ASSERT(p.emb_pool);
     for (int i = 0; i < p.n_emb; i++)
         p.emb[i].data = p.emb_pool + (size_t)i * p.cfg.image_seq_length * p.cfg.hidden;
-    p.chunk_embeds = prism_xcalloc((size_t)p.chunk * p.cfg.hidden, sizeof(float));
-    p.chunk_mask = prism_xcalloc((size_t)p.chunk, 1);
+    p.chunk_rows = prism_xcalloc((size_t)p.chunk, sizeof(*p.chunk_rows));
     p.table = prism_xcalloc((size_t)p.max_blocks_per_seq, sizeof(int32_t));
     p.logits = prism_xcalloc((size_t)p.cfg.vocab, sizeof(float));
     p.kv_out = prism_malloc_aligned((size_t)p.max_blocks_per_seq * p.block_bytes, 64);
@@ -451,7 +425,8 @@ int main(int argc, char **argv)
 
     char bind[300];
     prism_worker_data_bind(&o, bind, sizeof(bind));
-    if (prism_worker_init(&p.w, PRISM__ROLE__ROLE_PREFILL, o.worker_id, &o.routers, bind) != PRISM_OK)
+    if (prism_worker_init(&p.w, PRISM__ROLE__ROLE_PREFILL, &o, bind,
+                          (size_t)p.cfg.image_seq_length * p.cfg.hidden * sizeof(float)) != PRISM_OK)
         return 1;
     prism_worker_set_capacity(&p.w, &o, &plan, (uint32_t)kv_blocks, (uint32_t)block_size, (uint32_t)p.chunk,
                               (uint32_t)p.max_pending, (uint32_t)p.max_model_len);
@@ -460,7 +435,7 @@ int main(int argc, char **argv)
 
     while (!prism_worker_should_stop()) {
         int pending = 0;
-        for (int i = 0; i < p.max_pending; i++) pending += p.reqs[i].used;
+        for (int i = 0; i < p.max_pending; i++) pending += p.reqs[i].seq.used;
         Prism__Heartbeat hb = PRISM__HEARTBEAT__INIT;
         hb.running = (uint32_t)pending;
         hb.waiting = p.kv_pending ? 1 : 0;
@@ -471,7 +446,7 @@ int main(int argc, char **argv)
         try_send_kv(&p);
         bool work = false;
         for (int i = 0; i < p.max_pending && !p.kv_pending; i++)
-            work |= p.reqs[i].used && ready(&p, &p.reqs[i]);
+            work |= p.reqs[i].seq.used && ready(&p, &p.reqs[i]);
         prism_worker_poll(&p.w, work ? 0 : (p.kv_pending ? 2 : 50), emb_free_slots(&p) > 0, on_msg, &p);
         run_one(&p);
         expire_orphans(&p);

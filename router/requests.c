@@ -1,16 +1,15 @@
 /* The life of one generation request inside the router.
  *
- *   HTTP body -> parse/validate -> images: data URL, base64, header probe (no pixels) -> chat
- *   template -> tokens -> each image placeholder expanded to the model's image-token count ->
- *   pick encoder(s)/prefill/decode -> Prefill to prefill, Encode to encoder(s) -> first token from
+ *   HTTP body -> parse/validate -> limits -> the prompt (prompt.c: images, chat template, tokens,
+ *   image spans) -> pick encoder(s)/prefill/decode (or wait in the router's queue) -> Prefill to
+ *   prefill, Encode to encoder(s) -> first token from
  *   prefill, the rest from decode -> incremental detokenization, stop strings -> SSE chunks or one
  *   JSON response -> usage, metrics, abort to the workers if we stopped early or the client left.
  *
  * Everything a request owns is freed in req_destroy; the HTTP request is released exactly once. */
 #include "router.h"
 #include "openai_req.h"
-#include "image/image.h"
-#include "image/data_url.h"
+#include "openai_write.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -25,19 +24,10 @@ struct router_req {
     prism_oai_request_t oai;
     prism_oai_resp_meta_t meta;
     bool chat;
-    /* images: decoded file bytes (the router never decodes pixels) */
-    int n_images;
-    uint8_t *img[ROUTER_MAX_IMAGES];
-    size_t img_len[ROUTER_MAX_IMAGES];
-    uint64_t img_hash[ROUTER_MAX_IMAGES];
+    router_prompt_t prompt;       /* images, tokens, image spans, max_tokens (prompt.c) */
     char encoder_id[ROUTER_MAX_IMAGES][128];
     bool encode_pending[ROUTER_MAX_IMAGES];
-    size_t image_bytes;
-    bool bytes_counted;           /* image_bytes added to the router's in-flight total */
-    /* prompt */
-    int32_t *prompt;
-    size_t n_prompt, prompt_cap;
-    int max_tokens;
+    bool bytes_counted;           /* prompt.image_bytes added to the router's in-flight total */
     /* workers */
     char prefill_id[128], decode_id[128];
     bool prefill_pending, decode_pending;
@@ -127,13 +117,11 @@ static void req_destroy(router_req_t *q)
 {
     router_t *r = q->r;
     router_req_del(r, q->rid);
-    for (int i = 0; i < q->n_images; i++) {
+    for (int i = 0; i < q->prompt.n_images; i++)
         if (q->encode_pending[i]) worker_done(r, q->encoder_id[i]);
-        prism_free(q->img[i]);
-    }
     if (q->prefill_pending) worker_done(r, q->prefill_id);
     if (q->decode_pending) worker_done(r, q->decode_id);
-    if (q->bytes_counted) r->image_bytes_inflight -= q->image_bytes;
+    if (q->bytes_counted) r->image_bytes_inflight -= q->prompt.image_bytes;
     if (q->h) {
         prism_http_req_set_user(q->h, NULL);
         prism_http_req_release(q->h);
@@ -145,7 +133,7 @@ static void req_destroy(router_req_t *q)
     prism_buf_free(&q->text);
     prism_buf_free(&q->out);
     for (size_t i = 0; i < PRISM_ARRAY_LEN(q->tok_bytes); i++) prism_buf_free(&q->tok_bytes[i]);
-    prism_free(q->prompt);
+    router_prompt_free(&q->prompt);
     prism_free(q);
 }
 
@@ -153,7 +141,7 @@ static void req_destroy(router_req_t *q)
  * that went away). Workers ignore aborts for requests they no longer have. */
 static void abort_workers(router_req_t *q)
 {
-    for (int i = 0; i < q->n_images; i++)
+    for (int i = 0; i < q->prompt.n_images; i++)
         if (q->encode_pending[i]) send_abort(q->r, q->encoder_id[i], q->rid);
     send_abort(q->r, q->prefill_id, q->rid);
     send_abort(q->r, q->decode_id, q->rid);
@@ -224,6 +212,14 @@ static void stream_chunk(router_req_t *q, size_t upto, const char *finish)
     prism_http_stream_write(q->h, q->out.data, q->out.len);
     q->emitted = upto;
     if (lp) prism_oai_logprobs_clear(&q->lp);
+    if (prism_http_req_pending_bytes(q->h) > q->r->max_stream_pending) {
+        /* The client stopped reading: drop it rather than queue its whole answer in memory. Its
+         * abort callback (on_client_gone) runs from the loop's next turn and aborts the workers. */
+        q->r->metrics.refused_limit[PRISM_REFUSE_SLOW_CLIENT]++;
+        PRISM_WARN("request %llu: client stopped reading (%zu bytes queued); dropped", (unsigned long long)q->rid,
+                   prism_http_req_pending_bytes(q->h));
+        prism_http_req_drop(q->h);
+    }
 }
 
 /* "x-prism-timing" response header and log line: where the time of this request went. */
@@ -233,7 +229,7 @@ static void timing_line(const router_req_t *q, double now, char *out, size_t n)
     double dec_s = q->t_last - q->t_first;
     double tps = q->n_out > 1 && dec_s > 0 ? (q->n_out - 1) / dec_s : 0;
     snprintf(out, n, "images=%d cache_hits=%d image_decode_ms=%.2f vit_ms=%.2f queue_ms=%.2f prefill_ms=%.2f "
-             "ttft_ms=%.2f decode_tokens=%d decode_tok_s=%.1f e2e_ms=%.2f", q->n_images, q->cache_hits, q->decode_ms,
+             "ttft_ms=%.2f decode_tokens=%d decode_tok_s=%.1f e2e_ms=%.2f", q->prompt.n_images, q->cache_hits, q->decode_ms,
              q->vit_ms, q->queue_ms, q->prefill_ms, ttft, q->n_out > 0 ? q->n_out - 1 : 0, tps, (now - q->t_start) * 1e3);
 }
 
@@ -243,8 +239,8 @@ static void req_complete(router_req_t *q, const char *finish)
     double now = prism_now_s();
     char timing[400];
     timing_line(q, now, timing, sizeof(timing));
-    PRISM_DEBUG("request %llu done (%s, %zu prompt tokens): %s", (unsigned long long)q->rid, finish, q->n_prompt, timing);
-    prism_oai_usage_t u = {.prompt_tokens = (int64_t)q->n_prompt, .completion_tokens = q->n_out, .cached_tokens = -1};
+    PRISM_DEBUG("request %llu done (%s, %zu prompt tokens): %s", (unsigned long long)q->rid, finish, q->prompt.n_tokens, timing);
+    prism_oai_usage_t u = {.prompt_tokens = (int64_t)q->prompt.n_tokens, .completion_tokens = q->n_out, .cached_tokens = -1};
     if (q->h && !prism_http_req_aborted(q->h)) {
         if (q->oai.stream) {
             stream_chunk(q, q->text.len, finish);
@@ -267,7 +263,7 @@ static void req_complete(router_req_t *q, const char *finish)
             prism_http_respond(q->h, 200, "application/json", extra, q->out.data, q->out.len);
         }
     }
-    r->metrics.prompt_tokens += q->n_prompt;
+    r->metrics.prompt_tokens += q->prompt.n_tokens;
     r->metrics.generation_tokens += (uint64_t)q->n_out;
     prism_hist_observe(&r->metrics.e2e, now - q->t_start);
     if (!strcmp(finish, "stop")) r->metrics.success_stop++;
@@ -318,11 +314,16 @@ static void add_logprobs(router_req_t *q, int32_t tok, const Prism__TokenLogprob
     prism_buf_t *tb = &q->tok_bytes[0], *cb = &q->tok_bytes[1];
     prism_oai_top_logprob_t top[20];
     int nt = (int)PRISM_MIN(l->n_top, (size_t)20);
+    /* return_tokens_as_token_ids (vLLM): "token_id:<id>" names the token exactly, where its text
+     * may be lossy (a partial UTF-8 sequence) or shared with another id. */
+    bool as_ids = q->oai.return_tokens_as_token_ids;
     prism_buf_reset(tb);
-    prism_tokenizer_token_bytes(r->tok, tok, tb);
+    if (as_ids) prism_buf_appendf(tb, "token_id:%d", tok);
+    else prism_tokenizer_token_bytes(r->tok, tok, tb);
     for (int k = 0; k < nt; k++) {
         prism_buf_reset(&cb[k]);
-        prism_tokenizer_token_bytes(r->tok, l->top[k]->token_id, &cb[k]);
+        if (as_ids) prism_buf_appendf(&cb[k], "token_id:%d", l->top[k]->token_id);
+        else prism_tokenizer_token_bytes(r->tok, l->top[k]->token_id, &cb[k]);
         top[k] = (prism_oai_top_logprob_t){cb[k].data ? cb[k].data : "", cb[k].len, l->top[k]->logprob};
     }
     prism_oai_token_logprob_t t = {tb->data ? tb->data : "", tb->len, l->logprob, top, q->oai.top_logprobs ? nt : 0};
@@ -382,7 +383,7 @@ void router_handle_tokens(router_t *r, uint64_t rid, const Prism__Tokens *t)
 void router_handle_encode_done(router_t *r, uint64_t rid, const Prism__EncodeDone *d)
 {
     router_req_t *q = router_req_get(r, rid);
-    if (!q || d->image_index >= (uint32_t)q->n_images) return;
+    if (!q || d->image_index >= (uint32_t)q->prompt.n_images) return;
     if (q->encode_pending[d->image_index]) {
         q->encode_pending[d->image_index] = false;
         worker_done(r, q->encoder_id[d->image_index]);
@@ -404,7 +405,7 @@ void router_fail_worker_requests(router_t *r, const router_worker_t *w)
         if (!q) continue;
         bool held = (q->prefill_pending && !strcmp(q->prefill_id, w->id)) ||
                     (q->decode_pending && !strcmp(q->decode_id, w->id));
-        for (int k = 0; k < q->n_images; k++) held |= q->encode_pending[k] && !strcmp(q->encoder_id[k], w->id);
+        for (int k = 0; k < q->prompt.n_images; k++) held |= q->encode_pending[k] && !strcmp(q->encoder_id[k], w->id);
         if (held) {
             char msg[256];
             snprintf(msg, sizeof(msg), "The %s worker serving this request stopped responding.", prism_role_name(w->role));
@@ -451,197 +452,6 @@ static void on_client_gone(prism_http_req_t *h, void *ud)
     req_destroy(q);
 }
 
-/* ---------------------------------------------------------------- admission */
-
-/* Builds the chat-template context the way transformers does, with image parts as
- * {"type":"image"} (what HF processors' templates expect). */
-static json_t *template_context(router_t *r, const prism_oai_request_t *o)
-{
-    json_t *msgs = json_array();
-    for (int i = 0; i < o->n_messages; i++) {
-        const prism_oai_message_t *m = &o->messages[i];
-        json_t *c = json_deep_copy(m->raw);
-        if (!m->content_is_string && !m->content_is_null) {
-            json_t *parts = json_array();
-            for (int k = 0; k < m->n_parts; k++) {
-                const prism_oai_part_t *p = &m->parts[k];
-                if (p->kind == PRISM_OAI_PART_IMAGE)
-                    json_array_append_new(parts, json_pack("{s:s}", "type", "image"));
-                else
-                    json_array_append_new(parts, json_pack("{s:s,s:s%}", "type", "text", "text", p->text, p->text_len));
-            }
-            json_object_set_new(c, "content", parts);
-        }
-        json_array_append_new(msgs, c);
-    }
-    json_t *kw = json_object_get(o->root, "chat_template_kwargs");
-    json_t *ctx = prism_template_chat_context(msgs, json_object_get(o->root, "tools"), o->add_generation_prompt,
-                                              r->bos_token, r->eos_token, json_is_object(kw) ? kw : NULL);
-    json_decref(msgs);
-    return ctx;
-}
-
-/* Decodes every image part's data URL and checks its header against the limits. Returns an HTTP
- * status (0 = ok) and fills msg. */
-static int load_images(router_t *r, router_req_t *q, char *msg, size_t n)
-{
-    for (int i = 0; i < q->oai.n_messages; i++) {
-        const prism_oai_message_t *m = &q->oai.messages[i];
-        for (int k = 0; k < m->n_parts; k++) {
-            const prism_oai_part_t *p = &m->parts[k];
-            if (p->kind != PRISM_OAI_PART_IMAGE) continue;
-            int idx = q->n_images;
-            const char *mime, *b64;
-            size_t mime_len, b64_len;
-            if (prism_data_url_parse(p->image_url, p->image_url_len, &mime, &mime_len, &b64, &b64_len) != PRISM_OK) {
-                snprintf(msg, n, "Image %d: only base64 data URLs (data:image/jpeg;base64,... or data:image/png;base64,...) "
-                         "are accepted; remote and file URLs are disabled.", idx);
-                return 400;
-            }
-            if (!prism_data_url_mime_is_image(mime, mime_len)) {
-                snprintf(msg, n, "Image %d: unsupported media type '%.*s'; use image/jpeg or image/png.", idx,
-                         (int)PRISM_MIN(mime_len, (size_t)64), mime);
-                return 400;
-            }
-            size_t cap = prism_base64_decoded_max(b64_len), len = 0;
-            uint8_t *buf = prism_malloc(cap ? cap : 1);
-            if (!buf) return 503;
-            q->img[idx] = buf;
-            q->n_images++;
-            if (prism_base64_decode(b64, b64_len, buf, cap, &len) != PRISM_OK) {
-                snprintf(msg, n, "Image %d: invalid base64 data.", idx);
-                return 400;
-            }
-            q->img_len[idx] = len;
-            prism_image_info_t info;
-            if (prism_image_probe(buf, len, &info) != PRISM_OK) {
-                snprintf(msg, n, "Image %d: the data is not a valid JPEG or PNG image.", idx);
-                return 400;
-            }
-            if ((uint64_t)info.width * (uint64_t)info.height > r->max_image_pixels) {
-                r->metrics.refused_limit[PRISM_REFUSE_IMAGE_TOO_LARGE]++;
-                snprintf(msg, n, "Image %d is %dx%d pixels; the limit is %llu pixels per image.", idx, info.width,
-                         info.height, (unsigned long long)r->max_image_pixels);
-                return 400;
-            }
-            q->img_hash[idx] = XXH3_64bits(buf, len);
-            q->image_bytes += len;
-        }
-    }
-    return 0;
-}
-
-/* After images are decoded and the prompt is built, the HTTP body and the base64 strings in the
- * parsed JSON are dead weight (the largest part of an image request): free them now instead of at
- * request end, so a request in flight holds only its decoded image bytes. */
-static void release_request_bytes(router_req_t *q)
-{
-    prism_http_req_drop_body(q->h);
-    for (int i = 0; i < q->oai.n_messages; i++) {
-        prism_oai_message_t *m = &q->oai.messages[i];
-        json_t *content = json_object_get(m->raw, "content");
-        size_t k;
-        json_t *part;
-        json_array_foreach(content, k, part) {
-            if (json_object_get(part, "image_url")) json_object_set_new(part, "image_url", json_null());
-        }
-        for (int p = 0; p < m->n_parts; p++)
-            if (m->parts[p].kind == PRISM_OAI_PART_IMAGE) {
-                m->parts[p].image_url = NULL;
-                m->parts[p].image_url_len = 0;
-            }
-    }
-}
-
-/* Renders + tokenizes (chat) or tokenizes (completions); expands image placeholders. */
-static int build_prompt(router_t *r, router_req_t *q, char *msg, size_t n)
-{
-    int rc;
-    if (q->chat) {
-        json_t *ctx = template_context(r, &q->oai);
-        prism_buf_t text = {0};
-        char err[256] = "";
-        rc = ctx ? prism_template_render(r->tmpl, ctx, &text, err, sizeof(err)) : PRISM_EINVAL;
-        json_decref(ctx);
-        if (rc != PRISM_OK) {
-            prism_buf_free(&text);
-            snprintf(msg, n, "Chat template error: %s", err[0] ? err : prism_strerror(rc));
-            return 400;
-        }
-        /* Add BOS unless the template already wrote it (HF processors add special tokens). */
-        bool has_bos = r->bos_token && *r->bos_token && text.data &&
-                       !strncmp(text.data, r->bos_token, strlen(r->bos_token));
-        rc = prism_tokenizer_encode(r->tok, text.data ? text.data : "", text.len, !has_bos, &q->prompt, &q->n_prompt,
-                                    &q->prompt_cap);
-        prism_buf_free(&text);
-    } else if (q->oai.prompt_token_ids) {
-        q->prompt = prism_malloc(sizeof(int32_t) * (size_t)PRISM_MAX(q->oai.n_prompt_token_ids, 1));
-        if (!q->prompt) return 503;
-        for (int i = 0; i < q->oai.n_prompt_token_ids; i++) {
-            if (q->oai.prompt_token_ids[i] < 0 || q->oai.prompt_token_ids[i] >= r->cfg.vocab) {
-                snprintf(msg, n, "Token id %d is out of vocabulary.", q->oai.prompt_token_ids[i]);
-                return 400;
-            }
-            q->prompt[i] = q->oai.prompt_token_ids[i];
-        }
-        q->n_prompt = (size_t)q->oai.n_prompt_token_ids;
-        rc = PRISM_OK;
-    } else {
-        rc = prism_tokenizer_encode(r->tok, q->oai.prompt ? q->oai.prompt : "", q->oai.prompt_len, true, &q->prompt,
-                                    &q->n_prompt, &q->prompt_cap);
-    }
-    if (rc != PRISM_OK) {
-        snprintf(msg, n, "The prompt could not be tokenized: %s", prism_strerror(rc));
-        return 400;
-    }
-    /* Expand each image placeholder to image_seq_length copies. */
-    size_t n_ph = 0;
-    for (size_t i = 0; i < q->n_prompt; i++) n_ph += q->prompt[i] == r->image_token_id;
-    if ((int)n_ph != q->n_images) {
-        snprintf(msg, n, "The prompt has %zu image placeholder(s) but the request has %d image(s).", n_ph, q->n_images);
-        return 400;
-    }
-    if (n_ph) {
-        size_t L = (size_t)r->cfg.image_seq_length, total = q->n_prompt + n_ph * (L - 1);
-        if (total > (size_t)r->max_model_len + 1) total = (size_t)r->max_model_len + 1;  /* caught below */
-        int32_t *x = prism_malloc(sizeof(int32_t) * (q->n_prompt + n_ph * (L - 1)));
-        if (!x) return 503;
-        size_t o = 0;
-        for (size_t i = 0; i < q->n_prompt; i++) {
-            if (q->prompt[i] == r->image_token_id)
-                for (size_t k = 0; k < L; k++) x[o++] = r->image_token_id;
-            else
-                x[o++] = q->prompt[i];
-        }
-        prism_free(q->prompt);
-        q->prompt = x;
-        q->n_prompt = o;
-        q->prompt_cap = o;
-    }
-    if (q->n_prompt == 0) {
-        snprintf(msg, n, "The prompt is empty.");
-        return 400;
-    }
-    if (q->n_prompt >= (size_t)r->max_model_len) {
-        snprintf(msg, n, "Input length (%zu) exceeds model's maximum context length (%d).", q->n_prompt,
-                 r->max_model_len);
-        return 400;
-    }
-    int64_t room = r->max_model_len - (int64_t)q->n_prompt;
-    if (q->oai.max_tokens < 0) {
-        q->max_tokens = (int)room;
-    } else if (q->oai.max_tokens > room) {
-        snprintf(msg, n, "This model's maximum context length is %d tokens. However, you requested %lld tokens "
-                 "(%zu in the messages, %lld in the completion). Please reduce the length of the messages or completion.",
-                 r->max_model_len, (long long)(q->oai.max_tokens + (int64_t)q->n_prompt), q->n_prompt,
-                 (long long)q->oai.max_tokens);
-        return 400;
-    } else {
-        q->max_tokens = (int)q->oai.max_tokens;
-    }
-    return 0;
-}
-
 /* Sends the request to its workers: 0 when sent, DISPATCH_WAIT when every worker of a tier is at
  * capacity (the request stays queued in the router), else an HTTP status with msg. */
 #define DISPATCH_WAIT 1
@@ -652,12 +462,12 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
     router_worker_t *dc = router_pick(r, PRISM__ROLE__ROLE_DECODE, 0, &any_dc);
     router_worker_t *enc[ROUTER_MAX_IMAGES] = {0};
     bool enc_room = true;
-    for (int i = 0; i < q->n_images && enc_room; i++) {
-        enc[i] = router_pick(r, PRISM__ROLE__ROLE_ENCODER, q->img_hash[i], &any_enc);
+    for (int i = 0; i < q->prompt.n_images && enc_room; i++) {
+        enc[i] = router_pick(r, PRISM__ROLE__ROLE_ENCODER, q->prompt.img_hash[i], &any_enc);
         if (enc[i]) enc[i]->inflight++;  /* count now so the next image sees this one */
         else enc_room = false;
     }
-    for (int i = 0; i < q->n_images; i++)
+    for (int i = 0; i < q->prompt.n_images; i++)
         if (enc[i]) enc[i]->inflight--;
     if (!any_pf || !any_dc || !any_enc) {
         r->metrics.refused_limit[PRISM_REFUSE_NO_WORKERS]++;
@@ -668,15 +478,11 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
     if (!pf || !dc || !enc_room) return DISPATCH_WAIT;
     /* Prefill first: it must know the request before embeddings can be used (either order works). */
     Prism__ImageSpan spans[ROUTER_MAX_IMAGES], *span_ptrs[ROUTER_MAX_IMAGES];
-    int s = 0;
-    for (size_t i = 0; i < q->n_prompt && s < q->n_images; i++) {
-        if (q->prompt[i] != r->image_token_id) continue;
+    for (int s = 0; s < q->prompt.n_images; s++) {
         prism__image_span__init(&spans[s]);
-        spans[s].offset = (uint32_t)i;
+        spans[s].offset = q->prompt.img_offset[s];
         spans[s].n_tokens = (uint32_t)r->cfg.image_seq_length;
         span_ptrs[s] = &spans[s];
-        s++;
-        i += (size_t)r->cfg.image_seq_length - 1;
     }
     int32_t stop_ids[PRISM_OAI_MAX_STOP_TOKEN_IDS];
     for (int i = 0; i < q->oai.n_stop_token_ids; i++) stop_ids[i] = (int32_t)q->oai.stop_token_ids[i];
@@ -686,19 +492,18 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
     sp.top_k = (int32_t)q->oai.top_k;
     sp.has_seed = q->oai.has_seed;
     sp.seed = (uint64_t)q->oai.seed;
-    sp.max_tokens = (uint32_t)q->max_tokens;
+    sp.max_tokens = (uint32_t)q->prompt.max_tokens;
     sp.n_stop_token_ids = (size_t)q->oai.n_stop_token_ids;
     sp.stop_token_ids = stop_ids;
     sp.ignore_eos = q->oai.ignore_eos;
     sp.logprobs = q->oai.logprobs ? 1u + (uint32_t)q->oai.top_logprobs : 0u;
     Prism__Prefill p = PRISM__PREFILL__INIT;
-    p.n_token_ids = q->n_prompt;
-    p.token_ids = q->prompt;
-    p.n_images = (size_t)s;
+    p.n_token_ids = q->prompt.n_tokens;
+    p.token_ids = q->prompt.tokens;
+    p.n_images = (size_t)q->prompt.n_images;
     p.images = span_ptrs;
     p.sampling = &sp;
     p.decode_endpoint = dc->data_endpoint;
-    p.decode_id = dc->id;
     Prism__Envelope env = PRISM__ENVELOPE__INIT;
     env.type = PRISM__MSG_TYPE__MSG_PREFILL;
     env.request_id = q->rid;
@@ -712,18 +517,16 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
     q->prefill_pending = q->decode_pending = true;
     pf->inflight++;
     dc->inflight++;
-    for (int i = 0; i < q->n_images; i++) {
+    for (int i = 0; i < q->prompt.n_images; i++) {
         Prism__Encode e = PRISM__ENCODE__INIT;
         e.image_index = (uint32_t)i;
-        e.content_hash = q->img_hash[i];
+        e.content_hash = q->prompt.img_hash[i];
         e.prefill_endpoint = pf->data_endpoint;
-        e.prefill_id = pf->id;
-        e.n_tokens = (uint32_t)r->cfg.image_seq_length;
         Prism__Envelope ee = PRISM__ENVELOPE__INIT;
         ee.type = PRISM__MSG_TYPE__MSG_ENCODE;
         ee.request_id = q->rid;
         ee.encode = &e;
-        prism_frame_t f = {q->img[i], q->img_len[i]};
+        prism_frame_t f = {q->prompt.img[i], q->prompt.img_len[i]};
         if (router_send(r, enc[i], &ee, &f, 1) != PRISM_OK) {
             snprintf(msg, n, "The encoder worker could not be reached; try again shortly.");
             return 503;
@@ -731,9 +534,7 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
         snprintf(q->encoder_id[i], sizeof(q->encoder_id[i]), "%s", enc[i]->id);
         q->encode_pending[i] = true;
         enc[i]->inflight++;
-        router_worker_t *w = enc[i];
-        w->image_hashes[w->n_hashes % (int)PRISM_ARRAY_LEN(w->image_hashes)] = q->img_hash[i];
-        if (w->n_hashes < (int)PRISM_ARRAY_LEN(w->image_hashes)) w->n_hashes++;
+        router_worker_note_image(enc[i], q->prompt.img_hash[i]);
     }
     q->stage = STAGE_SENT;
     return 0;
@@ -781,7 +582,6 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
     q->chat = chat;
     q->t_start = prism_now_s();
     q->rid = ++r->next_rid;
-    prism_detok_init(&q->detok, r->tok, true);
     prism_oai_logprobs_init(&q->lp, chat);
     char msg[600] = "";
     int status = 0;
@@ -798,10 +598,7 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
         req_destroy(q);
         return;
     }
-    if (!q->oai.skip_special_tokens) {
-        prism_detok_free(&q->detok);
-        prism_detok_init(&q->detok, r->tok, false);
-    }
+    prism_detok_init(&q->detok, r->tok, q->oai.skip_special_tokens);   /* zeroed until here: free is a no-op */
     if (q->oai.model && strcmp(q->oai.model, r->served_model_name) != 0) {
         snprintf(msg, sizeof(msg), "The model `%s` does not exist.", q->oai.model);
         status = 404;
@@ -814,15 +611,16 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
         status = 429;
         goto fail;
     }
-    if (chat && (status = load_images(r, q, msg, sizeof(msg))) != 0) goto fail;
-    if (q->image_bytes && r->image_bytes_inflight + q->image_bytes > r->max_image_bytes_inflight) {
+    if (chat && (status = router_prompt_load_images(r, &q->prompt, &q->oai, msg, sizeof(msg))) != 0) goto fail;
+    if (q->prompt.image_bytes && r->image_bytes_inflight + q->prompt.image_bytes > r->max_image_bytes_inflight) {
         r->metrics.refused_limit[PRISM_REFUSE_IMAGE_BYTES_INFLIGHT]++;
         snprintf(msg, sizeof(msg), "Too many image bytes in flight; retry after a short wait.");
         status = 429;
         goto fail;
     }
-    if ((status = build_prompt(r, q, msg, sizeof(msg))) != 0) goto fail;
-    release_request_bytes(q);
+    if ((status = router_prompt_build(r, &q->prompt, &q->oai, chat, msg, sizeof(msg))) != 0) goto fail;
+    prism_http_req_drop_body(q->h);
+    router_prompt_release_inputs(&q->oai);
     if (prism_oai_resp_meta_init(&q->meta, chat, r->served_model_name) != PRISM_OK) {
         status = 503;
         snprintf(msg, sizeof(msg), "out of memory");
@@ -834,11 +632,12 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
         status = 429;
         goto fail;
     }
-    r->image_bytes_inflight += q->image_bytes;
+    r->image_bytes_inflight += q->prompt.image_bytes;
     q->bytes_counted = true;
     /* Behind older queued requests, or no worker has room: wait in the router's queue. */
     status = r->queue_len ? DISPATCH_WAIT : dispatch(r, q, msg, sizeof(msg));
     if (status == DISPATCH_WAIT && !queue_push(r, q->rid)) {
+        r->metrics.refused_limit[PRISM_REFUSE_QUEUE_FULL]++;
         status = 429;
         snprintf(msg, sizeof(msg), "The server is at capacity; retry after a short wait.");
     }
@@ -848,8 +647,8 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
     }
     prism_http_req_set_user(h, q);
     prism_http_req_on_abort(h, on_client_gone, q);
-    PRISM_DEBUG("request %llu: %zu prompt tokens, %d images, max_tokens %d", (unsigned long long)q->rid, q->n_prompt,
-                q->n_images, q->max_tokens);
+    PRISM_DEBUG("request %llu: %zu prompt tokens, %d images, max_tokens %d", (unsigned long long)q->rid, q->prompt.n_tokens,
+                q->prompt.n_images, q->prompt.max_tokens);
     return;
 
 fail:

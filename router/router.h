@@ -1,7 +1,10 @@
 /* router: shared state of the router process (one libuv loop thread owns all of it).
  *
- *   workers.c   control socket (ZeroMQ ROUTER polled from libuv), registry, heartbeats, dispatch
- *   requests.c  life of one generation request: validation, images, template, tokens, streaming
+ *   control.c   control socket (ZeroMQ ROUTER polled from libuv): registrations, heartbeats and
+ *               results in, work out, silent workers dropped — the loop that calls up
+ *   workers.c   worker registry (a leaf: capacity, load, picking a worker; no sockets)
+ *   prompt.c    what a request sends to workers: images, chat template, tokens, image spans
+ *   requests.c  life of one generation request: admission, dispatch, streaming, completion
  *   api.c       HTTP endpoints and metrics
  *   main.c      flags and start-up
  */
@@ -14,6 +17,7 @@
 #include "tokenizer/tokenizer.h"
 #include "template/template.h"
 #include "http_server.h"
+#include "openai_req.h"
 #include "metrics/metrics.h"
 
 #include <jansson.h>
@@ -21,6 +25,7 @@
 
 #define ROUTER_MAX_WORKERS 256
 #define ROUTER_MAX_IMAGES 64
+#define ROUTER_MAX_WORKER_MSG (4 << 20)  /* largest frame a worker may send up (tokens with logprobs) */
 
 typedef struct {
     bool used;
@@ -32,7 +37,8 @@ typedef struct {
     uint64_t mem_budget, mem_planned;
     /* load from heartbeats */
     uint32_t running, waiting, kv_free_blocks, pool_free;
-    uint64_t mem_used, mem_peak, cache_hits, cache_misses, alloc_count;
+    uint64_t mem_used, mem_peak, cache_hits, cache_misses, alloc_count, peer_auth_failures;
+    uint64_t heartbeats;          /* received since registration: lets a reader wait for fresh numbers */
     double last_seen;
     /* our own view: requests we sent that have not finished on this worker */
     int inflight;
@@ -47,6 +53,8 @@ typedef struct {
     const char *model_path;
     const char *served_model_name;
     const char *api_key;
+    bool metrics_open;          /* /metrics without the API key */
+    size_t max_stream_pending;  /* bytes queued for a streaming client that stopped reading; beyond: dropped */
     int max_model_len;
     int max_images_per_prompt;
     uint64_t max_image_pixels;
@@ -67,7 +75,7 @@ typedef struct {
     /* event loop and sockets */
     uv_loop_t *loop;
     prism_http_server_t *http;
-    void *zctx;
+    prism_net_t *net;           /* ZeroMQ context, CURVE keys, ZAP handler */
     void *ctl;                  /* ROUTER socket workers connect to */
     char router_id[160];
     uv_poll_t ctl_poll;
@@ -91,16 +99,53 @@ typedef struct {
     prism_router_metrics_t metrics;
 } router_t;
 
-/* workers.c */
+/* control.c */
 int  router_ctl_start(router_t *r, const char *endpoint);
 void router_ctl_stop(router_t *r);
+int  router_send(router_t *r, router_worker_t *w, Prism__Envelope *env, const prism_frame_t *frames, int n);
+
+/* workers.c (registry) */
+/* Adds or refreshes a worker from its registration; PRISM_EINVAL / PRISM_ELIMIT with why set when
+ * it is refused. */
+int  router_worker_register(router_t *r, const char *id, const Prism__Register *g, char *why, size_t why_len);
+/* Records a heartbeat's load (hb may be NULL); false when the worker is not registered. */
+bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat *hb);
+void router_worker_drop(router_worker_t *w);
+/* Remembers that an image with this content hash went to w (its embedding cache may hold it). */
+void router_worker_note_image(router_worker_t *w, uint64_t hash);
 /* Least-loaded worker of a role with a free slot (inflight < its registered capacity); NULL when
  * none has room. *any is set when at least one worker of the role is registered. */
 router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash, bool *any);
 router_worker_t *router_worker_by_id(router_t *r, const char *id);
-int  router_send(router_t *r, router_worker_t *w, Prism__Envelope *env, const prism_frame_t *frames, int n);
 bool router_ready(const router_t *r, bool need_encoder);
 int  router_count_workers(const router_t *r, Prism__Role role);
+
+/* prompt.c: what a generation request sends to its workers. Owned by the request; freed with
+ * router_prompt_free. */
+typedef struct {
+    int n_images;
+    uint8_t *img[ROUTER_MAX_IMAGES];        /* decoded file bytes (the router never decodes pixels) */
+    size_t img_len[ROUTER_MAX_IMAGES];
+    uint64_t img_hash[ROUTER_MAX_IMAGES];
+    uint32_t img_offset[ROUTER_MAX_IMAGES]; /* first token of each image's span, found while expanding */
+    size_t image_bytes;
+    int32_t *tokens;                        /* prompt, each image placeholder expanded to image_seq_length */
+    size_t n_tokens, cap;
+    int max_tokens;                         /* max_tokens, or what the context leaves when unset */
+} router_prompt_t;
+
+/* Decodes every image part's data URL and checks its header against the limits. These return
+ * 0 or an HTTP status with msg filled. */
+int  router_prompt_load_images(router_t *r, router_prompt_t *p, const prism_oai_request_t *o, char *msg, size_t n);
+/* Renders + tokenizes (chat) or tokenizes (completions), expands image placeholders, checks the
+ * length against the context. */
+int  router_prompt_build(router_t *r, router_prompt_t *p, const prism_oai_request_t *o, bool chat, char *msg,
+                         size_t n);
+/* Once images are decoded and the prompt built, the base64 strings in the parsed JSON are dead
+ * weight (the largest part of an image request): drops them so a request in flight holds only
+ * its image bytes (with the HTTP body, which the caller drops). */
+void router_prompt_release_inputs(prism_oai_request_t *o);
+void router_prompt_free(router_prompt_t *p);
 
 /* requests.c */
 void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat);
@@ -118,5 +163,7 @@ void router_req_del(router_t *r, uint64_t rid);
 
 /* api.c */
 void router_on_http(prism_http_req_t *h, void *ud);
+/* http_server on_headers hook: the API key, checked before any body byte is read. */
+int  router_on_headers(const prism_http_req_t *h, void *ud, char *msg, size_t n);
 
 #endif

@@ -1,57 +1,90 @@
-/* Backend dispatch, dtype conversion and activation-name parsing shared by every backend. */
+/* Backend dispatch: prism_backend_create() by device name.
+ *
+ * The CPU backend is linked in. The CUDA backend is a shared module (libprism_backend_cuda.so,
+ * ggml-style) opened with dlopen the first time "cuda" is asked for or probed, so a process that
+ * runs on the CPU never maps cudart or cuBLAS — about 150 MiB resident per process that its
+ * memory plan would otherwise have to count. The module is looked for in $PRISM_BACKEND_DIR,
+ * next to the executable, in ../lib beside it, in the build's lib/ folder, then on the normal
+ * library path. Processes export their symbols (-rdynamic) so the module shares their
+ * allocator counters and log settings. */
 #include "backend/backend.h"
+#include "backend/cuda/cuda_backend.h"
 
-#include <math.h>
+#include <dlfcn.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
-#ifdef PRISM_WITH_CUDA
-prism_backend_t *prism_backend_cuda_create(int device, size_t pool_bytes, int *status);
-bool prism_cuda_available(void);
+#define CUDA_MODULE "libprism_backend_cuda.so"
+
+static struct {
+    pthread_once_t once;
+    void *handle;
+    __typeof__(&prism_backend_cuda_create) create;
+    __typeof__(&prism_cuda_available) available;
+    char error[512];          /* why the module could not be opened (the last candidate's dlerror) */
+} g_cuda = {.once = PTHREAD_ONCE_INIT};
+
+static bool cuda_try(const char *dir)
+{
+    char path[PATH_MAX];
+    if (dir && (!*dir || snprintf(path, sizeof path, "%s/%s", dir, CUDA_MODULE) >= (int)sizeof path)) return false;
+    void *h = dlopen(dir ? path : CUDA_MODULE, RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        const char *e = dlerror();
+        /* "cannot open shared object file" is the usual miss; anything else (a missing libcudart,
+         * a bad build) is worth reporting over it. */
+        if (e && (!g_cuda.error[0] || !strstr(e, "No such file")))
+            snprintf(g_cuda.error, sizeof g_cuda.error, "%s", e);
+        return false;
+    }
+    g_cuda.create = (__typeof__(g_cuda.create))dlsym(h, "prism_backend_cuda_create");
+    g_cuda.available = (__typeof__(g_cuda.available))dlsym(h, "prism_cuda_available");
+    if (!g_cuda.create || !g_cuda.available) {
+        snprintf(g_cuda.error, sizeof g_cuda.error, "%.400s: missing entry points", dir ? path : CUDA_MODULE);
+        dlclose(h);
+        g_cuda.create = NULL;
+        g_cuda.available = NULL;
+        return false;
+    }
+    g_cuda.handle = h;
+    PRISM_DEBUG("backend: CUDA module %s", dir ? path : CUDA_MODULE);
+    return true;
+}
+
+static void cuda_load(void)
+{
+    if (cuda_try(getenv("PRISM_BACKEND_DIR"))) return;
+    char exe[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 8);
+    if (n > 0) {
+        exe[n] = 0;
+        char *slash = strrchr(exe, '/');
+        if (slash) {
+            *slash = 0;
+            if (cuda_try(exe)) return;
+            strcat(exe, "/../lib");
+            if (cuda_try(exe)) return;
+        }
+    }
+#ifdef PRISM_BACKEND_BUILD_DIR
+    if (cuda_try(PRISM_BACKEND_BUILD_DIR)) return;
 #endif
-
-size_t prism_dtype_size(prism_dtype_t t)
-{
-    switch (t) {
-    case PRISM_DTYPE_F32: return 4;
-    case PRISM_DTYPE_BF16: return 2;
-    case PRISM_DTYPE_F16: return 2;
-    }
-    return 0;
+    cuda_try(NULL);
 }
 
-const char *prism_dtype_name(prism_dtype_t t)
+static bool cuda_module(void)
 {
-    switch (t) {
-    case PRISM_DTYPE_F32: return "f32";
-    case PRISM_DTYPE_BF16: return "bf16";
-    case PRISM_DTYPE_F16: return "f16";
-    }
-    return "?";
-}
-
-int prism_act_parse(const char *s)
-{
-    static const struct { const char *name; int act; } names[] = {
-        {"silu", PRISM_ACT_SILU}, {"swish", PRISM_ACT_SILU},
-        {"gelu", PRISM_ACT_GELU_ERF}, {"gelu_python", PRISM_ACT_GELU_ERF},
-        {"gelu_new", PRISM_ACT_GELU_TANH}, {"gelu_pytorch_tanh", PRISM_ACT_GELU_TANH},
-        {"gelu_fast", PRISM_ACT_GELU_TANH},
-        {"quick_gelu", PRISM_ACT_QUICK_GELU}, {"relu", PRISM_ACT_RELU},
-    };
-    if (!s) return -1;
-    for (size_t i = 0; i < PRISM_ARRAY_LEN(names); i++)
-        if (strcmp(s, names[i].name) == 0) return names[i].act;
-    return -1;
+    pthread_once(&g_cuda.once, cuda_load);
+    return g_cuda.handle != NULL;
 }
 
 bool prism_backend_has_cuda(void)
 {
-#ifdef PRISM_WITH_CUDA
-    return prism_cuda_available();  /* built with CUDA and a device is present */
-#else
-    return false;
-#endif
+    return cuda_module() && g_cuda.available();  /* the module loads and a device is present */
 }
 
 int prism_backend_create(const char *device, int n_threads, size_t pool_bytes, prism_backend_t **out)
@@ -62,15 +95,15 @@ int prism_backend_create(const char *device, int n_threads, size_t pool_bytes, p
         return *out ? PRISM_OK : PRISM_ENOMEM;
     }
     if (strncmp(device, "cuda", 4) == 0 && (device[4] == '\0' || device[4] == ':')) {
-#ifdef PRISM_WITH_CUDA
+        if (!cuda_module()) {
+            PRISM_WARN("backend: '%s' requested but the CUDA backend module (%s) cannot be loaded: %s", device,
+                       CUDA_MODULE, g_cuda.error[0] ? g_cuda.error : "not found");
+            return PRISM_ENOTSUP;
+        }
         int dev = device[4] == ':' ? atoi(device + 5) : 0;
         int status = PRISM_OK;
-        *out = prism_backend_cuda_create(dev, pool_bytes, &status);
+        *out = g_cuda.create(dev, pool_bytes, &status);
         return *out ? PRISM_OK : (status ? status : PRISM_ENOTSUP);
-#else
-        PRISM_WARN("backend: '%s' requested but this build has no CUDA backend", device);
-        return PRISM_ENOTSUP;
-#endif
     }
     return PRISM_EINVAL;
 }
@@ -80,69 +113,4 @@ void prism_backend_destroy(prism_backend_t *be)
     if (!be) return;
     be->i.destroy(be->ctx);
     prism_free(be);
-}
-
-/* ---- half-precision conversion (host) ---- */
-
-float prism_bf16_to_f32(uint16_t h)
-{
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-uint16_t prism_f32_to_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
-}
-
-float prism_f16_to_f32(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
-    if (exp == 0) {
-        if (man == 0) {
-            u = sign;
-        } else {  /* subnormal: renormalise */
-            int e = -1;
-            do { e++; man <<= 1; } while (!(man & 0x400));
-            u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        u = sign | 0x7f800000u | (man << 13);
-    } else {
-        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-uint16_t prism_f32_to_f16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    uint32_t sign = (u >> 16) & 0x8000;
-    int32_t exp = (int32_t)((u >> 23) & 0xff) - 127 + 15;
-    uint32_t man = u & 0x7fffff;
-    if (((u >> 23) & 0xff) == 0xff) return (uint16_t)(sign | 0x7c00 | (man ? 0x200 : 0));
-    if (exp >= 31) return (uint16_t)(sign | 0x7c00);
-    if (exp <= 0) {
-        if (exp < -10) return (uint16_t)sign;
-        man |= 0x800000;
-        uint32_t shift = (uint32_t)(14 - exp);
-        uint32_t half = man >> shift;
-        uint32_t rem = man & ((1u << shift) - 1), mid = 1u << (shift - 1);
-        if (rem > mid || (rem == mid && (half & 1))) half++;
-        return (uint16_t)(sign | half);
-    }
-    uint32_t half = sign | ((uint32_t)exp << 10) | (man >> 13);
-    uint32_t rem = man & 0x1fff;
-    if (rem > 0x1000 || (rem == 0x1000 && (half & 1))) half++;
-    return (uint16_t)half;
 }

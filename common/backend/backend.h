@@ -7,11 +7,11 @@
  *
  *   prism_backend_t *be = NULL;
  *   int rc = prism_backend_create("cpu", 4, 1 << 30, &be);      // device, threads, pool bytes
- *   float *x = prism_backend_alloc(be, n * sizeof(float));       // device memory from the pool
+ *   float *x = prism_backend_buf_alloc(be, n * sizeof(float));       // device memory from the pool
  *   be->i.upload(be->ctx, x, host, n * sizeof(float));
  *   be->i.rmsnorm(be->ctx, y, x, w, rows, dim, 1e-5f);
  *   be->i.download(be->ctx, host, y, n * sizeof(float));
- *   prism_backend_free(be, x);
+ *   prism_backend_buf_free(be, x);
  *   prism_backend_destroy(be);
  *
  * Conventions for every op:
@@ -33,34 +33,16 @@
 #define PRISM_BACKEND_H
 
 #include "core/core.h"
-
-typedef enum {
-    PRISM_DTYPE_F32  = 0,
-    PRISM_DTYPE_BF16 = 1,
-    PRISM_DTYPE_F16  = 2,
-} prism_dtype_t;
-
-size_t prism_dtype_size(prism_dtype_t t);
-const char *prism_dtype_name(prism_dtype_t t);
-
-/* Elementwise activations. */
-typedef enum {
-    PRISM_ACT_NONE       = 0,
-    PRISM_ACT_SILU       = 1,
-    PRISM_ACT_GELU_ERF   = 2,  /* HF "gelu" */
-    PRISM_ACT_GELU_TANH  = 3,  /* HF "gelu_new" / "gelu_pytorch_tanh" */
-    PRISM_ACT_QUICK_GELU = 4,  /* x * sigmoid(1.702 x) */
-    PRISM_ACT_RELU       = 5,
-} prism_act_t;
-
-/* Parses an HF hidden_act string ("gelu", "quick_gelu", "silu", ...); -1 when unknown. */
-int prism_act_parse(const char *s);
+#include "backend/dtype.h"
 
 /* RoPE pairing. */
 typedef enum {
     PRISM_ROPE_NEOX       = 0,  /* rotate_half: (x[i], x[i+D/2]) — Llama/Qwen in HF layout */
     PRISM_ROPE_INTERLEAVE = 1,  /* (x[2i], x[2i+1]) — Llama-4 */
 } prism_rope_mode_t;
+
+/* Most experts a token may be routed to (moe_route's top_k). */
+#define PRISM_MOE_MAX_TOPK 8
 
 /* Describes where each new token's sequence sits in the paged KV cache, for attention over a
  * flattened batch of sequences. All arrays are DEVICE int32 arrays. */
@@ -168,6 +150,43 @@ typedef struct prism_backend_i {
                       const float *v, int ldv, int n_seqs, int seq_len, int n_heads, int n_kv_heads,
                       int head_dim, float scale, bool causal);
 
+    /* ---- Llama-4 ops (optional: NULL means the backend cannot run Llama-4; the model refuses to
+     * load then) ----
+     * head_rmsnorm: in place over n_tokens rows of stride ld, each holding n_heads heads of
+     *   head_dim: x = x * rsqrt(mean(x^2) + eps), times w[head_dim] when w != NULL (fp32).
+     *   Llama-4's QK norm is the w == NULL case.
+     * scale_rows: x[r][0..dim) *= s[r] for n_rows rows of stride ld; s is a DEVICE float[n_rows]
+     *   (per-position attention temperature of q, router scores on expert inputs). */
+    int (*head_rmsnorm)(void *ctx, float *x, int ld, int n_tokens, int n_heads, int head_dim, const float *w,
+                        float eps);
+    int (*scale_rows)(void *ctx, float *x, int ld, int n_rows, int dim, const float *s);
+    /* moe_route: router logits [n_tokens][n_experts] -> the top_k experts of each token (largest
+     *   logits; equal logits: lower expert first), each scored sigmoid(logit) (HF Llama4Router).
+     *   Writes, all DEVICE arrays: choice[n_tokens*top_k] (scratch: expert of choice i of token t
+     *   at t*top_k+i); the routed rows grouped by expert, ascending token within a group:
+     *   order[n_tokens*top_k] (token of each row), weight[n_tokens*top_k] (its score),
+     *   offsets[n_experts+1] (group boundaries, offsets[n_experts] = n_tokens*top_k), and
+     *   slot[n_tokens*top_k] (row of choice i of token t). No host round trip: the grouped
+     *   matmul reads offsets on the device. */
+    int (*moe_route)(void *ctx, const float *logits, int n_tokens, int n_experts, int top_k, int32_t *choice,
+                     int32_t *order, float *weight, int32_t *offsets, int32_t *slot);
+    /* matmul_grouped: for each group e < n_groups, rows r in [offsets[e], offsets[e+1]):
+     *   y[r][N] (row stride ldy) = x[r][K] (row stride ldx) · W_e, W_e = w + e*K*N elements in
+     *   HF's expert layout [K][N] (x @ W, not x @ Wᵀ), dtype wdt. offsets is a DEVICE int32
+     *   [n_groups+1] with offsets[0] = 0 and offsets[n_groups] = M: one GEMM per group, sizes
+     *   read on the device. */
+    int (*matmul_grouped)(void *ctx, float *y, int ldy, const float *x, int ldx, const void *w, prism_dtype_t wdt,
+                          const int32_t *offsets, int n_groups, int M, int N, int K);
+    /* moe_combine: y[t][0..dim) (row stride ldy) += sum over i < top_k of src[slot[t*top_k+i]]
+     *   (src rows contiguous, dim wide), in i order; slot DEVICE int32. */
+    int (*moe_combine)(void *ctx, float *y, int ldy, const float *src, const int32_t *slot, int n_tokens,
+                       int top_k, int dim);
+    /* pixel_shuffle: x [n_img][rows_per_img][C] whose first g*g rows per image are a g x g patch
+     *   grid (row-major; further rows, e.g. a CLS, are skipped) -> out [n_img][(g/s)^2][s*s*C]:
+     *   out[i][h2*(g/s)+w2][(dh*s+dw)*C + c] = x[i][(s*h2+dh)*g + s*w2+dw][c]
+     *   (transformers' pixel_shuffle with ratio 1/s). */
+    int (*pixel_shuffle)(void *ctx, float *out, const float *x, int n_img, int rows_per_img, int g, int C, int s);
+
     /* ---- KV block transfer ----
      * Copies n whole blocks (block_bytes each, contiguous at base + id*block_bytes) to/from host
      * memory: dst_host + i*host_stride <- block ids[i]. ids are HOST int32 here (transfer
@@ -180,6 +199,12 @@ typedef struct prism_backend_i {
     /* ---- sampling helpers ----
      * argmax over rows: out_host[r] = argmax(logits[r][vocab]) (first max on ties). Optional. */
     int (*argmax)(void *ctx, int32_t *out_host, const float *logits, int n_rows, int vocab);
+
+    /* ---- random init (--random-weights) ----
+     * fill_random: dst[i] = std * prism_random_normalish(seed, i) (dtype.h) for i < n, stored as dt.
+     * Optional: when NULL the loader computes the same values on the host and uploads them; a
+     * device fills an 8B-parameter model in milliseconds instead of a minute of host work. */
+    int (*fill_random)(void *ctx, void *dst, prism_dtype_t dt, size_t n, uint64_t seed, float std);
 
     void (*destroy)(void *ctx);
 } prism_backend_i;
@@ -206,14 +231,8 @@ int  prism_backend_create(const char *device, int n_threads, size_t pool_bytes, 
 void prism_backend_destroy(prism_backend_t *be);
 bool prism_backend_has_cuda(void);
 
-/* Thin wrappers. */
-static inline void *prism_backend_alloc(prism_backend_t *be, size_t bytes) { return be->i.alloc(be->ctx, bytes); }
-static inline void  prism_backend_free(prism_backend_t *be, void *p) { if (p) be->i.free(be->ctx, p); }
-
-/* bf16/f16 <-> f32 on the host (loader and tests). */
-float    prism_bf16_to_f32(uint16_t h);
-uint16_t prism_f32_to_bf16(float f);   /* round to nearest even */
-float    prism_f16_to_f32(uint16_t h);
-uint16_t prism_f32_to_f16(float f);
+/* A buffer from / back to the backend's pool (the backend itself: create / destroy). */
+static inline void *prism_backend_buf_alloc(prism_backend_t *be, size_t bytes) { return be->i.alloc(be->ctx, bytes); }
+static inline void  prism_backend_buf_free(prism_backend_t *be, void *p) { if (p) be->i.free(be->ctx, p); }
 
 #endif

@@ -1,10 +1,15 @@
-/* safetensors reader: mmap + strict header validation (jansson). */
+/* safetensors reader: mmap + strict header validation (jansson).
+ *
+ * Built without jansson (PRISM_HAVE_JANSSON undefined: tools/gpu on GPU machines that lack it)
+ * the reader opens nothing and says why; the model's --random-weights path reads no checkpoint. */
 #include "model/safetensors.h"
 #include "backend/backend.h"
 
 #include <errno.h>
 #include <fcntl.h>
+#ifdef PRISM_HAVE_JANSSON
 #include <jansson.h>
+#endif
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,6 +52,7 @@ static int cmp_tensor_name(const void *a, const void *b)
 
 typedef struct { uint64_t begin, end; } span_t;
 
+#ifdef PRISM_HAVE_JANSSON
 static int cmp_span(const void *a, const void *b)
 {
     const span_t *x = a, *y = b;
@@ -174,7 +180,7 @@ static int parse_image(prism_st_t *st, const uint8_t *buf, size_t len, const cha
         st->tensors[st->n++] = t;
         spans[n_spans++] = (span_t){b, e};
     }
-    qsort(spans, (size_t)n_spans, sizeof *spans, cmp_span);
+    if (n_spans > 1) qsort(spans, (size_t)n_spans, sizeof *spans, cmp_span);  /* qsort(NULL, 0) is undefined */
     for (int i = 1; i < n_spans; i++)
         if (spans[i].begin < spans[i - 1].end) {
             ERR("%s: tensor data ranges overlap", what);
@@ -186,10 +192,17 @@ fail:
     json_decref(root);
     return rc;
 }
+#else
+static int parse_image(prism_st_t *st, const uint8_t *buf, size_t len, const char *what, char *err, size_t errlen)
+{
+    ERR("%s: this build has no JSON parser (jansson), so it reads no checkpoints", what);
+    return PRISM_ENOTSUP;
+}
+#endif
 
 static int finish(prism_st_t *st, char *err, size_t errlen)
 {
-    qsort(st->tensors, (size_t)st->n, sizeof *st->tensors, cmp_tensor_name);
+    if (st->n > 1) qsort(st->tensors, (size_t)st->n, sizeof *st->tensors, cmp_tensor_name);  /* "{}": no table */
     for (int i = 1; i < st->n; i++)
         if (strcmp(st->tensors[i].name, st->tensors[i - 1].name) == 0) {
             ERR("tensor '%s' appears twice", st->tensors[i].name);
@@ -260,14 +273,7 @@ int prism_st_open_memory(const void *buf, size_t len, prism_st_t **out, char *er
     return PRISM_OK;
 }
 
-static bool shard_name_ok(const char *s)
-{
-    size_t n = strlen(s);
-    if (n == 0 || n > 255 || s[0] == '.') return false;
-    for (size_t i = 0; i < n; i++)
-        if (s[i] == '/' || s[i] == '\\') return false;
-    return true;
-}
+static int open_index(const char *dir, const char *path, prism_st_t **out, char *err, size_t errlen);
 
 int prism_st_open_dir(const char *dir, prism_st_t **out, char *err, size_t errlen)
 {
@@ -278,8 +284,23 @@ int prism_st_open_dir(const char *dir, prism_st_t **out, char *err, size_t errle
         return PRISM_ELIMIT;
     }
     if (prism_file_exists(path)) return prism_st_open(path, out, err, errlen);
-
     if (prism_path_join(path, sizeof path, dir, "model.safetensors.index.json") != PRISM_OK) return PRISM_ELIMIT;
+    return open_index(dir, path, out, err, errlen);
+}
+
+#ifdef PRISM_HAVE_JANSSON
+static bool shard_name_ok(const char *s)
+{
+    size_t n = strlen(s);
+    if (n == 0 || n > 255 || s[0] == '.') return false;
+    for (size_t i = 0; i < n; i++)
+        if (s[i] == '/' || s[i] == '\\') return false;
+    return true;
+}
+
+/* A sharded checkpoint: model.safetensors.index.json's weight_map names the shard files. */
+static int open_index(const char *dir, const char *path, prism_st_t **out, char *err, size_t errlen)
+{
     char *text = NULL;
     size_t tlen = 0;
     json_t *root = NULL;
@@ -342,6 +363,13 @@ fail:
     prism_free(text);
     return rc;
 }
+#else
+static int open_index(const char *dir, const char *path, prism_st_t **out, char *err, size_t errlen)
+{
+    ERR("%s: this build has no JSON parser (jansson), so it reads no checkpoints", path);
+    return PRISM_ENOTSUP;
+}
+#endif
 
 void prism_st_close(prism_st_t *st)
 {

@@ -20,32 +20,29 @@ static uint64_t name_hash(const char *s, uint64_t seed)
     return h;
 }
 
-/* Random weights: norms 1, biases 0, everything else N(0, 0.02) from a per-tensor stream, so a
- * tensor's values do not depend on load order. */
+/* Random weights: norms 1, biases 0, everything else std 0.02 from a per-tensor counter-based
+ * stream (prism_random_normalish keyed by the tensor's name), so a tensor's values depend neither
+ * on load order nor on the backend: a device with fill_random makes them in place, any other
+ * backend gets the same values computed here. */
 static int fill_random(prism_wload_t *w, void *dst, prism_dtype_t dt, const char *name, int64_t numel)
 {
     if (!w->base) return PRISM_OK;
     size_t len = strlen(name), esz = prism_dtype_size(dt);
     bool bias = len >= 4 && !strcmp(name + len - 4, "bias");
     bool norm = !bias && (strstr(name, "norm") || strstr(name, "layrnorm"));
-    uint64_t st = name_hash(name, w->seed) | 1;
-    for (int64_t off = 0; off < numel; off += (int64_t)w->staging_n) {
-        int64_t n = PRISM_MIN((int64_t)w->staging_n, numel - off);
-        for (int64_t i = 0; i < n; i++) {
-            if (bias || norm) {
-                w->staging[i] = norm ? 1.0f : 0.0f;
-                continue;
-            }
-            /* Sum of 4 uniforms: cheap, bell-shaped, variance 4/12 -> scaled to std 0.02. */
-            double u = 0;
-            for (int k = 0; k < 4; k++) {
-                st ^= st << 13; st ^= st >> 7; st ^= st << 17;
-                u += (double)(st >> 11) * (1.0 / 9007199254740992.0);
-            }
-            w->staging[i] = (float)((u - 2.0) * 0.02 * 1.7320508);
-        }
-        int rc = w->be->i.upload_convert(w->be->ctx, (uint8_t *)dst + (size_t)off * esz, dt, w->staging, (size_t)n);
+    uint64_t seed = name_hash(name, w->seed);
+    const prism_backend_i *o = &w->be->i;
+    if (!bias && !norm && o->fill_random) {
+        int rc = o->fill_random(w->be->ctx, dst, dt, (size_t)numel, seed, 0.02f);
         if (rc != PRISM_OK) return rc;
+    } else {
+        for (int64_t off = 0; off < numel; off += (int64_t)w->staging_n) {
+            int64_t n = PRISM_MIN((int64_t)w->staging_n, numel - off);
+            for (int64_t i = 0; i < n; i++)
+                w->staging[i] = bias ? 0.0f : norm ? 1.0f : 0.02f * prism_random_normalish(seed, (uint64_t)(off + i));
+            int rc = o->upload_convert(w->be->ctx, (uint8_t *)dst + (size_t)off * esz, dt, w->staging, (size_t)n);
+            if (rc != PRISM_OK) return rc;
+        }
     }
     w->loaded_bytes += (size_t)numel * esz;
     w->n_tensors++;

@@ -267,7 +267,7 @@ static int case_map(tpl_rctx_t *c, tv_t s, int mode, tv_t *out)
     bool first = true, prev_cased = false, at_start = true;
     for (size_t i = 0; i < s.u.s.n;) {
         uint32_t cp, m;
-        i += tpl_utf8_decode(s.u.s.p + i, s.u.s.n - i, &cp);
+        i += prism_utf8_decode(s.u.s.p + i, s.u.s.n - i, &cp);
         switch (mode) {
         case CASE_UPPER: m = cp_upper(cp); break;
         case CASE_LOWER: m = cp_lower(cp); break;
@@ -283,7 +283,7 @@ static int case_map(tpl_rctx_t *c, tv_t s, int mode, tv_t *out)
         }
         first = false;
         char enc[4];
-        if (tpl_sb_add(c, &b, enc, tpl_utf8_encode(m, enc))) return c->status;
+        if (tpl_sb_add(c, &b, enc, prism_utf8_encode(m, enc))) return c->status;
     }
     *out = tpl_sb_value(&b);
     return 0;
@@ -301,12 +301,12 @@ static int do_strip(tpl_rctx_t *c, tv_t s, tv_t chars, int which, tv_t *out)
     for (;;) {
         if (!(which & 1) || a >= b) break;
         uint32_t cp;
-        size_t k = tpl_utf8_decode(p + a, b - a, &cp);
+        size_t k = prism_utf8_decode(p + a, b - a, &cp);
         bool hit;
         if (ws) hit = tpl_py_isspace(cp);
         else {
             char enc[4];
-            size_t el = tpl_utf8_encode(cp, enc);
+            size_t el = prism_utf8_encode(cp, enc);
             hit = tpl_memfind(chars.u.s.p, chars.u.s.n, enc, el) != NULL;
         }
         if (!hit) break;
@@ -316,12 +316,12 @@ static int do_strip(tpl_rctx_t *c, tv_t s, tv_t chars, int which, tv_t *out)
         size_t st = b - 1;
         while (st > a && ((unsigned char)p[st] & 0xC0) == 0x80 && b - st < 4) st--;
         uint32_t cp;
-        tpl_utf8_decode(p + st, b - st, &cp);
+        prism_utf8_decode(p + st, b - st, &cp);
         bool hit;
         if (ws) hit = tpl_py_isspace(cp);
         else {
             char enc[4];
-            size_t el = tpl_utf8_encode(cp, enc);
+            size_t el = prism_utf8_encode(cp, enc);
             hit = tpl_memfind(chars.u.s.p, chars.u.s.n, enc, el) != NULL;
         }
         if (!hit) break;
@@ -335,7 +335,7 @@ static size_t ws_at(const char *p, size_t n)
 {
     if (!n) return 0;
     uint32_t cp;
-    size_t k = tpl_utf8_decode(p, n, &cp);
+    size_t k = prism_utf8_decode(p, n, &cp);
     return tpl_py_isspace(cp) ? k : 0;
 }
 
@@ -366,7 +366,7 @@ static int do_split(tpl_rctx_t *c, tv_t s, tv_t sep, tv_t maxsplit, bool right, 
                 size_t st = i;
                 while (i < n && !ws_at(p + i, n - i)) {
                     uint32_t cp;
-                    i += tpl_utf8_decode(p + i, n - i, &cp);
+                    i += prism_utf8_decode(p + i, n - i, &cp);
                 }
                 if (tpl_list_push(c, l, tv_str(p + st, i - st))) return c->status;
                 splits++;
@@ -459,7 +459,7 @@ static size_t line_break_at(const char *p, size_t n)
     if (ch == '\n' || ch == 0x0b || ch == 0x0c || ch == 0x1c || ch == 0x1d || ch == 0x1e) return 1;
     if (ch >= 0x80) {
         uint32_t cp;
-        size_t k = tpl_utf8_decode(p, n, &cp);
+        size_t k = prism_utf8_decode(p, n, &cp);
         if (cp == 0x85 || cp == 0x2028 || cp == 0x2029) return k;
     }
     return 0;
@@ -496,7 +496,7 @@ static int do_replace(tpl_rctx_t *c, tv_t s, tv_t old, tv_t new_, int64_t count,
             done++;
             if (i >= n) break;
             uint32_t cp;
-            size_t k = tpl_utf8_decode(p + i, n - i, &cp);
+            size_t k = prism_utf8_decode(p + i, n - i, &cp);
             if (tpl_sb_add(c, &b, p + i, k)) return c->status;
             i += k;
         }
@@ -541,7 +541,7 @@ static int affix_test(tpl_rctx_t *c, tv_t s, tv_t arg, bool end, bool *res)
                     tpl_type_name(arg));
 }
 
-static int64_t cp_index_of(const char *p, size_t byte_off) { return (int64_t)tpl_utf8_count(p, byte_off); }
+static int64_t cp_index_of(const char *p, size_t byte_off) { return (int64_t)prism_utf8_count(p, byte_off); }
 
 /* ------------------------------------------------------------------ attribute getters (make_attrgetter) */
 
@@ -1123,7 +1123,7 @@ static int filt_center(tpl_rctx_t *c, tv_t s, const tpl_args_t *a, tv_t *out)
         if (need_int(c, p[0], "width")) return c->status;
         width = p[0].u.i;
     }
-    int64_t len = (int64_t)tpl_utf8_count(s.u.s.p, s.u.s.n);
+    int64_t len = (int64_t)prism_utf8_count(s.u.s.p, s.u.s.n);
     if (width <= len) { *out = s; return 0; }
     if (width > (int64_t)PRISM_TEMPLATE_MAX_OUTPUT) return tpl_fail(c, PRISM_ELIMIT, "center width too large");
     int64_t marg = width - len, left = marg / 2 + (marg & width & 1);
@@ -1219,7 +1219,7 @@ static int filt_wordcount(tpl_rctx_t *c, tv_t s, tv_t *out)
     bool in_word = false;
     for (size_t i = 0; i < s.u.s.n;) {
         uint32_t cp;
-        i += tpl_utf8_decode(s.u.s.p + i, s.u.s.n - i, &cp);
+        i += prism_utf8_decode(s.u.s.p + i, s.u.s.n - i, &cp);
         bool w = cp == '_' || cp_isalnum(cp);
         if (w && !in_word) n++;
         in_word = w;
@@ -1441,7 +1441,7 @@ static int is_lower_upper(tpl_rctx_t *c, tv_t v, bool upper, bool *res)
     bool any_cased = false;
     for (size_t i = 0; i < s.u.s.n;) {
         uint32_t cp;
-        i += tpl_utf8_decode(s.u.s.p + i, s.u.s.n - i, &cp);
+        i += prism_utf8_decode(s.u.s.p + i, s.u.s.n - i, &cp);
         if (upper ? cp_islower(cp) : cp_isupper(cp)) { *res = false; return 0; }
         if (cp_iscased(cp)) any_cased = true;
     }
@@ -1559,7 +1559,7 @@ static int str_pred(tpl_rctx_t *c, tv_t s, int kind, tv_t *out)
     bool ok = true, any_cased = false;
     for (size_t i = 0; i < s.u.s.n && ok;) {
         uint32_t cp;
-        i += tpl_utf8_decode(s.u.s.p + i, s.u.s.n - i, &cp);
+        i += prism_utf8_decode(s.u.s.p + i, s.u.s.n - i, &cp);
         switch (kind) {
         case M_ISDIGIT: ok = cp_isdigit(cp); break;
         case M_ISALPHA: ok = cp_isalpha(cp); break;
@@ -1675,7 +1675,7 @@ int tpl_call_method(tpl_rctx_t *c, tv_t recv, int fid, const tpl_args_t *a, tv_t
         if (!given(p[0]) || need_str(c, p[0], "count() argument")) return c->status ? c->status : tpl_fail(c, PRISM_EINVAL, "count() takes at least 1 argument");
         tv_t sub = p[0];
         int64_t n = 0;
-        if (!sub.u.s.n) { *out = tv_int((int64_t)tpl_utf8_count(recv.u.s.p, recv.u.s.n) + 1); return 0; }
+        if (!sub.u.s.n) { *out = tv_int((int64_t)prism_utf8_count(recv.u.s.p, recv.u.s.n) + 1); return 0; }
         for (size_t i = 0;;) {
             const char *f = tpl_memfind(recv.u.s.p + i, recv.u.s.n - i, sub.u.s.p, sub.u.s.n);
             if (!f) break;

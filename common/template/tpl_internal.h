@@ -15,6 +15,7 @@
 #include <jansson.h>
 
 #include "core/core.h"
+#include "core/utf8.h"
 #include "template/template.h"
 
 /* ------------------------------------------------------------------ pool */
@@ -37,12 +38,8 @@ char *tpl_pool_strndup(tpl_pool_t *p, const char *s, size_t n);
 void  tpl_pool_free(tpl_pool_t *p);
 
 /* ------------------------------------------------------------------ unicode helpers */
-/* Decodes one UTF-8 sequence at s (n bytes left); returns its length (>=1) and the code point in *cp.
- * Invalid bytes decode as themselves (length 1). */
-size_t tpl_utf8_decode(const char *s, size_t n, uint32_t *cp);
-size_t tpl_utf8_encode(uint32_t cp, char out[4]);
+/* UTF-8 itself is core/utf8.h (templates and their values are always valid UTF-8). */
 bool   tpl_py_isspace(uint32_t cp); /* Python str.isspace for one code point */
-size_t tpl_utf8_count(const char *s, size_t n);
 const char *tpl_memfind(const char *h, size_t hn, const char *needle, size_t nn);
 
 /* ------------------------------------------------------------------ lexer */

@@ -62,7 +62,7 @@ static size_t space_at(const char *p, size_t n)
     unsigned char c = (unsigned char)p[0];
     if (c < 0x80) return tpl_py_isspace(c) ? 1 : 0;
     uint32_t cp;
-    size_t k = tpl_utf8_decode(p, n, &cp);
+    size_t k = prism_utf8_decode(p, n, &cp);
     return tpl_py_isspace(cp) ? k : 0;
 }
 
@@ -176,7 +176,7 @@ static int decode_string(lexer_t *L, size_t pos, const char *q, size_t n, tpl_to
                 cp = (uint32_t)(e - '0');
                 for (int j = 0; j < 2 && i + 1 < n && q[i + 1] >= '0' && q[i + 1] <= '7'; j++)
                     cp = cp * 8 + (uint32_t)(q[++i] - '0');
-                o += tpl_utf8_encode(cp, d + o);
+                o += prism_utf8_encode(cp, d + o);
                 continue;
             }
             d[o++] = '\\';
@@ -194,7 +194,7 @@ static int decode_string(lexer_t *L, size_t pos, const char *q, size_t n, tpl_to
         if (cp > 0x10FFFF) return lex_fail(L, PRISM_EINVAL, pos, "illegal Unicode character in string literal%s", NULL);
         if (cp >= 0xD800 && cp <= 0xDFFF)
             return lex_fail(L, PRISM_ENOTSUP, pos, "unsupported surrogate escape in string literal%s", NULL);
-        o += tpl_utf8_encode(cp, d + o);
+        o += prism_utf8_encode(cp, d + o);
     }
     d[o] = 0;
     k->s = d;

@@ -5,31 +5,6 @@
 #include <stdio.h>
 #include <string.h>
 
-/* Strict UTF-8 check (no overlongs, surrogates or code points past U+10FFFF): jinja2 works on Python
- * str, so a template that is not valid UTF-8 could never reach it. */
-static bool utf8_valid(const unsigned char *s, size_t n)
-{
-    size_t i = 0;
-    while (i < n) {
-        unsigned char c = s[i];
-        if (c < 0x80) { i++; continue; }
-        size_t len;
-        uint32_t cp, min;
-        if ((c & 0xE0) == 0xC0) { len = 2; cp = c & 0x1F; min = 0x80; }
-        else if ((c & 0xF0) == 0xE0) { len = 3; cp = c & 0x0F; min = 0x800; }
-        else if ((c & 0xF8) == 0xF0) { len = 4; cp = c & 0x07; min = 0x10000; }
-        else return false;
-        if (i + len > n) return false;
-        for (size_t k = 1; k < len; k++) {
-            if ((s[i + k] & 0xC0) != 0x80) return false;
-            cp = (cp << 6) | (s[i + k] & 0x3F);
-        }
-        if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
-        i += len;
-    }
-    return true;
-}
-
 int prism_template_compile(const char *source, size_t len, prism_template_t **out, char *err, size_t errlen)
 {
     if (err && errlen) err[0] = 0;
@@ -39,7 +14,7 @@ int prism_template_compile(const char *source, size_t len, prism_template_t **ou
         if (err && errlen) snprintf(err, errlen, "template is %zu bytes, over the %u byte limit", len, PRISM_TEMPLATE_MAX_SOURCE);
         return PRISM_ELIMIT;
     }
-    if (len && !utf8_valid((const unsigned char *)source, len)) {
+    if (len && !prism_utf8_valid(source, len)) {   /* jinja2 works on Python str: never invalid */
         if (err && errlen) snprintf(err, errlen, "template is not valid UTF-8");
         return PRISM_EINVAL;
     }

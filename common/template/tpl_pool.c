@@ -65,69 +65,12 @@ void tpl_pool_free(tpl_pool_t *p)
     p->total = 0;
 }
 
-/* ------------------------------------------------------------------ utf-8 */
-
-size_t tpl_utf8_decode(const char *s, size_t n, uint32_t *cp)
-{
-    const unsigned char *u = (const unsigned char *)s;
-    if (n == 0) { *cp = 0; return 0; }
-    unsigned char c0 = u[0];
-    if (c0 < 0x80) { *cp = c0; return 1; }
-    size_t len;
-    uint32_t v;
-    if ((c0 & 0xE0) == 0xC0) { len = 2; v = c0 & 0x1F; }
-    else if ((c0 & 0xF0) == 0xE0) { len = 3; v = c0 & 0x0F; }
-    else if ((c0 & 0xF8) == 0xF0) { len = 4; v = c0 & 0x07; }
-    else { *cp = c0; return 1; }
-    if (len > n) { *cp = c0; return 1; }
-    for (size_t i = 1; i < len; i++) {
-        if ((u[i] & 0xC0) != 0x80) { *cp = c0; return 1; }
-        v = (v << 6) | (u[i] & 0x3F);
-    }
-    *cp = v;
-    return len;
-}
-
-size_t tpl_utf8_encode(uint32_t cp, char out[4])
-{
-    if (cp < 0x80) { out[0] = (char)cp; return 1; }
-    if (cp < 0x800) {
-        out[0] = (char)(0xC0 | (cp >> 6));
-        out[1] = (char)(0x80 | (cp & 0x3F));
-        return 2;
-    }
-    if (cp < 0x10000) {
-        out[0] = (char)(0xE0 | (cp >> 12));
-        out[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
-        out[2] = (char)(0x80 | (cp & 0x3F));
-        return 3;
-    }
-    out[0] = (char)(0xF0 | (cp >> 18));
-    out[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
-    out[2] = (char)(0x80 | ((cp >> 6) & 0x3F));
-    out[3] = (char)(0x80 | (cp & 0x3F));
-    return 4;
-}
-
 bool tpl_py_isspace(uint32_t c)
 {
     if (c == ' ' || (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x1F)) return true;
     if (c < 0x80) return false;
     return c == 0x85 || c == 0xA0 || c == 0x1680 || (c >= 0x2000 && c <= 0x200A) || c == 0x2028 ||
            c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
-}
-
-size_t tpl_utf8_count(const char *s, size_t n)
-{
-    size_t k = 0, i = 0;
-    while (i < n) {
-        unsigned char c = (unsigned char)s[i];
-        if (c < 0x80) { i++; k++; continue; }
-        uint32_t cp;
-        i += tpl_utf8_decode(s + i, n - i, &cp);
-        k++;
-    }
-    return k;
 }
 
 const char *tpl_memfind(const char *h, size_t hn, const char *nd, size_t nn)

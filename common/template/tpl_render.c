@@ -140,14 +140,14 @@ static size_t *cp_offsets(tpl_rctx_t *c, const char *s, size_t n, size_t *count,
     for (size_t i = 0; i < n; i++)
         if ((unsigned char)s[i] >= 0x80) { ascii = false; break; }
     if (ascii) { *count = n; return NULL; }
-    size_t k = tpl_utf8_count(s, n);
+    size_t k = prism_utf8_count(s, n);
     size_t *off = tpl_alloc(c, (k + 1) * sizeof(size_t));
     if (!off) { *fail = true; return NULL; }
     size_t j = 0;
     for (size_t i = 0; i < n;) {
         uint32_t cp;
         off[j++] = i;
-        i += tpl_utf8_decode(s + i, n - i, &cp);
+        i += prism_utf8_decode(s + i, n - i, &cp);
     }
     off[j] = n;
     *count = k;

@@ -346,7 +346,7 @@ static int write_str_repr(tpl_rctx_t *c, tpl_sb_t *b, const char *s, size_t n)
             continue;
         }
         uint32_t cp;
-        size_t k = tpl_utf8_decode(s + i, n - i, &cp);
+        size_t k = prism_utf8_decode(s + i, n - i, &cp);
         if (py_printable(cp)) tpl_sb_add(c, b, s + i, k);
         else if (cp <= 0xFF) tpl_sb_addf(c, b, "\\x%02x", cp);
         else if (cp <= 0xFFFF) tpl_sb_addf(c, b, "\\u%04x", cp);
@@ -525,11 +525,11 @@ int tpl_iterate(tpl_rctx_t *c, tv_t v, tobj_t **out)
     case TV_STR: {
         const char *s = v.u.s.p;
         size_t n = v.u.s.n;
-        tobj_t *l = tpl_list_new(c, SEQ_LIST, tpl_utf8_count(s, n));
+        tobj_t *l = tpl_list_new(c, SEQ_LIST, prism_utf8_count(s, n));
         if (!l) return c->status;
         for (size_t i = 0; i < n;) {
             uint32_t cp;
-            size_t k = tpl_utf8_decode(s + i, n - i, &cp);
+            size_t k = prism_utf8_decode(s + i, n - i, &cp);
             l->items[l->len++] = tv_str(s + i, k);
             i += k;
         }
@@ -546,7 +546,7 @@ int tpl_iterate(tpl_rctx_t *c, tv_t v, tobj_t **out)
             if (o->poison) return tpl_fail(c, PRISM_EINVAL, "%s", o->poison);
             tobj_t *l = tpl_list_new(c, SEQ_LIST, 0);
             if (!l) return c->status;
-            l->items = o->items + o->pos;
+            l->items = o->items ? o->items + o->pos : NULL;  /* NULL + 0 is undefined in C */
             l->len = l->cap = o->len - o->pos;
             o->pos = o->len;
             *out = l;
@@ -570,7 +570,7 @@ int tpl_len(tpl_rctx_t *c, tv_t v, int64_t *out)
 {
     switch (v.t) {
     case TV_UNDEF: case TV_MISSING: *out = 0; return 0;
-    case TV_STR: *out = (int64_t)tpl_utf8_count(v.u.s.p, v.u.s.n); return 0;
+    case TV_STR: *out = (int64_t)prism_utf8_count(v.u.s.p, v.u.s.n); return 0;
     case TV_OBJ:
         if ((v.u.o->kind == OBJ_LIST && v.u.o->sub != SEQ_ITER) || v.u.o->kind == OBJ_DICT) {
             *out = (int64_t)v.u.o->len;
@@ -607,7 +607,7 @@ static int json_str(tpl_rctx_t *c, tpl_sb_t *b, const char *s, size_t n, bool en
             continue;
         }
         uint32_t cp;
-        size_t k = tpl_utf8_decode(s + i, n - i, &cp);
+        size_t k = prism_utf8_decode(s + i, n - i, &cp);
         if (!ensure_ascii) {
             tpl_sb_add(c, b, s + i, k);
         } else if (cp > 0xFFFF) {

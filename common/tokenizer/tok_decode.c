@@ -67,7 +67,7 @@ static int bytelevel_bytes(const char *s, size_t n, prism_buf_t *out)
     size_t start = out->len;
     for (size_t i = 0; i < n;) {
         uint32_t cp;
-        i += (size_t)prism_tok_utf8_next(s + i, &cp);
+        i += (size_t)prism_utf8_decode_valid(s + i, &cp);
         if (cp >= 512 || prism_tok_cp_byte[cp] < 0) {
             out->len = start;
             return prism_buf_append(out, s, n) < 0 ? PRISM_ENOMEM : PRISM_OK;
@@ -82,7 +82,7 @@ static int flush_bytes(tlist_t *out, prism_buf_t *pending)
 {
     int rc = PRISM_OK;
     if (!pending->len) return rc;
-    if (prism_tok_utf8_valid(pending->data, pending->len)) rc = tl_add(out, pending->data, pending->len);
+    if (prism_utf8_valid(pending->data, pending->len)) rc = tl_add(out, pending->data, pending->len);
     else   /* String::from_utf8 failed: one U+FFFD per byte */
         for (size_t i = 0; i < pending->len && !rc; i++) rc = tl_add(out, "\xEF\xBF\xBD", 3);
     pending->len = 0;
@@ -97,7 +97,7 @@ static int dec_apply(const prism_tok_dec_t *d, pcre2_match_data *md, tlist_t *in
         prism_buf_t raw = {0};
         for (size_t i = 0; i < in->n && !rc; i++) rc = bytelevel_bytes(tl_str(in, i), in->v[i].len, &raw);
         if (!rc && !(rc = tl_open(out))) {
-            rc = prism_tok_utf8_lossy_append(&out->s, raw.data ? raw.data : "", raw.len);
+            rc = prism_utf8_lossy_append(&out->s, raw.data ? raw.data : "", raw.len);
             tl_close(out);
         }
         prism_buf_free(&raw);
@@ -116,7 +116,7 @@ static int dec_apply(const prism_tok_dec_t *d, pcre2_match_data *md, tlist_t *in
                     k += (size_t)d->repl_len;
                     run = k;
                 } else {
-                    k += (size_t)prism_tok_utf8_len((uint8_t)s[k]);
+                    k += (size_t)prism_utf8_len((uint8_t)s[k]);
                 }
             }
             if (prism_buf_append(&out->s, s + run, n - run) < 0) return PRISM_ENOMEM;
@@ -278,6 +278,7 @@ static int detok_step(prism_detok_t *d, prism_buf_t *delta, bool final)
     int rc;
     d->prefix_text.len = 0;
     d->new_text.len = 0;
+    d->decoded_ids += (d->read_offset - d->prefix_offset) + (d->n - d->prefix_offset);
     if ((rc = prism_tok_decode_tokens(d->tok, d->ids + d->prefix_offset, d->read_offset - d->prefix_offset,
                                       d->skip_special, &d->prefix_text)))
         return rc;
@@ -287,11 +288,16 @@ static int detok_step(prism_detok_t *d, prism_buf_t *delta, bool final)
     size_t pl = d->prefix_text.len, nl = d->new_text.len;
     const char *nt = d->new_text.data;
     bool partial = nl >= 3 && memcmp(nt + nl - 3, "\xEF\xBF\xBD", 3) == 0;
-    if (nl <= pl) return PRISM_OK;
-    if (partial && !final && d->n - d->read_offset < PRISM_TOK_DETOK_MAX_PENDING) return PRISM_OK;
-    size_t from = pl;
-    while (from < nl && ((uint8_t)nt[from] & 0xC0) == 0x80) from++;   /* never split a char */
-    if (prism_buf_append(delta, nt + from, nl - from) < 0) return PRISM_ENOMEM;
+    bool stalled = d->n - d->read_offset >= PRISM_TOK_DETOK_MAX_PENDING;
+    /* Ids that add no text wait for context, but not forever: past the bound the window moves on
+     * (else every later id would re-decode the whole run: O(n^2) for one Tokens message). */
+    if (nl <= pl && !stalled) return PRISM_OK;
+    if (partial && !final && !stalled) return PRISM_OK;
+    if (nl > pl) {
+        size_t from = pl;
+        while (from < nl && ((uint8_t)nt[from] & 0xC0) == 0x80) from++;   /* never split a char */
+        if (prism_buf_append(delta, nt + from, nl - from) < 0) return PRISM_ENOMEM;
+    }
     d->prefix_offset = d->read_offset;
     d->read_offset = d->n;
     /* drop ids before the window so memory stays bounded */
@@ -304,6 +310,11 @@ static int detok_step(prism_detok_t *d, prism_buf_t *delta, bool final)
 
 int prism_detok_push(prism_detok_t *d, int32_t id, prism_buf_t *delta)
 {
+    /* Ids that decode() drops before the decoder chain never change the text: keep them out of
+     * the window (a hostile or broken worker may send millions of them). */
+    const prism_tokenizer_t *t = d->tok;
+    if (id < 0 || (size_t)id >= t->vocab_size || t->id_len[id] == UINT32_MAX || (d->skip_special && t->is_special[id]))
+        return PRISM_OK;
     if (d->n == d->cap) {
         size_t nc = d->cap ? d->cap * 2 : 16;
         int32_t *p = prism_realloc(d->ids, nc * sizeof *p);

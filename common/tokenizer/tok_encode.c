@@ -1,7 +1,6 @@
-/* Encoding: added-token extraction, normalizers, pre-tokenizers, BPE, post-processing.
- * Each step reproduces the corresponding HF tokenizers routine, including its corner cases
- * (onig find_iter empty-match rule, split behaviours, merge queue tie-breaking). */
-#define _GNU_SOURCE 1   /* memmem */
+/* Encoding: added-token extraction, pre-tokenizers, BPE, post-processing (normalizers are in
+ * tok_normalize.c). Each step reproduces the corresponding HF tokenizers routine, including its
+ * corner cases (onig find_iter empty-match rule, split behaviours, merge queue tie-breaking). */
 #include <string.h>
 
 #include "tokenizer/tok_internal.h"
@@ -78,27 +77,6 @@ static int arena_add(enc_t *E, const char *s, size_t n, uint32_t *off)
 
 /* ---------------- patterns ---------------- */
 
-bool prism_tok_pattern_find(const prism_tok_pattern_t *p, pcre2_match_data *md, const char *s, size_t n,
-                            size_t from, size_t *ms, size_t *me)
-{
-    if (from > n) return false;
-    if (!p->re) {
-        if (p->lit_len > n - from) return false;
-        const char *hit = memmem(s + from, n - from, p->lit, p->lit_len);
-        if (!hit) return false;
-        *ms = (size_t)(hit - s);
-        *me = *ms + p->lit_len;
-        return true;
-    }
-    int rc = pcre2_match(p->re, (PCRE2_SPTR)s, n, from, PCRE2_NO_UTF_CHECK, md, NULL);
-    if (rc < 0) return false;   /* no match, or a matching limit: treat as no match */
-    PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
-    if (ov[0] > ov[1] || ov[1] > n) return false;   /* \K games */
-    *ms = ov[0];
-    *me = ov[1];
-    return true;
-}
-
 /* HF Pattern::find_matches into E->spans: spans covering s, each flagged match or not. */
 static int find_spans(enc_t *E, const prism_tok_pattern_t *p, const char *s, size_t n, size_t *out_n)
 {
@@ -115,7 +93,7 @@ static int find_spans(enc_t *E, const prism_tok_pattern_t *p, const char *s, siz
         if (ms == me && have_last && last_match_end == me) {
             /* onig FindMatches: no empty match right after the previous match */
             if (last_end >= n) break;
-            last_end += (size_t)prism_tok_utf8_len((uint8_t)s[last_end]);
+            last_end += (size_t)prism_utf8_len((uint8_t)s[last_end]);
             continue;
         }
         last_end = me;
@@ -128,7 +106,7 @@ static int find_spans(enc_t *E, const prism_tok_pattern_t *p, const char *s, siz
             /* an accepted empty match: the next search starts one char later (onig restarts at
              * the same place and rejects the repeat, which ends up here too) */
             if (last_end >= n) break;
-            last_end += (size_t)prism_tok_utf8_len((uint8_t)s[last_end]);
+            last_end += (size_t)prism_utf8_len((uint8_t)s[last_end]);
         }
     }
     if (prev != n) SPAN(prev, n, false);
@@ -200,64 +178,6 @@ static int split_piece(enc_t *E, const piece_t *p, const prism_tok_pattern_t *pa
     return PRISM_OK;
 }
 
-/* ---------------- normalizers ---------------- */
-
-int prism_tok_normalize(const prism_tokenizer_t *t, const prism_tok_norm_t *nz, const char *s, size_t n,
-                        prism_buf_t *out, pcre2_match_data *md)
-{
-    switch (nz->type) {
-    case PRISM_TOK_NORM_NFC:
-    case PRISM_TOK_NORM_NFD: {
-        bool changed;
-        int rc = prism_tok_nfc(s, n, nz->type == PRISM_TOK_NORM_NFC, out, &changed);
-        if (rc) return rc;
-        if (!changed && prism_buf_append(out, s, n) < 0) return PRISM_ENOMEM;
-        return PRISM_OK;
-    }
-    case PRISM_TOK_NORM_PREPEND:
-        if (n && prism_buf_append(out, nz->str, nz->str_len) < 0) return PRISM_ENOMEM;
-        return prism_buf_append(out, s, n) < 0 ? PRISM_ENOMEM : PRISM_OK;
-    case PRISM_TOK_NORM_REPLACE:
-        return prism_tok_replace_all(&nz->pat, md, s, n, nz->str, nz->str_len, out);
-    case PRISM_TOK_NORM_STRIP: {
-        size_t a = 0, b = n;
-        if (nz->left)
-            while (a < b) {
-                uint32_t cp;
-                int k = prism_tok_utf8_next(s + a, &cp);
-                if (!prism_tok_is_white_space(cp)) break;
-                a += (size_t)k;
-            }
-        if (nz->right)
-            while (b > a) {
-                size_t q = b - 1;
-                while (q > a && ((uint8_t)s[q] & 0xC0) == 0x80) q--;
-                uint32_t cp;
-                prism_tok_utf8_next(s + q, &cp);
-                if (!prism_tok_is_white_space(cp)) break;
-                b = q;
-            }
-        return prism_buf_append(out, s + a, b - a) < 0 ? PRISM_ENOMEM : PRISM_OK;
-    }
-    case PRISM_TOK_NORM_SEQUENCE: {
-        prism_buf_t cur = {0}, nxt = {0};
-        int rc = PRISM_ENOMEM;
-        if (prism_buf_append(&cur, s, n) < 0) goto done;
-        for (size_t i = 0; i < nz->n_items; i++) {
-            nxt.len = 0;
-            if ((rc = prism_tok_normalize(t, &nz->items[i], cur.data ? cur.data : "", cur.len, &nxt, md))) goto done;
-            prism_buf_t sw = cur; cur = nxt; nxt = sw;
-        }
-        rc = prism_buf_append(out, cur.data ? cur.data : "", cur.len) < 0 ? PRISM_ENOMEM : PRISM_OK;
-    done:
-        prism_buf_free(&cur);
-        prism_buf_free(&nxt);
-        return rc;
-    }
-    }
-    return PRISM_EINVAL;
-}
-
 /* ---------------- added tokens ---------------- */
 
 static bool ends_with_word(const char *s, size_t n)
@@ -266,7 +186,7 @@ static bool ends_with_word(const char *s, size_t n)
     size_t q = n - 1;
     while (q > 0 && ((uint8_t)s[q] & 0xC0) == 0x80) q--;
     uint32_t cp;
-    prism_tok_utf8_next(s + q, &cp);
+    prism_utf8_decode_valid(s + q, &cp);
     return cp == '_' || prism_tok_is_alnum(cp);
 }
 
@@ -274,7 +194,7 @@ static bool starts_with_word(const char *s, size_t n)
 {
     if (!n) return false;
     uint32_t cp;
-    prism_tok_utf8_next(s, &cp);
+    prism_utf8_decode_valid(s, &cp);
     return cp == '_' || prism_tok_is_alnum(cp);
 }
 
@@ -316,7 +236,7 @@ static int split_added(enc_t *E, const prism_tok_matcher_t *mt, bool normalized,
                 size_t q = ns - 1;
                 while (q > 0 && ((uint8_t)s[q] & 0xC0) == 0x80) q--;
                 uint32_t cp;
-                prism_tok_utf8_next(s + q, &cp);
+                prism_utf8_decode_valid(s + q, &cp);
                 if (!prism_tok_is_white_space(cp)) break;
                 ns = q;
             }
@@ -325,7 +245,7 @@ static int split_added(enc_t *E, const prism_tok_matcher_t *mt, bool normalized,
         if (a->rstrip) {
             while (stop < n) {
                 uint32_t cp;
-                int k = prism_tok_utf8_next(s + stop, &cp);
+                int k = prism_utf8_decode_valid(s + stop, &cp);
                 if (!prism_tok_is_white_space(cp)) break;
                 stop += (size_t)k;
             }
@@ -515,14 +435,14 @@ static int bpe_piece(enc_t *E, const char *s, size_t n)
     int32_t unk = -1;
     uint32_t unk_len = 0;
     for (size_t i = 0; i < n;) {
-        size_t cl = (size_t)prism_tok_utf8_len((uint8_t)s[i]);
+        size_t cl = (size_t)prism_utf8_len((uint8_t)s[i]);
         bool first = i == 0, last = i + cl >= n;
         int32_t id;
         const char *cs = s + i;
         size_t csl = cl;
         if (t->char_table && cl <= 2) {
             uint32_t cp;
-            prism_tok_utf8_next(s + i, &cp);
+            prism_utf8_decode_valid(s + i, &cp);
             id = t->char_id[cp];
         } else if (!t->cont_prefix && !t->eow_suffix) {
             id = prism_tok_vocab_get(t, s + i, cl);
@@ -612,7 +532,7 @@ static void bl_tables(void)
     prism_tok_bytelevel_init();
     for (int b = 0; b < 256; b++) {
         char u[4];
-        int k = prism_tok_utf8_encode(prism_tok_byte_cp[b], u);
+        int k = prism_utf8_encode(prism_tok_byte_cp[b], u);
         bl_utf8[b][0] = (uint8_t)u[0];
         bl_utf8[b][1] = (uint8_t)(k > 1 ? u[1] : 0);
         bl_len[b] = (uint8_t)k;
@@ -627,7 +547,7 @@ int prism_tokenizer_encode(const prism_tokenizer_t *t, const char *text, size_t 
 {
     if (!t || (!text && len) || !ids || !n || !cap) return PRISM_EINVAL;
     if (len > PRISM_TOK_MAX_TEXT_BYTES) return PRISM_ELIMIT;
-    if (!prism_tok_utf8_valid(text, len)) return PRISM_EINVAL;
+    if (!prism_utf8_valid(text, len)) return PRISM_EINVAL;
     pthread_once(&bl_tables_once, bl_tables);
 
     enc_t E = { .t = t, .ids = *ids, .n = *n, .cap = *cap };

@@ -12,6 +12,7 @@
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 
+#include "core/utf8.h"
 #include "tokenizer/tokenizer.h"
 
 /* ---- limits on tokenizer.json contents ---- */
@@ -47,29 +48,7 @@ extern const size_t prism_tok_extra_number_n;
 extern const prism_tok_range_t prism_tok_white_space[];
 extern const size_t prism_tok_white_space_n;
 
-/* ---- unicode helpers (tok_unicode.c) ---- */
-/* Decodes one code point from valid UTF-8; returns its byte length. */
-static inline int prism_tok_utf8_next(const char *s, uint32_t *cp)
-{
-    const uint8_t *u = (const uint8_t *)s;
-    if (u[0] < 0x80) { *cp = u[0]; return 1; }
-    if (u[0] < 0xE0) { *cp = ((uint32_t)(u[0] & 0x1F) << 6) | (u[1] & 0x3F); return 2; }
-    if (u[0] < 0xF0) {
-        *cp = ((uint32_t)(u[0] & 0x0F) << 12) | ((uint32_t)(u[1] & 0x3F) << 6) | (u[2] & 0x3F);
-        return 3;
-    }
-    *cp = ((uint32_t)(u[0] & 0x07) << 18) | ((uint32_t)(u[1] & 0x3F) << 12) |
-          ((uint32_t)(u[2] & 0x3F) << 6) | (u[3] & 0x3F);
-    return 4;
-}
-static inline int prism_tok_utf8_len(uint8_t lead)
-{
-    return lead < 0x80 ? 1 : lead < 0xE0 ? 2 : lead < 0xF0 ? 3 : 4;
-}
-int prism_tok_utf8_encode(uint32_t cp, char *out);            /* returns 1..4 */
-bool prism_tok_utf8_valid(const char *s, size_t n);
-/* Rust String::from_utf8_lossy: each maximal invalid subpart becomes one U+FFFD. */
-int prism_tok_utf8_lossy_append(prism_buf_t *out, const char *s, size_t n);
+/* ---- unicode helpers (tok_unicode.c; UTF-8 itself is core/utf8.h) ---- */
 bool prism_tok_is_white_space(uint32_t cp);                   /* Rust char::is_whitespace */
 bool prism_tok_is_alnum(uint32_t cp);                         /* Rust char::is_alphanumeric */
 /* NFC / NFD of s appended to out; *changed=false (and nothing appended) when s is already
@@ -218,7 +197,8 @@ struct prism_tokenizer {
 static inline const char *prism_tok_str(const prism_tokenizer_t *t, uint32_t off) { return t->pool + off; }
 int32_t prism_tok_smap_get(const prism_tok_smap_t *m, const char *pool, const char *s, size_t n);
 int32_t prism_tok_vocab_get(const prism_tokenizer_t *t, const char *s, size_t n);
-/* Onig find_iter semantics; subject is valid UTF-8. Returns true with [*ms, *me) on a match. */
+/* Onig find_iter semantics; subject is valid UTF-8. Returns true with [*ms, *me) on a match
+ * (tok_unicode.c). */
 bool prism_tok_pattern_find(const prism_tok_pattern_t *p, pcre2_match_data *md, const char *s,
                             size_t n, size_t from, size_t *ms, size_t *me);
 /* Byte-level alphabet: byte -> code point and back (-1 if cp is not in the alphabet). */
@@ -226,7 +206,7 @@ extern uint16_t prism_tok_byte_cp[256];
 extern int16_t prism_tok_cp_byte[512];
 void prism_tok_bytelevel_init(void);
 
-/* Applies normalizer n to s, appending the result to out. */
+/* Applies normalizer n to s, appending the result to out (tok_normalize.c). */
 int prism_tok_normalize(const prism_tokenizer_t *t, const prism_tok_norm_t *n, const char *s, size_t len,
                         prism_buf_t *out, pcre2_match_data *md);
 

@@ -1,79 +1,11 @@
-/* UTF-8 helpers, NFC/NFD and the Oniguruma -> PCRE2 regex rewrite. */
+/* Character classes, NFC/NFD, the Oniguruma -> PCRE2 regex rewrite and pattern matching (find,
+ * replace-all) shared by the encoder, the normalizers and the decoders. */
+#define _GNU_SOURCE 1   /* memmem */
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "tokenizer/tok_internal.h"
-
-int prism_tok_utf8_encode(uint32_t cp, char *o)
-{
-    if (cp < 0x80) { o[0] = (char)cp; return 1; }
-    if (cp < 0x800) { o[0] = (char)(0xC0 | (cp >> 6)); o[1] = (char)(0x80 | (cp & 0x3F)); return 2; }
-    if (cp < 0x10000) {
-        o[0] = (char)(0xE0 | (cp >> 12)); o[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
-        o[2] = (char)(0x80 | (cp & 0x3F));
-        return 3;
-    }
-    o[0] = (char)(0xF0 | (cp >> 18)); o[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
-    o[2] = (char)(0x80 | ((cp >> 6) & 0x3F)); o[3] = (char)(0x80 | (cp & 0x3F));
-    return 4;
-}
-
-/* Length of the valid UTF-8 sequence at s (0 if invalid); *bad gets the length of the maximal
- * invalid subpart (Unicode "substitution of maximal subparts", what Rust's lossy decoding uses). */
-static size_t utf8_seq(const uint8_t *s, size_t n, size_t *bad)
-{
-    uint8_t b = s[0];
-    size_t need;
-    uint8_t lo = 0x80, hi = 0xBF;
-    if (b < 0x80) return 1;
-    if (b >= 0xC2 && b <= 0xDF) need = 2;
-    else if (b >= 0xE0 && b <= 0xEF) {
-        need = 3;
-        if (b == 0xE0) lo = 0xA0;
-        if (b == 0xED) hi = 0x9F;
-    } else if (b >= 0xF0 && b <= 0xF4) {
-        need = 4;
-        if (b == 0xF0) lo = 0x90;
-        if (b == 0xF4) hi = 0x8F;
-    } else { *bad = 1; return 0; }
-    for (size_t i = 1; i < need; i++) {
-        if (i >= n) { *bad = i; return 0; }
-        uint8_t c = s[i];
-        uint8_t l = i == 1 ? lo : 0x80, h = i == 1 ? hi : 0xBF;
-        if (c < l || c > h) { *bad = i; return 0; }
-    }
-    return need;
-}
-
-bool prism_tok_utf8_valid(const char *s, size_t n)
-{
-    const uint8_t *u = (const uint8_t *)s;
-    size_t i = 0;
-    while (i < n) {
-        if (u[i] < 0x80) { i++; continue; }
-        size_t bad, k = utf8_seq(u + i, n - i, &bad);
-        if (!k) return false;
-        i += k;
-    }
-    return true;
-}
-
-int prism_tok_utf8_lossy_append(prism_buf_t *out, const char *s, size_t n)
-{
-    const uint8_t *u = (const uint8_t *)s;
-    size_t i = 0, run = 0;
-    while (i < n) {
-        if (u[i] < 0x80) { i++; continue; }
-        size_t bad, k = utf8_seq(u + i, n - i, &bad);
-        if (k) { i += k; continue; }
-        if (prism_buf_append(out, s + run, i - run) < 0) return PRISM_ENOMEM;
-        if (prism_buf_append(out, "\xEF\xBF\xBD", 3) < 0) return PRISM_ENOMEM;
-        i += bad;
-        run = i;
-    }
-    return prism_buf_append(out, s + run, n - run) < 0 ? PRISM_ENOMEM : PRISM_OK;
-}
 
 bool prism_tok_is_white_space(uint32_t cp)
 {
@@ -98,7 +30,7 @@ bool prism_tok_is_alnum(uint32_t cp)
     if (cp < 0x80) return (cp >= '0' && cp <= '9') || ((cp | 0x20) >= 'a' && (cp | 0x20) <= 'z');
     pthread_once(&alnum_once, alnum_init);
     char b[4];
-    int k = prism_tok_utf8_encode(cp, b);
+    int k = prism_utf8_encode(cp, b);
     pcre2_match_data *md = pcre2_match_data_create(1, NULL);
     if (!md) return false;
     int rc = pcre2_match(alnum_re, (PCRE2_SPTR)b, (size_t)k, 0, PCRE2_ANCHORED, md, NULL);
@@ -211,7 +143,7 @@ int prism_tok_nfc(const char *s, size_t n, bool compose, prism_buf_t *out, bool 
     bool any = false;
     for (i = 0; i < n;) {
         uint32_t cp;
-        i += (size_t)prism_tok_utf8_next(s + i, &cp);
+        i += (size_t)prism_utf8_decode_valid(s + i, &cp);
         if (nf_interesting[cp >> 3] & (1u << (cp & 7))) { any = true; break; }
     }
     if (!any) return PRISM_OK;
@@ -220,7 +152,7 @@ int prism_tok_nfc(const char *s, size_t n, bool compose, prism_buf_t *out, bool 
     int rc = PRISM_ENOMEM;
     for (i = 0; i < n;) {
         uint32_t cp;
-        i += (size_t)prism_tok_utf8_next(s + i, &cp);
+        i += (size_t)prism_utf8_decode_valid(s + i, &cp);
         if (nf_decompose(&v, cp, 0)) goto fail;
     }
     /* canonical ordering: stable insertion sort of each run of non-starters */
@@ -259,7 +191,7 @@ int prism_tok_nfc(const char *s, size_t n, bool compose, prism_buf_t *out, bool 
         m = o;
     }
     if (prism_buf_reserve(out, m * 4) < 0) goto fail;
-    for (size_t k = 0; k < m; k++) out->len += (size_t)prism_tok_utf8_encode(v.v[k], out->data + out->len);
+    for (size_t k = 0; k < m; k++) out->len += (size_t)prism_utf8_encode(v.v[k], out->data + out->len);
     *changed = true;
     rc = PRISM_OK;
 fail:
@@ -460,6 +392,29 @@ int prism_tok_regex_rewrite(const char *p, size_t n, prism_buf_t *o, char *err, 
     return PRISM_OK;
 }
 
+/* ---------------- pattern matching ---------------- */
+
+bool prism_tok_pattern_find(const prism_tok_pattern_t *p, pcre2_match_data *md, const char *s, size_t n,
+                            size_t from, size_t *ms, size_t *me)
+{
+    if (from > n) return false;
+    if (!p->re) {
+        if (p->lit_len > n - from) return false;
+        const char *hit = memmem(s + from, n - from, p->lit, p->lit_len);
+        if (!hit) return false;
+        *ms = (size_t)(hit - s);
+        *me = *ms + p->lit_len;
+        return true;
+    }
+    int rc = pcre2_match(p->re, (PCRE2_SPTR)s, n, from, PCRE2_NO_UTF_CHECK, md, NULL);
+    if (rc < 0) return false;   /* no match, or a matching limit: treat as no match */
+    PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
+    if (ov[0] > ov[1] || ov[1] > n) return false;   /* \K games */
+    *ms = ov[0];
+    *me = ov[1];
+    return true;
+}
+
 /* Replaces every match of pat in s[0..n) by `with`, with the regex crate's rules for empty matches
  * (shared by the Replace normalizer and the Replace decoder). */
 int prism_tok_replace_all(const prism_tok_pattern_t *pat, pcre2_match_data *md, const char *s, size_t n,
@@ -473,7 +428,7 @@ int prism_tok_replace_all(const prism_tok_pattern_t *pat, pcre2_match_data *md, 
         if (!prism_tok_pattern_find(pat, md, s, n, from, &ms, &me)) break;
         if (ms == me && have_last && last_end == me) {
             if (from >= n) break;
-            from += (size_t)prism_tok_utf8_len((uint8_t)s[from]);
+            from += (size_t)prism_utf8_len((uint8_t)s[from]);
             continue;
         }
         if (prism_buf_append(out, s + copied, ms - copied) < 0 || prism_buf_append(out, with, wl) < 0)
@@ -484,7 +439,7 @@ int prism_tok_replace_all(const prism_tok_pattern_t *pat, pcre2_match_data *md, 
         from = me;
         if (ms == me) {
             if (from >= n) break;
-            from += (size_t)prism_tok_utf8_len((uint8_t)s[from]);
+            from += (size_t)prism_utf8_len((uint8_t)s[from]);
         }
     }
     return prism_buf_append(out, s + copied, n - copied) < 0 ? PRISM_ENOMEM : PRISM_OK;

@@ -227,7 +227,7 @@ static int get_char(ld_t *L, const json_t *o, const char *where, const char *key
     int rc = get_str(L, o, where, key, &s, &n);
     if (rc) return rc;
     if (!s) { s = dflt; n = strlen(dflt); }
-    if (n == 0 || n > 4 || (size_t)prism_tok_utf8_len((uint8_t)s[0]) != n)
+    if (n == 0 || n > 4 || (size_t)prism_utf8_len((uint8_t)s[0]) != n)
         return ld_err(L, PRISM_ECORRUPT, "tokenizer.json: %s.%s must be a single character", where, key);
     memcpy(out, s, n);
     out[n] = 0;
@@ -736,7 +736,7 @@ static int parse_model(ld_t *L, const json_t *m, size_t *max_id)
     t->char_table = !t->cont_prefix && !t->eow_suffix;
     for (uint32_t cp = 0; cp < 0x800; cp++) {
         char b[4];
-        int k = prism_tok_utf8_encode(cp, b);
+        int k = prism_utf8_encode(cp, b);
         t->char_id[cp] = prism_tok_vocab_get(t, b, (size_t)k);
     }
     return PRISM_OK;

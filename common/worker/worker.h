@@ -17,8 +17,8 @@
 #include "core/core.h"
 #include "core/cli.h"
 #include "net/net.h"
-#include "model/model.h"
-#include "sample/sample.h"
+
+struct prism_model_config;   /* model/model.h */
 
 #define PRISM_WORKER_MAX_ROUTERS 8
 #define PRISM_WORKER_MAX_PEERS 64
@@ -57,7 +57,7 @@ size_t prism_mem_runtime_bytes(void);
 int    prism_mem_plan_check(const prism_mem_plan_t *p, const char *who);
 
 typedef struct {
-    void *zctx;
+    prism_net_t *net;        /* ZeroMQ context, CURVE keys, ZAP handler */
     Prism__Role role;
     char worker_id[128];
     prism_worker_router_t routers[PRISM_WORKER_MAX_ROUTERS];
@@ -71,8 +71,12 @@ typedef struct {
     double last_heartbeat_s;
 } prism_worker_t;
 
-int  prism_worker_init(prism_worker_t *w, Prism__Role role, const char *worker_id,
-                       const prism_str_list_t *routers, const char *data_bind);
+typedef struct prism_worker_opts prism_worker_opts_t;
+/* Connects to every router (o->routers, as o->worker_id, authenticated with o's CURVE keys) and, when
+ * data_bind is set, binds the data socket; data_max_msg_bytes is the largest data frame this worker
+ * accepts (one image's embeddings, one prompt's KV): a bigger one drops the sender's connection. */
+int  prism_worker_init(prism_worker_t *w, Prism__Role role, const prism_worker_opts_t *o, const char *data_bind,
+                       size_t data_max_msg_bytes);
 void prism_worker_close(prism_worker_t *w);
 
 /* Registration and heartbeats; call every loop iteration (cheap when nothing is due). */
@@ -97,7 +101,7 @@ void prism_worker_install_signals(void);
 bool prism_worker_should_stop(void);
 
 /* Flags every worker has; call prism_worker_common_flags to get them into a flag table. */
-typedef struct {
+struct prism_worker_opts {
     const char *model_path;
     const char *worker_id;
     prism_str_list_t routers;
@@ -109,37 +113,21 @@ typedef struct {
     const char *log_level;
     double heartbeat_s;
     bool random_weights;
-} prism_worker_opts_t;
+    const char *curve_keys;      /* key directory (prism_keygen) */
+    bool insecure_no_curve;
+    int64_t max_message_bytes;   /* largest control message from a router (an image file for encoders) */
+};
 
+#define PRISM_WORKER_N_FLAGS 14
 void prism_worker_opts_defaults(prism_worker_opts_t *o, const char *role);
-/* Appends the common flags to table (which must have room for 11 more entries + END). */
+/* Appends the common flags to table (which must have room for PRISM_WORKER_N_FLAGS more entries + END). */
 int  prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *table, int n);
 /* Start-up shared by every worker: appends the common flags after the worker's own entries of flags
  * (a zero-filled table with room for them), parses, sets up logging and signals, loads config.json
  * (and applies --random-weights). Returns -1 to go on, else the process exit code (0 after --help,
  * 2 for bad flags, 1 otherwise). */
 int  prism_worker_startup(int argc, char **argv, const char *role, const char *summary, prism_flag_t *flags,
-                          prism_worker_opts_t *o, prism_model_config_t *cfg);
-
-/* ---- what prefill and decode share about finished tokens ---- */
-#define PRISM_MAX_TOP_LOGPROBS 20
-#define PRISM_MAX_STOP_IDS 16
-
-/* EOS (unless ignore_eos) or one of the request's stop token ids. */
-bool prism_is_stop_token(const prism_model_config_t *cfg, bool ignore_eos, const int32_t *stop_ids, int n_stop,
-                         int32_t tok);
-
-/* Storage for the logprobs of one token in a Tokens message. */
-typedef struct {
-    Prism__TokenLogprobs lp;
-    Prism__TokenLogprobs *lpp;
-    Prism__TopLogprob top[PRISM_MAX_TOP_LOGPROBS];
-    Prism__TopLogprob *topp[PRISM_MAX_TOP_LOGPROBS];
-} prism_logprobs_msg_t;
-
-/* Attaches tok's logprob and the n_top most likely alternatives (from raw logits) to t. */
-void prism_tokens_set_logprobs(Prism__Tokens *t, prism_logprobs_msg_t *m, prism_sampler_t *s, const float *logits,
-                               int32_t tok, int n_top);
+                          prism_worker_opts_t *o, struct prism_model_config *cfg);
 
 /* What registration advertises: the memory plan and capacity (0 where a field does not apply). */
 void prism_worker_set_capacity(prism_worker_t *w, const prism_worker_opts_t *o, const prism_mem_plan_t *plan,

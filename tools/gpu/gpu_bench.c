@@ -1,12 +1,15 @@
-/* gpu_bench: throughput of the CUDA backend on Llama-3-8B and CLIP-L/336 shapes with random
- * weights (no checkpoint needed), against the H200's ceilings:
+/* gpu_bench: throughput of the CUDA backend and of the product's own model code (prism_llm_forward,
+ * prism_vision_encode) on Llama-3-8B and CLIP-L/336 shapes with random weights (the
+ * --random-weights path, no checkpoint needed), against the H200's ceilings:
  *   - bf16 dense GEMM: ~790 TFLOP/s measured on these machines (datasheet 989);
  *   - HBM: 4.8 TB/s datasheet (~4.3 TB/s measured copy bandwidth).
  * Sections (all by default, or pick with --only gemm|decode|prefill|vit):
  *   gemm     backend matmul (fp32 in -> bf16 -> cuBLAS -> fp32 out) on the 8B layer shapes
- *   decode   one decode step (all layers + lm_head + argmax) at batch 1, 8, 64, context 512
+ *   decode   one prism_llm_forward decode step (all layers + lm_head + logits to the host, as the
+ *            decode worker runs it) at batch 1, 8, 64, context 512
  *   prefill  one 2048-token prompt
- *   vit      CLIP-L/336 tower + LLaVA projector, images/s and device memory at batch 1..64
+ *   vit      prism_vision_encode: CLIP-L/336 tower (23 layers run, feature layer -2) + LLaVA
+ *            projector, features to the host; images/s and device memory at batch 1..64
  * Text goes to stdout, one JSON object per measurement to --json FILE. */
 #include <math.h>
 #include <stdio.h>
@@ -15,7 +18,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
-#include "gpu_model.h"
+#include "gpu_kit.h"
 
 #define PEAK_TFLOPS 790.0
 #define HBM_TBS 4.8
@@ -54,15 +57,15 @@ static void bench_gemm(void)
         for (size_t mi = 0; mi < sizeof Ms / sizeof Ms[0]; mi++) {
             int M = Ms[mi], N = shapes[s].N, K = shapes[s].K;
             if (!strcmp(shapes[s].name, "square8k") && M != 8192) continue;
-            float *x = prism_backend_alloc(g_be, (size_t)M * K * 4), *y = prism_backend_alloc(g_be, (size_t)M * N * 4);
-            void *w = prism_backend_alloc(g_be, (size_t)N * K * 2);
+            float *x = prism_backend_buf_alloc(g_be, (size_t)M * K * 4), *y = prism_backend_buf_alloc(g_be, (size_t)M * N * 4);
+            void *w = prism_backend_buf_alloc(g_be, (size_t)N * K * 2);
             if (!x || !y || !w) {
                 printf("%-9s %6d: out of pool\n", shapes[s].name, M);
-                prism_backend_free(g_be, x); prism_backend_free(g_be, y); prism_backend_free(g_be, w);
+                prism_backend_buf_free(g_be, x); prism_backend_buf_free(g_be, y); prism_backend_buf_free(g_be, w);
                 continue;
             }
-            gm_device_fill(g_be, x, PRISM_DTYPE_F32, (size_t)M * K, 1.0f, 0.0f, 1);
-            gm_device_fill(g_be, w, PRISM_DTYPE_BF16, (size_t)N * K, 0.02f, 0.0f, 2);
+            g_be->i.fill_random(bx, x, PRISM_DTYPE_F32, (size_t)M * K, 1, 1.0f);
+            g_be->i.fill_random(bx, w, PRISM_DTYPE_BF16, (size_t)N * K, 2, 0.02f);
             int rc = PRISM_OK;
             for (int i = 0; i < 3 && !rc; i++) rc = o->matmul(bx, y, N, x, K, w, PRISM_DTYPE_BF16, NULL, M, N, K, false);
             o->synchronize(bx);
@@ -78,27 +81,31 @@ static void bench_gemm(void)
             emit("{\"bench\":\"gemm\",\"shape\":\"%s\",\"M\":%d,\"N\":%d,\"K\":%d,\"us\":%.2f,\"tflops\":%.2f,"
                  "\"pct_peak\":%.2f,\"weight_gbs\":%.1f,\"rc\":%d}", shapes[s].name, M, N, K, dt * 1e6, tf,
                  100 * tf / PEAK_TFLOPS, wgbs, rc);
-            prism_backend_free(g_be, x); prism_backend_free(g_be, y); prism_backend_free(g_be, w);
+            prism_backend_buf_free(g_be, x); prism_backend_buf_free(g_be, y); prism_backend_buf_free(g_be, w);
         }
 }
 
 /* ------------------------------------------------------------------ llama-3-8B decode / prefill */
 
-static const gm_llm_cfg_t k_llama3_8b = {4096, 32, 32, 8, 128, 14336, 128256, 1e-5f, 500000.0f};
 #define BENCH_BPS 136   /* 2176 tokens per sequence */
 #define BENCH_BS 16
+#define BENCH_SEQS 64
 
-static gm_llm_t *g_llm;
+static prism_model_config_t g_cfg;   /* Llama-3-8B text shapes */
+static kit_llm_t *g_llm;
+static float *g_logits;              /* [BENCH_SEQS][vocab] host */
 
 static int llm_get(void)
 {
     if (g_llm) return PRISM_OK;
     double t0 = prism_now_s();
-    int rc = gm_llm_create(g_be, &k_llama3_8b, 1, true, 2048, 64, 64 * BENCH_BPS, BENCH_BS, &g_llm);
+    int rc = kit_llm_create(g_be, &g_cfg, 1, 2048, BENCH_SEQS, BENCH_BPS, BENCH_BS, &g_llm);
     if (rc) { printf("llama-3-8B random model: %s\n", prism_strerror(rc)); return rc; }
+    g_logits = malloc(sizeof(float) * (size_t)BENCH_SEQS * g_cfg.vocab);
+    if (!g_logits) return PRISM_ENOMEM;
     printf("llama-3-8B-shaped model: %.2f GiB bf16 weights, KV pool %.1f GiB (fp32), ready in %.1fs\n",
-           gib(gm_llm_weight_bytes(g_llm)), gib((size_t)64 * BENCH_BPS * BENCH_BS * gm_llm_kv_bytes_per_token(g_llm)),
-           prism_now_s() - t0);
+           gib(prism_llm_weight_bytes(g_llm->llm)),
+           gib((size_t)BENCH_SEQS * BENCH_BPS * BENCH_BS * kit_kv_bytes_per_token(g_llm)), prism_now_s() - t0);
     return PRISM_OK;
 }
 
@@ -106,22 +113,22 @@ static void bench_decode(int ctx)
 {
     if (llm_get()) return;
     static const int batches[] = {1, 8, 64};
-    const gm_llm_cfg_t *c = &k_llama3_8b;
+    const prism_model_config_t *c = &g_cfg;
     size_t embed = (size_t)c->vocab * c->hidden * 2;
-    size_t wread = gm_llm_weight_bytes(g_llm) - embed;   /* every weight but the gathered embedding rows */
+    size_t wread = prism_llm_weight_bytes(g_llm->llm) - embed;   /* every weight but the gathered embedding rows */
     printf("\n== decode step, Llama-3-8B shapes, context %d (HBM roofline %.1f TB/s)\n", ctx, HBM_TBS);
     printf("%5s %10s %10s %12s %14s %12s\n", "batch", "step_ms", "tok/s", "roof_w_ms", "roof_w+kv_ms", "%roof(w+kv)");
     for (size_t bi = 0; bi < 3; bi++) {
         int B = batches[bi];
-        int32_t toks[64], ql[64], pos0[64], out[64];
+        int32_t toks[BENCH_SEQS], ql[BENCH_SEQS], pos0[BENCH_SEQS];
         for (int s = 0; s < B; s++) { toks[s] = (s * 7919) % c->vocab; ql[s] = 1; pos0[s] = ctx; }
         int rc = PRISM_OK;
-        for (int i = 0; i < 3 && !rc; i++) rc = gm_llm_forward(g_llm, B, toks, ql, pos0, BENCH_BPS, NULL, out);
+        for (int i = 0; i < 3 && !rc; i++) rc = kit_llm_forward(g_llm, B, toks, ql, pos0, g_logits);
         int reps = B >= 64 ? 10 : 20;
         double t0 = prism_now_s();
-        for (int i = 0; i < reps && !rc; i++) rc = gm_llm_forward(g_llm, B, toks, ql, pos0, BENCH_BPS, NULL, out);
+        for (int i = 0; i < reps && !rc; i++) rc = kit_llm_forward(g_llm, B, toks, ql, pos0, g_logits);
         double dt = (prism_now_s() - t0) / reps;
-        size_t kv = (size_t)B * (ctx + 1) * gm_llm_kv_bytes_per_token(g_llm);
+        size_t kv = (size_t)B * (ctx + 1) * kit_kv_bytes_per_token(g_llm);
         double roof_w = wread / (HBM_TBS * 1e12), roof = (wread + kv) / (HBM_TBS * 1e12);
         printf("%5d %10.3f %10.0f %12.3f %14.3f %11.1f%%%s\n", B, dt * 1e3, B / dt, roof_w * 1e3, roof * 1e3,
                100 * roof / dt, rc ? "  (error)" : "");
@@ -134,16 +141,16 @@ static void bench_decode(int ctx)
 static void bench_prefill(int T)
 {
     if (llm_get()) return;
-    const gm_llm_cfg_t *c = &k_llama3_8b;
-    int32_t *toks = malloc((size_t)T * 4), ql[1] = {T}, pos0[1] = {0}, out[1];
+    const prism_model_config_t *c = &g_cfg;
+    int32_t *toks = malloc((size_t)T * 4), ql[1] = {T}, pos0[1] = {0};
     for (int i = 0; i < T; i++) toks[i] = (i * 7919 + 13) % c->vocab;
-    int rc = gm_llm_forward(g_llm, 1, toks, ql, pos0, BENCH_BPS, NULL, out);
+    int rc = kit_llm_forward(g_llm, 1, toks, ql, pos0, g_logits);
     int reps = 3;
     double t0 = prism_now_s();
-    for (int i = 0; i < reps && !rc; i++) rc = gm_llm_forward(g_llm, 1, toks, ql, pos0, BENCH_BPS, NULL, out);
+    for (int i = 0; i < reps && !rc; i++) rc = kit_llm_forward(g_llm, 1, toks, ql, pos0, g_logits);
     double dt = (prism_now_s() - t0) / reps;
-    double H = c->hidden, I = c->inter, hd = c->head_dim;
-    double layer_params = H * (c->n_heads + 2.0 * c->n_kv) * hd + H * c->n_heads * hd + 3.0 * H * I;
+    double H = c->hidden, I = c->intermediate, hd = c->head_dim;
+    double layer_params = H * (c->n_heads + 2.0 * c->n_kv_heads) * hd + H * c->n_heads * hd + 3.0 * H * I;
     double gemm_flop = 2.0 * T * layer_params * c->n_layers + 2.0 * H * c->vocab;
     double attn_flop = 4.0 * (double)T * (T + 1) / 2 * hd * c->n_heads * c->n_layers;
     double tf = (gemm_flop + attn_flop) / dt / 1e12;
@@ -160,30 +167,32 @@ static void bench_prefill(int T)
 
 static void bench_vit(void)
 {
-    static const gm_vit_cfg_t clip = {336, 14, 1024, 24, 16, 4096, 4096, 1e-5f};
+    prism_model_config_t clip = kit_vision_config(&g_cfg, 336, 14, 1024, 24, 16, 4096);
+    clip.random_seed = 3;
     static const int batches[] = {1, 8, 16, 32, 64};
-    printf("\n== CLIP-L/336 (24 layers, 577 tokens) + LLaVA projector to 4096\n");
+    printf("\n== CLIP-L/336 (23 of 24 layers run, 577 tokens) + LLaVA projector to 4096\n");
     printf("%5s %10s %10s %12s %14s %10s\n", "batch", "ms", "images/s", "TFLOP/s", "device_GiB", "act_GiB");
     double flop_img = 0;
     {
-        double T = 577, VH = 1024, VI = 4096, P = 4096, np = 576;
-        flop_img = 24 * (2 * T * (4 * VH * VH + 2 * VH * VI) + 4 * T * T * VH) + 2 * np * 588 * VH +
+        double T = 577, VH = 1024, VI = 4096, P = 4096, np = 576, L = 23;
+        flop_img = L * (2 * T * (4 * VH * VH + 2 * VH * VI) + 4 * T * T * VH) + 2 * np * 588 * VH +
                    2 * np * (VH * P + P * P);
     }
     for (size_t bi = 0; bi < sizeof batches / sizeof batches[0]; bi++) {
         int B = batches[bi];
         size_t before = g_be->i.pool_used(g_be->ctx);
-        gm_vit_t *v = NULL;
-        int rc = gm_vit_create(g_be, &clip, 3, true, B, &v);
-        if (rc) { printf("%5d: %s\n", B, prism_strerror(rc)); continue; }
-        size_t mem = g_be->i.pool_used(g_be->ctx) - before, wb = gm_vit_weight_bytes(v);
-        size_t npix = (size_t)B * 3 * 336 * 336;
-        float *pix = malloc(npix * 4);
+        prism_vision_t *v = NULL;
+        char err[256] = "";
+        int rc = prism_vision_load(g_be, &clip, NULL, B, &v, err, sizeof err);
+        if (rc) { printf("%5d: %s %s\n", B, prism_strerror(rc), err); continue; }
+        size_t mem = g_be->i.pool_used(g_be->ctx) - before, wb = prism_vision_weight_bytes(v);
+        size_t npix = (size_t)B * 3 * 336 * 336, nout = (size_t)B * clip.image_seq_length * clip.hidden;
+        float *pix = malloc(npix * 4), *out = malloc(nout * 4);
         for (size_t i = 0; i < npix; i++) pix[i] = (float)((i * 2654435761u) % 2001) / 1000.0f - 1.0f;
-        rc = gm_vit_encode(v, pix, B, NULL);
+        rc = prism_vision_encode(v, pix, B, out);
         int reps = B >= 32 ? 3 : 8;
         double t0 = prism_now_s();
-        for (int i = 0; i < reps && !rc; i++) rc = gm_vit_encode(v, pix, B, NULL);
+        for (int i = 0; i < reps && !rc; i++) rc = prism_vision_encode(v, pix, B, out);
         double dt = (prism_now_s() - t0) / reps;
         double tf = flop_img * B / dt / 1e12;
         printf("%5d %10.2f %10.1f %12.1f %14.2f %10.2f%s\n", B, dt * 1e3, B / dt, tf, gib(mem), gib(mem - wb),
@@ -191,7 +200,8 @@ static void bench_vit(void)
         emit("{\"bench\":\"vit\",\"batch\":%d,\"ms\":%.3f,\"images_s\":%.2f,\"tflops\":%.2f,\"device_bytes\":%zu,"
              "\"activation_bytes\":%zu,\"rc\":%d}", B, dt * 1e3, B / dt, tf, mem, mem - wb, rc);
         free(pix);
-        gm_vit_free(v);
+        free(out);
+        prism_vision_free(v);
     }
 }
 
@@ -211,6 +221,7 @@ int main(int argc, char **argv)
         return 2;
     }
     prism_log_init("gpu_bench", PRISM_LOG_WARN);
+    g_cfg = kit_text_config(4096, 32, 32, 8, 128, 14336, 128256, 1e-5f, 500000.0f);
     if (!prism_cuda_available()) { printf("SKIPPED: no CUDA device\n"); return 77; }
     int rc = prism_backend_create("cuda", 1, 0, &g_be);
     if (rc) { printf("cuda backend: %s\n", prism_strerror(rc)); return 1; }
@@ -222,8 +233,9 @@ int main(int argc, char **argv)
     if (!only || !strcmp(only, "gemm")) bench_gemm();
     if (!only || !strcmp(only, "decode")) bench_decode(ctx);
     if (!only || !strcmp(only, "prefill")) bench_prefill(prefill);
-    gm_llm_free(g_llm);
+    kit_llm_free(g_llm);
     g_llm = NULL;
+    free(g_logits);
     if (!only || !strcmp(only, "vit")) bench_vit();
     printf("\ndevice allocations after start-up: %llu (must be 0)\n", (unsigned long long)(prism_cuda_malloc_count() - m0));
     emit("{\"bench\":\"allocs_after_start\",\"count\":%llu}", (unsigned long long)(prism_cuda_malloc_count() - m0));

@@ -1,7 +1,8 @@
 /* gpu_check: CUDA backend vs the CPU reference on the GPU machine (no cmocka / OpenBLAS / jansson
- * needed). Prints PASS/FAIL per op (tests/unit/gpu/ops_check.c), then model-level checks on
- * random-weight Llama- and CLIP-shaped models (tools/gpu/gpu_model.c): logits within the bf16
- * tolerance and 32 greedy steps identical, plus "no cudaMalloc after start-up".
+ * needed). Prints PASS/FAIL per op (tests/unit/gpu/ops_check.c), then model-level checks of the
+ * product's own prism_llm / prism_vision on random-weight Llama- and CLIP-shaped configs
+ * (gpu_kit.h): logits within the bf16 tolerance and 32 greedy steps identical, plus "no
+ * cudaMalloc after start-up".
  * Exit status 0 only when everything passed.
  *
  *   gpu_check [--op NAME] [--big] [--verbose] [--json FILE] */
@@ -12,7 +13,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
-#include "gpu_model.h"
+#include "gpu_kit.h"
 #include "ops_check.h"
 
 static FILE *g_json;
@@ -51,20 +52,20 @@ static int argmax_margin(const float *x, int n, float *margin)
 }
 
 /* Prefill a prompt, then 32 teacher-forced greedy steps on both backends (batch of 2 sequences). */
-static void llm_check(const char *name, prism_backend_t *cpu, prism_backend_t *gpu, const gm_llm_cfg_t *c)
+static void llm_check(const char *name, prism_backend_t *cpu, prism_backend_t *gpu, const prism_model_config_t *c)
 {
     enum { S = 2, P = 37, STEPS = 32, BPS = 8, BS = 16 };
-    gm_llm_t *mc = NULL, *mg = NULL;
-    int rc = gm_llm_create(cpu, c, 7, false, 2 * P, S, S * BPS, BS, &mc);
-    if (!rc) rc = gm_llm_create(gpu, c, 7, false, 2 * P, S, S * BPS, BS, &mg);
+    kit_llm_t *mc = NULL, *mg = NULL;
+    int rc = kit_llm_create(cpu, c, 7, 2 * P, S, BPS, BS, &mc);
+    if (!rc) rc = kit_llm_create(gpu, c, 7, 2 * P, S, BPS, BS, &mg);
     if (rc) { result(name, false, "create: %s", prism_strerror(rc)); goto out; }
     int V = c->vocab;
     float *lc = malloc((size_t)S * V * 4), *lg = malloc((size_t)S * V * 4);
     int32_t toks[2 * P], ql[S] = {P, P - 11}, pos0[S] = {0, 0};
     for (int i = 0; i < 2 * P; i++) toks[i] = (i * 131 + 7) % V;
     uint64_t m0 = prism_cuda_malloc_count();
-    rc = gm_llm_forward(mc, S, toks, ql, pos0, BPS, lc, NULL);
-    if (!rc) rc = gm_llm_forward(mg, S, toks, ql, pos0, BPS, lg, NULL);
+    rc = kit_llm_forward(mc, S, toks, ql, pos0, lc);
+    if (!rc) rc = kit_llm_forward(mg, S, toks, ql, pos0, lg);
     int same = 0, amb = 0, bad = 0;
     double worst_rel = 0;
     for (int step = 0; step < STEPS && !rc; step++) {
@@ -83,8 +84,8 @@ static void llm_check(const char *name, prism_backend_t *cpu, prism_backend_t *g
             pos0[s] += ql[s];
         }
         memcpy(ql, one, sizeof one);
-        rc = gm_llm_forward(mc, S, next, ql, pos0, BPS, lc, NULL);
-        if (!rc) rc = gm_llm_forward(mg, S, next, ql, pos0, BPS, lg, NULL);
+        rc = kit_llm_forward(mc, S, next, ql, pos0, lc);
+        if (!rc) rc = kit_llm_forward(mg, S, next, ql, pos0, lg);
     }
     bool no_alloc = prism_cuda_malloc_count() == m0;
     result(name, !rc && bad == 0 && amb <= 2 && worst_rel <= 0.05 && no_alloc,
@@ -93,27 +94,32 @@ static void llm_check(const char *name, prism_backend_t *cpu, prism_backend_t *g
            (unsigned long long)(prism_cuda_malloc_count() - m0));
     free(lc); free(lg);
 out:
-    gm_llm_free(mc);
-    gm_llm_free(mg);
+    kit_llm_free(mc);
+    kit_llm_free(mg);
 }
 
 static void vit_check(prism_backend_t *cpu, prism_backend_t *gpu)
 {
-    gm_vit_cfg_t c = {112, 14, 128, 3, 4, 512, 256, 1e-5f};   /* tiny-llava's tower shape */
-    gm_vit_t *vc = NULL, *vg = NULL;
-    int rc = gm_vit_create(cpu, &c, 11, false, 3, &vc);
-    if (!rc) rc = gm_vit_create(gpu, &c, 11, false, 3, &vg);
-    size_t np = (size_t)3 * 3 * 112 * 112, nf = (size_t)3 * 64 * 256;
+    /* tiny-llava's tower shape */
+    prism_model_config_t text = kit_text_config(256, 4, 8, 4, 32, 688, 4096, 1e-5f, 10000.0f);
+    prism_model_config_t c = kit_vision_config(&text, 112, 14, 128, 3, 4, 512);
+    c.random_seed = 11;
+    char err[256] = "";
+    prism_vision_t *vc = NULL, *vg = NULL;
+    int rc = prism_vision_load(cpu, &c, NULL, 3, &vc, err, sizeof err);
+    if (!rc) rc = prism_vision_load(gpu, &c, NULL, 3, &vg, err, sizeof err);
+    size_t np = (size_t)3 * 3 * 112 * 112, nf = (size_t)3 * c.image_seq_length * c.hidden;
     float *pix = malloc(np * 4), *a = malloc(nf * 4), *b = malloc(nf * 4);
     for (size_t i = 0; i < np; i++) pix[i] = (float)((i * 2654435761u) % 2001) / 1000.0f - 1.0f;
-    if (!rc) rc = gm_vit_encode(vc, pix, 3, a);
-    if (!rc) rc = gm_vit_encode(vg, pix, 3, b);
+    if (!rc) rc = prism_vision_encode(vc, pix, 3, a);
+    if (!rc) rc = prism_vision_encode(vg, pix, 3, b);
     double sd = rc ? 1 : stddev(a, (int)nf), w = 0;
     for (size_t i = 0; !rc && i < nf; i++) w = fmax(w, fabs((double)a[i] - b[i]));
-    result("vit_112px_3_images", !rc && w <= 0.05 * sd, "rc %d, max |diff| %.4g (std %.4g)", rc, w, sd);
+    result("vit_112px_3_images", !rc && w <= 0.05 * sd, "rc %d%s%s, max |diff| %.4g (std %.4g)", rc, err[0] ? ": " : "",
+           err, w, sd);
     free(pix); free(a); free(b);
-    gm_vit_free(vc);
-    gm_vit_free(vg);
+    prism_vision_free(vc);
+    prism_vision_free(vg);
 }
 
 int main(int argc, char **argv)
@@ -150,8 +156,8 @@ int main(int argc, char **argv)
            (unsigned long long)(prism_cuda_malloc_count() - m0),
            gpu->i.pool_used(gpu->ctx) - prism_cuda_reserved_bytes(gpu));
     if (!only) {
-        gm_llm_cfg_t tiny = {256, 4, 8, 4, 32, 688, 4096, 1e-5f, 10000.0f};      /* tiny-llava text shape */
-        gm_llm_cfg_t gqa8 = {1024, 2, 8, 1, 128, 2816, 32000, 1e-5f, 500000.0f}; /* hd 128, 8 q per kv head */
+        prism_model_config_t tiny = kit_text_config(256, 4, 8, 4, 32, 688, 4096, 1e-5f, 10000.0f);  /* tiny-llava text */
+        prism_model_config_t gqa8 = kit_text_config(1024, 2, 8, 1, 128, 2816, 32000, 1e-5f, 500000.0f); /* hd 128, GQA 8 */
         llm_check("llm_tiny_greedy32", cpu, gpu, &tiny);
         llm_check("llm_hd128_gqa8_greedy32", cpu, gpu, &gqa8);
         vit_check(cpu, gpu);

@@ -46,66 +46,11 @@ bool prism_cuda_available(void) { return prism_cuda_device_count() > 0; }
 
 /* ---------------------------------------------------------------- pool */
 
-static void *pool_take(prism_cuda_ctx_t *c, size_t bytes)
-{
-    if (bytes == 0) bytes = 1;
-    if (bytes > c->pool_cap) return NULL;
-    size_t need = PRISM_ALIGN_UP(bytes, PRISM_CUDA_POOL_ALIGN);
-    void *p = NULL;
-    pthread_mutex_lock(&c->mu);
-    for (int i = 0; i < c->n_segs; i++) {
-        prism_cuda_seg_t *s = &c->segs[i];
-        if (s->used || s->size < need) continue;
-        if (s->size > need) {
-            if (c->n_segs == PRISM_CUDA_MAX_SEGS) break;   /* metadata full: refuse, never grow */
-            memmove(&c->segs[i + 2], &c->segs[i + 1], (size_t)(c->n_segs - i - 1) * sizeof *s);
-            c->segs[i + 1] = (prism_cuda_seg_t){s->off + need, s->size - need, false};
-            c->n_segs++;
-            s->size = need;
-        }
-        s->used = true;
-        c->pool_used += need;
-        if (c->pool_used > c->pool_peak) c->pool_peak = c->pool_used;
-        p = c->pool + s->off;
-        break;
-    }
-    pthread_mutex_unlock(&c->mu);
-    return p;
-}
-
-static void pool_give(prism_cuda_ctx_t *c, void *p)
-{
-    if (!p) return;
-    PRISM_ASSERT((uint8_t *)p >= c->pool && (uint8_t *)p < c->pool + c->pool_cap);
-    size_t off = (size_t)((uint8_t *)p - c->pool);
-    pthread_mutex_lock(&c->mu);
-    int lo = 0, hi = c->n_segs - 1, i = -1;
-    while (lo <= hi) {
-        int mid = (lo + hi) / 2;
-        if (c->segs[mid].off == off) { i = mid; break; }
-        if (c->segs[mid].off < off) lo = mid + 1; else hi = mid - 1;
-    }
-    PRISM_ASSERT(i >= 0 && c->segs[i].used);   /* freeing something the pool never handed out */
-    c->segs[i].used = false;
-    c->pool_used -= c->segs[i].size;
-    if (i + 1 < c->n_segs && !c->segs[i + 1].used) {
-        c->segs[i].size += c->segs[i + 1].size;
-        memmove(&c->segs[i + 1], &c->segs[i + 2], (size_t)(c->n_segs - i - 2) * sizeof c->segs[0]);
-        c->n_segs--;
-    }
-    if (i > 0 && !c->segs[i - 1].used) {
-        c->segs[i - 1].size += c->segs[i].size;
-        memmove(&c->segs[i], &c->segs[i + 1], (size_t)(c->n_segs - i - 1) * sizeof c->segs[0]);
-        c->n_segs--;
-    }
-    pthread_mutex_unlock(&c->mu);
-}
-
-static void *cu_alloc(void *ctx, size_t bytes) { return pool_take(ctx, bytes); }
-static void cu_free(void *ctx, void *p) { pool_give(ctx, p); }
-static size_t cu_pool_used(void *ctx) { return ((prism_cuda_ctx_t *)ctx)->pool_used; }
-static size_t cu_pool_peak(void *ctx) { return ((prism_cuda_ctx_t *)ctx)->pool_peak; }
-static size_t cu_pool_cap(void *ctx) { return ((prism_cuda_ctx_t *)ctx)->pool_cap; }
+static void *cu_alloc(void *ctx, size_t bytes) { return prism_cuda_pool_take(&((prism_cuda_ctx_t *)ctx)->pool, bytes); }
+static void cu_free(void *ctx, void *p) { prism_cuda_pool_give(&((prism_cuda_ctx_t *)ctx)->pool, p); }
+static size_t cu_pool_used(void *ctx) { return ((prism_cuda_ctx_t *)ctx)->pool.used; }
+static size_t cu_pool_peak(void *ctx) { return ((prism_cuda_ctx_t *)ctx)->pool.peak; }
+static size_t cu_pool_cap(void *ctx) { return ((prism_cuda_ctx_t *)ctx)->pool.cap; }
 
 /* ---------------------------------------------------------------- transfers */
 
@@ -232,6 +177,24 @@ static int cu_scale(void *ctx, float *y, const float *x, float s, size_t n)
 static int cu_get_rows(void *ctx, float *out, const void *table, prism_dtype_t dt, int n_table, const int32_t *ids,
                        int n, int dim)
 { return prism_cuda_get_rows(ST(ctx), out, table, dt, n_table, ids, n, dim); }
+static int cu_head_rmsnorm(void *ctx, float *x, int ld, int n_tokens, int n_heads, int head_dim, const float *w,
+                           float eps)
+{ return prism_cuda_head_rmsnorm(ST(ctx), x, ld, n_tokens, n_heads, head_dim, w, eps); }
+static int cu_scale_rows(void *ctx, float *x, int ld, int n_rows, int dim, const float *s)
+{ return prism_cuda_scale_rows(ST(ctx), x, ld, n_rows, dim, s); }
+static int cu_moe_route(void *ctx, const float *logits, int n_tokens, int n_experts, int top_k, int32_t *choice,
+                        int32_t *order, float *weight, int32_t *offsets, int32_t *slot)
+{ return prism_cuda_moe_route(ST(ctx), logits, n_tokens, n_experts, top_k, choice, order, weight, offsets, slot); }
+static int cu_matmul_grouped(void *ctx, float *y, int ldy, const float *x, int ldx, const void *w, prism_dtype_t wdt,
+                             const int32_t *offsets, int n_groups, int M, int N, int K)
+{ return prism_cuda_matmul_grouped(ST(ctx), y, ldy, x, ldx, w, wdt, offsets, n_groups, M, N, K); }
+static int cu_moe_combine(void *ctx, float *y, int ldy, const float *src, const int32_t *slot, int n_tokens, int top_k,
+                          int dim)
+{ return prism_cuda_moe_combine(ST(ctx), y, ldy, src, slot, n_tokens, top_k, dim); }
+static int cu_pixel_shuffle(void *ctx, float *out, const float *x, int n_img, int rows_per_img, int g, int C, int s)
+{ return prism_cuda_pixel_shuffle(ST(ctx), out, x, n_img, rows_per_img, g, C, s); }
+static int cu_fill_random(void *ctx, void *dst, prism_dtype_t dt, size_t n, uint64_t seed, float std)
+{ return prism_cuda_fill_random(ST(ctx), dst, dt, n, seed, std); }
 static int cu_im2patch(void *ctx, float *out, const float *pixels, int n_img, int C, int H, int W, int p)
 { return prism_cuda_im2patch(ST(ctx), out, pixels, n_img, C, H, W, p); }
 static int cu_kv_write(void *ctx, float *kc, float *vc, const float *k, const float *v, int ld, const int32_t *slots,
@@ -374,16 +337,15 @@ static void cu_destroy(void *ctx)
     for (int b = 0; b < 2; b++)
         if (c->stage_ev[b]) cudaEventDestroy(c->stage_ev[b]);
     if (c->stage[0]) cudaFreeHost(c->stage[0]);
-    if (c->pool) cudaFree(c->pool);
+    if (c->pool.base) cudaFree(c->pool.base);
     if (c->stream) cudaStreamDestroy(c->stream);
-    pthread_mutex_destroy(&c->mu);
-    prism_free(c->segs);
+    prism_cuda_pool_destroy(&c->pool);
     prism_free(c);
 }
 
 static void *reserve(prism_cuda_ctx_t *c, size_t bytes)
 {
-    void *p = pool_take(c, bytes);
+    void *p = prism_cuda_pool_take(&c->pool, bytes);
     if (p) c->reserved += PRISM_ALIGN_UP(bytes, PRISM_CUDA_POOL_ALIGN);
     return p;
 }
@@ -408,10 +370,7 @@ prism_backend_t *prism_backend_cuda_create(int device, size_t pool_bytes, int *s
     prism_cuda_ctx_t *c = prism_calloc(1, sizeof *c);
     int rc = PRISM_ENOMEM;
     if (!be || !c) goto fail;
-    pthread_mutex_init(&c->mu, NULL);
     c->device = device;
-    c->segs = prism_calloc(PRISM_CUDA_MAX_SEGS, sizeof *c->segs);
-    if (!c->segs) goto fail;
     if ((rc = PRISM_CUDA_TRY(cudaSetDevice(device)))) goto fail;
     struct cudaDeviceProp prop;
     if ((rc = PRISM_CUDA_TRY(cudaGetDeviceProperties(&prop, device)))) goto fail;
@@ -438,17 +397,18 @@ prism_backend_t *prism_backend_cuda_create(int device, size_t pool_bytes, int *s
         goto fail;
     }
     /* The one device allocation of this backend. */
+    void *dev = NULL;
     prism_cuda_count_malloc();
-    if ((rc = PRISM_CUDA_TRY(cudaMalloc((void **)&c->pool, pool_bytes)))) {
+    if ((rc = PRISM_CUDA_TRY(cudaMalloc(&dev, pool_bytes)))) {
         char a[32], b[32];
         PRISM_ERROR("cuda: cannot allocate a %s pool (%s free)", prism_fmt_bytes(pool_bytes, a, sizeof a),
                     prism_fmt_bytes(free_b, b, sizeof b));
-        c->pool = NULL;
         goto fail;
     }
-    c->pool_cap = pool_bytes;
-    c->segs[0] = (prism_cuda_seg_t){0, pool_bytes, false};
-    c->n_segs = 1;
+    if ((rc = prism_cuda_pool_init(&c->pool, dev, pool_bytes, PRISM_CUDA_MAX_SEGS))) {
+        cudaFree(dev);
+        goto fail;
+    }
 
     c->cublas_ws_bytes = CUBLAS_WS;
     c->cublas_ws = reserve(c, CUBLAS_WS);
@@ -490,6 +450,9 @@ prism_backend_t *prism_backend_cuda_create(int device, size_t pool_bytes, int *s
         .attn_paged = cu_attn_paged, .attn_decode = cu_attn_decode, .attn_dense = cu_attn_dense,
         .blocks_to_host = cu_blocks_to_host, .blocks_from_host = cu_blocks_from_host,
         .argmax = cu_argmax,
+        .head_rmsnorm = cu_head_rmsnorm, .scale_rows = cu_scale_rows, .moe_route = cu_moe_route,
+        .matmul_grouped = cu_matmul_grouped, .moe_combine = cu_moe_combine, .pixel_shuffle = cu_pixel_shuffle,
+        .fill_random = cu_fill_random,
         .destroy = cu_destroy,
     };
     be->ctx = c;

@@ -11,6 +11,7 @@
 #endif
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_pool.h"
 
 #include <cuda_runtime_api.h>
 #include <pthread.h>
@@ -32,27 +33,14 @@ int prism_cuda_status(cudaError_t e, const char *what, const char *file, int lin
 
 void prism_cuda_count_malloc(void);
 
-/* ---- pool: one device allocation carved first-fit with coalescing; metadata on the host ---- */
-typedef struct {
-    size_t off, size;
-    bool used;
-} prism_cuda_seg_t;
-
-#define PRISM_CUDA_POOL_ALIGN 256
-#define PRISM_CUDA_MAX_SEGS   16384
-
 typedef struct {
     int device;
     char name[320];
     int n_sm;
     cudaStream_t stream;
     void *cublas;                 /* cublasHandle_t */
-    pthread_mutex_t mu;           /* pool metadata */
 
-    uint8_t *pool;                /* the one device allocation */
-    size_t pool_cap, pool_used, pool_peak;
-    prism_cuda_seg_t *segs;       /* [PRISM_CUDA_MAX_SEGS], sorted by off */
-    int n_segs;
+    prism_cuda_pool_t pool;       /* the one device allocation, carved (cuda_pool.c) */
 
     /* scratch carved at create */
     void *cublas_ws;   size_t cublas_ws_bytes;
@@ -114,6 +102,19 @@ int prism_cuda_attn_dense(cudaStream_t st, float *out, int ldo, const float *q, 
 int prism_cuda_kv_gather(cudaStream_t st, void *dst, const void *base, size_t block_bytes, const int32_t *ids, int n);
 int prism_cuda_kv_scatter(cudaStream_t st, void *base, size_t block_bytes, const int32_t *ids, int n, const void *src);
 int prism_cuda_argmax(cudaStream_t st, int32_t *out, const float *logits, int n_rows, int vocab);
+/* Llama-4 ops (semantics in backend.h). */
+int prism_cuda_head_rmsnorm(cudaStream_t st, float *x, int ld, int n_tokens, int n_heads, int head_dim, const float *w,
+                            float eps);
+int prism_cuda_scale_rows(cudaStream_t st, float *x, int ld, int n_rows, int dim, const float *s);
+int prism_cuda_moe_route(cudaStream_t st, const float *logits, int n_tokens, int n_experts, int top_k, int32_t *choice,
+                         int32_t *order, float *weight, int32_t *offsets, int32_t *slot);
+int prism_cuda_matmul_grouped(cudaStream_t st, float *y, int ldy, const float *x, int ldx, const void *w,
+                              prism_dtype_t wdt, const int32_t *offsets, int n_groups, int M, int N, int K);
+int prism_cuda_moe_combine(cudaStream_t st, float *y, int ldy, const float *src, const int32_t *slot, int n_tokens,
+                           int top_k, int dim);
+int prism_cuda_pixel_shuffle(cudaStream_t st, float *out, const float *x, int n_img, int rows_per_img, int g, int C,
+                             int s);
+int prism_cuda_fill_random(cudaStream_t st, void *dst, prism_dtype_t dt, size_t n, uint64_t seed, float std);
 
 typedef struct {
     float temperature, top_p;

@@ -22,7 +22,8 @@
 
 const char *const prism_opcheck_ops[] = {
     "copy", "matmul", "rmsnorm", "layernorm", "rope", "act", "silu_mul", "add", "scale", "get_rows",
-    "im2patch", "kv", "attn_paged", "attn_decode", "attn_dense", "argmax", "sample", "scatter_rows", NULL,
+    "im2patch", "kv", "attn_paged", "attn_decode", "attn_dense", "argmax", "fill_random", "sample", "scatter_rows",
+    "head_rmsnorm", "scale_rows", "moe", "pixel_shuffle", NULL,
 };
 
 /* ---------------------------------------------------------------- helpers */
@@ -56,10 +57,10 @@ static float bf16_round(float f) { return prism_bf16_to_f32(prism_f32_to_bf16(f)
 /* alloc + upload of raw bytes on one backend */
 static void *put(prism_backend_t *be, const void *host, size_t bytes)
 {
-    void *d = prism_backend_alloc(be, bytes ? bytes : 4);
+    void *d = prism_backend_buf_alloc(be, bytes ? bytes : 4);
     if (!d) return NULL;
     if (host && bytes && be->i.upload(be->ctx, d, host, bytes) != PRISM_OK) {
-        prism_backend_free(be, d);
+        prism_backend_buf_free(be, d);
         return NULL;
     }
     return d;
@@ -168,10 +169,10 @@ static void check_copy(ck_t *c)
         }
     report(c, ok, "upload_convert(%s) + get_rows round trip", prism_dtype_name(wdt));
     free(back);
-    prism_backend_free(c->dev, dids);
-    prism_backend_free(c->dev, tab);
-    prism_backend_free(c->dev, d0);
-    prism_backend_free(c->dev, d1);
+    prism_backend_buf_free(c->dev, dids);
+    prism_backend_buf_free(c->dev, tab);
+    prism_backend_buf_free(c->dev, d0);
+    prism_backend_buf_free(c->dev, d1);
     free(h);
 }
 
@@ -205,8 +206,8 @@ static void matmul_case(ck_t *c, int M, int N, int K, int pad_x, int pad_y, bool
     close_f32(c, what, hr, hd, (size_t)M * ldy, tol * (rms(hr, (size_t)M * ldy) + 1e-3), wdt == PRISM_DTYPE_F32 ? 1e-5 : 0);
     if (!pad_ok) report(c, false, "%s wrote outside N columns", what);
     free(hr); free(hd);
-    prism_backend_free(c->ref, rx); prism_backend_free(c->ref, rw); prism_backend_free(c->ref, rb); prism_backend_free(c->ref, ry);
-    prism_backend_free(c->dev, dx); prism_backend_free(c->dev, dw); prism_backend_free(c->dev, db); prism_backend_free(c->dev, dy);
+    prism_backend_buf_free(c->ref, rx); prism_backend_buf_free(c->ref, rw); prism_backend_buf_free(c->ref, rb); prism_backend_buf_free(c->ref, ry);
+    prism_backend_buf_free(c->dev, dx); prism_backend_buf_free(c->dev, dw); prism_backend_buf_free(c->dev, db); prism_backend_buf_free(c->dev, dy);
     free(x); free(w); free(b); free(y0);
 }
 
@@ -248,10 +249,10 @@ static void norm_case(ck_t *c, bool layer, int rows, int dim, bool in_place, boo
     snprintf(what, sizeof what, "%dx%d%s%s", rows, dim, in_place ? " in-place" : "", affine ? "" : " no-affine");
     close_f32(c, what, hr, hd, n, 2e-5, 2e-5);
     free(hr); free(hd);
-    prism_backend_free(c->ref, rx); if (!in_place) prism_backend_free(c->ref, ry);
-    prism_backend_free(c->ref, rw); prism_backend_free(c->ref, rb);
-    prism_backend_free(c->dev, dx); if (!in_place) prism_backend_free(c->dev, dy);
-    prism_backend_free(c->dev, dw); prism_backend_free(c->dev, db);
+    prism_backend_buf_free(c->ref, rx); if (!in_place) prism_backend_buf_free(c->ref, ry);
+    prism_backend_buf_free(c->ref, rw); prism_backend_buf_free(c->ref, rb);
+    prism_backend_buf_free(c->dev, dx); if (!in_place) prism_backend_buf_free(c->dev, dy);
+    prism_backend_buf_free(c->dev, dw); prism_backend_buf_free(c->dev, db);
     free(x); free(w); free(b);
 }
 
@@ -294,8 +295,8 @@ static void rope_case(ck_t *c, int T, int nh, int hd, int rot, int pad, prism_ro
     /* sincosf of angles up to ~1e5 rad: both sides are within an ulp of the true value. */
     close_f32(c, what, hr, hd_, n, 2e-5, 1e-5);
     free(hr); free(hd_);
-    prism_backend_free(c->ref, rx); prism_backend_free(c->ref, rp); prism_backend_free(c->ref, ri);
-    prism_backend_free(c->dev, dx); prism_backend_free(c->dev, dp); prism_backend_free(c->dev, di);
+    prism_backend_buf_free(c->ref, rx); prism_backend_buf_free(c->ref, rp); prism_backend_buf_free(c->ref, ri);
+    prism_backend_buf_free(c->dev, dx); prism_backend_buf_free(c->dev, dp); prism_backend_buf_free(c->dev, di);
     free(x); free(pos);
 }
 
@@ -328,8 +329,8 @@ static void check_act(ck_t *c)
             snprintf(what, sizeof what, "%s n%zu%s", names[a], n, inplace ? " in-place" : "");
             close_f32(c, what, hr, hd, n, 1e-6, 1e-5);
             free(hr); free(hd); free(x);
-            prism_backend_free(c->ref, rx); prism_backend_free(c->ref, ry);
-            prism_backend_free(c->dev, dx); prism_backend_free(c->dev, dy);
+            prism_backend_buf_free(c->ref, rx); prism_backend_buf_free(c->ref, ry);
+            prism_backend_buf_free(c->dev, dx); prism_backend_buf_free(c->dev, dy);
         }
 }
 
@@ -349,8 +350,8 @@ static void check_silu_mul(ck_t *c)
         snprintf(what, sizeof what, "%dx%d ld%d", rows, dim, ld);
         close_f32(c, what, hr, hd, (size_t)rows * dim, 1e-6, 1e-5);
         free(hr); free(hd); free(g);
-        prism_backend_free(c->ref, rg); prism_backend_free(c->ref, ro);
-        prism_backend_free(c->dev, dg); prism_backend_free(c->dev, dout);
+        prism_backend_buf_free(c->ref, rg); prism_backend_buf_free(c->ref, ro);
+        prism_backend_buf_free(c->dev, dg); prism_backend_buf_free(c->dev, dout);
     }
 }
 
@@ -368,8 +369,8 @@ static void check_add(ck_t *c)
         snprintf(what, sizeof what, "n%zu nb%zu", n, nb);
         close_f32(c, what, hr, hd, n, 0, 0);
         free(hr); free(hd); free(a); free(b);
-        prism_backend_free(c->ref, ra); prism_backend_free(c->ref, rb);
-        prism_backend_free(c->dev, da); prism_backend_free(c->dev, db);
+        prism_backend_buf_free(c->ref, ra); prism_backend_buf_free(c->ref, rb);
+        prism_backend_buf_free(c->dev, da); prism_backend_buf_free(c->dev, db);
     }
 }
 
@@ -382,8 +383,8 @@ static void check_scale(ck_t *c)
     float *hr = get(c->ref, ra, n * 4), *hd = get(c->dev, da, n * 4);
     close_f32(c, "n65537 s-0.37", hr, hd, n, 0, 0);
     free(hr); free(hd); free(a);
-    prism_backend_free(c->ref, ra);
-    prism_backend_free(c->dev, da);
+    prism_backend_buf_free(c->ref, ra);
+    prism_backend_buf_free(c->dev, da);
 }
 
 /* ---------------------------------------------------------------- gathers */
@@ -416,8 +417,8 @@ static void check_get_rows(ck_t *c)
         for (int j = 0; j < dim; j++) zero = zero && hd[3 * dim + j] == 0.0f && hd[4 * dim + j] == 0.0f;
         if (!zero) report(c, false, "%s: out-of-range ids must give zero rows", what);
         free(hr); free(hd);
-        prism_backend_free(c->ref, rt); prism_backend_free(c->ref, ri); prism_backend_free(c->ref, ro);
-        prism_backend_free(c->dev, dtb); prism_backend_free(c->dev, di); prism_backend_free(c->dev, dout);
+        prism_backend_buf_free(c->ref, rt); prism_backend_buf_free(c->ref, ri); prism_backend_buf_free(c->ref, ro);
+        prism_backend_buf_free(c->dev, dtb); prism_backend_buf_free(c->dev, di); prism_backend_buf_free(c->dev, dout);
     }
     free(tab);
 }
@@ -437,8 +438,8 @@ static void check_im2patch(ck_t *c)
         snprintf(what, sizeof what, "%dx%dx%dx%d p%d", B, C, H, W, p);
         close_f32(c, what, hr, hd, n, 0, 0);
         free(hr); free(hd); free(px);
-        prism_backend_free(c->ref, rp); prism_backend_free(c->ref, ro);
-        prism_backend_free(c->dev, dp); prism_backend_free(c->dev, dout);
+        prism_backend_buf_free(c->ref, rp); prism_backend_buf_free(c->ref, ro);
+        prism_backend_buf_free(c->dev, dp); prism_backend_buf_free(c->dev, dout);
     }
 }
 
@@ -480,8 +481,8 @@ static void check_kv(ck_t *c)
     for (int i = 0; i < 5 && ok; i++) ok = memcmp(h2 + i * bb, h1 + i * stride, bb) == 0;
     report(c, ok, "blocks_from_host round trip (contiguous export)");
     free(h1); free(h2); free(hr);
-    prism_backend_free(c->ref, rk); prism_backend_free(c->ref, rkc); prism_backend_free(c->ref, rvc); prism_backend_free(c->ref, rs);
-    prism_backend_free(c->dev, dk); prism_backend_free(c->dev, dkc); prism_backend_free(c->dev, dvc); prism_backend_free(c->dev, ds);
+    prism_backend_buf_free(c->ref, rk); prism_backend_buf_free(c->ref, rkc); prism_backend_buf_free(c->ref, rvc); prism_backend_buf_free(c->ref, rs);
+    prism_backend_buf_free(c->dev, dk); prism_backend_buf_free(c->dev, dkc); prism_backend_buf_free(c->dev, dvc); prism_backend_buf_free(c->dev, ds);
     free(k); free(zero);
 }
 
@@ -538,12 +539,12 @@ static void attn_paged_case(ck_t *c, const paged_case_t *pc, bool decode)
              pc->chunk, decode ? " (decode)" : "");
     close_f32(c, what, hr, hd_, (size_t)T * ldo, 5e-5, 1e-4);
     free(hr); free(hd_);
-    prism_backend_free(c->ref, (void *)mr.seq_start); prism_backend_free(c->ref, (void *)mr.pos0);
-    prism_backend_free(c->ref, (void *)mr.block_tables);
-    prism_backend_free(c->dev, (void *)md.seq_start); prism_backend_free(c->dev, (void *)md.pos0);
-    prism_backend_free(c->dev, (void *)md.block_tables);
-    prism_backend_free(c->ref, rk); prism_backend_free(c->ref, rv); prism_backend_free(c->ref, rq); prism_backend_free(c->ref, ro);
-    prism_backend_free(c->dev, dk); prism_backend_free(c->dev, dv); prism_backend_free(c->dev, dq); prism_backend_free(c->dev, dout);
+    prism_backend_buf_free(c->ref, (void *)mr.seq_start); prism_backend_buf_free(c->ref, (void *)mr.pos0);
+    prism_backend_buf_free(c->ref, (void *)mr.block_tables);
+    prism_backend_buf_free(c->dev, (void *)md.seq_start); prism_backend_buf_free(c->dev, (void *)md.pos0);
+    prism_backend_buf_free(c->dev, (void *)md.block_tables);
+    prism_backend_buf_free(c->ref, rk); prism_backend_buf_free(c->ref, rv); prism_backend_buf_free(c->ref, rq); prism_backend_buf_free(c->ref, ro);
+    prism_backend_buf_free(c->dev, dk); prism_backend_buf_free(c->dev, dv); prism_backend_buf_free(c->dev, dq); prism_backend_buf_free(c->dev, dout);
     free(kc); free(vc); free(q); free(seq_start); free(pos0); free(tables);
 }
 
@@ -600,12 +601,12 @@ static void attn_dense_case(ck_t *c, int S, int L, int nh, int nkv, int hd, bool
              fused ? " fused-qkv" : "");
     close_f32(c, what, hr, hd_, T * ldo, 5e-5, 1e-4);
     free(hr); free(hd_);
-    prism_backend_free(c->ref, rq); prism_backend_free(c->dev, dq);
+    prism_backend_buf_free(c->ref, rq); prism_backend_buf_free(c->dev, dq);
     if (!fused) {
-        prism_backend_free(c->ref, rk); prism_backend_free(c->ref, rv);
-        prism_backend_free(c->dev, dk); prism_backend_free(c->dev, dv);
+        prism_backend_buf_free(c->ref, rk); prism_backend_buf_free(c->ref, rv);
+        prism_backend_buf_free(c->dev, dk); prism_backend_buf_free(c->dev, dv);
     }
-    prism_backend_free(c->ref, ro); prism_backend_free(c->dev, dout);
+    prism_backend_buf_free(c->ref, ro); prism_backend_buf_free(c->dev, dout);
     free(q); free(k); free(v);
 }
 
@@ -634,9 +635,43 @@ static void check_argmax(ck_t *c)
     BOTH(c->ref->i.argmax(c->ref->ctx, ra, rl, rows, vocab), c->dev->i.argmax(c->dev->ctx, da, dl, rows, vocab));
     bool ok = memcmp(ra, da, sizeof ra) == 0 && da[0] == 5 && da[1] == vocab - 1 && da[2] == 0 && da[3] == 0;
     report(c, ok, "%d rows x %d (ties, last, constant) dev[0..3] = %d %d %d %d", rows, vocab, da[0], da[1], da[2], da[3]);
-    prism_backend_free(c->ref, rl);
-    prism_backend_free(c->dev, dl);
+    prism_backend_buf_free(c->ref, rl);
+    prism_backend_buf_free(c->dev, dl);
     free(l);
+}
+
+/* ---------------------------------------------------------------- fill_random */
+
+/* Random weights made on the device must be exactly what the host loader computes (dtype.h):
+ * CPU and GPU runs of --random-weights then load the same model. */
+static void check_fill_random(ck_t *c)
+{
+    if (!c->dev->i.fill_random) return;
+    size_t n = 1000003;
+    uint64_t seed = 0x0123456789abcdefull;
+    float *want = malloc(n * 4);
+    double m = 0, v = 0;
+    for (size_t i = 0; i < n; i++) {
+        want[i] = 0.02f * prism_random_normalish(seed, i);
+        m += want[i];
+        v += (double)want[i] * want[i];
+    }
+    m /= (double)n;
+    v = sqrt(v / (double)n - m * m);
+    float *d = put(c->dev, NULL, n * 4);
+    uint16_t *db = put(c->dev, NULL, n * 2);
+    int rc = c->dev->i.fill_random(c->dev->ctx, d, PRISM_DTYPE_F32, n, seed, 0.02f);
+    int rc2 = c->dev->i.fill_random(c->dev->ctx, db, PRISM_DTYPE_BF16, n, seed, 0.02f);
+    float *h = get(c->dev, d, n * 4);
+    uint16_t *hb = get(c->dev, db, n * 2);
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) bad += hb[i] != prism_f32_to_bf16(want[i]);
+    report(c, rc == PRISM_OK && memcmp(h, want, n * 4) == 0, "f32: %zu values bit-identical to the host's", n);
+    report(c, rc2 == PRISM_OK && bad == 0, "bf16: %zu of %zu values differ from the host's rounding", bad, n);
+    report(c, fabs(m) < 1e-4 && fabs(v - 0.02) < 2e-4, "mean %.2g, std %.4g (want 0, 0.02)", m, v);
+    free(want); free(h); free(hb);
+    prism_backend_buf_free(c->dev, d);
+    prism_backend_buf_free(c->dev, db);
 }
 
 /* ---------------------------------------------------------------- CUDA-only extensions */
@@ -683,7 +718,7 @@ static void check_sample(ck_t *c)
     /* fp32 expf may differ by an ulp between libm and CUDA: a draw landing exactly on a boundary
      * may pick the neighbour. 64 random draws essentially never do. */
     report(c, same >= rows - 1, "%d/%d rows identical to prism_sample (temperature, top-k, top-p mixes)", same, rows);
-    prism_backend_free(c->dev, dl);
+    prism_backend_buf_free(c->dev, dl);
     free(l);
     prism_sampler_free(&sm);
 }
@@ -702,9 +737,141 @@ static void check_scatter_rows(ck_t *c)
         if (rows[i] >= 0) memcpy(x + (size_t)rows[i] * ld, src + (size_t)i * dim, (size_t)dim * 4);
     report(c, rc == PRISM_OK && memcmp(h, x, (size_t)T * ld * 4) == 0, "12 rows into 50x%d (ld %d), one skipped", dim, ld);
     free(h); free(x); free(src);
-    prism_backend_free(c->dev, dx); prism_backend_free(c->dev, ds); prism_backend_free(c->dev, dr);
+    prism_backend_buf_free(c->dev, dx); prism_backend_buf_free(c->dev, ds); prism_backend_buf_free(c->dev, dr);
 }
 #endif
+
+/* ---------------------------------------------------------------- Llama-4 ops */
+
+static void check_head_rmsnorm(ck_t *c)
+{
+    if (!c->dev->i.head_rmsnorm) return;
+    int shapes[][4] = {{1, 1, 2, 0}, {37, 40, 128, 0}, {5, 8, 128, 2048}, {9, 3, 88, 7}};   /* T, nh, hd, pad */
+    for (int s = 0; s < 4; s++) {
+        int T = shapes[s][0], nh = shapes[s][1], hd = shapes[s][2], ld = nh * hd + shapes[s][3];
+        size_t n = (size_t)T * ld;
+        float *x = hrand(c, n, 3.0f), *w = hrand(c, (size_t)hd, 1.0f);
+        for (int with_w = 0; with_w < 2; with_w++) {
+            float *rx = put(c->ref, x, n * 4), *dx = put(c->dev, x, n * 4);
+            float *rw = put(c->ref, w, (size_t)hd * 4), *dw = put(c->dev, w, (size_t)hd * 4);
+            BOTH(c->ref->i.head_rmsnorm(c->ref->ctx, rx, ld, T, nh, hd, with_w ? rw : NULL, 1e-5f),
+                 c->dev->i.head_rmsnorm(c->dev->ctx, dx, ld, T, nh, hd, with_w ? dw : NULL, 1e-5f));
+            float *hr = get(c->ref, rx, n * 4), *hd_ = get(c->dev, dx, n * 4);
+            char what[64];
+            snprintf(what, sizeof what, "T%d nh%d hd%d ld%d%s", T, nh, hd, ld, with_w ? " +w" : "");
+            close_f32(c, what, hr, hd_, n, 2e-5, 2e-5);
+            free(hr); free(hd_);
+            prism_backend_buf_free(c->ref, rx); prism_backend_buf_free(c->ref, rw);
+            prism_backend_buf_free(c->dev, dx); prism_backend_buf_free(c->dev, dw);
+        }
+        free(x); free(w);
+    }
+}
+
+static void check_scale_rows(ck_t *c)
+{
+    if (!c->dev->i.scale_rows) return;
+    int shapes[][3] = {{1, 1, 1}, {513, 5120, 5120}, {77, 1000, 1536}};   /* rows, dim, ld */
+    for (int s = 0; s < 3; s++) {
+        int R = shapes[s][0], D = shapes[s][1], ld = shapes[s][2];
+        size_t n = (size_t)R * ld;
+        float *x = hrand(c, n, 2.0f), *f = hrand(c, (size_t)R, 2.0f);
+        float *rx = put(c->ref, x, n * 4), *dx = put(c->dev, x, n * 4), *rf = put(c->ref, f, (size_t)R * 4),
+              *df = put(c->dev, f, (size_t)R * 4);
+        BOTH(c->ref->i.scale_rows(c->ref->ctx, rx, ld, R, D, rf), c->dev->i.scale_rows(c->dev->ctx, dx, ld, R, D, df));
+        float *hr = get(c->ref, rx, n * 4), *hd = get(c->dev, dx, n * 4);
+        char what[64];
+        snprintf(what, sizeof what, "%dx%d ld%d", R, D, ld);
+        close_f32(c, what, hr, hd, n, 0, 0);
+        free(hr); free(hd); free(x); free(f);
+        prism_backend_buf_free(c->ref, rx); prism_backend_buf_free(c->ref, rf);
+        prism_backend_buf_free(c->dev, dx); prism_backend_buf_free(c->dev, df);
+    }
+}
+
+/* The MoE chain as the model runs it: route (exact ints, scores to float rounding), grouped GEMMs
+ * with the same (dtype-rounded) expert weights, combine into a residual. */
+static void moe_case(ck_t *c, int T, int E, int K, int H, int I)
+{
+    prism_dtype_t wdt = c->dev->weight_dtype;
+    size_t R = (size_t)T * K;
+    float *lg = hrand(c, (size_t)T * E, 3.0f), *x = hrand(c, (size_t)T * H, 1.0f);
+    float *wgu = hrand(c, (size_t)E * H * 2 * I, 0.2f), *wd = hrand(c, (size_t)E * I * H, 0.2f), *res = hrand(c, (size_t)T * H, 1.0f);
+    if (T > 2) for (int e = 0; e < E; e++) lg[(size_t)1 * E + e] = 0.5f;   /* a token with all-equal logits */
+    for (size_t i = 0; i < (size_t)E * H * 2 * I; i++) wgu[i] = wdt == PRISM_DTYPE_F32 ? wgu[i] : bf16_round(wgu[i]);
+    for (size_t i = 0; i < (size_t)E * I * H; i++) wd[i] = wdt == PRISM_DTYPE_F32 ? wd[i] : bf16_round(wd[i]);
+    prism_backend_t *bes[2] = {c->ref, c->dev};
+    float *out[2], *wts[2];
+    int32_t *ints[2];
+    for (int b = 0; b < 2; b++) {
+        prism_backend_t *be = bes[b];
+        prism_dtype_t dt = b ? wdt : PRISM_DTYPE_F32;
+        float *dl = put(be, lg, (size_t)T * E * 4), *dx = put(be, x, (size_t)T * H * 4), *dres = put(be, res, (size_t)T * H * 4);
+        int32_t *ch = put(be, NULL, R * 4), *ord = put(be, NULL, R * 4), *slot = put(be, NULL, R * 4), *off = put(be, NULL, ((size_t)E + 1) * 4);
+        float *w = put(be, NULL, R * 4), *xs = put(be, NULL, R * H * 4), *gu = put(be, NULL, R * 2 * I * 4);
+        float *act = put(be, NULL, R * I * 4), *ys = put(be, NULL, R * H * 4);
+        void *dgu = put(be, NULL, (size_t)E * H * 2 * I * prism_dtype_size(dt)), *ddn = put(be, NULL, (size_t)E * I * H * prism_dtype_size(dt));
+        be->i.upload_convert(be->ctx, dgu, dt, wgu, (size_t)E * H * 2 * I);
+        be->i.upload_convert(be->ctx, ddn, dt, wd, (size_t)E * I * H);
+        int rc = be->i.moe_route(be->ctx, dl, T, E, K, ch, ord, w, off, slot);
+        if (rc == PRISM_OK) rc = be->i.get_rows(be->ctx, xs, dx, PRISM_DTYPE_F32, T, ord, (int)R, H);
+        if (rc == PRISM_OK) rc = be->i.scale_rows(be->ctx, xs, H, (int)R, H, w);
+        if (rc == PRISM_OK) rc = be->i.matmul_grouped(be->ctx, gu, 2 * I, xs, H, dgu, dt, off, E, (int)R, 2 * I, H);
+        if (rc == PRISM_OK) rc = be->i.silu_mul(be->ctx, act, gu, gu + I, 2 * I, (int)R, I);
+        if (rc == PRISM_OK) rc = be->i.matmul_grouped(be->ctx, ys, H, act, I, ddn, dt, off, E, (int)R, H, I);
+        if (rc == PRISM_OK) rc = be->i.moe_combine(be->ctx, dres, H, ys, slot, T, K, H);
+        if (rc != PRISM_OK) report(c, false, "%s backend: moe chain status %d", b ? "dev" : "ref", rc);
+        out[b] = get(be, dres, (size_t)T * H * 4);
+        wts[b] = get(be, w, R * 4);
+        ints[b] = malloc((3 * R + E + 1) * 4);
+        int32_t *h = get(be, ch, R * 4); memcpy(ints[b], h, R * 4); free(h);
+        h = get(be, ord, R * 4); memcpy(ints[b] + R, h, R * 4); free(h);
+        h = get(be, slot, R * 4); memcpy(ints[b] + 2 * R, h, R * 4); free(h);
+        h = get(be, off, ((size_t)E + 1) * 4); memcpy(ints[b] + 3 * R, h, ((size_t)E + 1) * 4); free(h);
+        void *ptrs[] = {dl, dx, dres, ch, ord, slot, off, w, xs, gu, act, ys, dgu, ddn};
+        for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) prism_backend_buf_free(be, ptrs[i]);
+    }
+    char what[96];
+    snprintf(what, sizeof what, "T%d E%d top%d H%d I%d %s routing", T, E, K, H, I, prism_dtype_name(wdt));
+    report(c, memcmp(ints[0], ints[1], (3 * R + E + 1) * 4) == 0, "%s (choices, order, slots, offsets)", what);
+    close_f32(c, "router scores", wts[0], wts[1], R, 1e-6, 1e-6);
+    snprintf(what, sizeof what, "T%d E%d top%d H%d I%d %s output", T, E, K, H, I, prism_dtype_name(wdt));
+    double tol = wdt == PRISM_DTYPE_F32 ? 1e-5 : 1e-2;
+    close_f32(c, what, out[0], out[1], (size_t)T * H, tol * (rms(out[0], (size_t)T * H) + 1e-3), 1e-5);
+    for (int b = 0; b < 2; b++) { free(out[b]); free(wts[b]); free(ints[b]); }
+    free(lg); free(x); free(wgu); free(wd); free(res);
+}
+
+static void check_moe(ck_t *c)
+{
+    if (!c->dev->i.moe_route || !c->dev->i.matmul_grouped || !c->dev->i.moe_combine) return;
+    moe_case(c, 1, 4, 1, 8, 4);          /* a decode step: one expert group used */
+    moe_case(c, 37, 16, 1, 96, 40);      /* Scout-like top-1, groups of odd sizes, some empty */
+    moe_case(c, 70, 5, 2, 48, 24);       /* top-2 */
+    moe_case(c, 300, 128, 1, 64, 33);    /* Maverick's expert count, most groups tiny */
+    if (c->t->big) moe_case(c, 512, 16, 1, 1024, 512);
+}
+
+static void check_pixel_shuffle(ck_t *c)
+{
+    if (!c->dev->i.pixel_shuffle) return;
+    int cases[][4] = {{1, 2, 1, 2}, {3, 8, 48, 2}, {2, 24, 176, 2}, {2, 6, 5, 3}};   /* n_img, g, C, s */
+    for (int k = 0; k < 4; k++) {
+        int ni = cases[k][0], g = cases[k][1], C = cases[k][2], s = cases[k][3], rows = g * g + 1;
+        size_t n = (size_t)ni * rows * C, no = (size_t)ni * g * g * C;
+        float *x = hrand(c, n, 1.0f);
+        float *rx = put(c->ref, x, n * 4), *dx = put(c->dev, x, n * 4), *ro = put(c->ref, NULL, no * 4), *dout = put(c->dev, NULL, no * 4);
+        BOTH(c->ref->i.pixel_shuffle(c->ref->ctx, ro, rx, ni, rows, g, C, s),
+             c->dev->i.pixel_shuffle(c->dev->ctx, dout, dx, ni, rows, g, C, s));
+        float *hr = get(c->ref, ro, no * 4), *hd = get(c->dev, dout, no * 4);
+        char what[64];
+        snprintf(what, sizeof what, "%d images %dx%d C%d s%d", ni, g, g, C, s);
+        close_f32(c, what, hr, hd, no, 0, 0);
+        free(hr); free(hd); free(x);
+        prism_backend_buf_free(c->ref, rx); prism_backend_buf_free(c->ref, ro);
+        prism_backend_buf_free(c->dev, dx); prism_backend_buf_free(c->dev, dout);
+    }
+}
 
 /* ---------------------------------------------------------------- driver */
 
@@ -720,7 +887,9 @@ void prism_opcheck_run(prism_opcheck_t *t, prism_backend_t *ref, prism_backend_t
         {"rope", check_rope}, {"act", check_act}, {"silu_mul", check_silu_mul}, {"add", check_add},
         {"scale", check_scale}, {"get_rows", check_get_rows}, {"im2patch", check_im2patch}, {"kv", check_kv},
         {"attn_paged", check_attn_paged}, {"attn_decode", check_attn_decode}, {"attn_dense", check_attn_dense},
-        {"argmax", check_argmax},
+        {"argmax", check_argmax}, {"fill_random", check_fill_random},
+        {"head_rmsnorm", check_head_rmsnorm}, {"scale_rows", check_scale_rows}, {"moe", check_moe},
+        {"pixel_shuffle", check_pixel_shuffle},
 #ifdef PRISM_OPCHECK_CUDA
         {"sample", check_sample}, {"scatter_rows", check_scatter_rows},
 #endif

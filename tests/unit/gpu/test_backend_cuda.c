@@ -47,20 +47,20 @@ static void test_pool_limits(void **state)
     (void)state;
     if (!g_cuda) skip();
     size_t cap = g_cuda->i.pool_cap(g_cuda->ctx), used = g_cuda->i.pool_used(g_cuda->ctx);
-    assert_null(prism_backend_alloc(g_cuda, cap));                 /* beyond what is left: refused */
-    void *a = prism_backend_alloc(g_cuda, 1000), *b = prism_backend_alloc(g_cuda, 5000);
+    assert_null(prism_backend_buf_alloc(g_cuda, cap));                 /* beyond what is left: refused */
+    void *a = prism_backend_buf_alloc(g_cuda, 1000), *b = prism_backend_buf_alloc(g_cuda, 5000);
     assert_non_null(a);
     assert_non_null(b);
     assert_int_equal((uintptr_t)a % 256, 0);
     assert_int_equal((uintptr_t)b % 256, 0);
     assert_int_equal(g_cuda->i.pool_used(g_cuda->ctx), used + 1024 + 5120);
-    assert_null(prism_backend_alloc(g_cuda, cap - used - 1024 - 5120 + 1));   /* one byte too many */
-    prism_backend_free(g_cuda, a);
-    prism_backend_free(g_cuda, b);
+    assert_null(prism_backend_buf_alloc(g_cuda, cap - used - 1024 - 5120 + 1));   /* one byte too many */
+    prism_backend_buf_free(g_cuda, a);
+    prism_backend_buf_free(g_cuda, b);
     assert_int_equal(g_cuda->i.pool_used(g_cuda->ctx), used);
-    void *big = prism_backend_alloc(g_cuda, cap - used);   /* exactly the rest: the frees coalesced */
+    void *big = prism_backend_buf_alloc(g_cuda, cap - used);   /* exactly the rest: the frees coalesced */
     assert_non_null(big);
-    prism_backend_free(g_cuda, big);
+    prism_backend_buf_free(g_cuda, big);
     assert_int_equal(g_cuda->i.pool_used(g_cuda->ctx), used);
     assert_int_equal(prism_cuda_malloc_count(), g_mallocs_after_create);
 }
@@ -102,7 +102,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         OP("copy"), OP("matmul"), OP("rmsnorm"), OP("layernorm"), OP("rope"), OP("act"), OP("silu_mul"),
         OP("add"), OP("scale"), OP("get_rows"), OP("im2patch"), OP("kv"), OP("attn_paged"), OP("attn_decode"),
-        OP("attn_dense"), OP("argmax"), OP("sample"), OP("scatter_rows"),
+        OP("attn_dense"), OP("argmax"), OP("fill_random"), OP("sample"), OP("scatter_rows"), OP("head_rmsnorm"), OP("scale_rows"),
+        OP("moe"), OP("pixel_shuffle"),
         cmocka_unit_test(test_no_device_alloc_on_ops),
         cmocka_unit_test(test_pool_limits),
         cmocka_unit_test(test_no_device_fails_cleanly),

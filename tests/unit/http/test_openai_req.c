@@ -12,6 +12,8 @@
 #include <string.h>
 
 #include "openai_req.h"
+#include "openai_write.h"
+#include "core/utf8.h"
 
 static int parse(const char *body, bool chat, const prism_oai_parse_opts_t *o, prism_oai_request_t *r,
                  prism_oai_error_t *e)
@@ -52,6 +54,7 @@ static void test_chat_minimal_defaults(void **state)
     assert_int_equal(r.top_logprobs, 0);
     assert_int_equal(r.n, 1);
     assert_false(r.ignore_eos);
+    assert_false(r.return_tokens_as_token_ids);
     assert_true(r.add_generation_prompt);
     assert_false(r.add_special_tokens);
     assert_true(r.skip_special_tokens);
@@ -76,6 +79,7 @@ static void test_chat_full(void **state)
         "\"max_tokens\":100,\"max_completion_tokens\":50,\"temperature\":0,\"top_p\":0.5,\"top_k\":0,"
         "\"seed\":-9007199254740993,\"stop\":[\"\\n\\n\",\"END\"],\"stop_token_ids\":[2,32000],"
         "\"logprobs\":true,\"top_logprobs\":5,\"n\":1,\"ignore_eos\":true,\"add_generation_prompt\":false,"
+        "\"return_tokens_as_token_ids\":true,"
         "\"presence_penalty\":1.5,\"frequency_penalty\":-0.5,\"repetition_penalty\":1.1,"
         "\"tools\":[{\"type\":\"function\"}],\"user\":\"u\",\"logit_bias\":{\"1\":2}}";
     prism_oai_request_t r;
@@ -117,6 +121,7 @@ static void test_chat_full(void **state)
     assert_true(r.logprobs);
     assert_int_equal(r.top_logprobs, 5);
     assert_true(r.ignore_eos);
+    assert_true(r.return_tokens_as_token_ids);
     assert_false(r.add_generation_prompt);
     assert_true(r.presence_penalty == 1.5);
     assert_true(r.frequency_penalty == -0.5);
@@ -209,6 +214,7 @@ static const bad_case_t k_bad[] = {
     {true, "{" M1 ",\"logprobs\":true,\"top_logprobs\":21}", "at most 20", "top_logprobs"},
     {true, "{" M1 ",\"logprobs\":true,\"top_logprobs\":-1}", "must be a positive value", "top_logprobs"},
     {true, "{" M1 ",\"ignore_eos\":\"no\"}", "must be a boolean", "ignore_eos"},
+    {true, "{" M1 ",\"return_tokens_as_token_ids\":1}", "must be a boolean", "return_tokens_as_token_ids"},
     {true, "{" M1 ",\"add_generation_prompt\":0}", "must be a boolean", "add_generation_prompt"},
     {true, "{" M1 ",\"presence_penalty\":3}", "presence_penalty must be in [-2, 2]", "presence_penalty"},
     {true, "{" M1 ",\"frequency_penalty\":-2.5}", "frequency_penalty must be in [-2, 2]", "frequency_penalty"},
@@ -443,7 +449,7 @@ static void test_json_string_escaping(void **state)
     for (size_t i = 0; i < PRISM_ARRAY_LEN(cases); i++) {
         prism_buf_t b = {0};
         prism_buf_append_str(&b, "[");
-        assert_int_equal(prism_oai_json_string(&b, cases[i].in, cases[i].len), PRISM_OK);
+        assert_int_equal(prism_json_string(&b, cases[i].in, cases[i].len), PRISM_OK);
         prism_buf_append_str(&b, "]");
         json_error_t je;
         json_t *j = json_loadb(b.data, b.len, JSON_ALLOW_NUL, &je);
@@ -479,14 +485,14 @@ static void test_logprob_numbers(void **state)
 static void test_utf8_complete_prefix(void **state)
 {
     (void)state;
-    assert_int_equal(prism_oai_utf8_complete_prefix("abc", 3), 3);
-    assert_int_equal(prism_oai_utf8_complete_prefix("abc\xE2\x82", 5), 3);
-    assert_int_equal(prism_oai_utf8_complete_prefix("abc\xE2\x82\xAC", 6), 6);
-    assert_int_equal(prism_oai_utf8_complete_prefix("\xF0\x9F\x98", 3), 0);
-    assert_int_equal(prism_oai_utf8_complete_prefix("a\xF0", 2), 1);
-    assert_int_equal(prism_oai_utf8_complete_prefix("abc\xFF", 4), 4);      /* invalid: nothing to wait for */
-    assert_int_equal(prism_oai_utf8_complete_prefix("ab\xE2\x28", 4), 4);   /* ill-formed already */
-    assert_int_equal(prism_oai_utf8_complete_prefix("", 0), 0);
+    assert_int_equal(prism_utf8_complete_prefix("abc", 3), 3);
+    assert_int_equal(prism_utf8_complete_prefix("abc\xE2\x82", 5), 3);
+    assert_int_equal(prism_utf8_complete_prefix("abc\xE2\x82\xAC", 6), 6);
+    assert_int_equal(prism_utf8_complete_prefix("\xF0\x9F\x98", 3), 0);
+    assert_int_equal(prism_utf8_complete_prefix("a\xF0", 2), 1);
+    assert_int_equal(prism_utf8_complete_prefix("abc\xFF", 4), 4);      /* invalid: nothing to wait for */
+    assert_int_equal(prism_utf8_complete_prefix("ab\xE2\x28", 4), 4);   /* ill-formed already */
+    assert_int_equal(prism_utf8_complete_prefix("", 0), 0);
 }
 
 static void test_ids_and_meta(void **state)

@@ -775,12 +775,12 @@ static void test_pool_and_create(void **state)
 {
     (void)state;
     prism_backend_t *be = prism_backend_cpu_create_pool(1, 1 << 20);
-    void *a = prism_backend_alloc(be, 600 << 10);
+    void *a = prism_backend_buf_alloc(be, 600 << 10);
     assert_non_null(a);
     assert_true(((uintptr_t)a & 255) == 0);
-    assert_null(prism_backend_alloc(be, 600 << 10));                 /* over the pool: refused */
+    assert_null(prism_backend_buf_alloc(be, 600 << 10));                 /* over the pool: refused */
     assert_int_equal(be->i.pool_used(be->ctx), 600 << 10);
-    prism_backend_free(be, a);
+    prism_backend_buf_free(be, a);
     assert_int_equal(be->i.pool_used(be->ctx), 0);
     assert_int_equal(be->i.pool_peak(be->ctx), 600 << 10);
     prism_backend_destroy(be);
