@@ -62,15 +62,16 @@ static void fill_rand(float *x, size_t n, uint64_t seed)
 
 /* ---- sgemm: the same call the backend's matmul makes (x · Wᵀ, row-major) ---- */
 
-/* One timed OpenBLAS sgemm with its own `threads` threads (left at 1 afterwards, as the backend
- * expects); GFLOP/s. */
+/* One timed OpenBLAS sgemm with its own `threads` threads (restored afterwards to what the backend
+ * set: 1 today, n_threads in builds before issue 17, which --baseline-build may be); GFLOP/s. */
 static double sgemm_once(int threads, const float *x, const float *w, float *y, int M, int N, int K)
 {
+    int prev = openblas_get_num_threads();
     openblas_set_num_threads(threads);
     double t0 = prism_now_s();
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, x, K, w, K, 0.0f, y, N);
     double dt = prism_now_s() - t0;
-    openblas_set_num_threads(1);
+    openblas_set_num_threads(prev);
     return 2.0 * M * N * K / dt / 1e9;
 }
 

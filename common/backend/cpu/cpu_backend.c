@@ -101,7 +101,6 @@ static int cpu_sync(void *ctx) { return PRISM_OK; }
  * instead, which streams each weight row once for all rows of x. */
 
 #define GEMV_MAX_M 16             /* up to this many rows of x the gemv beats OpenBLAS sgemm (which packs all of W) */
-#define MATMUL_GRAIN (1L << 19)   /* multiply-adds a thread should get before another is woken */
 
 typedef struct {
     const prism_cpu_kern_t *k;
@@ -153,7 +152,7 @@ static int cpu_matmul(void *vctx, float *y, int ldy, const float *x, int ldx, co
     if (wdt != PRISM_DTYPE_F32) return PRISM_ENOTSUP;  /* CPU stores weights as fp32 */
     if (M < 0 || N <= 0 || K <= 0 || ldy < N || ldx < K) return PRISM_EINVAL;
     if (M == 0) return PRISM_OK;
-    int nth = prism_cpu_nth(c, (size_t)M * N * K, MATMUL_GRAIN);
+    int nth = prism_cpu_nth(c, (size_t)M * N * K, PRISM_CPU_MATMUL_GRAIN);
     /* gemv: columns only (each weight row streamed once); sgemm: rows too once slices narrow */
     int pn = M <= GEMV_MAX_M ? PRISM_MIN(nth, (N + 15) / 16) : PRISM_MAX(1, PRISM_MIN(nth, N / MM_MIN_COLS));
     int pm = M <= GEMV_MAX_M ? 1 : PRISM_MAX(1, PRISM_MIN(nth / pn, M / 64));
@@ -163,8 +162,6 @@ static int cpu_matmul(void *vctx, float *y, int ldy, const float *x, int ldx, co
 }
 
 /* ---- elementwise and row ops, split over the pool ---- */
-
-#define EW_GRAIN  (1 << 15)   /* elements a thread should get before another is woken */
 
 /* Ops before EW_SILU_MUL split elements (in groups of 16), the others whole rows. */
 typedef enum { EW_ACT, EW_ADD, EW_ADD_BCAST, EW_SCALE, EW_SILU_MUL, EW_RMSNORM, EW_LAYERNORM, EW_ROPE } ew_op_t;
@@ -238,7 +235,7 @@ static void ew_worker(void *arg, int ith, int nth)
 static void ew_run(prism_cpu_ctx_t *c, ew_task_t *t, size_t work)
 {
     t->k = c->k;
-    int nth = prism_cpu_nth(c, work, EW_GRAIN);
+    int nth = prism_cpu_nth(c, work, PRISM_CPU_EW_GRAIN);
     if (t->op >= EW_SILU_MUL) nth = (int)PRISM_MIN((size_t)nth, t->n);
     prism_cpu_pool_run(&c->pool, nth, ew_worker, t);
 }

@@ -53,6 +53,11 @@ typedef struct {
     pthread_mutex_t mem_mu;
 } prism_cpu_ctx_t;
 
+/* Work a thread should get before another is woken: multiply-adds for matmuls, elements for
+ * elementwise and row ops. */
+#define PRISM_CPU_MATMUL_GRAIN (1L << 19)
+#define PRISM_CPU_EW_GRAIN     (1L << 15)
+
 /* Threads for a job of `work` units where one thread should get at least `grain` of them. */
 static inline int prism_cpu_nth(const prism_cpu_ctx_t *c, size_t work, size_t grain)
 {

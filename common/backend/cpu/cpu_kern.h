@@ -34,7 +34,8 @@ typedef struct prism_cpu_kern {
     void (*add)(float *y, const float *a, const float *b, size_t n);
     void (*scale)(float *y, const float *x, float s, size_t n);
 
-    /* ---- one row of dim (y may equal x); sums in double as the reference does ---- */
+    /* ---- one row of dim (y may equal x); sums in double as the reference does; w (and the
+     * layernorm's b) may be NULL: no weight ---- */
     void (*rmsnorm)(float *y, const float *x, const float *w, int dim, float eps);
     void (*layernorm)(float *y, const float *x, const float *w, const float *b, int dim, float eps);
     /* Rotates the n_heads heads (head_dim apart) of one token; c/s [half] are cos/sin of its

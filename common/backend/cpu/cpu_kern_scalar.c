@@ -45,7 +45,10 @@ static void s_rmsnorm(float *y, const float *x, const float *w, int dim, float e
     double ss = 0;
     for (int i = 0; i < dim; i++) ss += (double)x[i] * x[i];
     float inv = 1.0f / sqrtf((float)(ss / dim) + eps);
-    for (int i = 0; i < dim; i++) y[i] = w[i] * (x[i] * inv);
+    if (w)
+        for (int i = 0; i < dim; i++) y[i] = w[i] * (x[i] * inv);
+    else
+        for (int i = 0; i < dim; i++) y[i] = x[i] * inv;
 }
 
 static void s_layernorm(float *y, const float *x, const float *w, const float *b, int dim, float eps)

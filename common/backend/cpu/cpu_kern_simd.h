@@ -164,8 +164,11 @@ static void k_rmsnorm(float *y, const float *x, const float *w, int dim, float e
     double ss = KSUMSQ_D(x, dim);
     vf inv = VSET1(1.0f / sqrtf((float)(ss / dim) + eps));
     size_t n = (size_t)dim;
-    EACH(n, VSTORE(y + i_, VMUL(VLOAD(w + i_), VMUL(VLOAD(x + i_), inv))),
-         VSTOREN(y + i_, VMUL(VLOADN(w + i_, r_), VMUL(VLOADN(x + i_, r_), inv)), r_));
+    if (w)
+        EACH(n, VSTORE(y + i_, VMUL(VLOAD(w + i_), VMUL(VLOAD(x + i_), inv))),
+             VSTOREN(y + i_, VMUL(VLOADN(w + i_, r_), VMUL(VLOADN(x + i_, r_), inv)), r_));
+    else
+        EACH(n, VSTORE(y + i_, VMUL(VLOAD(x + i_), inv)), VSTOREN(y + i_, VMUL(VLOADN(x + i_, r_), inv), r_));
 }
 
 static void k_layernorm(float *y, const float *x, const float *w, const float *b, int dim, float eps)

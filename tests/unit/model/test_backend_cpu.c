@@ -267,6 +267,9 @@ static void test_kernel_tables_agree(void **state)
             ref->rmsnorm(r, u, w, d, 1e-6f);
             snprintf(what, sizeof what, "%s rmsnorm dim %d", k->name, d);
             assert_close_f(y, r, (size_t)d, 1e-6, 1e-7, what);
+            k->rmsnorm(y, u, NULL, d, 1e-6f);   /* no weight: Llama-4's QK norm */
+            ref->rmsnorm(r, u, NULL, d, 1e-6f);
+            assert_close_f(y, r, (size_t)d, 1e-6, 1e-7, what);
             k->layernorm(y, u, w, b, d, 1e-5f);
             ref->layernorm(r, u, w, b, d, 1e-5f);
             snprintf(what, sizeof what, "%s layernorm dim %d", k->name, d);
