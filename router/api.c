@@ -89,8 +89,17 @@ static void handle_tokenize(router_t *r, prism_http_req_t *h)
         rc = prism_tokenizer_encode(r->tok, json_string_value(prompt), json_string_length(prompt), add, &ids, &n, &cap);
     } else if (json_is_array(messages)) {
         json_t *agp = json_object_get(j, "add_generation_prompt");
-        json_t *ctx = prism_template_chat_context(messages, json_object_get(j, "tools"), agp ? json_is_true(agp) : true,
+        json_t *msgs = json_deep_copy(messages);   /* as the chat path renders them */
+        size_t i;
+        json_t *m;
+        json_array_foreach(msgs, i, m) {
+            json_t *role = json_object_get(m, "role");
+            if (json_is_string(role) && !strcmp(json_string_value(role), "assistant"))
+                router_prompt_tool_arguments_as_objects(m);
+        }
+        json_t *ctx = prism_template_chat_context(msgs, json_object_get(j, "tools"), agp ? json_is_true(agp) : true,
                                                   r->bos_token, r->eos_token, NULL);
+        json_decref(msgs);
         prism_buf_t text = {0};
         rc = ctx ? prism_template_render(r->tmpl, ctx, &text, err, sizeof(err)) : PRISM_EINVAL;
         json_decref(ctx);

@@ -15,7 +15,7 @@
 /* Tool-call arguments in assistant messages arrive as JSON text (OpenAI's format); tool-use chat
  * templates expect objects, so text that parses becomes the object (as vLLM does before it
  * renders). */
-static void tool_call_arguments_as_objects(json_t *msg)
+void router_prompt_tool_arguments_as_objects(json_t *msg)
 {
     json_t *calls = json_object_get(msg, "tool_calls");
     size_t i;
@@ -37,7 +37,7 @@ static json_t *template_context(router_t *r, const prism_oai_request_t *o)
     for (int i = 0; i < o->n_messages; i++) {
         const prism_oai_message_t *m = &o->messages[i];
         json_t *c = json_deep_copy(m->raw);
-        if (!strcmp(m->role, "assistant")) tool_call_arguments_as_objects(c);
+        if (!strcmp(m->role, "assistant")) router_prompt_tool_arguments_as_objects(c);
         if (!m->content_is_string && !m->content_is_null) {
             json_t *parts = json_array();
             for (int k = 0; k < m->n_parts; k++) {

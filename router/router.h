@@ -150,6 +150,9 @@ int  router_prompt_build(router_t *r, router_prompt_t *p, const prism_oai_reques
  * its image bytes (with the HTTP body, which the caller drops). */
 void router_prompt_release_inputs(prism_oai_request_t *o);
 void router_prompt_free(router_prompt_t *p);
+/* An assistant message's tool-call arguments (JSON text in OpenAI's format) as objects, which is
+ * what tool-use chat templates expect (vLLM does the same before rendering). In place. */
+void router_prompt_tool_arguments_as_objects(json_t *msg);
 
 /* requests.c */
 void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat);
