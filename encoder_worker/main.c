@@ -1,12 +1,16 @@
-/* encoder_worker: image decode (libjpeg-turbo with DCT-domain downscaling, libspng), CLIP
- * preprocessing, vision tower + projector, embedding cache. Embeddings go straight to the prefill
- * worker the router chose, as a raw frame.
+/* encoder_worker: image decode (libjpeg-turbo, libspng), CLIP preprocessing, vision tower +
+ * projector, embedding cache. Embeddings go straight to the prefill worker the router chose, as a
+ * raw frame.
  *
  * Jobs arrive from the router with the image file as a raw frame, which is kept (zmq_msg_move, no
  * copy) in a bounded job queue. Each loop iteration forms a batch of at most --max-batch-images
- * images, decodes and preprocesses them into a pre-sized pixel buffer, runs the vision tower once
- * and then pushes the results. When a prefill worker's receive pool is full the push waits: the
- * encoder keeps heartbeating but takes no new batch (backpressure), so nothing grows. */
+ * images, streams each through the decoder into the CLIP resampler (rows are resampled as they are
+ * decoded, straight into the batch's pixel buffer; no decoded image is ever held), runs the vision
+ * tower once and then pushes the results. When a prefill worker's receive pool is full the push
+ * waits: the encoder keeps heartbeating but takes no new batch (backpressure), so nothing grows.
+ *
+ * Cache entries a batch answers from are pinned until their jobs are sent, so a miss later in the
+ * same batch (or while the batch waits for prefill) cannot evict and overwrite them. */
 #include "core/core.h"
 #include "core/cli.h"
 #include "net/net.h"
@@ -22,11 +26,11 @@
 
 typedef enum { JOB_FREE, JOB_QUEUED, JOB_ENCODED, JOB_SEND } job_state_t;
 
-/* JPEG DCT-domain downscaling trades exactness for speed and memory: HF decodes every image at
- * full size, so a scaled decode moves pixels (and can change a greedy token). "auto" decodes at full
- * size whenever the decode buffer holds the image — identical to the reference — and scales only
- * the images that would not fit; "always" scales every JPEG at least twice the model's resize
- * target; "never" refuses what does not fit. */
+/* JPEG DCT-domain downscaling trades exactness for speed: HF decodes every image at full size, so
+ * a scaled decode moves pixels (and can change a greedy token). "always" scales every JPEG at least
+ * twice the model's resize target. "auto" and "never" decode at full size: streaming needs only a
+ * few rows at any size, and what a full decode may not fit (a progressive JPEG's coefficients) DCT
+ * scaling would not shrink. */
 enum { DCT_AUTO, DCT_ALWAYS, DCT_NEVER };
 
 typedef struct {
@@ -38,9 +42,10 @@ typedef struct {
     char prefill_endpoint[256];
     zmq_msg_t image;          /* file bytes, owned while queued */
     bool has_image;
-    const float *emb;         /* result: cache entry or batch output row */
-    char error[200];
+    const float *emb;         /* result: cache entry (pinned) or batch output row */
+    char error[256];
     bool cache_hit;
+    int cache_slot;           /* pinned cache slot while the job is in flight; -1 none */
     float decode_ms, vit_ms;
     double t_arrive;
 } job_t;
@@ -60,8 +65,8 @@ typedef struct {
     int n_batch;
     float *pixels;            /* [max_batch][3][S][S] */
     float *out;               /* [max_batch][image_seq_length][hidden] */
-    uint8_t *rgb;             /* decode buffer: max decoded pixels * 3 */
-    size_t rgb_cap;
+    prism_image_decoder_t *dec;   /* decode memory: O(width) rows + whole-image state */
+    prism_image_relay_t *relay;   /* preprocessing thread (--decode-threads 2), or NULL */
     void *ws;                 /* preprocess workspace */
     size_t ws_cap;
     size_t emb_floats;
@@ -82,6 +87,9 @@ static void finish_job(encoder_t *e, job_t *j)
     prism_worker_reply(&e->w, j->router_id, j->rid, &env);
     if (j->has_image) zmq_msg_close(&j->image);
     j->has_image = false;
+    if (j->cache_slot >= 0) prism_embed_cache_unpin(&e->cache, j->cache_slot);
+    j->cache_slot = -1;
+    j->emb = NULL;
     j->state = JOB_FREE;
 }
 
@@ -116,7 +124,7 @@ static void on_encode(encoder_t *e, prism_msg_t *m)
     for (int i = 0; i < e->max_queue; i++)
         if (e->jobs[i].state == JOB_FREE) { j = &e->jobs[i]; break; }
     if (!j || !en || m->n_frames != 1 || !en->prefill_endpoint || !*en->prefill_endpoint) {
-        job_t tmp = {0};
+        job_t tmp = {.cache_slot = -1};
         tmp.rid = env->request_id;
         tmp.image_index = en ? en->image_index : 0;
         snprintf(tmp.router_id, sizeof(tmp.router_id), "%s", router);
@@ -126,6 +134,7 @@ static void on_encode(encoder_t *e, prism_msg_t *m)
         return;
     }
     memset(j, 0, sizeof(*j));
+    j->cache_slot = -1;
     j->state = JOB_QUEUED;
     j->rid = env->request_id;
     snprintf(j->router_id, sizeof(j->router_id), "%s", router);
@@ -165,7 +174,7 @@ static void on_msg(prism_worker_t *w, prism_msg_t *m, int router_index, void *ud
     }
 }
 
-/* Decodes and preprocesses one image into pixel slot `slot`. */
+/* Streams one image through the decoder into the CLIP resampler, which writes pixel slot `slot`. */
 static int prepare(encoder_t *e, job_t *j, int slot)
 {
     size_t len = zmq_msg_size(&j->image);
@@ -181,31 +190,35 @@ static int prepare(encoder_t *e, job_t *j, int slot)
                  info.width, info.height, (unsigned long long)e->max_pixels);
         return PRISM_ELIMIT;
     }
-    int tw = 0, th = 0;
-    prism_clip_resize_target(&e->pre, info.width, info.height, &tw, &th);
-    prism_image_decode_opts_t opts = {.max_pixels = e->max_pixels, .out_buf = e->rgb, .out_cap = e->rgb_cap};
-    bool fits = (uint64_t)info.width * (uint64_t)info.height * 3 <= e->rgb_cap;
-    if (e->dct == DCT_ALWAYS || (e->dct == DCT_AUTO && !fits))
-        prism_image_decode_opts_for_target(&opts, &info, tw, th);
-    prism_image_t img;
-    double t0 = prism_now_s();
-    rc = prism_image_decode(data, len, &opts, &img);
-    if (rc == PRISM_ELIMIT) {
-        snprintf(j->error, sizeof(j->error), "The %dx%d %s image does not fit the encoder's decode buffer of %zu pixels.",
-                 info.width, info.height, prism_image_format_name(info.format), e->rgb_cap / 3);
-        return rc;
+    int tw, th;
+    if (prism_clip_resize_target(&e->pre, info.width, info.height, &tw, &th) != PRISM_OK) {
+        snprintf(j->error, sizeof(j->error), "Image of %dx%d pixels cannot be resized to the model's input: its "
+                 "aspect ratio is too extreme.", info.width, info.height);
+        return PRISM_ELIMIT;
     }
-    if (rc != PRISM_OK) {
-        snprintf(j->error, sizeof(j->error), "The image could not be decoded (%s): the %s data is corrupt or truncated.",
-                 prism_strerror(rc), prism_image_format_name(info.format));
-        return rc;
-    }
+    prism_image_decode_opts_t opts = {.max_pixels = e->max_pixels};
+    if (e->dct == DCT_ALWAYS)
+        prism_clip_decode_opts(&e->pre, &info, &opts);
     size_t S = (size_t)e->cfg.v_image_size;
-    rc = prism_clip_preprocess(&e->pre, &img, e->ws, e->ws_cap, e->pixels + (size_t)slot * 3 * S * S);
-    prism_image_free(&img);
+    prism_clip_stream_t st;
+    prism_image_sink_t sink = prism_clip_stream_sink(&st, &e->pre, e->ws, e->ws_cap, e->pixels + (size_t)slot * 3 * S * S);
+    prism_image_sink_t inner = sink;
+    if (e->relay)
+        sink = prism_image_relay_sink(e->relay, &inner);
+    double t0 = prism_now_s();
+    rc = prism_image_decoder_run(e->dec, data, len, &opts, &sink);
+    if (rc == PRISM_OK)
+        rc = prism_clip_stream_finish(&st);
     j->decode_ms = (float)((prism_now_s() - t0) * 1e3);
+    if (rc == PRISM_ELIMIT) {
+        snprintf(j->error, sizeof(j->error), "The %dx%d %s image cannot be decoded: %s.", info.width, info.height,
+                 prism_image_format_name(info.format), prism_image_decoder_error(e->dec));
+        return rc;
+    }
     if (rc != PRISM_OK) {
-        snprintf(j->error, sizeof(j->error), "The image could not be preprocessed (%s).", prism_strerror(rc));
+        snprintf(j->error, sizeof(j->error), "The image could not be decoded (%s): %s.", prism_strerror(rc),
+                 prism_image_decoder_error(e->dec)[0] ? prism_image_decoder_error(e->dec)
+                                                      : "the data is corrupt or truncated");
         return rc;
     }
     return PRISM_OK;
@@ -248,9 +261,12 @@ static void run_batch(encoder_t *e)
         int idx = (int)(best - e->jobs);
         e->batch[e->n_batch++] = idx;
         best->state = JOB_ENCODED;
-        const float *hit = prism_embed_cache_get(&e->cache, best->hash);
-        if (hit) {
-            best->emb = hit;
+        /* The entry stays pinned until the job is sent (finish_job): a miss later in this batch
+         * must not evict and overwrite it. */
+        int hit = prism_embed_cache_get_pinned(&e->cache, best->hash);
+        if (hit >= 0) {
+            best->cache_slot = hit;
+            best->emb = prism_embed_cache_data(&e->cache, hit);
             best->cache_hit = true;
             best->state = JOB_SEND;
             continue;
@@ -285,15 +301,21 @@ int main(int argc, char **argv)
     prism_worker_opts_t o;
     prism_worker_opts_defaults(&o, "encoder");
     int64_t max_batch = 8, max_queue = 64, cache_bytes = 64ll << 20, max_pixels = 4096ll * 4096,
-            max_decode_pixels = 4096ll * 4096;
+            max_decode_pixels = 4096ll * 4096, decode_threads = 2;
     const char *dct = "auto";
     prism_flag_t flags[32] = {
         PRISM_FLAG_INT("max-batch-images", &max_batch, "Images per vision-tower batch"),
         PRISM_FLAG_INT("max-queued-images", &max_queue, "Images waiting for the encoder at once"),
         PRISM_FLAG_BYTES("embedding-cache-bytes", &cache_bytes, "Embedding cache budget (0 disables)"),
         PRISM_FLAG_INT("max-image-pixels", &max_pixels, "Largest image accepted (width*height in the file)"),
-        PRISM_FLAG_INT("max-decode-pixels", &max_decode_pixels, "Decode buffer size in pixels (after DCT downscaling)"),
-        PRISM_FLAG_STR("jpeg-dct-scaling", &dct, "auto (only when a full decode does not fit the buffer), always, never"),
+        PRISM_FLAG_INT("max-decode-pixels", &max_decode_pixels,
+                       "Whole-image decode memory, in pixels at 3 bytes each: progressive JPEG coefficients "
+                       "(4:2:0; 4:4:4 needs twice as much) and interlaced PNG; baseline JPEG and other PNG "
+                       "stream in rows and need none (0 = refuse what does not stream)"),
+        PRISM_FLAG_STR("jpeg-dct-scaling", &dct, "always (decode JPEGs at a reduced size: faster, not identical to "
+                       "transformers), auto or never (full size)"),
+        PRISM_FLAG_INT("decode-threads", &decode_threads, "1: decode and preprocess on the worker thread; 2: "
+                       "preprocess rows on a helper thread while the next ones decode"),
     };
     static encoder_t e;
     int rc = prism_worker_startup(argc, argv, "encoder", "Prism encoder worker: image decode, CLIP preprocessing, "
@@ -306,7 +328,7 @@ int main(int argc, char **argv)
         return 1;
     }
     if (max_batch < 1 || max_batch > 256 || max_queue < max_batch || max_queue > 65536 || max_pixels < 1 ||
-        max_decode_pixels < 1) {
+        max_decode_pixels < 0 || decode_threads < 1 || decode_threads > 2) {
         PRISM_ERROR("flag out of range (see --help)");
         return 2;
     }
@@ -327,10 +349,12 @@ int main(int argc, char **argv)
     }
     e.emb_floats = (size_t)e.cfg.image_seq_length * e.cfg.hidden;
     size_t S = (size_t)e.cfg.v_image_size;
-    e.rgb_cap = (size_t)max_decode_pixels * 3;
-    int side = 1;
-    while ((int64_t)side * side < max_decode_pixels) side++;
-    e.ws_cap = prism_clip_preprocess_workspace_bytes(&e.pre, side, side);
+    /* Decode memory: rows of the widest image accepted, plus whole-image state for
+     * --max-decode-pixels; preprocessing scratch for any accepted image. */
+    int max_width = (int)PRISM_MIN(max_pixels, (int64_t)PRISM_IMAGE_MAX_DIM);
+    size_t dec_bytes = prism_image_decoder_bytes(max_width, (uint64_t)max_decode_pixels);
+    size_t relay_bytes = decode_threads > 1 ? prism_image_relay_bytes(max_width) : 0;
+    e.ws_cap = prism_clip_workspace_bound(&e.pre, (uint64_t)max_pixels);
 
     if (prism_backend_create(o.device, (int)o.threads, 0, &e.be) != PRISM_OK) {
         PRISM_ERROR("cannot create backend '%s'", o.device);
@@ -344,7 +368,8 @@ int main(int argc, char **argv)
     prism_mem_plan_add(&plan, "weights", prism_vision_weight_bytes(e.vis));
     prism_mem_plan_add(&plan, "activations", prism_vision_arena_bytes(&e.cfg, e.max_batch));
     prism_mem_plan_add(&plan, "pixels+outputs", (size_t)e.max_batch * (3 * S * S + e.emb_floats) * sizeof(float));
-    prism_mem_plan_add(&plan, "decode-buffer", e.rgb_cap + e.ws_cap);
+    prism_mem_plan_add(&plan, "decode", dec_bytes + relay_bytes);
+    prism_mem_plan_add(&plan, "preprocess", e.ws_cap);
     prism_mem_plan_add(&plan, "embedding-cache", prism_embed_cache_bytes((size_t)cache_bytes, e.emb_floats));
     prism_mem_plan_add(&plan, "runtime", prism_mem_runtime_bytes());
     prism_mem_plan_add(&plan, "reserve", PRISM_MEM_RESERVE);
@@ -353,9 +378,13 @@ int main(int argc, char **argv)
     e.jobs = prism_xcalloc((size_t)e.max_queue, sizeof(job_t));
     e.pixels = prism_malloc_aligned((size_t)e.max_batch * 3 * S * S * sizeof(float), 64);
     e.out = prism_malloc_aligned((size_t)e.max_batch * e.emb_floats * sizeof(float), 64);
-    e.rgb = prism_malloc_aligned(e.rgb_cap, 64);
     e.ws = prism_malloc_aligned(PRISM_MAX(e.ws_cap, (size_t)64), 64);
-    if (!e.pixels || !e.out || !e.rgb || !e.ws ||
+    if (prism_image_decoder_create(dec_bytes, &e.dec) != PRISM_OK ||
+        (decode_threads > 1 && prism_image_relay_create(max_width, &e.relay) != PRISM_OK)) {
+        PRISM_ERROR("cannot create the image decoder");
+        return 1;
+    }
+    if (!e.pixels || !e.out || !e.ws ||
         prism_embed_cache_init(&e.cache, (size_t)cache_bytes, e.emb_floats) != PRISM_OK) {
         PRISM_ERROR("cannot allocate encoder pools");
         return 1;
@@ -388,5 +417,7 @@ int main(int argc, char **argv)
                (unsigned long long)e.encoded, (unsigned long long)e.failed, (unsigned long long)e.cache.hits,
                (unsigned long long)e.cache.misses);
     prism_worker_close(&e.w);
+    prism_image_relay_destroy(e.relay);
+    prism_image_decoder_destroy(e.dec);
     return 0;
 }

@@ -40,6 +40,9 @@ typedef enum {
     PRISM_ROPE_INTERLEAVE = 1,  /* (x[2i], x[2i+1]) — Llama-4 */
 } prism_rope_mode_t;
 
+/* Most experts a token may be routed to (moe_route's top_k). */
+#define PRISM_MOE_MAX_TOPK 8
+
 /* Describes where each new token's sequence sits in the paged KV cache, for attention over a
  * flattened batch of sequences. All arrays are DEVICE int32 arrays. */
 typedef struct {
@@ -52,6 +55,10 @@ typedef struct {
     const int32_t *seq_start;     /* [n_seqs+1] offsets of each sequence's queries */
     const int32_t *pos0;          /* [n_seqs] tokens already cached before this step */
     const int32_t *block_tables;  /* [n_seqs][max_blocks_per_seq] block ids (padded rows) */
+    /* Chunked (local) attention, Llama-4's attention_chunk_size: 0 = plain causal; > 0: the query
+     * at position p sees cached positions k with k <= p and k / chunk == p / chunk. Last so
+     * positional initialisers that stop at block_tables keep meaning plain causal. */
+    int chunk;
 } prism_attn_meta_t;
 
 typedef struct prism_backend_i {
@@ -126,8 +133,8 @@ typedef struct prism_backend_i {
     int (*kv_write)(void *ctx, float *k_cache, float *v_cache, const float *k, const float *v, int ld,
                     const int32_t *slots, int n_tokens, int n_kv_heads, int head_dim);
     /* attn_paged: causal attention of each sequence's new queries over its cached context
-     * (pos0 + q_len tokens, the new ones already written by kv_write). Prefill chunks and
-     * decode steps mix freely in one call. */
+     * (pos0 + q_len tokens, the new ones already written by kv_write), restricted to the query's
+     * own chunk when meta->chunk > 0. Prefill chunks and decode steps mix freely in one call. */
     int (*attn_paged)(void *ctx, float *out, int ldo, const float *q, int ldq,
                       const float *k_cache, const float *v_cache, const prism_attn_meta_t *meta,
                       int n_heads, int n_kv_heads, int head_dim, float scale);
@@ -141,6 +148,43 @@ typedef struct prism_backend_i {
     int (*attn_dense)(void *ctx, float *out, int ldo, const float *q, int ldq, const float *k, int ldk,
                       const float *v, int ldv, int n_seqs, int seq_len, int n_heads, int n_kv_heads,
                       int head_dim, float scale, bool causal);
+
+    /* ---- Llama-4 ops (optional: NULL means the backend cannot run Llama-4; the model refuses to
+     * load then) ----
+     * head_rmsnorm: in place over n_tokens rows of stride ld, each holding n_heads heads of
+     *   head_dim: x = x * rsqrt(mean(x^2) + eps), times w[head_dim] when w != NULL (fp32).
+     *   Llama-4's QK norm is the w == NULL case.
+     * scale_rows: x[r][0..dim) *= s[r] for n_rows rows of stride ld; s is a DEVICE float[n_rows]
+     *   (per-position attention temperature of q, router scores on expert inputs). */
+    int (*head_rmsnorm)(void *ctx, float *x, int ld, int n_tokens, int n_heads, int head_dim, const float *w,
+                        float eps);
+    int (*scale_rows)(void *ctx, float *x, int ld, int n_rows, int dim, const float *s);
+    /* moe_route: router logits [n_tokens][n_experts] -> the top_k experts of each token (largest
+     *   logits; equal logits: lower expert first), each scored sigmoid(logit) (HF Llama4Router).
+     *   Writes, all DEVICE arrays: choice[n_tokens*top_k] (scratch: expert of choice i of token t
+     *   at t*top_k+i); the routed rows grouped by expert, ascending token within a group:
+     *   order[n_tokens*top_k] (token of each row), weight[n_tokens*top_k] (its score),
+     *   offsets[n_experts+1] (group boundaries, offsets[n_experts] = n_tokens*top_k), and
+     *   slot[n_tokens*top_k] (row of choice i of token t). No host round trip: the grouped
+     *   matmul reads offsets on the device. */
+    int (*moe_route)(void *ctx, const float *logits, int n_tokens, int n_experts, int top_k, int32_t *choice,
+                     int32_t *order, float *weight, int32_t *offsets, int32_t *slot);
+    /* matmul_grouped: for each group e < n_groups, rows r in [offsets[e], offsets[e+1]):
+     *   y[r][N] (row stride ldy) = x[r][K] (row stride ldx) · W_e, W_e = w + e*K*N elements in
+     *   HF's expert layout [K][N] (x @ W, not x @ Wᵀ), dtype wdt. offsets is a DEVICE int32
+     *   [n_groups+1] with offsets[0] = 0 and offsets[n_groups] = M: one GEMM per group, sizes
+     *   read on the device. */
+    int (*matmul_grouped)(void *ctx, float *y, int ldy, const float *x, int ldx, const void *w, prism_dtype_t wdt,
+                          const int32_t *offsets, int n_groups, int M, int N, int K);
+    /* moe_combine: y[t][0..dim) (row stride ldy) += sum over i < top_k of src[slot[t*top_k+i]]
+     *   (src rows contiguous, dim wide), in i order; slot DEVICE int32. */
+    int (*moe_combine)(void *ctx, float *y, int ldy, const float *src, const int32_t *slot, int n_tokens,
+                       int top_k, int dim);
+    /* pixel_shuffle: x [n_img][rows_per_img][C] whose first g*g rows per image are a g x g patch
+     *   grid (row-major; further rows, e.g. a CLS, are skipped) -> out [n_img][(g/s)^2][s*s*C]:
+     *   out[i][h2*(g/s)+w2][(dh*s+dw)*C + c] = x[i][(s*h2+dh)*g + s*w2+dw][c]
+     *   (transformers' pixel_shuffle with ratio 1/s). */
+    int (*pixel_shuffle)(void *ctx, float *out, const float *x, int n_img, int rows_per_img, int g, int C, int s);
 
     /* ---- KV block transfer ----
      * Copies n whole blocks (block_bytes each, contiguous at base + id*block_bytes) to/from host

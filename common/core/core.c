@@ -195,6 +195,30 @@ void prism_free_aligned(void *p)
     free((uint8_t *)p - align);
 }
 
+/* ---------------------------------------------------------------- arena */
+
+void prism_arena_init(prism_arena_t *a, const char *name, void *base, size_t cap)
+{
+    a->base = base;
+    a->cap = cap;
+    a->used = 0;
+    a->peak = 0;
+    a->name = name;
+}
+
+void *prism_arena_alloc(prism_arena_t *a, size_t n, size_t align)
+{
+    if (!align) align = 64;
+    size_t off = PRISM_ALIGN_UP(a->used, align);
+    if (off > a->cap || n > a->cap - off)
+        return NULL;
+    a->used = off + n;
+    if (a->used > a->peak) a->peak = a->used;
+    return a->base + off;
+}
+
+void prism_arena_reset(prism_arena_t *a) { a->used = 0; }
+
 /* ---------------------------------------------------------------- buffer */
 
 int prism_buf_reserve(prism_buf_t *b, size_t extra)

@@ -1,11 +1,11 @@
-/* core: logging, status codes, counting allocator, buffers, time and file helpers.
+/* core: logging, status codes, counting allocator, arenas, time and file helpers.
  *
  * Every Prism library includes this. Conventions used across the tree:
  *  - names are prism_<thing>_<action>; types end in _t; enum values are PRISM_<TYPE>_<NAME>.
  *  - recoverable failures return a negative prism_status_t (PRISM_EAGAIN means "try again later");
  *    broken invariants hit PRISM_ASSERT, which is always on and aborts with file:line.
  *  - all heap memory goes through prism_malloc & co., so used and peak bytes are a metric;
- *    workers allocate their big regions once at start-up, named in their memory plan.
+ *    workers additionally carve big regions up front with prism_arena_t.
  */
 #ifndef PRISM_CORE_H
 #define PRISM_CORE_H
@@ -69,6 +69,20 @@ uint64_t prism_mem_alloc_count(void);  /* number of prism_malloc/calloc/realloc 
 /* Aligned large region (pools, arenas); counted too. Freed with prism_free_aligned. */
 void *prism_malloc_aligned(size_t n, size_t align);
 void  prism_free_aligned(void *p);
+
+/* ---- arena: bump allocator over one region carved at start-up ----
+ * prism_arena_alloc returns NULL when full (never grows). Reset frees everything at once. */
+typedef struct {
+    uint8_t *base;
+    size_t   cap;
+    size_t   used;
+    size_t   peak;
+    const char *name;
+} prism_arena_t;
+
+void  prism_arena_init(prism_arena_t *a, const char *name, void *base, size_t cap);
+void *prism_arena_alloc(prism_arena_t *a, size_t n, size_t align);
+void  prism_arena_reset(prism_arena_t *a);
 
 /* ---- growable byte buffer (router, serializers; not for worker hot paths) ---- */
 typedef struct {

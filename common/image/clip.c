@@ -1,5 +1,5 @@
-/* CLIP image preprocessing: config loading, HF geometry, and a Pillow-exact separable resampler
- * that only computes the center-crop window. */
+/* CLIP image preprocessing: config loading, HF geometry, and the streaming resampler (resample.h)
+ * driven so that only the center-crop window is computed, straight into normalized planes. */
 #include "image/clip.h"
 
 #include <jansson.h>
@@ -11,7 +11,6 @@
 static const double clip_mean[3] = {0.48145466, 0.4578275, 0.40821073};
 static const double clip_std[3] = {0.26862954, 0.26130258, 0.27577711};
 
-#define PIL_PRECISION_BITS 22   /* Pillow Resample.c: 32 - 8 - 2 */
 #define MAX_CONFIG_BYTES (1u << 20)
 
 void prism_clip_preproc_default(prism_clip_preproc_t *p, int size)
@@ -240,267 +239,123 @@ static int crop_offset(const prism_clip_preproc_t *p, int resized, int crop)
     return p->impl == PRISM_CLIP_RESAMPLE_TORCHVISION ? -(d / 2) : -((d + 1) / 2);
 }
 
-/* ---------------------------------------------------------------- resampler */
+/* ---------------------------------------------------------------- plan */
 
-static double filter_support(prism_clip_filter_t f) { return f == PRISM_CLIP_FILTER_BILINEAR ? 1.0 : 2.0; }
-
-static double filter_eval(prism_clip_filter_t f, double x)
-{
-    if (x < 0.0)
-        x = -x;
-    if (f == PRISM_CLIP_FILTER_BILINEAR)
-        return x < 1.0 ? 1.0 - x : 0.0;
-    /* Pillow bicubic_filter, a = -0.5 (torch's aa cubic uses the same). */
-    const double a = -0.5;
-    if (x < 1.0)
-        return ((a + 2.0) * x - (a + 3.0)) * x * x + 1;
-    if (x < 2.0)
-        return (((x - 5) * x + 8) * x - 4) * a;
-    return 0.0;
-}
-
-typedef struct {
-    int in, out;          /* axis sizes */
-    double scale, support, filterscale;
-    int ksize;            /* max taps per output sample */
-    int precision;        /* fixed-point bits */
-} axis_t;
-
-/* extent: how many input pixels the output spans; the input size except after DCT scaling, where
- * the last decoded pixel covers only part of a source block (Pillow's resize box). */
-static void axis_init(axis_t *a, const prism_clip_preproc_t *p, int in, double extent, int out)
-{
-    a->in = in;
-    a->out = out;
-    a->scale = extent / out;
-    a->filterscale = a->scale < 1.0 ? 1.0 : a->scale;
-    a->support = filter_support(p->filter) * a->filterscale;
-    a->ksize = (int)ceil(a->support) * 2 + 1;
-    a->precision = PIL_PRECISION_BITS;
-}
-
-/* Normalized double weights of output sample i (Pillow precompute_coeffs / torch
- * _compute_indices_min_size_weights_aa, identical for in0 = 0). Returns the tap count. */
-static int axis_weights(const axis_t *a, prism_clip_filter_t f, int i, double *k, int *xmin_out)
-{
-    double center = (i + 0.5) * a->scale;
-    double ss = 1.0 / a->filterscale;
-    int xmin = (int)(center - a->support + 0.5);
-    if (xmin < 0)
-        xmin = 0;
-    int xmax = (int)(center + a->support + 0.5);
-    if (xmax > a->in)
-        xmax = a->in;
-    xmax -= xmin;
-    if (xmax > a->ksize)
-        xmax = a->ksize;   /* torch clamps; Pillow never gets here */
-    if (xmax < 0)
-        xmax = 0;
-    double ww = 0.0;
-    for (int x = 0; x < xmax; x++) {
-        double w = filter_eval(f, (x + xmin - center + 0.5) * ss);
-        k[x] = w;
-        ww += w;
-    }
-    if (ww != 0.0)
-        for (int x = 0; x < xmax; x++)
-            k[x] /= ww;
-    *xmin_out = xmin;
-    return xmax;
-}
-
-static int32_t to_fixed(double v, int precision)
-{
-    double s = v * (double)(1 << precision);
-    return (int32_t)(s < 0 ? -0.5 + s : 0.5 + s);
-}
-
-/* torch picks one precision per axis from the largest weight over every output sample so the
- * weights fit int16. */
-static void axis_torch_precision(axis_t *a, prism_clip_filter_t f, double *scratch)
-{
-    double wt_max = 0.0;
-    for (int i = 0; i < a->out; i++) {
-        int xmin;
-        int n = axis_weights(a, f, i, scratch, &xmin);
-        for (int x = 0; x < n; x++)
-            if (scratch[x] > wt_max)
-                wt_max = scratch[x];
-    }
-    int prec;
-    for (prec = 0; prec < 22; prec++) {
-        int next = (int)(0.5 + wt_max * (1 << (prec + 1)));
-        if (next >= (1 << 15))
-            break;
-    }
-    a->precision = prec;
-}
-
-/* Fixed-point coefficients for output samples [o0, o1): bounds[2*(i-o0)] = {xmin, n}. */
-static void axis_coeffs(const axis_t *a, prism_clip_filter_t f, int o0, int o1, int32_t *bounds,
-                        int32_t *kk, double *scratch)
-{
-    for (int i = o0; i < o1; i++) {
-        int xmin;
-        int n = axis_weights(a, f, i, scratch, &xmin);
-        int32_t *k = kk + (size_t)(i - o0) * a->ksize;
-        for (int x = 0; x < a->ksize; x++)
-            k[x] = x < n ? to_fixed(scratch[x], a->precision) : 0;
-        bounds[2 * (i - o0)] = xmin;
-        bounds[2 * (i - o0) + 1] = n;
-    }
-}
-
-static inline uint8_t clip8(int32_t v, int precision)
-{
-    /* Pillow's clip8 on (sum + half) with ss starting at 1 << (precision - 1). */
-    if (v >= (int32_t)((uint32_t)256 << precision))
-        return 255;
-    if (v <= 0)
-        return 0;
-    return (uint8_t)(v >> precision);
-}
-
-typedef struct {
-    int rw, rh;               /* resized image size */
-    int off_x, off_y;         /* crop offset in resized coordinates (negative: padding) */
-    int out_w, out_h;         /* output size */
-    int x0, x1, y0, y1;       /* valid window in resized coordinates */
-    bool need_h, need_v;
-    axis_t ax, ay;
-    int row_first, row_count; /* source rows the vertical pass reads */
-    size_t off_hb, off_hk, off_vb, off_vk, off_scratch, off_acc, off_tmp, total;
-} plan_t;
-
-static size_t align16(size_t x) { return (x + 15) & ~(size_t)15; }
-
-/* Geometry and workspace layout for decoded size (in_w, in_h), resize geometry from (geo_w, geo_h),
- * resampling extent (ext_w, ext_h) in decoded pixels. The horizontal-pass buffer is sized for every
- * source row, an upper bound on the rows the vertical pass reads. */
-static int plan_make(const prism_clip_preproc_t *p, int in_w, int in_h, int geo_w, int geo_h, double ext_w,
-                     double ext_h, plan_t *pl)
+/* Geometry for a decoded image of w x h whose file is geo_w x geo_h, decoded at scale num/denom. */
+static int clip_plan(const prism_clip_preproc_t *p, int w, int h, int geo_w, int geo_h, int num, int denom,
+                     prism_clip_plan_t *pl)
 {
     memset(pl, 0, sizeof *pl);
-    int rc = prism_clip_resize_target(p, geo_w, geo_h, &pl->rw, &pl->rh);
+    if (w <= 0 || h <= 0)
+        return PRISM_EINVAL;
+    int rw, rh;
+    int rc = prism_clip_resize_target(p, geo_w, geo_h, &rw, &rh);
     if (rc != PRISM_OK)
         return rc;
+    /* The last decoded pixel of a DCT-scaled decode covers only part of a source block: the
+     * resize spans the file's extent in decoded pixels (Pillow's resize box). */
+    double ext_w = w, ext_h = h;
+    if (num > 0 && denom > 0 && (w != geo_w || h != geo_h)) {
+        ext_w = PRISM_MIN((double)geo_w * num / denom, (double)w);
+        ext_h = PRISM_MIN((double)geo_h * num / denom, (double)h);
+    }
     if (!p->do_resize) {
         /* Without a resize the pixels are taken as decoded. */
-        pl->rw = in_w;
-        pl->rh = in_h;
+        rw = w;
+        rh = h;
+        ext_w = w;
+        ext_h = h;
     }
     if (p->do_center_crop) {
         pl->out_w = p->crop_w;
         pl->out_h = p->crop_h;
-        pl->off_x = crop_offset(p, pl->rw, p->crop_w);
-        pl->off_y = crop_offset(p, pl->rh, p->crop_h);
+        pl->off_x = crop_offset(p, rw, p->crop_w);
+        pl->off_y = crop_offset(p, rh, p->crop_h);
     } else {
-        pl->out_w = pl->rw;
-        pl->out_h = pl->rh;
+        pl->out_w = rw;
+        pl->out_h = rh;
     }
-    pl->x0 = PRISM_MAX(0, pl->off_x);
-    pl->x1 = PRISM_MIN(pl->rw, pl->off_x + pl->out_w);
-    pl->y0 = PRISM_MAX(0, pl->off_y);
-    pl->y1 = PRISM_MIN(pl->rh, pl->off_y + pl->out_h);
-    if (!p->do_resize)
-        ext_w = in_w, ext_h = in_h;
-    pl->need_h = pl->rw != in_w || ext_w != in_w;
-    pl->need_v = pl->rh != in_h || ext_h != in_h;
-    axis_init(&pl->ax, p, in_w, ext_w, pl->rw);
-    axis_init(&pl->ay, p, in_h, ext_h, pl->rh);
-    int wx = pl->x1 - pl->x0, wy = pl->y1 - pl->y0;
-    size_t ks = (size_t)PRISM_MAX(pl->ax.ksize, pl->ay.ksize);
-    size_t o = 0;
-    pl->off_hb = o; o = align16(o + (size_t)wx * 2 * sizeof(int32_t));
-    pl->off_hk = o; o = align16(o + (size_t)wx * pl->ax.ksize * sizeof(int32_t));
-    pl->off_vb = o; o = align16(o + (size_t)wy * 2 * sizeof(int32_t));
-    pl->off_vk = o; o = align16(o + (size_t)wy * pl->ay.ksize * sizeof(int32_t));
-    pl->off_scratch = o; o = align16(o + ks * sizeof(double));
-    pl->off_acc = o; o = align16(o + (size_t)wx * 3 * sizeof(int32_t));
-    pl->off_tmp = o;
-    /* Horizontal output for every source row the vertical pass may read (at most in_h rows). */
-    if (pl->need_h)
-        o = align16(o + (size_t)wx * 3 * (size_t)in_h);
-    pl->total = o;
-    return PRISM_OK;
+    prism_resample_spec_t *s = &pl->rs;
+    s->filter = p->filter == PRISM_CLIP_FILTER_BILINEAR ? &prism_resample_bilinear : &prism_resample_bicubic;
+    s->arith = p->impl == PRISM_CLIP_RESAMPLE_TORCHVISION ? PRISM_RESAMPLE_TORCH : PRISM_RESAMPLE_PIL;
+    s->in_w = w;
+    s->in_h = h;
+    s->extent_w = ext_w;
+    s->extent_h = ext_h;
+    s->out_w = rw;
+    s->out_h = rh;
+    s->x0 = PRISM_MAX(0, pl->off_x);
+    s->x1 = PRISM_MIN(rw, pl->off_x + pl->out_w);
+    s->y0 = PRISM_MAX(0, pl->off_y);
+    s->y1 = PRISM_MIN(rh, pl->off_y + pl->out_h);
+    return s->x0 < s->x1 && s->y0 < s->y1 ? PRISM_OK : PRISM_EINVAL;
+}
+
+static int clip_plan_img(const prism_clip_preproc_t *p, const prism_image_t *img, prism_clip_plan_t *pl)
+{
+    return clip_plan(p, img->w, img->h, img->src_w > 0 ? img->src_w : img->w, img->src_h > 0 ? img->src_h : img->h,
+                     img->scale_num, img->scale_denom, pl);
 }
 
 size_t prism_clip_preprocess_workspace_bytes(const prism_clip_preproc_t *p, int src_w, int src_h)
 {
     if (!p || src_w <= 0 || src_h <= 0 || src_w > PRISM_IMAGE_MAX_DIM || src_h > PRISM_IMAGE_MAX_DIM)
         return 0;
-    /* A DCT-scaled decode takes its geometry from the file's size, which may round to a resize
-     * target a pixel or two away from this one; plan for slightly larger windows and kernels. */
-    plan_t pl;
-    if (plan_make(p, src_w, src_h, src_w, src_h, src_w, src_h, &pl) != PRISM_OK)
+    prism_clip_plan_t pl;
+    if (clip_plan(p, src_w, src_h, src_w, src_h, 1, 1, &pl) != PRISM_OK)
         return 0;
-    size_t wx = (size_t)(pl.x1 - pl.x0) + 4, wy = (size_t)(pl.y1 - pl.y0) + 4;
-    size_t kx = (size_t)pl.ax.ksize + 4, ky = (size_t)pl.ay.ksize + 4;
-    size_t ks = PRISM_MAX(kx, ky);
-    size_t total = 7 * 16;
-    total += wx * 2 * 4 + wx * kx * 4 + wy * 2 * 4 + wy * ky * 4 + ks * 8 + wx * 3 * 4;
-    total += wx * 3 * (size_t)src_h;
-    return total;
-}
-
-/* Plan for a decoded image: geometry from the file's size, resampling extent corrected for the
- * partial last block of a DCT-scaled decode. */
-static int plan_for_image(const prism_clip_preproc_t *p, const prism_image_t *img, plan_t *pl)
-{
-    int geo_w = img->src_w > 0 ? img->src_w : img->w;
-    int geo_h = img->src_h > 0 ? img->src_h : img->h;
-    double ext_w = img->w, ext_h = img->h;
-    if (img->scale_num > 0 && img->scale_denom > 0 && img->src_w > 0 && img->src_h > 0 &&
-        (img->w != img->src_w || img->h != img->src_h)) {
-        ext_w = PRISM_MIN((double)img->src_w * img->scale_num / img->scale_denom, (double)img->w);
-        ext_h = PRISM_MIN((double)img->src_h * img->scale_num / img->scale_denom, (double)img->h);
-    }
-    return plan_make(p, img->w, img->h, geo_w, geo_h, ext_w, ext_h, pl);
+    /* A DCT-scaled decode takes its geometry from the file's size, which may round to a resize
+     * target a pixel or two away from this one: slightly larger windows and kernels. */
+    const prism_resample_spec_t *s = &pl.rs;
+    int kx = prism_resample_ksize(s->filter, s->extent_w, s->out_w) + 4;
+    int ky = prism_resample_ksize(s->filter, s->extent_h, s->out_h) + 4;
+    return prism_resample_workspace_bound(src_w + 4, s->x1 - s->x0 + 4, s->y1 - s->y0 + 4, kx, ky);
 }
 
 size_t prism_clip_preprocess_workspace_bytes_img(const prism_clip_preproc_t *p, const prism_image_t *img)
 {
     if (!p || !img || img->w <= 0 || img->h <= 0)
         return 0;
-    plan_t pl;
-    if (plan_for_image(p, img, &pl) != PRISM_OK)
+    prism_clip_plan_t pl;
+    if (clip_plan_img(p, img, &pl) != PRISM_OK)
         return 0;
-    return pl.total;
+    return prism_resample_workspace_bytes(&pl.rs);
 }
 
-static void horizontal_pass(const uint8_t *src, int src_w, int row_first, int row_count, const plan_t *pl,
-                            const int32_t *hb, const int32_t *hk, uint8_t *tmp)
+size_t prism_clip_workspace_bound(const prism_clip_preproc_t *p, uint64_t max_pixels)
 {
-    int wx = pl->x1 - pl->x0, ks = pl->ax.ksize, prec = pl->ax.precision;
-    int32_t half = (int32_t)1 << (prec - 1);
-    if (prec == 0)
-        half = 0;
-    for (int r = 0; r < row_count; r++) {
-        const uint8_t *in = src + (size_t)(row_first + r) * src_w * 3;
-        uint8_t *o = tmp + (size_t)r * wx * 3;
-        for (int x = 0; x < wx; x++) {
-            const int32_t *k = hk + (size_t)x * ks;
-            const uint8_t *px = in + (size_t)hb[2 * x] * 3;
-            int n = hb[2 * x + 1];
-            int32_t s0 = half, s1 = half, s2 = half;
-            for (int t = 0; t < n; t++) {
-                s0 += px[t * 3 + 0] * k[t];
-                s1 += px[t * 3 + 1] * k[t];
-                s2 += px[t * 3 + 2] * k[t];
-            }
-            o[x * 3 + 0] = clip8(s0, prec);
-            o[x * 3 + 1] = clip8(s1, prec);
-            o[x * 3 + 2] = clip8(s2, prec);
-        }
+    if (!p || max_pixels == 0)
+        return 0;
+    uint64_t dim = PRISM_MIN(max_pixels, (uint64_t)PRISM_IMAGE_MAX_DIM);
+    uint64_t shrt = 1;   /* the short side: at most sqrt(max_pixels) */
+    while ((shrt + 1) * (shrt + 1) <= max_pixels && shrt < dim)
+        shrt++;
+    const prism_resample_filter_t *f = p->filter == PRISM_CLIP_FILTER_BILINEAR ? &prism_resample_bilinear
+                                                                                : &prism_resample_bicubic;
+    /* Largest input/output ratio per axis. Shortest-edge resize: short/S on the short side and,
+     * because the long side is floor(S * long / short), at most short/(S - 1) on the long one. */
+    double sx = 1.0, sy = 1.0;
+    int max_rw = PRISM_IMAGE_MAX_DIM, max_rh = PRISM_IMAGE_MAX_DIM;
+    if (p->do_resize && p->shortest_edge > 0) {
+        int se = p->shortest_edge;
+        sx = sy = se > 1 ? (double)shrt / (se - 1) : 2.0 * (double)shrt;
+    } else if (p->do_resize) {
+        sx = (double)dim / p->resize_w;
+        sy = (double)dim / p->resize_h;
+        max_rw = p->resize_w;
+        max_rh = p->resize_h;
     }
+    int kx = prism_resample_ksize(f, PRISM_MAX(sx, 1.0) + 1.0, 1) + 2;
+    int ky = prism_resample_ksize(f, PRISM_MAX(sy, 1.0) + 1.0, 1) + 2;
+    int wx = p->do_center_crop ? PRISM_MIN(p->crop_w, max_rw) : max_rw;
+    int wy = p->do_center_crop ? PRISM_MIN(p->crop_h, max_rh) : max_rh;
+    return prism_resample_workspace_bound((int)dim, wx, wy, kx, ky);
 }
+
+/* ---------------------------------------------------------------- normalization */
 
 /* uint8 -> normalized float, bit-compatible with the chosen reference. */
-typedef struct {
-    float lut[3][256];
-} norm_t;
-
-static void norm_init(const prism_clip_preproc_t *p, norm_t *nt)
+static void norm_init(const prism_clip_preproc_t *p, float lut[3][256])
 {
     for (int c = 0; c < 3; c++) {
         float mean = p->mean[c], std = p->std[c];
@@ -525,9 +380,74 @@ static void norm_init(const prism_clip_preproc_t *p, norm_t *nt)
                 if (p->do_normalize)
                     v = (v - mean) / std;
             }
-            nt->lut[c][u] = v;
+            lut[c][u] = v;
         }
     }
+}
+
+/* ---------------------------------------------------------------- streaming */
+
+static int stream_emit(void *ud, int y, const uint8_t *const planes[3])
+{
+    prism_clip_stream_t *s = ud;
+    const prism_clip_plan_t *pl = &s->plan;
+    size_t plane = (size_t)pl->out_w * pl->out_h;
+    size_t orow = (size_t)(y - pl->off_y) * pl->out_w + (size_t)(pl->rs.x0 - pl->off_x);
+    int wx = pl->rs.x1 - pl->rs.x0;
+    for (int c = 0; c < 3; c++) {
+        float *o = s->out + c * plane + orow;
+        const float *lut = s->lut[c];
+        const uint8_t *v = planes[c];
+        for (int x = 0; x < wx; x++)
+            o[x] = lut[v[x]];
+    }
+    return PRISM_OK;
+}
+
+static int stream_begin(void *ud, const prism_image_t *geom)
+{
+    prism_clip_stream_t *s = ud;
+    prism_clip_plan_t *pl = &s->plan;
+    int rc = clip_plan_img(s->p, geom, pl);
+    if (rc != PRISM_OK)
+        return rc;
+    /* Padding (crop larger than the resized image) holds zero pixels, normalized like any other. */
+    int wx = pl->rs.x1 - pl->rs.x0, wy = pl->rs.y1 - pl->rs.y0;
+    if (wx < pl->out_w || wy < pl->out_h) {
+        size_t plane = (size_t)pl->out_w * pl->out_h;
+        for (int c = 0; c < 3; c++)
+            for (size_t i = 0; i < plane; i++)
+                s->out[c * plane + i] = s->lut[c][0];
+    }
+    rc = prism_resample_init(&s->rs, &pl->rs, s->ws, s->ws_bytes, stream_emit, s);
+    if (rc == PRISM_OK)
+        s->begun = true;
+    return rc;
+}
+
+static int stream_row(void *ud, int y, const uint8_t *rgb)
+{
+    prism_clip_stream_t *s = ud;
+    if (!s->begun || y != s->rs.pushed)
+        return PRISM_EINVAL;
+    return prism_resample_push(&s->rs, rgb);
+}
+
+prism_image_sink_t prism_clip_stream_sink(prism_clip_stream_t *s, const prism_clip_preproc_t *p, void *ws,
+                                          size_t ws_bytes, float *out)
+{
+    memset(s, 0, sizeof *s);
+    s->p = p;
+    s->ws = ws;
+    s->ws_bytes = ws_bytes;
+    s->out = out;
+    norm_init(p, s->lut);
+    return (prism_image_sink_t){.begin = stream_begin, .row = stream_row, .ud = s};
+}
+
+int prism_clip_stream_finish(const prism_clip_stream_t *s)
+{
+    return s && s->begun && prism_resample_done(&s->rs) ? PRISM_OK : PRISM_ECORRUPT;
 }
 
 int prism_clip_preprocess(const prism_clip_preproc_t *p, const prism_image_t *img, void *workspace,
@@ -535,97 +455,12 @@ int prism_clip_preprocess(const prism_clip_preproc_t *p, const prism_image_t *im
 {
     if (!p || !img || !img->rgb || !out || img->w <= 0 || img->h <= 0)
         return PRISM_EINVAL;
-    plan_t pl;
-    int rc = plan_for_image(p, img, &pl);
-    if (rc != PRISM_OK)
-        return rc;
-    if (pl.total > ws_bytes || (pl.total && !workspace))
-        return PRISM_ELIMIT;
-    uint8_t *ws = workspace;
-    int32_t *hb = (int32_t *)(ws + pl.off_hb), *hk = (int32_t *)(ws + pl.off_hk);
-    int32_t *vb = (int32_t *)(ws + pl.off_vb), *vk = (int32_t *)(ws + pl.off_vk);
-    double *scratch = (double *)(ws + pl.off_scratch);
-    int32_t *acc = (int32_t *)(ws + pl.off_acc);
-    uint8_t *tmp = ws + pl.off_tmp;
-    int wx = pl.x1 - pl.x0, wy = pl.y1 - pl.y0;
-
-    norm_t nt;
-    norm_init(p, &nt);
-    size_t plane = (size_t)pl.out_w * pl.out_h;
-    /* Padding (crop larger than the resized image) holds zero pixels, normalized like any other. */
-    if (wx < pl.out_w || wy < pl.out_h)
-        for (int c = 0; c < 3; c++)
-            for (size_t i = 0; i < plane; i++)
-                out[c * plane + i] = nt.lut[c][0];
-    if (wx <= 0 || wy <= 0)
-        return PRISM_OK;
-
-    if (p->impl == PRISM_CLIP_RESAMPLE_TORCHVISION) {
-        if (pl.need_h)
-            axis_torch_precision(&pl.ax, p->filter, scratch);
-        if (pl.need_v)
-            axis_torch_precision(&pl.ay, p->filter, scratch);
-    }
-    /* Source rows feeding the window: all of them from the vertical coefficients, or the window
-     * itself when there is no vertical pass. */
-    int row_first, row_count;
-    if (pl.need_v) {
-        axis_coeffs(&pl.ay, p->filter, pl.y0, pl.y1, vb, vk, scratch);
-        row_first = vb[0];
-        int last = 0;
-        for (int y = 0; y < wy; y++)
-            last = PRISM_MAX(last, vb[2 * y] + vb[2 * y + 1]);
-        row_count = PRISM_MAX(last - row_first, 0);
-    } else {
-        row_first = pl.y0;
-        row_count = wy;
-    }
-    /* Rows (rw-wide window) the vertical pass reads; either the horizontal output or the source. */
-    const uint8_t *rows;
-    size_t row_stride, col0;
-    if (pl.need_h) {
-        axis_coeffs(&pl.ax, p->filter, pl.x0, pl.x1, hb, hk, scratch);
-        horizontal_pass(img->rgb, img->w, row_first, row_count, &pl, hb, hk, tmp);
-        rows = tmp;
-        row_stride = (size_t)wx * 3;
-        col0 = 0;
-    } else {
-        rows = img->rgb + (size_t)row_first * img->w * 3;
-        row_stride = (size_t)img->w * 3;
-        col0 = (size_t)pl.x0 * 3;
-    }
-
-    int prec = pl.ay.precision, ks = pl.ay.ksize;
-    int32_t half = prec ? (int32_t)1 << (prec - 1) : 0;
-    for (int y = 0; y < wy; y++) {
-        size_t orow = (size_t)(pl.y0 + y - pl.off_y) * pl.out_w + (size_t)(pl.x0 - pl.off_x);
-        float *o0 = out + orow, *o1 = out + plane + orow, *o2 = out + 2 * plane + orow;
-        if (!pl.need_v) {
-            const uint8_t *r = rows + (size_t)y * row_stride + col0;
-            for (int x = 0; x < wx; x++) {
-                o0[x] = nt.lut[0][r[x * 3 + 0]];
-                o1[x] = nt.lut[1][r[x * 3 + 1]];
-                o2[x] = nt.lut[2][r[x * 3 + 2]];
-            }
-            continue;
-        }
-        /* Row-major accumulation (tap outer, pixel inner) keeps the reads sequential. */
-        const int32_t *k = vk + (size_t)y * ks;
-        int ymin = vb[2 * y] - row_first, n = vb[2 * y + 1];
-        int m = wx * 3;
-        for (int i = 0; i < m; i++)
-            acc[i] = half;
-        for (int t = 0; t < n; t++) {
-            const uint8_t *r = rows + (size_t)(ymin + t) * row_stride + col0;
-            int32_t kt = k[t];
-            for (int i = 0; i < m; i++)
-                acc[i] += r[i] * kt;
-        }
-        for (int x = 0; x < wx; x++) {
-            o0[x] = nt.lut[0][clip8(acc[x * 3 + 0], prec)];
-            o1[x] = nt.lut[1][clip8(acc[x * 3 + 1], prec)];
-            o2[x] = nt.lut[2][clip8(acc[x * 3 + 2], prec)];
-        }
-    }
-    return PRISM_OK;
+    prism_clip_stream_t s;
+    prism_image_sink_t sink = prism_clip_stream_sink(&s, p, workspace, ws_bytes, out);
+    prism_image_t g = *img;
+    g.rgb = NULL;
+    int rc = sink.begin(sink.ud, &g);
+    for (int y = 0; rc == PRISM_OK && y < img->h; y++)
+        rc = sink.row(sink.ud, y, img->rgb + (size_t)y * img->w * 3);
+    return rc == PRISM_OK ? prism_clip_stream_finish(&s) : rc;
 }

@@ -15,7 +15,8 @@
  *    ImagingResample (22-bit coefficients), numpy float64 rescale then float32 normalization.
  * The two references differ from each other by at most 2 uint8 levels (0.030 after normalization)
  * on a handful of pixels. Both resample separably, horizontal pass first, with uint8 rounding
- * between and after the passes, and only the crop window is ever computed.
+ * between and after the passes, and only the crop window is ever computed (image/resample.h:
+ * rows are resampled as they are decoded; no whole image or whole intermediate is held).
  *
  *   prism_clip_preproc_t p;
  *   char err[256];
@@ -29,6 +30,7 @@
 
 #include "core/core.h"
 #include "image/image.h"
+#include "image/resample.h"
 
 typedef enum {
     PRISM_CLIP_RESAMPLE_TORCHVISION = 0,  /* torch uint8 AA kernel, int16 coefficients (vLLM's) */
@@ -98,5 +100,37 @@ size_t prism_clip_preprocess_workspace_bytes_img(const prism_clip_preproc_t *p, 
  * PRISM_EINVAL on bad arguments, PRISM_ELIMIT when ws_bytes is too small. */
 int prism_clip_preprocess(const prism_clip_preproc_t *p, const prism_image_t *rgb, void *workspace,
                           size_t ws_bytes, float *out);
+
+/* Scratch bytes that prism_clip_stream_sink needs for any image of at most max_pixels pixels
+ * (either side <= PRISM_IMAGE_MAX_DIM, decoded at full size or DCT-scaled): a worker sizes it
+ * once. O(max width + crop x taps). */
+size_t prism_clip_workspace_bound(const prism_clip_preproc_t *p, uint64_t max_pixels);
+
+/* Geometry of one decoded image (filled by the sink's begin). */
+typedef struct {
+    prism_resample_spec_t rs;
+    int off_x, off_y;         /* crop offset in resized coordinates (negative: zero padding) */
+    int out_w, out_h;         /* output size */
+} prism_clip_plan_t;
+
+typedef struct {
+    const prism_clip_preproc_t *p;
+    void *ws;
+    size_t ws_bytes;
+    float *out;
+    float lut[3][256];        /* uint8 -> normalized value per channel */
+    prism_clip_plan_t plan;
+    prism_resample_t rs;
+    bool begun;
+} prism_clip_stream_t;
+
+/* A sink for prism_image_decoder_run that preprocesses the rows as they are decoded into out
+ * ([3][h][w] as prism_clip_output_size). The workspace must hold the image's plan: PRISM_ELIMIT
+ * from the decode otherwise (prism_clip_workspace_bound always suffices). */
+prism_image_sink_t prism_clip_stream_sink(prism_clip_stream_t *s, const prism_clip_preproc_t *p, void *ws,
+                                          size_t ws_bytes, float *out);
+
+/* PRISM_OK once every output row was written (the decode delivered every row it needed). */
+int prism_clip_stream_finish(const prism_clip_stream_t *s);
 
 #endif

@@ -1,16 +1,18 @@
-/* Decoding JPEG (turbojpeg) and PNG (libspng) into RGB8 with bounds checked before any pixel
- * memory is allocated. */
+/* The streaming decoder's shell: region sizing, limits checked before anything is decoded,
+ * dispatch to libjpeg-turbo (decode_jpeg.c) or libspng (decode_png.c), and the whole-image decode
+ * as a sink that stores rows. */
 #include "image/image.h"
 #include "image/image_internal.h"
 
-#include <spng.h>
+#include <math.h>
+#include <stdio.h>
 #include <string.h>
-#include <turbojpeg.h>
 
-/* libspng's limits on ancillary chunks (text, ICC, ...), so a crafted file cannot make it cache
- * hundreds of MB of metadata we never look at. */
-#define PNG_CHUNK_SIZE_LIMIT  (8u << 20)
-#define PNG_CHUNK_CACHE_LIMIT (16u << 20)
+/* Slack for alignment padding and libraries' small objects beyond the per-row estimates. */
+#define REGION_SLACK (64u << 10)
+/* What jpeg_create_decompress allocates with libjpeg's own malloc, once (its manager, marker
+ * reader, input controller and master: about 2 KiB), counted in the plan by generous excess. */
+#define LIBJPEG_OWN_BYTES (16u << 10)
 
 void prism_image_free(prism_image_t *img)
 {
@@ -21,27 +23,27 @@ void prism_image_free(prism_image_t *img)
     memset(img, 0, sizeof *img);
 }
 
-/* Picks the smallest libjpeg-turbo scale (<= 1) whose output still covers min_w x min_h. */
-static void jpeg_pick_scale(int w, int h, int min_w, int min_h, int *num, int *denom)
+/* libjpeg-turbo's scaling factors at or below 1 (what turbojpeg offers: M/8, reduced). */
+static const struct { int num, denom; } jpeg_scales[] = {
+    {1, 1}, {7, 8}, {3, 4}, {5, 8}, {1, 2}, {3, 8}, {1, 4}, {1, 8},
+};
+
+static int scaled(int d, int num, int denom) { return (int)(((int64_t)d * num + denom - 1) / denom); }
+
+void prism_image_jpeg_pick_scale(int w, int h, int min_w, int min_h, int *num, int *denom)
 {
     *num = 1;
     *denom = 1;
     if (min_w <= 0 || min_h <= 0)
         return;
-    int n = 0;
-    tjscalingfactor *sf = tjGetScalingFactors(&n);
-    if (!sf)
-        return;
     double best = 1.0;
-    for (int i = 0; i < n; i++) {
-        if (sf[i].num <= 0 || sf[i].denom <= 0 || sf[i].num > sf[i].denom)
-            continue;
-        int sw = TJSCALED(w, sf[i]), sh = TJSCALED(h, sf[i]);
-        double r = (double)sf[i].num / sf[i].denom;
-        if (sw >= min_w && sh >= min_h && r < best) {
+    for (size_t i = 0; i < PRISM_ARRAY_LEN(jpeg_scales); i++) {
+        int n = jpeg_scales[i].num, dd = jpeg_scales[i].denom;
+        double r = (double)n / dd;
+        if (scaled(w, n, dd) >= min_w && scaled(h, n, dd) >= min_h && r < best) {
             best = r;
-            *num = sf[i].num;
-            *denom = sf[i].denom;
+            *num = n;
+            *denom = dd;
         }
     }
 }
@@ -53,33 +55,9 @@ void prism_image_scaled_size(const prism_image_info_t *info, int min_w, int min_
     if (info->format != PRISM_IMAGE_FORMAT_JPEG)
         return;
     int num, denom;
-    jpeg_pick_scale(info->width, info->height, min_w, min_h, &num, &denom);
-    tjscalingfactor f = {num, denom};
-    *w = TJSCALED(info->width, f);
-    *h = TJSCALED(info->height, f);
-}
-
-/* Reserves the [h][w][3] output in the caller's buffer or on the heap. */
-static int out_alloc(const prism_image_decode_opts_t *o, int w, int h, prism_image_t *out)
-{
-    uint64_t need = (uint64_t)w * (uint64_t)h * 3u;   /* w, h <= 65535: fits in 64 bits */
-    if (need > SIZE_MAX)
-        return PRISM_ELIMIT;
-    size_t bytes = (size_t)need;
-    if (o && o->out_buf) {
-        if (bytes > o->out_cap)
-            return PRISM_ELIMIT;
-        out->rgb = o->out_buf;
-        out->owned = false;
-    } else {
-        out->rgb = prism_malloc(bytes);
-        if (!out->rgb)
-            return PRISM_ENOMEM;
-        out->owned = true;
-    }
-    out->w = w;
-    out->h = h;
-    return PRISM_OK;
+    prism_image_jpeg_pick_scale(info->width, info->height, min_w, min_h, &num, &denom);
+    *w = scaled(info->width, num, denom);
+    *h = scaled(info->height, num, denom);
 }
 
 static int check_limits(const prism_image_info_t *info, const prism_image_decode_opts_t *o)
@@ -92,248 +70,198 @@ static int check_limits(const prism_image_info_t *info, const prism_image_decode
     return PRISM_OK;
 }
 
-/* PIL's cmyk2rgb (Convert.c): r = 255-k - (c*(255-k))/255 with its rounded division. */
-static inline uint8_t muldiv255_sub(uint8_t c, int nk)
+/* ---------------------------------------------------------------- sizing */
+
+/* Rows of any single-scan JPEG or any PNG of this width. */
+static size_t stream_bytes(int width)
 {
-    int t = c * nk + 128;
-    int v = nk - (((t >> 8) + t) >> 8);
-    return (uint8_t)(v < 0 ? 0 : v > 255 ? 255 : v);
+    return PRISM_MAX(prism_image_jpeg_stream_bytes(width, false), prism_image_png_stream_bytes(width));
 }
 
-static int tj_status(tjhandle tj, int rc)
+size_t prism_image_decoder_bytes(int max_width, uint64_t whole_pixels)
 {
-    if (rc == 0)
-        return PRISM_OK;
-    if (tjGetErrorCode(tj) == TJERR_WARNING) {
-        /* libjpeg completes the image on warnings. A truncated file ("Premature end of JPEG file",
-         * "premature end of data segment") is an error for us, as it is for PIL; other warnings
-         * (extraneous bytes, ...) are common in camera files and PIL accepts them too. */
-        const char *msg = tjGetErrorStr2(tj);
-        if (msg && (strstr(msg, "Premature end") || strstr(msg, "premature end")))
-            return PRISM_ECORRUPT;
-        PRISM_DEBUG("jpeg warning: %s", msg ? msg : "?");
-        return PRISM_OK;
+    if (max_width < 1)
+        max_width = 1;
+    if (max_width > PRISM_IMAGE_MAX_DIM)
+        max_width = PRISM_IMAGE_MAX_DIM;
+    if (whole_pixels > (uint64_t)PRISM_IMAGE_MAX_DIM * PRISM_IMAGE_MAX_DIM)
+        whole_pixels = (uint64_t)PRISM_IMAGE_MAX_DIM * PRISM_IMAGE_MAX_DIM;
+    size_t rows = stream_bytes(max_width);
+    size_t whole = 0;
+    if (whole_pixels) {
+        /* a whole-image decode of that many pixels (a square image: rows of its width) */
+        int side = (int)PRISM_MIN((double)max_width, ceil(sqrt((double)whole_pixels)));
+        whole = (size_t)whole_pixels * 3 + PRISM_MAX(prism_image_jpeg_stream_bytes(side, true),
+                                                     prism_image_png_stream_bytes(side));
     }
-    return PRISM_ECORRUPT;
+    return PRISM_IMAGE_PERM_BYTES + PRISM_MAX(rows, whole) + REGION_SLACK + LIBJPEG_OWN_BYTES;
 }
 
-static int decode_jpeg(const uint8_t *data, size_t len, const prism_image_decode_opts_t *o,
-                       prism_image_t *out)
+/* ---------------------------------------------------------------- decoder object */
+
+int prism_image_decoder_create(size_t region_bytes, prism_image_decoder_t **out)
 {
+    if (!out)
+        return PRISM_EINVAL;
+    *out = NULL;
+    if (region_bytes < PRISM_IMAGE_PERM_BYTES + REGION_SLACK)
+        region_bytes = PRISM_IMAGE_PERM_BYTES + REGION_SLACK;
+    prism_image_decoder_t *d = prism_calloc(1, sizeof *d);
+    if (!d)
+        return PRISM_ENOMEM;
+    d->region = prism_malloc_aligned(region_bytes, 64);
+    if (!d->region) {
+        prism_free(d);
+        return PRISM_ENOMEM;
+    }
+    d->region_bytes = region_bytes;
+    prism_arena_init(&d->perm, "jpeg-tables", d->region, PRISM_IMAGE_PERM_BYTES);
+    prism_arena_init(&d->arena, "decode", d->region + PRISM_IMAGE_PERM_BYTES, region_bytes - PRISM_IMAGE_PERM_BYTES);
+    int rc = prism_image_jpeg_state_create(d);
+    if (rc != PRISM_OK) {
+        prism_free_aligned(d->region);
+        prism_free(d);
+        return rc;
+    }
+    *out = d;
+    return PRISM_OK;
+}
+
+void prism_image_decoder_destroy(prism_image_decoder_t *d)
+{
+    if (!d)
+        return;
+    prism_image_jpeg_state_destroy(d);
+    prism_free_aligned(d->region);
+    prism_free(d);
+}
+
+const char *prism_image_decoder_error(const prism_image_decoder_t *d) { return d ? d->err : ""; }
+size_t prism_image_decoder_last_bytes(const prism_image_decoder_t *d) { return d ? d->last_bytes : 0; }
+size_t prism_image_decoder_peak_bytes(const prism_image_decoder_t *d) { return d ? d->peak_bytes : 0; }
+size_t prism_image_decoder_region_bytes(const prism_image_decoder_t *d) { return d ? d->region_bytes : 0; }
+
+/* Wraps the caller's sink so that end() runs exactly when begin() succeeded. */
+typedef struct {
+    const prism_image_sink_t *s;
+    bool begun;
+} guard_t;
+
+static int guard_begin(void *ud, const prism_image_t *g)
+{
+    guard_t *q = ud;
+    int rc = q->s->begin ? q->s->begin(q->s->ud, g) : PRISM_OK;
+    q->begun = rc == PRISM_OK;
+    return rc;
+}
+
+static int guard_row(void *ud, int y, const uint8_t *rgb)
+{
+    guard_t *q = ud;
+    return q->s->row(q->s->ud, y, rgb);
+}
+
+static int guard_rowbuf(void *ud, int y, uint8_t **buf)
+{
+    guard_t *q = ud;
+    return q->s->rowbuf(q->s->ud, y, buf);
+}
+
+int prism_image_decoder_run(prism_image_decoder_t *d, const uint8_t *data, size_t len,
+                            const prism_image_decode_opts_t *opts, const prism_image_sink_t *sink)
+{
+    if (!d || !sink || !sink->row)
+        return PRISM_EINVAL;
+    d->err[0] = 0;
+    if (!data || len == 0) {
+        snprintf(d->err, sizeof d->err, "the image is empty");
+        return PRISM_EINVAL;
+    }
+    prism_arena_reset(&d->perm);
+    prism_arena_reset(&d->arena);
+    d->perm.peak = d->arena.peak = 0;
+    d->need_bytes = 0;
     prism_image_info_t info;
     prism_jpeg_extra_t ex;
-    int rc = prism_image_jpeg_scan_header(data, len, &info, &ex);
-    if (rc != PRISM_OK)
-        return rc;
-    if ((rc = check_limits(&info, o)) != PRISM_OK)
-        return rc;
-    if (info.bit_depth != 8)
-        return PRISM_ENOTSUP;   /* 12-bit JPEG needs the libjpeg-turbo 3 API */
-    if (len > (size_t)0xffffffffu)
-        return PRISM_ELIMIT;    /* turbojpeg takes unsigned long, but keep it sane */
-
-    uint8_t *cmyk = NULL;
-    tjhandle tj = tjInitDecompress();
-    if (!tj)
-        return PRISM_ENOMEM;
-    int w = 0, h = 0, subsamp = 0, cs = 0;
-    if ((rc = tj_status(tj, tjDecompressHeader3(tj, data, (unsigned long)len, &w, &h, &subsamp, &cs))) != PRISM_OK)
-        goto fail;
-    if (w != info.width || h != info.height) {
-        rc = PRISM_ECORRUPT;
-        goto fail;
-    }
-    int num, denom;
-    jpeg_pick_scale(w, h, o ? o->min_w : 0, o ? o->min_h : 0, &num, &denom);
-    tjscalingfactor f = {num, denom};
-    int sw = TJSCALED(w, f), sh = TJSCALED(h, f);
-    if ((rc = out_alloc(o, sw, sh, out)) != PRISM_OK)
-        goto fail;
-    out->src_w = w;
-    out->src_h = h;
-    out->scale_num = num;
-    out->scale_denom = denom;
-    out->format = PRISM_IMAGE_FORMAT_JPEG;
-    /* ACCURATEDCT is already turbojpeg's decode default (ISLOW, as PIL uses); LIMITSCANS guards
-     * against the progressive-scan CPU exhaustion attack. */
-    const int flags = TJFLAG_ACCURATEDCT | TJFLAG_LIMITSCANS;
-    if (cs == TJCS_CMYK || cs == TJCS_YCCK) {
-        /* libjpeg cannot convert CMYK to RGB; do it the way PIL does (naive, no ICC). */
-        size_t px = (size_t)sw * (size_t)sh;
-        cmyk = prism_malloc(px * 4);
-        if (!cmyk) {
-            rc = PRISM_ENOMEM;
-            goto fail;
-        }
-        rc = tj_status(tj, tjDecompress2(tj, data, (unsigned long)len, cmyk, sw, 0, sh, TJPF_CMYK, flags));
-        if (rc != PRISM_OK)
-            goto fail;
-        /* Adobe (Photoshop) CMYK is stored inverted; PIL reads it as "CMYK;I". */
-        bool inverted = ex.adobe;
-        for (size_t i = 0; i < px; i++) {
-            uint8_t c = cmyk[i * 4], m = cmyk[i * 4 + 1], y = cmyk[i * 4 + 2], k = cmyk[i * 4 + 3];
-            if (inverted) {
-                c = 255 - c; m = 255 - m; y = 255 - y; k = 255 - k;
-            }
-            int nk = 255 - k;
-            out->rgb[i * 3 + 0] = muldiv255_sub(c, nk);
-            out->rgb[i * 3 + 1] = muldiv255_sub(m, nk);
-            out->rgb[i * 3 + 2] = muldiv255_sub(y, nk);
-        }
-        prism_free(cmyk);
-        cmyk = NULL;
+    int rc;
+    bool jpeg = len >= 2 && data[0] == 0xFF && data[1] == 0xD8;
+    if (jpeg) {
+        rc = prism_image_jpeg_scan_header(data, len, &info, &ex);
     } else {
-        rc = tj_status(tj, tjDecompress2(tj, data, (unsigned long)len, out->rgb, sw, 0, sh, TJPF_RGB, flags));
-        if (rc != PRISM_OK)
-            goto fail;
+        rc = prism_image_probe(data, len, &info);
+        if (rc == PRISM_OK && info.format != PRISM_IMAGE_FORMAT_PNG)
+            rc = PRISM_ENOTSUP;
     }
-    tjDestroy(tj);
-    return PRISM_OK;
-
-fail:
-    prism_free(cmyk);
-    tjDestroy(tj);
-    prism_image_free(out);
+    if (rc == PRISM_OK)
+        rc = check_limits(&info, opts);
+    if (rc == PRISM_OK && jpeg && info.bit_depth != 8)
+        rc = PRISM_ENOTSUP;   /* 12-bit JPEG needs libjpeg-turbo 3's API (and PIL refuses it too) */
+    if (rc != PRISM_OK) {
+        if (!d->err[0])
+            snprintf(d->err, sizeof d->err, "%s", rc == PRISM_ELIMIT ? "the image exceeds the pixel limit"
+                                                  : rc == PRISM_ENOTSUP ? "the image format is not supported"
+                                                                        : "the image header is corrupt or truncated");
+        return rc;
+    }
+    guard_t q = {.s = sink};
+    prism_image_sink_t gs = {.begin = guard_begin, .row = guard_row, .rowbuf = sink->rowbuf ? guard_rowbuf : NULL,
+                             .ud = &q};
+    if (jpeg)
+        rc = prism_image_jpeg_run(d, data, len, opts, &info, &ex, &gs);
+    else
+        rc = prism_image_png_run(d, data, len, &info, &gs);
+    if (q.begun && sink->end)
+        rc = sink->end(sink->ud, rc);
+    d->last_bytes = d->perm.peak + d->arena.peak;
+    d->peak_bytes = PRISM_MAX(d->peak_bytes, d->last_bytes);
+    if (rc != PRISM_OK && !d->err[0])
+        snprintf(d->err, sizeof d->err, "%s", rc == PRISM_ELIMIT   ? "the image exceeds a decode limit"
+                                              : rc == PRISM_ENOMEM ? "out of memory"
+                                                                   : "the image data is corrupt or truncated");
+    if (rc == PRISM_OK)
+        d->err[0] = 0;
     return rc;
 }
 
-static struct spng_alloc png_alloc = {
-    .malloc_fn = prism_malloc,
-    .realloc_fn = prism_realloc,
-    .calloc_fn = prism_calloc,
-    .free_fn = prism_free,
-};
+/* ---------------------------------------------------------------- whole-image decode */
 
-static int spng_status(int err)
+typedef struct {
+    const prism_image_decode_opts_t *o;
+    prism_image_t *out;
+} store_t;
+
+static int store_begin(void *ud, const prism_image_t *g)
 {
-    if (err == 0)
-        return PRISM_OK;
-    if (err == SPNG_EMEM)
-        return PRISM_ENOMEM;
-    if (err == SPNG_EUSER_WIDTH || err == SPNG_EUSER_HEIGHT || err == SPNG_EOVERFLOW ||
-        err == SPNG_ECHUNK_LIMITS)
+    store_t *s = ud;
+    uint64_t need = (uint64_t)g->w * (uint64_t)g->h * 3u;   /* w, h <= 65535: fits in 64 bits */
+    if (need > SIZE_MAX)
         return PRISM_ELIMIT;
-    return PRISM_ECORRUPT;
+    prism_image_t *out = s->out;
+    if (s->o && s->o->out_buf) {
+        if (need > s->o->out_cap)
+            return PRISM_ELIMIT;
+        out->rgb = s->o->out_buf;
+        out->owned = false;
+    } else {
+        out->rgb = prism_malloc((size_t)need);
+        if (!out->rgb)
+            return PRISM_ENOMEM;
+        out->owned = true;
+    }
+    uint8_t *rgb = out->rgb;
+    bool owned = out->owned;
+    *out = *g;
+    out->rgb = rgb;
+    out->owned = owned;
+    return PRISM_OK;
 }
 
-static int decode_png(const uint8_t *data, size_t len, const prism_image_decode_opts_t *o,
-                      prism_image_t *out)
+static int store_row(void *ud, int y, const uint8_t *rgb)
 {
-    prism_image_info_t info;
-    int rc = prism_image_png_scan_header(data, len, &info);
-    if (rc != PRISM_OK)
-        return rc;
-    if ((rc = check_limits(&info, o)) != PRISM_OK)
-        return rc;
-
-    uint8_t *tmp = NULL;
-    spng_ctx *ctx = spng_ctx_new2(&png_alloc, 0);
-    if (!ctx)
-        return PRISM_ENOMEM;
-    int err = spng_set_image_limits(ctx, PRISM_IMAGE_MAX_DIM, PRISM_IMAGE_MAX_DIM);
-    if (!err)
-        err = spng_set_chunk_limits(ctx, PNG_CHUNK_SIZE_LIMIT, PNG_CHUNK_CACHE_LIMIT);
-    if (!err)
-        err = spng_set_png_buffer(ctx, data, len);
-    struct spng_ihdr ihdr;
-    if (!err)
-        err = spng_get_ihdr(ctx, &ihdr);
-    if (err) {
-        rc = spng_status(err);
-        goto fail;
-    }
-    if ((int)ihdr.width != info.width || (int)ihdr.height != info.height) {
-        rc = PRISM_ECORRUPT;
-        goto fail;
-    }
-    /* spng reports tRNS only once it has read the chunks before IDAT (get_ihdr did). */
-    struct spng_trns trns;
-    bool alpha = ihdr.color_type == SPNG_COLOR_TYPE_GRAYSCALE_ALPHA ||
-                 ihdr.color_type == SPNG_COLOR_TYPE_TRUECOLOR_ALPHA ||
-                 spng_get_trns(ctx, &trns) == 0;
-    int w = info.width, h = info.height;
-    if ((rc = out_alloc(o, w, h, out)) != PRISM_OK)
-        goto fail;
-    out->src_w = w;
-    out->src_h = h;
-    out->scale_num = out->scale_denom = 1;
-    out->format = PRISM_IMAGE_FORMAT_PNG;
-
-    if (!alpha) {
-        err = spng_decode_image(ctx, out->rgb, (size_t)w * h * 3, SPNG_FMT_RGB8, 0);
-        if (err) {
-            rc = spng_status(err);
-            goto fail;
-        }
-    } else if (!ihdr.interlace_method) {
-        /* Row by row through one RGBA row, so transparency costs no full-size temporary. */
-        size_t row_bytes = (size_t)w * 4;
-        tmp = prism_malloc(row_bytes);
-        if (!tmp) {
-            rc = PRISM_ENOMEM;
-            goto fail;
-        }
-        err = spng_decode_image(ctx, NULL, 0, SPNG_FMT_RGBA8, SPNG_DECODE_TRNS | SPNG_DECODE_PROGRESSIVE);
-        for (int y = 0; !err && y < h; y++) {
-            struct spng_row_info ri;
-            err = spng_get_row_info(ctx, &ri);
-            if (err)
-                break;
-            int e = spng_decode_row(ctx, tmp, row_bytes);
-            if (e && e != SPNG_EOI) {
-                err = e;
-                break;
-            }
-            if (ri.row_num >= (uint32_t)h) {
-                err = SPNG_EINTERNAL;
-                break;
-            }
-            uint8_t *dst = out->rgb + (size_t)ri.row_num * w * 3;
-            for (int x = 0; x < w; x++) {
-                uint8_t a = tmp[x * 4 + 3];
-                dst[x * 3 + 0] = prism_image_over_white(tmp[x * 4 + 0], a);
-                dst[x * 3 + 1] = prism_image_over_white(tmp[x * 4 + 1], a);
-                dst[x * 3 + 2] = prism_image_over_white(tmp[x * 4 + 2], a);
-            }
-            if (e == SPNG_EOI && y != h - 1) {
-                err = SPNG_EOI;
-                break;
-            }
-        }
-        if (err) {
-            rc = spng_status(err);
-            goto fail;
-        }
-    } else {
-        /* Interlaced rows arrive pass by pass; decode whole RGBA then composite. */
-        size_t bytes = (size_t)w * h * 4;
-        tmp = prism_malloc(bytes);
-        if (!tmp) {
-            rc = PRISM_ENOMEM;
-            goto fail;
-        }
-        err = spng_decode_image(ctx, tmp, bytes, SPNG_FMT_RGBA8, SPNG_DECODE_TRNS);
-        if (err) {
-            rc = spng_status(err);
-            goto fail;
-        }
-        size_t px = (size_t)w * h;
-        for (size_t i = 0; i < px; i++) {
-            uint8_t a = tmp[i * 4 + 3];
-            out->rgb[i * 3 + 0] = prism_image_over_white(tmp[i * 4 + 0], a);
-            out->rgb[i * 3 + 1] = prism_image_over_white(tmp[i * 4 + 1], a);
-            out->rgb[i * 3 + 2] = prism_image_over_white(tmp[i * 4 + 2], a);
-        }
-    }
-    prism_free(tmp);
-    spng_ctx_free(ctx);
+    store_t *s = ud;
+    size_t stride = (size_t)s->out->w * 3;
+    memcpy(s->out->rgb + (size_t)y * stride, rgb, stride);
     return PRISM_OK;
-
-fail:
-    prism_free(tmp);
-    spng_ctx_free(ctx);
-    prism_image_free(out);
-    return rc;
 }
 
 int prism_image_decode(const uint8_t *data, size_t len, const prism_image_decode_opts_t *opts,
@@ -346,11 +274,42 @@ int prism_image_decode(const uint8_t *data, size_t len, const prism_image_decode
         return PRISM_EINVAL;
     if (opts && opts->out_buf == NULL && opts->out_cap != 0)
         return PRISM_EINVAL;
-    if (len >= 2 && data[0] == 0xFF && data[1] == 0xD8)
-        return decode_jpeg(data, len, opts, out);
+    /* Bounds first: nothing is allocated for an image that will be refused. */
     prism_image_info_t info;
-    int rc = prism_image_probe(data, len, &info);
-    if (info.format == PRISM_IMAGE_FORMAT_PNG)
-        return decode_png(data, len, opts, out);
-    return rc == PRISM_OK ? PRISM_ENOTSUP : rc;
+    int rc;
+    if (len >= 2 && data[0] == 0xFF && data[1] == 0xD8)
+        rc = prism_image_jpeg_scan_header(data, len, &info, NULL);
+    else
+        rc = prism_image_probe(data, len, &info);
+    if (rc == PRISM_OK && info.format == PRISM_IMAGE_FORMAT_UNKNOWN)
+        rc = PRISM_ENOTSUP;
+    if (rc == PRISM_OK)
+        rc = check_limits(&info, opts);
+    if (rc != PRISM_OK)
+        return rc;
+    /* A region for this one image: rows, plus whole-image state when the file announces it
+     * (a multi-scan baseline JPEG asks for more on the first try and gets a second one). */
+    size_t region = PRISM_IMAGE_PERM_BYTES + REGION_SLACK + stream_bytes(info.width);
+    if (info.progressive)
+        region += info.format == PRISM_IMAGE_FORMAT_JPEG
+                      ? (size_t)8 * ((size_t)info.width + 32) * ((size_t)info.height + 32) +
+                            prism_image_jpeg_stream_bytes(info.width, true)
+                      : (size_t)3 * info.width * info.height;
+    store_t st = {.o = opts, .out = out};
+    prism_image_sink_t sink = {.begin = store_begin, .row = store_row, .ud = &st};
+    for (int attempt = 0; attempt < 2; attempt++) {
+        prism_image_decoder_t *d;
+        if ((rc = prism_image_decoder_create(region, &d)) != PRISM_OK)
+            return rc;
+        rc = prism_image_decoder_run(d, data, len, opts, &sink);
+        size_t need = d->need_bytes;
+        prism_image_decoder_destroy(d);
+        if (rc == PRISM_OK)
+            return PRISM_OK;
+        prism_image_free(out);
+        if (rc != PRISM_ELIMIT || need == 0 || attempt == 1)
+            return rc;
+        region = PRISM_IMAGE_PERM_BYTES + REGION_SLACK + need;
+    }
+    return rc;
 }

@@ -27,4 +27,38 @@ static inline uint8_t prism_image_over_white(uint8_t c, uint8_t a)
     return (uint8_t)((((t >> 8) + t) >> 8) >> 7);
 }
 
+/* ---- streaming decoder internals (decode.c, decode_jpeg.c, decode_png.c) ---- */
+
+/* libjpeg's permanent pool: the quantization / Huffman tables of one image (reset per image so no
+ * table of an earlier image can stand in for a missing one). */
+#define PRISM_IMAGE_PERM_BYTES (32u << 10)
+
+struct prism_image_decoder {
+    uint8_t *region;          /* one counted allocation: perm, then arena */
+    size_t region_bytes;
+    prism_arena_t perm;
+    prism_arena_t arena;      /* everything else of one image; reset per image */
+    struct prism_jpeg_state *jpeg;
+    size_t last_bytes, peak_bytes;
+    size_t need_bytes;        /* set with PRISM_ELIMIT when the image needs a larger region */
+    char err[200];
+};
+
+/* Decodes a JPEG / PNG whose header (info, extra) was already checked against the limits. */
+int prism_image_jpeg_run(prism_image_decoder_t *d, const uint8_t *data, size_t len,
+                         const prism_image_decode_opts_t *o, const prism_image_info_t *info,
+                         const prism_jpeg_extra_t *ex, const prism_image_sink_t *sink);
+int prism_image_png_run(prism_image_decoder_t *d, const uint8_t *data, size_t len,
+                        const prism_image_info_t *info, const prism_image_sink_t *sink);
+int prism_image_jpeg_state_create(prism_image_decoder_t *d);
+void prism_image_jpeg_state_destroy(prism_image_decoder_t *d);
+
+/* Region bytes that rows of `width` pixels need while decoding (library working memory, our row
+ * buffers), for JPEG (single-scan, or multi-scan besides its coefficients) and PNG. */
+size_t prism_image_jpeg_stream_bytes(int width, bool multi_scan);
+size_t prism_image_png_stream_bytes(int width);
+
+/* Picks the smallest libjpeg-turbo scale (<= 1) whose output still covers min_w x min_h. */
+void prism_image_jpeg_pick_scale(int w, int h, int min_w, int min_h, int *num, int *denom);
+
 #endif

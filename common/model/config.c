@@ -109,8 +109,10 @@ static int parse_rope(json_t *t, prism_model_config_t *c, char *err, size_t errl
         TRY(get_float(rp, "low_freq_factor", &c->rope_low_freq_factor, 1e-6, 1e6, err, errlen));
         TRY(get_float(rp, "high_freq_factor", &c->rope_high_freq_factor, 1e-6, 1e6, err, errlen));
         TRY(get_int(rp, "original_max_position_embeddings", &c->rope_orig_max_pos, 1, 1 << 26, err, errlen));
-        if (!(c->rope_high_freq_factor > c->rope_low_freq_factor)) {
-            ERR("config: llama3 rope needs high_freq_factor > low_freq_factor");
+        /* Equal factors are legal (Llama-4 Scout ships high = low = 1): the smoothing band is then
+         * empty and never divides by zero. */
+        if (!(c->rope_high_freq_factor >= c->rope_low_freq_factor)) {
+            ERR("config: llama3 rope needs high_freq_factor >= low_freq_factor");
             return PRISM_ECORRUPT;
         }
     } else {
@@ -125,24 +127,27 @@ static int parse_rope(json_t *t, prism_model_config_t *c, char *err, size_t errl
     return PRISM_OK;
 }
 
+static int parse_llama4_text(json_t *t, prism_model_config_t *c, char *err, size_t errlen);
+
 static int parse_text(json_t *t, const char *model_type, prism_model_config_t *c, char *err, size_t errlen)
 {
     bool qwen2 = model_type && strcmp(model_type, "qwen2") == 0;
-    if (model_type && strcmp(model_type, "llama") != 0 && !qwen2 && strcmp(model_type, "mistral") != 0) {
-        ERR("config: text model_type '%s' is not supported (llama, mistral, qwen2)", model_type);
+    bool l4 = model_type && strcmp(model_type, "llama4_text") == 0;
+    if (model_type && strcmp(model_type, "llama") != 0 && !qwen2 && !l4 && strcmp(model_type, "mistral") != 0) {
+        ERR("config: text model_type '%s' is not supported (llama, llama4_text, mistral, qwen2)", model_type);
         return PRISM_ENOTSUP;
     }
-    /* Defaults of LlamaConfig / Qwen2Config. */
-    c->vocab = qwen2 ? 151936 : 32000;
-    c->hidden = 4096;
-    c->intermediate = qwen2 ? 22016 : 11008;
-    c->n_layers = 32;
-    c->n_heads = 32;
-    c->n_kv_heads = -1;
-    c->head_dim = -1;
-    c->max_pos = qwen2 ? 32768 : 2048;
-    c->rms_eps = 1e-6f;
-    c->rope_theta = 10000.0f;
+    /* Defaults of LlamaConfig / Qwen2Config / Llama4TextConfig. */
+    c->vocab = qwen2 ? 151936 : l4 ? 202048 : 32000;
+    c->hidden = l4 ? 5120 : 4096;
+    c->intermediate = qwen2 ? 22016 : l4 ? 8192 : 11008;
+    c->n_layers = l4 ? 48 : 32;
+    c->n_heads = l4 ? 40 : 32;
+    c->n_kv_heads = l4 ? 8 : -1;
+    c->head_dim = l4 ? 128 : -1;
+    c->max_pos = qwen2 ? 32768 : l4 ? 131072 : 2048;
+    c->rms_eps = l4 ? 1e-5f : 1e-6f;
+    c->rope_theta = l4 ? 500000.0f : 10000.0f;
     c->tie_word_embeddings = false;
     c->attention_bias = qwen2;
     c->bos_token_id = qwen2 ? -1 : 1;
@@ -161,6 +166,7 @@ static int parse_text(json_t *t, const char *model_type, prism_model_config_t *c
     TRY(get_int(t, "num_attention_heads", &c->n_heads, 1, 1024, err, errlen));
     TRY(get_int(t, "num_key_value_heads", &c->n_kv_heads, 1, 1024, err, errlen));
     TRY(get_int(t, "head_dim", &c->head_dim, 2, 1024, err, errlen));
+    if (json_is_null(json_object_get(t, "head_dim"))) c->head_dim = -1;   /* null: hidden / heads */
     TRY(get_int(t, "max_position_embeddings", &c->max_pos, 1, 1 << 24, err, errlen));
     TRY(get_float(t, "rms_norm_eps", &c->rms_eps, 0.0, 1.0, err, errlen));
     TRY(get_bool(t, "tie_word_embeddings", &c->tie_word_embeddings, err, errlen));
@@ -170,7 +176,7 @@ static int parse_text(json_t *t, const char *model_type, prism_model_config_t *c
     if (!qwen2) {
         TRY(get_bool(t, "attention_bias", &c->attention_bias, err, errlen));
         c->o_bias = c->attention_bias;  /* Llama's attention_bias covers o_proj too */
-        TRY(get_bool(t, "mlp_bias", &c->mlp_bias, err, errlen));
+        if (!l4) TRY(get_bool(t, "mlp_bias", &c->mlp_bias, err, errlen));
     }
     const char *act = get_str(t, "hidden_act");
     if (act) {
@@ -209,7 +215,204 @@ static int parse_text(json_t *t, const char *model_type, prism_model_config_t *c
         ERR("config: more than 64 query heads per kv head");
         return PRISM_ENOTSUP;
     }
+    c->rope_mode = PRISM_ROPE_NEOX;
+    c->dense_intermediate = c->intermediate;
+    for (int i = 0; i < c->n_layers; i++) c->layer_flags[i] = PRISM_LAYER_ROPE;
+    return l4 ? parse_llama4_text(t, c, err, errlen) : PRISM_OK;
+}
+
+/* ---------------------------------------------------------------- Llama-4 */
+
+/* Optional list of n ints in [lo, hi] into out; absent / null / [] -> *present = false. */
+static int get_int_list(json_t *o, const char *k, int *out, int n, int lo, int hi, bool exact_len, bool *present,
+                        char *err, size_t errlen)
+{
+    json_t *j = json_object_get(o, k);
+    *present = false;
+    if (!j || json_is_null(j) || (json_is_array(j) && json_array_size(j) == 0)) return PRISM_OK;
+    if (!json_is_array(j) || (exact_len ? (int)json_array_size(j) != n : (int)json_array_size(j) < n) ||
+        json_array_size(j) > PRISM_MODEL_MAX_LAYERS) {
+        ERR("config: '%s' must be a list of %s%d integers", k, exact_len ? "" : "at least ", n);
+        return PRISM_ECORRUPT;
+    }
+    for (size_t i = 0; i < json_array_size(j); i++) {
+        json_t *e = json_array_get(j, i);
+        if (!json_is_integer(e) || json_integer_value(e) < lo || json_integer_value(e) > hi) {
+            ERR("config: '%s'[%zu] must be an integer in [%d, %d]", k, i, lo, hi);
+            return PRISM_ECORRUPT;
+        }
+        if ((int)i < n) out[i] = (int)json_integer_value(e);
+    }
+    *present = true;
     return PRISM_OK;
+}
+
+/* Llama4TextConfig beyond the Llama keys: the per-layer table and the MoE / attention knobs, with
+ * the same derivations transformers makes in Llama4TextConfig.__post_init__. */
+static int parse_llama4_text(json_t *t, prism_model_config_t *c, char *err, size_t errlen)
+{
+    int L = c->n_layers;
+    c->rope_mode = PRISM_ROPE_INTERLEAVE;
+    c->dense_intermediate = 16384;
+    c->n_experts = 16;
+    c->top_k = 1;
+    c->floor_scale = 8192.0f;
+    c->attn_scale = 0.1f;
+    int step = 1, interval = 4, chunk = 8192;
+    bool qk_norm = true, temp = true;
+    TRY(get_int(t, "intermediate_size_mlp", &c->dense_intermediate, 1, 1 << 20, err, errlen));
+    TRY(get_int(t, "num_local_experts", &c->n_experts, 1, 1024, err, errlen));
+    TRY(get_int(t, "num_experts_per_tok", &c->top_k, 1, PRISM_MOE_MAX_TOPK, err, errlen));
+    TRY(get_int(t, "interleave_moe_layer_step", &step, 1, 1024, err, errlen));
+    TRY(get_int(t, "no_rope_layer_interval", &interval, 1, 1 << 20, err, errlen));
+    TRY(get_bool(t, "use_qk_norm", &qk_norm, err, errlen));
+    /* Some released configs write attn_temperature_tuning as an integer (4); transformers only tests
+     * its truth value. */
+    json_t *jt = json_object_get(t, "attn_temperature_tuning");
+    if (json_is_integer(jt)) temp = json_integer_value(jt) != 0;
+    else TRY(get_bool(t, "attn_temperature_tuning", &temp, err, errlen));
+    TRY(get_float(t, "floor_scale", &c->floor_scale, 1.0, 1e12, err, errlen));
+    TRY(get_float(t, "attn_scale", &c->attn_scale, -1e6, 1e6, err, errlen));
+    json_t *jc = json_object_get(t, "attention_chunk_size");
+    if (jc && json_is_null(jc)) chunk = 0;
+    else TRY(get_int(t, "attention_chunk_size", &chunk, 1, 1 << 30, err, errlen));
+    if (c->top_k > c->n_experts) {
+        ERR("config: num_experts_per_tok %d exceeds num_local_experts %d", c->top_k, c->n_experts);
+        return PRISM_ECORRUPT;
+    }
+    int tmp[PRISM_MODEL_MAX_LAYERS];
+    bool present;
+    /* no_rope_layers[i]: 1 = RoPE layer, 0 = NoPE layer; default a NoPE layer every `interval`. */
+    int rope[PRISM_MODEL_MAX_LAYERS];
+    TRY(get_int_list(t, "no_rope_layers", rope, L, 0, 1, false, &present, err, errlen));
+    if (!present)
+        for (int i = 0; i < L; i++) rope[i] = (i + 1) % interval != 0;
+    /* moe_layers overrides interleave_moe_layer_step: MoE layers are range(step-1, L, step). */
+    bool moe[PRISM_MODEL_MAX_LAYERS] = {0};
+    json_t *ml = json_object_get(t, "moe_layers");
+    if (ml && !json_is_null(ml)) {
+        if (!json_is_array(ml) || json_array_size(ml) > (size_t)L) {
+            ERR("config: 'moe_layers' must be a list of layer indices");
+            return PRISM_ECORRUPT;
+        }
+        int n = (int)json_array_size(ml);
+        TRY(get_int_list(t, "moe_layers", tmp, n, 0, L - 1, true, &present, err, errlen));
+        for (int i = 0; present && i < n; i++) moe[tmp[i]] = true;
+    } else {
+        for (int i = step - 1; i < L; i += step) moe[i] = true;
+    }
+    /* layer_types (when saved) decides the attention mask; else chunked on RoPE layers. */
+    bool chunked[PRISM_MODEL_MAX_LAYERS];
+    json_t *lt = json_object_get(t, "layer_types");
+    if (lt && !json_is_null(lt)) {
+        if (!json_is_array(lt) || (int)json_array_size(lt) != L) {
+            ERR("config: 'layer_types' must list %d layers", L);
+            return PRISM_ECORRUPT;
+        }
+        for (int i = 0; i < L; i++) {
+            const char *s = json_string_value(json_array_get(lt, i));
+            if (s && !strcmp(s, "chunked_attention")) chunked[i] = true;
+            else if (s && !strcmp(s, "full_attention")) chunked[i] = false;
+            else {
+                ERR("config: layer_types[%d] must be chunked_attention or full_attention", i);
+                return PRISM_ENOTSUP;
+            }
+            if (chunked[i] && !chunk) {
+                ERR("config: layer %d is chunked_attention but attention_chunk_size is null", i);
+                return PRISM_ECORRUPT;
+            }
+        }
+    } else {
+        for (int i = 0; i < L; i++) chunked[i] = rope[i] && chunk;
+    }
+    c->attention_chunk = chunk;
+    for (int i = 0; i < L; i++) {
+        uint8_t f = 0;
+        if (rope[i]) f |= PRISM_LAYER_ROPE | (qk_norm ? PRISM_LAYER_QK_NORM : 0);
+        else if (temp) f |= PRISM_LAYER_TEMP;
+        if (chunked[i]) f |= PRISM_LAYER_CHUNKED;
+        if (moe[i]) f |= PRISM_LAYER_MOE;
+        c->layer_flags[i] = f;
+    }
+    return PRISM_OK;
+}
+
+/* Llama4VisionConfig. transformers' vision tower ignores hidden_act (nn.GELU), norm_eps (nn.LayerNorm's
+ * 1e-5), vision_feature_layer and multi_modal_projector_bias; the dimensions must chain the way its
+ * modules are built or transformers itself fails, so mismatches are refused here. */
+static int parse_llama4_vision(json_t *v, prism_model_config_t *c, char *err, size_t errlen)
+{
+    if (v && !json_is_null(v) && !json_is_object(v)) {
+        ERR("config: vision_config must be an object");
+        return PRISM_ECORRUPT;
+    }
+    json_t *empty = NULL;
+    if (!v || json_is_null(v)) v = empty = json_object();
+    int rc = PRISM_ECORRUPT;
+    const char *mt = get_str(v, "model_type");
+    c->vision_arch = PRISM_VISION_LLAMA4;
+    c->v_hidden = 768;
+    c->v_layers = 34;
+    c->v_heads = 16;
+    c->v_num_channels = 3;
+    c->v_intermediate = 5632;
+    c->v_output_dim = 7680;
+    c->v_image_size = 448;
+    c->v_patch = 14;
+    c->v_adapter_dim = 4096;
+    c->v_rope_theta = 10000.0f;
+    c->v_eps = 1e-5f;
+    c->v_act = PRISM_ACT_GELU_ERF;
+    float ratio = 0.5f;
+    int proj_in = 4096, proj_out = 4096;
+    if (mt && strcmp(mt, "llama4_vision_model") != 0) {
+        ERR("config: vision model_type '%s' is not supported with llama4 (llama4_vision_model)", mt);
+        rc = PRISM_ENOTSUP;
+        goto done;
+    }
+    if (get_int(v, "hidden_size", &c->v_hidden, 1, 1 << 15, err, errlen) ||
+        get_int(v, "num_hidden_layers", &c->v_layers, 1, 1024, err, errlen) ||
+        get_int(v, "num_attention_heads", &c->v_heads, 1, 1024, err, errlen) ||
+        get_int(v, "num_channels", &c->v_num_channels, 1, 16, err, errlen) ||
+        get_int(v, "intermediate_size", &c->v_intermediate, 1, 1 << 18, err, errlen) ||
+        get_int(v, "vision_output_dim", &c->v_output_dim, 1, 1 << 18, err, errlen) ||
+        get_int(v, "image_size", &c->v_image_size, 1, 8192, err, errlen) ||
+        get_int(v, "patch_size", &c->v_patch, 1, 1024, err, errlen) ||
+        get_int(v, "projector_input_dim", &proj_in, 1, 1 << 18, err, errlen) ||
+        get_int(v, "projector_output_dim", &proj_out, 1, 1 << 18, err, errlen) ||
+        get_float(v, "pixel_shuffle_ratio", &ratio, 1e-3, 1.0, err, errlen) ||
+        get_float(v, "rope_theta", &c->v_rope_theta, 1.0, 1e12, err, errlen))
+        goto done;
+    json_t *rp = json_object_get(v, "rope_parameters");
+    if (json_is_object(rp) && get_float(rp, "rope_theta", &c->v_rope_theta, 1.0, 1e12, err, errlen)) goto done;
+    c->v_shuffle = (int)lroundf(1.0f / ratio);
+    int g = c->v_image_size / c->v_patch, hd = c->v_hidden / c->v_heads;
+    if (fabsf(1.0f / (float)c->v_shuffle - ratio) > 1e-6f || c->v_image_size % c->v_patch || g % c->v_shuffle) {
+        ERR("config: vision image_size %d / patch_size %d / pixel_shuffle_ratio %g do not tile", c->v_image_size,
+            c->v_patch, ratio);
+        rc = PRISM_ENOTSUP;
+        goto done;
+    }
+    if (c->v_hidden % c->v_heads || hd % 4 || hd > 256) {
+        ERR("config: vision head dim %d must be a multiple of 4 (2D RoPE) and <= 256", hd);
+        rc = PRISM_ENOTSUP;
+        goto done;
+    }
+    if (c->v_intermediate != c->v_hidden * c->v_shuffle * c->v_shuffle || proj_in != proj_out ||
+        c->v_output_dim != proj_out) {
+        ERR("config: vision dims do not chain (intermediate_size %d vs hidden*%d = %d, projector_input_dim %d, "
+            "projector_output_dim %d, vision_output_dim %d)", c->v_intermediate, c->v_shuffle * c->v_shuffle,
+            c->v_hidden * c->v_shuffle * c->v_shuffle, proj_in, proj_out, c->v_output_dim);
+        goto done;
+    }
+    c->v_adapter_dim = proj_out;
+    c->v_feature_layer = c->v_layers;   /* every layer runs, then layernorm_post */
+    c->v_select_default = true;         /* CLS (last) dropped */
+    c->image_seq_length = (g / c->v_shuffle) * (g / c->v_shuffle);
+    rc = PRISM_OK;
+done:
+    json_decref(empty);
+    return rc;
 }
 
 static int parse_vision(json_t *v, prism_model_config_t *c, char *err, size_t errlen)
@@ -274,14 +477,44 @@ int prism_model_config_parse(const char *config_json, const char *gen_json, pris
     }
     const char *mt = get_str(root, "model_type");
     json_t *text = json_object_get(root, "text_config");
-    bool llava = (mt && strcmp(mt, "llava") == 0) || (text && json_is_object(text));
-    if (mt && !llava && strcmp(mt, "llama") != 0 && strcmp(mt, "qwen2") != 0 && strcmp(mt, "mistral") != 0) {
-        ERR("config.json: model_type '%s' is not supported (llava, llama, mistral, qwen2)", mt);
+    bool llama4 = mt && strcmp(mt, "llama4") == 0;
+    bool llava = !llama4 && ((mt && strcmp(mt, "llava") == 0) || (text && json_is_object(text)));
+    if (mt && !llava && !llama4 && strcmp(mt, "llama") != 0 && strcmp(mt, "qwen2") != 0 &&
+        strcmp(mt, "mistral") != 0 && strcmp(mt, "llama4_text") != 0) {
+        ERR("config.json: model_type '%s' is not supported (llava, llama4, llama4_text, llama, mistral, qwen2)", mt);
         rc = PRISM_ENOTSUP;
         goto fail;
     }
     snprintf(c->arch, sizeof c->arch, "%s", mt ? mt : (llava ? "llava" : "llama"));
-    if (llava) {
+    c->boi_token_id = c->eoi_token_id = -1;
+    if (llama4) {
+        if (text && !json_is_null(text) && !json_is_object(text)) {
+            ERR("config.json: text_config must be an object");
+            goto fail;
+        }
+        json_t *empty = json_object();
+        rc = parse_text(json_is_object(text) ? text : empty, "llama4_text", c, err, errlen);
+        json_decref(empty);
+        if (rc == PRISM_OK) rc = parse_llama4_vision(json_object_get(root, "vision_config"), c, err, errlen);
+        if (rc != PRISM_OK) goto fail;
+        c->has_vision = true;
+        c->image_token_index = 200092;   /* <|patch|>: image features overwrite these positions */
+        c->boi_token_id = 200080;
+        c->eoi_token_id = 200081;
+        bool tie = false;
+        rc = PRISM_ECORRUPT;
+        if (get_int(root, "image_token_index", &c->image_token_index, 0, INT32_MAX, err, errlen) ||
+            get_int(root, "image_token_id", &c->image_token_index, 0, INT32_MAX, err, errlen) ||
+            get_int(root, "boi_token_index", &c->boi_token_id, 0, INT32_MAX, err, errlen) ||
+            get_int(root, "eoi_token_index", &c->eoi_token_id, 0, INT32_MAX, err, errlen) ||
+            get_bool(root, "tie_word_embeddings", &tie, err, errlen))
+            goto fail;
+        c->tie_word_embeddings = c->tie_word_embeddings || tie;
+        if (c->image_token_index >= c->vocab) {
+            ERR("config.json: image_token_index %d outside the vocabulary (%d)", c->image_token_index, c->vocab);
+            goto fail;
+        }
+    } else if (llava) {
         if (text && !json_is_null(text) && !json_is_object(text)) {
             ERR("config.json: text_config must be an object");
             goto fail;

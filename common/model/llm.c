@@ -1,9 +1,15 @@
-/* Language model (Llama / Qwen2 / Mistral-style decoder) over the paged KV cache.
+/* Language model (Llama / Qwen2 / Mistral / Llama-4 decoder) over the paged KV cache.
  *
  * One forward handles a flattened batch: every sequence contributes q_len new tokens that attend
  * causally to its pos0 cached tokens plus themselves. Weights are fused where it saves passes
  * (q|k|v rows in one matrix, gate|up rows in one matrix); activations live in one arena sized
- * for (max_batch_tokens, max_seqs) at load, so forward never allocates. */
+ * for (max_batch_tokens, max_seqs) at load, so forward never allocates.
+ *
+ * Each layer is driven by cfg.layer_flags (PRISM_LAYER_*): RoPE (NeoX or interleaved pairs), QK
+ * norm, attention temperature, chunked attention, and a dense MLP or MoE. A MoE layer runs the
+ * shared expert on every token, then routes: top-k sigmoid scores scale each token's expert INPUT,
+ * the routed rows are grouped by expert (device-side), one GEMM per expert group, and the results
+ * are summed back per token — no per-token host round trip. */
 #include "model/model_impl.h"
 
 #include <math.h>
@@ -19,10 +25,14 @@ typedef struct {
     float *bqkv;                  /* [(n_heads + 2*n_kv)*head_dim] or NULL */
     void *wo;                     /* [hidden][n_heads*head_dim] */
     float *bo;                    /* [hidden] or NULL */
-    void *wgu;                    /* [2*intermediate][hidden]: gate rows, then up rows */
-    float *bgu;                   /* [2*intermediate] or NULL */
-    void *wdown;                  /* [hidden][intermediate] */
+    void *wgu;                    /* [2*I][hidden]: gate rows, then up rows (dense MLP, or the shared
+                                   * expert of a MoE layer); I = dense_intermediate / intermediate */
+    float *bgu;                   /* [2*I] or NULL */
+    void *wdown;                  /* [hidden][I] */
     float *bdown;                 /* [hidden] or NULL */
+    void *router;                 /* MoE: [n_experts][hidden] */
+    void *exp_gu;                 /* MoE: [n_experts][hidden][2*intermediate] HF layout (x @ W), gate half first */
+    void *exp_down;               /* MoE: [n_experts][intermediate][hidden] (x @ W) */
 } llm_layer_t;
 
 struct prism_llm {
@@ -45,8 +55,19 @@ struct prism_llm {
     float *x, *xn;                /* [T][hidden] residual stream, normed copy */
     float *qkv;                   /* [T][(nh+2nkv)*hd] */
     float *attn;                  /* [T][nh*hd] */
-    float *gu;                    /* [T][2*intermediate] */
-    float *act;                   /* [T][intermediate] */
+    float *gu;                    /* [T][2*ffn] (ffn: widest dense / shared-expert MLP) */
+    float *act;                   /* [T][ffn] */
+    float *qscale;                /* [T] attention temperature of each token (device) */
+    float *h_qscale;              /* host mirror */
+    /* MoE scratch (R = T * top_k routed rows); NULL without MoE layers */
+    float *rlogits;               /* [T][n_experts] */
+    int32_t *r_choice, *r_order, *r_slot;  /* [R] */
+    int32_t *r_off;               /* [n_experts+1] */
+    float *r_w;                   /* [R] router scores of the routed rows */
+    float *xs;                    /* [R][hidden] scaled expert inputs, grouped by expert */
+    float *gu2;                   /* [R][2*intermediate] */
+    float *act2;                  /* [R][intermediate] */
+    float *ys;                    /* [R][hidden] expert outputs */
     float *xsel;                  /* [S][hidden] last-token rows */
     float *logits;                /* [lchunk][vocab] */
     int32_t *d_meta;              /* device: ids[T] pos[T] slots[T] seq_start[S+1] pos0[S] rows[S] tables[cap] */
@@ -64,6 +85,24 @@ struct prism_kv_cache {
 /* ---------------------------------------------------------------- sizing */
 
 static int qkv_dim(const prism_model_config_t *c) { return (c->n_heads + 2 * c->n_kv_heads) * c->head_dim; }
+
+static bool any_layer(const prism_model_config_t *c, int flag)
+{
+    for (int i = 0; i < c->n_layers; i++)
+        if (c->layer_flags[i] & flag) return true;
+    return false;
+}
+
+/* Widest MLP run on all T tokens: dense layers (dense_intermediate) or shared experts (intermediate). */
+static size_t ffn_width(const prism_model_config_t *c)
+{
+    size_t w = 0;
+    for (int i = 0; i < c->n_layers; i++) {
+        size_t li = (c->layer_flags[i] & PRISM_LAYER_MOE) ? (size_t)c->intermediate : (size_t)c->dense_intermediate;
+        if (li > w) w = li;
+    }
+    return w;
+}
 
 static int logits_chunk(int T, int S)
 {
@@ -86,18 +125,36 @@ static size_t meta_count(const prism_model_config_t *c, int T, int S)
 static size_t llm_layout(const prism_model_config_t *c, int T, int S, struct prism_llm *m)
 {
     prism_layout_t l = {m ? m->abuf : NULL, 0};
-    size_t H = (size_t)c->hidden, I = (size_t)c->intermediate;
+    size_t H = (size_t)c->hidden, I = ffn_width(c);
     float *x = prism_layout_take(&l, (size_t)T * H * 4);
     float *xn = prism_layout_take(&l, (size_t)T * H * 4);
     float *qkv = prism_layout_take(&l, (size_t)T * qkv_dim(c) * 4);
     float *attn = prism_layout_take(&l, (size_t)T * c->n_heads * c->head_dim * 4);
     float *gu = prism_layout_take(&l, (size_t)T * 2 * I * 4);
     float *act = prism_layout_take(&l, (size_t)T * I * 4);
+    float *qscale = any_layer(c, PRISM_LAYER_TEMP) ? prism_layout_take(&l, (size_t)T * 4) : NULL;
+    float *rlogits = NULL, *r_w = NULL, *xs = NULL, *gu2 = NULL, *act2 = NULL, *ys = NULL;
+    int32_t *r_choice = NULL, *r_order = NULL, *r_slot = NULL, *r_off = NULL;
+    if (any_layer(c, PRISM_LAYER_MOE)) {
+        size_t R = (size_t)T * c->top_k, E = (size_t)c->n_experts, EI = (size_t)c->intermediate;
+        rlogits = prism_layout_take(&l, (size_t)T * E * 4);
+        r_choice = prism_layout_take(&l, R * 4);
+        r_order = prism_layout_take(&l, R * 4);
+        r_slot = prism_layout_take(&l, R * 4);
+        r_off = prism_layout_take(&l, (E + 1) * 4);
+        r_w = prism_layout_take(&l, R * 4);
+        xs = prism_layout_take(&l, R * H * 4);
+        gu2 = prism_layout_take(&l, R * 2 * EI * 4);
+        act2 = prism_layout_take(&l, R * EI * 4);
+        ys = prism_layout_take(&l, R * H * 4);
+    }
     float *xsel = prism_layout_take(&l, (size_t)S * H * 4);
     float *logits = prism_layout_take(&l, (size_t)logits_chunk(T, S) * c->vocab * 4);
     int32_t *meta = prism_layout_take(&l, meta_count(c, T, S) * 4);
     if (m && m->abuf) {
-        m->x = x; m->xn = xn; m->qkv = qkv; m->attn = attn; m->gu = gu; m->act = act;
+        m->x = x; m->xn = xn; m->qkv = qkv; m->attn = attn; m->gu = gu; m->act = act; m->qscale = qscale;
+        m->rlogits = rlogits; m->r_choice = r_choice; m->r_order = r_order; m->r_slot = r_slot; m->r_off = r_off;
+        m->r_w = r_w; m->xs = xs; m->gu2 = gu2; m->act2 = act2; m->ys = ys;
         m->xsel = xsel; m->logits = logits; m->d_meta = meta;
     }
     return PRISM_ALIGN_UP(l.off, PRISM_TENSOR_ALIGN);
@@ -117,7 +174,7 @@ static int load_weights(struct prism_llm *m, prism_wload_t *w, const char *pfx, 
 {
     const prism_model_config_t *c = &m->cfg;
     prism_dtype_t wdt = m->wdt;
-    int64_t H = c->hidden, I = c->intermediate, V = c->vocab, hd = c->head_dim;
+    int64_t H = c->hidden, V = c->vocab, hd = c->head_dim, E = c->n_experts, EI = c->intermediate;
     int64_t nq = (int64_t)c->n_heads * hd, nkv = (int64_t)c->n_kv_heads * hd;
     char name[256];
     int rc;
@@ -157,16 +214,27 @@ static int load_weights(struct prism_llm *m, prism_wload_t *w, const char *pfx, 
         if ((rc = prism_wload_tensor(w, &ly->wo, wdt, NAME("%sself_attn.o_proj.weight", p), 2, SHAPE(H, nq)))) return rc;
         if (c->o_bias &&
             (rc = prism_wload_tensor(w, (void **)&ly->bo, PRISM_DTYPE_F32, NAME("%sself_attn.o_proj.bias", p), 1, SHAPE(H)))) return rc;
+        /* The MLP: Llama's mlp.*, Llama-4's feed_forward.* (dense) or feed_forward.shared_expert.* */
+        bool moe = c->layer_flags[L] & PRISM_LAYER_MOE;
+        int64_t I = moe ? EI : c->dense_intermediate;
+        char f[160];
+        bool l4_names = strncmp(c->arch, "llama4", 6) == 0;   /* Llama-4 checkpoints say feed_forward */
+        snprintf(f, sizeof f, "%s%s", p, l4_names ? (moe ? "feed_forward.shared_expert." : "feed_forward.") : "mlp.");
         ly->wgu = prism_wload_reserve(w, (size_t)(2 * I) * H * es);
         uint8_t *g = ly->wgu;
-        if ((rc = prism_wload_fill(w, g, wdt, NAME("%smlp.gate_proj.weight", p), 2, SHAPE(I, H)))) return rc;
-        if ((rc = prism_wload_fill(w, g ? g + I * H * es : NULL, wdt, NAME("%smlp.up_proj.weight", p), 2, SHAPE(I, H)))) return rc;
-        if ((rc = prism_wload_tensor(w, &ly->wdown, wdt, NAME("%smlp.down_proj.weight", p), 2, SHAPE(H, I)))) return rc;
+        if ((rc = prism_wload_fill(w, g, wdt, NAME("%sgate_proj.weight", f), 2, SHAPE(I, H)))) return rc;
+        if ((rc = prism_wload_fill(w, g ? g + I * H * es : NULL, wdt, NAME("%sup_proj.weight", f), 2, SHAPE(I, H)))) return rc;
+        if ((rc = prism_wload_tensor(w, &ly->wdown, wdt, NAME("%sdown_proj.weight", f), 2, SHAPE(H, I)))) return rc;
         if (c->mlp_bias) {
             ly->bgu = prism_wload_reserve(w, (size_t)2 * I * 4);
-            if ((rc = prism_wload_fill(w, ly->bgu, PRISM_DTYPE_F32, NAME("%smlp.gate_proj.bias", p), 1, SHAPE(I)))) return rc;
-            if ((rc = prism_wload_fill(w, ly->bgu ? ly->bgu + I : NULL, PRISM_DTYPE_F32, NAME("%smlp.up_proj.bias", p), 1, SHAPE(I)))) return rc;
-            if ((rc = prism_wload_tensor(w, (void **)&ly->bdown, PRISM_DTYPE_F32, NAME("%smlp.down_proj.bias", p), 1, SHAPE(H)))) return rc;
+            if ((rc = prism_wload_fill(w, ly->bgu, PRISM_DTYPE_F32, NAME("%sgate_proj.bias", f), 1, SHAPE(I)))) return rc;
+            if ((rc = prism_wload_fill(w, ly->bgu ? ly->bgu + I : NULL, PRISM_DTYPE_F32, NAME("%sup_proj.bias", f), 1, SHAPE(I)))) return rc;
+            if ((rc = prism_wload_tensor(w, (void **)&ly->bdown, PRISM_DTYPE_F32, NAME("%sdown_proj.bias", f), 1, SHAPE(H)))) return rc;
+        }
+        if (moe) {
+            if ((rc = prism_wload_tensor(w, &ly->router, wdt, NAME("%sfeed_forward.router.weight", p), 2, SHAPE(E, H)))) return rc;
+            if ((rc = prism_wload_tensor(w, &ly->exp_gu, wdt, NAME("%sfeed_forward.experts.gate_up_proj", p), 3, SHAPE(E, H, 2 * EI)))) return rc;
+            if ((rc = prism_wload_tensor(w, &ly->exp_down, wdt, NAME("%sfeed_forward.experts.down_proj", p), 3, SHAPE(E, EI, H)))) return rc;
         }
     }
     m->inv_freq = prism_wload_reserve(w, (size_t)(hd / 2) * 4);
@@ -182,6 +250,17 @@ int prism_llm_load(prism_backend_t *be, const prism_model_config_t *cfg, const c
     if (max_batch_tokens <= 0 || max_seqs <= 0 || max_seqs > max_batch_tokens || max_batch_tokens > (1 << 24)) {
         ERR("llm: bad limits (max_batch_tokens %d, max_seqs %d)", max_batch_tokens, max_seqs);
         return PRISM_EINVAL;
+    }
+    if (cfg->n_layers < 1 || cfg->n_layers > PRISM_MODEL_MAX_LAYERS) {
+        ERR("llm: bad layer count %d", cfg->n_layers);
+        return PRISM_EINVAL;
+    }
+    if ((any_layer(cfg, PRISM_LAYER_QK_NORM) && !be->i.head_rmsnorm) ||
+        (any_layer(cfg, PRISM_LAYER_TEMP) && !be->i.scale_rows) ||
+        (any_layer(cfg, PRISM_LAYER_MOE) &&
+         (!be->i.moe_route || !be->i.matmul_grouped || !be->i.moe_combine || !be->i.scale_rows))) {
+        ERR("llm: the %s backend lacks the ops %s needs", be->device, cfg->arch);
+        return PRISM_ENOTSUP;
     }
     prism_st_t *st = NULL;
     struct prism_llm *m = prism_calloc(1, sizeof *m);
@@ -244,7 +323,8 @@ int prism_llm_load(prism_backend_t *be, const prism_model_config_t *cfg, const c
     m->abytes = llm_layout(cfg, max_batch_tokens, max_seqs, NULL);
     m->abuf = prism_backend_buf_alloc(be, m->abytes);
     m->h_meta = prism_malloc(m->meta_n * sizeof(int32_t));
-    if (!m->abuf || !m->h_meta) {
+    m->h_qscale = prism_malloc((size_t)max_batch_tokens * sizeof(float));
+    if (!m->abuf || !m->h_meta || !m->h_qscale) {
         char b[32];
         ERR("llm: cannot allocate the %s activation arena", prism_fmt_bytes(m->abytes, b, sizeof b));
         rc = PRISM_ENOMEM;
@@ -272,6 +352,7 @@ void prism_llm_free(prism_llm_t *m)
     prism_backend_buf_free(m->be, m->wbuf);
     prism_backend_buf_free(m->be, m->abuf);
     prism_free(m->h_meta);
+    prism_free(m->h_qscale);
     prism_free(m->layers);
     prism_free(m);
 }
@@ -436,7 +517,7 @@ int prism_llm_forward(prism_llm_t *m, prism_kv_cache_t *kv, const prism_llm_batc
     int32_t *d_ids = m->d_meta, *d_pos = d_ids + T, *d_slots = d_pos + T, *d_seq_start = d_slots + T;
     int32_t *d_pos0 = d_seq_start + S + 1, *d_rows = d_pos0 + S, *d_tables = d_rows + S;
 
-    const int H = c->hidden, I = c->intermediate, hd = c->head_dim, nh = c->n_heads, nkv = c->n_kv_heads;
+    const int H = c->hidden, hd = c->head_dim, nh = c->n_heads, nkv = c->n_kv_heads;
     const int QKV = qkv_dim(c), NQ = nh * hd;
     prism_dtype_t wdt = m->wdt;
 
@@ -452,6 +533,15 @@ int prism_llm_forward(prism_llm_t *m, prism_kv_cache_t *kv, const prism_llm_batc
             t = e;
         }
     }
+    /* Attention temperature of each token from its position (HF: float32
+     * log1p(floor((p + 1) / floor_scale)) * attn_scale + 1), uploaded once for every NoPE layer. */
+    if (m->qscale) {
+        for (int t = 0; t < T; t++) {
+            float fl = floorf(((float)pos[t] + 1.0f) / c->floor_scale);
+            m->h_qscale[t] = log1pf(fl) * c->attn_scale + 1.0f;
+        }
+        CK(o->upload(bx, m->qscale, m->h_qscale, (size_t)T * 4));
+    }
 
     prism_attn_meta_t meta = {
         .n_seqs = S, .n_tokens = T, .max_q_len = max_q, .max_ctx_len = max_ctx, .block_size = bs,
@@ -460,21 +550,44 @@ int prism_llm_forward(prism_llm_t *m, prism_kv_cache_t *kv, const prism_llm_batc
     float scale = 1.0f / sqrtf((float)hd);
     for (int L = 0; L < c->n_layers; L++) {
         const llm_layer_t *ly = &m->layers[L];
+        const int fl = c->layer_flags[L];
         float *kc = (float *)kv_layer(kv, L, 0), *vc = (float *)kv_layer(kv, L, 1);
         CK(o->rmsnorm(bx, m->xn, m->x, ly->attn_norm, T, H, c->rms_eps));
         CK(o->matmul(bx, m->qkv, QKV, m->xn, H, ly->wqkv, wdt, ly->bqkv, T, QKV, H, false));
-        CK(o->rope(bx, m->qkv, QKV, T, nh, hd, hd, d_pos, m->inv_freq, PRISM_ROPE_NEOX));
-        CK(o->rope(bx, m->qkv + NQ, QKV, T, nkv, hd, hd, d_pos, m->inv_freq, PRISM_ROPE_NEOX));
+        if (fl & PRISM_LAYER_ROPE) {
+            CK(o->rope(bx, m->qkv, QKV, T, nh, hd, hd, d_pos, m->inv_freq, (prism_rope_mode_t)c->rope_mode));
+            CK(o->rope(bx, m->qkv + NQ, QKV, T, nkv, hd, hd, d_pos, m->inv_freq, (prism_rope_mode_t)c->rope_mode));
+        }
+        if (fl & PRISM_LAYER_QK_NORM) {
+            CK(o->head_rmsnorm(bx, m->qkv, QKV, T, nh, hd, NULL, c->rms_eps));
+            CK(o->head_rmsnorm(bx, m->qkv + NQ, QKV, T, nkv, hd, NULL, c->rms_eps));
+        }
+        if (fl & PRISM_LAYER_TEMP) CK(o->scale_rows(bx, m->qkv, QKV, T, NQ, m->qscale));
         CK(o->kv_write(bx, kc, vc, m->qkv + NQ, m->qkv + NQ + nkv * hd, QKV, d_slots, T, nkv, hd));
+        meta.chunk = (fl & PRISM_LAYER_CHUNKED) ? c->attention_chunk : 0;
         if (all_decode && o->attn_decode)
             CK(o->attn_decode(bx, m->attn, NQ, m->qkv, QKV, kc, vc, &meta, nh, nkv, hd, scale));
         else
             CK(o->attn_paged(bx, m->attn, NQ, m->qkv, QKV, kc, vc, &meta, nh, nkv, hd, scale));
         CK(o->matmul(bx, m->x, H, m->attn, NQ, ly->wo, wdt, ly->bo, T, H, NQ, true));
         CK(o->rmsnorm(bx, m->xn, m->x, ly->mlp_norm, T, H, c->rms_eps));
+        /* Dense MLP, or the shared expert of a MoE layer: both add straight into the residual. */
+        const int I = (fl & PRISM_LAYER_MOE) ? c->intermediate : c->dense_intermediate;
         CK(o->matmul(bx, m->gu, 2 * I, m->xn, H, ly->wgu, wdt, ly->bgu, T, 2 * I, H, false));
         CK(o->silu_mul(bx, m->act, m->gu, m->gu + I, 2 * I, T, I));
         CK(o->matmul(bx, m->x, H, m->act, I, ly->wdown, wdt, ly->bdown, T, H, I, true));
+        if (fl & PRISM_LAYER_MOE) {
+            const int E = c->n_experts, K = c->top_k, R = T * K, EI = c->intermediate;
+            CK(o->matmul(bx, m->rlogits, E, m->xn, H, ly->router, wdt, NULL, T, E, H, false));
+            CK(o->moe_route(bx, m->rlogits, T, E, K, m->r_choice, m->r_order, m->r_w, m->r_off, m->r_slot));
+            /* Expert inputs: each routed row is its token's normed state times the router score. */
+            CK(o->get_rows(bx, m->xs, m->xn, PRISM_DTYPE_F32, T, m->r_order, R, H));
+            CK(o->scale_rows(bx, m->xs, H, R, H, m->r_w));
+            CK(o->matmul_grouped(bx, m->gu2, 2 * EI, m->xs, H, ly->exp_gu, wdt, m->r_off, E, R, 2 * EI, H));
+            CK(o->silu_mul(bx, m->act2, m->gu2, m->gu2 + EI, 2 * EI, R, EI));
+            CK(o->matmul_grouped(bx, m->ys, H, m->act2, EI, ly->exp_down, wdt, m->r_off, E, R, H, EI));
+            CK(o->moe_combine(bx, m->x, H, m->ys, m->r_slot, T, K, H));
+        }
     }
 
     if (b->all_logits) {

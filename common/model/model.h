@@ -1,5 +1,6 @@
 /* model: checkpoint loading (config.json + safetensors) and the forward passes of the language
- * model (Llama / Qwen2) and the CLIP vision tower + projector (LLaVA), over a prism_backend_t.
+ * model (Llama / Qwen2 / Llama-4, table-driven per layer) and the vision towers (CLIP + projector
+ * for LLaVA; Llama-4's tower + pixel shuffle + adapter + projector), over a prism_backend_t.
  *
  *   prism_model_config_t cfg;
  *   char err[256];
@@ -24,6 +25,23 @@
 #include "backend/backend.h"
 
 #define PRISM_MODEL_MAX_EOS 8
+#define PRISM_MODEL_MAX_LAYERS 1024
+
+/* Per-layer behaviour of the text model: the forward is driven by this table (Llama / Qwen2 set
+ * ROPE on every layer; Llama-4 derives it from no_rope_layers, layer_types, use_qk_norm,
+ * attn_temperature_tuning and moe_layers / interleave_moe_layer_step). */
+enum {
+    PRISM_LAYER_ROPE    = 1 << 0,  /* RoPE on q and k */
+    PRISM_LAYER_CHUNKED = 1 << 1,  /* chunked (local) attention over attention_chunk tokens */
+    PRISM_LAYER_QK_NORM = 1 << 2,  /* per-head RMS ("L2") norm of q and k after RoPE, no weight */
+    PRISM_LAYER_TEMP    = 1 << 3,  /* attention temperature tuning of q (Llama-4 NoPE layers) */
+    PRISM_LAYER_MOE     = 1 << 4,  /* routed experts + shared expert instead of a dense MLP */
+};
+
+typedef enum {
+    PRISM_VISION_CLIP   = 0,       /* LLaVA: CLIP tower, feature layer, 2-layer projector */
+    PRISM_VISION_LLAMA4 = 1,       /* Llama-4: unfold + CLS last + 2D RoPE, pixel shuffle, adapter, projector */
+} prism_vision_arch_t;
 
 typedef struct prism_model_config {
     /* text (Llama / Qwen2) */
@@ -54,10 +72,25 @@ typedef struct prism_model_config {
     bool random_weights;
     uint64_t random_seed;
     bool proj_bias;           /* LLaVA multimodal_projector_bias */
+    /* --- table-driven text model (Llama-4 fills the non-default values) --- */
+    int rope_mode;            /* prism_rope_mode_t: NEOX (Llama/Qwen2 HF layout) or INTERLEAVE (Llama-4) */
+    int dense_intermediate;   /* width of dense MLP layers: intermediate_size_mlp (Llama-4), else intermediate */
+    int attention_chunk;      /* attention_chunk_size of PRISM_LAYER_CHUNKED layers (0: none) */
+    float floor_scale, attn_scale;   /* temperature tuning: q *= log1p(floor((p+1)/floor_scale))*attn_scale + 1 */
+    int n_experts, top_k;     /* MoE layers: num_local_experts, num_experts_per_tok; experts and the
+                               * shared expert are `intermediate` wide */
+    uint8_t layer_flags[PRISM_MODEL_MAX_LAYERS];   /* PRISM_LAYER_* of each of n_layers layers */
+    /* --- Llama-4 vision (vision_arch PRISM_VISION_LLAMA4) --- */
+    int vision_arch;          /* prism_vision_arch_t */
+    float v_rope_theta;       /* 2D RoPE base */
+    int v_shuffle;            /* 1 / pixel_shuffle_ratio (2): tokens per tile = (grid / v_shuffle)^2 */
+    int v_adapter_dim;        /* projector_input_dim == projector_output_dim: adapter fc1/fc2 width */
+    int v_output_dim;         /* vision_output_dim: multi_modal_projector.linear_1 input */
+    int boi_token_id, eoi_token_id;  /* <|image_start|>, <|image_end|> (-1 when absent) */
 } prism_model_config_t;
 
 /* config.json (+generation_config.json for eos); accepts llava (text_config/vision_config),
- * llama, qwen2; rope_parameters vs rope_scaling/rope_theta; missing HF defaults filled as
+ * llama4 (Llama4ForConditionalGeneration: text_config/vision_config), llama4_text, llama, qwen2; rope_parameters vs rope_scaling/rope_theta; missing HF defaults filled as
  * transformers does. Values are bounds-checked (PRISM_ECORRUPT / PRISM_ENOTSUP with err set). */
 int  prism_model_config_load(const char *model_dir, prism_model_config_t *cfg, char *err, size_t errlen);
 /* Same from a config.json text (generation_config text optional, may be NULL). */
@@ -109,7 +142,7 @@ typedef struct {
  * out of range, bad offsets, block ids out of range or positions beyond max_pos. */
 int  prism_llm_forward(prism_llm_t *m, prism_kv_cache_t *kv, const prism_llm_batch_t *b, float *logits /* host */);
 
-typedef struct prism_vision prism_vision_t;  /* CLIP tower + projector */
+typedef struct prism_vision prism_vision_t;  /* CLIP or Llama-4 tower + projector (cfg.vision_arch) */
 int  prism_vision_load(prism_backend_t *be, const prism_model_config_t *cfg, const char *model_dir,
                        int max_images, prism_vision_t **out, char *err, size_t errlen);
 void prism_vision_free(prism_vision_t *v);

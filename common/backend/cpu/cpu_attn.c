@@ -105,12 +105,13 @@ static void paged_worker(void *arg, int ith, int nth)
     for (long it = i0; it < i1; it++) {
         int t = (int)(it / a->n_kv), g = (int)(it % a->n_kv);
         int s = seq_of_token(me->seq_start, me->n_seqs, t);
-        int ctx_len = me->pos0[s] + (t - me->seq_start[s]) + 1;
+        int pos = me->pos0[s] + (t - me->seq_start[s]), ctx_len = pos + 1;
+        int first = me->chunk > 0 ? pos / me->chunk * me->chunk : 0;  /* keys before the chunk never load */
         const int32_t *table = me->block_tables + (size_t)s * me->max_blocks_per_seq;
         const float *qh = a->q + (size_t)t * a->ldq + (size_t)g * G * hd;
         float *oh = a->out + (size_t)t * a->ldo + (size_t)g * G * hd;
         state_begin(&st, oh, G, hd, hd);
-        for (int j0 = 0; j0 < ctx_len;) {
+        for (int j0 = first; j0 < ctx_len;) {
             int bi = j0 / bs, off = j0 % bs;
             int n = PRISM_MIN(PRISM_MIN(PRISM_CPU_ATTN_TILE, bs - off), ctx_len - j0);
             size_t row = (size_t)table[bi] * bs + off;
@@ -129,7 +130,7 @@ int prism_cpu_attn_paged(void *ctx, float *out, int ldo, const float *q, int ldq
     prism_cpu_ctx_t *c = ctx;
     if (n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > PRISM_CPU_MAX_GQA ||
         head_dim <= 0 || head_dim > PRISM_CPU_MAX_HEAD_DIM || meta->block_size <= 0 || meta->n_seqs <= 0 ||
-        ldq < n_heads * head_dim || ldo < n_heads * head_dim)
+        meta->chunk < 0 || ldq < n_heads * head_dim || ldo < n_heads * head_dim)
         return PRISM_EINVAL;
     paged_task_t a = {out, ldo, q, ldq, k_cache, v_cache, meta, n_heads, n_kv_heads, head_dim, scale};
     long items = (long)meta->n_tokens * n_kv_heads;

@@ -357,6 +357,9 @@ prism_backend_t *prism_backend_cpu_create_pool(int n_threads, size_t pool_bytes)
         .attn_dense = prism_cpu_attn_dense,
         .blocks_to_host = cpu_blocks_to_host, .blocks_from_host = cpu_blocks_from_host,
         .argmax = cpu_argmax,
+        .head_rmsnorm = prism_cpu_head_rmsnorm, .scale_rows = prism_cpu_scale_rows,
+        .moe_route = prism_cpu_moe_route, .matmul_grouped = prism_cpu_matmul_grouped,
+        .moe_combine = prism_cpu_moe_combine, .pixel_shuffle = prism_cpu_pixel_shuffle,
         .destroy = cpu_destroy,
     };
     be->ctx = c;

@@ -48,4 +48,16 @@ int prism_cpu_attn_dense(void *ctx, float *out, int ldo, const float *q, int ldq
                          const float *v, int ldv, int n_seqs, int seq_len, int n_heads, int n_kv_heads,
                          int head_dim, float scale, bool causal);
 
+/* Llama-4 ops (cpu_llama4.c); semantics in backend.h. */
+int prism_cpu_head_rmsnorm(void *ctx, float *x, int ld, int n_tokens, int n_heads, int head_dim, const float *w,
+                           float eps);
+int prism_cpu_scale_rows(void *ctx, float *x, int ld, int n_rows, int dim, const float *s);
+int prism_cpu_moe_route(void *ctx, const float *logits, int n_tokens, int n_experts, int top_k, int32_t *choice,
+                        int32_t *order, float *weight, int32_t *offsets, int32_t *slot);
+int prism_cpu_matmul_grouped(void *ctx, float *y, int ldy, const float *x, int ldx, const void *w, prism_dtype_t wdt,
+                             const int32_t *offsets, int n_groups, int M, int N, int K);
+int prism_cpu_moe_combine(void *ctx, float *y, int ldy, const float *src, const int32_t *slot, int n_tokens, int top_k,
+                          int dim);
+int prism_cpu_pixel_shuffle(void *ctx, float *out, const float *x, int n_img, int rows_per_img, int g, int C, int s);
+
 #endif

@@ -13,7 +13,8 @@ attn_paged_kernel(float *out, int ldo, const float *q, int ldq, const float *kc,
     int q0 = meta.seq_start[s], q_len = meta.seq_start[s + 1] - q0, pos0 = meta.pos0[s];
     if (qt * tpb >= q_len) return;   /* uniform over the block */
     if (threadIdx.x < ATT_ROWS)
-        attn_fill_row(R, threadIdx.x, Gc, tpb, n_heads / n_kv, hg, kvh, qt, q_len, q0, pos0, true, 0);
+        attn_fill_row(R, threadIdx.x, Gc, tpb, n_heads / n_kv, hg, kvh, qt, q_len, q0, pos0, true, 0,
+                      meta.chunk);
     __syncthreads();
     attn_paged_kv kv = {kc, vc, meta.block_tables + (size_t)s * meta.max_blocks_per_seq, meta.block_size, n_kv * hd,
                         kvh * hd};
@@ -45,6 +46,7 @@ extern "C" int prism_cuda_attn_paged(cudaStream_t st, float *out, int ldo, const
 {
     if (!meta || n_kv_heads <= 0 || n_heads % n_kv_heads || head_dim <= 0 || head_dim > PRISM_CUDA_MAX_HEAD_DIM ||
         meta->block_size <= 0 || meta->n_seqs <= 0 || meta->max_q_len <= 0 || meta->max_blocks_per_seq <= 0 ||
+        meta->chunk < 0 ||
         (long)ldq < (long)n_heads * head_dim || (long)ldo < (long)n_heads * head_dim ||
         (long)meta->n_seqs * meta->max_q_len > (1L << 30))
         return PRISM_EINVAL;

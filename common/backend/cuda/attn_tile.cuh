@@ -16,6 +16,8 @@
 
 #include "backend/cuda/cuda_common.cuh"
 
+#include <limits.h>
+
 #define ATT_WARPS   8
 #define ATT_THREADS (ATT_WARPS * 32)
 #define ATT_RPW     4                        /* rows per warp */
@@ -33,7 +35,8 @@ static inline size_t attn_smem_bytes(int hd)
 struct attn_rows_t {
     int tok[ATT_ROWS];    /* q/out row index, -1 = unused row */
     int head[ATT_ROWS];   /* q head */
-    int lim[ATT_ROWS];    /* keys [0, lim) are visible to this row (causal limit or seq_len) */
+    int lim[ATT_ROWS];    /* keys [lo, lim) are visible to this row (causal limit or seq_len) */
+    int lo[ATT_ROWS];     /* first visible key: 0, or the start of the row's chunk (chunked attention) */
 };
 
 /* Paged cache: key j of the sequence lives in block table[j / bs] at offset j % bs. */
@@ -74,7 +77,7 @@ __device__ void attn_rows(const KV &kv, const attn_rows_t &R, int hd, float scal
     float *Qs = (float *)attn_smem4;
     float *Kt = Qs + ATT_ROWS * hd;
     float *Vs = Kt + hd * (ATT_BK + 1);
-    __shared__ int s_khi;
+    __shared__ int s_khi, s_klo;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
@@ -84,28 +87,35 @@ __device__ void attn_rows(const KV &kv, const attn_rows_t &R, int hd, float scal
         Qs[idx] = t >= 0 ? q[(size_t)t * ldq + (size_t)R.head[r] * hd + d] * scale : 0.0f;
     }
     if (warp == 0) {
-        int m = R.lim[lane];
-        for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-        if (lane == 0) s_khi = min(m, k_end);
+        int m = R.lim[lane], lo = R.tok[lane] >= 0 ? R.lo[lane] : INT_MAX;
+        for (int o = 16; o > 0; o >>= 1) {
+            m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+            lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+        }
+        if (lane == 0) {
+            s_khi = min(m, k_end);
+            s_klo = max(lo == INT_MAX ? 0 : lo, k_begin);   /* tiles before every row's chunk are skipped */
+        }
     }
     __syncthreads();
-    const int k_hi = s_khi;
+    const int k_hi = s_khi, k_lo = s_klo;
 
     float m_run[ATT_RPW], l_run[ATT_RPW], o[ATT_RPW][ATT_DPL];
-    int lim[ATT_RPW];
+    int lim[ATT_RPW], lo[ATT_RPW];
     bool any = false;
 #pragma unroll
     for (int i = 0; i < ATT_RPW; i++) {
         m_run[i] = -INFINITY;
         l_run[i] = 0.0f;
         lim[i] = min(R.lim[warp * ATT_RPW + i], k_hi);
-        any = any || (R.tok[warp * ATT_RPW + i] >= 0 && lim[i] > k_begin);
+        lo[i] = max(R.lo[warp * ATT_RPW + i], k_lo);
+        any = any || (R.tok[warp * ATT_RPW + i] >= 0 && lim[i] > lo[i]);
 #pragma unroll
         for (int e = 0; e < ATT_DPL; e++) o[i][e] = 0.0f;
     }
     const bool vec4 = (hd & 3) == 0;
 
-    for (int j0 = k_begin; j0 < k_hi; j0 += ATT_BK) {
+    for (int j0 = k_lo; j0 < k_hi; j0 += ATT_BK) {
         __syncthreads();   /* previous tile fully consumed */
         for (int jj = warp; jj < ATT_BK; jj += ATT_WARPS) {
             int j = j0 + jj;
@@ -153,7 +163,7 @@ __device__ void attn_rows(const KV &kv, const attn_rows_t &R, int hd, float scal
         const int j = j0 + lane;
 #pragma unroll
         for (int i = 0; i < ATT_RPW; i++) {
-            float si = j < lim[i] ? s[i] : -INFINITY;
+            float si = j < lim[i] && j >= lo[i] ? s[i] : -INFINITY;
             float mx = prism_warp_max(si);
             if (mx == -INFINITY) {   /* row sees none of this tile (warp-uniform) */
                 p[i] = 0.0f;
@@ -224,10 +234,11 @@ static inline void attn_grouping(int n_heads, int n_kv, int *Gc, int *tpb, int *
     *n_hg = (G + *Gc - 1) / *Gc;
 }
 
-/* Device: fills row r (< 32) of a block from (token index within the sequence, head slot). */
+/* Device: fills row r (< 32) of a block from (token index within the sequence, head slot).
+ * chunk > 0 (causal only): the row sees only keys of its own chunk of positions. */
 __device__ __forceinline__ void attn_fill_row(attn_rows_t &R, int r, int Gc, int tpb, int G, int hg, int kvh,
                                               int qt, int q_len, int tok_base, int lim_base, bool causal,
-                                              int full_len)
+                                              int full_len, int chunk = 0)
 {
     int tl = r / Gc, hl = r % Gc;
     int token = qt * tpb + tl, gh = hg * Gc + hl;
@@ -235,6 +246,7 @@ __device__ __forceinline__ void attn_fill_row(attn_rows_t &R, int r, int Gc, int
     R.tok[r] = ok ? tok_base + token : -1;
     R.head[r] = kvh * G + (ok ? gh : 0);
     R.lim[r] = ok ? (causal ? lim_base + token + 1 : full_len) : 0;
+    R.lo[r] = ok && causal && chunk > 0 ? (lim_base + token) / chunk * chunk : 0;
 }
 
 #endif

@@ -232,6 +232,22 @@ static int cu_scale(void *ctx, float *y, const float *x, float s, size_t n)
 static int cu_get_rows(void *ctx, float *out, const void *table, prism_dtype_t dt, int n_table, const int32_t *ids,
                        int n, int dim)
 { return prism_cuda_get_rows(ST(ctx), out, table, dt, n_table, ids, n, dim); }
+static int cu_head_rmsnorm(void *ctx, float *x, int ld, int n_tokens, int n_heads, int head_dim, const float *w,
+                           float eps)
+{ return prism_cuda_head_rmsnorm(ST(ctx), x, ld, n_tokens, n_heads, head_dim, w, eps); }
+static int cu_scale_rows(void *ctx, float *x, int ld, int n_rows, int dim, const float *s)
+{ return prism_cuda_scale_rows(ST(ctx), x, ld, n_rows, dim, s); }
+static int cu_moe_route(void *ctx, const float *logits, int n_tokens, int n_experts, int top_k, int32_t *choice,
+                        int32_t *order, float *weight, int32_t *offsets, int32_t *slot)
+{ return prism_cuda_moe_route(ST(ctx), logits, n_tokens, n_experts, top_k, choice, order, weight, offsets, slot); }
+static int cu_matmul_grouped(void *ctx, float *y, int ldy, const float *x, int ldx, const void *w, prism_dtype_t wdt,
+                             const int32_t *offsets, int n_groups, int M, int N, int K)
+{ return prism_cuda_matmul_grouped(ST(ctx), y, ldy, x, ldx, w, wdt, offsets, n_groups, M, N, K); }
+static int cu_moe_combine(void *ctx, float *y, int ldy, const float *src, const int32_t *slot, int n_tokens, int top_k,
+                          int dim)
+{ return prism_cuda_moe_combine(ST(ctx), y, ldy, src, slot, n_tokens, top_k, dim); }
+static int cu_pixel_shuffle(void *ctx, float *out, const float *x, int n_img, int rows_per_img, int g, int C, int s)
+{ return prism_cuda_pixel_shuffle(ST(ctx), out, x, n_img, rows_per_img, g, C, s); }
 static int cu_fill_random(void *ctx, void *dst, prism_dtype_t dt, size_t n, uint64_t seed, float std)
 { return prism_cuda_fill_random(ST(ctx), dst, dt, n, seed, std); }
 static int cu_im2patch(void *ctx, float *out, const float *pixels, int n_img, int C, int H, int W, int p)
@@ -522,6 +538,8 @@ prism_backend_t *prism_backend_cuda_create(int device, size_t pool_bytes, int *s
         .attn_paged = cu_attn_paged, .attn_decode = cu_attn_decode, .attn_dense = cu_attn_dense,
         .blocks_to_host = cu_blocks_to_host, .blocks_from_host = cu_blocks_from_host,
         .argmax = cu_argmax,
+        .head_rmsnorm = cu_head_rmsnorm, .scale_rows = cu_scale_rows, .moe_route = cu_moe_route,
+        .matmul_grouped = cu_matmul_grouped, .moe_combine = cu_moe_combine, .pixel_shuffle = cu_pixel_shuffle,
         .fill_random = cu_fill_random,
         .destroy = cu_destroy,
     };

@@ -114,6 +114,18 @@ int prism_cuda_attn_dense(cudaStream_t st, float *out, int ldo, const float *q, 
 int prism_cuda_kv_gather(cudaStream_t st, void *dst, const void *base, size_t block_bytes, const int32_t *ids, int n);
 int prism_cuda_kv_scatter(cudaStream_t st, void *base, size_t block_bytes, const int32_t *ids, int n, const void *src);
 int prism_cuda_argmax(cudaStream_t st, int32_t *out, const float *logits, int n_rows, int vocab);
+/* Llama-4 ops (semantics in backend.h). */
+int prism_cuda_head_rmsnorm(cudaStream_t st, float *x, int ld, int n_tokens, int n_heads, int head_dim, const float *w,
+                            float eps);
+int prism_cuda_scale_rows(cudaStream_t st, float *x, int ld, int n_rows, int dim, const float *s);
+int prism_cuda_moe_route(cudaStream_t st, const float *logits, int n_tokens, int n_experts, int top_k, int32_t *choice,
+                         int32_t *order, float *weight, int32_t *offsets, int32_t *slot);
+int prism_cuda_matmul_grouped(cudaStream_t st, float *y, int ldy, const float *x, int ldx, const void *w,
+                              prism_dtype_t wdt, const int32_t *offsets, int n_groups, int M, int N, int K);
+int prism_cuda_moe_combine(cudaStream_t st, float *y, int ldy, const float *src, const int32_t *slot, int n_tokens,
+                           int top_k, int dim);
+int prism_cuda_pixel_shuffle(cudaStream_t st, float *out, const float *x, int n_img, int rows_per_img, int g, int C,
+                             int s);
 int prism_cuda_fill_random(cudaStream_t st, void *dst, prism_dtype_t dt, size_t n, uint64_t seed, float std);
 
 typedef struct {

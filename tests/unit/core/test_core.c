@@ -1,4 +1,4 @@
-/* Unit tests: core (allocator accounting, buffer, byte sizes, CLI), kv blocks, metrics,
+/* Unit tests: core (allocator accounting, arena, buffer, byte sizes, CLI), kv blocks, metrics,
  * and the encoder's embedding cache. */
 #include <stdarg.h>
 #include <stddef.h>
@@ -32,6 +32,22 @@ static void test_alloc_counts(void **state)
     prism_free_aligned(a);
     assert_int_equal(prism_mem_used(), before);
     assert_null(prism_calloc(SIZE_MAX / 2, 4));  /* overflow is refused, not wrapped */
+}
+
+static void test_arena(void **state)
+{
+    uint8_t region[1024];
+    prism_arena_t a;
+    prism_arena_init(&a, "t", region, sizeof(region));
+    void *x = prism_arena_alloc(&a, 100, 64);
+    void *y = prism_arena_alloc(&a, 100, 64);
+    assert_non_null(x);
+    assert_non_null(y);
+    assert_int_equal(((uintptr_t)y - (uintptr_t)region) % 64, 0);
+    assert_null(prism_arena_alloc(&a, 2000, 64));  /* never grows */
+    assert_true(a.peak >= 228);
+    prism_arena_reset(&a);
+    assert_ptr_equal(prism_arena_alloc(&a, 10, 1), region);
 }
 
 static void test_buf(void **state)
@@ -168,10 +184,19 @@ static void test_histogram(void **state)
     prism_buf_free(&b);
 }
 
+static const float *cache_peek(prism_embed_cache_t *c, uint64_t key)
+{
+    int slot = prism_embed_cache_get_pinned(c, key);
+    if (slot < 0)
+        return NULL;
+    prism_embed_cache_unpin(c, slot);
+    return prism_embed_cache_data(c, slot);
+}
+
 static void test_embed_cache_lru(void **state)
 {
     prism_embed_cache_t c;
-    size_t floats = 8, slot = floats * sizeof(float) + 17;
+    size_t floats = 8, slot = prism_embed_cache_slot_bytes(floats);
     assert_int_equal(prism_embed_cache_init(&c, 3 * slot, floats), PRISM_OK);
     assert_int_equal(c.n_slots, 3);
     float e[8];
@@ -179,30 +204,64 @@ static void test_embed_cache_lru(void **state)
         for (int i = 0; i < 8; i++) e[i] = (float)(k * 10 + i);
         prism_embed_cache_put(&c, k, e);
     }
-    assert_non_null(prism_embed_cache_get(&c, 1));  /* 1 becomes most recent; 2 is LRU */
+    assert_non_null(cache_peek(&c, 1));  /* 1 becomes most recent; 2 is LRU */
     for (int i = 0; i < 8; i++) e[i] = 99;
     prism_embed_cache_put(&c, 4, e);
-    assert_null(prism_embed_cache_get(&c, 2));
-    const float *g = prism_embed_cache_get(&c, 3);
+    assert_null(cache_peek(&c, 2));
+    const float *g = cache_peek(&c, 3);
     assert_non_null(g);
     assert_true(g[0] == 30.0f && g[7] == 37.0f);
-    assert_true(prism_embed_cache_get(&c, 4)[3] == 99.0f);
+    assert_true(cache_peek(&c, 4)[3] == 99.0f);
     assert_int_equal(c.hits, 3);
     assert_int_equal(c.misses, 1);
     prism_embed_cache_free(&c);
     /* a zero budget disables the cache */
     assert_int_equal(prism_embed_cache_init(&c, 0, floats), PRISM_OK);
     prism_embed_cache_put(&c, 1, e);
-    assert_null(prism_embed_cache_get(&c, 1));
+    assert_null(cache_peek(&c, 1));
+}
+
+/* Audit finding: a hit read in place while a later miss of the same batch is stored must keep its
+ * own embeddings. One slot: the hit pins it, the miss finds nothing to evict and is not cached. */
+static void test_embed_cache_pinned_hit_survives_puts(void **state)
+{
+    prism_embed_cache_t c;
+    size_t floats = 8, slot = prism_embed_cache_slot_bytes(floats);
+    assert_int_equal(prism_embed_cache_init(&c, slot, floats), PRISM_OK);
+    assert_int_equal(c.n_slots, 1);
+    float a[8], b[8];
+    for (int i = 0; i < 8; i++) {
+        a[i] = 1.0f + i;
+        b[i] = -1.0f - i;
+    }
+    prism_embed_cache_put(&c, 0xA, a);
+    int s = prism_embed_cache_get_pinned(&c, 0xA);      /* user A's request: a hit */
+    assert_true(s >= 0);
+    const float *held = prism_embed_cache_data(&c, s);
+    assert_int_equal(prism_embed_cache_get_pinned(&c, 0xB), -1);   /* user B: a miss ... */
+    prism_embed_cache_put(&c, 0xB, b);                  /* ... encoded and stored */
+    assert_memory_equal(held, a, sizeof a);             /* A is still answered with A's image */
+    assert_int_equal(prism_embed_cache_get_pinned(&c, 0xB), -1);
+    prism_embed_cache_put(&c, 0xA, b);                  /* same key, pinned: refreshed, never rewritten */
+    assert_memory_equal(held, a, sizeof a);
+    prism_embed_cache_unpin(&c, s);
+    prism_embed_cache_put(&c, 0xB, b);                  /* unpinned: now B may take the slot */
+    s = prism_embed_cache_get_pinned(&c, 0xB);
+    assert_true(s >= 0);
+    assert_memory_equal(prism_embed_cache_data(&c, s), b, sizeof b);
+    prism_embed_cache_unpin(&c, s);
+    assert_int_equal(prism_embed_cache_get_pinned(&c, 0xA), -1);
+    prism_embed_cache_free(&c);
 }
 
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_alloc_counts), cmocka_unit_test(test_buf),
+        cmocka_unit_test(test_alloc_counts), cmocka_unit_test(test_arena),      cmocka_unit_test(test_buf),
         cmocka_unit_test(test_parse_bytes),  cmocka_unit_test(test_cli),        cmocka_unit_test(test_kv_blocks),
         cmocka_unit_test(test_kv_blocks_shared_prefix),
         cmocka_unit_test(test_histogram),    cmocka_unit_test(test_embed_cache_lru),
+        cmocka_unit_test(test_embed_cache_pinned_hit_survives_puts),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

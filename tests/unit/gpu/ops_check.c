@@ -22,7 +22,8 @@
 
 const char *const prism_opcheck_ops[] = {
     "copy", "matmul", "rmsnorm", "layernorm", "rope", "act", "silu_mul", "add", "scale", "get_rows",
-    "im2patch", "kv", "attn_paged", "attn_decode", "attn_dense", "argmax", "fill_random", "sample", "scatter_rows", "logits_processors", NULL,
+    "im2patch", "kv", "attn_paged", "attn_decode", "attn_dense", "argmax", "fill_random", "sample", "scatter_rows",
+    "head_rmsnorm", "scale_rows", "moe", "pixel_shuffle", "logits_processors", NULL,
 };
 
 /* ---------------------------------------------------------------- helpers */
@@ -490,6 +491,7 @@ static void check_kv(ck_t *c)
 typedef struct {
     int S, nh, nkv, hd, bs;
     const int *pos0, *qlen;
+    int chunk;   /* chunked attention (0 = plain causal) */
 } paged_case_t;
 
 static void attn_paged_case(ck_t *c, const paged_case_t *pc, bool decode)
@@ -514,7 +516,7 @@ static void attn_paged_case(ck_t *c, const paged_case_t *pc, bool decode)
     size_t cache_n = (size_t)nb * bs * nkv * hd;
     int ldq = (nh + 2 * nkv) * hd + 3, ldo = nh * hd + 1;
     float *kc = hrand(c, cache_n, 1.0f), *vc = hrand(c, cache_n, 1.0f), *q = hrand(c, (size_t)T * ldq, 1.0f);
-    prism_attn_meta_t mr = {S, T, max_q, max_ctx, bs, mbps, NULL, NULL, NULL}, md = mr;
+    prism_attn_meta_t mr = {S, T, max_q, max_ctx, bs, mbps, NULL, NULL, NULL, pc->chunk}, md = mr;
     mr.seq_start = put(c->ref, seq_start, (size_t)(S + 1) * 4);
     mr.pos0 = put(c->ref, pos0, (size_t)S * 4);
     mr.block_tables = put(c->ref, tables, (size_t)S * mbps * 4);
@@ -533,8 +535,8 @@ static void attn_paged_case(ck_t *c, const paged_case_t *pc, bool decode)
          fn(c->dev->ctx, dout, ldo, dq, ldq, dk, dv, &md, nh, nkv, hd, scale));
     float *hr = get(c->ref, ro, (size_t)T * ldo * 4), *hd_ = get(c->dev, dout, (size_t)T * ldo * 4);
     char what[128];
-    snprintf(what, sizeof what, "S%d T%d nh%d nkv%d hd%d bs%d max_ctx%d%s", S, T, nh, nkv, hd, bs, max_ctx,
-             decode ? " (decode)" : "");
+    snprintf(what, sizeof what, "S%d T%d nh%d nkv%d hd%d bs%d max_ctx%d chunk%d%s", S, T, nh, nkv, hd, bs, max_ctx,
+             pc->chunk, decode ? " (decode)" : "");
     close_f32(c, what, hr, hd_, (size_t)T * ldo, 5e-5, 1e-4);
     free(hr); free(hd_);
     prism_backend_buf_free(c->ref, (void *)mr.seq_start); prism_backend_buf_free(c->ref, (void *)mr.pos0);
@@ -559,6 +561,10 @@ static void check_attn_paged(ck_t *c)
     attn_paged_case(c, &(paged_case_t){1, 8, 1, 64, 16, p4, q4}, false);   /* MQA, long causal prefill */
     int p5[2] = {0, 0}, q5[2] = {1, 1};
     attn_paged_case(c, &(paged_case_t){2, 2, 1, 256, 16, p5, q5}, false);  /* max head_dim, single keys */
+    /* chunked attention: prefill chunks crossing chunk boundaries (mid-block too), decode steps */
+    int p6[4] = {5, 64, 0, 95}, q6[4] = {40, 1, 130, 1};
+    attn_paged_case(c, &(paged_case_t){4, 8, 2, 64, 16, p6, q6, 32}, false);
+    attn_paged_case(c, &(paged_case_t){4, 6, 6, 30, 7, p3, q3, 20}, false);
 }
 
 static void check_attn_decode(ck_t *c)
@@ -569,6 +575,9 @@ static void check_attn_decode(ck_t *c)
     attn_paged_case(c, &(paged_case_t){1, 8, 2, 64, 16, p2, q2}, true);     /* batch 1, long context */
     int p3[3] = {17, 2, 129}, q3[3] = {1, 1, 1};
     attn_paged_case(c, &(paged_case_t){3, 12, 3, 36, 5, p3, q3}, true);
+    int p4[4] = {3000, 4095, 4096, 8191}, q4[4] = {1, 1, 1, 1};         /* chunked: split-K below the chunk */
+    attn_paged_case(c, &(paged_case_t){4, 8, 2, 64, 16, p4, q4, 4096}, true);
+    attn_paged_case(c, &(paged_case_t){5, 12, 3, 36, 5, p1, q1, 100}, true);
 }
 
 static void attn_dense_case(ck_t *c, int S, int L, int nh, int nkv, int hd, bool causal, bool fused)
@@ -836,6 +845,138 @@ static void check_scatter_rows(ck_t *c)
 }
 #endif
 
+/* ---------------------------------------------------------------- Llama-4 ops */
+
+static void check_head_rmsnorm(ck_t *c)
+{
+    if (!c->dev->i.head_rmsnorm) return;
+    int shapes[][4] = {{1, 1, 2, 0}, {37, 40, 128, 0}, {5, 8, 128, 2048}, {9, 3, 88, 7}};   /* T, nh, hd, pad */
+    for (int s = 0; s < 4; s++) {
+        int T = shapes[s][0], nh = shapes[s][1], hd = shapes[s][2], ld = nh * hd + shapes[s][3];
+        size_t n = (size_t)T * ld;
+        float *x = hrand(c, n, 3.0f), *w = hrand(c, (size_t)hd, 1.0f);
+        for (int with_w = 0; with_w < 2; with_w++) {
+            float *rx = put(c->ref, x, n * 4), *dx = put(c->dev, x, n * 4);
+            float *rw = put(c->ref, w, (size_t)hd * 4), *dw = put(c->dev, w, (size_t)hd * 4);
+            BOTH(c->ref->i.head_rmsnorm(c->ref->ctx, rx, ld, T, nh, hd, with_w ? rw : NULL, 1e-5f),
+                 c->dev->i.head_rmsnorm(c->dev->ctx, dx, ld, T, nh, hd, with_w ? dw : NULL, 1e-5f));
+            float *hr = get(c->ref, rx, n * 4), *hd_ = get(c->dev, dx, n * 4);
+            char what[64];
+            snprintf(what, sizeof what, "T%d nh%d hd%d ld%d%s", T, nh, hd, ld, with_w ? " +w" : "");
+            close_f32(c, what, hr, hd_, n, 2e-5, 2e-5);
+            free(hr); free(hd_);
+            prism_backend_buf_free(c->ref, rx); prism_backend_buf_free(c->ref, rw);
+            prism_backend_buf_free(c->dev, dx); prism_backend_buf_free(c->dev, dw);
+        }
+        free(x); free(w);
+    }
+}
+
+static void check_scale_rows(ck_t *c)
+{
+    if (!c->dev->i.scale_rows) return;
+    int shapes[][3] = {{1, 1, 1}, {513, 5120, 5120}, {77, 1000, 1536}};   /* rows, dim, ld */
+    for (int s = 0; s < 3; s++) {
+        int R = shapes[s][0], D = shapes[s][1], ld = shapes[s][2];
+        size_t n = (size_t)R * ld;
+        float *x = hrand(c, n, 2.0f), *f = hrand(c, (size_t)R, 2.0f);
+        float *rx = put(c->ref, x, n * 4), *dx = put(c->dev, x, n * 4), *rf = put(c->ref, f, (size_t)R * 4),
+              *df = put(c->dev, f, (size_t)R * 4);
+        BOTH(c->ref->i.scale_rows(c->ref->ctx, rx, ld, R, D, rf), c->dev->i.scale_rows(c->dev->ctx, dx, ld, R, D, df));
+        float *hr = get(c->ref, rx, n * 4), *hd = get(c->dev, dx, n * 4);
+        char what[64];
+        snprintf(what, sizeof what, "%dx%d ld%d", R, D, ld);
+        close_f32(c, what, hr, hd, n, 0, 0);
+        free(hr); free(hd); free(x); free(f);
+        prism_backend_buf_free(c->ref, rx); prism_backend_buf_free(c->ref, rf);
+        prism_backend_buf_free(c->dev, dx); prism_backend_buf_free(c->dev, df);
+    }
+}
+
+/* The MoE chain as the model runs it: route (exact ints, scores to float rounding), grouped GEMMs
+ * with the same (dtype-rounded) expert weights, combine into a residual. */
+static void moe_case(ck_t *c, int T, int E, int K, int H, int I)
+{
+    prism_dtype_t wdt = c->dev->weight_dtype;
+    size_t R = (size_t)T * K;
+    float *lg = hrand(c, (size_t)T * E, 3.0f), *x = hrand(c, (size_t)T * H, 1.0f);
+    float *wgu = hrand(c, (size_t)E * H * 2 * I, 0.2f), *wd = hrand(c, (size_t)E * I * H, 0.2f), *res = hrand(c, (size_t)T * H, 1.0f);
+    if (T > 2) for (int e = 0; e < E; e++) lg[(size_t)1 * E + e] = 0.5f;   /* a token with all-equal logits */
+    for (size_t i = 0; i < (size_t)E * H * 2 * I; i++) wgu[i] = wdt == PRISM_DTYPE_F32 ? wgu[i] : bf16_round(wgu[i]);
+    for (size_t i = 0; i < (size_t)E * I * H; i++) wd[i] = wdt == PRISM_DTYPE_F32 ? wd[i] : bf16_round(wd[i]);
+    prism_backend_t *bes[2] = {c->ref, c->dev};
+    float *out[2], *wts[2];
+    int32_t *ints[2];
+    for (int b = 0; b < 2; b++) {
+        prism_backend_t *be = bes[b];
+        prism_dtype_t dt = b ? wdt : PRISM_DTYPE_F32;
+        float *dl = put(be, lg, (size_t)T * E * 4), *dx = put(be, x, (size_t)T * H * 4), *dres = put(be, res, (size_t)T * H * 4);
+        int32_t *ch = put(be, NULL, R * 4), *ord = put(be, NULL, R * 4), *slot = put(be, NULL, R * 4), *off = put(be, NULL, ((size_t)E + 1) * 4);
+        float *w = put(be, NULL, R * 4), *xs = put(be, NULL, R * H * 4), *gu = put(be, NULL, R * 2 * I * 4);
+        float *act = put(be, NULL, R * I * 4), *ys = put(be, NULL, R * H * 4);
+        void *dgu = put(be, NULL, (size_t)E * H * 2 * I * prism_dtype_size(dt)), *ddn = put(be, NULL, (size_t)E * I * H * prism_dtype_size(dt));
+        be->i.upload_convert(be->ctx, dgu, dt, wgu, (size_t)E * H * 2 * I);
+        be->i.upload_convert(be->ctx, ddn, dt, wd, (size_t)E * I * H);
+        int rc = be->i.moe_route(be->ctx, dl, T, E, K, ch, ord, w, off, slot);
+        if (rc == PRISM_OK) rc = be->i.get_rows(be->ctx, xs, dx, PRISM_DTYPE_F32, T, ord, (int)R, H);
+        if (rc == PRISM_OK) rc = be->i.scale_rows(be->ctx, xs, H, (int)R, H, w);
+        if (rc == PRISM_OK) rc = be->i.matmul_grouped(be->ctx, gu, 2 * I, xs, H, dgu, dt, off, E, (int)R, 2 * I, H);
+        if (rc == PRISM_OK) rc = be->i.silu_mul(be->ctx, act, gu, gu + I, 2 * I, (int)R, I);
+        if (rc == PRISM_OK) rc = be->i.matmul_grouped(be->ctx, ys, H, act, I, ddn, dt, off, E, (int)R, H, I);
+        if (rc == PRISM_OK) rc = be->i.moe_combine(be->ctx, dres, H, ys, slot, T, K, H);
+        if (rc != PRISM_OK) report(c, false, "%s backend: moe chain status %d", b ? "dev" : "ref", rc);
+        out[b] = get(be, dres, (size_t)T * H * 4);
+        wts[b] = get(be, w, R * 4);
+        ints[b] = malloc((3 * R + E + 1) * 4);
+        int32_t *h = get(be, ch, R * 4); memcpy(ints[b], h, R * 4); free(h);
+        h = get(be, ord, R * 4); memcpy(ints[b] + R, h, R * 4); free(h);
+        h = get(be, slot, R * 4); memcpy(ints[b] + 2 * R, h, R * 4); free(h);
+        h = get(be, off, ((size_t)E + 1) * 4); memcpy(ints[b] + 3 * R, h, ((size_t)E + 1) * 4); free(h);
+        void *ptrs[] = {dl, dx, dres, ch, ord, slot, off, w, xs, gu, act, ys, dgu, ddn};
+        for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) prism_backend_buf_free(be, ptrs[i]);
+    }
+    char what[96];
+    snprintf(what, sizeof what, "T%d E%d top%d H%d I%d %s routing", T, E, K, H, I, prism_dtype_name(wdt));
+    report(c, memcmp(ints[0], ints[1], (3 * R + E + 1) * 4) == 0, "%s (choices, order, slots, offsets)", what);
+    close_f32(c, "router scores", wts[0], wts[1], R, 1e-6, 1e-6);
+    snprintf(what, sizeof what, "T%d E%d top%d H%d I%d %s output", T, E, K, H, I, prism_dtype_name(wdt));
+    double tol = wdt == PRISM_DTYPE_F32 ? 1e-5 : 1e-2;
+    close_f32(c, what, out[0], out[1], (size_t)T * H, tol * (rms(out[0], (size_t)T * H) + 1e-3), 1e-5);
+    for (int b = 0; b < 2; b++) { free(out[b]); free(wts[b]); free(ints[b]); }
+    free(lg); free(x); free(wgu); free(wd); free(res);
+}
+
+static void check_moe(ck_t *c)
+{
+    if (!c->dev->i.moe_route || !c->dev->i.matmul_grouped || !c->dev->i.moe_combine) return;
+    moe_case(c, 1, 4, 1, 8, 4);          /* a decode step: one expert group used */
+    moe_case(c, 37, 16, 1, 96, 40);      /* Scout-like top-1, groups of odd sizes, some empty */
+    moe_case(c, 70, 5, 2, 48, 24);       /* top-2 */
+    moe_case(c, 300, 128, 1, 64, 33);    /* Maverick's expert count, most groups tiny */
+    if (c->t->big) moe_case(c, 512, 16, 1, 1024, 512);
+}
+
+static void check_pixel_shuffle(ck_t *c)
+{
+    if (!c->dev->i.pixel_shuffle) return;
+    int cases[][4] = {{1, 2, 1, 2}, {3, 8, 48, 2}, {2, 24, 176, 2}, {2, 6, 5, 3}};   /* n_img, g, C, s */
+    for (int k = 0; k < 4; k++) {
+        int ni = cases[k][0], g = cases[k][1], C = cases[k][2], s = cases[k][3], rows = g * g + 1;
+        size_t n = (size_t)ni * rows * C, no = (size_t)ni * g * g * C;
+        float *x = hrand(c, n, 1.0f);
+        float *rx = put(c->ref, x, n * 4), *dx = put(c->dev, x, n * 4), *ro = put(c->ref, NULL, no * 4), *dout = put(c->dev, NULL, no * 4);
+        BOTH(c->ref->i.pixel_shuffle(c->ref->ctx, ro, rx, ni, rows, g, C, s),
+             c->dev->i.pixel_shuffle(c->dev->ctx, dout, dx, ni, rows, g, C, s));
+        float *hr = get(c->ref, ro, no * 4), *hd = get(c->dev, dout, no * 4);
+        char what[64];
+        snprintf(what, sizeof what, "%d images %dx%d C%d s%d", ni, g, g, C, s);
+        close_f32(c, what, hr, hd, no, 0, 0);
+        free(hr); free(hd); free(x);
+        prism_backend_buf_free(c->ref, rx); prism_backend_buf_free(c->ref, ro);
+        prism_backend_buf_free(c->dev, dx); prism_backend_buf_free(c->dev, dout);
+    }
+}
+
 /* ---------------------------------------------------------------- driver */
 
 typedef struct {
@@ -851,6 +992,8 @@ void prism_opcheck_run(prism_opcheck_t *t, prism_backend_t *ref, prism_backend_t
         {"scale", check_scale}, {"get_rows", check_get_rows}, {"im2patch", check_im2patch}, {"kv", check_kv},
         {"attn_paged", check_attn_paged}, {"attn_decode", check_attn_decode}, {"attn_dense", check_attn_dense},
         {"argmax", check_argmax}, {"fill_random", check_fill_random},
+        {"head_rmsnorm", check_head_rmsnorm}, {"scale_rows", check_scale_rows}, {"moe", check_moe},
+        {"pixel_shuffle", check_pixel_shuffle},
 #ifdef PRISM_OPCHECK_CUDA
         {"sample", check_sample}, {"scatter_rows", check_scatter_rows}, {"logits_processors", check_logits_processors},
 #endif

@@ -1,4 +1,6 @@
-/* The bundled model (models/prism-tiny-llava) on CUDA against the CPU reference: vision features,
+/* A model (default the bundled models/prism-tiny-llava; argv[1]: another checkpoint under the source
+ * tree, e.g. tests/data/model/llama4_tiny for Llama-4's MoE, chunked attention and vision ops) on
+ * CUDA against the CPU reference: vision features,
  * prompt logits, 32 greedy decode steps, a batched decode step, KV export/import between the
  * backends, and no device allocation after load. SKIPPED (exit 77) without a GPU.
  *
@@ -194,7 +196,7 @@ static void test_batch_and_kv_transfer(void **state)
     free(host); free(lc); free(lg);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
     prism_log_init("test_model_cuda", PRISM_LOG_WARN);
     const struct CMUnitTest tests[] = {
@@ -207,7 +209,7 @@ int main(void)
         cmocka_run_group_tests(tests, NULL, NULL);
         return SKIP_CODE;
     }
-    snprintf(g_dir, sizeof g_dir, "%s/models/prism-tiny-llava", source_dir());
+    snprintf(g_dir, sizeof g_dir, "%s/%s", source_dir(), argc > 1 ? argv[1] : "models/prism-tiny-llava");
     char err[256];
     if (prism_model_config_load(g_dir, &g_cfg, err, sizeof err) != PRISM_OK) {
         fprintf(stderr, "config: %s\n", err);

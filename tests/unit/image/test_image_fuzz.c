@@ -1,7 +1,10 @@
 /* Mutation fuzzing of probe + decode + preprocess on valid JPEG / PNG fixtures: bit flips, byte
  * overwrites (incl. marker bytes), truncation, insertion, chunk-length corruption. Every call
- * must return a status (no crash, no ASan report) and leave no memory behind.
- * PRISM_FUZZ_ITERS overrides the iteration count (default keeps the test to a few seconds). */
+ * must return a status (no crash, no ASan report) and leave no memory behind. Each input also goes
+ * through one long-lived streaming decoder (the encoder's, with its relay thread): it must reach
+ * the same verdict as a fresh whole-image decode and, when both succeed, the same pixels, so no
+ * corrupt image can leave state behind that changes the next one; and what it accepts respects
+ * the pixel limit. PRISM_FUZZ_ITERS overrides the iteration count (default: a few seconds). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -78,6 +81,16 @@ static void test_fuzz(void **state)
     prism_clip_preproc_default(&p, 32);
     float out[3 * 32 * 32];
     long ok = 0, counts[16] = {0};
+    const uint64_t maxpx = 4u << 20;
+    prism_image_decoder_t *dec;
+    prism_image_relay_t *relay;
+    /* sized as the encoder sizes them for this pixel limit: any width up to 65535 */
+    assert_int_equal(prism_image_decoder_create(prism_image_decoder_bytes(PRISM_IMAGE_MAX_DIM, maxpx), &dec), PRISM_OK);
+    assert_int_equal(prism_image_relay_create(PRISM_IMAGE_MAX_DIM, &relay), PRISM_OK);
+    size_t sws_n = prism_clip_workspace_bound(&p, maxpx);
+    void *sws = prism_malloc(sws_n);
+    float sout[3 * 32 * 32];
+    long same = 0;
     size_t base = prism_mem_used();
     for (long it = 0; it < iters; it++) {
         size_t f = (size_t)(rnd() % nf);
@@ -98,22 +111,50 @@ static void test_fuzz(void **state)
         assert_true(rc == PRISM_OK || rc == PRISM_ECORRUPT || rc == PRISM_ELIMIT || rc == PRISM_ENOTSUP ||
                     rc == PRISM_EINVAL);
         counts[-rc]++;
-        if (rc == PRISM_OK) {
+        /* the long-lived decoder, streaming into the preprocessor (via the relay every other time) */
+        prism_clip_stream_t st;
+        prism_image_sink_t sink = prism_clip_stream_sink(&st, &p, sws, sws_n, sout);
+        prism_image_sink_t inner = sink;
+        if (it % 2)
+            sink = prism_image_relay_sink(relay, &inner);
+        int src = prism_image_decoder_run(dec, in, n, &o, &sink);
+        if (src == PRISM_OK)
+            src = prism_clip_stream_finish(&st);
+        /* the exceptions are limits checked before decoding: more whole-image memory than the
+         * long-lived decoder has (a fresh decode sizes its region for the image), or a shape the
+         * preprocessor cannot resize (the sink refuses it before any row) */
+        int tw, th;
+        bool refused_first = src == PRISM_ELIMIT && (strstr(prism_image_decoder_error(dec), "decode memory") ||
+                                                     prism_clip_resize_target(&p, info.width, info.height, &tw, &th));
+        if (src != rc && !refused_first)
+            fail_msg("iteration %ld: streaming decoder says %s (%s), a fresh decode %s; %dx%d", it, prism_strerror(src),
+                     prism_image_decoder_error(dec), prism_strerror(rc), info.width, info.height);
+        if (rc == PRISM_OK && src == PRISM_OK) {
             ok++;
             assert_true(img.w > 0 && img.h > 0 && img.w <= 65535 && img.h <= 65535);
+            assert_true((uint64_t)img.src_w * (uint64_t)img.src_h <= o.max_pixels);
             size_t ws = prism_clip_preprocess_workspace_bytes(&p, img.w, img.h);
             void *w = prism_malloc(ws);
             assert_int_equal(prism_clip_preprocess(&p, &img, w, ws, out), PRISM_OK);
+            if (memcmp(out, sout, sizeof sout) != 0)
+                fail_msg("iteration %ld: the long-lived decoder's pixels differ from a fresh decode", it);
+            same++;
             prism_free(w);
             prism_image_free(&img);
         } else {
-            assert_null(img.rgb);
+            if (rc != PRISM_OK)
+                assert_null(img.rgb);
+            prism_image_free(&img);
         }
         prism_free(in);
         assert_int_equal(prism_mem_used(), base);
     }
-    print_message("fuzz: %ld iterations, %ld decoded, corrupt %ld, limit %ld, notsup %ld, inval %ld\n", iters, ok,
-                  counts[-PRISM_ECORRUPT], counts[-PRISM_ELIMIT], counts[-PRISM_ENOTSUP], counts[-PRISM_EINVAL]);
+    print_message("fuzz: %ld iterations, %ld decoded (%ld identical streamed), corrupt %ld, limit %ld, notsup %ld, "
+                  "inval %ld\n", iters, ok, same, counts[-PRISM_ECORRUPT], counts[-PRISM_ELIMIT],
+                  counts[-PRISM_ENOTSUP], counts[-PRISM_EINVAL]);
+    prism_free(sws);
+    prism_image_relay_destroy(relay);
+    prism_image_decoder_destroy(dec);
     prism_free(buf);
     for (size_t f = 0; f < nf; f++)
         prism_free(data[f]);

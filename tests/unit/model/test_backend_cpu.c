@@ -88,6 +88,74 @@ static void test_attn_paged(void **state)
     free(vc);
 }
 
+/* Chunked (local) attention, Llama-4 style: a query at position p sees keys k <= p with
+ * k / chunk == p / chunk. One batch mixes prefill chunks that cross chunk boundaries (also
+ * mid-KV-block), a decode step that opens a new chunk (sees only itself), one at a chunk's last
+ * position and a long prefill from 0; attn_paged and attn_decode, 1 and 3 threads. */
+static void test_attn_paged_chunked(void **state)
+{
+    (void)state;
+    enum { NH = 6, NKV = 2, HD = 12, BSZ = 4, NB = 40, S = 5, MBPS = 8 };
+    int pos0[S] = {5, 16, 23, 0, 9}, qlen[S] = {10, 1, 1, 21, 1};
+    int32_t seq_start[S + 1] = {0};
+    for (int s = 0; s < S; s++) seq_start[s + 1] = seq_start[s] + qlen[s];
+    int T = seq_start[S];
+    int32_t tables[S * MBPS];
+    for (int i = 0; i < S * MBPS; i++) tables[i] = (int32_t)((i * 7 + 3) % NB);  /* interleaved blocks */
+    size_t cache_n = (size_t)NB * BSZ * NKV * HD;
+    float *kc = malloc(cache_n * 4), *vc = malloc(cache_n * 4);
+    fill(kc, cache_n);
+    fill(vc, cache_n);
+    float q[40 * NH * HD], out[40 * NH * HD], out1[40 * NH * HD], ref[HD];
+    fill(q, (size_t)T * NH * HD);
+    prism_backend_t *be = prism_backend_cpu_create(3), *be1 = prism_backend_cpu_create(1);
+    int chunks[] = {8, 6, 1, 1000};
+    for (size_t ci = 0; ci < sizeof chunks / sizeof chunks[0]; ci++) {
+        int chunk = chunks[ci];
+        prism_attn_meta_t meta = {.n_seqs = S, .n_tokens = T, .max_q_len = 21, .max_ctx_len = 24, .block_size = BSZ,
+                                  .max_blocks_per_seq = MBPS, .seq_start = seq_start, .pos0 = pos0,
+                                  .block_tables = tables, .chunk = chunk};
+        for (int dec = 0; dec < 2; dec++) {
+            int (*fn)(void *, float *, int, const float *, int, const float *, const float *,
+                      const prism_attn_meta_t *, int, int, int, float) =
+                dec && be->i.attn_decode ? be->i.attn_decode : be->i.attn_paged;
+            int (*fn1)(void *, float *, int, const float *, int, const float *, const float *,
+                       const prism_attn_meta_t *, int, int, int, float) =
+                dec && be1->i.attn_decode ? be1->i.attn_decode : be1->i.attn_paged;
+            memset(out, 0, sizeof out);
+            assert_int_equal(fn(be->ctx, out, NH * HD, q, NH * HD, kc, vc, &meta, NH, NKV, HD, 0.3f), PRISM_OK);
+            assert_int_equal(fn1(be1->ctx, out1, NH * HD, q, NH * HD, kc, vc, &meta, NH, NKV, HD, 0.3f), PRISM_OK);
+            assert_memory_equal(out, out1, (size_t)T * NH * HD * 4);
+            for (int s = 0; s < S; s++)
+                for (int i = 0; i < qlen[s]; i++) {
+                    int t = seq_start[s] + i, p = pos0[s] + i, first = p / chunk * chunk;
+                    for (int h = 0; h < NH; h++) {
+                        int g = h / (NH / NKV);
+                        const float *ks[64], *vs[64];
+                        int n = 0;
+                        for (int j = first; j <= p; j++, n++) {
+                            size_t row = (size_t)tables[s * MBPS + j / BSZ] * BSZ + j % BSZ;
+                            ks[n] = kc + (row * NKV + g) * HD;
+                            vs[n] = vc + (row * NKV + g) * HD;
+                        }
+                        ref_attend(q + (size_t)t * NH * HD + h * HD, ks, vs, n, HD, 0.3f, ref);
+                        assert_true(maxdiff(out + (size_t)t * NH * HD + h * HD, ref, HD) < 1e-5);
+                    }
+                }
+        }
+    }
+    /* a negative chunk is refused */
+    prism_attn_meta_t bad = {.n_seqs = S, .n_tokens = T, .max_q_len = 21, .max_ctx_len = 24, .block_size = BSZ,
+                             .max_blocks_per_seq = MBPS, .seq_start = seq_start, .pos0 = pos0, .block_tables = tables,
+                             .chunk = -1};
+    assert_int_equal(be->i.attn_paged(be->ctx, out, NH * HD, q, NH * HD, kc, vc, &bad, NH, NKV, HD, 0.3f),
+                     PRISM_EINVAL);
+    prism_backend_destroy(be);
+    prism_backend_destroy(be1);
+    free(kc);
+    free(vc);
+}
+
 static void test_attn_dense(void **state)
 {
     (void)state;
@@ -312,6 +380,7 @@ int main(void)
     prism_log_init("test_backend_cpu", PRISM_LOG_ERROR);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_attn_paged),
+        cmocka_unit_test(test_attn_paged_chunked),
         cmocka_unit_test(test_attn_dense),
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_norms_matmul_act),
