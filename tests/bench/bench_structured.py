@@ -12,6 +12,9 @@ string and an array of integers), tool_required (a forced hermes call), and the 
 
     python3 tests/bench/bench_structured.py --build build --requests 12 --concurrency 8
 Prints a table (median ms per decode step and overhead against "none") and writes JSON with --out.
+Wall time per step is at the mercy of a shared machine's scheduler; the decode worker's own CPU
+time per generated token (utime + stime from /proc over each mode's requests) is reported beside
+it and moves much less with the machine's load.
 """
 import argparse
 import concurrent.futures
@@ -27,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--build", default=os.environ.get("PRISM_BINARY_DIR", "build"))
-    ap.add_argument("--requests", type=int, default=12, help="requests per mode and concurrency (median taken)")
+    ap.add_argument("--requests", type=int, default=12, help="rounds per concurrency (each runs every mode once)")
     ap.add_argument("--tokens", type=int, default=160, help="max_tokens per request")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--out", help="write the results as JSON here")
@@ -47,9 +50,17 @@ def main():
             "required": ["text", "ids"]}}}},
         "tool_required": {"tools": tools, "tool_choice": "required", "parallel_tool_calls": False},
     }
-    results = {}
+    results, cpu_ms = {}, {}
     with cluster.Cluster(router_args=["--tool-call-parser", "hermes"]) as c:
         c.wait_ready()
+
+        dec_pid = c.procs["decode-0"].pid
+        clk = os.sysconf("SC_CLK_TCK")
+
+        def cpu_s():
+            with open("/proc/%d/stat" % dec_pid) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / clk      # utime + stime
 
         def one(i, extra):
             body = {"model": "prism-tiny-llava", "messages": [{"role": "user", "content": "Describe a red circle."}],
@@ -60,26 +71,51 @@ def main():
             timing = headers.get("x-prism-timing", "")
             tps = float(re.search(r"decode_tok_s=(\S+)", timing).group(1))
             toks = int(re.search(r"decode_tokens=(\S+)", timing).group(1))
+            ntok[0] += toks + 1
             return 1000.0 / tps if tps > 0 and toks >= 20 else None
+
+        ntok = [0]
 
         for _ in range(3):   # warm caches (grammar states, allocator, page cache)
             for extra in modes.values():
                 one(99, extra)
+        # Rounds interleave the modes, so a change of machine load hits them alike; medians over rounds.
         for conc in (1, a.concurrency):
-            for name, extra in modes.items():
-                with concurrent.futures.ThreadPoolExecutor(conc) as ex:
-                    ms = [x for x in ex.map(lambda i: one(i, extra), range(a.requests * (conc if conc > 1 else 1)))
-                          if x is not None]
-                results[(name, conc)] = statistics.median(ms) if ms else float("nan")
-    print("| mode | ms per decode step, 1 request | overhead | ms per step, %d at once | overhead |" % a.concurrency)
-    print("|---|---|---|---|---|")
+            samples = {name: [] for name in modes}
+            cpu = {name: [0.0, 0] for name in modes}
+            for rnd in range(a.requests):
+                for name, extra in modes.items():
+                    t0, ntok[0] = cpu_s(), 0
+                    with concurrent.futures.ThreadPoolExecutor(conc) as ex:
+                        samples[name] += [x for x in ex.map(lambda i: one(rnd * 100 + i, extra), range(conc))
+                                          if x is not None]
+                    cpu[name][0] += cpu_s() - t0
+                    cpu[name][1] += ntok[0]
+            for name in modes:
+                results[(name, conc)] = statistics.median(samples[name]) if samples[name] else float("nan")
+                cpu_ms[(name, conc)] = 1000.0 * cpu[name][0] / max(cpu[name][1], 1)
+        log_dir = c.log_dir
+    # the decode worker logs its masks' own cost when it stops
+    with open(os.path.join(log_dir, "decode-0.log")) as f:
+        m = re.search(r"grammar masks: (\d+) computed, ([0-9.]+) us each", f.read())
+    mask_us = float(m.group(2)) if m else float("nan")
+    print("decode worker: %s grammar masks, %.1f us each on average (inline, on the step's critical path)"
+          % (m.group(1) if m else "?", mask_us))
+    print("| mode | wall ms per step, 1 request | overhead | decode CPU ms per token | overhead | "
+          "wall ms per step, %d at once | overhead | decode CPU ms per token | overhead |" % a.concurrency)
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in modes:
-        b1, bc = results[("none", 1)], results[("none", a.concurrency)]
-        m1, mc = results[(name, 1)], results[(name, a.concurrency)]
-        print("| %s | %.3f | %+.1f%% | %.3f | %+.1f%% |" % (name, m1, (m1 / b1 - 1) * 100, mc, (mc / bc - 1) * 100))
+        row = []
+        for conc in (1, a.concurrency):
+            w, wb = results[(name, conc)], results[("none", conc)]
+            cm, cb = cpu_ms[(name, conc)], cpu_ms[("none", conc)]
+            row += ["%.3f" % w, "%+.1f%%" % ((w / wb - 1) * 100), "%.3f" % cm, "%+.1f%%" % ((cm / cb - 1) * 100)]
+        print("| %s | %s |" % (name, " | ".join(row)))
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"%s@%d" % k: v for k, v in results.items()}, f, indent=1)
+            json.dump({"wall_ms_per_step": {"%s@%d" % k: v for k, v in results.items()},
+                       "decode_cpu_ms_per_token": {"%s@%d" % k: v for k, v in cpu_ms.items()}, "mask_us": mask_us},
+                      f, indent=1)
 
 
 if __name__ == "__main__":
