@@ -776,8 +776,11 @@ static int parse_tools(json_t *root, prism_oai_request_t *out, prism_oai_error_t
         if (n) {
             out->tools = tools;
             out->n_tools = (int)n;
-            out->tools_text = dump_json(tools, NULL);
+            size_t len = 0;
+            out->tools_text = dump_json(tools, &len);
             if (!out->tools_text) return oom(err);
+            if (len > PRISM_OAI_MAX_TOOLS_BYTES)
+                return oai_fail(err, "tools", "'tools' is %zu bytes of JSON; the limit is %u.", len, PRISM_OAI_MAX_TOOLS_BYTES);
         }
     }
     if ((rc = get_bool(root, "parallel_tool_calls", &out->parallel_tool_calls, err))) return rc;

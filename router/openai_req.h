@@ -37,6 +37,7 @@
 #define PRISM_OAI_MAX_LOGIT_BIAS     300
 #define PRISM_OAI_MAX_N              128
 #define PRISM_OAI_MAX_TOOLS          128
+#define PRISM_OAI_MAX_TOOLS_BYTES    (1u << 20)   /* the tools array as JSON text (it travels to the workers) */
 #define PRISM_OAI_MAX_CHOICES        1024   /* guided_choice strings */
 
 typedef enum {

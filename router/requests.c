@@ -375,17 +375,16 @@ static void respond_whole(router_req_t *q, const prism_oai_usage_t *u, const cha
                                  .lp = q->oai.logprobs ? &c->lp : NULL, .finish_reason = c->finish};
         prism_toolcall_result_t res;
         memset(&res, 0, sizeof res);
-        prism_oai_tool_call_t calls[PRISM_OAI_MAX_TOOLS];
+        prism_oai_tool_call_t *calls = NULL;
         if (q->chat && q->parse_tools &&
             prism_toolcall_parse((prism_toolcall_format_t)q->r->tool_parser, ch.content, ch.len, tool_id_seed(q, i),
                                  &res) == PRISM_OK &&
-            res.n_calls > 0) {
-            int nc = (int)PRISM_MIN(res.n_calls, PRISM_ARRAY_LEN(calls));
-            for (int k = 0; k < nc; k++)
+            res.n_calls > 0 && (calls = prism_malloc(res.n_calls * sizeof *calls)) != NULL) {
+            for (size_t k = 0; k < res.n_calls; k++)
                 calls[k] = (prism_oai_tool_call_t){res.calls[k].id, res.calls[k].name, res.calls[k].arguments.data,
                                                    res.calls[k].arguments.len};
             ch.tool_calls = calls;
-            ch.n_tool_calls = nc;
+            ch.n_tool_calls = (int)res.n_calls;
             ch.content = res.content.len ? res.content.data : NULL;
             ch.len = res.content.len;
             if (!strcmp(c->finish, "stop")) ch.finish_reason = "tool_calls";
@@ -393,6 +392,7 @@ static void respond_whole(router_req_t *q, const prism_oai_usage_t *u, const cha
         if (q->chat) prism_oai_write_chat_choice(&q->out, &ch);
         else prism_oai_write_completion_choice(&q->out, &ch);
         prism_toolcall_result_free(&res);
+        prism_free(calls);
     }
     prism_oai_write_response_end(&q->out, u);
     char extra[600];

@@ -75,14 +75,6 @@ void prism_seq_sampler_free(prism_seq_sampler_t *ss)
     memset(ss, 0, sizeof *ss);
 }
 
-size_t prism_seq_sampler_bytes(const prism_seq_sampler_t *ss)
-{
-    size_t b = prism_token_counts_bytes(ss->n_slots, ss->vocab) + (size_t)ss->vocab * (sizeof(float) * 2 + 4) +
-               sizeof(seq_first_t) + (size_t)ss->n_slots * sizeof(void *);
-    if (ss->gvocab) b += prism_grammar_mask_words(ss->gvocab) * 4;
-    return b;
-}
-
 /* ------------------------------------------------------------------ the record */
 
 const char *prism_seq_check(const Prism__Sampling *s)

@@ -60,12 +60,11 @@ typedef struct {
 
 /* n_slots: sequences the worker runs at once (decode: its batch; prefill: 1). model_path: where
  * tokenizer.json is (NULL: no grammar support). Fails only on memory; a missing or unreadable
- * tokenizer.json leaves guided requests refused (logged). */
+ * tokenizer.json leaves guided requests refused (logged). Everything is allocated here (the
+ * workers measure it into their memory plan as "sampling"). */
 int  prism_seq_sampler_init(prism_seq_sampler_t *ss, const prism_model_config_t *cfg, const char *model_path,
                             int n_slots);
 void prism_seq_sampler_free(prism_seq_sampler_t *ss);
-/* Heap bytes the sampler holds (for the memory plan). */
-size_t prism_seq_sampler_bytes(const prism_seq_sampler_t *ss);
 
 typedef struct {
     bool used;

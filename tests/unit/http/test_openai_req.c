@@ -221,6 +221,16 @@ static void test_logit_bias_bounds(void **state)
         }
         prism_oai_request_free(&r);
     }
+    /* tools travel to the workers as text: bounded */
+    prism_buf_reset(&b);
+    prism_buf_append_str(&b, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[");
+    for (int i = 0; i < 100; i++)
+        prism_buf_appendf(&b, "%s{\"type\":\"function\",\"function\":{\"name\":\"f%d\",\"description\":\"%0*d\"}}",
+                          i ? "," : "", i, 11000, 0);
+    prism_buf_append_str(&b, "]}");
+    assert_int_equal(prism_oai_parse(b.data, b.len, true, NULL, &r, &e), PRISM_EINVAL);
+    assert_string_equal(e.param, "tools");
+    assert_non_null(strstr(e.message, "limit"));
     prism_oai_parse_opts_t o = {.vocab = 4096};
     const char *in = "{\"prompt\":\"x\",\"logit_bias\":{\"4095\":1}}", *out = "{\"prompt\":\"x\",\"logit_bias\":{\"4096\":1}}";
     assert_int_equal(prism_oai_parse(in, strlen(in), false, &o, &r, &e), PRISM_OK);
