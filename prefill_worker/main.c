@@ -21,7 +21,6 @@
 #include <string.h>
 
 #define MAX_IMAGES 64
-#define ORPHAN_TIMEOUT_S 120.0
 
 typedef struct {
     bool used;
@@ -51,6 +50,7 @@ typedef struct {
     prism_kv_blocks_t blocks;
     prism_seq_sampler_t sampler;  /* one slot: prompts run one at a time */
     int max_pending, chunk, max_model_len, max_blocks_per_seq, n_emb;
+    double orphan_timeout_s; /* embeddings whose Prefill never came are dropped after this */
     preq_t *reqs;            /* [max_pending] */
     int32_t *token_pool;     /* [max_pending][max_model_len] */
     emb_slot_t *emb;         /* [n_emb] */
@@ -362,7 +362,7 @@ static void expire_orphans(prefill_t *p)
     double now = prism_now_s();
     for (int i = 0; i < p->n_emb; i++) {
         emb_slot_t *e = &p->emb[i];
-        if (!e->used || now - e->t_arrive < ORPHAN_TIMEOUT_S) continue;
+        if (!e->used || now - e->t_arrive < p->orphan_timeout_s) continue;
         bool owned = false;
         for (int k = 0; k < p->max_pending; k++)
             owned |= owns(&p->reqs[k].seq, e->rid, e->router_id);
@@ -378,6 +378,7 @@ int main(int argc, char **argv)
     prism_worker_opts_t o;
     prism_worker_opts_defaults(&o, "prefill");
     int64_t kv_blocks = 0, block_size = 16, chunk = 512, max_pending = 64, emb_images = 32, context_length = 0;
+    double orphan_timeout = 120;
     prism_flag_t flags[32] = {
         PRISM_FLAG_INT("chunked-prefill-size", &chunk, "Most prompt tokens per forward step"),
         PRISM_FLAG_INT("kv-blocks", &kv_blocks, "KV blocks for prompts in flight (0 = two full contexts)"),
@@ -385,6 +386,8 @@ int main(int argc, char **argv)
         PRISM_FLAG_INT("max-pending-requests", &max_pending, "Prefill requests held at once"),
         PRISM_FLAG_INT("embed-pool-images", &emb_images, "Image embedding slots in the receive pool"),
         PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings)"),
+        PRISM_FLAG_DOUBLE("orphan-timeout", &orphan_timeout,
+                          "Seconds before embeddings whose prefill request never arrives free their slot"),
     };
     static prefill_t p;
     int rc = prism_worker_startup(argc, argv, "prefill", "Prism prefill worker: chunked prefill, first token, KV "
@@ -393,11 +396,12 @@ int main(int argc, char **argv)
     double t0 = prism_now_s();
     char err[512] = "";
     if (chunk < 1 || chunk > 65536 || block_size < 1 || block_size > 1024 || max_pending < 1 ||
-        max_pending > 4096 || emb_images < 1 || emb_images > 65536) {
+        max_pending > 4096 || emb_images < 1 || emb_images > 65536 || !(orphan_timeout > 0)) {
         PRISM_ERROR("flag out of range (see --help)");
         return 2;
     }
     p.chunk = (int)chunk;
+    p.orphan_timeout_s = orphan_timeout;
     p.max_pending = (int)max_pending;
     p.n_emb = p.cfg.has_vision ? (int)emb_images : 0;
     p.max_model_len = context_length > 0 ? (int)PRISM_MIN(context_length, (int64_t)p.cfg.max_pos) : p.cfg.max_pos;
@@ -460,7 +464,8 @@ int main(int argc, char **argv)
 
     char bind[300];
     prism_worker_data_bind(&o, bind, sizeof(bind));
-    if (prism_worker_init(&p.w, PRISM__ROLE__ROLE_PREFILL, o.worker_id, &o.routers, bind) != PRISM_OK)
+    if (prism_worker_init(&p.w, PRISM__ROLE__ROLE_PREFILL, &o, bind,
+                          (size_t)p.cfg.image_seq_length * p.cfg.hidden * sizeof(float)) != PRISM_OK)
         return 1;
     prism_worker_set_capacity(&p.w, &o, &plan, (uint32_t)kv_blocks, (uint32_t)block_size, (uint32_t)p.chunk,
                               (uint32_t)p.max_pending, (uint32_t)p.max_model_len);

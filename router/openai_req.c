@@ -151,7 +151,7 @@ static const field_rule_t k_fields[] = {
     {"tools", F_CHAT, F_IMPL, NULL}, {"tool_choice", F_CHAT, F_IMPL, NULL},
     {"parallel_tool_calls", F_CHAT, F_IMPL, NULL}, {"add_generation_prompt", F_CHAT, F_IMPL, NULL},
     {"add_special_tokens", F_BOTH, F_IMPL, NULL}, {"skip_special_tokens", F_BOTH, F_IMPL, NULL},
-    {"chat_template_kwargs", F_CHAT, F_IMPL, NULL},
+    {"chat_template_kwargs", F_CHAT, F_IMPL, NULL}, {"return_tokens_as_token_ids", F_BOTH, F_IMPL, NULL},
     /* metadata: cannot change the answer */
     {"user", F_BOTH, F_META, NULL}, {"metadata", F_BOTH, F_META, NULL}, {"store", F_BOTH, F_META, NULL},
     {"service_tier", F_BOTH, F_META, NULL}, {"safety_identifier", F_BOTH, F_META, NULL},
@@ -172,7 +172,7 @@ static const field_rule_t k_fields[] = {
     {"bad_words", F_BOTH, F_REFUSE, "[]"}, {"allowed_token_ids", F_BOTH, F_REFUSE, NULL},
     {"logits_processors", F_BOTH, F_REFUSE, NULL}, {"guided_grammar", F_BOTH, F_REFUSE, NULL},
     {"guided_decoding_backend", F_BOTH, F_REFUSE, NULL}, {"guided_whitespace_pattern", F_BOTH, F_REFUSE, NULL},
-    {"structured_outputs", F_BOTH, F_REFUSE, NULL}, {"return_tokens_as_token_ids", F_BOTH, F_REFUSE, "false"},
+    {"structured_outputs", F_BOTH, F_REFUSE, NULL},
     {"spaces_between_special_tokens", F_BOTH, F_REFUSE, "true"},
 };
 
@@ -590,6 +590,7 @@ static int parse_sampling(json_t *root, bool chat, int vocab, prism_oai_request_
     if ((rc = get_bool(root, "ignore_eos", &out->ignore_eos, err))) return rc;
     if ((rc = get_bool(root, "add_special_tokens", &out->add_special_tokens, err))) return rc;
     if ((rc = get_bool(root, "skip_special_tokens", &out->skip_special_tokens, err))) return rc;
+    if ((rc = get_bool(root, "return_tokens_as_token_ids", &out->return_tokens_as_token_ids, err))) return rc;
     if (chat && (rc = get_bool(root, "add_generation_prompt", &out->add_generation_prompt, err))) return rc;
     return parse_stop(root, out, err);
 }

@@ -125,6 +125,7 @@ typedef struct {
     bool add_generation_prompt; /* chat, default true (vLLM extension) */
     bool add_special_tokens;  /* vLLM extension: default false for chat, true for completions */
     bool skip_special_tokens; /* vLLM extension: default true */
+    bool return_tokens_as_token_ids; /* vLLM extension: logprobs name tokens "token_id:<id>" */
     int n_images;             /* total image parts over all messages */
 } prism_oai_request_t;
 

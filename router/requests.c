@@ -275,6 +275,15 @@ static uint64_t tool_id_seed(const router_req_t *q, int index)
 static void write_out(router_req_t *q)
 {
     prism_http_stream_write(q->h, q->out.data, q->out.len);
+    if (prism_http_req_pending_bytes(q->h) > q->r->max_stream_pending) {
+        /* The client stopped reading: drop it rather than queue its whole answer in memory. Its
+         * abort callback (on_client_gone) runs from the loop's next turn and aborts the workers;
+         * writes until then fail harmlessly. */
+        q->r->metrics.refused_limit[PRISM_REFUSE_SLOW_CLIENT]++;
+        PRISM_WARN("request %llu: client stopped reading (%zu bytes queued); dropped", (unsigned long long)q->rid,
+                   prism_http_req_pending_bytes(q->h));
+        prism_http_req_drop(q->h);
+    }
 }
 
 static bool stream_begin(router_req_t *q)
@@ -490,11 +499,16 @@ static void add_logprobs(router_req_t *q, router_choice_t *c, int32_t tok, const
     prism_buf_t *tb = &q->tok_bytes[0], *cb = &q->tok_bytes[1];
     prism_oai_top_logprob_t top[20];
     int nt = (int)PRISM_MIN(l->n_top, (size_t)20);
+    /* return_tokens_as_token_ids (vLLM): "token_id:<id>" names the token exactly, where its text
+     * may be lossy (a partial UTF-8 sequence) or shared with another id. */
+    bool as_ids = q->oai.return_tokens_as_token_ids;
     prism_buf_reset(tb);
-    prism_tokenizer_token_bytes(r->tok, tok, tb);
+    if (as_ids) prism_buf_appendf(tb, "token_id:%d", tok);
+    else prism_tokenizer_token_bytes(r->tok, tok, tb);
     for (int k = 0; k < nt; k++) {
         prism_buf_reset(&cb[k]);
-        prism_tokenizer_token_bytes(r->tok, l->top[k]->token_id, &cb[k]);
+        if (as_ids) prism_buf_appendf(&cb[k], "token_id:%d", l->top[k]->token_id);
+        else prism_tokenizer_token_bytes(r->tok, l->top[k]->token_id, &cb[k]);
         top[k] = (prism_oai_top_logprob_t){cb[k].data ? cb[k].data : "", cb[k].len, l->top[k]->logprob};
     }
     prism_oai_token_logprob_t t = {tb->data ? tb->data : "", tb->len, l->logprob, top, q->oai.top_logprobs ? nt : 0};
@@ -942,6 +956,7 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
     /* Behind older queued requests, or no worker has room: wait in the router's queue. */
     status = r->queue_len ? DISPATCH_WAIT : dispatch(r, q, msg, sizeof(msg));
     if (status == DISPATCH_WAIT && !queue_push(r, q->rid)) {
+        r->metrics.refused_limit[PRISM_REFUSE_QUEUE_FULL]++;
         status = 429;
         snprintf(msg, sizeof(msg), "The server is at capacity; retry after a short wait.");
     }

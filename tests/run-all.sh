@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds, and runs every test:
 #   1. build/ (release, CUDA backend compiled when nvcc exists): unit + integration tests;
-#   2. build-asan/ (ASan + UBSan, CPU only): unit tests again under the sanitizers.
+#   2. build-asan/ (ASan + UBSan, CPU only): unit and integration tests again under the sanitizers
+#      (every process of every test cluster is instrumented; a sanitizer report in any of their
+#      logs fails the test);
+#   3. build-fuzz/ (clang, libFuzzer + ASan + UBSan): every harness replays its seed corpus once.
 # GPU tests (ctest label "gpu") report themselves skipped when no GPU is present.
 # Ends with a line "N passed, N failed, N skipped".
 set -uo pipefail
@@ -41,13 +44,28 @@ else
   failed=$((failed + 1))
 fi
 
-echo "== build (ASan + UBSan, unit tests)"
+echo "== build (ASan + UBSan, unit and integration tests)"
+# Not repeated under the sanitizers (CI time): the accuracy sweep (the e2e request path again over
+# ~80 images), the deployment tests (load balancers, supervisor, deployment files: configuration
+# and process management, no request-path code of their own) and the known-bug entries.
+asan_skip="integration_(accuracy|lb_|deploy_|supervisor)|_known_"
 if cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DPRISM_SANITIZE=ON -DPRISM_CUDA=OFF >/dev/null &&
    cmake --build build-asan -j"$jobs"; then
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-    run_ctest build-asan -L unit
+    run_ctest build-asan -L "unit|integration" -E "$asan_skip"
 else
   echo "sanitizer build failed"
+  failed=$((failed + 1))
+fi
+
+echo "== build (libFuzzer harnesses, clang + ASan + UBSan): replay the committed corpora"
+if command -v clang >/dev/null &&
+   CC=clang cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPRISM_FUZZ=ON -DPRISM_CUDA=OFF \
+     -DPRISM_TESTS=OFF >/dev/null &&
+   cmake --build build-fuzz -j"$jobs" --target prism_fuzz; then
+  run_ctest build-fuzz -L fuzz
+else
+  echo "fuzz harness build failed"
   failed=$((failed + 1))
 fi
 

@@ -156,7 +156,19 @@ def build_cases():
         chat("text_unicode", "Thanks! Größe 🙂 — naïve café"),
         completion("completion_text", "A red circle on a white background. The image shows"),
         completion("completion_short", "Hello"),
+        # Long positions (the cases above end by position 151): three image spans up to ~220, and a
+        # long text prompt (~450 tokens) whose prefill spans several chunks when the prefill worker
+        # runs with a small --chunked-prefill-size.
+        chat("three_images", "What is in the image?",
+             ["triangle_green_64x64.jpg", "gradient_333x217.png", "circle_blue_200x150_prog.jpg"]),
+        completion("completion_long", LONG_PROMPT),
     ]
+
+
+LONG_PROMPT = " ".join(
+    "Picture %d: a %s %s on a %s background, drawn in the middle of the frame." % (i, c, sh, bg)
+    for i, (c, sh, bg) in enumerate([(c, sh, bg) for c in ("red", "green", "blue") for sh in ("circle", "square", "triangle")
+                                     for bg in ("white", "gray")][:18])) + " The next picture shows"
 
 
 # ---------------------------------------------------------------- reference

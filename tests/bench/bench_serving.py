@@ -4,7 +4,8 @@
 Starts a local Prism cluster (router + one worker of each kind, each with --mem-budget), then for
 image sizes 512, 2048, 4096 (photo-like JPEGs of realistic file size) x concurrency 1, 4, 8, 16, 64,
 128 sends streaming OpenAI chat requests with one image and a question, and records per cell:
-requests ok / refused (429, 503) / failed (anything else), TTFT p50/p99, time per output token,
+requests ok / refused (429, 503; with the reason the router counted in prism:requests_refused_total
+and the messages clients got) / failed (anything else), TTFT p50/p99, time per output token,
 throughput, and the peak RSS of every process during the cell (VmHWM, reset per cell through
 /proc/PID/clear_refs). Writes JSON and, when matplotlib is installed, a PNG plot.
 
@@ -56,8 +57,12 @@ def one_request(port, url, max_tokens, timeout):
         conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
         r = conn.getresponse()
         if r.status != 200:
-            r.read()
-            return {"status": r.status}
+            data = r.read()
+            try:
+                msg = json.loads(data)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                msg = data[:120].decode("utf-8", "replace")
+            return {"status": r.status, "message": msg}
         ttft, n_chunks, buf, err = None, 0, b"", False
         while True:
             chunk = r.read1(65536)
@@ -81,8 +86,8 @@ def one_request(port, url, max_tokens, timeout):
         if err:
             return {"status": 599}
         return {"status": 200, "ttft": ttft if ttft is not None else t1 - t0, "e2e": t1 - t0, "chunks": n_chunks}
-    except (OSError, http.client.HTTPException):
-        return {"status": 0}
+    except (OSError, http.client.HTTPException) as e:
+        return {"status": 0, "message": "connection: %s" % e}
     finally:
         conn.close()
 
@@ -94,10 +99,15 @@ def pct(xs, p):
     return xs[min(len(xs) - 1, int(round(p / 100.0 * (len(xs) - 1))))]
 
 
+def refusal_counts(c):
+    return {lb["reason"]: v for name, lb, v in c.metrics() if name == "prism:requests_refused_total"}
+
+
 def run_cell(c, url, concurrency, n_requests, max_tokens, timeout):
     pids = {name: p.pid for name, p in c.procs.items()}
     for pid in pids.values():
         reset_peak(pid)
+    refused_before = refusal_counts(c)
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as ex:
         results = list(ex.map(lambda _: one_request(c.port, url, max_tokens, timeout), range(n_requests)))
@@ -105,11 +115,20 @@ def run_cell(c, url, concurrency, n_requests, max_tokens, timeout):
     ok = [r for r in results if r["status"] == 200]
     refused = [r for r in results if r["status"] in (429, 503)]
     failed = [r for r in results if r["status"] not in (200, 429, 503)]
+    # why: the router's own count per reason over this cell, and what the clients were told
+    refused_after = refusal_counts(c)
+    by_reason = {k: v - refused_before.get(k, 0) for k, v in refused_after.items() if v != refused_before.get(k, 0)}
+    messages = {}
+    for r in results:
+        if r["status"] != 200:
+            key = "%s %s" % (r["status"], r.get("message", "")[:80])
+            messages[key] = messages.get(key, 0) + 1
     ttfts = [r["ttft"] for r in ok]
     tpots = [(r["e2e"] - r["ttft"]) / max(1, max_tokens - 1) for r in ok]
     return {
         "concurrency": concurrency, "requests": n_requests, "ok": len(ok), "refused": len(refused),
         "failed": len(failed), "failed_statuses": sorted({r["status"] for r in failed}),
+        "refused_by_reason": by_reason, "non_200_messages": messages,
         "ttft_p50_s": pct(ttfts, 50), "ttft_p99_s": pct(ttfts, 99),
         "tpot_mean_s": statistics.mean(tpots) if tpots else None,
         "throughput_req_s": len(ok) / wall, "throughput_tok_s": len(ok) * max_tokens / wall, "wall_s": wall,

@@ -11,7 +11,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import Cluster, binary, chat_body, image_url, make_image, run_tests, MODEL  # noqa: E402
+from cluster import (Cluster, binary, chat_body, check_answer, distinct_requests, image_url, make_image,  # noqa: E402
+                     reference, run_tests, tool_env, MODEL)
 
 TMP = tempfile.mkdtemp(prefix="prism-e2e-")
 JPG = make_image(os.path.join(TMP, "red_circle.jpg"), width=640, height=480, shape="circle", color="red")
@@ -44,6 +45,52 @@ def test_health_ready_models():
     models = json.loads(data)
     assert status == 200 and models["data"][0]["id"] == "prism-tiny-llava", models
     assert models["data"][0]["max_model_len"] > 0
+
+
+def test_version_and_help():
+    status, _, data = C.request("GET", "/version")
+    assert status == 200 and json.loads(data)["version"], data
+    # every binary documents its flags
+    for name in ("router", "encoder_worker", "prefill_worker", "decode_worker", "prism_generate", "prism_imgtool",
+                 "prism_wire"):
+        p = subprocess.run([binary(name), "--help"], capture_output=True, text=True, timeout=30, env=tool_env())
+        assert p.returncode == 0 and "Usage" in p.stdout + p.stderr and "--" in p.stdout + p.stderr, (name, p)
+
+
+def test_stop_token_ids_and_max_completion_tokens():
+    body = chat_body("What is in the image?", [JPG], max_tokens=12, temperature=0, ignore_eos=True, logprobs=True,
+                     return_tokens_as_token_ids=True)
+    full = ok_request(body)
+    ids = [int(e["token"].split(":")[1]) for e in full["choices"][0]["logprobs"]["content"]]
+    assert len(ids) == 12, ids
+    stop_id = ids[3]
+    k = ids.index(stop_id)  # first occurrence
+    r = ok_request(dict(body, stop_token_ids=[stop_id]))
+    got = [int(e["token"].split(":")[1]) for e in r["choices"][0]["logprobs"]["content"]]
+    assert got == ids[:k + 1], (got, ids, stop_id)  # the stop token is generated (and counted) ...
+    assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == k + 1, r["usage"]
+    plain = ok_request(chat_body("What is in the image?", [JPG], max_tokens=12, temperature=0, ignore_eos=True,
+                                 stop_token_ids=[stop_id]))
+    status, d = C.post_json("/detokenize", {"tokens": ids[:k]})
+    assert plain["choices"][0]["message"]["content"] == d["prompt"], (plain, d)  # ... but not in the text
+    # max_completion_tokens is OpenAI's newer name for max_tokens
+    r = ok_request(chat_body("What is in the image?", [JPG], max_completion_tokens=3, temperature=0, ignore_eos=True))
+    assert r["usage"]["completion_tokens"] == 3 and r["choices"][0]["finish_reason"] == "length", r
+
+
+def test_embedding_cache_hit():
+    """The same image again: the encoder answers from its embedding cache (no decode, no ViT), and
+    the answer is the same."""
+    body = chat_body("What is in the image?", [PROG], max_tokens=8, temperature=0)
+    timings = []
+    texts = []
+    for _ in range(2):
+        status, headers, data = C.request("POST", "/v1/chat/completions", body)
+        assert status == 200, (status, data[:200])
+        timings.append(dict(kv.split("=") for kv in {k.lower(): v for k, v in headers.items()}["x-prism-timing"].split()))
+        texts.append(json.loads(data)["choices"][0]["message"]["content"])
+    assert timings[1]["cache_hits"] == "1" and float(timings[1]["image_decode_ms"]) == 0, timings
+    assert texts[0] == texts[1], texts
 
 
 def test_chat_jpeg():
@@ -98,9 +145,7 @@ def test_stream_equals_non_stream():
 
 
 def test_disaggregated_equals_single_process():
-    out = subprocess.run([binary("prism_generate"), "--model-path", MODEL, "--image", JPG, "--user",
-                          "What is in the image?", "--max-tokens", "32"], check=True, capture_output=True, text=True)
-    ref = json.loads(out.stdout)
+    ref = reference([JPG], "What is in the image?", 32)
     r = ok_request(chat_body("What is in the image?", [JPG], max_tokens=32, temperature=0))
     assert r["usage"]["prompt_tokens"] == ref["prompt_tokens"], (r["usage"], ref["prompt_tokens"])
     assert r["usage"]["completion_tokens"] == len(ref["token_ids"]), (r["usage"], ref)
@@ -137,18 +182,19 @@ def test_stop_string():
     assert r["choices"][0]["finish_reason"] == "stop"
 
 
-def test_concurrent_16_image_requests():
-    imgs = [JPG, PNG, PROG]
+def test_concurrent_distinct_requests():
+    """18 requests at once, 9 different pictures/questions: each answer equals its own reference
+    (identical prompts would let answers swapped between requests pass)."""
+    reqs = distinct_requests(TMP)
 
     def one(i):
-        return C.post_json("/v1/chat/completions",
-                           chat_body("What is in the image?", [imgs[i % 3]], max_tokens=8, temperature=0))
-
-    with concurrent.futures.ThreadPoolExecutor(16) as ex:
-        results = list(ex.map(one, range(16)))
-    for status, r in results:
-        assert status == 200, (status, r)
+        body, ref = reqs[i % len(reqs)]
+        status, r = C.post_json("/v1/chat/completions", body)
+        check_answer(status, r, ref, "request %d" % i)
         check_usage(r)
+
+    with concurrent.futures.ThreadPoolExecutor(18) as ex:
+        list(ex.map(one, range(2 * len(reqs))))
 
 
 def expect_error(status_want, body=None, raw=None, path="/v1/chat/completions"):
@@ -197,8 +243,15 @@ def test_metrics():
     text = data.decode()
     assert status == 200
     for name in ("vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
-                 "vllm:generation_tokens_total", "prism:requests_refused_total", "prism:worker_memory_peak_bytes"):
+                 "vllm:generation_tokens_total", "prism:requests_refused_total", "prism:worker_memory_peak_bytes",
+                 "prism:worker_heartbeats_total", "prism:worker_heap_allocations_total"):
         assert name in text, name
+    # every refusal reason is exported (a dashboard can alert on any), and vLLM's preemption counter
+    # exists and is 0: decode admission reserves KV for max_tokens, so nothing is ever preempted
+    for reason in ("body_too_large", "body_bytes_inflight", "connections", "image_bytes_inflight", "queue_full",
+                   "queue_wait", "no_workers", "bad_request", "too_many_images", "image_too_large"):
+        assert C.metric("prism:requests_refused_total", reason=reason) is not None, reason
+    assert C.metric("vllm:num_preemptions_total") == 0
 
 
 def test_tokenize_detokenize():
@@ -228,7 +281,7 @@ def test_chat_template_override_and_unsupported():
     with open(bad, "w") as f:
         f.write("{% include 'other.jinja' %}{{ messages }}")
     p = subprocess.run([binary("router"), "--model-path", MODEL, "--port", "0", "--control-endpoint",
-                        "tcp://127.0.0.1:0", "--chat-template", bad], capture_output=True, text=True, timeout=30)
+                        "tcp://127.0.0.1:0", "--insecure-no-curve", "--chat-template", bad], capture_output=True, text=True, timeout=30)
     assert p.returncode != 0 and "include" in p.stderr, (p.returncode, p.stderr[-500:])
 
 
@@ -238,10 +291,11 @@ def test_all_processes_alive():
 
 if __name__ == "__main__":
     try:
-        rc = run_tests([test_health_ready_models, test_chat_jpeg, test_chat_png_and_progressive_jpeg,
+        rc = run_tests([test_health_ready_models, test_version_and_help, test_stop_token_ids_and_max_completion_tokens,
+                        test_embedding_cache_hit, test_chat_jpeg, test_chat_png_and_progressive_jpeg,
                         test_text_only_and_completions, test_max_tokens_length_finish, test_stream_equals_non_stream,
                         test_disaggregated_equals_single_process, test_seeded_sampling_reproducible, test_logprobs,
-                        test_stop_string, test_concurrent_16_image_requests, test_malformed_requests,
+                        test_stop_string, test_concurrent_distinct_requests, test_malformed_requests,
                         test_bomb_refused_from_header, test_metrics, test_tokenize_detokenize,
                         test_chat_template_override_and_unsupported, test_all_processes_alive])
     finally:

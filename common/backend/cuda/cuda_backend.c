@@ -46,66 +46,11 @@ bool prism_cuda_available(void) { return prism_cuda_device_count() > 0; }
 
 /* ---------------------------------------------------------------- pool */
 
-static void *pool_take(prism_cuda_ctx_t *c, size_t bytes)
-{
-    if (bytes == 0) bytes = 1;
-    if (bytes > c->pool_cap) return NULL;
-    size_t need = PRISM_ALIGN_UP(bytes, PRISM_CUDA_POOL_ALIGN);
-    void *p = NULL;
-    pthread_mutex_lock(&c->mu);
-    for (int i = 0; i < c->n_segs; i++) {
-        prism_cuda_seg_t *s = &c->segs[i];
-        if (s->used || s->size < need) continue;
-        if (s->size > need) {
-            if (c->n_segs == PRISM_CUDA_MAX_SEGS) break;   /* metadata full: refuse, never grow */
-            memmove(&c->segs[i + 2], &c->segs[i + 1], (size_t)(c->n_segs - i - 1) * sizeof *s);
-            c->segs[i + 1] = (prism_cuda_seg_t){s->off + need, s->size - need, false};
-            c->n_segs++;
-            s->size = need;
-        }
-        s->used = true;
-        c->pool_used += need;
-        if (c->pool_used > c->pool_peak) c->pool_peak = c->pool_used;
-        p = c->pool + s->off;
-        break;
-    }
-    pthread_mutex_unlock(&c->mu);
-    return p;
-}
-
-static void pool_give(prism_cuda_ctx_t *c, void *p)
-{
-    if (!p) return;
-    PRISM_ASSERT((uint8_t *)p >= c->pool && (uint8_t *)p < c->pool + c->pool_cap);
-    size_t off = (size_t)((uint8_t *)p - c->pool);
-    pthread_mutex_lock(&c->mu);
-    int lo = 0, hi = c->n_segs - 1, i = -1;
-    while (lo <= hi) {
-        int mid = (lo + hi) / 2;
-        if (c->segs[mid].off == off) { i = mid; break; }
-        if (c->segs[mid].off < off) lo = mid + 1; else hi = mid - 1;
-    }
-    PRISM_ASSERT(i >= 0 && c->segs[i].used);   /* freeing something the pool never handed out */
-    c->segs[i].used = false;
-    c->pool_used -= c->segs[i].size;
-    if (i + 1 < c->n_segs && !c->segs[i + 1].used) {
-        c->segs[i].size += c->segs[i + 1].size;
-        memmove(&c->segs[i + 1], &c->segs[i + 2], (size_t)(c->n_segs - i - 2) * sizeof c->segs[0]);
-        c->n_segs--;
-    }
-    if (i > 0 && !c->segs[i - 1].used) {
-        c->segs[i - 1].size += c->segs[i].size;
-        memmove(&c->segs[i], &c->segs[i + 1], (size_t)(c->n_segs - i - 1) * sizeof c->segs[0]);
-        c->n_segs--;
-    }
-    pthread_mutex_unlock(&c->mu);
-}
-
-static void *cu_alloc(void *ctx, size_t bytes) { return pool_take(ctx, bytes); }
-static void cu_free(void *ctx, void *p) { pool_give(ctx, p); }
-static size_t cu_pool_used(void *ctx) { return ((prism_cuda_ctx_t *)ctx)->pool_used; }
-static size_t cu_pool_peak(void *ctx) { return ((prism_cuda_ctx_t *)ctx)->pool_peak; }
-static size_t cu_pool_cap(void *ctx) { return ((prism_cuda_ctx_t *)ctx)->pool_cap; }
+static void *cu_alloc(void *ctx, size_t bytes) { return prism_cuda_pool_take(&((prism_cuda_ctx_t *)ctx)->pool, bytes); }
+static void cu_free(void *ctx, void *p) { prism_cuda_pool_give(&((prism_cuda_ctx_t *)ctx)->pool, p); }
+static size_t cu_pool_used(void *ctx) { return ((prism_cuda_ctx_t *)ctx)->pool.used; }
+static size_t cu_pool_peak(void *ctx) { return ((prism_cuda_ctx_t *)ctx)->pool.peak; }
+static size_t cu_pool_cap(void *ctx) { return ((prism_cuda_ctx_t *)ctx)->pool.cap; }
 
 /* ---------------------------------------------------------------- transfers */
 
@@ -422,16 +367,15 @@ static void cu_destroy(void *ctx)
     for (int b = 0; b < 2; b++)
         if (c->stage_ev[b]) cudaEventDestroy(c->stage_ev[b]);
     if (c->stage[0]) cudaFreeHost(c->stage[0]);
-    if (c->pool) cudaFree(c->pool);
+    if (c->pool.base) cudaFree(c->pool.base);
     if (c->stream) cudaStreamDestroy(c->stream);
-    pthread_mutex_destroy(&c->mu);
-    prism_free(c->segs);
+    prism_cuda_pool_destroy(&c->pool);
     prism_free(c);
 }
 
 static void *reserve(prism_cuda_ctx_t *c, size_t bytes)
 {
-    void *p = pool_take(c, bytes);
+    void *p = prism_cuda_pool_take(&c->pool, bytes);
     if (p) c->reserved += PRISM_ALIGN_UP(bytes, PRISM_CUDA_POOL_ALIGN);
     return p;
 }
@@ -456,10 +400,7 @@ prism_backend_t *prism_backend_cuda_create(int device, size_t pool_bytes, int *s
     prism_cuda_ctx_t *c = prism_calloc(1, sizeof *c);
     int rc = PRISM_ENOMEM;
     if (!be || !c) goto fail;
-    pthread_mutex_init(&c->mu, NULL);
     c->device = device;
-    c->segs = prism_calloc(PRISM_CUDA_MAX_SEGS, sizeof *c->segs);
-    if (!c->segs) goto fail;
     if ((rc = PRISM_CUDA_TRY(cudaSetDevice(device)))) goto fail;
     struct cudaDeviceProp prop;
     if ((rc = PRISM_CUDA_TRY(cudaGetDeviceProperties(&prop, device)))) goto fail;
@@ -486,17 +427,18 @@ prism_backend_t *prism_backend_cuda_create(int device, size_t pool_bytes, int *s
         goto fail;
     }
     /* The one device allocation of this backend. */
+    void *dev = NULL;
     prism_cuda_count_malloc();
-    if ((rc = PRISM_CUDA_TRY(cudaMalloc((void **)&c->pool, pool_bytes)))) {
+    if ((rc = PRISM_CUDA_TRY(cudaMalloc(&dev, pool_bytes)))) {
         char a[32], b[32];
         PRISM_ERROR("cuda: cannot allocate a %s pool (%s free)", prism_fmt_bytes(pool_bytes, a, sizeof a),
                     prism_fmt_bytes(free_b, b, sizeof b));
-        c->pool = NULL;
         goto fail;
     }
-    c->pool_cap = pool_bytes;
-    c->segs[0] = (prism_cuda_seg_t){0, pool_bytes, false};
-    c->n_segs = 1;
+    if ((rc = prism_cuda_pool_init(&c->pool, dev, pool_bytes, PRISM_CUDA_MAX_SEGS))) {
+        cudaFree(dev);
+        goto fail;
+    }
 
     c->cublas_ws_bytes = CUBLAS_WS;
     c->cublas_ws = reserve(c, CUBLAS_WS);

@@ -11,6 +11,7 @@
 #endif
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_pool.h"
 
 #include <cuda_runtime_api.h>
 #include <pthread.h>
@@ -32,27 +33,14 @@ int prism_cuda_status(cudaError_t e, const char *what, const char *file, int lin
 
 void prism_cuda_count_malloc(void);
 
-/* ---- pool: one device allocation carved first-fit with coalescing; metadata on the host ---- */
-typedef struct {
-    size_t off, size;
-    bool used;
-} prism_cuda_seg_t;
-
-#define PRISM_CUDA_POOL_ALIGN 256
-#define PRISM_CUDA_MAX_SEGS   16384
-
 typedef struct {
     int device;
     char name[320];
     int n_sm;
     cudaStream_t stream;
     void *cublas;                 /* cublasHandle_t */
-    pthread_mutex_t mu;           /* pool metadata */
 
-    uint8_t *pool;                /* the one device allocation */
-    size_t pool_cap, pool_used, pool_peak;
-    prism_cuda_seg_t *segs;       /* [PRISM_CUDA_MAX_SEGS], sorted by off */
-    int n_segs;
+    prism_cuda_pool_t pool;       /* the one device allocation, carved (cuda_pool.c) */
 
     /* scratch carved at create */
     void *cublas_ws;   size_t cublas_ws_bytes;

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "http_server.h"
@@ -43,7 +44,23 @@ typedef struct {
     atomic_int late_respond_rc;  /* respond result of an async request whose client went away */
     atomic_int late_done;
     atomic_int max_pending;      /* largest prism_http_req_pending_bytes seen */
+    atomic_int in_write;         /* inside a stream_write on the loop thread */
+    atomic_int abort_inside_write;
+    atomic_int failed_write_rc;
+    atomic_int n_dropped;
+    atomic_int released;         /* /failrelease: the handler gave its request up */
+    atomic_int abort_after_release;
 } harness_t;
+
+/* Fault injection at the libuv boundary (the test links with -Wl,--wrap=uv_write): the next uv_write
+ * fails synchronously, as libuv does for a stream that is no longer writable. */
+static atomic_int g_fail_next_write;
+int __real_uv_write(uv_write_t *req, uv_stream_t *handle, const uv_buf_t bufs[], unsigned int nbufs, uv_write_cb cb);
+int __wrap_uv_write(uv_write_t *req, uv_stream_t *handle, const uv_buf_t bufs[], unsigned int nbufs, uv_write_cb cb)
+{
+    if (atomic_exchange(&g_fail_next_write, 0)) return UV_EPIPE;
+    return __real_uv_write(req, handle, bufs, nbufs, cb);
+}
 
 typedef struct {
     uv_timer_t timer;
@@ -149,6 +166,24 @@ static void on_forever_abort(prism_http_req_t *r, void *ud)
     job_close(j);
 }
 
+/* Like the router's on_client_gone: frees the job the writer is using. */
+static void on_free_abort(prism_http_req_t *r, void *ud)
+{
+    job_t *j = ud;
+    (void)r;
+    if (atomic_load(&j->h->in_write)) atomic_fetch_add(&j->h->abort_inside_write, 1);
+    atomic_fetch_add(&j->h->n_abort, 1);
+    job_close(j);
+}
+
+static void on_release_abort(prism_http_req_t *r, void *ud)
+{
+    harness_t *h = ud;
+    (void)r;
+    if (atomic_load(&h->released)) atomic_fetch_add(&h->abort_after_release, 1);
+    atomic_fetch_add(&h->n_abort, 1);
+}
+
 static void on_count_abort(prism_http_req_t *r, void *ud)
 {
     job_t *j = ud;
@@ -173,6 +208,15 @@ static void handler(prism_http_req_t *r, void *ud)
         prism_buf_free(&out);
         prism_buf_free(&extra);
         prism_http_req_release(r);
+    } else if (strcmp(path, "/refusals") == 0) {
+        prism_http_refusals_t rf;
+        prism_http_server_refusals(h->srv, &rf);
+        char b[160];
+        int n = snprintf(b, sizeof b, "413=%llu 503body=%llu 503conn=%llu bad=%llu",
+                         (unsigned long long)rf.body_too_large, (unsigned long long)rf.body_bytes_in_flight,
+                         (unsigned long long)rf.connections, (unsigned long long)rf.malformed);
+        prism_http_respond(r, 200, "text/plain", NULL, b, (size_t)n);
+        prism_http_req_release(r);
     } else if (strcmp(path, "/error") == 0) {
         prism_http_respond_error(r, 404, "NotFoundError", "The model `x\"y` does not exist.", "model", NULL,
                                  "x-request-id: abc\r\n");
@@ -187,6 +231,35 @@ static void handler(prism_http_req_t *r, void *ud)
         j->n = qint(r, "n", 3);
         prism_http_stream_begin(r, 200, "text/event-stream", "Cache-Control: no-cache\r\n");
         uv_timer_start(&j->timer, on_stream_timer, 1, (uint64_t)qint(r, "ms", 2));
+    } else if (strcmp(path, "/failwrite") == 0 || strcmp(path, "/drop") == 0) {
+        job_t *j = job_new(h, r);
+        prism_http_req_on_abort(r, on_free_abort, j);
+        prism_http_stream_begin(r, 200, "text/event-stream", NULL);
+        atomic_store(&h->in_write, 1);
+        int rc = PRISM_OK;
+        if (path[1] == 'f') {
+            atomic_store(&g_fail_next_write, 1);
+            rc = prism_http_stream_write(r, "data: 1\n\n", 9);
+            j->i = rc;  /* the writer goes on using its state after the write, as the router does */
+        } else {
+            prism_http_stream_write(r, "data: 1\n\n", 9);
+            prism_http_req_drop(r);
+            j->i = 1;
+            atomic_fetch_add(&h->n_dropped, 1);
+        }
+        atomic_store(&h->in_write, 0);
+        atomic_store(&h->failed_write_rc, rc);
+        /* later writes see the broken connection and touch nothing */
+        if (prism_http_stream_write(r, "x", 1) != PRISM_EIO) atomic_store(&h->failed_write_rc, 1000);
+    } else if (strcmp(path, "/failrelease") == 0) {
+        /* the write fails; the handler ends the stream (EIO), releases and forgets the request */
+        prism_http_req_on_abort(r, on_release_abort, h);
+        prism_http_stream_begin(r, 200, "text/event-stream", NULL);
+        atomic_store(&g_fail_next_write, 1);
+        prism_http_stream_write(r, "data: 1\n\n", 9);
+        if (prism_http_stream_end(r) != PRISM_EIO) atomic_store(&h->failed_write_rc, 2000);
+        atomic_store(&h->released, 1);
+        prism_http_req_release(r);
     } else if (strcmp(path, "/forever") == 0) {
         job_t *j = job_new(h, r);
         prism_http_req_on_abort(r, on_forever_abort, j);
@@ -196,6 +269,17 @@ static void handler(prism_http_req_t *r, void *ud)
         prism_http_respond_error(r, 404, "NotFoundError", "no such route", NULL, NULL, NULL);
         prism_http_req_release(r);
     }
+}
+
+/* on_headers hook: /secret needs "Authorization: Bearer k", checked before the body is read. */
+static int auth_hook(const prism_http_req_t *r, void *ud, char *msg, size_t n)
+{
+    (void)ud;
+    if (strcmp(prism_http_req_path(r), "/secret") != 0) return 0;
+    const char *a = prism_http_req_header(r, "authorization");
+    if (a && !strcmp(a, "Bearer k")) return 0;
+    snprintf(msg, n, "Invalid or missing API key.");
+    return 401;
 }
 
 static void on_stop(uv_async_t *a)
@@ -455,6 +539,20 @@ static void assert_openai_error(const resp_t *r, const char *want_substr)
     json_decref(j);
 }
 
+/* The server's refusal counters, read on its loop thread through the /refusals route. */
+static void assert_refusals(harness_t *h, const char *want)
+{
+    client_t c;
+    resp_t r;
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "GET /refusals HTTP/1.1\r\n\r\n");
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    assert_int_equal(r.status, 200);
+    if (strcmp(r.body, want) != 0) fail_msg("refusal counters: got \"%s\", want \"%s\"", r.body, want);
+    resp_free(&r);
+    client_close(&c);
+}
+
 /* ------------------------------------------------------------------ tests */
 
 static void test_get_and_post(void **state)
@@ -614,6 +712,74 @@ static void test_body_over_limit_413(void **state)
     resp_free(&r);
     client_close(&c);
     free(big);
+    assert_refusals(h, "413=2 503body=0 503conn=0 bad=0");
+    harness_stop(h);
+}
+
+/* --max-body-bytes-in-flight: bodies are charged as their bytes arrive (finding 12); a body that
+ * would push the bytes held at once past the bound is refused from its header (503 + Retry-After)
+ * before a byte of it is read, and counted; once the held body is released the same request is
+ * accepted. */
+static void test_body_bytes_in_flight_503(void **state)
+{
+    (void)state;
+    prism_http_config_t cfg = prism_http_config_default();
+    cfg.max_body_bytes = 64 * 1024;
+    cfg.max_body_bytes_total = 100 * 1024;
+    harness_t *h = harness_start(&cfg);
+    static char big[64 * 1024];
+    memset(big, 'b', sizeof big);
+    client_t a, b;
+    resp_t r;
+    /* a: declares 60 KiB and sends 50 KiB; its buffer (charged: capacity, at most the declared
+     * length) reaches the whole 60 KiB once the 50 KiB are in. Wait for that state, no timing guess. */
+    assert_int_equal(client_connect(&a, h->port), 0);
+    client_sendf(&a, "POST /echo HTTP/1.1\r\nContent-Length: %d\r\n\r\n", 60 * 1024);
+    client_send(&a, big, 50 * 1024);
+    for (int i = 0; i < 5000 && prism_http_server_body_bytes(h->srv) < 60 * 1024; i++) usleep(1000);
+    assert_true(prism_http_server_body_bytes(h->srv) >= 60 * 1024);
+    /* b: 50 KiB more would exceed 100 KiB held at once */
+    assert_int_equal(client_connect(&b, h->port), 0);
+    client_sendf(&b, "POST /echo HTTP/1.1\r\nContent-Length: %d\r\n\r\n", 50 * 1024);
+    assert_int_equal(client_read_response(&b, &r, false), 0);
+    if (r.status != 503) fail_msg("50 KiB beside 60 KiB held: status %d, want 503", r.status);
+    assert_openai_error(&r, "in flight");
+    char v[16];
+    assert_non_null(resp_header(&r, "Retry-After", v, sizeof v));
+    resp_free(&r);
+    client_close(&b);
+    assert_int_equal(atomic_load(&h->n_requests), 0);
+    /* a finishes: its body is dispatched and released with the response */
+    client_send(&a, big, 10 * 1024);
+    assert_int_equal(client_read_response(&a, &r, false), 0);
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
+    client_close(&a);
+    /* now the same 50 KiB fits */
+    assert_int_equal(client_connect(&b, h->port), 0);
+    client_sendf(&b, "POST /echo HTTP/1.1\r\nContent-Length: %d\r\n\r\n", 50 * 1024);
+    client_send(&b, big, 50 * 1024);
+    assert_int_equal(client_read_response(&b, &r, false), 0);
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
+    client_close(&b);
+    /* chunked: no declared length, charged as it arrives; 60 KiB held + 48 KiB of chunks > 100 KiB */
+    assert_int_equal(client_connect(&a, h->port), 0);
+    client_sendf(&a, "POST /echo HTTP/1.1\r\nContent-Length: %d\r\n\r\n", 60 * 1024);
+    client_send(&a, big, 50 * 1024);
+    for (int i = 0; i < 5000 && prism_http_server_body_bytes(h->srv) < 60 * 1024; i++) usleep(1000);
+    assert_true(prism_http_server_body_bytes(h->srv) >= 60 * 1024);
+    assert_int_equal(client_connect(&b, h->port), 0);
+    client_sendf(&b, "POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n");
+    for (int i = 0; i < 3; i++) {
+        if (client_sendf(&b, "4000\r\n") || client_send(&b, big, 0x4000) || client_sendf(&b, "\r\n")) break;
+    }
+    assert_int_equal(client_read_response(&b, &r, false), 0);
+    assert_int_equal(r.status, 503);
+    resp_free(&r);
+    client_close(&b);
+    client_close(&a);
+    assert_refusals(h, "413=0 503body=2 503conn=0 bad=0");
     harness_stop(h);
 }
 
@@ -655,6 +821,7 @@ static void test_header_over_limit_431(void **state)
     assert_int_equal(r.status, 200);
     resp_free(&r);
     client_close(&c);
+    assert_refusals(h, "413=0 503body=0 503conn=0 bad=2");
     harness_stop(h);
 }
 
@@ -883,6 +1050,8 @@ static void test_connection_limit_503(void **state)
     assert_int_equal(client_read_response(&c, &r, false), 0);
     assert_int_equal(r.status, 503);
     assert_openai_error(&r, "Too many connections");
+    char ra[16];
+    assert_non_null(resp_header(&r, "Retry-After", ra, sizeof ra));
     resp_free(&r);
     client_close(&c);
     client_close(&a);
@@ -894,6 +1063,7 @@ static void test_connection_limit_503(void **state)
     resp_free(&r);
     client_close(&c);
     client_close(&b);
+    assert_refusals(h, "413=0 503body=0 503conn=1 bad=0");
     harness_stop(h);
 }
 
@@ -941,6 +1111,244 @@ static void test_stop_with_open_connections(void **state)
     client_close(&c);
 }
 
+/* Finding 1: "Connection: Upgrade" followed by more bytes made the server write through a NULL
+ * request once the (synchronous) response completed, through a normal answer and an error answer
+ * alike (the router's 401). Protocol upgrades are not supported: the request is answered and the
+ * connection closed; the bytes after it are never parsed. */
+static void test_upgrade_then_more_bytes(void **state)
+{
+    (void)state;
+    harness_t *h = harness_start(NULL);
+    static const char *paths[] = {"/echo", "/error", "/async?ms=1"};
+    for (size_t i = 0; i < PRISM_ARRAY_LEN(paths); i++) {
+        for (int more = 0; more < 2; more++) {
+            client_t c;
+            assert_int_equal(client_connect(&c, h->port), 0);
+            client_sendf(&c, "GET %s HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n%s",
+                         paths[i], more ? "GET /echo HTTP/1.1\r\nHost: x\r\n\r\n" : "\x16\x03\x01garbage after the upgrade");
+            resp_t r;
+            assert_int_equal(client_read_response(&c, &r, false), 0);
+            assert_true(r.status == 200 || r.status == 404);
+            char v[32];
+            assert_non_null(resp_header(&r, "Connection", v, sizeof v));
+            assert_string_equal(v, "close");
+            resp_free(&r);
+            assert_true(client_sees_eof(&c));  /* nothing after the upgrade request is answered */
+            client_close(&c);
+        }
+    }
+    /* still serving */
+    client_t c;
+    resp_t r;
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "GET /echo HTTP/1.1\r\n\r\n");
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
+    client_close(&c);
+    harness_stop(h);
+}
+
+/* Finding 12 (slowloris): bodies are charged to max_body_bytes_total as their bytes arrive, not as
+ * declared, so slow uploads that declared large bodies lock nobody out; and a body that trickles in
+ * below min_body_rate is answered 408 and closed instead of holding its connection forever. */
+static void test_slow_bodies_charged_as_they_arrive(void **state)
+{
+    (void)state;
+    prism_http_config_t cfg = prism_http_config_default();
+    cfg.max_body_bytes = 512 * 1024;
+    cfg.max_body_bytes_total = 1024 * 1024;
+    cfg.body_grace_s = 0.5;
+    cfg.min_body_rate = 64 * 1024;
+    harness_t *h = harness_start(&cfg);
+    client_t slow[4];
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(client_connect(&slow[i], h->port), 0);
+        client_sendf(&slow[i], "POST /echo HTTP/1.1\r\nContent-Length: %d\r\n\r\n0123456789", 512 * 1024);
+    }
+    usleep(100000);
+    /* a normal upload still gets in */
+    client_t c;
+    resp_t r;
+    assert_int_equal(client_connect(&c, h->port), 0);
+    static char body[1024];
+    memset(body, 'b', sizeof body);
+    client_sendf(&c, "POST /echo HTTP/1.1\r\nContent-Length: %zu\r\n\r\n", sizeof body);
+    client_send(&c, body, sizeof body);
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
+    client_close(&c);
+    /* the trickling uploads time out with 408 */
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(client_read_response(&slow[i], &r, false), 0);
+        assert_int_equal(r.status, 408);
+        assert_openai_error(&r, "too slowly");
+        resp_free(&r);
+        client_close(&slow[i]);
+    }
+    assert_int_equal(atomic_load(&h->n_requests), 1);
+    harness_stop(h);
+}
+
+/* Finding 12 (slowloris, headers): every header byte used to restart the idle timer, so a client
+ * sending one byte a while kept its connection forever. Headers have a deadline from the first byte. */
+static void test_slow_headers_408(void **state)
+{
+    (void)state;
+    prism_http_config_t cfg = prism_http_config_default();
+    cfg.header_timeout_s = 0.5;
+    harness_t *h = harness_start(&cfg);
+    client_t c;
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "GET /echo HTTP/1.1\r\nX-Slow: ");
+    bool answered = false;
+    for (int i = 0; i < 30 && !answered; i++) {  /* one byte every 100 ms for up to 3 s */
+        if (client_send(&c, "a", 1) != 0) break;
+        struct pollfd pf = {c.fd, POLLIN, 0};
+        answered = poll(&pf, 1, 100) > 0;
+    }
+    assert_true(answered);
+    resp_t r;
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    assert_int_equal(r.status, 408);
+    resp_free(&r);
+    assert_true(client_sees_eof(&c));
+    client_close(&c);
+    assert_int_equal(atomic_load(&h->n_requests), 0);
+    harness_stop(h);
+}
+
+/* Finding 19: chunk extensions ("1;name=value") were parsed and dropped without any bound. */
+static void test_chunk_extensions_bounded(void **state)
+{
+    (void)state;
+    prism_http_config_t cfg = prism_http_config_default();
+    cfg.max_header_bytes = 4096;
+    harness_t *h = harness_start(&cfg);
+    client_t c;
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n");
+    static char ext[65536];
+    memset(ext, 'e', sizeof ext);
+    for (int i = 0; i < 4; i++) {
+        if (client_sendf(&c, "1;name=") || client_send(&c, ext, 16384) || client_sendf(&c, "\r\nx\r\n")) break;
+    }
+    client_sendf(&c, "0\r\n\r\n");
+    resp_t r;
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    assert_int_equal(r.status, 400);
+    assert_openai_error(&r, "Chunk extensions");
+    resp_free(&r);
+    client_close(&c);
+    /* small extensions are fine */
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3;a=b\r\nabc\r\n0\r\n\r\n");
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    assert_int_equal(r.status, 200);
+    assert_string_equal(r.body, "POST /echo ? |abc");
+    resp_free(&r);
+    client_close(&c);
+    harness_stop(h);
+}
+
+/* Finding 18: the API key is checked from the headers, before the body is read (and before
+ * 100 Continue): a client without the key cannot make the server hold its body. */
+static void test_on_headers_refuses_before_body(void **state)
+{
+    (void)state;
+    prism_http_config_t cfg = prism_http_config_default();
+    cfg.on_headers = auth_hook;
+    harness_t *h = harness_start(&cfg);
+    client_t c;
+    resp_t r;
+    assert_int_equal(client_connect(&c, h->port), 0);
+    /* a large declared body, none sent: the 401 comes at once */
+    client_sendf(&c, "POST /secret HTTP/1.1\r\nAuthorization: Bearer nope\r\nContent-Length: 50000000\r\n\r\n");
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    assert_int_equal(r.status, 401);
+    assert_openai_error(&r, "API key");
+    assert_non_null(strstr(r.body, "AuthenticationError"));
+    resp_free(&r);
+    client_close(&c);
+    /* Expect: 100-continue without the key: 401, never 100 */
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "POST /secret HTTP/1.1\r\nContent-Length: 3\r\nExpect: 100-continue\r\n\r\n");
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    assert_int_equal(r.status, 401);
+    resp_free(&r);
+    client_close(&c);
+    /* with the key, and other paths, requests go through */
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "POST /secret HTTP/1.1\r\nAuthorization: Bearer k\r\nContent-Length: 2\r\n\r\nok"
+                     "GET /echo HTTP/1.1\r\n\r\n");
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    assert_int_equal(r.status, 404);  /* the handler's answer for /secret */
+    resp_free(&r);
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
+    client_close(&c);
+    assert_int_equal(atomic_load(&h->n_requests), 2);
+    harness_stop(h);
+}
+
+/* Finding 22: when a write failed synchronously the connection was closed inside the write call, so
+ * the abort callback freed the writer's state while the writer was still using it (the router's
+ * stream_chunk). The callback now fires later, from the loop; the write returns PRISM_EIO. */
+static void test_failed_write_defers_abort(void **state)
+{
+    (void)state;
+    harness_t *h = harness_start(NULL);
+    for (int k = 0; k < 3; k++) {
+        client_t c;
+        assert_int_equal(client_connect(&c, h->port), 0);
+        client_sendf(&c, "GET /failwrite HTTP/1.1\r\n\r\n");
+        assert_true(wait_for(&h->n_abort, k + 1, 3000));
+        assert_int_equal(atomic_load(&h->abort_inside_write), 0);
+        assert_int_equal(atomic_load(&h->failed_write_rc), PRISM_EIO);
+        assert_true(client_sees_eof(&c));
+        client_close(&c);
+    }
+    harness_stop(h);
+}
+
+/* After the caller's release the abort callback never fires, even when the connection closes later
+ * (a handler that ended a broken stream and freed its state must not be called back into it). */
+static void test_no_abort_after_release(void **state)
+{
+    (void)state;
+    harness_t *h = harness_start(NULL);
+    client_t c;
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "GET /failrelease HTTP/1.1\r\n\r\n");
+    assert_true(client_sees_eof(&c));
+    client_close(&c);
+    usleep(50000);
+    assert_int_equal(atomic_load(&h->released), 1);
+    assert_int_equal(atomic_load(&h->abort_after_release), 0);
+    assert_int_equal(atomic_load(&h->failed_write_rc), 0);
+    harness_stop(h);
+}
+
+/* prism_http_req_drop (the router drops clients that stop reading a stream, finding 15): the
+ * connection closes from the loop and the abort callback runs there, not inside drop. */
+static void test_drop_client(void **state)
+{
+    (void)state;
+    harness_t *h = harness_start(NULL);
+    client_t c;
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "GET /drop HTTP/1.1\r\n\r\n");
+    assert_true(wait_for(&h->n_abort, 1, 3000));
+    assert_int_equal(atomic_load(&h->abort_inside_write), 0);
+    assert_int_equal(atomic_load(&h->n_dropped), 1);
+    assert_int_equal(atomic_load(&h->failed_write_rc), PRISM_OK);
+    assert_true(client_sees_eof(&c));
+    client_close(&c);
+    harness_stop(h);
+}
+
 /* Mutated requests: the server answers or closes, never crashes, and still serves afterwards. */
 static void test_random_garbage(void **state)
 {
@@ -980,7 +1388,176 @@ static void test_random_garbage(void **state)
     harness_stop(h);
 }
 
-int main(void)
+/* ------------------------------------------------------------------ structured mutations */
+
+/* Requests assembled from parts that exercise the parser's branches (methods, targets, versions,
+ * framing headers, bodies, pipelined tails), delivered whole or split at a random byte. Byte
+ * replacement alone rarely produces a *valid* request followed by unexpected bytes, which is
+ * where state-machine bugs live. Every case must end with an answer or a close (never a hang or a
+ * crash), and the server must keep serving. Upgrade requests (Connection: Upgrade, CONNECT) are
+ * in test_upgrade_then_bytes, run as their own ctest entry. */
+static const char *const SM_METHODS[] = {"GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH", "G ET", "",
+                                          "POSTPOSTPOSTPOSTPOSTPOSTPOSTPOST", "get", "PRI"};
+static const char *const SM_TARGETS[] = {"/echo", "/", "*", "/echo?x=1&y=%00", "http://h/echo", "/../../etc/passwd",
+                                          "/echo#frag", "", "/e\x01cho", "/async?ms=1&id=3", "/stream?n=2&ms=1",
+                                          "/refusals"};
+static const char *const SM_VERSIONS[] = {"HTTP/1.1", "HTTP/1.0", "HTTP/0.9", "HTTP/2.0", "", "HTTP/1.1 ", "HTTP/1.",
+                                           "http/1.1", "HTTP/1.1\r\n"};
+static const char *const SM_HEADERS[] = {
+    "Host: a", "Content-Length: 5", "Content-Length: 0", "Content-Length: -1", "Content-Length: 99999999999999999999",
+    "Content-Length: 5\r\nContent-Length: 6", "Content-Length: 5, 5", "Transfer-Encoding: chunked",
+    "Transfer-Encoding: gzip, chunked", "Transfer-Encoding: identity", "Transfer-Encoding: chunked\r\nContent-Length: 3",
+    "Expect: 100-continue", "Expect: 200-ok", "Connection: close", "Connection: keep-alive", "Connection: ,,,",
+    "Authorization: Bearer k", "NoColonHeader", "X-Fold: a\r\n  folded", "Bad Name: x", ": empty-name",
+    "X-Nul: a\0b", "X-Long: vvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvvv",
+    "Content-Type: application/json", "Keep-Alive: timeout=1", "Trailer: X-T", "TE: trailers",
+    "X-Test: \xff\xfe", "Proxy-Connection: keep-alive", "Transfer-Encoding:\tchunked", "content-length:  2  "};
+static const char *const SM_BODIES[] = {"", "hello", "5\r\nhello\r\n0\r\n\r\n", "5;ext=1\r\nhello\r\n0\r\nX-T: 1\r\n\r\n",
+                                         "zz\r\n", "5\r\nhel", "ffffffffffffffffff\r\n", "0\r\n\r\n", "{\"a\":1}",
+                                         "\r\n\r\n", "3\r\nabc\r\n0\r\n"};
+static const char SM_NULS[4] = {0, 0, 0, 0};
+static const char *const SM_TAILS[] = {"", "GET /echo HTTP/1.1\r\n\r\n", "POST /echo HTTP/1.1\r\nContent-Length: 2\r\n\r\nab",
+                                        "\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03", "GET /echo HTTP/1.1\r\nHost",
+                                        "\r\n", SM_NULS, "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+                                        "GET /echo HTTP/1.1\r\n\r\nGET /echo HTTP/1.1\r\n\r\n"};
+
+static uint64_t sm_rng(uint64_t *s)
+{
+    *s ^= *s << 13; *s ^= *s >> 7; *s ^= *s << 17;
+    return *s;
+}
+
+#define SM_PICK(arr, s) (arr[sm_rng(s) % PRISM_ARRAY_LEN(arr)])
+
+/* Appends a string that may contain NULs only where the table says so (strlen stops there: the
+ * X-Nul header keeps its NUL through the explicit length below). */
+static void sm_add(prism_buf_t *b, const char *v)
+{
+    size_t n = strlen(v);
+    if (!strncmp(v, "X-Nul: a", 8)) n = 10;  /* "X-Nul: a", NUL, 'b' */
+    prism_buf_append(b, v, n);
+}
+
+/* Sends one case on a fresh connection, half-closes, and reads until the server closes. Returns
+ * false when the server neither answered nor closed within the receive timeout (a hang). */
+static bool sm_run_case(harness_t *h, const char *data, size_t len, size_t split)
+{
+    client_t c;
+    assert_int_equal(client_connect(&c, h->port), 0);
+    if (split && split < len) {
+        client_send(&c, data, split);
+        client_send(&c, data + split, len - split);
+    } else {
+        client_send(&c, data, len);
+    }
+    shutdown(c.fd, SHUT_WR);
+    ssize_t k;
+    bool ok = true;
+    while ((k = client_fill(&c)) > 0) {
+        /* every answer the server writes starts with a well-formed status line */
+        if (c.len >= 12 && !memcmp(c.buf, "HTTP/1.", 7)) {
+            int st = atoi(c.buf + 9);
+            if (st < 100 || st > 599) ok = false;
+        }
+        client_consume(&c, c.len);
+    }
+    if (k < 0 && errno != ECONNRESET) ok = false;
+    client_close(&c);
+    return ok;
+}
+
+static void assert_still_serving(harness_t *h)
+{
+    client_t c;
+    resp_t r;
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "GET /echo HTTP/1.1\r\n\r\n");
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
+    client_close(&c);
+}
+
+static void test_structured_mutations(void **state)
+{
+    (void)state;
+    prism_http_config_t cfg = prism_http_config_default();
+    cfg.max_header_bytes = 2048;
+    cfg.max_body_bytes = 4096;
+    cfg.idle_timeout_s = 2;   /* a half-sent body must end in a close, not the client's 5 s timeout */
+    harness_t *h = harness_start(&cfg);
+    const char *env = getenv("PRISM_FUZZ_ITERS");
+    long iters = env ? atol(env) : 400;
+    uint64_t s = 0x5EED5EEDull;
+    prism_buf_t b = {0};
+    for (long it = 0; it < iters; it++) {
+        prism_buf_reset(&b);
+        prism_buf_appendf(&b, "%s %s %s\r\n", SM_PICK(SM_METHODS, &s), SM_PICK(SM_TARGETS, &s), SM_PICK(SM_VERSIONS, &s));
+        int nh = (int)(sm_rng(&s) % 5);
+        for (int k = 0; k < nh; k++) {
+            sm_add(&b, SM_PICK(SM_HEADERS, &s));
+            prism_buf_append(&b, "\r\n", 2);
+        }
+        prism_buf_append(&b, "\r\n", 2);
+        sm_add(&b, SM_PICK(SM_BODIES, &s));
+        const char *tail = SM_PICK(SM_TAILS, &s);
+        prism_buf_append(&b, tail, tail == SM_NULS ? sizeof SM_NULS : strlen(tail));
+        size_t split = sm_rng(&s) % 3 ? 0 : 1 + sm_rng(&s) % b.len;
+        /* copy out of prism memory so the server's leak check sees only its own */
+        char *copy = malloc(b.len);
+        memcpy(copy, b.data, b.len);
+        size_t len = b.len;
+        if (!sm_run_case(h, copy, len, split)) fail_msg("case %ld hung or answered garbage: %.*s", it, (int)PRISM_MIN(len, (size_t)300), copy);
+        free(copy);
+        if (it % 50 == 49) assert_still_serving(h);
+    }
+    prism_buf_free(&b);
+    assert_still_serving(h);
+    harness_stop(h);
+}
+
+/* A request asking for a protocol upgrade (Connection: Upgrade, CONNECT) followed by more bytes:
+ * the server answers the request and closes; it never switches protocols and stays up. Runs in a
+ * child process (see main): a crash here is reported as such instead of killing the other tests. */
+#define SM_CRASH_EXIT 99
+static void sm_on_crash(int sig)
+{
+    (void)sig;
+    _exit(SM_CRASH_EXIT);  /* the server thread died: tell the parent (see main) */
+}
+
+static void test_upgrade_then_bytes(void **state)
+{
+    (void)state;
+    /* cmocka's own handlers would try to unwind the test from the server's thread */
+    signal(SIGSEGV, sm_on_crash);
+    signal(SIGBUS, sm_on_crash);
+    signal(SIGABRT, sm_on_crash);
+    harness_t *h = harness_start(NULL);
+    static const char *const heads[] = {
+        "GET /echo HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
+        "GET /echo HTTP/1.1\r\nConnection: keep-alive, Upgrade\r\nUpgrade: h2c\r\n\r\n",
+        "POST /echo HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: x\r\nContent-Length: 2\r\n\r\nab",
+        "CONNECT a:443 HTTP/1.1\r\nHost: a:443\r\n\r\n",
+        "GET /echo HTTP/1.0\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
+    };
+    static const char *const tails[] = {"", "x", "GET /echo HTTP/1.1\r\n\r\n", "\x81\x85\x37\xfa\x21\x3d\x7f\x9f\x4d\x51\x58",
+                                        "\r\n\r\n\r\n"};
+    for (size_t i = 0; i < PRISM_ARRAY_LEN(heads); i++) {
+        for (size_t t = 0; t < PRISM_ARRAY_LEN(tails); t++) {
+            for (int split = 0; split < 2; split++) {
+                char buf[512];
+                int n = snprintf(buf, sizeof buf, "%s%s", heads[i], tails[t]);
+                if (!sm_run_case(h, buf, (size_t)n, split ? strlen(heads[i]) : 0))
+                    fail_msg("upgrade case %zu/%zu hung", i, t);
+            }
+        }
+        assert_still_serving(h);
+    }
+    harness_stop(h);
+}
+
+int main(int argc, char **argv)
 {
     signal(SIGPIPE, SIG_IGN);
     prism_log_init("test_http_server", PRISM_LOG_WARN);
@@ -990,6 +1567,7 @@ int main(void)
         cmocka_unit_test(test_keepalive_100_requests),
         cmocka_unit_test(test_pipelined_in_order),
         cmocka_unit_test(test_body_over_limit_413),
+        cmocka_unit_test(test_body_bytes_in_flight_503),
         cmocka_unit_test(test_header_over_limit_431),
         cmocka_unit_test(test_malformed_400),
         cmocka_unit_test(test_expect_continue),
@@ -1001,7 +1579,22 @@ int main(void)
         cmocka_unit_test(test_connection_limit_503),
         cmocka_unit_test(test_idle_timeout),
         cmocka_unit_test(test_stop_with_open_connections),
+        cmocka_unit_test(test_upgrade_then_more_bytes),
+        cmocka_unit_test(test_slow_bodies_charged_as_they_arrive),
+        cmocka_unit_test(test_slow_headers_408),
+        cmocka_unit_test(test_chunk_extensions_bounded),
+        cmocka_unit_test(test_on_headers_refuses_before_body),
+        cmocka_unit_test(test_failed_write_defers_abort),
+        cmocka_unit_test(test_drop_client),
+        cmocka_unit_test(test_no_abort_after_release),
         cmocka_unit_test(test_random_garbage),
+        cmocka_unit_test(test_structured_mutations),
     };
+    if (argc > 1 && !strcmp(argv[1], "--upgrade")) {
+        /* Its own ctest entry (test_http_upgrade): a pre-auth crash found by the structured mutations
+         * (issue 8, finding 1); a crash or sanitizer report fails it. */
+        const struct CMUnitTest up[] = {cmocka_unit_test(test_upgrade_then_bytes)};
+        return cmocka_run_group_tests_name("http_upgrade", up, NULL, NULL);
+    }
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

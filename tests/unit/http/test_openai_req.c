@@ -55,6 +55,7 @@ static void test_chat_minimal_defaults(void **state)
     assert_int_equal(r.top_logprobs, 0);
     assert_int_equal(r.n, 1);
     assert_false(r.ignore_eos);
+    assert_false(r.return_tokens_as_token_ids);
     assert_true(r.add_generation_prompt);
     assert_false(r.add_special_tokens);
     assert_true(r.skip_special_tokens);
@@ -79,6 +80,7 @@ static void test_chat_full(void **state)
         "\"max_tokens\":100,\"max_completion_tokens\":50,\"temperature\":0,\"top_p\":0.5,\"top_k\":0,"
         "\"seed\":-9007199254740993,\"stop\":[\"\\n\\n\",\"END\"],\"stop_token_ids\":[2,32000],"
         "\"logprobs\":true,\"top_logprobs\":5,\"n\":1,\"ignore_eos\":true,\"add_generation_prompt\":false,"
+        "\"return_tokens_as_token_ids\":true,"
         "\"presence_penalty\":1.5,\"frequency_penalty\":-0.5,\"repetition_penalty\":1.1,"
         "\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":\"object\"}}}],"
         "\"user\":\"u\",\"logit_bias\":{\"1\":2,\"30\":-100.0},\"metadata\":{\"k\":\"v\"},\"store\":false,"
@@ -122,6 +124,7 @@ static void test_chat_full(void **state)
     assert_true(r.logprobs);
     assert_int_equal(r.top_logprobs, 5);
     assert_true(r.ignore_eos);
+    assert_true(r.return_tokens_as_token_ids);
     assert_false(r.add_generation_prompt);
     assert_true(r.presence_penalty == 1.5);
     assert_true(r.frequency_penalty == -0.5);
@@ -377,6 +380,7 @@ static const bad_case_t k_bad[] = {
     {true, "{" M1 ",\"logprobs\":true,\"top_logprobs\":21}", "at most 20", "top_logprobs"},
     {true, "{" M1 ",\"logprobs\":true,\"top_logprobs\":-1}", "must be a positive value", "top_logprobs"},
     {true, "{" M1 ",\"ignore_eos\":\"no\"}", "must be a boolean", "ignore_eos"},
+    {true, "{" M1 ",\"return_tokens_as_token_ids\":1}", "must be a boolean", "return_tokens_as_token_ids"},
     {true, "{" M1 ",\"add_generation_prompt\":0}", "must be a boolean", "add_generation_prompt"},
     {true, "{" M1 ",\"presence_penalty\":3}", "presence_penalty must be in [-2, 2]", "presence_penalty"},
     {true, "{" M1 ",\"frequency_penalty\":-2.5}", "frequency_penalty must be in [-2, 2]", "frequency_penalty"},

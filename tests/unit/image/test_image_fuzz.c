@@ -91,6 +91,7 @@ static void test_fuzz(void **state)
     void *sws = prism_malloc(sws_n);
     float sout[3 * 32 * 32];
     long same = 0;
+    static uint8_t outbuf[800 * 600 * 3];
     size_t base = prism_mem_used();
     for (long it = 0; it < iters; it++) {
         size_t f = (size_t)(rnd() % nf);
@@ -99,9 +100,12 @@ static void test_fuzz(void **state)
         uint8_t *in = prism_malloc(n ? n : 1);
         memcpy(in, buf, n);
         prism_image_info_t info;
-        int rc = prism_image_probe(in, n, &info);
+        int rc = prism_image_probe(in, n, &info), probe_rc = rc;
         assert_true(rc <= 0 && rc >= PRISM_ENOTFOUND);
-        prism_image_decode_opts_t o = {.max_pixels = 4u << 20};
+        /* a pixel limit between a tiny one and one above every fixture: whatever a mutated header
+         * claims, a successful decode must respect it */
+        const uint64_t limits[] = {4096, 20000, 100000, maxpx};
+        prism_image_decode_opts_t o = {.max_pixels = limits[rnd() % 4]};
         if (rnd() % 4 == 0) {
             o.min_w = 16;
             o.min_h = 16;
@@ -132,7 +136,35 @@ static void test_fuzz(void **state)
         if (rc == PRISM_OK && src == PRISM_OK) {
             ok++;
             assert_true(img.w > 0 && img.h > 0 && img.w <= 65535 && img.h <= 65535);
-            assert_true((uint64_t)img.src_w * (uint64_t)img.src_h <= o.max_pixels);
+            /* the limit is on the file's declared size (a bomb is refused before decoding) */
+            if ((uint64_t)img.src_w * (uint64_t)img.src_h > o.max_pixels)
+                fail_msg("iteration %ld: decoded a %dx%d file with max_pixels %llu", it, img.src_w, img.src_h,
+                         (unsigned long long)o.max_pixels);
+            assert_true(img.w <= img.src_w && img.h <= img.src_h);
+            /* the probe and the decoder agree on the declared size */
+            if (probe_rc == PRISM_OK) {
+                assert_int_equal(img.src_w, info.width);
+                assert_int_equal(img.src_h, info.height);
+            }
+            /* into a caller's buffer (the encoder's pre-sized one): accepted exactly when it fits */
+            if (rnd() % 3 == 0) {
+                prism_image_decode_opts_t ob = o;
+                ob.out_buf = outbuf;
+                ob.out_cap = (size_t)(rnd() % sizeof outbuf);
+                prism_image_t img2;
+                int rc2 = prism_image_decode(in, n, &ob, &img2);
+                size_t need = (size_t)img.w * (size_t)img.h * 3;
+                if (need <= ob.out_cap) {
+                    if (rc2 != PRISM_OK) fail_msg("iteration %ld: %zu bytes refused by a %zu-byte buffer", it, need, ob.out_cap);
+                    assert_ptr_equal(img2.rgb, outbuf);
+                    assert_false(img2.owned);
+                    assert_int_equal(img2.w, img.w);
+                    prism_image_free(&img2);
+                } else if (rc2 != PRISM_ELIMIT) {
+                    fail_msg("iteration %ld: %dx%d RGB into a %zu-byte buffer returned %d", it, img.w, img.h,
+                             ob.out_cap, rc2);
+                }
+            }
             size_t ws = prism_clip_preprocess_workspace_bytes(&p, img.w, img.h);
             void *w = prism_malloc(ws);
             assert_int_equal(prism_clip_preprocess(&p, &img, w, ws, out), PRISM_OK);

@@ -172,6 +172,70 @@ static void test_corrupt(void **state)
     assert_int_equal(prism_model_config_load("/nonexistent/prism", &c, err, sizeof err), PRISM_ENOTFOUND);
 }
 
+/* Mutation fuzzing of real config.json files (the bundled LLaVA, the llava_like and qwen2_text
+ * goldens): byte overwrites with JSON-significant characters, digits and junk, truncation. Every
+ * parse either fails with a message or yields a config the loaders can trust: shapes positive,
+ * heads dividing the hidden size, GQA groups whole, special ids inside the vocabulary, vision
+ * geometry consistent with image_seq_length. No leak either way. */
+static void check_invariants(const prism_model_config_t *c, int it)
+{
+    bool ok = c->hidden > 0 && c->n_layers > 0 && c->n_heads > 0 && c->n_kv_heads > 0 && c->head_dim > 0 &&
+              c->intermediate > 0 && c->vocab > 0 && c->max_pos > 0 && c->n_heads % c->n_kv_heads == 0 &&
+              c->n_eos >= 0 && c->n_eos <= PRISM_MODEL_MAX_EOS && c->bos_token_id < c->vocab &&
+              isfinite(c->rms_eps) && c->rms_eps > 0 && isfinite(c->rope_theta) && c->rope_theta > 0;
+    for (int i = 0; ok && i < c->n_eos; i++) ok = c->eos_token_ids[i] >= 0 && c->eos_token_ids[i] < c->vocab;
+    if (ok && c->has_vision) {
+        int side = c->v_patch > 0 ? c->v_image_size / c->v_patch : 0;
+        ok = c->v_patch > 0 && c->v_image_size % c->v_patch == 0 && c->v_hidden > 0 && c->v_heads > 0 &&
+             c->v_hidden % c->v_heads == 0 && c->v_layers > 0 && c->image_token_index >= 0 &&
+             c->image_token_index < c->vocab && c->image_seq_length == side * side + (c->v_select_default ? 0 : 1);
+    }
+    if (!ok) fail_msg("mutation %d parsed into an inconsistent config (hidden %d heads %d/%d vocab %d, vision %d)",
+                      it, c->hidden, c->n_heads, c->n_kv_heads, c->vocab, c->has_vision);
+}
+
+static void test_mutations(void **state)
+{
+    (void)state;
+    const char *src = getenv("PRISM_SOURCE_DIR");
+    const char *files[] = {"models/prism-tiny-llava/config.json", "tests/data/model/llava_like/config.json",
+                           "tests/data/model/qwen2_text/config.json"};
+    static const char junk[] = "{}[]\",:0123456789-eE.\\ntfa\x80\xff ";
+    uint64_t seed = 0xC0F1C0F1ull;
+    size_t mem0 = prism_mem_used();
+    int loaded = 0, total = 0;
+    for (size_t f = 0; f < PRISM_ARRAY_LEN(files); f++) {
+        char path[1024];
+        snprintf(path, sizeof path, "%s/%s", src && *src ? src : PRISM_SOURCE_DIR, files[f]);
+        char *text = NULL;
+        size_t len = 0;
+        assert_int_equal(prism_read_file(path, 1 << 20, &text, &len), PRISM_OK);
+        prism_model_config_t c;
+        assert_int_equal(parse(text, NULL, &c), PRISM_OK);  /* the unmutated file is valid */
+        check_invariants(&c, -1);
+        char *m = malloc(len + 1);
+        for (int it = 0; it < 400; it++, total++) {
+            memcpy(m, text, len + 1);
+            int flips = 1 + it % 4;
+            for (int k = 0; k < flips; k++) {
+                seed ^= seed << 13; seed ^= seed >> 7; seed ^= seed << 17;
+                m[seed % len] = junk[(seed >> 32) % (sizeof junk - 1)];
+            }
+            if (it % 10 == 9) m[seed % len] = 0;  /* truncated */
+            int rc = parse(m, NULL, &c);          /* parse() asserts a message on failure */
+            assert_true(rc == PRISM_OK || rc == PRISM_ECORRUPT || rc == PRISM_ENOTSUP || rc == PRISM_ELIMIT);
+            if (rc == PRISM_OK) {
+                check_invariants(&c, it);
+                loaded++;
+            }
+        }
+        free(m);
+        prism_free(text);
+    }
+    assert_int_equal(prism_mem_used(), mem0);
+    fprintf(stderr, "config mutations: %d of %d still parsed (all consistent)\n", loaded, total);
+}
+
 int main(void)
 {
     prism_log_init("test_model_config", PRISM_LOG_ERROR);
@@ -179,6 +243,7 @@ int main(void)
         cmocka_unit_test(test_bundled),
         cmocka_unit_test(test_defaults_and_variants),
         cmocka_unit_test(test_corrupt),
+        cmocka_unit_test(test_mutations),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,0 +1,237 @@
+"""The router's admission limits and timeouts, each driven into its state deterministically (a request
+held open, a body half sent, a worker slot taken), then checked the way a client sees it: status,
+OpenAI error body, Retry-After on every 429/503, the refusal counted under its reason in /metrics,
+and normal service once the cause is gone.
+
+  --api-key                      401 without / with a wrong key; the API works with it; /health is open
+  --max-running-requests         429 when that many requests are in flight
+  --max-image-bytes-in-flight    429 for an image request beyond it; text requests unaffected
+  --max-body-bytes-in-flight     503 from the header for a body beyond it
+  --max-queue-wait               503 for a request that waited that long for a free worker
+  --request-timeout              a request still running then ends (SSE error when streaming), and
+                                 the decode worker is told to stop
+  no worker of a tier            503 (and /ready 503)
+  prefill --orphan-timeout       embeddings whose request never arrives are dropped (default 120 s),
+                                 freeing the receive-pool slot that held requests back
+
+Run: python3 tests/integration/test_admission.py [test names]   (PRISM_BINARY_DIR=build dir)
+"""
+import json
+import os
+import re
+import socket
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cluster import Cluster, binary, chat_body, make_image, run_tests, run_tool, wait_for, MODEL  # noqa: E402
+
+TMP = tempfile.mkdtemp(prefix="prism-admission-")
+JPG = make_image(os.path.join(TMP, "red_circle.jpg"), width=640, height=480, shape="circle", color="red")
+FAST_HB = ["--heartbeat-interval", "0.1"]
+with open(os.path.join(MODEL, "config.json")) as f:
+    CFG = json.load(f)
+
+
+def long_stream_body(images=()):
+    """A request that generates for seconds: ignore_eos up to most of the context."""
+    return chat_body("Hi" if not images else "What is in the image?", list(images), max_tokens=1800,
+                     temperature=0, ignore_eos=True, stream=True)
+
+
+def hold_stream(c, images=()):
+    """Starts a long streaming request and returns it once tokens flow (it holds its slot)."""
+    s = c.open_stream("/v1/chat/completions", long_stream_body(images))
+    while True:
+        ev = s.next_event()
+        assert isinstance(ev, dict) and "error" not in ev, ev
+        if ev["choices"] and ev["choices"][0]["delta"].get("content"):
+            return s
+
+
+def refused(c, reason):
+    return c.metric("prism:requests_refused_total", reason=reason) or 0
+
+
+def expect_refusal(c, status_want, text, reason, body, **kw):
+    """Sends body, expects status_want with an OpenAI error containing text and Retry-After, and the
+    refusal counted under reason."""
+    before = refused(c, reason)
+    status, headers, data = c.request("POST", "/v1/chat/completions", body, **kw)
+    assert status == status_want, (status, data[:300])
+    err = json.loads(data)["error"]
+    assert text in err["message"] and err["type"], err
+    hdrs = {k.lower(): v for k, v in headers.items()}
+    assert hdrs.get("retry-after", "").isdigit(), ("no Retry-After on a %d" % status, headers)
+    assert refused(c, reason) == before + 1, (reason, before, refused(c, reason))
+    return err
+
+
+def test_api_key():
+    with Cluster(router_args=["--api-key", "sekret"]) as c:
+        c.wait_ready()
+        body = chat_body("Hi", max_tokens=2)
+        for hdr in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"},
+                    {"Authorization": "Bearer sekret2"}, {"Authorization": "Basic sekret"}):
+            for method, path, b in (("POST", "/v1/chat/completions", body), ("GET", "/v1/models", None),
+                                    ("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+                                    ("POST", "/tokenize", {"prompt": "Hi"})):
+                status, _, data = c.request(method, path, b, headers=hdr)
+                assert status == 401, (hdr, path, status, data[:200])
+                err = json.loads(data)["error"]
+                assert err["type"] == "AuthenticationError" and err["message"], err
+        ok = {"Authorization": "Bearer sekret"}
+        status, _, data = c.request("POST", "/v1/chat/completions", body, headers=ok)
+        assert status == 200, (status, data[:200])
+        status, events, done = c.stream("/v1/chat/completions", dict(body, stream=True), headers=ok)
+        assert status == 200 and done, (status, events[-1:])
+        assert c.request("GET", "/v1/models", headers=ok)[0] == 200
+        assert c.request("GET", "/health")[0] == 200  # liveness probes carry no key
+
+
+def test_requests_in_flight_429():
+    with Cluster(router_args=["--max-running-requests", "2"]) as c:
+        c.wait_ready()
+        held = [hold_stream(c), hold_stream(c)]
+        assert c.metric("prism:router_requests_in_flight") == 2
+        expect_refusal(c, 429, "at capacity", "queue_full", chat_body("Hi", max_tokens=2))
+        for s in held:
+            s.close()
+        wait_for(lambda: c.metric("prism:router_requests_in_flight") == 0, 10, "the held requests to go")
+        status, r = c.post_json("/v1/chat/completions", chat_body("Hi", max_tokens=2))
+        assert status == 200, (status, r)
+
+
+def test_image_bytes_in_flight_429():
+    size = os.path.getsize(JPG)
+    with Cluster(router_args=["--max-image-bytes-in-flight", str(size + size // 2)]) as c:
+        c.wait_ready()
+        s = hold_stream(c, [JPG])
+        assert c.metric("prism:router_image_bytes_in_flight") == size
+        expect_refusal(c, 429, "image bytes in flight", "image_bytes_inflight",
+                       chat_body("What is in the image?", [JPG], max_tokens=2))
+        status, r = c.post_json("/v1/chat/completions", chat_body("Hi", max_tokens=2))  # no image: admitted
+        assert status == 200, (status, r)
+        s.close()
+        wait_for(lambda: c.metric("prism:router_image_bytes_in_flight") == 0, 10, "image bytes released")
+        status, r = c.post_json("/v1/chat/completions", chat_body("What is in the image?", [JPG], max_tokens=2))
+        assert status == 200, (status, r)
+
+
+def test_body_bytes_in_flight_503():
+    limit = 1 << 20
+    with Cluster(router_args=["--max-body-bytes-in-flight", str(limit)]) as c:
+        c.wait_ready()
+        # a: a valid request padded with JSON whitespace to 900 KB, sent but for its last 50 KB; bodies
+        # are charged as their bytes arrive (its buffer, at most the declared length), so wait until
+        # the router holds it all
+        body = json.dumps(chat_body("Hi", max_tokens=2)).encode()
+        body += b" " * (900_000 - len(body))
+        a = socket.create_connection(("127.0.0.1", c.port), timeout=30)
+        a.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body))
+        a.sendall(body[:850_000])
+        wait_for(lambda: (c.metric("prism:router_body_bytes_in_flight") or 0) >= 850_000, 10, "the held body charged")
+        # b: 200 KB more than the bound allows right now
+        small = json.dumps(chat_body("Hi", max_tokens=2)).encode()
+        small += b" " * (200_000 - len(small))
+        expect_refusal(c, 503, "in flight", "body_bytes_inflight", small)
+        # a completes and is served; then b fits
+        a.sendall(body[850_000:])
+        resp = b""
+        while b"\r\n\r\n" not in resp:
+            resp += a.recv(65536)
+        assert resp.startswith(b"HTTP/1.1 200"), resp[:200]
+        a.close()
+        status, _, data = c.request("POST", "/v1/chat/completions", small)
+        assert status == 200, (status, data[:200])
+
+
+def test_max_queue_wait_503():
+    with Cluster(router_args=["--max-queue-wait", "1"],
+                 worker_args={"decode_worker": ["--max-running-requests", "1"]}) as c:
+        c.wait_ready()
+        s = hold_stream(c)  # the only decode slot
+        t0 = time.time()
+        expect_refusal(c, 503, "waited too long", "queue_wait", chat_body("Hi", max_tokens=2))
+        waited = time.time() - t0
+        assert 0.9 <= waited < 5, waited
+        s.close()
+        status, r = c.post_json("/v1/chat/completions", chat_body("Hi", max_tokens=2))
+        assert status == 200, (status, r)
+
+
+def test_request_timeout_ends_stream_and_aborts():
+    with Cluster(router_args=["--request-timeout", "1.5"], common_worker_args=FAST_HB,
+                 worker_args={"decode_worker": ["--log-level", "debug"]}) as c:
+        c.wait_ready()
+        t0 = time.time()
+        s = c.open_stream("/v1/chat/completions", long_stream_body())
+        n_tokens, events = 0, []
+        while True:
+            ev = s.next_event()
+            if ev is None:
+                break
+            events.append(ev)
+            if isinstance(ev, dict) and ev.get("choices") and ev["choices"][0]["delta"].get("content"):
+                n_tokens += 1
+        elapsed = time.time() - t0
+        errors = [e for e in events if isinstance(e, dict) and "error" in e]
+        assert errors and "timed out" in errors[0]["error"]["message"], events[-3:]
+        assert events[-1] == "[DONE]", events[-2:]
+        assert n_tokens < 1800, "the request finished before its deadline: the test did not exercise the timeout"
+        assert 1.2 <= elapsed < 5, elapsed
+        # the decode worker was told to stop
+        c.wait_log("decode-0", "aborted", timeout=5)
+        wait_for(lambda: c.metric("prism:worker_running", tier="decode") == 0, 5, "the decode worker idle")
+        # non-streaming: a clean 503
+        status, _, data = c.request("POST", "/v1/chat/completions", dict(long_stream_body(), stream=False))
+        assert status == 503 and "timed out" in json.loads(data)["error"]["message"], (status, data[:200])
+
+
+def test_no_worker_of_a_tier_503():
+    with Cluster(router_args=["--worker-timeout", "1"], common_worker_args=FAST_HB) as c:
+        c.wait_ready()
+        c.kill("decode-0")
+        wait_for(lambda: c.request("GET", "/ready")[0] == 503, 10, "/ready to say 503")
+        status, headers, _ = c.request("GET", "/ready")
+        assert {k.lower(): v for k, v in headers.items()}.get("retry-after"), headers
+        expect_refusal(c, 503, "No decode worker", "no_workers", chat_body("Hi", max_tokens=2))
+
+
+def test_orphan_embeddings_dropped():
+    """Embeddings for a request the prefill worker never gets (an encoder result whose request was
+    refused or aborted) take a receive-pool slot; --orphan-timeout frees it. With a one-slot pool an
+    orphan blocks every image request until then."""
+    with Cluster(common_worker_args=FAST_HB,
+                 worker_args={"prefill_worker": ["--embed-pool-images", "1", "--orphan-timeout", "2"]}) as c:
+        c.wait_ready()
+        log = c.wait_log("prefill-0", "ready in")
+        endpoint = re.search(r"data (tcp://[^,\s]+)", log).group(1)
+        assert c.metric("prism:worker_pool_free", tier="prefill") == 1
+        tc = CFG["text_config"]
+        run_tool([binary("prism_wire"), "--endpoint", endpoint, "--request-id", "999999", "--router-id",
+                  "no-such-router", "--n-tokens", str(CFG["image_seq_length"]), "--hidden", str(tc["hidden_size"]),
+                  *c.sec],
+                 timeout=30)
+        wait_for(lambda: c.metric("prism:worker_pool_free", tier="prefill") == 0, 10, "the orphan in the pool")
+        t0 = time.time()
+        try:
+            status, r = c.post_json("/v1/chat/completions", chat_body("What is in the image?", [JPG], max_tokens=4),
+                                    timeout=30)
+        except OSError as e:
+            raise AssertionError("the image request never completed: the orphan kept the only pool slot (%r)" % e)
+        waited = time.time() - t0
+        assert status == 200, (status, r)
+        assert "dropping embeddings of request 999999" in c.log("prefill-0", tail=0)
+        assert 0.5 <= waited < 15, ("the image request was not held back by the orphan", waited)
+        wait_for(lambda: c.metric("prism:worker_pool_free", tier="prefill") == 1, 10, "the pool slot free")
+
+
+if __name__ == "__main__":
+    sys.exit(run_tests([test_api_key, test_requests_in_flight_429, test_image_bytes_in_flight_429,
+                        test_body_bytes_in_flight_503, test_max_queue_wait_503,
+                        test_request_timeout_ends_stream_and_aborts, test_no_worker_of_a_tier_503,
+                        test_orphan_embeddings_dropped]))
