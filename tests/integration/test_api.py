@@ -564,16 +564,21 @@ def test_tool_choice_errors():
     # without --tool-call-parser a router cannot call tools (but may show them to the template)
     port = free_port()
     p = subprocess.Popen([binary("router"), "--model-path", C.model, "--port", str(port), "--control-endpoint",
-                          "tcp://127.0.0.1:%d" % free_port()], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                          "tcp://127.0.0.1:%d" % free_port()] + C.sec, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
     try:
         lone = Cluster.__new__(Cluster)
         lone.port = port
-        for _ in range(100):
+        deadline = time.monotonic() + 120   # a loaded (or sanitizer) machine starts slowly
+        while True:
+            assert p.poll() is None, "router without --tool-call-parser exited with %s" % p.returncode
             try:
                 if lone.request("GET", "/health")[0] == 200:
                     break
             except OSError:
-                time.sleep(0.05)
+                pass
+            assert time.monotonic() < deadline, "router without --tool-call-parser never answered /health"
+            time.sleep(0.05)
         err = expect_400("tool_choice", {"messages": m, "tools": [WEATHER]}, cluster=lone)
         assert "--tool-call-parser" in err["message"], err
     finally:
