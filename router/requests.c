@@ -46,7 +46,6 @@ typedef struct {
     pending_tool_t *d_tools;
     int n_d_tools, cap_d_tools;
     bool tc_failed;               /* out of memory in the callback: the rest streams as content */
-    bool tc_one;                  /* parallel_tool_calls false: calls after the first are dropped */
 } router_choice_t;
 
 struct router_req {
@@ -233,9 +232,6 @@ static void on_tool_event(void *ud, const prism_toolcall_event_t *ev)
         if (prism_buf_append(&c->d_content, ev->text, ev->len)) c->tc_failed = true;
         return;
     }
-    /* parallel_tool_calls false (OpenAI: at most one call). A forced call's grammar already allows
-     * one; with "auto" the model may still write more, which are not returned. */
-    if (c->tc_one && ev->index > 0) return;
     pending_tool_t *last = c->n_d_tools ? &c->d_tools[c->n_d_tools - 1] : NULL;
     if (ev->kind == PRISM_TC_ARGS && last && last->index == ev->index && last->args_off + last->args_len == c->d_args.len) {
         /* consecutive fragments of one call: one delta entry */
@@ -267,6 +263,10 @@ static void on_tool_event(void *ud, const prism_toolcall_event_t *ev)
         t->args_len = ev->len;
     }
 }
+
+/* parallel_tool_calls false: at most one call (OpenAI). A forced call's grammar already allows
+ * only one; under "auto" the model may still write more, which are not returned. */
+static int tool_max_calls(const router_req_t *q) { return q->oai.parallel_tool_calls ? 0 : 1; }
 
 static uint64_t tool_id_seed(const router_req_t *q, int index)
 {
@@ -391,14 +391,13 @@ static void respond_whole(router_req_t *q, const prism_oai_usage_t *u, const cha
         prism_oai_tool_call_t *calls = NULL;
         if (q->chat && q->parse_tools &&
             prism_toolcall_parse((prism_toolcall_format_t)q->r->tool_parser, ch.content, ch.len, tool_id_seed(q, i),
-                                 &res) == PRISM_OK &&
+                                 tool_max_calls(q), &res) == PRISM_OK &&
             res.n_calls > 0 && (calls = prism_malloc(res.n_calls * sizeof *calls)) != NULL) {
             for (size_t k = 0; k < res.n_calls; k++)
                 calls[k] = (prism_oai_tool_call_t){res.calls[k].id, res.calls[k].name, res.calls[k].arguments.data,
                                                    res.calls[k].arguments.len};
             ch.tool_calls = calls;
-            /* parallel_tool_calls false: at most one call, as streamed (on_tool_event) */
-            ch.n_tool_calls = q->oai.parallel_tool_calls ? (int)res.n_calls : 1;
+            ch.n_tool_calls = (int)res.n_calls;
             ch.content = res.content.len ? res.content.data : NULL;
             ch.len = res.content.len;
             if (!strcmp(c->finish, "stop")) ch.finish_reason = "tool_calls";
@@ -942,11 +941,11 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
         snprintf(msg, sizeof(msg), "out of memory");
         goto fail;
     }
-    for (int i = 0; i < n; i++) q->choices[i].tc_one = !q->oai.parallel_tool_calls;
     if (q->parse_tools && q->oai.stream)
         for (int i = 0; i < n; i++)
-            if (prism_toolcall_parser_create((prism_toolcall_format_t)r->tool_parser, tool_id_seed(q, i), 0, on_tool_event,
-                                             &q->choices[i], &q->choices[i].tc) != PRISM_OK) {
+            if (prism_toolcall_parser_create((prism_toolcall_format_t)r->tool_parser, tool_id_seed(q, i), 0,
+                                             tool_max_calls(q), on_tool_event, &q->choices[i],
+                                             &q->choices[i].tc) != PRISM_OK) {
                 status = 503;
                 snprintf(msg, sizeof(msg), "out of memory");
                 goto fail;
