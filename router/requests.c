@@ -67,6 +67,8 @@ struct router_req {
     bool parse_tools;             /* tool_choice auto / required / named: outputs are parsed for calls */
     /* generation */
     stage_t stage;
+    int attempts;                 /* dispatches so far; a retry is one more (bounded by --max-retries) */
+    const char *waiting_for;      /* while queued because a tier has no worker at all: its name */
     int n_out;                    /* tokens over all choices */
     router_choice_t *choices;     /* [oai.n] */
     int n_finished;
@@ -595,6 +597,50 @@ void router_handle_encode_done(router_t *r, uint64_t rid, const Prism__EncodeDon
     }
 }
 
+static bool queue_push_front(router_t *r, uint64_t rid);
+
+/* Takes the request back from every worker it was sent to (aborts to those still alive), as if
+ * it had never been dispatched. */
+static void req_release_workers(router_req_t *q)
+{
+    router_t *r = q->r;
+    abort_workers(q);
+    for (int i = 0; i < q->prompt.n_images; i++) {
+        if (q->encode_pending[i]) worker_done(r, q->encoder_id[i], 1);
+        q->encode_pending[i] = false;
+        q->encoder_id[i][0] = '\0';
+    }
+    if (q->prefill_pending) worker_done(r, q->prefill_id, 1);
+    if (q->decode_pending) worker_done(r, q->decode_id, n_choices(q));
+    q->prefill_pending = q->decode_pending = false;
+    q->prefill_id[0] = q->decode_id[0] = '\0';
+    /* A new id: late messages for the old one (from workers that had started) match nothing, and
+     * no worker's memory of the abort can catch the request's next dispatch. */
+    router_req_del(r, q->rid);
+    q->rid = ++r->next_rid;
+    int rc = router_req_put(r, q->rid, q);  /* takes the entry just freed */
+    PRISM_ASSERT(rc == PRISM_OK);
+}
+
+/* A worker holding this request is gone before its first token reached the client: nothing was
+ * said yet, so the request starts over on healthy workers, ahead of the queue. It takes a new id:
+ * whatever the first attempt's surviving workers still send matches no request. */
+static bool req_retry(router_req_t *q, const char *why)
+{
+    router_t *r = q->r;
+    if (q->stage != STAGE_SENT || q->attempts > r->max_retries || r->queue_len == r->reqs_cap) return false;
+    uint64_t old = q->rid;
+    req_release_workers(q);
+    q->stage = STAGE_QUEUED;
+    bool queued = queue_push_front(r, q->rid);  /* room checked above */
+    PRISM_ASSERT(queued);
+    r->metrics.retried++;
+    r->queue_dirty = true;
+    PRISM_INFO("request %llu: %s; retried as %llu (attempt %d of %d)", (unsigned long long)old, why,
+               (unsigned long long)q->rid, q->attempts + 1, r->max_retries + 1);
+    return true;
+}
+
 void router_fail_worker_requests(router_t *r, const router_worker_t *w)
 {
     for (size_t i = 0; i < r->reqs_cap; i++) {
@@ -606,7 +652,7 @@ void router_fail_worker_requests(router_t *r, const router_worker_t *w)
         if (held) {
             char msg[256];
             snprintf(msg, sizeof(msg), "The %s worker serving this request stopped responding.", prism_role_name(w->role));
-            req_fail(q, 503, msg);
+            if (!req_retry(q, msg)) req_fail(q, 503, msg);
             i = (size_t)-1;  /* the map changed under us: rescan */
         }
     }
@@ -619,8 +665,15 @@ void router_sweep_requests(router_t *r)
         router_req_t *q = r->reqs[i];
         if (!q) continue;
         if (q->stage != STAGE_PREFILLED && now - q->t_start > r->max_queue_wait_s) {
-            r->metrics.refused_limit[PRISM_REFUSE_QUEUE_WAIT]++;
-            req_fail(q, 503, "The request waited too long for a free worker; retry after a short wait.");
+            char msg[160];
+            if (q->stage == STAGE_QUEUED && q->waiting_for) {
+                r->metrics.refused_limit[PRISM_REFUSE_NO_WORKERS]++;
+                snprintf(msg, sizeof(msg), "No %s worker is available; try again shortly.", q->waiting_for);
+            } else {
+                r->metrics.refused_limit[PRISM_REFUSE_QUEUE_WAIT]++;
+                snprintf(msg, sizeof(msg), "The request waited too long for a free worker; retry after a short wait.");
+            }
+            req_fail(q, 503, msg);
             i = (size_t)-1;
         } else if (now - q->t_start > r->request_timeout_s) {
             req_fail(q, 503, "The request timed out.");
@@ -679,8 +732,9 @@ static bool decode_fits(router_t *r, const router_req_t *q, char *msg, size_t n)
     return false;
 }
 
-/* Sends the request to its workers: 0 when sent, DISPATCH_WAIT when every worker of a tier is at
- * capacity (the request stays queued in the router), else an HTTP status with msg. */
+/* Sends the request to its workers: 0 when sent, DISPATCH_WAIT when it must wait in the router's
+ * queue (every worker of a tier is at capacity, a tier has no worker at all, or a worker could not
+ * be reached), else an HTTP status with msg (n sequences no decode worker could ever hold). */
 #define DISPATCH_WAIT 1
 static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
 {
@@ -697,14 +751,19 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
     }
     for (int i = 0; i < q->prompt.n_images; i++)
         if (enc[i]) enc[i]->inflight--;
-    if (!any_pf || !any_dc || !any_enc) {
-        r->metrics.refused_limit[PRISM_REFUSE_NO_WORKERS]++;
-        snprintf(msg, n, "No %s worker is available; try again shortly.",
-                 !any_pf ? "prefill" : !any_dc ? "decode" : "encoder");
-        return 503;
+    /* A tier with no worker at all waits too (bounded by --max-queue-wait): a restarted worker
+     * re-registers within seconds, and the request is served then instead of refused now. */
+    q->waiting_for = !any_pf ? "prefill" : !any_dc ? "decode" : !any_enc ? "encoder" : NULL;
+    /* n sequences no registered decode worker could ever hold (batch or KV) never get room: 400. */
+    if (any_dc && !decode_fits(r, q, msg, n)) {
+        r->metrics.refused_limit[PRISM_REFUSE_BAD_REQUEST]++;
+        return 400;
     }
-    if (!decode_fits(r, q, msg, n)) return 400;
-    if (!pf || !dc || !enc_room) return DISPATCH_WAIT;
+    if (!pf || !dc || !enc_room) {
+        PRISM_DEBUG("request %llu waits: %s", (unsigned long long)q->rid,
+                    !pf ? "no prefill worker with room" : !dc ? "no decode worker with room" : "no encoder with room");
+        return DISPATCH_WAIT;
+    }
     /* Prefill first: it must know the request before embeddings can be used (either order works). */
     Prism__ImageSpan spans[ROUTER_MAX_IMAGES], *span_ptrs[ROUTER_MAX_IMAGES];
     for (int s = 0; s < q->prompt.n_images; s++) {
@@ -753,9 +812,11 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
     env.type = PRISM__MSG_TYPE__MSG_PREFILL;
     env.request_id = q->rid;
     env.prefill = &p;
+    /* A send fails when the worker's connection is gone (it died; the registry drops it at
+     * --worker-timeout): the request waits for the next try rather than failing. */
     if (router_send(r, pf, &env, NULL, 0) != PRISM_OK) {
-        snprintf(msg, n, "The prefill worker could not be reached; try again shortly.");
-        return 503;
+        PRISM_WARN("request %llu: prefill worker %s unreachable; the request waits", (unsigned long long)q->rid, pf->id);
+        return DISPATCH_WAIT;
     }
     snprintf(q->prefill_id, sizeof(q->prefill_id), "%s", pf->id);
     snprintf(q->decode_id, sizeof(q->decode_id), "%s", dc->id);
@@ -773,8 +834,10 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
         ee.encode = &e;
         prism_frame_t f = {q->prompt.img[i], q->prompt.img_len[i]};
         if (router_send(r, enc[i], &ee, &f, 1) != PRISM_OK) {
-            snprintf(msg, n, "The encoder worker could not be reached; try again shortly.");
-            return 503;
+            PRISM_WARN("request %llu: encoder %s unreachable; the request waits", (unsigned long long)q->rid,
+                       enc[i]->id);
+            req_release_workers(q);
+            return DISPATCH_WAIT;
         }
         snprintf(q->encoder_id[i], sizeof(q->encoder_id[i]), "%s", enc[i]->id);
         q->encode_pending[i] = true;
@@ -782,6 +845,7 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
         router_worker_note_image(enc[i], q->prompt.img_hash[i]);
     }
     q->stage = STAGE_SENT;
+    q->attempts++;
     return 0;
 }
 
@@ -853,6 +917,15 @@ static bool queue_push(router_t *r, uint64_t rid)
     return true;
 }
 
+static bool queue_push_front(router_t *r, uint64_t rid)
+{
+    if (r->queue_len == r->reqs_cap) return false;
+    r->queue_head = (r->queue_head + r->reqs_cap - 1) % r->reqs_cap;
+    r->queue[r->queue_head] = rid;
+    r->queue_len++;
+    return true;
+}
+
 void router_dispatch_queued(router_t *r)
 {
     if (r->draining) return;  /* re-entered from a request that failed while we dispatch */
@@ -863,7 +936,10 @@ void router_dispatch_queued(router_t *r)
         if (q && q->stage == STAGE_QUEUED) {
             char msg[300];
             int status = dispatch(r, q, msg, sizeof(msg));
-            if (status == DISPATCH_WAIT) break;  /* still no room: keep the order */
+            if (status == DISPATCH_WAIT) {  /* still no room: keep the order */
+                r->queue[r->queue_head] = q->rid;  /* a failed send gave it a new id */
+                break;
+            }
             if (status) req_fail(q, status, msg);
         }
         r->queue_head = (r->queue_head + 1) % r->reqs_cap;
@@ -962,8 +1038,8 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
     status = r->queue_len ? DISPATCH_WAIT : dispatch(r, q, msg, sizeof(msg));
     if (status == DISPATCH_WAIT && !queue_push(r, q->rid)) {
         r->metrics.refused_limit[PRISM_REFUSE_QUEUE_FULL]++;
-        status = 429;
-        snprintf(msg, sizeof(msg), "The server is at capacity; retry after a short wait.");
+        req_fail(q, 429, "The server is at capacity; retry after a short wait.");
+        return;
     }
     if (status != 0 && status != DISPATCH_WAIT) {
         req_fail(q, status, msg);
