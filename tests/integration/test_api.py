@@ -45,7 +45,7 @@ TIME = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {
         "zone": {"type": "string", "maxLength": 8}}, "required": ["zone"]}}}
 
-C = Cluster(router_args=["--tool-call-parser", "hermes"])
+C = Cluster(router_args=["--tool-call-parser", "hermes", "--worker-timeout", "60"])  # API checks, not liveness: a loaded (sanitizer) machine must not make a busy worker look dead
 C.wait_ready()
 
 
