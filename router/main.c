@@ -60,7 +60,7 @@ int main(int argc, char **argv)
     static router_t r;
     const char *model_path = "models/prism-tiny-llava", *tokenizer_path = NULL, *served = NULL, *host = "127.0.0.1",
                *control = "tcp://127.0.0.1:8100", *chat_template = NULL, *api_key = NULL, *log_level = "info",
-               *curve_keys = NULL;
+               *tool_parser = NULL, *curve_keys = NULL;
     bool insecure_no_curve = false, metrics_open = false, timing_header = false;
     int64_t port = 8000, context_length = 0, limit_mm = 8, max_pixels = 4096ll * 4096, max_running = 256,
             max_body = 64ll << 20, body_total = 1ll << 30, image_inflight = 1ll << 30, max_conn = 4096,
@@ -79,6 +79,8 @@ int main(int argc, char **argv)
         PRISM_FLAG_BOOL("insecure-no-curve", &insecure_no_curve,
                         "Unauthenticated control socket (only on an isolated network; logs a warning)"),
         PRISM_FLAG_STR("chat-template", &chat_template, "Jinja chat template file overriding the model's"),
+        PRISM_FLAG_STR("tool-call-parser", &tool_parser,
+                       "Tool-call format of the model's output: hermes or pythonic (llama4_pythonic); enables tools"),
         PRISM_FLAG_STR("api-key", &api_key, "Require 'Authorization: Bearer KEY' (all but /health, /ready, /version)"),
         PRISM_FLAG_BOOL("metrics-open", &metrics_open, "Serve /metrics without the API key"),
         PRISM_FLAG_BOOL("timing-header", &timing_header,
@@ -171,6 +173,16 @@ int main(int argc, char **argv)
             return 1;
         }
     }
+    r.tool_parser = -1;
+    if (tool_parser && (r.tool_parser = prism_toolcall_format_parse(tool_parser)) < 0) {
+        fprintf(stderr, "router: unknown --tool-call-parser '%s' (hermes, pythonic)\n", tool_parser);
+        return 2;
+    }
+    /* The grammar vocabulary for validating output constraints (the workers build their own). */
+    if (r.cfg.n_eos > 0 &&
+        prism_grammar_vocab_create(r.tok, r.cfg.eos_token_ids, (size_t)r.cfg.n_eos, (size_t)r.cfg.vocab, &r.gvocab) == PRISM_OK)
+        prism_guide_cache_create(r.gvocab, 0, 0, &r.guides);
+    if (!r.guides) PRISM_WARN("no grammar vocabulary: requests with an output constraint will be refused");
     static char name_buf[256];
     if (!served) {
         snprintf(path, sizeof(path), "%s", model_path);

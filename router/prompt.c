@@ -13,6 +13,23 @@
 #include <string.h>
 #include <xxhash.h>
 
+/* Tool-call arguments in assistant messages arrive as JSON text (OpenAI's format); tool-use chat
+ * templates expect objects, so text that parses becomes the object (as vLLM does before it
+ * renders). */
+void router_prompt_tool_arguments_as_objects(json_t *msg)
+{
+    json_t *calls = json_object_get(msg, "tool_calls");
+    size_t i;
+    json_t *call;
+    json_array_foreach(calls, i, call) {
+        json_t *fn = json_object_get(call, "function");
+        json_t *args = json_object_get(fn, "arguments");
+        if (!json_is_string(args)) continue;
+        json_t *parsed = json_loadb(json_string_value(args), json_string_length(args), JSON_DECODE_ANY, NULL);
+        if (parsed) json_object_set_new(fn, "arguments", parsed);
+    }
+}
+
 /* Builds the chat-template context the way transformers does, with image parts as
  * {"type":"image"} (what HF processors' templates expect). */
 static json_t *template_context(router_t *r, const prism_oai_request_t *o)
@@ -21,6 +38,7 @@ static json_t *template_context(router_t *r, const prism_oai_request_t *o)
     for (int i = 0; i < o->n_messages; i++) {
         const prism_oai_message_t *m = &o->messages[i];
         json_t *c = json_deep_copy(m->raw);
+        if (!strcmp(m->role, "assistant")) router_prompt_tool_arguments_as_objects(c);
         if (!m->content_is_string && !m->content_is_null) {
             json_t *parts = json_array();
             for (int k = 0; k < m->n_parts; k++) {

@@ -41,7 +41,7 @@
 #include "prism.pb-c.h"
 #include <zmq.h>
 
-#define PRISM_PROTOCOL_VERSION 1
+#define PRISM_PROTOCOL_VERSION 2
 #define PRISM_MSG_MAX_FRAMES 4
 #define PRISM_MSG_MAX_IDENTITY 255
 #define PRISM_MSG_MAX_ENVELOPE (16u << 20)   /* bytes: token ids of the longest prompt fit easily */
