@@ -54,7 +54,7 @@ typedef struct {
     prism_llm_t *llm;
     prism_kv_cache_t *kv;
     prism_kv_blocks_t blocks;
-    prism_sampler_t sampler;
+    prism_seq_sampler_t sampler;  /* one slot per running sequence (slot = index in seqs) */
     int max_running, max_model_len, max_blocks_per_seq;
     seq_t *seqs;              /* [max_running] */
     int32_t *block_pool;      /* [max_running][max_blocks_per_seq] */
@@ -97,9 +97,81 @@ static void send_error(decode_t *d, const char *router_id, uint64_t rid, const c
 static void seq_release(decode_t *d, seq_t *s)
 {
     prism_kv_blocks_release(&d->blocks, s->blocks, s->n_blocks);
+    prism_seq_detach(&s->seq);
     s->seq.used = false;
     s->n_blocks = 0;
     s->cancel = s->finishing = s->in_step = false;
+}
+
+static void unstage(decode_t *d)
+{
+    zmq_msg_close(&d->staged_frame);
+    prism_msg_env_free(d->staged_env);
+    d->staged_env = NULL;
+    d->staged_kv = NULL;
+    d->staged = false;
+}
+
+/* Starts the staged request's sequences (one per choice that goes on after its first token) in
+ * free slots. They share the prompt's full blocks; each gets its own copy of the prompt's last,
+ * partial block and blocks for what it generates (prism_kv_blocks_for_shared). */
+static const char *admit_choices(decode_t *d, const Prism__Kv *kv, const int *slots, int k)
+{
+    int bs = d->blocks.block_size, n_prompt = (int)kv->n_tokens;
+    int total = PRISM_MIN(n_prompt + (int)kv->sampling->max_tokens, d->max_model_len);
+    int per = prism_kv_blocks_for_tokens(&d->blocks, total);
+    int shared = k > 1 ? n_prompt / bs : 0;
+    const uint8_t *bytes = zmq_msg_data(&d->staged_frame);
+    size_t block_bytes = prism_kv_cache_block_bytes(&d->cfg, bs);
+    const int32_t *prompt = kv->n_prompt_token_ids ? kv->prompt_token_ids : NULL;
+    int started = 0;
+    const char *why = NULL;
+    for (; started < k && !why; started++) {
+        seq_t *s = &d->seqs[slots[started]];
+        why = prism_seq_start(&s->seq, &d->sampler, d->staged_rid, d->staged_router, kv->sampling, n_prompt,
+                              kv->choice_rng_state[started]);
+        if (why) break;
+        s->seq.index = kv->choice_index[started];
+        s->seq.len = n_prompt;
+        s->seq.generated = 1;    /* prefill sampled the first token */
+        s->last_token = kv->choice_first_token[started];
+        s->n_blocks = 0;
+        why = prism_seq_attach(&s->seq, &d->sampler, slots[started], prompt, kv->n_prompt_token_ids,
+                               &s->last_token, 1);
+    }
+    int rc = PRISM_OK;
+    for (int c = 0; c < k && !why && rc == PRISM_OK; c++) {
+        seq_t *s = &d->seqs[slots[c]];
+        if (c == 0) rc = prism_kv_blocks_alloc(&d->blocks, shared, s->blocks);
+        else {
+            memcpy(s->blocks, d->seqs[slots[0]].blocks, sizeof(int32_t) * (size_t)shared);
+            rc = prism_kv_blocks_share(&d->blocks, s->blocks, shared);
+        }
+        if (rc != PRISM_OK) break;
+        s->n_blocks = shared;
+        rc = prism_kv_blocks_alloc(&d->blocks, per - shared, s->blocks + shared);
+        if (rc != PRISM_OK) break;
+        s->n_blocks = per;
+        if (c == 0 && shared) rc = prism_kv_cache_import(d->kv, s->blocks, shared, bytes);
+        /* the rest of the prompt: all of it (one sequence) or its partial last block (a copy each) */
+        int rest = (int)kv->n_blocks - shared;
+        if (rc == PRISM_OK && rest > 0)
+            rc = prism_kv_cache_import(d->kv, s->blocks + shared, rest, bytes + (size_t)shared * block_bytes);
+    }
+    if (!why && rc != PRISM_OK) why = "decode worker could not import the KV cache";
+    if (why) {
+        for (int c = 0; c < k; c++) {
+            seq_t *s = &d->seqs[slots[c]];
+            if (c < started || s->n_blocks) seq_release(d, s);
+        }
+        return why;
+    }
+    for (int c = 0; c < k; c++) {
+        d->seqs[slots[c]].seq.used = true;
+        PRISM_DEBUG("request %llu choice %u admitted: %d prompt tokens, %d blocks (%d shared)",
+                    (unsigned long long)d->staged_rid, d->seqs[slots[c]].seq.index, n_prompt, per, shared);
+    }
+    return NULL;
 }
 
 /* Tries to admit the staged transfer. Returns true when the stage is empty afterwards. */
@@ -107,37 +179,42 @@ static bool admit_staged(decode_t *d)
 {
     if (!d->staged) return true;
     const Prism__Kv *kv = d->staged_kv;
-    int slot = -1;
-    for (int i = 0; i < d->max_running; i++)
-        if (!d->seqs[i].seq.used) { slot = i; break; }
-    if (slot < 0) return false;
+    int k = (int)kv->n_choice_index, slots[PRISM_SEQ_MAX_N], n_free = 0;
+    for (int i = 0; i < d->max_running && n_free < k; i++)
+        if (!d->seqs[i].seq.used) slots[n_free++] = i;
     /* on_kv bounded both terms (n_tokens < max_model_len, max_tokens <= max_model_len): no overflow,
      * and the blocks cover every position the sequence can reach (it ends at max_model_len). */
     int total = (int)PRISM_MIN((int64_t)kv->n_tokens + kv->sampling->max_tokens, (int64_t)d->max_model_len);
-    int need = prism_kv_blocks_for_tokens(&d->blocks, total);
-    PRISM_ASSERT(need >= (int)kv->n_blocks && need <= d->max_blocks_per_seq);
-    seq_t *s = &d->seqs[slot];
-    if (prism_kv_blocks_alloc(&d->blocks, need, s->blocks) != PRISM_OK)
-        return false;
-    s->n_blocks = need;
-    const void *bytes = zmq_msg_data(&d->staged_frame);
-    int rc = prism_kv_cache_import(d->kv, s->blocks, (int)kv->n_blocks, bytes);
-    if (rc != PRISM_OK) {
-        prism_kv_blocks_release(&d->blocks, s->blocks, need);
-        send_error(d, d->staged_router, d->staged_rid, "decode worker could not import the KV cache");
-    } else {
-        prism_seq_start(&s->seq, d->staged_rid, d->staged_router, kv->sampling, (int)kv->n_tokens, kv->rng_state);
-        s->seq.len = (int)kv->n_tokens;
-        s->seq.generated = 1;    /* prefill sampled the first token */
-        s->last_token = kv->first_token;
-        PRISM_DEBUG("request %llu admitted: %d prompt tokens, %d blocks", (unsigned long long)s->seq.rid,
-                    s->seq.len, need);
+    int need = k > 1 ? prism_kv_blocks_for_shared(&d->blocks, (int)kv->n_tokens, total, k)
+                     : prism_kv_blocks_for_tokens(&d->blocks, total);
+    const char *why = NULL;
+    if (need > d->blocks.n_blocks) why = "the request's sequences need more KV blocks than the decode worker has";
+    else if (n_free < k || need > d->blocks.n_free) return false;   /* wait for room */
+    else why = admit_choices(d, kv, slots, k);
+    if (why) {
+        PRISM_WARN("request %llu refused: %s", (unsigned long long)d->staged_rid, why);
+        send_error(d, d->staged_router, d->staged_rid, why);
     }
-    zmq_msg_close(&d->staged_frame);
-    prism_msg_env_free(d->staged_env);
-    d->staged_env = NULL;
-    d->staged_kv = NULL;
-    d->staged = false;
+    unstage(d);
+    return true;
+}
+
+/* The sequences a Kv starts: 1..n of them (and no more than the batch), each a distinct choice
+ * below n with a first token in the vocabulary; prompt ids, when present, one per prompt token. */
+static bool choices_ok(const decode_t *d, const Prism__Kv *kv)
+{
+    size_t k = kv->n_choice_index;
+    int n = kv->sampling->n ? (int)kv->sampling->n : 1;
+    if (k == 0 || k > (size_t)n || k > (size_t)d->max_running || n > PRISM_SEQ_MAX_N ||
+        kv->n_choice_first_token != k || kv->n_choice_rng_state != k)
+        return false;
+    if (kv->n_prompt_token_ids && kv->n_prompt_token_ids != kv->n_tokens) return false;
+    uint8_t seen[PRISM_SEQ_MAX_N] = {0};
+    for (size_t i = 0; i < k; i++) {
+        uint32_t c = kv->choice_index[i];
+        if (c >= (uint32_t)n || seen[c]++ || kv->choice_first_token[i] < 0 || kv->choice_first_token[i] >= d->cfg.vocab)
+            return false;
+    }
     return true;
 }
 
@@ -159,9 +236,9 @@ static void on_kv(decode_t *d, prism_msg_t *m)
         kv->block_bytes != block_bytes || len != (size_t)kv->n_blocks * block_bytes ||
         kv->n_tokens == 0 || kv->n_tokens >= (uint32_t)d->max_model_len ||
         kv->n_blocks != (uint32_t)prism_kv_blocks_for_tokens(&d->blocks, (int)kv->n_tokens) ||
-        kv->first_token < 0 || kv->first_token >= d->cfg.vocab) {
+        !choices_ok(d, kv)) {
         PRISM_WARN("request %llu: malformed KV transfer dropped (%s)", (unsigned long long)e->request_id,
-                   why ? why : "sizes");
+                   why ? why : "sizes or choices");
         send_error(d, router, e->request_id, "malformed KV transfer between prefill and decode");
         return;
     }
@@ -190,9 +267,7 @@ static void on_abort(decode_t *d, uint64_t rid, const char *router)
         }
     }
     if (d->staged && d->staged_rid == rid && !strcmp(d->staged_router, router)) {
-        zmq_msg_close(&d->staged_frame);
-        prism_msg_env_free(d->staged_env);
-        d->staged = false;
+        unstage(d);
         held = true;
     }
     /* Not here yet: its KV may still be on its way from prefill (the router tells a decode only
@@ -407,10 +482,16 @@ int main(int argc, char **argv)
     size_t arena = prism_llm_arena_bytes(&d.cfg, d.max_running, d.max_running);
     size_t scratch = (size_t)d.max_running * d.cfg.vocab * sizeof(float) + (size_t)d.cfg.vocab * 8 +
                      (size_t)d.max_running * d.max_blocks_per_seq * sizeof(int32_t);
+    size_t heap0 = prism_mem_used();   /* token-count tables, matchers' slots, grammar vocabulary: measured */
+    if (prism_seq_sampler_init(&d.sampler, &d.cfg, o.model_path, d.max_running) != PRISM_OK) {
+        PRISM_ERROR("cannot allocate the sampler");
+        return 1;
+    }
+    size_t sampling = prism_mem_used() - heap0;
     size_t reserve = PRISM_MEM_RESERVE, runtime = prism_mem_runtime_bytes();
     if (kv_blocks <= 0) {
         if (o.mem_budget > 0) {
-            int64_t left = o.mem_budget - (int64_t)(weights + arena + scratch + reserve + runtime);
+            int64_t left = o.mem_budget - (int64_t)(weights + arena + scratch + sampling + reserve + runtime);
             kv_blocks = left > 0 ? left / (int64_t)block_bytes : 0;
         } else {
             kv_blocks = 1024;
@@ -421,6 +502,7 @@ int main(int argc, char **argv)
     prism_mem_plan_add(&plan, "kv-cache", (size_t)kv_blocks * block_bytes);
     prism_mem_plan_add(&plan, "activations", arena);
     prism_mem_plan_add(&plan, "logits+tables", scratch);
+    prism_mem_plan_add(&plan, "sampling", sampling);
     prism_mem_plan_add(&plan, "runtime", runtime);
     prism_mem_plan_add(&plan, "reserve", reserve);
     if (kv_blocks < d.max_blocks_per_seq) {
@@ -433,8 +515,7 @@ int main(int argc, char **argv)
     if (prism_mem_plan_check(&plan, "decode") != PRISM_OK) return 1;
 
     if (prism_kv_cache_create(d.be, &d.cfg, (int)kv_blocks, (int)block_size, &d.kv) != PRISM_OK ||
-        prism_kv_blocks_init(&d.blocks, (int)kv_blocks, (int)block_size) != PRISM_OK ||
-        prism_sampler_init(&d.sampler, d.cfg.vocab) != PRISM_OK) {
+        prism_kv_blocks_init(&d.blocks, (int)kv_blocks, (int)block_size) != PRISM_OK) {
         PRISM_ERROR("cannot allocate the KV cache (%lld blocks)", (long long)kv_blocks);
         return 1;
     }
@@ -478,6 +559,7 @@ int main(int argc, char **argv)
     if (d.n_step) prism_llm_forward_end(d.llm, d.logits);   /* let the device finish before exit */
     PRISM_INFO("decode worker stopping: %llu steps, %llu tokens, %llu sequences cancelled", (unsigned long long)d.steps,
                (unsigned long long)d.tokens_out, (unsigned long long)d.cancelled);
+    prism_seq_sampler_free(&d.sampler);
     prism_worker_close(&d.w);
     return 0;
 }

@@ -50,7 +50,7 @@ typedef struct {
     prism_llm_t *llm;
     prism_kv_cache_t *kv;
     prism_kv_blocks_t blocks;
-    prism_sampler_t sampler;
+    prism_seq_sampler_t sampler;  /* one slot: prompts run one at a time */
     int max_pending, chunk, max_model_len, max_blocks_per_seq, n_emb;
     double orphan_timeout_s; /* embeddings whose Prefill never came are dropped after this */
     preq_t *reqs;            /* [max_pending] */
@@ -66,6 +66,7 @@ typedef struct {
      * already free for the next one: kv_seq is a copy of the record) */
     bool kv_pending;
     prism_seq_t kv_seq;
+    int32_t *kv_prompt;      /* [max_model_len] its prompt ids, when a penalty needs them in decode */
     char kv_endpoint[256];
     Prism__Kv kv_hdr;
     size_t kv_len;
@@ -145,14 +146,24 @@ static void release_request(prefill_t *p, uint64_t rid, const char *router)
         if (p->emb[i].used && p->emb[i].rid == rid && !strcmp(p->emb[i].router_id, router))
             p->emb[i].used = false;
     for (int i = 0; i < p->max_pending; i++)
-        if (owns(&p->reqs[i].seq, rid, router)) p->reqs[i].seq.used = false;
+        if (owns(&p->reqs[i].seq, rid, router)) {
+            prism_seq_detach(&p->reqs[i].seq);
+            p->reqs[i].seq.used = false;
+        }
+}
+
+/* The staged KV export is gone (sent, failed or dropped). */
+static void kv_done(prefill_t *p)
+{
+    p->kv_pending = false;
+    prism_seq_detach(&p->kv_seq);
 }
 
 /* Forgets everything about a request, its staged KV export included (abort, errors). */
 static void drop_request(prefill_t *p, uint64_t rid, const char *router)
 {
     release_request(p, rid, router);
-    if (p->kv_pending && owns(&p->kv_seq, rid, router)) p->kv_pending = false;
+    if (p->kv_pending && owns(&p->kv_seq, rid, router)) kv_done(p);
 }
 
 static void send_tokens(prefill_t *p, const char *router, uint64_t rid, Prism__Tokens *t)
@@ -205,8 +216,14 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
         drop_request(p, e->request_id, router);
         return;
     }
-    prism_seq_start(&r->seq, e->request_id, router, pf->sampling, (int)pf->n_token_ids,
-                    prism_seq_seed(pf->sampling, e->request_id));
+    why = prism_seq_start(&r->seq, &p->sampler, e->request_id, router, pf->sampling, (int)pf->n_token_ids,
+                          prism_seq_seed(pf->sampling, e->request_id));
+    if (why) {
+        PRISM_WARN("request %llu refused: %s", (unsigned long long)e->request_id, why);
+        send_error(p, router, e->request_id, PRISM__ERROR_KIND__ERROR_CLIENT, why);   /* its guide or logit_bias */
+        drop_request(p, e->request_id, router);
+        return;
+    }
     r->n_tokens = (int)pf->n_token_ids;
     memcpy(r->tokens, pf->token_ids, sizeof(int32_t) * pf->n_token_ids);
     r->n_images = (int)pf->n_images;
@@ -310,7 +327,7 @@ static void try_send_kv(prefill_t *p)
     void *s = prism_worker_peer_sock(&p->w, p->kv_endpoint);
     if (!s) {
         send_error(p, q->router_id, q->rid, PRISM__ERROR_KIND__ERROR_UNAVAILABLE, "cannot reach the decode worker");
-        p->kv_pending = false;
+        kv_done(p);
         return;
     }
     p->kv_hdr.sampling = (Prism__Sampling *)prism_seq_sampling(q);   /* as the router sent it */
@@ -324,7 +341,7 @@ static void try_send_kv(prefill_t *p)
     if (rc == PRISM_EAGAIN) return;  /* decode is full: keep it and retry next iteration */
     if (rc != PRISM_OK) send_error(p, q->router_id, q->rid, PRISM__ERROR_KIND__ERROR_UNAVAILABLE,
                                   "KV transfer to the decode worker failed");
-    p->kv_pending = false;
+    kv_done(p);
 }
 
 /* ---- between-layer hook of the language model: one sequence per forward here ---- */
@@ -364,6 +381,12 @@ static void run_one(prefill_t *p)
         if (c->seq.used && ready(p, c) && (!r || c->t_arrive < r->t_arrive)) r = c;
     }
     if (!r) return;
+    const char *why = prism_seq_attach(&r->seq, &p->sampler, 0, r->tokens, (size_t)r->n_tokens, NULL, 0);
+    if (why) {
+        send_error(p, r->seq.router_id, r->seq.rid, PRISM__ERROR_KIND__ERROR_INTERNAL, why);
+        release_request(p, r->seq.rid, r->seq.router_id);
+        return;
+    }
     int nb = prism_kv_blocks_for_tokens(&p->blocks, r->n_tokens);
     if (prism_kv_blocks_alloc(&p->blocks, nb, p->table) != PRISM_OK) return;
     PRISM_DEBUG("request %llu: prefill of %d tokens started", (unsigned long long)r->seq.rid, r->n_tokens);
@@ -414,18 +437,19 @@ static void run_one(prefill_t *p)
         return;
     }
     r->seq.len = r->n_tokens;
-    int32_t tok = prism_seq_sample(&r->seq, &p->sampler, p->logits);
+    /* The first token of each of the request's n sequences (one Tokens message each). */
+    Prism__Tokens *first;
+    int n_first = prism_seq_first_tokens(&r->seq, &p->sampler, p->logits, &p->cfg, p->max_model_len, &first);
+    for (int i = 0; i < n_first; i++) {
+        first[i].prefill_ms = (float)((t1 - t0) * 1e3);
+        first[i].queue_ms = (float)((t0 - r->t_arrive) * 1e3);
+        first[i].from_prefill = true;
+        send_tokens(p, r->seq.router_id, r->seq.rid, &first[i]);
+    }
 
-    Prism__Tokens t = PRISM__TOKENS__INIT;
-    prism_seq_lp_msg_t lpm;
-    prism_seq_tokens(&r->seq, &t, &tok, &lpm, &p->sampler, p->logits, &p->cfg, p->max_model_len);
-    t.prefill_ms = (float)((t1 - t0) * 1e3);
-    t.queue_ms = (float)((t0 - r->t_arrive) * 1e3);
-    t.from_prefill = true;
-    send_tokens(p, r->seq.router_id, r->seq.rid, &t);
-
-    if (t.finish == PRISM__FINISH__FINISH_NONE) {
-        /* Stage the KV export; the decode worker pulls it when it has room. */
+    if (r->seq.n_fork > 0) {
+        /* Stage the KV export for the sequences that go on (they share it in decode); the decode
+         * worker pulls it when it has room. */
         p->kv_len = (size_t)nb * p->block_bytes;
         prism_kv_cache_export(p->kv, p->table, nb, p->kv_out);
         prism__kv__init(&p->kv_hdr);
@@ -433,16 +457,24 @@ static void run_one(prefill_t *p)
         p->kv_hdr.block_size = (uint32_t)p->blocks.block_size;
         p->kv_hdr.n_blocks = (uint32_t)nb;
         p->kv_hdr.block_bytes = p->block_bytes;
-        p->kv_hdr.first_token = tok;
-        p->kv_hdr.rng_state = r->seq.rng;
-        p->kv_seq = r->seq;
+        prism_seq_copy(&p->kv_seq, &r->seq);
+        p->kv_hdr.n_choice_index = p->kv_hdr.n_choice_first_token = p->kv_hdr.n_choice_rng_state =
+            (size_t)p->kv_seq.n_fork;
+        p->kv_hdr.choice_index = p->kv_seq.fork_index;
+        p->kv_hdr.choice_first_token = p->kv_seq.fork_first;
+        p->kv_hdr.choice_rng_state = p->kv_seq.fork_rng;
+        if (prism_seq_needs_prompt(&p->kv_seq)) {
+            memcpy(p->kv_prompt, r->tokens, sizeof(int32_t) * (size_t)r->n_tokens);
+            p->kv_hdr.n_prompt_token_ids = (size_t)r->n_tokens;
+            p->kv_hdr.prompt_token_ids = p->kv_prompt;
+        }
         snprintf(p->kv_endpoint, sizeof(p->kv_endpoint), "%s", r->decode_endpoint);
         p->kv_pending = true;
     }
     prism_kv_blocks_release(&p->blocks, p->table, nb);
     release_request(p, r->seq.rid, r->seq.router_id);
     p->served++;
-    PRISM_DEBUG("%d prompt tokens prefilled in %.1f ms", (int)t.prompt_tokens, t.prefill_ms);
+    PRISM_DEBUG("%d prompt tokens prefilled in %.1f ms", r->n_tokens, (t1 - t0) * 1e3);
     try_send_kv(p);
 }
 
@@ -521,6 +553,12 @@ int main(int argc, char **argv)
         return 1;
     }
     p.block_bytes = prism_kv_cache_block_bytes(&p.cfg, (int)block_size);
+    size_t heap0 = prism_mem_used();   /* the sampler's tables and the grammar vocabulary, measured */
+    if (prism_seq_sampler_init(&p.sampler, &p.cfg, o.model_path, 1) != PRISM_OK) {
+        PRISM_ERROR("cannot allocate the sampler");
+        return 1;
+    }
+    size_t sampling_bytes = prism_mem_used() - heap0;
     size_t emb_bytes = (size_t)p.n_emb * p.cfg.image_seq_length * p.cfg.hidden * sizeof(float);
     prism_mem_plan_t plan = {.budget = (size_t)o.mem_budget};
     prism_mem_plan_add(&plan, "weights", prism_llm_weight_bytes(p.llm));
@@ -529,19 +567,20 @@ int main(int argc, char **argv)
     prism_mem_plan_add(&plan, "activations", prism_llm_arena_bytes(&p.cfg, p.chunk, 1) +
                                              (size_t)p.chunk * sizeof(*p.chunk_rows));
     prism_mem_plan_add(&plan, "embedding-pool", emb_bytes);
-    prism_mem_plan_add(&plan, "prompts", (size_t)p.max_pending * p.max_model_len * sizeof(int32_t));
+    prism_mem_plan_add(&plan, "prompts", (size_t)(p.max_pending + 1) * p.max_model_len * sizeof(int32_t));
+    prism_mem_plan_add(&plan, "sampling", sampling_bytes);
     prism_mem_plan_add(&plan, "runtime", prism_mem_runtime_bytes());
     prism_mem_plan_add(&plan, "reserve", PRISM_MEM_RESERVE);
     if (prism_mem_plan_check(&plan, "prefill") != PRISM_OK) return 1;
 
     if (prism_kv_cache_create(p.be, &p.cfg, (int)kv_blocks, (int)block_size, &p.kv) != PRISM_OK ||
-        prism_kv_blocks_init(&p.blocks, (int)kv_blocks, (int)block_size) != PRISM_OK ||
-        prism_sampler_init(&p.sampler, p.cfg.vocab) != PRISM_OK) {
+        prism_kv_blocks_init(&p.blocks, (int)kv_blocks, (int)block_size) != PRISM_OK) {
         PRISM_ERROR("cannot allocate the prefill KV cache");
         return 1;
     }
     p.reqs = prism_xcalloc((size_t)p.max_pending, sizeof(preq_t));
     p.token_pool = prism_xcalloc((size_t)p.max_pending * p.max_model_len, sizeof(int32_t));
+    p.kv_prompt = prism_xcalloc((size_t)p.max_model_len, sizeof(int32_t));
     for (int i = 0; i < p.max_pending; i++) p.reqs[i].tokens = p.token_pool + (size_t)i * p.max_model_len;
     p.emb = prism_xcalloc((size_t)PRISM_MAX(p.n_emb, 1), sizeof(emb_slot_t));
     p.emb_pool = prism_malloc_aligned(PRISM_MAX(emb_bytes, (size_t)64), 64);
@@ -581,6 +620,7 @@ int main(int argc, char **argv)
     }
     PRISM_INFO("prefill worker stopping after %llu requests (%llu cancelled mid-prompt)", (unsigned long long)p.served,
                (unsigned long long)p.cancelled);
+    prism_seq_sampler_free(&p.sampler);
     prism_worker_close(&p.w);
     return 0;
 }

@@ -7,6 +7,11 @@
 #include <stdio.h>
 #include <string.h>
 
+static int hex_digit(char c)
+{
+    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+}
+
 static void respond_json(prism_http_req_t *h, int status, const char *json, size_t len)
 {
     prism_http_respond(h, status, "application/json", NULL, json, len);
@@ -24,12 +29,41 @@ static void respond_jansson(prism_http_req_t *h, int status, json_t *j)
     prism_free(s);  /* jansson allocates through prism_malloc (set in main) */
 }
 
+static json_t *model_card(router_t *r)
+{
+    return json_pack("{s:s,s:s,s:I,s:s,s:s,s:i,s:[]}", "id", r->served_model_name, "object", "model", "created",
+                     (json_int_t)r->created, "owned_by", "prism", "root", r->model_path, "max_model_len",
+                     r->max_model_len, "permission");
+}
+
 static void handle_models(router_t *r, prism_http_req_t *h)
 {
-    json_t *card = json_pack("{s:s,s:s,s:I,s:s,s:s,s:i,s:[]}", "id", r->served_model_name, "object", "model",
-                             "created", (json_int_t)r->created, "owned_by", "prism", "root", r->model_path,
-                             "max_model_len", r->max_model_len, "permission");
-    respond_jansson(h, 200, json_pack("{s:s,s:[o]}", "object", "list", "data", card));
+    respond_jansson(h, 200, json_pack("{s:s,s:[o]}", "object", "list", "data", model_card(r)));
+}
+
+/* GET /v1/models/{model}: the card, or 404 as OpenAI answers an unknown model. The id is compared
+ * as sent (percent-decoded: model names may hold '/'). */
+static void handle_model(router_t *r, prism_http_req_t *h, const char *id)
+{
+    char name[512];
+    size_t n = 0;
+    for (const char *p = id; *p && n + 1 < sizeof name; p++) {
+        int hi, lo;
+        if (*p == '%' && p[1] && p[2] && (hi = hex_digit(p[1])) >= 0 && (lo = hex_digit(p[2])) >= 0) {
+            name[n++] = (char)(hi * 16 + lo);
+            p += 2;
+        } else {
+            name[n++] = *p;
+        }
+    }
+    name[n] = 0;
+    if (strlen(id) >= sizeof name || strcmp(name, r->served_model_name)) {
+        char msg[600];
+        snprintf(msg, sizeof msg, "The model `%.500s` does not exist.", name);
+        prism_http_respond_error(h, 404, "NotFoundError", msg, "model", "model_not_found", NULL);
+        return;
+    }
+    respond_jansson(h, 200, model_card(r));
 }
 
 static void handle_tokenize(router_t *r, prism_http_req_t *h)
@@ -55,8 +89,17 @@ static void handle_tokenize(router_t *r, prism_http_req_t *h)
         rc = prism_tokenizer_encode(r->tok, json_string_value(prompt), json_string_length(prompt), add, &ids, &n, &cap);
     } else if (json_is_array(messages)) {
         json_t *agp = json_object_get(j, "add_generation_prompt");
-        json_t *ctx = prism_template_chat_context(messages, json_object_get(j, "tools"), agp ? json_is_true(agp) : true,
+        json_t *msgs = json_deep_copy(messages);   /* as the chat path renders them */
+        size_t i;
+        json_t *m;
+        json_array_foreach(msgs, i, m) {
+            json_t *role = json_object_get(m, "role");
+            if (json_is_string(role) && !strcmp(json_string_value(role), "assistant"))
+                router_prompt_tool_arguments_as_objects(m);
+        }
+        json_t *ctx = prism_template_chat_context(msgs, json_object_get(j, "tools"), agp ? json_is_true(agp) : true,
                                                   r->bos_token, r->eos_token, NULL);
+        json_decref(msgs);
         prism_buf_t text = {0};
         rc = ctx ? prism_template_render(r->tmpl, ctx, &text, err, sizeof(err)) : PRISM_EINVAL;
         json_decref(ctx);
@@ -175,6 +218,7 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
     memcpy(refused, m->refused_limit, sizeof(refused));
     refused[PRISM_REFUSE_BODY_TOO_LARGE] += hr.body_too_large;
     refused[PRISM_REFUSE_BODY_BYTES_INFLIGHT] += hr.body_bytes_in_flight;
+    refused[PRISM_REFUSE_QUEUE_WAIT] += hr.body_gate;  /* paused while the workers were full */
     refused[PRISM_REFUSE_CONNECTIONS] += hr.connections;
     refused[PRISM_REFUSE_BAD_REQUEST] += hr.malformed;
     for (int i = 0; i < PRISM_REFUSE_COUNT; i++) {
@@ -261,6 +305,12 @@ int router_on_headers(const prism_http_req_t *h, void *ud, char *msg, size_t n)
     return 401;
 }
 
+bool router_may_read_body(void *ud)
+{
+    const router_t *r = ud;
+    return r->queue_len == 0;
+}
+
 void router_on_http(prism_http_req_t *h, void *ud)
 {
     router_t *r = ud;
@@ -287,13 +337,15 @@ void router_on_http(prism_http_req_t *h, void *ud)
         return;
     } else if (get && !strcmp(p, "/v1/models")) {
         handle_models(r, h);
+    } else if (get && !strncmp(p, "/v1/models/", 11) && p[11]) {
+        handle_model(r, h, p + 11);
     } else if (post && !strcmp(p, "/tokenize")) {
         handle_tokenize(r, h);
     } else if (post && !strcmp(p, "/detokenize")) {
         handle_detokenize(r, h);
     } else {
         bool known = !strcmp(p, "/v1/chat/completions") || !strcmp(p, "/v1/completions") || !strcmp(p, "/v1/models") ||
-                     !strcmp(p, "/tokenize") || !strcmp(p, "/detokenize");
+                     (!strncmp(p, "/v1/models/", 11) && p[11]) || !strcmp(p, "/tokenize") || !strcmp(p, "/detokenize");
         char msg[300];
         snprintf(msg, sizeof(msg), known ? "Method %s is not allowed for %.200s." : "No route for %s %.200s.", m, p);
         prism_http_respond_error(h, known ? 405 : 404, known ? "MethodNotAllowed" : "NotFoundError", msg, NULL, NULL, NULL);

@@ -260,3 +260,4 @@ int router_send(router_t *r, router_worker_t *w, Prism__Envelope *env, const pri
         PRISM_WARN("send to %s worker %s failed: %s", prism_role_name(w->role), w->id, prism_strerror(rc));
     return rc;
 }
+

@@ -8,6 +8,7 @@
  * Error answers (400/413/431/417/503) are written, the write side is shut down and the connection
  * "lingers" reading and discarding for a moment so the client sees the answer instead of a reset. */
 #include "http_server.h"
+#include "body_lift.h"
 #include "openai_write.h"
 
 #include <linux/sockios.h>
@@ -45,8 +46,11 @@ struct prism_http_req {
     hdr_ent_t *hents;      /* [n_hdr] */
     int n_hdr, cap_hdr;
     bool in_field;
-    prism_buf_t body;
-    size_t body_charged;     /* bytes of this body counted in srv->body_bytes: its buffer's capacity */
+    prism_buf_t body;        /* the body, or its skeleton when lifted */
+    size_t body_raw;         /* body bytes received (the max_body_bytes bound) */
+    prism_lift_t *lift;      /* lift_data_urls: the lifter and its images */
+    size_t body_charged;     /* bytes of this body counted in srv->body_bytes: the buffer's capacity plus
+                              * the lifted image bytes not taken */
     uint64_t declared_len;   /* Content-Length, 0 when absent (chunked) */
     prism_http_server_t *srv;
     int http_major, http_minor;
@@ -76,6 +80,11 @@ struct conn {
     int open_handles;
     bool reading, closing, handles_closed, discard, rejected, in_process, shutdown_started, shutdown_done;
     bool broken;             /* a write failed: closing from the loop (see conn_break) */
+    bool in_body;            /* on the server's list of bodies in progress (headers done, not dispatched) */
+    bool hold;               /* the parser paused after the headers: the body waits for room */
+    bool paused;             /* not reading its body: the body budget is spent */
+    uint64_t t_paused;       /* loop time the pause began */
+    conn_t *bprev, *bnext;   /* bodies in progress, oldest first */
     uint64_t linger_end;     /* loop time a lingering connection closes at the latest */
     size_t discarded;        /* bytes read and dropped while lingering */
     conn_t *prev, *next;
@@ -91,10 +100,12 @@ struct prism_http_server {
     conn_t *conns;           /* intrusive list of all open connections */
     size_t n_conns;
     size_t n_active;         /* accepted, not rejected, not closing (read atomically) */
-    bool stopping, listener_closed;
+    bool stopping, listener_closed, resume_closed;
     bool draining, listener_closing;  /* prism_http_server_drain: no new connections, no keep-alive */
+    uv_timer_t resume_timer; /* runs server_resume_bodies from the loop, never inside a caller's call */
     int port;
     size_t body_bytes;       /* request bodies held right now: buffer bytes, charged as bodies arrive */
+    conn_t *bodies, *bodies_tail;  /* connections with a body in progress, oldest first */
     prism_http_refusals_t refused;
     char scratch[HTTP_READ_CHUNK];  /* libuv reads here; read_cb copies into conn->inbuf */
 };
@@ -153,23 +164,43 @@ static prism_http_req_t *req_new(void)
     return r;
 }
 
-static void body_uncharge(prism_http_req_t *r)
+static void server_resume_bodies(prism_http_server_t *s);
+
+/* Charges what the body holds now: its buffer's capacity and the lifted image bytes not taken. A
+ * decrease lets paused bodies read again. */
+static void body_recharge(prism_http_req_t *r)
 {
-    if (r->srv && r->body_charged) {
-        PRISM_ASSERT(r->srv->body_bytes >= r->body_charged);
-        r->srv->body_bytes -= r->body_charged;
+    size_t now = r->body.cap + (r->lift ? prism_lift_held(r->lift) : 0);
+    if (now == r->body_charged) return;  /* nothing to do; r may outlive its server (a late release) */
+    if (!r->srv) {
+        r->body_charged = now;
+        return;
     }
-    r->body_charged = 0;
+    PRISM_ASSERT(r->srv->body_bytes >= r->body_charged);
+    r->srv->body_bytes = r->srv->body_bytes - r->body_charged + now;
+    bool less = now < r->body_charged;
+    r->body_charged = now;
+    if (less) server_resume_bodies(r->srv);
+}
+
+static void body_free(prism_http_req_t *r)
+{
+    prism_buf_free(&r->body);
+    if (r->lift) {
+        prism_lift_free(r->lift);
+        prism_free(r->lift);
+        r->lift = NULL;
+    }
+    body_recharge(r);
 }
 
 static void req_unref(prism_http_req_t *r)
 {
     PRISM_ASSERT(r->refs > 0);
     if (--r->refs > 0) return;
-    body_uncharge(r);
+    body_free(r);
     prism_buf_free(&r->url);
     prism_buf_free(&r->hdrs);
-    prism_buf_free(&r->body);
     prism_free(r->hents);
     prism_free(r);
 }
@@ -208,8 +239,15 @@ const char *prism_http_req_body(const prism_http_req_t *r, size_t *len)
 
 void prism_http_req_drop_body(prism_http_req_t *r)
 {
-    body_uncharge(r);
-    prism_buf_free(&r->body);
+    body_free(r);
+}
+
+int prism_http_req_take_image(prism_http_req_t *r, int i, uint8_t **data, size_t *len, const char **mime, bool *bad)
+{
+    if (!r->lift) return PRISM_EINVAL;
+    int rc = prism_lift_take(r->lift, i, data, len, mime, bad);
+    if (rc == PRISM_OK) body_recharge(r);
+    return rc;
 }
 
 void prism_http_req_on_abort(prism_http_req_t *r, void (*cb)(prism_http_req_t *r, void *ud), void *ud)
@@ -235,7 +273,7 @@ size_t prism_http_req_pending_bytes(const prism_http_req_t *r)
 
 static void server_maybe_free(prism_http_server_t *s)
 {
-    if (s->stopping && s->listener_closed && s->n_conns == 0) prism_free(s);
+    if (s->stopping && s->listener_closed && s->resume_closed && s->n_conns == 0) prism_free(s);
 }
 
 static void on_conn_handle_closed(uv_handle_t *h)
@@ -253,12 +291,99 @@ static void on_conn_handle_closed(uv_handle_t *h)
     server_maybe_free(s);
 }
 
+/* ---- bodies in progress and the body budget ----
+ * Every connection between its request's headers and its dispatch is on srv->bodies, oldest first.
+ * When the bytes held reach max_body_bytes_total, such connections stop reading (the client's TCP
+ * window closes) except the oldest, which always may finish: bodies that wait for each other would
+ * otherwise wait forever. Held bytes may so pass the budget by one body plus one read per
+ * connection that resumed. */
+
+static bool body_budget_spent(const prism_http_server_t *s)
+{
+    return s->body_bytes >= s->cfg.max_body_bytes_total;
+}
+
+static bool body_gate_closed(const prism_http_server_t *s)
+{
+    return s->cfg.may_read_body && !s->cfg.may_read_body(s->ud);
+}
+
+static void body_list_add(conn_t *c)
+{
+    prism_http_server_t *s = c->srv;
+    PRISM_ASSERT(!c->in_body);
+    c->in_body = true;
+    c->bnext = NULL;
+    c->bprev = s->bodies_tail;
+    if (s->bodies_tail) s->bodies_tail->bnext = c;
+    else s->bodies = c;
+    s->bodies_tail = c;
+}
+
+static void body_list_del(conn_t *c)
+{
+    if (!c->in_body) return;
+    prism_http_server_t *s = c->srv;
+    bool was_head = s->bodies == c;
+    if (c->bprev) c->bprev->bnext = c->bnext;
+    else s->bodies = c->bnext;
+    if (c->bnext) c->bnext->bprev = c->bprev;
+    else s->bodies_tail = c->bprev;
+    c->bprev = c->bnext = NULL;
+    c->in_body = false;
+    c->paused = false;
+    if (was_head) server_resume_bodies(s);  /* the new oldest may read past the budget */
+}
+
+static void conn_update_reading(conn_t *c);
+static void conn_arm_timer(conn_t *c);
+
+static void conn_process(conn_t *c);
+
+/* Bytes were released (or the oldest body changed): paused bodies go on, as many as the room left
+ * can take one read each (at least the oldest), in arrival order. Deferred to the loop: the release
+ * may happen inside a handler, which must not see another request dispatched under it. */
+static void on_resume_timer(uv_timer_t *t)
+{
+    prism_http_server_t *s = t->data;
+    if (s->stopping || body_gate_closed(s)) return;
+    size_t room = s->body_bytes < s->cfg.max_body_bytes_total ? s->cfg.max_body_bytes_total - s->body_bytes : 0;
+    size_t n = room / HTTP_READ_CHUNK + 1;
+    conn_t *next;
+    for (conn_t *c = s->bodies; c && n; c = next) {
+        next = c->bnext;
+        if (!c->paused) continue;
+        if (c != s->bodies && !room) break;
+        conn_process(c);  /* parses what it had read, then reads again */
+        conn_arm_timer(c);
+        n--;
+    }
+}
+
+static void server_resume_bodies(prism_http_server_t *s)
+{
+    if (s->stopping || s->resume_closed || !s->bodies) return;
+    if (!uv_is_active((uv_handle_t *)&s->resume_timer)) uv_timer_start(&s->resume_timer, on_resume_timer, 0, 0);
+}
+
+/* This connection's body waits for room: the budget is spent and it is not the oldest. */
+static bool conn_body_waits(const conn_t *c)
+{
+    return c->in_body && !c->discard && c != c->srv->bodies && (body_budget_spent(c->srv) || body_gate_closed(c->srv));
+}
+
+void prism_http_server_resume_bodies(prism_http_server_t *s)
+{
+    if (s) server_resume_bodies(s);
+}
+
 /* Logical close: detach the request (firing its abort callback when its response was not complete)
  * and stop reading. Handles are closed separately (now, or after a shutdown flushes writes). */
 static void conn_begin_close(conn_t *c)
 {
     if (c->closing) return;
     c->closing = true;
+    body_list_del(c);
     if (!c->rejected) __atomic_sub_fetch(&c->srv->n_active, 1, __ATOMIC_RELAXED);
     if (c->reading) {
         uv_read_stop((uv_stream_t *)&c->tcp);
@@ -300,6 +425,21 @@ static void conn_fail(conn_t *c, int status, const char *message);
 static void on_timer(uv_timer_t *t)
 {
     conn_t *c = t->data;
+    if (!c->broken && !c->closing && !c->discard && c->paused) {
+        /* the body waited for room longer than max_pause_s: 503, then its upload is discarded */
+        char msg[200];
+        if (body_budget_spent(c->srv)) {
+            c->srv->refused.body_bytes_in_flight++;
+            snprintf(msg, sizeof msg, "Too many request bytes in flight (limit %zu); waited %.0f s; retry shortly.",
+                     c->srv->cfg.max_body_bytes_total, c->srv->cfg.max_pause_s);
+        } else {
+            c->srv->refused.body_gate++;
+            snprintf(msg, sizeof msg, "The request waited too long for a free worker (its upload paused %.0f s); "
+                     "retry after a short wait.", c->srv->cfg.max_pause_s);
+        }
+        conn_fail(c, 503, msg);
+        return;
+    }
     if (!c->broken && !c->closing && !c->discard && c->req && !c->req->dispatched) {
         /* Bytes waiting in the kernel mean the client kept up and we did not (the loop was busy):
          * read them first, the deadline is judged again after. */
@@ -343,10 +483,12 @@ static void conn_arm_timer(conn_t *c)
     if (!r || r->dispatched) return;  /* idle: armed when the last response completed; else the handler's time */
     const prism_http_config_t *cfg = &c->srv->cfg;
     uint64_t now = uv_now(c->srv->loop), due;
-    if (!c->headers_done)
+    if (c->paused)
+        due = c->t_paused + (uint64_t)(cfg->max_pause_s * 1000.0);
+    else if (!c->headers_done)
         due = c->t_req_start + (uint64_t)(cfg->header_timeout_s * 1000.0);
     else
-        due = c->t_headers + (uint64_t)(cfg->body_grace_s * 1000.0) + (uint64_t)r->body.len * 1000u / cfg->min_body_rate;
+        due = c->t_headers + (uint64_t)(cfg->body_grace_s * 1000.0) + (uint64_t)r->body_raw * 1000u / cfg->min_body_rate;
     uv_timer_start(&c->timer, on_timer, due > now ? due - now : 0, 0);
 }
 
@@ -456,6 +598,7 @@ static void conn_fail(conn_t *c, int status, const char *message)
     if (c->closing || c->discard) return;
     PRISM_DEBUG("http: answering %d and closing: %s", status, message);
     c->discard = true;
+    body_list_del(c);
     if (c->req) {
         PRISM_ASSERT(!c->req->dispatched);
         req_unref(c->req);
@@ -743,9 +886,10 @@ static int on_headers_complete(llhttp_t *p)
         }
         c->fail_msg[0] = 0;
     }
-    /* Bodies held at once: a body that cannot fit now is refused from the header. Nothing is charged
-     * until bytes arrive (on_body), so declaring a large body and trickling it locks no one out. */
-    if (has_cl && c->srv->body_bytes + p->content_length > cfg->max_body_bytes_total) {
+    /* Bodies held at once: one that could never fit is refused from the header; any other waits for
+     * room (see body_list_add). Nothing is charged until bytes arrive (on_body), so declaring a large
+     * body and trickling it locks no one out. */
+    if (has_cl && p->content_length > cfg->max_body_bytes_total) {
         c->fail_status = 503;
         return -1;
     }
@@ -761,6 +905,21 @@ static int on_headers_complete(llhttp_t *p)
             if (conn_write(c, cont, sizeof cont - 1, NULL, 0, NULL, 0)) return -1;
         }
     }
+    if ((has_cl && p->content_length > 0) || (p->flags & F_CHUNKED)) {
+        if (cfg->lift_data_urls) {
+            r->lift = prism_malloc(sizeof *r->lift);
+            if (!r->lift) {
+                c->fail_status = 500;
+                return -1;
+            }
+            prism_lift_init(r->lift, r->declared_len, cfg->max_body_bytes);
+        }
+        body_list_add(c);
+        if (conn_body_waits(c)) {  /* not one body byte parsed until there is room */
+            c->hold = true;
+            return HPE_PAUSED;
+        }
+    }
     return 0;
 }
 
@@ -768,11 +927,22 @@ static int on_body(llhttp_t *p, const char *at, size_t len)
 {
     conn_t *c = p->data;
     prism_http_req_t *r = c->req;
-    size_t need = r->body.len + len;
-    if (need > c->srv->cfg.max_body_bytes) {
+    if (r->body_raw + len > c->srv->cfg.max_body_bytes) {
         c->fail_status = 413;
         return -1;
     }
+    r->body_raw += len;
+    if (r->lift) {
+        /* the skeleton grows as prism_buf does; the images as body_lift.h says */
+        int rc = prism_lift_feed(r->lift, &r->body, at, len);
+        body_recharge(r);
+        if (rc) {
+            c->fail_status = 500;
+            return -1;
+        }
+        return 0;
+    }
+    size_t need = r->body.len + len;
     if (need + 1 > r->body.cap) {
         /* Grow as bytes arrive and charge the buffer's capacity: doubling from a small start, never
          * past the declared length (+1 for the NUL prism_http_req_body promises). */
@@ -780,11 +950,6 @@ static int on_body(llhttp_t *p, const char *at, size_t len)
         while (cap < need + 1) cap *= 2;
         if (r->declared_len && cap > r->declared_len + 1) cap = (size_t)r->declared_len + 1;
         PRISM_ASSERT(cap >= need + 1 && r->body_charged == r->body.cap);
-        size_t more = cap - r->body.cap;
-        if (c->srv->body_bytes + more > c->srv->cfg.max_body_bytes_total) {
-            c->fail_status = 503;
-            return -1;
-        }
         char *d = prism_realloc(r->body.data, cap);
         if (!d) {
             c->fail_status = 500;
@@ -792,8 +957,7 @@ static int on_body(llhttp_t *p, const char *at, size_t len)
         }
         r->body.data = d;
         r->body.cap = cap;
-        c->srv->body_bytes += more;
-        r->body_charged = cap;
+        body_recharge(r);
     }
     memcpy(r->body.data + r->body.len, at, len);
     r->body.len = need;
@@ -821,12 +985,18 @@ static int on_message_complete(llhttp_t *p)
     /* No protocol upgrades (Connection: Upgrade, CONNECT): the request is answered, then the
      * connection closes; the bytes after it are never parsed. */
     if (p->upgrade && c->req) c->req->keep_alive = false;
+    if (c->req && c->req->lift) {
+        int rc = prism_lift_finish(c->req->lift, &c->req->body);
+        body_recharge(c->req);
+        if (rc) {
+            c->fail_status = 500;
+            return -1;
+        }
+    }
     return HPE_PAUSED;  /* hand the request over before parsing any pipelined bytes */
 }
 
 /* ------------------------------------------------------------------ reading / processing */
-
-static void conn_update_reading(conn_t *c);
 
 static void conn_dispatch(conn_t *c)
 {
@@ -834,6 +1004,7 @@ static void conn_dispatch(conn_t *c)
     PRISM_ASSERT(r && !r->dispatched);
     r->dispatched = true;
     r->refs++;  /* the caller's reference */
+    body_list_del(c);
     uv_timer_stop(&c->timer);
     c->srv->fn(r, c->srv->ud);
 }
@@ -845,6 +1016,7 @@ static void conn_process(conn_t *c)
     for (;;) {
         if (c->closing || c->discard) break;
         if (c->req && c->req->dispatched) break;  /* one request at a time */
+        if (conn_body_waits(c)) break;            /* its bytes stay unparsed until there is room */
         size_t avail = c->inbuf.len - c->in_off;
         if (avail == 0) break;
         const char *start = c->inbuf.data + c->in_off;
@@ -856,6 +1028,10 @@ static void conn_process(conn_t *c)
             c->in_off += (size_t)(pos - start);
             if (e == HPE_PAUSED) llhttp_resume(&c->parser);
             else llhttp_resume_after_upgrade(&c->parser);
+            if (c->hold) {  /* on_headers_complete: the body waits for room (checked above) */
+                c->hold = false;
+                continue;
+            }
             if (!c->req || c->req->dispatched) {
                 /* bytes after an upgrade request (on_message_complete made it the last one) */
                 c->srv->refused.malformed++;
@@ -938,6 +1114,19 @@ static void conn_update_reading(conn_t *c)
 {
     if (c->closing || c->handles_closed || c->broken) return;
     bool want = c->discard || (c->inbuf.len - c->in_off) < c->srv->cfg.max_pipeline_bytes;
+    if (!c->discard && c->in_body) {
+        /* the body budget: spent, only the oldest body in progress reads on */
+        bool wait = conn_body_waits(c);
+        if (wait && !c->paused) {
+            c->paused = true;
+            c->t_paused = uv_now(c->srv->loop);
+        } else if (!wait && c->paused) {
+            /* time spent paused does not count against the body's minimum rate */
+            c->paused = false;
+            c->t_headers += uv_now(c->srv->loop) - c->t_paused;
+        }
+        if (wait) want = false;
+    }
     if (want && !c->reading) {
         if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) == 0) c->reading = true;
     } else if (!want && c->reading) {
@@ -961,10 +1150,12 @@ prism_http_config_t prism_http_config_default(void)
     c.header_timeout_s = 30.0;
     c.min_body_rate = 8 * 1024;
     c.body_grace_s = 10.0;
+    c.max_pause_s = 120.0;
     return c;
 }
 
 static void on_listener_closed(uv_handle_t *h);
+static void on_resume_closed(uv_handle_t *h);
 
 static void on_connection(uv_stream_t *l, int status)
 {
@@ -1028,6 +1219,7 @@ int prism_http_server_start(uv_loop_t *loop, const prism_http_config_t *cfg_in, 
     if (s->cfg.header_timeout_s <= 0) s->cfg.header_timeout_s = def.header_timeout_s;
     if (!s->cfg.min_body_rate) s->cfg.min_body_rate = def.min_body_rate;
     if (s->cfg.body_grace_s <= 0) s->cfg.body_grace_s = def.body_grace_s;
+    if (!(s->cfg.max_pause_s > 0)) s->cfg.max_pause_s = def.max_pause_s;
     if (!s->cfg.max_pipeline_bytes) s->cfg.max_pipeline_bytes = s->cfg.max_header_bytes + HTTP_READ_CHUNK;
 
     llhttp_settings_init(&s->settings);
@@ -1057,12 +1249,15 @@ int prism_http_server_start(uv_loop_t *loop, const prism_http_config_t *cfg_in, 
     }
     uv_tcp_init(loop, &s->listener);
     s->listener.data = s;
+    uv_timer_init(loop, &s->resume_timer);
+    s->resume_timer.data = s;
     rc = uv_tcp_bind(&s->listener, &addr.sa, 0);
     if (!rc) rc = uv_listen((uv_stream_t *)&s->listener, 511, on_connection);
     if (rc) {
         PRISM_ERROR("http: cannot listen on %s:%d: %s", s->cfg.host, s->cfg.port, uv_strerror(rc));
         /* the handle memory must live until its close callback, which frees s */
         s->stopping = s->listener_closing = true;
+        uv_close((uv_handle_t *)&s->resume_timer, on_resume_closed);
         uv_close((uv_handle_t *)&s->listener, on_listener_closed);
         *out = NULL;
         return PRISM_EIO;
@@ -1076,6 +1271,13 @@ int prism_http_server_start(uv_loop_t *loop, const prism_http_config_t *cfg_in, 
     PRISM_INFO("http: listening on %s:%d", s->cfg.host, s->port);
     *out = s;
     return PRISM_OK;
+}
+
+static void on_resume_closed(uv_handle_t *h)
+{
+    prism_http_server_t *s = h->data;
+    s->resume_closed = true;
+    server_maybe_free(s);
 }
 
 static void on_listener_closed(uv_handle_t *h)
@@ -1099,6 +1301,7 @@ void prism_http_server_stop(prism_http_server_t *s)
 {
     if (!s || s->stopping) return;
     s->stopping = true;
+    uv_close((uv_handle_t *)&s->resume_timer, on_resume_closed);
     if (!s->listener_closing) uv_close((uv_handle_t *)&s->listener, on_listener_closed);
     s->listener_closing = true;
     /* conn_close_now may run abort callbacks, which must not free other connections: they are

@@ -7,6 +7,8 @@
  * per-connection idle timeout, a connection cap, and bounded input:
  *   - header bytes (request line + header lines) > max_header_bytes  -> 431, connection closed
  *   - body bytes > max_body_bytes (checked while the body streams in) -> 413 JSON error, closed
+ *   - body bytes held over all connections >= max_body_bytes_total     -> reading pauses (backpressure);
+ *     paused longer than max_pause_s                                   -> 503 + Retry-After, closed
  *   - headers not complete header_timeout_s after the request's first byte, or a body slower than
  *     min_body_rate on average after body_grace_s (slowloris)        -> 408, closed
  *   - chunk extensions of one request > max_header_bytes              -> 400, closed
@@ -57,9 +59,17 @@ typedef struct {
     int port;                  /* 0 = ephemeral (see prism_http_server_port) */
     size_t max_header_bytes;   /* request line + headers; 0 = 64 KiB; beyond: 431 */
     size_t max_body_bytes;     /* 0 = 64 MiB; beyond: 413 (OpenAI-style JSON error) */
-    size_t max_body_bytes_total; /* body buffer bytes held at once over all connections, charged as the
-                                * bytes arrive; 0 = 1 GiB; beyond: 503 from the header when the declared
-                                * Content-Length cannot fit now, else mid-upload */
+    size_t max_body_bytes_total; /* body bytes held at once over all connections, charged as the bytes
+                                * arrive; 0 = 1 GiB. When they are all spent, connections stop reading
+                                * their bodies (TCP backpressure) until bytes are released: only the
+                                * oldest body in progress keeps reading, so paused bodies cannot lock each
+                                * other out. A body whose declared length is over the whole budget: 503
+                                * from the header. */
+    double max_pause_s;        /* a body paused this long is answered 503 + Retry-After (after its upload,
+                                * which is read and discarded); 0 = 120 s */
+    bool lift_data_urls;       /* bodies stream through the data-URL lifter (body_lift.h): the body the
+                                * handler reads is the skeleton, images are taken with
+                                * prism_http_req_take_image */
     int max_connections;       /* 0 = 1024; beyond: accept, answer 503, close */
     double idle_timeout_s;     /* keep-alive idle timeout between requests; 0 = 60 s */
     double header_timeout_s;   /* request line + headers within this of the first byte; 0 = 30 s; else 408 */
@@ -74,6 +84,10 @@ typedef struct {
      * type AuthenticationError): the body is never read and the connection closes after the answer.
      * ud is the server's handler ud. */
     int (*on_headers)(const prism_http_req_t *r, void *ud, char *message, size_t message_len);
+    /* Optional: the caller's own backpressure. While it returns false, bodies wait as they do for a
+     * spent budget (the oldest goes on; max_pause_s applies); call prism_http_server_resume_bodies
+     * once it may return true again. Loop thread; ud is the handler's. */
+    bool (*may_read_body)(void *ud);
 } prism_http_config_t;
 
 prism_http_config_t prism_http_config_default(void);
@@ -91,11 +105,14 @@ int  prism_http_server_port(const prism_http_server_t *s);  /* the bound port (u
 size_t prism_http_server_active_connections(const prism_http_server_t *s);
 /* Request body bytes held right now (charged to max_body_bytes_total as they arrive; any thread). */
 size_t prism_http_server_body_bytes(const prism_http_server_t *s);
+/* may_read_body turned true: paused bodies go on (from the loop's next turn). Loop thread. */
+void prism_http_server_resume_bodies(prism_http_server_t *s);
 /* Requests answered with an error by the server itself, before any handler ran (counters since
  * start; the router exports them as prism:requests_refused_total). Loop thread only. */
 typedef struct {
     uint64_t body_too_large;       /* 413: max_body_bytes */
-    uint64_t body_bytes_in_flight; /* 503: max_body_bytes_total */
+    uint64_t body_bytes_in_flight; /* 503: max_body_bytes_total (from the header, or paused too long) */
+    uint64_t body_gate;            /* 503: paused by may_read_body longer than max_pause_s */
     uint64_t connections;          /* 503: max_connections */
     uint64_t malformed;            /* 400 / 431 / 417 */
 } prism_http_refusals_t;
@@ -109,8 +126,13 @@ const char *prism_http_req_query(const prism_http_req_t *r);    /* after '?', ma
 const char *prism_http_req_header(const prism_http_req_t *r, const char *name);
 /* NUL-terminated for convenience (the NUL is not counted in *len). Never NULL. */
 const char *prism_http_req_body(const prism_http_req_t *r, size_t *len);
-/* Frees the body early (e.g. once parsed) so a long streaming response does not pin it. */
+/* Frees the body early (e.g. once parsed) so a long streaming response does not pin it; with it the
+ * lifted images not taken. */
 void prism_http_req_drop_body(prism_http_req_t *r);
+/* With lift_data_urls: hands lifted image i over (see prism_lift_take; *data is the caller's to
+ * prism_free, its bytes no longer charged to the server). PRISM_EINVAL when there is no such image
+ * or it was taken already. */
+int  prism_http_req_take_image(prism_http_req_t *r, int i, uint8_t **data, size_t *len, const char **mime, bool *bad);
 int  prism_http_req_http_minor(const prism_http_req_t *r);     /* 0 for HTTP/1.0, 1 for HTTP/1.1 */
 
 void  prism_http_req_set_user(prism_http_req_t *r, void *user);

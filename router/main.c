@@ -16,6 +16,7 @@ static void stop_now(router_t *r)
 {
     router_abort_all(r);
     prism_http_server_stop(r->http);
+    r->http = NULL;  /* freed by the loop's close callbacks */
     router_ctl_stop(r);
     uv_timer_stop(&r->drain_timer);
     uv_close((uv_handle_t *)&r->drain_timer, NULL);
@@ -59,7 +60,7 @@ int main(int argc, char **argv)
     static router_t r;
     const char *model_path = "models/prism-tiny-llava", *tokenizer_path = NULL, *served = NULL, *host = "127.0.0.1",
                *control = "tcp://127.0.0.1:8100", *chat_template = NULL, *api_key = NULL, *log_level = "info",
-               *curve_keys = NULL;
+               *tool_parser = NULL, *curve_keys = NULL;
     bool insecure_no_curve = false, metrics_open = false, timing_header = false;
     int64_t port = 8000, context_length = 0, limit_mm = 8, max_pixels = 4096ll * 4096, max_running = 256,
             max_body = 64ll << 20, body_total = 1ll << 30, image_inflight = 1ll << 30, max_conn = 4096,
@@ -78,6 +79,8 @@ int main(int argc, char **argv)
         PRISM_FLAG_BOOL("insecure-no-curve", &insecure_no_curve,
                         "Unauthenticated control socket (only on an isolated network; logs a warning)"),
         PRISM_FLAG_STR("chat-template", &chat_template, "Jinja chat template file overriding the model's"),
+        PRISM_FLAG_STR("tool-call-parser", &tool_parser,
+                       "Tool-call format of the model's output: hermes or pythonic (llama4_pythonic); enables tools"),
         PRISM_FLAG_STR("api-key", &api_key, "Require 'Authorization: Bearer KEY' (all but /health, /ready, /version)"),
         PRISM_FLAG_BOOL("metrics-open", &metrics_open, "Serve /metrics without the API key"),
         PRISM_FLAG_BOOL("timing-header", &timing_header,
@@ -88,7 +91,7 @@ int main(int argc, char **argv)
         PRISM_FLAG_INT("max-image-pixels", &max_pixels, "Largest image (width*height from its header) accepted"),
         PRISM_FLAG_INT("max-running-requests", &max_running, "Requests in flight; more get 429"),
         PRISM_FLAG_BYTES("max-body-bytes", &max_body, "Largest request body; more gets 413"),
-        PRISM_FLAG_BYTES("max-body-bytes-in-flight", &body_total, "Request bodies held at once; more gets 503"),
+        PRISM_FLAG_BYTES("max-body-bytes-in-flight", &body_total, "Request body bytes held at once; beyond, uploads pause (503 after --max-queue-wait)"),
         PRISM_FLAG_BYTES("max-image-bytes-in-flight", &image_inflight, "Image bytes held at once; more gets 429"),
         PRISM_FLAG_INT("max-connections", &max_conn, "Open HTTP connections at once; more get 503"),
         PRISM_FLAG_DOUBLE("http-header-timeout", &header_timeout, "Seconds for a request's line and headers; slower gets 408"),
@@ -170,6 +173,16 @@ int main(int argc, char **argv)
             return 1;
         }
     }
+    r.tool_parser = -1;
+    if (tool_parser && (r.tool_parser = prism_toolcall_format_parse(tool_parser)) < 0) {
+        fprintf(stderr, "router: unknown --tool-call-parser '%s' (hermes, pythonic)\n", tool_parser);
+        return 2;
+    }
+    /* The grammar vocabulary for validating output constraints (the workers build their own). */
+    if (r.cfg.n_eos > 0 &&
+        prism_grammar_vocab_create(r.tok, r.cfg.eos_token_ids, (size_t)r.cfg.n_eos, (size_t)r.cfg.vocab, &r.gvocab) == PRISM_OK)
+        prism_guide_cache_create(r.gvocab, 0, 0, &r.guides);
+    if (!r.guides) PRISM_WARN("no grammar vocabulary: requests with an output constraint will be refused");
     static char name_buf[256];
     if (!served) {
         snprintf(path, sizeof(path), "%s", model_path);
@@ -221,10 +234,13 @@ int main(int argc, char **argv)
     hc.port = (int)port;
     hc.max_body_bytes = (size_t)max_body;
     hc.max_body_bytes_total = (size_t)body_total;
+    hc.max_pause_s = max_queue_wait;
+    hc.lift_data_urls = true;  /* image data URLs are decoded while the body streams in */
     hc.max_connections = (int)max_conn;
     hc.header_timeout_s = header_timeout;
     hc.min_body_rate = (size_t)min_body_rate;
     hc.on_headers = router_on_headers;
+    hc.may_read_body = router_may_read_body;
     if (prism_http_server_start(r.loop, &hc, router_on_http, &r, &r.http) != PRISM_OK) {
         PRISM_ERROR("cannot listen on %s:%lld", host, (long long)port);
         return 1;

@@ -1,8 +1,11 @@
 /* OpenAI request parsing and validation. See openai_req.h. */
 #include "openai_req.h"
 
+#include "guide/guide.h"   /* prism_guide_kind_t */
+
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define OAI_DEFAULT_MAX_IMAGES      8
@@ -118,30 +121,93 @@ static bool depth_ok(const json_t *v, int depth, int max_depth)
     return true;
 }
 
-static const char *const k_chat_fields[] = {
-    "messages", "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
-    "top_p", "top_k", "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "n", "ignore_eos",
-    "add_generation_prompt", "add_special_tokens", "skip_special_tokens", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "return_tokens_as_token_ids",
-};
-static const char *const k_completion_fields[] = {
-    "prompt", "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
-    "top_p", "top_k", "seed", "stop", "stop_token_ids", "logprobs", "n", "ignore_eos", "add_special_tokens",
-    "skip_special_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "echo", "suffix",
-    "best_of", "return_tokens_as_token_ids",
+/* ------------------------------------------------------------------ the field rule */
+
+enum { F_CHAT = 1, F_COMPL = 2, F_BOTH = 3 };
+typedef enum { F_IMPL, F_META, F_REFUSE } field_policy_t;
+
+typedef struct {
+    const char *name;
+    uint8_t where;             /* F_CHAT | F_COMPL */
+    uint8_t policy;            /* field_policy_t */
+    const char *dflt;          /* F_REFUSE: JSON of the value accepted as "not asked for" (NULL: only null) */
+} field_rule_t;
+
+/* Every field of the spec's CreateChatCompletionRequest / CreateCompletionRequest (openai-openapi
+ * 2.3.0) and the vLLM extras a vLLM user may send. */
+static const field_rule_t k_fields[] = {
+    /* implemented */
+    {"model", F_BOTH, F_IMPL, NULL}, {"messages", F_CHAT, F_IMPL, NULL}, {"prompt", F_COMPL, F_IMPL, NULL},
+    {"stream", F_BOTH, F_IMPL, NULL}, {"stream_options", F_BOTH, F_IMPL, NULL},
+    {"max_tokens", F_BOTH, F_IMPL, NULL}, {"max_completion_tokens", F_BOTH, F_IMPL, NULL},
+    {"temperature", F_BOTH, F_IMPL, NULL}, {"top_p", F_BOTH, F_IMPL, NULL}, {"top_k", F_BOTH, F_IMPL, NULL},
+    {"seed", F_BOTH, F_IMPL, NULL}, {"stop", F_BOTH, F_IMPL, NULL}, {"stop_token_ids", F_BOTH, F_IMPL, NULL},
+    {"logprobs", F_BOTH, F_IMPL, NULL}, {"top_logprobs", F_CHAT, F_IMPL, NULL}, {"n", F_BOTH, F_IMPL, NULL},
+    {"best_of", F_COMPL, F_IMPL, NULL}, {"ignore_eos", F_BOTH, F_IMPL, NULL},
+    {"presence_penalty", F_BOTH, F_IMPL, NULL}, {"frequency_penalty", F_BOTH, F_IMPL, NULL},
+    {"repetition_penalty", F_BOTH, F_IMPL, NULL}, {"logit_bias", F_BOTH, F_IMPL, NULL},
+    {"response_format", F_BOTH, F_IMPL, NULL}, {"guided_json", F_BOTH, F_IMPL, NULL},
+    {"guided_regex", F_BOTH, F_IMPL, NULL}, {"guided_choice", F_BOTH, F_IMPL, NULL},
+    {"tools", F_CHAT, F_IMPL, NULL}, {"tool_choice", F_CHAT, F_IMPL, NULL},
+    {"parallel_tool_calls", F_CHAT, F_IMPL, NULL}, {"add_generation_prompt", F_CHAT, F_IMPL, NULL},
+    {"add_special_tokens", F_BOTH, F_IMPL, NULL}, {"skip_special_tokens", F_BOTH, F_IMPL, NULL},
+    {"chat_template_kwargs", F_CHAT, F_IMPL, NULL}, {"return_tokens_as_token_ids", F_BOTH, F_IMPL, NULL},
+    /* metadata: cannot change the answer */
+    {"user", F_BOTH, F_META, NULL}, {"metadata", F_BOTH, F_META, NULL}, {"store", F_BOTH, F_META, NULL},
+    {"service_tier", F_BOTH, F_META, NULL}, {"safety_identifier", F_BOTH, F_META, NULL},
+    {"prompt_cache_key", F_BOTH, F_META, NULL}, {"prompt_cache_retention", F_BOTH, F_META, NULL},
+    {"prompt_cache_options", F_BOTH, F_META, NULL}, {"prediction", F_BOTH, F_META, NULL},
+    {"request_id", F_BOTH, F_META, NULL}, {"priority", F_BOTH, F_META, NULL},
+    /* refused: they would change the answer and are not implemented */
+    {"audio", F_CHAT, F_REFUSE, NULL}, {"modalities", F_CHAT, F_REFUSE, "[\"text\"]"},
+    {"web_search_options", F_CHAT, F_REFUSE, NULL}, {"moderation", F_CHAT, F_REFUSE, NULL},
+    {"function_call", F_CHAT, F_REFUSE, NULL}, {"functions", F_CHAT, F_REFUSE, NULL},
+    {"reasoning_effort", F_CHAT, F_REFUSE, NULL}, {"verbosity", F_CHAT, F_REFUSE, NULL},
+    {"echo", F_BOTH, F_REFUSE, "false"}, {"suffix", F_COMPL, F_REFUSE, "\"\""},
+    {"continue_final_message", F_CHAT, F_REFUSE, "false"}, {"documents", F_CHAT, F_REFUSE, NULL},
+    {"chat_template", F_CHAT, F_REFUSE, NULL}, {"min_p", F_BOTH, F_REFUSE, "0"},
+    {"min_tokens", F_BOTH, F_REFUSE, "0"}, {"use_beam_search", F_BOTH, F_REFUSE, "false"},
+    {"length_penalty", F_BOTH, F_REFUSE, "1"}, {"include_stop_str_in_output", F_BOTH, F_REFUSE, "false"},
+    {"prompt_logprobs", F_BOTH, F_REFUSE, NULL}, {"truncate_prompt_tokens", F_BOTH, F_REFUSE, NULL},
+    {"bad_words", F_BOTH, F_REFUSE, "[]"}, {"allowed_token_ids", F_BOTH, F_REFUSE, NULL},
+    {"logits_processors", F_BOTH, F_REFUSE, NULL}, {"guided_grammar", F_BOTH, F_REFUSE, NULL},
+    {"guided_decoding_backend", F_BOTH, F_REFUSE, NULL}, {"guided_whitespace_pattern", F_BOTH, F_REFUSE, NULL},
+    {"structured_outputs", F_BOTH, F_REFUSE, NULL},
+    {"spaces_between_special_tokens", F_BOTH, F_REFUSE, "true"},
 };
 
-static void log_unknown_fields(json_t *root, bool chat)
+/* Equal JSON values, numbers compared by value (1 == 1.0). */
+static bool json_same(json_t *a, json_t *b)
 {
-    const char *const *known = chat ? k_chat_fields : k_completion_fields;
-    size_t n_known = chat ? PRISM_ARRAY_LEN(k_chat_fields) : PRISM_ARRAY_LEN(k_completion_fields);
+    if (json_is_number(a) && json_is_number(b)) return json_number_value(a) == json_number_value(b);
+    return json_equal(a, b);
+}
+
+static int check_fields(json_t *root, bool chat, prism_oai_error_t *err)
+{
     const char *key;
     json_t *v;
     json_object_foreach(root, key, v) {
-        bool found = false;
-        for (size_t i = 0; i < n_known && !found; i++) found = strcmp(key, known[i]) == 0;
-        if (!found) PRISM_DEBUG("openai: ignoring unsupported field '%.64s'", key);
+        const field_rule_t *f = NULL;
+        for (size_t i = 0; i < PRISM_ARRAY_LEN(k_fields) && !f; i++)
+            if (!strcmp(key, k_fields[i].name) && (k_fields[i].where & (chat ? F_CHAT : F_COMPL))) f = &k_fields[i];
+        if (!f) {
+            PRISM_DEBUG("openai: ignoring unknown field '%.64s'", key);
+            continue;
+        }
+        if (f->policy != F_REFUSE || json_is_null(v)) continue;
+        if (f->dflt) {
+            json_t *d = json_loads(f->dflt, JSON_DECODE_ANY, NULL);
+            bool same = d && json_same(v, d);
+            json_decref(d);
+            if (same) continue;
+        }
+        char param[64];
+        snprintf(param, sizeof param, "%s", key);
+        return oai_fail(err, param, "'%s' is not supported by this server; leave it out%s%s.", key,
+                        f->dflt ? " or set it to " : "", f->dflt ? f->dflt : "");
     }
+    return PRISM_OK;
 }
 
 /* ------------------------------------------------------------------ messages */
@@ -387,7 +453,40 @@ ids:;
     return PRISM_OK;
 }
 
-static int parse_sampling(json_t *root, bool chat, prism_oai_request_t *out, prism_oai_error_t *err)
+/* logit_bias: {"token id": bias}, ids as decimal strings, bias in [-100, 100]. */
+static int parse_logit_bias(json_t *root, prism_oai_request_t *out, int vocab, prism_oai_error_t *err)
+{
+    json_t *lb = field(root, "logit_bias");
+    if (!lb) return PRISM_OK;
+    if (!json_is_object(lb))
+        return oai_fail(err, "logit_bias", "'logit_bias' must be an object mapping token ids to a bias, got %s.",
+                        json_type_name(lb));
+    size_t n = json_object_size(lb);
+    if (n > PRISM_OAI_MAX_LOGIT_BIAS)
+        return oai_fail(err, "logit_bias", "'logit_bias' may have at most %d entries, got %zu.", PRISM_OAI_MAX_LOGIT_BIAS, n);
+    const char *k;
+    json_t *v;
+    json_object_foreach(lb, k, v) {
+        char *end = NULL;
+        long long id = strtoll(k, &end, 10);
+        if (!*k || *end || id < 0 || id > INT32_MAX || (k[0] == '0' && k[1]) || k[0] == '+' || k[0] == ' ')
+            return oai_fail(err, "logit_bias", "'logit_bias' keys must be token ids (non-negative integers), got '%.32s'.", k);
+        if (vocab > 0 && id >= vocab)
+            return oai_fail(err, "logit_bias", "Token id %lld in 'logit_bias' is out of vocabulary (%d tokens).", id, vocab);
+        if (!json_is_number(v))
+            return oai_fail(err, "logit_bias", "'logit_bias' values must be numbers, got %s for token %lld.",
+                            json_type_name(v), id);
+        double b = json_number_value(v);
+        if (!(b >= -100 && b <= 100))
+            return oai_fail(err, "logit_bias", "'logit_bias' values must be in [-100, 100], got %g for token %lld.", b, id);
+        out->logit_bias_ids[out->n_logit_bias] = (int32_t)id;
+        out->logit_bias_values[out->n_logit_bias] = (float)b;
+        out->n_logit_bias++;
+    }
+    return PRISM_OK;
+}
+
+static int parse_sampling(json_t *root, bool chat, int vocab, prism_oai_request_t *out, prism_oai_error_t *err)
 {
     int rc;
     bool present;
@@ -400,6 +499,12 @@ static int parse_sampling(json_t *root, bool chat, prism_oai_request_t *out, pri
         if (!json_is_object(so))
             return oai_fail(err, "stream_options", "'stream_options' must be an object, got %s.", json_type_name(so));
         if ((rc = get_bool(so, "include_usage", &out->include_usage, err))) return rc;
+        bool continuous = false;
+        if ((rc = get_bool(so, "continuous_usage_stats", &continuous, err))) return rc;
+        if (continuous)
+            return oai_fail(err, "stream_options.continuous_usage_stats",
+                            "'stream_options.continuous_usage_stats' is not supported by this server; usage comes "
+                            "in the last chunk (include_usage).");
     }
 
     int64_t mt = -1;
@@ -421,7 +526,9 @@ static int parse_sampling(json_t *root, bool chat, prism_oai_request_t *out, pri
     if (out->temperature < 0)
         return oai_fail(err, "temperature", "temperature must be non-negative, got %g.", out->temperature);
     if ((rc = get_number(root, "top_p", &out->top_p, NULL, err))) return rc;
-    if (!(out->top_p > 0 && out->top_p <= 1)) return oai_fail(err, "top_p", "top_p must be in (0, 1], got %g.", out->top_p);
+    if (!(out->top_p >= 0 && out->top_p <= 1)) return oai_fail(err, "top_p", "top_p must be in [0, 1], got %g.", out->top_p);
+    /* top_p 0 keeps only the most likely token (OpenAI treats it as greedy) */
+    out->greedy = out->top_p == 0 || out->temperature == 0;
     if ((rc = get_int(root, "top_k", &iv, &present, err))) return rc;
     if (present) {
         if (iv < -1) return oai_fail(err, "top_k", "top_k must be -1 or 0 (disable), or at least 1, got %lld.", (long long)iv);
@@ -442,16 +549,17 @@ static int parse_sampling(json_t *root, bool chat, prism_oai_request_t *out, pri
 
     if ((rc = get_int(root, "n", &iv, &present, err))) return rc;
     if (present) {
-        if (iv < 1) return oai_fail(err, "n", "n must be at least 1, got %lld.", (long long)iv);
-        if (iv > 1) return oai_fail(err, "n", "n must be 1 (one choice per request is supported), got %lld.", (long long)iv);
+        if (iv < 1 || iv > PRISM_OAI_MAX_N)
+            return oai_fail(err, "n", "n must be between 1 and %d, got %lld.", PRISM_OAI_MAX_N, (long long)iv);
+        out->n = (int)iv;
     }
     if (!chat) {
+        /* best_of > n would rank candidates by likelihood: not implemented (vLLM's V1 engine
+         * dropped it too); best_of == n is plain n. */
         if ((rc = get_int(root, "best_of", &iv, &present, err))) return rc;
-        if (present && iv != 1) return oai_fail(err, "best_of", "best_of must be 1 (one choice per request is supported), got %lld.", (long long)iv);
-        bool echo = false;
-        if ((rc = get_bool(root, "echo", &echo, err))) return rc;
-        if (echo) return oai_fail(err, "echo", "'echo' is not supported.");
-        if (field(root, "suffix")) return oai_fail(err, "suffix", "suffix is not currently supported");
+        if (present && iv != out->n)
+            return oai_fail(err, "best_of", "best_of must equal n (%d) on this server, got %lld: ranking candidates "
+                            "is not supported.", out->n, (long long)iv);
     }
 
     if (chat) {
@@ -478,12 +586,241 @@ static int parse_sampling(json_t *root, bool chat, prism_oai_request_t *out, pri
         }
     }
 
+    if ((rc = parse_logit_bias(root, out, vocab, err))) return rc;
     if ((rc = get_bool(root, "ignore_eos", &out->ignore_eos, err))) return rc;
     if ((rc = get_bool(root, "add_special_tokens", &out->add_special_tokens, err))) return rc;
     if ((rc = get_bool(root, "skip_special_tokens", &out->skip_special_tokens, err))) return rc;
     if ((rc = get_bool(root, "return_tokens_as_token_ids", &out->return_tokens_as_token_ids, err))) return rc;
     if (chat && (rc = get_bool(root, "add_generation_prompt", &out->add_generation_prompt, err))) return rc;
     return parse_stop(root, out, err);
+}
+
+/* ------------------------------------------------------------------ output constraints */
+
+static int set_guide(prism_oai_request_t *out, int kind, const char *text, size_t len, char *owned, const char *param,
+                     prism_oai_error_t *err)
+{
+    if (out->guide_kind) {
+        prism_free(owned);
+        return oai_fail(err, param, "Only one of response_format (json_object / json_schema), guided_json, "
+                        "guided_regex and guided_choice may be given; got %s and %s.", out->guide_param, param);
+    }
+    out->guide_kind = kind;
+    out->guide_text = text ? text : "";
+    out->guide_len = text ? len : 0;
+    out->guide_owned = owned;
+    out->guide_param = param;
+    return PRISM_OK;
+}
+
+/* Compact JSON text of v in a prism_malloc'd string (whatever allocator jansson was given). */
+static char *dump_json(json_t *v, size_t *len)
+{
+    size_t n = json_dumpb(v, NULL, 0, JSON_COMPACT | JSON_ENCODE_ANY);
+    char *s = n ? prism_malloc(n + 1) : NULL;
+    if (!s) return NULL;
+    json_dumpb(v, s, n, JSON_COMPACT | JSON_ENCODE_ANY);
+    s[n] = 0;
+    if (len) *len = n;
+    return s;
+}
+
+static int guide_json_text(json_t *v, char **owned, const char **text, size_t *len)
+{
+    *owned = dump_json(v, len);
+    if (!*owned) return PRISM_ENOMEM;
+    *text = *owned;
+    return PRISM_OK;
+}
+
+static int oom(prism_oai_error_t *err)
+{
+    oai_fail(err, NULL, "Out of memory.");
+    if (err) err->status = 500;
+    return PRISM_ENOMEM;
+}
+
+static int parse_guides(json_t *root, prism_oai_request_t *out, prism_oai_error_t *err)
+{
+    int rc;
+    char *owned;
+    const char *text;
+    size_t len;
+    json_t *rf = field(root, "response_format");
+    if (rf) {
+        json_t *type = json_is_object(rf) ? json_object_get(rf, "type") : NULL;
+        if (!json_is_string(type))
+            return oai_fail(err, "response_format", "'response_format' must be an object with a string 'type' "
+                            "(text, json_object or json_schema).");
+        const char *t = json_string_value(type);
+        if (!strcmp(t, "json_object")) {
+            if ((rc = set_guide(out, PRISM_GUIDE_JSON_OBJECT, NULL, 0, NULL, "response_format", err))) return rc;
+        } else if (!strcmp(t, "json_schema")) {
+            json_t *js = json_object_get(rf, "json_schema");
+            if (!json_is_object(js))
+                return oai_fail(err, "response_format.json_schema", "'response_format.json_schema' must be an object "
+                                "with 'name' and 'schema'.");
+            json_t *name = json_object_get(js, "name"), *schema = field(js, "schema"), *strict = field(js, "strict");
+            if (!json_is_string(name) || json_string_length(name) == 0 || json_string_length(name) > 64)
+                return oai_fail(err, "response_format.json_schema.name",
+                                "'response_format.json_schema.name' must be a string of 1 to 64 characters.");
+            if (strict && !json_is_boolean(strict))
+                return oai_fail(err, "response_format.json_schema.strict",
+                                "'response_format.json_schema.strict' must be a boolean.");
+            if (schema && !json_is_object(schema))
+                return oai_fail(err, "response_format.json_schema.schema",
+                                "'response_format.json_schema.schema' must be a JSON Schema object, got %s.",
+                                json_type_name(schema));
+            /* no schema: any JSON value. strict or not, the schema is enforced (as strict mode). */
+            if (schema) {
+                if (guide_json_text(schema, &owned, &text, &len)) return oom(err);
+            } else {
+                owned = prism_strdup("{}");
+                if (!owned) return oom(err);
+                text = owned;
+                len = 2;
+            }
+            if ((rc = set_guide(out, PRISM_GUIDE_JSON_SCHEMA, text, len, owned, "response_format.json_schema.schema", err)))
+                return rc;
+        } else if (strcmp(t, "text")) {
+            return oai_fail(err, "response_format.type", "Unsupported response_format type '%.64s'; expected text, "
+                            "json_object or json_schema.", t);
+        }
+    }
+    json_t *gj = field(root, "guided_json");
+    if (gj) {
+        if (json_is_string(gj)) {
+            if (strlen(json_string_value(gj)) != json_string_length(gj))
+                return oai_fail(err, "guided_json", "'guided_json' must not contain NUL characters.");
+            owned = prism_strdup(json_string_value(gj));
+            if (!owned) return oom(err);
+            text = owned;
+            len = json_string_length(gj);
+        } else if (json_is_object(gj)) {
+            if (guide_json_text(gj, &owned, &text, &len)) return oom(err);
+        } else {
+            return oai_fail(err, "guided_json", "'guided_json' must be a JSON Schema (object or string), got %s.",
+                            json_type_name(gj));
+        }
+        if ((rc = set_guide(out, PRISM_GUIDE_JSON_SCHEMA, text, len, owned, "guided_json", err))) return rc;
+    }
+    json_t *gr = field(root, "guided_regex");
+    if (gr) {
+        if (!json_is_string(gr) || json_string_length(gr) == 0)
+            return oai_fail(err, "guided_regex", "'guided_regex' must be a non-empty string.");
+        if (strlen(json_string_value(gr)) != json_string_length(gr))
+            return oai_fail(err, "guided_regex", "'guided_regex' must not contain NUL characters.");
+        if ((rc = set_guide(out, PRISM_GUIDE_REGEX, json_string_value(gr), json_string_length(gr), NULL,
+                            "guided_regex", err)))
+            return rc;
+    }
+    json_t *gc = field(root, "guided_choice");
+    if (gc) {
+        size_t n = json_is_array(gc) ? json_array_size(gc) : 0;
+        if (n == 0 || n > PRISM_OAI_MAX_CHOICES)
+            return oai_fail(err, "guided_choice", "'guided_choice' must be a list of 1 to %d strings.", PRISM_OAI_MAX_CHOICES);
+        for (size_t i = 0; i < n; i++)
+            if (!json_is_string(json_array_get(gc, i)))
+                return oai_fail(err, "guided_choice", "'guided_choice' must contain only strings (item %zu is %s).", i,
+                                json_type_name(json_array_get(gc, i)));
+        if (guide_json_text(gc, &owned, &text, &len)) return oom(err);
+        if ((rc = set_guide(out, PRISM_GUIDE_CHOICE, text, len, owned, "guided_choice", err))) return rc;
+    }
+    return PRISM_OK;
+}
+
+static bool valid_function_name(const char *s, size_t n)
+{
+    if (n == 0 || n > 64) return false;
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-'))
+            return false;
+    }
+    return true;
+}
+
+static int parse_tools(json_t *root, prism_oai_request_t *out, prism_oai_error_t *err)
+{
+    int rc;
+    char param[96];
+    json_t *tools = field(root, "tools");
+    if (tools) {
+        if (!json_is_array(tools)) return oai_fail(err, "tools", "'tools' must be a list, got %s.", json_type_name(tools));
+        size_t n = json_array_size(tools);
+        if (n > PRISM_OAI_MAX_TOOLS)
+            return oai_fail(err, "tools", "'tools' may have at most %d entries, got %zu.", PRISM_OAI_MAX_TOOLS, n);
+        for (size_t i = 0; i < n; i++) {
+            json_t *t = json_array_get(tools, i);
+            snprintf(param, sizeof param, "tools[%zu]", i);
+            if (!json_is_object(t)) return oai_fail(err, param, "%s must be an object.", param);
+            json_t *type = json_object_get(t, "type");
+            snprintf(param, sizeof param, "tools[%zu].type", i);
+            if (!json_is_string(type) || strcmp(json_string_value(type), "function"))
+                return oai_fail(err, param, "%s must be \"function\"%s.", param,
+                                json_is_string(type) ? " (custom tools are not supported by this server)" : "");
+            json_t *fn = json_object_get(t, "function");
+            snprintf(param, sizeof param, "tools[%zu].function", i);
+            if (!json_is_object(fn)) return oai_fail(err, param, "%s must be an object.", param);
+            json_t *name = json_object_get(fn, "name");
+            snprintf(param, sizeof param, "tools[%zu].function.name", i);
+            if (!json_is_string(name) || !valid_function_name(json_string_value(name), json_string_length(name)))
+                return oai_fail(err, param, "%s must be 1 to 64 characters of a-z, A-Z, 0-9, '_' and '-'.", param);
+            json_t *params = field(fn, "parameters");
+            snprintf(param, sizeof param, "tools[%zu].function.parameters", i);
+            if (params && !json_is_object(params))
+                return oai_fail(err, param, "%s must be a JSON Schema object, got %s.", param, json_type_name(params));
+            json_t *strict = field(fn, "strict");
+            snprintf(param, sizeof param, "tools[%zu].function.strict", i);
+            if (strict && !json_is_boolean(strict)) return oai_fail(err, param, "%s must be a boolean.", param);
+        }
+        if (n) {
+            out->tools = tools;
+            out->n_tools = (int)n;
+            size_t len = 0;
+            out->tools_text = dump_json(tools, &len);
+            if (!out->tools_text) return oom(err);
+            if (len > PRISM_OAI_MAX_TOOLS_BYTES)
+                return oai_fail(err, "tools", "'tools' is %zu bytes of JSON; the limit is %u.", len, PRISM_OAI_MAX_TOOLS_BYTES);
+        }
+    }
+    if ((rc = get_bool(root, "parallel_tool_calls", &out->parallel_tool_calls, err))) return rc;
+    json_t *tc = field(root, "tool_choice");
+    out->tool_choice = out->n_tools ? PRISM_OAI_TOOL_AUTO : PRISM_OAI_TOOL_NONE;
+    if (tc) {
+        if (json_is_string(tc)) {
+            const char *c = json_string_value(tc);
+            if (!strcmp(c, "none")) out->tool_choice = PRISM_OAI_TOOL_NONE;
+            else if (!strcmp(c, "auto")) out->tool_choice = out->n_tools ? PRISM_OAI_TOOL_AUTO : PRISM_OAI_TOOL_NONE;
+            else if (!strcmp(c, "required")) out->tool_choice = PRISM_OAI_TOOL_REQUIRED;
+            else return oai_fail(err, "tool_choice", "'tool_choice' must be none, auto, required or a function, got '%.64s'.", c);
+        } else if (json_is_object(tc)) {
+            json_t *type = json_object_get(tc, "type"), *fn = json_object_get(tc, "function");
+            json_t *name = json_is_object(fn) ? json_object_get(fn, "name") : NULL;
+            if (!json_is_string(type) || strcmp(json_string_value(type), "function") || !json_is_string(name))
+                return oai_fail(err, "tool_choice", "'tool_choice' must be none, auto, required or "
+                                "{\"type\": \"function\", \"function\": {\"name\": ...}} (allowed_tools and custom "
+                                "tools are not supported by this server).");
+            out->tool_choice = PRISM_OAI_TOOL_NAMED;
+            out->tool_name = json_string_value(name);
+            bool found = false;
+            for (int i = 0; i < out->n_tools && !found; i++) {
+                json_t *nm = json_object_get(json_object_get(json_array_get(out->tools, (size_t)i), "function"), "name");
+                found = !strcmp(json_string_value(nm), out->tool_name);
+            }
+            if (!found)
+                return oai_fail(err, "tool_choice", "tool_choice names the function '%.64s', which is not in 'tools'.",
+                                out->tool_name);
+        } else {
+            return oai_fail(err, "tool_choice", "'tool_choice' must be a string or an object, got %s.", json_type_name(tc));
+        }
+    }
+    if (out->tool_choice == PRISM_OAI_TOOL_REQUIRED && !out->n_tools)
+        return oai_fail(err, "tool_choice", "tool_choice \"required\" needs at least one tool in 'tools'.");
+    if (out->tool_choice != PRISM_OAI_TOOL_NONE && out->guide_kind)
+        return oai_fail(err, "tool_choice", "%s cannot be combined with tool calling; set tool_choice to \"none\" "
+                        "or leave the output constraint out.", out->guide_param);
+    return PRISM_OK;
 }
 
 /* ------------------------------------------------------------------ entry points */
@@ -509,6 +846,7 @@ int prism_oai_parse(const char *body, size_t len, bool chat, const prism_oai_par
     out->add_generation_prompt = true;
     out->add_special_tokens = !chat;
     out->skip_special_tokens = true;
+    out->parallel_tool_calls = true;
 
     int rc;
     json_error_t je;
@@ -529,12 +867,15 @@ int prism_oai_parse(const char *body, size_t len, bool chat, const prism_oai_par
         goto fail;
     }
     out->model = model ? json_string_value(model) : NULL;
+    if ((rc = check_fields(root, chat, err))) goto fail;
 
     rc = chat ? parse_messages(root, out, &o, err) : parse_prompt(root, out, &o, err);
     if (rc) goto fail;
-    rc = parse_sampling(root, chat, out, err);
+    rc = parse_sampling(root, chat, o.vocab, out, err);
     if (rc) goto fail;
-    log_unknown_fields(root, chat);
+    rc = parse_guides(root, out, err);
+    if (rc) goto fail;
+    if (chat && (rc = parse_tools(root, out, err))) goto fail;
     return PRISM_OK;
 fail:
     prism_oai_request_free(out);
@@ -549,6 +890,8 @@ void prism_oai_request_free(prism_oai_request_t *r)
         prism_free(r->messages);
     }
     prism_free(r->prompt_token_ids);
+    prism_free(r->guide_owned);
+    prism_free(r->tools_text);
     if (r->root) json_decref(r->root);
     bool chat = r->chat;
     memset(r, 0, sizeof *r);

@@ -5,9 +5,23 @@
  * a prism_oai_request_t, or fills a prism_oai_error_t with a 400 and a vLLM-style message
  * ("'messages' is a required property", "max_tokens must be at least 1, got -5.") naming the
  * offending field in `param`. Strings in the result point into out->root (a jansson tree) and live
- * until prism_oai_request_free(). Unknown top-level fields are accepted and logged at debug level.
+ * until prism_oai_request_free().
+ *
+ * The field rule: every field of the OpenAI spec's CreateChatCompletionRequest /
+ * CreateCompletionRequest (and every vLLM extra a vLLM user may send) is either implemented,
+ * accepted as metadata that cannot change the answer (user, metadata, store, service_tier,
+ * prompt_cache_key, safety_identifier, prediction), or refused with a 400 naming it — never
+ * accepted and ignored where it would change the result. A refused field sent as null or as its
+ * default value (min_p: 0, echo: false, ...) is accepted. Fields neither the spec nor vLLM
+ * defines are accepted and logged at debug level (as vLLM does). The table is k_fields in
+ * openai_req.c; README lists the implemented ones.
+ *
+ * Output constraints are parsed and their shape checked here (response_format, guided_json /
+ * guided_regex / guided_choice, tools / tool_choice); the router compiles them (guide.h) and
+ * answers a bad schema with a 400 naming guide_param.
+ *
  * Bounds: messages, stop strings and their length, stop token ids, prompt token ids, images per
- * request, JSON nesting depth (see prism_oai_parse_opts_t).
+ * request, logit_bias entries, tools, n, JSON nesting depth (see prism_oai_parse_opts_t).
  */
 #ifndef PRISM_ROUTER_OPENAI_REQ_H
 #define PRISM_ROUTER_OPENAI_REQ_H
@@ -20,6 +34,18 @@
 #define PRISM_OAI_MAX_STOP_LEN       1024
 #define PRISM_OAI_MAX_STOP_TOKEN_IDS 16
 #define PRISM_OAI_MAX_TOP_LOGPROBS   20
+#define PRISM_OAI_MAX_LOGIT_BIAS     300
+#define PRISM_OAI_MAX_N              128
+#define PRISM_OAI_MAX_TOOLS          128
+#define PRISM_OAI_MAX_TOOLS_BYTES    (1u << 20)   /* the tools array as JSON text (it travels to the workers) */
+#define PRISM_OAI_MAX_CHOICES        1024   /* guided_choice strings */
+
+typedef enum {
+    PRISM_OAI_TOOL_NONE = 0,     /* no tool calls: tools (if any) only reach the chat template */
+    PRISM_OAI_TOOL_AUTO,         /* the model may call tools: its output is parsed for calls */
+    PRISM_OAI_TOOL_REQUIRED,     /* at least one call, forced by a grammar */
+    PRISM_OAI_TOOL_NAMED,        /* a call of tool_name, forced by a grammar */
+} prism_oai_tool_choice_t;
 
 /* ------------------------------------------------------------------ parsing */
 
@@ -77,7 +103,24 @@ typedef struct {
     int n_stop_token_ids;
     bool logprobs;            /* chat: logprobs:true; completions: logprobs:int present */
     int top_logprobs;         /* 0..20 */
-    int n;                    /* always 1 (n > 1 is rejected) */
+    int n;                    /* choices, 1..PRISM_OAI_MAX_N (completions best_of must equal it) */
+    bool greedy;              /* top_p: 0 (as OpenAI, greedy) or temperature 0 */
+    int n_logit_bias;
+    int32_t logit_bias_ids[PRISM_OAI_MAX_LOGIT_BIAS];   /* < opts.vocab when it is set */
+    float logit_bias_values[PRISM_OAI_MAX_LOGIT_BIAS];  /* [-100, 100] */
+    /* output constraint (prism_guide_kind_t in guide/guide.h; 0 = none) */
+    int guide_kind;
+    const char *guide_text;   /* schema / regex / JSON array of choices (NUL-terminated) */
+    size_t guide_len;
+    const char *guide_param;  /* the field it came from, for errors ("response_format.json_schema.schema") */
+    char *guide_owned;        /* guide_text when the parser serialised it */
+    /* tools (chat) */
+    json_t *tools;            /* borrowed from root; NULL when absent */
+    char *tools_text;         /* the tools array as compact JSON text (forced calls travel as it) */
+    int n_tools;
+    int tool_choice;          /* prism_oai_tool_choice_t */
+    const char *tool_name;    /* NAMED: the function */
+    bool parallel_tool_calls; /* default true */
     bool ignore_eos;          /* vLLM extension */
     bool add_generation_prompt; /* chat, default true (vLLM extension) */
     bool add_special_tokens;  /* vLLM extension: default false for chat, true for completions */
@@ -98,6 +141,7 @@ typedef struct {
     int max_messages;         /* 0 = 4096 */
     int max_depth;            /* JSON nesting depth; 0 = 64 */
     int max_prompt_token_ids; /* 0 = 1 << 20 */
+    int vocab;                /* logit_bias ids must be below it; 0 = not checked */
 } prism_oai_parse_opts_t;
 
 /* opts may be NULL (defaults). On failure returns PRISM_EINVAL (or PRISM_ENOMEM), fills err and

@@ -251,7 +251,7 @@ int prism_oai_write_logprobs(prism_buf_t *b, const prism_oai_logprobs_t *lp)
     if (lp->chat) {
         rc = prism_buf_append_str(b, "{\"content\":[");
         if (!rc) rc = append_buf(b, &lp->content);
-        if (!rc) rc = prism_buf_append_str(b, "]}");
+        if (!rc) rc = prism_buf_append_str(b, "],\"refusal\":null}");
         return rc;
     }
     rc = prism_buf_append_str(b, "{\"tokens\":[");
@@ -277,18 +277,69 @@ static int write_tail(prism_buf_t *b, const prism_oai_logprobs_t *lp, const char
     return rc;
 }
 
-int prism_oai_write_chat_chunk(prism_buf_t *b, const prism_oai_resp_meta_t *m, bool role, const char *content,
-                               size_t content_len, const prism_oai_logprobs_t *lp, const char *finish_reason)
+static int write_tool_delta(prism_buf_t *b, const prism_oai_tool_delta_t *t)
+{
+    int rc = prism_buf_appendf(b, "{\"index\":%d", t->index);
+    if (!rc && t->id) {
+        rc = prism_buf_append_str(b, ",\"id\":");
+        if (!rc) rc = prism_json_cstr(b, t->id);
+        if (!rc) rc = prism_buf_append_str(b, ",\"type\":\"function\"");
+    }
+    if (!rc) rc = prism_buf_append_str(b, ",\"function\":{");
+    if (!rc && t->name) {
+        rc = prism_buf_append_str(b, "\"name\":");
+        if (!rc) rc = prism_json_cstr(b, t->name);
+        if (!rc) rc = prism_buf_append(b, ",", 1);
+    }
+    if (!rc) rc = prism_buf_append_str(b, "\"arguments\":");
+    if (!rc) rc = prism_json_string(b, t->arguments ? t->arguments : "", t->arguments ? t->arguments_len : 0);
+    if (!rc) rc = prism_buf_append_str(b, "}}");
+    return rc;
+}
+
+int prism_oai_write_chat_delta(prism_buf_t *b, const prism_oai_resp_meta_t *m, const prism_oai_delta_t *d)
 {
     int rc = prism_buf_append(b, "data: ", 6);
     if (!rc) rc = write_head(b, m, "chat.completion.chunk");
-    if (!rc) rc = prism_buf_append_str(b, ",\"choices\":[{\"index\":0,\"delta\":{");
-    if (!rc && role) rc = prism_buf_append_str(b, content ? "\"role\":\"assistant\"," : "\"role\":\"assistant\"");
-    if (!rc && content) {
-        rc = prism_buf_append_str(b, "\"content\":");
-        if (!rc) rc = prism_json_string(b, content, content_len);
+    if (!rc) rc = prism_buf_appendf(b, ",\"choices\":[{\"index\":%d,\"delta\":{", d->index);
+    bool comma = false;
+    if (!rc && d->role) {
+        rc = prism_buf_append_str(b, "\"role\":\"assistant\"");
+        comma = true;
+    }
+    if (!rc && d->content) {
+        rc = prism_buf_append_str(b, comma ? ",\"content\":" : "\"content\":");
+        if (!rc) rc = prism_json_string(b, d->content, d->len);
+        comma = true;
+    }
+    if (!rc && d->n_tool_calls > 0) {
+        rc = prism_buf_append_str(b, comma ? ",\"tool_calls\":[" : "\"tool_calls\":[");
+        for (int i = 0; !rc && i < d->n_tool_calls; i++) {
+            if (i) rc = prism_buf_append(b, ",", 1);
+            if (!rc) rc = write_tool_delta(b, &d->tool_calls[i]);
+        }
+        if (!rc) rc = prism_buf_append(b, "]", 1);
     }
     if (!rc) rc = prism_buf_append(b, "}", 1);
+    if (!rc) rc = write_tail(b, d->lp, d->finish_reason);
+    if (!rc) rc = prism_buf_append_str(b, "}]}\n\n");
+    return rc;
+}
+
+int prism_oai_write_chat_chunk(prism_buf_t *b, const prism_oai_resp_meta_t *m, bool role, const char *content,
+                               size_t content_len, const prism_oai_logprobs_t *lp, const char *finish_reason)
+{
+    prism_oai_delta_t d = {.role = role, .content = content, .len = content_len, .lp = lp, .finish_reason = finish_reason};
+    return prism_oai_write_chat_delta(b, m, &d);
+}
+
+int prism_oai_write_completion_chunk_at(prism_buf_t *b, const prism_oai_resp_meta_t *m, int index, const char *text,
+                                        size_t len, const prism_oai_logprobs_t *lp, const char *finish_reason)
+{
+    int rc = prism_buf_append(b, "data: ", 6);
+    if (!rc) rc = write_head(b, m, "text_completion");
+    if (!rc) rc = prism_buf_appendf(b, ",\"choices\":[{\"index\":%d,\"text\":", index);
+    if (!rc) rc = prism_json_string(b, text ? text : "", text ? len : 0);
     if (!rc) rc = write_tail(b, lp, finish_reason);
     if (!rc) rc = prism_buf_append_str(b, "}]}\n\n");
     return rc;
@@ -297,13 +348,7 @@ int prism_oai_write_chat_chunk(prism_buf_t *b, const prism_oai_resp_meta_t *m, b
 int prism_oai_write_completion_chunk(prism_buf_t *b, const prism_oai_resp_meta_t *m, const char *text, size_t len,
                                      const prism_oai_logprobs_t *lp, const char *finish_reason)
 {
-    int rc = prism_buf_append(b, "data: ", 6);
-    if (!rc) rc = write_head(b, m, "text_completion");
-    if (!rc) rc = prism_buf_append_str(b, ",\"choices\":[{\"index\":0,\"text\":");
-    if (!rc) rc = prism_json_string(b, text ? text : "", text ? len : 0);
-    if (!rc) rc = write_tail(b, lp, finish_reason);
-    if (!rc) rc = prism_buf_append_str(b, "}]}\n\n");
-    return rc;
+    return prism_oai_write_completion_chunk_at(b, m, 0, text, len, lp, finish_reason);
 }
 
 int prism_oai_write_usage_chunk(prism_buf_t *b, const prism_oai_resp_meta_t *m, const prism_oai_usage_t *u)
@@ -316,18 +361,73 @@ int prism_oai_write_usage_chunk(prism_buf_t *b, const prism_oai_resp_meta_t *m, 
     return rc;
 }
 
+int prism_oai_write_response_begin(prism_buf_t *b, const prism_oai_resp_meta_t *m)
+{
+    int rc = write_head(b, m, m->chat ? "chat.completion" : "text_completion");
+    if (!rc) rc = prism_buf_append_str(b, ",\"choices\":[");
+    return rc;
+}
+
+/* a comma before every choice but the first of the array */
+static int choice_sep(prism_buf_t *b)
+{
+    return b->len && b->data[b->len - 1] != '[' ? prism_buf_append(b, ",", 1) : PRISM_OK;
+}
+
+int prism_oai_write_chat_choice(prism_buf_t *b, const prism_oai_choice_t *c)
+{
+    int rc = choice_sep(b);
+    if (!rc) rc = prism_buf_appendf(b, "{\"index\":%d,\"message\":{\"role\":\"assistant\",\"content\":", c->index);
+    if (!rc) rc = c->content ? prism_json_string(b, c->content, c->len) : prism_buf_append_str(b, "null");
+    if (!rc) rc = prism_buf_append_str(b, ",\"refusal\":null");
+    if (!rc && c->n_tool_calls > 0) {
+        rc = prism_buf_append_str(b, ",\"tool_calls\":[");
+        for (int i = 0; !rc && i < c->n_tool_calls; i++) {
+            const prism_oai_tool_call_t *t = &c->tool_calls[i];
+            if (i) rc = prism_buf_append(b, ",", 1);
+            if (!rc) rc = prism_buf_append_str(b, "{\"id\":");
+            if (!rc) rc = prism_json_cstr(b, t->id);
+            if (!rc) rc = prism_buf_append_str(b, ",\"type\":\"function\",\"function\":{\"name\":");
+            if (!rc) rc = prism_json_cstr(b, t->name);
+            if (!rc) rc = prism_buf_append_str(b, ",\"arguments\":");
+            if (!rc) rc = prism_json_string(b, t->arguments ? t->arguments : "", t->arguments ? t->arguments_len : 0);
+            if (!rc) rc = prism_buf_append_str(b, "}}");
+        }
+        if (!rc) rc = prism_buf_append(b, "]", 1);
+    }
+    if (!rc) rc = prism_buf_append(b, "}", 1);
+    if (!rc) rc = write_tail(b, c->lp, c->finish_reason);
+    if (!rc) rc = prism_buf_append(b, "}", 1);
+    return rc;
+}
+
+int prism_oai_write_completion_choice(prism_buf_t *b, const prism_oai_choice_t *c)
+{
+    int rc = choice_sep(b);
+    if (!rc) rc = prism_buf_appendf(b, "{\"index\":%d,\"text\":", c->index);
+    if (!rc) rc = prism_json_string(b, c->content ? c->content : "", c->content ? c->len : 0);
+    if (!rc) rc = write_tail(b, c->lp, c->finish_reason);
+    if (!rc) rc = prism_buf_append(b, "}", 1);
+    return rc;
+}
+
+int prism_oai_write_response_end(prism_buf_t *b, const prism_oai_usage_t *u)
+{
+    int rc = prism_buf_append_str(b, "],\"usage\":");
+    if (!rc) rc = prism_oai_write_usage(b, u);
+    if (!rc) rc = prism_buf_append(b, "}", 1);
+    return rc;
+}
+
 int prism_oai_write_chat_response(prism_buf_t *b, const prism_oai_resp_meta_t *m, const char *content, size_t len,
                                   const prism_oai_logprobs_t *lp, const char *finish_reason,
                                   const prism_oai_usage_t *u)
 {
-    int rc = write_head(b, m, "chat.completion");
-    if (!rc) rc = prism_buf_append_str(b, ",\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":");
-    if (!rc) rc = prism_json_string(b, content ? content : "", content ? len : 0);
-    if (!rc) rc = prism_buf_append(b, "}", 1);
-    if (!rc) rc = write_tail(b, lp, finish_reason);
-    if (!rc) rc = prism_buf_append_str(b, "}],\"usage\":");
-    if (!rc) rc = prism_oai_write_usage(b, u);
-    if (!rc) rc = prism_buf_append(b, "}", 1);
+    prism_oai_choice_t c = {.content = content ? content : "", .len = content ? len : 0, .lp = lp,
+                            .finish_reason = finish_reason};
+    int rc = prism_oai_write_response_begin(b, m);
+    if (!rc) rc = prism_oai_write_chat_choice(b, &c);
+    if (!rc) rc = prism_oai_write_response_end(b, u);
     return rc;
 }
 
@@ -335,12 +435,9 @@ int prism_oai_write_completion_response(prism_buf_t *b, const prism_oai_resp_met
                                         size_t len, const prism_oai_logprobs_t *lp, const char *finish_reason,
                                         const prism_oai_usage_t *u)
 {
-    int rc = write_head(b, m, "text_completion");
-    if (!rc) rc = prism_buf_append_str(b, ",\"choices\":[{\"index\":0,\"text\":");
-    if (!rc) rc = prism_json_string(b, text ? text : "", text ? len : 0);
-    if (!rc) rc = write_tail(b, lp, finish_reason);
-    if (!rc) rc = prism_buf_append_str(b, "}],\"usage\":");
-    if (!rc) rc = prism_oai_write_usage(b, u);
-    if (!rc) rc = prism_buf_append(b, "}", 1);
+    prism_oai_choice_t c = {.content = text, .len = len, .lp = lp, .finish_reason = finish_reason};
+    int rc = prism_oai_write_response_begin(b, m);
+    if (!rc) rc = prism_oai_write_completion_choice(b, &c);
+    if (!rc) rc = prism_oai_write_response_end(b, u);
     return rc;
 }

@@ -6,13 +6,20 @@
  * (maximal-subpart rule, like Python's errors="replace"), so the output is always valid JSON.
  * Floats: -inf/NaN logprobs are floored to -9999.0.
  *
- * Usage (streaming chat):
+ * Shapes follow the OpenAI spec (openai-openapi 2.3.0; tests validate them against its schemas):
+ * a chat message always has "refusal": null beside "content" (content null when the answer is
+ * only tool calls), chat logprobs are {"content": [...], "refusal": null}.
+ *
+ * Usage (streaming chat, n choices):
  *   prism_oai_resp_meta_t m; prism_oai_resp_meta_init(&m, true, req.model ? req.model : served_name);
- *   prism_oai_write_chat_chunk(&buf, &m, true, "", 0, NULL, NULL);            // role chunk
- *   per token: prism_oai_write_chat_chunk(&buf, &m, false, text, len, lp, NULL);
- *   last:      prism_oai_write_chat_chunk(&buf, &m, false, "", 0, NULL, "stop");
+ *   per choice i: prism_oai_write_chat_delta(&buf, &m, &(prism_oai_delta_t){.index = i, .role = true,
+ *                                            .content = "", .len = 0});             // role chunk
+ *   per token:    prism_oai_write_chat_delta(&buf, &m, &(prism_oai_delta_t){.index = i, .content = t, ...});
+ *   last:         ... .finish_reason = "stop" ...
  *   if (req.include_usage) prism_oai_write_usage_chunk(&buf, &m, &usage);
  *   prism_oai_write_sse_done(&buf);  prism_oai_resp_meta_free(&m);
+ * Whole responses: prism_oai_write_response_begin, one prism_oai_write_chat_choice /
+ * prism_oai_write_completion_choice per choice, prism_oai_write_response_end.
  */
 #ifndef PRISM_ROUTER_OPENAI_WRITE_H
 #define PRISM_ROUTER_OPENAI_WRITE_H
@@ -79,10 +86,45 @@ void prism_oai_logprobs_free(prism_oai_logprobs_t *lp);
 /* The logprobs JSON object; lp NULL -> null. */
 int  prism_oai_write_logprobs(prism_buf_t *b, const prism_oai_logprobs_t *lp);
 
-/* SSE events ("data: {...}\n\n"). content/text NULL -> omitted (chat delta {}); lp NULL -> null;
- * finish_reason NULL -> null. role: include "role":"assistant" in the delta. */
+/* A tool call of a whole response: {"id", "type": "function", "function": {"name", "arguments"}}. */
+typedef struct {
+    const char *id;
+    const char *name;
+    const char *arguments;    /* JSON text */
+    size_t arguments_len;
+} prism_oai_tool_call_t;
+
+/* One entry of a chunk's delta.tool_calls: {"index", ["id", "type", "function": {"name",]
+ * "arguments"}}: the first entry of a call carries id and name (arguments ""), later ones
+ * argument fragments (id / name NULL). */
+typedef struct {
+    int index;
+    const char *id;
+    const char *name;
+    const char *arguments;
+    size_t arguments_len;
+} prism_oai_tool_delta_t;
+
+/* One chat chunk of choice `index`. content NULL -> omitted; tool calls omitted when none;
+ * lp NULL -> null; finish_reason NULL -> null; role: "role":"assistant" in the delta. */
+typedef struct {
+    int index;
+    bool role;
+    const char *content;
+    size_t len;
+    const prism_oai_tool_delta_t *tool_calls;
+    int n_tool_calls;
+    const prism_oai_logprobs_t *lp;
+    const char *finish_reason;
+} prism_oai_delta_t;
+
+/* SSE events ("data: {...}\n\n"). */
+int prism_oai_write_chat_delta(prism_buf_t *b, const prism_oai_resp_meta_t *m, const prism_oai_delta_t *d);
+/* Choice 0, content only (content NULL -> omitted). */
 int prism_oai_write_chat_chunk(prism_buf_t *b, const prism_oai_resp_meta_t *m, bool role, const char *content,
                                size_t content_len, const prism_oai_logprobs_t *lp, const char *finish_reason);
+int prism_oai_write_completion_chunk_at(prism_buf_t *b, const prism_oai_resp_meta_t *m, int index, const char *text,
+                                        size_t len, const prism_oai_logprobs_t *lp, const char *finish_reason);
 int prism_oai_write_completion_chunk(prism_buf_t *b, const prism_oai_resp_meta_t *m, const char *text, size_t len,
                                      const prism_oai_logprobs_t *lp, const char *finish_reason);
 /* The include_usage chunk: choices [] and usage. */
@@ -92,7 +134,23 @@ int prism_oai_write_sse_done(prism_buf_t *b);   /* "data: [DONE]\n\n" */
 int prism_oai_write_sse_error(prism_buf_t *b, const char *type, const char *message, const char *param,
                               const char *code);
 
-/* Whole (non-streaming) responses. */
+/* Whole (non-streaming) responses with any number of choices. */
+typedef struct {
+    int index;
+    const char *content;      /* NULL -> null */
+    size_t len;
+    const prism_oai_tool_call_t *tool_calls;   /* chat: [n_tool_calls] */
+    int n_tool_calls;
+    const prism_oai_logprobs_t *lp;            /* NULL -> null */
+    const char *finish_reason;
+} prism_oai_choice_t;
+
+int prism_oai_write_response_begin(prism_buf_t *b, const prism_oai_resp_meta_t *m);
+int prism_oai_write_chat_choice(prism_buf_t *b, const prism_oai_choice_t *c);
+int prism_oai_write_completion_choice(prism_buf_t *b, const prism_oai_choice_t *c);
+int prism_oai_write_response_end(prism_buf_t *b, const prism_oai_usage_t *u);
+
+/* One choice (index 0), content only. */
 int prism_oai_write_chat_response(prism_buf_t *b, const prism_oai_resp_meta_t *m, const char *content, size_t len,
                                   const prism_oai_logprobs_t *lp, const char *finish_reason,
                                   const prism_oai_usage_t *u);

@@ -7,10 +7,28 @@
 #include "openai_req.h"
 #include "image/image.h"
 #include "image/data_url.h"
+#include "body_lift.h"
 
 #include <stdio.h>
 #include <string.h>
 #include <xxhash.h>
+
+/* Tool-call arguments in assistant messages arrive as JSON text (OpenAI's format); tool-use chat
+ * templates expect objects, so text that parses becomes the object (as vLLM does before it
+ * renders). */
+void router_prompt_tool_arguments_as_objects(json_t *msg)
+{
+    json_t *calls = json_object_get(msg, "tool_calls");
+    size_t i;
+    json_t *call;
+    json_array_foreach(calls, i, call) {
+        json_t *fn = json_object_get(call, "function");
+        json_t *args = json_object_get(fn, "arguments");
+        if (!json_is_string(args)) continue;
+        json_t *parsed = json_loadb(json_string_value(args), json_string_length(args), JSON_DECODE_ANY, NULL);
+        if (parsed) json_object_set_new(fn, "arguments", parsed);
+    }
+}
 
 /* Builds the chat-template context the way transformers does, with image parts as
  * {"type":"image"} (what HF processors' templates expect). */
@@ -20,6 +38,7 @@ static json_t *template_context(router_t *r, const prism_oai_request_t *o)
     for (int i = 0; i < o->n_messages; i++) {
         const prism_oai_message_t *m = &o->messages[i];
         json_t *c = json_deep_copy(m->raw);
+        if (!strcmp(m->role, "assistant")) router_prompt_tool_arguments_as_objects(c);
         if (!m->content_is_string && !m->content_is_null) {
             json_t *parts = json_array();
             for (int k = 0; k < m->n_parts; k++) {
@@ -41,8 +60,11 @@ static json_t *template_context(router_t *r, const prism_oai_request_t *o)
 }
 
 /* Decodes every image part's data URL and checks its header against the limits. Returns an HTTP
- * status (0 = ok) and fills msg. */
-int router_prompt_load_images(router_t *r, router_prompt_t *p, const prism_oai_request_t *o, char *msg, size_t n)
+ * status (0 = ok) and fills msg. A data URL the HTTP server lifted out of the body while it streamed
+ * in (body_lift.h) is already decoded: its buffer is taken as it is (no copy), with the same checks
+ * in the same order as for a whole string. */
+int router_prompt_load_images(router_t *r, router_prompt_t *p, const prism_oai_request_t *o, prism_http_req_t *h,
+                              char *msg, size_t n)
 {
     for (int i = 0; i < o->n_messages; i++) {
         const prism_oai_message_t *m = &o->messages[i];
@@ -52,6 +74,33 @@ int router_prompt_load_images(router_t *r, router_prompt_t *p, const prism_oai_r
             int idx = p->n_images;
             const char *mime, *b64;
             size_t mime_len, b64_len;
+            int lifted = prism_lift_ref(part->image_url, part->image_url_len);
+            if (lifted >= 0) {
+                uint8_t *data = NULL;
+                size_t len = 0;
+                bool bad = false;
+                if (!h || prism_http_req_take_image(h, lifted, &data, &len, &mime, &bad) != PRISM_OK) {
+                    snprintf(msg, n, "Image %d: only base64 data URLs (data:image/jpeg;base64,... or data:image/png;base64,...) "
+                             "are accepted; remote and file URLs are disabled.", idx);
+                    return 400;
+                }
+                p->img[idx] = data;  /* owned by the prompt from here, even when refused below */
+                p->n_images++;
+                if (!prism_data_url_mime_is_image(mime, strlen(mime))) {
+                    snprintf(msg, n, "Image %d: unsupported media type '%.64s'; use image/jpeg or image/png.", idx, mime);
+                    return 400;
+                }
+                if (bad) {
+                    snprintf(msg, n, "Image %d: invalid base64 data.", idx);
+                    return 400;
+                }
+                p->img_len[idx] = len;
+                if (!data) {
+                    snprintf(msg, n, "Image %d: the data is not a valid JPEG or PNG image.", idx);
+                    return 400;
+                }
+                goto probe;
+            }
             if (prism_data_url_parse(part->image_url, part->image_url_len, &mime, &mime_len, &b64, &b64_len) != PRISM_OK) {
                 snprintf(msg, n, "Image %d: only base64 data URLs (data:image/jpeg;base64,... or data:image/png;base64,...) "
                          "are accepted; remote and file URLs are disabled.", idx);
@@ -72,8 +121,11 @@ int router_prompt_load_images(router_t *r, router_prompt_t *p, const prism_oai_r
                 return 400;
             }
             p->img_len[idx] = len;
+        probe:;
+            const uint8_t *buf_ = p->img[idx];
+            size_t len_ = p->img_len[idx];
             prism_image_info_t info;
-            if (prism_image_probe(buf, len, &info) != PRISM_OK) {
+            if (prism_image_probe(buf_, len_, &info) != PRISM_OK) {
                 snprintf(msg, n, "Image %d: the data is not a valid JPEG or PNG image.", idx);
                 return 400;
             }
@@ -83,8 +135,8 @@ int router_prompt_load_images(router_t *r, router_prompt_t *p, const prism_oai_r
                          info.height, (unsigned long long)r->max_image_pixels);
                 return 400;
             }
-            p->img_hash[idx] = XXH3_64bits_withSecret(buf, len, r->img_secret, sizeof(r->img_secret));
-            p->image_bytes += len;
+            p->img_hash[idx] = XXH3_64bits_withSecret(buf_, len_, r->img_secret, sizeof(r->img_secret));
+            p->image_bytes += len_;
         }
     }
     return 0;

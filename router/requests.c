@@ -1,10 +1,15 @@
 /* The life of one generation request inside the router.
  *
- *   HTTP body -> parse/validate -> limits -> the prompt (prompt.c: images, chat template, tokens,
- *   image spans) -> pick encoder(s)/prefill/decode (or wait in the router's queue) -> Prefill to
- *   prefill, Encode to encoder(s) -> first token from
- *   prefill, the rest from decode -> incremental detokenization, stop strings -> SSE chunks or one
- *   JSON response -> usage, metrics, abort to the workers if we stopped early or the client left.
+ *   HTTP body -> parse/validate -> output constraint compiled (guide.h: 400 on a bad schema) ->
+ *   limits -> the prompt (prompt.c: images, chat template, tokens, image spans) -> pick
+ *   encoder(s)/prefill/decode (or wait in the router's queue) -> Prefill to prefill, Encode to
+ *   encoder(s) -> first tokens from prefill (one per choice), the rest from decode -> per choice:
+ *   incremental detokenization, stop strings, tool-call parsing -> SSE chunks or one JSON response
+ *   -> usage, metrics, abort to the workers if we stopped early or the client left.
+ *
+ * A request with n > 1 has n choices: the workers sample n sequences from one prefill (sharing
+ * its KV); each Tokens message names its choice. A choice that ends in the router (a stop string)
+ * ignores the rest of its sequence's tokens; the workers are aborted when every choice has ended.
  *
  * Everything a request owns is freed in req_destroy; the HTTP request is released exactly once. */
 #include "router.h"
@@ -16,6 +21,34 @@
 #include <xxhash.h>
 
 typedef enum { STAGE_QUEUED, STAGE_SENT, STAGE_PREFILLED } stage_t;
+
+/* A tool-call delta collected from the parser for the next chunk (name and id are copied: the
+ * parser's pointers live only during its callback; arguments sit in choice.d_args). */
+typedef struct {
+    int index;
+    bool begin;
+    char id[32];
+    char name[72];
+    size_t args_off, args_len;
+} pending_tool_t;
+
+typedef struct {
+    int n_out;                    /* tokens of this choice */
+    bool got_first;               /* prefill's token for this choice came */
+    bool worker_ended;            /* a worker sent its finish (the router may have ended it earlier) */
+    const char *finish;           /* NULL while the choice runs */
+    prism_detok_t detok;
+    prism_buf_t text;             /* generated text so far (after stop-string truncation) */
+    size_t emitted;               /* bytes of text already streamed (or fed to the tool parser) */
+    prism_oai_logprobs_t lp;
+    bool role_sent;
+    /* tool calls (streaming): the parser fed with the text and the deltas of the next chunk */
+    prism_toolcall_parser_t *tc;
+    prism_buf_t d_content, d_args;
+    pending_tool_t *d_tools;
+    int n_d_tools, cap_d_tools;
+    bool tc_failed;               /* out of memory in the callback: the rest streams as content */
+} router_choice_t;
 
 struct router_req {
     uint64_t rid;
@@ -33,20 +66,23 @@ struct router_req {
     bool prefill_pending, decode_pending;
     Prism__Envelope **held;       /* decode Tokens that arrived before the prefill's, in order */
     int n_held, held_cap;
+    /* output constraint sent in Sampling.guide (points into oai) */
+    prism_guide_spec_t guide;
+    bool parse_tools;             /* tool_choice auto / required / named: outputs are parsed for calls */
     /* generation */
     stage_t stage;
     int attempts;                 /* dispatches so far; a retry is one more (bounded by --max-retries) */
     char avoid[4][128];           /* workers an earlier attempt got stuck on: others first */
     int n_avoid;
     const char *waiting_for;      /* while queued because a tier has no worker at all: its name */
-    int n_out;
-    prism_detok_t detok;
-    prism_buf_t text;             /* generated text so far (after stop-string truncation) */
-    size_t emitted;               /* bytes of text already streamed */
-    prism_oai_logprobs_t lp;
+    int n_out;                    /* tokens over all choices */
+    router_choice_t *choices;     /* [oai.n] */
+    int n_finished;
+    int n_first, n_worker_ended;  /* choices with prefill's token in; choices a worker finished */
     bool streaming_started;
     double t_start, t_first, t_last;
     double t_dispatch;            /* when the current attempt was sent (per-stage deadline) */
+    double t_sent;                /* its first attempt was handed to ZeroMQ (x-prism-timing router_ms) */
     float decode_ms, vit_ms, queue_ms, prefill_ms;  /* worker-side timings (sums over images) */
     int cache_hits;
     prism_buf_t out;              /* scratch for response bytes */
@@ -110,11 +146,11 @@ void router_req_del(router_t *r, uint64_t rid)
 
 /* ---------------------------------------------------------------- helpers */
 
-/* A worker finished its part of a request: its slot may admit a queued one. */
-static void worker_done(router_t *r, const char *id)
+/* A worker finished its part of a request: its slots may admit a queued one. */
+static void worker_done(router_t *r, const char *id, int slots)
 {
     router_worker_t *w = id[0] ? router_worker_by_id(r, id) : NULL;
-    if (w && w->inflight > 0) w->inflight--;
+    if (w) w->inflight = PRISM_MAX(w->inflight - slots, 0);
     r->queue_dirty = true;
 }
 
@@ -130,24 +166,37 @@ static void send_abort(router_t *r, const char *worker_id, uint64_t rid)
     router_send(r, w, &env, NULL, 0);
 }
 
+static int n_choices(const router_req_t *q) { return q->oai.n > 0 ? q->oai.n : 1; }
+
+static void choice_free(router_choice_t *c)
+{
+    prism_detok_free(&c->detok);
+    prism_oai_logprobs_free(&c->lp);
+    prism_buf_free(&c->text);
+    prism_toolcall_parser_free(c->tc);
+    prism_buf_free(&c->d_content);
+    prism_buf_free(&c->d_args);
+    prism_free(c->d_tools);
+}
+
 static void req_destroy(router_req_t *q)
 {
     router_t *r = q->r;
     router_req_del(r, q->rid);
     for (int i = 0; i < q->prompt.n_images; i++)
-        if (q->encode_pending[i]) worker_done(r, q->encoder_id[i]);
-    if (q->prefill_pending) worker_done(r, q->prefill_id);
-    if (q->decode_pending) worker_done(r, q->decode_id);
+        if (q->encode_pending[i]) worker_done(r, q->encoder_id[i], 1);
+    if (q->prefill_pending) worker_done(r, q->prefill_id, 1);
+    if (q->decode_pending) worker_done(r, q->decode_id, n_choices(q));
     if (q->bytes_counted) r->image_bytes_inflight -= q->prompt.image_bytes;
     if (q->h) {
         prism_http_req_set_user(q->h, NULL);
         prism_http_req_release(q->h);
     }
+    if (q->choices)
+        for (int i = 0; i < n_choices(q); i++) choice_free(&q->choices[i]);
+    prism_free(q->choices);
     prism_oai_request_free(&q->oai);
     prism_oai_resp_meta_free(&q->meta);
-    prism_detok_free(&q->detok);
-    prism_oai_logprobs_free(&q->lp);
-    prism_buf_free(&q->text);
     prism_buf_free(&q->out);
     for (size_t i = 0; i < PRISM_ARRAY_LEN(q->tok_bytes); i++) prism_buf_free(&q->tok_bytes[i]);
     router_prompt_free(&q->prompt);
@@ -156,8 +205,8 @@ static void req_destroy(router_req_t *q)
     prism_free(q);
 }
 
-/* Aborts every worker still holding this request (after a stop string, an error or a client
- * that went away). The prefill always hears it (after its first token it may still hold the KV
+/* Aborts every worker still holding this request (after the last choice ended, an error or a
+ * client that went away). The prefill always hears it (after its first token it may still hold the KV
  * export); the decode only while it may hold or still receive the request: a decode remembers
  * aborts for requests it has not seen (their KV may be on its way), so it is not told about
  * requests that ended without it. */
@@ -200,7 +249,72 @@ static void req_fail(router_req_t *q, int status, const char *message)
     req_destroy(q);
 }
 
+/* ---------------------------------------------------------------- tool calls while streaming */
+
+static void on_tool_event(void *ud, const prism_toolcall_event_t *ev)
+{
+    router_choice_t *c = ud;
+    if (ev->kind == PRISM_TC_CONTENT) {
+        if (prism_buf_append(&c->d_content, ev->text, ev->len)) c->tc_failed = true;
+        return;
+    }
+    pending_tool_t *last = c->n_d_tools ? &c->d_tools[c->n_d_tools - 1] : NULL;
+    if (ev->kind == PRISM_TC_ARGS && last && last->index == ev->index && last->args_off + last->args_len == c->d_args.len) {
+        /* consecutive fragments of one call: one delta entry */
+        if (prism_buf_append(&c->d_args, ev->text, ev->len)) c->tc_failed = true;
+        else last->args_len += ev->len;
+        return;
+    }
+    if (c->n_d_tools == c->cap_d_tools) {
+        int cap = c->cap_d_tools ? c->cap_d_tools * 2 : 8;
+        pending_tool_t *t = prism_realloc(c->d_tools, (size_t)cap * sizeof *t);
+        if (!t) {
+            c->tc_failed = true;
+            return;
+        }
+        c->d_tools = t;
+        c->cap_d_tools = cap;
+    }
+    pending_tool_t *t = &c->d_tools[c->n_d_tools++];
+    memset(t, 0, sizeof *t);
+    t->index = ev->index;
+    t->args_off = c->d_args.len;
+    if (ev->kind == PRISM_TC_CALL_BEGIN) {
+        t->begin = true;
+        snprintf(t->id, sizeof t->id, "%s", ev->id ? ev->id : "");
+        snprintf(t->name, sizeof t->name, "%s", ev->name ? ev->name : "");
+    } else if (prism_buf_append(&c->d_args, ev->text, ev->len)) {
+        c->tc_failed = true;
+    } else {
+        t->args_len = ev->len;
+    }
+}
+
+/* parallel_tool_calls false: at most one call (OpenAI). A forced call's grammar already allows
+ * only one; under "auto" the model may still write more, which are not returned. */
+static int tool_max_calls(const router_req_t *q) { return q->oai.parallel_tool_calls ? 0 : 1; }
+
+static uint64_t tool_id_seed(const router_req_t *q, int index)
+{
+    uint64_t k[2] = {q->rid, (uint64_t)index};
+    return XXH3_64bits_withSeed(k, sizeof k, (uint64_t)q->meta.created);
+}
+
 /* ---------------------------------------------------------------- streaming and completion */
+
+static void write_out(router_req_t *q)
+{
+    prism_http_stream_write(q->h, q->out.data, q->out.len);
+    if (prism_http_req_pending_bytes(q->h) > q->r->max_stream_pending) {
+        /* The client stopped reading: drop it rather than queue its whole answer in memory. Its
+         * abort callback (on_client_gone) runs from the loop's next turn and aborts the workers;
+         * writes until then fail harmlessly. */
+        q->r->metrics.refused_limit[PRISM_REFUSE_SLOW_CLIENT]++;
+        PRISM_WARN("request %llu: client stopped reading (%zu bytes queued); dropped", (unsigned long long)q->rid,
+                   prism_http_req_pending_bytes(q->h));
+        prism_http_req_drop(q->h);
+    }
+}
 
 static bool stream_begin(router_req_t *q)
 {
@@ -209,39 +323,71 @@ static bool stream_begin(router_req_t *q)
     snprintf(extra, sizeof(extra), "Cache-Control: no-cache\r\nx-request-id: %s\r\n", q->meta.id);
     if (prism_http_stream_begin(q->h, 200, "text/event-stream", extra) != PRISM_OK) return false;
     q->streaming_started = true;
-    if (q->chat) {
-        /* vLLM's first chunk: the role with empty content. */
-        prism_buf_reset(&q->out);
-        prism_oai_write_chat_chunk(&q->out, &q->meta, true, "", 0, NULL, NULL);
-        prism_http_stream_write(q->h, q->out.data, q->out.len);
-    }
     return true;
 }
 
-/* Streams text[emitted .. upto) (and pending logprobs) as one chunk. */
-static void stream_chunk(router_req_t *q, size_t upto, const char *finish)
+/* Streams text[emitted .. upto) of choice i (and its pending logprobs) as one chunk; with tool
+ * parsing, the text goes through the parser and the chunk carries what it decided. */
+static void stream_chunk(router_req_t *q, int i, size_t upto, const char *finish)
 {
     if (!q->h || !stream_begin(q)) return;
-    const char *t = q->text.data ? q->text.data + q->emitted : "";
-    size_t n = upto - q->emitted;
-    if (!n && !finish && q->lp.n_tokens == 0) return;
-    const prism_oai_logprobs_t *lp = q->oai.logprobs && q->lp.n_tokens ? &q->lp : NULL;
-    prism_buf_reset(&q->out);
-    if (q->chat)
-        prism_oai_write_chat_chunk(&q->out, &q->meta, false, n || !finish ? t : NULL, n, lp, finish);
-    else
-        prism_oai_write_completion_chunk(&q->out, &q->meta, t, n, lp, finish);
-    prism_http_stream_write(q->h, q->out.data, q->out.len);
-    q->emitted = upto;
-    if (lp) prism_oai_logprobs_clear(&q->lp);
-    if (prism_http_req_pending_bytes(q->h) > q->r->max_stream_pending) {
-        /* The client stopped reading: drop it rather than queue its whole answer in memory. Its
-         * abort callback (on_client_gone) runs from the loop's next turn and aborts the workers. */
-        q->r->metrics.refused_limit[PRISM_REFUSE_SLOW_CLIENT]++;
-        PRISM_WARN("request %llu: client stopped reading (%zu bytes queued); dropped", (unsigned long long)q->rid,
-                   prism_http_req_pending_bytes(q->h));
-        prism_http_req_drop(q->h);
+    router_choice_t *c = &q->choices[i];
+    if (q->chat && !c->role_sent) {
+        /* vLLM's first chunk of each choice: the role with empty content. */
+        prism_oai_delta_t d = {.index = i, .role = true, .content = "", .len = 0};
+        prism_buf_reset(&q->out);
+        prism_oai_write_chat_delta(&q->out, &q->meta, &d);
+        write_out(q);
+        c->role_sent = true;
     }
+    const char *t = c->text.data ? c->text.data + c->emitted : "";
+    size_t n = upto > c->emitted ? upto - c->emitted : 0;
+    const prism_oai_logprobs_t *lp = q->oai.logprobs && c->lp.n_tokens ? &c->lp : NULL;
+    prism_buf_reset(&q->out);
+    if (!q->chat) {
+        if (!n && !finish && !lp) return;
+        prism_oai_write_completion_chunk_at(&q->out, &q->meta, i, t, n, lp, finish);
+    } else {
+        const char *content = t;
+        size_t content_len = n;
+        bool parsing = c->tc && !c->tc_failed;
+        if (parsing) {
+            prism_buf_reset(&c->d_content);
+            prism_buf_reset(&c->d_args);
+            c->n_d_tools = 0;
+            if (n && prism_toolcall_parser_feed(c->tc, t, n) != PRISM_OK) c->tc_failed = true;
+            if (finish && prism_toolcall_parser_finish(c->tc) != PRISM_OK) c->tc_failed = true;
+            content = c->d_content.data ? c->d_content.data : "";
+            content_len = c->d_content.len;
+            if (finish && !strcmp(finish, "stop") && prism_toolcall_parser_n_calls(c->tc) > 0) finish = "tool_calls";
+        }
+        int n_tools = parsing ? c->n_d_tools : 0, k = 0;
+        do {   /* tool-call entries in batches of 64 per chunk (one call per chunk is the usual case) */
+            prism_oai_tool_delta_t deltas[64];
+            int nd = 0;
+            for (; k < n_tools && nd < (int)PRISM_ARRAY_LEN(deltas); k++) {
+                const pending_tool_t *pt = &c->d_tools[k];
+                deltas[nd++] = (prism_oai_tool_delta_t){
+                    .index = pt->index, .id = pt->begin ? pt->id : NULL, .name = pt->begin ? pt->name : NULL,
+                    .arguments = c->d_args.data ? c->d_args.data + pt->args_off : "", .arguments_len = pt->args_len};
+            }
+            bool last = k >= n_tools;
+            if (content_len || nd || (last && (finish || lp))) {
+                prism_oai_delta_t d = {.index = i, .content = content_len ? content : NULL, .len = content_len,
+                                       .tool_calls = deltas, .n_tool_calls = nd, .lp = last ? lp : NULL,
+                                       .finish_reason = last ? finish : NULL};
+                prism_oai_write_chat_delta(&q->out, &q->meta, &d);
+            }
+            content_len = 0;
+        } while (k < n_tools);
+        if (!q->out.len) {
+            c->emitted = upto;
+            return;
+        }
+    }
+    write_out(q);
+    c->emitted = upto;
+    if (lp) prism_oai_logprobs_clear(&c->lp);
 }
 
 /* "x-prism-timing" response header and log line: where the time of this request went. */
@@ -249,90 +395,140 @@ static void timing_line(const router_req_t *q, double now, char *out, size_t n)
 {
     double ttft = q->t_first > 0 ? (q->t_first - q->t_start) * 1e3 : 0;
     double dec_s = q->t_last - q->t_first;
-    double tps = q->n_out > 1 && dec_s > 0 ? (q->n_out - 1) / dec_s : 0;
-    snprintf(out, n, "images=%d cache_hits=%d image_decode_ms=%.2f vit_ms=%.2f queue_ms=%.2f prefill_ms=%.2f "
-             "ttft_ms=%.2f decode_tokens=%d decode_tok_s=%.1f e2e_ms=%.2f", q->prompt.n_images, q->cache_hits, q->decode_ms,
-             q->vit_ms, q->queue_ms, q->prefill_ms, ttft, q->n_out > 0 ? q->n_out - 1 : 0, tps, (now - q->t_start) * 1e3);
+    int per = q->n_out / n_choices(q);
+    double tps = per > 1 && dec_s > 0 ? (per - 1) / dec_s : 0;
+    /* router_ms: from the last body byte (the handler runs then) to the work handed to ZeroMQ, queueing
+     * in the router for a free worker included */
+    double router_ms = q->t_sent > 0 ? (q->t_sent - q->t_start) * 1e3 : 0;
+    snprintf(out, n, "images=%d cache_hits=%d router_ms=%.2f image_decode_ms=%.2f vit_ms=%.2f queue_ms=%.2f "
+             "prefill_ms=%.2f ttft_ms=%.2f decode_tokens=%d decode_tok_s=%.1f e2e_ms=%.2f", q->prompt.n_images,
+             q->cache_hits, router_ms, q->decode_ms, q->vit_ms, q->queue_ms, q->prefill_ms, ttft,
+             q->n_out > 0 ? q->n_out - n_choices(q) : 0, tps, (now - q->t_start) * 1e3);
 }
 
-static void req_complete(router_req_t *q, const char *finish)
+/* The whole (non-streaming) answer: one choice per sequence, tool calls parsed out of the text. */
+static void respond_whole(router_req_t *q, const prism_oai_usage_t *u, const char *timing)
+{
+    prism_buf_reset(&q->out);
+    prism_oai_write_response_begin(&q->out, &q->meta);
+    for (int i = 0; i < n_choices(q); i++) {
+        router_choice_t *c = &q->choices[i];
+        prism_oai_choice_t ch = {.index = i, .content = c->text.data ? c->text.data : "", .len = c->text.len,
+                                 .lp = q->oai.logprobs ? &c->lp : NULL, .finish_reason = c->finish};
+        prism_toolcall_result_t res;
+        memset(&res, 0, sizeof res);
+        prism_oai_tool_call_t *calls = NULL;
+        if (q->chat && q->parse_tools &&
+            prism_toolcall_parse((prism_toolcall_format_t)q->r->tool_parser, ch.content, ch.len, tool_id_seed(q, i),
+                                 tool_max_calls(q), &res) == PRISM_OK &&
+            res.n_calls > 0 && (calls = prism_malloc(res.n_calls * sizeof *calls)) != NULL) {
+            for (size_t k = 0; k < res.n_calls; k++)
+                calls[k] = (prism_oai_tool_call_t){res.calls[k].id, res.calls[k].name, res.calls[k].arguments.data,
+                                                   res.calls[k].arguments.len};
+            ch.tool_calls = calls;
+            ch.n_tool_calls = (int)res.n_calls;
+            ch.content = res.content.len ? res.content.data : NULL;
+            ch.len = res.content.len;
+            if (!strcmp(c->finish, "stop")) ch.finish_reason = "tool_calls";
+        }
+        if (q->chat) prism_oai_write_chat_choice(&q->out, &ch);
+        else prism_oai_write_completion_choice(&q->out, &ch);
+        prism_toolcall_result_free(&res);
+        prism_free(calls);
+    }
+    prism_oai_write_response_end(&q->out, u);
+    char extra[600];
+    if (q->r->timing_header)
+        snprintf(extra, sizeof(extra), "x-request-id: %s\r\nx-prism-timing: %s\r\n", q->meta.id, timing);
+    else
+        snprintf(extra, sizeof(extra), "x-request-id: %s\r\n", q->meta.id);
+    prism_http_respond(q->h, 200, "application/json", extra, q->out.data, q->out.len);
+}
+
+/* Every choice has ended: the last bytes, usage, metrics. */
+static void req_complete(router_req_t *q)
 {
     router_t *r = q->r;
     double now = prism_now_s();
     char timing[400];
     timing_line(q, now, timing, sizeof(timing));
-    PRISM_DEBUG("request %llu done (%s, %zu prompt tokens): %s", (unsigned long long)q->rid, finish, q->prompt.n_tokens, timing);
+    PRISM_DEBUG("request %llu done (%s, %zu prompt tokens, %d choices): %s", (unsigned long long)q->rid,
+                q->choices[0].finish, q->prompt.n_tokens, n_choices(q), timing);
+    /* usage as OpenAI counts it: the prompt once, the completion tokens of every choice */
     prism_oai_usage_t u = {.prompt_tokens = (int64_t)q->prompt.n_tokens, .completion_tokens = q->n_out, .cached_tokens = -1};
     if (q->h && !prism_http_req_aborted(q->h)) {
         if (q->oai.stream) {
-            stream_chunk(q, q->text.len, finish);
-            prism_buf_reset(&q->out);
-            if (q->oai.include_usage) prism_oai_write_usage_chunk(&q->out, &q->meta, &u);
-            prism_oai_write_sse_done(&q->out);
-            prism_http_stream_write(q->h, q->out.data, q->out.len);
-            prism_http_stream_end(q->h);
+            if (stream_begin(q)) {
+                prism_buf_reset(&q->out);
+                if (q->oai.include_usage) prism_oai_write_usage_chunk(&q->out, &q->meta, &u);
+                prism_oai_write_sse_done(&q->out);
+                write_out(q);
+                prism_http_stream_end(q->h);
+            }
         } else {
-            const prism_oai_logprobs_t *lp = q->oai.logprobs ? &q->lp : NULL;
-            prism_buf_reset(&q->out);
-            if (q->chat)
-                prism_oai_write_chat_response(&q->out, &q->meta, q->text.data ? q->text.data : "", q->text.len, lp,
-                                              finish, &u);
-            else
-                prism_oai_write_completion_response(&q->out, &q->meta, q->text.data ? q->text.data : "", q->text.len,
-                                                    lp, finish, &u);
-            char extra[600];
-            if (r->timing_header)
-                snprintf(extra, sizeof(extra), "x-request-id: %s\r\nx-prism-timing: %s\r\n", q->meta.id, timing);
-            else
-                snprintf(extra, sizeof(extra), "x-request-id: %s\r\n", q->meta.id);
-            prism_http_respond(q->h, 200, "application/json", extra, q->out.data, q->out.len);
+            respond_whole(q, &u, timing);
         }
     }
     r->metrics.prompt_tokens += q->prompt.n_tokens;
     r->metrics.generation_tokens += (uint64_t)q->n_out;
     prism_hist_observe(&r->metrics.e2e, now - q->t_start);
-    if (!strcmp(finish, "stop")) r->metrics.success_stop++;
-    else r->metrics.success_length++;
-    if (q->n_out > 1 && q->t_first > 0)
-        prism_hist_observe(&r->metrics.itl, (q->t_last - q->t_first) / (q->n_out - 1));
+    for (int i = 0; i < n_choices(q); i++) {
+        if (!strcmp(q->choices[i].finish, "length")) r->metrics.success_length++;
+        else r->metrics.success_stop++;
+    }
+    int per = q->n_out / n_choices(q);
+    if (per > 1 && q->t_first > 0) prism_hist_observe(&r->metrics.itl, (q->t_last - q->t_first) / (per - 1));
     abort_workers(q);
     req_destroy(q);
 }
 
+/* Choice i has ended with `finish`: its last chunk goes out; the request completes with the last
+ * choice. Returns true when the request is gone. */
+static bool choice_end(router_req_t *q, int i, const char *finish)
+{
+    router_choice_t *c = &q->choices[i];
+    c->finish = finish;
+    q->n_finished++;
+    if (q->oai.stream && q->h && !prism_http_req_aborted(q->h)) stream_chunk(q, i, c->text.len, finish);
+    if (q->n_finished < n_choices(q)) return false;
+    req_complete(q);
+    return true;
+}
+
 /* Longest suffix of the text that is a prefix of some stop string: hold it back while streaming. */
-static size_t stop_holdback(const router_req_t *q)
+static size_t stop_holdback(const router_req_t *q, const router_choice_t *c)
 {
     size_t best = 0;
     for (int i = 0; i < q->oai.n_stop; i++) {
         size_t sl = q->oai.stop_len[i];
-        for (size_t k = PRISM_MIN(sl - 1, q->text.len); k > best; k--)
-            if (!memcmp(q->text.data + q->text.len - k, q->oai.stop[i], k)) { best = k; break; }
+        for (size_t k = PRISM_MIN(sl - 1, c->text.len); k > best; k--)
+            if (!memcmp(c->text.data + c->text.len - k, q->oai.stop[i], k)) { best = k; break; }
     }
     return best;
 }
 
 /* Searches the newly added text for a stop string; truncates and returns true on a hit. */
-static bool apply_stop_strings(router_req_t *q, size_t old_len)
+static bool apply_stop_strings(const router_req_t *q, router_choice_t *c, size_t old_len)
 {
-    if (!q->oai.n_stop || !q->text.len) return false;
+    if (!q->oai.n_stop || !c->text.len) return false;
     size_t hit = SIZE_MAX;
     for (int i = 0; i < q->oai.n_stop; i++) {
         size_t sl = q->oai.stop_len[i];
         size_t from = old_len >= sl ? old_len - sl + 1 : 0;
-        for (size_t p = from; p + sl <= q->text.len; p++)
-            if (!memcmp(q->text.data + p, q->oai.stop[i], sl)) {
+        for (size_t p = from; p + sl <= c->text.len; p++)
+            if (!memcmp(c->text.data + p, q->oai.stop[i], sl)) {
                 if (p < hit) hit = p;
                 break;
             }
     }
     if (hit == SIZE_MAX) return false;
-    q->text.len = hit;  /* the stop string itself is not returned (OpenAI semantics) */
-    q->text.data[hit] = 0;
-    if (q->emitted > hit) q->emitted = hit;
+    c->text.len = hit;  /* the stop string itself is not returned (OpenAI semantics) */
+    c->text.data[hit] = 0;
+    if (c->emitted > hit) c->emitted = hit;
     return true;
 }
 
-static void add_logprobs(router_req_t *q, int32_t tok, const Prism__TokenLogprobs *l)
+static void add_logprobs(router_req_t *q, router_choice_t *c, int32_t tok, const Prism__TokenLogprobs *l)
 {
     /* Scratch buffers live in the request and are reused: no allocation per token after the first. */
     router_t *r = q->r;
@@ -352,7 +548,7 @@ static void add_logprobs(router_req_t *q, int32_t tok, const Prism__TokenLogprob
         top[k] = (prism_oai_top_logprob_t){cb[k].data ? cb[k].data : "", cb[k].len, l->top[k]->logprob};
     }
     prism_oai_token_logprob_t t = {tb->data ? tb->data : "", tb->len, l->logprob, top, q->oai.top_logprobs ? nt : 0};
-    prism_oai_logprobs_add(&q->lp, &t);
+    prism_oai_logprobs_add(&c->lp, &t);
 }
 
 /* The HTTP status of a worker's error, by its kind (never by its text); unset: the sender's default. */
@@ -368,22 +564,26 @@ static int error_status(Prism__ErrorKind kind, int unset)
 }
 
 /* Whether worker w may send this Tokens message for q: the prefill it went to sends the first token
- * (once) and may report an error later (a failed KV transfer); the decode it went to sends the rest
- * (held until the prefill's is in: see router_handle_tokens). */
+ * of each choice (once) and may report an error later (a failed KV transfer); the decode it went to
+ * sends the rest (held until every first token is in: see router_handle_tokens). */
 static bool tokens_allowed(const router_req_t *q, const router_worker_t *w, const Prism__Tokens *t)
 {
     if (t->from_prefill) {
         if (w->role != PRISM__ROLE__ROLE_PREFILL || strcmp(q->prefill_id, w->id) != 0) return false;
-        return q->prefill_pending || (t->finish == PRISM__FINISH__FINISH_ERROR && t->n_token_ids == 0);
+        if (t->finish == PRISM__FINISH__FINISH_ERROR && t->n_token_ids == 0) return true;
+        return q->prefill_pending && t->index < (uint32_t)n_choices(q) && !q->choices[t->index].got_first;
     }
     return w->role == PRISM__ROLE__ROLE_DECODE && q->decode_pending && !strcmp(q->decode_id, w->id);
 }
 
-/* Every field of a Tokens message against what the request asked for: ids in the vocabulary, no
- * more tokens than max_tokens in all, logprobs only for tokens sent and at most 20 alternatives. */
+/* Every field of a Tokens message against what the request asked for: a choice it has, ids in the
+ * vocabulary, no more tokens than max_tokens in all for that choice, logprobs only for tokens sent
+ * and at most 20 alternatives. */
 static bool tokens_valid(const router_t *r, const router_req_t *q, const Prism__Tokens *t)
 {
-    if (t->n_token_ids > (size_t)PRISM_MAX(q->prompt.max_tokens - q->n_out, 0) || t->n_logprobs > t->n_token_ids ||
+    if (t->index >= (uint32_t)n_choices(q)) return false;
+    int left = q->prompt.max_tokens - q->choices[t->index].n_out;
+    if (t->n_token_ids > (size_t)PRISM_MAX(left, 0) || t->n_logprobs > t->n_token_ids ||
         (unsigned)t->finish > PRISM__FINISH__FINISH_ERROR)
         return false;
     for (size_t i = 0; i < t->n_token_ids; i++)
@@ -399,14 +599,24 @@ static bool tokens_valid(const router_t *r, const router_req_t *q, const Prism__
 
 static void tokens_apply(router_t *r, router_req_t *q, const Prism__Tokens *t)
 {
-    if (t->from_prefill && q->prefill_pending) {
-        q->prefill_pending = false;
-        worker_done(r, q->prefill_id);
+    int n = n_choices(q);
+    router_choice_t *c = &q->choices[t->index];   /* tokens_valid checked the index */
+    if (t->from_prefill && q->prefill_pending && !c->got_first && !(t->error && *t->error)) {
+        c->got_first = true;
+        if (++q->n_first == n) {
+            q->prefill_pending = false;
+            worker_done(r, q->prefill_id, 1);
+        }
     }
-    /* Decode is done with it when it ends it, or when prefill ends it (no KV goes to decode then). */
-    if (q->decode_pending && (t->finish != PRISM__FINISH__FINISH_NONE || (t->error && *t->error))) {
+    /* Decode is done with it when every choice has ended at a worker (prefill ends a choice whose
+     * first token is its last: no KV goes to decode for it), or at an error. */
+    if (t->finish != PRISM__FINISH__FINISH_NONE && !c->worker_ended) {
+        c->worker_ended = true;
+        q->n_worker_ended++;
+    }
+    if (q->decode_pending && (q->n_worker_ended == n || (t->error && *t->error))) {
         q->decode_pending = false;
-        worker_done(r, q->decode_id);
+        worker_done(r, q->decode_id, n);
     }
     if (t->error && *t->error) {
         char msg[300];
@@ -415,37 +625,46 @@ static void tokens_apply(router_t *r, router_req_t *q, const Prism__Tokens *t)
         return;
     }
     double now = prism_now_s();
-    if (t->from_prefill) {
+    if (t->from_prefill && q->stage != STAGE_PREFILLED) {
         q->t_first = now;
         q->queue_ms = t->queue_ms;
         q->prefill_ms = t->prefill_ms;
         prism_hist_observe(&r->metrics.ttft, now - q->t_start);
         prism_hist_observe(&r->metrics.queue, t->queue_ms / 1e3);
         q->stage = STAGE_PREFILLED;
+        /* no retry after the first token (req_retry): the image bytes are dead weight from here
+         * (they stay counted in image_bytes_inflight until the request ends) */
+        for (int i = 0; i < q->prompt.n_images; i++) {
+            prism_free(q->prompt.img[i]);
+            q->prompt.img[i] = NULL;
+        }
     }
     q->t_last = now;
-    size_t old_len = q->text.len;
-    for (size_t i = 0; i < t->n_token_ids; i++) {
-        int32_t tok = t->token_ids[i];
+    int i = (int)t->index;
+    if (c->finish) return;   /* ended in the router (stop string): the rest of its sequence is not used */
+    size_t old_len = c->text.len;
+    for (size_t k = 0; k < t->n_token_ids; k++) {
+        int32_t tok = t->token_ids[k];
+        c->n_out++;
         q->n_out++;
-        if (q->oai.logprobs && i < t->n_logprobs) add_logprobs(q, tok, t->logprobs[i]);
+        if (q->oai.logprobs && k < t->n_logprobs) add_logprobs(q, c, tok, t->logprobs[k]);
         /* EOS and stop token ids end the text without being part of it. */
-        bool final_stop = t->finish == PRISM__FINISH__FINISH_STOP && i + 1 == t->n_token_ids;
-        if (!final_stop) prism_detok_push(&q->detok, tok, &q->text);
+        bool final_stop = t->finish == PRISM__FINISH__FINISH_STOP && k + 1 == t->n_token_ids;
+        if (!final_stop) prism_detok_push(&c->detok, tok, &c->text);
     }
     bool finished = t->finish != PRISM__FINISH__FINISH_NONE;
-    if (finished) prism_detok_flush(&q->detok, &q->text);
-    if (apply_stop_strings(q, old_len)) {
-        req_complete(q, "stop");
+    if (finished) prism_detok_flush(&c->detok, &c->text);
+    if (apply_stop_strings(q, c, old_len)) {
+        choice_end(q, i, "stop");
         return;
     }
     if (finished) {
-        req_complete(q, t->finish == PRISM__FINISH__FINISH_STOP ? "stop" : "length");
+        choice_end(q, i, t->finish == PRISM__FINISH__FINISH_STOP ? "stop" : "length");
         return;
     }
     if (q->oai.stream) {
-        size_t safe = q->text.len - stop_holdback(q);
-        if (safe > q->emitted || q->lp.n_tokens) stream_chunk(q, safe > q->emitted ? safe : q->emitted, NULL);
+        size_t safe = c->text.len - stop_holdback(q, c);
+        if (safe > c->emitted || c->lp.n_tokens) stream_chunk(q, i, safe > c->emitted ? safe : c->emitted, NULL);
     }
 }
 
@@ -524,7 +743,7 @@ bool router_handle_encode_done(router_t *r, const router_worker_t *from, uint64_
         return false;
     }
     q->encode_pending[d->image_index] = false;
-    worker_done(r, q->encoder_id[d->image_index]);
+    worker_done(r, q->encoder_id[d->image_index], 1);
     q->decode_ms += d->decode_ms;
     q->vit_ms += d->vit_ms;
     q->cache_hits += d->cache_hit;
@@ -545,12 +764,12 @@ static void req_release_workers(router_req_t *q)
     router_t *r = q->r;
     abort_workers(q);
     for (int i = 0; i < q->prompt.n_images; i++) {
-        if (q->encode_pending[i]) worker_done(r, q->encoder_id[i]);
+        if (q->encode_pending[i]) worker_done(r, q->encoder_id[i], 1);
         q->encode_pending[i] = false;
         q->encoder_id[i][0] = '\0';
     }
-    if (q->prefill_pending) worker_done(r, q->prefill_id);
-    if (q->decode_pending) worker_done(r, q->decode_id);
+    if (q->prefill_pending) worker_done(r, q->prefill_id, 1);
+    if (q->decode_pending) worker_done(r, q->decode_id, n_choices(q));
     q->prefill_pending = q->decode_pending = false;
     q->prefill_id[0] = q->decode_id[0] = '\0';
     for (int i = 0; i < q->n_held; i++) prism_msg_env_free(q->held[i]);  /* the old attempt's decode tokens */
@@ -664,9 +883,39 @@ static void on_client_gone(prism_http_req_t *h, void *ud)
     req_destroy(q);
 }
 
+/* KV blocks a decode worker needs for the request's n sequences sharing the prompt's full blocks
+ * (decode_worker's admission rule, prism_kv_blocks_for_shared). */
+static uint64_t decode_blocks_needed(const router_worker_t *w, const router_req_t *q)
+{
+    uint64_t bs = PRISM_MAX(w->block_size, 1u), n = (uint64_t)n_choices(q), prompt = q->prompt.n_tokens;
+    uint64_t total = PRISM_MIN(prompt + (uint64_t)q->prompt.max_tokens, (uint64_t)PRISM_MAX(w->max_model_len, 1u));
+    uint64_t per = (total + bs - 1) / bs, shared = n > 1 ? prompt / bs : 0;
+    return shared + n * (per - shared);
+}
+
+/* Whether some registered decode worker could ever hold the request (batch and KV). */
+static bool decode_fits(router_t *r, const router_req_t *q, char *msg, size_t n)
+{
+    uint32_t best_running = 0;
+    uint64_t best_blocks = 0;
+    for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
+        const router_worker_t *w = &r->workers[i];
+        if (!w->used || w->role != PRISM__ROLE__ROLE_DECODE) continue;
+        if (w->max_running >= (uint32_t)n_choices(q) && decode_blocks_needed(w, q) <= w->kv_blocks) return true;
+        best_running = PRISM_MAX(best_running, w->max_running);
+        best_blocks = PRISM_MAX(best_blocks, (uint64_t)w->kv_blocks);
+    }
+    if (best_running < (uint32_t)n_choices(q))
+        snprintf(msg, n, "n=%d is more than the decode workers run at once (%u).", n_choices(q), best_running);
+    else
+        snprintf(msg, n, "n=%d sequences of up to %d tokens need more KV cache than a decode worker has (%llu blocks); "
+                 "lower n or max_tokens.", n_choices(q), q->prompt.max_tokens, (unsigned long long)best_blocks);
+    return false;
+}
+
 /* router_pick, passing over the workers an earlier attempt of this request got stuck on while
  * another has room (they look full for the pick); only they left: them rather than nothing. */
-static router_worker_t *pick(router_t *r, router_req_t *q, Prism__Role role, uint64_t hash, bool *any)
+static router_worker_t *pick(router_t *r, router_req_t *q, Prism__Role role, uint64_t hash, int slots, bool *any)
 {
     enum { HIDE = 1 << 20 };
     router_worker_t *hidden[PRISM_ARRAY_LEN(q->avoid)];
@@ -678,22 +927,25 @@ static router_worker_t *pick(router_t *r, router_req_t *q, Prism__Role role, uin
             hidden[n++] = w;
         }
     }
-    router_worker_t *w = router_pick(r, role, hash, any);
+    router_worker_t *w = router_pick_slots(r, role, hash, slots, any);
     for (int i = 0; i < n; i++) hidden[i]->inflight -= HIDE;
-    return w || !n ? w : router_pick(r, role, hash, any);
+    return w || !n ? w : router_pick_slots(r, role, hash, slots, any);
 }
 
-/* Sends the request to its workers; false when it must wait in the router's queue (every worker of
- * a tier is at capacity, a tier has no worker at all, or a worker could not be reached). */
-static bool dispatch(router_t *r, router_req_t *q)
+/* Sends the request to its workers: 0 when sent, DISPATCH_WAIT when it must wait in the router's
+ * queue (every worker of a tier is at capacity, a tier has no worker at all, or a worker could not
+ * be reached), else an HTTP status with msg (n sequences no decode worker could ever hold). */
+#define DISPATCH_WAIT 1
+static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
 {
     bool any_pf, any_dc, any_enc = true;
-    router_worker_t *pf = pick(r, q, PRISM__ROLE__ROLE_PREFILL, 0, &any_pf);
-    router_worker_t *dc = pick(r, q, PRISM__ROLE__ROLE_DECODE, 0, &any_dc);
+    int slots = n_choices(q);
+    router_worker_t *pf = pick(r, q, PRISM__ROLE__ROLE_PREFILL, 0, 1, &any_pf);
+    router_worker_t *dc = pick(r, q, PRISM__ROLE__ROLE_DECODE, 0, slots, &any_dc);
     router_worker_t *enc[ROUTER_MAX_IMAGES] = {0};
     bool enc_room = true;
     for (int i = 0; i < q->prompt.n_images && enc_room; i++) {
-        enc[i] = pick(r, q, PRISM__ROLE__ROLE_ENCODER, q->prompt.img_hash[i], &any_enc);
+        enc[i] = pick(r, q, PRISM__ROLE__ROLE_ENCODER, q->prompt.img_hash[i], 1, &any_enc);
         if (enc[i]) enc[i]->inflight++;  /* count now so the next image sees this one */
         else enc_room = false;
     }
@@ -702,10 +954,15 @@ static bool dispatch(router_t *r, router_req_t *q)
     /* A tier with no worker at all waits too (bounded by --max-queue-wait): a restarted worker
      * re-registers within seconds, and the request is served then instead of refused now. */
     q->waiting_for = !any_pf ? "prefill" : !any_dc ? "decode" : !any_enc ? "encoder" : NULL;
+    /* n sequences no registered decode worker could ever hold (batch or KV) never get room: 400. */
+    if (any_dc && !decode_fits(r, q, msg, n)) {
+        r->metrics.refused_limit[PRISM_REFUSE_BAD_REQUEST]++;
+        return 400;
+    }
     if (!pf || !dc || !enc_room) {
         PRISM_DEBUG("request %llu waits: %s", (unsigned long long)q->rid,
                     !pf ? "no prefill worker with room" : !dc ? "no decode worker with room" : "no encoder with room");
-        return false;
+        return DISPATCH_WAIT;
     }
     /* Prefill first: it must know the request before embeddings can be used (either order works). */
     Prism__ImageSpan spans[ROUTER_MAX_IMAGES], *span_ptrs[ROUTER_MAX_IMAGES];
@@ -718,8 +975,8 @@ static bool dispatch(router_t *r, router_req_t *q)
     int32_t stop_ids[PRISM_OAI_MAX_STOP_TOKEN_IDS];
     for (int i = 0; i < q->oai.n_stop_token_ids; i++) stop_ids[i] = (int32_t)q->oai.stop_token_ids[i];
     Prism__Sampling sp = PRISM__SAMPLING__INIT;
-    sp.temperature = (float)q->oai.temperature;
-    sp.top_p = (float)q->oai.top_p;
+    sp.temperature = q->oai.greedy ? 0.0f : (float)q->oai.temperature;
+    sp.top_p = q->oai.greedy ? 1.0f : (float)q->oai.top_p;
     sp.top_k = (int32_t)q->oai.top_k;
     sp.has_seed = q->oai.has_seed;
     sp.seed = (uint64_t)q->oai.seed;
@@ -728,6 +985,22 @@ static bool dispatch(router_t *r, router_req_t *q)
     sp.stop_token_ids = stop_ids;
     sp.ignore_eos = q->oai.ignore_eos;
     sp.logprobs = q->oai.logprobs ? 1u + (uint32_t)q->oai.top_logprobs : 0u;
+    sp.presence_penalty = (float)q->oai.presence_penalty;
+    sp.frequency_penalty = (float)q->oai.frequency_penalty;
+    sp.repetition_penalty = (float)q->oai.repetition_penalty;
+    sp.n_logit_bias_ids = sp.n_logit_bias_values = (size_t)q->oai.n_logit_bias;
+    sp.logit_bias_ids = q->oai.logit_bias_ids;
+    sp.logit_bias_values = q->oai.logit_bias_values;
+    sp.n = (uint32_t)slots;
+    Prism__Guide guide = PRISM__GUIDE__INIT;
+    if (q->guide.kind) {
+        guide.kind = (Prism__GuideKind)q->guide.kind;
+        guide.text = (char *)q->guide.text;
+        guide.tool_name = (char *)(q->guide.tool_name ? q->guide.tool_name : "");
+        guide.tool_parallel = q->guide.tool_parallel;
+        guide.tool_format = (uint32_t)q->guide.tool_format;
+        sp.guide = &guide;
+    }
     Prism__Prefill p = PRISM__PREFILL__INIT;
     p.n_token_ids = q->prompt.n_tokens;
     p.token_ids = q->prompt.tokens;
@@ -743,13 +1016,13 @@ static bool dispatch(router_t *r, router_req_t *q)
      * --worker-timeout): the request waits for the next try rather than failing. */
     if (router_send(r, pf, &env, NULL, 0) != PRISM_OK) {
         PRISM_WARN("request %llu: prefill worker %s unreachable; the request waits", (unsigned long long)q->rid, pf->id);
-        return false;
+        return DISPATCH_WAIT;
     }
     snprintf(q->prefill_id, sizeof(q->prefill_id), "%s", pf->id);
     snprintf(q->decode_id, sizeof(q->decode_id), "%s", dc->id);
     q->prefill_pending = q->decode_pending = true;
     pf->inflight++;
-    dc->inflight++;
+    dc->inflight += slots;   /* each sequence takes a slot of the decode batch */
     for (int i = 0; i < q->prompt.n_images; i++) {
         Prism__Encode e = PRISM__ENCODE__INIT;
         e.image_index = (uint32_t)i;
@@ -759,12 +1032,13 @@ static bool dispatch(router_t *r, router_req_t *q)
         ee.type = PRISM__MSG_TYPE__MSG_ENCODE;
         ee.request_id = q->rid;
         ee.encode = &e;
+        /* copied: a retry on another encoder sends the same bytes again */
         prism_frame_t f = {q->prompt.img[i], q->prompt.img_len[i]};
         if (router_send(r, enc[i], &ee, &f, 1) != PRISM_OK) {
             PRISM_WARN("request %llu: encoder %s unreachable; the request waits", (unsigned long long)q->rid,
                        enc[i]->id);
             req_release_workers(q);
-            return false;
+            return DISPATCH_WAIT;
         }
         snprintf(q->encoder_id[i], sizeof(q->encoder_id[i]), "%s", enc[i]->id);
         q->encode_pending[i] = true;
@@ -773,8 +1047,69 @@ static bool dispatch(router_t *r, router_req_t *q)
     }
     q->stage = STAGE_SENT;
     q->t_dispatch = prism_now_s();
+    if (!q->t_sent) q->t_sent = q->t_dispatch;
     q->attempts++;
-    return true;
+    return 0;
+}
+
+/* The request's output constraint (response_format / guided_*, or the grammar forcing a tool
+ * call) compiled once here (cached by its text) so a bad one is a 400 naming the field; the
+ * workers compile the same text against their own vocabularies. Returns 0 or an HTTP status
+ * with msg / param filled. */
+static int guide_setup(router_t *r, router_req_t *q, char *msg, size_t n, char *param, size_t pn)
+{
+    const prism_oai_request_t *o = &q->oai;
+    if (o->tool_choice != PRISM_OAI_TOOL_NONE) {
+        if (r->tool_parser < 0) {
+            snprintf(param, pn, "tool_choice");
+            snprintf(msg, n, "Tool calling (tool_choice \"%s\") needs the router started with --tool-call-parser "
+                     "(hermes or pythonic); send tool_choice \"none\" to only show the tools to the chat template.",
+                     o->tool_choice == PRISM_OAI_TOOL_AUTO ? "auto" : o->tool_choice == PRISM_OAI_TOOL_REQUIRED
+                     ? "required" : "function");
+            return 400;
+        }
+        q->parse_tools = true;
+    }
+    const char *field = o->guide_param;
+    if (o->guide_kind) {
+        q->guide = (prism_guide_spec_t){.kind = o->guide_kind, .text = o->guide_text, .len = o->guide_len};
+    } else if (o->tool_choice == PRISM_OAI_TOOL_REQUIRED || o->tool_choice == PRISM_OAI_TOOL_NAMED) {
+        q->guide = (prism_guide_spec_t){
+            .kind = PRISM_GUIDE_TOOLS, .text = o->tools_text, .len = strlen(o->tools_text),
+            .tool_name = o->tool_choice == PRISM_OAI_TOOL_NAMED ? o->tool_name : NULL,
+            .tool_parallel = o->parallel_tool_calls, .tool_format = r->tool_parser};
+        field = "tools";
+    } else {
+        return 0;
+    }
+    if (!r->guides) {
+        snprintf(param, pn, "%s", field);
+        snprintf(msg, n, "Structured output is not available on this server (no grammar vocabulary).");
+        return 400;
+    }
+    prism_guide_t *g;
+    prism_grammar_error_t err;
+    int rc = prism_guide_get(r->guides, &q->guide, &g, &err);
+    if (rc == PRISM_OK) {
+        prism_guide_release(g);
+        return 0;
+    }
+    if (rc == PRISM_ENOMEM) {
+        snprintf(msg, n, "The server is out of memory; try again shortly.");
+        return 503;
+    }
+    const char *hash = strchr(err.path, '#');
+    if (q->guide.kind == PRISM_GUIDE_TOOLS && err.path[0]) {
+        /* "tools[1].function.parameters#/properties/x": the field is what precedes the pointer */
+        snprintf(param, pn, "%.*s", (int)(hash ? (size_t)(hash - err.path) : strlen(err.path)), err.path);
+    } else {
+        snprintf(param, pn, "%s", field);
+    }
+    const char *what = rc == PRISM_ENOTSUP ? "unsupported" : rc == PRISM_ELIMIT ? "too large or too complex" : "invalid";
+    snprintf(msg, n, "%s is %s: %s%s%s%s", param, what, err.message, hash || (err.path[0] && q->guide.kind != PRISM_GUIDE_TOOLS) ? " (at " : "",
+             hash ? hash : q->guide.kind != PRISM_GUIDE_TOOLS ? err.path : "",
+             hash || (err.path[0] && q->guide.kind != PRISM_GUIDE_TOOLS) ? ")" : "");
+    return 400;
 }
 
 static bool queue_push(router_t *r, uint64_t rid)
@@ -802,15 +1137,19 @@ void router_dispatch_queued(router_t *r)
         uint64_t rid = r->queue[r->queue_head];
         router_req_t *q = router_req_get(r, rid);
         if (q && q->stage == STAGE_QUEUED) {
-            if (!dispatch(r, q)) {  /* still no room: keep the order */
+            char msg[300];
+            int status = dispatch(r, q, msg, sizeof(msg));
+            if (status == DISPATCH_WAIT) {  /* still no room: keep the order */
                 r->queue[r->queue_head] = q->rid;  /* a failed send gave it a new id */
                 break;
             }
+            if (status) req_fail(q, status, msg);
         }
         r->queue_head = (r->queue_head + 1) % r->reqs_cap;
         r->queue_len--;
     }
     r->draining = false;
+    if (!r->queue_len) prism_http_server_resume_bodies(r->http);  /* uploads paused for it go on */
 }
 
 void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
@@ -838,12 +1177,11 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
         prism_free(q);
         return;
     }
-    prism_oai_logprobs_init(&q->lp, chat);
-    char msg[600] = "";
+    char msg[600] = "", param[128] = "";
     int status = 0;
 
     prism_oai_error_t perr;
-    prism_oai_parse_opts_t popts = {.max_images = r->max_images_per_prompt};
+    prism_oai_parse_opts_t popts = {.max_images = r->max_images_per_prompt, .vocab = r->cfg.vocab};
     if (prism_oai_parse(body ? body : "", blen, chat, &popts, &q->oai, &perr) != PRISM_OK) {
         r->metrics.refused_limit[PRISM_REFUSE_BAD_REQUEST]++;
         if (perr.status == 400 && strstr(perr.message, "image")) r->metrics.refused_limit[PRISM_REFUSE_TOO_MANY_IMAGES]++;
@@ -854,12 +1192,23 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
         req_destroy(q);
         return;
     }
-    prism_detok_init(&q->detok, r->tok, q->oai.skip_special_tokens);   /* zeroed until here: free is a no-op */
+    int n = n_choices(q);
+    q->choices = prism_calloc((size_t)n, sizeof *q->choices);
+    if (!q->choices) {
+        status = 503;
+        snprintf(msg, sizeof(msg), "The server is out of memory; try again shortly.");
+        goto fail;
+    }
+    for (int i = 0; i < n; i++) {   /* zeroed until here: freeing them is a no-op */
+        prism_detok_init(&q->choices[i].detok, r->tok, q->oai.skip_special_tokens);
+        prism_oai_logprobs_init(&q->choices[i].lp, chat);
+    }
     if (q->oai.model && strcmp(q->oai.model, r->served_model_name) != 0) {
         snprintf(msg, sizeof(msg), "The model `%s` does not exist.", q->oai.model);
         status = 404;
         goto fail;
     }
+    if ((status = guide_setup(r, q, msg, sizeof(msg), param, sizeof(param))) != 0) goto fail;
     if ((int)r->n_reqs >= r->max_running) {
         r->metrics.refused_limit[PRISM_REFUSE_QUEUE_FULL]++;
         snprintf(msg, sizeof(msg), "The server is at capacity (%d requests in flight); retry after a short wait.",
@@ -867,7 +1216,7 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
         status = 429;
         goto fail;
     }
-    if (chat && (status = router_prompt_load_images(r, &q->prompt, &q->oai, msg, sizeof(msg))) != 0) goto fail;
+    if (chat && (status = router_prompt_load_images(r, &q->prompt, &q->oai, h, msg, sizeof(msg))) != 0) goto fail;
     if (q->prompt.image_bytes && r->image_bytes_inflight + q->prompt.image_bytes > r->max_image_bytes_inflight) {
         r->metrics.refused_limit[PRISM_REFUSE_IMAGE_BYTES_INFLIGHT]++;
         snprintf(msg, sizeof(msg), "Too many image bytes in flight; retry after a short wait.");
@@ -882,6 +1231,15 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
         snprintf(msg, sizeof(msg), "out of memory");
         goto fail;
     }
+    if (q->parse_tools && q->oai.stream)
+        for (int i = 0; i < n; i++)
+            if (prism_toolcall_parser_create((prism_toolcall_format_t)r->tool_parser, tool_id_seed(q, i), 0,
+                                             tool_max_calls(q), on_tool_event, &q->choices[i],
+                                             &q->choices[i].tc) != PRISM_OK) {
+                status = 503;
+                snprintf(msg, sizeof(msg), "out of memory");
+                goto fail;
+            }
     if (router_req_put(r, q->rid, q) != PRISM_OK) {
         r->metrics.refused_limit[PRISM_REFUSE_QUEUE_FULL]++;
         snprintf(msg, sizeof(msg), "The server is at capacity; retry after a short wait.");
@@ -891,20 +1249,25 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
     r->image_bytes_inflight += q->prompt.image_bytes;
     q->bytes_counted = true;
     /* Behind older queued requests, or no worker has room: wait in the router's queue. */
-    if ((r->queue_len || !dispatch(r, q)) && !queue_push(r, q->rid)) {
+    status = r->queue_len ? DISPATCH_WAIT : dispatch(r, q, msg, sizeof(msg));
+    if (status == DISPATCH_WAIT && !queue_push(r, q->rid)) {
         r->metrics.refused_limit[PRISM_REFUSE_QUEUE_FULL]++;
         req_fail(q, 429, "The server is at capacity; retry after a short wait.");
         return;
     }
+    if (status != 0 && status != DISPATCH_WAIT) {
+        req_fail(q, status, msg);
+        return;
+    }
     prism_http_req_set_user(h, q);
     prism_http_req_on_abort(h, on_client_gone, q);
-    PRISM_DEBUG("request %llu: %zu prompt tokens, %d images, max_tokens %d", (unsigned long long)q->rid, q->prompt.n_tokens,
-                q->prompt.n_images, q->prompt.max_tokens);
+    PRISM_DEBUG("request %llu: %zu prompt tokens, %d images, max_tokens %d, n %d%s", (unsigned long long)q->rid,
+                q->prompt.n_tokens, q->prompt.n_images, q->prompt.max_tokens, n, q->guide.kind ? ", guided" : "");
     return;
 
 fail:
     if (status >= 400 && status < 500 && status != 429) r->metrics.refused_limit[PRISM_REFUSE_BAD_REQUEST]++;
-    respond_error(h, status, msg, NULL);
+    respond_error(h, status, msg, param[0] ? param : NULL);
     q->h = NULL;
     prism_http_req_release(h);
     req_destroy(q);

@@ -16,6 +16,8 @@
 #include "model/model.h"
 #include "tokenizer/tokenizer.h"
 #include "template/template.h"
+#include "guide/guide.h"
+#include "toolcall/toolcall.h"
 #include "http_server.h"
 #include "openai_req.h"
 #include "metrics/metrics.h"
@@ -93,6 +95,10 @@ typedef struct {
     prism_template_t *tmpl;
     char *bos_token, *eos_token;
     int32_t image_token_id;
+    /* output constraints: compiled here to answer 400 on a bad one (the workers compile their own) */
+    prism_grammar_vocab_t *gvocab;
+    prism_guide_cache_t *guides;
+    int tool_parser;            /* prism_toolcall_format_t of --tool-call-parser; -1 = none */
 
     /* event loop and sockets */
     uv_loop_t *loop;
@@ -146,6 +152,8 @@ void router_worker_note_image(router_worker_t *w, uint64_t hash);
 /* Least-loaded worker of a role with a free slot (inflight < its registered capacity) that is not
  * stuck; NULL when none has room. *any is set when at least one such worker is registered. */
 router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash, bool *any);
+/* Same with room for `slots` more in-flight units (a request's n sequences in a decode batch). */
+router_worker_t *router_pick_slots(router_t *r, Prism__Role role, uint64_t prefer_hash, int slots, bool *any);
 router_worker_t *router_worker_by_id(router_t *r, const char *id);
 bool router_ready(const router_t *r, bool need_encoder);
 int  router_count_workers(const router_t *r, Prism__Role role);
@@ -154,7 +162,8 @@ int  router_count_workers(const router_t *r, Prism__Role role);
  * router_prompt_free. */
 typedef struct {
     int n_images;
-    uint8_t *img[ROUTER_MAX_IMAGES];        /* decoded file bytes (the router never decodes pixels) */
+    uint8_t *img[ROUTER_MAX_IMAGES];        /* decoded file bytes (the router never decodes pixels); kept
+                                             * until the first token (a retry sends them again), then NULL */
     size_t img_len[ROUTER_MAX_IMAGES];
     uint64_t img_hash[ROUTER_MAX_IMAGES];
     uint32_t img_offset[ROUTER_MAX_IMAGES]; /* first token of each image's span, found while expanding */
@@ -166,7 +175,8 @@ typedef struct {
 
 /* Decodes every image part's data URL and checks its header against the limits. These return
  * 0 or an HTTP status with msg filled. */
-int  router_prompt_load_images(router_t *r, router_prompt_t *p, const prism_oai_request_t *o, char *msg, size_t n);
+int  router_prompt_load_images(router_t *r, router_prompt_t *p, const prism_oai_request_t *o, prism_http_req_t *h,
+                               char *msg, size_t n);
 /* Renders + tokenizes (chat) or tokenizes (completions), expands image placeholders, checks the
  * length against the context. */
 int  router_prompt_build(router_t *r, router_prompt_t *p, const prism_oai_request_t *o, bool chat, char *msg,
@@ -176,6 +186,9 @@ int  router_prompt_build(router_t *r, router_prompt_t *p, const prism_oai_reques
  * its image bytes (with the HTTP body, which the caller drops). */
 void router_prompt_release_inputs(prism_oai_request_t *o);
 void router_prompt_free(router_prompt_t *p);
+/* An assistant message's tool-call arguments (JSON text in OpenAI's format) as objects, which is
+ * what tool-use chat templates expect (vLLM does the same before rendering). In place. */
+void router_prompt_tool_arguments_as_objects(json_t *msg);
 
 /* requests.c */
 void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat);
@@ -204,5 +217,8 @@ void router_req_del(router_t *r, uint64_t rid);
 void router_on_http(prism_http_req_t *h, void *ud);
 /* http_server on_headers hook: the API key, checked before any body byte is read. */
 int  router_on_headers(const prism_http_req_t *h, void *ud, char *msg, size_t n);
+/* http_server may_read_body hook: while requests wait in the router's queue for a free worker, new
+ * uploads wait too (TCP backpressure) instead of piling up image bytes in the router. */
+bool router_may_read_body(void *ud);
 
 #endif

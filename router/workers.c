@@ -137,13 +137,18 @@ static double load_of(const router_worker_t *w)
 
 router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash, bool *any)
 {
+    return router_pick_slots(r, role, prefer_hash, 1, any);
+}
+
+router_worker_t *router_pick_slots(router_t *r, Prism__Role role, uint64_t prefer_hash, int slots, bool *any)
+{
     router_worker_t *best = NULL;
     *any = false;
     for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
         router_worker_t *w = &r->workers[i];
         if (!w->used || w->role != role || w->stuck) continue;
         *any = true;
-        if (w->inflight >= (int)PRISM_MAX(w->max_running, 1u)) continue;  /* full: the request waits here */
+        if (w->inflight + slots > (int)PRISM_MAX(w->max_running, 1u)) continue;  /* full: the request waits here */
         if (prefer_hash) {
             for (int k = 0; k < w->n_hashes; k++)
                 if (w->image_hashes[k] == prefer_hash) return w;  /* its embedding cache probably has it */

@@ -16,6 +16,25 @@ OUT = os.path.join(ROOT, "tests", "fuzz", "corpus")
 MODEL = os.path.join(ROOT, "models", "prism-tiny-llava")
 
 
+SAMPLING_EXTRAS = {"prompt": "A red", "n": 3, "best_of": 3, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+                   "repetition_penalty": 1.2, "logit_bias": {"5": -100, "17": 3.5}, "top_p": 0,
+                   "guided_choice": ["yes", "no"], "user": "u", "echo": False}
+JSON_SCHEMA_REQ = {"messages": [{"role": "user", "content": "x"}], "response_format": {
+    "type": "json_schema", "json_schema": {"name": "p", "strict": True, "schema": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "^[a-z]+$"},
+                                         "b": {"type": "array", "items": {"$ref": "#/$defs/n"}, "maxItems": 3}},
+        "required": ["a"], "additionalProperties": False, "$defs": {"n": {"enum": [1, 2, None]}}}}}}
+TOOLS_REQ = {"messages": [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
+    "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}],
+    "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "parallel_tool_calls": False,
+    "stream": True}
+
+
 def put(harness, name, data):
     d = os.path.join(OUT, harness)
     os.makedirs(d, exist_ok=True)
@@ -108,6 +127,10 @@ def main():
     put("fuzz_openai", "completion.json", b"\x00" + json.dumps(comp).encode())
     put("fuzz_openai", "completion_ids.json", b"\x00" + json.dumps(comp_ids).encode())
     put("fuzz_openai", "bad.json", b"\x01{\"messages\":[{\"role\":\"user\"}],\"max_tokens\":-1}")
+    # the API surface: penalties, logit_bias, n, structured output, tools and tool messages
+    put("fuzz_openai", "sampling_extras.json", b"\x00" + json.dumps(SAMPLING_EXTRAS).encode())
+    put("fuzz_openai", "json_schema.json", b"\x01" + json.dumps(JSON_SCHEMA_REQ).encode())
+    put("fuzz_openai", "tools.json", b"\x01" + json.dumps(TOOLS_REQ).encode())
 
     def http(method, path, body=b"", headers=(), chunked=False):
         h = "%s %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n" % (method, path)

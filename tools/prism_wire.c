@@ -79,6 +79,9 @@ int main(int argc, char **argv)
     env.embeddings = &em;
     Prism__Sampling sp = PRISM__SAMPLING__INIT;
     Prism__Kv k = PRISM__KV__INIT;
+    uint32_t choice = 0;
+    int32_t first = (int32_t)first_token;
+    uint64_t rng = 0;
     if (kv) {
         sp.max_tokens = (uint32_t)max_tokens;
         sp.ignore_eos = true;
@@ -87,7 +90,10 @@ int main(int argc, char **argv)
         k.n_blocks = (uint32_t)n_blocks;
         k.block_bytes = (uint64_t)block_bytes;
         k.sampling = &sp;
-        k.first_token = (int32_t)first_token;
+        k.n_choice_index = k.n_choice_first_token = k.n_choice_rng_state = 1;   /* one choice */
+        k.choice_index = &choice;
+        k.choice_first_token = &first;
+        k.choice_rng_state = &rng;
         env.type = PRISM__MSG_TYPE__MSG_KV;
         env.embeddings = NULL;
         env.kv = &k;

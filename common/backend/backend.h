@@ -1,8 +1,9 @@
 /* backend: a table of tensor operations over device buffers, chosen at run time.
  *
  * A backend is a struct of function pointers plus a `void *ctx` (ggml_backend_i style). The CPU
- * backend (OpenBLAS sgemm + C kernels, fp32) is always built and is the reference for tests; a
- * CUDA backend lives in common/backend/cuda/ and fills the same table.
+ * backend (fp32: OpenBLAS sgemm and vectorised kernels on its own thread pool, see
+ * common/backend/cpu/) is always built and is the reference for tests; a CUDA backend lives in
+ * common/backend/cuda/ and fills the same table.
  *
  *   prism_backend_t *be = NULL;
  *   int rc = prism_backend_create("cpu", 4, 1 << 30, &be);      // device, threads, pool bytes
@@ -217,7 +218,9 @@ struct prism_backend {
 };
 typedef struct prism_backend prism_backend_t;
 
-/* CPU backend: OpenBLAS + C kernels, n_threads workers (<= 0: 1). Unlimited pool. */
+/* CPU backend: n_threads workers (<= 0: 1) that run every op, matmuls included (OpenBLAS is set
+ * to one thread so the two never oversubscribe the cores). Kernels by cpuid, or PRISM_CPU_ISA.
+ * Unlimited pool. */
 prism_backend_t *prism_backend_cpu_create(int n_threads);
 /* CPU backend whose pool refuses allocations beyond pool_bytes (0 = unlimited). */
 prism_backend_t *prism_backend_cpu_create_pool(int n_threads, size_t pool_bytes);

@@ -8,6 +8,18 @@
 
 #include "grammar/grammar.h"
 
+#include <jansson.h>
+#include <stdlib.h>
+
+/* Frees what json_dumps returned with the allocator jansson was given (the router gives it
+ * prism_malloc / prism_free; plain free() there would corrupt the heap). */
+static inline void gram_json_free(void *p)
+{
+    json_free_t f = NULL;
+    json_get_alloc_funcs(NULL, &f);
+    if (p) (f ? f : free)(p);
+}
+
 /* ---- defaults ---- */
 #define GRAM_DEF_SCHEMA_BYTES  (256 << 10)
 #define GRAM_DEF_SCHEMA_DEPTH  32

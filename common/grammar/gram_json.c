@@ -191,7 +191,7 @@ static int dump_value(js_t *j, json_t *v, prism_buf_t *out, int depth)
             json_decref(ks);
             if (!s) return PRISM_ENOMEM;
             prism_buf_append_str(out, s);
-            free(s);
+            gram_json_free(s);
             prism_buf_append_str(out, ": ");
             if (dump_value(j, x, out, depth + 1) < 0) return -1;
         }
@@ -207,7 +207,7 @@ static int dump_value(js_t *j, json_t *v, prism_buf_t *out, int depth)
         s = json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT);
         if (!s) return PRISM_ENOMEM;
         prism_buf_append_str(out, s);
-        free(s);
+        gram_json_free(s);
         return 0;
     }
 }
@@ -829,7 +829,7 @@ prism_gexpr_t prism_gexpr_json_string_literal(prism_grammar_builder_t *b, const 
     json_decref(str);
     if (!d) return gram_fail(b, PRISM_EINVAL, "", "string is not valid UTF-8");
     int32_t r = prism_gexpr_literal(b, d, strlen(d));
-    free(d);
+    gram_json_free(d);
     return r;
 }
 

@@ -405,6 +405,19 @@ void prism_grammar_matcher_free(prism_grammar_matcher_t *m)
 }
 
 void prism_grammar_matcher_reset(prism_grammar_matcher_t *m) { matcher_start(m); }
+
+int prism_grammar_matcher_rebind(prism_grammar_matcher_t *m, prism_grammar_t *g)
+{
+    if (!g || g->vocab != m->g->vocab) return PRISM_EINVAL;
+    if (g != m->g) {
+        prism_grammar_retain(g);
+        prism_grammar_release(m->g);
+        m->g = g;
+        m->c.g = g;
+    }
+    matcher_start(m);
+    return PRISM_OK;
+}
 bool prism_grammar_matcher_is_terminated(const prism_grammar_matcher_t *m) { return m->terminated; }
 bool prism_grammar_matcher_can_end(const prism_grammar_matcher_t *m) { return !m->terminated && m->can_end; }
 

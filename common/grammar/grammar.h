@@ -187,6 +187,11 @@ bool prism_grammar_matcher_can_end(const prism_grammar_matcher_t *m);       /* E
  * last reset); PRISM_EINVAL otherwise. */
 int  prism_grammar_matcher_rollback(prism_grammar_matcher_t *m, int n);
 void prism_grammar_matcher_reset(prism_grammar_matcher_t *m);
+/* Points the matcher at another grammar over the same vocabulary and restarts it, keeping its
+ * pre-sized pools (a worker keeps one matcher per sequence slot across requests, so serving a
+ * guided request allocates nothing once the slot has been used). Takes a reference to g and
+ * drops the old one. PRISM_EINVAL (matcher unchanged) when g has another vocabulary. */
+int  prism_grammar_matcher_rebind(prism_grammar_matcher_t *m, prism_grammar_t *g);
 /* Bytes the grammar forces next, whatever the model picks (jump-forward decoding): writes up to
  * cap bytes, returns the count (stops before any byte with a choice). */
 size_t prism_grammar_matcher_forced_bytes(prism_grammar_matcher_t *m, uint8_t *out, size_t cap);

@@ -1,13 +1,22 @@
 /* kv: the paged-KV block manager (ids only; the K/V storage lives in the model's
  * prism_kv_cache_t). Blocks are fixed-size, allocated all-or-nothing from a pool sized at
- * start-up, so admission control is a question of "are there n free blocks?". */
+ * start-up, so admission control is a question of "are there n free blocks?".
+ *
+ * Sharing: a block may have several holders (the n sequences of one request share the full
+ * blocks of their prompt). alloc makes the caller the only holder, share adds one holder per
+ * block, release drops one and frees a block when its last holder lets go. Shared blocks are
+ * read-only by convention: a sequence writes only positions past the shared prefix, which lie in
+ * blocks it holds alone (the prompt's last, partial block is copied per sequence). */
 #ifndef PRISM_KV_H
 #define PRISM_KV_H
 
 #include "core/core.h"
 
+#define PRISM_KV_MAX_HOLDERS 65535
+
 typedef struct {
     int32_t *free_ids;   /* [n_blocks] stack of free block ids */
+    uint16_t *holders;   /* [n_blocks] sequences holding each block; 0 = free */
     int n_free;
     int n_blocks;
     int block_size;      /* tokens per block */
@@ -17,10 +26,23 @@ int  prism_kv_blocks_init(prism_kv_blocks_t *b, int n_blocks, int block_size);
 void prism_kv_blocks_free_all(prism_kv_blocks_t *b);
 /* Allocates n blocks into out, or none: PRISM_EAGAIN when fewer than n are free. */
 int  prism_kv_blocks_alloc(prism_kv_blocks_t *b, int n, int32_t *out);
+/* One more holder for each of ids[0..n) (each must be held already): PRISM_ELIMIT, and nothing
+ * changed, when a block would pass PRISM_KV_MAX_HOLDERS. */
+int  prism_kv_blocks_share(prism_kv_blocks_t *b, const int32_t *ids, int n);
+/* Drops one holder of each; a block with no holder left is free again. */
 void prism_kv_blocks_release(prism_kv_blocks_t *b, const int32_t *ids, int n);
+static inline int prism_kv_blocks_holders(const prism_kv_blocks_t *b, int32_t id) { return b->holders[id]; }
 static inline int prism_kv_blocks_for_tokens(const prism_kv_blocks_t *b, int n_tokens)
 {
     return (n_tokens + b->block_size - 1) / b->block_size;
+}
+/* Blocks n sequences need when they share a prompt of n_prompt tokens and each runs to total
+ * tokens (prompt included): the prompt's full blocks once, the rest (the partial prompt block
+ * copied, and the generated tokens) per sequence. */
+static inline int prism_kv_blocks_for_shared(const prism_kv_blocks_t *b, int n_prompt, int total, int n)
+{
+    int shared = n_prompt / b->block_size;
+    return shared + n * (prism_kv_blocks_for_tokens(b, total) - shared);
 }
 static inline double prism_kv_blocks_usage(const prism_kv_blocks_t *b)
 {

@@ -138,35 +138,81 @@ const void *prism_msg_frame(prism_msg_t *m, int i, size_t *len)
     return zmq_msg_data(&m->frames[i]);
 }
 
-int prism_msg_send(void *sock, const void *identity, size_t identity_len, Prism__Envelope *env,
-                   const prism_frame_t *frames, int n_frames, int flags)
+static void frame_free(void *data, void *hint)
 {
+    (void)hint;
+    prism_free(data);
+}
+
+static int msg_send(void *sock, const void *identity, size_t identity_len, Prism__Envelope *env,
+                    const prism_frame_t *frames, int n_frames, int flags, bool take)
+{
+    int sent = 0, rc = PRISM_OK;
     env->version = PRISM_PROTOCOL_VERSION;
     size_t n = prism__envelope__get_packed_size(env);
-    if (n > PRISM_MSG_MAX_ENVELOPE) return PRISM_ELIMIT;
+    if (n > PRISM_MSG_MAX_ENVELOPE) {
+        rc = PRISM_ELIMIT;
+        goto out;
+    }
     if (n > t_pack_cap) {
         size_t cap = PRISM_MAX(n, (size_t)4096);
         uint8_t *b = prism_realloc(t_pack_buf, cap);
-        if (!b) return PRISM_ENOMEM;
+        if (!b) {
+            rc = PRISM_ENOMEM;
+            goto out;
+        }
         t_pack_buf = b;
         t_pack_cap = cap;
     }
     prism__envelope__pack(env, t_pack_buf);
     int more = n_frames > 0 ? ZMQ_SNDMORE : 0;
     if (identity) {
-        if (zmq_send(sock, identity, identity_len, flags | ZMQ_SNDMORE) < 0)
-            return errno == EAGAIN ? PRISM_EAGAIN : PRISM_EIO;
+        if (zmq_send(sock, identity, identity_len, flags | ZMQ_SNDMORE) < 0) {
+            rc = errno == EAGAIN ? PRISM_EAGAIN : PRISM_EIO;
+            goto out;
+        }
         flags &= ~ZMQ_DONTWAIT;  /* the rest of a multipart message is queued atomically */
     }
-    if (zmq_send(sock, t_pack_buf, n, flags | more) < 0)
-        return errno == EAGAIN ? PRISM_EAGAIN : PRISM_EIO;
-    flags &= ~ZMQ_DONTWAIT;
-    for (int i = 0; i < n_frames; i++) {
-        int f = (i + 1 < n_frames) ? ZMQ_SNDMORE : 0;
-        if (zmq_send(sock, frames[i].data, frames[i].len, flags | f) < 0)
-            return PRISM_EIO;
+    if (zmq_send(sock, t_pack_buf, n, flags | more) < 0) {
+        rc = errno == EAGAIN ? PRISM_EAGAIN : PRISM_EIO;
+        goto out;
     }
-    return PRISM_OK;
+    flags &= ~ZMQ_DONTWAIT;
+    for (; sent < n_frames; sent++) {
+        int f = (sent + 1 < n_frames) ? ZMQ_SNDMORE : 0;
+        const prism_frame_t *fr = &frames[sent];
+        if (!take) {
+            if (zmq_send(sock, fr->data, fr->len, flags | f) < 0) return PRISM_EIO;
+            continue;
+        }
+        zmq_msg_t m;
+        if (zmq_msg_init_data(&m, (void *)fr->data, fr->len, frame_free, NULL) != 0) {
+            rc = PRISM_ENOMEM;
+            goto out;
+        }
+        if (zmq_msg_send(&m, sock, flags | f) < 0) {
+            zmq_msg_close(&m);  /* frees the buffer */
+            sent++;
+            rc = PRISM_EIO;
+            goto out;
+        }
+    }
+out:
+    if (take)
+        for (int i = sent; i < n_frames; i++) prism_free((void *)frames[i].data);
+    return rc;
+}
+
+int prism_msg_send(void *sock, const void *identity, size_t identity_len, Prism__Envelope *env,
+                   const prism_frame_t *frames, int n_frames, int flags)
+{
+    return msg_send(sock, identity, identity_len, env, frames, n_frames, flags, false);
+}
+
+int prism_msg_send_take(void *sock, const void *identity, size_t identity_len, Prism__Envelope *env,
+                        const prism_frame_t *frames, int n_frames, int flags)
+{
+    return msg_send(sock, identity, identity_len, env, frames, n_frames, flags, true);
 }
 
 void prism_msg_thread_exit(void)

@@ -41,7 +41,7 @@
 #include "prism.pb-c.h"
 #include <zmq.h>
 
-#define PRISM_PROTOCOL_VERSION 1
+#define PRISM_PROTOCOL_VERSION 2
 #define PRISM_MSG_MAX_FRAMES 4
 #define PRISM_MSG_MAX_IDENTITY 255
 #define PRISM_MSG_MAX_ENVELOPE (16u << 20)   /* bytes: token ids of the longest prompt fit easily */
@@ -143,6 +143,11 @@ const void *prism_msg_frame(prism_msg_t *m, int i, size_t *len);
  * flags: 0 (block under backpressure) or ZMQ_DONTWAIT (PRISM_EAGAIN when the peer is full). */
 int prism_msg_send(void *sock, const void *identity, size_t identity_len, Prism__Envelope *env,
                    const prism_frame_t *frames, int n_frames, int flags);
+/* The same, without copying the frames: each frames[i].data is a prism_malloc'd buffer that the
+ * call takes over, whatever it returns (ZeroMQ frees it with prism_free once sent, from its I/O
+ * thread; a buffer not handed over is freed here). */
+int prism_msg_send_take(void *sock, const void *identity, size_t identity_len, Prism__Envelope *env,
+                        const prism_frame_t *frames, int n_frames, int flags);
 
 /* Frees the calling thread's envelope pack buffer (prism_msg_send keeps one per thread); call it
  * before a thread that sent messages exits. */

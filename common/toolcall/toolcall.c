@@ -31,6 +31,7 @@ struct prism_toolcall_parser {
     prism_toolcall_format_t fmt;
     uint64_t id_seed;
     size_t max_bytes;
+    int max_calls;         /* events of calls from this index on are not sent (0: any number) */
     prism_toolcall_cb cb;
     void *ud;
     prism_buf_t buf;       /* all text received */
@@ -75,7 +76,7 @@ static void emit_args(prism_toolcall_parser_t *p, const char *s, size_t n)
 {
     if (!n) return;
     prism_toolcall_event_t ev = { .kind = PRISM_TC_ARGS, .index = p->n_calls - 1, .text = s, .len = n };
-    p->cb(p->ud, &ev);
+    if (!p->max_calls || ev.index < p->max_calls) p->cb(p->ud, &ev);
 }
 
 static uint64_t mix(uint64_t x)
@@ -95,7 +96,7 @@ static void emit_begin(prism_toolcall_parser_t *p, const char *name, size_t n)
     prism_toolcall_event_t ev = { .kind = PRISM_TC_CALL_BEGIN, .index = p->n_calls, .id = id, .name = nm };
     p->n_calls++;
     p->call_open = true;
-    p->cb(p->ud, &ev);
+    if (!p->max_calls || ev.index < p->max_calls) p->cb(p->ud, &ev);
 }
 
 static void close_call(prism_toolcall_parser_t *p)
@@ -772,16 +773,18 @@ static void run(prism_toolcall_parser_t *p)
     }
 }
 
-int prism_toolcall_parser_create(prism_toolcall_format_t fmt, uint64_t id_seed, size_t max_bytes,
+int prism_toolcall_parser_create(prism_toolcall_format_t fmt, uint64_t id_seed, size_t max_bytes, int max_calls,
                                  prism_toolcall_cb cb, void *ud, prism_toolcall_parser_t **out)
 {
     *out = NULL;
     if (fmt != PRISM_TOOLCALL_HERMES && fmt != PRISM_TOOLCALL_PYTHONIC) return PRISM_EINVAL;
+    if (max_calls < 0) return PRISM_EINVAL;
     prism_toolcall_parser_t *p = prism_calloc(1, sizeof *p);
     if (!p) return PRISM_ENOMEM;
     p->fmt = fmt;
     p->id_seed = id_seed;
     p->max_bytes = max_bytes ? max_bytes : TC_DEFAULT_MAX;
+    p->max_calls = max_calls;
     p->cb = cb;
     p->ud = ud;
     p->st = fmt == PRISM_TOOLCALL_HERMES ? H_CONTENT : P_START;
@@ -845,12 +848,12 @@ static void collect(void *ud, const prism_toolcall_event_t *ev)
     }
 }
 
-int prism_toolcall_parse(prism_toolcall_format_t fmt, const char *text, size_t len, uint64_t id_seed,
+int prism_toolcall_parse(prism_toolcall_format_t fmt, const char *text, size_t len, uint64_t id_seed, int max_calls,
                          prism_toolcall_result_t *out)
 {
     memset(out, 0, sizeof *out);
     prism_toolcall_parser_t *p;
-    int rc = prism_toolcall_parser_create(fmt, id_seed, len + 1, collect, out, &p);
+    int rc = prism_toolcall_parser_create(fmt, id_seed, len + 1, max_calls, collect, out, &p);
     if (rc < 0) return rc;
     rc = prism_toolcall_parser_feed(p, text, len);
     if (rc == PRISM_OK) rc = prism_toolcall_parser_finish(p);

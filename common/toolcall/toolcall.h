@@ -50,8 +50,10 @@ typedef void (*prism_toolcall_cb)(void *ud, const prism_toolcall_event_t *ev);
 typedef struct prism_toolcall_parser prism_toolcall_parser_t;
 
 /* id_seed makes ids reproducible (e.g. a hash of the request id). max_bytes bounds the text
- * (0 = 1 MiB). */
-int  prism_toolcall_parser_create(prism_toolcall_format_t fmt, uint64_t id_seed, size_t max_bytes,
+ * (0 = 1 MiB). max_calls > 0 keeps only the first max_calls calls (OpenAI's parallel_tool_calls
+ * false is 1): later calls are parsed (so they never turn into content) but send no events;
+ * 0 keeps every call. */
+int  prism_toolcall_parser_create(prism_toolcall_format_t fmt, uint64_t id_seed, size_t max_bytes, int max_calls,
                                   prism_toolcall_cb cb, void *ud, prism_toolcall_parser_t **out);
 void prism_toolcall_parser_free(prism_toolcall_parser_t *p);
 /* Feeds a text delta; events for everything now decided come out through cb. */
@@ -78,7 +80,7 @@ typedef struct {
     bool ok;                   /* prism_toolcall_parser_ok after finish */
 } prism_toolcall_result_t;
 
-int  prism_toolcall_parse(prism_toolcall_format_t fmt, const char *text, size_t len, uint64_t id_seed,
+int  prism_toolcall_parse(prism_toolcall_format_t fmt, const char *text, size_t len, uint64_t id_seed, int max_calls,
                           prism_toolcall_result_t *out);
 void prism_toolcall_result_free(prism_toolcall_result_t *r);
 

@@ -2,9 +2,18 @@
  * function), built from the request's "tools" with the grammar builder. */
 #include <jansson.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "toolcall/toolcall.h"
+
+/* json_dumps output goes back to the allocator jansson was given (prism_free in the router). */
+static void json_text_free(void *p)
+{
+    json_free_t f = NULL;
+    json_get_alloc_funcs(NULL, &f);
+    if (p) (f ? f : free)(p);
+}
 
 #define TC_MAX_TOOLS 128
 
@@ -62,7 +71,7 @@ static int32_t pythonic_call(prism_grammar_builder_t *b, const char *name, json_
         char *txt = sub_schema_text(params, v);
         if (!txt) return fail(b, PRISM_ENOMEM, p, "out of memory");
         int32_t val = prism_gexpr_json_schema(b, txt, strlen(txt), &py, p);
-        free(txt);
+        json_text_free(txt);
         char key[300];
         snprintf(key, sizeof key, "%s=", k);
         int32_t parts[2] = { prism_gexpr_literal(b, key, strlen(key)), val };
@@ -99,7 +108,7 @@ static int32_t hermes_call(prism_grammar_builder_t *b, const char *name, json_t 
         char *txt = sub_schema_text(params, params);
         if (!txt) return fail(b, PRISM_ENOMEM, path, "out of memory");
         args = prism_gexpr_json_schema(b, txt, strlen(txt), NULL, path);
-        free(txt);
+        json_text_free(txt);
     } else {
         args = prism_gexpr_literal(b, "{}", 2);
     }

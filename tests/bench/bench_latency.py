@@ -30,8 +30,12 @@ def main():
     ap.add_argument("--build-dir", default=os.path.join(cl.ROOT, "build"))
     ap.add_argument("--requests", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--router-bin", default="", help="run this router binary instead of the build's (to compare)")
     args = ap.parse_args()
     cl.BUILD = os.path.abspath(args.build_dir)
+    if args.router_bin:
+        build_binary = cl.binary
+        cl.binary = lambda name: os.path.abspath(args.router_bin) if name == "router" else build_binary(name)
     tmp = tempfile.mkdtemp(prefix="prism-lat-")
     kinds = [
         ("text only", None),
@@ -46,7 +50,8 @@ def main():
         c.stop()
     print("launch to ready: median %.2fs over 3 launches (%s)" % (statistics.median(readies),
                                                                    ", ".join("%.2f" % x for x in readies)))
-    keys = ["image_decode_ms", "vit_ms", "queue_ms", "prefill_ms", "ttft_ms", "decode_tok_s", "e2e_ms"]
+    # router_ms: last body byte -> work handed to ZeroMQ (routers before it was added print nan)
+    keys = ["router_ms", "image_decode_ms", "vit_ms", "queue_ms", "prefill_ms", "ttft_ms", "decode_tok_s", "e2e_ms"]
     print("| request | prompt tokens | " + " | ".join(keys) + " |")
     print("|---|---|" + "---|" * len(keys))
     with cl.Cluster(router_args=["--timing-header"], worker_args={"encoder_worker": ["--embedding-cache-bytes", "0"]}) as c:
@@ -62,7 +67,7 @@ def main():
                     rows.append(parse_timing(headers["x-prism-timing"]))
                 import json
                 prompt = json.loads(data)["usage"]["prompt_tokens"]
-            med = {k: statistics.median(r[k] for r in rows) for k in keys}
+            med = {k: statistics.median(r.get(k, float("nan")) for r in rows) for k in keys}
             print("| %s | %d | " % (name, prompt) + " | ".join("%.1f" % med[k] for k in keys) + " |", flush=True)
     return 0
 

@@ -11,6 +11,8 @@ throughput, and the peak RSS of every process during the cell (VmHWM, reset per 
 
   python3 tests/bench/bench_serving.py --build-dir build --out docs/bench
   python3 tests/bench/bench_serving.py --overload 512     # far above capacity: only 200/429/503
+  # the same matrix with another router binary (e.g. one built from an older commit), to compare
+  python3 tests/bench/bench_serving.py --router-bin OLD/router --tag before --sizes 4096
 
 Only the standard library is needed for the measurements.
 """
@@ -179,8 +181,14 @@ def main():
     ap.add_argument("--mem-budget", default="512M", help="--mem-budget of every worker")
     ap.add_argument("--overload", type=int, default=0, help="only run an overload burst of N concurrent 4096px requests")
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--router-bin", default="", help="run this router binary instead of the build's")
+    ap.add_argument("--tag", default="", help="suffix of the output files (bench_serving_TAG.json)")
+    ap.add_argument("--router-args", default="", help="extra router flags, space-separated")
     args = ap.parse_args()
     cl.BUILD = os.path.abspath(args.build_dir)
+    if args.router_bin:
+        build_binary = cl.binary
+        cl.binary = lambda name: os.path.abspath(args.router_bin) if name == "router" else build_binary(name)
     os.makedirs(args.out, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="prism-bench-")
     urls = {}
@@ -189,19 +197,24 @@ def main():
         urls[s] = cl.image_url(path)
         print("image %dx%d: %.1f KiB JPEG" % (s, s, os.path.getsize(path) / 1024), flush=True)
     budget = ["--mem-budget", args.mem_budget]
-    c = cl.Cluster(worker_args={"encoder_worker": budget, "prefill_worker": budget, "decode_worker": budget})
+    c = cl.Cluster(router_args=args.router_args.split(),
+                   worker_args={"encoder_worker": budget, "prefill_worker": budget, "decode_worker": budget})
     try:
         ready = c.wait_ready()
         print("cluster ready in %.2fs" % ready, flush=True)
+        idle = rss_peak_kb(c.procs["router"].pid) / 1024.0
         results = {"machine": os.uname().nodename and "%d cores" % os.cpu_count(), "ready_s": ready,
-                   "mem_budget": args.mem_budget, "max_tokens": args.max_tokens, "cells": {}}
+                   "mem_budget": args.mem_budget, "max_tokens": args.max_tokens, "cells": {},
+                   "router_bin": args.router_bin or cl.binary("router"), "router_args": args.router_args,
+                   "router_idle_peak_rss_mib": idle}
+        print("router peak RSS after start-up: %.0f MiB" % idle, flush=True)
         if args.overload:
             size = max(urls)
             cell = run_cell(c, urls[size], args.overload, args.overload, args.max_tokens, args.timeout)
             after = run_cell(c, urls[min(urls)], 1, 2, args.max_tokens, args.timeout)
             results["overload"] = {"size": size, "burst": cell, "after": after}
             print(json.dumps(results["overload"], indent=1))
-            name = "overload"
+            name = "overload" + ("_" + args.tag if args.tag else "")
         else:
             for s, url in urls.items():
                 results["cells"][s] = []
@@ -210,13 +223,17 @@ def main():
                     cell = run_cell(c, url, conc, n, args.max_tokens, args.timeout)
                     results["cells"][s].append(cell)
                     print("%5dpx c=%-4d ok=%-4d refused=%-3d failed=%-3d ttft p50=%.3fs p99=%.3fs tpot=%.4fs "
-                          "%.1f tok/s  peak MiB enc=%.0f pre=%.0f dec=%.0f" % (
+                          "%.1f tok/s  peak MiB router=%.0f enc=%.0f pre=%.0f dec=%.0f  refusals %s" % (
                               s, conc, cell["ok"], cell["refused"], cell["failed"], cell["ttft_p50_s"] or -1,
                               cell["ttft_p99_s"] or -1, cell["tpot_mean_s"] or -1, cell["throughput_tok_s"],
-                              cell["peak_rss_mib"]["encoder-0"], cell["peak_rss_mib"]["prefill-0"],
-                              cell["peak_rss_mib"]["decode-0"]), flush=True)
+                              cell["peak_rss_mib"]["router"], cell["peak_rss_mib"]["encoder-0"],
+                              cell["peak_rss_mib"]["prefill-0"], cell["peak_rss_mib"]["decode-0"],
+                              cell["refused_by_reason"] or "-"), flush=True)
             name = "bench_serving"
-            plot(results, os.path.join(args.out, name + ".png"))
+            if args.tag:
+                name += "_" + args.tag
+            else:
+                plot(results, os.path.join(args.out, name + ".png"))
         status, _, metrics = c.request("GET", "/metrics")
         results["metrics_excerpt"] = [l for l in metrics.decode().splitlines()
                                       if l.startswith(("prism:worker_memory", "prism:requests_refused"))]

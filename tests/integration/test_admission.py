@@ -6,7 +6,7 @@ and normal service once the cause is gone.
   --api-key                      401 without / with a wrong key; the API works with it; /health is open
   --max-running-requests         429 when that many requests are in flight
   --max-image-bytes-in-flight    429 for an image request beyond it; text requests unaffected
-  --max-body-bytes-in-flight     503 from the header for a body beyond it
+  --max-body-bytes-in-flight     a body beyond it waits (reading paused); 503 after --max-queue-wait
   --max-queue-wait               503 for a request that waited that long for a free worker
   --request-timeout              a request still running then ends (SSE error when streaming), and
                                  the decode worker is told to stop
@@ -120,31 +120,56 @@ def test_image_bytes_in_flight_429():
         assert status == 200, (status, r)
 
 
-def test_body_bytes_in_flight_503():
+def test_body_bytes_in_flight_pause():
+    """A body beyond --max-body-bytes-in-flight is not refused: the router stops reading it (TCP
+    backpressure) and serves it once the held body is gone; one paused longer than --max-queue-wait
+    gets 503 + Retry-After after its upload, counted under body_bytes_inflight."""
     limit = 1 << 20
-    with Cluster(router_args=["--max-body-bytes-in-flight", str(limit)]) as c:
+    wait_s = 8
+    with Cluster(router_args=["--max-body-bytes-in-flight", str(limit), "--max-queue-wait", str(wait_s)]) as c:
         c.wait_ready()
-        # a: a valid request padded with JSON whitespace to 900 KB, sent but for its last 50 KB; bodies
-        # are charged as their bytes arrive (its buffer, at most the declared length), so wait until
-        # the router holds it all
+        # a: a valid request padded with JSON whitespace to exactly the budget, sent but for its last
+        # 50 KB; bodies are charged as their bytes arrive (their buffer, which by then covers the
+        # declared length), so wait until the router holds the whole budget
         body = json.dumps(chat_body("Hi", max_tokens=2)).encode()
-        body += b" " * (900_000 - len(body))
-        a = socket.create_connection(("127.0.0.1", c.port), timeout=30)
-        a.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n" % len(body))
-        a.sendall(body[:850_000])
-        wait_for(lambda: (c.metric("prism:router_body_bytes_in_flight") or 0) >= 850_000, 30, "the held body charged")
-        # b: 200 KB more than the bound allows right now
+        body += b" " * (limit - len(body))
         small = json.dumps(chat_body("Hi", max_tokens=2)).encode()
         small += b" " * (200_000 - len(small))
-        expect_refusal(c, 503, "in flight", "body_bytes_inflight", small)
-        # a completes and is served; then b fits
-        a.sendall(body[850_000:])
-        resp = b""
-        while b"\r\n\r\n" not in resp:
-            resp += a.recv(65536)
-        assert resp.startswith(b"HTTP/1.1 200"), resp[:200]
-        a.close()
+
+        def hold():
+            a = socket.create_connection(("127.0.0.1", c.port), timeout=60)
+            a.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(body))
+            a.sendall(body[:limit - 50_000])
+            wait_for(lambda: (c.metric("prism:router_body_bytes_in_flight") or 0) >= limit, 30, "the budget held")
+            return a
+
+        def finish(a):
+            a.sendall(body[limit - 50_000:])
+            resp = b""
+            while b"\r\n\r\n" not in resp:
+                resp += a.recv(65536)
+            assert resp.startswith(b"HTTP/1.1 200"), resp[:200]
+            a.close()
+
+        # b waits while a holds the budget, then is served: 200 for both, nothing refused
+        before = refused(c, "body_bytes_inflight")
+        a = hold()
+        out = {}
+        t = threading.Thread(target=lambda: out.update(b=c.request("POST", "/v1/chat/completions", small, timeout=120)))
+        t.start()
+        t.join(1.0)
+        assert t.is_alive(), ("b was answered while the budget was spent", out)
+        finish(a)
+        t.join(120)
+        assert out["b"][0] == 200, (out["b"][0], out["b"][2][:200])
+        assert refused(c, "body_bytes_inflight") == before
+        # b paused longer than --max-queue-wait: 503 + Retry-After, counted; a is still served
+        a = hold()
+        t0 = time.time()
+        expect_refusal(c, 503, "in flight", "body_bytes_inflight", small, timeout=120)
+        assert time.time() - t0 >= wait_s - 1, time.time() - t0
+        finish(a)
         status, _, data = c.request("POST", "/v1/chat/completions", small)
         assert status == 200, (status, data[:200])
 
@@ -240,6 +265,6 @@ def test_orphan_embeddings_dropped():
 
 if __name__ == "__main__":
     sys.exit(run_tests([test_api_key, test_requests_in_flight_429, test_image_bytes_in_flight_429,
-                        test_body_bytes_in_flight_503, test_max_queue_wait_503,
+                        test_body_bytes_in_flight_pause, test_max_queue_wait_503,
                         test_request_timeout_ends_stream_and_aborts, test_no_worker_of_a_tier_503,
                         test_orphan_embeddings_dropped]))

@@ -58,3 +58,15 @@ void cblas_sgemm(enum CBLAS_ORDER order, enum CBLAS_TRANSPOSE ta, enum CBLAS_TRA
     run(&jobs[0]);
     for (int t = 1; t < nt; t++) pthread_join(th[t], NULL);
 }
+
+/* y = alpha·op(A)·x + beta·y, A rows x cols row-major, unit strides (all the CPU backend uses), as a
+ * one-row sgemm: op(A) = Aᵀ gives y[cols] = x[rows]·A, op(A) = A gives y[rows] = x[cols]·Aᵀ. */
+void cblas_sgemv(enum CBLAS_ORDER order, enum CBLAS_TRANSPOSE ta, int rows, int cols, float alpha, const float *A,
+                 int lda, const float *x, int incx, float beta, float *y, int incy)
+{
+    if (order != CblasRowMajor || incx != 1 || incy != 1) abort();
+    if (ta == CblasTrans)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, 1, cols, rows, alpha, x, rows, A, lda, beta, y, cols);
+    else
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, 1, rows, cols, alpha, x, cols, A, lda, beta, y, rows);
+}

@@ -1,87 +1,138 @@
-/* CPU attention: blockwise online softmax (flash-attention style) so memory stays O(tile) per
- * worker whatever the context length; no N×N score matrix is ever formed. Work is split over
- * (query token, kv head) items so the q heads of one GQA group share each K/V tile load. */
+/* CPU attention as tiled matrix products with online softmax (flash-attention style).
+ *
+ * A work item is a tile of up to PRISM_CPU_ATTN_ROWS query rows — (token, q head) pairs of one
+ * kv head, so the q heads of a GQA group share every K/V tile — walked over key tiles of
+ * PRISM_CPU_ATTN_NK keys:
+ *   S = Q·Kᵀ   (K tile packed transposed once per tile, register-blocked micro-kernel; for a few
+ *               rows, as in decode, dot products straight from the cache rows instead)
+ *   masks      only on tiles that straddle a row's causal/chunk limits; tiles outside every row's
+ *              range are never visited
+ *   P = exp(S - m), running max/sum per row, O = O·corr + P·V (V rows read in place)
+ * so memory stays O(tile) per thread (scratch carved at create) whatever the context length.
+ * Items are tiles of the flattened token stream (a tile crossing a sequence boundary is handled
+ * as one segment per sequence) times kv heads; threads take them from a shared counter, last
+ * tokens first, because under a causal mask they are the most expensive. */
 #include "backend/cpu/cpu_impl.h"
 
 #include <math.h>
 
-static inline float dot(const float *a, const float *b, int n)
-{
-    float s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0;
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        s0 += a[i] * b[i]; s1 += a[i + 1] * b[i + 1]; s2 += a[i + 2] * b[i + 2]; s3 += a[i + 3] * b[i + 3];
-        s4 += a[i + 4] * b[i + 4]; s5 += a[i + 5] * b[i + 5]; s6 += a[i + 6] * b[i + 6]; s7 += a[i + 7] * b[i + 7];
-    }
-    for (; i < n; i++) s0 += a[i] * b[i];
-    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7));
-}
+#define NK PRISM_CPU_ATTN_NK
+#define QK_PACK_MIN 12   /* a sequence with fewer rows per item: dot products beat packing Kᵀ */
 
-/* Online-softmax state of the G query heads of one (token, kv head) item. */
+/* Where key j of one segment's sequence lives. */
 typedef struct {
-    float m[PRISM_CPU_MAX_GQA];   /* running max score */
-    float l[PRISM_CPU_MAX_GQA];   /* running sum of exp */
-} softmax_state_t;
+    const float *kc, *vc;         /* paged: cache base; dense: the sequence's first row (+ head) */
+    const int32_t *table;         /* paged block table of the sequence, NULL for dense */
+    int bs;                       /* paged block size */
+    size_t row, off;              /* paged: floats per cached token, offset of the kv head */
+    int ldk, ldv;                 /* dense row strides */
+} kv_src_t;
 
-static void state_begin(softmax_state_t *st, float *o, int G, int hd, int ld_head)
+static inline void kv_rows(const kv_src_t *src, int j0, int n, const float **kr, const float **vr)
 {
-    for (int h = 0; h < G; h++) {
-        st->m[h] = -INFINITY;
-        st->l[h] = 0;
-        memset(o + (size_t)h * ld_head, 0, (size_t)hd * 4);
-    }
-}
-
-/* Folds n keys/values (rows kv_stride apart) into the state of G heads. q/o heads are ld_head apart. */
-static void attend_tile(softmax_state_t *st, const float *q, float *o, int G, int hd, int ld_head,
-                        const float *k, const float *v, size_t kv_stride, int n, float scale)
-{
-    float sc[PRISM_CPU_ATTN_TILE];
-    for (int h = 0; h < G; h++) {
-        const float *qh = q + (size_t)h * ld_head;
-        float *oh = o + (size_t)h * ld_head;
-        float mx = -INFINITY;
+    if (src->table) {
         for (int j = 0; j < n; j++) {
-            sc[j] = dot(qh, k + (size_t)j * kv_stride, hd) * scale;
-            if (sc[j] > mx) mx = sc[j];
+            int p = j0 + j;
+            size_t r = ((size_t)src->table[p / src->bs] * src->bs + (size_t)(p % src->bs)) * src->row + src->off;
+            kr[j] = src->kc + r;
+            vr[j] = src->vc + r;
         }
-        float m_new = st->m[h] > mx ? st->m[h] : mx;
-        float corr = st->m[h] == -INFINITY ? 0.0f : expf(st->m[h] - m_new);
-        if (corr != 1.0f) {
-            st->l[h] *= corr;
-            for (int d = 0; d < hd; d++) oh[d] *= corr;
-        }
-        float lsum = 0;
+    } else {
         for (int j = 0; j < n; j++) {
-            float pj = expf(sc[j] - m_new);
-            lsum += pj;
-            const float *vj = v + (size_t)j * kv_stride;
-            for (int d = 0; d < hd; d++) oh[d] += pj * vj[d];
+            kr[j] = src->kc + (size_t)(j0 + j) * src->ldk;
+            vr[j] = src->vc + (size_t)(j0 + j) * src->ldv;
         }
-        st->l[h] += lsum;
-        st->m[h] = m_new;
     }
 }
-
-static void state_end(softmax_state_t *st, float *o, int G, int hd, int ld_head)
-{
-    for (int h = 0; h < G; h++) {
-        float inv = st->l[h] > 0 ? 1.0f / st->l[h] : 0.0f;
-        float *oh = o + (size_t)h * ld_head;
-        for (int d = 0; d < hd; d++) oh[d] *= inv;
-    }
-}
-
-/* ---- paged (causal, over the KV cache) ---- */
 
 typedef struct {
+    const prism_cpu_kern_t *k;
+    float *scratch;               /* [nth][PRISM_CPU_ATTN_SCRATCH] */
     float *out; int ldo;
     const float *q; int ldq;
+    int n_heads, n_kv, hd, G;
+    int gc, n_hc;                 /* q heads per item, head chunks per kv head */
+    int tq, n_tiles;              /* tokens per item, token tiles */
+    long T;                       /* flattened query tokens */
+    long n_items;
+    float scale;
+    atomic_long next;             /* next item to take */
+    /* paged */
     const float *k_cache, *v_cache;
     const prism_attn_meta_t *meta;
-    int n_heads, n_kv, hd;
-    float scale;
-} paged_task_t;
+    /* dense */
+    const float *dk, *dv; int ldk, ldv;
+    int seq_len;
+    bool causal;
+} attn_call_t;
+
+/* Rows of one segment: nt consecutive tokens (flat index tok0) of one sequence, heads
+ * [h0, h0+nh) of one kv head; token i sees keys [lo[i], hi[i]). pack: packed Kᵀ micro-kernel
+ * (else dot products from the rows).
+ * A row's result does not depend on which other rows share its segment: key tiles start at
+ * multiples of NK whatever the segment's first key, masked scores are exact zeros after the
+ * exp, and `pack` is decided per sequence. So outputs do not change with the thread count or
+ * with the other sequences of a batch. */
+static void attend_segment(const attn_call_t *a, float *scratch, const kv_src_t *src, int tok0, int nt, int h0,
+                           int nh, const int *lo, const int *hi, bool pack)
+{
+    const prism_cpu_kern_t *k = a->k;
+    const int hd = a->hd, m = nt * nh;
+    float *Qp = scratch, *O = Qp + PRISM_CPU_ATTN_QO, *Kt = O + PRISM_CPU_ATTN_QO;
+    float *Vp = Kt + PRISM_CPU_MAX_HEAD_DIM * NK, *S = Vp + PRISM_CPU_MAX_HEAD_DIM * NK;
+    float mrun[PRISM_CPU_ATTN_ROWS], lrun[PRISM_CPU_ATTN_ROWS], corr[PRISM_CPU_ATTN_ROWS];
+    const float *kr[NK], *vr[NK];
+
+    int kmin = lo[0], kmax = hi[0];
+    for (int i = 0; i < nt; i++) {
+        const float *qrow = a->q + (size_t)(tok0 + i) * a->ldq + (size_t)h0 * hd;
+        for (int hh = 0; hh < nh; hh++) k->scale(Qp + (size_t)(i * nh + hh) * hd, qrow + (size_t)hh * hd, a->scale, (size_t)hd);
+        kmin = PRISM_MIN(kmin, lo[i]);
+        kmax = PRISM_MAX(kmax, hi[i]);
+    }
+    for (int r = 0; r < m; r++) {
+        mrun[r] = -INFINITY;
+        lrun[r] = 0.0f;
+    }
+    memset(O, 0, sizeof(float) * (size_t)m * hd);
+
+    for (int j0 = kmin / NK * NK; j0 < kmax; j0 += NK) {
+        int n = PRISM_MIN(NK, kmax - j0);
+        kv_rows(src, j0, n, kr, vr);
+        if (pack) {
+            int ldk = (n + 15) & ~15;
+            k->pack_kt(Kt, ldk, kr, n, hd);
+            k->qk(S, NK, Qp, hd, Kt, ldk, m, hd);
+            /* V rows sit a whole token row (or KV block) apart: a contiguous copy keeps the P·V
+             * micro-kernel in a few pages instead of one page per key */
+            for (int j = 0; j < n; j++) {
+                memcpy(Vp + (size_t)j * hd, vr[j], sizeof(float) * (size_t)hd);
+                vr[j] = Vp + (size_t)j * hd;
+            }
+        } else {
+            k->qk_rows(S, NK, Qp, hd, kr, m, n, hd);
+        }
+        for (int i = 0; i < nt; i++) {
+            if (lo[i] <= j0 && hi[i] >= j0 + n) continue;   /* whole tile visible to this token */
+            int b0 = PRISM_MIN(PRISM_MAX(lo[i] - j0, 0), n), b1 = PRISM_MIN(PRISM_MAX(hi[i] - j0, 0), n);
+            for (int hh = 0; hh < nh; hh++) {
+                float *s = S + (size_t)(i * nh + hh) * NK;
+                for (int j = 0; j < b0; j++) s[j] = -INFINITY;
+                for (int j = b1; j < n; j++) s[j] = -INFINITY;
+            }
+        }
+        k->softmax(S, NK, m, n, mrun, lrun, corr);
+        k->pv(O, hd, S, NK, vr, corr, m, n, hd);
+    }
+
+    for (int i = 0; i < nt; i++) {
+        float *orow = a->out + (size_t)(tok0 + i) * a->ldo + (size_t)h0 * hd;
+        for (int hh = 0; hh < nh; hh++) {
+            int r = i * nh + hh;
+            k->scale(orow + (size_t)hh * hd, O + (size_t)r * hd, lrun[r] > 0 ? 1.0f / lrun[r] : 0.0f, (size_t)hd);
+        }
+    }
+}
 
 static int seq_of_token(const int32_t *seq_start, int n_seqs, int t)
 {
@@ -93,34 +144,79 @@ static int seq_of_token(const int32_t *seq_start, int n_seqs, int t)
     return lo;
 }
 
-static void paged_worker(void *arg, int ith, int nth)
+/* One item: token tile `tile`, kv head g, head chunk hc; split into per-sequence segments. */
+static void attend_item(const attn_call_t *a, float *scratch, long it)
 {
-    const paged_task_t *a = arg;
+    int per_tile = a->n_kv * a->n_hc;
+    int tile = a->n_tiles - 1 - (int)(it / per_tile);   /* last tokens first */
+    int g = (int)(it % per_tile) / a->n_hc, hc = (int)(it % per_tile) % a->n_hc;
+    int h0 = g * a->G + hc * a->gc, nh = PRISM_MIN(a->gc, a->G - hc * a->gc);
     const prism_attn_meta_t *me = a->meta;
-    int G = a->n_heads / a->n_kv, hd = a->hd, bs = me->block_size;
-    size_t kv_stride = (size_t)a->n_kv * hd;
-    long items = (long)me->n_tokens * a->n_kv;
-    long i0 = items * ith / nth, i1 = items * (ith + 1) / nth;
-    softmax_state_t st;
-    for (long it = i0; it < i1; it++) {
-        int t = (int)(it / a->n_kv), g = (int)(it % a->n_kv);
-        int s = seq_of_token(me->seq_start, me->n_seqs, t);
-        int pos = me->pos0[s] + (t - me->seq_start[s]), ctx_len = pos + 1;
-        int first = me->chunk > 0 ? pos / me->chunk * me->chunk : 0;  /* keys before the chunk never load */
-        const int32_t *table = me->block_tables + (size_t)s * me->max_blocks_per_seq;
-        const float *qh = a->q + (size_t)t * a->ldq + (size_t)g * G * hd;
-        float *oh = a->out + (size_t)t * a->ldo + (size_t)g * G * hd;
-        state_begin(&st, oh, G, hd, hd);
-        for (int j0 = first; j0 < ctx_len;) {
-            int bi = j0 / bs, off = j0 % bs;
-            int n = PRISM_MIN(PRISM_MIN(PRISM_CPU_ATTN_TILE, bs - off), ctx_len - j0);
-            size_t row = (size_t)table[bi] * bs + off;
-            attend_tile(&st, qh, oh, G, hd, hd, a->k_cache + row * kv_stride + (size_t)g * hd,
-                        a->v_cache + row * kv_stride + (size_t)g * hd, kv_stride, n, a->scale);
-            j0 += n;
+    int t = tile * a->tq, end = (int)PRISM_MIN((long)t + a->tq, a->T);
+    int lo[PRISM_CPU_ATTN_ROWS], hi[PRISM_CPU_ATTN_ROWS];
+    while (t < end) {
+        kv_src_t src;
+        int s, seg_end, first_pos, q_len;
+        if (me) {
+            s = seq_of_token(me->seq_start, me->n_seqs, t);
+            q_len = me->seq_start[s + 1] - me->seq_start[s];
+            seg_end = PRISM_MIN(end, me->seq_start[s + 1]);
+            first_pos = me->pos0[s] + (t - me->seq_start[s]);
+            src = (kv_src_t){a->k_cache, a->v_cache, me->block_tables + (size_t)s * me->max_blocks_per_seq,
+                             me->block_size, (size_t)a->n_kv * a->hd, (size_t)g * a->hd, 0, 0};
+            for (int i = 0; i < seg_end - t; i++) {
+                int p = first_pos + i;
+                hi[i] = p + 1;
+                lo[i] = me->chunk > 0 ? p / me->chunk * me->chunk : 0;
+            }
+        } else {
+            s = t / a->seq_len;
+            q_len = a->seq_len;
+            seg_end = PRISM_MIN(end, (s + 1) * a->seq_len);
+            first_pos = t - s * a->seq_len;
+            src = (kv_src_t){a->dk + (size_t)s * a->seq_len * a->ldk + (size_t)g * a->hd,
+                             a->dv + (size_t)s * a->seq_len * a->ldv + (size_t)g * a->hd,
+                             NULL, 0, 0, 0, a->ldk, a->ldv};
+            for (int i = 0; i < seg_end - t; i++) {
+                hi[i] = a->causal ? first_pos + i + 1 : a->seq_len;
+                lo[i] = 0;
+            }
         }
-        state_end(&st, oh, G, hd, hd);
+        attend_segment(a, scratch, &src, t, seg_end - t, h0, nh, lo, hi, q_len * nh >= QK_PACK_MIN);
+        t = seg_end;
     }
+}
+
+static void attn_worker(void *arg, int ith, int nth)
+{
+    attn_call_t *a = arg;
+    float *scratch = a->scratch + (size_t)ith * PRISM_CPU_ATTN_SCRATCH;
+    for (;;) {
+        long it = atomic_fetch_add_explicit(&a->next, 1, memory_order_relaxed);
+        if (it >= a->n_items) break;
+        attend_item(a, scratch, it);
+    }
+}
+
+/* Fills the tiling fields and runs the call over the pool. T = flattened query tokens. */
+static void attn_run(prism_cpu_ctx_t *c, attn_call_t *a, long T)
+{
+    int rows = PRISM_MIN(PRISM_CPU_ATTN_ROWS, PRISM_CPU_ATTN_QO / a->hd);
+    a->k = c->k;
+    a->scratch = c->attn_scratch;
+    a->G = a->n_heads / a->n_kv;
+    a->gc = PRISM_MIN(a->G, rows);
+    a->n_hc = (a->G + a->gc - 1) / a->gc;
+    /* As many tokens per item as fit the rows, but at least ~4 items per thread (decode batches:
+     * one token per sequence) so every thread has work. */
+    long per_tile = (long)a->n_kv * a->n_hc, want = 4L * c->pool.n_threads;
+    a->tq = (int)PRISM_MAX(1L, PRISM_MIN((long)(rows / a->gc), T * per_tile / want));
+    a->T = T;
+    a->n_tiles = (int)((T + a->tq - 1) / a->tq);
+    a->n_items = (long)a->n_tiles * a->n_kv * a->n_hc;
+    atomic_init(&a->next, 0);
+    int nth = (int)PRISM_MIN((long)c->pool.n_threads, a->n_items);
+    prism_cpu_pool_run(&c->pool, nth < 1 ? 1 : nth, attn_worker, a);
 }
 
 int prism_cpu_attn_paged(void *ctx, float *out, int ldo, const float *q, int ldq,
@@ -128,60 +224,15 @@ int prism_cpu_attn_paged(void *ctx, float *out, int ldo, const float *q, int ldq
                          int n_heads, int n_kv_heads, int head_dim, float scale)
 {
     prism_cpu_ctx_t *c = ctx;
-    if (n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > PRISM_CPU_MAX_GQA ||
+    if (!meta || n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > PRISM_CPU_MAX_GQA ||
         head_dim <= 0 || head_dim > PRISM_CPU_MAX_HEAD_DIM || meta->block_size <= 0 || meta->n_seqs <= 0 ||
-        meta->chunk < 0 || ldq < n_heads * head_dim || ldo < n_heads * head_dim)
+        meta->chunk < 0 || meta->n_tokens < 0 || ldq < n_heads * head_dim || ldo < n_heads * head_dim)
         return PRISM_EINVAL;
-    paged_task_t a = {out, ldo, q, ldq, k_cache, v_cache, meta, n_heads, n_kv_heads, head_dim, scale};
-    long items = (long)meta->n_tokens * n_kv_heads;
-    int nth = (int)PRISM_MIN((long)c->pool.n_threads, items);
-    prism_cpu_pool_run(&c->pool, nth < 1 ? 1 : nth, paged_worker, &a);
+    if (meta->n_tokens == 0) return PRISM_OK;
+    attn_call_t a = {.out = out, .ldo = ldo, .q = q, .ldq = ldq, .n_heads = n_heads, .n_kv = n_kv_heads,
+                     .hd = head_dim, .scale = scale, .k_cache = k_cache, .v_cache = v_cache, .meta = meta};
+    attn_run(c, &a, meta->n_tokens);
     return PRISM_OK;
-}
-
-/* ---- dense (ViT tiles; optional causal) ---- */
-
-typedef struct {
-    float *out; int ldo;
-    const float *q; int ldq;
-    const float *k; int ldk;
-    const float *v; int ldv;
-    int n_seqs, seq_len, n_heads, n_kv, hd;
-    float scale;
-    bool causal;
-} dense_task_t;
-
-static void dense_worker(void *arg, int ith, int nth)
-{
-    const dense_task_t *a = arg;
-    int G = a->n_heads / a->n_kv, hd = a->hd;
-    long items = (long)a->n_seqs * a->seq_len * a->n_kv;
-    long i0 = items * ith / nth, i1 = items * (ith + 1) / nth;
-    softmax_state_t st;
-    for (long it = i0; it < i1; it++) {
-        long tok = it / a->n_kv;
-        int g = (int)(it % a->n_kv);
-        int s = (int)(tok / a->seq_len), i = (int)(tok % a->seq_len);
-        int ctx_len = a->causal ? i + 1 : a->seq_len;
-        const float *qh = a->q + (size_t)tok * a->ldq + (size_t)g * G * hd;
-        float *oh = a->out + (size_t)tok * a->ldo + (size_t)g * G * hd;
-        const float *kb = a->k + (size_t)s * a->seq_len * a->ldk + (size_t)g * hd;
-        const float *vb = a->v + (size_t)s * a->seq_len * a->ldv + (size_t)g * hd;
-        state_begin(&st, oh, G, hd, hd);
-        for (int j0 = 0; j0 < ctx_len; j0 += PRISM_CPU_ATTN_TILE) {
-            int n = PRISM_MIN(PRISM_CPU_ATTN_TILE, ctx_len - j0);
-            if (a->ldk == a->ldv) {
-                attend_tile(&st, qh, oh, G, hd, hd, kb + (size_t)j0 * a->ldk, vb + (size_t)j0 * a->ldv,
-                            (size_t)a->ldk, n, a->scale);
-            } else {
-                /* distinct k/v strides: fold one key at a time */
-                for (int j = 0; j < n; j++)
-                    attend_tile(&st, qh, oh, G, hd, hd, kb + (size_t)(j0 + j) * a->ldk,
-                                vb + (size_t)(j0 + j) * a->ldv, 0, 1, a->scale);
-            }
-        }
-        state_end(&st, oh, G, hd, hd);
-    }
 }
 
 int prism_cpu_attn_dense(void *ctx, float *out, int ldo, const float *q, int ldq, const float *k, int ldk,
@@ -194,10 +245,10 @@ int prism_cpu_attn_dense(void *ctx, float *out, int ldo, const float *q, int ldq
         ldq < n_heads * head_dim || ldo < n_heads * head_dim || ldk < n_kv_heads * head_dim ||
         ldv < n_kv_heads * head_dim)
         return PRISM_EINVAL;
-    dense_task_t a = {out, ldo, q, ldq, k, ldk, v, ldv, n_seqs, seq_len, n_heads, n_kv_heads, head_dim,
-                      scale, causal};
-    long items = (long)n_seqs * seq_len * n_kv_heads;
-    int nth = (int)PRISM_MIN((long)c->pool.n_threads, items);
-    prism_cpu_pool_run(&c->pool, nth < 1 ? 1 : nth, dense_worker, &a);
+    if (n_seqs == 0) return PRISM_OK;
+    attn_call_t a = {.out = out, .ldo = ldo, .q = q, .ldq = ldq, .n_heads = n_heads, .n_kv = n_kv_heads,
+                     .hd = head_dim, .scale = scale, .dk = k, .dv = v, .ldk = ldk, .ldv = ldv, .seq_len = seq_len,
+                     .causal = causal};
+    attn_run(c, &a, (long)n_seqs * seq_len);
     return PRISM_OK;
 }

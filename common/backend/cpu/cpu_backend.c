@@ -1,10 +1,14 @@
-/* CPU backend: OpenBLAS sgemm for matmuls, plain C kernels for the rest, fp32 throughout.
- * It is the reference every other backend is tested against, so kernels favour clarity and
- * exact HF semantics over speed; attention is threaded over (token, kv head) work items. */
+/* CPU backend: fp32 throughout. Matmuls are OpenBLAS sgemm (or a vectorised gemv for a few
+ * rows) on column slices spread over the backend's own thread pool; attention is tiled matrix
+ * products (cpu_attn.c); elementwise and row ops run the kernel table chosen at create for this
+ * CPU (cpu_kern.h: scalar / AVX2 / AVX-512), split over the pool once they are big enough to pay
+ * for the hand-off. It is the reference other backends are tested against: every vector path
+ * equals the scalar one within fp32 rounding (tests/unit/model/test_backend_cpu.c). */
 #include "backend/cpu/cpu_impl.h"
 
 #include <cblas.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define POOL_HDR 256  /* per-allocation header: keeps 256-byte alignment and stores the size */
@@ -89,28 +93,151 @@ static int cpu_upload_convert(void *ctx, void *dst, prism_dtype_t dt, const floa
 
 static int cpu_sync(void *ctx) { return PRISM_OK; }
 
-/* ---- matmul ---- */
+/* ---- matmul ----
+ * The pool splits the output columns (rows of W) over threads — and the rows of x too when the
+ * column slices would get narrow (many threads, small N) — and each thread runs OpenBLAS sgemm
+ * single-threaded on its block (OpenBLAS threads are set to 1 at create, so BLAS threads and
+ * ours never oversubscribe the cores). For a few rows of x (decode) it runs the vectorised gemv
+ * instead, which streams each weight row once for all rows of x. */
 
-static int cpu_matmul(void *ctx, float *y, int ldy, const float *x, int ldx, const void *w,
+#define GEMV_MAX_M 16             /* up to this many rows of x the gemv beats OpenBLAS sgemm (which packs all of W) */
+
+typedef struct {
+    const prism_cpu_kern_t *k;
+    float *y; int ldy;
+    const float *x; int ldx;
+    const float *w, *b;
+    int M, N, K;
+    bool accumulate;
+    int pm, pn;                   /* thread grid: row blocks x column slices */
+} mm_task_t;
+
+#define MM_MIN_COLS 256           /* narrower column slices split the rows of x instead */
+
+static void mm_worker(void *arg, int ith, int nth)
+{
+    const mm_task_t *t = arg;
+    if (ith >= t->pm * t->pn) return;
+    int im = ith / t->pn, in = ith % t->pn;
+    /* column slices of whole 16-column groups, the last one takes the rest */
+    int groups = (t->N + 15) / 16;
+    int n0 = PRISM_MIN(t->N, (int)((long)groups * in / t->pn) * 16);
+    int n1 = PRISM_MIN(t->N, (int)((long)groups * (in + 1) / t->pn) * 16);
+    int m0 = (int)((long)t->M * im / t->pm), m1 = (int)((long)t->M * (im + 1) / t->pm);
+    if (n0 >= n1 || m0 >= m1) return;
+    int nn = n1 - n0, mm = m1 - m0;
+    float *y = t->y + (size_t)m0 * t->ldy + n0;
+    const float *x = t->x + (size_t)m0 * t->ldx;
+    bool acc = t->accumulate;
+    if (t->b) {
+        for (int r = 0; r < mm; r++) {
+            float *yr = y + (size_t)r * t->ldy;
+            if (acc) t->k->add(yr, yr, t->b + n0, (size_t)nn);
+            else memcpy(yr, t->b + n0, (size_t)nn * 4);
+        }
+        acc = true;
+    }
+    const float *w = t->w + (size_t)n0 * t->K;
+    if (t->M <= GEMV_MAX_M)
+        t->k->gemv(y, t->ldy, x, t->ldx, w, t->K, mm, nn, t->K, acc);
+    else
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, mm, nn, t->K, 1.0f, x, t->ldx, w, t->K,
+                    acc ? 1.0f : 0.0f, y, t->ldy);
+}
+
+static int cpu_matmul(void *vctx, float *y, int ldy, const float *x, int ldx, const void *w,
                       prism_dtype_t wdt, const float *b, int M, int N, int K, bool accumulate)
 {
+    prism_cpu_ctx_t *c = vctx;
     if (wdt != PRISM_DTYPE_F32) return PRISM_ENOTSUP;  /* CPU stores weights as fp32 */
     if (M < 0 || N <= 0 || K <= 0 || ldy < N || ldx < K) return PRISM_EINVAL;
     if (M == 0) return PRISM_OK;
-    float beta = accumulate ? 1.0f : 0.0f;
-    if (b) {
-        for (int r = 0; r < M; r++) {
-            float *yr = y + (size_t)r * ldy;
-            if (accumulate)
-                for (int j = 0; j < N; j++) yr[j] += b[j];
-            else
-                memcpy(yr, b, (size_t)N * 4);
-        }
-        beta = 1.0f;
-    }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, x, ldx, (const float *)w, K,
-                beta, y, ldy);
+    int nth = prism_cpu_nth(c, (size_t)M * N * K, PRISM_CPU_MATMUL_GRAIN);
+    /* gemv: columns only (each weight row streamed once); sgemm: rows too once slices narrow */
+    int pn = M <= GEMV_MAX_M ? PRISM_MIN(nth, (N + 15) / 16) : PRISM_MAX(1, PRISM_MIN(nth, N / MM_MIN_COLS));
+    int pm = M <= GEMV_MAX_M ? 1 : PRISM_MAX(1, PRISM_MIN(nth / pn, M / 64));
+    mm_task_t t = {c->k, y, ldy, x, ldx, (const float *)w, b, M, N, K, accumulate, pm, pn};
+    prism_cpu_pool_run(&c->pool, pm * pn, mm_worker, &t);
     return PRISM_OK;
+}
+
+/* ---- elementwise and row ops, split over the pool ---- */
+
+/* Ops before EW_SILU_MUL split elements (in groups of 16), the others whole rows. */
+typedef enum { EW_ACT, EW_ADD, EW_ADD_BCAST, EW_SCALE, EW_SILU_MUL, EW_RMSNORM, EW_LAYERNORM, EW_ROPE } ew_op_t;
+
+typedef struct {
+    ew_op_t op;
+    const prism_cpu_kern_t *k;
+    float *y;
+    const float *x, *a, *b, *w;
+    size_t n;                    /* units to split: elements, or rows */
+    size_t nb;                   /* EW_ADD_BCAST: length of b, repeated along y */
+    int dim, ld;                 /* row ops: row length, input row stride */
+    float s, eps;
+    prism_act_t act;
+    /* rope */
+    const int32_t *pos;
+    const float *inv_freq;
+    int n_heads, head_dim, half;
+    prism_rope_mode_t mode;
+} ew_task_t;
+
+static void ew_worker(void *arg, int ith, int nth)
+{
+    const ew_task_t *t = arg;
+    bool rows = t->op >= EW_SILU_MUL;
+    size_t align = rows ? 1 : 16;
+    size_t units = (t->n + align - 1) / align;
+    size_t i0 = PRISM_MIN(t->n, units * (size_t)ith / (size_t)nth * align);
+    size_t i1 = PRISM_MIN(t->n, units * (size_t)(ith + 1) / (size_t)nth * align);
+    if (i0 >= i1) return;
+    size_t n = i1 - i0;
+    const prism_cpu_kern_t *k = t->k;
+    switch (t->op) {
+    case EW_ACT: k->act(t->act, t->y + i0, t->x + i0, n); break;
+    case EW_ADD: k->add(t->y + i0, t->a + i0, t->b + i0, n); break;
+    case EW_SCALE: k->scale(t->y + i0, t->x + i0, t->s, n); break;
+    case EW_SILU_MUL:
+        for (size_t r = i0; r < i1; r++)
+            k->silu_mul(t->y + r * t->dim, t->a + r * t->ld, t->b + r * t->ld, (size_t)t->dim);
+        break;
+    case EW_ADD_BCAST:   /* y[i] = a[i] + b[i % nb], a run of b at a time */
+        for (size_t i = i0; i < i1;) {
+            size_t off = i % t->nb, len = PRISM_MIN(t->nb - off, i1 - i);
+            k->add(t->y + i, t->a + i, t->b + off, len);
+            i += len;
+        }
+        break;
+    case EW_RMSNORM:
+        for (size_t r = i0; r < i1; r++) k->rmsnorm(t->y + r * t->dim, t->x + r * t->dim, t->w, t->dim, t->eps);
+        break;
+    case EW_LAYERNORM:
+        for (size_t r = i0; r < i1; r++)
+            k->layernorm(t->y + r * t->dim, t->x + r * t->dim, t->w, t->b, t->dim, t->eps);
+        break;
+    case EW_ROPE: {
+        float cs[PRISM_CPU_MAX_HEAD_DIM / 2], sn[PRISM_CPU_MAX_HEAD_DIM / 2];
+        for (size_t r = i0; r < i1; r++) {
+            float p = (float)t->pos[r];
+            for (int i = 0; i < t->half; i++) {
+                float ang = p * t->inv_freq[i];  /* fp32 product as in HF */
+                cs[i] = cosf(ang);
+                sn[i] = sinf(ang);
+            }
+            k->rope(t->y + r * t->ld, t->n_heads, t->head_dim, t->half, cs, sn, t->mode);
+        }
+        break;
+    }
+    }
+}
+
+static void ew_run(prism_cpu_ctx_t *c, ew_task_t *t, size_t work)
+{
+    t->k = c->k;
+    int nth = prism_cpu_nth(c, work, PRISM_CPU_EW_GRAIN);
+    if (t->op >= EW_SILU_MUL) nth = (int)PRISM_MIN((size_t)nth, t->n);
+    prism_cpu_pool_run(&c->pool, nth, ew_worker, t);
 }
 
 /* ---- norms ---- */
@@ -118,14 +245,9 @@ static int cpu_matmul(void *ctx, float *y, int ldy, const float *x, int ldx, con
 static int cpu_rmsnorm(void *ctx, float *y, const float *x, const float *w, int n_rows, int dim, float eps)
 {
     if (dim <= 0 || n_rows < 0) return PRISM_EINVAL;
-    for (int r = 0; r < n_rows; r++) {
-        const float *xr = x + (size_t)r * dim;
-        float *yr = y + (size_t)r * dim;
-        double ss = 0;
-        for (int i = 0; i < dim; i++) ss += (double)xr[i] * xr[i];
-        float inv = 1.0f / sqrtf((float)(ss / dim) + eps);
-        for (int i = 0; i < dim; i++) yr[i] = w[i] * (xr[i] * inv);
-    }
+    if (n_rows == 0) return PRISM_OK;
+    ew_task_t t = {.op = EW_RMSNORM, .y = y, .x = x, .w = w, .n = (size_t)n_rows, .dim = dim, .eps = eps};
+    ew_run(ctx, &t, (size_t)n_rows * dim);
     return PRISM_OK;
 }
 
@@ -133,20 +255,9 @@ static int cpu_layernorm(void *ctx, float *y, const float *x, const float *w, co
                          int n_rows, int dim, float eps)
 {
     if (dim <= 0 || n_rows < 0) return PRISM_EINVAL;
-    for (int r = 0; r < n_rows; r++) {
-        const float *xr = x + (size_t)r * dim;
-        float *yr = y + (size_t)r * dim;
-        double mean = 0, var = 0;
-        for (int i = 0; i < dim; i++) mean += xr[i];
-        mean /= dim;
-        for (int i = 0; i < dim; i++) {
-            double d = xr[i] - mean;
-            var += d * d;
-        }
-        var /= dim;
-        float inv = (float)(1.0 / sqrt(var + eps)), m = (float)mean;
-        for (int i = 0; i < dim; i++) yr[i] = (xr[i] - m) * inv * (w ? w[i] : 1.0f) + (b ? b[i] : 0.0f);
-    }
+    if (n_rows == 0) return PRISM_OK;
+    ew_task_t t = {.op = EW_LAYERNORM, .y = y, .x = x, .w = w, .b = b, .n = (size_t)n_rows, .dim = dim, .eps = eps};
+    ew_run(ctx, &t, (size_t)n_rows * dim);
     return PRISM_OK;
 }
 
@@ -155,74 +266,49 @@ static int cpu_layernorm(void *ctx, float *y, const float *x, const float *w, co
 static int cpu_rope(void *ctx, float *x, int ld, int n_tokens, int n_heads, int head_dim, int rot_dim,
                     const int32_t *pos, const float *inv_freq, prism_rope_mode_t mode)
 {
-    if (rot_dim <= 0 || rot_dim > head_dim || (rot_dim & 1) || ld < n_heads * head_dim) return PRISM_EINVAL;
-    int half = rot_dim / 2;
-    for (int t = 0; t < n_tokens; t++) {
-        float p = (float)pos[t];
-        for (int i = 0; i < half; i++) {
-            float ang = p * inv_freq[i];  /* fp32 product as in HF */
-            float c = cosf(ang), s = sinf(ang);
-            for (int h = 0; h < n_heads; h++) {
-                float *xh = x + (size_t)t * ld + (size_t)h * head_dim;
-                int i0 = mode == PRISM_ROPE_NEOX ? i : 2 * i;
-                int i1 = mode == PRISM_ROPE_NEOX ? i + half : 2 * i + 1;
-                float a = xh[i0], b = xh[i1];
-                xh[i0] = a * c - b * s;
-                xh[i1] = b * c + a * s;
-            }
-        }
-    }
+    if (rot_dim <= 0 || rot_dim > head_dim || (rot_dim & 1) || head_dim > PRISM_CPU_MAX_HEAD_DIM ||
+        ld < n_heads * head_dim || n_tokens < 0)
+        return PRISM_EINVAL;
+    if (n_tokens == 0 || n_heads <= 0) return PRISM_OK;
+    ew_task_t t = {.op = EW_ROPE, .y = x, .n = (size_t)n_tokens, .ld = ld, .pos = pos, .inv_freq = inv_freq,
+                   .n_heads = n_heads, .head_dim = head_dim, .half = rot_dim / 2, .mode = mode};
+    ew_run(ctx, &t, (size_t)n_tokens * n_heads * rot_dim * 4);
     return PRISM_OK;
 }
 
 /* ---- elementwise ---- */
 
-static inline float act_one(prism_act_t act, float v)
-{
-    switch (act) {
-    case PRISM_ACT_NONE: return v;
-    case PRISM_ACT_SILU: return v / (1.0f + expf(-v));
-    case PRISM_ACT_GELU_ERF: return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
-    case PRISM_ACT_GELU_TANH:
-        return 0.5f * v * (1.0f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)));
-    case PRISM_ACT_QUICK_GELU: return v / (1.0f + expf(-1.702f * v));
-    case PRISM_ACT_RELU: return v > 0 ? v : 0;
-    }
-    return v;
-}
-
 static int cpu_act(void *ctx, prism_act_t act, float *y, const float *x, size_t n)
 {
     if ((unsigned)act > PRISM_ACT_RELU) return PRISM_EINVAL;
-    for (size_t i = 0; i < n; i++) y[i] = act_one(act, x[i]);
+    if (n == 0 || (act == PRISM_ACT_NONE && y == x)) return PRISM_OK;
+    ew_task_t t = {.op = EW_ACT, .act = act, .y = y, .x = x, .n = n};
+    ew_run(ctx, &t, act == PRISM_ACT_RELU || act == PRISM_ACT_NONE ? n : n * 8);
     return PRISM_OK;
 }
 
 static int cpu_silu_mul(void *ctx, float *out, const float *gate, const float *up, int ld, int n_rows, int dim)
 {
-    if (ld < dim) return PRISM_EINVAL;
-    for (int r = 0; r < n_rows; r++) {
-        const float *g = gate + (size_t)r * ld, *u = up + (size_t)r * ld;
-        float *o = out + (size_t)r * dim;
-        for (int i = 0; i < dim; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
+    if (ld < dim || dim < 0 || n_rows < 0) return PRISM_EINVAL;
+    if (n_rows == 0 || dim == 0) return PRISM_OK;
+    ew_task_t t = {.op = EW_SILU_MUL, .y = out, .a = gate, .b = up, .ld = ld, .dim = dim, .n = (size_t)n_rows};
+    ew_run(ctx, &t, (size_t)n_rows * dim * 8);
     return PRISM_OK;
 }
 
 static int cpu_add(void *ctx, float *y, const float *a, const float *b, size_t n, size_t nb)
 {
     if (nb == 0 || nb > n) return PRISM_EINVAL;
-    if (nb == n) {
-        for (size_t i = 0; i < n; i++) y[i] = a[i] + b[i];
-        return PRISM_OK;
-    }
-    for (size_t i = 0; i < n; i++) y[i] = a[i] + b[i % nb];
+    ew_task_t t = {.op = nb == n ? EW_ADD : EW_ADD_BCAST, .y = y, .a = a, .b = b, .n = n, .nb = nb};
+    ew_run(ctx, &t, n);
     return PRISM_OK;
 }
 
 static int cpu_scale(void *ctx, float *y, const float *x, float s, size_t n)
 {
-    for (size_t i = 0; i < n; i++) y[i] = x[i] * s;
+    if (n == 0) return PRISM_OK;
+    ew_task_t t = {.op = EW_SCALE, .y = y, .x = x, .s = s, .n = n};
+    ew_run(ctx, &t, n);
     return PRISM_OK;
 }
 
@@ -324,6 +410,7 @@ static void cpu_destroy(void *vctx)
     prism_cpu_ctx_t *c = vctx;
     if (!c) return;
     prism_cpu_pool_free(&c->pool);
+    prism_free_aligned(c->attn_scratch);
     pthread_mutex_destroy(&c->mem_mu);
     prism_free(c);
 }
@@ -336,11 +423,16 @@ prism_backend_t *prism_backend_cpu_create_pool(int n_threads, size_t pool_bytes)
     if (!be || !c) goto fail;
     pthread_mutex_init(&c->mem_mu, NULL);
     c->pool_cap = pool_bytes;
-    if (prism_cpu_pool_init(&c->pool, n_threads) != PRISM_OK) {
+    c->k = prism_cpu_kern_select(getenv("PRISM_CPU_ISA"));
+    if (n_threads > PRISM_CPU_MAX_THREADS) n_threads = PRISM_CPU_MAX_THREADS;
+    c->attn_scratch = prism_malloc_aligned(sizeof(float) * PRISM_CPU_ATTN_SCRATCH * (size_t)n_threads, 64);
+    if (!c->attn_scratch || prism_cpu_pool_init(&c->pool, n_threads) != PRISM_OK) {
+        prism_free_aligned(c->attn_scratch);
         pthread_mutex_destroy(&c->mem_mu);
         goto fail;
     }
-    openblas_set_num_threads(n_threads);
+    /* Our pool owns the cores: OpenBLAS runs single-threaded inside each pool thread. */
+    openblas_set_num_threads(1);
     be->i = (prism_backend_i){
         .name = cpu_name,
         .alloc = cpu_alloc, .free = cpu_free,
@@ -366,6 +458,7 @@ prism_backend_t *prism_backend_cpu_create_pool(int n_threads, size_t pool_bytes)
     be->device = "cpu";
     be->weight_dtype = PRISM_DTYPE_F32;
     be->n_threads = n_threads;
+    PRISM_INFO("cpu backend: %d threads, %s kernels", n_threads, c->k->name);
     return be;
 fail:
     prism_free(c);

@@ -3,9 +3,13 @@
 #define PRISM_BACKEND_CPU_IMPL_H
 
 #include "backend/backend.h"
+#include "backend/cpu/cpu_kern.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <string.h>
+
+#define PRISM_CPU_MAX_THREADS 256
 
 /* Fork-join pool of n-1 persistent threads plus the caller. Tasks are split by ith/nth; the
  * caller runs ith 0. Created once, so running a task never allocates. */
@@ -20,9 +24,9 @@ typedef struct prism_cpu_pool {
     pthread_cond_t start_cv, done_cv;
     prism_cpu_task_fn fn;
     void *arg;
-    uint64_t generation;
-    int pending;
-    bool stop;
+    atomic_uint_fast64_t generation;   /* bumped once per task; workers wait for a change */
+    atomic_int pending;                /* workers that have not finished the current task */
+    atomic_bool stop;
 } prism_cpu_pool_t;
 
 int  prism_cpu_pool_init(prism_cpu_pool_t *p, int n_threads);
@@ -30,16 +34,37 @@ void prism_cpu_pool_free(prism_cpu_pool_t *p);
 /* Runs fn(arg, ith, nth) for ith in [0, nth); nth <= n_threads, 1 runs inline. */
 void prism_cpu_pool_run(prism_cpu_pool_t *p, int nth, prism_cpu_task_fn fn, void *arg);
 
+/* Limits the attention kernels rely on for their fixed scratch. */
+#define PRISM_CPU_MAX_HEAD_DIM 512
+#define PRISM_CPU_MAX_GQA      64    /* q heads per kv head */
+/* (token, q head) rows per tile: each packed K/V tile serves this many rows, so packing is a
+ * small share of the work; fewer rows for head_dim > 64 so Q and O stay within QO floats. */
+#define PRISM_CPU_ATTN_ROWS    256
+#define PRISM_CPU_ATTN_QO      (PRISM_CPU_ATTN_ROWS * 64)   /* floats of packed Q, and of O */
+/* Per-thread attention scratch (floats): packed Q, O accumulators, packed Kᵀ and V, scores. */
+#define PRISM_CPU_ATTN_SCRATCH \
+    (2 * PRISM_CPU_ATTN_QO + 2 * PRISM_CPU_MAX_HEAD_DIM * PRISM_CPU_ATTN_NK + PRISM_CPU_ATTN_ROWS * PRISM_CPU_ATTN_NK)
+
 typedef struct {
     prism_cpu_pool_t pool;
+    const prism_cpu_kern_t *k;    /* kernels for this CPU (or PRISM_CPU_ISA) */
+    float *attn_scratch;          /* [n_threads][PRISM_CPU_ATTN_SCRATCH], carved at create */
     size_t pool_cap, pool_used, pool_peak;   /* memory pool accounting (bytes) */
     pthread_mutex_t mem_mu;
 } prism_cpu_ctx_t;
 
-/* Limits the attention kernels rely on for their fixed stack scratch. */
-#define PRISM_CPU_MAX_HEAD_DIM 512
-#define PRISM_CPU_MAX_GQA      64    /* q heads per kv head */
-#define PRISM_CPU_ATTN_TILE    64    /* keys per tile */
+/* Work a thread should get before another is woken: multiply-adds for matmuls, elements for
+ * elementwise and row ops. */
+#define PRISM_CPU_MATMUL_GRAIN (1L << 19)
+#define PRISM_CPU_EW_GRAIN     (1L << 15)
+
+/* Threads for a job of `work` units where one thread should get at least `grain` of them. */
+static inline int prism_cpu_nth(const prism_cpu_ctx_t *c, size_t work, size_t grain)
+{
+    size_t n = grain ? work / grain : work;
+    if (n < 1) n = 1;
+    return n < (size_t)c->pool.n_threads ? (int)n : c->pool.n_threads;
+}
 
 int prism_cpu_attn_paged(void *ctx, float *out, int ldo, const float *q, int ldq,
                          const float *k_cache, const float *v_cache, const prism_attn_meta_t *meta,

@@ -1,32 +1,79 @@
 /* CPU kernels of the Llama-4 ops (backend.h "Llama-4 ops"): per-head RMS norm, row scaling, MoE
- * routing / grouped GEMM / combine, pixel shuffle. Reference semantics for the CUDA versions. */
+ * routing / grouped GEMM / combine, pixel shuffle. Reference semantics for the CUDA versions.
+ * The heavy ones (the grouped GEMM, and the row ops once large) run on the backend's pool like
+ * every other op: OpenBLAS is single-threaded inside each pool thread (cpu_backend.c). */
 #include "backend/cpu/cpu_impl.h"
 
 #include <cblas.h>
 #include <math.h>
 
+/* Row ops split over the pool: rows [r0, r1) per thread. */
+typedef enum { L4_HEAD_RMSNORM, L4_SCALE_ROWS, L4_COMBINE } l4_op_t;
+
+typedef struct {
+    l4_op_t op;
+    const prism_cpu_kern_t *k;
+    float *x; int ld;
+    const float *w, *s, *src;
+    const int32_t *slot;
+    int n_rows, dim, n_heads, top_k;
+    float eps;
+} l4_rows_t;
+
+static void l4_rows_worker(void *arg, int ith, int nth)
+{
+    const l4_rows_t *t = arg;
+    int r0 = (int)((long)t->n_rows * ith / nth), r1 = (int)((long)t->n_rows * (ith + 1) / nth);
+    const prism_cpu_kern_t *k = t->k;
+    for (int r = r0; r < r1; r++) {
+        switch (t->op) {
+        case L4_HEAD_RMSNORM: {   /* row r = (token r / n_heads, head r % n_heads) */
+            float *v = t->x + (size_t)(r / t->n_heads) * t->ld + (size_t)(r % t->n_heads) * t->dim;
+            k->rmsnorm(v, v, t->w, t->dim, t->eps);
+            break;
+        }
+        case L4_SCALE_ROWS: {
+            float *v = t->x + (size_t)r * t->ld;
+            k->scale(v, v, t->s[r], (size_t)t->dim);
+            break;
+        }
+        case L4_COMBINE: {        /* in i order, as the reference */
+            float *y = t->x + (size_t)r * t->ld;
+            for (int i = 0; i < t->top_k; i++)
+                k->add(y, y, t->src + (size_t)t->slot[(size_t)r * t->top_k + i] * t->dim, (size_t)t->dim);
+            break;
+        }
+        }
+    }
+}
+
+static void l4_rows_run(prism_cpu_ctx_t *c, l4_rows_t *t, size_t work)
+{
+    t->k = c->k;
+    int nth = prism_cpu_nth(c, work, PRISM_CPU_EW_GRAIN);
+    if (nth > t->n_rows) nth = t->n_rows;
+    prism_cpu_pool_run(&c->pool, nth < 1 ? 1 : nth, l4_rows_worker, t);
+}
+
 int prism_cpu_head_rmsnorm(void *ctx, float *x, int ld, int n_tokens, int n_heads, int head_dim, const float *w,
                            float eps)
 {
-    if (n_tokens < 0 || n_heads <= 0 || head_dim <= 0 || (long)ld < (long)n_heads * head_dim) return PRISM_EINVAL;
-    for (int t = 0; t < n_tokens; t++)
-        for (int h = 0; h < n_heads; h++) {
-            float *v = x + (size_t)t * ld + (size_t)h * head_dim;
-            double ss = 0;
-            for (int i = 0; i < head_dim; i++) ss += (double)v[i] * v[i];
-            float inv = 1.0f / sqrtf((float)(ss / head_dim) + eps);
-            for (int i = 0; i < head_dim; i++) v[i] = w ? w[i] * (v[i] * inv) : v[i] * inv;
-        }
+    if (n_tokens < 0 || n_heads <= 0 || head_dim <= 0 || (long)ld < (long)n_heads * head_dim ||
+        (long)n_tokens * n_heads > INT32_MAX)
+        return PRISM_EINVAL;
+    if (n_tokens == 0) return PRISM_OK;
+    l4_rows_t t = {.op = L4_HEAD_RMSNORM, .x = x, .ld = ld, .w = w, .n_rows = n_tokens * n_heads, .dim = head_dim,
+                   .n_heads = n_heads, .eps = eps};
+    l4_rows_run(ctx, &t, (size_t)n_tokens * n_heads * head_dim * 2);
     return PRISM_OK;
 }
 
 int prism_cpu_scale_rows(void *ctx, float *x, int ld, int n_rows, int dim, const float *s)
 {
     if (n_rows < 0 || dim < 0 || ld < dim) return PRISM_EINVAL;
-    for (int r = 0; r < n_rows; r++) {
-        float *v = x + (size_t)r * ld, f = s[r];
-        for (int i = 0; i < dim; i++) v[i] *= f;
-    }
+    if (n_rows == 0 || dim == 0) return PRISM_OK;
+    l4_rows_t t = {.op = L4_SCALE_ROWS, .x = x, .ld = ld, .s = s, .n_rows = n_rows, .dim = dim};
+    l4_rows_run(ctx, &t, (size_t)n_rows * dim);
     return PRISM_OK;
 }
 
@@ -68,20 +115,53 @@ int prism_cpu_moe_route(void *ctx, const float *logits, int n_tokens, int n_expe
     return PRISM_OK;
 }
 
+/* Grouped GEMM: each thread takes a slice of the output columns (whole 16-column groups) of every
+ * group, so a decode step whose few rows all go to one expert still spreads that expert's weights
+ * over the threads. W_e is [K][N] (x @ W): a slice is a strided block of it. One row (decode)
+ * uses sgemv, which streams the slice once; OpenBLAS sgemm would pack it first. */
+typedef struct {
+    float *y; int ldy;
+    const float *x; int ldx;
+    const float *w;
+    const int32_t *offsets;
+    int n_groups, N, K;
+} mmg_task_t;
+
+static void mmg_worker(void *arg, int ith, int nth)
+{
+    const mmg_task_t *t = arg;
+    int groups16 = (t->N + 15) / 16;
+    int n0 = PRISM_MIN(t->N, (int)((long)groups16 * ith / nth) * 16);
+    int n1 = PRISM_MIN(t->N, (int)((long)groups16 * (ith + 1) / nth) * 16);
+    if (n0 >= n1) return;
+    for (int e = 0; e < t->n_groups; e++) {
+        int r0 = t->offsets[e], m = t->offsets[e + 1] - r0;
+        if (m == 0) continue;
+        const float *we = t->w + (size_t)e * t->K * t->N + n0;
+        const float *x = t->x + (size_t)r0 * t->ldx;
+        float *y = t->y + (size_t)r0 * t->ldy + n0;
+        if (m == 1)
+            cblas_sgemv(CblasRowMajor, CblasTrans, t->K, n1 - n0, 1.0f, we, t->N, x, 1, 0.0f, y, 1);
+        else
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n1 - n0, t->K, 1.0f, x, t->ldx, we, t->N, 0.0f,
+                        y, t->ldy);
+    }
+}
+
 int prism_cpu_matmul_grouped(void *ctx, float *y, int ldy, const float *x, int ldx, const void *w, prism_dtype_t wdt,
                              const int32_t *offsets, int n_groups, int M, int N, int K)
 {
+    prism_cpu_ctx_t *c = ctx;
     if (wdt != PRISM_DTYPE_F32) return PRISM_ENOTSUP;
     if (n_groups <= 0 || M < 0 || N <= 0 || K <= 0 || ldy < N || ldx < K || offsets[0] != 0 || offsets[n_groups] != M)
         return PRISM_EINVAL;
-    for (int e = 0; e < n_groups; e++) {
-        int r0 = offsets[e], m = offsets[e + 1] - r0;
-        if (m < 0 || r0 < 0 || r0 + m > M) return PRISM_EINVAL;
-        if (m == 0) continue;
-        const float *we = (const float *)w + (size_t)e * K * N;
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, N, K, 1.0f, x + (size_t)r0 * ldx, ldx, we, N, 0.0f,
-                    y + (size_t)r0 * ldy, ldy);
-    }
+    for (int e = 0; e < n_groups; e++)   /* all checked before any thread writes */
+        if (offsets[e + 1] < offsets[e]) return PRISM_EINVAL;
+    if (M == 0) return PRISM_OK;
+    int nth = prism_cpu_nth(c, (size_t)M * N * K, PRISM_CPU_MATMUL_GRAIN);
+    nth = PRISM_MIN(nth, (N + 15) / 16);
+    mmg_task_t t = {y, ldy, x, ldx, (const float *)w, offsets, n_groups, N, K};
+    prism_cpu_pool_run(&c->pool, nth, mmg_worker, &t);
     return PRISM_OK;
 }
 
@@ -89,13 +169,10 @@ int prism_cpu_moe_combine(void *ctx, float *y, int ldy, const float *src, const 
                           int dim)
 {
     if (n_tokens < 0 || top_k <= 0 || dim <= 0 || ldy < dim) return PRISM_EINVAL;
-    for (int t = 0; t < n_tokens; t++) {
-        float *yt = y + (size_t)t * ldy;
-        for (int i = 0; i < top_k; i++) {
-            const float *s = src + (size_t)slot[(size_t)t * top_k + i] * dim;
-            for (int d = 0; d < dim; d++) yt[d] += s[d];
-        }
-    }
+    if (n_tokens == 0) return PRISM_OK;
+    l4_rows_t t = {.op = L4_COMBINE, .x = y, .ld = ldy, .src = src, .slot = slot, .n_rows = n_tokens, .dim = dim,
+                   .top_k = top_k};
+    l4_rows_run(ctx, &t, (size_t)n_tokens * top_k * dim);
     return PRISM_OK;
 }
 

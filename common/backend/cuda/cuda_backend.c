@@ -321,6 +321,36 @@ int prism_cuda_scatter_rows(prism_backend_t *be, float *dst, int ld, const float
     return prism_cuda_scatter_rows_k(ST(be->ctx), dst, ld, src, rows, n, dim);
 }
 
+static bool is_cuda(const prism_backend_t *be) { return be && be->device && strcmp(be->device, "cuda") == 0; }
+
+int prism_cuda_penalties(prism_backend_t *be, float *logits, int n_rows, int vocab, const int32_t *counts,
+                         const uint32_t *prompt_bits, const prism_cuda_penalty_row_t *rows)
+{
+    if (!is_cuda(be)) return PRISM_EINVAL;
+    return prism_cuda_penalties_k(ST(be->ctx), logits, n_rows, vocab, counts, prompt_bits, rows);
+}
+
+int prism_cuda_token_counts_add(prism_backend_t *be, int32_t *counts, int n_slots, int vocab, const int32_t *slots,
+                                const int32_t *tokens, int n)
+{
+    if (!is_cuda(be)) return PRISM_EINVAL;
+    return prism_cuda_token_counts_add_k(ST(be->ctx), counts, n_slots, vocab, slots, tokens, n);
+}
+
+int prism_cuda_logit_bias(prism_backend_t *be, float *logits, int n_rows, int vocab, const int32_t *offsets,
+                          const int32_t *ids, const float *bias)
+{
+    if (!is_cuda(be)) return PRISM_EINVAL;
+    return prism_cuda_logit_bias_k(ST(be->ctx), logits, n_rows, vocab, offsets, ids, bias);
+}
+
+int prism_cuda_token_mask(prism_backend_t *be, float *logits, int n_rows, int vocab, const int32_t *masks, int words,
+                          const int32_t *mask_row)
+{
+    if (!is_cuda(be)) return PRISM_EINVAL;
+    return prism_cuda_token_mask_k(ST(be->ctx), logits, n_rows, vocab, masks, words, mask_row);
+}
+
 size_t prism_cuda_reserved_bytes(const prism_backend_t *be)
 {
     return be && strcmp(be->device, "cuda") == 0 ? ((const prism_cuda_ctx_t *)be->ctx)->reserved : 0;

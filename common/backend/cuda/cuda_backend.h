@@ -63,6 +63,31 @@ typedef struct {
 int prism_cuda_sample(prism_backend_t *be, int32_t *out_host, const float *logits, int n_rows, int vocab,
                       const prism_cuda_sample_args_t *args);
 
+/* ---- logits processors (CPU reference and rules: common/sample/logits.c, prism_grammar_apply_mask) ----
+ * A device build keeps the per-sequence token-count table on the device (counts [slots][vocab]
+ * int32, prompt bits [slots][(vocab+31)/32] uint32, prism_token_counts_t's layout), adds each
+ * step's sampled tokens to it there, and applies these to the batch's logits before
+ * prism_cuda_sample, so only token ids (and, for guided sequences, mask words) cross PCIe. All
+ * pointers are device pointers; one kernel per op (penalties.cu, token_counts.cu, logit_bias.cu,
+ * token_mask.cu). */
+typedef struct {
+    float presence, frequency, repetition;   /* 0, 0, 1 = off */
+    int32_t slot;                            /* table row; < 0 = no penalties for this logits row */
+} prism_cuda_penalty_row_t;
+
+/* logits [n_rows][vocab] in place; rows [n_rows] (device). */
+int prism_cuda_penalties(prism_backend_t *be, float *logits, int n_rows, int vocab, const int32_t *counts,
+                         const uint32_t *prompt_bits, const prism_cuda_penalty_row_t *rows);
+/* counts[slots[i]][tokens[i]] += 1 for i < n (out-of-range entries skipped). */
+int prism_cuda_token_counts_add(prism_backend_t *be, int32_t *counts, int n_slots, int vocab, const int32_t *slots,
+                                const int32_t *tokens, int n);
+/* logits[r][ids[k]] += bias[k] for k in [offsets[r], offsets[r+1]); offsets [n_rows + 1]. */
+int prism_cuda_logit_bias(prism_backend_t *be, float *logits, int n_rows, int vocab, const int32_t *offsets,
+                          const int32_t *ids, const float *bias);
+/* logits[r][i] = -inf where bit i of masks[mask_row[r]] is clear; mask_row[r] < 0: row untouched. */
+int prism_cuda_token_mask(prism_backend_t *be, float *logits, int n_rows, int vocab, const int32_t *masks, int words,
+                          const int32_t *mask_row);
+
 /* dst[rows[i]*ld ..][dim] = src[i*dim ..][dim] for i < n (device pointers; rows device int32,
  * rows < 0 skipped): writes image-embedding rows into the token embedding stream. */
 int prism_cuda_scatter_rows(prism_backend_t *be, float *dst, int ld, const float *src, const int32_t *rows,

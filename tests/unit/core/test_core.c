@@ -132,6 +132,42 @@ static void test_kv_blocks(void **state)
     prism_kv_blocks_free_all(&b);
 }
 
+/* n sequences of one request share their prompt's full blocks: a shared block is free only when
+ * its last holder releases it, and the reservation counts the shared prefix once. */
+static void test_kv_blocks_shared_prefix(void **state)
+{
+    prism_kv_blocks_t b;
+    assert_int_equal(prism_kv_blocks_init(&b, 12, 4), PRISM_OK);
+    /* prompt 10 tokens (2 full blocks + 2 tokens), 3 sequences to 15 tokens each:
+     * 2 shared + 3 x (4 - 2) private */
+    assert_int_equal(prism_kv_blocks_for_shared(&b, 10, 15, 3), 8);
+    assert_int_equal(prism_kv_blocks_for_shared(&b, 10, 15, 1), prism_kv_blocks_for_tokens(&b, 15));
+    assert_int_equal(prism_kv_blocks_for_shared(&b, 8, 8, 2), 2);   /* exact blocks: nothing private */
+    int32_t shared[2], priv[3][2];
+    assert_int_equal(prism_kv_blocks_alloc(&b, 2, shared), PRISM_OK);
+    assert_int_equal(prism_kv_blocks_share(&b, shared, 2), PRISM_OK);
+    assert_int_equal(prism_kv_blocks_share(&b, shared, 2), PRISM_OK);
+    for (int s = 0; s < 3; s++) assert_int_equal(prism_kv_blocks_alloc(&b, 2, priv[s]), PRISM_OK);
+    assert_int_equal(b.n_free, 12 - 8);
+    assert_int_equal(prism_kv_blocks_holders(&b, shared[0]), 3);
+    /* the first two sequences leave: their private blocks come back, the prefix stays */
+    for (int s = 0; s < 2; s++) {
+        int32_t all[4] = {shared[0], shared[1], priv[s][0], priv[s][1]};
+        prism_kv_blocks_release(&b, all, 4);
+    }
+    assert_int_equal(b.n_free, 12 - 4);
+    assert_int_equal(prism_kv_blocks_holders(&b, shared[1]), 1);
+    int32_t more[8];
+    assert_int_equal(prism_kv_blocks_alloc(&b, 8, more), PRISM_OK);
+    for (int i = 0; i < 8; i++) assert_true(more[i] != shared[0] && more[i] != shared[1]);  /* never handed out twice */
+    prism_kv_blocks_release(&b, more, 8);
+    int32_t last[4] = {shared[0], shared[1], priv[2][0], priv[2][1]};
+    prism_kv_blocks_release(&b, last, 4);
+    assert_int_equal(b.n_free, 12);
+    assert_int_equal(prism_kv_blocks_holders(&b, shared[0]), 0);
+    prism_kv_blocks_free_all(&b);
+}
+
 static void test_ct_equal(void **state)
 {
     (void)state;
@@ -236,9 +272,9 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_alloc_counts), cmocka_unit_test(test_arena),      cmocka_unit_test(test_buf),
         cmocka_unit_test(test_parse_bytes),  cmocka_unit_test(test_cli),        cmocka_unit_test(test_kv_blocks),
+        cmocka_unit_test(test_kv_blocks_shared_prefix),
         cmocka_unit_test(test_histogram),    cmocka_unit_test(test_embed_cache_lru),
-        cmocka_unit_test(test_embed_cache_pinned_hit_survives_puts),
-        cmocka_unit_test(test_histogram),    cmocka_unit_test(test_embed_cache_lru), cmocka_unit_test(test_ct_equal),
+        cmocka_unit_test(test_embed_cache_pinned_hit_survives_puts), cmocka_unit_test(test_ct_equal),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

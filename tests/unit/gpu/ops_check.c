@@ -23,7 +23,7 @@
 const char *const prism_opcheck_ops[] = {
     "copy", "matmul", "rmsnorm", "layernorm", "rope", "act", "silu_mul", "add", "scale", "get_rows",
     "im2patch", "kv", "attn_paged", "attn_decode", "attn_dense", "argmax", "fill_random", "sample", "scatter_rows",
-    "head_rmsnorm", "scale_rows", "moe", "pixel_shuffle", NULL,
+    "head_rmsnorm", "scale_rows", "moe", "pixel_shuffle", "logits_processors", NULL,
 };
 
 /* ---------------------------------------------------------------- helpers */
@@ -723,6 +723,110 @@ static void check_sample(ck_t *c)
     prism_sampler_free(&sm);
 }
 
+/* prism_grammar_apply_mask's rule, restated: the GPU kit builds this file without the grammar
+ * library (and its jansson / tokenizer dependencies). */
+static void mask_ref(float *l, const int32_t *mask, int vocab)
+{
+    for (int i = 0; i < vocab; i++)
+        if (!(((uint32_t)mask[i >> 5] >> (i & 31)) & 1u)) l[i] = -INFINITY;
+}
+
+/* The device logits processors against the CPU reference (common/sample/logits.c and the grammar
+ * mask rule) over one shared table layout: token counts added on the device equal
+ * the host's, and penalties, logit bias and grammar masks give the same logits bit for bit
+ * (each is one fp32 multiply / divide / subtract / add per element, in the same order). */
+static void check_logits_processors(ck_t *c)
+{
+    int rows = 24, slots = 32, vocab = 32003, words = (vocab + 31) / 32;
+    prism_token_counts_t tab;
+    if (prism_token_counts_init(&tab, slots, vocab) != PRISM_OK) { report(c, false, "table init"); return; }
+    int32_t row_slot[24], *toks = malloc(sizeof(int32_t) * 4096), *tslot = malloc(sizeof(int32_t) * 4096);
+    prism_cuda_penalty_row_t prm[24];
+    int nt = 0;
+    for (int r = 0; r < rows; r++) {
+        row_slot[r] = (r * 7) % slots;
+        int32_t prompt[64];
+        for (int k = 0; k < 64; k++) prompt[k] = irand(c, vocab);
+        prism_token_counts_reset(&tab, row_slot[r], prompt, r % 4 ? 64 : 0);
+        prm[r] = (prism_cuda_penalty_row_t){r % 3 ? 0.5f : 0.0f, r % 5 ? 0.25f : -0.75f, r % 2 ? 1.3f : 1.0f,
+                                            r == 7 ? -1 : row_slot[r]};
+        for (int k = 0; k < 100; k++) {       /* generated tokens: some repeated, some out of range */
+            toks[nt] = k % 10 == 9 ? vocab + k : irand(c, 50 + r * 13);
+            tslot[nt++] = row_slot[r];
+        }
+    }
+    /* counts on the device from a cleared table + the same prompt bits */
+    int32_t *dcounts = put(c->dev, NULL, (size_t)slots * vocab * 4);
+    c->dev->i.memset0(c->dev->ctx, dcounts, (size_t)slots * vocab * 4);
+    uint32_t *dbits = put(c->dev, tab.prompt, (size_t)slots * words * 4);
+    int32_t *dtoks = put(c->dev, toks, (size_t)nt * 4), *dtslot = put(c->dev, tslot, (size_t)nt * 4);
+    int rc = prism_cuda_token_counts_add(c->dev, dcounts, slots, vocab, dtslot, dtoks, nt);
+    for (int i = 0; i < nt; i++) prism_token_counts_add(&tab, tslot[i], toks[i]);
+    int32_t *hc = get(c->dev, dcounts, (size_t)slots * vocab * 4);
+    report(c, rc == PRISM_OK && memcmp(hc, tab.counts, (size_t)slots * vocab * 4) == 0,
+           "token counts: %d tokens into %d slots equal the host table", nt, slots);
+    free(hc);
+    /* penalties */
+    float *l = hrand(c, (size_t)rows * vocab, 6.0f), *ref = malloc(sizeof(float) * (size_t)rows * vocab);
+    memcpy(ref, l, sizeof(float) * (size_t)rows * vocab);
+    for (int r = 0; r < rows; r++) {
+        if (prm[r].slot < 0) continue;
+        prism_penalty_params_t p = {prm[r].presence, prm[r].frequency, prm[r].repetition};
+        prism_apply_penalties(ref + (size_t)r * vocab, vocab, prism_token_counts_row(&tab, prm[r].slot),
+                              prism_token_counts_prompt(&tab, prm[r].slot), &p);
+    }
+    float *dl = put(c->dev, l, (size_t)rows * vocab * 4);
+    prism_cuda_penalty_row_t *dprm = put(c->dev, prm, sizeof prm);
+    rc = prism_cuda_penalties(c->dev, dl, rows, vocab, dcounts, dbits, dprm);
+    float *h = get(c->dev, dl, (size_t)rows * vocab * 4);
+    report(c, rc == PRISM_OK && memcmp(h, ref, sizeof(float) * (size_t)rows * vocab) == 0,
+           "penalties: %d rows bit-identical to prism_apply_penalties (one row without a slot)", rows);
+    free(h);
+    /* logit bias, CSR over the rows (row 3 has none) */
+    int32_t off[25], ids[24 * 5];
+    float bias[24 * 5];
+    int nb = 0;
+    for (int r = 0; r < rows; r++) {
+        off[r] = nb;
+        for (int k = 0; r != 3 && k < 5; k++) {
+            ids[nb] = k == 4 ? vocab + 1 : (r * 131 + k * 977) % vocab;
+            bias[nb++] = (float)(irand(c, 201) - 100);
+        }
+        prism_apply_logit_bias(ref + (size_t)r * vocab, vocab, ids + off[r], bias + off[r], nb - off[r]);
+    }
+    off[rows] = nb;
+    int32_t *doff = put(c->dev, off, sizeof off), *dids = put(c->dev, ids, (size_t)nb * 4);
+    float *dbias = put(c->dev, bias, (size_t)nb * 4);
+    rc = prism_cuda_logit_bias(c->dev, dl, rows, vocab, doff, dids, dbias);
+    h = get(c->dev, dl, (size_t)rows * vocab * 4);
+    report(c, rc == PRISM_OK && memcmp(h, ref, sizeof(float) * (size_t)rows * vocab) == 0,
+           "logit bias: %d entries over %d rows (ids past the vocabulary skipped)", nb, rows);
+    free(h);
+    /* grammar masks: 3 masks, rows pick one or none */
+    int32_t *masks = malloc(sizeof(int32_t) * 3 * (size_t)words), mrow[24];
+    for (size_t i = 0; i < 3 * (size_t)words; i++) masks[i] = (int32_t)(c->rng = c->rng * 6364136223846793005ull + 1) >> 7;
+    for (int r = 0; r < rows; r++) {
+        mrow[r] = r % 4 == 0 ? -1 : r % 3;
+        if (mrow[r] >= 0) mask_ref(ref + (size_t)r * vocab, masks + (size_t)mrow[r] * words, vocab);
+    }
+    int32_t *dmasks = put(c->dev, masks, sizeof(int32_t) * 3 * (size_t)words), *dmrow = put(c->dev, mrow, sizeof mrow);
+    rc = prism_cuda_token_mask(c->dev, dl, rows, vocab, dmasks, words, dmrow);
+    h = get(c->dev, dl, (size_t)rows * vocab * 4);
+    report(c, rc == PRISM_OK && memcmp(h, ref, sizeof(float) * (size_t)rows * vocab) == 0,
+           "grammar masks: %d rows, unmasked rows untouched", rows);
+    free(h);
+    /* CPU backends are refused, not crashed on */
+    report(c, prism_cuda_token_mask(c->ref, dl, rows, vocab, dmasks, words, dmrow) == PRISM_EINVAL,
+           "a non-CUDA backend is refused");
+    free(l); free(ref); free(masks); free(toks); free(tslot);
+    prism_backend_buf_free(c->dev, dcounts); prism_backend_buf_free(c->dev, dbits);
+    prism_backend_buf_free(c->dev, dtoks); prism_backend_buf_free(c->dev, dtslot);
+    prism_backend_buf_free(c->dev, dl); prism_backend_buf_free(c->dev, dprm);
+    prism_backend_buf_free(c->dev, doff); prism_backend_buf_free(c->dev, dids); prism_backend_buf_free(c->dev, dbias);
+    prism_backend_buf_free(c->dev, dmasks); prism_backend_buf_free(c->dev, dmrow);
+    prism_token_counts_free(&tab);
+}
+
 static void check_scatter_rows(ck_t *c)
 {
     int T = 50, dim = 96, ld = 100, n = 12;
@@ -891,13 +995,14 @@ void prism_opcheck_run(prism_opcheck_t *t, prism_backend_t *ref, prism_backend_t
         {"head_rmsnorm", check_head_rmsnorm}, {"scale_rows", check_scale_rows}, {"moe", check_moe},
         {"pixel_shuffle", check_pixel_shuffle},
 #ifdef PRISM_OPCHECK_CUDA
-        {"sample", check_sample}, {"scatter_rows", check_scatter_rows},
+        {"sample", check_sample}, {"scatter_rows", check_scatter_rows}, {"logits_processors", check_logits_processors},
 #endif
     };
     bool is_cuda = dev->device && strcmp(dev->device, "cuda") == 0;
     for (size_t i = 0; i < sizeof ops / sizeof ops[0]; i++) {
         if (only && strcmp(only, ops[i].name) != 0) continue;
-        bool cuda_only = strcmp(ops[i].name, "sample") == 0 || strcmp(ops[i].name, "scatter_rows") == 0;
+        bool cuda_only = strcmp(ops[i].name, "sample") == 0 || strcmp(ops[i].name, "scatter_rows") == 0 ||
+                         strcmp(ops[i].name, "logits_processors") == 0;
         if (cuda_only && !is_cuda) continue;
         ck_t c = {t, ref, dev, ops[i].name, 0x9E3779B97F4A7C15ull ^ (uint64_t)(i * 7919 + 1), 0};
         double t0 = prism_now_s();

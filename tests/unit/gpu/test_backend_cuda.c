@@ -103,7 +103,7 @@ int main(void)
         OP("copy"), OP("matmul"), OP("rmsnorm"), OP("layernorm"), OP("rope"), OP("act"), OP("silu_mul"),
         OP("add"), OP("scale"), OP("get_rows"), OP("im2patch"), OP("kv"), OP("attn_paged"), OP("attn_decode"),
         OP("attn_dense"), OP("argmax"), OP("fill_random"), OP("sample"), OP("scatter_rows"), OP("head_rmsnorm"), OP("scale_rows"),
-        OP("moe"), OP("pixel_shuffle"),
+        OP("moe"), OP("pixel_shuffle"), OP("logits_processors"),
         cmocka_unit_test(test_no_device_alloc_on_ops),
         cmocka_unit_test(test_pool_limits),
         cmocka_unit_test(test_no_device_fails_cleanly),

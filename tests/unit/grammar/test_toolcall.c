@@ -71,7 +71,7 @@ static void test_whole(void **s)
     (void)s;
     for (size_t i = 0; i < PRISM_ARRAY_LEN(CASES); i++) {
         prism_toolcall_result_t r;
-        assert_int_equal(prism_toolcall_parse(CASES[i].fmt, CASES[i].text, strlen(CASES[i].text), 99, &r), PRISM_OK);
+        assert_int_equal(prism_toolcall_parse(CASES[i].fmt, CASES[i].text, strlen(CASES[i].text), 99, 0, &r), PRISM_OK);
         check_case(&CASES[i], &r);
         /* complete calls parse as JSON objects */
         for (size_t k = 0; k < r.n_calls && CASES[i].ok; k++) {
@@ -123,11 +123,12 @@ static void stream_free(stream_t *s)
     prism_buf_free(&s->r.content);
 }
 
-static void stream_parse(prism_toolcall_format_t fmt, const char *text, const size_t *cuts, size_t n_cuts, stream_t *s)
+static void stream_parse_max(prism_toolcall_format_t fmt, const char *text, const size_t *cuts, size_t n_cuts,
+                             int max_calls, stream_t *s)
 {
     memset(s, 0, sizeof *s);
     prism_toolcall_parser_t *p;
-    assert_int_equal(prism_toolcall_parser_create(fmt, 99, 0, on_event, s, &p), PRISM_OK);
+    assert_int_equal(prism_toolcall_parser_create(fmt, 99, 0, max_calls, on_event, s, &p), PRISM_OK);
     size_t at = 0, len = strlen(text);
     for (size_t i = 0; i <= n_cuts; i++) {
         size_t end = i < n_cuts ? cuts[i] : len;
@@ -137,6 +138,11 @@ static void stream_parse(prism_toolcall_format_t fmt, const char *text, const si
     assert_int_equal(prism_toolcall_parser_finish(p), PRISM_OK);
     s->r.ok = prism_toolcall_parser_ok(p);
     prism_toolcall_parser_free(p);
+}
+
+static void stream_parse(prism_toolcall_format_t fmt, const char *text, const size_t *cuts, size_t n_cuts, stream_t *s)
+{
+    stream_parse_max(fmt, text, cuts, n_cuts, 0, s);
 }
 
 static void same(const char *text, const prism_toolcall_result_t *w, const stream_t *s, const char *how)
@@ -159,7 +165,7 @@ static void same(const char *text, const prism_toolcall_result_t *w, const strea
 static void check_all_splits(prism_toolcall_format_t fmt, const char *text, uint64_t seed)
 {
     prism_toolcall_result_t w;
-    assert_int_equal(prism_toolcall_parse(fmt, text, strlen(text), 99, &w), PRISM_OK);
+    assert_int_equal(prism_toolcall_parse(fmt, text, strlen(text), 99, 0, &w), PRISM_OK);
     size_t len = strlen(text);
     stream_t s;
     /* every single split point */
@@ -226,7 +232,7 @@ static void run_forced(const gt_tok_t *t, prism_toolcall_format_t fmt, const cha
         if (!wk.terminated) { if (getenv("TC_DEBUG")) fprintf(stderr, "unterminated: %.*s\n", (int)wk.out.len, wk.out.data); prism_buf_free(&wk.out); continue; }
         done++;
         prism_toolcall_result_t r;
-        assert_int_equal(prism_toolcall_parse(fmt, wk.out.data, wk.out.len, 1, &r), PRISM_OK);
+        assert_int_equal(prism_toolcall_parse(fmt, wk.out.data, wk.out.len, 1, 0, &r), PRISM_OK);
         if (!r.ok || r.n_calls == 0 || r.content.len)
             fail_msg("forced output did not parse as calls only (ok %d, %zu calls, content %zu): %.*s", r.ok, r.n_calls, r.content.len, (int)wk.out.len, wk.out.data);
         if (!parallel) assert_int_equal(r.n_calls, 1);
@@ -322,7 +328,7 @@ static void test_grammar_errors(void **st)
     /* input bound */
     prism_toolcall_parser_t *p;
     stream_t s = {0};
-    assert_int_equal(prism_toolcall_parser_create(PRISM_TOOLCALL_HERMES, 1, 16, on_event, &s, &p), PRISM_OK);
+    assert_int_equal(prism_toolcall_parser_create(PRISM_TOOLCALL_HERMES, 1, 16, 0, on_event, &s, &p), PRISM_OK);
     assert_int_equal(prism_toolcall_parser_feed(p, "0123456789", 10), PRISM_OK);
     assert_int_equal(prism_toolcall_parser_feed(p, "0123456789", 10), PRISM_ELIMIT);
     prism_toolcall_parser_free(p);
@@ -353,11 +359,50 @@ static void test_stream_fuzz(void **st)
     }
 }
 
+/* parallel_tool_calls false (max_calls 1): only the first call comes back, whole and streamed
+ * alike; the calls after it are still parsed, so their text never turns into content. */
+static void test_max_calls(void **st)
+{
+    (void)st;
+    static const struct { prism_toolcall_format_t fmt; const char *text, *content, *args; } T[] = {
+        { PRISM_TOOLCALL_HERMES, "Sure.\n<tool_call>{\"name\": \"a\", \"arguments\": {\"x\": 1}}</tool_call>\n"
+          "<tool_call>{\"name\": \"b\", \"arguments\": {\"y\": 2}}</tool_call>", "Sure.\n", "{\"x\": 1}" },
+        { PRISM_TOOLCALL_PYTHONIC, "[a(x=1), b(y=2), c()]", "", "{\"x\": 1}" },
+    };
+    assert_int_equal(prism_toolcall_parser_create(PRISM_TOOLCALL_HERMES, 1, 0, -1, on_event, NULL,
+                                                  &(prism_toolcall_parser_t *){NULL}), PRISM_EINVAL);
+    for (size_t i = 0; i < PRISM_ARRAY_LEN(T); i++) {
+        prism_toolcall_result_t all, one;
+        assert_int_equal(prism_toolcall_parse(T[i].fmt, T[i].text, strlen(T[i].text), 99, 0, &all), PRISM_OK);
+        assert_true(all.n_calls >= 2);
+        assert_int_equal(prism_toolcall_parse(T[i].fmt, T[i].text, strlen(T[i].text), 99, 1, &one), PRISM_OK);
+        assert_int_equal(one.n_calls, 1);
+        assert_string_equal(one.calls[0].name, "a");
+        assert_string_equal(one.calls[0].id, all.calls[0].id);
+        assert_int_equal(one.calls[0].arguments.len, strlen(T[i].args));
+        assert_memory_equal(one.calls[0].arguments.data, T[i].args, strlen(T[i].args));
+        assert_int_equal(one.content.len, strlen(T[i].content));
+        if (one.content.len) assert_memory_equal(one.content.data, T[i].content, one.content.len);
+        assert_true(one.ok);
+        /* streamed byte by byte: the same single call */
+        size_t len = strlen(T[i].text), *cuts = malloc(len * sizeof *cuts);
+        for (size_t k = 0; k < len; k++) cuts[k] = k;
+        stream_t s;
+        stream_parse_max(T[i].fmt, T[i].text, cuts, len, 1, &s);
+        same(T[i].text, &one, &s, "bytes, one call");
+        stream_free(&s);
+        free(cuts);
+        prism_toolcall_result_free(&all);
+        prism_toolcall_result_free(&one);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_whole),
         cmocka_unit_test(test_stream_agrees),
+        cmocka_unit_test(test_max_calls),
         cmocka_unit_test(test_stream_fuzz),
         cmocka_unit_test(test_grammar_errors),
         cmocka_unit_test(test_forced_calls),

@@ -14,6 +14,7 @@
 #include "openai_req.h"
 #include "openai_write.h"
 #include "core/utf8.h"
+#include "guide/guide.h"
 
 static int parse(const char *body, bool chat, const prism_oai_parse_opts_t *o, prism_oai_request_t *r,
                  prism_oai_error_t *e)
@@ -81,7 +82,9 @@ static void test_chat_full(void **state)
         "\"logprobs\":true,\"top_logprobs\":5,\"n\":1,\"ignore_eos\":true,\"add_generation_prompt\":false,"
         "\"return_tokens_as_token_ids\":true,"
         "\"presence_penalty\":1.5,\"frequency_penalty\":-0.5,\"repetition_penalty\":1.1,"
-        "\"tools\":[{\"type\":\"function\"}],\"user\":\"u\",\"logit_bias\":{\"1\":2}}";
+        "\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":\"object\"}}}],"
+        "\"user\":\"u\",\"logit_bias\":{\"1\":2,\"30\":-100.0},\"metadata\":{\"k\":\"v\"},\"store\":false,"
+        "\"service_tier\":\"auto\",\"min_p\":0,\"echo\":false,\"modalities\":[\"text\"],\"some_new_field\":1}";
     prism_oai_request_t r;
     prism_oai_error_t e;
     assert_int_equal(parse(body, true, NULL, &r, &e), PRISM_OK);
@@ -126,7 +129,119 @@ static void test_chat_full(void **state)
     assert_true(r.presence_penalty == 1.5);
     assert_true(r.frequency_penalty == -0.5);
     assert_true(r.repetition_penalty == 1.1);
+    assert_true(r.greedy);                /* temperature 0 */
+    assert_int_equal(r.n_logit_bias, 2);
+    int i30 = r.logit_bias_ids[0] == 30 ? 0 : 1;
+    assert_int_equal(r.logit_bias_ids[i30], 30);
+    assert_true(r.logit_bias_values[i30] == -100.0f);
+    assert_true(r.logit_bias_values[1 - i30] == 2.0f);
+    assert_int_equal(r.n_tools, 1);
+    assert_int_equal(r.tool_choice, PRISM_OAI_TOOL_AUTO);   /* tools present, no tool_choice */
+    assert_true(r.parallel_tool_calls);
+    assert_non_null(strstr(r.tools_text, "\"get_weather\""));
+    assert_int_equal(r.guide_kind, 0);
     prism_oai_request_free(&r);
+}
+
+/* Output constraints and tools: what the parser hands the router to compile. */
+static void test_guides_and_tools(void **state)
+{
+    (void)state;
+    size_t base = prism_mem_used();
+    prism_oai_request_t r;
+    prism_oai_error_t e;
+    assert_int_equal(parse("{" "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]" ",\"response_format\":"
+                           "{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"n\",\"strict\":true,"
+                           "\"schema\":{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"}}}}}}",
+                           true, NULL, &r, &e), PRISM_OK);
+    assert_int_equal(r.guide_kind, PRISM_GUIDE_JSON_SCHEMA);
+    assert_string_equal(r.guide_text, "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"}}}");
+    assert_int_equal(r.guide_len, strlen(r.guide_text));
+    assert_string_equal(r.guide_param, "response_format.json_schema.schema");
+    prism_oai_request_free(&r);
+    assert_int_equal(parse("{\"prompt\":\"x\",\"response_format\":{\"type\":\"json_object\"}}", false, NULL, &r, &e), PRISM_OK);
+    assert_int_equal(r.guide_kind, PRISM_GUIDE_JSON_OBJECT);
+    prism_oai_request_free(&r);
+    assert_int_equal(parse("{\"prompt\":\"x\",\"response_format\":{\"type\":\"text\"},\"guided_choice\":[\"a\",\"b c\"]}",
+                           false, NULL, &r, &e), PRISM_OK);
+    assert_int_equal(r.guide_kind, PRISM_GUIDE_CHOICE);
+    assert_string_equal(r.guide_text, "[\"a\",\"b c\"]");
+    prism_oai_request_free(&r);
+    assert_int_equal(parse("{\"prompt\":\"x\",\"guided_regex\":\"[a-z]+\"}", false, NULL, &r, &e), PRISM_OK);
+    assert_int_equal(r.guide_kind, PRISM_GUIDE_REGEX);
+    assert_string_equal(r.guide_text, "[a-z]+");
+    prism_oai_request_free(&r);
+    assert_int_equal(parse("{\"prompt\":\"x\",\"guided_json\":\"{\\\"type\\\":\\\"string\\\"}\"}", false, NULL, &r, &e), PRISM_OK);
+    assert_int_equal(r.guide_kind, PRISM_GUIDE_JSON_SCHEMA);
+    assert_string_equal(r.guide_text, "{\"type\":\"string\"}");
+    prism_oai_request_free(&r);
+    /* tools: a named choice, parallel calls off, n and best_of */
+    assert_int_equal(parse("{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":["
+                           "{\"type\":\"function\",\"function\":{\"name\":\"a\"}},"
+                           "{\"type\":\"function\",\"function\":{\"name\":\"b-2\",\"parameters\":{}}}],"
+                           "\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"b-2\"}},"
+                           "\"parallel_tool_calls\":false,\"n\":3,\"top_p\":0,\"temperature\":1}", true, NULL, &r, &e),
+                     PRISM_OK);
+    assert_int_equal(r.n_tools, 2);
+    assert_int_equal(r.tool_choice, PRISM_OAI_TOOL_NAMED);
+    assert_string_equal(r.tool_name, "b-2");
+    assert_false(r.parallel_tool_calls);
+    assert_int_equal(r.n, 3);
+    assert_true(r.greedy);               /* top_p 0 is greedy whatever the temperature */
+    prism_oai_request_free(&r);
+    assert_int_equal(parse("{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"tools\":["
+                           "{\"type\":\"function\",\"function\":{\"name\":\"a\"}}],\"tool_choice\":\"none\"}",
+                           true, NULL, &r, &e), PRISM_OK);
+    assert_int_equal(r.tool_choice, PRISM_OAI_TOOL_NONE);  /* the template still sees the tools */
+    assert_int_equal(r.n_tools, 1);
+    prism_oai_request_free(&r);
+    assert_int_equal(parse("{\"prompt\":\"x\",\"n\":4,\"best_of\":4}", false, NULL, &r, &e), PRISM_OK);
+    assert_int_equal(r.n, 4);
+    prism_oai_request_free(&r);
+    assert_int_equal(prism_mem_used(), base);
+}
+
+/* logit_bias: at most PRISM_OAI_MAX_LOGIT_BIAS entries, ids inside the vocabulary when it is known. */
+static void test_logit_bias_bounds(void **state)
+{
+    (void)state;
+    prism_buf_t b = {0};
+    prism_oai_request_t r;
+    prism_oai_error_t e;
+    for (int n = PRISM_OAI_MAX_LOGIT_BIAS; n <= PRISM_OAI_MAX_LOGIT_BIAS + 1; n++) {
+        prism_buf_reset(&b);
+        prism_buf_append_str(&b, "{\"prompt\":\"x\",\"logit_bias\":{");
+        for (int i = 0; i < n; i++) prism_buf_appendf(&b, "%s\"%d\":%d", i ? "," : "", i, i % 201 - 100);
+        prism_buf_append_str(&b, "}}");
+        int rc = prism_oai_parse(b.data, b.len, false, NULL, &r, &e);
+        if (n == PRISM_OAI_MAX_LOGIT_BIAS) {
+            assert_int_equal(rc, PRISM_OK);
+            assert_int_equal(r.n_logit_bias, n);
+        } else {
+            assert_int_equal(rc, PRISM_EINVAL);
+            assert_string_equal(e.param, "logit_bias");
+            assert_non_null(strstr(e.message, "at most 300"));
+        }
+        prism_oai_request_free(&r);
+    }
+    /* tools travel to the workers as text: bounded */
+    prism_buf_reset(&b);
+    prism_buf_append_str(&b, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[");
+    for (int i = 0; i < 100; i++)
+        prism_buf_appendf(&b, "%s{\"type\":\"function\",\"function\":{\"name\":\"f%d\",\"description\":\"%0*d\"}}",
+                          i ? "," : "", i, 11000, 0);
+    prism_buf_append_str(&b, "]}");
+    assert_int_equal(prism_oai_parse(b.data, b.len, true, NULL, &r, &e), PRISM_EINVAL);
+    assert_string_equal(e.param, "tools");
+    assert_non_null(strstr(e.message, "limit"));
+    prism_oai_parse_opts_t o = {.vocab = 4096};
+    const char *in = "{\"prompt\":\"x\",\"logit_bias\":{\"4095\":1}}", *out = "{\"prompt\":\"x\",\"logit_bias\":{\"4096\":1}}";
+    assert_int_equal(prism_oai_parse(in, strlen(in), false, &o, &r, &e), PRISM_OK);
+    prism_oai_request_free(&r);
+    assert_int_equal(prism_oai_parse(out, strlen(out), false, &o, &r, &e), PRISM_EINVAL);
+    assert_non_null(strstr(e.message, "out of vocabulary"));
+    assert_string_equal(e.param, "logit_bias");
+    prism_buf_free(&b);
 }
 
 static void test_chat_nul_in_text_and_integral_float(void **state)
@@ -191,13 +306,64 @@ static const bad_case_t k_bad[] = {
     {true, "{" M1 ",\"max_completion_tokens\":-1}", "max_completion_tokens must be at least 1", "max_completion_tokens"},
     {true, "{" M1 ",\"temperature\":-0.1}", "temperature must be non-negative", "temperature"},
     {true, "{" M1 ",\"temperature\":\"hot\"}", "'temperature' must be a number, got string.", "temperature"},
-    {true, "{" M1 ",\"top_p\":0}", "top_p must be in (0, 1]", "top_p"},
-    {true, "{" M1 ",\"top_p\":1.01}", "top_p must be in (0, 1]", "top_p"},
+    {true, "{" M1 ",\"top_p\":-0.1}", "top_p must be in [0, 1]", "top_p"},
+    {true, "{" M1 ",\"top_p\":1.01}", "top_p must be in [0, 1]", "top_p"},
     {true, "{" M1 ",\"top_k\":-2}", "top_k must be", "top_k"},
     {true, "{" M1 ",\"top_k\":true}", "'top_k' must be an integer", "top_k"},
     {true, "{" M1 ",\"seed\":\"x\"}", "'seed' must be an integer", "seed"},
-    {true, "{" M1 ",\"n\":2}", "n must be 1", "n"},
-    {true, "{" M1 ",\"n\":0}", "n must be at least 1", "n"},
+    {true, "{" M1 ",\"n\":129}", "n must be between 1 and 128", "n"},
+    {true, "{" M1 ",\"n\":0}", "n must be between 1 and 128", "n"},
+    /* logit_bias */
+    {true, "{" M1 ",\"logit_bias\":[1]}", "must be an object", "logit_bias"},
+    {true, "{" M1 ",\"logit_bias\":{\"x\":1}}", "keys must be token ids", "logit_bias"},
+    {true, "{" M1 ",\"logit_bias\":{\"-1\":1}}", "keys must be token ids", "logit_bias"},
+    {true, "{" M1 ",\"logit_bias\":{\"01\":1}}", "keys must be token ids", "logit_bias"},
+    {true, "{" M1 ",\"logit_bias\":{\"5\":100.5}}", "in [-100, 100]", "logit_bias"},
+    {true, "{" M1 ",\"logit_bias\":{\"5\":-101}}", "in [-100, 100]", "logit_bias"},
+    {true, "{" M1 ",\"logit_bias\":{\"5\":\"1\"}}", "must be numbers", "logit_bias"},
+    /* the field rule: refused unless null or the default */
+    {true, "{" M1 ",\"min_p\":0.1}", "'min_p' is not supported", "min_p"},
+    {true, "{" M1 ",\"min_tokens\":3}", "'min_tokens' is not supported", "min_tokens"},
+    {true, "{" M1 ",\"audio\":{\"voice\":\"alloy\",\"format\":\"wav\"}}", "'audio' is not supported", "audio"},
+    {true, "{" M1 ",\"modalities\":[\"text\",\"audio\"]}", "'modalities' is not supported", "modalities"},
+    {true, "{" M1 ",\"web_search_options\":{}}", "'web_search_options' is not supported", "web_search_options"},
+    {true, "{" M1 ",\"functions\":[{\"name\":\"f\"}]}", "'functions' is not supported", "functions"},
+    {true, "{" M1 ",\"function_call\":\"auto\"}", "'function_call' is not supported", "function_call"},
+    {true, "{" M1 ",\"reasoning_effort\":\"low\"}", "'reasoning_effort' is not supported", "reasoning_effort"},
+    {true, "{" M1 ",\"use_beam_search\":true}", "'use_beam_search' is not supported", "use_beam_search"},
+    {true, "{" M1 ",\"echo\":true}", "'echo' is not supported", "echo"},
+    {true, "{" M1 ",\"stream\":true,\"stream_options\":{\"continuous_usage_stats\":true}}", "not supported",
+     "stream_options.continuous_usage_stats"},
+    /* output constraints */
+    {true, "{" M1 ",\"response_format\":\"json\"}", "must be an object", "response_format"},
+    {true, "{" M1 ",\"response_format\":{\"type\":\"grammar\"}}", "Unsupported response_format type", "response_format.type"},
+    {true, "{" M1 ",\"response_format\":{\"type\":\"json_schema\"}}", "must be an object", "response_format.json_schema"},
+    {true, "{" M1 ",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"schema\":{}}}}", "name",
+     "response_format.json_schema.name"},
+    {true, "{" M1 ",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"n\",\"schema\":[]}}}",
+     "must be a JSON Schema object", "response_format.json_schema.schema"},
+    {true, "{" M1 ",\"guided_json\":5}", "must be a JSON Schema", "guided_json"},
+    {true, "{" M1 ",\"guided_regex\":\"\"}", "non-empty string", "guided_regex"},
+    {true, "{" M1 ",\"guided_choice\":[]}", "list of 1 to", "guided_choice"},
+    {true, "{" M1 ",\"guided_choice\":[\"a\",1]}", "only strings", "guided_choice"},
+    {true, "{" M1 ",\"response_format\":{\"type\":\"json_object\"},\"guided_regex\":\"a\"}", "Only one of",
+     "guided_regex"},
+    /* tools */
+    {true, "{" M1 ",\"tools\":{}}", "must be a list", "tools"},
+    {true, "{" M1 ",\"tools\":[{\"type\":\"custom\",\"custom\":{\"name\":\"x\"}}]}", "custom tools", "tools[0].type"},
+    {true, "{" M1 ",\"tools\":[{\"type\":\"function\"}]}", "must be an object", "tools[0].function"},
+    {true, "{" M1 ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"a b\"}}]}", "1 to 64 characters",
+     "tools[0].function.name"},
+    {true, "{" M1 ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"a\",\"parameters\":5}}]}",
+     "must be a JSON Schema object", "tools[0].function.parameters"},
+    {true, "{" M1 ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"a\"}}],\"tool_choice\":"
+     "{\"type\":\"function\",\"function\":{\"name\":\"zzz\"}}}", "'zzz', which is not in 'tools'", "tool_choice"},
+    {true, "{" M1 ",\"tool_choice\":\"required\"}", "needs at least one tool", "tool_choice"},
+    {true, "{" M1 ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"a\"}}],\"tool_choice\":\"sometimes\"}",
+     "must be none, auto, required", "tool_choice"},
+    {true, "{" M1 ",\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"a\"}}],\"guided_regex\":\"a\"}",
+     "cannot be combined with tool calling", "tool_choice"},
+    {true, "{" M1 ",\"parallel_tool_calls\":1}", "must be a boolean", "parallel_tool_calls"},
     {true, "{" M1 ",\"stream\":\"yes\"}", "'stream' must be a boolean", "stream"},
     {true, "{" M1 ",\"stream_options\":{\"include_usage\":true}}", "only be defined when `stream=True`", "stream_options"},
     {true, "{" M1 ",\"stream\":true,\"stream_options\":[]}", "must be an object", "stream_options"},
@@ -232,9 +398,10 @@ static const bad_case_t k_bad[] = {
     {false, "{\"prompt\":\"x\",\"logprobs\":21}", "at most 20", "logprobs"},
     {false, "{\"prompt\":\"x\",\"logprobs\":-1}", "must be a positive value", "logprobs"},
     {false, "{\"prompt\":\"x\",\"echo\":true}", "'echo' is not supported", "echo"},
-    {false, "{\"prompt\":\"x\",\"suffix\":\"y\"}", "suffix is not currently supported", "suffix"},
-    {false, "{\"prompt\":\"x\",\"best_of\":3}", "best_of must be 1", "best_of"},
-    {false, "{\"prompt\":\"x\",\"n\":4}", "n must be 1", "n"},
+    {false, "{\"prompt\":\"x\",\"suffix\":\"y\"}", "'suffix' is not supported", "suffix"},
+    {false, "{\"prompt\":\"x\",\"best_of\":3}", "best_of must equal n (1)", "best_of"},
+    {false, "{\"prompt\":\"x\",\"n\":2,\"best_of\":4}", "best_of must equal n (2)", "best_of"},
+    {false, "{\"prompt\":\"x\",\"n\":200}", "n must be between 1 and 128", "n"},
     {false, "{\"prompt\":\"x\",\"max_tokens\":-5}", "max_tokens must be at least 1, got -5.", "max_tokens"},
 };
 
@@ -634,6 +801,8 @@ static void test_chat_response(void **state)
     json_t *msg = json_object_get(ch, "message");
     assert_string_equal(json_string_value(json_object_get(msg, "role")), "assistant");
     assert_string_equal(json_string_value(json_object_get(msg, "content")), "Hi \xF0\x9F\x98\x80\x01");
+    assert_true(json_is_null(json_object_get(msg, "refusal")));   /* required by the spec, null */
+    assert_null(json_object_get(msg, "tool_calls"));
     assert_string_equal(json_string_value(json_object_get(ch, "finish_reason")), "length");
     assert_true(json_is_null(json_object_get(ch, "logprobs")));
     json_t *us = json_object_get(j, "usage");
@@ -653,6 +822,58 @@ static void test_chat_response(void **state)
     j = parse_json(&b);
     ch = json_array_get(json_object_get(j, "choices"), 0);
     assert_int_equal(json_array_size(json_object_get(json_object_get(ch, "logprobs"), "content")), 3);
+    json_t *lpo = json_object_get(ch, "logprobs");
+    assert_true(json_is_null(json_object_get(lpo, "refusal")) && json_object_get(lpo, "refusal"));
+    json_decref(j);
+
+    /* several choices, one answering with tool calls only (content null) */
+    prism_buf_reset(&b);
+    prism_oai_tool_call_t calls[2] = {{"call_1", "get_weather", "{\"city\": \"Paris\"}", 18}, {"call_2", "f", "{}", 2}};
+    prism_oai_choice_t c0 = {.index = 0, .content = "plain", .len = 5, .finish_reason = "stop"};
+    prism_oai_choice_t c1 = {.index = 1, .content = NULL, .tool_calls = calls, .n_tool_calls = 2, .lp = &lp,
+                             .finish_reason = "tool_calls"};
+    assert_int_equal(prism_oai_write_response_begin(&b, &m), PRISM_OK);
+    assert_int_equal(prism_oai_write_chat_choice(&b, &c0), PRISM_OK);
+    assert_int_equal(prism_oai_write_chat_choice(&b, &c1), PRISM_OK);
+    assert_int_equal(prism_oai_write_response_end(&b, &u), PRISM_OK);
+    j = parse_json(&b);
+    json_t *chs = json_object_get(j, "choices");
+    assert_int_equal(json_array_size(chs), 2);
+    assert_int_equal(json_integer_value(json_object_get(json_array_get(chs, 1), "index")), 1);
+    msg = json_object_get(json_array_get(chs, 1), "message");
+    assert_true(json_is_null(json_object_get(msg, "content")) && json_object_get(msg, "content"));
+    assert_true(json_is_null(json_object_get(msg, "refusal")));
+    json_t *tcs = json_object_get(msg, "tool_calls");
+    assert_int_equal(json_array_size(tcs), 2);
+    json_t *tc0 = json_array_get(tcs, 0);
+    assert_string_equal(json_string_value(json_object_get(tc0, "id")), "call_1");
+    assert_string_equal(json_string_value(json_object_get(tc0, "type")), "function");
+    assert_string_equal(json_string_value(json_object_get(json_object_get(tc0, "function"), "name")), "get_weather");
+    assert_string_equal(json_string_value(json_object_get(json_object_get(tc0, "function"), "arguments")),
+                        "{\"city\": \"Paris\"}");
+    assert_string_equal(json_string_value(json_object_get(json_array_get(chs, 1), "finish_reason")), "tool_calls");
+    json_decref(j);
+
+    /* stream deltas: choice index, tool-call entries (first with id / type / name, then arguments) */
+    prism_buf_reset(&b);
+    prism_oai_tool_delta_t td[2] = {{.index = 0, .id = "call_9", .name = "f", .arguments = "", .arguments_len = 0},
+                                    {.index = 0, .arguments = "{\"a\"", .arguments_len = 4}};
+    prism_oai_delta_t dd = {.index = 3, .tool_calls = td, .n_tool_calls = 2, .lp = &lp};
+    assert_int_equal(prism_oai_write_chat_delta(&b, &m, &dd), PRISM_OK);
+    j = parse_sse(b.data, b.len);
+    ch = json_array_get(json_object_get(j, "choices"), 0);
+    assert_int_equal(json_integer_value(json_object_get(ch, "index")), 3);
+    json_t *dl = json_object_get(ch, "delta");
+    assert_null(json_object_get(dl, "content"));
+    tcs = json_object_get(dl, "tool_calls");
+    assert_int_equal(json_array_size(tcs), 2);
+    assert_string_equal(json_string_value(json_object_get(json_array_get(tcs, 0), "id")), "call_9");
+    assert_string_equal(json_string_value(json_object_get(json_array_get(tcs, 0), "type")), "function");
+    assert_null(json_object_get(json_array_get(tcs, 1), "id"));
+    assert_null(json_object_get(json_object_get(json_array_get(tcs, 1), "function"), "name"));
+    assert_string_equal(json_string_value(json_object_get(json_object_get(json_array_get(tcs, 1), "function"),
+                                                          "arguments")), "{\"a\"");
+    assert_true(json_is_null(json_object_get(json_object_get(ch, "logprobs"), "refusal")));
     json_decref(j);
     prism_oai_logprobs_free(&lp);
 
@@ -824,6 +1045,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chat_minimal_defaults),
         cmocka_unit_test(test_chat_full),
+        cmocka_unit_test(test_guides_and_tools),
+        cmocka_unit_test(test_logit_bias_bounds),
         cmocka_unit_test(test_chat_nul_in_text_and_integral_float),
         cmocka_unit_test(test_invalid_requests),
         cmocka_unit_test(test_stop_length_limit),

@@ -8,8 +8,12 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdio.h>
+#include <unistd.h>
 
 #include "backend/backend.h"
+#include "backend/cpu/cpu_impl.h"
+#include "backend/cpu/cpu_kern.h"
 
 static uint64_t g_rng = 88172645463325252ull;
 static float frand(void)
@@ -154,6 +158,426 @@ static void test_attn_paged_chunked(void **state)
     prism_backend_destroy(be1);
     free(kc);
     free(vc);
+}
+
+/* ---- every kernel path against the scalar reference ----
+ * The vector paths (AVX2, AVX-512) must equal the scalar one (libm, double norm sums) within fp32
+ * rounding. Paths this CPU lacks are reported as not run; PRISM_CPU_ISA forces a path below the
+ * detected one for the backend-level comparisons. */
+
+static const char *k_isa_names[] = {"scalar", "avx2", "avx512"};
+#ifdef PRISM_TEST_EMU16
+extern const prism_cpu_kern_t prism_cpu_kern_emu16;   /* cpu_kern_emu16.c */
+#endif
+
+/* |a - b| <= rel·|b| + abs_, NaN where b is NaN, equal infinities. */
+static void assert_close_f(const float *a, const float *b, size_t n, double rel, double abs_, const char *what)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (isnan(b[i])) {
+            if (!isnan(a[i])) fail_msg("%s[%zu]: %g, want NaN", what, i, a[i]);
+            continue;
+        }
+        if (isinf(b[i])) {
+            if (a[i] != b[i]) fail_msg("%s[%zu]: %g, want %g", what, i, a[i], b[i]);
+            continue;
+        }
+        double d = fabs((double)a[i] - b[i]);
+        if (!(d <= rel * fabs(b[i]) + abs_)) fail_msg("%s[%zu]: %.9g vs %.9g (diff %.3g)", what, i, a[i], b[i], d);
+    }
+}
+
+static void test_kernel_tables_agree(void **state)
+{
+    (void)state;
+    const prism_cpu_kern_t *ref = &prism_cpu_kern_scalar;
+    prism_cpu_isa_t best = prism_cpu_isa_detect();
+    /* forcing: a path the CPU lacks falls back to the best it has; unknown names too */
+    assert_true(prism_cpu_kern_select("avx512")->isa <= best);
+    assert_int_equal(prism_cpu_kern_select("scalar")->isa, PRISM_CPU_ISA_SCALAR);
+    assert_int_equal(prism_cpu_kern_select("bogus")->isa, best);
+    assert_int_equal(prism_cpu_kern_select(NULL)->isa, best);
+
+    enum { NX = 4501 };
+    float *x = malloc(sizeof(float) * NX), *y = malloc(sizeof(float) * NX), *r = malloc(sizeof(float) * NX);
+    float *u = malloc(sizeof(float) * 3 * NX), *tol = malloc(sizeof(float) * 3 * NX);   /* gemv: M*K, N*K < 3*NX */
+    static const float special[] = {0.0f, -0.0f, 1e-30f, -1e-30f, 1e-38f, 3e-39f, 88.0f, -88.0f, 88.7f, -88.7f,
+                                    89.0f, -89.0f, 100.0f, -100.0f, 1e10f, -1e10f, INFINITY, -INFINITY, NAN,
+                                    0.875f, -0.875f, 3.93f, -3.93f, 5.56f, -5.56f};
+    size_t ns = sizeof special / sizeof special[0];
+    for (size_t i = 0; i < NX; i++) x[i] = i < ns ? special[i] : -30.0f + 60.0f * (float)(i - ns) / (NX - ns);
+    /* the tables the CPU runs, and the 16-lane emulation of the AVX-512 one where AVX2 runs */
+    for (int path = 0; path < 3; path++) {
+        int isa = path == 2 ? PRISM_CPU_ISA_AVX2 : PRISM_CPU_ISA_AVX2 + path;
+        const char *name = path == 2 ? "emu16 (AVX-512 lane logic on AVX2)" : k_isa_names[isa];
+        if ((prism_cpu_isa_t)isa > best) {
+            print_message("kernel path %s: not run (this CPU lacks it)\n", name);
+            continue;
+        }
+        const prism_cpu_kern_t *k = prism_cpu_kern_select(k_isa_names[isa]);
+        assert_int_equal(k->isa, isa);
+        if (path == 2) {
+#ifdef PRISM_TEST_EMU16
+            k = &prism_cpu_kern_emu16;
+#else
+            continue;
+#endif
+        }
+        char what[128];
+        /* activations over [-30, 30] and the special values, odd length (vector tails) */
+        for (int act = PRISM_ACT_NONE; act <= PRISM_ACT_RELU; act++) {
+            k->act((prism_act_t)act, y, x, NX);
+            ref->act((prism_act_t)act, r, x, NX);
+            snprintf(what, sizeof what, "%s act %d", k->name, act);
+            for (size_t i = 0; i < NX; i++) {
+                /* the erf/tanh forms cancel in 1 + f(x) for x < 0: error scales with |x| there */
+                float e = fabsf(x[i]) < 1e30f ? fabsf(x[i]) : 0.0f;
+                float one[1] = {y[i]}, want[1] = {r[i]};
+                if (act == PRISM_ACT_RELU || act == PRISM_ACT_NONE) assert_close_f(one, want, 1, 0, 0, what);
+                else assert_close_f(one, want, 1, 5e-7, 2e-7 * e + 1e-37, what);
+            }
+            /* in place */
+            memcpy(u, x, sizeof(float) * NX);
+            k->act((prism_act_t)act, u, u, NX);
+            assert_memory_equal(u, y, sizeof(float) * NX);
+        }
+        /* silu_mul */
+        fill(u, NX);
+        k->silu_mul(y, x + ns, u, NX - ns);
+        ref->silu_mul(r, x + ns, u, NX - ns);
+        snprintf(what, sizeof what, "%s silu_mul", k->name);
+        assert_close_f(y, r, NX - ns, 5e-7, 1e-37, what);
+        /* add, scale */
+        k->add(y, x + ns, u, NX - ns);
+        ref->add(r, x + ns, u, NX - ns);
+        assert_memory_equal(y, r, sizeof(float) * (NX - ns));
+        k->scale(y, x + ns, 0.37f, NX - ns);
+        ref->scale(r, x + ns, 0.37f, NX - ns);
+        assert_memory_equal(y, r, sizeof(float) * (NX - ns));
+        /* norms, rows of awkward lengths */
+        static const int dims[] = {1, 7, 8, 64, 1000, 4099};
+        for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++) {
+            int d = dims[di];
+            float *w = tol, *b = tol + 2048;
+            fill(u, (size_t)d);
+            fill(w, 2048);
+            if (d > 2048) continue;
+            for (int i = 0; i < d; i++) u[i] = u[i] * 3.0f + 0.5f;
+            k->rmsnorm(y, u, w, d, 1e-6f);
+            ref->rmsnorm(r, u, w, d, 1e-6f);
+            snprintf(what, sizeof what, "%s rmsnorm dim %d", k->name, d);
+            assert_close_f(y, r, (size_t)d, 1e-6, 1e-7, what);
+            k->rmsnorm(y, u, NULL, d, 1e-6f);   /* no weight: Llama-4's QK norm */
+            ref->rmsnorm(r, u, NULL, d, 1e-6f);
+            assert_close_f(y, r, (size_t)d, 1e-6, 1e-7, what);
+            k->layernorm(y, u, w, b, d, 1e-5f);
+            ref->layernorm(r, u, w, b, d, 1e-5f);
+            snprintf(what, sizeof what, "%s layernorm dim %d", k->name, d);
+            assert_close_f(y, r, (size_t)d, 1e-6, 1e-6, what);
+            k->layernorm(y, u, NULL, NULL, d, 1e-5f);
+            ref->layernorm(r, u, NULL, NULL, d, 1e-5f);
+            assert_close_f(y, r, (size_t)d, 1e-6, 1e-6, what);
+        }
+        /* rope: both pairings, partial rotation, head_dim not a multiple of the vector width */
+        static const int rope_shapes[][3] = {{3, 8, 8}, {2, 64, 64}, {2, 30, 30}, {1, 128, 64}, {2, 36, 20}};
+        for (size_t si = 0; si < 5; si++)
+            for (int mode = 0; mode < 2; mode++) {
+                int nh = rope_shapes[si][0], hd = rope_shapes[si][1], half = rope_shapes[si][2] / 2;
+                float c[64], sn[64];
+                for (int i = 0; i < half; i++) {
+                    c[i] = cosf(0.3f * (float)i + 1.0f);
+                    sn[i] = sinf(0.3f * (float)i + 1.0f);
+                }
+                fill(u, (size_t)nh * hd);
+                memcpy(y, u, sizeof(float) * (size_t)nh * hd);
+                memcpy(r, u, sizeof(float) * (size_t)nh * hd);
+                k->rope(y, nh, hd, half, c, sn, (prism_rope_mode_t)mode);
+                ref->rope(r, nh, hd, half, c, sn, (prism_rope_mode_t)mode);
+                snprintf(what, sizeof what, "%s rope hd %d mode %d", k->name, hd, mode);
+                assert_close_f(y, r, (size_t)nh * hd, 1e-6, 1e-6, what);
+            }
+        /* gemv: every small M, N around the 4-row blocks, K around the vector width */
+        static const int ks[] = {1, 7, 8, 9, 100, 1031};
+        for (int M = 1; M <= 5; M++)
+            for (int N = 1; N <= 9; N++)
+                for (size_t ki = 0; ki < sizeof ks / sizeof ks[0]; ki++) {
+                    int K = ks[ki];
+                    float *xm = u, *wm = tol;
+                    fill(xm, (size_t)M * K);
+                    fill(wm, (size_t)N * K);
+                    for (int acc = 0; acc < 2; acc++) {
+                        for (int i = 0; i < M * 11; i++) y[i] = r[i] = (float)i;
+                        k->gemv(y, 11, xm, K, wm, K, M, N, K, acc);
+                        ref->gemv(r, 11, xm, K, wm, K, M, N, K, acc);
+                        snprintf(what, sizeof what, "%s gemv M%d N%d K%d", k->name, M, N, K);
+                        assert_close_f(y, r, (size_t)M * 11, 1e-6, 2e-6 * sqrt((double)K), what);
+                    }
+                }
+        /* attention tiles: packing is a copy, the rest equal within rounding */
+        static const int hds[] = {12, 36, 64, 80, 128}, ms[] = {1, 5, 13, 64}, ns[] = {1, 17, 64};
+        enum { KLD = 131 };   /* key/value rows KLD floats apart */
+        float *kv = malloc(sizeof(float) * 2 * 64 * KLD), *Q = malloc(sizeof(float) * 64 * 128);
+        float *Kt[2], *S[2], *O[2], ml[2][3][64];
+        for (int v = 0; v < 2; v++) {
+            Kt[v] = malloc(sizeof(float) * 128 * 64);
+            S[v] = malloc(sizeof(float) * 64 * 64);
+            O[v] = malloc(sizeof(float) * 64 * 128);
+        }
+        fill(kv, 2 * 64 * KLD);
+        const float *krows[64], *vrows[64];
+        for (int j = 0; j < 64; j++) {
+            krows[j] = kv + (size_t)j * KLD;
+            vrows[j] = kv + (size_t)(64 + j) * KLD;
+        }
+        for (size_t hi = 0; hi < 5; hi++)
+            for (size_t mi = 0; mi < 4; mi++)
+                for (size_t ni = 0; ni < 3; ni++) {
+                    int hd = hds[hi], m = ms[mi], n = ns[ni], ldk = (n + 15) & ~15;
+                    const prism_cpu_kern_t *kk[2] = {ref, k};
+                    fill(Q, (size_t)m * hd);
+                    for (int v = 0; v < 2; v++) {
+                        for (int i = 0; i < 128 * 64; i++) Kt[v][i] = 7.0f;
+                        kk[v]->pack_kt(Kt[v], ldk, krows, n, hd);
+                    }
+                    assert_memory_equal(Kt[0], Kt[1], sizeof(float) * (size_t)hd * ldk);
+                    for (int v = 0; v < 2; v++) kk[v]->qk(S[v], 64, Q, hd, Kt[v], ldk, m, hd);
+                    snprintf(what, sizeof what, "%s qk hd %d m %d n %d", name, hd, m, n);
+                    for (int i = 0; i < m; i++)
+                        assert_close_f(S[1] + i * 64, S[0] + i * 64, (size_t)ldk, 1e-5, 1e-5 * hd, what);
+                    for (int v = 0; v < 2; v++) kk[v]->qk_rows(S[v], 64, Q, hd, krows, m, n, hd);
+                    snprintf(what, sizeof what, "%s qk_rows hd %d m %d n %d", name, hd, m, n);
+                    for (int i = 0; i < m; i++)
+                        assert_close_f(S[1] + i * 64, S[0] + i * 64, (size_t)n, 1e-5, 1e-5 * hd, what);
+                    /* softmax from mixed states: fresh rows, rows with history, masked keys, a
+                     * fully masked row */
+                    for (int i = 0; i < m; i++) {
+                        for (int j = 0; j < n; j++) {
+                            float sv = S[0][i * 64 + j] * 3.0f;
+                            if ((i + j) % 5 == 1) sv = -INFINITY;
+                            if (i == 2) sv = -INFINITY;
+                            S[0][i * 64 + j] = S[1][i * 64 + j] = sv;
+                        }
+                        for (int v = 0; v < 2; v++) {
+                            ml[v][0][i] = i % 3 == 0 ? -INFINITY : 0.25f * (float)(i % 7);
+                            ml[v][1][i] = i % 3 == 0 ? 0.0f : 1.5f;
+                        }
+                    }
+                    for (int v = 0; v < 2; v++) kk[v]->softmax(S[v], 64, m, n, ml[v][0], ml[v][1], ml[v][2]);
+                    snprintf(what, sizeof what, "%s softmax m %d n %d", name, m, n);
+                    for (int i = 0; i < m; i++)
+                        assert_close_f(S[1] + i * 64, S[0] + i * 64, (size_t)n, 1e-6, 1e-30, what);
+                    assert_memory_equal(ml[1][0], ml[0][0], sizeof(float) * (size_t)m);
+                    assert_close_f(ml[1][1], ml[0][1], (size_t)m, 1e-6, 0, what);
+                    assert_close_f(ml[1][2], ml[0][2], (size_t)m, 1e-6, 0, what);
+                    /* P·V into running outputs rescaled by corr */
+                    fill(O[0], (size_t)m * hd);
+                    memcpy(O[1], O[0], sizeof(float) * (size_t)m * hd);
+                    for (int v = 0; v < 2; v++) kk[v]->pv(O[v], hd, S[0], 64, vrows, ml[0][2], m, n, hd);
+                    snprintf(what, sizeof what, "%s pv hd %d m %d n %d", name, hd, m, n);
+                    assert_close_f(O[1], O[0], (size_t)m * hd, 1e-5, 1e-5 * n, what);
+                }
+        for (int v = 0; v < 2; v++) {
+            free(Kt[v]);
+            free(S[v]);
+            free(O[v]);
+        }
+        free(kv);
+        free(Q);
+        print_message("kernel path %s: equal to scalar within fp32 rounding\n", name);
+    }
+    free(x); free(y); free(r); free(u); free(tol);
+}
+
+/* Runs the attention ops of a backend made under PRISM_CPU_ISA=isa; NULL when it is not this
+ * CPU's. out_* receive the results. */
+typedef struct {
+    float *dense, *dense_c, *paged, *paged_ch;
+} attn_outs_t;
+
+enum { AT_NS = 2, AT_L = 150, AT_NH = 6, AT_NKV = 2, AT_HD = 36, AT_LD = (AT_NH + 2 * AT_NKV) * AT_HD };
+enum { AT_S = 4, AT_BSZ = 16, AT_NB = 64, AT_MBPS = 12 };
+
+static bool run_attn_ops(int isa, const float *qkv, const float *kc, const float *vc, const float *qp, int hd,
+                         int nh, int nkv, attn_outs_t *o)
+{
+    if ((prism_cpu_isa_t)isa > prism_cpu_isa_detect()) return false;
+    setenv("PRISM_CPU_ISA", k_isa_names[isa], 1);
+    prism_backend_t *be = prism_backend_cpu_create(2);
+    unsetenv("PRISM_CPU_ISA");
+    assert_int_equal(((prism_cpu_ctx_t *)be->ctx)->k->isa, isa);
+    int ld = (nh + 2 * nkv) * hd;
+    float scale = 1.0f / sqrtf((float)hd);
+    assert_int_equal(be->i.attn_dense(be->ctx, o->dense, nh * hd, qkv, ld, qkv + nh * hd, ld, qkv + (nh + nkv) * hd, ld,
+                                      AT_NS, AT_L, nh, nkv, hd, scale, false), PRISM_OK);
+    assert_int_equal(be->i.attn_dense(be->ctx, o->dense_c, nh * hd, qkv, ld, qkv + nh * hd, ld, qkv + (nh + nkv) * hd,
+                                      ld, AT_NS, AT_L, nh, nkv, hd, scale, true), PRISM_OK);
+    /* paged: a long prefill chunk, two decode steps, a chunk starting mid-block */
+    int32_t seq_start[AT_S + 1] = {0, 100, 101, 102, 142}, pos0[AT_S] = {30, 150, 7, 64};
+    int32_t tables[AT_S * AT_MBPS];
+    for (int i = 0; i < AT_S * AT_MBPS; i++) tables[i] = (int32_t)((i * 5 + 1) % AT_NB);
+    prism_attn_meta_t meta = {.n_seqs = AT_S, .n_tokens = 142, .max_q_len = 100, .max_ctx_len = 151,
+                              .block_size = AT_BSZ, .max_blocks_per_seq = AT_MBPS, .seq_start = seq_start,
+                              .pos0 = pos0, .block_tables = tables};
+    assert_int_equal(be->i.attn_paged(be->ctx, o->paged, nh * hd, qp, nh * hd, kc, vc, &meta, nh, nkv, hd, scale),
+                     PRISM_OK);
+    meta.chunk = 48;
+    assert_int_equal(be->i.attn_paged(be->ctx, o->paged_ch, nh * hd, qp, nh * hd, kc, vc, &meta, nh, nkv, hd, scale),
+                     PRISM_OK);
+    prism_backend_destroy(be);
+    return true;
+}
+
+static void test_backend_paths_agree(void **state)
+{
+    (void)state;
+    /* head dims around the vector widths (tails in every kernel), MHA and GQA */
+    static const int shapes[][3] = {{36, 6, 2}, {64, 4, 4}, {80, 8, 1}, {12, 3, 3}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        int hd = shapes[si][0], nh = shapes[si][1], nkv = shapes[si][2], ld = (nh + 2 * nkv) * hd;
+        size_t nq = (size_t)AT_NS * AT_L * ld, ncache = (size_t)AT_NB * AT_BSZ * nkv * hd, nout = (size_t)AT_NS * AT_L * nh * hd;
+        float *qkv = malloc(nq * 4), *kc = malloc(ncache * 4), *vc = malloc(ncache * 4), *qp = malloc(142 * nh * hd * 4);
+        fill(qkv, nq);
+        for (size_t i = 0; i < nq; i++) qkv[i] *= 3.0f;   /* peaked softmax rows too */
+        fill(kc, ncache);
+        fill(vc, ncache);
+        fill(qp, (size_t)142 * nh * hd);
+        attn_outs_t outs[3];
+        for (int isa = 0; isa < 3; isa++) {
+            outs[isa].dense = malloc(nout * 4);
+            outs[isa].dense_c = malloc(nout * 4);
+            outs[isa].paged = malloc((size_t)142 * nh * hd * 4);
+            outs[isa].paged_ch = malloc((size_t)142 * nh * hd * 4);
+        }
+        assert_true(run_attn_ops(0, qkv, kc, vc, qp, hd, nh, nkv, &outs[0]));
+        for (int isa = 1; isa < 3; isa++) {
+            if (!run_attn_ops(isa, qkv, kc, vc, qp, hd, nh, nkv, &outs[isa])) continue;
+            char what[128];
+            snprintf(what, sizeof what, "%s attn_dense hd %d", k_isa_names[isa], hd);
+            assert_close_f(outs[isa].dense, outs[0].dense, nout, 1e-5, 1e-5, what);
+            assert_close_f(outs[isa].dense_c, outs[0].dense_c, nout, 1e-5, 1e-5, what);
+            snprintf(what, sizeof what, "%s attn_paged hd %d", k_isa_names[isa], hd);
+            assert_close_f(outs[isa].paged, outs[0].paged, (size_t)142 * nh * hd, 1e-5, 1e-5, what);
+            assert_close_f(outs[isa].paged_ch, outs[0].paged_ch, (size_t)142 * nh * hd, 1e-5, 1e-5, what);
+        }
+        /* the scalar path against a double-precision reference on a few rows */
+        for (int t = 0; t < AT_L; t += 37) {
+            int g = 1 % nkv, h = g * (nh / nkv);
+            const float *ks[AT_L], *vs[AT_L];
+            for (int j = 0; j < AT_L; j++) {
+                ks[j] = qkv + (size_t)(AT_L + j) * ld + nh * hd + g * hd;
+                vs[j] = qkv + (size_t)(AT_L + j) * ld + (nh + nkv) * hd + g * hd;
+            }
+            float want[128];
+            ref_attend(qkv + (size_t)(AT_L + t) * ld + h * hd, ks, vs, AT_L, hd, 1.0f / sqrtf((float)hd), want);
+            assert_true(maxdiff(outs[0].dense + (size_t)(AT_L + t) * nh * hd + h * hd, want, hd) < 2e-5);
+        }
+        for (int isa = 0; isa < 3; isa++) {
+            free(outs[isa].dense); free(outs[isa].dense_c); free(outs[isa].paged); free(outs[isa].paged_ch);
+        }
+        free(qkv); free(kc); free(vc); free(qp);
+    }
+}
+
+/* Every backend op threaded over the pool gives what one thread gives (matmul within rounding:
+ * BLAS slices may block differently), and many back-to-back short tasks with pauses longer than
+ * the workers' spin exercise both the spinning and the sleeping hand-off. */
+static void test_threads_agree(void **state)
+{
+    (void)state;
+    enum { R = 300, D = 1000, N = 700 };
+    prism_backend_t *b1 = prism_backend_cpu_create(1), *b3 = prism_backend_cpu_create(3), *b8 = prism_backend_cpu_create(8);
+    float *x = malloc(sizeof(float) * R * D), *w = malloc(sizeof(float) * N * D), *y1 = malloc(sizeof(float) * R * D);
+    float *y3 = malloc(sizeof(float) * R * D), *nw = malloc(sizeof(float) * D), *bias = malloc(sizeof(float) * N);
+    fill(x, (size_t)R * D);
+    fill(w, (size_t)N * D);
+    fill(nw, D);
+    fill(bias, N);
+    for (int M = 1; M <= R; M = M < 20 ? M + 3 : M * 3) {
+        for (int i = 0; i < M * N; i++) y1[i] = y3[i] = (float)(i % 7);
+        assert_int_equal(b1->i.matmul(b1->ctx, y1, N, x, D, w, PRISM_DTYPE_F32, bias, M, N, D, true), PRISM_OK);
+        assert_int_equal(b3->i.matmul(b3->ctx, y3, N, x, D, w, PRISM_DTYPE_F32, bias, M, N, D, true), PRISM_OK);
+        assert_close_f(y3, y1, (size_t)M * N, 1e-5, 1e-4, "matmul 3 threads");
+        /* 8 threads on 700 columns: rows of x split too (2-D thread grid) */
+        for (int i = 0; i < M * N; i++) y3[i] = (float)(i % 7);
+        assert_int_equal(b8->i.matmul(b8->ctx, y3, N, x, D, w, PRISM_DTYPE_F32, bias, M, N, D, true), PRISM_OK);
+        assert_close_f(y3, y1, (size_t)M * N, 1e-5, 1e-4, "matmul 8 threads");
+        /* and against double precision, on both sides of the gemv/sgemm switch */
+        for (int r = 0; r < M; r += 5)
+            for (int n = 0; n < N; n += 13) {
+                double a = (double)((r * N + n) % 7) + bias[n];
+                for (int k = 0; k < D; k++) a += (double)x[(size_t)r * D + k] * w[(size_t)n * D + k];
+                assert_true(fabs(y1[(size_t)r * N + n] - a) < 1e-4);
+            }
+    }
+    prism_backend_t *bs[2] = {b1, b3};
+    float *outs[2] = {y1, y3};
+    for (int i = 0; i < 2; i++) {
+        prism_backend_t *b = bs[i];
+        float *o = outs[i];
+        assert_int_equal(b->i.layernorm(b->ctx, o, x, nw, w, R, D, 1e-5f), PRISM_OK);   /* w: any D floats as bias */
+        assert_int_equal(b->i.rmsnorm(b->ctx, o, o, nw, R, D, 1e-5f), PRISM_OK);
+        assert_int_equal(b->i.act(b->ctx, PRISM_ACT_GELU_ERF, o, o, (size_t)R * D), PRISM_OK);
+        assert_int_equal(b->i.add(b->ctx, o, o, x, (size_t)R * D, D), PRISM_OK);
+        assert_int_equal(b->i.silu_mul(b->ctx, o + (size_t)R * D / 2, o, o + D / 2, D, R / 2, D / 2), PRISM_OK);
+        assert_int_equal(b->i.scale(b->ctx, o, o, 0.5f, (size_t)R * D), PRISM_OK);
+    }
+    assert_memory_equal(y1, y3, sizeof(float) * R * D);
+    /* broadcast add whose b does not divide n, split over threads mid-run */
+    assert_int_equal(b3->i.add(b3->ctx, y3, x, w, (size_t)R * D, 1007), PRISM_OK);
+    for (size_t i = 0; i < (size_t)R * D; i++) y1[i] = x[i] + w[i % 1007];
+    assert_memory_equal(y1, y3, sizeof(float) * R * D);
+    /* short tasks back to back, then with pauses beyond the spin window */
+    for (int it = 0; it < 2000; it++) {
+        assert_int_equal(b3->i.scale(b3->ctx, y3, x, 1.0f, (size_t)1 << 17), PRISM_OK);
+        if (it % 200 == 0) usleep(2000);
+    }
+    assert_memory_equal(y3, x, sizeof(float) << 17);
+    prism_backend_destroy(b1);
+    prism_backend_destroy(b3);
+    prism_backend_destroy(b8);
+    free(x); free(w); free(y1); free(y3); free(nw); free(bias);
+}
+
+/* A sequence's attention output does not depend on the batch around it or on the thread count:
+ * each sequence alone (1 thread) equals, bit for bit, its rows in a mixed batch (3 threads), for
+ * plain causal and for a chunk size that is not a multiple of the key tile. */
+static void test_attn_batch_invariant(void **state)
+{
+    (void)state;
+    enum { NH = 8, NKV = 2, HD = 64, BSZ = 16, NB = 64, S = 5, MBPS = 12 };
+    int pos0[S] = {100, 150, 0, 47, 60}, qlen[S] = {30, 1, 70, 1, 40};
+    int32_t seq_start[S + 1] = {0}, tables[S * MBPS];
+    for (int s = 0; s < S; s++) seq_start[s + 1] = seq_start[s] + qlen[s];
+    for (int i = 0; i < S * MBPS; i++) tables[i] = (int32_t)((i * 11 + 5) % NB);
+    int T = seq_start[S];
+    size_t cache_n = (size_t)NB * BSZ * NKV * HD, qn = (size_t)T * NH * HD;
+    float *kc = malloc(cache_n * 4), *vc = malloc(cache_n * 4), *q = malloc(qn * 4), *out = malloc(qn * 4);
+    float *one_out = malloc(qn * 4);
+    fill(kc, cache_n);
+    fill(vc, cache_n);
+    fill(q, qn);
+    prism_backend_t *be3 = prism_backend_cpu_create(3), *be1 = prism_backend_cpu_create(1);
+    for (int chunk = 0; chunk <= 48; chunk += 48) {
+        prism_attn_meta_t all = {.n_seqs = S, .n_tokens = T, .max_q_len = 70, .max_ctx_len = 151, .block_size = BSZ,
+                                 .max_blocks_per_seq = MBPS, .seq_start = seq_start, .pos0 = pos0,
+                                 .block_tables = tables, .chunk = chunk};
+        assert_int_equal(be3->i.attn_paged(be3->ctx, out, NH * HD, q, NH * HD, kc, vc, &all, NH, NKV, HD, 0.125f),
+                         PRISM_OK);
+        for (int s = 0; s < S; s++) {
+            int32_t one_start[2] = {0, qlen[s]};
+            prism_attn_meta_t one = {.n_seqs = 1, .n_tokens = qlen[s], .max_q_len = qlen[s],
+                                     .max_ctx_len = pos0[s] + qlen[s], .block_size = BSZ, .max_blocks_per_seq = MBPS,
+                                     .seq_start = one_start, .pos0 = pos0 + s, .block_tables = tables + s * MBPS,
+                                     .chunk = chunk};
+            const float *qs = q + (size_t)seq_start[s] * NH * HD;
+            assert_int_equal(be1->i.attn_paged(be1->ctx, one_out, NH * HD, qs, NH * HD, kc, vc, &one, NH, NKV, HD,
+                                               0.125f), PRISM_OK);
+            assert_memory_equal(one_out, out + (size_t)seq_start[s] * NH * HD, (size_t)qlen[s] * NH * HD * 4);
+        }
+    }
+    prism_backend_destroy(be3);
+    prism_backend_destroy(be1);
+    free(kc); free(vc); free(q); free(out); free(one_out);
 }
 
 static void test_attn_dense(void **state)
@@ -381,12 +805,16 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_attn_paged),
         cmocka_unit_test(test_attn_paged_chunked),
+        cmocka_unit_test(test_attn_batch_invariant),
         cmocka_unit_test(test_attn_dense),
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_norms_matmul_act),
         cmocka_unit_test(test_gathers_kv),
         cmocka_unit_test(test_half_conversions),
         cmocka_unit_test(test_pool_and_create),
+        cmocka_unit_test(test_kernel_tables_agree),
+        cmocka_unit_test(test_backend_paths_agree),
+        cmocka_unit_test(test_threads_agree),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

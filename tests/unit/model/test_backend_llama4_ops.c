@@ -144,6 +144,102 @@ static void test_matmul_grouped_combine(void **state)
         }
 }
 
+/* Shapes big enough that the ops split over threads: column slices of the grouped GEMM (N not a
+ * multiple of 16, a one-row group on the sgemv path, an empty group, strided x and y), rows of the
+ * head norm, scaling and combine; 1 and 4 threads against a double reference, and each other. */
+static void test_split_over_threads(void **state)
+{
+    enum { G = 4, M = 40, N = 200, K = 300, LDX = 310, LDY = 210 };
+    int32_t off[G + 1] = {0, 1, 1, 33, 40};
+    float *x = malloc(sizeof(float) * M * LDX), *w = malloc(sizeof(float) * G * K * N);
+    float *y1 = malloc(sizeof(float) * M * LDY), *y4 = malloc(sizeof(float) * M * LDY);
+    assert_non_null(x);
+    assert_non_null(w);
+    assert_non_null(y1);
+    assert_non_null(y4);
+    fill(x, (size_t)M * LDX);
+    fill(w, (size_t)G * K * N);
+    prism_backend_t *b1 = prism_backend_cpu_create(1), *b4 = prism_backend_cpu_create(4);
+    assert_non_null(b1);
+    assert_non_null(b4);
+    for (int i = 0; i < M * LDY; i++) y1[i] = y4[i] = 99.0f;
+    assert_int_equal(b1->i.matmul_grouped(b1->ctx, y1, LDY, x, LDX, w, PRISM_DTYPE_F32, off, G, M, N, K), PRISM_OK);
+    assert_int_equal(b4->i.matmul_grouped(b4->ctx, y4, LDY, x, LDX, w, PRISM_DTYPE_F32, off, G, M, N, K), PRISM_OK);
+    for (int g = 0; g < G; g++)
+        for (int r = off[g]; r < off[g + 1]; r++)
+            for (int j = 0; j < LDY; j++) {
+                if (j >= N) {
+                    assert_true(y1[r * LDY + j] == 99.0f && y4[r * LDY + j] == 99.0f);
+                    continue;
+                }
+                double a = 0, mag = 0;
+                for (int k = 0; k < K; k++) {
+                    double p = (double)x[r * LDX + k] * w[((size_t)g * K + k) * N + j];
+                    a += p;
+                    mag += fabs(p);
+                }
+                assert_true(fabs(y1[r * LDY + j] - a) <= 1e-6 * mag + 1e-6);
+                assert_true(fabs(y4[r * LDY + j] - a) <= 1e-6 * mag + 1e-6);
+            }
+
+    /* head norm (with and without weight), row scaling, combine: 1 thread equals 4 bit for bit */
+    enum { T = 300, NH = 8, HD = 72, LD = NH * HD + 5, KK = 2 };
+    float *h1 = malloc(sizeof(float) * T * LD), *h4 = malloc(sizeof(float) * T * LD);
+    float *h0 = malloc(sizeof(float) * T * LD);
+    float *src = malloc(sizeof(float) * T * KK * LD), hw[HD], sc[T];
+    int32_t *slot = malloc(sizeof(int32_t) * T * KK);
+    assert_non_null(h1);
+    assert_non_null(h4);
+    assert_non_null(h0);
+    assert_non_null(src);
+    assert_non_null(slot);
+    fill(h1, (size_t)T * LD);
+    fill(hw, HD);
+    fill(sc, T);
+    fill(src, (size_t)T * KK * LD);
+    for (int i = 0; i < T * KK; i++) slot[i] = (i * 7 + 3) % (T * KK);   /* a permutation */
+    memcpy(h4, h1, sizeof(float) * T * LD);
+    memcpy(h0, h1, sizeof(float) * T * LD);
+    for (int pass = 0; pass < 2; pass++) {
+        const float *wt = pass ? hw : NULL;
+        assert_int_equal(b1->i.head_rmsnorm(b1->ctx, h1, LD, T, NH, HD, wt, 1e-5f), PRISM_OK);
+        assert_int_equal(b4->i.head_rmsnorm(b4->ctx, h4, LD, T, NH, HD, wt, 1e-5f), PRISM_OK);
+    }
+    assert_memory_equal(h1, h4, sizeof(float) * T * LD);
+    /* against double: each head normed twice, the second time with the weight */
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < NH; h++) {
+            double v[HD];
+            for (int i = 0; i < HD; i++) v[i] = h0[t * LD + h * HD + i];
+            for (int pass = 0; pass < 2; pass++) {
+                double ss = 0;
+                for (int i = 0; i < HD; i++) ss += v[i] * v[i];
+                double inv = 1.0 / sqrt(ss / HD + 1e-5);
+                for (int i = 0; i < HD; i++) v[i] = v[i] * inv * (pass ? hw[i] : 1.0);
+            }
+            for (int i = 0; i < HD; i++) assert_true(fabs(h4[t * LD + h * HD + i] - v[i]) < 1e-5);
+        }
+    memcpy(h0, h4, sizeof(float) * T * LD);
+    assert_int_equal(b1->i.scale_rows(b1->ctx, h1, LD, T, NH * HD, sc), PRISM_OK);
+    assert_int_equal(b4->i.scale_rows(b4->ctx, h4, LD, T, NH * HD, sc), PRISM_OK);
+    assert_memory_equal(h1, h4, sizeof(float) * T * LD);
+    assert_int_equal(b1->i.moe_combine(b1->ctx, h1, LD, src, slot, T, KK, NH * HD), PRISM_OK);
+    assert_int_equal(b4->i.moe_combine(b4->ctx, h4, LD, src, slot, T, KK, NH * HD), PRISM_OK);
+    assert_memory_equal(h1, h4, sizeof(float) * T * LD);
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < LD; j++) {
+            float want = h0[t * LD + j];   /* padding past each row is never touched */
+            if (j < NH * HD)
+                want = h0[t * LD + j] * sc[t] + src[(size_t)slot[t * KK] * (NH * HD) + j] +
+                       src[(size_t)slot[t * KK + 1] * (NH * HD) + j];
+            assert_true(fabsf(h4[t * LD + j] - want) < 1e-5f);
+        }
+
+    free(x); free(w); free(y1); free(y4); free(h0); free(h1); free(h4); free(src); free(slot);
+    prism_backend_destroy(b1);
+    prism_backend_destroy(b4);
+}
+
 static void test_pixel_shuffle(void **state)
 {
     /* 2 images of a 6x6 grid plus one extra (CLS) row each, C = 3, factors 2 and 3. */
@@ -175,6 +271,7 @@ int main(void)
         cmocka_unit_test(test_scale_rows),
         cmocka_unit_test(test_moe_route),
         cmocka_unit_test(test_matmul_grouped_combine),
+        cmocka_unit_test(test_split_over_threads),
         cmocka_unit_test(test_pixel_shuffle),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

@@ -4,6 +4,7 @@
 #include <setjmp.h>
 #include <cmocka.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "net/net.h"
 
@@ -78,6 +79,45 @@ static void test_roundtrip_with_frames(void **state)
     assert_int_equal(prism_msg_recv(p->dealer, false, &m, ZMQ_DONTWAIT), PRISM_EAGAIN);
 }
 
+/* prism_msg_send_take: the frame's own buffer goes out (no copy) and ZeroMQ frees it once sent; an
+ * envelope that cannot be sent still frees the buffers it was given. */
+static void test_send_take_frees(void **state)
+{
+    pair_t *p = *state;
+    size_t base = prism_mem_used();
+    size_t n = 1 << 20;
+    uint8_t *img = prism_malloc(n);
+    for (size_t i = 0; i < n; i++) img[i] = (uint8_t)(i * 131);
+    Prism__Envelope env = PRISM__ENVELOPE__INIT;
+    env.type = PRISM__MSG_TYPE__MSG_ENCODE;
+    env.request_id = 5;
+    prism_frame_t f = {img, n};
+    assert_int_equal(prism_msg_send_take(p->dealer, NULL, 0, &env, &f, 1, 0), PRISM_OK);
+    prism_msg_t m;
+    assert_int_equal(prism_msg_recv(p->router, true, &m, 0), PRISM_OK);
+    size_t len;
+    const uint8_t *got = prism_msg_frame(&m, 0, &len);
+    assert_int_equal(len, n);
+    for (size_t i = 0; i < n; i += 4099) assert_int_equal(got[i], (uint8_t)(i * 131));
+    prism_msg_close(&m);
+    /* freed from ZeroMQ's I/O thread once sent: wait for that state */
+    for (int i = 0; i < 5000 && prism_mem_used() > base + 65536; i++) usleep(1000);
+    assert_true(prism_mem_used() <= base + 65536);
+    /* an envelope over the limit is refused before anything is sent: the frame is freed all the same */
+    uint8_t *b2 = prism_malloc(n);
+    Prism__Prefill pf = PRISM__PREFILL__INIT;
+    pf.n_token_ids = (PRISM_MSG_MAX_ENVELOPE / 4) + 16;
+    pf.token_ids = prism_calloc(pf.n_token_ids, sizeof(int32_t));
+    for (size_t i = 0; i < pf.n_token_ids; i++) pf.token_ids[i] = 0x7fffffff;
+    env.type = PRISM__MSG_TYPE__MSG_PREFILL;
+    env.prefill = &pf;
+    size_t before = prism_mem_used();
+    prism_frame_t f2 = {b2, n};
+    assert_int_equal(prism_msg_send_take(p->dealer, NULL, 0, &env, &f2, 1, 0), PRISM_ELIMIT);
+    assert_true(prism_mem_used() <= before - n);
+    prism_free(pf.token_ids);
+}
+
 static void test_corrupt_messages_dropped(void **state)
 {
     pair_t *p = *state;
@@ -135,6 +175,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_roundtrip_with_frames),
+        cmocka_unit_test(test_send_take_frees),
         cmocka_unit_test(test_corrupt_messages_dropped),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

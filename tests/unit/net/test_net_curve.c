@@ -155,12 +155,13 @@ static void expect_refused(server_t *sv, prism_net_role_t role, const char *dir,
     prism_net_stats(sv->srv, &before);
     send_heartbeat(d, "intruder");
     bool counted = false;
-    for (int i = 0; i < 100 && !counted; i++) {
+    for (int i = 0; i < 400 && !counted; i++) {
         prism_msg_t m;
         assert_int_equal(recv_wait(sv->sock, true, &m, 50), PRISM_EAGAIN);
         prism_net_stats(sv->srv, &now);
         counted = denied_by_zap ? now.auth_denied > before.auth_denied : now.handshake_failed > before.handshake_failed;
     }
+    if (!counted) fprintf(stderr, "not counted: role %d dir %s zap %d ok %llu/%llu denied %llu/%llu hs %llu/%llu\n", (int)role, dir ? dir : "none", denied_by_zap, (unsigned long long)before.auth_ok, (unsigned long long)now.auth_ok, (unsigned long long)before.auth_denied, (unsigned long long)now.auth_denied, (unsigned long long)before.handshake_failed, (unsigned long long)now.handshake_failed);
     assert_true(counted);
     prism_msg_t m;
     assert_int_equal(recv_wait(sv->sock, true, &m, 200), PRISM_EAGAIN);

@@ -152,13 +152,54 @@ static void test_logprobs(void **state)
     prism_sampler_free(&s);
 }
 
+/* Penalties exactly as vLLM writes them: repetition over prompt + output (divide positive logits,
+ * multiply the others), then frequency * count and presence once, over the output only. */
+static void test_penalties_formula(void **state)
+{
+    prism_token_counts_t t;
+    assert_int_equal(prism_token_counts_init(&t, 3, V), PRISM_OK);
+    assert_true(prism_token_counts_bytes(3, V) >= (size_t)3 * V * 4);
+    int32_t prompt[4] = {1, 2, 2, V + 7};          /* an id past the vocabulary is ignored */
+    prism_token_counts_reset(&t, 1, prompt, 4);
+    int32_t gen[6] = {2, 3, 3, 3, -1, V};          /* so are these */
+    for (int i = 0; i < 6; i++) prism_token_counts_add(&t, 1, gen[i]);
+    float l[V], ref[V];
+    for (int i = 0; i < V; i++) l[i] = ref[i] = (float)(i % 3) - 1.0f;   /* -1, 0, 1, -1, ... */
+    prism_penalty_params_t p = {.presence = 0.5f, .frequency = 0.25f, .repetition = 2.0f};
+    assert_true(prism_penalty_active(&p));
+    prism_apply_penalties(l, V, prism_token_counts_row(&t, 1), prism_token_counts_prompt(&t, 1), &p);
+    for (int i = 0; i < V; i++) {
+        int count = i == 2 ? 1 : i == 3 ? 3 : 0;
+        bool seen = i == 1 || i == 2 || count > 0;
+        float x = ref[i];
+        if (seen) x = x > 0 ? x / 2.0f : x * 2.0f;
+        if (count) x -= 0.25f * (float)count + 0.5f;
+        assert_true(fabsf(l[i] - x) < 1e-6f);
+    }
+    /* another row is untouched, and reset clears a row */
+    assert_int_equal(prism_token_counts_row(&t, 0)[3], 0);
+    prism_token_counts_reset(&t, 1, NULL, 0);
+    assert_int_equal(prism_token_counts_row(&t, 1)[3], 0);
+    assert_int_equal(prism_token_counts_prompt(&t, 1)[0], 0);
+    /* off: nothing changes */
+    prism_penalty_params_t off = {0, 0, 1.0f};
+    assert_false(prism_penalty_active(&off));
+    /* logit bias, ids outside the vocabulary skipped */
+    int32_t ids[3] = {4, -1, V};
+    float b[3] = {-100, 5, 5};
+    float before = l[4];
+    prism_apply_logit_bias(l, V, ids, b, 3);
+    assert_true(l[4] == before - 100);
+    prism_token_counts_free(&t);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_greedy), cmocka_unit_test(test_tiny_temperature_is_greedy),
         cmocka_unit_test(test_topk_topp_support),
         cmocka_unit_test(test_distribution_matches_softmax), cmocka_unit_test(test_seeded_reproducible),
-        cmocka_unit_test(test_logprobs),
+        cmocka_unit_test(test_logprobs), cmocka_unit_test(test_penalties_formula),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

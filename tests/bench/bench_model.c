@@ -1,0 +1,406 @@
+/* prism_bench_model: CPU figures for the kernel benchmark (tests/bench/bench_cpu.py drives it and
+ * puts HF transformers beside it). One mode per run, one JSON object per line on stdout:
+ *
+ *   prism_bench_model --mode sgemm  --threads 1 --m 577 --n 4096 --k 1024   OpenBLAS sgemm GFLOP/s
+ *   prism_bench_model --mode matmul --threads 1 --m 577 --n 4096 --k 1024   the backend's matmul, same shape
+ *   prism_bench_model --mode copy   --threads 1                             memcpy bandwidth GB/s
+ *   prism_bench_model --mode vit    --threads 1 --model-path DIR            ViT + projector ms/image
+ *   prism_bench_model --mode llm    --threads 1 --model-path DIR --tokens 2048 --decode-tokens 32
+ *                                   prefill ms and batch-1 decode tokens/s
+ *
+ * Models come from config.json with seeded random weights (--random-weights), or from the
+ * checkpoint with --checkpoint. Every figure is the median of --reps timed runs after one warm-up.
+ */
+#include "core/core.h"
+#include "core/cli.h"
+#include "backend/backend.h"
+#include "model/model.h"
+
+#include <cblas.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static void print_runs(const double *v, int n)
+{
+    printf("[");
+    for (int i = 0; i < n; i++) printf("%s%.3f", i ? "," : "", v[i]);
+    printf("]");
+}
+
+/* CPU seconds of the whole process (all threads): on a shared machine, wall time / CPU time
+ * says how much of the run was spent waiting for a core. */
+static double cpu_now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void fill_rand(float *x, size_t n, uint64_t seed)
+{
+    uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+    for (size_t i = 0; i < n; i++) {
+        s ^= s << 13; s ^= s >> 7; s ^= s << 17;
+        x[i] = (float)((s >> 40) * (1.0 / 16777216.0)) - 0.5f;
+    }
+}
+
+/* ---- sgemm: the same call the backend's matmul makes (x · Wᵀ, row-major) ---- */
+
+/* One timed OpenBLAS sgemm with its own `threads` threads (restored afterwards to what the backend
+ * set: 1 today, n_threads in builds before issue 17, which --baseline-build may be); GFLOP/s. */
+static double sgemm_once(int threads, const float *x, const float *w, float *y, int M, int N, int K)
+{
+    int prev = openblas_get_num_threads();
+    openblas_set_num_threads(threads);
+    double t0 = prism_now_s();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, x, K, w, K, 0.0f, y, N);
+    double dt = prism_now_s() - t0;
+    openblas_set_num_threads(prev);
+    return 2.0 * M * N * K / dt / 1e9;
+}
+
+static int run_sgemm(int threads, int reps, int M, int N, int K)
+{
+    float *x = prism_malloc_aligned(sizeof(float) * (size_t)M * K, 64);
+    float *w = prism_malloc_aligned(sizeof(float) * (size_t)N * K, 64);
+    float *y = prism_malloc_aligned(sizeof(float) * (size_t)M * N, 64);
+    if (!x || !w || !y) PRISM_FATAL("sgemm: out of memory");
+    fill_rand(x, (size_t)M * K, 1);
+    fill_rand(w, (size_t)N * K, 2);
+    openblas_set_num_threads(threads);
+    double gf[64];
+    if (reps > 64) reps = 64;
+    for (int r = -1; r < reps; r++) {
+        double t0 = prism_now_s();
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, x, K, w, K, 0.0f, y, N);
+        double dt = prism_now_s() - t0;
+        if (r >= 0) gf[r] = 2.0 * M * N * K / dt / 1e9;
+    }
+    printf("{\"mode\":\"sgemm\",\"threads\":%d,\"m\":%d,\"n\":%d,\"k\":%d,\"gflops_runs\":", threads, M, N, K);
+    print_runs(gf, reps);
+    printf(",\"gflops\":%.2f}\n", median(gf, reps));
+    prism_free_aligned(x);
+    prism_free_aligned(w);
+    prism_free_aligned(y);
+    return 0;
+}
+
+/* ---- the backend's matmul on the same shape (its pool over single-threaded sgemm slices) ---- */
+
+static int run_matmul(int threads, int reps, int M, int N, int K)
+{
+    prism_backend_t *be = prism_backend_cpu_create(threads);
+    float *x = prism_malloc_aligned(sizeof(float) * (size_t)M * K, 64);
+    float *w = prism_malloc_aligned(sizeof(float) * (size_t)N * K, 64);
+    float *y = prism_malloc_aligned(sizeof(float) * (size_t)M * N, 64);
+    if (!be || !x || !w || !y) PRISM_FATAL("matmul: out of memory");
+    fill_rand(x, (size_t)M * K, 1);
+    fill_rand(w, (size_t)N * K, 2);
+    double gf[64], sg[64], ratio[64];
+    if (reps > 64) reps = 64;
+    for (int r = -1; r < reps; r++) {   /* alternating with OpenBLAS's own threading, same shape */
+        double t0 = prism_now_s();
+        if (be->i.matmul(be->ctx, y, N, x, K, w, PRISM_DTYPE_F32, NULL, M, N, K, false)) PRISM_FATAL("matmul");
+        double dt = prism_now_s() - t0;
+        double g = sgemm_once(threads, x, w, y, M, N, K);
+        if (r >= 0) {
+            gf[r] = 2.0 * M * N * K / dt / 1e9;
+            sg[r] = g;
+            ratio[r] = gf[r] / g;
+        }
+    }
+    printf("{\"mode\":\"matmul\",\"threads\":%d,\"m\":%d,\"n\":%d,\"k\":%d,\"gflops_runs\":", threads, M, N, K);
+    print_runs(gf, reps);
+    printf(",\"gflops\":%.2f,\"sgemm_gflops\":%.2f,\"vs_sgemm\":%.3f}\n", median(gf, reps), median(sg, reps),
+           median(ratio, reps));
+    prism_free_aligned(x);
+    prism_free_aligned(w);
+    prism_free_aligned(y);
+    prism_backend_destroy(be);
+    return 0;
+}
+
+/* ---- copy bandwidth: memcpy of buffers far beyond the last-level cache, split over threads ---- */
+
+typedef struct {
+    uint8_t *dst;
+    const uint8_t *src;
+    size_t n;
+} copy_arg_t;
+
+static void *copy_main(void *p)
+{
+    copy_arg_t *a = p;
+    memcpy(a->dst, a->src, a->n);
+    return NULL;
+}
+
+/* One memcpy of `bytes` split over `threads` threads; GB/s counting bytes read + bytes written,
+ * as STREAM counts copy. */
+static double copy_once(int threads, uint8_t *dst, const uint8_t *src, size_t bytes)
+{
+    pthread_t th[64];
+    copy_arg_t args[64];
+    if (threads > 64) threads = 64;
+    double t0 = prism_now_s();
+    for (int i = 0; i < threads; i++) {
+        size_t a = bytes * (size_t)i / (size_t)threads, b = bytes * (size_t)(i + 1) / (size_t)threads;
+        args[i] = (copy_arg_t){dst + a, src + a, b - a};
+        if (i) pthread_create(&th[i], NULL, copy_main, &args[i]);
+    }
+    copy_main(&args[0]);
+    for (int i = 1; i < threads; i++) pthread_join(th[i], NULL);
+    return 2.0 * (double)bytes / (prism_now_s() - t0) / 1e9;
+}
+
+static int run_copy(int threads, int reps)
+{
+    const size_t bytes = (size_t)512 << 20;
+    uint8_t *src = prism_malloc_aligned(bytes, 4096), *dst = prism_malloc_aligned(bytes, 4096);
+    if (!src || !dst) PRISM_FATAL("copy: out of memory");
+    memset(src, 1, bytes);
+    memset(dst, 2, bytes);
+    double gbs[64];
+    if (reps > 64) reps = 64;
+    for (int r = -1; r < reps; r++) {
+        double g = copy_once(threads, dst, src, bytes);
+        if (r >= 0) gbs[r] = g;
+    }
+    printf("{\"mode\":\"copy\",\"threads\":%d,\"bytes\":%zu,\"gbs_runs\":", threads, bytes);
+    print_runs(gbs, reps);
+    printf(",\"gbs\":%.2f}\n", median(gbs, reps));
+    prism_free_aligned(src);
+    prism_free_aligned(dst);
+    return 0;
+}
+
+/* ---- models ---- */
+
+static int load_cfg(const char *dir, bool checkpoint, prism_model_config_t *cfg)
+{
+    char err[512] = "";
+    if (prism_model_config_load(dir, cfg, err, sizeof err)) PRISM_FATAL("config: %s", err);
+    cfg->random_weights = !checkpoint;
+    cfg->random_seed = 1234;
+    return 0;
+}
+
+static int run_vit(const char *dir, bool checkpoint, int threads, int reps)
+{
+    prism_model_config_t cfg;
+    load_cfg(dir, checkpoint, &cfg);
+    if (!cfg.has_vision) PRISM_FATAL("%s has no vision tower", dir);
+    prism_backend_t *be = prism_backend_cpu_create(threads);
+    char err[512] = "";
+    prism_vision_t *v = NULL;
+    if (!be || prism_vision_load(be, &cfg, dir, 1, &v, err, sizeof err)) PRISM_FATAL("vision: %s", err);
+    size_t S = (size_t)cfg.v_image_size, npix = 3 * S * S;
+    size_t nout = (size_t)cfg.image_seq_length * cfg.hidden;
+    float *pix = prism_xmalloc(npix * sizeof(float)), *out = prism_xmalloc(nout * sizeof(float));
+    fill_rand(pix, npix, 3);
+    /* OpenBLAS sgemm on the ViT's largest GEMM, timed right after each image: on a shared
+     * machine the ratio of neighbouring runs is steadier than either figure. */
+    enum { RM = 577, RN = 4096, RK = 1024 };
+    float *rx = prism_xmalloc(sizeof(float) * RM * RK), *rw = prism_xmalloc(sizeof(float) * RN * RK);
+    float *ry = prism_xmalloc(sizeof(float) * RM * RN);
+    fill_rand(rx, (size_t)RM * RK, 4);
+    fill_rand(rw, (size_t)RN * RK, 5);
+    double ms[64], cms[64], sg[64], ratio[64];
+    if (reps > 64) reps = 64;
+    for (int r = -1; r < reps; r++) {
+        double t0 = prism_now_s(), c0 = cpu_now_s();
+        if (prism_vision_encode(v, pix, 1, out)) PRISM_FATAL("vision encode");
+        double t1 = prism_now_s(), c1 = cpu_now_s();
+        double g = 0;
+        for (int i = 0; i < 3; i++) g = PRISM_MAX(g, sgemm_once(threads, rx, rw, ry, RM, RN, RK));
+        if (r >= 0) {
+            ms[r] = (t1 - t0) * 1e3;
+            cms[r] = (c1 - c0) * 1e3;
+            sg[r] = g;
+        }
+    }
+    /* FLOPs of the layers actually run: 2·(4·VH² + 2·VH·VI) per token per layer for the GEMMs,
+     * 4·seq·VH per token per layer for QKᵀ and PV, plus patch embedding and projector. */
+    int g = cfg.v_image_size / cfg.v_patch, np = g * g, seq = np + 1;
+    int n_run = cfg.v_feature_layer < 0 ? cfg.v_layers + 1 + cfg.v_feature_layer : cfg.v_feature_layer;
+    double VH = cfg.v_hidden, VI = cfg.v_intermediate, H = cfg.hidden;
+    double flops = (double)n_run * seq * (2.0 * (4 * VH * VH + 2 * VH * VI) + 4.0 * seq * VH) +
+                   2.0 * np * VH * (3.0 * cfg.v_patch * cfg.v_patch) +
+                   2.0 * cfg.image_seq_length * (VH * H + H * H);
+    for (int r = 0; r < reps; r++) ratio[r] = flops / (ms[r] / 1e3) / 1e9 / sg[r];
+    printf("{\"mode\":\"vit\",\"threads\":%d,\"layers\":%d,\"gflop\":%.1f,\"ms_runs\":", threads, n_run, flops / 1e9);
+    print_runs(ms, reps);
+    printf(",\"sgemm_gflops_runs\":");
+    print_runs(sg, reps);
+    double med = median(ms, reps);
+    printf(",\"ms\":%.1f,\"cpu_ms\":%.1f,\"gflops\":%.2f,\"sgemm_gflops\":%.2f,\"vs_sgemm\":%.3f}\n", med,
+           median(cms, reps), flops / (med / 1e3) / 1e9, median(sg, reps), median(ratio, reps));
+    prism_free(rx);
+    prism_free(rw);
+    prism_free(ry);
+    prism_free(pix);
+    prism_free(out);
+    prism_vision_free(v);
+    prism_backend_destroy(be);
+    return 0;
+}
+
+static int run_llm(const char *dir, bool checkpoint, int threads, int reps, int tokens, int chunk, int prompt,
+                   int decode_tokens)
+{
+    prism_model_config_t cfg;
+    load_cfg(dir, checkpoint, &cfg);
+    if (chunk <= 0 || chunk > tokens) chunk = tokens;
+    const int bs = 16;
+    int ctx = PRISM_MAX(tokens, prompt + decode_tokens) + 1;
+    int n_blocks = (ctx + bs - 1) / bs;
+    prism_backend_t *be = prism_backend_cpu_create(threads);
+    char err[512] = "";
+    prism_llm_t *m = NULL;
+    prism_kv_cache_t *kv = NULL;
+    if (!be || prism_llm_load(be, &cfg, dir, chunk, 1, &m, err, sizeof err)) PRISM_FATAL("llm: %s", err);
+    if (prism_kv_cache_create(be, &cfg, n_blocks, bs, &kv)) PRISM_FATAL("kv cache");
+    int32_t *table = prism_xmalloc(sizeof(int32_t) * (size_t)n_blocks);
+    for (int i = 0; i < n_blocks; i++) table[i] = i;
+    const int32_t *tables[1] = {table};
+    int32_t *ids = prism_xmalloc(sizeof(int32_t) * (size_t)ctx);
+    for (int i = 0; i < ctx; i++) ids[i] = (int32_t)((i * 7919u + 17u) % (unsigned)cfg.vocab);
+    float *logits = prism_xmalloc(sizeof(float) * (size_t)cfg.vocab);
+
+    /* prefill of `tokens` tokens in chunks of `chunk` (one forward each) */
+    double pms[64], tps[64], pcms[64], tcms[64], cbw[64], roof[64];
+    const size_t cbytes = (size_t)256 << 20;
+    uint8_t *csrc = prism_malloc_aligned(cbytes, 4096), *cdst = prism_malloc_aligned(cbytes, 4096);
+    if (!csrc || !cdst) PRISM_FATAL("copy buffers: out of memory");
+    memset(csrc, 1, cbytes);
+    memset(cdst, 2, cbytes);
+    if (reps > 64) reps = 64;
+    for (int r = -1; r < reps; r++) {
+        double t0 = prism_now_s(), c0 = cpu_now_s();
+        for (int p = 0; p < tokens; p += chunk) {
+            int n = PRISM_MIN(chunk, tokens - p);
+            int32_t start[2] = {0, n}, pos0[1] = {p};
+            prism_llm_batch_t b = {.n_seqs = 1, .n_tokens = n, .tokens = ids + p, .seq_start = start, .pos0 = pos0,
+                                   .block_tables = tables};
+            if (prism_llm_forward(m, kv, &b, logits)) PRISM_FATAL("prefill forward");
+        }
+        if (r >= 0) {
+            pms[r] = (prism_now_s() - t0) * 1e3;
+            pcms[r] = (cpu_now_s() - c0) * 1e3;
+        }
+    }
+    /* batch-1 decode after a `prompt`-token prefill (greedy on the random model's logits) */
+    for (int r = -1; r < reps; r++) {
+        for (int p = 0; p < prompt; p += chunk) {
+            int n = PRISM_MIN(chunk, prompt - p);
+            int32_t start[2] = {0, n}, pos0[1] = {p};
+            prism_llm_batch_t b = {.n_seqs = 1, .n_tokens = n, .tokens = ids + p, .seq_start = start, .pos0 = pos0,
+                                   .block_tables = tables};
+            if (prism_llm_forward(m, kv, &b, logits)) PRISM_FATAL("prompt forward");
+        }
+        double t0 = prism_now_s(), c0 = cpu_now_s();
+        for (int i = 0; i < decode_tokens; i++) {
+            int32_t tok = 0;
+            for (int j = 1; j < cfg.vocab; j++)
+                if (logits[j] > logits[tok]) tok = j;
+            int32_t start[2] = {0, 1}, pos0[1] = {prompt + i};
+            prism_llm_batch_t b = {.n_seqs = 1, .n_tokens = 1, .tokens = &tok, .seq_start = start, .pos0 = pos0,
+                                   .block_tables = tables};
+            if (prism_llm_forward(m, kv, &b, logits)) PRISM_FATAL("decode forward");
+        }
+        double t1 = prism_now_s(), c1 = cpu_now_s();
+        /* the copy bandwidth right after the steps: the roofline of this very run */
+        double bw = 0;
+        for (int i = 0; i < 3; i++) bw = PRISM_MAX(bw, copy_once(threads, cdst, csrc, cbytes));
+        if (r >= 0) {
+            tps[r] = decode_tokens / (t1 - t0);
+            tcms[r] = (c1 - c0) * 1e3 / decode_tokens;
+            cbw[r] = bw;
+        }
+    }
+    /* Bytes a decode step must stream: every weight except the embedding table (one row read). */
+    size_t wbytes = prism_llm_weight_bytes(m);
+    size_t emb = (size_t)cfg.vocab * cfg.hidden * prism_dtype_size(be->weight_dtype);
+    size_t step_bytes = wbytes - (cfg.tie_word_embeddings ? 0 : emb);
+    for (int r = 0; r < reps; r++) roof[r] = tps[r] / (cbw[r] * 1e9 / (double)step_bytes);
+    printf("{\"mode\":\"llm\",\"threads\":%d,\"tokens\":%d,\"chunk\":%d,\"prompt\":%d,\"decode_tokens\":%d,"
+           "\"weight_bytes\":%zu,\"decode_bytes_per_token\":%zu,\"prefill_ms_runs\":",
+           threads, tokens, chunk, prompt, decode_tokens, wbytes, step_bytes);
+    print_runs(pms, reps);
+    printf(",\"decode_tok_s_runs\":");
+    print_runs(tps, reps);
+    double pm = median(pms, reps), tm = median(tps, reps);
+    printf(",\"prefill_ms\":%.1f,\"prefill_cpu_ms\":%.1f,\"prefill_tok_s\":%.1f,\"decode_tok_s\":%.2f,"
+           "\"decode_cpu_ms_per_token\":%.2f,\"copy_gbs\":%.2f,\"vs_roofline\":%.3f}\n", pm, median(pcms, reps),
+           tokens / (pm / 1e3), tm, median(tcms, reps), median(cbw, reps), median(roof, reps));
+    prism_free_aligned(csrc);
+    prism_free_aligned(cdst);
+    prism_free(ids);
+    prism_free(table);
+    prism_free(logits);
+    prism_kv_cache_free(kv);
+    prism_llm_free(m);
+    prism_backend_destroy(be);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    const char *mode = NULL, *model = NULL;
+    int64_t threads = 1, reps = 3, m = 577, n = 4096, k = 1024, tokens = 2048, chunk = 0, prompt = 128, dec = 32;
+    bool checkpoint = false;
+    prism_flag_t flags[] = {
+        PRISM_FLAG_STR("mode", &mode, "sgemm | matmul | copy | vit | llm"),
+        PRISM_FLAG_STR("model-path", &model, "Directory with config.json (vit, llm)"),
+        PRISM_FLAG_BOOL("checkpoint", &checkpoint, "Read the safetensors instead of seeded random weights"),
+        PRISM_FLAG_INT("threads", &threads, "Backend threads (OpenBLAS threads for sgemm, copy threads for copy)"),
+        PRISM_FLAG_INT("reps", &reps, "Timed repetitions after one warm-up (median reported, at most 64)"),
+        PRISM_FLAG_INT("m", &m, "sgemm rows of x"),
+        PRISM_FLAG_INT("n", &n, "sgemm rows of W (output features)"),
+        PRISM_FLAG_INT("k", &k, "sgemm inner dimension"),
+        PRISM_FLAG_INT("tokens", &tokens, "llm: prefill length"),
+        PRISM_FLAG_INT("chunk", &chunk, "llm: prefill tokens per forward (0: the whole prompt at once)"),
+        PRISM_FLAG_INT("prompt", &prompt, "llm: prompt length before the timed decode steps"),
+        PRISM_FLAG_INT("decode-tokens", &dec, "llm: timed decode steps at batch 1"),
+        PRISM_FLAG_END,
+    };
+    int rc = prism_cli_parse(argc, argv, "prism_bench_model", "CPU kernel and model benchmark (JSON lines).", flags);
+    if (rc) return rc > 0 ? 0 : 2;
+    prism_log_init("bench_model", PRISM_LOG_WARN);
+    if (threads < 1 || threads > 64 || reps < 1 || m < 1 || n < 1 || k < 1 || tokens < 1 || prompt < 1 || dec < 1) {
+        fprintf(stderr, "prism_bench_model: bad sizes\n");
+        return 2;
+    }
+    if (!mode) {
+        fprintf(stderr, "prism_bench_model: --mode is required (see --help)\n");
+        return 2;
+    }
+    if (!strcmp(mode, "sgemm")) return run_sgemm((int)threads, (int)reps, (int)m, (int)n, (int)k);
+    if (!strcmp(mode, "copy")) return run_copy((int)threads, (int)reps);
+    if (!strcmp(mode, "matmul")) return run_matmul((int)threads, (int)reps, (int)m, (int)n, (int)k);
+    if (!model) {
+        fprintf(stderr, "prism_bench_model: --model-path is required for --mode %s\n", mode);
+        return 2;
+    }
+    if (!strcmp(mode, "vit")) return run_vit(model, checkpoint, (int)threads, (int)reps);
+    if (!strcmp(mode, "llm"))
+        return run_llm(model, checkpoint, (int)threads, (int)reps, (int)tokens, (int)chunk, (int)prompt, (int)dec);
+    fprintf(stderr, "prism_bench_model: unknown --mode %s\n", mode);
+    return 2;
+}
