@@ -118,7 +118,9 @@ static void unstage(decode_t *d)
 static const char *admit_choices(decode_t *d, const Prism__Kv *kv, const int *slots, int k)
 {
     int bs = d->blocks.block_size, n_prompt = (int)kv->n_tokens;
-    int total = PRISM_MIN(n_prompt + (int)kv->sampling->max_tokens, d->max_model_len);
+    /* a migrated request: n_tokens = prompt + the gen tokens generated before (the last ones) */
+    int gen = (int)kv->sampling->generated;
+    int total = PRISM_MIN(n_prompt + (int)(kv->sampling->max_tokens - kv->sampling->generated), d->max_model_len);
     int per = prism_kv_blocks_for_tokens(&d->blocks, total);
     int shared = k > 1 ? n_prompt / bs : 0;
     const uint8_t *bytes = zmq_msg_data(&d->staged_frame);
@@ -128,16 +130,22 @@ static const char *admit_choices(decode_t *d, const Prism__Kv *kv, const int *sl
     const char *why = NULL;
     for (; started < k && !why; started++) {
         seq_t *s = &d->seqs[slots[started]];
-        why = prism_seq_start(&s->seq, &d->sampler, d->staged_rid, d->staged_router, kv->sampling, n_prompt,
+        why = prism_seq_start(&s->seq, &d->sampler, d->staged_rid, d->staged_router, kv->sampling, n_prompt - gen,
                               kv->choice_rng_state[started]);
         if (why) break;
         s->seq.index = kv->choice_index[started];
         s->seq.len = n_prompt;
-        s->seq.generated = 1;    /* prefill sampled the first token */
+        s->seq.generated = gen + 1;    /* prefill sampled the first token (after the gen before) */
         s->last_token = kv->choice_first_token[started];
         s->n_blocks = 0;
-        why = prism_seq_attach(&s->seq, &d->sampler, slots[started], prompt, kv->n_prompt_token_ids,
-                               &s->last_token, 1);
+        if (prism_seq_needs_history(&s->seq) && gen && !prompt) {
+            why = "a migrated request's KV came without the tokens it generated before";
+            started++;   /* released below with the others */
+            break;
+        }
+        why = prism_seq_attach(&s->seq, &d->sampler, slots[started], prompt, prompt ? (size_t)(n_prompt - gen) : 0,
+                               prompt ? prompt + n_prompt - gen : NULL, prompt ? (size_t)gen : 0);
+        if (!why) why = prism_seq_feed(&s->seq, &d->sampler, &s->last_token, 1);
     }
     int rc = PRISM_OK;
     for (int c = 0; c < k && !why && rc == PRISM_OK; c++) {
@@ -184,7 +192,8 @@ static bool admit_staged(decode_t *d)
         if (!d->seqs[i].seq.used) slots[n_free++] = i;
     /* on_kv bounded both terms (n_tokens < max_model_len, max_tokens <= max_model_len): no overflow,
      * and the blocks cover every position the sequence can reach (it ends at max_model_len). */
-    int total = (int)PRISM_MIN((int64_t)kv->n_tokens + kv->sampling->max_tokens, (int64_t)d->max_model_len);
+    int total = (int)PRISM_MIN((int64_t)kv->n_tokens + kv->sampling->max_tokens - kv->sampling->generated,
+                               (int64_t)d->max_model_len);
     int need = k > 1 ? prism_kv_blocks_for_shared(&d->blocks, (int)kv->n_tokens, total, k)
                      : prism_kv_blocks_for_tokens(&d->blocks, total);
     const char *why = NULL;
@@ -234,7 +243,7 @@ static void on_kv(decode_t *d, prism_msg_t *m)
     const char *why = kv ? prism_seq_check(kv->sampling, d->cfg.vocab, d->max_model_len) : "no Kv message";
     if (why || m->n_frames != 1 || kv->block_size != (uint32_t)d->blocks.block_size ||
         kv->block_bytes != block_bytes || len != (size_t)kv->n_blocks * block_bytes ||
-        kv->n_tokens == 0 || kv->n_tokens >= (uint32_t)d->max_model_len ||
+        kv->n_tokens == 0 || kv->n_tokens >= (uint32_t)d->max_model_len || kv->sampling->generated >= kv->n_tokens ||
         kv->n_blocks != (uint32_t)prism_kv_blocks_for_tokens(&d->blocks, (int)kv->n_tokens) ||
         !choices_ok(d, kv)) {
         PRISM_WARN("request %llu: malformed KV transfer dropped (%s)", (unsigned long long)e->request_id,

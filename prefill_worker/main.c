@@ -193,6 +193,8 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
     else if (pf->n_token_ids == 0 || pf->n_token_ids >= (size_t)p->max_model_len) why = "prompt length out of range";
     else if (pf->n_images > MAX_IMAGES) why = "too many images";
     else why = prism_seq_check(pf->sampling, p->cfg.vocab, p->max_model_len);
+    /* a migrated request: prompt + the tokens generated before (the last Sampling.generated ids) */
+    if (!why && pf->sampling->generated >= pf->n_token_ids) why = "generated tokens out of range";
     if (!why) {
         for (size_t i = 0; i < pf->n_token_ids; i++)
             if (pf->token_ids[i] < 0 || pf->token_ids[i] >= p->cfg.vocab) { why = "token id out of range"; break; }
@@ -216,8 +218,8 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
         drop_request(p, e->request_id, router);
         return;
     }
-    why = prism_seq_start(&r->seq, &p->sampler, e->request_id, router, pf->sampling, (int)pf->n_token_ids,
-                          prism_seq_seed(pf->sampling, e->request_id));
+    why = prism_seq_start(&r->seq, &p->sampler, e->request_id, router, pf->sampling,
+                          (int)(pf->n_token_ids - pf->sampling->generated), prism_seq_seed(pf->sampling, e->request_id));
     if (why) {
         PRISM_WARN("request %llu refused: %s", (unsigned long long)e->request_id, why);
         send_error(p, router, e->request_id, PRISM__ERROR_KIND__ERROR_CLIENT, why);   /* its guide or logit_bias */
@@ -381,7 +383,10 @@ static void run_one(prefill_t *p)
         if (c->seq.used && ready(p, c) && (!r || c->t_arrive < r->t_arrive)) r = c;
     }
     if (!r) return;
-    const char *why = prism_seq_attach(&r->seq, &p->sampler, 0, r->tokens, (size_t)r->n_tokens, NULL, 0);
+    /* a migrated request's generated tokens are counted and fed to its guide again */
+    int n_gen = (int)r->seq.sampling.generated;
+    const char *why = prism_seq_attach(&r->seq, &p->sampler, 0, r->tokens, (size_t)(r->n_tokens - n_gen),
+                                       r->tokens + r->n_tokens - n_gen, (size_t)n_gen);
     if (why) {
         send_error(p, r->seq.router_id, r->seq.rid, PRISM__ERROR_KIND__ERROR_INTERNAL, why);
         release_request(p, r->seq.rid, r->seq.router_id);
@@ -463,7 +468,7 @@ static void run_one(prefill_t *p)
         p->kv_hdr.choice_index = p->kv_seq.fork_index;
         p->kv_hdr.choice_first_token = p->kv_seq.fork_first;
         p->kv_hdr.choice_rng_state = p->kv_seq.fork_rng;
-        if (prism_seq_needs_prompt(&p->kv_seq)) {
+        if (prism_seq_needs_history(&p->kv_seq)) {
             memcpy(p->kv_prompt, r->tokens, sizeof(int32_t) * (size_t)r->n_tokens);
             p->kv_hdr.n_prompt_token_ids = (size_t)r->n_tokens;
             p->kv_hdr.prompt_token_ids = p->kv_prompt;

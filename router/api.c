@@ -203,6 +203,9 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
                        (double)m->failed);
     prism_metric_write(&b, "prism:requests_retried_total", "counter",
                        "Requests sent to other workers after theirs died before the first token.", lbl, (double)m->retried);
+    prism_metric_write(&b, "prism:requests_migrated_total", "counter",
+                       "Requests that went on from their last token on another prefill/decode pair after their decode "
+                       "worker died mid-generation.", lbl, (double)m->migrated);
     prism_metric_write(&b, "prism:workers_disconnected_total", "counter",
                        "Workers dropped at once because their connection closed (process died).", lbl,
                        (double)m->workers_disconnected);

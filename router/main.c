@@ -64,7 +64,7 @@ int main(int argc, char **argv)
     bool insecure_no_curve = false, metrics_open = false, timing_header = false;
     int64_t port = 8000, context_length = 0, limit_mm = 8, max_pixels = 4096ll * 4096, max_running = 256,
             max_body = 64ll << 20, body_total = 1ll << 30, image_inflight = 1ll << 30, max_conn = 4096,
-            min_body_rate = 8 << 10, stream_pending = 4ll << 20, max_retries = 2;
+            min_body_rate = 8 << 10, stream_pending = 4ll << 20, max_retries = 2, max_migrations = 2;
     double worker_timeout = 10, worker_stuck_timeout = 60, request_timeout = 600, max_queue_wait = 120, header_timeout = 30, drain_timeout = 20,
            stage_timeout = 60;
     prism_flag_t flags[] = {
@@ -107,6 +107,9 @@ int main(int argc, char **argv)
         PRISM_FLAG_DOUBLE("max-queue-wait", &max_queue_wait, "Seconds a request may wait for a worker (also while a tier has none) before a 503"),
         PRISM_FLAG_INT("max-retries", &max_retries,
                        "Times a request whose worker died before its first token is sent to other workers"),
+        PRISM_FLAG_INT("max-migrations", &max_migrations,
+                       "Times a request whose decode worker died mid-generation goes on from its last token on "
+                       "another prefill/decode pair (n = 1 only); 0: it fails (503 or an SSE error event)"),
         PRISM_FLAG_DOUBLE("stage-timeout", &stage_timeout,
                           "Seconds an encode, or a prefill up to the first token, may take before the request is "
                           "retried on other workers (then 504 naming the stage); 0: no limit"),
@@ -207,6 +210,7 @@ int main(int argc, char **argv)
     r.request_timeout_s = request_timeout;
     r.max_queue_wait_s = max_queue_wait;
     r.max_retries = max_retries < 0 ? 0 : (int)max_retries;
+    r.max_migrations = max_migrations < 0 ? 0 : (int)PRISM_MIN(max_migrations, 1000);
     r.drain_timeout_s = drain_timeout;
     r.stage_timeout_s = stage_timeout;
     r.created = prism_unix_time();

@@ -11,6 +11,10 @@
  * its KV); each Tokens message names its choice. A choice that ends in the router (a stop string)
  * ignores the rest of its sequence's tokens; the workers are aborted when every choice has ended.
  *
+ * Workers that die: before the first token the request starts over elsewhere (req_retry); after
+ * it, a request with n = 1 goes on from its last token on another prefill/decode pair
+ * (req_migrate, up to --max-migrations times); anything else fails with 503.
+ *
  * Everything a request owns is freed in req_destroy; the HTTP request is released exactly once. */
 #include "router.h"
 #include "openai_req.h"
@@ -75,6 +79,14 @@ struct router_req {
     char avoid[4][128];           /* workers an earlier attempt got stuck on: others first */
     int n_avoid;
     const char *waiting_for;      /* while queued because a tier has no worker at all: its name */
+    double t_wait;                /* when the wait for workers began (t_start; a migration restarts it) */
+    /* migration (n = 1, see req_migrate): the tokens generated so far, kept while a migration is
+     * possible and sent again with the prompt; at most max_tokens of them */
+    int32_t *gen;
+    int n_gen, gen_cap;
+    int migrations;
+    bool no_migrate;              /* no memory to keep the tokens: this request fails as before */
+    bool decode_heard;            /* this attempt's decode sent a token: the KV reached it */
     int n_out;                    /* tokens over all choices */
     router_choice_t *choices;     /* [oai.n] */
     int n_finished;
@@ -168,6 +180,34 @@ static void send_abort(router_t *r, const char *worker_id, uint64_t rid)
 
 static int n_choices(const router_req_t *q) { return q->oai.n > 0 ? q->oai.n : 1; }
 
+/* Whether the request could still go on elsewhere if its decode worker died (req_migrate). */
+static bool may_migrate(const router_req_t *q)
+{
+    return !q->no_migrate && n_choices(q) == 1 && q->migrations < q->r->max_migrations;
+}
+
+/* Keeps the tokens just generated for a migration (tokens_valid bounded them by max_tokens).
+ * Grows by doubling: a few allocations per request, none per token in the steady state. */
+static void gen_keep(router_req_t *q, const int32_t *ids, size_t n)
+{
+    if (!may_migrate(q) || !n) return;
+    if ((size_t)q->n_gen + n > (size_t)q->gen_cap) {
+        size_t cap = q->gen_cap ? (size_t)q->gen_cap : 64;
+        while (cap < (size_t)q->n_gen + n) cap *= 2;
+        cap = PRISM_MAX(PRISM_MIN(cap, (size_t)q->prompt.max_tokens), (size_t)q->n_gen + n);
+        int32_t *g = prism_realloc(q->gen, cap * sizeof *g);
+        if (!g) {
+            PRISM_WARN("request %llu: no memory to keep its tokens; it cannot migrate", (unsigned long long)q->rid);
+            q->no_migrate = true;
+            return;
+        }
+        q->gen = g;
+        q->gen_cap = (int)cap;
+    }
+    memcpy(q->gen + q->n_gen, ids, n * sizeof *ids);
+    q->n_gen += (int)n;
+}
+
 static void choice_free(router_choice_t *c)
 {
     prism_detok_free(&c->detok);
@@ -200,6 +240,7 @@ static void req_destroy(router_req_t *q)
     prism_buf_free(&q->out);
     for (size_t i = 0; i < PRISM_ARRAY_LEN(q->tok_bytes); i++) prism_buf_free(&q->tok_bytes[i]);
     router_prompt_free(&q->prompt);
+    prism_free(q->gen);
     for (int i = 0; i < q->n_held; i++) prism_msg_env_free(q->held[i]);
     prism_free(q->held);
     prism_free(q);
@@ -625,16 +666,20 @@ static void tokens_apply(router_t *r, router_req_t *q, const Prism__Tokens *t)
         return;
     }
     double now = prism_now_s();
+    if (!t->from_prefill) q->decode_heard = true;
     if (t->from_prefill && q->stage != STAGE_PREFILLED) {
-        q->t_first = now;
-        q->queue_ms = t->queue_ms;
-        q->prefill_ms = t->prefill_ms;
-        prism_hist_observe(&r->metrics.ttft, now - q->t_start);
-        prism_hist_observe(&r->metrics.queue, t->queue_ms / 1e3);
+        if (q->t_first == 0) {   /* a migrated request's first token came long ago */
+            q->t_first = now;
+            q->queue_ms = t->queue_ms;
+            q->prefill_ms = t->prefill_ms;
+            prism_hist_observe(&r->metrics.ttft, now - q->t_start);
+            prism_hist_observe(&r->metrics.queue, t->queue_ms / 1e3);
+        }
         q->stage = STAGE_PREFILLED;
-        /* no retry after the first token (req_retry): the image bytes are dead weight from here
-         * (they stay counted in image_bytes_inflight until the request ends) */
-        for (int i = 0; i < q->prompt.n_images; i++) {
+        /* no retry after the first token (req_retry): unless a migration may encode them again, the
+         * image bytes are dead weight from here (they stay counted in image_bytes_inflight until
+         * the request ends, so keeping them holds no more than was admitted) */
+        for (int i = 0; i < q->prompt.n_images && !may_migrate(q); i++) {
             prism_free(q->prompt.img[i]);
             q->prompt.img[i] = NULL;
         }
@@ -642,6 +687,7 @@ static void tokens_apply(router_t *r, router_req_t *q, const Prism__Tokens *t)
     q->t_last = now;
     int i = (int)t->index;
     if (c->finish) return;   /* ended in the router (stop string): the rest of its sequence is not used */
+    gen_keep(q, t->token_ids, t->n_token_ids);
     size_t old_len = c->text.len;
     for (size_t k = 0; k < t->n_token_ids; k++) {
         int32_t tok = t->token_ids[k];
@@ -812,6 +858,43 @@ static bool req_retry(router_req_t *q, const char *why)
     return true;
 }
 
+/* A worker holding a request that has sent tokens to its client is gone (its decode, or its
+ * prefill before the KV reached the decode): with n = 1 the request goes on from its last token on
+ * another prefill/decode pair, ahead of the queue. The prefill gets the prompt and every token
+ * generated so far (Sampling.generated says how many): it counts them for the penalties, feeds them
+ * to the guide and advances the RNG past them (prism_seq_seed), so the next token is the one the
+ * lost worker would have sampled, and the new decode goes on from there. The router's side simply
+ * continues (text, detokenizer, stop-string holdback, logprobs, the stream): no gap, no repeat.
+ * The images are encoded again from the bytes kept for it. A new id, as for a retry: what the old
+ * workers still send matches nothing. n > 1 is not migrated (the choices' RNG streams fork at the
+ * first token; their later states died with the worker): it fails as before. */
+static bool req_migrate(router_req_t *q, const router_worker_t *w, const char *why)
+{
+    router_t *r = q->r;
+    router_choice_t *c = &q->choices[0];
+    if (q->stage != STAGE_PREFILLED || !may_migrate(q) || c->finish || c->n_out != q->n_gen ||
+        q->n_gen >= q->prompt.max_tokens || r->queue_len == r->reqs_cap)
+        return false;
+    uint64_t old = q->rid;
+    snprintf(q->avoid[q->n_avoid++ % PRISM_ARRAY_LEN(q->avoid)], sizeof(q->avoid[0]), "%s", w->id);
+    q->n_avoid = PRISM_MIN(q->n_avoid, (int)PRISM_ARRAY_LEN(q->avoid));
+    req_release_workers(q);
+    c->got_first = c->worker_ended = false;
+    q->n_first = q->n_worker_ended = 0;
+    q->decode_heard = false;
+    q->stage = STAGE_QUEUED;
+    q->attempts = 0;             /* the new pair gets --max-retries of its own */
+    q->migrations++;
+    q->t_wait = prism_now_s();   /* --max-queue-wait counts from now */
+    bool queued = queue_push_front(r, q->rid);  /* room checked above */
+    PRISM_ASSERT(queued);
+    r->metrics.migrated++;
+    r->queue_dirty = true;
+    PRISM_INFO("request %llu: %s; migrated as %llu after %d tokens (migration %d of %d)", (unsigned long long)old, why,
+               (unsigned long long)q->rid, q->n_gen, q->migrations, r->max_migrations);
+    return true;
+}
+
 void router_fail_worker_requests(router_t *r, const router_worker_t *w, const char *why)
 {
     for (size_t i = 0; i < r->reqs_cap; i++) {
@@ -820,10 +903,13 @@ void router_fail_worker_requests(router_t *r, const router_worker_t *w, const ch
         bool held = (q->prefill_pending && !strcmp(q->prefill_id, w->id)) ||
                     (q->decode_pending && !strcmp(q->decode_id, w->id));
         for (int k = 0; k < q->prompt.n_images; k++) held |= q->encode_pending[k] && !strcmp(q->encoder_id[k], w->id);
+        /* After its first token a prefill still holds the KV until the decode worker takes it (the
+         * decode's first token says it did): its death before then leaves the decode nothing to run. */
+        held |= q->stage == STAGE_PREFILLED && q->decode_pending && !q->decode_heard && !strcmp(q->prefill_id, w->id);
         if (held) {
             char msg[256];
             snprintf(msg, sizeof(msg), "The %s worker serving this request %s.", prism_role_name(w->role), why);
-            if (!req_retry(q, msg)) req_fail(q, 503, msg);
+            if (!req_retry(q, msg) && !req_migrate(q, w, msg)) req_fail(q, 503, msg);
             i = (size_t)-1;  /* the map changed under us: rescan */
         }
     }
@@ -835,7 +921,7 @@ void router_sweep_requests(router_t *r)
     for (size_t i = 0; i < r->reqs_cap; i++) {
         router_req_t *q = r->reqs[i];
         if (!q) continue;
-        if (q->stage != STAGE_PREFILLED && now - q->t_start > r->max_queue_wait_s) {
+        if (q->stage != STAGE_PREFILLED && now - q->t_wait > r->max_queue_wait_s) {
             char msg[160];
             if (q->stage == STAGE_QUEUED && q->waiting_for) {
                 r->metrics.refused_limit[PRISM_REFUSE_NO_WORKERS]++;
@@ -992,6 +1078,20 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
     sp.logit_bias_ids = q->oai.logit_bias_ids;
     sp.logit_bias_values = q->oai.logit_bias_values;
     sp.n = (uint32_t)slots;
+    /* a migrated request: the prompt and every token generated so far (req_migrate) */
+    int32_t *ids = q->prompt.tokens;
+    size_t n_ids = q->prompt.n_tokens;
+    if (q->n_gen) {
+        ids = prism_malloc((n_ids + (size_t)q->n_gen) * sizeof *ids);
+        if (!ids) {
+            snprintf(msg, n, "The server is out of memory; try again shortly.");
+            return 503;
+        }
+        memcpy(ids, q->prompt.tokens, n_ids * sizeof *ids);
+        memcpy(ids + n_ids, q->gen, (size_t)q->n_gen * sizeof *ids);
+        n_ids += (size_t)q->n_gen;
+        sp.generated = (uint32_t)q->n_gen;
+    }
     Prism__Guide guide = PRISM__GUIDE__INIT;
     if (q->guide.kind) {
         guide.kind = (Prism__GuideKind)q->guide.kind;
@@ -1002,8 +1102,8 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
         sp.guide = &guide;
     }
     Prism__Prefill p = PRISM__PREFILL__INIT;
-    p.n_token_ids = q->prompt.n_tokens;
-    p.token_ids = q->prompt.tokens;
+    p.n_token_ids = n_ids;
+    p.token_ids = ids;
     p.n_images = (size_t)q->prompt.n_images;
     p.images = span_ptrs;
     p.sampling = &sp;
@@ -1014,7 +1114,9 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
     env.prefill = &p;
     /* A send fails when the worker's connection is gone (it died; the registry drops it at
      * --worker-timeout): the request waits for the next try rather than failing. */
-    if (router_send(r, pf, &env, NULL, 0) != PRISM_OK) {
+    int sent = router_send(r, pf, &env, NULL, 0);
+    if (ids != q->prompt.tokens) prism_free(ids);
+    if (sent != PRISM_OK) {
         PRISM_WARN("request %llu: prefill worker %s unreachable; the request waits", (unsigned long long)q->rid, pf->id);
         return DISPATCH_WAIT;
     }
@@ -1170,7 +1272,7 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
     q->r = r;
     q->h = h;
     q->chat = chat;
-    q->t_start = prism_now_s();
+    q->t_start = q->t_wait = prism_now_s();
     if (router_req_new_id(r, &q->rid) != PRISM_OK) {
         respond_error(h, 503, "The server has no randomness for request ids; try again shortly.", NULL);
         prism_http_req_release(h);

@@ -85,6 +85,7 @@ typedef struct {
     double request_timeout_s;
     double max_queue_wait_s;    /* no first token by then: 503 */
     int max_retries;
+    int max_migrations;         /* times a request goes on elsewhere after its decode died mid-generation */
     double drain_timeout_s;
     double stage_timeout_s;     /* encode, or prefill to the first token, longer than this: retry, then 504 */            /* re-dispatches of a request whose worker died before its first token */
     int64_t created;
@@ -163,7 +164,8 @@ int  router_count_workers(const router_t *r, Prism__Role role);
 typedef struct {
     int n_images;
     uint8_t *img[ROUTER_MAX_IMAGES];        /* decoded file bytes (the router never decodes pixels); kept
-                                             * until the first token (a retry sends them again), then NULL */
+                                             * until the first token (a retry sends them again), or while
+                                             * the request may still migrate (it is encoded again), then NULL */
     size_t img_len[ROUTER_MAX_IMAGES];
     uint64_t img_hash[ROUTER_MAX_IMAGES];
     uint32_t img_offset[ROUTER_MAX_IMAGES]; /* first token of each image's span, found while expanding */
@@ -200,7 +202,8 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat);
  * not free it). */
 bool router_handle_tokens(router_t *r, const router_worker_t *from, Prism__Envelope *env, bool *kept);
 bool router_handle_encode_done(router_t *r, const router_worker_t *from, uint64_t rid, const Prism__EncodeDone *d);
-/* Fails (503) every request w holds; why ends "The <role> worker serving this request ...". */
+/* Every request w holds goes elsewhere (a retry before the first token, a migration after it) or
+ * fails (503); why ends "The <role> worker serving this request ...". */
 void router_fail_worker_requests(router_t *r, const router_worker_t *w, const char *why);
 void router_sweep_requests(router_t *r);
 void router_abort_all(router_t *r);

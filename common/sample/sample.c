@@ -105,8 +105,7 @@ int32_t prism_sample(prism_sampler_t *s, const float *logits, const prism_sample
     int n = s->vocab;
     /* Below PRISM_SAMPLE_MIN_TEMPERATURE (and for NaN) sampling is greedy, as in vLLM: 1/T would
      * overflow to inf near 1e-38, turn every probability into NaN and pick the least likely token. */
-    if (!(p->temperature >= PRISM_SAMPLE_MIN_TEMPERATURE) || p->top_k == 1)
-        return argmax(logits, n);
+    if (!prism_sample_draws(p)) return argmax(logits, n);
 
     /* Softmax of logits / T over the candidates. */
     float mx = logits[argmax(logits, n)];

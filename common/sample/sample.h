@@ -38,6 +38,12 @@ uint64_t prism_rng_seed(uint64_t seed);
 double   prism_rng_uniform(uint64_t *state);  /* [0, 1) */
 
 int32_t prism_sample(prism_sampler_t *s, const float *logits, const prism_sample_params_t *p, uint64_t *rng);
+/* Whether prism_sample draws from the RNG with these parameters (exactly one uniform per token);
+ * greedy draws nothing. A sequence's RNG state after g tokens is thus its seed advanced g draws. */
+static inline bool prism_sample_draws(const prism_sample_params_t *p)
+{
+    return p->temperature >= PRISM_SAMPLE_MIN_TEMPERATURE && p->top_k != 1;
+}
 
 /* Log-softmax of the raw logits (what HF's log_softmax gives): the chosen token's logprob and
  * the n_top most likely tokens, best first. -inf is floored to -9999 as OpenAI clients expect. */

@@ -89,6 +89,10 @@ const char *prism_seq_check(const Prism__Sampling *s, int vocab, int max_model_l
         if (s->stop_token_ids[i] < 0 || s->stop_token_ids[i] >= vocab) return "stop token id out of range";
     if (s->logprobs > PRISM_SEQ_MAX_TOP_LOGPROBS + 1) return "too many top logprobs";
     if (s->n > PRISM_SEQ_MAX_N) return "n is out of range";
+    /* a migrated sequence has tokens left to generate, and only n = 1 is migrated (the other
+     * choices' RNG streams derive from the first token's position) */
+    if (s->generated >= s->max_tokens) return "generated tokens out of range";
+    if (s->generated && s->n > 1) return "a migrated request has one sequence";
     if (s->n_logit_bias_ids != s->n_logit_bias_values) return "malformed logit_bias";
     if (s->n_logit_bias_ids > PRISM_SEQ_MAX_LOGIT_BIAS) return "too many logit_bias entries";
     for (size_t i = 0; i < s->n_logit_bias_values; i++)
@@ -173,7 +177,13 @@ void prism_seq_copy(prism_seq_t *dst, const prism_seq_t *src)
 
 uint64_t prism_seq_seed(const Prism__Sampling *sampling, uint64_t rid)
 {
-    return prism_rng_seed(sampling->has_seed ? sampling->seed : (rid ^ prism_now_ns()));
+    uint64_t rng = prism_rng_seed(sampling->has_seed ? sampling->seed : (rid ^ prism_now_ns()));
+    /* A migrated sequence: one draw per token generated before (prism_sample_draws), so the next
+     * draw is the one the lost worker would have made. O(generated), once per migration. */
+    prism_sample_params_t sp = {sampling->temperature, sampling->top_p, sampling->top_k};
+    if (prism_sample_draws(&sp))
+        for (uint32_t i = 0; i < sampling->generated; i++) (void)prism_rng_uniform(&rng);
+    return rng;
 }
 
 const Prism__Sampling *prism_seq_sampling(prism_seq_t *s)
@@ -219,6 +229,12 @@ static void advance(prism_seq_t *s, prism_seq_sampler_t *ss, int32_t tok)
     }
 }
 
+const char *prism_seq_feed(prism_seq_t *s, prism_seq_sampler_t *ss, const int32_t *done, size_t n_done)
+{
+    for (size_t i = 0; i < n_done; i++) advance(s, ss, done[i]);
+    return s->grammar_broken ? "a generated token is outside the request's grammar" : NULL;
+}
+
 const char *prism_seq_attach(prism_seq_t *s, prism_seq_sampler_t *ss, int slot, const int32_t *prompt,
                              size_t n_prompt, const int32_t *done, size_t n_done)
 {
@@ -234,9 +250,7 @@ const char *prism_seq_attach(prism_seq_t *s, prism_seq_sampler_t *ss, int slot, 
                                     : prism_grammar_matcher_create(g, NULL, &ss->matchers[slot]);
         if (rc != PRISM_OK) return "out of memory for the grammar matcher";
     }
-    for (size_t i = 0; i < n_done; i++) advance(s, ss, done[i]);
-    if (s->grammar_broken) return "a generated token is outside the request's grammar";
-    return NULL;
+    return prism_seq_feed(s, ss, done, n_done);
 }
 
 /* The logits to sample from: the raw row, or the sampler's copy with the processors applied.
@@ -346,7 +360,7 @@ int prism_seq_first_tokens(prism_seq_t *s, prism_seq_sampler_t *ss, const float 
         /* choice 0 keeps the request's stream; the others start from streams derived from it */
         s->rng = i == 0 ? rng0 : prism_rng_seed(rng0 + (uint64_t)i * 0x9E3779B97F4A7C15ull);
         s->index = (uint32_t)i;
-        s->generated = 1;
+        s->generated = (int)s->sampling.generated + 1;   /* a migrated sequence goes on from there */
         s->grammar_done = l == NULL;
         f->tok[i] = l ? prism_sample(&ss->base, l, &s->sp, &s->rng) : ss->eos;
         prism__tokens__init(&f->t[i]);

@@ -83,7 +83,8 @@ typedef struct {
     uint64_t rng;                 /* sampler state; travels prefill -> decode */
     int prompt_tokens;
     int len;                      /* tokens whose K/V are in the cache */
-    int generated;                /* tokens sampled so far (the first is prefill's) */
+    int generated;                /* tokens sampled so far (the first is prefill's; a migrated
+                                   * sequence counts the ones before, Sampling.generated) */
     uint32_t index;               /* choice index of this sequence (Sampling.n > 1) */
     int slot;                     /* sampler slot (prism_seq_attach); -1 = none */
     bool grammar_done;            /* the grammar allowed nothing but the end: finish STOP */
@@ -113,11 +114,16 @@ const char *prism_seq_start(prism_seq_t *s, prism_seq_sampler_t *ss, uint64_t ri
  * counted and fed to the matcher. NULL, or why not (a token outside the grammar). */
 const char *prism_seq_attach(prism_seq_t *s, prism_seq_sampler_t *ss, int slot, const int32_t *prompt,
                              size_t n_prompt, const int32_t *done, size_t n_done);
+/* Feeds more generated tokens to an attached sequence's counts and matcher (decode: the first
+ * token after a migrated request's earlier ones). NULL, or why not (a token outside the grammar). */
+const char *prism_seq_feed(prism_seq_t *s, prism_seq_sampler_t *ss, const int32_t *done, size_t n_done);
 /* Drops the guide reference (safe to call twice, and on a record never started). */
 void prism_seq_detach(prism_seq_t *s);
 /* *dst = *src with a guide reference of its own (prefill keeps a copy for the KV export). */
 void prism_seq_copy(prism_seq_t *dst, const prism_seq_t *src);
-/* RNG seed of a new request: its own seed, or a fresh one. */
+/* RNG state of a new request: its own seed, or a fresh one; for a migrated one (Sampling.generated
+ * > 0) the seed's state after the draws of the tokens it generated before (a seeded request goes
+ * on exactly; an unseeded one goes on from a fresh stream, as random as the lost one). */
 uint64_t prism_seq_seed(const Prism__Sampling *sampling, uint64_t rid);
 /* The sampling message to forward (points into s). */
 const Prism__Sampling *prism_seq_sampling(prism_seq_t *s);
@@ -127,6 +133,13 @@ static inline int prism_seq_n(const prism_seq_t *s) { return s->sampling.n ? (in
 static inline bool prism_seq_needs_prompt(const prism_seq_t *s)
 {
     return s->pen.repetition > 0.0f && s->pen.repetition != 1.0f;
+}
+/* Whether decode needs the token ids Kv.prompt_token_ids carries: the prompt for
+ * repetition_penalty; for a migrated request also the tokens generated before, which the
+ * penalties count and the guide's matcher is fed. */
+static inline bool prism_seq_needs_history(const prism_seq_t *s)
+{
+    return prism_seq_needs_prompt(s) || (s->sampling.generated && (prism_penalty_active(&s->pen) || s->guide));
 }
 
 /* Samples the next token (logit_bias, penalties and the grammar mask applied to a copy of the

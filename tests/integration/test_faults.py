@@ -13,6 +13,10 @@
   decode worker's running set and KV blocks, the prefill worker's slots and receive pool.
 - SIGTERM drains a router: no new connections, /ready-style refusals for keep-alive clients, the
   open stream ends complete, then the router exits 0.
+- A decode worker SIGKILLed mid-generation: the request goes on from its last token on the other
+  decode worker (migration), streaming and not, greedy, seeded, with penalties and guided: the
+  answer equals an undisturbed run's token for token (no gap, no repeat) and
+  prism:requests_migrated_total counts it; with --max-migrations 0 the old 503 / SSE error event.
 """
 import socket
 import os
@@ -228,7 +232,164 @@ def test_router_sigterm_drains_open_stream():
         assert "drained: every request finished" in c.log("router", tail=0)
 
 
+# ---- migration: a decode worker that dies mid-generation ----
+# Both decode workers hold each reply for 10 ms (test hook): the compute thread runs ahead, so when the
+# decode worker is killed the router has seen only part of the answer, whatever the machine's speed.
+# --worker-timeout is long: a dead worker is noticed from its connection, and a decode worker whose
+# I/O thread is busy sleeping in the hook must not be judged silent.
+MIGRATE_ARGS = dict(decodes=2, router_args=["--worker-timeout", "120"], common_worker_args=FAST_HB,
+                    worker_args={"decode_worker": ["--log-level", "debug"]},
+                    worker_env={"decode_worker": {"PRISM_TEST_DELAY_REPLIES_S": "0.01"}})
+DECODES = ("decode-0", "decode-1")
+
+
+def admitted(c):
+    """Requests each live decode worker has admitted so far (its debug log)."""
+    return {n: c.log(n, tail=0).count(" admitted:") for n in DECODES if n in c.procs}
+
+
+def holder(c, before):
+    """The decode worker that admitted a request since `before` (one request at a time here)."""
+    now = admitted(c)
+    new = [n for n in now if now[n] > before.get(n, 0)]
+    return new[0] if len(new) == 1 else None
+
+
+def gen_body(n, stream, **kw):
+    body = chat_body("Tell me a long story about a cat", max_tokens=n, temperature=0, ignore_eos=True, logprobs=True,
+                     return_tokens_as_token_ids=True, stream=stream)
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    body.update(kw)
+    return body
+
+
+def ids_of(entries):
+    return [int(e["token"].split(":")[1]) for e in entries]
+
+
+def stream_answer(events):
+    """(token ids, text, finish_reason, completion_tokens) of a streamed chat answer."""
+    ids, text, finish, usage = [], "", None, None
+    for e in events:
+        if e.get("usage"):
+            usage = e["usage"]["completion_tokens"]
+        for ch in e.get("choices", []):
+            text += ch["delta"].get("content") or ""
+            if ch.get("logprobs"):
+                ids += ids_of(ch["logprobs"]["content"])
+            finish = ch.get("finish_reason") or finish
+    return ids, text, finish, usage
+
+
+def whole_answer(r):
+    ch = r["choices"][0]
+    return ids_of(ch["logprobs"]["content"]), ch["message"]["content"], ch["finish_reason"], \
+        r["usage"]["completion_tokens"]
+
+
+def restart_killed(c, name):
+    c.start_worker(name, "decode_worker")
+    c.wait_ready()
+
+
+def migrated_stream(c, body, after=10):
+    """Streams body, SIGKILLs the decode worker holding it once `after` tokens came; returns (events, killed)."""
+    before = admitted(c)
+    s = c.open_stream("/v1/chat/completions", body)
+    events, n = [], 0
+    while n < after:
+        ev = s.next_event()
+        assert isinstance(ev, dict), ("the stream ended early", ev, events[-3:])
+        events.append(ev)
+        n += sum(len((ch.get("logprobs") or {}).get("content") or []) for ch in ev.get("choices", []))
+    victim = wait_for(lambda: holder(c, before), 30, "the decode worker holding the stream")
+    c.kill(victim)
+    while True:
+        ev = s.next_event()
+        if ev is None:
+            break
+        events.append(ev)
+    assert s.done, ("no [DONE]", events[-3:])
+    return [e for e in events if isinstance(e, dict)], victim
+
+
+def migrated_whole(c, body):
+    """Posts body (not streaming), SIGKILLs the decode worker holding it; returns ((status, json), killed)."""
+    before = admitted(c)
+    res = {}
+    t = threading.Thread(target=lambda: res.update(r=c.post_json("/v1/chat/completions", body)))
+    t.start()
+    victim = wait_for(lambda: holder(c, before), 60, "the decode worker holding the request")
+    c.kill(victim)
+    t.join(300)
+    assert not t.is_alive(), "the request never came back"
+    return res["r"], victim
+
+
+def test_decode_death_migrates():
+    n = 200
+    with Cluster(**MIGRATE_ARGS) as c:
+        c.wait_ready()
+        migrations = 0
+        cases = [("greedy", {}),
+                 ("seeded", {"temperature": 0.8, "seed": 1234}),
+                 ("penalties", {"presence_penalty": 1.5, "frequency_penalty": 1.0,
+                                "repetition_penalty": 1.2, "logit_bias": {"100": 2.0}})]
+        for name, kw in cases:
+            # streaming: the reference first, undisturbed, then the same request with its decode worker killed
+            status, ref_events, done = c.stream("/v1/chat/completions", gen_body(n, True, **kw))
+            assert status == 200 and done, (name, status, ref_events[-1:])
+            ref = stream_answer(ref_events)
+            assert len(ref[0]) == n and ref[2] == "length" and ref[3] == n, (name, ref[2:])
+            events, victim = migrated_stream(c, gen_body(n, True, **kw), after=50)
+            got = stream_answer(events)
+            migrations += 1
+            assert got[0] == ref[0], "%s stream: token ids differ from the undisturbed run:\n%s\n%s" % (name, got[0],
+                                                                                                       ref[0])
+            assert got[1:] == ref[1:], (name, got[1:], ref[1:])
+            assert c.metric("prism:requests_migrated_total") == migrations
+            restart_killed(c, victim)
+            # not streaming
+            status, r = c.post_json("/v1/chat/completions", gen_body(n, False, **kw))
+            assert status == 200, (status, r)
+            ref = whole_answer(r)
+            (status, r), victim = migrated_whole(c, gen_body(n, False, **kw))
+            assert status == 200, (name, status, r)
+            migrations += 1
+            assert whole_answer(r) == ref, (name, whole_answer(r), ref)
+            assert c.metric("prism:requests_migrated_total") == migrations
+            restart_killed(c, victim)
+        assert "migrated as" in c.log("router", tail=0)
+        # guided output: the new prefill and decode feed the tokens generated before to the grammar (a
+        # matcher started afresh would allow another 25 words after the migration)
+        body = gen_body(n, True, guided_regex="(cat|dog|bird)( (cat|dog|bird)){25}")
+        body.pop("ignore_eos")
+        status, ref_events, done = c.stream("/v1/chat/completions", body)
+        ref = stream_answer(ref_events)
+        assert status == 200 and done and ref[2] == "stop" and len(ref[1].split()) == 26, ref[1:]
+        events, victim = migrated_stream(c, body)
+        got = stream_answer(events)
+        assert got == ref, ("guided", got, ref)
+        assert c.metric("prism:requests_migrated_total") == migrations + 1
+
+
+def test_decode_death_without_migration_fails():
+    """--max-migrations 0: as before migration existed, a 503 (or an SSE error event, then [DONE])."""
+    args = dict(MIGRATE_ARGS, router_args=["--worker-timeout", "120", "--max-migrations", "0"])
+    with Cluster(**args) as c:
+        c.wait_ready()
+        events, victim = migrated_stream(c, gen_body(200, True))
+        err = [e for e in events if e.get("error")]
+        assert err and "decode worker serving this request" in err[-1]["error"]["message"], events[-2:]
+        restart_killed(c, victim)
+        (status, r), _ = migrated_whole(c, gen_body(200, False))
+        assert status == 503 and "decode worker" in r["error"]["message"], (status, r)
+        assert c.metric("prism:requests_migrated_total") == 0
+
+
 if __name__ == "__main__":
     sys.exit(run_tests([test_hung_encoder_requests_retried, test_hung_prefill_requests_retried,
                test_stage_timeout_retries_then_504, test_killed_worker_noticed_at_once, test_empty_tier_waits_for_restarted_worker, test_hundred_hung_up_streams_free_every_pool,
-               test_router_sigterm_drains_open_stream]))
+               test_router_sigterm_drains_open_stream, test_decode_death_migrates,
+               test_decode_death_without_migration_fails]))

@@ -515,6 +515,130 @@ static void test_guided_choice(void **state)
     prism_tokenizer_free(tok);
 }
 
+/* ------------------------------------------------------------------ migration */
+
+/* Step j's logits: varied, EOS out of reach. */
+static void step_logits(float *l, int j)
+{
+    for (int i = 0; i < VOCAB; i++) l[i] = (float)((i * 7 + j * 13) % 11) * 0.3f;
+    l[2] = l[7] = -50.0f;
+}
+
+/* Prefill (first token) then decode (the rest) as the workers run a sequence, from `from` tokens
+ * generated before (a migrated request: in->generated = from, done = those tokens); writes the
+ * tokens from there on into out[from..], and the RNG state after each into rng[]. Returns the
+ * finish of the last one. */
+static Prism__Finish run_seq(prism_seq_sampler_t *sm, const prism_model_config_t *c, const Prism__Sampling *in,
+                             const int32_t *prompt, int n_prompt, int from, int32_t *out, uint64_t *rng)
+{
+    prism_seq_t pf, dc;
+    assert_null(prism_seq_start(&pf, sm, 9, "r", in, n_prompt, prism_seq_seed(in, 9)));
+    assert_null(prism_seq_attach(&pf, sm, 0, prompt, (size_t)n_prompt, out, (size_t)from));
+    pf.len = n_prompt + from;
+    float l[VOCAB];
+    step_logits(l, from);
+    Prism__Tokens *t;
+    assert_int_equal(prism_seq_first_tokens(&pf, sm, l, c, 1000, &t), 1);
+    out[from] = t[0].token_ids[0];
+    Prism__Finish fin = t[0].finish;
+    assert_int_equal(pf.n_fork, fin == PRISM__FINISH__FINISH_NONE);
+    rng[from] = pf.n_fork ? pf.fork_rng[0] : 0;
+    if (fin != PRISM__FINISH__FINISH_NONE) {
+        prism_seq_detach(&pf);
+        return fin;
+    }
+    /* decode: Kv carries the sampling, the RNG after the first token, the history */
+    assert_null(prism_seq_start(&dc, sm, 9, "r", prism_seq_sampling(&pf), n_prompt, pf.fork_rng[0]));
+    prism_seq_detach(&pf);
+    dc.len = n_prompt + from;
+    dc.generated = from + 1;
+    assert_null(prism_seq_attach(&dc, sm, 1, prompt, (size_t)n_prompt, out, (size_t)from));
+    assert_null(prism_seq_feed(&dc, sm, &out[from], 1));
+    for (int j = from + 1; fin == PRISM__FINISH__FINISH_NONE; j++) {
+        dc.len++;
+        step_logits(l, j);
+        out[j] = prism_seq_sample(&dc, sm, l);
+        rng[j] = dc.rng;
+        Prism__Tokens tt = PRISM__TOKENS__INIT;
+        prism_seq_lp_msg_t lpm;
+        prism_seq_tokens(&dc, &tt, &out[j], &lpm, sm, l, c, 1000);
+        fin = tt.finish;
+    }
+    prism_seq_detach(&dc);
+    return fin;
+}
+
+/* A request whose decode worker died goes on from Sampling.generated tokens: the new prefill
+ * counts them for the penalties and advances the RNG past them (prism_seq_seed), the new decode
+ * gets them as history; every token after that is the one the undisturbed run samples, and the
+ * length finish comes at the same token. */
+static void test_migrated_sequence_goes_on(void **state)
+{
+    prism_model_config_t c = config();
+    prism_seq_sampler_t sm;
+    assert_int_equal(prism_seq_sampler_init(&sm, &c, NULL, 2), PRISM_OK);
+    int32_t prompt[5] = {10, 11, 12, 13, 14};
+    enum { N = 30 };
+    Prism__Sampling in = greedy_sampling();
+    in.max_tokens = N;
+    in.temperature = 1.0f;
+    in.has_seed = true;
+    in.seed = 42;
+    in.presence_penalty = 1.5f;
+    in.frequency_penalty = 0.5f;
+    in.repetition_penalty = 1.3f;
+    for (int greedy = 0; greedy < 2; greedy++) {
+        in.temperature = greedy ? 0.0f : 1.0f;
+        int32_t ref[N + 1], got[N + 1];
+        uint64_t ref_rng[N + 1], got_rng[N + 1];
+        in.generated = 0;
+        assert_int_equal(run_seq(&sm, &c, &in, prompt, 5, 0, ref, ref_rng), PRISM__FINISH__FINISH_LENGTH);
+        int distinct = 0;
+        for (int j = 1; j < N; j++) distinct += ref[j] != ref[j - 1];
+        assert_true(distinct > N / 2);          /* the penalties steer it: nothing trivially repeats */
+        for (int k = 1; k < N; k++) {           /* migrated after k tokens */
+            memcpy(got, ref, sizeof(int32_t) * (size_t)k);
+            in.generated = (uint32_t)k;
+            assert_null(prism_seq_check(&in, VOCAB, 1000));
+            assert_int_equal(run_seq(&sm, &c, &in, prompt, 5, k, got, got_rng), PRISM__FINISH__FINISH_LENGTH);
+            assert_memory_equal(got + k, ref + k, sizeof(int32_t) * (size_t)(N - k));
+            /* the RNG after each token (but the last: a sequence that ends at prefill forks nothing) */
+            if (!greedy && k < N - 1)
+                assert_memory_equal(got_rng + k, ref_rng + k, sizeof(uint64_t) * (size_t)(N - 1 - k));
+        }
+    }
+    /* without the history the penalties would be blind to the earlier tokens: a different token */
+    {
+        prism_seq_t s;
+        float l[VOCAB];
+        int32_t ref[N + 1];
+        uint64_t ref_rng[N + 1];
+        in.temperature = 0.0f;
+        in.generated = 0;
+        run_seq(&sm, &c, &in, prompt, 5, 0, ref, ref_rng);
+        in.generated = 20;
+        assert_null(prism_seq_start(&s, &sm, 9, "r", &in, 5, 1));
+        assert_true(prism_seq_needs_history(&s));
+        assert_null(prism_seq_attach(&s, &sm, 0, prompt, 5, NULL, 0));
+        step_logits(l, 20);
+        assert_int_not_equal(prism_seq_sample(&s, &sm, l), ref[20]);
+        prism_seq_detach(&s);
+    }
+    /* no processors: decode needs no history */
+    Prism__Sampling plain = greedy_sampling();
+    plain.generated = 3;
+    prism_seq_t s;
+    assert_null(prism_seq_start(&s, &sm, 9, "r", &plain, 5, 1));
+    assert_false(prism_seq_needs_history(&s));
+    /* bounds: something left to generate, one sequence */
+    plain.generated = plain.max_tokens;
+    assert_non_null(prism_seq_check(&plain, VOCAB, 1000));
+    plain.generated = 3;
+    plain.n = 2;
+    assert_non_null(prism_seq_check(&plain, VOCAB, 1000));
+    prism_seq_sampler_free(&sm);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -527,6 +651,7 @@ int main(void)
         cmocka_unit_test(test_penalties),
         cmocka_unit_test(test_first_tokens_of_n),
         cmocka_unit_test(test_guided_choice),
+        cmocka_unit_test(test_migrated_sequence_goes_on),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
