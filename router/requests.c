@@ -1134,7 +1134,9 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
         ee.type = PRISM__MSG_TYPE__MSG_ENCODE;
         ee.request_id = q->rid;
         ee.encode = &e;
-        /* copied: a retry on another encoder sends the same bytes again */
+        /* copied: a retry on another encoder sends the same bytes again (and a migration: the bytes
+         * are freed at the first token only when no migration may follow) */
+        PRISM_ASSERT(q->prompt.img[i]);
         prism_frame_t f = {q->prompt.img[i], q->prompt.img_len[i]};
         if (router_send(r, enc[i], &ee, &f, 1) != PRISM_OK) {
             PRISM_WARN("request %llu: encoder %s unreachable; the request waits", (unsigned long long)q->rid,

@@ -361,6 +361,25 @@ def test_decode_death_migrates():
             assert c.metric("prism:requests_migrated_total") == migrations
             restart_killed(c, victim)
         assert "migrated as" in c.log("router", tail=0)
+        # an image request: its image bytes were kept, the new prefill gets the image encoded again
+        jpg = make_image(os.path.join(TMP, "migrate.jpg"), width=320, height=240, shape="square", color="green")
+        body = gen_body(n, True)
+        body["messages"] = chat_body("What is in the image?", [jpg])["messages"]
+        encoded = c.metric("prism:worker_embedding_cache_misses_total", tier="encoder") + \
+            c.metric("prism:worker_embedding_cache_hits_total", tier="encoder")
+        status, ref_events, done = c.stream("/v1/chat/completions", body)
+        assert status == 200 and done, (status, ref_events[-1:])
+        ref = stream_answer(ref_events)
+        events, victim = migrated_stream(c, body, after=50)
+        got = stream_answer(events)
+        migrations += 1
+        assert got == ref, ("image", got, ref)
+        assert c.metric("prism:requests_migrated_total") == migrations
+        # three encodes: the reference, the request, the request again after its migration
+        wait_for(lambda: c.metric("prism:worker_embedding_cache_misses_total", tier="encoder") +
+                 c.metric("prism:worker_embedding_cache_hits_total", tier="encoder") >= encoded + 3, 10,
+                 "the migrated request's image encoded again")
+        restart_killed(c, victim)
         # guided output: the new prefill and decode feed the tokens generated before to the grammar (a
         # matcher started afresh would allow another 25 words after the migration)
         body = gen_body(n, True, guided_regex="(cat|dog|bird)( (cat|dog|bird)){25}")
