@@ -407,8 +407,61 @@ def test_decode_death_without_migration_fails():
         assert c.metric("prism:requests_migrated_total") == 0
 
 
+def test_prefill_death_before_kv_reached_decode_migrates():
+    """A prefill worker that dies after the first token but while it still holds the KV (the decode
+    worker has no KV room yet): the decode worker will never get it, so the request migrates too
+    (the others the dead prefill worker held are retried, or migrated when their KV was on its way)."""
+    # 128 KV blocks of 16 tokens: a 1900-token request A takes almost all of them, so the streams'
+    # KV (9 blocks each) waits for room
+    with Cluster(prefills=2, router_args=["--worker-timeout", "120"], common_worker_args=FAST_HB,
+                 worker_args={"decode_worker": ["--kv-blocks", "128"]}) as c:
+        c.wait_ready()
+        bodies = [chat_body("Tell me about the colour %s" % col, max_tokens=120, temperature=0, ignore_eos=True,
+                            logprobs=True, return_tokens_as_token_ids=True, stream=True)
+                  for col in ("red", "green", "blue", "yellow", "black", "white", "purple", "orange")]
+        refs = []
+        for b in bodies:
+            status, ev, done = c.stream("/v1/chat/completions", b)
+            assert status == 200 and done
+            refs.append(stream_answer(ev))
+        res = {}
+        long = threading.Thread(target=lambda: res.update(a=c.post_json("/v1/chat/completions", chat_body(
+            "Hi", max_tokens=1900, temperature=0, ignore_eos=True))))
+        long.start()
+        wait_for(lambda: c.metric("prism:worker_running", tier="decode") == 1, 30, "A running on the decode worker")
+        got, first = [[] for _ in bodies], [False] * len(bodies)
+
+        def one(i):
+            s = c.open_stream("/v1/chat/completions", bodies[i])
+            while True:
+                ev = s.next_event()
+                if ev is None:
+                    break
+                got[i].append(ev)
+                first[i] = True
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+        for t in threads:
+            t.start()
+        # every stream has its first token (from a prefill worker); their KV waits: one staged in the
+        # decode worker, the rest in the sockets between the workers (prefill's send queue included)
+        wait_for(lambda: all(first) and c.metric("prism:worker_waiting", tier="decode") == 1, 30,
+                 "every stream's first token sent, its KV waiting")
+        assert c.metric("prism:worker_running", tier="decode") == 1, "A ended before the kill: no KV was held"
+        c.kill("prefill-0")
+        for t in threads:
+            t.join(300)
+        for evs, ref in zip(got, refs):
+            assert evs and evs[-1] == "[DONE]", evs[-2:]
+            assert stream_answer([e for e in evs if isinstance(e, dict)]) == ref
+        assert c.metric("prism:requests_migrated_total") >= 1
+        assert "The prefill worker serving this request stopped responding.; migrated" in c.log("router", tail=0)
+        long.join(300)
+        assert res["a"][0] == 200, res
+
+
 if __name__ == "__main__":
     sys.exit(run_tests([test_hung_encoder_requests_retried, test_hung_prefill_requests_retried,
                test_stage_timeout_retries_then_504, test_killed_worker_noticed_at_once, test_empty_tier_waits_for_restarted_worker, test_hundred_hung_up_streams_free_every_pool,
                test_router_sigterm_drains_open_stream, test_decode_death_migrates,
-               test_decode_death_without_migration_fails]))
+               test_decode_death_without_migration_fails, test_prefill_death_before_kv_reached_decode_migrates]))
