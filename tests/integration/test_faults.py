@@ -16,7 +16,9 @@
 - A decode worker SIGKILLed mid-generation: the request goes on from its last token on the other
   decode worker (migration), streaming and not, greedy, seeded, with penalties and guided: the
   answer equals an undisturbed run's token for token (no gap, no repeat) and
-  prism:requests_migrated_total counts it; with --max-migrations 0 the old 503 / SSE error event.
+  prism:requests_migrated_total counts it; --max-migrations bounds it (then the SSE error event; 0:
+  the old 503 / SSE error event). A prefill worker that dies after the first token while its KV is
+  still on the way to the decode worker makes the request migrate too.
 """
 import socket
 import os
@@ -293,16 +295,21 @@ def restart_killed(c, name):
     c.wait_ready()
 
 
+def read_tokens(s, n, events=None):
+    """Reads stream events until n tokens in all came (their logprobs entries); returns the events."""
+    events = [] if events is None else events
+    while sum(len((ch.get("logprobs") or {}).get("content") or []) for e in events for ch in e.get("choices", [])) < n:
+        ev = s.next_event()
+        assert isinstance(ev, dict), ("the stream ended early", ev, events[-3:])
+        events.append(ev)
+    return events
+
+
 def migrated_stream(c, body, after=10):
     """Streams body, SIGKILLs the decode worker holding it once `after` tokens came; returns (events, killed)."""
     before = admitted(c)
     s = c.open_stream("/v1/chat/completions", body)
-    events, n = [], 0
-    while n < after:
-        ev = s.next_event()
-        assert isinstance(ev, dict), ("the stream ended early", ev, events[-3:])
-        events.append(ev)
-        n += sum(len((ch.get("logprobs") or {}).get("content") or []) for ch in ev.get("choices", []))
+    events = read_tokens(s, after)
     victim = wait_for(lambda: holder(c, before), 30, "the decode worker holding the stream")
     c.kill(victim)
     while True:
@@ -460,8 +467,39 @@ def test_prefill_death_before_kv_reached_decode_migrates():
         assert res["a"][0] == 200, res
 
 
+def test_migrations_are_bounded():
+    """--max-migrations 1: the first decode worker lost mid-stream is survived, the second is not
+    (an SSE error event, then [DONE])."""
+    args = dict(MIGRATE_ARGS, router_args=["--worker-timeout", "120", "--max-migrations", "1"])
+    with Cluster(**args) as c:
+        c.wait_ready()
+        before = admitted(c)
+        s = c.open_stream("/v1/chat/completions", gen_body(400, True))
+        events = read_tokens(s, 30)
+        first = wait_for(lambda: holder(c, before), 30, "the decode worker holding the stream")
+        before = admitted(c)
+        c.kill(first)
+        second = wait_for(lambda: holder(c, before), 30, "the decode worker the stream migrated to")
+        assert second != first
+        restart_killed(c, first)
+        read_tokens(s, 100, events)
+        c.kill(second)
+        while True:
+            ev = s.next_event()
+            if ev is None:
+                break
+            events.append(ev)
+        assert events[-1] == "[DONE]", events[-2:]
+        err = [e for e in events if isinstance(e, dict) and e.get("error")]
+        assert len(err) == 1 and "decode worker serving this request" in err[0]["error"]["message"], err
+        ids = stream_answer([e for e in events if isinstance(e, dict)])[0]
+        assert 100 <= len(ids) < 400, len(ids)
+        assert c.metric("prism:requests_migrated_total") == 1
+
+
 if __name__ == "__main__":
     sys.exit(run_tests([test_hung_encoder_requests_retried, test_hung_prefill_requests_retried,
                test_stage_timeout_retries_then_504, test_killed_worker_noticed_at_once, test_empty_tier_waits_for_restarted_worker, test_hundred_hung_up_streams_free_every_pool,
                test_router_sigterm_drains_open_stream, test_decode_death_migrates,
-               test_decode_death_without_migration_fails, test_prefill_death_before_kv_reached_decode_migrates]))
+               test_decode_death_without_migration_fails, test_migrations_are_bounded,
+               test_prefill_death_before_kv_reached_decode_migrates]))
