@@ -224,6 +224,7 @@ int main(int argc, char **argv)
     while (r.reqs_cap < (size_t)max_running * 2 + 2) r.reqs_cap *= 2;
     r.reqs = prism_xcalloc(r.reqs_cap, sizeof(router_req_t *));
     r.queue = prism_xcalloc(r.reqs_cap, sizeof(uint64_t));
+    r.queue_scratch = prism_xcalloc(r.reqs_cap, sizeof(uint64_t));
 
     char host_name[64] = "host";
     gethostname(host_name, sizeof(host_name) - 1);

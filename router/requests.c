@@ -79,6 +79,7 @@ struct router_req {
     char avoid[4][128];           /* workers an earlier attempt got stuck on: others first */
     int n_avoid;
     const char *waiting_for;      /* while queued because a tier has no worker at all: its name */
+    unsigned wait_tiers;          /* TIER_* bits it waited for at its last dispatch */
     double t_wait;                /* when the wait for workers began (t_start; a migration restarts it) */
     /* migration (n = 1, see req_migrate): the tokens generated so far, kept while a migration is
      * possible and sent again with the prompt; at most max_tokens of them */
@@ -1018,6 +1019,26 @@ static router_worker_t *pick(router_t *r, router_req_t *q, Prism__Role role, uin
     return w || !n ? w : router_pick_slots(r, role, hash, slots, any);
 }
 
+/* The tiers a request needs: every request a prefill and a decode worker, an image request encoders. */
+enum { TIER_ENCODER = 1, TIER_PREFILL = 2, TIER_DECODE = 4 };
+
+static unsigned tiers_needed(const router_req_t *q)
+{
+    return TIER_PREFILL | TIER_DECODE | (q->prompt.n_images ? TIER_ENCODER : 0);
+}
+
+/* Whether a new request must queue behind waiting ones: they wait for a tier it needs too. */
+static bool queue_blocks(router_t *r, const router_req_t *q)
+{
+    unsigned blocked = 0;
+    for (size_t k = 0; k < r->queue_len; k++) {
+        const router_req_t *o = router_req_get(r, r->queue[(r->queue_head + k) % r->reqs_cap]);
+        if (o && o->stage == STAGE_QUEUED) blocked |= o->wait_tiers ? o->wait_tiers : tiers_needed(o);
+        if (blocked & (TIER_PREFILL | TIER_DECODE)) return true;
+    }
+    return (blocked & tiers_needed(q)) != 0;
+}
+
 /* Sends the request to its workers: 0 when sent, DISPATCH_WAIT when it must wait in the router's
  * queue (every worker of a tier is at capacity, a tier has no worker at all, or a worker could not
  * be reached), else an HTTP status with msg (n sequences no decode worker could ever hold). */
@@ -1045,6 +1066,7 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
         r->metrics.refused_limit[PRISM_REFUSE_BAD_REQUEST]++;
         return 400;
     }
+    q->wait_tiers = (pf ? 0 : TIER_PREFILL) | (dc ? 0 : TIER_DECODE) | (enc_room ? 0 : TIER_ENCODER);
     if (!pf || !dc || !enc_room) {
         PRISM_DEBUG("request %llu waits: %s", (unsigned long long)q->rid,
                     !pf ? "no prefill worker with room" : !dc ? "no decode worker with room" : "no encoder with room");
@@ -1233,24 +1255,36 @@ static bool queue_push_front(router_t *r, uint64_t rid)
     return true;
 }
 
+/* Tries the queued requests, oldest first. A request that must wait blocks the tiers it waits for:
+ * younger requests that need one of them keep their place behind it (no overtaking inside a tier,
+ * so a big request is not starved), but a younger request that needs none of them goes ahead: text
+ * requests are not held up by an image request waiting for an encoder (none registered, or all
+ * full). Once prefill or decode is blocked nothing younger can go (every request needs both). */
 void router_dispatch_queued(router_t *r)
 {
     if (r->draining) return;  /* re-entered from a request that failed while we dispatch */
     r->draining = true;
-    while (r->queue_len) {
-        uint64_t rid = r->queue[r->queue_head];
-        router_req_t *q = router_req_get(r, rid);
-        if (q && q->stage == STAGE_QUEUED) {
+    /* Take the queue out whole: dispatching may push retried requests to its front meanwhile. */
+    size_t n = r->queue_len;
+    for (size_t k = 0; k < n; k++) r->queue_scratch[k] = r->queue[(r->queue_head + k) % r->reqs_cap];
+    r->queue_len = 0;
+    unsigned blocked = 0;
+    for (size_t k = 0; k < n; k++) {
+        router_req_t *q = router_req_get(r, r->queue_scratch[k]);
+        if (!q || q->stage != STAGE_QUEUED) continue;  /* ended (or sent again) while it waited */
+        unsigned need = tiers_needed(q);
+        if (!(need & blocked)) {
             char msg[300];
             int status = dispatch(r, q, msg, sizeof(msg));
-            if (status == DISPATCH_WAIT) {  /* still no room: keep the order */
-                r->queue[r->queue_head] = q->rid;  /* a failed send gave it a new id */
-                break;
+            if (status != DISPATCH_WAIT) {
+                if (status) req_fail(q, status, msg);
+                continue;
             }
-            if (status) req_fail(q, status, msg);
+            blocked |= q->wait_tiers ? q->wait_tiers : need;
         }
-        r->queue_head = (r->queue_head + 1) % r->reqs_cap;
-        r->queue_len--;
+        bool ok = queue_push(r, q->rid);  /* back in its order (a failed send gave it a new id) */
+        PRISM_ASSERT(ok);                 /* it was in the queue: its place is still there */
+        (void)ok;
     }
     r->draining = false;
     if (!r->queue_len) prism_http_server_resume_bodies(r->http);  /* uploads paused for it go on */
@@ -1353,7 +1387,7 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
     r->image_bytes_inflight += q->prompt.image_bytes;
     q->bytes_counted = true;
     /* Behind older queued requests, or no worker has room: wait in the router's queue. */
-    status = r->queue_len ? DISPATCH_WAIT : dispatch(r, q, msg, sizeof(msg));
+    status = queue_blocks(r, q) ? DISPATCH_WAIT : dispatch(r, q, msg, sizeof(msg));
     if (status == DISPATCH_WAIT && !queue_push(r, q->rid)) {
         r->metrics.refused_limit[PRISM_REFUSE_QUEUE_FULL]++;
         req_fail(q, 429, "The server is at capacity; retry after a short wait.");

@@ -123,6 +123,7 @@ typedef struct {
     size_t image_bytes_inflight;
     /* requests accepted while every worker of a tier was at capacity, oldest first (ring) */
     uint64_t *queue;
+    uint64_t *queue_scratch;    /* [reqs_cap]: the queue taken out while it is tried */
     size_t queue_head, queue_len;
     bool draining;
     bool queue_dirty;           /* a worker slot freed since the queue was last tried */

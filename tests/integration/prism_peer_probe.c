@@ -70,7 +70,7 @@ int main(int argc, char **argv)
                *decode_data = NULL, *worker_id = "probe", *nul_suffix = NULL;
     bool from_prefill = false;
     const char *register_as = "decode", *data_endpoint = "tcp://127.0.0.1:1", *rid_file = NULL;
-    int64_t first_rid = 1, last_rid = 64, token = 5, emb_bytes = 0;
+    int64_t first_rid = 1, last_rid = 64, token = 5, emb_bytes = 0, kv_blocks = 0;
     double wait_s = 2.0;
     prism_flag_t flags[] = {
         PRISM_FLAG_STR("curve-keys", &keys, "Key directory to use (none: no CURVE at all)"),
@@ -90,6 +90,8 @@ int main(int argc, char **argv)
         PRISM_FLAG_INT("first-rid", &first_rid, "First request id to target"),
         PRISM_FLAG_INT("last-rid", &last_rid, "Last request id to target"),
         PRISM_FLAG_INT("token", &token, "Token id to inject"),
+        PRISM_FLAG_INT("kv-blocks", &kv_blocks,
+                       "KV blocks to register (0: none to show, the router keeps picking a real decode worker)"),
         PRISM_FLAG_INT("embedding-bytes", &emb_bytes, "Size of the forged embeddings frame"),
         PRISM_FLAG_DOUBLE("wait", &wait_s, "Seconds to wait for handshakes and answers"),
         PRISM_FLAG_END,
@@ -133,7 +135,7 @@ int main(int argc, char **argv)
                  : !strcmp(register_as, "encoder") ? PRISM__ROLE__ROLE_ENCODER : PRISM__ROLE__ROLE_DECODE;
         reg.worker_id = (char *)worker_id;
         reg.data_endpoint = (char *)data_endpoint;
-        reg.kv_blocks = 0;   /* no free KV to show: the router keeps picking the real decode worker */
+        reg.kv_blocks = (uint32_t)PRISM_MIN(PRISM_MAX(kv_blocks, 0), 1 << 20);
         reg.block_size = 16;
         reg.max_running = 64;
         prism__envelope__init(&env);

@@ -149,6 +149,29 @@ def test_empty_tier_waits_for_restarted_worker():
         check_answer(*res["r"], ref, "after the decode worker came back")
 
 
+def test_text_request_not_held_behind_a_missing_encoder():
+    """An image request waiting for an encoder (none registered) holds up image requests behind it,
+    not text requests: they need no encoder and go ahead; the image request is served when an
+    encoder comes back."""
+    (ibody, iref), = requests()[:1]
+    tbody, tref = chat_body("Hello there", max_tokens=8, temperature=0), reference([], "Hello there", 8)
+    with Cluster(router_args=ROUTER, common_worker_args=FAST_HB) as c:
+        c.wait_ready()
+        c.kill("encoder-0")
+        wait_for(lambda: json.loads(c.request("GET", "/ready")[2]).get("encoders") == 0, 60,
+                 "the router to drop the dead encoder")
+        res = {}
+        t = threading.Thread(target=lambda: res.update(r=c.post_json("/v1/chat/completions", ibody)))
+        t.start()
+        wait_for(lambda: c.metric("prism:router_requests_in_flight") == 1, 60, "the image request held by the router")
+        check_answer(*c.post_json("/v1/chat/completions", tbody), tref, "while an image request waits for an encoder")
+        assert t.is_alive(), ("the image request was answered while no encoder exists", res)
+        c.start_worker("encoder-0", "encoder_worker")
+        t.join(300)
+        assert not t.is_alive(), "the waiting image request was never served"
+        check_answer(*res["r"], iref, "after the encoder came back")
+
+
 def pool_state(c):
     """What every tier holds, as the router's /metrics reports it (from the workers' heartbeats)."""
     return {"router_requests": c.metric("prism:router_requests_in_flight"),
@@ -499,7 +522,8 @@ def test_migrations_are_bounded():
 
 if __name__ == "__main__":
     sys.exit(run_tests([test_hung_encoder_requests_retried, test_hung_prefill_requests_retried,
-               test_stage_timeout_retries_then_504, test_killed_worker_noticed_at_once, test_empty_tier_waits_for_restarted_worker, test_hundred_hung_up_streams_free_every_pool,
+               test_stage_timeout_retries_then_504, test_killed_worker_noticed_at_once, test_empty_tier_waits_for_restarted_worker, test_text_request_not_held_behind_a_missing_encoder,
+               test_hundred_hung_up_streams_free_every_pool,
                test_router_sigterm_drains_open_stream, test_decode_death_migrates,
                test_decode_death_without_migration_fails, test_migrations_are_bounded,
                test_prefill_death_before_kv_reached_decode_migrates]))

@@ -31,7 +31,7 @@ DATA = {"prefill_worker": ["--data-port", str(PF_PORT), "--log-level", "debug"],
 # debug log: the tests that play a cluster worker read a running request's id from the router's log
 C = Cluster(encoders=1, worker_args=DATA, router_args=["--log-level", "debug"])
 PROMPT = {"model": "prism-tiny-llava", "prompt": "A red circle on a white", "temperature": 0, "ignore_eos": True}
-MAX_TOKENS = 600
+MAX_TOKENS = 1900  # a stream long enough (1.6 s on a 2-core machine) to outlast the intruder probe
 INJECTED = 7  # token id the intruder tries to slip into answers
 
 
@@ -357,7 +357,8 @@ def test_router_checks_tokens_from_the_holding_decode():
         rid_file = os.path.join(TMP, "fake-decode.rid")
         fake = subprocess.Popen([binary("prism_peer_probe"), "--role", "decode", "--register-as", "decode",
                                  "--worker-id", "fake-decode", "--router", c.ctl, "--curve-keys", c.keys, "--wait", "90",
-                                 "--token", "999999", "--first-rid", "1", "--last-rid", "0", "--rid-file", rid_file],
+                                 "--token", "999999", "--first-rid", "1", "--last-rid", "0", "--rid-file", rid_file,
+                                 "--kv-blocks", "4096"],  # the only decode: it must look able to hold the request
                                 stdout=subprocess.PIPE, text=True)
         try:
             wait_for(lambda: ready_of(c).get("prefills") == 1 and ready_of(c).get("decodes") == 1, 60,
