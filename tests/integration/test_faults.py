@@ -358,7 +358,7 @@ def migrated_whole(c, body):
 
 
 def test_decode_death_migrates():
-    n = 200
+    n = 150
     with Cluster(**MIGRATE_ARGS) as c:
         c.wait_ready()
         migrations = 0
@@ -438,17 +438,18 @@ def test_decode_death_without_migration_fails():
 
 
 def test_prefill_death_before_kv_reached_decode_migrates():
-    """A prefill worker that dies after the first token but while it still holds the KV (the decode
-    worker has no KV room yet): the decode worker will never get it, so the request migrates too
+    """A prefill worker that dies after the first token but before the decode worker took the KV (it
+    has no KV room yet): the decode worker will never get it, so the request migrates too
     (the others the dead prefill worker held are retried, or migrated when their KV was on its way)."""
-    # 128 KV blocks of 16 tokens: a 1900-token request A takes almost all of them, so the streams'
-    # KV (9 blocks each) waits for room
-    with Cluster(prefills=2, router_args=["--worker-timeout", "120"], common_worker_args=FAST_HB,
-                 worker_args={"decode_worker": ["--kv-blocks", "128"]}) as c:
+    # 64 KV blocks of 16 tokens (a 1024-token context): a 950-token request A takes almost all of
+    # them, so the streams' KV (9 blocks each) waits for room
+    ctx = ["--context-length", "1024"]
+    with Cluster(prefills=2, router_args=["--worker-timeout", "120"] + ctx, common_worker_args=FAST_HB,
+                 worker_args={"prefill_worker": ctx, "decode_worker": ctx + ["--kv-blocks", "64"]}) as c:
         c.wait_ready()
         bodies = [chat_body("Tell me about the colour %s" % col, max_tokens=120, temperature=0, ignore_eos=True,
                             logprobs=True, return_tokens_as_token_ids=True, stream=True)
-                  for col in ("red", "green", "blue", "yellow", "black", "white", "purple", "orange")]
+                  for col in ("red", "green", "blue", "yellow")]
         refs = []
         for b in bodies:
             status, ev, done = c.stream("/v1/chat/completions", b)
@@ -456,7 +457,7 @@ def test_prefill_death_before_kv_reached_decode_migrates():
             refs.append(stream_answer(ev))
         res = {}
         long = threading.Thread(target=lambda: res.update(a=c.post_json("/v1/chat/completions", chat_body(
-            "Hi", max_tokens=1900, temperature=0, ignore_eos=True))))
+            "Hi", max_tokens=950, temperature=0, ignore_eos=True))))
         long.start()
         wait_for(lambda: c.metric("prism:worker_running", tier="decode") == 1, 30, "A running on the decode worker")
         got, first = [[] for _ in bodies], [False] * len(bodies)
