@@ -212,7 +212,8 @@ def test_orphan_embeddings_dropped():
         assert c.metric("prism:worker_pool_free", tier="prefill") == 1
         tc = CFG["text_config"]
         run_tool([binary("prism_wire"), "--endpoint", endpoint, "--request-id", "999999", "--router-id",
-                  "no-such-router", "--n-tokens", str(CFG["image_seq_length"]), "--hidden", str(tc["hidden_size"])],
+                  "no-such-router", "--n-tokens", str(CFG["image_seq_length"]), "--hidden", str(tc["hidden_size"]),
+                  *c.sec],
                  timeout=30)
         wait_for(lambda: c.metric("prism:worker_pool_free", tier="prefill") == 0, 10, "the orphan in the pool")
         t0 = time.time()
