@@ -536,7 +536,7 @@ static int rank_form(prism_group_t *g, const prism_group_opts_t *o, uint64_t dea
     return rc;
 }
 
-int prism_group_create(void *zctx, const prism_group_opts_t *opts, prism_group_t **out, char *err, size_t errlen)
+int prism_group_create(prism_net_t *net, const prism_group_opts_t *opts, prism_group_t **out, char *err, size_t errlen)
 {
     *out = NULL;
     prism_group_opts_t o = *opts;
@@ -544,7 +544,7 @@ int prism_group_create(void *zctx, const prism_group_opts_t *opts, prism_group_t
         ERR("group: rank %d of %d is not a valid place in a group of at most %d", o.rank, o.size, PRISM_TP_MAX);
         return PRISM_EINVAL;
     }
-    if (o.size > 1 && (!o.leader || strncmp(o.leader, "tcp://", 6) != 0 || !zctx)) {
+    if (o.size > 1 && (!o.leader || strncmp(o.leader, "tcp://", 6) != 0 || !net)) {
         ERR("group: --tp-leader must be tcp://host:port (got '%s')", o.leader ? o.leader : "");
         return PRISM_EINVAL;
     }
@@ -555,13 +555,14 @@ int prism_group_create(void *zctx, const prism_group_opts_t *opts, prism_group_t
     if (o.timeout_s <= 0) o.timeout_s = 30;
     if (o.join_timeout_s <= 0) o.join_timeout_s = 120;
     if (!o.shm_slot_bytes) o.shm_slot_bytes = (size_t)1 << 20;
+    if (o.link_max_msg_bytes <= 0) o.link_max_msg_bytes = (int64_t)64 << 20;
     o.shm_slot_bytes = PRISM_ALIGN_UP(o.shm_slot_bytes, 64);
 
     prism_group_t *g = prism_calloc(1, sizeof *g);
     if (!g) return PRISM_ENOMEM;
     g->size = o.size;
     g->rank = o.rank;
-    g->zctx = zctx;
+    g->zctx = net ? prism_net_zctx(net) : NULL;
     snprintf(g->name, sizeof g->name, "%s", o.name ? o.name : "tp");
     int rc = PRISM_OK;
     if (o.size == 1) {
@@ -571,13 +572,14 @@ int prism_group_create(void *zctx, const prism_group_opts_t *opts, prism_group_t
         *out = g;
         return PRISM_OK;
     }
-    if (o.rank == 0) {
-        g->sock = prism_sock_bind(zctx, ZMQ_ROUTER, o.leader, LINK_HWM);
-    } else {
-        char ident[64];
-        snprintf(ident, sizeof ident, "tp%d.%d.%llx", o.rank, (int)getpid(), (unsigned long long)prism_now_ns());
-        g->sock = prism_sock_connect(zctx, ZMQ_DEALER, o.leader, ident, LINK_HWM);
-    }
+    /* The link admits only this process's own role: a decode group's ranks are decode processes. */
+    prism_net_role_t role = prism_net_role(net);
+    char ident[64];
+    snprintf(ident, sizeof ident, "tp%d.%d.%llx", o.rank, (int)getpid(), (unsigned long long)prism_now_ns());
+    prism_sock_opts_t so = {.type = o.rank == 0 ? ZMQ_ROUTER : ZMQ_DEALER, .endpoint = o.leader, .hwm = LINK_HWM,
+                            .max_msg_bytes = o.link_max_msg_bytes, .identity = o.rank == 0 ? NULL : ident,
+                            .allow = PRISM_NET_ALLOW(role), .server = role};
+    g->sock = o.rank == 0 ? prism_sock_bind(net, &so) : prism_sock_connect(net, &so);
     if (!g->sock) {
         ERR("group %s: cannot %s the group link %s", g->name, o.rank == 0 ? "bind" : "connect", o.leader);
         rc = PRISM_EIO;
@@ -588,8 +590,10 @@ int prism_group_create(void *zctx, const prism_group_opts_t *opts, prism_group_t
         zmq_setsockopt(g->sock, ZMQ_SNDTIMEO, &ms, sizeof ms);
         char mon_ep[96];
         snprintf(mon_ep, sizeof mon_ep, "inproc://prism-group-mon-%p", (void *)g);
-        if (zmq_socket_monitor(g->sock, mon_ep, ZMQ_EVENT_DISCONNECTED) == 0) {
-            g->mon = zmq_socket(zctx, ZMQ_PAIR);
+        /* Ranks watch their connection to the leader (the leader's bound socket has common/net's
+         * monitor already, see group.h). */
+        if (o.rank != 0 && zmq_socket_monitor(g->sock, mon_ep, ZMQ_EVENT_DISCONNECTED) == 0) {
+            g->mon = zmq_socket(g->zctx, ZMQ_PAIR);
             if (g->mon && zmq_connect(g->mon, mon_ep) != 0) {
                 zmq_close(g->mon);
                 g->mon = NULL;

@@ -3,10 +3,14 @@
  *   prism_group_opts_t o = {.size = 4, .rank = r, .leader = "tcp://10.0.0.5:7100", .name = "decode-0",
  *                           .be = be};
  *   prism_group_t *g;
- *   if (prism_group_create(zctx, &o, &g, err, sizeof err) != PRISM_OK) exit(1);
+ *   if (prism_group_create(net, &o, &g, err, sizeof err) != PRISM_OK) exit(1);
  *   prism_comm_t *c = prism_group_comm(g);      // collectives (comm.h), owned by the group
  *   ... every loop: if (prism_group_check(g) != PRISM_OK) exit(1);   // a peer died: restart together
  *   prism_group_destroy(g);
+ *
+ * The link is made with common/net's socket helpers, so it is authenticated like every internal link:
+ * CURVE with the process's role key, and the leader's socket admits only peers holding the key of
+ * the same role (a decode group's link admits decode processes only), unless --insecure-no-curve.
  *
  * Rendezvous (once, at start-up): rank 0, the leader, binds a ZeroMQ ROUTER on exactly the address
  * of `leader` (never every interface: a "*" host and 0.0.0.0 are refused) and waits for a
@@ -26,7 +30,11 @@
  * Failure model: a group does not heal. When any rank dies, the others find out (their next
  * collective fails, or prism_group_check says so) and exit; the supervisor restarts the processes
  * and the new set forms a new group through the same rendezvous. Liveness: the peers' processes
- * (pid + start time, when in this pid namespace) and the link's disconnect events.
+ * (pid + start time, when every rank shares this host and pid namespace), on the ranks also the
+ * link's disconnect events (the leader dying closes it), and everywhere the step timeout. (The
+ * leader's bound socket carries common/net's handshake monitor, and a socket has one monitor, so
+ * the leader does not watch disconnects; across hosts it learns of a dead rank from its next
+ * collective.)
  *
  * After the rendezvous the link carries whatever the group's own protocol needs (the leader's step
  * plans in the workers): prism_group_link gives the socket (leader: ROUTER, identities from
@@ -53,14 +61,18 @@ typedef struct {
     size_t shm_slot_bytes;           /* shm: bytes per rank per op chunk (0: 1 MiB) */
     double timeout_s;                /* step timeout of one collective (0: 30 s) */
     double join_timeout_s;           /* the whole rendezvous (0: 120 s) */
+    int64_t link_max_msg_bytes;      /* largest frame on the link (0: 64 MiB) */
 } prism_group_opts_t;
 
 typedef struct prism_group prism_group_t;
 
 /* Forms the group (blocks until every rank is there, or join_timeout_s). PRISM_EINVAL for bad
  * options (message in err), PRISM_EIO when the rendezvous failed or timed out (message names the
- * missing ranks or the refusal). zctx is the process's ZeroMQ context. */
-int  prism_group_create(void *zctx, const prism_group_opts_t *o, prism_group_t **out, char *err, size_t errlen);
+ * missing ranks or the refusal). net: the process's ZeroMQ context and keys (common/net); the
+ * link's role is the process's own (prism_net_role). May be NULL only when size is 1. */
+struct prism_net;
+int  prism_group_create(struct prism_net *net, const prism_group_opts_t *o, prism_group_t **out, char *err,
+                        size_t errlen);
 void prism_group_destroy(prism_group_t *g);
 
 prism_comm_t *prism_group_comm(prism_group_t *g);

@@ -203,7 +203,9 @@ static void test_hung_rank_hits_step_timeout(void **state)
 
 static int join_one(const char *leader, int size, int rank, double join_s, char *err, size_t errlen)
 {
-    void *z = zmq_ctx_new();
+    prism_net_t *z = NULL;
+    prism_net_opts_t no = {.role = PRISM_NET_ROLE_DECODE, .insecure = true};
+    if (prism_net_create(&no, &z, err, errlen) != PRISM_OK) return PRISM_EIO;
     prism_backend_t *be = prism_backend_cpu_create(1);
     prism_group_opts_t go = {.size = size, .rank = rank, .leader = leader, .name = "t", .be = be,
                              .join_timeout_s = join_s, .timeout_s = 5};
@@ -216,7 +218,7 @@ static int join_one(const char *leader, int size, int rank, double join_s, char 
         prism_group_destroy(g);
     }
     prism_backend_destroy(be);
-    zmq_ctx_term(z);
+    prism_net_destroy(z);
     return rc;
 }
 
@@ -272,6 +274,59 @@ static void test_rendezvous_refusals(void **state)
     munmap(shared, 4096);
 }
 
+/* ---- the link is authenticated: CURVE with the role keys; another role is not let in ---- */
+
+static void test_curve_link(void **state)
+{
+    (void)state;
+    char dir[] = "/tmp/prism-tp-keys-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char err[256];
+    assert_int_equal(prism_net_keygen(dir, PRISM_NET_ALLOW(PRISM_NET_ROLE_DECODE) | PRISM_NET_ALLOW(PRISM_NET_ROLE_PREFILL),
+                                      false, err, sizeof err), PRISM_OK);
+    int codes[PRISM_TP_MAX];
+    tp_fork_opts_t o = {.size = 3, .transport = PRISM_COMM_TRANSPORT_ZMQ, .slot_bytes = 4096, .timeout_s = 20,
+                        .max_wall_s = 90, .curve_keys = dir};
+    assert_int_equal(tp_fork_run(&o, body_collectives, NULL, codes), 3);
+    o.role = PRISM_NET_ROLE_PREFILL;
+    o.transport = PRISM_COMM_TRANSPORT_AUTO;
+    assert_int_equal(tp_fork_run(&o, body_transport, "shm", codes), 3);
+
+    /* A prefill process cannot join a decode group's link: its handshake is refused, so the
+     * leader never hears it and gives up at the join timeout. */
+    char leader[64];
+    snprintf(leader, sizeof leader, "tcp://127.0.0.1:%d", tp_free_port());
+    pid_t intruder = fork();
+    if (intruder == 0) {
+        prism_net_t *n = NULL;
+        prism_net_opts_t no = {.role = PRISM_NET_ROLE_PREFILL, .curve_keys = dir};
+        char e[256];
+        if (prism_net_create(&no, &n, e, sizeof e) != PRISM_OK) _exit(2);
+        prism_backend_t *be = prism_backend_cpu_create(1);
+        prism_group_opts_t go = {.size = 2, .rank = 1, .leader = leader, .be = be, .join_timeout_s = 3};
+        prism_group_t *g = NULL;
+        int rc = prism_group_create(n, &go, &g, e, sizeof e);
+        _exit(rc == PRISM_OK ? 1 : 0);
+    }
+    prism_net_t *n = NULL;
+    prism_net_opts_t no = {.role = PRISM_NET_ROLE_DECODE, .curve_keys = dir};
+    assert_int_equal(prism_net_create(&no, &n, err, sizeof err), PRISM_OK);
+    prism_backend_t *be = prism_backend_cpu_create(1);
+    prism_group_opts_t go = {.size = 2, .rank = 0, .leader = leader, .be = be, .join_timeout_s = 2};
+    prism_group_t *g = NULL;
+    assert_int_equal(prism_group_create(n, &go, &g, err, sizeof err), PRISM_EIO);
+    assert_non_null(strstr(err, "rank(s) 1 did not join"));
+    assert_true(prism_net_refused(n) >= 1);   /* refused at the handshake, counted */
+    int wst;
+    assert_int_equal(waitpid(intruder, &wst, 0), intruder);
+    assert_true(WIFEXITED(wst) && WEXITSTATUS(wst) == 0);
+    prism_backend_destroy(be);
+    prism_net_destroy(n);
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    assert_int_equal(system(cmd), 0);
+}
+
 /* ---- process liveness ---- */
 
 static void test_proc_liveness(void **state)
@@ -299,6 +354,7 @@ int main(void)
         cmocka_unit_test(test_dead_rank_fails_group_fast),
         cmocka_unit_test(test_hung_rank_hits_step_timeout),
         cmocka_unit_test(test_rendezvous_refusals),
+        cmocka_unit_test(test_curve_link),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

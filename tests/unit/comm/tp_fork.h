@@ -20,6 +20,7 @@
 #include <zmq.h>
 
 #include "comm/group.h"
+#include "net/net.h"
 
 #define TP_CHECK(cond, ...) do { if (!(cond)) { fprintf(stderr, "rank check failed at %s:%d: %s: ", __FILE__, __LINE__, #cond); \
     fprintf(stderr, __VA_ARGS__); fputc('\n', stderr); return 1; } } while (0)
@@ -31,6 +32,8 @@ typedef struct {
     double timeout_s, join_timeout_s;
     double max_wall_s;        /* parent kills what is still running after this (a hang fails the test) */
     int threads;              /* CPU backend threads per rank */
+    const char *curve_keys;   /* key directory (CURVE on the link), or NULL: --insecure-no-curve */
+    prism_net_role_t role;    /* the ranks' role (NONE: decode) */
 } tp_fork_opts_t;
 
 /* Runs in each child after the group formed; returns the exit code. */
@@ -65,14 +68,20 @@ static inline double tp_now(void)
 /* One rank: forms the group and runs fn. Exit 90 when the group does not form. */
 static inline int tp_rank_main(const tp_fork_opts_t *o, const char *leader, int rank, tp_rank_fn fn, void *ud)
 {
-    void *z = zmq_ctx_new();
+    prism_net_t *net = NULL;
+    char err[512];
+    prism_net_opts_t no = {.role = o->role ? o->role : PRISM_NET_ROLE_DECODE, .curve_keys = o->curve_keys,
+                           .insecure = o->curve_keys == NULL};
+    if (prism_net_create(&no, &net, err, sizeof err) != PRISM_OK) {
+        fprintf(stderr, "rank %d: net: %s\n", rank, err);
+        return 91;
+    }
     prism_backend_t *be = prism_backend_cpu_create(o->threads > 0 ? o->threads : 1);
     prism_group_opts_t go = {.size = o->size, .rank = rank, .leader = leader, .name = "test", .be = be,
                              .transport = o->transport, .shm_slot_bytes = o->slot_bytes,
                              .timeout_s = o->timeout_s, .join_timeout_s = o->join_timeout_s > 0 ? o->join_timeout_s : 20};
     prism_group_t *g = NULL;
-    char err[512];
-    int rc = prism_group_create(z, &go, &g, err, sizeof err);
+    int rc = prism_group_create(net, &go, &g, err, sizeof err);
     if (rc != PRISM_OK) {
         fprintf(stderr, "rank %d: group: %s\n", rank, err);
         return 90;
@@ -80,7 +89,7 @@ static inline int tp_rank_main(const tp_fork_opts_t *o, const char *leader, int 
     int code = fn(rank, o->size, g, be, ud);
     prism_group_destroy(g);
     prism_backend_destroy(be);
-    zmq_ctx_term(z);
+    prism_net_destroy(net);
     return code;
 }
 
