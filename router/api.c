@@ -176,6 +176,9 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
     prism_metric_write(&b, "prism:router_requests_in_flight", "gauge", "Requests the router holds.", "", (double)r->n_reqs);
     prism_metric_write(&b, "prism:router_image_bytes_in_flight", "gauge", "Image bytes the router holds.", "",
                        (double)r->image_bytes_inflight);
+    prism_metric_write(&b, "prism:router_body_bytes_in_flight", "gauge",
+                       "Request body bytes the HTTP server holds (charged as they arrive).", "",
+                       (double)prism_http_server_body_bytes(r->http));
     prism_metric_write(&b, "prism:router_memory_bytes", "gauge", "Router heap bytes in use.", "", (double)prism_mem_used());
     prism_metric_write(&b, "prism:router_peer_auth_failures_total", "counter",
                        "Peers the router's control socket refused at the CURVE handshake.", "",

@@ -158,6 +158,8 @@ class Cluster:
         in every process, not only in unit tests."""
         bad = []
         for f in sorted(os.listdir(self.log_dir)):
+            if not f.endswith(".log"):
+                continue  # e.g. the curve-keys directory
             with open(os.path.join(self.log_dir, f), "rb") as fh:
                 text = fh.read().decode("utf-8", "replace")
             for mark in SANITIZER_MARKS:
