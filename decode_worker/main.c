@@ -7,12 +7,17 @@
  *
  * Admission policy: reserve. A request is admitted only when blocks for prompt + max_tokens are
  * free, so a running sequence never runs out of KV and nothing is ever preempted; requests that
- * do not fit wait (one staged transfer, the rest stays in the senders: backpressure). */
+ * do not fit wait (one staged transfer, the rest stays in the senders: backpressure).
+ *
+ * Tensor parallelism (--tp-size T > 1, worker/tp.h): rank 0 is the worker above, holding its shard;
+ * it hands every other rank its KV heads of each admitted request and the plan of each step, and
+ * the ranks (which talk to no router) run the same forward on their shards. */
 #include "core/core.h"
 #include "core/cli.h"
 #include "net/net.h"
 #include "worker/worker.h"
 #include "worker/seq.h"
+#include "worker/tp.h"
 #include "kv/kv.h"
 #include "sample/sample.h"
 #include "backend/backend.h"
@@ -31,7 +36,10 @@ typedef struct {
 
 typedef struct {
     prism_worker_t w;
-    prism_model_config_t cfg;
+    prism_model_config_t cfg;     /* this rank's (sharded) shapes */
+    prism_model_config_t full;    /* the whole model's: the KV layout prefill sends */
+    prism_tp_t tp;
+    bool group_failed;
     prism_backend_t *be;
     prism_llm_t *llm;
     prism_kv_cache_t *kv;
@@ -90,7 +98,7 @@ static bool admit_staged(decode_t *d)
         return false;
     s->n_blocks = need;
     const void *bytes = zmq_msg_data(&d->staged_frame);
-    int rc = prism_kv_cache_import(d->kv, s->blocks, (int)kv->n_blocks, bytes);
+    int rc = prism_tp_scatter_kv(&d->tp, d->kv, s->blocks, (int)kv->n_blocks, bytes);
     if (rc != PRISM_OK) {
         prism_kv_blocks_release(&d->blocks, s->blocks, need);
         send_error(d, d->staged_router, d->staged_rid, "decode worker could not import the KV cache");
@@ -117,12 +125,12 @@ static void on_kv(decode_t *d, prism_msg_t *m)
     const char *router = e->router_id ? e->router_id : "";
     size_t len = 0;
     prism_msg_frame(m, 0, &len);
-    size_t block_bytes = prism_kv_cache_block_bytes(&d->cfg, d->blocks.block_size);
+    size_t block_bytes = prism_kv_cache_block_bytes(&d->full, d->blocks.block_size);
     if (!kv || !kv->sampling || m->n_frames != 1 || kv->block_size != (uint32_t)d->blocks.block_size ||
         kv->block_bytes != block_bytes || len != (size_t)kv->n_blocks * block_bytes ||
         kv->n_tokens == 0 || kv->n_tokens >= (uint32_t)d->max_model_len ||
         kv->n_blocks != (uint32_t)prism_kv_blocks_for_tokens(&d->blocks, (int)kv->n_tokens) ||
-        kv->first_token < 0 || kv->first_token >= d->cfg.vocab) {
+        kv->first_token < 0 || kv->first_token >= d->full.vocab) {
         PRISM_WARN("request %llu: malformed KV transfer dropped", (unsigned long long)e->request_id);
         send_error(d, router, e->request_id, "malformed KV transfer between prefill and decode");
         return;
@@ -190,7 +198,12 @@ static void step(decode_t *d)
         .n_seqs = n, .n_tokens = n, .tokens = d->tokens, .seq_start = d->seq_start,
         .pos0 = d->pos0, .block_tables = d->tables, .all_logits = false,
     };
-    int rc = prism_llm_forward(d->llm, d->kv, &b, d->logits);
+    int rc = prism_tp_send_step(&d->tp, &b);
+    if (rc == PRISM_OK) rc = prism_llm_forward(d->llm, d->kv, &b, d->logits);
+    if (rc != PRISM_OK && prism_tp_check(&d->tp) != PRISM_OK) {
+        d->group_failed = true;   /* main() fails every request and exits */
+        return;
+    }
     if (rc != PRISM_OK) {
         /* A failing forward is a broken invariant for these sequences: fail them, keep serving. */
         PRISM_ERROR("decode step failed: %s", prism_strerror(rc));
@@ -221,6 +234,30 @@ static void step(decode_t *d)
     }
 }
 
+/* A rank is gone: the group cannot compute any more. Every request gets a clean error now (the
+ * router answers its client instead of waiting for a timeout) and the leader exits, so the routers
+ * drop it and the supervisor restarts the group whole. */
+static void fail_group(decode_t *d)
+{
+    int n = 0;
+    for (int i = 0; i < d->max_running; i++) {
+        seq_t *s = &d->seqs[i];
+        if (!s->seq.used) continue;
+        send_error(d, s->seq.router_id, s->seq.rid, "the decode worker's tensor-parallel group lost a rank");
+        seq_release(d, s);
+        n++;
+    }
+    if (d->staged) {
+        send_error(d, d->staged_router, d->staged_rid, "the decode worker's tensor-parallel group lost a rank");
+        zmq_msg_close(&d->staged_frame);
+        prism_msg_env_free(d->staged_env);
+        d->staged = false;
+        n++;
+    }
+    PRISM_ERROR("decode group %s: a rank is gone: %d requests failed, the leader exits so the group restarts",
+                d->w.worker_id, n);
+}
+
 static int running(const decode_t *d)
 {
     int n = 0;
@@ -233,7 +270,10 @@ int main(int argc, char **argv)
     prism_worker_opts_t o;
     prism_worker_opts_defaults(&o, "decode");
     int64_t kv_blocks = 0, block_size = 16, max_running = 64, context_length = 0;
-    prism_flag_t flags[32] = {
+    prism_tp_opts_t tpo;
+    prism_tp_opts_defaults(&tpo);
+    prism_flag_t flags[40] = {
+        PRISM_TP_FLAGS(&tpo),
         PRISM_FLAG_INT("kv-blocks", &kv_blocks, "KV cache blocks (0 = fill --mem-budget, else 1024)"),
         PRISM_FLAG_INT("block-size", &block_size, "Tokens per KV block"),
         PRISM_FLAG_INT("max-running-requests", &max_running, "Most sequences in one decode batch"),
@@ -249,6 +289,13 @@ int main(int argc, char **argv)
         PRISM_ERROR("--block-size must be 1..1024 and --max-running-requests 1..4096");
         return 2;
     }
+    if (prism_tp_opts_check(&tpo) != PRISM_OK) return 2;
+    d.full = d.cfg;
+    if (tpo.size > 1 && prism_model_config_set_tp(&d.cfg, (int)tpo.size, (int)tpo.rank, err, sizeof err) != PRISM_OK) {
+        PRISM_ERROR("--tp-size %lld: %s", (long long)tpo.size, err);
+        return 2;
+    }
+    const bool leader = tpo.rank == 0;
     d.max_running = (int)max_running;
     d.max_model_len = context_length > 0 ? (int)PRISM_MIN(context_length, (int64_t)d.cfg.max_pos) : d.cfg.max_pos;
     d.max_blocks_per_seq = (d.max_model_len + (int)block_size - 1) / (int)block_size;
@@ -266,6 +313,8 @@ int main(int argc, char **argv)
     size_t arena = prism_llm_arena_bytes(&d.cfg, d.max_running, d.max_running);
     size_t scratch = (size_t)d.max_running * d.cfg.vocab * sizeof(float) + (size_t)d.cfg.vocab * 8 +
                      (size_t)d.max_running * d.max_blocks_per_seq * sizeof(int32_t);
+    if (tpo.size > 1)   /* collectives' shared memory, and the leader's per-rank KV slice buffer */
+        scratch += prism_comm_shm_bytes((int)tpo.size, 0) + (size_t)d.max_blocks_per_seq * block_bytes;
     size_t reserve = PRISM_MEM_RESERVE, runtime = prism_mem_runtime_bytes();
     if (kv_blocks <= 0) {
         if (o.mem_budget > 0) {
@@ -291,6 +340,33 @@ int main(int argc, char **argv)
     }
     if (prism_mem_plan_check(&plan, "decode") != PRISM_OK) return 1;
 
+    /* The leader is the worker the routers see (its net and sockets); the other ranks only need a
+     * net for the group's link. Nothing registers before the group has formed and agreed on its
+     * capacity (registration happens in the loop's first tick). */
+    size_t full_block_bytes = prism_kv_cache_block_bytes(&d.full, (int)block_size);
+    prism_net_t *rank_net = NULL;
+    char bind[300];
+    if (leader) {
+        prism_worker_data_bind(&o, bind, sizeof(bind));
+        if (prism_worker_init(&d.w, PRISM__ROLE__ROLE_DECODE, &o, bind, (size_t)d.max_blocks_per_seq * full_block_bytes)
+            != PRISM_OK)
+            return 1;
+    } else {
+        prism_net_opts_t no = {.role = PRISM_NET_ROLE_DECODE, .curve_keys = o.curve_keys, .insecure = o.insecure_no_curve};
+        if (prism_net_create(&no, &rank_net, err, sizeof err) != PRISM_OK) {
+            PRISM_ERROR("%s", err);
+            return 1;
+        }
+    }
+    if (prism_tp_join(&d.tp, &tpo, leader ? d.w.net : rank_net, d.be, &d.cfg, o.worker_id, d.max_blocks_per_seq,
+                      (int)block_size) != PRISM_OK)
+        return 1;
+    prism_tp_setup_t setup = {.kv_blocks = (int)PRISM_MIN(kv_blocks, (int64_t)INT32_MAX), .block_size = (int)block_size,
+                              .max_seqs = d.max_running, .max_tokens = d.max_running};
+    if (prism_tp_setup(&d.tp, &setup) != PRISM_OK) return 1;
+    kv_blocks = setup.kv_blocks;
+    if (tpo.size > 1) prism_llm_set_comm(d.llm, prism_group_comm(d.tp.g));
+
     if (prism_kv_cache_create(d.be, &d.cfg, (int)kv_blocks, (int)block_size, &d.kv) != PRISM_OK ||
         prism_kv_blocks_init(&d.blocks, (int)kv_blocks, (int)block_size) != PRISM_OK ||
         prism_sampler_init(&d.sampler, d.cfg.vocab) != PRISM_OK) {
@@ -307,17 +383,26 @@ int main(int argc, char **argv)
     d.tables = prism_xcalloc((size_t)d.max_running, sizeof(int32_t *));
     d.logits = prism_xcalloc((size_t)d.max_running * d.cfg.vocab, sizeof(float));
 
-    char bind[300];
-    prism_worker_data_bind(&o, bind, sizeof(bind));
-    if (prism_worker_init(&d.w, PRISM__ROLE__ROLE_DECODE, &o, bind, (size_t)d.max_blocks_per_seq * block_bytes) != PRISM_OK)
-        return 1;
+    if (!leader) {
+        int code = prism_tp_follow(&d.tp, d.llm, d.kv, d.logits);
+        prism_tp_close(&d.tp);
+        prism_net_destroy(rank_net);
+        return code;
+    }
     prism_worker_set_capacity(&d.w, &o, &plan, (uint32_t)kv_blocks, (uint32_t)block_size, (uint32_t)d.max_running,
                               (uint32_t)d.max_running, (uint32_t)d.max_model_len);
+    d.w.reg.tp_size = (uint32_t)tpo.size;
     PRISM_INFO("decode worker %s ready in %.2fs: data %s, %lld KV blocks x %lld tokens, batch %d",
                d.w.worker_id, prism_now_s() - t0, d.w.data_endpoint, (long long)kv_blocks,
                (long long)block_size, d.max_running);
 
+    int code = 0;
     while (!prism_worker_should_stop()) {
+        if (d.group_failed || prism_tp_check(&d.tp) != PRISM_OK) {
+            fail_group(&d);
+            code = 1;
+            break;
+        }
         Prism__Heartbeat hb = PRISM__HEARTBEAT__INIT;
         hb.running = (uint32_t)running(&d);
         hb.waiting = d.staged ? 1 : 0;
@@ -332,6 +417,12 @@ int main(int argc, char **argv)
     }
     PRISM_INFO("decode worker stopping: %llu steps, %llu tokens", (unsigned long long)d.steps,
                (unsigned long long)d.tokens_out);
+    prism_tp_stop(&d.tp);
+    prism_tp_close(&d.tp);
+    if (code) {   /* let the error replies of fail_group reach the routers before the sockets close */
+        int linger = 2000;
+        for (int i = 0; i < d.w.n_routers; i++) zmq_setsockopt(d.w.routers[i].sock, ZMQ_LINGER, &linger, sizeof linger);
+    }
     prism_worker_close(&d.w);
-    return 0;
+    return code;
 }

@@ -146,6 +146,12 @@ int  prism_tp_shard(const prism_model_config_t *cfg, int size, int rank, prism_t
 int  prism_model_config_set_tp(prism_model_config_t *cfg, int size, int rank, char *err, size_t errlen);
 /* KV heads this rank's cache holds (n_kv_heads at T = 1). */
 int  prism_model_local_kv_heads(const prism_model_config_t *cfg);
+/* A rank's part of whole-model KV blocks (prism_kv_cache_export's layout with all cfg->n_kv_heads
+ * heads, as a prefill of T = 1 sends them): KV heads [head0, head0 + n_heads) of n_blocks blocks
+ * into dst, laid out as a cache holding n_heads heads (prism_kv_cache_import's input for that rank).
+ * How a decode group's leader gives each rank exactly the heads it holds. */
+void prism_kv_slice_heads(const prism_model_config_t *cfg, int block_size, int n_blocks, const void *src,
+                          int head0, int n_heads, void *dst);
 
 typedef struct prism_llm prism_llm_t;        /* the language model */
 typedef struct prism_kv_cache prism_kv_cache_t;  /* paged K/V storage: per layer [n_blocks][block_size][n_kv_heads][head_dim] for K and V */

@@ -2,6 +2,8 @@
  * holds (the rules are in model.h, prism_tp_shard_t). */
 #include "model/model.h"
 
+#include <string.h>
+
 #include <stdio.h>
 
 #define ERR(...) do { if (err && errlen) snprintf(err, errlen, __VA_ARGS__); } while (0)
@@ -80,4 +82,18 @@ int prism_model_local_kv_heads(const prism_model_config_t *c)
     prism_tp_shard_t s;
     PRISM_ASSERT(prism_tp_shard(c, c->tp_size, c->tp_rank, &s, NULL, 0) == PRISM_OK);
     return s.n_kv_heads;
+}
+
+void prism_kv_slice_heads(const prism_model_config_t *c, int block_size, int n_blocks, const void *src, int head0,
+                          int n_heads, void *dst)
+{
+    PRISM_ASSERT(head0 >= 0 && n_heads >= 1 && head0 + n_heads <= c->n_kv_heads);
+    /* Both layouts are [n_blocks][n_layers][2][block_size][heads][head_dim]: one row per token of
+     * each layer's K and V, of which this rank takes a contiguous run of heads. */
+    size_t hd = (size_t)c->head_dim * sizeof(float);
+    size_t rows = (size_t)n_blocks * c->n_layers * 2 * block_size;
+    const uint8_t *s = src;
+    uint8_t *d = dst;
+    for (size_t i = 0; i < rows; i++)
+        memcpy(d + i * n_heads * hd, s + (i * c->n_kv_heads + head0) * hd, n_heads * hd);
 }

@@ -1,0 +1,119 @@
+"""Tensor-parallel decode groups over HTTP on the bundled model (8 query heads, 4 KV heads), on CPU:
+
+- a decode group of T = 2 ranks (2 KV heads each) and of T = 8 ranks (4 KV heads on 8 ranks: each
+  head replicated on two ranks) answers distinct requests, streamed and not, with exactly the tokens
+  of the T = 1 reference (tools/prism_generate); the router sees one decode worker, registered with
+  tp_size T;
+- SIGKILL of one non-leader rank while a request streams: the request ends promptly with an error
+  (no hang), the leader and the other ranks exit, the router drops the group; a new group started
+  under the same id forms and serves again.
+
+Run: python3 tests/integration/test_tp.py [test names]   (PRISM_BINARY_DIR=build dir)
+"""
+import concurrent.futures
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cluster import Cluster, check_answer, chat_body, distinct_requests, free_port, run_tests, wait_for  # noqa: E402
+
+TMP = tempfile.mkdtemp(prefix="prism-tp-")
+_ALL = distinct_requests(TMP, max_tokens=12)
+REQS = _ALL[:3] + _ALL[-1:]   # two pictures and a text-only prompt are enough to tell answers apart
+
+
+def start_group(c, name, size):
+    """Starts decode group `name` of `size` ranks: the leader as a worker of cluster c, the other
+    ranks with the same model and keys and no router."""
+    leader = "tcp://127.0.0.1:%d" % free_port()
+    tp = ["--tp-size", str(size), "--tp-leader", leader]
+    c.start_worker(name, "decode_worker", extra=tp + ["--tp-rank", "0"])
+    for r in range(1, size):
+        c._start("%s.r%d" % (name, r), "decode_worker",
+                 ["--model-path", c.model, "--worker-id", "%s.r%d" % (name, r), *c.sec, *tp, "--tp-rank", str(r)])
+    c.expected["decodes"] = 1
+
+
+def answer(c, body, ref, stream, where):
+    if stream:
+        status, events, done = c.stream("/v1/chat/completions", dict(body, stream=True,
+                                                                       stream_options={"include_usage": True}))
+        assert status == 200 and done, (where, status, events[-1:])
+        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+        r = {"choices": [{"message": {"content": text}}], "usage": events[-1]["usage"]}
+    else:
+        status, r = c.post_json("/v1/chat/completions", body)
+    check_answer(status, r, ref, where)
+
+
+def check_group_equals_t1(size):
+    with Cluster(decodes=0) as c:
+        start_group(c, "decode-0", size)
+        c.wait_ready(timeout=300)
+        log = c.wait_log("decode-0", "group capacity", timeout=60)
+        assert "rank 0 of %d" % size in log, log[-2000:]
+        jobs = [(i, s) for i in range(len(REQS)) for s in (False, True)]
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            list(ex.map(lambda j: answer(c, REQS[j[0]][0], REQS[j[0]][1], j[1],
+                                         "T=%d item %d stream %s" % (size, j[0], j[1])), jobs))
+        for r in range(1, size):
+            assert c.procs["decode-0.r%d" % r].poll() is None, c.log("decode-0.r%d" % r)
+    # every rank ran the steps with the leader (12 tokens: 11 decode steps per request at least)
+    for r in range(1, size):
+        log = c.log("decode-0.r%d" % r)
+        m = re.search(r"leaves the group after (\d+) steps \(stopped\)", log)
+        assert m and int(m.group(1)) >= 11, log[-2000:]
+
+
+def test_tp2_equals_tp1():
+    check_group_equals_t1(2)
+
+
+def test_tp8_kv_heads_replicated():
+    """4 KV heads on 8 ranks: the GQA layout where sglang and vLLM corrupted outputs."""
+    check_group_equals_t1(8)
+
+
+def test_rank_killed_fails_cleanly_and_group_reforms():
+    with Cluster(decodes=0, router_args=["--worker-timeout", "2"],
+                 common_worker_args=["--heartbeat-interval", "0.2"]) as c:
+        start_group(c, "decode-0", 2)
+        c.wait_ready(timeout=300)
+        body, ref = REQS[-1]
+        answer(c, body, ref, False, "before the kill")
+        long_body = chat_body("Tell me a long story", max_tokens=1500, temperature=0, ignore_eos=True)
+        s = c.open_stream("/v1/chat/completions", dict(long_body, stream=True))
+        first = s.next_event()
+        assert first is not None and first != "[DONE]", first
+        t0 = time.time()
+        c.kill("decode-0.r1")
+        events = []
+        while True:
+            e = s.next_event()
+            if e is None or e == "[DONE]":
+                break
+            events.append(e)
+        took = time.time() - t0
+        s.close()
+        assert took < 30, "the stream took %.1fs to end after the rank died" % took
+        assert any("error" in e for e in events if isinstance(e, dict)), events[-3:]
+        # the leader exits (the supervisor restarts groups whole); the router drops it
+        wait_for(lambda: c.procs["decode-0"].poll() is not None, 30, "the leader to exit")
+        assert c.procs["decode-0"].returncode != 0
+        assert "lost a rank" in c.log("decode-0") or "rank is gone" in c.log("decode-0"), c.log("decode-0")
+        wait_for(lambda: json.loads(c.request("GET", "/ready")[2]).get("decodes", 0) == 0, 30,
+                 "the router to drop the group")
+        # a restarted group forms and serves
+        c.procs.pop("decode-0")
+        start_group(c, "decode-0", 2)
+        c.wait_ready(timeout=300)
+        answer(c, body, ref, True, "after the group re-formed")
+
+
+if __name__ == "__main__":
+    sys.exit(run_tests([test_tp2_equals_tp1, test_tp8_kv_heads_replicated,
+                        test_rank_killed_fails_cleanly_and_group_reforms]))
