@@ -400,7 +400,7 @@ int main(int argc, char **argv)
     while (!prism_worker_should_stop()) {
         if (d.group_failed || prism_tp_check(&d.tp) != PRISM_OK) {
             fail_group(&d);
-            code = 1;
+            code = PRISM_EXIT_PEER_LOST;
             break;
         }
         Prism__Heartbeat hb = PRISM__HEARTBEAT__INIT;
@@ -417,7 +417,7 @@ int main(int argc, char **argv)
     }
     PRISM_INFO("decode worker stopping: %llu steps, %llu tokens", (unsigned long long)d.steps,
                (unsigned long long)d.tokens_out);
-    prism_tp_stop(&d.tp);
+    if (!code) prism_tp_stop(&d.tp);
     prism_tp_close(&d.tp);
     if (code) {   /* let the error replies of fail_group reach the routers before the sockets close */
         int linger = 2000;

@@ -384,7 +384,7 @@ static int follow(prism_tp_t *t, prism_llm_t *llm, prism_kv_cache_t *kv, float *
         if (rc == PRISM_EAGAIN) continue;
         if (rc != PRISM_OK) {
             PRISM_ERROR("tensor parallelism: the group failed (a rank or the leader is gone): rank %d exits", t->rank);
-            return 1;
+            return PRISM_EXIT_PEER_LOST;
         }
         switch (m.env->type) {
         case PRISM__MSG_TYPE__MSG_TP_STEP: rc = follow_step(t, &m, llm, kv, logits); break;

@@ -95,7 +95,8 @@ int  prism_tp_scatter_kv(prism_tp_t *t, prism_kv_cache_t *kv, const int32_t *blo
 void prism_tp_stop(prism_tp_t *t);
 
 /* Rank r > 0: follows the leader until MSG_TP_STOP or a stop signal (returns 0), or until the group
- * fails or the leader sends something impossible (returns 1). logits: [max_seqs][vocab] scratch. */
+ * fails (returns PRISM_EXIT_PEER_LOST) or the leader sends something impossible (returns 1).
+ * logits: [max_seqs][vocab] scratch. */
 int  prism_tp_follow(prism_tp_t *t, prism_llm_t *llm, prism_kv_cache_t *kv, float *logits);
 
 #endif

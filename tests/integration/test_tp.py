@@ -6,7 +6,10 @@
   tp_size T;
 - SIGKILL of one non-leader rank while a request streams: the request ends promptly with an error
   (no hang), the leader and the other ranks exit, the router drops the group; a new group started
-  under the same id forms and serves again.
+  under the same id forms and serves again;
+- deploy/launch.sh --decode-tp 4: the group's four processes run under the supervisor, answers equal
+  T = 1; a rank SIGKILLed brings the whole group down and back (every member under a new pid), it
+  registers again and serves the same answer; Ctrl-C leaves no process.
 
 Run: python3 tests/integration/test_tp.py [test names]   (PRISM_BINARY_DIR=build dir)
 """
@@ -103,7 +106,7 @@ def test_rank_killed_fails_cleanly_and_group_reforms():
         assert any("error" in e for e in events if isinstance(e, dict)), events[-3:]
         # the leader exits (the supervisor restarts groups whole); the router drops it
         wait_for(lambda: c.procs["decode-0"].poll() is not None, 30, "the leader to exit")
-        assert c.procs["decode-0"].returncode != 0
+        assert c.procs["decode-0"].returncode == 75, c.procs["decode-0"].returncode   # PRISM_EXIT_PEER_LOST
         assert "lost a rank" in c.log("decode-0") or "rank is gone" in c.log("decode-0"), c.log("decode-0")
         wait_for(lambda: json.loads(c.request("GET", "/ready")[2]).get("decodes", 0) == 0, 30,
                  "the router to drop the group")
@@ -114,6 +117,31 @@ def test_rank_killed_fails_cleanly_and_group_reforms():
         answer(c, body, ref, True, "after the group re-formed")
 
 
+def test_launcher_decode_tp4():
+    from launched import Launched
+    body, ref = REQS[-1]
+    c = Launched(args=["--decode-tp", "4", "--tp-port", str(free_port()), "--lb", "none"])
+    try:
+        c.wait_ready(timeout=300)
+        group = ["decode-1"] + ["decode-1.r%d" % r for r in (1, 2, 3)]
+        answer(c, body, ref, False, "launch.sh --decode-tp 4")
+        before = {n: c.pid(n) for n in group}
+        assert all(before.values()), before
+        regs = c.registrations("decode-1")
+        os.kill(before["decode-1.r2"], 9)
+        for n in group:
+            c.wait_restarted(n, before[n], timeout=60)
+        wait_for(lambda: c.registrations("decode-1") > regs, 120, "the re-formed group to register again")
+        answer(c, body, ref, True, "launch.sh --decode-tp 4 after a rank was killed")
+        assert "status 75" in c.launcher_output(), c.launcher_output()[-3000:]
+    finally:
+        rc = c.stop()
+        left = c.leftovers()
+        c.__exit__(None, None, None)
+    assert rc == 0, c.launcher_output()[-3000:]
+    assert not left, left
+
+
 if __name__ == "__main__":
     sys.exit(run_tests([test_tp2_equals_tp1, test_tp8_kv_heads_replicated,
-                        test_rank_killed_fails_cleanly_and_group_reforms]))
+                        test_rank_killed_fails_cleanly_and_group_reforms, test_launcher_decode_tp4]))
