@@ -152,6 +152,10 @@ int  prism_model_local_kv_heads(const prism_model_config_t *cfg);
  * How a decode group's leader gives each rank exactly the heads it holds. */
 void prism_kv_slice_heads(const prism_model_config_t *cfg, int block_size, int n_blocks, const void *src,
                           int head0, int n_heads, void *dst);
+/* The inverse: a rank's heads (part) written into their place in whole-model blocks (how a prefill
+ * group's leader assembles the KV it sends to decode). */
+void prism_kv_merge_heads(const prism_model_config_t *cfg, int block_size, int n_blocks, const void *part,
+                          int head0, int n_heads, void *whole);
 
 typedef struct prism_llm prism_llm_t;        /* the language model */
 typedef struct prism_kv_cache prism_kv_cache_t;  /* paged K/V storage: per layer [n_blocks][block_size][n_kv_heads][head_dim] for K and V */

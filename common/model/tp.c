@@ -84,6 +84,18 @@ int prism_model_local_kv_heads(const prism_model_config_t *c)
     return s.n_kv_heads;
 }
 
+void prism_kv_merge_heads(const prism_model_config_t *c, int block_size, int n_blocks, const void *part, int head0,
+                          int n_heads, void *whole)
+{
+    PRISM_ASSERT(head0 >= 0 && n_heads >= 1 && head0 + n_heads <= c->n_kv_heads);
+    size_t hd = (size_t)c->head_dim * sizeof(float);
+    size_t rows = (size_t)n_blocks * c->n_layers * 2 * block_size;
+    const uint8_t *s = part;
+    uint8_t *d = whole;
+    for (size_t i = 0; i < rows; i++)
+        memcpy(d + (i * c->n_kv_heads + head0) * hd, s + i * n_heads * hd, n_heads * hd);
+}
+
 void prism_kv_slice_heads(const prism_model_config_t *c, int block_size, int n_blocks, const void *src, int head0,
                           int n_heads, void *dst)
 {

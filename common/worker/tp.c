@@ -79,6 +79,8 @@ void prism_tp_close(prism_tp_t *t)
     prism_group_destroy(t->g);
     prism_free(t->plan);
     prism_free(t->tables);
+    prism_free(t->rows);
+    prism_free(t->row_ptrs);
     prism_free(t->kv_scratch);
     memset(t, 0, sizeof *t);
 }
@@ -126,12 +128,15 @@ static int alloc_buffers(prism_tp_t *t)
 {
     const prism_tp_setup_t *s = &t->setup;
     /* tokens + seq_start + pos0 + every block table */
-    t->plan_cap = (size_t)s->max_tokens + 2 * (size_t)s->max_seqs + 1 + (size_t)s->max_seqs * t->max_blocks_per_seq;
+    /* tokens + seq_start + pos0 + every block table + the indices of embedded tokens */
+    t->plan_cap = 2 * (size_t)s->max_tokens + 2 * (size_t)s->max_seqs + 1 + (size_t)s->max_seqs * t->max_blocks_per_seq;
     t->plan = prism_calloc(t->plan_cap, sizeof(int32_t));
     t->tables = prism_calloc((size_t)s->max_seqs, sizeof(int32_t *));
+    t->rows = prism_malloc((size_t)s->max_tokens * t->cfg->hidden * sizeof(float));
+    t->row_ptrs = prism_calloc((size_t)s->max_tokens, sizeof(float *));
     t->kv_scratch_bytes = (size_t)t->max_blocks_per_seq * prism_kv_cache_block_bytes(t->cfg, s->block_size);
-    t->kv_scratch = t->rank == 0 ? prism_malloc(t->kv_scratch_bytes) : NULL;
-    if (!t->plan || !t->tables || (t->rank == 0 && !t->kv_scratch)) return PRISM_ENOMEM;
+    t->kv_scratch = prism_malloc(t->kv_scratch_bytes);
+    if (!t->plan || !t->tables || !t->rows || !t->row_ptrs || !t->kv_scratch) return PRISM_ENOMEM;
     return PRISM_OK;
 }
 
@@ -239,7 +244,7 @@ static int send_all(prism_tp_t *t, Prism__Envelope *env, const prism_frame_t *fr
 int prism_tp_send_step(prism_tp_t *t, const prism_llm_batch_t *b)
 {
     if (t->size == 1) return PRISM_OK;
-    PRISM_ASSERT(!b->embeds && !b->embed_rows && b->n_seqs <= t->setup.max_seqs && b->n_tokens <= t->setup.max_tokens);
+    PRISM_ASSERT(!b->embeds && b->n_seqs <= t->setup.max_seqs && b->n_tokens <= t->setup.max_tokens);
     size_t k = 0;
     memcpy(t->plan + k, b->tokens, (size_t)b->n_tokens * 4);
     k += (size_t)b->n_tokens;
@@ -255,17 +260,27 @@ int prism_tp_send_step(prism_tp_t *t, const prism_llm_batch_t *b)
         k += (size_t)nb;
         n_table += (size_t)nb;
     }
+    /* Embedding rows (image tokens): their token indices, and the rows packed into one frame. */
+    size_t n_embed = 0, hb = (size_t)t->cfg->hidden * sizeof(float);
+    for (int i = 0; b->embed_rows && i < b->n_tokens; i++)
+        if (b->embed_rows[i]) {
+            t->plan[k++] = i;
+            memcpy((uint8_t *)t->rows + n_embed * hb, b->embed_rows[i], hb);
+            n_embed++;
+        }
+    PRISM_ASSERT(k <= t->plan_cap);
     Prism__TpStep st = PRISM__TP_STEP__INIT;
     st.step = ++t->step;
     st.n_seqs = (uint32_t)b->n_seqs;
     st.n_tokens = (uint32_t)b->n_tokens;
     st.n_table = (uint32_t)n_table;
     st.all_logits = b->all_logits;
+    st.n_embed = (uint32_t)n_embed;
     Prism__Envelope env = PRISM__ENVELOPE__INIT;
     env.type = PRISM__MSG_TYPE__MSG_TP_STEP;
     env.tp_step = &st;
-    prism_frame_t f = {t->plan, k * 4};
-    return send_all(t, &env, &f, 1);
+    prism_frame_t f[2] = {{t->plan, k * 4}, {t->rows, n_embed * hb}};
+    return send_all(t, &env, f, n_embed ? 2 : 1);
 }
 
 int prism_tp_scatter_kv(prism_tp_t *t, prism_kv_cache_t *kv, const int32_t *blocks, int n_blocks, const void *whole)
@@ -297,6 +312,54 @@ int prism_tp_scatter_kv(prism_tp_t *t, prism_kv_cache_t *kv, const int32_t *bloc
     return irc != PRISM_OK ? irc : rc;
 }
 
+int prism_tp_gather_kv(prism_tp_t *t, prism_kv_cache_t *kv, const int32_t *blocks, int n_blocks, void *whole)
+{
+    if (t->size == 1) return prism_kv_cache_export(kv, blocks, n_blocks, whole);
+    PRISM_ASSERT(n_blocks >= 1 && n_blocks <= t->max_blocks_per_seq);
+    Prism__TpKv tk = PRISM__TP_KV__INIT;
+    tk.n_blocks = (uint32_t)n_blocks;
+    tk.gather = true;
+    Prism__Envelope env = PRISM__ENVELOPE__INIT;
+    env.type = PRISM__MSG_TYPE__MSG_TP_KV;
+    env.tp_kv = &tk;
+    prism_frame_t f = {blocks, (size_t)n_blocks * 4};
+    if (send_all(t, &env, &f, 1) != PRISM_OK) return PRISM_EIO;
+    /* Our own heads while the ranks export theirs. */
+    int rc = prism_kv_cache_export(kv, blocks, n_blocks, t->kv_scratch);
+    if (rc != PRISM_OK) return rc;
+    const prism_tp_shard_t *sh = &t->shard[0];
+    prism_kv_merge_heads(&t->full, t->setup.block_size, n_blocks, t->kv_scratch, sh->kv_head0, sh->n_kv_heads, whole);
+    size_t want = (size_t)n_blocks * prism_kv_cache_block_bytes(t->cfg, t->setup.block_size);
+    bool have[PRISM_TP_MAX] = {0};
+    for (int got = 1; got < t->size;) {
+        prism_msg_t m;
+        rc = link_recv(t, &m, (int)(prism_group_comm(t->g)->timeout_s * 1000));
+        if (rc != PRISM_OK) return PRISM_EIO;   /* no answer within the step timeout: the group is broken */
+        int r = -1;
+        for (int i = 1; i < t->size; i++) {
+            const void *id;
+            size_t len;
+            if (prism_group_peer_identity(t->g, i, &id, &len) == PRISM_OK && len == m.identity_len &&
+                !memcmp(id, m.identity, len))
+                r = i;
+        }
+        size_t blen = 0;
+        const void *bytes = m.n_frames == 1 ? prism_msg_frame(&m, 0, &blen) : NULL;
+        const Prism__TpKv *a = m.env->tp_kv;
+        if (r > 0 && !have[r] && m.env->type == PRISM__MSG_TYPE__MSG_TP_KV && a && a->gather &&
+            a->n_blocks == (uint32_t)n_blocks && bytes && blen == want) {
+            sh = &t->shard[r];
+            prism_kv_merge_heads(&t->full, t->setup.block_size, n_blocks, bytes, sh->kv_head0, sh->n_kv_heads, whole);
+            have[r] = true;
+            got++;
+        } else {
+            PRISM_WARN("tensor parallelism: unexpected message on the group link during a KV gather");
+        }
+        prism_msg_close(&m);
+    }
+    return PRISM_OK;
+}
+
 void prism_tp_stop(prism_tp_t *t)
 {
     if (t->size == 1 || !t->g) return;
@@ -311,10 +374,13 @@ static int follow_step(prism_tp_t *t, prism_msg_t *m, prism_llm_t *llm, prism_kv
 {
     const Prism__TpStep *st = m->env->tp_step;
     size_t len = 0;
-    const int32_t *p = m->n_frames == 1 ? prism_msg_frame(m, 0, &len) : NULL;
+    size_t hb = (size_t)t->cfg->hidden * sizeof(float), rlen = 0;
+    const int32_t *p = st && m->n_frames == (st->n_embed ? 2 : 1) ? prism_msg_frame(m, 0, &len) : NULL;
+    const void *rows = p && st->n_embed ? prism_msg_frame(m, 1, &rlen) : NULL;
     if (!st || !p || st->n_seqs < 1 || st->n_seqs > (uint32_t)t->setup.max_seqs || st->n_tokens < st->n_seqs ||
-        st->n_tokens > (uint32_t)t->setup.max_tokens || st->n_table > t->plan_cap ||
-        len != ((size_t)st->n_tokens + 2 * (size_t)st->n_seqs + 1 + st->n_table) * 4 || st->step != t->step + 1) {
+        st->n_tokens > (uint32_t)t->setup.max_tokens || st->n_table > t->plan_cap || st->n_embed > st->n_tokens ||
+        len != ((size_t)st->n_tokens + 2 * (size_t)st->n_seqs + 1 + st->n_table + st->n_embed) * 4 ||
+        (st->n_embed && rlen != st->n_embed * hb) || st->step != t->step + 1) {
         PRISM_ERROR("tensor parallelism: malformed or out-of-order step plan from the leader");
         return PRISM_ECORRUPT;
     }
@@ -334,10 +400,19 @@ static int follow_step(prism_tp_t *t, prism_msg_t *m, prism_llm_t *llm, prism_kv
         used += (size_t)nb;
     }
     if (used != st->n_table) return PRISM_ECORRUPT;
+    if (st->n_embed) {
+        memcpy(t->rows, rows, rlen);
+        memset(t->row_ptrs, 0, st->n_tokens * sizeof(*t->row_ptrs));
+        const int32_t *idx = tab + used;
+        for (uint32_t j = 0; j < st->n_embed; j++) {
+            if (idx[j] < 0 || (uint32_t)idx[j] >= st->n_tokens || t->row_ptrs[idx[j]]) return PRISM_ECORRUPT;
+            t->row_ptrs[idx[j]] = t->rows + (size_t)j * t->cfg->hidden;
+        }
+    }
     t->step = st->step;
     prism_llm_batch_t b = {
         .n_seqs = n, .n_tokens = (int)st->n_tokens, .tokens = tokens, .seq_start = seq_start, .pos0 = pos0,
-        .block_tables = t->tables, .all_logits = st->all_logits,
+        .block_tables = t->tables, .all_logits = st->all_logits, .embed_rows = st->n_embed ? t->row_ptrs : NULL,
     };
     int rc = prism_llm_forward(llm, kv, &b, logits);
     if (rc != PRISM_OK) PRISM_ERROR("tensor parallelism: step %llu failed on rank %d: %s",
@@ -350,6 +425,24 @@ static int follow_kv(prism_tp_t *t, prism_msg_t *m, prism_kv_cache_t *kv)
 {
     const Prism__TpKv *tk = m->env->tp_kv;
     size_t ilen = 0, blen = 0;
+    if (tk && tk->gather) {   /* the leader wants this rank's heads of these blocks */
+        const void *ids = m->n_frames == 1 ? prism_msg_frame(m, 0, &ilen) : NULL;
+        if (!ids || tk->n_blocks < 1 || tk->n_blocks > (uint32_t)t->max_blocks_per_seq || ilen != (size_t)tk->n_blocks * 4) {
+            PRISM_ERROR("tensor parallelism: malformed KV gather from the leader");
+            return PRISM_ECORRUPT;
+        }
+        memcpy(t->plan, ids, ilen);
+        int rc = prism_kv_cache_export(kv, t->plan, (int)tk->n_blocks, t->kv_scratch);
+        if (rc != PRISM_OK) return rc;
+        Prism__TpKv out = PRISM__TP_KV__INIT;
+        out.n_blocks = tk->n_blocks;
+        out.gather = true;
+        Prism__Envelope env = PRISM__ENVELOPE__INIT;
+        env.type = PRISM__MSG_TYPE__MSG_TP_KV;
+        env.tp_kv = &out;
+        prism_frame_t f = {t->kv_scratch, (size_t)tk->n_blocks * prism_kv_cache_block_bytes(t->cfg, t->setup.block_size)};
+        return prism_msg_send(prism_group_link(t->g), NULL, 0, &env, &f, 1, 0) == PRISM_OK ? PRISM_OK : PRISM_EIO;
+    }
     const void *ids = m->n_frames == 2 ? prism_msg_frame(m, 0, &ilen) : NULL;
     const void *bytes = ids ? prism_msg_frame(m, 1, &blen) : NULL;
     if (!tk || !ids || tk->n_blocks < 1 || tk->n_blocks > (uint32_t)t->max_blocks_per_seq ||

@@ -66,6 +66,8 @@ typedef struct {
     int32_t *plan;                     /* encode/decode buffer of one step plan */
     size_t plan_cap;                   /* int32 entries */
     const int32_t **tables;            /* [max_seqs] (ranks) */
+    float *rows;                       /* [max_tokens][hidden]: a step's embedding rows, contiguous */
+    const float **row_ptrs;            /* [max_tokens] (ranks) */
     uint8_t *kv_scratch;               /* one sequence's KV slice */
     size_t kv_scratch_bytes;
     uint64_t steps_followed;
@@ -86,11 +88,15 @@ void prism_tp_close(prism_tp_t *t);
 int  prism_tp_check(prism_tp_t *t);
 
 /* Leader: sends batch b to every rank (call right before prism_llm_forward with the same b).
- * b must carry tokens only (no embeddings). */
+ * Embeddings travel as embed_rows (copied into the plan); b->embeds/embed_mask are not supported. */
 int  prism_tp_send_step(prism_tp_t *t, const prism_llm_batch_t *b);
 /* Leader: n_blocks blocks of whole-model KV (T = 1 export layout) into `blocks`: each rank gets its
  * heads (MSG_TP_KV), the leader imports its own into kv. */
 int  prism_tp_scatter_kv(prism_tp_t *t, prism_kv_cache_t *kv, const int32_t *blocks, int n_blocks, const void *whole);
+/* Leader: the whole-model KV (T = 1 export layout, what a decode worker of any TP size takes) of
+ * n_blocks blocks: every rank sends its heads (MSG_TP_KV, gather), the leader merges them with its
+ * own into whole. PRISM_EIO when the group failed meanwhile. */
+int  prism_tp_gather_kv(prism_tp_t *t, prism_kv_cache_t *kv, const int32_t *blocks, int n_blocks, void *whole);
 /* Leader: tells the ranks to exit (clean shutdown). */
 void prism_tp_stop(prism_tp_t *t);
 

@@ -29,16 +29,16 @@ _ALL = distinct_requests(TMP, max_tokens=12)
 REQS = _ALL[:3] + _ALL[-1:]   # two pictures and a text-only prompt are enough to tell answers apart
 
 
-def start_group(c, name, size):
-    """Starts decode group `name` of `size` ranks: the leader as a worker of cluster c, the other
-    ranks with the same model and keys and no router."""
+def start_group(c, name, size, kind="decode_worker"):
+    """Starts group `name` of `size` ranks: the leader as a worker of cluster c, the other ranks
+    with the same model and keys and no router."""
     leader = "tcp://127.0.0.1:%d" % free_port()
     tp = ["--tp-size", str(size), "--tp-leader", leader]
-    c.start_worker(name, "decode_worker", extra=tp + ["--tp-rank", "0"])
+    c.start_worker(name, kind, extra=tp + ["--tp-rank", "0"])
     for r in range(1, size):
-        c._start("%s.r%d" % (name, r), "decode_worker",
+        c._start("%s.r%d" % (name, r), kind,
                  ["--model-path", c.model, "--worker-id", "%s.r%d" % (name, r), *c.sec, *tp, "--tp-rank", str(r)])
-    c.expected["decodes"] = 1
+    c.expected[kind.split("_")[0] + "s"] = 1
 
 
 def answer(c, body, ref, stream, where):
@@ -53,16 +53,20 @@ def answer(c, body, ref, stream, where):
     check_answer(status, r, ref, where)
 
 
-def check_group_equals_t1(size):
-    with Cluster(decodes=0) as c:
+def check_group_equals_t1(size, prefill_size=1):
+    with Cluster(decodes=0, prefills=0 if prefill_size > 1 else 1) as c:
         start_group(c, "decode-0", size)
+        if prefill_size > 1:
+            start_group(c, "prefill-0", prefill_size, "prefill_worker")
         c.wait_ready(timeout=300)
-        log = c.wait_log("decode-0", "group capacity", timeout=60)
-        assert "rank 0 of %d" % size in log, log[-2000:]
+        for name, n in (("decode-0", size), ("prefill-0", prefill_size)):
+            if n > 1:
+                log = c.wait_log(name, "group capacity", timeout=60)
+                assert "rank 0 of %d" % n in log, log[-2000:]
         jobs = [(i, s) for i in range(len(REQS)) for s in (False, True)]
         with concurrent.futures.ThreadPoolExecutor(4) as ex:
             list(ex.map(lambda j: answer(c, REQS[j[0]][0], REQS[j[0]][1], j[1],
-                                         "T=%d item %d stream %s" % (size, j[0], j[1])), jobs))
+                                         "P=%d T=%d item %d stream %s" % (prefill_size, size, j[0], j[1])), jobs))
         for r in range(1, size):
             assert c.procs["decode-0.r%d" % r].poll() is None, c.log("decode-0.r%d" % r)
     # every rank ran the steps with the leader (12 tokens: 11 decode steps per request at least)
@@ -70,6 +74,10 @@ def check_group_equals_t1(size):
         log = c.log("decode-0.r%d" % r)
         m = re.search(r"leaves the group after (\d+) steps \(stopped\)", log)
         assert m and int(m.group(1)) >= 11, log[-2000:]
+    for r in range(1, prefill_size):   # one or more chunks per prompt
+        log = c.log("prefill-0.r%d" % r)
+        m = re.search(r"leaves the group after (\d+) steps \(stopped\)", log)
+        assert m and int(m.group(1)) >= 2 * len(REQS), log[-2000:]
 
 
 def test_tp2_equals_tp1():
@@ -79,6 +87,16 @@ def test_tp2_equals_tp1():
 def test_tp8_kv_heads_replicated():
     """4 KV heads on 8 ranks: the GQA layout where sglang and vLLM corrupted outputs."""
     check_group_equals_t1(8)
+
+
+def test_prefill_tp2_decode_tp1():
+    """Prefill group of 2 (its leader gathers the ranks' KV heads) into a whole-model decode."""
+    check_group_equals_t1(1, prefill_size=2)
+
+
+def test_prefill_tp2_decode_tp4():
+    """KV heads split 2 ways at prefill, 4 ways at decode (P != T)."""
+    check_group_equals_t1(4, prefill_size=2)
 
 
 def test_rank_killed_fails_cleanly_and_group_reforms():
@@ -143,5 +161,6 @@ def test_launcher_decode_tp4():
 
 
 if __name__ == "__main__":
-    sys.exit(run_tests([test_tp2_equals_tp1, test_tp8_kv_heads_replicated,
+    sys.exit(run_tests([test_tp2_equals_tp1, test_tp8_kv_heads_replicated, test_prefill_tp2_decode_tp1,
+                        test_prefill_tp2_decode_tp4,
                         test_rank_killed_fails_cleanly_and_group_reforms, test_launcher_decode_tp4]))
