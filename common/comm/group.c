@@ -142,7 +142,10 @@ int prism_group_check(prism_group_t *g)
 
 /* ---------------------------------------------------------------- messages */
 
-static int send_env(prism_group_t *g, int to, Prism__Envelope *env)
+static int send_env_flags(prism_group_t *g, int to, Prism__Envelope *env, int flags);
+static int send_env(prism_group_t *g, int to, Prism__Envelope *env) { return send_env_flags(g, to, env, 0); }
+
+static int send_env_flags(prism_group_t *g, int to, Prism__Envelope *env, int flags)
 {
     const void *id = NULL;
     size_t len = 0;
@@ -150,7 +153,7 @@ static int send_env(prism_group_t *g, int to, Prism__Envelope *env)
         id = g->m[to].ident.id;
         len = g->m[to].ident.len;
     }
-    return prism_msg_send(g->sock, id, len, env, NULL, 0, 0);
+    return prism_msg_send(g->sock, id, len, env, NULL, 0, flags);
 }
 
 /* Waits up to the deadline for one link message. PRISM_EAGAIN on timeout. */
@@ -442,7 +445,9 @@ static int rank_form(prism_group_t *g, const prism_group_opts_t *o, uint64_t dea
     prism_msg_t wm = {0};
     int rc;
     while (!w) {
-        send_env(g, 0, &env);
+        /* Never blocks: with no leader connected yet a blocking send would wait out the send
+         * timeout (and a stop signal) instead of resending. */
+        send_env_flags(g, 0, &env, ZMQ_DONTWAIT);
         uint64_t until = PRISM_MIN(deadline, prism_now_ns() + (uint64_t)(HELLO_RESEND_S * 1e9));
         while (!w) {
             rc = recv_until(g, &wm, until);

@@ -6,8 +6,8 @@
   tp_size T;
 - SIGKILL of one non-leader rank while a request streams: the request ends promptly with an error
   (no hang), the leader and the other ranks exit, the router drops the group; a new group started
-  under the same id forms and serves again;
-- deploy/launch.sh --decode-tp 4: the group's four processes run under the supervisor, answers equal
+  under the same id forms and serves again; a killed leader takes its ranks down too;
+- deploy/launch.sh --decode-tp 4 --prefill-tp 2: the groups run under the supervisor, answers equal
   T = 1; a rank SIGKILLed brings the whole group down and back (every member under a new pid), it
   registers again and serves the same answer; Ctrl-C leaves no process.
 
@@ -16,23 +16,45 @@ Run: python3 tests/integration/test_tp.py [test names]   (PRISM_BINARY_DIR=build
 import concurrent.futures
 import json
 import os
+import random
 import re
+import socket
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import Cluster, check_answer, chat_body, distinct_requests, free_port, run_tests, wait_for  # noqa: E402
+from cluster import Cluster, check_answer, chat_body, distinct_requests, run_tests, wait_for  # noqa: E402
 
 TMP = tempfile.mkdtemp(prefix="prism-tp-")
 _ALL = distinct_requests(TMP, max_tokens=12)
 REQS = _ALL[:3] + _ALL[-1:]   # two pictures and a text-only prompt are enough to tell answers apart
 
 
+def link_ports(n):
+    """n consecutive free loopback ports below the kernel's ephemeral range, so that no port the
+    harness gets by binding port 0 (routers, launch.sh's range) can be one of them."""
+    rnd = random.Random()
+    for _ in range(200):
+        base = rnd.randrange(20000, 30000 - n)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for k in socks:
+                k.close()
+    raise RuntimeError("no %d free ports" % n)
+
+
 def start_group(c, name, size, kind="decode_worker"):
     """Starts group `name` of `size` ranks: the leader as a worker of cluster c, the other ranks
     with the same model and keys and no router."""
-    leader = "tcp://127.0.0.1:%d" % free_port()
+    leader = "tcp://127.0.0.1:%d" % link_ports(1)
     tp = ["--tp-size", str(size), "--tp-leader", leader]
     c.start_worker(name, kind, extra=tp + ["--tp-rank", "0"])
     for r in range(1, size):
@@ -133,16 +155,26 @@ def test_rank_killed_fails_cleanly_and_group_reforms():
         start_group(c, "decode-0", 2)
         c.wait_ready(timeout=300)
         answer(c, body, ref, True, "after the group re-formed")
+        # the leader killed: its ranks see the link go and exit (no rank is left waiting)
+        c.kill("decode-0")
+        wait_for(lambda: c.procs["decode-0.r1"].poll() is not None, 30, "rank 1 to exit after its leader died")
+        assert c.procs["decode-0.r1"].returncode == 75, c.log("decode-0.r1")
 
 
-def test_launcher_decode_tp4():
+def test_launcher_decode_tp4_prefill_tp2():
     from launched import Launched
-    body, ref = REQS[-1]
-    c = Launched(args=["--decode-tp", "4", "--tp-port", str(free_port()), "--lb", "none"])
+    body, ref = REQS[0]
+    c = Launched(args=["--decode-tp", "4", "--prefill-tp", "2", "--tp-port", str(link_ports(2)), "--lb", "none"])
     try:
-        c.wait_ready(timeout=300)
+        try:
+            c.wait_ready(timeout=300)
+        except Exception:
+            for n in ("decode-1", "prefill-1", "decode-1.r1"):
+                print("---- %s ----\n%s" % (n, c.log(n)[-3000:]))
+            raise
         group = ["decode-1"] + ["decode-1.r%d" % r for r in (1, 2, 3)]
-        answer(c, body, ref, False, "launch.sh --decode-tp 4")
+        assert c.pid("prefill-1.r1"), c.launcher_output()[-3000:]
+        answer(c, body, ref, False, "launch.sh --decode-tp 4 --prefill-tp 2")
         before = {n: c.pid(n) for n in group}
         assert all(before.values()), before
         regs = c.registrations("decode-1")
@@ -163,4 +195,4 @@ def test_launcher_decode_tp4():
 if __name__ == "__main__":
     sys.exit(run_tests([test_tp2_equals_tp1, test_tp8_kv_heads_replicated, test_prefill_tp2_decode_tp1,
                         test_prefill_tp2_decode_tp4,
-                        test_rank_killed_fails_cleanly_and_group_reforms, test_launcher_decode_tp4]))
+                        test_rank_killed_fails_cleanly_and_group_reforms, test_launcher_decode_tp4_prefill_tp2]))
