@@ -61,6 +61,7 @@ typedef struct {
     Prism__Envelope *staged_env;
     zmq_msg_t staged_frame;
     uint64_t steps, tokens_out;
+    uint64_t ns_forward;      /* wall time of the steps' forwards (plan sent, collectives included) */
 } decode_t;
 
 static void send_error(decode_t *d, const char *router_id, uint64_t rid, const char *msg)
@@ -198,8 +199,10 @@ static void step(decode_t *d)
         .n_seqs = n, .n_tokens = n, .tokens = d->tokens, .seq_start = d->seq_start,
         .pos0 = d->pos0, .block_tables = d->tables, .all_logits = false,
     };
+    uint64_t t0 = prism_now_ns();
     int rc = prism_tp_send_step(&d->tp, &b);
     if (rc == PRISM_OK) rc = prism_llm_forward(d->llm, d->kv, &b, d->logits);
+    d->ns_forward += prism_now_ns() - t0;
     if (rc != PRISM_OK && prism_tp_check(&d->tp) != PRISM_OK) {
         d->group_failed = true;   /* main() fails every request and exits */
         return;
@@ -415,8 +418,12 @@ int main(int argc, char **argv)
         prism_worker_poll(&d.w, busy ? 0 : 50, !d.staged, on_msg, &d);
         step(&d);
     }
-    PRISM_INFO("decode worker stopping: %llu steps, %llu tokens", (unsigned long long)d.steps,
-               (unsigned long long)d.tokens_out);
+    const prism_comm_t *comm = prism_group_comm(d.tp.g);
+    PRISM_INFO("decode worker stopping: %llu steps, %llu tokens; step forward %.3f ms mean, collectives %.1f%% of it "
+               "(%llu ops, tp %d over %s)", (unsigned long long)d.steps, (unsigned long long)d.tokens_out,
+               d.steps ? d.ns_forward / 1e6 / (double)d.steps : 0.0,
+               d.ns_forward ? 100.0 * (double)comm->ns_in_ops / (double)d.ns_forward : 0.0,
+               (unsigned long long)comm->n_ops, (int)tpo.size, prism_group_transport(d.tp.g));
     if (!code) prism_tp_stop(&d.tp);
     prism_tp_close(&d.tp);
     if (code) {   /* let the error replies of fail_group reach the routers before the sockets close */

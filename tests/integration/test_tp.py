@@ -16,39 +16,17 @@ Run: python3 tests/integration/test_tp.py [test names]   (PRISM_BINARY_DIR=build
 import concurrent.futures
 import json
 import os
-import random
 import re
-import socket
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import Cluster, check_answer, chat_body, distinct_requests, run_tests, wait_for  # noqa: E402
+from cluster import Cluster, check_answer, chat_body, distinct_requests, link_ports, run_tests, wait_for  # noqa: E402
 
 TMP = tempfile.mkdtemp(prefix="prism-tp-")
 _ALL = distinct_requests(TMP, max_tokens=12)
 REQS = _ALL[:3] + _ALL[-1:]   # two pictures and a text-only prompt are enough to tell answers apart
-
-
-def link_ports(n):
-    """n consecutive free loopback ports below the kernel's ephemeral range, so that no port the
-    harness gets by binding port 0 (routers, launch.sh's range) can be one of them."""
-    rnd = random.Random()
-    for _ in range(200):
-        base = rnd.randrange(20000, 30000 - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                socks.append(socket.socket())
-                socks[-1].bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for k in socks:
-                k.close()
-    raise RuntimeError("no %d free ports" % n)
 
 
 def start_group(c, name, size, kind="decode_worker"):
