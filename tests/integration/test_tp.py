@@ -139,6 +139,23 @@ def test_rank_killed_fails_cleanly_and_group_reforms():
         assert c.procs["decode-0.r1"].returncode == 75, c.log("decode-0.r1")
 
 
+def test_prefill_rank_killed():
+    """A prefill group's rank dies: its leader exits 75 at once (it holds requests only briefly; the
+    liveness check finds the dead rank while idle), the router drops it, and the answer a client gets
+    meanwhile is a clean 503 or 500, never a hang."""
+    with Cluster(prefills=0, router_args=["--worker-timeout", "2", "--max-queue-wait", "5"],
+                 common_worker_args=["--heartbeat-interval", "0.2"]) as c:
+        start_group(c, "prefill-0", 2, "prefill_worker")
+        c.wait_ready(timeout=300)
+        body, ref = REQS[-1]
+        answer(c, body, ref, False, "prefill group before the kill")
+        c.kill("prefill-0.r1")
+        wait_for(lambda: c.procs["prefill-0"].poll() is not None, 30, "the prefill leader to exit")
+        assert c.procs["prefill-0"].returncode == 75, c.log("prefill-0")
+        status, r = c.post_json("/v1/chat/completions", body, timeout=60)
+        assert status in (500, 503), (status, r)
+
+
 def test_launcher_decode_tp4_prefill_tp2():
     from launched import Launched
     body, ref = REQS[0]
@@ -173,4 +190,5 @@ def test_launcher_decode_tp4_prefill_tp2():
 if __name__ == "__main__":
     sys.exit(run_tests([test_tp2_equals_tp1, test_tp8_kv_heads_replicated, test_prefill_tp2_decode_tp1,
                         test_prefill_tp2_decode_tp4,
-                        test_rank_killed_fails_cleanly_and_group_reforms, test_launcher_decode_tp4_prefill_tp2]))
+                        test_rank_killed_fails_cleanly_and_group_reforms, test_prefill_rank_killed,
+                        test_launcher_decode_tp4_prefill_tp2]))
