@@ -2,8 +2,8 @@
 
 - a decode group of T = 2 ranks (2 KV heads each) and of T = 8 ranks (4 KV heads on 8 ranks: each
   head replicated on two ranks) answers distinct requests, streamed and not, with exactly the tokens
-  of the T = 1 reference (tools/prism_generate); the router sees one decode worker, registered with
-  tp_size T;
+  of the T = 1 reference (tools/prism_generate), and the logprobs (chosen and top 3) of a T = 1
+  cluster within 1e-4;
 - SIGKILL of one non-leader rank while a request streams: the request ends promptly with an error
   (no hang), the leader and the other ranks exit, the router drops the group; a new group started
   under the same id forms and serves again; a killed leader takes its ranks down too;
@@ -27,6 +27,35 @@ from cluster import Cluster, check_answer, chat_body, distinct_requests, link_po
 TMP = tempfile.mkdtemp(prefix="prism-tp-")
 _ALL = distinct_requests(TMP, max_tokens=12)
 REQS = _ALL[:3] + _ALL[-1:]   # two pictures and a text-only prompt are enough to tell answers apart
+
+
+LP_BODY = dict(REQS[0][0], max_tokens=8, logprobs=True, top_logprobs=3, ignore_eos=True)
+_lp_ref = []
+
+
+def logprobs_of(c):
+    status, r = c.post_json("/v1/chat/completions", LP_BODY)
+    assert status == 200, (status, r)
+    return [(e["token"], e["logprob"], [(t["token"], t["logprob"]) for t in e["top_logprobs"]])
+            for e in r["choices"][0]["logprobs"]["content"]]
+
+
+def logprobs_t1():
+    """The logprobs of LP_BODY from a cluster of T = 1 (taken once)."""
+    if not _lp_ref:
+        with Cluster() as c:
+            c.wait_ready(timeout=300)
+            _lp_ref.append(logprobs_of(c))
+    return _lp_ref[0]
+
+
+def check_logprobs(c, where):
+    """Same tokens and top-3 alternatives as T = 1, every logprob within 1e-4."""
+    ref, got = logprobs_t1(), logprobs_of(c)
+    assert len(got) == len(ref) == 8, (where, len(got), len(ref))
+    for (tok, lp, top), (rtok, rlp, rtop) in zip(got, ref):
+        assert tok == rtok and [t for t, _ in top] == [t for t, _ in rtop], (where, got, ref)
+        assert abs(lp - rlp) < 1e-4 and all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(top, rtop)), (where, got, ref)
 
 
 def start_group(c, name, size, kind="decode_worker"):
@@ -63,6 +92,7 @@ def check_group_equals_t1(size, prefill_size=1):
             if n > 1:
                 log = c.wait_log(name, "group capacity", timeout=60)
                 assert "rank 0 of %d" % n in log, log[-2000:]
+        check_logprobs(c, "P=%d T=%d" % (prefill_size, size))
         jobs = [(i, s) for i in range(len(REQS)) for s in (False, True)]
         with concurrent.futures.ThreadPoolExecutor(4) as ex:
             list(ex.map(lambda j: answer(c, REQS[j[0]][0], REQS[j[0]][1], j[1],
