@@ -149,7 +149,7 @@ static int barrier(shm_t *s)
     uint64_t deadline = t0 + (uint64_t)(s->timeout_s * 1e9);
     atomic_fetch_add(&h->waiters, 1);
     int rc = PRISM_OK;
-    char why[160] = "";
+    char why[256] = "";   /* room for the longest missing-ranks list */
     while (atomic_load(&h->gen) == g) {
         if (atomic_load(&h->broken)) {
             snprintf(why, sizeof why, "another rank failed");

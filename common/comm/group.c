@@ -39,7 +39,7 @@ struct prism_group {
     char transport[8];
     size_t mem_bytes;
     bool dead;
-    char dead_why[160];
+    char dead_why[192];
     void *nccl_module;
 };
 
