@@ -193,7 +193,7 @@ def test_request_timeout_ends_stream_and_aborts():
 
 def test_no_worker_of_a_tier_503():
     # a request waits for a worker of the empty tier (a restarted one registers within seconds;
-    # test_retry); after --max-queue-wait it gets 503 naming the tier
+    # test_faults); after --max-queue-wait it gets 503 naming the tier
     with Cluster(router_args=["--worker-timeout", "1", "--max-queue-wait", "1"], common_worker_args=FAST_HB) as c:
         c.wait_ready()
         c.kill("decode-0")
