@@ -40,6 +40,8 @@ typedef struct {
     uint64_t mem_used, mem_peak, cache_hits, cache_misses, alloc_count, peer_auth_failures;
     uint64_t heartbeats;          /* received since registration: lets a reader wait for fresh numbers */
     double last_seen;
+    int conn_fd;                /* its connection to our control socket (ZMQ_SRCFD), -1 unknown */
+    double t_conn;              /* when that connection was first seen: older disconnects are not its */
     /* our own view: requests we sent that have not finished on this worker */
     int inflight;
     uint64_t image_hashes[64];   /* recent images sent here: the router prefers a warm cache */

@@ -6,6 +6,7 @@
   answered exactly as an undisturbed run answers it; prism:requests_retried_total counts them.
 - A stage that overruns --stage-timeout (a worker alive but making no progress) is retried on
   another worker, and answered 504 naming the stage when none is left.
+- A worker that dies is dropped as soon as its connection closes, not after --worker-timeout.
 - A tier left with no worker at all: requests wait in the router's queue for a restarted worker
   (bounded by --max-queue-wait; test_admission covers the bound) instead of failing at once.
 - 100 streams hung up mid-generation free every pool on every tier: the router's requests, the
@@ -20,6 +21,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cluster import (Cluster, check_answer, chat_body, distinct_requests, make_image, reference, run_tests,  # noqa: E402
@@ -102,6 +104,25 @@ def test_stage_timeout_retries_then_504():
             else:
                 status, r = results[0]
                 assert status == 504 and "encode stage" in r["error"]["message"], (status, r)
+
+
+def test_killed_worker_noticed_at_once():
+    """A worker that dies closes its connection: the router drops it at once (not after
+    --worker-timeout, 120 s here), /ready says so, and its requests go elsewhere."""
+    reqs = requests()
+    with Cluster(encoders=2, router_args=["--worker-timeout", "120"], common_worker_args=FAST_HB) as c:
+        c.wait_ready()
+        t0 = time.time()
+        c.kill("encoder-0")
+        wait_for(lambda: c.request("GET", "/ready")[1] is not None and
+                 json.loads(c.request("GET", "/ready")[2])["encoders"] == 1, 10, "the router to drop encoder-0")
+        assert time.time() - t0 < 10
+        assert c.metric("prism:workers_disconnected_total") == 1
+        for (status, r), (_, ref) in zip(post_all(c, [b for b, _ in reqs]), reqs):
+            check_answer(status, r, ref, "after encoder-0 died")
+        c.kill("decode-0")
+        wait_for(lambda: c.request("GET", "/ready")[0] == 503, 10, "/ready 503 with no decode worker")
+        assert c.metric("prism:workers_disconnected_total") == 2
 
 
 def test_empty_tier_waits_for_restarted_worker():
@@ -208,5 +229,5 @@ def test_router_sigterm_drains_open_stream():
 
 if __name__ == "__main__":
     run_tests([test_hung_encoder_requests_retried, test_hung_prefill_requests_retried,
-               test_stage_timeout_retries_then_504, test_empty_tier_waits_for_restarted_worker, test_hundred_hung_up_streams_free_every_pool,
+               test_stage_timeout_retries_then_504, test_killed_worker_noticed_at_once, test_empty_tier_waits_for_restarted_worker, test_hundred_hung_up_streams_free_every_pool,
                test_router_sigterm_drains_open_stream])
