@@ -580,12 +580,13 @@ int main(int argc, char **argv)
     }
     if (d.n_step && !code) prism_llm_forward_end(d.llm, d.logits);   /* let the device finish before exit */
     const prism_comm_t *comm = prism_group_comm(d.tp.g);
-    PRISM_INFO("decode worker stopping: %llu steps, %llu tokens, %llu sequences cancelled; step forward %.3f ms mean, "
-               "collectives %.1f%% of it (%llu ops, tp %d over %s)", (unsigned long long)d.steps,
-               (unsigned long long)d.tokens_out, (unsigned long long)d.cancelled,
-               d.steps ? d.ns_forward / 1e6 / (double)d.steps : 0.0,
+    /* tests/bench/bench_tp.py reads this line */
+    PRISM_INFO("decode worker stopping: %llu steps, %llu tokens; step forward %.3f ms mean, collectives %.1f%% of it "
+               "(%llu ops, tp %d over %s); %llu sequences cancelled", (unsigned long long)d.steps,
+               (unsigned long long)d.tokens_out, d.steps ? d.ns_forward / 1e6 / (double)d.steps : 0.0,
                d.ns_forward ? 100.0 * (double)comm->ns_in_ops / (double)d.ns_forward : 0.0,
-               (unsigned long long)comm->n_ops, (int)tpo.size, prism_group_transport(d.tp.g));
+               (unsigned long long)comm->n_ops, (int)tpo.size, prism_group_transport(d.tp.g),
+               (unsigned long long)d.cancelled);
     if (!code) prism_tp_stop(&d.tp);
     prism_tp_close(&d.tp);
     /* let the error replies of fail_group reach the routers before the sockets close */
