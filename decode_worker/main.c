@@ -4,7 +4,8 @@
  * token, already streamed to the router by prefill). Each loop iteration admits what fits, runs
  * one decode step over every running sequence (sequences join and leave between steps), and
  * streams each new token to the router that owns the request. The worker's I/O thread receives
- * while a step runs; an abort drops its sequence between two layers of the step.
+ * while a step runs; an abort drops its sequence between two layers of the step (in a
+ * tensor-parallel group, whose ranks must all run the same rows, when the step ends).
  *
  * On a device with streams (--device cuda) the steps overlap with host work: as soon as step n's
  * tokens are sampled, step n+1 is enqueued, and step n's Tokens messages are built and sent,
@@ -13,13 +14,21 @@
  *
  * Admission policy: reserve. A request is admitted only when blocks for prompt + max_tokens are
  * free, so a running sequence never runs out of KV and nothing is ever preempted; requests that
- * do not fit wait (one staged transfer, the rest stays in the senders: backpressure). */
+ * do not fit wait (one staged transfer, the rest stays in the senders: backpressure).
+ *
+ * Tensor parallelism (--tp-size T > 1, worker/tp.h): rank 0 is the worker above, holding its shard;
+ * it hands every other rank its KV heads of each admitted request and the plan of each step, and
+ * the ranks (which talk to no router and have no I/O thread) run the same forward on their shards.
+ * Only the leader hears of aborts, so a group never drops a sequence mid-step: an aborted sequence
+ * finishes the step and leaves the next plan. Overlap works as above: the leader sends plan n+1 and
+ * begins it before sending step n's tokens. */
 #include "core/core.h"
 #include "core/cli.h"
 #include "net/net.h"
 #include "worker/worker.h"
 #include "worker/seq.h"
 #include "worker/aborts.h"
+#include "worker/tp.h"
 #include "kv/kv.h"
 #include "sample/sample.h"
 #include "backend/backend.h"
@@ -49,7 +58,10 @@ typedef struct {
 
 typedef struct {
     prism_worker_t w;
-    prism_model_config_t cfg;
+    prism_model_config_t cfg;     /* this rank's (sharded) shapes */
+    prism_model_config_t full;    /* the whole model's: the KV layout prefill sends */
+    prism_tp_t tp;
+    bool group_failed;
     prism_backend_t *be;
     prism_llm_t *llm;
     prism_kv_cache_t *kv;
@@ -79,15 +91,18 @@ typedef struct {
     Prism__Envelope *staged_env;
     zmq_msg_t staged_frame;
     uint64_t steps, tokens_out, cancelled;
+    uint64_t ns_forward;      /* wall time of the steps' forwards (plan sent, collectives included) */
     prism_abort_memo_t aborts;  /* aborts that came before their KV */
 } decode_t;
 
-static void send_error(decode_t *d, const char *router_id, uint64_t rid, const char *msg)
+/* kind: INTERNAL for a failure here (decode refuses nothing for load: KV waits), UNAVAILABLE when
+ * the worker's tensor-parallel group lost a rank (the worker is going away, as a dead one would). */
+static void send_error(decode_t *d, const char *router_id, uint64_t rid, Prism__ErrorKind kind, const char *msg)
 {
     Prism__Tokens t = PRISM__TOKENS__INIT;
     t.finish = PRISM__FINISH__FINISH_ERROR;
     t.error = (char *)msg;
-    t.error_kind = PRISM__ERROR_KIND__ERROR_INTERNAL;   /* decode refuses nothing for load (KV waits) */
+    t.error_kind = kind;
     Prism__Envelope env = PRISM__ENVELOPE__INIT;
     env.type = PRISM__MSG_TYPE__MSG_TOKENS;
     env.tokens = &t;
@@ -115,7 +130,7 @@ static void unstage(decode_t *d)
 /* Starts the staged request's sequences (one per choice that goes on after its first token) in
  * free slots. They share the prompt's full blocks; each gets its own copy of the prompt's last,
  * partial block and blocks for what it generates (prism_kv_blocks_for_shared). */
-static const char *admit_choices(decode_t *d, const Prism__Kv *kv, const int *slots, int k)
+static const char *admit_choices(decode_t *d, const Prism__Kv *kv, const int *slots, int k, Prism__ErrorKind *kind)
 {
     int bs = d->blocks.block_size, n_prompt = (int)kv->n_tokens;
     /* a migrated request: n_tokens = prompt + the gen tokens generated before (the last ones) */
@@ -124,7 +139,7 @@ static const char *admit_choices(decode_t *d, const Prism__Kv *kv, const int *sl
     int per = prism_kv_blocks_for_tokens(&d->blocks, total);
     int shared = k > 1 ? n_prompt / bs : 0;
     const uint8_t *bytes = zmq_msg_data(&d->staged_frame);
-    size_t block_bytes = prism_kv_cache_block_bytes(&d->cfg, bs);
+    size_t block_bytes = prism_kv_cache_block_bytes(&d->full, bs);   /* the transfer holds every head */
     const int32_t *prompt = kv->n_prompt_token_ids ? kv->prompt_token_ids : NULL;
     int started = 0;
     const char *why = NULL;
@@ -160,13 +175,17 @@ static const char *admit_choices(decode_t *d, const Prism__Kv *kv, const int *sl
         rc = prism_kv_blocks_alloc(&d->blocks, per - shared, s->blocks + shared);
         if (rc != PRISM_OK) break;
         s->n_blocks = per;
-        if (c == 0 && shared) rc = prism_kv_cache_import(d->kv, s->blocks, shared, bytes);
+        /* a group's leader sends each rank its heads (prism_tp_scatter_kv imports alone at T = 1) */
+        if (c == 0 && shared) rc = prism_tp_scatter_kv(&d->tp, d->kv, s->blocks, shared, bytes);
         /* the rest of the prompt: all of it (one sequence) or its partial last block (a copy each) */
         int rest = (int)kv->n_blocks - shared;
         if (rc == PRISM_OK && rest > 0)
-            rc = prism_kv_cache_import(d->kv, s->blocks + shared, rest, bytes + (size_t)shared * block_bytes);
+            rc = prism_tp_scatter_kv(&d->tp, d->kv, s->blocks + shared, rest, bytes + (size_t)shared * block_bytes);
     }
-    if (!why && rc != PRISM_OK) why = "decode worker could not import the KV cache";
+    if (!why && rc != PRISM_OK) {
+        why = "decode worker could not import the KV cache";
+        *kind = PRISM__ERROR_KIND__ERROR_INTERNAL;
+    }
     if (why) {
         for (int c = 0; c < k; c++) {
             seq_t *s = &d->seqs[slots[c]];
@@ -197,12 +216,13 @@ static bool admit_staged(decode_t *d)
     int need = k > 1 ? prism_kv_blocks_for_shared(&d->blocks, (int)kv->n_tokens, total, k)
                      : prism_kv_blocks_for_tokens(&d->blocks, total);
     const char *why = NULL;
+    Prism__ErrorKind kind = PRISM__ERROR_KIND__ERROR_CLIENT;   /* the request itself cannot be held */
     if (need > d->blocks.n_blocks) why = "the request's sequences need more KV blocks than the decode worker has";
     else if (n_free < k || need > d->blocks.n_free) return false;   /* wait for room */
-    else why = admit_choices(d, kv, slots, k);
+    else why = admit_choices(d, kv, slots, k, &kind);
     if (why) {
         PRISM_WARN("request %llu refused: %s", (unsigned long long)d->staged_rid, why);
-        send_error(d, d->staged_router, d->staged_rid, why);
+        send_error(d, d->staged_router, d->staged_rid, kind, why);
     }
     unstage(d);
     return true;
@@ -239,8 +259,8 @@ static void on_kv(decode_t *d, prism_msg_t *m)
     }
     size_t len = 0;
     prism_msg_frame(m, 0, &len);
-    size_t block_bytes = prism_kv_cache_block_bytes(&d->cfg, d->blocks.block_size);
-    const char *why = kv ? prism_seq_check(kv->sampling, d->cfg.vocab, d->max_model_len) : "no Kv message";
+    size_t block_bytes = prism_kv_cache_block_bytes(&d->full, d->blocks.block_size);
+    const char *why = kv ? prism_seq_check(kv->sampling, d->full.vocab, d->max_model_len) : "no Kv message";
     if (why || m->n_frames != 1 || kv->block_size != (uint32_t)d->blocks.block_size ||
         kv->block_bytes != block_bytes || len != (size_t)kv->n_blocks * block_bytes ||
         kv->n_tokens == 0 || kv->n_tokens >= (uint32_t)d->max_model_len || kv->sampling->generated >= kv->n_tokens ||
@@ -248,7 +268,7 @@ static void on_kv(decode_t *d, prism_msg_t *m)
         !choices_ok(d, kv)) {
         PRISM_WARN("request %llu: malformed KV transfer dropped (%s)", (unsigned long long)e->request_id,
                    why ? why : "sizes or choices");
-        send_error(d, router, e->request_id, "malformed KV transfer between prefill and decode");
+        send_error(d, router, e->request_id, PRISM__ERROR_KIND__ERROR_INTERNAL, "malformed KV transfer between prefill and decode");
         return;
     }
     /* Keep the message: move the frame (no copy) and take over the unpacked envelope. */
@@ -328,11 +348,19 @@ static bool hook_cancelled(void *ud, int item)
 
 static void fail_step(decode_t *d, int rc)
 {
+    if (prism_tp_check(&d->tp) != PRISM_OK) {
+        /* A rank is gone: main() fails every request (fail_group) and exits. */
+        PRISM_ERROR("decode step failed: %s (the tensor-parallel group is broken)", prism_strerror(rc));
+        for (int j = 0; j < d->n_step; j++) d->seqs[d->slot_of[j]].in_step = false;
+        d->n_step = 0;
+        d->group_failed = true;
+        return;
+    }
     /* A failing forward is a broken invariant for these sequences: fail them, keep serving. */
     PRISM_ERROR("decode step failed: %s", prism_strerror(rc));
     for (int j = 0; j < d->n_step; j++) {
         seq_t *s = &d->seqs[d->slot_of[j]];
-        if (!s->cancel) send_error(d, s->seq.router_id, s->seq.rid, "decode step failed");
+        if (!s->cancel) send_error(d, s->seq.router_id, s->seq.rid, PRISM__ERROR_KIND__ERROR_INTERNAL, "decode step failed");
         seq_release(d, s);
     }
     d->n_step = 0;
@@ -362,14 +390,20 @@ static void launch_step(decode_t *d)
         .pos0 = d->pos0, .block_tables = d->tables, .all_logits = false,
     };
     d->t_layer = prism_now_s();
-    int rc = prism_llm_forward_begin(d->llm, d->kv, &b);
+    /* The plan goes to the other ranks first, then the leader runs the same forward. */
+    uint64_t t0 = prism_now_ns();
+    int rc = prism_tp_send_step(&d->tp, &b, true);
+    if (rc == PRISM_OK) rc = prism_llm_forward_begin(d->llm, d->kv, &b);
+    d->ns_forward += prism_now_ns() - t0;
     if (rc != PRISM_OK) fail_step(d, rc);
 }
 
 /* Waits for the step in flight, samples, and keeps each sequence's Tokens message for send_out. */
 static void end_step(decode_t *d)
 {
+    uint64_t t0 = prism_now_ns();
     int rc = prism_llm_forward_end(d->llm, d->logits);
+    d->ns_forward += prism_now_ns() - t0;
     if (rc != PRISM_OK) {
         fail_step(d, rc);
         return;
@@ -421,11 +455,37 @@ static void send_out(decode_t *d)
  * one's tokens go out (and the loop's message handling runs while it computes). */
 static void step(decode_t *d)
 {
+    if (d->group_failed) return;
     if (!d->n_step) launch_step(d);
     if (!d->n_step) return;
     end_step(d);
-    if (d->overlap) launch_step(d);
+    if (d->overlap && !d->group_failed) launch_step(d);
     send_out(d);
+}
+
+/* A rank is gone: the group cannot compute any more. Every request gets a clean error now (the
+ * router answers its client instead of waiting for a timeout) and the leader exits, so the routers
+ * drop it and the supervisor restarts the group whole. */
+static void fail_group(decode_t *d)
+{
+    int n = 0;
+    const Prism__ErrorKind kind = PRISM__ERROR_KIND__ERROR_UNAVAILABLE;
+    for (int i = 0; i < d->max_running; i++) {
+        seq_t *s = &d->seqs[i];
+        if (!s->seq.used) continue;
+        send_error(d, s->seq.router_id, s->seq.rid, kind, "the decode worker's tensor-parallel group lost a rank");
+        seq_release(d, s);
+        n++;
+    }
+    if (d->staged) {
+        send_error(d, d->staged_router, d->staged_rid, kind, "the decode worker's tensor-parallel group lost a rank");
+        zmq_msg_close(&d->staged_frame);
+        prism_msg_env_free(d->staged_env);
+        d->staged = false;
+        n++;
+    }
+    PRISM_ERROR("decode group %s: a rank is gone: %d requests failed, the leader exits so the group restarts",
+                d->w.worker_id, n);
 }
 
 static int running(const decode_t *d)
@@ -452,7 +512,10 @@ int main(int argc, char **argv)
     prism_worker_opts_defaults(&o, "decode");
     int64_t kv_blocks = 0, block_size = 16, max_running = 64, context_length = 0;
     const char *overlap = "auto";
-    prism_flag_t flags[32] = {
+    prism_tp_opts_t tpo;
+    prism_tp_opts_defaults(&tpo);
+    prism_flag_t flags[40] = {
+        PRISM_TP_FLAGS(&tpo),
         PRISM_FLAG_INT("kv-blocks", &kv_blocks, "KV cache blocks (0 = fill --mem-budget, else 1024)"),
         PRISM_FLAG_INT("block-size", &block_size, "Tokens per KV block"),
         PRISM_FLAG_INT("max-running-requests", &max_running, "Most sequences in one decode batch"),
@@ -474,6 +537,13 @@ int main(int argc, char **argv)
         PRISM_ERROR("--overlap-steps must be auto, on or off");
         return 2;
     }
+    if (prism_tp_opts_check(&tpo) != PRISM_OK) return 2;
+    d.full = d.cfg;
+    if (tpo.size > 1 && prism_model_config_set_tp(&d.cfg, (int)tpo.size, (int)tpo.rank, err, sizeof err) != PRISM_OK) {
+        PRISM_ERROR("--tp-size %lld: %s", (long long)tpo.size, err);
+        return 2;
+    }
+    const bool leader = tpo.rank == 0;
     d.max_running = (int)max_running;
     d.max_model_len = context_length > 0 ? (int)PRISM_MIN(context_length, (int64_t)d.cfg.max_pos) : d.cfg.max_pos;
     d.max_blocks_per_seq = (d.max_model_len + (int)block_size - 1) / (int)block_size;
@@ -491,6 +561,8 @@ int main(int argc, char **argv)
     size_t arena = prism_llm_arena_bytes(&d.cfg, d.max_running, d.max_running);
     size_t scratch = (size_t)d.max_running * d.cfg.vocab * sizeof(float) + (size_t)d.cfg.vocab * 8 +
                      (size_t)d.max_running * d.max_blocks_per_seq * sizeof(int32_t);
+    if (tpo.size > 1)   /* collectives' shared memory, and the leader's per-rank KV slice buffer */
+        scratch += prism_comm_shm_bytes((int)tpo.size, 0) + (size_t)d.max_blocks_per_seq * block_bytes;
     size_t heap0 = prism_mem_used();   /* token-count tables, matchers' slots, grammar vocabulary: measured */
     if (prism_seq_sampler_init(&d.sampler, &d.cfg, o.model_path, d.max_running) != PRISM_OK) {
         PRISM_ERROR("cannot allocate the sampler");
@@ -523,6 +595,33 @@ int main(int argc, char **argv)
     }
     if (prism_mem_plan_check(&plan, "decode") != PRISM_OK) return 1;
 
+    /* The leader is the worker the routers see (its net and sockets); the other ranks only need a
+     * net for the group's link. Nothing registers before the group has formed and agreed on its
+     * capacity (registration starts with the I/O thread, prism_worker_start). */
+    size_t full_block_bytes = prism_kv_cache_block_bytes(&d.full, (int)block_size);
+    prism_net_t *rank_net = NULL;
+    char bind[300];
+    if (leader) {
+        prism_worker_data_bind(&o, bind, sizeof(bind));
+        if (prism_worker_init(&d.w, PRISM__ROLE__ROLE_DECODE, &o, bind, (size_t)d.max_blocks_per_seq * full_block_bytes)
+            != PRISM_OK)
+            return 1;
+    } else {
+        prism_net_opts_t no = {.role = PRISM_NET_ROLE_DECODE, .curve_keys = o.curve_keys, .insecure = o.insecure_no_curve};
+        if (prism_net_create(&no, &rank_net, err, sizeof err) != PRISM_OK) {
+            PRISM_ERROR("%s", err);
+            return 1;
+        }
+    }
+    if (prism_tp_join(&d.tp, &tpo, leader ? d.w.net : rank_net, d.be, &d.cfg, o.worker_id, d.max_blocks_per_seq,
+                      (int)block_size) != PRISM_OK)
+        return 1;
+    prism_tp_setup_t setup = {.kv_blocks = (int)PRISM_MIN(kv_blocks, (int64_t)INT32_MAX), .block_size = (int)block_size,
+                              .max_seqs = d.max_running, .max_tokens = d.max_running};
+    if (prism_tp_setup(&d.tp, &setup) != PRISM_OK) return 1;
+    kv_blocks = setup.kv_blocks;
+    if (tpo.size > 1) prism_llm_set_comm(d.llm, prism_group_comm(d.tp.g));
+
     if (prism_kv_cache_create(d.be, &d.cfg, (int)kv_blocks, (int)block_size, &d.kv) != PRISM_OK ||
         prism_kv_blocks_init(&d.blocks, (int)kv_blocks, (int)block_size) != PRISM_OK) {
         PRISM_ERROR("cannot allocate the KV cache (%lld blocks)", (long long)kv_blocks);
@@ -544,31 +643,50 @@ int main(int argc, char **argv)
      * ("on" exists to test the pipeline without a GPU). */
     d.overlap = !strcmp(overlap, "on") || (!strcmp(overlap, "auto") && strcmp(d.be->device, "cpu") != 0);
 
-    char bind[300];
-    prism_worker_data_bind(&o, bind, sizeof(bind));
-    if (prism_worker_init(&d.w, PRISM__ROLE__ROLE_DECODE, &o, bind, (size_t)d.max_blocks_per_seq * block_bytes) != PRISM_OK)
-        return 1;
+    if (!leader) {
+        int code = prism_tp_follow(&d.tp, d.llm, d.kv, d.logits);
+        prism_tp_close(&d.tp);
+        prism_net_destroy(rank_net);
+        return code;
+    }
     prism_worker_set_capacity(&d.w, &o, &plan, (uint32_t)kv_blocks, (uint32_t)block_size, (uint32_t)d.max_running,
                               (uint32_t)d.max_running, (uint32_t)d.max_model_len);
+    d.w.reg.tp_size = (uint32_t)tpo.size;
     d.hook = (prism_model_hook_t){hook_layer, hook_cancelled, &d};
     prism_llm_set_hook(d.llm, &d.hook);
     publish_load(&d);   /* the first heartbeat already tells the truth */
-    if (prism_worker_start(&d.w) != PRISM_OK) return 1;
+    if (prism_worker_start(&d.w) != PRISM_OK) return 1;   /* registration: the group has formed */
     PRISM_INFO("decode worker %s ready in %.2fs: data %s, %lld KV blocks x %lld tokens, batch %d%s",
                d.w.worker_id, prism_now_s() - t0, d.w.data_endpoint, (long long)kv_blocks,
                (long long)block_size, d.max_running, d.overlap ? ", host work overlapped with the device" : "");
 
+    int code = 0;
     while (!prism_worker_should_stop()) {
+        if (d.group_failed || prism_tp_check(&d.tp) != PRISM_OK) {
+            fail_group(&d);
+            code = PRISM_EXIT_PEER_LOST;
+            break;
+        }
         bool busy = publish_load(&d) > 0;
         admit_staged(&d);
         prism_worker_accept_data(&d.w, d.staged ? 0 : 1);
         prism_worker_poll(&d.w, busy ? 0 : 50, on_msg, &d);
         step(&d);
     }
-    if (d.n_step) prism_llm_forward_end(d.llm, d.logits);   /* let the device finish before exit */
-    PRISM_INFO("decode worker stopping: %llu steps, %llu tokens, %llu sequences cancelled", (unsigned long long)d.steps,
-               (unsigned long long)d.tokens_out, (unsigned long long)d.cancelled);
+    if (d.n_step && !code) prism_llm_forward_end(d.llm, d.logits);   /* let the device finish before exit */
+    const prism_comm_t *comm = prism_group_comm(d.tp.g);
+    /* tests/bench/bench_tp.py reads this line */
+    PRISM_INFO("decode worker stopping: %llu steps, %llu tokens; step forward %.3f ms mean, collectives %.1f%% of it "
+               "(%llu ops, tp %d over %s); %llu sequences cancelled", (unsigned long long)d.steps,
+               (unsigned long long)d.tokens_out, d.steps ? d.ns_forward / 1e6 / (double)d.steps : 0.0,
+               d.ns_forward ? 100.0 * (double)comm->ns_in_ops / (double)d.ns_forward : 0.0,
+               (unsigned long long)comm->n_ops, (int)tpo.size, prism_group_transport(d.tp.g),
+               (unsigned long long)d.cancelled);
+    if (!code) prism_tp_stop(&d.tp);
+    prism_tp_close(&d.tp);
+    /* let the error replies of fail_group reach the routers before the sockets close */
     prism_seq_sampler_free(&d.sampler);
+    if (code) prism_worker_close_linger(&d.w, 2000);
     prism_worker_close(&d.w);
-    return 0;
+    return code;
 }

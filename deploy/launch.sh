@@ -6,7 +6,7 @@
 # first, SIGKILL after the grace period; nothing is left behind.
 #
 # Usage: deploy/launch.sh [--port N] [--host ADDR] [--model-path DIR] [--build-dir DIR]
-#          [--encoders N] [--prefills N] [--decodes N] [--threads N]
+#          [--encoders N] [--prefills N] [--decodes N] [--decode-tp T] [--prefill-tp P] [--tp-port N] [--threads N]
 #          [--routers N] [--router-port N] [--control-port N] [--lb nginx|none]
 #          [--run-dir DIR] [--log-dir DIR] [--ready-timeout S] [--curve-keys DIR | --insecure-no-curve]
 #          [--router-arg ARG]... [--worker-arg ARG]... [--encoder-arg ARG]... [--prefill-arg ARG]...
@@ -17,6 +17,11 @@
 #   --routers       number of routers; every worker registers with every one (default 1)
 #   --router-port   first router HTTP port when --routers > 1 (default --port + 1)
 #   --control-port  control port of router 1; router i uses control-port + i - 1 (default 8100)
+#   --decode-tp     ranks (processes, one device each) per decode worker: each of the --decodes
+#                   workers is a tensor-parallel group of T processes decode-i (the leader, which the
+#                   routers see) and decode-i.r1 .. decode-i.r(T-1) (default 1)
+#   --prefill-tp    the same for prefill workers (default 1)
+#   --tp-port       the first group link port (loopback); group g uses tp-port + g - 1 (default 8200)
 #   --lb            what fronts several routers: nginx (Debian's; deploy/install-deps.sh --lb) or none
 #   --run-dir       pid files, spec, generated configs (default: a new temporary directory, removed
 #                   at exit); each process's pid is in RUN_DIR/NAME.pid while it runs
@@ -33,7 +38,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 # ---------------------------------------------------------------- options
 port=8000 host=127.0.0.1 control_port=8100 router_port="" n_routers=1 lb=nginx
 model="$root/models/prism-tiny-llava" build="$root/build"
-n_enc=1 n_pre=1 n_dec=1 threads=1 run_dir="" log_dir="" ready_timeout=120
+n_enc=1 n_pre=1 n_dec=1 dec_tp=1 pre_tp=1 tp_port=8200 threads=1 run_dir="" log_dir="" ready_timeout=120
 router_args=() worker_args=() enc_args=() pre_args=() dec_args=() sup_args=()
 curve_keys="" insecure=0
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
@@ -54,6 +59,9 @@ while [ $# -gt 0 ]; do
     --encoders) need_int "$1" "$2"; n_enc=$2 ;;
     --prefills) need_int "$1" "$2"; n_pre=$2 ;;
     --decodes) need_int "$1" "$2"; n_dec=$2 ;;
+    --decode-tp) need_int "$1" "$2"; dec_tp=$2 ;;
+    --prefill-tp) need_int "$1" "$2"; pre_tp=$2 ;;
+    --tp-port) need_int "$1" "$2"; tp_port=$2 ;;
     --threads) need_int "$1" "$2"; threads=$2 ;;
     --run-dir) run_dir=$2 ;;
     --log-dir) log_dir=$2 ;;
@@ -73,6 +81,8 @@ done
 [ "$n_routers" -ge 1 ] && [ "$n_routers" -le 64 ] || die "--routers must be 1..64"
 [ "$n_enc" -ge 1 ] && [ "$n_pre" -ge 1 ] && [ "$n_dec" -ge 1 ] || die "every tier needs at least one worker"
 [ "$threads" -ge 1 ] || die "--threads must be at least 1"
+[ "$dec_tp" -ge 1 ] && [ "$dec_tp" -le 64 ] && [ "$pre_tp" -ge 1 ] && [ "$pre_tp" -le 64 ] ||
+  die "--decode-tp and --prefill-tp must be 1..64"
 case "$lb" in nginx|none) ;; *) die "--lb must be nginx or none" ;; esac
 [ -n "$router_port" ] || router_port=$((port + 1))
 # The supervisor's spec separates arguments with TABs, one process a line.
@@ -181,16 +191,31 @@ for i in $(seq "$n_routers"); do
   proc "router-$i" "$build/router/router" --model-path "$model" --host "$router_host" --port "${rport[i]}" \
        --control-endpoint "${rctl[i]}" "${sec[@]}" ${router_args[@]+"${router_args[@]}"}
 done
+# A worker of tensor-parallel size T > 1 is T processes: NAME (rank 0, the leader: it alone talks to
+# the routers) and NAME.r1 .. NAME.r(T-1), joined over the group link tcp://127.0.0.1:PORT. When one
+# of them dies the others exit too (a group does not heal) and the supervisor restarts each; the new
+# processes form the group again and the leader registers again.
+next_tp_port=$tp_port
 for kind in encoder prefill decode; do
   case $kind in
-    encoder) n=$n_enc; extra=(${enc_args[@]+"${enc_args[@]}"}) ;;
-    prefill) n=$n_pre; extra=(${pre_args[@]+"${pre_args[@]}"}) ;;
-    decode) n=$n_dec; extra=(${dec_args[@]+"${dec_args[@]}"}) ;;
+    encoder) n=$n_enc; tp=1; extra=(${enc_args[@]+"${enc_args[@]}"}) ;;
+    prefill) n=$n_pre; tp=$pre_tp; extra=(${pre_args[@]+"${pre_args[@]}"}) ;;
+    decode) n=$n_dec; tp=$dec_tp; extra=(${dec_args[@]+"${dec_args[@]}"}) ;;
   esac
   for i in $(seq "$n"); do
-    proc "$kind-$i" "$build/${kind}_worker/${kind}_worker" --model-path "$model" --router "$ctl_list" \
-         --worker-id "$kind-$i" --threads "$threads" "${sec[@]}" ${worker_args[@]+"${worker_args[@]}"} \
-         ${extra[@]+"${extra[@]}"}
+    group=()
+    if [ "$tp" -gt 1 ]; then
+      group=(--tp-size "$tp" --tp-leader "tcp://127.0.0.1:$next_tp_port")
+      next_tp_port=$((next_tp_port + 1))
+    fi
+    for r in $(seq 0 $((tp - 1))); do
+      name="$kind-$i" rank=()
+      [ "$r" -eq 0 ] || name="$kind-$i.r$r"
+      [ "$tp" -eq 1 ] || rank=(--tp-rank "$r")
+      proc "$name" "$build/${kind}_worker/${kind}_worker" --model-path "$model" --router "$ctl_list" \
+           --worker-id "$name" --threads "$threads" "${sec[@]}" ${group[@]+"${group[@]}"} ${rank[@]+"${rank[@]}"} \
+           ${worker_args[@]+"${worker_args[@]}"} ${extra[@]+"${extra[@]}"}
+    done
   done
 done
 [ "$use_nginx" -eq 0 ] || proc nginx "$nginx_bin" -p "$ngx" -c "$ngx/nginx.conf" -e stderr

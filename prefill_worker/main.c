@@ -7,13 +7,20 @@
  * (backpressure) — nothing is buffered without bound. Embeddings and the Prefill request travel on
  * different sockets and may arrive in either order. Prompts run in chunks of at most
  * --chunked-prefill-size tokens. The worker's I/O thread receives while a prompt runs; an abort
- * for the prompt in flight stops it between two layers. */
+ * for the prompt in flight stops it between two layers.
+ *
+ * Tensor parallelism (--tp-size P > 1, worker/tp.h): rank 0 is the worker above; it sends every
+ * other rank the plan of each chunk (tokens, block table, image embedding rows) and, once the prompt
+ * is done, gathers their KV heads into the whole-model blocks a decode worker of any TP size takes.
+ * The ranks have no I/O thread; every rank must run every chunk it is sent, so a group stops an
+ * aborted prompt between two chunks (the leader sends no further plan), not between two layers. */
 #include "core/core.h"
 #include "core/cli.h"
 #include "net/net.h"
 #include "worker/worker.h"
 #include "worker/seq.h"
 #include "worker/aborts.h"
+#include "worker/tp.h"
 #include "kv/kv.h"
 #include "sample/sample.h"
 #include "backend/backend.h"
@@ -45,7 +52,10 @@ typedef struct {
 
 typedef struct {
     prism_worker_t w;
-    prism_model_config_t cfg;
+    prism_model_config_t cfg;     /* this rank's (sharded) shapes */
+    prism_model_config_t full;    /* the whole model's: the KV layout sent to decode */
+    prism_tp_t tp;
+    bool group_failed;
     prism_backend_t *be;
     prism_llm_t *llm;
     prism_kv_cache_t *kv;
@@ -61,7 +71,7 @@ typedef struct {
     int32_t *table;          /* [max_blocks_per_seq] */
     float *logits;           /* [vocab] */
     uint8_t *kv_out;         /* [max_blocks_per_seq][block_bytes]: export staging */
-    size_t block_bytes;
+    size_t block_bytes;      /* one block of the whole model (what decode receives) */
     /* a finished prefill whose KV the decode worker has not taken yet (its request's slot is
      * already free for the next one: kv_seq is a copy of the record) */
     bool kv_pending;
@@ -420,13 +430,28 @@ static void run_one(prefill_t *p)
             .block_tables = tables, .embed_rows = any ? p->chunk_rows : NULL,
         };
         /* Only the last chunk's logits are needed: the others are begun and never ended (no lm_head,
-         * no wait; on a device the chunks queue back to back). */
-        if (start + n >= r->n_tokens) rc = prism_llm_forward(p->llm, p->kv, &b, p->logits);
-        else rc = prism_llm_forward_begin(p->llm, p->kv, &b);
+         * no wait; on a device the chunks queue back to back). The ranks get each plan first. */
+        bool last = start + n >= r->n_tokens;
+        rc = prism_tp_send_step(&p->tp, &b, last);
+        if (rc == PRISM_OK)
+            rc = last ? prism_llm_forward(p->llm, p->kv, &b, p->logits) : prism_llm_forward_begin(p->llm, p->kv, &b);
         prism_worker_progress(&p->w, 1);
+        if (rc == PRISM_OK && !last && p->tp.size > 1 && !p->cur_dropped) {
+            /* A group's shards never drop the prompt between layers (model.h): the leader checks
+             * for its abort between chunks instead. */
+            double waited = 0;
+            if (prism_worker_aborted(&p->w, r->seq.rid, r->seq.router_id, &waited)) {
+                if (!prism_worker_should_stop())
+                    PRISM_INFO("request %llu: cancelled %.3fs after its abort arrived, after %d of %d prompt tokens "
+                               "(tensor-parallel group: between chunks): prefill stopped",
+                               (unsigned long long)r->seq.rid, waited, start + n, r->n_tokens);
+                p->cur_dropped = true;
+            }
+        }
     }
     p->cur = NULL;
     double t1 = prism_now_s();
+    if (rc != PRISM_OK && prism_tp_check(&p->tp) != PRISM_OK) p->group_failed = true;
     if (p->cur_dropped) {
         /* aborted mid-prompt: the router needs no answer; blocks and slots go back at once */
         prism_kv_blocks_release(&p->blocks, p->table, nb);
@@ -456,7 +481,15 @@ static void run_one(prefill_t *p)
         /* Stage the KV export for the sequences that go on (they share it in decode); the decode
          * worker pulls it when it has room. */
         p->kv_len = (size_t)nb * p->block_bytes;
-        prism_kv_cache_export(p->kv, p->table, nb, p->kv_out);
+        if (prism_tp_gather_kv(&p->tp, p->kv, p->table, nb, p->kv_out) != PRISM_OK) {
+            PRISM_ERROR("request %llu: KV export failed", (unsigned long long)r->seq.rid);
+            send_error(p, r->seq.router_id, r->seq.rid, PRISM__ERROR_KIND__ERROR_INTERNAL,
+                       "prefill could not export the KV cache");
+            if (prism_tp_check(&p->tp) != PRISM_OK) p->group_failed = true;
+            prism_kv_blocks_release(&p->blocks, p->table, nb);
+            release_request(p, r->seq.rid, r->seq.router_id);
+            return;
+        }
         prism__kv__init(&p->kv_hdr);
         p->kv_hdr.n_tokens = (uint32_t)r->n_tokens;
         p->kv_hdr.block_size = (uint32_t)p->blocks.block_size;
@@ -481,6 +514,28 @@ static void run_one(prefill_t *p)
     p->served++;
     PRISM_DEBUG("%d prompt tokens prefilled in %.1f ms", r->n_tokens, (t1 - t0) * 1e3);
     try_send_kv(p);
+}
+
+/* A rank is gone: every request held here gets a clean error now and the leader exits, so the
+ * routers drop it and the supervisor restarts the group whole. */
+static void fail_group(prefill_t *p)
+{
+    int n = 0;
+    const char *why = "the prefill worker's tensor-parallel group lost a rank";
+    const Prism__ErrorKind kind = PRISM__ERROR_KIND__ERROR_UNAVAILABLE;   /* the worker goes away, as a dead one */
+    for (int i = 0; i < p->max_pending; i++)
+        if (p->reqs[i].seq.used) {
+            send_error(p, p->reqs[i].seq.router_id, p->reqs[i].seq.rid, kind, why);
+            p->reqs[i].seq.used = false;
+            n++;
+        }
+    if (p->kv_pending) {
+        send_error(p, p->kv_seq.router_id, p->kv_seq.rid, kind, why);
+        p->kv_pending = false;
+        n++;
+    }
+    PRISM_ERROR("prefill group %s: a rank is gone: %d requests failed, the leader exits so the group restarts",
+                p->w.worker_id, n);
 }
 
 static void expire_orphans(prefill_t *p)
@@ -514,7 +569,10 @@ int main(int argc, char **argv)
     prism_worker_opts_defaults(&o, "prefill");
     int64_t kv_blocks = 0, block_size = 16, chunk = 512, max_pending = 64, emb_images = 32, context_length = 0;
     double orphan_timeout = 120;
-    prism_flag_t flags[32] = {
+    prism_tp_opts_t tpo;
+    prism_tp_opts_defaults(&tpo);
+    prism_flag_t flags[40] = {
+        PRISM_TP_FLAGS(&tpo),
         PRISM_FLAG_INT("chunked-prefill-size", &chunk, "Most prompt tokens per forward step"),
         PRISM_FLAG_INT("kv-blocks", &kv_blocks, "KV blocks for prompts in flight (0 = two full contexts)"),
         PRISM_FLAG_INT("block-size", &block_size, "Tokens per KV block (must match the decode workers)"),
@@ -535,6 +593,13 @@ int main(int argc, char **argv)
         PRISM_ERROR("flag out of range (see --help)");
         return 2;
     }
+    if (prism_tp_opts_check(&tpo) != PRISM_OK) return 2;
+    p.full = p.cfg;
+    if (tpo.size > 1 && prism_model_config_set_tp(&p.cfg, (int)tpo.size, (int)tpo.rank, err, sizeof err) != PRISM_OK) {
+        PRISM_ERROR("--tp-size %lld: %s", (long long)tpo.size, err);
+        return 2;
+    }
+    const bool leader = tpo.rank == 0;
     p.chunk = (int)chunk;
     p.orphan_timeout_s = orphan_timeout;
     prism_abort_memo_init(&p.aborts, orphan_timeout);
@@ -557,9 +622,10 @@ int main(int argc, char **argv)
         PRISM_ERROR("cannot load language model: %s", err);
         return 1;
     }
-    p.block_bytes = prism_kv_cache_block_bytes(&p.cfg, (int)block_size);
+    p.block_bytes = prism_kv_cache_block_bytes(&p.full, (int)block_size);
+    size_t rank_block_bytes = prism_kv_cache_block_bytes(&p.cfg, (int)block_size);
     size_t heap0 = prism_mem_used();   /* the sampler's tables and the grammar vocabulary, measured */
-    if (prism_seq_sampler_init(&p.sampler, &p.cfg, o.model_path, 1) != PRISM_OK) {
+    if (prism_seq_sampler_init(&p.sampler, &p.full, o.model_path, 1) != PRISM_OK) {
         PRISM_ERROR("cannot allocate the sampler");
         return 1;
     }
@@ -567,16 +633,45 @@ int main(int argc, char **argv)
     size_t emb_bytes = (size_t)p.n_emb * p.cfg.image_seq_length * p.cfg.hidden * sizeof(float);
     prism_mem_plan_t plan = {.budget = (size_t)o.mem_budget};
     prism_mem_plan_add(&plan, "weights", prism_llm_weight_bytes(p.llm));
-    prism_mem_plan_add(&plan, "kv-cache", (size_t)kv_blocks * p.block_bytes);
+    prism_mem_plan_add(&plan, "kv-cache", (size_t)kv_blocks * rank_block_bytes);
     prism_mem_plan_add(&plan, "kv-export", (size_t)p.max_blocks_per_seq * p.block_bytes);
     prism_mem_plan_add(&plan, "activations", prism_llm_arena_bytes(&p.cfg, p.chunk, 1) +
                                              (size_t)p.chunk * sizeof(*p.chunk_rows));
     prism_mem_plan_add(&plan, "embedding-pool", emb_bytes);
     prism_mem_plan_add(&plan, "prompts", (size_t)(p.max_pending + 1) * p.max_model_len * sizeof(int32_t));
     prism_mem_plan_add(&plan, "sampling", sampling_bytes);
+    if (tpo.size > 1)   /* collectives' shared memory, KV slices, one chunk's embedding rows */
+        prism_mem_plan_add(&plan, "tensor-parallel", prism_comm_shm_bytes((int)tpo.size, 0) +
+                                                     (size_t)p.max_blocks_per_seq * rank_block_bytes +
+                                                     (size_t)p.chunk * p.cfg.hidden * sizeof(float));
     prism_mem_plan_add(&plan, "runtime", prism_mem_runtime_bytes());
     prism_mem_plan_add(&plan, "reserve", PRISM_MEM_RESERVE);
     if (prism_mem_plan_check(&plan, "prefill") != PRISM_OK) return 1;
+
+    /* The leader is the worker the routers see; the other ranks only need a net for the group's
+     * link. Nothing registers before the group has formed (the I/O thread starts after it). */
+    prism_net_t *rank_net = NULL;
+    char bind[300];
+    if (leader) {
+        prism_worker_data_bind(&o, bind, sizeof(bind));
+        if (prism_worker_init(&p.w, PRISM__ROLE__ROLE_PREFILL, &o, bind,
+                              (size_t)p.cfg.image_seq_length * p.cfg.hidden * sizeof(float)) != PRISM_OK)
+            return 1;
+    } else {
+        prism_net_opts_t no = {.role = PRISM_NET_ROLE_PREFILL, .curve_keys = o.curve_keys, .insecure = o.insecure_no_curve};
+        if (prism_net_create(&no, &rank_net, err, sizeof err) != PRISM_OK) {
+            PRISM_ERROR("%s", err);
+            return 1;
+        }
+    }
+    if (prism_tp_join(&p.tp, &tpo, leader ? p.w.net : rank_net, p.be, &p.cfg, o.worker_id, p.max_blocks_per_seq,
+                      (int)block_size) != PRISM_OK)
+        return 1;
+    prism_tp_setup_t setup = {.kv_blocks = (int)PRISM_MIN(kv_blocks, (int64_t)INT32_MAX), .block_size = (int)block_size,
+                              .max_seqs = 1, .max_tokens = p.chunk};
+    if (prism_tp_setup(&p.tp, &setup) != PRISM_OK) return 1;
+    kv_blocks = setup.kv_blocks;
+    if (tpo.size > 1) prism_llm_set_comm(p.llm, prism_group_comm(p.tp.g));
 
     if (prism_kv_cache_create(p.be, &p.cfg, (int)kv_blocks, (int)block_size, &p.kv) != PRISM_OK ||
         prism_kv_blocks_init(&p.blocks, (int)kv_blocks, (int)block_size) != PRISM_OK) {
@@ -595,24 +690,32 @@ int main(int argc, char **argv)
     p.chunk_rows = prism_xcalloc((size_t)p.chunk, sizeof(*p.chunk_rows));
     p.table = prism_xcalloc((size_t)p.max_blocks_per_seq, sizeof(int32_t));
     p.logits = prism_xcalloc((size_t)p.cfg.vocab, sizeof(float));
+    if (!leader) {
+        int code = prism_tp_follow(&p.tp, p.llm, p.kv, p.logits);
+        prism_tp_close(&p.tp);
+        prism_net_destroy(rank_net);
+        return code;
+    }
     p.kv_out = prism_malloc_aligned((size_t)p.max_blocks_per_seq * p.block_bytes, 64);
     PRISM_ASSERT(p.kv_out);
 
-    char bind[300];
-    prism_worker_data_bind(&o, bind, sizeof(bind));
-    if (prism_worker_init(&p.w, PRISM__ROLE__ROLE_PREFILL, &o, bind,
-                          (size_t)p.cfg.image_seq_length * p.cfg.hidden * sizeof(float)) != PRISM_OK)
-        return 1;
     prism_worker_set_capacity(&p.w, &o, &plan, (uint32_t)kv_blocks, (uint32_t)block_size, (uint32_t)p.chunk,
                               (uint32_t)p.max_pending, (uint32_t)p.max_model_len);
+    p.w.reg.tp_size = (uint32_t)tpo.size;
     p.hook = (prism_model_hook_t){hook_layer, hook_cancelled, &p};
     prism_llm_set_hook(p.llm, &p.hook);
     publish_load(&p);   /* the first heartbeat already tells the truth */
-    if (prism_worker_start(&p.w) != PRISM_OK) return 1;
+    if (prism_worker_start(&p.w) != PRISM_OK) return 1;   /* registration: the group has formed */
     PRISM_INFO("prefill worker %s ready in %.2fs: data %s, chunk %d tokens, %d embedding slots",
                p.w.worker_id, prism_now_s() - t0, p.w.data_endpoint, p.chunk, p.n_emb);
 
+    int code = 0;
     while (!prism_worker_should_stop()) {
+        if (p.group_failed || prism_tp_check(&p.tp) != PRISM_OK) {
+            fail_group(&p);
+            code = PRISM_EXIT_PEER_LOST;
+            break;
+        }
         publish_load(&p);
         try_send_kv(&p);
         bool work = false;
@@ -625,7 +728,11 @@ int main(int argc, char **argv)
     }
     PRISM_INFO("prefill worker stopping after %llu requests (%llu cancelled mid-prompt)", (unsigned long long)p.served,
                (unsigned long long)p.cancelled);
+    if (!code) prism_tp_stop(&p.tp);
+    prism_tp_close(&p.tp);
+    /* let the error replies of fail_group reach the routers before the sockets close */
     prism_seq_sampler_free(&p.sampler);
+    if (code) prism_worker_close_linger(&p.w, 2000);
     prism_worker_close(&p.w);
-    return 0;
+    return code;
 }

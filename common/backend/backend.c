@@ -28,36 +28,28 @@ static struct {
     char error[512];          /* why the module could not be opened (the last candidate's dlerror) */
 } g_cuda = {.once = PTHREAD_ONCE_INIT};
 
-static bool cuda_try(const char *dir)
+static void *module_try(const char *dir, const char *file, char *err, size_t errlen)
 {
     char path[PATH_MAX];
-    if (dir && (!*dir || snprintf(path, sizeof path, "%s/%s", dir, CUDA_MODULE) >= (int)sizeof path)) return false;
-    void *h = dlopen(dir ? path : CUDA_MODULE, RTLD_NOW | RTLD_LOCAL);
+    if (dir && (!*dir || snprintf(path, sizeof path, "%s/%s", dir, file) >= (int)sizeof path)) return NULL;
+    void *h = dlopen(dir ? path : file, RTLD_NOW | RTLD_LOCAL);
     if (!h) {
         const char *e = dlerror();
         /* "cannot open shared object file" is the usual miss; anything else (a missing libcudart,
          * a bad build) is worth reporting over it. */
-        if (e && (!g_cuda.error[0] || !strstr(e, "No such file")))
-            snprintf(g_cuda.error, sizeof g_cuda.error, "%s", e);
-        return false;
+        if (e && err && errlen && (!err[0] || !strstr(e, "No such file")))
+            snprintf(err, errlen, "%s", e);
+        return NULL;
     }
-    g_cuda.create = (__typeof__(g_cuda.create))dlsym(h, "prism_backend_cuda_create");
-    g_cuda.available = (__typeof__(g_cuda.available))dlsym(h, "prism_cuda_available");
-    if (!g_cuda.create || !g_cuda.available) {
-        snprintf(g_cuda.error, sizeof g_cuda.error, "%.400s: missing entry points", dir ? path : CUDA_MODULE);
-        dlclose(h);
-        g_cuda.create = NULL;
-        g_cuda.available = NULL;
-        return false;
-    }
-    g_cuda.handle = h;
-    PRISM_DEBUG("backend: CUDA module %s", dir ? path : CUDA_MODULE);
-    return true;
+    PRISM_DEBUG("backend: module %s", dir ? path : file);
+    return h;
 }
 
-static void cuda_load(void)
+void *prism_backend_module_open(const char *file, char *err, size_t errlen)
 {
-    if (cuda_try(getenv("PRISM_BACKEND_DIR"))) return;
+    if (err && errlen) err[0] = 0;
+    void *h = module_try(getenv("PRISM_BACKEND_DIR"), file, err, errlen);
+    if (h) return h;
     char exe[PATH_MAX];
     ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 8);
     if (n > 0) {
@@ -65,15 +57,33 @@ static void cuda_load(void)
         char *slash = strrchr(exe, '/');
         if (slash) {
             *slash = 0;
-            if (cuda_try(exe)) return;
+            if ((h = module_try(exe, file, err, errlen))) return h;
             strcat(exe, "/../lib");
-            if (cuda_try(exe)) return;
+            if ((h = module_try(exe, file, err, errlen))) return h;
         }
     }
 #ifdef PRISM_BACKEND_BUILD_DIR
-    if (cuda_try(PRISM_BACKEND_BUILD_DIR)) return;
+    if ((h = module_try(PRISM_BACKEND_BUILD_DIR, file, err, errlen))) return h;
 #endif
-    cuda_try(NULL);
+    h = module_try(NULL, file, err, errlen);
+    if (!h && err && errlen && !err[0]) snprintf(err, errlen, "%s not found", file);
+    return h;
+}
+
+static void cuda_load(void)
+{
+    void *h = prism_backend_module_open(CUDA_MODULE, g_cuda.error, sizeof g_cuda.error);
+    if (!h) return;
+    g_cuda.create = (__typeof__(g_cuda.create))dlsym(h, "prism_backend_cuda_create");
+    g_cuda.available = (__typeof__(g_cuda.available))dlsym(h, "prism_cuda_available");
+    if (!g_cuda.create || !g_cuda.available) {
+        snprintf(g_cuda.error, sizeof g_cuda.error, "%s: missing entry points", CUDA_MODULE);
+        dlclose(h);
+        g_cuda.create = NULL;
+        g_cuda.available = NULL;
+        return;
+    }
+    g_cuda.handle = h;
 }
 
 static bool cuda_module(void)

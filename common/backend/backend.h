@@ -230,6 +230,11 @@ prism_backend_t *prism_backend_cpu_create_pool(int n_threads, size_t pool_bytes)
 int  prism_backend_create(const char *device, int n_threads, size_t pool_bytes, prism_backend_t **out);
 void prism_backend_destroy(prism_backend_t *be);
 bool prism_backend_has_cuda(void);
+/* dlopen()s a shared module of this build (RTLD_NOW | RTLD_LOCAL), looking in $PRISM_BACKEND_DIR,
+ * next to the executable, in ../lib beside it, in the build's lib/ folder, then on the normal library
+ * path: the CUDA backend and the NCCL communicator (common/comm) are found the same way. NULL with
+ * the reason in err when none opens. */
+void *prism_backend_module_open(const char *file, char *err, size_t errlen);
 
 /* A buffer from / back to the backend's pool (the backend itself: create / destroy). */
 static inline void *prism_backend_buf_alloc(prism_backend_t *be, size_t bytes) { return be->i.alloc(be->ctx, bytes); }

@@ -30,6 +30,11 @@ typedef enum {
 
 const char *prism_strerror(int status);
 
+/* Process exit status of a worker that stops because a peer it cannot work without is gone (a rank
+ * of its tensor-parallel group): not a configuration error, so a supervisor restarts it even in its
+ * first seconds (sysexits' EX_TEMPFAIL). */
+#define PRISM_EXIT_PEER_LOST 75
+
 /* ---- logging ---- */
 typedef enum { PRISM_LOG_DEBUG, PRISM_LOG_INFO, PRISM_LOG_WARN, PRISM_LOG_ERROR } prism_log_level_t;
 

@@ -9,8 +9,18 @@
  * norm, attention temperature, chunked attention, and a dense MLP or MoE. A MoE layer runs the
  * shared expert on every token, then routes: top-k sigmoid scores scale each token's expert INPUT,
  * the routed rows are grouped by expert (device-side), one GEMM per expert group, and the results
- * are summed back per token — no per-token host round trip. */
+ * are summed back per token — no per-token host round trip.
+ *
+ * Tensor parallelism (cfg.tp_size > 1; the rules are in model.h, prism_tp_shard_t): the rank holds
+ * its heads / columns / vocab rows, and a forward adds four kinds of collective: the vocab-parallel
+ * embedding lookup is all-reduced; o_proj and the MLP (down, plus the routed experts) are
+ * row-parallel, and their partial sums are all-reduced straight into the residual stream — rank 0
+ * accumulates onto the stream (with the row-parallel biases), the other ranks overwrite it with
+ * their partial, so the all-reduce leaves x + sum of partials on every rank, bit-identical; the
+ * logits are all-gathered and reassembled into whole rows (in forward_end). Two all-reduces per
+ * layer. A shard never drops cancelled sequences between layers (model.h, prism_model_hook_t). */
 #include "model/model_impl.h"
+#include "comm/comm.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -46,6 +56,9 @@ struct prism_llm {
     void *lm_head;                /* [vocab][hidden]; == embed when tied */
     float *inv_freq;              /* [head_dim/2] */
     llm_layer_t *layers;          /* [n_layers] (host array of device pointers) */
+    prism_tp_shard_t tp;          /* this rank's part (the whole model at T = 1) */
+    struct prism_comm *comm;      /* collectives (T > 1) */
+    size_t read_bytes;            /* checkpoint bytes read at load */
 
     int max_tokens, max_seqs;
     int lchunk;                   /* rows of logits computed per lm_head matmul */
@@ -70,7 +83,9 @@ struct prism_llm {
     float *ys;                    /* [R][hidden] expert outputs */
     float *xsel;                  /* [S][hidden] last-token rows */
     float *logits;                /* [lchunk][vocab] */
-    int32_t *d_meta;              /* device: ids[T] pos[T] slots[T] seq_start[S+1] pos0[S] rows[S] tables[cap] */
+    float *llocal;                /* T > 1: [lchunk][vocab_stride] this rank's logits */
+    float *lgather;               /* T > 1: [tp_size][lchunk][vocab_stride] everyone's */
+    int32_t *d_meta;              /* device: ids[T] pos[T] slots[T] seq_start[S+1] pos0[S] rows[S] tables[cap] lids[T] */
     int32_t *h_meta;              /* host mirror, same layout */
     int32_t *h_meta2;             /* host scratch: the mirror rebuilt when sequences drop out */
     size_t meta_n;
@@ -96,7 +111,19 @@ struct prism_kv_cache {
 
 /* ---------------------------------------------------------------- sizing */
 
-static int qkv_dim(const prism_model_config_t *c) { return (c->n_heads + 2 * c->n_kv_heads) * c->head_dim; }
+static prism_tp_shard_t shard_of(const prism_model_config_t *c)
+{
+    prism_tp_shard_t s;
+    int rc = prism_tp_shard(c, c->tp_size > 1 ? c->tp_size : 1, c->tp_size > 1 ? c->tp_rank : 0, &s, NULL, 0);
+    PRISM_ASSERT(rc == PRISM_OK);   /* prism_model_config_set_tp validated it */
+    return s;
+}
+
+/* Rows of this rank's fused q|k|v output. */
+static int qkv_dim(const prism_tp_shard_t *s, const prism_model_config_t *c)
+{
+    return (s->n_heads + 2 * s->n_kv_heads) * c->head_dim;
+}
 
 static bool any_layer(const prism_model_config_t *c, int flag)
 {
@@ -105,12 +132,13 @@ static bool any_layer(const prism_model_config_t *c, int flag)
     return false;
 }
 
-/* Widest MLP run on all T tokens: dense layers (dense_intermediate) or shared experts (intermediate). */
-static size_t ffn_width(const prism_model_config_t *c)
+/* Widest MLP run on all T tokens (this rank's columns): dense layers (dense_intermediate) or
+ * shared experts (intermediate). */
+static size_t ffn_width(const prism_tp_shard_t *s, const prism_model_config_t *c)
 {
     size_t w = 0;
     for (int i = 0; i < c->n_layers; i++) {
-        size_t li = (c->layer_flags[i] & PRISM_LAYER_MOE) ? (size_t)c->intermediate : (size_t)c->dense_intermediate;
+        size_t li = (c->layer_flags[i] & PRISM_LAYER_MOE) ? (size_t)s->n_eff : (size_t)s->n_ffn;
         if (li > w) w = li;
     }
     return w;
@@ -130,25 +158,26 @@ static int table_capacity(const prism_model_config_t *c, int S)
 
 static size_t meta_count(const prism_model_config_t *c, int T, int S)
 {
-    return (size_t)3 * T + (size_t)(S + 1) + 2 * (size_t)S + (size_t)table_capacity(c, S);
+    return (size_t)4 * T + (size_t)(S + 1) + 2 * (size_t)S + (size_t)table_capacity(c, S);
 }
 
 /* Carves the arena (or sizes it when m->abuf is NULL). */
 static size_t llm_layout(const prism_model_config_t *c, int T, int S, struct prism_llm *m)
 {
     prism_layout_t l = {m ? m->abuf : NULL, 0};
-    size_t H = (size_t)c->hidden, I = ffn_width(c);
+    prism_tp_shard_t sh = shard_of(c);
+    size_t H = (size_t)c->hidden, I = ffn_width(&sh, c);
     float *x = prism_layout_take(&l, (size_t)T * H * 4);
     float *xn = prism_layout_take(&l, (size_t)T * H * 4);
-    float *qkv = prism_layout_take(&l, (size_t)T * qkv_dim(c) * 4);
-    float *attn = prism_layout_take(&l, (size_t)T * c->n_heads * c->head_dim * 4);
+    float *qkv = prism_layout_take(&l, (size_t)T * qkv_dim(&sh, c) * 4);
+    float *attn = prism_layout_take(&l, (size_t)T * sh.n_heads * c->head_dim * 4);
     float *gu = prism_layout_take(&l, (size_t)T * 2 * I * 4);
     float *act = prism_layout_take(&l, (size_t)T * I * 4);
     float *qscale = any_layer(c, PRISM_LAYER_TEMP) ? prism_layout_take(&l, (size_t)T * 4) : NULL;
     float *rlogits = NULL, *r_w = NULL, *xs = NULL, *gu2 = NULL, *act2 = NULL, *ys = NULL;
     int32_t *r_choice = NULL, *r_order = NULL, *r_slot = NULL, *r_off = NULL;
     if (any_layer(c, PRISM_LAYER_MOE)) {
-        size_t R = (size_t)T * c->top_k, E = (size_t)c->n_experts, EI = (size_t)c->intermediate;
+        size_t R = (size_t)T * c->top_k, E = (size_t)c->n_experts, EI = (size_t)sh.n_eff;
         rlogits = prism_layout_take(&l, (size_t)T * E * 4);
         r_choice = prism_layout_take(&l, R * 4);
         r_order = prism_layout_take(&l, R * 4);
@@ -161,13 +190,19 @@ static size_t llm_layout(const prism_model_config_t *c, int T, int S, struct pri
         ys = prism_layout_take(&l, R * H * 4);
     }
     float *xsel = prism_layout_take(&l, (size_t)S * H * 4);
-    float *logits = prism_layout_take(&l, (size_t)logits_chunk(T, S) * c->vocab * 4);
+    size_t lc = (size_t)logits_chunk(T, S);
+    float *logits = prism_layout_take(&l, lc * c->vocab * 4);
+    float *llocal = NULL, *lgather = NULL;
+    if (sh.size > 1) {
+        llocal = prism_layout_take(&l, lc * sh.vocab_stride * 4);
+        lgather = prism_layout_take(&l, (size_t)sh.size * lc * sh.vocab_stride * 4);
+    }
     int32_t *meta = prism_layout_take(&l, meta_count(c, T, S) * 4);
     if (m && m->abuf) {
         m->x = x; m->xn = xn; m->qkv = qkv; m->attn = attn; m->gu = gu; m->act = act; m->qscale = qscale;
         m->rlogits = rlogits; m->r_choice = r_choice; m->r_order = r_order; m->r_slot = r_slot; m->r_off = r_off;
         m->r_w = r_w; m->xs = xs; m->gu2 = gu2; m->act2 = act2; m->ys = ys;
-        m->xsel = xsel; m->logits = logits; m->d_meta = meta;
+        m->xsel = xsel; m->logits = logits; m->llocal = llocal; m->lgather = lgather; m->d_meta = meta;
     }
     return PRISM_ALIGN_UP(l.off, PRISM_TENSOR_ALIGN);
 }
@@ -182,17 +217,29 @@ size_t prism_llm_arena_bytes(const prism_model_config_t *cfg, int max_batch_toke
 
 static const char *const k_text_prefixes[] = {"language_model.model.", "model.language_model.", "model.", ""};
 
+/* Loads this rank's part of every tensor (the whole tensor at T = 1): row slices (q/k/v, gate/up,
+ * embedding and lm_head rows, expert down rows) and column slices (o_proj, down, expert gate/up
+ * columns) are read straight from the checkpoint; norms, biases of row-parallel layers and the MoE
+ * router are replicated. */
 static int load_weights(struct prism_llm *m, prism_wload_t *w, const char *pfx, const char *head_name)
 {
     const prism_model_config_t *c = &m->cfg;
+    const prism_tp_shard_t *sh = &m->tp;
     prism_dtype_t wdt = m->wdt;
     int64_t H = c->hidden, V = c->vocab, hd = c->head_dim, E = c->n_experts, EI = c->intermediate;
     int64_t nq = (int64_t)c->n_heads * hd, nkv = (int64_t)c->n_kv_heads * hd;
+    /* this rank's rows of q, k, v (in elements of the projection's output) */
+    int64_t q0 = (int64_t)sh->head0 * hd, nq_l = (int64_t)sh->n_heads * hd;
+    int64_t k0 = (int64_t)sh->kv_head0 * hd, nkv_l = (int64_t)sh->n_kv_heads * hd;
+    const prism_wload_range_t vrows = {sh->vocab0, sh->vocab0 + sh->n_vocab};
+    const prism_wload_range_t qr = {q0, q0 + nq_l}, kr = {k0, k0 + nkv_l};
+    const prism_wload_range_t er = {sh->eff0, sh->eff0 + sh->n_eff};
+    const prism_wload_range_t egu[2] = {{sh->eff0, sh->eff0 + sh->n_eff}, {EI + sh->eff0, EI + sh->eff0 + sh->n_eff}};
     char name[256];
     int rc;
 #define NAME(...) (snprintf(name, sizeof name, __VA_ARGS__), name)
 #define SHAPE(...) ((const int64_t[]){__VA_ARGS__})
-    if ((rc = prism_wload_tensor(w, &m->embed, wdt, NAME("%sembed_tokens.weight", pfx), 2, SHAPE(V, H)))) return rc;
+    if ((rc = prism_wload_tensor_slice(w, &m->embed, wdt, NAME("%sembed_tokens.weight", pfx), 2, SHAPE(V, H), 0, 1, &vrows))) return rc;
     if ((rc = prism_wload_tensor(w, (void **)&m->norm, PRISM_DTYPE_F32, NAME("%snorm.weight", pfx), 1, SHAPE(H)))) return rc;
     if (c->tie_word_embeddings && !head_name) {
         m->lm_head = m->embed;
@@ -202,7 +249,7 @@ static int load_weights(struct prism_llm *m, prism_wload_t *w, const char *pfx, 
                 snprintf(w->err, w->errlen, "weights: lm_head.weight not found (and tie_word_embeddings is false)");
             return PRISM_ENOTFOUND;
         }
-        if ((rc = prism_wload_tensor(w, &m->lm_head, wdt, head_name, 2, SHAPE(V, H)))) return rc;
+        if ((rc = prism_wload_tensor_slice(w, &m->lm_head, wdt, head_name, 2, SHAPE(V, H), 0, 1, &vrows))) return rc;
     }
     size_t es = prism_dtype_size(wdt);
     for (int L = 0; L < c->n_layers; L++) {
@@ -211,42 +258,47 @@ static int load_weights(struct prism_llm *m, prism_wload_t *w, const char *pfx, 
         snprintf(p, sizeof p, "%slayers.%d.", pfx, L);
         if ((rc = prism_wload_tensor(w, (void **)&ly->attn_norm, PRISM_DTYPE_F32, NAME("%sinput_layernorm.weight", p), 1, SHAPE(H)))) return rc;
         if ((rc = prism_wload_tensor(w, (void **)&ly->mlp_norm, PRISM_DTYPE_F32, NAME("%spost_attention_layernorm.weight", p), 1, SHAPE(H)))) return rc;
-        ly->wqkv = prism_wload_reserve(w, (size_t)(nq + 2 * nkv) * H * es);
+        ly->wqkv = prism_wload_reserve(w, (size_t)(nq_l + 2 * nkv_l) * H * es);
         uint8_t *q = ly->wqkv;
-        if ((rc = prism_wload_fill(w, q, wdt, NAME("%sself_attn.q_proj.weight", p), 2, SHAPE(nq, H)))) return rc;
-        if ((rc = prism_wload_fill(w, q ? q + nq * H * es : NULL, wdt, NAME("%sself_attn.k_proj.weight", p), 2, SHAPE(nkv, H)))) return rc;
-        if ((rc = prism_wload_fill(w, q ? q + (nq + nkv) * H * es : NULL, wdt, NAME("%sself_attn.v_proj.weight", p), 2, SHAPE(nkv, H)))) return rc;
+        if ((rc = prism_wload_fill_slice(w, q, wdt, NAME("%sself_attn.q_proj.weight", p), 2, SHAPE(nq, H), 0, 1, &qr))) return rc;
+        if ((rc = prism_wload_fill_slice(w, q ? q + nq_l * H * es : NULL, wdt, NAME("%sself_attn.k_proj.weight", p), 2, SHAPE(nkv, H), 0, 1, &kr))) return rc;
+        if ((rc = prism_wload_fill_slice(w, q ? q + (nq_l + nkv_l) * H * es : NULL, wdt, NAME("%sself_attn.v_proj.weight", p), 2, SHAPE(nkv, H), 0, 1, &kr))) return rc;
         if (c->attention_bias) {
-            ly->bqkv = prism_wload_reserve(w, (size_t)(nq + 2 * nkv) * 4);
+            ly->bqkv = prism_wload_reserve(w, (size_t)(nq_l + 2 * nkv_l) * 4);
             float *b = ly->bqkv;
-            if ((rc = prism_wload_fill(w, b, PRISM_DTYPE_F32, NAME("%sself_attn.q_proj.bias", p), 1, SHAPE(nq)))) return rc;
-            if ((rc = prism_wload_fill(w, b ? b + nq : NULL, PRISM_DTYPE_F32, NAME("%sself_attn.k_proj.bias", p), 1, SHAPE(nkv)))) return rc;
-            if ((rc = prism_wload_fill(w, b ? b + nq + nkv : NULL, PRISM_DTYPE_F32, NAME("%sself_attn.v_proj.bias", p), 1, SHAPE(nkv)))) return rc;
+            if ((rc = prism_wload_fill_slice(w, b, PRISM_DTYPE_F32, NAME("%sself_attn.q_proj.bias", p), 1, SHAPE(nq), 0, 1, &qr))) return rc;
+            if ((rc = prism_wload_fill_slice(w, b ? b + nq_l : NULL, PRISM_DTYPE_F32, NAME("%sself_attn.k_proj.bias", p), 1, SHAPE(nkv), 0, 1, &kr))) return rc;
+            if ((rc = prism_wload_fill_slice(w, b ? b + nq_l + nkv_l : NULL, PRISM_DTYPE_F32, NAME("%sself_attn.v_proj.bias", p), 1, SHAPE(nkv), 0, 1, &kr))) return rc;
         }
-        if ((rc = prism_wload_tensor(w, &ly->wo, wdt, NAME("%sself_attn.o_proj.weight", p), 2, SHAPE(H, nq)))) return rc;
+        if ((rc = prism_wload_tensor_slice(w, &ly->wo, wdt, NAME("%sself_attn.o_proj.weight", p), 2, SHAPE(H, nq), 1, 1, &qr))) return rc;
         if (c->o_bias &&
             (rc = prism_wload_tensor(w, (void **)&ly->bo, PRISM_DTYPE_F32, NAME("%sself_attn.o_proj.bias", p), 1, SHAPE(H)))) return rc;
         /* The MLP: Llama's mlp.*, Llama-4's feed_forward.* (dense) or feed_forward.shared_expert.* */
         bool moe = c->layer_flags[L] & PRISM_LAYER_MOE;
         int64_t I = moe ? EI : c->dense_intermediate;
+        prism_wload_range_t fr = moe ? er : (prism_wload_range_t){sh->ffn0, sh->ffn0 + sh->n_ffn};
+        int64_t I_l = fr.hi - fr.lo;
         char f[160];
         bool l4_names = strncmp(c->arch, "llama4", 6) == 0;   /* Llama-4 checkpoints say feed_forward */
         snprintf(f, sizeof f, "%s%s", p, l4_names ? (moe ? "feed_forward.shared_expert." : "feed_forward.") : "mlp.");
-        ly->wgu = prism_wload_reserve(w, (size_t)(2 * I) * H * es);
+        ly->wgu = prism_wload_reserve(w, (size_t)(2 * I_l) * H * es);
         uint8_t *g = ly->wgu;
-        if ((rc = prism_wload_fill(w, g, wdt, NAME("%sgate_proj.weight", f), 2, SHAPE(I, H)))) return rc;
-        if ((rc = prism_wload_fill(w, g ? g + I * H * es : NULL, wdt, NAME("%sup_proj.weight", f), 2, SHAPE(I, H)))) return rc;
-        if ((rc = prism_wload_tensor(w, &ly->wdown, wdt, NAME("%sdown_proj.weight", f), 2, SHAPE(H, I)))) return rc;
+        if ((rc = prism_wload_fill_slice(w, g, wdt, NAME("%sgate_proj.weight", f), 2, SHAPE(I, H), 0, 1, &fr))) return rc;
+        if ((rc = prism_wload_fill_slice(w, g ? g + I_l * H * es : NULL, wdt, NAME("%sup_proj.weight", f), 2, SHAPE(I, H), 0, 1, &fr))) return rc;
+        if ((rc = prism_wload_tensor_slice(w, &ly->wdown, wdt, NAME("%sdown_proj.weight", f), 2, SHAPE(H, I), 1, 1, &fr))) return rc;
         if (c->mlp_bias) {
-            ly->bgu = prism_wload_reserve(w, (size_t)2 * I * 4);
-            if ((rc = prism_wload_fill(w, ly->bgu, PRISM_DTYPE_F32, NAME("%sgate_proj.bias", f), 1, SHAPE(I)))) return rc;
-            if ((rc = prism_wload_fill(w, ly->bgu ? ly->bgu + I : NULL, PRISM_DTYPE_F32, NAME("%sup_proj.bias", f), 1, SHAPE(I)))) return rc;
+            ly->bgu = prism_wload_reserve(w, (size_t)2 * I_l * 4);
+            if ((rc = prism_wload_fill_slice(w, ly->bgu, PRISM_DTYPE_F32, NAME("%sgate_proj.bias", f), 1, SHAPE(I), 0, 1, &fr))) return rc;
+            if ((rc = prism_wload_fill_slice(w, ly->bgu ? ly->bgu + I_l : NULL, PRISM_DTYPE_F32, NAME("%sup_proj.bias", f), 1, SHAPE(I), 0, 1, &fr))) return rc;
             if ((rc = prism_wload_tensor(w, (void **)&ly->bdown, PRISM_DTYPE_F32, NAME("%sdown_proj.bias", f), 1, SHAPE(H)))) return rc;
         }
         if (moe) {
             if ((rc = prism_wload_tensor(w, &ly->router, wdt, NAME("%sfeed_forward.router.weight", p), 2, SHAPE(E, H)))) return rc;
-            if ((rc = prism_wload_tensor(w, &ly->exp_gu, wdt, NAME("%sfeed_forward.experts.gate_up_proj", p), 3, SHAPE(E, H, 2 * EI)))) return rc;
-            if ((rc = prism_wload_tensor(w, &ly->exp_down, wdt, NAME("%sfeed_forward.experts.down_proj", p), 3, SHAPE(E, EI, H)))) return rc;
+            /* gate_up_proj [E][H][2*EI]: this rank's gate columns then its up columns, per row */
+            if ((rc = prism_wload_tensor_slice(w, &ly->exp_gu, wdt, NAME("%sfeed_forward.experts.gate_up_proj", p), 3,
+                                               SHAPE(E, H, 2 * EI), 2, 2, egu))) return rc;
+            if ((rc = prism_wload_tensor_slice(w, &ly->exp_down, wdt, NAME("%sfeed_forward.experts.down_proj", p), 3,
+                                               SHAPE(E, EI, H), 1, 1, &er))) return rc;
         }
     }
     m->inv_freq = prism_wload_reserve(w, (size_t)(hd / 2) * 4);
@@ -274,6 +326,12 @@ int prism_llm_load(prism_backend_t *be, const prism_model_config_t *cfg, const c
         ERR("llm: the %s backend lacks the ops %s needs", be->device, cfg->arch);
         return PRISM_ENOTSUP;
     }
+    prism_tp_shard_t shard;
+    {
+        int trc = prism_tp_shard(cfg, cfg->tp_size > 1 ? cfg->tp_size : 1, cfg->tp_size > 1 ? cfg->tp_rank : 0, &shard,
+                                 err, errlen);
+        if (trc != PRISM_OK) return trc;
+    }
     prism_st_t *st = NULL;
     struct prism_llm *m = prism_calloc(1, sizeof *m);
     prism_wload_t w = {0};
@@ -284,6 +342,7 @@ int prism_llm_load(prism_backend_t *be, const prism_model_config_t *cfg, const c
     m->wdt = be->weight_dtype;
     m->max_tokens = max_batch_tokens;
     m->max_seqs = max_seqs;
+    m->tp = shard;
     m->layers = prism_calloc((size_t)cfg->n_layers, sizeof *m->layers);
     if (!m->layers) goto fail;
     const char *pfx = "model.", *head = cfg->tie_word_embeddings ? NULL : "lm_head.weight";
@@ -328,6 +387,7 @@ int prism_llm_load(prism_backend_t *be, const prism_model_config_t *cfg, const c
     w.staging = NULL;
     prism_st_close(st);
     st = NULL;
+    m->read_bytes = w.read_bytes;
 
     m->lchunk = logits_chunk(max_batch_tokens, max_seqs);
     m->table_cap = table_capacity(cfg, max_seqs);
@@ -349,9 +409,16 @@ int prism_llm_load(prism_backend_t *be, const prism_model_config_t *cfg, const c
     llm_layout(cfg, max_batch_tokens, max_seqs, m);
     {
         char a[32], b[32];
-        PRISM_INFO("llm: %s weights (%d tensors, %s) + %s arena for %d tokens / %d seqs in %.2fs",
+        PRISM_INFO("llm: %s weights (%d tensors, %s) + %s arena for %d tokens / %d seqs in %.2fs%s",
                    cfg->arch, w.n_tensors, prism_fmt_bytes(m->wbytes, a, sizeof a),
-                   prism_fmt_bytes(m->abytes, b, sizeof b), max_batch_tokens, max_seqs, prism_now_s() - t0);
+                   prism_fmt_bytes(m->abytes, b, sizeof b), max_batch_tokens, max_seqs, prism_now_s() - t0,
+                   shard.size > 1 ? " (tensor-parallel shard)" : "");
+        if (shard.size > 1)
+            PRISM_INFO("llm: rank %d of %d: query heads [%d,%d), KV heads [%d,%d) (each on %d rank(s)), vocab [%d,%d), "
+                       "MLP columns [%d,%d), expert columns [%d,%d)", shard.rank, shard.size, shard.head0,
+                       shard.head0 + shard.n_heads, shard.kv_head0, shard.kv_head0 + shard.n_kv_heads, shard.kv_replicas,
+                       shard.vocab0, shard.vocab0 + shard.n_vocab, shard.ffn0, shard.ffn0 + shard.n_ffn, shard.eff0,
+                       shard.eff0 + shard.n_eff);
     }
     *out = m;
     return PRISM_OK;
@@ -378,13 +445,26 @@ void prism_llm_free(prism_llm_t *m)
 }
 
 size_t prism_llm_weight_bytes(const prism_llm_t *m) { return m->wbytes; }
+size_t prism_llm_read_bytes(const prism_llm_t *m) { return m->read_bytes; }
+const prism_tp_shard_t *prism_llm_shard(const prism_llm_t *m) { return &m->tp; }
+
+int prism_llm_set_comm(prism_llm_t *m, struct prism_comm *comm)
+{
+    if (comm && (comm->size != m->tp.size || comm->rank != m->tp.rank)) {
+        PRISM_ERROR("llm: a communicator of rank %d/%d for a shard of rank %d/%d", comm->rank, comm->size, m->tp.rank,
+                    m->tp.size);
+        return PRISM_EINVAL;
+    }
+    m->comm = comm;
+    return PRISM_OK;
+}
 const prism_model_config_t *prism_llm_config(const prism_llm_t *m) { return &m->cfg; }
 
 /* ---------------------------------------------------------------- KV cache */
 
 size_t prism_kv_cache_block_bytes(const prism_model_config_t *c, int block_size)
 {
-    return (size_t)c->n_layers * 2 * (size_t)block_size * c->n_kv_heads * c->head_dim * sizeof(float);
+    return (size_t)c->n_layers * 2 * (size_t)block_size * prism_model_local_kv_heads(c) * c->head_dim * sizeof(float);
 }
 
 int prism_kv_cache_create(prism_backend_t *be, const prism_model_config_t *c, int n_blocks, int block_size,
@@ -396,11 +476,11 @@ int prism_kv_cache_create(prism_backend_t *be, const prism_model_config_t *c, in
     if (!kv) return PRISM_ENOMEM;
     kv->be = be;
     kv->n_layers = c->n_layers;
-    kv->n_kv = c->n_kv_heads;
+    kv->n_kv = prism_model_local_kv_heads(c);
     kv->head_dim = c->head_dim;
     kv->n_blocks = n_blocks;
     kv->block_size = block_size;
-    kv->lbb = (size_t)block_size * c->n_kv_heads * c->head_dim * sizeof(float);
+    kv->lbb = (size_t)block_size * kv->n_kv * c->head_dim * sizeof(float);
     size_t total = kv->lbb * 2 * (size_t)n_blocks * (size_t)c->n_layers;
     kv->buf = prism_backend_buf_alloc(be, total);
     if (!kv->buf) {
@@ -518,6 +598,10 @@ static int llm_between_layers(struct prism_llm *m, int done, int mbps, meta_ptrs
 {
     const prism_model_hook_t *k = m->hook;
     if (!k || !k->layer || !k->layer(k->ud, done, m->cfg.n_layers) || !k->cancelled) return PRISM_OK;
+    /* A tensor-parallel rank never drops a sequence on its own: every rank must run the same
+     * collectives over the same rows, and only the leader hears of aborts. The leader leaves an
+     * aborted sequence out of its next step plan instead (the hook still counts the layers). */
+    if (m->tp.size > 1) return PRISM_OK;
     int S = m->f_S, nS = 0;
     for (int s = 0; s < S; s++) {
         m->gone[s] = k->cancelled(k->ud, m->keep[s]);
@@ -582,7 +666,10 @@ int prism_llm_forward_begin(prism_llm_t *m, prism_kv_cache_t *kv, const prism_ll
     if (S <= 0 || T <= 0 || !b->tokens || !b->seq_start || !b->pos0 || !b->block_tables)
         return PRISM_EINVAL;
     if (T > m->max_tokens || S > m->max_seqs) return PRISM_ELIMIT;
-    if (kv->n_layers != c->n_layers || kv->n_kv != c->n_kv_heads || kv->head_dim != c->head_dim)
+    const prism_tp_shard_t *sh = &m->tp;
+    const bool tp = sh->size > 1, lead = sh->rank == 0;
+    if (tp && !m->comm) return PRISM_EINVAL;
+    if (kv->n_layers != c->n_layers || kv->n_kv != sh->n_kv_heads || kv->head_dim != c->head_dim)
         return PRISM_EINVAL;
     if (b->seq_start[0] != 0 || b->seq_start[S] != T) return PRISM_EINVAL;
     int bs = kv->block_size, mbps = 1, max_q = 0, max_ctx = 0;
@@ -630,21 +717,31 @@ int prism_llm_forward_begin(prism_llm_t *m, prism_kv_cache_t *kv, const prism_ll
     }
     h.seq_start[S] = T;
     m->ostart[S] = T;
-    size_t meta_used = (size_t)(h.tables - h.ids) + (size_t)S * mbps;
+    /* Vocab-parallel embedding: ids of this rank's rows, -1 (a zero row) for everyone else's. */
+    int32_t *lids = h.tables + (size_t)S * mbps;
+    if (tp)
+        for (int t = 0; t < T; t++) {
+            int id = h.ids[t] - sh->vocab0;
+            lids[t] = id >= 0 && id < sh->n_vocab ? id : -1;
+        }
+    size_t meta_used = (size_t)(h.tables - h.ids) + (size_t)S * mbps + (tp ? (size_t)T : 0);
     CK(o->upload(bx, m->d_meta, m->h_meta, meta_used * 4));
     meta_ptrs_t d = meta_at(m->d_meta, T, S);
+    int32_t *d_lids = d.tables + (size_t)S * mbps;
     m->f_T = T;
     m->f_S = m->f_S0 = S;
     m->f_all_logits = b->all_logits;
     m->f_x = m->x;
     m->f_xn = m->xn;
 
-    const int H = c->hidden, hd = c->head_dim, nh = c->n_heads, nkv = c->n_kv_heads;
-    const int QKV = qkv_dim(c), NQ = nh * hd;
+    const int H = c->hidden, hd = c->head_dim, nh = sh->n_heads, nkv = sh->n_kv_heads;
+    const int QKV = qkv_dim(sh, c), NQ = nh * hd;
     prism_dtype_t wdt = m->wdt;
+    struct prism_comm *cm = m->comm;
 
     /* Embeddings, with image features overwriting masked rows (contiguous runs per upload). */
-    CK(o->get_rows(bx, m->f_x, m->embed, wdt, c->vocab, d.ids, T, H));
+    CK(o->get_rows(bx, m->f_x, m->embed, wdt, sh->n_vocab, tp ? d_lids : d.ids, T, H));
+    if (tp) CK(prism_comm_all_reduce_sum(cm, m->f_x, (size_t)T * H));
     if (b->embed_rows || (b->embeds && b->embed_mask)) {
         for (int t = 0; t < T;) {
             const float *src = embed_row(b, t, H);
@@ -686,15 +783,20 @@ int prism_llm_forward_begin(prism_llm_t *m, prism_kv_cache_t *kv, const prism_ll
             CK(o->attn_decode(bx, m->attn, NQ, m->qkv, QKV, kc, vc, &meta, nh, nkv, hd, scale));
         else
             CK(o->attn_paged(bx, m->attn, NQ, m->qkv, QKV, kc, vc, &meta, nh, nkv, hd, scale));
-        CK(o->matmul(bx, x, H, m->attn, NQ, ly->wo, wdt, ly->bo, T, H, NQ, true));
+        /* Row-parallel o_proj: rank 0 adds onto the residual (with the bias), the others write their
+         * partial sum; the all-reduce leaves x + every partial on every rank. */
+        CK(o->matmul(bx, x, H, m->attn, NQ, ly->wo, wdt, lead ? ly->bo : NULL, T, H, NQ, lead));
+        if (tp) CK(prism_comm_all_reduce_sum(cm, x, (size_t)T * H));
         CK(o->rmsnorm(bx, xn, x, ly->mlp_norm, T, H, c->rms_eps));
         /* Dense MLP, or the shared expert of a MoE layer: both add straight into the residual. */
-        const int I = (fl & PRISM_LAYER_MOE) ? c->intermediate : c->dense_intermediate;
+        const int I = (fl & PRISM_LAYER_MOE) ? sh->n_eff : sh->n_ffn;
         CK(o->matmul(bx, m->gu, 2 * I, xn, H, ly->wgu, wdt, ly->bgu, T, 2 * I, H, false));
         CK(o->silu_mul(bx, m->act, m->gu, m->gu + I, 2 * I, T, I));
-        CK(o->matmul(bx, x, H, m->act, I, ly->wdown, wdt, ly->bdown, T, H, I, true));
+        CK(o->matmul(bx, x, H, m->act, I, ly->wdown, wdt, lead ? ly->bdown : NULL, T, H, I, lead));
         if (fl & PRISM_LAYER_MOE) {
-            const int E = c->n_experts, K = c->top_k, R = T * K, EI = c->intermediate;
+            /* Every rank routes identically (replicated router over the same xn) and runs its
+             * columns of each chosen expert; the partial sums join the shared expert's. */
+            const int E = c->n_experts, K = c->top_k, R = T * K, EI = sh->n_eff;
             CK(o->matmul(bx, m->rlogits, E, xn, H, ly->router, wdt, NULL, T, E, H, false));
             CK(o->moe_route(bx, m->rlogits, T, E, K, m->r_choice, m->r_order, m->r_w, m->r_off, m->r_slot));
             /* Expert inputs: each routed row is its token's normed state times the router score. */
@@ -705,6 +807,7 @@ int prism_llm_forward_begin(prism_llm_t *m, prism_kv_cache_t *kv, const prism_ll
             CK(o->matmul_grouped(bx, m->ys, H, m->act2, EI, ly->exp_down, wdt, m->r_off, E, R, H, EI));
             CK(o->moe_combine(bx, x, H, m->ys, m->r_slot, T, K, H));
         }
+        if (tp) CK(prism_comm_all_reduce_sum(cm, x, (size_t)T * H));
         CK(llm_between_layers(m, L + 1, mbps, &h, &d, &meta));
     }
     m->f_rows = d.rows;
@@ -742,24 +845,41 @@ int prism_llm_forward_end(prism_llm_t *m, float *logits)
     const prism_backend_i *o = &m->be->i;
     if (!m->f_open || !logits) return PRISM_EINVAL;
     m->f_open = false;
-    if (m->f_S == 0) return PRISM_OK;   /* every sequence was cancelled */
+    if (m->f_S == 0) return PRISM_OK;   /* every sequence was cancelled (never under tensor parallelism) */
     const int H = c->hidden, T = m->f_T, S = m->f_S;
+    const prism_tp_shard_t *sh = &m->tp;
+    const bool tp = sh->size > 1;
+    struct prism_comm *cm = m->comm;
     prism_dtype_t wdt = m->wdt;
+    /* Final norm over the rows whose logits are wanted, then lm_head in chunks of lchunk rows. */
+    const float *rows_in = m->f_xn;
+    int n_out = T;
     if (m->f_all_logits) {
         CK(o->rmsnorm(bx, m->f_xn, m->f_x, m->norm, T, H, c->rms_eps));
-        for (int r0 = 0; r0 < T; r0 += m->lchunk) {
-            int n = PRISM_MIN(m->lchunk, T - r0);
-            CK(o->matmul(bx, m->logits, c->vocab, m->f_xn + (size_t)r0 * H, H, m->lm_head, wdt, NULL, n, c->vocab, H, false));
-            CK(llm_logits_out(m, logits, r0, n));
-        }
     } else {
         CK(o->get_rows(bx, m->xsel, m->f_x, PRISM_DTYPE_F32, T, m->f_rows, S, H));
         CK(o->rmsnorm(bx, m->xsel, m->xsel, m->norm, S, H, c->rms_eps));
-        for (int r0 = 0; r0 < S; r0 += m->lchunk) {
-            int n = PRISM_MIN(m->lchunk, S - r0);
-            CK(o->matmul(bx, m->logits, c->vocab, m->xsel + (size_t)r0 * H, H, m->lm_head, wdt, NULL, n, c->vocab, H, false));
-            CK(llm_logits_out(m, logits, r0, n));
+        rows_in = m->xsel;
+        n_out = S;
+    }
+    for (int r0 = 0; r0 < n_out; r0 += m->lchunk) {
+        int n = PRISM_MIN(m->lchunk, n_out - r0);
+        if (!tp) {
+            CK(o->matmul(bx, m->logits, c->vocab, rows_in + (size_t)r0 * H, H, m->lm_head, wdt, NULL, n, c->vocab, H, false));
+        } else {
+            /* This rank's vocab columns, gathered from every rank and laid side by side. */
+            const int st = sh->vocab_stride;
+            CK(o->matmul(bx, m->llocal, st, rows_in + (size_t)r0 * H, H, m->lm_head, wdt, NULL, n, sh->n_vocab, H, false));
+            CK(prism_comm_all_gather(cm, m->lgather, m->llocal, (size_t)n * st * 4));
+            for (int r = 0; r < sh->size; r++) {
+                /* rank r holds vocab rows [V*r/T, V*(r+1)/T) (prism_tp_shard) */
+                int64_t v0 = (int64_t)c->vocab * r / sh->size, v1 = (int64_t)c->vocab * (r + 1) / sh->size;
+                CK(o->copy_2d(bx, m->logits + v0, (size_t)c->vocab * 4, m->lgather + (size_t)r * n * st,
+                              (size_t)st * 4, (size_t)(v1 - v0) * 4, (size_t)n));
+            }
+            CK(prism_comm_wait(cm));
         }
+        CK(llm_logits_out(m, logits, r0, n));
     }
     return PRISM_OK;
 }

@@ -87,6 +87,10 @@ typedef struct prism_model_config {
     int v_adapter_dim;        /* projector_input_dim == projector_output_dim: adapter fc1/fc2 width */
     int v_output_dim;         /* vision_output_dim: multi_modal_projector.linear_1 input */
     int boi_token_id, eoi_token_id;  /* <|image_start|>, <|image_end|> (-1 when absent) */
+    /* --- tensor parallelism: set by the caller (prism_model_config_set_tp), not by config.json.
+     * 0 or 1 = the whole model. With tp_size T > 1 every size this module reports or allocates is
+     * the rank's own (weights, activation arena, KV block bytes, KV heads): see prism_tp_shard_t. */
+    int tp_size, tp_rank;
 } prism_model_config_t;
 
 /* config.json (+generation_config.json for eos); accepts llava (text_config/vision_config),
@@ -110,12 +114,68 @@ void prism_model_rope_inv_freq(const prism_model_config_t *cfg, float *inv_freq)
  *       sequences of an LLM batch, the images of a vision batch. A forward whose items are all
  *       dropped returns PRISM_OK with nothing written.
  * On a device with streams the layers are enqueued, not run, so there the check happens once per
- * forward in practice (at launch). */
+ * forward in practice (at launch). A tensor-parallel shard (cfg.tp_size > 1) calls layer() but never
+ * cancelled(): its ranks must run the same collectives over the same rows, so a group drops an
+ * aborted item only between forwards (the leader leaves it out of the next step plan). */
 typedef struct prism_model_hook {
     bool (*layer)(void *ud, int done, int total);
     bool (*cancelled)(void *ud, int item);
     void *ud;
 } prism_model_hook_t;
+
+/* ---- tensor parallelism: what one rank of T holds ----
+ * Megatron-style sharding of the language model (the vision tower is never sharded: it runs whole in
+ * each encoder process, which scale by count, not by TP):
+ *  - attention: q/k/v column-parallel by heads (rank r holds query heads [head0, head0 + n_heads)),
+ *    o_proj row-parallel, its partial sums all-reduced (the o bias added once, on rank 0);
+ *  - KV heads, the rule: with n_kv >= T (n_kv a multiple of T) rank r holds KV heads
+ *    [r*n_kv/T, (r+1)*n_kv/T); with n_kv < T (T a multiple of n_kv) rank r holds the ONE KV head
+ *    its query heads read, r*n_kv/T, and each KV head is replicated on T/n_kv ranks. Either way a
+ *    rank's query heads are the GQA group of its KV heads in HF's order (q head h reads KV head
+ *    h / (n_heads / n_kv)), so the local attention needs no mapping table. n_heads must divide by T;
+ *  - dense MLP and the shared expert: gate/up column-parallel, down row-parallel + all-reduce;
+ *  - routed experts (Llama-4 MoE): EVERY expert's width is split across the ranks (gate/up columns
+ *    and down rows [eff0, eff0 + n_eff) of each expert), the router is replicated, so each rank
+ *    routes identically and computes 1/T of every chosen expert; the experts' partial sums join the
+ *    shared expert's in the MLP's one all-reduce. Why not experts across ranks: with top-1 routing a
+ *    popular expert would keep its rank busy while the others wait (the step runs at the slowest
+ *    rank), it needs two all-to-all token exchanges per MoE layer, and it needs n_experts to
+ *    divide by T (the tiny Llama-4 fixture has 5 experts);
+ *  - embedding and lm_head vocab-parallel: rank r holds vocab rows [vocab0, vocab0 + n_vocab) =
+ *    [V*r/T, V*(r+1)/T) (vocab_stride = ceil(V/T), the widest part); the embedding lookup gives
+ *    zero rows for other ranks' tokens and is all-reduced; logits are all-gathered, so every rank
+ *    (the leader samples) has the full [vocab] row — sampling, logprobs, penalties and grammar masks
+ *    need the exact whole distribution.
+ * Column widths that do not divide by T are split as evenly as possible (lo = n*r/T). */
+typedef struct {
+    int size, rank;
+    int head0, n_heads;           /* query heads of this rank */
+    int kv_head0, n_kv_heads;     /* KV heads this rank holds (and caches) */
+    int kv_replicas;              /* ranks holding each KV head: T / n_kv when n_kv < T, else 1 */
+    int vocab0, n_vocab, vocab_stride;
+    int ffn0, n_ffn;              /* columns of dense_intermediate (dense MLP layers) */
+    int eff0, n_eff;              /* columns of intermediate (routed experts, shared expert) */
+} prism_tp_shard_t;
+
+/* The shard of `rank` in a group of `size` for this model; PRISM_ENOTSUP (message in err) when the
+ * shapes cannot be split that way (heads not divisible, KV heads neither a multiple nor a divisor of
+ * size, a width smaller than size). size 1 gives the whole model. */
+int  prism_tp_shard(const prism_model_config_t *cfg, int size, int rank, prism_tp_shard_t *out,
+                    char *err, size_t errlen);
+/* Validates and sets cfg->tp_size / tp_rank (every later size and load is the rank's). */
+int  prism_model_config_set_tp(prism_model_config_t *cfg, int size, int rank, char *err, size_t errlen);
+/* KV heads this rank's cache holds (n_kv_heads at T = 1). */
+int  prism_model_local_kv_heads(const prism_model_config_t *cfg);
+/* A rank's part of whole-model KV blocks (prism_kv_cache_export's layout with all cfg->n_kv_heads
+ * heads, as a prefill of T = 1 sends them): KV heads [head0, head0 + n_heads) of n_blocks blocks
+ * into dst, laid out as a cache holding n_heads heads (prism_kv_cache_import's input for that rank).
+ * How a decode group's leader gives each rank exactly the heads it holds. */
+void prism_kv_slice_heads(const prism_model_config_t *cfg, int block_size, int n_blocks, const void *src,
+                          int head0, int n_heads, void *dst);
+/* The inverse: a rank's heads (part) written into their place in whole-model blocks (how a prefill
+ * group's leader assembles the KV it sends to decode). */
+void prism_kv_merge_heads(const prism_model_config_t *cfg, int block_size, int n_blocks, const void *part,
+                          int head0, int n_heads, void *whole);
 
 typedef struct prism_llm prism_llm_t;        /* the language model */
 typedef struct prism_kv_cache prism_kv_cache_t;  /* paged K/V storage: per layer [n_blocks][block_size][n_kv_heads][head_dim] for K and V */
@@ -126,17 +186,28 @@ typedef struct prism_kv_cache prism_kv_cache_t;  /* paged K/V storage: per layer
 int  prism_llm_load(prism_backend_t *be, const prism_model_config_t *cfg, const char *model_dir,
                     int max_batch_tokens, int max_seqs, prism_llm_t **out, char *err, size_t errlen);
 void prism_llm_free(prism_llm_t *m);
+/* Tensor parallelism (cfg->tp_size > 1): the collectives the forward uses (common/comm/comm.h; the
+ * group owns them, the model only calls them). A sharded model refuses to run without one.
+ * Every rank must call prism_llm_forward (or begin, and end unless every rank skips it) with the
+ * same batch in the same order: end has a collective of its own (the logits' all-gather). */
+struct prism_comm;
+int  prism_llm_set_comm(prism_llm_t *m, struct prism_comm *comm);
+const prism_tp_shard_t *prism_llm_shard(const prism_llm_t *m);
+/* Bytes read from the checkpoint at load (the rank's slices, in the checkpoint's dtype): a rank
+ * never reads, or materialises, another rank's part of a tensor. */
+size_t prism_llm_read_bytes(const prism_llm_t *m);
 size_t prism_llm_weight_bytes(const prism_llm_t *m);
 size_t prism_llm_arena_bytes(const prism_model_config_t *cfg, int max_batch_tokens, int max_seqs); /* for budget planning before load */
 const prism_model_config_t *prism_llm_config(const prism_llm_t *m);
 
-size_t prism_kv_cache_block_bytes(const prism_model_config_t *cfg, int block_size);  /* K+V, all layers, one block */
+size_t prism_kv_cache_block_bytes(const prism_model_config_t *cfg, int block_size);  /* K+V, all layers, one block (this rank's KV heads) */
 int  prism_kv_cache_create(prism_backend_t *be, const prism_model_config_t *cfg, int n_blocks, int block_size, prism_kv_cache_t **out);
 void prism_kv_cache_free(prism_kv_cache_t *kv);
 int  prism_kv_cache_n_blocks(const prism_kv_cache_t *kv);
 int  prism_kv_cache_block_size(const prism_kv_cache_t *kv);
 /* Export/import whole blocks as host bytes, layout per block:
- * [n_layers][2 (K,V)][block_size][n_kv_heads][head_dim] float32 (little endian). Export writes
+ * [n_layers][2 (K,V)][block_size][n_kv_heads][head_dim] float32 (little endian), n_kv_heads being the
+ * cache's own (the rank's under tensor parallelism). Export writes
  * n_blocks*block_bytes to dst; import reads it into the given block ids. PRISM_EINVAL for block
  * ids out of range. */
 int  prism_kv_cache_export(prism_kv_cache_t *kv, const int32_t *blocks, int n_blocks, void *dst);
@@ -165,7 +236,7 @@ int  prism_llm_forward(prism_llm_t *m, prism_kv_cache_t *kv, const prism_llm_bat
  * the device). Between the two the caller may do anything except use this model or the KV blocks
  * of the batch; b need not outlive begin. prism_llm_forward = begin + end. A begin that is never
  * ended is fine when its logits are not needed (a prompt chunk before the last one): its KV writes
- * are enqueued all the same. */
+ * are enqueued all the same (under tensor parallelism every rank must skip the same end). */
 int  prism_llm_forward_begin(prism_llm_t *m, prism_kv_cache_t *kv, const prism_llm_batch_t *b);
 int  prism_llm_forward_end(prism_llm_t *m, float *logits /* host */);
 /* hook (may be NULL: none) must outlive its use by the model. */

@@ -24,13 +24,28 @@ typedef struct {
     size_t errlen;
     bool random;           /* no checkpoint: fill every tensor from a seeded RNG */
     uint64_t seed;
+    size_t read_bytes;     /* bytes read from the checkpoint (its dtype): only a rank's slices */
 } prism_wload_t;
+
+/* A range [lo, hi) along the sliced axis of prism_wload_fill_slice. */
+typedef struct {
+    int64_t lo, hi;
+} prism_wload_range_t;
 
 /* Reserves bytes in the weight block (aligned); returns the device pointer in pass 2, NULL in pass 1. */
 void *prism_wload_reserve(prism_wload_t *w, size_t bytes);
 /* Finds `name`, checks its shape against shape[ndim] (numel check when ndim < 0 with shape[0]
  * = numel), and in pass 2 writes it at dst (dtype dt). Returns PRISM_ENOTFOUND/ECORRUPT with err. */
 int prism_wload_fill(prism_wload_t *w, void *dst, prism_dtype_t dt, const char *name, int ndim, const int64_t *shape);
+/* A slice of a tensor (tensor-parallel shards): the checkpoint tensor must have the whole shape;
+ * along `axis` only the ranges are read, in order and concatenated, so dst receives the dense
+ * [prod(shape[..axis))][sum of range widths][prod(shape(axis..])]. Only those elements are read
+ * from the mapped file (row runs straight from the mapping: nothing whole is materialised);
+ * random weights give exactly the whole tensor's values at those positions. */
+int prism_wload_fill_slice(prism_wload_t *w, void *dst, prism_dtype_t dt, const char *name, int ndim,
+                           const int64_t *shape, int axis, int n_ranges, const prism_wload_range_t *ranges);
+int prism_wload_tensor_slice(prism_wload_t *w, void **out, prism_dtype_t dt, const char *name, int ndim,
+                             const int64_t *shape, int axis, int n_ranges, const prism_wload_range_t *ranges);
 /* Reserve + fill for one tensor; *out gets the device pointer (NULL in pass 1). */
 int prism_wload_tensor(prism_wload_t *w, void **out, prism_dtype_t dt, const char *name, int ndim, const int64_t *shape);
 /* First prefix p in prefixes[] for which p+suffix exists; NULL when none. */

@@ -87,6 +87,7 @@ int   prism_net_create(const prism_net_opts_t *o, prism_net_t **out, char *err, 
 void  prism_net_destroy(prism_net_t *net);
 void *prism_net_zctx(prism_net_t *net);
 bool  prism_net_secure(const prism_net_t *net);
+prism_net_role_t prism_net_role(const prism_net_t *net);   /* whose key this process holds */
 
 typedef struct {
     uint64_t auth_ok;           /* handshakes the ZAP handler admitted */

@@ -56,6 +56,7 @@ prism_net_role_t prism_net_role_parse(const char *name)
 
 void *prism_net_zctx(prism_net_t *net) { return net->zctx; }
 bool prism_net_secure(const prism_net_t *net) { return net->secure; }
+prism_net_role_t prism_net_role(const prism_net_t *net) { return net->role; }
 
 void prism_net_stats(const prism_net_t *net, prism_net_stats_t *st)
 {

@@ -257,10 +257,12 @@ static void drop_rest(void *sock)
     }
 }
 
-/* Replies from the compute thread: [route][envelope][frames] -> the router socket, moved. */
-static void io_outbound(prism_worker_t *w)
+/* Replies from the compute thread: [route][envelope][frames] -> the router socket, moved.
+ * Returns the number of messages taken from the channel. */
+static int io_outbound(prism_worker_t *w)
 {
-    for (int k = 0; k < IO_DRAIN_MAX; k++) {
+    int k = 0;
+    for (; k < IO_DRAIN_MAX; k++) {
         zmq_msg_t part;
         zmq_msg_init(&part);
         if (zmq_msg_recv(&part, w->io_pair, ZMQ_DONTWAIT) < 0) {
@@ -296,6 +298,7 @@ static void io_outbound(prism_worker_t *w)
             flags = 0;  /* the rest of a multipart message is queued atomically */
         }
     }
+    return k;
 }
 
 static void io_heartbeat(prism_worker_t *w)
@@ -386,6 +389,13 @@ static void *io_main(void *arg)
         if (items[pair_i].revents & ZMQ_POLLIN) io_outbound(w);
         if (data_i >= 0 && (items[data_i].revents & ZMQ_POLLIN)) io_data(w);
     }
+    if (w->close_linger_ms > 0) {
+        /* The compute thread's last replies (errors for the requests it gave up) go out, and the
+         * router sockets keep them for a while after close. */
+        while (io_outbound(w) > 0) {}
+        for (int i = 0; i < w->n_routers; i++)
+            zmq_setsockopt(w->routers[i].sock, ZMQ_LINGER, &w->close_linger_ms, sizeof(w->close_linger_ms));
+    }
     prism_msg_thread_exit();
     return NULL;
 }
@@ -406,6 +416,11 @@ static void wake_io(prism_worker_t *w)
 {
     int32_t route = ROUTE_WAKE;
     zmq_send(w->cpu_pair, &route, sizeof(route), ZMQ_DONTWAIT);  /* a full pipe wakes it anyway */
+}
+
+void prism_worker_close_linger(prism_worker_t *w, int linger_ms)
+{
+    w->close_linger_ms = linger_ms;   /* read by the I/O thread after io_stop (seq_cst store below) */
 }
 
 void prism_worker_close(prism_worker_t *w)

@@ -143,6 +143,7 @@ typedef struct prism_worker {
     uint64_t aborts_seen;    /* abort_seq at the last between-layer look */
     int64_t stall_after;     /* test hook: layers before the stall, -1 = never */
     double reply_delay_s;    /* test hook: the I/O thread holds each reply this long (0 = never) */
+    int close_linger_ms;     /* prism_worker_close_linger: set before close, read by the I/O thread */
 
     /* ---- shared ---- */
     pthread_mutex_t mu;      /* router ids, load, the abort table */
@@ -168,6 +169,10 @@ int  prism_worker_init(prism_worker_t *w, Prism__Role role, const prism_worker_o
 int  prism_worker_start(prism_worker_t *w);
 /* Stops and joins the I/O thread and closes every socket (compute thread). */
 void prism_worker_close(prism_worker_t *w);
+/* Before prism_worker_close, for a worker that exits after failing its requests: the I/O thread
+ * forwards every reply still in the channel and the router sockets keep unsent ones up to
+ * linger_ms at close (otherwise replies not yet sent are dropped, as a dead process's would be). */
+void prism_worker_close_linger(prism_worker_t *w, int linger_ms);
 
 /* ---- compute thread ---- */
 

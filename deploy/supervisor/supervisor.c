@@ -309,7 +309,7 @@ static void on_child_exit(sv_t *s, prism_supervisor_proc_t *p, int status)
     }
     PRISM_WARN("%s (pid %d) %s after %.2fs", p->name, (int)pid, how, run_s);
     if (s->o->fail_fast && p->runs == 1 && WIFEXITED(status) && WEXITSTATUS(status) != 0 &&
-        run_s < s->o->healthy_after_s) {
+        WEXITSTATUS(status) != PRISM_EXIT_PEER_LOST && run_s < s->o->healthy_after_s) {
         PRISM_ERROR("%s failed at start-up (%s): a configuration error, not a crash; stopping everything "
                     "(its log says why)", p->name, how);
         begin_stop(s, 1);

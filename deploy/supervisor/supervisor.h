@@ -15,6 +15,7 @@
  *    process group of whatever is still alive grace_s later;
  *  - with fail_fast, a first run that exits non-zero (not by a signal) before healthy_after_s is a
  *    configuration error (bad flag, missing model, port in use): everything stops, run returns 1.
+ *    Except status PRISM_EXIT_PEER_LOST: a group member whose peer died (restarted like a crash).
  *
  * Each process runs in its own process group (so a terminal's Ctrl-C reaches only the supervisor,
  * which then stops the processes in order) and gets SIGTERM if the supervisor dies. Its pid is in

@@ -6,6 +6,7 @@ import base64
 import http.client
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -27,6 +28,26 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def link_ports(n):
+    """n consecutive free loopback ports below the kernel's ephemeral range, so that no port the
+    harness gets by binding port 0 (routers, launch.sh's range) can be one of them."""
+    rnd = random.Random()
+    for _ in range(200):
+        base = rnd.randrange(20000, 30000 - n)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for k in socks:
+                k.close()
+    raise RuntimeError("no %d free ports" % n)
 
 
 def tool_env():

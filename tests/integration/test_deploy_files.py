@@ -11,7 +11,7 @@
   test_deploy_files.py grafana   deploy/grafana: valid dashboard JSON whose every queried metric is
                                  one a live router's /metrics exports (and so is the autoscaler's).
 
-PLANNED flags (tensor parallelism) may appear only in comments. Skips (exit 77): systemd when
+The decode group of the examples is one tensor-parallel group of 4 ranks. Skips (exit 77): systemd when
 systemd-analyze is missing; k8s when kubernetes-validate can neither be imported nor installed.
 """
 import glob
@@ -30,7 +30,7 @@ from launched import finish  # noqa: E402
 SKIP = 77
 DEPLOY = os.path.join(ROOT, "deploy")
 TMP = tempfile.mkdtemp(prefix="prism-deployfiles-")
-PLANNED = {"--tp-size", "--tp-rank", "--tp-leader"}  # tensor parallelism: not implemented yet
+TP_FLAGS = ("--tp-size", "--tp-rank", "--tp-leader")
 ROLE_BINARY = {"router": "router", "encoder": "encoder_worker", "prefill": "prefill_worker", "decode": "decode_worker"}
 
 _help = {}
@@ -46,11 +46,9 @@ def accepted_flags(prog):
 
 
 def check_flags(prog, words, where):
-    """Every --flag among words is accepted by prog; planned ones must not be here at all."""
+    """Every --flag among words is accepted by prog."""
     flags = [w.split("=", 1)[0] for w in words if w.startswith("--")]
     assert flags, "no flags found in %s" % where
-    planned = [f for f in flags if f in PLANNED]
-    assert not planned, "%s passes PLANNED flags %s outside a comment" % (where, planned)
     unknown = [f for f in flags if f not in accepted_flags(prog)]
     assert not unknown, "%s passes flags %s that %s does not accept" % (where, unknown, prog)
     return flags
@@ -148,9 +146,9 @@ def systemd_tests():
         gpus = [env_file(f)["CUDA_VISIBLE_DEVICES"] for f in glob.glob(os.path.join(EXAMPLE, "etc", "prism", "*-*.env"))
                 if "CUDA_VISIBLE_DEVICES" in env_file(f)]
         assert sorted(gpus) == [str(i) for i in range(8)], gpus  # the 8 GPUs, each used once
-        decode = open(os.path.join(EXAMPLE, "etc", "prism", "decode-g0r0.env")).read()
-        assert re.search(r"^# PLANNED, NOT IMPLEMENTED YET", decode, re.M)
-        assert re.search(r"^#PRISM_TP_ARGS=--tp-size 4 --tp-rank 0 --tp-leader ", decode, re.M)
+        for r in range(4):  # one group: same size and leader, each its own rank
+            decode = env_file(os.path.join(EXAMPLE, "etc", "prism", "decode-g0r%d.env" % r))
+            assert decode["PRISM_TP_ARGS"] == "--tp-size 4 --tp-rank %d --tp-leader tcp://127.0.0.1:8300" % r, decode
 
     def test_sysusers_file_creates_the_user():
         sysusers = shutil.which("systemd-sysusers")
@@ -290,9 +288,14 @@ def k8s_tests():
                     assert routers == ["--router=tcp://prism-router-control.prism.svc.cluster.local:8100"], routers
                 n += 1
         assert n >= 7, n  # router, encoder, prefill, 4 decode ranks
-        text = open(os.path.join(DEPLOY, "k8s", "50-decode.yaml")).read()
-        for flag in PLANNED:  # present as the planned interface, in comments only
-            assert re.search(r"^\s*#\s*- %s=" % flag, text, re.M), flag
+        decode = [w for w in workloads() if w["metadata"]["name"] == "prism-decode"][0]
+        ranks = decode["spec"]["template"]["spec"]["containers"]
+        assert len(ranks) == 4, len(ranks)
+        for r, c in enumerate(ranks):  # one group of 4: same size and leader, each its own rank
+            tp = [a for a in c["args"] if a.split("=", 1)[0] in TP_FLAGS]
+            assert tp == ["--tp-size=4", "--tp-rank=%d" % r, "--tp-leader=tcp://127.0.0.1:9200"], (c["name"], tp)
+            # only the leader binds a data port (and so has a TCP probe on it)
+            assert bool(c.get("ports")) == (r == 0) and bool(c.get("livenessProbe")) == (r == 0), c["name"]
         assert "# keys" in open(os.path.join(DEPLOY, "k8s", "10-secrets.yaml")).read()
         # internal links are authenticated: every container reads its role's key and every public key
         link = get("Secret", "prism-link-keys")["stringData"]

@@ -31,7 +31,9 @@ DATA = {"prefill_worker": ["--data-port", str(PF_PORT), "--log-level", "debug"],
 # debug log: the tests that play a cluster worker read a running request's id from the router's log
 C = Cluster(encoders=1, worker_args=DATA, router_args=["--log-level", "debug"])
 PROMPT = {"model": "prism-tiny-llava", "prompt": "A red circle on a white", "temperature": 0, "ignore_eos": True}
-MAX_TOKENS = 1900  # a stream long enough (1.6 s on a 2-core machine) to outlast the intruder probe
+# a stream long enough to outlast the intruder probe: 1.6 s on a 2-core machine in a release build;
+# the sanitizer build decodes ~40x slower (600 tokens: tens of seconds)
+MAX_TOKENS = 600 if os.environ.get("ASAN_OPTIONS") else 1900
 INJECTED = 7  # token id the intruder tries to slip into answers
 
 
@@ -154,7 +156,7 @@ def attack_refused(keys, role, extra=None):
     out, t_probe = probe(keys, role)
     if extra:
         extra()
-    t.join(120)
+    t.join(600)
     assert not t.is_alive(), "the stream did not finish"
     # every link refused at the handshake, registration never answered
     assert out == {"router": "handshake refused", "register": "no answer", "prefill-data": "handshake refused",
@@ -231,7 +233,7 @@ def inside_attack(role, worker_id, expect_register, extra=()):
     rid = running_rid()
     rid = rid - (1 << 64) if rid >= 1 << 63 else rid  # the probe's flags are int64; it sends the same 64 bits
     out, t_probe = probe(C.keys, role, targets=("router",), worker_id=worker_id, rids=(rid, rid), extra=extra)
-    t.join(120)
+    t.join(600)
     assert not t.is_alive(), "the stream did not finish"
     assert out == {"router": "handshake ok", "register": expect_register}, out
     assert res["t_end"] > t_probe, "the stream ended before the intruder was done; make MAX_TOKENS larger"

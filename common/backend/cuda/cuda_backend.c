@@ -356,6 +356,16 @@ size_t prism_cuda_reserved_bytes(const prism_backend_t *be)
     return be && strcmp(be->device, "cuda") == 0 ? ((const prism_cuda_ctx_t *)be->ctx)->reserved : 0;
 }
 
+void *prism_cuda_stream(const prism_backend_t *be)
+{
+    return be && strcmp(be->device, "cuda") == 0 ? (void *)((const prism_cuda_ctx_t *)be->ctx)->stream : NULL;
+}
+
+int prism_cuda_device(const prism_backend_t *be)
+{
+    return be && strcmp(be->device, "cuda") == 0 ? ((const prism_cuda_ctx_t *)be->ctx)->device : -1;
+}
+
 /* ---------------------------------------------------------------- create / destroy */
 
 static void cu_destroy(void *ctx)

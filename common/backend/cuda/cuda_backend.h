@@ -47,6 +47,11 @@ uint64_t prism_cuda_malloc_count(void);
 /* Bytes of the pool taken by internal scratch at create (included in pool_used). */
 size_t prism_cuda_reserved_bytes(const prism_backend_t *be);
 
+/* The backend's one stream (a cudaStream_t) and device index, for code that enqueues work of its
+ * own in the backend's order (the NCCL communicator, common/comm). NULL / -1 for other backends. */
+void *prism_cuda_stream(const prism_backend_t *be);
+int   prism_cuda_device(const prism_backend_t *be);
+
 /* Per-row sampling parameters (host arrays of n_rows). uniform[r] is the request RNG's next
  * draw in [0, 1) (prism_rng_uniform), used only when the row is not greedy. */
 typedef struct {

@@ -1,7 +1,9 @@
 /* The worker's I/O thread against a fake router on loopback: heartbeats keep their interval while
  * the compute thread does not come back (and say busy, with its progress); an abort is visible to
  * the between-layer check while the compute thread is away; work, frames and replies travel the
- * channel intact; the data socket passes only as many messages as the compute thread granted. */
+ * channel intact; the data socket passes only as many messages as the compute thread granted; the
+ * last replies of a worker that gives up its requests and exits (prism_worker_close_linger) all
+ * reach the router. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
@@ -24,6 +26,7 @@ typedef struct {
     pthread_t thread;
     pthread_mutex_t mu;
     bool stop;
+    bool paused;            /* reads nothing (a router that is slow to take its messages) */
     /* what the router saw */
     int n_hb;
     double hb_t[MAX_HB];
@@ -49,12 +52,16 @@ static void *router_main(void *arg)
     fake_router_t *r = arg;
     for (;;) {
         pthread_mutex_lock(&r->mu);
-        bool stop = r->stop;
+        bool stop = r->stop, paused = r->paused;
         int type = r->send_type;
         uint64_t rid = r->send_rid;
         r->send_type = 0;
         pthread_mutex_unlock(&r->mu);
         if (stop) break;
+        if (paused) {
+            sleep_s(0.005);
+            continue;
+        }
         if (type) {
             Prism__Envelope env = PRISM__ENVELOPE__INIT;
             Prism__Abort ab = PRISM__ABORT__INIT;
@@ -136,6 +143,16 @@ static bool wait_for(bool (*cond)(void *), void *arg, double timeout_s)
 }
 
 static bool has_hb(void *arg) { return router_hb(arg) >= 2; }
+
+static void *resume_after(void *arg)
+{
+    fake_router_t *r = arg;
+    sleep_s(0.5);
+    pthread_mutex_lock(&r->mu);
+    r->paused = false;
+    pthread_mutex_unlock(&r->mu);
+    return NULL;
+}
 
 typedef struct {
     int n;
@@ -320,7 +337,35 @@ static void test_worker_io(void **state)
 
     zmq_close(push);
     prism_net_destroy(enc);
+
+    /* A worker that fails its requests and exits at once (a tensor-parallel group that lost a rank)
+     * while its router is slow to read: every reply queued before close still reaches the router
+     * (32 MiB of them: more than the kernel's socket buffers hold, so most wait in the worker's
+     * socket when it closes). */
+    enum { LAST = 64 };
+    static char big[512 << 10];
+    memset(big, 'x', sizeof(big) - 1);
+    t.error = big;
+    pthread_mutex_lock(&r.mu);
+    r.paused = true;
+    pthread_mutex_unlock(&r.mu);
+    for (int i = 0; i < LAST; i++) assert_int_equal(prism_worker_reply(&w, "r1", 1000 + (uint64_t)i, &env), PRISM_OK);
+    pthread_t resume;
+    assert_int_equal(pthread_create(&resume, NULL, resume_after, &r), 0);
+    prism_worker_close_linger(&w, 5000);
     prism_worker_close(&w);
+    pthread_join(resume, NULL);
+    t0 = prism_now_s();
+    for (;;) {
+        pthread_mutex_lock(&r.mu);
+        int n = r.n_tokens;
+        pthread_mutex_unlock(&r.mu);
+        if (n >= 1 + LAST || prism_now_s() - t0 > 10) break;
+        sleep_s(0.005);
+    }
+    assert_int_equal(r.n_tokens, 1 + LAST);
+    assert_int_equal(r.tokens_rid, 1000 + LAST - 1);
+
     pthread_mutex_lock(&r.mu);
     r.stop = true;
     pthread_mutex_unlock(&r.mu);
