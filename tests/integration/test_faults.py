@@ -361,7 +361,7 @@ def test_decode_death_migrates():
     n = 150
     with Cluster(**MIGRATE_ARGS) as c:
         c.wait_ready()
-        migrations = 0
+        migrations, texts = 0, {}
         cases = [("greedy", {}),
                  ("seeded", {"temperature": 0.8, "seed": 1234}),
                  ("penalties", {"presence_penalty": 1.5, "frequency_penalty": 1.0,
@@ -372,6 +372,7 @@ def test_decode_death_migrates():
             assert status == 200 and done, (name, status, ref_events[-1:])
             ref = stream_answer(ref_events)
             assert len(ref[0]) == n and ref[2] == "length" and ref[3] == n, (name, ref[2:])
+            texts[name] = ref[1]
             events, victim = migrated_stream(c, gen_body(n, True, **kw), after=50)
             got = stream_answer(events)
             migrations += 1
@@ -391,6 +392,19 @@ def test_decode_death_migrates():
             assert c.metric("prism:requests_migrated_total") == migrations
             restart_killed(c, victim)
         assert "migrated as" in c.log("router", tail=0)
+        # a stop string the greedy answer reaches late: the router's holdback goes on across the
+        # migration, the answer ends before it as the undisturbed one does
+        text = texts["greedy"]
+        stop = next(text[i:i + 8] for i in range(len(text) * 3 // 4, len(text) - 8) if text[i:i + 8] not in text[:i])
+        body = gen_body(n, True, stop=[stop])
+        status, ref_events, done = c.stream("/v1/chat/completions", body)
+        ref = stream_answer(ref_events)
+        assert status == 200 and done and ref[2] == "stop" and ref[1] == text[:text.index(stop)], (stop, ref[1:])
+        events, victim = migrated_stream(c, body, after=50)
+        migrations += 1
+        assert stream_answer(events) == ref, ("stop string", stream_answer(events), ref)
+        assert c.metric("prism:requests_migrated_total") == migrations
+        restart_killed(c, victim)
         # an image request: its image bytes were kept, the new prefill gets the image encoded again
         jpg = make_image(os.path.join(TMP, "migrate.jpg"), width=320, height=240, shape="square", color="green")
         body = gen_body(n, True)
