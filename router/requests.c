@@ -905,8 +905,11 @@ void router_fail_worker_requests(router_t *r, const router_worker_t *w, const ch
                     (q->decode_pending && !strcmp(q->decode_id, w->id));
         for (int k = 0; k < q->prompt.n_images; k++) held |= q->encode_pending[k] && !strcmp(q->encoder_id[k], w->id);
         /* After its first token a prefill still holds the KV until the decode worker takes it (the
-         * decode's first token says it did): its death before then leaves the decode nothing to run. */
-        held |= q->stage == STAGE_PREFILLED && q->decode_pending && !q->decode_heard && !strcmp(q->prefill_id, w->id);
+         * decode's first token says it did): its death before then may leave the decode nothing to
+         * run, so a request that may migrate does (one that may not waits for its decode tokens, as
+         * before migration existed: the KV may be on its way, else --request-timeout ends it). */
+        held |= q->stage == STAGE_PREFILLED && q->decode_pending && !q->decode_heard && may_migrate(q) &&
+                !strcmp(q->prefill_id, w->id);
         if (held) {
             char msg[256];
             snprintf(msg, sizeof(msg), "The %s worker serving this request %s.", prism_role_name(w->role), why);
