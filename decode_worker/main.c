@@ -155,6 +155,7 @@ static const char *admit_choices(decode_t *d, const Prism__Kv *kv, const int *sl
         s->n_blocks = 0;
         if (prism_seq_needs_history(&s->seq) && gen && !prompt) {
             why = "a migrated request's KV came without the tokens it generated before";
+            *kind = PRISM__ERROR_KIND__ERROR_INTERNAL;   /* a malformed transfer, not the request */
             started++;   /* released below with the others */
             break;
         }
