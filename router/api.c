@@ -1,4 +1,5 @@
-/* HTTP endpoints: OpenAI API, health, readiness, models, tokenize/detokenize, metrics. */
+/* HTTP endpoints: OpenAI API, health, readiness, models, tokenize/detokenize, metrics; the status
+ * page and its JSON are in status.c. */
 #include "router.h"
 #include "openai_req.h"
 #include "openai_write.h"
@@ -159,15 +160,8 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
                        (double)m->failed);
     prism_buf_appendf(&b, "# HELP prism:requests_refused_total Requests refused, by reason.\n"
                           "# TYPE prism:requests_refused_total counter\n");
-    /* Refusals the HTTP server answers itself, before the router sees a request. */
-    prism_http_refusals_t hr;
-    prism_http_server_refusals(r->http, &hr);
     uint64_t refused[PRISM_REFUSE_COUNT];
-    memcpy(refused, m->refused_limit, sizeof(refused));
-    refused[PRISM_REFUSE_BODY_TOO_LARGE] += hr.body_too_large;
-    refused[PRISM_REFUSE_BODY_BYTES_INFLIGHT] += hr.body_bytes_in_flight;
-    refused[PRISM_REFUSE_CONNECTIONS] += hr.connections;
-    refused[PRISM_REFUSE_BAD_REQUEST] += hr.malformed;
+    router_refusals(r, refused);
     for (int i = 0; i < PRISM_REFUSE_COUNT; i++) {
         snprintf(lbl, sizeof(lbl), "reason=\"%s\"", prism_refusal_names[i]);
         prism_metric_write(&b, "prism:requests_refused_total", "counter", NULL, lbl, (double)refused[i]);
@@ -232,6 +226,8 @@ void router_on_http(prism_http_req_t *h, void *ud)
         prism_http_respond(h, ok ? 200 : 503, "application/json", ok ? NULL : "Retry-After: 1\r\n", b, (size_t)n);
     } else if (get && !strcmp(p, "/version")) {
         respond_json(h, 200, "{\"version\":\"" PRISM_VERSION "\"}", strlen("{\"version\":\"" PRISM_VERSION "\"}"));
+    } else if (get && !strcmp(p, "/")) {
+        router_handle_status_page(r, h);  /* open: the page holds no data and asks for the key */
     } else if (!authorized(r, h)) {
         prism_http_respond_error(h, 401, "AuthenticationError", "Invalid or missing API key.", NULL, NULL, NULL);
     } else if (post && !strcmp(p, "/v1/chat/completions")) {
@@ -246,9 +242,11 @@ void router_on_http(prism_http_req_t *h, void *ud)
         handle_tokenize(r, h);
     } else if (post && !strcmp(p, "/detokenize")) {
         handle_detokenize(r, h);
+    } else if (get && !strcmp(p, "/status")) {
+        router_handle_status(r, h);
     } else {
         bool known = !strcmp(p, "/v1/chat/completions") || !strcmp(p, "/v1/completions") || !strcmp(p, "/v1/models") ||
-                     !strcmp(p, "/tokenize") || !strcmp(p, "/detokenize");
+                     !strcmp(p, "/tokenize") || !strcmp(p, "/detokenize") || !strcmp(p, "/status") || !strcmp(p, "/");
         char msg[300];
         snprintf(msg, sizeof(msg), known ? "Method %s is not allowed for %.200s." : "No route for %s %.200s.", m, p);
         prism_http_respond_error(h, known ? 405 : 404, known ? "MethodNotAllowed" : "NotFoundError", msg, NULL, NULL, NULL);

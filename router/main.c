@@ -110,6 +110,7 @@ int main(int argc, char **argv)
     r.request_timeout_s = request_timeout;
     r.max_queue_wait_s = max_queue_wait;
     r.created = prism_unix_time();
+    r.started_s = t0;
     r.image_token_id = r.cfg.has_vision ? r.cfg.image_token_index : -1;
     prism_router_metrics_init(&r.metrics);
     r.reqs_cap = 16;

@@ -6,6 +6,7 @@
  *   prompt.c    what a request sends to workers: images, chat template, tokens, image spans
  *   requests.c  life of one generation request: admission, dispatch, streaming, completion
  *   api.c       HTTP endpoints and metrics
+ *   status.c    GET /status (JSON snapshot for operators) and GET / (the status page, embedded)
  *   main.c      flags and start-up
  */
 #ifndef PRISM_ROUTER_H
@@ -38,9 +39,11 @@ typedef struct {
     uint32_t running, waiting, kv_free_blocks, pool_free;
     uint64_t mem_used, mem_peak, cache_hits, cache_misses, alloc_count;
     uint64_t heartbeats;          /* received since registration: lets a reader wait for fresh numbers */
+    double registered_at;         /* first registration of this slot (prism_now_s) */
     double last_seen;
     /* our own view: requests we sent that have not finished on this worker */
     int inflight;
+    uint64_t completed;           /* parts of requests this worker finished or was released from */
     uint64_t image_hashes[64];   /* recent images sent here: the router prefers a warm cache */
     int n_hashes;
 } router_worker_t;
@@ -61,6 +64,7 @@ typedef struct {
     double request_timeout_s;
     double max_queue_wait_s;    /* no first token by then: 503 */
     int64_t created;
+    double started_s;           /* prism_now_s() at start-up */
 
     /* model facts */
     prism_model_config_t cfg;
@@ -81,6 +85,7 @@ typedef struct {
     uv_signal_t sigint, sigterm;
 
     router_worker_t workers[ROUTER_MAX_WORKERS];
+    uint32_t pick_turn[4];      /* by role: rotates ties between equally loaded workers */
 
     /* requests in flight, by id */
     router_req_t **reqs;        /* open-addressing map, cap entries */
@@ -111,7 +116,9 @@ void router_worker_drop(router_worker_t *w);
 /* Remembers that an image with this content hash went to w (its embedding cache may hold it). */
 void router_worker_note_image(router_worker_t *w, uint64_t hash);
 /* Least-loaded worker of a role with a free slot (inflight < its registered capacity); NULL when
- * none has room. *any is set when at least one worker of the role is registered. */
+ * none has room. *any is set when at least one worker of the role is registered. prefer_hash (an
+ * image's content hash, or 0): a worker with room that recently encoded it wins (embedding-cache
+ * affinity). Equally loaded workers take turns, so a light load is spread, not sent to the first. */
 router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash, bool *any);
 router_worker_t *router_worker_by_id(router_t *r, const char *id);
 bool router_ready(const router_t *r, bool need_encoder);
@@ -160,5 +167,11 @@ void router_req_del(router_t *r, uint64_t rid);
 
 /* api.c */
 void router_on_http(prism_http_req_t *h, void *ud);
+
+/* status.c */
+void router_handle_status(router_t *r, prism_http_req_t *h);
+void router_handle_status_page(router_t *r, prism_http_req_t *h);
+/* Refusals by prism_refusal_t: the router's own plus those the HTTP server answered itself. */
+void router_refusals(const router_t *r, uint64_t out[PRISM_REFUSE_COUNT]);
 
 #endif

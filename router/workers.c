@@ -41,6 +41,7 @@ int router_worker_register(router_t *r, const char *id, const Prism__Register *g
             return PRISM_ELIMIT;
         }
         memset(w, 0, sizeof(*w));
+        w->registered_at = prism_now_s();
         PRISM_INFO("%s worker %s registered (data %s)", prism_role_name(g->role), id,
                    g->data_endpoint && *g->data_endpoint ? g->data_endpoint : "-");
     }
@@ -105,6 +106,7 @@ static double load_of(const router_worker_t *w)
 router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash, bool *any)
 {
     router_worker_t *best = NULL;
+    int n_ties = 0;
     *any = false;
     for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
         router_worker_t *w = &r->workers[i];
@@ -115,8 +117,26 @@ router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash
             for (int k = 0; k < w->n_hashes; k++)
                 if (w->image_hashes[k] == prefer_hash) return w;  /* its embedding cache probably has it */
         }
-        if (!best || load_of(w) < load_of(best)) best = w;
+        double l = load_of(w);
+        if (!best || l < load_of(best)) {
+            best = w;
+            n_ties = 1;
+        } else if (l == load_of(best)) {
+            n_ties++;
+        }
     }
+    if (n_ties < 2) return best;
+    /* Several equally loaded workers: the turn-th of them (in table order), a new turn each time.
+     * Always taking the first sent every request of a light load to one worker. */
+    uint32_t *turn = &r->pick_turn[(unsigned)role % PRISM_ARRAY_LEN(r->pick_turn)];
+    int k = (int)((*turn)++ % (uint32_t)n_ties);
+    double target = load_of(best);
+    for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
+        router_worker_t *w = &r->workers[i];
+        if (!w->used || w->role != role || w->inflight >= (int)PRISM_MAX(w->max_running, 1u)) continue;
+        if (load_of(w) == target && k-- == 0) return w;
+    }
+    PRISM_ASSERT(!"a tied worker vanished between two scans");
     return best;
 }
 
