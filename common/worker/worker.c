@@ -1,8 +1,10 @@
 #include "worker/worker.h"
 #include "model/model.h"
+#include "net/resolve.h"
 
 #include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -80,6 +82,7 @@ void prism_worker_opts_defaults(prism_worker_opts_t *o, const char *role)
     o->mem_budget = 0;
     o->log_level = "info";
     o->heartbeat_s = 1.0;
+    o->router_resolve_s = 5.0;
     static char id[128];
     char host[64] = "host";
     gethostname(host, sizeof(host) - 1);
@@ -93,8 +96,14 @@ int prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *t, int n)
         PRISM_FLAG_STR("model-path", &o->model_path, "HF model directory (config.json, *.safetensors)"),
         PRISM_FLAG_LIST("router", &o->routers, "Router control endpoint(s), e.g. tcp://127.0.0.1:8100 (repeatable)"),
         PRISM_FLAG_STR("worker-id", &o->worker_id, "Unique worker id"),
-        PRISM_FLAG_STR("host", &o->host, "Address to bind the data endpoint on"),
+        PRISM_FLAG_STR("host", &o->host, "Address to bind the data endpoint on (0.0.0.0: every interface)"),
         PRISM_FLAG_INT("data-port", &o->data_port, "Data endpoint port (0 = pick a free port)"),
+        PRISM_FLAG_STR("advertise-host", &o->advertise_host,
+                       "Host or address peers reach the data endpoint at, when it differs from --host (NAT, "
+                       "containers; required with a wildcard --host)"),
+        PRISM_FLAG_INT("advertise-port", &o->advertise_port, "Port peers reach the data endpoint at (0 = the bound port)"),
+        PRISM_FLAG_DOUBLE("router-resolve-interval", &o->router_resolve_s,
+                          "Seconds between DNS lookups of a --router host name (each address is a router)"),
         PRISM_FLAG_STR("device", &o->device, "Compute device: cpu or cuda"),
         PRISM_FLAG_INT("threads", &o->threads, "CPU backend threads"),
         PRISM_FLAG_BYTES("mem-budget", &o->mem_budget, "Memory budget (bytes, e.g. 2G); start-up fails if the plan exceeds it"),
@@ -120,6 +129,16 @@ int prism_worker_startup(int argc, char **argv, const char *role, const char *su
     int rc = prism_cli_parse(argc, argv, prog, summary, flags);
     if (rc) return rc > 0 ? 0 : 2;
     prism_log_init(role, prism_log_level_parse(o->log_level));
+    bool wildcard = !strcmp(o->host, "0.0.0.0") || !strcmp(o->host, "*") || !strcmp(o->host, "::");
+    if (strcmp(role, "encoder") != 0 && wildcard && !(o->advertise_host && *o->advertise_host)) {
+        PRISM_ERROR("--host %s binds every interface, which peers cannot connect to: give --advertise-host with "
+                    "the address they reach this worker at", o->host);
+        return 2;
+    }
+    if (o->advertise_port < 0 || o->advertise_port > 65535 || !(o->router_resolve_s > 0)) {
+        PRISM_ERROR("--advertise-port must be 0..65535 and --router-resolve-interval positive");
+        return 2;
+    }
     prism_worker_install_signals();
     char err[512] = "";
     if (prism_model_config_load(o->model_path, cfg, err, sizeof(err)) != PRISM_OK) {
@@ -136,6 +155,18 @@ void prism_worker_set_capacity(prism_worker_t *w, const prism_worker_opts_t *o, 
                                uint32_t max_running, uint32_t max_model_len)
 {
     w->heartbeat_s = o->heartbeat_s;
+    w->router_resolve_s = o->router_resolve_s;
+    if (w->data_sock && ((o->advertise_host && *o->advertise_host) || o->advertise_port > 0)) {
+        /* The bound endpoint is tcp://HOST:PORT as the socket sees it; peers behind NAT or in
+         * another network namespace reach it under another host (and port). */
+        const char *colon = strrchr(w->data_endpoint, ':');
+        long port = colon ? strtol(colon + 1, NULL, 10) : 0;
+        char ep[sizeof(w->data_endpoint)];
+        snprintf(ep, sizeof(ep), "tcp://%s:%ld", o->advertise_host && *o->advertise_host ? o->advertise_host : o->host,
+                 o->advertise_port > 0 ? (long)o->advertise_port : port);
+        PRISM_INFO("data endpoint %s advertised as %s", w->data_endpoint, ep);
+        snprintf(w->data_endpoint, sizeof(w->data_endpoint), "%s", ep);
+    }
     w->reg.mem_budget = (uint64_t)o->mem_budget;
     w->reg.mem_planned = prism_mem_plan_total(plan);
     w->reg.kv_blocks = kv_blocks;
@@ -154,6 +185,60 @@ void prism_worker_data_bind(const prism_worker_opts_t *o, char *out, size_t n)
 
 /* ---------------------------------------------------------------- sockets */
 
+static int router_connect(prism_worker_t *w, const char *endpoint, bool from_name)
+{
+    int slot = -1;
+    for (int i = 0; i < w->n_routers && slot < 0; i++)
+        if (!w->routers[i].sock) slot = i;
+    if (slot < 0) {
+        if (w->n_routers == PRISM_WORKER_MAX_ROUTERS) {
+            PRISM_WARN("router %s ignored: already connected to %d routers", endpoint, PRISM_WORKER_MAX_ROUTERS);
+            return PRISM_ELIMIT;
+        }
+        slot = w->n_routers++;
+    }
+    prism_worker_router_t *r = &w->routers[slot];
+    memset(r, 0, sizeof(*r));
+    snprintf(r->endpoint, sizeof(r->endpoint), "%s", endpoint);
+    r->from_name = from_name;
+    /* Control messages are small; a generous HWM never drops a token under load. */
+    r->sock = prism_sock_connect(w->zctx, ZMQ_DEALER, r->endpoint, w->worker_id, 100000);
+    return r->sock ? PRISM_OK : PRISM_EIO;
+}
+
+/* Connects the addresses new to the names' latest lookup and closes those that left them. */
+static void routers_follow_names(prism_worker_t *w)
+{
+    if (!w->router_names.n) return;
+    if (!w->resolver) {
+        if (prism_resolver_start(&w->router_names, w->router_resolve_s, NULL, NULL, &w->resolver) != PRISM_OK) {
+            PRISM_ERROR("cannot start the router name resolver");
+            w->router_names.n = 0;
+        }
+        return;
+    }
+    static prism_endpoints_t now;  /* 8 KiB: off the stack; one worker per process */
+    if (!prism_resolver_take(w->resolver, &now)) return;
+    for (int i = 0; i < w->n_routers; i++) {
+        prism_worker_router_t *r = &w->routers[i];
+        if (!r->sock || !r->from_name) continue;
+        bool kept = false;
+        for (int k = 0; k < now.n && !kept; k++) kept = !strcmp(now.ep[k], r->endpoint);
+        if (kept) continue;
+        PRISM_INFO("router %s (%s) left the router name: disconnected", r->endpoint,
+                   r->router_id[0] ? r->router_id : "never registered");
+        zmq_close(r->sock);
+        memset(r, 0, sizeof(*r));
+    }
+    while (w->n_routers && !w->routers[w->n_routers - 1].sock) w->n_routers--;
+    for (int k = 0; k < now.n; k++) {
+        bool have = false;
+        for (int i = 0; i < w->n_routers && !have; i++) have = w->routers[i].sock && !strcmp(w->routers[i].endpoint, now.ep[k]);
+        if (have) continue;
+        if (router_connect(w, now.ep[k], true) == PRISM_OK) PRISM_INFO("router %s joined the router name: connecting", now.ep[k]);
+    }
+}
+
 int prism_worker_init(prism_worker_t *w, Prism__Role role, const char *worker_id,
                       const prism_str_list_t *routers, const char *data_bind)
 {
@@ -161,6 +246,7 @@ int prism_worker_init(prism_worker_t *w, Prism__Role role, const char *worker_id
     prism__register__init(&w->reg);
     w->role = role;
     w->heartbeat_s = 1.0;
+    w->router_resolve_s = 5.0;
     snprintf(w->worker_id, sizeof(w->worker_id), "%s", worker_id);
     w->zctx = zmq_ctx_new();
     if (!w->zctx) return PRISM_EIO;
@@ -168,13 +254,14 @@ int prism_worker_init(prism_worker_t *w, Prism__Role role, const char *worker_id
         PRISM_ERROR("no --router given: a worker needs at least one router control endpoint");
         return PRISM_EINVAL;
     }
-    for (int i = 0; i < routers->n && i < PRISM_WORKER_MAX_ROUTERS; i++) {
-        prism_worker_router_t *r = &w->routers[w->n_routers];
-        snprintf(r->endpoint, sizeof(r->endpoint), "%s", routers->items[i]);
-        /* Control messages are small; a generous HWM never drops a token under load. */
-        r->sock = prism_sock_connect(w->zctx, ZMQ_DEALER, r->endpoint, w->worker_id, 100000);
-        if (!r->sock) return PRISM_EIO;
-        w->n_routers++;
+    for (int i = 0; i < routers->n; i++) {
+        /* A name is connected address by address once its first lookup ends (prism_worker_tick). */
+        if (prism_endpoint_is_name(routers->items[i])) {
+            w->router_names.items[w->router_names.n++] = routers->items[i];
+            continue;
+        }
+        int rc = router_connect(w, routers->items[i], false);
+        if (rc == PRISM_EIO) return rc;
     }
     if (data_bind) {
         /* HWM 1: at most one message queued per peer; the rest waits in the senders (backpressure). */
@@ -190,6 +277,8 @@ int prism_worker_init(prism_worker_t *w, Prism__Role role, const char *worker_id
 
 void prism_worker_close(prism_worker_t *w)
 {
+    prism_resolver_stop(w->resolver);
+    w->resolver = NULL;
     for (int i = 0; i < w->n_routers; i++)
         if (w->routers[i].sock) zmq_close(w->routers[i].sock);
     for (int i = 0; i < w->n_peers; i++)
@@ -202,7 +291,7 @@ void prism_worker_close(prism_worker_t *w)
 void *prism_worker_router_sock(prism_worker_t *w, const char *router_id)
 {
     for (int i = 0; i < w->n_routers; i++)
-        if (router_id && !strcmp(w->routers[i].router_id, router_id))
+        if (router_id && w->routers[i].sock && !strcmp(w->routers[i].router_id, router_id))
             return w->routers[i].sock;
     return NULL;
 }
@@ -238,10 +327,11 @@ int prism_worker_reply(prism_worker_t *w, const char *router_id, uint64_t reques
 
 void prism_worker_tick(prism_worker_t *w, Prism__Heartbeat *hb)
 {
+    routers_follow_names(w);
     double now = prism_now_s();
     for (int i = 0; i < w->n_routers; i++) {
         prism_worker_router_t *r = &w->routers[i];
-        if (r->registered || now - r->last_register_s < 0.5) continue;
+        if (!r->sock || r->registered || now - r->last_register_s < 0.5) continue;
         Prism__Envelope env = PRISM__ENVELOPE__INIT;
         env.type = PRISM__MSG_TYPE__MSG_REGISTER;
         env.reg = &w->reg;
@@ -256,7 +346,7 @@ void prism_worker_tick(prism_worker_t *w, Prism__Heartbeat *hb)
     hb->mem_peak = prism_mem_peak();
     hb->alloc_count = prism_mem_alloc_count();
     for (int i = 0; i < w->n_routers; i++) {
-        if (!w->routers[i].registered) continue;
+        if (!w->routers[i].sock || !w->routers[i].registered) continue;
         Prism__Envelope env = PRISM__ENVELOPE__INIT;
         env.type = PRISM__MSG_TYPE__MSG_HEARTBEAT;
         env.heartbeat = hb;
@@ -287,17 +377,23 @@ static bool handle_control(prism_worker_t *w, prism_msg_t *m, int ri)
 int prism_worker_poll(prism_worker_t *w, int timeout_ms, bool accept_data, prism_worker_msg_fn fn, void *ud)
 {
     zmq_pollitem_t items[PRISM_WORKER_MAX_ROUTERS + 1];
+    int slot[PRISM_WORKER_MAX_ROUTERS];  /* router slot of each item (empty slots are not polled) */
     int n = 0;
-    for (int i = 0; i < w->n_routers; i++)
+    for (int i = 0; i < w->n_routers; i++) {
+        if (!w->routers[i].sock) continue;
+        slot[n] = i;
         items[n++] = (zmq_pollitem_t){w->routers[i].sock, 0, ZMQ_POLLIN, 0};
+    }
+    int n_ctl = n;
     bool data = accept_data && w->data_sock;
     if (data) items[n++] = (zmq_pollitem_t){w->data_sock, 0, ZMQ_POLLIN, 0};
-    int rc = zmq_poll(items, n, timeout_ms);
+    int rc = zmq_poll(items, n, timeout_ms);  /* no item yet (a name not resolved): zmq_poll sleeps */
     if (rc <= 0) return rc < 0 ? PRISM_EIO : PRISM_OK;
-    for (int i = 0; i < w->n_routers; i++) {
-        if (!(items[i].revents & ZMQ_POLLIN)) continue;
+    for (int k = 0; k < n_ctl; k++) {
+        int i = slot[k];
+        if (!(items[k].revents & ZMQ_POLLIN)) continue;
         /* Drain control messages: they are small and must not wait behind compute. */
-        for (int k = 0; k < 1024; k++) {
+        for (int j = 0; j < 1024; j++) {
             prism_msg_t m;
             int r = prism_msg_recv(w->routers[i].sock, false, &m, ZMQ_DONTWAIT);
             if (r == PRISM_EAGAIN || r == PRISM_EIO) break;

@@ -19,15 +19,17 @@
 #include "net/net.h"
 
 struct prism_model_config;   /* model/model.h */
+struct prism_resolver;       /* net/resolve.h */
 
-#define PRISM_WORKER_MAX_ROUTERS 8
+#define PRISM_WORKER_MAX_ROUTERS 16
 #define PRISM_WORKER_MAX_PEERS 64
 
 typedef struct {
     char endpoint[256];
     char router_id[128];     /* learned from the REGISTER_ACK */
-    void *sock;              /* DEALER */
+    void *sock;              /* DEALER; NULL: an empty slot (a router whose address left the DNS name) */
     bool registered;
+    bool from_name;          /* an address of a --router DNS name: closed when it leaves the name */
     double last_register_s;
 } prism_worker_router_t;
 
@@ -60,10 +62,16 @@ typedef struct {
     void *zctx;
     Prism__Role role;
     char worker_id[128];
+    /* Router slots: a slot keeps its index while its router is connected (empty slots have sock ==
+     * NULL); n_routers is the highest slot used + 1. A --router endpoint whose host is a DNS name
+     * stands for every address of the name (net/resolve.h), re-resolved every router_resolve_s. */
     prism_worker_router_t routers[PRISM_WORKER_MAX_ROUTERS];
     int n_routers;
+    prism_str_list_t router_names;     /* the --router entries that are DNS names */
+    struct prism_resolver *resolver;   /* started by the first tick when there are names */
+    double router_resolve_s;
     void *data_sock;         /* PULL, bound; NULL for encoders */
-    char data_endpoint[256]; /* resolved endpoint peers connect to */
+    char data_endpoint[256]; /* endpoint peers connect to: the bound one, or --advertise-host/-port */
     prism_worker_peer_t peers[PRISM_WORKER_MAX_PEERS];
     int n_peers;
     Prism__Register reg;     /* capacity fields filled by the worker before the first tick */
@@ -109,10 +117,13 @@ typedef struct {
     const char *log_level;
     double heartbeat_s;
     bool random_weights;
+    const char *advertise_host;  /* host peers reach the data endpoint at (NAT, containers); NULL = --host */
+    int64_t advertise_port;      /* 0 = the bound port */
+    double router_resolve_s;     /* seconds between lookups of --router DNS names */
 } prism_worker_opts_t;
 
 void prism_worker_opts_defaults(prism_worker_opts_t *o, const char *role);
-/* Appends the common flags to table (which must have room for 11 more entries + END). */
+/* Appends the common flags to table (which must have room for 14 more entries + END). */
 int  prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *table, int n);
 /* Start-up shared by every worker: appends the common flags after the worker's own entries of flags
  * (a zero-filled table with room for them), parses, sets up logging and signals, loads config.json
@@ -121,7 +132,8 @@ int  prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *table, int n)
 int  prism_worker_startup(int argc, char **argv, const char *role, const char *summary, prism_flag_t *flags,
                           prism_worker_opts_t *o, struct prism_model_config *cfg);
 
-/* What registration advertises: the memory plan and capacity (0 where a field does not apply). */
+/* What registration advertises: the memory plan and capacity (0 where a field does not apply), and the
+ * data endpoint peers connect to (--advertise-host / --advertise-port replace the bound host / port). */
 void prism_worker_set_capacity(prism_worker_t *w, const prism_worker_opts_t *o, const prism_mem_plan_t *plan,
                                uint32_t kv_blocks, uint32_t block_size, uint32_t max_batch_tokens,
                                uint32_t max_running, uint32_t max_model_len);
