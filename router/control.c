@@ -151,7 +151,9 @@ int router_send(router_t *r, router_worker_t *w, Prism__Envelope *env, const pri
 {
     env->router_id = r->router_id;
     int rc = prism_msg_send(r->ctl, w->id, strlen(w->id), env, frames, n, ZMQ_DONTWAIT);
-    if (rc != PRISM_OK)
+    if (rc != PRISM_OK) {
         PRISM_WARN("send to %s worker %s failed: %s", prism_role_name(w->role), w->id, prism_strerror(rc));
+        w->send_failed_at = prism_now_s();  /* router_pick passes it over until it is heard from again */
+    }
     return rc;
 }

@@ -103,6 +103,14 @@ static double load_of(const router_worker_t *w)
     }
 }
 
+/* Room for one more request, and reachable: a worker whose last send failed (it exited: its
+ * connection is gone) would fail every request sent to it until --worker-timeout drops it — and, as
+ * each fails at once, look idle and attract them all. The request waits in the router instead. */
+static bool pickable(const router_worker_t *w)
+{
+    return w->inflight < (int)PRISM_MAX(w->max_running, 1u) && !(w->send_failed_at > w->last_seen);
+}
+
 router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash, bool *any)
 {
     router_worker_t *best = NULL;
@@ -112,7 +120,7 @@ router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash
         router_worker_t *w = &r->workers[i];
         if (!w->used || w->role != role) continue;
         *any = true;
-        if (w->inflight >= (int)PRISM_MAX(w->max_running, 1u)) continue;  /* full: the request waits here */
+        if (!pickable(w)) continue;
         if (prefer_hash) {
             for (int k = 0; k < w->n_hashes; k++)
                 if (w->image_hashes[k] == prefer_hash) return w;  /* its embedding cache probably has it */
@@ -133,7 +141,7 @@ router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash
     double target = load_of(best);
     for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
         router_worker_t *w = &r->workers[i];
-        if (!w->used || w->role != role || w->inflight >= (int)PRISM_MAX(w->max_running, 1u)) continue;
+        if (!w->used || w->role != role || !pickable(w)) continue;
         if (load_of(w) == target && k-- == 0) return w;
     }
     PRISM_ASSERT(!"a tied worker vanished between two scans");

@@ -1,0 +1,199 @@
+"""Scaling a tier live, and how the router spreads work.
+
+test_ties_spread_light_load: with two idle workers per tier, a light load (one request at a time)
+goes to both workers of every tier, not all to the first (ties between equally loaded workers
+take turns).
+
+test_scale_each_tier_live: under a steady load (client threads sending image requests), a second
+and a third encoder, prefill and decode worker started by hand receive work within seconds; then
+one worker of each tier is stopped with SIGTERM. What is true in main today (graceful drain and
+retry are issue 9, not landed): the stopped worker exits at once; the requests it held fail cleanly
+(503 with an OpenAI error) once the router notices (--worker-timeout), and so does the one request
+the router may send it before then (at once: "could not be reached"; after a failed send the router
+picks other workers); every request sent after the router dropped it succeeds.
+
+test_sigterm_drains_without_losing_a_request (known bug, issue 9): the same SIGTERM must lose no
+request at all: the worker finishes (or hands back) what it holds before it exits.
+"""
+import http.client
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cluster import Cluster, chat_body, known_bug, make_image, run_tests, wait_for  # noqa: E402
+
+WORKER_TIMEOUT = 1.0
+SHAPES = [(s, c, b) for s in ("circle", "square", "triangle") for c in ("red", "green", "blue", "yellow")
+          for b in ("white", "black")]
+
+
+def images(tmp, n):
+    return [make_image(os.path.join(tmp, "img%d.jpg" % i), width=96 + 8 * (i % 5), height=96, shape=s, color=c,
+                       background=b) for i, (s, c, b) in enumerate(SHAPES[:n])]
+
+
+def status(c):
+    st, _, data = c.request("GET", "/status")
+    assert st == 200, st
+    return json.loads(data)
+
+
+def completed(c):
+    return {w["id"]: w["completed"] for w in status(c)["workers"]}
+
+
+class Load:
+    """Client threads sending image requests back to back until stopped; every answer recorded
+    as (t_sent, t_done, status, error message or None)."""
+
+    def __init__(self, c, imgs, clients=3):
+        self.c, self.imgs, self.results, self.stop_flag = c, imgs, [], False
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self.run, args=(k,), daemon=True) for k in range(clients)]
+        for t in self.threads:
+            t.start()
+
+    def run(self, k):
+        i = k
+        while not self.stop_flag:
+            body = chat_body("What is in the image?", [self.imgs[i % len(self.imgs)]], max_tokens=4, temperature=0)
+            i += len(self.threads)
+            t0 = time.time()
+            try:
+                st, r = self.c.post_json("/v1/chat/completions", body, timeout=120)
+                err = None if st == 200 else (r.get("error", {}).get("message") if isinstance(r, dict) else str(r))
+                if st == 200:
+                    assert r["choices"][0]["message"]["content"], r
+            except Exception as e:  # noqa: BLE001 - a dropped connection is a failure we count
+                st, err = -1, repr(e)
+            with self.lock:
+                self.results.append((t0, time.time(), st, err))
+
+    def since(self, t):
+        with self.lock:
+            return [x for x in self.results if x[0] >= t]
+
+    def finish(self):
+        self.stop_flag = True
+        for t in self.threads:
+            t.join(180)
+
+
+def test_ties_spread_light_load():
+    tmp = tempfile.mkdtemp(prefix="prism-scale-")
+    imgs = images(tmp, 6)
+    with Cluster(encoders=2, prefills=2, decodes=2) as c:
+        c.wait_ready()
+        for img in imgs:  # one at a time: every worker idle at each pick
+            st, r = c.post_json("/v1/chat/completions", chat_body("What is in the image?", [img], max_tokens=2))
+            assert st == 200, (st, r)
+        done = completed(c)
+        for tier in ("encoder", "prefill", "decode"):
+            got = {k: v for k, v in done.items() if k.startswith(tier)}
+            assert len(got) == 2 and all(v >= 1 for v in got.values()), ("%s: every request on one worker" % tier, done)
+        enc = sorted(v for k, v in done.items() if k.startswith("encoder"))
+        assert enc == [3, 3], ("idle encoders take turns", done)
+
+
+def scale_cluster():
+    return Cluster(encoders=1, prefills=1, decodes=1,
+                   router_args=["--worker-timeout", str(WORKER_TIMEOUT)],
+                   common_worker_args=["--heartbeat-interval", "0.2"],
+                   worker_args={"encoder_worker": ["--embedding-cache-bytes", "0"]})
+
+
+def sigterm(c, name):
+    p = c.procs.pop(name)
+    p.send_signal(signal.SIGTERM)
+    p.wait(30)
+    return p.returncode
+
+
+def test_scale_each_tier_live():
+    tmp = tempfile.mkdtemp(prefix="prism-scale-")
+    imgs = images(tmp, 12)
+    report = []
+    with scale_cluster() as c:
+        c.wait_ready()
+        load = Load(c, imgs)
+        try:
+            wait_for(lambda: len(load.since(0)) >= 3, 60, "the load running")
+            kinds = {"encoder": "encoder_worker", "prefill": "prefill_worker", "decode": "decode_worker"}
+            for tier, kind in kinds.items():
+                t0 = time.time()
+                for k in (1, 2):
+                    c.start_worker("%s-%d" % (tier, k), kind)
+                news = ["%s-1" % tier, "%s-2" % tier]
+                got = wait_for(lambda: (lambda d: all(d.get(n, 0) >= 1 for n in news) and d)(completed(c)), 60,
+                               "new %s workers receive work" % tier, interval=0.05)
+                report.append("%s: 2nd and 3rd worker took work %.2fs after start (completed %s)"
+                              % (tier, time.time() - t0, {n: got[n] for n in news}))
+            for tier in kinds:
+                victim = "%s-2" % tier
+                held = next(w for w in status(c)["workers"] if w["id"] == victim)["inflight"]
+                t_kill = time.time()
+                rc = sigterm(c, victim)
+                assert rc == 0, ("a worker stopped by SIGTERM exits 0", rc)
+                wait_for(lambda: all(w["id"] != victim for w in status(c)["workers"]), WORKER_TIMEOUT + 10,
+                         "%s dropped" % victim, interval=0.05)
+                t_dropped = time.time()
+                # requests sent after the drop all succeed while the tier has its other workers
+                wait_for(lambda: len([x for x in load.since(t_dropped) if x[3] is None and x[2] == 200]) >= 3, 60,
+                         "requests served after the drop")
+                failed = [x for x in load.since(t_kill - 60) if x[2] != 200 and x[1] >= t_kill]
+                late = [x for x in failed if x[0] >= t_dropped]
+                assert not late, ("requests sent after the drop failed", late)
+                for _, _, st, err in failed:
+                    assert st == 503 and err, ("a failed request must fail cleanly (503 + error)", st, err)
+                # Failures: the requests it held, and those the router sent it before it noticed
+                # (they fail at once: "could not be reached"). Both go when issue 9 lands.
+                unreachable = [x for x in failed if "could not be reached" in x[3]]
+                assert len(failed) - len(unreachable) <= held + 1, ("more failures than the worker held", held, failed)
+                # once a send to it fails, the router stops picking it: not a black hole that fails
+                # every request until --worker-timeout (it failed 74 in one run before)
+                assert len(unreachable) <= 1, ("requests kept going to a worker that was gone", unreachable)
+                report.append("%s: SIGTERM -> dropped after %.2fs; failed with 503: %d it held (of %d), %d sent to it "
+                              "before the drop" % (tier, t_dropped - t_kill, len(failed) - len(unreachable), held,
+                                                   len(unreachable)))
+        finally:
+            load.finish()
+        bad = [x for x in load.results if x[2] not in (200, 503)]
+        assert not bad, ("only clean answers", bad)
+        ok = [x for x in load.results if x[2] == 200]
+        assert len(ok) >= 10, len(ok)
+        for line in report:
+            print("  " + line)
+
+
+@known_bug("issue 9: SIGTERM makes a worker exit at once; the requests it held fail with 503 instead of "
+           "finishing (graceful drain not implemented)")
+def test_sigterm_drains_without_losing_a_request():
+    tmp = tempfile.mkdtemp(prefix="prism-scale-")
+    imgs = images(tmp, 8)
+    with scale_cluster() as c:
+        c.start_worker("encoder-1", "encoder_worker")
+        c.expected["encoders"] = 2
+        c.wait_ready()
+        load = Load(c, imgs, clients=4)
+        try:
+            wait_for(lambda: any(w["id"] == "encoder-1" and w["inflight"] > 0 for w in status(c)["workers"]), 60,
+                     "encoder-1 holding a request", interval=0.01)
+            t_kill = time.time()
+            sigterm(c, "encoder-1")
+            wait_for(lambda: all(w["id"] != "encoder-1" for w in status(c)["workers"]), WORKER_TIMEOUT + 10,
+                     "encoder-1 gone", interval=0.05)
+            wait_for(lambda: len(load.since(t_kill)) >= 4, 60, "more load")
+        finally:
+            load.finish()
+        failed = [x for x in load.results if x[2] != 200]
+        assert not failed, ("requests lost to a SIGTERM", failed)
+
+
+if __name__ == "__main__":
+    sys.exit(run_tests([test_ties_spread_light_load, test_scale_each_tier_live,
+                        test_sigterm_drains_without_losing_a_request]))
