@@ -26,6 +26,7 @@
 
 #define ROUTER_MAX_WORKERS 256
 #define ROUTER_MAX_IMAGES 64
+#define ROUTER_AFFINITY_SLACK 2   /* requests in flight a warm encoder may have beyond the least loaded */
 
 typedef struct {
     bool used;
@@ -119,7 +120,8 @@ void router_worker_note_image(router_worker_t *w, uint64_t hash);
 /* Least-loaded worker of a role with a free slot (inflight < its registered capacity); NULL when
  * none has room. *any is set when at least one worker of the role is registered. prefer_hash (an
  * image's content hash, or 0): a worker with room that recently encoded it wins (embedding-cache
- * affinity). Equally loaded workers take turns, so a light load is spread, not sent to the first. */
+ * affinity) unless it has more than ROUTER_AFFINITY_SLACK requests in flight beyond the least loaded.
+ * Equally loaded workers take turns, so a light load is spread, not sent to the first. */
 router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash, bool *any);
 router_worker_t *router_worker_by_id(router_t *r, const char *id);
 bool router_ready(const router_t *r, bool need_encoder);

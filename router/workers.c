@@ -113,7 +113,7 @@ static bool pickable(const router_worker_t *w)
 
 router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash, bool *any)
 {
-    router_worker_t *best = NULL;
+    router_worker_t *best = NULL, *warm = NULL;
     int n_ties = 0;
     *any = false;
     for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
@@ -121,10 +121,8 @@ router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash
         if (!w->used || w->role != role) continue;
         *any = true;
         if (!pickable(w)) continue;
-        if (prefer_hash) {
-            for (int k = 0; k < w->n_hashes; k++)
-                if (w->image_hashes[k] == prefer_hash) return w;  /* its embedding cache probably has it */
-        }
+        for (int k = 0; prefer_hash && !warm && k < w->n_hashes; k++)
+            if (w->image_hashes[k] == prefer_hash) warm = w;  /* its embedding cache probably has it */
         double l = load_of(w);
         if (!best || l < load_of(best)) {
             best = w;
@@ -133,6 +131,10 @@ router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash
             n_ties++;
         }
     }
+    /* Affinity, within reason: a cache hit saves the image's decode and encode, but not the wait
+     * behind the warm worker's queue. Without the bound, once every image of a repeating load had
+     * been seen, workers added later never got a single request. */
+    if (warm && load_of(warm) <= load_of(best) + ROUTER_AFFINITY_SLACK) return warm;
     if (n_ties < 2) return best;
     /* Several equally loaded workers: the turn-th of them (in table order), a new turn each time.
      * Always taking the first sent every request of a light load to one worker. */

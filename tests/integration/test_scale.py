@@ -33,8 +33,10 @@ SHAPES = [(s, c, b) for s in ("circle", "square", "triangle") for c in ("red", "
 
 
 def images(tmp, n):
-    return [make_image(os.path.join(tmp, "img%d.jpg" % i), width=96 + 8 * (i % 5), height=96, shape=s, color=c,
-                       background=b) for i, (s, c, b) in enumerate(SHAPES[:n])]
+    """n different small images (no two alike: the router's cache affinity plays no part)."""
+    return [make_image(os.path.join(tmp, "img%d.jpg" % i), width=96 + 8 * (i // len(SHAPES)), height=96,
+                       shape=SHAPES[i % len(SHAPES)][0], color=SHAPES[i % len(SHAPES)][1],
+                       background=SHAPES[i % len(SHAPES)][2]) for i in range(n)]
 
 
 def status(c):
@@ -116,7 +118,7 @@ def sigterm(c, name):
 
 def test_scale_each_tier_live():
     tmp = tempfile.mkdtemp(prefix="prism-scale-")
-    imgs = images(tmp, 12)
+    imgs = images(tmp, 120)   # a request never repeats an image while the test runs
     report = []
     with scale_cluster() as c:
         c.wait_ready()
