@@ -35,7 +35,12 @@ def one_run(args, imgs):
         while not stop[0]:
             body = cl.chat_body("What is in the image?", [imgs[i % len(imgs)]], max_tokens=1, temperature=0)
             i += args.clients
-            st, r = c.post_json("/v1/chat/completions", body, timeout=900)
+            try:
+                st, r = c.post_json("/v1/chat/completions", body, timeout=900)
+            except OSError:
+                if stop[0]:
+                    return  # the cluster is stopping under us: not a result
+                st = -1
             with lock:
                 done.append((time.time(), st))
 
