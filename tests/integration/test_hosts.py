@@ -17,7 +17,9 @@ healing it brings the encoder back. Then with a second encoder on the prefill ho
 by the cut encoder fails cleanly (issue 9 will retry it on the other encoder) and new requests are
 served by the other one.
 
-Internal links are not authenticated here: CURVE (the sec1 branch) has not landed in main yet.
+Every internal link is authenticated (CURVE, one key directory made by prism_keygen shared by the
+hosts, as a Secret or a config-management push would be): a worker on the encoder host holding
+another cluster's keys never registers, and the router counts the refused handshakes.
 """
 import ctypes
 import http.client
@@ -31,7 +33,8 @@ import time
 from contextlib import contextmanager
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import MODEL, SANITIZER_MARKS, binary, chat_body, make_image, reference, run_tests, wait_for  # noqa: E402
+from cluster import (MODEL, SANITIZER_MARKS, binary, chat_body, make_image, make_keys, reference, run_tests,  # noqa: E402
+                     wait_for)
 
 LIBC = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWNET = 0x40000000
@@ -84,6 +87,7 @@ class Hosts:
     def __init__(self):
         self.namespaces, self.procs, self.etc = [], {}, []
         self.log_dir = tempfile.mkdtemp(prefix="prism-hosts-")
+        self.keys = make_keys(os.path.join(self.log_dir, "curve-keys"))
         self.bridge_ns = None
 
     def add_ns(self, name, hosts_lines=()):
@@ -126,10 +130,16 @@ class Hosts:
     def link(self, i, up):
         sh("ip", "-n", self.bridge_ns, "link", "set", "p%d" % i, "up" if up else "down")
 
-    def start(self, name, ns, kind, args):
+    def start(self, name, ns, kind, args, keys=None):
+        """keys: a CURVE key directory other than the cluster's (an intruder's)."""
         log = open(os.path.join(self.log_dir, name + ".log"), "ab")
-        self.procs[name] = subprocess.Popen(["ip", "netns", "exec", ns, binary(kind), *args], stdout=log,
-                                            stderr=subprocess.STDOUT)
+        self.procs[name] = subprocess.Popen(["ip", "netns", "exec", ns, binary(kind), "--curve-keys",
+                                             keys or self.keys, *args], stdout=log, stderr=subprocess.STDOUT)
+
+    def stop(self, name):
+        p = self.procs.pop(name)
+        p.terminate()
+        p.wait(30)
 
     def log(self, name):
         with open(os.path.join(self.log_dir, name + ".log"), "rb") as f:
@@ -179,6 +189,15 @@ def request(ns, host, port, method, path, body=None, timeout=60):
             return r.status, dict(r.getheaders()), data
         finally:
             conn.close()
+
+
+def metric(ns, host, port, name):
+    st, _, text = request(ns, host, port, "GET", "/metrics")
+    assert st == 200, st
+    for line in text.decode().splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no metric " + name)
 
 
 def ready(ns, host, port):
@@ -279,6 +298,18 @@ def test_three_hosts_and_a_cut_link():
         st, _, r = request(*R, "POST", "/v1/chat/completions", body)
         assert st == 200, (st, r)
         assert r["choices"][0]["message"]["content"] == ref["text"], (r, ref)
+
+        # the links that cross hosts are authenticated: an encoder holding another cluster's keys,
+        # on the encoder host, is refused at the handshake and never registers
+        refused0 = metric(*R, "prism:router_peer_auth_failures_total")
+        other = make_keys(os.path.join(h.log_dir, "other-cluster-keys"))
+        h.start("intruder", enc, "encoder_worker", WORKER + ["--router", "tcp://prism-router:8100",
+                                                             "--worker-id", "intruder"], keys=other)
+        wait_for(lambda: metric(*R, "prism:router_peer_auth_failures_total") > refused0, 60,
+                 "the router refuses the other cluster's encoder", interval=0.1)
+        assert counts() == (1, 1, 1), counts()
+        h.check_alive()
+        h.stop("intruder")
 
         # cut the encoder host's link
         h.link(1, False)
