@@ -94,20 +94,27 @@ def served(port):
 def check_unbuffered(port, direct_port):
     """A long stream arrives through the balancer as it arrives from the router: event by event, not
     in lumps. Measured against the same request sent to a router directly, so a slow machine (whose
-    reads coalesce events either way) does not decide the outcome."""
+    reads coalesce events either way) does not decide the outcome. A buffering proxy lumps every
+    attempt the same way; a loaded machine lumps some attempts, not all: up to 3 pairs are taken."""
     body = chat_body("Describe the picture.", [JPG], max_tokens=200, temperature=0, ignore_eos=True)
-    spreads = []
-    for p in (direct_port, port):
-        status, events, done, total = timed_stream(p, body)
-        assert status == 200 and done, (status, done)
-        content = [t for t, e in events if e.get("choices") and e["choices"][0]["delta"].get("content")]
-        assert len(content) >= 150, len(content)
-        spreads.append(len({round(t, 4) for t in content}))
-        print("  stream %s: %d tokens over %.2fs, first at %.3fs; %d distinct arrival times"
-              % ("direct " if p == direct_port else "through", len(content), total, content[0], spreads[-1]),
-              flush=True)
-    # A buffering proxy hands tokens over in lumps (nginx with proxy_buffering on: ~4 per read here).
-    assert spreads[1] >= 0.6 * spreads[0], "events arrive in lumps through the balancer: %s" % spreads
+    tries = []
+    for attempt in range(3):
+        spreads = []
+        for p in (direct_port, port):
+            status, events, done, total = timed_stream(p, body)
+            assert status == 200 and done, (status, done)
+            content = [t for t, e in events if e.get("choices") and e["choices"][0]["delta"].get("content")]
+            assert len(content) >= 150, len(content)
+            spreads.append(len({round(t, 4) for t in content}))
+            print("  stream %s: %d tokens over %.2fs, first at %.3fs; %d distinct arrival times"
+                  % ("direct " if p == direct_port else "through", len(content), total, content[0], spreads[-1]),
+                  flush=True)
+        tries.append(spreads)
+        # A buffering proxy hands tokens over in lumps (nginx with proxy_buffering on: ~4 per read here).
+        if spreads[1] >= 0.6 * spreads[0]:
+            return
+    raise AssertionError("events arrive in lumps through the balancer in every attempt "
+                         "(distinct arrival times direct, through): %s" % tries)
 
 
 def check_big_image(port):
