@@ -35,13 +35,41 @@ static void on_register(router_t *r, prism_msg_t *m)
     router_dispatch_queued(r);  /* new capacity */
 }
 
+/* To a draining worker: what we still hold on it (0 releases it). Control messages to one worker
+ * are ordered, so every request we sent it before this has reached it first. */
+static void drain_ack(router_t *r, const uint8_t *identity, size_t id_len, uint32_t inflight, bool stopping)
+{
+    Prism__DrainAck d = PRISM__DRAIN_ACK__INIT;
+    d.inflight = inflight;
+    d.router_stopping = stopping;
+    Prism__Envelope env = PRISM__ENVELOPE__INIT;
+    env.type = PRISM__MSG_TYPE__MSG_DRAIN_ACK;
+    env.router_id = r->router_id;
+    env.drain_ack = &d;
+    prism_msg_send(r->ctl, identity, id_len, &env, NULL, 0, ZMQ_DONTWAIT);
+}
+
 static void on_heartbeat(router_t *r, prism_msg_t *m)
 {
     char id[128];
     snprintf(id, sizeof(id), "%.*s", (int)m->identity_len, (const char *)m->identity);
-    /* We restarted or dropped it: ask it to register again. */
-    if (!router_worker_heartbeat(r, id, m->env->heartbeat))
-        ack(r, m->identity, m->identity_len, false, "unknown worker: register again");
+    /* We restarted or dropped it: ask it to register again (unless it is draining: nothing to do). */
+    if (!router_worker_heartbeat(r, id, m->env->heartbeat)) {
+        if (m->env->heartbeat && m->env->heartbeat->draining)
+            drain_ack(r, m->identity, m->identity_len, 0, false);
+        else
+            ack(r, m->identity, m->identity_len, false, "unknown worker: register again");
+        return;
+    }
+    router_worker_t *w = router_worker_by_id(r, id);
+    if (!w || !w->draining) return;
+    drain_ack(r, m->identity, m->identity_len, (uint32_t)PRISM_MAX(w->inflight, 0), false);
+    if (w->inflight <= 0) {
+        /* Released: it exits as soon as it is idle. Forget it now rather than at --worker-timeout
+         * (/ready and the counts say what is really there); a later heartbeat is answered above. */
+        PRISM_INFO("%s worker %s drained: released", prism_role_name(w->role), w->id);
+        router_worker_drop(w);
+    }
 }
 
 static void dispatch(router_t *r, prism_msg_t *m)
@@ -143,6 +171,10 @@ int router_ctl_start(router_t *r, const char *endpoint)
 
 void router_ctl_stop(router_t *r)
 {
+    /* Workers draining at the same time (a whole cluster stopped) need not wait for us. */
+    for (int i = 0; i < ROUTER_MAX_WORKERS; i++)
+        if (r->workers[i].used)
+            drain_ack(r, (const uint8_t *)r->workers[i].id, strlen(r->workers[i].id), 0, true);
     uv_poll_stop(&r->ctl_poll);
     uv_close((uv_handle_t *)&r->ctl_poll, NULL);
     uv_prepare_stop(&r->ctl_prepare);

@@ -169,6 +169,8 @@ int main(int argc, char **argv)
                r.router_id, served, host, prism_http_server_port(r.http), prism_now_s() - t0, control, r.max_model_len,
                r.cfg.image_seq_length);
     uv_run(r.loop, UV_RUN_DEFAULT);
+    int linger = 500;  /* the router_stopping notes of router_ctl_stop go out */
+    zmq_setsockopt(r.ctl, ZMQ_LINGER, &linger, sizeof(linger));
     zmq_close(r.ctl);
     prism_net_destroy(r.net);
     PRISM_INFO("router stopped");

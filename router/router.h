@@ -43,6 +43,7 @@ typedef struct {
     uint64_t heartbeats;          /* received since registration: lets a reader wait for fresh numbers */
     double registered_at;         /* first registration of this slot (prism_now_s) */
     double send_failed_at;        /* last failed send (its connection is gone): not picked until it is heard again */
+    bool draining;                /* its heartbeat said SIGTERM: never picked again; answered with DrainAck */
     double last_seen;
     /* our own view: requests we sent that have not finished on this worker */
     int inflight;

@@ -54,6 +54,7 @@ static json_t *worker_json(const router_worker_t *w, double now)
                                                "planned", (json_int_t)w->mem_planned, "used", (json_int_t)w->mem_used,
                                                "peak", (json_int_t)w->mem_peak));
     json_object_set_new(j, "heap_allocations", json_integer((json_int_t)w->alloc_count));
+    json_object_set_new(j, "draining", json_boolean(w->draining));
     switch (w->role) {
     case PRISM__ROLE__ROLE_ENCODER:
         json_object_set_new(j, "cache", json_pack("{s:I,s:I}", "hits", (json_int_t)w->cache_hits,

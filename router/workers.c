@@ -78,6 +78,10 @@ bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat
     w->alloc_count = hb->alloc_count;
     w->heartbeats++;
     w->peer_auth_failures = hb->peer_auth_failures;
+    if (hb->draining && !w->draining)
+        PRISM_INFO("%s worker %s is draining (%d requests of ours on it): no new work goes to it",
+                   prism_role_name(w->role), w->id, w->inflight);
+    w->draining = w->draining || hb->draining;
     w->last_seen = prism_now_s();
     return true;
 }
@@ -109,7 +113,7 @@ static double load_of(const router_worker_t *w)
  * each fails at once, look idle and attract them all. The request waits in the router instead. */
 static bool pickable(const router_worker_t *w)
 {
-    return w->inflight < (int)PRISM_MAX(w->max_running, 1u) && !(w->send_failed_at > w->last_seen);
+    return w->inflight < (int)PRISM_MAX(w->max_running, 1u) && !(w->send_failed_at > w->last_seen) && !w->draining;
 }
 
 router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash, bool *any)

@@ -8,9 +8,16 @@
 #include <string.h>
 #include <unistd.h>
 
-static volatile sig_atomic_t g_stop;
+/* The first SIGTERM/SIGINT asks for a drain (prism_worker_tick: no new work, finish what is held,
+ * exit once the routers release us); a second one, or the end of the drain, stops the loop. */
+static volatile sig_atomic_t g_signals, g_stop;
 
-static void on_signal(int sig) { (void)sig; g_stop = 1; }
+static void on_signal(int sig)
+{
+    (void)sig;
+    if (g_signals < 2) g_signals++;
+    if (g_signals > 1) g_stop = 1;
+}
 
 void prism_worker_install_signals(void)
 {
@@ -84,6 +91,7 @@ void prism_worker_opts_defaults(prism_worker_opts_t *o, const char *role)
     o->heartbeat_s = 1.0;
     o->router_resolve_s = 5.0;
     o->max_message_bytes = 64ll << 20;
+    o->drain_timeout_s = 30.0;
     static char id[128];
     char host[64] = "host";
     gethostname(host, sizeof(host) - 1);
@@ -118,6 +126,9 @@ int prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *t, int n)
                         "Unauthenticated internal links (only on an isolated network; logs a warning)"),
         PRISM_FLAG_BYTES("max-message-bytes", &o->max_message_bytes,
                          "Largest message accepted from a router (an image file for encoders); bigger drops the link"),
+        PRISM_FLAG_DOUBLE("drain-timeout", &o->drain_timeout_s,
+                          "SIGTERM drains: no new work, the held requests finish, exit when the routers release "
+                          "this worker or after this many seconds (a second SIGTERM exits at once)"),
     };
     _Static_assert(sizeof(f) / sizeof(f[0]) == PRISM_WORKER_N_FLAGS, "PRISM_WORKER_N_FLAGS");
     for (size_t i = 0; i < PRISM_ARRAY_LEN(f); i++)
@@ -143,8 +154,8 @@ int prism_worker_startup(int argc, char **argv, const char *role, const char *su
                     "the address they reach this worker at", o->host);
         return 2;
     }
-    if (o->advertise_port < 0 || o->advertise_port > 65535 || !(o->router_resolve_s > 0)) {
-        PRISM_ERROR("--advertise-port must be 0..65535 and --router-resolve-interval positive");
+    if (o->advertise_port < 0 || o->advertise_port > 65535 || !(o->router_resolve_s > 0) || !(o->drain_timeout_s >= 0)) {
+        PRISM_ERROR("--advertise-port must be 0..65535, --router-resolve-interval positive, --drain-timeout >= 0");
         return 2;
     }
     if (!o->insecure_no_curve == !(o->curve_keys && *o->curve_keys)) {  /* fail before loading a model */
@@ -170,6 +181,7 @@ void prism_worker_set_capacity(prism_worker_t *w, const prism_worker_opts_t *o, 
 {
     w->heartbeat_s = o->heartbeat_s;
     w->router_resolve_s = o->router_resolve_s;
+    w->drain_timeout_s = o->drain_timeout_s;
     if (w->data_sock && ((o->advertise_host && *o->advertise_host) || o->advertise_port > 0)) {
         /* The bound endpoint is tcp://HOST:PORT as the socket sees it; peers behind NAT or in
          * another network namespace reach it under another host (and port). */
@@ -276,6 +288,7 @@ int prism_worker_init(prism_worker_t *w, Prism__Role role, const prism_worker_op
     w->role = role;
     w->heartbeat_s = 1.0;
     w->router_resolve_s = 5.0;
+    w->drain_timeout_s = 30.0;
     snprintf(w->worker_id, sizeof(w->worker_id), "%s", o->worker_id);
     if (o->routers.n == 0) {
         PRISM_ERROR("no --router given: a worker needs at least one router control endpoint");
@@ -323,6 +336,15 @@ void prism_worker_close(prism_worker_t *w)
 {
     prism_resolver_stop(w->resolver);
     w->resolver = NULL;
+    if (w->draining) {
+        /* Results of the last requests (tokens to a router, embeddings or KV to a peer) may still sit
+         * in a socket: give them time to leave rather than drop them (linger 0 elsewhere). */
+        int linger = PRISM_DRAIN_LINGER_MS;
+        for (int i = 0; i < w->n_routers; i++)
+            if (w->routers[i].sock) zmq_setsockopt(w->routers[i].sock, ZMQ_LINGER, &linger, sizeof(linger));
+        for (int i = 0; i < w->n_peers; i++)
+            if (w->peers[i].sock) zmq_setsockopt(w->peers[i].sock, ZMQ_LINGER, &linger, sizeof(linger));
+    }
     for (int i = 0; i < w->n_routers; i++)
         if (w->routers[i].sock) zmq_close(w->routers[i].sock);
     for (int i = 0; i < w->n_peers; i++)
@@ -373,13 +395,46 @@ int prism_worker_reply(prism_worker_t *w, const char *router_id, uint64_t reques
 
 /* ---------------------------------------------------------------- registration, heartbeats */
 
+/* Drain: decides when a draining worker may exit. A router holding no request on us says so
+ * (DrainAck inflight 0, or router_stopping); one that has not answered for PRISM_DRAIN_ROUTER_GONE_S
+ * seconds (SIGKILLed, unreachable) is not waited for. */
+static void drain_step(prism_worker_t *w, const Prism__Heartbeat *hb, double now)
+{
+    double gone_s = PRISM_MAX(PRISM_DRAIN_ROUTER_GONE_S, 5 * w->heartbeat_s);
+    int waiting_for = 0;
+    for (int i = 0; i < w->n_routers; i++) {
+        const prism_worker_router_t *r = &w->routers[i];
+        if (!r->sock || !r->registered || r->released) continue;
+        double heard = PRISM_MAX(r->drain_reply_s, w->drain_start_s);
+        if (now - heard > gone_s) continue;
+        waiting_for++;
+    }
+    bool idle = hb->running == 0 && hb->waiting == 0;
+    if (idle && waiting_for == 0) {
+        PRISM_INFO("drained in %.2fs: every router released this worker; exiting", now - w->drain_start_s);
+        g_stop = 1;
+    } else if (now - w->drain_start_s > w->drain_timeout_s) {
+        PRISM_WARN("--drain-timeout %.1fs passed with %u running, %u queued, %d router(s) still holding requests "
+                   "here: exiting", w->drain_timeout_s, hb->running, hb->waiting, waiting_for);
+        g_stop = 1;
+    }
+}
+
 void prism_worker_tick(prism_worker_t *w, Prism__Heartbeat *hb)
 {
     routers_follow_names(w);
     double now = prism_now_s();
+    if (g_signals && !w->draining) {
+        w->draining = true;
+        w->drain_start_s = now;
+        w->last_heartbeat_s = 0;  /* tell the routers now */
+        PRISM_INFO("SIGTERM: draining (no new work; %u running, %u queued finish first; at most %.1fs, a second "
+                   "signal exits at once)", hb->running, hb->waiting, w->drain_timeout_s);
+    }
     for (int i = 0; i < w->n_routers; i++) {
         prism_worker_router_t *r = &w->routers[i];
-        if (!r->sock || r->registered || now - r->last_register_s < 0.5) continue;
+        /* a draining worker registers nowhere: a router that lost it has nothing on it */
+        if (!r->sock || r->registered || w->draining || now - r->last_register_s < 0.5) continue;
         Prism__Envelope env = PRISM__ENVELOPE__INIT;
         env.type = PRISM__MSG_TYPE__MSG_REGISTER;
         env.reg = &w->reg;
@@ -387,8 +442,12 @@ void prism_worker_tick(prism_worker_t *w, Prism__Heartbeat *hb)
             PRISM_DEBUG("registering with %s", r->endpoint);
         r->last_register_s = now;
     }
-    if (now - w->last_heartbeat_s < w->heartbeat_s) return;
+    /* While draining, heartbeats go out often: each is answered with what the router still holds. */
+    double every = w->draining ? PRISM_MIN(w->heartbeat_s, PRISM_DRAIN_HEARTBEAT_S) : w->heartbeat_s;
+    if (w->draining) drain_step(w, hb, now);
+    if (now - w->last_heartbeat_s < every) return;
     w->last_heartbeat_s = now;
+    hb->draining = w->draining;
     hb->worker_id = w->worker_id;
     hb->mem_used = prism_mem_used();
     hb->mem_peak = prism_mem_peak();
@@ -405,8 +464,21 @@ void prism_worker_tick(prism_worker_t *w, Prism__Heartbeat *hb)
 
 static bool handle_control(prism_worker_t *w, prism_msg_t *m, int ri)
 {
-    if (m->env->type != PRISM__MSG_TYPE__MSG_REGISTER_ACK) return false;
     prism_worker_router_t *r = &w->routers[ri];
+    if (m->env->type == PRISM__MSG_TYPE__MSG_DRAIN_ACK) {
+        const Prism__DrainAck *d = m->env->drain_ack;
+        if (!d) return true;
+        r->drain_reply_s = prism_now_s();
+        if (d->router_stopping) {
+            r->registered = false;  /* it is going away: nothing to wait for; register again if it returns */
+            r->last_register_s = r->drain_reply_s;
+        } else if (w->draining && d->inflight == 0 && !r->released) {
+            r->released = true;
+            PRISM_INFO("router %s released this draining worker", r->router_id);
+        }
+        return true;
+    }
+    if (m->env->type != PRISM__MSG_TYPE__MSG_REGISTER_ACK) return false;
     const Prism__RegisterAck *ack = m->env->reg_ack;
     if (ack && ack->ok) {
         snprintf(r->router_id, sizeof(r->router_id), "%s", m->env->router_id ? m->env->router_id : "");

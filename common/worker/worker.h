@@ -31,6 +31,8 @@ typedef struct {
     bool registered;
     bool from_name;          /* an address of a --router DNS name: closed when it leaves the name */
     double last_register_s;
+    bool released;           /* draining: the router holds no request here and sends none (DrainAck) */
+    double drain_reply_s;    /* last DrainAck from it */
 } prism_worker_router_t;
 
 typedef struct {
@@ -71,6 +73,8 @@ typedef struct {
     struct prism_resolver *resolver;   /* started by the first tick when there are names */
     double router_resolve_s;
     int64_t router_max_msg_bytes; /* ZMQ_MAXMSGSIZE of router links (--max-message-bytes) */
+    bool draining;           /* SIGTERM seen: heartbeats say so, routers send nothing new */
+    double drain_start_s, drain_timeout_s;
     void *data_sock;         /* PULL, bound; NULL for encoders */
     char data_endpoint[256]; /* endpoint peers connect to: the bound one, or --advertise-host/-port */
     prism_worker_peer_t peers[PRISM_WORKER_MAX_PEERS];
@@ -105,7 +109,14 @@ void *prism_worker_peer_sock(prism_worker_t *w, const char *endpoint);
 /* Sends a Tokens / EncodeDone style reply to the owning router (no raw frames). */
 int  prism_worker_reply(prism_worker_t *w, const char *router_id, uint64_t request_id, Prism__Envelope *env);
 
-/* SIGINT/SIGTERM handling shared by all processes. */
+/* SIGINT/SIGTERM handling shared by all processes. The first signal starts a drain (heartbeats say
+ * `draining`, routers stop picking the worker and answer with what they still hold on it); the loop
+ * keeps working until prism_worker_tick sees every router release the worker with nothing left to
+ * do, or --drain-timeout passes; then prism_worker_should_stop() is true. A second signal stops at
+ * once. */
+#define PRISM_DRAIN_HEARTBEAT_S 0.2   /* heartbeat period while draining: the release comes this soon */
+#define PRISM_DRAIN_ROUTER_GONE_S 5.0 /* a router silent this long while we drain is not waited for */
+#define PRISM_DRAIN_LINGER_MS 5000    /* a drained worker's last messages may take this long to leave */
 void prism_worker_install_signals(void);
 bool prism_worker_should_stop(void);
 
@@ -128,9 +139,10 @@ struct prism_worker_opts {
     const char *curve_keys;      /* key directory (prism_keygen) */
     bool insecure_no_curve;
     int64_t max_message_bytes;   /* largest control message from a router (an image file for encoders) */
+    double drain_timeout_s;      /* SIGTERM: longest wait for held requests before exiting */
 };
 
-#define PRISM_WORKER_N_FLAGS 17
+#define PRISM_WORKER_N_FLAGS 18
 void prism_worker_opts_defaults(prism_worker_opts_t *o, const char *role);
 /* Appends the common flags to table (which must have room for PRISM_WORKER_N_FLAGS more entries + END). */
 int  prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *table, int n);

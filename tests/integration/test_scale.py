@@ -6,26 +6,28 @@ take turns).
 
 test_scale_each_tier_live: under a steady load (client threads sending image requests), a second
 and a third encoder, prefill and decode worker started by hand receive work within seconds; then
-one worker of each tier is stopped with SIGTERM. What is true in main today (graceful drain and
-retry are issue 9, not landed): the stopped worker exits at once; the requests it held fail cleanly
-(503 with an OpenAI error) once the router notices (--worker-timeout), and so does the one request
-the router may send it before then (at once: "could not be reached"; after a failed send the router
-picks other workers); every request sent after the router dropped it succeeds.
+one worker of each tier is stopped with SIGTERM while it holds requests: it drains (the routers
+stop sending it work, it finishes what it holds, it exits 0 once every router has released it) and
+not one request fails.
 
-test_sigterm_drains_without_losing_a_request (known bug, issue 9): the same SIGTERM must lose no
-request at all: the worker finishes (or hands back) what it holds before it exits.
+test_sigterm_drains_without_losing_a_request: an encoder holding a request gets SIGTERM under load:
+no request fails, the worker exits 0 after the routers released it, well before --drain-timeout.
+
+test_second_sigterm_exits_at_once: a draining worker whose requests cannot finish (its decode is
+stopped) exits at once on a second SIGTERM; the request it held fails cleanly (503).
 """
 import http.client
 import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import Cluster, chat_body, known_bug, make_image, run_tests, wait_for  # noqa: E402
+from cluster import Cluster, chat_body, make_image, run_tests, wait_for  # noqa: E402
 
 WORKER_TIMEOUT = 1.0
 SHAPES = [(s, c, b) for s in ("circle", "square", "triangle") for c in ("red", "green", "blue", "yellow")
@@ -112,7 +114,7 @@ def scale_cluster():
 def sigterm(c, name):
     p = c.procs.pop(name)
     p.send_signal(signal.SIGTERM)
-    p.wait(30)
+    p.wait(60)
     return p.returncode
 
 
@@ -137,31 +139,19 @@ def test_scale_each_tier_live():
                               % (tier, time.time() - t0, {n: got[n] for n in news}))
             for tier in kinds:
                 victim = "%s-2" % tier
-                held = next(w for w in status(c)["workers"] if w["id"] == victim)["inflight"]
+                wait_for(lambda: next(w for w in status(c)["workers"] if w["id"] == victim)["inflight"] > 0, 60,
+                         "%s holding a request" % victim, interval=0.01)
                 t_kill = time.time()
                 rc = sigterm(c, victim)
+                t_exit = time.time()
                 assert rc == 0, ("a worker stopped by SIGTERM exits 0", rc)
-                wait_for(lambda: all(w["id"] != victim for w in status(c)["workers"]), WORKER_TIMEOUT + 10,
-                         "%s dropped" % victim, interval=0.05)
-                t_dropped = time.time()
-                # requests sent after the drop all succeed while the tier has its other workers
-                wait_for(lambda: len([x for x in load.since(t_dropped) if x[3] is None and x[2] == 200]) >= 3, 60,
-                         "requests served after the drop")
-                failed = [x for x in load.since(t_kill - 60) if x[2] != 200 and x[1] >= t_kill]
-                late = [x for x in failed if x[0] >= t_dropped]
-                assert not late, ("requests sent after the drop failed", late)
-                for _, _, st, err in failed:
-                    assert st == 503 and err, ("a failed request must fail cleanly (503 + error)", st, err)
-                # Failures: the requests it held, and those the router sent it before it noticed
-                # (they fail at once: "could not be reached"). Both go when issue 9 lands.
-                unreachable = [x for x in failed if "could not be reached" in x[3]]
-                assert len(failed) - len(unreachable) <= held + 1, ("more failures than the worker held", held, failed)
-                # once a send to it fails, the router stops picking it: not a black hole that fails
-                # every request until --worker-timeout (it failed 74 in one run before)
-                assert len(unreachable) <= 1, ("requests kept going to a worker that was gone", unreachable)
-                report.append("%s: SIGTERM -> dropped after %.2fs; failed with 503: %d it held (of %d), %d sent to it "
-                              "before the drop" % (tier, t_dropped - t_kill, len(failed) - len(unreachable), held,
-                                                   len(unreachable)))
+                log = c.log(victim, tail=0)
+                assert "draining" in log and "drained in" in log, log[-2000:]
+                wait_for(lambda: len(load.since(t_exit)) >= 3, 60, "requests served after the exit")
+                failed = [x for x in load.results if x[2] != 200]
+                assert not failed, ("requests lost to a SIGTERM of a %s worker" % tier, failed)
+                report.append("%s: SIGTERM with requests on it -> drained and exited after %.2fs, none failed"
+                              % (tier, t_exit - t_kill))
         finally:
             load.finish()
         bad = [x for x in load.results if x[2] not in (200, 503)]
@@ -172,8 +162,6 @@ def test_scale_each_tier_live():
             print("  " + line)
 
 
-@known_bug("issue 9: SIGTERM makes a worker exit at once; the requests it held fail with 503 instead of "
-           "finishing (graceful drain not implemented)")
 def test_sigterm_drains_without_losing_a_request():
     tmp = tempfile.mkdtemp(prefix="prism-scale-")
     imgs = images(tmp, 8)
@@ -194,8 +182,46 @@ def test_sigterm_drains_without_losing_a_request():
             load.finish()
         failed = [x for x in load.results if x[2] != 200]
         assert not failed, ("requests lost to a SIGTERM", failed)
+        assert "drained in" in c.log("encoder-1", tail=0), c.log("encoder-1")
+
+
+def test_second_sigterm_exits_at_once():
+    """A drain waits for what the routers hold: a prefill whose request waits for embeddings from a
+    stopped encoder (SIGSTOP) keeps running after SIGTERM; a second SIGTERM ends it at once."""
+    tmp = tempfile.mkdtemp(prefix="prism-scale-")
+    img = images(tmp, 1)[0]
+    with Cluster(encoders=1, prefills=1, decodes=1, router_args=["--worker-timeout", "8"],
+                 common_worker_args=["--heartbeat-interval", "0.2"]) as c:
+        c.wait_ready()
+        enc = c.procs["encoder-0"]
+        enc.send_signal(signal.SIGSTOP)
+        out = {}
+        t = threading.Thread(target=lambda: out.update(r=c.post_json(
+            "/v1/chat/completions", chat_body("What is in the image?", [img], max_tokens=4), timeout=120)))
+        t.start()
+        try:
+            wait_for(lambda: next(w for w in status(c)["workers"] if w["id"] == "prefill-0")["inflight"] > 0, 30,
+                     "the prefill holding the request", interval=0.01)
+            p = c.procs.pop("prefill-0")
+            p.send_signal(signal.SIGTERM)
+            wait_for(lambda: "draining" in c.log("prefill-0", tail=0), 30, "the prefill draining")
+            try:
+                p.wait(2)
+                raise AssertionError("the prefill exited with a request held on it:\n" + c.log("prefill-0"))
+            except subprocess.TimeoutExpired:
+                pass
+            assert next(w for w in status(c)["workers"] if w["id"] == "prefill-0")["draining"]
+            t0 = time.time()
+            p.send_signal(signal.SIGTERM)
+            p.wait(10)
+            print("  second SIGTERM -> exit in %.2fs" % (time.time() - t0))
+        finally:
+            enc.send_signal(signal.SIGCONT)
+            t.join(130)
+        st, r = out["r"]
+        assert st == 503 and "error" in r, ("the request held by the stopped prefill fails cleanly", st, r)
 
 
 if __name__ == "__main__":
     sys.exit(run_tests([test_ties_spread_light_load, test_scale_each_tier_live,
-                        test_sigterm_drains_without_losing_a_request]))
+                        test_sigterm_drains_without_losing_a_request, test_second_sigterm_exits_at_once]))
