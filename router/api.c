@@ -191,6 +191,7 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
         {"prism:worker_heap_allocations_total", "Heap allocations the worker made (flat while serving)."},
         {"prism:worker_heartbeats_total", "Heartbeats received from the worker since it registered."},
         {"prism:worker_peer_auth_failures_total", "Peers the worker refused at the CURVE handshake."},
+        {"prism:worker_draining", "1 while the worker drains after SIGTERM (no new work goes to it)."},
     };
     for (size_t g = 0; g < PRISM_ARRAY_LEN(gauges); g++) {
         prism_buf_appendf(&b, "# HELP %s %s\n# TYPE %s %s\n", gauges[g][0], gauges[g][1], gauges[g][0],
@@ -201,7 +202,8 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
             double v[] = {w->running, w->waiting, (double)w->mem_planned, (double)w->mem_used, (double)w->mem_peak,
                           (double)w->mem_budget, w->kv_free_blocks, w->pool_free, (double)w->cache_hits,
                           (double)w->cache_misses, (double)w->alloc_count, (double)w->heartbeats,
-                          (double)w->peer_auth_failures};
+                          (double)w->peer_auth_failures, w->draining ? 1.0 : 0.0};
+            _Static_assert(PRISM_ARRAY_LEN(v) == PRISM_ARRAY_LEN(gauges), "one value per gauge");
             prism_metric_label_value(wid, sizeof(wid), w->id);  /* ids come from the network */
             snprintf(lbl, sizeof(lbl), "tier=\"%s\",worker=\"%s\"", prism_role_name(w->role), wid);
             prism_metric_write(&b, gauges[g][0], "gauge", NULL, lbl, v[g]);

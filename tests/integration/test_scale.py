@@ -211,6 +211,8 @@ def test_second_sigterm_exits_at_once():
             except subprocess.TimeoutExpired:
                 pass
             assert next(w for w in status(c)["workers"] if w["id"] == "prefill-0")["draining"]
+            st, _, m = c.request("GET", "/metrics")
+            assert st == 200 and 'prism:worker_draining{tier="prefill",worker="prefill-0"} 1' in m.decode(), st
             t0 = time.time()
             p.send_signal(signal.SIGTERM)
             p.wait(10)
