@@ -159,6 +159,8 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
     prism_hist_write(&m->queue, &b, "vllm:request_queue_time_seconds", "Time a request waited in prefill.", lbl);
     prism_metric_write(&b, "prism:requests_failed_total", "counter", "Requests that failed after admission.", lbl,
                        (double)m->failed);
+    prism_metric_write(&b, "prism:requests_retried_total", "counter",
+                       "Requests sent to other workers after theirs died before the first token.", lbl, (double)m->retried);
     prism_buf_appendf(&b, "# HELP prism:requests_refused_total Requests refused, by reason.\n"
                           "# TYPE prism:requests_refused_total counter\n");
     uint64_t refused[PRISM_REFUSE_COUNT];

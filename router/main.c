@@ -31,7 +31,7 @@ int main(int argc, char **argv)
     bool insecure_no_curve = false, metrics_open = false;
     int64_t port = 8000, context_length = 0, limit_mm = 8, max_pixels = 4096ll * 4096, max_running = 256,
             max_body = 64ll << 20, body_total = 1ll << 30, image_inflight = 1ll << 30, max_conn = 4096,
-            min_body_rate = 8 << 10, stream_pending = 4ll << 20;
+            min_body_rate = 8 << 10, stream_pending = 4ll << 20, max_retries = 2;
     double worker_timeout = 10, request_timeout = 600, max_queue_wait = 120, header_timeout = 30;
     prism_flag_t flags[] = {
         PRISM_FLAG_STR("model-path", &model_path, "HF model directory (config.json, tokenizer.json, tokenizer_config.json)"),
@@ -62,7 +62,9 @@ int main(int argc, char **argv)
                          "Bytes queued for a streaming client that stopped reading; beyond, it is dropped"),
         PRISM_FLAG_DOUBLE("worker-timeout", &worker_timeout, "Seconds without a heartbeat before a worker is dropped"),
         PRISM_FLAG_DOUBLE("request-timeout", &request_timeout, "Seconds before an unfinished request fails"),
-        PRISM_FLAG_DOUBLE("max-queue-wait", &max_queue_wait, "Seconds a request may wait for its first token before a 503"),
+        PRISM_FLAG_DOUBLE("max-queue-wait", &max_queue_wait, "Seconds a request may wait for a worker (also while a tier has none) before a 503"),
+        PRISM_FLAG_INT("max-retries", &max_retries,
+                       "Times a request whose worker died before its first token is sent to other workers"),
         PRISM_FLAG_STR("log-level", &log_level, "debug, info, warn or error"),
         PRISM_FLAG_END,
     };
@@ -129,6 +131,7 @@ int main(int argc, char **argv)
     r.worker_timeout_s = worker_timeout;
     r.request_timeout_s = request_timeout;
     r.max_queue_wait_s = max_queue_wait;
+    r.max_retries = max_retries < 0 ? 0 : (int)max_retries;
     r.created = prism_unix_time();
     r.started_s = t0;
     r.image_token_id = r.cfg.has_vision ? r.cfg.image_token_index : -1;

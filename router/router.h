@@ -69,6 +69,7 @@ typedef struct {
     double worker_timeout_s;
     double request_timeout_s;
     double max_queue_wait_s;    /* no first token by then: 503 */
+    int max_retries;            /* re-dispatches of a request whose worker died before its first token */
     int64_t created;
     double started_s;           /* prism_now_s() at start-up */
 
