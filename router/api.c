@@ -161,6 +161,12 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
                        (double)m->failed);
     prism_metric_write(&b, "prism:requests_retried_total", "counter",
                        "Requests sent to other workers after theirs died before the first token.", lbl, (double)m->retried);
+    prism_metric_write(&b, "prism:workers_disconnected_total", "counter",
+                       "Workers dropped at once because their connection closed (process died).", lbl,
+                       (double)m->workers_disconnected);
+    prism_metric_write(&b, "prism:request_stage_timeouts_total", "counter",
+                       "Encode or prefill stages that overran --stage-timeout (retried, or 504).", lbl,
+                       (double)m->stage_timeouts);
     prism_buf_appendf(&b, "# HELP prism:requests_refused_total Requests refused, by reason.\n"
                           "# TYPE prism:requests_refused_total counter\n");
     uint64_t refused[PRISM_REFUSE_COUNT];
@@ -245,7 +251,7 @@ void router_on_http(prism_http_req_t *h, void *ud)
     } else if (get && !strcmp(p, "/metrics")) {
         handle_metrics(r, h);
     } else if (get && !strcmp(p, "/ready")) {
-        bool ok = router_ready(r, r->cfg.has_vision);
+        bool ok = router_ready(r, r->cfg.has_vision) && !r->shutting_down;
         char b[256];
         int n = snprintf(b, sizeof(b), "{\"ready\":%s,\"encoders\":%d,\"prefills\":%d,\"decodes\":%d}",
                          ok ? "true" : "false", router_count_workers(r, PRISM__ROLE__ROLE_ENCODER),

@@ -45,6 +45,8 @@ typedef struct {
     double send_failed_at;        /* last failed send (its connection is gone): not picked until it is heard again */
     bool draining;                /* its heartbeat said SIGTERM: never picked again; answered with DrainAck */
     double last_seen;
+    int conn_fd;                /* its connection to our control socket (ZMQ_SRCFD), -1 unknown */
+    double t_conn;              /* when that connection was first seen: older disconnects are not its */
     /* our own view: requests we sent that have not finished on this worker */
     int inflight;
     uint64_t completed;           /* parts of requests this worker finished or was released from */
@@ -69,7 +71,9 @@ typedef struct {
     double worker_timeout_s;
     double request_timeout_s;
     double max_queue_wait_s;    /* no first token by then: 503 */
-    int max_retries;            /* re-dispatches of a request whose worker died before its first token */
+    int max_retries;
+    double drain_timeout_s;
+    double stage_timeout_s;     /* encode, or prefill to the first token, longer than this: retry, then 504 */            /* re-dispatches of a request whose worker died before its first token */
     int64_t created;
     double started_s;           /* prism_now_s() at start-up */
 
@@ -90,6 +94,9 @@ typedef struct {
     uv_prepare_t ctl_prepare;
     uv_timer_t sweep_timer;
     uv_signal_t sigint, sigterm;
+    uv_timer_t drain_timer;
+    bool shutting_down;         /* SIGTERM/SIGINT: finishing what it holds, taking nothing new */
+    double drain_deadline;      /* prism_now_s() by which the rest is aborted (--drain-timeout) */
 
     router_worker_t workers[ROUTER_MAX_WORKERS];
     uint32_t pick_turn[4];      /* by role: rotates ties between equally loaded workers */
