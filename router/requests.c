@@ -116,6 +116,7 @@ static void worker_done(router_t *r, const char *id)
 {
     router_worker_t *w = id[0] ? router_worker_by_id(r, id) : NULL;
     if (w && w->inflight > 0) w->inflight--;
+    if (w) w->completed++;  /* the status page's per-worker throughput */
     r->queue_dirty = true;
 }
 
