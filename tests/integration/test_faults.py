@@ -86,20 +86,22 @@ def test_hung_prefill_requests_retried():
 def test_stage_timeout_retries_then_504():
     """An encoder that is alive to the router (its silence shorter than --worker-timeout) but makes no
     progress: after --stage-timeout the request goes to the other encoder; with no other, 504."""
-    (body, ref), = requests()[:1]
+    reqs = requests()[:2]
     for encoders, retries in ((2, 2), (1, 0)):
         with Cluster(encoders=encoders, router_args=["--worker-timeout", "120", "--stage-timeout", "1",
                                                      "--max-retries", str(retries)], common_worker_args=FAST_HB) as c:
             c.wait_ready()
             c.procs["encoder-0"].send_signal(signal.SIGSTOP)
             try:
-                # two at once: the least-loaded pick sends one of them to the stopped encoder
-                results = post_all(c, [body, body] if encoders == 2 else [body])
+                # two images at once: the least-loaded pick sends one to each encoder, so one to the
+                # stopped one whichever registered first (one image twice would go to the same encoder
+                # both times, embedding-cache affinity, and that may be the running one)
+                results = post_all(c, [b for b, _ in reqs] if encoders == 2 else [reqs[0][0]])
             finally:
                 c.kill("encoder-0")
             assert (c.metric("prism:request_stage_timeouts_total") or 0) >= 1
             if encoders == 2:
-                for status, r in results:
+                for (status, r), (_, ref) in zip(results, reqs):
                     check_answer(status, r, ref, "after the stage timeout")
             else:
                 status, r = results[0]
