@@ -3,7 +3,8 @@
 # Usage: deploy/install-deps.sh [--lb] [--test]   (needs root or sudo for apt-get)
 #   --lb    also nginx, which deploy/launch.sh --routers N (N > 1) puts in front of the routers
 #   --test  also what the tests of the deployment files use: nginx, haproxy, systemd-analyze
-#           (package systemd) and the kubernetes-validate Python package (PyPI, into python3)
+#           (package systemd), chromium (the status page test, headless), iproute2 (network
+#           namespaces for the multi-host test) and the kubernetes-validate Python package (PyPI)
 set -euo pipefail
 pkgs=(build-essential cmake pkg-config python3 curl bc
       libuv1-dev libzmq3-dev libprotobuf-c-dev protobuf-c-compiler
@@ -21,7 +22,7 @@ for a in "$@"; do
   esac
 done
 [ "$lb" -eq 0 ] || pkgs+=(nginx)
-[ "$test" -eq 0 ] || pkgs+=(haproxy systemd python3-pip)
+[ "$test" -eq 0 ] || pkgs+=(haproxy systemd python3-pip chromium fonts-dejavu-core iproute2)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,4 +1,5 @@
-/* HTTP endpoints: OpenAI API, health, readiness, models, tokenize/detokenize, metrics. */
+/* HTTP endpoints: OpenAI API, health, readiness, models, tokenize/detokenize, metrics; the status
+ * page and its JSON are in status.c. */
 #include "router.h"
 #include "openai_req.h"
 #include "openai_write.h"
@@ -214,16 +215,8 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
                        (double)m->stage_timeouts);
     prism_buf_appendf(&b, "# HELP prism:requests_refused_total Requests refused, by reason.\n"
                           "# TYPE prism:requests_refused_total counter\n");
-    /* Refusals the HTTP server answers itself, before the router sees a request. */
-    prism_http_refusals_t hr;
-    prism_http_server_refusals(r->http, &hr);
     uint64_t refused[PRISM_REFUSE_COUNT];
-    memcpy(refused, m->refused_limit, sizeof(refused));
-    refused[PRISM_REFUSE_BODY_TOO_LARGE] += hr.body_too_large;
-    refused[PRISM_REFUSE_BODY_BYTES_INFLIGHT] += hr.body_bytes_in_flight;
-    refused[PRISM_REFUSE_QUEUE_WAIT] += hr.body_gate;  /* paused while the workers were full */
-    refused[PRISM_REFUSE_CONNECTIONS] += hr.connections;
-    refused[PRISM_REFUSE_BAD_REQUEST] += hr.malformed;
+    router_refusals(r, refused);
     for (int i = 0; i < PRISM_REFUSE_COUNT; i++) {
         snprintf(lbl, sizeof(lbl), "reason=\"%s\"", prism_refusal_names[i]);
         prism_metric_write(&b, "prism:requests_refused_total", "counter", NULL, lbl, (double)refused[i]);
@@ -258,6 +251,7 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
         {"prism:worker_busy", "1 when the worker's last heartbeat said it is inside one piece of work."},
         {"prism:worker_stuck", "1 while the worker is stuck: busy without progress beyond --worker-stuck-timeout."},
         {"prism:worker_peer_auth_failures_total", "Peers the worker refused at the CURVE handshake."},
+        {"prism:worker_draining", "1 while the worker drains after SIGTERM (no new work goes to it)."},
     };
     for (size_t g = 0; g < PRISM_ARRAY_LEN(gauges); g++) {
         prism_buf_appendf(&b, "# HELP %s %s\n# TYPE %s %s\n", gauges[g][0], gauges[g][1], gauges[g][0],
@@ -268,7 +262,9 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
             double v[] = {w->running, w->waiting, (double)w->mem_planned, (double)w->mem_used, (double)w->mem_peak,
                           (double)w->mem_budget, w->kv_free_blocks, w->pool_free, (double)w->cache_hits,
                           (double)w->cache_misses, (double)w->alloc_count, (double)w->heartbeats,
-                          (double)w->progress, w->busy, w->stuck, (double)w->peer_auth_failures};
+                          (double)w->progress, w->busy, w->stuck, (double)w->peer_auth_failures,
+                          w->draining ? 1.0 : 0.0};
+            _Static_assert(PRISM_ARRAY_LEN(v) == PRISM_ARRAY_LEN(gauges), "one value per gauge");
             prism_metric_label_value(wid, sizeof(wid), w->id);  /* ids come from the network */
             snprintf(lbl, sizeof(lbl), "tier=\"%s\",worker=\"%s\"", prism_role_name(w->role), wid);
             prism_metric_write(&b, gauges[g][0], "gauge", NULL, lbl, v[g]);
@@ -299,6 +295,7 @@ int router_on_headers(const prism_http_req_t *h, void *ud, char *msg, size_t n)
     const char *p = prism_http_req_path(h);
     if (!strcmp(prism_http_req_method(h), "GET") &&
         (!strcmp(p, "/health") || !strcmp(p, "/ready") || !strcmp(p, "/version") ||
+         !strcmp(p, "/") /* the status page: holds no data, asks for the key and sends it to /status */ ||
          (r->metrics_open && !strcmp(p, "/metrics"))))
         return 0;
     const char *a = prism_http_req_header(h, "authorization");
@@ -332,6 +329,8 @@ void router_on_http(prism_http_req_t *h, void *ud)
         prism_http_respond(h, ok ? 200 : 503, "application/json", ok ? NULL : "Retry-After: 1\r\n", b, (size_t)n);
     } else if (get && !strcmp(p, "/version")) {
         respond_json(h, 200, "{\"version\":\"" PRISM_VERSION "\"}", strlen("{\"version\":\"" PRISM_VERSION "\"}"));
+    } else if (get && !strcmp(p, "/")) {
+        router_handle_status_page(r, h);  /* open: the page holds no data and asks for the key */
     } else if (post && !strcmp(p, "/v1/chat/completions")) {  /* the API key was checked from the headers */
         router_handle_generate(r, h, true);
         return;  /* owns h now */
@@ -346,9 +345,12 @@ void router_on_http(prism_http_req_t *h, void *ud)
         handle_tokenize(r, h);
     } else if (post && !strcmp(p, "/detokenize")) {
         handle_detokenize(r, h);
+    } else if (get && !strcmp(p, "/status")) {
+        router_handle_status(r, h);
     } else {
         bool known = !strcmp(p, "/v1/chat/completions") || !strcmp(p, "/v1/completions") || !strcmp(p, "/v1/models") ||
-                     (!strncmp(p, "/v1/models/", 11) && p[11]) || !strcmp(p, "/tokenize") || !strcmp(p, "/detokenize");
+                     (!strncmp(p, "/v1/models/", 11) && p[11]) || !strcmp(p, "/tokenize") || !strcmp(p, "/detokenize") ||
+                     !strcmp(p, "/status") || !strcmp(p, "/");
         char msg[300];
         snprintf(msg, sizeof(msg), known ? "Method %s is not allowed for %.200s." : "No route for %s %.200s.", m, p);
         prism_http_respond_error(h, known ? 405 : 404, known ? "MethodNotAllowed" : "NotFoundError", msg, NULL, NULL, NULL);

@@ -75,16 +75,41 @@ refuse:
     ack(r, m->identity, m->identity_len, false, why);
 }
 
-/* A heartbeat from registered worker w: its load and progress; a stuck worker that moves again is
- * back in service. */
-static void on_heartbeat(router_t *r, router_worker_t *w, const Prism__Heartbeat *hb)
+/* To a draining worker: what we still hold on it (0 releases it). Control messages to one worker
+ * are ordered, so every request we sent it before this has reached it first. */
+static void drain_ack(router_t *r, const uint8_t *identity, size_t id_len, uint32_t inflight, bool stopping)
 {
+    Prism__DrainAck d = PRISM__DRAIN_ACK__INIT;
+    d.inflight = inflight;
+    d.router_stopping = stopping;
+    Prism__Envelope env = PRISM__ENVELOPE__INIT;
+    env.type = PRISM__MSG_TYPE__MSG_DRAIN_ACK;
+    env.router_id = r->router_id;
+    env.drain_ack = &d;
+    prism_msg_send(r->ctl, identity, id_len, &env, NULL, 0, ZMQ_DONTWAIT);
+}
+
+/* A heartbeat from registered worker w: its load and progress; a stuck worker that moves again is
+ * back in service; a draining one is answered with what we still hold on it, and released (dropped
+ * from the registry) once that is nothing. */
+static void on_heartbeat(router_t *r, router_worker_t *w, const prism_msg_t *m)
+{
+    const Prism__Heartbeat *hb = m->env->heartbeat;
     router_worker_heartbeat(r, w->id, hb);
     if (w->stuck && (!w->busy || w->progress_at == w->last_heartbeat)) {
         PRISM_WARN("%s worker %s makes progress again (progress %llu): back in service", prism_role_name(w->role),
                    w->id, (unsigned long long)w->progress);
         w->stuck = false;
         router_dispatch_queued(r);
+    }
+    if (!w->draining) return;
+    drain_ack(r, m->identity, m->identity_len, (uint32_t)PRISM_MAX(w->inflight, 0), false);
+    if (w->inflight <= 0) {
+        /* Released: it exits as soon as it is idle. Forget it now rather than at --worker-timeout
+         * (/ready and the counts say what is really there); a later heartbeat is answered in
+         * dispatch, and its connection closing later finds no worker to drop. */
+        PRISM_INFO("%s worker %s drained: released", prism_role_name(w->role), w->id);
+        router_worker_drop(w);
     }
 }
 
@@ -101,9 +126,16 @@ static void dispatch(router_t *r, prism_msg_t *m)
     router_worker_t *w = id ? router_worker_by_id(r, id) : NULL;
     if (w && strcmp(w->peer_key, m->peer_key) != 0) w = NULL;
     if (!w) {
-        r->ctl_refused++;
-        if (e->type == PRISM__MSG_TYPE__MSG_HEARTBEAT && id)  /* we restarted or dropped it */
+        if (e->type == PRISM__MSG_TYPE__MSG_HEARTBEAT && id) {  /* we restarted, dropped or released it */
+            if (e->heartbeat && e->heartbeat->draining) {
+                /* A draining worker we do not know (released, or dropped when its connection broke,
+                 * its requests failed): we hold nothing on it. Expected, not refused. */
+                drain_ack(r, m->identity, m->identity_len, 0, false);
+                return;
+            }
             ack(r, m->identity, m->identity_len, false, "unknown worker: register again");
+        }
+        r->ctl_refused++;
         return;
     }
     w->last_seen = prism_now_s();
@@ -114,7 +146,7 @@ static void dispatch(router_t *r, prism_msg_t *m)
     bool ok = true;
     switch (e->type) {
     case PRISM__MSG_TYPE__MSG_HEARTBEAT:
-        on_heartbeat(r, w, e->heartbeat);
+        on_heartbeat(r, w, m);
         break;
     case PRISM__MSG_TYPE__MSG_TOKENS:
         ok = e->tokens != NULL;
@@ -244,6 +276,10 @@ int router_ctl_start(router_t *r, const char *endpoint)
 
 void router_ctl_stop(router_t *r)
 {
+    /* Workers draining at the same time (a whole cluster stopped) need not wait for us. */
+    for (int i = 0; i < ROUTER_MAX_WORKERS; i++)
+        if (r->workers[i].used)
+            drain_ack(r, (const uint8_t *)r->workers[i].id, strlen(r->workers[i].id), 0, true);
     uv_poll_stop(&r->ctl_poll);
     uv_close((uv_handle_t *)&r->ctl_poll, NULL);
     uv_prepare_stop(&r->ctl_prepare);
@@ -256,8 +292,10 @@ int router_send(router_t *r, router_worker_t *w, Prism__Envelope *env, const pri
 {
     env->router_id = r->router_id;
     int rc = prism_msg_send(r->ctl, w->id, strlen(w->id), env, frames, n, ZMQ_DONTWAIT);
-    if (rc != PRISM_OK)
+    if (rc != PRISM_OK) {
         PRISM_WARN("send to %s worker %s failed: %s", prism_role_name(w->role), w->id, prism_strerror(rc));
+        w->send_failed_at = prism_now_s();  /* router_pick passes it over until it is heard from again */
+    }
     return rc;
 }
 

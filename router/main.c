@@ -214,6 +214,7 @@ int main(int argc, char **argv)
     r.drain_timeout_s = drain_timeout;
     r.stage_timeout_s = stage_timeout;
     r.created = prism_unix_time();
+    r.started_s = t0;
     r.image_token_id = r.cfg.has_vision ? r.cfg.image_token_index : -1;
     prism_router_metrics_init(&r.metrics);
     static const double hb_buckets[] = {0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.5, 0.75, 1, 1.1, 1.25,
@@ -262,6 +263,8 @@ int main(int argc, char **argv)
                r.router_id, served, host, prism_http_server_port(r.http), prism_now_s() - t0, control, r.max_model_len,
                r.cfg.image_seq_length);
     uv_run(r.loop, UV_RUN_DEFAULT);
+    int linger = 500;  /* the router_stopping notes of router_ctl_stop go out */
+    zmq_setsockopt(r.ctl, ZMQ_LINGER, &linger, sizeof(linger));
     zmq_close(r.ctl);
     prism_net_destroy(r.net);
     PRISM_INFO("router stopped");

@@ -164,6 +164,7 @@ static void worker_done(router_t *r, const char *id, int slots)
 {
     router_worker_t *w = id[0] ? router_worker_by_id(r, id) : NULL;
     if (w) w->inflight = PRISM_MAX(w->inflight - slots, 0);
+    if (w) w->completed++;  /* the status page's per-worker throughput */
     r->queue_dirty = true;
 }
 

@@ -6,6 +6,7 @@
  *   prompt.c    what a request sends to workers: images, chat template, tokens, image spans
  *   requests.c  life of one generation request: admission, dispatch, streaming, completion
  *   api.c       HTTP endpoints and metrics
+ *   status.c    GET /status (JSON snapshot for operators) and GET / (the status page, embedded)
  *   main.c      flags and start-up
  */
 #ifndef PRISM_ROUTER_H
@@ -28,6 +29,7 @@
 #define ROUTER_MAX_WORKERS 256
 #define ROUTER_MAX_IMAGES 64
 #define ROUTER_MAX_HELD_TOKENS 256        /* decode Tokens messages held for the prefill's (requests.c) */
+#define ROUTER_AFFINITY_SLACK 2   /* requests in flight a warm encoder may have beyond the least loaded */
 #define ROUTER_MAX_WORKER_MSG (4 << 20)  /* largest frame a worker may send up (tokens with logprobs) */
 
 #define ROUTER_WORKER_ID_MAX 127  /* bytes of a worker id (its ZeroMQ identity) */
@@ -49,6 +51,9 @@ typedef struct {
     uint32_t running, waiting, kv_free_blocks, pool_free;
     uint64_t mem_used, mem_peak, cache_hits, cache_misses, alloc_count, peer_auth_failures;
     uint64_t heartbeats;          /* received since registration: lets a reader wait for fresh numbers */
+    double registered_at;         /* first registration of this slot (prism_now_s) */
+    double send_failed_at;        /* last failed send (its connection is gone): not picked until it is heard again */
+    bool draining;                /* its heartbeat said SIGTERM: never picked again; answered with DrainAck */
     /* liveness: dead = silent for --worker-timeout; stuck = heartbeats say busy while progress
      * stays flat for --worker-stuck-timeout (no new work until it moves again) */
     double last_seen;            /* any message */
@@ -60,6 +65,7 @@ typedef struct {
     double t_conn;               /* when that connection was first seen: older disconnects are not its */
     /* our own view: requests we sent that have not finished on this worker */
     int inflight;
+    uint64_t completed;           /* parts of requests this worker finished or was released from */
     uint64_t image_hashes[64];   /* recent images sent here: the router prefers a warm cache */
     int n_hashes;
 } router_worker_t;
@@ -89,6 +95,7 @@ typedef struct {
     double drain_timeout_s;
     double stage_timeout_s;     /* encode, or prefill to the first token, longer than this: retry, then 504 */            /* re-dispatches of a request whose worker died before its first token */
     int64_t created;
+    double started_s;           /* prism_now_s() at start-up */
 
     /* model facts */
     prism_model_config_t cfg;
@@ -116,6 +123,7 @@ typedef struct {
     double drain_deadline;      /* prism_now_s() by which the rest is aborted (--drain-timeout) */
 
     router_worker_t workers[ROUTER_MAX_WORKERS];
+    uint32_t pick_turn[4];      /* by role: rotates ties between equally loaded workers */
 
     /* requests in flight, by id */
     router_req_t **reqs;        /* open-addressing map, cap entries */
@@ -152,7 +160,11 @@ void router_worker_drop(router_worker_t *w);
 /* Remembers that an image with this content hash went to w (its embedding cache may hold it). */
 void router_worker_note_image(router_worker_t *w, uint64_t hash);
 /* Least-loaded worker of a role with a free slot (inflight < its registered capacity) that is not
- * stuck; NULL when none has room. *any is set when at least one such worker is registered. */
+ * stuck, not draining and reachable; NULL when none has room. *any is set when at least one worker
+ * of the role that is not stuck is registered (a draining one counts: the request waits for room).
+ * prefer_hash (an image's content hash, or 0): a worker with room that recently encoded it wins
+ * (embedding-cache affinity) unless it has more than ROUTER_AFFINITY_SLACK requests in flight beyond
+ * the least loaded. Equally loaded workers take turns, so a light load is spread, not sent to the first. */
 router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash, bool *any);
 /* Same with room for `slots` more in-flight units (a request's n sequences in a decode batch). */
 router_worker_t *router_pick_slots(router_t *r, Prism__Role role, uint64_t prefer_hash, int slots, bool *any);
@@ -224,5 +236,11 @@ int  router_on_headers(const prism_http_req_t *h, void *ud, char *msg, size_t n)
 /* http_server may_read_body hook: while requests wait in the router's queue for a free worker, new
  * uploads wait too (TCP backpressure) instead of piling up image bytes in the router. */
 bool router_may_read_body(void *ud);
+
+/* status.c */
+void router_handle_status(router_t *r, prism_http_req_t *h);
+void router_handle_status_page(router_t *r, prism_http_req_t *h);
+/* Refusals by prism_refusal_t: the router's own plus those the HTTP server answered itself. */
+void router_refusals(const router_t *r, uint64_t out[PRISM_REFUSE_COUNT]);
 
 #endif

@@ -56,6 +56,7 @@ int router_worker_register(router_t *r, const char *id, const char *peer_key, co
             return PRISM_ELIMIT;
         }
         memset(w, 0, sizeof(*w));
+        w->registered_at = prism_now_s();
         PRISM_INFO("%s worker %s registered (data %s)", prism_role_name(g->role), id,
                    g->data_endpoint && *g->data_endpoint ? g->data_endpoint : "-");
     }
@@ -103,13 +104,18 @@ bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat
     double now = prism_now_s();
     if (w->role > 0 && w->role < (int)PRISM_ARRAY_LEN(r->heartbeat_interval))
         prism_hist_observe(&r->heartbeat_interval[w->role], now - w->last_heartbeat);
-    PRISM_DEBUG("heartbeat from %s worker %s after %.4fs (progress %llu%s)", prism_role_name(w->role), id,
-                now - w->last_heartbeat, (unsigned long long)hb->progress, hb->busy ? ", busy" : "");
+    PRISM_DEBUG("heartbeat from %s worker %s after %.4fs (progress %llu%s%s)", prism_role_name(w->role), id,
+                now - w->last_heartbeat, (unsigned long long)hb->progress, hb->busy ? ", busy" : "",
+                hb->draining ? ", draining" : "");
     w->last_seen = w->last_heartbeat = now;
     /* Not busy (it came back for more work) or moved on: not stuck, whatever the time. */
     if (!hb->busy || hb->progress != w->progress) w->progress_at = now;
     w->progress = hb->progress;
     w->busy = hb->busy;
+    if (hb->draining && !w->draining)
+        PRISM_INFO("%s worker %s is draining (%d requests of ours on it): no new work goes to it",
+                   prism_role_name(w->role), w->id, w->inflight);
+    w->draining = w->draining || hb->draining;
     return true;
 }
 
@@ -135,6 +141,14 @@ static double load_of(const router_worker_t *w)
     }
 }
 
+/* Room for `slots` more sequences, and reachable: a worker whose last send failed (it exited: its
+ * connection is gone) would fail every request sent to it until --worker-timeout drops it — and, as
+ * each fails at once, look idle and attract them all. The request waits in the router instead. */
+static bool pickable(const router_worker_t *w, int slots)
+{
+    return w->inflight + slots <= (int)PRISM_MAX(w->max_running, 1u) && !(w->send_failed_at > w->last_seen) && !w->draining;
+}
+
 router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash, bool *any)
 {
     return router_pick_slots(r, role, prefer_hash, 1, any);
@@ -142,19 +156,40 @@ router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash
 
 router_worker_t *router_pick_slots(router_t *r, Prism__Role role, uint64_t prefer_hash, int slots, bool *any)
 {
-    router_worker_t *best = NULL;
+    router_worker_t *best = NULL, *warm = NULL;
+    int n_ties = 0;
     *any = false;
     for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
         router_worker_t *w = &r->workers[i];
         if (!w->used || w->role != role || w->stuck) continue;
         *any = true;
-        if (w->inflight + slots > (int)PRISM_MAX(w->max_running, 1u)) continue;  /* full: the request waits here */
-        if (prefer_hash) {
-            for (int k = 0; k < w->n_hashes; k++)
-                if (w->image_hashes[k] == prefer_hash) return w;  /* its embedding cache probably has it */
+        if (!pickable(w, slots)) continue;  /* full (the request waits here), unreachable or draining */
+        for (int k = 0; prefer_hash && !warm && k < w->n_hashes; k++)
+            if (w->image_hashes[k] == prefer_hash) warm = w;  /* its embedding cache probably has it */
+        double l = load_of(w);
+        if (!best || l < load_of(best)) {
+            best = w;
+            n_ties = 1;
+        } else if (l == load_of(best)) {
+            n_ties++;
         }
-        if (!best || load_of(w) < load_of(best)) best = w;
     }
+    /* Affinity, within reason: a cache hit saves the image's decode and encode, but not the wait
+     * behind the warm worker's queue. Without the bound, once every image of a repeating load had
+     * been seen, workers added later never got a single request. */
+    if (warm && load_of(warm) <= load_of(best) + ROUTER_AFFINITY_SLACK) return warm;
+    if (n_ties < 2) return best;
+    /* Several equally loaded workers: the turn-th of them (in table order), a new turn each time.
+     * Always taking the first sent every request of a light load to one worker. */
+    uint32_t *turn = &r->pick_turn[(unsigned)role % PRISM_ARRAY_LEN(r->pick_turn)];
+    int k = (int)((*turn)++ % (uint32_t)n_ties);
+    double target = load_of(best);
+    for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
+        router_worker_t *w = &r->workers[i];
+        if (!w->used || w->role != role || w->stuck || !pickable(w, slots)) continue;
+        if (load_of(w) == target && k-- == 0) return w;
+    }
+    PRISM_ASSERT(!"a tied worker vanished between two scans");
     return best;
 }
 

@@ -1,7 +1,9 @@
 /* The worker's two threads and the channel between them (see worker.h): the I/O thread owns the
  * router and data sockets, registers and heartbeats on its own clock, records aborts and passes
- * work on; the compute thread polls its end of the channel between units of work. */
+ * work on, follows --router DNS names and runs the SIGTERM drain; the compute thread polls its end
+ * of the channel between units of work. */
 #include "worker/worker.h"
+#include "net/resolve.h"
 
 #include <errno.h>
 #include <stddef.h>
@@ -18,7 +20,14 @@ typedef struct {
     double t_recv;
 } inbound_hdr_t;
 
-#define ROUTE_WAKE (-1)      /* outbound route of a bare wake-up (no envelope follows) */
+/* Frame 0 of an outbound message: the router slot and its generation when the reply was routed
+ * (the slot may have been emptied and reused for another router since: then the reply is dropped). */
+typedef struct {
+    int32_t slot;
+    uint32_t gen;
+} route_t;
+
+#define ROUTE_WAKE (-1)      /* outbound slot of a bare wake-up (no envelope follows) */
 #define REGISTER_RETRY_S 0.5
 #define IO_DRAIN_MAX 1024    /* messages per socket per wake-up: the others wait one round */
 
@@ -40,6 +49,79 @@ static prism_net_role_t net_role(Prism__Role role)
     }
 }
 
+/* Opens a router link in the first empty slot (start-up, or the I/O thread when a name gains an
+ * address). */
+static int router_connect(prism_worker_t *w, const char *endpoint, bool from_name)
+{
+    int slot = -1;
+    for (int i = 0; i < w->n_routers && slot < 0; i++)
+        if (!w->routers[i].sock) slot = i;
+    if (slot < 0 && w->n_routers == PRISM_WORKER_MAX_ROUTERS) {
+        PRISM_WARN("router %s ignored: already connected to %d routers", endpoint, PRISM_WORKER_MAX_ROUTERS);
+        return PRISM_ELIMIT;
+    }
+    /* Control messages are small and the router never sends a worker more requests than its
+     * registered capacity, so this bound is never reached in normal operation; past it a send
+     * waits (backpressure), nothing is dropped. */
+    prism_sock_opts_t so = {.type = ZMQ_DEALER, .endpoint = endpoint, .hwm = PRISM_NET_CONTROL_HWM,
+                            .max_msg_bytes = w->router_max_msg_bytes, .identity = w->worker_id,
+                            .server = PRISM_NET_ROLE_ROUTER};
+    void *sock = prism_sock_connect(w->net, &so);
+    if (!sock) return PRISM_EIO;
+    pthread_mutex_lock(&w->mu);
+    if (slot < 0) slot = w->n_routers++;
+    prism_worker_router_t *r = &w->routers[slot];
+    uint32_t gen = r->gen;
+    memset(r, 0, sizeof(*r));
+    r->gen = gen;
+    snprintf(r->endpoint, sizeof(r->endpoint), "%s", endpoint);
+    r->from_name = from_name;
+    r->sock = sock;
+    pthread_mutex_unlock(&w->mu);
+    return PRISM_OK;
+}
+
+/* I/O thread: connects the addresses new to the names' latest lookup and closes those that left
+ * them. A closed slot's generation moves on, so replies the compute thread routed to it are
+ * dropped rather than sent to the router that takes the slot next. */
+static void routers_follow_names(prism_worker_t *w)
+{
+    if (!w->router_names.n) return;
+    if (!w->resolver) {
+        if (prism_resolver_start(&w->router_names, w->router_resolve_s, NULL, NULL, &w->resolver) != PRISM_OK) {
+            PRISM_ERROR("cannot start the router name resolver");
+            w->router_names.n = 0;
+        }
+        return;
+    }
+    static prism_endpoints_t now;  /* 8 KiB: off the stack; one worker per process, used by its I/O thread */
+    if (!prism_resolver_take(w->resolver, &now)) return;
+    for (int i = 0; i < w->n_routers; i++) {
+        prism_worker_router_t *r = &w->routers[i];
+        if (!r->sock || !r->from_name) continue;
+        bool kept = false;
+        for (int k = 0; k < now.n && !kept; k++) kept = !strcmp(now.ep[k], r->endpoint);
+        if (kept) continue;
+        PRISM_INFO("router %s (%s) left the router name: disconnected", r->endpoint,
+                   r->router_id[0] ? r->router_id : "never registered");
+        zmq_close(r->sock);
+        pthread_mutex_lock(&w->mu);
+        uint32_t gen = r->gen + 1;
+        memset(r, 0, sizeof(*r));
+        r->gen = gen;
+        pthread_mutex_unlock(&w->mu);
+    }
+    pthread_mutex_lock(&w->mu);
+    while (w->n_routers && !w->routers[w->n_routers - 1].sock) w->n_routers--;
+    pthread_mutex_unlock(&w->mu);
+    for (int k = 0; k < now.n; k++) {
+        bool have = false;
+        for (int i = 0; i < w->n_routers && !have; i++) have = w->routers[i].sock && !strcmp(w->routers[i].endpoint, now.ep[k]);
+        if (have) continue;
+        if (router_connect(w, now.ep[k], true) == PRISM_OK) PRISM_INFO("router %s joined the router name: connecting", now.ep[k]);
+    }
+}
+
 int prism_worker_init(prism_worker_t *w, Prism__Role role, const prism_worker_opts_t *o, const char *data_bind,
                       size_t data_max_msg_bytes)
 {
@@ -47,6 +129,8 @@ int prism_worker_init(prism_worker_t *w, Prism__Role role, const prism_worker_op
     prism__register__init(&w->reg);
     w->role = role;
     w->heartbeat_s = 1.0;
+    w->router_resolve_s = 5.0;
+    w->drain_timeout_s = 30.0;
     w->stall_after = -1;
     pthread_mutex_init(&w->mu, NULL);
     snprintf(w->worker_id, sizeof(w->worker_id), "%s", o->worker_id);
@@ -71,24 +155,22 @@ int prism_worker_init(prism_worker_t *w, Prism__Role role, const prism_worker_op
         PRISM_ERROR("--max-message-bytes must be positive");
         return PRISM_EINVAL;
     }
+    w->router_max_msg_bytes = PRISM_MAX(o->max_message_bytes, (int64_t)PRISM_MSG_MAX_ENVELOPE);
     char err[512];
     prism_net_opts_t no = {.role = net_role(role), .curve_keys = o->curve_keys, .insecure = o->insecure_no_curve};
     if (prism_net_create(&no, &w->net, err, sizeof(err)) != PRISM_OK) {
         PRISM_ERROR("%s", err);
         return PRISM_EINVAL;
     }
-    for (int i = 0; i < o->routers.n && i < PRISM_WORKER_MAX_ROUTERS; i++) {
-        prism_worker_router_t *r = &w->routers[w->n_routers];
-        snprintf(r->endpoint, sizeof(r->endpoint), "%s", o->routers.items[i]);
-        /* Control messages are small and the router never sends a worker more requests than its
-         * registered capacity, so this bound is never reached in normal operation; past it a send
-         * waits (backpressure), nothing is dropped. */
-        prism_sock_opts_t so = {.type = ZMQ_DEALER, .endpoint = r->endpoint, .hwm = PRISM_NET_CONTROL_HWM,
-                                .max_msg_bytes = PRISM_MAX(o->max_message_bytes, (int64_t)PRISM_MSG_MAX_ENVELOPE),
-                                .identity = w->worker_id, .server = PRISM_NET_ROLE_ROUTER};
-        r->sock = prism_sock_connect(w->net, &so);
-        if (!r->sock) return PRISM_EIO;
-        w->n_routers++;
+    for (int i = 0; i < o->routers.n; i++) {
+        /* A name is connected address by address once its first lookup ends (the I/O thread). */
+        if (prism_endpoint_is_name(o->routers.items[i])) {
+            if (w->router_names.n < (int)PRISM_ARRAY_LEN(w->router_names.items))
+                w->router_names.items[w->router_names.n++] = o->routers.items[i];
+            continue;
+        }
+        int rc = router_connect(w, o->routers.items[i], false);
+        if (rc == PRISM_EIO) return rc;
     }
     if (data_bind) {
         /* HWM 1: at most one message queued per peer; the rest waits in the senders (backpressure).
@@ -123,10 +205,32 @@ int prism_worker_init(prism_worker_t *w, Prism__Role role, const prism_worker_op
 
 /* ---------------------------------------------------------------- I/O thread */
 
+/* Registration and drain answers: handled here, never passed to the compute thread. */
 static bool handle_ack(prism_worker_t *w, prism_msg_t *m, int ri)
 {
-    if (m->env->type != PRISM__MSG_TYPE__MSG_REGISTER_ACK) return false;
     prism_worker_router_t *r = &w->routers[ri];
+    if (m->env->type == PRISM__MSG_TYPE__MSG_DRAIN_ACK) {
+        const Prism__DrainAck *d = m->env->drain_ack;
+        if (!d) return true;
+        r->drain_reply_s = prism_now_s();
+        if (d->router_stopping) {
+            /* it is going away: nothing to wait for; register again if it returns (and we do not drain) */
+            pthread_mutex_lock(&w->mu);
+            r->registered = false;
+            pthread_mutex_unlock(&w->mu);
+            r->last_register_s = r->drain_reply_s;
+        } else if (w->draining && d->inflight == 0 && !r->released) {
+            r->released = true;
+            /* Whatever the compute thread published so far may predate the reply that emptied this
+             * router's count (its load is published between units of work): wait for a newer one. */
+            pthread_mutex_lock(&w->mu);
+            w->drain_load_seq = w->load_seq;
+            pthread_mutex_unlock(&w->mu);
+            PRISM_INFO("router %s released this draining worker", r->router_id);
+        }
+        return true;
+    }
+    if (m->env->type != PRISM__MSG_TYPE__MSG_REGISTER_ACK) return false;
     const Prism__RegisterAck *ack = m->env->reg_ack;
     if (ack && ack->ok) {
         pthread_mutex_lock(&w->mu);
@@ -269,10 +373,16 @@ static int io_outbound(prism_worker_t *w)
             zmq_msg_close(&part);
             break;
         }
-        int32_t route = ROUTE_WAKE;
-        if (zmq_msg_size(&part) == sizeof(route)) memcpy(&route, zmq_msg_data(&part), sizeof(route));
+        route_t rt = {ROUTE_WAKE, 0};
+        if (zmq_msg_size(&part) == sizeof(rt)) memcpy(&rt, zmq_msg_data(&part), sizeof(rt));
         zmq_msg_close(&part);
+        int32_t route = rt.slot;
         if (route < 0 || route >= w->n_routers) {
+            drop_rest(w->io_pair);
+            continue;
+        }
+        if (!w->routers[route].sock || w->routers[route].gen != rt.gen) {
+            PRISM_WARN("a reply for a router that left the router name was dropped");
             drop_rest(w->io_pair);
             continue;
         }
@@ -308,6 +418,7 @@ static void io_heartbeat(prism_worker_t *w)
     prism_worker_load_t l = w->load;
     pthread_mutex_unlock(&w->mu);
     hb.worker_id = w->worker_id;
+    hb.draining = w->draining;
     hb.running = l.running;
     hb.waiting = l.waiting;
     hb.kv_free_blocks = l.kv_free_blocks;
@@ -325,7 +436,7 @@ static void io_heartbeat(prism_worker_t *w)
     hb.busy = !atomic_load(&w->idle) && polls == w->hb_polls;
     w->hb_polls = polls;
     for (int i = 0; i < w->n_routers; i++) {
-        if (!w->routers[i].registered) continue;
+        if (!w->routers[i].sock || !w->routers[i].registered) continue;
         Prism__Envelope env = PRISM__ENVELOPE__INIT;
         env.type = PRISM__MSG_TYPE__MSG_HEARTBEAT;
         env.heartbeat = &hb;
@@ -333,13 +444,56 @@ static void io_heartbeat(prism_worker_t *w)
     }
 }
 
-/* Registration and heartbeats; returns the time the next one is due. */
+/* Drain: decides when a draining worker may exit. A router holding no request on us says so
+ * (DrainAck inflight 0, or router_stopping); one that has not answered for PRISM_DRAIN_ROUTER_GONE_S
+ * seconds (SIGKILLed, unreachable) is not waited for. Idle is what the compute thread published
+ * after the last release (see handle_ack). The end of the drain is the compute thread's stop. */
+static void drain_step(prism_worker_t *w, double now)
+{
+    double gone_s = PRISM_MAX(PRISM_DRAIN_ROUTER_GONE_S, 5 * w->heartbeat_s);
+    int waiting_for = 0;
+    for (int i = 0; i < w->n_routers; i++) {
+        const prism_worker_router_t *r = &w->routers[i];
+        if (!r->sock || !r->registered || r->released) continue;
+        double heard = PRISM_MAX(r->drain_reply_s, w->drain_start_s);
+        if (now - heard > gone_s) continue;
+        waiting_for++;
+    }
+    pthread_mutex_lock(&w->mu);
+    prism_worker_load_t l = w->load;
+    bool fresh = w->load_seq > w->drain_load_seq;
+    pthread_mutex_unlock(&w->mu);
+    bool idle = fresh && l.running == 0 && l.waiting == 0;
+    if (idle && waiting_for == 0) {
+        PRISM_INFO("drained in %.2fs: every router released this worker; exiting", now - w->drain_start_s);
+        prism_worker_request_stop();
+    } else if (now - w->drain_start_s > w->drain_timeout_s) {
+        PRISM_WARN("--drain-timeout %.1fs passed with %u running, %u queued, %d router(s) still holding requests "
+                   "here: exiting", w->drain_timeout_s, l.running, l.waiting, waiting_for);
+        prism_worker_request_stop();
+    }
+}
+
+/* Router names, drain, registration and heartbeats; returns the time the next one is due. */
 static double io_tick(prism_worker_t *w, double now)
 {
+    routers_follow_names(w);
+    if (prism_worker_signals() > 0 && !w->draining) {
+        pthread_mutex_lock(&w->mu);
+        prism_worker_load_t l = w->load;
+        w->drain_load_seq = w->load_seq;
+        pthread_mutex_unlock(&w->mu);
+        w->draining = true;
+        w->drain_start_s = now;
+        w->last_heartbeat_s = 0;  /* tell the routers now */
+        PRISM_INFO("SIGTERM: draining (no new work; %u running, %u queued finish first; at most %.1fs, a second "
+                   "signal exits at once)", l.running, l.waiting, w->drain_timeout_s);
+    }
     double next = now + 1.0;
     for (int i = 0; i < w->n_routers; i++) {
         prism_worker_router_t *r = &w->routers[i];
-        if (r->registered) continue;
+        /* a draining worker registers nowhere: a router that lost it has nothing on it */
+        if (!r->sock || r->registered || w->draining) continue;
         if (now - r->last_register_s >= REGISTER_RETRY_S) {
             Prism__Envelope env = PRISM__ENVELOPE__INIT;
             env.type = PRISM__MSG_TYPE__MSG_REGISTER;
@@ -350,12 +504,15 @@ static double io_tick(prism_worker_t *w, double now)
         }
         next = PRISM_MIN(next, r->last_register_s + REGISTER_RETRY_S);
     }
-    if (now - w->last_heartbeat_s >= w->heartbeat_s) {
+    /* While draining, heartbeats go out often: each is answered with what the router still holds. */
+    double every = w->draining ? PRISM_MIN(w->heartbeat_s, PRISM_DRAIN_HEARTBEAT_S) : w->heartbeat_s;
+    if (w->draining && !prism_worker_should_stop()) drain_step(w, now);
+    if (now - w->last_heartbeat_s >= every) {
         /* On the clock, not accumulated: a late heartbeat does not make the next one early. */
         w->last_heartbeat_s = now;
         io_heartbeat(w);
     }
-    return PRISM_MIN(next, w->last_heartbeat_s + w->heartbeat_s);
+    return PRISM_MIN(next, w->last_heartbeat_s + every);
 }
 
 static void *io_main(void *arg)
@@ -370,10 +527,14 @@ static void *io_main(void *arg)
         double now = prism_now_s();
         double next = io_tick(w, now);
         zmq_pollitem_t items[PRISM_WORKER_MAX_ROUTERS + 2];
+        int slot[PRISM_WORKER_MAX_ROUTERS];  /* router slot of each item (empty slots are not polled) */
         int n = 0;
-        for (int i = 0; i < w->n_routers; i++)
+        for (int i = 0; i < w->n_routers; i++) {
+            if (!w->routers[i].sock) continue;
+            slot[n] = i;
             items[n++] = (zmq_pollitem_t){w->routers[i].sock, 0, ZMQ_POLLIN, 0};
-        int pair_i = n;
+        }
+        int n_ctl = n, pair_i = n;
         items[n++] = (zmq_pollitem_t){w->io_pair, 0, ZMQ_POLLIN, 0};
         int data_i = -1;
         if (w->data_sock && atomic_load(&w->data_forwarded) < atomic_load(&w->data_limit)) {
@@ -384,8 +545,8 @@ static void *io_main(void *arg)
         timeout_ms = PRISM_MAX(0L, PRISM_MIN(timeout_ms, 1000L));
         int rc = zmq_poll(items, n, timeout_ms);
         if (rc <= 0) continue;
-        for (int i = 0; i < w->n_routers; i++)
-            if (items[i].revents & ZMQ_POLLIN) io_routers(w, i);
+        for (int k = 0; k < n_ctl; k++)
+            if (items[k].revents & ZMQ_POLLIN) io_routers(w, slot[k]);
         if (items[pair_i].revents & ZMQ_POLLIN) io_outbound(w);
         if (data_i >= 0 && (items[data_i].revents & ZMQ_POLLIN)) io_data(w);
     }
@@ -394,7 +555,10 @@ static void *io_main(void *arg)
          * router sockets keep them for a while after close. */
         while (io_outbound(w) > 0) {}
         for (int i = 0; i < w->n_routers; i++)
-            zmq_setsockopt(w->routers[i].sock, ZMQ_LINGER, &w->close_linger_ms, sizeof(w->close_linger_ms));
+            if (w->routers[i].sock)
+                zmq_setsockopt(w->routers[i].sock, ZMQ_LINGER, &w->close_linger_ms, sizeof(w->close_linger_ms));
+    } else {
+        io_outbound(w);  /* replies the compute thread sent before it stopped go out (linger permitting) */
     }
     prism_msg_thread_exit();
     return NULL;
@@ -414,8 +578,8 @@ int prism_worker_start(prism_worker_t *w)
 
 static void wake_io(prism_worker_t *w)
 {
-    int32_t route = ROUTE_WAKE;
-    zmq_send(w->cpu_pair, &route, sizeof(route), ZMQ_DONTWAIT);  /* a full pipe wakes it anyway */
+    route_t rt = {ROUTE_WAKE, 0};
+    zmq_send(w->cpu_pair, &rt, sizeof(rt), ZMQ_DONTWAIT);  /* a full pipe wakes it anyway */
 }
 
 void prism_worker_close_linger(prism_worker_t *w, int linger_ms)
@@ -451,6 +615,17 @@ void prism_worker_close(prism_worker_t *w)
         zmq_close(w->cpu_pair);
     }
     if (w->io_pair) zmq_close(w->io_pair);
+    prism_resolver_stop(w->resolver);
+    w->resolver = NULL;
+    if (w->draining) {
+        /* Results of the last requests (tokens to a router, embeddings or KV to a peer) may still sit
+         * in a socket: give them time to leave rather than drop them (linger 0 elsewhere). */
+        int linger = PRISM_DRAIN_LINGER_MS;
+        for (int i = 0; i < w->n_routers; i++)
+            if (w->routers[i].sock) zmq_setsockopt(w->routers[i].sock, ZMQ_LINGER, &linger, sizeof(linger));
+        for (int i = 0; i < w->n_peers; i++)
+            if (w->peers[i].sock) zmq_setsockopt(w->peers[i].sock, ZMQ_LINGER, &linger, sizeof(linger));
+    }
     for (int i = 0; i < w->n_routers; i++)
         if (w->routers[i].sock) zmq_close(w->routers[i].sock);
     for (int i = 0; i < w->n_peers; i++)
@@ -466,6 +641,11 @@ void prism_worker_close(prism_worker_t *w)
 int prism_worker_poll(prism_worker_t *w, int timeout_ms, prism_worker_msg_fn fn, void *ud)
 {
     atomic_fetch_add(&w->polls, 1);
+    int sig = prism_worker_signals();
+    if (sig != w->signals_seen) {  /* a SIGTERM: the I/O thread starts the drain now, not at its next tick */
+        w->signals_seen = sig;
+        wake_io(w);
+    }
     if (timeout_ms != 0) {
         zmq_pollitem_t it = {w->cpu_pair, 0, ZMQ_POLLIN, 0};
         atomic_store(&w->idle, true);
@@ -516,24 +696,26 @@ void prism_worker_set_load(prism_worker_t *w, const prism_worker_load_t *load)
 {
     pthread_mutex_lock(&w->mu);
     w->load = *load;
+    w->load_seq++;
     pthread_mutex_unlock(&w->mu);
 }
 
 int prism_worker_reply(prism_worker_t *w, const char *router_id, uint64_t request_id, Prism__Envelope *env)
 {
-    int32_t route = -1;
+    route_t rt = {-1, 0};
     pthread_mutex_lock(&w->mu);
-    for (int i = 0; i < w->n_routers && route < 0; i++)
-        if (router_id && w->routers[i].router_id[0] && !strcmp(w->routers[i].router_id, router_id)) route = i;
+    for (int i = 0; i < w->n_routers && rt.slot < 0; i++)
+        if (router_id && w->routers[i].sock && w->routers[i].router_id[0] && !strcmp(w->routers[i].router_id, router_id))
+            rt = (route_t){i, w->routers[i].gen};
     pthread_mutex_unlock(&w->mu);
-    if (route < 0) {
+    if (rt.slot < 0) {
         PRISM_WARN("request %llu: owning router '%s' is not connected; reply dropped",
                    (unsigned long long)request_id, router_id ? router_id : "");
         return PRISM_ENOTFOUND;
     }
     env->request_id = request_id;
     env->router_id = (char *)router_id;
-    return prism_msg_send(w->cpu_pair, &route, sizeof(route), env, NULL, 0, 0);
+    return prism_msg_send(w->cpu_pair, &rt, sizeof(rt), env, NULL, 0, 0);
 }
 
 /* Nothing of ours waits in the link's queue (with HWM 1: it can take a message now). */

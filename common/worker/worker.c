@@ -3,13 +3,23 @@
 #include "model/model.h"
 
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
-static volatile sig_atomic_t g_stop;
+/* The first SIGTERM/SIGINT asks for a drain (the I/O thread runs it: io.c); a second one, or the end
+ * of the drain, stops the compute thread's loop. Lock-free atomics: read by both threads, written by
+ * the handler and by the I/O thread. */
+static atomic_int g_signals, g_stop;
+_Static_assert(ATOMIC_INT_LOCK_FREE == 2, "signal handlers need lock-free atomics");
 
-static void on_signal(int sig) { (void)sig; g_stop = 1; }
+static void on_signal(int sig)
+{
+    (void)sig;
+    if (atomic_fetch_add(&g_signals, 1) >= 1) atomic_store(&g_stop, 1);
+}
 
 void prism_worker_install_signals(void)
 {
@@ -21,7 +31,11 @@ void prism_worker_install_signals(void)
     signal(SIGPIPE, SIG_IGN);
 }
 
-bool prism_worker_should_stop(void) { return g_stop != 0; }
+bool prism_worker_should_stop(void) { return atomic_load(&g_stop) != 0; }
+
+int prism_worker_signals(void) { return PRISM_MIN(atomic_load(&g_signals), 2); }
+
+void prism_worker_request_stop(void) { atomic_store(&g_stop, 1); }
 
 /* ---------------------------------------------------------------- memory plan */
 
@@ -81,7 +95,9 @@ void prism_worker_opts_defaults(prism_worker_opts_t *o, const char *role)
     o->mem_budget = 0;
     o->log_level = "info";
     o->heartbeat_s = 1.0;
+    o->router_resolve_s = 5.0;
     o->max_message_bytes = 64ll << 20;
+    o->drain_timeout_s = 30.0;
     static char id[128];
     char host[64] = "host";
     gethostname(host, sizeof(host) - 1);
@@ -95,8 +111,14 @@ int prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *t, int n)
         PRISM_FLAG_STR("model-path", &o->model_path, "HF model directory (config.json, *.safetensors)"),
         PRISM_FLAG_LIST("router", &o->routers, "Router control endpoint(s), e.g. tcp://127.0.0.1:8100 (repeatable)"),
         PRISM_FLAG_STR("worker-id", &o->worker_id, "Unique worker id"),
-        PRISM_FLAG_STR("host", &o->host, "Address to bind the data endpoint on"),
+        PRISM_FLAG_STR("host", &o->host, "Address to bind the data endpoint on (0.0.0.0: every interface)"),
         PRISM_FLAG_INT("data-port", &o->data_port, "Data endpoint port (0 = pick a free port)"),
+        PRISM_FLAG_STR("advertise-host", &o->advertise_host,
+                       "Host or address peers reach the data endpoint at, when it differs from --host (NAT, "
+                       "containers; required with a wildcard --host)"),
+        PRISM_FLAG_INT("advertise-port", &o->advertise_port, "Port peers reach the data endpoint at (0 = the bound port)"),
+        PRISM_FLAG_DOUBLE("router-resolve-interval", &o->router_resolve_s,
+                          "Seconds between DNS lookups of a --router host name (each address is a router)"),
         PRISM_FLAG_STR("device", &o->device, "Compute device: cpu or cuda"),
         PRISM_FLAG_INT("threads", &o->threads, "CPU backend threads"),
         PRISM_FLAG_BYTES("mem-budget", &o->mem_budget, "Memory budget (bytes, e.g. 2G); start-up fails if the plan exceeds it"),
@@ -110,6 +132,9 @@ int prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *t, int n)
                         "Unauthenticated internal links (only on an isolated network; logs a warning)"),
         PRISM_FLAG_BYTES("max-message-bytes", &o->max_message_bytes,
                          "Largest message accepted from a router (an image file for encoders); bigger drops the link"),
+        PRISM_FLAG_DOUBLE("drain-timeout", &o->drain_timeout_s,
+                          "SIGTERM drains: no new work, the held requests finish, exit when the routers release "
+                          "this worker or after this many seconds (a second SIGTERM exits at once)"),
     };
     _Static_assert(sizeof(f) / sizeof(f[0]) == PRISM_WORKER_N_FLAGS, "PRISM_WORKER_N_FLAGS");
     for (size_t i = 0; i < PRISM_ARRAY_LEN(f); i++)
@@ -131,6 +156,16 @@ int prism_worker_startup(int argc, char **argv, const char *role, const char *su
     prism_log_init(role, prism_log_level_parse(o->log_level));
     if (!(o->heartbeat_s >= 0.01 && o->heartbeat_s <= 3600)) {
         PRISM_ERROR("--heartbeat-interval must be between 0.01 and 3600 seconds");
+        return 2;
+    }
+    bool wildcard = !strcmp(o->host, "0.0.0.0") || !strcmp(o->host, "*") || !strcmp(o->host, "::");
+    if (strcmp(role, "encoder") != 0 && wildcard && !(o->advertise_host && *o->advertise_host)) {
+        PRISM_ERROR("--host %s binds every interface, which peers cannot connect to: give --advertise-host with "
+                    "the address they reach this worker at", o->host);
+        return 2;
+    }
+    if (o->advertise_port < 0 || o->advertise_port > 65535 || !(o->router_resolve_s > 0) || !(o->drain_timeout_s >= 0)) {
+        PRISM_ERROR("--advertise-port must be 0..65535, --router-resolve-interval positive, --drain-timeout >= 0");
         return 2;
     }
     if (!o->insecure_no_curve == !(o->curve_keys && *o->curve_keys)) {  /* fail before loading a model */
@@ -155,6 +190,19 @@ void prism_worker_set_capacity(prism_worker_t *w, const prism_worker_opts_t *o, 
                                uint32_t max_running, uint32_t max_model_len)
 {
     w->heartbeat_s = o->heartbeat_s;
+    w->router_resolve_s = o->router_resolve_s;
+    w->drain_timeout_s = o->drain_timeout_s;
+    if (w->data_sock && ((o->advertise_host && *o->advertise_host) || o->advertise_port > 0)) {
+        /* The bound endpoint is tcp://HOST:PORT as the socket sees it; peers behind NAT or in
+         * another network namespace reach it under another host (and port). */
+        const char *colon = strrchr(w->data_endpoint, ':');
+        long port = colon ? strtol(colon + 1, NULL, 10) : 0;
+        char ep[sizeof(w->data_endpoint)];
+        snprintf(ep, sizeof(ep), "tcp://%s:%ld", o->advertise_host && *o->advertise_host ? o->advertise_host : o->host,
+                 o->advertise_port > 0 ? (long)o->advertise_port : port);
+        PRISM_INFO("data endpoint %s advertised as %s", w->data_endpoint, ep);
+        snprintf(w->data_endpoint, sizeof(w->data_endpoint), "%s", ep);
+    }
     w->reg.mem_budget = (uint64_t)o->mem_budget;
     w->reg.mem_planned = prism_mem_plan_total(plan);
     w->reg.kv_blocks = kv_blocks;

@@ -4,7 +4,9 @@
  *   I/O thread (io.c; started by prism_worker_start): owns every router socket (one DEALER per
  *   router, identity = worker id) and the data socket (PULL). It registers, sends heartbeats on
  *   time whatever the compute thread does, receives work, data and aborts, and sends the compute
- *   thread's replies on to their routers. It never blocks on the compute thread.
+ *   thread's replies on to their routers. It never blocks on the compute thread. It also follows
+ *   --router DNS names (opens and closes router slots as addresses come and go) and runs the
+ *   SIGTERM drain (below).
  *   Compute thread (the process's main thread): owns the model, the request tables and the PUSH
  *   sockets to peers (embeddings, KV: data-plane sends keep their own backpressure). It takes
  *   messages from the I/O thread (prism_worker_poll), replies (prism_worker_reply), publishes its
@@ -45,6 +47,15 @@
  * since the last heartbeat). The router drops a worker whose heartbeats stop (dead) and stops
  * routing to one whose heartbeats say busy while progress stays flat (stuck).
  *
+ * Drain (SIGTERM): the first SIGINT/SIGTERM asks for a drain, a second one stops at once. The I/O
+ * thread sees the first, says `draining` in every heartbeat (every PRISM_DRAIN_HEARTBEAT_S), stops
+ * registering, and reads each router's DrainAck (what it still holds here; 0 releases us). Once
+ * every router released us (or stopped, or stayed silent PRISM_DRAIN_ROUTER_GONE_S) and the load
+ * the compute thread publishes shows nothing running or queued — or --drain-timeout passed — it
+ * sets the stop flag, and the compute thread leaves its loop as for a second signal
+ * (prism_worker_should_stop). The compute thread keeps working meanwhile: routers send no new work,
+ * and what was sent before they saw `draining` is still served.
+ *
  * Test hook (compiled in, inert unless set): PRISM_TEST_STALL_AFTER_LAYERS=N in a worker's
  * environment makes its compute thread stop making progress once its progress counter passes N:
  * it sleeps in the next between-layer hook until the process is told to stop, while the I/O
@@ -62,19 +73,26 @@
 #include <stdatomic.h>
 
 struct prism_model_config;   /* model/model.h */
+struct prism_resolver;       /* net/resolve.h */
 
-#define PRISM_WORKER_MAX_ROUTERS 8
+#define PRISM_WORKER_MAX_ROUTERS 16
 #define PRISM_WORKER_MAX_PEERS 64
 #define PRISM_WORKER_INBOX_HWM 65536    /* messages queued for the compute thread */
 #define PRISM_WORKER_ABORTS 256         /* recent aborts the between-layer check can see */
 #define PRISM_WORKER_PEER_IDLE_S 10.0   /* a peer link unused this long may be closed for a new one */
 
+/* A router slot. The I/O thread owns it; it changes router_id, registered, gen and the slot's
+ * emptiness (sock) under mu, and the compute thread reads those under mu only. */
 typedef struct {
     char endpoint[256];
-    char router_id[128];     /* learned from the REGISTER_ACK (I/O thread writes under mu) */
-    void *sock;              /* DEALER: I/O thread */
-    bool registered;         /* under mu */
+    char router_id[128];     /* learned from the REGISTER_ACK */
+    void *sock;              /* DEALER; NULL: an empty slot (a router whose address left the DNS name) */
+    uint32_t gen;            /* bumped when the slot is emptied: a reply routed to an older holder is dropped */
+    bool registered;
+    bool from_name;          /* an address of a --router DNS name: closed when it leaves the name */
     double last_register_s;
+    bool released;           /* draining: the router holds no request here and sends none (DrainAck) */
+    double drain_reply_s;    /* last DrainAck from it */
 } prism_worker_router_t;
 
 typedef struct {
@@ -124,10 +142,20 @@ typedef struct prism_worker {
     double heartbeat_s;      /* interval */
 
     /* ---- I/O thread (after prism_worker_start) ---- */
+    /* Router slots: a slot keeps its index while its router is connected (empty slots have sock ==
+     * NULL); n_routers (under mu) is the highest slot used + 1. A --router endpoint whose host is a
+     * DNS name stands for every address of the name (net/resolve.h), re-resolved every
+     * router_resolve_s. */
     prism_worker_router_t routers[PRISM_WORKER_MAX_ROUTERS];
     int n_routers;
+    prism_str_list_t router_names;     /* the --router entries that are DNS names */
+    struct prism_resolver *resolver;   /* started by the I/O thread when there are names */
+    double router_resolve_s;
+    int64_t router_max_msg_bytes;      /* ZMQ_MAXMSGSIZE of router links (--max-message-bytes) */
+    bool draining;           /* SIGTERM seen: heartbeats say so, routers send nothing new */
+    double drain_start_s, drain_timeout_s;
     void *data_sock;         /* PULL, bound; NULL for encoders */
-    char data_endpoint[256]; /* resolved endpoint peers connect to */
+    char data_endpoint[256]; /* endpoint peers connect to: the bound one, or --advertise-host/-port */
     void *io_pair;           /* PAIR: the I/O end of the channel */
     pthread_t io_thread;
     bool io_started;
@@ -144,10 +172,13 @@ typedef struct prism_worker {
     int64_t stall_after;     /* test hook: layers before the stall, -1 = never */
     double reply_delay_s;    /* test hook: the I/O thread holds each reply this long (0 = never) */
     int close_linger_ms;     /* prism_worker_close_linger: set before close, read by the I/O thread */
+    int signals_seen;        /* prism_worker_signals() at the last poll: a new one wakes the I/O thread */
 
     /* ---- shared ---- */
-    pthread_mutex_t mu;      /* router ids, load, the abort table */
+    pthread_mutex_t mu;      /* router slots' ids, registered, gen and n_routers; load; the abort table */
     prism_worker_load_t load;
+    uint64_t load_seq;       /* prism_worker_set_load calls */
+    uint64_t drain_load_seq; /* load_seq at the drain's start or its last release: idle only from a newer load */
     prism_worker_abort_t aborts[PRISM_WORKER_ABORTS];  /* ring */
     uint64_t n_aborts;
     atomic_uint_fast64_t abort_seq;     /* bumped by the I/O thread after each abort */
@@ -160,7 +191,8 @@ typedef struct prism_worker {
 } prism_worker_t;
 
 typedef struct prism_worker_opts prism_worker_opts_t;
-/* Connects to every router (o->routers, as o->worker_id, authenticated with o's CURVE keys) and, when
+/* Connects to every router (o->routers, as o->worker_id, authenticated with o's CURVE keys; a DNS name
+ * is connected address by address by the I/O thread once its first lookup ends) and, when
  * data_bind is set, binds the data socket; data_max_msg_bytes is the largest data frame this worker
  * accepts (one image's embeddings, one prompt's KV): a bigger one drops the sender's connection. */
 int  prism_worker_init(prism_worker_t *w, Prism__Role role, const prism_worker_opts_t *o, const char *data_bind,
@@ -205,9 +237,16 @@ bool prism_worker_layer_done(prism_worker_t *w);
  * (then every item is dropped). *waited_s (may be NULL): seconds since the abort arrived. */
 bool prism_worker_aborted(prism_worker_t *w, uint64_t rid, const char *router_id, double *waited_s);
 
-/* SIGINT/SIGTERM handling shared by all processes. */
+/* SIGINT/SIGTERM handling shared by all processes. The first signal starts a drain (see the top of
+ * this file); prism_worker_should_stop() becomes true when the drain ends, or at a second signal. */
+#define PRISM_DRAIN_HEARTBEAT_S 0.2   /* heartbeat period while draining: the release comes this soon */
+#define PRISM_DRAIN_ROUTER_GONE_S 5.0 /* a router silent this long while we drain is not waited for */
+#define PRISM_DRAIN_LINGER_MS 5000    /* a drained worker's last messages may take this long to leave */
 void prism_worker_install_signals(void);
 bool prism_worker_should_stop(void);
+/* For the I/O thread: signals seen so far (0, 1 = drain, 2 = stop), and the end of a drain. */
+int  prism_worker_signals(void);
+void prism_worker_request_stop(void);
 
 /* Flags every worker has; call prism_worker_common_flags to get them into a flag table. */
 struct prism_worker_opts {
@@ -225,9 +264,13 @@ struct prism_worker_opts {
     const char *curve_keys;      /* key directory (prism_keygen) */
     bool insecure_no_curve;
     int64_t max_message_bytes;   /* largest control message from a router (an image file for encoders) */
+    const char *advertise_host;  /* host peers reach the data endpoint at (NAT, containers); NULL = --host */
+    int64_t advertise_port;      /* 0 = the bound port */
+    double router_resolve_s;     /* seconds between lookups of --router DNS names */
+    double drain_timeout_s;      /* SIGTERM: longest wait for held requests before exiting */
 };
 
-#define PRISM_WORKER_N_FLAGS 14
+#define PRISM_WORKER_N_FLAGS 18
 void prism_worker_opts_defaults(prism_worker_opts_t *o, const char *role);
 /* Appends the common flags to table (which must have room for PRISM_WORKER_N_FLAGS more entries + END). */
 int  prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *table, int n);
@@ -238,7 +281,8 @@ int  prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *table, int n)
 int  prism_worker_startup(int argc, char **argv, const char *role, const char *summary, prism_flag_t *flags,
                           prism_worker_opts_t *o, struct prism_model_config *cfg);
 
-/* What registration advertises: the memory plan and capacity (0 where a field does not apply). */
+/* What registration advertises: the memory plan and capacity (0 where a field does not apply), and the
+ * data endpoint peers connect to (--advertise-host / --advertise-port replace the bound host / port). */
 void prism_worker_set_capacity(prism_worker_t *w, const prism_worker_opts_t *o, const prism_mem_plan_t *plan,
                                uint32_t kv_blocks, uint32_t block_size, uint32_t max_batch_tokens,
                                uint32_t max_running, uint32_t max_model_len);

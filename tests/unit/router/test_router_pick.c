@@ -1,0 +1,145 @@
+/* Unit tests: how the router picks a worker (router/workers.c) — least loaded with a free slot,
+ * equally loaded workers in turn, embedding-cache affinity bounded by ROUTER_AFFINITY_SLACK, and a
+ * worker whose last send failed passed over until it is heard from again; stuck and draining workers
+ * are never picked, ties included. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <setjmp.h>
+#include <cmocka.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "router.h"
+
+static router_t R;
+
+static router_worker_t *add(const char *id, Prism__Role role, uint32_t slots)
+{
+    Prism__Register g = PRISM__REGISTER__INIT;
+    g.worker_id = (char *)id;
+    g.role = role;
+    g.data_endpoint = role == PRISM__ROLE__ROLE_ENCODER ? "" : "tcp://127.0.0.1:1";
+    g.max_running = slots;
+    g.kv_blocks = role == PRISM__ROLE__ROLE_DECODE ? 100 : 0;
+    char why[200];
+    assert_int_equal(router_worker_register(&R, id, "", &g, why, sizeof(why)), PRISM_OK);
+    router_worker_t *w = router_worker_by_id(&R, id);
+    assert_non_null(w);
+    return w;
+}
+
+static int setup(void **state)
+{
+    (void)state;
+    memset(&R, 0, sizeof(R));
+    R.max_model_len = 0;
+    return 0;
+}
+
+static router_worker_t *pick(Prism__Role role, uint64_t hash)
+{
+    bool any;
+    return router_pick(&R, role, hash, &any);
+}
+
+static void test_ties_take_turns(void **state)
+{
+    (void)state;
+    router_worker_t *w[3] = {add("e0", PRISM__ROLE__ROLE_ENCODER, 4), add("e1", PRISM__ROLE__ROLE_ENCODER, 4),
+                             add("e2", PRISM__ROLE__ROLE_ENCODER, 4)};
+    int got[3] = {0};
+    for (int i = 0; i < 30; i++) {
+        router_worker_t *p = pick(PRISM__ROLE__ROLE_ENCODER, 0);
+        for (int k = 0; k < 3; k++) got[k] += p == w[k];
+    }
+    /* idle and equal: each gets a third, not the first all */
+    assert_int_equal(got[0], 10);
+    assert_int_equal(got[1], 10);
+    assert_int_equal(got[2], 10);
+    /* a less loaded worker still wins outright */
+    w[0]->inflight = 1;
+    w[2]->inflight = 1;
+    for (int i = 0; i < 5; i++) assert_ptr_equal(pick(PRISM__ROLE__ROLE_ENCODER, 0), w[1]);
+    /* decode: equal free KV and in-flight is a tie too */
+    router_worker_t *d0 = add("d0", PRISM__ROLE__ROLE_DECODE, 8), *d1 = add("d1", PRISM__ROLE__ROLE_DECODE, 8);
+    router_worker_t *a = pick(PRISM__ROLE__ROLE_DECODE, 0), *b = pick(PRISM__ROLE__ROLE_DECODE, 0);
+    assert_true((a == d0 && b == d1) || (a == d1 && b == d0));
+    d0->kv_free_blocks = 50;   /* less free KV: more loaded */
+    assert_ptr_equal(pick(PRISM__ROLE__ROLE_DECODE, 0), d1);
+}
+
+static void test_full_and_unreachable_workers_are_passed_over(void **state)
+{
+    (void)state;
+    router_worker_t *a = add("p0", PRISM__ROLE__ROLE_PREFILL, 2), *b = add("p1", PRISM__ROLE__ROLE_PREFILL, 2);
+    a->inflight = 2;                       /* full */
+    assert_ptr_equal(pick(PRISM__ROLE__ROLE_PREFILL, 0), b);
+    b->send_failed_at = b->last_seen + 1;  /* its connection is gone */
+    bool any = false;
+    assert_null(router_pick(&R, PRISM__ROLE__ROLE_PREFILL, 0, &any));
+    assert_true(any);                      /* registered: the request waits instead of a 503 */
+    b->last_seen = b->send_failed_at + 1;  /* heard from again */
+    assert_ptr_equal(pick(PRISM__ROLE__ROLE_PREFILL, 0), b);
+}
+
+static void test_stuck_and_draining_workers_are_passed_over(void **state)
+{
+    (void)state;
+    /* first in table order: a tie scan that forgot one of them would hand it every other request */
+    router_worker_t *stuck = add("p0", PRISM__ROLE__ROLE_PREFILL, 4), *drain = add("p1", PRISM__ROLE__ROLE_PREFILL, 4);
+    router_worker_t *a = add("p2", PRISM__ROLE__ROLE_PREFILL, 4), *b = add("p3", PRISM__ROLE__ROLE_PREFILL, 4);
+    stuck->stuck = true;
+    drain->draining = true;
+    int got_a = 0, got_b = 0;
+    for (int i = 0; i < 20; i++) {
+        router_worker_t *p = pick(PRISM__ROLE__ROLE_PREFILL, 0);
+        assert_true(p == a || p == b);
+        got_a += p == a;
+        got_b += p == b;
+    }
+    assert_int_equal(got_a, 10);
+    assert_int_equal(got_b, 10);
+    /* only a draining worker left: nothing is picked, but the request waits (no 503) */
+    a->used = b->used = false;
+    bool any = false;
+    assert_null(router_pick(&R, PRISM__ROLE__ROLE_PREFILL, 0, &any));
+    assert_true(any);
+    /* only a stuck one: nothing to wait for */
+    drain->used = false;
+    assert_null(router_pick(&R, PRISM__ROLE__ROLE_PREFILL, 0, &any));
+    assert_false(any);
+}
+
+static void test_affinity_is_bounded(void **state)
+{
+    (void)state;
+    router_worker_t *warm = add("e0", PRISM__ROLE__ROLE_ENCODER, 64), *cold = add("e1", PRISM__ROLE__ROLE_ENCODER, 64);
+    router_worker_note_image(warm, 0xabc);
+    /* the warm encoder wins while it is not much busier than the least loaded */
+    for (int load = 0; load <= ROUTER_AFFINITY_SLACK; load++) {
+        warm->inflight = load;
+        assert_ptr_equal(pick(PRISM__ROLE__ROLE_ENCODER, 0xabc), warm);
+    }
+    /* beyond the slack the least loaded takes it (a new encoder must get work even when every
+     * image of the load was seen before) */
+    warm->inflight = ROUTER_AFFINITY_SLACK + 1;
+    assert_ptr_equal(pick(PRISM__ROLE__ROLE_ENCODER, 0xabc), cold);
+    /* an unknown image goes by load alone */
+    warm->inflight = 1;
+    assert_ptr_equal(pick(PRISM__ROLE__ROLE_ENCODER, 0x123), cold);
+    /* a full warm encoder is not picked at all */
+    warm->inflight = 64;
+    cold->inflight = 63;
+    assert_ptr_equal(pick(PRISM__ROLE__ROLE_ENCODER, 0xabc), cold);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup(test_ties_take_turns, setup),
+        cmocka_unit_test_setup(test_full_and_unreachable_workers_are_passed_over, setup),
+        cmocka_unit_test_setup(test_stuck_and_draining_workers_are_passed_over, setup),
+        cmocka_unit_test_setup(test_affinity_is_bounded, setup),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
