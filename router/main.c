@@ -111,6 +111,8 @@ int main(int argc, char **argv)
     r.max_queue_wait_s = max_queue_wait;
     r.created = prism_unix_time();
     r.image_token_id = r.cfg.has_vision ? r.cfg.image_token_index : -1;
+    if (r.cfg.has_vision && r.cfg.vision_arch == PRISM_VISION_LLAMA4 && router_llama4_init(&r, model_path) != PRISM_OK)
+        return 1;
     prism_router_metrics_init(&r.metrics);
     r.reqs_cap = 16;
     while (r.reqs_cap < (size_t)max_running * 2 + 2) r.reqs_cap *= 2;
@@ -141,9 +143,9 @@ int main(int argc, char **argv)
     uv_signal_start(&r.sigint, on_signal, SIGINT);
     uv_signal_start(&r.sigterm, on_signal, SIGTERM);
     signal(SIGPIPE, SIG_IGN);
-    PRISM_INFO("router %s serving '%s' on http://%s:%d in %.2fs (control %s, context %d, %d image tokens per image)",
+    PRISM_INFO("router %s serving '%s' on http://%s:%d in %.2fs (control %s, context %d, %d image tokens per %s)",
                r.router_id, served, host, prism_http_server_port(r.http), prism_now_s() - t0, control, r.max_model_len,
-               r.cfg.image_seq_length);
+               r.cfg.image_seq_length, r.llama4 ? "tile" : "image");
     uv_run(r.loop, UV_RUN_DEFAULT);
     zmq_close(r.ctl);
     zmq_ctx_term(r.zctx);

@@ -473,7 +473,7 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
     for (int s = 0; s < q->prompt.n_images; s++) {
         prism__image_span__init(&spans[s]);
         spans[s].offset = q->prompt.img_offset[s];
-        spans[s].n_tokens = (uint32_t)r->cfg.image_seq_length;
+        spans[s].n_tokens = q->prompt.img_span[s];
         span_ptrs[s] = &spans[s];
     }
     int32_t stop_ids[PRISM_OAI_MAX_STOP_TOKEN_IDS];

@@ -19,6 +19,7 @@
 #include "http_server.h"
 #include "openai_req.h"
 #include "metrics/metrics.h"
+#include "image/llama4_proc.h"
 
 #include <jansson.h>
 #include <uv.h>
@@ -67,7 +68,14 @@ typedef struct {
     prism_tokenizer_t *tok;
     prism_template_t *tmpl;
     char *bos_token, *eos_token;
-    int32_t image_token_id;
+    int32_t image_token_id;     /* the placeholder the template renders per image (LLaVA: <image>,
+                                 * Llama-4: <|image|>); -1 without a vision tower */
+    /* Llama-4 (cfg.vision_arch PRISM_VISION_LLAMA4): each placeholder expands to the tile layout of
+     * its image, computed from the image header alone; the encoder's rows fill the <|patch|>
+     * positions (cfg.image_token_index) of that expansion. */
+    bool llama4;
+    prism_llama4_proc_t l4proc;
+    prism_llama4_image_tokens_t l4ids;
 
     /* event loop and sockets */
     uv_loop_t *loop;
@@ -124,13 +132,20 @@ typedef struct {
     uint8_t *img[ROUTER_MAX_IMAGES];        /* decoded file bytes (the router never decodes pixels) */
     size_t img_len[ROUTER_MAX_IMAGES];
     uint64_t img_hash[ROUTER_MAX_IMAGES];
+    int img_w[ROUTER_MAX_IMAGES], img_h[ROUTER_MAX_IMAGES];   /* from the header */
     uint32_t img_offset[ROUTER_MAX_IMAGES]; /* first token of each image's span, found while expanding */
+    uint32_t img_span[ROUTER_MAX_IMAGES];   /* tokens in that span: image_seq_length (LLaVA), the whole
+                                             * expansion with separators (Llama-4) */
     size_t image_bytes;
-    int32_t *tokens;                        /* prompt, each image placeholder expanded to image_seq_length */
+    int32_t *tokens;                        /* prompt, each image placeholder expanded */
     size_t n_tokens, cap;
     int max_tokens;                         /* max_tokens, or what the context leaves when unset */
 } router_prompt_t;
 
+/* Llama-4: loads the image processor's config from the model directory and the image prompt's
+ * special token ids from the tokenizer (r->tok); logs why and returns an error when either is
+ * missing or disagrees with config.json. */
+int  router_llama4_init(router_t *r, const char *model_dir);
 /* Decodes every image part's data URL and checks its header against the limits. These return
  * 0 or an HTTP status with msg filled. */
 int  router_prompt_load_images(router_t *r, router_prompt_t *p, const prism_oai_request_t *o, char *msg, size_t n);
