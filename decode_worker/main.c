@@ -237,7 +237,7 @@ int main(int argc, char **argv)
         PRISM_FLAG_INT("kv-blocks", &kv_blocks, "KV cache blocks (0 = fill --mem-budget, else 1024)"),
         PRISM_FLAG_INT("block-size", &block_size, "Tokens per KV block"),
         PRISM_FLAG_INT("max-running-requests", &max_running, "Most sequences in one decode batch"),
-        PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings)"),
+        PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings, at most 131072)"),
     };
     static decode_t d;
     int rc = prism_worker_startup(argc, argv, "decode", "Prism decode worker: paged KV cache, continuous batching "
@@ -250,7 +250,8 @@ int main(int argc, char **argv)
         return 2;
     }
     d.max_running = (int)max_running;
-    d.max_model_len = context_length > 0 ? (int)PRISM_MIN(context_length, (int64_t)d.cfg.max_pos) : d.cfg.max_pos;
+    d.max_model_len = prism_model_context_length(&d.cfg, context_length);
+    d.cfg.max_pos = d.max_model_len;   /* the model's block tables are planned for the context served */
     d.max_blocks_per_seq = (d.max_model_len + (int)block_size - 1) / (int)block_size;
 
     if (prism_backend_create(o.device, (int)o.threads, 0, &d.be) != PRISM_OK) {

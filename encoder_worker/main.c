@@ -1,13 +1,18 @@
-/* encoder_worker: image decode (libjpeg-turbo, libspng), CLIP preprocessing, vision tower +
- * projector, embedding cache. Embeddings go straight to the prefill worker the router chose, as a
- * raw frame.
+/* encoder_worker: image decode (libjpeg-turbo, libspng), preprocessing (CLIP, or Llama-4's tiles),
+ * vision tower + projector, embedding cache. Embeddings go straight to the prefill worker the
+ * router chose, as raw frames (one per tile).
  *
  * Jobs arrive from the router with the image file as a raw frame, which is kept (zmq_msg_move, no
- * copy) in a bounded job queue. Each loop iteration forms a batch of at most --max-batch-images
- * images, streams each through the decoder into the CLIP resampler (rows are resampled as they are
- * decoded, straight into the batch's pixel buffer; no decoded image is ever held), runs the vision
- * tower once and then pushes the results. When a prefill worker's receive pool is full the push
- * waits: the encoder keeps heartbeating but takes no new batch (backpressure), so nothing grows.
+ * copy) in a bounded job queue. Each loop iteration forms a batch, oldest first, of as many images
+ * as the pixel buffer has tiles for (a LLaVA image is one tile; a Llama-4 image its canvas's tiles
+ * plus the global one, counted from the header before decoding), streams each through the decoder
+ * into the preprocessor (prep.c: rows are resampled as they are decoded, straight into the batch's
+ * tiles; no decoded image is ever held), runs the vision tower over the tiles in micro-batches of
+ * at most --max-batch-images (the activation arena holds that many), then pushes the results. A
+ * 17-tile 4096x4096 Llama-4 image with --max-batch-images 4 is five micro-batches: memory is set by
+ * the flags, never by the images or their number. When a prefill worker's receive pool is full
+ * the push waits: the encoder keeps heartbeating but takes no new batch (backpressure), so nothing
+ * grows.
  *
  * Cache entries a batch answers from are pinned until their jobs are sent, so a miss later in the
  * same batch (or while the batch waits for prefill) cannot evict and overwrite them. */
@@ -18,20 +23,15 @@
 #include "backend/backend.h"
 #include "model/model.h"
 #include "image/image.h"
-#include "image/clip.h"
 #include "embed_cache.h"
+#include "prep.h"
 
 #include <stdio.h>
 #include <string.h>
 
 typedef enum { JOB_FREE, JOB_QUEUED, JOB_ENCODED, JOB_SEND } job_state_t;
 
-/* JPEG DCT-domain downscaling trades exactness for speed: HF decodes every image at full size, so
- * a scaled decode moves pixels (and can change a greedy token). "always" scales every JPEG at least
- * twice the model's resize target. "auto" and "never" decode at full size: streaming needs only a
- * few rows at any size, and what a full decode may not fit (a progressive JPEG's coefficients) DCT
- * scaling would not shrink. */
-enum { DCT_AUTO, DCT_ALWAYS, DCT_NEVER };
+#define MAX_TILES (PRISM_LLAMA4_MAX_PATCHES + 1)   /* of one image */
 
 typedef struct {
     job_state_t state;
@@ -42,10 +42,12 @@ typedef struct {
     char prefill_endpoint[256];
     zmq_msg_t image;          /* file bytes, owned while queued */
     bool has_image;
-    const float *emb;         /* result: cache entry (pinned) or batch output row */
+    int n_tiles;              /* result: tiles of image_seq_length rows each ... */
+    const float *parts[MAX_TILES];   /* ... in the cache entry (pinned) or the batch output */
+    int tile0;                /* first tile in the batch's pixel buffer */
     char error[256];
     bool cache_hit;
-    int cache_slot;           /* pinned cache slot while the job is in flight; -1 none */
+    int cache_slot;           /* pinned cache entry while the job is in flight; -1 none */
     float decode_ms, vit_ms;
     double t_arrive;
 } job_t;
@@ -55,21 +57,17 @@ typedef struct {
     prism_model_config_t cfg;
     prism_backend_t *be;
     prism_vision_t *vis;
-    prism_clip_preproc_t pre;
+    enc_prep_t prep;          /* decoder, relay, preprocessor and its workspace */
     prism_embed_cache_t cache;
     int max_batch, max_queue;
-    uint64_t max_pixels;
-    int dct;                  /* DCT_AUTO / DCT_ALWAYS / DCT_NEVER */
+    int cap_tiles;            /* tiles of the pixel and output buffers: max(--max-batch-images, tiles of the largest image) */
     job_t *jobs;              /* [max_queue] */
     int batch[256];           /* job indices of the batch in flight */
     int n_batch;
-    float *pixels;            /* [max_batch][3][S][S] */
-    float *out;               /* [max_batch][image_seq_length][hidden] */
-    prism_image_decoder_t *dec;   /* decode memory: O(width) rows + whole-image state */
-    prism_image_relay_t *relay;   /* preprocessing thread (--decode-threads 2), or NULL */
-    void *ws;                 /* preprocess workspace */
-    size_t ws_cap;
-    size_t emb_floats;
+    float *pixels;            /* [cap_tiles][3][S][S] */
+    float *out;               /* [cap_tiles][image_seq_length][hidden] */
+    size_t tile_px;           /* floats of one tile's pixels */
+    size_t emb_floats;        /* floats of one tile's embeddings */
     uint64_t encoded, failed;
 } encoder_t;
 
@@ -89,7 +87,7 @@ static void finish_job(encoder_t *e, job_t *j)
     j->has_image = false;
     if (j->cache_slot >= 0) prism_embed_cache_unpin(&e->cache, j->cache_slot);
     j->cache_slot = -1;
-    j->emb = NULL;
+    j->n_tiles = 0;
     j->state = JOB_FREE;
 }
 
@@ -103,7 +101,7 @@ static int push_job(encoder_t *e, job_t *j)
     }
     Prism__Embeddings em = PRISM__EMBEDDINGS__INIT;
     em.image_index = j->image_index;
-    em.n_tokens = (uint32_t)e->cfg.image_seq_length;
+    em.n_tokens = (uint32_t)(j->n_tiles * e->cfg.image_seq_length);
     em.hidden = (uint32_t)e->cfg.hidden;
     em.error = j->error;
     Prism__Envelope env = PRISM__ENVELOPE__INIT;
@@ -111,8 +109,10 @@ static int push_job(encoder_t *e, job_t *j)
     env.request_id = j->rid;
     env.router_id = j->router_id;
     env.embeddings = &em;
-    prism_frame_t f = {j->emb, e->emb_floats * sizeof(float)};
-    return prism_msg_send(s, NULL, 0, &env, j->error[0] ? NULL : &f, j->error[0] ? 0 : 1, ZMQ_DONTWAIT);
+    prism_frame_t f[MAX_TILES];
+    int n = j->error[0] ? 0 : j->n_tiles;
+    for (int i = 0; i < n; i++) f[i] = (prism_frame_t){j->parts[i], e->emb_floats * sizeof(float)};
+    return prism_msg_send(s, NULL, 0, &env, f, n, ZMQ_DONTWAIT);
 }
 
 static void on_encode(encoder_t *e, prism_msg_t *m)
@@ -174,56 +174,6 @@ static void on_msg(prism_worker_t *w, prism_msg_t *m, int router_index, void *ud
     }
 }
 
-/* Streams one image through the decoder into the CLIP resampler, which writes pixel slot `slot`. */
-static int prepare(encoder_t *e, job_t *j, int slot)
-{
-    size_t len = zmq_msg_size(&j->image);
-    const uint8_t *data = zmq_msg_data(&j->image);
-    prism_image_info_t info;
-    int rc = prism_image_probe(data, len, &info);
-    if (rc != PRISM_OK) {
-        snprintf(j->error, sizeof(j->error), "The image could not be decoded: not a valid JPEG or PNG file.");
-        return rc;
-    }
-    if ((uint64_t)info.width * (uint64_t)info.height > e->max_pixels) {
-        snprintf(j->error, sizeof(j->error), "Image of %dx%d pixels exceeds the limit of %llu pixels.",
-                 info.width, info.height, (unsigned long long)e->max_pixels);
-        return PRISM_ELIMIT;
-    }
-    int tw, th;
-    if (prism_clip_resize_target(&e->pre, info.width, info.height, &tw, &th) != PRISM_OK) {
-        snprintf(j->error, sizeof(j->error), "Image of %dx%d pixels cannot be resized to the model's input: its "
-                 "aspect ratio is too extreme.", info.width, info.height);
-        return PRISM_ELIMIT;
-    }
-    prism_image_decode_opts_t opts = {.max_pixels = e->max_pixels};
-    if (e->dct == DCT_ALWAYS)
-        prism_clip_decode_opts(&e->pre, &info, &opts);
-    size_t S = (size_t)e->cfg.v_image_size;
-    prism_clip_stream_t st;
-    prism_image_sink_t sink = prism_clip_stream_sink(&st, &e->pre, e->ws, e->ws_cap, e->pixels + (size_t)slot * 3 * S * S);
-    prism_image_sink_t inner = sink;
-    if (e->relay)
-        sink = prism_image_relay_sink(e->relay, &inner);
-    double t0 = prism_now_s();
-    rc = prism_image_decoder_run(e->dec, data, len, &opts, &sink);
-    if (rc == PRISM_OK)
-        rc = prism_clip_stream_finish(&st);
-    j->decode_ms = (float)((prism_now_s() - t0) * 1e3);
-    if (rc == PRISM_ELIMIT) {
-        snprintf(j->error, sizeof(j->error), "The %dx%d %s image cannot be decoded: %s.", info.width, info.height,
-                 prism_image_format_name(info.format), prism_image_decoder_error(e->dec));
-        return rc;
-    }
-    if (rc != PRISM_OK) {
-        snprintf(j->error, sizeof(j->error), "The image could not be decoded (%s): %s.", prism_strerror(rc),
-                 prism_image_decoder_error(e->dec)[0] ? prism_image_decoder_error(e->dec)
-                                                      : "the data is corrupt or truncated");
-        return rc;
-    }
-    return PRISM_OK;
-}
-
 /* Pushes finished jobs of the batch in flight; returns true when the batch is fully sent. */
 static bool flush_batch(encoder_t *e)
 {
@@ -248,49 +198,65 @@ static bool flush_batch(encoder_t *e)
 static void run_batch(encoder_t *e)
 {
     if (e->n_batch && !flush_batch(e)) return;  /* previous results still waiting for prefill */
-    int n_pix = 0;
+    int n_pix = 0, n_tiles = 0;
     int pix_job[256];
-    /* Oldest first. */
-    for (int pass = 0; pass < e->max_queue && e->n_batch < e->max_batch; pass++) {
+    /* Oldest first, while the pixel buffer has tiles for the next image (known from its header). */
+    for (int pass = 0; pass < e->max_queue && e->n_batch < e->cap_tiles; pass++) {
         job_t *best = NULL;
         for (int i = 0; i < e->max_queue; i++) {
             job_t *j = &e->jobs[i];
             if (j->state == JOB_QUEUED && (!best || j->t_arrive < best->t_arrive)) best = j;
         }
         if (!best) break;
-        int idx = (int)(best - e->jobs);
+        const uint8_t *data = zmq_msg_data(&best->image);
+        size_t len = zmq_msg_size(&best->image);
+        int nt = 0, idx = (int)(best - e->jobs);
+        bool bad = enc_prep_tiles(&e->prep, data, len, &nt, best->error, sizeof(best->error)) != PRISM_OK;
+        if (!bad && n_tiles + nt > e->cap_tiles) break;   /* next batch: nothing overtakes it */
         e->batch[e->n_batch++] = idx;
-        best->state = JOB_ENCODED;
+        best->state = JOB_SEND;   /* an error travels to prefill and router */
+        if (bad) continue;
         /* The entry stays pinned until the job is sent (finish_job): a miss later in this batch
          * must not evict and overwrite it. */
         int hit = prism_embed_cache_get_pinned(&e->cache, best->hash);
         if (hit >= 0) {
             best->cache_slot = hit;
-            best->emb = prism_embed_cache_data(&e->cache, hit);
+            best->n_tiles = prism_embed_cache_units(&e->cache, hit, best->parts, MAX_TILES);
             best->cache_hit = true;
-            best->state = JOB_SEND;
             continue;
         }
-        if (prepare(e, best, n_pix) != PRISM_OK) {
-            best->state = JOB_SEND;  /* error travels to prefill and router */
-            continue;
-        }
+        double t0 = prism_now_s();
+        int rc = enc_prep_run(&e->prep, data, len, e->pixels + (size_t)n_tiles * e->tile_px, best->error,
+                              sizeof(best->error));
+        best->decode_ms = (float)((prism_now_s() - t0) * 1e3);
+        if (rc != PRISM_OK) continue;
+        best->state = JOB_ENCODED;
+        best->n_tiles = nt;
+        best->tile0 = n_tiles;
+        n_tiles += nt;
         pix_job[n_pix++] = idx;
     }
     if (n_pix) {
+        /* The tiles of every image in micro-batches of at most --max-batch-images (the arena's size;
+         * tiles are independent sequences, so any split gives the same rows). */
         double t0 = prism_now_s();
-        int rc = prism_vision_encode(e->vis, e->pixels, n_pix, e->out);
+        int rc = PRISM_OK;
+        for (int t = 0; t < n_tiles && rc == PRISM_OK; t += e->max_batch) {
+            int k = PRISM_MIN(e->max_batch, n_tiles - t);
+            rc = prism_vision_encode(e->vis, e->pixels + (size_t)t * e->tile_px, k, e->out + (size_t)t * e->emb_floats);
+        }
         float ms = (float)((prism_now_s() - t0) * 1e3);
         for (int i = 0; i < n_pix; i++) {
             job_t *j = &e->jobs[pix_job[i]];
             j->state = JOB_SEND;
-            j->vit_ms = ms / n_pix;
+            j->vit_ms = ms * j->n_tiles / n_tiles;
             if (rc != PRISM_OK) {
                 snprintf(j->error, sizeof(j->error), "vision encoder failed: %s", prism_strerror(rc));
                 continue;
             }
-            j->emb = e->out + (size_t)i * e->emb_floats;
-            prism_embed_cache_put(&e->cache, j->hash, j->emb);
+            const float *emb = e->out + (size_t)j->tile0 * e->emb_floats;
+            for (int k = 0; k < j->n_tiles; k++) j->parts[k] = emb + (size_t)k * e->emb_floats;
+            prism_embed_cache_put(&e->cache, j->hash, emb, j->n_tiles);
         }
     }
     if (e->n_batch) flush_batch(e);
@@ -304,7 +270,8 @@ int main(int argc, char **argv)
             max_decode_pixels = 4096ll * 4096, decode_threads = 2;
     const char *dct = "auto";
     prism_flag_t flags[32] = {
-        PRISM_FLAG_INT("max-batch-images", &max_batch, "Images per vision-tower batch"),
+        PRISM_FLAG_INT("max-batch-images", &max_batch, "Images per vision-tower micro-batch, the activation arena's "
+                       "size (Llama-4: tiles; an image of more tiles runs in several micro-batches)"),
         PRISM_FLAG_INT("max-queued-images", &max_queue, "Images waiting for the encoder at once"),
         PRISM_FLAG_BYTES("embedding-cache-bytes", &cache_bytes, "Embedding cache budget (0 disables)"),
         PRISM_FLAG_INT("max-image-pixels", &max_pixels, "Largest image accepted (width*height in the file)"),
@@ -318,11 +285,11 @@ int main(int argc, char **argv)
                        "preprocess rows on a helper thread while the next ones decode"),
     };
     static encoder_t e;
-    int rc = prism_worker_startup(argc, argv, "encoder", "Prism encoder worker: image decode, CLIP preprocessing, "
-                                  "vision tower + projector.", flags, &o, &e.cfg);
+    int rc = prism_worker_startup(argc, argv, "encoder", "Prism encoder worker: image decode, preprocessing (CLIP "
+                                  "or Llama-4 tiles), vision tower + projector.", flags, &o, &e.cfg);
     if (rc >= 0) return rc;
     double t0 = prism_now_s();
-    char err[512] = "", path[1024];
+    char err[512] = "";
     if (!e.cfg.has_vision) {
         PRISM_ERROR("model at %s has no vision tower: an encoder worker has nothing to do", o.model_path);
         return 1;
@@ -332,29 +299,23 @@ int main(int argc, char **argv)
         PRISM_ERROR("flag out of range (see --help)");
         return 2;
     }
-    prism_path_join(path, sizeof(path), o.model_path, "preprocessor_config.json");
-    if (prism_clip_preproc_load(path, &e.pre, err, sizeof(err)) != PRISM_OK) {
-        PRISM_ERROR("cannot load %s: %s", path, err);
+    int dct_mode = !strcmp(dct, "auto") ? ENC_DCT_AUTO : !strcmp(dct, "always") ? ENC_DCT_ALWAYS
+                 : !strcmp(dct, "never") ? ENC_DCT_NEVER : -1;
+    if (dct_mode < 0) {
+        PRISM_ERROR("--jpeg-dct-scaling must be auto, always or never");
+        return 2;
+    }
+    if (enc_prep_plan(&e.prep, &e.cfg, o.model_path, (uint64_t)max_pixels, (uint64_t)max_decode_pixels,
+                      (int)decode_threads, dct_mode, err, sizeof(err)) != PRISM_OK) {
+        PRISM_ERROR("image preprocessing: %s", err);
         return 1;
     }
     e.max_batch = (int)max_batch;
     e.max_queue = (int)max_queue;
-    e.max_pixels = (uint64_t)max_pixels;
-    if (!strcmp(dct, "auto")) e.dct = DCT_AUTO;
-    else if (!strcmp(dct, "always")) e.dct = DCT_ALWAYS;
-    else if (!strcmp(dct, "never")) e.dct = DCT_NEVER;
-    else {
-        PRISM_ERROR("--jpeg-dct-scaling must be auto, always or never");
-        return 2;
-    }
+    e.cap_tiles = PRISM_MAX(e.max_batch, e.prep.max_tiles);
     e.emb_floats = (size_t)e.cfg.image_seq_length * e.cfg.hidden;
     size_t S = (size_t)e.cfg.v_image_size;
-    /* Decode memory: rows of the widest image accepted, plus whole-image state for
-     * --max-decode-pixels; preprocessing scratch for any accepted image. */
-    int max_width = (int)PRISM_MIN(max_pixels, (int64_t)PRISM_IMAGE_MAX_DIM);
-    size_t dec_bytes = prism_image_decoder_bytes(max_width, (uint64_t)max_decode_pixels);
-    size_t relay_bytes = decode_threads > 1 ? prism_image_relay_bytes(max_width) : 0;
-    e.ws_cap = prism_clip_workspace_bound(&e.pre, (uint64_t)max_pixels);
+    e.tile_px = 3 * S * S;
 
     if (prism_backend_create(o.device, (int)o.threads, 0, &e.be) != PRISM_OK) {
         PRISM_ERROR("cannot create backend '%s'", o.device);
@@ -367,25 +328,23 @@ int main(int argc, char **argv)
     prism_mem_plan_t plan = {.budget = (size_t)o.mem_budget};
     prism_mem_plan_add(&plan, "weights", prism_vision_weight_bytes(e.vis));
     prism_mem_plan_add(&plan, "activations", prism_vision_arena_bytes(&e.cfg, e.max_batch));
-    prism_mem_plan_add(&plan, "pixels+outputs", (size_t)e.max_batch * (3 * S * S + e.emb_floats) * sizeof(float));
-    prism_mem_plan_add(&plan, "decode", dec_bytes + relay_bytes);
-    prism_mem_plan_add(&plan, "preprocess", e.ws_cap);
+    prism_mem_plan_add(&plan, "pixels+outputs", (size_t)e.cap_tiles * (e.tile_px + e.emb_floats) * sizeof(float));
+    prism_mem_plan_add(&plan, "decode", e.prep.dec_bytes + e.prep.relay_bytes);
+    prism_mem_plan_add(&plan, "preprocess", e.prep.ws_bytes);
     prism_mem_plan_add(&plan, "embedding-cache", prism_embed_cache_bytes((size_t)cache_bytes, e.emb_floats));
     prism_mem_plan_add(&plan, "runtime", prism_mem_runtime_bytes());
     prism_mem_plan_add(&plan, "reserve", PRISM_MEM_RESERVE);
     if (prism_mem_plan_check(&plan, "encoder") != PRISM_OK) return 1;
 
     e.jobs = prism_xcalloc((size_t)e.max_queue, sizeof(job_t));
-    e.pixels = prism_malloc_aligned((size_t)e.max_batch * 3 * S * S * sizeof(float), 64);
-    e.out = prism_malloc_aligned((size_t)e.max_batch * e.emb_floats * sizeof(float), 64);
-    e.ws = prism_malloc_aligned(PRISM_MAX(e.ws_cap, (size_t)64), 64);
-    if (prism_image_decoder_create(dec_bytes, &e.dec) != PRISM_OK ||
-        (decode_threads > 1 && prism_image_relay_create(max_width, &e.relay) != PRISM_OK)) {
+    e.pixels = prism_malloc_aligned((size_t)e.cap_tiles * e.tile_px * sizeof(float), 64);
+    e.out = prism_malloc_aligned((size_t)e.cap_tiles * e.emb_floats * sizeof(float), 64);
+    if (enc_prep_create(&e.prep) != PRISM_OK) {
         PRISM_ERROR("cannot create the image decoder");
         return 1;
     }
-    if (!e.pixels || !e.out || !e.ws ||
-        prism_embed_cache_init(&e.cache, (size_t)cache_bytes, e.emb_floats) != PRISM_OK) {
+    if (!e.pixels || !e.out ||
+        prism_embed_cache_init(&e.cache, (size_t)cache_bytes, e.emb_floats, e.prep.max_tiles) != PRISM_OK) {
         PRISM_ERROR("cannot allocate encoder pools");
         return 1;
     }
@@ -394,8 +353,9 @@ int main(int argc, char **argv)
         return 1;
     prism_worker_set_capacity(&e.w, &o, &plan, 0, 0, (uint32_t)(e.max_batch * e.cfg.image_seq_length),
                               (uint32_t)e.max_queue, 0);
-    PRISM_INFO("encoder worker %s ready in %.2fs: batch %d images, queue %d, cache %d entries",
-               e.w.worker_id, prism_now_s() - t0, e.max_batch, e.max_queue, e.cache.n_slots);
+    PRISM_INFO("encoder worker %s ready in %.2fs: micro-batch %d %s, pixel buffer %d tiles (largest image %d), queue "
+               "%d, cache %d tiles", e.w.worker_id, prism_now_s() - t0, e.max_batch,
+               e.prep.max_tiles > 1 ? "tiles" : "images", e.cap_tiles, e.prep.max_tiles, e.max_queue, e.cache.n_units);
 
     while (!prism_worker_should_stop()) {
         int queued = 0;
@@ -417,7 +377,6 @@ int main(int argc, char **argv)
                (unsigned long long)e.encoded, (unsigned long long)e.failed, (unsigned long long)e.cache.hits,
                (unsigned long long)e.cache.misses);
     prism_worker_close(&e.w);
-    prism_image_relay_destroy(e.relay);
-    prism_image_decoder_destroy(e.dec);
+    enc_prep_destroy(&e.prep);
     return 0;
 }

@@ -3,10 +3,13 @@
  * router chose and frees its own copy.
  *
  * Image embeddings arrive straight from encoders on the data socket and land only in a fixed pool
- * of image slots. When the pool is full the data socket is not read, so encoders wait
- * (backpressure) — nothing is buffered without bound. Embeddings and the Prefill request travel on
- * different sockets and may arrive in either order. Prompts run in chunks of at most
- * --chunked-prefill-size tokens. */
+ * of pages (one tile's rows each: a LLaVA image is one page, a Llama-4 image one page per tile),
+ * sized for --embed-pool-images images of the largest kind. The data socket is read only while
+ * the largest image would fit, so encoders wait when it would not (backpressure) — nothing is
+ * buffered without bound. Embeddings and the Prefill request travel on different sockets and may
+ * arrive in either order. The rows are laid, in order, over the image tokens of the image's span
+ * (the <|patch|> positions of a Llama-4 tile layout), read in place from the pool. Prompts run in
+ * chunks of at most --chunked-prefill-size tokens. */
 #include "core/core.h"
 #include "core/cli.h"
 #include "net/net.h"
@@ -16,11 +19,13 @@
 #include "sample/sample.h"
 #include "backend/backend.h"
 #include "model/model.h"
+#include "image/llama4_proc.h"
 
 #include <stdio.h>
 #include <string.h>
 
 #define MAX_IMAGES 64
+#define MAX_PAGES (PRISM_LLAMA4_MAX_PATCHES + 1)   /* pages (tiles) of one image */
 
 typedef struct {
     bool used;
@@ -28,7 +33,8 @@ typedef struct {
     char router_id[128];
     uint32_t image_index;
     double t_arrive;
-    float *data;             /* [image_seq_length][hidden] */
+    int n_rows;
+    int32_t pages[MAX_PAGES]; /* pool pages holding rows [k * page_rows, (k + 1) * page_rows) */
 } emb_slot_t;
 
 typedef struct {
@@ -37,6 +43,7 @@ typedef struct {
     int n_tokens;
     int n_images;
     uint32_t span_off[MAX_IMAGES], span_len[MAX_IMAGES];
+    int span_rows[MAX_IMAGES];   /* image-token positions in each span: the rows it needs */
     char decode_endpoint[256];
     double t_arrive;
 } preq_t;
@@ -49,12 +56,15 @@ typedef struct {
     prism_kv_cache_t *kv;
     prism_kv_blocks_t blocks;
     prism_sampler_t sampler;
-    int max_pending, chunk, max_model_len, max_blocks_per_seq, n_emb;
+    int max_pending, chunk, max_model_len, max_blocks_per_seq;
+    int page_rows, max_pages;    /* rows per pool page (one tile), pages of the largest image */
+    int n_pages, n_free_pages;   /* embedding pool; an image slot per page at most */
     double orphan_timeout_s; /* embeddings whose Prefill never came are dropped after this */
     preq_t *reqs;            /* [max_pending] */
     int32_t *token_pool;     /* [max_pending][max_model_len] */
-    emb_slot_t *emb;         /* [n_emb] */
-    float *emb_pool;         /* [n_emb][image_seq_length][hidden] */
+    emb_slot_t *emb;         /* [n_pages] */
+    float *emb_pool;         /* [n_pages][page_rows][hidden] */
+    int32_t *free_pages;     /* [n_pages] stack */
     const float **chunk_rows; /* [chunk]: image embedding row of each token, or NULL */
     int32_t *table;          /* [max_blocks_per_seq] */
     float *logits;           /* [vocab] */
@@ -70,16 +80,28 @@ typedef struct {
     uint64_t served;
 } prefill_t;
 
-static int emb_free_slots(const prefill_t *p)
+/* Images of the largest kind the pool can still take (what the heartbeat reports and what gates
+ * reading the data socket). */
+static int emb_room(const prefill_t *p)
 {
-    int n = 0;
-    for (int i = 0; i < p->n_emb; i++) n += !p->emb[i].used;
-    return n;
+    return p->max_pages ? p->n_free_pages / p->max_pages : 0;
+}
+
+static const float *emb_row(const prefill_t *p, const emb_slot_t *e, int k)
+{
+    return p->emb_pool + ((size_t)e->pages[k / p->page_rows] * p->page_rows + (size_t)(k % p->page_rows)) * p->cfg.hidden;
+}
+
+static void emb_release(prefill_t *p, emb_slot_t *e)
+{
+    for (int k = 0; k < (e->n_rows + p->page_rows - 1) / p->page_rows; k++) p->free_pages[p->n_free_pages++] = e->pages[k];
+    e->used = false;
+    e->n_rows = 0;
 }
 
 static emb_slot_t *emb_find(prefill_t *p, uint64_t rid, const char *router, uint32_t index)
 {
-    for (int i = 0; i < p->n_emb; i++) {
+    for (int i = 0; i < p->n_pages; i++) {
         emb_slot_t *e = &p->emb[i];
         if (e->used && e->rid == rid && e->image_index == index && !strcmp(e->router_id, router)) return e;
     }
@@ -94,9 +116,9 @@ static bool owns(const prism_seq_t *s, uint64_t rid, const char *router)
 /* Frees a request's slot and its embedding slots (done, failed or aborted). */
 static void release_request(prefill_t *p, uint64_t rid, const char *router)
 {
-    for (int i = 0; i < p->n_emb; i++)
+    for (int i = 0; i < p->n_pages; i++)
         if (p->emb[i].used && p->emb[i].rid == rid && !strcmp(p->emb[i].router_id, router))
-            p->emb[i].used = false;
+            emb_release(p, &p->emb[i]);
     for (int i = 0; i < p->max_pending; i++)
         if (owns(&p->reqs[i].seq, rid, router)) p->reqs[i].seq.used = false;
 }
@@ -137,10 +159,18 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
     if (!why) {
         for (size_t i = 0; i < pf->n_token_ids; i++)
             if (pf->token_ids[i] < 0 || pf->token_ids[i] >= p->cfg.vocab) { why = "token id out of range"; break; }
+        uint64_t prev_end = 0;
         for (size_t i = 0; i < pf->n_images && !why; i++) {
             const Prism__ImageSpan *s = pf->images[i];
-            if (s->n_tokens != (uint32_t)p->cfg.image_seq_length || s->offset + s->n_tokens > pf->n_token_ids)
+            if (!p->n_pages || s->n_tokens == 0 || (uint64_t)s->offset + s->n_tokens > pf->n_token_ids ||
+                s->offset < prev_end) {
                 why = "image span out of range";
+                break;
+            }
+            prev_end = (uint64_t)s->offset + s->n_tokens;
+            int rows = 0;
+            for (uint32_t t = s->offset; t < s->offset + s->n_tokens; t++) rows += pf->token_ids[t] == p->cfg.image_token_index;
+            if (rows == 0 || rows > p->max_pages * p->page_rows) why = "image span holds no image tokens, or too many";
         }
     }
     preq_t *r = NULL;
@@ -161,6 +191,9 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
     for (int i = 0; i < r->n_images; i++) {
         r->span_off[i] = pf->images[i]->offset;
         r->span_len[i] = pf->images[i]->n_tokens;
+        r->span_rows[i] = 0;
+        for (uint32_t t = r->span_off[i]; t < r->span_off[i] + r->span_len[i]; t++)
+            r->span_rows[i] += r->tokens[t] == p->cfg.image_token_index;
     }
     snprintf(r->decode_endpoint, sizeof(r->decode_endpoint), "%s", pf->decode_endpoint);
     r->t_arrive = prism_now_s();
@@ -171,34 +204,53 @@ static void on_embeddings(prefill_t *p, prism_msg_t *m)
     const Prism__Envelope *e = m->env;
     const Prism__Embeddings *em = e->embeddings;
     const char *router = e->router_id ? e->router_id : "";
-    size_t len = 0;
-    const void *data = prism_msg_frame(m, 0, &len);
     if (em && em->error && *em->error) {
         /* The encoder failed on this image; the router answers the client and aborts. */
         drop_request(p, e->request_id, router);
         return;
     }
-    size_t want = (size_t)p->cfg.image_seq_length * p->cfg.hidden * sizeof(float);
-    if (!em || !data || len != want || em->n_tokens != (uint32_t)p->cfg.image_seq_length ||
-        em->hidden != (uint32_t)p->cfg.hidden || em->image_index >= MAX_IMAGES) {
+    size_t row_bytes = (size_t)p->cfg.hidden * sizeof(float), got = 0;
+    for (int f = 0; f < m->n_frames; f++) {
+        size_t len = 0;
+        prism_msg_frame(m, f, &len);
+        got += len;
+    }
+    if (!em || !p->n_pages || em->hidden != (uint32_t)p->cfg.hidden || em->image_index >= MAX_IMAGES || em->n_tokens == 0 ||
+        em->n_tokens % (uint32_t)p->page_rows || em->n_tokens / (uint32_t)p->page_rows > (uint32_t)p->max_pages ||
+        got != (size_t)em->n_tokens * row_bytes) {
         PRISM_WARN("request %llu: malformed embeddings dropped", (unsigned long long)e->request_id);
         send_error(p, router, e->request_id, "malformed image embeddings");
         drop_request(p, e->request_id, router);
         return;
     }
     if (emb_find(p, e->request_id, router, em->image_index)) return;  /* duplicate */
-    for (int i = 0; i < p->n_emb; i++) {
-        emb_slot_t *s = &p->emb[i];
-        if (s->used) continue;
-        s->used = true;
-        s->rid = e->request_id;
-        snprintf(s->router_id, sizeof(s->router_id), "%s", router);
-        s->image_index = em->image_index;
-        s->t_arrive = prism_now_s();
-        memcpy(s->data, data, want);
-        return;
+    int n_pages = (int)(em->n_tokens / (uint32_t)p->page_rows);
+    /* The socket is read only while the largest image fits. */
+    PRISM_ASSERT(p->n_free_pages >= n_pages);
+    emb_slot_t *s = NULL;
+    for (int i = 0; i < p->n_pages && !s; i++)
+        if (!p->emb[i].used) s = &p->emb[i];
+    PRISM_ASSERT(s);
+    s->used = true;
+    s->rid = e->request_id;
+    snprintf(s->router_id, sizeof(s->router_id), "%s", router);
+    s->image_index = em->image_index;
+    s->t_arrive = prism_now_s();
+    s->n_rows = (int)em->n_tokens;
+    for (int k = 0; k < n_pages; k++) s->pages[k] = p->free_pages[--p->n_free_pages];
+    /* The frames' bytes, in order, into the pages (frames may split rows anywhere). */
+    size_t page_bytes = (size_t)p->page_rows * row_bytes, at = 0;
+    for (int f = 0; f < m->n_frames; f++) {
+        size_t len = 0;
+        const uint8_t *src = prism_msg_frame(m, f, &len);
+        while (len) {
+            size_t pg = at / page_bytes, off = at % page_bytes, n = PRISM_MIN(len, page_bytes - off);
+            memcpy((uint8_t *)(p->emb_pool + (size_t)s->pages[pg] * p->page_rows * p->cfg.hidden) + off, src, n);
+            src += n;
+            len -= n;
+            at += n;
+        }
     }
-    PRISM_ASSERT(!"embedding accepted with no free slot");
 }
 
 static void on_msg(prism_worker_t *w, prism_msg_t *m, int router_index, void *ud)
@@ -259,11 +311,22 @@ static void run_one(prefill_t *p)
         if (c->seq.used && ready(p, c) && (!r || c->t_arrive < r->t_arrive)) r = c;
     }
     if (!r) return;
+    /* The rows each encoder sent must be exactly the image tokens the router laid out for them. */
+    for (int i = 0; i < r->n_images; i++) {
+        const emb_slot_t *e = emb_find(p, r->seq.rid, r->seq.router_id, (uint32_t)i);
+        if (e->n_rows != r->span_rows[i]) {
+            PRISM_WARN("request %llu: image %d has %d embedding rows for %d image tokens", (unsigned long long)r->seq.rid,
+                       i, e->n_rows, r->span_rows[i]);
+            send_error(p, r->seq.router_id, r->seq.rid, "image embeddings do not match the prompt's image tokens");
+            release_request(p, r->seq.rid, r->seq.router_id);
+            return;
+        }
+    }
     int nb = prism_kv_blocks_for_tokens(&p->blocks, r->n_tokens);
     if (prism_kv_blocks_alloc(&p->blocks, nb, p->table) != PRISM_OK) return;
     double t0 = prism_now_s();
     const int32_t *tables[1] = {p->table};
-    int hidden = p->cfg.hidden, rc = PRISM_OK;
+    int rc = PRISM_OK, next_row[MAX_IMAGES] = {0};   /* rows of each image laid so far (chunks go in order) */
     for (int start = 0; start < r->n_tokens && rc == PRISM_OK; start += p->chunk) {
         int n = PRISM_MIN(p->chunk, r->n_tokens - start);
         bool any = false;
@@ -273,7 +336,8 @@ static void run_one(prefill_t *p)
             int lo = PRISM_MAX((int)r->span_off[i], start);
             int hi = PRISM_MIN((int)(r->span_off[i] + r->span_len[i]), start + n);
             for (int t = lo; t < hi; t++) {
-                p->chunk_rows[t - start] = e->data + (size_t)(t - r->span_off[i]) * hidden;  /* no copy */
+                if (r->tokens[t] != p->cfg.image_token_index) continue;   /* separators keep their embedding */
+                p->chunk_rows[t - start] = emb_row(p, e, next_row[i]++);   /* read in place: no copy */
                 any = true;
             }
         }
@@ -328,7 +392,7 @@ static void run_one(prefill_t *p)
 static void expire_orphans(prefill_t *p)
 {
     double now = prism_now_s();
-    for (int i = 0; i < p->n_emb; i++) {
+    for (int i = 0; i < p->n_pages; i++) {
         emb_slot_t *e = &p->emb[i];
         if (!e->used || now - e->t_arrive < p->orphan_timeout_s) continue;
         bool owned = false;
@@ -336,7 +400,7 @@ static void expire_orphans(prefill_t *p)
             owned |= owns(&p->reqs[k].seq, e->rid, e->router_id);
         if (!owned) {
             PRISM_WARN("dropping embeddings of request %llu: no prefill request came", (unsigned long long)e->rid);
-            e->used = false;
+            emb_release(p, e);
         }
     }
 }
@@ -352,8 +416,8 @@ int main(int argc, char **argv)
         PRISM_FLAG_INT("kv-blocks", &kv_blocks, "KV blocks for prompts in flight (0 = two full contexts)"),
         PRISM_FLAG_INT("block-size", &block_size, "Tokens per KV block (must match the decode workers)"),
         PRISM_FLAG_INT("max-pending-requests", &max_pending, "Prefill requests held at once"),
-        PRISM_FLAG_INT("embed-pool-images", &emb_images, "Image embedding slots in the receive pool"),
-        PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings)"),
+        PRISM_FLAG_INT("embed-pool-images", &emb_images, "Receive pool for image embeddings, in images of the largest kind (Llama-4: of max_patches + 1 tiles; smaller images take less)"),
+        PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings, at most 131072)"),
         PRISM_FLAG_DOUBLE("orphan-timeout", &orphan_timeout,
                           "Seconds before embeddings whose prefill request never arrives free their slot"),
     };
@@ -371,8 +435,28 @@ int main(int argc, char **argv)
     p.chunk = (int)chunk;
     p.orphan_timeout_s = orphan_timeout;
     p.max_pending = (int)max_pending;
-    p.n_emb = p.cfg.has_vision ? (int)emb_images : 0;
-    p.max_model_len = context_length > 0 ? (int)PRISM_MIN(context_length, (int64_t)p.cfg.max_pos) : p.cfg.max_pos;
+    if (p.cfg.has_vision) {
+        /* Pages of one tile's rows; the largest image needs max_pages of them. */
+        p.page_rows = p.cfg.image_seq_length;
+        p.max_pages = 1;
+        if (p.cfg.vision_arch == PRISM_VISION_LLAMA4) {
+            prism_llama4_proc_t proc;
+            if (prism_llama4_proc_load_dir(o.model_path, &proc, err, sizeof(err)) != PRISM_OK) {
+                PRISM_ERROR("Llama-4 image processor: %s", err);
+                return 1;
+            }
+            if (proc.tokens_per_tile != p.cfg.image_seq_length) {
+                PRISM_ERROR("Llama-4: %d tokens per tile in the processor, %d in the vision config", proc.tokens_per_tile,
+                            p.cfg.image_seq_length);
+                return 1;
+            }
+            p.max_pages = prism_llama4_max_tiles(&proc);
+        }
+        PRISM_ASSERT(p.max_pages >= 1 && p.max_pages <= MAX_PAGES);
+        p.n_pages = (int)emb_images * p.max_pages;
+    }
+    p.max_model_len = prism_model_context_length(&p.cfg, context_length);
+    p.cfg.max_pos = p.max_model_len;   /* the model's block tables are planned for the context served */
     p.max_blocks_per_seq = (p.max_model_len + (int)block_size - 1) / (int)block_size;
     if (kv_blocks <= 0) kv_blocks = 2 * p.max_blocks_per_seq;
     if (kv_blocks < p.max_blocks_per_seq) {
@@ -390,7 +474,7 @@ int main(int argc, char **argv)
         return 1;
     }
     p.block_bytes = prism_kv_cache_block_bytes(&p.cfg, (int)block_size);
-    size_t emb_bytes = (size_t)p.n_emb * p.cfg.image_seq_length * p.cfg.hidden * sizeof(float);
+    size_t emb_bytes = (size_t)p.n_pages * p.page_rows * p.cfg.hidden * sizeof(float);
     prism_mem_plan_t plan = {.budget = (size_t)o.mem_budget};
     prism_mem_plan_add(&plan, "weights", prism_llm_weight_bytes(p.llm));
     prism_mem_plan_add(&plan, "kv-cache", (size_t)kv_blocks * p.block_bytes);
@@ -412,11 +496,11 @@ int main(int argc, char **argv)
     p.reqs = prism_xcalloc((size_t)p.max_pending, sizeof(preq_t));
     p.token_pool = prism_xcalloc((size_t)p.max_pending * p.max_model_len, sizeof(int32_t));
     for (int i = 0; i < p.max_pending; i++) p.reqs[i].tokens = p.token_pool + (size_t)i * p.max_model_len;
-    p.emb = prism_xcalloc((size_t)PRISM_MAX(p.n_emb, 1), sizeof(emb_slot_t));
+    p.emb = prism_xcalloc((size_t)PRISM_MAX(p.n_pages, 1), sizeof(emb_slot_t));
     p.emb_pool = prism_malloc_aligned(PRISM_MAX(emb_bytes, (size_t)64), 64);
+    p.free_pages = prism_xcalloc((size_t)PRISM_MAX(p.n_pages, 1), sizeof(int32_t));
     PRISM_ASSERT(p.emb_pool);
-    for (int i = 0; i < p.n_emb; i++)
-        p.emb[i].data = p.emb_pool + (size_t)i * p.cfg.image_seq_length * p.cfg.hidden;
+    for (int i = 0; i < p.n_pages; i++) p.free_pages[p.n_free_pages++] = p.n_pages - 1 - i;
     p.chunk_rows = prism_xcalloc((size_t)p.chunk, sizeof(*p.chunk_rows));
     p.table = prism_xcalloc((size_t)p.max_blocks_per_seq, sizeof(int32_t));
     p.logits = prism_xcalloc((size_t)p.cfg.vocab, sizeof(float));
@@ -429,8 +513,9 @@ int main(int argc, char **argv)
         return 1;
     prism_worker_set_capacity(&p.w, &o, &plan, (uint32_t)kv_blocks, (uint32_t)block_size, (uint32_t)p.chunk,
                               (uint32_t)p.max_pending, (uint32_t)p.max_model_len);
-    PRISM_INFO("prefill worker %s ready in %.2fs: data %s, chunk %d tokens, %d embedding slots",
-               p.w.worker_id, prism_now_s() - t0, p.w.data_endpoint, p.chunk, p.n_emb);
+    PRISM_INFO("prefill worker %s ready in %.2fs: data %s, chunk %d tokens, embedding pool %d pages of %d rows "
+               "(%d images of up to %d pages)", p.w.worker_id, prism_now_s() - t0, p.w.data_endpoint, p.chunk, p.n_pages,
+               p.page_rows, p.max_pages ? p.n_pages / p.max_pages : 0, p.max_pages);
 
     while (!prism_worker_should_stop()) {
         int pending = 0;
@@ -440,13 +525,13 @@ int main(int argc, char **argv)
         hb.waiting = p.kv_pending ? 1 : 0;
         hb.kv_free_blocks = (uint32_t)p.blocks.n_free;
         hb.mem_planned = prism_mem_plan_total(&plan);
-        hb.pool_free = (uint32_t)emb_free_slots(&p);
+        hb.pool_free = (uint32_t)emb_room(&p);
         prism_worker_tick(&p.w, &hb);
         try_send_kv(&p);
         bool work = false;
         for (int i = 0; i < p.max_pending && !p.kv_pending; i++)
             work |= p.reqs[i].seq.used && ready(&p, &p.reqs[i]);
-        prism_worker_poll(&p.w, work ? 0 : (p.kv_pending ? 2 : 50), emb_free_slots(&p) > 0, on_msg, &p);
+        prism_worker_poll(&p.w, work ? 0 : (p.kv_pending ? 2 : 50), emb_room(&p) > 0, on_msg, &p);
         run_one(&p);
         expire_orphans(&p);
     }

@@ -39,7 +39,7 @@ int main(int argc, char **argv)
         PRISM_FLAG_STR("control-endpoint", &control, "ZeroMQ endpoint workers connect to"),
         PRISM_FLAG_STR("chat-template", &chat_template, "Jinja chat template file overriding the model's"),
         PRISM_FLAG_STR("api-key", &api_key, "Require 'Authorization: Bearer KEY' on the API"),
-        PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings)"),
+        PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings, at most 131072)"),
         PRISM_FLAG_INT("limit-mm-per-prompt", &limit_mm, "Most images in one request"),
         PRISM_FLAG_INT("max-image-pixels", &max_pixels, "Largest image (width*height from its header) accepted"),
         PRISM_FLAG_INT("max-running-requests", &max_running, "Requests in flight; more get 429"),
@@ -101,7 +101,10 @@ int main(int argc, char **argv)
     r.model_path = model_path;
     r.served_model_name = served;
     r.api_key = api_key;
-    r.max_model_len = context_length > 0 ? (int)PRISM_MIN(context_length, (int64_t)r.cfg.max_pos) : r.cfg.max_pos;
+    r.max_model_len = prism_model_context_length(&r.cfg, context_length);
+    if (r.max_model_len < r.cfg.max_pos && context_length <= 0)
+        PRISM_INFO("config.json allows %d positions; serving %d (--context-length to change)", r.cfg.max_pos,
+                   r.max_model_len);
     r.max_images_per_prompt = limit_mm ? (int)limit_mm : -1;
     r.max_image_pixels = (uint64_t)max_pixels;
     r.max_running = (int)max_running;

@@ -96,6 +96,12 @@ int  prism_model_config_load(const char *model_dir, prism_model_config_t *cfg, c
 /* Same from a config.json text (generation_config text optional, may be NULL). */
 int  prism_model_config_parse(const char *config_json, const char *generation_config_json,
                               prism_model_config_t *cfg, char *err, size_t errlen);
+/* The context (tokens per sequence) a process serves: `requested` (--context-length) when > 0, at
+ * most max_pos; else max_pos, but no more than PRISM_MODEL_DEFAULT_CONTEXT. Block tables, prompt
+ * slots and KV admission are planned for this many tokens, so a config's theoretical maximum
+ * (Llama-4 Scout: 10,485,760 positions) is not the default. Router and workers agree on it. */
+#define PRISM_MODEL_DEFAULT_CONTEXT 131072
+int prism_model_context_length(const prism_model_config_t *cfg, int64_t requested);
 /* Fills inv_freq[head_dim/2] for the text RoPE (llama3 scaling applied when configured). */
 void prism_model_rope_inv_freq(const prism_model_config_t *cfg, float *inv_freq);
 
