@@ -68,7 +68,8 @@ typedef struct {
     const float **chunk_rows; /* [chunk]: image embedding row of each token, or NULL */
     int32_t *table;          /* [max_blocks_per_seq] */
     float *logits;           /* [vocab] */
-    uint8_t *kv_out;         /* [max_blocks_per_seq][block_bytes]: export staging */
+    uint8_t *kv_out;         /* [max_blocks_per_seq][block_bytes]: export staging (holds the transfer, which
+                              * for chunked-attention models is smaller: Kv in prism.proto) */
     size_t block_bytes;
     /* a finished prefill whose KV the decode worker has not taken yet (its request's slot is
      * already free for the next one: kv_seq is a copy of the record) */
@@ -368,14 +369,24 @@ static void run_one(prefill_t *p)
     send_tokens(p, r->seq.router_id, r->seq.rid, &t);
 
     if (t.finish == PRISM__FINISH__FINISH_NONE) {
-        /* Stage the KV export; the decode worker pulls it when it has room. */
-        p->kv_len = (size_t)nb * p->block_bytes;
-        prism_kv_cache_export(p->kv, p->table, nb, p->kv_out);
+        /* Stage the KV export; the decode worker pulls it when it has room. Chunked-attention
+         * layers go only from the block of the current chunk's start: decode never reads earlier. */
+        size_t fbb = prism_kv_cache_class_block_bytes(&p->cfg, p->blocks.block_size, PRISM_KV_CLASS_FULL);
+        size_t lbb = prism_kv_cache_class_block_bytes(&p->cfg, p->blocks.block_size, PRISM_KV_CLASS_LOCAL);
+        int lfb = PRISM_MIN(prism_kv_local_first_block(&p->cfg, p->blocks.block_size, r->n_tokens), nb);
+        p->kv_len = (size_t)nb * fbb + (size_t)(nb - lfb) * lbb;
+        int erc = prism_kv_cache_export_class(p->kv, PRISM_KV_CLASS_FULL, p->table, nb, p->kv_out);
+        if (erc == PRISM_OK)
+            erc = prism_kv_cache_export_class(p->kv, PRISM_KV_CLASS_LOCAL, p->table + lfb, nb - lfb,
+                                              p->kv_out + (size_t)nb * fbb);
+        PRISM_ASSERT(erc == PRISM_OK);   /* our own block ids, our own cache */
         prism__kv__init(&p->kv_hdr);
         p->kv_hdr.n_tokens = (uint32_t)r->n_tokens;
         p->kv_hdr.block_size = (uint32_t)p->blocks.block_size;
         p->kv_hdr.n_blocks = (uint32_t)nb;
-        p->kv_hdr.block_bytes = p->block_bytes;
+        p->kv_hdr.block_bytes = fbb;
+        p->kv_hdr.local_first_block = (uint32_t)lfb;
+        p->kv_hdr.local_block_bytes = lbb;
         p->kv_hdr.first_token = tok;
         p->kv_hdr.rng_state = r->seq.rng;
         p->kv_seq = r->seq;
