@@ -44,7 +44,12 @@ struct router_req {
     int cache_hits;
     prism_buf_t out;              /* scratch for response bytes */
     prism_buf_t tok_bytes[21];    /* scratch for one token's logprob entry: [0] chosen, [1..] top */
+    /* Decode's tokens that overtook prefill's first token (different workers, different
+     * connections: ZeroMQ orders each one, not the two), packed, replayed after it: [u32 len][bytes]... */
+    prism_buf_t early;
 };
+
+#define EARLY_TOKENS_MAX (1u << 20)   /* decode cannot run far ahead of a first token in flight */
 
 /* ---------------------------------------------------------------- request map (open addressing) */
 
@@ -132,6 +137,7 @@ static void req_destroy(router_req_t *q)
     prism_oai_logprobs_free(&q->lp);
     prism_buf_free(&q->text);
     prism_buf_free(&q->out);
+    prism_buf_free(&q->early);
     for (size_t i = 0; i < PRISM_ARRAY_LEN(q->tok_bytes); i++) prism_buf_free(&q->tok_bytes[i]);
     router_prompt_free(&q->prompt);
     prism_free(q);
@@ -322,10 +328,54 @@ static void add_logprobs(router_req_t *q, int32_t tok, const Prism__TokenLogprob
     prism_oai_logprobs_add(&q->lp, &t);
 }
 
+/* Keeps decode tokens that arrived before prefill's first token, in order. */
+static bool stash_early(router_req_t *q, const Prism__Tokens *t)
+{
+    size_t n = prism__tokens__get_packed_size(t);
+    if (q->early.len + 4 + n > EARLY_TOKENS_MAX) return false;
+    uint32_t n32 = (uint32_t)n;
+    if (prism_buf_append(&q->early, &n32, 4) != PRISM_OK || prism_buf_reserve(&q->early, n) != PRISM_OK)
+        return false;
+    prism__tokens__pack(t, (uint8_t *)q->early.data + q->early.len);
+    q->early.len += n;
+    return true;
+}
+
+/* Handles the stashed decode tokens (the request may finish, and be freed, on any of them). */
+static void replay_early(router_t *r, router_req_t *q)
+{
+    prism_buf_t b = q->early;
+    q->early = (prism_buf_t){0};
+    uint64_t rid = q->rid;
+    for (size_t at = 0; at + 4 <= b.len;) {
+        uint32_t n;
+        memcpy(&n, b.data + at, 4);
+        Prism__Tokens *t = prism__tokens__unpack(NULL, n, (const uint8_t *)b.data + at + 4);
+        at += 4 + n;
+        PRISM_ASSERT(t);   /* we packed it */
+        router_handle_tokens(r, rid, t);
+        prism__tokens__free_unpacked(t, NULL);
+        if (!router_req_get(r, rid)) break;
+    }
+    prism_buf_free(&b);
+}
+
+static void handle_tokens(router_t *r, router_req_t *q, const Prism__Tokens *t);
+
 void router_handle_tokens(router_t *r, uint64_t rid, const Prism__Tokens *t)
 {
     router_req_t *q = router_req_get(r, rid);
     if (!q) return;  /* finished or aborted already */
+    if (!t->from_prefill && q->prefill_pending && !(t->error && *t->error)) {
+        if (!stash_early(q, t)) req_fail(q, 500, "Too many tokens arrived before the first one.");
+        return;
+    }
+    handle_tokens(r, q, t);
+    if (t->from_prefill && (q = router_req_get(r, rid)) != NULL && q->early.len) replay_early(r, q);
+}
+
+static void handle_tokens(router_t *r, router_req_t *q, const Prism__Tokens *t)
+{
     if (t->from_prefill && q->prefill_pending) {
         q->prefill_pending = false;
         worker_done(r, q->prefill_id);
