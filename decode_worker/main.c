@@ -105,7 +105,7 @@ static bool admit_staged(decode_t *d)
     int nb = (int)kv->n_blocks, lfb = (int)kv->local_first_block;
     int rc = prism_kv_cache_import_class(d->kv, PRISM_KV_CLASS_FULL, s->blocks, nb, bytes);
     if (rc == PRISM_OK && nb > lfb) {
-        for (int k = 0; k < nb - lfb; k++) d->ring_ids[k] = s->ring[(lfb + k) % d->ring];
+        for (int k = 0; d->ring && k < nb - lfb; k++) d->ring_ids[k] = s->ring[(lfb + k) % d->ring];
         rc = prism_kv_cache_import_class(d->kv, PRISM_KV_CLASS_LOCAL, d->ring ? d->ring_ids : s->blocks + lfb, nb - lfb,
                                          bytes + (size_t)nb * d->fbb);
     }
@@ -289,9 +289,12 @@ int main(int argc, char **argv)
     d.fbb = prism_kv_cache_class_block_bytes(&d.cfg, (int)block_size, PRISM_KV_CLASS_FULL);
     d.lbb = prism_kv_cache_class_block_bytes(&d.cfg, (int)block_size, PRISM_KV_CLASS_LOCAL);
     d.ring = prism_kv_local_ring(&d.cfg, (int)block_size, 1);
-    /* The pool's block: the layers that keep every position (all of them without chunked ones). */
+    /* A ring as long as the context saves nothing (and would be reserved per slot): one pool then,
+     * every layer in it (the transfer layout is the same; the chunked layers' older blocks are
+     * simply never written nor read). */
+    if (d.ring >= d.max_blocks_per_seq) d.ring = 0;
+    /* The pool's block: the layers that keep every position (every layer without a split). */
     size_t block_bytes = d.ring ? d.fbb : prism_kv_cache_block_bytes(&d.cfg, (int)block_size);
-    if (!d.ring) d.fbb = block_bytes;
     size_t ring_bytes = (size_t)d.max_running * d.ring * d.lbb;
     size_t weights = prism_llm_weight_bytes(d.llm);
     size_t arena = prism_llm_arena_bytes(&d.cfg, d.max_running, d.max_running);

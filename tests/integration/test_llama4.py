@@ -315,6 +315,22 @@ def test_scout_context_is_capped():
         assert status == 200 and r["max_model_len"] == 4096, r
 
 
+def test_short_context_unsplit_cache():
+    """A context no longer than one attention chunk: the decode worker keeps every layer in one pool
+    (a ring would be the whole context), the transfer layout is the same, and a decode that crosses
+    the chunk boundary still equals prism_generate."""
+    ctx = ["--context-length", "48"]
+    with Cluster(model=L4, router_args=ctx, worker_args={"prefill_worker": ctx, "decode_worker": ctx}) as c:
+        c.wait_ready()
+        assert "per-sequence rings" not in c.log("decode-0", tail=0)
+        text = "Hi!"
+        ref = reference([], text, 24)
+        ids, usage = ask(c, body(text, max_tokens=24))
+        chunk = CFG["text_config"]["attention_chunk_size"]
+        assert usage["prompt_tokens"] < chunk < usage["prompt_tokens"] + 24, usage
+        assert same_as_reference(ids, ref["token_ids"], 24), (ids, ref)
+
+
 def main():
     global C, GOLD_IMG
     GOLD_IMG = synth_png(GOLD["image_w"], GOLD["image_h"], GOLD["image_seed"])
@@ -335,7 +351,7 @@ def main():
         rc |= run_tests([test_chunked_prefill_and_micro_batches, test_concurrent_distinct_images])
     finally:
         C.stop()
-    rc |= run_tests([test_scout_context_is_capped])
+    rc |= run_tests([test_scout_context_is_capped, test_short_context_unsplit_cache])
     return rc
 
 
