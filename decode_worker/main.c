@@ -352,7 +352,7 @@ int main(int argc, char **argv)
 
     char bind[300];
     prism_worker_data_bind(&o, bind, sizeof(bind));
-    if (prism_worker_init(&d.w, PRISM__ROLE__ROLE_DECODE, o.worker_id, &o.routers, bind) != PRISM_OK)
+    if (prism_worker_init(&d.w, PRISM__ROLE__ROLE_DECODE, &o, bind, (size_t)d.max_blocks_per_seq * block_bytes) != PRISM_OK)
         return 1;
     prism_worker_set_capacity(&d.w, &o, &plan, (uint32_t)kv_blocks, (uint32_t)block_size, (uint32_t)d.max_running,
                               (uint32_t)d.max_running, (uint32_t)d.max_model_len);

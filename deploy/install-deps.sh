@@ -8,7 +8,8 @@ set -euo pipefail
 pkgs=(build-essential cmake pkg-config python3 curl bc
       libuv1-dev libzmq3-dev libprotobuf-c-dev protobuf-c-compiler
       libjpeg62-turbo-dev libturbojpeg0-dev libspng-dev libpng-dev libopenblas-dev
-      libjansson-dev libpcre2-dev libxxhash-dev libcmocka-dev node-llhttp zlib1g-dev)
+      libjansson-dev libpcre2-dev libxxhash-dev libcmocka-dev node-llhttp zlib1g-dev
+      clang libclang-rt-dev)   # clang + libFuzzer: tests/fuzz (run-all.sh replays the seed corpora)
 lb=0 test=0
 for a in "$@"; do
   case "$a" in

@@ -8,7 +8,7 @@
 # Usage: deploy/launch.sh [--port N] [--host ADDR] [--model-path DIR] [--build-dir DIR]
 #          [--encoders N] [--prefills N] [--decodes N] [--threads N]
 #          [--routers N] [--router-port N] [--control-port N] [--lb nginx|none]
-#          [--run-dir DIR] [--log-dir DIR] [--ready-timeout S]
+#          [--run-dir DIR] [--log-dir DIR] [--ready-timeout S] [--curve-keys DIR | --insecure-no-curve]
 #          [--router-arg ARG]... [--worker-arg ARG]... [--encoder-arg ARG]... [--prefill-arg ARG]...
 #          [--decode-arg ARG]... [--supervisor-arg ARG]...
 #
@@ -21,6 +21,9 @@
 #   --run-dir       pid files, spec, generated configs (default: a new temporary directory, removed
 #                   at exit); each process's pid is in RUN_DIR/NAME.pid while it runs
 #   --log-dir       append each process's output to LOG_DIR/NAME.log (default: this terminal)
+#   --curve-keys    CURVE key directory (prism_keygen) for every process; default: a fresh one made
+#                   in the run directory, so internal links are authenticated without any setup
+#   --insecure-no-curve  no CURVE on internal links (isolated networks only; every process warns)
 #   --*-arg ARG     one more flag for the routers / every worker / one kind / prism_supervisor
 #                   (e.g. --supervisor-arg --grace=5); repeatable
 # Process names: router-1..N, encoder-1.., prefill-1.., decode-1.., nginx.
@@ -32,10 +35,12 @@ port=8000 host=127.0.0.1 control_port=8100 router_port="" n_routers=1 lb=nginx
 model="$root/models/prism-tiny-llava" build="$root/build"
 n_enc=1 n_pre=1 n_dec=1 threads=1 run_dir="" log_dir="" ready_timeout=120
 router_args=() worker_args=() enc_args=() pre_args=() dec_args=() sup_args=()
+curve_keys="" insecure=0
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 die() { echo "launch.sh: $*" >&2; exit 2; }
 need_int() { [[ "$2" =~ ^[0-9]+$ ]] || die "$1 needs a non-negative integer, got '$2'"; }
 while [ $# -gt 0 ]; do
+  if [ "$1" = --insecure-no-curve ]; then insecure=1; shift; continue; fi
   [ $# -ge 2 ] || case "$1" in -h|--help) ;; *) die "$1 needs a value" ;; esac
   case "$1" in
     --port) need_int "$1" "$2"; port=$2 ;;
@@ -59,6 +64,7 @@ while [ $# -gt 0 ]; do
     --prefill-arg) pre_args+=("$2") ;;
     --decode-arg) dec_args+=("$2") ;;
     --supervisor-arg) sup_args+=("$2") ;;
+    --curve-keys) curve_keys=$2 ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
@@ -70,12 +76,12 @@ done
 case "$lb" in nginx|none) ;; *) die "--lb must be nginx or none" ;; esac
 [ -n "$router_port" ] || router_port=$((port + 1))
 # The supervisor's spec separates arguments with TABs, one process a line.
-for a in "$model" "$build" "$host" ${router_args[@]+"${router_args[@]}"} ${worker_args[@]+"${worker_args[@]}"} \
+for a in "$model" "$build" "$host" "$curve_keys" ${router_args[@]+"${router_args[@]}"} ${worker_args[@]+"${worker_args[@]}"} \
          ${enc_args[@]+"${enc_args[@]}"} ${pre_args[@]+"${pre_args[@]}"} ${dec_args[@]+"${dec_args[@]}"}; do
   case "$a" in *$'\t'*|*$'\n'*) die "arguments may not contain a TAB or a newline: '$a'" ;; esac
 done
 supervisor="$build/deploy/prism_supervisor"
-for b in "$supervisor" "$build/router/router" "$build/encoder_worker/encoder_worker" \
+for b in "$supervisor" "$build/tools/prism_keygen" "$build/router/router" "$build/encoder_worker/encoder_worker" \
          "$build/prefill_worker/prefill_worker" "$build/decode_worker/decode_worker"; do
   [ -x "$b" ] || die "$b not found: build first (deploy/build.sh $build)"
 done
@@ -114,7 +120,18 @@ if [ -n "$log_dir" ]; then mkdir -p "$log_dir"; log_dir=$(cd "$log_dir" && pwd);
 cleanup_run_dir() { [ "$own_run_dir" -eq 0 ] || rm -rf "$run_dir"; }
 trap cleanup_run_dir EXIT
 
-# keys: generate the cluster's key material into "$run_dir" here, before the spec names it.
+# keys: every process authenticates with CURVE keys from one directory (docs/SECURITY.md)
+if [ "$insecure" -eq 1 ]; then
+  [ -z "$curve_keys" ] || die "--curve-keys and --insecure-no-curve contradict each other"
+  sec=(--insecure-no-curve)
+else
+  if [ -z "$curve_keys" ]; then
+    curve_keys="$run_dir/curve-keys"
+    "$build/tools/prism_keygen" --out "$curve_keys" >/dev/null || die "prism_keygen failed"
+  fi
+  curve_keys=$(cd "$curve_keys" && pwd)
+  sec=(--curve-keys "$curve_keys")
+fi
 
 if [ "$use_nginx" -eq 1 ]; then
   ngx="$run_dir/nginx"
@@ -162,7 +179,7 @@ proc() {  # NAME PROGRAM ARG...: one spec line, TAB-separated
 : > "$spec"
 for i in $(seq "$n_routers"); do
   proc "router-$i" "$build/router/router" --model-path "$model" --host "$router_host" --port "${rport[i]}" \
-       --control-endpoint "${rctl[i]}" ${router_args[@]+"${router_args[@]}"}
+       --control-endpoint "${rctl[i]}" "${sec[@]}" ${router_args[@]+"${router_args[@]}"}
 done
 for kind in encoder prefill decode; do
   case $kind in
@@ -172,7 +189,7 @@ for kind in encoder prefill decode; do
   esac
   for i in $(seq "$n"); do
     proc "$kind-$i" "$build/${kind}_worker/${kind}_worker" --model-path "$model" --router "$ctl_list" \
-         --worker-id "$kind-$i" --threads "$threads" ${worker_args[@]+"${worker_args[@]}"} \
+         --worker-id "$kind-$i" --threads "$threads" "${sec[@]}" ${worker_args[@]+"${worker_args[@]}"} \
          ${extra[@]+"${extra[@]}"}
   done
 done

@@ -349,7 +349,7 @@ int main(int argc, char **argv)
         return 1;
     }
 
-    if (prism_worker_init(&e.w, PRISM__ROLE__ROLE_ENCODER, o.worker_id, &o.routers, NULL) != PRISM_OK)
+    if (prism_worker_init(&e.w, PRISM__ROLE__ROLE_ENCODER, &o, NULL, 0) != PRISM_OK)
         return 1;
     prism_worker_set_capacity(&e.w, &o, &plan, 0, 0, (uint32_t)(e.max_batch * e.cfg.image_seq_length),
                               (uint32_t)e.max_queue, 0);

@@ -520,7 +520,8 @@ int main(int argc, char **argv)
 
     char bind[300];
     prism_worker_data_bind(&o, bind, sizeof(bind));
-    if (prism_worker_init(&p.w, PRISM__ROLE__ROLE_PREFILL, o.worker_id, &o.routers, bind) != PRISM_OK)
+    if (prism_worker_init(&p.w, PRISM__ROLE__ROLE_PREFILL, &o, bind,
+                          (size_t)p.cfg.image_seq_length * p.cfg.hidden * sizeof(float)) != PRISM_OK)
         return 1;
     prism_worker_set_capacity(&p.w, &o, &plan, (uint32_t)kv_blocks, (uint32_t)block_size, (uint32_t)p.chunk,
                               (uint32_t)p.max_pending, (uint32_t)p.max_model_len);

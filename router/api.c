@@ -123,8 +123,9 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
 {
     prism_buf_t b = {0};
     const prism_router_metrics_t *m = &r->metrics;
-    char lbl[300];
-    snprintf(lbl, sizeof(lbl), "model_name=\"%s\"", r->served_model_name);
+    char lbl[700], model[300], wid[300];
+    prism_metric_label_value(model, sizeof(model), r->served_model_name);
+    snprintf(lbl, sizeof(lbl), "model_name=\"%s\"", model);
     int running = 0, waiting = 0;
     double kv_used = 0;
     int n_dec = 0;
@@ -143,13 +144,13 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
     prism_metric_write(&b, "vllm:prompt_tokens_total", "counter", "Prompt tokens processed.", lbl, (double)m->prompt_tokens);
     prism_metric_write(&b, "vllm:generation_tokens_total", "counter", "Tokens generated.", lbl, (double)m->generation_tokens);
     prism_buf_appendf(&b, "# HELP vllm:request_success_total Finished requests.\n# TYPE vllm:request_success_total counter\n");
-    snprintf(lbl, sizeof(lbl), "model_name=\"%s\",finished_reason=\"stop\"", r->served_model_name);
+    snprintf(lbl, sizeof(lbl), "model_name=\"%s\",finished_reason=\"stop\"", model);
     prism_metric_write(&b, "vllm:request_success_total", "counter", NULL, lbl, (double)m->success_stop);
-    snprintf(lbl, sizeof(lbl), "model_name=\"%s\",finished_reason=\"length\"", r->served_model_name);
+    snprintf(lbl, sizeof(lbl), "model_name=\"%s\",finished_reason=\"length\"", model);
     prism_metric_write(&b, "vllm:request_success_total", "counter", NULL, lbl, (double)m->success_length);
-    snprintf(lbl, sizeof(lbl), "model_name=\"%s\",finished_reason=\"abort\"", r->served_model_name);
+    snprintf(lbl, sizeof(lbl), "model_name=\"%s\",finished_reason=\"abort\"", model);
     prism_metric_write(&b, "vllm:request_success_total", "counter", NULL, lbl, (double)m->success_abort);
-    snprintf(lbl, sizeof(lbl), "model_name=\"%s\"", r->served_model_name);
+    snprintf(lbl, sizeof(lbl), "model_name=\"%s\"", model);
     prism_metric_write(&b, "vllm:num_preemptions_total", "counter", "Preemptions (always 0: decode reserves KV).", lbl, 0);
     prism_hist_write(&m->ttft, &b, "vllm:time_to_first_token_seconds", "Time to first token.", lbl);
     prism_hist_write(&m->itl, &b, "vllm:inter_token_latency_seconds", "Mean time per output token of each request.", lbl);
@@ -175,7 +176,13 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
     prism_metric_write(&b, "prism:router_requests_in_flight", "gauge", "Requests the router holds.", "", (double)r->n_reqs);
     prism_metric_write(&b, "prism:router_image_bytes_in_flight", "gauge", "Image bytes the router holds.", "",
                        (double)r->image_bytes_inflight);
+    prism_metric_write(&b, "prism:router_body_bytes_in_flight", "gauge",
+                       "Request body bytes the HTTP server holds (charged as they arrive).", "",
+                       (double)prism_http_server_body_bytes(r->http));
     prism_metric_write(&b, "prism:router_memory_bytes", "gauge", "Router heap bytes in use.", "", (double)prism_mem_used());
+    prism_metric_write(&b, "prism:router_peer_auth_failures_total", "counter",
+                       "Peers the router's control socket refused at the CURVE handshake.", "",
+                       (double)prism_net_refused(r->net));
     static const char *gauges[][2] = {
         {"prism:worker_running", "Requests running on the worker."},
         {"prism:worker_waiting", "Requests queued on the worker."},
@@ -189,6 +196,7 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
         {"prism:worker_embedding_cache_misses_total", "Embedding cache misses."},
         {"prism:worker_heap_allocations_total", "Heap allocations the worker made (flat while serving)."},
         {"prism:worker_heartbeats_total", "Heartbeats received from the worker since it registered."},
+        {"prism:worker_peer_auth_failures_total", "Peers the worker refused at the CURVE handshake."},
     };
     for (size_t g = 0; g < PRISM_ARRAY_LEN(gauges); g++) {
         prism_buf_appendf(&b, "# HELP %s %s\n# TYPE %s %s\n", gauges[g][0], gauges[g][1], gauges[g][0],
@@ -198,8 +206,10 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
             if (!w->used) continue;
             double v[] = {w->running, w->waiting, (double)w->mem_planned, (double)w->mem_used, (double)w->mem_peak,
                           (double)w->mem_budget, w->kv_free_blocks, w->pool_free, (double)w->cache_hits,
-                          (double)w->cache_misses, (double)w->alloc_count, (double)w->heartbeats};
-            snprintf(lbl, sizeof(lbl), "tier=\"%s\",worker=\"%s\"", prism_role_name(w->role), w->id);
+                          (double)w->cache_misses, (double)w->alloc_count, (double)w->heartbeats,
+                          (double)w->peer_auth_failures};
+            prism_metric_label_value(wid, sizeof(wid), w->id);  /* ids come from the network */
+            snprintf(lbl, sizeof(lbl), "tier=\"%s\",worker=\"%s\"", prism_role_name(w->role), wid);
             prism_metric_write(&b, gauges[g][0], "gauge", NULL, lbl, v[g]);
         }
     }
@@ -207,11 +217,23 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
     prism_buf_free(&b);
 }
 
-static bool authorized(router_t *r, prism_http_req_t *h)
+/* Open without the key: the liveness and readiness probes, the version, and the metrics when
+ * --metrics-open. Everything else needs "Authorization: Bearer KEY", compared in constant time, from
+ * the headers: a client without the key never gets its body read. */
+int router_on_headers(const prism_http_req_t *h, void *ud, char *msg, size_t n)
 {
-    if (!r->api_key || !*r->api_key) return true;
+    const router_t *r = ud;
+    if (!r->api_key || !*r->api_key) return 0;
+    const char *p = prism_http_req_path(h);
+    if (!strcmp(prism_http_req_method(h), "GET") &&
+        (!strcmp(p, "/health") || !strcmp(p, "/ready") || !strcmp(p, "/version") ||
+         (r->metrics_open && !strcmp(p, "/metrics"))))
+        return 0;
     const char *a = prism_http_req_header(h, "authorization");
-    return a && !strncmp(a, "Bearer ", 7) && !strcmp(a + 7, r->api_key);
+    if (a && !strncmp(a, "Bearer ", 7) && prism_ct_equal(a + 7, strlen(a + 7), r->api_key, strlen(r->api_key)))
+        return 0;
+    snprintf(msg, n, "Invalid or missing API key.");
+    return 401;
 }
 
 void router_on_http(prism_http_req_t *h, void *ud)
@@ -232,9 +254,7 @@ void router_on_http(prism_http_req_t *h, void *ud)
         prism_http_respond(h, ok ? 200 : 503, "application/json", ok ? NULL : "Retry-After: 1\r\n", b, (size_t)n);
     } else if (get && !strcmp(p, "/version")) {
         respond_json(h, 200, "{\"version\":\"" PRISM_VERSION "\"}", strlen("{\"version\":\"" PRISM_VERSION "\"}"));
-    } else if (!authorized(r, h)) {
-        prism_http_respond_error(h, 401, "AuthenticationError", "Invalid or missing API key.", NULL, NULL, NULL);
-    } else if (post && !strcmp(p, "/v1/chat/completions")) {
+    } else if (post && !strcmp(p, "/v1/chat/completions")) {  /* the API key was checked from the headers */
         router_handle_generate(r, h, true);
         return;  /* owns h now */
     } else if (post && !strcmp(p, "/v1/completions")) {

@@ -119,8 +119,12 @@ static void on_sweep(uv_timer_t *t)
 
 int router_ctl_start(router_t *r, const char *endpoint)
 {
-    r->zctx = zmq_ctx_new();
-    r->ctl = prism_sock_bind(r->zctx, ZMQ_ROUTER, endpoint, 100000);
+    /* Only workers may connect; what they send up is small (tokens, completions, heartbeats). */
+    prism_sock_opts_t so = {.type = ZMQ_ROUTER, .endpoint = endpoint, .hwm = PRISM_NET_CONTROL_HWM,
+                            .max_msg_bytes = ROUTER_MAX_WORKER_MSG,
+                            .allow = PRISM_NET_ALLOW(PRISM_NET_ROLE_ENCODER) | PRISM_NET_ALLOW(PRISM_NET_ROLE_PREFILL) |
+                                     PRISM_NET_ALLOW(PRISM_NET_ROLE_DECODE)};
+    r->ctl = prism_sock_bind(r->net, &so);
     if (!r->ctl) return PRISM_EIO;
     int fd = -1;
     size_t sz = sizeof(fd);

@@ -10,16 +10,23 @@
 #include "http_server.h"
 #include "openai_write.h"
 
+#include <linux/sockios.h>
 #include <llhttp.h>
 #include <stdio.h>
+#include <sys/ioctl.h>
 #include <string.h>
 #include <strings.h>
 
 #define HTTP_READ_CHUNK      (64 * 1024)
 #define HTTP_MAX_HEADERS     256
-#define HTTP_LINGER_MS       20000  /* cap on a failing connection's lifetime */
-#define HTTP_LINGER_AFTER_MS 15000  /* after our error answer is flushed: lets a client finish sending its body and read the answer */
-#define HTTP_BODY_PREALLOC   (1024 * 1024)
+/* After an error answer the connection "lingers": it reads and discards what the client still sends
+ * (the rest of a refused body) so the client can finish and read the answer instead of getting a
+ * reset. It ends when the client closes, goes quiet for HTTP_LINGER_IDLE_MS, has sent more than any
+ * request could hold, or after HTTP_LINGER_MAX_MS. Discarding costs no memory. */
+#define HTTP_LINGER_IDLE_MS  30000  /* a client starved of CPU may pause long mid-upload */
+#define HTTP_LINGER_MAX_MS   120000
+#define HTTP_LINGER_REJECTED_MS 5000
+#define HTTP_BODY_MIN_CAP    (16 * 1024)  /* first body allocation; then doubling, never past Content-Length */
 
 typedef struct conn conn_t;
 
@@ -39,7 +46,8 @@ struct prism_http_req {
     int n_hdr, cap_hdr;
     bool in_field;
     prism_buf_t body;
-    size_t body_charged;     /* bytes of this body counted in srv->body_bytes */
+    size_t body_charged;     /* bytes of this body counted in srv->body_bytes: its buffer's capacity */
+    uint64_t declared_len;   /* Content-Length, 0 when absent (chunked) */
     prism_http_server_t *srv;
     int http_major, http_minor;
     bool keep_alive, is_head;
@@ -59,9 +67,17 @@ struct conn {
     size_t in_off;
     prism_http_req_t *req;   /* being parsed, or dispatched and waiting for its response */
     size_t hdr_bytes;
+    size_t ext_bytes;        /* chunk extensions of the current request */
+    uint64_t t_req_start;    /* loop time (ms) of the current request's first byte */
+    uint64_t t_headers;      /* loop time its headers completed */
+    bool headers_done;
     int fail_status;
+    char fail_msg[256];      /* message for fail_status when set (on_headers refusals, chunk extensions) */
     int open_handles;
     bool reading, closing, handles_closed, discard, rejected, in_process, shutdown_started, shutdown_done;
+    bool broken;             /* a write failed: closing from the loop (see conn_break) */
+    uint64_t linger_end;     /* loop time a lingering connection closes at the latest */
+    size_t discarded;        /* bytes read and dropped while lingering */
     conn_t *prev, *next;
 };
 
@@ -77,7 +93,7 @@ struct prism_http_server {
     size_t n_active;         /* accepted, not rejected, not closing (read atomically) */
     bool stopping, listener_closed;
     int port;
-    size_t body_bytes;       /* request bodies held right now (declared length while receiving) */
+    size_t body_bytes;       /* request bodies held right now: buffer bytes, charged as bodies arrive */
     prism_http_refusals_t refused;
     char scratch[HTTP_READ_CHUNK];  /* libuv reads here; read_cb copies into conn->inbuf */
 };
@@ -85,6 +101,7 @@ struct prism_http_server {
 static void conn_process(conn_t *c);
 static void conn_close_graceful(conn_t *c);
 static void conn_close_now(conn_t *c);
+static void conn_arm_timer(conn_t *c);
 
 /* ------------------------------------------------------------------ small helpers */
 
@@ -158,7 +175,12 @@ static void req_unref(prism_http_req_t *r)
 
 void prism_http_req_release(prism_http_req_t *r)
 {
-    if (r) req_unref(r);
+    if (!r) return;
+    /* The caller gave the request up: its abort callback must never run after this (it would see
+     * whatever the caller freed with the request), even if the connection closes later. */
+    r->abort_cb = NULL;
+    r->abort_ud = NULL;
+    req_unref(r);
 }
 
 const char *prism_http_req_method(const prism_http_req_t *r) { return r->method; }
@@ -197,8 +219,15 @@ void prism_http_req_on_abort(prism_http_req_t *r, void (*cb)(prism_http_req_t *r
 
 size_t prism_http_req_pending_bytes(const prism_http_req_t *r)
 {
-    if (!r->conn || r->conn->closing) return 0;
-    return uv_stream_get_write_queue_size((const uv_stream_t *)&r->conn->tcp);
+    if (!r->conn || r->conn->closing || r->conn->broken) return 0;
+    size_t n = uv_stream_get_write_queue_size((const uv_stream_t *)&r->conn->tcp);
+    /* Plus what the kernel holds unsent or unacknowledged: a send buffer autotunes to megabytes, so
+     * a client that stopped reading shows up there long before libuv queues anything. */
+    uv_os_fd_t fd;
+    int outq = 0;
+    if (uv_fileno((const uv_handle_t *)&r->conn->tcp, &fd) == 0 && ioctl(fd, SIOCOUTQ, &outq) == 0 && outq > 0)
+        n += (size_t)outq;
+    return n;
 }
 
 /* ------------------------------------------------------------------ connection lifecycle */
@@ -265,11 +294,67 @@ static void conn_close_now(conn_t *c)
     conn_close_handles(c);
 }
 
+static void conn_fail(conn_t *c, int status, const char *message);
+
 static void on_timer(uv_timer_t *t)
 {
     conn_t *c = t->data;
-    /* idle keep-alive timeout, stalled upload, or the end of a linger: just close */
+    if (!c->broken && !c->closing && !c->discard && c->req && !c->req->dispatched) {
+        /* Bytes waiting in the kernel mean the client kept up and we did not (the loop was busy):
+         * read them first, the deadline is judged again after. */
+        uv_os_fd_t fd;
+        int avail = 0;
+        if (uv_fileno((const uv_handle_t *)&c->tcp, &fd) == 0 && ioctl(fd, FIONREAD, &avail) == 0 && avail > 0 &&
+            c->reading) {
+            uv_timer_start(&c->timer, on_timer, 10, 0);
+            return;
+        }
+        /* a request that came in too slowly (slowloris): answer 408, then close */
+        conn_fail(c, 408, c->headers_done ? "The request body arrived too slowly; send it faster."
+                                          : "The request headers did not arrive in time.");
+        return;
+    }
+    /* idle keep-alive timeout, the end of a linger, or a broken connection: just close */
     conn_close_now(c);
+}
+
+/* A write failed inside a respond / stream call (or the caller dropped the client). The close, and
+ * with it the abort callback, must not run inside that call: the caller may go on using what its
+ * abort callback frees. So the connection stops here and closes from the loop's next turn. */
+static void conn_break(conn_t *c)
+{
+    if (c->broken || c->closing || c->handles_closed) return;
+    c->broken = true;
+    if (c->reading) {
+        uv_read_stop((uv_stream_t *)&c->tcp);
+        c->reading = false;
+    }
+    uv_timer_start(&c->timer, on_timer, 0, 0);
+}
+
+/* Deadline of what the connection is waiting for: the next request (idle keep-alive), the headers
+ * of the current one, or its body at the minimum rate. Each body byte moves the body deadline by
+ * 1/min_body_rate seconds, never more, so a trickle falls behind and times out. */
+static void conn_arm_timer(conn_t *c)
+{
+    if (c->closing || c->handles_closed || c->discard || c->broken) return;
+    prism_http_req_t *r = c->req;
+    if (!r || r->dispatched) return;  /* idle: armed when the last response completed; else the handler's time */
+    const prism_http_config_t *cfg = &c->srv->cfg;
+    uint64_t now = uv_now(c->srv->loop), due;
+    if (!c->headers_done)
+        due = c->t_req_start + (uint64_t)(cfg->header_timeout_s * 1000.0);
+    else
+        due = c->t_headers + (uint64_t)(cfg->body_grace_s * 1000.0) + (uint64_t)r->body.len * 1000u / cfg->min_body_rate;
+    uv_timer_start(&c->timer, on_timer, due > now ? due - now : 0, 0);
+}
+
+/* While lingering: close once the client is quiet for a while, and never past linger_end. */
+static void conn_linger_timer(conn_t *c)
+{
+    uint64_t now = uv_now(c->srv->loop);
+    uint64_t left = c->linger_end > now ? c->linger_end - now : 0;
+    uv_timer_start(&c->timer, on_timer, PRISM_MIN(left, (uint64_t)HTTP_LINGER_IDLE_MS), 0);
 }
 
 static void on_shutdown(uv_shutdown_t *sr, int status)
@@ -278,8 +363,8 @@ static void on_shutdown(uv_shutdown_t *sr, int status)
     c->shutdown_done = true;
     if (c->handles_closed) return;
     if (c->discard && status == 0 && !c->closing) {
-        /* our error answer is flushed: give the client a moment to read it and close */
-        uv_timer_start(&c->timer, on_timer, HTTP_LINGER_AFTER_MS, 0);
+        /* our error answer is flushed: let the client finish sending, read it and close */
+        conn_linger_timer(c);
         return;
     }
     conn_close_now(c);
@@ -319,15 +404,19 @@ static void on_write(uv_write_t *w, int status)
     }
 }
 
-/* Queues head + body + tail as one write (copied: callers' buffers are theirs). */
+/* Queues head + body + tail as one write (copied: callers' buffers are theirs). A failure breaks the
+ * connection (a response with a hole is worthless) but never closes it from inside this call. */
 static int conn_write(conn_t *c, const void *head, size_t hl, const void *body, size_t bl, const void *tail,
                       size_t tl)
 {
-    if (c->closing || c->handles_closed || c->shutdown_started) return PRISM_EIO;
+    if (c->closing || c->handles_closed || c->shutdown_started || c->broken) return PRISM_EIO;
     size_t total = hl + bl + tl;
     if (total == 0) return PRISM_OK;
     wreq_t *wr = prism_malloc(sizeof *wr + total);
-    if (!wr) return PRISM_ENOMEM;
+    if (!wr) {
+        conn_break(c);
+        return PRISM_ENOMEM;
+    }
     wr->c = c;
     if (hl) memcpy(wr->data, head, hl);
     if (bl) memcpy(wr->data + hl, body, bl);
@@ -337,7 +426,7 @@ static int conn_write(conn_t *c, const void *head, size_t hl, const void *body, 
     if (rc) {
         prism_free(wr);
         PRISM_DEBUG("http: uv_write: %s", uv_strerror(rc));
-        conn_close_now(c);
+        conn_break(c);
         return PRISM_EIO;
     }
     return PRISM_OK;
@@ -364,6 +453,7 @@ static int build_head(prism_buf_t *h, int status, const char *content_type, cons
 static void conn_fail(conn_t *c, int status, const char *message)
 {
     if (c->closing || c->discard) return;
+    PRISM_DEBUG("http: answering %d and closing: %s", status, message);
     c->discard = true;
     if (c->req) {
         PRISM_ASSERT(!c->req->dispatched);
@@ -372,19 +462,22 @@ static void conn_fail(conn_t *c, int status, const char *message)
     }
     prism_buf_t body = {0}, head = {0};
     const char *type = status == 503 ? "ServiceUnavailableError" : status >= 500 ? "InternalServerError"
-                                                                                : "BadRequestError";
+                     : status == 401 ? "AuthenticationError" : status == 403 ? "PermissionDeniedError"
+                     : status == 404 ? "NotFoundError" : "BadRequestError";
     int rc = prism_oai_write_error(&body, type, message, NULL, NULL);
     if (!rc) rc = build_head(&head, status, "application/json", status == 503 ? "Retry-After: 1\r\n" : NULL, false, true,
                              body.len, false);
     if (!rc) rc = conn_write(c, head.data, head.len, body.data, body.len, NULL, 0);
     prism_buf_free(&body);
     prism_buf_free(&head);
-    if (c->closing || c->handles_closed) return;   /* the write failed and closed us */
-    if (rc) {
+    if (c->closing || c->handles_closed) return;
+    if (rc) {  /* parsing, not inside a respond call: closing now is safe */
         conn_close_now(c);
         return;
     }
-    uv_timer_start(&c->timer, on_timer, HTTP_LINGER_MS, 0);
+    /* A connection over max_connections does not count as open: it may not linger long. */
+    c->linger_end = uv_now(c->srv->loop) + (c->rejected ? HTTP_LINGER_REJECTED_MS : HTTP_LINGER_MAX_MS);
+    conn_linger_timer(c);
     c->shutdown_started = true;
     c->shutdown_req.data = c;
     if (uv_shutdown(&c->shutdown_req, (uv_stream_t *)&c->tcp, on_shutdown) != 0) {
@@ -400,8 +493,13 @@ static int req_can_respond(prism_http_req_t *r)
     if (!r) return PRISM_EINVAL;
     if (r->aborted) return PRISM_EIO;
     if (r->started || r->done) return PRISM_EINVAL;
-    if (!r->conn || r->conn->closing) return PRISM_EIO;
+    if (!r->conn || r->conn->closing || r->conn->broken) return PRISM_EIO;
     return PRISM_OK;
+}
+
+void prism_http_req_drop(prism_http_req_t *r)
+{
+    if (r && r->conn && !r->done) conn_break(r->conn);
 }
 
 /* Response fully queued: move on to the next pipelined request or close. */
@@ -479,7 +577,7 @@ int prism_http_stream_write(prism_http_req_t *r, const void *data, size_t len)
     if (!r) return PRISM_EINVAL;
     if (r->aborted) return PRISM_EIO;
     if (!r->streaming || r->done) return PRISM_EINVAL;
-    if (!r->conn || r->conn->closing) return PRISM_EIO;
+    if (!r->conn || r->conn->closing || r->conn->broken) return PRISM_EIO;
     if (len == 0 || r->is_head) return PRISM_OK;
     if (!r->chunked_out) return conn_write(r->conn, data, len, NULL, 0, NULL, 0);
     char hex[24];
@@ -492,7 +590,7 @@ int prism_http_stream_end(prism_http_req_t *r)
     if (!r) return PRISM_EINVAL;
     if (r->aborted) return PRISM_EIO;
     if (!r->streaming || r->done) return PRISM_EINVAL;
-    if (!r->conn || r->conn->closing) return PRISM_EIO;
+    if (!r->conn || r->conn->closing || r->conn->broken) return PRISM_EIO;
     if (r->chunked_out && !r->is_head) {
         int rc = conn_write(r->conn, "0\r\n\r\n", 5, NULL, 0, NULL, 0);
         if (rc) return rc;
@@ -519,6 +617,10 @@ static int on_message_begin(llhttp_t *p)
     PRISM_ASSERT(c->req == NULL);
     c->req = req_new();
     c->hdr_bytes = 0;
+    c->ext_bytes = 0;
+    c->headers_done = false;
+    c->fail_msg[0] = 0;
+    c->t_req_start = uv_now(c->srv->loop);
     if (!c->req) {
         c->fail_status = 500;
         return -1;
@@ -623,26 +725,28 @@ static int on_headers_complete(llhttp_t *p)
         }
     }
     bool has_cl = (p->flags & F_CONTENT_LENGTH) != 0;
+    c->headers_done = true;
+    c->t_headers = uv_now(c->srv->loop);
     if (has_cl && p->content_length > cfg->max_body_bytes) {
         c->fail_status = 413;
         return -1;
     }
     r->srv = c->srv;
-    if (has_cl && p->content_length > 0) {
-        /* Server-wide bound on bodies held at once: refuse from the header, before reading. */
-        if (c->srv->body_bytes + p->content_length > cfg->max_body_bytes_total) {
-            c->fail_status = 503;
+    r->declared_len = has_cl ? p->content_length : 0;
+    /* Refusals that need no body (an API key check) come before anything else is spent on it. */
+    if (cfg->on_headers) {
+        int st = cfg->on_headers(r, c->srv->ud, c->fail_msg, sizeof c->fail_msg);
+        if (st) {
+            c->fail_status = st;
             return -1;
         }
-        c->srv->body_bytes += p->content_length;
-        r->body_charged = p->content_length;
+        c->fail_msg[0] = 0;
     }
-    if (has_cl && p->content_length > 0) {
-        size_t pre = (size_t)PRISM_MIN(p->content_length, (uint64_t)HTTP_BODY_PREALLOC);
-        if (prism_buf_reserve(&r->body, pre)) {
-            c->fail_status = 500;
-            return -1;
-        }
+    /* Bodies held at once: a body that cannot fit now is refused from the header. Nothing is charged
+     * until bytes arrive (on_body), so declaring a large body and trickling it locks no one out. */
+    if (has_cl && c->srv->body_bytes + p->content_length > cfg->max_body_bytes_total) {
+        c->fail_status = 503;
+        return -1;
     }
     const char *expect = prism_http_req_header(r, "Expect");
     if (expect) {
@@ -663,21 +767,48 @@ static int on_body(llhttp_t *p, const char *at, size_t len)
 {
     conn_t *c = p->data;
     prism_http_req_t *r = c->req;
-    if (r->body.len + len > c->srv->cfg.max_body_bytes) {
+    size_t need = r->body.len + len;
+    if (need > c->srv->cfg.max_body_bytes) {
         c->fail_status = 413;
         return -1;
     }
-    if (r->body.len + len > r->body_charged) {  /* chunked: charge as it arrives */
-        size_t more = r->body.len + len - r->body_charged;
+    if (need + 1 > r->body.cap) {
+        /* Grow as bytes arrive and charge the buffer's capacity: doubling from a small start, never
+         * past the declared length (+1 for the NUL prism_http_req_body promises). */
+        size_t cap = PRISM_MAX(r->body.cap * 2, (size_t)HTTP_BODY_MIN_CAP);
+        while (cap < need + 1) cap *= 2;
+        if (r->declared_len && cap > r->declared_len + 1) cap = (size_t)r->declared_len + 1;
+        PRISM_ASSERT(cap >= need + 1 && r->body_charged == r->body.cap);
+        size_t more = cap - r->body.cap;
         if (c->srv->body_bytes + more > c->srv->cfg.max_body_bytes_total) {
             c->fail_status = 503;
             return -1;
         }
+        char *d = prism_realloc(r->body.data, cap);
+        if (!d) {
+            c->fail_status = 500;
+            return -1;
+        }
+        r->body.data = d;
+        r->body.cap = cap;
         c->srv->body_bytes += more;
-        r->body_charged += more;
+        r->body_charged = cap;
     }
-    if (prism_buf_append(&r->body, at, len)) {
-        c->fail_status = 500;
+    memcpy(r->body.data + r->body.len, at, len);
+    r->body.len = need;
+    r->body.data[need] = 0;
+    return 0;
+}
+
+/* Chunk extensions ("1a;name=value") are metadata like headers: bounded by the same budget. */
+static int on_chunk_extension(llhttp_t *p, const char *at, size_t len)
+{
+    conn_t *c = p->data;
+    (void)at;
+    c->ext_bytes += len;
+    if (c->ext_bytes > c->srv->cfg.max_header_bytes) {
+        c->fail_status = 400;
+        snprintf(c->fail_msg, sizeof c->fail_msg, "Chunk extensions exceed %zu bytes.", c->srv->cfg.max_header_bytes);
         return -1;
     }
     return 0;
@@ -685,7 +816,10 @@ static int on_body(llhttp_t *p, const char *at, size_t len)
 
 static int on_message_complete(llhttp_t *p)
 {
-    (void)p;
+    conn_t *c = p->data;
+    /* No protocol upgrades (Connection: Upgrade, CONNECT): the request is answered, then the
+     * connection closes; the bytes after it are never parsed. */
+    if (p->upgrade && c->req) c->req->keep_alive = false;
     return HPE_PAUSED;  /* hand the request over before parsing any pipelined bytes */
 }
 
@@ -719,23 +853,24 @@ static void conn_process(conn_t *c)
         } else if (e == HPE_PAUSED || e == HPE_PAUSED_UPGRADE) {
             const char *pos = llhttp_get_error_pos(&c->parser);
             c->in_off += (size_t)(pos - start);
-            if (e == HPE_PAUSED) {
-                llhttp_resume(&c->parser);
-            } else {
-                /* no protocol upgrades here: answer this request, then close */
-                llhttp_resume_after_upgrade(&c->parser);
-                c->req->keep_alive = false;
-            }
-            if (!c->req) {
+            if (e == HPE_PAUSED) llhttp_resume(&c->parser);
+            else llhttp_resume_after_upgrade(&c->parser);
+            if (!c->req || c->req->dispatched) {
+                /* bytes after an upgrade request (on_message_complete made it the last one) */
                 c->srv->refused.malformed++;
                 conn_fail(c, 400, "Malformed HTTP request.");
                 break;
             }
+            if (c->parser.upgrade) c->req->keep_alive = false;
             conn_dispatch(c);
         } else {
             int status = c->fail_status ? c->fail_status : 400;
             char msg[256];
             const prism_http_config_t *cfg = &c->srv->cfg;
+            if (c->fail_msg[0]) {
+                conn_fail(c, status, c->fail_msg);
+                break;
+            }
             switch (status) {
             case 413: snprintf(msg, sizeof msg, "Request body too large: the limit is %zu bytes.", cfg->max_body_bytes); break;
             case 431: snprintf(msg, sizeof msg, "Request header fields too large: the limit is %zu bytes.", cfg->max_header_bytes); break;
@@ -783,19 +918,24 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
         else conn_close_now(c);
         return;
     }
-    if (c->closing || c->discard) return;
+    if (c->closing) return;
+    if (c->discard) {
+        c->discarded += (size_t)nread;
+        if (c->discarded > c->srv->cfg.max_body_bytes + c->srv->cfg.max_header_bytes) conn_close_now(c);
+        else conn_linger_timer(c);  /* still sending: keep lingering (up to linger_end) */
+        return;
+    }
     if (prism_buf_append(&c->inbuf, buf->base, (size_t)nread)) {
         conn_close_now(c);
         return;
     }
-    if (!c->req || !c->req->dispatched)
-        uv_timer_start(&c->timer, on_timer, (uint64_t)(c->srv->cfg.idle_timeout_s * 1000.0), 0);
     conn_process(c);
+    conn_arm_timer(c);
 }
 
 static void conn_update_reading(conn_t *c)
 {
-    if (c->closing || c->handles_closed) return;
+    if (c->closing || c->handles_closed || c->broken) return;
     bool want = c->discard || (c->inbuf.len - c->in_off) < c->srv->cfg.max_pipeline_bytes;
     if (want && !c->reading) {
         if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) == 0) c->reading = true;
@@ -817,6 +957,9 @@ prism_http_config_t prism_http_config_default(void)
     c.max_body_bytes_total = (size_t)1 << 30;
     c.max_connections = 1024;
     c.idle_timeout_s = 60.0;
+    c.header_timeout_s = 30.0;
+    c.min_body_rate = 8 * 1024;
+    c.body_grace_s = 10.0;
     return c;
 }
 
@@ -881,6 +1024,9 @@ int prism_http_server_start(uv_loop_t *loop, const prism_http_config_t *cfg_in, 
     if (!s->cfg.max_body_bytes_total) s->cfg.max_body_bytes_total = def.max_body_bytes_total;
     if (s->cfg.max_connections <= 0) s->cfg.max_connections = def.max_connections;
     if (s->cfg.idle_timeout_s <= 0) s->cfg.idle_timeout_s = def.idle_timeout_s;
+    if (s->cfg.header_timeout_s <= 0) s->cfg.header_timeout_s = def.header_timeout_s;
+    if (!s->cfg.min_body_rate) s->cfg.min_body_rate = def.min_body_rate;
+    if (s->cfg.body_grace_s <= 0) s->cfg.body_grace_s = def.body_grace_s;
     if (!s->cfg.max_pipeline_bytes) s->cfg.max_pipeline_bytes = s->cfg.max_header_bytes + HTTP_READ_CHUNK;
 
     llhttp_settings_init(&s->settings);
@@ -892,6 +1038,8 @@ int prism_http_server_start(uv_loop_t *loop, const prism_http_config_t *cfg_in, 
     s->settings.on_header_value_complete = on_header_value_complete;
     s->settings.on_headers_complete = on_headers_complete;
     s->settings.on_body = on_body;
+    s->settings.on_chunk_extension_name = on_chunk_extension;
+    s->settings.on_chunk_extension_value = on_chunk_extension;
     s->settings.on_message_complete = on_message_complete;
 
     union {
@@ -953,4 +1101,9 @@ void prism_http_server_refusals(const prism_http_server_t *s, prism_http_refusal
 size_t prism_http_server_active_connections(const prism_http_server_t *s)
 {
     return __atomic_load_n(&s->n_active, __ATOMIC_RELAXED);
+}
+
+size_t prism_http_server_body_bytes(const prism_http_server_t *s)
+{
+    return __atomic_load_n(&s->body_bytes, __ATOMIC_RELAXED);
 }

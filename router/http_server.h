@@ -7,7 +7,11 @@
  * per-connection idle timeout, a connection cap, and bounded input:
  *   - header bytes (request line + header lines) > max_header_bytes  -> 431, connection closed
  *   - body bytes > max_body_bytes (checked while the body streams in) -> 413 JSON error, closed
- *   - malformed HTTP                                                  -> 400, connection closed
+ *   - headers not complete header_timeout_s after the request's first byte, or a body slower than
+ *     min_body_rate on average after body_grace_s (slowloris)        -> 408, closed
+ *   - chunk extensions of one request > max_header_bytes              -> 400, closed
+ *   - refused by the on_headers hook (e.g. a bad API key)             -> its status, before the body is read
+ *   - malformed HTTP, protocol upgrades after their answer            -> 400, connection closed
  *   - connections >= max_connections: the new one is accepted, answered 503 and closed
  * These error answers use the OpenAI error shape {"error":{"message","type","param","code"}}.
  *
@@ -20,8 +24,11 @@
  *   If the client goes away before the response completed, the abort callback (if set) fires once,
  *   from the loop thread; from then on respond/stream calls return PRISM_EIO without touching the
  *   socket, and the caller still releases r as usual. The abort callback never fires for a request
- *   whose handler has not run, and it may fire from inside a respond/stream call that finds the
- *   socket broken (that call then returns PRISM_EIO). Everything here runs on the loop thread only.
+ *   whose handler has not run, and NEVER from inside a respond / stream / drop call: a write that
+ *   fails there makes the call return PRISM_EIO and the connection closes from a later loop turn,
+ *   where the callback runs. So code that writes may keep using its own state after the write,
+ *   whatever the abort callback frees. (prism_http_server_stop is the one call that runs abort
+ *   callbacks inside itself.) Everything here runs on the loop thread only.
  *
  * Usage:
  *   static void on_req(prism_http_req_t *r, void *ud) {
@@ -50,12 +57,23 @@ typedef struct {
     int port;                  /* 0 = ephemeral (see prism_http_server_port) */
     size_t max_header_bytes;   /* request line + headers; 0 = 64 KiB; beyond: 431 */
     size_t max_body_bytes;     /* 0 = 64 MiB; beyond: 413 (OpenAI-style JSON error) */
-    size_t max_body_bytes_total; /* bodies held at once over all connections; 0 = 1 GiB; beyond:
-                                * 503 from the header (Content-Length) or mid-upload (chunked) */
+    size_t max_body_bytes_total; /* body buffer bytes held at once over all connections, charged as the
+                                * bytes arrive; 0 = 1 GiB; beyond: 503 from the header when the declared
+                                * Content-Length cannot fit now, else mid-upload */
     int max_connections;       /* 0 = 1024; beyond: accept, answer 503, close */
-    double idle_timeout_s;     /* keep-alive idle timeout; 0 = 60 s; also bounds a stalled upload */
+    double idle_timeout_s;     /* keep-alive idle timeout between requests; 0 = 60 s */
+    double header_timeout_s;   /* request line + headers within this of the first byte; 0 = 30 s; else 408 */
+    size_t min_body_rate;      /* bytes/s a body must average once body_grace_s have passed since its
+                                * headers; 0 = 8 KiB/s; else 408 */
+    double body_grace_s;       /* 0 = 10 s */
     size_t max_pipeline_bytes; /* bytes buffered from a client while its request is in flight;
                                 * 0 = max_header_bytes + 64 KiB. Beyond: stop reading (backpressure) */
+    /* Optional: called on the loop thread once a request's headers are complete, before any body byte
+     * is read or 100 Continue sent (method, path, query and headers are readable). Returns 0 to go on,
+     * or an HTTP status to refuse the request at once with message (OpenAI error shape; 401 gets the
+     * type AuthenticationError): the body is never read and the connection closes after the answer.
+     * ud is the server's handler ud. */
+    int (*on_headers)(const prism_http_req_t *r, void *ud, char *message, size_t message_len);
 } prism_http_config_t;
 
 prism_http_config_t prism_http_config_default(void);
@@ -68,6 +86,8 @@ int  prism_http_server_start(uv_loop_t *loop, const prism_http_config_t *cfg, pr
 void prism_http_server_stop(prism_http_server_t *s);
 int  prism_http_server_port(const prism_http_server_t *s);  /* the bound port (useful with port 0) */
 size_t prism_http_server_active_connections(const prism_http_server_t *s);
+/* Request body bytes held right now (charged to max_body_bytes_total as they arrive; any thread). */
+size_t prism_http_server_body_bytes(const prism_http_server_t *s);
 /* Requests answered with an error by the server itself, before any handler ran (counters since
  * start; the router exports them as prism:requests_refused_total). Loop thread only. */
 typedef struct {
@@ -93,16 +113,21 @@ int  prism_http_req_http_minor(const prism_http_req_t *r);     /* 0 for HTTP/1.0
 void  prism_http_req_set_user(prism_http_req_t *r, void *user);
 void *prism_http_req_user(prism_http_req_t *r);
 
-/* Drops the caller's reference (see the ownership rule). */
+/* Drops the caller's reference (see the ownership rule). The abort callback never fires after it. */
 void prism_http_req_release(prism_http_req_t *r);
 /* True once the client went away before the response completed. */
 bool prism_http_req_aborted(const prism_http_req_t *r);
 /* Called at most once, on the loop thread, when the client goes away before the response completed
  * (so upstream work can be cancelled). After it fires, r may only be released. */
 void prism_http_req_on_abort(prism_http_req_t *r, void (*cb)(prism_http_req_t *r, void *ud), void *ud);
-/* Bytes queued on this request's socket that the kernel has not taken yet (write backpressure:
- * a streaming producer should pause above some threshold). 0 once the connection is gone. */
+/* Bytes written for this request that the client has not received yet: queued in the server plus the
+ * kernel's unsent / unacknowledged send queue (write backpressure: a streaming producer should pause
+ * or drop the client above some threshold). 0 once the connection is gone. */
 size_t prism_http_req_pending_bytes(const prism_http_req_t *r);
+/* Drops the client (e.g. one that stopped reading a stream): its connection closes from the loop's
+ * next turn and the abort callback fires then, never inside this call. No-op once the response is
+ * complete or the client is gone. */
+void prism_http_req_drop(prism_http_req_t *r);
 
 /* ---- responses ----
  * Exactly one of respond / respond_error / stream_begin..stream_end per request. They may be called

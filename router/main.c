@@ -26,10 +26,13 @@ int main(int argc, char **argv)
 {
     static router_t r;
     const char *model_path = "models/prism-tiny-llava", *tokenizer_path = NULL, *served = NULL, *host = "127.0.0.1",
-               *control = "tcp://127.0.0.1:8100", *chat_template = NULL, *api_key = NULL, *log_level = "info";
+               *control = "tcp://127.0.0.1:8100", *chat_template = NULL, *api_key = NULL, *log_level = "info",
+               *curve_keys = NULL;
+    bool insecure_no_curve = false, metrics_open = false;
     int64_t port = 8000, context_length = 0, limit_mm = 8, max_pixels = 4096ll * 4096, max_running = 256,
-            max_body = 64ll << 20, body_total = 1ll << 30, image_inflight = 1ll << 30, max_conn = 4096;
-    double worker_timeout = 10, request_timeout = 600, max_queue_wait = 120;
+            max_body = 64ll << 20, body_total = 1ll << 30, image_inflight = 1ll << 30, max_conn = 4096,
+            min_body_rate = 8 << 10, stream_pending = 4ll << 20;
+    double worker_timeout = 10, request_timeout = 600, max_queue_wait = 120, header_timeout = 30;
     prism_flag_t flags[] = {
         PRISM_FLAG_STR("model-path", &model_path, "HF model directory (config.json, tokenizer.json, tokenizer_config.json)"),
         PRISM_FLAG_STR("tokenizer-path", &tokenizer_path, "Tokenizer directory (default: --model-path)"),
@@ -37,8 +40,13 @@ int main(int argc, char **argv)
         PRISM_FLAG_STR("host", &host, "HTTP bind address"),
         PRISM_FLAG_INT("port", &port, "HTTP port"),
         PRISM_FLAG_STR("control-endpoint", &control, "ZeroMQ endpoint workers connect to"),
+        PRISM_FLAG_STR("curve-keys", &curve_keys,
+                       "CURVE key directory (made by prism_keygen): router.key and the workers' public keys"),
+        PRISM_FLAG_BOOL("insecure-no-curve", &insecure_no_curve,
+                        "Unauthenticated control socket (only on an isolated network; logs a warning)"),
         PRISM_FLAG_STR("chat-template", &chat_template, "Jinja chat template file overriding the model's"),
-        PRISM_FLAG_STR("api-key", &api_key, "Require 'Authorization: Bearer KEY' on the API"),
+        PRISM_FLAG_STR("api-key", &api_key, "Require 'Authorization: Bearer KEY' (all but /health, /ready, /version)"),
+        PRISM_FLAG_BOOL("metrics-open", &metrics_open, "Serve /metrics without the API key"),
         PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings, at most 131072)"),
         PRISM_FLAG_INT("limit-mm-per-prompt", &limit_mm, "Most images in one request"),
         PRISM_FLAG_INT("max-image-pixels", &max_pixels, "Largest image (width*height from its header) accepted"),
@@ -47,6 +55,11 @@ int main(int argc, char **argv)
         PRISM_FLAG_BYTES("max-body-bytes-in-flight", &body_total, "Request bodies held at once; more gets 503"),
         PRISM_FLAG_BYTES("max-image-bytes-in-flight", &image_inflight, "Image bytes held at once; more gets 429"),
         PRISM_FLAG_INT("max-connections", &max_conn, "Open HTTP connections at once; more get 503"),
+        PRISM_FLAG_DOUBLE("http-header-timeout", &header_timeout, "Seconds for a request's line and headers; slower gets 408"),
+        PRISM_FLAG_BYTES("http-min-body-rate", &min_body_rate,
+                         "Bytes/s a request body must average after 10 s; slower gets 408 (slowloris)"),
+        PRISM_FLAG_BYTES("max-stream-pending-bytes", &stream_pending,
+                         "Bytes queued for a streaming client that stopped reading; beyond, it is dropped"),
         PRISM_FLAG_DOUBLE("worker-timeout", &worker_timeout, "Seconds without a heartbeat before a worker is dropped"),
         PRISM_FLAG_DOUBLE("request-timeout", &request_timeout, "Seconds before an unfinished request fails"),
         PRISM_FLAG_DOUBLE("max-queue-wait", &max_queue_wait, "Seconds a request may wait for its first token before a 503"),
@@ -60,12 +73,17 @@ int main(int argc, char **argv)
     json_set_alloc_funcs(prism_malloc, prism_free);  /* parsed bodies count in the router's memory */
     double t0 = prism_now_s();
     if (port < 0 || port > 65535 || limit_mm < 0 || limit_mm > ROUTER_MAX_IMAGES || max_running < 1 ||
-        max_running > 1000000 || max_pixels < 1) {
+        max_running > 1000000 || max_pixels < 1 || min_body_rate < 1 || !(header_timeout > 0) || stream_pending < 1) {
         fprintf(stderr, "router: flag out of range (see --help)\n");
         return 2;
     }
 
     char err[512] = "", path[1024];
+    prism_net_opts_t no = {.role = PRISM_NET_ROLE_ROUTER, .curve_keys = curve_keys, .insecure = insecure_no_curve};
+    if (prism_net_create(&no, &r.net, err, sizeof(err)) != PRISM_OK) {
+        PRISM_ERROR("%s", err);
+        return 2;
+    }
     if (prism_model_config_load(model_path, &r.cfg, err, sizeof(err)) != PRISM_OK) {
         PRISM_ERROR("cannot load model config from %s: %s", model_path, err);
         return 1;
@@ -101,6 +119,8 @@ int main(int argc, char **argv)
     r.model_path = model_path;
     r.served_model_name = served;
     r.api_key = api_key;
+    r.metrics_open = metrics_open;
+    r.max_stream_pending = (size_t)stream_pending;
     r.max_model_len = prism_model_context_length(&r.cfg, context_length);
     if (r.max_model_len < r.cfg.max_pos && context_length <= 0)
         PRISM_INFO("config.json allows %d positions; serving %d (--context-length to change)", r.cfg.max_pos,
@@ -136,6 +156,9 @@ int main(int argc, char **argv)
     hc.max_body_bytes = (size_t)max_body;
     hc.max_body_bytes_total = (size_t)body_total;
     hc.max_connections = (int)max_conn;
+    hc.header_timeout_s = header_timeout;
+    hc.min_body_rate = (size_t)min_body_rate;
+    hc.on_headers = router_on_headers;
     if (prism_http_server_start(r.loop, &hc, router_on_http, &r, &r.http) != PRISM_OK) {
         PRISM_ERROR("cannot listen on %s:%lld", host, (long long)port);
         return 1;
@@ -151,7 +174,7 @@ int main(int argc, char **argv)
                r.cfg.image_seq_length, r.llama4 ? "tile" : "image");
     uv_run(r.loop, UV_RUN_DEFAULT);
     zmq_close(r.ctl);
-    zmq_ctx_term(r.zctx);
+    prism_net_destroy(r.net);
     PRISM_INFO("router stopped");
     return 0;
 }

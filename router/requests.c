@@ -218,6 +218,14 @@ static void stream_chunk(router_req_t *q, size_t upto, const char *finish)
     prism_http_stream_write(q->h, q->out.data, q->out.len);
     q->emitted = upto;
     if (lp) prism_oai_logprobs_clear(&q->lp);
+    if (prism_http_req_pending_bytes(q->h) > q->r->max_stream_pending) {
+        /* The client stopped reading: drop it rather than queue its whole answer in memory. Its
+         * abort callback (on_client_gone) runs from the loop's next turn and aborts the workers. */
+        q->r->metrics.refused_limit[PRISM_REFUSE_SLOW_CLIENT]++;
+        PRISM_WARN("request %llu: client stopped reading (%zu bytes queued); dropped", (unsigned long long)q->rid,
+                   prism_http_req_pending_bytes(q->h));
+        prism_http_req_drop(q->h);
+    }
 }
 
 /* "x-prism-timing" response header and log line: where the time of this request went. */

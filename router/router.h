@@ -26,6 +26,7 @@
 
 #define ROUTER_MAX_WORKERS 256
 #define ROUTER_MAX_IMAGES 64
+#define ROUTER_MAX_WORKER_MSG (4 << 20)  /* largest frame a worker may send up (tokens with logprobs) */
 
 typedef struct {
     bool used;
@@ -37,7 +38,7 @@ typedef struct {
     uint64_t mem_budget, mem_planned;
     /* load from heartbeats */
     uint32_t running, waiting, kv_free_blocks, pool_free;
-    uint64_t mem_used, mem_peak, cache_hits, cache_misses, alloc_count;
+    uint64_t mem_used, mem_peak, cache_hits, cache_misses, alloc_count, peer_auth_failures;
     uint64_t heartbeats;          /* received since registration: lets a reader wait for fresh numbers */
     double last_seen;
     /* our own view: requests we sent that have not finished on this worker */
@@ -53,6 +54,8 @@ typedef struct {
     const char *model_path;
     const char *served_model_name;
     const char *api_key;
+    bool metrics_open;          /* /metrics without the API key */
+    size_t max_stream_pending;  /* bytes queued for a streaming client that stopped reading; beyond: dropped */
     int max_model_len;
     int max_images_per_prompt;
     uint64_t max_image_pixels;
@@ -80,7 +83,7 @@ typedef struct {
     /* event loop and sockets */
     uv_loop_t *loop;
     prism_http_server_t *http;
-    void *zctx;
+    prism_net_t *net;           /* ZeroMQ context, CURVE keys, ZAP handler */
     void *ctl;                  /* ROUTER socket workers connect to */
     char router_id[160];
     uv_poll_t ctl_poll;
@@ -175,5 +178,7 @@ void router_req_del(router_t *r, uint64_t rid);
 
 /* api.c */
 void router_on_http(prism_http_req_t *h, void *ud);
+/* http_server on_headers hook: the API key, checked before any body byte is read. */
+int  router_on_headers(const prism_http_req_t *h, void *ud, char *msg, size_t n);
 
 #endif

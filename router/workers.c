@@ -76,6 +76,7 @@ bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat
     w->cache_misses = hb->cache_misses;
     w->alloc_count = hb->alloc_count;
     w->heartbeats++;
+    w->peer_auth_failures = hb->peer_auth_failures;
     w->last_seen = prism_now_s();
     return true;
 }

@@ -3,7 +3,8 @@
 #   1. build/ (release, CUDA backend compiled when nvcc exists): unit + integration tests;
 #   2. build-asan/ (ASan + UBSan, CPU only): unit and integration tests again under the sanitizers
 #      (every process of every test cluster is instrumented; a sanitizer report in any of their
-#      logs fails the test).
+#      logs fails the test);
+#   3. build-fuzz/ (clang, libFuzzer + ASan + UBSan): every harness replays its seed corpus once.
 # GPU tests (ctest label "gpu") report themselves skipped when no GPU is present.
 # Ends with a line "N passed, N failed, N skipped".
 set -uo pipefail
@@ -54,6 +55,17 @@ if cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DPRISM_SANITIZE=ON -DPRISM
     run_ctest build-asan -L "unit|integration" -E "$asan_skip"
 else
   echo "sanitizer build failed"
+  failed=$((failed + 1))
+fi
+
+echo "== build (libFuzzer harnesses, clang + ASan + UBSan): replay the committed corpora"
+if command -v clang >/dev/null &&
+   CC=clang cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPRISM_FUZZ=ON -DPRISM_CUDA=OFF \
+     -DPRISM_TESTS=OFF >/dev/null &&
+   cmake --build build-fuzz -j"$jobs" --target prism_fuzz; then
+  run_ctest build-fuzz -L fuzz
+else
+  echo "fuzz harness build failed"
   failed=$((failed + 1))
 fi
 

@@ -170,6 +170,15 @@ char *prism_strndup(const char *s, size_t n)
 
 char *prism_strdup(const char *s) { return s ? prism_strndup(s, strlen(s)) : NULL; }
 
+bool prism_ct_equal(const void *presented, size_t presented_len, const void *secret, size_t secret_len)
+{
+    const volatile uint8_t *a = presented, *b = secret;
+    uint8_t diff = (uint8_t)(presented_len != secret_len);
+    for (size_t i = 0; i < presented_len; i++)
+        diff |= (uint8_t)(a[i] ^ (secret_len ? b[i % secret_len] : 0));
+    return diff == 0;
+}
+
 size_t prism_mem_used(void) { return atomic_load(&g_used); }
 size_t prism_mem_peak(void) { return atomic_load(&g_peak); }
 uint64_t prism_mem_alloc_count(void) { return atomic_load(&g_count); }

@@ -109,6 +109,9 @@ int prism_read_file(const char *path, size_t max_bytes, char **out, size_t *out_
 /* Joins dir + "/" + name into out (size n); returns PRISM_ELIMIT if it does not fit. */
 int prism_path_join(char *out, size_t n, const char *dir, const char *name);
 bool prism_file_exists(const char *path);
+/* Compares a secret with a presented value in time that depends only on the presented length
+ * (API keys): no early exit on the first differing byte. */
+bool prism_ct_equal(const void *presented, size_t presented_len, const void *secret, size_t secret_len);
 
 /* Parses sizes such as "512M", "2G", "1.5GiB", "1000000"; returns -1 on error. */
 int64_t prism_parse_bytes(const char *s);

@@ -1,6 +1,7 @@
 #include "metrics/metrics.h"
 
 #include <math.h>
+#include <string.h>
 
 const double prism_buckets_ttft[] = {.001, .005, .01, .02, .04, .06, .08, .1, .25, .5, .75, 1,
                                      2.5, 5, 7.5, 10, 20, 40, 80, 160, 640, 2560};
@@ -15,6 +16,7 @@ const int prism_buckets_e2e_n = (int)PRISM_ARRAY_LEN(prism_buckets_e2e);
 const char *const prism_refusal_names[PRISM_REFUSE_COUNT] = {
     "body_too_large", "too_many_images", "image_too_large", "queue_full",
     "image_bytes_inflight", "no_workers", "bad_request", "queue_wait", "body_bytes_inflight", "connections",
+    "slow_client",
 };
 
 void prism_hist_init(prism_hist_t *h, const double *bounds, int n)
@@ -56,6 +58,24 @@ void prism_metric_write(prism_buf_t *out, const char *name, const char *type, co
         prism_buf_appendf(out, "%s{%s} %.0f\n", name, labels ? labels : "", value);
     else
         prism_buf_appendf(out, "%s{%s} %.6g\n", name, labels ? labels : "", value);
+}
+
+size_t prism_metric_label_value(char *out, size_t n, const char *value)
+{
+    size_t o = 0;
+    if (!n) return 0;
+    for (const unsigned char *p = (const unsigned char *)(value ? value : ""); *p; p++) {
+        char e[2] = {0, 0};
+        size_t k = 1;
+        if (*p == '\\' || *p == '"') e[0] = '\\', e[1] = (char)*p, k = 2;
+        else if (*p == '\n') e[0] = '\\', e[1] = 'n', k = 2;
+        else e[0] = (*p < 0x20 || *p >= 0x7F) ? '?' : (char)*p;
+        if (o + k >= n) break;
+        memcpy(out + o, e, k);
+        o += k;
+    }
+    out[o] = 0;
+    return o;
 }
 
 void prism_router_metrics_init(prism_router_metrics_t *m)

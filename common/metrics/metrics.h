@@ -22,6 +22,11 @@ void prism_hist_observe(prism_hist_t *h, double v);
 void prism_hist_write(const prism_hist_t *h, prism_buf_t *out, const char *name, const char *help, const char *labels);
 void prism_metric_write(prism_buf_t *out, const char *name, const char *type, const char *help,
                         const char *labels, double value);
+/* Writes value into out[n] as a label value for the text exposition format: backslash, double quote
+ * and line feed escaped (\\, \", \n); other control bytes and bytes >= 0x80 become '?' (label
+ * values must be valid UTF-8, and ids from the network are not trusted to be). Never splits an
+ * escape; always NUL-terminated. Returns the length written. */
+size_t prism_metric_label_value(char *out, size_t n, const char *value);
 
 /* vLLM's bucket lists (CONVENTIONS.md). */
 extern const double prism_buckets_ttft[];
@@ -49,6 +54,7 @@ typedef enum {
     PRISM_REFUSE_QUEUE_WAIT,
     PRISM_REFUSE_BODY_BYTES_INFLIGHT,  /* counted by the HTTP server (503 from the header) */
     PRISM_REFUSE_CONNECTIONS,          /* counted by the HTTP server (--max-connections) */
+    PRISM_REFUSE_SLOW_CLIENT,   /* a streaming client that stopped reading, dropped */
     PRISM_REFUSE_COUNT
 } prism_refusal_t;
 

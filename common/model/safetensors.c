@@ -180,7 +180,7 @@ static int parse_image(prism_st_t *st, const uint8_t *buf, size_t len, const cha
         st->tensors[st->n++] = t;
         spans[n_spans++] = (span_t){b, e};
     }
-    qsort(spans, (size_t)n_spans, sizeof *spans, cmp_span);
+    if (n_spans > 1) qsort(spans, (size_t)n_spans, sizeof *spans, cmp_span);  /* qsort(NULL, 0) is undefined */
     for (int i = 1; i < n_spans; i++)
         if (spans[i].begin < spans[i - 1].end) {
             ERR("%s: tensor data ranges overlap", what);
@@ -202,7 +202,7 @@ static int parse_image(prism_st_t *st, const uint8_t *buf, size_t len, const cha
 
 static int finish(prism_st_t *st, char *err, size_t errlen)
 {
-    qsort(st->tensors, (size_t)st->n, sizeof *st->tensors, cmp_tensor_name);
+    if (st->n > 1) qsort(st->tensors, (size_t)st->n, sizeof *st->tensors, cmp_tensor_name);  /* "{}": no table */
     for (int i = 1; i < st->n; i++)
         if (strcmp(st->tensors[i].name, st->tensors[i - 1].name) == 0) {
             ERR("tensor '%s' appears twice", st->tensors[i].name);

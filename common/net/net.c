@@ -36,11 +36,34 @@ static bool has_more(void *sock)
     return zmq_getsockopt(sock, ZMQ_RCVMORE, &more, &sz) == 0 && more;
 }
 
+Prism__Envelope *prism_msg_unpack(const void *data, size_t len)
+{
+    if (len > PRISM_MSG_MAX_ENVELOPE) return NULL;
+    Prism__Envelope *env = prism__envelope__unpack(&g_pc_allocator, len, data);
+    if (env && env->version != PRISM_PROTOCOL_VERSION) {
+        PRISM_WARN("dropping message with protocol version %u (ours %u)", env->version, PRISM_PROTOCOL_VERSION);
+        prism__envelope__free_unpacked(env, &g_pc_allocator);
+        env = NULL;
+    }
+    return env;
+}
+
+/* The sender as our ZAP handler authenticated it (metadata of the connection it came on). */
+static void peer_of(zmq_msg_t *part, prism_msg_t *m)
+{
+    const char *key = zmq_msg_gets(part, "User-Id");
+    if (key && strlen(key) == PRISM_NET_KEY_Z85) memcpy(m->peer_key, key, PRISM_NET_KEY_Z85 + 1);
+    const char *role = zmq_msg_gets(part, PRISM_NET_ROLE_PROPERTY);
+    if (role) m->peer_role = prism_net_role_parse(role);
+}
+
 int prism_msg_recv(void *sock, bool from_router_socket, prism_msg_t *m, int flags)
 {
     memset(m, 0, offsetof(prism_msg_t, frames));
     m->n_frames = 0;
     m->identity_len = 0;
+    m->peer_key[0] = 0;
+    m->peer_role = PRISM_NET_ROLE_NONE;
     zmq_msg_t part;
     zmq_msg_init(&part);
     if (zmq_msg_recv(&part, sock, flags) < 0) {
@@ -63,21 +86,10 @@ int prism_msg_recv(void *sock, bool from_router_socket, prism_msg_t *m, int flag
             return PRISM_EIO;
         }
     }
-    size_t elen = zmq_msg_size(&part);
-    if (elen > PRISM_MSG_MAX_ENVELOPE) {
-        zmq_msg_close(&part);
-        drain_rest(sock);
-        return PRISM_ECORRUPT;
-    }
-    m->env = prism__envelope__unpack(&g_pc_allocator, elen, zmq_msg_data(&part));
+    peer_of(&part, m);
+    m->env = prism_msg_unpack(zmq_msg_data(&part), zmq_msg_size(&part));
     zmq_msg_close(&part);
-    if (!m->env || m->env->version != PRISM_PROTOCOL_VERSION) {
-        if (m->env) {
-            PRISM_WARN("dropping message with protocol version %u (ours %u)", m->env->version,
-                       PRISM_PROTOCOL_VERSION);
-            prism__envelope__free_unpacked(m->env, &g_pc_allocator);
-            m->env = NULL;
-        }
+    if (!m->env) {
         drain_rest(sock);
         return PRISM_ECORRUPT;
     }
@@ -153,48 +165,6 @@ int prism_msg_send(void *sock, const void *identity, size_t identity_len, Prism_
             return PRISM_EIO;
     }
     return PRISM_OK;
-}
-
-static void sock_common(void *s, int hwm)
-{
-    int linger = 0;
-    zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof(linger));
-    if (hwm > 0) {
-        zmq_setsockopt(s, ZMQ_SNDHWM, &hwm, sizeof(hwm));
-        zmq_setsockopt(s, ZMQ_RCVHWM, &hwm, sizeof(hwm));
-    }
-}
-
-void *prism_sock_bind(void *zctx, int type, const char *endpoint, int hwm)
-{
-    void *s = zmq_socket(zctx, type);
-    if (!s) return NULL;
-    sock_common(s, hwm);
-    if (type == ZMQ_ROUTER) {
-        int on = 1;  /* fail loudly instead of dropping messages to unknown peers */
-        zmq_setsockopt(s, ZMQ_ROUTER_MANDATORY, &on, sizeof(on));
-    }
-    if (zmq_bind(s, endpoint) != 0) {
-        PRISM_ERROR("cannot bind %s: %s", endpoint, zmq_strerror(errno));
-        zmq_close(s);
-        return NULL;
-    }
-    return s;
-}
-
-void *prism_sock_connect(void *zctx, int type, const char *endpoint, const char *identity, int hwm)
-{
-    void *s = zmq_socket(zctx, type);
-    if (!s) return NULL;
-    sock_common(s, hwm);
-    if (identity)
-        zmq_setsockopt(s, ZMQ_ROUTING_ID, identity, strlen(identity));
-    if (zmq_connect(s, endpoint) != 0) {
-        PRISM_ERROR("cannot connect %s: %s", endpoint, zmq_strerror(errno));
-        zmq_close(s);
-        return NULL;
-    }
-    return s;
 }
 
 int prism_sock_last_endpoint(void *sock, char *out, size_t n)

@@ -103,7 +103,9 @@ static void select_top(const float *prob, int32_t *idx, int n, int k)
 int32_t prism_sample(prism_sampler_t *s, const float *logits, const prism_sample_params_t *p, uint64_t *rng)
 {
     int n = s->vocab;
-    if (p->temperature <= 0.0f || p->top_k == 1)
+    /* Below PRISM_SAMPLE_MIN_TEMPERATURE (and for NaN) sampling is greedy, as in vLLM: 1/T would
+     * overflow to inf near 1e-38, turn every probability into NaN and pick the least likely token. */
+    if (!(p->temperature >= PRISM_SAMPLE_MIN_TEMPERATURE) || p->top_k == 1)
         return argmax(logits, n);
 
     /* Softmax of logits / T over the candidates. */

@@ -8,8 +8,10 @@
 
 #include "core/core.h"
 
+#define PRISM_SAMPLE_MIN_TEMPERATURE 1e-5f  /* lower (or NaN) = greedy, as vLLM's _SAMPLING_EPS */
+
 typedef struct {
-    float temperature;  /* 0 = greedy */
+    float temperature;  /* < PRISM_SAMPLE_MIN_TEMPERATURE = greedy */
     float top_p;        /* (0, 1]; 1 = off */
     int   top_k;        /* <= 0 = off */
 } prism_sample_params_t;

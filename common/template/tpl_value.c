@@ -546,7 +546,7 @@ int tpl_iterate(tpl_rctx_t *c, tv_t v, tobj_t **out)
             if (o->poison) return tpl_fail(c, PRISM_EINVAL, "%s", o->poison);
             tobj_t *l = tpl_list_new(c, SEQ_LIST, 0);
             if (!l) return c->status;
-            l->items = o->items + o->pos;
+            l->items = o->items ? o->items + o->pos : NULL;  /* NULL + 0 is undefined in C */
             l->len = l->cap = o->len - o->pos;
             o->pos = o->len;
             *out = l;

@@ -278,6 +278,7 @@ static int detok_step(prism_detok_t *d, prism_buf_t *delta, bool final)
     int rc;
     d->prefix_text.len = 0;
     d->new_text.len = 0;
+    d->decoded_ids += (d->read_offset - d->prefix_offset) + (d->n - d->prefix_offset);
     if ((rc = prism_tok_decode_tokens(d->tok, d->ids + d->prefix_offset, d->read_offset - d->prefix_offset,
                                       d->skip_special, &d->prefix_text)))
         return rc;
@@ -287,11 +288,16 @@ static int detok_step(prism_detok_t *d, prism_buf_t *delta, bool final)
     size_t pl = d->prefix_text.len, nl = d->new_text.len;
     const char *nt = d->new_text.data;
     bool partial = nl >= 3 && memcmp(nt + nl - 3, "\xEF\xBF\xBD", 3) == 0;
-    if (nl <= pl) return PRISM_OK;
-    if (partial && !final && d->n - d->read_offset < PRISM_TOK_DETOK_MAX_PENDING) return PRISM_OK;
-    size_t from = pl;
-    while (from < nl && ((uint8_t)nt[from] & 0xC0) == 0x80) from++;   /* never split a char */
-    if (prism_buf_append(delta, nt + from, nl - from) < 0) return PRISM_ENOMEM;
+    bool stalled = d->n - d->read_offset >= PRISM_TOK_DETOK_MAX_PENDING;
+    /* Ids that add no text wait for context, but not forever: past the bound the window moves on
+     * (else every later id would re-decode the whole run: O(n^2) for one Tokens message). */
+    if (nl <= pl && !stalled) return PRISM_OK;
+    if (partial && !final && !stalled) return PRISM_OK;
+    if (nl > pl) {
+        size_t from = pl;
+        while (from < nl && ((uint8_t)nt[from] & 0xC0) == 0x80) from++;   /* never split a char */
+        if (prism_buf_append(delta, nt + from, nl - from) < 0) return PRISM_ENOMEM;
+    }
     d->prefix_offset = d->read_offset;
     d->read_offset = d->n;
     /* drop ids before the window so memory stays bounded */
@@ -304,6 +310,11 @@ static int detok_step(prism_detok_t *d, prism_buf_t *delta, bool final)
 
 int prism_detok_push(prism_detok_t *d, int32_t id, prism_buf_t *delta)
 {
+    /* Ids that decode() drops before the decoder chain never change the text: keep them out of
+     * the window (a hostile or broken worker may send millions of them). */
+    const prism_tokenizer_t *t = d->tok;
+    if (id < 0 || (size_t)id >= t->vocab_size || t->id_len[id] == UINT32_MAX || (d->skip_special && t->is_special[id]))
+        return PRISM_OK;
     if (d->n == d->cap) {
         size_t nc = d->cap ? d->cap * 2 : 16;
         int32_t *p = prism_realloc(d->ids, nc * sizeof *p);

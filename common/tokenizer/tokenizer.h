@@ -56,7 +56,11 @@ bool prism_tokenizer_is_special(const prism_tokenizer_t *t, int32_t id);
  * One exception, shared with vLLM: HF's ByteFallback decoder turns a whole run of <0xNN> tokens
  * into U+FFFDs when the run as a whole is invalid UTF-8, so a stray byte token arriving right
  * after a completed multi-byte char changes how decode() renders that char after it was already
- * streamed. Text made by encoding valid UTF-8 never does this. */
+ * streamed. Text made by encoding valid UTF-8 never does this.
+ * Work per id is bounded: ids that decode() drops (outside the vocabulary, skipped specials) never
+ * enter the window, and a run of ids that adds no text moves the window on after
+ * PRISM_TOK_DETOK_MAX_PENDING ids (a decoder that lets such a run change later text is then
+ * streamed as if the run had ended there). */
 typedef struct {
     const prism_tokenizer_t *tok;
     bool skip_special;
@@ -66,6 +70,7 @@ typedef struct {
     size_t read_offset;      /* into ids: first id whose text has not been emitted */
     prism_buf_t prefix_text; /* scratch: decode(ids[prefix_offset:read_offset]) */
     prism_buf_t new_text;    /* scratch: decode(ids[prefix_offset:]) */
+    uint64_t decoded_ids;    /* ids run through the decoder so far: linear in the ids pushed */
 } prism_detok_t;
 
 void prism_detok_init(prism_detok_t *d, const prism_tokenizer_t *t, bool skip_special);

@@ -80,6 +80,7 @@ void prism_worker_opts_defaults(prism_worker_opts_t *o, const char *role)
     o->mem_budget = 0;
     o->log_level = "info";
     o->heartbeat_s = 1.0;
+    o->max_message_bytes = 64ll << 20;
     static char id[128];
     char host[64] = "host";
     gethostname(host, sizeof(host) - 1);
@@ -102,7 +103,14 @@ int prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *t, int n)
         PRISM_FLAG_DOUBLE("heartbeat-interval", &o->heartbeat_s, "Seconds between heartbeats"),
         PRISM_FLAG_BOOL("random-weights", &o->random_weights,
                         "Seeded random weights of config.json's shapes instead of safetensors (benchmarks)"),
+        PRISM_FLAG_STR("curve-keys", &o->curve_keys,
+                       "CURVE key directory (made by prism_keygen): this role's secret key and the cluster's public keys"),
+        PRISM_FLAG_BOOL("insecure-no-curve", &o->insecure_no_curve,
+                        "Unauthenticated internal links (only on an isolated network; logs a warning)"),
+        PRISM_FLAG_BYTES("max-message-bytes", &o->max_message_bytes,
+                         "Largest message accepted from a router (an image file for encoders); bigger drops the link"),
     };
+    _Static_assert(sizeof(f) / sizeof(f[0]) == PRISM_WORKER_N_FLAGS, "PRISM_WORKER_N_FLAGS");
     for (size_t i = 0; i < PRISM_ARRAY_LEN(f); i++)
         t[n++] = f[i];
     t[n] = (prism_flag_t)PRISM_FLAG_END;
@@ -120,6 +128,12 @@ int prism_worker_startup(int argc, char **argv, const char *role, const char *su
     int rc = prism_cli_parse(argc, argv, prog, summary, flags);
     if (rc) return rc > 0 ? 0 : 2;
     prism_log_init(role, prism_log_level_parse(o->log_level));
+    if (!o->insecure_no_curve == !(o->curve_keys && *o->curve_keys)) {  /* fail before loading a model */
+        PRISM_ERROR("%s", o->insecure_no_curve ? "--curve-keys and --insecure-no-curve contradict each other: give one"
+                          : "internal links are authenticated with CURVE keys: give --curve-keys DIR (create one with "
+                            "`prism_keygen --out DIR`), or --insecure-no-curve on a trusted, isolated network");
+        return 2;
+    }
     prism_worker_install_signals();
     char err[512] = "";
     if (prism_model_config_load(o->model_path, cfg, err, sizeof(err)) != PRISM_OK) {
@@ -154,31 +168,59 @@ void prism_worker_data_bind(const prism_worker_opts_t *o, char *out, size_t n)
 
 /* ---------------------------------------------------------------- sockets */
 
-int prism_worker_init(prism_worker_t *w, Prism__Role role, const char *worker_id,
-                      const prism_str_list_t *routers, const char *data_bind)
+static prism_net_role_t net_role(Prism__Role role)
+{
+    switch (role) {
+    case PRISM__ROLE__ROLE_ENCODER: return PRISM_NET_ROLE_ENCODER;
+    case PRISM__ROLE__ROLE_PREFILL: return PRISM_NET_ROLE_PREFILL;
+    case PRISM__ROLE__ROLE_DECODE:  return PRISM_NET_ROLE_DECODE;
+    default:                        return PRISM_NET_ROLE_NONE;
+    }
+}
+
+int prism_worker_init(prism_worker_t *w, Prism__Role role, const prism_worker_opts_t *o, const char *data_bind,
+                      size_t data_max_msg_bytes)
 {
     memset(w, 0, sizeof(*w));
     prism__register__init(&w->reg);
     w->role = role;
     w->heartbeat_s = 1.0;
-    snprintf(w->worker_id, sizeof(w->worker_id), "%s", worker_id);
-    w->zctx = zmq_ctx_new();
-    if (!w->zctx) return PRISM_EIO;
-    if (!routers || routers->n == 0) {
+    snprintf(w->worker_id, sizeof(w->worker_id), "%s", o->worker_id);
+    if (o->routers.n == 0) {
         PRISM_ERROR("no --router given: a worker needs at least one router control endpoint");
         return PRISM_EINVAL;
     }
-    for (int i = 0; i < routers->n && i < PRISM_WORKER_MAX_ROUTERS; i++) {
+    if (o->max_message_bytes < 1) {
+        PRISM_ERROR("--max-message-bytes must be positive");
+        return PRISM_EINVAL;
+    }
+    char err[512];
+    prism_net_opts_t no = {.role = net_role(role), .curve_keys = o->curve_keys, .insecure = o->insecure_no_curve};
+    if (prism_net_create(&no, &w->net, err, sizeof(err)) != PRISM_OK) {
+        PRISM_ERROR("%s", err);
+        return PRISM_EINVAL;
+    }
+    for (int i = 0; i < o->routers.n && i < PRISM_WORKER_MAX_ROUTERS; i++) {
         prism_worker_router_t *r = &w->routers[w->n_routers];
-        snprintf(r->endpoint, sizeof(r->endpoint), "%s", routers->items[i]);
-        /* Control messages are small; a generous HWM never drops a token under load. */
-        r->sock = prism_sock_connect(w->zctx, ZMQ_DEALER, r->endpoint, w->worker_id, 100000);
+        snprintf(r->endpoint, sizeof(r->endpoint), "%s", o->routers.items[i]);
+        /* Control messages are small and the router never sends a worker more requests than its
+         * registered capacity, so this bound is never reached in normal operation; past it a send
+         * waits (backpressure), nothing is dropped. */
+        prism_sock_opts_t so = {.type = ZMQ_DEALER, .endpoint = r->endpoint, .hwm = PRISM_NET_CONTROL_HWM,
+                                .max_msg_bytes = PRISM_MAX(o->max_message_bytes, (int64_t)PRISM_MSG_MAX_ENVELOPE),
+                                .identity = w->worker_id, .server = PRISM_NET_ROLE_ROUTER};
+        r->sock = prism_sock_connect(w->net, &so);
         if (!r->sock) return PRISM_EIO;
         w->n_routers++;
     }
     if (data_bind) {
-        /* HWM 1: at most one message queued per peer; the rest waits in the senders (backpressure). */
-        w->data_sock = prism_sock_bind(w->zctx, ZMQ_PULL, data_bind, 1);
+        /* HWM 1: at most one message queued per peer; the rest waits in the senders (backpressure).
+         * Embeddings come from encoders only, KV from prefills only. */
+        prism_sock_opts_t so = {.type = ZMQ_PULL, .endpoint = data_bind, .hwm = 1,
+                                .max_msg_bytes = (int64_t)PRISM_MAX(data_max_msg_bytes, (size_t)PRISM_MSG_MAX_ENVELOPE),
+                                .allow = role == PRISM__ROLE__ROLE_PREFILL ? PRISM_NET_ALLOW(PRISM_NET_ROLE_ENCODER)
+                                                                          : PRISM_NET_ALLOW(PRISM_NET_ROLE_PREFILL)};
+        w->data_sock = prism_sock_bind(w->net, &so);
         if (!w->data_sock) return PRISM_EIO;
         prism_sock_last_endpoint(w->data_sock, w->data_endpoint, sizeof(w->data_endpoint));
     }
@@ -195,8 +237,8 @@ void prism_worker_close(prism_worker_t *w)
     for (int i = 0; i < w->n_peers; i++)
         if (w->peers[i].sock) zmq_close(w->peers[i].sock);
     if (w->data_sock) zmq_close(w->data_sock);
-    if (w->zctx) zmq_ctx_term(w->zctx);
-    w->zctx = NULL;
+    prism_net_destroy(w->net);
+    w->net = NULL;
 }
 
 void *prism_worker_router_sock(prism_worker_t *w, const char *router_id)
@@ -213,7 +255,11 @@ void *prism_worker_peer_sock(prism_worker_t *w, const char *endpoint)
         if (!strcmp(w->peers[i].endpoint, endpoint))
             return w->peers[i].sock;
     if (w->n_peers == PRISM_WORKER_MAX_PEERS) return NULL;
-    void *s = prism_sock_connect(w->zctx, ZMQ_PUSH, endpoint, NULL, 1);
+    /* Encoders push embeddings to prefills, prefills push KV to decodes; a PUSH socket never
+     * receives, so its message bound only matters for the handshake. */
+    prism_sock_opts_t so = {.type = ZMQ_PUSH, .endpoint = endpoint, .hwm = 1, .max_msg_bytes = 64 << 10,
+                            .server = w->role == PRISM__ROLE__ROLE_ENCODER ? PRISM_NET_ROLE_PREFILL : PRISM_NET_ROLE_DECODE};
+    void *s = prism_sock_connect(w->net, &so);
     if (!s) return NULL;
     prism_worker_peer_t *p = &w->peers[w->n_peers++];
     snprintf(p->endpoint, sizeof(p->endpoint), "%s", endpoint);
@@ -255,6 +301,7 @@ void prism_worker_tick(prism_worker_t *w, Prism__Heartbeat *hb)
     hb->mem_used = prism_mem_used();
     hb->mem_peak = prism_mem_peak();
     hb->alloc_count = prism_mem_alloc_count();
+    hb->peer_auth_failures = prism_net_refused(w->net);
     for (int i = 0; i < w->n_routers; i++) {
         if (!w->routers[i].registered) continue;
         Prism__Envelope env = PRISM__ENVELOPE__INIT;

@@ -57,7 +57,7 @@ size_t prism_mem_runtime_bytes(void);
 int    prism_mem_plan_check(const prism_mem_plan_t *p, const char *who);
 
 typedef struct {
-    void *zctx;
+    prism_net_t *net;        /* ZeroMQ context, CURVE keys, ZAP handler */
     Prism__Role role;
     char worker_id[128];
     prism_worker_router_t routers[PRISM_WORKER_MAX_ROUTERS];
@@ -71,8 +71,12 @@ typedef struct {
     double last_heartbeat_s;
 } prism_worker_t;
 
-int  prism_worker_init(prism_worker_t *w, Prism__Role role, const char *worker_id,
-                       const prism_str_list_t *routers, const char *data_bind);
+typedef struct prism_worker_opts prism_worker_opts_t;
+/* Connects to every router (o->routers, as o->worker_id, authenticated with o's CURVE keys) and, when
+ * data_bind is set, binds the data socket; data_max_msg_bytes is the largest data frame this worker
+ * accepts (one image's embeddings, one prompt's KV): a bigger one drops the sender's connection. */
+int  prism_worker_init(prism_worker_t *w, Prism__Role role, const prism_worker_opts_t *o, const char *data_bind,
+                       size_t data_max_msg_bytes);
 void prism_worker_close(prism_worker_t *w);
 
 /* Registration and heartbeats; call every loop iteration (cheap when nothing is due). */
@@ -97,7 +101,7 @@ void prism_worker_install_signals(void);
 bool prism_worker_should_stop(void);
 
 /* Flags every worker has; call prism_worker_common_flags to get them into a flag table. */
-typedef struct {
+struct prism_worker_opts {
     const char *model_path;
     const char *worker_id;
     prism_str_list_t routers;
@@ -109,10 +113,14 @@ typedef struct {
     const char *log_level;
     double heartbeat_s;
     bool random_weights;
-} prism_worker_opts_t;
+    const char *curve_keys;      /* key directory (prism_keygen) */
+    bool insecure_no_curve;
+    int64_t max_message_bytes;   /* largest control message from a router (an image file for encoders) */
+};
 
+#define PRISM_WORKER_N_FLAGS 14
 void prism_worker_opts_defaults(prism_worker_opts_t *o, const char *role);
-/* Appends the common flags to table (which must have room for 11 more entries + END). */
+/* Appends the common flags to table (which must have room for PRISM_WORKER_N_FLAGS more entries + END). */
 int  prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *table, int n);
 /* Start-up shared by every worker: appends the common flags after the worker's own entries of flags
  * (a zero-filled table with room for them), parses, sets up logging and signals, loads config.json

@@ -45,17 +45,25 @@ def run_tool(args, **kw):
 def binary(name):
     sub = {"router": "router", "encoder_worker": "encoder_worker", "prefill_worker": "prefill_worker",
            "decode_worker": "decode_worker", "prism_imgtool": "tools", "prism_generate": "tools",
-           "prism_wire": "tools"}[name]
+           "prism_wire": "tools", "prism_keygen": "tools", "prism_peer_probe": "tests/integration"}[name]
     return os.path.join(BUILD, sub, name)
+
+
+def make_keys(directory):
+    """A cluster's CURVE key directory (prism_keygen): one keypair per role."""
+    subprocess.run([binary("prism_keygen"), "--out", directory], check=True, stdout=subprocess.DEVNULL)
+    return directory
 
 
 class Cluster:
     """routers > 1 starts that many routers; every worker connects to all of them (--router a,b).
     common_worker_args go to every worker (e.g. a short --heartbeat-interval for tests that read
-    worker state from /metrics)."""
+    worker state from /metrics). curve=True (the default, as in deploy/launch.sh): internal links
+    authenticated with a fresh key directory (self.keys); curve=False runs every process with
+    --insecure-no-curve."""
 
     def __init__(self, encoders=1, prefills=1, decodes=1, model=MODEL, router_args=(), worker_args=None,
-                 log_dir=None, routers=1, common_worker_args=()):
+                 log_dir=None, routers=1, common_worker_args=(), curve=True):
         self.ports = [free_port() for _ in range(routers)]
         self.ctls = ["tcp://127.0.0.1:%d" % free_port() for _ in range(routers)]
         self.port = self.ports[0]
@@ -63,12 +71,14 @@ class Cluster:
         self.model = model
         self.procs = {}
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="prism-it-")
+        self.keys = make_keys(os.path.join(self.log_dir, "curve-keys")) if curve else None
+        self.sec = ["--curve-keys", self.keys] if curve else ["--insecure-no-curve"]
         self.worker_args = worker_args or {}
         self.common_worker_args = list(common_worker_args)
         for i in range(routers):
             self._start("router" if i == 0 else "router-%d" % i, "router",
                         ["--model-path", model, "--port", str(self.ports[i]), "--control-endpoint", self.ctls[i],
-                         *router_args])
+                         *self.sec, *router_args])
         self.expected = {"encoders": encoders, "prefills": prefills, "decodes": decodes}
         for kind, n in (("encoder_worker", encoders), ("prefill_worker", prefills), ("decode_worker", decodes)):
             for i in range(n):
@@ -76,9 +86,10 @@ class Cluster:
         self.t_start = time.time()
 
     def start_worker(self, name, kind, extra=()):
-        """Starts (or restarts, under the same id) one worker connected to every router."""
+        """Starts (or restarts, under the same id) one worker connected to every router, with the
+        cluster's keys."""
         self._start(name, kind, ["--model-path", self.model, "--router", self.ctl, "--worker-id", name,
-                                 *self.common_worker_args, *self.worker_args.get(kind, ()), *extra])
+                                 *self.sec, *self.common_worker_args, *self.worker_args.get(kind, ()), *extra])
 
     def _start(self, name, kind, args):
         log = open(os.path.join(self.log_dir, name + ".log"), "ab")
@@ -147,6 +158,8 @@ class Cluster:
         in every process, not only in unit tests."""
         bad = []
         for f in sorted(os.listdir(self.log_dir)):
+            if not f.endswith(".log"):
+                continue  # e.g. the curve-keys directory
             with open(os.path.join(self.log_dir, f), "rb") as fh:
                 text = fh.read().decode("utf-8", "replace")
             for mark in SANITIZER_MARKS:

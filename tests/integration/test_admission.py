@@ -124,21 +124,22 @@ def test_body_bytes_in_flight_503():
     limit = 1 << 20
     with Cluster(router_args=["--max-body-bytes-in-flight", str(limit)]) as c:
         c.wait_ready()
-        # a: a valid request padded with JSON whitespace to 900 KB, sent in two halves; the router
-        # holds its declared length from the header on (100 Continue: the header was processed)
+        # a: a valid request padded with JSON whitespace to 900 KB, sent but for its last 50 KB; bodies
+        # are charged as their bytes arrive (its buffer, at most the declared length), so wait until
+        # the router holds it all
         body = json.dumps(chat_body("Hi", max_tokens=2)).encode()
         body += b" " * (900_000 - len(body))
         a = socket.create_connection(("127.0.0.1", c.port), timeout=30)
         a.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
-        assert a.recv(64).startswith(b"HTTP/1.1 100"), "no 100 Continue"
-        a.sendall(body[:450_000])
+                  b"Content-Length: %d\r\n\r\n" % len(body))
+        a.sendall(body[:850_000])
+        wait_for(lambda: (c.metric("prism:router_body_bytes_in_flight") or 0) >= 850_000, 10, "the held body charged")
         # b: 200 KB more than the bound allows right now
         small = json.dumps(chat_body("Hi", max_tokens=2)).encode()
         small += b" " * (200_000 - len(small))
         expect_refusal(c, 503, "in flight", "body_bytes_inflight", small)
         # a completes and is served; then b fits
-        a.sendall(body[450_000:])
+        a.sendall(body[850_000:])
         resp = b""
         while b"\r\n\r\n" not in resp:
             resp += a.recv(65536)
@@ -212,7 +213,8 @@ def test_orphan_embeddings_dropped():
         assert c.metric("prism:worker_pool_free", tier="prefill") == 1
         tc = CFG["text_config"]
         run_tool([binary("prism_wire"), "--endpoint", endpoint, "--request-id", "999999", "--router-id",
-                  "no-such-router", "--n-tokens", str(CFG["image_seq_length"]), "--hidden", str(tc["hidden_size"])],
+                  "no-such-router", "--n-tokens", str(CFG["image_seq_length"]), "--hidden", str(tc["hidden_size"]),
+                  *c.sec],
                  timeout=30)
         wait_for(lambda: c.metric("prism:worker_pool_free", tier="prefill") == 0, 10, "the orphan in the pool")
         t0 = time.time()

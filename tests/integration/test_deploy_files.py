@@ -121,6 +121,8 @@ def systemd_tests():
                          "PartOf=prism.target", "WantedBy=prism.target"):
                 assert re.search(r"^%s$" % re.escape(line), text, re.M), (role, line)
             assert "# keys" in text, role
+            # internal links are authenticated: every unit reads the host's CURVE key directory
+            assert re.search(r"^ExecStart=\S+ --model-path \$\{PRISM_MODEL\} --curve-keys /etc/prism/keys", text, re.M), role
             # GPU workers must see /dev/nvidia*: no device sandbox on them.
             if role != "router":
                 assert not re.search(r"^(PrivateDevices|ProtectClock|DevicePolicy)=", text, re.M), role
@@ -292,6 +294,21 @@ def k8s_tests():
         for flag in PLANNED:  # present as the planned interface, in comments only
             assert re.search(r"^\s*#\s*- %s=" % flag, text, re.M), flag
         assert "# keys" in open(os.path.join(DEPLOY, "k8s", "10-secrets.yaml")).read()
+        # internal links are authenticated: every container reads its role's key and every public key
+        link = get("Secret", "prism-link-keys")["stringData"]
+        for w in workloads():
+            spec = w["spec"]["template"]["spec"]
+            vols = {v["name"]: v for v in spec.get("volumes", [])}
+            assert spec["securityContext"].get("fsGroup"), w["metadata"]["name"]
+            items = [i["key"] for i in vols["link-keys"]["secret"]["items"]]
+            assert all(k in link for k in items), items
+            assert oct(vols["link-keys"]["secret"]["defaultMode"])[-1] == "0", "keys readable by others"
+            for c in spec["containers"]:
+                role = {"router": "router"}.get(os.path.basename(c["command"][0]),
+                                                os.path.basename(c["command"][0]).split("_")[0])
+                assert "--curve-keys=/etc/prism/keys" in c["args"], c["name"]
+                assert {"name": "link-keys", "mountPath": "/etc/prism/keys", "readOnly": True} in c["volumeMounts"]
+                assert sorted(items) == sorted([role + ".key"] + ["%s.pub" % r for r in ROLE_BINARY]), items
 
     def test_autoscaler_metric_is_the_adapter_rule():
         hpa = get("HorizontalPodAutoscaler", "prism-encoder")["spec"]["metrics"][0]

@@ -281,7 +281,7 @@ def test_chat_template_override_and_unsupported():
     with open(bad, "w") as f:
         f.write("{% include 'other.jinja' %}{{ messages }}")
     p = subprocess.run([binary("router"), "--model-path", MODEL, "--port", "0", "--control-endpoint",
-                        "tcp://127.0.0.1:0", "--chat-template", bad], capture_output=True, text=True, timeout=30)
+                        "tcp://127.0.0.1:0", "--insecure-no-curve", "--chat-template", bad], capture_output=True, text=True, timeout=30)
     assert p.returncode != 0 and "include" in p.stderr, (p.returncode, p.stderr[-500:])
 
 

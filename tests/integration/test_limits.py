@@ -13,6 +13,7 @@ import concurrent.futures
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -54,7 +55,8 @@ def wait_heartbeats(c, n=2):
 
 def test_budget_too_small_refuses_to_start():
     for kind in ("decode_worker", "prefill_worker", "encoder_worker"):
-        p = subprocess.run([binary(kind), "--model-path", MODEL, "--router", "tcp://127.0.0.1:1", "--mem-budget", "8M"],
+        p = subprocess.run([binary(kind), "--model-path", MODEL, "--router", "tcp://127.0.0.1:1", "--mem-budget", "8M",
+                            "--insecure-no-curve"],
                            capture_output=True, text=True, timeout=60)
         assert p.returncode != 0, (kind, p.returncode)
         assert "memory plan needs" in p.stderr or "cannot hold" in p.stderr, (kind, p.stderr[-800:])
@@ -247,8 +249,60 @@ def test_busy_encoder_keeps_heartbeating():
         assert "dropped" not in c.log("router", tail=0), c.log("router")[-600:]
 
 
+def refused(c, reason):
+    status, _, data = c.request("GET", "/metrics")
+    m = re.search(r'prism:requests_refused_total\{reason="%s"\} (\S+)' % reason, data.decode())
+    return float(m.group(1)) if m else 0.0
+
+
+def test_stream_client_that_stops_reading_is_dropped():
+    # finding 15: a client that does not read its SSE stream used to make the router queue the whole
+    # answer; above --max-stream-pending-bytes it is dropped (workers aborted) and nothing piles up
+    with Cluster(encoders=0, router_args=["--max-stream-pending-bytes", "64K"]) as c:
+        deadline = time.time() + 60
+        while True:  # text only: no encoder needed, so /ready (which wants one) is not the signal
+            try:
+                r = json.loads(c.request("GET", "/ready")[2])
+                if r["prefills"] == 1 and r["decodes"] == 1:
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.1)
+            assert time.time() < deadline
+        body = json.dumps({"prompt": "A red circle", "max_tokens": 1500, "ignore_eos": True, "stream": True,
+                           "logprobs": 5, "temperature": 0}).encode()
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", c.port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        # do not read; the router must notice and drop us
+        deadline = time.time() + 90
+        while refused(c, "slow_client") < 1:
+            assert time.time() < deadline, "the router kept queueing for a client that does not read"
+            time.sleep(0.2)
+        got = b""
+        s.settimeout(10)
+        try:
+            while True:
+                d = s.recv(65536)
+                if not d:
+                    break
+                got += d
+        except (ConnectionResetError, socket.timeout):
+            pass
+        s.close()
+        assert b"[DONE]" not in got, "the dropped stream still completed"
+        mem = [float(m.group(1)) for m in re.finditer(r'prism:router_memory_bytes\{\} (\S+)',
+                                                        c.request("GET", "/metrics")[2].decode())]
+        assert mem and mem[0] < 64 << 20, mem
+        status, r = c.post_json("/v1/completions", {"prompt": "A red", "max_tokens": 3})
+        assert status == 200, (status, r)
+
+
 if __name__ == "__main__":
-    sys.exit(run_tests([test_budget_too_small_refuses_to_start, test_backpressure_and_flat_allocations,
+    sys.exit(run_tests([test_stream_client_that_stops_reading_is_dropped,
+                        test_budget_too_small_refuses_to_start, test_backpressure_and_flat_allocations,
                         test_decode_admission_waits_for_kv, test_worker_failure_fails_requests_cleanly,
                         test_busy_encoder_keeps_heartbeating,
                         test_overload_burst_and_recovery]))

@@ -262,7 +262,7 @@ def test_malformed_llama4_embeddings_dropped():
     before = C.log("prefill-0", tail=0).count("malformed embeddings dropped")
     for n_tokens in (per_tile * 7 + 1, per_tile * 8):
         run_tool([binary("prism_wire"), "--endpoint", endpoint, "--request-id", "424242", "--router-id", "nobody",
-                  "--n-tokens", str(n_tokens), "--hidden", str(hidden)], timeout=30)
+                  "--n-tokens", str(n_tokens), "--hidden", str(hidden), *C.sec], timeout=30)
     wait_for(lambda: C.log("prefill-0", tail=0).count("malformed embeddings dropped") >= before + 2, 10,
              "both dropped")
     ids, _ = ask(C, body(QUESTION, [GOLD_IMG], max_tokens=4))

@@ -278,7 +278,7 @@ def haproxy_tests():
     lonely_port, lonely_ctl = ports, ports + 1
     lonely_log = open(os.path.join(TMP, "lonely-router.log"), "wb")
     lonely = subprocess.Popen([binary("router"), "--model-path", MODEL, "--port", str(lonely_port),
-                               "--control-endpoint", "tcp://127.0.0.1:%d" % lonely_ctl],
+                               "--control-endpoint", "tcp://127.0.0.1:%d" % lonely_ctl, "--insecure-no-curve"],
                               stdout=lonely_log, stderr=subprocess.STDOUT)
     front = ports + 2
     cfg = os.path.join(TMP, "haproxy.cfg")

@@ -50,7 +50,7 @@ size_t prism_cuda_reserved_bytes(const prism_backend_t *be);
 /* Per-row sampling parameters (host arrays of n_rows). uniform[r] is the request RNG's next
  * draw in [0, 1) (prism_rng_uniform), used only when the row is not greedy. */
 typedef struct {
-    const float *temperature;   /* <= 0: greedy */
+    const float *temperature;   /* < 1e-5 (or NaN): greedy */
     const float *top_p;         /* (0, 1]; >= 1 off */
     const int32_t *top_k;       /* <= 0 off; 1 greedy */
     const double *uniform;

@@ -131,7 +131,9 @@ sample_kernel(int32_t *out, const float *logits, int vocab, const prism_cuda_sam
     __syncthreads();
     c.mx = fsh[32];
 
-    bool greedy = !(prm.temperature > 0.0f) || prm.top_k == 1;
+    /* Below 1e-5 (and NaN) greedy, as the CPU sampler (PRISM_SAMPLE_MIN_TEMPERATURE): near 1e-38
+     * 1/T overflows and every probability would be NaN. */
+    bool greedy = !(prm.temperature >= 1e-5f) || prm.top_k == 1;
     c.inv_t = greedy ? 1.0f : 1.0f / prm.temperature;
     if (greedy) {
         /* first index holding the max: min over matching indices */

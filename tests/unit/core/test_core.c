@@ -132,6 +132,19 @@ static void test_kv_blocks(void **state)
     prism_kv_blocks_free_all(&b);
 }
 
+static void test_ct_equal(void **state)
+{
+    (void)state;
+    assert_true(prism_ct_equal("sekrit", 6, "sekrit", 6));
+    assert_false(prism_ct_equal("sekriT", 6, "sekrit", 6));
+    assert_false(prism_ct_equal("sekrit2", 7, "sekrit", 6));   /* a longer value sharing the prefix */
+    assert_false(prism_ct_equal("sek", 3, "sekrit", 6));
+    assert_false(prism_ct_equal("", 0, "sekrit", 6));
+    assert_true(prism_ct_equal("", 0, "", 0));
+    assert_false(prism_ct_equal("x", 1, "", 0));
+    assert_false(prism_ct_equal("sekritsekrit", 12, "sekrit", 6));  /* the secret repeated */
+}
+
 static void test_histogram(void **state)
 {
     prism_hist_t h;
@@ -267,6 +280,7 @@ int main(void)
         cmocka_unit_test(test_parse_bytes),  cmocka_unit_test(test_cli),        cmocka_unit_test(test_kv_blocks),
         cmocka_unit_test(test_histogram),    cmocka_unit_test(test_embed_cache_lru),
         cmocka_unit_test(test_embed_cache_pinned_hit_survives_puts), cmocka_unit_test(test_embed_cache_multi_unit),
+        cmocka_unit_test(test_ct_equal),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -64,6 +64,24 @@ static void test_valid(void **state)
     free(img);
 }
 
+/* A header with no tensors ("{}" or metadata only) is a valid, empty file. Found by fuzz_safetensors:
+ * the empty table was sorted and searched through a NULL pointer (undefined; UBSan's nonnull). */
+static void test_empty_header(void **state)
+{
+    (void)state;
+    static const char *hdrs[] = {"{}", "{\"__metadata__\":{\"format\":\"pt\"}}"};
+    for (size_t i = 0; i < 2; i++) {
+        prism_st_t *st;
+        uint8_t *img;
+        assert_int_equal(open_hdr(hdrs[i], 0, &st, &img), PRISM_OK);
+        assert_int_equal(prism_st_count(st), 0);
+        assert_null(prism_st_find(st, "a"));
+        assert_null(prism_st_get(st, 0));
+        prism_st_close(st);
+        free(img);
+    }
+}
+
 static void test_corrupt(void **state)
 {
     (void)state;
@@ -204,7 +222,7 @@ int main(void)
 {
     prism_log_init("test_safetensors", PRISM_LOG_ERROR);
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_valid),
+        cmocka_unit_test(test_valid), cmocka_unit_test(test_empty_header),
         cmocka_unit_test(test_corrupt),
         cmocka_unit_test(test_sharded),
         cmocka_unit_test(test_bundled_model),

@@ -8,15 +8,20 @@
 #include "net/net.h"
 
 typedef struct {
-    void *ctx, *router, *dealer;
+    prism_net_t *net;
+    void *router, *dealer;
 } pair_t;
 
 static int setup(void **state)
 {
     static pair_t p;
-    p.ctx = zmq_ctx_new();
-    p.router = prism_sock_bind(p.ctx, ZMQ_ROUTER, "inproc://t", 1000);
-    p.dealer = prism_sock_connect(p.ctx, ZMQ_DEALER, "inproc://t", "worker-1", 1000);
+    char err[256];
+    prism_net_opts_t no = {.role = PRISM_NET_ROLE_ROUTER, .insecure = true};
+    if (prism_net_create(&no, &p.net, err, sizeof(err)) != PRISM_OK) return -1;
+    p.router = prism_sock_bind(p.net, &(prism_sock_opts_t){.type = ZMQ_ROUTER, .endpoint = "inproc://t", .hwm = 1000,
+                                                          .max_msg_bytes = 1 << 20});
+    p.dealer = prism_sock_connect(p.net, &(prism_sock_opts_t){.type = ZMQ_DEALER, .endpoint = "inproc://t", .hwm = 1000,
+                                                             .max_msg_bytes = 1 << 20, .identity = "worker-1"});
     *state = &p;
     return p.router && p.dealer ? 0 : -1;
 }
@@ -26,7 +31,7 @@ static int teardown(void **state)
     pair_t *p = *state;
     zmq_close(p->router);
     zmq_close(p->dealer);
-    zmq_ctx_term(p->ctx);
+    prism_net_destroy(p->net);
     return 0;
 }
 

@@ -35,6 +35,29 @@ static void test_greedy(void **state)
     prism_sampler_free(&s);
 }
 
+/* Finding 17: 0 < T < ~1e-38 made 1/T infinite, every probability NaN, and the sampler returned the
+ * LEAST likely token. Tiny, denormal and NaN temperatures must act as greedy (vLLM: T < 1e-5). */
+static void test_tiny_temperature_is_greedy(void **state)
+{
+    prism_sampler_t s;
+    assert_int_equal(prism_sampler_init(&s, V), PRISM_OK);
+    float l[V];
+    fill(l);
+    int best = 0;
+    for (int i = 1; i < V; i++) if (l[i] > l[best]) best = i;
+    const float temps[] = {1e-39f, 1e-45f, 1e-30f, 1e-6f, NAN};
+    for (size_t k = 0; k < sizeof(temps) / sizeof(temps[0]); k++) {
+        for (int seed = 0; seed < 20; seed++) {
+            uint64_t rng = prism_rng_seed((uint64_t)seed);
+            prism_sample_params_t p = {temps[k], 1.0f, -1};
+            assert_int_equal(prism_sample(&s, l, &p, &rng), best);
+            prism_sample_params_t pp = {temps[k], 0.9f, 10};
+            assert_int_equal(prism_sample(&s, l, &pp, &rng), best);
+        }
+    }
+    prism_sampler_free(&s);
+}
+
 static void test_topk_topp_support(void **state)
 {
     prism_sampler_t s;
@@ -132,7 +155,8 @@ static void test_logprobs(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_greedy), cmocka_unit_test(test_topk_topp_support),
+        cmocka_unit_test(test_greedy), cmocka_unit_test(test_tiny_temperature_is_greedy),
+        cmocka_unit_test(test_topk_topp_support),
         cmocka_unit_test(test_distribution_matches_softmax), cmocka_unit_test(test_seeded_reproducible),
         cmocka_unit_test(test_logprobs),
     };

@@ -205,6 +205,77 @@ static void test_detok_bytes(void **state)
     prism_tokenizer_free(t);
 }
 
+/* Finding 8: ids that produce no text (skipped specials, ids outside the vocabulary, tokens the decoder
+ * erases) used to stay in the detokenizer's window, so every later id re-decoded the whole run: one
+ * Tokens message of such ids cost O(n^2) and froze the router. The work must stay linear: at most a
+ * constant number of decoded ids per pushed id, whatever the run. */
+#define NO_TEXT_RUN 100000
+#define WORK_PER_ID 256   /* generous: the window holds at most ~2 x PRISM_TOK_DETOK_MAX_PENDING ids */
+
+static void push_run_linear(prism_detok_t *d, int32_t id, prism_buf_t *delta)
+{
+    for (int i = 0; i < NO_TEXT_RUN; i++) {
+        assert_int_equal(prism_detok_push(d, id, delta), PRISM_OK);
+        if (d->decoded_ids > (uint64_t)WORK_PER_ID * (uint64_t)(i + 8))
+            fail_msg("id %d x %d: %llu ids decoded (quadratic)", id, i + 1, (unsigned long long)d->decoded_ids);
+    }
+}
+
+static void test_detok_no_text_runs_linear(void **state)
+{
+    (void)state;
+    prism_tokenizer_t *t = load_mini();
+    prism_detok_t d;
+    prism_buf_t delta = {0};
+    /* skipped special tokens between text */
+    prism_detok_init(&d, t, true);
+    assert_int_equal(prism_detok_push(&d, 9, &delta), PRISM_OK);   /* "ab" */
+    push_run_linear(&d, 1, &delta);                                  /* <s> x N, skipped */
+    assert_int_equal(prism_detok_push(&d, 9, &delta), PRISM_OK);   /* " ab" */
+    assert_int_equal(prism_detok_flush(&d, &delta), PRISM_OK);
+    assert_int_equal(delta.len, 5);
+    assert_memory_equal(delta.data, "ab ab", 5);
+    prism_detok_free(&d);
+    /* ids outside the vocabulary (what a broken or hostile worker could send) */
+    prism_detok_init(&d, t, false);
+    delta.len = 0;
+    assert_int_equal(prism_detok_push(&d, 9, &delta), PRISM_OK);
+    push_run_linear(&d, 1000000, &delta);
+    push_run_linear(&d, -5, &delta);
+    assert_int_equal(prism_detok_push(&d, 9, &delta), PRISM_OK);
+    assert_int_equal(prism_detok_flush(&d, &delta), PRISM_OK);
+    assert_int_equal(delta.len, 5);
+    assert_memory_equal(delta.data, "ab ab", 5);
+    prism_detok_free(&d);
+    prism_tokenizer_free(t);
+
+    /* a token the decoder chain erases ("c" replaced by nothing): not skippable up front, still linear,
+     * and the streamed text still equals decode() of all ids */
+    static const char from[] = "\"decoders\":[";
+    const char *p = strstr(MINI, from);
+    assert_non_null(p);
+    size_t a = (size_t)(p - MINI) + sizeof from - 1;
+    static const char ins[] = "{\"type\":\"Replace\",\"pattern\":{\"String\":\"c\"},\"content\":\"\"},";
+    char *buf = malloc(sizeof MINI + sizeof ins);
+    memcpy(buf, MINI, a);
+    memcpy(buf + a, ins, sizeof ins - 1);
+    memcpy(buf + a + sizeof ins - 1, MINI + a, sizeof MINI - a);
+    char err[256];
+    assert_int_equal(prism_tokenizer_load_from_memory(buf, strlen(buf), &t, err, sizeof err), PRISM_OK);
+    free(buf);
+    prism_detok_init(&d, t, true);
+    delta.len = 0;
+    assert_int_equal(prism_detok_push(&d, 6, &delta), PRISM_OK);   /* "a" */
+    push_run_linear(&d, 10, &delta);                                 /* "c" x N: no text */
+    assert_int_equal(prism_detok_push(&d, 7, &delta), PRISM_OK);   /* "b" */
+    assert_int_equal(prism_detok_flush(&d, &delta), PRISM_OK);
+    assert_int_equal(delta.len, 2);
+    assert_memory_equal(delta.data, "ab", 2);
+    prism_detok_free(&d);
+    prism_buf_free(&delta);
+    prism_tokenizer_free(t);
+}
+
 static void test_corrupt_fields(void **state)
 {
     (void)state;
@@ -371,6 +442,7 @@ int main(void)
         cmocka_unit_test(test_mini_roundtrip),
         cmocka_unit_test(test_encode_limits),
         cmocka_unit_test(test_detok_bytes),
+        cmocka_unit_test(test_detok_no_text_runs_linear),
         cmocka_unit_test(test_corrupt_fields),
         cmocka_unit_test(test_truncation_and_mutation),
     };
