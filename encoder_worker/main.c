@@ -3,8 +3,9 @@
  * router chose, as raw frames (one per tile).
  *
  * Jobs arrive from the router with the image file as a raw frame, which is kept (zmq_msg_move, no
- * copy) in a bounded job queue. Each loop iteration forms a batch, oldest first, of as many images
- * as the pixel buffer has tiles for (a LLaVA image is one tile; a Llama-4 image its canvas's tiles
+ * copy) in a job queue bounded in images and in file bytes (the router sends no more than
+ * --max-queued-image-bytes of files: Register.max_queued_bytes). Each loop iteration forms a batch,
+ * oldest first, of as many images as the pixel buffer has tiles for (a LLaVA image is one tile; a Llama-4 image its canvas's tiles
  * plus the global one, counted from the header before decoding), streams each through the decoder
  * into the preprocessor (prep.c: rows are resampled as they are decoded, straight into the batch's
  * tiles; no decoded image is ever held), runs the vision tower over the tiles in micro-batches of
@@ -60,6 +61,7 @@ typedef struct {
     enc_prep_t prep;          /* decoder, relay, preprocessor and its workspace */
     prism_embed_cache_t cache;
     int max_batch, max_queue;
+    uint64_t max_queue_bytes; /* image file bytes one router may have queued here (Register.max_queued_bytes) */
     int cap_tiles;            /* tiles of the pixel and output buffers: max(--max-batch-images, tiles of the largest image) */
     job_t *jobs;              /* [max_queue] */
     int batch[256];           /* job indices of the batch in flight */
@@ -115,6 +117,18 @@ static int push_job(encoder_t *e, job_t *j)
     return prism_msg_send(s, NULL, 0, &env, f, n, ZMQ_DONTWAIT);
 }
 
+/* Image file bytes queued here by one router: what its byte bound is checked against. */
+static uint64_t queued_bytes_of(const encoder_t *e, const char *router)
+{
+    uint64_t n = 0;
+    for (int i = 0; i < e->max_queue; i++) {
+        const job_t *j = &e->jobs[i];
+        if (j->state != JOB_FREE && j->has_image && !strcmp(j->router_id, router))
+            n += zmq_msg_size((zmq_msg_t *)&j->image);
+    }
+    return n;
+}
+
 static void on_encode(encoder_t *e, prism_msg_t *m)
 {
     const Prism__Envelope *env = m->env;
@@ -123,12 +137,18 @@ static void on_encode(encoder_t *e, prism_msg_t *m)
     job_t *j = NULL;
     for (int i = 0; i < e->max_queue; i++)
         if (e->jobs[i].state == JOB_FREE) { j = &e->jobs[i]; break; }
-    if (!j || !en || m->n_frames != 1 || !en->prefill_endpoint || !*en->prefill_endpoint) {
+    bool valid = en && m->n_frames == 1 && en->prefill_endpoint && *en->prefill_endpoint;
+    uint64_t held = valid && j ? queued_bytes_of(e, router) : 0;
+    /* A router keeps within the bound (one image alone may exceed it); one that does not is refused
+     * rather than allowed to grow this process past its plan. */
+    bool over = held && held + zmq_msg_size(&m->frames[0]) > e->max_queue_bytes;
+    if (!j || !valid || over) {
         job_t tmp = {.cache_slot = -1};
         tmp.rid = env->request_id;
         tmp.image_index = en ? en->image_index : 0;
         snprintf(tmp.router_id, sizeof(tmp.router_id), "%s", router);
-        snprintf(tmp.error, sizeof(tmp.error), "%s", j ? "malformed encode request" : "encoder queue is full");
+        snprintf(tmp.error, sizeof(tmp.error), "%s",
+                 !valid ? "malformed encode request" : over ? "encoder queue is full (image bytes)" : "encoder queue is full");
         PRISM_WARN("request %llu: %s", (unsigned long long)env->request_id, tmp.error);
         finish_job(e, &tmp);
         return;
@@ -266,13 +286,15 @@ int main(int argc, char **argv)
 {
     prism_worker_opts_t o;
     prism_worker_opts_defaults(&o, "encoder");
-    int64_t max_batch = 8, max_queue = 64, cache_bytes = 64ll << 20, max_pixels = 4096ll * 4096,
+    int64_t max_batch = 8, max_queue = 64, max_queue_bytes = 64ll << 20, cache_bytes = 64ll << 20, max_pixels = 4096ll * 4096,
             max_decode_pixels = 4096ll * 4096, decode_threads = 2;
     const char *dct = "auto";
     prism_flag_t flags[32] = {
         PRISM_FLAG_INT("max-batch-images", &max_batch, "Images per vision-tower micro-batch, the activation arena's "
                        "size (Llama-4: tiles; an image of more tiles runs in several micro-batches)"),
         PRISM_FLAG_INT("max-queued-images", &max_queue, "Images waiting for the encoder at once"),
+        PRISM_FLAG_BYTES("max-queued-image-bytes", &max_queue_bytes, "Image file bytes waiting for the encoder at "
+                         "once (the router holds the rest; one image larger than this is still taken alone)"),
         PRISM_FLAG_BYTES("embedding-cache-bytes", &cache_bytes, "Embedding cache budget (0 disables)"),
         PRISM_FLAG_INT("max-image-pixels", &max_pixels, "Largest image accepted (width*height in the file)"),
         PRISM_FLAG_INT("max-decode-pixels", &max_decode_pixels,
@@ -294,7 +316,7 @@ int main(int argc, char **argv)
         PRISM_ERROR("model at %s has no vision tower: an encoder worker has nothing to do", o.model_path);
         return 1;
     }
-    if (max_batch < 1 || max_batch > 256 || max_queue < max_batch || max_queue > 65536 || max_pixels < 1 ||
+    if (max_batch < 1 || max_batch > 256 || max_queue < max_batch || max_queue > 65536 || max_queue_bytes < 1 || max_pixels < 1 ||
         max_decode_pixels < 0 || decode_threads < 1 || decode_threads > 2) {
         PRISM_ERROR("flag out of range (see --help)");
         return 2;
@@ -331,6 +353,7 @@ int main(int argc, char **argv)
     prism_mem_plan_add(&plan, "pixels+outputs", (size_t)e.cap_tiles * (e.tile_px + e.emb_floats) * sizeof(float));
     prism_mem_plan_add(&plan, "decode", e.prep.dec_bytes + e.prep.relay_bytes);
     prism_mem_plan_add(&plan, "preprocess", e.prep.ws_bytes);
+    prism_mem_plan_add(&plan, "queued-images", (size_t)max_queue_bytes);  /* per router */
     prism_mem_plan_add(&plan, "embedding-cache", prism_embed_cache_bytes((size_t)cache_bytes, e.emb_floats));
     prism_mem_plan_add(&plan, "runtime", prism_mem_runtime_bytes());
     prism_mem_plan_add(&plan, "reserve", PRISM_MEM_RESERVE);
@@ -353,6 +376,8 @@ int main(int argc, char **argv)
         return 1;
     prism_worker_set_capacity(&e.w, &o, &plan, 0, 0, (uint32_t)(e.max_batch * e.cfg.image_seq_length),
                               (uint32_t)e.max_queue, 0);
+    e.max_queue_bytes = (uint64_t)max_queue_bytes;
+    e.w.reg.max_queued_bytes = e.max_queue_bytes;  /* the router keeps the queue's files under it */
     PRISM_INFO("encoder worker %s ready in %.2fs: micro-batch %d %s, pixel buffer %d tiles (largest image %d), queue "
                "%d, cache %d tiles", e.w.worker_id, prism_now_s() - t0, e.max_batch,
                e.prep.max_tiles > 1 ? "tiles" : "images", e.cap_tiles, e.prep.max_tiles, e.max_queue, e.cache.n_units);

@@ -106,6 +106,15 @@ static void worker_done(router_t *r, const char *id)
     r->queue_dirty = true;
 }
 
+/* An encoder finished (or dropped) image i of q: its slot and the file's bytes are free. */
+static void encoder_done(router_t *r, router_req_t *q, int i)
+{
+    router_worker_t *w = q->encoder_id[i][0] ? router_worker_by_id(r, q->encoder_id[i]) : NULL;
+    if (w) w->queued_bytes -= PRISM_MIN(w->queued_bytes, (uint64_t)q->prompt.img_len[i]);
+    q->encode_pending[i] = false;
+    worker_done(r, q->encoder_id[i]);
+}
+
 static void send_abort(router_t *r, const char *worker_id, uint64_t rid)
 {
     router_worker_t *w = worker_id[0] ? router_worker_by_id(r, worker_id) : NULL;
@@ -123,7 +132,7 @@ static void req_destroy(router_req_t *q)
     router_t *r = q->r;
     router_req_del(r, q->rid);
     for (int i = 0; i < q->prompt.n_images; i++)
-        if (q->encode_pending[i]) worker_done(r, q->encoder_id[i]);
+        if (q->encode_pending[i]) encoder_done(r, q, i);
     if (q->prefill_pending) worker_done(r, q->prefill_id);
     if (q->decode_pending) worker_done(r, q->decode_id);
     if (q->bytes_counted) r->image_bytes_inflight -= q->prompt.image_bytes;
@@ -435,8 +444,7 @@ void router_handle_encode_done(router_t *r, uint64_t rid, const Prism__EncodeDon
     router_req_t *q = router_req_get(r, rid);
     if (!q || d->image_index >= (uint32_t)q->prompt.n_images) return;
     if (q->encode_pending[d->image_index]) {
-        q->encode_pending[d->image_index] = false;
-        worker_done(r, q->encoder_id[d->image_index]);
+        encoder_done(r, q, (int)d->image_index);
     }
     q->decode_ms += d->decode_ms;
     q->vit_ms += d->vit_ms;
@@ -508,17 +516,24 @@ static void on_client_gone(prism_http_req_t *h, void *ud)
 static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
 {
     bool any_pf, any_dc, any_enc = true;
-    router_worker_t *pf = router_pick(r, PRISM__ROLE__ROLE_PREFILL, 0, &any_pf);
-    router_worker_t *dc = router_pick(r, PRISM__ROLE__ROLE_DECODE, 0, &any_dc);
+    router_worker_t *pf = router_pick(r, PRISM__ROLE__ROLE_PREFILL, 0, 0, &any_pf);
+    router_worker_t *dc = router_pick(r, PRISM__ROLE__ROLE_DECODE, 0, 0, &any_dc);
     router_worker_t *enc[ROUTER_MAX_IMAGES] = {0};
     bool enc_room = true;
     for (int i = 0; i < q->prompt.n_images && enc_room; i++) {
-        enc[i] = router_pick(r, PRISM__ROLE__ROLE_ENCODER, q->prompt.img_hash[i], &any_enc);
-        if (enc[i]) enc[i]->inflight++;  /* count now so the next image sees this one */
-        else enc_room = false;
+        enc[i] = router_pick(r, PRISM__ROLE__ROLE_ENCODER, q->prompt.img_hash[i], q->prompt.img_len[i], &any_enc);
+        if (enc[i]) {  /* count now so the next image sees this one */
+            enc[i]->inflight++;
+            enc[i]->queued_bytes += q->prompt.img_len[i];
+        } else {
+            enc_room = false;
+        }
     }
     for (int i = 0; i < q->prompt.n_images; i++)
-        if (enc[i]) enc[i]->inflight--;
+        if (enc[i]) {
+            enc[i]->inflight--;
+            enc[i]->queued_bytes -= q->prompt.img_len[i];
+        }
     if (!any_pf || !any_dc || !any_enc) {
         r->metrics.refused_limit[PRISM_REFUSE_NO_WORKERS]++;
         snprintf(msg, n, "No %s worker is available; try again shortly.",
@@ -584,6 +599,7 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
         snprintf(q->encoder_id[i], sizeof(q->encoder_id[i]), "%s", enc[i]->id);
         q->encode_pending[i] = true;
         enc[i]->inflight++;
+        enc[i]->queued_bytes += q->prompt.img_len[i];
         router_worker_note_image(enc[i], q->prompt.img_hash[i]);
     }
     q->stage = STAGE_SENT;

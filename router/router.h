@@ -43,6 +43,8 @@ typedef struct {
     double last_seen;
     /* our own view: requests we sent that have not finished on this worker */
     int inflight;
+    uint64_t queued_bytes;        /* encoders: image file bytes sent and not yet encoded */
+    uint64_t max_queued_bytes;    /* encoders: their queue's byte bound from registration (0: none) */
     uint64_t image_hashes[64];   /* recent images sent here: the router prefers a warm cache */
     int n_hashes;
 } router_worker_t;
@@ -123,7 +125,7 @@ void router_worker_drop(router_worker_t *w);
 void router_worker_note_image(router_worker_t *w, uint64_t hash);
 /* Least-loaded worker of a role with a free slot (inflight < its registered capacity); NULL when
  * none has room. *any is set when at least one worker of the role is registered. */
-router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash, bool *any);
+router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash, uint64_t bytes, bool *any);
 router_worker_t *router_worker_by_id(router_t *r, const char *id);
 bool router_ready(const router_t *r, bool need_encoder);
 int  router_count_workers(const router_t *r, Prism__Role role);

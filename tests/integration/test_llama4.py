@@ -30,6 +30,8 @@ import shutil
 import struct
 import sys
 import tempfile
+import threading
+import time
 import zlib
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -293,6 +295,36 @@ def test_concurrent_distinct_images():
         assert same_as_reference(got, refs[i % len(cases)], 10), (i, got, refs[i % len(cases)])
 
 
+def test_encoder_queue_bounded_in_bytes():
+    """The encoder's queue holds image files; with --max-queued-image-bytes 1 the router sends it
+    one image at a time (an image larger than the bound still goes alone) and holds the others, so
+    encoder memory does not grow with concurrency. The encoder refuses a job over its bound, so
+    without the router's byte bound requests fail (seen: 'encoder queue is full (image bytes)')."""
+    paths = []
+    for i in range(12):
+        p = os.path.join(TMP, "photo_%d.jpg" % i)
+        make_image(p, width=1024, height=768, photo=True, quality=92, seed=100 + i)
+        paths.append(p)
+    bodies = [body("Describe this.", [p], max_tokens=2, stream=i % 2 == 1) for i, p in enumerate(paths)]
+    most, stop = [0], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            most[0] = max(most[0], C.metric("prism:worker_waiting", worker="encoder-0") or 0)
+            time.sleep(0.02)
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+            res = list(ex.map(lambda b: ask(C, b)[0], bodies))
+    finally:
+        stop.set()
+        t.join()
+    assert all(len(r) == 2 for r in res), res
+    assert most[0] <= 1, ("images queued on the encoder at once", most[0])
+    assert "encoder queue is full" not in C.log("encoder-0", tail=0)
+
+
 # ---------------------------------------------------------------- Scout's context
 
 def test_scout_context_is_capped():
@@ -344,11 +376,13 @@ def main():
                          test_malformed_llama4_embeddings_dropped])
     finally:
         C.stop()
-    C = Cluster(model=L4, worker_args={"prefill_worker": ["--chunked-prefill-size", "50"],
-                                       "encoder_worker": ["--max-batch-images", "2"]})
+    C = Cluster(model=L4, common_worker_args=HB,
+                worker_args={"prefill_worker": ["--chunked-prefill-size", "50"],
+                             "encoder_worker": ["--max-batch-images", "2", "--max-queued-image-bytes", "1"]})
     try:
         C.wait_ready()
-        rc |= run_tests([test_chunked_prefill_and_micro_batches, test_concurrent_distinct_images])
+        rc |= run_tests([test_chunked_prefill_and_micro_batches, test_concurrent_distinct_images,
+                         test_encoder_queue_bounded_in_bytes])
     finally:
         C.stop()
     rc |= run_tests([test_scout_context_is_capped, test_short_context_unsplit_cache])
