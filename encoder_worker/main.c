@@ -73,6 +73,15 @@ typedef struct {
     uint64_t encoded, failed;
 } encoder_t;
 
+/* The file is no longer needed once the job has left the queue (decoded, answered from the cache
+ * or refused): free it then, so the queue's bytes are only those of queued jobs, which an abort
+ * frees at once, and the router's count of them is never below ours. */
+static void drop_image(job_t *j)
+{
+    if (j->has_image) zmq_msg_close(&j->image);
+    j->has_image = false;
+}
+
 static void finish_job(encoder_t *e, job_t *j)
 {
     Prism__EncodeDone d = PRISM__ENCODE_DONE__INIT;
@@ -85,8 +94,7 @@ static void finish_job(encoder_t *e, job_t *j)
     env.type = PRISM__MSG_TYPE__MSG_ENCODE_DONE;
     env.encode_done = &d;
     prism_worker_reply(&e->w, j->router_id, j->rid, &env);
-    if (j->has_image) zmq_msg_close(&j->image);
-    j->has_image = false;
+    drop_image(j);
     if (j->cache_slot >= 0) prism_embed_cache_unpin(&e->cache, j->cache_slot);
     j->cache_slot = -1;
     j->n_tiles = 0;
@@ -123,7 +131,7 @@ static uint64_t queued_bytes_of(const encoder_t *e, const char *router)
     uint64_t n = 0;
     for (int i = 0; i < e->max_queue; i++) {
         const job_t *j = &e->jobs[i];
-        if (j->state != JOB_FREE && j->has_image && !strcmp(j->router_id, router))
+        if (j->state == JOB_QUEUED && j->has_image && !strcmp(j->router_id, router))
             n += zmq_msg_size((zmq_msg_t *)&j->image);
     }
     return n;
@@ -172,8 +180,7 @@ static void on_abort(encoder_t *e, uint64_t rid, const char *router)
     for (int i = 0; i < e->max_queue; i++) {
         job_t *j = &e->jobs[i];
         if (j->state == JOB_QUEUED && j->rid == rid && !strcmp(j->router_id, router)) {
-            if (j->has_image) zmq_msg_close(&j->image);
-            j->has_image = false;
+            drop_image(j);
             j->state = JOB_FREE;
         }
     }
@@ -235,7 +242,10 @@ static void run_batch(encoder_t *e)
         if (!bad && n_tiles + nt > e->cap_tiles) break;   /* next batch: nothing overtakes it */
         e->batch[e->n_batch++] = idx;
         best->state = JOB_SEND;   /* an error travels to prefill and router */
-        if (bad) continue;
+        if (bad) {
+            drop_image(best);
+            continue;
+        }
         /* The entry stays pinned until the job is sent (finish_job): a miss later in this batch
          * must not evict and overwrite it. */
         int hit = prism_embed_cache_get_pinned(&e->cache, best->hash);
@@ -243,12 +253,14 @@ static void run_batch(encoder_t *e)
             best->cache_slot = hit;
             best->n_tiles = prism_embed_cache_units(&e->cache, hit, best->parts, MAX_TILES);
             best->cache_hit = true;
+            drop_image(best);
             continue;
         }
         double t0 = prism_now_s();
         int rc = enc_prep_run(&e->prep, data, len, e->pixels + (size_t)n_tiles * e->tile_px, best->error,
                               sizeof(best->error));
         best->decode_ms = (float)((prism_now_s() - t0) * 1e3);
+        drop_image(best);
         if (rc != PRISM_OK) continue;
         best->state = JOB_ENCODED;
         best->n_tiles = nt;
