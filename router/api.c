@@ -158,6 +158,8 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
     prism_hist_write(&m->queue, &b, "vllm:request_queue_time_seconds", "Time a request waited in prefill.", lbl);
     prism_metric_write(&b, "prism:requests_failed_total", "counter", "Requests that failed after admission.", lbl,
                        (double)m->failed);
+    prism_metric_write(&b, "prism:requests_retried_total", "counter",
+                       "Requests sent to other workers after theirs died before the first token.", lbl, (double)m->retried);
     prism_buf_appendf(&b, "# HELP prism:requests_refused_total Requests refused, by reason.\n"
                           "# TYPE prism:requests_refused_total counter\n");
     /* Refusals the HTTP server answers itself, before the router sees a request. */
@@ -246,7 +248,7 @@ void router_on_http(prism_http_req_t *h, void *ud)
     } else if (get && !strcmp(p, "/metrics")) {
         handle_metrics(r, h);
     } else if (get && !strcmp(p, "/ready")) {
-        bool ok = router_ready(r, r->cfg.has_vision);
+        bool ok = router_ready(r, r->cfg.has_vision) && !r->shutting_down;
         char b[256];
         int n = snprintf(b, sizeof(b), "{\"ready\":%s,\"encoders\":%d,\"prefills\":%d,\"decodes\":%d}",
                          ok ? "true" : "false", router_count_workers(r, PRISM__ROLE__ROLE_ENCODER),

@@ -92,6 +92,7 @@ struct prism_http_server {
     size_t n_conns;
     size_t n_active;         /* accepted, not rejected, not closing (read atomically) */
     bool stopping, listener_closed;
+    bool draining, listener_closing;  /* prism_http_server_drain: no new connections, no keep-alive */
     int port;
     size_t body_bytes;       /* request bodies held right now: buffer bytes, charged as bodies arrive */
     prism_http_refusals_t refused;
@@ -508,7 +509,7 @@ static void req_complete(prism_http_req_t *r)
     conn_t *c = r->conn;
     r->done = true;
     if (!c) return;
-    if (!r->keep_alive || c->srv->stopping) {
+    if (!r->keep_alive || c->srv->stopping || c->srv->draining) {
         conn_close_graceful(c);
         return;
     }
@@ -526,7 +527,7 @@ int prism_http_respond(prism_http_req_t *r, int status, const char *content_type
     if (rc) return rc;
     conn_t *c = r->conn;
     prism_buf_t head = {0};
-    bool ka = r->keep_alive && !c->srv->stopping;
+    bool ka = r->keep_alive && !c->srv->stopping && !c->srv->draining;
     rc = build_head(&head, status, content_type, extra_headers, false, true, len, ka);
     if (rc) goto fail;
     r->started = true;
@@ -560,7 +561,7 @@ int prism_http_stream_begin(prism_http_req_t *r, int status, const char *content
     /* HTTP/1.0 has no chunked encoding: send raw bytes and mark the end by closing. */
     r->chunked_out = !(r->http_major == 1 && r->http_minor == 0);
     if (!r->chunked_out) r->keep_alive = false;
-    bool ka = r->keep_alive && !c->srv->stopping;
+    bool ka = r->keep_alive && !c->srv->stopping && !c->srv->draining;
     prism_buf_t head = {0};
     rc = build_head(&head, status, content_type, extra_headers, r->chunked_out, false, 0, ka);
     if (!rc) {
@@ -1061,7 +1062,7 @@ int prism_http_server_start(uv_loop_t *loop, const prism_http_config_t *cfg_in, 
     if (rc) {
         PRISM_ERROR("http: cannot listen on %s:%d: %s", s->cfg.host, s->cfg.port, uv_strerror(rc));
         /* the handle memory must live until its close callback, which frees s */
-        s->stopping = true;
+        s->stopping = s->listener_closing = true;
         uv_close((uv_handle_t *)&s->listener, on_listener_closed);
         *out = NULL;
         return PRISM_EIO;
@@ -1084,11 +1085,22 @@ static void on_listener_closed(uv_handle_t *h)
     server_maybe_free(s);
 }
 
+void prism_http_server_drain(prism_http_server_t *s)
+{
+    if (!s || s->stopping || s->draining) return;
+    s->draining = s->listener_closing = true;
+    uv_close((uv_handle_t *)&s->listener, on_listener_closed);
+    /* Idle keep-alive connections have nothing to finish; the others end after their response. */
+    for (conn_t *c = s->conns; c; c = c->next)
+        if (!c->req && c->inbuf.len == c->in_off && !c->closing) conn_close_now(c);
+}
+
 void prism_http_server_stop(prism_http_server_t *s)
 {
     if (!s || s->stopping) return;
     s->stopping = true;
-    uv_close((uv_handle_t *)&s->listener, on_listener_closed);
+    if (!s->listener_closing) uv_close((uv_handle_t *)&s->listener, on_listener_closed);
+    s->listener_closing = true;
     /* conn_close_now may run abort callbacks, which must not free other connections: they are
      * freed only from close callbacks, so walking the list here is safe. */
     for (conn_t *c = s->conns; c; c = c->next) conn_close_now(c);

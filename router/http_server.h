@@ -84,6 +84,9 @@ int  prism_http_server_start(uv_loop_t *loop, const prism_http_config_t *cfg, pr
 /* Closes the listener and every connection through uv_close callbacks (in-flight requests see their
  * abort callback). s is freed once the loop has run the close callbacks: do not use it afterwards. */
 void prism_http_server_stop(prism_http_server_t *s);
+/* Graceful: stops accepting connections, closes idle keep-alive ones, and ends the others after
+ * their current response (Connection: close); prism_http_server_stop still ends the rest. */
+void prism_http_server_drain(prism_http_server_t *s);
 int  prism_http_server_port(const prism_http_server_t *s);  /* the bound port (useful with port 0) */
 size_t prism_http_server_active_connections(const prism_http_server_t *s);
 /* Request body bytes held right now (charged to max_body_bytes_total as they arrive; any thread). */

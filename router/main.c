@@ -9,17 +9,46 @@
 #include <string.h>
 #include <unistd.h>
 
-static void on_signal(uv_signal_t *s, int sig)
+static void stop_now(router_t *r)
 {
-    router_t *r = s->data;
-    PRISM_INFO("signal %d: shutting down", sig);
     router_abort_all(r);
     prism_http_server_stop(r->http);
     router_ctl_stop(r);
+    uv_timer_stop(&r->drain_timer);
+    uv_close((uv_handle_t *)&r->drain_timer, NULL);
     uv_signal_stop(&r->sigint);
     uv_signal_stop(&r->sigterm);
     uv_close((uv_handle_t *)&r->sigint, NULL);
     uv_close((uv_handle_t *)&r->sigterm, NULL);
+}
+
+static void on_drain_tick(uv_timer_t *t)
+{
+    router_t *r = t->data;
+    bool idle = r->n_reqs == 0 && prism_http_server_active_connections(r->http) == 0;
+    if (!idle && prism_now_s() < r->drain_deadline) return;
+    if (idle) PRISM_INFO("drained: every request finished");
+    else PRISM_WARN("drain timeout: aborting %zu requests still in flight", r->n_reqs);
+    stop_now(r);
+}
+
+/* The first SIGTERM / SIGINT drains: no new connections (a load balancer moves on), /ready 503,
+ * requests in flight finish (streams included) within --drain-timeout; a second signal, or the
+ * deadline, aborts what is left. */
+static void on_signal(uv_signal_t *s, int sig)
+{
+    router_t *r = s->data;
+    if (r->shutting_down || r->drain_timeout_s <= 0) {
+        PRISM_INFO("signal %d: shutting down now", sig);
+        stop_now(r);
+        return;
+    }
+    PRISM_INFO("signal %d: draining %zu requests in flight (at most %.0fs; a second signal stops at once)", sig,
+               r->n_reqs, r->drain_timeout_s);
+    r->shutting_down = true;
+    r->drain_deadline = prism_now_s() + r->drain_timeout_s;
+    prism_http_server_drain(r->http);
+    uv_timer_start(&r->drain_timer, on_drain_tick, 0, 50);
 }
 
 int main(int argc, char **argv)
@@ -31,8 +60,8 @@ int main(int argc, char **argv)
     bool insecure_no_curve = false, metrics_open = false;
     int64_t port = 8000, context_length = 0, limit_mm = 8, max_pixels = 4096ll * 4096, max_running = 256,
             max_body = 64ll << 20, body_total = 1ll << 30, image_inflight = 1ll << 30, max_conn = 4096,
-            min_body_rate = 8 << 10, stream_pending = 4ll << 20;
-    double worker_timeout = 10, request_timeout = 600, max_queue_wait = 120, header_timeout = 30;
+            min_body_rate = 8 << 10, stream_pending = 4ll << 20, max_retries = 2;
+    double worker_timeout = 10, request_timeout = 600, max_queue_wait = 120, header_timeout = 30, drain_timeout = 20;
     prism_flag_t flags[] = {
         PRISM_FLAG_STR("model-path", &model_path, "HF model directory (config.json, tokenizer.json, tokenizer_config.json)"),
         PRISM_FLAG_STR("tokenizer-path", &tokenizer_path, "Tokenizer directory (default: --model-path)"),
@@ -62,7 +91,11 @@ int main(int argc, char **argv)
                          "Bytes queued for a streaming client that stopped reading; beyond, it is dropped"),
         PRISM_FLAG_DOUBLE("worker-timeout", &worker_timeout, "Seconds without a heartbeat before a worker is dropped"),
         PRISM_FLAG_DOUBLE("request-timeout", &request_timeout, "Seconds before an unfinished request fails"),
-        PRISM_FLAG_DOUBLE("max-queue-wait", &max_queue_wait, "Seconds a request may wait for its first token before a 503"),
+        PRISM_FLAG_DOUBLE("max-queue-wait", &max_queue_wait, "Seconds a request may wait for a worker (also while a tier has none) before a 503"),
+        PRISM_FLAG_INT("max-retries", &max_retries,
+                       "Times a request whose worker died before its first token is sent to other workers"),
+        PRISM_FLAG_DOUBLE("drain-timeout", &drain_timeout,
+                          "Seconds SIGTERM waits for requests in flight before aborting them (0: abort at once)"),
         PRISM_FLAG_STR("log-level", &log_level, "debug, info, warn or error"),
         PRISM_FLAG_END,
     };
@@ -132,6 +165,8 @@ int main(int argc, char **argv)
     r.worker_timeout_s = worker_timeout;
     r.request_timeout_s = request_timeout;
     r.max_queue_wait_s = max_queue_wait;
+    r.max_retries = max_retries < 0 ? 0 : (int)max_retries;
+    r.drain_timeout_s = drain_timeout;
     r.created = prism_unix_time();
     r.image_token_id = r.cfg.has_vision ? r.cfg.image_token_index : -1;
     if (r.cfg.has_vision && r.cfg.vision_arch == PRISM_VISION_LLAMA4 && router_llama4_init(&r, model_path) != PRISM_OK)
@@ -163,6 +198,8 @@ int main(int argc, char **argv)
         PRISM_ERROR("cannot listen on %s:%lld", host, (long long)port);
         return 1;
     }
+    uv_timer_init(r.loop, &r.drain_timer);
+    r.drain_timer.data = &r;
     uv_signal_init(r.loop, &r.sigint);
     uv_signal_init(r.loop, &r.sigterm);
     r.sigint.data = r.sigterm.data = &r;

@@ -33,6 +33,8 @@ struct router_req {
     bool prefill_pending, decode_pending;
     /* generation */
     stage_t stage;
+    int attempts;                 /* dispatches so far; a retry is one more (bounded by --max-retries) */
+    const char *waiting_for;      /* while queued because a tier has no worker at all: its name */
     int n_out;
     prism_detok_t detok;
     prism_buf_t text;             /* generated text so far (after stop-string truncation) */
@@ -456,6 +458,50 @@ void router_handle_encode_done(router_t *r, uint64_t rid, const Prism__EncodeDon
     }
 }
 
+static bool queue_push_front(router_t *r, uint64_t rid);
+
+/* Takes the request back from every worker it was sent to (aborts to those still alive), as if
+ * it had never been dispatched. */
+static void req_release_workers(router_req_t *q)
+{
+    router_t *r = q->r;
+    abort_workers(q);
+    for (int i = 0; i < q->prompt.n_images; i++) {
+        if (q->encode_pending[i]) encoder_done(r, q, i);
+        q->encode_pending[i] = false;
+        q->encoder_id[i][0] = '\0';
+    }
+    if (q->prefill_pending) worker_done(r, q->prefill_id);
+    if (q->decode_pending) worker_done(r, q->decode_id);
+    q->prefill_pending = q->decode_pending = false;
+    q->prefill_id[0] = q->decode_id[0] = '\0';
+    /* A new id: late messages for the old one (from workers that had started) match nothing, and
+     * no worker's memory of the abort can catch the request's next dispatch. */
+    router_req_del(r, q->rid);
+    q->rid = ++r->next_rid;
+    int rc = router_req_put(r, q->rid, q);  /* takes the entry just freed */
+    PRISM_ASSERT(rc == PRISM_OK);
+}
+
+/* A worker holding this request is gone before its first token reached the client: nothing was
+ * said yet, so the request starts over on healthy workers, ahead of the queue. It takes a new id:
+ * whatever the first attempt's surviving workers still send matches no request. */
+static bool req_retry(router_req_t *q, const char *why)
+{
+    router_t *r = q->r;
+    if (q->stage != STAGE_SENT || q->attempts > r->max_retries || r->queue_len == r->reqs_cap) return false;
+    uint64_t old = q->rid;
+    req_release_workers(q);
+    q->stage = STAGE_QUEUED;
+    bool queued = queue_push_front(r, q->rid);  /* room checked above */
+    PRISM_ASSERT(queued);
+    r->metrics.retried++;
+    r->queue_dirty = true;
+    PRISM_INFO("request %llu: %s; retried as %llu (attempt %d of %d)", (unsigned long long)old, why,
+               (unsigned long long)q->rid, q->attempts + 1, r->max_retries + 1);
+    return true;
+}
+
 void router_fail_worker_requests(router_t *r, const router_worker_t *w)
 {
     for (size_t i = 0; i < r->reqs_cap; i++) {
@@ -467,7 +513,7 @@ void router_fail_worker_requests(router_t *r, const router_worker_t *w)
         if (held) {
             char msg[256];
             snprintf(msg, sizeof(msg), "The %s worker serving this request stopped responding.", prism_role_name(w->role));
-            req_fail(q, 503, msg);
+            if (!req_retry(q, msg)) req_fail(q, 503, msg);
             i = (size_t)-1;  /* the map changed under us: rescan */
         }
     }
@@ -480,8 +526,15 @@ void router_sweep_requests(router_t *r)
         router_req_t *q = r->reqs[i];
         if (!q) continue;
         if (q->stage != STAGE_PREFILLED && now - q->t_start > r->max_queue_wait_s) {
-            r->metrics.refused_limit[PRISM_REFUSE_QUEUE_WAIT]++;
-            req_fail(q, 503, "The request waited too long for a free worker; retry after a short wait.");
+            char msg[160];
+            if (q->stage == STAGE_QUEUED && q->waiting_for) {
+                r->metrics.refused_limit[PRISM_REFUSE_NO_WORKERS]++;
+                snprintf(msg, sizeof(msg), "No %s worker is available; try again shortly.", q->waiting_for);
+            } else {
+                r->metrics.refused_limit[PRISM_REFUSE_QUEUE_WAIT]++;
+                snprintf(msg, sizeof(msg), "The request waited too long for a free worker; retry after a short wait.");
+            }
+            req_fail(q, 503, msg);
             i = (size_t)-1;
         } else if (now - q->t_start > r->request_timeout_s) {
             req_fail(q, 503, "The request timed out.");
@@ -510,10 +563,9 @@ static void on_client_gone(prism_http_req_t *h, void *ud)
     req_destroy(q);
 }
 
-/* Sends the request to its workers: 0 when sent, DISPATCH_WAIT when every worker of a tier is at
- * capacity (the request stays queued in the router), else an HTTP status with msg. */
-#define DISPATCH_WAIT 1
-static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
+/* Sends the request to its workers; false when it must wait in the router's queue (every worker of
+ * a tier is at capacity, a tier has no worker at all, or a worker could not be reached). */
+static bool dispatch(router_t *r, router_req_t *q)
 {
     bool any_pf, any_dc, any_enc = true;
     router_worker_t *pf = router_pick(r, PRISM__ROLE__ROLE_PREFILL, 0, 0, &any_pf);
@@ -534,13 +586,14 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
             enc[i]->inflight--;
             enc[i]->queued_bytes -= q->prompt.img_len[i];
         }
-    if (!any_pf || !any_dc || !any_enc) {
-        r->metrics.refused_limit[PRISM_REFUSE_NO_WORKERS]++;
-        snprintf(msg, n, "No %s worker is available; try again shortly.",
-                 !any_pf ? "prefill" : !any_dc ? "decode" : "encoder");
-        return 503;
+    /* A tier with no worker at all waits too (bounded by --max-queue-wait): a restarted worker
+     * re-registers within seconds, and the request is served then instead of refused now. */
+    q->waiting_for = !any_pf ? "prefill" : !any_dc ? "decode" : !any_enc ? "encoder" : NULL;
+    if (!pf || !dc || !enc_room) {
+        PRISM_DEBUG("request %llu waits: %s", (unsigned long long)q->rid,
+                    !pf ? "no prefill worker with room" : !dc ? "no decode worker with room" : "no encoder with room");
+        return false;
     }
-    if (!pf || !dc || !enc_room) return DISPATCH_WAIT;
     /* Prefill first: it must know the request before embeddings can be used (either order works). */
     Prism__ImageSpan spans[ROUTER_MAX_IMAGES], *span_ptrs[ROUTER_MAX_IMAGES];
     for (int s = 0; s < q->prompt.n_images; s++) {
@@ -573,9 +626,11 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
     env.type = PRISM__MSG_TYPE__MSG_PREFILL;
     env.request_id = q->rid;
     env.prefill = &p;
+    /* A send fails when the worker's connection is gone (it died; the registry drops it at
+     * --worker-timeout): the request waits for the next try rather than failing. */
     if (router_send(r, pf, &env, NULL, 0) != PRISM_OK) {
-        snprintf(msg, n, "The prefill worker could not be reached; try again shortly.");
-        return 503;
+        PRISM_WARN("request %llu: prefill worker %s unreachable; the request waits", (unsigned long long)q->rid, pf->id);
+        return false;
     }
     snprintf(q->prefill_id, sizeof(q->prefill_id), "%s", pf->id);
     snprintf(q->decode_id, sizeof(q->decode_id), "%s", dc->id);
@@ -593,8 +648,10 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
         ee.encode = &e;
         prism_frame_t f = {q->prompt.img[i], q->prompt.img_len[i]};
         if (router_send(r, enc[i], &ee, &f, 1) != PRISM_OK) {
-            snprintf(msg, n, "The encoder worker could not be reached; try again shortly.");
-            return 503;
+            PRISM_WARN("request %llu: encoder %s unreachable; the request waits", (unsigned long long)q->rid,
+                       enc[i]->id);
+            req_release_workers(q);
+            return false;
         }
         snprintf(q->encoder_id[i], sizeof(q->encoder_id[i]), "%s", enc[i]->id);
         q->encode_pending[i] = true;
@@ -603,13 +660,23 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
         router_worker_note_image(enc[i], q->prompt.img_hash[i]);
     }
     q->stage = STAGE_SENT;
-    return 0;
+    q->attempts++;
+    return true;
 }
 
 static bool queue_push(router_t *r, uint64_t rid)
 {
     if (r->queue_len == r->reqs_cap) return false;
     r->queue[(r->queue_head + r->queue_len) % r->reqs_cap] = rid;
+    r->queue_len++;
+    return true;
+}
+
+static bool queue_push_front(router_t *r, uint64_t rid)
+{
+    if (r->queue_len == r->reqs_cap) return false;
+    r->queue_head = (r->queue_head + r->reqs_cap - 1) % r->reqs_cap;
+    r->queue[r->queue_head] = rid;
     r->queue_len++;
     return true;
 }
@@ -622,10 +689,10 @@ void router_dispatch_queued(router_t *r)
         uint64_t rid = r->queue[r->queue_head];
         router_req_t *q = router_req_get(r, rid);
         if (q && q->stage == STAGE_QUEUED) {
-            char msg[300];
-            int status = dispatch(r, q, msg, sizeof(msg));
-            if (status == DISPATCH_WAIT) break;  /* still no room: keep the order */
-            if (status) req_fail(q, status, msg);
+            if (!dispatch(r, q)) {  /* still no room: keep the order */
+                r->queue[r->queue_head] = q->rid;  /* a failed send gave it a new id */
+                break;
+            }
         }
         r->queue_head = (r->queue_head + 1) % r->reqs_cap;
         r->queue_len--;
@@ -635,6 +702,11 @@ void router_dispatch_queued(router_t *r)
 
 void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
 {
+    if (r->shutting_down) {  /* a keep-alive connection's next request while draining */
+        respond_error(h, 503, "The server is shutting down; retry on another instance.", NULL);
+        prism_http_req_release(h);
+        return;
+    }
     size_t blen = 0;
     const char *body = prism_http_req_body(h, &blen);
     router_req_t *q = prism_calloc(1, sizeof(*q));
@@ -701,14 +773,9 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
     r->image_bytes_inflight += q->prompt.image_bytes;
     q->bytes_counted = true;
     /* Behind older queued requests, or no worker has room: wait in the router's queue. */
-    status = r->queue_len ? DISPATCH_WAIT : dispatch(r, q, msg, sizeof(msg));
-    if (status == DISPATCH_WAIT && !queue_push(r, q->rid)) {
+    if ((r->queue_len || !dispatch(r, q)) && !queue_push(r, q->rid)) {
         r->metrics.refused_limit[PRISM_REFUSE_QUEUE_FULL]++;
-        status = 429;
-        snprintf(msg, sizeof(msg), "The server is at capacity; retry after a short wait.");
-    }
-    if (status != 0 && status != DISPATCH_WAIT) {
-        req_fail(q, status, msg);
+        req_fail(q, 429, "The server is at capacity; retry after a short wait.");
         return;
     }
     prism_http_req_set_user(h, q);

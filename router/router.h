@@ -66,6 +66,8 @@ typedef struct {
     double worker_timeout_s;
     double request_timeout_s;
     double max_queue_wait_s;    /* no first token by then: 503 */
+    int max_retries;
+    double drain_timeout_s;            /* re-dispatches of a request whose worker died before its first token */
     int64_t created;
 
     /* model facts */
@@ -92,6 +94,9 @@ typedef struct {
     uv_prepare_t ctl_prepare;
     uv_timer_t sweep_timer;
     uv_signal_t sigint, sigterm;
+    uv_timer_t drain_timer;
+    bool shutting_down;         /* SIGTERM/SIGINT: finishing what it holds, taking nothing new */
+    double drain_deadline;      /* prism_now_s() by which the rest is aborted (--drain-timeout) */
 
     router_worker_t workers[ROUTER_MAX_WORKERS];
 

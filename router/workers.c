@@ -58,6 +58,7 @@ int router_worker_register(router_t *r, const char *id, const Prism__Register *g
     w->mem_budget = g->mem_budget;
     w->mem_planned = g->mem_planned;
     w->last_seen = prism_now_s();
+    r->queue_dirty = true;  /* a worker (back) with room: requests waiting for its tier may go */
     return PRISM_OK;
 }
 

@@ -78,7 +78,7 @@ class Cluster:
         for i in range(routers):
             self._start("router" if i == 0 else "router-%d" % i, "router",
                         ["--model-path", model, "--port", str(self.ports[i]), "--control-endpoint", self.ctls[i],
-                         *self.sec, *router_args])
+                         "--drain-timeout", "0", *self.sec, *router_args])  # teardown: no drain (tests may ask)
         self.expected = {"encoders": encoders, "prefills": prefills, "decodes": decodes}
         for kind, n in (("encoder_worker", encoders), ("prefill_worker", prefills), ("decode_worker", decodes)):
             for i in range(n):

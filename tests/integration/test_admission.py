@@ -99,7 +99,7 @@ def test_requests_in_flight_429():
         expect_refusal(c, 429, "at capacity", "queue_full", chat_body("Hi", max_tokens=2))
         for s in held:
             s.close()
-        wait_for(lambda: c.metric("prism:router_requests_in_flight") == 0, 10, "the held requests to go")
+        wait_for(lambda: c.metric("prism:router_requests_in_flight") == 0, 30, "the held requests to go")
         status, r = c.post_json("/v1/chat/completions", chat_body("Hi", max_tokens=2))
         assert status == 200, (status, r)
 
@@ -115,7 +115,7 @@ def test_image_bytes_in_flight_429():
         status, r = c.post_json("/v1/chat/completions", chat_body("Hi", max_tokens=2))  # no image: admitted
         assert status == 200, (status, r)
         s.close()
-        wait_for(lambda: c.metric("prism:router_image_bytes_in_flight") == 0, 10, "image bytes released")
+        wait_for(lambda: c.metric("prism:router_image_bytes_in_flight") == 0, 30, "image bytes released")
         status, r = c.post_json("/v1/chat/completions", chat_body("What is in the image?", [JPG], max_tokens=2))
         assert status == 200, (status, r)
 
@@ -133,7 +133,7 @@ def test_body_bytes_in_flight_503():
         a.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n" % len(body))
         a.sendall(body[:850_000])
-        wait_for(lambda: (c.metric("prism:router_body_bytes_in_flight") or 0) >= 850_000, 10, "the held body charged")
+        wait_for(lambda: (c.metric("prism:router_body_bytes_in_flight") or 0) >= 850_000, 30, "the held body charged")
         # b: 200 KB more than the bound allows right now
         small = json.dumps(chat_body("Hi", max_tokens=2)).encode()
         small += b" " * (200_000 - len(small))
@@ -157,7 +157,7 @@ def test_max_queue_wait_503():
         t0 = time.time()
         expect_refusal(c, 503, "waited too long", "queue_wait", chat_body("Hi", max_tokens=2))
         waited = time.time() - t0
-        assert 0.9 <= waited < 5, waited
+        assert 0.9 <= waited < 15, waited  # upper bound: the wait ended (slack for sanitizer builds on a loaded CI)
         s.close()
         status, r = c.post_json("/v1/chat/completions", chat_body("Hi", max_tokens=2))
         assert status == 200, (status, r)
@@ -182,20 +182,22 @@ def test_request_timeout_ends_stream_and_aborts():
         assert errors and "timed out" in errors[0]["error"]["message"], events[-3:]
         assert events[-1] == "[DONE]", events[-2:]
         assert n_tokens < 1800, "the request finished before its deadline: the test did not exercise the timeout"
-        assert 1.2 <= elapsed < 5, elapsed
+        assert 1.2 <= elapsed < 15, elapsed
         # the decode worker was told to stop
-        c.wait_log("decode-0", "aborted", timeout=5)
-        wait_for(lambda: c.metric("prism:worker_running", tier="decode") == 0, 5, "the decode worker idle")
+        c.wait_log("decode-0", "aborted", timeout=30)
+        wait_for(lambda: c.metric("prism:worker_running", tier="decode") == 0, 30, "the decode worker idle")
         # non-streaming: a clean 503
         status, _, data = c.request("POST", "/v1/chat/completions", dict(long_stream_body(), stream=False))
         assert status == 503 and "timed out" in json.loads(data)["error"]["message"], (status, data[:200])
 
 
 def test_no_worker_of_a_tier_503():
-    with Cluster(router_args=["--worker-timeout", "1"], common_worker_args=FAST_HB) as c:
+    # a request waits for a worker of the empty tier (a restarted one registers within seconds;
+    # test_faults); after --max-queue-wait it gets 503 naming the tier
+    with Cluster(router_args=["--worker-timeout", "1", "--max-queue-wait", "1"], common_worker_args=FAST_HB) as c:
         c.wait_ready()
         c.kill("decode-0")
-        wait_for(lambda: c.request("GET", "/ready")[0] == 503, 10, "/ready to say 503")
+        wait_for(lambda: c.request("GET", "/ready")[0] == 503, 30, "/ready to say 503")
         status, headers, _ = c.request("GET", "/ready")
         assert {k.lower(): v for k, v in headers.items()}.get("retry-after"), headers
         expect_refusal(c, 503, "No decode worker", "no_workers", chat_body("Hi", max_tokens=2))
@@ -216,7 +218,7 @@ def test_orphan_embeddings_dropped():
                   "no-such-router", "--n-tokens", str(CFG["image_seq_length"]), "--hidden", str(tc["hidden_size"]),
                   *c.sec],
                  timeout=30)
-        wait_for(lambda: c.metric("prism:worker_pool_free", tier="prefill") == 0, 10, "the orphan in the pool")
+        wait_for(lambda: c.metric("prism:worker_pool_free", tier="prefill") == 0, 30, "the orphan in the pool")
         t0 = time.time()
         try:
             status, r = c.post_json("/v1/chat/completions", chat_body("What is in the image?", [JPG], max_tokens=4),
@@ -227,7 +229,7 @@ def test_orphan_embeddings_dropped():
         assert status == 200, (status, r)
         assert "dropping embeddings of request 999999" in c.log("prefill-0", tail=0)
         assert 0.5 <= waited < 15, ("the image request was not held back by the orphan", waited)
-        wait_for(lambda: c.metric("prism:worker_pool_free", tier="prefill") == 1, 10, "the pool slot free")
+        wait_for(lambda: c.metric("prism:worker_pool_free", tier="prefill") == 1, 30, "the pool slot free")
 
 
 if __name__ == "__main__":

@@ -91,23 +91,29 @@ def served(port):
         return None
 
 
-def check_unbuffered(port, direct_port):
+def check_unbuffered(port, direct_port, attempts=3):
     """A long stream arrives through the balancer as it arrives from the router: event by event, not
     in lumps. Measured against the same request sent to a router directly, so a slow machine (whose
-    reads coalesce events either way) does not decide the outcome."""
+    reads coalesce events either way) does not decide the outcome; a buffering proxy lumps every
+    attempt, a busy machine only some, so the best of a few attempts decides."""
     body = chat_body("Describe the picture.", [JPG], max_tokens=200, temperature=0, ignore_eos=True)
-    spreads = []
-    for p in (direct_port, port):
-        status, events, done, total = timed_stream(p, body)
-        assert status == 200 and done, (status, done)
-        content = [t for t, e in events if e.get("choices") and e["choices"][0]["delta"].get("content")]
-        assert len(content) >= 150, len(content)
-        spreads.append(len({round(t, 4) for t in content}))
-        print("  stream %s: %d tokens over %.2fs, first at %.3fs; %d distinct arrival times"
-              % ("direct " if p == direct_port else "through", len(content), total, content[0], spreads[-1]),
-              flush=True)
-    # A buffering proxy hands tokens over in lumps (nginx with proxy_buffering on: ~4 per read here).
-    assert spreads[1] >= 0.6 * spreads[0], "events arrive in lumps through the balancer: %s" % spreads
+    tried = []
+    for _ in range(attempts):
+        spreads = []
+        for p in (direct_port, port):
+            status, events, done, total = timed_stream(p, body)
+            assert status == 200 and done, (status, done)
+            content = [t for t, e in events if e.get("choices") and e["choices"][0]["delta"].get("content")]
+            assert len(content) >= 150, len(content)
+            spreads.append(len({round(t, 4) for t in content}))
+            print("  stream %s: %d tokens over %.2fs, first at %.3fs; %d distinct arrival times"
+                  % ("direct " if p == direct_port else "through", len(content), total, content[0], spreads[-1]),
+                  flush=True)
+        tried.append(spreads)
+        # A buffering proxy hands tokens over in lumps (nginx with proxy_buffering on: ~4 per read here).
+        if spreads[1] >= 0.6 * spreads[0]:
+            return
+    raise AssertionError("events arrive in lumps through the balancer: %s" % tried)
 
 
 def check_big_image(port):
