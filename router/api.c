@@ -160,6 +160,12 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
                        (double)m->failed);
     prism_metric_write(&b, "prism:requests_retried_total", "counter",
                        "Requests sent to other workers after theirs died before the first token.", lbl, (double)m->retried);
+    prism_metric_write(&b, "prism:workers_disconnected_total", "counter",
+                       "Workers dropped at once because their connection closed (process died).", lbl,
+                       (double)m->workers_disconnected);
+    prism_metric_write(&b, "prism:request_stage_timeouts_total", "counter",
+                       "Encode or prefill stages that overran --stage-timeout (retried, or 504).", lbl,
+                       (double)m->stage_timeouts);
     prism_buf_appendf(&b, "# HELP prism:requests_refused_total Requests refused, by reason.\n"
                           "# TYPE prism:requests_refused_total counter\n");
     /* Refusals the HTTP server answers itself, before the router sees a request. */

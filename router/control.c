@@ -31,6 +31,9 @@ static void on_register(router_t *r, prism_msg_t *m)
         ack(r, m->identity, m->identity_len, false, why);
         return;
     }
+    router_worker_t *w = router_worker_by_id(r, id);
+    w->conn_fd = m->src_fd;
+    w->t_conn = prism_now_s();
     ack(r, m->identity, m->identity_len, true, "");
     router_dispatch_queued(r);  /* new capacity */
 }
@@ -50,7 +53,13 @@ static void dispatch(router_t *r, prism_msg_t *m)
     char id[128];
     snprintf(id, sizeof(id), "%.*s", (int)m->identity_len, (const char *)m->identity);
     router_worker_t *w = router_worker_by_id(r, id);
-    if (w) w->last_seen = prism_now_s();
+    if (w) {
+        w->last_seen = prism_now_s();
+        if (m->src_fd >= 0 && m->src_fd != w->conn_fd) {  /* it reconnected */
+            w->conn_fd = m->src_fd;
+            w->t_conn = w->last_seen;
+        }
+    }
     switch (e->type) {
     case PRISM__MSG_TYPE__MSG_REGISTER:
         on_register(r, m);
@@ -104,6 +113,20 @@ static void on_sweep(uv_timer_t *t)
     /* Judge liveness only after reading what is queued: a router busy with large HTTP bodies must
      * not mistake its own backlog for silent workers. */
     drain(r);
+    /* A worker whose connection dropped (the process died: its kernel closed the socket) is gone
+     * now, not after --worker-timeout; a disconnect older than the worker's connection belongs to
+     * an earlier holder of the same descriptor. */
+    prism_net_disconnect_t gone[64];
+    int n_gone = prism_net_disconnects(r->net, gone, (int)PRISM_ARRAY_LEN(gone));
+    for (int k = 0; k < n_gone; k++)
+        for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
+            router_worker_t *w = &r->workers[i];
+            if (!w->used || w->conn_fd != gone[k].fd || w->t_conn > gone[k].t) continue;
+            PRISM_WARN("%s worker %s: connection lost: dropped", prism_role_name(w->role), w->id);
+            r->metrics.workers_disconnected++;
+            router_fail_worker_requests(r, w);
+            router_worker_drop(w);
+        }
     double now = prism_now_s();
     for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
         router_worker_t *w = &r->workers[i];
@@ -121,6 +144,7 @@ int router_ctl_start(router_t *r, const char *endpoint)
 {
     /* Only workers may connect; what they send up is small (tokens, completions, heartbeats). */
     prism_sock_opts_t so = {.type = ZMQ_ROUTER, .endpoint = endpoint, .hwm = PRISM_NET_CONTROL_HWM,
+                            .watch_disconnects = true,
                             .max_msg_bytes = ROUTER_MAX_WORKER_MSG,
                             .allow = PRISM_NET_ALLOW(PRISM_NET_ROLE_ENCODER) | PRISM_NET_ALLOW(PRISM_NET_ROLE_PREFILL) |
                                      PRISM_NET_ALLOW(PRISM_NET_ROLE_DECODE)};

@@ -61,7 +61,8 @@ int main(int argc, char **argv)
     int64_t port = 8000, context_length = 0, limit_mm = 8, max_pixels = 4096ll * 4096, max_running = 256,
             max_body = 64ll << 20, body_total = 1ll << 30, image_inflight = 1ll << 30, max_conn = 4096,
             min_body_rate = 8 << 10, stream_pending = 4ll << 20, max_retries = 2;
-    double worker_timeout = 10, request_timeout = 600, max_queue_wait = 120, header_timeout = 30, drain_timeout = 20;
+    double worker_timeout = 10, request_timeout = 600, max_queue_wait = 120, header_timeout = 30, drain_timeout = 20,
+           stage_timeout = 60;
     prism_flag_t flags[] = {
         PRISM_FLAG_STR("model-path", &model_path, "HF model directory (config.json, tokenizer.json, tokenizer_config.json)"),
         PRISM_FLAG_STR("tokenizer-path", &tokenizer_path, "Tokenizer directory (default: --model-path)"),
@@ -94,6 +95,9 @@ int main(int argc, char **argv)
         PRISM_FLAG_DOUBLE("max-queue-wait", &max_queue_wait, "Seconds a request may wait for a worker (also while a tier has none) before a 503"),
         PRISM_FLAG_INT("max-retries", &max_retries,
                        "Times a request whose worker died before its first token is sent to other workers"),
+        PRISM_FLAG_DOUBLE("stage-timeout", &stage_timeout,
+                          "Seconds an encode, or a prefill up to the first token, may take before the request is "
+                          "retried on other workers (then 504 naming the stage); 0: no limit"),
         PRISM_FLAG_DOUBLE("drain-timeout", &drain_timeout,
                           "Seconds SIGTERM waits for requests in flight before aborting them (0: abort at once)"),
         PRISM_FLAG_STR("log-level", &log_level, "debug, info, warn or error"),
@@ -167,6 +171,7 @@ int main(int argc, char **argv)
     r.max_queue_wait_s = max_queue_wait;
     r.max_retries = max_retries < 0 ? 0 : (int)max_retries;
     r.drain_timeout_s = drain_timeout;
+    r.stage_timeout_s = stage_timeout;
     r.created = prism_unix_time();
     r.image_token_id = r.cfg.has_vision ? r.cfg.image_token_index : -1;
     if (r.cfg.has_vision && r.cfg.vision_arch == PRISM_VISION_LLAMA4 && router_llama4_init(&r, model_path) != PRISM_OK)

@@ -34,6 +34,8 @@ struct router_req {
     /* generation */
     stage_t stage;
     int attempts;                 /* dispatches so far; a retry is one more (bounded by --max-retries) */
+    char avoid[4][128];           /* workers an earlier attempt got stuck on: others first */
+    int n_avoid;
     const char *waiting_for;      /* while queued because a tier has no worker at all: its name */
     int n_out;
     prism_detok_t detok;
@@ -42,6 +44,7 @@ struct router_req {
     prism_oai_logprobs_t lp;
     bool streaming_started;
     double t_start, t_first, t_last;
+    double t_dispatch;            /* when the current attempt was sent (per-stage deadline) */
     float decode_ms, vit_ms, queue_ms, prefill_ms;  /* worker-side timings (sums over images) */
     int cache_hits;
     prism_buf_t out;              /* scratch for response bytes */
@@ -491,6 +494,16 @@ static bool req_retry(router_req_t *q, const char *why)
     router_t *r = q->r;
     if (q->stage != STAGE_SENT || q->attempts > r->max_retries || r->queue_len == r->reqs_cap) return false;
     uint64_t old = q->rid;
+    /* The stage it is stuck in: its encoders, else its prefill worker. */
+    bool encoding = false;
+    for (int i = 0; i < q->prompt.n_images; i++)
+        if (q->encode_pending[i]) {
+            encoding = true;
+            snprintf(q->avoid[q->n_avoid++ % PRISM_ARRAY_LEN(q->avoid)], sizeof(q->avoid[0]), "%s", q->encoder_id[i]);
+        }
+    if (!encoding && q->prefill_pending)
+        snprintf(q->avoid[q->n_avoid++ % PRISM_ARRAY_LEN(q->avoid)], sizeof(q->avoid[0]), "%s", q->prefill_id);
+    q->n_avoid = PRISM_MIN(q->n_avoid, (int)PRISM_ARRAY_LEN(q->avoid));
     req_release_workers(q);
     q->stage = STAGE_QUEUED;
     bool queued = queue_push_front(r, q->rid);  /* room checked above */
@@ -536,6 +549,16 @@ void router_sweep_requests(router_t *r)
             }
             req_fail(q, 503, msg);
             i = (size_t)-1;
+        } else if (q->stage == STAGE_SENT && r->stage_timeout_s > 0 && now - q->t_dispatch > r->stage_timeout_s) {
+            /* A worker alive but stuck (or far slower than the rest): try others, then 504. */
+            bool encoding = false;
+            for (int k = 0; k < q->prompt.n_images; k++) encoding |= q->encode_pending[k];
+            char msg[160];
+            snprintf(msg, sizeof(msg), "The %s stage did not finish within %gs.", encoding ? "encode" : "prefill",
+                     r->stage_timeout_s);
+            r->metrics.stage_timeouts++;
+            if (!req_retry(q, msg)) req_fail(q, 504, msg);
+            i = (size_t)-1;
         } else if (now - q->t_start > r->request_timeout_s) {
             req_fail(q, 503, "The request timed out.");
             i = (size_t)-1;
@@ -563,17 +586,37 @@ static void on_client_gone(prism_http_req_t *h, void *ud)
     req_destroy(q);
 }
 
+/* router_pick, passing over the workers an earlier attempt of this request got stuck on while
+ * another has room (they look full for the pick); only they left: them rather than nothing. */
+static router_worker_t *pick(router_t *r, router_req_t *q, Prism__Role role, uint64_t hash, uint64_t bytes,
+                             bool *any)
+{
+    enum { HIDE = 1 << 20 };
+    router_worker_t *hidden[PRISM_ARRAY_LEN(q->avoid)];
+    int n = 0;
+    for (int i = 0; i < q->n_avoid; i++) {
+        router_worker_t *w = router_worker_by_id(r, q->avoid[i]);
+        if (w && w->role == role) {
+            w->inflight += HIDE;
+            hidden[n++] = w;
+        }
+    }
+    router_worker_t *w = router_pick(r, role, hash, bytes, any);
+    for (int i = 0; i < n; i++) hidden[i]->inflight -= HIDE;
+    return w || !n ? w : router_pick(r, role, hash, bytes, any);
+}
+
 /* Sends the request to its workers; false when it must wait in the router's queue (every worker of
  * a tier is at capacity, a tier has no worker at all, or a worker could not be reached). */
 static bool dispatch(router_t *r, router_req_t *q)
 {
     bool any_pf, any_dc, any_enc = true;
-    router_worker_t *pf = router_pick(r, PRISM__ROLE__ROLE_PREFILL, 0, 0, &any_pf);
-    router_worker_t *dc = router_pick(r, PRISM__ROLE__ROLE_DECODE, 0, 0, &any_dc);
+    router_worker_t *pf = pick(r, q, PRISM__ROLE__ROLE_PREFILL, 0, 0, &any_pf);
+    router_worker_t *dc = pick(r, q, PRISM__ROLE__ROLE_DECODE, 0, 0, &any_dc);
     router_worker_t *enc[ROUTER_MAX_IMAGES] = {0};
     bool enc_room = true;
     for (int i = 0; i < q->prompt.n_images && enc_room; i++) {
-        enc[i] = router_pick(r, PRISM__ROLE__ROLE_ENCODER, q->prompt.img_hash[i], q->prompt.img_len[i], &any_enc);
+        enc[i] = pick(r, q, PRISM__ROLE__ROLE_ENCODER, q->prompt.img_hash[i], q->prompt.img_len[i], &any_enc);
         if (enc[i]) {  /* count now so the next image sees this one */
             enc[i]->inflight++;
             enc[i]->queued_bytes += q->prompt.img_len[i];
@@ -660,6 +703,7 @@ static bool dispatch(router_t *r, router_req_t *q)
         router_worker_note_image(enc[i], q->prompt.img_hash[i]);
     }
     q->stage = STAGE_SENT;
+    q->t_dispatch = prism_now_s();
     q->attempts++;
     return true;
 }

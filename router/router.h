@@ -41,6 +41,8 @@ typedef struct {
     uint64_t mem_used, mem_peak, cache_hits, cache_misses, alloc_count, peer_auth_failures;
     uint64_t heartbeats;          /* received since registration: lets a reader wait for fresh numbers */
     double last_seen;
+    int conn_fd;                /* its connection to our control socket (ZMQ_SRCFD), -1 unknown */
+    double t_conn;              /* when that connection was first seen: older disconnects are not its */
     /* our own view: requests we sent that have not finished on this worker */
     int inflight;
     uint64_t queued_bytes;        /* encoders: image file bytes sent and not yet encoded */
@@ -67,7 +69,8 @@ typedef struct {
     double request_timeout_s;
     double max_queue_wait_s;    /* no first token by then: 503 */
     int max_retries;
-    double drain_timeout_s;            /* re-dispatches of a request whose worker died before its first token */
+    double drain_timeout_s;
+    double stage_timeout_s;     /* encode, or prefill to the first token, longer than this: retry, then 504 */            /* re-dispatches of a request whose worker died before its first token */
     int64_t created;
 
     /* model facts */

@@ -41,6 +41,8 @@ typedef struct {
     uint64_t prompt_tokens, generation_tokens;
     uint64_t success_stop, success_length, success_abort, failed;
     uint64_t retried;              /* requests re-dispatched after a worker died before their first token */
+    uint64_t stage_timeouts;       /* encode or prefill stages that overran --stage-timeout */
+    uint64_t workers_disconnected; /* workers dropped because their connection closed */
     uint64_t refused_limit[16];   /* by prism_refusal_t (the HTTP server's own are added when exported) */
 } prism_router_metrics_t;
 

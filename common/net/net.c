@@ -55,6 +55,7 @@ static void peer_of(zmq_msg_t *part, prism_msg_t *m)
     if (key && strlen(key) == PRISM_NET_KEY_Z85) memcpy(m->peer_key, key, PRISM_NET_KEY_Z85 + 1);
     const char *role = zmq_msg_gets(part, PRISM_NET_ROLE_PROPERTY);
     if (role) m->peer_role = prism_net_role_parse(role);
+    m->src_fd = zmq_msg_get(part, ZMQ_SRCFD);  /* deprecated in libzmq, still the only link to monitor events */
 }
 
 int prism_msg_recv(void *sock, bool from_router_socket, prism_msg_t *m, int flags)
@@ -64,6 +65,7 @@ int prism_msg_recv(void *sock, bool from_router_socket, prism_msg_t *m, int flag
     m->identity_len = 0;
     m->peer_key[0] = 0;
     m->peer_role = PRISM_NET_ROLE_NONE;
+    m->src_fd = -1;
     zmq_msg_t part;
     zmq_msg_init(&part);
     if (zmq_msg_recv(&part, sock, flags) < 0) {

@@ -100,6 +100,16 @@ void prism_net_stats(const prism_net_t *net, prism_net_stats_t *st);
 /* auth_denied + handshake_failed: peers refused at the door (for metrics). */
 uint64_t prism_net_refused(const prism_net_t *net);
 
+/* A peer's connection to a socket bound with watch_disconnects dropped (the process died, or the
+ * network cut it): its file descriptor (the ZMQ_SRCFD of its messages, prism_msg_t.src_fd) and
+ * when the event was seen. Reported only under CURVE (the monitors live in the ZAP thread). */
+typedef struct {
+    int fd;
+    double t;
+} prism_net_disconnect_t;
+/* Takes up to max pending reports, oldest first; returns how many. */
+int prism_net_disconnects(prism_net_t *net, prism_net_disconnect_t *out, int max);
+
 /* Key files. prism_net_keygen writes DIR/<role>.key (0600) and DIR/<role>.pub for each role in mask
  * (PRISM_NET_ALLOW bits), creating DIR (0700); an existing key is kept unless overwrite. */
 int prism_net_keygen(const char *dir, unsigned roles_mask, bool overwrite, char *err, size_t errlen);
@@ -119,6 +129,7 @@ typedef struct {
      * a worker id to a key (registration) compares these, never the self-declared fields. */
     char peer_key[PRISM_NET_KEY_Z85 + 1];
     prism_net_role_t peer_role;
+    int src_fd;              /* the connection it came in on (ZMQ_SRCFD), -1 when unknown */
 } prism_msg_t;
 
 /* Receives one whole multipart message. flags: 0 or ZMQ_DONTWAIT.
@@ -148,6 +159,7 @@ typedef struct {
     const char *identity;    /* connect: ZeroMQ routing id (the worker id), or NULL */
     unsigned allow;          /* bind: PRISM_NET_ALLOW bits of the roles admitted (CURVE server) */
     prism_net_role_t server; /* connect: role of the process bound at endpoint (its key is the server key) */
+    bool watch_disconnects;  /* bind, CURVE: report peers' dropped connections (prism_net_disconnects) */
 } prism_sock_opts_t;
 
 void *prism_sock_bind(prism_net_t *net, const prism_sock_opts_t *o);

@@ -30,7 +30,12 @@ struct prism_net {
     atomic_int stop;
     pthread_mutex_t mu;                       /* guards the hand-over of monitor sockets */
     void *mon_pending[NET_MAX_MONITORS];
+    bool mon_pending_watch[NET_MAX_MONITORS];
     int n_mon_pending, n_mon_made;
+    /* Peers' dropped connections on sockets bound with watch_disconnects, oldest first (guarded by
+     * mu); full: the oldest go (the heartbeat timeout still catches those peers). */
+    prism_net_disconnect_t disc[64];
+    int n_disc;
     atomic_uint_fast64_t auth_ok, auth_denied, handshake_failed;
     double last_denial_log;
 };
@@ -260,7 +265,29 @@ done:
     for (int i = 0; i < nf; i++) zmq_msg_close(&f[i]);
 }
 
-static void monitor_handle(prism_net_t *n, void *mon)
+static void disconnect_note(prism_net_t *n, int fd)
+{
+    pthread_mutex_lock(&n->mu);
+    if (n->n_disc == (int)PRISM_ARRAY_LEN(n->disc)) {
+        memmove(n->disc, n->disc + 1, sizeof(n->disc[0]) * (PRISM_ARRAY_LEN(n->disc) - 1));
+        n->n_disc--;
+    }
+    n->disc[n->n_disc++] = (prism_net_disconnect_t){.fd = fd, .t = prism_now_s()};
+    pthread_mutex_unlock(&n->mu);
+}
+
+int prism_net_disconnects(prism_net_t *n, prism_net_disconnect_t *out, int max)
+{
+    pthread_mutex_lock(&n->mu);
+    int k = PRISM_MIN(max, n->n_disc);
+    memcpy(out, n->disc, sizeof(out[0]) * (size_t)k);
+    memmove(n->disc, n->disc + k, sizeof(n->disc[0]) * (size_t)(n->n_disc - k));
+    n->n_disc -= k;
+    pthread_mutex_unlock(&n->mu);
+    return k;
+}
+
+static void monitor_handle(prism_net_t *n, void *mon, bool watch)
 {
     for (int k = 0; k < 64; k++) {
         zmq_msg_t ev, ep;
@@ -270,7 +297,9 @@ static void monitor_handle(prism_net_t *n, void *mon)
             return;
         }
         uint16_t event = 0;
+        uint32_t value = 0;  /* for DISCONNECTED: the connection's file descriptor */
         if (zmq_msg_size(&ev) >= 2) memcpy(&event, zmq_msg_data(&ev), 2);
+        if (zmq_msg_size(&ev) >= 6) memcpy(&value, (const uint8_t *)zmq_msg_data(&ev) + 2, 4);
         bool more = zmq_msg_more(&ev);
         zmq_msg_close(&ev);
         if (more) {
@@ -282,6 +311,7 @@ static void monitor_handle(prism_net_t *n, void *mon)
          * Connections that close before saying anything (TCP health probes, scanners) are not
          * counted: they report NO_DETAIL. */
         if (event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL) atomic_fetch_add(&n->handshake_failed, 1);
+        if (event == ZMQ_EVENT_DISCONNECTED && watch) disconnect_note(n, (int)value);
     }
 }
 
@@ -289,10 +319,15 @@ static void *zap_main(void *arg)
 {
     prism_net_t *n = arg;
     void *mons[NET_MAX_MONITORS];
+    bool watch[NET_MAX_MONITORS];
     int n_mons = 0;
     while (!atomic_load(&n->stop)) {
         pthread_mutex_lock(&n->mu);
-        while (n->n_mon_pending > 0) mons[n_mons++] = n->mon_pending[--n->n_mon_pending];
+        while (n->n_mon_pending > 0) {
+            n->n_mon_pending--;
+            watch[n_mons] = n->mon_pending_watch[n->n_mon_pending];
+            mons[n_mons++] = n->mon_pending[n->n_mon_pending];
+        }
         pthread_mutex_unlock(&n->mu);
         zmq_pollitem_t it[1 + NET_MAX_MONITORS];
         it[0] = (zmq_pollitem_t){n->zap_sock, 0, ZMQ_POLLIN, 0};
@@ -305,7 +340,7 @@ static void *zap_main(void *arg)
         }
         if (it[0].revents & ZMQ_POLLIN) zap_handle(n);
         for (int i = 0; i < n_mons; i++)
-            if (it[1 + i].revents & ZMQ_POLLIN) monitor_handle(n, mons[i]);
+            if (it[1 + i].revents & ZMQ_POLLIN) monitor_handle(n, mons[i], watch[i]);
     }
     for (int i = 0; i < n_mons; i++) zmq_close(mons[i]);
     zmq_close(n->zap_sock);
@@ -436,7 +471,7 @@ static int sock_common(void *s, const prism_sock_opts_t *o, bool zap_names_peers
 }
 
 /* Watches a bound socket's failed handshakes from the ZAP thread (for prism_net_stats). */
-static void monitor_start(prism_net_t *n, void *s)
+static void monitor_start(prism_net_t *n, void *s, bool watch_disconnects)
 {
     pthread_mutex_lock(&n->mu);
     bool room = n->n_mon_made < NET_MAX_MONITORS;
@@ -445,7 +480,8 @@ static void monitor_start(prism_net_t *n, void *s)
     if (!room) return;
     char ep[64];
     snprintf(ep, sizeof(ep), "inproc://prism-monitor-%d", id);
-    if (zmq_socket_monitor(s, ep, ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL) != 0)
+    if (zmq_socket_monitor(s, ep, ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                                      (watch_disconnects ? ZMQ_EVENT_DISCONNECTED : 0)) != 0)
         return;
     void *pair = zmq_socket(n->zctx, ZMQ_PAIR);
     if (!pair) return;
@@ -456,6 +492,7 @@ static void monitor_start(prism_net_t *n, void *s)
         return;
     }
     pthread_mutex_lock(&n->mu);
+    n->mon_pending_watch[n->n_mon_pending] = watch_disconnects;
     n->mon_pending[n->n_mon_pending++] = pair;
     pthread_mutex_unlock(&n->mu);
 }
@@ -481,7 +518,7 @@ void *prism_sock_bind(prism_net_t *n, const prism_sock_opts_t *o)
         rc |= zmq_setsockopt(s, ZMQ_CURVE_SERVER, &on, sizeof(on));
         rc |= zmq_setsockopt(s, ZMQ_CURVE_SECRETKEY, n->secret_key, PRISM_NET_KEY_Z85);
         rc |= zmq_setsockopt(s, ZMQ_ZAP_DOMAIN, domain, strlen(domain));
-        if (!rc) monitor_start(n, s);
+        if (!rc) monitor_start(n, s, o->watch_disconnects);
     }
     if (rc) {
         PRISM_ERROR("cannot set socket options for %s: %s", o->endpoint, zmq_strerror(errno));

@@ -4,6 +4,9 @@
 - A hung (SIGSTOP) encoder or prefill worker holding requests: once the router drops it (missed
   heartbeats), every request it held is sent to the other worker of its tier under a new id and
   answered exactly as an undisturbed run answers it; prism:requests_retried_total counts them.
+- A stage that overruns --stage-timeout (a worker alive but making no progress) is retried on
+  another worker, and answered 504 naming the stage when none is left.
+- A worker that dies is dropped as soon as its connection closes, not after --worker-timeout.
 - A tier left with no worker at all: requests wait in the router's queue for a restarted worker
   (bounded by --max-queue-wait; test_admission covers the bound) instead of failing at once.
 - 100 streams hung up mid-generation free every pool on every tier: the router's requests, the
@@ -18,6 +21,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cluster import (Cluster, check_answer, chat_body, distinct_requests, make_image, reference, run_tests,  # noqa: E402
@@ -77,6 +81,48 @@ def test_hung_encoder_requests_retried():
 
 def test_hung_prefill_requests_retried():
     hung_worker_requests_retried("prefill")
+
+
+def test_stage_timeout_retries_then_504():
+    """An encoder that is alive to the router (its silence shorter than --worker-timeout) but makes no
+    progress: after --stage-timeout the request goes to the other encoder; with no other, 504."""
+    (body, ref), = requests()[:1]
+    for encoders, retries in ((2, 2), (1, 0)):
+        with Cluster(encoders=encoders, router_args=["--worker-timeout", "120", "--stage-timeout", "1",
+                                                     "--max-retries", str(retries)], common_worker_args=FAST_HB) as c:
+            c.wait_ready()
+            c.procs["encoder-0"].send_signal(signal.SIGSTOP)
+            try:
+                # two at once: the least-loaded pick sends one of them to the stopped encoder
+                results = post_all(c, [body, body] if encoders == 2 else [body])
+            finally:
+                c.kill("encoder-0")
+            assert (c.metric("prism:request_stage_timeouts_total") or 0) >= 1
+            if encoders == 2:
+                for status, r in results:
+                    check_answer(status, r, ref, "after the stage timeout")
+            else:
+                status, r = results[0]
+                assert status == 504 and "encode stage" in r["error"]["message"], (status, r)
+
+
+def test_killed_worker_noticed_at_once():
+    """A worker that dies closes its connection: the router drops it at once (not after
+    --worker-timeout, 120 s here), /ready says so, and its requests go elsewhere."""
+    reqs = requests()
+    with Cluster(encoders=2, router_args=["--worker-timeout", "120"], common_worker_args=FAST_HB) as c:
+        c.wait_ready()
+        t0 = time.time()
+        c.kill("encoder-0")
+        wait_for(lambda: c.request("GET", "/ready")[1] is not None and
+                 json.loads(c.request("GET", "/ready")[2])["encoders"] == 1, 10, "the router to drop encoder-0")
+        assert time.time() - t0 < 10
+        assert c.metric("prism:workers_disconnected_total") == 1
+        for (status, r), (_, ref) in zip(post_all(c, [b for b, _ in reqs]), reqs):
+            check_answer(status, r, ref, "after encoder-0 died")
+        c.kill("decode-0")
+        wait_for(lambda: c.request("GET", "/ready")[0] == 503, 10, "/ready 503 with no decode worker")
+        assert c.metric("prism:workers_disconnected_total") == 2
 
 
 def test_empty_tier_waits_for_restarted_worker():
@@ -183,5 +229,5 @@ def test_router_sigterm_drains_open_stream():
 
 if __name__ == "__main__":
     run_tests([test_hung_encoder_requests_retried, test_hung_prefill_requests_retried,
-               test_empty_tier_waits_for_restarted_worker, test_hundred_hung_up_streams_free_every_pool,
+               test_stage_timeout_retries_then_504, test_killed_worker_noticed_at_once, test_empty_tier_waits_for_restarted_worker, test_hundred_hung_up_streams_free_every_pool,
                test_router_sigterm_drains_open_stream])
