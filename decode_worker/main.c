@@ -13,7 +13,13 @@
  *
  * Admission policy: reserve. A request is admitted only when blocks for prompt + max_tokens are
  * free, so a running sequence never runs out of KV and nothing is ever preempted; requests that
- * do not fit wait (one staged transfer, the rest stays in the senders: backpressure). */
+ * do not fit wait (one staged transfer, the rest stays in the senders: backpressure).
+ *
+ * KV for chunked-attention layers (Llama-4): those layers never read before the current chunk, so
+ * the cache is split (model.h): they live in a ring of prism_kv_local_ring blocks that each
+ * sequence slot owns from start-up, and the block pool (--kv-blocks, admission) holds only the
+ * other layers — at Scout's 3-in-4 chunked layers a block costs a quarter, and the rings cost
+ * max_running x one chunk, whatever the context. */
 #include "core/core.h"
 #include "core/cli.h"
 #include "net/net.h"
@@ -33,6 +39,7 @@ typedef struct {
     prism_seq_t seq;          /* owner, sampling, RNG, progress; seq.used marks a running sequence */
     int32_t *blocks;          /* [max_blocks_per_seq] slice of the block-table pool */
     int n_blocks;
+    int32_t *ring;            /* [ring] this slot's blocks in the chunked layers' pool (NULL: no split) */
     int32_t last_token;       /* sampled, not yet fed */
     bool in_step;             /* part of the step in flight */
     bool cancel;              /* aborted while in the step in flight: released when it ends */
@@ -56,6 +63,11 @@ typedef struct {
     prism_kv_blocks_t blocks;
     prism_sampler_t sampler;
     int max_running, max_model_len, max_blocks_per_seq;
+    int ring;                 /* blocks per sequence ring of the chunked layers (0: not split) */
+    int32_t *ring_pool;       /* [max_running][ring] */
+    int32_t *ring_ids;        /* [ring] import scratch */
+    const int32_t **rings;    /* [max_running] step scratch */
+    size_t fbb, lbb;          /* block bytes of the full-attention / chunked layers (transfer layout) */
     seq_t *seqs;              /* [max_running] */
     int32_t *block_pool;      /* [max_running][max_blocks_per_seq] */
     /* step scratch, sized at start-up */
@@ -120,8 +132,14 @@ static bool admit_staged(decode_t *d)
     if (prism_kv_blocks_alloc(&d->blocks, need, s->blocks) != PRISM_OK)
         return false;
     s->n_blocks = need;
-    const void *bytes = zmq_msg_data(&d->staged_frame);
-    int rc = prism_kv_cache_import(d->kv, s->blocks, (int)kv->n_blocks, bytes);
+    const uint8_t *bytes = zmq_msg_data(&d->staged_frame);
+    int nb = (int)kv->n_blocks, lfb = (int)kv->local_first_block;
+    int rc = prism_kv_cache_import_class(d->kv, PRISM_KV_CLASS_FULL, s->blocks, nb, bytes);
+    if (rc == PRISM_OK && nb > lfb) {
+        for (int k = 0; d->ring && k < nb - lfb; k++) d->ring_ids[k] = s->ring[(lfb + k) % d->ring];
+        rc = prism_kv_cache_import_class(d->kv, PRISM_KV_CLASS_LOCAL, d->ring ? d->ring_ids : s->blocks + lfb, nb - lfb,
+                                         bytes + (size_t)nb * d->fbb);
+    }
     if (rc != PRISM_OK) {
         prism_kv_blocks_release(&d->blocks, s->blocks, need);
         send_error(d, d->staged_router, d->staged_rid, "decode worker could not import the KV cache");
@@ -153,12 +171,16 @@ static void on_kv(decode_t *d, prism_msg_t *m)
     }
     size_t len = 0;
     prism_msg_frame(m, 0, &len);
-    size_t block_bytes = prism_kv_cache_block_bytes(&d->cfg, d->blocks.block_size);
+    /* The layout is fixed by the model: the chunked layers' part starts at the block of the chunk
+     * the next token is in (prefill and decode compute it alike). */
     const char *why = kv ? prism_seq_check(kv->sampling, d->cfg.vocab, d->max_model_len) : "no Kv message";
     if (why || m->n_frames != 1 || kv->block_size != (uint32_t)d->blocks.block_size ||
-        kv->block_bytes != block_bytes || len != (size_t)kv->n_blocks * block_bytes ||
         kv->n_tokens == 0 || kv->n_tokens >= (uint32_t)d->max_model_len ||
         kv->n_blocks != (uint32_t)prism_kv_blocks_for_tokens(&d->blocks, (int)kv->n_tokens) ||
+        kv->block_bytes != d->fbb || kv->local_block_bytes != d->lbb ||
+        kv->local_first_block != (uint32_t)PRISM_MIN(prism_kv_local_first_block(&d->cfg, d->blocks.block_size,
+                                                                                 (int)kv->n_tokens), (int)kv->n_blocks) ||
+        len != (size_t)kv->n_blocks * d->fbb + (size_t)(kv->n_blocks - kv->local_first_block) * d->lbb ||
         kv->first_token < 0 || kv->first_token >= d->cfg.vocab) {
         PRISM_WARN("request %llu: malformed KV transfer dropped (%s)", (unsigned long long)e->request_id,
                    why ? why : "sizes");
@@ -265,6 +287,7 @@ static void launch_step(decode_t *d)
         d->seq_start[n] = n;
         d->pos0[n] = s->seq.len;
         d->tables[n] = s->blocks;
+        d->rings[n] = s->ring;
         d->slot_of[n] = i;
         d->dropped[n] = false;
         s->in_step = true;
@@ -276,6 +299,7 @@ static void launch_step(decode_t *d)
     prism_llm_batch_t b = {
         .n_seqs = n, .n_tokens = n, .tokens = d->tokens, .seq_start = d->seq_start,
         .pos0 = d->pos0, .block_tables = d->tables, .all_logits = false,
+        .local_tables = d->ring ? d->rings : NULL, .local_ring = d->ring,
     };
     d->t_layer = prism_now_s();
     int rc = prism_llm_forward_begin(d->llm, d->kv, &b);
@@ -372,7 +396,7 @@ int main(int argc, char **argv)
         PRISM_FLAG_INT("kv-blocks", &kv_blocks, "KV cache blocks (0 = fill --mem-budget, else 1024)"),
         PRISM_FLAG_INT("block-size", &block_size, "Tokens per KV block"),
         PRISM_FLAG_INT("max-running-requests", &max_running, "Most sequences in one decode batch"),
-        PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings)"),
+        PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings, at most 131072)"),
         PRISM_FLAG_STR("overlap-steps", &overlap,
                        "auto (on for devices with streams), on or off: enqueue step n+1 before sending step n's tokens"),
     };
@@ -391,7 +415,8 @@ int main(int argc, char **argv)
         return 2;
     }
     d.max_running = (int)max_running;
-    d.max_model_len = context_length > 0 ? (int)PRISM_MIN(context_length, (int64_t)d.cfg.max_pos) : d.cfg.max_pos;
+    d.max_model_len = prism_model_context_length(&d.cfg, context_length);
+    d.cfg.max_pos = d.max_model_len;   /* the model's block tables are planned for the context served */
     d.max_blocks_per_seq = (d.max_model_len + (int)block_size - 1) / (int)block_size;
 
     if (prism_backend_create(o.device, (int)o.threads, 0, &d.be) != PRISM_OK) {
@@ -402,7 +427,16 @@ int main(int argc, char **argv)
         PRISM_ERROR("cannot load language model: %s", err);
         return 1;
     }
-    size_t block_bytes = prism_kv_cache_block_bytes(&d.cfg, (int)block_size);
+    d.fbb = prism_kv_cache_class_block_bytes(&d.cfg, (int)block_size, PRISM_KV_CLASS_FULL);
+    d.lbb = prism_kv_cache_class_block_bytes(&d.cfg, (int)block_size, PRISM_KV_CLASS_LOCAL);
+    d.ring = prism_kv_local_ring(&d.cfg, (int)block_size, 1);
+    /* A ring as long as the context saves nothing (and would be reserved per slot): one pool then,
+     * every layer in it (the transfer layout is the same; the chunked layers' older blocks are
+     * simply never written nor read). */
+    if (d.ring >= d.max_blocks_per_seq) d.ring = 0;
+    /* The pool's block: the layers that keep every position (every layer without a split). */
+    size_t block_bytes = d.ring ? d.fbb : prism_kv_cache_block_bytes(&d.cfg, (int)block_size);
+    size_t ring_bytes = (size_t)d.max_running * d.ring * d.lbb;
     size_t weights = prism_llm_weight_bytes(d.llm);
     size_t arena = prism_llm_arena_bytes(&d.cfg, d.max_running, d.max_running);
     size_t scratch = (size_t)d.max_running * d.cfg.vocab * sizeof(float) + (size_t)d.cfg.vocab * 8 +
@@ -410,7 +444,7 @@ int main(int argc, char **argv)
     size_t reserve = PRISM_MEM_RESERVE, runtime = prism_mem_runtime_bytes();
     if (kv_blocks <= 0) {
         if (o.mem_budget > 0) {
-            int64_t left = o.mem_budget - (int64_t)(weights + arena + scratch + reserve + runtime);
+            int64_t left = o.mem_budget - (int64_t)(weights + arena + scratch + reserve + runtime + ring_bytes);
             kv_blocks = left > 0 ? left / (int64_t)block_bytes : 0;
         } else {
             kv_blocks = 1024;
@@ -419,6 +453,7 @@ int main(int argc, char **argv)
     prism_mem_plan_t plan = {.budget = (size_t)o.mem_budget};
     prism_mem_plan_add(&plan, "weights", weights);
     prism_mem_plan_add(&plan, "kv-cache", (size_t)kv_blocks * block_bytes);
+    if (d.ring) prism_mem_plan_add(&plan, "kv-rings", ring_bytes);   /* chunked layers: one chunk per sequence */
     prism_mem_plan_add(&plan, "activations", arena);
     prism_mem_plan_add(&plan, "logits+tables", scratch);
     prism_mem_plan_add(&plan, "runtime", runtime);
@@ -432,7 +467,8 @@ int main(int argc, char **argv)
     }
     if (prism_mem_plan_check(&plan, "decode") != PRISM_OK) return 1;
 
-    if (prism_kv_cache_create(d.be, &d.cfg, (int)kv_blocks, (int)block_size, &d.kv) != PRISM_OK ||
+    if (prism_kv_cache_create_split(d.be, &d.cfg, (int)kv_blocks, d.max_running * d.ring, (int)block_size, &d.kv) !=
+            PRISM_OK ||
         prism_kv_blocks_init(&d.blocks, (int)kv_blocks, (int)block_size) != PRISM_OK ||
         prism_sampler_init(&d.sampler, d.cfg.vocab) != PRISM_OK) {
         PRISM_ERROR("cannot allocate the KV cache (%lld blocks)", (long long)kv_blocks);
@@ -442,6 +478,13 @@ int main(int argc, char **argv)
     d.seqs = prism_xcalloc((size_t)d.max_running, sizeof(seq_t));
     d.block_pool = prism_xcalloc((size_t)d.max_running * d.max_blocks_per_seq, sizeof(int32_t));
     for (int i = 0; i < d.max_running; i++) d.seqs[i].blocks = d.block_pool + (size_t)i * d.max_blocks_per_seq;
+    if (d.ring) {
+        d.ring_pool = prism_xcalloc((size_t)d.max_running * d.ring, sizeof(int32_t));
+        d.ring_ids = prism_xcalloc((size_t)d.ring, sizeof(int32_t));
+        for (int i = 0; i < d.max_running * d.ring; i++) d.ring_pool[i] = i;
+        for (int i = 0; i < d.max_running; i++) d.seqs[i].ring = d.ring_pool + (size_t)i * d.ring;
+    }
+    d.rings = prism_xcalloc((size_t)d.max_running, sizeof(int32_t *));
     d.tokens = prism_xcalloc((size_t)d.max_running, sizeof(int32_t));
     d.pos0 = prism_xcalloc((size_t)d.max_running, sizeof(int32_t));
     d.seq_start = prism_xcalloc((size_t)d.max_running + 1, sizeof(int32_t));
@@ -456,7 +499,10 @@ int main(int argc, char **argv)
 
     char bind[300];
     prism_worker_data_bind(&o, bind, sizeof(bind));
-    if (prism_worker_init(&d.w, PRISM__ROLE__ROLE_DECODE, &o, bind, (size_t)d.max_blocks_per_seq * block_bytes) != PRISM_OK)
+    /* The largest transfer: every block of the pool's layers, and the chunked layers' blocks from the
+     * chunk of the last position (at most a ring) */
+    size_t max_kv = (size_t)d.max_blocks_per_seq * block_bytes + (size_t)d.ring * d.lbb;
+    if (prism_worker_init(&d.w, PRISM__ROLE__ROLE_DECODE, &o, bind, max_kv) != PRISM_OK)
         return 1;
     prism_worker_set_capacity(&d.w, &o, &plan, (uint32_t)kv_blocks, (uint32_t)block_size, (uint32_t)d.max_running,
                               (uint32_t)d.max_running, (uint32_t)d.max_model_len);
@@ -464,9 +510,16 @@ int main(int argc, char **argv)
     prism_llm_set_hook(d.llm, &d.hook);
     publish_load(&d);   /* the first heartbeat already tells the truth */
     if (prism_worker_start(&d.w) != PRISM_OK) return 1;
-    PRISM_INFO("decode worker %s ready in %.2fs: data %s, %lld KV blocks x %lld tokens, batch %d%s",
-               d.w.worker_id, prism_now_s() - t0, d.w.data_endpoint, (long long)kv_blocks,
-               (long long)block_size, d.max_running, d.overlap ? ", host work overlapped with the device" : "");
+    PRISM_INFO("decode worker %s ready in %.2fs: data %s, %lld KV blocks x %lld tokens, batch %d%s%s", d.w.worker_id,
+               prism_now_s() - t0, d.w.data_endpoint, (long long)kv_blocks, (long long)block_size, d.max_running,
+               d.overlap ? ", host work overlapped with the device" : "",
+               d.ring ? ", chunked-attention layers in per-sequence rings" : "");
+    if (d.ring) {
+        char a[32], b2[32];
+        PRISM_INFO("decode: chunked-attention layers keep a ring of %d blocks per sequence (%s per block, %s per "
+                   "block of the other layers)", d.ring, prism_fmt_bytes(d.lbb, a, sizeof a),
+                   prism_fmt_bytes(d.fbb, b2, sizeof b2));
+    }
 
     while (!prism_worker_should_stop()) {
         bool busy = publish_load(&d) > 0;

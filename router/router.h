@@ -19,6 +19,7 @@
 #include "http_server.h"
 #include "openai_req.h"
 #include "metrics/metrics.h"
+#include "image/llama4_proc.h"
 
 #include <jansson.h>
 #include <uv.h>
@@ -58,6 +59,8 @@ typedef struct {
     double t_conn;               /* when that connection was first seen: older disconnects are not its */
     /* our own view: requests we sent that have not finished on this worker */
     int inflight;
+    uint64_t queued_bytes;        /* encoders: image file bytes sent and not yet encoded */
+    uint64_t max_queued_bytes;    /* encoders: their queue's byte bound from registration (0: none) */
     uint64_t image_hashes[64];   /* recent images sent here: the router prefers a warm cache */
     int n_hashes;
 } router_worker_t;
@@ -92,7 +95,14 @@ typedef struct {
     prism_tokenizer_t *tok;
     prism_template_t *tmpl;
     char *bos_token, *eos_token;
-    int32_t image_token_id;
+    int32_t image_token_id;     /* the placeholder the template renders per image (LLaVA: <image>,
+                                 * Llama-4: <|image|>); -1 without a vision tower */
+    /* Llama-4 (cfg.vision_arch PRISM_VISION_LLAMA4): each placeholder expands to the tile layout of
+     * its image, computed from the image header alone; the encoder's rows fill the <|patch|>
+     * positions (cfg.image_token_index) of that expansion. */
+    bool llama4;
+    prism_llama4_proc_t l4proc;
+    prism_llama4_image_tokens_t l4ids;
 
     /* event loop and sockets */
     uv_loop_t *loop;
@@ -144,8 +154,9 @@ void router_worker_drop(router_worker_t *w);
 /* Remembers that an image with this content hash went to w (its embedding cache may hold it). */
 void router_worker_note_image(router_worker_t *w, uint64_t hash);
 /* Least-loaded worker of a role with a free slot (inflight < its registered capacity) that is not
- * stuck; NULL when none has room. *any is set when at least one such worker is registered. */
-router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash, bool *any);
+ * stuck and, for an encoder, can queue `bytes` more image bytes; NULL when none has room. *any is set
+ * when at least one such worker is registered. */
+router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash, uint64_t bytes, bool *any);
 router_worker_t *router_worker_by_id(router_t *r, const char *id);
 bool router_ready(const router_t *r, bool need_encoder);
 int  router_count_workers(const router_t *r, Prism__Role role);
@@ -157,13 +168,20 @@ typedef struct {
     uint8_t *img[ROUTER_MAX_IMAGES];        /* decoded file bytes (the router never decodes pixels) */
     size_t img_len[ROUTER_MAX_IMAGES];
     uint64_t img_hash[ROUTER_MAX_IMAGES];
+    int img_w[ROUTER_MAX_IMAGES], img_h[ROUTER_MAX_IMAGES];   /* from the header */
     uint32_t img_offset[ROUTER_MAX_IMAGES]; /* first token of each image's span, found while expanding */
+    uint32_t img_span[ROUTER_MAX_IMAGES];   /* tokens in that span: image_seq_length (LLaVA), the whole
+                                             * expansion with separators (Llama-4) */
     size_t image_bytes;
-    int32_t *tokens;                        /* prompt, each image placeholder expanded to image_seq_length */
+    int32_t *tokens;                        /* prompt, each image placeholder expanded */
     size_t n_tokens, cap;
     int max_tokens;                         /* max_tokens, or what the context leaves when unset */
 } router_prompt_t;
 
+/* Llama-4: loads the image processor's config from the model directory and the image prompt's
+ * special token ids from the tokenizer (r->tok); logs why and returns an error when either is
+ * missing or disagrees with config.json. */
+int  router_llama4_init(router_t *r, const char *model_dir);
 /* Decodes every image part's data URL and checks its header against the limits. These return
  * 0 or an HTTP status with msg filled. */
 int  router_prompt_load_images(router_t *r, router_prompt_t *p, const prism_oai_request_t *o, char *msg, size_t n);

@@ -70,6 +70,7 @@ int router_worker_register(router_t *r, const char *id, const char *peer_key, co
     w->block_size = g->block_size;
     w->max_batch_tokens = g->max_batch_tokens;
     w->max_running = g->max_running;
+    w->max_queued_bytes = g->max_queued_bytes;
     w->max_model_len = g->max_model_len;
     w->mem_budget = g->mem_budget;
     w->mem_planned = g->mem_planned;
@@ -135,7 +136,7 @@ static double load_of(const router_worker_t *w)
     }
 }
 
-router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash, bool *any)
+router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash, uint64_t bytes, bool *any)
 {
     router_worker_t *best = NULL;
     *any = false;
@@ -144,6 +145,10 @@ router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash
         if (!w->used || w->role != role || w->stuck) continue;
         *any = true;
         if (w->inflight >= (int)PRISM_MAX(w->max_running, 1u)) continue;  /* full: the request waits here */
+        /* An encoder's queue holds image files, which can be 50 MB each: bounded in bytes too, so its
+         * memory stays at its plan however many requests wait (they wait here). One image of any
+         * size is always let in, else an image larger than the bound would never be served. */
+        if (w->max_queued_bytes && w->queued_bytes && w->queued_bytes + bytes > w->max_queued_bytes) continue;
         if (prefer_hash) {
             for (int k = 0; k < w->n_hashes; k++)
                 if (w->image_hashes[k] == prefer_hash) return w;  /* its embedding cache probably has it */
