@@ -21,7 +21,13 @@
  * the ranks (which talk to no router and have no I/O thread) run the same forward on their shards.
  * Only the leader hears of aborts, so a group never drops a sequence mid-step: an aborted sequence
  * finishes the step and leaves the next plan. Overlap works as above: the leader sends plan n+1 and
- * begins it before sending step n's tokens. */
+ * begins it before sending step n's tokens.
+ *
+ * KV for chunked-attention layers (Llama-4): those layers never read before the current chunk, so
+ * the cache is split (model.h): they live in a ring of prism_kv_local_ring blocks that each
+ * sequence slot owns from start-up, and the block pool (--kv-blocks, admission) holds only the
+ * other layers — at Scout's 3-in-4 chunked layers a block costs a quarter, and the rings cost
+ * max_running x one chunk, whatever the context. */
 #include "core/core.h"
 #include "core/cli.h"
 #include "net/net.h"
@@ -42,6 +48,7 @@ typedef struct {
     prism_seq_t seq;          /* owner, sampling, RNG, progress; seq.used marks a running sequence */
     int32_t *blocks;          /* [max_blocks_per_seq] slice of the block-table pool */
     int n_blocks;
+    int32_t *ring;            /* [ring] this slot's blocks in the chunked layers' pool (NULL: no split) */
     int32_t last_token;       /* sampled, not yet fed */
     bool in_step;             /* part of the step in flight */
     bool cancel;              /* aborted while in the step in flight: released when it ends */
@@ -68,6 +75,11 @@ typedef struct {
     prism_kv_blocks_t blocks;
     prism_seq_sampler_t sampler;  /* one slot per running sequence (slot = index in seqs) */
     int max_running, max_model_len, max_blocks_per_seq;
+    int ring;                 /* blocks per sequence ring of the chunked layers (0: not split) */
+    int32_t *ring_pool;       /* [max_running][ring] */
+    int32_t *ring_ids;        /* [ring] import scratch */
+    const int32_t **rings;    /* [max_running] step scratch */
+    size_t fbb, lbb;          /* block bytes of the full-attention / chunked layers (transfer layout) */
     seq_t *seqs;              /* [max_running] */
     int32_t *block_pool;      /* [max_running][max_blocks_per_seq] */
     /* step scratch, sized at start-up */
@@ -127,6 +139,14 @@ static void unstage(decode_t *d)
     d->staged = false;
 }
 
+/* Imports n whole-model blocks of the pool's layers: a group's leader sends each rank its heads
+ * (prism_tp_scatter_kv imports alone at T = 1; models with chunked layers run at T = 1). */
+static int import_blocks(decode_t *d, const int32_t *blocks, int n, const uint8_t *bytes)
+{
+    if (d->tp.size > 1) return prism_tp_scatter_kv(&d->tp, d->kv, blocks, n, bytes);
+    return prism_kv_cache_import_class(d->kv, PRISM_KV_CLASS_FULL, blocks, n, bytes);
+}
+
 /* Starts the staged request's sequences (one per choice that goes on after its first token) in
  * free slots. They share the prompt's full blocks; each gets its own copy of the prompt's last,
  * partial block and blocks for what it generates (prism_kv_blocks_for_shared). */
@@ -139,7 +159,7 @@ static const char *admit_choices(decode_t *d, const Prism__Kv *kv, const int *sl
     int per = prism_kv_blocks_for_tokens(&d->blocks, total);
     int shared = k > 1 ? n_prompt / bs : 0;
     const uint8_t *bytes = zmq_msg_data(&d->staged_frame);
-    size_t block_bytes = prism_kv_cache_block_bytes(&d->full, bs);   /* the transfer holds every head */
+    int nb = (int)kv->n_blocks, lfb = (int)kv->local_first_block;
     const int32_t *prompt = kv->n_prompt_token_ids ? kv->prompt_token_ids : NULL;
     int started = 0;
     const char *why = NULL;
@@ -177,11 +197,16 @@ static const char *admit_choices(decode_t *d, const Prism__Kv *kv, const int *sl
         if (rc != PRISM_OK) break;
         s->n_blocks = per;
         /* a group's leader sends each rank its heads (prism_tp_scatter_kv imports alone at T = 1) */
-        if (c == 0 && shared) rc = prism_tp_scatter_kv(&d->tp, d->kv, s->blocks, shared, bytes);
+        if (c == 0 && shared) rc = import_blocks(d, s->blocks, shared, bytes);
         /* the rest of the prompt: all of it (one sequence) or its partial last block (a copy each) */
-        int rest = (int)kv->n_blocks - shared;
-        if (rc == PRISM_OK && rest > 0)
-            rc = prism_tp_scatter_kv(&d->tp, d->kv, s->blocks + shared, rest, bytes + (size_t)shared * block_bytes);
+        int rest = nb - shared;
+        if (rc == PRISM_OK && rest > 0) rc = import_blocks(d, s->blocks + shared, rest, bytes + (size_t)shared * d->fbb);
+        /* chunked layers (a split cache): from the block of the current chunk, into the slot's ring */
+        if (rc == PRISM_OK && nb > lfb) {
+            for (int i = 0; d->ring && i < nb - lfb; i++) d->ring_ids[i] = s->ring[(lfb + i) % d->ring];
+            rc = prism_kv_cache_import_class(d->kv, PRISM_KV_CLASS_LOCAL, d->ring ? d->ring_ids : s->blocks + lfb,
+                                             nb - lfb, bytes + (size_t)nb * d->fbb);
+        }
     }
     if (!why && rc != PRISM_OK) {
         why = "decode worker could not import the KV cache";
@@ -260,12 +285,16 @@ static void on_kv(decode_t *d, prism_msg_t *m)
     }
     size_t len = 0;
     prism_msg_frame(m, 0, &len);
-    size_t block_bytes = prism_kv_cache_block_bytes(&d->full, d->blocks.block_size);
+    /* The layout is fixed by the model: the chunked layers' part starts at the block of the chunk
+     * the next token is in (prefill and decode compute it alike). */
     const char *why = kv ? prism_seq_check(kv->sampling, d->full.vocab, d->max_model_len) : "no Kv message";
     if (why || m->n_frames != 1 || kv->block_size != (uint32_t)d->blocks.block_size ||
-        kv->block_bytes != block_bytes || len != (size_t)kv->n_blocks * block_bytes ||
         kv->n_tokens == 0 || kv->n_tokens >= (uint32_t)d->max_model_len || kv->sampling->generated >= kv->n_tokens ||
         kv->n_blocks != (uint32_t)prism_kv_blocks_for_tokens(&d->blocks, (int)kv->n_tokens) ||
+        kv->block_bytes != d->fbb || kv->local_block_bytes != d->lbb ||
+        kv->local_first_block != (uint32_t)PRISM_MIN(prism_kv_local_first_block(&d->cfg, d->blocks.block_size,
+                                                                                 (int)kv->n_tokens), (int)kv->n_blocks) ||
+        len != (size_t)kv->n_blocks * d->fbb + (size_t)(kv->n_blocks - kv->local_first_block) * d->lbb ||
         !choices_ok(d, kv)) {
         PRISM_WARN("request %llu: malformed KV transfer dropped (%s)", (unsigned long long)e->request_id,
                    why ? why : "sizes or choices");
@@ -378,6 +407,7 @@ static void launch_step(decode_t *d)
         d->seq_start[n] = n;
         d->pos0[n] = s->seq.len;
         d->tables[n] = s->blocks;
+        d->rings[n] = s->ring;
         d->slot_of[n] = i;
         d->dropped[n] = false;
         s->in_step = true;
@@ -389,6 +419,7 @@ static void launch_step(decode_t *d)
     prism_llm_batch_t b = {
         .n_seqs = n, .n_tokens = n, .tokens = d->tokens, .seq_start = d->seq_start,
         .pos0 = d->pos0, .block_tables = d->tables, .all_logits = false,
+        .local_tables = d->ring ? d->rings : NULL, .local_ring = d->ring,
     };
     d->t_layer = prism_now_s();
     /* The plan goes to the other ranks first, then the leader runs the same forward. */
@@ -520,7 +551,7 @@ int main(int argc, char **argv)
         PRISM_FLAG_INT("kv-blocks", &kv_blocks, "KV cache blocks (0 = fill --mem-budget, else 1024)"),
         PRISM_FLAG_INT("block-size", &block_size, "Tokens per KV block"),
         PRISM_FLAG_INT("max-running-requests", &max_running, "Most sequences in one decode batch"),
-        PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings)"),
+        PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings, at most 131072)"),
         PRISM_FLAG_STR("overlap-steps", &overlap,
                        "auto (on for devices with streams), on or off: enqueue step n+1 before sending step n's tokens"),
     };
@@ -544,9 +575,17 @@ int main(int argc, char **argv)
         PRISM_ERROR("--tp-size %lld: %s", (long long)tpo.size, err);
         return 2;
     }
+    if (tpo.size > 1 && prism_kv_local_ring(&d.cfg, 16, 1) > 0) {
+        /* Their KV transfer splits the layers (chunked ones from the current chunk only); a group's
+         * KV scatter and gather move whole-cache blocks. */
+        PRISM_ERROR("--tp-size %lld: models with chunked-attention layers (Llama-4) run at --tp-size 1 for now",
+                    (long long)tpo.size);
+        return 2;
+    }
     const bool leader = tpo.rank == 0;
     d.max_running = (int)max_running;
-    d.max_model_len = context_length > 0 ? (int)PRISM_MIN(context_length, (int64_t)d.cfg.max_pos) : d.cfg.max_pos;
+    d.max_model_len = prism_model_context_length(&d.cfg, context_length);
+    d.cfg.max_pos = d.max_model_len;   /* the model's block tables are planned for the context served */
     d.max_blocks_per_seq = (d.max_model_len + (int)block_size - 1) / (int)block_size;
 
     if (prism_backend_create(o.device, (int)o.threads, 0, &d.be) != PRISM_OK) {
@@ -557,7 +596,19 @@ int main(int argc, char **argv)
         PRISM_ERROR("cannot load language model: %s", err);
         return 1;
     }
-    size_t block_bytes = prism_kv_cache_block_bytes(&d.cfg, (int)block_size);
+    /* the transfer layout (whole-model heads: a group's leader takes the whole and scatters) */
+    d.fbb = prism_kv_cache_class_block_bytes(&d.full, (int)block_size, PRISM_KV_CLASS_FULL);
+    d.lbb = prism_kv_cache_class_block_bytes(&d.full, (int)block_size, PRISM_KV_CLASS_LOCAL);
+    d.ring = prism_kv_local_ring(&d.cfg, (int)block_size, 1);
+    /* A ring as long as the context saves nothing (and would be reserved per slot): one pool then,
+     * every layer in it (the transfer layout is the same; the chunked layers' older blocks are
+     * simply never written nor read). */
+    if (d.ring >= d.max_blocks_per_seq) d.ring = 0;
+    /* The pool's block: the layers that keep every position (every layer without a split). */
+    size_t block_bytes = d.ring ? prism_kv_cache_class_block_bytes(&d.cfg, (int)block_size, PRISM_KV_CLASS_FULL)
+                                : prism_kv_cache_block_bytes(&d.cfg, (int)block_size);
+    size_t ring_bytes = (size_t)d.max_running * d.ring *
+                        prism_kv_cache_class_block_bytes(&d.cfg, (int)block_size, PRISM_KV_CLASS_LOCAL);
     size_t weights = prism_llm_weight_bytes(d.llm);
     size_t arena = prism_llm_arena_bytes(&d.cfg, d.max_running, d.max_running);
     size_t scratch = (size_t)d.max_running * d.cfg.vocab * sizeof(float) + (size_t)d.cfg.vocab * 8 +
@@ -573,7 +624,7 @@ int main(int argc, char **argv)
     size_t reserve = PRISM_MEM_RESERVE, runtime = prism_mem_runtime_bytes();
     if (kv_blocks <= 0) {
         if (o.mem_budget > 0) {
-            int64_t left = o.mem_budget - (int64_t)(weights + arena + scratch + sampling + reserve + runtime);
+            int64_t left = o.mem_budget - (int64_t)(weights + arena + scratch + sampling + reserve + runtime + ring_bytes);
             kv_blocks = left > 0 ? left / (int64_t)block_bytes : 0;
         } else {
             kv_blocks = 1024;
@@ -582,6 +633,7 @@ int main(int argc, char **argv)
     prism_mem_plan_t plan = {.budget = (size_t)o.mem_budget};
     prism_mem_plan_add(&plan, "weights", weights);
     prism_mem_plan_add(&plan, "kv-cache", (size_t)kv_blocks * block_bytes);
+    if (d.ring) prism_mem_plan_add(&plan, "kv-rings", ring_bytes);   /* chunked layers: one chunk per sequence */
     prism_mem_plan_add(&plan, "activations", arena);
     prism_mem_plan_add(&plan, "logits+tables", scratch);
     prism_mem_plan_add(&plan, "sampling", sampling);
@@ -599,13 +651,14 @@ int main(int argc, char **argv)
     /* The leader is the worker the routers see (its net and sockets); the other ranks only need a
      * net for the group's link. Nothing registers before the group has formed and agreed on its
      * capacity (registration starts with the I/O thread, prism_worker_start). */
-    size_t full_block_bytes = prism_kv_cache_block_bytes(&d.full, (int)block_size);
     prism_net_t *rank_net = NULL;
     char bind[300];
     if (leader) {
         prism_worker_data_bind(&o, bind, sizeof(bind));
-        if (prism_worker_init(&d.w, PRISM__ROLE__ROLE_DECODE, &o, bind, (size_t)d.max_blocks_per_seq * full_block_bytes)
-            != PRISM_OK)
+        /* The largest transfer: every block of the pool's layers, and the chunked layers' blocks from
+         * the chunk of the last position (at most a ring); whole-model heads (the leader scatters) */
+        size_t max_kv = (size_t)d.max_blocks_per_seq * d.fbb + (size_t)d.ring * d.lbb;
+        if (prism_worker_init(&d.w, PRISM__ROLE__ROLE_DECODE, &o, bind, max_kv) != PRISM_OK)
             return 1;
     } else {
         prism_net_opts_t no = {.role = PRISM_NET_ROLE_DECODE, .curve_keys = o.curve_keys, .insecure = o.insecure_no_curve};
@@ -623,7 +676,8 @@ int main(int argc, char **argv)
     kv_blocks = setup.kv_blocks;
     if (tpo.size > 1) prism_llm_set_comm(d.llm, prism_group_comm(d.tp.g));
 
-    if (prism_kv_cache_create(d.be, &d.cfg, (int)kv_blocks, (int)block_size, &d.kv) != PRISM_OK ||
+    if (prism_kv_cache_create_split(d.be, &d.cfg, (int)kv_blocks, d.max_running * d.ring, (int)block_size, &d.kv) !=
+            PRISM_OK ||
         prism_kv_blocks_init(&d.blocks, (int)kv_blocks, (int)block_size) != PRISM_OK) {
         PRISM_ERROR("cannot allocate the KV cache (%lld blocks)", (long long)kv_blocks);
         return 1;
@@ -632,6 +686,13 @@ int main(int argc, char **argv)
     d.seqs = prism_xcalloc((size_t)d.max_running, sizeof(seq_t));
     d.block_pool = prism_xcalloc((size_t)d.max_running * d.max_blocks_per_seq, sizeof(int32_t));
     for (int i = 0; i < d.max_running; i++) d.seqs[i].blocks = d.block_pool + (size_t)i * d.max_blocks_per_seq;
+    if (d.ring) {
+        d.ring_pool = prism_xcalloc((size_t)d.max_running * d.ring, sizeof(int32_t));
+        d.ring_ids = prism_xcalloc((size_t)d.ring, sizeof(int32_t));
+        for (int i = 0; i < d.max_running * d.ring; i++) d.ring_pool[i] = i;
+        for (int i = 0; i < d.max_running; i++) d.seqs[i].ring = d.ring_pool + (size_t)i * d.ring;
+    }
+    d.rings = prism_xcalloc((size_t)d.max_running, sizeof(int32_t *));
     d.tokens = prism_xcalloc((size_t)d.max_running, sizeof(int32_t));
     d.pos0 = prism_xcalloc((size_t)d.max_running, sizeof(int32_t));
     d.seq_start = prism_xcalloc((size_t)d.max_running + 1, sizeof(int32_t));
@@ -657,9 +718,16 @@ int main(int argc, char **argv)
     prism_llm_set_hook(d.llm, &d.hook);
     publish_load(&d);   /* the first heartbeat already tells the truth */
     if (prism_worker_start(&d.w) != PRISM_OK) return 1;   /* registration: the group has formed */
-    PRISM_INFO("decode worker %s ready in %.2fs: data %s, %lld KV blocks x %lld tokens, batch %d%s",
-               d.w.worker_id, prism_now_s() - t0, d.w.data_endpoint, (long long)kv_blocks,
-               (long long)block_size, d.max_running, d.overlap ? ", host work overlapped with the device" : "");
+    PRISM_INFO("decode worker %s ready in %.2fs: data %s, %lld KV blocks x %lld tokens, batch %d%s%s", d.w.worker_id,
+               prism_now_s() - t0, d.w.data_endpoint, (long long)kv_blocks, (long long)block_size, d.max_running,
+               d.overlap ? ", host work overlapped with the device" : "",
+               d.ring ? ", chunked-attention layers in per-sequence rings" : "");
+    if (d.ring) {
+        char a[32], b2[32];
+        PRISM_INFO("decode: chunked-attention layers keep a ring of %d blocks per sequence (%s per block, %s per "
+                   "block of the other layers)", d.ring, prism_fmt_bytes(d.lbb, a, sizeof a),
+                   prism_fmt_bytes(d.fbb, b2, sizeof b2));
+    }
 
     int code = 0;
     while (!prism_worker_should_stop()) {

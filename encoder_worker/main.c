@@ -1,16 +1,22 @@
-/* encoder_worker: image decode (libjpeg-turbo, libspng), CLIP preprocessing, vision tower +
- * projector, embedding cache. Embeddings go straight to the prefill worker the router chose, as a
- * raw frame.
+/* encoder_worker: image decode (libjpeg-turbo, libspng), preprocessing (CLIP, or Llama-4's tiles),
+ * vision tower + projector, embedding cache. Embeddings go straight to the prefill worker the
+ * router chose, as raw frames (one per tile).
  *
  * Jobs arrive from the router (through the worker's I/O thread, which keeps heartbeating while
  * this thread computes) with the image file as a raw frame, which is kept (zmq_msg_move, no copy)
- * in a bounded job queue. Each loop iteration forms a batch, oldest first, of at most
- * --max-batch-images images and at most as many as finish within --max-batch-seconds at the
- * measured cost per image; streams each through the decoder into the CLIP resampler (rows are
- * resampled as they are decoded, straight into the batch's pixel buffer; no decoded image is ever
- * held), runs the vision tower once and then pushes the results. An abort that arrives during the
- * batch drops its image between two layers; the others go on. When a prefill worker's receive
- * pool is full the push waits: the encoder takes no new batch (backpressure), so nothing grows.
+ * in a job queue bounded in images and in file bytes (the router sends no more than
+ * --max-queued-image-bytes of files: Register.max_queued_bytes). Each loop iteration forms a batch,
+ * oldest first, of as many images as the pixel buffer has tiles for (a LLaVA image is one tile; a
+ * Llama-4 image its canvas's tiles plus the global one, counted from the header before decoding)
+ * and at most as many as finish within --max-batch-seconds at the measured cost per image; streams
+ * each through the decoder into the preprocessor (prep.c: rows are resampled as they are decoded,
+ * straight into the batch's tiles; no decoded image is ever held), runs the vision tower over the
+ * tiles in micro-batches of at most --max-batch-images (the activation arena holds that many),
+ * then pushes the results. A 17-tile 4096x4096 Llama-4 image with --max-batch-images 4 is five
+ * micro-batches: memory is set by the flags, never by the images or their number. An abort that
+ * arrives during the batch drops its image's tiles between two layers (and skips those of later
+ * micro-batches); the others go on. When a prefill worker's receive pool is full the push waits:
+ * the encoder takes no new batch (backpressure), so nothing grows.
  *
  * Cache entries a batch answers from are pinned until their jobs are sent (or aborted), so a miss
  * later in the same batch (or while the batch waits for prefill) cannot evict and overwrite them. */
@@ -21,20 +27,15 @@
 #include "backend/backend.h"
 #include "model/model.h"
 #include "image/image.h"
-#include "image/clip.h"
 #include "embed_cache.h"
+#include "prep.h"
 
 #include <stdio.h>
 #include <string.h>
 
 typedef enum { JOB_FREE, JOB_QUEUED, JOB_ENCODED, JOB_SEND } job_state_t;
 
-/* JPEG DCT-domain downscaling trades exactness for speed: HF decodes every image at full size, so
- * a scaled decode moves pixels (and can change a greedy token). "always" scales every JPEG at least
- * twice the model's resize target. "auto" and "never" decode at full size: streaming needs only a
- * few rows at any size, and what a full decode may not fit (a progressive JPEG's coefficients) DCT
- * scaling would not shrink. */
-enum { DCT_AUTO, DCT_ALWAYS, DCT_NEVER };
+#define MAX_TILES (PRISM_LLAMA4_MAX_PATCHES + 1)   /* of one image */
 
 typedef struct {
     job_state_t state;
@@ -45,11 +46,13 @@ typedef struct {
     char prefill_endpoint[256];
     zmq_msg_t image;          /* file bytes, owned while queued */
     bool has_image;
-    const float *emb;         /* result: cache entry (pinned) or batch output row */
+    int n_tiles;              /* result: tiles of image_seq_length rows each ... */
+    const float *parts[MAX_TILES];   /* ... in the cache entry (pinned) or the batch output */
+    int tile0;                /* first tile in the batch's pixel buffer */
     char error[256];
     Prism__ErrorKind error_kind;  /* with error: CLIENT (the default: the image) unless set */
     bool cache_hit;
-    int cache_slot;           /* pinned cache slot while the job is in flight; -1 none */
+    int cache_slot;           /* pinned cache entry while the job is in flight; -1 none */
     float decode_ms, vit_ms;
     double t_arrive;
 } job_t;
@@ -59,28 +62,27 @@ typedef struct {
     prism_model_config_t cfg;
     prism_backend_t *be;
     prism_vision_t *vis;
-    prism_clip_preproc_t pre;
+    enc_prep_t prep;          /* decoder, relay, preprocessor and its workspace */
     prism_embed_cache_t cache;
     int max_batch, max_queue;
-    uint64_t max_pixels;
-    int dct;                  /* DCT_AUTO / DCT_ALWAYS / DCT_NEVER */
+    uint64_t max_queue_bytes; /* image file bytes one router may have queued here (Register.max_queued_bytes) */
+    int cap_tiles;            /* tiles of the pixel and output buffers: max(--max-batch-images, tiles of the largest image) */
     job_t *jobs;              /* [max_queue] */
     int batch[256];           /* job indices of the batch in flight (-1: dropped) */
     int n_batch;
     int pix_job[256];         /* job index of each image in the vision batch (-1: cancelled) */
-    int n_pix, n_live;
+    int n_pix, n_live;        /* images in the vision batch, those not cancelled */
+    int *tile_job;            /* [cap_tiles] job index of each tile in the pixel buffer (-1: cancelled) */
+    int tile_base;            /* first tile of the micro-batch in the vision tower */
     double max_batch_s;       /* time bound of one batch (0 = memory bound only) */
     double cost_s;            /* measured seconds per image (decode + ViT), 0 until measured */
     int layer_done, layer_total;
     double t_layer, layer_s;  /* when the last layer finished, how long it took */
     prism_model_hook_t hook;
-    float *pixels;            /* [max_batch][3][S][S] */
-    float *out;               /* [max_batch][image_seq_length][hidden] */
-    prism_image_decoder_t *dec;   /* decode memory: O(width) rows + whole-image state */
-    prism_image_relay_t *relay;   /* preprocessing thread (--decode-threads 2), or NULL */
-    void *ws;                 /* preprocess workspace */
-    size_t ws_cap;
-    size_t emb_floats;
+    float *pixels;            /* [cap_tiles][3][S][S] */
+    float *out;               /* [cap_tiles][image_seq_length][hidden] */
+    size_t tile_px;           /* floats of one tile's pixels */
+    size_t emb_floats;        /* floats of one tile's embeddings */
     uint64_t encoded, failed, cancelled;
 } encoder_t;
 
@@ -95,14 +97,22 @@ static void publish_load(encoder_t *e)
     prism_worker_set_load(&e->w, &l);
 }
 
-/* The job's slot, image and pinned cache entry go back. */
-static void release_job(encoder_t *e, job_t *j)
+/* The file is no longer needed once the job has left the queue (decoded, answered from the cache
+ * or refused): free it then, so the queue's bytes are only those of queued jobs, which an abort
+ * frees at once, and the router's count of them is never below ours. */
+static void drop_image(job_t *j)
 {
     if (j->has_image) zmq_msg_close(&j->image);
     j->has_image = false;
+}
+
+/* The job's slot, image and pinned cache entry go back. */
+static void release_job(encoder_t *e, job_t *j)
+{
+    drop_image(j);
     if (j->cache_slot >= 0) prism_embed_cache_unpin(&e->cache, j->cache_slot);
     j->cache_slot = -1;
-    j->emb = NULL;
+    j->n_tiles = 0;
     j->state = JOB_FREE;
 }
 
@@ -142,7 +152,7 @@ static int push_job(encoder_t *e, job_t *j)
     }
     Prism__Embeddings em = PRISM__EMBEDDINGS__INIT;
     em.image_index = j->image_index;
-    em.n_tokens = (uint32_t)e->cfg.image_seq_length;
+    em.n_tokens = (uint32_t)(j->n_tiles * e->cfg.image_seq_length);
     em.hidden = (uint32_t)e->cfg.hidden;
     em.error = j->error;
     Prism__Envelope env = PRISM__ENVELOPE__INIT;
@@ -150,8 +160,22 @@ static int push_job(encoder_t *e, job_t *j)
     env.request_id = j->rid;
     env.router_id = j->router_id;
     env.embeddings = &em;
-    prism_frame_t f = {j->emb, e->emb_floats * sizeof(float)};
-    return prism_msg_send(s, NULL, 0, &env, j->error[0] ? NULL : &f, j->error[0] ? 0 : 1, ZMQ_DONTWAIT);
+    prism_frame_t f[MAX_TILES];
+    int n = j->error[0] ? 0 : j->n_tiles;
+    for (int i = 0; i < n; i++) f[i] = (prism_frame_t){j->parts[i], e->emb_floats * sizeof(float)};
+    return prism_msg_send(s, NULL, 0, &env, f, n, ZMQ_DONTWAIT);
+}
+
+/* Image file bytes queued here by one router: what its byte bound is checked against. */
+static uint64_t queued_bytes_of(const encoder_t *e, const char *router)
+{
+    uint64_t n = 0;
+    for (int i = 0; i < e->max_queue; i++) {
+        const job_t *j = &e->jobs[i];
+        if (j->state == JOB_QUEUED && j->has_image && !strcmp(j->router_id, router))
+            n += zmq_msg_size((zmq_msg_t *)&j->image);
+    }
+    return n;
 }
 
 static void on_encode(encoder_t *e, prism_msg_t *m)
@@ -162,13 +186,19 @@ static void on_encode(encoder_t *e, prism_msg_t *m)
     job_t *j = NULL;
     for (int i = 0; i < e->max_queue; i++)
         if (e->jobs[i].state == JOB_FREE) { j = &e->jobs[i]; break; }
-    if (!j || !en || m->n_frames != 1 || !en->prefill_endpoint || !*en->prefill_endpoint) {
+    bool valid = en && m->n_frames == 1 && en->prefill_endpoint && *en->prefill_endpoint;
+    uint64_t held = valid && j ? queued_bytes_of(e, router) : 0;
+    /* A router keeps within the bound (one image alone may exceed it); one that does not is refused
+     * rather than allowed to grow this process past its plan. */
+    bool over = held && held + zmq_msg_size(&m->frames[0]) > e->max_queue_bytes;
+    if (!j || !valid || over) {
         job_t tmp = {.cache_slot = -1};
         tmp.rid = env->request_id;
         tmp.image_index = en ? en->image_index : 0;
         snprintf(tmp.router_id, sizeof(tmp.router_id), "%s", router);
-        snprintf(tmp.error, sizeof(tmp.error), "%s", j ? "malformed encode request" : "encoder queue is full");
-        tmp.error_kind = j ? PRISM__ERROR_KIND__ERROR_INTERNAL : PRISM__ERROR_KIND__ERROR_OVERLOAD;
+        snprintf(tmp.error, sizeof(tmp.error), "%s",
+                 !valid ? "malformed encode request" : over ? "encoder queue is full (image bytes)" : "encoder queue is full");
+        tmp.error_kind = !valid ? PRISM__ERROR_KIND__ERROR_INTERNAL : PRISM__ERROR_KIND__ERROR_OVERLOAD;
         PRISM_WARN("request %llu: %s", (unsigned long long)env->request_id, tmp.error);
         finish_job(e, &tmp);
         return;
@@ -217,56 +247,6 @@ static void on_msg(prism_worker_t *w, prism_msg_t *m, int source, void *ud)
     }
 }
 
-/* Streams one image through the decoder into the CLIP resampler, which writes pixel slot `slot`. */
-static int prepare(encoder_t *e, job_t *j, int slot)
-{
-    size_t len = zmq_msg_size(&j->image);
-    const uint8_t *data = zmq_msg_data(&j->image);
-    prism_image_info_t info;
-    int rc = prism_image_probe(data, len, &info);
-    if (rc != PRISM_OK) {
-        snprintf(j->error, sizeof(j->error), "The image could not be decoded: not a valid JPEG or PNG file.");
-        return rc;
-    }
-    if ((uint64_t)info.width * (uint64_t)info.height > e->max_pixels) {
-        snprintf(j->error, sizeof(j->error), "Image of %dx%d pixels exceeds the limit of %llu pixels.",
-                 info.width, info.height, (unsigned long long)e->max_pixels);
-        return PRISM_ELIMIT;
-    }
-    int tw, th;
-    if (prism_clip_resize_target(&e->pre, info.width, info.height, &tw, &th) != PRISM_OK) {
-        snprintf(j->error, sizeof(j->error), "Image of %dx%d pixels cannot be resized to the model's input: its "
-                 "aspect ratio is too extreme.", info.width, info.height);
-        return PRISM_ELIMIT;
-    }
-    prism_image_decode_opts_t opts = {.max_pixels = e->max_pixels};
-    if (e->dct == DCT_ALWAYS)
-        prism_clip_decode_opts(&e->pre, &info, &opts);
-    size_t S = (size_t)e->cfg.v_image_size;
-    prism_clip_stream_t st;
-    prism_image_sink_t sink = prism_clip_stream_sink(&st, &e->pre, e->ws, e->ws_cap, e->pixels + (size_t)slot * 3 * S * S);
-    prism_image_sink_t inner = sink;
-    if (e->relay)
-        sink = prism_image_relay_sink(e->relay, &inner);
-    double t0 = prism_now_s();
-    rc = prism_image_decoder_run(e->dec, data, len, &opts, &sink);
-    if (rc == PRISM_OK)
-        rc = prism_clip_stream_finish(&st);
-    j->decode_ms = (float)((prism_now_s() - t0) * 1e3);
-    if (rc == PRISM_ELIMIT) {
-        snprintf(j->error, sizeof(j->error), "The %dx%d %s image cannot be decoded: %s.", info.width, info.height,
-                 prism_image_format_name(info.format), prism_image_decoder_error(e->dec));
-        return rc;
-    }
-    if (rc != PRISM_OK) {
-        snprintf(j->error, sizeof(j->error), "The image could not be decoded (%s): %s.", prism_strerror(rc),
-                 prism_image_decoder_error(e->dec)[0] ? prism_image_decoder_error(e->dec)
-                                                      : "the data is corrupt or truncated");
-        return rc;
-    }
-    return PRISM_OK;
-}
-
 /* Pushes finished jobs of the batch in flight; returns true when the batch is fully sent. */
 static bool flush_batch(encoder_t *e)
 {
@@ -305,10 +285,11 @@ static bool hook_layer(void *ud, int done, int total)
     return prism_worker_layer_done(&e->w);
 }
 
-static bool hook_cancelled(void *ud, int item)
+/* Image i of the vision batch leaves it if its request was aborted: its tiles are dropped from the
+ * micro-batch in the tower (the hook's answer) and skipped in later ones, its job freed. */
+static bool cancel_if_aborted(encoder_t *e, int i)
 {
-    encoder_t *e = ud;
-    job_t *j = &e->jobs[e->pix_job[item]];
+    job_t *j = &e->jobs[e->pix_job[i]];
     double waited = 0;
     if (!prism_worker_aborted(&e->w, j->rid, j->router_id, &waited)) return false;
     e->n_live--;
@@ -317,7 +298,8 @@ static bool hook_cancelled(void *ud, int item)
                    "(%.3fs per layer): dropped from the batch, %d image(s) go on",
                    (unsigned long long)j->rid, j->image_index, waited, e->layer_done, e->layer_total, e->layer_s,
                    e->n_live);
-    e->pix_job[item] = -1;
+    for (int k = 0; k < j->n_tiles; k++) e->tile_job[j->tile0 + k] = -1;
+    e->pix_job[i] = -1;
     unbatch(e, j);
     release_job(e, j);
     e->cancelled++;
@@ -325,58 +307,112 @@ static bool hook_cancelled(void *ud, int item)
     return true;
 }
 
-/* Images in the next batch: as many as memory allows (--max-batch-images) and, once the cost of
- * an image is measured, as many as finish within --max-batch-seconds (at least one). */
+/* Items of the hook are the tiles of the micro-batch in the tower. */
+static bool hook_cancelled(void *ud, int item)
+{
+    encoder_t *e = ud;
+    int ji = e->tile_job[e->tile_base + item];
+    if (ji < 0) return true;   /* its image was cancelled at an earlier tile */
+    for (int i = 0; i < e->n_pix; i++)
+        if (e->pix_job[i] == ji) return cancel_if_aborted(e, i);
+    PRISM_ASSERT(!"tile of an image outside the vision batch");
+    return false;
+}
+
+/* Between micro-batches: images with tiles still to encode whose abort came meanwhile (the hook
+ * asks only about the tiles in the tower). */
+static void drop_aborted(encoder_t *e, int next_tile)
+{
+    for (int i = 0; i < e->n_pix; i++) {
+        if (e->pix_job[i] < 0) continue;
+        const job_t *j = &e->jobs[e->pix_job[i]];
+        if (j->tile0 + j->n_tiles > next_tile) cancel_if_aborted(e, i);
+    }
+}
+
+/* Images in the next batch: as many as the pixel buffer has tiles for and, once the cost of an
+ * image is measured, as many as finish within --max-batch-seconds (at least one). */
 static int batch_target(const encoder_t *e)
 {
-    if (e->max_batch_s <= 0) return e->max_batch;
+    if (e->max_batch_s <= 0) return e->cap_tiles;
     if (e->cost_s <= 0) return 1;
     double n = e->max_batch_s / e->cost_s;
-    return n >= e->max_batch ? e->max_batch : PRISM_MAX(1, (int)n);
+    return n >= e->cap_tiles ? e->cap_tiles : PRISM_MAX(1, (int)n);
 }
 
 static void run_batch(encoder_t *e)
 {
     if (e->n_batch && !flush_batch(e)) return;  /* previous results still waiting for prefill */
     int target = batch_target(e);
+    int n_tiles = 0;
     e->n_pix = 0;
     double decode_s = 0;
-    /* Oldest first; cache hits cost nothing and do not count against the time bound. */
-    for (int pass = 0; pass < e->max_queue && e->n_batch < e->max_batch && e->n_pix < target; pass++) {
+    /* Oldest first, while the pixel buffer has tiles for the next image (known from its header);
+     * cache hits cost nothing and do not count against the time bound. */
+    for (int pass = 0; pass < e->max_queue && e->n_batch < e->cap_tiles && e->n_pix < target; pass++) {
         job_t *best = NULL;
         for (int i = 0; i < e->max_queue; i++) {
             job_t *j = &e->jobs[i];
             if (j->state == JOB_QUEUED && (!best || j->t_arrive < best->t_arrive)) best = j;
         }
         if (!best) break;
-        int idx = (int)(best - e->jobs);
+        const uint8_t *data = zmq_msg_data(&best->image);
+        size_t len = zmq_msg_size(&best->image);
+        int nt = 0, idx = (int)(best - e->jobs);
+        bool bad = enc_prep_tiles(&e->prep, data, len, &nt, best->error, sizeof(best->error)) != PRISM_OK;
+        if (!bad && n_tiles + nt > e->cap_tiles) break;   /* next batch: nothing overtakes it */
         e->batch[e->n_batch++] = idx;
-        best->state = JOB_ENCODED;
+        best->state = JOB_SEND;   /* an error travels to prefill and router */
+        if (bad) {
+            drop_image(best);
+            continue;
+        }
         /* The entry stays pinned until the job is sent (finish_job): a miss later in this batch
          * must not evict and overwrite it. */
         int hit = prism_embed_cache_get_pinned(&e->cache, best->hash);
         if (hit >= 0) {
             best->cache_slot = hit;
-            best->emb = prism_embed_cache_data(&e->cache, hit);
+            best->n_tiles = prism_embed_cache_units(&e->cache, hit, best->parts, MAX_TILES);
             best->cache_hit = true;
-            best->state = JOB_SEND;
+            drop_image(best);
             continue;
         }
-        if (prepare(e, best, e->n_pix) != PRISM_OK) {
-            best->state = JOB_SEND;  /* error travels to prefill and router */
-            continue;
-        }
+        double t0 = prism_now_s();
+        int rc = enc_prep_run(&e->prep, data, len, e->pixels + (size_t)n_tiles * e->tile_px, best->error,
+                              sizeof(best->error));
+        best->decode_ms = (float)((prism_now_s() - t0) * 1e3);
+        drop_image(best);
+        if (rc != PRISM_OK) continue;
+        best->state = JOB_ENCODED;
+        best->n_tiles = nt;
+        best->tile0 = n_tiles;
+        for (int k = 0; k < nt; k++) e->tile_job[n_tiles + k] = idx;
+        n_tiles += nt;
         decode_s += best->decode_ms / 1e3;
         e->pix_job[e->n_pix++] = idx;
     }
     if (e->n_pix) {
         int n_pix = e->n_pix;
         e->n_live = n_pix;
-        PRISM_DEBUG("vision batch of %d image(s) (time bound allows %d at %.3fs per image)", n_pix, target, e->cost_s);
+        PRISM_DEBUG("vision batch of %d image(s), %d tiles (time bound allows %d at %.3fs per image)", n_pix, n_tiles,
+                    target, e->cost_s);
         publish_load(e);
+        /* The tiles of every image in micro-batches of at most --max-batch-images (the arena's size;
+         * tiles are independent sequences, so any split gives the same rows). Each micro-batch is a
+         * run of live tiles: an image cancelled during an earlier one is skipped. */
         double t0 = prism_now_s();
-        e->t_layer = t0;
-        int rc = prism_vision_encode(e->vis, e->pixels, n_pix, e->out);
+        int rc = PRISM_OK;
+        for (int t = 0; rc == PRISM_OK && e->n_live > 0;) {
+            drop_aborted(e, t);   /* aborts that came while decoding or during the last micro-batch */
+            while (t < n_tiles && e->tile_job[t] < 0) t++;
+            if (t >= n_tiles) break;
+            int k = 1;
+            while (k < e->max_batch && t + k < n_tiles && e->tile_job[t + k] >= 0) k++;
+            e->tile_base = t;
+            e->t_layer = prism_now_s();
+            rc = prism_vision_encode(e->vis, e->pixels + (size_t)t * e->tile_px, k, e->out + (size_t)t * e->emb_floats);
+            t += k;
+        }
         double vit_s = prism_now_s() - t0;
         prism_worker_progress(&e->w, (uint64_t)e->n_live);
         if (rc == PRISM_OK && e->n_live == n_pix) {
@@ -387,14 +423,15 @@ static void run_batch(encoder_t *e)
             if (e->pix_job[i] < 0) continue;   /* cancelled during the batch */
             job_t *j = &e->jobs[e->pix_job[i]];
             j->state = JOB_SEND;
-            j->vit_ms = (float)(vit_s * 1e3 / n_pix);
+            j->vit_ms = (float)(vit_s * 1e3 * j->n_tiles / n_tiles);   /* its tiles' share */
             if (rc != PRISM_OK) {
                 snprintf(j->error, sizeof(j->error), "vision encoder failed: %s", prism_strerror(rc));
                 j->error_kind = PRISM__ERROR_KIND__ERROR_INTERNAL;
                 continue;
             }
-            j->emb = e->out + (size_t)i * e->emb_floats;
-            prism_embed_cache_put(&e->cache, j->hash, j->emb);
+            const float *emb = e->out + (size_t)j->tile0 * e->emb_floats;
+            for (int k = 0; k < j->n_tiles; k++) j->parts[k] = emb + (size_t)k * e->emb_floats;
+            prism_embed_cache_put(&e->cache, j->hash, emb, j->n_tiles);
         }
     }
     if (e->n_batch) flush_batch(e);
@@ -404,16 +441,19 @@ int main(int argc, char **argv)
 {
     prism_worker_opts_t o;
     prism_worker_opts_defaults(&o, "encoder");
-    int64_t max_batch = 8, max_queue = 64, cache_bytes = 64ll << 20, max_pixels = 4096ll * 4096,
+    int64_t max_batch = 8, max_queue = 64, max_queue_bytes = 64ll << 20, cache_bytes = 64ll << 20, max_pixels = 4096ll * 4096,
             max_decode_pixels = 4096ll * 4096, decode_threads = 2;
     const char *dct = "auto";
     double max_batch_s = 2.0;
     prism_flag_t flags[32] = {
-        PRISM_FLAG_INT("max-batch-images", &max_batch, "Images per vision-tower batch"),
+        PRISM_FLAG_INT("max-batch-images", &max_batch, "Images per vision-tower micro-batch, the activation arena's "
+                       "size (Llama-4: tiles; an image of more tiles runs in several micro-batches)"),
         PRISM_FLAG_DOUBLE("max-batch-seconds", &max_batch_s,
                           "Time bound of one batch: no more images than finish in it at the measured cost per image "
-                          "(at least one; 0 = --max-batch-images alone)"),
+                          "(at least one; 0 = the pixel buffer's tiles alone)"),
         PRISM_FLAG_INT("max-queued-images", &max_queue, "Images waiting for the encoder at once"),
+        PRISM_FLAG_BYTES("max-queued-image-bytes", &max_queue_bytes, "Image file bytes waiting for the encoder at "
+                         "once (the router holds the rest; one image larger than this is still taken alone)"),
         PRISM_FLAG_BYTES("embedding-cache-bytes", &cache_bytes, "Embedding cache budget (0 disables)"),
         PRISM_FLAG_INT("max-image-pixels", &max_pixels, "Largest image accepted (width*height in the file)"),
         PRISM_FLAG_INT("max-decode-pixels", &max_decode_pixels,
@@ -426,44 +466,39 @@ int main(int argc, char **argv)
                        "preprocess rows on a helper thread while the next ones decode"),
     };
     static encoder_t e;
-    int rc = prism_worker_startup(argc, argv, "encoder", "Prism encoder worker: image decode, CLIP preprocessing, "
-                                  "vision tower + projector.", flags, &o, &e.cfg);
+    int rc = prism_worker_startup(argc, argv, "encoder", "Prism encoder worker: image decode, preprocessing (CLIP "
+                                  "or Llama-4 tiles), vision tower + projector.", flags, &o, &e.cfg);
     if (rc >= 0) return rc;
     double t0 = prism_now_s();
-    char err[512] = "", path[1024];
+    char err[512] = "";
     if (!e.cfg.has_vision) {
         PRISM_ERROR("model at %s has no vision tower: an encoder worker has nothing to do", o.model_path);
         return 1;
     }
-    if (max_batch < 1 || max_batch > 256 || max_queue < max_batch || max_queue > 65536 || max_pixels < 1 ||
-        max_decode_pixels < 0 || decode_threads < 1 || decode_threads > 2 || !(max_batch_s >= 0 && max_batch_s <= 3600)) {
+    if (max_batch < 1 || max_batch > 256 || max_queue < max_batch || max_queue > 65536 || max_queue_bytes < 1 ||
+        max_pixels < 1 || max_decode_pixels < 0 || decode_threads < 1 || decode_threads > 2 ||
+        !(max_batch_s >= 0 && max_batch_s <= 3600)) {
         PRISM_ERROR("flag out of range (see --help)");
         return 2;
     }
-    prism_path_join(path, sizeof(path), o.model_path, "preprocessor_config.json");
-    if (prism_clip_preproc_load(path, &e.pre, err, sizeof(err)) != PRISM_OK) {
-        PRISM_ERROR("cannot load %s: %s", path, err);
+    int dct_mode = !strcmp(dct, "auto") ? ENC_DCT_AUTO : !strcmp(dct, "always") ? ENC_DCT_ALWAYS
+                 : !strcmp(dct, "never") ? ENC_DCT_NEVER : -1;
+    if (dct_mode < 0) {
+        PRISM_ERROR("--jpeg-dct-scaling must be auto, always or never");
+        return 2;
+    }
+    if (enc_prep_plan(&e.prep, &e.cfg, o.model_path, (uint64_t)max_pixels, (uint64_t)max_decode_pixels,
+                      (int)decode_threads, dct_mode, err, sizeof(err)) != PRISM_OK) {
+        PRISM_ERROR("image preprocessing: %s", err);
         return 1;
     }
     e.max_batch = (int)max_batch;
     e.max_queue = (int)max_queue;
     e.max_batch_s = max_batch_s;
-    e.max_pixels = (uint64_t)max_pixels;
-    if (!strcmp(dct, "auto")) e.dct = DCT_AUTO;
-    else if (!strcmp(dct, "always")) e.dct = DCT_ALWAYS;
-    else if (!strcmp(dct, "never")) e.dct = DCT_NEVER;
-    else {
-        PRISM_ERROR("--jpeg-dct-scaling must be auto, always or never");
-        return 2;
-    }
+    e.cap_tiles = PRISM_MAX(e.max_batch, e.prep.max_tiles);
     e.emb_floats = (size_t)e.cfg.image_seq_length * e.cfg.hidden;
     size_t S = (size_t)e.cfg.v_image_size;
-    /* Decode memory: rows of the widest image accepted, plus whole-image state for
-     * --max-decode-pixels; preprocessing scratch for any accepted image. */
-    int max_width = (int)PRISM_MIN(max_pixels, (int64_t)PRISM_IMAGE_MAX_DIM);
-    size_t dec_bytes = prism_image_decoder_bytes(max_width, (uint64_t)max_decode_pixels);
-    size_t relay_bytes = decode_threads > 1 ? prism_image_relay_bytes(max_width) : 0;
-    e.ws_cap = prism_clip_workspace_bound(&e.pre, (uint64_t)max_pixels);
+    e.tile_px = 3 * S * S;
 
     if (prism_backend_create(o.device, (int)o.threads, 0, &e.be) != PRISM_OK) {
         PRISM_ERROR("cannot create backend '%s'", o.device);
@@ -476,25 +511,25 @@ int main(int argc, char **argv)
     prism_mem_plan_t plan = {.budget = (size_t)o.mem_budget};
     prism_mem_plan_add(&plan, "weights", prism_vision_weight_bytes(e.vis));
     prism_mem_plan_add(&plan, "activations", prism_vision_arena_bytes(&e.cfg, e.max_batch));
-    prism_mem_plan_add(&plan, "pixels+outputs", (size_t)e.max_batch * (3 * S * S + e.emb_floats) * sizeof(float));
-    prism_mem_plan_add(&plan, "decode", dec_bytes + relay_bytes);
-    prism_mem_plan_add(&plan, "preprocess", e.ws_cap);
+    prism_mem_plan_add(&plan, "pixels+outputs", (size_t)e.cap_tiles * (e.tile_px + e.emb_floats) * sizeof(float));
+    prism_mem_plan_add(&plan, "decode", e.prep.dec_bytes + e.prep.relay_bytes);
+    prism_mem_plan_add(&plan, "preprocess", e.prep.ws_bytes);
+    prism_mem_plan_add(&plan, "queued-images", (size_t)max_queue_bytes);  /* per router */
     prism_mem_plan_add(&plan, "embedding-cache", prism_embed_cache_bytes((size_t)cache_bytes, e.emb_floats));
     prism_mem_plan_add(&plan, "runtime", prism_mem_runtime_bytes());
     prism_mem_plan_add(&plan, "reserve", PRISM_MEM_RESERVE);
     if (prism_mem_plan_check(&plan, "encoder") != PRISM_OK) return 1;
 
     e.jobs = prism_xcalloc((size_t)e.max_queue, sizeof(job_t));
-    e.pixels = prism_malloc_aligned((size_t)e.max_batch * 3 * S * S * sizeof(float), 64);
-    e.out = prism_malloc_aligned((size_t)e.max_batch * e.emb_floats * sizeof(float), 64);
-    e.ws = prism_malloc_aligned(PRISM_MAX(e.ws_cap, (size_t)64), 64);
-    if (prism_image_decoder_create(dec_bytes, &e.dec) != PRISM_OK ||
-        (decode_threads > 1 && prism_image_relay_create(max_width, &e.relay) != PRISM_OK)) {
+    e.tile_job = prism_xcalloc((size_t)e.cap_tiles, sizeof(int));
+    e.pixels = prism_malloc_aligned((size_t)e.cap_tiles * e.tile_px * sizeof(float), 64);
+    e.out = prism_malloc_aligned((size_t)e.cap_tiles * e.emb_floats * sizeof(float), 64);
+    if (enc_prep_create(&e.prep) != PRISM_OK) {
         PRISM_ERROR("cannot create the image decoder");
         return 1;
     }
-    if (!e.pixels || !e.out || !e.ws ||
-        prism_embed_cache_init(&e.cache, (size_t)cache_bytes, e.emb_floats) != PRISM_OK) {
+    if (!e.pixels || !e.out ||
+        prism_embed_cache_init(&e.cache, (size_t)cache_bytes, e.emb_floats, e.prep.max_tiles) != PRISM_OK) {
         PRISM_ERROR("cannot allocate encoder pools");
         return 1;
     }
@@ -503,12 +538,16 @@ int main(int argc, char **argv)
         return 1;
     prism_worker_set_capacity(&e.w, &o, &plan, 0, 0, (uint32_t)(e.max_batch * e.cfg.image_seq_length),
                               (uint32_t)e.max_queue, 0);
+    e.max_queue_bytes = (uint64_t)max_queue_bytes;
+    e.w.reg.max_queued_bytes = e.max_queue_bytes;  /* the router keeps the queue's files under it */
     e.hook = (prism_model_hook_t){hook_layer, hook_cancelled, &e};
     prism_vision_set_hook(e.vis, &e.hook);
     publish_load(&e);
     if (prism_worker_start(&e.w) != PRISM_OK) return 1;
-    PRISM_INFO("encoder worker %s ready in %.2fs: batch %d images (%.2gs bound), queue %d, cache %d entries",
-               e.w.worker_id, prism_now_s() - t0, e.max_batch, e.max_batch_s, e.max_queue, e.cache.n_slots);
+    PRISM_INFO("encoder worker %s ready in %.2fs: micro-batch %d %s, pixel buffer %d tiles (largest image %d), "
+               "%.2gs batch bound, queue %d, cache %d tiles", e.w.worker_id, prism_now_s() - t0, e.max_batch,
+               e.prep.max_tiles > 1 ? "tiles" : "images", e.cap_tiles, e.prep.max_tiles, e.max_batch_s, e.max_queue,
+               e.cache.n_units);
 
     while (!prism_worker_should_stop()) {
         publish_load(&e);
@@ -521,7 +560,6 @@ int main(int argc, char **argv)
                "cache %llu hits / %llu misses", (unsigned long long)e.encoded, (unsigned long long)e.failed,
                (unsigned long long)e.cancelled, (unsigned long long)e.cache.hits, (unsigned long long)e.cache.misses);
     prism_worker_close(&e.w);
-    prism_image_relay_destroy(e.relay);
-    prism_image_decoder_destroy(e.dec);
+    enc_prep_destroy(&e.prep);
     return 0;
 }

@@ -3,17 +3,21 @@
  * router chose and frees its own copy.
  *
  * Image embeddings arrive straight from encoders on the data socket and land only in a fixed pool
- * of image slots. When the pool is full the data socket is not read, so encoders wait
+ * of pages (one tile's rows each: a LLaVA image is one page, a Llama-4 image one page per tile),
+ * sized for --embed-pool-images images of the largest kind. The data socket is read only while
+ * the largest image would fit (or orphans may make room), so encoders wait when it would not
  * (backpressure) — nothing is buffered without bound. Embeddings and the Prefill request travel on
- * different sockets and may arrive in either order. Prompts run in chunks of at most
- * --chunked-prefill-size tokens. The worker's I/O thread receives while a prompt runs; an abort
- * for the prompt in flight stops it between two layers.
+ * different sockets and may arrive in either order. The rows are laid, in order, over the image
+ * tokens of the image's span (the <|patch|> positions of a Llama-4 tile layout), read in place from
+ * the pool. Prompts run in chunks of at most --chunked-prefill-size tokens. The worker's I/O thread
+ * receives while a prompt runs; an abort for the prompt in flight stops it between two layers.
  *
  * Tensor parallelism (--tp-size P > 1, worker/tp.h): rank 0 is the worker above; it sends every
  * other rank the plan of each chunk (tokens, block table, image embedding rows) and, once the prompt
  * is done, gathers their KV heads into the whole-model blocks a decode worker of any TP size takes.
  * The ranks have no I/O thread; every rank must run every chunk it is sent, so a group stops an
- * aborted prompt between two chunks (the leader sends no further plan), not between two layers. */
+ * aborted prompt between two chunks (the leader sends no further plan), not between two layers.
+ * (Models with chunked-attention layers run at P = 1: their KV export has a layout of its own.) */
 #include "core/core.h"
 #include "core/cli.h"
 #include "net/net.h"
@@ -25,11 +29,13 @@
 #include "sample/sample.h"
 #include "backend/backend.h"
 #include "model/model.h"
+#include "image/llama4_proc.h"
 
 #include <stdio.h>
 #include <string.h>
 
 #define MAX_IMAGES 64
+#define MAX_PAGES (PRISM_LLAMA4_MAX_PATCHES + 1)   /* pages (tiles) of one image */
 
 typedef struct {
     bool used;
@@ -37,7 +43,8 @@ typedef struct {
     char router_id[128];
     uint32_t image_index;
     double t_arrive;
-    float *data;             /* [image_seq_length][hidden] */
+    int n_rows;
+    int32_t pages[MAX_PAGES]; /* pool pages holding rows [k * page_rows, (k + 1) * page_rows) */
 } emb_slot_t;
 
 typedef struct {
@@ -46,6 +53,7 @@ typedef struct {
     int n_tokens;
     int n_images;
     uint32_t span_off[MAX_IMAGES], span_len[MAX_IMAGES];
+    int span_rows[MAX_IMAGES];   /* image-token positions in each span: the rows it needs */
     char decode_endpoint[256];
     double t_arrive;
 } preq_t;
@@ -61,16 +69,20 @@ typedef struct {
     prism_kv_cache_t *kv;
     prism_kv_blocks_t blocks;
     prism_seq_sampler_t sampler;  /* one slot: prompts run one at a time */
-    int max_pending, chunk, max_model_len, max_blocks_per_seq, n_emb;
+    int max_pending, chunk, max_model_len, max_blocks_per_seq;
+    int page_rows, max_pages;    /* rows per pool page (one tile), pages of the largest image */
+    int n_pages, n_free_pages;   /* embedding pool; an image slot per page at most */
     double orphan_timeout_s; /* embeddings whose Prefill never came are dropped after this */
     preq_t *reqs;            /* [max_pending] */
     int32_t *token_pool;     /* [max_pending][max_model_len] */
-    emb_slot_t *emb;         /* [n_emb] */
-    float *emb_pool;         /* [n_emb][image_seq_length][hidden] */
+    emb_slot_t *emb;         /* [n_pages] */
+    float *emb_pool;         /* [n_pages][page_rows][hidden] */
+    int32_t *free_pages;     /* [n_pages] stack */
     const float **chunk_rows; /* [chunk]: image embedding row of each token, or NULL */
     int32_t *table;          /* [max_blocks_per_seq] */
     float *logits;           /* [vocab] */
-    uint8_t *kv_out;         /* [max_blocks_per_seq][block_bytes]: export staging */
+    uint8_t *kv_out;         /* [max_blocks_per_seq][block_bytes]: export staging (holds the transfer, which
+                              * for chunked-attention models is smaller: Kv in prism.proto) */
     size_t block_bytes;      /* one block of the whole model (what decode receives) */
     /* a finished prefill whose KV the decode worker has not taken yet (its request's slot is
      * already free for the next one: kv_seq is a copy of the record) */
@@ -89,16 +101,30 @@ typedef struct {
     prism_abort_memo_t aborts;   /* aborted requests: their embeddings still on the way are dropped */
 } prefill_t;
 
-static int emb_free_slots(const prefill_t *p)
+/* Images of the largest kind the pool can still take (what the heartbeat reports and what gates
+ * reading the data socket). */
+static int emb_room(const prefill_t *p)
 {
-    int n = 0;
-    for (int i = 0; i < p->n_emb; i++) n += !p->emb[i].used;
-    return n;
+    return p->max_pages ? p->n_free_pages / p->max_pages : 0;
+}
+
+static const float *emb_row(const prefill_t *p, const emb_slot_t *e, int k)
+{
+    return p->emb_pool + ((size_t)e->pages[k / p->page_rows] * p->page_rows + (size_t)(k % p->page_rows)) * p->cfg.hidden;
+}
+
+static int emb_pages(const prefill_t *p, const emb_slot_t *e) { return (e->n_rows + p->page_rows - 1) / p->page_rows; }
+
+static void emb_release(prefill_t *p, emb_slot_t *e)
+{
+    for (int k = 0; k < emb_pages(p, e); k++) p->free_pages[p->n_free_pages++] = e->pages[k];
+    e->used = false;
+    e->n_rows = 0;
 }
 
 static emb_slot_t *emb_find(prefill_t *p, uint64_t rid, const char *router, uint32_t index)
 {
-    for (int i = 0; i < p->n_emb; i++) {
+    for (int i = 0; i < p->n_pages; i++) {
         emb_slot_t *e = &p->emb[i];
         if (e->used && e->rid == rid && e->image_index == index && !strcmp(e->router_id, router)) return e;
     }
@@ -119,42 +145,44 @@ static bool emb_orphan(const prefill_t *p, const emb_slot_t *e)
     return true;
 }
 
-static emb_slot_t *emb_oldest_orphan(const prefill_t *p, int *n_orphans)
+/* The oldest orphan, and the pages orphans hold. */
+static emb_slot_t *emb_oldest_orphan(const prefill_t *p, int *orphan_pages)
 {
     const emb_slot_t *oldest = NULL;
-    *n_orphans = 0;
-    for (int i = 0; i < p->n_emb; i++) {
+    *orphan_pages = 0;
+    for (int i = 0; i < p->n_pages; i++) {
         const emb_slot_t *e = &p->emb[i];
         if (!e->used || !emb_orphan(p, e)) continue;
-        ++*n_orphans;
+        *orphan_pages += emb_pages(p, e);
         if (!oldest || e->t_arrive < oldest->t_arrive) oldest = e;
     }
     return (emb_slot_t *)oldest;
 }
 
-/* Orphans may hold at most half the pool: past that the oldest one makes room for new embeddings,
- * so junk cannot lock every image request out until --orphan-timeout. NULL when none may go. */
+/* Orphans may hold at most half the pool's pages: past that the oldest ones make room for new
+ * embeddings, so junk cannot lock every image request out until --orphan-timeout. NULL when none
+ * may go. */
 static emb_slot_t *emb_evictable(const prefill_t *p)
 {
     int n;
     emb_slot_t *oldest = emb_oldest_orphan(p, &n);
-    return 2 * n >= p->n_emb ? oldest : NULL;
+    return 2 * n >= p->n_pages ? oldest : NULL;
 }
 
-/* Room for one more embeddings message: a free slot, or an orphan that may go. */
-/* Embedding messages the pool can take now: its free slots, or one when only an orphan can go. */
+/* Embedding messages the pool can take now: images of the largest kind that fit in its free pages,
+ * or one when orphans may make room (on_embeddings evicts the oldest until the message fits). */
 static int emb_credit(const prefill_t *p)
 {
-    int n = emb_free_slots(p);
+    int n = emb_room(p);
     return n > 0 ? n : emb_evictable(p) != NULL;
 }
 
 /* Frees a request's slot and its embedding slots (done, failed or aborted). */
 static void release_request(prefill_t *p, uint64_t rid, const char *router)
 {
-    for (int i = 0; i < p->n_emb; i++)
+    for (int i = 0; i < p->n_pages; i++)
         if (p->emb[i].used && p->emb[i].rid == rid && !strcmp(p->emb[i].router_id, router))
-            p->emb[i].used = false;
+            emb_release(p, &p->emb[i]);
     for (int i = 0; i < p->max_pending; i++)
         if (owns(&p->reqs[i].seq, rid, router)) {
             prism_seq_detach(&p->reqs[i].seq);
@@ -208,10 +236,18 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
     if (!why) {
         for (size_t i = 0; i < pf->n_token_ids; i++)
             if (pf->token_ids[i] < 0 || pf->token_ids[i] >= p->cfg.vocab) { why = "token id out of range"; break; }
+        uint64_t prev_end = 0;
         for (size_t i = 0; i < pf->n_images && !why; i++) {
             const Prism__ImageSpan *s = pf->images[i];
-            if (s->n_tokens != (uint32_t)p->cfg.image_seq_length || s->offset + s->n_tokens > pf->n_token_ids)
+            if (!p->n_pages || s->n_tokens == 0 || (uint64_t)s->offset + s->n_tokens > pf->n_token_ids ||
+                s->offset < prev_end) {
                 why = "image span out of range";
+                break;
+            }
+            prev_end = (uint64_t)s->offset + s->n_tokens;
+            int rows = 0;
+            for (uint32_t t = s->offset; t < s->offset + s->n_tokens; t++) rows += pf->token_ids[t] == p->cfg.image_token_index;
+            if (rows == 0 || rows > p->max_pages * p->page_rows) why = "image span holds no image tokens, or too many";
         }
     }
     preq_t *r = NULL;
@@ -242,6 +278,9 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
     for (int i = 0; i < r->n_images; i++) {
         r->span_off[i] = pf->images[i]->offset;
         r->span_len[i] = pf->images[i]->n_tokens;
+        r->span_rows[i] = 0;
+        for (uint32_t t = r->span_off[i]; t < r->span_off[i] + r->span_len[i]; t++)
+            r->span_rows[i] += r->tokens[t] == p->cfg.image_token_index;
     }
     snprintf(r->decode_endpoint, sizeof(r->decode_endpoint), "%s", pf->decode_endpoint);
     r->t_arrive = prism_now_s();
@@ -252,52 +291,73 @@ static void on_embeddings(prefill_t *p, prism_msg_t *m)
     const Prism__Envelope *e = m->env;
     const Prism__Embeddings *em = e->embeddings;
     const char *router = e->router_id ? e->router_id : "";
-    size_t len = 0;
-    const void *data = prism_msg_frame(m, 0, &len);
     if (prism_abort_memo_has(&p->aborts, e->request_id, router, prism_now_s())) return;  /* came after its abort */
     if (em && em->error && *em->error) {
         /* The encoder failed on this image; the router answers the client and aborts. */
         drop_request(p, e->request_id, router);
         return;
     }
-    size_t want = (size_t)p->cfg.image_seq_length * p->cfg.hidden * sizeof(float);
-    if (!em || !data || len != want || em->n_tokens != (uint32_t)p->cfg.image_seq_length ||
-        em->hidden != (uint32_t)p->cfg.hidden || em->image_index >= MAX_IMAGES) {
+    size_t row_bytes = (size_t)p->cfg.hidden * sizeof(float), got = 0;
+    for (int f = 0; f < m->n_frames; f++) {
+        size_t len = 0;
+        prism_msg_frame(m, f, &len);
+        got += len;
+    }
+    if (!em || !p->n_pages || em->hidden != (uint32_t)p->cfg.hidden || em->image_index >= MAX_IMAGES || em->n_tokens == 0 ||
+        em->n_tokens % (uint32_t)p->page_rows || em->n_tokens / (uint32_t)p->page_rows > (uint32_t)p->max_pages ||
+        got != (size_t)em->n_tokens * row_bytes) {
         PRISM_WARN("request %llu: malformed embeddings dropped", (unsigned long long)e->request_id);
         send_error(p, router, e->request_id, PRISM__ERROR_KIND__ERROR_INTERNAL, "malformed image embeddings");
         drop_request(p, e->request_id, router);
         return;
     }
     if (emb_find(p, e->request_id, router, em->image_index)) return;  /* duplicate */
-    for (int i = 0; i < p->n_emb; i++) {
-        emb_slot_t *s = &p->emb[i];
-        if (s->used) continue;
-        s->used = true;
-        s->rid = e->request_id;
-        snprintf(s->router_id, sizeof(s->router_id), "%s", router);
-        s->image_index = em->image_index;
-        s->t_arrive = prism_now_s();
-        memcpy(s->data, data, want);
-        return;
+    int n_pages = (int)(em->n_tokens / (uint32_t)p->page_rows);
+    /* The I/O thread hands data over only within emb_credit: while the largest image fits, or orphans
+     * hold half the pool. The oldest orphans make room (a Prefill read in the same poll may have
+     * adopted those that made it: then any orphan goes); with none left the message is refused. */
+    while (p->n_free_pages < n_pages) {
+        int n;
+        emb_slot_t *old = emb_oldest_orphan(p, &n);
+        if (!old) {
+            PRISM_WARN("request %llu: embeddings refused, the pool is full", (unsigned long long)e->request_id);
+            for (int i = 0; i < p->max_pending; i++)
+                if (owns(&p->reqs[i].seq, e->request_id, router)) {
+                    send_error(p, router, e->request_id, PRISM__ERROR_KIND__ERROR_OVERLOAD,
+                               "prefill embedding pool is full");
+                    drop_request(p, e->request_id, router);
+                    break;
+                }
+            return;
+        }
+        PRISM_WARN("dropping embeddings of request %llu: no prefill request came, and orphans fill the pool",
+                   (unsigned long long)old->rid);
+        emb_release(p, old);
     }
-    /* The I/O thread hands data over only within emb_credit, but a Prefill read in the same poll may have adopted
-     * the orphan that made the room: then any orphan goes, and with none this message is refused. */
-    int n;
-    emb_slot_t *old = emb_oldest_orphan(p, &n);
-    if (!old) {
-        PRISM_WARN("request %llu: embeddings refused, the pool is full", (unsigned long long)e->request_id);
-        for (int i = 0; i < p->max_pending; i++)
-            if (owns(&p->reqs[i].seq, e->request_id, router)) {
-                send_error(p, router, e->request_id, PRISM__ERROR_KIND__ERROR_OVERLOAD, "prefill embedding pool is full");
-                drop_request(p, e->request_id, router);
-                break;
-            }
-        return;
+    emb_slot_t *s = NULL;
+    for (int i = 0; i < p->n_pages && !s; i++)
+        if (!p->emb[i].used) s = &p->emb[i];
+    PRISM_ASSERT(s);
+    s->used = true;
+    s->rid = e->request_id;
+    snprintf(s->router_id, sizeof(s->router_id), "%s", router);
+    s->image_index = em->image_index;
+    s->t_arrive = prism_now_s();
+    s->n_rows = (int)em->n_tokens;
+    for (int k = 0; k < n_pages; k++) s->pages[k] = p->free_pages[--p->n_free_pages];
+    /* The frames' bytes, in order, into the pages (frames may split rows anywhere). */
+    size_t page_bytes = (size_t)p->page_rows * row_bytes, at = 0;
+    for (int f = 0; f < m->n_frames; f++) {
+        size_t len = 0;
+        const uint8_t *src = prism_msg_frame(m, f, &len);
+        while (len) {
+            size_t pg = at / page_bytes, off = at % page_bytes, n = PRISM_MIN(len, page_bytes - off);
+            memcpy((uint8_t *)(p->emb_pool + (size_t)s->pages[pg] * p->page_rows * p->cfg.hidden) + off, src, n);
+            src += n;
+            len -= n;
+            at += n;
+        }
     }
-    PRISM_WARN("dropping embeddings of request %llu: no prefill request came, and orphans fill the pool",
-               (unsigned long long)old->rid);
-    old->used = false;
-    on_embeddings(p, m);
 }
 
 static void on_msg(prism_worker_t *w, prism_msg_t *m, int source, void *ud)
@@ -393,6 +453,18 @@ static void run_one(prefill_t *p)
         if (c->seq.used && ready(p, c) && (!r || c->t_arrive < r->t_arrive)) r = c;
     }
     if (!r) return;
+    /* The rows each encoder sent must be exactly the image tokens the router laid out for them. */
+    for (int i = 0; i < r->n_images; i++) {
+        const emb_slot_t *e = emb_find(p, r->seq.rid, r->seq.router_id, (uint32_t)i);
+        if (e->n_rows != r->span_rows[i]) {
+            PRISM_WARN("request %llu: image %d has %d embedding rows for %d image tokens", (unsigned long long)r->seq.rid,
+                       i, e->n_rows, r->span_rows[i]);
+            send_error(p, r->seq.router_id, r->seq.rid, PRISM__ERROR_KIND__ERROR_INTERNAL,
+                       "image embeddings do not match the prompt's image tokens");
+            release_request(p, r->seq.rid, r->seq.router_id);
+            return;
+        }
+    }
     /* a migrated request's generated tokens are counted and fed to its guide again */
     int n_gen = (int)r->seq.sampling.generated;
     const char *why = prism_seq_attach(&r->seq, &p->sampler, 0, r->tokens, (size_t)(r->n_tokens - n_gen),
@@ -407,7 +479,7 @@ static void run_one(prefill_t *p)
     PRISM_DEBUG("request %llu: prefill of %d tokens started", (unsigned long long)r->seq.rid, r->n_tokens);
     double t0 = prism_now_s();
     const int32_t *tables[1] = {p->table};
-    int hidden = p->cfg.hidden, rc = PRISM_OK;
+    int rc = PRISM_OK, next_row[MAX_IMAGES] = {0};   /* rows of each image laid so far (chunks go in order) */
     p->cur = r;
     p->cur_dropped = false;
     p->t_layer = t0;
@@ -420,7 +492,8 @@ static void run_one(prefill_t *p)
             int lo = PRISM_MAX((int)r->span_off[i], start);
             int hi = PRISM_MIN((int)(r->span_off[i] + r->span_len[i]), start + n);
             for (int t = lo; t < hi; t++) {
-                p->chunk_rows[t - start] = e->data + (size_t)(t - r->span_off[i]) * hidden;  /* no copy */
+                if (r->tokens[t] != p->cfg.image_token_index) continue;   /* separators keep their embedding */
+                p->chunk_rows[t - start] = emb_row(p, e, next_row[i]++);   /* read in place: no copy */
                 any = true;
             }
         }
@@ -479,9 +552,23 @@ static void run_one(prefill_t *p)
 
     if (r->seq.n_fork > 0) {
         /* Stage the KV export for the sequences that go on (they share it in decode); the decode
-         * worker pulls it when it has room. */
-        p->kv_len = (size_t)nb * p->block_bytes;
-        if (prism_tp_gather_kv(&p->tp, p->kv, p->table, nb, p->kv_out) != PRISM_OK) {
+         * worker pulls it when it has room. Chunked-attention layers go only from the block of the
+         * current chunk's start: decode never reads earlier. A group's leader gathers every rank's
+         * heads (groups run models without chunked layers only). */
+        size_t fbb = prism_kv_cache_class_block_bytes(&p->full, p->blocks.block_size, PRISM_KV_CLASS_FULL);
+        size_t lbb = prism_kv_cache_class_block_bytes(&p->full, p->blocks.block_size, PRISM_KV_CLASS_LOCAL);
+        int lfb = PRISM_MIN(prism_kv_local_first_block(&p->full, p->blocks.block_size, r->n_tokens), nb);
+        p->kv_len = (size_t)nb * fbb + (size_t)(nb - lfb) * lbb;
+        int erc;
+        if (p->tp.size > 1) {
+            erc = prism_tp_gather_kv(&p->tp, p->kv, p->table, nb, p->kv_out);
+        } else {
+            erc = prism_kv_cache_export_class(p->kv, PRISM_KV_CLASS_FULL, p->table, nb, p->kv_out);
+            if (erc == PRISM_OK && nb > lfb)
+                erc = prism_kv_cache_export_class(p->kv, PRISM_KV_CLASS_LOCAL, p->table + lfb, nb - lfb,
+                                                  p->kv_out + (size_t)nb * fbb);
+        }
+        if (erc != PRISM_OK) {
             PRISM_ERROR("request %llu: KV export failed", (unsigned long long)r->seq.rid);
             send_error(p, r->seq.router_id, r->seq.rid, PRISM__ERROR_KIND__ERROR_INTERNAL,
                        "prefill could not export the KV cache");
@@ -494,7 +581,9 @@ static void run_one(prefill_t *p)
         p->kv_hdr.n_tokens = (uint32_t)r->n_tokens;
         p->kv_hdr.block_size = (uint32_t)p->blocks.block_size;
         p->kv_hdr.n_blocks = (uint32_t)nb;
-        p->kv_hdr.block_bytes = p->block_bytes;
+        p->kv_hdr.block_bytes = fbb;
+        p->kv_hdr.local_first_block = (uint32_t)lfb;
+        p->kv_hdr.local_block_bytes = lbb;
         prism_seq_copy(&p->kv_seq, &r->seq);
         p->kv_hdr.n_choice_index = p->kv_hdr.n_choice_first_token = p->kv_hdr.n_choice_rng_state =
             (size_t)p->kv_seq.n_fork;
@@ -541,12 +630,12 @@ static void fail_group(prefill_t *p)
 static void expire_orphans(prefill_t *p)
 {
     double now = prism_now_s();
-    for (int i = 0; i < p->n_emb; i++) {
+    for (int i = 0; i < p->n_pages; i++) {
         emb_slot_t *e = &p->emb[i];
         if (!e->used || now - e->t_arrive < p->orphan_timeout_s) continue;
         if (emb_orphan(p, e)) {
             PRISM_WARN("dropping embeddings of request %llu: no prefill request came", (unsigned long long)e->rid);
-            e->used = false;
+            emb_release(p, e);
         }
     }
 }
@@ -558,7 +647,7 @@ static void publish_load(prefill_t *p)
     for (int i = 0; i < p->max_pending; i++) pending += p->reqs[i].seq.used;
     prism_worker_load_t load = {
         .running = (uint32_t)pending, .waiting = p->kv_pending ? 1 : 0, .kv_free_blocks = (uint32_t)p->blocks.n_free,
-        .pool_free = (uint32_t)emb_free_slots(p),
+        .pool_free = (uint32_t)emb_room(p),   /* images of the largest kind */
     };
     prism_worker_set_load(&p->w, &load);
 }
@@ -577,8 +666,8 @@ int main(int argc, char **argv)
         PRISM_FLAG_INT("kv-blocks", &kv_blocks, "KV blocks for prompts in flight (0 = two full contexts)"),
         PRISM_FLAG_INT("block-size", &block_size, "Tokens per KV block (must match the decode workers)"),
         PRISM_FLAG_INT("max-pending-requests", &max_pending, "Prefill requests held at once"),
-        PRISM_FLAG_INT("embed-pool-images", &emb_images, "Image embedding slots in the receive pool"),
-        PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings)"),
+        PRISM_FLAG_INT("embed-pool-images", &emb_images, "Receive pool for image embeddings, in images of the largest kind (Llama-4: of max_patches + 1 tiles; smaller images take less)"),
+        PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings, at most 131072)"),
         PRISM_FLAG_DOUBLE("orphan-timeout", &orphan_timeout,
                           "Seconds before embeddings whose prefill request never arrives free their slot"),
     };
@@ -599,13 +688,40 @@ int main(int argc, char **argv)
         PRISM_ERROR("--tp-size %lld: %s", (long long)tpo.size, err);
         return 2;
     }
+    if (tpo.size > 1 && prism_kv_local_ring(&p.cfg, 16, 1) > 0) {
+        /* Their KV transfer splits the layers (chunked ones from the current chunk only); a group's
+         * KV scatter and gather move whole-cache blocks. */
+        PRISM_ERROR("--tp-size %lld: models with chunked-attention layers (Llama-4) run at --tp-size 1 for now",
+                    (long long)tpo.size);
+        return 2;
+    }
     const bool leader = tpo.rank == 0;
     p.chunk = (int)chunk;
     p.orphan_timeout_s = orphan_timeout;
     prism_abort_memo_init(&p.aborts, orphan_timeout);
     p.max_pending = (int)max_pending;
-    p.n_emb = p.cfg.has_vision ? (int)emb_images : 0;
-    p.max_model_len = context_length > 0 ? (int)PRISM_MIN(context_length, (int64_t)p.cfg.max_pos) : p.cfg.max_pos;
+    if (p.cfg.has_vision) {
+        /* Pages of one tile's rows; the largest image needs max_pages of them. */
+        p.page_rows = p.cfg.image_seq_length;
+        p.max_pages = 1;
+        if (p.cfg.vision_arch == PRISM_VISION_LLAMA4) {
+            prism_llama4_proc_t proc;
+            if (prism_llama4_proc_load_dir(o.model_path, &proc, err, sizeof(err)) != PRISM_OK) {
+                PRISM_ERROR("Llama-4 image processor: %s", err);
+                return 1;
+            }
+            if (proc.tokens_per_tile != p.cfg.image_seq_length) {
+                PRISM_ERROR("Llama-4: %d tokens per tile in the processor, %d in the vision config", proc.tokens_per_tile,
+                            p.cfg.image_seq_length);
+                return 1;
+            }
+            p.max_pages = prism_llama4_max_tiles(&proc);
+        }
+        PRISM_ASSERT(p.max_pages >= 1 && p.max_pages <= MAX_PAGES);
+        p.n_pages = (int)emb_images * p.max_pages;
+    }
+    p.max_model_len = prism_model_context_length(&p.cfg, context_length);
+    p.cfg.max_pos = p.max_model_len;   /* the model's block tables are planned for the context served */
     p.max_blocks_per_seq = (p.max_model_len + (int)block_size - 1) / (int)block_size;
     if (kv_blocks <= 0) kv_blocks = 2 * p.max_blocks_per_seq;
     if (kv_blocks < p.max_blocks_per_seq) {
@@ -630,7 +746,7 @@ int main(int argc, char **argv)
         return 1;
     }
     size_t sampling_bytes = prism_mem_used() - heap0;
-    size_t emb_bytes = (size_t)p.n_emb * p.cfg.image_seq_length * p.cfg.hidden * sizeof(float);
+    size_t emb_bytes = (size_t)p.n_pages * p.page_rows * p.cfg.hidden * sizeof(float);
     prism_mem_plan_t plan = {.budget = (size_t)o.mem_budget};
     prism_mem_plan_add(&plan, "weights", prism_llm_weight_bytes(p.llm));
     prism_mem_plan_add(&plan, "kv-cache", (size_t)kv_blocks * rank_block_bytes);
@@ -682,11 +798,11 @@ int main(int argc, char **argv)
     p.token_pool = prism_xcalloc((size_t)p.max_pending * p.max_model_len, sizeof(int32_t));
     p.kv_prompt = prism_xcalloc((size_t)p.max_model_len, sizeof(int32_t));
     for (int i = 0; i < p.max_pending; i++) p.reqs[i].tokens = p.token_pool + (size_t)i * p.max_model_len;
-    p.emb = prism_xcalloc((size_t)PRISM_MAX(p.n_emb, 1), sizeof(emb_slot_t));
+    p.emb = prism_xcalloc((size_t)PRISM_MAX(p.n_pages, 1), sizeof(emb_slot_t));
     p.emb_pool = prism_malloc_aligned(PRISM_MAX(emb_bytes, (size_t)64), 64);
+    p.free_pages = prism_xcalloc((size_t)PRISM_MAX(p.n_pages, 1), sizeof(int32_t));
     PRISM_ASSERT(p.emb_pool);
-    for (int i = 0; i < p.n_emb; i++)
-        p.emb[i].data = p.emb_pool + (size_t)i * p.cfg.image_seq_length * p.cfg.hidden;
+    for (int i = 0; i < p.n_pages; i++) p.free_pages[p.n_free_pages++] = p.n_pages - 1 - i;
     p.chunk_rows = prism_xcalloc((size_t)p.chunk, sizeof(*p.chunk_rows));
     p.table = prism_xcalloc((size_t)p.max_blocks_per_seq, sizeof(int32_t));
     p.logits = prism_xcalloc((size_t)p.cfg.vocab, sizeof(float));
@@ -706,8 +822,9 @@ int main(int argc, char **argv)
     prism_llm_set_hook(p.llm, &p.hook);
     publish_load(&p);   /* the first heartbeat already tells the truth */
     if (prism_worker_start(&p.w) != PRISM_OK) return 1;   /* registration: the group has formed */
-    PRISM_INFO("prefill worker %s ready in %.2fs: data %s, chunk %d tokens, %d embedding slots",
-               p.w.worker_id, prism_now_s() - t0, p.w.data_endpoint, p.chunk, p.n_emb);
+    PRISM_INFO("prefill worker %s ready in %.2fs: data %s, chunk %d tokens, embedding pool %d pages of %d rows "
+               "(%d images of up to %d pages)", p.w.worker_id, prism_now_s() - t0, p.w.data_endpoint, p.chunk, p.n_pages,
+               p.page_rows, p.max_pages ? p.n_pages / p.max_pages : 0, p.max_pages);
 
     int code = 0;
     while (!prism_worker_should_stop()) {

@@ -86,7 +86,7 @@ int main(int argc, char **argv)
         PRISM_FLAG_BOOL("timing-header", &timing_header,
                         "Add x-prism-timing (time split, image cache hits) to responses: for operators only, it tells "
                         "a client whether someone else sent the same image"),
-        PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings)"),
+        PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings, at most 131072)"),
         PRISM_FLAG_INT("limit-mm-per-prompt", &limit_mm, "Most images in one request"),
         PRISM_FLAG_INT("max-image-pixels", &max_pixels, "Largest image (width*height from its header) accepted"),
         PRISM_FLAG_INT("max-running-requests", &max_running, "Requests in flight; more get 429"),
@@ -200,7 +200,10 @@ int main(int argc, char **argv)
     r.metrics_open = metrics_open;
     r.timing_header = timing_header;
     r.max_stream_pending = (size_t)stream_pending;
-    r.max_model_len = context_length > 0 ? (int)PRISM_MIN(context_length, (int64_t)r.cfg.max_pos) : r.cfg.max_pos;
+    r.max_model_len = prism_model_context_length(&r.cfg, context_length);
+    if (r.max_model_len < r.cfg.max_pos && context_length <= 0)
+        PRISM_INFO("config.json allows %d positions; serving %d (--context-length to change)", r.cfg.max_pos,
+                   r.max_model_len);
     r.max_images_per_prompt = limit_mm ? (int)limit_mm : -1;
     r.max_image_pixels = (uint64_t)max_pixels;
     r.max_running = (int)max_running;
@@ -216,6 +219,8 @@ int main(int argc, char **argv)
     r.created = prism_unix_time();
     r.started_s = t0;
     r.image_token_id = r.cfg.has_vision ? r.cfg.image_token_index : -1;
+    if (r.cfg.has_vision && r.cfg.vision_arch == PRISM_VISION_LLAMA4 && router_llama4_init(&r, model_path) != PRISM_OK)
+        return 1;
     prism_router_metrics_init(&r.metrics);
     static const double hb_buckets[] = {0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.5, 0.75, 1, 1.1, 1.25,
                                         1.5, 2, 3, 5, 10, 30};
@@ -259,9 +264,9 @@ int main(int argc, char **argv)
     uv_signal_start(&r.sigint, on_signal, SIGINT);
     uv_signal_start(&r.sigterm, on_signal, SIGTERM);
     signal(SIGPIPE, SIG_IGN);
-    PRISM_INFO("router %s serving '%s' on http://%s:%d in %.2fs (control %s, context %d, %d image tokens per image)",
+    PRISM_INFO("router %s serving '%s' on http://%s:%d in %.2fs (control %s, context %d, %d image tokens per %s)",
                r.router_id, served, host, prism_http_server_port(r.http), prism_now_s() - t0, control, r.max_model_len,
-               r.cfg.image_seq_length);
+               r.cfg.image_seq_length, r.llama4 ? "tile" : "image");
     uv_run(r.loop, UV_RUN_DEFAULT);
     int linger = 500;  /* the router_stopping notes of router_ctl_stop go out */
     zmq_setsockopt(r.ctl, ZMQ_LINGER, &linger, sizeof(linger));

@@ -1,8 +1,14 @@
 /* What a generation request sends to its workers, built from the parsed request: the images
  * (data URL -> file bytes, header checked against the limits, no pixels decoded), the chat
- * template rendered and tokenized (or the completion prompt), each image placeholder expanded to
- * the model's image-token count (recording where each image's span starts), and max_tokens
- * checked against the context. */
+ * template rendered and tokenized (or the completion prompt), each image placeholder expanded
+ * (recording each image's span), and max_tokens checked against the context.
+ *
+ * Expansion: LLaVA repeats the image token image_seq_length times. Llama-4 replaces <|image|> with
+ * its processor's layout for that image's tile grid (prism_llama4_grid from the header's width and
+ * height, prism_llama4_expand): <|image_start|>, tokens_per_tile <|patch|> per local tile with
+ * tile separators between them, <|image|>, the global tile's patches, <|image_end|>. The span
+ * then holds separators too; the prefill worker lays the encoder's rows over the span's
+ * <|patch|> positions in order, and checks that their count equals the rows it received. */
 #include "router.h"
 #include "openai_req.h"
 #include "image/image.h"
@@ -57,6 +63,43 @@ static json_t *template_context(router_t *r, const prism_oai_request_t *o)
                                               r->bos_token, r->eos_token, json_is_object(kw) ? kw : NULL);
     json_decref(msgs);
     return ctx;
+}
+
+int router_llama4_init(router_t *r, const char *model_dir)
+{
+    char err[512] = "";
+    if (prism_llama4_proc_load_dir(model_dir, &r->l4proc, err, sizeof(err)) != PRISM_OK) {
+        PRISM_ERROR("Llama-4 image processor: %s", err);
+        return PRISM_EINVAL;
+    }
+    if (r->l4proc.tokens_per_tile != r->cfg.image_seq_length) {
+        PRISM_ERROR("Llama-4: the processor gives %d tokens per tile, the vision config %d", r->l4proc.tokens_per_tile,
+                    r->cfg.image_seq_length);
+        return PRISM_EINVAL;
+    }
+    static const char *const names[] = {"<|image_start|>", "<|image_end|>", "<|tile_x_separator|>",
+                                        "<|tile_y_separator|>", "<|image|>", "<|patch|>"};
+    int32_t ids[6];
+    for (int i = 0; i < 6; i++) {
+        ids[i] = prism_tokenizer_token_to_id(r->tok, names[i]);
+        if (ids[i] < 0 || ids[i] >= r->cfg.vocab) {
+            PRISM_ERROR("Llama-4: the tokenizer has no %s token within the model's vocabulary", names[i]);
+            return PRISM_EINVAL;
+        }
+    }
+    r->l4ids = (prism_llama4_image_tokens_t){.image_start = ids[0], .image_end = ids[1], .tile_x = ids[2],
+                                             .tile_y = ids[3], .image = ids[4], .patch = ids[5]};
+    /* The rows land on config.json's image token; the processor writes <|patch|>: they must agree. */
+    if (ids[5] != r->cfg.image_token_index || (r->cfg.boi_token_id >= 0 && ids[0] != r->cfg.boi_token_id) ||
+        (r->cfg.eoi_token_id >= 0 && ids[1] != r->cfg.eoi_token_id)) {
+        PRISM_ERROR("Llama-4: tokenizer ids <|patch|> %d, <|image_start|> %d, <|image_end|> %d disagree with "
+                    "config.json (image_token_index %d, boi %d, eoi %d)", ids[5], ids[0], ids[1],
+                    r->cfg.image_token_index, r->cfg.boi_token_id, r->cfg.eoi_token_id);
+        return PRISM_EINVAL;
+    }
+    r->llama4 = true;
+    r->image_token_id = ids[4];   /* the chat template writes <|image|> once per image */
+    return PRISM_OK;
 }
 
 /* Decodes every image part's data URL and checks its header against the limits. Returns an HTTP
@@ -135,6 +178,8 @@ int router_prompt_load_images(router_t *r, router_prompt_t *p, const prism_oai_r
                          info.height, (unsigned long long)r->max_image_pixels);
                 return 400;
             }
+            p->img_w[idx] = info.width;
+            p->img_h[idx] = info.height;
             p->img_hash[idx] = XXH3_64bits_withSecret(buf_, len_, r->img_secret, sizeof(r->img_secret));
             p->image_bytes += len_;
         }
@@ -200,7 +245,7 @@ int router_prompt_build(router_t *r, router_prompt_t *p, const prism_oai_request
         snprintf(msg, n, "The prompt could not be tokenized: %s", prism_strerror(rc));
         return 400;
     }
-    /* Expand each image placeholder to image_seq_length copies. */
+    /* Expand each image placeholder: its span's length first, then the tokens. */
     size_t n_ph = 0;
     for (size_t i = 0; i < p->n_tokens; i++) n_ph += p->tokens[i] == r->image_token_id;
     if ((int)n_ph != p->n_images) {
@@ -208,20 +253,45 @@ int router_prompt_build(router_t *r, router_prompt_t *p, const prism_oai_request
         return 400;
     }
     if (n_ph) {
-        size_t L = (size_t)r->cfg.image_seq_length, total = p->n_tokens + n_ph * (L - 1);
-        if (total > (size_t)r->max_model_len + 1) total = (size_t)r->max_model_len + 1;  /* caught below */
-        int32_t *x = prism_malloc(sizeof(int32_t) * (p->n_tokens + n_ph * (L - 1)));
+        prism_llama4_grid_t grid[ROUTER_MAX_IMAGES];
+        size_t total = p->n_tokens - n_ph;
+        for (int k = 0; k < p->n_images; k++) {
+            if (r->llama4) {
+                if (prism_llama4_grid(&r->l4proc, p->img_w[k], p->img_h[k], &grid[k]) != PRISM_OK) {
+                    snprintf(msg, n, "Image %d: %dx%d pixels cannot be tiled.", k, p->img_w[k], p->img_h[k]);
+                    return 400;
+                }
+                p->img_span[k] = (uint32_t)grid[k].n_prompt_tokens;
+            } else {
+                p->img_span[k] = (uint32_t)r->cfg.image_seq_length;
+            }
+            total += p->img_span[k];
+        }
+        if (total >= (size_t)r->max_model_len) {   /* before allocating for it */
+            snprintf(msg, n, "Input length (%zu) exceeds model's maximum context length (%d).", total, r->max_model_len);
+            return 400;
+        }
+        int32_t *x = prism_malloc(sizeof(int32_t) * total);
         if (!x) return 503;
         size_t at = 0;
         int img = 0;
         for (size_t i = 0; i < p->n_tokens; i++) {
-            if (p->tokens[i] == r->image_token_id) {
-                p->img_offset[img++] = (uint32_t)at;   /* the span Prefill carries for this image */
-                for (size_t k = 0; k < L; k++) x[at++] = r->image_token_id;
-            } else {
+            if (p->tokens[i] != r->image_token_id) {
                 x[at++] = p->tokens[i];
+                continue;
             }
+            p->img_offset[img] = (uint32_t)at;   /* the span Prefill carries for this image */
+            if (r->llama4) {
+                size_t m = 0;
+                int rc2 = prism_llama4_expand(&grid[img], r->l4proc.tokens_per_tile, &r->l4ids, x + at, total - at, &m);
+                PRISM_ASSERT(rc2 == PRISM_OK && m == p->img_span[img]);
+                at += m;
+            } else {
+                for (uint32_t k = 0; k < p->img_span[img]; k++) x[at++] = r->image_token_id;
+            }
+            img++;
         }
+        PRISM_ASSERT(at == total);
         prism_free(p->tokens);
         p->tokens = x;
         p->n_tokens = at;

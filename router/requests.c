@@ -168,6 +168,15 @@ static void worker_done(router_t *r, const char *id, int slots)
     r->queue_dirty = true;
 }
 
+/* An encoder finished (or dropped) image i of q: its slot and the file's bytes are free. */
+static void encoder_done(router_t *r, router_req_t *q, int i)
+{
+    router_worker_t *w = q->encoder_id[i][0] ? router_worker_by_id(r, q->encoder_id[i]) : NULL;
+    if (w) w->queued_bytes -= PRISM_MIN(w->queued_bytes, (uint64_t)q->prompt.img_len[i]);
+    q->encode_pending[i] = false;
+    worker_done(r, q->encoder_id[i], 1);
+}
+
 static void send_abort(router_t *r, const char *worker_id, uint64_t rid)
 {
     router_worker_t *w = worker_id[0] ? router_worker_by_id(r, worker_id) : NULL;
@@ -226,7 +235,7 @@ static void req_destroy(router_req_t *q)
     router_t *r = q->r;
     router_req_del(r, q->rid);
     for (int i = 0; i < q->prompt.n_images; i++)
-        if (q->encode_pending[i]) worker_done(r, q->encoder_id[i], 1);
+        if (q->encode_pending[i]) encoder_done(r, q, i);
     if (q->prefill_pending) worker_done(r, q->prefill_id, 1);
     if (q->decode_pending) worker_done(r, q->decode_id, n_choices(q));
     if (q->bytes_counted) r->image_bytes_inflight -= q->prompt.image_bytes;
@@ -756,7 +765,8 @@ bool router_handle_tokens(router_t *r, const router_worker_t *from, Prism__Envel
         req_fail(q, 500, "A worker sent a malformed result.");
         return false;
     }
-    if (!t->from_prefill && q->prefill_pending) {
+    /* A decode's error needs no first token before it: it ends the request now. */
+    if (!t->from_prefill && q->prefill_pending && !(t->error && *t->error)) {
         *kept = tokens_hold(q, env);
         return true;
     }
@@ -790,8 +800,7 @@ bool router_handle_encode_done(router_t *r, const router_worker_t *from, uint64_
                    (unsigned long long)rid, d->image_index, from->id);
         return false;
     }
-    q->encode_pending[d->image_index] = false;
-    worker_done(r, q->encoder_id[d->image_index], 1);
+    encoder_done(r, q, (int)d->image_index);
     q->decode_ms += d->decode_ms;
     q->vit_ms += d->vit_ms;
     q->cache_hits += d->cache_hit;
@@ -812,7 +821,7 @@ static void req_release_workers(router_req_t *q)
     router_t *r = q->r;
     abort_workers(q);
     for (int i = 0; i < q->prompt.n_images; i++) {
-        if (q->encode_pending[i]) worker_done(r, q->encoder_id[i], 1);
+        if (q->encode_pending[i]) encoder_done(r, q, i);
         q->encode_pending[i] = false;
         q->encoder_id[i][0] = '\0';
     }
@@ -1006,7 +1015,8 @@ static bool decode_fits(router_t *r, const router_req_t *q, char *msg, size_t n)
 
 /* router_pick, passing over the workers an earlier attempt of this request got stuck on while
  * another has room (they look full for the pick); only they left: them rather than nothing. */
-static router_worker_t *pick(router_t *r, router_req_t *q, Prism__Role role, uint64_t hash, int slots, bool *any)
+static router_worker_t *pick(router_t *r, router_req_t *q, Prism__Role role, uint64_t hash, int slots, uint64_t bytes,
+                             bool *any)
 {
     enum { HIDE = 1 << 20 };
     router_worker_t *hidden[PRISM_ARRAY_LEN(q->avoid)];
@@ -1018,9 +1028,9 @@ static router_worker_t *pick(router_t *r, router_req_t *q, Prism__Role role, uin
             hidden[n++] = w;
         }
     }
-    router_worker_t *w = router_pick_slots(r, role, hash, slots, any);
+    router_worker_t *w = router_pick_slots(r, role, hash, slots, bytes, any);
     for (int i = 0; i < n; i++) hidden[i]->inflight -= HIDE;
-    return w || !n ? w : router_pick_slots(r, role, hash, slots, any);
+    return w || !n ? w : router_pick_slots(r, role, hash, slots, bytes, any);
 }
 
 /* The tiers a request needs: every request a prefill and a decode worker, an image request encoders. */
@@ -1051,17 +1061,24 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
 {
     bool any_pf, any_dc, any_enc = true;
     int slots = n_choices(q);
-    router_worker_t *pf = pick(r, q, PRISM__ROLE__ROLE_PREFILL, 0, 1, &any_pf);
-    router_worker_t *dc = pick(r, q, PRISM__ROLE__ROLE_DECODE, 0, slots, &any_dc);
+    router_worker_t *pf = pick(r, q, PRISM__ROLE__ROLE_PREFILL, 0, 1, 0, &any_pf);
+    router_worker_t *dc = pick(r, q, PRISM__ROLE__ROLE_DECODE, 0, slots, 0, &any_dc);
     router_worker_t *enc[ROUTER_MAX_IMAGES] = {0};
     bool enc_room = true;
     for (int i = 0; i < q->prompt.n_images && enc_room; i++) {
-        enc[i] = pick(r, q, PRISM__ROLE__ROLE_ENCODER, q->prompt.img_hash[i], 1, &any_enc);
-        if (enc[i]) enc[i]->inflight++;  /* count now so the next image sees this one */
-        else enc_room = false;
+        enc[i] = pick(r, q, PRISM__ROLE__ROLE_ENCODER, q->prompt.img_hash[i], 1, q->prompt.img_len[i], &any_enc);
+        if (enc[i]) {  /* count now so the next image sees this one */
+            enc[i]->inflight++;
+            enc[i]->queued_bytes += q->prompt.img_len[i];
+        } else {
+            enc_room = false;
+        }
     }
     for (int i = 0; i < q->prompt.n_images; i++)
-        if (enc[i]) enc[i]->inflight--;
+        if (enc[i]) {
+            enc[i]->inflight--;
+            enc[i]->queued_bytes -= q->prompt.img_len[i];
+        }
     /* A tier with no worker at all waits too (bounded by --max-queue-wait): a restarted worker
      * re-registers within seconds, and the request is served then instead of refused now. */
     q->waiting_for = !any_pf ? "prefill" : !any_dc ? "decode" : !any_enc ? "encoder" : NULL;
@@ -1081,7 +1098,7 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
     for (int s = 0; s < q->prompt.n_images; s++) {
         prism__image_span__init(&spans[s]);
         spans[s].offset = q->prompt.img_offset[s];
-        spans[s].n_tokens = (uint32_t)r->cfg.image_seq_length;
+        spans[s].n_tokens = q->prompt.img_span[s];
         span_ptrs[s] = &spans[s];
     }
     int32_t stop_ids[PRISM_OAI_MAX_STOP_TOKEN_IDS];
@@ -1173,6 +1190,7 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
         snprintf(q->encoder_id[i], sizeof(q->encoder_id[i]), "%s", enc[i]->id);
         q->encode_pending[i] = true;
         enc[i]->inflight++;
+        enc[i]->queued_bytes += q->prompt.img_len[i];
         router_worker_note_image(enc[i], q->prompt.img_hash[i]);
     }
     q->stage = STAGE_SENT;

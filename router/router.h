@@ -22,6 +22,7 @@
 #include "http_server.h"
 #include "openai_req.h"
 #include "metrics/metrics.h"
+#include "image/llama4_proc.h"
 
 #include <jansson.h>
 #include <uv.h>
@@ -66,6 +67,8 @@ typedef struct {
     /* our own view: requests we sent that have not finished on this worker */
     int inflight;
     uint64_t completed;           /* parts of requests this worker finished or was released from */
+    uint64_t queued_bytes;        /* encoders: image file bytes sent and not yet encoded */
+    uint64_t max_queued_bytes;    /* encoders: their queue's byte bound from registration (0: none) */
     uint64_t image_hashes[64];   /* recent images sent here: the router prefers a warm cache */
     int n_hashes;
 } router_worker_t;
@@ -102,11 +105,18 @@ typedef struct {
     prism_tokenizer_t *tok;
     prism_template_t *tmpl;
     char *bos_token, *eos_token;
-    int32_t image_token_id;
     /* output constraints: compiled here to answer 400 on a bad one (the workers compile their own) */
     prism_grammar_vocab_t *gvocab;
     prism_guide_cache_t *guides;
     int tool_parser;            /* prism_toolcall_format_t of --tool-call-parser; -1 = none */
+    int32_t image_token_id;     /* the placeholder the template renders per image (LLaVA: <image>,
+                                 * Llama-4: <|image|>); -1 without a vision tower */
+    /* Llama-4 (cfg.vision_arch PRISM_VISION_LLAMA4): each placeholder expands to the tile layout of
+     * its image, computed from the image header alone; the encoder's rows fill the <|patch|>
+     * positions (cfg.image_token_index) of that expansion. */
+    bool llama4;
+    prism_llama4_proc_t l4proc;
+    prism_llama4_image_tokens_t l4ids;
 
     /* event loop and sockets */
     uv_loop_t *loop;
@@ -166,8 +176,11 @@ void router_worker_note_image(router_worker_t *w, uint64_t hash);
  * (embedding-cache affinity) unless it has more than ROUTER_AFFINITY_SLACK requests in flight beyond
  * the least loaded. Equally loaded workers take turns, so a light load is spread, not sent to the first. */
 router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash, bool *any);
-/* Same with room for `slots` more in-flight units (a request's n sequences in a decode batch). */
-router_worker_t *router_pick_slots(router_t *r, Prism__Role role, uint64_t prefer_hash, int slots, bool *any);
+/* Same with room for `slots` more in-flight units (a request's n sequences in a decode batch) and,
+ * for an encoder, for `bytes` more queued image bytes (under its --max-queued-image-bytes; an
+ * encoder holding none takes an image of any size). */
+router_worker_t *router_pick_slots(router_t *r, Prism__Role role, uint64_t prefer_hash, int slots, uint64_t bytes,
+                                   bool *any);
 router_worker_t *router_worker_by_id(router_t *r, const char *id);
 bool router_ready(const router_t *r, bool need_encoder);
 int  router_count_workers(const router_t *r, Prism__Role role);
@@ -181,13 +194,20 @@ typedef struct {
                                              * the request may still migrate (it is encoded again), then NULL */
     size_t img_len[ROUTER_MAX_IMAGES];
     uint64_t img_hash[ROUTER_MAX_IMAGES];
+    int img_w[ROUTER_MAX_IMAGES], img_h[ROUTER_MAX_IMAGES];   /* from the header */
     uint32_t img_offset[ROUTER_MAX_IMAGES]; /* first token of each image's span, found while expanding */
+    uint32_t img_span[ROUTER_MAX_IMAGES];   /* tokens in that span: image_seq_length (LLaVA), the whole
+                                             * expansion with separators (Llama-4) */
     size_t image_bytes;
-    int32_t *tokens;                        /* prompt, each image placeholder expanded to image_seq_length */
+    int32_t *tokens;                        /* prompt, each image placeholder expanded */
     size_t n_tokens, cap;
     int max_tokens;                         /* max_tokens, or what the context leaves when unset */
 } router_prompt_t;
 
+/* Llama-4: loads the image processor's config from the model directory and the image prompt's
+ * special token ids from the tokenizer (r->tok); logs why and returns an error when either is
+ * missing or disagrees with config.json. */
+int  router_llama4_init(router_t *r, const char *model_dir);
 /* Decodes every image part's data URL and checks its header against the limits. These return
  * 0 or an HTTP status with msg filled. */
 int  router_prompt_load_images(router_t *r, router_prompt_t *p, const prism_oai_request_t *o, prism_http_req_t *h,

@@ -71,6 +71,7 @@ int router_worker_register(router_t *r, const char *id, const char *peer_key, co
     w->block_size = g->block_size;
     w->max_batch_tokens = g->max_batch_tokens;
     w->max_running = g->max_running;
+    w->max_queued_bytes = g->max_queued_bytes;
     w->max_model_len = g->max_model_len;
     w->mem_budget = g->mem_budget;
     w->mem_planned = g->mem_planned;
@@ -141,20 +142,26 @@ static double load_of(const router_worker_t *w)
     }
 }
 
-/* Room for `slots` more sequences, and reachable: a worker whose last send failed (it exited: its
- * connection is gone) would fail every request sent to it until --worker-timeout drops it — and, as
- * each fails at once, look idle and attract them all. The request waits in the router instead. */
-static bool pickable(const router_worker_t *w, int slots)
+/* Room for `slots` more sequences and `bytes` more queued image bytes, and reachable: a worker whose
+ * last send failed (it exited: its connection is gone) would fail every request sent to it until
+ * --worker-timeout drops it — and, as each fails at once, look idle and attract them all. The
+ * request waits in the router instead. An encoder's queue holds image files, which can be 50 MB
+ * each: bounded in bytes too, so its memory stays at its plan however many requests wait (they wait
+ * here). One image of any size is always let in, else an image larger than the bound would never
+ * be served. */
+static bool pickable(const router_worker_t *w, int slots, uint64_t bytes)
 {
+    if (w->max_queued_bytes && w->queued_bytes && w->queued_bytes + bytes > w->max_queued_bytes) return false;
     return w->inflight + slots <= (int)PRISM_MAX(w->max_running, 1u) && !(w->send_failed_at > w->last_seen) && !w->draining;
 }
 
 router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash, bool *any)
 {
-    return router_pick_slots(r, role, prefer_hash, 1, any);
+    return router_pick_slots(r, role, prefer_hash, 1, 0, any);
 }
 
-router_worker_t *router_pick_slots(router_t *r, Prism__Role role, uint64_t prefer_hash, int slots, bool *any)
+router_worker_t *router_pick_slots(router_t *r, Prism__Role role, uint64_t prefer_hash, int slots, uint64_t bytes,
+                                   bool *any)
 {
     router_worker_t *best = NULL, *warm = NULL;
     int n_ties = 0;
@@ -163,7 +170,7 @@ router_worker_t *router_pick_slots(router_t *r, Prism__Role role, uint64_t prefe
         router_worker_t *w = &r->workers[i];
         if (!w->used || w->role != role || w->stuck) continue;
         *any = true;
-        if (!pickable(w, slots)) continue;  /* full (the request waits here), unreachable or draining */
+        if (!pickable(w, slots, bytes)) continue;  /* full (the request waits here), unreachable or draining */
         for (int k = 0; prefer_hash && !warm && k < w->n_hashes; k++)
             if (w->image_hashes[k] == prefer_hash) warm = w;  /* its embedding cache probably has it */
         double l = load_of(w);
@@ -186,7 +193,7 @@ router_worker_t *router_pick_slots(router_t *r, Prism__Role role, uint64_t prefe
     double target = load_of(best);
     for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
         router_worker_t *w = &r->workers[i];
-        if (!w->used || w->role != role || w->stuck || !pickable(w, slots)) continue;
+        if (!w->used || w->role != role || w->stuck || !pickable(w, slots, bytes)) continue;
         if (load_of(w) == target && k-- == 0) return w;
     }
     PRISM_ASSERT(!"a tied worker vanished between two scans");

@@ -2,6 +2,8 @@
  * preprocessing, vision tower, prefill and greedy decode over a paged KV cache, with the same
  * library code the workers use. The integration tests compare the cluster against it: the
  * disaggregated path (prefill -> KV transfer -> decode) must not change a single token.
+ * LLaVA images expand to image_seq_length tokens; Llama-4 images to their processor's tile layout
+ * (image/llama4_proc.h), whose <|patch|> positions take the tiles' rows in order.
  *
  *   prism_generate --model-path models/prism-tiny-llava --image cat.jpg --user "What is in the image?"
  * prints {"prompt_tokens":N,"token_ids":[...],"text":"..."}
@@ -16,6 +18,7 @@
 #include "template/template.h"
 #include "image/image.h"
 #include "image/clip.h"
+#include "image/llama4_proc.h"
 
 #include <jansson.h>
 #include <stdio.h>
@@ -64,15 +67,36 @@ int main(int argc, char **argv)
     prism_backend_t *be = prism_backend_cpu_create(1);
     float *emb = NULL;
     uint8_t *mask = NULL;
-    size_t L = (size_t)cfg.image_seq_length, H = (size_t)cfg.hidden;
+    size_t H = (size_t)cfg.hidden;
     if (images.n) {
-        prism_vision_t *vis;
-        if (prism_vision_load(be, &cfg, model, images.n, &vis, err, sizeof(err))) PRISM_FATAL("vision: %s", err);
+        bool l4 = cfg.vision_arch == PRISM_VISION_LLAMA4;
+        prism_llama4_proc_t proc;
+        prism_llama4_image_tokens_t it = {0};
         prism_clip_preproc_t pre;
-        prism_path_join(path, sizeof(path), model, "preprocessor_config.json");
-        if (prism_clip_preproc_load(path, &pre, err, sizeof(err))) PRISM_FATAL("preproc: %s", err);
-        size_t S = (size_t)cfg.v_image_size;
-        float *pix = prism_xmalloc(sizeof(float) * 3 * S * S * (size_t)images.n);
+        int32_t placeholder = cfg.image_token_index;
+        int max_tiles = 1;
+        if (l4) {
+            if (prism_llama4_proc_load_dir(model, &proc, err, sizeof(err))) PRISM_FATAL("processor: %s", err);
+            it = (prism_llama4_image_tokens_t){
+                prism_tokenizer_token_to_id(tok, "<|image_start|>"), prism_tokenizer_token_to_id(tok, "<|image_end|>"),
+                prism_tokenizer_token_to_id(tok, "<|tile_x_separator|>"),
+                prism_tokenizer_token_to_id(tok, "<|tile_y_separator|>"), prism_tokenizer_token_to_id(tok, "<|image|>"),
+                prism_tokenizer_token_to_id(tok, "<|patch|>")};
+            placeholder = it.image;
+            max_tiles = prism_llama4_max_tiles(&proc);
+        } else {
+            prism_path_join(path, sizeof(path), model, "preprocessor_config.json");
+            if (prism_clip_preproc_load(path, &pre, err, sizeof(err))) PRISM_FATAL("preproc: %s", err);
+        }
+        prism_vision_t *vis;
+        if (prism_vision_load(be, &cfg, model, max_tiles, &vis, err, sizeof(err))) PRISM_FATAL("vision: %s", err);
+        size_t S = (size_t)cfg.v_image_size, L = (size_t)cfg.image_seq_length;
+        float *pix = prism_xmalloc(sizeof(float) * 3 * S * S * (size_t)max_tiles);
+        /* Features of every image, tiles in order: [sum of tiles][L][H]. */
+        float *feat = prism_xmalloc(sizeof(float) * L * H * (size_t)max_tiles * (size_t)images.n);
+        prism_llama4_grid_t grid[64];
+        if (images.n > 64) PRISM_FATAL("at most 64 images");
+        size_t rows = 0;
         for (int i = 0; i < images.n; i++) {
             char *data;
             size_t len;
@@ -82,35 +106,55 @@ int main(int argc, char **argv)
             prism_image_decode_opts_t o = {0};  /* full-size decode, as the reference and the encoder's default */
             prism_image_t img;
             if (prism_image_decode((uint8_t *)data, len, &o, &img)) PRISM_FATAL("decode %s", images.items[i]);
-            size_t ws_n = prism_clip_preprocess_workspace_bytes(&pre, img.w, img.h);
-            void *ws = prism_xmalloc(ws_n ? ws_n : 1);
-            if (prism_clip_preprocess(&pre, &img, ws, ws_n, pix + (size_t)i * 3 * S * S)) PRISM_FATAL("preprocess");
+            int tiles = 1;
+            size_t ws_n;
+            void *ws;
+            if (l4) {
+                if (prism_llama4_grid(&proc, img.w, img.h, &grid[i])) PRISM_FATAL("grid %s", images.items[i]);
+                tiles = grid[i].n_tiles;
+                ws_n = prism_llama4_preprocess_workspace_bytes(&proc, img.w, img.h);
+                ws = prism_xmalloc(ws_n ? ws_n : 1);
+                if (prism_llama4_preprocess(&proc, &img, ws, ws_n, pix)) PRISM_FATAL("preprocess");
+            } else {
+                ws_n = prism_clip_preprocess_workspace_bytes(&pre, img.w, img.h);
+                ws = prism_xmalloc(ws_n ? ws_n : 1);
+                if (prism_clip_preprocess(&pre, &img, ws, ws_n, pix)) PRISM_FATAL("preprocess");
+            }
+            if (prism_vision_encode(vis, pix, tiles, feat + rows * H)) PRISM_FATAL("vision encode");
+            rows += (size_t)tiles * L;
             prism_free(ws);
             prism_image_free(&img);
             prism_free(data);
         }
-        float *feat = prism_xmalloc(sizeof(float) * L * H * (size_t)images.n);
-        if (prism_vision_encode(vis, pix, images.n, feat)) PRISM_FATAL("vision encode");
-        /* Expand placeholders and lay the features over them. */
-        size_t total = n + (size_t)images.n * (L - 1);
+        /* Expand placeholders and lay the features over the image tokens, in order. */
+        size_t total = n;
+        for (int i = 0; i < images.n; i++) total += (l4 ? (size_t)grid[i].n_prompt_tokens : L) - 1;
         int32_t *x = prism_xmalloc(sizeof(int32_t) * total);
         emb = prism_xcalloc(total * H, sizeof(float));
         mask = prism_xcalloc(total, 1);
-        size_t o = 0;
+        size_t o = 0, row = 0;
         int img_i = 0;
         for (size_t i = 0; i < n; i++) {
-            if (ids[i] == cfg.image_token_index && img_i < images.n) {
-                for (size_t k = 0; k < L; k++, o++) {
-                    x[o] = ids[i];
-                    memcpy(emb + o * H, feat + ((size_t)img_i * L + k) * H, sizeof(float) * H);
-                    mask[o] = 1;
-                }
-                img_i++;
-            } else {
+            if (ids[i] != placeholder || img_i >= images.n) {
                 x[o++] = ids[i];
+                continue;
             }
+            size_t m = L;
+            if (l4) {
+                if (prism_llama4_expand(&grid[img_i], proc.tokens_per_tile, &it, x + o, total - o, &m)) PRISM_FATAL("expand");
+            } else {
+                for (size_t k = 0; k < L; k++) x[o + k] = ids[i];
+            }
+            for (size_t k = o; k < o + m; k++)
+                if (x[k] == cfg.image_token_index) {
+                    memcpy(emb + k * H, feat + row++ * H, sizeof(float) * H);
+                    mask[k] = 1;
+                }
+            o += m;
+            img_i++;
         }
         if (img_i != images.n) PRISM_FATAL("prompt has fewer image placeholders than images");
+        if (row != rows) PRISM_FATAL("%zu image rows for %zu image tokens", rows, row);
         prism_free(ids);
         ids = x;
         n = o;

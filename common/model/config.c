@@ -614,6 +614,12 @@ fail:
     return rc;
 }
 
+int prism_model_context_length(const prism_model_config_t *cfg, int64_t requested)
+{
+    if (requested > 0) return (int)PRISM_MIN(requested, (int64_t)cfg->max_pos);
+    return PRISM_MIN(cfg->max_pos, PRISM_MODEL_DEFAULT_CONTEXT);
+}
+
 int prism_model_config_load(const char *model_dir, prism_model_config_t *cfg, char *err, size_t errlen)
 {
     char path[4096];

@@ -85,7 +85,8 @@ struct prism_llm {
     float *logits;                /* [lchunk][vocab] */
     float *llocal;                /* T > 1: [lchunk][vocab_stride] this rank's logits */
     float *lgather;               /* T > 1: [tp_size][lchunk][vocab_stride] everyone's */
-    int32_t *d_meta;              /* device: ids[T] pos[T] slots[T] seq_start[S+1] pos0[S] rows[S] tables[cap] lids[T] */
+    int32_t *d_meta;              /* device: ids[T] pos[T] slots[T] seq_start[S+1] pos0[S] rows[S] tables[cap] lids[T]
+                                   * lslots[T] ltables[cap] (the last two: chunked layers of a split cache) */
     int32_t *h_meta;              /* host mirror, same layout */
     int32_t *h_meta2;             /* host scratch: the mirror rebuilt when sequences drop out */
     size_t meta_n;
@@ -94,6 +95,7 @@ struct prism_llm {
     bool f_open;
     int f_T, f_S, f_S0;           /* tokens and sequences left; sequences at begin */
     bool f_all_logits;
+    bool f_split;                 /* the chunked layers use the sequences' rings of a split cache */
     float *f_x, *f_xn;            /* residual stream and spare (they swap when sequences drop out) */
     int32_t *f_rows;              /* device: last-token row of each sequence */
     const int32_t *f_seq_start;   /* host: [f_S+1] */
@@ -105,8 +107,13 @@ struct prism_llm {
 struct prism_kv_cache {
     prism_backend_t *be;
     int n_layers, n_kv, head_dim, n_blocks, block_size;
+    int n_local_blocks;           /* split cache: the chunked layers' own pool; 0: they use the block ids
+                                   * of the others (one pool, every layer) */
     size_t lbb;                   /* bytes of one block of K (or V) in one layer */
-    uint8_t *buf;                 /* [n_layers][2][n_blocks][block_size][n_kv][head_dim] f32 */
+    uint8_t *buf;                 /* per layer [2][its pool's blocks][block_size][n_kv][head_dim] f32 */
+    size_t *layer_off;            /* [n_layers] where each layer's K starts in buf */
+    int *layer_blocks;            /* [n_layers] blocks of the pool the layer uses */
+    uint8_t *local;               /* [n_layers] 1: a chunked layer (PRISM_KV_CLASS_LOCAL) */
 };
 
 /* ---------------------------------------------------------------- sizing */
@@ -158,7 +165,9 @@ static int table_capacity(const prism_model_config_t *c, int S)
 
 static size_t meta_count(const prism_model_config_t *c, int T, int S)
 {
-    return (size_t)4 * T + (size_t)(S + 1) + 2 * (size_t)S + (size_t)table_capacity(c, S);
+    size_t n = (size_t)4 * T + (size_t)(S + 1) + 2 * (size_t)S + (size_t)table_capacity(c, S);
+    if (any_layer(c, PRISM_LAYER_CHUNKED)) n += (size_t)T + (size_t)table_capacity(c, S);   /* split caches */
+    return n;
 }
 
 /* Carves the arena (or sizes it when m->abuf is NULL). */
@@ -462,16 +471,51 @@ const prism_model_config_t *prism_llm_config(const prism_llm_t *m) { return &m->
 
 /* ---------------------------------------------------------------- KV cache */
 
+/* Layers of a split cache's local pool: chunked attention never reads before its chunk. */
+static bool layer_is_local(const prism_model_config_t *c, int L)
+{
+    return (c->layer_flags[L] & PRISM_LAYER_CHUNKED) && c->attention_chunk > 0;
+}
+
+static int class_layers(const prism_model_config_t *c, int cls)
+{
+    int n = 0;
+    for (int L = 0; L < c->n_layers; L++) n += layer_is_local(c, L) == (cls == PRISM_KV_CLASS_LOCAL);
+    return n;
+}
+
 size_t prism_kv_cache_block_bytes(const prism_model_config_t *c, int block_size)
 {
     return (size_t)c->n_layers * 2 * (size_t)block_size * prism_model_local_kv_heads(c) * c->head_dim * sizeof(float);
 }
 
-int prism_kv_cache_create(prism_backend_t *be, const prism_model_config_t *c, int n_blocks, int block_size,
-                          prism_kv_cache_t **out)
+size_t prism_kv_cache_class_block_bytes(const prism_model_config_t *c, int block_size, int cls)
+{
+    return (size_t)class_layers(c, cls) * 2 * (size_t)block_size * c->n_kv_heads * c->head_dim * sizeof(float);
+}
+
+int prism_kv_local_ring(const prism_model_config_t *c, int block_size, int max_q)
+{
+    if (!any_layer(c, PRISM_LAYER_CHUNKED) || c->attention_chunk <= 0 || block_size <= 0 || max_q <= 0) return 0;
+    /* A step of q tokens at pos0 writes [pos0, pos0 + q) and its queries read from the chunk start of
+     * pos0: at most chunk - 1 + q positions, spread over one block more than they fill. */
+    return (c->attention_chunk - 1 + max_q + block_size - 1) / block_size + 1;
+}
+
+int prism_kv_local_first_block(const prism_model_config_t *c, int block_size, int n_tokens)
+{
+    if (!any_layer(c, PRISM_LAYER_CHUNKED) || c->attention_chunk <= 0) return (n_tokens + block_size - 1) / block_size;
+    return n_tokens / c->attention_chunk * c->attention_chunk / block_size;
+}
+
+int prism_kv_cache_create_split(prism_backend_t *be, const prism_model_config_t *c, int n_blocks, int n_local_blocks,
+                                int block_size, prism_kv_cache_t **out)
 {
     *out = NULL;
-    if (n_blocks <= 0 || block_size <= 0 || block_size > 4096 || n_blocks > (1 << 28)) return PRISM_EINVAL;
+    if (n_blocks <= 0 || block_size <= 0 || block_size > 4096 || n_blocks > (1 << 28) || n_local_blocks < 0 ||
+        n_local_blocks > (1 << 28) || c->n_layers < 1 || c->n_layers > PRISM_MODEL_MAX_LAYERS)
+        return PRISM_EINVAL;
+    if (n_local_blocks && !class_layers(c, PRISM_KV_CLASS_LOCAL)) return PRISM_EINVAL;
     prism_kv_cache_t *kv = prism_calloc(1, sizeof *kv);
     if (!kv) return PRISM_ENOMEM;
     kv->be = be;
@@ -479,12 +523,26 @@ int prism_kv_cache_create(prism_backend_t *be, const prism_model_config_t *c, in
     kv->n_kv = prism_model_local_kv_heads(c);
     kv->head_dim = c->head_dim;
     kv->n_blocks = n_blocks;
+    kv->n_local_blocks = n_local_blocks;
     kv->block_size = block_size;
     kv->lbb = (size_t)block_size * kv->n_kv * c->head_dim * sizeof(float);
-    size_t total = kv->lbb * 2 * (size_t)n_blocks * (size_t)c->n_layers;
+    kv->layer_off = prism_calloc((size_t)c->n_layers, sizeof(size_t));
+    kv->layer_blocks = prism_calloc((size_t)c->n_layers, sizeof(int));
+    kv->local = prism_calloc((size_t)c->n_layers, 1);
+    if (!kv->layer_off || !kv->layer_blocks || !kv->local) {
+        prism_kv_cache_free(kv);
+        return PRISM_ENOMEM;
+    }
+    size_t total = 0;
+    for (int L = 0; L < c->n_layers; L++) {
+        kv->local[L] = layer_is_local(c, L);
+        kv->layer_blocks[L] = kv->local[L] && n_local_blocks ? n_local_blocks : n_blocks;
+        kv->layer_off[L] = total;
+        total += kv->lbb * 2 * (size_t)kv->layer_blocks[L];
+    }
     kv->buf = prism_backend_buf_alloc(be, total);
     if (!kv->buf) {
-        prism_free(kv);
+        prism_kv_cache_free(kv);
         return PRISM_ENOMEM;
     }
     /* Zeroed so padding rows of partially written blocks export deterministically. */
@@ -493,55 +551,84 @@ int prism_kv_cache_create(prism_backend_t *be, const prism_model_config_t *c, in
     return PRISM_OK;
 }
 
+int prism_kv_cache_create(prism_backend_t *be, const prism_model_config_t *c, int n_blocks, int block_size,
+                          prism_kv_cache_t **out)
+{
+    return prism_kv_cache_create_split(be, c, n_blocks, 0, block_size, out);
+}
+
 void prism_kv_cache_free(prism_kv_cache_t *kv)
 {
     if (!kv) return;
-    prism_backend_buf_free(kv->be, kv->buf);
+    if (kv->buf) prism_backend_buf_free(kv->be, kv->buf);
+    prism_free(kv->layer_off);
+    prism_free(kv->layer_blocks);
+    prism_free(kv->local);
     prism_free(kv);
 }
 
 int prism_kv_cache_n_blocks(const prism_kv_cache_t *kv) { return kv->n_blocks; }
+int prism_kv_cache_n_local_blocks(const prism_kv_cache_t *kv) { return kv->n_local_blocks; }
 int prism_kv_cache_block_size(const prism_kv_cache_t *kv) { return kv->block_size; }
 
 static uint8_t *kv_layer(const prism_kv_cache_t *kv, int layer, int which)
 {
-    return kv->buf + ((size_t)layer * 2 + (size_t)which) * (size_t)kv->n_blocks * kv->lbb;
+    return kv->buf + kv->layer_off[layer] + (size_t)which * (size_t)kv->layer_blocks[layer] * kv->lbb;
 }
 
-static int check_blocks(const prism_kv_cache_t *kv, const int32_t *blocks, int n)
+static int check_blocks(const int32_t *blocks, int n, int limit)
 {
     if (n < 0 || (n > 0 && !blocks)) return PRISM_EINVAL;
     for (int i = 0; i < n; i++)
-        if (blocks[i] < 0 || blocks[i] >= kv->n_blocks) return PRISM_EINVAL;
+        if (blocks[i] < 0 || blocks[i] >= limit) return PRISM_EINVAL;
     return PRISM_OK;
+}
+
+/* Blocks of the layers in `cls` (-1: every layer) to or from host bytes laid out per block as
+ * [those layers][2][block_size][n_kv][head_dim]. */
+static int kv_copy(prism_kv_cache_t *kv, int cls, const int32_t *blocks, int n_blocks, void *host, bool to_host)
+{
+    /* A split cache keeps the two classes in different pools: one call may address only one. */
+    if (cls < 0 && kv->n_local_blocks) return PRISM_EINVAL;
+    int n_sel = 0;
+    for (int l = 0; l < kv->n_layers; l++) n_sel += cls < 0 || kv->local[l] == (cls == PRISM_KV_CLASS_LOCAL);
+    int limit = cls == PRISM_KV_CLASS_LOCAL && kv->n_local_blocks ? kv->n_local_blocks : kv->n_blocks;
+    int rc = check_blocks(blocks, n_blocks, limit);
+    if (rc != PRISM_OK || n_blocks == 0 || n_sel == 0) return rc;
+    size_t bb = kv->lbb * 2 * (size_t)n_sel;
+    for (int l = 0, k = 0; l < kv->n_layers; l++) {
+        if (!(cls < 0 || kv->local[l] == (cls == PRISM_KV_CLASS_LOCAL))) continue;
+        for (int j = 0; j < 2; j++) {
+            uint8_t *h = (uint8_t *)host + ((size_t)k * 2 + j) * kv->lbb;
+            rc = to_host ? kv->be->i.blocks_to_host(kv->be->ctx, h, bb, kv_layer(kv, l, j), kv->lbb, blocks, n_blocks)
+                         : kv->be->i.blocks_from_host(kv->be->ctx, kv_layer(kv, l, j), kv->lbb, blocks, n_blocks, h, bb);
+            if (rc != PRISM_OK) return rc;
+        }
+        k++;
+    }
+    return kv->be->i.synchronize(kv->be->ctx);
 }
 
 int prism_kv_cache_export(prism_kv_cache_t *kv, const int32_t *blocks, int n_blocks, void *dst)
 {
-    int rc = check_blocks(kv, blocks, n_blocks);
-    if (rc != PRISM_OK || n_blocks == 0) return rc;
-    size_t bb = kv->lbb * 2 * (size_t)kv->n_layers;
-    for (int l = 0; l < kv->n_layers; l++)
-        for (int j = 0; j < 2; j++) {
-            rc = kv->be->i.blocks_to_host(kv->be->ctx, (uint8_t *)dst + ((size_t)l * 2 + j) * kv->lbb, bb,
-                                          kv_layer(kv, l, j), kv->lbb, blocks, n_blocks);
-            if (rc != PRISM_OK) return rc;
-        }
-    return kv->be->i.synchronize(kv->be->ctx);
+    return kv_copy(kv, -1, blocks, n_blocks, dst, true);
 }
 
 int prism_kv_cache_import(prism_kv_cache_t *kv, const int32_t *blocks, int n_blocks, const void *src)
 {
-    int rc = check_blocks(kv, blocks, n_blocks);
-    if (rc != PRISM_OK || n_blocks == 0) return rc;
-    size_t bb = kv->lbb * 2 * (size_t)kv->n_layers;
-    for (int l = 0; l < kv->n_layers; l++)
-        for (int j = 0; j < 2; j++) {
-            rc = kv->be->i.blocks_from_host(kv->be->ctx, kv_layer(kv, l, j), kv->lbb, blocks, n_blocks,
-                                            (const uint8_t *)src + ((size_t)l * 2 + j) * kv->lbb, bb);
-            if (rc != PRISM_OK) return rc;
-        }
-    return kv->be->i.synchronize(kv->be->ctx);
+    return kv_copy(kv, -1, blocks, n_blocks, (void *)src, false);
+}
+
+int prism_kv_cache_export_class(prism_kv_cache_t *kv, int cls, const int32_t *blocks, int n_blocks, void *dst)
+{
+    if (cls != PRISM_KV_CLASS_FULL && cls != PRISM_KV_CLASS_LOCAL) return PRISM_EINVAL;
+    return kv_copy(kv, cls, blocks, n_blocks, dst, true);
+}
+
+int prism_kv_cache_import_class(prism_kv_cache_t *kv, int cls, const int32_t *blocks, int n_blocks, const void *src)
+{
+    if (cls != PRISM_KV_CLASS_FULL && cls != PRISM_KV_CLASS_LOCAL) return PRISM_EINVAL;
+    return kv_copy(kv, cls, blocks, n_blocks, (void *)src, false);
 }
 
 /* ---------------------------------------------------------------- forward */
@@ -574,9 +661,11 @@ static int upload_qscale(struct prism_llm *m, const int32_t *pos, int T)
 /* Where the metadata arrays sit in the host mirror and on the device for T tokens, S sequences. */
 typedef struct {
     int32_t *ids, *pos, *slots, *seq_start, *pos0, *rows, *tables;
+    int32_t *lids;                /* tensor-parallel ranks: embedding rows of this rank's vocabulary slice */
+    int32_t *lslots, *ltables;    /* split caches only: the chunked layers' slots and ring tables */
 } meta_ptrs_t;
 
-static meta_ptrs_t meta_at(int32_t *base, int T, int S)
+static meta_ptrs_t meta_at(int32_t *base, int T, int S, int mbps)
 {
     meta_ptrs_t p;
     p.ids = base;
@@ -586,7 +675,17 @@ static meta_ptrs_t meta_at(int32_t *base, int T, int S)
     p.pos0 = p.seq_start + S + 1;
     p.rows = p.pos0 + S;
     p.tables = p.rows + S;
+    p.lids = p.tables + (size_t)S * mbps;
+    p.lslots = p.lids + T;
+    p.ltables = p.lslots + T;
     return p;
+}
+
+/* Entries of the metadata in use for T tokens and S sequences. */
+static size_t meta_used(int T, int S, int mbps, bool split)
+{
+    size_t n = (size_t)4 * T + (size_t)(S + 1) + 2 * (size_t)S + (size_t)S * mbps;   /* lids included */
+    return n + (split ? (size_t)T + (size_t)S * mbps : 0);
 }
 
 /* Between layers: asks the hook and drops cancelled sequences — their rows leave the residual
@@ -615,7 +714,7 @@ static int llm_between_layers(struct prism_llm *m, int done, int mbps, meta_ptrs
     const size_t H = (size_t)m->cfg.hidden;
     int nT = 0;
     for (int s = 0; s < S; s++) nT += m->gone[s] ? 0 : h->seq_start[s + 1] - h->seq_start[s];
-    meta_ptrs_t n = meta_at(m->h_meta2, nT, nS);
+    meta_ptrs_t n = meta_at(m->h_meta2, nT, nS, mbps);
     for (int s = 0, j = 0, t = 0; s < S; s++) {
         if (m->gone[s]) continue;
         int t0 = h->seq_start[s], q = h->seq_start[s + 1] - t0;
@@ -623,6 +722,10 @@ static int llm_between_layers(struct prism_llm *m, int done, int mbps, meta_ptrs
         memcpy(n.pos + t, h->pos + t0, (size_t)q * 4);
         memcpy(n.slots + t, h->slots + t0, (size_t)q * 4);
         memcpy(n.tables + (size_t)j * mbps, h->tables + (size_t)s * mbps, (size_t)mbps * 4);
+        if (m->f_split) {
+            memcpy(n.lslots + t, h->lslots + t0, (size_t)q * 4);
+            memcpy(n.ltables + (size_t)j * mbps, h->ltables + (size_t)s * mbps, (size_t)mbps * 4);
+        }
         n.seq_start[j] = t;
         n.pos0[j] = h->pos0[s];
         n.rows[j] = t + q - 1;
@@ -640,10 +743,10 @@ static int llm_between_layers(struct prism_llm *m, int done, int mbps, meta_ptrs
     m->h_meta = m->h_meta2;
     m->h_meta2 = hm;
     *h = n;
-    size_t used = (size_t)(n.tables - n.ids) + (size_t)nS * mbps;
+    size_t used = meta_used(nT, nS, mbps, m->f_split);
     int rc = o->upload(bx, m->d_meta, m->h_meta, used * 4);   /* stream-ordered after the layers so far */
     if (rc != PRISM_OK) return rc;
-    *d = meta_at(m->d_meta, nT, nS);
+    *d = meta_at(m->d_meta, nT, nS, mbps);
     if ((rc = upload_qscale(m, n.pos, nT)) != PRISM_OK) return rc;
     m->f_T = nT;
     meta->n_seqs = nS;
@@ -686,9 +789,21 @@ int prism_llm_forward_begin(prism_llm_t *m, prism_kv_cache_t *kv, const prism_ll
         all_decode = all_decode && q == 1;
     }
     if ((int64_t)S * mbps > m->table_cap) return PRISM_ELIMIT;
+    /* A split cache: the chunked layers' blocks come from each sequence's ring, which must hold
+     * every block this step writes or reads for them (from the chunk start of its first query). */
+    const bool split = kv->n_local_blocks > 0;
+    const int R = b->local_ring;
+    if (split) {
+        if (!b->local_tables || R < 1 || c->attention_chunk <= 0) return PRISM_EINVAL;
+        for (int s = 0; s < S; s++) {
+            int q = b->seq_start[s + 1] - b->seq_start[s], p0 = b->pos0[s];
+            if (!b->local_tables[s] || (p0 + q - 1) / bs - p0 / c->attention_chunk * c->attention_chunk / bs + 1 > R)
+                return PRISM_EINVAL;
+        }
+    }
 
     /* Host metadata, uploaded once. */
-    meta_ptrs_t h = meta_at(m->h_meta, T, S);
+    meta_ptrs_t h = meta_at(m->h_meta, T, S, mbps);
     for (int s = 0; s < S; s++) {
         int q = b->seq_start[s + 1] - b->seq_start[s];
         int need = (b->pos0[s] + q + bs - 1) / bs;
@@ -696,6 +811,13 @@ int prism_llm_forward_begin(prism_llm_t *m, prism_kv_cache_t *kv, const prism_ll
             int id = i < need ? b->block_tables[s][i] : 0;
             if (id < 0 || id >= kv->n_blocks) return PRISM_EINVAL;
             h.tables[s * mbps + i] = id;
+        }
+        if (split) {
+            for (int i = 0; i < mbps; i++) {
+                int id = i < need ? b->local_tables[s][i % R] : 0;
+                if (id < 0 || id >= kv->n_local_blocks) return PRISM_EINVAL;
+                h.ltables[s * mbps + i] = id;
+            }
         }
         for (int i = 0; i < q; i++) {
             int t = b->seq_start[s] + i, p = b->pos0[s] + i;
@@ -708,6 +830,7 @@ int prism_llm_forward_begin(prism_llm_t *m, prism_kv_cache_t *kv, const prism_ll
             h.ids[t] = tok;
             h.pos[t] = p;
             h.slots[t] = h.tables[s * mbps + p / bs] * bs + p % bs;
+            if (split) h.lslots[t] = h.ltables[s * mbps + p / bs] * bs + p % bs;
         }
         h.seq_start[s] = b->seq_start[s];
         h.pos0[s] = b->pos0[s];
@@ -718,18 +841,16 @@ int prism_llm_forward_begin(prism_llm_t *m, prism_kv_cache_t *kv, const prism_ll
     h.seq_start[S] = T;
     m->ostart[S] = T;
     /* Vocab-parallel embedding: ids of this rank's rows, -1 (a zero row) for everyone else's. */
-    int32_t *lids = h.tables + (size_t)S * mbps;
     if (tp)
         for (int t = 0; t < T; t++) {
             int id = h.ids[t] - sh->vocab0;
-            lids[t] = id >= 0 && id < sh->n_vocab ? id : -1;
+            h.lids[t] = id >= 0 && id < sh->n_vocab ? id : -1;
         }
-    size_t meta_used = (size_t)(h.tables - h.ids) + (size_t)S * mbps + (tp ? (size_t)T : 0);
-    CK(o->upload(bx, m->d_meta, m->h_meta, meta_used * 4));
-    meta_ptrs_t d = meta_at(m->d_meta, T, S);
-    int32_t *d_lids = d.tables + (size_t)S * mbps;
+    CK(o->upload(bx, m->d_meta, m->h_meta, meta_used(T, S, mbps, split) * 4));
+    meta_ptrs_t d = meta_at(m->d_meta, T, S, mbps);
     m->f_T = T;
     m->f_S = m->f_S0 = S;
+    m->f_split = split;
     m->f_all_logits = b->all_logits;
     m->f_x = m->x;
     m->f_xn = m->xn;
@@ -740,7 +861,7 @@ int prism_llm_forward_begin(prism_llm_t *m, prism_kv_cache_t *kv, const prism_ll
     struct prism_comm *cm = m->comm;
 
     /* Embeddings, with image features overwriting masked rows (contiguous runs per upload). */
-    CK(o->get_rows(bx, m->f_x, m->embed, wdt, sh->n_vocab, tp ? d_lids : d.ids, T, H));
+    CK(o->get_rows(bx, m->f_x, m->embed, wdt, sh->n_vocab, tp ? d.lids : d.ids, T, H));
     if (tp) CK(prism_comm_all_reduce_sum(cm, m->f_x, (size_t)T * H));
     if (b->embed_rows || (b->embeds && b->embed_mask)) {
         for (int t = 0; t < T;) {
@@ -777,7 +898,9 @@ int prism_llm_forward_begin(prism_llm_t *m, prism_kv_cache_t *kv, const prism_ll
             CK(o->head_rmsnorm(bx, m->qkv + NQ, QKV, T, nkv, hd, NULL, c->rms_eps));
         }
         if (fl & PRISM_LAYER_TEMP) CK(o->scale_rows(bx, m->qkv, QKV, T, NQ, m->qscale));
-        CK(o->kv_write(bx, kc, vc, m->qkv + NQ, m->qkv + NQ + nkv * hd, QKV, d.slots, T, nkv, hd));
+        const bool ring = split && kv->local[L];   /* this layer's blocks: the sequence's ring */
+        CK(o->kv_write(bx, kc, vc, m->qkv + NQ, m->qkv + NQ + nkv * hd, QKV, ring ? d.lslots : d.slots, T, nkv, hd));
+        meta.block_tables = ring ? d.ltables : d.tables;
         meta.chunk = (fl & PRISM_LAYER_CHUNKED) ? c->attention_chunk : 0;
         if (all_decode && o->attn_decode)
             CK(o->attn_decode(bx, m->attn, NQ, m->qkv, QKV, kc, vc, &meta, nh, nkv, hd, scale));

@@ -100,6 +100,12 @@ int  prism_model_config_load(const char *model_dir, prism_model_config_t *cfg, c
 /* Same from a config.json text (generation_config text optional, may be NULL). */
 int  prism_model_config_parse(const char *config_json, const char *generation_config_json,
                               prism_model_config_t *cfg, char *err, size_t errlen);
+/* The context (tokens per sequence) a process serves: `requested` (--context-length) when > 0, at
+ * most max_pos; else max_pos, but no more than PRISM_MODEL_DEFAULT_CONTEXT. Block tables, prompt
+ * slots and KV admission are planned for this many tokens, so a config's theoretical maximum
+ * (Llama-4 Scout: 10,485,760 positions) is not the default. Router and workers agree on it. */
+#define PRISM_MODEL_DEFAULT_CONTEXT 131072
+int prism_model_context_length(const prism_model_config_t *cfg, int64_t requested);
 /* Fills inv_freq[head_dim/2] for the text RoPE (llama3 scaling applied when configured). */
 void prism_model_rope_inv_freq(const prism_model_config_t *cfg, float *inv_freq);
 
@@ -205,6 +211,28 @@ int  prism_kv_cache_create(prism_backend_t *be, const prism_model_config_t *cfg,
 void prism_kv_cache_free(prism_kv_cache_t *kv);
 int  prism_kv_cache_n_blocks(const prism_kv_cache_t *kv);
 int  prism_kv_cache_block_size(const prism_kv_cache_t *kv);
+
+/* Chunked attention (PRISM_LAYER_CHUNKED, Llama-4's RoPE layers) never reads keys before the start
+ * of the query's chunk (pos / chunk * chunk). A split cache gives those layers their own pool: each
+ * sequence holds a ring of prism_kv_local_ring blocks there (logical block j in ring slot
+ * j % ring, reused as the sequence moves on), while the other layers (PRISM_KV_CLASS_FULL) keep
+ * every block in the usual pool. At Scout's config (8192-token chunks, 3 of 4 layers chunked) a
+ * sequence's KV beyond 8K tokens grows at a quarter of the rate. The forward takes the rings in
+ * prism_llm_batch_t.local_tables. prism_kv_cache_create's cache is not split: every layer uses the
+ * block tables (prefill, tools, models without chunked layers). */
+enum { PRISM_KV_CLASS_FULL = 0, PRISM_KV_CLASS_LOCAL = 1 };
+/* Blocks a ring needs for steps of up to max_q tokens per sequence; 0 when the model has no
+ * chunked layers. */
+int  prism_kv_local_ring(const prism_model_config_t *cfg, int block_size, int max_q);
+/* K+V bytes of one block for the layers of one class. */
+size_t prism_kv_cache_class_block_bytes(const prism_model_config_t *cfg, int block_size, int cls);
+/* First block whose chunked-layer K/V a sequence of n_tokens cached tokens still needs to go on
+ * (the block of its current chunk's start); the block count when the model has no chunked layers. */
+int  prism_kv_local_first_block(const prism_model_config_t *cfg, int block_size, int n_tokens);
+/* n_local_blocks > 0: the chunked layers' pool (the model must have some); 0: as prism_kv_cache_create. */
+int  prism_kv_cache_create_split(prism_backend_t *be, const prism_model_config_t *cfg, int n_blocks, int n_local_blocks,
+                                 int block_size, prism_kv_cache_t **out);
+int  prism_kv_cache_n_local_blocks(const prism_kv_cache_t *kv);
 /* Export/import whole blocks as host bytes, layout per block:
  * [n_layers][2 (K,V)][block_size][n_kv_heads][head_dim] float32 (little endian), n_kv_heads being the
  * cache's own (the rank's under tensor parallelism). Export writes
@@ -212,6 +240,11 @@ int  prism_kv_cache_block_size(const prism_kv_cache_t *kv);
  * ids out of range. */
 int  prism_kv_cache_export(prism_kv_cache_t *kv, const int32_t *blocks, int n_blocks, void *dst);
 int  prism_kv_cache_import(prism_kv_cache_t *kv, const int32_t *blocks, int n_blocks, const void *src);
+/* The same for the layers of one class only ([those layers][2][block_size][n_kv][head_dim] per
+ * block, layers in order); block ids of the class's pool (a split cache's local pool for
+ * PRISM_KV_CLASS_LOCAL). On a split cache export/import of all layers is PRISM_EINVAL. */
+int  prism_kv_cache_export_class(prism_kv_cache_t *kv, int cls, const int32_t *blocks, int n_blocks, void *dst);
+int  prism_kv_cache_import_class(prism_kv_cache_t *kv, int cls, const int32_t *blocks, int n_blocks, const void *src);
 
 /* One forward over a flattened batch of sequences (prefill chunks and decode steps mix freely). */
 typedef struct {
@@ -226,9 +259,13 @@ typedef struct {
     const float *const *embed_rows;     /* optional [n_tokens] host rows, instead of embeds/embed_mask: row i
                                          * (when non-NULL) replaces token i's embedding, read in place */
     bool all_logits;                    /* false: logits of each sequence's last token [n_seqs][vocab]; true: every token [n_tokens][vocab] */
+    const int32_t *const *local_tables; /* split caches: [n_seqs][local_ring] local-pool blocks of the chunked
+                                         * layers; logical block j is local_tables[s][j % local_ring] */
+    int local_ring;
 } prism_llm_batch_t;
 /* PRISM_ELIMIT if n_tokens > max_batch_tokens or n_seqs > max_seqs; PRISM_EINVAL for token ids
- * out of range, bad offsets, block ids out of range or positions beyond max_pos. */
+ * out of range, bad offsets, block ids out of range, positions beyond max_pos, or (split cache) a
+ * step whose chunked-layer blocks do not fit its ring. */
 int  prism_llm_forward(prism_llm_t *m, prism_kv_cache_t *kv, const prism_llm_batch_t *b, float *logits /* host */);
 /* The same forward in two halves, so the host can prepare the next step while a device runs this
  * one: begin validates and uploads the batch and enqueues the embeddings and every layer (the CPU

@@ -41,8 +41,10 @@
 #include "prism.pb-c.h"
 #include <zmq.h>
 
-#define PRISM_PROTOCOL_VERSION 2
-#define PRISM_MSG_MAX_FRAMES 4
+#define PRISM_PROTOCOL_VERSION 3
+/* Raw frames after the envelope: an image's embeddings travel as one frame per tile (Llama-4:
+ * up to PRISM_LLAMA4_MAX_PATCHES + 1 = 65 tiles), everything else in one or two. */
+#define PRISM_MSG_MAX_FRAMES 72
 #define PRISM_MSG_MAX_IDENTITY 255
 #define PRISM_MSG_MAX_ENVELOPE (16u << 20)   /* bytes: token ids of the longest prompt fit easily */
 #define PRISM_NET_CONTROL_HWM 10000           /* messages queued per peer on control sockets */

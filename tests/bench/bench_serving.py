@@ -13,6 +13,13 @@ throughput, and the peak RSS of every process during the cell (VmHWM, reset per 
   python3 tests/bench/bench_serving.py --overload 512     # far above capacity: only 200/429/503
   # the same matrix with another router binary (e.g. one built from an older commit), to compare
   python3 tests/bench/bench_serving.py --router-bin OLD/router --tag before --sizes 4096
+  python3 tests/bench/bench_serving.py --llama4-scaled --out docs/bench   # Llama-4 tiles (see --help)
+
+--llama4-scaled serves tests/bench/llama4/serving (Llama-4 shaped: 336-px tiles of 14-px patches,
+up to 16 local tiles + the global one, pixel shuffle to 144 tokens per tile, MoE text model with
+chunked attention; narrow and shallow so that a CPU can run the matrix) with --random-weights and
+the tiny Llama-4 tokenizer, the encoder's embedding cache off (every request decodes and encodes
+its image: a 2048 or 4096 px image is 17 tiles, about 2,470 prompt tokens).
 
 Only the standard library is needed for the measurements.
 """
@@ -21,6 +28,7 @@ import concurrent.futures
 import http.client
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -48,8 +56,11 @@ def reset_peak(pid):
         pass
 
 
+MODEL_NAME = "prism-tiny-llava"
+
+
 def one_request(port, url, max_tokens, timeout):
-    body = json.dumps({"model": "prism-tiny-llava", "stream": True, "max_tokens": max_tokens, "temperature": 0,
+    body = json.dumps({"model": MODEL_NAME, "stream": True, "max_tokens": max_tokens, "temperature": 0,
                        "ignore_eos": True,
                        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                                  {"type": "text", "text": QUESTION}]}]}).encode()
@@ -110,6 +121,7 @@ def run_cell(c, url, concurrency, n_requests, max_tokens, timeout):
     for pid in pids.values():
         reset_peak(pid)
     refused_before = refusal_counts(c)
+    load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as ex:
         results = list(ex.map(lambda _: one_request(c.port, url, max_tokens, timeout), range(n_requests)))
@@ -135,6 +147,9 @@ def run_cell(c, url, concurrency, n_requests, max_tokens, timeout):
         "tpot_mean_s": statistics.mean(tpots) if tpots else None,
         "throughput_req_s": len(ok) / wall, "throughput_tok_s": len(ok) * max_tokens / wall, "wall_s": wall,
         "peak_rss_mib": {name: rss_peak_kb(pid) / 1024.0 for name, pid in pids.items()},
+        "worker_heap_peak_mib": {w: (c.metric("prism:worker_memory_peak_bytes", worker=w) or 0) / 2**20
+                                 for w in ("encoder-0", "prefill-0", "decode-0")},
+        "load_avg_1m": [load0, os.getloadavg()[0]],
         "alive": c.alive(),
     }
 
@@ -164,8 +179,9 @@ def plot(results, path):
     axes[2].legend(fontsize=6, ncol=2)
     failed = sum(x["failed"] for cells in results["cells"].values() for x in cells)
     refused = sum(x["refused"] for cells in results["cells"].values() for x in cells)
-    fig.suptitle("Prism, bundled model on CPU, --mem-budget %s per worker: image size x concurrency "
-                 "(%d failed, %d refused)" % (results["mem_budget"], failed, refused))
+    fig.suptitle("Prism, %s on CPU, --mem-budget %s per worker: image size x concurrency "
+                 "(%d failed, %d refused)" % (results.get("model", "bundled model"), results["mem_budget"], failed,
+                                              refused))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -176,7 +192,11 @@ def main():
     ap.add_argument("--out", default=os.path.join(cl.ROOT, "docs", "bench"))
     ap.add_argument("--sizes", default="512,2048,4096")
     ap.add_argument("--concurrency", default="1,4,8,16,64,128")
-    ap.add_argument("--requests-per-cell", type=int, default=0, help="default: max(8, 2 x concurrency)")
+    ap.add_argument("--requests-per-cell", type=int, default=0, help="default: max(8, F x concurrency)")
+    ap.add_argument("--requests-factor", type=int, default=2, help="F above")
+    ap.add_argument("--llama4-scaled", action="store_true", help="serve the scaled Llama-4 model (see above)")
+    ap.add_argument("--encoder-args", default="", help="extra encoder_worker flags (space separated)")
+    ap.add_argument("--router-args", default="", help="extra router flags (space separated)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--mem-budget", default="512M", help="--mem-budget of every worker")
     ap.add_argument("--overload", type=int, default=0, help="only run an overload burst of N concurrent 4096px requests")
@@ -197,8 +217,20 @@ def main():
         urls[s] = cl.image_url(path)
         print("image %dx%d: %.1f KiB JPEG" % (s, s, os.path.getsize(path) / 1024), flush=True)
     budget = ["--mem-budget", args.mem_budget]
-    c = cl.Cluster(router_args=args.router_args.split(),
-                   worker_args={"encoder_worker": budget, "prefill_worker": budget, "decode_worker": budget})
+    model, extra, name = cl.MODEL, [], "bench_serving"
+    enc_extra = args.encoder_args.split()
+    if args.llama4_scaled:
+        global MODEL_NAME
+        model = os.path.join(tmp, "llama4_scaled")
+        os.makedirs(model)
+        for f in ("config.json", "preprocessor_config.json", "processor_config.json"):
+            shutil.copy(os.path.join(cl.ROOT, "tests", "bench", "llama4", "serving", f), model)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(cl.ROOT, "tests", "data", "model", "llama4_tiny", f), model)
+        MODEL_NAME, extra, name = "llama4_scaled", ["--random-weights"], "bench_serving_llama4"
+        enc_extra = ["--embedding-cache-bytes", "0"] + enc_extra
+    c = cl.Cluster(model=model, router_args=args.router_args.split(), worker_args={"encoder_worker": budget + extra + enc_extra,
+                                             "prefill_worker": budget + extra, "decode_worker": budget + extra})
     try:
         ready = c.wait_ready()
         print("cluster ready in %.2fs" % ready, flush=True)
@@ -206,7 +238,8 @@ def main():
         results = {"machine": os.uname().nodename and "%d cores" % os.cpu_count(), "ready_s": ready,
                    "mem_budget": args.mem_budget, "max_tokens": args.max_tokens, "cells": {},
                    "router_bin": args.router_bin or cl.binary("router"), "router_args": args.router_args,
-                   "router_idle_peak_rss_mib": idle}
+                   "router_idle_peak_rss_mib": idle, "model": MODEL_NAME, "encoder_args": enc_extra,
+                   "command": " ".join(sys.argv)}
         print("router peak RSS after start-up: %.0f MiB" % idle, flush=True)
         if args.overload:
             size = max(urls)
@@ -219,17 +252,16 @@ def main():
             for s, url in urls.items():
                 results["cells"][s] = []
                 for conc in [int(x) for x in args.concurrency.split(",")]:
-                    n = args.requests_per_cell or max(8, 2 * conc)
+                    n = args.requests_per_cell or max(8, args.requests_factor * conc)
                     cell = run_cell(c, url, conc, n, args.max_tokens, args.timeout)
                     results["cells"][s].append(cell)
                     print("%5dpx c=%-4d ok=%-4d refused=%-3d failed=%-3d ttft p50=%.3fs p99=%.3fs tpot=%.4fs "
-                          "%.1f tok/s  peak MiB router=%.0f enc=%.0f pre=%.0f dec=%.0f  refusals %s" % (
+                          "%.1f tok/s  peak MiB router=%.0f enc=%.0f pre=%.0f dec=%.0f  refusals %s  load %.1f" % (
                               s, conc, cell["ok"], cell["refused"], cell["failed"], cell["ttft_p50_s"] or -1,
                               cell["ttft_p99_s"] or -1, cell["tpot_mean_s"] or -1, cell["throughput_tok_s"],
                               cell["peak_rss_mib"]["router"], cell["peak_rss_mib"]["encoder-0"],
                               cell["peak_rss_mib"]["prefill-0"], cell["peak_rss_mib"]["decode-0"],
-                              cell["refused_by_reason"] or "-"), flush=True)
-            name = "bench_serving"
+                              cell["refused_by_reason"] or "-", cell["load_avg_1m"][1]), flush=True)
             if args.tag:
                 name += "_" + args.tag
             else:

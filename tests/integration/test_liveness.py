@@ -144,6 +144,7 @@ def run_clip_l_cluster():
     # (and stuck is judged only in its own cluster below: a layer may take minutes here)
     router = ["--worker-timeout", str(WORKER_TIMEOUT), "--served-model-name", "prism-tiny-llava",
               "--max-queue-wait", "3000", "--request-timeout", "3600", "--worker-stuck-timeout", "3600",
+              "--stage-timeout", "3600",
               "--max-retries", "0"]  # SIGSTOP: the dead encoder's request fails (no other encoder to retry on)
     with Cluster(model=model, router_args=router,
                  worker_args={"encoder_worker": enc, "prefill_worker": RANDOM, "decode_worker": RANDOM}) as c:

@@ -8,8 +8,8 @@
 - a client that disconnects mid-stream, or a stop string that hits, makes the router abort the
   request on the decode worker, which then stops generating (its running count in /metrics
   returns to idle);
-- a decode worker restarted under the same id while streaming: the stream still ends (known bug,
-  see the marker).
+- a decode worker restarted under the same id while streaming: the stream still ends (the router
+  fails the old process's requests when the new one registers).
 
 Run: python3 tests/integration/test_streaming.py [test names]   (PRISM_BINARY_DIR=build dir)
 """

@@ -197,29 +197,32 @@ static void test_histogram(void **state)
     prism_buf_free(&b);
 }
 
+/* The first unit of key's entry (NULL on a miss), unpinned again. */
 static const float *cache_peek(prism_embed_cache_t *c, uint64_t key)
 {
-    int slot = prism_embed_cache_get_pinned(c, key);
-    if (slot < 0)
+    int e = prism_embed_cache_get_pinned(c, key);
+    if (e < 0)
         return NULL;
-    prism_embed_cache_unpin(c, slot);
-    return prism_embed_cache_data(c, slot);
+    const float *parts[4];
+    prism_embed_cache_units(c, e, parts, 4);
+    prism_embed_cache_unpin(c, e);
+    return parts[0];
 }
 
 static void test_embed_cache_lru(void **state)
 {
     prism_embed_cache_t c;
-    size_t floats = 8, slot = prism_embed_cache_slot_bytes(floats);
-    assert_int_equal(prism_embed_cache_init(&c, 3 * slot, floats), PRISM_OK);
-    assert_int_equal(c.n_slots, 3);
+    size_t floats = 8, unit = prism_embed_cache_unit_bytes(floats);
+    assert_int_equal(prism_embed_cache_init(&c, 3 * unit, floats, 1), PRISM_OK);
+    assert_int_equal(c.n_units, 3);
     float e[8];
     for (uint64_t k = 1; k <= 3; k++) {
         for (int i = 0; i < 8; i++) e[i] = (float)(k * 10 + i);
-        prism_embed_cache_put(&c, k, e);
+        prism_embed_cache_put(&c, k, e, 1);
     }
     assert_non_null(cache_peek(&c, 1));  /* 1 becomes most recent; 2 is LRU */
     for (int i = 0; i < 8; i++) e[i] = 99;
-    prism_embed_cache_put(&c, 4, e);
+    prism_embed_cache_put(&c, 4, e, 1);
     assert_null(cache_peek(&c, 2));
     const float *g = cache_peek(&c, 3);
     assert_non_null(g);
@@ -229,41 +232,80 @@ static void test_embed_cache_lru(void **state)
     assert_int_equal(c.misses, 1);
     prism_embed_cache_free(&c);
     /* a zero budget disables the cache */
-    assert_int_equal(prism_embed_cache_init(&c, 0, floats), PRISM_OK);
-    prism_embed_cache_put(&c, 1, e);
+    assert_int_equal(prism_embed_cache_init(&c, 0, floats, 1), PRISM_OK);
+    prism_embed_cache_put(&c, 1, e, 1);
     assert_null(cache_peek(&c, 1));
 }
 
 /* Audit finding: a hit read in place while a later miss of the same batch is stored must keep its
- * own embeddings. One slot: the hit pins it, the miss finds nothing to evict and is not cached. */
+ * own embeddings. One unit: the hit pins it, the miss finds nothing to evict and is not cached. */
 static void test_embed_cache_pinned_hit_survives_puts(void **state)
 {
     prism_embed_cache_t c;
-    size_t floats = 8, slot = prism_embed_cache_slot_bytes(floats);
-    assert_int_equal(prism_embed_cache_init(&c, slot, floats), PRISM_OK);
-    assert_int_equal(c.n_slots, 1);
+    size_t floats = 8, unit = prism_embed_cache_unit_bytes(floats);
+    assert_int_equal(prism_embed_cache_init(&c, unit, floats, 1), PRISM_OK);
+    assert_int_equal(c.n_units, 1);
     float a[8], b[8];
     for (int i = 0; i < 8; i++) {
         a[i] = 1.0f + i;
         b[i] = -1.0f - i;
     }
-    prism_embed_cache_put(&c, 0xA, a);
+    prism_embed_cache_put(&c, 0xA, a, 1);
     int s = prism_embed_cache_get_pinned(&c, 0xA);      /* user A's request: a hit */
     assert_true(s >= 0);
-    const float *held = prism_embed_cache_data(&c, s);
+    const float *held;
+    assert_int_equal(prism_embed_cache_units(&c, s, &held, 1), 1);
     assert_int_equal(prism_embed_cache_get_pinned(&c, 0xB), -1);   /* user B: a miss ... */
-    prism_embed_cache_put(&c, 0xB, b);                  /* ... encoded and stored */
+    prism_embed_cache_put(&c, 0xB, b, 1);               /* ... encoded and stored */
     assert_memory_equal(held, a, sizeof a);             /* A is still answered with A's image */
     assert_int_equal(prism_embed_cache_get_pinned(&c, 0xB), -1);
-    prism_embed_cache_put(&c, 0xA, b);                  /* same key, pinned: refreshed, never rewritten */
+    prism_embed_cache_put(&c, 0xA, b, 1);               /* same key, pinned: refreshed, never rewritten */
     assert_memory_equal(held, a, sizeof a);
     prism_embed_cache_unpin(&c, s);
-    prism_embed_cache_put(&c, 0xB, b);                  /* unpinned: now B may take the slot */
+    prism_embed_cache_put(&c, 0xB, b, 1);               /* unpinned: now B may take the unit */
     s = prism_embed_cache_get_pinned(&c, 0xB);
     assert_true(s >= 0);
-    assert_memory_equal(prism_embed_cache_data(&c, s), b, sizeof b);
+    const float *got;
+    prism_embed_cache_units(&c, s, &got, 1);
+    assert_memory_equal(got, b, sizeof b);
     prism_embed_cache_unpin(&c, s);
     assert_int_equal(prism_embed_cache_get_pinned(&c, 0xA), -1);
+    prism_embed_cache_free(&c);
+}
+
+/* Entries of several units (Llama-4 images: one unit per tile) share the budget: a 3-unit image
+ * evicts least recently used entries until it fits (never a pinned one), its units come back in
+ * order though they are scattered, and an image larger than everything unpinned is not cached. */
+static void test_embed_cache_multi_unit(void **state)
+{
+    prism_embed_cache_t c;
+    size_t floats = 4, unit = prism_embed_cache_unit_bytes(floats);
+    assert_int_equal(prism_embed_cache_init(&c, 5 * unit, floats, 4), PRISM_OK);
+    float img[4][4];
+    for (int u = 0; u < 4; u++)
+        for (int i = 0; i < 4; i++) img[u][i] = (float)(u * 10 + i);
+    prism_embed_cache_put(&c, 1, img[0], 1);
+    prism_embed_cache_put(&c, 2, img[0], 2);
+    prism_embed_cache_put(&c, 3, img[0], 1);
+    assert_int_equal(c.n_free, 1);
+    int p1 = prism_embed_cache_get_pinned(&c, 1);       /* 1 is pinned and most recent; 2 is LRU */
+    prism_embed_cache_put(&c, 4, img[0], 3);            /* needs 2 more: evicts 2 (2 units) */
+    assert_null(cache_peek(&c, 2));
+    assert_non_null(cache_peek(&c, 3));
+    int e4 = prism_embed_cache_get_pinned(&c, 4);
+    const float *parts[4];
+    assert_int_equal(prism_embed_cache_units(&c, e4, parts, 4), 3);
+    for (int u = 0; u < 3; u++) assert_memory_equal(parts[u], img[u], sizeof img[u]);
+    prism_embed_cache_unpin(&c, e4);
+    /* 4 units wanted: only 3 (entry 4) + 1 (entry 3) are unpinned besides pinned 1 -> would fit
+     * after evicting both; 5 units can never fit while 1 is pinned. */
+    prism_embed_cache_put(&c, 5, img[0], 4);
+    assert_non_null(cache_peek(&c, 5));
+    assert_non_null(cache_peek(&c, 1));
+    prism_embed_cache_put(&c, 6, img[0], 5);            /* above max_units: ignored */
+    assert_null(cache_peek(&c, 6));
+    prism_embed_cache_unpin(&c, p1);
+    assert_int_equal(c.n_free, 0);
     prism_embed_cache_free(&c);
 }
 
@@ -274,7 +316,8 @@ int main(void)
         cmocka_unit_test(test_parse_bytes),  cmocka_unit_test(test_cli),        cmocka_unit_test(test_kv_blocks),
         cmocka_unit_test(test_kv_blocks_shared_prefix),
         cmocka_unit_test(test_histogram),    cmocka_unit_test(test_embed_cache_lru),
-        cmocka_unit_test(test_embed_cache_pinned_hit_survives_puts), cmocka_unit_test(test_ct_equal),
+        cmocka_unit_test(test_embed_cache_pinned_hit_survives_puts), cmocka_unit_test(test_embed_cache_multi_unit),
+        cmocka_unit_test(test_ct_equal),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -4,7 +4,10 @@
  *    (upscaled 1x1, exact fits, padding, extreme aspect ratios, several tiles + the global tile);
  *  - FNV hashes + samples at the real config (336 px, max_patches 16) up to 4096x4096 (17 tiles);
  *  - the tile grid / resize / token count table (361 sizes) the router relies on;
- *  - the prompt expansion layout, the config loaders and argument errors. */
+ *  - the prompt expansion layout, the config loaders and argument errors;
+ *  - the streaming sink (what the encoder runs: rows from the JPEG / PNG decoder, optionally on the
+ *    relay thread, into two resamplers and straight into the tiles) equals the whole-image path
+ *    bit for bit, allocates nothing, and fits the workspace bound the encoder plans with. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -16,6 +19,7 @@
 #include "image/image.h"
 #include "image/llama4_proc.h"
 #include "image_test_util.h"
+#include "image_gen.h"
 #include "llama4_synth.h"
 
 static json_t *goldens;
@@ -326,6 +330,144 @@ static void test_random_sizes(void **state)
     }
 }
 
+/* Rows streamed from the real decoders (baseline and progressive JPEG, PNG, interlaced PNG; with
+ * and without the relay thread) into the Llama-4 sink give exactly what the whole-image path gives
+ * on the same decoded pixels, with no allocation, inside the encoder's planned workspace. */
+static void test_stream_sink_matches_whole(void **state)
+{
+    static const struct { int tile, max_patches, w, h; } cases[] = {
+        {28, 8, 300, 200}, {28, 8, 56, 28},   /* 56x28: exact 2x1 canvas, no resize at all */
+        {28, 8, 17, 90}, {28, 4, 1000, 40}, {56, 6, 300, 200}, {28, 1, 97, 61}, {336, 16, 1500, 1001},
+    };
+    const uint64_t max_px = 2048 * 2048;
+    prism_image_decoder_t *dec;
+    prism_image_relay_t *relay;
+    assert_int_equal(prism_image_decoder_create(prism_image_decoder_bytes(2048, max_px), &dec), PRISM_OK);
+    assert_int_equal(prism_image_relay_create(2048, &relay), PRISM_OK);
+    for (size_t i = 0; i < PRISM_ARRAY_LEN(cases); i++) {
+        prism_llama4_proc_t p;
+        prism_llama4_proc_default(&p);
+        p.tile = cases[i].tile;
+        p.max_patches = cases[i].max_patches;
+        p.tokens_per_tile = 4;
+        int w = cases[i].w, h = cases[i].h;
+        size_t ws_cap = prism_llama4_workspace_bound(&p, max_px);
+        assert_true(ws_cap >= prism_llama4_preprocess_workspace_bytes(&p, w, h));
+        void *ws = prism_malloc(ws_cap);
+        uint8_t *pix = ig_pixels(w, h, 3, (uint32_t)i + 1);
+        size_t n_files = 0;
+        uint8_t *files[4];
+        size_t lens[4];
+        ig_jpeg_t jo = {.comps = 3, .in_cs = JCS_RGB, .jpeg_cs = JCS_YCbCr};
+        files[n_files] = ig_jpeg(pix, w, h, &jo, &lens[n_files]);
+        n_files++;
+        jo.progressive = true;
+        files[n_files] = ig_jpeg(pix, w, h, &jo, &lens[n_files]);
+        n_files++;
+        ig_png_t po = {SPNG_COLOR_TYPE_TRUECOLOR, 8, false, false, false};
+        files[n_files] = ig_png(w, h, &po, (uint32_t)i, &lens[n_files]);
+        n_files++;
+        po.interlace = true;
+        files[n_files] = ig_png(w, h, &po, (uint32_t)i, &lens[n_files]);
+        n_files++;
+        for (size_t f = 0; f < n_files; f++) {
+            prism_image_t img;
+            prism_image_decode_opts_t o = {0};
+            assert_int_equal(prism_image_decode(files[f], lens[f], &o, &img), PRISM_OK);
+            prism_llama4_grid_t g;
+            assert_int_equal(prism_llama4_grid(&p, w, h, &g), PRISM_OK);
+            size_t n = (size_t)g.n_tiles * 3 * p.tile * p.tile;
+            float *want = prism_malloc(n * sizeof(float)), *got = prism_malloc(n * sizeof(float));
+            assert_int_equal(prism_llama4_preprocess(&p, &img, ws, ws_cap, want), PRISM_OK);
+            if (i == 1 && f == 2) {
+                /* no resize, no padding: the tiles are the decoded pixels, normalized */
+                for (int y = 0; y < h; y++)
+                    for (int x = 0; x < w; x++)
+                        for (int c = 0; c < 3; c++) {
+                            int t = x / p.tile, tx = x % p.tile;
+                            float v = want[(((size_t)t * 3 + c) * p.tile + y) * p.tile + tx];
+                            float u = img.rgb[((size_t)y * w + x) * 3 + c] / 255.0f;
+                            assert_true(fabsf(v - (u - 0.5f) / 0.5f) < 0.01f);
+                        }
+            }
+            for (int use_relay = 0; use_relay < 2; use_relay++) {
+                for (size_t k = 0; k < n; k++) got[k] = NAN;
+                prism_llama4_stream_t st;
+                prism_image_sink_t sink = prism_llama4_stream_sink(&st, &p, ws, ws_cap, got), inner = sink;
+                if (use_relay) sink = prism_image_relay_sink(relay, &inner);
+                uint64_t allocs = prism_mem_alloc_count();
+                assert_int_equal(prism_image_decoder_run(dec, files[f], lens[f], NULL, &sink), PRISM_OK);
+                assert_int_equal(prism_llama4_stream_finish(&st), PRISM_OK);
+                assert_int_equal(prism_mem_alloc_count(), allocs);
+                if (memcmp(got, want, n * sizeof(float))) {
+                    size_t k = 0;
+                    while (k < n && got[k] == want[k]) k++;
+                    fail_msg("case %zu file %zu relay %d: float %zu of %zu differs: %g vs %g", i, f, use_relay, k, n,
+                             got[k], want[k]);
+                }
+            }
+            prism_free(want);
+            prism_free(got);
+            prism_image_free(&img);
+            prism_free(files[f]);
+        }
+        /* A workspace one byte short of this image's plan is refused at begin, not overrun. */
+        prism_llama4_grid_t g;
+        assert_int_equal(prism_llama4_grid(&p, w, h, &g), PRISM_OK);
+        float *out = prism_malloc((size_t)g.n_tiles * 3 * p.tile * p.tile * sizeof(float));
+        prism_llama4_stream_t st;
+        prism_image_sink_t sink = prism_llama4_stream_sink(&st, &p, ws, prism_llama4_preprocess_workspace_bytes(&p, w, h) - 1,
+                                                           out);
+        prism_image_t geom = {.w = w, .h = h, .src_w = w, .src_h = h};
+        assert_int_equal(sink.begin(sink.ud, &geom), PRISM_ELIMIT);
+        /* and a DCT-scaled decode is refused (HF resizes the full image) */
+        sink = prism_llama4_stream_sink(&st, &p, ws, ws_cap, out);
+        geom.src_w = w * 2;
+        assert_int_equal(sink.begin(sink.ud, &geom), PRISM_EINVAL);
+        prism_free(out);
+        prism_free(pix);
+        prism_free(ws);
+    }
+    prism_image_relay_destroy(relay);
+    prism_image_decoder_destroy(dec);
+}
+
+/* The encoder's workspace plan holds every image up to its pixel limit: random and extreme sizes
+ * at the real config (and a small tile), and it stays a few MiB at Scout's 4096x4096 limit. */
+static void test_workspace_bound(void **state)
+{
+    prism_llama4_proc_t p;
+    prism_llama4_proc_default(&p);
+    const uint64_t max_px = 4096ull * 4096;
+    size_t bound = prism_llama4_workspace_bound(&p, max_px);
+    assert_true(bound > 0 && bound < (16u << 20));
+    assert_int_equal(prism_llama4_max_tiles(&p), 17);
+    uint64_t rng = 99;
+    for (int it = 0; it < 3000; it++) {
+        rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
+        int w = 1 + (int)(rng % PRISM_IMAGE_MAX_DIM);
+        int h = 1 + (int)(((rng >> 24) % max_px) / (uint64_t)w % PRISM_IMAGE_MAX_DIM);
+        if (it % 4 == 0) h = (int)PRISM_MIN(max_px / (uint64_t)w, (uint64_t)PRISM_IMAGE_MAX_DIM);
+        if (it % 8 == 1) { int t = w; w = h > 0 ? h : 1; h = t; }
+        if ((uint64_t)w * h > max_px || h < 1) continue;
+        size_t need = prism_llama4_preprocess_workspace_bytes(&p, w, h);
+        assert_true(need > 0);
+        if (need > bound) fail_msg("%dx%d needs %zu > bound %zu", w, h, need, bound);
+    }
+    static const int extremes[][2] = {{65535, 256}, {256, 65535}, {4096, 4096}, {65535, 1}, {1, 65535}, {4097, 4095}};
+    for (size_t i = 0; i < PRISM_ARRAY_LEN(extremes); i++)
+        assert_true(prism_llama4_preprocess_workspace_bytes(&p, extremes[i][0], extremes[i][1]) <= bound);
+    p.tile = 28;
+    p.max_patches = 1;
+    bound = prism_llama4_workspace_bound(&p, 1u << 20);
+    assert_int_equal(prism_llama4_max_tiles(&p), 1);
+    for (int w = 1; w <= 4096; w += 37) {
+        int h = (int)PRISM_MIN((1u << 20) / (unsigned)w, (unsigned)PRISM_IMAGE_MAX_DIM);
+        assert_true(prism_llama4_preprocess_workspace_bytes(&p, w, h) <= bound);
+        assert_true(prism_llama4_preprocess_workspace_bytes(&p, h, w) <= bound);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -336,6 +478,8 @@ int main(void)
         cmocka_unit_test(test_config_loader),
         cmocka_unit_test(test_bad_arguments),
         cmocka_unit_test(test_random_sizes),
+        cmocka_unit_test(test_stream_sink_matches_whole),
+        cmocka_unit_test(test_workspace_bound),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -432,6 +432,91 @@ static void test_mixed_batch(void **state)
     prism_kv_cache_free(k1);
 }
 
+
+/* The prefill -> decode hand-off of the cluster with a split KV cache: the prompt is prefilled in
+ * an ordinary cache, only the full-attention layers' blocks and the chunked layers' blocks from the
+ * current chunk's start are exported (less than the whole prompt's KV), imported into a decode
+ * cache whose chunked layers live in a per-sequence ring of prism_kv_local_ring blocks, and greedy
+ * decoding there, across an attention-chunk boundary and around the ring more than once, gives
+ * HF's tokens and logits. A step that would not fit the ring is refused, not corrupted. */
+static void test_split_cache_handoff(void **state)
+{
+    golden_t *g = *state;
+    const prism_model_config_t *c = &g->cfg;
+    prism_kv_cache_t *kp, *kd;
+    assert_int_equal(prism_kv_cache_create(g->be, c, 64, BS, &kp), PRISM_OK);
+    int32_t next = 5;
+    seq_t p = {.next = &next};
+    float *lg = malloc((size_t)g->vocab * sizeof(float));
+    assert_int_equal(run_seq(g, kp, &p, g->ids, g->n_prompt, g->embeds, g->mask, false, lg), PRISM_OK);
+    int n = g->n_prompt, nb = (n + BS - 1) / BS, c0b = prism_kv_local_first_block(c, BS, n);
+    assert_int_equal(c0b, n / g->chunk * g->chunk / BS);
+    size_t fbb = prism_kv_cache_class_block_bytes(c, BS, PRISM_KV_CLASS_FULL);
+    size_t lbb = prism_kv_cache_class_block_bytes(c, BS, PRISM_KV_CLASS_LOCAL);
+    assert_int_equal(fbb + lbb, prism_kv_cache_block_bytes(c, BS));
+    size_t bytes = (size_t)nb * fbb + (size_t)(nb - c0b) * lbb;
+    printf("  %s: hand-off of %d tokens: %zu bytes instead of %zu (chunked layers from block %d of %d)\n", g->name, n,
+           bytes, (size_t)nb * prism_kv_cache_block_bytes(c, BS), c0b, nb);
+    assert_true(bytes < (size_t)nb * prism_kv_cache_block_bytes(c, BS));
+    uint8_t *wire = malloc(bytes);
+    assert_int_equal(prism_kv_cache_export_class(kp, PRISM_KV_CLASS_FULL, p.table, nb, wire), PRISM_OK);
+    assert_int_equal(prism_kv_cache_export_class(kp, PRISM_KV_CLASS_LOCAL, p.table + c0b, nb - c0b,
+                                                 wire + (size_t)nb * fbb), PRISM_OK);
+
+    int R = prism_kv_local_ring(c, BS, 1);
+    assert_int_equal(R, (g->chunk + BS - 1) / BS + 1);
+    assert_int_equal(prism_kv_cache_create_split(g->be, c, 64, 2 * R, BS, &kd), PRISM_OK);
+    assert_int_equal(prism_kv_cache_export(kd, p.table, 1, wire), PRISM_EINVAL);   /* two pools: per class only */
+    int32_t ring[64], ids[64];
+    for (int i = 0; i < R; i++) ring[i] = 2 * R - 1 - i;   /* the second half of the pool, backwards */
+    int32_t dnext = 11;
+    seq_t d = {.next = &dnext};
+    seq_reserve(&d, n);
+    d.len = n;
+    for (int k = 0; k < nb - c0b; k++) ids[k] = ring[(c0b + k) % R];
+    assert_int_equal(prism_kv_cache_import_class(kd, PRISM_KV_CLASS_FULL, d.table, nb, wire), PRISM_OK);
+    assert_int_equal(prism_kv_cache_import_class(kd, PRISM_KV_CLASS_LOCAL, ids, nb - c0b, wire + (size_t)nb * fbb),
+                     PRISM_OK);
+
+    int32_t out[N_GREEDY + 64];
+    out[0] = argmax(lg, g->vocab);
+    double worst = 0;
+    const int32_t *rings[1] = {ring};
+    int steps = N_GREEDY + 2 * g->chunk;   /* past the golden: around the ring twice more */
+    for (int i = 1; i < steps && i < N_GREEDY + 64; i++) {
+        seq_reserve(&d, d.len + 1);
+        int32_t start[2] = {0, 1}, pos0[1] = {d.len};
+        const int32_t *tables[1] = {d.table};
+        prism_llm_batch_t b = {.n_seqs = 1, .n_tokens = 1, .tokens = &out[i - 1], .seq_start = start, .pos0 = pos0,
+                               .block_tables = tables, .local_tables = rings, .local_ring = R};
+        assert_int_equal(prism_llm_forward(g->llm, kd, &b, lg), PRISM_OK);
+        d.len++;
+        out[i] = argmax(lg, g->vocab);
+        if (i < N_GREEDY) {
+            double e = max_abs_diff(lg, g->logits + (size_t)(n - 1 + i) * g->vocab, g->vocab);
+            if (e > worst) worst = e;
+            assert_int_equal(out[i], g->greedy[i]);
+        }
+    }
+    assert_int_equal(out[0], g->greedy[0]);
+    assert_true(worst <= g->tol);
+    /* The ring holds decode steps; a step spanning more blocks than the ring does not fit and is refused. */
+    int q = R * BS + 1;
+    assert_true(q <= g->n_prompt);
+    seq_reserve(&d, d.len + q);
+    int32_t start[2] = {0, q}, pos0[1] = {d.len};
+    const int32_t *tables[1] = {d.table};
+    prism_llm_batch_t b = {.n_seqs = 1, .n_tokens = q, .tokens = g->ids, .seq_start = start, .pos0 = pos0,
+                           .block_tables = tables, .local_tables = rings, .local_ring = R};
+    assert_int_equal(prism_llm_forward(g->llm, kd, &b, lg), PRISM_EINVAL);
+    b.local_tables = NULL;
+    assert_int_equal(prism_llm_forward(g->llm, kd, &b, lg), PRISM_EINVAL);   /* a split cache needs the rings */
+    free(wire);
+    free(lg);
+    prism_kv_cache_free(kp);
+    prism_kv_cache_free(kd);
+}
+
 /* ---- the other checkpoint key spelling: model.language_model. / model.vision_model. / lm_head ---- */
 
 static void write_renamed_checkpoint(const char *src_dir, const char *dst_dir)
@@ -526,6 +611,7 @@ int main(void)
         cmocka_unit_test(test_greedy_decode),
         cmocka_unit_test(test_chunked_prefill),
         cmocka_unit_test(test_mixed_batch),
+        cmocka_unit_test(test_split_cache_handoff),
         cmocka_unit_test(test_other_key_prefixes),
     };
     const struct CMUnitTest text[] = {
@@ -534,6 +620,7 @@ int main(void)
         cmocka_unit_test(test_greedy_decode),
         cmocka_unit_test(test_chunked_prefill),
         cmocka_unit_test(test_mixed_batch),
+        cmocka_unit_test(test_split_cache_handoff),
     };
     int fails = cmocka_run_group_tests_name("llama4_tiny", tiny, setup_tiny, teardown);
     fails += cmocka_run_group_tests_name("llama4_text", text, setup_text, teardown);

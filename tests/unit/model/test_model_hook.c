@@ -130,7 +130,8 @@ static void test_llama4_vision_cancel_mid_batch(void **state)
 static const int32_t k_len[NS] = {20, 12, 1}, k_pos0[NS] = {0, 0, 40};
 #define NT 33
 
-static void llm_run(prism_llm_t *m, prism_kv_cache_t *kv, int vocab, bool all_logits, bool split, float *logits)
+static void llm_run_rings(prism_llm_t *m, prism_kv_cache_t *kv, int vocab, bool all_logits, bool split,
+                          const int32_t **rings, int ring, float *logits)
 {
     int32_t toks[NT], start[NS + 1] = {0};
     int32_t tab[NS][3] = {{0, 1, 0}, {2, 0, 0}, {3, 4, 5}};
@@ -138,13 +139,19 @@ static void llm_run(prism_llm_t *m, prism_kv_cache_t *kv, int vocab, bool all_lo
     for (int s = 0; s < NS; s++) start[s + 1] = start[s] + k_len[s];
     for (int t = 0; t < start[NS]; t++) toks[t] = (5 + 37 * t) % vocab;
     prism_llm_batch_t b = {.n_seqs = NS, .n_tokens = start[NS], .tokens = toks, .seq_start = start, .pos0 = k_pos0,
-                           .block_tables = tables, .all_logits = all_logits};
+                           .block_tables = tables, .all_logits = all_logits, .local_tables = rings,
+                           .local_ring = ring};
     if (split) {
         assert_int_equal(prism_llm_forward_begin(m, kv, &b), PRISM_OK);
         assert_int_equal(prism_llm_forward_end(m, logits), PRISM_OK);
     } else {
         assert_int_equal(prism_llm_forward(m, kv, &b, logits), PRISM_OK);
     }
+}
+
+static void llm_run(prism_llm_t *m, prism_kv_cache_t *kv, int vocab, bool all_logits, bool split, float *logits)
+{
+    llm_run_rings(m, kv, vocab, all_logits, split, NULL, 0, logits);
 }
 
 static void llm_cancel_mid_forward(const prism_model_config_t *cfg, const char *dir)
@@ -224,6 +231,57 @@ static void test_llama4_cancel_mid_forward(void **state)
     llm_cancel_mid_forward(&cfg, dir);
 }
 
+/* A split cache (the decode worker's: Llama-4's chunked layers in per-sequence rings): the ring
+ * slots and tables of the sequences left are carried over when one drops out, so they compute what
+ * they compute without the hook. */
+static void test_llama4_split_cache_cancel(void **state)
+{
+    (void)state;
+    char dir[1024], err[256];
+    snprintf(dir, sizeof dir, "%s/tests/data/model/llama4_text", PRISM_SOURCE_DIR);
+    prism_model_config_t cfg;
+    assert_int_equal(prism_model_config_load(dir, &cfg, err, sizeof err), PRISM_OK);
+    prism_backend_t *be = prism_backend_cpu_create(1);
+    prism_llm_t *m = NULL;
+    prism_kv_cache_t *kv = NULL;
+    assert_int_equal(prism_llm_load(be, &cfg, dir, 64, NS, &m, err, sizeof err), PRISM_OK);
+    const int R = prism_kv_local_ring(&cfg, 16, 20);
+    assert_true(R > 0 && R <= 8);
+    assert_int_equal(prism_kv_cache_create_split(be, &cfg, 8, NS * R, 16, &kv), PRISM_OK);
+    int32_t ring[NS][8];
+    const int32_t *rings[NS];
+    for (int s = 0; s < NS; s++) {
+        for (int i = 0; i < R; i++) ring[s][i] = NS * R - 1 - (s * R + i);   /* backwards: ids != positions */
+        rings[s] = ring[s];
+    }
+    const size_t V = (size_t)cfg.vocab;
+    float *ref = prism_malloc(NT * V * sizeof(float)), *out = prism_malloc(NT * V * sizeof(float));
+    hook_state_t h;
+    prism_model_hook_t hook = {on_layer, on_cancelled, &h};
+    for (int all = 0; all < 2; all++) {
+        size_t rows = all ? NT : NS;
+        prism_llm_set_hook(m, NULL);
+        llm_run_rings(m, kv, cfg.vocab, all, false, rings, R, ref);
+        prism_llm_set_hook(m, &hook);
+        for (int item = 0; item < NS; item++) {
+            h = (hook_state_t){.cancel_item = item, .cancel_at = 1 + item};
+            for (size_t i = 0; i < rows * V; i++) out[i] = NAN;
+            llm_run_rings(m, kv, cfg.vocab, all, true, rings, R, out);
+            size_t lo = all ? (size_t)(item == 0 ? 0 : item == 1 ? 20 : 32) : (size_t)item;
+            size_t hi = all ? (size_t)(item == 0 ? 20 : item == 1 ? 32 : 33) : (size_t)item + 1;
+            for (size_t r = 0; r < rows; r++) {
+                if (r >= lo && r < hi) assert_true(isnan(out[r * V]));
+                else assert_close(out + r * V, ref + r * V, V, 1e-4f);
+            }
+        }
+    }
+    prism_free(ref);
+    prism_free(out);
+    prism_kv_cache_free(kv);
+    prism_llm_free(m);
+    prism_backend_destroy(be);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -231,6 +289,7 @@ int main(void)
         cmocka_unit_test(test_llama4_vision_cancel_mid_batch),
         cmocka_unit_test(test_llm_cancel_mid_forward),
         cmocka_unit_test(test_llama4_cancel_mid_forward),
+        cmocka_unit_test(test_llama4_split_cache_cancel),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -137,9 +137,9 @@ static void test_corrupt_messages_dropped(void **state)
     /* too many frames */
     Prism__Envelope ok = PRISM__ENVELOPE__INIT;
     ok.type = PRISM__MSG_TYPE__MSG_HEARTBEAT;
-    prism_frame_t f[6];
-    for (int i = 0; i < 6; i++) f[i] = (prism_frame_t){"y", 1};
-    prism_msg_send(p->dealer, NULL, 0, &ok, f, 6, 0);
+    prism_frame_t f[PRISM_MSG_MAX_FRAMES + 1];
+    for (int i = 0; i < PRISM_MSG_MAX_FRAMES + 1; i++) f[i] = (prism_frame_t){"y", 1};
+    prism_msg_send(p->dealer, NULL, 0, &ok, f, PRISM_MSG_MAX_FRAMES + 1, 0);
     assert_int_equal(prism_msg_recv(p->router, true, &m, 0), PRISM_ECORRUPT);
     /* random mutations of a real envelope: never a crash, every part consumed */
     Prism__Tokens t = PRISM__TOKENS__INIT;
