@@ -97,6 +97,8 @@ typedef struct {
     prism_model_hook_t hook;
     /* one staged KV transfer waiting for blocks */
     bool staged;
+    bool staged_waited;       /* counted in kv_waits once */
+    uint64_t kv_waits;
     uint64_t staged_rid;
     char staged_router[128];
     Prism__Kv *staged_kv;     /* owned copy of the header (unpacked message kept) */
@@ -244,7 +246,11 @@ static bool admit_staged(decode_t *d)
     const char *why = NULL;
     Prism__ErrorKind kind = PRISM__ERROR_KIND__ERROR_CLIENT;   /* the request itself cannot be held */
     if (need > d->blocks.n_blocks) why = "the request's sequences need more KV blocks than the decode worker has";
-    else if (n_free < k || need > d->blocks.n_free) return false;   /* wait for room */
+    else if (n_free < k || need > d->blocks.n_free) {   /* wait for room */
+        d->kv_waits += !d->staged_waited;
+        d->staged_waited = true;
+        return false;
+    }
     else why = admit_choices(d, kv, slots, k, &kind);
     if (why) {
         PRISM_WARN("request %llu refused: %s", (unsigned long long)d->staged_rid, why);
@@ -303,6 +309,7 @@ static void on_kv(decode_t *d, prism_msg_t *m)
     }
     /* Keep the message: move the frame (no copy) and take over the unpacked envelope. */
     d->staged = true;
+    d->staged_waited = false;
     d->staged_rid = e->request_id;
     snprintf(d->staged_router, sizeof(d->staged_router), "%s", router);
     zmq_msg_init(&d->staged_frame);
@@ -532,6 +539,7 @@ static uint32_t publish_load(decode_t *d)
 {
     prism_worker_load_t load = {
         .running = (uint32_t)running(d), .waiting = d->staged ? 1 : 0, .kv_free_blocks = (uint32_t)d->blocks.n_free,
+        .kv_waits = d->kv_waits,
     };
     load.pool_free = (uint32_t)d->max_running - load.running;
     prism_worker_set_load(&d->w, &load);

@@ -252,6 +252,7 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
         {"prism:worker_stuck", "1 while the worker is stuck: busy without progress beyond --worker-stuck-timeout."},
         {"prism:worker_peer_auth_failures_total", "Peers the worker refused at the CURVE handshake."},
         {"prism:worker_draining", "1 while the worker drains after SIGTERM (no new work goes to it)."},
+        {"prism:worker_kv_waits_total", "KV transfers the decode worker held until blocks or a slot were free."},
     };
     for (size_t g = 0; g < PRISM_ARRAY_LEN(gauges); g++) {
         prism_buf_appendf(&b, "# HELP %s %s\n# TYPE %s %s\n", gauges[g][0], gauges[g][1], gauges[g][0],
@@ -263,7 +264,7 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
                           (double)w->mem_budget, w->kv_free_blocks, w->pool_free, (double)w->cache_hits,
                           (double)w->cache_misses, (double)w->alloc_count, (double)w->heartbeats,
                           (double)w->progress, w->busy, w->stuck, (double)w->peer_auth_failures,
-                          w->draining ? 1.0 : 0.0};
+                          w->draining ? 1.0 : 0.0, (double)w->kv_waits};
             _Static_assert(PRISM_ARRAY_LEN(v) == PRISM_ARRAY_LEN(gauges), "one value per gauge");
             prism_metric_label_value(wid, sizeof(wid), w->id);  /* ids come from the network */
             snprintf(lbl, sizeof(lbl), "tier=\"%s\",worker=\"%s\"", prism_role_name(w->role), wid);

@@ -50,7 +50,7 @@ typedef struct {
     uint64_t mem_budget, mem_planned;
     /* load from heartbeats */
     uint32_t running, waiting, kv_free_blocks, pool_free;
-    uint64_t mem_used, mem_peak, cache_hits, cache_misses, alloc_count, peer_auth_failures;
+    uint64_t mem_used, mem_peak, cache_hits, cache_misses, alloc_count, peer_auth_failures, kv_waits;
     uint64_t heartbeats;          /* received since registration: lets a reader wait for fresh numbers */
     double registered_at;         /* first registration of this slot (prism_now_s) */
     double send_failed_at;        /* last failed send (its connection is gone): not picked until it is heard again */

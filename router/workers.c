@@ -99,6 +99,7 @@ bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat
     w->mem_planned = hb->mem_planned;
     w->cache_hits = hb->cache_hits;
     w->cache_misses = hb->cache_misses;
+    w->kv_waits = hb->kv_waits;
     w->alloc_count = hb->alloc_count;
     w->heartbeats++;
     w->peer_auth_failures = hb->peer_auth_failures;

@@ -425,6 +425,7 @@ static void io_heartbeat(prism_worker_t *w)
     hb.pool_free = l.pool_free;
     hb.cache_hits = l.cache_hits;
     hb.cache_misses = l.cache_misses;
+    hb.kv_waits = l.kv_waits;
     hb.mem_used = prism_mem_used();
     hb.mem_peak = prism_mem_peak();
     hb.mem_planned = w->reg.mem_planned;

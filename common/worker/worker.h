@@ -105,6 +105,7 @@ typedef struct {
 typedef struct {
     uint32_t running, waiting, kv_free_blocks, pool_free;
     uint64_t cache_hits, cache_misses;
+    uint64_t kv_waits;       /* decode: KV transfers that waited for blocks or a slot (a counter) */
 } prism_worker_load_t;
 
 /* An abort as the I/O thread saw it. */

@@ -169,26 +169,26 @@ def test_backpressure_and_flat_allocations():
 
 
 def test_decode_admission_waits_for_kv():
-    """16 KV blocks of 16 tokens: room for two requests at a time; the rest wait (observed in
+    """24 KV blocks of 16 tokens: room for two requests at a time; the rest wait (counted in
     /metrics), none fails, waiting does not change a single token, and nothing is preempted."""
     ctx = ["--context-length", "256"]
     with Cluster(router_args=ctx, worker_args={"prefill_worker": ctx,
-                                               "decode_worker": ctx + ["--kv-blocks", "16"]},
+                                               "decode_worker": ctx + ["--kv-blocks", "24"]},
                  common_worker_args=FAST_HB) as c:
         c.wait_ready()
-        # ~77 prompt tokens + 40 = 8 blocks each: two fit in 16 blocks, a third waits
-        body = chat_body("What is in the image?", [SMALL], max_tokens=40, temperature=0, ignore_eos=True)
+        # ~77 prompt tokens + 100 = 12 blocks each: two fit in 24 blocks, a third waits
+        body = chat_body("What is in the image?", [SMALL], max_tokens=100, temperature=0, ignore_eos=True)
         s, ref = c.post_json("/v1/chat/completions", body)
         assert s == 200, (s, ref)
-        waited = []
+        assert ref["usage"]["prompt_tokens"] + 100 <= 12 * 16, ref["usage"]
+        low = []
 
         def watch():
             while not done:
-                v = c.metric("prism:worker_waiting", tier="decode")
-                low = c.metric("prism:worker_kv_free_blocks", tier="decode")
-                waited.append((v or 0, low))
+                low.append(c.metric("prism:worker_kv_free_blocks", tier="decode"))
                 time.sleep(0.02)
 
+        waits0 = c.metric("prism:worker_kv_waits_total", tier="decode")
         done = False
         with concurrent.futures.ThreadPoolExecutor(13) as ex:
             w = ex.submit(watch)
@@ -198,9 +198,13 @@ def test_decode_admission_waits_for_kv():
         for s, r in res:
             assert s == 200, (s, r)
             assert r["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
-        assert max(v for v, _ in waited) >= 1, ("no request ever waited for KV: the test did not load the pool",
-                                               waited[:20])
-        assert min(low for _, low in waited if low is not None) < 8, waited[:20]
+        # a counter, not a sampled gauge: every transfer that had to wait is counted once
+        hb = c.metric("prism:worker_heartbeats_total", tier="decode")
+        wait_for(lambda: c.metric("prism:worker_heartbeats_total", tier="decode") > hb, 10, "a fresh heartbeat")
+        waits = c.metric("prism:worker_kv_waits_total", tier="decode") - waits0
+        print("KV waits:", waits, "lowest free blocks:", min(v for v in low if v is not None))
+        assert waits >= 1, ("no request ever waited for KV: the test did not load the pool", waits, low[:20])
+        assert min(v for v in low if v is not None) < 12, low[:20]
         # reserve-not-preempt: vLLM's preemption counter is exported and stays 0
         assert c.metric("vllm:num_preemptions_total") == 0
         # more than the whole KV pool can hold is refused up front, not hung
