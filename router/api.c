@@ -227,6 +227,10 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
     prism_metric_write(&b, "prism:router_body_bytes_in_flight", "gauge",
                        "Request body bytes the HTTP server holds (charged as they arrive).", "",
                        (double)prism_http_server_body_bytes(r->http));
+    prism_metric_write(&b, "prism:router_uploads_paused_total", "counter",
+                       "Request bodies the router stopped reading to wait for room (body or image bytes in flight, "
+                       "or requests queued for a worker) instead of refusing them.", "",
+                       (double)prism_http_server_pauses(r->http));
     prism_metric_write(&b, "prism:router_memory_bytes", "gauge", "Router heap bytes in use.", "", (double)prism_mem_used());
     prism_metric_write(&b, "prism:router_peer_auth_failures_total", "counter",
                        "Peers the router's control socket refused at the CURVE handshake.", "",
@@ -306,10 +310,12 @@ int router_on_headers(const prism_http_req_t *h, void *ud, char *msg, size_t n)
     return 401;
 }
 
-bool router_may_read_body(void *ud)
+prism_http_body_gate_t router_body_gate(const prism_http_req_t *h, void *ud)
 {
     const router_t *r = ud;
-    return r->queue_len == 0;
+    if (prism_http_req_has_images(h) && r->image_bytes_inflight >= r->max_image_bytes_inflight)
+        return PRISM_HTTP_BODY_HOLD;   /* room comes back as image requests end */
+    return r->queue_len ? PRISM_HTTP_BODY_WAIT : PRISM_HTTP_BODY_READ;
 }
 
 void router_on_http(prism_http_req_t *h, void *ud)

@@ -83,6 +83,7 @@ struct conn {
     bool in_body;            /* on the server's list of bodies in progress (headers done, not dispatched) */
     bool hold;               /* the parser paused after the headers: the body waits for room */
     bool paused;             /* not reading its body: the body budget is spent */
+    bool complete;           /* the request is whole and waits only for the caller's gate to dispatch */
     uint64_t t_paused;       /* loop time the pause began */
     conn_t *bprev, *bnext;   /* bodies in progress, oldest first */
     uint64_t linger_end;     /* loop time a lingering connection closes at the latest */
@@ -107,6 +108,7 @@ struct prism_http_server {
     size_t body_bytes;       /* request bodies held right now: buffer bytes, charged as bodies arrive */
     conn_t *bodies, *bodies_tail;  /* connections with a body in progress, oldest first */
     prism_http_refusals_t refused;
+    uint64_t pauses;         /* bodies that stopped reading for room (each pause once) */
     char scratch[HTTP_READ_CHUNK];  /* libuv reads here; read_cb copies into conn->inbuf */
 };
 
@@ -242,6 +244,8 @@ void prism_http_req_drop_body(prism_http_req_t *r)
     body_free(r);
 }
 
+bool prism_http_req_has_images(const prism_http_req_t *r) { return r->lift && r->lift->n > 0; }
+
 int prism_http_req_take_image(prism_http_req_t *r, int i, uint8_t **data, size_t *len, const char **mime, bool *bad)
 {
     if (!r->lift) return PRISM_EINVAL;
@@ -303,9 +307,10 @@ static bool body_budget_spent(const prism_http_server_t *s)
     return s->body_bytes >= s->cfg.max_body_bytes_total;
 }
 
-static bool body_gate_closed(const prism_http_server_t *s)
+static prism_http_body_gate_t body_gate(const conn_t *c)
 {
-    return s->cfg.may_read_body && !s->cfg.may_read_body(s->ud);
+    const prism_http_server_t *s = c->srv;
+    return s->cfg.body_gate && c->req ? s->cfg.body_gate(c->req, s->ud) : PRISM_HTTP_BODY_READ;
 }
 
 static void body_list_add(conn_t *c)
@@ -346,13 +351,13 @@ static void conn_process(conn_t *c);
 static void on_resume_timer(uv_timer_t *t)
 {
     prism_http_server_t *s = t->data;
-    if (s->stopping || body_gate_closed(s)) return;
+    if (s->stopping) return;
     size_t room = s->body_bytes < s->cfg.max_body_bytes_total ? s->cfg.max_body_bytes_total - s->body_bytes : 0;
     size_t n = room / HTTP_READ_CHUNK + 1;
     conn_t *next;
     for (conn_t *c = s->bodies; c && n; c = next) {
         next = c->bnext;
-        if (!c->paused) continue;
+        if (!c->paused || body_gate(c) == PRISM_HTTP_BODY_HOLD) continue;
         if (c != s->bodies && !room) break;
         conn_process(c);  /* parses what it had read, then reads again */
         conn_arm_timer(c);
@@ -366,10 +371,15 @@ static void server_resume_bodies(prism_http_server_t *s)
     if (!uv_is_active((uv_handle_t *)&s->resume_timer)) uv_timer_start(&s->resume_timer, on_resume_timer, 0, 0);
 }
 
-/* This connection's body waits for room: the budget is spent and it is not the oldest. */
+/* This connection's body waits for room: the budget is spent and it is not the oldest (a whole
+ * body needs no more budget), or the caller's gate says so (a whole body too: a small one arrives
+ * in one read, before a check between reads could stop it). */
 static bool conn_body_waits(const conn_t *c)
 {
-    return c->in_body && !c->discard && c != c->srv->bodies && (body_budget_spent(c->srv) || body_gate_closed(c->srv));
+    if (!c->in_body || c->discard) return false;
+    prism_http_body_gate_t g = body_gate(c);
+    if (g == PRISM_HTTP_BODY_HOLD) return true;
+    return c != c->srv->bodies && (g == PRISM_HTTP_BODY_WAIT || (!c->complete && body_budget_spent(c->srv)));
 }
 
 void prism_http_server_resume_bodies(prism_http_server_t *s)
@@ -428,13 +438,13 @@ static void on_timer(uv_timer_t *t)
     if (!c->broken && !c->closing && !c->discard && c->paused) {
         /* the body waited for room longer than max_pause_s: 503, then its upload is discarded */
         char msg[200];
-        if (body_budget_spent(c->srv)) {
+        if (body_gate(c) == PRISM_HTTP_BODY_READ) {   /* the budget kept it */
             c->srv->refused.body_bytes_in_flight++;
             snprintf(msg, sizeof msg, "Too many request bytes in flight (limit %zu); waited %.0f s; retry shortly.",
                      c->srv->cfg.max_body_bytes_total, c->srv->cfg.max_pause_s);
         } else {
             c->srv->refused.body_gate++;
-            snprintf(msg, sizeof msg, "The request waited too long for a free worker (its upload paused %.0f s); "
+            snprintf(msg, sizeof msg, "The request waited too long for room (its upload paused %.0f s); "
                      "retry after a short wait.", c->srv->cfg.max_pause_s);
         }
         conn_fail(c, 503, msg);
@@ -1017,6 +1027,11 @@ static void conn_process(conn_t *c)
         if (c->closing || c->discard) break;
         if (c->req && c->req->dispatched) break;  /* one request at a time */
         if (conn_body_waits(c)) break;            /* its bytes stay unparsed until there is room */
+        if (c->complete) {
+            c->complete = false;
+            conn_dispatch(c);
+            continue;
+        }
         size_t avail = c->inbuf.len - c->in_off;
         if (avail == 0) break;
         const char *start = c->inbuf.data + c->in_off;
@@ -1039,7 +1054,7 @@ static void conn_process(conn_t *c)
                 break;
             }
             if (c->parser.upgrade) c->req->keep_alive = false;
-            conn_dispatch(c);
+            c->complete = true;   /* dispatched above, once the gate lets it */
         } else {
             int status = c->fail_status ? c->fail_status : 400;
             char msg[256];
@@ -1118,6 +1133,7 @@ static void conn_update_reading(conn_t *c)
         /* the body budget: spent, only the oldest body in progress reads on */
         bool wait = conn_body_waits(c);
         if (wait && !c->paused) {
+            __atomic_fetch_add(&c->srv->pauses, 1, __ATOMIC_RELAXED);
             c->paused = true;
             c->t_paused = uv_now(c->srv->loop);
         } else if (!wait && c->paused) {
@@ -1317,6 +1333,8 @@ size_t prism_http_server_active_connections(const prism_http_server_t *s)
 {
     return __atomic_load_n(&s->n_active, __ATOMIC_RELAXED);
 }
+
+uint64_t prism_http_server_pauses(const prism_http_server_t *s) { return __atomic_load_n(&s->pauses, __ATOMIC_RELAXED); }
 
 size_t prism_http_server_body_bytes(const prism_http_server_t *s)
 {

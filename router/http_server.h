@@ -54,6 +54,13 @@ typedef struct prism_http_server prism_http_server_t;
 typedef struct prism_http_req prism_http_req_t;
 typedef void (*prism_http_handler_fn)(prism_http_req_t *req, void *ud);
 
+/* The caller's word on one body in progress (prism_http_config_t.body_gate). */
+typedef enum {
+    PRISM_HTTP_BODY_READ,   /* go on */
+    PRISM_HTTP_BODY_WAIT,   /* wait as for a spent budget: the oldest body in progress goes on */
+    PRISM_HTTP_BODY_HOLD,   /* wait, the oldest too: the room comes back by itself, not from bodies */
+} prism_http_body_gate_t;
+
 typedef struct {
     const char *host;          /* bind address, "127.0.0.1" when NULL */
     int port;                  /* 0 = ephemeral (see prism_http_server_port) */
@@ -84,10 +91,13 @@ typedef struct {
      * type AuthenticationError): the body is never read and the connection closes after the answer.
      * ud is the server's handler ud. */
     int (*on_headers)(const prism_http_req_t *r, void *ud, char *message, size_t message_len);
-    /* Optional: the caller's own backpressure. While it returns false, bodies wait as they do for a
-     * spent budget (the oldest goes on; max_pause_s applies); call prism_http_server_resume_bodies
-     * once it may return true again. Loop thread; ud is the handler's. */
-    bool (*may_read_body)(void *ud);
+    /* Optional: the caller's own backpressure, asked for each body in progress, before each read and
+     * once it is whole (r: its request; headers and prism_http_req_has_images are readable): a
+     * small body arrives whole in one read, and a whole one waits undispatched. While it does not
+     * return READ the body waits as that value says (max_pause_s applies: 503); call
+     * prism_http_server_resume_bodies once it may return READ again. Loop thread; ud is the
+     * handler's. */
+    prism_http_body_gate_t (*body_gate)(const prism_http_req_t *r, void *ud);
 } prism_http_config_t;
 
 prism_http_config_t prism_http_config_default(void);
@@ -105,14 +115,17 @@ int  prism_http_server_port(const prism_http_server_t *s);  /* the bound port (u
 size_t prism_http_server_active_connections(const prism_http_server_t *s);
 /* Request body bytes held right now (charged to max_body_bytes_total as they arrive; any thread). */
 size_t prism_http_server_body_bytes(const prism_http_server_t *s);
-/* may_read_body turned true: paused bodies go on (from the loop's next turn). Loop thread. */
+/* Bodies that stopped reading to wait for room (spent budget or body_gate): counted once per
+ * pause since start. Any thread. */
+uint64_t prism_http_server_pauses(const prism_http_server_t *s);
+/* body_gate may let bodies go on: paused ones are asked again (from the loop's next turn). Loop thread. */
 void prism_http_server_resume_bodies(prism_http_server_t *s);
 /* Requests answered with an error by the server itself, before any handler ran (counters since
  * start; the router exports them as prism:requests_refused_total). Loop thread only. */
 typedef struct {
     uint64_t body_too_large;       /* 413: max_body_bytes */
     uint64_t body_bytes_in_flight; /* 503: max_body_bytes_total (from the header, or paused too long) */
-    uint64_t body_gate;            /* 503: paused by may_read_body longer than max_pause_s */
+    uint64_t body_gate;            /* 503: paused by body_gate longer than max_pause_s */
     uint64_t connections;          /* 503: max_connections */
     uint64_t malformed;            /* 400 / 431 / 417 */
 } prism_http_refusals_t;
@@ -132,6 +145,8 @@ void prism_http_req_drop_body(prism_http_req_t *r);
 /* With lift_data_urls: hands lifted image i over (see prism_lift_take; *data is the caller's to
  * prism_free, its bytes no longer charged to the server). PRISM_EINVAL when there is no such image
  * or it was taken already. */
+/* The body has carried a lifted image data URL so far (its bytes, whole or in part, are held). */
+bool prism_http_req_has_images(const prism_http_req_t *r);
 int  prism_http_req_take_image(prism_http_req_t *r, int i, uint8_t **data, size_t *len, const char **mime, bool *bad);
 int  prism_http_req_http_minor(const prism_http_req_t *r);     /* 0 for HTTP/1.0, 1 for HTTP/1.1 */
 

@@ -92,7 +92,7 @@ int main(int argc, char **argv)
         PRISM_FLAG_INT("max-running-requests", &max_running, "Requests in flight; more get 429"),
         PRISM_FLAG_BYTES("max-body-bytes", &max_body, "Largest request body; more gets 413"),
         PRISM_FLAG_BYTES("max-body-bytes-in-flight", &body_total, "Request body bytes held at once; beyond, uploads pause (503 after --max-queue-wait)"),
-        PRISM_FLAG_BYTES("max-image-bytes-in-flight", &image_inflight, "Image bytes held at once; more gets 429"),
+        PRISM_FLAG_BYTES("max-image-bytes-in-flight", &image_inflight, "Image bytes held at once; beyond, uploads with images pause (503 after --max-queue-wait)"),
         PRISM_FLAG_INT("max-connections", &max_conn, "Open HTTP connections at once; more get 503"),
         PRISM_FLAG_DOUBLE("http-header-timeout", &header_timeout, "Seconds for a request's line and headers; slower gets 408"),
         PRISM_FLAG_BYTES("http-min-body-rate", &min_body_rate,
@@ -251,7 +251,7 @@ int main(int argc, char **argv)
     hc.header_timeout_s = header_timeout;
     hc.min_body_rate = (size_t)min_body_rate;
     hc.on_headers = router_on_headers;
-    hc.may_read_body = router_may_read_body;
+    hc.body_gate = router_body_gate;
     if (prism_http_server_start(r.loop, &hc, router_on_http, &r, &r.http) != PRISM_OK) {
         PRISM_ERROR("cannot listen on %s:%lld", host, (long long)port);
         return 1;

@@ -238,7 +238,10 @@ static void req_destroy(router_req_t *q)
         if (q->encode_pending[i]) encoder_done(r, q, i);
     if (q->prefill_pending) worker_done(r, q->prefill_id, 1);
     if (q->decode_pending) worker_done(r, q->decode_id, n_choices(q));
-    if (q->bytes_counted) r->image_bytes_inflight -= q->prompt.image_bytes;
+    if (q->bytes_counted) {
+        r->image_bytes_inflight -= q->prompt.image_bytes;
+        prism_http_server_resume_bodies(r->http);   /* uploads that wait for image room go on */
+    }
     if (q->h) {
         prism_http_req_set_user(q->h, NULL);
         prism_http_req_release(q->h);
@@ -1377,12 +1380,6 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
         goto fail;
     }
     if (chat && (status = router_prompt_load_images(r, &q->prompt, &q->oai, h, msg, sizeof(msg))) != 0) goto fail;
-    if (q->prompt.image_bytes && r->image_bytes_inflight + q->prompt.image_bytes > r->max_image_bytes_inflight) {
-        r->metrics.refused_limit[PRISM_REFUSE_IMAGE_BYTES_INFLIGHT]++;
-        snprintf(msg, sizeof(msg), "Too many image bytes in flight; retry after a short wait.");
-        status = 429;
-        goto fail;
-    }
     if ((status = router_prompt_build(r, &q->prompt, &q->oai, chat, msg, sizeof(msg))) != 0) goto fail;
     prism_http_req_drop_body(q->h);
     router_prompt_release_inputs(&q->oai);

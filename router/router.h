@@ -253,9 +253,13 @@ void router_req_del(router_t *r, uint64_t rid);
 void router_on_http(prism_http_req_t *h, void *ud);
 /* http_server on_headers hook: the API key, checked before any body byte is read. */
 int  router_on_headers(const prism_http_req_t *h, void *ud, char *msg, size_t n);
-/* http_server may_read_body hook: while requests wait in the router's queue for a free worker, new
- * uploads wait too (TCP backpressure) instead of piling up image bytes in the router. */
-bool router_may_read_body(void *ud);
+/* http_server body_gate hook: uploads wait (TCP backpressure) instead of piling up bytes in the
+ * router. While requests wait in the router's queue for a free worker, every upload but the oldest
+ * waits (the oldest goes on, so a queue kept busy cannot starve an upload). While the image bytes
+ * held reach --max-image-bytes-in-flight, every upload that carries an image waits, the oldest too
+ * (text ones go on); the bytes held may so pass that bound by the one request whose body completed
+ * under it. */
+prism_http_body_gate_t router_body_gate(const prism_http_req_t *h, void *ud);
 
 /* status.c */
 void router_handle_status(router_t *r, prism_http_req_t *h);

@@ -5,7 +5,8 @@ and normal service once the cause is gone.
 
   --api-key                      401 without / with a wrong key; the API works with it; /health is open
   --max-running-requests         429 when that many requests are in flight
-  --max-image-bytes-in-flight    429 for an image request beyond it; text requests unaffected
+  --max-image-bytes-in-flight    an image upload beyond it waits (reading paused); text requests go on;
+                                 503 after --max-queue-wait
   --max-body-bytes-in-flight     a body beyond it waits (reading paused); 503 after --max-queue-wait
   --max-queue-wait               503 for a request that waited that long for a free worker
   --request-timeout              a request still running then ends (SSE error when streaming), and
@@ -19,6 +20,7 @@ Run: python3 tests/integration/test_admission.py [test names]   (PRISM_BINARY_DI
 import json
 import os
 import re
+import signal
 import socket
 import sys
 import tempfile
@@ -104,19 +106,66 @@ def test_requests_in_flight_429():
         assert status == 200, (status, r)
 
 
-def test_image_bytes_in_flight_429():
+def hold_image_frozen(c):
+    """An image request that holds its image bytes in the router for as long as the test wants: it
+    streams, and once its first token came, its decode worker is stopped (SIGSTOP) mid-generation.
+    Returns (stream, the stopped worker's process); SIGCONT it to let the request end."""
+    def running():
+        return [lb["worker"] for name, lb, v in c.metrics()
+                if name == "prism:worker_running" and lb.get("tier") == "decode" and v >= 1]
+    wait_for(lambda: not running(), 20, "the decode workers idle (an earlier request's heartbeat gone)")
+    s = hold_stream(c, [JPG])
+    wid = wait_for(lambda: len(running()) == 1 and running()[0], 20, "the decode worker running the held request")
+    p = c.procs[wid]
+    p.send_signal(signal.SIGSTOP)
+    return s, p
+
+
+def test_image_bytes_in_flight_wait():
+    """Image bytes held at --max-image-bytes-in-flight: a new image upload is not refused, the router
+    stops reading it (counted in prism:router_uploads_paused_total) while text requests go on, and
+    serves it once the held image is gone; one that waits longer than --max-queue-wait gets 503 +
+    Retry-After, counted under queue_wait."""
     size = os.path.getsize(JPG)
-    with Cluster(router_args=["--max-image-bytes-in-flight", str(size + size // 2)]) as c:
+    wait_s = 4
+    # two decode workers: one is stopped holding the image request, the other serves the rest; the
+    # stopped one must not be given up on meanwhile (its request would migrate and end)
+    with Cluster(decodes=2, router_args=["--max-image-bytes-in-flight", str(size), "--max-queue-wait", str(wait_s),
+                                         "--worker-timeout", "60"], common_worker_args=FAST_HB) as c:
         c.wait_ready()
-        s = hold_stream(c, [JPG])
-        assert c.metric("prism:router_image_bytes_in_flight") == size
-        expect_refusal(c, 429, "image bytes in flight", "image_bytes_inflight",
-                       chat_body("What is in the image?", [JPG], max_tokens=2))
-        status, r = c.post_json("/v1/chat/completions", chat_body("Hi", max_tokens=2))  # no image: admitted
-        assert status == 200, (status, r)
+        image_body = chat_body("What is in the image?", [JPG], max_tokens=2)
+        s, frozen = hold_image_frozen(c)
+        try:
+            assert c.metric("prism:router_image_bytes_in_flight") == size
+            paused0 = c.metric("prism:router_uploads_paused_total")
+            out = {}
+            t = threading.Thread(target=lambda: out.update(r=c.post_json("/v1/chat/completions", image_body)))
+            t.start()
+            wait_for(lambda: c.metric("prism:router_uploads_paused_total") > paused0, 10, "the image upload paused")
+            status, r = c.post_json("/v1/chat/completions", chat_body("Hi", max_tokens=2))  # no image: goes on
+            assert status == 200, (status, r)
+            assert t.is_alive(), ("the image request was answered while the image bytes were spent", out)
+            assert c.metric("prism:router_image_bytes_in_flight") == size  # nothing of it taken yet
+        finally:
+            frozen.send_signal(signal.SIGCONT)
+        s.close()
+        t.join(60)
+        assert out["r"][0] == 200, out["r"]
+        # waiting past --max-queue-wait: 503 + Retry-After, counted; the held request is not hurt
+        wait_for(lambda: c.metric("prism:router_image_bytes_in_flight") == 0, 30, "image bytes released")
+        s, frozen = hold_image_frozen(c)
+        try:
+            assert c.metric("prism:router_image_bytes_in_flight") == size
+            t0 = time.time()
+            expect_refusal(c, 503, "waited too long", "queue_wait", image_body, timeout=120)
+            assert time.time() - t0 >= wait_s - 1, time.time() - t0
+        finally:
+            frozen.send_signal(signal.SIGCONT)
+        ev = s.next_event()
+        assert isinstance(ev, dict) and "error" not in ev, ev
         s.close()
         wait_for(lambda: c.metric("prism:router_image_bytes_in_flight") == 0, 30, "image bytes released")
-        status, r = c.post_json("/v1/chat/completions", chat_body("What is in the image?", [JPG], max_tokens=2))
+        status, r = c.post_json("/v1/chat/completions", image_body)
         assert status == 200, (status, r)
 
 
@@ -266,7 +315,7 @@ def test_orphan_embeddings_dropped():
 
 
 if __name__ == "__main__":
-    sys.exit(run_tests([test_api_key, test_requests_in_flight_429, test_image_bytes_in_flight_429,
+    sys.exit(run_tests([test_api_key, test_requests_in_flight_429, test_image_bytes_in_flight_wait,
                         test_body_bytes_in_flight_pause, test_max_queue_wait_503,
                         test_request_timeout_ends_stream_and_aborts, test_no_worker_of_a_tier_503,
                         test_orphan_embeddings_dropped]))

@@ -248,7 +248,7 @@ def test_metrics():
         assert name in text, name
     # every refusal reason is exported (a dashboard can alert on any), and vLLM's preemption counter
     # exists and is 0: decode admission reserves KV for max_tokens, so nothing is ever preempted
-    for reason in ("body_too_large", "body_bytes_inflight", "connections", "image_bytes_inflight", "queue_full",
+    for reason in ("body_too_large", "body_bytes_inflight", "connections", "queue_full",
                    "queue_wait", "no_workers", "bad_request", "too_many_images", "image_too_large"):
         assert C.metric("prism:requests_refused_total", reason=reason) is not None, reason
     assert C.metric("vllm:num_preemptions_total") == 0

@@ -208,6 +208,11 @@ static void handler(prism_http_req_t *r, void *ud)
         prism_buf_free(&out);
         prism_buf_free(&extra);
         prism_http_req_release(r);
+    } else if (strcmp(path, "/resume") == 0) {
+        /* what a caller does once its body_gate may open (from the loop thread) */
+        prism_http_server_resume_bodies(h->srv);
+        prism_http_respond(r, 200, "text/plain", NULL, "", 0);
+        prism_http_req_release(r);
     } else if (strcmp(path, "/lifted") == 0) {
         /* lift_data_urls: the skeleton, then each lifted image as "|<len>:<bytes>" */
         size_t bl;
@@ -856,23 +861,23 @@ static void test_body_pause_timeout_503(void **state)
     harness_stop(h);
 }
 
-/* may_read_body (the router's workers are full): bodies wait as for a spent budget, the oldest goes
+/* body_gate WAIT (the router's workers are full): bodies wait as for a spent budget, the oldest goes
  * on, and the waiting ones are served once the gate opens. */
 static atomic_bool g_gate_open;
-static bool gate(void *ud)
+static prism_http_body_gate_t wait_gate(const prism_http_req_t *r, void *ud)
 {
-    (void)ud;
-    return atomic_load(&g_gate_open);
+    (void)r, (void)ud;
+    return atomic_load(&g_gate_open) ? PRISM_HTTP_BODY_READ : PRISM_HTTP_BODY_WAIT;
 }
 
-static void test_body_gate_pauses(void **state)
+static void test_body_gate_wait_oldest_goes_on(void **state)
 {
     (void)state;
     prism_http_config_t cfg = prism_http_config_default();
-    cfg.may_read_body = gate;
+    cfg.body_gate = wait_gate;
     atomic_store(&g_gate_open, false);
     harness_t *h = harness_start(&cfg);
-    client_t a, b;
+    client_t a, b, c;
     resp_t r;
     assert_int_equal(client_connect(&a, h->port), 0);
     client_sendf(&a, "POST /echo HTTP/1.1\r\nContent-Length: 10\r\n\r\n01234");
@@ -882,6 +887,10 @@ static void test_body_gate_pauses(void **state)
     client_sendf(&b, "POST /echo HTTP/1.1\r\nContent-Length: 5\r\n\r\nabcde");
     assert_true(client_quiet(&b, 300));
     atomic_store(&g_gate_open, true);
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "GET /resume HTTP/1.1\r\n\r\n");
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    resp_free(&r);
     client_sendf(&a, "56789");
     assert_int_equal(client_read_response(&a, &r, false), 0);
     assert_int_equal(r.status, 200);
@@ -892,6 +901,104 @@ static void test_body_gate_pauses(void **state)
     resp_free(&r);
     client_close(&a);
     client_close(&b);
+    client_close(&c);
+    harness_stop(h);
+}
+
+/* body_gate HOLD, asked per body (the router's answer for bodies with images while its image bytes
+ * are spent): a held body waits, the oldest one too, with nothing of it read, while other bodies
+ * go on; once the gate opens and the caller resumes bodies, it is served whole. */
+static prism_http_body_gate_t gate(const prism_http_req_t *r, void *ud)
+{
+    (void)ud;
+    return atomic_load(&g_gate_open) || !prism_http_req_header(r, "x-gated") ? PRISM_HTTP_BODY_READ
+                                                                              : PRISM_HTTP_BODY_HOLD;
+}
+
+static void test_body_gate_pauses(void **state)
+{
+    (void)state;
+    prism_http_config_t cfg = prism_http_config_default();
+    cfg.body_gate = gate;
+    atomic_store(&g_gate_open, false);
+    harness_t *h = harness_start(&cfg);
+    client_t a, b, c;
+    resp_t r;
+    assert_int_equal(client_connect(&a, h->port), 0);
+    client_sendf(&a, "POST /echo HTTP/1.1\r\nX-Gated: 1\r\nContent-Length: 10\r\n\r\n01234");
+    assert_true(client_quiet(&a, 300));
+    assert_int_equal(prism_http_server_body_bytes(h->srv), 0);  /* the oldest body waits as well */
+    assert_int_equal(prism_http_server_pauses(h->srv), 1);
+    assert_int_equal(client_connect(&b, h->port), 0);
+    client_sendf(&b, "POST /echo HTTP/1.1\r\nContent-Length: 5\r\n\r\nabcde");
+    assert_int_equal(client_read_response(&b, &r, false), 0);    /* not gated: served meanwhile */
+    assert_int_equal(r.status, 200);
+    assert_int_equal(r.body_len, strlen("POST /echo ? |abcde"));
+    resp_free(&r);
+    assert_true(client_quiet(&a, 100));
+    atomic_store(&g_gate_open, true);
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "GET /resume HTTP/1.1\r\n\r\n");
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
+    client_sendf(&a, "56789");
+    assert_int_equal(client_read_response(&a, &r, false), 0);
+    assert_int_equal(r.status, 200);
+    assert_int_equal(r.body_len, strlen("POST /echo ? |0123456789"));
+    resp_free(&r);
+    client_close(&a);
+    client_close(&b);
+    client_close(&c);
+    harness_stop(h);
+}
+
+/* The router's gate: closed for bodies that carry an image while its image bytes are spent. A small
+ * image body arrives whole in one read, before any check between reads could stop it: the whole
+ * request waits undispatched, a text body on another connection is served meanwhile, and the image
+ * request is served once the gate opens. */
+static prism_http_body_gate_t image_gate(const prism_http_req_t *r, void *ud)
+{
+    (void)ud;
+    return atomic_load(&g_gate_open) || !prism_http_req_has_images(r) ? PRISM_HTTP_BODY_READ : PRISM_HTTP_BODY_HOLD;
+}
+
+static void test_body_gate_holds_whole_image_body(void **state)
+{
+    (void)state;
+    prism_http_config_t cfg = prism_http_config_default();
+    cfg.body_gate = image_gate;
+    cfg.lift_data_urls = true;
+    atomic_store(&g_gate_open, false);
+    harness_t *h = harness_start(&cfg);
+    const char *body = "{\"messages\":[{\"content\":[{\"image_url\":{\"url\":\"data:image/png;base64,AAECAw==\"}}]}]}";
+    client_t a, b, c;
+    resp_t r;
+    assert_int_equal(client_connect(&a, h->port), 0);
+    client_sendf(&a, "POST /lifted HTTP/1.1\r\nContent-Length: %zu\r\n\r\n%s", strlen(body), body);
+    assert_true(client_quiet(&a, 300));
+    assert_int_equal(atomic_load(&h->n_requests), 0);
+    assert_int_equal(prism_http_server_pauses(h->srv), 1);
+    assert_int_equal(client_connect(&b, h->port), 0);
+    client_sendf(&b, "POST /echo HTTP/1.1\r\nContent-Length: 5\r\n\r\nabcde");
+    assert_int_equal(client_read_response(&b, &r, false), 0);
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
+    assert_true(client_quiet(&a, 100));
+    atomic_store(&g_gate_open, true);
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "GET /resume HTTP/1.1\r\n\r\n");
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    resp_free(&r);
+    assert_int_equal(client_read_response(&a, &r, false), 0);
+    assert_int_equal(r.status, 200);
+    const char *skel = "{\"messages\":[{\"content\":[{\"image_url\":{\"url\":\"prism-lifted:0\"}}]}]}|4:";
+    assert_true(r.body_len == strlen(skel) + 4);
+    assert_memory_equal(r.body, skel, strlen(skel));
+    resp_free(&r);
+    client_close(&a);
+    client_close(&b);
+    client_close(&c);
     harness_stop(h);
 }
 
@@ -1729,7 +1836,9 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_body_bytes_in_flight_pause),
         cmocka_unit_test(test_body_pause_timeout_503),
         cmocka_unit_test(test_lifted_body_rate),
+        cmocka_unit_test(test_body_gate_wait_oldest_goes_on),
         cmocka_unit_test(test_body_gate_pauses),
+        cmocka_unit_test(test_body_gate_holds_whole_image_body),
         cmocka_unit_test(test_header_over_limit_431),
         cmocka_unit_test(test_malformed_400),
         cmocka_unit_test(test_expect_continue),
