@@ -125,7 +125,7 @@ int main(int argc, char **argv)
     json_set_alloc_funcs(prism_malloc, prism_free);  /* parsed bodies count in the router's memory */
     double t0 = prism_now_s();
     if (port < 0 || port > 65535 || limit_mm < 0 || limit_mm > ROUTER_MAX_IMAGES || max_running < 1 ||
-        max_running > 1000000 || max_pixels < 1 || min_body_rate < 1 || !(header_timeout > 0) || stream_pending < 1 ||
+        max_running > 1000000 || max_pixels < 1 || image_inflight < 1 || min_body_rate < 1 || !(header_timeout > 0) || stream_pending < 1 ||
         !(worker_timeout > 0) || !(worker_stuck_timeout >= 0)) {
         fprintf(stderr, "router: flag out of range (see --help)\n");
         return 2;
