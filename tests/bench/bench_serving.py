@@ -203,7 +203,6 @@ def main():
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--router-bin", default="", help="run this router binary instead of the build's")
     ap.add_argument("--tag", default="", help="suffix of the output files (bench_serving_TAG.json)")
-    ap.add_argument("--router-args", default="", help="extra router flags, space-separated")
     args = ap.parse_args()
     cl.BUILD = os.path.abspath(args.build_dir)
     if args.router_bin:
