@@ -86,6 +86,26 @@ def worker_metric(c, name, worker):
     return metrics(c).get((name, 'tier="encoder",worker="%s"' % worker))
 
 
+def idle_pool_free(c, worker):
+    """The encoder's free slots when idle, from heartbeats sent after it was idle: a heartbeat from
+    before the last request ended still counts its job (a stale free0 failed checks in CI)."""
+    hb = worker_metric(c, "prism:worker_heartbeats_total", worker)
+    wait_until(lambda: worker_metric(c, "prism:worker_heartbeats_total", worker) >= hb + 2 and
+               worker_metric(c, "prism:worker_running", worker) == 0 and
+               worker_metric(c, "prism:worker_waiting", worker) == 0, 60, "an idle encoder's heartbeats")
+    hb = worker_metric(c, "prism:worker_heartbeats_total", worker)
+    wait_until(lambda: worker_metric(c, "prism:worker_heartbeats_total", worker) >= hb + 1, 60, "one more heartbeat")
+    return worker_metric(c, "prism:worker_pool_free", worker)
+
+
+def wait_pool_back(c, worker, free0, timeout=10):
+    """Every slot of the encoder free again (its idle value free0); names both values if not."""
+    deadline = time.time() + timeout
+    while (now := worker_metric(c, "prism:worker_pool_free", worker)) != free0:
+        assert time.time() < deadline, ("the encoder's slots did not all come back", "idle", free0, "now", now)
+        time.sleep(0.02)
+
+
 def lost(c, reason):
     return metrics(c)[("prism:workers_lost_total", 'reason="%s"' % reason)]
 
@@ -170,12 +190,7 @@ def run_clip_l_cluster():
             """Two images in one batch; the client of the first leaves after a layer or two: its image
             is dropped between two layers and its slot freed, the other completes."""
             blocker, a, b = images("cancel", 3, 20)
-            # the idle pool, from heartbeats sent after the previous test's images were all done
-            # (a stale one still counted them: seen failing the free0 - 2 check below)
-            hb = worker_metric(c, "prism:worker_heartbeats_total", "encoder-0")
-            wait_until(lambda: worker_metric(c, "prism:worker_heartbeats_total", "encoder-0") >= hb + 2 and
-                       worker_metric(c, "prism:worker_running", "encoder-0") == 0, 60, "an idle encoder's heartbeats")
-            free0 = worker_metric(c, "prism:worker_pool_free", "encoder-0")
+            free0 = idle_pool_free(c, "encoder-0")
             # a one-image batch runs while a and b queue, so that the next batch holds both
             qx = Background(c, chat_body("What is in the image?", [blocker], max_tokens=2))
             wait_until(lambda: worker_metric(c, "prism:worker_running", "encoder-0") == 1, 600,
@@ -205,8 +220,7 @@ def run_clip_l_cluster():
                   % (waited, layer, layers, per_layer), flush=True)
             assert layer < layers, "the image was not dropped inside the batch"
             assert waited <= per_layer * 1.5 + 0.1, "the slot was not freed within one layer"
-            wait_until(lambda: worker_metric(c, "prism:worker_pool_free", "encoder-0") == free0, 10,
-                       "every encoder slot to be free again")
+            wait_pool_back(c, "encoder-0", free0)
 
         def sigstop_is_dead_and_sigcont_rejoins():
             enc = c.procs["encoder-0"]

@@ -375,7 +375,7 @@ def test_abort_inside_tile_micro_batches():
     cfg["vision_config"].update(hidden_size=1024, intermediate_size=4096, num_attention_heads=16,
                                 num_hidden_layers=4)
     json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
-    from test_liveness import Background, full_log, wait_until, worker_metric
+    from test_liveness import Background, full_log, idle_pool_free, wait_pool_back, wait_until, worker_metric
     a, b, x = synth_png(112, 112, 31), synth_png(56, 56, 32), synth_png(300, 200, 33)
     rand = HB + ["--random-weights"]
     enc = rand + ["--max-batch-images", "2", "--max-batch-seconds", "0", "--embedding-cache-bytes", "0"]
@@ -388,7 +388,7 @@ def test_abort_inside_tile_micro_batches():
         status, r = c.post_json("/v1/chat/completions", bd(b))
         assert status == 200, (status, r)
         alone = [(t["token"], t["logprob"]) for t in r["choices"][0]["logprobs"]["content"]]
-        free0 = worker_metric(c, "prism:worker_pool_free", "encoder-0")
+        free0 = idle_pool_free(c, "encoder-0")
         # a one-image batch runs while a and b queue, so that the next batch holds both
         qx = Background(c, bd(x))
         wait_until(lambda: worker_metric(c, "prism:worker_running", "encoder-0") == 1, 60, "the first batch")
@@ -407,8 +407,7 @@ def test_abort_inside_tile_micro_batches():
                                             r"of (\d+) .*: dropped from the batch, 1 image\(s\) go on",
                                             full_log(c, "encoder-0")), 30, "the cancel log line")
         assert int(line[1]) < int(line[2]), line[0]
-        wait_until(lambda: worker_metric(c, "prism:worker_pool_free", "encoder-0") == free0, 10,
-                   "every encoder slot to be free again")
+        wait_pool_back(c, "encoder-0", free0)
 
 
 def main():
