@@ -82,7 +82,7 @@ struct conn {
     bool broken;             /* a write failed: closing from the loop (see conn_break) */
     bool in_body;            /* on the server's list of bodies in progress (headers done, not dispatched) */
     bool hold;               /* the parser paused after the headers: the body waits for room */
-    bool paused;             /* not reading its body: the body budget is spent */
+    bool paused;             /* not reading its body: the budget is spent or the caller's gate holds it */
     bool complete;           /* the request is whole and waits only for the caller's gate to dispatch */
     uint64_t t_paused;       /* loop time the pause began */
     conn_t *bprev, *bnext;   /* bodies in progress, oldest first */
@@ -1130,7 +1130,7 @@ static void conn_update_reading(conn_t *c)
     if (c->closing || c->handles_closed || c->broken) return;
     bool want = c->discard || (c->inbuf.len - c->in_off) < c->srv->cfg.max_pipeline_bytes;
     if (!c->discard && c->in_body) {
-        /* the body budget: spent, only the oldest body in progress reads on */
+        /* the body budget (spent: only the oldest body in progress reads on) and the caller's gate */
         bool wait = conn_body_waits(c);
         if (wait && !c->paused) {
             __atomic_fetch_add(&c->srv->pauses, 1, __ATOMIC_RELAXED);

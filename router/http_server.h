@@ -142,11 +142,11 @@ const char *prism_http_req_body(const prism_http_req_t *r, size_t *len);
 /* Frees the body early (e.g. once parsed) so a long streaming response does not pin it; with it the
  * lifted images not taken. */
 void prism_http_req_drop_body(prism_http_req_t *r);
+/* The body has carried a lifted image data URL so far (its bytes, whole or in part, are held). */
+bool prism_http_req_has_images(const prism_http_req_t *r);
 /* With lift_data_urls: hands lifted image i over (see prism_lift_take; *data is the caller's to
  * prism_free, its bytes no longer charged to the server). PRISM_EINVAL when there is no such image
  * or it was taken already. */
-/* The body has carried a lifted image data URL so far (its bytes, whole or in part, are held). */
-bool prism_http_req_has_images(const prism_http_req_t *r);
 int  prism_http_req_take_image(prism_http_req_t *r, int i, uint8_t **data, size_t *len, const char **mime, bool *bad);
 int  prism_http_req_http_minor(const prism_http_req_t *r);     /* 0 for HTTP/1.0, 1 for HTTP/1.1 */
 

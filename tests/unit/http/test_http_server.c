@@ -231,6 +231,13 @@ static void handler(prism_http_req_t *r, void *ud)
         prism_http_respond(r, 200, "text/plain", NULL, out.data, out.len);
         prism_buf_free(&out);
         prism_http_req_release(r);
+    } else if (strcmp(path, "/refusals_gate") == 0) {
+        prism_http_refusals_t rf;
+        prism_http_server_refusals(h->srv, &rf);   /* loop thread: read here, not in the test */
+        char b[32];
+        int n = snprintf(b, sizeof b, "gate=%llu", (unsigned long long)rf.body_gate);
+        prism_http_respond(r, 200, "text/plain", NULL, b, (size_t)n);
+        prism_http_req_release(r);
     } else if (strcmp(path, "/refusals") == 0) {
         prism_http_refusals_t rf;
         prism_http_server_refusals(h->srv, &rf);
@@ -861,9 +868,39 @@ static void test_body_pause_timeout_503(void **state)
     harness_stop(h);
 }
 
+static atomic_bool g_gate_open;
+
+/* Opens the test's body gate and has the server ask paused bodies again (a request to /resume: the
+ * caller's resume runs on the loop thread). */
+static void gate_open_and_resume(harness_t *h)
+{
+    client_t c;
+    resp_t r;
+    atomic_store(&g_gate_open, true);
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "GET /resume HTTP/1.1\r\n\r\n");
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
+    client_close(&c);
+}
+
+/* A text body on a new connection, served while a gated one waits. */
+static void text_body_served(harness_t *h)
+{
+    client_t b;
+    resp_t r;
+    assert_int_equal(client_connect(&b, h->port), 0);
+    client_sendf(&b, "POST /echo HTTP/1.1\r\nContent-Length: 5\r\n\r\nabcde");
+    assert_int_equal(client_read_response(&b, &r, false), 0);
+    assert_int_equal(r.status, 200);
+    assert_int_equal(r.body_len, strlen("POST /echo ? |abcde"));
+    resp_free(&r);
+    client_close(&b);
+}
+
 /* body_gate WAIT (the router's workers are full): bodies wait as for a spent budget, the oldest goes
  * on, and the waiting ones are served once the gate opens. */
-static atomic_bool g_gate_open;
 static prism_http_body_gate_t wait_gate(const prism_http_req_t *r, void *ud)
 {
     (void)r, (void)ud;
@@ -877,7 +914,7 @@ static void test_body_gate_wait_oldest_goes_on(void **state)
     cfg.body_gate = wait_gate;
     atomic_store(&g_gate_open, false);
     harness_t *h = harness_start(&cfg);
-    client_t a, b, c;
+    client_t a, b;
     resp_t r;
     assert_int_equal(client_connect(&a, h->port), 0);
     client_sendf(&a, "POST /echo HTTP/1.1\r\nContent-Length: 10\r\n\r\n01234");
@@ -886,11 +923,7 @@ static void test_body_gate_wait_oldest_goes_on(void **state)
     assert_int_equal(client_connect(&b, h->port), 0);
     client_sendf(&b, "POST /echo HTTP/1.1\r\nContent-Length: 5\r\n\r\nabcde");
     assert_true(client_quiet(&b, 300));
-    atomic_store(&g_gate_open, true);
-    assert_int_equal(client_connect(&c, h->port), 0);
-    client_sendf(&c, "GET /resume HTTP/1.1\r\n\r\n");
-    assert_int_equal(client_read_response(&c, &r, false), 0);
-    resp_free(&r);
+    gate_open_and_resume(h);
     client_sendf(&a, "56789");
     assert_int_equal(client_read_response(&a, &r, false), 0);
     assert_int_equal(r.status, 200);
@@ -901,7 +934,6 @@ static void test_body_gate_wait_oldest_goes_on(void **state)
     resp_free(&r);
     client_close(&a);
     client_close(&b);
-    client_close(&c);
     harness_stop(h);
 }
 
@@ -922,34 +954,22 @@ static void test_body_gate_pauses(void **state)
     cfg.body_gate = gate;
     atomic_store(&g_gate_open, false);
     harness_t *h = harness_start(&cfg);
-    client_t a, b, c;
+    client_t a;
     resp_t r;
     assert_int_equal(client_connect(&a, h->port), 0);
     client_sendf(&a, "POST /echo HTTP/1.1\r\nX-Gated: 1\r\nContent-Length: 10\r\n\r\n01234");
     assert_true(client_quiet(&a, 300));
     assert_int_equal(prism_http_server_body_bytes(h->srv), 0);  /* the oldest body waits as well */
     assert_int_equal(prism_http_server_pauses(h->srv), 1);
-    assert_int_equal(client_connect(&b, h->port), 0);
-    client_sendf(&b, "POST /echo HTTP/1.1\r\nContent-Length: 5\r\n\r\nabcde");
-    assert_int_equal(client_read_response(&b, &r, false), 0);    /* not gated: served meanwhile */
-    assert_int_equal(r.status, 200);
-    assert_int_equal(r.body_len, strlen("POST /echo ? |abcde"));
-    resp_free(&r);
+    text_body_served(h);    /* not gated: served meanwhile */
     assert_true(client_quiet(&a, 100));
-    atomic_store(&g_gate_open, true);
-    assert_int_equal(client_connect(&c, h->port), 0);
-    client_sendf(&c, "GET /resume HTTP/1.1\r\n\r\n");
-    assert_int_equal(client_read_response(&c, &r, false), 0);
-    assert_int_equal(r.status, 200);
-    resp_free(&r);
+    gate_open_and_resume(h);
     client_sendf(&a, "56789");
     assert_int_equal(client_read_response(&a, &r, false), 0);
     assert_int_equal(r.status, 200);
     assert_int_equal(r.body_len, strlen("POST /echo ? |0123456789"));
     resp_free(&r);
     client_close(&a);
-    client_close(&b);
-    client_close(&c);
     harness_stop(h);
 }
 
@@ -972,24 +992,16 @@ static void test_body_gate_holds_whole_image_body(void **state)
     atomic_store(&g_gate_open, false);
     harness_t *h = harness_start(&cfg);
     const char *body = "{\"messages\":[{\"content\":[{\"image_url\":{\"url\":\"data:image/png;base64,AAECAw==\"}}]}]}";
-    client_t a, b, c;
+    client_t a;
     resp_t r;
     assert_int_equal(client_connect(&a, h->port), 0);
     client_sendf(&a, "POST /lifted HTTP/1.1\r\nContent-Length: %zu\r\n\r\n%s", strlen(body), body);
     assert_true(client_quiet(&a, 300));
     assert_int_equal(atomic_load(&h->n_requests), 0);
     assert_int_equal(prism_http_server_pauses(h->srv), 1);
-    assert_int_equal(client_connect(&b, h->port), 0);
-    client_sendf(&b, "POST /echo HTTP/1.1\r\nContent-Length: 5\r\n\r\nabcde");
-    assert_int_equal(client_read_response(&b, &r, false), 0);
-    assert_int_equal(r.status, 200);
-    resp_free(&r);
+    text_body_served(h);
     assert_true(client_quiet(&a, 100));
-    atomic_store(&g_gate_open, true);
-    assert_int_equal(client_connect(&c, h->port), 0);
-    client_sendf(&c, "GET /resume HTTP/1.1\r\n\r\n");
-    assert_int_equal(client_read_response(&c, &r, false), 0);
-    resp_free(&r);
+    gate_open_and_resume(h);
     assert_int_equal(client_read_response(&a, &r, false), 0);
     assert_int_equal(r.status, 200);
     const char *skel = "{\"messages\":[{\"content\":[{\"image_url\":{\"url\":\"prism-lifted:0\"}}]}]}|4:";
@@ -997,8 +1009,51 @@ static void test_body_gate_holds_whole_image_body(void **state)
     assert_memory_equal(r.body, skel, strlen(skel));
     resp_free(&r);
     client_close(&a);
-    client_close(&b);
-    client_close(&c);
+    harness_stop(h);
+}
+
+/* A whole image body held by the gate is never dispatched unless the gate opens: one that waits past
+ * max_pause_s gets 503 + Retry-After, counted. A client that hangs up while it waits is noticed at
+ * that deadline too (a paused connection is not read, so its end is not seen before): nothing is
+ * dispatched and its bytes are released then. */
+static void test_body_gate_held_body_gone_or_timed_out(void **state)
+{
+    (void)state;
+    prism_http_config_t cfg = prism_http_config_default();
+    cfg.body_gate = image_gate;
+    cfg.lift_data_urls = true;
+    cfg.max_pause_s = 0.5;
+    atomic_store(&g_gate_open, false);
+    harness_t *h = harness_start(&cfg);
+    const char *body = "{\"messages\":[{\"content\":[{\"image_url\":{\"url\":\"data:image/png;base64,AAECAw==\"}}]}]}";
+    client_t a;
+    resp_t r;
+    assert_int_equal(client_connect(&a, h->port), 0);
+    client_sendf(&a, "POST /lifted HTTP/1.1\r\nContent-Length: %zu\r\n\r\n%s", strlen(body), body);
+    assert_true(client_quiet(&a, 200));
+    assert_true(prism_http_server_body_bytes(h->srv) > 0);   /* held whole, charged */
+    client_close(&a);                                         /* the client gives up */
+    for (int i = 0; i < 5000 && prism_http_server_body_bytes(h->srv) > 0; i++) usleep(1000);   /* <= 0.5 s */
+    assert_int_equal(prism_http_server_body_bytes(h->srv), 0);
+    assert_int_equal(atomic_load(&h->n_requests), 0);
+    assert_int_equal(client_connect(&a, h->port), 0);
+    client_sendf(&a, "POST /lifted HTTP/1.1\r\nContent-Length: %zu\r\n\r\n%s", strlen(body), body);
+    assert_int_equal(client_read_response(&a, &r, false), 0);   /* after max_pause_s */
+    assert_int_equal(r.status, 503);
+    assert_openai_error(&r, "waited too long");
+    char v[16];
+    assert_non_null(resp_header(&r, "Retry-After", v, sizeof v));
+    resp_free(&r);
+    client_close(&a);
+    assert_int_equal(atomic_load(&h->n_requests), 0);
+    assert_refusals(h, "413=0 503body=0 503conn=0 bad=0");
+    assert_int_equal(client_connect(&a, h->port), 0);
+    client_sendf(&a, "GET /refusals_gate HTTP/1.1\r\n\r\n");
+    assert_int_equal(client_read_response(&a, &r, false), 0);
+    assert_string_equal(r.body, "gate=2");   /* the one that hung up, and the one answered 503 */
+    resp_free(&r);
+    client_close(&a);
+    text_body_served(h);   /* and the server goes on */
     harness_stop(h);
 }
 
@@ -1839,6 +1894,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_body_gate_wait_oldest_goes_on),
         cmocka_unit_test(test_body_gate_pauses),
         cmocka_unit_test(test_body_gate_holds_whole_image_body),
+        cmocka_unit_test(test_body_gate_held_body_gone_or_timed_out),
         cmocka_unit_test(test_header_over_limit_431),
         cmocka_unit_test(test_malformed_400),
         cmocka_unit_test(test_expect_continue),
