@@ -318,6 +318,21 @@ prism_http_body_gate_t router_body_gate(const prism_http_req_t *h, void *ud)
     return r->queue_len ? PRISM_HTTP_BODY_WAIT : PRISM_HTTP_BODY_READ;
 }
 
+int router_image_check_early(const prism_http_req_t *h, int index, const char *mime, const uint8_t *data,
+                             size_t len, bool bad, bool done, char *msg, size_t n, void *ud)
+{
+    router_t *r = ud;
+    /* only chat completions read images; any other body keeps what it carries to its handler */
+    if (strcmp(prism_http_req_method(h), "POST") || strcmp(prism_http_req_path(h), "/v1/chat/completions"))
+        return PRISM_HTTP_IMAGE_OK;
+    prism_image_info_t info;
+    int st = router_image_check(r, index, mime, strlen(mime), bad, data, len, done, &info, msg, n);
+    if (st == ROUTER_IMAGE_MORE) return PRISM_HTTP_IMAGE_MORE;
+    if (st == 0) return PRISM_HTTP_IMAGE_OK;
+    r->metrics.refused_limit[PRISM_REFUSE_BAD_REQUEST]++;  /* as the handler's fail path counts it */
+    return st;
+}
+
 void router_on_http(prism_http_req_t *h, void *ud)
 {
     router_t *r = ud;

@@ -180,6 +180,7 @@ static int cand_decide(prism_lift_t *l, prism_buf_t *out)
     memset(im, 0, sizeof *im);
     memcpy(im->mime, mime, mime_len);
     im->mime[mime_len] = 0;
+    im->ordinal = l->n_urls - 1;
     char ref[48];
     int n = snprintf(ref, sizeof ref, "\"" PRISM_LIFT_REF_PREFIX "%d", l->n);
     if (prism_buf_append(out, ref, (size_t)n)) return PRISM_ENOMEM;
@@ -239,7 +240,9 @@ int prism_lift_feed(prism_lift_t *l, prism_buf_t *out, const char *p, size_t n)
             l->fed += j - i;
             i = j;
             if (i == n) break;
-            bool cand = l->expect_value && l->key_is_url && l->n < PRISM_LIFT_MAX;
+            bool url_value = l->expect_value && l->key_is_url;
+            bool cand = url_value && l->n < PRISM_LIFT_MAX;
+            l->n_urls += url_value;
             l->expect_value = false;
             l->last_is_url = false;
             l->u_state = 0;

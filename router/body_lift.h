@@ -38,6 +38,9 @@ typedef struct {
     bool bad;            /* the payload is not valid base64 (strict) */
     bool done;           /* its closing quote was seen */
     bool taken;
+    int ordinal;         /* string values of "url" / "image_url" keys before it in the body, lifted or
+                          * not: its image's index among the request's image parts when each part
+                          * carries one URL (the OpenAI shape) */
 } prism_lift_image_t;
 
 typedef struct {
@@ -49,6 +52,7 @@ typedef struct {
     char cur[16];             /* first bytes of the string being scanned (to know keys) */
     size_t cur_len;
     bool last_is_url;         /* the last string that ended was "url" / "image_url" */
+    int n_urls;               /* string values of "url" / "image_url" keys seen so far */
     /* unescaping (candidate header and lifted payload) */
     int u_state;              /* 0 plain, 1 after '\\', 2..5 reading \uXXXX digits */
     uint32_t u_val;

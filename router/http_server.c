@@ -49,6 +49,8 @@ struct prism_http_req {
     prism_buf_t body;        /* the body, or its skeleton when lifted */
     size_t body_raw;         /* body bytes received (the max_body_bytes bound) */
     prism_lift_t *lift;      /* lift_data_urls: the lifter and its images */
+    int img_asked;           /* image_check: images before this one have their answer */
+    size_t img_ask_at;       /* ask about image img_asked once it holds this many bytes */
     size_t body_charged;     /* bytes of this body counted in srv->body_bytes: the buffer's capacity plus
                               * the lifted image bytes not taken */
     uint64_t declared_len;   /* Content-Length, 0 when absent (chunked) */
@@ -933,6 +935,36 @@ static int on_headers_complete(llhttp_t *p)
     return 0;
 }
 
+/* image_check: asks about each lifted image as its bytes arrive, each time they have doubled since
+ * the last ask (so the header probes of one image cost O(its bytes) in all), once its string has
+ * ended, or once it is known to be bad, until the caller answers. Images arrive one after another:
+ * only the last one can still grow. Returns 0, or the caller's HTTP status (c->fail_msg filled). */
+#define LIFT_FIRST_ASK 64   /* bytes: a PNG's IHDR, most of a JPEG's SOI and APP0 */
+static int lift_check_images(conn_t *c, prism_http_req_t *r)
+{
+    const prism_http_config_t *cfg = &c->srv->cfg;
+    if (!cfg->image_check) return 0;
+    while (r->img_asked < r->lift->n) {
+        const prism_lift_image_t *im = &r->lift->img[r->img_asked];
+        if (!im->done && !im->bad && im->len < PRISM_MAX(r->img_ask_at, (size_t)LIFT_FIRST_ASK)) return 0;
+        c->fail_msg[0] = 0;
+        int v = cfg->image_check(r, im->ordinal, im->mime, im->data, im->len, im->bad, im->done, c->fail_msg,
+                                 sizeof c->fail_msg, c->srv->ud);
+        if (v >= 400) {
+            if (!c->fail_msg[0]) snprintf(c->fail_msg, sizeof c->fail_msg, "Image %d was refused.", im->ordinal);
+            return v;
+        }
+        c->fail_msg[0] = 0;
+        if (v == PRISM_HTTP_IMAGE_MORE && !im->done && !im->bad) {
+            r->img_ask_at = 2 * im->len;
+            return 0;
+        }
+        r->img_asked++;   /* answered, or whole: the handler's own checks have the last word */
+        r->img_ask_at = 0;
+    }
+    return 0;
+}
+
 static int on_body(llhttp_t *p, const char *at, size_t len)
 {
     conn_t *c = p->data;
@@ -948,6 +980,11 @@ static int on_body(llhttp_t *p, const char *at, size_t len)
         body_recharge(r);
         if (rc) {
             c->fail_status = 500;
+            return -1;
+        }
+        int st = lift_check_images(c, r);
+        if (st) {
+            c->fail_status = st;
             return -1;
         }
         return 0;

@@ -54,6 +54,13 @@ typedef struct prism_http_server prism_http_server_t;
 typedef struct prism_http_req prism_http_req_t;
 typedef void (*prism_http_handler_fn)(prism_http_req_t *req, void *ud);
 
+/* The caller's word on a lifted image whose bytes are still arriving (prism_http_config_t.image_check):
+ * these, or an HTTP status (>= 400) to refuse the request. */
+enum {
+    PRISM_HTTP_IMAGE_MORE = 0,   /* no verdict yet: ask again when more bytes are in */
+    PRISM_HTTP_IMAGE_OK = 1,     /* nothing to refuse (the handler checks the whole image again) */
+};
+
 /* The caller's word on one body in progress (prism_http_config_t.body_gate). */
 typedef enum {
     PRISM_HTTP_BODY_READ,   /* go on */
@@ -98,6 +105,17 @@ typedef struct {
      * prism_http_server_resume_bodies once it may return READ again. Loop thread; ud is the
      * handler's. */
     prism_http_body_gate_t (*body_gate)(const prism_http_req_t *r, void *ud);
+    /* Optional, with lift_data_urls: the caller's header checks of a lifted image before the body is
+     * whole, so an image the handler would refuse stops the upload at its first bytes. Asked on the
+     * loop thread as the image's bytes arrive (data[0..len): its first bytes; each ask once they have
+     * doubled, from 64), once its string ends (done) or once its base64 is known to be bad, until the
+     * answer is not PRISM_HTTP_IMAGE_MORE. index: its place among the body's image URLs (see
+     * prism_lift_image_t.ordinal); mime: its data URL's media type. Answers PRISM_HTTP_IMAGE_MORE,
+     * PRISM_HTTP_IMAGE_OK, or an HTTP status with message: the request is answered with it at once
+     * (the OpenAI error shape), the rest of the upload is read and discarded, and the handler never
+     * sees the request. Counting such a refusal is the caller's. ud is the handler's. */
+    int (*image_check)(const prism_http_req_t *r, int index, const char *mime, const uint8_t *data, size_t len,
+                       bool bad, bool done, char *message, size_t message_len, void *ud);
 } prism_http_config_t;
 
 prism_http_config_t prism_http_config_default(void);

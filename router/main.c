@@ -252,6 +252,7 @@ int main(int argc, char **argv)
     hc.min_body_rate = (size_t)min_body_rate;
     hc.on_headers = router_on_headers;
     hc.body_gate = router_body_gate;
+    hc.image_check = router_image_check_early;
     if (prism_http_server_start(r.loop, &hc, router_on_http, &r, &r.http) != PRISM_OK) {
         PRISM_ERROR("cannot listen on %s:%lld", host, (long long)port);
         return 1;

@@ -102,10 +102,39 @@ int router_llama4_init(router_t *r, const char *model_dir)
     return PRISM_OK;
 }
 
-/* Decodes every image part's data URL and checks its header against the limits. Returns an HTTP
- * status (0 = ok) and fills msg. A data URL the HTTP server lifted out of the body while it streamed
- * in (body_lift.h) is already decoded: its buffer is taken as it is (no copy), with the same checks
- * in the same order as for a whole string. */
+int router_image_check(router_t *r, int idx, const char *mime, size_t mime_len, bool bad, const uint8_t *data,
+                       size_t len, bool complete, prism_image_info_t *info, char *msg, size_t n)
+{
+    if (!prism_data_url_mime_is_image(mime, mime_len)) {
+        snprintf(msg, n, "Image %d: unsupported media type '%.*s'; use image/jpeg or image/png.", idx,
+                 (int)PRISM_MIN(mime_len, (size_t)64), mime);
+        return 400;
+    }
+    if (bad) {
+        snprintf(msg, n, "Image %d: invalid base64 data.", idx);
+        return 400;
+    }
+    if (!complete && len == 0) return ROUTER_IMAGE_MORE;
+    int rc = data ? prism_image_probe(data, len, info) : PRISM_ECORRUPT;
+    /* On a prefix, ECORRUPT may be a header cut short; every other answer reads only bytes already
+     * in, so more bytes cannot change it. */
+    if (rc == PRISM_ECORRUPT && !complete) return ROUTER_IMAGE_MORE;
+    if (rc != PRISM_OK) {
+        snprintf(msg, n, "Image %d: the data is not a valid JPEG or PNG image.", idx);
+        return 400;
+    }
+    if ((uint64_t)info->width * (uint64_t)info->height > r->max_image_pixels) {
+        r->metrics.refused_limit[PRISM_REFUSE_IMAGE_TOO_LARGE]++;
+        snprintf(msg, n, "Image %d is %dx%d pixels; the limit is %llu pixels per image.", idx, info->width,
+                 info->height, (unsigned long long)r->max_image_pixels);
+        return 400;
+    }
+    return 0;
+}
+
+/* Decodes every image part's data URL and checks it (router_image_check). Returns an HTTP status
+ * (0 = ok) and fills msg. A data URL the HTTP server lifted out of the body while it streamed in
+ * (body_lift.h) is already decoded: its buffer is taken as it is (no copy). */
 int router_prompt_load_images(router_t *r, router_prompt_t *p, const prism_oai_request_t *o, prism_http_req_t *h,
                               char *msg, size_t n)
 {
@@ -116,72 +145,38 @@ int router_prompt_load_images(router_t *r, router_prompt_t *p, const prism_oai_r
             if (part->kind != PRISM_OAI_PART_IMAGE) continue;
             int idx = p->n_images;
             const char *mime, *b64;
-            size_t mime_len, b64_len;
+            size_t mime_len, b64_len, len = 0;
+            uint8_t *data = NULL;
+            bool bad = false;
             int lifted = prism_lift_ref(part->image_url, part->image_url_len);
             if (lifted >= 0) {
-                uint8_t *data = NULL;
-                size_t len = 0;
-                bool bad = false;
-                if (!h || prism_http_req_take_image(h, lifted, &data, &len, &mime, &bad) != PRISM_OK) {
-                    snprintf(msg, n, "Image %d: only base64 data URLs (data:image/jpeg;base64,... or data:image/png;base64,...) "
-                             "are accepted; remote and file URLs are disabled.", idx);
-                    return 400;
+                if (!h || prism_http_req_take_image(h, lifted, &data, &len, &mime, &bad) != PRISM_OK) goto not_data_url;
+                mime_len = strlen(mime);
+            } else {
+                if (prism_data_url_parse(part->image_url, part->image_url_len, &mime, &mime_len, &b64, &b64_len) != PRISM_OK)
+                    goto not_data_url;
+                if (prism_data_url_mime_is_image(mime, mime_len)) {  /* else refused below, undecoded */
+                    size_t cap = prism_base64_decoded_max(b64_len);
+                    data = prism_malloc(cap ? cap : 1);
+                    if (!data) return 503;
+                    bad = prism_base64_decode(b64, b64_len, data, cap, &len) != PRISM_OK;
                 }
-                p->img[idx] = data;  /* owned by the prompt from here, even when refused below */
-                p->n_images++;
-                if (!prism_data_url_mime_is_image(mime, strlen(mime))) {
-                    snprintf(msg, n, "Image %d: unsupported media type '%.64s'; use image/jpeg or image/png.", idx, mime);
-                    return 400;
-                }
-                if (bad) {
-                    snprintf(msg, n, "Image %d: invalid base64 data.", idx);
-                    return 400;
-                }
-                p->img_len[idx] = len;
-                if (!data) {
-                    snprintf(msg, n, "Image %d: the data is not a valid JPEG or PNG image.", idx);
-                    return 400;
-                }
-                goto probe;
             }
-            if (prism_data_url_parse(part->image_url, part->image_url_len, &mime, &mime_len, &b64, &b64_len) != PRISM_OK) {
-                snprintf(msg, n, "Image %d: only base64 data URLs (data:image/jpeg;base64,... or data:image/png;base64,...) "
-                         "are accepted; remote and file URLs are disabled.", idx);
-                return 400;
-            }
-            if (!prism_data_url_mime_is_image(mime, mime_len)) {
-                snprintf(msg, n, "Image %d: unsupported media type '%.*s'; use image/jpeg or image/png.", idx,
-                         (int)PRISM_MIN(mime_len, (size_t)64), mime);
-                return 400;
-            }
-            size_t cap = prism_base64_decoded_max(b64_len), len = 0;
-            uint8_t *buf = prism_malloc(cap ? cap : 1);
-            if (!buf) return 503;
-            p->img[idx] = buf;
-            p->n_images++;
-            if (prism_base64_decode(b64, b64_len, buf, cap, &len) != PRISM_OK) {
-                snprintf(msg, n, "Image %d: invalid base64 data.", idx);
-                return 400;
-            }
+            p->img[idx] = data;  /* owned by the prompt from here, even when refused below */
             p->img_len[idx] = len;
-        probe:;
-            const uint8_t *buf_ = p->img[idx];
-            size_t len_ = p->img_len[idx];
+            p->n_images++;
             prism_image_info_t info;
-            if (prism_image_probe(buf_, len_, &info) != PRISM_OK) {
-                snprintf(msg, n, "Image %d: the data is not a valid JPEG or PNG image.", idx);
-                return 400;
-            }
-            if ((uint64_t)info.width * (uint64_t)info.height > r->max_image_pixels) {
-                r->metrics.refused_limit[PRISM_REFUSE_IMAGE_TOO_LARGE]++;
-                snprintf(msg, n, "Image %d is %dx%d pixels; the limit is %llu pixels per image.", idx, info.width,
-                         info.height, (unsigned long long)r->max_image_pixels);
-                return 400;
-            }
+            int st = router_image_check(r, idx, mime, mime_len, bad, data, len, true, &info, msg, n);
+            if (st) return st;
             p->img_w[idx] = info.width;
             p->img_h[idx] = info.height;
-            p->img_hash[idx] = XXH3_64bits_withSecret(buf_, len_, r->img_secret, sizeof(r->img_secret));
-            p->image_bytes += len_;
+            p->img_hash[idx] = XXH3_64bits_withSecret(data, len, r->img_secret, sizeof(r->img_secret));
+            p->image_bytes += len;
+            continue;
+        not_data_url:
+            snprintf(msg, n, "Image %d: only base64 data URLs (data:image/jpeg;base64,... or data:image/png;base64,...) "
+                     "are accepted; remote and file URLs are disabled.", idx);
+            return 400;
         }
     }
     return 0;

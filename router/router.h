@@ -208,8 +208,16 @@ typedef struct {
  * special token ids from the tokenizer (r->tok); logs why and returns an error when either is
  * missing or disagrees with config.json. */
 int  router_llama4_init(router_t *r, const char *model_dir);
-/* Decodes every image part's data URL and checks its header against the limits. These return
- * 0 or an HTTP status with msg filled. */
+/* The checks of image idx (media type, base64, header, pixel limit), in the order its answer names
+ * them; both the early ones (router_image_check_early, while the body streams in) and the final one
+ * (router_prompt_load_images) give the same answer for the same image. data may be the first len
+ * bytes of an image still arriving (complete false): then only verdicts more bytes cannot change are
+ * given, ROUTER_IMAGE_MORE otherwise. Returns 0 (info filled), ROUTER_IMAGE_MORE, or 400 (msg). */
+#define ROUTER_IMAGE_MORE (-1)
+int  router_image_check(router_t *r, int idx, const char *mime, size_t mime_len, bool bad, const uint8_t *data,
+                        size_t len, bool complete, prism_image_info_t *info, char *msg, size_t n);
+/* Decodes every image part's data URL and checks it (router_image_check). These return 0 or an
+ * HTTP status with msg filled. */
 int  router_prompt_load_images(router_t *r, router_prompt_t *p, const prism_oai_request_t *o, prism_http_req_t *h,
                                char *msg, size_t n);
 /* Renders + tokenizes (chat) or tokenizes (completions), expands image placeholders, checks the
@@ -260,6 +268,10 @@ int  router_on_headers(const prism_http_req_t *h, void *ud, char *msg, size_t n)
  * (text ones go on); the bytes held may so pass that bound by the one request whose body completed
  * under it. */
 prism_http_body_gate_t router_body_gate(const prism_http_req_t *h, void *ud);
+/* http_server image_check hook: a chat request's image that router_image_check refuses is answered
+ * 400 on its first bytes, before the rest of the body is uploaded (counted as the handler counts it). */
+int  router_image_check_early(const prism_http_req_t *h, int index, const char *mime, const uint8_t *data,
+                              size_t len, bool bad, bool done, char *msg, size_t n, void *ud);
 
 /* status.c */
 void router_handle_status(router_t *r, prism_http_req_t *h);

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import struct
+import zlib
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 OUT = os.path.join(ROOT, "tests", "fuzz", "corpus")
@@ -152,6 +153,19 @@ def main():
         http("POST", "/v1/completions", pj, headers=[("Expect", "100-continue")]))
     put("fuzz_http_server", "upgrade", b"\x20\x02" + b"GET / HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
         b"Upgrade: websocket\r\n\r\nMORE BYTES AFTER THE UPGRADE")
+    # lifted images checked while they stream in (mode 0x08), 9 bytes per loop turn: a real PNG, a PNG
+    # header of 65000x65000 (refused on its first bytes), bad base64
+    def chat_img(url):
+        return json.dumps({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hi"}]}]}).encode()
+    bomb = imgs["rgba.png"][:16] + struct.pack(">II", 65000, 65000) + imgs["rgba.png"][24:]
+    bomb = bomb[:29] + struct.pack(">I", zlib.crc32(bomb[12:29])) + bomb[33:]
+    for name, data in (("image_png", imgs["rgba.png"]), ("image_bomb", bomb)):
+        put("fuzz_http_server", name, b"\x08\x01" + http("POST", "/v1/chat/completions",
+                                                          chat_img("data:image/png;base64," + base64.b64encode(data).decode())))
+    put("fuzz_http_server", "image_bad_b64", b"\x18\x03" + http("POST", "/v1/chat/completions",
+                                                                  chat_img("data:image/jpeg;base64,/9j/4A!A")))
     put("fuzz_http_server", "http10", b"\x01\x10" + b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" %
         (len(pj), pj))
 

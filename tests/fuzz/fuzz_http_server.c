@@ -2,13 +2,19 @@
  * chunked bodies, Expect, upgrade, limits, the API-key check from the headers) with OpenAI JSON bodies
  * parsed by router/openai_req.c — over a real loopback TCP connection.
  *
+ * Bodies stream through the data-URL lifter, as in the router: the handler takes every lifted image.
+ *
  * Input: [mode] [chunking] [raw bytes a client sends]. mode picks how the handler answers (at once,
  * with an error, streamed, or later from the loop, as the router does), whether the API key is
- * required (checked from the headers) and whether the client half-closes;
+ * required (checked from the headers), whether lifted images are checked while they stream in (the
+ * router's rules: media type, base64, header probe, a pixel limit) and whether the client half-closes;
  * chunking picks how the bytes are split between loop turns. After each input the client goes away and
  * the server must be back to zero connections and zero body bytes (no leak of either). */
 #include "fuzz_common.h"
+#include "body_lift.h"
 #include "http_server.h"
+#include "image/data_url.h"
+#include "image/image.h"
 #include "openai_req.h"
 #include "openai_write.h"
 
@@ -47,6 +53,14 @@ static void answer(prism_http_req_t *r, int how)
         prism_oai_request_t q;
         prism_oai_error_t err;
         prism_oai_parse_opts_t o = {.max_images = 4};
+        /* the router takes every lifted image it reads; what it leaves is freed with the request */
+        for (int i = 0; chat && i < PRISM_LIFT_MAX; i++) {
+            uint8_t *img;
+            size_t n;
+            const char *mime;
+            bool bad;
+            if (prism_http_req_take_image(r, i, &img, &n, &mime, &bad) == PRISM_OK) prism_free(img);
+        }
         if (prism_oai_parse(body, len, chat, &o, &q, &err) != PRISM_OK) {
             prism_http_respond_error(r, err.status, err.type, err.message, err.param[0] ? err.param : NULL, NULL, NULL);
             return;
@@ -108,6 +122,30 @@ static int on_headers(const prism_http_req_t *r, void *ud, char *msg, size_t n)
     return 401;
 }
 
+/* The router's early image check (router/prompt.c router_image_check on a prefix): mode bit 0x08
+ * turns it on. Only verdicts more bytes cannot change are final. */
+static int image_check(const prism_http_req_t *r, int index, const char *mime, const uint8_t *data, size_t len,
+                       bool bad, bool done, char *msg, size_t n, void *ud)
+{
+    (void)r;
+    (void)ud;
+    FUZZ_ASSERT(mime && (len == 0 || data) && index >= 0);
+    if (!(g_mode & 0x08)) return PRISM_HTTP_IMAGE_OK;
+    if (!prism_data_url_mime_is_image(mime, strlen(mime)) || bad) {
+        snprintf(msg, n, "Image %d: refused.", index);
+        return 400;
+    }
+    if (!done && len == 0) return PRISM_HTTP_IMAGE_MORE;
+    prism_image_info_t info;
+    int rc = data ? prism_image_probe(data, len, &info) : PRISM_ECORRUPT;
+    if (rc == PRISM_ECORRUPT && !done) return PRISM_HTTP_IMAGE_MORE;
+    if (rc != PRISM_OK || (uint64_t)info.width * (uint64_t)info.height > 1u << 20) {
+        snprintf(msg, n, "Image %d: not an image, or too large.", index);
+        return 400;
+    }
+    return PRISM_HTTP_IMAGE_OK;
+}
+
 static void init_server(void)
 {
     fuzz_init_once();
@@ -119,6 +157,8 @@ static void init_server(void)
     c.max_body_bytes_total = 96 << 10;
     c.max_connections = 4;
     c.on_headers = on_headers;
+    c.lift_data_urls = true;
+    c.image_check = image_check;
     if (prism_http_server_start(&g_loop, &c, on_request, NULL, &g_srv) != PRISM_OK) abort();
 }
 

@@ -3,8 +3,11 @@
 Run: python3 tests/integration/test_e2e.py   (PRISM_BINARY_DIR=build dir)
 """
 import concurrent.futures
+import base64
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -238,6 +241,36 @@ def test_bomb_refused_from_header():
     assert "65000" in err["message"], err
 
 
+def test_bomb_refused_on_its_first_bytes():
+    """A client uploading a 65000x65000 PNG inside a 30 MB body gets its 400 after the first 64 KiB,
+    while it is still sending: the router checks an image's header as it streams in, not once the
+    whole body is in. Counted once, as the whole-body refusal is."""
+    with open(BOMB, "rb") as f:
+        head = f.read()
+    b64 = base64.b64encode(head + os.urandom(22 * 1024 * 1024)).decode()
+    body = json.dumps(chat_body("hi", max_tokens=2)).encode()
+    body = body.replace(b'"content": [', b'"content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,'
+                        + b64.encode() + b'"}}, ', 1)
+    before = (C.metric("prism:requests_refused_total", reason="image_too_large"),
+              C.metric("prism:requests_refused_total", reason="bad_request"))
+    s = socket.create_connection(("127.0.0.1", C.port), timeout=30)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body[:64 * 1024])
+    data = b""
+    while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + int(
+            re.search(rb"(?i)content-length: *(\d+)", data).group(1)):
+        chunk = s.recv(65536)
+        assert chunk, data
+        data += chunk
+    s.close()
+    assert data.startswith(b"HTTP/1.1 400"), data[:200]
+    err = json.loads(data[data.index(b"\r\n\r\n") + 4:])["error"]
+    assert "Image 0 is 65000x65000 pixels" in err["message"], err
+    assert (C.metric("prism:requests_refused_total", reason="image_too_large"),
+            C.metric("prism:requests_refused_total", reason="bad_request")) == (before[0] + 1, before[1] + 1)
+    ok_request(chat_body("What is in the image?", [PNG], max_tokens=2))
+
+
 def test_metrics():
     status, _, data = C.request("GET", "/metrics")
     text = data.decode()
@@ -296,7 +329,8 @@ if __name__ == "__main__":
                         test_text_only_and_completions, test_max_tokens_length_finish, test_stream_equals_non_stream,
                         test_disaggregated_equals_single_process, test_seeded_sampling_reproducible, test_logprobs,
                         test_stop_string, test_concurrent_distinct_requests, test_malformed_requests,
-                        test_bomb_refused_from_header, test_metrics, test_tokenize_detokenize,
+                        test_bomb_refused_from_header, test_bomb_refused_on_its_first_bytes, test_metrics,
+                        test_tokenize_detokenize,
                         test_chat_template_override_and_unsupported, test_all_processes_alive])
     finally:
         C.stop()

@@ -280,6 +280,32 @@ static void test_large_image_memory(void **state)
     free(img);
 }
 
+/* Each lifted image knows its place among the body's image URLs (every string value of a "url" or
+ * "image_url" key, lifted or not): the index the router's answers name. "url" as a value, or a key
+ * whose value is not a string, does not count. */
+static void test_ordinal(void **state)
+{
+    (void)state;
+    const char *body =
+        "{\"messages\":[{\"content\":[{\"type\":\"text\",\"text\":\"url\"},"
+        "{\"image_url\":{\"url\":\"https://example.com/a.png\"}},"
+        "{\"image_url\":{\"url\":\"data:image/png;base64,AAAA\"}},"
+        "{\"image_url\":\"data:image/jpeg;base64,AAAA\"},"
+        "{\"image_url\":{\"url\":\"data:text/plain;base64,AAAA\"}}]}]}";
+    prism_lift_t l;
+    prism_buf_t out = {0};
+    prism_lift_init(&l, strlen(body), 1 << 20);
+    for (size_t i = 0; body[i]; i++) assert_int_equal(prism_lift_feed(&l, &out, body + i, 1), PRISM_OK);
+    assert_int_equal(prism_lift_finish(&l, &out), PRISM_OK);
+    assert_int_equal(l.n, 3);   /* data URLs of any media type are lifted; the image path judges them */
+    assert_int_equal(l.img[0].ordinal, 1);
+    assert_int_equal(l.img[1].ordinal, 2);
+    assert_int_equal(l.img[2].ordinal, 3);
+    assert_string_equal(l.img[2].mime, "text/plain");
+    prism_lift_free(&l);
+    prism_buf_free(&out);
+}
+
 static void test_ref_spelling(void **state)
 {
     (void)state;
@@ -299,6 +325,7 @@ int main(void)
         cmocka_unit_test(test_corpus_every_split),
         cmocka_unit_test(test_large_image_memory),
         cmocka_unit_test(test_ref_spelling),
+        cmocka_unit_test(test_ordinal),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

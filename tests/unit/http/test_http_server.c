@@ -1057,6 +1057,140 @@ static void test_body_gate_held_body_gone_or_timed_out(void **state)
     harness_stop(h);
 }
 
+/* image_check: the caller's verdict on a lifted image while its bytes arrive. The test's check wants
+ * 1000 bytes, then refuses an image whose first byte is 'X' and accepts any other; every ask is
+ * recorded (loop thread) to check the schedule: asks as the bytes double, none after an answer. */
+#define MAX_ASKS 64
+static atomic_int g_asks;
+static size_t g_ask_len[MAX_ASKS];
+static int g_ask_index[MAX_ASKS];
+static bool g_ask_bad[MAX_ASKS], g_ask_done[MAX_ASKS];
+
+static int image_check(const prism_http_req_t *r, int index, const char *mime, const uint8_t *data, size_t len,
+                       bool bad, bool done, char *msg, size_t n, void *ud)
+{
+    (void)r;
+    (void)ud;
+    int k = atomic_load(&g_asks);
+    if (k < MAX_ASKS) {
+        g_ask_len[k] = len;
+        g_ask_index[k] = index;
+        g_ask_bad[k] = bad;
+        g_ask_done[k] = done;
+    }
+    atomic_store(&g_asks, k + 1);
+    assert_string_equal(mime, "image/png");
+    if (bad) {
+        snprintf(msg, n, "Image %d: invalid base64 data.", index);
+        return 400;
+    }
+    if (len < 1000 && !done) return PRISM_HTTP_IMAGE_MORE;
+    if (len && data[0] == 'X') {
+        snprintf(msg, n, "Image %d is too large.", index);
+        return 400;
+    }
+    return PRISM_HTTP_IMAGE_OK;
+}
+
+/* A body of one remote URL (not lifted, index 0) and one data URL of `quads` base64 quanta of q. */
+static void image_body(prism_buf_t *b, const char *q, size_t quads)
+{
+    prism_buf_append_str(b, "{\"messages\":[{\"content\":[{\"image_url\":{\"url\":\"https://example.com/a.png\"}},"
+                            "{\"image_url\":{\"url\":\"data:image/png;base64,");
+    for (size_t i = 0; i < quads; i++) prism_buf_append(b, q, 4);
+    prism_buf_append_str(b, "\"}}]}]}");
+}
+
+static void test_image_check_refuses_before_the_body_ends(void **state)
+{
+    (void)state;
+    prism_http_config_t cfg = prism_http_config_default();
+    cfg.lift_data_urls = true;
+    cfg.image_check = image_check;
+    harness_t *h = harness_start(&cfg);
+    client_t c;
+    resp_t r;
+
+    /* 4 MB declared ("XXX..."), 64 KiB sent: the 400 comes while the client is still uploading */
+    atomic_store(&g_asks, 0);
+    prism_buf_t body = {0};
+    image_body(&body, "WFhY", 1 << 20);
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "POST /lifted HTTP/1.1\r\nContent-Length: %zu\r\n\r\n", body.len);
+    size_t head = strstr(body.data, "base64,") - body.data + 7;
+    assert_int_equal(client_send(&c, body.data, head + 100), 0);   /* 75 image bytes: asked, no verdict */
+    for (int i = 0; i < 5000 && atomic_load(&g_asks) < 1; i++) usleep(1000);
+    assert_int_equal(atomic_load(&g_asks), 1);
+    assert_int_equal(client_send(&c, body.data + head + 100, 64 * 1024), 0);
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    assert_int_equal(r.status, 400);
+    assert_openai_error(&r, "Image 1 is too large.");
+    resp_free(&r);
+    client_close(&c);
+    int asks = atomic_load(&g_asks);
+    assert_true(asks >= 2 && asks <= 6);   /* at 75 bytes, then as they double (reads may merge) to >= 1000 */
+    for (int k = 0; k < asks; k++) {
+        assert_int_equal(g_ask_index[k], 1);
+        assert_false(g_ask_done[k]);
+        assert_true(g_ask_len[k] >= 64);
+        if (k) assert_true(g_ask_len[k] >= 2 * g_ask_len[k - 1]);
+    }
+    assert_true(g_ask_len[asks - 1] >= 1000);
+    assert_int_equal(atomic_load(&h->n_requests), 0);   /* the handler never saw it */
+    for (int i = 0; i < 2000 && prism_http_server_body_bytes(h->srv) > 0; i++) usleep(1000);
+    assert_int_equal(prism_http_server_body_bytes(h->srv), 0);
+
+    /* an image the check accepts: asked until its answer, then never again; served whole */
+    atomic_store(&g_asks, 0);
+    body.len = 0;
+    image_body(&body, "AAAA", 100000);
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "POST /lifted HTTP/1.1\r\nContent-Length: %zu\r\n\r\n", body.len);
+    for (size_t at = 0; at < body.len; at += 5000) assert_int_equal(client_send(&c, body.data + at, PRISM_MIN((size_t)5000, body.len - at)), 0);
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    assert_int_equal(r.status, 200);
+    assert_non_null(memmem(r.body, r.body_len, "|300000:", 8));
+    resp_free(&r);
+    client_close(&c);
+    asks = atomic_load(&g_asks);
+    assert_true(asks >= 1 && asks <= 6);
+    assert_true(g_ask_len[asks - 1] >= 1000 && g_ask_len[asks - 1] < 300000);
+
+    /* bad base64 is told once, at once (the rest of the string is not awaited) */
+    atomic_store(&g_asks, 0);
+    body.len = 0;
+    image_body(&body, "A!AA", 100000);
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "POST /lifted HTTP/1.1\r\nContent-Length: %zu\r\n\r\n", body.len);
+    assert_int_equal(client_send(&c, body.data, 2000), 0);
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    assert_int_equal(r.status, 400);
+    assert_openai_error(&r, "Image 1: invalid base64 data.");
+    resp_free(&r);
+    client_close(&c);
+    assert_int_equal(atomic_load(&g_asks), 1);
+    assert_true(g_ask_bad[0]);
+
+    /* a small image whole in one read: asked once, done */
+    atomic_store(&g_asks, 0);
+    body.len = 0;
+    image_body(&body, "WFhY", 10);
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "POST /lifted HTTP/1.1\r\nContent-Length: %zu\r\n\r\n%s", body.len, body.data);
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    assert_int_equal(r.status, 400);
+    resp_free(&r);
+    client_close(&c);
+    assert_int_equal(atomic_load(&g_asks), 1);
+    assert_true(g_ask_done[0] && g_ask_len[0] == 30);
+
+    prism_buf_free(&body);
+    assert_int_equal(atomic_load(&h->n_requests), 1);
+    assert_refusals(h, "413=0 503body=0 503conn=0 bad=0");   /* counting is the caller's */
+    text_body_served(h);   /* and the server goes on */
+    harness_stop(h);
+}
+
 /* lift_data_urls: an image body streams through the lifter (the handler reads a small skeleton and
  * takes the decoded bytes), and its upload rate is judged on the bytes received, not on the skeleton:
  * a steady upload above min_body_rate is served, not answered 408. */
@@ -1895,6 +2029,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_body_gate_pauses),
         cmocka_unit_test(test_body_gate_holds_whole_image_body),
         cmocka_unit_test(test_body_gate_held_body_gone_or_timed_out),
+        cmocka_unit_test(test_image_check_refuses_before_the_body_ends),
         cmocka_unit_test(test_header_over_limit_431),
         cmocka_unit_test(test_malformed_400),
         cmocka_unit_test(test_expect_continue),
