@@ -19,7 +19,13 @@
  * the encoder takes no new batch (backpressure), so nothing grows.
  *
  * Cache entries a batch answers from are pinned until their jobs are sent (or aborted), so a miss
- * later in the same batch (or while the batch waits for prefill) cannot evict and overwrite them. */
+ * later in the same batch (or while the batch waits for prefill) cannot evict and overwrite them.
+ *
+ * An Encode without a prefill endpoint is an early job (router/early_encode.c: the image of a request
+ * whose body is still arriving): encoded into the cache, answered to the router, sent nowhere. The
+ * request's own Encode names it (early_id): while the job is still here the request takes it over
+ * (adopt_early), else its image is a cache hit. A job whose image is already in the batch being
+ * formed waits for the next batch (a cache hit then) rather than being encoded twice. */
 #include "core/core.h"
 #include "core/cli.h"
 #include "net/net.h"
@@ -52,6 +58,7 @@ typedef struct {
     char error[256];
     Prism__ErrorKind error_kind;  /* with error: CLIENT (the default: the image) unless set */
     bool cache_hit;
+    bool after_early;         /* its Encode named an early job already done: that one counted the lookup */
     int cache_slot;           /* pinned cache entry while the job is in flight; -1 none */
     float decode_ms, vit_ms;
     double t_arrive;
@@ -88,10 +95,11 @@ typedef struct {
 
 static void publish_load(encoder_t *e)
 {
-    int queued = 0;
+    int queued = 0, running = 0;
     for (int i = 0; i < e->max_queue; i++) queued += e->jobs[i].state != JOB_FREE;
+    for (int i = 0; i < e->n_batch; i++) running += e->batch[i] >= 0;   /* -1: sent or dropped already */
     prism_worker_load_t l = {
-        .running = (uint32_t)e->n_batch, .waiting = (uint32_t)queued, .pool_free = (uint32_t)(e->max_queue - queued),
+        .running = (uint32_t)running, .waiting = (uint32_t)queued, .pool_free = (uint32_t)(e->max_queue - queued),
         .cache_hits = e->cache.hits, .cache_misses = e->cache.misses,
     };
     prism_worker_set_load(&e->w, &l);
@@ -178,15 +186,39 @@ static uint64_t queued_bytes_of(const encoder_t *e, const char *router)
     return n;
 }
 
+/* A request's Encode naming an early job of the same router and image that is still here (queued, or
+ * in the batch being encoded): the job becomes the request's (its id, image index and prefill
+ * endpoint; the frame sent with it is not needed). False when there is no such job (it is done: the
+ * request's image is then encoded from the frame, usually a cache hit). */
+static bool adopt_early(encoder_t *e, const Prism__Envelope *env, const Prism__Encode *en, const char *router)
+{
+    if (!en->early_id || !en->prefill_endpoint || !*en->prefill_endpoint) return false;
+    for (int i = 0; i < e->max_queue; i++) {
+        job_t *j = &e->jobs[i];
+        if (j->state == JOB_FREE || j->rid != en->early_id || strcmp(j->router_id, router) || j->prefill_endpoint[0] ||
+            j->hash != en->content_hash)
+            continue;
+        j->rid = env->request_id;
+        j->image_index = en->image_index;
+        snprintf(j->prefill_endpoint, sizeof(j->prefill_endpoint), "%s", en->prefill_endpoint);
+        PRISM_DEBUG("request %llu image %u: took over early job %016llx", (unsigned long long)j->rid, j->image_index,
+                    (unsigned long long)en->early_id);
+        return true;
+    }
+    return false;
+}
+
 static void on_encode(encoder_t *e, prism_msg_t *m)
 {
     const Prism__Envelope *env = m->env;
     const Prism__Encode *en = env->encode;
     const char *router = env->router_id ? env->router_id : "";
+    if (en && m->n_frames == 1 && adopt_early(e, env, en, router)) return;
     job_t *j = NULL;
     for (int i = 0; i < e->max_queue; i++)
         if (e->jobs[i].state == JOB_FREE) { j = &e->jobs[i]; break; }
-    bool valid = en && m->n_frames == 1 && en->prefill_endpoint && *en->prefill_endpoint;
+    /* No prefill endpoint: an early job (the router's early_encode.c), for the cache only. */
+    bool valid = en && m->n_frames == 1 && en->prefill_endpoint && (*en->prefill_endpoint || e->cache.n_units > 0);
     uint64_t held = valid && j ? queued_bytes_of(e, router) : 0;
     /* A router keeps within the bound (one image alone may exceed it); one that does not is refused
      * rather than allowed to grow this process past its plan. */
@@ -210,6 +242,7 @@ static void on_encode(encoder_t *e, prism_msg_t *m)
     snprintf(j->router_id, sizeof(j->router_id), "%s", router);
     j->image_index = en->image_index;
     j->hash = en->content_hash;
+    j->after_early = en->early_id != 0;
     snprintf(j->prefill_endpoint, sizeof(j->prefill_endpoint), "%s", en->prefill_endpoint);
     zmq_msg_init(&j->image);
     zmq_msg_move(&j->image, &m->frames[0]);
@@ -247,15 +280,17 @@ static void on_msg(prism_worker_t *w, prism_msg_t *m, int source, void *ud)
     }
 }
 
-/* Pushes finished jobs of the batch in flight; returns true when the batch is fully sent. */
-static bool flush_batch(encoder_t *e)
+/* Pushes finished jobs of the batch in flight; returns true when the batch is fully sent. Before
+ * the batch's ViT (ready_only) it sends those already done: cache hits and refusals, so a request
+ * whose early job was just encoded does not wait for this batch's images; they leave the batch. */
+static bool flush_batch(encoder_t *e, bool ready_only)
 {
     int left = 0;
     for (int i = 0; i < e->n_batch; i++) {
         if (e->batch[i] < 0) continue;
         job_t *j = &e->jobs[e->batch[i]];
         if (j->state != JOB_SEND) continue;
-        int rc = push_job(e, j);
+        int rc = j->prefill_endpoint[0] ? push_job(e, j) : PRISM_OK;   /* an early job: cached, done */
         if (rc == PRISM_EAGAIN) {
             left++;
             continue;
@@ -267,8 +302,9 @@ static bool flush_batch(encoder_t *e)
         if (j->error[0]) e->failed++;
         else e->encoded++;
         finish_job(e, j);
+        if (ready_only) e->batch[i] = -1;
     }
-    if (!left) e->n_batch = 0;
+    if (!left && !ready_only) e->n_batch = 0;
     return left == 0;
 }
 
@@ -340,9 +376,18 @@ static int batch_target(const encoder_t *e)
     return n >= e->cap_tiles ? e->cap_tiles : PRISM_MAX(1, (int)n);
 }
 
+/* Whether an image with this content hash is in the vision batch being formed (an early job and its
+ * request's own job may both be queued). */
+static bool being_encoded(const encoder_t *e, uint64_t hash)
+{
+    for (int i = 0; hash && i < e->n_pix; i++)
+        if (e->pix_job[i] >= 0 && e->jobs[e->pix_job[i]].hash == hash) return true;
+    return false;
+}
+
 static void run_batch(encoder_t *e)
 {
-    if (e->n_batch && !flush_batch(e)) return;  /* previous results still waiting for prefill */
+    if (e->n_batch && !flush_batch(e, false)) return;  /* previous results still waiting for prefill */
     int target = batch_target(e);
     int n_tiles = 0;
     e->n_pix = 0;
@@ -356,6 +401,7 @@ static void run_batch(encoder_t *e)
             if (j->state == JOB_QUEUED && (!best || j->t_arrive < best->t_arrive)) best = j;
         }
         if (!best) break;
+        if (being_encoded(e, best->hash)) break;   /* next batch: then a cache hit, not encoded twice */
         const uint8_t *data = zmq_msg_data(&best->image);
         size_t len = zmq_msg_size(&best->image);
         int nt = 0, idx = (int)(best - e->jobs);
@@ -370,6 +416,8 @@ static void run_batch(encoder_t *e)
         /* The entry stays pinned until the job is sent (finish_job): a miss later in this batch
          * must not evict and overwrite it. */
         int hit = prism_embed_cache_get_pinned(&e->cache, best->hash);
+        /* finding its own early job's result is no repeat of the image: the early job counted it */
+        if (hit >= 0 && best->after_early) e->cache.hits--;
         if (hit >= 0) {
             best->cache_slot = hit;
             best->n_tiles = prism_embed_cache_units(&e->cache, hit, best->parts, MAX_TILES);
@@ -396,6 +444,7 @@ static void run_batch(encoder_t *e)
         e->n_live = n_pix;
         PRISM_DEBUG("vision batch of %d image(s), %d tiles (time bound allows %d at %.3fs per image)", n_pix, n_tiles,
                     target, e->cost_s);
+        flush_batch(e, true);
         publish_load(e);
         /* The tiles of every image in micro-batches of at most --max-batch-images (the arena's size;
          * tiles are independent sequences, so any split gives the same rows). Each micro-batch is a
@@ -434,7 +483,7 @@ static void run_batch(encoder_t *e)
             prism_embed_cache_put(&e->cache, j->hash, emb, j->n_tiles);
         }
     }
-    if (e->n_batch) flush_batch(e);
+    if (e->n_batch) flush_batch(e, false);
 }
 
 int main(int argc, char **argv)
@@ -540,6 +589,7 @@ int main(int argc, char **argv)
                               (uint32_t)e.max_queue, 0);
     e.max_queue_bytes = (uint64_t)max_queue_bytes;
     e.w.reg.max_queued_bytes = e.max_queue_bytes;  /* the router keeps the queue's files under it */
+    e.w.reg.embedding_cache_units = (uint32_t)e.cache.n_units;   /* 0: the router sends no early jobs */
     e.hook = (prism_model_hook_t){hook_layer, hook_cancelled, &e};
     prism_vision_set_hook(e.vis, &e.hook);
     publish_load(&e);

@@ -213,6 +213,15 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
     prism_metric_write(&b, "prism:request_stage_timeouts_total", "counter",
                        "Encode or prefill stages that overran --stage-timeout (retried, or 504).", lbl,
                        (double)m->stage_timeouts);
+    prism_metric_write(&b, "prism:router_early_encodes_total", "counter",
+                       "Images sent to an encoder's cache as soon as their bytes were in, before their request's "
+                       "body ended.", lbl, (double)m->early_encodes);
+    prism_metric_write(&b, "prism:router_early_encodes_adopted_total", "counter",
+                       "Early encodes still held when their request was dispatched: the request took the job over.",
+                       lbl, (double)m->early_encodes_adopted);
+    prism_metric_write(&b, "prism:router_early_encodes_failed_total", "counter",
+                       "Early encodes that failed, timed out or lost their encoder (the request encodes its image "
+                       "as usual).", lbl, (double)m->early_encodes_failed);
     prism_buf_appendf(&b, "# HELP prism:requests_refused_total Requests refused, by reason.\n"
                           "# TYPE prism:requests_refused_total counter\n");
     uint64_t refused[PRISM_REFUSE_COUNT];

@@ -244,7 +244,9 @@ static void on_sweep(uv_timer_t *t)
             router_fail_worker_requests(r, w, "stopped responding");
             router_worker_drop(w);
         }
-    judge_liveness(r, prism_now_s());
+    double now = prism_now_s();
+    judge_liveness(r, now);
+    router_early_encode_sweep(r, now);
     router_sweep_requests(r);
     router_dispatch_queued(r);
 }
@@ -286,6 +288,16 @@ void router_ctl_stop(router_t *r)
     uv_close((uv_handle_t *)&r->ctl_prepare, NULL);
     uv_timer_stop(&r->sweep_timer);
     uv_close((uv_handle_t *)&r->sweep_timer, NULL);
+}
+
+void router_send_abort(router_t *r, router_worker_t *w, uint64_t rid)
+{
+    Prism__Abort a = PRISM__ABORT__INIT;
+    Prism__Envelope env = PRISM__ENVELOPE__INIT;
+    env.type = PRISM__MSG_TYPE__MSG_ABORT;
+    env.request_id = rid;
+    env.abort = &a;
+    router_send(r, w, &env, NULL, 0);
 }
 
 int router_send(router_t *r, router_worker_t *w, Prism__Envelope *env, const prism_frame_t *frames, int n)

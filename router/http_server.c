@@ -50,6 +50,7 @@ struct prism_http_req {
     size_t body_raw;         /* body bytes received (the max_body_bytes bound) */
     prism_lift_t *lift;      /* lift_data_urls: the lifter and its images */
     int img_asked;           /* image_check: images before this one have their answer */
+    int img_told;            /* image_done: images before this one were told */
     size_t img_ask_at;       /* ask about image img_asked once it holds this many bytes */
     size_t body_charged;     /* bytes of this body counted in srv->body_bytes: the buffer's capacity plus
                               * the lifted image bytes not taken */
@@ -937,16 +938,17 @@ static int on_headers_complete(llhttp_t *p)
 
 /* image_check: asks about each lifted image as its bytes arrive, each time they have doubled since
  * the last ask (so the header probes of one image cost O(its bytes) in all), once its string has
- * ended, or once it is known to be bad, until the caller answers. Images arrive one after another:
- * only the last one can still grow. Returns 0, or the caller's HTTP status (c->fail_msg filled). */
+ * ended, or once it is known to be bad, until the caller answers. image_done: then tells each whole
+ * image that passed, once. Images arrive one after another: only the last one can still grow.
+ * Returns 0, or the caller's HTTP status (c->fail_msg filled). */
 #define LIFT_FIRST_ASK 64   /* bytes: a PNG's IHDR, most of a JPEG's SOI and APP0 */
 static int lift_check_images(conn_t *c, prism_http_req_t *r)
 {
     const prism_http_config_t *cfg = &c->srv->cfg;
-    if (!cfg->image_check) return 0;
-    while (r->img_asked < r->lift->n) {
-        const prism_lift_image_t *im = &r->lift->img[r->img_asked];
-        if (!im->done && !im->bad && im->len < PRISM_MAX(r->img_ask_at, (size_t)LIFT_FIRST_ASK)) return 0;
+    const prism_lift_t *l = r->lift;
+    while (cfg->image_check && r->img_asked < l->n) {
+        const prism_lift_image_t *im = &l->img[r->img_asked];
+        if (!im->done && !im->bad && im->len < PRISM_MAX(r->img_ask_at, (size_t)LIFT_FIRST_ASK)) break;
         c->fail_msg[0] = 0;
         int v = cfg->image_check(r, im->ordinal, im->mime, im->data, im->len, im->bad, im->done, c->fail_msg,
                                  sizeof c->fail_msg, c->srv->ud);
@@ -957,10 +959,15 @@ static int lift_check_images(conn_t *c, prism_http_req_t *r)
         c->fail_msg[0] = 0;
         if (v == PRISM_HTTP_IMAGE_MORE && !im->done && !im->bad) {
             r->img_ask_at = 2 * im->len;
-            return 0;
+            break;
         }
         r->img_asked++;   /* answered, or whole: the handler's own checks have the last word */
         r->img_ask_at = 0;
+    }
+    int passed = cfg->image_check ? r->img_asked : l->n;
+    while (cfg->image_done && r->img_told < passed && l->img[r->img_told].done) {
+        const prism_lift_image_t *im = &l->img[r->img_told++];
+        if (!im->bad && im->len) cfg->image_done(r, im->ordinal, im->data, im->len, c->srv->ud);
     }
     return 0;
 }

@@ -116,6 +116,11 @@ typedef struct {
      * sees the request. Counting such a refusal is the caller's. ud is the handler's. */
     int (*image_check)(const prism_http_req_t *r, int index, const char *mime, const uint8_t *data, size_t len,
                        bool bad, bool done, char *message, size_t message_len, void *ud);
+    /* Optional, with lift_data_urls: a lifted image is whole (its string ended, its base64 is good and
+     * image_check, when set, let it pass), while the rest of the body may still be arriving. Called
+     * once per image, in body order, on the loop thread; data[0..len) stays the lifter's (read it
+     * during the call). ud is the handler's. */
+    void (*image_done)(const prism_http_req_t *r, int index, const uint8_t *data, size_t len, void *ud);
 } prism_http_config_t;
 
 prism_http_config_t prism_http_config_default(void);

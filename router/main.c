@@ -61,7 +61,7 @@ int main(int argc, char **argv)
     const char *model_path = "models/prism-tiny-llava", *tokenizer_path = NULL, *served = NULL, *host = "127.0.0.1",
                *control = "tcp://127.0.0.1:8100", *chat_template = NULL, *api_key = NULL, *log_level = "info",
                *tool_parser = NULL, *curve_keys = NULL;
-    bool insecure_no_curve = false, metrics_open = false, timing_header = false;
+    bool insecure_no_curve = false, metrics_open = false, timing_header = false, no_early_encode = false;
     int64_t port = 8000, context_length = 0, limit_mm = 8, max_pixels = 4096ll * 4096, max_running = 256,
             max_body = 64ll << 20, body_total = 1ll << 30, image_inflight = 1ll << 30, max_conn = 4096,
             min_body_rate = 8 << 10, stream_pending = 4ll << 20, max_retries = 2, max_migrations = 2;
@@ -88,6 +88,9 @@ int main(int argc, char **argv)
                         "a client whether someone else sent the same image"),
         PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings, at most 131072)"),
         PRISM_FLAG_INT("limit-mm-per-prompt", &limit_mm, "Most images in one request"),
+        PRISM_FLAG_BOOL("no-early-encode", &no_early_encode,
+                        "Send images to an encoder only once their whole request is in (by default an image goes "
+                        "to an encoder's cache as soon as its bytes are, while the rest of the body arrives)"),
         PRISM_FLAG_INT("max-image-pixels", &max_pixels, "Largest image (width*height from its header) accepted"),
         PRISM_FLAG_INT("max-running-requests", &max_running, "Requests in flight; more get 429"),
         PRISM_FLAG_BYTES("max-body-bytes", &max_body, "Largest request body; more gets 413"),
@@ -199,6 +202,7 @@ int main(int argc, char **argv)
     r.api_key = api_key;
     r.metrics_open = metrics_open;
     r.timing_header = timing_header;
+    r.early_encode = !no_early_encode;
     r.max_stream_pending = (size_t)stream_pending;
     r.max_model_len = prism_model_context_length(&r.cfg, context_length);
     if (r.max_model_len < r.cfg.max_pos && context_length <= 0)
@@ -253,6 +257,7 @@ int main(int argc, char **argv)
     hc.on_headers = router_on_headers;
     hc.body_gate = router_body_gate;
     hc.image_check = router_image_check_early;
+    hc.image_done = router_early_encode;
     if (prism_http_server_start(r.loop, &hc, router_on_http, &r, &r.http) != PRISM_OK) {
         PRISM_ERROR("cannot listen on %s:%lld", host, (long long)port);
         return 1;

@@ -64,6 +64,7 @@ struct router_req {
     router_prompt_t prompt;       /* images, tokens, image spans, max_tokens (prompt.c) */
     char encoder_id[ROUTER_MAX_IMAGES][128];
     bool encode_pending[ROUTER_MAX_IMAGES];
+    uint64_t early_id[ROUTER_MAX_IMAGES];   /* the early job its image's Encode adopts (early_encode.c), 0 none */
     bool bytes_counted;           /* prompt.image_bytes added to the router's in-flight total */
     /* workers */
     char prefill_id[128], decode_id[128];
@@ -180,13 +181,7 @@ static void encoder_done(router_t *r, router_req_t *q, int i)
 static void send_abort(router_t *r, const char *worker_id, uint64_t rid)
 {
     router_worker_t *w = worker_id[0] ? router_worker_by_id(r, worker_id) : NULL;
-    if (!w) return;
-    Prism__Abort a = PRISM__ABORT__INIT;
-    Prism__Envelope env = PRISM__ENVELOPE__INIT;
-    env.type = PRISM__MSG_TYPE__MSG_ABORT;
-    env.request_id = rid;
-    env.abort = &a;
-    router_send(r, w, &env, NULL, 0);
+    if (w) router_send_abort(r, w, rid);
 }
 
 static int n_choices(const router_req_t *q) { return q->oai.n > 0 ? q->oai.n : 1; }
@@ -268,7 +263,11 @@ static void req_destroy(router_req_t *q)
 static void abort_workers(router_req_t *q)
 {
     for (int i = 0; i < q->prompt.n_images; i++)
-        if (q->encode_pending[i]) send_abort(q->r, q->encoder_id[i], q->rid);
+        if (q->encode_pending[i]) {
+            send_abort(q->r, q->encoder_id[i], q->rid);
+            /* its adoption may wait behind the batch that runs the early job: that one by its own id */
+            if (q->early_id[i]) send_abort(q->r, q->encoder_id[i], q->early_id[i]);
+        }
     send_abort(q->r, q->prefill_id, q->rid);
     if (q->decode_pending) send_abort(q->r, q->decode_id, q->rid);
 }
@@ -795,7 +794,7 @@ bool router_handle_tokens(router_t *r, const router_worker_t *from, Prism__Envel
 bool router_handle_encode_done(router_t *r, const router_worker_t *from, uint64_t rid, const Prism__EncodeDone *d)
 {
     router_req_t *q = router_req_get(r, rid);
-    if (!q) return true;  /* finished or aborted already */
+    if (!q) return router_early_encode_done(r, from, rid, d);  /* an early job, or a request that ended */
     /* Only the encoder this image went to, once. */
     if (d->image_index >= (uint32_t)q->prompt.n_images || !q->encode_pending[d->image_index] ||
         from->role != PRISM__ROLE__ROLE_ENCODER || strcmp(q->encoder_id[d->image_index], from->id) != 0) {
@@ -827,6 +826,7 @@ static void req_release_workers(router_req_t *q)
         if (q->encode_pending[i]) encoder_done(r, q, i);
         q->encode_pending[i] = false;
         q->encoder_id[i][0] = '\0';
+        q->early_id[i] = 0;
     }
     if (q->prefill_pending) worker_done(r, q->prefill_id, 1);
     if (q->decode_pending) worker_done(r, q->decode_id, n_choices(q));
@@ -1067,8 +1067,11 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
     router_worker_t *pf = pick(r, q, PRISM__ROLE__ROLE_PREFILL, 0, 1, 0, &any_pf);
     router_worker_t *dc = pick(r, q, PRISM__ROLE__ROLE_DECODE, 0, slots, 0, &any_dc);
     router_worker_t *enc[ROUTER_MAX_IMAGES] = {0};
+    uint64_t early[ROUTER_MAX_IMAGES] = {0};
     bool enc_room = true;
     for (int i = 0; i < q->prompt.n_images && enc_room; i++) {
+        /* an early job of this image still held: the request takes it over (its slot is counted) */
+        if ((enc[i] = router_early_claim(r, q->prompt.img_hash[i], early, i, &early[i]))) continue;
         enc[i] = pick(r, q, PRISM__ROLE__ROLE_ENCODER, q->prompt.img_hash[i], 1, q->prompt.img_len[i], &any_enc);
         if (enc[i]) {  /* count now so the next image sees this one */
             enc[i]->inflight++;
@@ -1078,7 +1081,7 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
         }
     }
     for (int i = 0; i < q->prompt.n_images; i++)
-        if (enc[i]) {
+        if (enc[i] && !early[i]) {
             enc[i]->inflight--;
             enc[i]->queued_bytes -= q->prompt.img_len[i];
         }
@@ -1176,6 +1179,8 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
         e.image_index = (uint32_t)i;
         e.content_hash = q->prompt.img_hash[i];
         e.prefill_endpoint = pf->data_endpoint;
+        /* a done early job of this image there: named too, so the encoder counts no hit for it */
+        e.early_id = early[i] ? early[i] : router_early_take_done(r, q->prompt.img_hash[i], enc[i]);
         Prism__Envelope ee = PRISM__ENVELOPE__INIT;
         ee.type = PRISM__MSG_TYPE__MSG_ENCODE;
         ee.request_id = q->rid;
@@ -1192,8 +1197,13 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
         }
         snprintf(q->encoder_id[i], sizeof(q->encoder_id[i]), "%s", enc[i]->id);
         q->encode_pending[i] = true;
-        enc[i]->inflight++;
-        enc[i]->queued_bytes += q->prompt.img_len[i];
+        q->early_id[i] = early[i];
+        if (early[i]) {
+            router_early_adopted(r, early[i]);   /* its slot and bytes, counted already, are this image's */
+        } else {
+            enc[i]->inflight++;
+            enc[i]->queued_bytes += q->prompt.img_len[i];
+        }
         router_worker_note_image(enc[i], q->prompt.img_hash[i]);
     }
     q->stage = STAGE_SENT;

@@ -5,6 +5,7 @@
  *   workers.c   worker registry (a leaf: capacity, load, picking a worker; no sockets)
  *   prompt.c    what a request sends to workers: images, chat template, tokens, image spans
  *   requests.c  life of one generation request: admission, dispatch, streaming, completion
+ *   early_encode.c  images sent to an encoder's cache while their request's body still arrives
  *   api.c       HTTP endpoints and metrics
  *   status.c    GET /status (JSON snapshot for operators) and GET / (the status page, embedded)
  *   main.c      flags and start-up
@@ -33,6 +34,7 @@
 #define ROUTER_AFFINITY_SLACK 2   /* requests in flight a warm encoder may have beyond the least loaded */
 #define ROUTER_MAX_WORKER_MSG (4 << 20)  /* largest frame a worker may send up (tokens with logprobs) */
 
+#define ROUTER_MAX_EARLY 64      /* early encodes in flight at once (early_encode.c) */
 #define ROUTER_WORKER_ID_MAX 127  /* bytes of a worker id (its ZeroMQ identity) */
 
 typedef struct {
@@ -69,11 +71,23 @@ typedef struct {
     uint64_t completed;           /* parts of requests this worker finished or was released from */
     uint64_t queued_bytes;        /* encoders: image file bytes sent and not yet encoded */
     uint64_t max_queued_bytes;    /* encoders: their queue's byte bound from registration (0: none) */
+    uint32_t cache_units;         /* encoders: tiles of their embedding cache (0: none, no early jobs) */
     uint64_t image_hashes[64];   /* recent images sent here: the router prefers a warm cache */
     int n_hashes;
 } router_worker_t;
 
 typedef struct router_req router_req_t;
+
+/* An image sent to an encoder before its request exists (early_encode.c); rid 0: a free entry. */
+typedef struct {
+    uint64_t rid;                /* the job's own id (not a request's) */
+    bool done;                   /* answered: its slot is free, the entry kept for its request */
+    char encoder_id[ROUTER_WORKER_ID_MAX + 1];
+    uint64_t instance;           /* the encoder process it went to */
+    uint64_t hash;               /* the image's content hash */
+    uint64_t bytes;              /* file bytes, counted in the encoder's queued_bytes */
+    double t_sent;               /* when sent, or when done */
+} router_early_t;
 
 typedef struct {
     /* configuration */
@@ -82,6 +96,7 @@ typedef struct {
     const char *api_key;
     bool metrics_open;          /* /metrics without the API key */
     bool timing_header;         /* x-prism-timing on responses (operators: it shows image cache hits) */
+    bool early_encode;          /* whole images go to an encoder before their body ends (early_encode.c) */
     uint8_t img_secret[192];    /* XXH3 secret for image cache keys (a client cannot aim at a cached entry) */
     size_t max_stream_pending;  /* bytes queued for a streaming client that stopped reading; beyond: dropped */
     int max_model_len;
@@ -147,6 +162,7 @@ typedef struct {
     bool queue_dirty;           /* a worker slot freed since the queue was last tried */
     uint64_t ctl_refused;       /* control messages dropped: unregistered sender, wrong key, not the request's worker */
 
+    router_early_t early[ROUTER_MAX_EARLY];
     prism_router_metrics_t metrics;
     uint64_t workers_lost_dead, workers_lost_stuck;
     prism_hist_t heartbeat_interval[4];  /* by role: seconds between a worker's heartbeats */
@@ -156,6 +172,27 @@ typedef struct {
 int  router_ctl_start(router_t *r, const char *endpoint);
 void router_ctl_stop(router_t *r);
 int  router_send(router_t *r, router_worker_t *w, Prism__Envelope *env, const prism_frame_t *frames, int n);
+/* Tells w to drop what it holds under rid (best effort). */
+void router_send_abort(router_t *r, router_worker_t *w, uint64_t rid);
+
+/* early_encode.c */
+/* http_server image_done hook: a lifted image of h is whole and passed its checks; sent to an
+ * encoder's cache when one has room and no request waits. ud: the router. */
+void router_early_encode(const prism_http_req_t *h, int index, const uint8_t *data, size_t len, void *ud);
+/* EncodeDone for an id that is no request: an early job is released. False only when rid is an early
+ * job of another encoder (the message is refused); an id of neither kind is a request that ended. */
+bool router_early_encode_done(router_t *r, const router_worker_t *from, uint64_t rid, const Prism__EncodeDone *d);
+/* Early jobs unanswered past --stage-timeout, or on an encoder gone or stuck: aborted and released. */
+void router_early_encode_sweep(router_t *r, double now);
+/* At a request's dispatch: the encoder of an early job of this image still held (not among the
+ * n_taken ids already claimed for the request's other images), its id in *early_id; NULL when none.
+ * The job's slot and bytes become the request's once its Encode (with early_id) is sent:
+ * router_early_adopted forgets the job without releasing them. */
+router_worker_t *router_early_claim(router_t *r, uint64_t hash, const uint64_t *taken, int n_taken, uint64_t *early_id);
+void router_early_adopted(router_t *r, uint64_t early_id);
+/* The id of a done early job of this image on w, forgotten from here (0 when none): the request's
+ * Encode names it, so finding its result is not counted as a cache hit. */
+uint64_t router_early_take_done(router_t *r, uint64_t hash, const router_worker_t *w);
 
 /* workers.c (registry) */
 /* Adds or refreshes a worker from its registration; PRISM_EINVAL / PRISM_ELIMIT with why set when

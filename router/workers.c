@@ -72,6 +72,7 @@ int router_worker_register(router_t *r, const char *id, const char *peer_key, co
     w->max_batch_tokens = g->max_batch_tokens;
     w->max_running = g->max_running;
     w->max_queued_bytes = g->max_queued_bytes;
+    w->cache_units = g->embedding_cache_units;
     w->max_model_len = g->max_model_len;
     w->mem_budget = g->mem_budget;
     w->mem_planned = g->mem_planned;

@@ -45,6 +45,9 @@ typedef struct {
     uint64_t migrated;             /* requests that went on elsewhere after their decode worker died mid-generation */
     uint64_t stage_timeouts;       /* encode or prefill stages that overran --stage-timeout */
     uint64_t workers_disconnected; /* workers dropped because their connection closed */
+    uint64_t early_encodes;        /* images sent to an encoder's cache before their body ended */
+    uint64_t early_encodes_failed; /* ... that failed, timed out or lost their encoder */
+    uint64_t early_encodes_adopted; /* ... still running when their request came: it took the job over */
     uint64_t refused_limit[16];   /* by prism_refusal_t (the HTTP server's own are added when exported) */
 } prism_router_metrics_t;
 

@@ -2,7 +2,8 @@
  * chunked bodies, Expect, upgrade, limits, the API-key check from the headers) with OpenAI JSON bodies
  * parsed by router/openai_req.c — over a real loopback TCP connection.
  *
- * Bodies stream through the data-URL lifter, as in the router: the handler takes every lifted image.
+ * Bodies stream through the data-URL lifter, as in the router: whole images are read as soon as they
+ * are in (the router's early encode), and the handler takes every lifted image.
  *
  * Input: [mode] [chunking] [raw bytes a client sends]. mode picks how the handler answers (at once,
  * with an error, streamed, or later from the loop, as the router does), whether the API key is
@@ -146,6 +147,16 @@ static int image_check(const prism_http_req_t *r, int index, const char *mime, c
     return PRISM_HTTP_IMAGE_OK;
 }
 
+/* The router's early encode reads the whole image while the body goes on: touch both ends. */
+static volatile uint8_t g_sink;
+static void image_done(const prism_http_req_t *r, int index, const uint8_t *data, size_t len, void *ud)
+{
+    (void)r;
+    (void)ud;
+    FUZZ_ASSERT(data && len > 0 && index >= 0);
+    g_sink = data[0] ^ data[len - 1];
+}
+
 static void init_server(void)
 {
     fuzz_init_once();
@@ -159,6 +170,7 @@ static void init_server(void)
     c.on_headers = on_headers;
     c.lift_data_urls = true;
     c.image_check = image_check;
+    c.image_done = image_done;
     if (prism_http_server_start(&g_loop, &c, on_request, NULL, &g_srv) != PRISM_OK) abort();
 }
 

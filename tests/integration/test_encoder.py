@@ -8,7 +8,9 @@
   2048x2048 PNG (they stream in rows) and refuses a progressive JPEG whose coefficients do not
   fit, with a 400 that says so;
 - the embedding cache never answers a request from another image: a hit and a miss in one batch,
-  with room for one entry, each keep their own embeddings.
+  with room for one entry, each keep their own embeddings;
+- early encode: an image whose bytes are in goes to the encoder while the rest of its body is still
+  being uploaded; the request then takes its embeddings from the cache, and its answer is the same.
 
 Run: python3 tests/integration/test_encoder.py   (PRISM_BINARY_DIR=build dir)
 """
@@ -16,12 +18,15 @@ import concurrent.futures
 import json
 import os
 import re
+import signal
+import socket
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import Cluster, ROOT, chat_body, make_image, run_tests, MODEL  # noqa: E402
+from cluster import (Cluster, ROOT, chat_body, check_answer, distinct_requests, make_image, run_tests,  # noqa: E402
+                     MODEL)
 
 TMP = tempfile.mkdtemp(prefix="prism-encoder-")
 FIX = os.path.join(ROOT, "tests", "data", "image")
@@ -58,6 +63,12 @@ def encoder_lookups(c):
     m = metrics(c)
     return (m.get(("prism:worker_embedding_cache_hits_total", "encoder-0"), 0) +
             m.get(("prism:worker_embedding_cache_misses_total", "encoder-0"), 0))
+
+
+def misses_hits(c):
+    m = metrics(c)
+    return (m.get(("prism:worker_embedding_cache_misses_total", "encoder-0")),
+            m.get(("prism:worker_embedding_cache_hits_total", "encoder-0")))
 
 
 def idle(c):
@@ -150,6 +161,115 @@ def test_cache_hit_keeps_its_own_embeddings():
                 assert abs(x - y) < 1e-3, ("round %d: logprobs moved" % rnd, got, ref)
 
 
+def read_response(s):
+    """(status, headers, body) of one HTTP/1.1 response with a Content-Length, read from socket s."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, data
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    lines = head.decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (l.split(":", 1) for l in lines[1:])}
+    while len(body) < int(headers["content-length"]):
+        chunk = s.recv(65536)
+        assert chunk, body
+        body += chunk
+    return int(lines[0].split()[1]), headers, body
+
+
+def test_image_encoded_before_the_body_ends():
+    """A client uploads an image request and stops right after the image's data URL: the image is
+    encoded meanwhile (the router sent it to the encoder's cache as soon as its bytes were in; the
+    request itself does not exist yet, and the early job's encoder slot is free again). Once the rest
+    of the body arrives, the request is answered from the cache, with the answer it gets otherwise.
+    A request whose early job is still held takes it over: its image is encoded once."""
+    body, ref = distinct_requests(TMP, max_tokens=8)[1]
+    raw = json.dumps(body).encode()
+    url = body["messages"][0]["content"][0]["image_url"]["url"].encode()
+    cut = raw.index(url) + len(url) + 1   # just past the data URL's closing quote
+    with Cluster(router_args=["--timing-header", "--worker-timeout", "60"],
+                 worker_args={"encoder_worker": HB + ["--log-level", "debug"]}) as c:
+        c.wait_ready()
+        lookups = encoder_lookups(c)
+        s = socket.create_connection(("127.0.0.1", c.port), timeout=60)
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(raw) + raw[:cut])
+        wait_for("the early encode", lambda: c.metric("prism:router_early_encodes_total") == 1)
+        wait_for("the encoder to encode it", lambda: encoder_lookups(c) == lookups + 1)
+
+        def encoder_free():
+            st, _, data = c.request("GET", "/status")
+            enc = [w for w in json.loads(data)["workers"] if w["tier"] == "encoder"]
+            return st == 200 and enc and enc[0]["inflight"] == 0
+        wait_for("the early job's encoder slot back", encoder_free)
+        assert c.metric("prism:router_requests_in_flight") == 0   # the request is not there yet
+        s.sendall(raw[cut:])
+        status, headers, data = read_response(s)
+        s.close()
+        check_answer(status, json.loads(data), ref, "early-encoded request")
+        assert "cache_hits=1" in headers["x-prism-timing"], headers["x-prism-timing"]
+        time.sleep(0.3)   # a heartbeat more
+        # encoded once: the early job's miss; the request found that result, which is no repeat (not a hit)
+        assert misses_hits(c) == (1, 0), misses_hits(c)
+        assert c.metric("prism:router_early_encodes_failed_total") == 0
+        # a body sent whole: the request comes while its early job is still held (the encoder is
+        # stopped meanwhile): the request takes the job over; the image is encoded once
+        body2, ref2 = distinct_requests(TMP, max_tokens=8)[2]
+        enc = c.procs["encoder-0"]
+        enc.send_signal(signal.SIGSTOP)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as ex:
+                fut = ex.submit(c.post_json, "/v1/chat/completions", body2)
+                wait_for("its dispatch", lambda: c.metric("prism:router_early_encodes_adopted_total") == 1)
+                enc.send_signal(signal.SIGCONT)
+                status, r = fut.result()
+        finally:
+            enc.send_signal(signal.SIGCONT)
+        check_answer(status, r, ref2, "whole body")
+        assert c.metric("prism:router_early_encodes_total") == 2
+        wait_for("its lookup", lambda: encoder_lookups(c) >= lookups + 2)
+        time.sleep(0.3)   # a heartbeat more: no second lookup comes
+        # taken over while queued, or found done: encoded once either way, no hit counted
+        assert misses_hits(c) == (2, 0), misses_hits(c)
+        assert c.metric("prism:router_early_encodes_failed_total") == 0
+
+
+def test_early_job_of_a_hung_encoder_is_let_go():
+    """An early job whose encoder hangs (SIGSTOP) holds its slot only until --stage-timeout: then the
+    router aborts and forgets it (counted as failed), and the slot is back; the request, once its body
+    is whole, is encoded as usual when the encoder moves again. An encoder without a cache gets no
+    early jobs."""
+    body, ref = distinct_requests(TMP, max_tokens=8)[3]
+    raw = json.dumps(body).encode()
+    url = body["messages"][0]["content"][0]["image_url"]["url"].encode()
+    cut = raw.index(url) + len(url) + 1
+    with Cluster(router_args=["--stage-timeout", "2", "--worker-timeout", "60"], worker_args={"encoder_worker": HB}) as c:
+        c.wait_ready()
+        enc = c.procs["encoder-0"]
+        enc.send_signal(signal.SIGSTOP)
+        try:
+            s = socket.create_connection(("127.0.0.1", c.port), timeout=60)
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(raw) + raw[:cut])
+            wait_for("the early encode", lambda: c.metric("prism:router_early_encodes_total") == 1)
+            wait_for("the early job let go", lambda: c.metric("prism:router_early_encodes_failed_total") == 1, 30)
+            st, _, data = c.request("GET", "/status")
+            assert [w["inflight"] for w in json.loads(data)["workers"] if w["tier"] == "encoder"] == [0]
+        finally:
+            enc.send_signal(signal.SIGCONT)
+        s.sendall(raw[cut:])
+        status, _, data = read_response(s)
+        s.close()
+        check_answer(status, json.loads(data), ref, "after the hung early job")
+    with Cluster(worker_args={"encoder_worker": ["--embedding-cache-bytes", "0"]}) as c:
+        c.wait_ready()
+        status, r = c.post_json("/v1/chat/completions", body)
+        check_answer(status, r, ref, "encoder without a cache")
+        assert c.metric("prism:router_early_encodes_total") == 0
+
+
 if __name__ == "__main__":
     sys.exit(run_tests([test_no_heap_allocations_for_any_image_kind, test_streaming_decode_memory,
-                        test_cache_hit_keeps_its_own_embeddings]))
+                        test_cache_hit_keeps_its_own_embeddings, test_image_encoded_before_the_body_ends,
+                        test_early_job_of_a_hung_encoder_is_let_go]))

@@ -1191,6 +1191,91 @@ static void test_image_check_refuses_before_the_body_ends(void **state)
     harness_stop(h);
 }
 
+/* image_done: each whole image that passed image_check is told once, in body order, while the rest of
+ * the body is still to come; a refused one, one with bad base64 and one never finished are not. */
+static atomic_int g_done_n;
+static size_t g_done_len[8];
+static int g_done_index[8];
+static uint8_t g_done_first[8];
+
+static void image_done(const prism_http_req_t *r, int index, const uint8_t *data, size_t len, void *ud)
+{
+    (void)r;
+    (void)ud;
+    int k = atomic_load(&g_done_n);
+    if (k < 8) {
+        g_done_len[k] = len;
+        g_done_index[k] = index;
+        g_done_first[k] = data[0];
+    }
+    atomic_store(&g_done_n, k + 1);
+}
+
+static void test_image_done_told_once_before_the_body_ends(void **state)
+{
+    (void)state;
+    prism_http_config_t cfg = prism_http_config_default();
+    cfg.lift_data_urls = true;
+    cfg.image_check = image_check;
+    cfg.image_done = image_done;
+    harness_t *h = harness_start(&cfg);
+    client_t c;
+    resp_t r;
+    /* two good images ("\0\0\0..." x 1500 bytes, "ABC" x 30 bytes) and one bad one, then text */
+    prism_buf_t body = {0};
+    prism_buf_append_str(&body, "{\"messages\":[{\"content\":[{\"image_url\":{\"url\":\"data:image/png;base64,");
+    for (int i = 0; i < 500; i++) prism_buf_append(&body, "AAAA", 4);
+    prism_buf_append_str(&body, "\"}},{\"image_url\":{\"url\":\"data:image/png;base64,");
+    for (int i = 0; i < 10; i++) prism_buf_append(&body, "QUJD", 4);
+    size_t after_two = body.len + 2;   /* past the second string's closing quote */
+    prism_buf_append_str(&body, "\"}},{\"image_url\":{\"url\":\"data:image/png;base64,QU!D\"}},"
+                                "{\"type\":\"text\",\"text\":\"hi\"}]}]}");
+    atomic_store(&g_asks, 0);
+    atomic_store(&g_done_n, 0);
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "POST /lifted HTTP/1.1\r\nContent-Length: %zu\r\n\r\n", body.len);
+    assert_int_equal(client_send(&c, body.data, after_two), 0);
+    for (int i = 0; i < 5000 && atomic_load(&g_done_n) < 2; i++) usleep(1000);
+    assert_int_equal(atomic_load(&g_done_n), 2);   /* told while the body is not whole */
+    assert_int_equal(atomic_load(&h->n_requests), 0);
+    assert_int_equal(g_done_index[0], 0);
+    assert_int_equal(g_done_len[0], 1500);
+    assert_int_equal(g_done_first[0], 0);
+    assert_int_equal(g_done_index[1], 1);
+    assert_int_equal(g_done_len[1], 30);
+    assert_int_equal(g_done_first[1], 'A');
+    assert_int_equal(client_send(&c, body.data + after_two, body.len - after_two), 0);
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    assert_int_equal(r.status, 400);   /* the third image's bad base64 */
+    assert_openai_error(&r, "Image 2: invalid base64 data.");
+    resp_free(&r);
+    client_close(&c);
+    assert_int_equal(atomic_load(&g_done_n), 2);
+
+    /* a refused image ("XXX...") is never told; nor is one whose body never ends */
+    body.len = 0;
+    image_body(&body, "WFhY", 1000);
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "POST /lifted HTTP/1.1\r\nContent-Length: %zu\r\n\r\n%s", body.len, body.data);
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    assert_int_equal(r.status, 400);
+    resp_free(&r);
+    client_close(&c);
+    body.len = 0;
+    image_body(&body, "AAAA", 1000);
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "POST /lifted HTTP/1.1\r\nContent-Length: %zu\r\n\r\n", body.len);
+    assert_int_equal(client_send(&c, body.data, body.len - 20), 0);   /* cut inside the data URL */
+    assert_true(client_quiet(&c, 200));
+    client_close(&c);
+    assert_int_equal(atomic_load(&g_done_n), 2);
+    prism_buf_free(&body);
+    for (int i = 0; i < 2000 && prism_http_server_body_bytes(h->srv) > 0; i++) usleep(1000);
+    assert_int_equal(prism_http_server_body_bytes(h->srv), 0);
+    text_body_served(h);
+    harness_stop(h);
+}
+
 /* lift_data_urls: an image body streams through the lifter (the handler reads a small skeleton and
  * takes the decoded bytes), and its upload rate is judged on the bytes received, not on the skeleton:
  * a steady upload above min_body_rate is served, not answered 408. */
@@ -2030,6 +2115,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_body_gate_holds_whole_image_body),
         cmocka_unit_test(test_body_gate_held_body_gone_or_timed_out),
         cmocka_unit_test(test_image_check_refuses_before_the_body_ends),
+        cmocka_unit_test(test_image_done_told_once_before_the_body_ends),
         cmocka_unit_test(test_header_over_limit_431),
         cmocka_unit_test(test_malformed_400),
         cmocka_unit_test(test_expect_continue),

@@ -1,0 +1,164 @@
+/* Early encode: an image whose bytes are whole goes to an encoder while the rest of its request's
+ * body is still arriving.
+ *
+ * The request does not exist yet (its JSON is parsed once the body is whole), so the image is sent
+ * as a cache-only job: an Encode without a prefill endpoint, under an id of its own. The encoder
+ * decodes and encodes it into its embedding cache and answers EncodeDone to us. When the request is
+ * dispatched while the early job is still held, its image's Encode goes to the same encoder naming
+ * the early job (Encode.early_id): the encoder adopts the job (its slot, its work so far, from then
+ * on the request's id and prefill endpoint), and the router moves the job's slot and bytes to the
+ * request. Once the early job is done (its entry is kept a while, its slot freed), the request's
+ * image goes as always and is answered from the cache (the affinity to recent images, router_pick);
+ * its Encode still names the early job, so the encoder does not count finding that result as a
+ * cache hit (the early job counted the image). The router sends the image bytes either way:
+ * nothing depends on the early job, and one that fails, times out or was evicted from the cache
+ * costs only its work. A request that ends while its image's adoption may still be on its way aborts
+ * both ids (requests.c abort_workers).
+ *
+ * Early jobs take encoder slots and queued bytes as requests do, only when no request waits in the
+ * router's queue and an encoder with a cache has room (they never overtake a request), only for the
+ * first --limit-mm-per-prompt images of a body, at most ROUTER_MAX_EARLY at once; one the encoder
+ * has not answered within --stage-timeout is aborted and forgotten. One loop thread. */
+#include "router.h"
+
+#include <string.h>
+#include <xxhash.h>
+
+/* Finds the encoder an early job went to, if it is still the same process. */
+static router_worker_t *early_worker(router_t *r, const router_early_t *e)
+{
+    router_worker_t *w = router_worker_by_id(r, e->encoder_id);
+    return w && w->instance == e->instance ? w : NULL;
+}
+
+/* The job's encoder slot and bytes go back (it is done, failed or let go). */
+static void early_release(router_t *r, router_early_t *e)
+{
+    router_worker_t *w = early_worker(r, e);
+    if (w) {
+        w->inflight = PRISM_MAX(w->inflight - 1, 0);
+        w->queued_bytes -= PRISM_MIN(w->queued_bytes, e->bytes);
+    }
+    e->done = true;
+    r->queue_dirty = true;   /* a slot freed: a queued request may go */
+}
+
+/* How long a done job is remembered for its request (a body that ends later pays a counted hit). */
+static double keep_done_s(const router_t *r) { return r->stage_timeout_s > 0 ? r->stage_timeout_s : 60; }
+
+void router_early_encode(const prism_http_req_t *h, int index, const uint8_t *data, size_t len, void *ud)
+{
+    router_t *r = ud;
+    if (!r->early_encode || !data || !len || r->queue_len || r->draining || index >= r->max_images_per_prompt) return;
+    if (strcmp(prism_http_req_method(h), "POST") || strcmp(prism_http_req_path(h), "/v1/chat/completions")) return;
+    router_early_t *e = NULL;   /* a free entry, else the oldest done one */
+    for (int i = 0; i < ROUTER_MAX_EARLY; i++) {
+        router_early_t *x = &r->early[i];
+        if (!x->rid) {
+            e = x;
+            break;
+        }
+        if (x->done && (!e || x->t_sent < e->t_sent)) e = x;
+    }
+    if (!e) return;
+    uint64_t hash = XXH3_64bits_withSecret(data, len, r->img_secret, sizeof(r->img_secret));
+    bool any;
+    router_worker_t *w = router_pick_slots(r, PRISM__ROLE__ROLE_ENCODER, hash, 1, len, &any);
+    if (!w || !w->cache_units) return;   /* an early job is only worth a cache entry */
+    for (int k = 0; k < w->n_hashes; k++)
+        if (w->image_hashes[k] == hash) return;   /* sent there lately: its cache probably has it */
+    uint64_t rid;
+    do {
+        if (prism_random_bytes(&rid, sizeof rid) != PRISM_OK) return;
+    } while (!rid || router_req_get(r, rid));
+    Prism__Encode en = PRISM__ENCODE__INIT;
+    en.content_hash = hash;
+    en.prefill_endpoint = "";   /* cache only */
+    Prism__Envelope env = PRISM__ENVELOPE__INIT;
+    env.type = PRISM__MSG_TYPE__MSG_ENCODE;
+    env.request_id = rid;
+    env.encode = &en;
+    prism_frame_t f = {data, len};
+    if (router_send(r, w, &env, &f, 1) != PRISM_OK) return;
+    *e = (router_early_t){.rid = rid, .instance = w->instance, .hash = hash, .bytes = len, .t_sent = prism_now_s()};
+    snprintf(e->encoder_id, sizeof e->encoder_id, "%s", w->id);
+    w->inflight++;
+    w->queued_bytes += len;
+    router_worker_note_image(w, hash);
+    r->metrics.early_encodes++;
+    PRISM_DEBUG("early encode %016llx: %zu bytes to %s", (unsigned long long)rid, len, w->id);
+}
+
+bool router_early_encode_done(router_t *r, const router_worker_t *from, uint64_t rid, const Prism__EncodeDone *d)
+{
+    for (int i = 0; i < ROUTER_MAX_EARLY; i++) {
+        router_early_t *e = &r->early[i];
+        if (e->rid != rid || !rid || e->done) continue;
+        /* only from the encoder it went to */
+        if (from->role != PRISM__ROLE__ROLE_ENCODER || strcmp(e->encoder_id, from->id) || from->instance != e->instance)
+            return false;
+        early_release(r, e);
+        e->t_sent = prism_now_s();   /* done now: kept keep_done_s from here */
+        if (d->error && *d->error) {   /* nothing was cached: forgotten */
+            r->metrics.early_encodes_failed++;
+            PRISM_DEBUG("early encode %016llx on %s: %s", (unsigned long long)rid, from->id, d->error);
+            e->rid = 0;
+        }
+        return true;
+    }
+    return true;
+}
+
+router_worker_t *router_early_claim(router_t *r, uint64_t hash, const uint64_t *taken, int n_taken, uint64_t *early_id)
+{
+    *early_id = 0;
+    for (int i = 0; i < ROUTER_MAX_EARLY; i++) {
+        const router_early_t *e = &r->early[i];
+        if (!e->rid || e->done || e->hash != hash) continue;
+        bool claimed = false;
+        for (int k = 0; k < n_taken; k++) claimed |= taken[k] == e->rid;
+        router_worker_t *w = claimed ? NULL : early_worker(r, e);
+        if (!w || w->stuck) continue;
+        *early_id = e->rid;
+        return w;
+    }
+    return NULL;
+}
+
+void router_early_adopted(router_t *r, uint64_t early_id)
+{
+    for (int i = 0; i < ROUTER_MAX_EARLY; i++)
+        if (r->early[i].rid == early_id) r->early[i].rid = 0;   /* its slot and bytes are the request's now */
+    r->metrics.early_encodes_adopted++;
+}
+
+uint64_t router_early_take_done(router_t *r, uint64_t hash, const router_worker_t *w)
+{
+    for (int i = 0; i < ROUTER_MAX_EARLY; i++) {
+        router_early_t *e = &r->early[i];
+        if (!e->rid || !e->done || e->hash != hash || early_worker(r, e) != w) continue;
+        uint64_t id = e->rid;
+        e->rid = 0;
+        return id;
+    }
+    return 0;
+}
+
+void router_early_encode_sweep(router_t *r, double now)
+{
+    for (int i = 0; i < ROUTER_MAX_EARLY; i++) {
+        router_early_t *e = &r->early[i];
+        if (!e->rid) continue;
+        router_worker_t *w = early_worker(r, e);
+        if (e->done) {
+            if (!w || now - e->t_sent > keep_done_s(r)) e->rid = 0;
+            continue;
+        }
+        bool late = r->stage_timeout_s > 0 && now - e->t_sent > r->stage_timeout_s;
+        if (w && !late && !w->stuck) continue;
+        if (w) router_send_abort(r, w, e->rid);   /* it may still hold the job: let it go */
+        r->metrics.early_encodes_failed++;
+        early_release(r, e);
+        e->rid = 0;
+    }
+}
