@@ -394,7 +394,11 @@ static void run_batch(encoder_t *e)
     double decode_s = 0;
     /* Oldest first, while the pixel buffer has tiles for the next image (known from its header);
      * cache hits cost nothing and do not count against the time bound. */
-    for (int pass = 0; pass < e->max_queue && e->n_batch < e->cap_tiles && e->n_pix < target; pass++) {
+    /* Cache hits and refusals take no tiles: they do not count against the pixel buffer or the time
+     * bound (the images after them still fill the batch). */
+    for (int pass = 0; pass < e->max_queue && e->n_batch < (int)PRISM_ARRAY_LEN(e->batch) &&
+                       e->n_pix < PRISM_MIN(e->cap_tiles, (int)PRISM_ARRAY_LEN(e->pix_job)) && e->n_pix < target;
+         pass++) {
         job_t *best = NULL;
         for (int i = 0; i < e->max_queue; i++) {
             job_t *j = &e->jobs[i];
