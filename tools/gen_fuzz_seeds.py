@@ -17,6 +17,16 @@ OUT = os.path.join(ROOT, "tests", "fuzz", "corpus")
 MODEL = os.path.join(ROOT, "models", "prism-tiny-llava")
 
 
+def protocol_version():
+    """PRISM_PROTOCOL_VERSION of common/net/net.h: an envelope of another version is dropped unread."""
+    import re
+    with open(os.path.join(ROOT, "common", "net", "net.h")) as f:
+        return int(re.search(r"#define PRISM_PROTOCOL_VERSION (\d+)", f.read()).group(1))
+
+
+VERSION = protocol_version()
+
+
 SAMPLING_EXTRAS = {"prompt": "A red", "n": 3, "best_of": 3, "presence_penalty": 0.5, "frequency_penalty": -0.5,
                    "repetition_penalty": 1.2, "logit_bias": {"5": -100, "17": 3.5}, "top_p": 0,
                    "guided_choice": ["yes", "no"], "user": "u", "echo": False}
@@ -99,7 +109,7 @@ def pb_float(field, v):
 
 
 def envelope(type_, body_field, body, rid=7):
-    return pb_int(1, 1) + pb_int(2, type_) + pb_int(3, rid) + pb_bytes(4, "router-a-1-8000") + pb_bytes(body_field, body)
+    return pb_int(1, VERSION) + pb_int(2, type_) + pb_int(3, rid) + pb_bytes(4, "router-a-1-8000") + pb_bytes(body_field, body)
 
 
 def main():
