@@ -546,7 +546,11 @@ static uint32_t publish_load(decode_t *d)
     return load.running;
 }
 
-int main(int argc, char **argv)
+/* Everything before the loop: flags, the model, the KV cache and the worker, not started (the I/O
+ * thread, hence registration, starts in main). Returns -1 to go on, else the exit code (a
+ * tensor-parallel follower rank runs its whole life in here). tests/fuzz/fuzz_decode_msgs.c builds
+ * the worker it feeds messages to with it. */
+static int decode_open(decode_t *d, int argc, char **argv)
 {
     prism_worker_opts_t o;
     prism_worker_opts_defaults(&o, "decode");
@@ -563,11 +567,9 @@ int main(int argc, char **argv)
         PRISM_FLAG_STR("overlap-steps", &overlap,
                        "auto (on for devices with streams), on or off: enqueue step n+1 before sending step n's tokens"),
     };
-    static decode_t d;
     int rc = prism_worker_startup(argc, argv, "decode", "Prism decode worker: paged KV cache, continuous batching "
-                                  "and sampling.", flags, &o, &d.cfg);
+                                  "and sampling.", flags, &o, &d->cfg);
     if (rc >= 0) return rc;
-    double t0 = prism_now_s();
     char err[512] = "";
     if (block_size < 1 || block_size > 1024 || max_running < 1 || max_running > 4096) {
         PRISM_ERROR("--block-size must be 1..1024 and --max-running-requests 1..4096");
@@ -578,12 +580,12 @@ int main(int argc, char **argv)
         return 2;
     }
     if (prism_tp_opts_check(&tpo) != PRISM_OK) return 2;
-    d.full = d.cfg;
-    if (tpo.size > 1 && prism_model_config_set_tp(&d.cfg, (int)tpo.size, (int)tpo.rank, err, sizeof err) != PRISM_OK) {
+    d->full = d->cfg;
+    if (tpo.size > 1 && prism_model_config_set_tp(&d->cfg, (int)tpo.size, (int)tpo.rank, err, sizeof err) != PRISM_OK) {
         PRISM_ERROR("--tp-size %lld: %s", (long long)tpo.size, err);
         return 2;
     }
-    if (tpo.size > 1 && prism_kv_local_ring(&d.cfg, 16, 1) > 0) {
+    if (tpo.size > 1 && prism_kv_local_ring(&d->cfg, 16, 1) > 0) {
         /* Their KV transfer splits the layers (chunked ones from the current chunk only); a group's
          * KV scatter and gather move whole-cache blocks. */
         PRISM_ERROR("--tp-size %lld: models with chunked-attention layers (Llama-4) run at --tp-size 1 for now",
@@ -591,40 +593,40 @@ int main(int argc, char **argv)
         return 2;
     }
     const bool leader = tpo.rank == 0;
-    d.max_running = (int)max_running;
-    d.max_model_len = prism_model_context_length(&d.cfg, context_length);
-    d.cfg.max_pos = d.max_model_len;   /* the model's block tables are planned for the context served */
-    d.max_blocks_per_seq = (d.max_model_len + (int)block_size - 1) / (int)block_size;
+    d->max_running = (int)max_running;
+    d->max_model_len = prism_model_context_length(&d->cfg, context_length);
+    d->cfg.max_pos = d->max_model_len;   /* the model's block tables are planned for the context served */
+    d->max_blocks_per_seq = (d->max_model_len + (int)block_size - 1) / (int)block_size;
 
-    if (prism_backend_create(o.device, (int)o.threads, 0, &d.be) != PRISM_OK) {
+    if (prism_backend_create(o.device, (int)o.threads, 0, &d->be) != PRISM_OK) {
         PRISM_ERROR("cannot create backend '%s'", o.device);
         return 1;
     }
-    if (prism_llm_load(d.be, &d.cfg, o.model_path, d.max_running, d.max_running, &d.llm, err, sizeof(err)) != PRISM_OK) {
+    if (prism_llm_load(d->be, &d->cfg, o.model_path, d->max_running, d->max_running, &d->llm, err, sizeof(err)) != PRISM_OK) {
         PRISM_ERROR("cannot load language model: %s", err);
         return 1;
     }
     /* the transfer layout (whole-model heads: a group's leader takes the whole and scatters) */
-    d.fbb = prism_kv_cache_class_block_bytes(&d.full, (int)block_size, PRISM_KV_CLASS_FULL);
-    d.lbb = prism_kv_cache_class_block_bytes(&d.full, (int)block_size, PRISM_KV_CLASS_LOCAL);
-    d.ring = prism_kv_local_ring(&d.cfg, (int)block_size, 1);
+    d->fbb = prism_kv_cache_class_block_bytes(&d->full, (int)block_size, PRISM_KV_CLASS_FULL);
+    d->lbb = prism_kv_cache_class_block_bytes(&d->full, (int)block_size, PRISM_KV_CLASS_LOCAL);
+    d->ring = prism_kv_local_ring(&d->cfg, (int)block_size, 1);
     /* A ring as long as the context saves nothing (and would be reserved per slot): one pool then,
      * every layer in it (the transfer layout is the same; the chunked layers' older blocks are
      * simply never written nor read). */
-    if (d.ring >= d.max_blocks_per_seq) d.ring = 0;
+    if (d->ring >= d->max_blocks_per_seq) d->ring = 0;
     /* The pool's block: the layers that keep every position (every layer without a split). */
-    size_t block_bytes = d.ring ? prism_kv_cache_class_block_bytes(&d.cfg, (int)block_size, PRISM_KV_CLASS_FULL)
-                                : prism_kv_cache_block_bytes(&d.cfg, (int)block_size);
-    size_t ring_bytes = (size_t)d.max_running * d.ring *
-                        prism_kv_cache_class_block_bytes(&d.cfg, (int)block_size, PRISM_KV_CLASS_LOCAL);
-    size_t weights = prism_llm_weight_bytes(d.llm);
-    size_t arena = prism_llm_arena_bytes(&d.cfg, d.max_running, d.max_running);
-    size_t scratch = (size_t)d.max_running * d.cfg.vocab * sizeof(float) + (size_t)d.cfg.vocab * 8 +
-                     (size_t)d.max_running * d.max_blocks_per_seq * sizeof(int32_t);
+    size_t block_bytes = d->ring ? prism_kv_cache_class_block_bytes(&d->cfg, (int)block_size, PRISM_KV_CLASS_FULL)
+                                : prism_kv_cache_block_bytes(&d->cfg, (int)block_size);
+    size_t ring_bytes = (size_t)d->max_running * d->ring *
+                        prism_kv_cache_class_block_bytes(&d->cfg, (int)block_size, PRISM_KV_CLASS_LOCAL);
+    size_t weights = prism_llm_weight_bytes(d->llm);
+    size_t arena = prism_llm_arena_bytes(&d->cfg, d->max_running, d->max_running);
+    size_t scratch = (size_t)d->max_running * d->cfg.vocab * sizeof(float) + (size_t)d->cfg.vocab * 8 +
+                     (size_t)d->max_running * d->max_blocks_per_seq * sizeof(int32_t);
     if (tpo.size > 1)   /* collectives' shared memory, and the leader's per-rank KV slice buffer */
-        scratch += prism_comm_shm_bytes((int)tpo.size, 0) + (size_t)d.max_blocks_per_seq * block_bytes;
+        scratch += prism_comm_shm_bytes((int)tpo.size, 0) + (size_t)d->max_blocks_per_seq * block_bytes;
     size_t heap0 = prism_mem_used();   /* token-count tables, matchers' slots, grammar vocabulary: measured */
-    if (prism_seq_sampler_init(&d.sampler, &d.cfg, o.model_path, d.max_running) != PRISM_OK) {
+    if (prism_seq_sampler_init(&d->sampler, &d->cfg, o.model_path, d->max_running) != PRISM_OK) {
         PRISM_ERROR("cannot allocate the sampler");
         return 1;
     }
@@ -641,16 +643,16 @@ int main(int argc, char **argv)
     prism_mem_plan_t plan = {.budget = (size_t)o.mem_budget};
     prism_mem_plan_add(&plan, "weights", weights);
     prism_mem_plan_add(&plan, "kv-cache", (size_t)kv_blocks * block_bytes);
-    if (d.ring) prism_mem_plan_add(&plan, "kv-rings", ring_bytes);   /* chunked layers: one chunk per sequence */
+    if (d->ring) prism_mem_plan_add(&plan, "kv-rings", ring_bytes);   /* chunked layers: one chunk per sequence */
     prism_mem_plan_add(&plan, "activations", arena);
     prism_mem_plan_add(&plan, "logits+tables", scratch);
     prism_mem_plan_add(&plan, "sampling", sampling);
     prism_mem_plan_add(&plan, "runtime", runtime);
     prism_mem_plan_add(&plan, "reserve", reserve);
-    if (kv_blocks < d.max_blocks_per_seq) {
+    if (kv_blocks < d->max_blocks_per_seq) {
         PRISM_ERROR("decode: %lld KV blocks cannot hold one sequence of %d tokens (%d blocks of %d); "
                     "raise --mem-budget or --kv-blocks, or lower --context-length",
-                    (long long)kv_blocks, d.max_model_len, d.max_blocks_per_seq, (int)block_size);
+                    (long long)kv_blocks, d->max_model_len, d->max_blocks_per_seq, (int)block_size);
         prism_mem_plan_check(&plan, "decode");
         return 1;
     }
@@ -665,8 +667,8 @@ int main(int argc, char **argv)
         prism_worker_data_bind(&o, bind, sizeof(bind));
         /* The largest transfer: every block of the pool's layers, and the chunked layers' blocks from
          * the chunk of the last position (at most a ring); whole-model heads (the leader scatters) */
-        size_t max_kv = (size_t)d.max_blocks_per_seq * d.fbb + (size_t)d.ring * d.lbb;
-        if (prism_worker_init(&d.w, PRISM__ROLE__ROLE_DECODE, &o, bind, max_kv) != PRISM_OK)
+        size_t max_kv = (size_t)d->max_blocks_per_seq * d->fbb + (size_t)d->ring * d->lbb;
+        if (prism_worker_init(&d->w, PRISM__ROLE__ROLE_DECODE, &o, bind, max_kv) != PRISM_OK)
             return 1;
     } else {
         prism_net_opts_t no = {.role = PRISM_NET_ROLE_DECODE, .curve_keys = o.curve_keys, .insecure = o.insecure_no_curve};
@@ -675,59 +677,68 @@ int main(int argc, char **argv)
             return 1;
         }
     }
-    if (prism_tp_join(&d.tp, &tpo, leader ? d.w.net : rank_net, d.be, &d.cfg, o.worker_id, d.max_blocks_per_seq,
+    if (prism_tp_join(&d->tp, &tpo, leader ? d->w.net : rank_net, d->be, &d->cfg, o.worker_id, d->max_blocks_per_seq,
                       (int)block_size) != PRISM_OK)
         return 1;
     prism_tp_setup_t setup = {.kv_blocks = (int)PRISM_MIN(kv_blocks, (int64_t)INT32_MAX), .block_size = (int)block_size,
-                              .max_seqs = d.max_running, .max_tokens = d.max_running};
-    if (prism_tp_setup(&d.tp, &setup) != PRISM_OK) return 1;
+                              .max_seqs = d->max_running, .max_tokens = d->max_running};
+    if (prism_tp_setup(&d->tp, &setup) != PRISM_OK) return 1;
     kv_blocks = setup.kv_blocks;
-    if (tpo.size > 1) prism_llm_set_comm(d.llm, prism_group_comm(d.tp.g));
+    if (tpo.size > 1) prism_llm_set_comm(d->llm, prism_group_comm(d->tp.g));
 
-    if (prism_kv_cache_create_split(d.be, &d.cfg, (int)kv_blocks, d.max_running * d.ring, (int)block_size, &d.kv) !=
+    if (prism_kv_cache_create_split(d->be, &d->cfg, (int)kv_blocks, d->max_running * d->ring, (int)block_size, &d->kv) !=
             PRISM_OK ||
-        prism_kv_blocks_init(&d.blocks, (int)kv_blocks, (int)block_size) != PRISM_OK) {
+        prism_kv_blocks_init(&d->blocks, (int)kv_blocks, (int)block_size) != PRISM_OK) {
         PRISM_ERROR("cannot allocate the KV cache (%lld blocks)", (long long)kv_blocks);
         return 1;
     }
-    prism_abort_memo_init(&d.aborts, 600.0);
-    d.seqs = prism_xcalloc((size_t)d.max_running, sizeof(seq_t));
-    d.block_pool = prism_xcalloc((size_t)d.max_running * d.max_blocks_per_seq, sizeof(int32_t));
-    for (int i = 0; i < d.max_running; i++) d.seqs[i].blocks = d.block_pool + (size_t)i * d.max_blocks_per_seq;
-    if (d.ring) {
-        d.ring_pool = prism_xcalloc((size_t)d.max_running * d.ring, sizeof(int32_t));
-        d.ring_ids = prism_xcalloc((size_t)d.ring, sizeof(int32_t));
-        for (int i = 0; i < d.max_running * d.ring; i++) d.ring_pool[i] = i;
-        for (int i = 0; i < d.max_running; i++) d.seqs[i].ring = d.ring_pool + (size_t)i * d.ring;
+    prism_abort_memo_init(&d->aborts, 600.0);
+    d->seqs = prism_xcalloc((size_t)d->max_running, sizeof(seq_t));
+    d->block_pool = prism_xcalloc((size_t)d->max_running * d->max_blocks_per_seq, sizeof(int32_t));
+    for (int i = 0; i < d->max_running; i++) d->seqs[i].blocks = d->block_pool + (size_t)i * d->max_blocks_per_seq;
+    if (d->ring) {
+        d->ring_pool = prism_xcalloc((size_t)d->max_running * d->ring, sizeof(int32_t));
+        d->ring_ids = prism_xcalloc((size_t)d->ring, sizeof(int32_t));
+        for (int i = 0; i < d->max_running * d->ring; i++) d->ring_pool[i] = i;
+        for (int i = 0; i < d->max_running; i++) d->seqs[i].ring = d->ring_pool + (size_t)i * d->ring;
     }
-    d.rings = prism_xcalloc((size_t)d.max_running, sizeof(int32_t *));
-    d.tokens = prism_xcalloc((size_t)d.max_running, sizeof(int32_t));
-    d.pos0 = prism_xcalloc((size_t)d.max_running, sizeof(int32_t));
-    d.seq_start = prism_xcalloc((size_t)d.max_running + 1, sizeof(int32_t));
-    d.slot_of = prism_xcalloc((size_t)d.max_running, sizeof(int));
-    d.tables = prism_xcalloc((size_t)d.max_running, sizeof(int32_t *));
-    d.dropped = prism_xcalloc((size_t)d.max_running, sizeof(bool));
-    d.out = prism_xcalloc((size_t)d.max_running, sizeof(out_t));
-    d.logits = prism_xcalloc((size_t)d.max_running * d.cfg.vocab, sizeof(float));
+    d->rings = prism_xcalloc((size_t)d->max_running, sizeof(int32_t *));
+    d->tokens = prism_xcalloc((size_t)d->max_running, sizeof(int32_t));
+    d->pos0 = prism_xcalloc((size_t)d->max_running, sizeof(int32_t));
+    d->seq_start = prism_xcalloc((size_t)d->max_running + 1, sizeof(int32_t));
+    d->slot_of = prism_xcalloc((size_t)d->max_running, sizeof(int));
+    d->tables = prism_xcalloc((size_t)d->max_running, sizeof(int32_t *));
+    d->dropped = prism_xcalloc((size_t)d->max_running, sizeof(bool));
+    d->out = prism_xcalloc((size_t)d->max_running, sizeof(out_t));
+    d->logits = prism_xcalloc((size_t)d->max_running * d->cfg.vocab, sizeof(float));
     /* On the CPU a step computes inside begin: overlapping would only delay each token by a step
      * ("on" exists to test the pipeline without a GPU). */
-    d.overlap = !strcmp(overlap, "on") || (!strcmp(overlap, "auto") && strcmp(d.be->device, "cpu") != 0);
+    d->overlap = !strcmp(overlap, "on") || (!strcmp(overlap, "auto") && strcmp(d->be->device, "cpu") != 0);
 
     if (!leader) {
-        int code = prism_tp_follow(&d.tp, d.llm, d.kv, d.logits);
-        prism_tp_close(&d.tp);
+        int code = prism_tp_follow(&d->tp, d->llm, d->kv, d->logits);
+        prism_tp_close(&d->tp);
         prism_net_destroy(rank_net);
         return code;
     }
-    prism_worker_set_capacity(&d.w, &o, &plan, (uint32_t)kv_blocks, (uint32_t)block_size, (uint32_t)d.max_running,
-                              (uint32_t)d.max_running, (uint32_t)d.max_model_len);
-    d.w.reg.tp_size = (uint32_t)tpo.size;
-    d.hook = (prism_model_hook_t){hook_layer, hook_cancelled, &d};
-    prism_llm_set_hook(d.llm, &d.hook);
-    publish_load(&d);   /* the first heartbeat already tells the truth */
+    prism_worker_set_capacity(&d->w, &o, &plan, (uint32_t)kv_blocks, (uint32_t)block_size, (uint32_t)d->max_running,
+                              (uint32_t)d->max_running, (uint32_t)d->max_model_len);
+    d->w.reg.tp_size = (uint32_t)tpo.size;
+    d->hook = (prism_model_hook_t){hook_layer, hook_cancelled, d};
+    prism_llm_set_hook(d->llm, &d->hook);
+    publish_load(d);   /* the first heartbeat already tells the truth */
+    return -1;
+}
+
+int main(int argc, char **argv)
+{
+    static decode_t d;
+    double t0 = prism_now_s();
+    int rc = decode_open(&d, argc, argv);
+    if (rc >= 0) return rc;
     if (prism_worker_start(&d.w) != PRISM_OK) return 1;   /* registration: the group has formed */
-    PRISM_INFO("decode worker %s ready in %.2fs: data %s, %lld KV blocks x %lld tokens, batch %d%s%s", d.w.worker_id,
-               prism_now_s() - t0, d.w.data_endpoint, (long long)kv_blocks, (long long)block_size, d.max_running,
+    PRISM_INFO("decode worker %s ready in %.2fs: data %s, %d KV blocks x %d tokens, batch %d%s%s", d.w.worker_id,
+               prism_now_s() - t0, d.w.data_endpoint, d.blocks.n_blocks, d.blocks.block_size, d.max_running,
                d.overlap ? ", host work overlapped with the device" : "",
                d.ring ? ", chunked-attention layers in per-sequence rings" : "");
     if (d.ring) {
@@ -757,7 +768,7 @@ int main(int argc, char **argv)
                "(%llu ops, tp %d over %s); %llu sequences cancelled", (unsigned long long)d.steps,
                (unsigned long long)d.tokens_out, d.steps ? d.ns_forward / 1e6 / (double)d.steps : 0.0,
                d.ns_forward ? 100.0 * (double)comm->ns_in_ops / (double)d.ns_forward : 0.0,
-               (unsigned long long)comm->n_ops, (int)tpo.size, prism_group_transport(d.tp.g),
+               (unsigned long long)comm->n_ops, d.tp.size, prism_group_transport(d.tp.g),
                (unsigned long long)d.cancelled);
     if (!code) prism_tp_stop(&d.tp);
     prism_tp_close(&d.tp);

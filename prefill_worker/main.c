@@ -652,7 +652,11 @@ static void publish_load(prefill_t *p)
     prism_worker_set_load(&p->w, &load);
 }
 
-int main(int argc, char **argv)
+/* Everything before the loop: flags, the model, the pools and the worker, not started (the I/O
+ * thread, hence registration, starts in main). Returns -1 to go on, else the exit code (a
+ * tensor-parallel follower rank runs its whole life in here). tests/fuzz/fuzz_prefill_msgs.c builds
+ * the worker it feeds messages to with it. */
+static int prefill_open(prefill_t *p, int argc, char **argv)
 {
     prism_worker_opts_t o;
     prism_worker_opts_defaults(&o, "prefill");
@@ -671,11 +675,9 @@ int main(int argc, char **argv)
         PRISM_FLAG_DOUBLE("orphan-timeout", &orphan_timeout,
                           "Seconds before embeddings whose prefill request never arrives free their slot"),
     };
-    static prefill_t p;
     int rc = prism_worker_startup(argc, argv, "prefill", "Prism prefill worker: chunked prefill, first token, KV "
-                                  "export to decode workers.", flags, &o, &p.cfg);
+                                  "export to decode workers.", flags, &o, &p->cfg);
     if (rc >= 0) return rc;
-    double t0 = prism_now_s();
     char err[512] = "";
     if (chunk < 1 || chunk > 65536 || block_size < 1 || block_size > 1024 || max_pending < 1 ||
         max_pending > 4096 || emb_images < 1 || emb_images > 65536 || !(orphan_timeout > 0)) {
@@ -683,12 +685,12 @@ int main(int argc, char **argv)
         return 2;
     }
     if (prism_tp_opts_check(&tpo) != PRISM_OK) return 2;
-    p.full = p.cfg;
-    if (tpo.size > 1 && prism_model_config_set_tp(&p.cfg, (int)tpo.size, (int)tpo.rank, err, sizeof err) != PRISM_OK) {
+    p->full = p->cfg;
+    if (tpo.size > 1 && prism_model_config_set_tp(&p->cfg, (int)tpo.size, (int)tpo.rank, err, sizeof err) != PRISM_OK) {
         PRISM_ERROR("--tp-size %lld: %s", (long long)tpo.size, err);
         return 2;
     }
-    if (tpo.size > 1 && prism_kv_local_ring(&p.cfg, 16, 1) > 0) {
+    if (tpo.size > 1 && prism_kv_local_ring(&p->cfg, 16, 1) > 0) {
         /* Their KV transfer splits the layers (chunked ones from the current chunk only); a group's
          * KV scatter and gather move whole-cache blocks. */
         PRISM_ERROR("--tp-size %lld: models with chunked-attention layers (Llama-4) run at --tp-size 1 for now",
@@ -696,70 +698,70 @@ int main(int argc, char **argv)
         return 2;
     }
     const bool leader = tpo.rank == 0;
-    p.chunk = (int)chunk;
-    p.orphan_timeout_s = orphan_timeout;
-    prism_abort_memo_init(&p.aborts, orphan_timeout);
-    p.max_pending = (int)max_pending;
-    if (p.cfg.has_vision) {
+    p->chunk = (int)chunk;
+    p->orphan_timeout_s = orphan_timeout;
+    prism_abort_memo_init(&p->aborts, orphan_timeout);
+    p->max_pending = (int)max_pending;
+    if (p->cfg.has_vision) {
         /* Pages of one tile's rows; the largest image needs max_pages of them. */
-        p.page_rows = p.cfg.image_seq_length;
-        p.max_pages = 1;
-        if (p.cfg.vision_arch == PRISM_VISION_LLAMA4) {
+        p->page_rows = p->cfg.image_seq_length;
+        p->max_pages = 1;
+        if (p->cfg.vision_arch == PRISM_VISION_LLAMA4) {
             prism_llama4_proc_t proc;
             if (prism_llama4_proc_load_dir(o.model_path, &proc, err, sizeof(err)) != PRISM_OK) {
                 PRISM_ERROR("Llama-4 image processor: %s", err);
                 return 1;
             }
-            if (proc.tokens_per_tile != p.cfg.image_seq_length) {
+            if (proc.tokens_per_tile != p->cfg.image_seq_length) {
                 PRISM_ERROR("Llama-4: %d tokens per tile in the processor, %d in the vision config", proc.tokens_per_tile,
-                            p.cfg.image_seq_length);
+                            p->cfg.image_seq_length);
                 return 1;
             }
-            p.max_pages = prism_llama4_max_tiles(&proc);
+            p->max_pages = prism_llama4_max_tiles(&proc);
         }
-        PRISM_ASSERT(p.max_pages >= 1 && p.max_pages <= MAX_PAGES);
-        p.n_pages = (int)emb_images * p.max_pages;
+        PRISM_ASSERT(p->max_pages >= 1 && p->max_pages <= MAX_PAGES);
+        p->n_pages = (int)emb_images * p->max_pages;
     }
-    p.max_model_len = prism_model_context_length(&p.cfg, context_length);
-    p.cfg.max_pos = p.max_model_len;   /* the model's block tables are planned for the context served */
-    p.max_blocks_per_seq = (p.max_model_len + (int)block_size - 1) / (int)block_size;
-    if (kv_blocks <= 0) kv_blocks = 2 * p.max_blocks_per_seq;
-    if (kv_blocks < p.max_blocks_per_seq) {
+    p->max_model_len = prism_model_context_length(&p->cfg, context_length);
+    p->cfg.max_pos = p->max_model_len;   /* the model's block tables are planned for the context served */
+    p->max_blocks_per_seq = (p->max_model_len + (int)block_size - 1) / (int)block_size;
+    if (kv_blocks <= 0) kv_blocks = 2 * p->max_blocks_per_seq;
+    if (kv_blocks < p->max_blocks_per_seq) {
         PRISM_ERROR("prefill: --kv-blocks %lld cannot hold one %d-token prompt (%d blocks)", (long long)kv_blocks,
-                    p.max_model_len, p.max_blocks_per_seq);
+                    p->max_model_len, p->max_blocks_per_seq);
         return 1;
     }
 
-    if (prism_backend_create(o.device, (int)o.threads, 0, &p.be) != PRISM_OK) {
+    if (prism_backend_create(o.device, (int)o.threads, 0, &p->be) != PRISM_OK) {
         PRISM_ERROR("cannot create backend '%s'", o.device);
         return 1;
     }
-    if (prism_llm_load(p.be, &p.cfg, o.model_path, p.chunk, 1, &p.llm, err, sizeof(err)) != PRISM_OK) {
+    if (prism_llm_load(p->be, &p->cfg, o.model_path, p->chunk, 1, &p->llm, err, sizeof(err)) != PRISM_OK) {
         PRISM_ERROR("cannot load language model: %s", err);
         return 1;
     }
-    p.block_bytes = prism_kv_cache_block_bytes(&p.full, (int)block_size);
-    size_t rank_block_bytes = prism_kv_cache_block_bytes(&p.cfg, (int)block_size);
+    p->block_bytes = prism_kv_cache_block_bytes(&p->full, (int)block_size);
+    size_t rank_block_bytes = prism_kv_cache_block_bytes(&p->cfg, (int)block_size);
     size_t heap0 = prism_mem_used();   /* the sampler's tables and the grammar vocabulary, measured */
-    if (prism_seq_sampler_init(&p.sampler, &p.full, o.model_path, 1) != PRISM_OK) {
+    if (prism_seq_sampler_init(&p->sampler, &p->full, o.model_path, 1) != PRISM_OK) {
         PRISM_ERROR("cannot allocate the sampler");
         return 1;
     }
     size_t sampling_bytes = prism_mem_used() - heap0;
-    size_t emb_bytes = (size_t)p.n_pages * p.page_rows * p.cfg.hidden * sizeof(float);
+    size_t emb_bytes = (size_t)p->n_pages * p->page_rows * p->cfg.hidden * sizeof(float);
     prism_mem_plan_t plan = {.budget = (size_t)o.mem_budget};
-    prism_mem_plan_add(&plan, "weights", prism_llm_weight_bytes(p.llm));
+    prism_mem_plan_add(&plan, "weights", prism_llm_weight_bytes(p->llm));
     prism_mem_plan_add(&plan, "kv-cache", (size_t)kv_blocks * rank_block_bytes);
-    prism_mem_plan_add(&plan, "kv-export", (size_t)p.max_blocks_per_seq * p.block_bytes);
-    prism_mem_plan_add(&plan, "activations", prism_llm_arena_bytes(&p.cfg, p.chunk, 1) +
-                                             (size_t)p.chunk * sizeof(*p.chunk_rows));
+    prism_mem_plan_add(&plan, "kv-export", (size_t)p->max_blocks_per_seq * p->block_bytes);
+    prism_mem_plan_add(&plan, "activations", prism_llm_arena_bytes(&p->cfg, p->chunk, 1) +
+                                             (size_t)p->chunk * sizeof(*p->chunk_rows));
     prism_mem_plan_add(&plan, "embedding-pool", emb_bytes);
-    prism_mem_plan_add(&plan, "prompts", (size_t)(p.max_pending + 1) * p.max_model_len * sizeof(int32_t));
+    prism_mem_plan_add(&plan, "prompts", (size_t)(p->max_pending + 1) * p->max_model_len * sizeof(int32_t));
     prism_mem_plan_add(&plan, "sampling", sampling_bytes);
     if (tpo.size > 1)   /* collectives' shared memory, KV slices, one chunk's embedding rows */
         prism_mem_plan_add(&plan, "tensor-parallel", prism_comm_shm_bytes((int)tpo.size, 0) +
-                                                     (size_t)p.max_blocks_per_seq * rank_block_bytes +
-                                                     (size_t)p.chunk * p.cfg.hidden * sizeof(float));
+                                                     (size_t)p->max_blocks_per_seq * rank_block_bytes +
+                                                     (size_t)p->chunk * p->cfg.hidden * sizeof(float));
     prism_mem_plan_add(&plan, "runtime", prism_mem_runtime_bytes());
     prism_mem_plan_add(&plan, "reserve", PRISM_MEM_RESERVE);
     if (prism_mem_plan_check(&plan, "prefill") != PRISM_OK) return 1;
@@ -770,8 +772,8 @@ int main(int argc, char **argv)
     char bind[300];
     if (leader) {
         prism_worker_data_bind(&o, bind, sizeof(bind));
-        if (prism_worker_init(&p.w, PRISM__ROLE__ROLE_PREFILL, &o, bind,
-                              (size_t)p.cfg.image_seq_length * p.cfg.hidden * sizeof(float)) != PRISM_OK)
+        if (prism_worker_init(&p->w, PRISM__ROLE__ROLE_PREFILL, &o, bind,
+                              (size_t)p->cfg.image_seq_length * p->cfg.hidden * sizeof(float)) != PRISM_OK)
             return 1;
     } else {
         prism_net_opts_t no = {.role = PRISM_NET_ROLE_PREFILL, .curve_keys = o.curve_keys, .insecure = o.insecure_no_curve};
@@ -780,47 +782,56 @@ int main(int argc, char **argv)
             return 1;
         }
     }
-    if (prism_tp_join(&p.tp, &tpo, leader ? p.w.net : rank_net, p.be, &p.cfg, o.worker_id, p.max_blocks_per_seq,
+    if (prism_tp_join(&p->tp, &tpo, leader ? p->w.net : rank_net, p->be, &p->cfg, o.worker_id, p->max_blocks_per_seq,
                       (int)block_size) != PRISM_OK)
         return 1;
     prism_tp_setup_t setup = {.kv_blocks = (int)PRISM_MIN(kv_blocks, (int64_t)INT32_MAX), .block_size = (int)block_size,
-                              .max_seqs = 1, .max_tokens = p.chunk};
-    if (prism_tp_setup(&p.tp, &setup) != PRISM_OK) return 1;
+                              .max_seqs = 1, .max_tokens = p->chunk};
+    if (prism_tp_setup(&p->tp, &setup) != PRISM_OK) return 1;
     kv_blocks = setup.kv_blocks;
-    if (tpo.size > 1) prism_llm_set_comm(p.llm, prism_group_comm(p.tp.g));
+    if (tpo.size > 1) prism_llm_set_comm(p->llm, prism_group_comm(p->tp.g));
 
-    if (prism_kv_cache_create(p.be, &p.cfg, (int)kv_blocks, (int)block_size, &p.kv) != PRISM_OK ||
-        prism_kv_blocks_init(&p.blocks, (int)kv_blocks, (int)block_size) != PRISM_OK) {
+    if (prism_kv_cache_create(p->be, &p->cfg, (int)kv_blocks, (int)block_size, &p->kv) != PRISM_OK ||
+        prism_kv_blocks_init(&p->blocks, (int)kv_blocks, (int)block_size) != PRISM_OK) {
         PRISM_ERROR("cannot allocate the prefill KV cache");
         return 1;
     }
-    p.reqs = prism_xcalloc((size_t)p.max_pending, sizeof(preq_t));
-    p.token_pool = prism_xcalloc((size_t)p.max_pending * p.max_model_len, sizeof(int32_t));
-    p.kv_prompt = prism_xcalloc((size_t)p.max_model_len, sizeof(int32_t));
-    for (int i = 0; i < p.max_pending; i++) p.reqs[i].tokens = p.token_pool + (size_t)i * p.max_model_len;
-    p.emb = prism_xcalloc((size_t)PRISM_MAX(p.n_pages, 1), sizeof(emb_slot_t));
-    p.emb_pool = prism_malloc_aligned(PRISM_MAX(emb_bytes, (size_t)64), 64);
-    p.free_pages = prism_xcalloc((size_t)PRISM_MAX(p.n_pages, 1), sizeof(int32_t));
-    PRISM_ASSERT(p.emb_pool);
-    for (int i = 0; i < p.n_pages; i++) p.free_pages[p.n_free_pages++] = p.n_pages - 1 - i;
-    p.chunk_rows = prism_xcalloc((size_t)p.chunk, sizeof(*p.chunk_rows));
-    p.table = prism_xcalloc((size_t)p.max_blocks_per_seq, sizeof(int32_t));
-    p.logits = prism_xcalloc((size_t)p.cfg.vocab, sizeof(float));
+    p->reqs = prism_xcalloc((size_t)p->max_pending, sizeof(preq_t));
+    p->token_pool = prism_xcalloc((size_t)p->max_pending * p->max_model_len, sizeof(int32_t));
+    p->kv_prompt = prism_xcalloc((size_t)p->max_model_len, sizeof(int32_t));
+    for (int i = 0; i < p->max_pending; i++) p->reqs[i].tokens = p->token_pool + (size_t)i * p->max_model_len;
+    p->emb = prism_xcalloc((size_t)PRISM_MAX(p->n_pages, 1), sizeof(emb_slot_t));
+    p->emb_pool = prism_malloc_aligned(PRISM_MAX(emb_bytes, (size_t)64), 64);
+    p->free_pages = prism_xcalloc((size_t)PRISM_MAX(p->n_pages, 1), sizeof(int32_t));
+    PRISM_ASSERT(p->emb_pool);
+    for (int i = 0; i < p->n_pages; i++) p->free_pages[p->n_free_pages++] = p->n_pages - 1 - i;
+    p->chunk_rows = prism_xcalloc((size_t)p->chunk, sizeof(*p->chunk_rows));
+    p->table = prism_xcalloc((size_t)p->max_blocks_per_seq, sizeof(int32_t));
+    p->logits = prism_xcalloc((size_t)p->cfg.vocab, sizeof(float));
     if (!leader) {
-        int code = prism_tp_follow(&p.tp, p.llm, p.kv, p.logits);
-        prism_tp_close(&p.tp);
+        int code = prism_tp_follow(&p->tp, p->llm, p->kv, p->logits);
+        prism_tp_close(&p->tp);
         prism_net_destroy(rank_net);
         return code;
     }
-    p.kv_out = prism_malloc_aligned((size_t)p.max_blocks_per_seq * p.block_bytes, 64);
-    PRISM_ASSERT(p.kv_out);
+    p->kv_out = prism_malloc_aligned((size_t)p->max_blocks_per_seq * p->block_bytes, 64);
+    PRISM_ASSERT(p->kv_out);
 
-    prism_worker_set_capacity(&p.w, &o, &plan, (uint32_t)kv_blocks, (uint32_t)block_size, (uint32_t)p.chunk,
-                              (uint32_t)p.max_pending, (uint32_t)p.max_model_len);
-    p.w.reg.tp_size = (uint32_t)tpo.size;
-    p.hook = (prism_model_hook_t){hook_layer, hook_cancelled, &p};
-    prism_llm_set_hook(p.llm, &p.hook);
-    publish_load(&p);   /* the first heartbeat already tells the truth */
+    prism_worker_set_capacity(&p->w, &o, &plan, (uint32_t)kv_blocks, (uint32_t)block_size, (uint32_t)p->chunk,
+                              (uint32_t)p->max_pending, (uint32_t)p->max_model_len);
+    p->w.reg.tp_size = (uint32_t)tpo.size;
+    p->hook = (prism_model_hook_t){hook_layer, hook_cancelled, p};
+    prism_llm_set_hook(p->llm, &p->hook);
+    publish_load(p);   /* the first heartbeat already tells the truth */
+    return -1;
+}
+
+int main(int argc, char **argv)
+{
+    static prefill_t p;
+    double t0 = prism_now_s();
+    int rc = prefill_open(&p, argc, argv);
+    if (rc >= 0) return rc;
     if (prism_worker_start(&p.w) != PRISM_OK) return 1;   /* registration: the group has formed */
     PRISM_INFO("prefill worker %s ready in %.2fs: data %s, chunk %d tokens, embedding pool %d pages of %d rows "
                "(%d images of up to %d pages)", p.w.worker_id, prism_now_s() - t0, p.w.data_endpoint, p.chunk, p.n_pages,
