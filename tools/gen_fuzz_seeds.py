@@ -112,6 +112,198 @@ def envelope(type_, body_field, body, rid=7):
     return pb_int(1, VERSION) + pb_int(2, type_) + pb_int(3, rid) + pb_bytes(4, "router-a-1-8000") + pb_bytes(body_field, body)
 
 
+# ---- the worker message harnesses (tests/fuzz/fuzz_worker.h): records of (op, envelope, frames) ----
+ROUTER_ID = "r1"                        # the router the harness's worker registered with
+PEER_EP = "inproc://prism-fuzz-peer"    # bound by the harness: transfers are read back
+STUCK_EP = "inproc://prism-fuzz-nobody"  # a peer that never takes anything
+OP_ROUTER, OP_DATA, OP_TURN, OP_LATE = 0, 1, 2, 3
+IMAGE_TOKEN, IMAGE_ROWS, HIDDEN = 3, 64, 256   # models/prism-tiny-llava
+
+
+def env_of(type_, body_field, body, rid, router=ROUTER_ID):
+    e = pb_int(1, VERSION) + pb_int(2, type_) + pb_int(3, rid)
+    if router is not None:
+        e += pb_bytes(4, router)
+    return e + (pb_bytes(body_field, body) if body_field else b"")
+
+
+def rec(op, env=b"", frames=()):
+    """A message record (ops 0, 1, 3); frames: bytes (literal) or (n, pattern4) (n bytes of the pattern)."""
+    out = bytes([op]) + struct.pack("<H", len(env)) + env + bytes([len(frames)])
+    for f in frames:
+        if isinstance(f, tuple):
+            n, pat = f
+            out += b"\x01" + struct.pack("<I", n)[:3] + pat
+        else:
+            out += b"\x00" + struct.pack("<H", len(f)) + f
+    return out
+
+
+def turn(n=1):
+    return bytes([OP_TURN]) * n
+
+
+def sampling(max_tokens=4, temperature=0.0, n=0, logprobs=0, stop=(), seed=None, generated=0, rep=0.0, guide=None,
+             top_k=0, top_p=0.0, bias=()):
+    b = pb_float(1, temperature) + pb_int(6, max_tokens)
+    if top_p:
+        b += pb_float(2, top_p)
+    if top_k:
+        b += pb_int(3, top_k)
+    if seed is not None:
+        b += pb_int(4, 1) + pb_int(5, seed)
+    if stop:
+        b += pb_packed(7, stop)
+    if logprobs:
+        b += pb_int(9, logprobs)
+    if rep:
+        b += pb_float(12, rep)
+    if bias:
+        b += pb_packed(13, [i for i, _ in bias]) + pb_bytes(14, b"".join(struct.pack("<f", v) for _, v in bias))
+    if n:
+        b += pb_int(15, n)
+    if guide:
+        b += pb_bytes(16, pb_int(1, guide[0]) + pb_bytes(2, guide[1]))
+    if generated:
+        b += pb_int(17, generated)
+    return b
+
+
+def prefill_msg(rid, tokens, spans=(), samp=None, endpoint=PEER_EP, router=ROUTER_ID):
+    body = pb_packed(1, tokens)
+    for off, n in spans:
+        body += pb_bytes(2, pb_int(1, off) + pb_int(2, n))
+    body += pb_bytes(3, samp if samp is not None else sampling())
+    if endpoint is not None:
+        body += pb_bytes(4, endpoint)
+    return env_of(5, 15, body, rid, router)
+
+
+def embeddings_msg(rid, index=0, n_tokens=IMAGE_ROWS, hidden=HIDDEN, error=None, router=ROUTER_ID):
+    body = pb_int(1, index) + pb_int(2, n_tokens) + pb_int(3, hidden)
+    if error:
+        body += pb_bytes(4, error)
+    return env_of(6, 16, body, rid, router)
+
+
+def abort_msg(rid, router=ROUTER_ID):
+    return env_of(10, 19, pb_bytes(1, "client gone"), rid, router)
+
+
+def image_prompt(n_images=1, text=(10, 11, 12)):
+    toks, spans = [0], []
+    for _ in range(n_images):
+        spans.append((len(toks), IMAGE_ROWS))
+        toks += [IMAGE_TOKEN] * IMAGE_ROWS
+    return toks + list(text), spans
+
+
+ROWS = (IMAGE_ROWS * HIDDEN * 4, struct.pack("<f", 0.02))   # one image's embeddings, as a pattern frame
+HALF_ROWS = (IMAGE_ROWS * HIDDEN * 2, struct.pack("<f", -0.01))
+
+
+def prefill_seeds():
+    h = "fuzz_prefill_msgs"
+    text = [0, 17, 230, 41, 99, 5]
+    img, spans = image_prompt()
+    put(h, "text", rec(OP_ROUTER, prefill_msg(1, text)) + turn())
+    put(h, "image", rec(OP_ROUTER, prefill_msg(2, img, spans)) + rec(OP_DATA, embeddings_msg(2), [ROWS]) + turn(2))
+    put(h, "embeddings_first", rec(OP_DATA, embeddings_msg(3), [HALF_ROWS, HALF_ROWS]) +
+        rec(OP_ROUTER, prefill_msg(3, img, spans, sampling(max_tokens=8, temperature=0.8, seed=5))) + turn())
+    put(h, "abort_mid_prompt", rec(OP_ROUTER, prefill_msg(4, img, spans)) + rec(OP_DATA, embeddings_msg(4), [ROWS]) +
+        rec(OP_LATE, abort_msg(4)) + turn(2) + rec(OP_DATA, embeddings_msg(4), [ROWS]) + turn())
+    put(h, "abort_before", rec(OP_ROUTER, abort_msg(5)) + rec(OP_DATA, embeddings_msg(5), [ROWS]) +
+        rec(OP_ROUTER, prefill_msg(5, img, spans)) + turn(2))
+    put(h, "duplicates", rec(OP_ROUTER, prefill_msg(6, img, spans)) + rec(OP_ROUTER, prefill_msg(6, img, spans)) +
+        rec(OP_DATA, embeddings_msg(6), [ROWS]) + rec(OP_DATA, embeddings_msg(6), [ROWS]) + turn() +
+        rec(OP_ROUTER, abort_msg(6)) + rec(OP_ROUTER, abort_msg(6)) + turn())
+    put(h, "orphans", rec(OP_DATA, embeddings_msg(90), [ROWS]) + rec(OP_DATA, embeddings_msg(91), [ROWS]) +
+        rec(OP_DATA, embeddings_msg(92, router="intruder"), [ROWS]) + rec(OP_ROUTER, prefill_msg(92, img, spans)) +
+        turn(2))
+    two, spans2 = image_prompt(2)
+    put(h, "two_images_pool_full", rec(OP_ROUTER, prefill_msg(7, two, spans2)) +
+        rec(OP_DATA, embeddings_msg(7, 1), [ROWS]) + rec(OP_DATA, embeddings_msg(8), [ROWS]) +
+        rec(OP_DATA, embeddings_msg(7, 0), [ROWS]) + turn(3))
+    put(h, "huge_counts", rec(OP_ROUTER, prefill_msg(9, img, [(1, 1 << 31)], sampling(max_tokens=(1 << 32) - 1, n=1000,
+                                                                                         logprobs=1000))) +
+        rec(OP_DATA, embeddings_msg(9, 7, n_tokens=1 << 30, hidden=1 << 20), [ROWS]) +
+        rec(OP_DATA, embeddings_msg(9, 1 << 31), [ROWS]) + rec(OP_ROUTER, prefill_msg(10, list(range(200)))) + turn())
+    put(h, "full", b"".join(rec(OP_ROUTER, prefill_msg(20 + i, img, spans)) for i in range(5)) + turn(2))
+    put(h, "decode_stuck", rec(OP_ROUTER, prefill_msg(30, text, endpoint=STUCK_EP)) +
+        rec(OP_ROUTER, prefill_msg(31, text)) + turn(3) + rec(OP_ROUTER, abort_msg(30)) + turn(2))
+    put(h, "decode_unreachable", rec(OP_ROUTER, prefill_msg(32, text, endpoint="nowhere")) +
+        rec(OP_ROUTER, prefill_msg(33, text, endpoint="tcp://10.0.0.1:1")) + turn(2))
+    put(h, "choices", rec(OP_ROUTER, prefill_msg(34, text, samp=sampling(max_tokens=6, temperature=1.0, n=3,
+                                                                           logprobs=3, top_k=5, top_p=0.9))) + turn())
+    put(h, "migrated_penalty", rec(OP_ROUTER, prefill_msg(35, text + [44, 45], samp=sampling(
+        max_tokens=8, generated=2, rep=1.3, stop=[1, 2], bias=[(5, 3.0), (7, -100.0)]))) + turn())
+    put(h, "guided", rec(OP_ROUTER, prefill_msg(36, text, samp=sampling(guide=(3, "[a-z]{1,4}")))) +
+        rec(OP_ROUTER, prefill_msg(37, text, samp=sampling(guide=(2, "")))) + turn(2))
+    put(h, "encoder_error", rec(OP_ROUTER, prefill_msg(38, img, spans)) +
+        rec(OP_DATA, embeddings_msg(38, error="cannot decode the image")) + turn())
+    put(h, "wrong_sources", rec(OP_DATA, prefill_msg(39, text)) + rec(OP_ROUTER, embeddings_msg(39), [ROWS]) +
+        rec(OP_DATA, abort_msg(39)) + rec(OP_ROUTER, prefill_msg(40, text, router="r2")) + turn())
+    long_prompt = [0] + [IMAGE_TOKEN] * IMAGE_ROWS + list(range(100, 150))
+    put(h, "chunks_late_abort", rec(OP_ROUTER, prefill_msg(41, long_prompt, [(1, IMAGE_ROWS)])) +
+        rec(OP_DATA, embeddings_msg(41), [ROWS]) + rec(OP_LATE, abort_msg(41)) + turn() +
+        rec(OP_ROUTER, prefill_msg(42, long_prompt, [(1, IMAGE_ROWS)])) + rec(OP_DATA, embeddings_msg(42), [ROWS]) +
+        turn())
+    put(h, "nan_rows", rec(OP_ROUTER, prefill_msg(43, img, spans, sampling(logprobs=4))) +
+        rec(OP_DATA, embeddings_msg(43), [(IMAGE_ROWS * HIDDEN * 4, b"\x00\x00\xc0\x7f")]) + turn())
+
+
+KV_BLOCK_BYTES, KV_BLOCK = 65536, 16   # models/prism-tiny-llava's K/V of one 16-token block (float32)
+
+
+def kv_msg(rid, n_tokens, samp=None, choices=((0, 17, 1),), prompt=None, router=ROUTER_ID, block_bytes=KV_BLOCK_BYTES,
+           n_blocks=None):
+    """A Kv transfer as prefill sends it, and its frame. choices: (index, first token, rng state)."""
+    nb = n_blocks if n_blocks is not None else (n_tokens + KV_BLOCK - 1) // KV_BLOCK
+    body = (pb_int(1, n_tokens) + pb_int(2, KV_BLOCK) + pb_int(3, nb) + pb_int(4, block_bytes) + pb_int(12, nb) +
+            pb_int(13, 0) + pb_bytes(5, samp if samp is not None else sampling()) +
+            pb_packed(8, [c[0] for c in choices]) + pb_packed(9, [c[1] for c in choices]) +
+            pb_packed(10, [c[2] for c in choices]))
+    if prompt:
+        body += pb_packed(11, prompt)
+    return env_of(9, 18, body, rid, router), [(nb * block_bytes, struct.pack("<f", 0.05))]
+
+
+def decode_seeds():
+    h = "fuzz_decode_msgs"
+    MODE_OVERLAP, MODE_GIVE_UP = 0x40, 0x80
+
+    def kv(rid, n_tokens, op=OP_DATA, **kw):
+        env, frames = kv_msg(rid, n_tokens, **kw)
+        return rec(op, env, frames)
+
+    put(h, "one", kv(1, 6) + turn(6))
+    put(h, "overlap", bytes([OP_DATA | MODE_OVERLAP])[:1] + kv(2, 6)[1:] + kv(3, 20, samp=sampling(max_tokens=5)) + turn(8))
+    put(h, "choices", kv(4, 20, samp=sampling(max_tokens=6, temperature=1.0, n=3, logprobs=4, top_k=8),
+                         choices=((0, 17, 1), (1, 18, 2), (2, 19, 3))) + turn(3))
+    put(h, "give_up_mid_step", bytes([OP_DATA | MODE_GIVE_UP]) + kv(5, 6, samp=sampling(max_tokens=40))[1:] + turn(2))
+    put(h, "abort_late", kv(6, 6, samp=sampling(max_tokens=30)) + turn() + rec(OP_LATE, abort_msg(6)) + turn(3))
+    put(h, "abort_before_kv", rec(OP_ROUTER, abort_msg(7)) + kv(7, 6) + rec(OP_ROUTER, abort_msg(8)) + turn(2))
+    put(h, "wait_for_blocks", b"".join(kv(10 + i, 6, samp=sampling(max_tokens=50)) for i in range(4)) + turn(4) +
+        rec(OP_ROUTER, abort_msg(10)) + turn(2))
+    put(h, "staged_abort", b"".join(kv(20 + i, 6, samp=sampling(max_tokens=55)) for i in range(4)) + turn() +
+        rec(OP_ROUTER, abort_msg(23)) + rec(OP_ROUTER, abort_msg(23)) + turn(2))
+    put(h, "too_big", kv(30, 6, samp=sampling(max_tokens=60, n=3), choices=((0, 1, 1), (1, 2, 2), (2, 3, 3))) +
+        kv(31, 6, samp=sampling(n=4), choices=((0, 1, 1), (1, 2, 2), (2, 3, 3), (3, 4, 4))) + turn(2))
+    env, frames = kv_msg(32, 6)
+    put(h, "malformed", kv(33, 6, block_bytes=4096) + kv(34, 6, n_blocks=2) + rec(OP_DATA, env, frames * 2) +
+        rec(OP_DATA, env, [(1000, b"\0\0\0\0")]) + rec(OP_ROUTER, env, frames) + rec(OP_DATA, abort_msg(32)) +
+        kv(35, 6, choices=((0, 17, 1), (0, 18, 2)), samp=sampling(n=2)) + kv(36, 6, choices=((0, 5000, 1),)) +
+        kv(37, 6, samp=sampling(max_tokens=0)) + kv(38, 0) + kv(39, 64) + turn(2))
+    put(h, "migrated", kv(40, 8, samp=sampling(max_tokens=6, generated=2, rep=1.2), prompt=[0, 5, 6, 7, 8, 9, 44, 45]) +
+        kv(41, 8, samp=sampling(max_tokens=6, generated=2, rep=1.2)) + kv(42, 8, samp=sampling(generated=8)) + turn(4))
+    put(h, "guided_stops", kv(43, 6, samp=sampling(max_tokens=8, guide=(3, "[a-c]{2,3}"))) +
+        kv(44, 6, samp=sampling(max_tokens=8, stop=[17, 18, 1], bias=[(17, 100.0)], logprobs=21)) + turn(6))
+    put(h, "duplicate", kv(45, 6) + kv(45, 6) + turn() + kv(45, 6) + turn(4))
+    put(h, "nan_kv", rec(OP_DATA, kv_msg(46, 6, samp=sampling(logprobs=3, temperature=0.7, top_p=0.5))[0],
+                         [(KV_BLOCK_BYTES, b"\x00\x00\xc0\x7f")]) + turn(3))
+    put(h, "other_router", kv(47, 6, router="r2") + kv(48, 6, router=None) + turn(5) + rec(OP_ROUTER, abort_msg(48, None)))
+
+
 def main():
     imgs = images()
     for name, data in imgs.items():
@@ -264,6 +456,8 @@ def main():
     put("fuzz_envelope", "kv", envelope(9, 18, pb_int(1, 5) + pb_int(2, 16) + pb_int(3, 1) + pb_int(4, 65536) +
                                         pb_bytes(5, pb_int(6, 4)) + pb_int(6, 42)))
     put("fuzz_envelope", "abort", envelope(10, 19, pb_bytes(1, "client gone")))
+    prefill_seeds()
+    decode_seeds()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,105 @@
+/* libFuzzer: the decode worker's message handlers (decode_worker/main.c on_msg: Kv transfers from
+ * prefill workers on the data socket, Abort from routers) and its loop (admit_staged: the KV import
+ * into the paged cache, shared prompt blocks of n > 1 choices; step: continuous batching over the
+ * bundled tiny model on the CPU, sampling, the Tokens stream), on the worker its own start-up builds
+ * (decode_open) with small pools: 3 sequences, 10 blocks of 16 tokens, a 64-token context.
+ * Records: see fuzz_worker.h; the harness plays the I/O thread. The input's first byte picks the
+ * mode: bit 6 overlaps steps with host work (the GPU pipeline, --overlap-steps on), bit 7 makes the
+ * router give up on every request at the end instead of letting them finish.
+ * Invariants: every reply is a Tokens message to the router; the loop does not wedge (every sequence
+ * ends by the context length: once the input is over, the worker is idle within that many steps);
+ * once every request finished or was aborted, every sequence slot and KV block is back, nothing is
+ * staged and no step is in flight. */
+#define main decode_worker_main
+#include "../../decode_worker/main.c"
+#undef main
+
+#include "fuzz_worker.h"
+
+static decode_t g_d;
+static fuzz_io_t g_io;
+
+static void drain(void)
+{
+    fuzz_drain(&g_io, &g_d.w, PRISM__MSG_TYPE__MSG_TOKENS, NULL, NULL);
+}
+
+/* One turn of main()'s loop, the poll being the harness's. */
+static void turn(void)
+{
+    decode_t *d = &g_d;
+    publish_load(d);
+    admit_staged(d);
+    fuzz_poll(&g_io, &d->w, d->staged ? 0 : 1, on_msg, d);
+    drain();
+    step(d);
+    drain();
+}
+
+static bool idle(const decode_t *d)
+{
+    return !running(d) && !d->staged && !d->n_step && !d->n_out && !g_io.n;
+}
+
+static void init(void)
+{
+    const char *extra[] = {"--context-length", "64", "--max-running-requests", "3", "--kv-blocks", "10",
+                           "--block-size", "16"};
+    int argc;
+    char **argv;
+    fuzz_worker_argv("decode_worker", extra, (int)PRISM_ARRAY_LEN(extra), &argc, &argv);
+    struct sigaction old_int, old_term;
+    sigaction(SIGINT, NULL, &old_int);
+    sigaction(SIGTERM, NULL, &old_term);
+    FUZZ_ASSERT(decode_open(&g_d, argc, argv) == -1);
+    size_t max_kv = (size_t)g_d.max_blocks_per_seq * g_d.fbb + (size_t)g_d.ring * g_d.lbb;
+    fuzz_io_setup(&g_io, &g_d.w, &old_int, &old_term, max_kv);
+    FUZZ_ASSERT(g_d.blocks.n_blocks == 10 && g_d.max_model_len == 64 && !g_d.ring);
+    if (getenv("FUZZ_VERBOSE"))   /* the transfer layout the seeds are written for */
+        fprintf(stderr, "decode: block bytes %zu + %zu, local_first_block(16 tokens) %d\n", g_d.fbb, g_d.lbb,
+                prism_kv_local_first_block(&g_d.cfg, 16, 16));
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    static bool ready_once;
+    if (!ready_once) {
+        fuzz_init_once();
+        init();
+        ready_once = true;
+    }
+    decode_t *d = &g_d;
+    uint8_t mode = size ? data[0] : 0;
+    d->overlap = (mode & 0x40) != 0;
+    for (;;) {
+        uint8_t op;
+        if (!fuzz_take(&data, &size, &op, 1)) break;
+        op &= 7;
+        if (op == 0 || op == 1 || op == 3) {
+            if (!fuzz_read_msg(&g_io, &d->w, &data, &size, op == 1 ? -1 : 0, op == 3)) break;
+        } else {
+            turn();
+        }
+    }
+    for (int k = 0; k < 2 * FUZZ_QUEUE && g_io.n; k++) turn();
+    FUZZ_ASSERT(g_io.n == 0);
+    if (mode & 0x80) {
+        /* The router gives up on everything held here, mid-step included. */
+        for (int i = 0; i < d->max_running; i++)
+            if (d->seqs[i].seq.used) fuzz_abort(&d->w, on_msg, d, d->seqs[i].seq.rid, d->seqs[i].seq.router_id);
+        if (d->staged) fuzz_abort(&d->w, on_msg, d, d->staged_rid, d->staged_router);
+    }
+    /* Every sequence ends by the context length; a staged transfer starts once they make room. */
+    for (int k = 0; k < 2 * d->max_model_len + 4 && !idle(d); k++) turn();
+    FUZZ_ASSERT(idle(d));   /* not wedged */
+    for (int i = 0; i < d->max_running; i++) FUZZ_ASSERT(!d->seqs[i].seq.used && !d->seqs[i].n_blocks);
+    FUZZ_ASSERT(d->blocks.n_free == d->blocks.n_blocks);
+
+    if (getenv("FUZZ_VERBOSE"))   /* what an input did: to check that a seed does what it says */
+        fprintf(stderr, "decode: %llu replies, %llu steps, %llu tokens, %llu cancelled, %llu KV waits\n",
+                (unsigned long long)g_io.replies, (unsigned long long)d->steps, (unsigned long long)d->tokens_out,
+                (unsigned long long)d->cancelled, (unsigned long long)d->kv_waits);
+    fuzz_io_reset(&g_io, &d->w);
+    prism_abort_memo_init(&d->aborts, 600.0);
+    return 0;
+}
