@@ -490,7 +490,10 @@ static void run_batch(encoder_t *e)
     if (e->n_batch) flush_batch(e, false);
 }
 
-int main(int argc, char **argv)
+/* Everything before the loop: flags, the image pipeline, the vision tower, the pools and the worker,
+ * not started (the I/O thread, hence registration, starts in main). Returns -1 to go on, else the
+ * exit code. tests/fuzz/fuzz_encoder_msgs.c builds the worker it feeds messages to with it. */
+static int encoder_open(encoder_t *e, int argc, char **argv)
 {
     prism_worker_opts_t o;
     prism_worker_opts_defaults(&o, "encoder");
@@ -518,13 +521,11 @@ int main(int argc, char **argv)
         PRISM_FLAG_INT("decode-threads", &decode_threads, "1: decode and preprocess on the worker thread; 2: "
                        "preprocess rows on a helper thread while the next ones decode"),
     };
-    static encoder_t e;
     int rc = prism_worker_startup(argc, argv, "encoder", "Prism encoder worker: image decode, preprocessing (CLIP "
-                                  "or Llama-4 tiles), vision tower + projector.", flags, &o, &e.cfg);
+                                  "or Llama-4 tiles), vision tower + projector.", flags, &o, &e->cfg);
     if (rc >= 0) return rc;
-    double t0 = prism_now_s();
     char err[512] = "";
-    if (!e.cfg.has_vision) {
+    if (!e->cfg.has_vision) {
         PRISM_ERROR("model at %s has no vision tower: an encoder worker has nothing to do", o.model_path);
         return 1;
     }
@@ -540,63 +541,72 @@ int main(int argc, char **argv)
         PRISM_ERROR("--jpeg-dct-scaling must be auto, always or never");
         return 2;
     }
-    if (enc_prep_plan(&e.prep, &e.cfg, o.model_path, (uint64_t)max_pixels, (uint64_t)max_decode_pixels,
+    if (enc_prep_plan(&e->prep, &e->cfg, o.model_path, (uint64_t)max_pixels, (uint64_t)max_decode_pixels,
                       (int)decode_threads, dct_mode, err, sizeof(err)) != PRISM_OK) {
         PRISM_ERROR("image preprocessing: %s", err);
         return 1;
     }
-    e.max_batch = (int)max_batch;
-    e.max_queue = (int)max_queue;
-    e.max_batch_s = max_batch_s;
-    e.cap_tiles = PRISM_MAX(e.max_batch, e.prep.max_tiles);
-    e.emb_floats = (size_t)e.cfg.image_seq_length * e.cfg.hidden;
-    size_t S = (size_t)e.cfg.v_image_size;
-    e.tile_px = 3 * S * S;
+    e->max_batch = (int)max_batch;
+    e->max_queue = (int)max_queue;
+    e->max_batch_s = max_batch_s;
+    e->cap_tiles = PRISM_MAX(e->max_batch, e->prep.max_tiles);
+    e->emb_floats = (size_t)e->cfg.image_seq_length * e->cfg.hidden;
+    size_t S = (size_t)e->cfg.v_image_size;
+    e->tile_px = 3 * S * S;
 
-    if (prism_backend_create(o.device, (int)o.threads, 0, &e.be) != PRISM_OK) {
+    if (prism_backend_create(o.device, (int)o.threads, 0, &e->be) != PRISM_OK) {
         PRISM_ERROR("cannot create backend '%s'", o.device);
         return 1;
     }
-    if (prism_vision_load(e.be, &e.cfg, o.model_path, e.max_batch, &e.vis, err, sizeof(err)) != PRISM_OK) {
+    if (prism_vision_load(e->be, &e->cfg, o.model_path, e->max_batch, &e->vis, err, sizeof(err)) != PRISM_OK) {
         PRISM_ERROR("cannot load vision tower: %s", err);
         return 1;
     }
     prism_mem_plan_t plan = {.budget = (size_t)o.mem_budget};
-    prism_mem_plan_add(&plan, "weights", prism_vision_weight_bytes(e.vis));
-    prism_mem_plan_add(&plan, "activations", prism_vision_arena_bytes(&e.cfg, e.max_batch));
-    prism_mem_plan_add(&plan, "pixels+outputs", (size_t)e.cap_tiles * (e.tile_px + e.emb_floats) * sizeof(float));
-    prism_mem_plan_add(&plan, "decode", e.prep.dec_bytes + e.prep.relay_bytes);
-    prism_mem_plan_add(&plan, "preprocess", e.prep.ws_bytes);
+    prism_mem_plan_add(&plan, "weights", prism_vision_weight_bytes(e->vis));
+    prism_mem_plan_add(&plan, "activations", prism_vision_arena_bytes(&e->cfg, e->max_batch));
+    prism_mem_plan_add(&plan, "pixels+outputs", (size_t)e->cap_tiles * (e->tile_px + e->emb_floats) * sizeof(float));
+    prism_mem_plan_add(&plan, "decode", e->prep.dec_bytes + e->prep.relay_bytes);
+    prism_mem_plan_add(&plan, "preprocess", e->prep.ws_bytes);
     prism_mem_plan_add(&plan, "queued-images", (size_t)max_queue_bytes);  /* per router */
-    prism_mem_plan_add(&plan, "embedding-cache", prism_embed_cache_bytes((size_t)cache_bytes, e.emb_floats));
+    prism_mem_plan_add(&plan, "embedding-cache", prism_embed_cache_bytes((size_t)cache_bytes, e->emb_floats));
     prism_mem_plan_add(&plan, "runtime", prism_mem_runtime_bytes());
     prism_mem_plan_add(&plan, "reserve", PRISM_MEM_RESERVE);
     if (prism_mem_plan_check(&plan, "encoder") != PRISM_OK) return 1;
 
-    e.jobs = prism_xcalloc((size_t)e.max_queue, sizeof(job_t));
-    e.tile_job = prism_xcalloc((size_t)e.cap_tiles, sizeof(int));
-    e.pixels = prism_malloc_aligned((size_t)e.cap_tiles * e.tile_px * sizeof(float), 64);
-    e.out = prism_malloc_aligned((size_t)e.cap_tiles * e.emb_floats * sizeof(float), 64);
-    if (enc_prep_create(&e.prep) != PRISM_OK) {
+    e->jobs = prism_xcalloc((size_t)e->max_queue, sizeof(job_t));
+    e->tile_job = prism_xcalloc((size_t)e->cap_tiles, sizeof(int));
+    e->pixels = prism_malloc_aligned((size_t)e->cap_tiles * e->tile_px * sizeof(float), 64);
+    e->out = prism_malloc_aligned((size_t)e->cap_tiles * e->emb_floats * sizeof(float), 64);
+    if (enc_prep_create(&e->prep) != PRISM_OK) {
         PRISM_ERROR("cannot create the image decoder");
         return 1;
     }
-    if (!e.pixels || !e.out ||
-        prism_embed_cache_init(&e.cache, (size_t)cache_bytes, e.emb_floats, e.prep.max_tiles) != PRISM_OK) {
+    if (!e->pixels || !e->out ||
+        prism_embed_cache_init(&e->cache, (size_t)cache_bytes, e->emb_floats, e->prep.max_tiles) != PRISM_OK) {
         PRISM_ERROR("cannot allocate encoder pools");
         return 1;
     }
 
-    if (prism_worker_init(&e.w, PRISM__ROLE__ROLE_ENCODER, &o, NULL, 0) != PRISM_OK)
+    if (prism_worker_init(&e->w, PRISM__ROLE__ROLE_ENCODER, &o, NULL, 0) != PRISM_OK)
         return 1;
-    prism_worker_set_capacity(&e.w, &o, &plan, 0, 0, (uint32_t)(e.max_batch * e.cfg.image_seq_length),
-                              (uint32_t)e.max_queue, 0);
-    e.max_queue_bytes = (uint64_t)max_queue_bytes;
-    e.w.reg.max_queued_bytes = e.max_queue_bytes;  /* the router keeps the queue's files under it */
-    e.w.reg.embedding_cache_units = (uint32_t)e.cache.n_units;   /* 0: the router sends no early jobs */
-    e.hook = (prism_model_hook_t){hook_layer, hook_cancelled, &e};
-    prism_vision_set_hook(e.vis, &e.hook);
-    publish_load(&e);
+    prism_worker_set_capacity(&e->w, &o, &plan, 0, 0, (uint32_t)(e->max_batch * e->cfg.image_seq_length),
+                              (uint32_t)e->max_queue, 0);
+    e->max_queue_bytes = (uint64_t)max_queue_bytes;
+    e->w.reg.max_queued_bytes = e->max_queue_bytes;  /* the router keeps the queue's files under it */
+    e->w.reg.embedding_cache_units = (uint32_t)e->cache.n_units;   /* 0: the router sends no early jobs */
+    e->hook = (prism_model_hook_t){hook_layer, hook_cancelled, e};
+    prism_vision_set_hook(e->vis, &e->hook);
+    publish_load(e);
+    return -1;
+}
+
+int main(int argc, char **argv)
+{
+    static encoder_t e;
+    double t0 = prism_now_s();
+    int rc = encoder_open(&e, argc, argv);
+    if (rc >= 0) return rc;
     if (prism_worker_start(&e.w) != PRISM_OK) return 1;
     PRISM_INFO("encoder worker %s ready in %.2fs: micro-batch %d %s, pixel buffer %d tiles (largest image %d), "
                "%.2gs batch bound, queue %d, cache %d tiles", e.w.worker_id, prism_now_s() - t0, e.max_batch,
