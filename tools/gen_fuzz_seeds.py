@@ -229,8 +229,10 @@ def prefill_seeds():
         rec(OP_DATA, embeddings_msg(9, 7, n_tokens=1 << 30, hidden=1 << 20), [ROWS]) +
         rec(OP_DATA, embeddings_msg(9, 1 << 31), [ROWS]) + rec(OP_ROUTER, prefill_msg(10, list(range(200)))) + turn())
     put(h, "full", b"".join(rec(OP_ROUTER, prefill_msg(20 + i, img, spans)) for i in range(5)) + turn(2))
-    put(h, "decode_stuck", rec(OP_ROUTER, prefill_msg(30, text, endpoint=STUCK_EP)) +
-        rec(OP_ROUTER, prefill_msg(31, text)) + turn(3) + rec(OP_ROUTER, abort_msg(30)) + turn(2))
+    # the link to a decode worker that takes nothing buffers one transfer; the second waits until its abort
+    put(h, "decode_stuck", rec(OP_ROUTER, prefill_msg(30, text, endpoint=STUCK_EP)) + turn() +
+        rec(OP_ROUTER, prefill_msg(29, text, endpoint=STUCK_EP)) + rec(OP_ROUTER, prefill_msg(31, text)) + turn(3) +
+        rec(OP_ROUTER, abort_msg(29)) + turn(2))
     put(h, "decode_unreachable", rec(OP_ROUTER, prefill_msg(32, text, endpoint="nowhere")) +
         rec(OP_ROUTER, prefill_msg(33, text, endpoint="tcp://10.0.0.1:1")) + turn(2))
     put(h, "choices", rec(OP_ROUTER, prefill_msg(34, text, samp=sampling(max_tokens=6, temperature=1.0, n=3,
@@ -277,7 +279,9 @@ def decode_seeds():
         return rec(op, env, frames)
 
     put(h, "one", kv(1, 6) + turn(6))
-    put(h, "overlap", bytes([OP_DATA | MODE_OVERLAP])[:1] + kv(2, 6)[1:] + kv(3, 20, samp=sampling(max_tokens=5)) + turn(8))
+    # the first op byte's bits 6 and 7 pick the mode (fuzz_decode_msgs.c)
+    put(h, "overlap", bytes([OP_DATA | MODE_OVERLAP]) + kv(2, 6)[1:] + kv(3, 20, samp=sampling(max_tokens=5)) +
+        turn(8))
     put(h, "choices", kv(4, 20, samp=sampling(max_tokens=6, temperature=1.0, n=3, logprobs=4, top_k=8),
                          choices=((0, 17, 1), (1, 18, 2), (2, 19, 3))) + turn(3))
     put(h, "give_up_mid_step", bytes([OP_DATA | MODE_GIVE_UP]) + kv(5, 6, samp=sampling(max_tokens=40))[1:] + turn(2))
@@ -301,7 +305,60 @@ def decode_seeds():
     put(h, "duplicate", kv(45, 6) + kv(45, 6) + turn() + kv(45, 6) + turn(4))
     put(h, "nan_kv", rec(OP_DATA, kv_msg(46, 6, samp=sampling(logprobs=3, temperature=0.7, top_p=0.5))[0],
                          [(KV_BLOCK_BYTES, b"\x00\x00\xc0\x7f")]) + turn(3))
-    put(h, "other_router", kv(47, 6, router="r2") + kv(48, 6, router=None) + turn(5) + rec(OP_ROUTER, abort_msg(48, None)))
+    put(h, "other_router", kv(47, 6, router="r2") + kv(48, 6, router=None) + turn(5) +
+        rec(OP_ROUTER, abort_msg(48, None)))
+
+
+
+def pb_fixed64(field, v):
+    return pb_key(field, 1) + struct.pack("<Q", v)
+
+
+def encode_msg(rid, index=0, content_hash=0, endpoint=PEER_EP, early_id=0, router=ROUTER_ID):
+    body = pb_int(1, index) + pb_int(2, content_hash)
+    if endpoint is not None:
+        body += pb_bytes(3, endpoint)
+    if early_id:
+        body += pb_fixed64(6, early_id)
+    return env_of(4, 13, body, rid, router)
+
+
+def encoder_seeds(imgs):
+    h = "fuzz_encoder_msgs"
+    jpg, png, gray = imgs["rgb.jpg"], imgs["rgba.png"], imgs["gray.jpg"]
+
+    def enc(rid, image, op=OP_ROUTER, **kw):
+        return rec(op, encode_msg(rid, **kw), [image])
+
+    put(h, "one", enc(1, jpg, content_hash=11) + turn(2))
+    put(h, "batch", enc(2, jpg, content_hash=21) + enc(3, png, content_hash=22) + enc(4, imgs["progressive.jpg"],
+                                                                                      content_hash=23) + turn(3))
+    put(h, "cache_hit", enc(5, gray, content_hash=31) + enc(6, gray, content_hash=31) + turn() +
+        enc(7, gray, index=1, content_hash=31) + turn(2))
+    put(h, "early_adopted", enc(77, png, content_hash=41, endpoint="") +
+        enc(8, png, content_hash=41, early_id=77) + turn(2))
+    put(h, "early_done_first", enc(78, jpg, content_hash=42, endpoint="") + turn(2) +
+        enc(9, jpg, content_hash=42, early_id=78) + turn(2))
+    put(h, "abort_queued", enc(10, jpg, content_hash=51) + rec(OP_ROUTER, abort_msg(10)) + turn() +
+        rec(OP_ROUTER, abort_msg(10)) + turn())
+    put(h, "abort_during_vit", enc(11, jpg, content_hash=52) + enc(12, png, content_hash=53) +
+        rec(OP_LATE, abort_msg(11)) + turn(3))
+    put(h, "prefill_stuck", enc(13, jpg, content_hash=54, endpoint=STUCK_EP) + turn(2) +   # the link buffers one
+        enc(14, png, content_hash=55, endpoint=STUCK_EP) + enc(15, gray, content_hash=57) + turn(3) +
+        rec(OP_ROUTER, abort_msg(14)) + turn(2))
+    put(h, "prefill_unreachable", enc(15, gray, content_hash=56, endpoint="nowhere") + turn(2))
+    bomb = png[:16] + struct.pack(">II", 65000, 65000) + png[24:]
+    bomb = bomb[:29] + struct.pack(">I", zlib.crc32(bomb[12:29])) + bomb[33:]
+    put(h, "bad_images", enc(16, b"not an image", content_hash=61) + enc(17, jpg[:len(jpg) // 2], content_hash=62) +
+        enc(18, bomb, content_hash=63) + rec(OP_ROUTER, encode_msg(19, content_hash=64)) +
+        rec(OP_ROUTER, encode_msg(20, content_hash=65), [jpg, png]) + rec(OP_ROUTER, env_of(4, 0, b"", 21), [jpg]) +
+        turn(3))
+    put(h, "queue_full", b"".join(enc(30 + i, jpg, content_hash=70 + i) for i in range(6)) +
+        rec(OP_ROUTER, encode_msg(36, content_hash=80), [(30000, b"\xff\xd8\xff\xe0")]) + turn(4))
+    put(h, "queue_bytes", rec(OP_ROUTER, encode_msg(37, content_hash=81), [(30000, b"\x89PNG")]) +
+        rec(OP_ROUTER, encode_msg(38, content_hash=82), [(30000, b"\x89PNG")]) + turn(2))
+    put(h, "duplicates", enc(39, jpg, content_hash=83) + enc(39, jpg, content_hash=83) + enc(39, png, content_hash=84,
+                                                                                            router="r2") + turn(3))
 
 
 def main():
@@ -458,6 +515,7 @@ def main():
     put("fuzz_envelope", "abort", envelope(10, 19, pb_bytes(1, "client gone")))
     prefill_seeds()
     decode_seeds()
+    encoder_seeds(imgs)
 
 
 if __name__ == "__main__":

@@ -91,7 +91,8 @@ static void init(void)
     sigaction(SIGINT, NULL, &old_int);
     sigaction(SIGTERM, NULL, &old_term);
     FUZZ_ASSERT(prefill_open(&g_p, argc, argv) == -1);
-    fuzz_io_setup(&g_io, &g_p.w, &old_int, &old_term, (size_t)g_p.cfg.image_seq_length * g_p.cfg.hidden * sizeof(float));
+    size_t image_bytes = (size_t)g_p.cfg.image_seq_length * g_p.cfg.hidden * sizeof(float);   /* prefill_open's bound */
+    fuzz_io_setup(&g_io, &g_p.w, &old_int, &old_term, image_bytes);
     FUZZ_ASSERT(g_p.n_pages == 2 && g_p.page_rows == 64);
 }
 
