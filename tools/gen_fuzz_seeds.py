@@ -284,20 +284,20 @@ def decode_seeds():
         turn(8))
     put(h, "choices", kv(4, 20, samp=sampling(max_tokens=6, temperature=1.0, n=3, logprobs=4, top_k=8),
                          choices=((0, 17, 1), (1, 18, 2), (2, 19, 3))) + turn(3))
-    put(h, "give_up_mid_step", bytes([OP_DATA | MODE_GIVE_UP]) + kv(5, 6, samp=sampling(max_tokens=40))[1:] + turn(2))
-    put(h, "abort_late", kv(6, 6, samp=sampling(max_tokens=30)) + turn() + rec(OP_LATE, abort_msg(6)) + turn(3))
+    put(h, "give_up_mid_step", bytes([OP_DATA | MODE_GIVE_UP]) + kv(5, 6, samp=sampling(max_tokens=25))[1:] + turn(2))
+    put(h, "abort_late", kv(6, 6, samp=sampling(max_tokens=20)) + turn() + rec(OP_LATE, abort_msg(6)) + turn(3))
     put(h, "abort_before_kv", rec(OP_ROUTER, abort_msg(7)) + kv(7, 6) + rec(OP_ROUTER, abort_msg(8)) + turn(2))
-    put(h, "wait_for_blocks", b"".join(kv(10 + i, 6, samp=sampling(max_tokens=50)) for i in range(4)) + turn(4) +
+    put(h, "wait_for_blocks", b"".join(kv(10 + i, 6, samp=sampling(max_tokens=24)) for i in range(4)) + turn(4) +
         rec(OP_ROUTER, abort_msg(10)) + turn(2))
-    put(h, "staged_abort", b"".join(kv(20 + i, 6, samp=sampling(max_tokens=55)) for i in range(4)) + turn() +
+    put(h, "staged_abort", b"".join(kv(20 + i, 6, samp=sampling(max_tokens=25)) for i in range(4)) + turn() +
         rec(OP_ROUTER, abort_msg(23)) + rec(OP_ROUTER, abort_msg(23)) + turn(2))
-    put(h, "too_big", kv(30, 6, samp=sampling(max_tokens=60, n=3), choices=((0, 1, 1), (1, 2, 2), (2, 3, 3))) +
+    put(h, "too_big", kv(30, 6, samp=sampling(max_tokens=26, n=3), choices=((0, 1, 1), (1, 2, 2), (2, 3, 3))) +
         kv(31, 6, samp=sampling(n=4), choices=((0, 1, 1), (1, 2, 2), (2, 3, 3), (3, 4, 4))) + turn(2))
     env, frames = kv_msg(32, 6)
     put(h, "malformed", kv(33, 6, block_bytes=4096) + kv(34, 6, n_blocks=2) + rec(OP_DATA, env, frames * 2) +
         rec(OP_DATA, env, [(1000, b"\0\0\0\0")]) + rec(OP_ROUTER, env, frames) + rec(OP_DATA, abort_msg(32)) +
         kv(35, 6, choices=((0, 17, 1), (0, 18, 2)), samp=sampling(n=2)) + kv(36, 6, choices=((0, 5000, 1),)) +
-        kv(37, 6, samp=sampling(max_tokens=0)) + kv(38, 0) + kv(39, 64) + turn(2))
+        kv(37, 6, samp=sampling(max_tokens=0)) + kv(38, 0) + kv(39, 32) + turn(2))
     put(h, "migrated", kv(40, 8, samp=sampling(max_tokens=6, generated=2, rep=1.2), prompt=[0, 5, 6, 7, 8, 9, 44, 45]) +
         kv(41, 8, samp=sampling(max_tokens=6, generated=2, rep=1.2)) + kv(42, 8, samp=sampling(generated=8)) + turn(4))
     put(h, "guided_stops", kv(43, 6, samp=sampling(max_tokens=8, guide=(3, "[a-c]{2,3}"))) +

@@ -2,7 +2,8 @@
  * prefill workers on the data socket, Abort from routers) and its loop (admit_staged: the KV import
  * into the paged cache, shared prompt blocks of n > 1 choices; step: continuous batching over the
  * bundled tiny model on the CPU, sampling, the Tokens stream), on the worker its own start-up builds
- * (decode_open) with small pools: 3 sequences, 10 blocks of 16 tokens, a 64-token context.
+ * (decode_open) with small pools: 3 sequences, 5 blocks of 16 tokens, a 32-token context
+ * (at most 32 steps of a sequence: an input's worst case stays well inside libFuzzer's timeout).
  * Records: see fuzz_worker.h; the harness plays the I/O thread. The input's first byte picks the
  * mode: bit 6 overlaps steps with host work (the GPU pipeline, --overlap-steps on), bit 7 makes the
  * router give up on every request at the end instead of letting them finish.
@@ -43,7 +44,7 @@ static bool idle(const decode_t *d)
 
 static void init(void)
 {
-    const char *extra[] = {"--context-length", "64", "--max-running-requests", "3", "--kv-blocks", "10",
+    const char *extra[] = {"--context-length", "32", "--max-running-requests", "3", "--kv-blocks", "5",
                            "--block-size", "16"};
     int argc;
     char **argv;
@@ -54,7 +55,7 @@ static void init(void)
     FUZZ_ASSERT(decode_open(&g_d, argc, argv) == -1);
     size_t max_kv = (size_t)g_d.max_blocks_per_seq * g_d.fbb + (size_t)g_d.ring * g_d.lbb;
     fuzz_io_setup(&g_io, &g_d.w, &old_int, &old_term, max_kv);
-    FUZZ_ASSERT(g_d.blocks.n_blocks == 10 && g_d.max_model_len == 64 && !g_d.ring);
+    FUZZ_ASSERT(g_d.blocks.n_blocks == 5 && g_d.max_model_len == 32 && !g_d.ring);
     if (getenv("FUZZ_VERBOSE"))   /* the transfer layout the seeds are written for */
         fprintf(stderr, "decode: block bytes %zu + %zu, local_first_block(16 tokens) %d\n", g_d.fbb, g_d.lbb,
                 prism_kv_local_first_block(&g_d.cfg, 16, 16));
