@@ -67,16 +67,29 @@ static void handle_model(router_t *r, prism_http_req_t *h, const char *id)
     respond_jansson(h, 200, model_card(r));
 }
 
-static void handle_tokenize(router_t *r, prism_http_req_t *h)
+/* /tokenize and /detokenize run on the thread pool, as a generation request's preparation does
+ * (requests.c): a megabyte prompt keeps the tokenizer busy for a while, and the loop thread must go
+ * on with every other client meanwhile. The job reads only its body and the router's immutable
+ * tokenizer, template and configuration; the answer is written from the loop. */
+typedef struct {
+    uv_work_t work;
+    router_t *r;
+    prism_http_req_t *h;
+    bool detokenize;
+    bool gone;                /* the client went away meanwhile */
+    int status;               /* 200, or the error's */
+    const char *param;        /* the error's field, or NULL */
+    prism_buf_t out;          /* the answer's JSON, or the error message */
+} tok_job_t;
+
+static int tokenize_json(const router_t *r, const char *body, size_t blen, prism_buf_t *out)
 {
-    size_t blen = 0;
-    const char *body = prism_http_req_body(h, &blen);
     json_error_t jerr;
-    json_t *j = json_loadb(body ? body : "", blen, JSON_REJECT_DUPLICATES, &jerr);
+    json_t *j = json_loadb(body, blen, JSON_REJECT_DUPLICATES, &jerr);
     if (!json_is_object(j)) {
         json_decref(j);
-        prism_http_respond_error(h, 400, "BadRequestError", "Invalid JSON body.", NULL, NULL, NULL);
-        return;
+        prism_buf_append_str(out, "Invalid JSON body.");
+        return 400;
     }
     json_t *prompt = json_object_get(j, "prompt");
     json_t *messages = json_object_get(j, "messages");
@@ -115,52 +128,106 @@ static void handle_tokenize(router_t *r, prism_http_req_t *h)
     json_decref(j);
     if (rc != PRISM_OK) {
         prism_free(ids);
-        prism_http_respond_error(h, 400, "BadRequestError", err, NULL, NULL, NULL);
-        return;
+        prism_buf_append_str(out, err);
+        return 400;
     }
-    json_t *arr = json_array();
-    for (size_t i = 0; i < n; i++) json_array_append_new(arr, json_integer(ids[i]));
+    prism_buf_appendf(out, "{\"count\":%zu,\"max_model_len\":%d,\"tokens\":[", n, r->max_model_len);
+    for (size_t i = 0; i < n; i++) prism_buf_appendf(out, i ? ",%d" : "%d", ids[i]);
+    prism_buf_append_str(out, "]}");
     prism_free(ids);
-    respond_jansson(h, 200, json_pack("{s:I,s:i,s:o}", "count", (json_int_t)n, "max_model_len", r->max_model_len,
-                                      "tokens", arr));
+    return 200;
 }
 
-static void handle_detokenize(router_t *r, prism_http_req_t *h)
+static int detokenize_json(const router_t *r, const char *body, size_t blen, prism_buf_t *out, const char **param)
 {
-    size_t blen = 0;
-    const char *body = prism_http_req_body(h, &blen);
     json_error_t jerr;
-    json_t *j = json_loadb(body ? body : "", blen, 0, &jerr);
+    json_t *j = json_loadb(body, blen, 0, &jerr);
     json_t *toks = json_is_object(j) ? json_object_get(j, "tokens") : NULL;
+    *param = "tokens";
     if (!json_is_array(toks) || json_array_size(toks) > (1u << 20)) {
         json_decref(j);
-        prism_http_respond_error(h, 400, "BadRequestError", "'tokens' must be a list of token ids.", "tokens", NULL, NULL);
-        return;
+        prism_buf_append_str(out, "'tokens' must be a list of token ids.");
+        return 400;
     }
     size_t n = json_array_size(toks);
     int32_t *ids = prism_malloc(sizeof(int32_t) * (n ? n : 1));
-    for (size_t i = 0; i < n && ids; i++) {
+    if (!ids) {
+        json_decref(j);
+        prism_buf_append_str(out, "The server is out of memory; try again shortly.");
+        return 503;
+    }
+    for (size_t i = 0; i < n; i++) {
         json_t *v = json_array_get(toks, i);
         json_int_t x = json_is_integer(v) ? json_integer_value(v) : -1;
         if (x < 0 || x >= r->cfg.vocab) {
             prism_free(ids);
             json_decref(j);
-            prism_http_respond_error(h, 400, "BadRequestError", "Token id out of vocabulary.", "tokens", NULL, NULL);
-            return;
+            prism_buf_append_str(out, "Token id out of vocabulary.");
+            return 400;
         }
         ids[i] = (int32_t)x;
     }
     json_decref(j);
-    prism_buf_t out = {0};
-    prism_tokenizer_decode(r->tok, ids, n, false, &out);
+    prism_buf_t text = {0};
+    prism_tokenizer_decode(r->tok, ids, n, false, &text);
     prism_free(ids);
-    prism_buf_t b = {0};
-    prism_buf_append_str(&b, "{\"prompt\":");
-    prism_json_string(&b, out.data ? out.data : "", out.len);
-    prism_buf_append_str(&b, "}");
-    respond_json(h, 200, b.data, b.len);
-    prism_buf_free(&b);
-    prism_buf_free(&out);
+    prism_buf_append_str(out, "{\"prompt\":");
+    prism_json_string(out, text.data ? text.data : "", text.len);
+    prism_buf_append_str(out, "}");
+    prism_buf_free(&text);
+    *param = NULL;
+    return 200;
+}
+
+static void tok_job_run(uv_work_t *w)   /* a pool thread */
+{
+    tok_job_t *t = w->data;
+    size_t blen = 0;
+    const char *body = prism_http_req_body(t->h, &blen);
+    t->status = t->detokenize ? detokenize_json(t->r, body, blen, &t->out, &t->param)
+                              : tokenize_json(t->r, body, blen, &t->out);
+}
+
+static void tok_job_done(uv_work_t *w, int wstatus)
+{
+    tok_job_t *t = w->data;
+    prism_http_req_t *h = t->h;
+    if (!t->gone && wstatus == 0) {
+        prism_http_req_on_abort(h, NULL, NULL);
+        if (t->status == 200)
+            respond_json(h, 200, t->out.data, t->out.len);
+        else
+            router_respond_error(h, t->status, t->out.data ? t->out.data : "", t->param);
+    }
+    prism_http_req_release(h);
+    prism_buf_free(&t->out);
+    prism_free(t);
+}
+
+static void on_tok_job_gone(prism_http_req_t *h, void *ud)
+{
+    (void)h;
+    ((tok_job_t *)ud)->gone = true;
+}
+
+/* Owns h from here (released when the job is done). */
+static void handle_tokenize(router_t *r, prism_http_req_t *h, bool detokenize)
+{
+    tok_job_t *t = prism_calloc(1, sizeof(*t));
+    if (!t) {
+        router_respond_error(h, 503, "The server is out of memory; try again shortly.", NULL);
+        prism_http_req_release(h);
+        return;
+    }
+    *t = (tok_job_t){.r = r, .h = h, .detokenize = detokenize};
+    t->work.data = t;
+    prism_http_req_on_abort(h, on_tok_job_gone, t);
+    if (uv_queue_work(r->loop, &t->work, tok_job_run, tok_job_done) != 0) {
+        t->gone = true;   /* nothing ran: answer here */
+        prism_http_req_on_abort(h, NULL, NULL);
+        router_respond_error(h, 503, "The server could not queue the request; try again shortly.", NULL);
+        tok_job_done(&t->work, 0);
+    }
 }
 
 static void handle_metrics(router_t *r, prism_http_req_t *h)
@@ -335,7 +402,8 @@ int router_image_check_early(const prism_http_req_t *h, int index, const char *m
     if (strcmp(prism_http_req_method(h), "POST") || strcmp(prism_http_req_path(h), "/v1/chat/completions"))
         return PRISM_HTTP_IMAGE_OK;
     prism_image_info_t info;
-    int st = router_image_check(r, index, mime, strlen(mime), bad, data, len, done, &info, msg, n);
+    int st = router_image_check(r, index, mime, strlen(mime), bad, data, len, done, &info, r->metrics.refused_limit,
+                                msg, n);
     if (st == ROUTER_IMAGE_MORE) return PRISM_HTTP_IMAGE_MORE;
     if (st == 0) return PRISM_HTTP_IMAGE_OK;
     r->metrics.refused_limit[PRISM_REFUSE_BAD_REQUEST]++;  /* as the handler's fail path counts it */
@@ -372,10 +440,9 @@ void router_on_http(prism_http_req_t *h, void *ud)
         handle_models(r, h);
     } else if (get && !strncmp(p, "/v1/models/", 11) && p[11]) {
         handle_model(r, h, p + 11);
-    } else if (post && !strcmp(p, "/tokenize")) {
-        handle_tokenize(r, h);
-    } else if (post && !strcmp(p, "/detokenize")) {
-        handle_detokenize(r, h);
+    } else if (post && (!strcmp(p, "/tokenize") || !strcmp(p, "/detokenize"))) {
+        handle_tokenize(r, h, p[1] == 'd');
+        return;  /* owns h now */
     } else if (get && !strcmp(p, "/status")) {
         router_handle_status(r, h);
     } else {

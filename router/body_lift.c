@@ -354,6 +354,17 @@ int prism_lift_take(prism_lift_t *l, int i, uint8_t **data, size_t *len, const c
     return PRISM_OK;
 }
 
+int prism_lift_peek(const prism_lift_t *l, int i, const uint8_t **data, size_t *len, const char **mime, bool *bad)
+{
+    if (i < 0 || i >= l->n || l->img[i].taken || !l->img[i].done) return PRISM_EINVAL;
+    const prism_lift_image_t *im = &l->img[i];
+    *data = im->data;
+    *len = im->len;
+    if (mime) *mime = im->mime;
+    if (bad) *bad = im->bad;
+    return PRISM_OK;
+}
+
 void prism_lift_free(prism_lift_t *l)
 {
     for (int i = 0; i < l->n; i++) {

@@ -20,7 +20,7 @@
  * to) and is trimmed to its length when the string ends, so it is at most twice what arrived.
  * held() counts the image buffers' capacity (what the HTTP server charges to its budget).
  * Ownership: the images belong to the lifter until taken (prism_lift_take); prism_lift_free frees
- * the rest. One thread.
+ * the rest. One thread, except prism_lift_peek (below).
  */
 #ifndef PRISM_ROUTER_BODY_LIFT_H
 #define PRISM_ROUTER_BODY_LIFT_H
@@ -85,6 +85,10 @@ static inline size_t prism_lift_held(const prism_lift_t *l) { return l->held; }
 /* Hands image i over (*data is the caller's to prism_free; NULL with *len 0 for an empty or bad
  * payload). PRISM_EINVAL when i is out of range or already taken. */
 int  prism_lift_take(prism_lift_t *l, int i, uint8_t **data, size_t *len, const char **mime, bool *bad);
+/* Image i's bytes, left with the lifter (what take would hand over); the same errors. Once the body
+ * is whole nothing changes the lifter until it is freed or an image taken: another thread may peek
+ * then while the owner keeps off it. */
+int  prism_lift_peek(const prism_lift_t *l, int i, const uint8_t **data, size_t *len, const char **mime, bool *bad);
 void prism_lift_free(prism_lift_t *l);
 /* i when s[0..len) is exactly PRISM_LIFT_REF_PREFIX "<i>", else -1. */
 int  prism_lift_ref(const char *s, size_t len);

@@ -103,6 +103,8 @@ struct prism_http_server {
     llhttp_settings_t settings;
     conn_t *conns;           /* intrusive list of all open connections */
     size_t n_conns;
+    size_t n_reqs;           /* requests tied to this server (r->srv) not yet freed: a handler may
+                              * release one after the server stopped, and its body is uncharged here */
     size_t n_active;         /* accepted, not rejected, not closing (read atomically) */
     bool stopping, listener_closed, resume_closed;
     bool draining, listener_closing;  /* prism_http_server_drain: no new connections, no keep-alive */
@@ -170,13 +172,14 @@ static prism_http_req_t *req_new(void)
 }
 
 static void server_resume_bodies(prism_http_server_t *s);
+static void server_maybe_free(prism_http_server_t *s);
 
 /* Charges what the body holds now: its buffer's capacity and the lifted image bytes not taken. A
  * decrease lets paused bodies read again. */
 static void body_recharge(prism_http_req_t *r)
 {
     size_t now = r->body.cap + (r->lift ? prism_lift_held(r->lift) : 0);
-    if (now == r->body_charged) return;  /* nothing to do; r may outlive its server (a late release) */
+    if (now == r->body_charged) return;
     if (!r->srv) {
         r->body_charged = now;
         return;
@@ -207,7 +210,12 @@ static void req_unref(prism_http_req_t *r)
     prism_buf_free(&r->url);
     prism_buf_free(&r->hdrs);
     prism_free(r->hents);
+    prism_http_server_t *s = r->srv;
     prism_free(r);
+    if (s) {
+        s->n_reqs--;
+        server_maybe_free(s);
+    }
 }
 
 void prism_http_req_release(prism_http_req_t *r)
@@ -257,6 +265,12 @@ int prism_http_req_take_image(prism_http_req_t *r, int i, uint8_t **data, size_t
     return rc;
 }
 
+int prism_http_req_peek_image(const prism_http_req_t *r, int i, const uint8_t **data, size_t *len, const char **mime,
+                              bool *bad)
+{
+    return r->lift ? prism_lift_peek(r->lift, i, data, len, mime, bad) : PRISM_EINVAL;
+}
+
 void prism_http_req_on_abort(prism_http_req_t *r, void (*cb)(prism_http_req_t *r, void *ud), void *ud)
 {
     r->abort_cb = cb;
@@ -280,7 +294,7 @@ size_t prism_http_req_pending_bytes(const prism_http_req_t *r)
 
 static void server_maybe_free(prism_http_server_t *s)
 {
-    if (s->stopping && s->listener_closed && s->resume_closed && s->n_conns == 0) prism_free(s);
+    if (s->stopping && s->listener_closed && s->resume_closed && s->n_conns == 0 && s->n_reqs == 0) prism_free(s);
 }
 
 static void on_conn_handle_closed(uv_handle_t *h)
@@ -889,6 +903,7 @@ static int on_headers_complete(llhttp_t *p)
         return -1;
     }
     r->srv = c->srv;
+    r->srv->n_reqs++;
     r->declared_len = has_cl ? p->content_length : 0;
     /* Refusals that need no body (an API key check) come before anything else is spent on it. */
     if (cfg->on_headers) {

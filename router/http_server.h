@@ -30,7 +30,10 @@
  *   fails there makes the call return PRISM_EIO and the connection closes from a later loop turn,
  *   where the callback runs. So code that writes may keep using its own state after the write,
  *   whatever the abort callback frees. (prism_http_server_stop is the one call that runs abort
- *   callbacks inside itself.) Everything here runs on the loop thread only.
+ *   callbacks inside itself.) Everything here runs on the loop thread only, but for reads of a
+ *   request's method, path, headers, body and images (prism_http_req_peek_image) by another thread
+ *   while the caller holds r and makes no call on it: the router prepares requests on a thread pool.
+ *   A request may be released after the server stopped; the server's memory outlives its requests.
  *
  * Usage:
  *   static void on_req(prism_http_req_t *r, void *ud) {
@@ -171,6 +174,10 @@ bool prism_http_req_has_images(const prism_http_req_t *r);
  * prism_free, its bytes no longer charged to the server). PRISM_EINVAL when there is no such image
  * or it was taken already. */
 int  prism_http_req_take_image(prism_http_req_t *r, int i, uint8_t **data, size_t *len, const char **mime, bool *bad);
+/* The same image left where it is (read-only): for work on another thread while the caller holds r
+ * and makes no other call on it; take it afterwards on the loop thread (the bytes are the same). */
+int  prism_http_req_peek_image(const prism_http_req_t *r, int i, const uint8_t **data, size_t *len, const char **mime,
+                               bool *bad);
 int  prism_http_req_http_minor(const prism_http_req_t *r);     /* 0 for HTTP/1.0, 1 for HTTP/1.1 */
 
 void  prism_http_req_set_user(prism_http_req_t *r, void *user);

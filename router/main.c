@@ -64,7 +64,7 @@ int main(int argc, char **argv)
     bool insecure_no_curve = false, metrics_open = false, timing_header = false, no_early_encode = false;
     int64_t port = 8000, context_length = 0, limit_mm = 8, max_pixels = 4096ll * 4096, max_running = 256,
             max_body = 64ll << 20, body_total = 1ll << 30, image_inflight = 1ll << 30, max_conn = 4096,
-            min_body_rate = 8 << 10, stream_pending = 4ll << 20, max_retries = 2, max_migrations = 2;
+            min_body_rate = 8 << 10, stream_pending = 4ll << 20, max_retries = 2, max_migrations = 2, prep_threads = 4;
     double worker_timeout = 10, worker_stuck_timeout = 60, request_timeout = 600, max_queue_wait = 120, header_timeout = 30, drain_timeout = 20,
            stage_timeout = 60;
     prism_flag_t flags[] = {
@@ -118,6 +118,8 @@ int main(int argc, char **argv)
                           "retried on other workers (then 504 naming the stage); 0: no limit"),
         PRISM_FLAG_DOUBLE("drain-timeout", &drain_timeout,
                           "Seconds SIGTERM waits for requests in flight before aborting them (0: abort at once)"),
+        PRISM_FLAG_INT("prep-threads", &prep_threads,
+                       "Threads that prepare requests (JSON, images, chat template, tokenization) off the I/O loop"),
         PRISM_FLAG_STR("log-level", &log_level, "debug, info, warn or error"),
         PRISM_FLAG_END,
     };
@@ -126,10 +128,11 @@ int main(int argc, char **argv)
     if (rc) return rc > 0 ? 0 : 2;
     prism_log_init("router", prism_log_level_parse(log_level));
     json_set_alloc_funcs(prism_malloc, prism_free);  /* parsed bodies count in the router's memory */
+    json_object_seed(0);   /* jansson's hash seed, drawn once here rather than racily by the first threads */
     double t0 = prism_now_s();
     if (port < 0 || port > 65535 || limit_mm < 0 || limit_mm > ROUTER_MAX_IMAGES || max_running < 1 ||
         max_running > 1000000 || max_pixels < 1 || image_inflight < 1 || min_body_rate < 1 || !(header_timeout > 0) || stream_pending < 1 ||
-        !(worker_timeout > 0) || !(worker_stuck_timeout >= 0)) {
+        !(worker_timeout > 0) || !(worker_stuck_timeout >= 0) || prep_threads < 1 || prep_threads > 256) {
         fprintf(stderr, "router: flag out of range (see --help)\n");
         return 2;
     }
@@ -239,6 +242,10 @@ int main(int argc, char **argv)
     char host_name[64] = "host";
     gethostname(host_name, sizeof(host_name) - 1);
     snprintf(r.router_id, sizeof(r.router_id), "router-%s-%d-%lld", host_name, (int)getpid(), (long long)port);
+    /* libuv's thread pool (requests.c prep_run, api.c) is sized from the environment on first use. */
+    char nthreads[16];
+    snprintf(nthreads, sizeof(nthreads), "%lld", (long long)prep_threads);
+    setenv("UV_THREADPOOL_SIZE", nthreads, 1);
     r.loop = uv_default_loop();
     if (router_ctl_start(&r, control) != PRISM_OK) {
         PRISM_ERROR("cannot bind the control endpoint %s", control);

@@ -38,7 +38,7 @@ void router_prompt_tool_arguments_as_objects(json_t *msg)
 
 /* Builds the chat-template context the way transformers does, with image parts as
  * {"type":"image"} (what HF processors' templates expect). */
-static json_t *template_context(router_t *r, const prism_oai_request_t *o)
+static json_t *template_context(const router_t *r, const prism_oai_request_t *o)
 {
     json_t *msgs = json_array();
     for (int i = 0; i < o->n_messages; i++) {
@@ -102,8 +102,8 @@ int router_llama4_init(router_t *r, const char *model_dir)
     return PRISM_OK;
 }
 
-int router_image_check(router_t *r, int idx, const char *mime, size_t mime_len, bool bad, const uint8_t *data,
-                       size_t len, bool complete, prism_image_info_t *info, char *msg, size_t n)
+int router_image_check(const router_t *r, int idx, const char *mime, size_t mime_len, bool bad, const uint8_t *data,
+                       size_t len, bool complete, prism_image_info_t *info, uint64_t *refused, char *msg, size_t n)
 {
     if (!prism_data_url_mime_is_image(mime, mime_len)) {
         snprintf(msg, n, "Image %d: unsupported media type '%.*s'; use image/jpeg or image/png.", idx,
@@ -124,7 +124,7 @@ int router_image_check(router_t *r, int idx, const char *mime, size_t mime_len, 
         return 400;
     }
     if ((uint64_t)info->width * (uint64_t)info->height > r->max_image_pixels) {
-        r->metrics.refused_limit[PRISM_REFUSE_IMAGE_TOO_LARGE]++;
+        refused[PRISM_REFUSE_IMAGE_TOO_LARGE]++;
         snprintf(msg, n, "Image %d is %dx%d pixels; the limit is %llu pixels per image.", idx, info->width,
                  info->height, (unsigned long long)r->max_image_pixels);
         return 400;
@@ -134,9 +134,10 @@ int router_image_check(router_t *r, int idx, const char *mime, size_t mime_len, 
 
 /* Decodes every image part's data URL and checks it (router_image_check). Returns an HTTP status
  * (0 = ok) and fills msg. A data URL the HTTP server lifted out of the body while it streamed in
- * (body_lift.h) is already decoded: its buffer is taken as it is (no copy). */
-int router_prompt_load_images(router_t *r, router_prompt_t *p, const prism_oai_request_t *o, prism_http_req_t *h,
-                              char *msg, size_t n)
+ * (body_lift.h) is already decoded: its buffer is read where it is (router_prompt_take_images makes
+ * it the prompt's on the loop thread), never copied. */
+int router_prompt_load_images(const router_t *r, router_prompt_t *p, const prism_oai_request_t *o,
+                              const prism_http_req_t *h, uint64_t *refused, char *msg, size_t n)
 {
     for (int i = 0; i < o->n_messages; i++) {
         const prism_oai_message_t *m = &o->messages[i];
@@ -146,27 +147,31 @@ int router_prompt_load_images(router_t *r, router_prompt_t *p, const prism_oai_r
             int idx = p->n_images;
             const char *mime, *b64;
             size_t mime_len, b64_len, len = 0;
-            uint8_t *data = NULL;
+            const uint8_t *data = NULL;
             bool bad = false;
             int lifted = prism_lift_ref(part->image_url, part->image_url_len);
             if (lifted >= 0) {
-                if (!h || prism_http_req_take_image(h, lifted, &data, &len, &mime, &bad) != PRISM_OK) goto not_data_url;
+                if (!h || prism_http_req_peek_image(h, lifted, &data, &len, &mime, &bad) != PRISM_OK) goto not_data_url;
                 mime_len = strlen(mime);
+                for (int j = 0; j < idx; j++)
+                    if (p->img_lift[j] == lifted + 1) goto not_data_url;   /* one lifted image, one part */
+                p->img_lift[idx] = lifted + 1;  /* the lifter's until taken */
             } else {
                 if (prism_data_url_parse(part->image_url, part->image_url_len, &mime, &mime_len, &b64, &b64_len) != PRISM_OK)
                     goto not_data_url;
                 if (prism_data_url_mime_is_image(mime, mime_len)) {  /* else refused below, undecoded */
                     size_t cap = prism_base64_decoded_max(b64_len);
-                    data = prism_malloc(cap ? cap : 1);
-                    if (!data) return 503;
-                    bad = prism_base64_decode(b64, b64_len, data, cap, &len) != PRISM_OK;
+                    uint8_t *buf = prism_malloc(cap ? cap : 1);
+                    if (!buf) return 503;
+                    bad = prism_base64_decode(b64, b64_len, buf, cap, &len) != PRISM_OK;
+                    data = buf;
                 }
             }
-            p->img[idx] = data;  /* owned by the prompt from here, even when refused below */
+            p->img[idx] = (uint8_t *)data;  /* the prompt's from here (once taken), even when refused below */
             p->img_len[idx] = len;
             p->n_images++;
             prism_image_info_t info;
-            int st = router_image_check(r, idx, mime, mime_len, bad, data, len, true, &info, msg, n);
+            int st = router_image_check(r, idx, mime, mime_len, bad, data, len, true, &info, refused, msg, n);
             if (st) return st;
             p->img_w[idx] = info.width;
             p->img_h[idx] = info.height;
@@ -180,6 +185,19 @@ int router_prompt_load_images(router_t *r, router_prompt_t *p, const prism_oai_r
         }
     }
     return 0;
+}
+
+void router_prompt_take_images(router_prompt_t *p, prism_http_req_t *h)
+{
+    for (int i = 0; i < p->n_images; i++) {
+        if (!p->img_lift[i]) continue;
+        uint8_t *data = NULL;
+        size_t len = 0;
+        int rc = prism_http_req_take_image(h, p->img_lift[i] - 1, &data, &len, NULL, NULL);
+        PRISM_ASSERT(rc == PRISM_OK && data == p->img[i] && len == p->img_len[i]);
+        (void)rc;
+        p->img_lift[i] = 0;
+    }
 }
 
 void router_prompt_release_inputs(prism_oai_request_t *o)
@@ -200,7 +218,7 @@ void router_prompt_release_inputs(prism_oai_request_t *o)
     }
 }
 
-int router_prompt_build(router_t *r, router_prompt_t *p, const prism_oai_request_t *o, bool chat, char *msg, size_t n)
+int router_prompt_build(const router_t *r, router_prompt_t *p, const prism_oai_request_t *o, bool chat, char *msg, size_t n)
 {
     int rc;
     if (chat) {
@@ -318,7 +336,8 @@ int router_prompt_build(router_t *r, router_prompt_t *p, const prism_oai_request
 
 void router_prompt_free(router_prompt_t *p)
 {
-    for (int i = 0; i < p->n_images; i++) prism_free(p->img[i]);
+    for (int i = 0; i < p->n_images; i++)
+        if (!p->img_lift[i]) prism_free(p->img[i]);   /* else still the lifter's */
     prism_free(p->tokens);
     memset(p, 0, sizeof(*p));
 }

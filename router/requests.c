@@ -101,6 +101,15 @@ struct router_req {
     int cache_hits;
     prism_buf_t out;              /* scratch for response bytes */
     prism_buf_t tok_bytes[21];    /* scratch for one token's logprob entry: [0] chosen, [1..] top */
+    /* preparation on the thread pool (prep_run): the loop thread keeps off everything above until
+     * prep_done reads what it found */
+    uv_work_t prep;
+    bool prep_gone;               /* the client went away meanwhile */
+    bool parsed;
+    prism_oai_error_t perr;
+    int prep_status;              /* of loading the images and building the prompt; 0 ok */
+    char prep_msg[600];
+    uint64_t prep_refused[PRISM_REFUSE_COUNT];
 };
 
 /* ---------------------------------------------------------------- request map (open addressing) */
@@ -272,7 +281,7 @@ static void abort_workers(router_req_t *q)
     if (q->decode_pending) send_abort(q->r, q->decode_id, q->rid);
 }
 
-static void respond_error(prism_http_req_t *h, int status, const char *message, const char *param)
+void router_respond_error(prism_http_req_t *h, int status, const char *message, const char *param)
 {
     const char *type = status == 404 ? "NotFoundError" : status == 401 ? "AuthenticationError"
                      : status == 413 ? "RequestEntityTooLargeError" : status == 429 ? "RateLimitError"
@@ -297,7 +306,7 @@ static void req_fail(router_req_t *q, int status, const char *message)
             prism_http_stream_write(q->h, q->out.data, q->out.len);
             prism_http_stream_end(q->h);
         } else {
-            respond_error(q->h, status, message, NULL);
+            router_respond_error(q->h, status, message, NULL);
         }
     }
     req_destroy(q);
@@ -1325,18 +1334,56 @@ void router_dispatch_queued(router_t *r)
     if (!r->queue_len) prism_http_server_resume_bodies(r->http);  /* uploads paused for it go on */
 }
 
+/* Preparing a request is the CPU-heavy part of its life: parsing its JSON, decoding and hashing its
+ * images, rendering the chat template, tokenizing. It runs on libuv's thread pool (--prep-threads),
+ * so the loop thread only does I/O: an 8 MiB prompt no longer stalls every stream and every other
+ * client for the second it takes to tokenize. prep_run reads only the request's body and the
+ * router's configuration and model (tokenizer and template are immutable); everything the router
+ * keeps (metrics, workers, the request map, the guide cache) is touched in prep_done, on the loop. */
+static void prep_run(uv_work_t *w)
+{
+    router_req_t *q = w->data;
+    const router_t *r = q->r;
+    size_t blen = 0;
+    const char *body = prism_http_req_body(q->h, &blen);
+    prism_oai_parse_opts_t popts = {.max_images = r->max_images_per_prompt, .vocab = r->cfg.vocab};
+    q->parsed = prism_oai_parse(body, blen, q->chat, &popts, &q->oai, &q->perr) == PRISM_OK;
+    if (!q->parsed) return;
+    if (q->chat)
+        q->prep_status = router_prompt_load_images(r, &q->prompt, &q->oai, q->h, q->prep_refused, q->prep_msg,
+                                                   sizeof q->prep_msg);
+    if (!q->prep_status)
+        q->prep_status = router_prompt_build(r, &q->prompt, &q->oai, q->chat, q->prep_msg, sizeof q->prep_msg);
+}
+
+static void on_prep_gone(prism_http_req_t *h, void *ud)
+{
+    (void)h;
+    ((router_req_t *)ud)->prep_gone = true;   /* prep_done lets it go */
+}
+
+static void prep_done(uv_work_t *w, int wstatus);
+
 void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
 {
     if (r->shutting_down) {  /* a keep-alive connection's next request while draining */
-        respond_error(h, 503, "The server is shutting down; retry on another instance.", NULL);
+        router_respond_error(h, 503, "The server is shutting down; retry on another instance.", NULL);
         prism_http_req_release(h);
         return;
     }
-    size_t blen = 0;
-    const char *body = prism_http_req_body(h, &blen);
+    /* Requests being prepared count as in flight: the pool's queue is bounded by --max-running-requests. */
+    if ((int)(r->n_reqs + r->n_preparing) >= r->max_running) {
+        r->metrics.refused_limit[PRISM_REFUSE_QUEUE_FULL]++;
+        char msg[160];
+        snprintf(msg, sizeof(msg), "The server is at capacity (%d requests in flight); retry after a short wait.",
+                 r->max_running);
+        router_respond_error(h, 429, msg, NULL);
+        prism_http_req_release(h);
+        return;
+    }
     router_req_t *q = prism_calloc(1, sizeof(*q));
     if (!q) {
-        respond_error(h, 503, "The server is out of memory; try again shortly.", NULL);
+        router_respond_error(h, 503, "The server is out of memory; try again shortly.", NULL);
         prism_http_req_release(h);
         return;
     }
@@ -1344,28 +1391,52 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
     q->h = h;
     q->chat = chat;
     q->t_start = q->t_wait = prism_now_s();
-    if (router_req_new_id(r, &q->rid) != PRISM_OK) {
-        respond_error(h, 503, "The server has no randomness for request ids; try again shortly.", NULL);
-        prism_http_req_release(h);
-        prism_free(q);
-        return;
-    }
-    char msg[600] = "", param[128] = "";
-    int status = 0;
-
-    prism_oai_error_t perr;
-    prism_oai_parse_opts_t popts = {.max_images = r->max_images_per_prompt, .vocab = r->cfg.vocab};
-    if (prism_oai_parse(body ? body : "", blen, chat, &popts, &q->oai, &perr) != PRISM_OK) {
-        r->metrics.refused_limit[PRISM_REFUSE_BAD_REQUEST]++;
-        if (perr.status == 400 && strstr(perr.message, "image")) r->metrics.refused_limit[PRISM_REFUSE_TOO_MANY_IMAGES]++;
-        prism_http_respond_error(h, perr.status ? perr.status : 400, perr.type[0] ? perr.type : "BadRequestError",
-                                 perr.message, perr.param[0] ? perr.param : NULL, NULL, NULL);
+    q->prep.data = q;
+    prism_http_req_on_abort(h, on_prep_gone, q);
+    if (uv_queue_work(r->loop, &q->prep, prep_run, prep_done) != 0) {
+        prism_http_req_on_abort(h, NULL, NULL);
+        router_respond_error(h, 503, "The server could not queue the request; try again shortly.", NULL);
         q->h = NULL;
         prism_http_req_release(h);
         req_destroy(q);
         return;
     }
-    int n = n_choices(q);
+    r->n_preparing++;
+}
+
+static void prep_done(uv_work_t *w, int wstatus)
+{
+    router_req_t *q = w->data;
+    router_t *r = q->r;
+    prism_http_req_t *h = q->h;
+    r->n_preparing--;
+    router_prompt_take_images(&q->prompt, h);   /* the prompt's from here, whatever happens next */
+    if (q->prep_gone || wstatus != 0 || !r->http) {   /* the client left, or the router stopped meanwhile */
+        req_destroy(q);
+        return;
+    }
+    prism_http_req_on_abort(h, NULL, NULL);
+    char msg[600] = "", param[128] = "";
+    int status = 0;
+    bool chat = q->chat;
+    int n = q->parsed ? n_choices(q) : 0;
+
+    if (!q->parsed) {
+        prism_oai_error_t *perr = &q->perr;
+        r->metrics.refused_limit[PRISM_REFUSE_BAD_REQUEST]++;
+        if (perr->status == 400 && strstr(perr->message, "image")) r->metrics.refused_limit[PRISM_REFUSE_TOO_MANY_IMAGES]++;
+        prism_http_respond_error(h, perr->status ? perr->status : 400, perr->type[0] ? perr->type : "BadRequestError",
+                                 perr->message, perr->param[0] ? perr->param : NULL, NULL, NULL);
+        q->h = NULL;
+        prism_http_req_release(h);
+        req_destroy(q);
+        return;
+    }
+    if (router_req_new_id(r, &q->rid) != PRISM_OK) {
+        status = 503;
+        snprintf(msg, sizeof(msg), "The server has no randomness for request ids; try again shortly.");
+        goto fail;
+    }
     q->choices = prism_calloc((size_t)n, sizeof *q->choices);
     if (!q->choices) {
         status = 503;
@@ -1389,8 +1460,11 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
         status = 429;
         goto fail;
     }
-    if (chat && (status = router_prompt_load_images(r, &q->prompt, &q->oai, h, msg, sizeof(msg))) != 0) goto fail;
-    if ((status = router_prompt_build(r, &q->prompt, &q->oai, chat, msg, sizeof(msg))) != 0) goto fail;
+    for (int i = 0; i < PRISM_REFUSE_COUNT; i++) r->metrics.refused_limit[i] += q->prep_refused[i];
+    if ((status = q->prep_status) != 0) {
+        snprintf(msg, sizeof(msg), "%s", q->prep_msg);
+        goto fail;
+    }
     prism_http_req_drop_body(q->h);
     router_prompt_release_inputs(&q->oai);
     if (prism_oai_resp_meta_init(&q->meta, chat, r->served_model_name) != PRISM_OK) {
@@ -1434,7 +1508,7 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
 
 fail:
     if (status >= 400 && status < 500 && status != 429) r->metrics.refused_limit[PRISM_REFUSE_BAD_REQUEST]++;
-    respond_error(h, status, msg, param[0] ? param : NULL);
+    router_respond_error(h, status, msg, param[0] ? param : NULL);
     q->h = NULL;
     prism_http_req_release(h);
     req_destroy(q);

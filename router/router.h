@@ -153,6 +153,7 @@ typedef struct {
     /* requests in flight, by id */
     router_req_t **reqs;        /* open-addressing map, cap entries */
     size_t reqs_cap, n_reqs;
+    size_t n_preparing;         /* requests on the thread pool (requests.c prep_run), not yet in the map */
     size_t image_bytes_inflight;
     /* requests accepted while every worker of a tier was at capacity, oldest first (ring) */
     uint64_t *queue;
@@ -230,6 +231,8 @@ typedef struct {
                                              * until the first token (a retry sends them again), or while
                                              * the request may still migrate (it is encoded again), then NULL */
     size_t img_len[ROUTER_MAX_IMAGES];
+    int img_lift[ROUTER_MAX_IMAGES];        /* 1 + its lifted image's index while img[] is still the HTTP
+                                             * server's (router_prompt_take_images), else 0 */
     uint64_t img_hash[ROUTER_MAX_IMAGES];
     int img_w[ROUTER_MAX_IMAGES], img_h[ROUTER_MAX_IMAGES];   /* from the header */
     uint32_t img_offset[ROUTER_MAX_IMAGES]; /* first token of each image's span, found while expanding */
@@ -251,15 +254,21 @@ int  router_llama4_init(router_t *r, const char *model_dir);
  * bytes of an image still arriving (complete false): then only verdicts more bytes cannot change are
  * given, ROUTER_IMAGE_MORE otherwise. Returns 0 (info filled), ROUTER_IMAGE_MORE, or 400 (msg). */
 #define ROUTER_IMAGE_MORE (-1)
-int  router_image_check(router_t *r, int idx, const char *mime, size_t mime_len, bool bad, const uint8_t *data,
-                        size_t len, bool complete, prism_image_info_t *info, char *msg, size_t n);
-/* Decodes every image part's data URL and checks it (router_image_check). These return 0 or an
- * HTTP status with msg filled. */
-int  router_prompt_load_images(router_t *r, router_prompt_t *p, const prism_oai_request_t *o, prism_http_req_t *h,
-                               char *msg, size_t n);
+int  router_image_check(const router_t *r, int idx, const char *mime, size_t mime_len, bool bad, const uint8_t *data,
+                        size_t len, bool complete, prism_image_info_t *info, uint64_t *refused,
+                        char *msg, size_t n);
+/* Preparing a request (a thread-pool thread: these read only the router's configuration and model
+ * facts, which never change after start-up, and count refusals into the caller's refused[]):
+ * router_prompt_load_images decodes every image part's data URL and checks it (router_image_check);
+ * an image the HTTP server lifted out of the body is read in place, and router_prompt_take_images
+ * makes those the prompt's afterwards, on the loop thread (before anything frees the prompt). These
+ * return 0 or an HTTP status with msg filled. */
+int  router_prompt_load_images(const router_t *r, router_prompt_t *p, const prism_oai_request_t *o,
+                               const prism_http_req_t *h, uint64_t *refused, char *msg, size_t n);
+void router_prompt_take_images(router_prompt_t *p, prism_http_req_t *h);
 /* Renders + tokenizes (chat) or tokenizes (completions), expands image placeholders, checks the
  * length against the context. */
-int  router_prompt_build(router_t *r, router_prompt_t *p, const prism_oai_request_t *o, bool chat, char *msg,
+int  router_prompt_build(const router_t *r, router_prompt_t *p, const prism_oai_request_t *o, bool chat, char *msg,
                          size_t n);
 /* Once images are decoded and the prompt built, the base64 strings in the parsed JSON are dead
  * weight (the largest part of an image request): drops them so a request in flight holds only
@@ -272,6 +281,8 @@ void router_prompt_tool_arguments_as_objects(json_t *msg);
 
 /* requests.c */
 void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat);
+/* The OpenAI error answer for status (its type; Retry-After with 429 and 503). */
+void router_respond_error(prism_http_req_t *h, int status, const char *message, const char *param);
 /* Results from worker `from`: taken only when it holds the request at that stage (prefill: the first
  * token or its error, once; decode: the rest; encoder: its image); false when refused. The prefill's
  * Tokens (the first token) and the decode's (the rest) come from two processes over two connections,

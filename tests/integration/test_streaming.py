@@ -9,13 +9,20 @@
   request on the decode worker, which then stops generating (its running count in /metrics
   returns to idle);
 - a decode worker restarted under the same id while streaming: the stream still ends (the router
-  fails the old process's requests when the new one registers).
+  fails the old process's requests when the new one registers);
+- the router's loop thread keeps answering while a multi-megabyte prompt is parsed, rendered and
+  tokenized (/tokenize, /v1/chat/completions): that work runs on its thread pool, so streams and
+  other clients are not stalled behind it.
 
 Run: python3 tests/integration/test_streaming.py [test names]   (PRISM_BINARY_DIR=build dir)
 """
+import json
 import os
+import random
+import socket
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -205,6 +212,69 @@ def test_worker_restart_same_id_ends_streams():
         assert status == 200, (status, r)
 
 
+def _huge_prompt(n_bytes, seed=7):
+    rng = random.Random(seed)
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliett",
+             "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango"]
+    out, size = [], 0
+    while size < n_bytes:
+        w = rng.choice(words) + str(rng.randrange(1000)) + rng.choice([" ", ", ", ". ", "\n"])
+        out.append(w)
+        size += len(w)
+    return "".join(out)
+
+
+def _post_raw(path, body):
+    """Sends the whole request; returns (socket, time the last byte was handed to the kernel)."""
+    s = socket.create_connection(("127.0.0.1", C.port), timeout=300)
+    s.sendall(("POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+               "Connection: close\r\n\r\n" % (path, len(body))).encode() + body)
+    return s, time.monotonic()
+
+
+def _read_all(s):
+    data = b""
+    while True:
+        chunk = s.recv(1 << 16)
+        if not chunk:
+            return data
+        data += chunk
+
+
+def test_loop_answers_while_a_huge_prompt_is_tokenized():
+    """Finding 14 of the security audit: tokenizing a multi-megabyte prompt took the router's only thread
+    for about a second, so every stream and every client stalled behind it. Each request here takes
+    the tokenizer hundreds of milliseconds; /health, asked all the while, must keep answering in a
+    small fraction of that."""
+    text = _huge_prompt(6 << 20)   # the tokenizer takes at most 8 MiB
+    bodies = [("/tokenize", {"prompt": text}, 200),
+              ("/v1/chat/completions", chat_body(text, max_tokens=1), 400)]   # tokenized, then too long
+    for path, obj, want in bodies:
+        body = json.dumps(obj).encode()
+        s, t_sent = _post_raw(path, body)
+        answer = {}
+        reader = threading.Thread(target=lambda: answer.update(data=_read_all(s), t=time.monotonic()))
+        reader.start()
+        worst = 0.0
+        n = 0
+        while reader.is_alive():
+            t0 = time.monotonic()
+            status, _, _ = C.request("GET", "/health", timeout=60)
+            assert status == 200
+            worst = max(worst, time.monotonic() - t0)   # asked while the prompt was still on
+            n += 1
+        reader.join()
+        s.close()
+        took = answer["t"] - t_sent
+        head = answer["data"].split(b"\r\n", 1)[0]
+        assert head.startswith(b"HTTP/1.1 %d" % want), (path, answer["data"][:300])
+        if want == 400:
+            assert b"maximum context length" in answer["data"], answer["data"][-300:]
+        print("  %s: answered in %.2f s; /health asked %d times meanwhile, slowest %.3f s" % (path, took, n, worst))
+        assert took > 0.3, "the prompt was too quick to tell (%.2f s): make it larger" % took
+        assert worst < took / 4, "the loop stalled %.2f s of the %.2f s the prompt took" % (worst, took)
+
+
 if __name__ == "__main__":
     C = Cluster()
     try:
@@ -212,7 +282,8 @@ if __name__ == "__main__":
         rc = run_tests([test_stream_stop_string_spanning_many_tokens, test_stream_stop_string_never_completed_is_released,
                         test_stream_earliest_of_several_stop_strings_wins, test_stop_string_aborts_generation,
                         test_sse_error_event_when_worker_dies,
-                        test_client_disconnect_aborts_generation, test_worker_restart_same_id_ends_streams])
+                        test_client_disconnect_aborts_generation, test_worker_restart_same_id_ends_streams,
+                        test_loop_answers_while_a_huge_prompt_is_tokenized])
     finally:
         C.stop()
         if os.environ.get("PRISM_KEEP_LOGS"):

@@ -52,6 +52,8 @@ typedef struct {
     atomic_int abort_after_release;
 } harness_t;
 
+static atomic_int g_pooled_done;   /* /pooled: work done on the pool, its request released on the loop */
+
 /* Fault injection at the libuv boundary (the test links with -Wl,--wrap=uv_write): the next uv_write
  * fails synchronously, as libuv does for a stream that is no longer writable. */
 static atomic_int g_fail_next_write;
@@ -156,6 +158,58 @@ static void on_forever_timer(uv_timer_t *t)
     }
     int pend = (int)prism_http_req_pending_bytes(j->req);
     if (pend > atomic_load(&j->h->max_pending)) atomic_store(&j->h->max_pending, pend);
+}
+
+/* /pooled?ms=N: what the router does with a request it prepares on libuv's thread pool. A pool
+ * thread reads the body and peeks at the lifted images (the loop keeps off the request meanwhile);
+ * back on the loop the images are taken (the same bytes) and the answer written, or, when the client
+ * left or the server stopped meanwhile, the request is only released. */
+typedef struct {
+    uv_work_t work;
+    prism_http_req_t *req;
+    int ms;
+    bool gone;
+    prism_buf_t out;
+} pooled_t;
+
+static void pooled_run(uv_work_t *w)
+{
+    pooled_t *p = w->data;
+    usleep((useconds_t)p->ms * 1000);
+    size_t bl;
+    const char *body = prism_http_req_body(p->req, &bl);
+    prism_buf_append(&p->out, body, bl);
+    const uint8_t *img;
+    size_t il;
+    for (int i = 0; prism_http_req_peek_image(p->req, i, &img, &il, NULL, NULL) == PRISM_OK; i++) {
+        prism_buf_appendf(&p->out, "|%zu:", il);
+        prism_buf_append(&p->out, img, il);
+    }
+}
+
+static void pooled_gone(prism_http_req_t *r, void *ud)
+{
+    (void)r;
+    ((pooled_t *)ud)->gone = true;
+}
+
+static void pooled_done(uv_work_t *w, int status)
+{
+    pooled_t *p = w->data;
+    (void)status;
+    uint8_t *img;
+    size_t il;
+    const uint8_t *peeked;
+    for (int i = 0; prism_http_req_peek_image(p->req, i, &peeked, &il, NULL, NULL) == PRISM_OK; i++) {
+        assert_int_equal(prism_http_req_take_image(p->req, i, &img, &il, NULL, NULL), PRISM_OK);
+        assert_ptr_equal(img, peeked);
+        prism_free(img);
+    }
+    if (!p->gone) prism_http_respond(p->req, 200, "text/plain", NULL, p->out.data, p->out.len);
+    prism_http_req_release(p->req);   /* after the server stopped, when it did */
+    prism_buf_free(&p->out);
+    atomic_fetch_add(&g_pooled_done, 1);
+    prism_free(p);
 }
 
 static void on_forever_abort(prism_http_req_t *r, void *ud)
@@ -290,6 +344,13 @@ static void handler(prism_http_req_t *r, void *ud)
         if (prism_http_stream_end(r) != PRISM_EIO) atomic_store(&h->failed_write_rc, 2000);
         atomic_store(&h->released, 1);
         prism_http_req_release(r);
+    } else if (strcmp(path, "/pooled") == 0) {
+        pooled_t *p = prism_calloc(1, sizeof *p);
+        assert_non_null(p);
+        *p = (pooled_t){.req = r, .ms = qint(r, "ms", 0)};
+        p->work.data = p;
+        prism_http_req_on_abort(r, pooled_gone, p);
+        assert_int_equal(uv_queue_work(&h->loop, &p->work, pooled_run, pooled_done), 0);
     } else if (strcmp(path, "/forever") == 0) {
         job_t *j = job_new(h, r);
         prism_http_req_on_abort(r, on_forever_abort, j);
@@ -1871,6 +1932,41 @@ static void test_no_abort_after_release(void **state)
     harness_stop(h);
 }
 
+/* Requests prepared on a thread pool (the router, finding 14): the pool thread reads the body and
+ * the lifted images in place; they are the bytes take hands over afterwards. A request still on the
+ * pool when the server stops is released after the server's close callbacks ran: the server's memory
+ * (which the request's body is uncharged from) lives until then (ASan), and nothing leaks. */
+static void test_request_prepared_on_a_pool_thread(void **state)
+{
+    (void)state;
+    prism_http_config_t cfg = prism_http_config_default();
+    cfg.lift_data_urls = true;
+    harness_t *h = harness_start(&cfg);
+    client_t c;
+    resp_t r;
+    prism_buf_t body = {0};
+    atomic_store(&g_pooled_done, 0);
+    image_body(&body, "QUJD", 3);   /* "ABC" x 3 */
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "POST /pooled?ms=20 HTTP/1.1\r\nContent-Length: %zu\r\n\r\n", body.len);
+    assert_int_equal(client_send(&c, body.data, body.len), 0);
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    assert_int_equal(r.status, 200);
+    assert_non_null(strstr(r.body, "\"prism-lifted:0\"}}]}]}|9:ABCABCABC"));
+    resp_free(&r);
+    client_close(&c);
+
+    /* the server stops while the request is on the pool */
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "POST /pooled?ms=300 HTTP/1.1\r\nContent-Length: %zu\r\n\r\n", body.len);
+    assert_int_equal(client_send(&c, body.data, body.len), 0);
+    assert_true(wait_for(&h->n_requests, 2, 2000));
+    prism_buf_free(&body);
+    harness_stop(h);   /* the loop ends once the pool's work is done and released */
+    assert_int_equal(atomic_load(&g_pooled_done), 2);
+    client_close(&c);
+}
+
 /* prism_http_req_drop (the router drops clients that stop reading a stream, finding 15): the
  * connection closes from the loop and the abort callback runs there, not inside drop. */
 static void test_drop_client(void **state)
@@ -2133,6 +2229,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_chunk_extensions_bounded),
         cmocka_unit_test(test_on_headers_refuses_before_body),
         cmocka_unit_test(test_failed_write_defers_abort),
+        cmocka_unit_test(test_request_prepared_on_a_pool_thread),
         cmocka_unit_test(test_drop_client),
         cmocka_unit_test(test_no_abort_after_release),
         cmocka_unit_test(test_random_garbage),
