@@ -55,9 +55,10 @@ static void on_signal(uv_signal_t *s, int sig)
     uv_timer_start(&r->drain_timer, on_drain_tick, 0, 50);
 }
 
-int main(int argc, char **argv)
+/* Everything before the loop: flags, model config, tokenizer and template, the control socket and the
+ * HTTP listener, signals. Returns -1 to go on, else the exit code. */
+static int router_open(router_t *r, int argc, char **argv)
 {
-    static router_t r;
     const char *model_path = "models/prism-tiny-llava", *tokenizer_path = NULL, *served = NULL, *host = "127.0.0.1",
                *control = "tcp://127.0.0.1:8100", *chat_template = NULL, *api_key = NULL, *log_level = "info",
                *tool_parser = NULL, *curve_keys = NULL;
@@ -139,7 +140,7 @@ int main(int argc, char **argv)
 
     char err[512] = "", path[1024];
     prism_net_opts_t no = {.role = PRISM_NET_ROLE_ROUTER, .curve_keys = curve_keys, .insecure = insecure_no_curve};
-    if (prism_net_create(&no, &r.net, err, sizeof(err)) != PRISM_OK) {
+    if (prism_net_create(&no, &r->net, err, sizeof(err)) != PRISM_OK) {
         PRISM_ERROR("%s", err);
         return 2;
     }
@@ -156,42 +157,42 @@ int main(int argc, char **argv)
         PRISM_ERROR("no randomness from the kernel for the image cache key");
         return 1;
     }
-    if (XXH3_generateSecret(r.img_secret, sizeof(r.img_secret), seed, PRISM_NET_KEY_Z85) != XXH_OK) return 1;
+    if (XXH3_generateSecret(r->img_secret, sizeof(r->img_secret), seed, PRISM_NET_KEY_Z85) != XXH_OK) return 1;
     memset(seed, 0, sizeof(seed));
-    if (prism_model_config_load(model_path, &r.cfg, err, sizeof(err)) != PRISM_OK) {
+    if (prism_model_config_load(model_path, &r->cfg, err, sizeof(err)) != PRISM_OK) {
         PRISM_ERROR("cannot load model config from %s: %s", model_path, err);
         return 1;
     }
     const char *tdir = tokenizer_path ? tokenizer_path : model_path;
     prism_path_join(path, sizeof(path), tdir, "tokenizer.json");
-    if (prism_tokenizer_load(path, &r.tok, err, sizeof(err)) != PRISM_OK) {
+    if (prism_tokenizer_load(path, &r->tok, err, sizeof(err)) != PRISM_OK) {
         PRISM_ERROR("cannot load %s: %s", path, err);
         return 1;
     }
     prism_path_join(path, sizeof(path), tdir, "tokenizer_config.json");
-    if (prism_template_load_from_tokenizer_config(path, &r.tmpl, &r.bos_token, &r.eos_token, err, sizeof(err)) != PRISM_OK &&
+    if (prism_template_load_from_tokenizer_config(path, &r->tmpl, &r->bos_token, &r->eos_token, err, sizeof(err)) != PRISM_OK &&
         !chat_template) {
         PRISM_ERROR("cannot load the chat template from %s: %s (use --chat-template FILE)", path, err);
         return 1;
     }
     if (chat_template) {
-        if (r.tmpl) prism_template_free(r.tmpl);
-        r.tmpl = NULL;
-        if (prism_template_load_file(chat_template, &r.tmpl, err, sizeof(err)) != PRISM_OK) {
+        if (r->tmpl) prism_template_free(r->tmpl);
+        r->tmpl = NULL;
+        if (prism_template_load_file(chat_template, &r->tmpl, err, sizeof(err)) != PRISM_OK) {
             PRISM_ERROR("cannot use --chat-template %s: %s", chat_template, err);
             return 1;
         }
     }
-    r.tool_parser = -1;
-    if (tool_parser && (r.tool_parser = prism_toolcall_format_parse(tool_parser)) < 0) {
+    r->tool_parser = -1;
+    if (tool_parser && (r->tool_parser = prism_toolcall_format_parse(tool_parser)) < 0) {
         fprintf(stderr, "router: unknown --tool-call-parser '%s' (hermes, pythonic)\n", tool_parser);
         return 2;
     }
     /* The grammar vocabulary for validating output constraints (the workers build their own). */
-    if (r.cfg.n_eos > 0 &&
-        prism_grammar_vocab_create(r.tok, r.cfg.eos_token_ids, (size_t)r.cfg.n_eos, (size_t)r.cfg.vocab, &r.gvocab) == PRISM_OK)
-        prism_guide_cache_create(r.gvocab, 0, 0, &r.guides);
-    if (!r.guides) PRISM_WARN("no grammar vocabulary: requests with an output constraint will be refused");
+    if (r->cfg.n_eos > 0 &&
+        prism_grammar_vocab_create(r->tok, r->cfg.eos_token_ids, (size_t)r->cfg.n_eos, (size_t)r->cfg.vocab, &r->gvocab) == PRISM_OK)
+        prism_guide_cache_create(r->gvocab, 0, 0, &r->guides);
+    if (!r->guides) PRISM_WARN("no grammar vocabulary: requests with an output constraint will be refused");
     static char name_buf[256];
     if (!served) {
         snprintf(path, sizeof(path), "%s", model_path);
@@ -200,54 +201,54 @@ int main(int argc, char **argv)
         snprintf(name_buf, sizeof(name_buf), "%s", basename(path));
         served = name_buf;
     }
-    r.model_path = model_path;
-    r.served_model_name = served;
-    r.api_key = api_key;
-    r.metrics_open = metrics_open;
-    r.timing_header = timing_header;
-    r.early_encode = !no_early_encode;
-    r.max_stream_pending = (size_t)stream_pending;
-    r.max_model_len = prism_model_context_length(&r.cfg, context_length);
-    if (r.max_model_len < r.cfg.max_pos && context_length <= 0)
-        PRISM_INFO("config.json allows %d positions; serving %d (--context-length to change)", r.cfg.max_pos,
-                   r.max_model_len);
-    r.max_images_per_prompt = limit_mm ? (int)limit_mm : -1;
-    r.max_image_pixels = (uint64_t)max_pixels;
-    r.max_running = (int)max_running;
-    r.max_image_bytes_inflight = (size_t)image_inflight;
-    r.worker_timeout_s = worker_timeout;
-    r.worker_stuck_timeout_s = worker_stuck_timeout;
-    r.request_timeout_s = request_timeout;
-    r.max_queue_wait_s = max_queue_wait;
-    r.max_retries = max_retries < 0 ? 0 : (int)max_retries;
-    r.max_migrations = max_migrations < 0 ? 0 : (int)PRISM_MIN(max_migrations, 1000);
-    r.drain_timeout_s = drain_timeout;
-    r.stage_timeout_s = stage_timeout;
-    r.created = prism_unix_time();
-    r.started_s = t0;
-    r.image_token_id = r.cfg.has_vision ? r.cfg.image_token_index : -1;
-    if (r.cfg.has_vision && r.cfg.vision_arch == PRISM_VISION_LLAMA4 && router_llama4_init(&r, model_path) != PRISM_OK)
+    r->model_path = model_path;
+    r->served_model_name = served;
+    r->api_key = api_key;
+    r->metrics_open = metrics_open;
+    r->timing_header = timing_header;
+    r->early_encode = !no_early_encode;
+    r->max_stream_pending = (size_t)stream_pending;
+    r->max_model_len = prism_model_context_length(&r->cfg, context_length);
+    if (r->max_model_len < r->cfg.max_pos && context_length <= 0)
+        PRISM_INFO("config.json allows %d positions; serving %d (--context-length to change)", r->cfg.max_pos,
+                   r->max_model_len);
+    r->max_images_per_prompt = limit_mm ? (int)limit_mm : -1;
+    r->max_image_pixels = (uint64_t)max_pixels;
+    r->max_running = (int)max_running;
+    r->max_image_bytes_inflight = (size_t)image_inflight;
+    r->worker_timeout_s = worker_timeout;
+    r->worker_stuck_timeout_s = worker_stuck_timeout;
+    r->request_timeout_s = request_timeout;
+    r->max_queue_wait_s = max_queue_wait;
+    r->max_retries = max_retries < 0 ? 0 : (int)max_retries;
+    r->max_migrations = max_migrations < 0 ? 0 : (int)PRISM_MIN(max_migrations, 1000);
+    r->drain_timeout_s = drain_timeout;
+    r->stage_timeout_s = stage_timeout;
+    r->created = prism_unix_time();
+    r->started_s = t0;
+    r->image_token_id = r->cfg.has_vision ? r->cfg.image_token_index : -1;
+    if (r->cfg.has_vision && r->cfg.vision_arch == PRISM_VISION_LLAMA4 && router_llama4_init(r, model_path) != PRISM_OK)
         return 1;
-    prism_router_metrics_init(&r.metrics);
+    prism_router_metrics_init(&r->metrics);
     static const double hb_buckets[] = {0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.5, 0.75, 1, 1.1, 1.25,
                                         1.5, 2, 3, 5, 10, 30};
-    for (size_t i = 0; i < PRISM_ARRAY_LEN(r.heartbeat_interval); i++)
-        prism_hist_init(&r.heartbeat_interval[i], hb_buckets, (int)PRISM_ARRAY_LEN(hb_buckets));
-    r.reqs_cap = 16;
-    while (r.reqs_cap < (size_t)max_running * 2 + 2) r.reqs_cap *= 2;
-    r.reqs = prism_xcalloc(r.reqs_cap, sizeof(router_req_t *));
-    r.queue = prism_xcalloc(r.reqs_cap, sizeof(uint64_t));
-    r.queue_scratch = prism_xcalloc(r.reqs_cap, sizeof(uint64_t));
+    for (size_t i = 0; i < PRISM_ARRAY_LEN(r->heartbeat_interval); i++)
+        prism_hist_init(&r->heartbeat_interval[i], hb_buckets, (int)PRISM_ARRAY_LEN(hb_buckets));
+    r->reqs_cap = 16;
+    while (r->reqs_cap < (size_t)max_running * 2 + 2) r->reqs_cap *= 2;
+    r->reqs = prism_xcalloc(r->reqs_cap, sizeof(router_req_t *));
+    r->queue = prism_xcalloc(r->reqs_cap, sizeof(uint64_t));
+    r->queue_scratch = prism_xcalloc(r->reqs_cap, sizeof(uint64_t));
 
     char host_name[64] = "host";
     gethostname(host_name, sizeof(host_name) - 1);
-    snprintf(r.router_id, sizeof(r.router_id), "router-%s-%d-%lld", host_name, (int)getpid(), (long long)port);
+    snprintf(r->router_id, sizeof(r->router_id), "router-%s-%d-%lld", host_name, (int)getpid(), (long long)port);
     /* libuv's thread pool (requests.c prep_run, api.c) is sized from the environment on first use. */
     char nthreads[16];
     snprintf(nthreads, sizeof(nthreads), "%lld", (long long)prep_threads);
     setenv("UV_THREADPOOL_SIZE", nthreads, 1);
-    r.loop = uv_default_loop();
-    if (router_ctl_start(&r, control) != PRISM_OK) {
+    r->loop = uv_default_loop();
+    if (router_ctl_start(r, control) != PRISM_OK) {
         PRISM_ERROR("cannot bind the control endpoint %s", control);
         return 1;
     }
@@ -265,21 +266,29 @@ int main(int argc, char **argv)
     hc.body_gate = router_body_gate;
     hc.image_check = router_image_check_early;
     hc.image_done = router_early_encode;
-    if (prism_http_server_start(r.loop, &hc, router_on_http, &r, &r.http) != PRISM_OK) {
+    if (prism_http_server_start(r->loop, &hc, router_on_http, r, &r->http) != PRISM_OK) {
         PRISM_ERROR("cannot listen on %s:%lld", host, (long long)port);
         return 1;
     }
-    uv_timer_init(r.loop, &r.drain_timer);
-    r.drain_timer.data = &r;
-    uv_signal_init(r.loop, &r.sigint);
-    uv_signal_init(r.loop, &r.sigterm);
-    r.sigint.data = r.sigterm.data = &r;
-    uv_signal_start(&r.sigint, on_signal, SIGINT);
-    uv_signal_start(&r.sigterm, on_signal, SIGTERM);
+    uv_timer_init(r->loop, &r->drain_timer);
+    r->drain_timer.data = r;
+    uv_signal_init(r->loop, &r->sigint);
+    uv_signal_init(r->loop, &r->sigterm);
+    r->sigint.data = r->sigterm.data = r;
+    uv_signal_start(&r->sigint, on_signal, SIGINT);
+    uv_signal_start(&r->sigterm, on_signal, SIGTERM);
     signal(SIGPIPE, SIG_IGN);
     PRISM_INFO("router %s serving '%s' on http://%s:%d in %.2fs (control %s, context %d, %d image tokens per %s)",
-               r.router_id, served, host, prism_http_server_port(r.http), prism_now_s() - t0, control, r.max_model_len,
-               r.cfg.image_seq_length, r.llama4 ? "tile" : "image");
+               r->router_id, served, host, prism_http_server_port(r->http), prism_now_s() - t0, control, r->max_model_len,
+               r->cfg.image_seq_length, r->llama4 ? "tile" : "image");
+    return -1;
+}
+
+int main(int argc, char **argv)
+{
+    static router_t r;
+    int rc = router_open(&r, argc, argv);
+    if (rc >= 0) return rc;
     uv_run(r.loop, UV_RUN_DEFAULT);
     int linger = 500;  /* the router_stopping notes of router_ctl_stop go out */
     zmq_setsockopt(r.ctl, ZMQ_LINGER, &linger, sizeof(linger));
