@@ -361,6 +361,70 @@ def encoder_seeds(imgs):
                                                                                             router="r2") + turn(3))
 
 
+
+ENC, PRE, DEC = 0, 1, 2   # fuzz_router_ctl's workers
+
+
+def rrec(worker, env):
+    return bytes([worker]) + struct.pack("<H", len(env)) + env
+
+
+def tokens_msg(rid, ids, finish=0, from_prefill=False, error=None, kind=0, index=0, logprobs=(), prompt_tokens=0):
+    body = pb_packed(1, ids) + pb_int(3, finish)
+    for lp, top in logprobs:
+        body += pb_bytes(2, pb_float(1, lp) + b"".join(pb_bytes(2, pb_int(1, t) + pb_float(2, v)) for t, v in top))
+    if prompt_tokens:
+        body += pb_int(4, prompt_tokens)
+    if error:
+        body += pb_bytes(5, error) + pb_int(9, kind)
+    if from_prefill:
+        body += pb_int(8, 1)
+    if index:
+        body += pb_int(10, index)
+    return env_of(8, 17, body, rid, None)
+
+
+def router_seeds():
+    h = "fuzz_router_ctl"
+    ONE, STREAM, CHAT, N2 = 1, 4, 8, 16
+    MT1, MT4, MT16, MT64 = 0, 0x20, 0x40, 0x60
+    STOP, LENGTH = 1, 2
+    put(h, "first_token_ends", bytes([ONE | MT1]) + rrec(PRE, tokens_msg(0, [17], LENGTH, True)))
+    put(h, "stream", bytes([ONE | STREAM | MT16]) + rrec(PRE, tokens_msg(0, [17], 0, True, prompt_tokens=6)) +
+        rrec(DEC, tokens_msg(0, [18, 19])) + rrec(DEC, tokens_msg(0, [20], STOP)))
+    put(h, "decode_before_prefill", bytes([2 | MT4]) + rrec(DEC, tokens_msg(1, [30])) + rrec(DEC, tokens_msg(1, [31])) +
+        rrec(PRE, tokens_msg(1, [29], 0, True)) + rrec(DEC, tokens_msg(1, [32], LENGTH)) +
+        rrec(PRE, tokens_msg(0, [5], 0, True)))
+    put(h, "wrong_workers", bytes([ONE | MT4]) + rrec(ENC, tokens_msg(0, [17], 0, True)) +
+        rrec(DEC, tokens_msg(0, [17], 0, True)) + rrec(PRE, tokens_msg(0, [17], 0, False)) +
+        rrec(PRE, env_of(7, 14, pb_int(1, 0), 0, None)) + rrec(PRE, tokens_msg(0, [17], 0, True)) +
+        rrec(PRE, tokens_msg(0, [18], 0, True)))
+    put(h, "errors", bytes([3 | STREAM | MT4]) + rrec(PRE, tokens_msg(0, [], 4, True, "prefill worker is full", 2)) +
+        rrec(PRE, tokens_msg(1, [], 4, True, "bad", 1)) + rrec(DEC, tokens_msg(2, [], 4, False, "decode failed", 4)) +
+        rrec(PRE, tokens_msg(2, [7], 0, True)) + rrec(DEC, tokens_msg(1, [], 4, False, "gone", 3)))
+    put(h, "chat_logprobs_n2", bytes([ONE | CHAT | N2 | MT4]) +
+        rrec(PRE, tokens_msg(0, [17], 0, True, logprobs=[(-0.5, [(17, -0.5), (18, -1.5)])])) +
+        rrec(PRE, tokens_msg(0, [19], 0, True, index=1, logprobs=[(-0.1, [(19, -0.1), (3, -4.0)])])) +
+        rrec(DEC, tokens_msg(0, [20, 21, 22], LENGTH, logprobs=[(-1.0, [(20, -1.0)])] * 3)) +
+        rrec(DEC, tokens_msg(0, [23], STOP, index=1, logprobs=[(-0.2, [(23, -0.2), (1, -9.0)])])))
+    put(h, "huge", bytes([ONE | STREAM | MT64]) + rrec(PRE, tokens_msg(0, list(range(4090, 4200)), 0, True)) +
+        rrec(DEC, tokens_msg(0, [5] * 300, 0, index=7)) +
+        rrec(DEC, tokens_msg(0, [6], 0, logprobs=[(float("nan"), [(i, -1.0) for i in range(60)])])))
+    hb = pb_bytes(1, "decode-0") + pb_int(2, 3) + pb_int(4, 0) + pb_int(13, 99) + pb_int(14, 1)
+    put(h, "heartbeats_drain", bytes([ONE | MT16]) + rrec(DEC, env_of(3, 12, hb, 0, None)) +
+        rrec(PRE, tokens_msg(0, [17], 0, True)) + rrec(DEC, env_of(3, 12, hb + pb_int(15, 1), 0, None)) +
+        rrec(DEC, tokens_msg(0, [18], LENGTH)) + rrec(DEC, env_of(3, 12, pb_int(15, 1), 0, None)))
+    reg = (pb_int(1, 3) + pb_bytes(2, "prefill-0") + pb_bytes(3, "tcp://127.0.0.1:2") + pb_int(6, 0) + pb_int(7, 0) +
+           pb_int(12, 0) + pb_fixed64(13, 77))
+    put(h, "register_junk", bytes([ONE | MT4]) + rrec(PRE, env_of(1, 10, reg, 0, None)) +
+        rrec(PRE, env_of(1, 0, b"", 0, None)) + rrec(ENC, env_of(1, 10, pb_int(1, 1) + pb_fixed64(13, 5), 0, None)) +
+        rrec(PRE, tokens_msg(0, [17], 0, True)))
+    done = pb_int(1, 0) + pb_int(2, 1) + pb_float(3, 1.5)
+    put(h, "encode_done_unknown", bytes([0]) + rrec(ENC, env_of(7, 14, done, 0, None)) +
+        rrec(ENC, env_of(7, 14, done + pb_bytes(5, "bad image") + pb_int(6, 1), 123456789, None)) +
+        rrec(ENC, env_of(7, 0, b"", 5, None)) + rrec(DEC, env_of(99, 0, b"", 5, None)) + rrec(PRE, b"\x08\x01junk"))
+
+
 def main():
     imgs = images()
     for name, data in imgs.items():
@@ -516,6 +580,7 @@ def main():
     prefill_seeds()
     decode_seeds()
     encoder_seeds(imgs)
+    router_seeds()
 
 
 if __name__ == "__main__":
