@@ -14,7 +14,7 @@
  * random: a fuzzer could never guess one).
  * Invariants: the router stays up and answers what it sends well-formed; once every client hangs up,
  * no request is left (r->n_reqs == 0) and every registered worker is back at nothing in flight and no
- * image bytes queued. After each input the workers register again as they were, so no input's
+ * image bytes queued. After each input the workers register again as new processes, so no input's
  * registrations or load reach the next. */
 #define main router_main
 #include "../../router/main.c"
@@ -23,6 +23,7 @@
 #include "fuzz_common.h"
 
 #include <arpa/inet.h>
+#include <errno.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -59,6 +60,9 @@ static void read_workers(void)
             prism_msg_t m;
             int rc = prism_msg_recv(g_wk[k], false, &m, ZMQ_DONTWAIT);
             if (rc == PRISM_EAGAIN) break;
+            if (rc == PRISM_EIO && errno == EINTR) continue;   /* libFuzzer's SIGALRM (-timeout) */
+            if (rc != PRISM_OK)
+                fprintf(stderr, "from the router to %s: %s (errno %d)\n", g_ids[k], prism_strerror(rc), errno);
             FUZZ_ASSERT(rc == PRISM_OK);
             Prism__MsgType t = m.env->type;
             if (t == PRISM__MSG_TYPE__MSG_PREFILL || t == PRISM__MSG_TYPE__MSG_ENCODE) note_rid(m.env->request_id);
@@ -84,9 +88,11 @@ static void send_env(int k, Prism__Envelope *e)
     FUZZ_ASSERT(prism_msg_send(g_wk[k], NULL, 0, e, NULL, 0, 0) == PRISM_OK);
 }
 
-/* The canonical registration and an idle heartbeat of worker k (as at start-up). */
+/* The canonical registration and an idle heartbeat of worker k, from a new process each time: the
+ * router forgets whatever an input made of the worker before (draining, odd capacity, load). */
 static void register_worker(int k)
 {
+    static uint64_t instance = 1000;
     Prism__Register g = PRISM__REGISTER__INIT;
     g.role = g_roles[k];
     g.worker_id = (char *)g_ids[k];
@@ -97,7 +103,7 @@ static void register_worker(int k)
     g.max_running = 8;
     g.max_model_len = 2048;
     g.tp_size = 1;
-    g.instance = 1000 + (uint64_t)k;
+    g.instance = ++instance;
     g.max_queued_bytes = k == 0 ? 1 << 20 : 0;
     g.embedding_cache_units = k == 0 ? 8 : 0;
     Prism__Envelope e = PRISM__ENVELOPE__INIT;
@@ -127,8 +133,9 @@ static void open_client(uint8_t flags, int i)
     const char *stream = flags & 4 ? "true" : "false";
     int n = flags & 16 ? 2 : 1;
     if (flags & 8)
-        snprintf(body, sizeof(body), "{\"messages\":[{\"role\":\"user\",\"content\":\"Say %d things\"}],\"max_tokens\":%d,"
-                 "\"stream\":%s,\"n\":%d,\"temperature\":0.5,\"logprobs\":true,\"top_logprobs\":2}", i, mt, stream, n);
+        snprintf(body, sizeof(body), "{\"messages\":[{\"role\":\"user\",\"content\":\"Say %d things\"}],"
+                 "\"max_tokens\":%d,\"stream\":%s,\"n\":%d,\"temperature\":0.5,\"logprobs\":true,\"top_logprobs\":2}",
+                 i, mt, stream, n);
     else
         snprintf(body, sizeof(body), "{\"prompt\":\"A red circle %d\",\"max_tokens\":%d,\"stream\":%s,\"n\":%d,"
                  "\"stop\":[\"x\"]}", i, mt, stream, n);

@@ -33,6 +33,7 @@
 #include "fuzz_common.h"
 #include "worker/worker.h"
 
+#include <errno.h>
 #include <signal.h>
 
 #define FUZZ_ROUTER_ID "r1"                          /* the router the worker registered with */
@@ -251,7 +252,9 @@ static inline void fuzz_drain(fuzz_io_t *io, prism_worker_t *w, Prism__MsgType r
         FUZZ_ASSERT(slot == 0 && more);
         zmq_msg_t env;
         zmq_msg_init(&env);
-        FUZZ_ASSERT(zmq_msg_recv(&env, w->io_pair, 0) >= 0);
+        int got;
+        while ((got = zmq_msg_recv(&env, w->io_pair, 0)) < 0 && errno == EINTR) {}   /* libFuzzer's SIGALRM */
+        FUZZ_ASSERT(got >= 0);
         zmq_getsockopt(w->io_pair, ZMQ_RCVMORE, &more, &sz);
         FUZZ_ASSERT(!more);   /* replies carry no raw frames */
         Prism__Envelope *e = prism_msg_unpack(zmq_msg_data(&env), zmq_msg_size(&env));
@@ -266,6 +269,7 @@ static inline void fuzz_drain(fuzz_io_t *io, prism_worker_t *w, Prism__MsgType r
         prism_msg_t m;
         int rc = prism_msg_recv(io->peer, false, &m, ZMQ_DONTWAIT);
         if (rc == PRISM_EAGAIN) break;
+        if (rc == PRISM_EIO && errno == EINTR) continue;   /* libFuzzer's SIGALRM (-timeout) */
         FUZZ_ASSERT(rc == PRISM_OK);   /* what the worker sends unpacks */
         if (check) check(&m, ud);
         prism_msg_close(&m);
