@@ -98,8 +98,12 @@ def pb_float(field, v):
     return pb_key(field, 5) + struct.pack("<f", v)
 
 
-def envelope(type_, body_field, body, rid=7):
-    return pb_int(1, 1) + pb_int(2, type_) + pb_int(3, rid) + pb_bytes(4, "router-a-1-8000") + pb_bytes(body_field, body)
+PROTOCOL_VERSION = 4  # common/net/net.h PRISM_PROTOCOL_VERSION: other versions are refused at unpack
+
+
+def envelope(type_, body_field, body, rid=7, rid_hi=0x5EC12E7):
+    return (pb_int(1, PROTOCOL_VERSION) + pb_int(2, type_) + pb_int(3, rid) + pb_bytes(4, "router-a-1-8000") +
+            pb_key(5, 1) + struct.pack("<Q", rid_hi) + pb_bytes(body_field, body))
 
 
 def main():
