@@ -99,7 +99,7 @@ typedef struct {
     bool staged;
     bool staged_waited;       /* counted in kv_waits once */
     uint64_t kv_waits;
-    uint64_t staged_rid;
+    uint64_t staged_rid, staged_rid_hi;
     char staged_router[128];
     Prism__Kv *staged_kv;     /* owned copy of the header (unpacked message kept) */
     Prism__Envelope *staged_env;
@@ -111,7 +111,8 @@ typedef struct {
 
 /* kind: INTERNAL for a failure here (decode refuses nothing for load: KV waits), UNAVAILABLE when
  * the worker's tensor-parallel group lost a rank (the worker is going away, as a dead one would). */
-static void send_error(decode_t *d, const char *router_id, uint64_t rid, Prism__ErrorKind kind, const char *msg)
+static void send_error(decode_t *d, const char *router_id, uint64_t rid, uint64_t rid_hi, Prism__ErrorKind kind,
+                       const char *msg)
 {
     Prism__Tokens t = PRISM__TOKENS__INIT;
     t.finish = PRISM__FINISH__FINISH_ERROR;
@@ -120,7 +121,7 @@ static void send_error(decode_t *d, const char *router_id, uint64_t rid, Prism__
     Prism__Envelope env = PRISM__ENVELOPE__INIT;
     env.type = PRISM__MSG_TYPE__MSG_TOKENS;
     env.tokens = &t;
-    prism_worker_reply(&d->w, router_id, rid, &env);
+    prism_worker_reply(&d->w, router_id, rid, rid_hi, &env);
 }
 
 static void seq_release(decode_t *d, seq_t *s)
@@ -170,6 +171,7 @@ static const char *admit_choices(decode_t *d, const Prism__Kv *kv, const int *sl
         why = prism_seq_start(&s->seq, &d->sampler, d->staged_rid, d->staged_router, kv->sampling, n_prompt - gen,
                               kv->choice_rng_state[started]);
         if (why) break;
+        s->seq.rid_hi = d->staged_rid_hi;
         s->seq.index = kv->choice_index[started];
         s->seq.len = n_prompt;
         s->seq.generated = gen + 1;    /* prefill sampled the first token (after the gen before) */
@@ -254,7 +256,7 @@ static bool admit_staged(decode_t *d)
     else why = admit_choices(d, kv, slots, k, &kind);
     if (why) {
         PRISM_WARN("request %llu refused: %s", (unsigned long long)d->staged_rid, why);
-        send_error(d, d->staged_router, d->staged_rid, kind, why);
+        send_error(d, d->staged_router, d->staged_rid, d->staged_rid_hi, kind, why);
     }
     unstage(d);
     return true;
@@ -304,13 +306,15 @@ static void on_kv(decode_t *d, prism_msg_t *m)
         !choices_ok(d, kv)) {
         PRISM_WARN("request %llu: malformed KV transfer dropped (%s)", (unsigned long long)e->request_id,
                    why ? why : "sizes or choices");
-        send_error(d, router, e->request_id, PRISM__ERROR_KIND__ERROR_INTERNAL, "malformed KV transfer between prefill and decode");
+        send_error(d, router, e->request_id, e->request_id_hi, PRISM__ERROR_KIND__ERROR_INTERNAL,
+                   "malformed KV transfer between prefill and decode");
         return;
     }
     /* Keep the message: move the frame (no copy) and take over the unpacked envelope. */
     d->staged = true;
     d->staged_waited = false;
     d->staged_rid = e->request_id;
+    d->staged_rid_hi = e->request_id_hi;
     snprintf(d->staged_router, sizeof(d->staged_router), "%s", router);
     zmq_msg_init(&d->staged_frame);
     zmq_msg_move(&d->staged_frame, &m->frames[0]);
@@ -397,7 +401,7 @@ static void fail_step(decode_t *d, int rc)
     PRISM_ERROR("decode step failed: %s", prism_strerror(rc));
     for (int j = 0; j < d->n_step; j++) {
         seq_t *s = &d->seqs[d->slot_of[j]];
-        if (!s->cancel) send_error(d, s->seq.router_id, s->seq.rid, PRISM__ERROR_KIND__ERROR_INTERNAL, "decode step failed");
+        if (!s->cancel) send_error(d, s->seq.router_id, s->seq.rid, s->seq.rid_hi, PRISM__ERROR_KIND__ERROR_INTERNAL, "decode step failed");
         seq_release(d, s);
     }
     d->n_step = 0;
@@ -482,7 +486,7 @@ static void send_out(decode_t *d)
             Prism__Envelope env = PRISM__ENVELOPE__INIT;
             env.type = PRISM__MSG_TYPE__MSG_TOKENS;
             env.tokens = &o->t;
-            prism_worker_reply(&d->w, s->seq.router_id, s->seq.rid, &env);
+            prism_worker_reply(&d->w, s->seq.router_id, s->seq.rid, s->seq.rid_hi, &env);
             d->tokens_out++;
         }
         if (s->finishing || s->cancel) seq_release(d, s);
@@ -512,12 +516,12 @@ static void fail_group(decode_t *d)
     for (int i = 0; i < d->max_running; i++) {
         seq_t *s = &d->seqs[i];
         if (!s->seq.used) continue;
-        send_error(d, s->seq.router_id, s->seq.rid, kind, "the decode worker's tensor-parallel group lost a rank");
+        send_error(d, s->seq.router_id, s->seq.rid, s->seq.rid_hi, kind, "the decode worker's tensor-parallel group lost a rank");
         seq_release(d, s);
         n++;
     }
     if (d->staged) {
-        send_error(d, d->staged_router, d->staged_rid, kind, "the decode worker's tensor-parallel group lost a rank");
+        send_error(d, d->staged_router, d->staged_rid, d->staged_rid_hi, kind, "the decode worker's tensor-parallel group lost a rank");
         zmq_msg_close(&d->staged_frame);
         prism_msg_env_free(d->staged_env);
         d->staged = false;

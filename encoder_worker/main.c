@@ -45,7 +45,7 @@ typedef enum { JOB_FREE, JOB_QUEUED, JOB_ENCODED, JOB_SEND } job_state_t;
 
 typedef struct {
     job_state_t state;
-    uint64_t rid;
+    uint64_t rid, rid_hi;     /* the request's 128-bit id (an early job's own) */
     char router_id[128];
     uint32_t image_index;
     uint64_t hash;
@@ -145,7 +145,7 @@ static void finish_job(encoder_t *e, job_t *j)
     Prism__Envelope env = PRISM__ENVELOPE__INIT;
     env.type = PRISM__MSG_TYPE__MSG_ENCODE_DONE;
     env.encode_done = &d;
-    prism_worker_reply(&e->w, j->router_id, j->rid, &env);
+    prism_worker_reply(&e->w, j->router_id, j->rid, j->rid_hi, &env);
     release_job(e, j);
 }
 
@@ -166,6 +166,7 @@ static int push_job(encoder_t *e, job_t *j)
     Prism__Envelope env = PRISM__ENVELOPE__INIT;
     env.type = PRISM__MSG_TYPE__MSG_EMBEDDINGS;
     env.request_id = j->rid;
+    env.request_id_hi = j->rid_hi;
     env.router_id = j->router_id;
     env.embeddings = &em;
     prism_frame_t f[MAX_TILES];
@@ -199,6 +200,7 @@ static bool adopt_early(encoder_t *e, const Prism__Envelope *env, const Prism__E
             j->hash != en->content_hash)
             continue;
         j->rid = env->request_id;
+        j->rid_hi = env->request_id_hi;
         j->image_index = en->image_index;
         snprintf(j->prefill_endpoint, sizeof(j->prefill_endpoint), "%s", en->prefill_endpoint);
         PRISM_DEBUG("request %llu image %u: took over early job %016llx", (unsigned long long)j->rid, j->image_index,
@@ -226,6 +228,7 @@ static void on_encode(encoder_t *e, prism_msg_t *m)
     if (!j || !valid || over) {
         job_t tmp = {.cache_slot = -1};
         tmp.rid = env->request_id;
+        tmp.rid_hi = env->request_id_hi;
         tmp.image_index = en ? en->image_index : 0;
         snprintf(tmp.router_id, sizeof(tmp.router_id), "%s", router);
         snprintf(tmp.error, sizeof(tmp.error), "%s",
@@ -239,6 +242,7 @@ static void on_encode(encoder_t *e, prism_msg_t *m)
     j->cache_slot = -1;
     j->state = JOB_QUEUED;
     j->rid = env->request_id;
+    j->rid_hi = env->request_id_hi;
     snprintf(j->router_id, sizeof(j->router_id), "%s", router);
     j->image_index = en->image_index;
     j->hash = en->content_hash;

@@ -39,7 +39,7 @@
 
 typedef struct {
     bool used;
-    uint64_t rid;
+    uint64_t rid, rid_hi;    /* the request's 128-bit id, as its encoder named it */
     char router_id[128];
     uint32_t image_index;
     double t_arrive;
@@ -122,18 +122,29 @@ static void emb_release(prefill_t *p, emb_slot_t *e)
     e->n_rows = 0;
 }
 
-static emb_slot_t *emb_find(prefill_t *p, uint64_t rid, const char *router, uint32_t index)
+static emb_slot_t *emb_find(prefill_t *p, uint64_t rid, uint64_t rid_hi, const char *router, uint32_t index)
 {
     for (int i = 0; i < p->n_pages; i++) {
         emb_slot_t *e = &p->emb[i];
-        if (e->used && e->rid == rid && e->image_index == index && !strcmp(e->router_id, router)) return e;
+        if (e->used && e->rid == rid && e->rid_hi == rid_hi && e->image_index == index && !strcmp(e->router_id, router))
+            return e;
     }
     return NULL;
 }
 
+/* By the low half of the id (the router keeps those unique among its requests in flight): Aborts
+ * name only that, and data messages are checked for the whole id first (on_embeddings). */
 static bool owns(const prism_seq_t *s, uint64_t rid, const char *router)
 {
     return s->used && s->rid == rid && !strcmp(s->router_id, router);
+}
+
+/* The request (rid, router) this prefill holds, or NULL. */
+static preq_t *held_request(prefill_t *p, uint64_t rid, const char *router)
+{
+    for (int i = 0; i < p->max_pending; i++)
+        if (owns(&p->reqs[i].seq, rid, router)) return &p->reqs[i];
+    return NULL;
 }
 
 /* Embeddings whose Prefill has not come (yet): legitimately early ones, or junk for made-up ids
@@ -141,7 +152,7 @@ static bool owns(const prism_seq_t *s, uint64_t rid, const char *router)
 static bool emb_orphan(const prefill_t *p, const emb_slot_t *e)
 {
     for (int k = 0; k < p->max_pending; k++)
-        if (owns(&p->reqs[k].seq, e->rid, e->router_id)) return false;
+        if (owns(&p->reqs[k].seq, e->rid, e->router_id) && p->reqs[k].seq.rid_hi == e->rid_hi) return false;
     return true;
 }
 
@@ -204,22 +215,23 @@ static void drop_request(prefill_t *p, uint64_t rid, const char *router)
     if (p->kv_pending && owns(&p->kv_seq, rid, router)) kv_done(p);
 }
 
-static void send_tokens(prefill_t *p, const char *router, uint64_t rid, Prism__Tokens *t)
+static void send_tokens(prefill_t *p, const char *router, uint64_t rid, uint64_t rid_hi, Prism__Tokens *t)
 {
     Prism__Envelope env = PRISM__ENVELOPE__INIT;
     env.type = PRISM__MSG_TYPE__MSG_TOKENS;
     env.tokens = t;
-    prism_worker_reply(&p->w, router, rid, &env);
+    prism_worker_reply(&p->w, router, rid, rid_hi, &env);
 }
 
-static void send_error(prefill_t *p, const char *router, uint64_t rid, Prism__ErrorKind kind, const char *msg)
+static void send_error(prefill_t *p, const char *router, uint64_t rid, uint64_t rid_hi, Prism__ErrorKind kind,
+                       const char *msg)
 {
     Prism__Tokens t = PRISM__TOKENS__INIT;
     t.finish = PRISM__FINISH__FINISH_ERROR;
     t.error = (char *)msg;
     t.error_kind = kind;
     t.from_prefill = true;
-    send_tokens(p, router, rid, &t);
+    send_tokens(p, router, rid, rid_hi, &t);
 }
 
 static void on_prefill(prefill_t *p, const Prism__Envelope *e)
@@ -260,7 +272,7 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
     }
     if (why) {
         PRISM_WARN("request %llu refused: %s", (unsigned long long)e->request_id, why);
-        send_error(p, router, e->request_id, kind, why);
+        send_error(p, router, e->request_id, e->request_id_hi, kind, why);
         drop_request(p, e->request_id, router);
         return;
     }
@@ -268,10 +280,11 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
                           (int)(pf->n_token_ids - pf->sampling->generated), prism_seq_seed(pf->sampling, e->request_id));
     if (why) {
         PRISM_WARN("request %llu refused: %s", (unsigned long long)e->request_id, why);
-        send_error(p, router, e->request_id, PRISM__ERROR_KIND__ERROR_CLIENT, why);   /* its guide or logit_bias */
+        send_error(p, router, e->request_id, e->request_id_hi, PRISM__ERROR_KIND__ERROR_CLIENT, why);   /* its guide or logit_bias */
         drop_request(p, e->request_id, router);
         return;
     }
+    r->seq.rid_hi = e->request_id_hi;
     r->n_tokens = (int)pf->n_token_ids;
     memcpy(r->tokens, pf->token_ids, sizeof(int32_t) * pf->n_token_ids);
     r->n_images = (int)pf->n_images;
@@ -292,6 +305,13 @@ static void on_embeddings(prefill_t *p, prism_msg_t *m)
     const Prism__Embeddings *em = e->embeddings;
     const char *router = e->router_id ? e->router_id : "";
     if (prism_abort_memo_has(&p->aborts, e->request_id, router, prism_now_s())) return;  /* came after its abort */
+    /* Only the encoder the router chose knows the whole id: embeddings naming a request held here by
+     * its low half alone are someone else's guess, and touch nothing of it. */
+    preq_t *held = held_request(p, e->request_id, router);
+    if (held && held->seq.rid_hi != e->request_id_hi) {
+        PRISM_WARN("request %llu: embeddings with the wrong high half of its id dropped", (unsigned long long)e->request_id);
+        return;
+    }
     if (em && em->error && *em->error) {
         /* The encoder failed on this image; the router answers the client and aborts. */
         drop_request(p, e->request_id, router);
@@ -307,11 +327,11 @@ static void on_embeddings(prefill_t *p, prism_msg_t *m)
         em->n_tokens % (uint32_t)p->page_rows || em->n_tokens / (uint32_t)p->page_rows > (uint32_t)p->max_pages ||
         got != (size_t)em->n_tokens * row_bytes) {
         PRISM_WARN("request %llu: malformed embeddings dropped", (unsigned long long)e->request_id);
-        send_error(p, router, e->request_id, PRISM__ERROR_KIND__ERROR_INTERNAL, "malformed image embeddings");
+        send_error(p, router, e->request_id, e->request_id_hi, PRISM__ERROR_KIND__ERROR_INTERNAL, "malformed image embeddings");
         drop_request(p, e->request_id, router);
         return;
     }
-    if (emb_find(p, e->request_id, router, em->image_index)) return;  /* duplicate */
+    if (emb_find(p, e->request_id, e->request_id_hi, router, em->image_index)) return;  /* duplicate */
     int n_pages = (int)(em->n_tokens / (uint32_t)p->page_rows);
     /* The I/O thread hands data over only within emb_credit: while the largest image fits, or orphans
      * hold half the pool. The oldest orphans make room (a Prefill read in the same poll may have
@@ -321,13 +341,11 @@ static void on_embeddings(prefill_t *p, prism_msg_t *m)
         emb_slot_t *old = emb_oldest_orphan(p, &n);
         if (!old) {
             PRISM_WARN("request %llu: embeddings refused, the pool is full", (unsigned long long)e->request_id);
-            for (int i = 0; i < p->max_pending; i++)
-                if (owns(&p->reqs[i].seq, e->request_id, router)) {
-                    send_error(p, router, e->request_id, PRISM__ERROR_KIND__ERROR_OVERLOAD,
-                               "prefill embedding pool is full");
-                    drop_request(p, e->request_id, router);
-                    break;
-                }
+            if (held) {
+                send_error(p, router, e->request_id, e->request_id_hi, PRISM__ERROR_KIND__ERROR_OVERLOAD,
+                           "prefill embedding pool is full");
+                drop_request(p, e->request_id, router);
+            }
             return;
         }
         PRISM_WARN("dropping embeddings of request %llu: no prefill request came, and orphans fill the pool",
@@ -340,6 +358,7 @@ static void on_embeddings(prefill_t *p, prism_msg_t *m)
     PRISM_ASSERT(s);
     s->used = true;
     s->rid = e->request_id;
+    s->rid_hi = e->request_id_hi;
     snprintf(s->router_id, sizeof(s->router_id), "%s", router);
     s->image_index = em->image_index;
     s->t_arrive = prism_now_s();
@@ -388,7 +407,7 @@ static void on_msg(prism_worker_t *w, prism_msg_t *m, int source, void *ud)
 static bool ready(prefill_t *p, const preq_t *r)
 {
     for (int i = 0; i < r->n_images; i++)
-        if (!emb_find(p, r->seq.rid, r->seq.router_id, (uint32_t)i)) return false;
+        if (!emb_find(p, r->seq.rid, r->seq.rid_hi, r->seq.router_id, (uint32_t)i)) return false;
     return true;
 }
 
@@ -398,7 +417,7 @@ static void try_send_kv(prefill_t *p)
     prism_seq_t *q = &p->kv_seq;
     void *s = prism_worker_peer_sock(&p->w, p->kv_endpoint);
     if (!s) {
-        send_error(p, q->router_id, q->rid, PRISM__ERROR_KIND__ERROR_UNAVAILABLE, "cannot reach the decode worker");
+        send_error(p, q->router_id, q->rid, q->rid_hi, PRISM__ERROR_KIND__ERROR_UNAVAILABLE, "cannot reach the decode worker");
         kv_done(p);
         return;
     }
@@ -406,12 +425,13 @@ static void try_send_kv(prefill_t *p)
     Prism__Envelope env = PRISM__ENVELOPE__INIT;
     env.type = PRISM__MSG_TYPE__MSG_KV;
     env.request_id = q->rid;
+    env.request_id_hi = q->rid_hi;
     env.router_id = q->router_id;
     env.kv = &p->kv_hdr;
     prism_frame_t f = {p->kv_out, p->kv_len};
     int rc = prism_msg_send(s, NULL, 0, &env, &f, 1, ZMQ_DONTWAIT);
     if (rc == PRISM_EAGAIN) return;  /* decode is full: keep it and retry next iteration */
-    if (rc != PRISM_OK) send_error(p, q->router_id, q->rid, PRISM__ERROR_KIND__ERROR_UNAVAILABLE,
+    if (rc != PRISM_OK) send_error(p, q->router_id, q->rid, q->rid_hi, PRISM__ERROR_KIND__ERROR_UNAVAILABLE,
                                   "KV transfer to the decode worker failed");
     kv_done(p);
 }
@@ -455,11 +475,11 @@ static void run_one(prefill_t *p)
     if (!r) return;
     /* The rows each encoder sent must be exactly the image tokens the router laid out for them. */
     for (int i = 0; i < r->n_images; i++) {
-        const emb_slot_t *e = emb_find(p, r->seq.rid, r->seq.router_id, (uint32_t)i);
+        const emb_slot_t *e = emb_find(p, r->seq.rid, r->seq.rid_hi, r->seq.router_id, (uint32_t)i);
         if (e->n_rows != r->span_rows[i]) {
             PRISM_WARN("request %llu: image %d has %d embedding rows for %d image tokens", (unsigned long long)r->seq.rid,
                        i, e->n_rows, r->span_rows[i]);
-            send_error(p, r->seq.router_id, r->seq.rid, PRISM__ERROR_KIND__ERROR_INTERNAL,
+            send_error(p, r->seq.router_id, r->seq.rid, r->seq.rid_hi, PRISM__ERROR_KIND__ERROR_INTERNAL,
                        "image embeddings do not match the prompt's image tokens");
             release_request(p, r->seq.rid, r->seq.router_id);
             return;
@@ -470,7 +490,7 @@ static void run_one(prefill_t *p)
     const char *why = prism_seq_attach(&r->seq, &p->sampler, 0, r->tokens, (size_t)(r->n_tokens - n_gen),
                                        r->tokens + r->n_tokens - n_gen, (size_t)n_gen);
     if (why) {
-        send_error(p, r->seq.router_id, r->seq.rid, PRISM__ERROR_KIND__ERROR_INTERNAL, why);
+        send_error(p, r->seq.router_id, r->seq.rid, r->seq.rid_hi, PRISM__ERROR_KIND__ERROR_INTERNAL, why);
         release_request(p, r->seq.rid, r->seq.router_id);
         return;
     }
@@ -488,7 +508,7 @@ static void run_one(prefill_t *p)
         bool any = false;
         memset(p->chunk_rows, 0, sizeof(*p->chunk_rows) * (size_t)n);
         for (int i = 0; i < r->n_images; i++) {
-            const emb_slot_t *e = emb_find(p, r->seq.rid, r->seq.router_id, (uint32_t)i);
+            const emb_slot_t *e = emb_find(p, r->seq.rid, r->seq.rid_hi, r->seq.router_id, (uint32_t)i);
             int lo = PRISM_MAX((int)r->span_off[i], start);
             int hi = PRISM_MIN((int)(r->span_off[i] + r->span_len[i]), start + n);
             for (int t = lo; t < hi; t++) {
@@ -534,7 +554,7 @@ static void run_one(prefill_t *p)
     }
     if (rc != PRISM_OK) {
         PRISM_ERROR("request %llu: prefill failed: %s", (unsigned long long)r->seq.rid, prism_strerror(rc));
-        send_error(p, r->seq.router_id, r->seq.rid, PRISM__ERROR_KIND__ERROR_INTERNAL, "prefill failed");
+        send_error(p, r->seq.router_id, r->seq.rid, r->seq.rid_hi, PRISM__ERROR_KIND__ERROR_INTERNAL, "prefill failed");
         prism_kv_blocks_release(&p->blocks, p->table, nb);
         release_request(p, r->seq.rid, r->seq.router_id);
         return;
@@ -547,7 +567,7 @@ static void run_one(prefill_t *p)
         first[i].prefill_ms = (float)((t1 - t0) * 1e3);
         first[i].queue_ms = (float)((t0 - r->t_arrive) * 1e3);
         first[i].from_prefill = true;
-        send_tokens(p, r->seq.router_id, r->seq.rid, &first[i]);
+        send_tokens(p, r->seq.router_id, r->seq.rid, r->seq.rid_hi, &first[i]);
     }
 
     if (r->seq.n_fork > 0) {
@@ -570,7 +590,7 @@ static void run_one(prefill_t *p)
         }
         if (erc != PRISM_OK) {
             PRISM_ERROR("request %llu: KV export failed", (unsigned long long)r->seq.rid);
-            send_error(p, r->seq.router_id, r->seq.rid, PRISM__ERROR_KIND__ERROR_INTERNAL,
+            send_error(p, r->seq.router_id, r->seq.rid, r->seq.rid_hi, PRISM__ERROR_KIND__ERROR_INTERNAL,
                        "prefill could not export the KV cache");
             if (prism_tp_check(&p->tp) != PRISM_OK) p->group_failed = true;
             prism_kv_blocks_release(&p->blocks, p->table, nb);
@@ -614,12 +634,12 @@ static void fail_group(prefill_t *p)
     const Prism__ErrorKind kind = PRISM__ERROR_KIND__ERROR_UNAVAILABLE;   /* the worker goes away, as a dead one */
     for (int i = 0; i < p->max_pending; i++)
         if (p->reqs[i].seq.used) {
-            send_error(p, p->reqs[i].seq.router_id, p->reqs[i].seq.rid, kind, why);
+            send_error(p, p->reqs[i].seq.router_id, p->reqs[i].seq.rid, p->reqs[i].seq.rid_hi, kind, why);
             p->reqs[i].seq.used = false;
             n++;
         }
     if (p->kv_pending) {
-        send_error(p, p->kv_seq.router_id, p->kv_seq.rid, kind, why);
+        send_error(p, p->kv_seq.router_id, p->kv_seq.rid, p->kv_seq.rid_hi, kind, why);
         p->kv_pending = false;
         n++;
     }

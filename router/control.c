@@ -157,7 +157,7 @@ static void dispatch(router_t *r, prism_msg_t *m)
         }
         break;
     case PRISM__MSG_TYPE__MSG_ENCODE_DONE:
-        ok = e->encode_done && router_handle_encode_done(r, w, e->request_id, e->encode_done);
+        ok = e->encode_done && router_handle_encode_done(r, w, e->request_id, e->request_id_hi, e->encode_done);
         break;
     default:
         ok = false;

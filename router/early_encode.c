@@ -67,20 +67,19 @@ void router_early_encode(const prism_http_req_t *h, int index, const uint8_t *da
     if (!w || !w->cache_units) return;   /* an early job is only worth a cache entry */
     for (int k = 0; k < w->n_hashes; k++)
         if (w->image_hashes[k] == hash) return;   /* sent there lately: its cache probably has it */
-    uint64_t rid;
-    do {
-        if (prism_random_bytes(&rid, sizeof rid) != PRISM_OK) return;
-    } while (!rid || router_req_get(r, rid));
+    uint64_t rid, rid_hi;
+    if (router_req_new_id(r, &rid, &rid_hi) != PRISM_OK) return;
     Prism__Encode en = PRISM__ENCODE__INIT;
     en.content_hash = hash;
     en.prefill_endpoint = "";   /* cache only */
     Prism__Envelope env = PRISM__ENVELOPE__INIT;
     env.type = PRISM__MSG_TYPE__MSG_ENCODE;
     env.request_id = rid;
+    env.request_id_hi = rid_hi;
     env.encode = &en;
     prism_frame_t f = {data, len};
     if (router_send(r, w, &env, &f, 1) != PRISM_OK) return;
-    *e = (router_early_t){.rid = rid, .instance = w->instance, .hash = hash, .bytes = len, .t_sent = prism_now_s()};
+    *e = (router_early_t){.rid = rid, .rid_hi = rid_hi, .instance = w->instance, .hash = hash, .bytes = len, .t_sent = prism_now_s()};
     snprintf(e->encoder_id, sizeof e->encoder_id, "%s", w->id);
     w->inflight++;
     w->queued_bytes += len;
@@ -89,13 +88,14 @@ void router_early_encode(const prism_http_req_t *h, int index, const uint8_t *da
     PRISM_DEBUG("early encode %016llx: %zu bytes to %s", (unsigned long long)rid, len, w->id);
 }
 
-bool router_early_encode_done(router_t *r, const router_worker_t *from, uint64_t rid, const Prism__EncodeDone *d)
+bool router_early_encode_done(router_t *r, const router_worker_t *from, uint64_t rid, uint64_t rid_hi,
+                              const Prism__EncodeDone *d)
 {
     for (int i = 0; i < ROUTER_MAX_EARLY; i++) {
         router_early_t *e = &r->early[i];
         if (e->rid != rid || !rid || e->done) continue;
-        /* only from the encoder it went to */
-        if (from->role != PRISM__ROLE__ROLE_ENCODER || strcmp(e->encoder_id, from->id) || from->instance != e->instance)
+        /* only from the encoder it went to, naming the whole id */
+        if (rid_hi != e->rid_hi || from->role != PRISM__ROLE__ROLE_ENCODER || strcmp(e->encoder_id, from->id) || from->instance != e->instance)
             return false;
         early_release(r, e);
         e->t_sent = prism_now_s();   /* done now: kept keep_done_s from here */

@@ -55,7 +55,8 @@ typedef struct {
 } router_choice_t;
 
 struct router_req {
-    uint64_t rid;
+    uint64_t rid;                 /* the low half of its 128-bit id: the map's key */
+    uint64_t rid_hi;              /* the high half: a worker's message about it must carry both */
     router_t *r;
     prism_http_req_t *h;          /* NULL once released */
     prism_oai_request_t oai;
@@ -127,13 +128,16 @@ router_req_t *router_req_get(router_t *r, uint64_t rid)
     return NULL;
 }
 
-int router_req_new_id(router_t *r, uint64_t *out)
+int router_req_new_id(router_t *r, uint64_t *out, uint64_t *hi)
 {
     /* Unguessable: a peer inside the trust boundary cannot aim messages at a request it was not
-     * given. Unique among the requests in flight; never 0. */
+     * given. 128 random bits; the low half is unique among the requests in flight and never 0. */
+    uint64_t id[2];
     do {
-        if (prism_random_bytes(out, sizeof(*out)) != PRISM_OK) return PRISM_EIO;
-    } while (*out == 0 || router_req_get(r, *out));
+        if (prism_random_bytes(id, sizeof(id)) != PRISM_OK) return PRISM_EIO;
+    } while (id[0] == 0 || router_req_get(r, id[0]));
+    *out = id[0];
+    *hi = id[1];
     return PRISM_OK;
 }
 
@@ -764,6 +768,11 @@ bool router_handle_tokens(router_t *r, const router_worker_t *from, Prism__Envel
     const Prism__Tokens *t = env->tokens;
     router_req_t *q = router_req_get(r, rid);
     if (!q) return true;  /* finished or aborted already: a late message, not a refusal */
+    if (env->request_id_hi != q->rid_hi) {
+        PRISM_WARN("request %llu: Tokens from %s worker %s with the wrong high half of its id: dropped",
+                   (unsigned long long)rid, prism_role_name(from->role), from->id);
+        return false;
+    }
     if (!tokens_allowed(q, from, t)) {
         PRISM_WARN("request %llu: Tokens from %s worker %s, which does not hold it at that stage: dropped",
                    (unsigned long long)rid, prism_role_name(from->role), from->id);
@@ -800,12 +809,13 @@ bool router_handle_tokens(router_t *r, const router_worker_t *from, Prism__Envel
     return true;
 }
 
-bool router_handle_encode_done(router_t *r, const router_worker_t *from, uint64_t rid, const Prism__EncodeDone *d)
+bool router_handle_encode_done(router_t *r, const router_worker_t *from, uint64_t rid, uint64_t rid_hi,
+                               const Prism__EncodeDone *d)
 {
     router_req_t *q = router_req_get(r, rid);
-    if (!q) return router_early_encode_done(r, from, rid, d);  /* an early job, or a request that ended */
-    /* Only the encoder this image went to, once. */
-    if (d->image_index >= (uint32_t)q->prompt.n_images || !q->encode_pending[d->image_index] ||
+    if (!q) return router_early_encode_done(r, from, rid, rid_hi, d);  /* an early job, or a request that ended */
+    /* Only the encoder this image went to, once, naming the whole id. */
+    if (rid_hi != q->rid_hi || d->image_index >= (uint32_t)q->prompt.n_images || !q->encode_pending[d->image_index] ||
         from->role != PRISM__ROLE__ROLE_ENCODER || strcmp(q->encoder_id[d->image_index], from->id) != 0) {
         PRISM_WARN("request %llu: EncodeDone for image %u from %s, which does not hold it: dropped",
                    (unsigned long long)rid, d->image_index, from->id);
@@ -846,7 +856,7 @@ static void req_release_workers(router_req_t *q)
     /* A new id: late messages for the old one (from workers that had started) match nothing, and
      * no worker's memory of the abort can catch the request's next dispatch. */
     router_req_del(r, q->rid);
-    int rc = router_req_new_id(r, &q->rid);
+    int rc = router_req_new_id(r, &q->rid, &q->rid_hi);
     PRISM_ASSERT(rc == PRISM_OK);           /* getrandom gave ids at the first dispatch */
     rc = router_req_put(r, q->rid, q);      /* takes the entry just freed */
     PRISM_ASSERT(rc == PRISM_OK);
@@ -1169,6 +1179,7 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
     Prism__Envelope env = PRISM__ENVELOPE__INIT;
     env.type = PRISM__MSG_TYPE__MSG_PREFILL;
     env.request_id = q->rid;
+    env.request_id_hi = q->rid_hi;
     env.prefill = &p;
     /* A send fails when the worker's connection is gone (it died; the registry drops it at
      * --worker-timeout): the request waits for the next try rather than failing. */
@@ -1193,6 +1204,7 @@ static int dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
         Prism__Envelope ee = PRISM__ENVELOPE__INIT;
         ee.type = PRISM__MSG_TYPE__MSG_ENCODE;
         ee.request_id = q->rid;
+        ee.request_id_hi = q->rid_hi;
         ee.encode = &e;
         /* copied: a retry on another encoder sends the same bytes again (and a migration: the bytes
          * are freed at the first token only when no migration may follow) */
@@ -1432,7 +1444,7 @@ static void prep_done(uv_work_t *w, int wstatus)
         req_destroy(q);
         return;
     }
-    if (router_req_new_id(r, &q->rid) != PRISM_OK) {
+    if (router_req_new_id(r, &q->rid, &q->rid_hi) != PRISM_OK) {
         status = 503;
         snprintf(msg, sizeof(msg), "The server has no randomness for request ids; try again shortly.");
         goto fail;
@@ -1502,8 +1514,9 @@ static void prep_done(uv_work_t *w, int wstatus)
     }
     prism_http_req_set_user(h, q);
     prism_http_req_on_abort(h, on_client_gone, q);
-    PRISM_DEBUG("request %llu: %zu prompt tokens, %d images, max_tokens %d, n %d%s", (unsigned long long)q->rid,
-                q->prompt.n_tokens, q->prompt.n_images, q->prompt.max_tokens, n, q->guide.kind ? ", guided" : "");
+    PRISM_DEBUG("request %llu: %zu prompt tokens, %d images, max_tokens %d, n %d%s (id high half %016llx)",
+                (unsigned long long)q->rid, q->prompt.n_tokens, q->prompt.n_images, q->prompt.max_tokens, n,
+                q->guide.kind ? ", guided" : "", (unsigned long long)q->rid_hi);
     return;
 
 fail:

@@ -80,7 +80,7 @@ typedef struct router_req router_req_t;
 
 /* An image sent to an encoder before its request exists (early_encode.c); rid 0: a free entry. */
 typedef struct {
-    uint64_t rid;                /* the job's own id (not a request's) */
+    uint64_t rid, rid_hi;        /* the job's own 128-bit id (not a request's) */
     bool done;                   /* answered: its slot is free, the entry kept for its request */
     char encoder_id[ROUTER_WORKER_ID_MAX + 1];
     uint64_t instance;           /* the encoder process it went to */
@@ -182,7 +182,8 @@ void router_send_abort(router_t *r, router_worker_t *w, uint64_t rid);
 void router_early_encode(const prism_http_req_t *h, int index, const uint8_t *data, size_t len, void *ud);
 /* EncodeDone for an id that is no request: an early job is released. False only when rid is an early
  * job of another encoder (the message is refused); an id of neither kind is a request that ended. */
-bool router_early_encode_done(router_t *r, const router_worker_t *from, uint64_t rid, const Prism__EncodeDone *d);
+bool router_early_encode_done(router_t *r, const router_worker_t *from, uint64_t rid, uint64_t rid_hi,
+                              const Prism__EncodeDone *d);
 /* Early jobs unanswered past --stage-timeout, or on an encoder gone or stuck: aborted and released. */
 void router_early_encode_sweep(router_t *r, double now);
 /* At a request's dispatch: the encoder of an early job of this image still held (not among the
@@ -290,7 +291,8 @@ void router_respond_error(prism_http_req_t *h, int status, const char *message, 
  * ROUTER_MAX_HELD_TOKENS messages; beyond, the request fails). *kept: env was kept (the caller must
  * not free it). */
 bool router_handle_tokens(router_t *r, const router_worker_t *from, Prism__Envelope *env, bool *kept);
-bool router_handle_encode_done(router_t *r, const router_worker_t *from, uint64_t rid, const Prism__EncodeDone *d);
+bool router_handle_encode_done(router_t *r, const router_worker_t *from, uint64_t rid, uint64_t rid_hi,
+                               const Prism__EncodeDone *d);
 /* Every request w holds goes elsewhere (a retry before the first token, a migration after it) or
  * fails (503); why ends "The <role> worker serving this request ...". */
 void router_fail_worker_requests(router_t *r, const router_worker_t *w, const char *why);
@@ -301,7 +303,7 @@ void router_dispatch_queued(router_t *r);
 /* request map */
 router_req_t *router_req_get(router_t *r, uint64_t rid);
 /* A fresh request id from the kernel's CSPRNG, unique among the requests in flight; PRISM_EIO without randomness. */
-int  router_req_new_id(router_t *r, uint64_t *out);
+int  router_req_new_id(router_t *r, uint64_t *out, uint64_t *hi);
 int  router_req_put(router_t *r, uint64_t rid, router_req_t *q);
 void router_req_del(router_t *r, uint64_t rid);
 

@@ -24,7 +24,7 @@ def protocol_version():
         return int(re.search(r"#define PRISM_PROTOCOL_VERSION (\d+)", f.read()).group(1))
 
 
-VERSION = protocol_version()
+PROTOCOL_VERSION = protocol_version()
 
 
 SAMPLING_EXTRAS = {"prompt": "A red", "n": 3, "best_of": 3, "presence_penalty": 0.5, "frequency_penalty": -0.5,
@@ -108,8 +108,9 @@ def pb_float(field, v):
     return pb_key(field, 5) + struct.pack("<f", v)
 
 
-def envelope(type_, body_field, body, rid=7):
-    return pb_int(1, VERSION) + pb_int(2, type_) + pb_int(3, rid) + pb_bytes(4, "router-a-1-8000") + pb_bytes(body_field, body)
+def envelope(type_, body_field, body, rid=7, rid_hi=0x5EC12E7):
+    return (pb_int(1, PROTOCOL_VERSION) + pb_int(2, type_) + pb_int(3, rid) + pb_bytes(4, "router-a-1-8000") +
+            pb_key(5, 1) + struct.pack("<Q", rid_hi) + pb_bytes(body_field, body))
 
 
 # ---- the worker message harnesses (tests/fuzz/fuzz_worker.h): records of (op, envelope, frames) ----
@@ -121,7 +122,7 @@ IMAGE_TOKEN, IMAGE_ROWS, HIDDEN = 3, 64, 256   # models/prism-tiny-llava
 
 
 def env_of(type_, body_field, body, rid, router=ROUTER_ID):
-    e = pb_int(1, VERSION) + pb_int(2, type_) + pb_int(3, rid)
+    e = pb_int(1, PROTOCOL_VERSION) + pb_int(2, type_) + pb_int(3, rid)
     if router is not None:
         e += pb_bytes(4, router)
     return e + (pb_bytes(body_field, body) if body_field else b"")

@@ -14,12 +14,13 @@ int main(int argc, char **argv)
 {
     const char *endpoint = NULL, *router_id = "prism-wire", *type = "embeddings", *error = NULL, *keys = NULL;
     bool insecure = false;
-    int64_t request_id = 1, image_index = 0, n_tokens = 64, hidden = 256, bytes = -1, count = 1;
+    int64_t request_id = 1, request_id_hi = 0, image_index = 0, n_tokens = 64, hidden = 256, bytes = -1, count = 1;
     int64_t block_size = 16, block_bytes = 0, max_tokens = 16, first_token = 1;
     prism_flag_t flags[] = {
         PRISM_FLAG_STR("endpoint", &endpoint, "Data endpoint to PUSH to, e.g. tcp://127.0.0.1:5555 (required)"),
         PRISM_FLAG_STR("type", &type, "Message type: embeddings (to a prefill, as an encoder) or kv (to a decode, as a prefill)"),
-        PRISM_FLAG_INT("request-id", &request_id, "Envelope request id"),
+        PRISM_FLAG_INT("request-id", &request_id, "Envelope request id (the low half of the 128-bit id)"),
+        PRISM_FLAG_INT("request-id-hi", &request_id_hi, "Envelope request id's high half"),
         PRISM_FLAG_STR("router-id", &router_id, "Envelope router id (the owner of the request)"),
         PRISM_FLAG_INT("image-index", &image_index, "Embeddings: image index within the request"),
         PRISM_FLAG_INT("n-tokens", &n_tokens, "Embeddings: tokens per image (the model's image_seq_length); kv: prompt tokens"),
@@ -75,6 +76,7 @@ int main(int argc, char **argv)
     Prism__Envelope env = PRISM__ENVELOPE__INIT;
     env.type = PRISM__MSG_TYPE__MSG_EMBEDDINGS;
     env.request_id = (uint64_t)request_id;
+    env.request_id_hi = (uint64_t)request_id_hi;
     env.router_id = (char *)router_id;
     env.embeddings = &em;
     Prism__Sampling sp = PRISM__SAMPLING__INIT;

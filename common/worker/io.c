@@ -293,6 +293,7 @@ static void refuse(prism_worker_t *w, const prism_msg_t *m, int source)
         return;  /* aborts are in the table already; nothing else waits for an answer */
     }
     env.request_id = e->request_id;
+    env.request_id_hi = e->request_id_hi;
     env.router_id = e->router_id;
     prism_msg_send(w->routers[source].sock, NULL, 0, &env, NULL, 0, ZMQ_DONTWAIT);
 }
@@ -701,7 +702,8 @@ void prism_worker_set_load(prism_worker_t *w, const prism_worker_load_t *load)
     pthread_mutex_unlock(&w->mu);
 }
 
-int prism_worker_reply(prism_worker_t *w, const char *router_id, uint64_t request_id, Prism__Envelope *env)
+int prism_worker_reply(prism_worker_t *w, const char *router_id, uint64_t request_id, uint64_t request_id_hi,
+                       Prism__Envelope *env)
 {
     route_t rt = {-1, 0};
     pthread_mutex_lock(&w->mu);
@@ -715,6 +717,7 @@ int prism_worker_reply(prism_worker_t *w, const char *router_id, uint64_t reques
         return PRISM_ENOTFOUND;
     }
     env->request_id = request_id;
+    env->request_id_hi = request_id_hi;
     env->router_id = (char *)router_id;
     return prism_msg_send(w->cpu_pair, &rt, sizeof(rt), env, NULL, 0, 0);
 }

@@ -69,6 +69,7 @@ void prism_seq_sampler_free(prism_seq_sampler_t *ss);
 typedef struct {
     bool used;
     uint64_t rid;
+    uint64_t rid_hi;              /* the high half of the request's 128-bit id (set by the worker) */
     char router_id[128];
     Prism__Sampling sampling;     /* as received (stop ids, logprobs and n clamped to the bounds
                                    * below); its repeated fields and guide are set by

@@ -220,9 +220,11 @@ int  prism_worker_poll(prism_worker_t *w, int timeout_ms, prism_worker_msg_fn fn
  * received (the free slots of the receive pool; 0 stops reading the data socket). */
 void prism_worker_accept_data(prism_worker_t *w, int free_slots);
 void prism_worker_set_load(prism_worker_t *w, const prism_worker_load_t *load);
-/* Sends a Tokens / EncodeDone style reply (no raw frames) to the router that owns the request,
- * through the I/O thread. PRISM_ENOTFOUND when that router is not connected (reply dropped). */
-int  prism_worker_reply(prism_worker_t *w, const char *router_id, uint64_t request_id, Prism__Envelope *env);
+/* Sends a Tokens / EncodeDone style reply (no raw frames) to the router that owns the request (its
+ * 128-bit id: both halves), through the I/O thread. PRISM_ENOTFOUND when that router is not
+ * connected (reply dropped). */
+int  prism_worker_reply(prism_worker_t *w, const char *router_id, uint64_t request_id, uint64_t request_id_hi,
+                        Prism__Envelope *env);
 /* PUSH socket to a peer's data endpoint, connected on first use (compute thread only). Peers restart
  * on new ports, so the table would fill with dead endpoints: when it is full, the least recently used
  * link that has been idle PRISM_WORKER_PEER_IDLE_S and has nothing queued is closed to make room.

@@ -83,7 +83,7 @@ int main(int argc, char **argv)
         PRISM_FLAG_STR("register-as", &register_as, "Role to register as: encoder, prefill or decode"),
         PRISM_FLAG_STR("data-endpoint", &data_endpoint, "Data endpoint to register"),
         PRISM_FLAG_STR("rid-file", &rid_file,
-                       "Stay registered; once this file holds a request id, send the Tokens for it (within --wait)"),
+                       "Stay registered; once this file holds a request id (\"LOW HIGH\": decimal low half, hex high half), send the Tokens for it (within --wait)"),
         PRISM_FLAG_BOOL("from-prefill", &from_prefill, "Send the Tokens as a prefill's first token"),
         PRISM_FLAG_STR("prefill-data", &prefill_data, "Prefill data endpoint to attack"),
         PRISM_FLAG_STR("decode-data", &decode_data, "Decode data endpoint to attack"),
@@ -230,7 +230,8 @@ int main(int argc, char **argv)
             resolved = false;
             FILE *f = fopen(rid_file, "r");
             long long rid = 0;
-            if (f && fscanf(f, "%lld", &rid) == 1) {
+            unsigned long long rid_hi = 0;   /* "LOW HIGH": both halves of the 128-bit id (hex high) */
+            if (f && fscanf(f, "%lld %llx", &rid, &rid_hi) == 2) {
                 int32_t ids[1] = {(int32_t)token};
                 Prism__Tokens t = PRISM__TOKENS__INIT;
                 t.n_token_ids = 1;
@@ -239,6 +240,7 @@ int main(int argc, char **argv)
                 prism__envelope__init(&env);
                 env.type = PRISM__MSG_TYPE__MSG_TOKENS;
                 env.request_id = (uint64_t)rid;
+                env.request_id_hi = rid_hi;
                 env.router_id = (char *)router_id;
                 env.tokens = &t;
                 send_or_warn(links[0].sock, &env, NULL, 0);

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -271,7 +272,7 @@ def test_registration_fields_checked():
 
 
 def test_request_ids_unguessable():
-    # request ids come from the kernel's CSPRNG, not a counter a peer can walk
+    # request ids are 128 bits from the kernel's CSPRNG, not a counter a peer can walk
     ids = []
     for _ in range(3):
         status, r = C.post_json("/v1/completions", dict(PROMPT, max_tokens=2))
@@ -280,6 +281,49 @@ def test_request_ids_unguessable():
     assert len(set(ids)) == 3, ids
     assert all(abs(a - b) > 1 << 20 for a, b in zip(ids, ids[1:])), ids
     assert max(ids) > 1 << 40, ids
+    # and 64 more random bits each, which every message about the request must carry too
+    his = [int(h, 16) for h in re.findall(r"prompt tokens.*id high half ([0-9a-f]+)", C.log("router", tail=0))[-3:]]
+    assert len(set(his)) == 3 and max(his) > 1 << 40, his
+
+
+def test_embeddings_need_the_whole_request_id():
+    # request ids are 128 random bits and a data message must name both halves: embeddings that name a
+    # request a prefill holds by the low half alone (a guess, or an id read from a log) touch nothing of
+    # it. Before, the low 64 bits were the whole id: such embeddings became the request's image.
+    with open(os.path.join(MODEL, "config.json")) as f:
+        cfg = json.load(f)
+    img = os.path.join(TMP, "halves.png")
+    run_tool([binary("prism_imgtool"), "--out", img, "--width", "48", "--height", "40", "--shape", "circle"])
+    with open(img, "rb") as f:
+        url = "data:image/png;base64," + base64.b64encode(f.read()).decode()
+    body = {"model": "prism-tiny-llava", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                      {"type": "text", "text": "What is this?"}]}]}
+    status, ref = C.post_json("/v1/chat/completions", body)
+    assert status == 200, (status, ref)
+    enc = C.procs["encoder-0"]
+    log0 = len(C.log("router", tail=0))
+    plog0 = len(C.log("prefill-0", tail=0))
+    enc.send_signal(signal.SIGSTOP)   # the request waits at the prefill for its image (briefly: heartbeats)
+    try:
+        res = {}
+        t = threading.Thread(target=lambda: res.update(r=C.post_json("/v1/chat/completions", body, timeout=120)))
+        t.start()
+        m = wait_for(lambda: re.search(r"request (\d+): \d+ prompt tokens", C.log("router", tail=0)[log0:]), 20,
+                     "dispatch")
+        rid = int(m.group(1))
+        run_tool([binary("prism_wire"), "--endpoint", "tcp://127.0.0.1:%d" % PF_PORT,
+                  "--request-id", str(rid - (1 << 64) if rid >= 1 << 63 else rid), "--request-id-hi", "1",
+                  "--router-id", router_id(), "--n-tokens", str(cfg["image_seq_length"]),
+                  "--hidden", str(cfg["text_config"]["hidden_size"]), "--curve-keys", C.keys], timeout=30)
+        wait_for(lambda: "embeddings with the wrong high half of its id dropped" in C.log("prefill-0", tail=0)[plog0:],
+                 20, "the prefill dropping the embeddings")
+    finally:
+        enc.send_signal(signal.SIGCONT)
+    t.join(120)
+    status, r = res["r"]
+    assert status == 200, (status, r)
+    assert r["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"], (r, ref)
 
 
 def test_decode_checks_kv_sampling():
@@ -352,12 +396,14 @@ def test_cache_hits_not_shown_to_clients():
              "the second image counted as a cache hit (metrics)")
 
 
-def test_router_checks_tokens_from_the_holding_decode():
-    # every field of a Tokens message is checked, even from the worker that holds the request: a token id
-    # outside the vocabulary fails the request (500) at once instead of being streamed or waited out
+def fake_decode_answers(right_high_half, request_timeout):
+    """A fake decode (the only one, so it holds the request) sends Tokens with a token id outside the
+    vocabulary, naming the request by its low half and the right or a wrong high half. Returns the
+    answer, the seconds from its Tokens to the answer, and the router's log."""
     with Cluster(encoders=0, prefills=1, decodes=0,
-                 router_args=["--log-level", "debug", "--worker-timeout", "60", "--request-timeout", "60"]) as c:
-        rid_file = os.path.join(TMP, "fake-decode.rid")
+                 router_args=["--log-level", "debug", "--worker-timeout", "60",
+                              "--request-timeout", str(request_timeout)]) as c:
+        rid_file = os.path.join(TMP, "fake-decode-%d.rid" % right_high_half)
         fake = subprocess.Popen([binary("prism_peer_probe"), "--role", "decode", "--register-as", "decode",
                                  "--worker-id", "fake-decode", "--router", c.ctl, "--curve-keys", c.keys, "--wait", "90",
                                  "--token", "999999", "--first-rid", "1", "--last-rid", "0", "--rid-file", rid_file,
@@ -370,20 +416,36 @@ def test_router_checks_tokens_from_the_holding_decode():
             t = threading.Thread(target=lambda: res.update(r=c.post_json("/v1/completions", dict(PROMPT, max_tokens=8),
                                                                            timeout=120)))
             t.start()
-            m = wait_for(lambda: re.search(r"request (\d+): \d+ prompt tokens", c.log("router", tail=0)), 30,
-                         "dispatch")
-            rid = int(m.group(1))
+            m = wait_for(lambda: re.search(r"request (\d+): \d+ prompt tokens.*id high half ([0-9a-f]+)",
+                                           c.log("router", tail=0)), 30, "dispatch")
+            rid, hi = int(m.group(1)), m.group(2)
+            if not right_high_half:
+                hi = "%016x" % (int(hi, 16) ^ 1)
             t0 = time.time()
             with open(rid_file + ".tmp", "w") as f:
-                f.write(str(rid - (1 << 64) if rid >= 1 << 63 else rid))
+                f.write("%d %s" % (rid - (1 << 64) if rid >= 1 << 63 else rid, hi))
             os.rename(rid_file + ".tmp", rid_file)
             t.join(120)
         finally:
             fake.kill()
             fake.wait()
-        status, body = res["r"]
-        assert status == 500 and "malformed" in body["error"]["message"], (status, body)
-        assert time.time() - t0 < 30, "the request waited for its timeout"
+        return res["r"], time.time() - t0, c.log("router", tail=0)
+
+
+def test_router_checks_tokens_from_the_holding_decode():
+    # every field of a Tokens message is checked, even from the worker that holds the request: a token id
+    # outside the vocabulary fails the request (500) at once instead of being streamed or waited out
+    (status, body), took, _ = fake_decode_answers(True, 60)
+    assert status == 500 and "malformed" in body["error"]["message"], (status, body)
+    assert took < 30, "the request waited for its timeout"
+
+
+def test_tokens_need_the_whole_request_id():
+    # the same Tokens naming the request by its low half and a wrong high half: not the request's at all
+    # (dropped and counted); the request is left to its own end (here its timeout), not failed by them
+    (status, body), took, log = fake_decode_answers(False, 6)
+    assert "Tokens from decode worker fake-decode with the wrong high half of its id: dropped" in log, log[-2000:]
+    assert status == 503 and "timed out" in body["error"]["message"], (status, body)
 
 
 def test_junk_embeddings_cannot_fill_the_pool():
@@ -600,7 +662,8 @@ if __name__ == "__main__":
                         test_decode_checks_kv_sampling, test_abort_before_kv_is_remembered,
                         test_encoder_freed_when_its_prefill_dies, test_cache_hits_not_shown_to_clients,
                         test_router_checks_tokens_from_the_holding_decode, test_registration_fields_checked,
-                        test_junk_embeddings_cannot_fill_the_pool])
+                        test_junk_embeddings_cannot_fill_the_pool, test_embeddings_need_the_whole_request_id,
+                        test_tokens_need_the_whole_request_id])
         assert all(C.alive().values()), C.alive()
     finally:
         C.stop()

@@ -33,7 +33,7 @@ typedef struct {
     uint64_t hb_progress[MAX_HB];
     bool hb_busy[MAX_HB];
     int n_tokens;
-    uint64_t tokens_rid;
+    uint64_t tokens_rid, tokens_rid_hi;
     bool tokens_from_worker;
     /* what it should send (under mu) */
     int send_type;          /* 0 = nothing */
@@ -106,6 +106,7 @@ static void *router_main(void *arg)
                 pthread_mutex_lock(&r->mu);
                 r->n_tokens++;
                 r->tokens_rid = m.env->request_id;
+                r->tokens_rid_hi = m.env->request_id_hi;
                 r->tokens_from_worker = m.identity_len == strlen("w-test") && !memcmp(m.identity, "w-test", 6);
                 pthread_mutex_unlock(&r->mu);
             }
@@ -277,8 +278,8 @@ static void test_worker_io(void **state)
     Prism__Envelope env = PRISM__ENVELOPE__INIT;
     env.type = PRISM__MSG_TYPE__MSG_TOKENS;
     env.tokens = &t;
-    assert_int_equal(prism_worker_reply(&w, "r1", 9, &env), PRISM_OK);
-    assert_int_equal(prism_worker_reply(&w, "nobody", 9, &env), PRISM_ENOTFOUND);
+    assert_int_equal(prism_worker_reply(&w, "r1", 9, 0xfeedfacecafebeefull, &env), PRISM_OK);
+    assert_int_equal(prism_worker_reply(&w, "nobody", 9, 1, &env), PRISM_ENOTFOUND);
     t0 = prism_now_s();
     for (;;) {
         pthread_mutex_lock(&r.mu);
@@ -289,6 +290,7 @@ static void test_worker_io(void **state)
     }
     assert_int_equal(r.n_tokens, 1);
     assert_int_equal(r.tokens_rid, 9);
+    assert_true(r.tokens_rid_hi == 0xfeedfacecafebeefull);   /* both halves of the 128-bit id */
     assert_true(r.tokens_from_worker);
 
     /* Data credit: three messages pushed, one granted -> one arrives; two more granted -> the rest. */
@@ -349,7 +351,7 @@ static void test_worker_io(void **state)
     pthread_mutex_lock(&r.mu);
     r.paused = true;
     pthread_mutex_unlock(&r.mu);
-    for (int i = 0; i < LAST; i++) assert_int_equal(prism_worker_reply(&w, "r1", 1000 + (uint64_t)i, &env), PRISM_OK);
+    for (int i = 0; i < LAST; i++) assert_int_equal(prism_worker_reply(&w, "r1", 1000 + (uint64_t)i, 0, &env), PRISM_OK);
     pthread_t resume;
     assert_int_equal(pthread_create(&resume, NULL, resume_after, &r), 0);
     prism_worker_close_linger(&w, 5000);
