@@ -10,8 +10,8 @@
  * completions; bit 4: n = 2; bits 5-6: max_tokens 1, 4, 16 or 64), then records
  *   worker:u8 (mod 3: encoder, prefill, decode)  len:u16le  envelope[len]
  * each sent up from that worker's socket as it is; an envelope that unpacks and names a request id
- * below 16 is sent for the id of the (id mod n)-th request the router dispatched in this input (ids are
- * random: a fuzzer could never guess one).
+ * below 16 is sent for the (id mod n)-th request the router dispatched in this input, both halves of
+ * its id (ids are 128 random bits: a fuzzer could never guess one).
  * Invariants: the router stays up and answers what it sends well-formed; once every client hangs up,
  * no request is left (r->n_reqs == 0) and every registered worker is back at nothing in flight and no
  * image bytes queued. After each input the workers register again as new processes, so no input's
@@ -39,17 +39,17 @@ static void *g_wk[N_WORKERS];
 static const char *const g_ids[N_WORKERS] = {"encoder-0", "prefill-0", "decode-0"};
 static const Prism__Role g_roles[N_WORKERS] = {PRISM__ROLE__ROLE_ENCODER, PRISM__ROLE__ROLE_PREFILL,
                                                PRISM__ROLE__ROLE_DECODE};
-static uint64_t g_rids[MAX_RIDS];
+static uint64_t g_rids[MAX_RIDS], g_rids_hi[MAX_RIDS];   /* 128-bit ids: both halves */
 static int g_n_rids;
 static int g_acks;
 static int g_fd[MAX_CLIENTS];
 static int g_n_fd;
 
-static void note_rid(uint64_t rid)
+static void note_rid(uint64_t rid, uint64_t hi)
 {
     for (int i = 0; i < g_n_rids; i++)
-        if (g_rids[i] == rid) return;
-    if (g_n_rids < MAX_RIDS) g_rids[g_n_rids++] = rid;
+        if (g_rids[i] == rid && g_rids_hi[i] == hi) return;
+    if (g_n_rids < MAX_RIDS) g_rids[g_n_rids] = rid, g_rids_hi[g_n_rids++] = hi;
 }
 
 /* What the router sent the workers: it unpacks (prism_msg_recv), and a request's id is learnt. */
@@ -65,7 +65,7 @@ static void read_workers(void)
                 fprintf(stderr, "from the router to %s: %s (errno %d)\n", g_ids[k], prism_strerror(rc), errno);
             FUZZ_ASSERT(rc == PRISM_OK);
             Prism__MsgType t = m.env->type;
-            if (t == PRISM__MSG_TYPE__MSG_PREFILL || t == PRISM__MSG_TYPE__MSG_ENCODE) note_rid(m.env->request_id);
+            if (t == PRISM__MSG_TYPE__MSG_PREFILL || t == PRISM__MSG_TYPE__MSG_ENCODE) note_rid(m.env->request_id, m.env->request_id_hi);
             if (t == PRISM__MSG_TYPE__MSG_REGISTER_ACK && m.env->reg_ack && m.env->reg_ack->ok) g_acks++;
             prism_msg_close(&m);
         }
@@ -205,7 +205,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         if (len > size) break;
         Prism__Envelope *e = prism_msg_unpack(data, len);
         if (e && e->request_id < 16 && g_n_rids) {
-            e->request_id = g_rids[e->request_id % (uint64_t)g_n_rids];
+            int i = (int)(e->request_id % (uint64_t)g_n_rids);
+            e->request_id = g_rids[i];
+            e->request_id_hi = g_rids_hi[i];
             send_env(k, e);
         } else {
             zmq_send(g_wk[k], data, len, 0);   /* as it is: the router's own checks decide */
