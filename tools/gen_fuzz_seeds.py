@@ -121,10 +121,12 @@ OP_ROUTER, OP_DATA, OP_TURN, OP_LATE = 0, 1, 2, 3
 IMAGE_TOKEN, IMAGE_ROWS, HIDDEN = 3, 64, 256   # models/prism-tiny-llava
 
 
-def env_of(type_, body_field, body, rid, router=ROUTER_ID):
+def env_of(type_, body_field, body, rid, router=ROUTER_ID, rid_hi=0):
     e = pb_int(1, PROTOCOL_VERSION) + pb_int(2, type_) + pb_int(3, rid)
     if router is not None:
         e += pb_bytes(4, router)
+    if rid_hi:
+        e += pb_key(5, 1) + struct.pack("<Q", rid_hi)
     return e + (pb_bytes(body_field, body) if body_field else b"")
 
 
@@ -180,11 +182,11 @@ def prefill_msg(rid, tokens, spans=(), samp=None, endpoint=PEER_EP, router=ROUTE
     return env_of(5, 15, body, rid, router)
 
 
-def embeddings_msg(rid, index=0, n_tokens=IMAGE_ROWS, hidden=HIDDEN, error=None, router=ROUTER_ID):
+def embeddings_msg(rid, index=0, n_tokens=IMAGE_ROWS, hidden=HIDDEN, error=None, router=ROUTER_ID, rid_hi=0):
     body = pb_int(1, index) + pb_int(2, n_tokens) + pb_int(3, hidden)
     if error:
         body += pb_bytes(4, error)
-    return env_of(6, 16, body, rid, router)
+    return env_of(6, 16, body, rid, router, rid_hi)
 
 
 def abort_msg(rid, router=ROUTER_ID):
@@ -251,6 +253,10 @@ def prefill_seeds():
         rec(OP_DATA, embeddings_msg(41), [ROWS]) + rec(OP_LATE, abort_msg(41)) + turn() +
         rec(OP_ROUTER, prefill_msg(42, long_prompt, [(1, IMAGE_ROWS)])) + rec(OP_DATA, embeddings_msg(42), [ROWS]) +
         turn())
+    # 128-bit ids: embeddings with the right low half and another high half belong to no request
+    put(h, "wrong_high_half", rec(OP_ROUTER, prefill_msg(44, img, spans)) +
+        rec(OP_DATA, embeddings_msg(44, rid_hi=0x5EC12E7), [ROWS]) + turn() +
+        rec(OP_DATA, embeddings_msg(44), [ROWS]) + turn())
     put(h, "nan_rows", rec(OP_ROUTER, prefill_msg(43, img, spans, sampling(logprobs=4))) +
         rec(OP_DATA, embeddings_msg(43), [(IMAGE_ROWS * HIDDEN * 4, b"\x00\x00\xc0\x7f")]) + turn())
 
