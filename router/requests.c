@@ -767,7 +767,14 @@ bool router_handle_tokens(router_t *r, const router_worker_t *from, Prism__Envel
     uint64_t rid = env->request_id;
     const Prism__Tokens *t = env->tokens;
     router_req_t *q = router_req_get(r, rid);
-    if (!q) return true;  /* finished or aborted already: a late message, not a refusal */
+    if (!q) {
+        /* Finished or aborted already: a late message, not a refusal. A decode that still generates
+         * for an id this router does not hold (KV made up by a peer holding a prefill key, or an
+         * abort that was lost) is told to stop: its sequence costs one step, not max_tokens. */
+        if (from->role == PRISM__ROLE__ROLE_DECODE && t && t->finish == PRISM__FINISH__FINISH_NONE)
+            send_abort(r, from->id, rid);
+        return true;
+    }
     if (env->request_id_hi != q->rid_hi) {
         PRISM_WARN("request %llu: Tokens from %s worker %s with the wrong high half of its id: dropped",
                    (unsigned long long)rid, prism_role_name(from->role), from->id);

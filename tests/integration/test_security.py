@@ -348,6 +348,26 @@ def test_decode_checks_kv_sampling():
     assert C.metric("prism:worker_running", worker="decode-0") == 0
 
 
+def test_decode_told_to_stop_made_up_kv():
+    # a peer holding a prefill key pushes KV for a made-up request naming our router: decode cannot know
+    # it was never dispatched, but its first Tokens reach a router that holds no such request, which
+    # tells it to stop. Before, the sequence decoded to its max_tokens for nobody.
+    with open(os.path.join(MODEL, "config.json")) as f:
+        tc = json.load(f)["text_config"]
+    block_bytes = tc["num_hidden_layers"] * 2 * 16 * tc["num_key_value_heads"] * tc["head_dim"] * 4
+    junk = 0x5EC0DE
+    log0 = len(C.log("decode-0", tail=0))
+    run_tool([binary("prism_wire"), "--endpoint", "tcp://127.0.0.1:%d" % DC_PORT, "--type", "kv",
+              "--curve-keys", C.keys, "--n-tokens", "16", "--block-size", "16", "--block-bytes", str(block_bytes),
+              "--max-tokens", str(tc["max_position_embeddings"] - 32), "--request-id", str(junk),
+              "--router-id", router_id()], timeout=30)
+    wait_for(lambda: "request %d aborted" % junk in C.log("decode-0", tail=0)[log0:], 20,
+             "decode stopping the made-up sequence")
+    hb = C.metric("prism:worker_heartbeats_total", worker="decode-0")
+    wait_for(lambda: C.metric("prism:worker_heartbeats_total", worker="decode-0") > hb + 1, 20, "decode heartbeats")
+    assert C.metric("prism:worker_running", worker="decode-0") == 0
+
+
 def test_abort_before_kv_is_remembered():
     # finding 7: a client that hangs up while its prompt is in prefill makes the router abort decode before
     # the KV gets there; decode used to admit the KV later and decode to max_tokens for nobody
@@ -663,7 +683,7 @@ if __name__ == "__main__":
                         test_encoder_freed_when_its_prefill_dies, test_cache_hits_not_shown_to_clients,
                         test_router_checks_tokens_from_the_holding_decode, test_registration_fields_checked,
                         test_junk_embeddings_cannot_fill_the_pool, test_embeddings_need_the_whole_request_id,
-                        test_tokens_need_the_whole_request_id])
+                        test_tokens_need_the_whole_request_id, test_decode_told_to_stop_made_up_kv])
         assert all(C.alive().values()), C.alive()
     finally:
         C.stop()
