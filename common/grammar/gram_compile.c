@@ -322,9 +322,9 @@ static int dfa_rule(dfa_t *d, int32_t nfa_start)
         const int32_t *prev_raw = NULL;
         for (int bt = 0; bt < 256; bt++) {
             int32_t nr = byte_n[bt];
-            const int32_t *raw = byte_tg + (size_t)bt * n_eds;
             int32_t to = -1;
-            if (nr) {
+            if (nr) {   /* (a state without edges has no byte_tg at all: NULL + 0 is undefined) */
+                const int32_t *raw = byte_tg + (size_t)bt * n_eds;
                 if (prev_raw && prev_raw_n == nr && !memcmp(prev_raw, raw, (size_t)nr * sizeof *raw)) {
                     to = prev_to;
                 } else {
