@@ -224,6 +224,9 @@ typedef struct prism_backend prism_backend_t;
 prism_backend_t *prism_backend_cpu_create(int n_threads);
 /* CPU backend whose pool refuses allocations beyond pool_bytes (0 = unlimited). */
 prism_backend_t *prism_backend_cpu_create_pool(int n_threads, size_t pool_bytes);
+/* Makes OpenBLAS use the kernels this CPU runs when its own detection fell back to generic ones
+ * (a CPU model newer than the library). Once per process; creating a CPU backend calls it. */
+void prism_backend_cpu_blas_setup(void);
 
 /* Creates a backend by device name ("cpu" | "cuda" | "cuda:N"). Returns PRISM_ENOTSUP for cuda
  * in a build without the CUDA backend (or with no GPU), PRISM_EINVAL for unknown names. */

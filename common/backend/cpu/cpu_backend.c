@@ -415,8 +415,43 @@ static void cpu_destroy(void *vctx)
     prism_free(c);
 }
 
+/* ---- OpenBLAS kernels ----
+ * OpenBLAS built for many CPUs (DYNAMIC_ARCH, as Debian's is) picks its kernels by CPU model when
+ * it loads. A model newer than the library — Emerald Rapids under 0.3.21 — falls back to its
+ * generic Prescott (SSE3) kernels: sgemm 4-5x slower than the AVX-512 ones the CPU runs. When
+ * that happened on a CPU with AVX2 or AVX-512 and nobody set OPENBLAS_CORETYPE, the kernels are
+ * chosen again by instruction set, once per process, before the first BLAS call. The two entry
+ * points are exported but only by dynamic builds: weak, so any other BLAS links and is left alone. */
+extern char *openblas_get_corename(void) __attribute__((weak));
+extern void gotoblas_dynamic_init(void) __attribute__((weak));
+extern void gotoblas_dynamic_quit(void) __attribute__((weak));
+
+static void cpu_blas_fix_kernels(void)
+{
+    if (!openblas_get_corename || !gotoblas_dynamic_init || !gotoblas_dynamic_quit) return;
+    const char *core = openblas_get_corename();
+    if (getenv("OPENBLAS_CORETYPE") || !core || strcmp(core, "Prescott") != 0) return;
+    const char *want = prism_cpu_has_avx512_skx() ? "SkylakeX"
+                     : prism_cpu_isa_detect() >= PRISM_CPU_ISA_AVX2 ? "Haswell" : NULL;
+    if (!want) return;
+    /* gotoblas_dynamic_init reads the core type from the environment only */
+    setenv("OPENBLAS_CORETYPE", want, 1);
+    gotoblas_dynamic_quit();
+    gotoblas_dynamic_init();
+    unsetenv("OPENBLAS_CORETYPE");
+    PRISM_INFO("OpenBLAS did not know this CPU and took its generic Prescott kernels; now using its %s kernels "
+               "(set OPENBLAS_CORETYPE to choose)", openblas_get_corename());
+}
+
+void prism_backend_cpu_blas_setup(void)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, cpu_blas_fix_kernels);
+}
+
 prism_backend_t *prism_backend_cpu_create_pool(int n_threads, size_t pool_bytes)
 {
+    prism_backend_cpu_blas_setup();
     if (n_threads < 1) n_threads = 1;
     prism_backend_t *be = prism_calloc(1, sizeof *be);
     prism_cpu_ctx_t *c = prism_calloc(1, sizeof *c);

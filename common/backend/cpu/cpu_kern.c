@@ -34,6 +34,18 @@ prism_cpu_isa_t prism_cpu_isa_detect(void)
 #endif
 }
 
+bool prism_cpu_has_avx512_skx(void)
+{
+#ifdef PRISM_CPU_X86
+    unsigned a, b, c, d;
+    if (prism_cpu_isa_detect() != PRISM_CPU_ISA_AVX512 || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const unsigned f_dq_bw_vl = (1u << 16) | (1u << 17) | (1u << 30) | (1u << 31);
+    return (b & f_dq_bw_vl) == f_dq_bw_vl;
+#else
+    return false;
+#endif
+}
+
 const char *prism_cpu_isa_name(prism_cpu_isa_t isa)
 {
     switch (isa) {

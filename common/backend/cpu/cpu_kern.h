@@ -74,6 +74,9 @@ extern const prism_cpu_kern_t prism_cpu_kern_avx512;
 
 /* The best ISA this CPU runs (cpuid + OS xsave state). */
 prism_cpu_isa_t prism_cpu_isa_detect(void);
+/* AVX-512 with the BW, DQ and VL subsets (Skylake-SP and later: what OpenBLAS's SkylakeX kernels
+ * need), with the OS saving the registers. */
+bool prism_cpu_has_avx512_skx(void);
 /* The table to use: the detected ISA, or the one `force` names ("scalar", "avx2", "avx512";
  * NULL or "" = detect) when the CPU runs it; otherwise the best one below it. */
 const prism_cpu_kern_t *prism_cpu_kern_select(const char *force);

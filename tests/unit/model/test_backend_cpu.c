@@ -799,6 +799,26 @@ static void test_pool_and_create(void **state)
     assert_int_equal(prism_backend_create("tpu", 1, 0, &x), PRISM_EINVAL);
 }
 
+/* OpenBLAS runs kernels this CPU has: after a backend is created its generic Prescott (SSE3)
+ * fallback, which a CPU model newer than the library gets (Emerald Rapids under 0.3.21, 4-5x
+ * slower sgemm), is never left on a CPU with AVX2 — unless the operator asked for it. */
+extern char *openblas_get_corename(void) __attribute__((weak));
+
+static void test_blas_kernels_fit_the_cpu(void **state)
+{
+    (void)state;
+    if (!openblas_get_corename || getenv("OPENBLAS_CORETYPE") || prism_cpu_isa_detect() < PRISM_CPU_ISA_AVX2) {
+        skip();
+        return;
+    }
+    prism_backend_t *be = prism_backend_cpu_create(1);
+    assert_non_null(be);
+    const char *core = openblas_get_corename();
+    printf("OpenBLAS kernels: %s (cpu isa %s)\n", core, prism_cpu_isa_name(prism_cpu_isa_detect()));
+    assert_string_not_equal(core, "Prescott");
+    prism_backend_destroy(be);
+}
+
 int main(void)
 {
     prism_log_init("test_backend_cpu", PRISM_LOG_ERROR);
@@ -812,6 +832,7 @@ int main(void)
         cmocka_unit_test(test_gathers_kv),
         cmocka_unit_test(test_half_conversions),
         cmocka_unit_test(test_pool_and_create),
+        cmocka_unit_test(test_blas_kernels_fit_the_cpu),
         cmocka_unit_test(test_kernel_tables_agree),
         cmocka_unit_test(test_backend_paths_agree),
         cmocka_unit_test(test_threads_agree),
