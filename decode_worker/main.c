@@ -583,19 +583,7 @@ static int decode_open(decode_t *d, int argc, char **argv)
         PRISM_ERROR("--overlap-steps must be auto, on or off");
         return 2;
     }
-    if (prism_tp_opts_check(&tpo) != PRISM_OK) return 2;
-    d->full = d->cfg;
-    if (tpo.size > 1 && prism_model_config_set_tp(&d->cfg, (int)tpo.size, (int)tpo.rank, err, sizeof err) != PRISM_OK) {
-        PRISM_ERROR("--tp-size %lld: %s", (long long)tpo.size, err);
-        return 2;
-    }
-    if (tpo.size > 1 && prism_kv_local_ring(&d->cfg, 16, 1) > 0) {
-        /* Their KV transfer splits the layers (chunked ones from the current chunk only); a group's
-         * KV scatter and gather move whole-cache blocks. */
-        PRISM_ERROR("--tp-size %lld: models with chunked-attention layers (Llama-4) run at --tp-size 1 for now",
-                    (long long)tpo.size);
-        return 2;
-    }
+    if (prism_tp_opts_apply(&tpo, &d->cfg, &d->full) != PRISM_OK) return 2;
     const bool leader = tpo.rank == 0;
     d->max_running = (int)max_running;
     d->max_model_len = prism_model_context_length(&d->cfg, context_length);

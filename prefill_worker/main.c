@@ -704,19 +704,7 @@ static int prefill_open(prefill_t *p, int argc, char **argv)
         PRISM_ERROR("flag out of range (see --help)");
         return 2;
     }
-    if (prism_tp_opts_check(&tpo) != PRISM_OK) return 2;
-    p->full = p->cfg;
-    if (tpo.size > 1 && prism_model_config_set_tp(&p->cfg, (int)tpo.size, (int)tpo.rank, err, sizeof err) != PRISM_OK) {
-        PRISM_ERROR("--tp-size %lld: %s", (long long)tpo.size, err);
-        return 2;
-    }
-    if (tpo.size > 1 && prism_kv_local_ring(&p->cfg, 16, 1) > 0) {
-        /* Their KV transfer splits the layers (chunked ones from the current chunk only); a group's
-         * KV scatter and gather move whole-cache blocks. */
-        PRISM_ERROR("--tp-size %lld: models with chunked-attention layers (Llama-4) run at --tp-size 1 for now",
-                    (long long)tpo.size);
-        return 2;
-    }
+    if (prism_tp_opts_apply(&tpo, &p->cfg, &p->full) != PRISM_OK) return 2;
     const bool leader = tpo.rank == 0;
     p->chunk = (int)chunk;
     p->orphan_timeout_s = orphan_timeout;

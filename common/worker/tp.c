@@ -38,6 +38,26 @@ int prism_tp_opts_check(const prism_tp_opts_t *o)
     return PRISM_OK;
 }
 
+int prism_tp_opts_apply(const prism_tp_opts_t *o, prism_model_config_t *cfg, prism_model_config_t *full)
+{
+    if (prism_tp_opts_check(o) != PRISM_OK) return PRISM_EINVAL;
+    *full = *cfg;
+    if (o->size == 1) return PRISM_OK;
+    char err[512] = "";
+    if (prism_model_config_set_tp(cfg, (int)o->size, (int)o->rank, err, sizeof err) != PRISM_OK) {
+        PRISM_ERROR("--tp-size %lld: %s", (long long)o->size, err);
+        return PRISM_EINVAL;
+    }
+    if (prism_kv_local_ring(cfg, 16, 1) > 0) {
+        /* Their KV transfer splits the layers (chunked ones from the current chunk only); a group's
+         * KV scatter and gather move whole-cache blocks. */
+        PRISM_ERROR("--tp-size %lld: models with chunked-attention layers (Llama-4) run at --tp-size 1 for now",
+                    (long long)o->size);
+        return PRISM_EINVAL;
+    }
+    return PRISM_OK;
+}
+
 static int blocks_of(const prism_tp_t *t, int tokens) { return (tokens + t->setup.block_size - 1) / t->setup.block_size; }
 
 int prism_tp_join(prism_tp_t *t, const prism_tp_opts_t *o, struct prism_net *net, prism_backend_t *be,

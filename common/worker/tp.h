@@ -51,6 +51,10 @@ typedef struct {
 void prism_tp_opts_defaults(prism_tp_opts_t *o);
 /* Checks the flags (message logged): PRISM_EINVAL when size/rank/leader do not make a group. */
 int  prism_tp_opts_check(const prism_tp_opts_t *o);
+/* A worker's start: checks the flags, keeps the whole model's config in *full and turns *cfg into
+ * this rank's shard (size > 1). PRISM_EINVAL (message logged) for bad flags, a model that does not
+ * split size ways, or one with chunked-attention layers (Llama-4: --tp-size 1 for now). */
+int  prism_tp_opts_apply(const prism_tp_opts_t *o, prism_model_config_t *cfg, prism_model_config_t *full);
 
 /* What each rank can hold, exchanged once after the group forms. */
 typedef struct {
