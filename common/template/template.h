@@ -51,6 +51,8 @@
 #define PRISM_TEMPLATE_MAX_ITERATIONS 2000000      /* loop iterations per render, all loops */
 #define PRISM_TEMPLATE_MAX_MEMORY     (256u << 20) /* scratch memory per render */
 #define PRISM_TEMPLATE_MAX_VALUE_DEPTH 128         /* nesting of context JSON and built values */
+#define PRISM_TEMPLATE_MAX_EVAL_DEPTH 1024         /* expressions + statements being evaluated at once, macro
+                                                      calls included: bounds the C stack of a render */
 
 typedef struct prism_template prism_template_t;
 

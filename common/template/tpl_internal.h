@@ -183,6 +183,7 @@ typedef struct tpl_rctx {
     tpl_sb_t *sink;
     tpl_scope_t *root;
     int call_depth;
+    int eval_depth;    /* tpl_eval + statements on the C stack now */
     uint64_t iterations;
     int status;
     char *err;

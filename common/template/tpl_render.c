@@ -703,9 +703,32 @@ static int eval_name(tpl_rctx_t *c, tpl_scope_t *s, const tpl_node_t *n, tv_t *o
     return 0;
 }
 
+/* Each expression and statement being evaluated is a C frame or more: the tree of a chain
+ * "1-1-1-..." is as deep as it is long, and macros recurse, so the depth is counted and bounded
+ * (PRISM_TEMPLATE_MAX_EVAL_DEPTH) rather than left to the stack. */
+static bool eval_enter(tpl_rctx_t *c)
+{
+    if (c->eval_depth >= PRISM_TEMPLATE_MAX_EVAL_DEPTH) {
+        tpl_fail(c, PRISM_ELIMIT, "template evaluation nested deeper than %d", PRISM_TEMPLATE_MAX_EVAL_DEPTH);
+        return false;
+    }
+    c->eval_depth++;
+    return true;
+}
+
+static int eval_node(tpl_rctx_t *c, tpl_scope_t *s, const tpl_node_t *n, tv_t *out);
+
 int tpl_eval(tpl_rctx_t *c, tpl_scope_t *s, const tpl_node_t *n, tv_t *out)
 {
     if (c->status) return c->status;
+    if (!eval_enter(c)) return c->status;
+    int rc = eval_node(c, s, n, out);
+    c->eval_depth--;
+    return rc;
+}
+
+static int eval_node(tpl_rctx_t *c, tpl_scope_t *s, const tpl_node_t *n, tv_t *out)
+{
     switch (n->kind) {
     case E_CONST: *out = n->val; return 0;
     case E_NAME: return eval_name(c, s, n, out);
@@ -914,7 +937,18 @@ static int exec_for(tpl_rctx_t *c, tpl_scope_t *s, const tpl_node_t *n)
     return exec_body(c, ls, n->d);
 }
 
+static int exec_node(tpl_rctx_t *c, tpl_scope_t *s, const tpl_node_t *n);
+
+/* 0, TPL_BREAK, TPL_CONTINUE, or the status of a failure. */
 static int exec_stmt(tpl_rctx_t *c, tpl_scope_t *s, const tpl_node_t *n)
+{
+    if (!eval_enter(c)) return c->status;
+    int rc = exec_node(c, s, n);
+    c->eval_depth--;
+    return rc;
+}
+
+static int exec_node(tpl_rctx_t *c, tpl_scope_t *s, const tpl_node_t *n)
 {
     switch (n->kind) {
     case S_BODY: return exec_body(c, s, n);

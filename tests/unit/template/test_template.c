@@ -359,6 +359,28 @@ static void test_limits(void **state)
     char wrapped[4200];
     snprintf(wrapped, sizeof(wrapped), "{{ %s }}", deep);
     assert_int_equal(prism_template_compile(wrapped, strlen(wrapped), &t, err, sizeof(err)), PRISM_ELIMIT);
+    /* Evaluation depth (found by fuzz_template: a stack overflow). A chain "1-1-1-..." is parsed in a
+     * loop, so no parser nesting bounds it, but its tree is as deep as it is long: 200,000 terms took
+     * 200,000 nested evaluations, and a shorter chain in a macro that calls itself 48 deep overflowed
+     * the stack of a sanitizer build. Now both stop at the evaluation depth, and a chain that fits
+     * still renders. */
+    size_t chain_len = 2 * 200000 + 64;
+    char *chain = malloc(chain_len + 1);
+    o = (size_t)snprintf(chain, chain_len + 1, "{{ 1");
+    for (int i = 0; i < 200000; i++) chain[o++] = '-', chain[o++] = '1';
+    snprintf(chain + o, chain_len + 1 - o, " }}");
+    assert_int_equal(render_str(chain, NULL, NULL, 0, err, sizeof(err)), PRISM_ELIMIT);
+    assert_non_null(strstr(err, "nested deeper"));
+    o = (size_t)snprintf(chain, chain_len + 1, "{%% macro f(n) %%}{{ f(n + 1) ");
+    for (int i = 0; i < 300; i++) chain[o++] = '-', chain[o++] = '1';
+    snprintf(chain + o, chain_len + 1 - o, " }}{%% endmacro %%}{{ f(0) }}");
+    assert_int_equal(render_str(chain, NULL, NULL, 0, err, sizeof(err)), PRISM_ELIMIT);
+    o = (size_t)snprintf(chain, chain_len + 1, "{{ 1000");
+    for (int i = 0; i < 900; i++) chain[o++] = '-', chain[o++] = '1';
+    snprintf(chain + o, chain_len + 1 - o, " }}");
+    assert_int_equal(render_str(chain, NULL, out, sizeof(out), err, sizeof(err)), 0);
+    assert_string_equal(out, "100");
+    free(chain);
     /* a value nested past the limit (list in list in ...) fails cleanly when printed */
     assert_int_equal(render_str("{% set ns = namespace(v=1) %}{% for i in range(1000) %}{% set ns.v = [ns.v] %}"
                                 "{% endfor %}{{ ns.v }}", NULL, NULL, 0, err, sizeof(err)), PRISM_ELIMIT);
