@@ -72,17 +72,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     decode_t *d = &g_d;
     uint8_t mode = size ? data[0] : 0;
     d->overlap = (mode & 0x40) != 0;
-    for (;;) {
-        uint8_t op;
-        if (!fuzz_take(&data, &size, &op, 1)) break;
-        op &= 7;
-        if (op == 0 || op == 1 || op == 3) {
-            if (!fuzz_read_msg(&g_io, &d->w, &data, &size, op == 1 ? -1 : 0, op == 3)) break;
-        } else {
-            turn();
-        }
-    }
-    for (int k = 0; k < 2 * FUZZ_QUEUE && g_io.n; k++) turn();
+    fuzz_play(&g_io, &d->w, &data, &size, -1, turn);
     FUZZ_ASSERT(g_io.n == 0);
     if (mode & 0x80) {
         /* The router gives up on everything held here, mid-step included. */

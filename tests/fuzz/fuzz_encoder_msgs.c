@@ -110,17 +110,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         ready_once = true;
     }
     encoder_t *e = &g_e;
-    for (;;) {
-        uint8_t op;
-        if (!fuzz_take(&data, &size, &op, 1)) break;
-        op &= 7;
-        if (op == 0 || op == 1 || op == 3) {
-            if (!fuzz_read_msg(&g_io, &e->w, &data, &size, 0, op == 3)) break;
-        } else {
-            turn();
-        }
-    }
-    for (int k = 0; k < 2 * FUZZ_QUEUE && g_io.n; k++) turn();
+    fuzz_play(&g_io, &e->w, &data, &size, 0, turn);
     /* A batch takes at least one image, every job is answered when its batch is sent. */
     for (int k = 0; k < e->max_queue + 2 && held(e) && !waits_for_peer(e); k++) turn();
     FUZZ_ASSERT(g_io.n == 0);

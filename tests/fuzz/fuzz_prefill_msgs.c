@@ -105,18 +105,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         ready_once = true;
     }
     prefill_t *p = &g_p;
-    for (;;) {
-        uint8_t op;
-        if (!fuzz_take(&data, &size, &op, 1)) break;
-        op &= 7;
-        if (op == 0 || op == 1 || op == 3) {
-            if (!fuzz_read_msg(&g_io, &p->w, &data, &size, op == 1 ? -1 : 0, op == 3)) break;
-        } else {
-            turn();
-        }
-    }
-    /* The rest of the queue, then what the loop would do with nothing more coming. */
-    for (int k = 0; k < 2 * FUZZ_QUEUE && g_io.n; k++) turn();
+    fuzz_play(&g_io, &p->w, &data, &size, -1, turn);
+    /* What the loop would do with nothing more coming. */
     for (int k = 0; k <= p->max_pending; k++) turn();
     FUZZ_ASSERT(g_io.n == 0);
     FUZZ_ASSERT(!servable(p));   /* not wedged */

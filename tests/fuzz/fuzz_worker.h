@@ -178,6 +178,25 @@ static inline bool fuzz_read_msg(fuzz_io_t *io, prism_worker_t *w, const uint8_t
 }
 
 /* The I/O thread's record of a router Abort (io.c record_abort), made when the message arrives. */
+/* Plays an input's records (format above) until they run out: messages are queued, ops 2 and 4..7
+ * run one turn. data_source is the source op 1's messages get: -1, the data socket, or 0 for a
+ * worker that has none. Then turns until the queue is empty (at most two per slot). */
+static inline void fuzz_play(fuzz_io_t *io, prism_worker_t *w, const uint8_t **d, size_t *n, int data_source,
+                             void (*turn)(void))
+{
+    for (;;) {
+        uint8_t op;
+        if (!fuzz_take(d, n, &op, 1)) break;
+        op &= 7;
+        if (op == 0 || op == 1 || op == 3) {
+            if (!fuzz_read_msg(io, w, d, n, op == 1 ? data_source : 0, op == 3)) break;
+        } else {
+            turn();
+        }
+    }
+    for (int k = 0; k < 2 * FUZZ_QUEUE && io->n; k++) turn();
+}
+
 static inline void fuzz_record_abort(prism_worker_t *w, const Prism__Envelope *e)
 {
     pthread_mutex_lock(&w->mu);

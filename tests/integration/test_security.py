@@ -7,7 +7,6 @@ prefill forwards and remembers aborts that come before the KV.
 
 Run: python3 tests/integration/test_security.py   (PRISM_BINARY_DIR=build dir)
 """
-import base64
 import http.client
 import json
 import os
@@ -23,7 +22,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import MODEL, Cluster, binary, free_port, make_keys, run_tests, run_tool, wait_for  # noqa: E402
+from cluster import (MODEL, Cluster, binary, chat_body, free_port, make_image, make_keys, run_tests,  # noqa: E402
+                     run_tool, wait_for)
 
 TMP = tempfile.mkdtemp(prefix="prism-sec-")
 PF_PORT, DC_PORT = free_port(), free_port()
@@ -292,13 +292,8 @@ def test_embeddings_need_the_whole_request_id():
     # it. Before, the low 64 bits were the whole id: such embeddings became the request's image.
     with open(os.path.join(MODEL, "config.json")) as f:
         cfg = json.load(f)
-    img = os.path.join(TMP, "halves.png")
-    run_tool([binary("prism_imgtool"), "--out", img, "--width", "48", "--height", "40", "--shape", "circle"])
-    with open(img, "rb") as f:
-        url = "data:image/png;base64," + base64.b64encode(f.read()).decode()
-    body = {"model": "prism-tiny-llava", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                      {"type": "text", "text": "What is this?"}]}]}
+    img = make_image(os.path.join(TMP, "halves.png"), width=48, height=40, shape="circle")
+    body = chat_body("What is this?", [img], max_tokens=8, temperature=0, ignore_eos=True)
     status, ref = C.post_json("/v1/chat/completions", body)
     assert status == 200, (status, ref)
     enc = C.procs["encoder-0"]
@@ -397,13 +392,8 @@ def test_cache_hits_not_shown_to_clients():
     # finding 16: x-prism-timing told any client whether someone else had sent the same image (cache_hits=1,
     # image_decode_ms=0); it is an operator's header now (--timing-header), and the cache key is keyed by a
     # cluster secret. The cache still works: the second request is a hit, seen in the metrics only.
-    img = os.path.join(TMP, "hit16.png")
-    run_tool([binary("prism_imgtool"), "--out", img, "--width", "48", "--height", "40", "--shape", "triangle"])
-    with open(img, "rb") as f:
-        url = "data:image/png;base64," + base64.b64encode(f.read()).decode()
-    body = {"model": "prism-tiny-llava", "max_tokens": 2, "temperature": 0,
-            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                      {"type": "text", "text": "What is this?"}]}]}
+    img = make_image(os.path.join(TMP, "hit16.png"), width=48, height=40, shape="triangle")
+    body = chat_body("What is this?", [img], max_tokens=2, temperature=0)
     hits0 = C.metric("prism:worker_embedding_cache_hits_total", worker="encoder-0") or 0
     for _ in range(2):
         status, headers, data = C.request("POST", "/v1/chat/completions", json.dumps(body).encode(),
@@ -474,13 +464,8 @@ def test_junk_embeddings_cannot_fill_the_pool():
     # past that the oldest makes room.
     with open(os.path.join(MODEL, "config.json")) as f:
         cfg = json.load(f)
-    img = os.path.join(TMP, "pool5.png")
-    run_tool([binary("prism_imgtool"), "--out", img, "--width", "40", "--height", "40", "--shape", "circle"])
-    with open(img, "rb") as f:
-        url = "data:image/png;base64," + base64.b64encode(f.read()).decode()
-    body = {"model": "prism-tiny-llava", "max_tokens": 2, "temperature": 0,
-            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                      {"type": "text", "text": "What is this?"}]}]}
+    img = make_image(os.path.join(TMP, "pool5.png"), width=40, height=40, shape="circle")
+    body = chat_body("What is this?", [img], max_tokens=2, temperature=0)
     with Cluster(common_worker_args=["--heartbeat-interval", "0.1"],
                  worker_args={"prefill_worker": ["--embed-pool-images", "2", "--orphan-timeout", "600"]}) as c:
         c.wait_ready()
@@ -508,13 +493,8 @@ def test_encoder_freed_when_its_prefill_dies():
     # finding 9: an encoder whose embeddings wait for a prefill that died (backpressure) was wedged for
     # good: aborts freed only queued jobs. A prefill that takes nothing: the probe registered as one, with
     # a data endpoint nobody listens on; then it goes away and a real prefill comes.
-    img = os.path.join(TMP, "enc9.png")
-    run_tool([binary("prism_imgtool"), "--out", img, "--width", "64", "--height", "64", "--shape", "circle"])
-    with open(img, "rb") as f:
-        url = "data:image/png;base64," + base64.b64encode(f.read()).decode()
-    body = {"model": "prism-tiny-llava", "max_tokens": 2, "temperature": 0,
-            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                      {"type": "text", "text": "What is this?"}]}]}
+    img = make_image(os.path.join(TMP, "enc9.png"), width=64, height=64, shape="circle")
+    body = chat_body("What is this?", [img], max_tokens=2, temperature=0)
     with Cluster(encoders=1, prefills=0, decodes=1, router_args=["--worker-timeout", "2"],
                  worker_args={"encoder_worker": ["--max-queued-images", "2", "--max-batch-images", "1"]}) as c:
         wait_for(lambda: ready_of(c).get("encoders") == 1 and ready_of(c).get("decodes") == 1, 60,
