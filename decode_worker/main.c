@@ -574,6 +574,7 @@ static int decode_open(decode_t *d, int argc, char **argv)
     int rc = prism_worker_startup(argc, argv, "decode", "Prism decode worker: paged KV cache, continuous batching "
                                   "and sampling.", flags, &o, &d->cfg);
     if (rc >= 0) return rc;
+    prism_backend_cpu_blas_setup();   /* while no other thread runs: it may set an environment variable */
     char err[512] = "";
     if (block_size < 1 || block_size > 1024 || max_running < 1 || max_running > 4096) {
         PRISM_ERROR("--block-size must be 1..1024 and --max-running-requests 1..4096");

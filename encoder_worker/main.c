@@ -528,6 +528,7 @@ static int encoder_open(encoder_t *e, int argc, char **argv)
     int rc = prism_worker_startup(argc, argv, "encoder", "Prism encoder worker: image decode, preprocessing (CLIP "
                                   "or Llama-4 tiles), vision tower + projector.", flags, &o, &e->cfg);
     if (rc >= 0) return rc;
+    prism_backend_cpu_blas_setup();   /* while no other thread runs: it may set an environment variable */
     char err[512] = "";
     if (!e->cfg.has_vision) {
         PRISM_ERROR("model at %s has no vision tower: an encoder worker has nothing to do", o.model_path);

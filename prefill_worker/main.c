@@ -698,6 +698,7 @@ static int prefill_open(prefill_t *p, int argc, char **argv)
     int rc = prism_worker_startup(argc, argv, "prefill", "Prism prefill worker: chunked prefill, first token, KV "
                                   "export to decode workers.", flags, &o, &p->cfg);
     if (rc >= 0) return rc;
+    prism_backend_cpu_blas_setup();   /* while no other thread runs: it may set an environment variable */
     char err[512] = "";
     if (chunk < 1 || chunk > 65536 || block_size < 1 || block_size > 1024 || max_pending < 1 ||
         max_pending > 4096 || emb_images < 1 || emb_images > 65536 || !(orphan_timeout > 0)) {
