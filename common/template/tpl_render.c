@@ -439,7 +439,8 @@ static int do_format(tpl_rctx_t *c, tv_t fmt, tv_t args, tv_t *out)
         int prec = -1;
         if (s[i] == '.') {
             prec = 0;
-            for (i++; i < n && s[i] >= '0' && s[i] <= '9'; i++) prec = prec * 10 + (s[i] - '0');
+            for (i++; i < n && s[i] >= '0' && s[i] <= '9'; i++)
+                if (prec <= 50) prec = prec * 10 + (s[i] - '0');   /* no overflow however many digits */
             if (prec > 50) prec = 50;
             if (i >= n) return tpl_fail(c, PRISM_EINVAL, "incomplete format");
         }

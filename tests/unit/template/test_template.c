@@ -381,6 +381,11 @@ static void test_limits(void **state)
     assert_int_equal(render_str(chain, NULL, out, sizeof(out), err, sizeof(err)), 0);
     assert_string_equal(out, "100");
     free(chain);
+    /* a %-format precision of any length (its digits overflowed an int: UB found by fuzz_template);
+     * precision is capped at 50 digits */
+    assert_int_equal(render_str("{{ '%.11111111111111111111111111f|' % 2 }}", NULL, out, sizeof(out), err, sizeof(err)), 0);
+    assert_int_equal(strlen(out), strlen("2.") + 50 + 1);
+    assert_true(!strncmp(out, "2.000", 5) && out[strlen(out) - 1] == '|');
     /* a value nested past the limit (list in list in ...) fails cleanly when printed */
     assert_int_equal(render_str("{% set ns = namespace(v=1) %}{% for i in range(1000) %}{% set ns.v = [ns.v] %}"
                                 "{% endfor %}{{ ns.v }}", NULL, NULL, 0, err, sizeof(err)), PRISM_ELIMIT);
