@@ -3,7 +3,7 @@
  *
  *   prism_bench_model --mode sgemm  --threads 1 --m 577 --n 4096 --k 1024   OpenBLAS sgemm GFLOP/s
  *   prism_bench_model --mode matmul --threads 1 --m 577 --n 4096 --k 1024   the backend's matmul, same shape
- *   prism_bench_model --mode copy   --threads 1                             memcpy bandwidth GB/s
+ *   prism_bench_model --mode copy   --threads 1                             memcpy and read-only bandwidth GB/s
  *   prism_bench_model --mode vit    --threads 1 --model-path DIR            ViT + projector ms/image
  *   prism_bench_model --mode llm    --threads 1 --model-path DIR --tokens 2048 --decode-tokens 32
  *                                   prefill ms and batch-1 decode tokens/s
@@ -136,37 +136,83 @@ static int run_matmul(int threads, int reps, int M, int N, int K)
     return 0;
 }
 
-/* ---- copy bandwidth: memcpy of buffers far beyond the last-level cache, split over threads ---- */
+/* ---- memory bandwidth: buffers far beyond the last-level cache, split over threads ----
+ * Two references for a decode step, which only reads its weights:
+ *   copy: memcpy, GB/s counting bytes read + bytes written, as STREAM counts copy;
+ *   read: a read-only stream (a sum over the buffer), GB/s of bytes read — what one core can pull
+ *         is bounded by its outstanding cache misses, so at few threads it sits well below copy. */
 
 typedef struct {
-    uint8_t *dst;
+    uint8_t *dst;                 /* NULL: read only */
     const uint8_t *src;
     size_t n;
+    uint64_t sum;
 } copy_arg_t;
+
+/* A read-only stream with the widest loads the CPU has: a core keeps a bounded number of loads in
+ * flight, so narrow loads (four per cache line) pull ~30% less than one 64-byte load per line. */
+#define READ_STREAM(name, bytes_per_vec, target)                                                   \
+    target static uint64_t name(const uint8_t *p, size_t n)                                       \
+    {                                                                                             \
+        typedef uint64_t vec __attribute__((vector_size(bytes_per_vec)));                         \
+        vec s0 = {0}, s1 = s0, s2 = s0, s3 = s0;                                                  \
+        const vec *v = (const vec *)(const void *)p; /* 4096-aligned buffers, 256-byte slices */  \
+        for (size_t i = 0; i < n / (4 * bytes_per_vec); i++, v += 4) {                            \
+            s0 += v[0];                                                                           \
+            s1 += v[1];                                                                           \
+            s2 += v[2];                                                                           \
+            s3 += v[3];                                                                           \
+        }                                                                                         \
+        vec s = s0 ^ s1 ^ s2 ^ s3;                                                                \
+        uint64_t r = 0;                                                                           \
+        for (size_t j = 0; j < bytes_per_vec / 8; j++) r ^= s[j];                                 \
+        return r;                                                                                 \
+    }
+READ_STREAM(read_stream_16, 16, )
+#if defined(__x86_64__) && defined(__GNUC__)
+READ_STREAM(read_stream_32, 32, __attribute__((target("avx2"))))
+READ_STREAM(read_stream_64, 64, __attribute__((target("avx512f"))))
+#endif
+
+static uint64_t read_stream(const uint8_t *p, size_t n)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx512f")) return read_stream_64(p, n);
+    if (__builtin_cpu_supports("avx2")) return read_stream_32(p, n);
+#endif
+    return read_stream_16(p, n);
+}
 
 static void *copy_main(void *p)
 {
     copy_arg_t *a = p;
-    memcpy(a->dst, a->src, a->n);
+    if (a->dst)
+        memcpy(a->dst, a->src, a->n);
+    else
+        a->sum = read_stream(a->src, a->n);
     return NULL;
 }
 
-/* One memcpy of `bytes` split over `threads` threads; GB/s counting bytes read + bytes written,
- * as STREAM counts copy. */
+static volatile uint64_t read_sink;
+
+/* One pass over `bytes` split over `threads` threads: a memcpy into dst, or with dst NULL a
+ * read-only stream of src. GB/s as described above. */
 static double copy_once(int threads, uint8_t *dst, const uint8_t *src, size_t bytes)
 {
     pthread_t th[64];
     copy_arg_t args[64];
     if (threads > 64) threads = 64;
     double t0 = prism_now_s();
-    for (int i = 0; i < threads; i++) {
-        size_t a = bytes * (size_t)i / (size_t)threads, b = bytes * (size_t)(i + 1) / (size_t)threads;
-        args[i] = (copy_arg_t){dst + a, src + a, b - a};
+    for (size_t i = 0; i < (size_t)threads; i++) {
+        size_t nt = (size_t)threads, a = bytes * i / nt / 256 * 256, b = bytes * (i + 1) / nt / 256 * 256;
+        args[i] = (copy_arg_t){dst ? dst + a : NULL, src + a, b - a, 0};
         if (i) pthread_create(&th[i], NULL, copy_main, &args[i]);
     }
     copy_main(&args[0]);
     for (int i = 1; i < threads; i++) pthread_join(th[i], NULL);
-    return 2.0 * (double)bytes / (prism_now_s() - t0) / 1e9;
+    double s = prism_now_s() - t0;
+    for (int i = 0; i < threads; i++) read_sink ^= args[i].sum;
+    return (dst ? 2.0 : 1.0) * (double)bytes / s / 1e9;
 }
 
 static int run_copy(int threads, int reps)
@@ -176,15 +222,20 @@ static int run_copy(int threads, int reps)
     if (!src || !dst) PRISM_FATAL("copy: out of memory");
     memset(src, 1, bytes);
     memset(dst, 2, bytes);
-    double gbs[64];
+    double gbs[64], rgbs[64];
     if (reps > 64) reps = 64;
     for (int r = -1; r < reps; r++) {
         double g = copy_once(threads, dst, src, bytes);
-        if (r >= 0) gbs[r] = g;
+        /* src then dst read back to back: 1 GiB read in order, so nothing is left in the cache */
+        double rg = 0.5 * (copy_once(threads, NULL, src, bytes) + copy_once(threads, NULL, dst, bytes));
+        if (r >= 0) gbs[r] = g, rgbs[r] = rg;
     }
     printf("{\"mode\":\"copy\",\"threads\":%d,\"bytes\":%zu,\"gbs_runs\":", threads, bytes);
     print_runs(gbs, reps);
-    printf(",\"gbs\":%.2f}\n", median(gbs, reps));
+    printf(",\"read_gbs_runs\":");
+    print_runs(rgbs, reps);
+    double gm = median(gbs, reps), rm = median(rgbs, reps);
+    printf(",\"gbs\":%.2f,\"read_gbs\":%.2f}\n", gm, rm);
     prism_free_aligned(src);
     prism_free_aligned(dst);
     return 0;
@@ -284,7 +335,7 @@ static int run_llm(const char *dir, bool checkpoint, int threads, int reps, int 
     float *logits = prism_xmalloc(sizeof(float) * (size_t)cfg.vocab);
 
     /* prefill of `tokens` tokens in chunks of `chunk` (one forward each) */
-    double pms[64], tps[64], pcms[64], tcms[64], cbw[64], roof[64];
+    double pms[64], tps[64], pcms[64], tcms[64], cbw[64], rbw[64], roof[64], rroof[64];
     const size_t cbytes = (size_t)256 << 20;
     uint8_t *csrc = prism_malloc_aligned(cbytes, 4096), *cdst = prism_malloc_aligned(cbytes, 4096);
     if (!csrc || !cdst) PRISM_FATAL("copy buffers: out of memory");
@@ -325,20 +376,27 @@ static int run_llm(const char *dir, bool checkpoint, int threads, int reps, int 
             if (prism_llm_forward(m, kv, &b, logits)) PRISM_FATAL("decode forward");
         }
         double t1 = prism_now_s(), c1 = cpu_now_s();
-        /* the copy bandwidth right after the steps: the roofline of this very run */
-        double bw = 0;
-        for (int i = 0; i < 3; i++) bw = PRISM_MAX(bw, copy_once(threads, cdst, csrc, cbytes));
+        /* the copy and read bandwidths right after the steps: the rooflines of this very run */
+        double bw = 0, rb = 0;
+        for (int i = 0; i < 3; i++) {
+            bw = PRISM_MAX(bw, copy_once(threads, cdst, csrc, cbytes));
+            rb = PRISM_MAX(rb, 0.5 * (copy_once(threads, NULL, csrc, cbytes) + copy_once(threads, NULL, cdst, cbytes)));
+        }
         if (r >= 0) {
             tps[r] = decode_tokens / (t1 - t0);
             tcms[r] = (c1 - c0) * 1e3 / decode_tokens;
             cbw[r] = bw;
+            rbw[r] = rb;
         }
     }
     /* Bytes a decode step must stream: every weight except the embedding table (one row read). */
     size_t wbytes = prism_llm_weight_bytes(m);
     size_t emb = (size_t)cfg.vocab * cfg.hidden * prism_dtype_size(be->weight_dtype);
     size_t step_bytes = wbytes - (cfg.tie_word_embeddings ? 0 : emb);
-    for (int r = 0; r < reps; r++) roof[r] = tps[r] / (cbw[r] * 1e9 / (double)step_bytes);
+    for (int r = 0; r < reps; r++) {
+        roof[r] = tps[r] / (cbw[r] * 1e9 / (double)step_bytes);
+        rroof[r] = tps[r] / (rbw[r] * 1e9 / (double)step_bytes);
+    }
     printf("{\"mode\":\"llm\",\"threads\":%d,\"tokens\":%d,\"chunk\":%d,\"prompt\":%d,\"decode_tokens\":%d,"
            "\"weight_bytes\":%zu,\"decode_bytes_per_token\":%zu,\"prefill_ms_runs\":",
            threads, tokens, chunk, prompt, decode_tokens, wbytes, step_bytes);
@@ -347,8 +405,9 @@ static int run_llm(const char *dir, bool checkpoint, int threads, int reps, int 
     print_runs(tps, reps);
     double pm = median(pms, reps), tm = median(tps, reps);
     printf(",\"prefill_ms\":%.1f,\"prefill_cpu_ms\":%.1f,\"prefill_tok_s\":%.1f,\"decode_tok_s\":%.2f,"
-           "\"decode_cpu_ms_per_token\":%.2f,\"copy_gbs\":%.2f,\"vs_roofline\":%.3f}\n", pm, median(pcms, reps),
-           tokens / (pm / 1e3), tm, median(tcms, reps), median(cbw, reps), median(roof, reps));
+           "\"decode_cpu_ms_per_token\":%.2f,\"copy_gbs\":%.2f,\"vs_roofline\":%.3f,\"read_gbs\":%.2f,"
+           "\"vs_read_roofline\":%.3f}\n", pm, median(pcms, reps), tokens / (pm / 1e3), tm, median(tcms, reps),
+           median(cbw, reps), median(roof, reps), median(rbw, reps), median(rroof, reps));
     prism_free_aligned(csrc);
     prism_free_aligned(cdst);
     prism_free(ids);
@@ -391,6 +450,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "prism_bench_model: --mode is required (see --help)\n");
         return 2;
     }
+    prism_backend_cpu_blas_setup();   /* the same OpenBLAS kernels the backend uses, for the sgemm reference too */
     if (!strcmp(mode, "sgemm")) return run_sgemm((int)threads, (int)reps, (int)m, (int)n, (int)k);
     if (!strcmp(mode, "copy")) return run_copy((int)threads, (int)reps);
     if (!strcmp(mode, "matmul")) return run_matmul((int)threads, (int)reps, (int)m, (int)n, (int)k);
