@@ -72,6 +72,21 @@ print(json.dumps({"ms_runs": ms, "ms": statistics.median(ms), "cpu_ms": statisti
                   "attn": model.config._attn_implementation, "torch": torch.__version__}))
 """
 
+HF_MM = r"""
+import json, statistics, sys, time, torch
+threads, reps = int(sys.argv[1]), int(sys.argv[2])
+torch.set_num_threads(threads)
+a, b = torch.randn(577, 1024), torch.randn(4096, 1024)
+g = []
+for r in range(2 * reps + 1):
+    t0 = time.perf_counter()
+    a @ b.t()
+    if r:
+        g.append(2.0 * 577 * 4096 * 1024 / (time.perf_counter() - t0) / 1e9)
+blas = "mkl" if torch.backends.mkl.is_available() else "other"
+print(json.dumps({"gflops_runs": g, "gflops": statistics.median(g), "blas": blas, "torch": torch.__version__}))
+"""
+
 HF_LLM = r"""
 import json, statistics, sys, time, torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
@@ -155,6 +170,10 @@ def main():
         r["matmul"] = mm = prism(build, "--mode", "matmul", "--threads", t, "--reps", max(args.reps, 5))
         row(t, "backend matmul 577x4096x1024 (GFLOP/s) vs OpenBLAS sgemm, alternating", "%.1f" % mm["gflops"],
             "%.1f" % mm["sgemm_gflops"], "%.0f%%" % (100 * mm["vs_sgemm"]), "")
+        if not args.skip_hf:
+            r["hf_mm"] = hm = hf(HF_MM, t, max(args.reps, 5))
+            row(t, "OpenBLAS sgemm 577x4096x1024 (GFLOP/s) vs torch.matmul (%s), the GEMM under HF" % hm["blas"],
+                "%.1f" % mm["sgemm_gflops"], "%.1f" % hm["gflops"], "%.0f%%" % (100 * mm["sgemm_gflops"] / hm["gflops"]), "")
         row(t, "memcpy bandwidth, read+write (GB/s)", "", "%.2f" % bw, "", "")
         row(t, "read-only stream bandwidth (GB/s)", "", "%.2f" % r["copy"]["read_gbs"], "", "")
         if "vit" in only:
