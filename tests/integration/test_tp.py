@@ -112,14 +112,17 @@ def check_group_equals_t1(size, prefill_size=1):
                                          "P=%d T=%d item %d stream %s" % (prefill_size, size, j[0], j[1])), jobs))
         for r in range(1, size):
             assert c.procs["decode-0.r%d" % r].poll() is None, c.log("decode-0.r%d" % r)
-    # every rank ran the steps with the leader (12 tokens: 11 decode steps per request at least)
+    # every rank ran the steps with the leader (12 tokens: 11 decode steps per request at least). The
+    # cluster stops every process at once, so a rank may see the leader's link close before its own
+    # SIGTERM: "the group failed" is a clean end too, once the requests are done.
+    left = r"leaves the group after (\d+) steps \((?:stopped|the group failed)\)"
     for r in range(1, size):
         log = c.log("decode-0.r%d" % r)
-        m = re.search(r"leaves the group after (\d+) steps \(stopped\)", log)
+        m = re.search(left, log)
         assert m and int(m.group(1)) >= 11, log[-2000:]
     for r in range(1, prefill_size):   # one or more chunks per prompt
         log = c.log("prefill-0.r%d" % r)
-        m = re.search(r"leaves the group after (\d+) steps \(stopped\)", log)
+        m = re.search(left, log)
         assert m and int(m.group(1)) >= 2 * len(REQS), log[-2000:]
 
 
