@@ -14,6 +14,7 @@
 #include "core/core.h"
 #include "core/cli.h"
 #include "backend/backend.h"
+#include "backend/cpu/cpu_kern.h"
 #include "model/model.h"
 
 #include <cblas.h>
@@ -177,8 +178,9 @@ READ_STREAM(read_stream_64, 64, __attribute__((target("avx512f"))))
 static uint64_t read_stream(const uint8_t *p, size_t n)
 {
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (__builtin_cpu_supports("avx512f")) return read_stream_64(p, n);
-    if (__builtin_cpu_supports("avx2")) return read_stream_32(p, n);
+    prism_cpu_isa_t isa = prism_cpu_isa_detect();   /* the backend's own cpuid + OS-state check */
+    if (isa == PRISM_CPU_ISA_AVX512) return read_stream_64(p, n);
+    if (isa == PRISM_CPU_ISA_AVX2) return read_stream_32(p, n);
 #endif
     return read_stream_16(p, n);
 }
