@@ -591,10 +591,7 @@ static int decode_open(decode_t *d, int argc, char **argv)
     d->cfg.max_pos = d->max_model_len;   /* the model's block tables are planned for the context served */
     d->max_blocks_per_seq = (d->max_model_len + (int)block_size - 1) / (int)block_size;
 
-    if (prism_backend_create(o.device, (int)o.threads, 0, &d->be) != PRISM_OK) {
-        PRISM_ERROR("cannot create backend '%s'", o.device);
-        return 1;
-    }
+    if (prism_worker_backend_create(&o, &d->be)) return 1;
     if (prism_llm_load(d->be, &d->cfg, o.model_path, d->max_running, d->max_running, &d->llm, err, sizeof(err)) != PRISM_OK) {
         PRISM_ERROR("cannot load language model: %s", err);
         return 1;

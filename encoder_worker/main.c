@@ -559,10 +559,7 @@ static int encoder_open(encoder_t *e, int argc, char **argv)
     size_t S = (size_t)e->cfg.v_image_size;
     e->tile_px = 3 * S * S;
 
-    if (prism_backend_create(o.device, (int)o.threads, 0, &e->be) != PRISM_OK) {
-        PRISM_ERROR("cannot create backend '%s'", o.device);
-        return 1;
-    }
+    if (prism_worker_backend_create(&o, &e->be)) return 1;
     if (prism_vision_load(e->be, &e->cfg, o.model_path, e->max_batch, &e->vis, err, sizeof(err)) != PRISM_OK) {
         PRISM_ERROR("cannot load vision tower: %s", err);
         return 1;

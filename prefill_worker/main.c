@@ -741,10 +741,7 @@ static int prefill_open(prefill_t *p, int argc, char **argv)
         return 1;
     }
 
-    if (prism_backend_create(o.device, (int)o.threads, 0, &p->be) != PRISM_OK) {
-        PRISM_ERROR("cannot create backend '%s'", o.device);
-        return 1;
-    }
+    if (prism_worker_backend_create(&o, &p->be)) return 1;
     if (prism_llm_load(p->be, &p->cfg, o.model_path, p->chunk, 1, &p->llm, err, sizeof(err)) != PRISM_OK) {
         PRISM_ERROR("cannot load language model: %s", err);
         return 1;

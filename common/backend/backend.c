@@ -118,6 +118,15 @@ int prism_backend_create(const char *device, int n_threads, size_t pool_bytes, p
     return PRISM_EINVAL;
 }
 
+int prism_backend_set_weight_dtype(prism_backend_t *be, prism_dtype_t dt)
+{
+    if (dt == be->weight_dtype) return PRISM_OK;
+    if (!be->i.set_weight_dtype) return PRISM_ENOTSUP;
+    int rc = be->i.set_weight_dtype(be->ctx, dt);
+    if (rc == PRISM_OK) be->weight_dtype = dt;
+    return rc;
+}
+
 void prism_backend_destroy(prism_backend_t *be)
 {
     if (!be) return;

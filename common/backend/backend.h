@@ -21,12 +21,14 @@
  *  - Integer index arrays (token ids, positions, slots, block tables, seq offsets) are DEVICE
  *    int32 arrays too, uploaded once per forward by the caller; scalar sizes are host ints.
  *  - Activations are always float32. Matmul weights and embedding tables are in the backend's
- *    `weight_dtype` (fp32 on CPU, bf16 on CUDA); norm weights and biases are always float32.
+ *    `weight_dtype` (fp32 on CPU unless bf16 is asked for, bf16 on CUDA); norm weights and biases
+ *    are always float32.
  *  - Matrices are row-major. A "row stride" is in elements and lets ops read views (e.g. the q
  *    part of a fused qkv row) without copies.
  *  - Ops are asynchronous on devices with streams; `synchronize` waits; download is synchronous.
  *  - Return PRISM_OK or a negative prism_status_t for bad arguments; ops never allocate memory
- *    (scratch is fixed at create time), so a forward pass can assert no allocation.
+ *    (scratch is fixed at create time, or by set_weight_dtype before a model loads), so a forward
+ *    pass can assert no allocation.
  *  - A NULL optional member means "not supported"; required members are never NULL.
  */
 #ifndef PRISM_BACKEND_H
@@ -206,6 +208,12 @@ typedef struct prism_backend_i {
      * device fills an 8B-parameter model in milliseconds instead of a minute of host work. */
     int (*fill_random)(void *ctx, void *dst, prism_dtype_t dt, size_t n, uint64_t seed, float std);
 
+    /* ---- weight storage ----
+     * set_weight_dtype: prepares matmul (and grouped matmul) for weights of dtype dt; called once
+     * by prism_backend_set_weight_dtype before a model loads. Optional: NULL = the backend takes
+     * only its default weight_dtype. */
+    int (*set_weight_dtype)(void *ctx, prism_dtype_t dt);
+
     void (*destroy)(void *ctx);
 } prism_backend_i;
 
@@ -231,6 +239,9 @@ void prism_backend_cpu_blas_setup(void);
 /* Creates a backend by device name ("cpu" | "cuda" | "cuda:N"). Returns PRISM_ENOTSUP for cuda
  * in a build without the CUDA backend (or with no GPU), PRISM_EINVAL for unknown names. */
 int  prism_backend_create(const char *device, int n_threads, size_t pool_bytes, prism_backend_t **out);
+/* Stores the weights of models loaded from now on as dt (the CPU takes fp32 or bf16; CUDA its
+ * bf16 only): PRISM_ENOTSUP when the backend cannot compute with it. */
+int  prism_backend_set_weight_dtype(prism_backend_t *be, prism_dtype_t dt);
 void prism_backend_destroy(prism_backend_t *be);
 bool prism_backend_has_cuda(void);
 /* dlopen()s a shared module of this build (RTLD_NOW | RTLD_LOCAL), looking in $PRISM_BACKEND_DIR,

@@ -92,6 +92,7 @@ void prism_worker_opts_defaults(prism_worker_opts_t *o, const char *role)
     o->data_port = 0;
     o->device = "cpu";
     o->threads = 1;
+    o->weight_dtype = "auto";
     o->mem_budget = 0;
     o->log_level = "info";
     o->heartbeat_s = 1.0;
@@ -121,6 +122,10 @@ int prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *t, int n)
                           "Seconds between DNS lookups of a --router host name (each address is a router)"),
         PRISM_FLAG_STR("device", &o->device, "Compute device: cpu or cuda"),
         PRISM_FLAG_INT("threads", &o->threads, "CPU backend threads"),
+        PRISM_FLAG_STR("weight-dtype", &o->weight_dtype,
+                       "Matmul weights and embeddings stored as: auto (the device's own: f32 on cpu, bf16 on "
+                       "cuda), f32 or bf16 (on cpu: half the memory and the bytes a decode step reads; fp32 "
+                       "arithmetic on bf16-rounded weights)"),
         PRISM_FLAG_BYTES("mem-budget", &o->mem_budget, "Memory budget (bytes, e.g. 2G); start-up fails if the plan exceeds it"),
         PRISM_FLAG_STR("log-level", &o->log_level, "debug, info, warn or error"),
         PRISM_FLAG_DOUBLE("heartbeat-interval", &o->heartbeat_s, "Seconds between heartbeats"),
@@ -174,6 +179,10 @@ int prism_worker_startup(int argc, char **argv, const char *role, const char *su
                             "`prism_keygen --out DIR`), or --insecure-no-curve on a trusted, isolated network");
         return 2;
     }
+    if (strcmp(o->weight_dtype, "auto") && strcmp(o->weight_dtype, "f32") && strcmp(o->weight_dtype, "bf16")) {
+        PRISM_ERROR("--weight-dtype must be auto, f32 or bf16");
+        return 2;
+    }
     prism_worker_install_signals();
     char err[512] = "";
     if (prism_model_config_load(o->model_path, cfg, err, sizeof(err)) != PRISM_OK) {
@@ -183,6 +192,23 @@ int prism_worker_startup(int argc, char **argv, const char *role, const char *su
     cfg->random_weights = o->random_weights;
     cfg->random_seed = 1234;
     return -1;
+}
+
+int prism_worker_backend_create(const prism_worker_opts_t *o, prism_backend_t **out)
+{
+    if (prism_backend_create(o->device, (int)o->threads, 0, out) != PRISM_OK) {
+        PRISM_ERROR("cannot create backend '%s'", o->device);
+        return 1;
+    }
+    if (strcmp(o->weight_dtype, "auto") == 0) return 0;
+    prism_dtype_t dt = strcmp(o->weight_dtype, "bf16") == 0 ? PRISM_DTYPE_BF16 : PRISM_DTYPE_F32;
+    if (prism_backend_set_weight_dtype(*out, dt) != PRISM_OK) {
+        PRISM_ERROR("--weight-dtype %s is not supported on %s (it stores weights as %s)", o->weight_dtype,
+                    (*out)->device, prism_dtype_name((*out)->weight_dtype));
+        return 1;
+    }
+    PRISM_INFO("weights stored as %s", prism_dtype_name(dt));
+    return 0;
 }
 
 void prism_worker_set_capacity(prism_worker_t *w, const prism_worker_opts_t *o, const prism_mem_plan_t *plan,

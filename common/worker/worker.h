@@ -260,6 +260,7 @@ struct prism_worker_opts {
     int64_t data_port;
     const char *device;
     int64_t threads;
+    const char *weight_dtype;    /* "auto" (the device's own), "f32" or "bf16" */
     int64_t mem_budget;
     const char *log_level;
     double heartbeat_s;
@@ -273,7 +274,7 @@ struct prism_worker_opts {
     double drain_timeout_s;      /* SIGTERM: longest wait for held requests before exiting */
 };
 
-#define PRISM_WORKER_N_FLAGS 18
+#define PRISM_WORKER_N_FLAGS 19
 void prism_worker_opts_defaults(prism_worker_opts_t *o, const char *role);
 /* Appends the common flags to table (which must have room for PRISM_WORKER_N_FLAGS more entries + END). */
 int  prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *table, int n);
@@ -283,6 +284,11 @@ int  prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *table, int n)
  * 2 for bad flags, 1 otherwise). */
 int  prism_worker_startup(int argc, char **argv, const char *role, const char *summary, prism_flag_t *flags,
                           prism_worker_opts_t *o, struct prism_model_config *cfg);
+
+struct prism_backend;
+/* The compute backend of --device and --threads, storing weights as --weight-dtype. Logs why
+ * and returns non-zero when it cannot. */
+int  prism_worker_backend_create(const prism_worker_opts_t *o, struct prism_backend **out);
 
 /* What registration advertises: the memory plan and capacity (0 where a field does not apply), and the
  * data endpoint peers connect to (--advertise-host / --advertise-port replace the bound host / port). */

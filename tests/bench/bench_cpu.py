@@ -2,7 +2,7 @@
 """CPU kernels against the BLAS roofline and HF transformers, side by side in one run.
 
   python3 tests/bench/bench_cpu.py --build-dir build [--threads 1,2] [--reps 3]
-                                   [--baseline-build OLD_BUILD] [--skip-hf] [--only vit,llm,bundled]
+                                   [--baseline-build OLD_BUILD] [--skip-hf] [--only vit,llm,bf16,bundled]
 
 For each thread count, on this machine, in one run:
   * the backend's matmul against OpenBLAS sgemm with its own threading, alternating, on the ViT's
@@ -18,6 +18,9 @@ For each thread count, on this machine, in one run:
     weights a step streams / copy bandwidth), against the same bytes over the read-only stream
     bandwidth at the same thread count (a decode step only reads; one core pulls far less than
     a copy moves), and HF;
+  * bf16: the same Llama with its weights stored as bf16 (--weight-dtype bf16, fp32 arithmetic):
+    prefill against fp32 weights; decode against the roofline of its own (halved) bytes, against
+    the fp32 model's roofline, against fp32 weights and against HF (fp32);
   * the bundled model (models/prism-tiny-llava, its checkpoint): ViT + prefill of a 77-token
     prompt (the compute of a request's TTFT) and decode tokens/s, for --baseline-build too.
 Every figure is the median of --reps timed runs after a warm-up; Prism's runs come from
@@ -147,7 +150,7 @@ def main():
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--only", default="vit,llm,bundled")
+    ap.add_argument("--only", default="vit,llm,bf16,bundled")
     ap.add_argument("--json", help="also write every raw result here")
     args = ap.parse_args()
     build = os.path.abspath(args.build_dir)
@@ -209,6 +212,37 @@ def main():
                 row(t, "Llama decode batch 1 (tok/s) vs HF", "%.2f" % p["decode_tok_s"], "%.2f" % h["decode_tok_s"],
                     "%.2fx" % (p["decode_tok_s"] / h["decode_tok_s"]),
                     "%.2fx" % (h["decode_cpu_ms_per_token"] / p["decode_cpu_ms_per_token"]))
+        if "bf16" in only:
+            # the same model with its weights stored as bf16 (--weight-dtype bf16): half the bytes a
+            # decode step streams; fp32 arithmetic (widened in registers, or chunks widened for sgemm)
+            r["llm_bf16"] = q = prism(build, "--mode", "llm", "--threads", t, "--reps", args.reps, "--model-path",
+                                      LLM_CFG, "--tokens", 2048, "--prompt", 128, "--decode-tokens", 32, "--bf16-weights")
+            f = r.get("llm")
+            h = r.get("hf_llm")
+            if f:
+                row(t, "Llama prefill 2048 tokens (ms), bf16 weights vs fp32 weights", "%.0f" % q["prefill_ms"],
+                    "%.0f" % f["prefill_ms"], "%.2fx" % (f["prefill_ms"] / q["prefill_ms"]),
+                    "%.2fx" % (f["prefill_cpu_ms"] / q["prefill_cpu_ms"]))
+            roof = q["copy_gbs"] * 1e9 / q["decode_bytes_per_token"]
+            row(t, "Llama decode batch 1, bf16 weights (tok/s) vs roofline: %.0f MB/token over copy bandwidth"
+                % (q["decode_bytes_per_token"] / 1e6), "%.2f" % q["decode_tok_s"], "%.2f" % roof,
+                "%.0f%%" % (100 * q["vs_roofline"]), "%.0f%%" % (100 * t * 1000.0 / q["decode_cpu_ms_per_token"] / roof))
+            rroof = q["read_gbs"] * 1e9 / q["decode_bytes_per_token"]
+            row(t, "Llama decode batch 1, bf16 weights (tok/s) vs read-only roofline of the same bytes",
+                "%.2f" % q["decode_tok_s"], "%.2f" % rroof, "%.0f%%" % (100 * q["vs_read_roofline"]),
+                "%.0f%%" % (100 * t * 1000.0 / q["decode_cpu_ms_per_token"] / rroof))
+            if f:
+                froof = q["copy_gbs"] * 1e9 / f["decode_bytes_per_token"]
+                row(t, "Llama decode batch 1, bf16 weights (tok/s) vs the fp32 model's roofline (%.0f MB/token over "
+                    "copy bandwidth)" % (f["decode_bytes_per_token"] / 1e6), "%.2f" % q["decode_tok_s"],
+                    "%.2f" % froof, "%.0f%%" % (100 * q["decode_tok_s"] / froof), "")
+                row(t, "Llama decode batch 1 (tok/s), bf16 weights vs fp32 weights", "%.2f" % q["decode_tok_s"],
+                    "%.2f" % f["decode_tok_s"], "%.2fx" % (q["decode_tok_s"] / f["decode_tok_s"]),
+                    "%.2fx" % (f["decode_cpu_ms_per_token"] / q["decode_cpu_ms_per_token"]))
+            if h:
+                row(t, "Llama decode batch 1 (tok/s), bf16 weights vs HF (fp32)", "%.2f" % q["decode_tok_s"],
+                    "%.2f" % h["decode_tok_s"], "%.2fx" % (q["decode_tok_s"] / h["decode_tok_s"]),
+                    "%.2fx" % (h["decode_cpu_ms_per_token"] / q["decode_cpu_ms_per_token"]))
         if "bundled" in only:
             builds = [("after", build)] + ([("before", os.path.abspath(args.baseline_build))] if args.baseline_build else [])
             res = {}

@@ -150,6 +150,8 @@ typedef struct {
     uint64_t sum;
 } copy_arg_t;
 
+#define READ_PF_BYTES 4096
+
 /* A read-only stream with the widest loads the CPU has: a core keeps a bounded number of loads in
  * flight, so narrow loads (four per cache line) pull ~30% less than one 64-byte load per line. */
 #define READ_STREAM(name, bytes_per_vec, target)                                                   \
@@ -159,6 +161,8 @@ typedef struct {
         vec s0 = {0}, s1 = s0, s2 = s0, s3 = s0;                                                  \
         const vec *v = (const vec *)(const void *)p; /* 4096-aligned buffers, 256-byte slices */  \
         for (size_t i = 0; i < n / (4 * bytes_per_vec); i++, v += 4) {                            \
+            for (size_t l = 0; l < 4 * bytes_per_vec; l += 64)                                    \
+                __builtin_prefetch((const uint8_t *)v + READ_PF_BYTES + l);                       \
             s0 += v[0];                                                                           \
             s1 += v[1];                                                                           \
             s2 += v[2];                                                                           \
@@ -254,12 +258,22 @@ static int load_cfg(const char *dir, bool checkpoint, prism_model_config_t *cfg)
     return 0;
 }
 
+static bool g_bf16;   /* --bf16-weights */
+
+/* The backend the vit and llm modes run on: weights bf16 with --bf16-weights. */
+static prism_backend_t *model_backend(int threads)
+{
+    prism_backend_t *be = prism_backend_cpu_create(threads);
+    if (be && g_bf16 && prism_backend_set_weight_dtype(be, PRISM_DTYPE_BF16)) PRISM_FATAL("bf16 weights refused");
+    return be;
+}
+
 static int run_vit(const char *dir, bool checkpoint, int threads, int reps)
 {
     prism_model_config_t cfg;
     load_cfg(dir, checkpoint, &cfg);
     if (!cfg.has_vision) PRISM_FATAL("%s has no vision tower", dir);
-    prism_backend_t *be = prism_backend_cpu_create(threads);
+    prism_backend_t *be = model_backend(threads);
     char err[512] = "";
     prism_vision_t *v = NULL;
     if (!be || prism_vision_load(be, &cfg, dir, 1, &v, err, sizeof err)) PRISM_FATAL("vision: %s", err);
@@ -323,7 +337,7 @@ static int run_llm(const char *dir, bool checkpoint, int threads, int reps, int 
     const int bs = 16;
     int ctx = PRISM_MAX(tokens, prompt + decode_tokens) + 1;
     int n_blocks = (ctx + bs - 1) / bs;
-    prism_backend_t *be = prism_backend_cpu_create(threads);
+    prism_backend_t *be = model_backend(threads);
     char err[512] = "";
     prism_llm_t *m = NULL;
     prism_kv_cache_t *kv = NULL;
@@ -400,8 +414,8 @@ static int run_llm(const char *dir, bool checkpoint, int threads, int reps, int 
         rroof[r] = tps[r] / (rbw[r] * 1e9 / (double)step_bytes);
     }
     printf("{\"mode\":\"llm\",\"threads\":%d,\"tokens\":%d,\"chunk\":%d,\"prompt\":%d,\"decode_tokens\":%d,"
-           "\"weight_bytes\":%zu,\"decode_bytes_per_token\":%zu,\"prefill_ms_runs\":",
-           threads, tokens, chunk, prompt, decode_tokens, wbytes, step_bytes);
+           "\"weight_dtype\":\"%s\",\"weight_bytes\":%zu,\"decode_bytes_per_token\":%zu,\"prefill_ms_runs\":",
+           threads, tokens, chunk, prompt, decode_tokens, prism_dtype_name(be->weight_dtype), wbytes, step_bytes);
     print_runs(pms, reps);
     printf(",\"decode_tok_s_runs\":");
     print_runs(tps, reps);
@@ -430,6 +444,7 @@ int main(int argc, char **argv)
         PRISM_FLAG_STR("mode", &mode, "sgemm | matmul | copy | vit | llm"),
         PRISM_FLAG_STR("model-path", &model, "Directory with config.json (vit, llm)"),
         PRISM_FLAG_BOOL("checkpoint", &checkpoint, "Read the safetensors instead of seeded random weights"),
+        PRISM_FLAG_BOOL("bf16-weights", &g_bf16, "vit, llm: store the weights as bf16 (--weight-dtype bf16)"),
         PRISM_FLAG_INT("threads", &threads, "Backend threads (OpenBLAS threads for sgemm, copy threads for copy)"),
         PRISM_FLAG_INT("reps", &reps, "Timed repetitions after one warm-up (median reported, at most 64)"),
         PRISM_FLAG_INT("m", &m, "sgemm rows of x"),

@@ -5,7 +5,9 @@ OpenAI's format (chat: logprobs + top_logprobs; completions: logprobs=N) must ma
 log-softmax within 1e-3. Checked non-streaming and streaming. The prompt ids the router builds are
 checked separately through /tokenize, so a failure says which stage differs. Prompts longer than
 4 x CHUNK tokens (three images, a ~490-token text: positions well beyond 151) run a second time on a
-cluster whose prefill worker takes CHUNK tokens per step.
+cluster whose prefill worker takes CHUNK tokens per step. Every case also runs (non-streaming) on a
+cluster whose workers store their weights as bf16 (--weight-dtype bf16): the bundled checkpoint is
+bf16, so the same goldens hold.
 
 Run: python3 tests/integration/test_fidelity.py   (PRISM_BINARY_DIR=build dir)
      FIDELITY_CASES=name1,name2 limits the cases; PRISM_E2E_GOLDEN_DIR=dir reads goldens made with
@@ -15,10 +17,11 @@ import base64
 import copy
 import json
 import os
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import ROOT, Cluster, run_tests  # noqa: E402
+from cluster import ROOT, Cluster, binary, run_tests  # noqa: E402
 
 DATA = os.environ.get("PRISM_E2E_GOLDEN_DIR") or os.path.join(ROOT, "tests", "data", "e2e")
 TOL = 1e-3          # |logprob - HF| bound (issue: "within 1e-3")
@@ -258,6 +261,25 @@ def main():
         for name, r in REPORT.items():
             if "max_dlogprob" in r:
                 print("  %-28s max |logprob - HF| %.2e" % (name, r["max_dlogprob"]))
+        if rc:
+            print("cluster logs: %s" % C.log_dir)
+    finally:
+        C.stop()
+    # Every worker with --weight-dtype bf16: the bundled checkpoint is bf16, so the weights are HF's
+    # own and the answers must still match HF's fp32 goldens (tokens, logprobs within TOL).
+    C = Cluster(model=os.path.join(ROOT, GOLD["model_dir"]), router_args=(),
+                common_worker_args=["--weight-dtype", "bf16"])
+    try:
+        C.wait_ready()
+        for w in ("encoder-0", "prefill-0", "decode-0"):
+            C.wait_log(w, "weights stored as bf16")
+        print("--weight-dtype bf16 on every worker", flush=True)
+        # a dtype no worker computes with is refused at start-up, before any model loads
+        for kind in ("encoder_worker", "prefill_worker", "decode_worker"):
+            p = subprocess.run([binary(kind), "--weight-dtype", "f16", "--insecure-no-curve"], capture_output=True,
+                               text=True, timeout=30)
+            assert p.returncode == 2 and "--weight-dtype must be auto, f32 or bf16" in p.stderr + p.stdout, (kind, p)
+        rc = run_tests([make_test(check_non_stream, c, "greedy_bf16_weights") for c in CASES]) or rc
         if rc:
             print("cluster logs: %s" % C.log_dir)
     finally:

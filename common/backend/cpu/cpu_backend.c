@@ -1,5 +1,6 @@
-/* CPU backend: fp32 throughout. Matmuls are OpenBLAS sgemm (or a vectorised gemv for a few
- * rows) on column slices spread over the backend's own thread pool; attention is tiled matrix
+/* CPU backend: fp32 activations; weights fp32, or bf16 when asked (prism_backend_set_weight_dtype:
+ * half the bytes a decode step streams). Matmuls are OpenBLAS sgemm (or a vectorised gemv for a
+ * few rows) on column slices spread over the backend's own thread pool; attention is tiled matrix
  * products (cpu_attn.c); elementwise and row ops run the kernel table chosen at create for this
  * CPU (cpu_kern.h: scalar / AVX2 / AVX-512), split over the pool once they are big enough to pay
  * for the hand-off. It is the reference other backends are tested against: every vector path
@@ -98,7 +99,9 @@ static int cpu_sync(void *ctx) { return PRISM_OK; }
  * column slices would get narrow (many threads, small N) — and each thread runs OpenBLAS sgemm
  * single-threaded on its block (OpenBLAS threads are set to 1 at create, so BLAS threads and
  * ours never oversubscribe the cores). For a few rows of x (decode) it runs the vectorised gemv
- * instead, which streams each weight row once for all rows of x. */
+ * instead, which streams each weight row once for all rows of x. bf16 weights: the gemv widens
+ * them in registers; sgemm gets each thread's slice widened chunk by chunk into its scratch (a
+ * cost of K·N conversions against M·N·K multiply-adds). Products and sums stay fp32. */
 
 #define GEMV_MAX_M 16             /* up to this many rows of x the gemv beats OpenBLAS sgemm (which packs all of W) */
 
@@ -106,10 +109,12 @@ typedef struct {
     const prism_cpu_kern_t *k;
     float *y; int ldy;
     const float *x; int ldx;
-    const float *w, *b;
+    const void *w;                /* fp32, or bf16 when widen */
+    const float *b;
     int M, N, K;
     bool accumulate;
     int pm, pn;                   /* thread grid: row blocks x column slices */
+    float *widen;                 /* bf16 weights: the per-thread widen scratch; NULL: fp32 */
 } mm_task_t;
 
 #define MM_MIN_COLS 256           /* narrower column slices split the rows of x instead */
@@ -137,26 +142,44 @@ static void mm_worker(void *arg, int ith, int nth)
         }
         acc = true;
     }
-    const float *w = t->w + (size_t)n0 * t->K;
-    if (t->M <= GEMV_MAX_M)
-        t->k->gemv(y, t->ldy, x, t->ldx, w, t->K, mm, nn, t->K, acc);
-    else
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, mm, nn, t->K, 1.0f, x, t->ldx, w, t->K,
-                    acc ? 1.0f : 0.0f, y, t->ldy);
+    if (!t->widen) {
+        const float *w = (const float *)t->w + (size_t)n0 * t->K;
+        if (t->M <= GEMV_MAX_M)
+            t->k->gemv(y, t->ldy, x, t->ldx, w, t->K, mm, nn, t->K, acc);
+        else
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, mm, nn, t->K, 1.0f, x, t->ldx, w, t->K,
+                        acc ? 1.0f : 0.0f, y, t->ldy);
+        return;
+    }
+    const uint16_t *w = (const uint16_t *)t->w + (size_t)n0 * t->K;
+    if (t->M <= GEMV_MAX_M) {
+        t->k->gemv_bf16(y, t->ldy, x, t->ldx, w, t->K, mm, nn, t->K, acc);
+        return;
+    }
+    float *buf = t->widen + (size_t)ith * PRISM_CPU_WIDEN_FLOATS;
+    int cw = prism_cpu_widen_cols(t->K);
+    for (int c0 = 0; c0 < nn; c0 += cw) {
+        int c = PRISM_MIN(cw, nn - c0);
+        t->k->bf16_to_f32(buf, w + (size_t)c0 * t->K, (size_t)c * t->K);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, mm, c, t->K, 1.0f, x, t->ldx, buf, t->K,
+                    acc ? 1.0f : 0.0f, y + c0, t->ldy);
+    }
 }
 
 static int cpu_matmul(void *vctx, float *y, int ldy, const float *x, int ldx, const void *w,
                       prism_dtype_t wdt, const float *b, int M, int N, int K, bool accumulate)
 {
     prism_cpu_ctx_t *c = vctx;
-    if (wdt != PRISM_DTYPE_F32) return PRISM_ENOTSUP;  /* CPU stores weights as fp32 */
+    bool bf16 = wdt == PRISM_DTYPE_BF16;
+    if (wdt != PRISM_DTYPE_F32 && !(bf16 && c->widen_scratch)) return PRISM_ENOTSUP;
     if (M < 0 || N <= 0 || K <= 0 || ldy < N || ldx < K) return PRISM_EINVAL;
+    if (bf16 && M > GEMV_MAX_M && !prism_cpu_widen_cols(K)) return PRISM_ENOTSUP;
     if (M == 0) return PRISM_OK;
     int nth = prism_cpu_nth(c, (size_t)M * N * K, PRISM_CPU_MATMUL_GRAIN);
     /* gemv: columns only (each weight row streamed once); sgemm: rows too once slices narrow */
     int pn = M <= GEMV_MAX_M ? PRISM_MIN(nth, (N + 15) / 16) : PRISM_MAX(1, PRISM_MIN(nth, N / MM_MIN_COLS));
     int pm = M <= GEMV_MAX_M ? 1 : PRISM_MAX(1, PRISM_MIN(nth / pn, M / 64));
-    mm_task_t t = {c->k, y, ldy, x, ldx, (const float *)w, b, M, N, K, accumulate, pm, pn};
+    mm_task_t t = {c->k, y, ldy, x, ldx, w, b, M, N, K, accumulate, pm, pn, bf16 ? c->widen_scratch : NULL};
     prism_cpu_pool_run(&c->pool, pm * pn, mm_worker, &t);
     return PRISM_OK;
 }
@@ -405,12 +428,26 @@ static int cpu_argmax(void *ctx, int32_t *out, const float *logits, int n_rows, 
     return PRISM_OK;
 }
 
+/* bf16 weights take a widen scratch per thread, carved once here (before the model loads). */
+static int cpu_set_weight_dtype(void *vctx, prism_dtype_t dt)
+{
+    prism_cpu_ctx_t *c = vctx;
+    if (dt == PRISM_DTYPE_F32) return PRISM_OK;
+    if (dt != PRISM_DTYPE_BF16) return PRISM_ENOTSUP;
+    if (!c->widen_scratch) {
+        c->widen_scratch = prism_malloc_aligned(sizeof(float) * PRISM_CPU_WIDEN_FLOATS * (size_t)c->pool.n_threads, 64);
+        if (!c->widen_scratch) return PRISM_ENOMEM;
+    }
+    return PRISM_OK;
+}
+
 static void cpu_destroy(void *vctx)
 {
     prism_cpu_ctx_t *c = vctx;
     if (!c) return;
     prism_cpu_pool_free(&c->pool);
     prism_free_aligned(c->attn_scratch);
+    prism_free_aligned(c->widen_scratch);
     pthread_mutex_destroy(&c->mem_mu);
     prism_free(c);
 }
@@ -487,6 +524,7 @@ prism_backend_t *prism_backend_cpu_create_pool(int n_threads, size_t pool_bytes)
         .head_rmsnorm = prism_cpu_head_rmsnorm, .scale_rows = prism_cpu_scale_rows,
         .moe_route = prism_cpu_moe_route, .matmul_grouped = prism_cpu_matmul_grouped,
         .moe_combine = prism_cpu_moe_combine, .pixel_shuffle = prism_cpu_pixel_shuffle,
+        .set_weight_dtype = cpu_set_weight_dtype,
         .destroy = cpu_destroy,
     };
     be->ctx = c;

@@ -45,10 +45,15 @@ void prism_cpu_pool_run(prism_cpu_pool_t *p, int nth, prism_cpu_task_fn fn, void
 #define PRISM_CPU_ATTN_SCRATCH \
     (2 * PRISM_CPU_ATTN_QO + 2 * PRISM_CPU_MAX_HEAD_DIM * PRISM_CPU_ATTN_NK + PRISM_CPU_ATTN_ROWS * PRISM_CPU_ATTN_NK)
 
+/* Per-thread fp32 copy of a bf16 weight slice (floats, 4 MiB): a matmul of many rows widens its
+ * columns chunk by chunk into it for sgemm. Bounds K of a bf16 matmul to this / 16. */
+#define PRISM_CPU_WIDEN_FLOATS (1 << 20)
+
 typedef struct {
     prism_cpu_pool_t pool;
     const prism_cpu_kern_t *k;    /* kernels for this CPU (or PRISM_CPU_ISA) */
     float *attn_scratch;          /* [n_threads][PRISM_CPU_ATTN_SCRATCH], carved at create */
+    float *widen_scratch;         /* [n_threads][PRISM_CPU_WIDEN_FLOATS] once weights are bf16, else NULL */
     size_t pool_cap, pool_used, pool_peak;   /* memory pool accounting (bytes) */
     pthread_mutex_t mem_mu;
 } prism_cpu_ctx_t;
@@ -72,6 +77,13 @@ int prism_cpu_attn_paged(void *ctx, float *out, int ldo, const float *q, int ldq
 int prism_cpu_attn_dense(void *ctx, float *out, int ldo, const float *q, int ldq, const float *k, int ldk,
                          const float *v, int ldv, int n_seqs, int seq_len, int n_heads, int n_kv_heads,
                          int head_dim, float scale, bool causal);
+
+/* Columns of a bf16 weight slice with K inputs widened at once into a thread's widen scratch
+ * (whole 16-column groups; 0 when K is too long for it). */
+static inline int prism_cpu_widen_cols(int K)
+{
+    return K > 0 && K <= PRISM_CPU_WIDEN_FLOATS / 16 ? PRISM_CPU_WIDEN_FLOATS / K / 16 * 16 : 0;
+}
 
 /* Llama-4 ops (cpu_llama4.c); semantics in backend.h. */
 int prism_cpu_head_rmsnorm(void *ctx, float *x, int ld, int n_tokens, int n_heads, int head_dim, const float *w,

@@ -46,6 +46,11 @@ typedef struct prism_cpu_kern {
     /* ---- small-M matmul (decode): y[m][n] (+)= Σ_k x[m][k]·w[n][k], m < M, n < N ---- */
     void (*gemv)(float *y, int ldy, const float *x, int ldx, const float *w, int ldw, int M, int N, int K,
                  bool accumulate);
+    /* the same with bf16 weights, widened to fp32 in registers (fp32 products and sums) */
+    void (*gemv_bf16)(float *y, int ldy, const float *x, int ldx, const uint16_t *w, int ldw, int M, int N, int K,
+                      bool accumulate);
+    /* y[i] = x[i] widened from bf16 (exact) */
+    void (*bf16_to_f32)(float *y, const uint16_t *x, size_t n);
 
     /* ---- attention tiles (rows = (token, q head) pairs of one kv head) ----
      * pack_kt: Kt[d][j] = krows[j][d] for j < n, d < hd; columns n..ldk-1 zeroed (ldk >= n,

@@ -55,6 +55,8 @@ static inline float hmax8(__m256 v)
 }
 #define VHSUM(v) hsum8(v)
 #define VHMAX(v) hmax8(v)
+#define VLOADBF16(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 
 static inline double hsum4d(__m256d v)
 {

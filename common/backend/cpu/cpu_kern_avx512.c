@@ -38,6 +38,8 @@ typedef __mmask16 vmask;
 #define VIOTA             _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 #define VHSUM(v)          _mm512_reduce_add_ps(v)
 #define VHMAX(v)          _mm512_reduce_max_ps(v)
+#define VLOADBF16(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 
 static double sum_d(const float *x, int n)
 {

@@ -100,6 +100,32 @@ static void s_gemv(float *y, int ldy, const float *x, int ldx, const float *w, i
         }
 }
 
+static void s_gemv_bf16(float *y, int ldy, const float *x, int ldx, const uint16_t *w, int ldw, int M, int N, int K,
+                        bool accumulate)
+{
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+            const float *xr = x + (size_t)m * ldx;
+            const uint16_t *wr = w + (size_t)n * ldw;
+            float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+            int k = 0;
+            for (; k + 4 <= K; k += 4) {
+                s0 += xr[k] * prism_bf16_to_f32(wr[k]);
+                s1 += xr[k + 1] * prism_bf16_to_f32(wr[k + 1]);
+                s2 += xr[k + 2] * prism_bf16_to_f32(wr[k + 2]);
+                s3 += xr[k + 3] * prism_bf16_to_f32(wr[k + 3]);
+            }
+            for (; k < K; k++) s0 += xr[k] * prism_bf16_to_f32(wr[k]);
+            float v = (s0 + s1) + (s2 + s3);
+            y[(size_t)m * ldy + n] = accumulate ? y[(size_t)m * ldy + n] + v : v;
+        }
+}
+
+static void s_bf16_to_f32(float *y, const uint16_t *x, size_t n)
+{
+    for (size_t i = 0; i < n; i++) y[i] = prism_bf16_to_f32(x[i]);
+}
+
 static void s_pack_kt(float *Kt, int ldk, const float *const *krows, int n, int hd)
 {
     for (int d = 0; d < hd; d++) {
@@ -184,6 +210,8 @@ const prism_cpu_kern_t prism_cpu_kern_scalar = {
     .layernorm = s_layernorm,
     .rope = s_rope,
     .gemv = s_gemv,
+    .gemv_bf16 = s_gemv_bf16,
+    .bf16_to_f32 = s_bf16_to_f32,
     .pack_kt = s_pack_kt,
     .qk = s_qk,
     .qk_rows = s_qk_rows,

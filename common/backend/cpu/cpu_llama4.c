@@ -118,14 +118,26 @@ int prism_cpu_moe_route(void *ctx, const float *logits, int n_tokens, int n_expe
 /* Grouped GEMM: each thread takes a slice of the output columns (whole 16-column groups) of every
  * group, so a decode step whose few rows all go to one expert still spreads that expert's weights
  * over the threads. W_e is [K][N] (x @ W): a slice is a strided block of it. One row (decode)
- * uses sgemv, which streams the slice once; OpenBLAS sgemm would pack it first. */
+ * uses sgemv, which streams the slice once; OpenBLAS sgemm would pack it first. bf16 weights are
+ * widened chunk by chunk (columns of every row of the slice) into the thread's scratch first. */
 typedef struct {
+    const prism_cpu_kern_t *k;
     float *y; int ldy;
     const float *x; int ldx;
-    const float *w;
+    const void *w;                /* fp32, or bf16 when widen */
     const int32_t *offsets;
     int n_groups, N, K;
+    float *widen;                 /* bf16 weights: the per-thread widen scratch; NULL: fp32 */
 } mmg_task_t;
+
+/* y[m][:n] = x[m][:K] @ W[:K][:n] for W fp32 with row stride ldw. */
+static void mmg_block(float *y, int ldy, const float *x, int ldx, const float *w, int ldw, int m, int n, int K)
+{
+    if (m == 1)
+        cblas_sgemv(CblasRowMajor, CblasTrans, K, n, 1.0f, w, ldw, x, 1, 0.0f, y, 1);
+    else
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, K, 1.0f, x, ldx, w, ldw, 0.0f, y, ldy);
+}
 
 static void mmg_worker(void *arg, int ith, int nth)
 {
@@ -137,14 +149,21 @@ static void mmg_worker(void *arg, int ith, int nth)
     for (int e = 0; e < t->n_groups; e++) {
         int r0 = t->offsets[e], m = t->offsets[e + 1] - r0;
         if (m == 0) continue;
-        const float *we = t->w + (size_t)e * t->K * t->N + n0;
         const float *x = t->x + (size_t)r0 * t->ldx;
         float *y = t->y + (size_t)r0 * t->ldy + n0;
-        if (m == 1)
-            cblas_sgemv(CblasRowMajor, CblasTrans, t->K, n1 - n0, 1.0f, we, t->N, x, 1, 0.0f, y, 1);
-        else
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n1 - n0, t->K, 1.0f, x, t->ldx, we, t->N, 0.0f,
-                        y, t->ldy);
+        size_t off = (size_t)e * t->K * t->N + n0;
+        if (!t->widen) {
+            mmg_block(y, t->ldy, x, t->ldx, (const float *)t->w + off, t->N, m, n1 - n0, t->K);
+            continue;
+        }
+        const uint16_t *we = (const uint16_t *)t->w + off;
+        float *buf = t->widen + (size_t)ith * PRISM_CPU_WIDEN_FLOATS;
+        int cw = prism_cpu_widen_cols(t->K);
+        for (int c0 = 0; c0 < n1 - n0; c0 += cw) {
+            int c = PRISM_MIN(cw, n1 - n0 - c0);
+            for (int k = 0; k < t->K; k++) t->k->bf16_to_f32(buf + (size_t)k * c, we + (size_t)k * t->N + c0, (size_t)c);
+            mmg_block(y + c0, t->ldy, x, t->ldx, buf, c, m, c, t->K);
+        }
     }
 }
 
@@ -152,7 +171,8 @@ int prism_cpu_matmul_grouped(void *ctx, float *y, int ldy, const float *x, int l
                              const int32_t *offsets, int n_groups, int M, int N, int K)
 {
     prism_cpu_ctx_t *c = ctx;
-    if (wdt != PRISM_DTYPE_F32) return PRISM_ENOTSUP;
+    bool bf16 = wdt == PRISM_DTYPE_BF16;
+    if (wdt != PRISM_DTYPE_F32 && !(bf16 && c->widen_scratch && prism_cpu_widen_cols(K))) return PRISM_ENOTSUP;
     if (n_groups <= 0 || M < 0 || N <= 0 || K <= 0 || ldy < N || ldx < K || offsets[0] != 0 || offsets[n_groups] != M)
         return PRISM_EINVAL;
     for (int e = 0; e < n_groups; e++)   /* all checked before any thread writes */
@@ -160,7 +180,7 @@ int prism_cpu_matmul_grouped(void *ctx, float *y, int ldy, const float *x, int l
     if (M == 0) return PRISM_OK;
     int nth = prism_cpu_nth(c, (size_t)M * N * K, PRISM_CPU_MATMUL_GRAIN);
     nth = PRISM_MIN(nth, (N + 15) / 16);
-    mmg_task_t t = {y, ldy, x, ldx, (const float *)w, offsets, n_groups, N, K};
+    mmg_task_t t = {c->k, y, ldy, x, ldx, w, offsets, n_groups, N, K, bf16 ? c->widen_scratch : NULL};
     prism_cpu_pool_run(&c->pool, nth, mmg_worker, &t);
     return PRISM_OK;
 }

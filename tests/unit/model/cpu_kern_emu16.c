@@ -96,6 +96,8 @@ static inline float e_hmax(vf v)
 #define VIOTA              mk(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15))
 #define VHSUM(v)           e_hsum(v)
 #define VHMAX(v)           e_hmax(v)
+#define BF8(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define VLOADBF16(p)       mk(BF8(p), BF8((const uint16_t *)(p) + 8))
 
 static double sum_d(const float *x, int n)
 {

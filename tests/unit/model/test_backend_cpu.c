@@ -313,6 +313,34 @@ static void test_kernel_tables_agree(void **state)
                         assert_close_f(y, r, (size_t)M * 11, 1e-6, 2e-6 * sqrt((double)K), what);
                     }
                 }
+        /* bf16 weights: widening is exact, and the gemv on them is the fp32 gemv on the widened
+         * weights, bit for bit (same products, same order); the scalar reference within rounding */
+        {
+            enum { BM = 3, BN = 9, BK = 1031 };
+            uint16_t *wb = malloc(sizeof(uint16_t) * BN * BK);
+            float *ww = malloc(sizeof(float) * BN * BK), *xm = u, yb[BM * 11], yf[BM * 11], yr[BM * 11];
+            fill(xm, (size_t)BM * BK);
+            for (int i = 0; i < BN * BK; i++) wb[i] = prism_f32_to_bf16(frand());
+            for (int i = 0; i < BN * BK; i++) ww[i] = prism_bf16_to_f32(wb[i]);
+            float *wide = malloc(sizeof(float) * BN * BK);
+            k->bf16_to_f32(wide, wb, BN * BK - 5);   /* a vector tail */
+            assert_memory_equal(wide, ww, sizeof(float) * (BN * BK - 5));
+            free(wide);
+            for (int M = 1; M <= BM; M++)
+                for (int N = 1; N <= BN; N += 4)
+                    for (size_t ki = 0; ki < sizeof ks / sizeof ks[0]; ki++) {
+                        int K = ks[ki];
+                        for (int i = 0; i < BM * 11; i++) yb[i] = yf[i] = yr[i] = (float)i;
+                        k->gemv_bf16(yb, 11, xm, K, wb, K, M, N, K, true);
+                        k->gemv(yf, 11, xm, K, ww, K, M, N, K, true);
+                        ref->gemv_bf16(yr, 11, xm, K, wb, K, M, N, K, true);
+                        assert_memory_equal(yb, yf, sizeof yb);
+                        snprintf(what, sizeof what, "%s gemv_bf16 M%d N%d K%d", k->name, M, N, K);
+                        assert_close_f(yb, yr, (size_t)M * 11, 1e-6, 2e-6 * sqrt((double)K), what);
+                    }
+            free(wb);
+            free(ww);
+        }
         /* attention tiles: packing is a copy, the rest equal within rounding */
         static const int hds[] = {12, 36, 64, 80, 128}, ms[] = {1, 5, 13, 64}, ns[] = {1, 17, 64};
         enum { KLD = 131 };   /* key/value rows KLD floats apart */
@@ -799,6 +827,59 @@ static void test_pool_and_create(void **state)
     assert_int_equal(prism_backend_create("tpu", 1, 0, &x), PRISM_EINVAL);
 }
 
+/* bf16 weights (--weight-dtype bf16): every matmul path — the gemv for a few rows, sgemm on
+ * widened chunks for many, column slices over threads, chunks narrower than a slice, the grouped
+ * matmul of Llama-4's experts — equals the fp32 matmul on the same weights widened. */
+static void test_bf16_weights(void **state)
+{
+    (void)state;
+    enum { R = 70, D = 1000, N = 700, G = 3 };
+    prism_backend_t *f32 = prism_backend_cpu_create(1), *b1 = prism_backend_cpu_create(1),
+                    *b3 = prism_backend_cpu_create(3);
+    float *x = malloc(sizeof(float) * R * D), *wf = malloc(sizeof(float) * G * N * D);
+    float *yf = malloc(sizeof(float) * R * N), *yb = malloc(sizeof(float) * R * N), *bias = malloc(sizeof(float) * N);
+    uint16_t *wb = malloc(sizeof(uint16_t) * G * N * D);
+    fill(x, (size_t)R * D);
+    fill(bias, N);
+    for (size_t i = 0; i < (size_t)G * N * D; i++) {
+        wb[i] = prism_f32_to_bf16(frand());
+        wf[i] = prism_bf16_to_f32(wb[i]);
+    }
+    /* refused until asked for; other dtypes refused */
+    assert_int_equal(b1->i.matmul(b1->ctx, yb, N, x, D, wb, PRISM_DTYPE_BF16, NULL, 1, N, D, false), PRISM_ENOTSUP);
+    assert_int_equal(prism_backend_set_weight_dtype(b1, PRISM_DTYPE_F16), PRISM_ENOTSUP);
+    assert_int_equal(b1->weight_dtype, PRISM_DTYPE_F32);
+    assert_int_equal(prism_backend_set_weight_dtype(b1, PRISM_DTYPE_BF16), PRISM_OK);
+    assert_int_equal(prism_backend_set_weight_dtype(b3, PRISM_DTYPE_BF16), PRISM_OK);
+    assert_int_equal(b1->weight_dtype, PRISM_DTYPE_BF16);
+    prism_backend_t *bs[2] = {b1, b3};
+    for (int bi = 0; bi < 2; bi++)
+        for (int M = 1; M <= R; M = M < 20 ? M + 4 : M * 3) {
+            for (int i = 0; i < M * N; i++) yf[i] = yb[i] = (float)(i % 7);
+            assert_int_equal(f32->i.matmul(f32->ctx, yf, N, x, D, wf, PRISM_DTYPE_F32, bias, M, N, D, true), PRISM_OK);
+            assert_int_equal(bs[bi]->i.matmul(bs[bi]->ctx, yb, N, x, D, wb, PRISM_DTYPE_BF16, bias, M, N, D, true),
+                             PRISM_OK);
+            assert_close_f(yb, yf, (size_t)M * N, 1e-5, 1e-4, "bf16 matmul");
+        }
+    /* K so long that 16 columns do not fit a thread's widen scratch: refused for sgemm rows */
+    int long_k = PRISM_CPU_WIDEN_FLOATS / 16 + 1;
+    assert_int_equal(b1->i.matmul(b1->ctx, yb, 1, x, long_k, wb, PRISM_DTYPE_BF16, NULL, 20, 1, long_k, false),
+                     PRISM_ENOTSUP);
+    /* grouped (x @ W_e, W_e [D][N]): 3 experts, one empty, one with a single row (the sgemv path) */
+    int32_t off[G + 1] = {0, 1, 1, R};
+    for (int bi = 0; bi < 2; bi++) {
+        assert_int_equal(f32->i.matmul_grouped(f32->ctx, yf, N, x, D, wf, PRISM_DTYPE_F32, off, G, R, N, D), PRISM_OK);
+        assert_int_equal(bs[bi]->i.matmul_grouped(bs[bi]->ctx, yb, N, x, D, wb, PRISM_DTYPE_BF16, off, G, R, N, D),
+                         PRISM_OK);
+        assert_close_f(yb, yf, (size_t)R * N, 1e-5, 1e-4, "bf16 grouped matmul");
+    }
+    assert_int_equal(f32->i.matmul_grouped(f32->ctx, yb, N, x, D, wb, PRISM_DTYPE_BF16, off, G, R, N, D), PRISM_ENOTSUP);
+    prism_backend_destroy(f32);
+    prism_backend_destroy(b1);
+    prism_backend_destroy(b3);
+    free(x); free(wf); free(yf); free(yb); free(bias); free(wb);
+}
+
 /* OpenBLAS runs kernels this CPU has: after a backend is created its generic Prescott (SSE3)
  * fallback, which a CPU model newer than the library gets (Emerald Rapids under 0.3.21, 4-5x
  * slower sgemm), is never left on a CPU with AVX2 — unless the operator asked for it. */
@@ -836,6 +917,7 @@ int main(void)
         cmocka_unit_test(test_kernel_tables_agree),
         cmocka_unit_test(test_backend_paths_agree),
         cmocka_unit_test(test_threads_agree),
+        cmocka_unit_test(test_bf16_weights),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -40,6 +40,7 @@
 
 typedef struct {
     const char *name;
+    bool bf16;       /* weights stored as bf16 (the checkpoint is bf16: the same tolerance holds) */
     char dir[1024];
     int n_prompt, vocab, hidden, n_tiles, tile, per_tile, chunk, img_w, img_h, img_seed;
     int32_t ids[MAX_TOK];
@@ -126,6 +127,7 @@ static void load_case(golden_t *g, int max_images)
     assert_int_equal(rc, PRISM_OK);
     g->be = prism_backend_cpu_create(2);
     assert_non_null(g->be);
+    if (g->bf16) assert_int_equal(prism_backend_set_weight_dtype(g->be, PRISM_DTYPE_BF16), PRISM_OK);
     rc = prism_llm_load(g->be, &g->cfg, g->dir, MAX_TOK, 4, &g->llm, err, sizeof err);
     if (rc) fprintf(stderr, "llm: %s\n", err);
     assert_int_equal(rc, PRISM_OK);
@@ -161,6 +163,16 @@ static int setup_tiny(void **state)
 {
     static golden_t g = {.name = "llama4_tiny"};
     load_case(&g, 3);   /* 7 tiles encoded as 3 + 3 + 1 */
+    *state = &g;
+    return 0;
+}
+
+/* The same checkpoint (bf16) with the weights stored as bf16 (--weight-dtype bf16): the experts'
+ * grouped matmul and the other matmuls widen them on the fly. */
+static int setup_tiny_bf16(void **state)
+{
+    static golden_t g = {.name = "llama4_tiny", .bf16 = true};
+    load_case(&g, 3);
     *state = &g;
     return 0;
 }
@@ -622,7 +634,14 @@ int main(void)
         cmocka_unit_test(test_mixed_batch),
         cmocka_unit_test(test_split_cache_handoff),
     };
+    const struct CMUnitTest tiny_bf16[] = {
+        cmocka_unit_test(test_vision_features),
+        cmocka_unit_test(test_prompt_logits),
+        cmocka_unit_test(test_greedy_decode),
+        cmocka_unit_test(test_mixed_batch),
+    };
     int fails = cmocka_run_group_tests_name("llama4_tiny", tiny, setup_tiny, teardown);
+    fails += cmocka_run_group_tests_name("llama4_tiny, bf16 weights", tiny_bf16, setup_tiny_bf16, teardown);
     fails += cmocka_run_group_tests_name("llama4_text", text, setup_text, teardown);
     return fails;
 }
