@@ -115,6 +115,7 @@ typedef struct {
     bool accumulate;
     int pm, pn;                   /* thread grid: row blocks x column slices */
     float *widen;                 /* bf16 weights: the per-thread widen scratch; NULL: fp32 */
+    int cw;                       /* bf16, many rows: columns widened per chunk */
 } mm_task_t;
 
 #define MM_MIN_COLS 256           /* narrower column slices split the rows of x instead */
@@ -157,9 +158,8 @@ static void mm_worker(void *arg, int ith, int nth)
         return;
     }
     float *buf = t->widen + (size_t)ith * PRISM_CPU_WIDEN_FLOATS;
-    int cw = prism_cpu_widen_cols(t->K);
-    for (int c0 = 0; c0 < nn; c0 += cw) {
-        int c = PRISM_MIN(cw, nn - c0);
+    for (int c0 = 0; c0 < nn; c0 += t->cw) {
+        int c = PRISM_MIN(t->cw, nn - c0);
         t->k->bf16_to_f32(buf, w + (size_t)c0 * t->K, (size_t)c * t->K);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, mm, c, t->K, 1.0f, x, t->ldx, buf, t->K,
                     acc ? 1.0f : 0.0f, y + c0, t->ldy);
@@ -173,13 +173,14 @@ static int cpu_matmul(void *vctx, float *y, int ldy, const float *x, int ldx, co
     bool bf16 = wdt == PRISM_DTYPE_BF16;
     if (wdt != PRISM_DTYPE_F32 && !(bf16 && c->widen_scratch)) return PRISM_ENOTSUP;
     if (M < 0 || N <= 0 || K <= 0 || ldy < N || ldx < K) return PRISM_EINVAL;
-    if (bf16 && M > GEMV_MAX_M && !prism_cpu_widen_cols(K)) return PRISM_ENOTSUP;
+    int cw = bf16 ? prism_cpu_widen_cols(c, K) : 0;
+    if (bf16 && M > GEMV_MAX_M && !cw) return PRISM_ENOTSUP;
     if (M == 0) return PRISM_OK;
     int nth = prism_cpu_nth(c, (size_t)M * N * K, PRISM_CPU_MATMUL_GRAIN);
     /* gemv: columns only (each weight row streamed once); sgemm: rows too once slices narrow */
     int pn = M <= GEMV_MAX_M ? PRISM_MIN(nth, (N + 15) / 16) : PRISM_MAX(1, PRISM_MIN(nth, N / MM_MIN_COLS));
     int pm = M <= GEMV_MAX_M ? 1 : PRISM_MAX(1, PRISM_MIN(nth / pn, M / 64));
-    mm_task_t t = {c->k, y, ldy, x, ldx, w, b, M, N, K, accumulate, pm, pn, bf16 ? c->widen_scratch : NULL};
+    mm_task_t t = {c->k, y, ldy, x, ldx, w, b, M, N, K, accumulate, pm, pn, bf16 ? c->widen_scratch : NULL, cw};
     prism_cpu_pool_run(&c->pool, pm * pn, mm_worker, &t);
     return PRISM_OK;
 }
@@ -437,6 +438,7 @@ static int cpu_set_weight_dtype(void *vctx, prism_dtype_t dt)
     if (!c->widen_scratch) {
         c->widen_scratch = prism_malloc_aligned(sizeof(float) * PRISM_CPU_WIDEN_FLOATS * (size_t)c->pool.n_threads, 64);
         if (!c->widen_scratch) return PRISM_ENOMEM;
+        c->widen_floats = PRISM_CPU_WIDEN_FLOATS;
     }
     return PRISM_OK;
 }

@@ -45,15 +45,18 @@ void prism_cpu_pool_run(prism_cpu_pool_t *p, int nth, prism_cpu_task_fn fn, void
 #define PRISM_CPU_ATTN_SCRATCH \
     (2 * PRISM_CPU_ATTN_QO + 2 * PRISM_CPU_MAX_HEAD_DIM * PRISM_CPU_ATTN_NK + PRISM_CPU_ATTN_ROWS * PRISM_CPU_ATTN_NK)
 
-/* Per-thread fp32 copy of a bf16 weight slice (floats, 4 MiB): a matmul of many rows widens its
- * columns chunk by chunk into it for sgemm. Bounds K of a bf16 matmul to this / 16. */
-#define PRISM_CPU_WIDEN_FLOATS (1 << 20)
+/* Per-thread fp32 copy of a bf16 weight slice (floats, 16 MiB): a matmul of many rows widens its
+ * columns chunk by chunk into it for sgemm. Chunks must stay wide: at 256 columns (a 4 MiB
+ * scratch, K 4096) a 2,048-token prefill ran 1.1-1.35x slower than with fp32 weights; at 16 MiB
+ * within a few %. Bounds K of a bf16 matmul to this / 16. */
+#define PRISM_CPU_WIDEN_FLOATS (1 << 22)
 
 typedef struct {
     prism_cpu_pool_t pool;
     const prism_cpu_kern_t *k;    /* kernels for this CPU (or PRISM_CPU_ISA) */
     float *attn_scratch;          /* [n_threads][PRISM_CPU_ATTN_SCRATCH], carved at create */
     float *widen_scratch;         /* [n_threads][PRISM_CPU_WIDEN_FLOATS] once weights are bf16, else NULL */
+    size_t widen_floats;          /* of each thread's scratch, what a chunk may fill (tests narrow it) */
     size_t pool_cap, pool_used, pool_peak;   /* memory pool accounting (bytes) */
     pthread_mutex_t mem_mu;
 } prism_cpu_ctx_t;
@@ -80,9 +83,10 @@ int prism_cpu_attn_dense(void *ctx, float *out, int ldo, const float *q, int ldq
 
 /* Columns of a bf16 weight slice with K inputs widened at once into a thread's widen scratch
  * (whole 16-column groups; 0 when K is too long for it). */
-static inline int prism_cpu_widen_cols(int K)
+static inline int prism_cpu_widen_cols(const prism_cpu_ctx_t *c, int K)
 {
-    return K > 0 && K <= PRISM_CPU_WIDEN_FLOATS / 16 ? PRISM_CPU_WIDEN_FLOATS / K / 16 * 16 : 0;
+    size_t n = c->widen_floats;
+    return K > 0 && (size_t)K * 16 <= n ? (int)(n / (size_t)K / 16 * 16) : 0;
 }
 
 /* Llama-4 ops (cpu_llama4.c); semantics in backend.h. */

@@ -128,6 +128,7 @@ typedef struct {
     const int32_t *offsets;
     int n_groups, N, K;
     float *widen;                 /* bf16 weights: the per-thread widen scratch; NULL: fp32 */
+    int cw;                       /* bf16: columns widened per chunk */
 } mmg_task_t;
 
 /* y[m][:n] = x[m][:K] @ W[:K][:n] for W fp32 with row stride ldw. */
@@ -158,9 +159,8 @@ static void mmg_worker(void *arg, int ith, int nth)
         }
         const uint16_t *we = (const uint16_t *)t->w + off;
         float *buf = t->widen + (size_t)ith * PRISM_CPU_WIDEN_FLOATS;
-        int cw = prism_cpu_widen_cols(t->K);
-        for (int c0 = 0; c0 < n1 - n0; c0 += cw) {
-            int c = PRISM_MIN(cw, n1 - n0 - c0);
+        for (int c0 = 0; c0 < n1 - n0; c0 += t->cw) {
+            int c = PRISM_MIN(t->cw, n1 - n0 - c0);
             for (int k = 0; k < t->K; k++) t->k->bf16_to_f32(buf + (size_t)k * c, we + (size_t)k * t->N + c0, (size_t)c);
             mmg_block(y + c0, t->ldy, x, t->ldx, buf, c, m, c, t->K);
         }
@@ -172,7 +172,8 @@ int prism_cpu_matmul_grouped(void *ctx, float *y, int ldy, const float *x, int l
 {
     prism_cpu_ctx_t *c = ctx;
     bool bf16 = wdt == PRISM_DTYPE_BF16;
-    if (wdt != PRISM_DTYPE_F32 && !(bf16 && c->widen_scratch && prism_cpu_widen_cols(K))) return PRISM_ENOTSUP;
+    int cw = bf16 && c->widen_scratch ? prism_cpu_widen_cols(c, K) : 0;
+    if (wdt != PRISM_DTYPE_F32 && !cw) return PRISM_ENOTSUP;
     if (n_groups <= 0 || M < 0 || N <= 0 || K <= 0 || ldy < N || ldx < K || offsets[0] != 0 || offsets[n_groups] != M)
         return PRISM_EINVAL;
     for (int e = 0; e < n_groups; e++)   /* all checked before any thread writes */
@@ -180,7 +181,7 @@ int prism_cpu_matmul_grouped(void *ctx, float *y, int ldy, const float *x, int l
     if (M == 0) return PRISM_OK;
     int nth = prism_cpu_nth(c, (size_t)M * N * K, PRISM_CPU_MATMUL_GRAIN);
     nth = PRISM_MIN(nth, (N + 15) / 16);
-    mmg_task_t t = {c->k, y, ldy, x, ldx, w, offsets, n_groups, N, K, bf16 ? c->widen_scratch : NULL};
+    mmg_task_t t = {c->k, y, ldy, x, ldx, w, offsets, n_groups, N, K, bf16 ? c->widen_scratch : NULL, cw};
     prism_cpu_pool_run(&c->pool, nth, mmg_worker, &t);
     return PRISM_OK;
 }

@@ -852,6 +852,9 @@ static void test_bf16_weights(void **state)
     assert_int_equal(prism_backend_set_weight_dtype(b1, PRISM_DTYPE_BF16), PRISM_OK);
     assert_int_equal(prism_backend_set_weight_dtype(b3, PRISM_DTYPE_BF16), PRISM_OK);
     assert_int_equal(b1->weight_dtype, PRISM_DTYPE_BF16);
+    /* 3 threads: chunks of 48 columns, so each thread's slice (~240 columns) widens in several,
+     * the last one partial */
+    ((prism_cpu_ctx_t *)b3->ctx)->widen_floats = 48 * D + 100;
     prism_backend_t *bs[2] = {b1, b3};
     for (int bi = 0; bi < 2; bi++)
         for (int M = 1; M <= R; M = M < 20 ? M + 4 : M * 3) {
