@@ -212,23 +212,33 @@ static void test_vision_features(void **state)
     free(out);
 }
 
-static void test_prompt_logits(void **state)
+/* The logits of every prompt position in one forward (the caller frees them); *allocs: heap
+ * allocations the forward made. */
+static float *prompt_logits(golden_t *g, uint64_t *allocs)
 {
-    golden_t *g = *state;
     prism_kv_cache_t *kv;
     assert_int_equal(prism_kv_cache_create(g->be, &g->cfg, 64, BS, &kv), PRISM_OK);
     int32_t next = 0;
     seq_t s = {.next = &next};
     float *lg = malloc((size_t)g->n_prompt * g->vocab * sizeof(float));
-    uint64_t allocs = prism_mem_alloc_count();
+    uint64_t before = prism_mem_alloc_count();
     assert_int_equal(run_seq(g, kv, &s, g->ids, g->n_prompt, g->embeds, g->mask, true, lg), PRISM_OK);
-    assert_int_equal(prism_mem_alloc_count(), allocs);  /* forward never allocates */
+    *allocs = prism_mem_alloc_count() - before;
+    prism_kv_cache_free(kv);
+    return lg;
+}
+
+static void test_prompt_logits(void **state)
+{
+    golden_t *g = *state;
+    uint64_t allocs;
+    float *lg = prompt_logits(g, &allocs);
+    assert_int_equal(allocs, 0);  /* forward never allocates */
     double d = max_abs_diff(lg, g->logits, (size_t)g->n_prompt * g->vocab);
     printf("  %s%s: %d prompt positions x %d vocab, logits max |diff| %.3g\n", g->name,
            g->bf16 ? " (bf16 weights)" : "", g->n_prompt, g->vocab, d);
     assert_true(d <= g->tol);
     free(lg);
-    prism_kv_cache_free(kv);
 }
 
 static void test_greedy_decode(void **state)
@@ -459,12 +469,8 @@ static void test_budget_planning(void **state)
 static void test_bf16_rounding_effect(void **state)
 {
     golden_t *g = *state;
-    prism_kv_cache_t *kv;
-    assert_int_equal(prism_kv_cache_create(g->be, &g->cfg, 64, BS, &kv), PRISM_OK);
-    int32_t next = 0;
-    seq_t s = {.next = &next};
-    float *lg = malloc((size_t)g->n_prompt * g->vocab * sizeof(float));
-    assert_int_equal(run_seq(g, kv, &s, g->ids, g->n_prompt, g->embeds, g->mask, true, lg), PRISM_OK);
+    uint64_t allocs;
+    float *lg = prompt_logits(g, &allocs);
     double d = max_abs_diff(lg, g->logits, (size_t)g->n_prompt * g->vocab), mx = 0;
     int same_top = 0;
     for (int i = 0; i < g->n_prompt; i++) {
@@ -476,7 +482,6 @@ static void test_bf16_rounding_effect(void **state)
            g->n_prompt);
     assert_true(d <= g->tol_bf16);
     free(lg);
-    prism_kv_cache_free(kv);
 }
 
 #define CASE_TESTS(st)                                                                   \
