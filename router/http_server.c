@@ -632,10 +632,7 @@ static void conn_fail(conn_t *c, int status, const char *message)
         c->req = NULL;
     }
     prism_buf_t body = {0}, head = {0};
-    const char *type = status == 503 ? "ServiceUnavailableError" : status >= 500 ? "InternalServerError"
-                     : status == 401 ? "AuthenticationError" : status == 403 ? "PermissionDeniedError"
-                     : status == 404 ? "NotFoundError" : "BadRequestError";
-    int rc = prism_oai_write_error(&body, type, message, NULL, NULL);
+    int rc = prism_oai_write_error(&body, prism_oai_error_type(status), message, NULL, NULL);
     if (!rc) rc = build_head(&head, status, "application/json", status == 503 ? "Retry-After: 1\r\n" : NULL, false, true,
                              body.len, false);
     if (!rc) rc = conn_write(c, head.data, head.len, body.data, body.len, NULL, 0);

@@ -330,8 +330,11 @@ static int parse_messages(json_t *root, prism_oai_request_t *out, const prism_oa
         total_images += ni;
     }
     int max_images = o->max_images < 0 ? 0 : o->max_images;
-    if (total_images > max_images)
-        return oai_fail(err, "messages", "At most %d image(s) may be provided in one prompt.", max_images);
+    if (total_images > max_images) {
+        oai_fail(err, "messages", "At most %d image(s) may be provided in one prompt.", max_images);
+        if (err) err->refusal = PRISM_OAI_REFUSED_TOO_MANY_IMAGES;
+        return PRISM_EINVAL;
+    }
     out->messages = prism_calloc(n, sizeof *out->messages);
     prism_oai_part_t *parts = prism_calloc(total_parts ? total_parts : 1, sizeof *parts);
     if (!out->messages || !parts) {

@@ -129,11 +129,18 @@ typedef struct {
     int n_images;             /* total image parts over all messages */
 } prism_oai_request_t;
 
+/* Why a request was refused, where the router counts it apart from other invalid requests. */
+typedef enum {
+    PRISM_OAI_REFUSED_INVALID = 0,        /* any other validation error */
+    PRISM_OAI_REFUSED_TOO_MANY_IMAGES,    /* more image parts than max_images */
+} prism_oai_refusal_t;
+
 typedef struct {
     int status;               /* HTTP status, 400 */
     char type[32];            /* "BadRequestError" */
     char message[512];
     char param[64];           /* offending field ("messages[2].content[0].type"), "" when none */
+    prism_oai_refusal_t refusal;
 } prism_oai_error_t;
 
 typedef struct {

@@ -90,6 +90,19 @@ int prism_oai_write_usage(prism_buf_t *b, const prism_oai_usage_t *u)
     return rc;
 }
 
+const char *prism_oai_error_type(int status)
+{
+    switch (status) {
+    case 401: return "AuthenticationError";
+    case 403: return "PermissionDeniedError";
+    case 404: return "NotFoundError";
+    case 413: return "RequestEntityTooLargeError";
+    case 429: return "RateLimitError";
+    case 503: return "ServiceUnavailableError";
+    default:  return status >= 500 ? "InternalServerError" : "BadRequestError";
+    }
+}
+
 int prism_oai_write_error(prism_buf_t *b, const char *type, const char *message, const char *param,
                           const char *code)
 {

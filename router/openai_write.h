@@ -158,6 +158,10 @@ int prism_oai_write_completion_response(prism_buf_t *b, const prism_oai_resp_met
                                         size_t len, const prism_oai_logprobs_t *lp, const char *finish_reason,
                                         const prism_oai_usage_t *u);
 int prism_oai_write_usage(prism_buf_t *b, const prism_oai_usage_t *u);
+/* The OpenAI error type of an HTTP status, as openai-python names its exceptions ("RateLimitError"
+ * for 429, "InternalServerError" for any 5xx but 503, "BadRequestError" for a 4xx it has no name
+ * for): the one mapping the HTTP server's own answers and the router's share. */
+const char *prism_oai_error_type(int status);
 /* {"error":{"message","type","param","code"}}; param/code NULL -> null. */
 int prism_oai_write_error(prism_buf_t *b, const char *type, const char *message, const char *param,
                           const char *code);

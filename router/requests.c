@@ -287,12 +287,8 @@ static void abort_workers(router_req_t *q)
 
 void router_respond_error(prism_http_req_t *h, int status, const char *message, const char *param)
 {
-    const char *type = status == 404 ? "NotFoundError" : status == 401 ? "AuthenticationError"
-                     : status == 413 ? "RequestEntityTooLargeError" : status == 429 ? "RateLimitError"
-                     : status == 503 ? "ServiceUnavailableError" : status >= 500 ? "InternalServerError"
-                     : "BadRequestError";
     const char *extra = (status == 429 || status == 503) ? "Retry-After: 1\r\n" : NULL;
-    prism_http_respond_error(h, status, type, message, param, NULL, extra);
+    prism_http_respond_error(h, status, prism_oai_error_type(status), message, param, NULL, extra);
 }
 
 /* Ends a request that failed after it was accepted. */
@@ -304,8 +300,7 @@ static void req_fail(router_req_t *q, int status, const char *message)
     if (q->h && !prism_http_req_aborted(q->h)) {
         if (q->streaming_started) {
             prism_buf_reset(&q->out);
-            prism_oai_write_sse_error(&q->out, status >= 500 ? "InternalServerError" : "BadRequestError", message,
-                                      NULL, NULL);
+            prism_oai_write_sse_error(&q->out, prism_oai_error_type(status), message, NULL, NULL);
             prism_oai_write_sse_done(&q->out);
             prism_http_stream_write(q->h, q->out.data, q->out.len);
             prism_http_stream_end(q->h);
@@ -1443,7 +1438,7 @@ static void prep_done(uv_work_t *w, int wstatus)
     if (!q->parsed) {
         prism_oai_error_t *perr = &q->perr;
         r->metrics.refused_limit[PRISM_REFUSE_BAD_REQUEST]++;
-        if (perr->status == 400 && strstr(perr->message, "image")) r->metrics.refused_limit[PRISM_REFUSE_TOO_MANY_IMAGES]++;
+        if (perr->refusal == PRISM_OAI_REFUSED_TOO_MANY_IMAGES) r->metrics.refused_limit[PRISM_REFUSE_TOO_MANY_IMAGES]++;
         prism_http_respond_error(h, perr->status ? perr->status : 400, perr->type[0] ? perr->type : "BadRequestError",
                                  perr->message, perr->param[0] ? perr->param : NULL, NULL, NULL);
         q->h = NULL;
