@@ -3,8 +3,9 @@
  * socket's file descriptor is watched by libuv; ZeroMQ's fd only says "something may be ready",
  * so the socket is drained until EAGAIN on every wake-up and before the loop blocks.
  *
- * This is the loop that calls up: registrations and heartbeats go to the registry (workers.c),
- * results and dead or stuck workers to the request life (requests.c). */
+ * The loop on top: it only calls down, registrations and heartbeats to the registry (workers.c),
+ * results and dead or stuck workers to the request life (requests.c); what goes out to a worker
+ * goes through send.c. */
 #include "router.h"
 
 #include <errno.h>
@@ -289,25 +290,3 @@ void router_ctl_stop(router_t *r)
     uv_timer_stop(&r->sweep_timer);
     uv_close((uv_handle_t *)&r->sweep_timer, NULL);
 }
-
-void router_send_abort(router_t *r, router_worker_t *w, uint64_t rid)
-{
-    Prism__Abort a = PRISM__ABORT__INIT;
-    Prism__Envelope env = PRISM__ENVELOPE__INIT;
-    env.type = PRISM__MSG_TYPE__MSG_ABORT;
-    env.request_id = rid;
-    env.abort = &a;
-    router_send(r, w, &env, NULL, 0);
-}
-
-int router_send(router_t *r, router_worker_t *w, Prism__Envelope *env, const prism_frame_t *frames, int n)
-{
-    env->router_id = r->router_id;
-    int rc = prism_msg_send(r->ctl, w->id, strlen(w->id), env, frames, n, ZMQ_DONTWAIT);
-    if (rc != PRISM_OK) {
-        PRISM_WARN("send to %s worker %s failed: %s", prism_role_name(w->role), w->id, prism_strerror(rc));
-        w->send_failed_at = prism_now_s();  /* router_pick passes it over until it is heard from again */
-    }
-    return rc;
-}
-

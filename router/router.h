@@ -1,14 +1,19 @@
 /* router: shared state of the router process (one libuv loop thread owns all of it).
  *
+ *   main.c      flags and start-up
  *   control.c   control socket (ZeroMQ ROUTER polled from libuv): registrations, heartbeats and
- *               results in, work out, silent workers dropped — the loop that calls up
- *   workers.c   worker registry (a leaf: capacity, load, picking a worker; no sockets)
- *   prompt.c    what a request sends to workers: images, chat template, tokens, image spans
- *   requests.c  life of one generation request: admission, dispatch, streaming, completion
- *   early_encode.c  images sent to an encoder's cache while their request's body still arrives
+ *               results in, silent workers dropped — the loop on top, it only calls down
  *   api.c       HTTP endpoints and metrics
  *   status.c    GET /status (JSON snapshot for operators) and GET / (the status page, embedded)
- *   main.c      flags and start-up
+ *   requests.c  life of one generation request: preparation, admission, results, retry and
+ *               migration, the sweep (request.h: the request and the files below that carry it)
+ *   sched.c     where a request runs: its workers' messages, plan and commit, the router's queue
+ *   output.c    what a client receives: SSE, whole responses, stop strings, logprobs, tool calls, errors
+ *   reqmap.c    the requests in flight by id, and one request's memory
+ *   early_encode.c  images sent to an encoder's cache while their request's body still arrives
+ *   prompt.c    what a request sends to workers: images, chat template, tokens, image spans
+ *   send.c      messages to one worker (work, aborts) over the control socket
+ *   workers.c   worker registry (a leaf: capacity, load, picking a worker; no sockets)
  */
 #ifndef PRISM_ROUTER_H
 #define PRISM_ROUTER_H
@@ -108,10 +113,10 @@ typedef struct {
     double worker_stuck_timeout_s;  /* 0 = never judge a worker stuck */
     double request_timeout_s;
     double max_queue_wait_s;    /* no first token by then: 503 */
-    int max_retries;
+    int max_retries;            /* re-dispatches of a request whose worker died before its first token */
     int max_migrations;         /* times a request goes on elsewhere after its decode died mid-generation */
     double drain_timeout_s;
-    double stage_timeout_s;     /* encode, or prefill to the first token, longer than this: retry, then 504 */            /* re-dispatches of a request whose worker died before its first token */
+    double stage_timeout_s;     /* encode, or prefill to the first token, longer than this: retry, then 504 */
     int64_t created;
     double started_s;           /* prism_now_s() at start-up */
 
@@ -172,9 +177,14 @@ typedef struct {
 /* control.c */
 int  router_ctl_start(router_t *r, const char *endpoint);
 void router_ctl_stop(router_t *r);
+
+/* send.c: PRISM_OK, else the send failed (the worker's connection is gone) and w is passed over by
+ * the picks until it is heard from again. */
 int  router_send(router_t *r, router_worker_t *w, Prism__Envelope *env, const prism_frame_t *frames, int n);
 /* Tells w to drop what it holds under rid (best effort). */
 void router_send_abort(router_t *r, router_worker_t *w, uint64_t rid);
+/* The same to the registered worker of that id, if any ("" names none). */
+void router_send_abort_to(router_t *r, const char *worker_id, uint64_t rid);
 
 /* early_encode.c */
 /* http_server image_done hook: a lifted image of h is whole and passed its checks; sent to an
@@ -220,6 +230,25 @@ router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash
  * encoder holding none takes an image of any size). */
 router_worker_t *router_pick_slots(router_t *r, Prism__Role role, uint64_t prefer_hash, int slots, uint64_t bytes,
                                    bool *any);
+/* Load a plan being made puts on a worker without having counted it yet (sched.c). */
+typedef struct {
+    const router_worker_t *w;
+    int slots;
+    uint64_t bytes;
+} router_load_t;
+/* What a pick asks for: router_pick_slots' arguments, the plan's uncounted load (seen as the workers'
+ * own), and workers passed over (seen as full) while another has room; only they with room: them. */
+typedef struct {
+    Prism__Role role;
+    uint64_t prefer_hash;
+    int slots;
+    uint64_t bytes;
+    const router_load_t *planned;
+    int n_planned;
+    const char (*avoid)[ROUTER_WORKER_ID_MAX + 1];
+    int n_avoid;
+} router_want_t;
+router_worker_t *router_pick_want(router_t *r, const router_want_t *want, bool *any);
 router_worker_t *router_worker_by_id(router_t *r, const char *id);
 bool router_ready(const router_t *r, bool need_encoder);
 int  router_count_workers(const router_t *r, Prism__Role role);
@@ -282,8 +311,6 @@ void router_prompt_tool_arguments_as_objects(json_t *msg);
 
 /* requests.c */
 void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat);
-/* The OpenAI error answer for status (its type; Retry-After with 429 and 503). */
-void router_respond_error(prism_http_req_t *h, int status, const char *message, const char *param);
 /* Results from worker `from`: taken only when it holds the request at that stage (prefill: the first
  * token or its error, once; decode: the rest; encoder: its image); false when refused. The prefill's
  * Tokens (the first token) and the decode's (the rest) come from two processes over two connections,
@@ -300,7 +327,10 @@ void router_sweep_requests(router_t *r);
 void router_abort_all(router_t *r);
 void router_dispatch_queued(router_t *r);
 
-/* request map */
+/* output.c: the OpenAI error answer for status (its type; Retry-After with 429 and 503). */
+void router_respond_error(prism_http_req_t *h, int status, const char *message, const char *param);
+
+/* reqmap.c: the requests in flight */
 router_req_t *router_req_get(router_t *r, uint64_t rid);
 /* A fresh request id from the kernel's CSPRNG, unique among the requests in flight; PRISM_EIO without randomness. */
 int  router_req_new_id(router_t *r, uint64_t *out, uint64_t *hi);

@@ -133,15 +133,40 @@ void router_worker_note_image(router_worker_t *w, uint64_t hash)
     if (w->n_hashes < (int)PRISM_ARRAY_LEN(w->image_hashes)) w->n_hashes++;
 }
 
-static double load_of(const router_worker_t *w)
+/* A worker as a pick sees it: what the registry counts plus what the plan being made puts on it
+ * without having counted it yet (its request's other images). */
+typedef struct {
+    int inflight;
+    uint64_t queued_bytes;
+} seen_t;
+
+static seen_t seen(const router_worker_t *w, const router_want_t *want)
+{
+    seen_t s = {w->inflight, w->queued_bytes};
+    for (int i = 0; i < want->n_planned; i++)
+        if (want->planned[i].w == w) {
+            s.inflight += want->planned[i].slots;
+            s.queued_bytes += want->planned[i].bytes;
+        }
+    return s;
+}
+
+static double load_of(const router_worker_t *w, seen_t s)
 {
     switch (w->role) {
     case PRISM__ROLE__ROLE_DECODE:
         /* Most free KV wins; our own in-flight count covers heartbeats not yet seen. */
-        return (double)w->inflight - (w->kv_blocks ? (double)w->kv_free_blocks / w->kv_blocks : 0);
+        return (double)s.inflight - (w->kv_blocks ? (double)w->kv_free_blocks / w->kv_blocks : 0);
     default:
-        return (double)w->inflight;
+        return (double)s.inflight;
     }
+}
+
+static bool avoided(const router_worker_t *w, const router_want_t *want)
+{
+    for (int i = 0; i < want->n_avoid; i++)
+        if (!strcmp(want->avoid[i], w->id)) return true;
+    return false;
 }
 
 /* Room for `slots` more sequences and `bytes` more queued image bytes, and reachable: a worker whose
@@ -150,11 +175,67 @@ static double load_of(const router_worker_t *w)
  * request waits in the router instead. An encoder's queue holds image files, which can be 50 MB
  * each: bounded in bytes too, so its memory stays at its plan however many requests wait (they wait
  * here). One image of any size is always let in, else an image larger than the bound would never
- * be served. */
-static bool pickable(const router_worker_t *w, int slots, uint64_t bytes)
+ * be served. Workers the request asks to avoid look full. */
+static bool pickable(const router_worker_t *w, seen_t s, const router_want_t *want, bool avoid)
 {
-    if (w->max_queued_bytes && w->queued_bytes && w->queued_bytes + bytes > w->max_queued_bytes) return false;
-    return w->inflight + slots <= (int)PRISM_MAX(w->max_running, 1u) && !(w->send_failed_at > w->last_seen) && !w->draining;
+    if (avoid && avoided(w, want)) return false;
+    if (w->max_queued_bytes && s.queued_bytes && s.queued_bytes + want->bytes > w->max_queued_bytes) return false;
+    return s.inflight + want->slots <= (int)PRISM_MAX(w->max_running, 1u) && !(w->send_failed_at > w->last_seen) &&
+           !w->draining;
+}
+
+static bool candidate(const router_worker_t *w, const router_want_t *want)
+{
+    return w->used && w->role == want->role && !w->stuck;
+}
+
+static router_worker_t *pick_pass(router_t *r, const router_want_t *want, bool avoid, bool *any)
+{
+    router_worker_t *best = NULL, *warm = NULL;
+    double best_load = 0;
+    int n_ties = 0;
+    *any = false;
+    for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
+        router_worker_t *w = &r->workers[i];
+        if (!candidate(w, want)) continue;
+        *any = true;
+        seen_t s = seen(w, want);
+        if (!pickable(w, s, want, avoid)) continue;  /* full (the request waits here), unreachable or draining */
+        for (int k = 0; want->prefer_hash && !warm && k < w->n_hashes; k++)
+            if (w->image_hashes[k] == want->prefer_hash) warm = w;  /* its embedding cache probably has it */
+        double l = load_of(w, s);
+        if (!best || l < best_load) {
+            best = w;
+            best_load = l;
+            n_ties = 1;
+        } else if (l == best_load) {
+            n_ties++;
+        }
+    }
+    /* Affinity, within reason: a cache hit saves the image's decode and encode, but not the wait
+     * behind the warm worker's queue. Without the bound, once every image of a repeating load had
+     * been seen, workers added later never got a single request. */
+    if (warm && load_of(warm, seen(warm, want)) <= best_load + ROUTER_AFFINITY_SLACK) return warm;
+    if (n_ties < 2) return best;
+    /* Several equally loaded workers: the turn-th of them (in table order), a new turn each time.
+     * Always taking the first sent every request of a light load to one worker. */
+    uint32_t *turn = &r->pick_turn[(unsigned)want->role % PRISM_ARRAY_LEN(r->pick_turn)];
+    int k = (int)((*turn)++ % (uint32_t)n_ties);
+    for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
+        router_worker_t *w = &r->workers[i];
+        if (!candidate(w, want)) continue;
+        seen_t s = seen(w, want);
+        if (pickable(w, s, want, avoid) && load_of(w, s) == best_load && k-- == 0) return w;
+    }
+    PRISM_ASSERT(!"a tied worker vanished between two scans");
+    return best;
+}
+
+router_worker_t *router_pick_want(router_t *r, const router_want_t *want, bool *any)
+{
+    router_worker_t *w = pick_pass(r, want, true, any);
+    /* only the avoided ones have room: them rather than nothing */
+    return w || !want->n_avoid ? w : pick_pass(r, want, false, any);
 }
 
 router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash, bool *any)
@@ -165,41 +246,8 @@ router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash
 router_worker_t *router_pick_slots(router_t *r, Prism__Role role, uint64_t prefer_hash, int slots, uint64_t bytes,
                                    bool *any)
 {
-    router_worker_t *best = NULL, *warm = NULL;
-    int n_ties = 0;
-    *any = false;
-    for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
-        router_worker_t *w = &r->workers[i];
-        if (!w->used || w->role != role || w->stuck) continue;
-        *any = true;
-        if (!pickable(w, slots, bytes)) continue;  /* full (the request waits here), unreachable or draining */
-        for (int k = 0; prefer_hash && !warm && k < w->n_hashes; k++)
-            if (w->image_hashes[k] == prefer_hash) warm = w;  /* its embedding cache probably has it */
-        double l = load_of(w);
-        if (!best || l < load_of(best)) {
-            best = w;
-            n_ties = 1;
-        } else if (l == load_of(best)) {
-            n_ties++;
-        }
-    }
-    /* Affinity, within reason: a cache hit saves the image's decode and encode, but not the wait
-     * behind the warm worker's queue. Without the bound, once every image of a repeating load had
-     * been seen, workers added later never got a single request. */
-    if (warm && load_of(warm) <= load_of(best) + ROUTER_AFFINITY_SLACK) return warm;
-    if (n_ties < 2) return best;
-    /* Several equally loaded workers: the turn-th of them (in table order), a new turn each time.
-     * Always taking the first sent every request of a light load to one worker. */
-    uint32_t *turn = &r->pick_turn[(unsigned)role % PRISM_ARRAY_LEN(r->pick_turn)];
-    int k = (int)((*turn)++ % (uint32_t)n_ties);
-    double target = load_of(best);
-    for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
-        router_worker_t *w = &r->workers[i];
-        if (!w->used || w->role != role || w->stuck || !pickable(w, slots, bytes)) continue;
-        if (load_of(w) == target && k-- == 0) return w;
-    }
-    PRISM_ASSERT(!"a tied worker vanished between two scans");
-    return best;
+    router_want_t want = {.role = role, .prefer_hash = prefer_hash, .slots = slots, .bytes = bytes};
+    return router_pick_want(r, &want, any);
 }
 
 bool router_ready(const router_t *r, bool need_encoder)

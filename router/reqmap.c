@@ -1,0 +1,124 @@
+/* The requests in flight, by id (an open-addressing map sized at start-up from
+ * --max-running-requests), and one request's memory: router_req_alloc makes it, router_req_free
+ * frees everything it owns. Counts, workers and the HTTP request are its owner's business
+ * (requests.c req_destroy gives those back first). */
+#include "request.h"
+
+#include <string.h>
+#include <xxhash.h>
+
+static size_t slot_of(uint64_t rid, size_t cap) { return (size_t)(XXH3_64bits(&rid, sizeof(rid)) & (cap - 1)); }
+
+router_req_t *router_req_get(router_t *r, uint64_t rid)
+{
+    if (!r->reqs_cap) return NULL;
+    for (size_t i = slot_of(rid, r->reqs_cap), k = 0; k < r->reqs_cap; i = (i + 1) & (r->reqs_cap - 1), k++) {
+        router_req_t *q = r->reqs[i];
+        if (!q) return NULL;
+        if (q->rid == rid) return q;
+    }
+    return NULL;
+}
+
+int router_req_new_id(router_t *r, uint64_t *out, uint64_t *hi)
+{
+    /* Unguessable: a peer inside the trust boundary cannot aim messages at a request it was not
+     * given. 128 random bits; the low half is unique among the requests in flight and never 0. */
+    uint64_t id[2];
+    do {
+        if (prism_random_bytes(id, sizeof(id)) != PRISM_OK) return PRISM_EIO;
+    } while (id[0] == 0 || router_req_get(r, id[0]));
+    *out = id[0];
+    *hi = id[1];
+    return PRISM_OK;
+}
+
+int router_req_put(router_t *r, uint64_t rid, router_req_t *q)
+{
+    if ((r->n_reqs + 1) * 2 > r->reqs_cap) return PRISM_ELIMIT;  /* sized at start-up from --max-running */
+    size_t i = slot_of(rid, r->reqs_cap);
+    while (r->reqs[i]) i = (i + 1) & (r->reqs_cap - 1);
+    r->reqs[i] = q;
+    r->n_reqs++;
+    return PRISM_OK;
+}
+
+void router_req_del(router_t *r, uint64_t rid)
+{
+    size_t cap = r->reqs_cap, i = slot_of(rid, cap);
+    while (r->reqs[i] && r->reqs[i]->rid != rid) i = (i + 1) & (cap - 1);
+    if (!r->reqs[i]) return;
+    r->reqs[i] = NULL;
+    r->n_reqs--;
+    /* Backward-shift deletion keeps probe chains intact without tombstones. */
+    for (size_t j = (i + 1) & (cap - 1); r->reqs[j]; j = (j + 1) & (cap - 1)) {
+        router_req_t *q = r->reqs[j];
+        size_t home = slot_of(q->rid, cap);
+        bool between = (i <= j) ? (home > i && home <= j) : (home > i || home <= j);
+        if (!between) {
+            r->reqs[i] = q;
+            r->reqs[j] = NULL;
+            i = j;
+        }
+    }
+}
+
+void router_req_rekey(router_t *r, router_req_t *q)
+{
+    router_req_del(r, q->rid);
+    int rc = router_req_new_id(r, &q->rid, &q->rid_hi);
+    PRISM_ASSERT(rc == PRISM_OK);           /* getrandom gave ids at the first dispatch */
+    rc = router_req_put(r, q->rid, q);      /* takes the entry just freed */
+    PRISM_ASSERT(rc == PRISM_OK);
+}
+
+router_req_t *router_req_alloc(router_t *r, prism_http_req_t *h, bool chat)
+{
+    router_req_t *q = prism_calloc(1, sizeof(*q));
+    if (!q) return NULL;
+    q->r = r;
+    q->h = h;
+    q->chat = chat;
+    q->time.start = q->time.wait = prism_now_s();
+    q->prep.work.data = q;
+    return q;
+}
+
+void router_req_drop_held(router_req_t *q)
+{
+    for (int i = 0; i < q->n_held; i++) prism_msg_env_free(q->held[i]);
+    q->n_held = 0;
+}
+
+static void choice_free(router_choice_t *c)
+{
+    prism_detok_free(&c->detok);
+    prism_oai_logprobs_free(&c->lp);
+    prism_buf_free(&c->text);
+    prism_toolcall_parser_free(c->tc);
+    prism_buf_free(&c->d_content);
+    prism_buf_free(&c->d_args);
+    prism_free(c->d_tools);
+}
+
+static void output_free(router_output_t *o, int n)
+{
+    if (o->choices)
+        for (int i = 0; i < n; i++) choice_free(&o->choices[i]);
+    prism_free(o->choices);
+    prism_oai_resp_meta_free(&o->meta);
+    prism_buf_free(&o->buf);
+    for (size_t i = 0; i < PRISM_ARRAY_LEN(o->tok_bytes); i++) prism_buf_free(&o->tok_bytes[i]);
+}
+
+void router_req_free(router_req_t *q)
+{
+    output_free(&q->out, router_req_n(q));
+    prism_oai_request_free(&q->oai);
+    router_prompt_free(&q->prompt);
+    prism_free(q->msg.ids);
+    prism_free(q->mig.gen);
+    router_req_drop_held(q);
+    prism_free(q->held);
+    prism_free(q);
+}

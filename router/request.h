@@ -1,0 +1,208 @@
+/* request: one generation request inside the router, and the files that carry it through its life.
+ *
+ *   reqmap.c    the request map (by id) and the request's memory: everything it owns is freed in
+ *               router_req_free, one place
+ *   sched.c     where it runs: the messages its workers receive (built once, at preparation), the
+ *               plan step that chooses workers (pure: nothing counted, nothing sent) and the commit
+ *               step that sends and counts once; giving its workers back; the router's queue
+ *   output.c    what its client receives: SSE chunks, the whole response, stop strings, logprobs,
+ *               tool-call events, error answers
+ *   requests.c  its life: preparation, admission, worker results, retry and migration, the sweep
+ *
+ * Dependencies point down: requests.c -> sched.c, output.c -> reqmap.c; sched.c -> early_encode.c,
+ * send.c, workers.c. Nothing below requests.c ends a request. One loop thread. */
+#ifndef PRISM_ROUTER_REQUEST_H
+#define PRISM_ROUTER_REQUEST_H
+
+#include "router.h"
+#include "openai_write.h"
+
+typedef enum { STAGE_QUEUED, STAGE_SENT, STAGE_PREFILLED } router_stage_t;
+
+/* A tool-call delta collected from the parser for the next chunk (name and id are copied: the
+ * parser's pointers live only during its callback; arguments sit in choice.d_args). */
+typedef struct {
+    int index;
+    bool begin;
+    char id[32];
+    char name[72];
+    size_t args_off, args_len;
+} router_tool_delta_t;
+
+typedef struct {
+    int n_out;                    /* tokens of this choice */
+    bool got_first;               /* prefill's token for this choice came */
+    bool worker_ended;            /* a worker sent its finish (the router may have ended it earlier) */
+    const char *finish;           /* NULL while the choice runs */
+    prism_detok_t detok;
+    prism_buf_t text;             /* generated text so far (after stop-string truncation) */
+    size_t emitted;               /* bytes of text already streamed (or fed to the tool parser) */
+    prism_oai_logprobs_t lp;
+    bool role_sent;
+    /* tool calls (streaming): the parser fed with the text and the deltas of the next chunk */
+    prism_toolcall_parser_t *tc;
+    prism_buf_t d_content, d_args;
+    router_tool_delta_t *d_tools;
+    int n_d_tools, cap_d_tools;
+    bool tc_failed;               /* out of memory in the callback: the rest streams as content */
+} router_choice_t;
+
+/* The messages its workers receive, built once from the parsed request when it is prepared
+ * (router_sched_msgs_build); a dispatch patches only what the attempt decides (the decode
+ * endpoint, the ids, an image's encoder job), a migration the prompt and Sampling.generated. */
+typedef struct {
+    Prism__Sampling sampling;
+    Prism__Guide guide;
+    int32_t stop_ids[PRISM_OAI_MAX_STOP_TOKEN_IDS];
+    Prism__ImageSpan spans[ROUTER_MAX_IMAGES];
+    Prism__ImageSpan *span_ptrs[ROUTER_MAX_IMAGES];
+    Prism__Prefill prefill;
+    Prism__Encode encode;         /* one image's, filled per image as it is sent */
+    Prism__Envelope env;          /* around either */
+    int32_t *ids;                 /* after a migration: the prompt and the tokens generated (owned) */
+} router_msgs_t;
+
+/* Where it runs now (sched.c): this attempt's workers, and what the attempts so far learnt. */
+typedef struct {
+    char prefill_id[ROUTER_WORKER_ID_MAX + 1], decode_id[ROUTER_WORKER_ID_MAX + 1];
+    bool prefill_pending, decode_pending;
+    char encoder_id[ROUTER_MAX_IMAGES][ROUTER_WORKER_ID_MAX + 1];
+    bool encode_pending[ROUTER_MAX_IMAGES];
+    uint64_t early_id[ROUTER_MAX_IMAGES];   /* the early job its image's Encode adopts (early_encode.c), 0 none */
+    int n_first, n_worker_ended;  /* choices with prefill's token in; choices a worker finished */
+    int attempts;                 /* dispatches so far; a retry is one more (bounded by --max-retries) */
+    char avoid[4][ROUTER_WORKER_ID_MAX + 1];   /* workers an earlier attempt got stuck on: others first */
+    int n_avoid;
+    const char *waiting_for;      /* while queued because a tier has no worker at all: its name */
+    unsigned wait_tiers;          /* ROUTER_TIER_* bits it waited for at its last dispatch */
+} router_placement_t;
+
+/* Migration (n = 1, see requests.c req_migrate): the tokens generated so far, kept while a migration
+ * is possible and sent again with the prompt; at most max_tokens of them. */
+typedef struct {
+    int32_t *gen;                 /* owned */
+    int n_gen, gen_cap;
+    int count;                    /* migrations so far */
+    bool off;                     /* no memory to keep the tokens: this request fails as before */
+    bool decode_heard;            /* this attempt's decode sent a token: the KV reached it */
+} router_migration_t;
+
+/* What its client receives (output.c). */
+typedef struct {
+    prism_oai_resp_meta_t meta;
+    router_choice_t *choices;     /* [oai.n] (owned) */
+    int n_out;                    /* tokens over all choices */
+    int n_finished;
+    bool streaming_started;
+    prism_buf_t buf;              /* scratch for response bytes */
+    prism_buf_t tok_bytes[21];    /* scratch for one token's logprob entry: [0] chosen, [1..] top */
+} router_output_t;
+
+/* Stage timings: the router's clock (prism_now_s) at each step, and what the workers measured. */
+typedef struct {
+    double start;                 /* the last body byte: the handler ran */
+    double wait;                  /* the wait for workers began (start; a migration restarts it) */
+    double sent;                  /* its first attempt was handed to ZeroMQ (x-prism-timing router_ms) */
+    double dispatch;              /* the current attempt was sent (per-stage deadline) */
+    double first, last;           /* its first and its latest token */
+    float decode_ms, vit_ms;      /* encoders: image decode and vision tower (sums over images) */
+    float queue_ms, prefill_ms;   /* its prefill worker */
+    int cache_hits;               /* images found in an encoder's embedding cache */
+} router_times_t;
+
+/* Preparation on the thread pool (requests.c prep_run): the loop thread keeps off everything
+ * else until prep_done reads what it found. */
+typedef struct {
+    uv_work_t work;
+    bool gone;                    /* the client went away meanwhile */
+    bool parsed;
+    prism_oai_error_t perr;
+    int status;                   /* of loading the images and building the prompt; 0 ok */
+    char msg[600];
+    uint64_t refused[PRISM_REFUSE_COUNT];
+} router_prep_t;
+
+struct router_req {
+    uint64_t rid;                 /* the low half of its 128-bit id: the map's key */
+    uint64_t rid_hi;              /* the high half: a worker's message about it must carry both */
+    router_t *r;
+    prism_http_req_t *h;          /* NULL once released */
+    bool chat;
+    router_stage_t stage;
+    /* what was asked */
+    prism_oai_request_t oai;
+    router_prompt_t prompt;       /* images, tokens, image spans, max_tokens (prompt.c) */
+    prism_guide_spec_t guide;     /* output constraint sent in Sampling.guide (points into oai) */
+    bool parse_tools;             /* tool_choice auto / required / named: outputs are parsed for calls */
+    bool bytes_counted;           /* prompt.image_bytes added to the router's in-flight total */
+    router_msgs_t msg;
+    router_placement_t place;
+    Prism__Envelope **held;       /* decode Tokens that arrived before the prefill's, in order (owned) */
+    int n_held, held_cap;
+    router_migration_t mig;
+    router_output_t out;
+    router_times_t time;
+    router_prep_t prep;
+};
+
+static inline int router_req_n(const router_req_t *q) { return q->oai.n > 0 ? q->oai.n : 1; }
+
+/* reqmap.c: the request's memory (its owned buffers, grouped above, all freed here) and the map of
+ * requests in flight (router.h: router_req_get, router_req_new_id, router_req_put, router_req_del). */
+router_req_t *router_req_alloc(router_t *r, prism_http_req_t *h, bool chat);
+void router_req_free(router_req_t *q);
+/* A new id for a request in the map (a retry or a migration): late messages about the old one match
+ * nothing, and no worker's memory of the old one's abort can catch it. */
+void router_req_rekey(router_t *r, router_req_t *q);
+/* Drops the decode Tokens held for the prefill's. */
+void router_req_drop_held(router_req_t *q);
+
+/* sched.c */
+#define ROUTER_DISPATCH_WAIT 1
+enum { ROUTER_TIER_ENCODER = 1, ROUTER_TIER_PREFILL = 2, ROUTER_TIER_DECODE = 4 };
+/* The messages of a prepared request (its prompt built, its guide set). */
+void router_sched_msgs_build(router_req_t *q);
+/* The messages of a migrating request: its prompt and the mig.n_gen tokens generated so far;
+ * PRISM_ENOMEM (nothing changed) without memory. */
+int  router_sched_msgs_migrate(router_req_t *q);
+/* Chooses workers and sends the request to them: 0 when sent, ROUTER_DISPATCH_WAIT when it must wait
+ * in the router's queue (every worker of a tier is at capacity, a tier has no worker at all, or a
+ * worker could not be reached), else an HTTP status with msg (n sequences no decode worker could
+ * ever hold). */
+int  router_sched_dispatch(router_t *r, router_req_t *q, char *msg, size_t n);
+/* A stage is over: its worker's slots are free (a queued request may take them). */
+void router_sched_prefill_done(router_req_t *q);
+void router_sched_decode_done(router_req_t *q);
+void router_sched_encode_done(router_req_t *q, int image);
+/* Aborts every worker still holding it (after the last choice ended, an error or a client that went away). */
+void router_sched_abort(router_req_t *q);
+/* Gives every worker back (aborting those that hold it), as if it had never been dispatched, under a
+ * new id (router_req_rekey). */
+void router_sched_release(router_req_t *q);
+/* Whether w holds it at its current stage. */
+bool router_sched_holds(const router_req_t *q, const router_worker_t *w);
+/* The router's queue (requests that wait for a worker, oldest first). */
+unsigned router_sched_tiers(const router_req_t *q);
+bool router_queue_push(router_t *r, uint64_t rid);
+bool router_queue_push_front(router_t *r, uint64_t rid);
+/* Whether a new request must queue behind waiting ones: they wait for a tier it needs too. */
+bool router_queue_blocks(router_t *r, const router_req_t *q);
+
+/* output.c */
+/* The response metadata, the choices and, when streaming with tools, their parsers: PRISM_ENOMEM. */
+int  router_out_init(router_req_t *q);
+/* Adds the tokens of t to choice i (detokenized, logprobs, stop strings): the choice's finish reason
+ * ("stop", "length") when they end it, NULL while it goes on. */
+const char *router_out_tokens(router_req_t *q, int i, const Prism__Tokens *t);
+/* Streams what choice i may show so far (text that may start a stop string is held back). */
+void router_out_progress(router_req_t *q, int i);
+/* Choice i ended (its finish is set): its last chunk, when streaming. */
+void router_out_choice_end(router_req_t *q, int i);
+/* Every choice ended: the last bytes (usage, [DONE]) or the whole response. */
+void router_out_complete(router_req_t *q, const prism_oai_usage_t *u, const char *timing);
+/* The request failed: an SSE error event and [DONE] once streaming, else the error answer. */
+void router_out_error(router_req_t *q, int status, const char *message);
+/* "x-prism-timing" response header and log line: where the time of this request went. */
+void router_out_timing(const router_req_t *q, double now, char *out, size_t n);
+
+#endif

@@ -1,0 +1,364 @@
+/* Where a request runs: the messages its workers receive, the choice of its workers, and the router's
+ * queue of requests that wait for one.
+ *
+ * A dispatch is two steps. The plan (plan) chooses a prefill, a decode and an encoder per image,
+ * counting nothing and sending nothing: the registry's load, plus what the plan itself has put on
+ * an encoder for the request's earlier images, decides. This is where a choice by cache contents
+ * (an image's embedding cache today; a prompt prefix's KV tomorrow) or by KV room is made. The
+ * commit (commit) then sends the messages built when the request was prepared, patched with what
+ * the plan chose, and counts each worker's slots once, as its message is sent.
+ *
+ * The queue: requests accepted while every worker of a tier was at capacity (or a tier had none),
+ * oldest first, tried again whenever a slot frees (requests.c router_dispatch_queued). */
+#include "request.h"
+
+#include <stdio.h>
+#include <string.h>
+
+/* ---------------------------------------------------------------- the messages */
+
+void router_sched_msgs_build(router_req_t *q)
+{
+    router_msgs_t *m = &q->msg;
+    const prism_oai_request_t *o = &q->oai;
+    Prism__Sampling *sp = &m->sampling;
+    prism__sampling__init(sp);
+    for (int i = 0; i < o->n_stop_token_ids; i++) m->stop_ids[i] = (int32_t)o->stop_token_ids[i];
+    sp->temperature = o->greedy ? 0.0f : (float)o->temperature;
+    sp->top_p = o->greedy ? 1.0f : (float)o->top_p;
+    sp->top_k = (int32_t)o->top_k;
+    sp->has_seed = o->has_seed;
+    sp->seed = (uint64_t)o->seed;
+    sp->max_tokens = (uint32_t)q->prompt.max_tokens;
+    sp->n_stop_token_ids = (size_t)o->n_stop_token_ids;
+    sp->stop_token_ids = m->stop_ids;
+    sp->ignore_eos = o->ignore_eos;
+    sp->logprobs = o->logprobs ? 1u + (uint32_t)o->top_logprobs : 0u;
+    sp->presence_penalty = (float)o->presence_penalty;
+    sp->frequency_penalty = (float)o->frequency_penalty;
+    sp->repetition_penalty = (float)o->repetition_penalty;
+    sp->n_logit_bias_ids = sp->n_logit_bias_values = (size_t)o->n_logit_bias;
+    sp->logit_bias_ids = (int32_t *)o->logit_bias_ids;
+    sp->logit_bias_values = (float *)o->logit_bias_values;
+    sp->n = (uint32_t)router_req_n(q);
+    if (q->guide.kind) {
+        prism__guide__init(&m->guide);
+        m->guide.kind = (Prism__GuideKind)q->guide.kind;
+        m->guide.text = (char *)q->guide.text;
+        m->guide.tool_name = (char *)(q->guide.tool_name ? q->guide.tool_name : "");
+        m->guide.tool_parallel = q->guide.tool_parallel;
+        m->guide.tool_format = (uint32_t)q->guide.tool_format;
+        sp->guide = &m->guide;
+    }
+    for (int s = 0; s < q->prompt.n_images; s++) {
+        prism__image_span__init(&m->spans[s]);
+        m->spans[s].offset = q->prompt.img_offset[s];
+        m->spans[s].n_tokens = q->prompt.img_span[s];
+        m->span_ptrs[s] = &m->spans[s];
+    }
+    prism__prefill__init(&m->prefill);
+    m->prefill.n_token_ids = q->prompt.n_tokens;
+    m->prefill.token_ids = q->prompt.tokens;
+    m->prefill.n_images = (size_t)q->prompt.n_images;
+    m->prefill.images = m->span_ptrs;
+    m->prefill.sampling = sp;
+    prism__encode__init(&m->encode);
+    prism__envelope__init(&m->env);
+}
+
+int router_sched_msgs_migrate(router_req_t *q)
+{
+    size_t n_prompt = q->prompt.n_tokens, n = n_prompt + (size_t)q->mig.n_gen;
+    int32_t *ids = prism_realloc(q->msg.ids, n * sizeof *ids);
+    if (!ids) return PRISM_ENOMEM;
+    memcpy(ids, q->prompt.tokens, n_prompt * sizeof *ids);
+    memcpy(ids + n_prompt, q->mig.gen, (size_t)q->mig.n_gen * sizeof *ids);
+    q->msg.ids = ids;
+    q->msg.prefill.token_ids = ids;
+    q->msg.prefill.n_token_ids = n;
+    q->msg.sampling.generated = (uint32_t)q->mig.n_gen;
+    return PRISM_OK;
+}
+
+/* ---------------------------------------------------------------- workers given back */
+
+/* A worker finished its part of a request: its slots may admit a queued one. */
+static void worker_done(router_t *r, const char *id, int slots)
+{
+    router_worker_t *w = id[0] ? router_worker_by_id(r, id) : NULL;
+    if (w) w->inflight = PRISM_MAX(w->inflight - slots, 0);
+    if (w) w->completed++;  /* the status page's per-worker throughput */
+    r->queue_dirty = true;
+}
+
+void router_sched_prefill_done(router_req_t *q)
+{
+    if (!q->place.prefill_pending) return;
+    q->place.prefill_pending = false;
+    worker_done(q->r, q->place.prefill_id, 1);
+}
+
+void router_sched_decode_done(router_req_t *q)
+{
+    if (!q->place.decode_pending) return;
+    q->place.decode_pending = false;
+    worker_done(q->r, q->place.decode_id, router_req_n(q));   /* each sequence took a slot */
+}
+
+/* An encoder finished (or dropped) the image: its slot and the file's bytes are free. */
+void router_sched_encode_done(router_req_t *q, int i)
+{
+    if (!q->place.encode_pending[i]) return;
+    router_worker_t *w = q->place.encoder_id[i][0] ? router_worker_by_id(q->r, q->place.encoder_id[i]) : NULL;
+    if (w) w->queued_bytes -= PRISM_MIN(w->queued_bytes, (uint64_t)q->prompt.img_len[i]);
+    q->place.encode_pending[i] = false;
+    worker_done(q->r, q->place.encoder_id[i], 1);
+}
+
+/* The prefill always hears it (after its first token it may still hold the KV export); the decode
+ * only while it may hold or still receive the request: a decode remembers aborts for requests it
+ * has not seen (their KV may be on its way), so it is not told about requests that ended without it. */
+void router_sched_abort(router_req_t *q)
+{
+    router_t *r = q->r;
+    const router_placement_t *pl = &q->place;
+    for (int i = 0; i < q->prompt.n_images; i++)
+        if (pl->encode_pending[i]) {
+            router_send_abort_to(r, pl->encoder_id[i], q->rid);
+            /* its adoption may wait behind the batch that runs the early job: that one by its own id */
+            if (pl->early_id[i]) router_send_abort_to(r, pl->encoder_id[i], pl->early_id[i]);
+        }
+    router_send_abort_to(r, pl->prefill_id, q->rid);
+    if (pl->decode_pending) router_send_abort_to(r, pl->decode_id, q->rid);
+}
+
+void router_sched_release(router_req_t *q)
+{
+    router_placement_t *pl = &q->place;
+    router_sched_abort(q);
+    for (int i = 0; i < q->prompt.n_images; i++) {
+        router_sched_encode_done(q, i);
+        pl->encoder_id[i][0] = '\0';
+        pl->early_id[i] = 0;
+    }
+    router_sched_prefill_done(q);
+    router_sched_decode_done(q);
+    pl->prefill_id[0] = pl->decode_id[0] = '\0';
+    router_req_drop_held(q);   /* the old attempt's decode tokens */
+    router_req_rekey(q->r, q);
+}
+
+bool router_sched_holds(const router_req_t *q, const router_worker_t *w)
+{
+    const router_placement_t *pl = &q->place;
+    bool held = (pl->prefill_pending && !strcmp(pl->prefill_id, w->id)) ||
+                (pl->decode_pending && !strcmp(pl->decode_id, w->id));
+    for (int k = 0; k < q->prompt.n_images; k++) held |= pl->encode_pending[k] && !strcmp(pl->encoder_id[k], w->id);
+    return held;
+}
+
+/* ---------------------------------------------------------------- plan */
+
+/* KV blocks a decode worker needs for the request's n sequences sharing the prompt's full blocks
+ * (decode_worker's admission rule, prism_kv_blocks_for_shared). */
+static uint64_t decode_blocks_needed(const router_worker_t *w, const router_req_t *q)
+{
+    uint64_t bs = PRISM_MAX(w->block_size, 1u), n = (uint64_t)router_req_n(q), prompt = q->prompt.n_tokens;
+    uint64_t total = PRISM_MIN(prompt + (uint64_t)q->prompt.max_tokens, (uint64_t)PRISM_MAX(w->max_model_len, 1u));
+    uint64_t per = (total + bs - 1) / bs, shared = n > 1 ? prompt / bs : 0;
+    return shared + n * (per - shared);
+}
+
+/* Whether some registered decode worker could ever hold the request (batch and KV). */
+static bool decode_fits(const router_t *r, const router_req_t *q, char *msg, size_t n)
+{
+    uint32_t best_running = 0;
+    uint64_t best_blocks = 0;
+    int n_seq = router_req_n(q);
+    for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
+        const router_worker_t *w = &r->workers[i];
+        if (!w->used || w->role != PRISM__ROLE__ROLE_DECODE) continue;
+        if (w->max_running >= (uint32_t)n_seq && decode_blocks_needed(w, q) <= w->kv_blocks) return true;
+        best_running = PRISM_MAX(best_running, w->max_running);
+        best_blocks = PRISM_MAX(best_blocks, (uint64_t)w->kv_blocks);
+    }
+    if (best_running < (uint32_t)n_seq)
+        snprintf(msg, n, "n=%d is more than the decode workers run at once (%u).", n_seq, best_running);
+    else
+        snprintf(msg, n, "n=%d sequences of up to %d tokens need more KV cache than a decode worker has (%llu blocks); "
+                 "lower n or max_tokens.", n_seq, q->prompt.max_tokens, (unsigned long long)best_blocks);
+    return false;
+}
+
+/* The workers one attempt goes to. */
+typedef struct {
+    router_worker_t *prefill, *decode;
+    router_worker_t *enc[ROUTER_MAX_IMAGES];
+    uint64_t early[ROUTER_MAX_IMAGES];   /* the early job image i's Encode adopts (its slot is counted), 0 none */
+    const char *waiting_for;             /* a tier with no worker at all */
+    unsigned wait_tiers;                 /* ROUTER_TIER_* without room */
+} plan_t;
+
+/* The least loaded worker of the role with room, passing over the workers an earlier attempt of the
+ * request got stuck on while another has room; planned: what this plan already puts on workers. */
+static router_worker_t *pick(router_t *r, const router_req_t *q, Prism__Role role, uint64_t hash, int slots,
+                             uint64_t bytes, const router_load_t *planned, int n_planned, bool *any)
+{
+    router_want_t want = {.role = role, .prefer_hash = hash, .slots = slots, .bytes = bytes, .planned = planned,
+                          .n_planned = n_planned, .avoid = q->place.avoid, .n_avoid = q->place.n_avoid};
+    return router_pick_want(r, &want, any);
+}
+
+/* Chooses the attempt's workers: 0 (every tier has room), ROUTER_DISPATCH_WAIT, or 400 with msg (n
+ * sequences no registered decode worker could ever hold never get room). Counts and sends nothing. */
+static int plan(router_t *r, const router_req_t *q, plan_t *p, char *msg, size_t n)
+{
+    bool any_pf, any_dc, any_enc = true, enc_room = true;
+    router_load_t planned[ROUTER_MAX_IMAGES];
+    int n_planned = 0;
+    memset(p, 0, sizeof *p);
+    p->prefill = pick(r, q, PRISM__ROLE__ROLE_PREFILL, 0, 1, 0, NULL, 0, &any_pf);
+    p->decode = pick(r, q, PRISM__ROLE__ROLE_DECODE, 0, router_req_n(q), 0, NULL, 0, &any_dc);
+    for (int i = 0; i < q->prompt.n_images && enc_room; i++) {
+        uint64_t hash = q->prompt.img_hash[i];
+        /* an early job of this image still held: the request takes it over (its slot is counted) */
+        if ((p->enc[i] = router_early_claim(r, hash, p->early, i, &p->early[i]))) continue;
+        p->enc[i] = pick(r, q, PRISM__ROLE__ROLE_ENCODER, hash, 1, q->prompt.img_len[i], planned, n_planned, &any_enc);
+        if (p->enc[i]) planned[n_planned++] = (router_load_t){p->enc[i], 1, q->prompt.img_len[i]};  /* the next image sees it */
+        else enc_room = false;
+    }
+    /* A tier with no worker at all waits too (bounded by --max-queue-wait): a restarted worker
+     * re-registers within seconds, and the request is served then instead of refused now. */
+    p->waiting_for = !any_pf ? "prefill" : !any_dc ? "decode" : !any_enc ? "encoder" : NULL;
+    if (any_dc && !decode_fits(r, q, msg, n)) return 400;
+    p->wait_tiers = (p->prefill ? 0 : ROUTER_TIER_PREFILL) | (p->decode ? 0 : ROUTER_TIER_DECODE) |
+                    (enc_room ? 0 : ROUTER_TIER_ENCODER);
+    return p->wait_tiers ? ROUTER_DISPATCH_WAIT : 0;
+}
+
+/* ---------------------------------------------------------------- commit */
+
+/* Sends image i's Encode to its planned encoder and counts it there: false when unreachable. */
+static bool send_encode(router_t *r, router_req_t *q, const plan_t *p, int i)
+{
+    router_msgs_t *m = &q->msg;
+    router_worker_t *enc = p->enc[i];
+    m->encode.image_index = (uint32_t)i;
+    m->encode.content_hash = q->prompt.img_hash[i];
+    m->encode.prefill_endpoint = p->prefill->data_endpoint;
+    /* a done early job of this image there: named too, so the encoder counts no hit for it */
+    m->encode.early_id = p->early[i] ? p->early[i] : router_early_take_done(r, q->prompt.img_hash[i], enc);
+    m->env.type = PRISM__MSG_TYPE__MSG_ENCODE;
+    m->env.prefill = NULL;
+    m->env.encode = &m->encode;
+    /* the kept bytes: a retry on another encoder sends them again (and a migration: they are freed
+     * at the first token only when no migration may follow) */
+    PRISM_ASSERT(q->prompt.img[i]);
+    prism_frame_t f = {q->prompt.img[i], q->prompt.img_len[i]};
+    if (router_send(r, enc, &m->env, &f, 1) != PRISM_OK) {
+        PRISM_WARN("request %llu: encoder %s unreachable; the request waits", (unsigned long long)q->rid, enc->id);
+        return false;
+    }
+    snprintf(q->place.encoder_id[i], sizeof(q->place.encoder_id[i]), "%s", enc->id);
+    q->place.encode_pending[i] = true;
+    q->place.early_id[i] = p->early[i];
+    if (p->early[i]) {
+        router_early_adopted(r, p->early[i]);   /* its slot and bytes, counted already, are this image's */
+    } else {
+        enc->inflight++;
+        enc->queued_bytes += q->prompt.img_len[i];
+    }
+    router_worker_note_image(enc, q->prompt.img_hash[i]);
+    return true;
+}
+
+/* Sends the planned attempt and counts each worker once: 0, or ROUTER_DISPATCH_WAIT when a worker
+ * could not be reached (its connection is gone; the registry drops it at --worker-timeout): the
+ * request waits for the next try rather than failing. */
+static int commit(router_t *r, router_req_t *q, const plan_t *p)
+{
+    router_msgs_t *m = &q->msg;
+    router_placement_t *pl = &q->place;
+    /* Prefill first: it must know the request before embeddings can be used (either order works). */
+    m->prefill.decode_endpoint = p->decode->data_endpoint;
+    m->env.type = PRISM__MSG_TYPE__MSG_PREFILL;
+    m->env.request_id = q->rid;
+    m->env.request_id_hi = q->rid_hi;
+    m->env.prefill = &m->prefill;
+    m->env.encode = NULL;
+    if (router_send(r, p->prefill, &m->env, NULL, 0) != PRISM_OK) {
+        PRISM_WARN("request %llu: prefill worker %s unreachable; the request waits", (unsigned long long)q->rid,
+                   p->prefill->id);
+        return ROUTER_DISPATCH_WAIT;
+    }
+    snprintf(pl->prefill_id, sizeof(pl->prefill_id), "%s", p->prefill->id);
+    snprintf(pl->decode_id, sizeof(pl->decode_id), "%s", p->decode->id);
+    pl->prefill_pending = pl->decode_pending = true;
+    p->prefill->inflight++;
+    p->decode->inflight += router_req_n(q);   /* each sequence takes a slot of the decode batch */
+    for (int i = 0; i < q->prompt.n_images; i++)
+        if (!send_encode(r, q, p, i)) {
+            router_sched_release(q);
+            return ROUTER_DISPATCH_WAIT;
+        }
+    q->stage = STAGE_SENT;
+    q->time.dispatch = prism_now_s();
+    if (!q->time.sent) q->time.sent = q->time.dispatch;
+    pl->attempts++;
+    return 0;
+}
+
+int router_sched_dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
+{
+    plan_t p;
+    int status = plan(r, q, &p, msg, n);
+    q->place.waiting_for = p.waiting_for;
+    if (status == 400) {
+        r->metrics.refused_limit[PRISM_REFUSE_BAD_REQUEST]++;
+        return 400;
+    }
+    q->place.wait_tiers = p.wait_tiers;
+    if (status == ROUTER_DISPATCH_WAIT) {
+        PRISM_DEBUG("request %llu waits: %s", (unsigned long long)q->rid,
+                    !p.prefill ? "no prefill worker with room" : !p.decode ? "no decode worker with room"
+                    : "no encoder with room");
+        return ROUTER_DISPATCH_WAIT;
+    }
+    return commit(r, q, &p);
+}
+
+/* ---------------------------------------------------------------- the queue */
+
+/* The tiers a request needs: every request a prefill and a decode worker, an image request encoders. */
+unsigned router_sched_tiers(const router_req_t *q)
+{
+    return ROUTER_TIER_PREFILL | ROUTER_TIER_DECODE | (q->prompt.n_images ? ROUTER_TIER_ENCODER : 0);
+}
+
+bool router_queue_push(router_t *r, uint64_t rid)
+{
+    if (r->queue_len == r->reqs_cap) return false;
+    r->queue[(r->queue_head + r->queue_len) % r->reqs_cap] = rid;
+    r->queue_len++;
+    return true;
+}
+
+bool router_queue_push_front(router_t *r, uint64_t rid)
+{
+    if (r->queue_len == r->reqs_cap) return false;
+    r->queue_head = (r->queue_head + r->reqs_cap - 1) % r->reqs_cap;
+    r->queue[r->queue_head] = rid;
+    r->queue_len++;
+    return true;
+}
+
+bool router_queue_blocks(router_t *r, const router_req_t *q)
+{
+    unsigned blocked = 0;
+    for (size_t k = 0; k < r->queue_len; k++) {
+        const router_req_t *o = router_req_get(r, r->queue[(r->queue_head + k) % r->reqs_cap]);
+        if (o && o->stage == STAGE_QUEUED) blocked |= o->place.wait_tiers ? o->place.wait_tiers : router_sched_tiers(o);
+        if (blocked & (ROUTER_TIER_PREFILL | ROUTER_TIER_DECODE)) return true;
+    }
+    return (blocked & router_sched_tiers(q)) != 0;
+}
