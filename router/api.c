@@ -230,11 +230,11 @@ static void handle_tokenize(router_t *r, prism_http_req_t *h, bool detokenize)
     }
 }
 
-static void handle_metrics(router_t *r, prism_http_req_t *h)
+/* vLLM's serving metrics, then the router's own about requests, labelled with the model. */
+static void metrics_requests(const router_t *r, prism_buf_t *b)
 {
-    prism_buf_t b = {0};
     const prism_router_metrics_t *m = &r->metrics;
-    char lbl[700], model[300], wid[300];
+    char lbl[700], model[300];
     prism_metric_label_value(model, sizeof(model), r->served_model_name);
     snprintf(lbl, sizeof(lbl), "model_name=\"%s\"", model);
     int running = 0, waiting = 0;
@@ -248,72 +248,84 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
         if (w->kv_blocks) kv_used += 1.0 - (double)w->kv_free_blocks / w->kv_blocks;
         n_dec++;
     }
-    prism_metric_write(&b, "vllm:num_requests_running", "gauge", "Requests in decode batches.", lbl, running);
-    prism_metric_write(&b, "vllm:num_requests_waiting", "gauge", "Requests waiting for a decode slot.", lbl, waiting);
-    prism_metric_write(&b, "vllm:kv_cache_usage_perc", "gauge", "KV-cache usage, 0-1, mean over decode workers.", lbl,
+    prism_metric_write(b, "vllm:num_requests_running", "gauge", "Requests in decode batches.", lbl, running);
+    prism_metric_write(b, "vllm:num_requests_waiting", "gauge", "Requests waiting for a decode slot.", lbl, waiting);
+    prism_metric_write(b, "vllm:kv_cache_usage_perc", "gauge", "KV-cache usage, 0-1, mean over decode workers.", lbl,
                        n_dec ? kv_used / n_dec : 0);
-    prism_metric_write(&b, "vllm:prompt_tokens_total", "counter", "Prompt tokens processed.", lbl, (double)m->prompt_tokens);
-    prism_metric_write(&b, "vllm:generation_tokens_total", "counter", "Tokens generated.", lbl, (double)m->generation_tokens);
-    prism_buf_appendf(&b, "# HELP vllm:request_success_total Finished requests.\n# TYPE vllm:request_success_total counter\n");
+    prism_metric_write(b, "vllm:prompt_tokens_total", "counter", "Prompt tokens processed.", lbl, (double)m->prompt_tokens);
+    prism_metric_write(b, "vllm:generation_tokens_total", "counter", "Tokens generated.", lbl, (double)m->generation_tokens);
+    prism_buf_appendf(b, "# HELP vllm:request_success_total Finished requests.\n# TYPE vllm:request_success_total counter\n");
     snprintf(lbl, sizeof(lbl), "model_name=\"%s\",finished_reason=\"stop\"", model);
-    prism_metric_write(&b, "vllm:request_success_total", "counter", NULL, lbl, (double)m->success_stop);
+    prism_metric_write(b, "vllm:request_success_total", "counter", NULL, lbl, (double)m->success_stop);
     snprintf(lbl, sizeof(lbl), "model_name=\"%s\",finished_reason=\"length\"", model);
-    prism_metric_write(&b, "vllm:request_success_total", "counter", NULL, lbl, (double)m->success_length);
+    prism_metric_write(b, "vllm:request_success_total", "counter", NULL, lbl, (double)m->success_length);
     snprintf(lbl, sizeof(lbl), "model_name=\"%s\",finished_reason=\"abort\"", model);
-    prism_metric_write(&b, "vllm:request_success_total", "counter", NULL, lbl, (double)m->success_abort);
+    prism_metric_write(b, "vllm:request_success_total", "counter", NULL, lbl, (double)m->success_abort);
     snprintf(lbl, sizeof(lbl), "model_name=\"%s\"", model);
-    prism_metric_write(&b, "vllm:num_preemptions_total", "counter", "Preemptions (always 0: decode reserves KV).", lbl, 0);
-    prism_hist_write(&m->ttft, &b, "vllm:time_to_first_token_seconds", "Time to first token.", lbl);
-    prism_hist_write(&m->itl, &b, "vllm:inter_token_latency_seconds", "Mean time per output token of each request.", lbl);
-    prism_hist_write(&m->e2e, &b, "vllm:e2e_request_latency_seconds", "End-to-end request latency.", lbl);
-    prism_hist_write(&m->queue, &b, "vllm:request_queue_time_seconds", "Time a request waited in prefill.", lbl);
-    prism_metric_write(&b, "prism:requests_failed_total", "counter", "Requests that failed after admission.", lbl,
+    prism_metric_write(b, "vllm:num_preemptions_total", "counter", "Preemptions (always 0: decode reserves KV).", lbl, 0);
+    prism_hist_write(&m->ttft, b, "vllm:time_to_first_token_seconds", "Time to first token.", lbl);
+    prism_hist_write(&m->itl, b, "vllm:inter_token_latency_seconds", "Mean time per output token of each request.", lbl);
+    prism_hist_write(&m->e2e, b, "vllm:e2e_request_latency_seconds", "End-to-end request latency.", lbl);
+    prism_hist_write(&m->queue, b, "vllm:request_queue_time_seconds", "Time a request waited in prefill.", lbl);
+    prism_metric_write(b, "prism:requests_failed_total", "counter", "Requests that failed after admission.", lbl,
                        (double)m->failed);
-    prism_metric_write(&b, "prism:requests_retried_total", "counter",
+    prism_metric_write(b, "prism:requests_retried_total", "counter",
                        "Requests sent to other workers after theirs died before the first token.", lbl, (double)m->retried);
-    prism_metric_write(&b, "prism:requests_migrated_total", "counter",
+    prism_metric_write(b, "prism:requests_migrated_total", "counter",
                        "Requests that went on from their last token on another prefill/decode pair after their decode "
                        "worker died mid-generation.", lbl, (double)m->migrated);
-    prism_metric_write(&b, "prism:workers_disconnected_total", "counter",
+    prism_metric_write(b, "prism:workers_disconnected_total", "counter",
                        "Workers dropped at once because their connection closed (process died).", lbl,
                        (double)m->workers_disconnected);
-    prism_metric_write(&b, "prism:request_stage_timeouts_total", "counter",
+    prism_metric_write(b, "prism:request_stage_timeouts_total", "counter",
                        "Encode or prefill stages that overran --stage-timeout (retried, or 504).", lbl,
                        (double)m->stage_timeouts);
-    prism_metric_write(&b, "prism:router_early_encodes_total", "counter",
+    prism_metric_write(b, "prism:router_early_encodes_total", "counter",
                        "Images sent to an encoder's cache as soon as their bytes were in, before their request's "
                        "body ended.", lbl, (double)m->early_encodes);
-    prism_metric_write(&b, "prism:router_early_encodes_adopted_total", "counter",
+    prism_metric_write(b, "prism:router_early_encodes_adopted_total", "counter",
                        "Early encodes still held when their request was dispatched: the request took the job over.",
                        lbl, (double)m->early_encodes_adopted);
-    prism_metric_write(&b, "prism:router_early_encodes_failed_total", "counter",
+    prism_metric_write(b, "prism:router_early_encodes_failed_total", "counter",
                        "Early encodes that failed, timed out or lost their encoder (the request encodes its image "
                        "as usual).", lbl, (double)m->early_encodes_failed);
-    prism_buf_appendf(&b, "# HELP prism:requests_refused_total Requests refused, by reason.\n"
+}
+
+/* The router's refusals and what it holds. */
+static void metrics_router(const router_t *r, prism_buf_t *b)
+{
+    char lbl[160];
+    prism_buf_appendf(b, "# HELP prism:requests_refused_total Requests refused, by reason.\n"
                           "# TYPE prism:requests_refused_total counter\n");
     uint64_t refused[PRISM_REFUSE_COUNT];
     router_refusals(r, refused);
     for (int i = 0; i < PRISM_REFUSE_COUNT; i++) {
         snprintf(lbl, sizeof(lbl), "reason=\"%s\"", prism_refusal_names[i]);
-        prism_metric_write(&b, "prism:requests_refused_total", "counter", NULL, lbl, (double)refused[i]);
+        prism_metric_write(b, "prism:requests_refused_total", "counter", NULL, lbl, (double)refused[i]);
     }
-    prism_metric_write(&b, "prism:router_requests_in_flight", "gauge", "Requests the router holds.", "", (double)r->n_reqs);
-    prism_metric_write(&b, "prism:router_image_bytes_in_flight", "gauge", "Image bytes the router holds.", "",
+    prism_metric_write(b, "prism:router_requests_in_flight", "gauge", "Requests the router holds.", "", (double)r->n_reqs);
+    prism_metric_write(b, "prism:router_image_bytes_in_flight", "gauge", "Image bytes the router holds.", "",
                        (double)r->image_bytes_inflight);
-    prism_metric_write(&b, "prism:router_body_bytes_in_flight", "gauge",
+    prism_metric_write(b, "prism:router_body_bytes_in_flight", "gauge",
                        "Request body bytes the HTTP server holds (charged as they arrive).", "",
                        (double)prism_http_server_body_bytes(r->http));
-    prism_metric_write(&b, "prism:router_uploads_paused_total", "counter",
+    prism_metric_write(b, "prism:router_uploads_paused_total", "counter",
                        "Request bodies the router stopped reading to wait for room (body or image bytes in flight, "
                        "or requests queued for a worker) instead of refusing them.", "",
                        (double)prism_http_server_pauses(r->http));
-    prism_metric_write(&b, "prism:router_memory_bytes", "gauge", "Router heap bytes in use.", "", (double)prism_mem_used());
-    prism_metric_write(&b, "prism:router_peer_auth_failures_total", "counter",
+    prism_metric_write(b, "prism:router_memory_bytes", "gauge", "Router heap bytes in use.", "", (double)prism_mem_used());
+    prism_metric_write(b, "prism:router_peer_auth_failures_total", "counter",
                        "Peers the router's control socket refused at the CURVE handshake.", "",
                        (double)prism_net_refused(r->net));
-    prism_metric_write(&b, "prism:router_control_messages_refused_total", "counter",
+    prism_metric_write(b, "prism:router_control_messages_refused_total", "counter",
                        "Control messages dropped: from an unregistered id or another key, a refused registration, "
                        "or results from a worker that does not hold the request.", "", (double)r->ctl_refused);
+}
+
+/* Per worker, from its registration and heartbeats; workers lost; heartbeat intervals by tier. */
+static void metrics_workers(const router_t *r, prism_buf_t *b)
+{
+    char lbl[700], wid[300];
     static const char *gauges[][2] = {
         {"prism:worker_running", "Requests running on the worker."},
         {"prism:worker_waiting", "Requests queued on the worker."},
@@ -335,7 +347,7 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
         {"prism:worker_kv_waits_total", "KV transfers the decode worker held until blocks or a slot were free."},
     };
     for (size_t g = 0; g < PRISM_ARRAY_LEN(gauges); g++) {
-        prism_buf_appendf(&b, "# HELP %s %s\n# TYPE %s %s\n", gauges[g][0], gauges[g][1], gauges[g][0],
+        prism_buf_appendf(b, "# HELP %s %s\n# TYPE %s %s\n", gauges[g][0], gauges[g][1], gauges[g][0],
                           strstr(gauges[g][0], "_total") ? "counter" : "gauge");
         for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
             const router_worker_t *w = &r->workers[i];
@@ -348,20 +360,28 @@ static void handle_metrics(router_t *r, prism_http_req_t *h)
             _Static_assert(PRISM_ARRAY_LEN(v) == PRISM_ARRAY_LEN(gauges), "one value per gauge");
             prism_metric_label_value(wid, sizeof(wid), w->id);  /* ids come from the network */
             snprintf(lbl, sizeof(lbl), "tier=\"%s\",worker=\"%s\"", prism_role_name(w->role), wid);
-            prism_metric_write(&b, gauges[g][0], "gauge", NULL, lbl, v[g]);
+            prism_metric_write(b, gauges[g][0], "gauge", NULL, lbl, v[g]);
         }
     }
-    prism_buf_appendf(&b, "# HELP prism:workers_lost_total Workers given up on: dead (no heartbeat for --worker-timeout) "
+    prism_buf_appendf(b, "# HELP prism:workers_lost_total Workers given up on: dead (no heartbeat for --worker-timeout) "
                           "or stuck (busy without progress for --worker-stuck-timeout).\n"
                           "# TYPE prism:workers_lost_total counter\n");
-    prism_metric_write(&b, "prism:workers_lost_total", "counter", NULL, "reason=\"dead\"", (double)r->workers_lost_dead);
-    prism_metric_write(&b, "prism:workers_lost_total", "counter", NULL, "reason=\"stuck\"", (double)r->workers_lost_stuck);
+    prism_metric_write(b, "prism:workers_lost_total", "counter", NULL, "reason=\"dead\"", (double)r->workers_lost_dead);
+    prism_metric_write(b, "prism:workers_lost_total", "counter", NULL, "reason=\"stuck\"", (double)r->workers_lost_stuck);
     for (int role = PRISM__ROLE__ROLE_ENCODER; role <= PRISM__ROLE__ROLE_DECODE; role++) {
         snprintf(lbl, sizeof(lbl), "tier=\"%s\"", prism_role_name((Prism__Role)role));
-        prism_hist_write(&r->heartbeat_interval[role], &b, "prism:worker_heartbeat_interval_seconds",
+        prism_hist_write(&r->heartbeat_interval[role], b, "prism:worker_heartbeat_interval_seconds",
                          role == PRISM__ROLE__ROLE_ENCODER ? "Seconds between two heartbeats of a worker, as received." : NULL,
                          lbl);
     }
+}
+
+static void handle_metrics(router_t *r, prism_http_req_t *h)
+{
+    prism_buf_t b = {0};
+    metrics_requests(r, &b);
+    metrics_router(r, &b);
+    metrics_workers(r, &b);
     prism_http_respond(h, 200, "text/plain; version=0.0.4", NULL, b.data, b.len);
     prism_buf_free(&b);
 }

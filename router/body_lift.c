@@ -215,120 +215,136 @@ static int feed_cand(prism_lift_t *l, prism_buf_t *out, uint8_t b)
     return PRISM_OK;
 }
 
+/* Each state's feed takes bytes from s[*i] on (at least one when *i < n) and returns 0 or PRISM_ENOMEM. */
+
+/* Outside strings: the run of structure bytes up to the next string, noting whether the string that
+ * opens there is the value of a "url" / "image_url" key (a data URL candidate). */
+static int feed_out(prism_lift_t *l, prism_buf_t *out, const uint8_t *s, size_t n, size_t *ip)
+{
+    size_t i = *ip, j = i;
+    while (j < n && s[j] != '"') {
+        uint8_t c = s[j];
+        if (c == ':') {
+            l->expect_value = true;
+            l->key_is_url = l->last_is_url;
+        } else if (c != ' ' && c != '\t' && c != '\n' && c != '\r') {
+            l->expect_value = false;
+            l->last_is_url = false;
+        }
+        j++;
+    }
+    if (j > i && prism_buf_append(out, s + i, j - i)) return PRISM_ENOMEM;
+    l->fed += j - i;
+    *ip = j;
+    if (j == n) return PRISM_OK;
+    bool url_value = l->expect_value && l->key_is_url;
+    bool cand = url_value && l->n < PRISM_LIFT_MAX;
+    l->n_urls += url_value;
+    l->expect_value = false;
+    l->last_is_url = false;
+    l->u_state = 0;
+    l->esc = false;
+    l->cur_len = 0;
+    (*ip)++;
+    l->fed++;
+    if (cand) {
+        l->state = S_CAND;
+        l->raw_len = l->hdr_len = 0;
+        return PRISM_OK;
+    }
+    if (prism_buf_append(out, "\"", 1)) return PRISM_ENOMEM;
+    l->state = S_STR;
+    return PRISM_OK;
+}
+
+/* Inside an ordinary string: copied as it is, its first bytes kept to recognise a url key. */
+static int feed_str(prism_lift_t *l, prism_buf_t *out, const uint8_t *s, size_t n, size_t *ip)
+{
+    size_t i = *ip, j = i;
+    bool end = false;
+    while (j < n) {
+        uint8_t c = s[j++];
+        if (l->cur_len < sizeof l->cur) l->cur[l->cur_len] = (char)c;
+        l->cur_len++;
+        if (l->esc) {
+            l->esc = false;
+        } else if (c == '\\') {
+            l->esc = true;
+        } else if (c == '"') {
+            end = true;
+            break;
+        }
+    }
+    if (prism_buf_append(out, s + i, j - i)) return PRISM_ENOMEM;
+    l->fed += j - i;
+    *ip = j;
+    if (end) {
+        size_t len = l->cur_len - 1;  /* without the quote */
+        l->last_is_url = (len == 3 && !memcmp(l->cur, "url", 3)) || (len == 9 && !memcmp(l->cur, "image_url", 9));
+        l->state = S_OUT;
+    }
+    return PRISM_OK;
+}
+
+/* Inside a lifted data URL's base64: decoded into the image, whole quanta of plain alphabet bytes
+ * on a fast path, escapes and padding a byte at a time. */
+static int feed_lift(prism_lift_t *l, prism_buf_t *out, const uint8_t *s, size_t n, size_t *ip)
+{
+    const uint8_t *t = b64_tab();
+    prism_lift_image_t *im = &l->img[l->n - 1];
+    size_t i = *ip;
+    if (l->u_state == 0 && !l->pads && !im->bad) {
+        size_t j = i;
+        while (j < n && l->nq == 0 && j + 4 <= n) {
+            uint8_t a = t[s[j]], b = t[s[j + 1]], c = t[s[j + 2]], d = t[s[j + 3]];
+            if ((a | b | c | d) & 0xC0) break;
+            if (img_reserve(l, im, 3)) return PRISM_ENOMEM;
+            uint32_t x = (uint32_t)a << 18 | (uint32_t)b << 12 | (uint32_t)c << 6 | d;
+            im->data[im->len++] = (uint8_t)(x >> 16);
+            im->data[im->len++] = (uint8_t)(x >> 8);
+            im->data[im->len++] = (uint8_t)x;
+            j += 4;
+        }
+        l->fed += j - i;
+        *ip = i = j;
+        if (i == n) return PRISM_OK;
+    }
+    uint8_t b = s[i];
+    *ip = i + 1;
+    l->fed++;
+    if (l->u_state == 0 && b == '"') {
+        if (b64_finish(l, im) || prism_buf_append(out, "\"", 1)) return PRISM_ENOMEM;
+        l->state = S_OUT;
+        l->last_is_url = false;
+        return PRISM_OK;
+    }
+    uint8_t ch;
+    int u = unescape(l, b, &ch);
+    if (u < 0) img_bad(l, im);
+    else if (u > 0 && b64_feed(l, im, ch)) return PRISM_ENOMEM;
+    return PRISM_OK;
+}
+
 int prism_lift_feed(prism_lift_t *l, prism_buf_t *out, const char *p, size_t n)
 {
     const uint8_t *s = (const uint8_t *)p;
     size_t i = 0;
-    const uint8_t *t = b64_tab();
     while (i < n) {
+        int rc;
         switch (l->state) {
-        case S_OUT: {
-            /* copy the run of structure bytes up to the next string */
-            size_t j = i;
-            while (j < n && s[j] != '"') {
-                uint8_t c = s[j];
-                if (c == ':') {
-                    l->expect_value = true;
-                    l->key_is_url = l->last_is_url;
-                } else if (c != ' ' && c != '\t' && c != '\n' && c != '\r') {
-                    l->expect_value = false;
-                    l->last_is_url = false;
-                }
-                j++;
-            }
-            if (j > i && prism_buf_append(out, s + i, j - i)) return PRISM_ENOMEM;
-            l->fed += j - i;
-            i = j;
-            if (i == n) break;
-            bool url_value = l->expect_value && l->key_is_url;
-            bool cand = url_value && l->n < PRISM_LIFT_MAX;
-            l->n_urls += url_value;
-            l->expect_value = false;
-            l->last_is_url = false;
-            l->u_state = 0;
-            l->esc = false;
-            l->cur_len = 0;
+        case S_OUT:  rc = feed_out(l, out, s, n, &i); break;
+        case S_STR:  rc = feed_str(l, out, s, n, &i); break;
+        case S_LIFT: rc = feed_lift(l, out, s, n, &i); break;
+        case S_CAND:
+            rc = feed_cand(l, out, s[i]);
             i++;
             l->fed++;
-            if (cand) {
-                l->state = S_CAND;
-                l->raw_len = l->hdr_len = 0;
-            } else {
-                if (prism_buf_append(out, "\"", 1)) return PRISM_ENOMEM;
-                l->state = S_STR;
-            }
             break;
+        default:
+            PRISM_ASSERT(!"lifter state");
+            return PRISM_EINVAL;
         }
-        case S_STR: {
-            size_t j = i;
-            bool end = false;
-            while (j < n) {
-                uint8_t c = s[j++];
-                if (l->cur_len < sizeof l->cur) l->cur[l->cur_len] = (char)c;
-                l->cur_len++;
-                if (l->esc) {
-                    l->esc = false;
-                } else if (c == '\\') {
-                    l->esc = true;
-                } else if (c == '"') {
-                    end = true;
-                    break;
-                }
-            }
-            if (prism_buf_append(out, s + i, j - i)) return PRISM_ENOMEM;
-            l->fed += j - i;
-            i = j;
-            if (end) {
-                size_t len = l->cur_len - 1;  /* without the quote */
-                l->last_is_url = (len == 3 && !memcmp(l->cur, "url", 3)) || (len == 9 && !memcmp(l->cur, "image_url", 9));
-                l->state = S_OUT;
-            }
-            break;
-        }
-        case S_CAND: {
-            int rc = feed_cand(l, out, s[i]);
-            i++;
-            l->fed++;
-            if (rc) return rc;
-            break;
-        }
-        case S_LIFT: {
-            prism_lift_image_t *im = &l->img[l->n - 1];
-            /* fast path: whole quanta of plain alphabet bytes */
-            if (l->u_state == 0 && !l->pads && !im->bad) {
-                size_t j = i;
-                while (j < n && l->nq == 0 && j + 4 <= n) {
-                    uint8_t a = t[s[j]], b = t[s[j + 1]], c = t[s[j + 2]], d = t[s[j + 3]];
-                    if ((a | b | c | d) & 0xC0) break;
-                    if (img_reserve(l, im, 3)) return PRISM_ENOMEM;
-                    uint32_t x = (uint32_t)a << 18 | (uint32_t)b << 12 | (uint32_t)c << 6 | d;
-                    im->data[im->len++] = (uint8_t)(x >> 16);
-                    im->data[im->len++] = (uint8_t)(x >> 8);
-                    im->data[im->len++] = (uint8_t)x;
-                    j += 4;
-                }
-                l->fed += j - i;
-                i = j;
-                if (i == n) break;
-            }
-            uint8_t b = s[i++];
-            l->fed++;
-            if (l->u_state == 0 && b == '"') {
-                if (b64_finish(l, im) || prism_buf_append(out, "\"", 1)) return PRISM_ENOMEM;
-                l->state = S_OUT;
-                l->last_is_url = false;
-                break;
-            }
-            uint8_t ch;
-            int u = unescape(l, b, &ch);
-            if (u < 0) {
-                img_bad(l, im);
-            } else if (u > 0 && b64_feed(l, im, ch)) {
-                return PRISM_ENOMEM;
-            }
-            break;
-        }
-        }
+        if (rc) return rc;
     }
     return PRISM_OK;
 }

@@ -55,91 +55,102 @@ static void on_signal(uv_signal_t *s, int sig)
     uv_timer_start(&r->drain_timer, on_drain_tick, 0, 50);
 }
 
-/* Everything before the loop: flags, model config, tokenizer and template, the control socket and the
- * HTTP listener, signals. Returns -1 to go on, else the exit code. */
-static int router_open(router_t *r, int argc, char **argv)
+/* The router's flags as given (defaults in flags_parse). */
+typedef struct {
+    const char *model_path, *tokenizer_path, *served, *host, *control, *chat_template, *api_key, *log_level,
+               *tool_parser, *curve_keys;
+    bool insecure_no_curve, metrics_open, timing_header, no_early_encode;
+    int64_t port, context_length, limit_mm, max_pixels, max_running, max_body, body_total, image_inflight, max_conn,
+            min_body_rate, stream_pending, max_retries, max_migrations, prep_threads;
+    double worker_timeout, worker_stuck_timeout, request_timeout, max_queue_wait, header_timeout, drain_timeout,
+           stage_timeout;
+} router_flags_t;
+
+/* Parses and checks the flags, and starts logging: -1 to go on, else the exit code. */
+static int flags_parse(router_flags_t *f, int argc, char **argv)
 {
-    const char *model_path = "models/prism-tiny-llava", *tokenizer_path = NULL, *served = NULL, *host = "127.0.0.1",
-               *control = "tcp://127.0.0.1:8100", *chat_template = NULL, *api_key = NULL, *log_level = "info",
-               *tool_parser = NULL, *curve_keys = NULL;
-    bool insecure_no_curve = false, metrics_open = false, timing_header = false, no_early_encode = false;
-    int64_t port = 8000, context_length = 0, limit_mm = 8, max_pixels = 4096ll * 4096, max_running = 256,
-            max_body = 64ll << 20, body_total = 1ll << 30, image_inflight = 1ll << 30, max_conn = 4096,
-            min_body_rate = 8 << 10, stream_pending = 4ll << 20, max_retries = 2, max_migrations = 2, prep_threads = 4;
-    double worker_timeout = 10, worker_stuck_timeout = 60, request_timeout = 600, max_queue_wait = 120, header_timeout = 30, drain_timeout = 20,
-           stage_timeout = 60;
+    *f = (router_flags_t){
+        .model_path = "models/prism-tiny-llava", .host = "127.0.0.1", .control = "tcp://127.0.0.1:8100",
+        .log_level = "info", .port = 8000, .limit_mm = 8, .max_pixels = 4096ll * 4096, .max_running = 256,
+        .max_body = 64ll << 20, .body_total = 1ll << 30, .image_inflight = 1ll << 30, .max_conn = 4096,
+        .min_body_rate = 8 << 10, .stream_pending = 4ll << 20, .max_retries = 2, .max_migrations = 2,
+        .prep_threads = 4, .worker_timeout = 10, .worker_stuck_timeout = 60, .request_timeout = 600,
+        .max_queue_wait = 120, .header_timeout = 30, .drain_timeout = 20, .stage_timeout = 60};
     prism_flag_t flags[] = {
-        PRISM_FLAG_STR("model-path", &model_path, "HF model directory (config.json, tokenizer.json, tokenizer_config.json)"),
-        PRISM_FLAG_STR("tokenizer-path", &tokenizer_path, "Tokenizer directory (default: --model-path)"),
-        PRISM_FLAG_STR("served-model-name", &served, "Model name clients use (default: the model directory's name)"),
-        PRISM_FLAG_STR("host", &host, "HTTP bind address"),
-        PRISM_FLAG_INT("port", &port, "HTTP port"),
-        PRISM_FLAG_STR("control-endpoint", &control, "ZeroMQ endpoint workers connect to"),
-        PRISM_FLAG_STR("curve-keys", &curve_keys,
+        PRISM_FLAG_STR("model-path", &f->model_path, "HF model directory (config.json, tokenizer.json, tokenizer_config.json)"),
+        PRISM_FLAG_STR("tokenizer-path", &f->tokenizer_path, "Tokenizer directory (default: --model-path)"),
+        PRISM_FLAG_STR("served-model-name", &f->served, "Model name clients use (default: the model directory's name)"),
+        PRISM_FLAG_STR("host", &f->host, "HTTP bind address"),
+        PRISM_FLAG_INT("port", &f->port, "HTTP port"),
+        PRISM_FLAG_STR("control-endpoint", &f->control, "ZeroMQ endpoint workers connect to"),
+        PRISM_FLAG_STR("curve-keys", &f->curve_keys,
                        "CURVE key directory (made by prism_keygen): router.key and the workers' public keys"),
-        PRISM_FLAG_BOOL("insecure-no-curve", &insecure_no_curve,
+        PRISM_FLAG_BOOL("insecure-no-curve", &f->insecure_no_curve,
                         "Unauthenticated control socket (only on an isolated network; logs a warning)"),
-        PRISM_FLAG_STR("chat-template", &chat_template, "Jinja chat template file overriding the model's"),
-        PRISM_FLAG_STR("tool-call-parser", &tool_parser,
+        PRISM_FLAG_STR("chat-template", &f->chat_template, "Jinja chat template file overriding the model's"),
+        PRISM_FLAG_STR("tool-call-parser", &f->tool_parser,
                        "Tool-call format of the model's output: hermes or pythonic (llama4_pythonic); enables tools"),
-        PRISM_FLAG_STR("api-key", &api_key, "Require 'Authorization: Bearer KEY' (all but /health, /ready, /version)"),
-        PRISM_FLAG_BOOL("metrics-open", &metrics_open, "Serve /metrics without the API key"),
-        PRISM_FLAG_BOOL("timing-header", &timing_header,
+        PRISM_FLAG_STR("api-key", &f->api_key, "Require 'Authorization: Bearer KEY' (all but /health, /ready, /version)"),
+        PRISM_FLAG_BOOL("metrics-open", &f->metrics_open, "Serve /metrics without the API key"),
+        PRISM_FLAG_BOOL("timing-header", &f->timing_header,
                         "Add x-prism-timing (time split, image cache hits) to responses: for operators only, it tells "
                         "a client whether someone else sent the same image"),
-        PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings, at most 131072)"),
-        PRISM_FLAG_INT("limit-mm-per-prompt", &limit_mm, "Most images in one request"),
-        PRISM_FLAG_BOOL("no-early-encode", &no_early_encode,
+        PRISM_FLAG_INT("context-length", &f->context_length, "Max tokens per sequence (0 = model's max_position_embeddings, at most 131072)"),
+        PRISM_FLAG_INT("limit-mm-per-prompt", &f->limit_mm, "Most images in one request"),
+        PRISM_FLAG_BOOL("no-early-encode", &f->no_early_encode,
                         "Send images to an encoder only once their whole request is in (by default an image goes "
                         "to an encoder's cache as soon as its bytes are, while the rest of the body arrives)"),
-        PRISM_FLAG_INT("max-image-pixels", &max_pixels, "Largest image (width*height from its header) accepted"),
-        PRISM_FLAG_INT("max-running-requests", &max_running, "Requests in flight; more get 429"),
-        PRISM_FLAG_BYTES("max-body-bytes", &max_body, "Largest request body; more gets 413"),
-        PRISM_FLAG_BYTES("max-body-bytes-in-flight", &body_total, "Request body bytes held at once; beyond, uploads pause (503 after --max-queue-wait)"),
-        PRISM_FLAG_BYTES("max-image-bytes-in-flight", &image_inflight, "Image bytes held at once; beyond, uploads with images pause (503 after --max-queue-wait)"),
-        PRISM_FLAG_INT("max-connections", &max_conn, "Open HTTP connections at once; more get 503"),
-        PRISM_FLAG_DOUBLE("http-header-timeout", &header_timeout, "Seconds for a request's line and headers; slower gets 408"),
-        PRISM_FLAG_BYTES("http-min-body-rate", &min_body_rate,
+        PRISM_FLAG_INT("max-image-pixels", &f->max_pixels, "Largest image (width*height from its header) accepted"),
+        PRISM_FLAG_INT("max-running-requests", &f->max_running, "Requests in flight; more get 429"),
+        PRISM_FLAG_BYTES("max-body-bytes", &f->max_body, "Largest request body; more gets 413"),
+        PRISM_FLAG_BYTES("max-body-bytes-in-flight", &f->body_total, "Request body bytes held at once; beyond, uploads pause (503 after --max-queue-wait)"),
+        PRISM_FLAG_BYTES("max-image-bytes-in-flight", &f->image_inflight, "Image bytes held at once; beyond, uploads with images pause (503 after --max-queue-wait)"),
+        PRISM_FLAG_INT("max-connections", &f->max_conn, "Open HTTP connections at once; more get 503"),
+        PRISM_FLAG_DOUBLE("http-header-timeout", &f->header_timeout, "Seconds for a request's line and headers; slower gets 408"),
+        PRISM_FLAG_BYTES("http-min-body-rate", &f->min_body_rate,
                          "Bytes/s a request body must average after 10 s; slower gets 408 (slowloris)"),
-        PRISM_FLAG_BYTES("max-stream-pending-bytes", &stream_pending,
+        PRISM_FLAG_BYTES("max-stream-pending-bytes", &f->stream_pending,
                          "Bytes queued for a streaming client that stopped reading; beyond, it is dropped"),
-        PRISM_FLAG_DOUBLE("worker-timeout", &worker_timeout, "Seconds without a heartbeat before a worker is dropped (dead)"),
-        PRISM_FLAG_DOUBLE("worker-stuck-timeout", &worker_stuck_timeout,
+        PRISM_FLAG_DOUBLE("worker-timeout", &f->worker_timeout, "Seconds without a heartbeat before a worker is dropped (dead)"),
+        PRISM_FLAG_DOUBLE("worker-stuck-timeout", &f->worker_stuck_timeout,
                           "Seconds a worker may heartbeat busy without progress before its requests fail and it "
                           "gets no new work (stuck; 0 = never). Must exceed the slowest layer of any batch"),
-        PRISM_FLAG_DOUBLE("request-timeout", &request_timeout, "Seconds before an unfinished request fails"),
-        PRISM_FLAG_DOUBLE("max-queue-wait", &max_queue_wait, "Seconds a request may wait for a worker (also while a tier has none) before a 503"),
-        PRISM_FLAG_INT("max-retries", &max_retries,
+        PRISM_FLAG_DOUBLE("request-timeout", &f->request_timeout, "Seconds before an unfinished request fails"),
+        PRISM_FLAG_DOUBLE("max-queue-wait", &f->max_queue_wait, "Seconds a request may wait for a worker (also while a tier has none) before a 503"),
+        PRISM_FLAG_INT("max-retries", &f->max_retries,
                        "Times a request whose worker died before its first token is sent to other workers"),
-        PRISM_FLAG_INT("max-migrations", &max_migrations,
+        PRISM_FLAG_INT("max-migrations", &f->max_migrations,
                        "Times a request whose decode worker died mid-generation goes on from its last token on "
                        "another prefill/decode pair (n = 1 only); 0: it fails (503 or an SSE error event)"),
-        PRISM_FLAG_DOUBLE("stage-timeout", &stage_timeout,
+        PRISM_FLAG_DOUBLE("stage-timeout", &f->stage_timeout,
                           "Seconds an encode, or a prefill up to the first token, may take before the request is "
                           "retried on other workers (then 504 naming the stage); 0: no limit"),
-        PRISM_FLAG_DOUBLE("drain-timeout", &drain_timeout,
+        PRISM_FLAG_DOUBLE("drain-timeout", &f->drain_timeout,
                           "Seconds SIGTERM waits for requests in flight before aborting them (0: abort at once)"),
-        PRISM_FLAG_INT("prep-threads", &prep_threads,
+        PRISM_FLAG_INT("prep-threads", &f->prep_threads,
                        "Threads that prepare requests (JSON, images, chat template, tokenization) off the I/O loop"),
-        PRISM_FLAG_STR("log-level", &log_level, "debug, info, warn or error"),
+        PRISM_FLAG_STR("log-level", &f->log_level, "debug, info, warn or error"),
         PRISM_FLAG_END,
     };
     int rc = prism_cli_parse(argc, argv, "router",
                              "Prism router: OpenAI-compatible HTTP API in front of encoder, prefill and decode workers.", flags);
     if (rc) return rc > 0 ? 0 : 2;
-    prism_log_init("router", prism_log_level_parse(log_level));
-    json_set_alloc_funcs(prism_malloc, prism_free);  /* parsed bodies count in the router's memory */
-    json_object_seed(0);   /* jansson's hash seed, drawn once here rather than racily by the first threads */
-    double t0 = prism_now_s();
-    if (port < 0 || port > 65535 || limit_mm < 0 || limit_mm > ROUTER_MAX_IMAGES || max_running < 1 ||
-        max_running > 1000000 || max_pixels < 1 || image_inflight < 1 || min_body_rate < 1 || !(header_timeout > 0) || stream_pending < 1 ||
-        !(worker_timeout > 0) || !(worker_stuck_timeout >= 0) || prep_threads < 1 || prep_threads > 256) {
+    prism_log_init("router", prism_log_level_parse(f->log_level));
+    if (f->port < 0 || f->port > 65535 || f->limit_mm < 0 || f->limit_mm > ROUTER_MAX_IMAGES || f->max_running < 1 ||
+        f->max_running > 1000000 || f->max_pixels < 1 || f->image_inflight < 1 || f->min_body_rate < 1 ||
+        !(f->header_timeout > 0) || f->stream_pending < 1 || !(f->worker_timeout > 0) ||
+        !(f->worker_stuck_timeout >= 0) || f->prep_threads < 1 || f->prep_threads > 256) {
         fprintf(stderr, "router: flag out of range (see --help)\n");
         return 2;
     }
+    return -1;
+}
 
+/* The control socket's keys and the image cache key: -1 to go on, else the exit code. */
+static int open_keys(router_t *r, const router_flags_t *f)
+{
     char err[512] = "", path[1024];
-    prism_net_opts_t no = {.role = PRISM_NET_ROLE_ROUTER, .curve_keys = curve_keys, .insecure = insecure_no_curve};
+    prism_net_opts_t no = {.role = PRISM_NET_ROLE_ROUTER, .curve_keys = f->curve_keys, .insecure = f->insecure_no_curve};
     if (prism_net_create(&no, &r->net, err, sizeof(err)) != PRISM_OK) {
         PRISM_ERROR("%s", err);
         return 2;
@@ -147,8 +158,8 @@ static int router_open(router_t *r, int argc, char **argv)
     /* Image cache keys are keyed by a cluster secret (every router of a cluster holds router.key, so
      * they agree and share encoder caches); without CURVE each router draws its own. */
     char seed[PRISM_NET_KEY_Z85 + 1] = "";
-    if (curve_keys) {
-        prism_path_join(path, sizeof(path), curve_keys, "router.key");
+    if (f->curve_keys) {
+        prism_path_join(path, sizeof(path), f->curve_keys, "router.key");
         if (prism_net_key_read(path, seed, err, sizeof(err)) != PRISM_OK) {
             PRISM_ERROR("%s", err);
             return 2;
@@ -159,11 +170,20 @@ static int router_open(router_t *r, int argc, char **argv)
     }
     if (XXH3_generateSecret(r->img_secret, sizeof(r->img_secret), seed, PRISM_NET_KEY_Z85) != XXH_OK) return 1;
     memset(seed, 0, sizeof(seed));
+    return -1;
+}
+
+/* Model facts: config, tokenizer, chat template, tool-call format, grammar vocabulary, the served
+ * name: -1 to go on, else the exit code. */
+static int load_model(router_t *r, const router_flags_t *f)
+{
+    char err[512] = "", path[1024];
+    const char *model_path = f->model_path, *chat_template = f->chat_template;
     if (prism_model_config_load(model_path, &r->cfg, err, sizeof(err)) != PRISM_OK) {
         PRISM_ERROR("cannot load model config from %s: %s", model_path, err);
         return 1;
     }
-    const char *tdir = tokenizer_path ? tokenizer_path : model_path;
+    const char *tdir = f->tokenizer_path ? f->tokenizer_path : model_path;
     prism_path_join(path, sizeof(path), tdir, "tokenizer.json");
     if (prism_tokenizer_load(path, &r->tok, err, sizeof(err)) != PRISM_OK) {
         PRISM_ERROR("cannot load %s: %s", path, err);
@@ -184,8 +204,8 @@ static int router_open(router_t *r, int argc, char **argv)
         }
     }
     r->tool_parser = -1;
-    if (tool_parser && (r->tool_parser = prism_toolcall_format_parse(tool_parser)) < 0) {
-        fprintf(stderr, "router: unknown --tool-call-parser '%s' (hermes, pythonic)\n", tool_parser);
+    if (f->tool_parser && (r->tool_parser = prism_toolcall_format_parse(f->tool_parser)) < 0) {
+        fprintf(stderr, "router: unknown --tool-call-parser '%s' (hermes, pythonic)\n", f->tool_parser);
         return 2;
     }
     /* The grammar vocabulary for validating output constraints (the workers build their own). */
@@ -194,6 +214,7 @@ static int router_open(router_t *r, int argc, char **argv)
         prism_guide_cache_create(r->gvocab, 0, 0, &r->guides);
     if (!r->guides) PRISM_WARN("no grammar vocabulary: requests with an output constraint will be refused");
     static char name_buf[256];
+    const char *served = f->served;
     if (!served) {
         snprintf(path, sizeof(path), "%s", model_path);
         size_t n = strlen(path);
@@ -203,71 +224,80 @@ static int router_open(router_t *r, int argc, char **argv)
     }
     r->model_path = model_path;
     r->served_model_name = served;
-    r->api_key = api_key;
-    r->metrics_open = metrics_open;
-    r->timing_header = timing_header;
-    r->early_encode = !no_early_encode;
-    r->max_stream_pending = (size_t)stream_pending;
-    r->max_model_len = prism_model_context_length(&r->cfg, context_length);
-    if (r->max_model_len < r->cfg.max_pos && context_length <= 0)
+    r->max_model_len = prism_model_context_length(&r->cfg, f->context_length);
+    if (r->max_model_len < r->cfg.max_pos && f->context_length <= 0)
         PRISM_INFO("config.json allows %d positions; serving %d (--context-length to change)", r->cfg.max_pos,
                    r->max_model_len);
-    r->max_images_per_prompt = limit_mm ? (int)limit_mm : -1;
-    r->max_image_pixels = (uint64_t)max_pixels;
-    r->max_running = (int)max_running;
-    r->max_image_bytes_inflight = (size_t)image_inflight;
-    r->worker_timeout_s = worker_timeout;
-    r->worker_stuck_timeout_s = worker_stuck_timeout;
-    r->request_timeout_s = request_timeout;
-    r->max_queue_wait_s = max_queue_wait;
-    r->max_retries = max_retries < 0 ? 0 : (int)max_retries;
-    r->max_migrations = max_migrations < 0 ? 0 : (int)PRISM_MIN(max_migrations, 1000);
-    r->drain_timeout_s = drain_timeout;
-    r->stage_timeout_s = stage_timeout;
-    r->created = prism_unix_time();
-    r->started_s = t0;
     r->image_token_id = r->cfg.has_vision ? r->cfg.image_token_index : -1;
     if (r->cfg.has_vision && r->cfg.vision_arch == PRISM_VISION_LLAMA4 && router_llama4_init(r, model_path) != PRISM_OK)
         return 1;
+    return -1;
+}
+
+/* The configuration the router keeps, its metrics, the request map and queue. */
+static void apply_flags(router_t *r, const router_flags_t *f)
+{
+    r->api_key = f->api_key;
+    r->metrics_open = f->metrics_open;
+    r->timing_header = f->timing_header;
+    r->early_encode = !f->no_early_encode;
+    r->max_stream_pending = (size_t)f->stream_pending;
+    r->max_images_per_prompt = f->limit_mm ? (int)f->limit_mm : -1;
+    r->max_image_pixels = (uint64_t)f->max_pixels;
+    r->max_running = (int)f->max_running;
+    r->max_image_bytes_inflight = (size_t)f->image_inflight;
+    r->worker_timeout_s = f->worker_timeout;
+    r->worker_stuck_timeout_s = f->worker_stuck_timeout;
+    r->request_timeout_s = f->request_timeout;
+    r->max_queue_wait_s = f->max_queue_wait;
+    r->max_retries = f->max_retries < 0 ? 0 : (int)f->max_retries;
+    r->max_migrations = f->max_migrations < 0 ? 0 : (int)PRISM_MIN(f->max_migrations, 1000);
+    r->drain_timeout_s = f->drain_timeout;
+    r->stage_timeout_s = f->stage_timeout;
+    r->created = prism_unix_time();
     prism_router_metrics_init(&r->metrics);
     static const double hb_buckets[] = {0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.5, 0.75, 1, 1.1, 1.25,
                                         1.5, 2, 3, 5, 10, 30};
     for (size_t i = 0; i < PRISM_ARRAY_LEN(r->heartbeat_interval); i++)
         prism_hist_init(&r->heartbeat_interval[i], hb_buckets, (int)PRISM_ARRAY_LEN(hb_buckets));
     r->reqs_cap = 16;
-    while (r->reqs_cap < (size_t)max_running * 2 + 2) r->reqs_cap *= 2;
+    while (r->reqs_cap < (size_t)f->max_running * 2 + 2) r->reqs_cap *= 2;
     r->reqs = prism_xcalloc(r->reqs_cap, sizeof(router_req_t *));
     r->queue = prism_xcalloc(r->reqs_cap, sizeof(uint64_t));
     r->queue_scratch = prism_xcalloc(r->reqs_cap, sizeof(uint64_t));
+}
 
+/* The loop, the control socket, the HTTP listener and the signals: -1 to go on, else the exit code. */
+static int start_io(router_t *r, const router_flags_t *f)
+{
     char host_name[64] = "host";
     gethostname(host_name, sizeof(host_name) - 1);
-    snprintf(r->router_id, sizeof(r->router_id), "router-%s-%d-%lld", host_name, (int)getpid(), (long long)port);
+    snprintf(r->router_id, sizeof(r->router_id), "router-%s-%d-%lld", host_name, (int)getpid(), (long long)f->port);
     /* libuv's thread pool (requests.c prep_run, api.c) is sized from the environment on first use. */
     char nthreads[16];
-    snprintf(nthreads, sizeof(nthreads), "%lld", (long long)prep_threads);
+    snprintf(nthreads, sizeof(nthreads), "%lld", (long long)f->prep_threads);
     setenv("UV_THREADPOOL_SIZE", nthreads, 1);
     r->loop = uv_default_loop();
-    if (router_ctl_start(r, control) != PRISM_OK) {
-        PRISM_ERROR("cannot bind the control endpoint %s", control);
+    if (router_ctl_start(r, f->control) != PRISM_OK) {
+        PRISM_ERROR("cannot bind the control endpoint %s", f->control);
         return 1;
     }
     prism_http_config_t hc = prism_http_config_default();
-    hc.host = host;
-    hc.port = (int)port;
-    hc.max_body_bytes = (size_t)max_body;
-    hc.max_body_bytes_total = (size_t)body_total;
-    hc.max_pause_s = max_queue_wait;
+    hc.host = f->host;
+    hc.port = (int)f->port;
+    hc.max_body_bytes = (size_t)f->max_body;
+    hc.max_body_bytes_total = (size_t)f->body_total;
+    hc.max_pause_s = f->max_queue_wait;
     hc.lift_data_urls = true;  /* image data URLs are decoded while the body streams in */
-    hc.max_connections = (int)max_conn;
-    hc.header_timeout_s = header_timeout;
-    hc.min_body_rate = (size_t)min_body_rate;
+    hc.max_connections = (int)f->max_conn;
+    hc.header_timeout_s = f->header_timeout;
+    hc.min_body_rate = (size_t)f->min_body_rate;
     hc.on_headers = router_on_headers;
     hc.body_gate = router_body_gate;
     hc.image_check = router_image_check_early;
     hc.image_done = router_early_encode;
     if (prism_http_server_start(r->loop, &hc, router_on_http, r, &r->http) != PRISM_OK) {
-        PRISM_ERROR("cannot listen on %s:%lld", host, (long long)port);
+        PRISM_ERROR("cannot listen on %s:%lld", f->host, (long long)f->port);
         return 1;
     }
     uv_timer_init(r->loop, &r->drain_timer);
@@ -278,9 +308,25 @@ static int router_open(router_t *r, int argc, char **argv)
     uv_signal_start(&r->sigint, on_signal, SIGINT);
     uv_signal_start(&r->sigterm, on_signal, SIGTERM);
     signal(SIGPIPE, SIG_IGN);
+    return -1;
+}
+
+/* Everything before the loop: flags, model config, tokenizer and template, the control socket and the
+ * HTTP listener, signals. Returns -1 to go on, else the exit code. */
+static int router_open(router_t *r, int argc, char **argv)
+{
+    router_flags_t f;
+    int rc = flags_parse(&f, argc, argv);
+    if (rc >= 0) return rc;
+    json_set_alloc_funcs(prism_malloc, prism_free);  /* parsed bodies count in the router's memory */
+    json_object_seed(0);   /* jansson's hash seed, drawn once here rather than racily by the first threads */
+    r->started_s = prism_now_s();
+    if ((rc = open_keys(r, &f)) >= 0 || (rc = load_model(r, &f)) >= 0) return rc;
+    apply_flags(r, &f);
+    if ((rc = start_io(r, &f)) >= 0) return rc;
     PRISM_INFO("router %s serving '%s' on http://%s:%d in %.2fs (control %s, context %d, %d image tokens per %s)",
-               r->router_id, served, host, prism_http_server_port(r->http), prism_now_s() - t0, control, r->max_model_len,
-               r->cfg.image_seq_length, r->llama4 ? "tile" : "image");
+               r->router_id, r->served_model_name, f.host, prism_http_server_port(r->http), prism_now_s() - r->started_s,
+               f.control, r->max_model_len, r->cfg.image_seq_length, r->llama4 ? "tile" : "image");
     return -1;
 }
 

@@ -218,7 +218,10 @@ void router_prompt_release_inputs(prism_oai_request_t *o)
     }
 }
 
-int router_prompt_build(const router_t *r, router_prompt_t *p, const prism_oai_request_t *o, bool chat, char *msg, size_t n)
+/* The prompt's tokens as the client gave them: the rendered chat template, the completion prompt's
+ * text, or its token ids. Returns 0 or an HTTP status with msg filled. */
+static int prompt_tokens(const router_t *r, router_prompt_t *p, const prism_oai_request_t *o, bool chat, char *msg,
+                         size_t n)
 {
     int rc;
     if (chat) {
@@ -258,7 +261,13 @@ int router_prompt_build(const router_t *r, router_prompt_t *p, const prism_oai_r
         snprintf(msg, n, "The prompt could not be tokenized: %s", prism_strerror(rc));
         return 400;
     }
-    /* Expand each image placeholder: its span's length first, then the tokens. */
+    return 0;
+}
+
+/* Expands each image placeholder: its span's length first (LLaVA: image_seq_length; Llama-4: the
+ * image's tile layout), then the tokens. Returns 0 or an HTTP status with msg filled. */
+static int expand_images(const router_t *r, router_prompt_t *p, char *msg, size_t n)
+{
     size_t n_ph = 0;
     for (size_t i = 0; i < p->n_tokens; i++) n_ph += p->tokens[i] == r->image_token_id;
     if ((int)n_ph != p->n_images) {
@@ -310,6 +319,14 @@ int router_prompt_build(const router_t *r, router_prompt_t *p, const prism_oai_r
         p->n_tokens = at;
         p->cap = at;
     }
+    return 0;
+}
+
+int router_prompt_build(const router_t *r, router_prompt_t *p, const prism_oai_request_t *o, bool chat, char *msg, size_t n)
+{
+    int status = prompt_tokens(r, p, o, chat, msg, n);
+    if (!status) status = expand_images(r, p, msg, n);
+    if (status) return status;
     if (p->n_tokens == 0) {
         snprintf(msg, n, "The prompt is empty.");
         return 400;
