@@ -13,7 +13,7 @@
  * cache hit (the early job counted the image). The router sends the image bytes either way:
  * nothing depends on the early job, and one that fails, times out or was evicted from the cache
  * costs only its work. A request that ends while its image's adoption may still be on its way aborts
- * both ids (requests.c abort_workers).
+ * both ids (sched.c router_sched_abort).
  *
  * Early jobs take encoder slots and queued bytes as requests do, only when no request waits in the
  * router's queue and an encoder with a cache has room (they never overtake a request), only for the
