@@ -9,8 +9,9 @@
  *               tool-call events, error answers
  *   requests.c  its life: preparation, admission, worker results, retry and migration, the sweep
  *
- * Dependencies point down: requests.c -> sched.c, output.c -> reqmap.c; sched.c -> early_encode.c,
- * send.c, workers.c. Nothing below requests.c ends a request. One loop thread. */
+ * Calls point down: requests.c calls sched.c, output.c and reqmap.c; sched.c calls reqmap.c,
+ * early_encode.c, send.c and workers.c; output.c calls none of these. Only requests.c ends a
+ * request. One loop thread. */
 #ifndef PRISM_ROUTER_REQUEST_H
 #define PRISM_ROUTER_REQUEST_H
 
