@@ -107,7 +107,9 @@ void prism_fetch_config_default(prism_fetch_config_t *c);
     PRISM_FLAG_DOUBLE("media-fetch-timeout", &(c)->timeout_s,                                             \
                       "Seconds for a whole image fetch (waiting, redirects and body)"),                   \
     PRISM_FLAG_BYTES("media-fetch-min-rate", &(c)->min_rate,                                              \
-                     "Bytes/s an image download must average over 10 s (0 = no minimum)"),               \
+                     "Bytes/s an image download must average over --media-fetch-min-rate-window (0 = no minimum)"), \
+    PRISM_FLAG_DOUBLE("media-fetch-min-rate-window", &(c)->min_rate_window_s,                             \
+                      "Seconds (whole) over which --media-fetch-min-rate is averaged"),                   \
     PRISM_FLAG_INT("media-fetch-max-redirects", &(c)->max_redirects, "Redirects an image fetch follows"), \
     PRISM_FLAG_INT("media-fetch-max-inflight", &(c)->max_inflight, "Image downloads at once; more wait"), \
     PRISM_FLAG_INT("media-fetch-max-queued", &(c)->max_queued,                                            \
