@@ -358,6 +358,23 @@ static prism_fetch_reason_t from_uc(CURLUcode rc, prism_fetch_reason_t otherwise
     return otherwise;
 }
 
+/* The cache key of a parsed URL: its spelling without the default port, host in lower case. */
+static CURLUcode make_key(CURLU *u, char **out)
+{
+    char *key = NULL;
+    CURLUcode rc = curl_url_get(u, CURLUPART_URL, &key, CURLU_NO_DEFAULT_PORT);
+    if (rc != CURLUE_OK) return rc;
+    if (strlen(key) > PRISM_FETCH_MAX_URL) {
+        curl_free(key);
+        return CURLUE_MALFORMED_INPUT;
+    }
+    /* host names are case-blind (libcurl keeps their case): one spelling per host in the key */
+    char *h = strstr(key, "://");
+    for (h = h ? h + 3 : key + strlen(key); *h && *h != '/'; h++) *h = (char)tolower((unsigned char)*h);
+    *out = key;
+    return CURLUE_OK;
+}
+
 /* Rules 2-3 on a parsed URL; fills out (taking u) on OK, frees u otherwise. */
 static prism_fetch_reason_t check_parsed(const prism_fetch_policy_t *p, CURLU *u, bool allow_file,
                                          prism_fetch_url_t *out)
@@ -406,15 +423,26 @@ static prism_fetch_reason_t check_parsed(const prism_fetch_policy_t *p, CURLU *u
         goto done;
     }
     char *key = NULL;
-    CURLUcode rc = curl_url_get(u, CURLUPART_URL, &key, CURLU_NO_DEFAULT_PORT);
-    if (rc != CURLUE_OK || strlen(key) > PRISM_FETCH_MAX_URL) {
-        curl_free(key);
+    CURLUcode rc = make_key(u, &key);
+    if (rc != CURLUE_OK) {
         why = from_uc(rc, PRISM_FETCH_URL);
         goto done;
     }
-    /* host names are case-blind (libcurl keeps their case): one spelling per host in the key */
-    char *h = strstr(key, "://");
-    for (h = h ? h + 3 : key + strlen(key); *h && *h != '/'; h++) *h = (char)tolower((unsigned char)*h);
+    /* The key must read back as itself: libcurl 7.88 turns "file:/?@/x" into a URL without a path
+     * that it writes as "file://(nil)". A URL whose own spelling does not parse to the same URL is
+     * refused rather than cached or opened under a name that means something else. */
+    CURLU *chk = curl_url();
+    char *key2 = NULL;
+    rc = chk ? curl_url_set(chk, CURLUPART_URL, key, 0) : CURLUE_OUT_OF_MEMORY;
+    if (rc == CURLUE_OK) rc = make_key(chk, &key2);
+    bool same = rc == CURLUE_OK && !strcmp(key, key2);
+    curl_free(key2);
+    if (chk) curl_url_cleanup(chk);
+    if (!same) {
+        curl_free(key);
+        why = rc == CURLUE_OUT_OF_MEMORY ? PRISM_FETCH_NOMEM : PRISM_FETCH_URL;
+        goto done;
+    }
     out->u = u;
     out->key = key;
     out->is_file = is_file;
@@ -505,6 +533,7 @@ static prism_fetch_reason_t walk_beneath(int dirfd, const char *rel, int *fd_out
         const char *t = s;
         while (*t == '/') t++;
         bool last = *t == 0;
+        if (last && t != s) break;       /* "name/": a directory, not a file (as openat2 says: ENOTDIR) */
         if (!strcmp(comp, ".")) {
             if (last) break;
             continue;

@@ -238,6 +238,9 @@ static void test_url_rules(void **state)
         {"http://example.com/a b.jpg", PRISM_FETCH_URL},
         {"http://example.com:99999/", PRISM_FETCH_URL},
         {"", PRISM_FETCH_URL},
+        /* libcurl 7.88 parses this into a URL without a path that it writes as "file://(nil)": a URL
+         * whose spelling does not read back as itself is refused (found by fuzz_fetch_url) */
+        {"http:/?@/sub/x", PRISM_FETCH_URL},
     };
     for (size_t i = 0; i < PRISM_ARRAY_LEN(t); i++) {
         prism_fetch_reason_t got = url(&p, t[i].url, NULL, 0);
@@ -247,6 +250,10 @@ static void test_url_rules(void **state)
     /* a NUL inside, and too long */
     prism_fetch_url_t out;
     assert_int_equal(prism_fetch_policy_url(&p, "http://a.com/\0x", 15, &out), PRISM_FETCH_URL);
+    prism_fetch_policy_t pf;
+    policy(&pf, NULL, NULL, "/tmp");
+    assert_int_equal(url(&pf, "file:/?@/sub/x", NULL, 0), PRISM_FETCH_URL);
+    prism_fetch_policy_free(&pf);
     size_t n = PRISM_FETCH_MAX_URL + 1;
     char *longu = malloc(n + 1);
     memcpy(longu, "http://example.com/", 19);
@@ -449,6 +456,7 @@ static void check_files(bool walk)
         {"media/fifo", PRISM_FETCH_FILE_NOT_REGULAR, NULL},
         {"media/none.jpg", PRISM_FETCH_FILE_NOT_FOUND, NULL},
         {"media/a.jpg/x", PRISM_FETCH_FILE_NOT_FOUND, NULL},
+        {"media/a.jpg/", PRISM_FETCH_FILE_NOT_FOUND, NULL},   /* a file named as a directory (fuzz_fetch_url) */
         {"media/a%00.jpg", PRISM_FETCH_URL, NULL},
     };
     for (size_t i = 0; i < PRISM_ARRAY_LEN(t); i++) {
