@@ -178,7 +178,8 @@ class Net:
             "img.jpg": rnd(200_000),
             "large.jpg": rnd(8 << 20),
             "nostore.jpg": rnd(50_000),
-            "slow/s.bin": rnd(40_000),
+            "slow/s.bin": rnd(400_000),   # 20 s at 20 KB/s: refused as too slow long before
+            "slow/ok.bin": rnd(30_000),
         }
         for i in range(8):
             self.content["slow/p%d.bin" % i] = rnd(20_000)
@@ -467,8 +468,8 @@ def test_stalls_and_slow_servers():
     flags = ("--media-fetch-min-rate", "50000", "--media-fetch-min-rate-window", "1")
     expect("http://public.test/slow/s.bin", "too_slow", *flags)
     expect("http://public.test:81/drip", "too_slow", *flags)
-    r = expect("http://public.test/slow/s.bin", "ok")
-    assert r["crc32"] == crc("slow/s.bin")
+    r = expect("http://public.test/slow/ok.bin", "ok")     # 20 KB/s passes the default minimum (8 KiB/s over 10 s)
+    assert r["crc32"] == crc("slow/ok.bin")
 
 
 def test_one_download_for_concurrent_requests_and_the_cache():
