@@ -4,12 +4,14 @@
 #   --lb    also nginx, which deploy/launch.sh --routers N (N > 1) puts in front of the routers
 #   --test  also what the tests of the deployment files use: nginx, haproxy, systemd-analyze
 #           (package systemd), chromium (the status page test, headless), iproute2 (network
-#           namespaces for the multi-host test) and the kubernetes-validate Python package (PyPI)
+#           namespaces for the multi-host and image-fetch tests), openssl (the fetch test's CA) and
+#           the kubernetes-validate Python package (PyPI)
 set -euo pipefail
 pkgs=(build-essential cmake pkg-config python3 curl bc
       libuv1-dev libzmq3-dev libprotobuf-c-dev protobuf-c-compiler
       libjpeg62-turbo-dev libturbojpeg0-dev libspng-dev libpng-dev libopenblas-dev
       libjansson-dev libpcre2-dev libxxhash-dev libcmocka-dev node-llhttp zlib1g-dev
+      libcurl4-openssl-dev   # image URLs fetched by the router (router/fetch.c)
       python3-jsonschema python3-yaml
       clang libclang-rt-dev)   # clang + libFuzzer: tests/fuzz (run-all.sh replays the seed corpora)
 lb=0 test=0
@@ -22,7 +24,7 @@ for a in "$@"; do
   esac
 done
 [ "$lb" -eq 0 ] || pkgs+=(nginx)
-[ "$test" -eq 0 ] || pkgs+=(haproxy systemd python3-pip chromium fonts-dejavu-core iproute2)
+[ "$test" -eq 0 ] || pkgs+=(haproxy systemd python3-pip chromium fonts-dejavu-core iproute2 openssl)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

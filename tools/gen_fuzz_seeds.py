@@ -432,6 +432,30 @@ def router_seeds():
         rrec(ENC, env_of(7, 0, b"", 5, None)) + rrec(DEC, env_of(99, 0, b"", 5, None)) + rrec(PRE, b"\x08\x01junk"))
 
 
+def fetch_seeds():
+    """fuzz_fetch_url (router/fetch_policy.c): mode byte, then a URL / URL NUL Location / CIDR NUL 16
+    address bytes / 4 IPv4 bytes. "file://@" stands for the harness's allowed directory."""
+    urls = ["https://a.test/img.jpg?x=1#f", "HTTP://A.TEST:80/x/../img.jpg", "http://[::1]:8080/a.png",
+            "http://198.51.100.2/a.jpg", "ftp://a.test/x", "http://u:p@a.test/", "http://b.test/x",
+            "https://xn--bcher-kva.example/", "file://@/a.jpg", "file://@/sub/b.jpg", "file://@/in.jpg",
+            "file://@/up/s", "file://@/abs", "file://@/sub/%2e%2e/%2e%2e/secret/s", "file://@/../secret/s",
+            "file://localhost@/a.jpg", "file:///etc/passwd", "file://@/a%00.jpg", "http://a.test" + "/a" * 40]
+    for i, u in enumerate(urls):
+        put("fuzz_fetch_url", "url-%02d" % i, b"\x00" + u.encode())
+    redirects = [("https://a.test/d/x.jpg", "y.jpg"), ("https://a.test/d/x.jpg", "//b.test/c"),
+                 ("https://a.test/d/x.jpg", "file://@/a.jpg"), ("http://a.test/", "https://[::1]/z#q"),
+                 ("http://a.test/", "http://a.test:99999/")]
+    for i, (u, loc) in enumerate(redirects):
+        put("fuzz_fetch_url", "redirect-%02d" % i, b"\x01" + u.encode() + b"\x00" + loc.encode())
+    v4 = lambda a: bytes(10) + b"\xff\xff" + bytes(a)  # noqa: E731
+    cidrs = [("10.9.0.0/24", v4([10, 9, 0, 7])), ("fd00::/8", bytes([0xfd]) + bytes(15)),
+             ("0.0.0.0/0", v4([8, 8, 8, 8])), ("::1", bytes(15) + b"\x01"), ("127.0.0.1/32", v4([127, 0, 0, 2]))]
+    for i, (c, a) in enumerate(cidrs):
+        put("fuzz_fetch_url", "cidr-%02d" % i, b"\x02" + c.encode() + b"\x00" + a)
+    for i, a in enumerate([[127, 0, 0, 1], [169, 254, 169, 254], [100, 100, 100, 200], [8, 8, 8, 8], [0, 0, 0, 0]]):
+        put("fuzz_fetch_url", "ipv4-%02d" % i, b"\x03" + bytes(a))
+
+
 def main():
     imgs = images()
     for name, data in imgs.items():
@@ -588,6 +612,7 @@ def main():
     decode_seeds()
     encoder_seeds(imgs)
     router_seeds()
+    fetch_seeds()
 
 
 if __name__ == "__main__":
