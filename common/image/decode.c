@@ -23,43 +23,6 @@ void prism_image_free(prism_image_t *img)
     memset(img, 0, sizeof *img);
 }
 
-/* libjpeg-turbo's scaling factors at or below 1 (what turbojpeg offers: M/8, reduced). */
-static const struct { int num, denom; } jpeg_scales[] = {
-    {1, 1}, {7, 8}, {3, 4}, {5, 8}, {1, 2}, {3, 8}, {1, 4}, {1, 8},
-};
-
-static int scaled(int d, int num, int denom) { return (int)(((int64_t)d * num + denom - 1) / denom); }
-
-void prism_image_jpeg_pick_scale(int w, int h, int min_w, int min_h, int *num, int *denom)
-{
-    *num = 1;
-    *denom = 1;
-    if (min_w <= 0 || min_h <= 0)
-        return;
-    double best = 1.0;
-    for (size_t i = 0; i < PRISM_ARRAY_LEN(jpeg_scales); i++) {
-        int n = jpeg_scales[i].num, dd = jpeg_scales[i].denom;
-        double r = (double)n / dd;
-        if (scaled(w, n, dd) >= min_w && scaled(h, n, dd) >= min_h && r < best) {
-            best = r;
-            *num = n;
-            *denom = dd;
-        }
-    }
-}
-
-void prism_image_scaled_size(const prism_image_info_t *info, int min_w, int min_h, int *w, int *h)
-{
-    *w = info->width;
-    *h = info->height;
-    if (info->format != PRISM_IMAGE_FORMAT_JPEG)
-        return;
-    int num, denom;
-    prism_image_jpeg_pick_scale(info->width, info->height, min_w, min_h, &num, &denom);
-    *w = scaled(info->width, num, denom);
-    *h = scaled(info->height, num, denom);
-}
-
 static int check_limits(const prism_image_info_t *info, const prism_image_decode_opts_t *o)
 {
     uint64_t maxpx = (o && o->max_pixels) ? o->max_pixels : PRISM_IMAGE_DEFAULT_MAX_PIXELS;
