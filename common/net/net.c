@@ -1,8 +1,26 @@
+/* Framing: envelopes packed and unpacked, multi-frame messages sent and received, and the role names
+ * every layer above (keys, ZAP metadata, flags) shares. secure.c builds on this: the context, keys and
+ * socket options. */
 #include "net/net.h"
 
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* Role names: what CURVE key files, ZAP metadata and flags call each role. */
+static const char *const g_role_names[PRISM_NET_ROLE_COUNT] = {"", "router", "encoder", "prefill", "decode"};
+
+const char *prism_net_role_name(prism_net_role_t role)
+{
+    return role > PRISM_NET_ROLE_NONE && role < PRISM_NET_ROLE_COUNT ? g_role_names[role] : "";
+}
+
+prism_net_role_t prism_net_role_parse(const char *name)
+{
+    for (int r = 1; name && r < PRISM_NET_ROLE_COUNT; r++)
+        if (!strcmp(name, g_role_names[r])) return (prism_net_role_t)r;
+    return PRISM_NET_ROLE_NONE;
+}
 
 /* Envelopes are packed into a per-thread buffer that grows to the largest message once
  * and is then reused: no allocation per message after warm-up. */

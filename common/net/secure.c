@@ -40,20 +40,6 @@ struct prism_net {
     double last_denial_log;
 };
 
-static const char *const g_role_names[PRISM_NET_ROLE_COUNT] = {"", "router", "encoder", "prefill", "decode"};
-
-const char *prism_net_role_name(prism_net_role_t role)
-{
-    return role > PRISM_NET_ROLE_NONE && role < PRISM_NET_ROLE_COUNT ? g_role_names[role] : "";
-}
-
-prism_net_role_t prism_net_role_parse(const char *name)
-{
-    for (int r = 1; name && r < PRISM_NET_ROLE_COUNT; r++)
-        if (!strcmp(name, g_role_names[r])) return (prism_net_role_t)r;
-    return PRISM_NET_ROLE_NONE;
-}
-
 void *prism_net_zctx(prism_net_t *net) { return net->zctx; }
 bool prism_net_secure(const prism_net_t *net) { return net->secure; }
 prism_net_role_t prism_net_role(const prism_net_t *net) { return net->role; }
@@ -133,8 +119,8 @@ int prism_net_keygen(const char *dir, unsigned roles_mask, bool overwrite, char 
     for (int r = 1; r < PRISM_NET_ROLE_COUNT; r++) {
         if (!(roles_mask & PRISM_NET_ALLOW(r))) continue;
         char kpath[1024], ppath[1024], pub[PRISM_NET_KEY_Z85 + 1], sec[PRISM_NET_KEY_Z85 + 1], line[64];
-        snprintf(kpath, sizeof(kpath), "%s/%s.key", dir, g_role_names[r]);
-        snprintf(ppath, sizeof(ppath), "%s/%s.pub", dir, g_role_names[r]);
+        snprintf(kpath, sizeof(kpath), "%s/%s.key", dir, prism_net_role_name(r));
+        snprintf(ppath, sizeof(ppath), "%s/%s.pub", dir, prism_net_role_name(r));
         bool have = !overwrite && access(kpath, F_OK) == 0;
         if (have) {
             int rc = prism_net_key_read(kpath, sec, err, errlen);
@@ -191,7 +177,7 @@ static unsigned domain_allow(const char *d, size_t n)
         size_t j = i;
         while (j < n && d[j] != ',') j++;
         for (int r = 1; r < PRISM_NET_ROLE_COUNT; r++)
-            if (strlen(g_role_names[r]) == j - i && !memcmp(d + i, g_role_names[r], j - i)) mask |= PRISM_NET_ALLOW(r);
+            if (strlen(prism_net_role_name(r)) == j - i && !memcmp(d + i, prism_net_role_name(r), j - i)) mask |= PRISM_NET_ALLOW(r);
         i = j + 1;
     }
     return mask;
@@ -250,12 +236,12 @@ static void zap_handle(prism_net_t *n)
             if (nf > 3) snprintf(addr, sizeof(addr), "%.*s", (int)PRISM_MIN(zmq_msg_size(&f[3]), (size_t)60),
                                  (const char *)zmq_msg_data(&f[3]));
             PRISM_WARN("refused a peer from %s: %s%s%s (%llu refused so far)", addr, text,
-                       role ? ", key of role " : "", role ? g_role_names[role] : "",
+                       role ? ", key of role " : "", prism_net_role_name(role),
                        (unsigned long long)atomic_load(&n->auth_denied));
         }
     }
     uint8_t meta[64];
-    size_t ml = role && status[0] == '2' ? metadata_encode(meta, PRISM_NET_ROLE_PROPERTY, g_role_names[role]) : 0;
+    size_t ml = role && status[0] == '2' ? metadata_encode(meta, PRISM_NET_ROLE_PROPERTY, prism_net_role_name(role)) : 0;
     zap_send(n->zap_sock, "1.0", 3, true);
     zmq_send(n->zap_sock, zmq_msg_data(&f[1]), zmq_msg_size(&f[1]), ZMQ_SNDMORE);
     zap_send(n->zap_sock, status, 3, true);
@@ -376,7 +362,7 @@ int prism_net_create(const prism_net_opts_t *o, prism_net_t **out, char *err, si
     int rc = PRISM_OK;
     if (n->secure) {
         char path[1024];
-        snprintf(path, sizeof(path), "%s/%s.key", o->curve_keys, g_role_names[o->role]);
+        snprintf(path, sizeof(path), "%s/%s.key", o->curve_keys, prism_net_role_name(o->role));
         struct stat st;
         /* Group access is allowed (Kubernetes mounts Secrets group-readable with fsGroup); others, never. */
         if (stat(path, &st) == 0 && (st.st_mode & 007)) {
@@ -391,15 +377,15 @@ int prism_net_create(const prism_net_opts_t *o, prism_net_t **out, char *err, si
             goto fail;
         }
         for (int r = 1; r < PRISM_NET_ROLE_COUNT; r++) {
-            snprintf(path, sizeof(path), "%s/%s.pub", o->curve_keys, g_role_names[r]);
+            snprintf(path, sizeof(path), "%s/%s.pub", o->curve_keys, prism_net_role_name(r));
             if (access(path, F_OK) != 0) continue;  /* a role this host never talks to may be absent */
             if ((rc = prism_net_key_read(path, n->role_key[r], err, errlen))) goto fail;
             zmq_z85_decode(n->role_key_bin[r], n->role_key[r]);
         }
         if (strcmp(n->role_key[o->role], n->public_key) != 0) {
             snprintf(err, errlen, "%s/%s.pub is %s the public key of %s.key: regenerate the directory with prism_keygen",
-                     o->curve_keys, g_role_names[o->role], n->role_key[o->role][0] ? "not" : "missing;",
-                     g_role_names[o->role]);
+                     o->curve_keys, prism_net_role_name(o->role), n->role_key[o->role][0] ? "not" : "missing;",
+                     prism_net_role_name(o->role));
             rc = PRISM_EINVAL;
             goto fail;
         }
@@ -513,7 +499,7 @@ void *prism_sock_bind(prism_net_t *n, const prism_sock_opts_t *o)
         for (int r = 1; r < PRISM_NET_ROLE_COUNT; r++)
             if (o->allow & PRISM_NET_ALLOW(r)) {
                 if (domain[6]) strcat(domain, ",");
-                strcat(domain, g_role_names[r]);
+                strcat(domain, prism_net_role_name(r));
             }
         int on = 1;
         rc |= zmq_setsockopt(s, ZMQ_CURVE_SERVER, &on, sizeof(on));
