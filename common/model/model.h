@@ -50,28 +50,22 @@ typedef struct prism_model_config {
     int rope_scaling_type;  /* 0 none, 1 llama3 */
     float rope_factor, rope_low_freq_factor, rope_high_freq_factor; int rope_orig_max_pos;
     bool tie_word_embeddings, attention_bias;   /* attention_bias: Qwen2 q/k/v biases */
+    bool o_bias;              /* attention output bias (Llama attention_bias also covers o_proj) */
+    bool mlp_bias;            /* Llama mlp_bias (rare) */
+    int act;                  /* text MLP activation (PRISM_ACT_SILU for Llama/Qwen2) */
     int bos_token_id, eos_token_ids[8], n_eos;  /* eos may be a list in config/generation_config */
+    int pad_token_id;         /* -1 when absent */
     /* vision (CLIP); has_vision false for text-only checkpoints */
     bool has_vision;
     int v_image_size, v_patch, v_hidden, v_layers, v_heads, v_intermediate;
+    int v_num_channels;       /* 3 */
     float v_eps; int v_act;   /* PRISM_ACT_QUICK_GELU / PRISM_ACT_GELU_ERF / ... */
     int v_feature_layer;      /* e.g. -2 */
     bool v_select_default;    /* "default" drops CLS; "full" keeps it */
     int proj_act;
+    bool proj_bias;           /* LLaVA multimodal_projector_bias */
     int image_token_index, image_seq_length;  /* tokens per image after projector */
     char arch[64];
-    /* --- additions --- */
-    int act;                  /* text MLP activation (PRISM_ACT_SILU for Llama/Qwen2) */
-    int pad_token_id;         /* -1 when absent */
-    int v_num_channels;       /* 3 */
-    bool mlp_bias;            /* Llama mlp_bias (rare) */
-    bool o_bias;              /* attention output bias (Llama attention_bias also covers o_proj) */
-    /* Set by the caller, not by config.json: instantiate the shapes with seeded random weights
-     * (norms 1, biases 0, the rest N(0, 0.02)) instead of reading safetensors — for benchmarks of
-     * full-size architectures that cannot be downloaded here. */
-    bool random_weights;
-    uint64_t random_seed;
-    bool proj_bias;           /* LLaVA multimodal_projector_bias */
     /* --- table-driven text model (Llama-4 fills the non-default values) --- */
     int rope_mode;            /* prism_rope_mode_t: NEOX (Llama/Qwen2 HF layout) or INTERLEAVE (Llama-4) */
     int dense_intermediate;   /* width of dense MLP layers: intermediate_size_mlp (Llama-4), else intermediate */
@@ -87,7 +81,13 @@ typedef struct prism_model_config {
     int v_adapter_dim;        /* projector_input_dim == projector_output_dim: adapter fc1/fc2 width */
     int v_output_dim;         /* vision_output_dim: multi_modal_projector.linear_1 input */
     int boi_token_id, eoi_token_id;  /* <|image_start|>, <|image_end|> (-1 when absent) */
-    /* --- tensor parallelism: set by the caller (prism_model_config_set_tp), not by config.json.
+    /* --- set by the caller, not by config.json ---
+     * Seeded random weights of the configured shapes (norms 1, biases 0, the rest N(0, 0.02))
+     * instead of reading safetensors — for benchmarks of full-size architectures that cannot be
+     * downloaded here. */
+    bool random_weights;
+    uint64_t random_seed;
+    /* Tensor parallelism (prism_model_config_set_tp).
      * 0 or 1 = the whole model. With tp_size T > 1 every size this module reports or allocates is
      * the rank's own (weights, activation arena, KV block bytes, KV heads): see prism_tp_shard_t. */
     int tp_size, tp_rank;
