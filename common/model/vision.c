@@ -127,16 +127,64 @@ size_t prism_vision_arena_bytes(const prism_model_config_t *cfg, int max_images)
     return vis_layout(cfg, max_images, NULL);
 }
 
-static const char *const k_vis_prefixes[] = {"vision_tower.vision_model.", "model.vision_tower.vision_model.",
-                                             "vision_tower.", "model.vision_tower."};
-static const char *const k_l4_vis_prefixes[] = {"vision_model.", "model.vision_model."};
+/* The towers' checkpoint names, one table per architecture (as the text model's loader, llm.c,
+ * names its tensors): where the tower sits (the first prefix under which `probe` exists), the names
+ * below it, and the projector's. A NULL name: the architecture has no such tensor. Per-layer names
+ * are under <tower prefix><layers><L>.; q, k, v are self_attn.{q,k,v}_proj, the MLP mlp.fc1/fc2, and
+ * every layer tensor has a bias. */
+typedef struct {
+    const char *const *prefixes;
+    int n_prefixes;
+    const char *probe;
+    const char *patch;      /* patch embedding weight: CLIP a Conv2d [VH][C][P][P], Llama-4 a Linear [VH][C*P*P] */
+    int patch_ndim;
+    const char *cls, *pos;  /* [VH], [seq][VH] */
+    const char *pre, *post; /* layer norms before / after the layers (.weight, .bias) */
+    const char *layers;     /* per-layer prefix, followed by the layer index and "." */
+    const char *ln1, *ln2, *o_proj;
+    const char *adapter;    /* Llama-4's vision adapter MLP (fc1 [A][shuffled], fc2 [A][A]) */
+    bool proj2;             /* the projector has linear_2 (CLIP: linear_2(act(linear_1))) */
+} vit_names_t;
+
+static const char *const k_clip_prefixes[] = {"vision_tower.vision_model.", "model.vision_tower.vision_model.",
+                                              "vision_tower.", "model.vision_tower."};
+static const char *const k_l4_prefixes[] = {"vision_model.", "model.vision_model."};
 static const char *const k_proj_prefixes[] = {"multi_modal_projector.", "model.multi_modal_projector."};
 
-static int load_weights(struct prism_vision *v, prism_wload_t *w, const char *vp, const char *pp)
+static const vit_names_t k_clip_names = {
+    .prefixes = k_clip_prefixes, .n_prefixes = (int)PRISM_ARRAY_LEN(k_clip_prefixes),
+    .probe = "embeddings.patch_embedding.weight",
+    .patch = "embeddings.patch_embedding.weight", .patch_ndim = 4,
+    .cls = "embeddings.class_embedding", .pos = "embeddings.position_embedding.weight",
+    .pre = "pre_layrnorm", .post = NULL,   /* LLaVA reads hidden states before post_layernorm */
+    .layers = "encoder.layers.", .ln1 = "layer_norm1", .ln2 = "layer_norm2", .o_proj = "out_proj",
+    .adapter = NULL, .proj2 = true,
+};
+
+/* Llama-4: vision_model.{patch_embedding.linear, class_embedding, positional_embedding_vlm,
+ * layernorm_pre/post, model.layers.N.*, vision_adapter.mlp.fc1/fc2}, multi_modal_projector.linear_1
+ * (no biases outside the layers). */
+static const vit_names_t k_l4_names = {
+    .prefixes = k_l4_prefixes, .n_prefixes = (int)PRISM_ARRAY_LEN(k_l4_prefixes),
+    .probe = "patch_embedding.linear.weight",
+    .patch = "patch_embedding.linear.weight", .patch_ndim = 2,
+    .cls = "class_embedding", .pos = "positional_embedding_vlm",
+    .pre = "layernorm_pre", .post = "layernorm_post",
+    .layers = "model.layers.", .ln1 = "input_layernorm", .ln2 = "post_attention_layernorm", .o_proj = "o_proj",
+    .adapter = "vision_adapter.mlp.", .proj2 = false,
+};
+
+static const vit_names_t *vit_names(const prism_model_config_t *c) { return is_l4(c) ? &k_l4_names : &k_clip_names; }
+
+/* Pass 1 (sizes) or 2 (upload) of the tower's weights under the names of its architecture. */
+static int load_weights(struct prism_vision *v, prism_wload_t *w, const vit_names_t *nm, const char *vp,
+                        const char *pp)
 {
     const prism_model_config_t *c = &v->cfg;
     prism_dtype_t wdt = v->wdt;
     int64_t VH = c->v_hidden, VI = c->v_intermediate, H = c->hidden, C = c->v_num_channels, P = c->v_patch;
+    /* the projector's input: the tower's width (CLIP), or the adapter's output (Llama-4) */
+    int64_t PI = nm->adapter ? c->v_output_dim : VH;
     size_t es = prism_dtype_size(wdt);
     char name[256];
     int rc;
@@ -144,19 +192,29 @@ static int load_weights(struct prism_vision *v, prism_wload_t *w, const char *vp
 #define SHAPE(...) ((const int64_t[]){__VA_ARGS__})
 #define F32(dst, shp, ...) \
     if ((rc = prism_wload_tensor(w, (void **)&(dst), PRISM_DTYPE_F32, NAME(__VA_ARGS__), 1, SHAPE(shp)))) return rc
-    if ((rc = prism_wload_tensor(w, &v->patch_w, wdt, NAME("%sembeddings.patch_embedding.weight", vp), 4, SHAPE(VH, C, P, P)))) return rc;
-    F32(v->cls, VH, "%sembeddings.class_embedding", vp);
-    if ((rc = prism_wload_tensor(w, (void **)&v->pos, PRISM_DTYPE_F32, NAME("%sembeddings.position_embedding.weight", vp), 2, SHAPE(v->seq, VH)))) return rc;
-    F32(v->pre_w, VH, "%spre_layrnorm.weight", vp);
-    F32(v->pre_b, VH, "%spre_layrnorm.bias", vp);
+#define MAT(dst, rows, cols, ...) \
+    if ((rc = prism_wload_tensor(w, &(dst), wdt, NAME(__VA_ARGS__), 2, SHAPE(rows, cols)))) return rc
+    if (nm->patch_ndim == 4) {
+        if ((rc = prism_wload_tensor(w, &v->patch_w, wdt, NAME("%s%s", vp, nm->patch), 4, SHAPE(VH, C, P, P)))) return rc;
+    } else {
+        MAT(v->patch_w, VH, C * P * P, "%s%s", vp, nm->patch);
+    }
+    F32(v->cls, VH, "%s%s", vp, nm->cls);
+    if ((rc = prism_wload_tensor(w, (void **)&v->pos, PRISM_DTYPE_F32, NAME("%s%s", vp, nm->pos), 2, SHAPE(v->seq, VH)))) return rc;
+    F32(v->pre_w, VH, "%s%s.weight", vp, nm->pre);
+    F32(v->pre_b, VH, "%s%s.bias", vp, nm->pre);
+    if (nm->post) {
+        F32(v->post_w, VH, "%s%s.weight", vp, nm->post);
+        F32(v->post_b, VH, "%s%s.bias", vp, nm->post);
+    }
     for (int L = 0; L < v->n_run; L++) {
         vit_layer_t *ly = &v->layers[L];
-        char p[128];
-        snprintf(p, sizeof p, "%sencoder.layers.%d.", vp, L);
-        F32(ly->ln1_w, VH, "%slayer_norm1.weight", p);
-        F32(ly->ln1_b, VH, "%slayer_norm1.bias", p);
-        F32(ly->ln2_w, VH, "%slayer_norm2.weight", p);
-        F32(ly->ln2_b, VH, "%slayer_norm2.bias", p);
+        char p[160];
+        snprintf(p, sizeof p, "%s%s%d.", vp, nm->layers, L);
+        F32(ly->ln1_w, VH, "%s%s.weight", p, nm->ln1);
+        F32(ly->ln1_b, VH, "%s%s.bias", p, nm->ln1);
+        F32(ly->ln2_w, VH, "%s%s.weight", p, nm->ln2);
+        F32(ly->ln2_b, VH, "%s%s.bias", p, nm->ln2);
         ly->wqkv = prism_wload_reserve(w, (size_t)(3 * VH * VH) * es);
         ly->bqkv = prism_wload_reserve(w, (size_t)(3 * VH) * 4);
         static const char *const qkv[3] = {"q", "k", "v"};
@@ -166,19 +224,25 @@ static int load_weights(struct prism_vision *v, prism_wload_t *w, const char *vp
             if ((rc = prism_wload_fill(w, wd, wdt, NAME("%sself_attn.%s_proj.weight", p, qkv[j]), 2, SHAPE(VH, VH)))) return rc;
             if ((rc = prism_wload_fill(w, bd, PRISM_DTYPE_F32, NAME("%sself_attn.%s_proj.bias", p, qkv[j]), 1, SHAPE(VH)))) return rc;
         }
-        if ((rc = prism_wload_tensor(w, &ly->wo, wdt, NAME("%sself_attn.out_proj.weight", p), 2, SHAPE(VH, VH)))) return rc;
-        F32(ly->bo, VH, "%sself_attn.out_proj.bias", p);
-        if ((rc = prism_wload_tensor(w, &ly->fc1, wdt, NAME("%smlp.fc1.weight", p), 2, SHAPE(VI, VH)))) return rc;
+        MAT(ly->wo, VH, VH, "%sself_attn.%s.weight", p, nm->o_proj);
+        F32(ly->bo, VH, "%sself_attn.%s.bias", p, nm->o_proj);
+        MAT(ly->fc1, VI, VH, "%smlp.fc1.weight", p);
         F32(ly->fc1_b, VI, "%smlp.fc1.bias", p);
-        if ((rc = prism_wload_tensor(w, &ly->fc2, wdt, NAME("%smlp.fc2.weight", p), 2, SHAPE(VH, VI)))) return rc;
+        MAT(ly->fc2, VH, VI, "%smlp.fc2.weight", p);
         F32(ly->fc2_b, VH, "%smlp.fc2.bias", p);
     }
-    if ((rc = prism_wload_tensor(w, &v->p1_w, wdt, NAME("%slinear_1.weight", pp), 2, SHAPE(H, VH)))) return rc;
-    if ((rc = prism_wload_tensor(w, &v->p2_w, wdt, NAME("%slinear_2.weight", pp), 2, SHAPE(H, H)))) return rc;
+    if (nm->adapter) {
+        int64_t A = c->v_adapter_dim;
+        MAT(v->ad1_w, A, v->shuf_dim, "%s%sfc1.weight", vp, nm->adapter);
+        MAT(v->ad2_w, A, A, "%s%sfc2.weight", vp, nm->adapter);
+    }
+    MAT(v->p1_w, H, PI, "%slinear_1.weight", pp);
+    if (nm->proj2) MAT(v->p2_w, H, H, "%slinear_2.weight", pp);
     if (c->proj_bias) {
         F32(v->p1_b, H, "%slinear_1.bias", pp);
-        F32(v->p2_b, H, "%slinear_2.bias", pp);
+        if (nm->proj2) F32(v->p2_b, H, "%slinear_2.bias", pp);
     }
+#undef MAT
 #undef F32
 #undef NAME
 #undef SHAPE
@@ -210,66 +274,6 @@ static int l4_rope_tables(struct prism_vision *v)
     if (rc == PRISM_OK) rc = o->synchronize(v->be->ctx);
     prism_free(px);
     return rc;
-}
-
-/* Llama-4 keys: vision_model.{patch_embedding.linear, class_embedding, positional_embedding_vlm,
- * layernorm_pre/post, model.layers.N.{input_layernorm, post_attention_layernorm, self_attn.{q,k,v,o}_proj,
- * mlp.fc1/fc2}, vision_adapter.mlp.fc1/fc2}, multi_modal_projector.linear_1 (no biases outside the
- * layers). */
-static int load_weights_l4(struct prism_vision *v, prism_wload_t *w, const char *vp, const char *pp)
-{
-    const prism_model_config_t *c = &v->cfg;
-    prism_dtype_t wdt = v->wdt;
-    int64_t VH = c->v_hidden, VI = c->v_intermediate, H = c->hidden, C = c->v_num_channels, P = c->v_patch;
-    int64_t A = c->v_adapter_dim, SD = v->shuf_dim;
-    size_t es = prism_dtype_size(wdt);
-    char name[256];
-    int rc;
-#define NAME(...) (snprintf(name, sizeof name, __VA_ARGS__), name)
-#define SHAPE(...) ((const int64_t[]){__VA_ARGS__})
-#define F32(dst, shp, ...) \
-    if ((rc = prism_wload_tensor(w, (void **)&(dst), PRISM_DTYPE_F32, NAME(__VA_ARGS__), 1, SHAPE(shp)))) return rc
-#define MAT(dst, rows, cols, ...) \
-    if ((rc = prism_wload_tensor(w, &(dst), wdt, NAME(__VA_ARGS__), 2, SHAPE(rows, cols)))) return rc
-    MAT(v->patch_w, VH, C * P * P, "%spatch_embedding.linear.weight", vp);
-    F32(v->cls, VH, "%sclass_embedding", vp);
-    if ((rc = prism_wload_tensor(w, (void **)&v->pos, PRISM_DTYPE_F32, NAME("%spositional_embedding_vlm", vp), 2, SHAPE(v->seq, VH)))) return rc;
-    F32(v->pre_w, VH, "%slayernorm_pre.weight", vp);
-    F32(v->pre_b, VH, "%slayernorm_pre.bias", vp);
-    F32(v->post_w, VH, "%slayernorm_post.weight", vp);
-    F32(v->post_b, VH, "%slayernorm_post.bias", vp);
-    for (int L = 0; L < v->n_run; L++) {
-        vit_layer_t *ly = &v->layers[L];
-        char p[128];
-        snprintf(p, sizeof p, "%smodel.layers.%d.", vp, L);
-        F32(ly->ln1_w, VH, "%sinput_layernorm.weight", p);
-        F32(ly->ln1_b, VH, "%sinput_layernorm.bias", p);
-        F32(ly->ln2_w, VH, "%spost_attention_layernorm.weight", p);
-        F32(ly->ln2_b, VH, "%spost_attention_layernorm.bias", p);
-        ly->wqkv = prism_wload_reserve(w, (size_t)(3 * VH * VH) * es);
-        ly->bqkv = prism_wload_reserve(w, (size_t)(3 * VH) * 4);
-        static const char *const qkv[3] = {"q", "k", "v"};
-        for (int j = 0; j < 3; j++) {
-            uint8_t *wd = ly->wqkv ? (uint8_t *)ly->wqkv + (size_t)j * VH * VH * es : NULL;
-            float *bd = ly->bqkv ? ly->bqkv + j * VH : NULL;
-            if ((rc = prism_wload_fill(w, wd, wdt, NAME("%sself_attn.%s_proj.weight", p, qkv[j]), 2, SHAPE(VH, VH)))) return rc;
-            if ((rc = prism_wload_fill(w, bd, PRISM_DTYPE_F32, NAME("%sself_attn.%s_proj.bias", p, qkv[j]), 1, SHAPE(VH)))) return rc;
-        }
-        MAT(ly->wo, VH, VH, "%sself_attn.o_proj.weight", p);
-        F32(ly->bo, VH, "%sself_attn.o_proj.bias", p);
-        MAT(ly->fc1, VI, VH, "%smlp.fc1.weight", p);
-        F32(ly->fc1_b, VI, "%smlp.fc1.bias", p);
-        MAT(ly->fc2, VH, VI, "%smlp.fc2.weight", p);
-        F32(ly->fc2_b, VH, "%smlp.fc2.bias", p);
-    }
-    MAT(v->ad1_w, A, SD, "%svision_adapter.mlp.fc1.weight", vp);
-    MAT(v->ad2_w, A, A, "%svision_adapter.mlp.fc2.weight", vp);
-    MAT(v->p1_w, H, c->v_output_dim, "%slinear_1.weight", pp);
-#undef MAT
-#undef F32
-#undef NAME
-#undef SHAPE
-    return PRISM_OK;
 }
 
 int prism_vision_load(prism_backend_t *be, const prism_model_config_t *cfg, const char *model_dir,
@@ -317,14 +321,12 @@ int prism_vision_load(prism_backend_t *be, const prism_model_config_t *cfg, cons
     v->keep = prism_calloc((size_t)max_images, sizeof *v->keep);
     v->gone = prism_calloc((size_t)max_images, 1);
     if (!v->layers || !v->keep || !v->gone) goto fail;
-    const char *vp = v->l4 ? k_l4_vis_prefixes[0] : k_vis_prefixes[0], *pp = k_proj_prefixes[0];
+    const vit_names_t *nm = vit_names(cfg);
+    const char *vp = nm->prefixes[0], *pp = k_proj_prefixes[0];
     if (!cfg->random_weights) {
         rc = prism_st_open_dir(model_dir, &st, err, errlen);
         if (rc != PRISM_OK) goto fail;
-        vp = v->l4 ? prism_wload_find_prefix(st, k_l4_vis_prefixes, (int)PRISM_ARRAY_LEN(k_l4_vis_prefixes),
-                                             "patch_embedding.linear.weight")
-                   : prism_wload_find_prefix(st, k_vis_prefixes, (int)PRISM_ARRAY_LEN(k_vis_prefixes),
-                                             "embeddings.patch_embedding.weight");
+        vp = prism_wload_find_prefix(st, nm->prefixes, nm->n_prefixes, nm->probe);
         pp = prism_wload_find_prefix(st, k_proj_prefixes, (int)PRISM_ARRAY_LEN(k_proj_prefixes), "linear_1.weight");
     }
     if (!vp || !pp) {
@@ -334,7 +336,7 @@ int prism_vision_load(prism_backend_t *be, const prism_model_config_t *cfg, cons
     }
     w = (prism_wload_t){.be = be, .st = st, .err = err, .errlen = errlen, .random = cfg->random_weights,
                         .seed = cfg->random_seed};
-    if ((rc = (v->l4 ? load_weights_l4 : load_weights)(v, &w, vp, pp)) != PRISM_OK) goto fail;
+    if ((rc = load_weights(v, &w, nm, vp, pp)) != PRISM_OK) goto fail;
     v->wbytes = PRISM_ALIGN_UP(w.off, PRISM_TENSOR_ALIGN);
     v->wbuf = prism_backend_buf_alloc(be, v->wbytes);
     w.staging_n = 1u << 20;
@@ -348,7 +350,7 @@ int prism_vision_load(prism_backend_t *be, const prism_model_config_t *cfg, cons
     w.total = v->wbytes;
     w.off = 0;
     w.next_log = (size_t)1 << 30;
-    if ((rc = (v->l4 ? load_weights_l4 : load_weights)(v, &w, vp, pp)) != PRISM_OK) goto fail;
+    if ((rc = load_weights(v, &w, nm, vp, pp)) != PRISM_OK) goto fail;
     prism_free(w.staging);
     w.staging = NULL;
     prism_st_close(st);
