@@ -16,7 +16,7 @@
  * free, so a running sequence never runs out of KV and nothing is ever preempted; requests that
  * do not fit wait (one staged transfer, the rest stays in the senders: backpressure).
  *
- * Tensor parallelism (--tp-size T > 1, worker/tp.h): rank 0 is the worker above, holding its shard;
+ * Tensor parallelism (--tp-size T > 1, tp/tp.h): rank 0 is the worker above, holding its shard;
  * it hands every other rank its KV heads of each admitted request and the plan of each step, and
  * the ranks (which talk to no router and have no I/O thread) run the same forward on their shards.
  * Only the leader hears of aborts, so a group never drops a sequence mid-step: an aborted sequence
@@ -32,9 +32,9 @@
 #include "core/cli.h"
 #include "net/net.h"
 #include "worker/worker.h"
-#include "worker/seq.h"
+#include "seq/seq.h"
 #include "worker/aborts.h"
-#include "worker/tp.h"
+#include "tp/tp.h"
 #include "kv/kv.h"
 #include "sample/sample.h"
 #include "backend/backend.h"

@@ -12,7 +12,7 @@
  * the pool. Prompts run in chunks of at most --chunked-prefill-size tokens. The worker's I/O thread
  * receives while a prompt runs; an abort for the prompt in flight stops it between two layers.
  *
- * Tensor parallelism (--tp-size P > 1, worker/tp.h): rank 0 is the worker above; it sends every
+ * Tensor parallelism (--tp-size P > 1, tp/tp.h): rank 0 is the worker above; it sends every
  * other rank the plan of each chunk (tokens, block table, image embedding rows) and, once the prompt
  * is done, gathers their KV heads into the whole-model blocks a decode worker of any TP size takes.
  * The ranks have no I/O thread; every rank must run every chunk it is sent, so a group stops an
@@ -22,9 +22,9 @@
 #include "core/cli.h"
 #include "net/net.h"
 #include "worker/worker.h"
-#include "worker/seq.h"
+#include "seq/seq.h"
 #include "worker/aborts.h"
-#include "worker/tp.h"
+#include "tp/tp.h"
 #include "kv/kv.h"
 #include "sample/sample.h"
 #include "backend/backend.h"

@@ -10,7 +10,10 @@
  * logit_bias.cu, token_mask.cu), so a device build keeps the table on the device and only token
  * ids cross PCIe.
  *
- * The sampler owns vocab-sized scratch allocated once; sampling allocates nothing. */
+ * The sampler owns vocab-sized scratch allocated once; sampling allocates nothing.
+ *
+ * What a worker samples with is one level up, in common/seq (seq.h): the per-sequence record and
+ * the sequence sampler that applies a request's processors and grammar mask, then these. */
 #ifndef PRISM_SAMPLE_H
 #define PRISM_SAMPLE_H
 

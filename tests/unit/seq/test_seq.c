@@ -1,4 +1,4 @@
-/* The per-sequence record prefill and decode share (common/worker/seq.h): the Sampling message
+/* The per-sequence record prefill and decode share (common/seq/seq.h): the Sampling message
  * is kept as the router sent it (within bounds) and forwarded unchanged, copies are safe, and the
  * finish / logprob rules are the ones both workers apply. */
 #include <math.h>
@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "worker/seq.h"
+#include "seq/seq.h"
 
 #define VOCAB 64
 

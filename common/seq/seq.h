@@ -25,8 +25,8 @@
  *
  * Logprobs are computed from the raw logits (vLLM's default "raw_logprobs"): processors change
  * which token is sampled, not the reported distribution. */
-#ifndef PRISM_WORKER_SEQ_H
-#define PRISM_WORKER_SEQ_H
+#ifndef PRISM_SEQ_H
+#define PRISM_SEQ_H
 
 #include "core/core.h"
 #include "model/model.h"

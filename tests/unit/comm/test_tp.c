@@ -1,4 +1,4 @@
-/* The worker side of tensor-parallel groups (worker/tp.h) with T real rank processes (fork) on the
+/* The worker side of tensor-parallel groups (tp/tp.h) with T real rank processes (fork) on the
  * bundled model (8 query heads, 4 KV heads):
  *  - KV: the leader scatters whole-model blocks (every rank imports exactly its heads) and gathers
  *    them back bit for bit, at T = 2, 4 and 8 (8: each KV head replicated on two ranks);
@@ -27,7 +27,7 @@
 
 #include "model/model.h"
 #include "net/net.h"
-#include "worker/tp.h"
+#include "tp/tp.h"
 #include "tp_fork.h"
 
 #define BS 16

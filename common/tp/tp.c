@@ -1,4 +1,4 @@
-#include "worker/tp.h"
+#include "tp/tp.h"
 #include "worker/worker.h"
 #include "net/net.h"
 

@@ -25,8 +25,8 @@
  * dead worker, and the supervisor restarts the processes, which form a new group. A leader that dies
  * closes the link: the ranks see it in prism_tp_follow and exit 1.
  */
-#ifndef PRISM_WORKER_TP_H
-#define PRISM_WORKER_TP_H
+#ifndef PRISM_TP_H
+#define PRISM_TP_H
 
 #include "core/core.h"
 #include "core/cli.h"

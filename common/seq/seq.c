@@ -1,5 +1,5 @@
 /* One generation sequence and the worker's sequence sampler: see seq.h. */
-#include "worker/seq.h"
+#include "seq/seq.h"
 #include "tokenizer/tokenizer.h"
 
 #include <math.h>
