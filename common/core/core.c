@@ -119,9 +119,13 @@ void *prism_malloc(size_t n)
 void *prism_calloc(size_t count, size_t n)
 {
     if (n && count > (SIZE_MAX - HDR) / n) return NULL;
-    void *p = prism_malloc(count * n);
-    if (p) memset(p, 0, count * n);
-    return p;
+    /* calloc, not malloc + memset: the C library hands a large block fresh zero pages, which stay
+     * untouched (not resident) until used */
+    uint8_t *p = calloc(1, count * n + HDR);
+    if (!p) return NULL;
+    *(size_t *)p = count * n;
+    count_add(count * n);
+    return p + HDR;
 }
 
 void *prism_realloc(void *p, size_t n)
