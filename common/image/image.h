@@ -182,6 +182,7 @@ typedef struct prism_image_relay prism_image_relay_t;
  * 256 KiB at least: 64 rows of a 1024-pixel image, 21 of a 4096-pixel one) and the helper thread's
  * stack (256 KiB, mapped by pthread rather than counted by our allocator). */
 size_t prism_image_relay_bytes(int max_width);
+#define PRISM_IMAGE_RELAY_STACK_BYTES ((size_t)256 << 10)   /* the helper thread's stack, in the above */
 /* Allocates the ring (counted) and starts the helper thread (a small fixed stack). */
 int prism_image_relay_create(int max_width, prism_image_relay_t **out);
 void prism_image_relay_destroy(prism_image_relay_t *r);

@@ -11,7 +11,7 @@
 #define RELAY_RING_BYTES (256u << 10)
 #define RELAY_MIN_ROWS 8          /* more than libjpeg's rows per call (at most 4) */
 #define RELAY_MAX_ROWS 64
-#define RELAY_STACK (256u << 10)
+#define RELAY_STACK PRISM_IMAGE_RELAY_STACK_BYTES
 
 struct prism_image_relay {
     pthread_t th;

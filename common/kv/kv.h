@@ -23,6 +23,8 @@ typedef struct {
 } prism_kv_blocks_t;
 
 int  prism_kv_blocks_init(prism_kv_blocks_t *b, int n_blocks, int block_size);
+/* Heap prism_kv_blocks_init takes for n_blocks (a worker's memory plan counts it). */
+static inline size_t prism_kv_blocks_bytes(int n_blocks) { return (size_t)n_blocks * (sizeof(int32_t) + sizeof(uint16_t)); }
 void prism_kv_blocks_free_all(prism_kv_blocks_t *b);
 /* Allocates n blocks into out, or none: PRISM_EAGAIN when fewer than n are free. */
 int  prism_kv_blocks_alloc(prism_kv_blocks_t *b, int n, int32_t *out);

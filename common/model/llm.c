@@ -222,6 +222,16 @@ size_t prism_llm_arena_bytes(const prism_model_config_t *cfg, int max_batch_toke
     return llm_layout(cfg, max_batch_tokens, max_seqs, NULL);
 }
 
+size_t prism_llm_host_bytes(const prism_model_config_t *cfg, int max_batch_tokens, int max_seqs)
+{
+    if (max_batch_tokens <= 0 || max_seqs <= 0) return 0;
+    size_t T = (size_t)max_batch_tokens, S = (size_t)max_seqs;
+    /* as prism_llm_load allocates them: m, m->layers, h_meta + h_meta2, keep, ostart, gone, h_qscale */
+    return sizeof(struct prism_llm) + (size_t)cfg->n_layers * sizeof(llm_layer_t) +
+           2 * meta_count(cfg, max_batch_tokens, max_seqs) * sizeof(int32_t) + S * sizeof(int32_t) +
+           (S + 1) * sizeof(int32_t) + S + T * sizeof(float);
+}
+
 /* ---------------------------------------------------------------- weights */
 
 static const char *const k_text_prefixes[] = {"language_model.model.", "model.language_model.", "model.", ""};

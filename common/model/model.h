@@ -204,6 +204,9 @@ const prism_tp_shard_t *prism_llm_shard(const prism_llm_t *m);
 size_t prism_llm_read_bytes(const prism_llm_t *m);
 size_t prism_llm_weight_bytes(const prism_llm_t *m);
 size_t prism_llm_arena_bytes(const prism_model_config_t *cfg, int max_batch_tokens, int max_seqs); /* for budget planning before load */
+/* Host memory prism_llm_load keeps besides weights and arena (the model's record and layer table,
+ * the metadata staged for each forward): a worker's memory plan counts it. */
+size_t prism_llm_host_bytes(const prism_model_config_t *cfg, int max_batch_tokens, int max_seqs);
 const prism_model_config_t *prism_llm_config(const prism_llm_t *m);
 
 size_t prism_kv_cache_block_bytes(const prism_model_config_t *cfg, int block_size);  /* K+V, all layers, one block (this rank's KV heads) */
