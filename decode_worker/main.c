@@ -32,6 +32,7 @@
 #include "core/cli.h"
 #include "net/net.h"
 #include "worker/worker.h"
+#include "worker/start.h"
 #include "seq/seq.h"
 #include "worker/aborts.h"
 #include "tp/tp.h"
@@ -64,6 +65,10 @@ typedef struct {
 } out_t;
 
 typedef struct {
+    struct {                      /* the tier's flags */
+        int64_t kv_blocks, block_size, max_running, context_length;
+        const char *overlap;
+    } f;
     prism_worker_t w;
     prism_model_config_t cfg;     /* this rank's (sharded) shapes */
     prism_model_config_t full;    /* the whole model's: the KV layout prefill sends */
@@ -74,6 +79,7 @@ typedef struct {
     prism_kv_cache_t *kv;
     prism_kv_blocks_t blocks;
     prism_seq_sampler_t sampler;  /* one slot per running sequence (slot = index in seqs) */
+    size_t sampling_bytes;        /* what the sampler took at start-up (measured into the plan) */
     int max_running, max_model_len, max_blocks_per_seq;
     int ring;                 /* blocks per sequence ring of the chunked layers (0: not split) */
     int32_t *ring_pool;       /* [max_running][ring] */
@@ -92,8 +98,6 @@ typedef struct {
     out_t *out;               /* [max_running] results of the last step, not sent yet */
     int n_out;
     bool overlap;             /* the backend runs asynchronously: enqueue the next step before sending */
-    int layer_done, layer_total;
-    double t_layer, layer_s;
     prism_model_hook_t hook;
     /* one staged KV transfer waiting for blocks */
     bool staged;
@@ -114,14 +118,7 @@ typedef struct {
 static void send_error(decode_t *d, const char *router_id, uint64_t rid, uint64_t rid_hi, Prism__ErrorKind kind,
                        const char *msg)
 {
-    Prism__Tokens t = PRISM__TOKENS__INIT;
-    t.finish = PRISM__FINISH__FINISH_ERROR;
-    t.error = (char *)msg;
-    t.error_kind = kind;
-    Prism__Envelope env = PRISM__ENVELOPE__INIT;
-    env.type = PRISM__MSG_TYPE__MSG_TOKENS;
-    env.tokens = &t;
-    prism_worker_reply(&d->w, router_id, rid, rid_hi, &env);
+    prism_worker_reply_error(&d->w, router_id, rid, rid_hi, kind, msg, false);
 }
 
 static void seq_release(decode_t *d, seq_t *s)
@@ -365,13 +362,7 @@ static void on_msg(prism_worker_t *w, prism_msg_t *m, int source, void *ud)
 
 static bool hook_layer(void *ud, int done, int total)
 {
-    decode_t *d = ud;
-    double now = prism_now_s();
-    if (done > 0) d->layer_s = now - d->t_layer;
-    d->t_layer = now;
-    d->layer_done = done;
-    d->layer_total = total;
-    return prism_worker_layer_done(&d->w);
+    return prism_worker_layer_done(&((decode_t *)ud)->w, done, total);
 }
 
 static bool hook_cancelled(void *ud, int item)
@@ -382,7 +373,7 @@ static bool hook_cancelled(void *ud, int item)
     if (!prism_worker_aborted(&d->w, s->seq.rid, s->seq.router_id, &waited)) return false;
     if (!prism_worker_should_stop())
         PRISM_DEBUG("request %llu aborted: dropped from the step after layer %d of %d, %.3fs after the abort "
-                    "arrived", (unsigned long long)s->seq.rid, d->layer_done, d->layer_total, waited);
+                    "arrived", (unsigned long long)s->seq.rid, d->w.layer.done, d->w.layer.total, waited);
     d->dropped[item] = true;
     return true;
 }
@@ -432,7 +423,6 @@ static void launch_step(decode_t *d)
         .pos0 = d->pos0, .block_tables = d->tables, .all_logits = false,
         .local_tables = d->ring ? d->rings : NULL, .local_ring = d->ring,
     };
-    d->t_layer = prism_now_s();
     /* The plan goes to the other ranks first, then the leader runs the same forward. */
     uint64_t t0 = prism_now_ns();
     int rc = prism_tp_send_step(&d->tp, &b, true);
@@ -550,221 +540,216 @@ static uint32_t publish_load(decode_t *d)
     return load.running;
 }
 
-/* Everything before the loop: flags, the model, the KV cache and the worker, not started (the I/O
- * thread, hence registration, starts in main). Returns -1 to go on, else the exit code (a
- * tensor-parallel follower rank runs its whole life in here). tests/fuzz/fuzz_decode_msgs.c builds
- * the worker it feeds messages to with it. */
-static int decode_open(decode_t *d, int argc, char **argv)
+/* ---- start-up: the decode tier's hooks (worker/start.h) ---- */
+
+static int decode_flags(void *ctx, prism_flag_t *t)
 {
-    prism_worker_opts_t o;
-    prism_worker_opts_defaults(&o, "decode");
-    int64_t kv_blocks = 0, block_size = 16, max_running = 64, context_length = 0;
-    const char *overlap = "auto";
-    prism_tp_opts_t tpo;
-    prism_tp_opts_defaults(&tpo);
-    prism_flag_t flags[40] = {
-        PRISM_TP_FLAGS(&tpo),
-        PRISM_FLAG_INT("kv-blocks", &kv_blocks, "KV cache blocks (0 = fill --mem-budget, else 1024)"),
-        PRISM_FLAG_INT("block-size", &block_size, "Tokens per KV block"),
-        PRISM_FLAG_INT("max-running-requests", &max_running, "Most sequences in one decode batch"),
-        PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings, at most 131072)"),
-        PRISM_FLAG_STR("overlap-steps", &overlap,
+    decode_t *d = ctx;
+    d->f.block_size = 16;
+    d->f.max_running = 64;
+    d->f.overlap = "auto";
+    prism_flag_t f[] = {
+        PRISM_FLAG_INT("kv-blocks", &d->f.kv_blocks, "KV cache blocks (0 = fill --mem-budget, else 1024)"),
+        PRISM_FLAG_INT("block-size", &d->f.block_size, "Tokens per KV block"),
+        PRISM_FLAG_INT("max-running-requests", &d->f.max_running, "Most sequences in one decode batch"),
+        PRISM_FLAG_INT("context-length", &d->f.context_length, "Max tokens per sequence (0 = model's max_position_embeddings, at most 131072)"),
+        PRISM_FLAG_STR("overlap-steps", &d->f.overlap,
                        "auto (on for devices with streams), on or off: enqueue step n+1 before sending step n's tokens"),
     };
-    int rc = prism_worker_startup(argc, argv, "decode", "Prism decode worker: paged KV cache, continuous batching "
-                                  "and sampling.", flags, &o, &d->cfg);
-    if (rc >= 0) return rc;
-    prism_backend_cpu_blas_setup();   /* while no other thread runs: it may set an environment variable */
-    char err[512] = "";
-    if (block_size < 1 || block_size > 1024 || max_running < 1 || max_running > 4096) {
+    memcpy(t, f, sizeof f);
+    return (int)PRISM_ARRAY_LEN(f);
+}
+
+static int decode_size(void *ctx, prism_worker_startup_t *s)
+{
+    decode_t *d = ctx;
+    if (d->f.block_size < 1 || d->f.block_size > 1024 || d->f.max_running < 1 || d->f.max_running > 4096) {
         PRISM_ERROR("--block-size must be 1..1024 and --max-running-requests 1..4096");
         return 2;
     }
-    if (strcmp(overlap, "auto") && strcmp(overlap, "on") && strcmp(overlap, "off")) {
+    if (strcmp(d->f.overlap, "auto") && strcmp(d->f.overlap, "on") && strcmp(d->f.overlap, "off")) {
         PRISM_ERROR("--overlap-steps must be auto, on or off");
         return 2;
     }
-    if (prism_tp_opts_apply(&tpo, &d->cfg, &d->full) != PRISM_OK) return 2;
-    const bool leader = tpo.rank == 0;
-    d->max_running = (int)max_running;
-    d->max_model_len = prism_model_context_length(&d->cfg, context_length);
+    int bs = (int)d->f.block_size;
+    d->max_running = (int)d->f.max_running;
+    d->max_model_len = prism_model_context_length(&d->cfg, d->f.context_length);
     d->cfg.max_pos = d->max_model_len;   /* the model's block tables are planned for the context served */
-    d->max_blocks_per_seq = (d->max_model_len + (int)block_size - 1) / (int)block_size;
+    d->max_blocks_per_seq = (d->max_model_len + bs - 1) / bs;
+    s->max_blocks_per_seq = d->max_blocks_per_seq;
+    s->batch_seqs = s->batch_tokens = d->max_running;   /* one token per sequence and step */
+    s->cap = (prism_worker_capacity_t){.block_size = (uint32_t)bs, .max_batch_tokens = (uint32_t)d->max_running,
+                                       .max_running = (uint32_t)d->max_running,
+                                       .max_model_len = (uint32_t)d->max_model_len};
+    return -1;
+}
 
-    if (prism_worker_backend_create(&o, &d->be)) return 1;
-    if (prism_llm_load(d->be, &d->cfg, o.model_path, d->max_running, d->max_running, &d->llm, err, sizeof(err)) != PRISM_OK) {
+static int decode_load(void *ctx, prism_worker_startup_t *s)
+{
+    decode_t *d = ctx;
+    char err[512] = "";
+    int bs = (int)d->f.block_size;
+    d->be = s->be;
+    if (prism_llm_load(d->be, &d->cfg, s->o.model_path, d->max_running, d->max_running, &d->llm, err, sizeof(err)) !=
+        PRISM_OK) {
         PRISM_ERROR("cannot load language model: %s", err);
         return 1;
     }
+    s->llm = d->llm;
     /* the transfer layout (whole-model heads: a group's leader takes the whole and scatters) */
-    d->fbb = prism_kv_cache_class_block_bytes(&d->full, (int)block_size, PRISM_KV_CLASS_FULL);
-    d->lbb = prism_kv_cache_class_block_bytes(&d->full, (int)block_size, PRISM_KV_CLASS_LOCAL);
-    d->ring = prism_kv_local_ring(&d->cfg, (int)block_size, 1);
+    d->fbb = prism_kv_cache_class_block_bytes(&d->full, bs, PRISM_KV_CLASS_FULL);
+    d->lbb = prism_kv_cache_class_block_bytes(&d->full, bs, PRISM_KV_CLASS_LOCAL);
+    d->ring = prism_kv_local_ring(&d->cfg, bs, 1);
     /* A ring as long as the context saves nothing (and would be reserved per slot): one pool then,
      * every layer in it (the transfer layout is the same; the chunked layers' older blocks are
      * simply never written nor read). */
     if (d->ring >= d->max_blocks_per_seq) d->ring = 0;
-    /* The pool's block: the layers that keep every position (every layer without a split). */
-    size_t block_bytes = d->ring ? prism_kv_cache_class_block_bytes(&d->cfg, (int)block_size, PRISM_KV_CLASS_FULL)
-                                : prism_kv_cache_block_bytes(&d->cfg, (int)block_size);
-    size_t ring_bytes = (size_t)d->max_running * d->ring *
-                        prism_kv_cache_class_block_bytes(&d->cfg, (int)block_size, PRISM_KV_CLASS_LOCAL);
-    size_t weights = prism_llm_weight_bytes(d->llm);
-    size_t arena = prism_llm_arena_bytes(&d->cfg, d->max_running, d->max_running);
-    size_t scratch = (size_t)d->max_running * d->cfg.vocab * sizeof(float) + (size_t)d->cfg.vocab * 8 +
-                     (size_t)d->max_running * d->max_blocks_per_seq * sizeof(int32_t);
-    if (tpo.size > 1)   /* collectives' shared memory, and the leader's per-rank KV slice buffer */
-        scratch += prism_comm_shm_bytes((int)tpo.size, 0) + (size_t)d->max_blocks_per_seq * block_bytes;
+    /* The largest transfer: every block of the pool's layers, and the chunked layers' blocks from
+     * the chunk of the last position (at most a ring); whole-model heads (the leader scatters) */
+    s->data_socket = true;
+    s->data_max_msg_bytes = (size_t)d->max_blocks_per_seq * d->fbb + (size_t)d->ring * d->lbb;
     size_t heap0 = prism_mem_used();   /* token-count tables, matchers' slots, grammar vocabulary: measured */
-    if (prism_seq_sampler_init(&d->sampler, &d->cfg, o.model_path, d->max_running) != PRISM_OK) {
+    if (prism_seq_sampler_init(&d->sampler, &d->cfg, s->o.model_path, d->max_running) != PRISM_OK) {
         PRISM_ERROR("cannot allocate the sampler");
         return 1;
     }
-    size_t sampling = prism_mem_used() - heap0;
-    size_t reserve = PRISM_MEM_RESERVE, runtime = prism_mem_runtime_bytes();
-    if (kv_blocks <= 0) {
-        if (o.mem_budget > 0) {
-            int64_t left = o.mem_budget - (int64_t)(weights + arena + scratch + sampling + reserve + runtime + ring_bytes);
-            kv_blocks = left > 0 ? left / (int64_t)block_bytes : 0;
-        } else {
-            kv_blocks = 1024;
-        }
-    }
-    prism_mem_plan_t plan = {.budget = (size_t)o.mem_budget};
-    prism_mem_plan_add(&plan, "weights", weights);
-    prism_mem_plan_add(&plan, "kv-cache", (size_t)kv_blocks * block_bytes);
-    if (d->ring) prism_mem_plan_add(&plan, "kv-rings", ring_bytes);   /* chunked layers: one chunk per sequence */
-    prism_mem_plan_add(&plan, "activations", arena);
-    prism_mem_plan_add(&plan, "logits+tables", scratch);
-    prism_mem_plan_add(&plan, "sampling", sampling);
-    prism_mem_plan_add(&plan, "runtime", runtime);
-    prism_mem_plan_add(&plan, "reserve", reserve);
-    if (kv_blocks < d->max_blocks_per_seq) {
-        PRISM_ERROR("decode: %lld KV blocks cannot hold one sequence of %d tokens (%d blocks of %d); "
-                    "raise --mem-budget or --kv-blocks, or lower --context-length",
-                    (long long)kv_blocks, d->max_model_len, d->max_blocks_per_seq, (int)block_size);
-        prism_mem_plan_check(&plan, "decode");
-        return 1;
-    }
-    if (prism_mem_plan_check(&plan, "decode") != PRISM_OK) return 1;
-
-    /* The leader is the worker the routers see (its net and sockets); the other ranks only need a
-     * net for the group's link. Nothing registers before the group has formed and agreed on its
-     * capacity (registration starts with the I/O thread, prism_worker_start). */
-    prism_net_t *rank_net = NULL;
-    char bind[300];
-    if (leader) {
-        prism_worker_data_bind(&o, bind, sizeof(bind));
-        /* The largest transfer: every block of the pool's layers, and the chunked layers' blocks from
-         * the chunk of the last position (at most a ring); whole-model heads (the leader scatters) */
-        size_t max_kv = (size_t)d->max_blocks_per_seq * d->fbb + (size_t)d->ring * d->lbb;
-        if (prism_worker_init(&d->w, PRISM__ROLE__ROLE_DECODE, &o, bind, max_kv) != PRISM_OK)
-            return 1;
-    } else {
-        prism_net_opts_t no = {.role = PRISM_NET_ROLE_DECODE, .curve_keys = o.curve_keys, .insecure = o.insecure_no_curve};
-        if (prism_net_create(&no, &rank_net, err, sizeof err) != PRISM_OK) {
-            PRISM_ERROR("%s", err);
-            return 1;
-        }
-    }
-    if (prism_tp_join(&d->tp, &tpo, leader ? d->w.net : rank_net, d->be, &d->cfg, o.worker_id, d->max_blocks_per_seq,
-                      (int)block_size) != PRISM_OK)
-        return 1;
-    prism_tp_setup_t setup = {.kv_blocks = (int)PRISM_MIN(kv_blocks, (int64_t)INT32_MAX), .block_size = (int)block_size,
-                              .max_seqs = d->max_running, .max_tokens = d->max_running};
-    if (prism_tp_setup(&d->tp, &setup) != PRISM_OK) return 1;
-    kv_blocks = setup.kv_blocks;
-    if (tpo.size > 1) prism_llm_set_comm(d->llm, prism_group_comm(d->tp.g));
-
-    if (prism_kv_cache_create_split(d->be, &d->cfg, (int)kv_blocks, d->max_running * d->ring, (int)block_size, &d->kv) !=
-            PRISM_OK ||
-        prism_kv_blocks_init(&d->blocks, (int)kv_blocks, (int)block_size) != PRISM_OK) {
-        PRISM_ERROR("cannot allocate the KV cache (%lld blocks)", (long long)kv_blocks);
-        return 1;
-    }
-    prism_abort_memo_init(&d->aborts, 600.0);
-    d->seqs = prism_xcalloc((size_t)d->max_running, sizeof(seq_t));
-    d->block_pool = prism_xcalloc((size_t)d->max_running * d->max_blocks_per_seq, sizeof(int32_t));
-    for (int i = 0; i < d->max_running; i++) d->seqs[i].blocks = d->block_pool + (size_t)i * d->max_blocks_per_seq;
-    if (d->ring) {
-        d->ring_pool = prism_xcalloc((size_t)d->max_running * d->ring, sizeof(int32_t));
-        d->ring_ids = prism_xcalloc((size_t)d->ring, sizeof(int32_t));
-        for (int i = 0; i < d->max_running * d->ring; i++) d->ring_pool[i] = i;
-        for (int i = 0; i < d->max_running; i++) d->seqs[i].ring = d->ring_pool + (size_t)i * d->ring;
-    }
-    d->rings = prism_xcalloc((size_t)d->max_running, sizeof(int32_t *));
-    d->tokens = prism_xcalloc((size_t)d->max_running, sizeof(int32_t));
-    d->pos0 = prism_xcalloc((size_t)d->max_running, sizeof(int32_t));
-    d->seq_start = prism_xcalloc((size_t)d->max_running + 1, sizeof(int32_t));
-    d->slot_of = prism_xcalloc((size_t)d->max_running, sizeof(int));
-    d->tables = prism_xcalloc((size_t)d->max_running, sizeof(int32_t *));
-    d->dropped = prism_xcalloc((size_t)d->max_running, sizeof(bool));
-    d->out = prism_xcalloc((size_t)d->max_running, sizeof(out_t));
-    d->logits = prism_xcalloc((size_t)d->max_running * d->cfg.vocab, sizeof(float));
-    /* On the CPU a step computes inside begin: overlapping would only delay each token by a step
-     * ("on" exists to test the pipeline without a GPU). */
-    d->overlap = !strcmp(overlap, "on") || (!strcmp(overlap, "auto") && strcmp(d->be->device, "cpu") != 0);
-
-    if (!leader) {
-        int code = prism_tp_follow(&d->tp, d->llm, d->kv, d->logits);
-        prism_tp_close(&d->tp);
-        prism_net_destroy(rank_net);
-        return code;
-    }
-    prism_worker_set_capacity(&d->w, &o, &plan, (uint32_t)kv_blocks, (uint32_t)block_size, (uint32_t)d->max_running,
-                              (uint32_t)d->max_running, (uint32_t)d->max_model_len);
-    d->w.reg.tp_size = (uint32_t)tpo.size;
-    d->hook = (prism_model_hook_t){hook_layer, hook_cancelled, d};
-    prism_llm_set_hook(d->llm, &d->hook);
-    publish_load(d);   /* the first heartbeat already tells the truth */
+    d->sampling_bytes = prism_mem_used() - heap0;
     return -1;
 }
 
-int main(int argc, char **argv)
+/* Bytes of one block of the pool: the layers that keep every position (every layer without a split),
+ * and its entry in the block manager. */
+static size_t kv_block_bytes(const decode_t *d)
 {
-    static decode_t d;
-    double t0 = prism_now_s();
-    int rc = decode_open(&d, argc, argv);
-    if (rc >= 0) return rc;
-    if (prism_worker_start(&d.w) != PRISM_OK) return 1;   /* registration: the group has formed */
-    PRISM_INFO("decode worker %s ready in %.2fs: data %s, %d KV blocks x %d tokens, batch %d%s%s", d.w.worker_id,
-               prism_now_s() - t0, d.w.data_endpoint, d.blocks.n_blocks, d.blocks.block_size, d.max_running,
-               d.overlap ? ", host work overlapped with the device" : "",
-               d.ring ? ", chunked-attention layers in per-sequence rings" : "");
-    if (d.ring) {
+    int bs = (int)d->f.block_size;
+    return (d->ring ? prism_kv_cache_class_block_bytes(&d->cfg, bs, PRISM_KV_CLASS_FULL)
+                    : prism_kv_cache_block_bytes(&d->cfg, bs)) + prism_kv_blocks_bytes(1);
+}
+
+static int decode_plan(void *ctx, prism_worker_startup_t *s)
+{
+    decode_t *d = ctx;
+    prism_mem_plan_t *p = &s->plan;
+    int n = d->max_running, bs = (int)d->f.block_size;
+    prism_mem_plan_add(p, "weights", prism_llm_weight_bytes(d->llm), PRISM_MEM_LIBRARY);
+    prism_mem_plan_add(p, "activations", prism_llm_arena_bytes(&d->cfg, n, n), PRISM_MEM_LIBRARY);
+    prism_mem_plan_add(p, "model-host", prism_llm_host_bytes(&d->cfg, n, n), PRISM_MEM_LIBRARY);
+    prism_mem_plan_add(p, "sampling", d->sampling_bytes, PRISM_MEM_LIBRARY);
+    /* chunked layers: one chunk per sequence, in rings every slot owns from start-up */
+    prism_mem_plan_add(p, "kv-rings", (size_t)n * d->ring * prism_kv_cache_class_block_bytes(&d->cfg, bs, PRISM_KV_CLASS_LOCAL),
+                       PRISM_MEM_LIBRARY);
+    PRISM_PLAN_POOL(p, "sequences", d->seqs, n);
+    PRISM_PLAN_POOL(p, "block-tables", d->block_pool, (size_t)n * d->max_blocks_per_seq);
+    PRISM_PLAN_POOL(p, "ring-tables", d->ring_pool, (size_t)n * d->ring);
+    PRISM_PLAN_POOL(p, "ring-import", d->ring_ids, d->ring);
+    PRISM_PLAN_POOL(p, "logits", d->logits, (size_t)n * d->cfg.vocab);
+    PRISM_PLAN_POOL(p, "step-results", d->out, n);
+    /* the step in flight, as the model takes it */
+    PRISM_PLAN_POOL(p, "step-tokens", d->tokens, n);
+    PRISM_PLAN_POOL(p, "step-positions", d->pos0, n);
+    PRISM_PLAN_POOL(p, "step-starts", d->seq_start, n + 1);
+    PRISM_PLAN_POOL(p, "step-tables", d->tables, n);
+    PRISM_PLAN_POOL(p, "step-rings", d->rings, n);
+    PRISM_PLAN_POOL(p, "step-slots", d->slot_of, n);
+    PRISM_PLAN_POOL(p, "step-dropped", d->dropped, n);
+    /* The KV block pool last: without --kv-blocks it takes what the budget leaves. */
+    int64_t kv_blocks = d->f.kv_blocks;
+    size_t per_block = kv_block_bytes(d);
+    if (kv_blocks <= 0) {
+        int64_t left = s->o.mem_budget - (int64_t)prism_mem_plan_total(p);
+        kv_blocks = s->o.mem_budget <= 0 ? 1024 : left > 0 ? left / (int64_t)per_block : 0;
+    }
+    kv_blocks = PRISM_MIN(kv_blocks, (int64_t)INT32_MAX);
+    prism_mem_plan_add(p, "kv-cache", (size_t)kv_blocks * per_block, PRISM_MEM_LIBRARY);
+    if (kv_blocks < d->max_blocks_per_seq) {
+        PRISM_ERROR("decode: %lld KV blocks cannot hold one sequence of %d tokens (%d blocks of %d); "
+                    "raise --mem-budget or --kv-blocks, or lower --context-length",
+                    (long long)kv_blocks, d->max_model_len, d->max_blocks_per_seq, bs);
+        prism_mem_plan_check(p, "decode");
+        return 1;
+    }
+    s->cap.kv_blocks = (uint32_t)kv_blocks;
+    return -1;
+}
+
+static int decode_ready(void *ctx, prism_worker_startup_t *s)
+{
+    decode_t *d = ctx;
+    int kv_blocks = (int)s->cap.kv_blocks, bs = (int)d->f.block_size;   /* the group's */
+    prism_mem_plan_set(&s->plan, "kv-cache", (size_t)kv_blocks * kv_block_bytes(d));
+    if (prism_kv_cache_create_split(d->be, &d->cfg, kv_blocks, d->max_running * d->ring, bs, &d->kv) != PRISM_OK ||
+        prism_kv_blocks_init(&d->blocks, kv_blocks, bs) != PRISM_OK) {
+        PRISM_ERROR("cannot allocate the KV cache (%d blocks)", kv_blocks);
+        return 1;
+    }
+    s->kv = d->kv;
+    s->logits = d->logits;
+    prism_abort_memo_init(&d->aborts, 600.0);
+    for (int i = 0; i < d->max_running; i++) d->seqs[i].blocks = d->block_pool + (size_t)i * d->max_blocks_per_seq;
+    for (int i = 0; i < d->max_running * d->ring; i++) d->ring_pool[i] = i;
+    for (int i = 0; d->ring && i < d->max_running; i++) d->seqs[i].ring = d->ring_pool + (size_t)i * d->ring;
+    /* On the CPU a step computes inside begin: overlapping would only delay each token by a step
+     * ("on" exists to test the pipeline without a GPU). */
+    d->overlap = !strcmp(d->f.overlap, "on") || (!strcmp(d->f.overlap, "auto") && strcmp(d->be->device, "cpu") != 0);
+    if (s->leader) {
+        d->hook = (prism_model_hook_t){hook_layer, hook_cancelled, d};
+        prism_llm_set_hook(d->llm, &d->hook);
+        publish_load(d);   /* the first heartbeat already tells the truth */
+    }
+    return -1;
+}
+
+/* After start-up and registration (tier->run): the loop, then everything closed. */
+static int decode_run(void *ctx)
+{
+    decode_t *d = ctx;
+    PRISM_INFO("decode: %d KV blocks x %d tokens, batch %d%s%s", d->blocks.n_blocks, d->blocks.block_size,
+               d->max_running, d->overlap ? ", host work overlapped with the device" : "",
+               d->ring ? ", chunked-attention layers in per-sequence rings" : "");
+    if (d->ring) {
         char a[32], b2[32];
         PRISM_INFO("decode: chunked-attention layers keep a ring of %d blocks per sequence (%s per block, %s per "
-                   "block of the other layers)", d.ring, prism_fmt_bytes(d.lbb, a, sizeof a),
-                   prism_fmt_bytes(d.fbb, b2, sizeof b2));
+                   "block of the other layers)", d->ring, prism_fmt_bytes(d->lbb, a, sizeof a),
+                   prism_fmt_bytes(d->fbb, b2, sizeof b2));
     }
 
     int code = 0;
     while (!prism_worker_should_stop()) {
-        if (d.group_failed || prism_tp_check(&d.tp) != PRISM_OK) {
-            fail_group(&d);
+        if (d->group_failed || prism_tp_check(&d->tp) != PRISM_OK) {
+            fail_group(d);
             code = PRISM_EXIT_PEER_LOST;
             break;
         }
-        bool busy = publish_load(&d) > 0;
-        admit_staged(&d);
-        prism_worker_accept_data(&d.w, d.staged ? 0 : 1);
-        prism_worker_poll(&d.w, busy ? 0 : 50, on_msg, &d);
-        step(&d);
+        bool busy = publish_load(d) > 0;
+        admit_staged(d);
+        prism_worker_accept_data(&d->w, d->staged ? 0 : 1);
+        prism_worker_poll(&d->w, busy ? 0 : 50, on_msg, d);
+        step(d);
     }
-    if (d.n_step && !code) prism_llm_forward_end(d.llm, d.logits);   /* let the device finish before exit */
-    const prism_comm_t *comm = prism_group_comm(d.tp.g);
+    if (d->n_step && !code) prism_llm_forward_end(d->llm, d->logits);   /* let the device finish before exit */
+    const prism_comm_t *comm = prism_group_comm(d->tp.g);
     /* tests/bench/bench_tp.py reads this line */
     PRISM_INFO("decode worker stopping: %llu steps, %llu tokens; step forward %.3f ms mean, collectives %.1f%% of it "
-               "(%llu ops, tp %d over %s); %llu sequences cancelled", (unsigned long long)d.steps,
-               (unsigned long long)d.tokens_out, d.steps ? d.ns_forward / 1e6 / (double)d.steps : 0.0,
-               d.ns_forward ? 100.0 * (double)comm->ns_in_ops / (double)d.ns_forward : 0.0,
-               (unsigned long long)comm->n_ops, d.tp.size, prism_group_transport(d.tp.g),
-               (unsigned long long)d.cancelled);
-    if (!code) prism_tp_stop(&d.tp);
-    prism_tp_close(&d.tp);
-    /* let the error replies of fail_group reach the routers before the sockets close */
-    prism_seq_sampler_free(&d.sampler);
-    if (code) prism_worker_close_linger(&d.w, 2000);
-    prism_worker_close(&d.w);
+               "(%llu ops, tp %d over %s); %llu sequences cancelled", (unsigned long long)d->steps,
+               (unsigned long long)d->tokens_out, d->steps ? d->ns_forward / 1e6 / (double)d->steps : 0.0,
+               d->ns_forward ? 100.0 * (double)comm->ns_in_ops / (double)d->ns_forward : 0.0,
+               (unsigned long long)comm->n_ops, d->tp.size, prism_group_transport(d->tp.g),
+               (unsigned long long)d->cancelled);
+    prism_seq_sampler_free(&d->sampler);
     return code;
+}
+
+static const prism_worker_tier_t k_decode_tier = {
+    .role = "decode", .proto_role = PRISM__ROLE__ROLE_DECODE,
+    .summary = "Prism decode worker: paged KV cache, continuous batching and sampling.",
+    .flags = decode_flags, .size = decode_size, .load = decode_load, .plan = decode_plan, .ready = decode_ready,
+    .run = decode_run,
+    .group = &prism_tp_group,
+};
+
+int main(int argc, char **argv)
+{
+    static decode_t d;
+    prism_worker_startup_t s = {.w = &d.w, .cfg = &d.cfg, .full = &d.full, .group = &d.tp};
+    return prism_worker_main(&k_decode_tier, &d, &s, argc, argv);
 }

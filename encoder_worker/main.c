@@ -30,6 +30,7 @@
 #include "core/cli.h"
 #include "net/net.h"
 #include "worker/worker.h"
+#include "worker/start.h"
 #include "backend/backend.h"
 #include "model/model.h"
 #include "image/image.h"
@@ -65,6 +66,11 @@ typedef struct {
 } job_t;
 
 typedef struct {
+    struct {                  /* the tier's flags */
+        int64_t max_batch, max_queue, max_queue_bytes, cache_bytes, max_pixels, max_decode_pixels, decode_threads;
+        const char *dct;
+        double max_batch_s;
+    } f;
     prism_worker_t w;
     prism_model_config_t cfg;
     prism_backend_t *be;
@@ -83,8 +89,6 @@ typedef struct {
     int tile_base;            /* first tile of the micro-batch in the vision tower */
     double max_batch_s;       /* time bound of one batch (0 = memory bound only) */
     double cost_s;            /* measured seconds per image (decode + ViT), 0 until measured */
-    int layer_done, layer_total;
-    double t_layer, layer_s;  /* when the last layer finished, how long it took */
     prism_model_hook_t hook;
     float *pixels;            /* [cap_tiles][3][S][S] */
     float *out;               /* [cap_tiles][image_seq_length][hidden] */
@@ -316,13 +320,7 @@ static bool flush_batch(encoder_t *e, bool ready_only)
 
 static bool hook_layer(void *ud, int done, int total)
 {
-    encoder_t *e = ud;
-    double now = prism_now_s();
-    if (done > 0) e->layer_s = now - e->t_layer;
-    e->t_layer = now;
-    e->layer_done = done;
-    e->layer_total = total;
-    return prism_worker_layer_done(&e->w);
+    return prism_worker_layer_done(&((encoder_t *)ud)->w, done, total);
 }
 
 /* Image i of the vision batch leaves it if its request was aborted: its tiles are dropped from the
@@ -336,7 +334,7 @@ static bool cancel_if_aborted(encoder_t *e, int i)
     if (!prism_worker_should_stop())
         PRISM_INFO("request %llu image %u: cancelled %.3fs after its abort arrived, after layer %d of %d "
                    "(%.3fs per layer): dropped from the batch, %d image(s) go on",
-                   (unsigned long long)j->rid, j->image_index, waited, e->layer_done, e->layer_total, e->layer_s,
+                   (unsigned long long)j->rid, j->image_index, waited, e->w.layer.done, e->w.layer.total, e->w.layer.last_s,
                    e->n_live);
     for (int k = 0; k < j->n_tiles; k++) e->tile_job[j->tile0 + k] = -1;
     e->pix_job[i] = -1;
@@ -466,7 +464,6 @@ static void run_batch(encoder_t *e)
             int k = 1;
             while (k < e->max_batch && t + k < n_tiles && e->tile_job[t + k] >= 0) k++;
             e->tile_base = t;
-            e->t_layer = prism_now_s();
             rc = prism_vision_encode(e->vis, e->pixels + (size_t)t * e->tile_px, k, e->out + (size_t)t * e->emb_floats);
             t += k;
         }
@@ -494,138 +491,166 @@ static void run_batch(encoder_t *e)
     if (e->n_batch) flush_batch(e, false);
 }
 
-/* Everything before the loop: flags, the image pipeline, the vision tower, the pools and the worker,
- * not started (the I/O thread, hence registration, starts in main). Returns -1 to go on, else the
- * exit code. tests/fuzz/fuzz_encoder_msgs.c builds the worker it feeds messages to with it. */
-static int encoder_open(encoder_t *e, int argc, char **argv)
+/* ---- start-up: the encoder tier's hooks (worker/start.h) ---- */
+
+static int encoder_flags(void *ctx, prism_flag_t *t)
 {
-    prism_worker_opts_t o;
-    prism_worker_opts_defaults(&o, "encoder");
-    int64_t max_batch = 8, max_queue = 64, max_queue_bytes = 64ll << 20, cache_bytes = 64ll << 20, max_pixels = 4096ll * 4096,
-            max_decode_pixels = 4096ll * 4096, decode_threads = 2;
-    const char *dct = "auto";
-    double max_batch_s = 2.0;
-    prism_flag_t flags[32] = {
-        PRISM_FLAG_INT("max-batch-images", &max_batch, "Images per vision-tower micro-batch, the activation arena's "
+    encoder_t *e = ctx;
+    e->f.max_batch = 8;
+    e->f.max_queue = 64;
+    e->f.max_queue_bytes = 64ll << 20;
+    e->f.cache_bytes = 64ll << 20;
+    e->f.max_pixels = 4096ll * 4096;
+    e->f.max_decode_pixels = 4096ll * 4096;
+    e->f.decode_threads = 2;
+    e->f.dct = "auto";
+    e->f.max_batch_s = 2.0;
+    prism_flag_t f[] = {
+        PRISM_FLAG_INT("max-batch-images", &e->f.max_batch, "Images per vision-tower micro-batch, the activation arena's "
                        "size (Llama-4: tiles; an image of more tiles runs in several micro-batches)"),
-        PRISM_FLAG_DOUBLE("max-batch-seconds", &max_batch_s,
+        PRISM_FLAG_DOUBLE("max-batch-seconds", &e->f.max_batch_s,
                           "Time bound of one batch: no more images than finish in it at the measured cost per image "
                           "(at least one; 0 = the pixel buffer's tiles alone)"),
-        PRISM_FLAG_INT("max-queued-images", &max_queue, "Images waiting for the encoder at once"),
-        PRISM_FLAG_BYTES("max-queued-image-bytes", &max_queue_bytes, "Image file bytes waiting for the encoder at "
+        PRISM_FLAG_INT("max-queued-images", &e->f.max_queue, "Images waiting for the encoder at once"),
+        PRISM_FLAG_BYTES("max-queued-image-bytes", &e->f.max_queue_bytes, "Image file bytes waiting for the encoder at "
                          "once (the router holds the rest; one image larger than this is still taken alone)"),
-        PRISM_FLAG_BYTES("embedding-cache-bytes", &cache_bytes, "Embedding cache budget (0 disables)"),
-        PRISM_FLAG_INT("max-image-pixels", &max_pixels, "Largest image accepted (width*height in the file)"),
-        PRISM_FLAG_INT("max-decode-pixels", &max_decode_pixels,
+        PRISM_FLAG_BYTES("embedding-cache-bytes", &e->f.cache_bytes, "Embedding cache budget (0 disables)"),
+        PRISM_FLAG_INT("max-image-pixels", &e->f.max_pixels, "Largest image accepted (width*height in the file)"),
+        PRISM_FLAG_INT("max-decode-pixels", &e->f.max_decode_pixels,
                        "Whole-image decode memory, in pixels at 3 bytes each: progressive JPEG coefficients "
                        "(4:2:0; 4:4:4 needs twice as much) and interlaced PNG; baseline JPEG and other PNG "
                        "stream in rows and need none (0 = refuse what does not stream)"),
-        PRISM_FLAG_STR("jpeg-dct-scaling", &dct, "always (decode JPEGs at a reduced size: faster, not identical to "
+        PRISM_FLAG_STR("jpeg-dct-scaling", &e->f.dct, "always (decode JPEGs at a reduced size: faster, not identical to "
                        "transformers), auto or never (full size)"),
-        PRISM_FLAG_INT("decode-threads", &decode_threads, "1: decode and preprocess on the worker thread; 2: "
+        PRISM_FLAG_INT("decode-threads", &e->f.decode_threads, "1: decode and preprocess on the worker thread; 2: "
                        "preprocess rows on a helper thread while the next ones decode"),
     };
-    int rc = prism_worker_startup(argc, argv, "encoder", "Prism encoder worker: image decode, preprocessing (CLIP "
-                                  "or Llama-4 tiles), vision tower + projector.", flags, &o, &e->cfg);
-    if (rc >= 0) return rc;
-    prism_backend_cpu_blas_setup();   /* while no other thread runs: it may set an environment variable */
+    memcpy(t, f, sizeof f);
+    return (int)PRISM_ARRAY_LEN(f);
+}
+
+static int encoder_size(void *ctx, prism_worker_startup_t *s)
+{
+    encoder_t *e = ctx;
     char err[512] = "";
     if (!e->cfg.has_vision) {
-        PRISM_ERROR("model at %s has no vision tower: an encoder worker has nothing to do", o.model_path);
+        PRISM_ERROR("model at %s has no vision tower: an encoder worker has nothing to do", s->o.model_path);
         return 1;
     }
-    if (max_batch < 1 || max_batch > 256 || max_queue < max_batch || max_queue > 65536 || max_queue_bytes < 1 ||
-        max_pixels < 1 || max_decode_pixels < 0 || decode_threads < 1 || decode_threads > 2 ||
-        !(max_batch_s >= 0 && max_batch_s <= 3600)) {
+    if (e->f.max_batch < 1 || e->f.max_batch > 256 || e->f.max_queue < e->f.max_batch || e->f.max_queue > 65536 ||
+        e->f.max_queue_bytes < 1 || e->f.max_pixels < 1 || e->f.max_decode_pixels < 0 || e->f.decode_threads < 1 ||
+        e->f.decode_threads > 2 || !(e->f.max_batch_s >= 0 && e->f.max_batch_s <= 3600)) {
         PRISM_ERROR("flag out of range (see --help)");
         return 2;
     }
-    int dct_mode = !strcmp(dct, "auto") ? ENC_DCT_AUTO : !strcmp(dct, "always") ? ENC_DCT_ALWAYS
-                 : !strcmp(dct, "never") ? ENC_DCT_NEVER : -1;
+    int dct_mode = !strcmp(e->f.dct, "auto") ? ENC_DCT_AUTO : !strcmp(e->f.dct, "always") ? ENC_DCT_ALWAYS
+                 : !strcmp(e->f.dct, "never") ? ENC_DCT_NEVER : -1;
     if (dct_mode < 0) {
         PRISM_ERROR("--jpeg-dct-scaling must be auto, always or never");
         return 2;
     }
-    if (enc_prep_plan(&e->prep, &e->cfg, o.model_path, (uint64_t)max_pixels, (uint64_t)max_decode_pixels,
-                      (int)decode_threads, dct_mode, err, sizeof(err)) != PRISM_OK) {
+    if (enc_prep_plan(&e->prep, &e->cfg, s->o.model_path, (uint64_t)e->f.max_pixels, (uint64_t)e->f.max_decode_pixels,
+                      (int)e->f.decode_threads, dct_mode, err, sizeof(err)) != PRISM_OK) {
         PRISM_ERROR("image preprocessing: %s", err);
         return 1;
     }
-    e->max_batch = (int)max_batch;
-    e->max_queue = (int)max_queue;
-    e->max_batch_s = max_batch_s;
+    e->max_batch = (int)e->f.max_batch;
+    e->max_queue = (int)e->f.max_queue;
+    e->max_queue_bytes = (uint64_t)e->f.max_queue_bytes;
+    e->max_batch_s = e->f.max_batch_s;
     e->cap_tiles = PRISM_MAX(e->max_batch, e->prep.max_tiles);
     e->emb_floats = (size_t)e->cfg.image_seq_length * e->cfg.hidden;
     size_t S = (size_t)e->cfg.v_image_size;
     e->tile_px = 3 * S * S;
+    s->cap = (prism_worker_capacity_t){.max_batch_tokens = (uint32_t)(e->max_batch * e->cfg.image_seq_length),
+                                       .max_running = (uint32_t)e->max_queue, .max_queued_bytes = e->max_queue_bytes};
+    return -1;
+}
 
-    if (prism_worker_backend_create(&o, &e->be)) return 1;
-    if (prism_vision_load(e->be, &e->cfg, o.model_path, e->max_batch, &e->vis, err, sizeof(err)) != PRISM_OK) {
+static int encoder_load(void *ctx, prism_worker_startup_t *s)
+{
+    encoder_t *e = ctx;
+    char err[512] = "";
+    e->be = s->be;
+    if (prism_vision_load(e->be, &e->cfg, s->o.model_path, e->max_batch, &e->vis, err, sizeof(err)) != PRISM_OK) {
         PRISM_ERROR("cannot load vision tower: %s", err);
         return 1;
     }
-    prism_mem_plan_t plan = {.budget = (size_t)o.mem_budget};
-    prism_mem_plan_add(&plan, "weights", prism_vision_weight_bytes(e->vis));
-    prism_mem_plan_add(&plan, "activations", prism_vision_arena_bytes(&e->cfg, e->max_batch));
-    prism_mem_plan_add(&plan, "pixels+outputs", (size_t)e->cap_tiles * (e->tile_px + e->emb_floats) * sizeof(float));
-    prism_mem_plan_add(&plan, "decode", e->prep.dec_bytes + e->prep.relay_bytes);
-    prism_mem_plan_add(&plan, "preprocess", e->prep.ws_bytes);
-    prism_mem_plan_add(&plan, "queued-images", (size_t)max_queue_bytes);  /* per router */
-    prism_mem_plan_add(&plan, "embedding-cache", prism_embed_cache_bytes((size_t)cache_bytes, e->emb_floats));
-    prism_mem_plan_add(&plan, "runtime", prism_mem_runtime_bytes());
-    prism_mem_plan_add(&plan, "reserve", PRISM_MEM_RESERVE);
-    if (prism_mem_plan_check(&plan, "encoder") != PRISM_OK) return 1;
+    return -1;
+}
 
-    e->jobs = prism_xcalloc((size_t)e->max_queue, sizeof(job_t));
-    e->tile_job = prism_xcalloc((size_t)e->cap_tiles, sizeof(int));
-    e->pixels = prism_malloc_aligned((size_t)e->cap_tiles * e->tile_px * sizeof(float), 64);
-    e->out = prism_malloc_aligned((size_t)e->cap_tiles * e->emb_floats * sizeof(float), 64);
+static int encoder_plan(void *ctx, prism_worker_startup_t *s)
+{
+    encoder_t *e = ctx;
+    prism_mem_plan_t *p = &s->plan;
+    prism_mem_plan_add(p, "weights", prism_vision_weight_bytes(e->vis), PRISM_MEM_LIBRARY);
+    prism_mem_plan_add(p, "activations", prism_vision_arena_bytes(&e->cfg, e->max_batch), PRISM_MEM_LIBRARY);
+    /* the decoder's region and the relay's ring; the relay's helper thread has a stack of its own */
+    size_t relay_stack = e->prep.relay_bytes ? PRISM_IMAGE_RELAY_STACK_BYTES : 0;
+    prism_mem_plan_add(p, "decode", e->prep.dec_bytes + e->prep.relay_bytes - relay_stack, PRISM_MEM_LIBRARY);
+    prism_mem_plan_add(p, "decode-thread", relay_stack, PRISM_MEM_OUTSIDE);
+    prism_mem_plan_add(p, "preprocess", e->prep.ws_bytes, PRISM_MEM_LIBRARY);
+    prism_mem_plan_add(p, "embedding-cache", prism_embed_cache_bytes((size_t)e->f.cache_bytes, e->emb_floats),
+                       PRISM_MEM_LIBRARY);
+    /* each router's queued image files, held as ZeroMQ frames */
+    prism_mem_plan_add(p, "queued-images", (size_t)e->max_queue_bytes, PRISM_MEM_OUTSIDE);
+    PRISM_PLAN_POOL(p, "pixels", e->pixels, (size_t)e->cap_tiles * e->tile_px);
+    PRISM_PLAN_POOL(p, "outputs", e->out, (size_t)e->cap_tiles * e->emb_floats);
+    PRISM_PLAN_POOL(p, "tile-jobs", e->tile_job, e->cap_tiles);
+    PRISM_PLAN_POOL(p, "jobs", e->jobs, e->max_queue);
+    return -1;
+}
+
+static int encoder_ready(void *ctx, prism_worker_startup_t *s)
+{
+    encoder_t *e = ctx;
     if (enc_prep_create(&e->prep) != PRISM_OK) {
         PRISM_ERROR("cannot create the image decoder");
         return 1;
     }
-    if (!e->pixels || !e->out ||
-        prism_embed_cache_init(&e->cache, (size_t)cache_bytes, e->emb_floats, e->prep.max_tiles) != PRISM_OK) {
-        PRISM_ERROR("cannot allocate encoder pools");
+    if (prism_embed_cache_init(&e->cache, (size_t)e->f.cache_bytes, e->emb_floats, e->prep.max_tiles) != PRISM_OK) {
+        PRISM_ERROR("cannot allocate the embedding cache");
         return 1;
     }
-
-    if (prism_worker_init(&e->w, PRISM__ROLE__ROLE_ENCODER, &o, NULL, 0) != PRISM_OK)
-        return 1;
-    prism_worker_set_capacity(&e->w, &o, &plan, 0, 0, (uint32_t)(e->max_batch * e->cfg.image_seq_length),
-                              (uint32_t)e->max_queue, 0);
-    e->max_queue_bytes = (uint64_t)max_queue_bytes;
-    e->w.reg.max_queued_bytes = e->max_queue_bytes;  /* the router keeps the queue's files under it */
-    e->w.reg.embedding_cache_units = (uint32_t)e->cache.n_units;   /* 0: the router sends no early jobs */
+    s->cap.embedding_cache_units = (uint32_t)e->cache.n_units;   /* 0: the router sends no early jobs */
     e->hook = (prism_model_hook_t){hook_layer, hook_cancelled, e};
     prism_vision_set_hook(e->vis, &e->hook);
     publish_load(e);
     return -1;
 }
 
+/* After start-up and registration (tier->run): the loop, then everything closed. */
+static int encoder_run(void *ctx)
+{
+    encoder_t *e = ctx;
+    PRISM_INFO("encoder: micro-batch %d %s, pixel buffer %d tiles (largest image %d), %.2gs batch bound, queue %d, "
+               "cache %d tiles", e->max_batch, e->prep.max_tiles > 1 ? "tiles" : "images", e->cap_tiles,
+               e->prep.max_tiles, e->max_batch_s, e->max_queue, e->cache.n_units);
+
+    while (!prism_worker_should_stop()) {
+        publish_load(e);
+        bool work = false;
+        for (int i = 0; i < e->max_queue && !work; i++) work = e->jobs[i].state == JOB_QUEUED;
+        prism_worker_poll(&e->w, work ? 0 : (e->n_batch ? 2 : 50), on_msg, e);
+        run_batch(e);
+    }
+    PRISM_INFO("encoder worker stopping: %llu images encoded, %llu failed, %llu cancelled in a batch, "
+               "cache %llu hits / %llu misses", (unsigned long long)e->encoded, (unsigned long long)e->failed,
+               (unsigned long long)e->cancelled, (unsigned long long)e->cache.hits, (unsigned long long)e->cache.misses);
+    enc_prep_destroy(&e->prep);
+    return 0;
+}
+
+static const prism_worker_tier_t k_encoder_tier = {
+    .role = "encoder", .proto_role = PRISM__ROLE__ROLE_ENCODER,
+    .summary = "Prism encoder worker: image decode, preprocessing (CLIP or Llama-4 tiles), vision tower + projector.",
+    .flags = encoder_flags, .size = encoder_size, .load = encoder_load, .plan = encoder_plan, .ready = encoder_ready,
+    .run = encoder_run,
+};
+
 int main(int argc, char **argv)
 {
     static encoder_t e;
-    double t0 = prism_now_s();
-    int rc = encoder_open(&e, argc, argv);
-    if (rc >= 0) return rc;
-    if (prism_worker_start(&e.w) != PRISM_OK) return 1;
-    PRISM_INFO("encoder worker %s ready in %.2fs: micro-batch %d %s, pixel buffer %d tiles (largest image %d), "
-               "%.2gs batch bound, queue %d, cache %d tiles", e.w.worker_id, prism_now_s() - t0, e.max_batch,
-               e.prep.max_tiles > 1 ? "tiles" : "images", e.cap_tiles, e.prep.max_tiles, e.max_batch_s, e.max_queue,
-               e.cache.n_units);
-
-    while (!prism_worker_should_stop()) {
-        publish_load(&e);
-        bool work = false;
-        for (int i = 0; i < e.max_queue && !work; i++) work = e.jobs[i].state == JOB_QUEUED;
-        prism_worker_poll(&e.w, work ? 0 : (e.n_batch ? 2 : 50), on_msg, &e);
-        run_batch(&e);
-    }
-    PRISM_INFO("encoder worker stopping: %llu images encoded, %llu failed, %llu cancelled in a batch, "
-               "cache %llu hits / %llu misses", (unsigned long long)e.encoded, (unsigned long long)e.failed,
-               (unsigned long long)e.cancelled, (unsigned long long)e.cache.hits, (unsigned long long)e.cache.misses);
-    prism_worker_close(&e.w);
-    enc_prep_destroy(&e.prep);
-    return 0;
+    prism_worker_startup_t s = {.w = &e.w, .cfg = &e.cfg};
+    return prism_worker_main(&k_encoder_tier, &e, &s, argc, argv);
 }

@@ -22,6 +22,7 @@
 #include "core/cli.h"
 #include "net/net.h"
 #include "worker/worker.h"
+#include "worker/start.h"
 #include "seq/seq.h"
 #include "worker/aborts.h"
 #include "tp/tp.h"
@@ -59,6 +60,10 @@ typedef struct {
 } preq_t;
 
 typedef struct {
+    struct {                      /* the tier's flags */
+        int64_t kv_blocks, block_size, chunk, max_pending, emb_images, context_length;
+        double orphan_timeout;
+    } f;
     prism_worker_t w;
     prism_model_config_t cfg;     /* this rank's (sharded) shapes */
     prism_model_config_t full;    /* the whole model's: the KV layout sent to decode */
@@ -69,6 +74,7 @@ typedef struct {
     prism_kv_cache_t *kv;
     prism_kv_blocks_t blocks;
     prism_seq_sampler_t sampler;  /* one slot: prompts run one at a time */
+    size_t sampling_bytes;        /* what the sampler took at start-up (measured into the plan) */
     int max_pending, chunk, max_model_len, max_blocks_per_seq;
     int page_rows, max_pages;    /* rows per pool page (one tile), pages of the largest image */
     int n_pages, n_free_pages;   /* embedding pool; an image slot per page at most */
@@ -94,8 +100,6 @@ typedef struct {
     size_t kv_len;
     preq_t *cur;             /* the prompt in the model now */
     bool cur_dropped;
-    int layer_done, layer_total;
-    double t_layer, layer_s;
     prism_model_hook_t hook;
     uint64_t served, cancelled;
     prism_abort_memo_t aborts;   /* aborted requests: their embeddings still on the way are dropped */
@@ -226,12 +230,7 @@ static void send_tokens(prefill_t *p, const char *router, uint64_t rid, uint64_t
 static void send_error(prefill_t *p, const char *router, uint64_t rid, uint64_t rid_hi, Prism__ErrorKind kind,
                        const char *msg)
 {
-    Prism__Tokens t = PRISM__TOKENS__INIT;
-    t.finish = PRISM__FINISH__FINISH_ERROR;
-    t.error = (char *)msg;
-    t.error_kind = kind;
-    t.from_prefill = true;
-    send_tokens(p, router, rid, rid_hi, &t);
+    prism_worker_reply_error(&p->w, router, rid, rid_hi, kind, msg, true);
 }
 
 static void on_prefill(prefill_t *p, const Prism__Envelope *e)
@@ -440,13 +439,7 @@ static void try_send_kv(prefill_t *p)
 
 static bool hook_layer(void *ud, int done, int total)
 {
-    prefill_t *p = ud;
-    double now = prism_now_s();
-    if (done > 0) p->layer_s = now - p->t_layer;
-    p->t_layer = now;
-    p->layer_done = done;
-    p->layer_total = total;
-    return prism_worker_layer_done(&p->w);
+    return prism_worker_layer_done(&((prefill_t *)ud)->w, done, total);
 }
 
 static bool hook_cancelled(void *ud, int item)
@@ -457,8 +450,8 @@ static bool hook_cancelled(void *ud, int item)
     if (!p->cur || !prism_worker_aborted(&p->w, p->cur->seq.rid, p->cur->seq.router_id, &waited)) return false;
     if (!prism_worker_should_stop())
         PRISM_INFO("request %llu: cancelled %.3fs after its abort arrived, after layer %d of %d (%.3fs per layer): "
-                   "prefill stopped", (unsigned long long)p->cur->seq.rid, waited, p->layer_done, p->layer_total,
-                   p->layer_s);
+                   "prefill stopped", (unsigned long long)p->cur->seq.rid, waited, p->w.layer.done, p->w.layer.total,
+                   p->w.layer.last_s);
     p->cur_dropped = true;
     return true;
 }
@@ -502,7 +495,6 @@ static void run_one(prefill_t *p)
     int rc = PRISM_OK, next_row[MAX_IMAGES] = {0};   /* rows of each image laid so far (chunks go in order) */
     p->cur = r;
     p->cur_dropped = false;
-    p->t_layer = t0;
     for (int start = 0; start < r->n_tokens && rc == PRISM_OK && !p->cur_dropped; start += p->chunk) {
         int n = PRISM_MIN(p->chunk, r->n_tokens - start);
         bool any = false;
@@ -672,52 +664,50 @@ static void publish_load(prefill_t *p)
     prism_worker_set_load(&p->w, &load);
 }
 
-/* Everything before the loop: flags, the model, the pools and the worker, not started (the I/O
- * thread, hence registration, starts in main). Returns -1 to go on, else the exit code (a
- * tensor-parallel follower rank runs its whole life in here). tests/fuzz/fuzz_prefill_msgs.c builds
- * the worker it feeds messages to with it. */
-static int prefill_open(prefill_t *p, int argc, char **argv)
+/* ---- start-up: the prefill tier's hooks (worker/start.h) ---- */
+
+static int prefill_flags(void *ctx, prism_flag_t *t)
 {
-    prism_worker_opts_t o;
-    prism_worker_opts_defaults(&o, "prefill");
-    int64_t kv_blocks = 0, block_size = 16, chunk = 512, max_pending = 64, emb_images = 32, context_length = 0;
-    double orphan_timeout = 120;
-    prism_tp_opts_t tpo;
-    prism_tp_opts_defaults(&tpo);
-    prism_flag_t flags[40] = {
-        PRISM_TP_FLAGS(&tpo),
-        PRISM_FLAG_INT("chunked-prefill-size", &chunk, "Most prompt tokens per forward step"),
-        PRISM_FLAG_INT("kv-blocks", &kv_blocks, "KV blocks for prompts in flight (0 = two full contexts)"),
-        PRISM_FLAG_INT("block-size", &block_size, "Tokens per KV block (must match the decode workers)"),
-        PRISM_FLAG_INT("max-pending-requests", &max_pending, "Prefill requests held at once"),
-        PRISM_FLAG_INT("embed-pool-images", &emb_images, "Receive pool for image embeddings, in images of the largest kind (Llama-4: of max_patches + 1 tiles; smaller images take less)"),
-        PRISM_FLAG_INT("context-length", &context_length, "Max tokens per sequence (0 = model's max_position_embeddings, at most 131072)"),
-        PRISM_FLAG_DOUBLE("orphan-timeout", &orphan_timeout,
+    prefill_t *p = ctx;
+    p->f.block_size = 16;
+    p->f.chunk = 512;
+    p->f.max_pending = 64;
+    p->f.emb_images = 32;
+    p->f.orphan_timeout = 120;
+    prism_flag_t f[] = {
+        PRISM_FLAG_INT("chunked-prefill-size", &p->f.chunk, "Most prompt tokens per forward step"),
+        PRISM_FLAG_INT("kv-blocks", &p->f.kv_blocks, "KV blocks for prompts in flight (0 = two full contexts)"),
+        PRISM_FLAG_INT("block-size", &p->f.block_size, "Tokens per KV block (must match the decode workers)"),
+        PRISM_FLAG_INT("max-pending-requests", &p->f.max_pending, "Prefill requests held at once"),
+        PRISM_FLAG_INT("embed-pool-images", &p->f.emb_images, "Receive pool for image embeddings, in images of the largest kind (Llama-4: of max_patches + 1 tiles; smaller images take less)"),
+        PRISM_FLAG_INT("context-length", &p->f.context_length, "Max tokens per sequence (0 = model's max_position_embeddings, at most 131072)"),
+        PRISM_FLAG_DOUBLE("orphan-timeout", &p->f.orphan_timeout,
                           "Seconds before embeddings whose prefill request never arrives free their slot"),
     };
-    int rc = prism_worker_startup(argc, argv, "prefill", "Prism prefill worker: chunked prefill, first token, KV "
-                                  "export to decode workers.", flags, &o, &p->cfg);
-    if (rc >= 0) return rc;
-    prism_backend_cpu_blas_setup();   /* while no other thread runs: it may set an environment variable */
+    memcpy(t, f, sizeof f);
+    return (int)PRISM_ARRAY_LEN(f);
+}
+
+static int prefill_size(void *ctx, prism_worker_startup_t *s)
+{
+    prefill_t *p = ctx;
     char err[512] = "";
-    if (chunk < 1 || chunk > 65536 || block_size < 1 || block_size > 1024 || max_pending < 1 ||
-        max_pending > 4096 || emb_images < 1 || emb_images > 65536 || !(orphan_timeout > 0)) {
+    if (p->f.chunk < 1 || p->f.chunk > 65536 || p->f.block_size < 1 || p->f.block_size > 1024 || p->f.max_pending < 1 ||
+        p->f.max_pending > 4096 || p->f.emb_images < 1 || p->f.emb_images > 65536 || !(p->f.orphan_timeout > 0)) {
         PRISM_ERROR("flag out of range (see --help)");
         return 2;
     }
-    if (prism_tp_opts_apply(&tpo, &p->cfg, &p->full) != PRISM_OK) return 2;
-    const bool leader = tpo.rank == 0;
-    p->chunk = (int)chunk;
-    p->orphan_timeout_s = orphan_timeout;
-    prism_abort_memo_init(&p->aborts, orphan_timeout);
-    p->max_pending = (int)max_pending;
+    int bs = (int)p->f.block_size;
+    p->chunk = (int)p->f.chunk;
+    p->orphan_timeout_s = p->f.orphan_timeout;
+    p->max_pending = (int)p->f.max_pending;
     if (p->cfg.has_vision) {
         /* Pages of one tile's rows; the largest image needs max_pages of them. */
         p->page_rows = p->cfg.image_seq_length;
         p->max_pages = 1;
         if (p->cfg.vision_arch == PRISM_VISION_LLAMA4) {
             prism_llama4_proc_t proc;
-            if (prism_llama4_proc_load_dir(o.model_path, &proc, err, sizeof(err)) != PRISM_OK) {
+            if (prism_llama4_proc_load_dir(s->o.model_path, &proc, err, sizeof(err)) != PRISM_OK) {
                 PRISM_ERROR("Llama-4 image processor: %s", err);
                 return 1;
             }
@@ -729,144 +719,141 @@ static int prefill_open(prefill_t *p, int argc, char **argv)
             p->max_pages = prism_llama4_max_tiles(&proc);
         }
         PRISM_ASSERT(p->max_pages >= 1 && p->max_pages <= MAX_PAGES);
-        p->n_pages = (int)emb_images * p->max_pages;
+        p->n_pages = (int)p->f.emb_images * p->max_pages;
     }
-    p->max_model_len = prism_model_context_length(&p->cfg, context_length);
+    p->max_model_len = prism_model_context_length(&p->cfg, p->f.context_length);
     p->cfg.max_pos = p->max_model_len;   /* the model's block tables are planned for the context served */
-    p->max_blocks_per_seq = (p->max_model_len + (int)block_size - 1) / (int)block_size;
-    if (kv_blocks <= 0) kv_blocks = 2 * p->max_blocks_per_seq;
-    if (kv_blocks < p->max_blocks_per_seq) {
+    p->max_blocks_per_seq = (p->max_model_len + bs - 1) / bs;
+    int64_t kv_blocks = p->f.kv_blocks > 0 ? p->f.kv_blocks : 2 * (int64_t)p->max_blocks_per_seq;
+    if (kv_blocks < p->max_blocks_per_seq || kv_blocks > INT32_MAX) {
         PRISM_ERROR("prefill: --kv-blocks %lld cannot hold one %d-token prompt (%d blocks)", (long long)kv_blocks,
                     p->max_model_len, p->max_blocks_per_seq);
         return 1;
     }
+    s->max_blocks_per_seq = p->max_blocks_per_seq;
+    s->batch_seqs = 1;   /* prompts run one at a time, a chunk per forward */
+    s->batch_tokens = p->chunk;
+    s->data_socket = true;   /* embeddings: one tile's rows per frame */
+    s->data_max_msg_bytes = (size_t)p->cfg.image_seq_length * p->cfg.hidden * sizeof(float);
+    s->cap = (prism_worker_capacity_t){.kv_blocks = (uint32_t)kv_blocks, .block_size = (uint32_t)bs,
+                                       .max_batch_tokens = (uint32_t)p->chunk, .max_running = (uint32_t)p->max_pending,
+                                       .max_model_len = (uint32_t)p->max_model_len};
+    return -1;
+}
 
-    if (prism_worker_backend_create(&o, &p->be)) return 1;
-    if (prism_llm_load(p->be, &p->cfg, o.model_path, p->chunk, 1, &p->llm, err, sizeof(err)) != PRISM_OK) {
+static int prefill_load(void *ctx, prism_worker_startup_t *s)
+{
+    prefill_t *p = ctx;
+    char err[512] = "";
+    p->be = s->be;
+    if (prism_llm_load(p->be, &p->cfg, s->o.model_path, p->chunk, 1, &p->llm, err, sizeof(err)) != PRISM_OK) {
         PRISM_ERROR("cannot load language model: %s", err);
         return 1;
     }
-    p->block_bytes = prism_kv_cache_block_bytes(&p->full, (int)block_size);
-    size_t rank_block_bytes = prism_kv_cache_block_bytes(&p->cfg, (int)block_size);
+    s->llm = p->llm;
+    p->block_bytes = prism_kv_cache_block_bytes(&p->full, (int)p->f.block_size);
     size_t heap0 = prism_mem_used();   /* the sampler's tables and the grammar vocabulary, measured */
-    if (prism_seq_sampler_init(&p->sampler, &p->full, o.model_path, 1) != PRISM_OK) {
+    if (prism_seq_sampler_init(&p->sampler, &p->full, s->o.model_path, 1) != PRISM_OK) {
         PRISM_ERROR("cannot allocate the sampler");
         return 1;
     }
-    size_t sampling_bytes = prism_mem_used() - heap0;
-    size_t emb_bytes = (size_t)p->n_pages * p->page_rows * p->cfg.hidden * sizeof(float);
-    prism_mem_plan_t plan = {.budget = (size_t)o.mem_budget};
-    prism_mem_plan_add(&plan, "weights", prism_llm_weight_bytes(p->llm));
-    prism_mem_plan_add(&plan, "kv-cache", (size_t)kv_blocks * rank_block_bytes);
-    prism_mem_plan_add(&plan, "kv-export", (size_t)p->max_blocks_per_seq * p->block_bytes);
-    prism_mem_plan_add(&plan, "activations", prism_llm_arena_bytes(&p->cfg, p->chunk, 1) +
-                                             (size_t)p->chunk * sizeof(*p->chunk_rows));
-    prism_mem_plan_add(&plan, "embedding-pool", emb_bytes);
-    prism_mem_plan_add(&plan, "prompts", (size_t)(p->max_pending + 1) * p->max_model_len * sizeof(int32_t));
-    prism_mem_plan_add(&plan, "sampling", sampling_bytes);
-    if (tpo.size > 1)   /* collectives' shared memory, KV slices, one chunk's embedding rows */
-        prism_mem_plan_add(&plan, "tensor-parallel", prism_comm_shm_bytes((int)tpo.size, 0) +
-                                                     (size_t)p->max_blocks_per_seq * rank_block_bytes +
-                                                     (size_t)p->chunk * p->cfg.hidden * sizeof(float));
-    prism_mem_plan_add(&plan, "runtime", prism_mem_runtime_bytes());
-    prism_mem_plan_add(&plan, "reserve", PRISM_MEM_RESERVE);
-    if (prism_mem_plan_check(&plan, "prefill") != PRISM_OK) return 1;
+    p->sampling_bytes = prism_mem_used() - heap0;
+    return -1;
+}
 
-    /* The leader is the worker the routers see; the other ranks only need a net for the group's
-     * link. Nothing registers before the group has formed (the I/O thread starts after it). */
-    prism_net_t *rank_net = NULL;
-    char bind[300];
-    if (leader) {
-        prism_worker_data_bind(&o, bind, sizeof(bind));
-        if (prism_worker_init(&p->w, PRISM__ROLE__ROLE_PREFILL, &o, bind,
-                              (size_t)p->cfg.image_seq_length * p->cfg.hidden * sizeof(float)) != PRISM_OK)
-            return 1;
-    } else {
-        prism_net_opts_t no = {.role = PRISM_NET_ROLE_PREFILL, .curve_keys = o.curve_keys, .insecure = o.insecure_no_curve};
-        if (prism_net_create(&no, &rank_net, err, sizeof err) != PRISM_OK) {
-            PRISM_ERROR("%s", err);
-            return 1;
-        }
-    }
-    if (prism_tp_join(&p->tp, &tpo, leader ? p->w.net : rank_net, p->be, &p->cfg, o.worker_id, p->max_blocks_per_seq,
-                      (int)block_size) != PRISM_OK)
-        return 1;
-    prism_tp_setup_t setup = {.kv_blocks = (int)PRISM_MIN(kv_blocks, (int64_t)INT32_MAX), .block_size = (int)block_size,
-                              .max_seqs = 1, .max_tokens = p->chunk};
-    if (prism_tp_setup(&p->tp, &setup) != PRISM_OK) return 1;
-    kv_blocks = setup.kv_blocks;
-    if (tpo.size > 1) prism_llm_set_comm(p->llm, prism_group_comm(p->tp.g));
+/* Bytes of one block of this rank's KV cache, and its entry in the block manager. */
+static size_t kv_block_bytes(const prefill_t *p)
+{
+    return prism_kv_cache_block_bytes(&p->cfg, (int)p->f.block_size) + prism_kv_blocks_bytes(1);
+}
 
-    if (prism_kv_cache_create(p->be, &p->cfg, (int)kv_blocks, (int)block_size, &p->kv) != PRISM_OK ||
-        prism_kv_blocks_init(&p->blocks, (int)kv_blocks, (int)block_size) != PRISM_OK) {
+static int prefill_plan(void *ctx, prism_worker_startup_t *s)
+{
+    prefill_t *p = ctx;
+    prism_mem_plan_t *pl = &s->plan;
+    prism_mem_plan_add(pl, "weights", prism_llm_weight_bytes(p->llm), PRISM_MEM_LIBRARY);
+    prism_mem_plan_add(pl, "activations", prism_llm_arena_bytes(&p->cfg, p->chunk, 1), PRISM_MEM_LIBRARY);
+    prism_mem_plan_add(pl, "model-host", prism_llm_host_bytes(&p->cfg, p->chunk, 1), PRISM_MEM_LIBRARY);
+    prism_mem_plan_add(pl, "sampling", p->sampling_bytes, PRISM_MEM_LIBRARY);
+    prism_mem_plan_add(pl, "kv-cache", (size_t)s->cap.kv_blocks * kv_block_bytes(p), PRISM_MEM_LIBRARY);
+    /* the leader gathers a prompt's whole-model KV here for the decode worker */
+    if (s->leader) PRISM_PLAN_POOL(pl, "kv-export", p->kv_out, (size_t)p->max_blocks_per_seq * p->block_bytes);
+    PRISM_PLAN_POOL(pl, "embedding-pool", p->emb_pool, (size_t)p->n_pages * p->page_rows * p->cfg.hidden);
+    PRISM_PLAN_POOL(pl, "embedding-slots", p->emb, p->n_pages);
+    PRISM_PLAN_POOL(pl, "embedding-free", p->free_pages, p->n_pages);
+    PRISM_PLAN_POOL(pl, "requests", p->reqs, p->max_pending);
+    PRISM_PLAN_POOL(pl, "prompts", p->token_pool, (size_t)p->max_pending * p->max_model_len);
+    PRISM_PLAN_POOL(pl, "export-prompt", p->kv_prompt, p->max_model_len);
+    PRISM_PLAN_POOL(pl, "chunk-rows", p->chunk_rows, p->chunk);
+    PRISM_PLAN_POOL(pl, "block-table", p->table, p->max_blocks_per_seq);
+    PRISM_PLAN_POOL(pl, "logits", p->logits, p->cfg.vocab);
+    return -1;
+}
+
+static int prefill_ready(void *ctx, prism_worker_startup_t *s)
+{
+    prefill_t *p = ctx;
+    int kv_blocks = (int)s->cap.kv_blocks, bs = (int)p->f.block_size;   /* the group's */
+    prism_mem_plan_set(&s->plan, "kv-cache", (size_t)kv_blocks * kv_block_bytes(p));
+    if (prism_kv_cache_create(p->be, &p->cfg, kv_blocks, bs, &p->kv) != PRISM_OK ||
+        prism_kv_blocks_init(&p->blocks, kv_blocks, bs) != PRISM_OK) {
         PRISM_ERROR("cannot allocate the prefill KV cache");
         return 1;
     }
-    p->reqs = prism_xcalloc((size_t)p->max_pending, sizeof(preq_t));
-    p->token_pool = prism_xcalloc((size_t)p->max_pending * p->max_model_len, sizeof(int32_t));
-    p->kv_prompt = prism_xcalloc((size_t)p->max_model_len, sizeof(int32_t));
+    s->kv = p->kv;
+    s->logits = p->logits;
+    prism_abort_memo_init(&p->aborts, p->orphan_timeout_s);
     for (int i = 0; i < p->max_pending; i++) p->reqs[i].tokens = p->token_pool + (size_t)i * p->max_model_len;
-    p->emb = prism_xcalloc((size_t)PRISM_MAX(p->n_pages, 1), sizeof(emb_slot_t));
-    p->emb_pool = prism_malloc_aligned(PRISM_MAX(emb_bytes, (size_t)64), 64);
-    p->free_pages = prism_xcalloc((size_t)PRISM_MAX(p->n_pages, 1), sizeof(int32_t));
-    PRISM_ASSERT(p->emb_pool);
     for (int i = 0; i < p->n_pages; i++) p->free_pages[p->n_free_pages++] = p->n_pages - 1 - i;
-    p->chunk_rows = prism_xcalloc((size_t)p->chunk, sizeof(*p->chunk_rows));
-    p->table = prism_xcalloc((size_t)p->max_blocks_per_seq, sizeof(int32_t));
-    p->logits = prism_xcalloc((size_t)p->cfg.vocab, sizeof(float));
-    if (!leader) {
-        int code = prism_tp_follow(&p->tp, p->llm, p->kv, p->logits);
-        prism_tp_close(&p->tp);
-        prism_net_destroy(rank_net);
-        return code;
+    if (s->leader) {
+        p->hook = (prism_model_hook_t){hook_layer, hook_cancelled, p};
+        prism_llm_set_hook(p->llm, &p->hook);
+        publish_load(p);   /* the first heartbeat already tells the truth */
     }
-    p->kv_out = prism_malloc_aligned((size_t)p->max_blocks_per_seq * p->block_bytes, 64);
-    PRISM_ASSERT(p->kv_out);
-
-    prism_worker_set_capacity(&p->w, &o, &plan, (uint32_t)kv_blocks, (uint32_t)block_size, (uint32_t)p->chunk,
-                              (uint32_t)p->max_pending, (uint32_t)p->max_model_len);
-    p->w.reg.tp_size = (uint32_t)tpo.size;
-    p->hook = (prism_model_hook_t){hook_layer, hook_cancelled, p};
-    prism_llm_set_hook(p->llm, &p->hook);
-    publish_load(p);   /* the first heartbeat already tells the truth */
     return -1;
 }
+
+/* After start-up and registration (tier->run): the loop, then everything closed. */
+static int prefill_run(void *ctx)
+{
+    prefill_t *p = ctx;
+    PRISM_INFO("prefill: chunk %d tokens, embedding pool %d pages of %d rows (%d images of up to %d pages)", p->chunk,
+               p->n_pages, p->page_rows, p->max_pages ? p->n_pages / p->max_pages : 0, p->max_pages);
+
+    int code = 0;
+    while (!prism_worker_should_stop()) {
+        if (p->group_failed || prism_tp_check(&p->tp) != PRISM_OK) {
+            fail_group(p);
+            code = PRISM_EXIT_PEER_LOST;
+            break;
+        }
+        publish_load(p);
+        try_send_kv(p);
+        bool work = false;
+        for (int i = 0; i < p->max_pending && !p->kv_pending; i++)
+            work |= p->reqs[i].seq.used && ready(p, &p->reqs[i]);
+        prism_worker_accept_data(&p->w, emb_credit(p));
+        prism_worker_poll(&p->w, work ? 0 : (p->kv_pending ? 2 : 50), on_msg, p);
+        run_one(p);
+        expire_orphans(p);
+    }
+    PRISM_INFO("prefill worker stopping after %llu requests (%llu cancelled mid-prompt)", (unsigned long long)p->served,
+               (unsigned long long)p->cancelled);
+    prism_seq_sampler_free(&p->sampler);
+    return code;
+}
+
+static const prism_worker_tier_t k_prefill_tier = {
+    .role = "prefill", .proto_role = PRISM__ROLE__ROLE_PREFILL,
+    .summary = "Prism prefill worker: chunked prefill, first token, KV export to decode workers.",
+    .flags = prefill_flags, .size = prefill_size, .load = prefill_load, .plan = prefill_plan, .ready = prefill_ready,
+    .run = prefill_run,
+    .group = &prism_tp_group,
+};
 
 int main(int argc, char **argv)
 {
     static prefill_t p;
-    double t0 = prism_now_s();
-    int rc = prefill_open(&p, argc, argv);
-    if (rc >= 0) return rc;
-    if (prism_worker_start(&p.w) != PRISM_OK) return 1;   /* registration: the group has formed */
-    PRISM_INFO("prefill worker %s ready in %.2fs: data %s, chunk %d tokens, embedding pool %d pages of %d rows "
-               "(%d images of up to %d pages)", p.w.worker_id, prism_now_s() - t0, p.w.data_endpoint, p.chunk, p.n_pages,
-               p.page_rows, p.max_pages ? p.n_pages / p.max_pages : 0, p.max_pages);
-
-    int code = 0;
-    while (!prism_worker_should_stop()) {
-        if (p.group_failed || prism_tp_check(&p.tp) != PRISM_OK) {
-            fail_group(&p);
-            code = PRISM_EXIT_PEER_LOST;
-            break;
-        }
-        publish_load(&p);
-        try_send_kv(&p);
-        bool work = false;
-        for (int i = 0; i < p.max_pending && !p.kv_pending; i++)
-            work |= p.reqs[i].seq.used && ready(&p, &p.reqs[i]);
-        prism_worker_accept_data(&p.w, emb_credit(&p));
-        prism_worker_poll(&p.w, work ? 0 : (p.kv_pending ? 2 : 50), on_msg, &p);
-        run_one(&p);
-        expire_orphans(&p);
-    }
-    PRISM_INFO("prefill worker stopping after %llu requests (%llu cancelled mid-prompt)", (unsigned long long)p.served,
-               (unsigned long long)p.cancelled);
-    if (!code) prism_tp_stop(&p.tp);
-    prism_tp_close(&p.tp);
-    /* let the error replies of fail_group reach the routers before the sockets close */
-    prism_seq_sampler_free(&p.sampler);
-    if (code) prism_worker_close_linger(&p.w, 2000);
-    prism_worker_close(&p.w);
-    return code;
+    prism_worker_startup_t s = {.w = &p.w, .cfg = &p.cfg, .full = &p.full, .group = &p.tp};
+    return prism_worker_main(&k_prefill_tier, &p, &s, argc, argv);
 }

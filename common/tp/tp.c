@@ -1,5 +1,5 @@
 #include "tp/tp.h"
-#include "worker/worker.h"
+#include "worker/start.h"
 #include "net/net.h"
 
 #include <stdio.h>
@@ -63,7 +63,10 @@ static int blocks_of(const prism_tp_t *t, int tokens) { return (tokens + t->setu
 int prism_tp_join(prism_tp_t *t, const prism_tp_opts_t *o, struct prism_net *net, prism_backend_t *be,
                   const prism_model_config_t *cfg, const char *name, int max_blocks_per_seq, int block_size)
 {
+    prism_tp_opts_t opts = *o;   /* o may be t->opts */
     memset(t, 0, sizeof *t);
+    t->opts = opts;
+    o = &t->opts;
     t->size = (int)o->size;
     t->rank = (int)o->rank;
     t->cfg = cfg;
@@ -144,12 +147,27 @@ static int send_setup(prism_tp_t *t, int rank, const prism_tp_setup_t *s, bool o
     return prism_msg_send(prism_group_link(t->g), id, idlen, &env, NULL, 0, 0);
 }
 
+/* The step plan's int32 entries: tokens + seq_start + pos0 + every block table + the indices of
+ * embedded tokens. */
+static size_t plan_entries(const prism_tp_setup_t *s, int max_blocks_per_seq)
+{
+    return 2 * (size_t)s->max_tokens + 2 * (size_t)s->max_seqs + 1 + (size_t)s->max_seqs * max_blocks_per_seq;
+}
+
+size_t prism_tp_buffer_bytes(const prism_model_config_t *cfg, int size, const prism_tp_setup_t *s, int max_blocks_per_seq)
+{
+    if (size <= 1) return 0;
+    return plan_entries(s, max_blocks_per_seq) * sizeof(int32_t) + (size_t)s->max_seqs * sizeof(int32_t *) +
+           (size_t)s->max_tokens * cfg->hidden * sizeof(float) + (size_t)s->max_tokens * sizeof(float *) +
+           (size_t)max_blocks_per_seq * prism_kv_cache_block_bytes(cfg, s->block_size);
+}
+
+/* What the plan counts (prism_tp_buffer_bytes); a group of one sends no plan and moves no KV slice. */
 static int alloc_buffers(prism_tp_t *t)
 {
     const prism_tp_setup_t *s = &t->setup;
-    /* tokens + seq_start + pos0 + every block table */
-    /* tokens + seq_start + pos0 + every block table + the indices of embedded tokens */
-    t->plan_cap = 2 * (size_t)s->max_tokens + 2 * (size_t)s->max_seqs + 1 + (size_t)s->max_seqs * t->max_blocks_per_seq;
+    if (t->size == 1) return PRISM_OK;
+    t->plan_cap = plan_entries(s, t->max_blocks_per_seq);
     t->plan = prism_calloc(t->plan_cap, sizeof(int32_t));
     t->tables = prism_calloc((size_t)s->max_seqs, sizeof(int32_t *));
     t->rows = prism_malloc((size_t)s->max_tokens * t->cfg->hidden * sizeof(float));
@@ -520,3 +538,65 @@ static int follow(prism_tp_t *t, prism_llm_t *llm, prism_kv_cache_t *kv, float *
     }
     return 0;
 }
+
+/* ---------------------------------------------------------------- start-up (worker/start.h) */
+
+static int group_flags(void *g, prism_flag_t *t, int n)
+{
+    prism_tp_t *tp = g;
+    prism_tp_opts_defaults(&tp->opts);
+    prism_flag_t f[] = {PRISM_TP_FLAGS(&tp->opts)};
+    for (size_t i = 0; i < PRISM_ARRAY_LEN(f); i++) t[n++] = f[i];
+    return n;
+}
+
+static int group_shard(prism_worker_startup_t *s)
+{
+    prism_tp_t *tp = s->group;
+    if (prism_tp_opts_apply(&tp->opts, s->cfg, s->full) != PRISM_OK) return PRISM_EINVAL;
+    s->leader = tp->opts.rank == 0;
+    return PRISM_OK;
+}
+
+static prism_tp_setup_t group_setup(const prism_worker_startup_t *s)
+{
+    return (prism_tp_setup_t){.kv_blocks = (int)s->cap.kv_blocks, .block_size = (int)s->cap.block_size,
+                              .max_seqs = s->batch_seqs, .max_tokens = s->batch_tokens};
+}
+
+static void group_plan(prism_worker_startup_t *s)
+{
+    const prism_tp_t *tp = s->group;
+    prism_tp_setup_t setup = group_setup(s);
+    int size = (int)tp->opts.size;
+    prism_mem_plan_add(&s->plan, "tp-buffers", prism_tp_buffer_bytes(s->cfg, size, &setup, s->max_blocks_per_seq),
+                       PRISM_MEM_LIBRARY);
+    prism_mem_plan_add(&s->plan, "tp-shared-memory", size > 1 ? prism_comm_shm_bytes(size, 0) : 0, PRISM_MEM_OUTSIDE);
+}
+
+static int group_join(prism_worker_startup_t *s)
+{
+    prism_tp_t *tp = s->group;
+    if (prism_tp_join(tp, &tp->opts, s->leader ? s->w->net : s->rank_net, s->be, s->cfg, s->o.worker_id,
+                      s->max_blocks_per_seq, (int)s->cap.block_size) != PRISM_OK)
+        return PRISM_EINVAL;
+    prism_tp_setup_t setup = group_setup(s);
+    if (prism_tp_setup(tp, &setup) != PRISM_OK) return PRISM_EINVAL;
+    s->cap.kv_blocks = (uint32_t)setup.kv_blocks;
+    s->cap.tp_size = (uint32_t)tp->size;
+    if (tp->size > 1) prism_llm_set_comm(s->llm, prism_group_comm(tp->g));
+    return PRISM_OK;
+}
+
+static int group_follow(prism_worker_startup_t *s) { return prism_tp_follow(s->group, s->llm, s->kv, s->logits); }
+
+static void group_close(void *g, bool stop_ranks)
+{
+    if (stop_ranks) prism_tp_stop(g);
+    prism_tp_close(g);
+}
+
+const prism_worker_group_i prism_tp_group = {
+    .flags = group_flags, .shard = group_shard, .plan = group_plan, .join = group_join, .follow = group_follow,
+    .close = group_close,
+};

@@ -62,6 +62,7 @@ typedef struct {
 } prism_tp_setup_t;
 
 typedef struct {
+    prism_tp_opts_t opts;              /* the flags (kept by prism_tp_join) */
     prism_group_t *g;
     int size, rank;
     uint64_t step;
@@ -79,6 +80,16 @@ typedef struct {
     size_t kv_scratch_bytes;
     uint64_t steps_followed;
 } prism_tp_t;
+
+/* Heap prism_tp_setup allocates for a group of `size` (the step plan, a chunk's embedding rows, one
+ * request's KV heads): none for a group of one, which sends nothing. */
+size_t prism_tp_buffer_bytes(const prism_model_config_t *cfg, int size, const prism_tp_setup_t *s, int max_blocks_per_seq);
+
+/* A worker tier's group at start-up (worker/start.h): its flags (into prism_tp_t.opts), the shard,
+ * the plan's regions, join + capacity exchange, a rank's follow loop. The tier's group state is a
+ * prism_tp_t. */
+struct prism_worker_group_i;
+extern const struct prism_worker_group_i prism_tp_group;
 
 /* Forms the group (blocks up to the rendezvous timeout). cfg: already sharded with
  * prism_model_config_set_tp; net: the process's (the leader's worker net, a rank's own). */

@@ -722,6 +722,20 @@ int prism_worker_reply(prism_worker_t *w, const char *router_id, uint64_t reques
     return prism_msg_send(w->cpu_pair, &rt, sizeof(rt), env, NULL, 0, 0);
 }
 
+int prism_worker_reply_error(prism_worker_t *w, const char *router_id, uint64_t request_id, uint64_t request_id_hi,
+                             Prism__ErrorKind kind, const char *msg, bool from_prefill)
+{
+    Prism__Tokens t = PRISM__TOKENS__INIT;
+    t.finish = PRISM__FINISH__FINISH_ERROR;
+    t.error = (char *)msg;
+    t.error_kind = kind;
+    t.from_prefill = from_prefill;
+    Prism__Envelope env = PRISM__ENVELOPE__INIT;
+    env.type = PRISM__MSG_TYPE__MSG_TOKENS;
+    env.tokens = &t;
+    return prism_worker_reply(w, router_id, request_id, request_id_hi, &env);
+}
+
 /* Nothing of ours waits in the link's queue (with HWM 1: it can take a message now). */
 static bool peer_idle(void *sock)
 {
@@ -778,8 +792,13 @@ static void stall(prism_worker_t *w)
     while (!prism_worker_should_stop()) nanosleep(&ts, NULL);
 }
 
-bool prism_worker_layer_done(prism_worker_t *w)
+bool prism_worker_layer_done(prism_worker_t *w, int done, int total)
 {
+    double now = prism_now_s();
+    if (done > 0) w->layer.last_s = now - w->layer.t_last;
+    w->layer.t_last = now;
+    w->layer.done = done;
+    w->layer.total = total;
     uint64_t p = atomic_fetch_add(&w->progress, 1) + 1;
     if (w->stall_after >= 0 && p > (uint64_t)w->stall_after) {
         atomic_fetch_sub(&w->progress, 1);   /* that layer did not finish */

@@ -1,6 +1,6 @@
-/* Worker start-up: flags, signals, the memory plan, capacity. The threads and sockets are in io.c. */
+/* What every worker process has besides its threads (io.c): signals, the common flags, the capacity it
+ * registers with, its data endpoint. Start-up itself, and the memory plan, are in start.c. */
 #include "worker/worker.h"
-#include "model/model.h"
 
 #include <signal.h>
 #include <stdatomic.h>
@@ -36,51 +36,6 @@ bool prism_worker_should_stop(void) { return atomic_load(&g_stop) != 0; }
 int prism_worker_signals(void) { return PRISM_MIN(atomic_load(&g_signals), 2); }
 
 void prism_worker_request_stop(void) { atomic_store(&g_stop, 1); }
-
-/* ---------------------------------------------------------------- memory plan */
-
-void prism_mem_plan_add(prism_mem_plan_t *p, const char *name, size_t bytes)
-{
-    PRISM_ASSERT(p->n < PRISM_PLAN_MAX);
-    p->name[p->n] = name;
-    p->bytes[p->n] = bytes;
-    p->n++;
-}
-
-size_t prism_mem_plan_total(const prism_mem_plan_t *p)
-{
-    size_t t = 0;
-    for (int i = 0; i < p->n; i++) t += p->bytes[i];
-    return t;
-}
-
-size_t prism_mem_runtime_bytes(void)
-{
-    FILE *f = fopen("/proc/self/statm", "r");
-    unsigned long long size = 0, resident = 0;
-    if (!f) return 0;
-    if (fscanf(f, "%llu %llu", &size, &resident) != 2) resident = 0;
-    fclose(f);
-    size_t rss = (size_t)resident * (size_t)sysconf(_SC_PAGESIZE), heap = prism_mem_used();
-    return rss > heap ? rss - heap : 0;
-}
-
-int prism_mem_plan_check(const prism_mem_plan_t *p, const char *who)
-{
-    char a[32], b[32];
-    size_t total = prism_mem_plan_total(p);
-    for (int i = 0; i < p->n; i++)
-        PRISM_INFO("%s memory plan: %-18s %s", who, p->name[i], prism_fmt_bytes(p->bytes[i], a, sizeof(a)));
-    PRISM_INFO("%s memory plan: %-18s %s of budget %s", who, "total", prism_fmt_bytes(total, a, sizeof(a)),
-               p->budget ? prism_fmt_bytes(p->budget, b, sizeof(b)) : "(none)");
-    if (p->budget && total > p->budget) {
-        PRISM_ERROR("%s: the memory plan needs %s (%zu bytes) but --mem-budget is %s (%zu bytes); "
-                    "raise --mem-budget or lower the pool sizes", who, prism_fmt_bytes(total, a, sizeof(a)), total,
-                    prism_fmt_bytes(p->budget, b, sizeof(b)), p->budget);
-        return PRISM_ENOMEM;
-    }
-    return PRISM_OK;
-}
 
 /* ---------------------------------------------------------------- options */
 
@@ -148,72 +103,7 @@ int prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *t, int n)
     return n;
 }
 
-int prism_worker_startup(int argc, char **argv, const char *role, const char *summary, prism_flag_t *flags,
-                         prism_worker_opts_t *o, struct prism_model_config *cfg)
-{
-    int n_own = 0;
-    while (flags[n_own].name) n_own++;
-    prism_worker_opts_flags(o, flags, n_own);
-    char prog[64];
-    snprintf(prog, sizeof(prog), "%s_worker", role);
-    int rc = prism_cli_parse(argc, argv, prog, summary, flags);
-    if (rc) return rc > 0 ? 0 : 2;
-    prism_log_init(role, prism_log_level_parse(o->log_level));
-    if (!(o->heartbeat_s >= 0.01 && o->heartbeat_s <= 3600)) {
-        PRISM_ERROR("--heartbeat-interval must be between 0.01 and 3600 seconds");
-        return 2;
-    }
-    bool wildcard = !strcmp(o->host, "0.0.0.0") || !strcmp(o->host, "*") || !strcmp(o->host, "::");
-    if (strcmp(role, "encoder") != 0 && wildcard && !(o->advertise_host && *o->advertise_host)) {
-        PRISM_ERROR("--host %s binds every interface, which peers cannot connect to: give --advertise-host with "
-                    "the address they reach this worker at", o->host);
-        return 2;
-    }
-    if (o->advertise_port < 0 || o->advertise_port > 65535 || !(o->router_resolve_s > 0) || !(o->drain_timeout_s >= 0)) {
-        PRISM_ERROR("--advertise-port must be 0..65535, --router-resolve-interval positive, --drain-timeout >= 0");
-        return 2;
-    }
-    if (!o->insecure_no_curve == !(o->curve_keys && *o->curve_keys)) {  /* fail before loading a model */
-        PRISM_ERROR("%s", o->insecure_no_curve ? "--curve-keys and --insecure-no-curve contradict each other: give one"
-                          : "internal links are authenticated with CURVE keys: give --curve-keys DIR (create one with "
-                            "`prism_keygen --out DIR`), or --insecure-no-curve on a trusted, isolated network");
-        return 2;
-    }
-    if (strcmp(o->weight_dtype, "auto") && strcmp(o->weight_dtype, "f32") && strcmp(o->weight_dtype, "bf16")) {
-        PRISM_ERROR("--weight-dtype must be auto, f32 or bf16");
-        return 2;
-    }
-    prism_worker_install_signals();
-    char err[512] = "";
-    if (prism_model_config_load(o->model_path, cfg, err, sizeof(err)) != PRISM_OK) {
-        PRISM_ERROR("cannot load model config from %s: %s", o->model_path, err);
-        return 1;
-    }
-    cfg->random_weights = o->random_weights;
-    cfg->random_seed = 1234;
-    return -1;
-}
-
-int prism_worker_backend_create(const prism_worker_opts_t *o, prism_backend_t **out)
-{
-    if (prism_backend_create(o->device, (int)o->threads, 0, out) != PRISM_OK) {
-        PRISM_ERROR("cannot create backend '%s'", o->device);
-        return 1;
-    }
-    if (strcmp(o->weight_dtype, "auto") == 0) return 0;
-    prism_dtype_t dt = strcmp(o->weight_dtype, "bf16") == 0 ? PRISM_DTYPE_BF16 : PRISM_DTYPE_F32;
-    if (prism_backend_set_weight_dtype(*out, dt) != PRISM_OK) {
-        PRISM_ERROR("--weight-dtype %s is not supported on %s (it stores weights as %s)", o->weight_dtype,
-                    (*out)->device, prism_dtype_name((*out)->weight_dtype));
-        return 1;
-    }
-    PRISM_INFO("weights stored as %s", prism_dtype_name(dt));
-    return 0;
-}
-
-void prism_worker_set_capacity(prism_worker_t *w, const prism_worker_opts_t *o, const prism_mem_plan_t *plan,
-                               uint32_t kv_blocks, uint32_t block_size, uint32_t max_batch_tokens,
-                               uint32_t max_running, uint32_t max_model_len)
+void prism_worker_set_capacity(prism_worker_t *w, const prism_worker_opts_t *o, const prism_worker_capacity_t *c)
 {
     w->heartbeat_s = o->heartbeat_s;
     w->router_resolve_s = o->router_resolve_s;
@@ -230,13 +120,15 @@ void prism_worker_set_capacity(prism_worker_t *w, const prism_worker_opts_t *o, 
         snprintf(w->data_endpoint, sizeof(w->data_endpoint), "%s", ep);
     }
     w->reg.mem_budget = (uint64_t)o->mem_budget;
-    w->reg.mem_planned = prism_mem_plan_total(plan);
-    w->reg.kv_blocks = kv_blocks;
-    w->reg.block_size = block_size;
-    w->reg.max_batch_tokens = max_batch_tokens;
-    w->reg.max_running = max_running;
-    w->reg.max_model_len = max_model_len;
-    w->reg.tp_size = 1;
+    w->reg.mem_planned = c->mem_planned;
+    w->reg.kv_blocks = c->kv_blocks;
+    w->reg.block_size = c->block_size;
+    w->reg.max_batch_tokens = c->max_batch_tokens;
+    w->reg.max_running = c->max_running;
+    w->reg.max_model_len = c->max_model_len;
+    w->reg.tp_size = c->tp_size ? c->tp_size : 1;
+    w->reg.max_queued_bytes = c->max_queued_bytes;         /* the router keeps the queue's files under it */
+    w->reg.embedding_cache_units = c->embedding_cache_units;   /* 0: the router sends no early jobs */
 }
 
 void prism_worker_data_bind(const prism_worker_opts_t *o, char *out, size_t n)

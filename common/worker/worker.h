@@ -72,7 +72,6 @@
 #include <pthread.h>
 #include <stdatomic.h>
 
-struct prism_model_config;   /* model/model.h */
 struct prism_resolver;       /* net/resolve.h */
 
 #define PRISM_WORKER_MAX_ROUTERS 16
@@ -115,26 +114,6 @@ typedef struct {
     double t_arrive;         /* prism_now_s() when the I/O thread read it */
 } prism_worker_abort_t;
 
-/* ---- start-up memory plan: named regions that must fit the budget ---- */
-#define PRISM_PLAN_MAX 16
-typedef struct {
-    const char *name[PRISM_PLAN_MAX];
-    size_t bytes[PRISM_PLAN_MAX];
-    int n;
-    size_t budget;           /* 0 = no budget given: plan is logged, nothing refused */
-} prism_mem_plan_t;
-
-void   prism_mem_plan_add(prism_mem_plan_t *p, const char *name, size_t bytes);
-size_t prism_mem_plan_total(const prism_mem_plan_t *p);
-/* Resident memory the process holds outside our own allocator (shared libraries and their static
- * state — the CUDA libraries alone are ~150 MiB — the BLAS thread buffers, mapped files): RSS
- * minus the heap prism_malloc accounts for. Measured after loading the model so the plan covers
- * what the process really costs. */
-size_t prism_mem_runtime_bytes(void);
-#define PRISM_MEM_RESERVE ((size_t)32 << 20)  /* later growth: BLAS buffers on first use, sockets */
-/* Logs the plan; PRISM_ENOMEM (with a message naming the numbers) when it exceeds the budget. */
-int    prism_mem_plan_check(const prism_mem_plan_t *p, const char *who);
-
 typedef struct prism_worker {
     prism_net_t *net;        /* ZeroMQ context, CURVE keys, ZAP handler */
     Prism__Role role;
@@ -174,6 +153,10 @@ typedef struct prism_worker {
     double reply_delay_s;    /* test hook: the I/O thread holds each reply this long (0 = never) */
     int close_linger_ms;     /* prism_worker_close_linger: set before close, read by the I/O thread */
     int signals_seen;        /* prism_worker_signals() at the last poll: a new one wakes the I/O thread */
+    struct {                 /* the forward in the model now, as its between-layer hook saw it */
+        int done, total;     /* layers done (0: the embeddings), of total */
+        double t_last, last_s;   /* when the last one ended, how long it took */
+    } layer;
 
     /* ---- shared ---- */
     pthread_mutex_t mu;      /* router slots' ids, registered, gen and n_routers; load; the abort table */
@@ -225,6 +208,10 @@ void prism_worker_set_load(prism_worker_t *w, const prism_worker_load_t *load);
  * connected (reply dropped). */
 int  prism_worker_reply(prism_worker_t *w, const char *router_id, uint64_t request_id, uint64_t request_id_hi,
                         Prism__Envelope *env);
+/* A Tokens reply that fails the request (FINISH_ERROR with msg and its kind: CLIENT, UNAVAILABLE,
+ * INTERNAL); from_prefill as the prefill worker marks its Tokens. */
+int  prism_worker_reply_error(prism_worker_t *w, const char *router_id, uint64_t request_id, uint64_t request_id_hi,
+                              Prism__ErrorKind kind, const char *msg, bool from_prefill);
 /* PUSH socket to a peer's data endpoint, connected on first use (compute thread only). Peers restart
  * on new ports, so the table would fill with dead endpoints: when it is full, the least recently used
  * link that has been idle PRISM_WORKER_PEER_IDLE_S and has nothing queued is closed to make room.
@@ -232,10 +219,11 @@ int  prism_worker_reply(prism_worker_t *w, const char *router_id, uint64_t reque
 void *prism_worker_peer_sock(prism_worker_t *w, const char *endpoint);
 /* Counts completed units of work (an image, a chunk, a step). */
 void prism_worker_progress(prism_worker_t *w, uint64_t units);
-/* For the model's between-layer hook: counts the layer as progress and returns true when an abort
- * arrived since the last call (or the process is stopping), i.e. when the items of the batch
+/* For the model's between-layer hook (model.h: layer(ud, done, total)): counts the layer as progress,
+ * keeps where the forward is (w->layer: for the tiers' cancellation logs) and returns true when an
+ * abort arrived since the last call (or the process is stopping), i.e. when the items of the batch
  * should be checked with prism_worker_aborted. */
-bool prism_worker_layer_done(prism_worker_t *w);
+bool prism_worker_layer_done(prism_worker_t *w, int done, int total);
 /* True when an abort for (rid, router_id) is in the recent-abort table, or the process is stopping
  * (then every item is dropped). *waited_s (may be NULL): seconds since the abort arrived. */
 bool prism_worker_aborted(prism_worker_t *w, uint64_t rid, const char *router_id, double *waited_s);
@@ -251,7 +239,7 @@ bool prism_worker_should_stop(void);
 int  prism_worker_signals(void);
 void prism_worker_request_stop(void);
 
-/* Flags every worker has; call prism_worker_common_flags to get them into a flag table. */
+/* Flags every worker has (prism_worker_opts_flags puts them into a flag table). */
 struct prism_worker_opts {
     const char *model_path;
     const char *worker_id;
@@ -278,23 +266,19 @@ struct prism_worker_opts {
 void prism_worker_opts_defaults(prism_worker_opts_t *o, const char *role);
 /* Appends the common flags to table (which must have room for PRISM_WORKER_N_FLAGS more entries + END). */
 int  prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *table, int n);
-/* Start-up shared by every worker: appends the common flags after the worker's own entries of flags
- * (a zero-filled table with room for them), parses, sets up logging and signals, loads config.json
- * (and applies --random-weights). Returns -1 to go on, else the process exit code (0 after --help,
- * 2 for bad flags, 1 otherwise). */
-int  prism_worker_startup(int argc, char **argv, const char *role, const char *summary, prism_flag_t *flags,
-                          prism_worker_opts_t *o, struct prism_model_config *cfg);
 
-struct prism_backend;
-/* The compute backend of --device and --threads, storing weights as --weight-dtype. Logs why
- * and returns non-zero when it cannot. */
-int  prism_worker_backend_create(const prism_worker_opts_t *o, struct prism_backend **out);
+/* What registration advertises (0 where a field does not apply). */
+typedef struct {
+    uint64_t mem_planned;            /* the memory plan's total (worker/start.h) */
+    uint32_t kv_blocks, block_size, max_batch_tokens, max_running, max_model_len;
+    uint32_t tp_size;                /* ranks of the worker's group (0 or 1: one process) */
+    uint64_t max_queued_bytes;       /* encoder: image file bytes a router may queue here */
+    uint32_t embedding_cache_units;  /* encoder: tiles its embedding cache holds (0: none, no early jobs) */
+} prism_worker_capacity_t;
 
-/* What registration advertises: the memory plan and capacity (0 where a field does not apply), and the
- * data endpoint peers connect to (--advertise-host / --advertise-port replace the bound host / port). */
-void prism_worker_set_capacity(prism_worker_t *w, const prism_worker_opts_t *o, const prism_mem_plan_t *plan,
-                               uint32_t kv_blocks, uint32_t block_size, uint32_t max_batch_tokens,
-                               uint32_t max_running, uint32_t max_model_len);
+/* Before prism_worker_start: the capacity above, the heartbeat and drain settings, and the data
+ * endpoint peers connect to (--advertise-host / --advertise-port replace the bound host / port). */
+void prism_worker_set_capacity(prism_worker_t *w, const prism_worker_opts_t *o, const prism_worker_capacity_t *c);
 
 /* Resolves the data bind endpoint from host + data_port ("tcp://host:port", port 0 = any). */
 void prism_worker_data_bind(const prism_worker_opts_t *o, char *out, size_t n);

@@ -2,7 +2,7 @@
  * prefill workers on the data socket, Abort from routers) and its loop (admit_staged: the KV import
  * into the paged cache, shared prompt blocks of n > 1 choices; step: continuous batching over the
  * bundled tiny model on the CPU, sampling, the Tokens stream), on the worker its own start-up builds
- * (decode_open) with small pools: 3 sequences, 5 blocks of 16 tokens, a 32-token context
+ * (prism_worker_open with k_decode_tier) with small pools: 3 sequences, 5 blocks of 16 tokens, a 32-token context
  * (at most 32 steps of a sequence: an input's worst case stays well inside libFuzzer's timeout).
  * Records: see fuzz_worker.h; the harness plays the I/O thread. The input's first byte picks the
  * mode: bit 6 overlaps steps with host work (the GPU pipeline, --overlap-steps on), bit 7 makes the
@@ -52,7 +52,8 @@ static void init(void)
     struct sigaction old_int, old_term;
     sigaction(SIGINT, NULL, &old_int);
     sigaction(SIGTERM, NULL, &old_term);
-    FUZZ_ASSERT(decode_open(&g_d, argc, argv) == -1);
+    prism_worker_startup_t s = {.w = &g_d.w, .cfg = &g_d.cfg, .full = &g_d.full, .group = &g_d.tp};
+    FUZZ_ASSERT(prism_worker_open(&k_decode_tier, &g_d, &s, argc, argv) == -1);
     size_t max_kv = (size_t)g_d.max_blocks_per_seq * g_d.fbb + (size_t)g_d.ring * g_d.lbb;
     fuzz_io_setup(&g_io, &g_d.w, &old_int, &old_term, max_kv);
     FUZZ_ASSERT(g_d.blocks.n_blocks == 5 && g_d.max_model_len == 32 && !g_d.ring);

@@ -2,7 +2,7 @@
  * image file, early jobs without a prefill endpoint and the Encode that takes one over, Abort) and
  * its loop (run_batch: batches formed oldest first, cache hits, JPEG/PNG decode and CLIP
  * preprocessing, the bundled tiny model's vision tower on the CPU, the pushes to prefill and the
- * EncodeDone answers), on the worker its own start-up builds (encoder_open) with small pools: 4
+ * EncodeDone answers), on the worker its own start-up builds (prism_worker_open with k_encoder_tier) with small pools: 4
  * queued images, 48 KiB of queued files, micro-batches of 2, a 4-tile embedding cache. Records: see
  * fuzz_worker.h; the harness plays the I/O thread (an encoder has no data socket: op 1 is a router
  * message too).
@@ -94,7 +94,8 @@ static void init(void)
     struct sigaction old_int, old_term;
     sigaction(SIGINT, NULL, &old_int);
     sigaction(SIGTERM, NULL, &old_term);
-    FUZZ_ASSERT(encoder_open(&g_e, argc, argv) == -1);
+    prism_worker_startup_t s = {.w = &g_e.w, .cfg = &g_e.cfg};
+    FUZZ_ASSERT(prism_worker_open(&k_encoder_tier, &g_e, &s, argc, argv) == -1);
     fuzz_io_setup(&g_io, &g_e.w, &old_int, &old_term, 0);
     FUZZ_ASSERT(g_e.max_queue == 4 && g_e.cache.n_units >= 1);
     if (getenv("FUZZ_VERBOSE"))

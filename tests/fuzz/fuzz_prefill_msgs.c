@@ -1,7 +1,7 @@
 /* libFuzzer: the prefill worker's message handlers (prefill_worker/main.c on_msg: Prefill and Abort
  * from routers, Embeddings from encoders) and its loop (run_one: the prompt through the bundled tiny
  * model on the CPU, first tokens, the KV export and its push to the decode worker; expire_orphans),
- * on the worker its own start-up builds (prefill_open) with small pools: 3 requests, 2 images, a
+ * on the worker its own start-up builds (prism_worker_open with k_prefill_tier) with small pools: 3 requests, 2 images, a
  * 128-token context. Records: see fuzz_worker.h; the harness plays the I/O thread.
  * Invariants: after every step each reply is a Tokens message to the router and each KV transfer
  * passes the decode worker's own checks (sizes, blocks, choices); the loop does not wedge (once the
@@ -90,8 +90,9 @@ static void init(void)
     struct sigaction old_int, old_term;
     sigaction(SIGINT, NULL, &old_int);
     sigaction(SIGTERM, NULL, &old_term);
-    FUZZ_ASSERT(prefill_open(&g_p, argc, argv) == -1);
-    size_t image_bytes = (size_t)g_p.cfg.image_seq_length * g_p.cfg.hidden * sizeof(float);   /* prefill_open's bound */
+    prism_worker_startup_t s = {.w = &g_p.w, .cfg = &g_p.cfg, .full = &g_p.full, .group = &g_p.tp};
+    FUZZ_ASSERT(prism_worker_open(&k_prefill_tier, &g_p, &s, argc, argv) == -1);
+    size_t image_bytes = (size_t)g_p.cfg.image_seq_length * g_p.cfg.hidden * sizeof(float);   /* prefill_size's bound */
     fuzz_io_setup(&g_io, &g_p.w, &old_int, &old_term, image_bytes);
     FUZZ_ASSERT(g_p.n_pages == 2 && g_p.page_rows == 64);
 }

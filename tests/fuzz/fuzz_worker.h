@@ -1,7 +1,8 @@
 /* Shared by the worker message harnesses (fuzz_prefill_msgs, fuzz_decode_msgs, fuzz_encoder_msgs):
  * the harness stands in for the worker's I/O thread (common/worker/io.c). The worker is built by its
- * own start-up function (<tier>_open in <tier>_worker/main.c, compiled into the harness) with one
- * router link to an inproc endpoint nobody binds, and never started: no I/O thread runs. Instead:
+ * own start-up (prism_worker_open with the tier's hooks, k_<tier>_tier in <tier>_worker/main.c,
+ * compiled into the harness) with one router link to an inproc endpoint nobody binds, and never
+ * started: no I/O thread runs. Instead:
  *   inbound   the input's messages are unpacked with prism_msg_unpack (as the I/O thread does; a
  *             malformed envelope is dropped there) and handed to the worker's real on_msg, in the
  *             order, at the time and within the data credit the I/O thread would: router Aborts are
@@ -75,7 +76,7 @@ static inline void fuzz_worker_argv(const char *prog, const char **extra, int n_
     *argv = (char **)v;
 }
 
-/* After <tier>_open: the router link counts as registered (replies to FUZZ_ROUTER_ID go to the
+/* After start-up: the router link counts as registered (replies to FUZZ_ROUTER_ID go to the
  * channel), libFuzzer keeps its signal handlers, logging is silent, the peer end is bound. */
 static inline void fuzz_io_setup(fuzz_io_t *io, prism_worker_t *w, const struct sigaction *old_int,
                                  const struct sigaction *old_term, size_t data_max)

@@ -246,17 +246,17 @@ static void test_worker_io(void **state)
     assert_true(max_gap < 1.0);
 
     /* An abort is visible to the between-layer check without the compute thread polling. */
-    assert_false(prism_worker_layer_done(&w));
+    assert_false(prism_worker_layer_done(&w, 1, 2));
     assert_false(prism_worker_aborted(&w, 7, "r1", NULL));
     router_send(&r, PRISM__MSG_TYPE__MSG_ABORT, 7);
     double t0 = prism_now_s();
-    while (!prism_worker_layer_done(&w) && prism_now_s() - t0 < 30) sleep_s(0.001);
+    while (!prism_worker_layer_done(&w, 1, 2) && prism_now_s() - t0 < 30) sleep_s(0.001);
     double waited = -1;
     assert_true(prism_worker_aborted(&w, 7, "r1", &waited));
     assert_true(waited >= 0 && waited < 30);
     assert_false(prism_worker_aborted(&w, 7, "r2", NULL));
     assert_false(prism_worker_aborted(&w, 8, "r1", NULL));
-    assert_false(prism_worker_layer_done(&w));   /* seen once */
+    assert_false(prism_worker_layer_done(&w, 1, 2));   /* seen once */
 
     /* The abort message itself follows, then work with its raw frame, from router 0. */
     seen_t s = {0};
