@@ -43,6 +43,21 @@ typedef enum {
     PRISM_ROPE_INTERLEAVE = 1,  /* (x[2i], x[2i+1]) — Llama-4 */
 } prism_rope_mode_t;
 
+/* Per-row parameters of the sample op (HOST arrays of n_rows). uniform[r] is the request RNG's next
+ * draw in [0, 1) (prism_rng_uniform), used only when the row is not greedy. */
+typedef struct {
+    const float *temperature;   /* < 1e-5 (or NaN): greedy */
+    const float *top_p;         /* (0, 1]; >= 1 off */
+    const int32_t *top_k;       /* <= 0 off; 1 greedy */
+    const double *uniform;
+} prism_backend_sample_rows_t;
+
+/* Penalties of one logits row (the penalties op reads a DEVICE array of them). */
+typedef struct {
+    float presence, frequency, repetition;   /* 0, 0, 1 = off */
+    int32_t slot;                            /* token-count table row; < 0 = no penalties for this row */
+} prism_backend_penalty_row_t;
+
 /* Most experts a token may be routed to (moe_route's top_k). */
 #define PRISM_MOE_MAX_TOPK 8
 
@@ -201,6 +216,31 @@ typedef struct prism_backend_i {
     /* ---- sampling helpers ----
      * argmax over rows: out_host[r] = argmax(logits[r][vocab]) (first max on ties). Optional. */
     int (*argmax)(void *ctx, int32_t *out_host, const float *logits, int n_rows, int vocab);
+
+    /* ---- sampling on the device (optional: NULL = not provided; then the host samples the
+     * downloaded logits with common/sample and common/seq, which are also these ops' reference) ----
+     * A decode loop on a device keeps the per-sequence token-count table there (counts
+     * [slots][vocab] int32, prompt bits [slots][(vocab+31)/32] uint32: prism_token_counts_t's
+     * layout), adds each step's tokens to it there, applies the processors to the batch's logits and
+     * samples, so only token ids (and mask words for guided sequences) cross PCIe per step.
+     * sample: one token per row of logits [n_rows][vocab]: softmax(l / T), top-k, the smallest
+     *   top-p prefix, inverse-CDF with uniform[r], in the order (probability desc, id asc) — the
+     *   rule of prism_sample(); deterministic for a given uniform. out_host[n_rows]; n_rows <= 4096.
+     * penalties: logits in place, row r by rows[r] (DEVICE array) over counts / prompt_bits.
+     * token_counts_add: counts[slots[i]][tokens[i]] += 1 for i < n (out-of-range entries skipped).
+     * logit_bias: logits[r][ids[k]] += bias[k] for k in [offsets[r], offsets[r+1]); offsets [n_rows+1].
+     * token_mask: logits[r][i] = -inf where bit i of masks[mask_row[r]] (words int32 per mask) is
+     *   clear; mask_row[r] < 0 leaves row r untouched. */
+    int (*sample)(void *ctx, int32_t *out_host, const float *logits, int n_rows, int vocab,
+                  const prism_backend_sample_rows_t *rows);
+    int (*penalties)(void *ctx, float *logits, int n_rows, int vocab, const int32_t *counts,
+                     const uint32_t *prompt_bits, const prism_backend_penalty_row_t *rows);
+    int (*token_counts_add)(void *ctx, int32_t *counts, int n_slots, int vocab, const int32_t *slots,
+                            const int32_t *tokens, int n);
+    int (*logit_bias)(void *ctx, float *logits, int n_rows, int vocab, const int32_t *offsets, const int32_t *ids,
+                      const float *bias);
+    int (*token_mask)(void *ctx, float *logits, int n_rows, int vocab, const int32_t *masks, int words,
+                      const int32_t *mask_row);
 
     /* ---- random init (--random-weights) ----
      * fill_random: dst[i] = std * prism_random_normalish(seed, i) (dtype.h) for i < n, stored as dt.

@@ -286,14 +286,13 @@ static int cu_argmax(void *ctx, int32_t *out_host, const float *logits, int n_ro
     return rc ? rc : prism_cuda_download_raw(c, out_host, c->small, (size_t)n_rows * sizeof(int32_t));
 }
 
-/* ---------------------------------------------------------------- extensions */
+/* ---------------------------------------------------------------- sampling on the device */
 
-int prism_cuda_sample(prism_backend_t *be, int32_t *out_host, const float *logits, int n_rows, int vocab,
-                      const prism_cuda_sample_args_t *a)
+static int cu_sample(void *ctx, int32_t *out_host, const float *logits, int n_rows, int vocab,
+                     const prism_backend_sample_rows_t *a)
 {
-    if (!be || strcmp(be->device, "cuda") != 0 || !a || !a->temperature || !a->top_p || !a->top_k || !a->uniform)
-        return PRISM_EINVAL;
-    prism_cuda_ctx_t *c = be->ctx;
+    prism_cuda_ctx_t *c = ctx;
+    if (!a || !a->temperature || !a->top_p || !a->top_k || !a->uniform) return PRISM_EINVAL;
     if (n_rows < 0 || n_rows > PRISM_CUDA_MAX_SAMPLE_ROWS || vocab <= 0) return PRISM_EINVAL;
     if (n_rows == 0) return PRISM_OK;
     size_t pbytes = (size_t)n_rows * sizeof(prism_cuda_sample_row_t);
@@ -314,41 +313,37 @@ int prism_cuda_sample(prism_backend_t *be, int32_t *out_host, const float *logit
     return rc ? rc : prism_cuda_download_raw(c, out_host, d_out, obytes);
 }
 
+static int cu_penalties(void *ctx, float *logits, int n_rows, int vocab, const int32_t *counts,
+                        const uint32_t *prompt_bits, const prism_backend_penalty_row_t *rows)
+{
+    return prism_cuda_penalties_k(ST(ctx), logits, n_rows, vocab, counts, prompt_bits, rows);
+}
+
+static int cu_token_counts_add(void *ctx, int32_t *counts, int n_slots, int vocab, const int32_t *slots,
+                               const int32_t *tokens, int n)
+{
+    return prism_cuda_token_counts_add_k(ST(ctx), counts, n_slots, vocab, slots, tokens, n);
+}
+
+static int cu_logit_bias(void *ctx, float *logits, int n_rows, int vocab, const int32_t *offsets, const int32_t *ids,
+                         const float *bias)
+{
+    return prism_cuda_logit_bias_k(ST(ctx), logits, n_rows, vocab, offsets, ids, bias);
+}
+
+static int cu_token_mask(void *ctx, float *logits, int n_rows, int vocab, const int32_t *masks, int words,
+                         const int32_t *mask_row)
+{
+    return prism_cuda_token_mask_k(ST(ctx), logits, n_rows, vocab, masks, words, mask_row);
+}
+
+/* ---------------------------------------------------------------- extensions */
+
 int prism_cuda_scatter_rows(prism_backend_t *be, float *dst, int ld, const float *src, const int32_t *rows, int n,
                             int dim)
 {
     if (!be || strcmp(be->device, "cuda") != 0) return PRISM_EINVAL;
     return prism_cuda_scatter_rows_k(ST(be->ctx), dst, ld, src, rows, n, dim);
-}
-
-static bool is_cuda(const prism_backend_t *be) { return be && be->device && strcmp(be->device, "cuda") == 0; }
-
-int prism_cuda_penalties(prism_backend_t *be, float *logits, int n_rows, int vocab, const int32_t *counts,
-                         const uint32_t *prompt_bits, const prism_cuda_penalty_row_t *rows)
-{
-    if (!is_cuda(be)) return PRISM_EINVAL;
-    return prism_cuda_penalties_k(ST(be->ctx), logits, n_rows, vocab, counts, prompt_bits, rows);
-}
-
-int prism_cuda_token_counts_add(prism_backend_t *be, int32_t *counts, int n_slots, int vocab, const int32_t *slots,
-                                const int32_t *tokens, int n)
-{
-    if (!is_cuda(be)) return PRISM_EINVAL;
-    return prism_cuda_token_counts_add_k(ST(be->ctx), counts, n_slots, vocab, slots, tokens, n);
-}
-
-int prism_cuda_logit_bias(prism_backend_t *be, float *logits, int n_rows, int vocab, const int32_t *offsets,
-                          const int32_t *ids, const float *bias)
-{
-    if (!is_cuda(be)) return PRISM_EINVAL;
-    return prism_cuda_logit_bias_k(ST(be->ctx), logits, n_rows, vocab, offsets, ids, bias);
-}
-
-int prism_cuda_token_mask(prism_backend_t *be, float *logits, int n_rows, int vocab, const int32_t *masks, int words,
-                          const int32_t *mask_row)
-{
-    if (!is_cuda(be)) return PRISM_EINVAL;
-    return prism_cuda_token_mask_k(ST(be->ctx), logits, n_rows, vocab, masks, words, mask_row);
 }
 
 size_t prism_cuda_reserved_bytes(const prism_backend_t *be)
@@ -490,6 +485,8 @@ prism_backend_t *prism_backend_cuda_create(int device, size_t pool_bytes, int *s
         .attn_paged = cu_attn_paged, .attn_decode = cu_attn_decode, .attn_dense = cu_attn_dense,
         .blocks_to_host = cu_blocks_to_host, .blocks_from_host = cu_blocks_from_host,
         .argmax = cu_argmax,
+        .sample = cu_sample, .penalties = cu_penalties, .token_counts_add = cu_token_counts_add,
+        .logit_bias = cu_logit_bias, .token_mask = cu_token_mask,
         .head_rmsnorm = cu_head_rmsnorm, .scale_rows = cu_scale_rows, .moe_route = cu_moe_route,
         .matmul_grouped = cu_matmul_grouped, .moe_combine = cu_moe_combine, .pixel_shuffle = cu_pixel_shuffle,
         .fill_random = cu_fill_random,

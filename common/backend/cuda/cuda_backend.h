@@ -2,8 +2,9 @@
  *
  * Normally reached through prism_backend_create("cuda" | "cuda:N", ...); this header adds what
  * the generic interface does not carry: a run-time "is there a GPU" probe, the device-allocation
- * counter tests assert on, and two ops that are not (yet) in prism_backend_i (GPU sampling and
- * the image-embedding row scatter).
+ * counter tests assert on, and one op that is not in prism_backend_i (the image-embedding row
+ * scatter). Sampling on the device is in the table (backend.h: sample, penalties, token_counts_add,
+ * logit_bias, token_mask; one kernel each: sample.cu, penalties.cu, ...).
  *
  *   if (!prism_cuda_available()) { fall back to "cpu" }
  *   int st;
@@ -51,47 +52,6 @@ size_t prism_cuda_reserved_bytes(const prism_backend_t *be);
  * own in the backend's order (the NCCL communicator, common/comm). NULL / -1 for other backends. */
 void *prism_cuda_stream(const prism_backend_t *be);
 int   prism_cuda_device(const prism_backend_t *be);
-
-/* Per-row sampling parameters (host arrays of n_rows). uniform[r] is the request RNG's next
- * draw in [0, 1) (prism_rng_uniform), used only when the row is not greedy. */
-typedef struct {
-    const float *temperature;   /* < 1e-5 (or NaN): greedy */
-    const float *top_p;         /* (0, 1]; >= 1 off */
-    const int32_t *top_k;       /* <= 0 off; 1 greedy */
-    const double *uniform;
-} prism_cuda_sample_args_t;
-
-/* Samples one token per row of logits [n_rows][vocab] (device) on the GPU: softmax(l / T),
- * top-k, then the smallest top-p prefix, then inverse-CDF with uniform[r], in the order
- * (probability desc, id asc) — the same rule as prism_sample(). Deterministic for a given
- * uniform. out_host[n_rows]. n_rows <= 4096. */
-int prism_cuda_sample(prism_backend_t *be, int32_t *out_host, const float *logits, int n_rows, int vocab,
-                      const prism_cuda_sample_args_t *args);
-
-/* ---- logits processors (CPU reference and rules: common/sample/logits.c, prism_grammar_apply_mask) ----
- * A device build keeps the per-sequence token-count table on the device (counts [slots][vocab]
- * int32, prompt bits [slots][(vocab+31)/32] uint32, prism_token_counts_t's layout), adds each
- * step's sampled tokens to it there, and applies these to the batch's logits before
- * prism_cuda_sample, so only token ids (and, for guided sequences, mask words) cross PCIe. All
- * pointers are device pointers; one kernel per op (penalties.cu, token_counts.cu, logit_bias.cu,
- * token_mask.cu). */
-typedef struct {
-    float presence, frequency, repetition;   /* 0, 0, 1 = off */
-    int32_t slot;                            /* table row; < 0 = no penalties for this logits row */
-} prism_cuda_penalty_row_t;
-
-/* logits [n_rows][vocab] in place; rows [n_rows] (device). */
-int prism_cuda_penalties(prism_backend_t *be, float *logits, int n_rows, int vocab, const int32_t *counts,
-                         const uint32_t *prompt_bits, const prism_cuda_penalty_row_t *rows);
-/* counts[slots[i]][tokens[i]] += 1 for i < n (out-of-range entries skipped). */
-int prism_cuda_token_counts_add(prism_backend_t *be, int32_t *counts, int n_slots, int vocab, const int32_t *slots,
-                                const int32_t *tokens, int n);
-/* logits[r][ids[k]] += bias[k] for k in [offsets[r], offsets[r+1]); offsets [n_rows + 1]. */
-int prism_cuda_logit_bias(prism_backend_t *be, float *logits, int n_rows, int vocab, const int32_t *offsets,
-                          const int32_t *ids, const float *bias);
-/* logits[r][i] = -inf where bit i of masks[mask_row[r]] is clear; mask_row[r] < 0: row untouched. */
-int prism_cuda_token_mask(prism_backend_t *be, float *logits, int n_rows, int vocab, const int32_t *masks, int words,
-                          const int32_t *mask_row);
 
 /* dst[rows[i]*ld ..][dim] = src[i*dim ..][dim] for i < n (device pointers; rows device int32,
  * rows < 0 skipped): writes image-embedding rows into the token embedding stream. */

@@ -125,9 +125,9 @@ typedef struct {
 int prism_cuda_sample_k(cudaStream_t st, int32_t *out, const float *logits, int n_rows, int vocab,
                         const prism_cuda_sample_row_t *rows);
 
-/* logits processors (cuda_backend.h) */
+/* logits processors (backend.h: the sampling ops) */
 int prism_cuda_penalties_k(cudaStream_t st, float *logits, int n_rows, int vocab, const int32_t *counts,
-                           const uint32_t *prompt_bits, const prism_cuda_penalty_row_t *rows);
+                           const uint32_t *prompt_bits, const prism_backend_penalty_row_t *rows);
 int prism_cuda_token_counts_add_k(cudaStream_t st, int32_t *counts, int n_slots, int vocab, const int32_t *slots,
                                   const int32_t *tokens, int n);
 int prism_cuda_logit_bias_k(cudaStream_t st, float *logits, int n_rows, int vocab, const int32_t *offsets,

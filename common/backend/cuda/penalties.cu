@@ -8,9 +8,9 @@
 #define THREADS 256
 
 static __global__ void penalties_kernel(float *logits, int vocab, const int32_t *counts, const uint32_t *prompt_bits,
-                                        const prism_cuda_penalty_row_t *rows)
+                                        const prism_backend_penalty_row_t *rows)
 {
-    const prism_cuda_penalty_row_t p = rows[blockIdx.x];
+    const prism_backend_penalty_row_t p = rows[blockIdx.x];
     if (p.slot < 0) return;
     float *l = logits + (size_t)blockIdx.x * vocab;
     const int32_t *c = counts + (size_t)p.slot * vocab;
@@ -28,7 +28,7 @@ static __global__ void penalties_kernel(float *logits, int vocab, const int32_t 
 }
 
 extern "C" int prism_cuda_penalties_k(cudaStream_t st, float *logits, int n_rows, int vocab, const int32_t *counts,
-                                      const uint32_t *prompt_bits, const prism_cuda_penalty_row_t *rows)
+                                      const uint32_t *prompt_bits, const prism_backend_penalty_row_t *rows)
 {
     if (vocab <= 0 || n_rows < 0 || n_rows > PRISM_CUDA_MAX_ROWS || !counts || !prompt_bits || !rows) return PRISM_EINVAL;
     if (n_rows == 0) return PRISM_OK;

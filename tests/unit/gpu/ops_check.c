@@ -674,7 +674,8 @@ static void check_fill_random(ck_t *c)
     prism_backend_buf_free(c->dev, db);
 }
 
-/* ---------------------------------------------------------------- CUDA-only extensions */
+/* ------------------------------------- device sampling (optional ops: the host's sampler is the reference)
+ * and the CUDA-only extension (scatter_rows). Built where common/sample is linked. */
 
 #ifdef PRISM_OPCHECK_CUDA
 static void check_sample(ck_t *c)
@@ -705,9 +706,9 @@ static void check_sample(ck_t *c)
         cpu[5] = prism_sample(&sm, l + (size_t)5 * vocab, &p, &st);
     }
     float *dl = put(c->dev, l, (size_t)rows * vocab * 4);
-    prism_cuda_sample_args_t a = {temp, top_p, top_k, u};
-    int rc = prism_cuda_sample(c->dev, gpu, dl, rows, vocab, &a);
-    int rc2 = prism_cuda_sample(c->dev, gpu2, dl, rows, vocab, &a);
+    prism_backend_sample_rows_t a = {temp, top_p, top_k, u};
+    int rc = c->dev->i.sample(c->dev->ctx, gpu, dl, rows, vocab, &a);
+    int rc2 = c->dev->i.sample(c->dev->ctx, gpu2, dl, rows, vocab, &a);
     int same = 0, greedy_ok = 1;
     for (int r = 0; r < rows; r++) {
         same += cpu[r] == gpu[r];
@@ -741,15 +742,15 @@ static void check_logits_processors(ck_t *c)
     prism_token_counts_t tab;
     if (prism_token_counts_init(&tab, slots, vocab) != PRISM_OK) { report(c, false, "table init"); return; }
     int32_t row_slot[24], *toks = malloc(sizeof(int32_t) * 4096), *tslot = malloc(sizeof(int32_t) * 4096);
-    prism_cuda_penalty_row_t prm[24];
+    prism_backend_penalty_row_t prm[24];
     int nt = 0;
     for (int r = 0; r < rows; r++) {
         row_slot[r] = (r * 7) % slots;
         int32_t prompt[64];
         for (int k = 0; k < 64; k++) prompt[k] = irand(c, vocab);
         prism_token_counts_reset(&tab, row_slot[r], prompt, r % 4 ? 64 : 0);
-        prm[r] = (prism_cuda_penalty_row_t){r % 3 ? 0.5f : 0.0f, r % 5 ? 0.25f : -0.75f, r % 2 ? 1.3f : 1.0f,
-                                            r == 7 ? -1 : row_slot[r]};
+        prm[r] = (prism_backend_penalty_row_t){r % 3 ? 0.5f : 0.0f, r % 5 ? 0.25f : -0.75f, r % 2 ? 1.3f : 1.0f,
+                                               r == 7 ? -1 : row_slot[r]};
         for (int k = 0; k < 100; k++) {       /* generated tokens: some repeated, some out of range */
             toks[nt] = k % 10 == 9 ? vocab + k : irand(c, 50 + r * 13);
             tslot[nt++] = row_slot[r];
@@ -760,7 +761,8 @@ static void check_logits_processors(ck_t *c)
     c->dev->i.memset0(c->dev->ctx, dcounts, (size_t)slots * vocab * 4);
     uint32_t *dbits = put(c->dev, tab.prompt, (size_t)slots * words * 4);
     int32_t *dtoks = put(c->dev, toks, (size_t)nt * 4), *dtslot = put(c->dev, tslot, (size_t)nt * 4);
-    int rc = prism_cuda_token_counts_add(c->dev, dcounts, slots, vocab, dtslot, dtoks, nt);
+    const prism_backend_i *o = &c->dev->i;
+    int rc = o->token_counts_add(c->dev->ctx, dcounts, slots, vocab, dtslot, dtoks, nt);
     for (int i = 0; i < nt; i++) prism_token_counts_add(&tab, tslot[i], toks[i]);
     int32_t *hc = get(c->dev, dcounts, (size_t)slots * vocab * 4);
     report(c, rc == PRISM_OK && memcmp(hc, tab.counts, (size_t)slots * vocab * 4) == 0,
@@ -776,8 +778,8 @@ static void check_logits_processors(ck_t *c)
                               prism_token_counts_prompt(&tab, prm[r].slot), &p);
     }
     float *dl = put(c->dev, l, (size_t)rows * vocab * 4);
-    prism_cuda_penalty_row_t *dprm = put(c->dev, prm, sizeof prm);
-    rc = prism_cuda_penalties(c->dev, dl, rows, vocab, dcounts, dbits, dprm);
+    prism_backend_penalty_row_t *dprm = put(c->dev, prm, sizeof prm);
+    rc = o->penalties(c->dev->ctx, dl, rows, vocab, dcounts, dbits, dprm);
     float *h = get(c->dev, dl, (size_t)rows * vocab * 4);
     report(c, rc == PRISM_OK && memcmp(h, ref, sizeof(float) * (size_t)rows * vocab) == 0,
            "penalties: %d rows bit-identical to prism_apply_penalties (one row without a slot)", rows);
@@ -797,7 +799,7 @@ static void check_logits_processors(ck_t *c)
     off[rows] = nb;
     int32_t *doff = put(c->dev, off, sizeof off), *dids = put(c->dev, ids, (size_t)nb * 4);
     float *dbias = put(c->dev, bias, (size_t)nb * 4);
-    rc = prism_cuda_logit_bias(c->dev, dl, rows, vocab, doff, dids, dbias);
+    rc = o->logit_bias(c->dev->ctx, dl, rows, vocab, doff, dids, dbias);
     h = get(c->dev, dl, (size_t)rows * vocab * 4);
     report(c, rc == PRISM_OK && memcmp(h, ref, sizeof(float) * (size_t)rows * vocab) == 0,
            "logit bias: %d entries over %d rows (ids past the vocabulary skipped)", nb, rows);
@@ -810,14 +812,15 @@ static void check_logits_processors(ck_t *c)
         if (mrow[r] >= 0) mask_ref(ref + (size_t)r * vocab, masks + (size_t)mrow[r] * words, vocab);
     }
     int32_t *dmasks = put(c->dev, masks, sizeof(int32_t) * 3 * (size_t)words), *dmrow = put(c->dev, mrow, sizeof mrow);
-    rc = prism_cuda_token_mask(c->dev, dl, rows, vocab, dmasks, words, dmrow);
+    rc = o->token_mask(c->dev->ctx, dl, rows, vocab, dmasks, words, dmrow);
     h = get(c->dev, dl, (size_t)rows * vocab * 4);
     report(c, rc == PRISM_OK && memcmp(h, ref, sizeof(float) * (size_t)rows * vocab) == 0,
            "grammar masks: %d rows, unmasked rows untouched", rows);
     free(h);
-    /* CPU backends are refused, not crashed on */
-    report(c, prism_cuda_token_mask(c->ref, dl, rows, vocab, dmasks, words, dmrow) == PRISM_EINVAL,
-           "a non-CUDA backend is refused");
+    /* the CPU backend provides none of them: the host's sampler is the reference */
+    const prism_backend_i *r = &c->ref->i;
+    report(c, !r->sample && !r->penalties && !r->token_counts_add && !r->logit_bias && !r->token_mask,
+           "the CPU backend leaves the device sampling ops NULL");
     free(l); free(ref); free(masks); free(toks); free(tslot);
     prism_backend_buf_free(c->dev, dcounts); prism_backend_buf_free(c->dev, dbits);
     prism_backend_buf_free(c->dev, dtoks); prism_backend_buf_free(c->dev, dtslot);
@@ -1001,9 +1004,9 @@ void prism_opcheck_run(prism_opcheck_t *t, prism_backend_t *ref, prism_backend_t
     bool is_cuda = dev->device && strcmp(dev->device, "cuda") == 0;
     for (size_t i = 0; i < sizeof ops / sizeof ops[0]; i++) {
         if (only && strcmp(only, ops[i].name) != 0) continue;
-        bool cuda_only = strcmp(ops[i].name, "sample") == 0 || strcmp(ops[i].name, "scatter_rows") == 0 ||
-                         strcmp(ops[i].name, "logits_processors") == 0;
-        if (cuda_only && !is_cuda) continue;
+        if (!strcmp(ops[i].name, "scatter_rows") && !is_cuda) continue;
+        if (!strcmp(ops[i].name, "sample") && !dev->i.sample) continue;   /* optional ops the device lacks */
+        if (!strcmp(ops[i].name, "logits_processors") && !dev->i.token_mask) continue;
         ck_t c = {t, ref, dev, ops[i].name, 0x9E3779B97F4A7C15ull ^ (uint64_t)(i * 7919 + 1), 0};
         double t0 = prism_now_s();
         ops[i].fn(&c);
