@@ -52,9 +52,9 @@ typedef int (*prism_comm_nccl_create_fn)(prism_backend_t *be, const uint8_t id[P
                                          int size, int rank, double timeout_s, prism_comm_alive_fn alive,
                                          void *alive_ud, prism_comm_t **out, char *err, size_t errlen);
 /* Exported by the module under these names. */
-int prism_comm_nccl_unique_id(uint8_t id[PRISM_COMM_NCCL_ID_BYTES], char *err, size_t errlen);
-int prism_comm_nccl_create(prism_backend_t *be, const uint8_t id[PRISM_COMM_NCCL_ID_BYTES], int size, int rank,
-                           double timeout_s, prism_comm_alive_fn alive, void *alive_ud, prism_comm_t **out,
-                           char *err, size_t errlen);
+PRISM_API int prism_comm_nccl_unique_id(uint8_t id[PRISM_COMM_NCCL_ID_BYTES], char *err, size_t errlen);
+PRISM_API int prism_comm_nccl_create(prism_backend_t *be, const uint8_t id[PRISM_COMM_NCCL_ID_BYTES], int size,
+                                     int rank, double timeout_s, prism_comm_alive_fn alive, void *alive_ud,
+                                     prism_comm_t **out, char *err, size_t errlen);
 
 #endif

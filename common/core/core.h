@@ -15,6 +15,14 @@
 #include <stdbool.h>
 #include <stdarg.h>
 
+/* Symbols: every library is built with hidden visibility, so a process exports nothing but PRISM_API.
+ * What carries it is the part of core the shared modules a process dlopens (the CUDA backend, the NCCL
+ * communicator) use: logging, the counting allocator, time, status text. A module has no copy of
+ * prism_core; it binds to the process's (one allocator count, one log configuration), and a module
+ * that needs a core function without PRISM_API fails to load, loudly, instead of quietly using a
+ * copy. A module's own entry points carry PRISM_API too. */
+#define PRISM_API __attribute__((visibility("default")))
+
 /* ---- status codes (second error tier: recoverable) ---- */
 typedef enum {
     PRISM_OK        = 0,
@@ -28,7 +36,7 @@ typedef enum {
     PRISM_ENOTFOUND = -8,
 } prism_status_t;
 
-const char *prism_strerror(int status);
+PRISM_API const char *prism_strerror(int status);
 
 /* Process exit status of a worker that stops because a peer it cannot work without is gone (a rank
  * of its tensor-parallel group): not a configuration error, so a supervisor restarts it even in its
@@ -41,7 +49,7 @@ typedef enum { PRISM_LOG_DEBUG, PRISM_LOG_INFO, PRISM_LOG_WARN, PRISM_LOG_ERROR 
 void prism_log_init(const char *process_name, prism_log_level_t min_level);
 void prism_log_set_level(prism_log_level_t min_level);
 prism_log_level_t prism_log_level_parse(const char *s); /* "debug".."error"; INFO if unknown */
-void prism_log(prism_log_level_t level, const char *file, int line, const char *fmt, ...)
+PRISM_API void prism_log(prism_log_level_t level, const char *file, int line, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 
 #define PRISM_DEBUG(...) prism_log(PRISM_LOG_DEBUG, __FILE__, __LINE__, __VA_ARGS__)
@@ -50,7 +58,7 @@ void prism_log(prism_log_level_t level, const char *file, int line, const char *
 #define PRISM_ERROR(...) prism_log(PRISM_LOG_ERROR, __FILE__, __LINE__, __VA_ARGS__)
 
 /* ---- first error tier: broken invariants, always on ---- */
-_Noreturn void prism_abort(const char *file, int line, const char *fmt, ...)
+PRISM_API _Noreturn void prism_abort(const char *file, int line, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 #define PRISM_ASSERT(x) \
     do { if (!(x)) prism_abort(__FILE__, __LINE__, "assertion failed: %s", #x); } while (0)
@@ -59,10 +67,10 @@ _Noreturn void prism_abort(const char *file, int line, const char *fmt, ...)
 /* ---- counting allocator ----
  * Thread-safe counters of live and peak heap bytes. prism_malloc returns NULL on failure
  * (callers handle it); prism_xmalloc aborts (for start-up paths only). */
-void *prism_malloc(size_t n);
-void *prism_calloc(size_t count, size_t n);
-void *prism_realloc(void *p, size_t n);
-void  prism_free(void *p);
+PRISM_API void *prism_malloc(size_t n);
+PRISM_API void *prism_calloc(size_t count, size_t n);
+PRISM_API void *prism_realloc(void *p, size_t n);
+PRISM_API void  prism_free(void *p);
 void *prism_xmalloc(size_t n);
 void *prism_xcalloc(size_t count, size_t n);
 char *prism_strdup(const char *s);
@@ -72,8 +80,8 @@ size_t prism_mem_peak(void);
 uint64_t prism_mem_alloc_count(void);  /* number of prism_malloc/calloc/realloc calls so far */
 
 /* Aligned large region (pools, arenas); counted too. Freed with prism_free_aligned. */
-void *prism_malloc_aligned(size_t n, size_t align);
-void  prism_free_aligned(void *p);
+PRISM_API void *prism_malloc_aligned(size_t n, size_t align);
+PRISM_API void  prism_free_aligned(void *p);
 
 /* ---- arena: bump allocator over one region carved at start-up ----
  * prism_arena_alloc returns NULL when full (never grows). Reset frees everything at once. */
@@ -104,8 +112,8 @@ void prism_buf_reset(prism_buf_t *b);
 void prism_buf_free(prism_buf_t *b);
 
 /* ---- time, files, misc ---- */
-uint64_t prism_now_ns(void);          /* monotonic */
-double   prism_now_s(void);           /* monotonic, seconds */
+PRISM_API uint64_t prism_now_ns(void);   /* monotonic */
+PRISM_API double   prism_now_s(void);    /* monotonic, seconds */
 int64_t  prism_unix_time(void);       /* wall clock, seconds */
 /* n bytes from the kernel's CSPRNG (getrandom): for what must be unguessable (request ids, process
  * instance nonces). PRISM_EIO when the kernel cannot give them. */
@@ -124,7 +132,7 @@ bool prism_ct_equal(const void *presented, size_t presented_len, const void *sec
 /* Parses sizes such as "512M", "2G", "1.5GiB", "1000000"; returns -1 on error. */
 int64_t prism_parse_bytes(const char *s);
 /* Formats bytes human-readably ("1.50 GiB") into out. */
-const char *prism_fmt_bytes(size_t bytes, char *out, size_t n);
+PRISM_API const char *prism_fmt_bytes(size_t bytes, char *out, size_t n);
 
 #define PRISM_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 #define PRISM_MIN(a, b) ((a) < (b) ? (a) : (b))

@@ -35,28 +35,28 @@ extern "C" {
 /* Creates the backend on `device`. Returns NULL and sets *status (may be NULL) to PRISM_ENOTSUP
  * when no usable GPU is present (with a log line saying why), PRISM_ENOMEM when the pool cannot
  * be allocated, PRISM_EINVAL for a bad device index. */
-prism_backend_t *prism_backend_cuda_create(int device, size_t pool_bytes, int *status);
+PRISM_API prism_backend_t *prism_backend_cuda_create(int device, size_t pool_bytes, int *status);
 
 /* Run-time probe: true when the driver works and at least one device is visible. Never aborts;
  * safe to call on machines without a driver. */
-bool prism_cuda_available(void);
-int  prism_cuda_device_count(void);
+PRISM_API bool prism_cuda_available(void);
+PRISM_API int  prism_cuda_device_count(void);
 
 /* Number of cudaMalloc / cudaHostAlloc calls the CUDA backend made in this process. */
-uint64_t prism_cuda_malloc_count(void);
+PRISM_API uint64_t prism_cuda_malloc_count(void);
 
 /* Bytes of the pool taken by internal scratch at create (included in pool_used). */
-size_t prism_cuda_reserved_bytes(const prism_backend_t *be);
+PRISM_API size_t prism_cuda_reserved_bytes(const prism_backend_t *be);
 
 /* The backend's one stream (a cudaStream_t) and device index, for code that enqueues work of its
  * own in the backend's order (the NCCL communicator, common/comm). NULL / -1 for other backends. */
-void *prism_cuda_stream(const prism_backend_t *be);
-int   prism_cuda_device(const prism_backend_t *be);
+PRISM_API void *prism_cuda_stream(const prism_backend_t *be);
+PRISM_API int   prism_cuda_device(const prism_backend_t *be);
 
 /* dst[rows[i]*ld ..][dim] = src[i*dim ..][dim] for i < n (device pointers; rows device int32,
  * rows < 0 skipped): writes image-embedding rows into the token embedding stream. */
-int prism_cuda_scatter_rows(prism_backend_t *be, float *dst, int ld, const float *src, const int32_t *rows,
-                            int n, int dim);
+PRISM_API int prism_cuda_scatter_rows(prism_backend_t *be, float *dst, int ld, const float *src,
+                                      const int32_t *rows, int n, int dim);
 
 #ifdef __cplusplus
 }
