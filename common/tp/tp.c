@@ -546,6 +546,7 @@ static int group_flags(void *g, prism_flag_t *t, int n)
     prism_tp_t *tp = g;
     prism_tp_opts_defaults(&tp->opts);
     prism_flag_t f[] = {PRISM_TP_FLAGS(&tp->opts)};
+    _Static_assert(PRISM_ARRAY_LEN(f) == PRISM_TP_N_FLAGS && PRISM_TP_N_FLAGS <= PRISM_WORKER_GROUP_FLAGS, "flags");
     for (size_t i = 0; i < PRISM_ARRAY_LEN(f); i++) t[n++] = f[i];
     return n;
 }

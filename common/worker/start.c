@@ -203,11 +203,12 @@ int prism_worker_open(const prism_worker_tier_t *t, void *ctx, prism_worker_star
     /* flags */
     prism_worker_opts_defaults(&s->o, t->role);
     if (!s->full) s->full = s->cfg;
-    prism_flag_t flags[PRISM_WORKER_TIER_FLAGS + 8 + PRISM_WORKER_N_FLAGS + 1];
+    prism_flag_t flags[PRISM_WORKER_TIER_FLAGS + PRISM_WORKER_GROUP_FLAGS + PRISM_WORKER_N_FLAGS + 1];
     memset(flags, 0, sizeof flags);
     int n = t->flags(ctx, flags);
+    PRISM_ASSERT(n <= PRISM_WORKER_TIER_FLAGS);
     if (t->group) n = t->group->flags(s->group, flags, n);
-    PRISM_ASSERT(n <= PRISM_WORKER_TIER_FLAGS + 8);
+    PRISM_ASSERT(n <= PRISM_WORKER_TIER_FLAGS + PRISM_WORKER_GROUP_FLAGS);
     int rc = parse(argc, argv, t, flags, s);
     if (rc >= 0) return rc;
     /* BLAS */

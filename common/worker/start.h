@@ -162,7 +162,8 @@ typedef struct prism_worker_tier {
     const prism_worker_group_i *group;   /* optional */
 } prism_worker_tier_t;
 
-#define PRISM_WORKER_TIER_FLAGS 24
+#define PRISM_WORKER_TIER_FLAGS 24   /* room for a tier's flags */
+#define PRISM_WORKER_GROUP_FLAGS 8   /* and for its group's */
 
 /* Runs start-up (above) for tier t. Returns -1 with the worker built but not started (the I/O
  * thread, hence registration, starts with prism_worker_start), else the exit code: 0 after --help,
