@@ -26,11 +26,15 @@
 #define FETCH_FILE_CHUNK (1u << 20)     /* bytes per file read */
 #define FETCH_MIN_GROW (64u << 10)      /* first buffer when the size is not declared */
 #define FETCH_MAX_LOCATION 8192
+#define FETCH_CURL_BUFFER (128u << 10)  /* libcurl's receive buffer per transfer (CURLOPT_BUFFERSIZE) */
+#define FETCH_MIN_SECRET 136            /* XXH3_SECRET_SIZE_MIN */
 
 struct prism_fetch_blob {
     atomic_int refs;
     uint8_t *data;   /* prism_malloc'd [cap] */
     size_t len, cap;
+    uint64_t hash;   /* keyed content hash, once whole (hashed) */
+    bool hashed;
 };
 
 typedef enum { E_QUEUED, E_RUNNING, E_DONE, E_FAILED } entry_state_t;
@@ -95,6 +99,8 @@ struct prism_fetch {
     uv_loop_t *loop;
     prism_fetch_config_t cfg;
     char *ca_file, *ca_path;
+    uint8_t *secret;             /* the content hash's (cfg.hash_secret, copied), NULL: none */
+    size_t secret_len;
     prism_fetch_policy_t policy;
     CURLM *multi;
     uv_timer_t timer;            /* libcurl's timeout */
@@ -128,6 +134,13 @@ static void pump(prism_fetch_t *f);
 
 const uint8_t *prism_fetch_blob_data(const prism_fetch_blob_t *b) { return b->data; }
 size_t prism_fetch_blob_len(const prism_fetch_blob_t *b) { return b->len; }
+
+bool prism_fetch_blob_hash(const prism_fetch_blob_t *b, uint64_t *out)
+{
+    if (!b->hashed) return false;
+    *out = b->hash;
+    return true;
+}
 
 prism_fetch_blob_t *prism_fetch_blob_ref(prism_fetch_blob_t *b)
 {
@@ -399,6 +412,11 @@ static void set_done(entry_t *e)
     }
     stop_transfer(e);
     e->state = E_DONE;
+    if (f->secret) {
+        /* once per download, before any request hears of it: the blob is immutable from here */
+        e->blob->hash = XXH3_64bits_withSecret(e->blob->data, e->blob->len, f->secret, f->secret_len);
+        e->blob->hashed = true;
+    }
     f->m.downloads_ok++;
     prism_hist_observe(&f->m.seconds, prism_now_s() - e->t_start);
     trim_and_cache(e);
@@ -715,7 +733,7 @@ static prism_fetch_reason_t easy_setup(entry_t *e)
         SET(CURLOPT_LOW_SPEED_LIMIT, (long)c->min_rate);
         SET(CURLOPT_LOW_SPEED_TIME, PRISM_MAX(1L, (long)(c->min_rate_window_s + 0.5)));
     }
-    SET(CURLOPT_BUFFERSIZE, 128L << 10);
+    SET(CURLOPT_BUFFERSIZE, (long)FETCH_CURL_BUFFER);
 #undef SET
     if (rc != CURLE_OK) {
         PRISM_ERROR("image fetch: libcurl refused an option: %s", curl_easy_strerror(rc));
@@ -1036,6 +1054,13 @@ void prism_fetch_config_default(prism_fetch_config_t *c)
     };
 }
 
+void prism_fetch_config_bounds(const prism_fetch_config_t *c, prism_fetch_bounds_t *out)
+{
+    out->downloads = (uint64_t)PRISM_MAX(c->max_inflight, 0) * ((uint64_t)PRISM_MAX(c->max_bytes, 0) + FETCH_CURL_BUFFER);
+    out->cache = (uint64_t)PRISM_MAX(c->cache_bytes, 0);
+    out->total = out->downloads + out->cache;
+}
+
 static pthread_once_t curl_once = PTHREAD_ONCE_INIT;
 static CURLcode curl_init_rc;
 static void curl_init(void)
@@ -1053,6 +1078,10 @@ int prism_fetch_open(uv_loop_t *loop, const prism_fetch_config_t *cfg, prism_fet
         cfg->min_rate_window_s < 1 || cfg->cache_bytes < 0 || cfg->cache_entries < 0 || cfg->cache_ttl_s < 0) {
         snprintf(why, why_n, "image fetch limits out of range (timeouts > 0, max bytes >= 1, redirects 0..20, "
                              "in flight >= 1, the rest >= 0)");
+        return PRISM_EINVAL;
+    }
+    if (cfg->hash_secret && cfg->hash_secret_len < FETCH_MIN_SECRET) {
+        snprintf(why, why_n, "image hash secret of %zu bytes (at least %d)", cfg->hash_secret_len, FETCH_MIN_SECRET);
         return PRISM_EINVAL;
     }
     pthread_once(&curl_once, curl_init);
@@ -1081,6 +1110,7 @@ int prism_fetch_open(uv_loop_t *loop, const prism_fetch_config_t *cfg, prism_fet
     f->cfg.allowed_local_path = NULL;  /* the policy holds it; the caller's strings are not kept */
     f->cfg.allowed_networks.n = f->cfg.allowed_domains.n = 0;
     f->cfg.ca_file = NULL;
+    f->cfg.hash_secret = NULL;
     if (cfg->ca_file && *cfg->ca_file) {
         if (access(cfg->ca_file, R_OK) != 0) {
             snprintf(why, why_n, "media CA file '%s' cannot be read: %s", cfg->ca_file, strerror(errno));
@@ -1093,7 +1123,12 @@ int prism_fetch_open(uv_loop_t *loop, const prism_fetch_config_t *cfg, prism_fet
         else PRISM_WARN("libcurl has no CA directory: --media-ca-file replaces its CA bundle instead of adding to it");
     }
     f->multi = curl_multi_init();
-    if (!f->multi) {
+    if (cfg->hash_secret && f->multi && (f->secret = prism_malloc(cfg->hash_secret_len)) != NULL) {
+        memcpy(f->secret, cfg->hash_secret, cfg->hash_secret_len);
+        f->secret_len = cfg->hash_secret_len;
+    }
+    if (!f->multi || (cfg->hash_secret && !f->secret)) {
+        if (f->multi) curl_multi_cleanup(f->multi);
         prism_fetch_policy_free(&f->policy);
         prism_free(f->ca_file);
         prism_free(f->ca_path);
@@ -1132,6 +1167,7 @@ static void finish_close(prism_fetch_t *f)
     prism_fetch_policy_free(&f->policy);
     prism_free(f->ca_file);
     prism_free(f->ca_path);
+    prism_free(f->secret);
     prism_free(f);
     if (cb) cb(ud);
 }

@@ -87,9 +87,26 @@ typedef struct {
     prism_str_list_t allowed_networks;  /* CIDR networks allowed although not public */
     prism_str_list_t allowed_domains;   /* when any: the only hosts fetched from */
     const char *allowed_local_path;     /* file:// URLs under this directory; NULL: file:// refused */
+    /* Optional: an XXH3 secret (at least 136 bytes; copied). Each image's keyed content hash is then
+     * computed once, when its download completes (prism_fetch_blob_hash), so callers that key images
+     * by their bytes (the encoders' embedding caches) read them no second time however many requests
+     * share the image. NULL: no hash. */
+    const uint8_t *hash_secret;
+    size_t hash_secret_len;
 } prism_fetch_config_t;
 
 void prism_fetch_config_default(prism_fetch_config_t *c);
+
+/* The most the fetcher's images hold, for a process's memory plan: every download in flight at its
+ * largest (max_inflight x (max_bytes + libcurl's receive buffer); queued downloads hold nothing), and
+ * the URL cache's budget. An image a caller keeps (prism_fetch_blob_ref) after its download ended and
+ * the cache let it go is the caller's to count (the router counts it as its request's image bytes). */
+typedef struct {
+    uint64_t downloads;
+    uint64_t cache;
+    uint64_t total;   /* downloads + cache */
+} prism_fetch_bounds_t;
+void prism_fetch_config_bounds(const prism_fetch_config_t *c, prism_fetch_bounds_t *out);
 
 /* The fetcher's flags (vLLM's names where vLLM has one), for a process's flag table:
  *   prism_flag_t flags[] = { ..., PRISM_FETCH_FLAGS(&cfg), PRISM_FLAG_END };
@@ -126,6 +143,9 @@ typedef struct prism_fetch_blob prism_fetch_blob_t;
 const uint8_t *prism_fetch_blob_data(const prism_fetch_blob_t *b);
 size_t prism_fetch_blob_len(const prism_fetch_blob_t *b);
 prism_fetch_blob_t *prism_fetch_blob_ref(prism_fetch_blob_t *b);
+/* The image's keyed content hash (prism_fetch_config_t.hash_secret) into *out: false when the fetcher
+ * has no secret, or the image is not whole yet. */
+bool prism_fetch_blob_hash(const prism_fetch_blob_t *b, uint64_t *out);
 void prism_fetch_blob_unref(prism_fetch_blob_t *b);
 /* The bytes as a prism_malloc'd buffer the caller owns (to hand on, e.g. to prism_msg_send_take),
  * dropping the caller's reference: the buffer itself when that reference was the last (no copy), a

@@ -25,6 +25,8 @@
 
 #include "fetch.h"
 
+#include <xxhash.h>
+
 /* ---- the test server ---- */
 
 enum { R_IMG, R_NOLEN, R_404, R_REDIR, R_CHAIN, R_NOSTORE, R_MAXAGE0, R_MAXAGE1, R_BIG, R_LIE, R_ENDLESS, R_STALL,
@@ -1121,6 +1123,62 @@ static void test_blob_take(void **state)
     prism_free(d);
 }
 
+/* With a secret, each image carries its keyed content hash, computed once when its download
+ * completes: a joiner and a cache hit read the same one; without a secret there is none. */
+static void test_blob_hash(void **state)
+{
+    (void)state;
+    rec_t a = {0};
+    start(&a, U("/img?n=5000"));
+    wait_done(&a, 5);
+    uint64_t h = 0;
+    assert_false(prism_fetch_blob_hash(a.blob, &h));
+    rec_free(&a);
+    uint8_t secret[192];
+    for (size_t i = 0; i < sizeof secret; i++) secret[i] = (uint8_t)(i * 37 + 11);
+    prism_fetch_config_t c = base_config();
+    c.hash_secret = secret;
+    c.hash_secret_len = sizeof secret;
+    reopen(&c);
+    memset(secret, 0, sizeof secret);   /* copied at open */
+    for (size_t i = 0; i < sizeof secret; i++) secret[i] = (uint8_t)(i * 37 + 11);
+    rec_t r[3] = {{0}};
+    start(&r[0], U("/img?n=300000"));
+    start(&r[1], U("/img?n=300000"));   /* joins */
+    wait_done(&r[0], 5);
+    wait_done(&r[1], 5);
+    start(&r[2], U("/img?n=300000"));   /* the cache */
+    wait_done(&r[2], 5);
+    assert_true(r[1].joined && r[2].cache_hit);
+    uint64_t want = XXH3_64bits_withSecret(prism_fetch_blob_data(r[0].blob), 300000, secret, sizeof secret);
+    for (int i = 0; i < 3; i++) {
+        assert_true(prism_fetch_blob_hash(r[i].blob, &h));
+        assert_true(h == want);
+        rec_free(&r[i]);
+    }
+    /* a secret too short for XXH3 is a configuration error */
+    c.hash_secret_len = 100;
+    prism_fetch_t *f;
+    char why[256];
+    assert_int_equal(prism_fetch_open(&loop, &c, &f, why, sizeof why), PRISM_EINVAL);
+}
+
+/* The bounds a memory plan counts: every download at its largest plus libcurl's buffer, and the cache. */
+static void test_bounds(void **state)
+{
+    (void)state;
+    prism_fetch_config_t c;
+    prism_fetch_config_default(&c);
+    c.max_inflight = 4;
+    c.max_bytes = 1 << 20;
+    c.cache_bytes = 8 << 20;
+    prism_fetch_bounds_t b;
+    prism_fetch_config_bounds(&c, &b);
+    assert_int_equal(b.downloads, 4 * ((1 << 20) + (128 << 10)));
+    assert_int_equal(b.cache, 8 << 20);
+    assert_int_equal(b.total, b.downloads + b.cache);
+}
+
 static void test_bad_config(void **state)
 {
     (void)state;
@@ -1164,6 +1222,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_file_urls, setup, teardown),
         cmocka_unit_test_setup_teardown(test_close_in_flight, setup, teardown),
         cmocka_unit_test_setup_teardown(test_blob_take, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_blob_hash, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_bounds, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_config, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
