@@ -296,6 +296,12 @@ static int parse_message(json_t *msg, size_t idx, prism_oai_message_t *m, prism_
                 p->image_url_len = json_string_length(url);
             }
             (*n_images)++;
+        } else if (!strcmp(t, "video_url") || !strcmp(t, "audio_url") || !strcmp(t, "input_audio") ||
+                   !strcmp(t, "file")) {
+            /* other media vLLM takes: said plainly rather than as an unknown type */
+            snprintf(param, sizeof param, "messages[%zu].content[%zu].type", idx, j);
+            return oai_fail(err, param, "Content part type '%s' is not supported: this server takes text and "
+                            "images (image_url) only.", t);
         } else {
             snprintf(param, sizeof param, "messages[%zu].content[%zu].type", idx, j);
             return oai_fail(err, param, "Unsupported content part type '%.64s'", t);
