@@ -1,6 +1,7 @@
 /* HTTP endpoints: OpenAI API, health, readiness, models, tokenize/detokenize, metrics; the status
  * page and its JSON are in status.c. */
 #include "router.h"
+#include "fetch.h"
 #include "openai_req.h"
 #include "openai_write.h"
 #include "core/utf8.h"
@@ -320,6 +321,11 @@ static void metrics_router(const router_t *r, prism_buf_t *b)
     prism_metric_write(b, "prism:router_control_messages_refused_total", "counter",
                        "Control messages dropped: from an unregistered id or another key, a refused registration, "
                        "or results from a worker that does not hold the request.", "", (double)r->ctl_refused);
+    /* images by URL: the fetcher's own (downloads, cache, refusals by reason), then the requests' wait */
+    if (r->fetch) prism_fetch_metrics_write(r->fetch, b);
+    prism_hist_write(&r->fetch_stage, b, "prism:request_image_fetch_seconds",
+                     "Seconds a request waited for its images given by URL (all of them, joined downloads and "
+                     "cache hits included).", "");
 }
 
 /* Per worker, from its registration and heartbeats; workers lost; heartbeat intervals by tier. */

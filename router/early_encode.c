@@ -1,5 +1,6 @@
 /* Early encode: an image whose bytes are whole goes to an encoder while the rest of its request's
- * body is still arriving.
+ * body is still arriving (or, for images given by URL, while its request's other images still
+ * download: url_images.c).
  *
  * The request does not exist yet (its JSON is parsed once the body is whole), so the image is sent
  * as a cache-only job: an Encode without a prefill endpoint, under an id of its own. The encoder
@@ -48,9 +49,13 @@ static double keep_done_s(const router_t *r) { return r->stage_timeout_s > 0 ? r
 
 void router_early_encode(const prism_http_req_t *h, int index, const uint8_t *data, size_t len, void *ud)
 {
-    router_t *r = ud;
-    if (!r->early_encode || !data || !len || r->queue_len || r->draining || index >= r->max_images_per_prompt) return;
     if (strcmp(prism_http_req_method(h), "POST") || strcmp(prism_http_req_path(h), "/v1/chat/completions")) return;
+    router_early_send(ud, index, data, len);
+}
+
+void router_early_send(router_t *r, int index, const uint8_t *data, size_t len)
+{
+    if (!r->early_encode || !data || !len || r->queue_len || r->draining || index >= r->max_images_per_prompt) return;
     router_early_t *e = NULL;   /* a free entry, else the oldest done one */
     for (int i = 0; i < ROUTER_MAX_EARLY; i++) {
         router_early_t *x = &r->early[i];

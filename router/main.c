@@ -1,6 +1,7 @@
 /* router: the OpenAI-compatible front door. Stateless apart from requests in flight: several
  * routers can run behind one load balancer, and every worker connects to each of them. */
 #include "router.h"
+#include "fetch.h"
 
 #define XXH_STATIC_LINKING_ONLY  /* XXH3_generateSecret */
 #include <xxhash.h>
@@ -15,8 +16,10 @@
 static void stop_now(router_t *r)
 {
     router_abort_all(r);
-    prism_http_server_stop(r->http);
+    prism_http_server_stop(r->http);   /* requests still fetching their images end here (their abort) */
     r->http = NULL;  /* freed by the loop's close callbacks */
+    if (r->fetch) prism_fetch_close(r->fetch, NULL, NULL);   /* every download stopped; handles close */
+    r->fetch = NULL;
     router_ctl_stop(r);
     uv_timer_stop(&r->drain_timer);
     uv_close((uv_handle_t *)&r->drain_timer, NULL);
@@ -61,7 +64,8 @@ typedef struct {
                *tool_parser, *curve_keys;
     bool insecure_no_curve, metrics_open, timing_header, no_early_encode;
     int64_t port, context_length, limit_mm, max_pixels, max_running, max_body, body_total, image_inflight, max_conn,
-            min_body_rate, stream_pending, max_retries, max_migrations, prep_threads;
+            min_body_rate, stream_pending, max_retries, max_migrations, prep_threads, max_image_bytes;
+    prism_fetch_config_t fetch;   /* image URLs (max_bytes: --max-image-bytes) */
     double worker_timeout, worker_stuck_timeout, request_timeout, max_queue_wait, header_timeout, drain_timeout,
            stage_timeout;
 } router_flags_t;
@@ -75,7 +79,9 @@ static int flags_parse(router_flags_t *f, int argc, char **argv)
         .max_body = 64ll << 20, .body_total = 1ll << 30, .image_inflight = 1ll << 30, .max_conn = 4096,
         .min_body_rate = 8 << 10, .stream_pending = 4ll << 20, .max_retries = 2, .max_migrations = 2,
         .prep_threads = 4, .worker_timeout = 10, .worker_stuck_timeout = 60, .request_timeout = 600,
-        .max_queue_wait = 120, .header_timeout = 30, .drain_timeout = 20, .stage_timeout = 60};
+        .max_queue_wait = 120, .header_timeout = 30, .drain_timeout = 20, .stage_timeout = 60,
+        .max_image_bytes = 20ll << 20 /* OpenAI's own limit per image */};
+    prism_fetch_config_default(&f->fetch);
     prism_flag_t flags[] = {
         PRISM_FLAG_STR("model-path", &f->model_path, "HF model directory (config.json, tokenizer.json, tokenizer_config.json)"),
         PRISM_FLAG_STR("tokenizer-path", &f->tokenizer_path, "Tokenizer directory (default: --model-path)"),
@@ -101,6 +107,10 @@ static int flags_parse(router_flags_t *f, int argc, char **argv)
                         "Send images to an encoder only once their whole request is in (by default an image goes "
                         "to an encoder's cache as soon as its bytes are, while the rest of the body arrives)"),
         PRISM_FLAG_INT("max-image-pixels", &f->max_pixels, "Largest image (width*height from its header) accepted"),
+        PRISM_FLAG_BYTES("max-image-bytes", &f->max_image_bytes,
+                         "Largest image file, data URL or fetched by URL; more gets 400 (a download is refused from "
+                         "its Content-Length, or cut off)"),
+        PRISM_FETCH_FLAGS(&f->fetch),
         PRISM_FLAG_INT("max-running-requests", &f->max_running, "Requests in flight; more get 429"),
         PRISM_FLAG_BYTES("max-body-bytes", &f->max_body, "Largest request body; more gets 413"),
         PRISM_FLAG_BYTES("max-body-bytes-in-flight", &f->body_total, "Request body bytes held at once; beyond, uploads pause (503 after --max-queue-wait)"),
@@ -138,6 +148,7 @@ static int flags_parse(router_flags_t *f, int argc, char **argv)
     prism_log_init("router", prism_log_level_parse(f->log_level));
     if (f->port < 0 || f->port > 65535 || f->limit_mm < 0 || f->limit_mm > ROUTER_MAX_IMAGES || f->max_running < 1 ||
         f->max_running > 1000000 || f->max_pixels < 1 || f->image_inflight < 1 || f->min_body_rate < 1 ||
+        f->max_image_bytes < 1 ||
         !(f->header_timeout > 0) || f->stream_pending < 1 || !(f->worker_timeout > 0) ||
         !(f->worker_stuck_timeout >= 0) || f->prep_threads < 1 || f->prep_threads > 256) {
         fprintf(stderr, "router: flag out of range (see --help)\n");
@@ -244,6 +255,7 @@ static void apply_flags(router_t *r, const router_flags_t *f)
     r->max_stream_pending = (size_t)f->stream_pending;
     r->max_images_per_prompt = f->limit_mm ? (int)f->limit_mm : -1;
     r->max_image_pixels = (uint64_t)f->max_pixels;
+    r->max_image_bytes = (uint64_t)f->max_image_bytes;
     r->max_running = (int)f->max_running;
     r->max_image_bytes_inflight = (size_t)f->image_inflight;
     r->worker_timeout_s = f->worker_timeout;
@@ -260,6 +272,8 @@ static void apply_flags(router_t *r, const router_flags_t *f)
                                         1.5, 2, 3, 5, 10, 30};
     for (size_t i = 0; i < PRISM_ARRAY_LEN(r->heartbeat_interval); i++)
         prism_hist_init(&r->heartbeat_interval[i], hb_buckets, (int)PRISM_ARRAY_LEN(hb_buckets));
+    static const double fetch_buckets[] = {.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 20, 40};
+    prism_hist_init(&r->fetch_stage, fetch_buckets, (int)PRISM_ARRAY_LEN(fetch_buckets));
     r->reqs_cap = 16;
     while (r->reqs_cap < (size_t)f->max_running * 2 + 2) r->reqs_cap *= 2;
     r->reqs = prism_xcalloc(r->reqs_cap, sizeof(router_req_t *));
@@ -300,6 +314,22 @@ static int start_io(router_t *r, const router_flags_t *f)
         PRISM_ERROR("cannot listen on %s:%lld", f->host, (long long)f->port);
         return 1;
     }
+    /* Image URLs: fetched on this loop, each image keyed by the same secret as uploaded ones. */
+    prism_fetch_config_t fc = f->fetch;
+    fc.max_bytes = f->max_image_bytes;
+    fc.hash_secret = r->img_secret;
+    fc.hash_secret_len = sizeof r->img_secret;
+    char why[512] = "";
+    if (prism_fetch_open(r->loop, &fc, &r->fetch, why, sizeof why) != PRISM_OK) {
+        PRISM_ERROR("image URLs: %s", why);
+        return 2;
+    }
+    r->fetch_urls = true;
+    prism_fetch_bounds_t fb;
+    prism_fetch_config_bounds(&fc, &fb);
+    PRISM_INFO("image URLs: at most %lld downloads of %.1f MiB at once and a %.0f MiB URL cache (%.0f MiB in all)%s%s",
+               (long long)fc.max_inflight, fc.max_bytes / 1048576.0, fb.cache / 1048576.0, fb.total / 1048576.0,
+               fc.allowed_local_path ? "; file:// under " : "", fc.allowed_local_path ? fc.allowed_local_path : "");
     uv_timer_init(r->loop, &r->drain_timer);
     r->drain_timer.data = r;
     uv_signal_init(r->loop, &r->sigint);

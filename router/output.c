@@ -201,12 +201,12 @@ void router_out_timing(const router_req_t *q, double now, char *out, size_t n)
     int per = q->out.n_out / n_seq;
     double tps = per > 1 && dec_s > 0 ? (per - 1) / dec_s : 0;
     /* router_ms: from the last body byte (the handler runs then) to the work handed to ZeroMQ, queueing
-     * in the router for a free worker included */
-    double router_ms = t->sent > 0 ? (t->sent - t->start) * 1e3 : 0;
-    snprintf(out, n, "images=%d cache_hits=%d router_ms=%.2f image_decode_ms=%.2f vit_ms=%.2f queue_ms=%.2f "
-             "prefill_ms=%.2f ttft_ms=%.2f decode_tokens=%d decode_tok_s=%.1f e2e_ms=%.2f", q->prompt.n_images,
-             t->cache_hits, router_ms, t->decode_ms, t->vit_ms, t->queue_ms, t->prefill_ms, ttft,
-             q->out.n_out > 0 ? q->out.n_out - n_seq : 0, tps, (now - t->start) * 1e3);
+     * in the router for a free worker included, but not fetch_ms: the wait for its images by URL */
+    double router_ms = t->sent > 0 ? PRISM_MAX((t->sent - t->start) * 1e3 - t->fetch_ms, 0.0) : 0;
+    snprintf(out, n, "images=%d cache_hits=%d fetch_ms=%.2f router_ms=%.2f image_decode_ms=%.2f vit_ms=%.2f "
+             "queue_ms=%.2f prefill_ms=%.2f ttft_ms=%.2f decode_tokens=%d decode_tok_s=%.1f e2e_ms=%.2f",
+             q->prompt.n_images, t->cache_hits, t->fetch_ms, router_ms, t->decode_ms, t->vit_ms, t->queue_ms,
+             t->prefill_ms, ttft, q->out.n_out > 0 ? q->out.n_out - n_seq : 0, tps, (now - t->start) * 1e3);
 }
 
 /* The whole (non-streaming) answer: one choice per sequence, tool calls parsed out of the text. */

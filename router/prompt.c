@@ -14,9 +14,11 @@
 #include "image/image.h"
 #include "image/data_url.h"
 #include "body_lift.h"
+#include "fetch.h"
 
 #include <stdio.h>
 #include <string.h>
+#include <strings.h>
 #include <xxhash.h>
 
 /* Tool-call arguments in assistant messages arrive as JSON text (OpenAI's format); tool-use chat
@@ -105,13 +107,19 @@ int router_llama4_init(router_t *r, const char *model_dir)
 int router_image_check(const router_t *r, int idx, const char *mime, size_t mime_len, bool bad, const uint8_t *data,
                        size_t len, bool complete, prism_image_info_t *info, uint64_t *refused, char *msg, size_t n)
 {
-    if (!prism_data_url_mime_is_image(mime, mime_len)) {
+    if (mime && !prism_data_url_mime_is_image(mime, mime_len)) {
         snprintf(msg, n, "Image %d: unsupported media type '%.*s'; use image/jpeg or image/png.", idx,
                  (int)PRISM_MIN(mime_len, (size_t)64), mime);
         return 400;
     }
     if (bad) {
         snprintf(msg, n, "Image %d: invalid base64 data.", idx);
+        return 400;
+    }
+    if (len > r->max_image_bytes) {   /* more bytes only make it larger */
+        refused[PRISM_REFUSE_IMAGE_TOO_LARGE]++;
+        snprintf(msg, n, "Image %d is larger than the limit of %llu bytes per image.", idx,
+                 (unsigned long long)r->max_image_bytes);
         return 400;
     }
     if (!complete && len == 0) return ROUTER_IMAGE_MORE;
@@ -129,13 +137,21 @@ int router_image_check(const router_t *r, int idx, const char *mime, size_t mime
                  info->height, (unsigned long long)r->max_image_pixels);
         return 400;
     }
-    return 0;
+    return complete ? 0 : ROUTER_IMAGE_MORE;   /* the bytes may still run past the limit */
+}
+
+/* Whether an image URL is an inline data: URL (scheme compared as URLs compare schemes). */
+static bool is_data_url(const char *url, size_t len)
+{
+    return len >= 5 && !strncasecmp(url, "data:", 5);
 }
 
 /* Decodes every image part's data URL and checks it (router_image_check). Returns an HTTP status
  * (0 = ok) and fills msg. A data URL the HTTP server lifted out of the body while it streamed in
  * (body_lift.h) is already decoded: its buffer is read where it is (router_prompt_take_images makes
- * it the prompt's on the loop thread), never copied. */
+ * it the prompt's on the loop thread), never copied. Any other URL is noted for url_images.c, which
+ * fetches it on the loop: the fetcher's rules (fetch_policy.h) judge it there, with the rule that
+ * refused it named in the answer and counted in prism:image_fetch_refused_total. */
 int router_prompt_load_images(const router_t *r, router_prompt_t *p, const prism_oai_request_t *o,
                               const prism_http_req_t *h, uint64_t *refused, char *msg, size_t n)
 {
@@ -156,6 +172,12 @@ int router_prompt_load_images(const router_t *r, router_prompt_t *p, const prism
                 for (int j = 0; j < idx; j++)
                     if (p->img_lift[j] == lifted + 1) goto not_data_url;   /* one lifted image, one part */
                 p->img_lift[idx] = lifted + 1;  /* the lifter's until taken */
+            } else if (!is_data_url(part->image_url, part->image_url_len) && r->fetch_urls) {
+                p->img_url[idx] = part->image_url;
+                p->img_url_len[idx] = part->image_url_len;
+                p->n_urls++;
+                p->n_images++;
+                continue;
             } else {
                 if (prism_data_url_parse(part->image_url, part->image_url_len, &mime, &mime_len, &b64, &b64_len) != PRISM_OK)
                     goto not_data_url;
@@ -179,8 +201,12 @@ int router_prompt_load_images(const router_t *r, router_prompt_t *p, const prism
             p->image_bytes += len;
             continue;
         not_data_url:
-            snprintf(msg, n, "Image %d: only base64 data URLs (data:image/jpeg;base64,... or data:image/png;base64,...) "
-                     "are accepted; remote and file URLs are disabled.", idx);
+            if (r->fetch_urls)
+                snprintf(msg, n, "Image %d: a data URL must be base64 (data:image/jpeg;base64,... or "
+                         "data:image/png;base64,...).", idx);
+            else
+                snprintf(msg, n, "Image %d: only base64 data URLs (data:image/jpeg;base64,... or "
+                         "data:image/png;base64,...) are accepted; remote and file URLs are disabled.", idx);
             return 400;
         }
     }
@@ -264,16 +290,12 @@ static int prompt_tokens(const router_t *r, router_prompt_t *p, const prism_oai_
     return 0;
 }
 
-/* Expands each image placeholder: its span's length first (LLaVA: image_seq_length; Llama-4: the
- * image's tile layout), then the tokens. Returns 0 or an HTTP status with msg filled. */
+/* Expands each image placeholder (router_prompt_tokens counted one per image): its span's length
+ * first (LLaVA: image_seq_length; Llama-4: the image's tile layout), then the tokens. Returns 0 or an
+ * HTTP status with msg filled. */
 static int expand_images(const router_t *r, router_prompt_t *p, char *msg, size_t n)
 {
-    size_t n_ph = 0;
-    for (size_t i = 0; i < p->n_tokens; i++) n_ph += p->tokens[i] == r->image_token_id;
-    if ((int)n_ph != p->n_images) {
-        snprintf(msg, n, "The prompt has %zu image placeholder(s) but the request has %d image(s).", n_ph, p->n_images);
-        return 400;
-    }
+    size_t n_ph = (size_t)p->n_images;
     if (n_ph) {
         prism_llama4_grid_t grid[ROUTER_MAX_IMAGES];
         size_t total = p->n_tokens - n_ph;
@@ -322,10 +344,29 @@ static int expand_images(const router_t *r, router_prompt_t *p, char *msg, size_
     return 0;
 }
 
-int router_prompt_build(const router_t *r, router_prompt_t *p, const prism_oai_request_t *o, bool chat, char *msg, size_t n)
+int router_prompt_tokens(const router_t *r, router_prompt_t *p, const prism_oai_request_t *o, bool chat, char *msg,
+                         size_t n)
 {
     int status = prompt_tokens(r, p, o, chat, msg, n);
-    if (!status) status = expand_images(r, p, msg, n);
+    if (status) return status;
+    size_t n_ph = 0;
+    for (size_t i = 0; i < p->n_tokens; i++) n_ph += p->tokens[i] == r->image_token_id;
+    if ((int)n_ph != p->n_images) {   /* before any image by URL is downloaded */
+        snprintf(msg, n, "The prompt has %zu image placeholder(s) but the request has %d image(s).", n_ph, p->n_images);
+        return 400;
+    }
+    return 0;
+}
+
+int router_prompt_build(const router_t *r, router_prompt_t *p, const prism_oai_request_t *o, bool chat, char *msg, size_t n)
+{
+    int status = router_prompt_tokens(r, p, o, chat, msg, n);
+    return status ? status : router_prompt_finish(r, p, o, msg, n);
+}
+
+int router_prompt_finish(const router_t *r, router_prompt_t *p, const prism_oai_request_t *o, char *msg, size_t n)
+{
+    int status = expand_images(r, p, msg, n);
     if (status) return status;
     if (p->n_tokens == 0) {
         snprintf(msg, n, "The prompt is empty.");
@@ -351,10 +392,17 @@ int router_prompt_build(const router_t *r, router_prompt_t *p, const prism_oai_r
     return 0;
 }
 
+void router_prompt_drop_image(router_prompt_t *p, int i)
+{
+    if (p->img_blob[i]) prism_fetch_blob_unref(p->img_blob[i]);   /* the fetcher's buffer: our reference */
+    else if (!p->img_lift[i]) prism_free(p->img[i]);              /* else still the lifter's */
+    p->img_blob[i] = NULL;
+    p->img[i] = NULL;
+}
+
 void router_prompt_free(router_prompt_t *p)
 {
-    for (int i = 0; i < p->n_images; i++)
-        if (!p->img_lift[i]) prism_free(p->img[i]);   /* else still the lifter's */
+    for (int i = 0; i < p->n_images; i++) router_prompt_drop_image(p, i);
     prism_free(p->tokens);
     memset(p, 0, sizeof(*p));
 }

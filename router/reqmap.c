@@ -120,5 +120,6 @@ void router_req_free(router_req_t *q)
     prism_free(q->mig.gen);
     router_req_drop_held(q);
     prism_free(q->held);
+    prism_free(q->fetch);   /* its downloads were cancelled (req_destroy) */
     prism_free(q);
 }

@@ -8,10 +8,12 @@
  *   output.c    what its client receives: SSE chunks, the whole response, stop strings, logprobs,
  *               tool-call events, error answers
  *   requests.c  its life: preparation, admission, worker results, retry and migration, the sweep
+ *   url_images.c  its images given by URL, fetched between its preparation and its admission
  *
- * Calls point down: requests.c calls sched.c, output.c and reqmap.c; sched.c calls reqmap.c,
- * early_encode.c, send.c and workers.c; output.c calls none of these. Only requests.c ends a
- * request. One loop thread. */
+ * Calls point down: requests.c calls sched.c, output.c, url_images.c and reqmap.c; sched.c calls
+ * reqmap.c, early_encode.c, send.c and workers.c; url_images.c calls prompt.c and early_encode.c and
+ * hands the request back through the callback it was given; output.c calls none of these. Only
+ * requests.c ends a request. One loop thread. */
 #ifndef PRISM_ROUTER_REQUEST_H
 #define PRISM_ROUTER_REQUEST_H
 
@@ -19,6 +21,8 @@
 #include "openai_write.h"
 
 typedef enum { STAGE_QUEUED, STAGE_SENT, STAGE_PREFILLED } router_stage_t;
+
+typedef struct prism_fetch_req prism_fetch_req_t;   /* fetch.h */
 
 /* A tool-call delta collected from the parser for the next chunk (name and id are copied: the
  * parser's pointers live only during its callback; arguments sit in choice.d_args). */
@@ -108,6 +112,7 @@ typedef struct {
     double first, last;           /* its first and its latest token */
     float decode_ms, vit_ms;      /* encoders: image decode and vision tower (sums over images) */
     float queue_ms, prefill_ms;   /* its prefill worker */
+    float fetch_ms;               /* its images by URL: from their downloads' start to the last one's end */
     int cache_hits;               /* images found in an encoder's embedding cache */
 } router_times_t;
 
@@ -122,6 +127,24 @@ typedef struct {
     char msg[600];
     uint64_t refused[PRISM_REFUSE_COUNT];
 } router_prep_t;
+
+/* Its images given by URL (url_images.c), while they download; allocated only for such a request. */
+typedef struct {
+    router_req_t *q;
+    int index;                    /* the image's place among the request's images */
+    prism_fetch_req_t *fq;        /* its download, until answered or cancelled */
+    size_t ask_at;                /* bytes at which its header is checked again (doubling, as for uploads) */
+    bool paused;                  /* waits for image room (--max-image-bytes-in-flight) */
+} router_url_image_t;
+
+typedef struct {
+    void (*done)(router_req_t *q); /* once: every image in (prep.status 0), or the first failure */
+    double t_start;
+    bool listed;                  /* in the router's list of requests that fetch (r->fetching) */
+    router_req_t *prev, *next;
+    int n, n_pending;
+    router_url_image_t img[];     /* [n] */
+} router_url_fetch_t;
 
 struct router_req {
     uint64_t rid;                 /* the low half of its 128-bit id: the map's key */
@@ -144,6 +167,7 @@ struct router_req {
     router_output_t out;
     router_times_t time;
     router_prep_t prep;
+    router_url_fetch_t *fetch;    /* its images by URL (owned; NULL without any) */
 };
 
 static inline int router_req_n(const router_req_t *q) { return q->oai.n > 0 ? q->oai.n : 1; }
@@ -188,6 +212,17 @@ bool router_queue_push(router_t *r, uint64_t rid);
 bool router_queue_push_front(router_t *r, uint64_t rid);
 /* Whether a new request must queue behind waiting ones: they wait for a tier it needs too. */
 bool router_queue_blocks(router_t *r, const router_req_t *q);
+
+/* url_images.c */
+/* Starts the downloads of the request's images given by URL (q->prompt.img_url[]). done(q) is called
+ * once, from the loop (never from inside this call): with q->prep.status 0 when every image is in,
+ * checked and the prompt's (prompt.img_blob), else with the status and message of the first that
+ * failed, the others cancelled. PRISM_ENOMEM: nothing started, done never called. */
+int  router_url_images_fetch(router_req_t *q, void (*done)(router_req_t *q));
+/* Its downloads still under way are cancelled (no callback); safe at any time on the loop. */
+void router_url_images_cancel(router_req_t *q);
+/* Image room came back (an admitted request ended): downloads paused for it go on. */
+void router_url_images_resume(router_t *r);
 
 /* output.c */
 /* The response metadata, the choices and, when streaming with tools, their parsers: PRISM_ENOMEM. */

@@ -57,6 +57,7 @@ static void gen_keep(router_req_t *q, const int32_t *ids, size_t n)
 static void req_destroy(router_req_t *q)
 {
     router_t *r = q->r;
+    router_url_images_cancel(q);
     router_req_del(r, q->rid);
     for (int i = 0; i < q->prompt.n_images; i++) router_sched_encode_done(q, i);
     router_sched_prefill_done(q);
@@ -64,6 +65,7 @@ static void req_destroy(router_req_t *q)
     if (q->bytes_counted) {
         r->image_bytes_inflight -= q->prompt.image_bytes;
         prism_http_server_resume_bodies(r->http);   /* uploads that wait for image room go on */
+        router_url_images_resume(r);                /* and downloads */
     }
     if (q->h) {
         prism_http_req_set_user(q->h, NULL);
@@ -201,10 +203,7 @@ static void tokens_first(router_t *r, router_req_t *q, const Prism__Tokens *t, d
     /* no retry after the first token (req_retry): unless a migration may encode them again, the
      * image bytes are dead weight from here (they stay counted in image_bytes_inflight until
      * the request ends, so keeping them holds no more than was admitted) */
-    for (int i = 0; i < q->prompt.n_images && !may_migrate(q); i++) {
-        prism_free(q->prompt.img[i]);
-        q->prompt.img[i] = NULL;
-    }
+    for (int i = 0; i < q->prompt.n_images && !may_migrate(q); i++) router_prompt_drop_image(&q->prompt, i);
 }
 
 static void tokens_apply(router_t *r, router_req_t *q, const Prism__Tokens *t)
@@ -603,7 +602,11 @@ static void prep_run(uv_work_t *w)
     if (!p->parsed) return;
     if (q->chat)
         p->status = router_prompt_load_images(r, &q->prompt, &q->oai, q->h, p->refused, p->msg, sizeof p->msg);
-    if (!p->status) p->status = router_prompt_build(r, &q->prompt, &q->oai, q->chat, p->msg, sizeof p->msg);
+    /* with images by URL, the placeholders are expanded once those are in (url_images.c, then
+     * images_fetched): Llama-4's need each image's size */
+    if (!p->status)
+        p->status = q->prompt.n_urls ? router_prompt_tokens(r, &q->prompt, &q->oai, q->chat, p->msg, sizeof p->msg)
+                                     : router_prompt_build(r, &q->prompt, &q->oai, q->chat, p->msg, sizeof p->msg);
 }
 
 static void on_prep_gone(prism_http_req_t *h, void *ud)
@@ -663,21 +666,26 @@ static void refuse_unparsed(router_t *r, router_req_t *q)
     req_destroy(q);
 }
 
-/* A parsed and prepared request becomes one in flight: its id, its model, its output constraint,
- * room for it, then its output state and its workers' messages, and its place in the map. Returns 0,
- * or an HTTP status with msg (and param) filled: nothing was sent or counted yet. */
-static int admit(router_t *r, router_req_t *q, char *msg, size_t n, char *param, size_t pn)
+/* What can refuse a parsed request before its images by URL are downloaded: its model, its output
+ * constraint. Returns 0, or an HTTP status with msg (and param) filled. */
+static int admit_check(router_t *r, router_req_t *q, char *msg, size_t n, char *param, size_t pn)
 {
-    int status;
-    if (router_req_new_id(r, &q->rid, &q->rid_hi) != PRISM_OK) {
-        snprintf(msg, n, "The server has no randomness for request ids; try again shortly.");
-        return 503;
-    }
     if (q->oai.model && strcmp(q->oai.model, r->served_model_name) != 0) {
         snprintf(msg, n, "The model `%s` does not exist.", q->oai.model);
         return 404;
     }
-    if ((status = guide_setup(r, q, msg, n, param, pn)) != 0) return status;
+    return guide_setup(r, q, msg, n, param, pn);
+}
+
+/* A parsed and prepared request (admit_check passed) becomes one in flight: its id, room for it, then
+ * its output state and its workers' messages, and its place in the map. Returns 0, or an HTTP status
+ * with msg filled: nothing was sent or counted yet. */
+static int admit(router_t *r, router_req_t *q, char *msg, size_t n)
+{
+    if (router_req_new_id(r, &q->rid, &q->rid_hi) != PRISM_OK) {
+        snprintf(msg, n, "The server has no randomness for request ids; try again shortly.");
+        return 503;
+    }
     if ((int)r->n_reqs >= r->max_running) {
         r->metrics.refused_limit[PRISM_REFUSE_QUEUE_FULL]++;
         snprintf(msg, n, "The server is at capacity (%d requests in flight); retry after a short wait.", r->max_running);
@@ -703,27 +711,16 @@ static int admit(router_t *r, router_req_t *q, char *msg, size_t n, char *param,
     return 0;
 }
 
-static void prep_done(uv_work_t *w, int wstatus)
+/* The end of preparation (status: admit_check's, 0 when it passed): the request is admitted and
+ * dispatched, or answered with its error. */
+static void prepared(router_t *r, router_req_t *q, int status, char *msg, size_t n, const char *param)
 {
-    router_req_t *q = w->data;
-    router_t *r = q->r;
     prism_http_req_t *h = q->h;
     r->n_preparing--;
-    router_prompt_take_images(&q->prompt, h);   /* the prompt's from here, whatever happens next */
-    if (q->prep.gone || wstatus != 0 || !r->http) {   /* the client left, or the router stopped meanwhile */
-        req_destroy(q);
-        return;
-    }
-    prism_http_req_on_abort(h, NULL, NULL);
-    if (!q->prep.parsed) {
-        refuse_unparsed(r, q);
-        return;
-    }
-    char msg[600] = "", param[128] = "";
-    int status = admit(r, q, msg, sizeof(msg), param, sizeof(param));
+    if (!status) status = admit(r, q, msg, n);
     if (status) {
         if (status >= 400 && status < 500 && status != 429) r->metrics.refused_limit[PRISM_REFUSE_BAD_REQUEST]++;
-        router_respond_error(h, status, msg, param[0] ? param : NULL);
+        router_respond_error(h, status, msg, param && param[0] ? param : NULL);
         q->h = NULL;
         prism_http_req_release(h);
         req_destroy(q);
@@ -732,7 +729,7 @@ static void prep_done(uv_work_t *w, int wstatus)
     r->image_bytes_inflight += q->prompt.image_bytes;
     q->bytes_counted = true;
     /* Behind older queued requests, or no worker has room: wait in the router's queue. */
-    status = router_queue_blocks(r, q) ? ROUTER_DISPATCH_WAIT : router_sched_dispatch(r, q, msg, sizeof(msg));
+    status = router_queue_blocks(r, q) ? ROUTER_DISPATCH_WAIT : router_sched_dispatch(r, q, msg, n);
     if (status == ROUTER_DISPATCH_WAIT && !router_queue_push(r, q->rid)) {
         r->metrics.refused_limit[PRISM_REFUSE_QUEUE_FULL]++;
         req_fail(q, 429, "The server is at capacity; retry after a short wait.");
@@ -744,7 +741,59 @@ static void prep_done(uv_work_t *w, int wstatus)
     }
     prism_http_req_set_user(h, q);
     prism_http_req_on_abort(h, on_client_gone, q);
-    PRISM_DEBUG("request %llu: %zu prompt tokens, %d images, max_tokens %d, n %d%s (id high half %016llx)",
-                (unsigned long long)q->rid, q->prompt.n_tokens, q->prompt.n_images, q->prompt.max_tokens,
-                router_req_n(q), q->guide.kind ? ", guided" : "", (unsigned long long)q->rid_hi);
+    PRISM_DEBUG("request %llu: %zu prompt tokens, %d images (%d by URL, %.1f ms), max_tokens %d, n %d%s (id high "
+                "half %016llx)", (unsigned long long)q->rid, q->prompt.n_tokens, q->prompt.n_images, q->prompt.n_urls,
+                q->time.fetch_ms, q->prompt.max_tokens, router_req_n(q), q->guide.kind ? ", guided" : "",
+                (unsigned long long)q->rid_hi);
+}
+
+/* The client left while its images downloaded. */
+static void on_fetch_gone(prism_http_req_t *h, void *ud)
+{
+    (void)h;
+    router_req_t *q = ud;
+    q->r->n_preparing--;
+    req_destroy(q);   /* cancels the downloads */
+}
+
+/* Its images by URL are in (or one failed: prep.status): the placeholders expanded on the loop (the
+ * tokenizing was done on the pool), then admission. */
+static void images_fetched(router_req_t *q)
+{
+    router_t *r = q->r;
+    prism_http_req_on_abort(q->h, NULL, NULL);
+    if (!q->prep.status)
+        q->prep.status = router_prompt_finish(r, &q->prompt, &q->oai, q->prep.msg, sizeof q->prep.msg);
+    char msg[600] = "";
+    prepared(r, q, 0, msg, sizeof msg, NULL);
+}
+
+static void prep_done(uv_work_t *w, int wstatus)
+{
+    router_req_t *q = w->data;
+    router_t *r = q->r;
+    prism_http_req_t *h = q->h;
+    router_prompt_take_images(&q->prompt, h);   /* the prompt's from here, whatever happens next */
+    if (q->prep.gone || wstatus != 0 || !r->http) {   /* the client left, or the router stopped meanwhile */
+        r->n_preparing--;
+        req_destroy(q);
+        return;
+    }
+    prism_http_req_on_abort(h, NULL, NULL);
+    if (!q->prep.parsed) {
+        r->n_preparing--;
+        refuse_unparsed(r, q);
+        return;
+    }
+    char msg[600] = "", param[128] = "";
+    int status = admit_check(r, q, msg, sizeof(msg), param, sizeof(param));
+    if (!status && !q->prep.status && q->prompt.n_urls) {
+        /* still counted in n_preparing until images_fetched (or the client leaves) */
+        prism_http_req_on_abort(h, on_fetch_gone, q);
+        if (router_url_images_fetch(q, images_fetched) == PRISM_OK) return;
+        prism_http_req_on_abort(h, NULL, NULL);
+        snprintf(msg, sizeof msg, "The server is out of memory; try again shortly.");
+        status = 503;
+    }
+    prepared(r, q, status, msg, sizeof msg, param);
 }

@@ -10,6 +10,7 @@
  *   sched.c     where a request runs: its workers' messages, plan and commit, the router's queue
  *   output.c    what a client receives: SSE, whole responses, stop strings, logprobs, tool calls, errors
  *   reqmap.c    the requests in flight by id, and one request's memory
+ *   url_images.c    a request's images given by URL, fetched on the loop before its admission
  *   early_encode.c  images sent to an encoder's cache while their request's body still arrives
  *   prompt.c    what a request sends to workers: images, chat template, tokens, image spans
  *   send.c      messages to one worker (work, aborts) over the control socket
@@ -82,6 +83,8 @@ typedef struct {
 } router_worker_t;
 
 typedef struct router_req router_req_t;
+typedef struct prism_fetch prism_fetch_t;             /* fetch.h: image URLs */
+typedef struct prism_fetch_blob prism_fetch_blob_t;
 
 /* An image sent to an encoder before its request exists (early_encode.c); rid 0: a free entry. */
 typedef struct {
@@ -103,6 +106,8 @@ typedef struct {
     bool timing_header;         /* x-prism-timing on responses (operators: it shows image cache hits) */
     bool early_encode;          /* whole images go to an encoder before their body ends (early_encode.c) */
     uint8_t img_secret[192];    /* XXH3 secret for image cache keys (a client cannot aim at a cached entry) */
+    uint64_t max_image_bytes;   /* one image's file bytes, data URL or fetched (--max-image-bytes) */
+    bool fetch_urls;            /* image URLs are fetched (fetch is open); set once at start-up */
     size_t max_stream_pending;  /* bytes queued for a streaming client that stopped reading; beyond: dropped */
     int max_model_len;
     int max_images_per_prompt;
@@ -142,6 +147,7 @@ typedef struct {
     uv_loop_t *loop;
     prism_http_server_t *http;
     prism_net_t *net;           /* ZeroMQ context, CURVE keys, ZAP handler */
+    prism_fetch_t *fetch;       /* image URLs, fetched on this loop (url_images.c); NULL once stopped */
     void *ctl;                  /* ROUTER socket workers connect to */
     char router_id[160];
     uv_poll_t ctl_poll;
@@ -158,7 +164,9 @@ typedef struct {
     /* requests in flight, by id */
     router_req_t **reqs;        /* open-addressing map, cap entries */
     size_t reqs_cap, n_reqs;
-    size_t n_preparing;         /* requests on the thread pool (requests.c prep_run), not yet in the map */
+    size_t n_preparing;         /* requests on the thread pool (requests.c prep_run) or fetching their
+                                 * images (url_images.c), not yet in the map */
+    router_req_t *fetching;     /* requests whose image downloads run (url_images.c), a list */
     size_t image_bytes_inflight;
     /* requests accepted while every worker of a tier was at capacity, oldest first (ring) */
     uint64_t *queue;
@@ -172,6 +180,7 @@ typedef struct {
     prism_router_metrics_t metrics;
     uint64_t workers_lost_dead, workers_lost_stuck;
     prism_hist_t heartbeat_interval[4];  /* by role: seconds between a worker's heartbeats */
+    prism_hist_t fetch_stage;   /* seconds a request waited for its images by URL (url_images.c) */
 } router_t;
 
 /* control.c */
@@ -190,6 +199,9 @@ void router_send_abort_to(router_t *r, const char *worker_id, uint64_t rid);
 /* http_server image_done hook: a lifted image of h is whole and passed its checks; sent to an
  * encoder's cache when one has room and no request waits. ud: the router. */
 void router_early_encode(const prism_http_req_t *h, int index, const uint8_t *data, size_t len, void *ud);
+/* The same for image `index` of a request being prepared whose bytes are whole and checked (an image
+ * fetched by URL while the request's other images still download). data is read during the call. */
+void router_early_send(router_t *r, int index, const uint8_t *data, size_t len);
 /* EncodeDone for an id that is no request: an early job is released. False only when rid is an early
  * job of another encoder (the message is refused); an id of neither kind is a request that ended. */
 bool router_early_encode_done(router_t *r, const router_worker_t *from, uint64_t rid, uint64_t rid_hi,
@@ -263,6 +275,12 @@ typedef struct {
     size_t img_len[ROUTER_MAX_IMAGES];
     int img_lift[ROUTER_MAX_IMAGES];        /* 1 + its lifted image's index while img[] is still the HTTP
                                              * server's (router_prompt_take_images), else 0 */
+    prism_fetch_blob_t *img_blob[ROUTER_MAX_IMAGES];  /* a fetched image: img[] points into it (a reference
+                                             * to the fetcher's buffer, which its URL cache may share), else NULL */
+    const char *img_url[ROUTER_MAX_IMAGES]; /* an image given by URL, until fetched (points into the parsed
+                                             * request: fetched before router_prompt_release_inputs) */
+    size_t img_url_len[ROUTER_MAX_IMAGES];
+    int n_urls;                             /* images given by URL */
     uint64_t img_hash[ROUTER_MAX_IMAGES];
     int img_w[ROUTER_MAX_IMAGES], img_h[ROUTER_MAX_IMAGES];   /* from the header */
     uint32_t img_offset[ROUTER_MAX_IMAGES]; /* first token of each image's span, found while expanding */
@@ -278,11 +296,14 @@ typedef struct {
  * special token ids from the tokenizer (r->tok); logs why and returns an error when either is
  * missing or disagrees with config.json. */
 int  router_llama4_init(router_t *r, const char *model_dir);
-/* The checks of image idx (media type, base64, header, pixel limit), in the order its answer names
- * them; both the early ones (router_image_check_early, while the body streams in) and the final one
- * (router_prompt_load_images) give the same answer for the same image. data may be the first len
- * bytes of an image still arriving (complete false): then only verdicts more bytes cannot change are
- * given, ROUTER_IMAGE_MORE otherwise. Returns 0 (info filled), ROUTER_IMAGE_MORE, or 400 (msg). */
+/* The checks of image idx (media type, base64, bytes, header, pixel limit), in the order its answer
+ * names them; both the early ones (router_image_check_early while the body streams in, url_images.c
+ * while a download does) and the final one (router_prompt_load_images, or a download's end) give the
+ * same answer for the same image. mime NULL: no declared type (a fetched image; its bytes decide).
+ * data may be the first len bytes of an image still arriving (complete false): then only verdicts
+ * more bytes cannot change are given, ROUTER_IMAGE_MORE otherwise (a header that passes is not yet a
+ * verdict: the bytes may still run past --max-image-bytes). Returns 0 (info filled),
+ * ROUTER_IMAGE_MORE, or 400 (msg). */
 #define ROUTER_IMAGE_MORE (-1)
 int  router_image_check(const router_t *r, int idx, const char *mime, size_t mime_len, bool bad, const uint8_t *data,
                         size_t len, bool complete, prism_image_info_t *info, uint64_t *refused,
@@ -291,15 +312,25 @@ int  router_image_check(const router_t *r, int idx, const char *mime, size_t mim
  * facts, which never change after start-up, and count refusals into the caller's refused[]):
  * router_prompt_load_images decodes every image part's data URL and checks it (router_image_check);
  * an image the HTTP server lifted out of the body is read in place, and router_prompt_take_images
- * makes those the prompt's afterwards, on the loop thread (before anything frees the prompt). These
- * return 0 or an HTTP status with msg filled. */
+ * makes those the prompt's afterwards, on the loop thread (before anything frees the prompt). An
+ * image given by an http(s) or file URL is only noted (img_url[], n_urls): url_images.c fetches it
+ * on the loop once the rest is prepared. These return 0 or an HTTP status with msg filled. */
 int  router_prompt_load_images(const router_t *r, router_prompt_t *p, const prism_oai_request_t *o,
                                const prism_http_req_t *h, uint64_t *refused, char *msg, size_t n);
 void router_prompt_take_images(router_prompt_t *p, prism_http_req_t *h);
 /* Renders + tokenizes (chat) or tokenizes (completions), expands image placeholders, checks the
- * length against the context. */
+ * length against the context: router_prompt_tokens (the text's tokens, and as many placeholders as
+ * images) then router_prompt_finish (each placeholder expanded, which needs every image's header for
+ * Llama-4's tiles; the length and max_tokens). A request with images by URL takes the two apart:
+ * the tokens on the thread pool, the rest on the loop once its images are in (a few copies of the
+ * token array, no tokenizing). */
 int  router_prompt_build(const router_t *r, router_prompt_t *p, const prism_oai_request_t *o, bool chat, char *msg,
                          size_t n);
+int  router_prompt_tokens(const router_t *r, router_prompt_t *p, const prism_oai_request_t *o, bool chat, char *msg,
+                          size_t n);
+int  router_prompt_finish(const router_t *r, router_prompt_t *p, const prism_oai_request_t *o, char *msg, size_t n);
+/* Image i's bytes are no longer needed (freed, or the fetched image's reference dropped). */
+void router_prompt_drop_image(router_prompt_t *p, int i);
 /* Once images are decoded and the prompt built, the base64 strings in the parsed JSON are dead
  * weight (the largest part of an image request): drops them so a request in flight holds only
  * its image bytes (with the HTTP body, which the caller drops). */

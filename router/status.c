@@ -10,6 +10,7 @@
  * no external assets and is served without the key: it holds no data. It asks for the key when
  * /status answers 401 and sends it as "Authorization: Bearer" on its fetches. */
 #include "router.h"
+#include "fetch.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -78,6 +79,35 @@ static json_t *worker_json(const router_worker_t *w, double now)
     return j;
 }
 
+/* Images by URL: the fetcher's downloads, cache and refusals by reason, and the time requests spent
+ * waiting for their images (a stage of its own, between preparation and dispatch). */
+static json_t *fetch_json(const router_t *r)
+{
+    json_t *f = json_object();
+    json_object_set_new(f, "stage", hist_json(&r->fetch_stage));
+    if (!r->fetch) return f;
+    const prism_fetch_metrics_t *m = prism_fetch_metrics(r->fetch);
+    json_t *refused = json_object();
+    uint64_t total = 0;
+    for (int i = 1; i < PRISM_FETCH_REASON_COUNT; i++) {
+        if (m->refused[i]) json_object_set_new(refused, prism_fetch_reason_names[i], json_integer((json_int_t)m->refused[i]));
+        total += m->refused[i];
+    }
+    json_object_set_new(f, "requests", json_integer((json_int_t)m->requests));
+    json_object_set_new(f, "downloads", json_integer((json_int_t)m->downloads));
+    json_object_set_new(f, "downloads_ok", json_integer((json_int_t)m->downloads_ok));
+    json_object_set_new(f, "cache_hits", json_integer((json_int_t)m->cache_hits));
+    json_object_set_new(f, "joined", json_integer((json_int_t)m->joined));
+    json_object_set_new(f, "bytes", json_integer((json_int_t)m->bytes));
+    json_object_set_new(f, "in_flight", json_integer((json_int_t)m->inflight));
+    json_object_set_new(f, "queued", json_integer((json_int_t)m->queued));
+    json_object_set_new(f, "held_bytes", json_integer((json_int_t)m->held_bytes));
+    json_object_set_new(f, "refused_total", json_integer((json_int_t)total));
+    json_object_set_new(f, "refused", refused);
+    json_object_set_new(f, "download", hist_json(&m->seconds));
+    return f;
+}
+
 void router_handle_status(router_t *r, prism_http_req_t *h)
 {
     const prism_router_metrics_t *m = &r->metrics;
@@ -108,6 +138,7 @@ void router_handle_status(router_t *r, prism_http_req_t *h)
         return;
     }
     json_object_set_new(j, "router_memory_bytes", json_integer((json_int_t)prism_mem_used()));
+    json_object_set_new(j, "image_fetch", fetch_json(r));
     char *s = json_dumps(j, JSON_COMPACT | JSON_REAL_PRECISION(10));
     json_decref(j);
     if (!s) {

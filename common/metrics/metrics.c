@@ -16,7 +16,7 @@ const int prism_buckets_e2e_n = (int)PRISM_ARRAY_LEN(prism_buckets_e2e);
 const char *const prism_refusal_names[PRISM_REFUSE_COUNT] = {
     "body_too_large", "too_many_images", "image_too_large", "queue_full",
     "no_workers", "bad_request", "queue_wait", "body_bytes_inflight", "connections",
-    "slow_client",
+    "slow_client", "image_fetch",
 };
 
 void prism_hist_init(prism_hist_t *h, const double *bounds, int n)

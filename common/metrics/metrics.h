@@ -62,6 +62,7 @@ typedef enum {
     PRISM_REFUSE_BODY_BYTES_INFLIGHT,  /* counted by the HTTP server (503 from the header) */
     PRISM_REFUSE_CONNECTIONS,          /* counted by the HTTP server (--max-connections) */
     PRISM_REFUSE_SLOW_CLIENT,   /* a streaming client that stopped reading, dropped */
+    PRISM_REFUSE_IMAGE_FETCH,   /* an image URL that gave no image (prism:image_fetch_refused_total says why) */
     PRISM_REFUSE_COUNT
 } prism_refusal_t;
 
