@@ -5,7 +5,8 @@
 #   --test  also what the tests of the deployment files use: nginx, haproxy, systemd-analyze
 #           (package systemd), chromium (the status page test, headless), iproute2 (network
 #           namespaces for the multi-host and image-fetch tests), openssl (the fetch test's CA) and
-#           the kubernetes-validate Python package (PyPI)
+#           the Python packages kubernetes-validate and openai (PyPI; the image-URL test drives the
+#           router with the unmodified openai client)
 set -euo pipefail
 pkgs=(build-essential cmake pkg-config python3 curl bc
       libuv1-dev libzmq3-dev libprotobuf-c-dev protobuf-c-compiler
@@ -37,10 +38,13 @@ if [ ${#missing[@]} -gt 0 ]; then
   $sudo apt-get update -qq
   $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
-if [ "$test" -eq 1 ] && ! python3 -c "import kubernetes_validate" 2>/dev/null; then
-  # Into the python3 the tests run with; Debian's own python3 needs --break-system-packages
-  # (PEP 668) for a package it does not ship.
-  pip=(python3 -m pip install --quiet --disable-pip-version-check kubernetes-validate)
-  "${pip[@]}" 2>/dev/null || "${pip[@]}" --break-system-packages ||
-    echo "install-deps.sh: kubernetes-validate could not be installed; the manifest test will skip" >&2
-fi
+# Into the python3 the tests run with; Debian's own python3 needs --break-system-packages (PEP 668)
+# for a package it does not ship.
+for py in kubernetes_validate:kubernetes-validate:"the manifest test" openai:openai:"the openai client check"; do
+  IFS=: read -r module package user <<<"$py"
+  if [ "$test" -eq 1 ] && ! python3 -c "import $module" 2>/dev/null; then
+    pip=(python3 -m pip install --quiet --disable-pip-version-check "$package")
+    "${pip[@]}" 2>/dev/null || "${pip[@]}" --break-system-packages ||
+      echo "install-deps.sh: $package could not be installed; $user will skip" >&2
+  fi
+done
