@@ -135,6 +135,7 @@ typedef struct {
     prism_fetch_req_t *fq;        /* its download, until answered or cancelled */
     size_t ask_at;                /* bytes at which its header is checked again (doubling, as for uploads) */
     bool paused;                  /* waits for image room (--max-image-bytes-in-flight) */
+    bool waited;                  /* has waited for it: a timeout is then the server's load, not the URL's */
 } router_url_image_t;
 
 typedef struct {

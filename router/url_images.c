@@ -86,7 +86,7 @@ static int on_data(prism_fetch_req_t *fq, const uint8_t *data, size_t len, int64
         u->ask_at = 2 * len;
     }
     if (r->image_bytes_inflight >= r->max_image_bytes_inflight) {
-        u->paused = true;   /* router_url_images_resume lets it go on */
+        u->paused = u->waited = true;   /* router_url_images_resume lets it go on */
         return PRISM_FETCH_PAUSE;
     }
     return PRISM_FETCH_CONTINUE;
@@ -106,7 +106,10 @@ static void on_done(prism_fetch_req_t *fq, const prism_fetch_result_t *res, void
     if (res->reason != PRISM_FETCH_OK) {
         q->prep.refused[PRISM_REFUSE_IMAGE_FETCH]++;
         int st = prism_fetch_reason_http_status(res->reason);
-        if (res->reason == PRISM_FETCH_HTTP_STATUS)
+        if (res->reason == PRISM_FETCH_TIMEOUT && u->waited)   /* as an upload paused too long: 503 */
+            fetch_fail(q, 503, "Image %d: its download waited for room for images (the server holds "
+                       "--max-image-bytes-in-flight) past the fetch timeout; retry after a short wait.", i);
+        else if (res->reason == PRISM_FETCH_HTTP_STATUS)
             fetch_fail(q, st, "Image %d: %s (HTTP %d).", i, res->message, res->http_status);
         else
             fetch_fail(q, st, "Image %d: %s.", i, res->message);

@@ -234,8 +234,10 @@ def test_slow_urls_do_not_block_the_router():
 
 def test_stalling_server_gives_a_clear_error():
     """A server that accepts and never answers, with --media-fetch-timeout 2: a 400 naming the
-    timeout after about 2 s. An endless body and a Content-Length lie fail clearly too."""
-    with Cluster(router_args=["--media-fetch-timeout", "2"]) as c:
+    timeout after about 2 s. An endless body of 0xff bytes and a short body under a longer
+    Content-Length are no image from their first bytes. A download that times out while it waited
+    for image room (the server's load, not the URL's) is a 503, as an upload paused too long is."""
+    with Cluster(router_args=["--media-fetch-timeout", "2", "--max-image-bytes-in-flight", "1"]) as c:
         c.wait_ready()
         t0 = time.time()
         msg = error(url_body([H + ":81/stall"]), cluster=c)
@@ -244,6 +246,13 @@ def test_stalling_server_gives_a_clear_error():
         assert "not a valid JPEG or PNG" in error(url_body([H + ":81/endless"]), cluster=c)
         assert "not a valid JPEG or PNG" in error(url_body([H + ":81/lie"]), cluster=c)
         assert c.metric("prism:image_fetch_refused_total", reason="timeout") == 1
+        # the rest of the context, a few seconds: its image bytes are held meanwhile
+        a = c.open_stream("/v1/chat/completions", chat_body("Describe the image.", [NET.cat], ignore_eos=True,
+                                                             temperature=0, stream=True))
+        assert a.next_event() is not None
+        msg = error(url_body([H + "/slow/u1.jpg"]), status=503, cluster=c)
+        assert "waited for room for images" in msg, msg
+        a.close()
 
 
 def test_downloads_pause_while_image_bytes_are_held():
