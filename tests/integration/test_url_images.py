@@ -255,6 +255,21 @@ def test_stalling_server_gives_a_clear_error():
         a.close()
 
 
+def test_image_byte_limit():
+    """--max-image-bytes holds for every image: a data URL over it is a 400 (image_too_large), a URL
+    whose Content-Length is over it is refused from its headers, an image under it passes."""
+    size = os.path.getsize(NET.slow)
+    with Cluster(router_args=["--max-image-bytes", str(size - 1)]) as c:
+        c.wait_ready()
+        before = c.metric("prism:requests_refused_total", reason="image_too_large")
+        msg = error(chat_body("What is in the image?", [NET.slow], max_tokens=2), cluster=c)
+        assert "Image 0 is larger than the limit of %d bytes" % (size - 1) in msg, msg
+        assert c.metric("prism:requests_refused_total", reason="image_too_large") == before + 1
+        msg = error(url_body([H + "/slow/u2.jpg"]), cluster=c)
+        assert "declared size exceeds the image size limit" in msg, msg
+        assert answer(url_body([H + "/cat.jpg"]), cluster=c)[0]
+
+
 def test_downloads_pause_while_image_bytes_are_held():
     """--max-image-bytes-in-flight 1: while a streaming image request holds its bytes, a request by
     URL (a slow server) is prepared but its download pauses: not one byte more is read; when the
@@ -322,7 +337,8 @@ def main():
             return run_tests([test_url_gives_the_data_url_answer, test_refusals_are_clear_400s,
                               test_bomb_and_non_image_refused_from_first_bytes,
                               test_one_download_for_64_concurrent_requests, test_slow_urls_do_not_block_the_router,
-                              test_stalling_server_gives_a_clear_error, test_downloads_pause_while_image_bytes_are_held,
+                              test_stalling_server_gives_a_clear_error, test_image_byte_limit,
+                              test_downloads_pause_while_image_bytes_are_held,
                               test_openai_client])
         finally:
             C.stop()
