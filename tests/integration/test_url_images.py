@@ -18,9 +18,12 @@ downloads pause while --max-image-bytes-in-flight is held (no byte read meanwhil
 """
 import concurrent.futures
 import ctypes
+import http.client
 import json
 import os
 import shutil
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -82,6 +85,20 @@ def enter_netns(name):
             raise OSError(ctypes.get_errno(), "setns " + name)
     finally:
         os.close(fd)
+
+
+def sanitized(pid):
+    """Whether process pid runs with AddressSanitizer (a build-asan binary)."""
+    with open("/proc/%d/maps" % pid) as f:
+        return "libasan" in f.read()
+
+
+def registered(cluster, tier):
+    """Workers of a tier registered with the router (0 while it does not answer yet)."""
+    try:
+        return json.loads(cluster.request("GET", "/ready")[2]).get(tier, 0)
+    except (OSError, ValueError):
+        return 0
 
 
 def url_body(urls, text="What is in the image?", **kw):
@@ -195,6 +212,24 @@ def test_one_download_for_64_concurrent_requests():
     assert joined >= 63, joined
 
 
+# Probes GET /health every 10 ms until its standard input closes, then prints the latencies (a
+# process of its own: in this one, 64 client threads waking at once would time the GIL, not the router).
+PROBER = r"""
+import http.client, json, sys, threading, time
+port, out, stop = int(sys.argv[1]), [], threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+while not stop.is_set():
+    t0 = time.monotonic()
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    c.request("GET", "/health")
+    assert c.getresponse().read() == b"{}"
+    c.close()
+    out.append(time.monotonic() - t0)
+    time.sleep(0.01)
+print(json.dumps(out))
+"""
+
+
 def test_slow_urls_do_not_block_the_router():
     """64 distinct URLs on a slow server (about 3 s each at 20 KB/s) download at once while /health
     answers in under 50 ms and a text request is served; then every one of them is answered."""
@@ -212,32 +247,31 @@ def test_slow_urls_do_not_block_the_router():
     with concurrent.futures.ThreadPoolExecutor(64) as ex:
         futs = [ex.submit(one, u) for u in urls]
         wait_for(lambda: C.metric("prism:image_fetch_in_flight") >= 32, 30, "the slow downloads under way")
-        worst, n = 0.0, 0
-        t_text = None
-        while not done and n < 400:
-            t0 = time.time()
-            st, _, _ = C.request("GET", "/health", timeout=5)
-            worst = max(worst, time.time() - t0)
-            assert st == 200
-            n += 1
-            if t_text is None:
-                answer(chat_body("Hello there", max_tokens=4, temperature=0))
-                t_text = time.time()
-            time.sleep(0.01)
+        prober = subprocess.Popen([sys.executable, "-c", PROBER, str(C.port)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        answer(chat_body("Hello there", max_tokens=4, temperature=0))
+        t_text = time.time()
+        in_flight = C.metric("prism:image_fetch_in_flight")
+        wait_for(lambda: done, 60, "the first slow request answered", interval=0.005)
+        lat = json.loads(prober.communicate("", timeout=30)[0])
         res = [f.result() for f in futs]
-    assert t_text is not None and t_text < min(done), "the text request waited for the downloads"
-    assert n >= 20, n
-    assert worst < 0.050, "GET /health took %.1f ms while 64 downloads ran" % (worst * 1e3)
+    assert in_flight >= 32 and t_text < min(done), ("the text request waited for the downloads", in_flight)
+    assert len(lat) >= 20, lat
+    # the bar is for a release build; under ASan + UBSan (tests/run-all.sh runs this again there) the
+    # router's own work is several times slower
+    bar = 0.150 if sanitized(C.procs["router"].pid) else 0.050
+    assert max(lat) < bar, "GET /health took %.1f ms while 64 downloads ran" % (max(lat) * 1e3)
     assert all(r == want for r in res), set(res)
-    print("     /health: %d probes, worst %.1f ms" % (n, worst * 1e3))
+    lat.sort()
+    print("     /health: %d probes while 64 downloads ran, median %.1f ms, worst %.1f ms" % (
+        len(lat), lat[len(lat) // 2] * 1e3, lat[-1] * 1e3))
 
 
 def test_stalling_server_gives_a_clear_error():
     """A server that accepts and never answers, with --media-fetch-timeout 2: a 400 naming the
     timeout after about 2 s. An endless body of 0xff bytes and a short body under a longer
-    Content-Length are no image from their first bytes. A download that times out while it waited
-    for image room (the server's load, not the URL's) is a 503, as an upload paused too long is."""
-    with Cluster(router_args=["--media-fetch-timeout", "2", "--max-image-bytes-in-flight", "1"]) as c:
+    Content-Length are no image from their first bytes."""
+    with Cluster(router_args=["--media-fetch-timeout", "2"]) as c:
         c.wait_ready()
         t0 = time.time()
         msg = error(url_body([H + ":81/stall"]), cluster=c)
@@ -246,13 +280,6 @@ def test_stalling_server_gives_a_clear_error():
         assert "not a valid JPEG or PNG" in error(url_body([H + ":81/endless"]), cluster=c)
         assert "not a valid JPEG or PNG" in error(url_body([H + ":81/lie"]), cluster=c)
         assert c.metric("prism:image_fetch_refused_total", reason="timeout") == 1
-        # the rest of the context, a few seconds: its image bytes are held meanwhile
-        a = c.open_stream("/v1/chat/completions", chat_body("Describe the image.", [NET.cat], ignore_eos=True,
-                                                             temperature=0, stream=True))
-        assert a.next_event() is not None
-        msg = error(url_body([H + "/slow/u1.jpg"]), status=503, cluster=c)
-        assert "waited for room for images" in msg, msg
-        a.close()
 
 
 def test_image_byte_limit():
@@ -271,28 +298,41 @@ def test_image_byte_limit():
 
 
 def test_downloads_pause_while_image_bytes_are_held():
-    """--max-image-bytes-in-flight 1: while a streaming image request holds its bytes, a request by
-    URL (a slow server) is prepared but its download pauses: not one byte more is read; when the
-    first request ends, the download goes on and the second is answered."""
-    with Cluster(router_args=["--max-image-bytes-in-flight", "1"]) as c:
-        c.wait_ready()
-        # no max_tokens: the rest of the context (about 1,400 tokens, a few seconds)
-        a = c.open_stream("/v1/chat/completions", chat_body("Describe the image.", [NET.cat], ignore_eos=True,
-                                                             temperature=0, stream=True))
-        assert a.next_event() is not None
+    """--max-image-bytes-in-flight 1 and no decode worker: an image request waits in the router's
+    queue holding its image bytes (as long as the test wants: nothing can serve it). Meanwhile a
+    request by URL (a slow server) is prepared but its download pauses: not one byte more is read.
+    One that stays paused past --media-fetch-timeout is a 503 (the server's load, not the URL's).
+    When the holder leaves, the paused download goes on; with a decode worker back it is answered."""
+    with Cluster(decodes=0, router_args=["--max-image-bytes-in-flight", "1", "--max-queue-wait", "120",
+                                         "--media-fetch-timeout", "8"]) as c:
+        wait_for(lambda: registered(c, "prefills") and registered(c, "encoders"), 60, "the encoder and prefill workers")
+        holder = http.client.HTTPConnection("127.0.0.1", c.port, timeout=120)
+        holder.request("POST", "/v1/chat/completions", body=json.dumps(
+            chat_body("Describe the image.", [NET.cat], max_tokens=4)), headers={"Content-Type": "application/json"})
+        wait_for(lambda: c.metric("prism:router_image_bytes_in_flight") > 0, 30, "the holder admitted")
+        # paused past the fetch timeout: 503
+        t0 = time.time()
+        msg = error(url_body([H + "/slow/u1.jpg"]), status=503, cluster=c)
+        assert "waited for room for images" in msg and time.time() - t0 > 7, (msg, time.time() - t0)
+        # paused, not a byte read, until the holder leaves
         box = {}
-        t = threading.Thread(target=lambda: box.update(r=answer(url_body([H + "/slow/u0.jpg"]), cluster=c)))
+        t = threading.Thread(target=lambda: box.update(r=c.post_json("/v1/chat/completions",
+                                                                       url_body([H + "/slow/u0.jpg"]))))
         t.start()
-        wait_for(lambda: c.metric("prism:image_fetch_pauses_total") >= 1, 30, "the download paused")
+        pauses = c.metric("prism:image_fetch_pauses_total")
+        wait_for(lambda: c.metric("prism:image_fetch_pauses_total") > pauses, 30, "the download paused")
         b0 = c.metric("prism:image_fetch_bytes_total")
         time.sleep(1.5)
         assert c.metric("prism:image_fetch_bytes_total") == b0, "bytes were read while paused"
-        assert "r" not in box and a.next_event() is not None
-        while a.next_event() not in (None, "[DONE]"):
-            pass
-        t.join(60)
-        assert box["r"][0], box
-        assert c.metric("prism:image_fetch_bytes_total") > b0
+        assert "r" not in box
+        holder.sock.shutdown(socket.SHUT_RDWR)
+        holder.close()
+        wait_for(lambda: c.metric("prism:image_fetch_bytes_total") > b0, 30, "the download going on")
+        wait_for(lambda: c.metric("prism:image_fetch_downloads_ok_total") >= 1, 30, "the download done")
+        c.start_worker("decode-0", "decode_worker")
+        t.join(120)
+        st, r = box["r"]
+        assert st == 200 and r["choices"][0]["message"]["content"], (st, r)
 
 
 def test_openai_client():
