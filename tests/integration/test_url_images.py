@@ -142,6 +142,7 @@ def test_url_gives_the_data_url_answer():
             assert got[:2] == want[:2], (u, got[:2], want[:2])
             t = timing(got[2])
             assert float(t["fetch_ms"]) > 0 and t["images"] == "1", (u, t)
+            print("     %-40s fetch_ms %s (a first download or the URL cache)" % (u[:40], t["fetch_ms"]))
         assert float(timing(want[2])["fetch_ms"]) == 0
     # two images by URL in one request (the first whole one goes to an encoder while the other downloads)
     want = answer(chat_body("Describe both.", [NET.cat, NET.sq], max_tokens=8, temperature=0))
