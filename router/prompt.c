@@ -400,6 +400,22 @@ void router_prompt_drop_image(router_prompt_t *p, int i)
     p->img[i] = NULL;
 }
 
+static void release_blob(void *data, void *hint)
+{
+    (void)data;
+    prism_fetch_blob_unref(hint);   /* atomic: ZeroMQ's I/O thread may drop the last reference */
+}
+
+prism_frame_t router_prompt_image_frame(const router_prompt_t *p, int i)
+{
+    prism_frame_t f = {p->img[i], p->img_len[i], NULL, NULL};
+    if (p->img_blob[i]) {
+        f.release = release_blob;
+        f.hint = prism_fetch_blob_ref(p->img_blob[i]);
+    }
+    return f;
+}
+
 void router_prompt_free(router_prompt_t *p)
 {
     for (int i = 0; i < p->n_images; i++) router_prompt_drop_image(p, i);

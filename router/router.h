@@ -331,6 +331,9 @@ int  router_prompt_tokens(const router_t *r, router_prompt_t *p, const prism_oai
 int  router_prompt_finish(const router_t *r, router_prompt_t *p, const prism_oai_request_t *o, char *msg, size_t n);
 /* Image i's bytes are no longer needed (freed, or the fetched image's reference dropped). */
 void router_prompt_drop_image(router_prompt_t *p, int i);
+/* The frame that sends image i to an encoder: a fetched image by reference (ZeroMQ drops the
+ * reference the frame takes once sent: no copy of a shared image per request), others copied. */
+prism_frame_t router_prompt_image_frame(const router_prompt_t *p, int i);
 /* Once images are decoded and the prompt built, the base64 strings in the parsed JSON are dead
  * weight (the largest part of an image request): drops them so a request in flight holds only
  * its image bytes (with the HTTP body, which the caller drops). */

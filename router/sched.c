@@ -254,7 +254,7 @@ static bool send_encode(router_t *r, router_req_t *q, const plan_t *p, int i)
     /* the kept bytes: a retry on another encoder sends them again (and a migration: they are freed
      * at the first token only when no migration may follow) */
     PRISM_ASSERT(q->prompt.img[i]);
-    prism_frame_t f = {q->prompt.img[i], q->prompt.img_len[i]};
+    prism_frame_t f = router_prompt_image_frame(&q->prompt, i);   /* a fetched image: by reference */
     if (router_send(r, enc, &m->env, &f, 1) != PRISM_OK) {
         PRISM_WARN("request %llu: encoder %s unreachable; the request waits", (unsigned long long)q->rid, enc->id);
         return false;

@@ -199,25 +199,32 @@ static int msg_send(void *sock, const void *identity, size_t identity_len, Prism
     for (; sent < n_frames; sent++) {
         int f = (sent + 1 < n_frames) ? ZMQ_SNDMORE : 0;
         const prism_frame_t *fr = &frames[sent];
-        if (!take) {
-            if (zmq_send(sock, fr->data, fr->len, flags | f) < 0) return PRISM_EIO;
+        if (!take && !fr->release) {
+            if (zmq_send(sock, fr->data, fr->len, flags | f) < 0) {
+                sent++;
+                rc = PRISM_EIO;
+                goto out;
+            }
             continue;
         }
         zmq_msg_t m;
-        if (zmq_msg_init_data(&m, (void *)fr->data, fr->len, frame_free, NULL) != 0) {
+        if (zmq_msg_init_data(&m, (void *)fr->data, fr->len, take ? frame_free : fr->release,
+                              take ? NULL : fr->hint) != 0) {
             rc = PRISM_ENOMEM;
             goto out;
         }
         if (zmq_msg_send(&m, sock, flags | f) < 0) {
-            zmq_msg_close(&m);  /* frees the buffer */
+            zmq_msg_close(&m);  /* frees (releases) the buffer */
             sent++;
             rc = PRISM_EIO;
             goto out;
         }
     }
 out:
-    if (take)
-        for (int i = sent; i < n_frames; i++) prism_free((void *)frames[i].data);
+    for (int i = sent; i < n_frames; i++) {   /* frames not handed over: as ZeroMQ would have */
+        if (take) prism_free((void *)frames[i].data);
+        else if (frames[i].release) frames[i].release((void *)frames[i].data, frames[i].hint);
+    }
     return rc;
 }
 

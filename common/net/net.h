@@ -52,6 +52,13 @@
 typedef struct {
     const void *data;
     size_t len;
+    /* Optional, prism_msg_send only: the frame is sent without a copy, and release(data, hint) is
+     * called exactly once when ZeroMQ is done with it (from its I/O thread), or before the call
+     * returns when it was not handed over (a failed send). For a buffer shared by reference count:
+     * the caller takes a reference for the frame and release drops it; the bytes must not change
+     * meanwhile. NULL: the bytes are copied (and the caller keeps its buffer). */
+    void (*release)(void *data, void *hint);
+    void *hint;
 } prism_frame_t;
 
 /* ---- processes, roles, keys ---- */
@@ -143,7 +150,9 @@ void prism_msg_env_free(Prism__Envelope *env);
 const void *prism_msg_frame(prism_msg_t *m, int i, size_t *len);
 
 /* Sends env (version is filled in) plus raw frames; identity is needed on ROUTER sockets.
- * flags: 0 (block under backpressure) or ZMQ_DONTWAIT (PRISM_EAGAIN when the peer is full). */
+ * flags: 0 (block under backpressure) or ZMQ_DONTWAIT (PRISM_EAGAIN when the peer is full).
+ * Frames are copied, but for those with a release callback (prism_frame_t), which go by reference
+ * and are released once, whatever the call returns. */
 int prism_msg_send(void *sock, const void *identity, size_t identity_len, Prism__Envelope *env,
                    const prism_frame_t *frames, int n_frames, int flags);
 /* The same, without copying the frames: each frames[i].data is a prism_malloc'd buffer that the

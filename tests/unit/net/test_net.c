@@ -4,6 +4,7 @@
 #include <setjmp.h>
 #include <cmocka.h>
 #include <string.h>
+#include <stdatomic.h>
 #include <unistd.h>
 
 #include "net/net.h"
@@ -118,6 +119,47 @@ static void test_send_take_frees(void **state)
     prism_free(pf.token_ids);
 }
 
+/* A frame with a release callback goes by reference: the bytes received are the caller's buffer's,
+ * and release runs exactly once, after the send (from ZeroMQ's I/O thread) or, when the message
+ * cannot be sent, before the call returns; a copied frame beside it is untouched. */
+static atomic_int released;
+static void on_release(void *data, void *hint)
+{
+    assert_ptr_equal(data, hint);
+    atomic_fetch_add(&released, 1);
+}
+
+static void test_send_by_reference(void **state)
+{
+    pair_t *p = *state;
+    static uint8_t shared[100000];
+    for (size_t i = 0; i < sizeof shared; i++) shared[i] = (uint8_t)(i * 7);
+    Prism__Envelope env = PRISM__ENVELOPE__INIT;
+    env.type = PRISM__MSG_TYPE__MSG_ENCODE;
+    prism_frame_t f[2] = {{"copied", 6}, {shared, sizeof shared, on_release, shared}};
+    atomic_store(&released, 0);
+    assert_int_equal(prism_msg_send(p->dealer, NULL, 0, &env, f, 2, 0), PRISM_OK);
+    prism_msg_t m;
+    assert_int_equal(prism_msg_recv(p->router, true, &m, 0), PRISM_OK);
+    size_t len;
+    const uint8_t *got = prism_msg_frame(&m, 1, &len);
+    assert_int_equal(len, sizeof shared);
+    assert_memory_equal(got, shared, sizeof shared);
+    prism_msg_close(&m);
+    for (int i = 0; i < 5000 && atomic_load(&released) == 0; i++) usleep(1000);
+    assert_int_equal(atomic_load(&released), 1);
+    /* an envelope over the limit: nothing sent, the frame released before the call returns */
+    Prism__Prefill pf = PRISM__PREFILL__INIT;
+    pf.n_token_ids = (PRISM_MSG_MAX_ENVELOPE / 4) + 16;
+    pf.token_ids = prism_calloc(pf.n_token_ids, sizeof(int32_t));
+    for (size_t i = 0; i < pf.n_token_ids; i++) pf.token_ids[i] = 0x7fffffff;
+    env.type = PRISM__MSG_TYPE__MSG_PREFILL;
+    env.prefill = &pf;
+    assert_int_equal(prism_msg_send(p->dealer, NULL, 0, &env, f, 2, 0), PRISM_ELIMIT);
+    assert_int_equal(atomic_load(&released), 2);
+    prism_free(pf.token_ids);
+}
+
 static void test_corrupt_messages_dropped(void **state)
 {
     pair_t *p = *state;
@@ -176,6 +218,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_roundtrip_with_frames),
         cmocka_unit_test(test_send_take_frees),
+        cmocka_unit_test(test_send_by_reference),
         cmocka_unit_test(test_corrupt_messages_dropped),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
