@@ -3,13 +3,13 @@
  * so it is its own leaf library (prism_image_layout: core + jansson): the router expands prompts
  * with it and the prefill worker sizes its embedding pool from it without linking image codecs. */
 #include "image/llama4_proc.h"
+#include "image/layout_json.h"
 
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
 
-#define MAX_CONFIG_BYTES (1u << 20)
 #define MAX_CANVASES 512    /* sum of divisor counts of 1..PRISM_LLAMA4_MAX_PATCHES (64): 280 */
 
 #define ERR(...) do { if (err && errlen) snprintf(err, errlen, __VA_ARGS__); } while (0)
@@ -38,61 +38,13 @@ bool prism_llama4_proc_valid(const prism_llama4_proc_t *p)
 
 /* ---------------------------------------------------------------- config */
 
-static json_t *load_json(const char *path, bool optional, int *rc, char *err, size_t errlen)
-{
-    *rc = PRISM_OK;
-    if (optional && !prism_file_exists(path)) return NULL;
-    char *text = NULL;
-    size_t n = 0;
-    *rc = prism_read_file(path, MAX_CONFIG_BYTES, &text, &n);
-    if (*rc != PRISM_OK) {
-        ERR("%s: %s", path, prism_strerror(*rc));
-        return NULL;
-    }
-    json_error_t jerr;
-    json_t *j = json_loadb(text, n, JSON_REJECT_DUPLICATES, &jerr);
-    prism_free(text);
-    if (!j || !json_is_object(j)) {
-        ERR("%s: %s", path, j ? "not a JSON object" : jerr.text);
-        json_decref(j);
-        *rc = PRISM_EINVAL;
-        return NULL;
-    }
-    return j;
-}
-
-static bool opt_num(json_t *o, const char *k, double *v)
-{
-    json_t *j = json_object_get(o, k);
-    if (!j || json_is_null(j)) return true;
-    if (!json_is_number(j)) return false;
-    *v = json_number_value(j);
-    return true;
-}
-
-static bool opt_triplet(json_t *o, const char *k, float out[3])
-{
-    json_t *j = json_object_get(o, k);
-    if (!j || json_is_null(j)) return true;
-    if (json_is_number(j)) {
-        out[0] = out[1] = out[2] = (float)json_number_value(j);
-        return true;
-    }
-    if (!json_is_array(j) || json_array_size(j) != 3) return false;
-    for (int c = 0; c < 3; c++) {
-        if (!json_is_number(json_array_get(j, c))) return false;
-        out[c] = (float)json_number_value(json_array_get(j, c));
-    }
-    return true;
-}
-
 int prism_llama4_proc_load_dir(const char *dir, prism_llama4_proc_t *p, char *err, size_t errlen)
 {
     char path[4096];
     int rc;
     prism_llama4_proc_default(p);
     if ((rc = prism_path_join(path, sizeof path, dir, "preprocessor_config.json")) != PRISM_OK) return rc;
-    json_t *j = load_json(path, false, &rc, err, errlen);
+    json_t *j = prism_layout_load_json(path, false, &rc, err, errlen);
     if (!j) return rc == PRISM_OK ? PRISM_EINVAL : rc;
     const char *bad = NULL;
     json_t *size = json_object_get(j, "size");
@@ -105,23 +57,23 @@ int prism_llama4_proc_load_dir(const char *dir, prism_llama4_proc_t *p, char *er
             p->tile = (int)PRISM_MIN(json_integer_value(hh), (json_int_t)INT32_MAX);
     }
     double v = p->max_patches;
-    if (!bad && !opt_num(j, "max_patches", &v)) bad = "max_patches";
+    if (!bad && !prism_layout_opt_num(j, "max_patches", &v)) bad = "max_patches";
     p->max_patches = v >= 0 && v <= 1e6 ? (int)v : -1;
     json_t *rm = json_object_get(j, "resize_to_max_canvas");
     if (!bad && rm && !json_is_null(rm)) {
         if (!json_is_boolean(rm)) bad = "resize_to_max_canvas";
         else p->resize_to_max_canvas = json_is_true(rm);
     }
-    if (!bad && !opt_num(j, "rescale_factor", &p->rescale_factor)) bad = "rescale_factor";
-    if (!bad && !opt_triplet(j, "image_mean", p->mean)) bad = "image_mean";
-    if (!bad && !opt_triplet(j, "image_std", p->std)) bad = "image_std";
+    if (!bad && !prism_layout_opt_num(j, "rescale_factor", &p->rescale_factor)) bad = "rescale_factor";
+    if (!bad && !prism_layout_opt_triplet(j, "image_mean", p->mean)) bad = "image_mean";
+    if (!bad && !prism_layout_opt_triplet(j, "image_std", p->std)) bad = "image_std";
     static const char *const must_true[] = {"do_resize", "do_rescale", "do_normalize"};
     for (size_t i = 0; !bad && i < PRISM_ARRAY_LEN(must_true); i++) {
         json_t *b = json_object_get(j, must_true[i]);
         if (b && !json_is_null(b) && !json_is_true(b)) bad = must_true[i];
     }
     double resample = 2;
-    if (!bad && (!opt_num(j, "resample", &resample) || resample != 2)) bad = "resample (only bilinear, 2)";
+    if (!bad && (!prism_layout_opt_num(j, "resample", &resample) || resample != 2)) bad = "resample (only bilinear, 2)";
     json_decref(j);
     if (bad) {
         ERR("%s: unsupported or invalid %s", path, bad);
@@ -130,10 +82,10 @@ int prism_llama4_proc_load_dir(const char *dir, prism_llama4_proc_t *p, char *er
     /* tokens per tile as Llama4Processor computes it from its own patch_size and shuffle ratio. */
     double patch = 14, ratio = 0.5;
     if ((rc = prism_path_join(path, sizeof path, dir, "processor_config.json")) != PRISM_OK) return rc;
-    json_t *pj = load_json(path, true, &rc, err, errlen);
+    json_t *pj = prism_layout_load_json(path, true, &rc, err, errlen);
     if (rc != PRISM_OK) return rc;
     if (pj) {
-        bool ok = opt_num(pj, "patch_size", &patch) && opt_num(pj, "pixel_shuffle_ratio", &ratio);
+        bool ok = prism_layout_opt_num(pj, "patch_size", &patch) && prism_layout_opt_num(pj, "pixel_shuffle_ratio", &ratio);
         json_decref(pj);
         if (!ok) {
             ERR("%s: patch_size / pixel_shuffle_ratio must be numbers", path);

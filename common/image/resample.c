@@ -178,12 +178,15 @@ static size_t align64(size_t x) { return (x + 63) & ~(size_t)63; }
 static int round_up(int x, int a) { return (x + a - 1) / a * a; }
 
 typedef struct {
-    size_t hib, hk, vib, vk, scratch, rows, planes, ring, out, acc, total;
+    size_t hib, hk, vib, vk, scratch, rows, planes, ring, out, hout, acc, total;
 } layout_t;
 
-static void layout(layout_t *l, int wx, int wy, int kx, int ky, int span, int ring_rows, size_t kelem)
+/* vfirst: the vertical pass comes first; ring rows then hold the source span (not wx columns),
+ * and the horizontal pass needs its own output rows (hout). */
+static void layout(layout_t *l, int wx, int wy, int kx, int ky, int span, int ring_rows, size_t kelem, bool vfirst)
 {
     int wxp = round_up(PRISM_MAX(wx, 1), ROW_ALIGN);
+    int ringp = vfirst ? round_up(PRISM_MAX(span, wx), ROW_ALIGN) : wxp;
     size_t o = 0;
     l->hib = o; o = align64(o + (size_t)wx * 2 * sizeof(int32_t));
     l->hk = o; o = align64(o + (size_t)wx * (size_t)round_up(kx, KPAD_ALIGN) * kelem);
@@ -192,9 +195,10 @@ static void layout(layout_t *l, int wx, int wy, int kx, int ky, int span, int ri
     l->scratch = o; o = align64(o + (size_t)PRISM_MAX(kx, ky) * sizeof(double));
     l->rows = o; o = align64(o + (size_t)ky * sizeof(uint8_t *));
     l->planes = o; o = align64(o + 3 * ((size_t)span + PLANE_PAD) * sizeof(int16_t));
-    l->ring = o; o = align64(o + (size_t)ring_rows * 3 * (size_t)wxp);
-    l->out = o; o = align64(o + 3 * (size_t)wxp);
-    l->acc = o; o = align64(o + 3 * (size_t)wxp * sizeof(int32_t));
+    l->ring = o; o = align64(o + (size_t)ring_rows * 3 * (size_t)ringp);
+    l->out = o; o = align64(o + 3 * (size_t)ringp);
+    l->hout = o; o = align64(o + (vfirst ? 3 * (size_t)wxp : 0));
+    l->acc = o; o = align64(o + 3 * (size_t)ringp * sizeof(int32_t));
     l->total = o + 64;   /* the workspace itself may start unaligned */
 }
 
@@ -209,7 +213,7 @@ static bool spec_valid(const prism_resample_spec_t *s)
 
 typedef struct {
     geom_t gx, gy;
-    bool need_h, need_v;
+    bool need_h, need_v, vfirst;
     int wx, wy, sx0, span, row_first, row_end, ring_rows;
     layout_t l;
 } plan_t;
@@ -252,8 +256,10 @@ static void plan_make(const prism_resample_spec_t *s, plan_t *p)
         p->ring_rows = 1;
     }
     size_t kelem = s->arith == PRISM_RESAMPLE_TORCH ? sizeof(int16_t) : sizeof(int32_t);
+    /* Vertical first: source rows in the ring (the span); the order matters only with both passes. */
+    p->vfirst = s->vertical_first && p->need_h && p->need_v;
     layout(&p->l, p->wx, p->wy, p->need_h ? p->gx.ksize : 1, p->need_v ? p->gy.ksize : 1, p->need_h ? p->span : 0,
-           p->ring_rows, kelem);
+           p->ring_rows, kelem, p->vfirst);
 }
 
 size_t prism_resample_workspace_bytes(const prism_resample_spec_t *s)
@@ -270,7 +276,7 @@ size_t prism_resample_workspace_bound(int max_in_w, int max_wx, int max_wy, int 
     if (max_in_w <= 0 || max_wx <= 0 || max_wy <= 0 || max_kx <= 0 || max_ky <= 0)
         return 0;
     layout_t l;
-    layout(&l, max_wx, max_wy, max_kx, max_ky, max_in_w, max_ky, sizeof(int32_t));
+    layout(&l, max_wx, max_wy, max_kx, max_ky, max_in_w, max_ky, sizeof(int32_t), false);
     return l.total;
 }
 
@@ -313,6 +319,8 @@ int prism_resample_init(prism_resample_t *r, const prism_resample_spec_t *s, voi
     r->wx = p.wx;
     r->wy = p.wy;
     r->wxp = round_up(p.wx, ROW_ALIGN);
+    r->vfirst = p.vfirst;
+    r->ringp = p.vfirst ? round_up(PRISM_MAX(p.span, p.wx), ROW_ALIGN) : r->wxp;
     r->sx0 = p.sx0;
     r->span = p.span;
     r->row_first = p.row_first;
@@ -321,6 +329,7 @@ int prism_resample_init(prism_resample_t *r, const prism_resample_spec_t *s, voi
     r->src_planes = (int16_t *)(base + p.l.planes);
     r->ring = base + p.l.ring;
     r->out = base + p.l.out;
+    r->hout = p.vfirst ? base + p.l.hout : NULL;
     r->acc = (int32_t *)(base + p.l.acc);
     r->rows = (const uint8_t **)(base + p.l.rows);
     double *scratch = (double *)(base + p.l.scratch);
@@ -346,7 +355,7 @@ int prism_resample_init(prism_resample_t *r, const prism_resample_spec_t *s, voi
     }
     /* Vector kernels run over whole rows: padding is computed but never emitted, and must be
      * defined memory. */
-    memset(r->ring, 0, (size_t)r->ring_rows * 3 * (size_t)r->wxp);
+    memset(r->ring, 0, (size_t)r->ring_rows * 3 * (size_t)r->ringp);
     memset(r->src_planes, 0, 3 * ((size_t)r->span + PLANE_PAD) * sizeof(int16_t));
     return PRISM_OK;
 }
@@ -502,12 +511,12 @@ static void hpass_scalar(const prism_resample_t *r, const int16_t *const src[3],
     }
 }
 
-/* Vertical pass, scalar reference: rows[t] are the ring rows of the taps (3 * wxp bytes each). */
+/* Vertical pass, scalar reference: rows[t] are the ring rows of the taps (3 * ringp bytes each). */
 static void vpass_scalar(const prism_resample_t *r, int j, const uint8_t *const *rows, uint8_t *out)
 {
     const prism_resample_axis_t *a = &r->v;
     int n = a->ib[2 * j + 1];
-    int m = 3 * r->wxp;
+    int m = 3 * r->ringp;
     int32_t half = half_of(a->precision);
     int32_t *acc = r->acc;
     for (int i = 0; i < m; i++)
@@ -669,7 +678,22 @@ __attribute__((target("avx2"))) static void vpass_torch_avx2(const prism_resampl
 
 static uint8_t *ring_row(const prism_resample_t *r, int src_row)
 {
-    return r->ring + (size_t)((src_row - r->row_first) % r->ring_rows) * 3 * (size_t)r->wxp;
+    return r->ring + (size_t)((src_row - r->row_first) % r->ring_rows) * 3 * (size_t)r->ringp;
+}
+
+/* Vertical first (Pillow 13 for images whose height shrinks most): the vertical result of the
+ * source span (uint8, rounded as Pillow's intermediate image is), then the horizontal pass over it. */
+static void hpass_after_v(prism_resample_t *r)
+{
+    size_t ps = (size_t)r->span + PLANE_PAD;
+    int16_t *const sp[3] = {r->src_planes, r->src_planes + ps, r->src_planes + 2 * ps};
+    for (int c = 0; c < 3; c++) {
+        const uint8_t *v = r->out + (size_t)c * r->ringp;
+        for (int x = 0; x < r->span; x++) sp[c][x] = v[x];
+    }
+    const int16_t *const src[3] = {sp[0], sp[1], sp[2]};
+    uint8_t *const d[3] = {r->hout, r->hout + r->wxp, r->hout + 2 * (size_t)r->wxp};
+    hpass_scalar(r, src, d);
 }
 
 static int emit_ready(prism_resample_t *r)
@@ -684,8 +708,8 @@ static int emit_ready(prism_resample_t *r)
                 return PRISM_OK;
             const uint8_t *row = ring_row(r, y);
             planes[0] = row;
-            planes[1] = row + r->wxp;
-            planes[2] = row + 2 * (size_t)r->wxp;
+            planes[1] = row + r->ringp;
+            planes[2] = row + 2 * (size_t)r->ringp;
         } else {
             int ymin = r->v.ib[2 * j], n = r->v.ib[2 * j + 1];
             /* ends are non-decreasing, so waiting for this row's end waits for every earlier one */
@@ -694,6 +718,18 @@ static int emit_ready(prism_resample_t *r)
             for (int t = 0; t < n; t++)
                 r->rows[t] = ring_row(r, ymin + t);
             const uint8_t *const *rp = r->rows;
+            if (r->vfirst) {
+                vpass_scalar(r, j, rp, r->out);
+                hpass_after_v(r);
+                planes[0] = r->hout;
+                planes[1] = r->hout + r->wxp;
+                planes[2] = r->hout + 2 * (size_t)r->wxp;
+                r->emitted++;
+                int rc = r->emit(r->ud, y, planes);
+                if (rc < 0)
+                    return rc;
+                continue;
+            }
             if (r->s.arith == PRISM_RESAMPLE_TORCH && isa == ISA_AVX2) {
 #if RS_X86
                 vpass_torch_avx2(r, j, rp, r->out);
@@ -706,8 +742,8 @@ static int emit_ready(prism_resample_t *r)
                 vpass_scalar(r, j, rp, r->out);
             }
             planes[0] = r->out;
-            planes[1] = r->out + r->wxp;
-            planes[2] = r->out + 2 * (size_t)r->wxp;
+            planes[1] = r->out + r->ringp;
+            planes[2] = r->out + 2 * (size_t)r->ringp;
         }
         r->emitted++;
         int rc = r->emit(r->ud, y, planes);
@@ -726,10 +762,11 @@ int prism_resample_push(prism_resample_t *r, const uint8_t *rgb)
         bool ssse3;
         int isa = isa_pick(&ssse3);
         uint8_t *dst = ring_row(r, y);
-        uint8_t *const d[3] = {dst, dst + r->wxp, dst + 2 * (size_t)r->wxp};
+        uint8_t *const d[3] = {dst, dst + r->ringp, dst + 2 * (size_t)r->ringp};
         const uint8_t *from = rgb + (size_t)r->sx0 * 3;
-        if (!r->h.active) {
-            /* identity horizontally: the window's columns go straight into the ring */
+        if (!r->h.active || r->vfirst) {
+            /* identity horizontally, or the vertical pass first: the window's source columns go
+             * straight into the ring */
 #if RS_X86
             if (ssse3)
                 split_u8_ssse3(from, r->span, d);

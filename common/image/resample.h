@@ -49,6 +49,12 @@ typedef struct {
                                    except after DCT scaling where the last block is partial */
     int out_w, out_h;           /* size of the resized image */
     int x0, x1, y0, y1;         /* window of the resized image that is produced: [x0,x1) x [y0,y1) */
+    /* Pass order. false: horizontal first (Pillow before 13, torch). true: vertical first, which
+     * Pillow 13 does when the height shrinks by more than twice as many pixels as the width
+     * (prism_resample_pillow_vertical_first); the intermediate uint8 rounding then falls
+     * differently. Scalar kernels; ignored when an axis is the identity. The ring then holds
+     * source rows (the window's span of columns) instead of horizontal results. */
+    bool vertical_first;
 } prism_resample_spec_t;
 
 /* Called once per output row y (y0 <= y < y1, in order) with three planes (R, G, B) of x1 - x0
@@ -68,19 +74,29 @@ typedef struct {
     prism_resample_spec_t s;
     prism_resample_axis_t h, v;
     int wx, wy;                 /* window size */
-    int wxp;                    /* plane stride of ring rows (wx rounded up) */
+    int wxp;                    /* plane stride of output rows (wx rounded up) */
+    int ringp;                  /* plane stride of ring rows: wxp, or the span rounded up (vertical first) */
+    bool vfirst;                /* vertical pass first (spec.vertical_first with both axes active) */
     int sx0, span;              /* source columns [sx0, sx0 + span) that the window reads */
     int row_first, row_end;     /* source rows that the window reads */
     int ring_rows;
     int16_t *src_planes;        /* [3][span + pad]: the current source row, deinterleaved */
-    uint8_t *ring;              /* [ring_rows][3][wxp] horizontal results */
-    uint8_t *out;               /* [3][wxp] vertical result */
-    int32_t *acc;               /* [3 * wxp] scalar accumulators */
+    uint8_t *ring;              /* [ring_rows][3][ringp] horizontal results (vertical first: source rows) */
+    uint8_t *out;               /* [3][ringp] vertical result */
+    uint8_t *hout;              /* vertical first: [3][wxp] horizontal pass over out */
+    int32_t *acc;               /* [3 * ringp] scalar accumulators */
     const uint8_t **rows;       /* [vertical taps] ring rows of the output row being computed */
     int pushed, emitted;        /* source rows received, window rows emitted */
     prism_resample_emit_fn emit;
     void *ud;
 } prism_resample_t;
+
+/* Pillow 13's pass order for resizing in_w x in_h to out_w x out_h (the whole image): vertical
+ * first when the height shrinks and by more than twice the width's shrink in pixels. */
+static inline bool prism_resample_pillow_vertical_first(int in_w, int in_h, int out_w, int out_h)
+{
+    return in_h - out_h > 0 && in_h - out_h > (in_w - out_w) * 2;
+}
 
 /* Taps per output sample for resampling `in` pixels spanning `extent` to `out` (the bound every
  * kernel row fits in). */
