@@ -138,15 +138,242 @@ def gen_image():
         fo.write("\n")
 
 
+# ----------------------------------------------------------------------------- tokenizer
+
+QWEN_SPECIALS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
+    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+]
+QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+                r"|\s+(?!\S)|\s+")
+QWEN_TOK_BASE = 448   # byte-level BPE ids [0, 448); Qwen's special tokens follow, in Qwen's order
+QWEN_TOK_TOTAL = 512  # the model's vocab (Qwen pads its embedding beyond the tokenizer too)
+# Qwen2.5-VL's chat template (chat_template.json of the released checkpoints)
+QWEN25_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in "
+    "content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
+    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] "
+    "== 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
+    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content "
+    "%}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}")
+
+
+def build_qwen_tokenizer(out_dir):
+    """A Qwen2-style tokenizer.json (the layout of the real one, scaled): NFC, the Qwen split regex
+    (Split Isolated + ByteLevel without its own regex), byte-level BPE, no BOS, Qwen's special tokens
+    after the base vocabulary; tokenizer_config.json with Qwen2.5-VL's chat template."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, \
+        trainers
+    corpus = []
+    with open(os.path.join(ROOT, "tests", "data", "tokenizer", "corpus.jsonl")) as f:
+        for line in f:
+            corpus.append(json.loads(line))
+    corpus += ["What is in the image? Describe the picture in one sentence.", "Compare the two pictures.",
+               "The quick brown fox jumps over the lazy dog.", "You are a helpful assistant."] * 20
+    t = Tokenizer(models.BPE())
+    t.normalizer = normalizers.NFC()
+    t.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    t.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    t.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tr = trainers.BpeTrainer(vocab_size=QWEN_TOK_BASE, show_progress=False,
+                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    t.train_from_iterator(corpus, tr)
+    assert t.get_vocab_size() == QWEN_TOK_BASE, t.get_vocab_size()
+    t.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in QWEN_SPECIALS])
+    os.makedirs(out_dir, exist_ok=True)
+    t.save(os.path.join(out_dir, "tokenizer.json"))
+    cfg = {
+        "add_bos_token": False, "add_prefix_space": False, "bos_token": None, "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "model_max_length": 32768, "tokenizer_class": "Qwen2Tokenizer",
+        "clean_up_tokenization_spaces": False, "errors": "replace", "split_special_tokens": False,
+        "chat_template": QWEN25_CHAT_TEMPLATE,
+    }
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+        f.write("\n")
+    return {n: t.token_to_id(n) for n in QWEN_SPECIALS}
+
+
+# ----------------------------------------------------------------------------- model
+
+N_GREEDY = 16
+TINY_PREPROC = dict(QWEN25_PREPROC, min_pixels=3136, max_pixels=28 * 28 * 64)
+# (name, messages with synthetic images given as (w, h, seed)); every case ends with text after its
+# images, so text positions after an image (M-RoPE's max + 1) are exercised.
+MODEL_CASES = [
+    ("text", [{"role": "user", "content": [{"type": "text", "text": "Describe a quiet morning in one sentence."}]}]),
+    ("one_image", [{"role": "user", "content": [{"type": "image", "image": (200, 150, 21)},
+                                                {"type": "text", "text": "What is in the image?"}]}]),
+    ("two_images", [{"role": "user", "content": [{"type": "image", "image": (200, 150, 22)},
+                                                 {"type": "image", "image": (90, 120, 23)},
+                                                 {"type": "text", "text": "Compare the two pictures."}]}]),
+    ("min_pixels", [{"role": "user", "content": [{"type": "image", "image": (20, 30, 24)},
+                                                 {"type": "text", "text": "What is in the image?"}]}]),
+    ("max_pixels", [{"role": "user", "content": [{"type": "image", "image": (640, 480, 25)},
+                                                 {"type": "text", "text": "Describe the picture in one sentence."}]}]),
+    ("multi_turn", [{"role": "user", "content": [{"type": "image", "image": (150, 200, 26)},
+                                                 {"type": "text", "text": "What is in the image?"}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": "A picture of a fox."}]},
+                    {"role": "user", "content": [{"type": "text", "text": "The quick brown fox jumps over it?"}]}]),
+]
+
+
+def tiny_config(tok):
+    return {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+        "text_config": {
+            "model_type": "qwen2_5_vl_text", "vocab_size": QWEN_TOK_TOTAL, "hidden_size": 128,
+            "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+            "bos_token_id": tok["<|endoftext|>"], "eos_token_id": tok["<|im_end|>"], "initializer_range": 0.05,
+            "use_sliding_window": False,
+        },
+        "vision_config": {
+            "depth": 4, "hidden_size": 64, "intermediate_size": 96, "num_heads": 4, "in_channels": 3,
+            "out_hidden_size": 128, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+            "window_size": 56, "fullatt_block_indexes": [1, 3], "hidden_act": "silu", "tokens_per_second": 2,
+            "initializer_range": 0.05,
+        },
+        "image_token_id": tok["<|image_pad|>"], "video_token_id": tok["<|video_pad|>"],
+        "vision_start_token_id": tok["<|vision_start|>"], "vision_end_token_id": tok["<|vision_end|>"],
+        "tie_word_embeddings": False,
+    }
+
+
+def hf_messages(msgs):
+    from PIL import Image
+    out, images = [], []
+    for m in msgs:
+        content = []
+        for c in m["content"]:
+            if c["type"] == "image":
+                w, h, seed = c["image"]
+                img = Image.fromarray(synth_image(w, h, seed), "RGB")
+                images.append(img)
+                content.append({"type": "image", "image": img})
+            else:
+                content.append(c)
+        out.append({"role": m["role"], "content": content})
+    return out, images
+
+
+def gen_model():
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    torch.manual_seed(0)
+    out = os.path.join(MODEL_OUT, "qwen25vl_tiny")
+    if os.path.isdir(out):
+        for f in os.listdir(out):
+            os.remove(os.path.join(out, f))
+    tok = build_qwen_tokenizer(out)
+    cfg_dict = tiny_config(tok)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg_dict, f, indent=1)
+        f.write("\n")
+    with open(os.path.join(out, "preprocessor_config.json"), "w") as f:
+        json.dump(TINY_PREPROC, f, indent=1)
+        f.write("\n")
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": tok["<|endoftext|>"], "eos_token_id": [tok["<|im_end|>"], tok["<|endoftext|>"]],
+                   "pad_token_id": tok["<|endoftext|>"], "do_sample": False}, f, indent=1)
+        f.write("\n")
+    config = Qwen2_5_VLConfig(**cfg_dict)
+    config._attn_implementation = "eager"
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    # bf16 checkpoint; the reference computes in float32 on the bf16 values (what Prism loads)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    save_file(sd, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    # The processor without its video half (Qwen2VLVideoProcessor needs torchvision, which would
+    # also switch the image processor to the torchvision one): image processor + tokenizer +
+    # the checkpoint's chat template, as AutoProcessor assembles them.
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLProcessor
+    improc = AutoImageProcessor.from_pretrained(out)
+    assert type(improc).__name__ == "Qwen2VLImageProcessorPil", type(improc)
+    class NoVideoProcessor(Qwen2_5_VLProcessor):
+        def check_argument_for_proper_class(self, name, arg):   # video_processor is None here
+            return None
+    proc = NoVideoProcessor(image_processor=improc, tokenizer=AutoTokenizer.from_pretrained(out),
+                            chat_template=QWEN25_CHAT_TEMPLATE)
+    golden = {"vocab": QWEN_TOK_TOTAL, "hidden": 128, "n_greedy": N_GREEDY, "tolerance": 1e-4, "cases": []}
+    vis = model.model.visual
+    for name, msgs in MODEL_CASES:
+        hm, images = hf_messages(msgs)
+        enc = proc.apply_chat_template(hm, tokenize=True, add_generation_prompt=True, return_dict=True,
+                                       return_tensors="pt")
+        ids = enc["input_ids"]
+        kw = {k: enc[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids") if k in enc}
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, attention_mask=enc["attention_mask"], max_new_tokens=N_GREEDY,
+                                 do_sample=False, eos_token_id=None, pad_token_id=tok["<|endoftext|>"], **kw)
+        greedy = gen[0, ids.shape[1]:].tolist()
+        assert len(greedy) == N_GREEDY
+        full = gen[:, : ids.shape[1] + N_GREEDY - 1]
+        kw2 = dict(kw)
+        if "mm_token_type_ids" in kw2:
+            kw2["mm_token_type_ids"] = torch.cat(
+                [kw2["mm_token_type_ids"], torch.zeros(1, N_GREEDY - 1, dtype=kw2["mm_token_type_ids"].dtype)], 1)
+        with torch.no_grad():
+            logits = model(input_ids=full, **kw2).logits[0].float()
+        n_prompt = ids.shape[1]
+        am = logits[n_prompt - 1:].argmax(-1).tolist()
+        assert am == greedy, (name, am, greedy)   # generate (KV cache) == teacher-forced recompute
+        case = {"name": name, "input_ids": ids[0].tolist(), "greedy": greedy, "images": []}
+        # logits: every position for the first image case, the last prompt position + the greedy
+        # steps for the others (fixtures stay small)
+        rows = logits if name == "one_image" else logits[n_prompt - 1:]
+        case["logits_from"] = 0 if name == "one_image" else n_prompt - 1
+        write_rows = rows.contiguous().numpy().astype("<f4")
+        fn = "logits_%s.bin" % name
+        write_rows.tofile(os.path.join(out, fn))
+        case["logits"] = fn
+        if "image_grid_thw" in kw:
+            feats = []
+            with torch.no_grad():
+                pooled = vis(kw["pixel_values"], grid_thw=kw["image_grid_thw"]).pooler_output
+            off = 0
+            for (i, img), grid in zip(enumerate(images), kw["image_grid_thw"].tolist()):
+                n_tok = grid[1] * grid[2] // 4
+                f = pooled[off: off + n_tok].float().contiguous().numpy().astype("<f4")
+                fn = "vision_%s_%d.bin" % (name, i)
+                f.tofile(os.path.join(out, fn))
+                w, h = img.size
+                m = [c for mm in msgs for c in mm["content"] if c["type"] == "image"][i]["image"]
+                case["images"].append({"w": w, "h": h, "seed": m[2], "grid": grid, "n_tokens": n_tok,
+                                       "features": fn})
+                off += n_tok
+            assert off == pooled.shape[0]
+            pv = one_frame(kw["pixel_values"].numpy(), 2, 14).astype("<f4")
+            case["pixel_fnv1a64_f32"] = fnv1a64(pv.tobytes())
+        golden["cases"].append(case)
+        print("model case %s: %d prompt tokens, images %s, greedy %s" % (
+            name, n_prompt, [c["grid"] for c in case["images"]], greedy))
+    with open(os.path.join(out, "golden.json"), "w") as f:
+        json.dump(golden, f, indent=1)
+        f.write("\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="image")
+    ap.add_argument("--only", default="image,model")
     a = ap.parse_args()
     only = set(a.only.split(","))
     if "image" in only:
         gen_image()
     if "model" in only:
-        raise SystemExit("model goldens: not written yet")
+        gen_model()
 
 
 if __name__ == "__main__":

@@ -43,6 +43,13 @@ typedef enum {
     PRISM_ROPE_INTERLEAVE = 1,  /* (x[2i], x[2i+1]) — Llama-4 */
 } prism_rope_mode_t;
 
+/* RoPE whose position depends on the frequency (rope_multi): section of each rotated pair. */
+#define PRISM_ROPE_MAX_PAIRS 256
+#define PRISM_ROPE_MAX_SECTIONS 4
+typedef struct {
+    uint8_t of[PRISM_ROPE_MAX_PAIRS];   /* pair j takes its position from row of[j] (< PRISM_ROPE_MAX_SECTIONS) */
+} prism_rope_sections_t;
+
 /* Per-row parameters of the sample op (HOST arrays of n_rows). uniform[r] is the request RNG's next
  * draw in [0, 1) (prism_rng_uniform), used only when the row is not greedy. */
 typedef struct {
@@ -241,6 +248,25 @@ typedef struct prism_backend_i {
                       const float *bias);
     int (*token_mask)(void *ctx, float *logits, int n_rows, int vocab, const int32_t *masks, int words,
                       const int32_t *mask_row);
+
+    /* ---- Qwen-VL ops (optional: NULL means the backend cannot run Qwen2.5-VL / Qwen3-VL; the
+     * models refuse to load then) ----
+     * rope_multi: NeoX-paired RoPE (rotate_half: pair j is (x[j], x[j + head_dim/2]) of every
+     *   head, j < head_dim/2) whose position depends on the pair: pair j of token t turns by
+     *   pos[sec->of[j] * pos_ld + t] * inv_freq[j] (fp32 product, fp32 cos/sin). pos DEVICE int32
+     *   [sections][pos_ld]; inv_freq DEVICE float [head_dim/2]; sec a HOST table read during the
+     *   call. M-RoPE (Qwen2.5-VL: runs of t, h, w pairs; Qwen3-VL: interleaved) and the vision
+     *   towers' 2D RoPE (rows, then columns, the same frequencies twice) are this op.
+     * attn_varlen: non-causal attention within each of n_seqs sequences of a flattened batch:
+     *   sequence s is rows [cu[s], cu[s+1]) (DEVICE int32 [n_seqs+1], cu[0] = 0, non-decreasing;
+     *   empty sequences allowed). max_len >= every cu[s+1] - cu[s] (launch sizing). Rows of stride
+     *   ld{q,k,v,o}. A window attention is this op over the windows, a full one over the images:
+     *   blockwise with online softmax like every attention here, never an n x n matrix. */
+    int (*rope_multi)(void *ctx, float *x, int ld, int n_tokens, int n_heads, int head_dim, const int32_t *pos,
+                      int pos_ld, const float *inv_freq, const prism_rope_sections_t *sec);
+    int (*attn_varlen)(void *ctx, float *out, int ldo, const float *q, int ldq, const float *k, int ldk,
+                       const float *v, int ldv, const int32_t *cu, int n_seqs, int max_len, int n_heads,
+                       int n_kv_heads, int head_dim, float scale);
 
     /* ---- random init (--random-weights) ----
      * fill_random: dst[i] = std * prism_random_normalish(seed, i) (dtype.h) for i < n, stored as dt.

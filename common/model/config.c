@@ -97,7 +97,24 @@ static int parse_rope(json_t *t, prism_model_config_t *c, char *err, size_t errl
     TRY(get_float(rp, "rope_theta", &c->rope_theta, 1.0, 1e12, err, errlen));
     const char *type = get_str(rp, "rope_type");
     if (!type) type = get_str(rp, "type");
-    if (!type || strcmp(type, "default") == 0) {
+    /* M-RoPE (Qwen2/2.5-VL): "mrope" is the default frequencies with the rotary pairs split among
+     * the (t, h, w) position rows by mrope_section (transformers maps the type to "default"). */
+    json_t *ms = json_object_get(rp, "mrope_section");
+    if (ms && !json_is_null(ms)) {
+        if (!json_is_array(ms) || json_array_size(ms) != 3) {
+            ERR("config: mrope_section must list 3 integers");
+            return PRISM_ECORRUPT;
+        }
+        for (int i = 0; i < 3; i++) {
+            json_t *e = json_array_get(ms, (size_t)i);
+            if (!json_is_integer(e) || json_integer_value(e) < 0 || json_integer_value(e) > 256) {
+                ERR("config: mrope_section[%d] must be an integer in [0, 256]", i);
+                return PRISM_ECORRUPT;
+            }
+            c->mrope_section[i] = (int)json_integer_value(e);
+        }
+    }
+    if (!type || strcmp(type, "default") == 0 || strcmp(type, "mrope") == 0) {
         c->rope_scaling_type = 0;
     } else if (strcmp(type, "llama3") == 0) {
         c->rope_scaling_type = 1;
@@ -415,6 +432,147 @@ done:
     return rc;
 }
 
+/* ---------------------------------------------------------------- Qwen2.5-VL */
+
+/* Qwen2_5_VLVisionConfig (transformers' defaults for absent keys): the layer table from
+ * fullatt_block_indexes; the dimensions must chain into the text model. */
+static int parse_qwen25_vision(json_t *v, prism_model_config_t *c, char *err, size_t errlen)
+{
+    if (v && !json_is_null(v) && !json_is_object(v)) {
+        ERR("config: vision_config must be an object");
+        return PRISM_ECORRUPT;
+    }
+    json_t *empty = NULL;
+    if (!v || json_is_null(v)) v = empty = json_object();
+    int rc = PRISM_ECORRUPT, out_hidden = 3584;
+    c->vision_arch = PRISM_VISION_QWEN25;
+    c->v_layers = 32;
+    c->v_hidden = 3584;
+    c->v_intermediate = 3420;
+    c->v_heads = 16;
+    c->v_num_channels = 3;
+    c->v_patch = 14;
+    c->v_merge = 2;
+    c->v_temporal_patch = 2;
+    c->v_window = 112;
+    c->v_rope_theta = 10000.0f;
+    c->v_eps = 1e-6f;
+    c->v_act = PRISM_ACT_SILU;
+    int full[PRISM_MODEL_MAX_VLAYERS] = {7, 15, 23, 31}, n_full = 4;
+    if (get_int(v, "depth", &c->v_layers, 1, PRISM_MODEL_MAX_VLAYERS, err, errlen) ||
+        get_int(v, "hidden_size", &c->v_hidden, 1, 1 << 15, err, errlen) ||
+        get_int(v, "intermediate_size", &c->v_intermediate, 1, 1 << 18, err, errlen) ||
+        get_int(v, "num_heads", &c->v_heads, 1, 1024, err, errlen) ||
+        get_int(v, "in_channels", &c->v_num_channels, 3, 3, err, errlen) ||
+        get_int(v, "patch_size", &c->v_patch, 1, 64, err, errlen) ||
+        get_int(v, "spatial_merge_size", &c->v_merge, 1, 4, err, errlen) ||
+        get_int(v, "temporal_patch_size", &c->v_temporal_patch, 1, 16, err, errlen) ||
+        get_int(v, "window_size", &c->v_window, 1, 1 << 16, err, errlen) ||
+        get_int(v, "out_hidden_size", &out_hidden, 1, 1 << 16, err, errlen) ||
+        get_float(v, "rope_theta", &c->v_rope_theta, 1.0, 1e12, err, errlen))
+        goto done;
+    json_t *rp = json_object_get(v, "rope_parameters");
+    if (json_is_object(rp) && get_float(rp, "rope_theta", &c->v_rope_theta, 1.0, 1e12, err, errlen)) goto done;
+    const char *act = get_str(v, "hidden_act");
+    if (act && prism_act_parse(act) != PRISM_ACT_SILU) {
+        ERR("config: Qwen2.5-VL vision hidden_act '%s' is not supported (silu)", act);
+        rc = PRISM_ENOTSUP;
+        goto done;
+    }
+    json_t *fl = json_object_get(v, "fullatt_block_indexes");
+    if (fl && !json_is_null(fl)) {
+        if (!json_is_array(fl) || json_array_size(fl) > (size_t)c->v_layers) {
+            ERR("config: fullatt_block_indexes must list layer indices");
+            goto done;
+        }
+        bool present;
+        n_full = (int)json_array_size(fl);
+        if (n_full && get_int_list(v, "fullatt_block_indexes", full, n_full, 0, c->v_layers - 1, true, &present, err,
+                                   errlen))
+            goto done;
+    }
+    memset(c->v_layer_flags, 0, sizeof c->v_layer_flags);
+    for (int i = 0; i < n_full; i++)
+        if (full[i] < c->v_layers) c->v_layer_flags[full[i]] |= PRISM_VLAYER_FULLATT;
+    int hd = c->v_hidden % c->v_heads ? 0 : c->v_hidden / c->v_heads;
+    if (!hd || hd % 4 || hd > 512) {
+        ERR("config: vision head dim %d/%d must be a multiple of 4 (2D RoPE) and <= 512", c->v_hidden, c->v_heads);
+        rc = PRISM_ENOTSUP;
+        goto done;
+    }
+    if (out_hidden != c->hidden) {
+        ERR("config: vision out_hidden_size %d differs from the text hidden_size %d", out_hidden, c->hidden);
+        goto done;
+    }
+    if (c->v_window % (c->v_patch * c->v_merge)) {
+        ERR("config: window_size %d is not a multiple of patch_size * spatial_merge_size", c->v_window);
+        rc = PRISM_ENOTSUP;
+        goto done;
+    }
+    c->v_image_size = 0;               /* native resolution: no fixed input size */
+    c->image_seq_length = 0;           /* tokens per image follow its size */
+    c->v_feature_layer = c->v_layers;  /* every layer runs, then the merger */
+    rc = PRISM_OK;
+done:
+    json_decref(empty);
+    return rc;
+}
+
+/* Qwen2_5_VLConfig: the text model (text_config, or the root's keys in the checkpoints' flat
+ * layout) with Qwen2_5_VLTextConfig's defaults, M-RoPE, the vision tower and the special tokens. */
+static int parse_qwen25_vl(json_t *root, prism_model_config_t *c, char *err, size_t errlen)
+{
+    json_t *text = json_object_get(root, "text_config");
+    if (text && !json_is_null(text) && !json_is_object(text)) {
+        ERR("config.json: text_config must be an object");
+        return PRISM_ECORRUPT;
+    }
+    json_t *t = json_is_object(text) ? text : root;
+    TRY(parse_text(t, "qwen2", c, err, errlen));
+    /* Qwen2_5_VLTextConfig's defaults where they differ from Qwen2Config's */
+    json_t *probe;
+    if (!json_object_get(t, "vocab_size")) c->vocab = 152064;
+    if (!json_object_get(t, "rms_norm_eps")) c->rms_eps = 1e-5f;
+    if (!(probe = json_object_get(t, "bos_token_id")) || json_is_null(probe)) c->bos_token_id = 151643;
+    if (!c->n_eos) {
+        c->eos_token_ids[0] = 151645;
+        c->n_eos = 1;
+    }
+    if (!json_object_get(t, "rope_theta") && !json_object_get(t, "rope_parameters") &&
+        !(json_is_object(json_object_get(t, "rope_scaling")) &&
+          json_object_get(json_object_get(t, "rope_scaling"), "rope_theta")))
+        c->rope_theta = 1000000.0f;
+    if (!c->mrope_section[0] && !c->mrope_section[1] && !c->mrope_section[2]) {
+        c->mrope_section[0] = 16;   /* Qwen2_5_VLRotaryEmbedding's default */
+        c->mrope_section[1] = c->mrope_section[2] = 24;
+    }
+    if (c->mrope_section[0] + c->mrope_section[1] + c->mrope_section[2] != c->head_dim / 2) {
+        ERR("config: mrope_section %d+%d+%d must cover head_dim/2 = %d rotary pairs", c->mrope_section[0],
+            c->mrope_section[1], c->mrope_section[2], c->head_dim / 2);
+        return PRISM_ECORRUPT;
+    }
+    if (c->rope_scaling_type != 0) {
+        ERR("config: Qwen2.5-VL with rope scaling is not supported");
+        return PRISM_ENOTSUP;
+    }
+    TRY(parse_qwen25_vision(json_object_get(root, "vision_config"), c, err, errlen));
+    c->has_vision = true;
+    c->image_token_index = 151655;
+    c->boi_token_id = 151652;
+    c->eoi_token_id = 151653;
+    bool tie = false;
+    TRY(get_int(root, "image_token_id", &c->image_token_index, 0, INT32_MAX, err, errlen));
+    TRY(get_int(root, "vision_start_token_id", &c->boi_token_id, 0, INT32_MAX, err, errlen));
+    TRY(get_int(root, "vision_end_token_id", &c->eoi_token_id, 0, INT32_MAX, err, errlen));
+    TRY(get_bool(root, "tie_word_embeddings", &tie, err, errlen));
+    c->tie_word_embeddings = c->tie_word_embeddings || tie;
+    if (c->image_token_index >= c->vocab || c->boi_token_id >= c->vocab || c->eoi_token_id >= c->vocab) {
+        ERR("config.json: image / vision start / end token ids outside the vocabulary (%d)", c->vocab);
+        return PRISM_ECORRUPT;
+    }
+    return PRISM_OK;
+}
+
 static int parse_vision(json_t *v, prism_model_config_t *c, char *err, size_t errlen)
 {
     /* CLIPVisionConfig defaults when vision_config is a dict; LLaVA's own defaults (ViT-L/14-336)
@@ -478,16 +636,20 @@ int prism_model_config_parse(const char *config_json, const char *gen_json, pris
     const char *mt = get_str(root, "model_type");
     json_t *text = json_object_get(root, "text_config");
     bool llama4 = mt && strcmp(mt, "llama4") == 0;
-    bool llava = !llama4 && ((mt && strcmp(mt, "llava") == 0) || (text && json_is_object(text)));
-    if (mt && !llava && !llama4 && strcmp(mt, "llama") != 0 && strcmp(mt, "qwen2") != 0 &&
+    bool qwen25 = mt && strcmp(mt, "qwen2_5_vl") == 0;
+    bool llava = !llama4 && !qwen25 && ((mt && strcmp(mt, "llava") == 0) || (text && json_is_object(text)));
+    if (mt && !llava && !llama4 && !qwen25 && strcmp(mt, "llama") != 0 && strcmp(mt, "qwen2") != 0 &&
         strcmp(mt, "mistral") != 0 && strcmp(mt, "llama4_text") != 0) {
-        ERR("config.json: model_type '%s' is not supported (llava, llama4, llama4_text, llama, mistral, qwen2)", mt);
+        ERR("config.json: model_type '%s' is not supported (llava, llama4, llama4_text, llama, mistral, qwen2, "
+            "qwen2_5_vl)", mt);
         rc = PRISM_ENOTSUP;
         goto fail;
     }
     snprintf(c->arch, sizeof c->arch, "%s", mt ? mt : (llava ? "llava" : "llama"));
     c->boi_token_id = c->eoi_token_id = -1;
-    if (llama4) {
+    if (qwen25) {
+        if ((rc = parse_qwen25_vl(root, c, err, errlen)) != PRISM_OK) goto fail;
+    } else if (llama4) {
         if (text && !json_is_null(text) && !json_is_object(text)) {
             ERR("config.json: text_config must be an object");
             goto fail;

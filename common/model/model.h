@@ -41,7 +41,14 @@ enum {
 typedef enum {
     PRISM_VISION_CLIP   = 0,       /* LLaVA: CLIP tower, feature layer, 2-layer projector */
     PRISM_VISION_LLAMA4 = 1,       /* Llama-4: unfold + CLS last + 2D RoPE, pixel shuffle, adapter, projector */
+    PRISM_VISION_QWEN25 = 2,       /* Qwen2.5-VL: native resolution, window attention, 2x2 merger (vision_qwen.c) */
 } prism_vision_arch_t;
+
+/* Per-layer behaviour of a native-resolution tower (Qwen-VL). */
+#define PRISM_MODEL_MAX_VLAYERS 256
+enum {
+    PRISM_VLAYER_FULLATT = 1 << 0, /* attention over the whole image (else within windows) */
+};
 
 typedef struct prism_model_config {
     /* text (Llama / Qwen2) */
@@ -68,6 +75,8 @@ typedef struct prism_model_config {
     char arch[64];
     /* --- table-driven text model (Llama-4 fills the non-default values) --- */
     int rope_mode;            /* prism_rope_mode_t: NEOX (Llama/Qwen2 HF layout) or INTERLEAVE (Llama-4) */
+    int mrope_section[3];     /* M-RoPE (Qwen-VL): rotary pairs per position row (t, h, w), in runs; all 0:
+                               * plain RoPE */
     int dense_intermediate;   /* width of dense MLP layers: intermediate_size_mlp (Llama-4), else intermediate */
     int attention_chunk;      /* attention_chunk_size of PRISM_LAYER_CHUNKED layers (0: none) */
     float floor_scale, attn_scale;   /* temperature tuning: q *= log1p(floor((p+1)/floor_scale))*attn_scale + 1 */
@@ -81,6 +90,12 @@ typedef struct prism_model_config {
     int v_adapter_dim;        /* projector_input_dim == projector_output_dim: adapter fc1/fc2 width */
     int v_output_dim;         /* vision_output_dim: multi_modal_projector.linear_1 input */
     int boi_token_id, eoi_token_id;  /* <|image_start|>, <|image_end|> (-1 when absent) */
+    /* --- Qwen-VL vision (vision_arch PRISM_VISION_QWEN25): images at native resolution;
+     * image_seq_length is 0 (the token count follows each image's size: image/qwenvl_proc.h) --- */
+    int v_temporal_patch;     /* temporal_patch_size: frames per patch (a still image is repeated) */
+    int v_merge;              /* spatial_merge_size: patches per LM token along each axis */
+    int v_window;             /* window_size in pixels (window attention outside PRISM_VLAYER_FULLATT layers) */
+    uint8_t v_layer_flags[PRISM_MODEL_MAX_VLAYERS];   /* PRISM_VLAYER_* of each of v_layers layers */
     /* --- set by the caller, not by config.json ---
      * Seeded random weights of the configured shapes (norms 1, biases 0, the rest N(0, 0.02))
      * instead of reading safetensors — for benchmarks of full-size architectures that cannot be
@@ -293,5 +308,33 @@ size_t prism_vision_arena_bytes(const prism_model_config_t *cfg, int max_images)
  * split into micro-batches). */
 int  prism_vision_encode(prism_vision_t *v, const float *pixels, int n_images, float *out);
 void prism_vision_set_hook(prism_vision_t *v, const prism_model_hook_t *hook);
+
+/* ---- native-resolution vision towers (Qwen2.5-VL: cfg.vision_arch PRISM_VISION_QWEN25) ----
+ * An image is a grid of patches of any size (its processor says which: image/qwenvl_proc.h) and
+ * becomes (h / merge) x (w / merge) LM tokens, row-major. A forward takes a batch of images of at
+ * most max_patches patches in all: the activation arena is sized for that at load (attention is
+ * blockwise: memory is linear in the patches, never quadratic). */
+typedef struct {
+    int32_t h, w;                    /* patches per column / row (multiples of cfg.v_merge) */
+} prism_vgrid_t;
+
+typedef struct prism_vision_native prism_vision_native_t;
+int  prism_vision_native_load(prism_backend_t *be, const prism_model_config_t *cfg, const char *model_dir,
+                              int max_patches, prism_vision_native_t **out, char *err, size_t errlen);
+void prism_vision_native_free(prism_vision_native_t *v);
+size_t prism_vision_native_weight_bytes(const prism_vision_native_t *v);
+/* The arena for max_patches (for budget planning before load); 0 for other towers. */
+size_t prism_vision_native_arena_bytes(const prism_model_config_t *cfg, int max_patches);
+/* Floats of one LM token's output row: the embedding (cfg.hidden). */
+size_t prism_vision_native_row_floats(const prism_model_config_t *cfg);
+/* pixels: host float32 [sum of h*w][3][p][p], each image's patches in HF's order, one frame
+ * (image/qwenvl_proc.h; the tower repeats it cfg.v_temporal_patch times on the device). out: host
+ * [sum of (h/merge)*(w/merge)][row floats], image after image. PRISM_ELIMIT beyond max_patches
+ * (callers split into micro-batches of whole images), PRISM_EINVAL for a grid that is not a
+ * multiple of the merge size. The hook's items are the images; a dropped image's rows are not
+ * written. */
+int  prism_vision_native_encode(prism_vision_native_t *v, const float *pixels, const prism_vgrid_t *grids, int n_images,
+                                float *out);
+void prism_vision_native_set_hook(prism_vision_native_t *v, const prism_model_hook_t *hook);
 
 #endif

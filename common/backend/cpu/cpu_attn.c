@@ -64,6 +64,9 @@ typedef struct {
     const float *dk, *dv; int ldk, ldv;
     int seq_len;
     bool causal;
+    /* varlen (dense, non-causal): sequence s is rows [cu[s], cu[s+1]) */
+    const int32_t *cu;
+    int n_seqs;
 } attn_call_t;
 
 /* Rows of one segment: nt consecutive tokens (flat index tok0) of one sequence, heads
@@ -169,6 +172,17 @@ static void attend_item(const attn_call_t *a, float *scratch, long it)
                 hi[i] = p + 1;
                 lo[i] = me->chunk > 0 ? p / me->chunk * me->chunk : 0;
             }
+        } else if (a->cu) {
+            s = seq_of_token(a->cu, a->n_seqs, t);   /* the last s with cu[s] <= t: never an empty one */
+            int r0 = a->cu[s];
+            q_len = a->cu[s + 1] - r0;
+            seg_end = PRISM_MIN(end, a->cu[s + 1]);
+            src = (kv_src_t){a->dk + (size_t)r0 * a->ldk + (size_t)g * a->hd, a->dv + (size_t)r0 * a->ldv + (size_t)g * a->hd,
+                             NULL, 0, 0, 0, a->ldk, a->ldv};
+            for (int i = 0; i < seg_end - t; i++) {
+                hi[i] = q_len;
+                lo[i] = 0;
+            }
         } else {
             s = t / a->seq_len;
             q_len = a->seq_len;
@@ -250,5 +264,25 @@ int prism_cpu_attn_dense(void *ctx, float *out, int ldo, const float *q, int ldq
                      .hd = head_dim, .scale = scale, .dk = k, .dv = v, .ldk = ldk, .ldv = ldv, .seq_len = seq_len,
                      .causal = causal};
     attn_run(c, &a, (long)n_seqs * seq_len);
+    return PRISM_OK;
+}
+
+int prism_cpu_attn_varlen(void *ctx, float *out, int ldo, const float *q, int ldq, const float *k, int ldk,
+                          const float *v, int ldv, const int32_t *cu, int n_seqs, int max_len, int n_heads,
+                          int n_kv_heads, int head_dim, float scale)
+{
+    prism_cpu_ctx_t *c = ctx;
+    if (n_kv_heads <= 0 || n_heads % n_kv_heads || n_heads / n_kv_heads > PRISM_CPU_MAX_GQA || head_dim <= 0 ||
+        head_dim > PRISM_CPU_MAX_HEAD_DIM || n_seqs < 0 || max_len < 0 || !cu || ldq < n_heads * head_dim ||
+        ldo < n_heads * head_dim || ldk < n_kv_heads * head_dim || ldv < n_kv_heads * head_dim)
+        return PRISM_EINVAL;
+    if (n_seqs == 0 || cu[n_seqs] == 0) return PRISM_OK;
+    for (int s = 0; s < n_seqs; s++)
+        if (cu[s + 1] < cu[s] || cu[s + 1] - cu[s] > max_len) return PRISM_EINVAL;
+    if (cu[0] != 0) return PRISM_EINVAL;
+    attn_call_t a = {.out = out, .ldo = ldo, .q = q, .ldq = ldq, .n_heads = n_heads, .n_kv = n_kv_heads,
+                     .hd = head_dim, .scale = scale, .dk = k, .dv = v, .ldk = ldk, .ldv = ldv, .cu = cu,
+                     .n_seqs = n_seqs};
+    attn_run(c, &a, (long)cu[n_seqs]);
     return PRISM_OK;
 }

@@ -205,6 +205,8 @@ typedef struct {
     const float *inv_freq;
     int n_heads, head_dim, half;
     prism_rope_mode_t mode;
+    const prism_rope_sections_t *sec;   /* rope_multi: section of each pair, positions [sections][pos_ld] */
+    size_t pos_ld;
 } ew_task_t;
 
 static void ew_worker(void *arg, int ith, int nth)
@@ -245,6 +247,7 @@ static void ew_worker(void *arg, int ith, int nth)
         for (size_t r = i0; r < i1; r++) {
             float p = (float)t->pos[r];
             for (int i = 0; i < t->half; i++) {
+                if (t->sec) p = (float)t->pos[(size_t)t->sec->of[i] * t->pos_ld + r];
                 float ang = p * t->inv_freq[i];  /* fp32 product as in HF */
                 cs[i] = cosf(ang);
                 sn[i] = sinf(ang);
@@ -297,6 +300,22 @@ static int cpu_rope(void *ctx, float *x, int ld, int n_tokens, int n_heads, int 
     ew_task_t t = {.op = EW_ROPE, .y = x, .n = (size_t)n_tokens, .ld = ld, .pos = pos, .inv_freq = inv_freq,
                    .n_heads = n_heads, .head_dim = head_dim, .half = rot_dim / 2, .mode = mode};
     ew_run(ctx, &t, (size_t)n_tokens * n_heads * rot_dim * 4);
+    return PRISM_OK;
+}
+
+static int cpu_rope_multi(void *ctx, float *x, int ld, int n_tokens, int n_heads, int head_dim, const int32_t *pos,
+                          int pos_ld, const float *inv_freq, const prism_rope_sections_t *sec)
+{
+    if (head_dim <= 0 || (head_dim & 1) || head_dim > PRISM_CPU_MAX_HEAD_DIM || head_dim / 2 > PRISM_ROPE_MAX_PAIRS ||
+        ld < n_heads * head_dim || n_tokens < 0 || pos_ld < n_tokens || !sec)
+        return PRISM_EINVAL;
+    for (int j = 0; j < head_dim / 2; j++)
+        if (sec->of[j] >= PRISM_ROPE_MAX_SECTIONS) return PRISM_EINVAL;
+    if (n_tokens == 0 || n_heads <= 0) return PRISM_OK;
+    ew_task_t t = {.op = EW_ROPE, .y = x, .n = (size_t)n_tokens, .ld = ld, .pos = pos, .inv_freq = inv_freq,
+                   .n_heads = n_heads, .head_dim = head_dim, .half = head_dim / 2, .mode = PRISM_ROPE_NEOX,
+                   .sec = sec, .pos_ld = (size_t)pos_ld};
+    ew_run(ctx, &t, (size_t)n_tokens * n_heads * head_dim * 4);
     return PRISM_OK;
 }
 
@@ -526,6 +545,7 @@ prism_backend_t *prism_backend_cpu_create_pool(int n_threads, size_t pool_bytes)
         .head_rmsnorm = prism_cpu_head_rmsnorm, .scale_rows = prism_cpu_scale_rows,
         .moe_route = prism_cpu_moe_route, .matmul_grouped = prism_cpu_matmul_grouped,
         .moe_combine = prism_cpu_moe_combine, .pixel_shuffle = prism_cpu_pixel_shuffle,
+        .rope_multi = cpu_rope_multi, .attn_varlen = prism_cpu_attn_varlen,
         .set_weight_dtype = cpu_set_weight_dtype,
         .destroy = cpu_destroy,
     };

@@ -80,6 +80,9 @@ int prism_cpu_attn_paged(void *ctx, float *out, int ldo, const float *q, int ldq
 int prism_cpu_attn_dense(void *ctx, float *out, int ldo, const float *q, int ldq, const float *k, int ldk,
                          const float *v, int ldv, int n_seqs, int seq_len, int n_heads, int n_kv_heads,
                          int head_dim, float scale, bool causal);
+int prism_cpu_attn_varlen(void *ctx, float *out, int ldo, const float *q, int ldq, const float *k, int ldk,
+                          const float *v, int ldv, const int32_t *cu, int n_seqs, int max_len, int n_heads,
+                          int n_kv_heads, int head_dim, float scale);
 
 /* Columns of a bf16 weight slice with K inputs widened at once into a thread's widen scratch
  * (whole 16-column groups; 0 when K is too long for it). */

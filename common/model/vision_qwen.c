@@ -1,0 +1,539 @@
+/* Native-resolution vision tower: Qwen2.5-VL (transformers' Qwen2_5_VisionTransformerPretrainedModel).
+ *
+ * An image of h x w patches (HF's patch order: merged row, merged column, then the merge x merge
+ * block) goes through:
+ *   patch embedding   the host frame repeated temporal_patch_size times on the device (copy_2d),
+ *                     then one matmul with the Conv3d weight [hidden][C*T*p*p] (stride = kernel);
+ *   window order      merged tokens regrouped window by window (HF's window_index: windows of
+ *                     window_size / patch / merge merged tokens a side, row-major, the last ones
+ *                     clipped at the image's edge), the merge blocks staying together;
+ *   layers            x += proj(attn(RMSNorm(x))), x += down(silu(gate) * up)(RMSNorm(x)), every
+ *                     linear with its bias; 2D rotary on q and k (rotate_half pairs: the first
+ *                     head_dim/4 pairs turn with the patch's row, the next with its column, the
+ *                     same frequencies twice); attention within each window, or over the whole
+ *                     image in the layers of fullatt_block_indexes: attn_varlen over cu_seqlens,
+ *                     blockwise, never an n x n matrix;
+ *   merger            RMSNorm (ln_q), each merge block's rows side by side ([n/4][4*hidden], a view:
+ *                     the block's rows are adjacent), Linear, GELU (erf), Linear to the LM width;
+ *   image order       the inverse window permutation (HF's argsort(window_index)) on the way out.
+ * The metadata (gather indices, positions, cu_seqlens) is built on the host per forward and
+ * uploaded once; weights and activations were carved at load, so a forward never allocates. */
+#include "model/model_impl.h"
+
+#include <math.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <string.h>
+
+#define ERR(...) do { if (err && errlen) snprintf(err, errlen, __VA_ARGS__); } while (0)
+#define CK(x) do { int rc_ = (x); if (rc_ != PRISM_OK) return rc_; } while (0)
+
+#define MLP_CHUNK 4096   /* rows of the MLP per matmul: its [rows][3 * intermediate] scratch is the only
+                          * part of the arena that does not grow with the image */
+
+typedef struct {
+    float *n1, *n2;          /* [VH] RMSNorm weights */
+    void *wqkv;              /* [3 VH][VH]: q rows, k rows, v rows (HF's fused qkv) */
+    float *bqkv;             /* [3 VH] */
+    void *wo;                /* [VH][VH] */
+    float *bo;               /* [VH] */
+    void *wgu;               /* [2 VI][VH]: gate rows, then up rows */
+    float *bgu;              /* [2 VI] */
+    void *wd;                /* [VH][VI] */
+    float *bd;               /* [VH] */
+} qv_layer_t;
+
+struct prism_vision_native {
+    prism_backend_t *be;
+    prism_model_config_t cfg;
+    prism_dtype_t wdt;
+    int max_patches;
+    int hd, mm;              /* head dim; patches per LM token (merge^2) */
+    int pix_feat, feat;      /* floats of a host patch row (one frame), of the embedding's input (T frames) */
+    void *wbuf;
+    size_t wbytes;
+    void *patch_w;           /* [VH][C*T*p*p] */
+    qv_layer_t *layers;      /* [v_layers] */
+    float *ln_q;             /* [VH] merger RMSNorm */
+    void *m1_w, *m2_w;       /* [mm VH][mm VH], [H][mm VH] */
+    float *m1_b, *m2_b;      /* [mm VH], [H] */
+
+    void *abuf;
+    size_t abytes;
+    float *pix;              /* [N][pix_feat] */
+    float *big;              /* [N][max(3 VH, feat)]: expanded frames, then qkv, then the merger's input */
+    float *h, *xn, *attn;    /* [N][VH], each at least [N/mm][H] (the merger's outputs); h and attn take
+                              * turns as the residual stream (images dropped between layers) */
+    float *mlp;              /* [MLP_CHUNK][3 VI]: gate|up, then the activation */
+    float *rope_inv;         /* [hd/2] row frequencies, then the same for columns */
+    int32_t *d_meta;         /* device: widx[N] rev[N/mm] pos[2][N] cu_win[N/mm + 2] cu_full[N/mm + 2] */
+    int32_t *h_meta;         /* host mirror */
+    size_t meta_n;
+    prism_rope_sections_t sec;
+    const prism_model_hook_t *hook;
+    int *keep;               /* [max images] caller's index of each image still in the batch */
+    prism_vgrid_t *kgrid;    /* [max images] their grids */
+    uint8_t *gone;
+};
+
+/* ---------------------------------------------------------------- sizing */
+
+static int max_images_of(int max_patches, int mm) { return PRISM_MAX(1, max_patches / mm); }
+
+static size_t big_width(const prism_model_config_t *c)
+{
+    size_t feat = (size_t)c->v_num_channels * c->v_temporal_patch * c->v_patch * c->v_patch;
+    return PRISM_MAX((size_t)3 * c->v_hidden, feat);
+}
+
+static size_t meta_count(int N, int mm)
+{
+    size_t nt = (size_t)N / mm;
+    return (size_t)N + nt + 2 * (size_t)N + 2 * (nt + 2);
+}
+
+static size_t qv_layout(const prism_model_config_t *c, int N, struct prism_vision_native *v)
+{
+    prism_layout_t l = {v ? v->abuf : NULL, 0};
+    size_t VH = (size_t)c->v_hidden, H = (size_t)c->hidden, mm = (size_t)c->v_merge * c->v_merge;
+    size_t nt = (size_t)N / mm, wide = PRISM_MAX((size_t)N * VH, nt * H);
+    size_t pix_feat = (size_t)c->v_num_channels * c->v_patch * c->v_patch;
+    size_t chunk = (size_t)PRISM_MIN(N, MLP_CHUNK);
+    float *pix = prism_layout_take(&l, (size_t)N * pix_feat * 4);
+    float *big = prism_layout_take(&l, (size_t)N * big_width(c) * 4);
+    float *h = prism_layout_take(&l, wide * 4);
+    float *xn = prism_layout_take(&l, wide * 4);
+    float *attn = prism_layout_take(&l, wide * 4);
+    float *mlp = prism_layout_take(&l, chunk * 3 * (size_t)c->v_intermediate * 4);
+    float *inv = prism_layout_take(&l, (size_t)(c->v_hidden / c->v_heads / 2) * 4);
+    int32_t *meta = prism_layout_take(&l, meta_count(N, (int)mm) * 4);
+    if (v && v->abuf) {
+        v->pix = pix; v->big = big; v->h = h; v->xn = xn; v->attn = attn; v->mlp = mlp; v->rope_inv = inv;
+        v->d_meta = meta;
+    }
+    return PRISM_ALIGN_UP(l.off, PRISM_TENSOR_ALIGN);
+}
+
+size_t prism_vision_native_arena_bytes(const prism_model_config_t *cfg, int max_patches)
+{
+    if (!cfg->has_vision || cfg->vision_arch != PRISM_VISION_QWEN25 || max_patches <= 0) return 0;
+    return qv_layout(cfg, max_patches, NULL);
+}
+
+size_t prism_vision_native_row_floats(const prism_model_config_t *cfg) { return (size_t)cfg->hidden; }
+
+/* ---------------------------------------------------------------- weights */
+
+static const char *const k_prefixes[] = {"visual.", "model.visual."};
+
+/* Tensors of one layer: HF name, field, and the part of a fused matrix it fills. Dimensions are
+ * symbolic (VH, VI: the vision hidden and intermediate widths). */
+enum { D_1 = 0, D_VH, D_VI, D_2VI, D_3VH };
+typedef struct {
+    const char *name;
+    size_t off;              /* offsetof the field in qv_layer_t */
+    bool f32;                /* norms and biases: float32; matrices: the backend's weight dtype */
+    int rows, cols;          /* this tensor */
+    int fused_rows, row0;    /* the field's whole matrix and where this tensor starts in it (D_1: row 0) */
+} qv_tensor_t;
+
+static const qv_tensor_t k_qwen25_layer[] = {
+    {"norm1.weight", offsetof(qv_layer_t, n1), true, D_VH, D_1, D_VH, 0},
+    {"norm2.weight", offsetof(qv_layer_t, n2), true, D_VH, D_1, D_VH, 0},
+    {"attn.qkv.weight", offsetof(qv_layer_t, wqkv), false, D_3VH, D_VH, D_3VH, 0},
+    {"attn.qkv.bias", offsetof(qv_layer_t, bqkv), true, D_3VH, D_1, D_3VH, 0},
+    {"attn.proj.weight", offsetof(qv_layer_t, wo), false, D_VH, D_VH, D_VH, 0},
+    {"attn.proj.bias", offsetof(qv_layer_t, bo), true, D_VH, D_1, D_VH, 0},
+    {"mlp.gate_proj.weight", offsetof(qv_layer_t, wgu), false, D_VI, D_VH, D_2VI, 0},
+    {"mlp.up_proj.weight", offsetof(qv_layer_t, wgu), false, D_VI, D_VH, D_2VI, D_VI},
+    {"mlp.gate_proj.bias", offsetof(qv_layer_t, bgu), true, D_VI, D_1, D_2VI, 0},
+    {"mlp.up_proj.bias", offsetof(qv_layer_t, bgu), true, D_VI, D_1, D_2VI, D_VI},
+    {"mlp.down_proj.weight", offsetof(qv_layer_t, wd), false, D_VH, D_VI, D_VH, 0},
+    {"mlp.down_proj.bias", offsetof(qv_layer_t, bd), true, D_VH, D_1, D_VH, 0},
+};
+
+static int64_t dim_of(const prism_model_config_t *c, int d)
+{
+    switch (d) {
+    case D_VH: return c->v_hidden;
+    case D_VI: return c->v_intermediate;
+    case D_2VI: return 2 * (int64_t)c->v_intermediate;
+    case D_3VH: return 3 * (int64_t)c->v_hidden;
+    default: return 1;
+    }
+}
+
+static int load_table(struct prism_vision_native *v, prism_wload_t *w, const char *pfx, void *base,
+                      const qv_tensor_t *tab, size_t n)
+{
+    const prism_model_config_t *c = &v->cfg;
+    char name[256];
+    for (size_t i = 0; i < n; i++) {
+        const qv_tensor_t *t = &tab[i];
+        prism_dtype_t dt = t->f32 ? PRISM_DTYPE_F32 : v->wdt;
+        size_t es = prism_dtype_size(dt);
+        int64_t rows = dim_of(c, t->rows), cols = dim_of(c, t->cols);
+        void **field = (void **)((uint8_t *)base + t->off);
+        /* the first part of a matrix reserves all of it; later parts start row0 rows in */
+        int64_t row0 = t->row0 == D_1 ? 0 : dim_of(c, t->row0);
+        if (!row0) *field = prism_wload_reserve(w, (size_t)(dim_of(c, t->fused_rows) * cols) * es);
+        uint8_t *dst = *field ? (uint8_t *)*field + (size_t)(row0 * cols) * es : NULL;
+        snprintf(name, sizeof name, "%s%s", pfx, t->name);
+        int rc = t->cols == D_1 ? prism_wload_fill(w, dst, dt, name, 1, (const int64_t[]){rows})
+                                : prism_wload_fill(w, dst, dt, name, 2, (const int64_t[]){rows, cols});
+        if (rc != PRISM_OK) return rc;
+    }
+    return PRISM_OK;
+}
+
+static int load_weights(struct prism_vision_native *v, prism_wload_t *w, const char *vp)
+{
+    const prism_model_config_t *c = &v->cfg;
+    int64_t VH = c->v_hidden, H = c->hidden, C = c->v_num_channels, T = c->v_temporal_patch, P = c->v_patch;
+    int64_t MV = (int64_t)v->mm * VH;
+    char name[256], p[160];
+    int rc;
+#define NAME(...) (snprintf(name, sizeof name, __VA_ARGS__), name)
+#define SHAPE(...) ((const int64_t[]){__VA_ARGS__})
+    /* Conv3d [VH][C][T][p][p], kernel = stride: a matmul over the patch rows of T frames */
+    if ((rc = prism_wload_tensor(w, &v->patch_w, v->wdt, NAME("%spatch_embed.proj.weight", vp), 5, SHAPE(VH, C, T, P, P))))
+        return rc;
+    for (int L = 0; L < c->v_layers; L++) {
+        snprintf(p, sizeof p, "%sblocks.%d.", vp, L);
+        if ((rc = load_table(v, w, p, &v->layers[L], k_qwen25_layer, PRISM_ARRAY_LEN(k_qwen25_layer)))) return rc;
+    }
+    if ((rc = prism_wload_tensor(w, (void **)&v->ln_q, PRISM_DTYPE_F32, NAME("%smerger.ln_q.weight", vp), 1, SHAPE(VH))))
+        return rc;
+    if ((rc = prism_wload_tensor(w, &v->m1_w, v->wdt, NAME("%smerger.mlp.0.weight", vp), 2, SHAPE(MV, MV)))) return rc;
+    if ((rc = prism_wload_tensor(w, (void **)&v->m1_b, PRISM_DTYPE_F32, NAME("%smerger.mlp.0.bias", vp), 1, SHAPE(MV))))
+        return rc;
+    if ((rc = prism_wload_tensor(w, &v->m2_w, v->wdt, NAME("%smerger.mlp.2.weight", vp), 2, SHAPE(H, MV)))) return rc;
+    if ((rc = prism_wload_tensor(w, (void **)&v->m2_b, PRISM_DTYPE_F32, NAME("%smerger.mlp.2.bias", vp), 1, SHAPE(H))))
+        return rc;
+#undef NAME
+#undef SHAPE
+    return PRISM_OK;
+}
+
+int prism_vision_native_load(prism_backend_t *be, const prism_model_config_t *cfg, const char *model_dir,
+                             int max_patches, prism_vision_native_t **out, char *err, size_t errlen)
+{
+    *out = NULL;
+    if (!cfg->has_vision || cfg->vision_arch != PRISM_VISION_QWEN25) {
+        ERR("vision: %s has no native-resolution vision tower", cfg->arch);
+        return PRISM_ENOTSUP;
+    }
+    int mm = cfg->v_merge * cfg->v_merge;
+    if (max_patches < mm || max_patches > (1 << 24) || cfg->v_layers < 1 || cfg->v_layers > PRISM_MODEL_MAX_VLAYERS) {
+        ERR("vision: bad max_patches %d", max_patches);
+        return PRISM_EINVAL;
+    }
+    if (!be->i.rope_multi || !be->i.attn_varlen) {
+        ERR("vision: the %s backend lacks the ops Qwen-VL needs (rope_multi, attn_varlen)", be->device);
+        return PRISM_ENOTSUP;
+    }
+    prism_st_t *st = NULL;
+    prism_wload_t w = {0};
+    struct prism_vision_native *v = prism_calloc(1, sizeof *v);
+    int rc = PRISM_ENOMEM;
+    if (!v) goto fail;
+    v->be = be;
+    v->cfg = *cfg;
+    v->wdt = be->weight_dtype;
+    v->max_patches = max_patches;
+    v->mm = mm;
+    v->hd = cfg->v_hidden / cfg->v_heads;
+    v->pix_feat = cfg->v_num_channels * cfg->v_patch * cfg->v_patch;
+    v->feat = v->pix_feat * cfg->v_temporal_patch;
+    int max_img = max_images_of(max_patches, mm);
+    v->layers = prism_calloc((size_t)cfg->v_layers, sizeof *v->layers);
+    v->keep = prism_calloc((size_t)max_img, sizeof *v->keep);
+    v->kgrid = prism_calloc((size_t)max_img, sizeof *v->kgrid);
+    v->gone = prism_calloc((size_t)max_img, 1);
+    v->meta_n = meta_count(max_patches, mm);
+    v->h_meta = prism_malloc(v->meta_n * sizeof(int32_t));
+    if (!v->layers || !v->keep || !v->kgrid || !v->gone || !v->h_meta) goto fail;
+    const char *vp = k_prefixes[0];
+    if (!cfg->random_weights) {
+        if ((rc = prism_st_open_dir(model_dir, &st, err, errlen)) != PRISM_OK) goto fail;
+        vp = prism_wload_find_prefix(st, k_prefixes, (int)PRISM_ARRAY_LEN(k_prefixes), "patch_embed.proj.weight");
+        if (!vp) {
+            ERR("weights: no Qwen-VL vision tower (visual.patch_embed.proj.weight) in %s", model_dir);
+            rc = PRISM_ENOTFOUND;
+            goto fail;
+        }
+    }
+    w = (prism_wload_t){.be = be, .st = st, .err = err, .errlen = errlen, .random = cfg->random_weights,
+                        .seed = cfg->random_seed};
+    if ((rc = load_weights(v, &w, vp)) != PRISM_OK) goto fail;   /* pass 1: validate + size */
+    v->wbytes = PRISM_ALIGN_UP(w.off, PRISM_TENSOR_ALIGN);
+    v->wbuf = prism_backend_buf_alloc(be, v->wbytes);
+    w.staging_n = 1u << 20;
+    w.staging = prism_malloc(w.staging_n * sizeof(float));
+    if (!v->wbuf || !w.staging) {
+        ERR("vision: cannot allocate weights");
+        rc = PRISM_ENOMEM;
+        goto fail;
+    }
+    w.base = v->wbuf;
+    w.total = v->wbytes;
+    w.off = 0;
+    w.next_log = (size_t)1 << 30;
+    if ((rc = load_weights(v, &w, vp)) != PRISM_OK) goto fail;   /* pass 2: upload */
+    prism_free(w.staging);
+    w.staging = NULL;
+    prism_st_close(st);
+    st = NULL;
+
+    v->abytes = qv_layout(cfg, max_patches, NULL);
+    v->abuf = prism_backend_buf_alloc(be, v->abytes);
+    if (!v->abuf) {
+        char b[32];
+        ERR("vision: cannot allocate the %s activation arena", prism_fmt_bytes(v->abytes, b, sizeof b));
+        rc = PRISM_ENOMEM;
+        goto fail;
+    }
+    qv_layout(cfg, max_patches, v);
+    /* 2D rotary: HF's inv_freq over head_dim/2 (theta^(-2j/(head_dim/2)), j < head_dim/4), once for
+     * the row positions and once for the columns. */
+    {
+        int q = v->hd / 4;
+        float inv[256];
+        for (int j = 0; j < q; j++) {
+            inv[j] = 1.0f / powf(cfg->v_rope_theta, (float)(2 * j) / (float)(v->hd / 2));
+            inv[q + j] = inv[j];
+            v->sec.of[j] = 0;
+            v->sec.of[q + j] = 1;
+        }
+        if ((rc = be->i.upload(be->ctx, v->rope_inv, inv, (size_t)(2 * q) * 4)) != PRISM_OK) goto fail;
+    }
+    {
+        char a[32], b[32];
+        int full = 0;
+        for (int L = 0; L < cfg->v_layers; L++) full += (cfg->v_layer_flags[L] & PRISM_VLAYER_FULLATT) != 0;
+        PRISM_INFO("vision: Qwen2.5-VL tower, %d layers (%d full attention, windows of %d px), %s weights + %s arena "
+                   "for %d patches", cfg->v_layers, full, cfg->v_window, prism_fmt_bytes(v->wbytes, a, sizeof a),
+                   prism_fmt_bytes(v->abytes, b, sizeof b), max_patches);
+    }
+    *out = v;
+    return PRISM_OK;
+fail:
+    prism_free(w.staging);
+    prism_st_close(st);
+    prism_vision_native_free(v);
+    return rc;
+}
+
+void prism_vision_native_free(prism_vision_native_t *v)
+{
+    if (!v) return;
+    prism_backend_buf_free(v->be, v->wbuf);
+    prism_backend_buf_free(v->be, v->abuf);
+    prism_free(v->layers);
+    prism_free(v->keep);
+    prism_free(v->kgrid);
+    prism_free(v->gone);
+    prism_free(v->h_meta);
+    prism_free(v);
+}
+
+size_t prism_vision_native_weight_bytes(const prism_vision_native_t *v) { return v->wbytes; }
+void prism_vision_native_set_hook(prism_vision_native_t *v, const prism_model_hook_t *hook) { v->hook = hook; }
+
+/* ---------------------------------------------------------------- metadata */
+
+typedef struct {
+    int32_t *widx, *rev, *pos, *cu_win, *cu_full;
+    int n_win;
+} qv_meta_t;
+
+static qv_meta_t meta_at(int32_t *base, int N, int mm)
+{
+    int nt = N / mm;
+    qv_meta_t m = {0};
+    m.widx = base;
+    m.rev = m.widx + N;
+    m.pos = m.rev + nt;
+    m.cu_win = m.pos + 2 * (size_t)N;
+    m.cu_full = m.cu_win + nt + 2;
+    return m;
+}
+
+/* HF's get_vision_window_index for the images of the batch, at patch level: widx[r] is the
+ * patch (image order) at row r of the window order, rev[k] the window-order merged token of image
+ * order token k; pos the (row, column) of each window-order row; cu_win / cu_full the window and
+ * image boundaries. Returns the number of windows. */
+static int build_meta(const struct prism_vision_native *v, const prism_vgrid_t *g, int n_img, int N, qv_meta_t *m)
+{
+    const prism_model_config_t *c = &v->cfg;
+    const int M = c->v_merge, mm = v->mm, ws = c->v_window / M / c->v_patch;
+    int r = 0, k = 0, nw = 0, p0 = 0;
+    m->cu_win[0] = 0;
+    m->cu_full[0] = 0;
+    for (int i = 0; i < n_img; i++) {
+        const int lh = g[i].h / M, lw = g[i].w / M, t0 = p0 / mm;
+        for (int wh = 0; wh * ws < lh; wh++)
+            for (int ww = 0; ww * ws < lw; ww++) {
+                for (int rr = wh * ws; rr < PRISM_MIN(lh, (wh + 1) * ws); rr++)
+                    for (int cc = ww * ws; cc < PRISM_MIN(lw, (ww + 1) * ws); cc++) {
+                        int src = t0 + rr * lw + cc;   /* merged token, image order */
+                        m->rev[src] = k++;
+                        for (int u = 0; u < mm; u++, r++) {
+                            m->widx[r] = src * mm + u;
+                            m->pos[r] = rr * M + u / M;        /* patch row */
+                            m->pos[N + r] = cc * M + u % M;    /* patch column */
+                        }
+                    }
+                m->cu_win[++nw] = r;
+            }
+        p0 += g[i].h * g[i].w;
+        m->cu_full[i + 1] = p0;
+    }
+    PRISM_ASSERT(r == N && k == N / mm);
+    m->n_win = nw;
+    return nw;
+}
+
+/* Uploads the metadata of the images still in the batch (v->kgrid[0..n)). */
+static int upload_meta(struct prism_vision_native *v, int n, int N, qv_meta_t *d, int *max_win, int *max_img)
+{
+    qv_meta_t h = meta_at(v->h_meta, N, v->mm);
+    build_meta(v, v->kgrid, n, N, &h);
+    *max_win = *max_img = 0;
+    for (int w = 0; w < h.n_win; w++) *max_win = PRISM_MAX(*max_win, h.cu_win[w + 1] - h.cu_win[w]);
+    for (int i = 0; i < n; i++) *max_img = PRISM_MAX(*max_img, h.cu_full[i + 1] - h.cu_full[i]);
+    *d = meta_at(v->d_meta, N, v->mm);
+    d->n_win = h.n_win;
+    /* one upload: widx .. cu_full are contiguous */
+    size_t used = (size_t)(h.cu_full + n + 1 - v->h_meta);
+    return v->be->i.upload(v->be->ctx, v->d_meta, v->h_meta, used * 4);
+}
+
+/* Between layers: asks the hook and drops cancelled images. An image's rows are contiguous in the
+ * window order too (HF offsets each image's window index by the tokens before it), so the kept
+ * ones move down into the spare buffer, which becomes the residual stream, and the metadata is
+ * rebuilt for the smaller batch. Returns the images left (*N their patches). */
+static int between_layers(struct prism_vision_native *v, int n, int *N, int done, float **h, float **spare,
+                          qv_meta_t *d, int *max_win, int *max_img, int *rc)
+{
+    const prism_model_hook_t *k = v->hook;
+    *rc = PRISM_OK;
+    if (!k || !k->layer || !k->layer(k->ud, done, v->cfg.v_layers) || !k->cancelled) return n;
+    int nn = 0;
+    for (int i = 0; i < n; i++) {
+        v->gone[i] = k->cancelled(k->ud, v->keep[i]);
+        nn += !v->gone[i];
+    }
+    if (nn == n || nn == 0) return nn;
+    const size_t VH = (size_t)v->cfg.v_hidden;
+    int src = 0, dst = 0, j = 0;
+    for (int i = 0; i < n; i++) {
+        int np = v->kgrid[i].h * v->kgrid[i].w;
+        if (!v->gone[i]) {
+            *rc = v->be->i.copy(v->be->ctx, *spare + (size_t)dst * VH, *h + (size_t)src * VH, (size_t)np * VH * 4);
+            if (*rc != PRISM_OK) return 0;
+            v->keep[j] = v->keep[i];
+            v->kgrid[j++] = v->kgrid[i];
+            dst += np;
+        }
+        src += np;
+    }
+    float *t = *h;
+    *h = *spare;
+    *spare = t;
+    *N = dst;
+    *rc = upload_meta(v, nn, dst, d, max_win, max_img);
+    return nn;
+}
+
+/* ---------------------------------------------------------------- forward */
+
+int prism_vision_native_encode(prism_vision_native_t *v, const float *pixels, const prism_vgrid_t *grids, int n_images,
+                               float *out)
+{
+    const prism_model_config_t *c = &v->cfg;
+    const prism_backend_i *o = &v->be->i;
+    void *bx = v->be->ctx;
+    if (n_images <= 0 || !pixels || !grids || !out) return PRISM_EINVAL;
+    int64_t total = 0;
+    for (int i = 0; i < n_images; i++) {
+        if (grids[i].h < c->v_merge || grids[i].w < c->v_merge || grids[i].h % c->v_merge || grids[i].w % c->v_merge)
+            return PRISM_EINVAL;
+        total += (int64_t)grids[i].h * grids[i].w;
+    }
+    if (total > v->max_patches || n_images > max_images_of(v->max_patches, v->mm)) return PRISM_ELIMIT;
+    const int VH = c->v_hidden, VI = c->v_intermediate, H = c->hidden, hd = v->hd, mm = v->mm, T = c->v_temporal_patch;
+    const int QKV = 3 * VH, PF = v->pix_feat, F = v->feat, BW = (int)big_width(c);
+    prism_dtype_t wdt = v->wdt;
+    int N = (int)total, n = n_images, rc = PRISM_OK;
+    for (int i = 0; i < n; i++) {
+        v->keep[i] = i;
+        v->kgrid[i] = grids[i];
+    }
+
+    /* Patch embedding: the frame repeated T times per row ([C][T][p][p], as the Conv3d weight),
+     * then one matmul, in image order (into xn), then gathered into the window order (h). */
+    CK(o->upload(bx, v->pix, pixels, (size_t)N * PF * 4));
+    const size_t pp = (size_t)c->v_patch * c->v_patch;
+    for (int ch = 0; ch < c->v_num_channels; ch++)
+        for (int t = 0; t < T; t++)
+            CK(o->copy_2d(bx, v->big + (size_t)(ch * T + t) * pp, (size_t)BW * 4, v->pix + (size_t)ch * pp,
+                          (size_t)PF * 4, pp * 4, (size_t)N));
+    CK(o->matmul(bx, v->xn, VH, v->big, BW, v->patch_w, wdt, NULL, N, VH, F, false));
+    qv_meta_t d;
+    int max_win, max_img;
+    CK(upload_meta(v, n, N, &d, &max_win, &max_img));
+    float *h = v->h, *spare = v->attn;
+    CK(o->get_rows(bx, h, v->xn, PRISM_DTYPE_F32, N, d.widx, N, VH));
+    n = between_layers(v, n, &N, 0, &h, &spare, &d, &max_win, &max_img, &rc);
+    CK(rc);
+
+    const float scale = 1.0f / sqrtf((float)hd);
+    for (int L = 0; L < c->v_layers && n > 0; L++) {
+        const qv_layer_t *ly = &v->layers[L];
+        const bool full = c->v_layer_flags[L] & PRISM_VLAYER_FULLATT;
+        float *qkv = v->big, *attn = spare;
+        CK(o->rmsnorm(bx, v->xn, h, ly->n1, N, VH, c->v_eps));
+        CK(o->matmul(bx, qkv, QKV, v->xn, VH, ly->wqkv, wdt, ly->bqkv, N, QKV, VH, false));
+        CK(o->rope_multi(bx, qkv, QKV, N, c->v_heads, hd, d.pos, N, v->rope_inv, &v->sec));
+        CK(o->rope_multi(bx, qkv + VH, QKV, N, c->v_heads, hd, d.pos, N, v->rope_inv, &v->sec));
+        CK(o->attn_varlen(bx, attn, VH, qkv, QKV, qkv + VH, QKV, qkv + 2 * VH, QKV, full ? d.cu_full : d.cu_win,
+                          full ? n : d.n_win, full ? max_img : max_win, c->v_heads, c->v_heads, hd, scale));
+        CK(o->matmul(bx, h, VH, attn, VH, ly->wo, wdt, ly->bo, N, VH, VH, true));
+        CK(o->rmsnorm(bx, v->xn, h, ly->n2, N, VH, c->v_eps));
+        for (int r0 = 0; r0 < N; r0 += MLP_CHUNK) {
+            int m = PRISM_MIN(MLP_CHUNK, N - r0);
+            float *gu = v->mlp, *act = v->mlp + (size_t)m * 2 * VI;
+            CK(o->matmul(bx, gu, 2 * VI, v->xn + (size_t)r0 * VH, VH, ly->wgu, wdt, ly->bgu, m, 2 * VI, VH, false));
+            CK(o->silu_mul(bx, act, gu, gu + VI, 2 * VI, m, VI));
+            CK(o->matmul(bx, h + (size_t)r0 * VH, VH, act, VI, ly->wd, wdt, ly->bd, m, VH, VI, true));
+        }
+        n = between_layers(v, n, &N, L + 1, &h, &spare, &d, &max_win, &max_img, &rc);
+        CK(rc);
+    }
+    if (n == 0) return PRISM_OK;   /* every image was cancelled */
+
+    /* Merger: RMSNorm, merge blocks side by side (adjacent rows: a view), Linear, GELU, Linear;
+     * then the image order. */
+    const int NT = N / mm, MV = mm * VH;
+    float *m1 = spare, *m2 = v->xn, *res = h;   /* [NT][mm VH] = N x VH; [NT][H] twice (wide buffers) */
+    CK(o->rmsnorm(bx, v->big, h, v->ln_q, N, VH, 1e-6f));
+    CK(o->matmul(bx, m1, MV, v->big, MV, v->m1_w, wdt, v->m1_b, NT, MV, MV, false));
+    CK(o->act(bx, PRISM_ACT_GELU_ERF, m1, m1, (size_t)NT * MV));
+    CK(o->matmul(bx, m2, H, m1, MV, v->m2_w, wdt, v->m2_b, NT, H, MV, false));
+    CK(o->get_rows(bx, res, m2, PRISM_DTYPE_F32, NT, d.rev, NT, H));
+    if (n == n_images) return o->download(bx, out, res, (size_t)NT * H * 4);
+    /* Some images left the batch: each kept one's rows to its own place in out (kept images are
+     * in the caller's order). */
+    size_t src = 0, dst = 0;
+    for (int i = 0, j = 0; i < n_images && j < n; i++) {
+        size_t nt = (size_t)(grids[i].h / c->v_merge) * (grids[i].w / c->v_merge);
+        if (v->keep[j] == i) {
+            CK(o->download(bx, out + dst * H, res + src * H, nt * H * 4));
+            src += nt;
+            j++;
+        }
+        dst += nt;
+    }
+    return PRISM_OK;
+}
