@@ -330,7 +330,13 @@ def gen_model():
         n_prompt = ids.shape[1]
         am = logits[n_prompt - 1:].argmax(-1).tolist()
         assert am == greedy, (name, am, greedy)   # generate (KV cache) == teacher-forced recompute
-        case = {"name": name, "input_ids": ids[0].tolist(), "greedy": greedy, "images": []}
+        # the conversation as the router hands it to the template (image parts {"type": "image"}),
+        # the text the template renders, and the processor's ids (image pads expanded)
+        plain = [{"role": mm["role"], "content": [{"type": "image"} if c["type"] == "image" else c
+                                                  for c in mm["content"]]} for mm in msgs]
+        text = proc.apply_chat_template(hm, tokenize=False, add_generation_prompt=True)
+        case = {"name": name, "messages": plain, "text": text, "input_ids": ids[0].tolist(), "greedy": greedy,
+                "images": []}
         # logits: every position for the first image case, the last prompt position + the greedy
         # steps for the others (fixtures stay small)
         rows = logits if name == "one_image" else logits[n_prompt - 1:]

@@ -55,6 +55,8 @@ struct prism_llm {
     float *norm;                  /* [hidden] */
     void *lm_head;                /* [vocab][hidden]; == embed when tied */
     float *inv_freq;              /* [head_dim/2] */
+    bool mrope;                   /* M-RoPE: rotary positions from meta mpos [3][T], rows per rsec */
+    prism_rope_sections_t rsec;   /* M-RoPE: the position row (t, h, w) of each rotary pair */
     llm_layer_t *layers;          /* [n_layers] (host array of device pointers) */
     prism_tp_shard_t tp;          /* this rank's part (the whole model at T = 1) */
     struct prism_comm *comm;      /* collectives (T > 1) */
@@ -86,7 +88,8 @@ struct prism_llm {
     float *llocal;                /* T > 1: [lchunk][vocab_stride] this rank's logits */
     float *lgather;               /* T > 1: [tp_size][lchunk][vocab_stride] everyone's */
     int32_t *d_meta;              /* device: ids[T] pos[T] slots[T] seq_start[S+1] pos0[S] rows[S] tables[cap] lids[T]
-                                   * lslots[T] ltables[cap] (the last two: chunked layers of a split cache) */
+                                   * lslots[T] ltables[cap] (the last two: chunked layers of a split cache)
+                                   * mpos[3][T] (M-RoPE models) */
     int32_t *h_meta;              /* host mirror, same layout */
     int32_t *h_meta2;             /* host scratch: the mirror rebuilt when sequences drop out */
     size_t meta_n;
@@ -166,7 +169,9 @@ static int table_capacity(const prism_model_config_t *c, int S)
 static size_t meta_count(const prism_model_config_t *c, int T, int S)
 {
     size_t n = (size_t)4 * T + (size_t)(S + 1) + 2 * (size_t)S + (size_t)table_capacity(c, S);
-    if (any_layer(c, PRISM_LAYER_CHUNKED)) n += (size_t)T + (size_t)table_capacity(c, S);   /* split caches */
+    if (any_layer(c, PRISM_LAYER_CHUNKED) || prism_model_mrope(c))
+        n += (size_t)T + (size_t)table_capacity(c, S);   /* split caches (and the place of what follows) */
+    if (prism_model_mrope(c)) n += (size_t)3 * T;        /* M-RoPE positions */
     return n;
 }
 
@@ -341,7 +346,8 @@ int prism_llm_load(prism_backend_t *be, const prism_model_config_t *cfg, const c
     if ((any_layer(cfg, PRISM_LAYER_QK_NORM) && !be->i.head_rmsnorm) ||
         (any_layer(cfg, PRISM_LAYER_TEMP) && !be->i.scale_rows) ||
         (any_layer(cfg, PRISM_LAYER_MOE) &&
-         (!be->i.moe_route || !be->i.matmul_grouped || !be->i.moe_combine || !be->i.scale_rows))) {
+         (!be->i.moe_route || !be->i.matmul_grouped || !be->i.moe_combine || !be->i.scale_rows)) ||
+        (prism_model_mrope(cfg) && !be->i.rope_multi)) {
         ERR("llm: the %s backend lacks the ops %s needs", be->device, cfg->arch);
         return PRISM_ENOTSUP;
     }
@@ -362,6 +368,17 @@ int prism_llm_load(prism_backend_t *be, const prism_model_config_t *cfg, const c
     m->max_tokens = max_batch_tokens;
     m->max_seqs = max_seqs;
     m->tp = shard;
+    m->mrope = prism_model_mrope(cfg);
+    if (m->mrope) {
+        /* M-RoPE: pairs [0, s0) turn with the t row, the next s1 with h, the next s2 with w */
+        int s0 = cfg->mrope_section[0], s1 = cfg->mrope_section[1], half = cfg->head_dim / 2;
+        if (s0 + s1 + cfg->mrope_section[2] != half || half > PRISM_ROPE_MAX_PAIRS) {
+            ERR("llm: mrope_section does not cover the %d rotary pairs", half);
+            rc = PRISM_EINVAL;
+            goto fail;
+        }
+        for (int j = 0; j < half; j++) m->rsec.of[j] = (uint8_t)(j < s0 ? 0 : j < s0 + s1 ? 1 : 2);
+    }
     m->layers = prism_calloc((size_t)cfg->n_layers, sizeof *m->layers);
     if (!m->layers) goto fail;
     const char *pfx = "model.", *head = cfg->tie_word_embeddings ? NULL : "lm_head.weight";
@@ -673,6 +690,7 @@ typedef struct {
     int32_t *ids, *pos, *slots, *seq_start, *pos0, *rows, *tables;
     int32_t *lids;                /* tensor-parallel ranks: embedding rows of this rank's vocabulary slice */
     int32_t *lslots, *ltables;    /* split caches only: the chunked layers' slots and ring tables */
+    int32_t *mpos;                /* M-RoPE models only: [3][T] rotary positions (t, h, w) */
 } meta_ptrs_t;
 
 static meta_ptrs_t meta_at(int32_t *base, int T, int S, int mbps)
@@ -688,13 +706,15 @@ static meta_ptrs_t meta_at(int32_t *base, int T, int S, int mbps)
     p.lids = p.tables + (size_t)S * mbps;
     p.lslots = p.lids + T;
     p.ltables = p.lslots + T;
+    p.mpos = p.ltables + (size_t)S * mbps;
     return p;
 }
 
-/* Entries of the metadata in use for T tokens and S sequences. */
-static size_t meta_used(int T, int S, int mbps, bool split)
+/* Entries of the metadata in use for T tokens and S sequences (M-RoPE: up to the end of mpos). */
+static size_t meta_used(int T, int S, int mbps, bool split, bool mrope)
 {
     size_t n = (size_t)4 * T + (size_t)(S + 1) + 2 * (size_t)S + (size_t)S * mbps;   /* lids included */
+    if (mrope) return n + (size_t)T + (size_t)S * mbps + (size_t)3 * T;
     return n + (split ? (size_t)T + (size_t)S * mbps : 0);
 }
 
@@ -736,6 +756,9 @@ static int llm_between_layers(struct prism_llm *m, int done, int mbps, meta_ptrs
             memcpy(n.lslots + t, h->lslots + t0, (size_t)q * 4);
             memcpy(n.ltables + (size_t)j * mbps, h->ltables + (size_t)s * mbps, (size_t)mbps * 4);
         }
+        if (m->mrope)
+            for (int r = 0; r < 3; r++)
+                memcpy(n.mpos + (size_t)r * nT + t, h->mpos + (size_t)r * m->f_T + t0, (size_t)q * 4);
         n.seq_start[j] = t;
         n.pos0[j] = h->pos0[s];
         n.rows[j] = t + q - 1;
@@ -753,7 +776,7 @@ static int llm_between_layers(struct prism_llm *m, int done, int mbps, meta_ptrs
     m->h_meta = m->h_meta2;
     m->h_meta2 = hm;
     *h = n;
-    size_t used = meta_used(nT, nS, mbps, m->f_split);
+    size_t used = meta_used(nT, nS, mbps, m->f_split, m->mrope);
     int rc = o->upload(bx, m->d_meta, m->h_meta, used * 4);   /* stream-ordered after the layers so far */
     if (rc != PRISM_OK) return rc;
     *d = meta_at(m->d_meta, nT, nS, mbps);
@@ -839,6 +862,10 @@ int prism_llm_forward_begin(prism_llm_t *m, prism_kv_cache_t *kv, const prism_ll
             }
             h.ids[t] = tok;
             h.pos[t] = p;
+            if (m->mrope)
+                for (int r = 0; r < 3; r++)
+                    h.mpos[(size_t)r * T + t] = b->rope_pos ? b->rope_pos[(size_t)r * T + t]
+                                                            : p + (b->rope_delta ? b->rope_delta[s] : 0);
             h.slots[t] = h.tables[s * mbps + p / bs] * bs + p % bs;
             if (split) h.lslots[t] = h.ltables[s * mbps + p / bs] * bs + p % bs;
         }
@@ -856,7 +883,7 @@ int prism_llm_forward_begin(prism_llm_t *m, prism_kv_cache_t *kv, const prism_ll
             int id = h.ids[t] - sh->vocab0;
             h.lids[t] = id >= 0 && id < sh->n_vocab ? id : -1;
         }
-    CK(o->upload(bx, m->d_meta, m->h_meta, meta_used(T, S, mbps, split) * 4));
+    CK(o->upload(bx, m->d_meta, m->h_meta, meta_used(T, S, mbps, split, m->mrope) * 4));
     meta_ptrs_t d = meta_at(m->d_meta, T, S, mbps);
     m->f_T = T;
     m->f_S = m->f_S0 = S;
@@ -899,7 +926,10 @@ int prism_llm_forward_begin(prism_llm_t *m, prism_kv_cache_t *kv, const prism_ll
         T = m->f_T;
         CK(o->rmsnorm(bx, xn, x, ly->attn_norm, T, H, c->rms_eps));
         CK(o->matmul(bx, m->qkv, QKV, xn, H, ly->wqkv, wdt, ly->bqkv, T, QKV, H, false));
-        if (fl & PRISM_LAYER_ROPE) {
+        if ((fl & PRISM_LAYER_ROPE) && m->mrope) {
+            CK(o->rope_multi(bx, m->qkv, QKV, T, nh, hd, d.mpos, T, m->inv_freq, &m->rsec));
+            CK(o->rope_multi(bx, m->qkv + NQ, QKV, T, nkv, hd, d.mpos, T, m->inv_freq, &m->rsec));
+        } else if (fl & PRISM_LAYER_ROPE) {
             CK(o->rope(bx, m->qkv, QKV, T, nh, hd, hd, d.pos, m->inv_freq, (prism_rope_mode_t)c->rope_mode));
             CK(o->rope(bx, m->qkv + NQ, QKV, T, nkv, hd, hd, d.pos, m->inv_freq, (prism_rope_mode_t)c->rope_mode));
         }

@@ -123,6 +123,11 @@ int  prism_model_config_parse(const char *config_json, const char *generation_co
 int prism_model_context_length(const prism_model_config_t *cfg, int64_t requested);
 /* Fills inv_freq[head_dim/2] for the text RoPE (llama3 scaling applied when configured). */
 void prism_model_rope_inv_freq(const prism_model_config_t *cfg, float *inv_freq);
+/* Whether the text model rotates by M-RoPE's three position rows (cfg.mrope_section). */
+static inline bool prism_model_mrope(const prism_model_config_t *cfg)
+{
+    return cfg->mrope_section[0] + cfg->mrope_section[1] + cfg->mrope_section[2] > 0;
+}
 
 /* Between-layer hook: how a caller counts progress inside a long forward and drops cancelled items
  * of a batch without finishing them — the model knows nothing of sockets or requests. Set once
@@ -280,6 +285,13 @@ typedef struct {
     const int32_t *const *local_tables; /* split caches: [n_seqs][local_ring] local-pool blocks of the chunked
                                          * layers; logical block j is local_tables[s][j % local_ring] */
     int local_ring;
+    /* M-RoPE models (cfg.mrope_section): the rotary positions, which differ from the cache positions
+     * once a prompt holds images (image/qwenvl_proc.h, prism_mrope_positions). rope_pos: optional
+     * host [3][n_tokens] (t, h, w rows) of the new tokens; without it every token turns by its cache
+     * position + rope_delta[s] in all three (text after the prompt: decode steps). rope_delta:
+     * optional [n_seqs], 0 when NULL. Ignored by other models. */
+    const int32_t *rope_pos;
+    const int32_t *rope_delta;
 } prism_llm_batch_t;
 /* PRISM_ELIMIT if n_tokens > max_batch_tokens or n_seqs > max_seqs; PRISM_EINVAL for token ids
  * out of range, bad offsets, block ids out of range, positions beyond max_pos, or (split cache) a

@@ -13,7 +13,13 @@
  *    and the inverse window order;
  *  - test_vision_drop: an image cancelled between layers leaves the batch; the others' features
  *    are unchanged;
- *  - the language-model cases (M-RoPE, prompt logits, greedy decode) follow below. */
+ *  - test_lm_goldens: Qwen2 with M-RoPE (sections [4, 6, 6]; positions from prism_mrope_positions,
+ *    the rope delta for decode steps), our features at the image pads: HF's logits within 1e-4 at
+ *    every prompt position (one_image) or the last one (the others) and at each of 16 teacher-forced
+ *    decode steps through the paged KV cache, and HF's 16 greedy tokens, for all six cases (seen
+ *    failing with plain positions: the first image token's answer differs);
+ *  - test_lm_chunked_prefill: the same with the prompt in chunks of 37 tokens (chunks cut through
+ *    the images' pads and their M-RoPE positions). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -57,6 +63,7 @@ typedef struct {
     prism_qwenvl_proc_t proc;
     prism_backend_t *be;
     prism_vision_native_t *vis;
+    prism_llm_t *llm;
 } golden_t;
 
 static golden_t G;
@@ -148,6 +155,9 @@ static int setup(void **state)
     if (!g->be) return -1;
     rc = prism_vision_native_load(g->be, &g->cfg, g->dir, 1024, &g->vis, err, sizeof err);
     if (rc) fprintf(stderr, "vision: %s\n", err);
+    if (rc) return -1;
+    rc = prism_llm_load(g->be, &g->cfg, g->dir, 256, 4, &g->llm, err, sizeof err);
+    if (rc) fprintf(stderr, "llm: %s\n", err);
     return rc ? -1 : 0;
 }
 
@@ -155,6 +165,7 @@ static int teardown(void **state)
 {
     golden_t *g = &G;
     prism_vision_native_free(g->vis);
+    prism_llm_free(g->llm);
     prism_backend_destroy(g->be);
     for (int i = 0; i < g->n_cases; i++) {
         free(g->cases[i].ids);
@@ -355,12 +366,168 @@ static void test_vision_drop(void **state)
     prism_free(p1);
 }
 
+/* ---- the language model ---- */
+
+#define BS 16
+#define MAX_BLOCKS 32
+
+typedef struct {
+    int32_t table[MAX_BLOCKS];
+    int n_blocks, len;
+} seq_t;
+
+/* A case's prompt as the model sees it: our image features at the image pads, the M-RoPE positions
+ * of its images (runs of image pads, in order), its rope delta. */
+typedef struct {
+    const float **rows;            /* [n_prompt] embedding rows (image pads) or NULL */
+    float *feats;                  /* our features of every image of the case */
+    int32_t *pos;                  /* [3][n_prompt] */
+    int32_t delta;
+    prism_mrope_image_t im[MAX_IMG];
+} prompt_t;
+
+static void prompt_make(const model_case_t *m, prompt_t *p)
+{
+    golden_t *g = &G;
+    const size_t H = (size_t)g->hidden;
+    int n = m->n_prompt, tok = 0, px = 0;
+    memset(p, 0, sizeof *p);
+    for (int k = 0; k < m->n_img; k++) {
+        tok += m->img[k].n_tokens;
+        px += m->img[k].grid.h * m->img[k].grid.w;
+    }
+    p->rows = calloc((size_t)n, sizeof *p->rows);
+    p->pos = malloc(sizeof(int32_t) * 3 * (size_t)n);
+    if (m->n_img) {
+        float *pix = prism_malloc((size_t)px * prism_qwenvl_patch_floats(&g->proc) * sizeof(float));
+        prism_vgrid_t grids[MAX_IMG];
+        size_t off = 0;
+        for (int k = 0; k < m->n_img; k++) {
+            prism_qwenvl_grid_t pg;
+            float *one = case_pixels(&m->img[k], &pg);
+            size_t nf = (size_t)pg.n_patches * prism_qwenvl_patch_floats(&g->proc);
+            memcpy(pix + off, one, nf * sizeof(float));
+            off += nf;
+            prism_free(one);
+            grids[k] = m->img[k].grid;
+        }
+        p->feats = malloc((size_t)tok * H * sizeof(float));
+        assert_int_equal(prism_vision_native_encode(g->vis, pix, grids, m->n_img, p->feats), PRISM_OK);
+        prism_free(pix);
+    }
+    /* image pads: one run per image, in order */
+    int k = -1, r = 0;
+    for (int i = 0; i < n; i++) {
+        if (m->ids[i] != g->cfg.image_token_index) continue;
+        if (i == 0 || m->ids[i - 1] != g->cfg.image_token_index) {
+            k++;
+            assert_true(k < m->n_img);
+            p->im[k] = (prism_mrope_image_t){i, m->img[k].grid.h / 2, m->img[k].grid.w / 2};
+        }
+        p->rows[i] = p->feats + (size_t)r++ * H;
+    }
+    assert_int_equal(k + 1, m->n_img);
+    assert_int_equal(r, tok);
+    assert_int_equal(prism_mrope_positions(p->im, m->n_img, 0, n, p->pos, (size_t)n), PRISM_OK);
+    p->delta = prism_mrope_delta(p->im, m->n_img);
+}
+
+static void prompt_free(prompt_t *p)
+{
+    free(p->rows);
+    free(p->feats);
+    free(p->pos);
+}
+
+/* Runs tokens [p0, p0 + n) of a sequence through the model (rope rows from pos, of stride ld, or
+ * the delta when pos is NULL); logits of the last token, or of every token when all. */
+static int run(prism_kv_cache_t *kv, seq_t *s, const int32_t *toks, int n, const float *const *rows,
+               const int32_t *pos, size_t ld, int32_t delta, bool all, float *logits)
+{
+    while (s->n_blocks * BS < s->len + n) {
+        assert_true(s->n_blocks < MAX_BLOCKS);
+        s->table[s->n_blocks] = s->n_blocks;
+        s->n_blocks++;
+    }
+    int32_t start[2] = {0, n}, pos0[1] = {s->len};
+    const int32_t *tables[1] = {s->table};
+    int32_t rp[3 * 256];
+    if (pos) {
+        assert_true(n <= 256);
+        for (int r = 0; r < 3; r++) memcpy(rp + r * n, pos + r * ld, sizeof(int32_t) * (size_t)n);
+    }
+    prism_llm_batch_t b = {.n_seqs = 1, .n_tokens = n, .tokens = toks, .seq_start = start, .pos0 = pos0,
+                           .block_tables = tables, .embed_rows = rows, .all_logits = all,
+                           .rope_pos = pos ? rp : NULL, .rope_delta = &delta};
+    int rc = prism_llm_forward(G.llm, kv, &b, logits);
+    if (rc == PRISM_OK) s->len += n;
+    return rc;
+}
+
+/* Every case: the prompt (in one forward, and in chunks of `chunk` tokens), HF's logits at the
+ * prompt positions it kept and at every greedy step (teacher-forced through the KV cache, decode
+ * positions from the rope delta), and HF's greedy tokens. */
+static void check_cases(int chunk)
+{
+    golden_t *g = &G;
+    const int V = g->vocab;
+    float *logits = malloc(sizeof(float) * 256 * (size_t)V);
+    for (int ci = 0; ci < g->n_cases; ci++) {
+        model_case_t *m = &g->cases[ci];
+        prompt_t p;
+        prompt_make(m, &p);
+        prism_kv_cache_t *kv;
+        assert_int_equal(prism_kv_cache_create(g->be, &g->cfg, MAX_BLOCKS, BS, &kv), PRISM_OK);
+        seq_t s = {0};
+        int n = m->n_prompt;
+        bool all = m->logits_from == 0 && chunk >= n;
+        for (int p0 = 0; p0 < n; p0 += chunk) {
+            int q = PRISM_MIN(chunk, n - p0);
+            assert_int_equal(run(kv, &s, m->ids + p0, q, p.rows + p0, p.pos + p0, (size_t)n, 0, all, logits), PRISM_OK);
+        }
+        double worst = 0;
+        int rows = all ? n : 1;
+        for (int r = 0; r < rows; r++) {
+            int at = all ? r : n - 1;
+            double d = max_abs_diff(logits + (size_t)r * V, m->logits + (size_t)(at - m->logits_from) * V, (size_t)V);
+            worst = d > worst ? d : worst;
+        }
+        int32_t tok = m->greedy[0];
+        for (int k = 0; k + 1 < g->n_greedy; k++) {
+            int best = 0;
+            const float *last = logits + (size_t)(rows - 1) * V;
+            if (k == 0)
+                for (int v = 1; v < V; v++) best = last[v] > last[best] ? v : best;
+            if (k == 0 && best != m->greedy[0]) fail_msg("%s: first token %d, HF %d", m->name, best, m->greedy[0]);
+            assert_int_equal(run(kv, &s, &tok, 1, NULL, NULL, 0, p.delta, false, logits), PRISM_OK);
+            rows = 1;
+            double d = max_abs_diff(logits, m->logits + (size_t)(n + k - m->logits_from) * V, (size_t)V);
+            worst = d > worst ? d : worst;
+            best = 0;
+            for (int v = 1; v < V; v++) best = logits[v] > logits[best] ? v : best;
+            if (best != m->greedy[k + 1]) fail_msg("%s: greedy token %d is %d, HF %d", m->name, k + 1, best, m->greedy[k + 1]);
+            tok = m->greedy[k + 1];
+        }
+        printf("  %-10s %3d prompt tokens (chunks of %3d), %d images, delta %3d: logits within %.3g\n", m->name, n,
+               PRISM_MIN(chunk, n), m->n_img, p.delta, worst);
+        if (!(worst <= g->tol)) fail_msg("%s: logits differ from HF by %g", m->name, worst);
+        prism_kv_cache_free(kv);
+        prompt_free(&p);
+    }
+    free(logits);
+}
+
+static void test_lm_goldens(void **state) { check_cases(256); }
+static void test_lm_chunked_prefill(void **state) { check_cases(37); }
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_config),
         cmocka_unit_test(test_vision),
         cmocka_unit_test(test_vision_drop),
+        cmocka_unit_test(test_lm_goldens),
+        cmocka_unit_test(test_lm_chunked_prefill),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
