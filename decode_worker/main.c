@@ -51,6 +51,7 @@ typedef struct {
     int n_blocks;
     int32_t *ring;            /* [ring] this slot's blocks in the chunked layers' pool (NULL: no split) */
     int32_t last_token;       /* sampled, not yet fed */
+    int32_t rope_delta;       /* M-RoPE models: added to the position for the rotary one (Kv.rope_delta) */
     bool in_step;             /* part of the step in flight */
     bool cancel;              /* aborted while in the step in flight: released when it ends */
     bool finishing;           /* its last token is waiting to be sent */
@@ -89,7 +90,7 @@ typedef struct {
     seq_t *seqs;              /* [max_running] */
     int32_t *block_pool;      /* [max_running][max_blocks_per_seq] */
     /* step scratch, sized at start-up */
-    int32_t *tokens, *seq_start, *pos0;
+    int32_t *tokens, *seq_start, *pos0, *rope_delta;
     const int32_t **tables;
     int *slot_of;             /* [max_running] slot of each sequence of the step in flight */
     bool *dropped;            /* [max_running] dropped by the between-layer hook */
@@ -173,6 +174,7 @@ static const char *admit_choices(decode_t *d, const Prism__Kv *kv, const int *sl
         s->seq.len = n_prompt;
         s->seq.generated = gen + 1;    /* prefill sampled the first token (after the gen before) */
         s->last_token = kv->choice_first_token[started];
+        s->rope_delta = kv->rope_delta;
         s->n_blocks = 0;
         if (prism_seq_needs_history(&s->seq) && gen && !prompt) {
             why = "a migrated request's KV came without the tokens it generated before";
@@ -408,6 +410,7 @@ static void launch_step(decode_t *d)
         d->tokens[n] = s->last_token;
         d->seq_start[n] = n;
         d->pos0[n] = s->seq.len;
+        if (d->rope_delta) d->rope_delta[n] = s->rope_delta;
         d->tables[n] = s->blocks;
         d->rings[n] = s->ring;
         d->slot_of[n] = i;
@@ -421,7 +424,7 @@ static void launch_step(decode_t *d)
     prism_llm_batch_t b = {
         .n_seqs = n, .n_tokens = n, .tokens = d->tokens, .seq_start = d->seq_start,
         .pos0 = d->pos0, .block_tables = d->tables, .all_logits = false,
-        .local_tables = d->ring ? d->rings : NULL, .local_ring = d->ring,
+        .local_tables = d->ring ? d->rings : NULL, .local_ring = d->ring, .rope_delta = d->rope_delta,
     };
     /* The plan goes to the other ranks first, then the leader runs the same forward. */
     uint64_t t0 = prism_now_ns();
@@ -647,6 +650,7 @@ static int decode_plan(void *ctx, prism_worker_startup_t *s)
     /* the step in flight, as the model takes it */
     PRISM_PLAN_POOL(p, "step-tokens", d->tokens, n);
     PRISM_PLAN_POOL(p, "step-positions", d->pos0, n);
+    PRISM_PLAN_POOL(p, "step-rope-deltas", d->rope_delta, prism_model_mrope(&d->cfg) ? n : 0);   /* M-RoPE models */
     PRISM_PLAN_POOL(p, "step-starts", d->seq_start, n + 1);
     PRISM_PLAN_POOL(p, "step-tables", d->tables, n);
     PRISM_PLAN_POOL(p, "step-rings", d->rings, n);

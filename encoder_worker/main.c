@@ -43,6 +43,8 @@
 typedef enum { JOB_FREE, JOB_QUEUED, JOB_ENCODED, JOB_SEND } job_state_t;
 
 #define MAX_TILES (PRISM_LLAMA4_MAX_PATCHES + 1)   /* of one image */
+/* parts of one image: its tiles, or (native resolution) its pieces of PRISM_VISION_PIECE_ROWS rows */
+#define MAX_PARTS PRISM_MAX(MAX_TILES, 256)
 
 typedef struct {
     job_state_t state;
@@ -53,9 +55,13 @@ typedef struct {
     char prefill_endpoint[256];
     zmq_msg_t image;          /* file bytes, owned while queued */
     bool has_image;
-    int n_tiles;              /* result: tiles of image_seq_length rows each ... */
-    const float *parts[MAX_TILES];   /* ... in the cache entry (pinned) or the batch output */
+    int n_tiles;              /* result: tiles of image_seq_length rows each (native: pieces) ... */
+    const float *parts[MAX_PARTS];   /* ... in the cache entry (pinned) or the batch output */
     int tile0;                /* first tile in the batch's pixel buffer */
+    /* native resolution: the image's grid and rows, where they are in the batch, and how many of its
+     * pieces went out already (the rest wait for the prefill's room) */
+    prism_vgrid_t grid;
+    int n_rows, patch0, row0, sent;
     char error[256];
     Prism__ErrorKind error_kind;  /* with error: CLIENT (the default: the image) unless set */
     bool cache_hit;
@@ -68,6 +74,7 @@ typedef struct {
 typedef struct {
     struct {                  /* the tier's flags */
         int64_t max_batch, max_queue, max_queue_bytes, cache_bytes, max_pixels, max_decode_pixels, decode_threads;
+        int64_t max_image_tokens;
         const char *dct;
         double max_batch_s;
     } f;
@@ -93,8 +100,17 @@ typedef struct {
     float *pixels;            /* [cap_tiles][3][S][S] */
     float *out;               /* [cap_tiles][image_seq_length][hidden] */
     size_t tile_px;           /* floats of one tile's pixels */
-    size_t emb_floats;        /* floats of one tile's embeddings */
+    size_t emb_floats;        /* floats of one tile's embeddings (native resolution: of one piece); a cache unit */
     uint64_t encoded, failed, cancelled;
+    /* native resolution (Qwen-VL): images of any size; batches bounded in patches, one forward
+     * each; outputs in pieces of PRISM_VISION_PIECE_ROWS rows (a cache unit, an Embeddings message) */
+    bool native;
+    prism_vision_native_t *nvis;
+    int max_tokens;           /* --max-image-tokens: the largest image, in LM tokens */
+    int cap_patches;          /* patches of the pixel buffer and of the tower's arena */
+    size_t patch_floats;      /* floats of one patch row (one frame) */
+    size_t row_floats;        /* floats of one output row */
+    prism_vgrid_t vgrid[256]; /* the vision batch's grids, in pix_job order */
 } encoder_t;
 
 static void publish_load(encoder_t *e)
@@ -153,6 +169,34 @@ static void finish_job(encoder_t *e, job_t *j)
     release_job(e, j);
 }
 
+/* Native resolution: the job's pieces from the first not sent yet, one message each, until the
+ * prefill's socket is full (PRISM_EAGAIN: the rest go on a later call, j->sent remembers). Each
+ * message copies one piece into ZeroMQ: never a second copy of the whole image. */
+static int push_pieces(encoder_t *e, job_t *j, void *s)
+{
+    Prism__Embeddings em = PRISM__EMBEDDINGS__INIT;
+    em.image_index = j->image_index;
+    em.hidden = (uint32_t)e->cfg.hidden;
+    em.error = j->error;
+    Prism__Envelope env = PRISM__ENVELOPE__INIT;
+    env.type = PRISM__MSG_TYPE__MSG_EMBEDDINGS;
+    env.request_id = j->rid;
+    env.request_id_hi = j->rid_hi;
+    env.router_id = j->router_id;
+    env.embeddings = &em;
+    if (j->error[0]) return prism_msg_send(s, NULL, 0, &env, NULL, 0, ZMQ_DONTWAIT);
+    for (; j->sent < j->n_tiles; j->sent++) {
+        int r0 = j->sent * PRISM_VISION_PIECE_ROWS, rows = PRISM_MIN(PRISM_VISION_PIECE_ROWS, j->n_rows - r0);
+        em.n_tokens = (uint32_t)rows;
+        em.row_offset = (uint32_t)r0;
+        em.total_tokens = (uint32_t)j->n_rows;
+        prism_frame_t f = {j->parts[j->sent], (size_t)rows * e->row_floats * sizeof(float)};
+        int rc = prism_msg_send(s, NULL, 0, &env, &f, 1, ZMQ_DONTWAIT);
+        if (rc != PRISM_OK) return rc;
+    }
+    return PRISM_OK;
+}
+
 /* Pushes one job's embeddings (or its error) to the prefill worker. PRISM_EAGAIN: pool full. */
 static int push_job(encoder_t *e, job_t *j)
 {
@@ -162,6 +206,7 @@ static int push_job(encoder_t *e, job_t *j)
         j->error_kind = PRISM__ERROR_KIND__ERROR_UNAVAILABLE;
         return PRISM_EIO;
     }
+    if (e->native) return push_pieces(e, j, s);
     Prism__Embeddings em = PRISM__EMBEDDINGS__INIT;
     em.image_index = j->image_index;
     em.n_tokens = (uint32_t)(j->n_tiles * e->cfg.image_seq_length);
@@ -336,7 +381,7 @@ static bool cancel_if_aborted(encoder_t *e, int i)
                    "(%.3fs per layer): dropped from the batch, %d image(s) go on",
                    (unsigned long long)j->rid, j->image_index, waited, e->w.layer.done, e->w.layer.total, e->w.layer.last_s,
                    e->n_live);
-    for (int k = 0; k < j->n_tiles; k++) e->tile_job[j->tile0 + k] = -1;
+    for (int k = 0; !e->native && k < j->n_tiles; k++) e->tile_job[j->tile0 + k] = -1;
     e->pix_job[i] = -1;
     unbatch(e, j);
     release_job(e, j);
@@ -345,10 +390,12 @@ static bool cancel_if_aborted(encoder_t *e, int i)
     return true;
 }
 
-/* Items of the hook are the tiles of the micro-batch in the tower. */
+/* Items of the hook are the tiles of the micro-batch in the tower (native resolution: the images of
+ * the batch, in pix_job order). */
 static bool hook_cancelled(void *ud, int item)
 {
     encoder_t *e = ud;
+    if (e->native) return item < e->n_pix && e->pix_job[item] >= 0 ? cancel_if_aborted(e, item) : true;
     int ji = e->tile_job[e->tile_base + item];
     if (ji < 0) return true;   /* its image was cancelled at an earlier tile */
     for (int i = 0; i < e->n_pix; i++)
@@ -387,8 +434,105 @@ static bool being_encoded(const encoder_t *e, uint64_t hash)
     return false;
 }
 
+/* Native resolution: images oldest first while their patches fit the pixel buffer (the tower's
+ * arena), then one forward over all of them; each image's rows leave in pieces. An image beyond
+ * --max-image-tokens was refused from its header. */
+static void run_batch_native(encoder_t *e)
+{
+    if (e->n_batch && !flush_batch(e, false)) return;  /* previous results still waiting for prefill */
+    int target = batch_target(e);
+    int n_patches = 0, n_rows = 0;
+    e->n_pix = 0;
+    double decode_s = 0;
+    for (int pass = 0; pass < e->max_queue && e->n_batch < (int)PRISM_ARRAY_LEN(e->batch) &&
+                       e->n_pix < (int)PRISM_ARRAY_LEN(e->pix_job) && e->n_pix < target;
+         pass++) {
+        job_t *best = NULL;
+        for (int i = 0; i < e->max_queue; i++) {
+            job_t *j = &e->jobs[i];
+            if (j->state == JOB_QUEUED && (!best || j->t_arrive < best->t_arrive)) best = j;
+        }
+        if (!best) break;
+        if (being_encoded(e, best->hash)) break;
+        const uint8_t *data = zmq_msg_data(&best->image);
+        size_t len = zmq_msg_size(&best->image);
+        int idx = (int)(best - e->jobs);
+        prism_qwenvl_grid_t g;
+        bool bad = enc_prep_grid(&e->prep, data, len, e->max_tokens, &g, best->error, sizeof(best->error)) != PRISM_OK;
+        if (!bad && n_patches + g.n_patches > e->cap_patches) break;   /* next batch: nothing overtakes it */
+        e->batch[e->n_batch++] = idx;
+        best->state = JOB_SEND;
+        if (bad) {
+            drop_image(best);
+            continue;
+        }
+        best->grid = (prism_vgrid_t){g.grid_h, g.grid_w};
+        best->n_rows = g.n_tokens;
+        best->sent = 0;
+        int hit = prism_embed_cache_get_pinned(&e->cache, best->hash);
+        if (hit >= 0 && best->after_early) e->cache.hits--;
+        if (hit >= 0) {
+            best->cache_slot = hit;
+            best->n_tiles = prism_embed_cache_units(&e->cache, hit, best->parts, MAX_PARTS);
+            best->cache_hit = true;
+            drop_image(best);
+            continue;
+        }
+        double t0 = prism_now_s();
+        int rc = enc_prep_run(&e->prep, data, len, e->pixels + (size_t)n_patches * e->patch_floats, best->error,
+                              sizeof(best->error));
+        best->decode_ms = (float)((prism_now_s() - t0) * 1e3);
+        drop_image(best);
+        if (rc != PRISM_OK) continue;
+        best->state = JOB_ENCODED;
+        best->patch0 = n_patches;
+        best->row0 = n_rows;
+        best->n_tiles = (g.n_tokens + PRISM_VISION_PIECE_ROWS - 1) / PRISM_VISION_PIECE_ROWS;
+        n_patches += g.n_patches;
+        n_rows += g.n_tokens;
+        decode_s += best->decode_ms / 1e3;
+        e->vgrid[e->n_pix] = best->grid;
+        e->pix_job[e->n_pix++] = idx;
+    }
+    if (e->n_pix) {
+        int n_pix = e->n_pix;
+        e->n_live = n_pix;
+        flush_batch(e, true);
+        publish_load(e);
+        double t0 = prism_now_s();
+        int rc = prism_vision_native_encode(e->nvis, e->pixels, e->vgrid, n_pix, e->out);
+        double vit_s = prism_now_s() - t0;
+        prism_worker_progress(&e->w, (uint64_t)e->n_live);
+        if (rc == PRISM_OK && e->n_live == n_pix) {
+            double per = (decode_s + vit_s) / n_pix;
+            e->cost_s = e->cost_s > 0 ? 0.7 * e->cost_s + 0.3 * per : per;
+        }
+        for (int i = 0; i < n_pix; i++) {
+            if (e->pix_job[i] < 0) continue;   /* cancelled during the batch */
+            job_t *j = &e->jobs[e->pix_job[i]];
+            j->state = JOB_SEND;
+            j->vit_ms = (float)(vit_s * 1e3 * j->grid.h * j->grid.w / PRISM_MAX(n_patches, 1));   /* its patches' share */
+            if (rc != PRISM_OK) {
+                snprintf(j->error, sizeof(j->error), "vision encoder failed: %s", prism_strerror(rc));
+                j->error_kind = PRISM__ERROR_KIND__ERROR_INTERNAL;
+                continue;
+            }
+            /* pieces read in place; the last one's tail (the next image's rows, or the buffer's
+             * padding) is never sent, and the cache stores whole units */
+            const float *emb = e->out + (size_t)j->row0 * e->row_floats;
+            for (int k = 0; k < j->n_tiles; k++) j->parts[k] = emb + (size_t)k * PRISM_VISION_PIECE_ROWS * e->row_floats;
+            prism_embed_cache_put(&e->cache, j->hash, emb, j->n_tiles);
+        }
+    }
+    if (e->n_batch) flush_batch(e, false);
+}
+
 static void run_batch(encoder_t *e)
 {
+    if (e->native) {
+        run_batch_native(e);
+        return;
+    }
     if (e->n_batch && !flush_batch(e, false)) return;  /* previous results still waiting for prefill */
     int target = batch_target(e);
     int n_tiles = 0;
@@ -524,6 +668,10 @@ static int encoder_flags(void *ctx, prism_flag_t *t)
                        "transformers), auto or never (full size)"),
         PRISM_FLAG_INT("decode-threads", &e->f.decode_threads, "1: decode and preprocess on the worker thread; 2: "
                        "preprocess rows on a helper thread while the next ones decode"),
+        PRISM_FLAG_INT("max-image-tokens", &e->f.max_image_tokens, "Qwen-VL: the largest image, in LM tokens; the tower's "
+                       "arena and the pixel and output buffers hold one such image (or several smaller ones), and a "
+                       "larger image is refused with a 400 naming the max_pixels that would fit (0 = what the "
+                       "processor's max_pixels allows, lowered to what --mem-budget leaves)"),
     };
     memcpy(t, f, sizeof f);
     return (int)PRISM_ARRAY_LEN(f);
@@ -539,7 +687,8 @@ static int encoder_size(void *ctx, prism_worker_startup_t *s)
     }
     if (e->f.max_batch < 1 || e->f.max_batch > 256 || e->f.max_queue < e->f.max_batch || e->f.max_queue > 65536 ||
         e->f.max_queue_bytes < 1 || e->f.max_pixels < 1 || e->f.max_decode_pixels < 0 || e->f.decode_threads < 1 ||
-        e->f.decode_threads > 2 || !(e->f.max_batch_s >= 0 && e->f.max_batch_s <= 3600)) {
+        e->f.decode_threads > 2 || !(e->f.max_batch_s >= 0 && e->f.max_batch_s <= 3600) || e->f.max_image_tokens < 0 ||
+        e->f.max_image_tokens > MAX_PARTS * PRISM_VISION_PIECE_ROWS) {
         PRISM_ERROR("flag out of range (see --help)");
         return 2;
     }
@@ -558,12 +707,21 @@ static int encoder_size(void *ctx, prism_worker_startup_t *s)
     e->max_queue = (int)e->f.max_queue;
     e->max_queue_bytes = (uint64_t)e->f.max_queue_bytes;
     e->max_batch_s = e->f.max_batch_s;
+    s->cap = (prism_worker_capacity_t){.max_running = (uint32_t)e->max_queue, .max_queued_bytes = e->max_queue_bytes};
+    if (e->cfg.vision_arch == PRISM_VISION_QWEN25) {
+        /* native resolution: the largest image (hence the buffers) is sized with the plan */
+        e->native = true;
+        e->patch_floats = prism_qwenvl_patch_floats(&e->prep.qw);
+        e->row_floats = prism_vision_native_row_floats(&e->cfg);
+        e->emb_floats = PRISM_VISION_PIECE_ROWS * e->row_floats;   /* a piece is a cache unit */
+        e->cap_tiles = (int)PRISM_ARRAY_LEN(e->pix_job);   /* images per batch at most */
+        return -1;
+    }
     e->cap_tiles = PRISM_MAX(e->max_batch, e->prep.max_tiles);
     e->emb_floats = (size_t)e->cfg.image_seq_length * e->cfg.hidden;
     size_t S = (size_t)e->cfg.v_image_size;
     e->tile_px = 3 * S * S;
-    s->cap = (prism_worker_capacity_t){.max_batch_tokens = (uint32_t)(e->max_batch * e->cfg.image_seq_length),
-                                       .max_running = (uint32_t)e->max_queue, .max_queued_bytes = e->max_queue_bytes};
+    s->cap.max_batch_tokens = (uint32_t)(e->max_batch * e->cfg.image_seq_length);
     return -1;
 }
 
@@ -572,19 +730,28 @@ static int encoder_load(void *ctx, prism_worker_startup_t *s)
     encoder_t *e = ctx;
     char err[512] = "";
     e->be = s->be;
-    if (prism_vision_load(e->be, &e->cfg, s->o.model_path, e->max_batch, &e->vis, err, sizeof(err)) != PRISM_OK) {
+    /* a native-resolution tower's arena waits for the plan (encoder_ready): its size is the largest
+     * image, which may be what the budget leaves after the weights */
+    int rc = e->native ? prism_vision_native_load(e->be, &e->cfg, s->o.model_path, 0, &e->nvis, err, sizeof(err))
+                       : prism_vision_load(e->be, &e->cfg, s->o.model_path, e->max_batch, &e->vis, err, sizeof(err));
+    if (rc != PRISM_OK) {
         PRISM_ERROR("cannot load vision tower: %s", err);
         return 1;
     }
     return -1;
 }
 
-static int encoder_plan(void *ctx, prism_worker_startup_t *s)
+/* The tier's regions (native resolution: for images of up to e->max_tokens LM tokens). */
+static void plan_regions(encoder_t *e, prism_mem_plan_t *p)
 {
-    encoder_t *e = ctx;
-    prism_mem_plan_t *p = &s->plan;
-    prism_mem_plan_add(p, "weights", prism_vision_weight_bytes(e->vis), PRISM_MEM_LIBRARY);
-    prism_mem_plan_add(p, "activations", prism_vision_arena_bytes(&e->cfg, e->max_batch), PRISM_MEM_LIBRARY);
+    if (e->native) {
+        prism_mem_plan_add(p, "weights", prism_vision_native_weight_bytes(e->nvis), PRISM_MEM_LIBRARY);
+        prism_mem_plan_add(p, "activations", prism_vision_native_arena_bytes(&e->cfg, e->cap_patches), PRISM_MEM_LIBRARY);
+        prism_mem_plan_add(p, "model-host", prism_vision_native_host_bytes(&e->cfg, e->cap_patches), PRISM_MEM_LIBRARY);
+    } else {
+        prism_mem_plan_add(p, "weights", prism_vision_weight_bytes(e->vis), PRISM_MEM_LIBRARY);
+        prism_mem_plan_add(p, "activations", prism_vision_arena_bytes(&e->cfg, e->max_batch), PRISM_MEM_LIBRARY);
+    }
     /* the decoder's region and the relay's ring; the relay's helper thread has a stack of its own */
     size_t relay_stack = e->prep.relay_bytes ? PRISM_IMAGE_RELAY_STACK_BYTES : 0;
     prism_mem_plan_add(p, "decode", e->prep.dec_bytes + e->prep.relay_bytes - relay_stack, PRISM_MEM_LIBRARY);
@@ -594,27 +761,85 @@ static int encoder_plan(void *ctx, prism_worker_startup_t *s)
                        PRISM_MEM_LIBRARY);
     /* each router's queued image files, held as ZeroMQ frames */
     prism_mem_plan_add(p, "queued-images", (size_t)e->max_queue_bytes, PRISM_MEM_OUTSIDE);
-    PRISM_PLAN_POOL(p, "pixels", e->pixels, (size_t)e->cap_tiles * e->tile_px);
-    PRISM_PLAN_POOL(p, "outputs", e->out, (size_t)e->cap_tiles * e->emb_floats);
-    PRISM_PLAN_POOL(p, "tile-jobs", e->tile_job, e->cap_tiles);
+    if (e->native) {
+        PRISM_PLAN_POOL(p, "pixels", e->pixels, (size_t)e->cap_patches * e->patch_floats);
+        /* one piece of padding: the last piece of the last image is read whole by the cache */
+        PRISM_PLAN_POOL(p, "outputs", e->out, ((size_t)e->max_tokens + PRISM_VISION_PIECE_ROWS) * e->row_floats);
+    } else {
+        PRISM_PLAN_POOL(p, "pixels", e->pixels, (size_t)e->cap_tiles * e->tile_px);
+        PRISM_PLAN_POOL(p, "outputs", e->out, (size_t)e->cap_tiles * e->emb_floats);
+        PRISM_PLAN_POOL(p, "tile-jobs", e->tile_job, e->cap_tiles);
+    }
     PRISM_PLAN_POOL(p, "jobs", e->jobs, e->max_queue);
+}
+
+static void native_max_tokens(encoder_t *e, int T)
+{
+    e->max_tokens = T;
+    e->cap_patches = T * e->cfg.v_merge * e->cfg.v_merge;
+}
+
+/* Native resolution: the largest image, in LM tokens: --max-image-tokens, or what the processor
+ * allows lowered to what the budget leaves (the plan as it stands: start-up's regions). It sizes the
+ * tower's arena and the pixel and output buffers; a batch is as many images as their patches fit. */
+static int plan_native(encoder_t *e, prism_worker_startup_t *s)
+{
+    int T = (int)(e->f.max_image_tokens ? e->f.max_image_tokens
+                                        : PRISM_MIN(prism_qwenvl_max_tokens(&e->prep.qw),
+                                                    (int64_t)MAX_PARTS * PRISM_VISION_PIECE_ROWS));
+    if (!e->f.max_image_tokens && s->plan.budget) {
+        /* the largest image the budget holds, at most what the processor allows */
+        int lo = 1, hi = T;
+        while (lo < hi) {
+            int mid = lo + (hi - lo + 1) / 2;
+            prism_mem_plan_t trial = s->plan;
+            native_max_tokens(e, mid);
+            plan_regions(e, &trial);
+            if (prism_mem_plan_total(&trial) <= s->plan.budget) lo = mid;
+            else hi = mid - 1;
+        }
+        if (lo < T)
+            PRISM_INFO("--mem-budget leaves room for images of up to %d LM tokens (the processor allows %d): larger "
+                       "ones are refused (max_pixels %lld fits)", lo, T,
+                       (long long)prism_qwenvl_max_pixels_for_tokens(&e->prep.qw, lo));
+        T = lo;
+    }
+    native_max_tokens(e, T);
+    s->cap.max_batch_tokens = (uint32_t)T;
+    return -1;
+}
+
+static int encoder_plan(void *ctx, prism_worker_startup_t *s)
+{
+    encoder_t *e = ctx;
+    int rc;
+    if (e->native && (rc = plan_native(e, s)) >= 0) return rc;
+    plan_regions(e, &s->plan);
     return -1;
 }
 
 static int encoder_ready(void *ctx, prism_worker_startup_t *s)
 {
     encoder_t *e = ctx;
+    char err[512] = "";
+    if (e->native && prism_vision_native_reserve(e->nvis, e->cap_patches, err, sizeof(err)) != PRISM_OK) {
+        PRISM_ERROR("vision tower: %s", err);
+        return 1;
+    }
     if (enc_prep_create(&e->prep) != PRISM_OK) {
         PRISM_ERROR("cannot create the image decoder");
         return 1;
     }
-    if (prism_embed_cache_init(&e->cache, (size_t)e->f.cache_bytes, e->emb_floats, e->prep.max_tiles) != PRISM_OK) {
+    /* cache units: a tile's embeddings, or a piece of a native-resolution image */
+    int max_units = e->native ? (e->max_tokens + PRISM_VISION_PIECE_ROWS - 1) / PRISM_VISION_PIECE_ROWS : e->prep.max_tiles;
+    if (prism_embed_cache_init(&e->cache, (size_t)e->f.cache_bytes, e->emb_floats, max_units) != PRISM_OK) {
         PRISM_ERROR("cannot allocate the embedding cache");
         return 1;
     }
     s->cap.embedding_cache_units = (uint32_t)e->cache.n_units;   /* 0: the router sends no early jobs */
     e->hook = (prism_model_hook_t){hook_layer, hook_cancelled, e};
-    prism_vision_set_hook(e->vis, &e->hook);
+    if (e->native) prism_vision_native_set_hook(e->nvis, &e->hook);
+    else prism_vision_set_hook(e->vis, &e->hook);
     publish_load(e);
     return -1;
 }
@@ -623,9 +848,13 @@ static int encoder_ready(void *ctx, prism_worker_startup_t *s)
 static int encoder_run(void *ctx)
 {
     encoder_t *e = ctx;
-    PRISM_INFO("encoder: micro-batch %d %s, pixel buffer %d tiles (largest image %d), %.2gs batch bound, queue %d, "
-               "cache %d tiles", e->max_batch, e->prep.max_tiles > 1 ? "tiles" : "images", e->cap_tiles,
-               e->prep.max_tiles, e->max_batch_s, e->max_queue, e->cache.n_units);
+    if (e->native)
+        PRISM_INFO("encoder: images of up to %d LM tokens (%d patches) per batch, %.2gs batch bound, queue %d, cache %d "
+                   "pieces", e->max_tokens, e->cap_patches, e->max_batch_s, e->max_queue, e->cache.n_units);
+    else
+        PRISM_INFO("encoder: micro-batch %d %s, pixel buffer %d tiles (largest image %d), %.2gs batch bound, queue %d, "
+                   "cache %d tiles", e->max_batch, e->prep.max_tiles > 1 ? "tiles" : "images", e->cap_tiles,
+                   e->prep.max_tiles, e->max_batch_s, e->max_queue, e->cache.n_units);
 
     while (!prism_worker_should_stop()) {
         publish_load(e);
@@ -643,7 +872,8 @@ static int encoder_run(void *ctx)
 
 static const prism_worker_tier_t k_encoder_tier = {
     .role = "encoder", .proto_role = PRISM__ROLE__ROLE_ENCODER,
-    .summary = "Prism encoder worker: image decode, preprocessing (CLIP or Llama-4 tiles), vision tower + projector.",
+    .summary = "Prism encoder worker: image decode, preprocessing (CLIP, Llama-4 tiles or Qwen-VL patches), vision "
+               "tower + projector.",
     .flags = encoder_flags, .size = encoder_size, .load = encoder_load, .plan = encoder_plan, .ready = encoder_ready,
     .run = encoder_run,
 };

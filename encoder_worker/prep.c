@@ -28,6 +28,19 @@ int enc_prep_plan(enc_prep_t *p, const prism_model_config_t *cfg, const char *mo
         }
         p->max_tiles = prism_llama4_max_tiles(&p->l4);
         p->ws_bytes = prism_llama4_workspace_bound(&p->l4, max_pixels);
+    } else if (p->arch == PRISM_VISION_QWEN25) {
+        if ((rc = prism_qwenvl_proc_load_dir(model_dir, &p->qw, err, errlen)) != PRISM_OK) return rc;
+        if (p->qw.patch != cfg->v_patch || p->qw.merge != cfg->v_merge || p->qw.temporal != cfg->v_temporal_patch) {
+            ERR("Qwen-VL: the processor's patch %d / merge %d / temporal %d disagree with the vision config (%d / %d / %d)",
+                p->qw.patch, p->qw.merge, p->qw.temporal, cfg->v_patch, cfg->v_merge, cfg->v_temporal_patch);
+            return PRISM_EINVAL;
+        }
+        if (dct == ENC_DCT_ALWAYS) {
+            ERR("--jpeg-dct-scaling always is not available for Qwen-VL: its processor resizes the full-size image");
+            return PRISM_ENOTSUP;
+        }
+        p->max_tiles = 1;
+        p->ws_bytes = prism_qwenvl_workspace_bound(&p->qw, max_pixels, 0);
     } else {
         char path[4096];
         if ((rc = prism_path_join(path, sizeof(path), model_dir, "preprocessor_config.json")) != PRISM_OK) return rc;
@@ -107,6 +120,30 @@ int enc_prep_tiles(const enc_prep_t *p, const uint8_t *data, size_t len, int *n_
     return PRISM_OK;
 }
 
+int enc_prep_grid(const enc_prep_t *p, const uint8_t *data, size_t len, int max_tokens, prism_qwenvl_grid_t *g,
+                  char *msg, size_t n)
+{
+    prism_image_info_t info;
+    int rc = probe(p, data, len, &info, msg, n);
+    if (rc != PRISM_OK) return rc;
+    if (prism_qwenvl_grid(&p->qw, info.width, info.height, g) != PRISM_OK) {
+        snprintf(msg, n, "Image of %dx%d pixels cannot be resized for the model: its aspect ratio is above 200.",
+                 info.width, info.height);
+        return PRISM_ELIMIT;
+    }
+    if (max_tokens > 0 && g->n_tokens > max_tokens) {
+        snprintf(msg, n, "Image of %dx%d pixels needs %d image tokens; this server takes at most %d per image (a "
+                 "max_pixels of %lld or less would fit).", info.width, info.height, g->n_tokens, max_tokens,
+                 (long long)prism_qwenvl_max_pixels_for_tokens(&p->qw, max_tokens));
+        return PRISM_ELIMIT;
+    }
+    if (prism_qwenvl_workspace_bytes(&p->qw, info.width, info.height) > p->ws_bytes) {
+        snprintf(msg, n, "Image of %dx%d pixels needs more preprocessing memory than planned.", info.width, info.height);
+        return PRISM_ELIMIT;
+    }
+    return PRISM_OK;
+}
+
 int enc_prep_run(enc_prep_t *p, const uint8_t *data, size_t len, float *pixels, char *msg, size_t n)
 {
     prism_image_info_t info;
@@ -115,9 +152,12 @@ int enc_prep_run(enc_prep_t *p, const uint8_t *data, size_t len, float *pixels, 
     prism_image_decode_opts_t opts = {.max_pixels = p->max_pixels};
     prism_clip_stream_t cs;
     prism_llama4_stream_t ls;
+    prism_qwenvl_stream_t qs;
     prism_image_sink_t sink;
     if (p->arch == PRISM_VISION_LLAMA4) {
         sink = prism_llama4_stream_sink(&ls, &p->l4, p->ws, p->ws_bytes, pixels);
+    } else if (p->arch == PRISM_VISION_QWEN25) {
+        sink = prism_qwenvl_stream_sink(&qs, &p->qw, 0, 0, p->ws, p->ws_bytes, pixels);
     } else {
         int tw, th;
         if (prism_clip_resize_target(&p->clip, info.width, info.height, &tw, &th) != PRISM_OK) {
@@ -132,7 +172,9 @@ int enc_prep_run(enc_prep_t *p, const uint8_t *data, size_t len, float *pixels, 
     if (p->relay) sink = prism_image_relay_sink(p->relay, &inner);
     rc = prism_image_decoder_run(p->dec, data, len, &opts, &sink);
     if (rc == PRISM_OK)
-        rc = p->arch == PRISM_VISION_LLAMA4 ? prism_llama4_stream_finish(&ls) : prism_clip_stream_finish(&cs);
+        rc = p->arch == PRISM_VISION_LLAMA4  ? prism_llama4_stream_finish(&ls)
+           : p->arch == PRISM_VISION_QWEN25 ? prism_qwenvl_stream_finish(&qs)
+                                             : prism_clip_stream_finish(&cs);
     if (rc == PRISM_ELIMIT) {
         snprintf(msg, n, "The %dx%d %s image cannot be decoded: %s.", info.width, info.height,
                  prism_image_format_name(info.format), prism_image_decoder_error(p->dec)[0]

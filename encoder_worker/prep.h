@@ -18,6 +18,7 @@
 #include "image/image.h"
 #include "image/clip.h"
 #include "image/llama4_proc.h"
+#include "image/qwenvl_proc.h"
 
 /* JPEG DCT-domain downscaling trades exactness for speed: HF decodes every image at full size, so
  * a scaled decode moves pixels (and can change a greedy token). "always" scales every JPEG at least
@@ -30,6 +31,7 @@ typedef struct {
     int arch;                      /* prism_vision_arch_t */
     prism_clip_preproc_t clip;
     prism_llama4_proc_t l4;
+    prism_qwenvl_proc_t qw;        /* native resolution (Qwen-VL): patches instead of tiles */
     int tile;                      /* pixels per tile side */
     int max_tiles;                 /* tiles of the largest image: 1 for CLIP */
     int dct;                       /* ENC_DCT_* */
@@ -52,8 +54,14 @@ void enc_prep_destroy(enc_prep_t *p);
 /* Tiles the image needs, from its header. Fails with a client-facing message (PRISM_ECORRUPT for
  * data that is not an image, PRISM_ELIMIT for limits). */
 int  enc_prep_tiles(const enc_prep_t *p, const uint8_t *data, size_t len, int *n_tiles, char *msg, size_t n);
+/* Native-resolution models: the image's patch grid and LM tokens, from its header (the router's
+ * arithmetic); refused with a client-facing message when it cannot be resized (aspect ratio above
+ * 200) or needs more than max_tokens LM tokens (0: no bound) or more preprocessing memory than
+ * planned. */
+int  enc_prep_grid(const enc_prep_t *p, const uint8_t *data, size_t len, int max_tokens, prism_qwenvl_grid_t *g,
+                   char *msg, size_t n);
 /* Decodes and preprocesses the image into pixels ([n_tiles][3][tile][tile], room for what
- * enc_prep_tiles said). Fails with a client-facing message. */
+ * enc_prep_tiles said; native resolution: [n_patches][3][p][p]). Fails with a client-facing message. */
 int  enc_prep_run(enc_prep_t *p, const uint8_t *data, size_t len, float *pixels, char *msg, size_t n);
 
 #endif

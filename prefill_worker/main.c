@@ -31,12 +31,15 @@
 #include "backend/backend.h"
 #include "model/model.h"
 #include "image/llama4_proc.h"
+#include "image/qwenvl_proc.h"
 
 #include <stdio.h>
 #include <string.h>
 
 #define MAX_IMAGES 64
-#define MAX_PAGES (PRISM_LLAMA4_MAX_PATCHES + 1)   /* pages (tiles) of one image */
+/* pages of one image: Llama-4 tiles, or pieces of a native-resolution image (the largest image
+ * --max-image-tokens allows, in pages of PRISM_VISION_PIECE_ROWS rows: 64K tokens) */
+#define MAX_PAGES PRISM_MAX(PRISM_LLAMA4_MAX_PATCHES + 1, 256)
 
 typedef struct {
     bool used;
@@ -45,6 +48,7 @@ typedef struct {
     uint32_t image_index;
     double t_arrive;
     int n_rows;
+    int got_rows;             /* received so far (an image sent in pieces is ready when got_rows == n_rows) */
     int32_t pages[MAX_PAGES]; /* pool pages holding rows [k * page_rows, (k + 1) * page_rows) */
 } emb_slot_t;
 
@@ -55,13 +59,14 @@ typedef struct {
     int n_images;
     uint32_t span_off[MAX_IMAGES], span_len[MAX_IMAGES];
     int span_rows[MAX_IMAGES];   /* image-token positions in each span: the rows it needs */
+    prism_mrope_image_t mrope[MAX_IMAGES];   /* M-RoPE models: the spans' LM-token grids */
     char decode_endpoint[256];
     double t_arrive;
 } preq_t;
 
 typedef struct {
     struct {                      /* the tier's flags */
-        int64_t kv_blocks, block_size, chunk, max_pending, emb_images, context_length;
+        int64_t kv_blocks, block_size, chunk, max_pending, emb_images, context_length, max_image_tokens;
         double orphan_timeout;
     } f;
     prism_worker_t w;
@@ -85,6 +90,7 @@ typedef struct {
     float *emb_pool;         /* [n_pages][page_rows][hidden] */
     int32_t *free_pages;     /* [n_pages] stack */
     const float **chunk_rows; /* [chunk]: image embedding row of each token, or NULL */
+    int32_t *chunk_pos;      /* M-RoPE models: [3][chunk] rotary positions of the chunk's tokens */
     int32_t *table;          /* [max_blocks_per_seq] */
     float *logits;           /* [vocab] */
     uint8_t *kv_out;         /* [max_blocks_per_seq][block_bytes]: export staging (holds the transfer, which
@@ -112,6 +118,14 @@ static int emb_room(const prefill_t *p)
     return p->max_pages ? p->n_free_pages / p->max_pages : 0;
 }
 
+/* An image whose pieces are still arriving (its pages are reserved: its next piece always fits). */
+static bool emb_partial(const prefill_t *p)
+{
+    for (int i = 0; i < p->n_pages; i++)
+        if (p->emb[i].used && p->emb[i].got_rows < p->emb[i].n_rows) return true;
+    return false;
+}
+
 static const float *emb_row(const prefill_t *p, const emb_slot_t *e, int k)
 {
     return p->emb_pool + ((size_t)e->pages[k / p->page_rows] * p->page_rows + (size_t)(k % p->page_rows)) * p->cfg.hidden;
@@ -123,7 +137,7 @@ static void emb_release(prefill_t *p, emb_slot_t *e)
 {
     for (int k = 0; k < emb_pages(p, e); k++) p->free_pages[p->n_free_pages++] = e->pages[k];
     e->used = false;
-    e->n_rows = 0;
+    e->n_rows = e->got_rows = 0;
 }
 
 static emb_slot_t *emb_find(prefill_t *p, uint64_t rid, uint64_t rid_hi, const char *router, uint32_t index)
@@ -189,6 +203,10 @@ static emb_slot_t *emb_evictable(const prefill_t *p)
 static int emb_credit(const prefill_t *p)
 {
     int n = emb_room(p);
+    /* An image arriving in pieces holds its pages already: one more message is always taken then,
+     * so its next piece cannot wait behind a full pool (which only its completion would empty). A
+     * new image's first piece taken on this credit that does not fit is refused (on_embeddings). */
+    if (emb_partial(p)) n++;
     return n > 0 ? n : emb_evictable(p) != NULL;
 }
 
@@ -259,6 +277,10 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
             int rows = 0;
             for (uint32_t t = s->offset; t < s->offset + s->n_tokens; t++) rows += pf->token_ids[t] == p->cfg.image_token_index;
             if (rows == 0 || rows > p->max_pages * p->page_rows) why = "image span holds no image tokens, or too many";
+            /* M-RoPE: the span is the image's pads exactly, rows x cols of them */
+            else if (prism_model_mrope(&p->cfg) &&
+                     ((uint64_t)s->grid_rows * s->grid_cols != s->n_tokens || (uint32_t)rows != s->n_tokens))
+                why = "image span does not match its grid";
         }
     }
     preq_t *r = NULL;
@@ -293,9 +315,29 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
         r->span_rows[i] = 0;
         for (uint32_t t = r->span_off[i]; t < r->span_off[i] + r->span_len[i]; t++)
             r->span_rows[i] += r->tokens[t] == p->cfg.image_token_index;
+        r->mrope[i] = (prism_mrope_image_t){(int32_t)pf->images[i]->offset, (int32_t)pf->images[i]->grid_rows,
+                                            (int32_t)pf->images[i]->grid_cols};
     }
     snprintf(r->decode_endpoint, sizeof(r->decode_endpoint), "%s", pf->decode_endpoint);
     r->t_arrive = prism_now_s();
+}
+
+/* The frames' bytes, in order, into the slot's pages from byte `at` of the image (frames may split
+ * rows anywhere). */
+static void emb_copy_frames(prefill_t *p, const emb_slot_t *s, prism_msg_t *m, size_t at)
+{
+    size_t page_bytes = (size_t)p->page_rows * p->cfg.hidden * sizeof(float);
+    for (int f = 0; f < m->n_frames; f++) {
+        size_t len = 0;
+        const uint8_t *src = prism_msg_frame(m, f, &len);
+        while (len) {
+            size_t pg = at / page_bytes, off = at % page_bytes, n = PRISM_MIN(len, page_bytes - off);
+            memcpy((uint8_t *)(p->emb_pool + (size_t)s->pages[pg] * p->page_rows * p->cfg.hidden) + off, src, n);
+            src += n;
+            len -= n;
+            at += n;
+        }
+    }
 }
 
 static void on_embeddings(prefill_t *p, prism_msg_t *m)
@@ -322,16 +364,40 @@ static void on_embeddings(prefill_t *p, prism_msg_t *m)
         prism_msg_frame(m, f, &len);
         got += len;
     }
+    /* Native-resolution images come in pieces (total_tokens > 0), of any size, in order; the others
+     * whole, a whole number of pages (tiles). */
+    const bool pieces = em && em->total_tokens > 0;
+    uint32_t total = pieces ? em->total_tokens : em ? em->n_tokens : 0;
     if (!em || !p->n_pages || em->hidden != (uint32_t)p->cfg.hidden || em->image_index >= MAX_IMAGES || em->n_tokens == 0 ||
-        em->n_tokens % (uint32_t)p->page_rows || em->n_tokens / (uint32_t)p->page_rows > (uint32_t)p->max_pages ||
+        (!pieces && em->n_tokens % (uint32_t)p->page_rows) ||
+        (uint64_t)total > (uint64_t)p->max_pages * (uint32_t)p->page_rows ||
+        (pieces && ((uint64_t)em->row_offset + em->n_tokens > total || em->n_tokens > PRISM_VISION_PIECE_ROWS)) ||
         got != (size_t)em->n_tokens * row_bytes) {
         PRISM_WARN("request %llu: malformed embeddings dropped", (unsigned long long)e->request_id);
         send_error(p, router, e->request_id, e->request_id_hi, PRISM__ERROR_KIND__ERROR_INTERNAL, "malformed image embeddings");
         drop_request(p, e->request_id, router);
         return;
     }
-    if (emb_find(p, e->request_id, e->request_id_hi, router, em->image_index)) return;  /* duplicate */
-    int n_pages = (int)(em->n_tokens / (uint32_t)p->page_rows);
+    emb_slot_t *s = emb_find(p, e->request_id, e->request_id_hi, router, em->image_index);
+    if (s && pieces && s->got_rows < s->n_rows) {
+        /* the next piece of an image arriving in pieces: its pages are reserved */
+        if ((uint32_t)s->n_rows != total || em->row_offset != (uint32_t)s->got_rows) {
+            PRISM_WARN("request %llu: image %u: piece out of order", (unsigned long long)e->request_id, em->image_index);
+            send_error(p, router, e->request_id, e->request_id_hi, PRISM__ERROR_KIND__ERROR_INTERNAL,
+                       "malformed image embeddings");
+            drop_request(p, e->request_id, router);
+            return;
+        }
+        emb_copy_frames(p, s, m, (size_t)em->row_offset * row_bytes);
+        s->got_rows += (int)em->n_tokens;
+        return;
+    }
+    if (s) return;  /* duplicate */
+    if (pieces && em->row_offset != 0) {
+        PRISM_WARN("request %llu: image %u: a piece without its first", (unsigned long long)e->request_id, em->image_index);
+        return;   /* the rest of an image whose first piece was refused or dropped */
+    }
+    int n_pages = (int)((total + (uint32_t)p->page_rows - 1) / (uint32_t)p->page_rows);
     /* The I/O thread hands data over only within emb_credit: while the largest image fits, or orphans
      * hold half the pool. The oldest orphans make room (a Prefill read in the same poll may have
      * adopted those that made it: then any orphan goes); with none left the message is refused. */
@@ -351,7 +417,6 @@ static void on_embeddings(prefill_t *p, prism_msg_t *m)
                    (unsigned long long)old->rid);
         emb_release(p, old);
     }
-    emb_slot_t *s = NULL;
     for (int i = 0; i < p->n_pages && !s; i++)
         if (!p->emb[i].used) s = &p->emb[i];
     PRISM_ASSERT(s);
@@ -361,21 +426,10 @@ static void on_embeddings(prefill_t *p, prism_msg_t *m)
     snprintf(s->router_id, sizeof(s->router_id), "%s", router);
     s->image_index = em->image_index;
     s->t_arrive = prism_now_s();
-    s->n_rows = (int)em->n_tokens;
+    s->n_rows = (int)total;
+    s->got_rows = (int)em->n_tokens;
     for (int k = 0; k < n_pages; k++) s->pages[k] = p->free_pages[--p->n_free_pages];
-    /* The frames' bytes, in order, into the pages (frames may split rows anywhere). */
-    size_t page_bytes = (size_t)p->page_rows * row_bytes, at = 0;
-    for (int f = 0; f < m->n_frames; f++) {
-        size_t len = 0;
-        const uint8_t *src = prism_msg_frame(m, f, &len);
-        while (len) {
-            size_t pg = at / page_bytes, off = at % page_bytes, n = PRISM_MIN(len, page_bytes - off);
-            memcpy((uint8_t *)(p->emb_pool + (size_t)s->pages[pg] * p->page_rows * p->cfg.hidden) + off, src, n);
-            src += n;
-            len -= n;
-            at += n;
-        }
-    }
+    emb_copy_frames(p, s, m, 0);
 }
 
 static void on_msg(prism_worker_t *w, prism_msg_t *m, int source, void *ud)
@@ -405,8 +459,10 @@ static void on_msg(prism_worker_t *w, prism_msg_t *m, int source, void *ud)
 
 static bool ready(prefill_t *p, const preq_t *r)
 {
-    for (int i = 0; i < r->n_images; i++)
-        if (!emb_find(p, r->seq.rid, r->seq.rid_hi, r->seq.router_id, (uint32_t)i)) return false;
+    for (int i = 0; i < r->n_images; i++) {
+        const emb_slot_t *e = emb_find(p, r->seq.rid, r->seq.rid_hi, r->seq.router_id, (uint32_t)i);
+        if (!e || e->got_rows < e->n_rows) return false;
+    }
     return true;
 }
 
@@ -510,9 +566,15 @@ static void run_one(prefill_t *p)
             }
         }
         int32_t seq_start[2] = {0, n}, pos0[1] = {start};
+        /* M-RoPE: the chunk's rotary positions from the image spans (transformers' get_rope_index) */
+        if (p->chunk_pos &&
+            prism_mrope_positions(r->mrope, r->n_images, start, n, p->chunk_pos, (size_t)n) != PRISM_OK) {
+            rc = PRISM_EINVAL;
+            break;
+        }
         prism_llm_batch_t b = {
             .n_seqs = 1, .n_tokens = n, .tokens = r->tokens + start, .seq_start = seq_start, .pos0 = pos0,
-            .block_tables = tables, .embed_rows = any ? p->chunk_rows : NULL,
+            .block_tables = tables, .embed_rows = any ? p->chunk_rows : NULL, .rope_pos = p->chunk_pos,
         };
         /* Only the last chunk's logits are needed: the others are begun and never ended (no lm_head,
          * no wait; on a device the chunks queue back to back). The ranks get each plan first. */
@@ -596,6 +658,7 @@ static void run_one(prefill_t *p)
         p->kv_hdr.block_bytes = fbb;
         p->kv_hdr.local_first_block = (uint32_t)lfb;
         p->kv_hdr.local_block_bytes = lbb;
+        if (p->chunk_pos) p->kv_hdr.rope_delta = prism_mrope_delta(r->mrope, r->n_images);
         prism_seq_copy(&p->kv_seq, &r->seq);
         p->kv_hdr.n_choice_index = p->kv_hdr.n_choice_first_token = p->kv_hdr.n_choice_rng_state =
             (size_t)p->kv_seq.n_fork;
@@ -672,14 +735,15 @@ static int prefill_flags(void *ctx, prism_flag_t *t)
     p->f.block_size = 16;
     p->f.chunk = 512;
     p->f.max_pending = 64;
-    p->f.emb_images = 32;
+    p->f.emb_images = 0;   /* 32, or 4 for Qwen-VL (prefill_size) */
     p->f.orphan_timeout = 120;
     prism_flag_t f[] = {
         PRISM_FLAG_INT("chunked-prefill-size", &p->f.chunk, "Most prompt tokens per forward step"),
         PRISM_FLAG_INT("kv-blocks", &p->f.kv_blocks, "KV blocks for prompts in flight (0 = two full contexts)"),
         PRISM_FLAG_INT("block-size", &p->f.block_size, "Tokens per KV block (must match the decode workers)"),
         PRISM_FLAG_INT("max-pending-requests", &p->f.max_pending, "Prefill requests held at once"),
-        PRISM_FLAG_INT("embed-pool-images", &p->f.emb_images, "Receive pool for image embeddings, in images of the largest kind (Llama-4: of max_patches + 1 tiles; smaller images take less)"),
+        PRISM_FLAG_INT("embed-pool-images", &p->f.emb_images, "Receive pool for image embeddings, in images of the largest kind (Llama-4: of max_patches + 1 tiles; Qwen-VL: of --max-image-tokens; smaller images take less). 0 = 32, or 4 for Qwen-VL"),
+        PRISM_FLAG_INT("max-image-tokens", &p->f.max_image_tokens, "Qwen-VL: the largest image taken, in LM tokens (0 = what the processor's max_pixels allows)"),
         PRISM_FLAG_INT("context-length", &p->f.context_length, "Max tokens per sequence (0 = model's max_position_embeddings, at most 131072)"),
         PRISM_FLAG_DOUBLE("orphan-timeout", &p->f.orphan_timeout,
                           "Seconds before embeddings whose prefill request never arrives free their slot"),
@@ -693,7 +757,8 @@ static int prefill_size(void *ctx, prism_worker_startup_t *s)
     prefill_t *p = ctx;
     char err[512] = "";
     if (p->f.chunk < 1 || p->f.chunk > 65536 || p->f.block_size < 1 || p->f.block_size > 1024 || p->f.max_pending < 1 ||
-        p->f.max_pending > 4096 || p->f.emb_images < 1 || p->f.emb_images > 65536 || !(p->f.orphan_timeout > 0)) {
+        p->f.max_pending > 4096 || p->f.emb_images < 0 || p->f.emb_images > 65536 || !(p->f.orphan_timeout > 0) ||
+        p->f.max_image_tokens < 0 || p->f.max_image_tokens > (int64_t)MAX_PAGES * PRISM_VISION_PIECE_ROWS) {
         PRISM_ERROR("flag out of range (see --help)");
         return 2;
     }
@@ -718,6 +783,24 @@ static int prefill_size(void *ctx, prism_worker_startup_t *s)
             }
             p->max_pages = prism_llama4_max_tiles(&proc);
         }
+        if (p->cfg.vision_arch == PRISM_VISION_QWEN25) {
+            /* Native resolution: pages of PRISM_VISION_PIECE_ROWS rows; the largest image is what
+             * the processor's limits allow (or --max-image-tokens). */
+            prism_qwenvl_proc_t proc;
+            if (prism_qwenvl_proc_load_dir(s->o.model_path, &proc, err, sizeof(err)) != PRISM_OK) {
+                PRISM_ERROR("Qwen-VL image processor: %s", err);
+                return 1;
+            }
+            if (!p->f.max_image_tokens) p->f.max_image_tokens = prism_qwenvl_max_tokens(&proc);
+            if (p->f.max_image_tokens > (int64_t)MAX_PAGES * PRISM_VISION_PIECE_ROWS) {
+                PRISM_ERROR("Qwen-VL: images of up to %lld tokens; at most %d are supported (--max-image-tokens)",
+                            (long long)p->f.max_image_tokens, MAX_PAGES * PRISM_VISION_PIECE_ROWS);
+                return 1;
+            }
+            p->page_rows = PRISM_VISION_PIECE_ROWS;
+            p->max_pages = (int)((p->f.max_image_tokens + p->page_rows - 1) / p->page_rows);
+        }
+        if (!p->f.emb_images) p->f.emb_images = p->cfg.vision_arch == PRISM_VISION_QWEN25 ? 4 : 32;
         PRISM_ASSERT(p->max_pages >= 1 && p->max_pages <= MAX_PAGES);
         p->n_pages = (int)p->f.emb_images * p->max_pages;
     }
@@ -733,8 +816,10 @@ static int prefill_size(void *ctx, prism_worker_startup_t *s)
     s->max_blocks_per_seq = p->max_blocks_per_seq;
     s->batch_seqs = 1;   /* prompts run one at a time, a chunk per forward */
     s->batch_tokens = p->chunk;
-    s->data_socket = true;   /* embeddings: one tile's rows per frame */
-    s->data_max_msg_bytes = (size_t)p->cfg.image_seq_length * p->cfg.hidden * sizeof(float);
+    /* embeddings: the largest data frame is one tile's rows, or one piece of a native-resolution image */
+    s->data_socket = true;
+    size_t frame_rows = p->cfg.vision_arch == PRISM_VISION_QWEN25 ? PRISM_VISION_PIECE_ROWS : (size_t)p->cfg.image_seq_length;
+    s->data_max_msg_bytes = frame_rows * p->cfg.hidden * sizeof(float);
     s->cap = (prism_worker_capacity_t){.kv_blocks = (uint32_t)kv_blocks, .block_size = (uint32_t)bs,
                                        .max_batch_tokens = (uint32_t)p->chunk, .max_running = (uint32_t)p->max_pending,
                                        .max_model_len = (uint32_t)p->max_model_len};
@@ -785,6 +870,7 @@ static int prefill_plan(void *ctx, prism_worker_startup_t *s)
     PRISM_PLAN_POOL(pl, "prompts", p->token_pool, (size_t)p->max_pending * p->max_model_len);
     PRISM_PLAN_POOL(pl, "export-prompt", p->kv_prompt, p->max_model_len);
     PRISM_PLAN_POOL(pl, "chunk-rows", p->chunk_rows, p->chunk);
+    PRISM_PLAN_POOL(pl, "chunk-positions", p->chunk_pos, prism_model_mrope(&p->cfg) ? 3 * (size_t)p->chunk : 0);
     PRISM_PLAN_POOL(pl, "block-table", p->table, p->max_blocks_per_seq);
     PRISM_PLAN_POOL(pl, "logits", p->logits, p->cfg.vocab);
     return -1;

@@ -146,6 +146,21 @@ int prism_qwenvl_grid(const prism_qwenvl_proc_t *p, int w, int h, prism_qwenvl_g
     return p ? prism_qwenvl_grid_px(p, p->min_pixels, p->max_pixels, w, h, g) : PRISM_EINVAL;
 }
 
+int64_t prism_qwenvl_max_tokens(const prism_qwenvl_proc_t *p)
+{
+    if (!prism_qwenvl_proc_valid(p)) return 0;
+    double f = (double)p->patch * p->merge, mx = (double)p->max_pixels, mn = (double)p->min_pixels;
+    /* rounding only, or the max branch: at most max_pixels; the max branch with the short side
+     * clamped to f: the long one is at most sqrt(max * w / h) <= sqrt(200 max); the min branch:
+     * (h b + f)(w b + f) = min + f b (h + w) + f^2 with b (h + w) = sqrt(min) (sqrt(r) + 1/sqrt(r)),
+     * r = w / h <= 200 */
+    double a = mx;
+    double b = f * sqrt(200.0 * mx);
+    double c = mn + f * sqrt(mn) * (sqrt(200.0) + 1.0 / sqrt(200.0)) + f * f;
+    double px = PRISM_MAX(a, PRISM_MAX(b, c));
+    return (int64_t)ceil(px / (f * f));
+}
+
 int64_t prism_qwenvl_max_pixels_for_tokens(const prism_qwenvl_proc_t *p, int64_t max_tokens)
 {
     int64_t f = (int64_t)p->patch * p->merge;

@@ -84,6 +84,12 @@ int prism_qwenvl_grid(const prism_qwenvl_proc_t *p, int w, int h, prism_qwenvl_g
 int prism_qwenvl_grid_px(const prism_qwenvl_proc_t *p, int64_t min_pixels, int64_t max_pixels, int w, int h,
                          prism_qwenvl_grid_t *g);
 
+/* An upper bound of the LM tokens of any image with the processor's min/max pixels (aspect ratio
+ * at most 200): max_pixels, or the short side clamped to one factor (smart_resize then exceeds
+ * max_pixels: a 3000x20 image at max_pixels 12544 makes 28x1344), or min_pixels' upscale.
+ * What a prefill worker sizes its embedding pool for by default. */
+int64_t prism_qwenvl_max_tokens(const prism_qwenvl_proc_t *p);
+
 /* The largest max_pixels with which no image needs more than max_tokens LM tokens (what a client
  * can ask for when an image is refused for its size): max_tokens * (patch * merge)^2. */
 int64_t prism_qwenvl_max_pixels_for_tokens(const prism_qwenvl_proc_t *p, int64_t max_tokens);

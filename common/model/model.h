@@ -330,13 +330,25 @@ typedef struct {
     int32_t h, w;                    /* patches per column / row (multiples of cfg.v_merge) */
 } prism_vgrid_t;
 
+/* An image's embeddings travel to the prefill worker in pieces of at most this many rows, one
+ * Embeddings message each (prism.proto): no side holds a second copy of a 16k-token image, and a
+ * piece (3.5 MiB at a 3584-wide LM) is the largest data frame a prefill worker accepts. */
+#define PRISM_VISION_PIECE_ROWS 256
+
 typedef struct prism_vision_native prism_vision_native_t;
+/* max_patches 0: weights only; prism_vision_native_reserve sizes the arena later (a worker that
+ * plans its images from what the weights leave of its budget). */
 int  prism_vision_native_load(prism_backend_t *be, const prism_model_config_t *cfg, const char *model_dir,
                               int max_patches, prism_vision_native_t **out, char *err, size_t errlen);
+/* (Re)allocates the activation arena for batches of up to max_patches patches. */
+int  prism_vision_native_reserve(prism_vision_native_t *v, int max_patches, char *err, size_t errlen);
 void prism_vision_native_free(prism_vision_native_t *v);
 size_t prism_vision_native_weight_bytes(const prism_vision_native_t *v);
 /* The arena for max_patches (for budget planning before load); 0 for other towers. */
 size_t prism_vision_native_arena_bytes(const prism_model_config_t *cfg, int max_patches);
+/* Host memory the tower keeps besides weights and arena (its record and layer table; with max_patches
+ * > 0 the metadata staged for each forward): a worker's memory plan counts it. */
+size_t prism_vision_native_host_bytes(const prism_model_config_t *cfg, int max_patches);
 /* Floats of one LM token's output row: the embedding (cfg.hidden). */
 size_t prism_vision_native_row_floats(const prism_model_config_t *cfg);
 /* pixels: host float32 [sum of h*w][3][p][p], each image's patches in HF's order, one frame

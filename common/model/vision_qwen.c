@@ -120,6 +120,17 @@ size_t prism_vision_native_arena_bytes(const prism_model_config_t *cfg, int max_
     return qv_layout(cfg, max_patches, NULL);
 }
 
+size_t prism_vision_native_host_bytes(const prism_model_config_t *cfg, int max_patches)
+{
+    if (!cfg->has_vision || cfg->vision_arch != PRISM_VISION_QWEN25) return 0;
+    int mm = cfg->v_merge * cfg->v_merge;
+    size_t b = sizeof(struct prism_vision_native) + (size_t)cfg->v_layers * sizeof(qv_layer_t);
+    if (max_patches <= 0) return b;
+    /* as prism_vision_native_reserve allocates them: keep, kgrid, gone, h_meta */
+    size_t imgs = (size_t)max_images_of(max_patches, mm);
+    return b + imgs * (sizeof(int) + sizeof(prism_vgrid_t) + 1) + meta_count(max_patches, mm) * sizeof(int32_t);
+}
+
 size_t prism_vision_native_row_floats(const prism_model_config_t *cfg) { return (size_t)cfg->hidden; }
 
 /* ---------------------------------------------------------------- weights */
@@ -224,7 +235,8 @@ int prism_vision_native_load(prism_backend_t *be, const prism_model_config_t *cf
         return PRISM_ENOTSUP;
     }
     int mm = cfg->v_merge * cfg->v_merge;
-    if (max_patches < mm || max_patches > (1 << 24) || cfg->v_layers < 1 || cfg->v_layers > PRISM_MODEL_MAX_VLAYERS) {
+    if ((max_patches && max_patches < mm) || max_patches < 0 || max_patches > (1 << 24) || cfg->v_layers < 1 ||
+        cfg->v_layers > PRISM_MODEL_MAX_VLAYERS) {
         ERR("vision: bad max_patches %d", max_patches);
         return PRISM_EINVAL;
     }
@@ -240,19 +252,12 @@ int prism_vision_native_load(prism_backend_t *be, const prism_model_config_t *cf
     v->be = be;
     v->cfg = *cfg;
     v->wdt = be->weight_dtype;
-    v->max_patches = max_patches;
     v->mm = mm;
     v->hd = cfg->v_hidden / cfg->v_heads;
     v->pix_feat = cfg->v_num_channels * cfg->v_patch * cfg->v_patch;
     v->feat = v->pix_feat * cfg->v_temporal_patch;
-    int max_img = max_images_of(max_patches, mm);
     v->layers = prism_calloc((size_t)cfg->v_layers, sizeof *v->layers);
-    v->keep = prism_calloc((size_t)max_img, sizeof *v->keep);
-    v->kgrid = prism_calloc((size_t)max_img, sizeof *v->kgrid);
-    v->gone = prism_calloc((size_t)max_img, 1);
-    v->meta_n = meta_count(max_patches, mm);
-    v->h_meta = prism_malloc(v->meta_n * sizeof(int32_t));
-    if (!v->layers || !v->keep || !v->kgrid || !v->gone || !v->h_meta) goto fail;
+    if (!v->layers) goto fail;
     const char *vp = k_prefixes[0];
     if (!cfg->random_weights) {
         if ((rc = prism_st_open_dir(model_dir, &st, err, errlen)) != PRISM_OK) goto fail;
@@ -285,36 +290,14 @@ int prism_vision_native_load(prism_backend_t *be, const prism_model_config_t *cf
     prism_st_close(st);
     st = NULL;
 
-    v->abytes = qv_layout(cfg, max_patches, NULL);
-    v->abuf = prism_backend_buf_alloc(be, v->abytes);
-    if (!v->abuf) {
-        char b[32];
-        ERR("vision: cannot allocate the %s activation arena", prism_fmt_bytes(v->abytes, b, sizeof b));
-        rc = PRISM_ENOMEM;
-        goto fail;
-    }
-    qv_layout(cfg, max_patches, v);
-    /* 2D rotary: HF's inv_freq over head_dim/2 (theta^(-2j/(head_dim/2)), j < head_dim/4), once for
-     * the row positions and once for the columns. */
     {
-        int q = v->hd / 4;
-        float inv[256];
-        for (int j = 0; j < q; j++) {
-            inv[j] = 1.0f / powf(cfg->v_rope_theta, (float)(2 * j) / (float)(v->hd / 2));
-            inv[q + j] = inv[j];
-            v->sec.of[j] = 0;
-            v->sec.of[q + j] = 1;
-        }
-        if ((rc = be->i.upload(be->ctx, v->rope_inv, inv, (size_t)(2 * q) * 4)) != PRISM_OK) goto fail;
-    }
-    {
-        char a[32], b[32];
+        char a[32];
         int full = 0;
         for (int L = 0; L < cfg->v_layers; L++) full += (cfg->v_layer_flags[L] & PRISM_VLAYER_FULLATT) != 0;
-        PRISM_INFO("vision: Qwen2.5-VL tower, %d layers (%d full attention, windows of %d px), %s weights + %s arena "
-                   "for %d patches", cfg->v_layers, full, cfg->v_window, prism_fmt_bytes(v->wbytes, a, sizeof a),
-                   prism_fmt_bytes(v->abytes, b, sizeof b), max_patches);
+        PRISM_INFO("vision: Qwen2.5-VL tower, %d layers (%d full attention, windows of %d px), %s weights",
+                   cfg->v_layers, full, cfg->v_window, prism_fmt_bytes(v->wbytes, a, sizeof a));
     }
+    if (max_patches && (rc = prism_vision_native_reserve(v, max_patches, err, errlen)) != PRISM_OK) goto fail;
     *out = v;
     return PRISM_OK;
 fail:
@@ -322,6 +305,57 @@ fail:
     prism_st_close(st);
     prism_vision_native_free(v);
     return rc;
+}
+
+int prism_vision_native_reserve(prism_vision_native_t *v, int max_patches, char *err, size_t errlen)
+{
+    const prism_model_config_t *c = &v->cfg;
+    if (max_patches < v->mm || max_patches > (1 << 24)) {
+        ERR("vision: bad max_patches %d", max_patches);
+        return PRISM_EINVAL;
+    }
+    prism_backend_buf_free(v->be, v->abuf);
+    prism_free(v->keep);
+    prism_free(v->kgrid);
+    prism_free(v->gone);
+    prism_free(v->h_meta);
+    v->abuf = NULL;
+    v->keep = NULL;
+    v->kgrid = NULL;
+    v->gone = NULL;
+    v->h_meta = NULL;
+    v->max_patches = 0;
+    int max_img = max_images_of(max_patches, v->mm);
+    v->keep = prism_calloc((size_t)max_img, sizeof *v->keep);
+    v->kgrid = prism_calloc((size_t)max_img, sizeof *v->kgrid);
+    v->gone = prism_calloc((size_t)max_img, 1);
+    v->meta_n = meta_count(max_patches, v->mm);
+    v->h_meta = prism_malloc(v->meta_n * sizeof(int32_t));
+    v->abytes = qv_layout(c, max_patches, NULL);
+    v->abuf = prism_backend_buf_alloc(v->be, v->abytes);
+    if (!v->keep || !v->kgrid || !v->gone || !v->h_meta || !v->abuf) {
+        char b[32];
+        ERR("vision: cannot allocate the %s activation arena", prism_fmt_bytes(v->abytes, b, sizeof b));
+        return PRISM_ENOMEM;
+    }
+    qv_layout(c, max_patches, v);
+    /* 2D rotary: HF's inv_freq over head_dim/2 (theta^(-2j/(head_dim/2)), j < head_dim/4), once for
+     * the row positions and once for the columns. */
+    int q = v->hd / 4;
+    float inv[256];
+    for (int j = 0; j < q; j++) {
+        inv[j] = 1.0f / powf(c->v_rope_theta, (float)(2 * j) / (float)(v->hd / 2));
+        inv[q + j] = inv[j];
+        v->sec.of[j] = 0;
+        v->sec.of[q + j] = 1;
+    }
+    int rc = v->be->i.upload(v->be->ctx, v->rope_inv, inv, (size_t)(2 * q) * 4);
+    if (rc != PRISM_OK) return rc;
+    v->max_patches = max_patches;
+    char b[32];
+    PRISM_INFO("vision: %s activation arena for %d patches (%d LM tokens)", prism_fmt_bytes(v->abytes, b, sizeof b),
+               max_patches, max_patches / v->mm);
+    return PRISM_OK;
 }
 
 void prism_vision_native_free(prism_vision_native_t *v)
@@ -454,7 +488,7 @@ int prism_vision_native_encode(prism_vision_native_t *v, const float *pixels, co
     const prism_model_config_t *c = &v->cfg;
     const prism_backend_i *o = &v->be->i;
     void *bx = v->be->ctx;
-    if (n_images <= 0 || !pixels || !grids || !out) return PRISM_EINVAL;
+    if (n_images <= 0 || !pixels || !grids || !out || !v->abuf) return PRISM_EINVAL;
     int64_t total = 0;
     for (int i = 0; i < n_images; i++) {
         if (grids[i].h < c->v_merge || grids[i].w < c->v_merge || grids[i].h % c->v_merge || grids[i].w % c->v_merge)

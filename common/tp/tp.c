@@ -148,16 +148,17 @@ static int send_setup(prism_tp_t *t, int rank, const prism_tp_setup_t *s, bool o
 }
 
 /* The step plan's int32 entries: tokens + seq_start + pos0 + every block table + the indices of
- * embedded tokens. */
-static size_t plan_entries(const prism_tp_setup_t *s, int max_blocks_per_seq)
+ * embedded tokens (+ M-RoPE models: every token's three rotary positions). */
+static size_t plan_entries(const prism_model_config_t *cfg, const prism_tp_setup_t *s, int max_blocks_per_seq)
 {
-    return 2 * (size_t)s->max_tokens + 2 * (size_t)s->max_seqs + 1 + (size_t)s->max_seqs * max_blocks_per_seq;
+    size_t n = 2 * (size_t)s->max_tokens + 2 * (size_t)s->max_seqs + 1 + (size_t)s->max_seqs * max_blocks_per_seq;
+    return n + (prism_model_mrope(cfg) ? 3 * (size_t)s->max_tokens : 0);
 }
 
 size_t prism_tp_buffer_bytes(const prism_model_config_t *cfg, int size, const prism_tp_setup_t *s, int max_blocks_per_seq)
 {
     if (size <= 1) return 0;
-    return plan_entries(s, max_blocks_per_seq) * sizeof(int32_t) + (size_t)s->max_seqs * sizeof(int32_t *) +
+    return plan_entries(cfg, s, max_blocks_per_seq) * sizeof(int32_t) + (size_t)s->max_seqs * sizeof(int32_t *) +
            (size_t)s->max_tokens * cfg->hidden * sizeof(float) + (size_t)s->max_tokens * sizeof(float *) +
            (size_t)max_blocks_per_seq * prism_kv_cache_block_bytes(cfg, s->block_size);
 }
@@ -167,7 +168,7 @@ static int alloc_buffers(prism_tp_t *t)
 {
     const prism_tp_setup_t *s = &t->setup;
     if (t->size == 1) return PRISM_OK;
-    t->plan_cap = plan_entries(s, t->max_blocks_per_seq);
+    t->plan_cap = plan_entries(t->cfg, s, t->max_blocks_per_seq);
     t->plan = prism_calloc(t->plan_cap, sizeof(int32_t));
     t->tables = prism_calloc((size_t)s->max_seqs, sizeof(int32_t *));
     t->rows = prism_malloc((size_t)s->max_tokens * t->cfg->hidden * sizeof(float));
@@ -298,6 +299,18 @@ int prism_tp_send_step(prism_tp_t *t, const prism_llm_batch_t *b, bool logits)
         k += (size_t)nb;
         n_table += (size_t)nb;
     }
+    /* M-RoPE models: every token's three rotary positions (given, or its position + the sequence's
+     * delta), so the ranks need no per-request state. */
+    if (prism_model_mrope(t->cfg)) {
+        PRISM_ASSERT(k + 3 * (size_t)b->n_tokens <= t->plan_cap);
+        for (int s = 0; s < b->n_seqs; s++)
+            for (int i = b->seq_start[s]; i < b->seq_start[s + 1]; i++)
+                for (int r = 0; r < 3; r++)
+                    t->plan[k + (size_t)r * b->n_tokens + (size_t)i] =
+                        b->rope_pos ? b->rope_pos[(size_t)r * b->n_tokens + (size_t)i]
+                                    : b->pos0[s] + (i - b->seq_start[s]) + (b->rope_delta ? b->rope_delta[s] : 0);
+        k += 3 * (size_t)b->n_tokens;
+    }
     /* Embedding rows (image tokens): their token indices, and the rows packed into one frame. */
     size_t n_embed = 0, hb = (size_t)t->cfg->hidden * sizeof(float);
     for (int i = 0; b->embed_rows && i < b->n_tokens; i++)
@@ -416,9 +429,10 @@ static int follow_step(prism_tp_t *t, prism_msg_t *m, prism_llm_t *llm, prism_kv
     size_t hb = (size_t)t->cfg->hidden * sizeof(float), rlen = 0;
     const int32_t *p = st && m->n_frames == (st->n_embed ? 2 : 1) ? prism_msg_frame(m, 0, &len) : NULL;
     const void *rows = p && st->n_embed ? prism_msg_frame(m, 1, &rlen) : NULL;
+    const size_t n_rope = st && prism_model_mrope(t->cfg) ? 3 * (size_t)st->n_tokens : 0;
     if (!st || !p || st->n_seqs < 1 || st->n_seqs > (uint32_t)t->setup.max_seqs || st->n_tokens < st->n_seqs ||
         st->n_tokens > (uint32_t)t->setup.max_tokens || st->n_table > t->plan_cap || st->n_embed > st->n_tokens ||
-        len != ((size_t)st->n_tokens + 2 * (size_t)st->n_seqs + 1 + st->n_table + st->n_embed) * 4 ||
+        len != ((size_t)st->n_tokens + 2 * (size_t)st->n_seqs + 1 + st->n_table + n_rope + st->n_embed) * 4 ||
         (st->n_embed && rlen != st->n_embed * hb) || st->step != t->step + 1) {
         PRISM_ERROR("tensor parallelism: malformed or out-of-order step plan from the leader");
         return PRISM_ECORRUPT;
@@ -439,10 +453,11 @@ static int follow_step(prism_tp_t *t, prism_msg_t *m, prism_llm_t *llm, prism_kv
         used += (size_t)nb;
     }
     if (used != st->n_table) return PRISM_ECORRUPT;
+    const int32_t *rope_pos = n_rope ? tab + used : NULL;
     if (st->n_embed) {
         memcpy(t->rows, rows, rlen);
         memset(t->row_ptrs, 0, st->n_tokens * sizeof(*t->row_ptrs));
-        const int32_t *idx = tab + used;
+        const int32_t *idx = tab + used + n_rope;
         for (uint32_t j = 0; j < st->n_embed; j++) {
             if (idx[j] < 0 || (uint32_t)idx[j] >= st->n_tokens || t->row_ptrs[idx[j]]) return PRISM_ECORRUPT;
             t->row_ptrs[idx[j]] = t->rows + (size_t)j * t->cfg->hidden;
@@ -452,6 +467,7 @@ static int follow_step(prism_tp_t *t, prism_msg_t *m, prism_llm_t *llm, prism_kv
     prism_llm_batch_t b = {
         .n_seqs = n, .n_tokens = (int)st->n_tokens, .tokens = tokens, .seq_start = seq_start, .pos0 = pos0,
         .block_tables = t->tables, .all_logits = st->all_logits, .embed_rows = st->n_embed ? t->row_ptrs : NULL,
+        .rope_pos = rope_pos,
     };
     int rc = st->no_logits ? prism_llm_forward_begin(llm, kv, &b) : prism_llm_forward(llm, kv, &b, logits);
     if (rc != PRISM_OK) PRISM_ERROR("tensor parallelism: step %llu failed on rank %d: %s",
