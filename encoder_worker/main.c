@@ -74,7 +74,7 @@ typedef struct {
 typedef struct {
     struct {                  /* the tier's flags */
         int64_t max_batch, max_queue, max_queue_bytes, cache_bytes, max_pixels, max_decode_pixels, decode_threads;
-        int64_t max_image_tokens;
+        int64_t max_image_tokens, piece_rows;
         const char *dct;
         double max_batch_s;
     } f;
@@ -103,13 +103,14 @@ typedef struct {
     size_t emb_floats;        /* floats of one tile's embeddings (native resolution: of one piece); a cache unit */
     uint64_t encoded, failed, cancelled;
     /* native resolution (Qwen-VL): images of any size; batches bounded in patches, one forward
-     * each; outputs in pieces of PRISM_VISION_PIECE_ROWS rows (a cache unit, an Embeddings message) */
+     * each; outputs in pieces of piece_rows rows (a cache unit, an Embeddings message) */
     bool native;
     prism_vision_native_t *nvis;
     int max_tokens;           /* --max-image-tokens: the largest image, in LM tokens */
     int cap_patches;          /* patches of the pixel buffer and of the tower's arena */
     size_t patch_floats;      /* floats of one patch row (one frame) */
     size_t row_floats;        /* floats of one output row */
+    int piece_rows;           /* rows per Embeddings message (and per cache unit) */
     prism_vgrid_t vgrid[256]; /* the vision batch's grids, in pix_job order */
 } encoder_t;
 
@@ -186,7 +187,7 @@ static int push_pieces(encoder_t *e, job_t *j, void *s)
     env.embeddings = &em;
     if (j->error[0]) return prism_msg_send(s, NULL, 0, &env, NULL, 0, ZMQ_DONTWAIT);
     for (; j->sent < j->n_tiles; j->sent++) {
-        int r0 = j->sent * PRISM_VISION_PIECE_ROWS, rows = PRISM_MIN(PRISM_VISION_PIECE_ROWS, j->n_rows - r0);
+        int r0 = j->sent * e->piece_rows, rows = PRISM_MIN(e->piece_rows, j->n_rows - r0);
         em.n_tokens = (uint32_t)rows;
         em.row_offset = (uint32_t)r0;
         em.total_tokens = (uint32_t)j->n_rows;
@@ -487,7 +488,7 @@ static void run_batch_native(encoder_t *e)
         best->state = JOB_ENCODED;
         best->patch0 = n_patches;
         best->row0 = n_rows;
-        best->n_tiles = (g.n_tokens + PRISM_VISION_PIECE_ROWS - 1) / PRISM_VISION_PIECE_ROWS;
+        best->n_tiles = (g.n_tokens + e->piece_rows - 1) / e->piece_rows;
         n_patches += g.n_patches;
         n_rows += g.n_tokens;
         decode_s += best->decode_ms / 1e3;
@@ -520,7 +521,7 @@ static void run_batch_native(encoder_t *e)
             /* pieces read in place; the last one's tail (the next image's rows, or the buffer's
              * padding) is never sent, and the cache stores whole units */
             const float *emb = e->out + (size_t)j->row0 * e->row_floats;
-            for (int k = 0; k < j->n_tiles; k++) j->parts[k] = emb + (size_t)k * PRISM_VISION_PIECE_ROWS * e->row_floats;
+            for (int k = 0; k < j->n_tiles; k++) j->parts[k] = emb + (size_t)k * e->piece_rows * e->row_floats;
             prism_embed_cache_put(&e->cache, j->hash, emb, j->n_tiles);
         }
     }
@@ -649,6 +650,7 @@ static int encoder_flags(void *ctx, prism_flag_t *t)
     e->f.decode_threads = 2;
     e->f.dct = "auto";
     e->f.max_batch_s = 2.0;
+    e->f.piece_rows = PRISM_VISION_PIECE_ROWS;
     prism_flag_t f[] = {
         PRISM_FLAG_INT("max-batch-images", &e->f.max_batch, "Images per vision-tower micro-batch, the activation arena's "
                        "size (Llama-4: tiles; an image of more tiles runs in several micro-batches)"),
@@ -672,6 +674,8 @@ static int encoder_flags(void *ctx, prism_flag_t *t)
                        "arena and the pixel and output buffers hold one such image (or several smaller ones), and a "
                        "larger image is refused with a 400 naming the max_pixels that would fit (0 = what the "
                        "processor's max_pixels allows, lowered to what --mem-budget leaves)"),
+        PRISM_FLAG_INT("embed-piece-rows", &e->f.piece_rows, "Qwen-VL: rows of each Embeddings message (an image goes to "
+                       "the prefill worker in pieces; at most the default, the largest frame a prefill takes)"),
     };
     memcpy(t, f, sizeof f);
     return (int)PRISM_ARRAY_LEN(f);
@@ -688,7 +692,8 @@ static int encoder_size(void *ctx, prism_worker_startup_t *s)
     if (e->f.max_batch < 1 || e->f.max_batch > 256 || e->f.max_queue < e->f.max_batch || e->f.max_queue > 65536 ||
         e->f.max_queue_bytes < 1 || e->f.max_pixels < 1 || e->f.max_decode_pixels < 0 || e->f.decode_threads < 1 ||
         e->f.decode_threads > 2 || !(e->f.max_batch_s >= 0 && e->f.max_batch_s <= 3600) || e->f.max_image_tokens < 0 ||
-        e->f.max_image_tokens > MAX_PARTS * PRISM_VISION_PIECE_ROWS) {
+        e->f.max_image_tokens > MAX_PARTS * PRISM_VISION_PIECE_ROWS || e->f.piece_rows < 1 ||
+        e->f.piece_rows > PRISM_VISION_PIECE_ROWS) {
         PRISM_ERROR("flag out of range (see --help)");
         return 2;
     }
@@ -711,9 +716,10 @@ static int encoder_size(void *ctx, prism_worker_startup_t *s)
     if (e->cfg.vision_arch == PRISM_VISION_QWEN25) {
         /* native resolution: the largest image (hence the buffers) is sized with the plan */
         e->native = true;
+        e->piece_rows = (int)e->f.piece_rows;
         e->patch_floats = prism_qwenvl_patch_floats(&e->prep.qw);
         e->row_floats = prism_vision_native_row_floats(&e->cfg);
-        e->emb_floats = PRISM_VISION_PIECE_ROWS * e->row_floats;   /* a piece is a cache unit */
+        e->emb_floats = (size_t)e->piece_rows * e->row_floats;   /* a piece is a cache unit */
         e->cap_tiles = (int)PRISM_ARRAY_LEN(e->pix_job);   /* images per batch at most */
         return -1;
     }
@@ -764,7 +770,7 @@ static void plan_regions(encoder_t *e, prism_mem_plan_t *p)
     if (e->native) {
         PRISM_PLAN_POOL(p, "pixels", e->pixels, (size_t)e->cap_patches * e->patch_floats);
         /* one piece of padding: the last piece of the last image is read whole by the cache */
-        PRISM_PLAN_POOL(p, "outputs", e->out, ((size_t)e->max_tokens + PRISM_VISION_PIECE_ROWS) * e->row_floats);
+        PRISM_PLAN_POOL(p, "outputs", e->out, ((size_t)e->max_tokens + e->piece_rows) * e->row_floats);
     } else {
         PRISM_PLAN_POOL(p, "pixels", e->pixels, (size_t)e->cap_tiles * e->tile_px);
         PRISM_PLAN_POOL(p, "outputs", e->out, (size_t)e->cap_tiles * e->emb_floats);
@@ -805,6 +811,11 @@ static int plan_native(encoder_t *e, prism_worker_startup_t *s)
         T = lo;
     }
     native_max_tokens(e, T);
+    if ((T + e->piece_rows - 1) / e->piece_rows > MAX_PARTS) {
+        PRISM_ERROR("images of %d tokens in pieces of %d rows: more than %d pieces (raise --embed-piece-rows)", T,
+                    e->piece_rows, MAX_PARTS);
+        return 2;
+    }
     s->cap.max_batch_tokens = (uint32_t)T;
     return -1;
 }
@@ -831,7 +842,7 @@ static int encoder_ready(void *ctx, prism_worker_startup_t *s)
         return 1;
     }
     /* cache units: a tile's embeddings, or a piece of a native-resolution image */
-    int max_units = e->native ? (e->max_tokens + PRISM_VISION_PIECE_ROWS - 1) / PRISM_VISION_PIECE_ROWS : e->prep.max_tiles;
+    int max_units = e->native ? (e->max_tokens + e->piece_rows - 1) / e->piece_rows : e->prep.max_tiles;
     if (prism_embed_cache_init(&e->cache, (size_t)e->f.cache_bytes, e->emb_floats, max_units) != PRISM_OK) {
         PRISM_ERROR("cannot allocate the embedding cache");
         return 1;

@@ -8,7 +8,10 @@
  * height, prism_llama4_expand): <|image_start|>, tokens_per_tile <|patch|> per local tile with
  * tile separators between them, <|image|>, the global tile's patches, <|image_end|>. The span
  * then holds separators too; the prefill worker lays the encoder's rows over the span's
- * <|patch|> positions in order, and checks that their count equals the rows it received. */
+ * <|patch|> positions in order, and checks that their count equals the rows it received.
+ * Qwen-VL repeats <|image_pad|> once per LM token of the image at native resolution (smart_resize
+ * of the header's width and height: prism_qwenvl_grid); the span is the pads, with the image's
+ * LM-token grid, from which the prefill worker derives the M-RoPE positions. */
 #include "router.h"
 #include "openai_req.h"
 #include "image/image.h"
@@ -101,6 +104,32 @@ int router_llama4_init(router_t *r, const char *model_dir)
     }
     r->llama4 = true;
     r->image_token_id = ids[4];   /* the chat template writes <|image|> once per image */
+    return PRISM_OK;
+}
+
+int router_qwenvl_init(router_t *r, const char *model_dir)
+{
+    char err[512] = "";
+    if (prism_qwenvl_proc_load_dir(model_dir, &r->qwproc, err, sizeof(err)) != PRISM_OK) {
+        PRISM_ERROR("Qwen-VL image processor: %s", err);
+        return PRISM_EINVAL;
+    }
+    if (r->qwproc.patch != r->cfg.v_patch || r->qwproc.merge != r->cfg.v_merge) {
+        PRISM_ERROR("Qwen-VL: the processor's patch %d / merge %d disagree with the vision config (%d / %d)",
+                    r->qwproc.patch, r->qwproc.merge, r->cfg.v_patch, r->cfg.v_merge);
+        return PRISM_EINVAL;
+    }
+    static const char *const names[] = {"<|image_pad|>", "<|vision_start|>", "<|vision_end|>"};
+    const int want[3] = {r->cfg.image_token_index, r->cfg.boi_token_id, r->cfg.eoi_token_id};
+    for (int i = 0; i < 3; i++) {
+        int32_t id = prism_tokenizer_token_to_id(r->tok, names[i]);
+        if (id < 0 || id != want[i]) {
+            PRISM_ERROR("Qwen-VL: the tokenizer's %s is %d, config.json says %d", names[i], id, want[i]);
+            return PRISM_EINVAL;
+        }
+    }
+    r->qwenvl = true;
+    r->image_token_id = r->cfg.image_token_index;   /* the template writes one pad per image */
     return PRISM_OK;
 }
 
@@ -306,6 +335,16 @@ static int expand_images(const router_t *r, router_prompt_t *p, char *msg, size_
                     return 400;
                 }
                 p->img_span[k] = (uint32_t)grid[k].n_prompt_tokens;
+            } else if (r->qwenvl) {
+                prism_qwenvl_grid_t g;
+                if (prism_qwenvl_grid(&r->qwproc, p->img_w[k], p->img_h[k], &g) != PRISM_OK) {
+                    snprintf(msg, n, "Image %d: %dx%d pixels cannot be resized for the model (aspect ratio above 200).",
+                             k, p->img_w[k], p->img_h[k]);
+                    return 400;
+                }
+                p->img_span[k] = (uint32_t)g.n_tokens;
+                p->img_rows[k] = (uint32_t)g.tok_h;
+                p->img_cols[k] = (uint32_t)g.tok_w;
             } else {
                 p->img_span[k] = (uint32_t)r->cfg.image_seq_length;
             }

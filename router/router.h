@@ -30,6 +30,7 @@
 #include "openai_req.h"
 #include "metrics/metrics.h"
 #include "image/llama4_proc.h"
+#include "image/qwenvl_proc.h"
 
 #include <jansson.h>
 #include <uv.h>
@@ -142,6 +143,11 @@ typedef struct {
     bool llama4;
     prism_llama4_proc_t l4proc;
     prism_llama4_image_tokens_t l4ids;
+    /* Qwen-VL (cfg.vision_arch PRISM_VISION_QWEN25): the template writes one <|image_pad|> per image;
+     * it becomes as many pads as the image has LM tokens at native resolution (smart_resize of the
+     * header's width and height), and the span carries the image's LM-token grid (M-RoPE). */
+    bool qwenvl;
+    prism_qwenvl_proc_t qwproc;
 
     /* event loop and sockets */
     uv_loop_t *loop;
@@ -285,7 +291,8 @@ typedef struct {
     int img_w[ROUTER_MAX_IMAGES], img_h[ROUTER_MAX_IMAGES];   /* from the header */
     uint32_t img_offset[ROUTER_MAX_IMAGES]; /* first token of each image's span, found while expanding */
     uint32_t img_span[ROUTER_MAX_IMAGES];   /* tokens in that span: image_seq_length (LLaVA), the whole
-                                             * expansion with separators (Llama-4) */
+                                             * expansion with separators (Llama-4), the pads (Qwen-VL) */
+    uint32_t img_rows[ROUTER_MAX_IMAGES], img_cols[ROUTER_MAX_IMAGES];   /* Qwen-VL: LM-token grid */
     size_t image_bytes;
     int32_t *tokens;                        /* prompt, each image placeholder expanded */
     size_t n_tokens, cap;
@@ -296,6 +303,8 @@ typedef struct {
  * special token ids from the tokenizer (r->tok); logs why and returns an error when either is
  * missing or disagrees with config.json. */
 int  router_llama4_init(router_t *r, const char *model_dir);
+/* Qwen-VL: the image processor's config and the vision special tokens, checked against config.json. */
+int  router_qwenvl_init(router_t *r, const char *model_dir);
 /* The checks of image idx (media type, base64, bytes, header, pixel limit), in the order its answer
  * names them; both the early ones (router_image_check_early while the body streams in, url_images.c
  * while a download does) and the final one (router_prompt_load_images, or a download's end) give the

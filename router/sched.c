@@ -54,6 +54,8 @@ void router_sched_msgs_build(router_req_t *q)
         prism__image_span__init(&m->spans[s]);
         m->spans[s].offset = q->prompt.img_offset[s];
         m->spans[s].n_tokens = q->prompt.img_span[s];
+        m->spans[s].grid_rows = q->prompt.img_rows[s];   /* Qwen-VL: the LM-token grid (M-RoPE) */
+        m->spans[s].grid_cols = q->prompt.img_cols[s];
         m->span_ptrs[s] = &m->spans[s];
     }
     prism__prefill__init(&m->prefill);

@@ -1,0 +1,231 @@
+"""Qwen2.5-VL through the cluster (router, encoder, prefill, decode) with the tiny golden checkpoint
+tests/data/model/qwen25vl_tiny (tools/gen_qwen_goldens.py: a scaled Qwen2_5_VLForConditionalGeneration
+in HF's layout, bf16, M-RoPE sections [4, 6, 6], a 4-layer tower with 2x2-merged windows and two
+full-attention layers; its processor takes 56*56 .. 28*28*64 pixels).
+
+- The six HF golden conversations (text only, one image, two images of different sizes, an image
+  upscaled to min_pixels, one clipped by max_pixels, multi-turn) answer HF's 16 greedy tokens id for
+  id, and usage.prompt_tokens equals Qwen2_5_VLProcessor's length: the router expanded each
+  <|image_pad|> from the image header, the encoder produced that many rows, the prefill laid them
+  and derived the M-RoPE positions from the span grids, the decode added the rope delta.
+- A second cluster sends every image in pieces of 16 rows (--embed-piece-rows: the 35- and
+  48-token images go in 3 pieces, as a 16k-token image goes in 64 pieces of 256) and prefills in
+  chunks of 37 tokens: the same tokens, streaming or not; concurrent requests each get their own
+  answer; a repeat is an embedding-cache hit (an entry of pieces) with the same tokens; no worker
+  allocates on the request path.
+- An encoder with --max-image-tokens 20 refuses a 35-token image with a 400 naming the limit and
+  the max_pixels that would fit, and still serves a 6-token one; the router refuses an aspect
+  ratio above 200 with a 400.
+
+Tokens are compared as ids (return_tokens_as_token_ids), never as text.
+"""
+import concurrent.futures
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cluster import ROOT, Cluster, image_url, run_tests, wait_for  # noqa: E402
+from test_llama4 import synth_png as l4_synth_png  # noqa: E402  (the same synthetic picture)
+
+QW = os.path.join(ROOT, "tests", "data", "model", "qwen25vl_tiny")
+GOLD = json.load(open(os.path.join(QW, "golden.json")))
+HB = ["--heartbeat-interval", "0.1"]
+WORKERS = ("encoder-0", "prefill-0", "decode-0")
+TMP = tempfile.mkdtemp(prefix="prism-qwen-")
+C = None
+
+
+def synth_png(w, h, seed):
+    import test_llama4
+    test_llama4.TMP = TMP
+    return l4_synth_png(w, h, seed)
+
+
+def case_messages(case):
+    """The golden conversation with each image part as an image_url of its synthetic picture."""
+    imgs = iter(case["images"])
+    out = []
+    for m in case["messages"]:
+        parts = []
+        for p in m["content"]:
+            if p.get("type") == "image":
+                im = next(imgs)
+                parts.append({"type": "image_url", "image_url": {"url": image_url(synth_png(im["w"], im["h"], im["seed"]))}})
+            else:
+                parts.append(p)
+        out.append({"role": m["role"], "content": parts})
+    return out
+
+
+def body(messages, max_tokens=16, stream=False):
+    b = {"model": "qwen25vl_tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+         "logprobs": True, "return_tokens_as_token_ids": True, "ignore_eos": True}
+    if stream:
+        b.update(stream=True, stream_options={"include_usage": True})
+    return b
+
+
+def token_id(s):
+    assert s.startswith("token_id:"), s
+    return int(s[len("token_id:"):])
+
+
+def ask(c, b):
+    if not b.get("stream"):
+        status, r = c.post_json("/v1/chat/completions", b)
+        assert status == 200, (status, r)
+        return [token_id(t["token"]) for t in r["choices"][0]["logprobs"]["content"]], r["usage"]
+    status, events, done = c.stream("/v1/chat/completions", b)
+    assert status == 200 and done, (status, events[-1:])
+    ids, usage = [], None
+    for e in events:
+        usage = e.get("usage") or usage
+        for ch in e.get("choices") or []:
+            ids += [token_id(t["token"]) for t in ((ch.get("logprobs") or {}).get("content") or [])]
+    return ids, usage
+
+
+def check_cases(c, stream_every=2):
+    for i, case in enumerate(GOLD["cases"]):
+        ids, usage = ask(c, body(case_messages(case), stream=i % stream_every == 1))
+        assert usage["prompt_tokens"] == len(case["input_ids"]), (case["name"], usage, len(case["input_ids"]))
+        if ids != case["greedy"]:
+            k = next(j for j, (a, b) in enumerate(zip(ids + [None], case["greedy"] + [None])) if a != b)
+            raise AssertionError("%s: token %d differs from HF: got %r, HF %r" % (case["name"], k, ids[k:k + 4],
+                                                                                 case["greedy"][k:k + 4]))
+
+
+# ---------------------------------------------------------------- cluster A: defaults
+
+def test_golden_cases():
+    """HF's greedy tokens and prompt lengths for all six golden conversations."""
+    check_cases(C)
+
+
+def test_tokenize_text_case():
+    """/tokenize renders the checkpoint's chat template and tokenizes like HF (text only)."""
+    case = next(x for x in GOLD["cases"] if x["name"] == "text")
+    status, r = C.post_json("/tokenize", {"messages": case["messages"], "add_generation_prompt": True})
+    assert status == 200, (status, r)
+    assert r["tokens"] == case["input_ids"], (r["tokens"][:20], case["input_ids"][:20])
+
+
+def test_aspect_ratio_refused():
+    """smart_resize refuses an aspect ratio above 200: so does the router, from the header."""
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url(synth_png(402, 2, 1))}},
+                                         {"type": "text", "text": "What is this?"}]}]
+    status, r = C.post_json("/v1/chat/completions", body(msgs, max_tokens=2))
+    assert status == 400 and "aspect ratio" in r["error"]["message"], (status, r)
+
+
+# ---------------------------------------------------------------- cluster B: pieces and chunks
+
+def test_pieces_and_chunks():
+    """Images in pieces of 16 rows, prompts in chunks of 37 tokens: HF's tokens, streaming or not."""
+    check_cases(C, stream_every=1)
+    check_cases(C, stream_every=3)
+
+
+def test_concurrent_distinct():
+    """The golden conversations at once (several images in flight, in pieces): each its own answer."""
+    bodies = [body(case_messages(case), stream=i % 2 == 1) for i, case in enumerate(GOLD["cases"])] * 2
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+        res = list(ex.map(lambda b: ask(C, b)[0], bodies))
+    for i, got in enumerate(res):
+        want = GOLD["cases"][i % len(GOLD["cases"])]["greedy"]
+        assert got == want, (i, got, want)
+
+
+def encoder_counts(c):
+    return (c.metric("prism:worker_embedding_cache_hits_total", worker="encoder-0") or 0,
+            c.metric("prism:worker_embedding_cache_misses_total", worker="encoder-0") or 0)
+
+
+def test_cache_hit_same_tokens():
+    """A repeated image comes from the embedding cache (an entry of its pieces): same tokens."""
+    case = next(x for x in GOLD["cases"] if x["name"] == "max_pixels")
+    wait_for(lambda: encoder_counts(C)[1] >= 1, 10, "encoder counters")
+    hits0 = encoder_counts(C)[0]
+    ids, _ = ask(C, body(case_messages(case)))
+    wait_for(lambda: encoder_counts(C)[0] > hits0, 10, "a cache hit")
+    assert ids == case["greedy"]
+
+
+def allocations(c):
+    return {w: c.metric("prism:worker_heap_allocations_total", worker=w) for w in WORKERS}
+
+
+def idle(c):
+    return all(c.metric("prism:worker_running", worker=w) == 0 and c.metric("prism:worker_waiting", worker=w) == 0
+               for w in WORKERS)
+
+
+def test_no_heap_allocations_while_serving():
+    """Qwen-VL image and text requests (pieces, reserved pool pages, M-RoPE chunks) leave every
+    worker's heap allocation count where it was."""
+    imgs = [synth_png(120, 90, 51), synth_png(30, 40, 52), synth_png(200, 60, 53)]
+
+    def serve():
+        bodies = [body([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url(im)}},
+                                                     {"type": "text", "text": "Round: what is in it?"}]}],
+                       max_tokens=6) for im in imgs]
+        bodies.append(body([{"role": "user", "content": "Hi!"}], max_tokens=6))
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            res = list(ex.map(lambda b: ask(C, b), bodies))
+        assert all(len(ids) == 6 for ids, _ in res)
+        wait_for(lambda: idle(C), 20, "idle workers")
+    serve()   # warm-up
+    wait_for(lambda: all(v for v in allocations(C).values()), 10, "allocation counters")
+    before = allocations(C)
+    serve()
+    serve()
+    after = allocations(C)
+    assert after == before, ("heap allocations on the request path", before, after)
+
+
+# ---------------------------------------------------------------- cluster C: an image bound
+
+def test_image_token_bound():
+    """--max-image-tokens 20: a 35-token image is refused with a 400 naming the limit and the
+    max_pixels that fits (20 * 28 * 28 = 15680); a 6-token one is served."""
+    big = next(x for x in GOLD["cases"] if x["name"] == "one_image")
+    small = next(x for x in GOLD["cases"] if x["name"] == "min_pixels")
+    status, r = C.post_json("/v1/chat/completions", body(case_messages(big), max_tokens=2))
+    assert status == 400, (status, r)
+    msg = r["error"]["message"]
+    assert "35 image tokens" in msg and "at most 20" in msg and "max_pixels of 15680" in msg, msg
+    ids, usage = ask(C, body(case_messages(small)))
+    assert ids == small["greedy"], (ids, small["greedy"])
+
+
+def main():
+    global C
+    rc = 0
+    C = Cluster(model=QW, common_worker_args=HB)
+    try:
+        C.wait_ready()
+        rc |= run_tests([test_golden_cases, test_tokenize_text_case, test_aspect_ratio_refused])
+    finally:
+        C.stop()
+    C = Cluster(model=QW, common_worker_args=HB,
+                worker_args={"encoder_worker": ["--embed-piece-rows", "16"],
+                             "prefill_worker": ["--chunked-prefill-size", "37"]})
+    try:
+        C.wait_ready()
+        rc |= run_tests([test_pieces_and_chunks, test_concurrent_distinct, test_cache_hit_same_tokens,
+                         test_no_heap_allocations_while_serving])
+    finally:
+        C.stop()
+    C = Cluster(model=QW, common_worker_args=HB, worker_args={"encoder_worker": ["--max-image-tokens", "20"]})
+    try:
+        C.wait_ready()
+        rc |= run_tests([test_image_token_bound])
+    finally:
+        C.stop()
+    sys.exit(rc)
+
+
+if __name__ == "__main__":
+    main()
