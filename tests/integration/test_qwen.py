@@ -13,6 +13,8 @@ full-attention layers; its processor takes 56*56 .. 28*28*64 pixels).
   chunks of 37 tokens: the same tokens, streaming or not; concurrent requests each get their own
   answer; a repeat is an embedding-cache hit (an entry of pieces) with the same tokens; no worker
   allocates on the request path.
+- Prefill and decode as tensor-parallel groups of 2 (the leaders' step plans carry the M-RoPE
+  positions, the decode leader the rope delta): HF's tokens for every golden conversation.
 - An encoder with --max-image-tokens 20 refuses a 35-token image with a 400 naming the limit and
   the max_pixels that would fit, and still serves a 6-token one; the router refuses an aspect
   ratio above 200 with a 400.
@@ -26,7 +28,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import ROOT, Cluster, image_url, run_tests, wait_for  # noqa: E402
+from cluster import ROOT, Cluster, image_url, link_ports, run_tests, wait_for  # noqa: E402
 from test_llama4 import synth_png as l4_synth_png  # noqa: E402  (the same synthetic picture)
 
 QW = os.path.join(ROOT, "tests", "data", "model", "qwen25vl_tiny")
@@ -185,7 +187,28 @@ def test_no_heap_allocations_while_serving():
     assert after == before, ("heap allocations on the request path", before, after)
 
 
-# ---------------------------------------------------------------- cluster C: an image bound
+# ---------------------------------------------------------------- cluster C: tensor-parallel groups
+
+def start_group(c, name, size, kind):
+    leader = "tcp://127.0.0.1:%d" % link_ports(1)
+    tp = ["--tp-size", str(size), "--tp-leader", leader]
+    c.start_worker(name, kind, extra=tp + ["--tp-rank", "0"])
+    for r in range(1, size):
+        c._start("%s.r%d" % (name, r), kind,
+                 ["--model-path", c.model, "--worker-id", "%s.r%d" % (name, r), *c.sec, *tp, "--tp-rank", str(r)])
+    c.expected[kind.split("_")[0] + "s"] = 1
+
+
+def test_tp_groups():
+    """Prefill and decode groups of 2 ranks: HF's tokens for every golden conversation."""
+    with Cluster(model=QW, prefills=0, decodes=0, common_worker_args=HB) as c:
+        start_group(c, "prefill-0", 2, "prefill_worker")
+        start_group(c, "decode-0", 2, "decode_worker")
+        c.wait_ready(timeout=300)
+        check_cases(c)
+
+
+# ---------------------------------------------------------------- cluster D: an image bound
 
 def test_image_token_bound():
     """--max-image-tokens 20: a 35-token image is refused with a 400 naming the limit and the
@@ -218,6 +241,7 @@ def main():
                          test_no_heap_allocations_while_serving])
     finally:
         C.stop()
+    rc |= run_tests([test_tp_groups])
     C = Cluster(model=QW, common_worker_args=HB, worker_args={"encoder_worker": ["--max-image-tokens", "20"]})
     try:
         C.wait_ready()

@@ -193,6 +193,16 @@ static int cu_moe_combine(void *ctx, float *y, int ldy, const float *src, const 
 { return prism_cuda_moe_combine(ST(ctx), y, ldy, src, slot, n_tokens, top_k, dim); }
 static int cu_pixel_shuffle(void *ctx, float *out, const float *x, int n_img, int rows_per_img, int g, int C, int s)
 { return prism_cuda_pixel_shuffle(ST(ctx), out, x, n_img, rows_per_img, g, C, s); }
+static int cu_rope_multi(void *ctx, float *x, int ld, int n_tokens, int n_heads, int head_dim, const int32_t *pos,
+                         int pos_ld, const float *inv_freq, const prism_rope_sections_t *sec)
+{ return prism_cuda_rope_multi(ST(ctx), x, ld, n_tokens, n_heads, head_dim, pos, pos_ld, inv_freq, sec); }
+static int cu_attn_varlen(void *ctx, float *out, int ldo, const float *q, int ldq, const float *k, int ldk,
+                          const float *v, int ldv, const int32_t *cu, int n_seqs, int max_len, int n_heads,
+                          int n_kv_heads, int head_dim, float scale)
+{
+    return prism_cuda_attn_varlen(ST(ctx), out, ldo, q, ldq, k, ldk, v, ldv, cu, n_seqs, max_len, n_heads, n_kv_heads,
+                                  head_dim, scale);
+}
 static int cu_fill_random(void *ctx, void *dst, prism_dtype_t dt, size_t n, uint64_t seed, float std)
 { return prism_cuda_fill_random(ST(ctx), dst, dt, n, seed, std); }
 static int cu_im2patch(void *ctx, float *out, const float *pixels, int n_img, int C, int H, int W, int p)
@@ -467,7 +477,7 @@ prism_backend_t *prism_backend_cuda_create(int device, size_t pool_bytes, int *s
 
     if ((rc = prism_cuda_gemm_init(c))) goto fail;
     if ((rc = prism_cuda_attn_paged_init()) || (rc = prism_cuda_attn_decode_init()) ||
-        (rc = prism_cuda_attn_dense_init()))
+        (rc = prism_cuda_attn_dense_init()) || (rc = prism_cuda_attn_varlen_init()))
         goto fail;
 
     be->i = (prism_backend_i){
@@ -489,6 +499,7 @@ prism_backend_t *prism_backend_cuda_create(int device, size_t pool_bytes, int *s
         .logit_bias = cu_logit_bias, .token_mask = cu_token_mask,
         .head_rmsnorm = cu_head_rmsnorm, .scale_rows = cu_scale_rows, .moe_route = cu_moe_route,
         .matmul_grouped = cu_matmul_grouped, .moe_combine = cu_moe_combine, .pixel_shuffle = cu_pixel_shuffle,
+        .rope_multi = cu_rope_multi, .attn_varlen = cu_attn_varlen,
         .fill_random = cu_fill_random,
         .destroy = cu_destroy,
     };

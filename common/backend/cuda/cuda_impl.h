@@ -115,6 +115,12 @@ int prism_cuda_moe_combine(cudaStream_t st, float *y, int ldy, const float *src,
 int prism_cuda_pixel_shuffle(cudaStream_t st, float *out, const float *x, int n_img, int rows_per_img, int g, int C,
                              int s);
 int prism_cuda_fill_random(cudaStream_t st, void *dst, prism_dtype_t dt, size_t n, uint64_t seed, float std);
+/* Qwen-VL ops (semantics in backend.h). */
+int prism_cuda_rope_multi(cudaStream_t st, float *x, int ld, int n_tokens, int n_heads, int head_dim, const int32_t *pos,
+                          int pos_ld, const float *inv_freq, const prism_rope_sections_t *sec);
+int prism_cuda_attn_varlen(cudaStream_t st, float *out, int ldo, const float *q, int ldq, const float *k, int ldk,
+                           const float *v, int ldv, const int32_t *cu, int n_seqs, int max_len, int n_heads,
+                           int n_kv_heads, int head_dim, float scale);
 
 typedef struct {
     float temperature, top_p;
@@ -139,6 +145,7 @@ int prism_cuda_token_mask_k(cudaStream_t st, float *logits, int n_rows, int voca
 int prism_cuda_attn_paged_init(void);
 int prism_cuda_attn_decode_init(void);
 int prism_cuda_attn_dense_init(void);
+int prism_cuda_attn_varlen_init(void);
 
 #ifdef __cplusplus
 }

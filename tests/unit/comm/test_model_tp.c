@@ -15,6 +15,7 @@
 #include <jansson.h>
 #include <math.h>
 
+#include "image/qwenvl_proc.h"
 #include "model/model.h"
 #include "model/safetensors.h"
 #include "tp_fork.h"
@@ -124,8 +125,21 @@ static int workload(prism_llm_t *llm, prism_kv_cache_t *kv, const job_t *job, re
             rows[n++] = NULL;
         }
         seq_start[2] = n;
+        /* M-RoPE models: A's rows 4..11 are an image of 2 x 4 LM tokens (its rotary positions turn by
+         * row and column, and A's text after it runs short of its cache positions); B is text. */
+        int32_t rope[3 * 64];
+        if (prism_model_mrope(c)) {
+            prism_mrope_image_t im = {4, 2, 4};
+            int nAs = seq_start[1];
+            if (prism_mrope_positions(&im, 1, posA, nAs, rope, (size_t)n) != PRISM_OK ||
+                prism_mrope_positions(NULL, 0, posB, n - nAs, rope + nAs, (size_t)n) != PRISM_OK) {
+                free(logits);
+                return 1;
+            }
+        }
         prism_llm_batch_t b = {.n_seqs = NSEQ, .n_tokens = n, .tokens = toks, .seq_start = seq_start, .pos0 = pos0,
-                               .block_tables = tables, .embed_rows = rows};
+                               .block_tables = tables, .embed_rows = rows,
+                               .rope_pos = prism_model_mrope(c) ? rope : NULL};
         if ((rc = prism_llm_forward(llm, kv, &b, logits)) != PRISM_OK) {
             fprintf(stderr, "forward step %d: %s\n", step, prism_strerror(rc));
             free(logits);
@@ -227,6 +241,7 @@ static job_t *job_for(const char *model_rel, const char *golden_rel)
     json_t *j = json_load_file(path, 0, &jerr);
     assert_non_null(j);
     json_t *ids = json_object_get(j, "input_ids");
+    if (!ids) ids = json_object_get(json_array_get(json_object_get(j, "cases"), 1), "input_ids");   /* Qwen2.5-VL */
     /* The last 64 tokens: past the image placeholders, so the prompt is mostly text. */
     int n = (int)json_array_size(ids), k = 0;
     for (int i = n > 64 ? n - 64 : 0; i < n; i++) job->ids[k++] = (int32_t)json_integer_value(json_array_get(ids, i));
@@ -317,6 +332,14 @@ static void test_qwen2_biases(void **state)
 {
     (void)state;
     check_model("tests/data/model/qwen2_text", "tests/data/model/qwen2_text", (const int[]){2, 4}, 2);
+}
+
+/* M-RoPE (Qwen2.5-VL's LM): the rotary positions of an image's rows differ from their cache
+ * positions, on every rank alike (the leader's step plan carries them in a worker group). */
+static void test_qwen25vl_mrope(void **state)
+{
+    (void)state;
+    check_model("tests/data/model/qwen25vl_tiny", "tests/data/model/qwen25vl_tiny", (const int[]){2}, 1);
 }
 
 static void test_llama4_moe_chunked(void **state)
@@ -451,6 +474,7 @@ int main(void)
         cmocka_unit_test(test_llama4_text_one_kv_head),
         cmocka_unit_test(test_llava_like_tied),
         cmocka_unit_test(test_qwen2_biases),
+        cmocka_unit_test(test_qwen25vl_mrope),
         cmocka_unit_test(test_llama4_moe_chunked),
         cmocka_unit_test(test_bundled_model),
         cmocka_unit_test(test_uneven_widths_random_weights),

@@ -23,7 +23,7 @@
 const char *const prism_opcheck_ops[] = {
     "copy", "matmul", "rmsnorm", "layernorm", "rope", "act", "silu_mul", "add", "scale", "get_rows",
     "im2patch", "kv", "attn_paged", "attn_decode", "attn_dense", "argmax", "fill_random", "sample", "scatter_rows",
-    "head_rmsnorm", "scale_rows", "moe", "pixel_shuffle", "logits_processors", NULL,
+    "head_rmsnorm", "scale_rows", "moe", "pixel_shuffle", "rope_multi", "attn_varlen", "logits_processors", NULL,
 };
 
 /* ---------------------------------------------------------------- helpers */
@@ -980,6 +980,98 @@ static void check_pixel_shuffle(ck_t *c)
     }
 }
 
+/* ---------------------------------------------------------------- Qwen-VL ops */
+
+static void rope_multi_case(ck_t *c, int T, int nh, int hd, int pad, int n_sec, const prism_rope_sections_t *sec,
+                            int max_pos, const char *name)
+{
+    int ld = nh * hd + pad, pos_ld = T + 3;
+    size_t n = (size_t)T * ld;
+    float *x = hrand(c, n, 1.0f);
+    int32_t *pos = malloc((size_t)n_sec * pos_ld * 4);
+    for (int i = 0; i < n_sec * pos_ld; i++) pos[i] = irand(c, max_pos + 1);
+    float inv[256];
+    for (int i = 0; i < hd / 2; i++) inv[i] = powf(1000000.0f, -2.0f * i / hd);
+    float *rx = put(c->ref, x, n * 4), *dx = put(c->dev, x, n * 4);
+    int32_t *rp = put(c->ref, pos, (size_t)n_sec * pos_ld * 4), *dp = put(c->dev, pos, (size_t)n_sec * pos_ld * 4);
+    float *ri = put(c->ref, inv, (size_t)hd / 2 * 4), *di = put(c->dev, inv, (size_t)hd / 2 * 4);
+    BOTH(c->ref->i.rope_multi(c->ref->ctx, rx, ld, T, nh, hd, rp, pos_ld, ri, sec),
+         c->dev->i.rope_multi(c->dev->ctx, dx, ld, T, nh, hd, dp, pos_ld, di, sec));
+    float *hr = get(c->ref, rx, n * 4), *hd_ = get(c->dev, dx, n * 4);
+    char what[96];
+    snprintf(what, sizeof what, "%s T%d nh%d hd%d ld%d pos<=%d", name, T, nh, hd, ld, max_pos);
+    close_f32(c, what, hr, hd_, n, 2e-5, 1e-5);
+    free(hr); free(hd_);
+    prism_backend_buf_free(c->ref, rx); prism_backend_buf_free(c->ref, rp); prism_backend_buf_free(c->ref, ri);
+    prism_backend_buf_free(c->dev, dx); prism_backend_buf_free(c->dev, dp); prism_backend_buf_free(c->dev, di);
+    free(x); free(pos);
+}
+
+static void check_rope_multi(ck_t *c)
+{
+    if (!c->dev->i.rope_multi) return;
+    prism_rope_sections_t s;
+    memset(&s, 0, sizeof s);
+    for (int j = 0; j < 64; j++) s.of[j] = j < 16 ? 0 : j < 40 ? 1 : 2;   /* Qwen2.5-VL M-RoPE [16, 24, 24] */
+    rope_multi_case(c, 37, 7, 128, 0, 3, &s, 131071, "mrope");
+    rope_multi_case(c, 5, 4, 128, 512, 3, &s, 2000, "mrope strided");
+    for (int j = 0; j < 64; j++) s.of[j] = (j % 3 == 1 && j < 60) ? 1 : (j % 3 == 2 && j < 60) ? 2 : 0;
+    rope_multi_case(c, 29, 8, 128, 0, 3, &s, 40000, "mrope interleaved");
+    for (int j = 0; j < 40; j++) s.of[j] = j < 20 ? 0 : 1;   /* the tower's 2D table, head_dim 80 */
+    rope_multi_case(c, 300, 16, 80, 2 * 16 * 80, 2, &s, 4096, "vision 2d");
+}
+
+static void attn_varlen_case(ck_t *c, const int32_t *cu, int n_seqs, int nh, int nkv, int hd, bool fused)
+{
+    int T = cu[n_seqs], max_len = 0;
+    for (int s = 0; s < n_seqs; s++) max_len = cu[s + 1] - cu[s] > max_len ? cu[s + 1] - cu[s] : max_len;
+    int ldq = fused ? (nh + 2 * nkv) * hd : nh * hd + 4, ldk = fused ? ldq : nkv * hd + 8, ldv = fused ? ldq : nkv * hd;
+    float *q = hrand(c, (size_t)T * ldq, 1.0f), *k = hrand(c, (size_t)T * ldk, 1.0f), *v = hrand(c, (size_t)T * ldv, 1.0f);
+    float *rq = put(c->ref, q, (size_t)T * ldq * 4), *dq = put(c->dev, q, (size_t)T * ldq * 4);
+    float *rk = fused ? rq + nh * hd : put(c->ref, k, (size_t)T * ldk * 4);
+    float *dk = fused ? dq + nh * hd : put(c->dev, k, (size_t)T * ldk * 4);
+    float *rv = fused ? rq + (nh + nkv) * hd : put(c->ref, v, (size_t)T * ldv * 4);
+    float *dv = fused ? dq + (nh + nkv) * hd : put(c->dev, v, (size_t)T * ldv * 4);
+    int32_t *rc = put(c->ref, cu, (size_t)(n_seqs + 1) * 4), *dc = put(c->dev, cu, (size_t)(n_seqs + 1) * 4);
+    int ldo = nh * hd;
+    float *ro = put(c->ref, NULL, (size_t)T * ldo * 4), *dout = put(c->dev, NULL, (size_t)T * ldo * 4);
+    float scale = 1.0f / sqrtf((float)hd);
+    BOTH(c->ref->i.attn_varlen(c->ref->ctx, ro, ldo, rq, ldq, rk, ldk, rv, ldv, rc, n_seqs, max_len, nh, nkv, hd, scale),
+         c->dev->i.attn_varlen(c->dev->ctx, dout, ldo, dq, ldq, dk, ldk, dv, ldv, dc, n_seqs, max_len, nh, nkv, hd, scale));
+    float *hr = get(c->ref, ro, (size_t)T * ldo * 4), *hd_ = get(c->dev, dout, (size_t)T * ldo * 4);
+    char what[96];
+    snprintf(what, sizeof what, "%d seqs (max %d) T%d nh%d nkv%d hd%d%s", n_seqs, max_len, T, nh, nkv, hd,
+             fused ? " fused-qkv" : "");
+    close_f32(c, what, hr, hd_, (size_t)T * ldo, 5e-5, 1e-4);
+    free(hr); free(hd_);
+    prism_backend_buf_free(c->ref, rq); prism_backend_buf_free(c->dev, dq);
+    if (!fused) {
+        prism_backend_buf_free(c->ref, rk); prism_backend_buf_free(c->ref, rv);
+        prism_backend_buf_free(c->dev, dk); prism_backend_buf_free(c->dev, dv);
+    }
+    prism_backend_buf_free(c->ref, rc); prism_backend_buf_free(c->dev, dc);
+    prism_backend_buf_free(c->ref, ro); prism_backend_buf_free(c->dev, dout);
+    free(q); free(k); free(v);
+}
+
+static void check_attn_varlen(ck_t *c)
+{
+    if (!c->dev->i.attn_varlen) return;
+    /* Qwen2.5-VL windows of 64 patches, the edge ones smaller, an empty one */
+    static const int32_t win[] = {0, 64, 128, 144, 144, 208, 240, 241};
+    attn_varlen_case(c, win, 7, 16, 16, 80, true);
+    /* full attention over two images of different sizes (one spans many key tiles) */
+    static const int32_t two[] = {0, 1000, 1064};
+    attn_varlen_case(c, two, 2, 4, 4, 80, true);
+    /* GQA, strided separate k / v */
+    static const int32_t gqa[] = {0, 37, 101, 102};
+    attn_varlen_case(c, gqa, 3, 8, 2, 64, false);
+    if (c->t->big) {   /* a 1036x1036 image's full-attention layer at the 7B tower's width */
+        static const int32_t big[] = {0, 5476};
+        attn_varlen_case(c, big, 1, 16, 16, 80, true);
+    }
+}
+
 /* ---------------------------------------------------------------- driver */
 
 typedef struct {
@@ -996,7 +1088,7 @@ void prism_opcheck_run(prism_opcheck_t *t, prism_backend_t *ref, prism_backend_t
         {"attn_paged", check_attn_paged}, {"attn_decode", check_attn_decode}, {"attn_dense", check_attn_dense},
         {"argmax", check_argmax}, {"fill_random", check_fill_random},
         {"head_rmsnorm", check_head_rmsnorm}, {"scale_rows", check_scale_rows}, {"moe", check_moe},
-        {"pixel_shuffle", check_pixel_shuffle},
+        {"pixel_shuffle", check_pixel_shuffle}, {"rope_multi", check_rope_multi}, {"attn_varlen", check_attn_varlen},
 #ifdef PRISM_OPCHECK_CUDA
         {"sample", check_sample}, {"scatter_rows", check_scatter_rows}, {"logits_processors", check_logits_processors},
 #endif
