@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Generates the Qwen2.5-VL golden fixtures (fp32, CPU, Hugging Face transformers as the reference).
-Deterministic (seeded); rerun after changing a case:
+"""Generates the Qwen2.5-VL and Qwen3-VL golden fixtures (fp32, CPU, Hugging Face transformers as the
+reference). Deterministic (seeded); rerun after changing a case:
 
-    python3 tools/gen_qwen_goldens.py [--only image,model]   # needs torch, transformers, tokenizers, pillow
+    python3 tools/gen_qwen_goldens.py [--only image,model,model3]   # needs torch, transformers, tokenizers, pillow
 
 Writes:
   tests/data/image/qwenvl/       image-processor goldens (Qwen2VLImageProcessorPil, the class
@@ -14,6 +14,8 @@ Writes:
                                  in HF's own layout (config.json, model.safetensors as transformers
                                  saves it, tokenizer + chat template, preprocessor_config.json) and the
                                  goldens of the model cases (see MODEL_CASES).
+  tests/data/model/qwen3vl_tiny/ the same for a scaled-down Qwen3VLForConditionalGeneration (model3);
+                                 its vision rows carry the DeepStack features after the embedding.
 
 The test picture is tools/gen_llama4_goldens.py's synth_image (tests/unit/image/llama4_synth.h
 computes it in C), so no image files are needed.
@@ -164,7 +166,7 @@ QWEN25_CHAT_TEMPLATE = (
     "<|im_start|>assistant\n{% endif %}")
 
 
-def build_qwen_tokenizer(out_dir):
+def build_qwen_tokenizer(out_dir, chat_template=None):
     """A Qwen2-style tokenizer.json (the layout of the real one, scaled): NFC, the Qwen split regex
     (Split Isolated + ByteLevel without its own regex), byte-level BPE, no BOS, Qwen's special tokens
     after the base vocabulary; tokenizer_config.json with Qwen2.5-VL's chat template."""
@@ -194,7 +196,7 @@ def build_qwen_tokenizer(out_dir):
         "add_bos_token": False, "add_prefix_space": False, "bos_token": None, "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>", "model_max_length": 32768, "tokenizer_class": "Qwen2Tokenizer",
         "clean_up_tokenization_spaces": False, "errors": "replace", "split_special_tokens": False,
-        "chat_template": QWEN25_CHAT_TEMPLATE,
+        "chat_template": chat_template or QWEN25_CHAT_TEMPLATE,
     }
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
@@ -249,6 +251,69 @@ def tiny_config(tok):
     }
 
 
+# Qwen3-VL-Instruct's chat template without its tool-calling branches (the fixture's template is a
+# test input: Prism renders whatever template a checkpoint ships; what the tests pin is that Prism's
+# rendering and the processor's ids equal HF's for the same template). Unlike Qwen2.5-VL's it adds
+# no default system turn.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' }}{%- if messages[0].content is string %}"
+    "{{- messages[0].content }}{%- else %}{%- for content in messages[0].content %}{%- if 'text' in content %}"
+    "{{- content.text }}{%- endif %}{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- set image_count = namespace(value=0) %}{%- set video_count = namespace(value=0) %}"
+    "{%- for message in messages %}{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' }}{%- if message.content is string %}{{- message.content }}"
+    "{%- else %}{%- for content in message.content %}"
+    "{%- if content.type == 'image' or 'image' in content or 'image_url' in content %}"
+    "{%- set image_count.value = image_count.value + 1 %}{%- if add_vision_id %}Picture {{ image_count.value }}: "
+    "{% endif -%}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif content.type == 'video' or 'video' in content %}{%- set video_count.value = video_count.value + 1 %}"
+    "{%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}<|vision_start|><|video_pad|><|vision_end|>"
+    "{%- elif 'text' in content %}{{- content.text }}{%- endif %}{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.content is string %}{{- message.content }}{%- else %}{%- for item in message.content %}"
+    "{%- if 'text' in item %}{{- item.text }}{%- endif %}{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+# Qwen3-VL's processor scaled like TINY_PREPROC (factor 32: 4 to 64 LM tokens), in the real
+# config's size {shortest_edge, longest_edge} form.
+TINY3_PREPROC = dict(QWEN3_PREPROC, size={"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 64})
+
+
+def tiny3_config(tok):
+    """Qwen3VLForConditionalGeneration scaled down: head_dim 48 apart from hidden / heads, interleaved
+    M-RoPE sections of unequal sizes, a 6 x 6 learned position grid (images larger and smaller than
+    it), DeepStack after vision layers 0 and 2."""
+    return {
+        "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
+        "text_config": {
+            "model_type": "qwen3_vl_text", "vocab_size": QWEN_TOK_TOTAL, "hidden_size": 128, "head_dim": 48,
+            "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [10, 7, 7],
+                                "mrope_interleaved": True},
+            "bos_token_id": tok["<|endoftext|>"], "eos_token_id": tok["<|im_end|>"], "initializer_range": 0.05,
+        },
+        "vision_config": {
+            "depth": 4, "hidden_size": 64, "intermediate_size": 96, "num_heads": 4, "in_channels": 3,
+            "out_hidden_size": 128, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+            "num_position_embeddings": 36, "deepstack_visual_indexes": [0, 2], "hidden_act": "gelu_pytorch_tanh",
+            "initializer_range": 0.05,
+        },
+        "image_token_id": tok["<|image_pad|>"], "video_token_id": tok["<|video_pad|>"],
+        "vision_start_token_id": tok["<|vision_start|>"], "vision_end_token_id": tok["<|vision_end|>"],
+        "tie_word_embeddings": False,
+    }
+
+
+VARIANTS = {
+    "qwen25": dict(dir="qwen25vl_tiny", config=tiny_config, preproc=TINY_PREPROC, template=QWEN25_CHAT_TEMPLATE,
+                   cfg_class="Qwen2_5_VLConfig", model_class="Qwen2_5_VLForConditionalGeneration",
+                   proc_class="Qwen2_5_VLProcessor", patch=14),
+    "qwen3": dict(dir="qwen3vl_tiny", config=tiny3_config, preproc=TINY3_PREPROC, template=QWEN3_CHAT_TEMPLATE,
+                  cfg_class="Qwen3VLConfig", model_class="Qwen3VLForConditionalGeneration",
+                  proc_class="Qwen3VLProcessor", patch=16),
+}
+
+
 def hf_messages(msgs):
     from PIL import Image
     out, images = [], []
@@ -266,30 +331,31 @@ def hf_messages(msgs):
     return out, images
 
 
-def gen_model():
+def gen_model(variant="qwen25"):
     import torch
+    import transformers
     from safetensors.torch import save_file
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    V = VARIANTS[variant]
     torch.manual_seed(0)
-    out = os.path.join(MODEL_OUT, "qwen25vl_tiny")
+    out = os.path.join(MODEL_OUT, V["dir"])
     if os.path.isdir(out):
         for f in os.listdir(out):
             os.remove(os.path.join(out, f))
-    tok = build_qwen_tokenizer(out)
-    cfg_dict = tiny_config(tok)
+    tok = build_qwen_tokenizer(out, V["template"])
+    cfg_dict = V["config"](tok)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg_dict, f, indent=1)
         f.write("\n")
     with open(os.path.join(out, "preprocessor_config.json"), "w") as f:
-        json.dump(TINY_PREPROC, f, indent=1)
+        json.dump(V["preproc"], f, indent=1)
         f.write("\n")
     with open(os.path.join(out, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": tok["<|endoftext|>"], "eos_token_id": [tok["<|im_end|>"], tok["<|endoftext|>"]],
                    "pad_token_id": tok["<|endoftext|>"], "do_sample": False}, f, indent=1)
         f.write("\n")
-    config = Qwen2_5_VLConfig(**cfg_dict)
+    config = getattr(transformers, V["cfg_class"])(**cfg_dict)
     config._attn_implementation = "eager"
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    model = getattr(transformers, V["model_class"])(config).eval()
     # bf16 checkpoint; the reference computes in float32 on the bf16 values (what Prism loads)
     with torch.no_grad():
         for p in model.parameters():
@@ -299,15 +365,17 @@ def gen_model():
     # The processor without its video half (Qwen2VLVideoProcessor needs torchvision, which would
     # also switch the image processor to the torchvision one): image processor + tokenizer +
     # the checkpoint's chat template, as AutoProcessor assembles them.
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLProcessor
+    from transformers import AutoImageProcessor, AutoTokenizer
     improc = AutoImageProcessor.from_pretrained(out)
     assert type(improc).__name__ == "Qwen2VLImageProcessorPil", type(improc)
-    class NoVideoProcessor(Qwen2_5_VLProcessor):
+    class NoVideoProcessor(getattr(transformers, V["proc_class"])):
         def check_argument_for_proper_class(self, name, arg):   # video_processor is None here
             return None
     proc = NoVideoProcessor(image_processor=improc, tokenizer=AutoTokenizer.from_pretrained(out),
-                            chat_template=QWEN25_CHAT_TEMPLATE)
-    golden = {"vocab": QWEN_TOK_TOTAL, "hidden": 128, "n_greedy": N_GREEDY, "tolerance": 1e-4, "cases": []}
+                            chat_template=V["template"])
+    n_ds = len(cfg_dict["vision_config"].get("deepstack_visual_indexes", []))
+    golden = {"vocab": QWEN_TOK_TOTAL, "hidden": 128, "n_greedy": N_GREEDY, "tolerance": 1e-4,
+              "row_floats": 128 * (1 + n_ds), "cases": []}
     vis = model.model.visual
     for name, msgs in MODEL_CASES:
         hm, images = hf_messages(msgs)
@@ -348,7 +416,9 @@ def gen_model():
         if "image_grid_thw" in kw:
             feats = []
             with torch.no_grad():
-                pooled = vis(kw["pixel_values"], grid_thw=kw["image_grid_thw"]).pooler_output
+                vo = vis(kw["pixel_values"], grid_thw=kw["image_grid_thw"])
+            # one row per LM token: the embedding, then (Qwen3-VL) each DeepStack level's feature
+            pooled = torch.cat([vo.pooler_output] + list(getattr(vo, "deepstack_features", None) or []), dim=-1)
             off = 0
             for (i, img), grid in zip(enumerate(images), kw["image_grid_thw"].tolist()):
                 n_tok = grid[1] * grid[2] // 4
@@ -361,7 +431,7 @@ def gen_model():
                                        "features": fn})
                 off += n_tok
             assert off == pooled.shape[0]
-            pv = one_frame(kw["pixel_values"].numpy(), 2, 14).astype("<f4")
+            pv = one_frame(kw["pixel_values"].numpy(), 2, V["patch"]).astype("<f4")
             case["pixel_fnv1a64_f32"] = fnv1a64(pv.tobytes())
         golden["cases"].append(case)
         print("model case %s: %d prompt tokens, images %s, greedy %s" % (
@@ -373,13 +443,15 @@ def gen_model():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="image,model")
+    ap.add_argument("--only", default="image,model,model3")
     a = ap.parse_args()
     only = set(a.only.split(","))
     if "image" in only:
         gen_image()
     if "model" in only:
-        gen_model()
+        gen_model("qwen25")
+    if "model3" in only:
+        gen_model("qwen3")
 
 
 if __name__ == "__main__":

@@ -267,6 +267,10 @@ typedef struct prism_backend_i {
     int (*attn_varlen)(void *ctx, float *out, int ldo, const float *q, int ldq, const float *k, int ldk,
                        const float *v, int ldv, const int32_t *cu, int n_seqs, int max_len, int n_heads,
                        int n_kv_heads, int head_dim, float scale);
+    /* add_rows: y[rows[i]][0..dim) (row stride ldy) += src[i][0..dim) (row stride lds) for every i < n
+     *   with rows[i] >= 0 (DEVICE int32; rows distinct): DeepStack (Qwen3-VL), the merged features
+     *   of a vision layer added into the LM's hidden states at the image tokens after an early layer. */
+    int (*add_rows)(void *ctx, float *y, int ldy, const float *src, int lds, const int32_t *rows, int n, int dim);
 
     /* ---- random init (--random-weights) ----
      * fill_random: dst[i] = std * prism_random_normalish(seed, i) (dtype.h) for i < n, stored as dt.

@@ -573,6 +573,173 @@ static int parse_qwen25_vl(json_t *root, prism_model_config_t *c, char *err, siz
     return PRISM_OK;
 }
 
+/* ---------------------------------------------------------------- Qwen3-VL */
+
+/* Qwen3VLVisionConfig: every layer attends over the whole image (no windows); DeepStack layers. */
+static int parse_qwen3_vision(json_t *v, prism_model_config_t *c, char *err, size_t errlen)
+{
+    if (v && !json_is_null(v) && !json_is_object(v)) {
+        ERR("config: vision_config must be an object");
+        return PRISM_ECORRUPT;
+    }
+    json_t *empty = NULL;
+    if (!v || json_is_null(v)) v = empty = json_object();
+    int rc = PRISM_ECORRUPT, out_hidden = 3584;
+    c->vision_arch = PRISM_VISION_QWEN3;
+    c->v_layers = 27;
+    c->v_hidden = 1152;
+    c->v_intermediate = 4304;
+    c->v_heads = 16;
+    c->v_num_channels = 3;
+    c->v_patch = 16;
+    c->v_merge = 2;
+    c->v_temporal_patch = 2;
+    c->v_window = 0;
+    c->v_num_pos = 2304;
+    c->v_rope_theta = 10000.0f;
+    c->v_eps = 1e-6f;
+    c->v_act = PRISM_ACT_GELU_TANH;
+    int ds[PRISM_MODEL_MAX_DEEPSTACK] = {8, 16, 24}, n_ds = 3;
+    if (get_int(v, "depth", &c->v_layers, 1, PRISM_MODEL_MAX_VLAYERS, err, errlen) ||
+        get_int(v, "hidden_size", &c->v_hidden, 1, 1 << 15, err, errlen) ||
+        get_int(v, "intermediate_size", &c->v_intermediate, 1, 1 << 18, err, errlen) ||
+        get_int(v, "num_heads", &c->v_heads, 1, 1024, err, errlen) ||
+        get_int(v, "in_channels", &c->v_num_channels, 3, 3, err, errlen) ||
+        get_int(v, "patch_size", &c->v_patch, 1, 64, err, errlen) ||
+        get_int(v, "spatial_merge_size", &c->v_merge, 1, 4, err, errlen) ||
+        get_int(v, "temporal_patch_size", &c->v_temporal_patch, 1, 16, err, errlen) ||
+        get_int(v, "num_position_embeddings", &c->v_num_pos, 1, 1 << 20, err, errlen) ||
+        get_int(v, "out_hidden_size", &out_hidden, 1, 1 << 16, err, errlen) ||
+        get_float(v, "rope_theta", &c->v_rope_theta, 1.0, 1e12, err, errlen))
+        goto done;
+    json_t *rp = json_object_get(v, "rope_parameters");
+    if (json_is_object(rp) && get_float(rp, "rope_theta", &c->v_rope_theta, 1.0, 1e12, err, errlen)) goto done;
+    const char *act = get_str(v, "hidden_act");
+    if (act && (c->v_act = prism_act_parse(act)) < 0) {
+        ERR("config: Qwen3-VL vision hidden_act '%s' is not supported", act);
+        rc = PRISM_ENOTSUP;
+        goto done;
+    }
+    json_t *dl = json_object_get(v, "deepstack_visual_indexes");
+    if (dl && !json_is_null(dl)) {
+        if (!json_is_array(dl) || json_array_size(dl) > PRISM_MODEL_MAX_DEEPSTACK) {
+            ERR("config: deepstack_visual_indexes must list at most %d layers", PRISM_MODEL_MAX_DEEPSTACK);
+            goto done;
+        }
+        bool present;
+        n_ds = (int)json_array_size(dl);
+        if (n_ds && get_int_list(v, "deepstack_visual_indexes", ds, n_ds, 0, c->v_layers - 1, true, &present, err,
+                                 errlen))
+            goto done;
+    }
+    for (int i = 0; i < n_ds; i++) {
+        if (ds[i] >= c->v_layers) {
+            ERR("config: deepstack layer %d beyond the %d vision layers", ds[i], c->v_layers);
+            goto done;
+        }
+        for (int k = 0; k < i; k++)
+            if (ds[k] == ds[i]) {
+                ERR("config: deepstack layer %d listed twice", ds[i]);
+                goto done;
+            }
+        c->v_deepstack[i] = ds[i];
+    }
+    c->n_deepstack = n_ds;
+    if (n_ds > c->n_layers) {
+        ERR("config: %d DeepStack levels for %d text layers", n_ds, c->n_layers);
+        goto done;
+    }
+    memset(c->v_layer_flags, 0, sizeof c->v_layer_flags);
+    for (int L = 0; L < c->v_layers; L++) c->v_layer_flags[L] = PRISM_VLAYER_FULLATT;
+    int hd = c->v_hidden % c->v_heads ? 0 : c->v_hidden / c->v_heads;
+    int side = (int)lround(sqrt((double)c->v_num_pos));
+    if (!hd || hd % 4 || hd > 512 || side * side != c->v_num_pos) {
+        ERR("config: vision head dim %d/%d must be a multiple of 4 and num_position_embeddings %d a square",
+            c->v_hidden, c->v_heads, c->v_num_pos);
+        rc = PRISM_ENOTSUP;
+        goto done;
+    }
+    if (out_hidden != c->hidden) {
+        ERR("config: vision out_hidden_size %d differs from the text hidden_size %d", out_hidden, c->hidden);
+        goto done;
+    }
+    c->v_image_size = 0;
+    c->image_seq_length = 0;
+    c->v_feature_layer = c->v_layers;
+    rc = PRISM_OK;
+done:
+    json_decref(empty);
+    return rc;
+}
+
+/* Qwen3VLConfig: Qwen3 text (q_norm / k_norm before RoPE, no biases, head_dim of its own) with
+ * interleaved M-RoPE, the tower, the special tokens. */
+static int parse_qwen3_vl(json_t *root, prism_model_config_t *c, char *err, size_t errlen)
+{
+    json_t *text = json_object_get(root, "text_config");
+    if (text && !json_is_null(text) && !json_is_object(text)) {
+        ERR("config.json: text_config must be an object");
+        return PRISM_ECORRUPT;
+    }
+    json_t *empty = json_object();
+    json_t *t = json_is_object(text) ? text : empty;
+    /* Qwen3VLTextConfig's defaults before the keys */
+    int rc = parse_text(t, "qwen2", c, err, errlen);
+    if (rc == PRISM_OK) {
+        if (!json_object_get(t, "vocab_size")) c->vocab = 151936;
+        if (!json_object_get(t, "intermediate_size")) c->intermediate = 22016;
+        if (!json_object_get(t, "max_position_embeddings")) c->max_pos = 128000;
+        if (!json_object_get(t, "num_key_value_heads")) c->n_kv_heads = c->n_heads;
+        if (!json_object_get(t, "head_dim")) c->head_dim = 128;
+        c->attention_bias = false;
+        rc = get_bool(t, "attention_bias", &c->attention_bias, err, errlen);
+        c->o_bias = c->attention_bias;
+    }
+    if (rc == PRISM_OK && !json_object_get(t, "rope_theta") &&
+        !(json_is_object(json_object_get(t, "rope_parameters")) &&
+          json_object_get(json_object_get(t, "rope_parameters"), "rope_theta")) &&
+        !(json_is_object(json_object_get(t, "rope_scaling")) &&
+          json_object_get(json_object_get(t, "rope_scaling"), "rope_theta")))
+        c->rope_theta = 500000.0f;
+    json_decref(empty);
+    if (rc != PRISM_OK) return rc;
+    if (c->n_heads % c->n_kv_heads || c->head_dim % 2 || c->head_dim > 512) {
+        ERR("config: Qwen3-VL heads %d / %d, head_dim %d unsupported", c->n_heads, c->n_kv_heads, c->head_dim);
+        return PRISM_ENOTSUP;
+    }
+    if (!c->mrope_section[0] && !c->mrope_section[1] && !c->mrope_section[2]) {
+        c->mrope_section[0] = 24;   /* Qwen3VLTextRotaryEmbedding's default */
+        c->mrope_section[1] = c->mrope_section[2] = 20;
+    }
+    c->mrope_interleaved = true;    /* Qwen3VLTextRotaryEmbedding interleaves whatever the config says */
+    if (c->mrope_section[0] + c->mrope_section[1] + c->mrope_section[2] != c->head_dim / 2) {
+        ERR("config: mrope_section %d+%d+%d must cover head_dim/2 = %d rotary pairs", c->mrope_section[0],
+            c->mrope_section[1], c->mrope_section[2], c->head_dim / 2);
+        return PRISM_ECORRUPT;
+    }
+    if (c->rope_scaling_type != 0) {
+        ERR("config: Qwen3-VL with rope scaling is not supported");
+        return PRISM_ENOTSUP;
+    }
+    for (int i = 0; i < c->n_layers; i++) c->layer_flags[i] = PRISM_LAYER_ROPE | PRISM_LAYER_QK_RMS;
+    TRY(parse_qwen3_vision(json_object_get(root, "vision_config"), c, err, errlen));
+    c->has_vision = true;
+    c->image_token_index = 151655;
+    c->boi_token_id = 151652;
+    c->eoi_token_id = 151653;
+    bool tie = false;
+    TRY(get_int(root, "image_token_id", &c->image_token_index, 0, INT32_MAX, err, errlen));
+    TRY(get_int(root, "vision_start_token_id", &c->boi_token_id, 0, INT32_MAX, err, errlen));
+    TRY(get_int(root, "vision_end_token_id", &c->eoi_token_id, 0, INT32_MAX, err, errlen));
+    TRY(get_bool(root, "tie_word_embeddings", &tie, err, errlen));
+    c->tie_word_embeddings = c->tie_word_embeddings || tie;
+    if (c->image_token_index >= c->vocab || c->boi_token_id >= c->vocab || c->eoi_token_id >= c->vocab) {
+        ERR("config.json: image / vision start / end token ids outside the vocabulary (%d)", c->vocab);
+        return PRISM_ECORRUPT;
+    }
+    return PRISM_OK;
+}
+
 static int parse_vision(json_t *v, prism_model_config_t *c, char *err, size_t errlen)
 {
     /* CLIPVisionConfig defaults when vision_config is a dict; LLaVA's own defaults (ViT-L/14-336)
@@ -637,11 +804,12 @@ int prism_model_config_parse(const char *config_json, const char *gen_json, pris
     json_t *text = json_object_get(root, "text_config");
     bool llama4 = mt && strcmp(mt, "llama4") == 0;
     bool qwen25 = mt && strcmp(mt, "qwen2_5_vl") == 0;
-    bool llava = !llama4 && !qwen25 && ((mt && strcmp(mt, "llava") == 0) || (text && json_is_object(text)));
-    if (mt && !llava && !llama4 && !qwen25 && strcmp(mt, "llama") != 0 && strcmp(mt, "qwen2") != 0 &&
+    bool qwen3 = mt && strcmp(mt, "qwen3_vl") == 0;
+    bool llava = !llama4 && !qwen25 && !qwen3 && ((mt && strcmp(mt, "llava") == 0) || (text && json_is_object(text)));
+    if (mt && !llava && !llama4 && !qwen25 && !qwen3 && strcmp(mt, "llama") != 0 && strcmp(mt, "qwen2") != 0 &&
         strcmp(mt, "mistral") != 0 && strcmp(mt, "llama4_text") != 0) {
         ERR("config.json: model_type '%s' is not supported (llava, llama4, llama4_text, llama, mistral, qwen2, "
-            "qwen2_5_vl)", mt);
+            "qwen2_5_vl, qwen3_vl)", mt);
         rc = PRISM_ENOTSUP;
         goto fail;
     }
@@ -649,6 +817,8 @@ int prism_model_config_parse(const char *config_json, const char *gen_json, pris
     c->boi_token_id = c->eoi_token_id = -1;
     if (qwen25) {
         if ((rc = parse_qwen25_vl(root, c, err, errlen)) != PRISM_OK) goto fail;
+    } else if (qwen3) {
+        if ((rc = parse_qwen3_vl(root, c, err, errlen)) != PRISM_OK) goto fail;
     } else if (llama4) {
         if (text && !json_is_null(text) && !json_is_object(text)) {
             ERR("config.json: text_config must be an object");

@@ -31,6 +31,7 @@
 
 typedef struct {
     float *attn_norm, *mlp_norm;  /* [hidden] */
+    float *q_norm, *k_norm;       /* PRISM_LAYER_QK_RMS: [head_dim] per-head RMSNorm weights (Qwen3) */
     void *wqkv;                   /* [(n_heads + 2*n_kv)*head_dim][hidden]: q rows, k rows, v rows */
     float *bqkv;                  /* [(n_heads + 2*n_kv)*head_dim] or NULL */
     void *wo;                     /* [hidden][n_heads*head_dim] */
@@ -84,6 +85,12 @@ struct prism_llm {
     float *act2;                  /* [R][intermediate] */
     float *ys;                    /* [R][hidden] expert outputs */
     float *xsel;                  /* [S][hidden] last-token rows */
+    /* DeepStack (cfg.n_deepstack > 0): the batch's image-token rows' feature levels and the tokens they
+     * belong to; level k is added to the residual stream after layer k */
+    float *ds_rows;               /* [T][n_deepstack * hidden] */
+    int32_t *ds_tok;              /* [T] device: token of each row (-1 once its sequence left the batch) */
+    int32_t *h_ds_tok;            /* host mirror */
+    int n_ds;                     /* rows in ds_rows this forward */
     float *logits;                /* [lchunk][vocab] */
     float *llocal;                /* T > 1: [lchunk][vocab_stride] this rank's logits */
     float *lgather;               /* T > 1: [tp_size][lchunk][vocab_stride] everyone's */
@@ -204,6 +211,12 @@ static size_t llm_layout(const prism_model_config_t *c, int T, int S, struct pri
         ys = prism_layout_take(&l, R * H * 4);
     }
     float *xsel = prism_layout_take(&l, (size_t)S * H * 4);
+    float *ds_rows = NULL;
+    int32_t *ds_tok = NULL;
+    if (c->n_deepstack > 0) {
+        ds_rows = prism_layout_take(&l, (size_t)T * c->n_deepstack * H * 4);
+        ds_tok = prism_layout_take(&l, (size_t)T * 4);
+    }
     size_t lc = (size_t)logits_chunk(T, S);
     float *logits = prism_layout_take(&l, lc * c->vocab * 4);
     float *llocal = NULL, *lgather = NULL;
@@ -217,6 +230,7 @@ static size_t llm_layout(const prism_model_config_t *c, int T, int S, struct pri
         m->rlogits = rlogits; m->r_choice = r_choice; m->r_order = r_order; m->r_slot = r_slot; m->r_off = r_off;
         m->r_w = r_w; m->xs = xs; m->gu2 = gu2; m->act2 = act2; m->ys = ys;
         m->xsel = xsel; m->logits = logits; m->llocal = llocal; m->lgather = lgather; m->d_meta = meta;
+        m->ds_rows = ds_rows; m->ds_tok = ds_tok;
     }
     return PRISM_ALIGN_UP(l.off, PRISM_TENSOR_ALIGN);
 }
@@ -231,10 +245,11 @@ size_t prism_llm_host_bytes(const prism_model_config_t *cfg, int max_batch_token
 {
     if (max_batch_tokens <= 0 || max_seqs <= 0) return 0;
     size_t T = (size_t)max_batch_tokens, S = (size_t)max_seqs;
-    /* as prism_llm_load allocates them: m, m->layers, h_meta + h_meta2, keep, ostart, gone, h_qscale */
+    /* as prism_llm_load allocates them: m, m->layers, h_meta + h_meta2, keep, ostart, gone, h_qscale
+     * (and DeepStack's h_ds_tok) */
     return sizeof(struct prism_llm) + (size_t)cfg->n_layers * sizeof(llm_layer_t) +
            2 * meta_count(cfg, max_batch_tokens, max_seqs) * sizeof(int32_t) + S * sizeof(int32_t) +
-           (S + 1) * sizeof(int32_t) + S + T * sizeof(float);
+           (S + 1) * sizeof(int32_t) + S + T * sizeof(float) + (cfg->n_deepstack > 0 ? T * sizeof(int32_t) : 0);
 }
 
 /* ---------------------------------------------------------------- weights */
@@ -297,6 +312,12 @@ static int load_weights(struct prism_llm *m, prism_wload_t *w, const char *pfx, 
         if ((rc = prism_wload_tensor_slice(w, &ly->wo, wdt, NAME("%sself_attn.o_proj.weight", p), 2, SHAPE(H, nq), 1, 1, &qr))) return rc;
         if (c->o_bias &&
             (rc = prism_wload_tensor(w, (void **)&ly->bo, PRISM_DTYPE_F32, NAME("%sself_attn.o_proj.bias", p), 1, SHAPE(H)))) return rc;
+        if (c->layer_flags[L] & PRISM_LAYER_QK_RMS) {   /* replicated: every rank norms its own heads */
+            if ((rc = prism_wload_tensor(w, (void **)&ly->q_norm, PRISM_DTYPE_F32, NAME("%sself_attn.q_norm.weight", p), 1,
+                                         SHAPE(hd)))) return rc;
+            if ((rc = prism_wload_tensor(w, (void **)&ly->k_norm, PRISM_DTYPE_F32, NAME("%sself_attn.k_norm.weight", p), 1,
+                                         SHAPE(hd)))) return rc;
+        }
         /* The MLP: Llama's mlp.*, Llama-4's feed_forward.* (dense) or feed_forward.shared_expert.* */
         bool moe = c->layer_flags[L] & PRISM_LAYER_MOE;
         int64_t I = moe ? EI : c->dense_intermediate;
@@ -343,7 +364,8 @@ int prism_llm_load(prism_backend_t *be, const prism_model_config_t *cfg, const c
         ERR("llm: bad layer count %d", cfg->n_layers);
         return PRISM_EINVAL;
     }
-    if ((any_layer(cfg, PRISM_LAYER_QK_NORM) && !be->i.head_rmsnorm) ||
+    if (((any_layer(cfg, PRISM_LAYER_QK_NORM) || any_layer(cfg, PRISM_LAYER_QK_RMS)) && !be->i.head_rmsnorm) ||
+        (cfg->n_deepstack > 0 && !be->i.add_rows) ||
         (any_layer(cfg, PRISM_LAYER_TEMP) && !be->i.scale_rows) ||
         (any_layer(cfg, PRISM_LAYER_MOE) &&
          (!be->i.moe_route || !be->i.matmul_grouped || !be->i.moe_combine || !be->i.scale_rows)) ||
@@ -377,7 +399,11 @@ int prism_llm_load(prism_backend_t *be, const prism_model_config_t *cfg, const c
             rc = PRISM_EINVAL;
             goto fail;
         }
-        for (int j = 0; j < half; j++) m->rsec.of[j] = (uint8_t)(j < s0 ? 0 : j < s0 + s1 ? 1 : 2);
+        int s2 = cfg->mrope_section[2];
+        for (int j = 0; j < half; j++)
+            m->rsec.of[j] = cfg->mrope_interleaved   /* Qwen3-VL: t h w t h w ..., t past the sections */
+                                ? (uint8_t)(j % 3 == 1 && j < 3 * s1 ? 1 : j % 3 == 2 && j < 3 * s2 ? 2 : 0)
+                                : (uint8_t)(j < s0 ? 0 : j < s0 + s1 ? 1 : 2);
     }
     m->layers = prism_calloc((size_t)cfg->n_layers, sizeof *m->layers);
     if (!m->layers) goto fail;
@@ -436,7 +462,9 @@ int prism_llm_load(prism_backend_t *be, const prism_model_config_t *cfg, const c
     m->ostart = prism_malloc(((size_t)max_seqs + 1) * sizeof(int32_t));
     m->gone = prism_malloc((size_t)max_seqs);
     m->h_qscale = prism_malloc((size_t)max_batch_tokens * sizeof(float));
-    if (!m->abuf || !m->h_meta || !m->h_meta2 || !m->keep || !m->ostart || !m->gone || !m->h_qscale) {
+    if (cfg->n_deepstack > 0) m->h_ds_tok = prism_malloc((size_t)max_batch_tokens * sizeof(int32_t));
+    if (!m->abuf || !m->h_meta || !m->h_meta2 || !m->keep || !m->ostart || !m->gone || !m->h_qscale ||
+        (cfg->n_deepstack > 0 && !m->h_ds_tok)) {
         char b[32];
         ERR("llm: cannot allocate the %s activation arena", prism_fmt_bytes(m->abytes, b, sizeof b));
         rc = PRISM_ENOMEM;
@@ -476,6 +504,7 @@ void prism_llm_free(prism_llm_t *m)
     prism_free(m->ostart);
     prism_free(m->gone);
     prism_free(m->h_qscale);
+    prism_free(m->h_ds_tok);
     prism_free(m->layers);
     prism_free(m);
 }
@@ -718,6 +747,14 @@ static size_t meta_used(int T, int S, int mbps, bool split, bool mrope)
     return n + (split ? (size_t)T + (size_t)S * mbps : 0);
 }
 
+/* The sequence that token t of a batch belongs to. */
+static int seq_of(const int32_t *seq_start, int S, int t)
+{
+    int s = 0;
+    while (s + 1 < S && seq_start[s + 1] <= t) s++;
+    return s;
+}
+
 /* Between layers: asks the hook and drops cancelled sequences — their rows leave the residual
  * stream (moved into the spare buffer, which the next layer rewrites anyway, and the two swap)
  * and the metadata is rebuilt and uploaded for the smaller batch. Their KV blocks keep partial
@@ -769,6 +806,22 @@ static int llm_between_layers(struct prism_llm *m, int done, int mbps, meta_ptrs
         j++;
     }
     n.seq_start[nS] = nT;
+    if (m->n_ds) {
+        /* DeepStack rows stay where they are; the tokens they add into move with their sequences */
+        for (int k = 0; k < m->n_ds; k++) {
+            int t = m->h_ds_tok[k];
+            if (t < 0) continue;
+            int s = seq_of(h->seq_start, S, t), j = 0;
+            if (m->gone[s]) {
+                m->h_ds_tok[k] = -1;
+                continue;
+            }
+            for (int q = 0; q < s; q++) j += !m->gone[q];
+            m->h_ds_tok[k] = n.seq_start[j] + (t - h->seq_start[s]);
+        }
+        int rc = o->upload(bx, m->ds_tok, m->h_ds_tok, (size_t)m->n_ds * 4);
+        if (rc != PRISM_OK) return rc;
+    }
     float *x = m->f_x;
     m->f_x = m->f_xn;
     m->f_xn = x;
@@ -911,6 +964,18 @@ int prism_llm_forward_begin(prism_llm_t *m, prism_kv_cache_t *kv, const prism_ll
         }
     }
     CK(upload_qscale(m, h.pos, T));
+    /* DeepStack: each image token's feature levels (after its embedding in the row) in one row of
+     * ds_rows, and the token they add into. */
+    m->n_ds = 0;
+    if (c->n_deepstack > 0 && b->embed_rows) {
+        const size_t L = (size_t)c->n_deepstack * H;
+        for (int t = 0; t < T; t++) {
+            if (!b->embed_rows[t]) continue;
+            CK(o->upload(bx, m->ds_rows + (size_t)m->n_ds * L, b->embed_rows[t] + H, L * 4));
+            m->h_ds_tok[m->n_ds++] = t;
+        }
+        if (m->n_ds) CK(o->upload(bx, m->ds_tok, m->h_ds_tok, (size_t)m->n_ds * 4));
+    }
 
     prism_attn_meta_t meta = {
         .n_seqs = S, .n_tokens = T, .max_q_len = max_q, .max_ctx_len = max_ctx, .block_size = bs,
@@ -926,6 +991,10 @@ int prism_llm_forward_begin(prism_llm_t *m, prism_kv_cache_t *kv, const prism_ll
         T = m->f_T;
         CK(o->rmsnorm(bx, xn, x, ly->attn_norm, T, H, c->rms_eps));
         CK(o->matmul(bx, m->qkv, QKV, xn, H, ly->wqkv, wdt, ly->bqkv, T, QKV, H, false));
+        if (fl & PRISM_LAYER_QK_RMS) {   /* Qwen3: q_norm / k_norm per head, before RoPE */
+            CK(o->head_rmsnorm(bx, m->qkv, QKV, T, nh, hd, ly->q_norm, c->rms_eps));
+            CK(o->head_rmsnorm(bx, m->qkv + NQ, QKV, T, nkv, hd, ly->k_norm, c->rms_eps));
+        }
         if ((fl & PRISM_LAYER_ROPE) && m->mrope) {
             CK(o->rope_multi(bx, m->qkv, QKV, T, nh, hd, d.mpos, T, m->inv_freq, &m->rsec));
             CK(o->rope_multi(bx, m->qkv + NQ, QKV, T, nkv, hd, d.mpos, T, m->inv_freq, &m->rsec));
@@ -971,6 +1040,9 @@ int prism_llm_forward_begin(prism_llm_t *m, prism_kv_cache_t *kv, const prism_ll
             CK(o->moe_combine(bx, x, H, m->ys, m->r_slot, T, K, H));
         }
         if (tp) CK(prism_comm_all_reduce_sum(cm, x, (size_t)T * H));
+        /* DeepStack: level L of the image tokens' features joins the residual stream after layer L */
+        if (m->n_ds && L < c->n_deepstack)
+            CK(o->add_rows(bx, x, H, m->ds_rows + (size_t)L * H, c->n_deepstack * H, m->ds_tok, m->n_ds, H));
         CK(llm_between_layers(m, L + 1, mbps, &h, &d, &meta));
     }
     m->f_rows = d.rows;

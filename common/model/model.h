@@ -36,12 +36,15 @@ enum {
     PRISM_LAYER_QK_NORM = 1 << 2,  /* per-head RMS ("L2") norm of q and k after RoPE, no weight */
     PRISM_LAYER_TEMP    = 1 << 3,  /* attention temperature tuning of q (Llama-4 NoPE layers) */
     PRISM_LAYER_MOE     = 1 << 4,  /* routed experts + shared expert instead of a dense MLP */
+    PRISM_LAYER_QK_RMS  = 1 << 5,  /* per-head RMSNorm of q and k with learned weights (q_norm, k_norm)
+                                    * BEFORE RoPE (Qwen3) */
 };
 
 typedef enum {
     PRISM_VISION_CLIP   = 0,       /* LLaVA: CLIP tower, feature layer, 2-layer projector */
     PRISM_VISION_LLAMA4 = 1,       /* Llama-4: unfold + CLS last + 2D RoPE, pixel shuffle, adapter, projector */
     PRISM_VISION_QWEN25 = 2,       /* Qwen2.5-VL: native resolution, window attention, 2x2 merger (vision_qwen.c) */
+    PRISM_VISION_QWEN3  = 3,       /* Qwen3-VL: native resolution, interpolated learned positions, DeepStack */
 } prism_vision_arch_t;
 
 /* Per-layer behaviour of a native-resolution tower (Qwen-VL). */
@@ -49,6 +52,7 @@ typedef enum {
 enum {
     PRISM_VLAYER_FULLATT = 1 << 0, /* attention over the whole image (else within windows) */
 };
+#define PRISM_MODEL_MAX_DEEPSTACK 8
 
 typedef struct prism_model_config {
     /* text (Llama / Qwen2) */
@@ -77,6 +81,8 @@ typedef struct prism_model_config {
     int rope_mode;            /* prism_rope_mode_t: NEOX (Llama/Qwen2 HF layout) or INTERLEAVE (Llama-4) */
     int mrope_section[3];     /* M-RoPE (Qwen-VL): rotary pairs per position row (t, h, w), in runs; all 0:
                                * plain RoPE */
+    bool mrope_interleaved;   /* Qwen3-VL: M-RoPE pairs interleaved t, h, w (pair j: h when j % 3 == 1 and
+                               * j < 3 * s1, w when j % 3 == 2 and j < 3 * s2, else t) instead of in runs */
     int dense_intermediate;   /* width of dense MLP layers: intermediate_size_mlp (Llama-4), else intermediate */
     int attention_chunk;      /* attention_chunk_size of PRISM_LAYER_CHUNKED layers (0: none) */
     float floor_scale, attn_scale;   /* temperature tuning: q *= log1p(floor((p+1)/floor_scale))*attn_scale + 1 */
@@ -90,12 +96,16 @@ typedef struct prism_model_config {
     int v_adapter_dim;        /* projector_input_dim == projector_output_dim: adapter fc1/fc2 width */
     int v_output_dim;         /* vision_output_dim: multi_modal_projector.linear_1 input */
     int boi_token_id, eoi_token_id;  /* <|image_start|>, <|image_end|> (-1 when absent) */
-    /* --- Qwen-VL vision (vision_arch PRISM_VISION_QWEN25): images at native resolution;
+    /* --- Qwen-VL vision (vision_arch PRISM_VISION_QWEN25 / _QWEN3): images at native resolution;
      * image_seq_length is 0 (the token count follows each image's size: image/qwenvl_proc.h) --- */
     int v_temporal_patch;     /* temporal_patch_size: frames per patch (a still image is repeated) */
     int v_merge;              /* spatial_merge_size: patches per LM token along each axis */
     int v_window;             /* window_size in pixels (window attention outside PRISM_VLAYER_FULLATT layers) */
     uint8_t v_layer_flags[PRISM_MODEL_MAX_VLAYERS];   /* PRISM_VLAYER_* of each of v_layers layers */
+    int v_num_pos;            /* Qwen3-VL: num_position_embeddings, the learned position grid (a square) */
+    int n_deepstack;          /* Qwen3-VL DeepStack: vision layers whose merged features are added to the LM's
+                               * first n_deepstack layers at the image tokens */
+    int v_deepstack[PRISM_MODEL_MAX_DEEPSTACK];   /* those vision layers, as config.json lists them */
     /* --- set by the caller, not by config.json ---
      * Seeded random weights of the configured shapes (norms 1, biases 0, the rest N(0, 0.02))
      * instead of reading safetensors — for benchmarks of full-size architectures that cannot be
@@ -123,6 +133,12 @@ int  prism_model_config_parse(const char *config_json, const char *generation_co
 int prism_model_context_length(const prism_model_config_t *cfg, int64_t requested);
 /* Fills inv_freq[head_dim/2] for the text RoPE (llama3 scaling applied when configured). */
 void prism_model_rope_inv_freq(const prism_model_config_t *cfg, float *inv_freq);
+/* Floats of one image-token row a prefill hands the language model (prism_llm_batch_t.embed_rows):
+ * the embedding, then (DeepStack, Qwen3-VL) one feature row per DeepStack level. */
+static inline int prism_model_embed_row_floats(const prism_model_config_t *cfg)
+{
+    return cfg->hidden * (1 + cfg->n_deepstack);
+}
 /* Whether the text model rotates by M-RoPE's three position rows (cfg.mrope_section). */
 static inline bool prism_model_mrope(const prism_model_config_t *cfg)
 {
@@ -280,7 +296,10 @@ typedef struct {
     const float *embeds;                /* optional [n_tokens][hidden] host; row i replaces token i's embedding where embed_mask[i] */
     const uint8_t *embed_mask;          /* optional [n_tokens] */
     const float *const *embed_rows;     /* optional [n_tokens] host rows, instead of embeds/embed_mask: row i
-                                         * (when non-NULL) replaces token i's embedding, read in place */
+                                         * (when non-NULL) replaces token i's embedding, read in place; with
+                                         * DeepStack (cfg.n_deepstack > 0) a row holds
+                                         * prism_model_embed_row_floats floats: the embedding, then the features
+                                         * added after layers 0 .. n_deepstack-1 */
     bool all_logits;                    /* false: logits of each sequence's last token [n_seqs][vocab]; true: every token [n_tokens][vocab] */
     const int32_t *const *local_tables; /* split caches: [n_seqs][local_ring] local-pool blocks of the chunked
                                          * layers; logical block j is local_tables[s][j % local_ring] */
@@ -321,7 +340,7 @@ size_t prism_vision_arena_bytes(const prism_model_config_t *cfg, int max_images)
 int  prism_vision_encode(prism_vision_t *v, const float *pixels, int n_images, float *out);
 void prism_vision_set_hook(prism_vision_t *v, const prism_model_hook_t *hook);
 
-/* ---- native-resolution vision towers (Qwen2.5-VL: cfg.vision_arch PRISM_VISION_QWEN25) ----
+/* ---- native-resolution vision towers (Qwen2.5-VL, Qwen3-VL: cfg.vision_arch PRISM_VISION_QWEN25 / _QWEN3) ----
  * An image is a grid of patches of any size (its processor says which: image/qwenvl_proc.h) and
  * becomes (h / merge) x (w / merge) LM tokens, row-major. A forward takes a batch of images of at
  * most max_patches patches in all: the activation arena is sized for that at load (attention is
@@ -349,7 +368,8 @@ size_t prism_vision_native_arena_bytes(const prism_model_config_t *cfg, int max_
 /* Host memory the tower keeps besides weights and arena (its record and layer table; with max_patches
  * > 0 the metadata staged for each forward): a worker's memory plan counts it. */
 size_t prism_vision_native_host_bytes(const prism_model_config_t *cfg, int max_patches);
-/* Floats of one LM token's output row: the embedding (cfg.hidden). */
+/* Floats of one LM token's output row: the embedding (cfg.hidden), then Qwen3-VL's DeepStack
+ * features (prism_model_embed_row_floats). */
 size_t prism_vision_native_row_floats(const prism_model_config_t *cfg);
 /* pixels: host float32 [sum of h*w][3][p][p], each image's patches in HF's order, one frame
  * (image/qwenvl_proc.h; the tower repeats it cfg.v_temporal_patch times on the device). out: host

@@ -1,4 +1,5 @@
-/* Native-resolution vision tower: Qwen2.5-VL (transformers' Qwen2_5_VisionTransformerPretrainedModel).
+/* Native-resolution vision towers: Qwen2.5-VL (transformers' Qwen2_5_VisionTransformerPretrainedModel)
+ * and Qwen3-VL (Qwen3VLVisionModel; the differences are listed after the Qwen2.5-VL walk-through).
  *
  * An image of h x w patches (HF's patch order: merged row, merged column, then the merge x merge
  * block) goes through:
@@ -16,6 +17,14 @@
  *   merger            RMSNorm (ln_q), each merge block's rows side by side ([n/4][4*hidden], a view:
  *                     the block's rows are adjacent), Linear, GELU (erf), Linear to the LM width;
  *   image order       the inverse window permutation (HF's argsort(window_index)) on the way out.
+ * Qwen3-VL: the Conv3d has a bias; learned position embeddings (a square grid of
+ * num_position_embeddings) bilinearly interpolated to the image's grid (align_corners, HF's
+ * get_vision_interpolation_indices_and_weights: 4 taps and weights per patch) are added to the
+ * patch embeddings; no windows (every layer attends over its image, the window order is the
+ * identity); LayerNorm with biases; a plain MLP (fc1, GELU tanh, fc2); after each DeepStack layer a
+ * merger of its own (LayerNorm over the 2x2 block's concatenated rows) writes a feature level of
+ * the output rows; the final merger's LayerNorm is over each row before the concatenation.
+ * Output rows: [embedding][DeepStack level 0]...[level n-1] (prism_model_embed_row_floats).
  * The metadata (gather indices, positions, cu_seqlens) is built on the host per forward and
  * uploaded once; weights and activations were carved at load, so a forward never allocates. */
 #include "model/model_impl.h"
@@ -32,13 +41,14 @@
                           * part of the arena that does not grow with the image */
 
 typedef struct {
-    float *n1, *n2;          /* [VH] RMSNorm weights */
+    float *n1, *n2;          /* [VH] RMSNorm (Qwen3: LayerNorm) weights */
+    float *n1b, *n2b;        /* [VH] Qwen3: LayerNorm biases */
     void *wqkv;              /* [3 VH][VH]: q rows, k rows, v rows (HF's fused qkv) */
     float *bqkv;             /* [3 VH] */
     void *wo;                /* [VH][VH] */
     float *bo;               /* [VH] */
-    void *wgu;               /* [2 VI][VH]: gate rows, then up rows */
-    float *bgu;              /* [2 VI] */
+    void *wgu;               /* [2 VI][VH]: gate rows, then up rows (Qwen3: fc1 [VI][VH]) */
+    float *bgu;              /* [2 VI] (Qwen3: [VI]) */
     void *wd;                /* [VH][VI] */
     float *bd;               /* [VH] */
 } qv_layer_t;
@@ -54,9 +64,23 @@ struct prism_vision_native {
     size_t wbytes;
     void *patch_w;           /* [VH][C*T*p*p] */
     qv_layer_t *layers;      /* [v_layers] */
-    float *ln_q;             /* [VH] merger RMSNorm */
+    float *ln_q;             /* [VH] merger RMSNorm (Qwen3: LayerNorm weight) */
     void *m1_w, *m2_w;       /* [mm VH][mm VH], [H][mm VH] */
     float *m1_b, *m2_b;      /* [mm VH], [H] */
+    /* Qwen3-VL */
+    bool q3;
+    int rw;                  /* floats of an output row: hidden x (1 + DeepStack levels) */
+    float *patch_b;          /* [VH] */
+    float *pos_embed;        /* [num_pos][VH] */
+    int side;                /* sqrt(num_pos) */
+    float *ln_b;             /* [VH] final merger LayerNorm bias */
+    struct {
+        float *nw, *nb;      /* [mm VH] LayerNorm over the concatenated block */
+        void *w1, *w2;       /* [mm VH][mm VH], [H][mm VH] */
+        float *b1, *b2;
+    } ds[PRISM_MODEL_MAX_DEEPSTACK];   /* config.json's order (deepstack_merger_list) */
+    int ds_level[PRISM_MODEL_MAX_VLAYERS];   /* vision layer -> output level + 1 (0: none) */
+    int ds_merger[PRISM_MODEL_MAX_VLAYERS];  /* vision layer -> its merger */
 
     void *abuf;
     size_t abytes;
@@ -66,6 +90,8 @@ struct prism_vision_native {
                               * turns as the residual stream (images dropped between layers) */
     float *mlp;              /* [MLP_CHUNK][3 VI]: gate|up, then the activation */
     float *rope_inv;         /* [hd/2] row frequencies, then the same for columns */
+    float *obuf;             /* Qwen3: [N/mm][rw] output rows */
+    float *iw, *h_iw;        /* Qwen3: [4][N] interpolation weights (device, host) */
     int32_t *d_meta;         /* device: widx[N] rev[N/mm] pos[2][N] cu_win[N/mm + 2] cu_full[N/mm + 2] */
     int32_t *h_meta;         /* host mirror */
     size_t meta_n;
@@ -83,13 +109,13 @@ static int max_images_of(int max_patches, int mm) { return PRISM_MAX(1, max_patc
 static size_t big_width(const prism_model_config_t *c)
 {
     size_t feat = (size_t)c->v_num_channels * c->v_temporal_patch * c->v_patch * c->v_patch;
-    return PRISM_MAX((size_t)3 * c->v_hidden, feat);
+    return PRISM_MAX((size_t)3 * c->v_hidden, feat);   /* >= the merger's [N/4][4 VH] view */
 }
 
 static size_t meta_count(int N, int mm)
 {
     size_t nt = (size_t)N / mm;
-    return (size_t)N + nt + 2 * (size_t)N + 2 * (nt + 2);
+    return (size_t)N + nt + 2 * (size_t)N + 2 * (nt + 2) + 4 * (size_t)N;   /* ... interpolation taps (Qwen3) */
 }
 
 static size_t qv_layout(const prism_model_config_t *c, int N, struct prism_vision_native *v)
@@ -104,34 +130,46 @@ static size_t qv_layout(const prism_model_config_t *c, int N, struct prism_visio
     float *h = prism_layout_take(&l, wide * 4);
     float *xn = prism_layout_take(&l, wide * 4);
     float *attn = prism_layout_take(&l, wide * 4);
-    float *mlp = prism_layout_take(&l, chunk * 3 * (size_t)c->v_intermediate * 4);
+    float *mlp = prism_layout_take(&l, chunk * 3 * (size_t)c->v_intermediate * 4);   /* Qwen3 uses a third */
     float *inv = prism_layout_take(&l, (size_t)(c->v_hidden / c->v_heads / 2) * 4);
     int32_t *meta = prism_layout_take(&l, meta_count(N, (int)mm) * 4);
+    float *obuf = NULL, *iw = NULL;
+    if (c->vision_arch == PRISM_VISION_QWEN3) {
+        obuf = prism_layout_take(&l, nt * (size_t)prism_model_embed_row_floats(c) * 4);
+        iw = prism_layout_take(&l, 4 * (size_t)N * 4);
+    }
     if (v && v->abuf) {
         v->pix = pix; v->big = big; v->h = h; v->xn = xn; v->attn = attn; v->mlp = mlp; v->rope_inv = inv;
-        v->d_meta = meta;
+        v->d_meta = meta; v->obuf = obuf; v->iw = iw;
     }
     return PRISM_ALIGN_UP(l.off, PRISM_TENSOR_ALIGN);
 }
 
 size_t prism_vision_native_arena_bytes(const prism_model_config_t *cfg, int max_patches)
 {
-    if (!cfg->has_vision || cfg->vision_arch != PRISM_VISION_QWEN25 || max_patches <= 0) return 0;
+    if (!cfg->has_vision || (cfg->vision_arch != PRISM_VISION_QWEN25 && cfg->vision_arch != PRISM_VISION_QWEN3) ||
+        max_patches <= 0)
+        return 0;
     return qv_layout(cfg, max_patches, NULL);
 }
 
 size_t prism_vision_native_host_bytes(const prism_model_config_t *cfg, int max_patches)
 {
-    if (!cfg->has_vision || cfg->vision_arch != PRISM_VISION_QWEN25) return 0;
+    if (!cfg->has_vision || (cfg->vision_arch != PRISM_VISION_QWEN25 && cfg->vision_arch != PRISM_VISION_QWEN3)) return 0;
     int mm = cfg->v_merge * cfg->v_merge;
+    bool q3 = cfg->vision_arch == PRISM_VISION_QWEN3;
     size_t b = sizeof(struct prism_vision_native) + (size_t)cfg->v_layers * sizeof(qv_layer_t);
     if (max_patches <= 0) return b;
-    /* as prism_vision_native_reserve allocates them: keep, kgrid, gone, h_meta */
+    /* as prism_vision_native_reserve allocates them: keep, kgrid, gone, h_meta (and Qwen3's h_iw) */
     size_t imgs = (size_t)max_images_of(max_patches, mm);
-    return b + imgs * (sizeof(int) + sizeof(prism_vgrid_t) + 1) + meta_count(max_patches, mm) * sizeof(int32_t);
+    return b + imgs * (sizeof(int) + sizeof(prism_vgrid_t) + 1) + meta_count(max_patches, mm) * sizeof(int32_t) +
+           (q3 ? 4 * (size_t)max_patches * sizeof(float) : 0);
 }
 
-size_t prism_vision_native_row_floats(const prism_model_config_t *cfg) { return (size_t)cfg->hidden; }
+size_t prism_vision_native_row_floats(const prism_model_config_t *cfg)
+{
+    return (size_t)prism_model_embed_row_floats(cfg);
+}
 
 /* ---------------------------------------------------------------- weights */
 
@@ -161,6 +199,21 @@ static const qv_tensor_t k_qwen25_layer[] = {
     {"mlp.up_proj.bias", offsetof(qv_layer_t, bgu), true, D_VI, D_1, D_2VI, D_VI},
     {"mlp.down_proj.weight", offsetof(qv_layer_t, wd), false, D_VH, D_VI, D_VH, 0},
     {"mlp.down_proj.bias", offsetof(qv_layer_t, bd), true, D_VH, D_1, D_VH, 0},
+};
+
+static const qv_tensor_t k_qwen3_layer[] = {
+    {"norm1.weight", offsetof(qv_layer_t, n1), true, D_VH, D_1, D_VH, 0},
+    {"norm1.bias", offsetof(qv_layer_t, n1b), true, D_VH, D_1, D_VH, 0},
+    {"norm2.weight", offsetof(qv_layer_t, n2), true, D_VH, D_1, D_VH, 0},
+    {"norm2.bias", offsetof(qv_layer_t, n2b), true, D_VH, D_1, D_VH, 0},
+    {"attn.qkv.weight", offsetof(qv_layer_t, wqkv), false, D_3VH, D_VH, D_3VH, 0},
+    {"attn.qkv.bias", offsetof(qv_layer_t, bqkv), true, D_3VH, D_1, D_3VH, 0},
+    {"attn.proj.weight", offsetof(qv_layer_t, wo), false, D_VH, D_VH, D_VH, 0},
+    {"attn.proj.bias", offsetof(qv_layer_t, bo), true, D_VH, D_1, D_VH, 0},
+    {"mlp.linear_fc1.weight", offsetof(qv_layer_t, wgu), false, D_VI, D_VH, D_VI, 0},
+    {"mlp.linear_fc1.bias", offsetof(qv_layer_t, bgu), true, D_VI, D_1, D_VI, 0},
+    {"mlp.linear_fc2.weight", offsetof(qv_layer_t, wd), false, D_VH, D_VI, D_VH, 0},
+    {"mlp.linear_fc2.bias", offsetof(qv_layer_t, bd), true, D_VH, D_1, D_VH, 0},
 };
 
 static int64_t dim_of(const prism_model_config_t *c, int d)
@@ -209,18 +262,45 @@ static int load_weights(struct prism_vision_native *v, prism_wload_t *w, const c
     /* Conv3d [VH][C][T][p][p], kernel = stride: a matmul over the patch rows of T frames */
     if ((rc = prism_wload_tensor(w, &v->patch_w, v->wdt, NAME("%spatch_embed.proj.weight", vp), 5, SHAPE(VH, C, T, P, P))))
         return rc;
+    if (v->q3) {
+        if ((rc = prism_wload_tensor(w, (void **)&v->patch_b, PRISM_DTYPE_F32, NAME("%spatch_embed.proj.bias", vp), 1,
+                                     SHAPE(VH))))
+            return rc;
+        if ((rc = prism_wload_tensor(w, (void **)&v->pos_embed, PRISM_DTYPE_F32, NAME("%spos_embed.weight", vp), 2,
+                                     SHAPE(c->v_num_pos, VH))))
+            return rc;
+    }
+    const qv_tensor_t *tab = v->q3 ? k_qwen3_layer : k_qwen25_layer;
+    size_t n_tab = v->q3 ? PRISM_ARRAY_LEN(k_qwen3_layer) : PRISM_ARRAY_LEN(k_qwen25_layer);
     for (int L = 0; L < c->v_layers; L++) {
         snprintf(p, sizeof p, "%sblocks.%d.", vp, L);
-        if ((rc = load_table(v, w, p, &v->layers[L], k_qwen25_layer, PRISM_ARRAY_LEN(k_qwen25_layer)))) return rc;
+        if ((rc = load_table(v, w, p, &v->layers[L], tab, n_tab))) return rc;
     }
-    if ((rc = prism_wload_tensor(w, (void **)&v->ln_q, PRISM_DTYPE_F32, NAME("%smerger.ln_q.weight", vp), 1, SHAPE(VH))))
+    /* mergers: Qwen2.5-VL's merger.{ln_q, mlp.0, mlp.2}; Qwen3-VL's merger.{norm, linear_fc1, linear_fc2}
+     * and one deepstack_merger_list.i per DeepStack layer (its norm over the concatenated block) */
+    const char *mn = v->q3 ? "merger.norm" : "merger.ln_q", *m1 = v->q3 ? "merger.linear_fc1" : "merger.mlp.0",
+               *m2 = v->q3 ? "merger.linear_fc2" : "merger.mlp.2";
+    if ((rc = prism_wload_tensor(w, (void **)&v->ln_q, PRISM_DTYPE_F32, NAME("%s%s.weight", vp, mn), 1, SHAPE(VH))))
         return rc;
-    if ((rc = prism_wload_tensor(w, &v->m1_w, v->wdt, NAME("%smerger.mlp.0.weight", vp), 2, SHAPE(MV, MV)))) return rc;
-    if ((rc = prism_wload_tensor(w, (void **)&v->m1_b, PRISM_DTYPE_F32, NAME("%smerger.mlp.0.bias", vp), 1, SHAPE(MV))))
+    if (v->q3 &&
+        (rc = prism_wload_tensor(w, (void **)&v->ln_b, PRISM_DTYPE_F32, NAME("%s%s.bias", vp, mn), 1, SHAPE(VH))))
         return rc;
-    if ((rc = prism_wload_tensor(w, &v->m2_w, v->wdt, NAME("%smerger.mlp.2.weight", vp), 2, SHAPE(H, MV)))) return rc;
-    if ((rc = prism_wload_tensor(w, (void **)&v->m2_b, PRISM_DTYPE_F32, NAME("%smerger.mlp.2.bias", vp), 1, SHAPE(H))))
+    if ((rc = prism_wload_tensor(w, &v->m1_w, v->wdt, NAME("%s%s.weight", vp, m1), 2, SHAPE(MV, MV)))) return rc;
+    if ((rc = prism_wload_tensor(w, (void **)&v->m1_b, PRISM_DTYPE_F32, NAME("%s%s.bias", vp, m1), 1, SHAPE(MV))))
         return rc;
+    if ((rc = prism_wload_tensor(w, &v->m2_w, v->wdt, NAME("%s%s.weight", vp, m2), 2, SHAPE(H, MV)))) return rc;
+    if ((rc = prism_wload_tensor(w, (void **)&v->m2_b, PRISM_DTYPE_F32, NAME("%s%s.bias", vp, m2), 1, SHAPE(H))))
+        return rc;
+    for (int k = 0; v->q3 && k < c->n_deepstack; k++) {
+        snprintf(p, sizeof p, "%sdeepstack_merger_list.%d.", vp, k);
+        if ((rc = prism_wload_tensor(w, (void **)&v->ds[k].nw, PRISM_DTYPE_F32, NAME("%snorm.weight", p), 1, SHAPE(MV))) ||
+            (rc = prism_wload_tensor(w, (void **)&v->ds[k].nb, PRISM_DTYPE_F32, NAME("%snorm.bias", p), 1, SHAPE(MV))) ||
+            (rc = prism_wload_tensor(w, &v->ds[k].w1, v->wdt, NAME("%slinear_fc1.weight", p), 2, SHAPE(MV, MV))) ||
+            (rc = prism_wload_tensor(w, (void **)&v->ds[k].b1, PRISM_DTYPE_F32, NAME("%slinear_fc1.bias", p), 1, SHAPE(MV))) ||
+            (rc = prism_wload_tensor(w, &v->ds[k].w2, v->wdt, NAME("%slinear_fc2.weight", p), 2, SHAPE(H, MV))) ||
+            (rc = prism_wload_tensor(w, (void **)&v->ds[k].b2, PRISM_DTYPE_F32, NAME("%slinear_fc2.bias", p), 1, SHAPE(H))))
+            return rc;
+    }
 #undef NAME
 #undef SHAPE
     return PRISM_OK;
@@ -230,7 +310,7 @@ int prism_vision_native_load(prism_backend_t *be, const prism_model_config_t *cf
                              int max_patches, prism_vision_native_t **out, char *err, size_t errlen)
 {
     *out = NULL;
-    if (!cfg->has_vision || cfg->vision_arch != PRISM_VISION_QWEN25) {
+    if (!cfg->has_vision || (cfg->vision_arch != PRISM_VISION_QWEN25 && cfg->vision_arch != PRISM_VISION_QWEN3)) {
         ERR("vision: %s has no native-resolution vision tower", cfg->arch);
         return PRISM_ENOTSUP;
     }
@@ -240,8 +320,9 @@ int prism_vision_native_load(prism_backend_t *be, const prism_model_config_t *cf
         ERR("vision: bad max_patches %d", max_patches);
         return PRISM_EINVAL;
     }
-    if (!be->i.rope_multi || !be->i.attn_varlen) {
-        ERR("vision: the %s backend lacks the ops Qwen-VL needs (rope_multi, attn_varlen)", be->device);
+    if (!be->i.rope_multi || !be->i.attn_varlen ||
+        (cfg->vision_arch == PRISM_VISION_QWEN3 && (!be->i.scale_rows || !be->i.layernorm))) {
+        ERR("vision: the %s backend lacks the ops Qwen-VL needs (rope_multi, attn_varlen, scale_rows)", be->device);
         return PRISM_ENOTSUP;
     }
     prism_st_t *st = NULL;
@@ -256,6 +337,19 @@ int prism_vision_native_load(prism_backend_t *be, const prism_model_config_t *cf
     v->hd = cfg->v_hidden / cfg->v_heads;
     v->pix_feat = cfg->v_num_channels * cfg->v_patch * cfg->v_patch;
     v->feat = v->pix_feat * cfg->v_temporal_patch;
+    v->q3 = cfg->vision_arch == PRISM_VISION_QWEN3;
+    v->rw = prism_model_embed_row_floats(cfg);
+    if (v->q3) {
+        v->side = (int)lround(sqrt((double)cfg->v_num_pos));
+        /* HF appends the DeepStack features in layer order (the LM's layer k gets the k-th), each
+         * from the merger at its layer's place in deepstack_visual_indexes */
+        for (int k = 0; k < cfg->n_deepstack; k++) {
+            int L = cfg->v_deepstack[k], level = 0;
+            for (int j = 0; j < cfg->n_deepstack; j++) level += cfg->v_deepstack[j] < L;
+            v->ds_level[L] = level + 1;
+            v->ds_merger[L] = k;
+        }
+    }
     v->layers = prism_calloc((size_t)cfg->v_layers, sizeof *v->layers);
     if (!v->layers) goto fail;
     const char *vp = k_prefixes[0];
@@ -294,8 +388,12 @@ int prism_vision_native_load(prism_backend_t *be, const prism_model_config_t *cf
         char a[32];
         int full = 0;
         for (int L = 0; L < cfg->v_layers; L++) full += (cfg->v_layer_flags[L] & PRISM_VLAYER_FULLATT) != 0;
-        PRISM_INFO("vision: Qwen2.5-VL tower, %d layers (%d full attention, windows of %d px), %s weights",
-                   cfg->v_layers, full, cfg->v_window, prism_fmt_bytes(v->wbytes, a, sizeof a));
+        if (v->q3)
+            PRISM_INFO("vision: Qwen3-VL tower, %d layers, %d DeepStack levels, %s weights", cfg->v_layers,
+                       cfg->n_deepstack, prism_fmt_bytes(v->wbytes, a, sizeof a));
+        else
+            PRISM_INFO("vision: Qwen2.5-VL tower, %d layers (%d full attention, windows of %d px), %s weights",
+                       cfg->v_layers, full, cfg->v_window, prism_fmt_bytes(v->wbytes, a, sizeof a));
     }
     if (max_patches && (rc = prism_vision_native_reserve(v, max_patches, err, errlen)) != PRISM_OK) goto fail;
     *out = v;
@@ -331,6 +429,9 @@ int prism_vision_native_reserve(prism_vision_native_t *v, int max_patches, char 
     v->gone = prism_calloc((size_t)max_img, 1);
     v->meta_n = meta_count(max_patches, v->mm);
     v->h_meta = prism_malloc(v->meta_n * sizeof(int32_t));
+    prism_free(v->h_iw);
+    v->h_iw = v->q3 ? prism_malloc(4 * (size_t)max_patches * sizeof(float)) : NULL;
+    if (v->q3 && !v->h_iw) return PRISM_ENOMEM;
     v->abytes = qv_layout(c, max_patches, NULL);
     v->abuf = prism_backend_buf_alloc(v->be, v->abytes);
     if (!v->keep || !v->kgrid || !v->gone || !v->h_meta || !v->abuf) {
@@ -368,6 +469,7 @@ void prism_vision_native_free(prism_vision_native_t *v)
     prism_free(v->kgrid);
     prism_free(v->gone);
     prism_free(v->h_meta);
+    prism_free(v->h_iw);
     prism_free(v);
 }
 
@@ -378,6 +480,7 @@ void prism_vision_native_set_hook(prism_vision_native_t *v, const prism_model_ho
 
 typedef struct {
     int32_t *widx, *rev, *pos, *cu_win, *cu_full;
+    int32_t *itap;           /* Qwen3: [4][N] position-grid rows of each patch's bilinear taps */
     int n_win;
 } qv_meta_t;
 
@@ -390,7 +493,22 @@ static qv_meta_t meta_at(int32_t *base, int N, int mm)
     m.pos = m.rev + nt;
     m.cu_win = m.pos + 2 * (size_t)N;
     m.cu_full = m.cu_win + nt + 2;
+    m.itap = m.cu_full + nt + 2;
     return m;
+}
+
+/* HF's get_vision_interpolation_indices_and_weights (bilinear, align_corners, clamped taps) along
+ * one axis, in float32 as torch computes it: the source coordinate i * (side - 1) / (n - 1), its
+ * floor and floor + 1 (clamped to the grid) with weights 1 - |src - floor - offset|. */
+static void interp_axis(int i, int n, int side, int tap[2], float w[2])
+{
+    float src = (float)i * (float)(side - 1) / (float)PRISM_MAX(n - 1, 1);
+    float fl = floorf(src);
+    for (int o = 0; o < 2; o++) {
+        tap[o] = PRISM_MIN((int)fl + o, side - 1);
+        float d = fabsf(src - fl - (float)o);
+        w[o] = fmaxf(1.0f - d, 0.0f);
+    }
 }
 
 /* HF's get_vision_window_index for the images of the batch, at patch level: widx[r] is the
@@ -400,12 +518,14 @@ static qv_meta_t meta_at(int32_t *base, int N, int mm)
 static int build_meta(const struct prism_vision_native *v, const prism_vgrid_t *g, int n_img, int N, qv_meta_t *m)
 {
     const prism_model_config_t *c = &v->cfg;
-    const int M = c->v_merge, mm = v->mm, ws = c->v_window / M / c->v_patch;
+    const int M = c->v_merge, mm = v->mm;
     int r = 0, k = 0, nw = 0, p0 = 0;
     m->cu_win[0] = 0;
     m->cu_full[0] = 0;
     for (int i = 0; i < n_img; i++) {
         const int lh = g[i].h / M, lw = g[i].w / M, t0 = p0 / mm;
+        /* Qwen3-VL: no windows, i.e. one window of the whole image (the identity order) */
+        const int ws = c->v_window ? c->v_window / M / c->v_patch : PRISM_MAX(lh, lw);
         for (int wh = 0; wh * ws < lh; wh++)
             for (int ww = 0; ww * ws < lw; ww++) {
                 for (int rr = wh * ws; rr < PRISM_MIN(lh, (wh + 1) * ws); rr++)
@@ -425,6 +545,22 @@ static int build_meta(const struct prism_vision_native *v, const prism_vgrid_t *
     }
     PRISM_ASSERT(r == N && k == N / mm);
     m->n_win = nw;
+    if (v->q3) {
+        /* the learned position grid resampled to each image's patch grid: 4 taps per patch (rows
+         * of pos_embed) and their weights (h weight x w weight), tap (a, b) at a * 2 + b */
+        for (int i = 0, r0 = 0; i < n_img; r0 += g[i].h * g[i].w, i++)
+            for (int rr = r0; rr < r0 + g[i].h * g[i].w; rr++) {
+                int th[2], tw[2];
+                float wh[2], ww[2];
+                interp_axis(m->pos[rr], g[i].h, v->side, th, wh);
+                interp_axis(m->pos[N + rr], g[i].w, v->side, tw, ww);
+                for (int a = 0; a < 2; a++)
+                    for (int b = 0; b < 2; b++) {
+                        m->itap[(size_t)(a * 2 + b) * N + rr] = th[a] * v->side + tw[b];
+                        v->h_iw[(size_t)(a * 2 + b) * N + rr] = wh[a] * ww[b];
+                    }
+            }
+    }
     return nw;
 }
 
@@ -438,9 +574,11 @@ static int upload_meta(struct prism_vision_native *v, int n, int N, qv_meta_t *d
     for (int i = 0; i < n; i++) *max_img = PRISM_MAX(*max_img, h.cu_full[i + 1] - h.cu_full[i]);
     *d = meta_at(v->d_meta, N, v->mm);
     d->n_win = h.n_win;
-    /* one upload: widx .. cu_full are contiguous */
-    size_t used = (size_t)(h.cu_full + n + 1 - v->h_meta);
-    return v->be->i.upload(v->be->ctx, v->d_meta, v->h_meta, used * 4);
+    /* one upload: widx .. cu_full (.. itap) are contiguous */
+    size_t used = (size_t)(v->q3 ? h.itap + 4 * (size_t)N - v->h_meta : h.cu_full + n + 1 - v->h_meta);
+    int rc = v->be->i.upload(v->be->ctx, v->d_meta, v->h_meta, used * 4);
+    if (rc == PRISM_OK && v->q3) rc = v->be->i.upload(v->be->ctx, v->iw, v->h_iw, 4 * (size_t)N * 4);
+    return rc;
 }
 
 /* Between layers: asks the hook and drops cancelled images. An image's rows are contiguous in the
@@ -482,6 +620,29 @@ static int between_layers(struct prism_vision_native *v, int n, int *N, int done
 
 /* ---------------------------------------------------------------- forward */
 
+/* Qwen3-VL: rows [NT][H] of the images still in the batch (src) to column col of their rows of the
+ * output buffer, which keeps the caller's row order (a dropped image's rows stay unused). */
+static int scatter_out(struct prism_vision_native *v, const prism_vgrid_t *grids, int n_images, int n, int N,
+                       const float *src, int col)
+{
+    const prism_backend_i *o = &v->be->i;
+    const size_t H = (size_t)v->cfg.hidden, rw = (size_t)v->rw;
+    if (n == n_images)
+        return o->copy_2d(v->be->ctx, v->obuf + col, rw * 4, src, H * 4, H * 4, (size_t)(N / v->mm));
+    size_t s = 0, dst = 0;
+    for (int i = 0, j = 0; i < n_images && j < n; i++) {
+        size_t nt = (size_t)(grids[i].h / v->cfg.v_merge) * (grids[i].w / v->cfg.v_merge);
+        if (v->keep[j] == i) {
+            int rc = o->copy_2d(v->be->ctx, v->obuf + dst * rw + col, rw * 4, src + s * H, H * 4, H * 4, nt);
+            if (rc != PRISM_OK) return rc;
+            s += nt;
+            j++;
+        }
+        dst += nt;
+    }
+    return PRISM_OK;
+}
+
 int prism_vision_native_encode(prism_vision_native_t *v, const float *pixels, const prism_vgrid_t *grids, int n_images,
                                float *out)
 {
@@ -513,12 +674,23 @@ int prism_vision_native_encode(prism_vision_native_t *v, const float *pixels, co
         for (int t = 0; t < T; t++)
             CK(o->copy_2d(bx, v->big + (size_t)(ch * T + t) * pp, (size_t)BW * 4, v->pix + (size_t)ch * pp,
                           (size_t)PF * 4, pp * 4, (size_t)N));
-    CK(o->matmul(bx, v->xn, VH, v->big, BW, v->patch_w, wdt, NULL, N, VH, F, false));
+    CK(o->matmul(bx, v->xn, VH, v->big, BW, v->patch_w, wdt, v->patch_b, N, VH, F, false));
     qv_meta_t d;
     int max_win, max_img;
     CK(upload_meta(v, n, N, &d, &max_win, &max_img));
     float *h = v->h, *spare = v->attn;
     CK(o->get_rows(bx, h, v->xn, PRISM_DTYPE_F32, N, d.widx, N, VH));
+    if (v->q3) {
+        /* + the interpolated position embeddings: sum over the 4 taps of weight x pos_embed row */
+        float *acc = v->big, *tmp = v->big + (size_t)N * VH;   /* big holds 3 [N][VH] */
+        for (int j = 0; j < 4; j++) {
+            float *dst = j ? tmp : acc;
+            CK(o->get_rows(bx, dst, v->pos_embed, PRISM_DTYPE_F32, c->v_num_pos, d.itap + (size_t)j * N, N, VH));
+            CK(o->scale_rows(bx, dst, VH, N, VH, v->iw + (size_t)j * N));
+            if (j) CK(o->add(bx, acc, acc, tmp, (size_t)N * VH, (size_t)N * VH));
+        }
+        CK(o->add(bx, h, h, acc, (size_t)N * VH, (size_t)N * VH));
+    }
     n = between_layers(v, n, &N, 0, &h, &spare, &d, &max_win, &max_img, &rc);
     CK(rc);
 
@@ -527,20 +699,43 @@ int prism_vision_native_encode(prism_vision_native_t *v, const float *pixels, co
         const qv_layer_t *ly = &v->layers[L];
         const bool full = c->v_layer_flags[L] & PRISM_VLAYER_FULLATT;
         float *qkv = v->big, *attn = spare;
-        CK(o->rmsnorm(bx, v->xn, h, ly->n1, N, VH, c->v_eps));
+        if (v->q3)
+            CK(o->layernorm(bx, v->xn, h, ly->n1, ly->n1b, N, VH, c->v_eps));
+        else
+            CK(o->rmsnorm(bx, v->xn, h, ly->n1, N, VH, c->v_eps));
         CK(o->matmul(bx, qkv, QKV, v->xn, VH, ly->wqkv, wdt, ly->bqkv, N, QKV, VH, false));
         CK(o->rope_multi(bx, qkv, QKV, N, c->v_heads, hd, d.pos, N, v->rope_inv, &v->sec));
         CK(o->rope_multi(bx, qkv + VH, QKV, N, c->v_heads, hd, d.pos, N, v->rope_inv, &v->sec));
         CK(o->attn_varlen(bx, attn, VH, qkv, QKV, qkv + VH, QKV, qkv + 2 * VH, QKV, full ? d.cu_full : d.cu_win,
                           full ? n : d.n_win, full ? max_img : max_win, c->v_heads, c->v_heads, hd, scale));
         CK(o->matmul(bx, h, VH, attn, VH, ly->wo, wdt, ly->bo, N, VH, VH, true));
-        CK(o->rmsnorm(bx, v->xn, h, ly->n2, N, VH, c->v_eps));
+        if (v->q3)
+            CK(o->layernorm(bx, v->xn, h, ly->n2, ly->n2b, N, VH, c->v_eps));
+        else
+            CK(o->rmsnorm(bx, v->xn, h, ly->n2, N, VH, c->v_eps));
         for (int r0 = 0; r0 < N; r0 += MLP_CHUNK) {
             int m = PRISM_MIN(MLP_CHUNK, N - r0);
+            if (v->q3) {   /* fc1, GELU (tanh), fc2 */
+                float *a = v->mlp;
+                CK(o->matmul(bx, a, VI, v->xn + (size_t)r0 * VH, VH, ly->wgu, wdt, ly->bgu, m, VI, VH, false));
+                CK(o->act(bx, (prism_act_t)c->v_act, a, a, (size_t)m * VI));
+                CK(o->matmul(bx, h + (size_t)r0 * VH, VH, a, VI, ly->wd, wdt, ly->bd, m, VH, VI, true));
+                continue;
+            }
             float *gu = v->mlp, *act = v->mlp + (size_t)m * 2 * VI;
             CK(o->matmul(bx, gu, 2 * VI, v->xn + (size_t)r0 * VH, VH, ly->wgu, wdt, ly->bgu, m, 2 * VI, VH, false));
             CK(o->silu_mul(bx, act, gu, gu + VI, 2 * VI, m, VI));
             CK(o->matmul(bx, h + (size_t)r0 * VH, VH, act, VI, ly->wd, wdt, ly->bd, m, VH, VI, true));
+        }
+        if (v->q3 && v->ds_level[L]) {
+            /* DeepStack: this layer's merger (LayerNorm over each 2x2 block's rows side by side),
+             * into its feature level of the output rows */
+            const int k = v->ds_merger[L], nt = N / mm, mv = mm * VH;
+            CK(o->layernorm(bx, v->big, h, v->ds[k].nw, v->ds[k].nb, nt, mv, 1e-6f));
+            CK(o->matmul(bx, spare, mv, v->big, mv, v->ds[k].w1, wdt, v->ds[k].b1, nt, mv, mv, false));
+            CK(o->act(bx, PRISM_ACT_GELU_ERF, spare, spare, (size_t)nt * mv));
+            CK(o->matmul(bx, v->xn, H, spare, mv, v->ds[k].w2, wdt, v->ds[k].b2, nt, H, mv, false));
+            CK(scatter_out(v, grids, n_images, n, N, v->xn, v->ds_level[L] * H));
         }
         n = between_layers(v, n, &N, L + 1, &h, &spare, &d, &max_win, &max_img, &rc);
         CK(rc);
@@ -551,10 +746,28 @@ int prism_vision_native_encode(prism_vision_native_t *v, const float *pixels, co
      * then the image order. */
     const int NT = N / mm, MV = mm * VH;
     float *m1 = spare, *m2 = v->xn, *res = h;   /* [NT][mm VH] = N x VH; [NT][H] twice (wide buffers) */
-    CK(o->rmsnorm(bx, v->big, h, v->ln_q, N, VH, 1e-6f));
+    if (v->q3)
+        CK(o->layernorm(bx, v->big, h, v->ln_q, v->ln_b, N, VH, 1e-6f));
+    else
+        CK(o->rmsnorm(bx, v->big, h, v->ln_q, N, VH, 1e-6f));
     CK(o->matmul(bx, m1, MV, v->big, MV, v->m1_w, wdt, v->m1_b, NT, MV, MV, false));
     CK(o->act(bx, PRISM_ACT_GELU_ERF, m1, m1, (size_t)NT * MV));
     CK(o->matmul(bx, m2, H, m1, MV, v->m2_w, wdt, v->m2_b, NT, H, MV, false));
+    if (v->q3) {   /* the identity order: the embeddings go to level 0 of the output rows */
+        CK(scatter_out(v, grids, n_images, n, N, m2, 0));
+        const size_t rw = (size_t)v->rw;
+        if (n == n_images) return o->download(bx, out, v->obuf, (size_t)NT * rw * 4);
+        size_t dst = 0;
+        for (int i = 0, j = 0; i < n_images && j < n; i++) {
+            size_t nt = (size_t)(grids[i].h / c->v_merge) * (grids[i].w / c->v_merge);
+            if (v->keep[j] == i) {
+                CK(o->download(bx, out + dst * rw, v->obuf + dst * rw, nt * rw * 4));
+                j++;
+            }
+            dst += nt;
+        }
+        return PRISM_OK;
+    }
     CK(o->get_rows(bx, res, m2, PRISM_DTYPE_F32, NT, d.rev, NT, H));
     if (n == n_images) return o->download(bx, out, res, (size_t)NT * H * 4);
     /* Some images left the batch: each kept one's rows to its own place in out (kept images are

@@ -319,6 +319,15 @@ static int cpu_rope_multi(void *ctx, float *x, int ld, int n_tokens, int n_heads
     return PRISM_OK;
 }
 
+static int cpu_add_rows(void *ctx, float *y, int ldy, const float *src, int lds, const int32_t *rows, int n, int dim)
+{
+    prism_cpu_ctx_t *c = ctx;
+    if (n < 0 || dim < 0 || ldy < dim || lds < dim || (n && !rows)) return PRISM_EINVAL;
+    for (int i = 0; i < n; i++)
+        if (rows[i] >= 0) c->k->add(y + (size_t)rows[i] * ldy, y + (size_t)rows[i] * ldy, src + (size_t)i * lds, (size_t)dim);
+    return PRISM_OK;
+}
+
 /* ---- elementwise ---- */
 
 static int cpu_act(void *ctx, prism_act_t act, float *y, const float *x, size_t n)
@@ -545,7 +554,7 @@ prism_backend_t *prism_backend_cpu_create_pool(int n_threads, size_t pool_bytes)
         .head_rmsnorm = prism_cpu_head_rmsnorm, .scale_rows = prism_cpu_scale_rows,
         .moe_route = prism_cpu_moe_route, .matmul_grouped = prism_cpu_matmul_grouped,
         .moe_combine = prism_cpu_moe_combine, .pixel_shuffle = prism_cpu_pixel_shuffle,
-        .rope_multi = cpu_rope_multi, .attn_varlen = prism_cpu_attn_varlen,
+        .rope_multi = cpu_rope_multi, .attn_varlen = prism_cpu_attn_varlen, .add_rows = cpu_add_rows,
         .set_weight_dtype = cpu_set_weight_dtype,
         .destroy = cpu_destroy,
     };

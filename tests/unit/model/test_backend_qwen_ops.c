@@ -1,7 +1,8 @@
-/* The Qwen-VL backend ops (rope_multi, attn_varlen) on the CPU backend against naive
+/* The Qwen-VL backend ops (rope_multi, attn_varlen, add_rows) on the CPU backend against naive
  * double-precision references: M-RoPE sections in runs and interleaved, the vision towers' 2D
  * table, strided rows; varlen attention over windows of uneven length (empty ones included), GQA,
- * a sequence longer than a key tile, and argument errors. The CUDA versions are held to these CPU
+ * a sequence longer than a key tile, and argument errors; DeepStack's row adds (strided source,
+ * rows out of order, skipped rows). The CUDA versions are held to these CPU
  * kernels by tests/unit/gpu/ops_check.c. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -159,11 +160,40 @@ static void test_attn_varlen(void **state)
     assert_int_equal(be->i.attn_varlen(be->ctx, x, 8, x, 8, x, 8, x, 8, over, 1, 9, 3, 2, 8, 1.0f), PRISM_EINVAL);
 }
 
+static void test_add_rows(void **state)
+{
+    enum { T = 9, D = 20, LDY = 24, LDS = 50, N = 5 };
+    float y[T * LDY], y0[T * LDY], src[N * LDS];
+    fill(y, T * LDY);
+    fill(src, N * LDS);
+    memcpy(y0, y, sizeof y);
+    const int32_t rows[N] = {7, 2, -1, 0, 8};
+    int32_t *d_rows = be->i.alloc(be->ctx, sizeof rows);
+    float *d_y = be->i.alloc(be->ctx, sizeof y), *d_s = be->i.alloc(be->ctx, sizeof src);
+    assert_int_equal(be->i.upload(be->ctx, d_rows, rows, sizeof rows), PRISM_OK);
+    assert_int_equal(be->i.upload(be->ctx, d_y, y, sizeof y), PRISM_OK);
+    assert_int_equal(be->i.upload(be->ctx, d_s, src, sizeof src), PRISM_OK);
+    assert_int_equal(be->i.add_rows(be->ctx, d_y, LDY, d_s, LDS, d_rows, N, D), PRISM_OK);
+    assert_int_equal(be->i.download(be->ctx, y, d_y, sizeof y), PRISM_OK);
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < LDY; j++) {
+            float want = y0[t * LDY + j];
+            for (int i = 0; i < N; i++)
+                if (rows[i] == t && j < D) want += src[i * LDS + j];
+            assert_true(y[t * LDY + j] == want);   /* one add per element: exact */
+        }
+    assert_int_equal(be->i.add_rows(be->ctx, d_y, D - 1, d_s, LDS, d_rows, N, D), PRISM_EINVAL);
+    be->i.free(be->ctx, d_rows);
+    be->i.free(be->ctx, d_y);
+    be->i.free(be->ctx, d_s);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_rope_multi),
         cmocka_unit_test(test_attn_varlen),
+        cmocka_unit_test(test_add_rows),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -1,8 +1,9 @@
-/* Qwen2.5-VL against Hugging Face transformers (fp32 on a bf16 checkpoint), fixtures from
- * tools/gen_qwen_goldens.py in tests/data/model/qwen25vl_tiny (a scaled Qwen2_5_VLForConditionalGeneration
- * in HF's own layout, its tokenizer and chat template, and six cases: text only, one image, two
- * images of different sizes in one message, an image upscaled to min_pixels, one clipped by
- * max_pixels, multi-turn).
+/* Qwen2.5-VL and Qwen3-VL against Hugging Face transformers (fp32 on a bf16 checkpoint), fixtures
+ * from tools/gen_qwen_goldens.py in tests/data/model/qwen25vl_tiny (the default) or the directory
+ * named by argv[1] (test_qwen3_golden: qwen3vl_tiny): a scaled Qwen2_5_VLForConditionalGeneration /
+ * Qwen3VLForConditionalGeneration in HF's own layout, its tokenizer and chat template, and six
+ * cases: text only, one image, two images of different sizes in one message, an image upscaled to
+ * min_pixels, one clipped by max_pixels, multi-turn.
  *
  * What each test holds:
  *  - test_vision: OUR image processor on the synthetic pictures gives HF's pixel values (hash), and
@@ -19,7 +20,14 @@
  *    decode steps through the paged KV cache, and HF's 16 greedy tokens, for all six cases (seen
  *    failing with plain positions: the first image token's answer differs);
  *  - test_lm_chunked_prefill: the same with the prompt in chunks of 37 tokens (chunks cut through
- *    the images' pads and their M-RoPE positions). */
+ *    the images' pads and their M-RoPE positions).
+ * Qwen3-VL (the same tests on qwen3vl_tiny): patch 16, the 6x6 learned position grid interpolated
+ * to grids larger and smaller than it (4x6 .. 12x18 patches), LayerNorm + GELU (tanh) layers, all
+ * full attention, DeepStack after vision layers 0 and 2 (the features' rows carry the embedding
+ * and both levels, all compared; the dropped image leaves after layer 1, between the two DeepStack
+ * layers), and the LM: Qwen3 (q_norm / k_norm before RoPE, head_dim 48 apart from hidden / heads),
+ * interleaved M-RoPE (sections [10, 7, 7]), the DeepStack levels added after LM layers 0 and 1 at
+ * the image tokens (also when a chunk holds only part of an image). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -41,7 +49,7 @@
 typedef struct {
     int w, h, seed, n_tokens;
     prism_vgrid_t grid;
-    float *feats;            /* HF: [n_tokens][hidden] */
+    float *feats;            /* HF: [n_tokens][row floats] (the embedding, then DeepStack levels) */
 } img_case_t;
 
 typedef struct {
@@ -55,6 +63,8 @@ typedef struct {
 } model_case_t;
 
 typedef struct {
+    const char *fixture;
+    int row;                 /* floats of a vision output row (prism_model_embed_row_floats) */
     char dir[1024];
     int vocab, hidden, n_greedy, n_cases;
     double tol;
@@ -77,7 +87,7 @@ static const char *source_dir(void)
 static float *read_f32(const char *dir, const char *file, size_t expect_n)
 {
     char path[1200];
-    snprintf(path, sizeof path, "%s/%s", dir, file);
+    if (snprintf(path, sizeof path, "%s/%s", dir, file) >= (int)sizeof path) fail_msg("path too long");
     char *buf = NULL;
     size_t n = 0;
     assert_int_equal(prism_read_file(path, 64u << 20, &buf, &n), PRISM_OK);
@@ -101,8 +111,8 @@ static int setup(void **state)
 {
     golden_t *g = &G;
     char path[1200], err[256];
-    snprintf(g->dir, sizeof g->dir, "%s/tests/data/model/qwen25vl_tiny", source_dir());
-    snprintf(path, sizeof path, "%s/golden.json", g->dir);
+    snprintf(g->dir, sizeof g->dir, "%s/tests/data/model/%s", source_dir(), g->fixture);
+    if (snprintf(path, sizeof path, "%s/golden.json", g->dir) >= (int)sizeof path) return -1;
     json_error_t jerr;
     json_t *j = json_load_file(path, 0, &jerr);
     if (!j) {
@@ -113,6 +123,7 @@ static int setup(void **state)
     g->hidden = geti(j, "hidden");
     g->n_greedy = geti(j, "n_greedy");
     g->tol = json_number_value(json_object_get(j, "tolerance"));
+    g->row = json_object_get(j, "row_floats") ? geti(j, "row_floats") : g->hidden;
     json_t *cases = json_object_get(j, "cases");
     g->n_cases = (int)json_array_size(cases);
     for (int i = 0; i < g->n_cases && i < 8; i++) {
@@ -140,7 +151,7 @@ static int setup(void **state)
             ic->grid.h = (int32_t)json_integer_value(json_array_get(grid, 1));
             ic->grid.w = (int32_t)json_integer_value(json_array_get(grid, 2));
             ic->feats = read_f32(g->dir, json_string_value(json_object_get(im, "features")),
-                                 (size_t)ic->n_tokens * g->hidden);
+                                 (size_t)ic->n_tokens * g->row);
         }
         if (m->n_img) snprintf(m->pixel_fnv, sizeof m->pixel_fnv, "%s", json_string_value(json_object_get(c, "pixel_fnv1a64_f32")));
     }
@@ -148,6 +159,10 @@ static int setup(void **state)
     int rc = prism_model_config_load(g->dir, &g->cfg, err, sizeof err);
     if (rc) fprintf(stderr, "config: %s\n", err);
     if (rc) return -1;
+    if (prism_model_embed_row_floats(&g->cfg) != g->row) {
+        fprintf(stderr, "config: rows of %d floats, the fixture's %d\n", prism_model_embed_row_floats(&g->cfg), g->row);
+        return -1;
+    }
     rc = prism_qwenvl_proc_load_dir(g->dir, &g->proc, err, sizeof err);
     if (rc) fprintf(stderr, "processor: %s\n", err);
     if (rc) return -1;
@@ -193,9 +208,72 @@ static float *case_pixels(const img_case_t *ic, prism_qwenvl_grid_t *g)
     return px;
 }
 
+static void test_config_qwen3(void)
+{
+    const prism_model_config_t *c = &G.cfg;
+    assert_int_equal(c->vision_arch, PRISM_VISION_QWEN3);
+    assert_true(c->mrope_interleaved);
+    assert_int_equal(c->mrope_section[0], 10);
+    assert_int_equal(c->mrope_section[1], 7);
+    assert_int_equal(c->mrope_section[2], 7);
+    assert_int_equal(c->head_dim, 48);
+    assert_int_equal(c->n_deepstack, 2);
+    assert_int_equal(c->v_deepstack[0], 0);
+    assert_int_equal(c->v_deepstack[1], 2);
+    assert_int_equal(c->v_num_pos, 36);
+    assert_int_equal(c->v_patch, 16);
+    assert_int_equal(c->v_window, 0);
+    for (int L = 0; L < c->v_layers; L++) assert_int_equal(c->v_layer_flags[L], PRISM_VLAYER_FULLATT);
+    for (int L = 0; L < c->n_layers; L++) assert_true(c->layer_flags[L] & PRISM_LAYER_QK_RMS);
+    assert_false(c->attention_bias);
+    assert_int_equal(prism_model_embed_row_floats(c), 3 * c->hidden);
+    /* Qwen3VLConfig's defaults (an empty vision_config, text_config without the optional keys):
+     * Qwen3-VL-8B's tower with the text model's width */
+    char err[256];
+    prism_model_config_t q;
+    static const char dflt[] = "{\"model_type\": \"qwen3_vl\", \"text_config\": {\"hidden_size\": 3584, "
+                               "\"num_attention_heads\": 28, \"num_key_value_heads\": 4, \"num_hidden_layers\": 36}}";
+    int rc = prism_model_config_parse(dflt, NULL, &q, err, sizeof err);
+    if (rc) fail_msg("%s", err);
+    assert_int_equal(q.head_dim, 128);
+    assert_int_equal(q.mrope_section[0], 24);
+    assert_int_equal(q.mrope_section[1], 20);
+    assert_int_equal(q.mrope_section[2], 20);
+    assert_true(q.mrope_interleaved);
+    assert_true(q.rope_theta == 500000.0f);
+    assert_int_equal(q.v_layers, 27);
+    assert_int_equal(q.v_hidden, 1152);
+    assert_int_equal(q.v_intermediate, 4304);
+    assert_int_equal(q.v_num_pos, 2304);
+    assert_int_equal(q.n_deepstack, 3);
+    assert_int_equal(q.v_deepstack[0], 8);
+    assert_int_equal(q.v_deepstack[2], 24);
+    assert_int_equal(q.v_act, PRISM_ACT_GELU_TANH);
+    /* refused: more DeepStack levels than text layers, a layer listed twice, a position grid that
+     * is not a square, sections that do not cover the rotary pairs */
+    static const char *const bad[] = {
+        "{\"model_type\": \"qwen3_vl\", \"text_config\": {\"hidden_size\": 3584, \"num_hidden_layers\": 2}}",
+        "{\"model_type\": \"qwen3_vl\", \"text_config\": {\"hidden_size\": 3584}, \"vision_config\": "
+        "{\"deepstack_visual_indexes\": [3, 3]}}",
+        "{\"model_type\": \"qwen3_vl\", \"text_config\": {\"hidden_size\": 3584}, \"vision_config\": "
+        "{\"num_position_embeddings\": 2300}}",
+        "{\"model_type\": \"qwen3_vl\", \"text_config\": {\"hidden_size\": 3584, \"rope_parameters\": "
+        "{\"mrope_section\": [24, 20, 19]}}}",
+    };
+    for (size_t i = 0; i < PRISM_ARRAY_LEN(bad); i++) {
+        err[0] = 0;
+        if (prism_model_config_parse(bad[i], NULL, &q, err, sizeof err) == PRISM_OK) fail_msg("accepted config %zu", i);
+        assert_true(err[0] != 0);
+    }
+}
+
 static void test_config(void **state)
 {
     const prism_model_config_t *c = &G.cfg;
+    if (c->vision_arch == PRISM_VISION_QWEN3) {
+        test_config_qwen3();
+        return;
+    }
     assert_int_equal(c->vision_arch, PRISM_VISION_QWEN25);
     assert_int_equal(c->mrope_section[0], 4);
     assert_int_equal(c->mrope_section[1], 6);
@@ -260,7 +338,7 @@ static void test_config(void **state)
 static void test_vision(void **state)
 {
     golden_t *g = &G;
-    const size_t H = (size_t)g->hidden;
+    const size_t H = (size_t)g->row;
     /* every image of every case, one forward each and all in one forward */
     float *all_px = prism_malloc((size_t)1024 * prism_qwenvl_patch_floats(&g->proc) * sizeof(float));
     prism_vgrid_t grids[16];
@@ -332,7 +410,7 @@ static bool hk_cancelled(void *ud, int item) { return item == ((drop_hook_t *)ud
 static void test_vision_drop(void **state)
 {
     golden_t *g = &G;
-    const size_t H = (size_t)g->hidden;
+    const size_t H = (size_t)g->row;
     model_case_t *m = NULL;
     for (int i = 0; i < g->n_cases; i++)
         if (!strcmp(g->cases[i].name, "two_images")) m = &g->cases[i];
@@ -340,7 +418,7 @@ static void test_vision_drop(void **state)
     prism_qwenvl_grid_t g0, g1;
     float *p0 = case_pixels(&m->img[0], &g0), *p1 = case_pixels(&m->img[1], &g1);
     size_t pf = prism_qwenvl_patch_floats(&g->proc);
-    /* three images: the second one is dropped after layer 2 */
+    /* three images: the second one is dropped after a layer */
     float *px = prism_malloc((size_t)(2 * g0.n_patches + g1.n_patches) * pf * sizeof(float));
     memcpy(px, p0, (size_t)g0.n_patches * pf * sizeof(float));
     memcpy(px + (size_t)g0.n_patches * pf, p1, (size_t)g1.n_patches * pf * sizeof(float));
@@ -349,7 +427,8 @@ static void test_vision_drop(void **state)
     size_t n_out = (size_t)(2 * g0.n_tokens + g1.n_tokens) * H;
     float *out = malloc(n_out * sizeof(float));
     for (size_t i = 0; i < n_out; i++) out[i] = 12345.0f;
-    drop_hook_t st = {.drop_item = 1, .drop_after = 2};
+    /* Qwen3-VL: between its DeepStack layers 0 and 2 */
+    drop_hook_t st = {.drop_item = 1, .drop_after = g->cfg.vision_arch == PRISM_VISION_QWEN3 ? 1 : 2};
     prism_model_hook_t hook = {hk_layer, hk_cancelled, &st};
     prism_vision_native_set_hook(g->vis, &hook);
     assert_int_equal(prism_vision_native_encode(g->vis, px, grids, 3, out), PRISM_OK);
@@ -389,7 +468,7 @@ typedef struct {
 static void prompt_make(const model_case_t *m, prompt_t *p)
 {
     golden_t *g = &G;
-    const size_t H = (size_t)g->hidden;
+    const size_t H = (size_t)g->row;
     int n = m->n_prompt, tok = 0, px = 0;
     memset(p, 0, sizeof *p);
     for (int k = 0; k < m->n_img; k++) {
@@ -520,8 +599,9 @@ static void check_cases(int chunk)
 static void test_lm_goldens(void **state) { check_cases(256); }
 static void test_lm_chunked_prefill(void **state) { check_cases(37); }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    G.fixture = argc > 1 ? argv[1] : "qwen25vl_tiny";
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_config),
         cmocka_unit_test(test_vision),
