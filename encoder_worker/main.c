@@ -177,7 +177,7 @@ static int push_pieces(encoder_t *e, job_t *j, void *s)
 {
     Prism__Embeddings em = PRISM__EMBEDDINGS__INIT;
     em.image_index = j->image_index;
-    em.hidden = (uint32_t)e->cfg.hidden;
+    em.hidden = (uint32_t)e->row_floats;   /* Qwen3-VL: the embedding and its DeepStack levels */
     em.error = j->error;
     Prism__Envelope env = PRISM__ENVELOPE__INIT;
     env.type = PRISM__MSG_TYPE__MSG_EMBEDDINGS;
@@ -713,7 +713,7 @@ static int encoder_size(void *ctx, prism_worker_startup_t *s)
     e->max_queue_bytes = (uint64_t)e->f.max_queue_bytes;
     e->max_batch_s = e->f.max_batch_s;
     s->cap = (prism_worker_capacity_t){.max_running = (uint32_t)e->max_queue, .max_queued_bytes = e->max_queue_bytes};
-    if (e->cfg.vision_arch == PRISM_VISION_QWEN25) {
+    if (prism_model_native_vision(&e->cfg)) {
         /* native resolution: the largest image (hence the buffers) is sized with the plan */
         e->native = true;
         e->piece_rows = (int)e->f.piece_rows;

@@ -3,6 +3,8 @@
 #include <stdio.h>
 #include <string.h>
 
+/* Qwen2.5-VL and Qwen3-VL share the processor (image/qwenvl_proc.h). */
+static bool qwenvl(int arch) { return arch == PRISM_VISION_QWEN25 || arch == PRISM_VISION_QWEN3; }
 #define ERR(...) do { if (err && errlen) snprintf(err, errlen, __VA_ARGS__); } while (0)
 
 int enc_prep_plan(enc_prep_t *p, const prism_model_config_t *cfg, const char *model_dir, uint64_t max_pixels,
@@ -28,7 +30,7 @@ int enc_prep_plan(enc_prep_t *p, const prism_model_config_t *cfg, const char *mo
         }
         p->max_tiles = prism_llama4_max_tiles(&p->l4);
         p->ws_bytes = prism_llama4_workspace_bound(&p->l4, max_pixels);
-    } else if (p->arch == PRISM_VISION_QWEN25) {
+    } else if (qwenvl(p->arch)) {
         if ((rc = prism_qwenvl_proc_load_dir(model_dir, &p->qw, err, errlen)) != PRISM_OK) return rc;
         if (p->qw.patch != cfg->v_patch || p->qw.merge != cfg->v_merge || p->qw.temporal != cfg->v_temporal_patch) {
             ERR("Qwen-VL: the processor's patch %d / merge %d / temporal %d disagree with the vision config (%d / %d / %d)",
@@ -156,7 +158,7 @@ int enc_prep_run(enc_prep_t *p, const uint8_t *data, size_t len, float *pixels, 
     prism_image_sink_t sink;
     if (p->arch == PRISM_VISION_LLAMA4) {
         sink = prism_llama4_stream_sink(&ls, &p->l4, p->ws, p->ws_bytes, pixels);
-    } else if (p->arch == PRISM_VISION_QWEN25) {
+    } else if (qwenvl(p->arch)) {
         sink = prism_qwenvl_stream_sink(&qs, &p->qw, 0, 0, p->ws, p->ws_bytes, pixels);
     } else {
         int tw, th;
@@ -173,7 +175,7 @@ int enc_prep_run(enc_prep_t *p, const uint8_t *data, size_t len, float *pixels, 
     rc = prism_image_decoder_run(p->dec, data, len, &opts, &sink);
     if (rc == PRISM_OK)
         rc = p->arch == PRISM_VISION_LLAMA4  ? prism_llama4_stream_finish(&ls)
-           : p->arch == PRISM_VISION_QWEN25 ? prism_qwenvl_stream_finish(&qs)
+           : qwenvl(p->arch) ? prism_qwenvl_stream_finish(&qs)
                                              : prism_clip_stream_finish(&cs);
     if (rc == PRISM_ELIMIT) {
         snprintf(msg, n, "The %dx%d %s image cannot be decoded: %s.", info.width, info.height,

@@ -87,7 +87,8 @@ typedef struct {
     preq_t *reqs;            /* [max_pending] */
     int32_t *token_pool;     /* [max_pending][max_model_len] */
     emb_slot_t *emb;         /* [n_pages] */
-    float *emb_pool;         /* [n_pages][page_rows][hidden] */
+    int row;                 /* floats of an embedding row: hidden (Qwen3-VL: x (1 + DeepStack levels)) */
+    float *emb_pool;         /* [n_pages][page_rows][row] */
     int32_t *free_pages;     /* [n_pages] stack */
     const float **chunk_rows; /* [chunk]: image embedding row of each token, or NULL */
     int32_t *chunk_pos;      /* M-RoPE models: [3][chunk] rotary positions of the chunk's tokens */
@@ -128,7 +129,7 @@ static bool emb_partial(const prefill_t *p)
 
 static const float *emb_row(const prefill_t *p, const emb_slot_t *e, int k)
 {
-    return p->emb_pool + ((size_t)e->pages[k / p->page_rows] * p->page_rows + (size_t)(k % p->page_rows)) * p->cfg.hidden;
+    return p->emb_pool + ((size_t)e->pages[k / p->page_rows] * p->page_rows + (size_t)(k % p->page_rows)) * p->row;
 }
 
 static int emb_pages(const prefill_t *p, const emb_slot_t *e) { return (e->n_rows + p->page_rows - 1) / p->page_rows; }
@@ -326,13 +327,13 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
  * rows anywhere). */
 static void emb_copy_frames(prefill_t *p, const emb_slot_t *s, prism_msg_t *m, size_t at)
 {
-    size_t page_bytes = (size_t)p->page_rows * p->cfg.hidden * sizeof(float);
+    size_t page_bytes = (size_t)p->page_rows * p->row * sizeof(float);
     for (int f = 0; f < m->n_frames; f++) {
         size_t len = 0;
         const uint8_t *src = prism_msg_frame(m, f, &len);
         while (len) {
             size_t pg = at / page_bytes, off = at % page_bytes, n = PRISM_MIN(len, page_bytes - off);
-            memcpy((uint8_t *)(p->emb_pool + (size_t)s->pages[pg] * p->page_rows * p->cfg.hidden) + off, src, n);
+            memcpy((uint8_t *)(p->emb_pool + (size_t)s->pages[pg] * p->page_rows * p->row) + off, src, n);
             src += n;
             len -= n;
             at += n;
@@ -358,7 +359,7 @@ static void on_embeddings(prefill_t *p, prism_msg_t *m)
         drop_request(p, e->request_id, router);
         return;
     }
-    size_t row_bytes = (size_t)p->cfg.hidden * sizeof(float), got = 0;
+    size_t row_bytes = (size_t)p->row * sizeof(float), got = 0;
     for (int f = 0; f < m->n_frames; f++) {
         size_t len = 0;
         prism_msg_frame(m, f, &len);
@@ -368,7 +369,7 @@ static void on_embeddings(prefill_t *p, prism_msg_t *m)
      * whole, a whole number of pages (tiles). */
     const bool pieces = em && em->total_tokens > 0;
     uint32_t total = pieces ? em->total_tokens : em ? em->n_tokens : 0;
-    if (!em || !p->n_pages || em->hidden != (uint32_t)p->cfg.hidden || em->image_index >= MAX_IMAGES || em->n_tokens == 0 ||
+    if (!em || !p->n_pages || em->hidden != (uint32_t)p->row || em->image_index >= MAX_IMAGES || em->n_tokens == 0 ||
         (!pieces && em->n_tokens % (uint32_t)p->page_rows) ||
         (uint64_t)total > (uint64_t)p->max_pages * (uint32_t)p->page_rows ||
         (pieces && ((uint64_t)em->row_offset + em->n_tokens > total || em->n_tokens > PRISM_VISION_PIECE_ROWS)) ||
@@ -763,6 +764,7 @@ static int prefill_size(void *ctx, prism_worker_startup_t *s)
         return 2;
     }
     int bs = (int)p->f.block_size;
+    p->row = prism_model_embed_row_floats(&p->cfg);
     p->chunk = (int)p->f.chunk;
     p->orphan_timeout_s = p->f.orphan_timeout;
     p->max_pending = (int)p->f.max_pending;
@@ -783,7 +785,7 @@ static int prefill_size(void *ctx, prism_worker_startup_t *s)
             }
             p->max_pages = prism_llama4_max_tiles(&proc);
         }
-        if (p->cfg.vision_arch == PRISM_VISION_QWEN25) {
+        if (prism_model_native_vision(&p->cfg)) {
             /* Native resolution: pages of PRISM_VISION_PIECE_ROWS rows; the largest image is what
              * the processor's limits allow (or --max-image-tokens). */
             prism_qwenvl_proc_t proc;
@@ -800,7 +802,7 @@ static int prefill_size(void *ctx, prism_worker_startup_t *s)
             p->page_rows = PRISM_VISION_PIECE_ROWS;
             p->max_pages = (int)((p->f.max_image_tokens + p->page_rows - 1) / p->page_rows);
         }
-        if (!p->f.emb_images) p->f.emb_images = p->cfg.vision_arch == PRISM_VISION_QWEN25 ? 4 : 32;
+        if (!p->f.emb_images) p->f.emb_images = prism_model_native_vision(&p->cfg) ? 4 : 32;
         PRISM_ASSERT(p->max_pages >= 1 && p->max_pages <= MAX_PAGES);
         p->n_pages = (int)p->f.emb_images * p->max_pages;
     }
@@ -818,8 +820,8 @@ static int prefill_size(void *ctx, prism_worker_startup_t *s)
     s->batch_tokens = p->chunk;
     /* embeddings: the largest data frame is one tile's rows, or one piece of a native-resolution image */
     s->data_socket = true;
-    size_t frame_rows = p->cfg.vision_arch == PRISM_VISION_QWEN25 ? PRISM_VISION_PIECE_ROWS : (size_t)p->cfg.image_seq_length;
-    s->data_max_msg_bytes = frame_rows * p->cfg.hidden * sizeof(float);
+    size_t frame_rows = prism_model_native_vision(&p->cfg) ? PRISM_VISION_PIECE_ROWS : (size_t)p->cfg.image_seq_length;
+    s->data_max_msg_bytes = frame_rows * p->row * sizeof(float);
     s->cap = (prism_worker_capacity_t){.kv_blocks = (uint32_t)kv_blocks, .block_size = (uint32_t)bs,
                                        .max_batch_tokens = (uint32_t)p->chunk, .max_running = (uint32_t)p->max_pending,
                                        .max_model_len = (uint32_t)p->max_model_len};
@@ -863,7 +865,7 @@ static int prefill_plan(void *ctx, prism_worker_startup_t *s)
     prism_mem_plan_add(pl, "kv-cache", (size_t)s->cap.kv_blocks * kv_block_bytes(p), PRISM_MEM_LIBRARY);
     /* the leader gathers a prompt's whole-model KV here for the decode worker */
     if (s->leader) PRISM_PLAN_POOL(pl, "kv-export", p->kv_out, (size_t)p->max_blocks_per_seq * p->block_bytes);
-    PRISM_PLAN_POOL(pl, "embedding-pool", p->emb_pool, (size_t)p->n_pages * p->page_rows * p->cfg.hidden);
+    PRISM_PLAN_POOL(pl, "embedding-pool", p->emb_pool, (size_t)p->n_pages * p->page_rows * p->row);
     PRISM_PLAN_POOL(pl, "embedding-slots", p->emb, p->n_pages);
     PRISM_PLAN_POOL(pl, "embedding-free", p->free_pages, p->n_pages);
     PRISM_PLAN_POOL(pl, "requests", p->reqs, p->max_pending);

@@ -242,7 +242,7 @@ static int load_model(router_t *r, const router_flags_t *f)
     r->image_token_id = r->cfg.has_vision ? r->cfg.image_token_index : -1;
     if (r->cfg.has_vision && r->cfg.vision_arch == PRISM_VISION_LLAMA4 && router_llama4_init(r, model_path) != PRISM_OK)
         return 1;
-    if (r->cfg.has_vision && r->cfg.vision_arch == PRISM_VISION_QWEN25 && router_qwenvl_init(r, model_path) != PRISM_OK)
+    if (prism_model_native_vision(&r->cfg) && router_qwenvl_init(r, model_path) != PRISM_OK)
         return 1;
     return -1;
 }

@@ -139,6 +139,11 @@ static inline int prism_model_embed_row_floats(const prism_model_config_t *cfg)
 {
     return cfg->hidden * (1 + cfg->n_deepstack);
 }
+/* Whether the vision tower is a native-resolution one (vision_qwen.c: Qwen2.5-VL, Qwen3-VL). */
+static inline bool prism_model_native_vision(const prism_model_config_t *cfg)
+{
+    return cfg->has_vision && (cfg->vision_arch == PRISM_VISION_QWEN25 || cfg->vision_arch == PRISM_VISION_QWEN3);
+}
 /* Whether the text model rotates by M-RoPE's three position rows (cfg.mrope_section). */
 static inline bool prism_model_mrope(const prism_model_config_t *cfg)
 {

@@ -159,7 +159,7 @@ size_t prism_tp_buffer_bytes(const prism_model_config_t *cfg, int size, const pr
 {
     if (size <= 1) return 0;
     return plan_entries(cfg, s, max_blocks_per_seq) * sizeof(int32_t) + (size_t)s->max_seqs * sizeof(int32_t *) +
-           (size_t)s->max_tokens * cfg->hidden * sizeof(float) + (size_t)s->max_tokens * sizeof(float *) +
+           (size_t)s->max_tokens * prism_model_embed_row_floats(cfg) * sizeof(float) + (size_t)s->max_tokens * sizeof(float *) +
            (size_t)max_blocks_per_seq * prism_kv_cache_block_bytes(cfg, s->block_size);
 }
 
@@ -171,7 +171,7 @@ static int alloc_buffers(prism_tp_t *t)
     t->plan_cap = plan_entries(t->cfg, s, t->max_blocks_per_seq);
     t->plan = prism_calloc(t->plan_cap, sizeof(int32_t));
     t->tables = prism_calloc((size_t)s->max_seqs, sizeof(int32_t *));
-    t->rows = prism_malloc((size_t)s->max_tokens * t->cfg->hidden * sizeof(float));
+    t->rows = prism_malloc((size_t)s->max_tokens * prism_model_embed_row_floats(t->cfg) * sizeof(float));
     t->row_ptrs = prism_calloc((size_t)s->max_tokens, sizeof(float *));
     t->kv_scratch_bytes = (size_t)t->max_blocks_per_seq * prism_kv_cache_block_bytes(t->cfg, s->block_size);
     t->kv_scratch = prism_malloc(t->kv_scratch_bytes);
@@ -312,7 +312,7 @@ int prism_tp_send_step(prism_tp_t *t, const prism_llm_batch_t *b, bool logits)
         k += 3 * (size_t)b->n_tokens;
     }
     /* Embedding rows (image tokens): their token indices, and the rows packed into one frame. */
-    size_t n_embed = 0, hb = (size_t)t->cfg->hidden * sizeof(float);
+    size_t n_embed = 0, hb = (size_t)prism_model_embed_row_floats(t->cfg) * sizeof(float);   /* + DeepStack */
     for (int i = 0; b->embed_rows && i < b->n_tokens; i++)
         if (b->embed_rows[i]) {
             t->plan[k++] = i;
@@ -426,7 +426,7 @@ static int follow_step(prism_tp_t *t, prism_msg_t *m, prism_llm_t *llm, prism_kv
 {
     const Prism__TpStep *st = m->env->tp_step;
     size_t len = 0;
-    size_t hb = (size_t)t->cfg->hidden * sizeof(float), rlen = 0;
+    size_t hb = (size_t)prism_model_embed_row_floats(t->cfg) * sizeof(float), rlen = 0;
     const int32_t *p = st && m->n_frames == (st->n_embed ? 2 : 1) ? prism_msg_frame(m, 0, &len) : NULL;
     const void *rows = p && st->n_embed ? prism_msg_frame(m, 1, &rlen) : NULL;
     const size_t n_rope = st && prism_model_mrope(t->cfg) ? 3 * (size_t)st->n_tokens : 0;
@@ -460,7 +460,7 @@ static int follow_step(prism_tp_t *t, prism_msg_t *m, prism_llm_t *llm, prism_kv
         const int32_t *idx = tab + used + n_rope;
         for (uint32_t j = 0; j < st->n_embed; j++) {
             if (idx[j] < 0 || (uint32_t)idx[j] >= st->n_tokens || t->row_ptrs[idx[j]]) return PRISM_ECORRUPT;
-            t->row_ptrs[idx[j]] = t->rows + (size_t)j * t->cfg->hidden;
+            t->row_ptrs[idx[j]] = t->rows + (size_t)j * prism_model_embed_row_floats(t->cfg);
         }
     }
     t->step = st->step;

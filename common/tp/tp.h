@@ -74,7 +74,7 @@ typedef struct {
     int32_t *plan;                     /* encode/decode buffer of one step plan */
     size_t plan_cap;                   /* int32 entries */
     const int32_t **tables;            /* [max_seqs] (ranks) */
-    float *rows;                       /* [max_tokens][hidden]: a step's embedding rows, contiguous */
+    float *rows;                       /* [max_tokens][embedding row]: a step's embedding rows, contiguous */
     const float **row_ptrs;            /* [max_tokens] (ranks) */
     uint8_t *kv_scratch;               /* one sequence's KV slice */
     size_t kv_scratch_bytes;

@@ -62,7 +62,7 @@ def case_messages(case):
 
 
 def body(messages, max_tokens=16, stream=False):
-    b = {"model": "qwen25vl_tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+    b = {"model": os.path.basename(QW), "messages": messages, "max_tokens": max_tokens, "temperature": 0,
          "logprobs": True, "return_tokens_as_token_ids": True, "ignore_eos": True}
     if stream:
         b.update(stream=True, stream_options={"include_usage": True})

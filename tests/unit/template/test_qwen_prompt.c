@@ -1,9 +1,11 @@
-/* Qwen2.5-VL prompts on the router's side, against transformers (tests/data/model/qwen25vl_tiny/
- * golden.json, tools/gen_qwen_goldens.py): the checkpoint's chat template (tokenizer_config.json,
+/* Qwen2.5-VL and Qwen3-VL prompts on the router's side, against transformers
+ * (tests/data/model/qwen25vl_tiny/golden.json, or the fixture named by argv[1]: qwen3vl_tiny for
+ * test_qwen3_prompt; tools/gen_qwen_goldens.py): the checkpoint's chat template (tokenizer_config.json,
  * loaded the way the router loads it) renders each conversation byte-identically to HF (text only,
  * one image, two images, multi-turn with an assistant turn); the Qwen2-style tokenizer gives HF's
  * ids; and repeating each <|image_pad|> by the token count computed from the image's width and
- * height alone (prism_qwenvl_grid: smart_resize) gives exactly Qwen2_5_VLProcessor's input_ids. */
+ * height alone (prism_qwenvl_grid: smart_resize) gives exactly Qwen2_5_VLProcessor's (Qwen3VLProcessor's)
+ * input_ids. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -17,6 +19,7 @@
 #include "template/template.h"
 #include "tokenizer/tokenizer.h"
 
+static const char *fixture = "qwen25vl_tiny";
 static char model_dir[1024];
 static json_t *goldens;
 static prism_tokenizer_t *tok;
@@ -25,7 +28,7 @@ static int setup(void **state)
 {
     const char *src = getenv("PRISM_SOURCE_DIR");
     if (!src || !*src) src = PRISM_SOURCE_DIR;
-    snprintf(model_dir, sizeof model_dir, "%s/tests/data/model/qwen25vl_tiny", src);
+    snprintf(model_dir, sizeof model_dir, "%s/tests/data/model/%s", src, fixture);
     char path[1200], err[256];
     snprintf(path, sizeof path, "%s/golden.json", model_dir);
     json_error_t jerr;
@@ -117,8 +120,9 @@ static void test_qwen_prompts(void **state)
     assert_int_equal(failures, 0);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    if (argc > 1) fixture = argv[1];
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_qwen_prompts),
     };
