@@ -92,7 +92,7 @@ struct prism_vision_native {
     float *rope_inv;         /* [hd/2] row frequencies, then the same for columns */
     float *obuf;             /* Qwen3: [N/mm][rw] output rows */
     float *iw, *h_iw;        /* Qwen3: [4][N] interpolation weights (device, host) */
-    int32_t *d_meta;         /* device: widx[N] rev[N/mm] pos[2][N] cu_win[N/mm + 2] cu_full[N/mm + 2] */
+    int32_t *d_meta;         /* device: widx[N] rev[N/mm] pos[2][N] cu_win[N/mm + 2] cu_full[N/mm + 2] (itap[4][N]) */
     int32_t *h_meta;         /* host mirror */
     size_t meta_n;
     prism_rope_sections_t sec;
@@ -112,10 +112,10 @@ static size_t big_width(const prism_model_config_t *c)
     return PRISM_MAX((size_t)3 * c->v_hidden, feat);   /* >= the merger's [N/4][4 VH] view */
 }
 
-static size_t meta_count(int N, int mm)
+static size_t meta_count(int N, int mm, bool q3)
 {
     size_t nt = (size_t)N / mm;
-    return (size_t)N + nt + 2 * (size_t)N + 2 * (nt + 2) + 4 * (size_t)N;   /* ... interpolation taps (Qwen3) */
+    return (size_t)N + nt + 2 * (size_t)N + 2 * (nt + 2) + (q3 ? 4 * (size_t)N : 0);   /* + Qwen3's taps */
 }
 
 static size_t qv_layout(const prism_model_config_t *c, int N, struct prism_vision_native *v)
@@ -132,7 +132,7 @@ static size_t qv_layout(const prism_model_config_t *c, int N, struct prism_visio
     float *attn = prism_layout_take(&l, wide * 4);
     float *mlp = prism_layout_take(&l, chunk * 3 * (size_t)c->v_intermediate * 4);   /* Qwen3 uses a third */
     float *inv = prism_layout_take(&l, (size_t)(c->v_hidden / c->v_heads / 2) * 4);
-    int32_t *meta = prism_layout_take(&l, meta_count(N, (int)mm) * 4);
+    int32_t *meta = prism_layout_take(&l, meta_count(N, (int)mm, c->vision_arch == PRISM_VISION_QWEN3) * 4);
     float *obuf = NULL, *iw = NULL;
     if (c->vision_arch == PRISM_VISION_QWEN3) {
         obuf = prism_layout_take(&l, nt * (size_t)prism_model_embed_row_floats(c) * 4);
@@ -162,7 +162,7 @@ size_t prism_vision_native_host_bytes(const prism_model_config_t *cfg, int max_p
     if (max_patches <= 0) return b;
     /* as prism_vision_native_reserve allocates them: keep, kgrid, gone, h_meta (and Qwen3's h_iw) */
     size_t imgs = (size_t)max_images_of(max_patches, mm);
-    return b + imgs * (sizeof(int) + sizeof(prism_vgrid_t) + 1) + meta_count(max_patches, mm) * sizeof(int32_t) +
+    return b + imgs * (sizeof(int) + sizeof(prism_vgrid_t) + 1) + meta_count(max_patches, mm, q3) * sizeof(int32_t) +
            (q3 ? 4 * (size_t)max_patches * sizeof(float) : 0);
 }
 
@@ -427,7 +427,7 @@ int prism_vision_native_reserve(prism_vision_native_t *v, int max_patches, char 
     v->keep = prism_calloc((size_t)max_img, sizeof *v->keep);
     v->kgrid = prism_calloc((size_t)max_img, sizeof *v->kgrid);
     v->gone = prism_calloc((size_t)max_img, 1);
-    v->meta_n = meta_count(max_patches, v->mm);
+    v->meta_n = meta_count(max_patches, v->mm, v->q3);
     v->h_meta = prism_malloc(v->meta_n * sizeof(int32_t));
     prism_free(v->h_iw);
     v->h_iw = v->q3 ? prism_malloc(4 * (size_t)max_patches * sizeof(float)) : NULL;

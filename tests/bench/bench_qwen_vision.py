@@ -52,9 +52,11 @@ with torch.inference_mode():
         if r:
             runs.append((dt, time.process_time() - c0))
 walls = sorted(d for d, _ in runs)
+mid = len(walls) // 2   # the median as prism_bench_qwen_vision takes it (even counts: the two middle ones' mean)
+median = walls[mid] if len(walls) %% 2 else (walls[mid - 1] + walls[mid]) / 2
 print(json.dumps({"impl": "hf-sdpa", "transformers": __import__("transformers").__version__, "torch": torch.__version__,
                   "grid": grid[0, 1:].tolist(), "patches": int(pv.shape[0]), "tokens": int(out.shape[0]),
-                  "threads": torch.get_num_threads(), "seconds": walls[len(walls) // 2], "runs": walls,
+                  "threads": torch.get_num_threads(), "seconds": median, "runs": walls,
                   "cpu_per_wall": sum(c for _, c in runs) / sum(d for d, _ in runs), "load_seconds": load,
                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 '''
