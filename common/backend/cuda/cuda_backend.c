@@ -196,6 +196,8 @@ static int cu_pixel_shuffle(void *ctx, float *out, const float *x, int n_img, in
 static int cu_rope_multi(void *ctx, float *x, int ld, int n_tokens, int n_heads, int head_dim, const int32_t *pos,
                          int pos_ld, const float *inv_freq, const prism_rope_sections_t *sec)
 { return prism_cuda_rope_multi(ST(ctx), x, ld, n_tokens, n_heads, head_dim, pos, pos_ld, inv_freq, sec); }
+static int cu_add_rows(void *ctx, float *y, int ldy, const float *src, int lds, const int32_t *rows, int n, int dim)
+{ return prism_cuda_add_rows(ST(ctx), y, ldy, src, lds, rows, n, dim); }
 static int cu_attn_varlen(void *ctx, float *out, int ldo, const float *q, int ldq, const float *k, int ldk,
                           const float *v, int ldv, const int32_t *cu, int n_seqs, int max_len, int n_heads,
                           int n_kv_heads, int head_dim, float scale)
@@ -499,7 +501,7 @@ prism_backend_t *prism_backend_cuda_create(int device, size_t pool_bytes, int *s
         .logit_bias = cu_logit_bias, .token_mask = cu_token_mask,
         .head_rmsnorm = cu_head_rmsnorm, .scale_rows = cu_scale_rows, .moe_route = cu_moe_route,
         .matmul_grouped = cu_matmul_grouped, .moe_combine = cu_moe_combine, .pixel_shuffle = cu_pixel_shuffle,
-        .rope_multi = cu_rope_multi, .attn_varlen = cu_attn_varlen,
+        .rope_multi = cu_rope_multi, .attn_varlen = cu_attn_varlen, .add_rows = cu_add_rows,
         .fill_random = cu_fill_random,
         .destroy = cu_destroy,
     };

@@ -121,6 +121,8 @@ int prism_cuda_rope_multi(cudaStream_t st, float *x, int ld, int n_tokens, int n
 int prism_cuda_attn_varlen(cudaStream_t st, float *out, int ldo, const float *q, int ldq, const float *k, int ldk,
                            const float *v, int ldv, const int32_t *cu, int n_seqs, int max_len, int n_heads,
                            int n_kv_heads, int head_dim, float scale);
+int prism_cuda_add_rows(cudaStream_t st, float *y, int ldy, const float *src, int lds, const int32_t *rows, int n,
+                        int dim);
 
 typedef struct {
     float temperature, top_p;

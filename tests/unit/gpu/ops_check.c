@@ -23,7 +23,7 @@
 const char *const prism_opcheck_ops[] = {
     "copy", "matmul", "rmsnorm", "layernorm", "rope", "act", "silu_mul", "add", "scale", "get_rows",
     "im2patch", "kv", "attn_paged", "attn_decode", "attn_dense", "argmax", "fill_random", "sample", "scatter_rows",
-    "head_rmsnorm", "scale_rows", "moe", "pixel_shuffle", "rope_multi", "attn_varlen", "logits_processors", NULL,
+    "head_rmsnorm", "scale_rows", "moe", "pixel_shuffle", "rope_multi", "attn_varlen", "add_rows", "logits_processors", NULL,
 };
 
 /* ---------------------------------------------------------------- helpers */
@@ -1072,6 +1072,27 @@ static void check_attn_varlen(ck_t *c)
     }
 }
 
+/* DeepStack's row adds: rows out of order, one skipped (-1), a strided source (the levels of one
+ * embedding row); one add per element, so exact. */
+static void check_add_rows(ck_t *c)
+{
+    if (!c->dev->i.add_rows) return;
+    enum { T = 300, D = 4096, LDS = 3 * 4096, N = 130 };
+    float *y = hrand(c, (size_t)T * D, 1.0f), *src = hrand(c, (size_t)N * LDS, 1.0f);
+    int32_t rows[N];
+    for (int i = 0; i < N; i++) rows[i] = i == 7 ? -1 : (T - 1 - 2 * i);
+    float *ry = put(c->ref, y, (size_t)T * D * 4), *dy = put(c->dev, y, (size_t)T * D * 4);
+    float *rs = put(c->ref, src, (size_t)N * LDS * 4), *ds = put(c->dev, src, (size_t)N * LDS * 4);
+    int32_t *rr = put(c->ref, rows, sizeof rows), *dr = put(c->dev, rows, sizeof rows);
+    BOTH(c->ref->i.add_rows(c->ref->ctx, ry, D, rs + D, LDS, rr, N, D),
+         c->dev->i.add_rows(c->dev->ctx, dy, D, ds + D, LDS, dr, N, D));
+    float *hr = get(c->ref, ry, (size_t)T * D * 4), *hd = get(c->dev, dy, (size_t)T * D * 4);
+    close_f32(c, "130 rows of 4096 into 300, level 1 of 3", hr, hd, (size_t)T * D, 0, 0);
+    free(hr); free(hd); free(y); free(src);
+    prism_backend_buf_free(c->ref, ry); prism_backend_buf_free(c->ref, rs); prism_backend_buf_free(c->ref, rr);
+    prism_backend_buf_free(c->dev, dy); prism_backend_buf_free(c->dev, ds); prism_backend_buf_free(c->dev, dr);
+}
+
 /* ---------------------------------------------------------------- driver */
 
 typedef struct {
@@ -1089,6 +1110,7 @@ void prism_opcheck_run(prism_opcheck_t *t, prism_backend_t *ref, prism_backend_t
         {"argmax", check_argmax}, {"fill_random", check_fill_random},
         {"head_rmsnorm", check_head_rmsnorm}, {"scale_rows", check_scale_rows}, {"moe", check_moe},
         {"pixel_shuffle", check_pixel_shuffle}, {"rope_multi", check_rope_multi}, {"attn_varlen", check_attn_varlen},
+        {"add_rows", check_add_rows},
 #ifdef PRISM_OPCHECK_CUDA
         {"sample", check_sample}, {"scatter_rows", check_scatter_rows}, {"logits_processors", check_logits_processors},
 #endif
