@@ -24,6 +24,13 @@ SANITIZER_MARKS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime e
                    "SUMMARY: UndefinedBehaviorSanitizer")
 
 
+# What a memory plan leaves out (Cluster.check_memory_plan): the libraries' small records (the model's,
+# the KV cache's, the sockets'). About 24 KiB for prefill and decode with the tiny LLaVA, 6 KiB for its
+# encoder; any pool or library region larger than the margin that a worker allocated outside its plan
+# (or planned and never allocated) fails.
+PLAN_MARGIN = 48 << 10
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -155,6 +162,30 @@ class Cluster:
         """Waits until the process's log contains text; returns the whole log."""
         return wait_for(lambda: text in self.log(name, tail=0) and self.log(name, tail=0), timeout,
                         "%r in %s's log" % (text, name))
+
+    def check_memory_plan(self, tiers=("encoder", "prefill", "decode")):
+        """Each worker's memory plan is one table of regions (common/worker/start.h) that both totals
+        the plan and carves the pools: registration's prism:worker_memory_planned_bytes is the sum of
+        the regions the worker logged, and the regions held on the heap (pools and libraries, on the
+        CPU backend) add up to the heap the counting allocator saw in use once start-up ended, within
+        PLAN_MARGIN. One worker of each tier, named <tier>-0."""
+        region = re.compile(r"memory plan: (\S+)\s+.*\s(pool|library|outside)\s+\((\d+) bytes\)")
+        total = re.compile(r"memory plan: total\s+.*\((\d+) bytes\)")
+        held = re.compile(r"memory plan: pools and libraries (\d+) bytes; heap in use after start-up (\d+) bytes")
+        for tier in tiers:
+            log = self.log(tier + "-0", tail=0)
+            regions = [(m.group(1), m.group(2), int(m.group(3))) for m in region.finditer(log)]
+            planned = self.metric("prism:worker_memory_planned_bytes", tier=tier)
+            assert regions and planned == sum(b for _, _, b in regions) == int(total.search(log).group(1)), \
+                (tier, planned, regions)
+            heap_regions = sum(b for _, kind, b in regions if kind != "outside")
+            m = held.search(log)
+            assert m and int(m.group(1)) == heap_regions, (tier, m and m.group(0), heap_regions)
+            in_use = int(m.group(2))
+            assert abs(in_use - heap_regions) <= PLAN_MARGIN, \
+                ("%s: %d bytes on the heap after start-up, the plan's pools and libraries %d (%+d): a region is "
+                 "missing from the plan or planned and not allocated" % (tier, in_use, heap_regions,
+                                                                         in_use - heap_regions), regions)
 
     def alive(self):
         return {n: p.poll() is None for n, p in self.procs.items()}

@@ -122,6 +122,13 @@ def test_aspect_ratio_refused():
     assert status == 400 and "aspect ratio" in r["error"]["message"], (status, r)
 
 
+def test_memory_plan_is_what_the_workers_allocate():
+    """The native-resolution encoder's regions (the tower's weights, arena and host records for the
+    largest image, pixels and outputs, the cache in pieces), the prefill's chunk M-RoPE positions and
+    the decode's rope deltas are what the workers hold on the heap after start-up."""
+    C.check_memory_plan()
+
+
 # ---------------------------------------------------------------- cluster B: pieces and chunks
 
 def test_pieces_and_chunks():
@@ -229,7 +236,8 @@ def main():
     C = Cluster(model=QW, common_worker_args=HB)
     try:
         C.wait_ready()
-        rc |= run_tests([test_golden_cases, test_tokenize_text_case, test_aspect_ratio_refused])
+        rc |= run_tests([test_golden_cases, test_tokenize_text_case, test_aspect_ratio_refused,
+                         test_memory_plan_is_what_the_workers_allocate])
     finally:
         C.stop()
     C = Cluster(model=QW, common_worker_args=HB,
@@ -238,7 +246,7 @@ def main():
     try:
         C.wait_ready()
         rc |= run_tests([test_pieces_and_chunks, test_concurrent_distinct, test_cache_hit_same_tokens,
-                         test_no_heap_allocations_while_serving])
+                         test_no_heap_allocations_while_serving, test_memory_plan_is_what_the_workers_allocate])
     finally:
         C.stop()
     rc |= run_tests([test_tp_groups])

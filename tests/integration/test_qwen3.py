@@ -34,7 +34,8 @@ def main():
     tq.C = Cluster(model=tq.QW, common_worker_args=HB)
     try:
         tq.C.wait_ready()
-        rc |= run_tests([tq.test_golden_cases, tq.test_tokenize_text_case, tq.test_aspect_ratio_refused])
+        rc |= run_tests([tq.test_golden_cases, tq.test_tokenize_text_case, tq.test_aspect_ratio_refused,
+                         tq.test_memory_plan_is_what_the_workers_allocate])
     finally:
         tq.C.stop()
     tq.C = Cluster(model=tq.QW, common_worker_args=HB,
