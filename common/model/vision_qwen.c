@@ -173,8 +173,6 @@ size_t prism_vision_native_row_floats(const prism_model_config_t *cfg)
 
 /* ---------------------------------------------------------------- weights */
 
-static const char *const k_prefixes[] = {"visual.", "model.visual."};
-
 /* Tensors of one layer: HF name, field, and the part of a fused matrix it fills. Dimensions are
  * symbolic (VH, VI: the vision hidden and intermediate widths). */
 enum { D_1 = 0, D_VH, D_VI, D_2VI, D_3VH };
@@ -216,6 +214,41 @@ static const qv_tensor_t k_qwen3_layer[] = {
     {"mlp.linear_fc2.bias", offsetof(qv_layer_t, bd), true, D_VH, D_1, D_VH, 0},
 };
 
+/* The towers' checkpoint names, one table per architecture (as vision.c's CLIP / Llama-4 tables and the
+ * text model's loader name theirs): the tensors outside the layers, the per-layer table under
+ * <prefix><layers><L>., and the mergers'. A NULL name: the architecture has no such tensor. */
+typedef struct {
+    const char *patch;            /* Conv3d [VH][C][T][p][p] (kernel = stride: a matmul over T frames' patch rows) */
+    const char *patch_bias;       /* [VH] */
+    const char *pos;              /* [num_pos][VH] learned position grid */
+    const char *layers;           /* per-layer prefix, followed by the layer index and "." */
+    const qv_tensor_t *layer;
+    int n_layer;
+    const char *merger_norm;      /* .weight [VH] (RMSNorm or LayerNorm), .bias when merger_norm_bias */
+    bool merger_norm_bias;
+    const char *merger_fc1, *merger_fc2;   /* [mm VH][mm VH], [H][mm VH], with biases */
+    const char *deepstack;        /* <deepstack><k>.{norm, linear_fc1, linear_fc2}: one merger per DeepStack layer */
+} qv_names_t;
+
+/* where both architectures put the tower: the first prefix under which the patch embedding exists */
+static const char *const k_prefixes[] = {"visual.", "model.visual."};
+
+/* Qwen2.5-VL: visual.{patch_embed.proj, blocks.N.*, merger.{ln_q, mlp.0, mlp.2}} */
+static const qv_names_t k_qwen25_names = {
+    .patch = "patch_embed.proj.weight", .layers = "blocks.",
+    .layer = k_qwen25_layer, .n_layer = (int)PRISM_ARRAY_LEN(k_qwen25_layer),
+    .merger_norm = "merger.ln_q", .merger_fc1 = "merger.mlp.0", .merger_fc2 = "merger.mlp.2",
+};
+
+/* Qwen3-VL: visual.{patch_embed.proj (+ bias), pos_embed, blocks.N.*, merger.{norm, linear_fc1,
+ * linear_fc2}, deepstack_merger_list.K.*} */
+static const qv_names_t k_qwen3_names = {
+    .patch = "patch_embed.proj.weight", .patch_bias = "patch_embed.proj.bias", .pos = "pos_embed.weight",
+    .layers = "blocks.", .layer = k_qwen3_layer, .n_layer = (int)PRISM_ARRAY_LEN(k_qwen3_layer),
+    .merger_norm = "merger.norm", .merger_norm_bias = true, .merger_fc1 = "merger.linear_fc1",
+    .merger_fc2 = "merger.linear_fc2", .deepstack = "deepstack_merger_list.",
+};
+
 static int64_t dim_of(const prism_model_config_t *c, int d)
 {
     switch (d) {
@@ -250,7 +283,13 @@ static int load_table(struct prism_vision_native *v, prism_wload_t *w, const cha
     return PRISM_OK;
 }
 
-static int load_weights(struct prism_vision_native *v, prism_wload_t *w, const char *vp)
+static const qv_names_t *qv_names(const prism_model_config_t *c)
+{
+    return c->vision_arch == PRISM_VISION_QWEN3 ? &k_qwen3_names : &k_qwen25_names;
+}
+
+/* Pass 1 (sizes) or 2 (upload) of the tower's weights under the names of its architecture. */
+static int load_weights(struct prism_vision_native *v, prism_wload_t *w, const qv_names_t *nm, const char *vp)
 {
     const prism_model_config_t *c = &v->cfg;
     int64_t VH = c->v_hidden, H = c->hidden, C = c->v_num_channels, T = c->v_temporal_patch, P = c->v_patch;
@@ -259,48 +298,39 @@ static int load_weights(struct prism_vision_native *v, prism_wload_t *w, const c
     int rc;
 #define NAME(...) (snprintf(name, sizeof name, __VA_ARGS__), name)
 #define SHAPE(...) ((const int64_t[]){__VA_ARGS__})
-    /* Conv3d [VH][C][T][p][p], kernel = stride: a matmul over the patch rows of T frames */
-    if ((rc = prism_wload_tensor(w, &v->patch_w, v->wdt, NAME("%spatch_embed.proj.weight", vp), 5, SHAPE(VH, C, T, P, P))))
+#define F32(dst, shp, ...) \
+    if ((rc = prism_wload_tensor(w, (void **)&(dst), PRISM_DTYPE_F32, NAME(__VA_ARGS__), 1, SHAPE(shp)))) return rc
+#define MAT(dst, rows, cols, ...) \
+    if ((rc = prism_wload_tensor(w, &(dst), v->wdt, NAME(__VA_ARGS__), 2, SHAPE(rows, cols)))) return rc
+    if ((rc = prism_wload_tensor(w, &v->patch_w, v->wdt, NAME("%s%s", vp, nm->patch), 5, SHAPE(VH, C, T, P, P))))
         return rc;
-    if (v->q3) {
-        if ((rc = prism_wload_tensor(w, (void **)&v->patch_b, PRISM_DTYPE_F32, NAME("%spatch_embed.proj.bias", vp), 1,
-                                     SHAPE(VH))))
-            return rc;
-        if ((rc = prism_wload_tensor(w, (void **)&v->pos_embed, PRISM_DTYPE_F32, NAME("%spos_embed.weight", vp), 2,
-                                     SHAPE(c->v_num_pos, VH))))
-            return rc;
-    }
-    const qv_tensor_t *tab = v->q3 ? k_qwen3_layer : k_qwen25_layer;
-    size_t n_tab = v->q3 ? PRISM_ARRAY_LEN(k_qwen3_layer) : PRISM_ARRAY_LEN(k_qwen25_layer);
+    if (nm->patch_bias) F32(v->patch_b, VH, "%s%s", vp, nm->patch_bias);
+    if (nm->pos &&
+        (rc = prism_wload_tensor(w, (void **)&v->pos_embed, PRISM_DTYPE_F32, NAME("%s%s", vp, nm->pos), 2,
+                                 SHAPE(c->v_num_pos, VH))))
+        return rc;
     for (int L = 0; L < c->v_layers; L++) {
-        snprintf(p, sizeof p, "%sblocks.%d.", vp, L);
-        if ((rc = load_table(v, w, p, &v->layers[L], tab, n_tab))) return rc;
+        snprintf(p, sizeof p, "%s%s%d.", vp, nm->layers, L);
+        if ((rc = load_table(v, w, p, &v->layers[L], nm->layer, (size_t)nm->n_layer))) return rc;
     }
-    /* mergers: Qwen2.5-VL's merger.{ln_q, mlp.0, mlp.2}; Qwen3-VL's merger.{norm, linear_fc1, linear_fc2}
-     * and one deepstack_merger_list.i per DeepStack layer (its norm over the concatenated block) */
-    const char *mn = v->q3 ? "merger.norm" : "merger.ln_q", *m1 = v->q3 ? "merger.linear_fc1" : "merger.mlp.0",
-               *m2 = v->q3 ? "merger.linear_fc2" : "merger.mlp.2";
-    if ((rc = prism_wload_tensor(w, (void **)&v->ln_q, PRISM_DTYPE_F32, NAME("%s%s.weight", vp, mn), 1, SHAPE(VH))))
-        return rc;
-    if (v->q3 &&
-        (rc = prism_wload_tensor(w, (void **)&v->ln_b, PRISM_DTYPE_F32, NAME("%s%s.bias", vp, mn), 1, SHAPE(VH))))
-        return rc;
-    if ((rc = prism_wload_tensor(w, &v->m1_w, v->wdt, NAME("%s%s.weight", vp, m1), 2, SHAPE(MV, MV)))) return rc;
-    if ((rc = prism_wload_tensor(w, (void **)&v->m1_b, PRISM_DTYPE_F32, NAME("%s%s.bias", vp, m1), 1, SHAPE(MV))))
-        return rc;
-    if ((rc = prism_wload_tensor(w, &v->m2_w, v->wdt, NAME("%s%s.weight", vp, m2), 2, SHAPE(H, MV)))) return rc;
-    if ((rc = prism_wload_tensor(w, (void **)&v->m2_b, PRISM_DTYPE_F32, NAME("%s%s.bias", vp, m2), 1, SHAPE(H))))
-        return rc;
-    for (int k = 0; v->q3 && k < c->n_deepstack; k++) {
-        snprintf(p, sizeof p, "%sdeepstack_merger_list.%d.", vp, k);
-        if ((rc = prism_wload_tensor(w, (void **)&v->ds[k].nw, PRISM_DTYPE_F32, NAME("%snorm.weight", p), 1, SHAPE(MV))) ||
-            (rc = prism_wload_tensor(w, (void **)&v->ds[k].nb, PRISM_DTYPE_F32, NAME("%snorm.bias", p), 1, SHAPE(MV))) ||
-            (rc = prism_wload_tensor(w, &v->ds[k].w1, v->wdt, NAME("%slinear_fc1.weight", p), 2, SHAPE(MV, MV))) ||
-            (rc = prism_wload_tensor(w, (void **)&v->ds[k].b1, PRISM_DTYPE_F32, NAME("%slinear_fc1.bias", p), 1, SHAPE(MV))) ||
-            (rc = prism_wload_tensor(w, &v->ds[k].w2, v->wdt, NAME("%slinear_fc2.weight", p), 2, SHAPE(H, MV))) ||
-            (rc = prism_wload_tensor(w, (void **)&v->ds[k].b2, PRISM_DTYPE_F32, NAME("%slinear_fc2.bias", p), 1, SHAPE(H))))
-            return rc;
+    F32(v->ln_q, VH, "%s%s.weight", vp, nm->merger_norm);
+    if (nm->merger_norm_bias) F32(v->ln_b, VH, "%s%s.bias", vp, nm->merger_norm);
+    MAT(v->m1_w, MV, MV, "%s%s.weight", vp, nm->merger_fc1);
+    F32(v->m1_b, MV, "%s%s.bias", vp, nm->merger_fc1);
+    MAT(v->m2_w, H, MV, "%s%s.weight", vp, nm->merger_fc2);
+    F32(v->m2_b, H, "%s%s.bias", vp, nm->merger_fc2);
+    /* DeepStack: one merger per level, its norm over the concatenated merge block */
+    for (int k = 0; nm->deepstack && k < c->n_deepstack; k++) {
+        snprintf(p, sizeof p, "%s%s%d.", vp, nm->deepstack, k);
+        F32(v->ds[k].nw, MV, "%snorm.weight", p);
+        F32(v->ds[k].nb, MV, "%snorm.bias", p);
+        MAT(v->ds[k].w1, MV, MV, "%slinear_fc1.weight", p);
+        F32(v->ds[k].b1, MV, "%slinear_fc1.bias", p);
+        MAT(v->ds[k].w2, H, MV, "%slinear_fc2.weight", p);
+        F32(v->ds[k].b2, H, "%slinear_fc2.bias", p);
     }
+#undef MAT
+#undef F32
 #undef NAME
 #undef SHAPE
     return PRISM_OK;
@@ -352,19 +382,20 @@ int prism_vision_native_load(prism_backend_t *be, const prism_model_config_t *cf
     }
     v->layers = prism_calloc((size_t)cfg->v_layers, sizeof *v->layers);
     if (!v->layers) goto fail;
+    const qv_names_t *nm = qv_names(cfg);
     const char *vp = k_prefixes[0];
     if (!cfg->random_weights) {
         if ((rc = prism_st_open_dir(model_dir, &st, err, errlen)) != PRISM_OK) goto fail;
-        vp = prism_wload_find_prefix(st, k_prefixes, (int)PRISM_ARRAY_LEN(k_prefixes), "patch_embed.proj.weight");
+        vp = prism_wload_find_prefix(st, k_prefixes, (int)PRISM_ARRAY_LEN(k_prefixes), nm->patch);
         if (!vp) {
-            ERR("weights: no Qwen-VL vision tower (visual.patch_embed.proj.weight) in %s", model_dir);
+            ERR("weights: no Qwen-VL vision tower (visual.%s) in %s", nm->patch, model_dir);
             rc = PRISM_ENOTFOUND;
             goto fail;
         }
     }
     w = (prism_wload_t){.be = be, .st = st, .err = err, .errlen = errlen, .random = cfg->random_weights,
                         .seed = cfg->random_seed};
-    if ((rc = load_weights(v, &w, vp)) != PRISM_OK) goto fail;   /* pass 1: validate + size */
+    if ((rc = load_weights(v, &w, nm, vp)) != PRISM_OK) goto fail;   /* pass 1: validate + size */
     v->wbytes = PRISM_ALIGN_UP(w.off, PRISM_TENSOR_ALIGN);
     v->wbuf = prism_backend_buf_alloc(be, v->wbytes);
     w.staging_n = 1u << 20;
@@ -378,7 +409,7 @@ int prism_vision_native_load(prism_backend_t *be, const prism_model_config_t *cf
     w.total = v->wbytes;
     w.off = 0;
     w.next_log = (size_t)1 << 30;
-    if ((rc = load_weights(v, &w, vp)) != PRISM_OK) goto fail;   /* pass 2: upload */
+    if ((rc = load_weights(v, &w, nm, vp)) != PRISM_OK) goto fail;   /* pass 2: upload */
     prism_free(w.staging);
     w.staging = NULL;
     prism_st_close(st);
