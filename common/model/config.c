@@ -432,6 +432,62 @@ done:
     return rc;
 }
 
+/* ---------------------------------------------------------------- Qwen-VL (both) */
+
+/* The vision_config keys both Qwen-VL towers read (their transformers defaults already in c). */
+static int get_qwenvl_vision_keys(json_t *v, prism_model_config_t *c, int *out_hidden, char *err, size_t errlen)
+{
+    if (get_int(v, "depth", &c->v_layers, 1, PRISM_MODEL_MAX_VLAYERS, err, errlen) ||
+        get_int(v, "hidden_size", &c->v_hidden, 1, 1 << 15, err, errlen) ||
+        get_int(v, "intermediate_size", &c->v_intermediate, 1, 1 << 18, err, errlen) ||
+        get_int(v, "num_heads", &c->v_heads, 1, 1024, err, errlen) ||
+        get_int(v, "in_channels", &c->v_num_channels, 3, 3, err, errlen) ||
+        get_int(v, "patch_size", &c->v_patch, 1, 64, err, errlen) ||
+        get_int(v, "spatial_merge_size", &c->v_merge, 1, 4, err, errlen) ||
+        get_int(v, "temporal_patch_size", &c->v_temporal_patch, 1, 16, err, errlen) ||
+        get_int(v, "out_hidden_size", out_hidden, 1, 1 << 16, err, errlen) ||
+        get_float(v, "rope_theta", &c->v_rope_theta, 1.0, 1e12, err, errlen))
+        return PRISM_ECORRUPT;
+    json_t *rp = json_object_get(v, "rope_parameters");
+    if (json_is_object(rp) && get_float(rp, "rope_theta", &c->v_rope_theta, 1.0, 1e12, err, errlen))
+        return PRISM_ECORRUPT;
+    return PRISM_OK;
+}
+
+/* What both Qwen-VL configs hold once the text model is read: M-RoPE sections that cover the rotary
+ * pairs, no rope scaling, the tower (parse_vision over vision_config), and the special tokens
+ * (Qwen2-VL's ids unless config.json names others). */
+static int parse_qwenvl_rest(json_t *root, prism_model_config_t *c, const char *model,
+                             int (*parse_vision)(json_t *, prism_model_config_t *, char *, size_t), char *err,
+                             size_t errlen)
+{
+    if (c->mrope_section[0] + c->mrope_section[1] + c->mrope_section[2] != c->head_dim / 2) {
+        ERR("config: mrope_section %d+%d+%d must cover head_dim/2 = %d rotary pairs", c->mrope_section[0],
+            c->mrope_section[1], c->mrope_section[2], c->head_dim / 2);
+        return PRISM_ECORRUPT;
+    }
+    if (c->rope_scaling_type != 0) {
+        ERR("config: %s with rope scaling is not supported", model);
+        return PRISM_ENOTSUP;
+    }
+    TRY(parse_vision(json_object_get(root, "vision_config"), c, err, errlen));
+    c->has_vision = true;
+    c->image_token_index = 151655;
+    c->boi_token_id = 151652;
+    c->eoi_token_id = 151653;
+    bool tie = false;
+    TRY(get_int(root, "image_token_id", &c->image_token_index, 0, INT32_MAX, err, errlen));
+    TRY(get_int(root, "vision_start_token_id", &c->boi_token_id, 0, INT32_MAX, err, errlen));
+    TRY(get_int(root, "vision_end_token_id", &c->eoi_token_id, 0, INT32_MAX, err, errlen));
+    TRY(get_bool(root, "tie_word_embeddings", &tie, err, errlen));
+    c->tie_word_embeddings = c->tie_word_embeddings || tie;
+    if (c->image_token_index >= c->vocab || c->boi_token_id >= c->vocab || c->eoi_token_id >= c->vocab) {
+        ERR("config.json: image / vision start / end token ids outside the vocabulary (%d)", c->vocab);
+        return PRISM_ECORRUPT;
+    }
+    return PRISM_OK;
+}
+
 /* ---------------------------------------------------------------- Qwen2.5-VL */
 
 /* Qwen2_5_VLVisionConfig (transformers' defaults for absent keys): the layer table from
@@ -459,20 +515,9 @@ static int parse_qwen25_vision(json_t *v, prism_model_config_t *c, char *err, si
     c->v_eps = 1e-6f;
     c->v_act = PRISM_ACT_SILU;
     int full[PRISM_MODEL_MAX_VLAYERS] = {7, 15, 23, 31}, n_full = 4;
-    if (get_int(v, "depth", &c->v_layers, 1, PRISM_MODEL_MAX_VLAYERS, err, errlen) ||
-        get_int(v, "hidden_size", &c->v_hidden, 1, 1 << 15, err, errlen) ||
-        get_int(v, "intermediate_size", &c->v_intermediate, 1, 1 << 18, err, errlen) ||
-        get_int(v, "num_heads", &c->v_heads, 1, 1024, err, errlen) ||
-        get_int(v, "in_channels", &c->v_num_channels, 3, 3, err, errlen) ||
-        get_int(v, "patch_size", &c->v_patch, 1, 64, err, errlen) ||
-        get_int(v, "spatial_merge_size", &c->v_merge, 1, 4, err, errlen) ||
-        get_int(v, "temporal_patch_size", &c->v_temporal_patch, 1, 16, err, errlen) ||
-        get_int(v, "window_size", &c->v_window, 1, 1 << 16, err, errlen) ||
-        get_int(v, "out_hidden_size", &out_hidden, 1, 1 << 16, err, errlen) ||
-        get_float(v, "rope_theta", &c->v_rope_theta, 1.0, 1e12, err, errlen))
+    if (get_qwenvl_vision_keys(v, c, &out_hidden, err, errlen) ||
+        get_int(v, "window_size", &c->v_window, 1, 1 << 16, err, errlen))
         goto done;
-    json_t *rp = json_object_get(v, "rope_parameters");
-    if (json_is_object(rp) && get_float(rp, "rope_theta", &c->v_rope_theta, 1.0, 1e12, err, errlen)) goto done;
     const char *act = get_str(v, "hidden_act");
     if (act && prism_act_parse(act) != PRISM_ACT_SILU) {
         ERR("config: Qwen2.5-VL vision hidden_act '%s' is not supported (silu)", act);
@@ -546,31 +591,7 @@ static int parse_qwen25_vl(json_t *root, prism_model_config_t *c, char *err, siz
         c->mrope_section[0] = 16;   /* Qwen2_5_VLRotaryEmbedding's default */
         c->mrope_section[1] = c->mrope_section[2] = 24;
     }
-    if (c->mrope_section[0] + c->mrope_section[1] + c->mrope_section[2] != c->head_dim / 2) {
-        ERR("config: mrope_section %d+%d+%d must cover head_dim/2 = %d rotary pairs", c->mrope_section[0],
-            c->mrope_section[1], c->mrope_section[2], c->head_dim / 2);
-        return PRISM_ECORRUPT;
-    }
-    if (c->rope_scaling_type != 0) {
-        ERR("config: Qwen2.5-VL with rope scaling is not supported");
-        return PRISM_ENOTSUP;
-    }
-    TRY(parse_qwen25_vision(json_object_get(root, "vision_config"), c, err, errlen));
-    c->has_vision = true;
-    c->image_token_index = 151655;
-    c->boi_token_id = 151652;
-    c->eoi_token_id = 151653;
-    bool tie = false;
-    TRY(get_int(root, "image_token_id", &c->image_token_index, 0, INT32_MAX, err, errlen));
-    TRY(get_int(root, "vision_start_token_id", &c->boi_token_id, 0, INT32_MAX, err, errlen));
-    TRY(get_int(root, "vision_end_token_id", &c->eoi_token_id, 0, INT32_MAX, err, errlen));
-    TRY(get_bool(root, "tie_word_embeddings", &tie, err, errlen));
-    c->tie_word_embeddings = c->tie_word_embeddings || tie;
-    if (c->image_token_index >= c->vocab || c->boi_token_id >= c->vocab || c->eoi_token_id >= c->vocab) {
-        ERR("config.json: image / vision start / end token ids outside the vocabulary (%d)", c->vocab);
-        return PRISM_ECORRUPT;
-    }
-    return PRISM_OK;
+    return parse_qwenvl_rest(root, c, "Qwen2.5-VL", parse_qwen25_vision, err, errlen);
 }
 
 /* ---------------------------------------------------------------- Qwen3-VL */
@@ -600,20 +621,9 @@ static int parse_qwen3_vision(json_t *v, prism_model_config_t *c, char *err, siz
     c->v_eps = 1e-6f;
     c->v_act = PRISM_ACT_GELU_TANH;
     int ds[PRISM_MODEL_MAX_DEEPSTACK] = {8, 16, 24}, n_ds = 3;
-    if (get_int(v, "depth", &c->v_layers, 1, PRISM_MODEL_MAX_VLAYERS, err, errlen) ||
-        get_int(v, "hidden_size", &c->v_hidden, 1, 1 << 15, err, errlen) ||
-        get_int(v, "intermediate_size", &c->v_intermediate, 1, 1 << 18, err, errlen) ||
-        get_int(v, "num_heads", &c->v_heads, 1, 1024, err, errlen) ||
-        get_int(v, "in_channels", &c->v_num_channels, 3, 3, err, errlen) ||
-        get_int(v, "patch_size", &c->v_patch, 1, 64, err, errlen) ||
-        get_int(v, "spatial_merge_size", &c->v_merge, 1, 4, err, errlen) ||
-        get_int(v, "temporal_patch_size", &c->v_temporal_patch, 1, 16, err, errlen) ||
-        get_int(v, "num_position_embeddings", &c->v_num_pos, 1, 1 << 20, err, errlen) ||
-        get_int(v, "out_hidden_size", &out_hidden, 1, 1 << 16, err, errlen) ||
-        get_float(v, "rope_theta", &c->v_rope_theta, 1.0, 1e12, err, errlen))
+    if (get_qwenvl_vision_keys(v, c, &out_hidden, err, errlen) ||
+        get_int(v, "num_position_embeddings", &c->v_num_pos, 1, 1 << 20, err, errlen))
         goto done;
-    json_t *rp = json_object_get(v, "rope_parameters");
-    if (json_is_object(rp) && get_float(rp, "rope_theta", &c->v_rope_theta, 1.0, 1e12, err, errlen)) goto done;
     const char *act = get_str(v, "hidden_act");
     if (act && (c->v_act = prism_act_parse(act)) < 0) {
         ERR("config: Qwen3-VL vision hidden_act '%s' is not supported", act);
@@ -712,32 +722,8 @@ static int parse_qwen3_vl(json_t *root, prism_model_config_t *c, char *err, size
         c->mrope_section[1] = c->mrope_section[2] = 20;
     }
     c->mrope_interleaved = true;    /* Qwen3VLTextRotaryEmbedding interleaves whatever the config says */
-    if (c->mrope_section[0] + c->mrope_section[1] + c->mrope_section[2] != c->head_dim / 2) {
-        ERR("config: mrope_section %d+%d+%d must cover head_dim/2 = %d rotary pairs", c->mrope_section[0],
-            c->mrope_section[1], c->mrope_section[2], c->head_dim / 2);
-        return PRISM_ECORRUPT;
-    }
-    if (c->rope_scaling_type != 0) {
-        ERR("config: Qwen3-VL with rope scaling is not supported");
-        return PRISM_ENOTSUP;
-    }
     for (int i = 0; i < c->n_layers; i++) c->layer_flags[i] = PRISM_LAYER_ROPE | PRISM_LAYER_QK_RMS;
-    TRY(parse_qwen3_vision(json_object_get(root, "vision_config"), c, err, errlen));
-    c->has_vision = true;
-    c->image_token_index = 151655;
-    c->boi_token_id = 151652;
-    c->eoi_token_id = 151653;
-    bool tie = false;
-    TRY(get_int(root, "image_token_id", &c->image_token_index, 0, INT32_MAX, err, errlen));
-    TRY(get_int(root, "vision_start_token_id", &c->boi_token_id, 0, INT32_MAX, err, errlen));
-    TRY(get_int(root, "vision_end_token_id", &c->eoi_token_id, 0, INT32_MAX, err, errlen));
-    TRY(get_bool(root, "tie_word_embeddings", &tie, err, errlen));
-    c->tie_word_embeddings = c->tie_word_embeddings || tie;
-    if (c->image_token_index >= c->vocab || c->boi_token_id >= c->vocab || c->eoi_token_id >= c->vocab) {
-        ERR("config.json: image / vision start / end token ids outside the vocabulary (%d)", c->vocab);
-        return PRISM_ECORRUPT;
-    }
-    return PRISM_OK;
+    return parse_qwenvl_rest(root, c, "Qwen3-VL", parse_qwen3_vision, err, errlen);
 }
 
 static int parse_vision(json_t *v, prism_model_config_t *c, char *err, size_t errlen)
