@@ -424,20 +424,7 @@ int prism_llm_load(prism_backend_t *be, const prism_model_config_t *cfg, const c
     w = (prism_wload_t){.be = be, .st = st, .err = err, .errlen = errlen, .random = cfg->random_weights,
                         .seed = cfg->random_seed};
     if ((rc = load_weights(m, &w, pfx, head)) != PRISM_OK) goto fail;   /* pass 1: validate + size */
-    m->wbytes = PRISM_ALIGN_UP(w.off, PRISM_TENSOR_ALIGN);
-    m->wbuf = prism_backend_buf_alloc(be, m->wbytes);
-    w.staging_n = 1u << 20;
-    w.staging = prism_malloc(w.staging_n * sizeof(float));
-    if (!m->wbuf || !w.staging) {
-        char b[32];
-        ERR("llm: cannot allocate %s of weights", prism_fmt_bytes(m->wbytes, b, sizeof b));
-        rc = PRISM_ENOMEM;
-        goto fail;
-    }
-    w.total = m->wbytes;
-    w.base = m->wbuf;
-    w.off = 0;
-    w.next_log = (size_t)1 << 30;
+    if ((rc = prism_wload_begin_upload(&w, &m->wbuf, &m->wbytes)) != PRISM_OK) goto fail;
     if ((rc = load_weights(m, &w, pfx, head)) != PRISM_OK) goto fail;   /* pass 2: upload */
     {
         int half = cfg->head_dim / 2;

@@ -32,6 +32,10 @@ typedef struct {
     int64_t lo, hi;
 } prism_wload_range_t;
 
+/* Between the passes: the one weight block of the size pass 1 summed (*buf, *bytes, on w->be) and the
+ * host staging buffer, w set for pass 2. PRISM_ENOMEM (with err) when either cannot be had; the
+ * caller frees w->staging after pass 2 (and the block with its model). */
+int prism_wload_begin_upload(prism_wload_t *w, void **buf, size_t *bytes);
 /* Reserves bytes in the weight block (aligned); returns the device pointer in pass 2, NULL in pass 1. */
 void *prism_wload_reserve(prism_wload_t *w, size_t bytes);
 /* Finds `name`, checks its shape against shape[ndim] (numel check when ndim < 0 with shape[0]

@@ -337,19 +337,7 @@ int prism_vision_load(prism_backend_t *be, const prism_model_config_t *cfg, cons
     w = (prism_wload_t){.be = be, .st = st, .err = err, .errlen = errlen, .random = cfg->random_weights,
                         .seed = cfg->random_seed};
     if ((rc = load_weights(v, &w, nm, vp, pp)) != PRISM_OK) goto fail;
-    v->wbytes = PRISM_ALIGN_UP(w.off, PRISM_TENSOR_ALIGN);
-    v->wbuf = prism_backend_buf_alloc(be, v->wbytes);
-    w.staging_n = 1u << 20;
-    w.staging = prism_malloc(w.staging_n * sizeof(float));
-    if (!v->wbuf || !w.staging) {
-        ERR("vision: cannot allocate weights");
-        rc = PRISM_ENOMEM;
-        goto fail;
-    }
-    w.base = v->wbuf;
-    w.total = v->wbytes;
-    w.off = 0;
-    w.next_log = (size_t)1 << 30;
+    if ((rc = prism_wload_begin_upload(&w, &v->wbuf, &v->wbytes)) != PRISM_OK) goto fail;
     if ((rc = load_weights(v, &w, nm, vp, pp)) != PRISM_OK) goto fail;
     prism_free(w.staging);
     w.staging = NULL;

@@ -214,6 +214,24 @@ int prism_wload_tensor(prism_wload_t *w, void **out, prism_dtype_t dt, const cha
     return prism_wload_fill(w, p, dt, name, ndim, shape);
 }
 
+int prism_wload_begin_upload(prism_wload_t *w, void **buf, size_t *bytes)
+{
+    *bytes = PRISM_ALIGN_UP(w->off, PRISM_TENSOR_ALIGN);
+    *buf = prism_backend_buf_alloc(w->be, *bytes);
+    w->staging_n = 1u << 20;
+    w->staging = prism_malloc(w->staging_n * sizeof(float));
+    if (!*buf || !w->staging) {
+        char b[32];
+        ERR("weights: cannot allocate %s of weights", prism_fmt_bytes(*bytes, b, sizeof b));
+        return PRISM_ENOMEM;
+    }
+    w->base = *buf;
+    w->total = *bytes;
+    w->off = 0;
+    w->next_log = (size_t)1 << 30;
+    return PRISM_OK;
+}
+
 const char *prism_wload_find_prefix(const prism_st_t *st, const char *const *prefixes, int n, const char *suffix)
 {
     char name[PRISM_ST_MAX_NAME + 64];
