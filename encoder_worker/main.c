@@ -170,35 +170,29 @@ static void finish_job(encoder_t *e, job_t *j)
     release_job(e, j);
 }
 
-/* Native resolution: the job's pieces from the first not sent yet, one message each, until the
- * prefill's socket is full (PRISM_EAGAIN: the rest go on a later call, j->sent remembers). Each
- * message copies one piece into ZeroMQ: never a second copy of the whole image. */
-static int push_pieces(encoder_t *e, job_t *j, void *s)
+/* Native resolution: the job's pieces from the first not sent yet, one message each (env, its
+ * Embeddings filled in per piece), until the prefill's socket is full (PRISM_EAGAIN: the rest go on a
+ * later call, j->sent remembers). Each message copies one piece into ZeroMQ: never a second copy of
+ * the whole image. */
+static int push_pieces(encoder_t *e, job_t *j, void *s, Prism__Envelope *env)
 {
-    Prism__Embeddings em = PRISM__EMBEDDINGS__INIT;
-    em.image_index = j->image_index;
-    em.hidden = (uint32_t)e->row_floats;   /* Qwen3-VL: the embedding and its DeepStack levels */
-    em.error = j->error;
-    Prism__Envelope env = PRISM__ENVELOPE__INIT;
-    env.type = PRISM__MSG_TYPE__MSG_EMBEDDINGS;
-    env.request_id = j->rid;
-    env.request_id_hi = j->rid_hi;
-    env.router_id = j->router_id;
-    env.embeddings = &em;
-    if (j->error[0]) return prism_msg_send(s, NULL, 0, &env, NULL, 0, ZMQ_DONTWAIT);
+    Prism__Embeddings *em = env->embeddings;
+    em->hidden = (uint32_t)e->row_floats;   /* Qwen3-VL: the embedding and its DeepStack levels */
+    if (j->error[0]) return prism_msg_send(s, NULL, 0, env, NULL, 0, ZMQ_DONTWAIT);
     for (; j->sent < j->n_tiles; j->sent++) {
         int r0 = j->sent * e->piece_rows, rows = PRISM_MIN(e->piece_rows, j->n_rows - r0);
-        em.n_tokens = (uint32_t)rows;
-        em.row_offset = (uint32_t)r0;
-        em.total_tokens = (uint32_t)j->n_rows;
+        em->n_tokens = (uint32_t)rows;
+        em->row_offset = (uint32_t)r0;
+        em->total_tokens = (uint32_t)j->n_rows;
         prism_frame_t f = {j->parts[j->sent], (size_t)rows * e->row_floats * sizeof(float)};
-        int rc = prism_msg_send(s, NULL, 0, &env, &f, 1, ZMQ_DONTWAIT);
+        int rc = prism_msg_send(s, NULL, 0, env, &f, 1, ZMQ_DONTWAIT);
         if (rc != PRISM_OK) return rc;
     }
     return PRISM_OK;
 }
 
-/* Pushes one job's embeddings (or its error) to the prefill worker. PRISM_EAGAIN: pool full. */
+/* Pushes one job's embeddings (or its error) to the prefill worker: its tiles in one message, or
+ * (native resolution) its pieces. PRISM_EAGAIN: pool full. */
 static int push_job(encoder_t *e, job_t *j)
 {
     void *s = prism_worker_peer_sock(&e->w, j->prefill_endpoint);
@@ -207,11 +201,8 @@ static int push_job(encoder_t *e, job_t *j)
         j->error_kind = PRISM__ERROR_KIND__ERROR_UNAVAILABLE;
         return PRISM_EIO;
     }
-    if (e->native) return push_pieces(e, j, s);
     Prism__Embeddings em = PRISM__EMBEDDINGS__INIT;
     em.image_index = j->image_index;
-    em.n_tokens = (uint32_t)(j->n_tiles * e->cfg.image_seq_length);
-    em.hidden = (uint32_t)e->cfg.hidden;
     em.error = j->error;
     Prism__Envelope env = PRISM__ENVELOPE__INIT;
     env.type = PRISM__MSG_TYPE__MSG_EMBEDDINGS;
@@ -219,6 +210,9 @@ static int push_job(encoder_t *e, job_t *j)
     env.request_id_hi = j->rid_hi;
     env.router_id = j->router_id;
     env.embeddings = &em;
+    if (e->native) return push_pieces(e, j, s, &env);
+    em.n_tokens = (uint32_t)(j->n_tiles * e->cfg.image_seq_length);
+    em.hidden = (uint32_t)e->cfg.hidden;
     prism_frame_t f[MAX_TILES];
     int n = j->error[0] ? 0 : j->n_tiles;
     for (int i = 0; i < n; i++) f[i] = (prism_frame_t){j->parts[i], e->emb_floats * sizeof(float)};
@@ -435,6 +429,66 @@ static bool being_encoded(const encoder_t *e, uint64_t hash)
     return false;
 }
 
+/* ---- forming and finishing a batch (tiles or native resolution) ---- */
+
+static job_t *oldest_queued(encoder_t *e)
+{
+    job_t *best = NULL;
+    for (int i = 0; i < e->max_queue; i++) {
+        job_t *j = &e->jobs[i];
+        if (j->state == JOB_QUEUED && (!best || j->t_arrive < best->t_arrive)) best = j;
+    }
+    return best;
+}
+
+/* A job whose image's embeddings are in the cache takes them; false on a miss. The entry stays
+ * pinned until the job is sent (finish_job): a miss later in this batch must not evict and overwrite
+ * it. */
+static bool take_cached(encoder_t *e, job_t *j)
+{
+    int hit = prism_embed_cache_get_pinned(&e->cache, j->hash);
+    if (hit < 0) return false;
+    /* finding its own early job's result is no repeat of the image: the early job counted it */
+    if (j->after_early) e->cache.hits--;
+    j->cache_slot = hit;
+    j->n_tiles = prism_embed_cache_units(&e->cache, hit, j->parts, MAX_PARTS);
+    j->cache_hit = true;
+    drop_image(j);
+    return true;
+}
+
+/* Decodes and preprocesses a job's image into pixels (the decode timed); its file is not needed after. */
+static int decode_job(encoder_t *e, job_t *j, float *pixels)
+{
+    double t0 = prism_now_s();
+    int rc = enc_prep_run(&e->prep, zmq_msg_data(&j->image), zmq_msg_size(&j->image), pixels, j->error,
+                          sizeof(j->error));
+    j->decode_ms = (float)((prism_now_s() - t0) * 1e3);
+    drop_image(j);
+    return rc;
+}
+
+/* The cost per image (decode + tower) a batch that ran whole measured, smoothed. */
+static void measure_cost(encoder_t *e, double per)
+{
+    e->cost_s = e->cost_s > 0 ? 0.7 * e->cost_s + 0.3 * per : per;
+}
+
+/* An image of the batch after the tower (rc): ready to send, its parts (tiles or pieces of
+ * emb_floats floats) read in place from emb and put in the cache, or its error. */
+static void image_encoded(encoder_t *e, job_t *j, int rc, double vit_ms, const float *emb)
+{
+    j->state = JOB_SEND;
+    j->vit_ms = (float)vit_ms;
+    if (rc != PRISM_OK) {
+        snprintf(j->error, sizeof(j->error), "vision encoder failed: %s", prism_strerror(rc));
+        j->error_kind = PRISM__ERROR_KIND__ERROR_INTERNAL;
+        return;
+    }
+    for (int k = 0; k < j->n_tiles; k++) j->parts[k] = emb + (size_t)k * e->emb_floats;
+    prism_embed_cache_put(&e->cache, j->hash, emb, j->n_tiles);
+}
+
 /* Native resolution: images oldest first while their patches fit the pixel buffer (the tower's
  * arena), then one forward over all of them; each image's rows leave in pieces. An image beyond
  * --max-image-tokens was refused from its header. */
@@ -448,11 +502,7 @@ static void run_batch_native(encoder_t *e)
     for (int pass = 0; pass < e->max_queue && e->n_batch < (int)PRISM_ARRAY_LEN(e->batch) &&
                        e->n_pix < (int)PRISM_ARRAY_LEN(e->pix_job) && e->n_pix < target;
          pass++) {
-        job_t *best = NULL;
-        for (int i = 0; i < e->max_queue; i++) {
-            job_t *j = &e->jobs[i];
-            if (j->state == JOB_QUEUED && (!best || j->t_arrive < best->t_arrive)) best = j;
-        }
+        job_t *best = oldest_queued(e);
         if (!best) break;
         if (being_encoded(e, best->hash)) break;
         const uint8_t *data = zmq_msg_data(&best->image);
@@ -470,21 +520,8 @@ static void run_batch_native(encoder_t *e)
         best->grid = (prism_vgrid_t){g.grid_h, g.grid_w};
         best->n_rows = g.n_tokens;
         best->sent = 0;
-        int hit = prism_embed_cache_get_pinned(&e->cache, best->hash);
-        if (hit >= 0 && best->after_early) e->cache.hits--;
-        if (hit >= 0) {
-            best->cache_slot = hit;
-            best->n_tiles = prism_embed_cache_units(&e->cache, hit, best->parts, MAX_PARTS);
-            best->cache_hit = true;
-            drop_image(best);
-            continue;
-        }
-        double t0 = prism_now_s();
-        int rc = enc_prep_run(&e->prep, data, len, e->pixels + (size_t)n_patches * e->patch_floats, best->error,
-                              sizeof(best->error));
-        best->decode_ms = (float)((prism_now_s() - t0) * 1e3);
-        drop_image(best);
-        if (rc != PRISM_OK) continue;
+        if (take_cached(e, best)) continue;
+        if (decode_job(e, best, e->pixels + (size_t)n_patches * e->patch_floats) != PRISM_OK) continue;
         best->state = JOB_ENCODED;
         best->patch0 = n_patches;
         best->row0 = n_rows;
@@ -504,25 +541,14 @@ static void run_batch_native(encoder_t *e)
         int rc = prism_vision_native_encode(e->nvis, e->pixels, e->vgrid, n_pix, e->out);
         double vit_s = prism_now_s() - t0;
         prism_worker_progress(&e->w, (uint64_t)e->n_live);
-        if (rc == PRISM_OK && e->n_live == n_pix) {
-            double per = (decode_s + vit_s) / n_pix;
-            e->cost_s = e->cost_s > 0 ? 0.7 * e->cost_s + 0.3 * per : per;
-        }
+        if (rc == PRISM_OK && e->n_live == n_pix) measure_cost(e, (decode_s + vit_s) / n_pix);
         for (int i = 0; i < n_pix; i++) {
             if (e->pix_job[i] < 0) continue;   /* cancelled during the batch */
             job_t *j = &e->jobs[e->pix_job[i]];
-            j->state = JOB_SEND;
-            j->vit_ms = (float)(vit_s * 1e3 * j->grid.h * j->grid.w / PRISM_MAX(n_patches, 1));   /* its patches' share */
-            if (rc != PRISM_OK) {
-                snprintf(j->error, sizeof(j->error), "vision encoder failed: %s", prism_strerror(rc));
-                j->error_kind = PRISM__ERROR_KIND__ERROR_INTERNAL;
-                continue;
-            }
-            /* pieces read in place; the last one's tail (the next image's rows, or the buffer's
-             * padding) is never sent, and the cache stores whole units */
-            const float *emb = e->out + (size_t)j->row0 * e->row_floats;
-            for (int k = 0; k < j->n_tiles; k++) j->parts[k] = emb + (size_t)k * e->piece_rows * e->row_floats;
-            prism_embed_cache_put(&e->cache, j->hash, emb, j->n_tiles);
+            /* its patches' share of the time; its pieces read in place (the last one's tail, the next
+             * image's rows or the buffer's padding, is never sent, and the cache stores whole units) */
+            image_encoded(e, j, rc, vit_s * 1e3 * j->grid.h * j->grid.w / PRISM_MAX(n_patches, 1),
+                          e->out + (size_t)j->row0 * e->row_floats);
         }
     }
     if (e->n_batch) flush_batch(e, false);
@@ -546,11 +572,7 @@ static void run_batch(encoder_t *e)
     for (int pass = 0; pass < e->max_queue && e->n_batch < (int)PRISM_ARRAY_LEN(e->batch) &&
                        e->n_pix < PRISM_MIN(e->cap_tiles, (int)PRISM_ARRAY_LEN(e->pix_job)) && e->n_pix < target;
          pass++) {
-        job_t *best = NULL;
-        for (int i = 0; i < e->max_queue; i++) {
-            job_t *j = &e->jobs[i];
-            if (j->state == JOB_QUEUED && (!best || j->t_arrive < best->t_arrive)) best = j;
-        }
+        job_t *best = oldest_queued(e);
         if (!best) break;
         if (being_encoded(e, best->hash)) break;   /* next batch: then a cache hit, not encoded twice */
         const uint8_t *data = zmq_msg_data(&best->image);
@@ -564,24 +586,8 @@ static void run_batch(encoder_t *e)
             drop_image(best);
             continue;
         }
-        /* The entry stays pinned until the job is sent (finish_job): a miss later in this batch
-         * must not evict and overwrite it. */
-        int hit = prism_embed_cache_get_pinned(&e->cache, best->hash);
-        /* finding its own early job's result is no repeat of the image: the early job counted it */
-        if (hit >= 0 && best->after_early) e->cache.hits--;
-        if (hit >= 0) {
-            best->cache_slot = hit;
-            best->n_tiles = prism_embed_cache_units(&e->cache, hit, best->parts, MAX_TILES);
-            best->cache_hit = true;
-            drop_image(best);
-            continue;
-        }
-        double t0 = prism_now_s();
-        int rc = enc_prep_run(&e->prep, data, len, e->pixels + (size_t)n_tiles * e->tile_px, best->error,
-                              sizeof(best->error));
-        best->decode_ms = (float)((prism_now_s() - t0) * 1e3);
-        drop_image(best);
-        if (rc != PRISM_OK) continue;
+        if (take_cached(e, best)) continue;
+        if (decode_job(e, best, e->pixels + (size_t)n_tiles * e->tile_px) != PRISM_OK) continue;
         best->state = JOB_ENCODED;
         best->n_tiles = nt;
         best->tile0 = n_tiles;
@@ -614,23 +620,12 @@ static void run_batch(encoder_t *e)
         }
         double vit_s = prism_now_s() - t0;
         prism_worker_progress(&e->w, (uint64_t)e->n_live);
-        if (rc == PRISM_OK && e->n_live == n_pix) {
-            double per = (decode_s + vit_s) / n_pix;
-            e->cost_s = e->cost_s > 0 ? 0.7 * e->cost_s + 0.3 * per : per;
-        }
+        if (rc == PRISM_OK && e->n_live == n_pix) measure_cost(e, (decode_s + vit_s) / n_pix);
         for (int i = 0; i < n_pix; i++) {
             if (e->pix_job[i] < 0) continue;   /* cancelled during the batch */
             job_t *j = &e->jobs[e->pix_job[i]];
-            j->state = JOB_SEND;
-            j->vit_ms = (float)(vit_s * 1e3 * j->n_tiles / n_tiles);   /* its tiles' share */
-            if (rc != PRISM_OK) {
-                snprintf(j->error, sizeof(j->error), "vision encoder failed: %s", prism_strerror(rc));
-                j->error_kind = PRISM__ERROR_KIND__ERROR_INTERNAL;
-                continue;
-            }
-            const float *emb = e->out + (size_t)j->tile0 * e->emb_floats;
-            for (int k = 0; k < j->n_tiles; k++) j->parts[k] = emb + (size_t)k * e->emb_floats;
-            prism_embed_cache_put(&e->cache, j->hash, emb, j->n_tiles);
+            /* its tiles' share of the time */
+            image_encoded(e, j, rc, vit_s * 1e3 * j->n_tiles / n_tiles, e->out + (size_t)j->tile0 * e->emb_floats);
         }
     }
     if (e->n_batch) flush_batch(e, false);
