@@ -36,18 +36,25 @@ static inline uint8_t *itu_read(const char *name, size_t *len)
     return (uint8_t *)buf;
 }
 
-static inline json_t *itu_manifest(void)
+/* Loads tests/data/image/<name> as JSON; NULL (said on stderr) when it cannot. */
+static inline json_t *itu_load_json(const char *name)
 {
     char path[1200];
-    snprintf(path, sizeof path, "%s/manifest.json", itu_data_dir());
+    snprintf(path, sizeof path, "%s/%s", itu_data_dir(), name);
     json_error_t err;
-    json_t *m = json_load_file(path, 0, &err);
-    if (!m) {
-        fprintf(stderr, "cannot load %s: %s\n", path, err.text);
-        abort();
-    }
+    json_t *j = json_load_file(path, 0, &err);
+    if (!j) fprintf(stderr, "cannot load %s: %s\n", path, err.text);
+    return j;
+}
+
+static inline json_t *itu_manifest(void)
+{
+    json_t *m = itu_load_json("manifest.json");
+    if (!m) abort();
     return m;
 }
+
+static inline int itu_int(json_t *o, const char *key) { return (int)json_integer_value(json_object_get(o, key)); }
 
 static inline const char *itu_str(json_t *o, const char *key)
 {

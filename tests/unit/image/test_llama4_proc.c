@@ -33,15 +33,8 @@ static uint8_t *synth_image(int w, int h, uint32_t seed)
 
 static int setup(void **state)
 {
-    char path[1200];
-    snprintf(path, sizeof path, "%s/llama4/goldens.json", itu_data_dir());
-    json_error_t err;
-    goldens = json_load_file(path, 0, &err);
-    if (!goldens) {
-        fprintf(stderr, "cannot load %s: %s\n", path, err.text);
-        return -1;
-    }
-    return 0;
+    goldens = itu_load_json("llama4/goldens.json");
+    return goldens ? 0 : -1;
 }
 
 static int teardown(void **state)
@@ -50,7 +43,6 @@ static int teardown(void **state)
     return 0;
 }
 
-static int geti(json_t *o, const char *k) { return (int)json_integer_value(json_object_get(o, k)); }
 
 /* Runs the processor on a synthetic image; returns [n_tiles][3][tile][tile] (prism_malloc'd). */
 static float *process(const prism_llama4_proc_t *p, int w, int h, uint32_t seed, prism_llama4_grid_t *g)
@@ -85,20 +77,20 @@ static void test_small_tiles_bit_exact(void **state)
     json_t *sm = json_object_get(goldens, "small");
     prism_llama4_proc_t p;
     prism_llama4_proc_default(&p);
-    p.tile = geti(sm, "tile");
-    p.max_patches = geti(sm, "max_patches");
+    p.tile = itu_int(sm, "tile");
+    p.max_patches = itu_int(sm, "max_patches");
     size_t i;
     json_t *c;
     int n_multi = 0;
     json_array_foreach(json_object_get(sm, "cases"), i, c) {
-        int w = geti(c, "w"), h = geti(c, "h");
+        int w = itu_int(c, "w"), h = itu_int(c, "h");
         prism_llama4_grid_t g;
-        float *out = process(&p, w, h, (uint32_t)geti(c, "seed"), &g);
-        assert_int_equal(g.rows, geti(c, "rows"));
-        assert_int_equal(g.cols, geti(c, "cols"));
-        assert_int_equal(g.resized_h, geti(c, "resized_h"));
-        assert_int_equal(g.resized_w, geti(c, "resized_w"));
-        assert_int_equal(g.n_tiles, geti(c, "n_tiles"));
+        float *out = process(&p, w, h, (uint32_t)itu_int(c, "seed"), &g);
+        assert_int_equal(g.rows, itu_int(c, "rows"));
+        assert_int_equal(g.cols, itu_int(c, "cols"));
+        assert_int_equal(g.resized_h, itu_int(c, "resized_h"));
+        assert_int_equal(g.resized_w, itu_int(c, "resized_w"));
+        assert_int_equal(g.n_tiles, itu_int(c, "n_tiles"));
         n_multi += g.n_tiles > 1;
         char name[96];
         snprintf(name, sizeof name, "llama4/%.80s", itu_str(c, "file"));
@@ -126,24 +118,24 @@ static void test_real_config_hashes(void **state)
     json_t *re = json_object_get(goldens, "real");
     prism_llama4_proc_t p;
     prism_llama4_proc_default(&p);
-    assert_int_equal(p.tile, geti(re, "tile"));
-    assert_int_equal(p.max_patches, geti(re, "max_patches"));
-    assert_int_equal(p.tokens_per_tile, geti(re, "tokens_per_tile"));
+    assert_int_equal(p.tile, itu_int(re, "tile"));
+    assert_int_equal(p.max_patches, itu_int(re, "max_patches"));
+    assert_int_equal(p.tokens_per_tile, itu_int(re, "tokens_per_tile"));
     size_t i;
     json_t *c;
     bool saw17 = false;
     json_array_foreach(json_object_get(re, "cases"), i, c) {
-        int w = geti(c, "w"), h = geti(c, "h");
+        int w = itu_int(c, "w"), h = itu_int(c, "h");
         prism_llama4_grid_t g;
-        float *out = process(&p, w, h, (uint32_t)geti(c, "seed"), &g);
-        assert_int_equal(g.rows, geti(c, "rows"));
-        assert_int_equal(g.cols, geti(c, "cols"));
-        assert_int_equal(g.n_tiles, geti(c, "n_tiles"));
+        float *out = process(&p, w, h, (uint32_t)itu_int(c, "seed"), &g);
+        assert_int_equal(g.rows, itu_int(c, "rows"));
+        assert_int_equal(g.cols, itu_int(c, "cols"));
+        assert_int_equal(g.n_tiles, itu_int(c, "n_tiles"));
         saw17 = saw17 || g.n_tiles == 17;
         size_t n = (size_t)g.n_tiles * 3 * p.tile * p.tile;
         uint16_t *bits = prism_malloc(n * 2);
         for (size_t k = 0; k < n; k++) bits[k] = to_bf16_bits(out[k]);
-        size_t stride = (size_t)geti(c, "sample_stride"), j;
+        size_t stride = (size_t)itu_int(c, "sample_stride"), j;
         json_t *v;
         json_array_foreach(json_object_get(c, "samples"), j, v) {
             if (out[j * stride] != (float)json_number_value(v))
@@ -165,16 +157,16 @@ static void test_geometry_table(void **state)
     json_t *c;
     int rows = 0;
     json_array_foreach(json_object_get(re, "geometry"), i, c) {
-        int w = geti(c, "w"), h = geti(c, "h");
+        int w = itu_int(c, "w"), h = itu_int(c, "h");
         prism_llama4_grid_t g;
         assert_int_equal(prism_llama4_grid(&p, w, h, &g), PRISM_OK);
-        if (g.rows != geti(c, "rows") || g.cols != geti(c, "cols") || g.resized_h != geti(c, "resized_h") ||
-            g.resized_w != geti(c, "resized_w") || g.n_tiles != geti(c, "n_tiles") ||
-            g.n_prompt_tokens != geti(c, "prompt_tokens"))
+        if (g.rows != itu_int(c, "rows") || g.cols != itu_int(c, "cols") || g.resized_h != itu_int(c, "resized_h") ||
+            g.resized_w != itu_int(c, "resized_w") || g.n_tiles != itu_int(c, "n_tiles") ||
+            g.n_prompt_tokens != itu_int(c, "prompt_tokens"))
             fail_msg("%dx%d: got %dx%d tiles, resize %dx%d, %d tiles, %d tokens; HF %dx%d, %dx%d, %d, %d", w, h, g.rows,
-                     g.cols, g.resized_h, g.resized_w, g.n_tiles, g.n_prompt_tokens, geti(c, "rows"),
-                     geti(c, "cols"), geti(c, "resized_h"), geti(c, "resized_w"), geti(c, "n_tiles"),
-                     geti(c, "prompt_tokens"));
+                     g.cols, g.resized_h, g.resized_w, g.n_tiles, g.n_prompt_tokens, itu_int(c, "rows"),
+                     itu_int(c, "cols"), itu_int(c, "resized_h"), itu_int(c, "resized_w"), itu_int(c, "n_tiles"),
+                     itu_int(c, "prompt_tokens"));
         assert_int_equal(g.n_patch_tokens, g.n_tiles * 144);
         rows++;
     }

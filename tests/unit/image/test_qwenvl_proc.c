@@ -30,15 +30,8 @@ static json_t *goldens;
 
 static int setup(void **state)
 {
-    char path[1200];
-    snprintf(path, sizeof path, "%s/qwenvl/goldens.json", itu_data_dir());
-    json_error_t err;
-    goldens = json_load_file(path, 0, &err);
-    if (!goldens) {
-        fprintf(stderr, "cannot load %s: %s\n", path, err.text);
-        return -1;
-    }
-    return 0;
+    goldens = itu_load_json("qwenvl/goldens.json");
+    return goldens ? 0 : -1;
 }
 
 static int teardown(void **state)
@@ -47,7 +40,6 @@ static int teardown(void **state)
     return 0;
 }
 
-static int geti(json_t *o, const char *k) { return (int)json_integer_value(json_object_get(o, k)); }
 
 static void write_text(const char *path, const char *s)
 {
@@ -100,14 +92,14 @@ static void test_pixels_bit_exact(void **state)
         json_t *c = json_array_get(cases, i);
         prism_qwenvl_proc_t p;
         load_config(json_string_value(json_object_get(c, "config")), &p);
-        int w = geti(c, "w"), h = geti(c, "h");
+        int w = itu_int(c, "w"), h = itu_int(c, "h");
         json_t *grid = json_object_get(c, "grid_thw");
         prism_qwenvl_grid_t g;
-        float *out = process(&p, w, h, (uint32_t)geti(c, "seed"), &g);
+        float *out = process(&p, w, h, (uint32_t)itu_int(c, "seed"), &g);
         assert_int_equal(json_integer_value(json_array_get(grid, 0)), 1);
         assert_int_equal(g.grid_h, json_integer_value(json_array_get(grid, 1)));
         assert_int_equal(g.grid_w, json_integer_value(json_array_get(grid, 2)));
-        assert_int_equal(g.n_patches, geti(c, "n_patches"));
+        assert_int_equal(g.n_patches, itu_int(c, "n_patches"));
         assert_int_equal(g.n_tokens * p.merge * p.merge, g.n_patches);
         size_t n = (size_t)g.n_patches * prism_qwenvl_patch_floats(&p);
         const char *vf = itu_str(c, "values");
