@@ -19,6 +19,8 @@ void gram_limits_resolve(prism_grammar_limits_t *o, const prism_grammar_limits_t
     D(max_stacks, GRAM_DEF_STACKS);
     D(max_nodes, GRAM_DEF_NODES);
     D(max_rollback, GRAM_DEF_ROLLBACK);
+    D(max_compile_ms, GRAM_DEF_COMPILE_MS);
+    D(max_compile_bytes, GRAM_DEF_COMPILE_BYTES);
 #undef D
     if (o->max_stack_depth > 60000) o->max_stack_depth = 60000;
 }
@@ -284,28 +286,4 @@ int32_t gx_utf8_range(prism_grammar_builder_t *b, uint32_t lo, uint32_t hi)
         return b->err;
     }
     return prism_gexpr_alt(b, alts, (size_t)n);
-}
-
-prism_gexpr_t prism_gexpr_regex(prism_grammar_builder_t *b, const char *re, size_t n)
-{
-    if (b->err) return b->err;
-    if (n > (size_t)b->lim.max_schema_bytes)
-        return gram_fail(b, PRISM_ELIMIT, "", "regex of %zu bytes exceeds the limit %d", n, b->lim.max_schema_bytes);
-    return gram_regex_expr(b, re, n, false, "");
-}
-
-int prism_grammar_builder_finish(prism_grammar_builder_t *b, prism_gexpr_t root, const prism_grammar_vocab_t *v,
-                                 prism_grammar_t **out, prism_grammar_error_t *err)
-{
-    *out = NULL;
-    int rc = b->err;
-    if (!rc && (root < 0 || (size_t)root >= b->n_nodes))
-        rc = gram_fail(b, PRISM_EINVAL, "", "invalid grammar expression handle");
-    if (!rc) rc = gram_compile(b, root, v, out);
-    if (rc < 0 && err) {
-        err->code = b->err ? b->err : rc;
-        snprintf(err->path, sizeof err->path, "%s", b->err_path);
-        snprintf(err->message, sizeof err->message, "%s", b->err ? b->err_msg : prism_strerror(rc));
-    }
-    return rc < 0 ? rc : PRISM_OK;
 }

@@ -30,6 +30,8 @@ static inline void gram_json_free(void *p)
 #define GRAM_DEF_STACKS        256
 #define GRAM_DEF_NODES         4096
 #define GRAM_DEF_ROLLBACK      16
+#define GRAM_DEF_COMPILE_MS    1000
+#define GRAM_DEF_COMPILE_BYTES (256 << 20)
 #define GRAM_MAX_EXPR_NODES    (1 << 21)
 
 void gram_limits_resolve(prism_grammar_limits_t *out, const prism_grammar_limits_t *in);
@@ -58,6 +60,9 @@ struct prism_grammar_builder {
     int err;
     char err_path[128];
     char err_msg[256];
+    /* what compiling has spent (gram_compile.c): work units (about one memory word touched each),
+     * scratch bytes held now, and the monotonic deadline */
+    struct { uint64_t work, next_clock, deadline_ns; size_t bytes; } spent;
     /* cached shared rules (JSON string, number, any value) per syntax flavour */
     int32_t rule_json_string, rule_json_any[2], rule_json_object_any[2];
 };
@@ -88,8 +93,13 @@ int32_t gram_regex_expr(prism_grammar_builder_t *b, const char *re, size_t n, bo
 typedef struct { uint8_t lo, hi; int32_t to; } gram_range_t;
 typedef struct { int32_t rule, ret; } gram_call_t;
 
+/* A state of a rule's automaton. Rules are DFAs (edges: disjoint byte ranges, at most one call per
+ * callee), except a rule whose subset construction ran past its budget, which stays an NFA
+ * (gram_compile.c): its "jump" states have only eps (the leaves of their epsilon closure, each a
+ * state with one edge or the final flag, never a jump), which a matcher follows as it steps, so
+ * the stack set simulates the NFA. */
 typedef struct {
-    uint32_t range_off, call_off;
+    uint32_t range_off, call_off, eps_off, n_eps;
     uint16_t n_ranges, n_calls;
     uint8_t  final;
 } gram_state_t;
@@ -115,6 +125,7 @@ struct prism_grammar {
     gram_state_t *states;  size_t n_states;
     gram_range_t *ranges;  size_t n_ranges;
     gram_call_t  *calls;   size_t n_calls;
+    int32_t      *eps;     size_t n_eps;   /* epsilon targets of NFA rules' jump states */
     int32_t *rule_start;   size_t n_rules;
     int32_t root_rule;
     _Atomic(gram_cache_entry_t *) *cache;  /* [n_states] */
@@ -125,6 +136,8 @@ struct prism_grammar {
 };
 
 int gram_compile(prism_grammar_builder_t *b, int32_t root, const prism_grammar_vocab_t *v, prism_grammar_t **out);
+/* Frees what gram_compile made (the tables and g); the mask cache is the matcher's (gram_match.c). */
+void gram_tables_free(prism_grammar_t *g);
 
 /* ---- vocabulary ---- */
 struct prism_grammar_vocab {

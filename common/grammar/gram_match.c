@@ -124,6 +124,11 @@ static void visit(gram_ctx_t *c, int32_t n, int32_t *out, int32_t *n_out, int ca
         if (callee < 0) continue;
         visit(c, callee, out, n_out, cap, end, esc);
     }
+    /* an NFA rule's jump: the leaves of its closure (leaves have no eps: one hop, no chains) */
+    for (uint32_t i = 0; i < st->n_eps; i++) {
+        int32_t leaf = gram_node_get(c, g->eps[st->eps_off + i], nd.parent);
+        if (leaf >= 0) visit(c, leaf, out, n_out, cap, end, esc);
+    }
     if (st->final) {
         if (nd.parent == GRAM_PARENT_ROOT) *end = true;
         else if (nd.parent == GRAM_PARENT_UNKNOWN) *esc = true;
@@ -316,6 +321,36 @@ gram_cache_entry_t *gram_cache_get(prism_grammar_t *g, int32_t state)
         atomic_store_explicit(&g->cache[state], e, memory_order_release);
     pthread_mutex_unlock(&g->cache_lock);
     return e;
+}
+
+/* ---- lifetime (the mask cache is this file's; the tables are gram_compile.c's) ---- */
+static void grammar_free(prism_grammar_t *g)
+{
+    if (g->cache) {
+        for (size_t s = 0; s < g->n_states; s++) {
+            gram_cache_entry_t *e = atomic_load(&g->cache[s]);
+            if (!e) continue;
+            prism_free(e->acc);
+            prism_free(e->unc);
+            prism_free(e->unc_lcp);
+            prism_free(e);
+        }
+        prism_free(g->cache);
+        pthread_mutex_destroy(&g->cache_lock);
+    }
+    if (g->cache_ctx) {
+        gram_ctx_free(g->cache_ctx);
+        prism_free(g->cache_ctx);
+    }
+    prism_free(g->cache_mask);
+    gram_tables_free(g);
+}
+
+void prism_grammar_retain(prism_grammar_t *g) { atomic_fetch_add(&g->refs, 1); }
+
+void prism_grammar_release(prism_grammar_t *g)
+{
+    if (g && atomic_fetch_sub(&g->refs, 1) == 1) grammar_free(g);
 }
 
 int prism_grammar_warm(prism_grammar_t *g)

@@ -438,3 +438,11 @@ int32_t gram_regex_expr(prism_grammar_builder_t *b, const char *re, size_t n, bo
     if (e >= 0 && !rx_eof(&r)) return rx_fail(&r, PRISM_EINVAL, "%s", "unbalanced ')'");
     return e;
 }
+
+prism_gexpr_t prism_gexpr_regex(prism_grammar_builder_t *b, const char *re, size_t n)
+{
+    if (b->err) return b->err;
+    if (n > (size_t)b->lim.max_schema_bytes)
+        return gram_fail(b, PRISM_ELIMIT, "", "regex of %zu bytes exceeds the limit %d", n, b->lim.max_schema_bytes);
+    return gram_regex_expr(b, re, n, false, "");
+}

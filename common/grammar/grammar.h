@@ -77,6 +77,12 @@ typedef struct {
     int max_stacks;          /* parallel stacks in one matcher state [256] */
     int max_nodes;           /* per-matcher persistent stack node pool [4096] */
     int max_rollback;        /* tokens a matcher can roll back [16] */
+    /* Compiling one grammar: wall time [1000 ms] and the compiler's scratch memory [256 MiB]
+     * (PRISM_ELIMIT past either). A rule whose determinization costs more than a small multiple
+     * of its NFA is not determinized (it is matched as an NFA), so `(a|b)*a(a|b){k}` compiles in
+     * time linear in k; these budgets bound what remains. */
+    int max_compile_ms;
+    int max_compile_bytes;
 } prism_grammar_limits_t;
 
 /* ---- JSON options ---- */

@@ -162,6 +162,64 @@ static void test_bad_regex_choice(void **s)
     assert_string_equal(err.path, "[1]");
 }
 
+/* What compiling costs is bounded (issue 26): a rule whose subset construction would blow up
+ * stays an NFA (states linear in the regex), a long chain compiles in linear time, and the
+ * budgets of time and memory refuse what remains with PRISM_ELIMIT. */
+static void test_compile_cost_bounded(void **s)
+{
+    (void)s;
+    prism_grammar_t *g;
+    prism_grammar_error_t err;
+    static const int K[] = { 13, 20, 100, 250 };
+    for (size_t i = 0; i < PRISM_ARRAY_LEN(K); i++) {
+        char rx[64], yes[300], no[300];
+        snprintf(rx, sizeof rx, "(a|b)*a(a|b){%d}", K[i]);
+        double t0 = prism_now_s();
+        int rc = prism_grammar_compile_regex(T.v, rx, strlen(rx), NULL, &g, &err);
+        double dt = prism_now_s() - t0;
+        if (rc != PRISM_OK) fail_msg("%s: %d %s", rx, rc, err.message);
+        /* 2^k states determinized; linear as an NFA */
+        if (prism_grammar_n_states(g) > (size_t)(16 * K[i] + 128) || dt > 1.0)
+            fail_msg("%s: %zu states, %.3f s", rx, prism_grammar_n_states(g), dt);
+        int n = snprintf(yes, sizeof yes, "bba");
+        for (int j = 0; j < K[i]; j++) yes[n++] = j % 3 ? 'a' : 'b';
+        memcpy(no, yes, (size_t)n);
+        no[3] = 'x';
+        assert_true(prism_grammar_accepts_bytes(g, (const uint8_t *)yes, (size_t)n));
+        assert_false(prism_grammar_accepts_bytes(g, (const uint8_t *)yes, (size_t)n - 1));
+        assert_false(prism_grammar_accepts_bytes(g, (const uint8_t *)no, (size_t)n));
+        prism_grammar_release(g);
+    }
+    /* a 40,000-byte literal: a chain of 40,001 states (minimization and pruning were quadratic:
+     * 372 s) */
+    size_t len = 40000;
+    char *lit = malloc(len + 1);
+    for (size_t i = 0; i < len; i++) lit[i] = "ab"[i & 1];
+    lit[len] = 0;
+    double t0 = prism_now_s();
+    assert_int_equal(prism_grammar_compile_regex(T.v, lit, len, NULL, &g, &err), PRISM_OK);
+    double dt = prism_now_s() - t0;
+    if (dt > 2.0) fail_msg("a %zu-byte literal took %.3f s to compile", len, dt);
+    assert_int_equal(prism_grammar_n_states(g), len + 1);
+    prism_grammar_release(g);
+    /* the budgets: memory, then time */
+    prism_grammar_limits_t lim = { .max_compile_bytes = 1 << 16 };
+    assert_int_equal(prism_grammar_compile_regex(T.v, lit, len, &lim, &g, &err), PRISM_ELIMIT);
+    assert_non_null(strstr(err.message, "memory"));
+    lim = (prism_grammar_limits_t){ .max_compile_ms = 1 };
+    for (size_t i = 0; i < len / 2; i++) lit[i] = (char)('a' + i % 20);   /* not one run of a repeat */
+    char *big = malloc(len * 8 + 16);
+    size_t nb = 0;
+    for (int i = 0; i < 8; i++) { memcpy(big + nb, lit, len); nb += len; big[nb++] = '|'; }
+    big[nb - 1] = 0;
+    lim.max_schema_bytes = (int)nb;
+    lim.max_states = 1 << 20;
+    assert_int_equal(prism_grammar_compile_regex(T.v, big, nb - 1, &lim, &g, &err), PRISM_ELIMIT);
+    assert_non_null(strstr(err.message, "ms"));
+    free(big);
+    free(lit);
+}
+
 /* Mutation fuzz: random edits of valid schemas and regexes compile or fail cleanly. */
 static void test_fuzz(void **s)
 {
@@ -204,6 +262,7 @@ int main(void)
         cmocka_unit_test(test_bad_schemas),
         cmocka_unit_test(test_limits),
         cmocka_unit_test(test_bad_regex_choice),
+        cmocka_unit_test(test_compile_cost_bounded),
         cmocka_unit_test(test_fuzz),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
