@@ -21,6 +21,7 @@ void gram_limits_resolve(prism_grammar_limits_t *o, const prism_grammar_limits_t
     D(max_rollback, GRAM_DEF_ROLLBACK);
     D(max_compile_ms, GRAM_DEF_COMPILE_MS);
     D(max_compile_bytes, GRAM_DEF_COMPILE_BYTES);
+    D(max_mask_work, GRAM_DEF_MASK_WORK);
 #undef D
     if (o->max_stack_depth > 60000) o->max_stack_depth = 60000;
 }

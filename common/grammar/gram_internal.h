@@ -32,6 +32,7 @@ static inline void gram_json_free(void *p)
 #define GRAM_DEF_ROLLBACK      16
 #define GRAM_DEF_COMPILE_MS    1000
 #define GRAM_DEF_COMPILE_BYTES (256 << 20)
+#define GRAM_DEF_MASK_WORK     (1 << 25)
 #define GRAM_MAX_EXPR_NODES    (1 << 21)
 
 void gram_limits_resolve(prism_grammar_limits_t *out, const prism_grammar_limits_t *in);
@@ -191,6 +192,7 @@ typedef struct gram_ctx {
     int32_t max_len;
     int32_t k;           /* levels 0..k are valid for the current walk */
     bool overflow;       /* a limit pruned a path (pool, stacks, depth) */
+    uint64_t work;       /* stack nodes stepped and visited so far (the mask budget counts it) */
     int max_depth_seen;  /* deepest node made since the last reset of this counter */
 } gram_ctx_t;
 
@@ -204,6 +206,8 @@ void gram_ctx_truncate(gram_ctx_t *c, int32_t n_nodes);
 void gram_closure(gram_ctx_t *c, int32_t node, int32_t *out, int32_t *n_out, int cap, bool *end, bool *esc);
 /* One byte from set in[0..n) into out; returns the new count. */
 int  gram_step(gram_ctx_t *c, const int32_t *in, int n, uint8_t byte, int32_t *out, int cap, bool *end, bool *esc);
-gram_cache_entry_t *gram_cache_get(prism_grammar_t *g, int32_t state);
+/* The state's cache entry, filled now if it is not yet. A fill stops (PRISM_ELIMIT, nothing
+ * cached) once it has done more than budget work; *work (may be NULL) gets what it did. */
+int gram_cache_get(prism_grammar_t *g, int32_t state, uint64_t budget, uint64_t *work, gram_cache_entry_t **out);
 
 #endif

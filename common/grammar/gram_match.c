@@ -109,6 +109,7 @@ static void visit(gram_ctx_t *c, int32_t n, int32_t *out, int32_t *n_out, int ca
 {
     if (c->visit[n] == c->gen) return;
     c->visit[n] = c->gen;
+    c->work++;
     const prism_grammar_t *g = c->g;
     const gram_node_t nd = c->nodes[n];
     const gram_state_t *st = &g->states[nd.state];
@@ -159,6 +160,7 @@ int gram_step(gram_ctx_t *c, const int32_t *in, int n, uint8_t byte, int32_t *ou
 {
     new_gen(c);
     int32_t n_out = 0;
+    c->work += (uint64_t)n;
     if (cap > c->max_stacks) cap = c->max_stacks;
     for (int i = 0; i < n; i++) {
         const gram_node_t nd = c->nodes[in[i]];
@@ -206,7 +208,7 @@ static int walk_to(gram_ctx_t *c, const uint8_t *bytes, int L, int lcp)
 }
 
 /* ---- the per-state cache ---- */
-static int cache_fill(prism_grammar_t *g, int32_t state, gram_cache_entry_t **out)
+static int cache_fill(prism_grammar_t *g, int32_t state, uint64_t budget, gram_cache_entry_t **out)
 {
     const prism_grammar_vocab_t *v = g->vocab;
     if (!g->cache_ctx) {
@@ -224,6 +226,7 @@ static int cache_fill(prism_grammar_t *g, int32_t state, gram_cache_entry_t **ou
     }
     gram_ctx_t *c = g->cache_ctx;
     ctx_clear(c);
+    c->work = 0;
     int32_t top = gram_node_get(c, state, GRAM_PARENT_UNKNOWN);
     PRISM_ASSERT(top >= 0);
     c->max_depth_seen = 1;
@@ -242,6 +245,10 @@ static int cache_fill(prism_grammar_t *g, int32_t state, gram_cache_entry_t **ou
         uint32_t j0 = v->first_start[rg->lo], j1 = v->first_start[rg->hi + 1];
         run_min = 0;  /* a new first-byte group: no common prefix with earlier tokens */
         for (uint32_t j = j0; j < j1; j++) {
+            if (c->work > budget) {
+                rc = PRISM_ELIMIT;
+                goto fail;
+            }
             uint32_t L;
             const uint8_t *bytes = gram_sorted_bytes(v, j, &L);
             int lcp = j == j0 ? 0 : v->lcp[j];
@@ -311,16 +318,31 @@ fail:
     return rc;
 }
 
-gram_cache_entry_t *gram_cache_get(prism_grammar_t *g, int32_t state)
+int gram_cache_get(prism_grammar_t *g, int32_t state, uint64_t budget, uint64_t *work, gram_cache_entry_t **out)
 {
+    if (work) *work = 0;
     gram_cache_entry_t *e = atomic_load_explicit(&g->cache[state], memory_order_acquire);
-    if (e) return e;
-    pthread_mutex_lock(&g->cache_lock);
-    e = atomic_load_explicit(&g->cache[state], memory_order_relaxed);
-    if (!e && cache_fill(g, state, &e) == PRISM_OK)
-        atomic_store_explicit(&g->cache[state], e, memory_order_release);
-    pthread_mutex_unlock(&g->cache_lock);
-    return e;
+    int rc = PRISM_OK;
+    if (!e) {
+        pthread_mutex_lock(&g->cache_lock);
+        e = atomic_load_explicit(&g->cache[state], memory_order_relaxed);
+        if (!e) {
+            rc = cache_fill(g, state, budget, &e);
+            if (work && g->cache_ctx) *work = g->cache_ctx->work;
+            if (rc == PRISM_OK) atomic_store_explicit(&g->cache[state], e, memory_order_release);
+        }
+        pthread_mutex_unlock(&g->cache_lock);
+    }
+    *out = rc == PRISM_OK ? e : NULL;
+    return rc;
+}
+
+int prism_grammar_warm(prism_grammar_t *g)
+{
+    gram_cache_entry_t *e;
+    for (size_t s = 0; s < g->n_states; s++)
+        if (g->states[s].n_ranges && gram_cache_get(g, (int32_t)s, UINT64_MAX, NULL, &e) != PRISM_OK) return PRISM_ENOMEM;
+    return PRISM_OK;
 }
 
 /* ---- lifetime (the mask cache is this file's; the tables are gram_compile.c's) ---- */
@@ -351,13 +373,6 @@ void prism_grammar_retain(prism_grammar_t *g) { atomic_fetch_add(&g->refs, 1); }
 void prism_grammar_release(prism_grammar_t *g)
 {
     if (g && atomic_fetch_sub(&g->refs, 1) == 1) grammar_free(g);
-}
-
-int prism_grammar_warm(prism_grammar_t *g)
-{
-    for (size_t s = 0; s < g->n_states; s++)
-        if (g->states[s].n_ranges && !gram_cache_get(g, (int32_t)s)) return PRISM_ENOMEM;
-    return PRISM_OK;
 }
 
 /* ---- matcher ---- */
@@ -587,17 +602,20 @@ int prism_grammar_matcher_rollback(prism_grammar_matcher_t *m, int n)
 static inline void set_bit(int32_t *mask, int32_t id) { mask[id >> 5] |= (int32_t)(1u << (id & 31)); }
 
 /* Every token that can start from top's state, checked against the real stack. */
-static void walk_all(prism_grammar_matcher_t *m, int32_t top, int32_t *mask)
+/* Every token that can start from top's state, checked against the real stack; false once the
+ * context's work passes limit. */
+static bool walk_all(prism_grammar_matcher_t *m, int32_t top, int32_t *mask, uint64_t limit)
 {
     const prism_grammar_vocab_t *v = m->g->vocab;
     gram_ctx_t *c = &m->c;
     const gram_state_t *st = &m->g->states[c->nodes[top].state];
     int32_t mark = c->n_nodes;
+    bool ok = true;
     walk_begin(c, &top, 1);
-    for (uint32_t r = 0; r < st->n_ranges; r++) {
+    for (uint32_t r = 0; r < st->n_ranges && ok; r++) {
         const gram_range_t *rg = &m->g->ranges[st->range_off + r];
         uint32_t j0 = v->first_start[rg->lo], j1 = v->first_start[rg->hi + 1];
-        for (uint32_t j = j0; j < j1; j++) {
+        for (uint32_t j = j0; j < j1 && (ok = c->work <= limit); j++) {
             uint32_t L;
             const uint8_t *bytes = gram_sorted_bytes(v, j, &L);
             int k = walk_to(c, bytes, (int)L, j == j0 ? 0 : v->lcp[j]);
@@ -605,6 +623,7 @@ static void walk_all(prism_grammar_matcher_t *m, int32_t top, int32_t *mask)
         }
     }
     gram_ctx_truncate(c, mark);
+    return ok;
 }
 
 int prism_grammar_matcher_fill_mask(prism_grammar_matcher_t *m, int32_t *mask)
@@ -616,13 +635,18 @@ int prism_grammar_matcher_fill_mask(prism_grammar_matcher_t *m, int32_t *mask)
     memset(mask, 0, words * sizeof *mask);
     if (m->terminated) return 0;
     int32_t mark = c->n_nodes;
+    /* the mask's work budget: this matcher's steps, counted on c->work, plus cache fills */
+    uint64_t limit = c->work + (uint64_t)m->lim.max_mask_work;
     for (int t = 0; t < m->n_tops; t++) {
         int32_t top = m->tops[t];
-        gram_cache_entry_t *e = gram_cache_get(g, c->nodes[top].state);
-        if (!e) return PRISM_ENOMEM;
+        gram_cache_entry_t *e;
+        uint64_t filled = 0;
+        int rc = c->work > limit ? PRISM_ELIMIT : gram_cache_get(g, c->nodes[top].state, limit - c->work, &filled, &e);
+        c->work += filled;
+        if (rc != PRISM_OK) return rc;
         if (c->nodes[top].depth + e->max_push > c->max_depth) {
             /* near the depth limit the cached "accepted" may not hold here: walk every token */
-            walk_all(m, top, mask);
+            if (!walk_all(m, top, mask, limit)) return PRISM_ELIMIT;
             continue;
         }
         switch ((gram_acc_kind_t)e->acc_kind) {
@@ -639,9 +663,14 @@ int prism_grammar_matcher_fill_mask(prism_grammar_matcher_t *m, int32_t *mask)
             for (size_t w = 0; w < words; w++) mask[w] |= e->acc[w];
             break;
         }
+        c->work += e->acc_kind == GRAM_ACC_LIST ? e->n_acc / 8 : words / 8;
         if (!e->n_unc) continue;
         walk_begin(c, &top, 1);
         for (uint32_t i = 0; i < e->n_unc; i++) {
+            if (c->work > limit) {
+                gram_ctx_truncate(c, mark);
+                return PRISM_ELIMIT;
+            }
             int32_t id = v->sorted[e->unc[i]];
             if (prism_grammar_mask_test(mask, id)) continue;  /* another top already allows it */
             uint32_t L;

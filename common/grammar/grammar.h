@@ -83,6 +83,10 @@ typedef struct {
      * time linear in k; these budgets bound what remains. */
     int max_compile_ms;
     int max_compile_bytes;
+    /* Work one mask may take (stack nodes stepped, cache fills included) [32 Mi, about 0.3 s]:
+     * past it fill_mask returns PRISM_ELIMIT. The grammars of the tests take at most 6.6 Mi in
+     * one mask; 256 parallel stacks each needing a fresh cache fill would take seconds. */
+    int max_mask_work;
 } prism_grammar_limits_t;
 
 /* ---- JSON options ---- */
@@ -177,7 +181,7 @@ int  prism_grammar_matcher_create(prism_grammar_t *g, const prism_grammar_limits
                                   prism_grammar_matcher_t **out);
 void prism_grammar_matcher_free(prism_grammar_matcher_t *m);
 /* Writes prism_grammar_mask_words(v) words. Returns the number of allowed tokens (EOS included)
- * or a negative status. 0 allowed means the matcher is stuck (a run-time limit pruned every
+ * or a negative status (PRISM_ELIMIT past limits.max_mask_work). 0 allowed means the matcher is stuck (a run-time limit pruned every
  * path); the caller ends the sequence. Allocates nothing, except that the first time any
  * matcher of the grammar reaches a state, that state's cache entry is filled (under the
  * grammar's lock); prism_grammar_warm does all of them up front. */

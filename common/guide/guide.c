@@ -3,6 +3,7 @@
 #include "toolcall/toolcall.h"
 
 #include <jansson.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -26,6 +27,7 @@ typedef struct {
 } guide_slot_t;
 
 struct prism_guide_cache {
+    pthread_mutex_t lock;         /* slots, clock, stats; never held while compiling */
     const prism_grammar_vocab_t *v;
     guide_slot_t *slots;
     int n_slots;
@@ -205,6 +207,7 @@ int prism_guide_cache_create(const prism_grammar_vocab_t *v, int max_entries, si
         prism_free(c);
         return PRISM_ENOMEM;
     }
+    pthread_mutex_init(&c->lock, NULL);
     *out = c;
     return PRISM_OK;
 }
@@ -222,8 +225,50 @@ void prism_guide_cache_destroy(prism_guide_cache_t *c)
     if (!c) return;
     for (int i = 0; i < c->n_slots; i++)
         if (c->slots[i].g) slot_clear(c, &c->slots[i]);
+    pthread_mutex_destroy(&c->lock);
     prism_free(c->slots);
     prism_free(c);
+}
+
+/* The cached guide for s (a reference of the caller's), or NULL; under c->lock. */
+static prism_guide_t *lookup(prism_guide_cache_t *c, const prism_guide_spec_t *s, uint64_t h)
+{
+    c->clock++;
+    for (int i = 0; i < c->n_slots; i++) {
+        guide_slot_t *sl = &c->slots[i];
+        if (sl->g && sl->g->hash == h && spec_equal(&sl->g->spec, s)) {
+            sl->last_use = c->clock;
+            prism_guide_retain(sl->g);
+            return sl->g;
+        }
+    }
+    return NULL;
+}
+
+/* Keeps g (its text within the bound), evicting the least recently used; under c->lock. */
+static void insert(prism_guide_cache_t *c, prism_guide_t *g)
+{
+    size_t len = g->spec.len;
+    if (len > c->max_text) return;
+    for (;;) {
+        guide_slot_t *empty = NULL, *lru = NULL;
+        for (int i = 0; i < c->n_slots; i++) {
+            guide_slot_t *sl = &c->slots[i];
+            if (!sl->g) { if (!empty) empty = sl; }
+            else if (!lru || sl->last_use < lru->last_use) lru = sl;
+        }
+        if (empty && c->text_bytes + len <= c->max_text) {
+            prism_guide_retain(g);
+            empty->g = g;
+            empty->last_use = c->clock;
+            c->text_bytes += len;
+            c->st.entries++;
+            return;
+        }
+        if (!lru) return;
+        slot_clear(c, lru);
+        c->st.evictions++;
+    }
 }
 
 int prism_guide_get(prism_guide_cache_t *c, const prism_guide_spec_t *s, prism_guide_t **out,
@@ -232,49 +277,35 @@ int prism_guide_get(prism_guide_cache_t *c, const prism_guide_spec_t *s, prism_g
     *out = NULL;
     if (err) memset(err, 0, sizeof *err);
     uint64_t h = spec_hash(s);
-    c->clock++;
-    for (int i = 0; i < c->n_slots; i++) {
-        guide_slot_t *sl = &c->slots[i];
-        if (sl->g && sl->g->hash == h && spec_equal(&sl->g->spec, s)) {
-            sl->last_use = c->clock;
-            c->st.hits++;
-            prism_guide_retain(sl->g);
-            *out = sl->g;
-            return PRISM_OK;
-        }
+    pthread_mutex_lock(&c->lock);
+    prism_guide_t *g = lookup(c, s, h);
+    if (g) c->st.hits++;
+    else c->st.misses++;
+    pthread_mutex_unlock(&c->lock);
+    if (g) {
+        *out = g;
+        return PRISM_OK;
     }
-    c->st.misses++;
-    prism_guide_t *g;
+    /* compiled outside the lock (bounded by the grammar's compile budget), so threads sharing the
+     * cache never wait for each other's compiles; two that raced keep the first one cached */
     int rc = guide_new(c->v, s, h, &g, err);
     if (rc < 0) return rc;
-    if (s->len <= c->max_text) {
-        /* room: evict least recently used entries until the text fits and a slot is free */
-        for (;;) {
-            guide_slot_t *empty = NULL, *lru = NULL;
-            for (int i = 0; i < c->n_slots; i++) {
-                guide_slot_t *sl = &c->slots[i];
-                if (!sl->g) { if (!empty) empty = sl; }
-                else if (!lru || sl->last_use < lru->last_use) lru = sl;
-            }
-            if (empty && c->text_bytes + s->len <= c->max_text) {
-                prism_guide_retain(g);
-                empty->g = g;
-                empty->last_use = c->clock;
-                c->text_bytes += s->len;
-                c->st.entries++;
-                break;
-            }
-            if (!lru) break;
-            slot_clear(c, lru);
-            c->st.evictions++;
-        }
+    pthread_mutex_lock(&c->lock);
+    prism_guide_t *had = lookup(c, s, h);
+    if (!had) insert(c, g);
+    pthread_mutex_unlock(&c->lock);
+    if (had) {
+        prism_guide_release(g);
+        g = had;
     }
     *out = g;
     return PRISM_OK;
 }
 
-void prism_guide_cache_stats(const prism_guide_cache_t *c, prism_guide_cache_stats_t *out)
+void prism_guide_cache_stats(prism_guide_cache_t *c, prism_guide_cache_stats_t *out)
 {
+    pthread_mutex_lock(&c->lock);
     *out = c->st;
     out->text_bytes = c->text_bytes;
+    pthread_mutex_unlock(&c->lock);
 }

@@ -5,7 +5,9 @@
  * 400 on a bad schema, each worker compiles against its own vocabulary (built from the model's
  * tokenizer.json at start-up), and both go through here.
  *
- * Ownership: a cache belongs to one thread (the router's loop, a worker's compute loop); it holds
+ * Ownership and threads: a cache may be shared by threads (the router's preparation threads): its
+ * table is locked, and a miss compiles outside the lock (a compile is bounded by the grammar's
+ * compile budget: grammar.h), so one thread's compile never holds up another's lookup. It holds
  * one reference to each compiled guide it keeps and evicts the least recently used beyond its
  * bounds. prism_guide_get hands out a reference of its own, so a guide in use outlives eviction
  * and the cache; release it with prism_guide_release. A guide is immutable.
@@ -69,7 +71,7 @@ typedef struct {
     int entries;
     size_t text_bytes;
 } prism_guide_cache_stats_t;
-void prism_guide_cache_stats(const prism_guide_cache_t *c, prism_guide_cache_stats_t *out);
+void prism_guide_cache_stats(prism_guide_cache_t *c, prism_guide_cache_stats_t *out);
 
 /* Compiles without a cache (tests, tools). */
 int  prism_guide_compile(const prism_grammar_vocab_t *v, const prism_guide_spec_t *spec, prism_grammar_t **out,

@@ -220,6 +220,33 @@ static void test_compile_cost_bounded(void **s)
     free(lit);
 }
 
+/* One mask's work is bounded (limits.max_mask_work): a matcher simulating an NFA rule with many
+ * live states needs a cache fill per new state, each a walk over the vocabulary. */
+static void test_mask_work_bounded(void **s)
+{
+    (void)s;
+    prism_grammar_t *g;
+    prism_grammar_error_t err;
+    const char *rx = "(\\w|\\s)*a(\\w|\\s){200}";
+    assert_int_equal(prism_grammar_compile_regex(T.v, rx, strlen(rx), NULL, &g, &err), PRISM_OK);
+    int32_t *mask = calloc(prism_grammar_mask_words(T.v), sizeof *mask);
+    for (int pass = 0; pass < 2; pass++) {
+        prism_grammar_limits_t lim = { .max_mask_work = pass ? 0 : 2000 };
+        prism_grammar_matcher_t *m;
+        assert_int_equal(prism_grammar_matcher_create(g, &lim, &m), PRISM_OK);
+        int rc = 0;
+        for (int i = 0; i < 40 && rc >= 0; i++) {
+            rc = prism_grammar_matcher_fill_mask(m, mask);
+            if (rc > 0) assert_int_equal(prism_grammar_matcher_accept_bytes(m, (const uint8_t *)(i % 3 ? "a" : " "), 1), PRISM_OK);
+        }
+        if (pass == 0) assert_int_equal(rc, PRISM_ELIMIT);   /* past the small budget */
+        else assert_true(rc > 0);                            /* the default allows it */
+        prism_grammar_matcher_free(m);
+    }
+    free(mask);
+    prism_grammar_release(g);
+}
+
 /* Mutation fuzz: random edits of valid schemas and regexes compile or fail cleanly. */
 static void test_fuzz(void **s)
 {
@@ -263,6 +290,7 @@ int main(void)
         cmocka_unit_test(test_limits),
         cmocka_unit_test(test_bad_regex_choice),
         cmocka_unit_test(test_compile_cost_bounded),
+        cmocka_unit_test(test_mask_work_bounded),
         cmocka_unit_test(test_fuzz),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

@@ -5,6 +5,7 @@
 #include <stddef.h>
 #include <setjmp.h>
 #include <cmocka.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -159,12 +160,57 @@ static void test_errors(void **state)
     prism_guide_cache_destroy(c);
 }
 
+/* Threads sharing one cache (the router's preparation threads): every get answers, the counts
+ * add up, and no entry is kept twice. */
+typedef struct { prism_guide_cache_t *c; int id; int bad; } share_arg_t;
+
+static void *share_thread(void *p)
+{
+    share_arg_t *a = p;
+    static const char *const S[] = { "{\"type\":\"integer\"}", "{\"type\":\"boolean\"}", "{\"enum\":[\"x\",\"y\"]}",
+                                     "{\"type\":\"string\",\"maxLength\":9}" };
+    for (int i = 0; i < 200; i++) {
+        prism_guide_spec_t sp = schema(S[(i + a->id) % 4]);
+        prism_guide_t *g;
+        prism_grammar_error_t err;
+        if (prism_guide_get(a->c, &sp, &g, &err) != PRISM_OK || strcmp(prism_guide_spec(g)->text, sp.text)) {
+            a->bad++;
+            continue;
+        }
+        prism_guide_release(g);
+    }
+    return NULL;
+}
+
+static void test_shared_by_threads(void **state)
+{
+    (void)state;
+    prism_guide_cache_t *c;
+    assert_int_equal(prism_guide_cache_create(g_v, 3, 0, &c), PRISM_OK);
+    pthread_t th[4];
+    share_arg_t a[4];
+    for (int i = 0; i < 4; i++) {
+        a[i] = (share_arg_t){c, i, 0};
+        assert_int_equal(pthread_create(&th[i], NULL, share_thread, &a[i]), 0);
+    }
+    for (int i = 0; i < 4; i++) {
+        pthread_join(th[i], NULL);
+        assert_int_equal(a[i].bad, 0);
+    }
+    prism_guide_cache_stats_t st;
+    prism_guide_cache_stats(c, &st);
+    assert_int_equal(st.hits + st.misses, 800);
+    assert_true(st.entries <= 3);
+    prism_guide_cache_destroy(c);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_hits_misses_eviction),
         cmocka_unit_test(test_text_bound),
         cmocka_unit_test(test_errors),
+        cmocka_unit_test(test_shared_by_threads),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
