@@ -214,8 +214,11 @@ static int cache_fill(prism_grammar_t *g, int32_t state, uint64_t budget, gram_c
     if (!g->cache_ctx) {
         g->cache_ctx = prism_calloc(1, sizeof *g->cache_ctx);
         if (!g->cache_ctx) return PRISM_ENOMEM;
-        /* a walk from one state keeps few nodes at once; the pool is cleared per fill */
-        if (gram_ctx_init(g->cache_ctx, g, 1 << 16, g->lim.max_stacks, g->lim.max_stack_depth,
+        /* a walk from one state keeps few nodes at once; the pool is cleared per fill. It is no
+         * larger than what a matcher has free when it accepts a token (over half its pool: it
+         * compacts past half), so a token the cache accepts is never one a matcher's run from
+         * that state alone would prune for want of nodes (accept_bytes). */
+        if (gram_ctx_init(g->cache_ctx, g, PRISM_MAX(g->lim.max_nodes / 2 - 1, 64), g->lim.max_stacks, g->lim.max_stack_depth,
                           (int)v->max_len) < 0) {
             prism_free(g->cache_ctx);
             g->cache_ctx = NULL;
@@ -386,6 +389,7 @@ struct prism_grammar_matcher {
     int32_t *hist; int *hist_n; uint8_t *hist_end, *hist_term;
     int hist_head, hist_len;
     int32_t *buf_a, *buf_b;  /* [max_stacks] stepping buffers */
+    int32_t *buf_c;          /* [max_stacks] union of per-top runs (accept_bytes) */
     int32_t *scratch;        /* [mask words] */
     int32_t *remap;          /* [max_nodes] for compaction */
 };
@@ -423,9 +427,10 @@ int prism_grammar_matcher_create(prism_grammar_t *g, const prism_grammar_limits_
     m->hist_term = prism_malloc((size_t)H);
     m->buf_a = prism_malloc((size_t)S * sizeof *m->buf_a);
     m->buf_b = prism_malloc((size_t)S * sizeof *m->buf_b);
+    m->buf_c = prism_malloc((size_t)S * sizeof *m->buf_c);
     m->scratch = prism_malloc((v->mask_words ? v->mask_words : 1) * sizeof *m->scratch);
     m->remap = prism_malloc((size_t)m->lim.max_nodes * sizeof *m->remap);
-    if (!m->tops || !m->hist || !m->hist_n || !m->hist_end || !m->hist_term || !m->buf_a || !m->buf_b || !m->scratch || !m->remap) {
+    if (!m->tops || !m->hist || !m->hist_n || !m->hist_end || !m->hist_term || !m->buf_a || !m->buf_b || !m->buf_c || !m->scratch || !m->remap) {
         m->g = NULL;
         prism_grammar_matcher_free(m);
         return PRISM_ENOMEM;
@@ -448,6 +453,7 @@ void prism_grammar_matcher_free(prism_grammar_matcher_t *m)
     prism_free(m->hist_term);
     prism_free(m->buf_a);
     prism_free(m->buf_b);
+    prism_free(m->buf_c);
     prism_free(m->scratch);
     prism_free(m->remap);
     if (m->g) prism_grammar_release(m->g);
@@ -519,14 +525,15 @@ static void push_history(prism_grammar_matcher_t *m)
     if (m->hist_len < H - 1) m->hist_len++;
 }
 
-/* Runs bytes from the current tops into m->buf_a (ping-pong with buf_b). */
-static int run_bytes(prism_grammar_matcher_t *m, const uint8_t *bytes, size_t n, int *n_out, bool *end)
+/* Runs bytes from tops[0..n_tops) into m->buf_a (ping-pong with buf_b). */
+static int run_bytes(prism_grammar_matcher_t *m, const int32_t *tops, int n_tops, bool can_end, const uint8_t *bytes,
+                     size_t n, int *n_out, bool *end)
 {
     gram_ctx_t *c = &m->c;
     int32_t *a = m->buf_a, *b = m->buf_b;
-    int na = m->n_tops;
-    memcpy(a, m->tops, (size_t)na * sizeof *a);
-    bool e = m->can_end;
+    int na = n_tops;
+    if (a != tops) memcpy(a, tops, (size_t)na * sizeof *a);
+    bool e = can_end;
     for (size_t i = 0; i < n; i++) {
         bool esc = false;
         e = false;
@@ -541,6 +548,40 @@ static int run_bytes(prism_grammar_matcher_t *m, const uint8_t *bytes, size_t n,
     return PRISM_OK;
 }
 
+/* The run from all tops failed after a limit pruned paths (max_stacks, the node pool): a mask
+ * allows a token when some top alone accepts it (its cache entry), so run from each top alone
+ * and keep the union (up to max_stacks). Each failed run's nodes are dropped, so the run of the
+ * first top that accepts starts with the pool as the mask saw it. Result in m->buf_a. */
+static int run_each(prism_grammar_matcher_t *m, const uint8_t *bytes, size_t n, int *n_out, bool *end)
+{
+    gram_ctx_t *c = &m->c;
+    int32_t *seen = m->remap;   /* [max_nodes] marks of the nodes kept (compact() reuses it) */
+    memset(seen, 0, (size_t)c->cap_nodes * sizeof *seen);
+    int na = 0;
+    bool any_end = false, ok = false;
+    for (int t = 0; t < m->n_tops && na < m->lim.max_stacks; t++) {
+        int32_t mark = c->n_nodes;
+        int k = 0;
+        bool e = false;
+        if (run_bytes(m, &m->tops[t], 1, m->can_end, bytes, n, &k, &e) < 0) {
+            gram_ctx_truncate(c, mark);
+            continue;
+        }
+        ok = true;
+        any_end |= e;
+        for (int i = 0; i < k && na < m->lim.max_stacks; i++)
+            if (!seen[m->buf_a[i]]) {
+                seen[m->buf_a[i]] = 1;
+                m->buf_c[na++] = m->buf_a[i];
+            }
+    }
+    if (!ok) return PRISM_EINVAL;
+    memcpy(m->buf_a, m->buf_c, (size_t)na * sizeof *m->buf_a);
+    *n_out = na;
+    *end = any_end;
+    return PRISM_OK;
+}
+
 static int accept_bytes(prism_grammar_matcher_t *m, const uint8_t *bytes, size_t n)
 {
     if (m->terminated) return PRISM_EINVAL;
@@ -549,7 +590,12 @@ static int accept_bytes(prism_grammar_matcher_t *m, const uint8_t *bytes, size_t
     int32_t mark = c->n_nodes;
     int n_out = 0;
     bool end = false;
-    int rc = run_bytes(m, bytes, n, &n_out, &end);
+    c->overflow = false;
+    int rc = run_bytes(m, m->tops, m->n_tops, m->can_end, bytes, n, &n_out, &end);
+    if (rc < 0 && c->overflow && m->n_tops > 1) {
+        gram_ctx_truncate(c, mark);
+        rc = run_each(m, bytes, n, &n_out, &end);
+    }
     if (rc < 0) {
         gram_ctx_truncate(c, mark);
         return rc;

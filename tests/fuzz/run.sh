@@ -14,7 +14,7 @@ harnesses=("$@")
 if [ ${#harnesses[@]} -eq 0 ]; then
   harnesses=(fuzz_envelope fuzz_data_url fuzz_openai fuzz_config fuzz_safetensors fuzz_detok fuzz_template
              fuzz_tokenizer_json fuzz_image fuzz_http_server fuzz_body_lift fuzz_prefill_msgs fuzz_decode_msgs
-             fuzz_encoder_msgs fuzz_router_ctl fuzz_fetch_url)
+             fuzz_encoder_msgs fuzz_router_ctl fuzz_fetch_url fuzz_grammar)
 fi
 for h in "${harnesses[@]}"; do
   work="$build/fuzz-work/$h"
