@@ -126,14 +126,12 @@ size_t prism_utf8_complete_prefix(const char *s, size_t len)
 
 /* ---------------------------------------------------------------- JSON */
 
-int prism_json_string(prism_buf_t *b, const char *s, size_t len)
+int prism_json_escape(prism_buf_t *b, const char *s, size_t len)
 {
     static const char hexd[] = "0123456789abcdef";
     const unsigned char *u = (const unsigned char *)s;
     /* worst case 6 bytes out per byte in; reserve a typical amount up front */
-    int rc = prism_buf_reserve(b, len + 2 + 16);
-    if (rc) return rc;
-    rc = prism_buf_append(b, "\"", 1);
+    int rc = prism_buf_reserve(b, len + 16);
     size_t i = 0;
     while (!rc && i < len) {
         size_t run = i;
@@ -169,6 +167,19 @@ int prism_json_string(prism_buf_t *b, const char *s, size_t len)
         else rc = prism_buf_append(b, "\xEF\xBF\xBD", 3);  /* U+FFFD */
         i += used;
     }
+    return rc;
+}
+
+int prism_json_escape_cp(prism_buf_t *b, uint32_t cp)
+{
+    char u[4];
+    return prism_json_escape(b, u, (size_t)prism_utf8_encode(cp, u));
+}
+
+int prism_json_string(prism_buf_t *b, const char *s, size_t len)
+{
+    int rc = prism_buf_append(b, "\"", 1);
+    if (!rc) rc = prism_json_escape(b, s, len);
     if (!rc) rc = prism_buf_append(b, "\"", 1);
     return rc;
 }

@@ -61,6 +61,10 @@ static inline int prism_utf8_decode_valid(const char *s, uint32_t *cp)
 /* A JSON string literal (with the quotes) of s[0..len): '"', '\\' and control characters
  * escaped, invalid UTF-8 replaced by U+FFFD, so the output is always valid JSON. */
 int prism_json_string(prism_buf_t *b, const char *s, size_t len);
+/* The same without the quotes (text that goes inside a string being written). */
+int prism_json_escape(prism_buf_t *b, const char *s, size_t len);
+/* One code point (<= U+10FFFF, not a surrogate), escaped as above. */
+int prism_json_escape_cp(prism_buf_t *b, uint32_t cp);
 /* The same for a C string; NULL writes null. */
 int prism_json_cstr(prism_buf_t *b, const char *s);
 

@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "core/utf8.h"
 #include "gram_internal.h"
 
 void gram_limits_resolve(prism_grammar_limits_t *o, const prism_grammar_limits_t *in)
@@ -224,24 +225,10 @@ prism_gexpr_t prism_gexpr_shared(prism_grammar_builder_t *b, prism_gexpr_t e)
 }
 
 /* ---- UTF-8 ranges: split [lo, hi] until every piece is a product of byte ranges ---- */
-static int utf8_len(uint32_t c) { return c < 0x80 ? 1 : c < 0x800 ? 2 : c < 0x10000 ? 3 : 4; }
-
-static void utf8_enc(uint32_t c, uint8_t *o)
-{
-    switch (utf8_len(c)) {
-    case 1: o[0] = (uint8_t)c; break;
-    case 2: o[0] = (uint8_t)(0xC0 | c >> 6); o[1] = (uint8_t)(0x80 | (c & 63)); break;
-    case 3: o[0] = (uint8_t)(0xE0 | c >> 12); o[1] = (uint8_t)(0x80 | ((c >> 6) & 63));
-            o[2] = (uint8_t)(0x80 | (c & 63)); break;
-    default: o[0] = (uint8_t)(0xF0 | c >> 18); o[1] = (uint8_t)(0x80 | ((c >> 12) & 63));
-             o[2] = (uint8_t)(0x80 | ((c >> 6) & 63)); o[3] = (uint8_t)(0x80 | (c & 63)); break;
-    }
-}
-
 static int utf8_rec(prism_grammar_builder_t *b, uint32_t lo, uint32_t hi, int32_t *alts, int *n, int cap)
 {
     if (lo > hi) return 0;
-    static const uint32_t bounds[] = { 0x7F, 0x7FF, 0xFFFF };
+    static const uint32_t bounds[] = { 0x7F, 0x7FF, 0xFFFF };  /* where the encoded length changes */
     for (int i = 0; i < 3; i++)
         if (lo <= bounds[i] && hi > bounds[i]) {
             if (utf8_rec(b, lo, bounds[i], alts, n, cap) < 0) return -1;
@@ -262,12 +249,11 @@ static int utf8_rec(prism_grammar_builder_t *b, uint32_t lo, uint32_t hi, int32_
             }
         }
     }
-    uint8_t a[4], z[4];
-    utf8_enc(lo, a);
-    utf8_enc(hi, z);
-    int len = utf8_len(lo);
+    char a[4], z[4];
+    int len = prism_utf8_encode(lo, a);
+    prism_utf8_encode(hi, z);
     int32_t parts[4];
-    for (int i = 0; i < len; i++) parts[i] = gx_byte_range(b, a[i], z[i]);
+    for (int i = 0; i < len; i++) parts[i] = gx_byte_range(b, (uint8_t)a[i], (uint8_t)z[i]);
     if (*n >= cap) return gram_fail(b, PRISM_ELIMIT, "", "character class too complex");
     alts[(*n)++] = prism_gexpr_seq(b, parts, (size_t)len);
     return b->err ? -1 : 0;

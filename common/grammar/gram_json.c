@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "core/utf8.h"
 #include "gram_internal.h"
 
 typedef struct { char *ptr; int32_t rule; } js_ref_t;
@@ -824,12 +825,11 @@ out:
 prism_gexpr_t prism_gexpr_json_string_literal(prism_grammar_builder_t *b, const char *s, size_t n)
 {
     if (b->err) return b->err;
-    json_t *str = json_stringn(s, n);
-    char *d = str ? json_dumps(str, JSON_ENCODE_ANY) : NULL;
-    json_decref(str);
-    if (!d) return gram_fail(b, PRISM_EINVAL, "", "string is not valid UTF-8");
-    int32_t r = prism_gexpr_literal(b, d, strlen(d));
-    gram_json_free(d);
+    if (!prism_utf8_valid(s, n)) return gram_fail(b, PRISM_EINVAL, "", "string is not valid UTF-8");
+    prism_buf_t o = {0};
+    int32_t r = prism_json_string(&o, s, n) ? gram_fail(b, PRISM_ENOMEM, "", "out of memory building the grammar")
+                                            : prism_gexpr_literal(b, o.data, o.len);
+    prism_buf_free(&o);
     return r;
 }
 

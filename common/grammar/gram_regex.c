@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/utf8.h"
 #include "gram_internal.h"
 
 #define CP_MAX 0x10FFFF
@@ -71,19 +72,14 @@ static void set_negate(cp_set_t *s)
 }
 
 /* JSON escape for one code point below 0x20 or '"' / '\\'. */
+/* c as it appears inside a JSON string, spelt by the one JSON writer (core/utf8). */
 static int32_t json_escaped(prism_grammar_builder_t *b, uint32_t c)
 {
-    char buf[8];
-    switch (c) {
-    case '"': return gx_lit(b, "\\\"");
-    case '\\': return gx_lit(b, "\\\\");
-    case '\n': return gx_lit(b, "\\n");
-    case '\t': return gx_lit(b, "\\t");
-    case '\r': return gx_lit(b, "\\r");
-    case '\b': return gx_lit(b, "\\b");
-    case '\f': return gx_lit(b, "\\f");
-    default: snprintf(buf, sizeof buf, "\\u%04x", c); return gx_lit(b, buf);
-    }
+    prism_buf_t o = {0};
+    int32_t r = prism_json_escape_cp(&o, c) ? gram_fail(b, PRISM_ENOMEM, "", "out of memory building the grammar")
+                                            : prism_gexpr_literal(b, o.data, o.len);
+    prism_buf_free(&o);
+    return r;
 }
 
 static int32_t set_expr(rx_t *r, cp_set_t *s)

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "toolcall/toolcall.h"
+#include "core/utf8.h"
 
 #define TC_DEFAULT_MAX (1u << 20)
 #define TC_MAX_NEST 64
@@ -154,33 +155,14 @@ static int hexv(char c)
     return -1;
 }
 
+/* Appends code point c to o as raw UTF-8, or in JSON string form (without quotes). */
 static void put_utf8(prism_buf_t *o, uint32_t c)
 {
-    char b[4];
-    int n;
-    if (c < 0x80) { b[0] = (char)c; n = 1; }
-    else if (c < 0x800) { b[0] = (char)(0xC0 | c >> 6); b[1] = (char)(0x80 | (c & 63)); n = 2; }
-    else if (c < 0x10000) { b[0] = (char)(0xE0 | c >> 12); b[1] = (char)(0x80 | ((c >> 6) & 63)); b[2] = (char)(0x80 | (c & 63)); n = 3; }
-    else { b[0] = (char)(0xF0 | c >> 18); b[1] = (char)(0x80 | ((c >> 12) & 63)); b[2] = (char)(0x80 | ((c >> 6) & 63)); b[3] = (char)(0x80 | (c & 63)); n = 4; }
-    prism_buf_append(o, b, (size_t)n);
+    char u[4];
+    prism_buf_append(o, u, (size_t)prism_utf8_encode(c, u));
 }
 
-/* Appends code point c to o in JSON string form (without quotes). */
-static void put_json_char(prism_buf_t *o, uint32_t c)
-{
-    switch (c) {
-    case '"': prism_buf_append_str(o, "\\\""); return;
-    case '\\': prism_buf_append_str(o, "\\\\"); return;
-    case '\n': prism_buf_append_str(o, "\\n"); return;
-    case '\t': prism_buf_append_str(o, "\\t"); return;
-    case '\r': prism_buf_append_str(o, "\\r"); return;
-    case '\b': prism_buf_append_str(o, "\\b"); return;
-    case '\f': prism_buf_append_str(o, "\\f"); return;
-    default:
-        if (c < 0x20) prism_buf_appendf(o, "\\u%04x", c);
-        else put_utf8(o, c);
-    }
-}
+static void put_json_char(prism_buf_t *o, uint32_t c) { prism_json_escape_cp(o, c); }
 
 /* Decodes one JSON-string unit at buf[at] (not the closing quote) into o as raw UTF-8. Returns
  * the bytes consumed, 0 when incomplete, -1 when malformed. */
