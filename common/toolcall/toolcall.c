@@ -56,7 +56,30 @@ struct prism_toolcall_parser {
     char quote;
     prism_buf_t out;       /* scratch for converted text */
     bool str_is_key;       /* pythonic: the string being read is a dict key */
+    /* What the last scan that ran into the end of the text learnt: buf[from..to) holds no end of
+     * a construct of that kind begun at from (a fact about append-only text), so the next delta
+     * resumes at to. Rescanning from the start each delta made a long unfinished string,
+     * identifier, scalar or run of whitespace quadratic (1 MiB in small deltas: minutes). */
+    struct { uint8_t kind; bool esc; size_t from, to; } scan;
 };
+
+enum { SCAN_NONE, SCAN_WS, SCAN_STR, SCAN_IDENT, SCAN_SCALAR };
+
+/* Where a scan of kind from `from` resumes (at least `least`); *esc (may be NULL) its state. */
+static size_t scan_resume(const prism_toolcall_parser_t *p, int kind, size_t from, size_t least, bool *esc)
+{
+    bool hit = p->scan.kind == kind && p->scan.from == from && p->scan.to > least;
+    if (esc) *esc = hit && p->scan.esc;
+    return hit ? p->scan.to : least;
+}
+
+static void scan_save(prism_toolcall_parser_t *p, int kind, size_t from, size_t to, bool esc)
+{
+    p->scan.kind = (uint8_t)kind;
+    p->scan.from = from;
+    p->scan.to = to;
+    p->scan.esc = esc;
+}
 
 int prism_toolcall_format_parse(const char *name)
 {
@@ -120,11 +143,16 @@ static inline size_t avail(const prism_toolcall_parser_t *p) { return p->buf.len
 static inline const char *cur(const prism_toolcall_parser_t *p) { return p->buf.data + p->pos; }
 static inline bool is_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
 
-/* Skips whitespace; false when the text (so far) ends first. */
+/* Skips whitespace; false when the text (so far) ends first (callers may put pos back: the next
+ * call from there resumes where this one stopped). */
 static bool skip_ws(prism_toolcall_parser_t *p)
 {
+    size_t from = p->pos;
+    p->pos = scan_resume(p, SCAN_WS, from, from, NULL);
     while (p->pos < p->buf.len && is_ws(p->buf.data[p->pos])) p->pos++;
-    return p->pos < p->buf.len;
+    if (p->pos < p->buf.len) return true;
+    scan_save(p, SCAN_WS, from, p->pos, false);
+    return false;
 }
 
 /* Compares buf[pos..] with a marker: 1 full match, 0 a proper prefix (wait), -1 mismatch. */
@@ -137,13 +165,17 @@ static int match_marker(const prism_toolcall_parser_t *p, const char *m)
 }
 
 /* End (index past the closing quote) of the JSON string starting at buf[at] == '"'; 0 = incomplete. */
-static size_t json_string_end(const prism_toolcall_parser_t *p, size_t at)
+static size_t json_string_end(prism_toolcall_parser_t *p, size_t at)
 {
-    for (size_t i = at + 1; i < p->buf.len; i++) {
+    bool esc;
+    size_t i = scan_resume(p, SCAN_STR, at, at + 1, &esc);
+    for (; i < p->buf.len; i++) {
         char c = p->buf.data[i];
-        if (c == '\\') { i++; continue; }
-        if (c == '"') return i + 1;
+        if (esc) esc = false;
+        else if (c == '\\') esc = true;
+        else if (c == '"') return i + 1;
     }
+    scan_save(p, SCAN_STR, at, i, esc);
     return 0;
 }
 
@@ -415,14 +447,19 @@ static bool hermes_step(prism_toolcall_parser_t *p)
 static bool is_ident_start(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_'; }
 static bool is_ident(char c) { return is_ident_start(c) || (c >= '0' && c <= '9') || c == '.' || c == '-'; }
 
-/* Identifier at pos; returns its length, 0 if incomplete (no delimiter yet), -1 if none. */
-static int ident_len(const prism_toolcall_parser_t *p)
+/* Identifier at pos; returns its length, 0 if incomplete (no delimiter yet), -1 if none or past
+ * 200 characters (known as soon as the 201st arrives). */
+static int ident_len(prism_toolcall_parser_t *p)
 {
     if (!is_ident_start(*cur(p))) return -1;
-    size_t i = 1;
-    while (i < avail(p) && is_ident(cur(p)[i])) i++;
-    if (i == avail(p) && !p->finishing) return 0;
-    return i > 200 ? -1 : (int)i;
+    size_t i = scan_resume(p, SCAN_IDENT, p->pos, p->pos + 1, NULL) - p->pos;
+    while (i < avail(p) && i <= 200 && is_ident(cur(p)[i])) i++;
+    if (i > 200) return -1;
+    if (i == avail(p) && !p->finishing) {
+        scan_save(p, SCAN_IDENT, p->pos, p->pos + i, false);
+        return 0;
+    }
+    return (int)i;
 }
 
 /* After a value at nesting sp: what comes next. */
@@ -599,9 +636,12 @@ static bool py_step(prism_toolcall_parser_t *p)
             return true;
         }
         /* scalars need their delimiter to be seen */
-        size_t i = 0, a = avail(p);
+        size_t a = avail(p), i = scan_resume(p, SCAN_SCALAR, p->pos, p->pos, NULL) - p->pos;
         while (i < a && !is_ws(cur(p)[i]) && !strchr(",)]}:", cur(p)[i])) i++;
-        if (i == a && !p->finishing) return false;
+        if (i == a && !p->finishing) {
+            scan_save(p, SCAN_SCALAR, p->pos, p->pos + i, false);
+            return false;
+        }
         const char *t = cur(p);
         prism_buf_reset(&p->out);
         prism_buf_append_str(&p->out, sep);

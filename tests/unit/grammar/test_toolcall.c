@@ -397,6 +397,52 @@ static void test_max_calls(void **st)
     }
 }
 
+/* Streaming stays linear (issue 26 finding 8): a long unfinished string, identifier, scalar or
+ * run of whitespace fed in small deltas is scanned once, not from its start on every delta (which
+ * took minutes at 1 MiB). Each text is fed 16 bytes at a time with a 3 s deadline; the last piece
+ * finishes the construct, and the streamed result equals the whole-text parse. */
+static void test_stream_linear(void **st)
+{
+    (void)st;
+    static const struct { prism_toolcall_format_t fmt; const char *head, fill, *tail; size_t calls; } T[] = {
+        { PRISM_TOOLCALL_HERMES, "<tool_call>{\"", 'k', "\": 1, \"name\": \"f\"}</tool_call>", 1 },   /* a key */
+        { PRISM_TOOLCALL_HERMES, "<tool_call>{\"name\": \"", 'n', "\"}</tool_call>", 1 },            /* the name */
+        { PRISM_TOOLCALL_HERMES, "<tool_call>{\"name\": \"f\"}", ' ', "</tool_call>", 1 },            /* whitespace */
+        { PRISM_TOOLCALL_HERMES, "<tool_call>{\"name\": \"f\", \"x\": \"", '\\', "\"}</tool_call>", 1 }, /* escapes */
+        { PRISM_TOOLCALL_PYTHONIC, "[", 'a', "()]", 0 },          /* an identifier (past 200 characters: content) */
+        { PRISM_TOOLCALL_PYTHONIC, "[f(x=", '7', ")]", 1 },       /* a scalar */
+        { PRISM_TOOLCALL_PYTHONIC, "", ' ', "[f()]", 1 },         /* leading whitespace */
+    };
+    const size_t fill = 1u << 19;
+    for (size_t t = 0; t < PRISM_ARRAY_LEN(T); t++) {
+        prism_buf_t text = {0};
+        prism_buf_append_str(&text, T[t].head);
+        for (size_t i = 0; i < fill; i++) prism_buf_append(&text, &T[t].fill, 1);
+        prism_buf_append_str(&text, T[t].tail);
+        stream_t sm;
+        memset(&sm, 0, sizeof sm);
+        prism_toolcall_parser_t *p;
+        assert_int_equal(prism_toolcall_parser_create(T[t].fmt, 99, text.len + 1, 0, on_event, &sm, &p), PRISM_OK);
+        double t0 = prism_now_s();
+        for (size_t at = 0; at < text.len; at += 16) {
+            assert_int_equal(prism_toolcall_parser_feed(p, text.data + at, PRISM_MIN(16, text.len - at)), PRISM_OK);
+            if ((at & 0xffff) == 0 && prism_now_s() - t0 > 3.0)
+                fail_msg("case %zu: %zu of %zu bytes fed in 3 s: quadratic", t, at, text.len);
+        }
+        assert_int_equal(prism_toolcall_parser_finish(p), PRISM_OK);
+        sm.r.ok = prism_toolcall_parser_ok(p);
+        prism_toolcall_parser_free(p);
+        /* the same as the whole text in one piece */
+        prism_toolcall_result_t w;
+        assert_int_equal(prism_toolcall_parse(T[t].fmt, text.data, text.len, 99, 0, &w), PRISM_OK);
+        assert_true(w.n_calls == T[t].calls && w.ok == (T[t].calls > 0));
+        same(T[t].head, &w, &sm, "16-byte deltas");
+        stream_free(&sm);
+        prism_toolcall_result_free(&w);
+        prism_buf_free(&text);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -404,6 +450,7 @@ int main(void)
         cmocka_unit_test(test_stream_agrees),
         cmocka_unit_test(test_max_calls),
         cmocka_unit_test(test_stream_fuzz),
+        cmocka_unit_test(test_stream_linear),
         cmocka_unit_test(test_grammar_errors),
         cmocka_unit_test(test_forced_calls),
         cmocka_unit_test(test_forced_real),
