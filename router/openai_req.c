@@ -3,6 +3,7 @@
 
 #include "guide/guide.h"   /* prism_guide_kind_t */
 
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -102,25 +103,6 @@ static int get_number(json_t *root, const char *key, double *out, bool *present,
     return PRISM_OK;
 }
 
-static bool depth_ok(const json_t *v, int depth, int max_depth)
-{
-    if (depth > max_depth) return false;
-    if (json_is_object(v)) {
-        const char *k;
-        json_t *c;
-        json_object_foreach((json_t *)v, k, c) {
-            if ((json_is_object(c) || json_is_array(c)) && !depth_ok(c, depth + 1, max_depth)) return false;
-        }
-    } else if (json_is_array(v)) {
-        size_t i;
-        json_t *c;
-        json_array_foreach(v, i, c) {
-            if ((json_is_object(c) || json_is_array(c)) && !depth_ok(c, depth + 1, max_depth)) return false;
-        }
-    }
-    return true;
-}
-
 /* ------------------------------------------------------------------ the field rule */
 
 enum { F_CHAT = 1, F_COMPL = 2, F_BOTH = 3 };
@@ -207,6 +189,117 @@ static int check_fields(json_t *root, bool chat, prism_oai_error_t *err)
         return oai_fail(err, param, "'%s' is not supported by this server; leave it out%s%s.", key,
                         f->dflt ? " or set it to " : "", f->dflt ? f->dflt : "");
     }
+    return PRISM_OK;
+}
+
+/* ------------------------------------------------------------------ the parse budget */
+
+/* What jansson holds per parsed value (glibc malloc, measured: an empty object 224 bytes and 122
+ * more per member, an empty array 138, an integer or real 42, a string 90 plus its bytes; true,
+ * false and null are shared), rounded up. A body of "{}," costs 75 times its size. */
+#define OAI_COST_OBJECT 232
+#define OAI_COST_MEMBER 128
+#define OAI_COST_ARRAY  144
+#define OAI_COST_STRING 96
+#define OAI_COST_NUMBER 48
+#define OAI_COST_SLOT   8
+#define OAI_DEFAULT_MAX_PARSE_BYTES   (96u << 20)
+#define OAI_DEFAULT_MAX_IGNORED_BYTES (1u << 20)
+
+static size_t parse_limit(const prism_oai_parse_opts_t *o)
+{
+    return o && o->max_parse_bytes ? o->max_parse_bytes : OAI_DEFAULT_MAX_PARSE_BYTES;
+}
+
+size_t prism_oai_parse_bound(const prism_oai_parse_opts_t *o) { return parse_limit(o); }
+
+/* Whether a top-level field is one the endpoint reads (its size is then bounded by the field's own
+ * rules); any other (unknown, metadata, refused) only costs memory. */
+static bool field_is_read(const char *k, size_t n, int endpoint)
+{
+    if (endpoint == PRISM_OAI_SCAN_ANY) return true;
+    int where = endpoint == PRISM_OAI_SCAN_CHAT ? F_CHAT : F_COMPL;
+    for (size_t i = 0; i < PRISM_ARRAY_LEN(k_fields); i++)
+        if (k_fields[i].policy == F_IMPL && (k_fields[i].where & where) && strlen(k_fields[i].name) == n &&
+            !memcmp(k_fields[i].name, k, n))
+            return true;
+    return false;
+}
+
+static bool scan_delim(char c)
+{
+    return c == ',' || c == ':' || c == '{' || c == '}' || c == '[' || c == ']' || c == '"' || c == ' ' ||
+           c == '\t' || c == '\n' || c == '\r';
+}
+
+int prism_oai_scan(const char *body, size_t len, int endpoint, const prism_oai_parse_opts_t *o, size_t *tree_bytes,
+                   prism_oai_error_t *err)
+{
+    size_t max_total = parse_limit(o);
+    size_t max_ignored = o && o->max_ignored_bytes ? o->max_ignored_bytes : OAI_DEFAULT_MAX_IGNORED_BYTES;
+    int max_depth = o && o->max_depth > 0 ? o->max_depth : OAI_DEFAULT_MAX_DEPTH;
+    size_t total = 0, ignored = 0;
+    int depth = 0;
+    bool root_object = false, read = true;
+    char name[64] = "";   /* the top-level field being scanned (for the error) */
+    *tree_bytes = 0;
+    for (size_t i = 0; i < len;) {
+        char c = body[i];
+        size_t cost = 0, text = 0;   /* text: string bytes, which cost what they weigh in the body */
+        switch (c) {
+        case '{':
+        case '[':
+            if (++depth > max_depth)
+                return oai_fail(err, NULL, "JSON nesting is too deep (the limit is %d levels).", max_depth);
+            if (depth == 1) root_object = c == '{';
+            cost = c == '{' ? OAI_COST_OBJECT : OAI_COST_ARRAY;
+            i++;
+            break;
+        case '}':
+        case ']':
+            if (depth > 0) depth--;
+            i++;
+            break;
+        case '"': {
+            size_t s = ++i;
+            while (i < len && body[i] != '"') i += body[i] == '\\' ? 2 : 1;
+            size_t e = PRISM_MIN(i, len);
+            i = e + 1;
+            size_t j = i;
+            while (j < len && (body[j] == ' ' || body[j] == '\t' || body[j] == '\n' || body[j] == '\r')) j++;
+            bool key = j < len && body[j] == ':';
+            if (key && depth == 1 && root_object) {   /* a new top-level field */
+                read = field_is_read(body + s, e - s, endpoint);
+                snprintf(name, sizeof name, "%.*s", (int)PRISM_MIN(e - s, sizeof name - 1), body + s);
+            }
+            text = e - s;
+            cost = (key ? OAI_COST_MEMBER : OAI_COST_STRING) + text;
+            break;
+        }
+        case ',': case ':': case ' ': case '\t': case '\n': case '\r':
+            i++;
+            break;
+        default: {
+            size_t s = i;
+            while (i < len && !scan_delim(body[i])) i++;
+            if (i == s) i++;
+            cost = OAI_COST_SLOT + (c == 't' || c == 'f' || c == 'n' ? 0 : OAI_COST_NUMBER);
+            break;
+        }
+        }
+        total += cost;
+        if (!read && depth >= 1) ignored += cost - text;
+        if (total > max_total)
+            return oai_fail(err, NULL, "The request is too large to parse: it would take more than %zu MiB of memory "
+                            "once parsed (JSON objects and arrays cost far more than their bytes).", max_total >> 20);
+        if (ignored > max_ignored) {
+            char param[64];
+            snprintf(param, sizeof param, "%s", name);
+            return oai_fail(err, param, "'%s' is too large: fields this server does not read may hold at most %zu KiB "
+                            "of JSON structure (objects, arrays, numbers) once parsed.", name, max_ignored >> 10);
+        }
+    }
+    *tree_bytes = total;
     return PRISM_OK;
 }
 
@@ -419,7 +512,7 @@ static int parse_prompt(json_t *root, prism_oai_request_t *out, const prism_oai_
 
 /* ------------------------------------------------------------------ sampling fields */
 
-static int parse_stop(json_t *root, prism_oai_request_t *out, prism_oai_error_t *err)
+static int parse_stop(json_t *root, int vocab, prism_oai_request_t *out, prism_oai_error_t *err)
 {
     json_t *s = field(root, "stop");
     if (!s) goto ids;
@@ -457,6 +550,9 @@ ids:;
         int64_t id;
         if (!as_int64(json_array_get(ids, i), &id) || id < 0 || id > INT32_MAX)
             return oai_fail(err, "stop_token_ids", "'stop_token_ids' must contain non-negative integer token ids.");
+        if (vocab > 0 && id >= vocab)   /* a worker would refuse it: a client error, not a 500 */
+            return oai_fail(err, "stop_token_ids", "Token id %lld in 'stop_token_ids' is out of vocabulary (%d tokens).",
+                            (long long)id, vocab);
         out->stop_token_ids[out->n_stop_token_ids++] = id;
     }
     return PRISM_OK;
@@ -495,28 +591,30 @@ static int parse_logit_bias(json_t *root, prism_oai_request_t *out, int vocab, p
     return PRISM_OK;
 }
 
-static int parse_sampling(json_t *root, bool chat, int vocab, prism_oai_request_t *out, prism_oai_error_t *err)
+static int parse_stream(json_t *root, prism_oai_request_t *out, prism_oai_error_t *err)
+{
+    int rc;
+    if ((rc = get_bool(root, "stream", &out->stream, err))) return rc;
+    json_t *so = field(root, "stream_options");
+    if (!so) return PRISM_OK;
+    if (!out->stream) return oai_fail(err, "stream_options", "Stream options can only be defined when `stream=True`.");
+    if (!json_is_object(so))
+        return oai_fail(err, "stream_options", "'stream_options' must be an object, got %s.", json_type_name(so));
+    if ((rc = get_bool(so, "include_usage", &out->include_usage, err))) return rc;
+    bool continuous = false;
+    if ((rc = get_bool(so, "continuous_usage_stats", &continuous, err))) return rc;
+    if (continuous)
+        return oai_fail(err, "stream_options.continuous_usage_stats",
+                        "'stream_options.continuous_usage_stats' is not supported by this server; usage comes "
+                        "in the last chunk (include_usage).");
+    return PRISM_OK;
+}
+
+static int parse_max_tokens(json_t *root, bool chat, prism_oai_request_t *out, prism_oai_error_t *err)
 {
     int rc;
     bool present;
-    int64_t iv;
-
-    if ((rc = get_bool(root, "stream", &out->stream, err))) return rc;
-    json_t *so = field(root, "stream_options");
-    if (so) {
-        if (!out->stream) return oai_fail(err, "stream_options", "Stream options can only be defined when `stream=True`.");
-        if (!json_is_object(so))
-            return oai_fail(err, "stream_options", "'stream_options' must be an object, got %s.", json_type_name(so));
-        if ((rc = get_bool(so, "include_usage", &out->include_usage, err))) return rc;
-        bool continuous = false;
-        if ((rc = get_bool(so, "continuous_usage_stats", &continuous, err))) return rc;
-        if (continuous)
-            return oai_fail(err, "stream_options.continuous_usage_stats",
-                            "'stream_options.continuous_usage_stats' is not supported by this server; usage comes "
-                            "in the last chunk (include_usage).");
-    }
-
-    int64_t mt = -1;
+    int64_t iv, mt = -1;
     if ((rc = get_int(root, "max_tokens", &iv, &present, err))) return rc;
     if (present) {
         if (iv < 1) return oai_fail(err, "max_tokens", "max_tokens must be at least 1, got %lld.", (long long)iv);
@@ -530,10 +628,22 @@ static int parse_sampling(json_t *root, bool chat, int vocab, prism_oai_request_
         mt = iv;
     }
     out->max_tokens = (mt < 0 && !chat) ? OAI_COMPLETIONS_MAX_TOKENS : mt;
+    return PRISM_OK;
+}
 
+/* temperature, top_p, top_k, the penalties, seed. The workers take them as 32-bit floats: a
+ * double past FLT_MAX (temperature 1e308) is infinite there and refused with a 500, so it is a
+ * client error here. */
+static int parse_sampler(json_t *root, prism_oai_request_t *out, prism_oai_error_t *err)
+{
+    int rc;
+    bool present;
+    int64_t iv;
     if ((rc = get_number(root, "temperature", &out->temperature, NULL, err))) return rc;
     if (out->temperature < 0)
         return oai_fail(err, "temperature", "temperature must be non-negative, got %g.", out->temperature);
+    if (out->temperature > FLT_MAX)
+        return oai_fail(err, "temperature", "temperature must be at most %g, got %g.", (double)FLT_MAX, out->temperature);
     if ((rc = get_number(root, "top_p", &out->top_p, NULL, err))) return rc;
     if (!(out->top_p >= 0 && out->top_p <= 1)) return oai_fail(err, "top_p", "top_p must be in [0, 1], got %g.", out->top_p);
     /* top_p 0 keeps only the most likely token (OpenAI treats it as greedy) */
@@ -550,12 +660,17 @@ static int parse_sampling(json_t *root, bool chat, int vocab, prism_oai_request_
     if (out->frequency_penalty < -2 || out->frequency_penalty > 2)
         return oai_fail(err, "frequency_penalty", "frequency_penalty must be in [-2, 2], got %g.", out->frequency_penalty);
     if ((rc = get_number(root, "repetition_penalty", &out->repetition_penalty, NULL, err))) return rc;
-    if (!(out->repetition_penalty > 0))
-        return oai_fail(err, "repetition_penalty", "repetition_penalty must be greater than zero, got %g.",
-                        out->repetition_penalty);
+    if (!(out->repetition_penalty > 0 && out->repetition_penalty <= FLT_MAX))
+        return oai_fail(err, "repetition_penalty", "repetition_penalty must be greater than zero and at most %g, got %g.",
+                        (double)FLT_MAX, out->repetition_penalty);
+    return get_int(root, "seed", &out->seed, &out->has_seed, err);
+}
 
-    if ((rc = get_int(root, "seed", &out->seed, &out->has_seed, err))) return rc;
-
+static int parse_choices_logprobs(json_t *root, bool chat, prism_oai_request_t *out, prism_oai_error_t *err)
+{
+    int rc;
+    bool present;
+    int64_t iv;
     if ((rc = get_int(root, "n", &iv, &present, err))) return rc;
     if (present) {
         if (iv < 1 || iv > PRISM_OAI_MAX_N)
@@ -569,39 +684,70 @@ static int parse_sampling(json_t *root, bool chat, int vocab, prism_oai_request_
         if (present && iv != out->n)
             return oai_fail(err, "best_of", "best_of must equal n (%d) on this server, got %lld: ranking candidates "
                             "is not supported.", out->n, (long long)iv);
-    }
-
-    if (chat) {
-        if ((rc = get_bool(root, "logprobs", &out->logprobs, err))) return rc;
-        if ((rc = get_int(root, "top_logprobs", &iv, &present, err))) return rc;
-        if (present) {
-            if (iv < 0) return oai_fail(err, "top_logprobs", "`top_logprobs` must be a positive value.");
-            if (iv > PRISM_OAI_MAX_TOP_LOGPROBS)
-                return oai_fail(err, "top_logprobs", "top_logprobs must be at most %d, got %lld.", PRISM_OAI_MAX_TOP_LOGPROBS,
-                                (long long)iv);
-            if (iv > 0 && !out->logprobs)
-                return oai_fail(err, "top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true.");
-            out->top_logprobs = (int)iv;
-        }
-    } else {
         if ((rc = get_int(root, "logprobs", &iv, &present, err))) return rc;
-        if (present) {
-            if (iv < 0) return oai_fail(err, "logprobs", "`logprobs` must be a positive value.");
-            if (iv > PRISM_OAI_MAX_TOP_LOGPROBS)
-                return oai_fail(err, "logprobs", "logprobs must be at most %d, got %lld.", PRISM_OAI_MAX_TOP_LOGPROBS,
-                                (long long)iv);
-            out->logprobs = true;
-            out->top_logprobs = (int)iv;
+        if (!present) return PRISM_OK;
+        if (iv < 0) return oai_fail(err, "logprobs", "`logprobs` must be a positive value.");
+        if (iv > PRISM_OAI_MAX_TOP_LOGPROBS)
+            return oai_fail(err, "logprobs", "logprobs must be at most %d, got %lld.", PRISM_OAI_MAX_TOP_LOGPROBS,
+                            (long long)iv);
+        out->logprobs = true;
+        out->top_logprobs = (int)iv;
+        return PRISM_OK;
+    }
+    if ((rc = get_bool(root, "logprobs", &out->logprobs, err))) return rc;
+    if ((rc = get_int(root, "top_logprobs", &iv, &present, err))) return rc;
+    if (!present) return PRISM_OK;
+    if (iv < 0) return oai_fail(err, "top_logprobs", "`top_logprobs` must be a positive value.");
+    if (iv > PRISM_OAI_MAX_TOP_LOGPROBS)
+        return oai_fail(err, "top_logprobs", "top_logprobs must be at most %d, got %lld.", PRISM_OAI_MAX_TOP_LOGPROBS,
+                        (long long)iv);
+    if (iv > 0 && !out->logprobs)
+        return oai_fail(err, "top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true.");
+    out->top_logprobs = (int)iv;
+    return PRISM_OK;
+}
+
+/* chat_template_kwargs: more variables for the chat template. Its keys may not be the ones the
+ * router sets from what it validated (a "messages" there rendered roles the parser refuses and
+ * slipped past the message bound; bos_token could forge special tokens). */
+static const char *const k_template_reserved[] = {"messages", "tools", "documents", "add_generation_prompt",
+                                                  "bos_token", "eos_token"};
+
+static int parse_template_kwargs(json_t *root, prism_oai_error_t *err)
+{
+    json_t *kw = field(root, "chat_template_kwargs");
+    if (!kw) return PRISM_OK;
+    if (!json_is_object(kw))
+        return oai_fail(err, "chat_template_kwargs", "'chat_template_kwargs' must be an object, got %s.",
+                        json_type_name(kw));
+    const char *k;
+    json_t *v;
+    json_object_foreach(kw, k, v) {
+        for (size_t i = 0; i < PRISM_ARRAY_LEN(k_template_reserved); i++) {
+            if (strcmp(k, k_template_reserved[i])) continue;
+            char param[64];
+            snprintf(param, sizeof param, "chat_template_kwargs.%s", k);
+            return oai_fail(err, param, "'%s' is set by the server from the request and cannot be passed in "
+                            "chat_template_kwargs.", k);
         }
     }
+    return PRISM_OK;
+}
 
-    if ((rc = parse_logit_bias(root, out, vocab, err))) return rc;
+static int parse_sampling(json_t *root, bool chat, int vocab, prism_oai_request_t *out, prism_oai_error_t *err)
+{
+    int rc;
+    if ((rc = parse_stream(root, out, err)) || (rc = parse_max_tokens(root, chat, out, err)) ||
+        (rc = parse_sampler(root, out, err)) || (rc = parse_choices_logprobs(root, chat, out, err)) ||
+        (rc = parse_logit_bias(root, out, vocab, err)))
+        return rc;
     if ((rc = get_bool(root, "ignore_eos", &out->ignore_eos, err))) return rc;
     if ((rc = get_bool(root, "add_special_tokens", &out->add_special_tokens, err))) return rc;
     if ((rc = get_bool(root, "skip_special_tokens", &out->skip_special_tokens, err))) return rc;
     if ((rc = get_bool(root, "return_tokens_as_token_ids", &out->return_tokens_as_token_ids, err))) return rc;
     if (chat && (rc = get_bool(root, "add_generation_prompt", &out->add_generation_prompt, err))) return rc;
-    return parse_stop(root, out, err);
+    if (chat && (rc = parse_template_kwargs(root, err))) return rc;
+    return parse_stop(root, vocab, out, err);
 }
 
 /* ------------------------------------------------------------------ output constraints */
@@ -858,16 +1004,16 @@ int prism_oai_parse(const char *body, size_t len, bool chat, const prism_oai_par
     out->parallel_tool_calls = true;
 
     int rc;
+    /* bounded before jansson builds anything (nesting, and what the tree would cost) */
+    if ((rc = prism_oai_scan(body ? body : "", len, chat ? PRISM_OAI_SCAN_CHAT : PRISM_OAI_SCAN_COMPLETIONS, &o,
+                             &out->parse_bytes, err)))
+        return rc;
     json_error_t je;
     json_t *root = json_loadb(body ? body : "", len, JSON_ALLOW_NUL, &je);
     if (!root) return oai_fail(err, NULL, "Invalid JSON: %s (line %d, column %d)", je.text, je.line, je.column);
     out->root = root;
     if (!json_is_object(root)) {
         rc = oai_fail(err, NULL, "The request body must be a JSON object, got %s.", json_type_name(root));
-        goto fail;
-    }
-    if (!depth_ok(root, 1, o.max_depth)) {
-        rc = oai_fail(err, NULL, "JSON nesting is too deep (the limit is %d levels).", o.max_depth);
         goto fail;
     }
     json_t *model = field(root, "model");

@@ -21,7 +21,11 @@
  * answers a bad schema with a 400 naming guide_param.
  *
  * Bounds: messages, stop strings and their length, stop token ids, prompt token ids, images per
- * request, logit_bias entries, tools, n, JSON nesting depth (see prism_oai_parse_opts_t).
+ * request, logit_bias entries, tools, n, JSON nesting depth (see prism_oai_parse_opts_t), and what
+ * the parsed tree may cost: one pass over the body, allocating nothing, refuses a body whose tree
+ * would take more than max_parse_bytes (jansson spends ~230 bytes on a 3-byte "{},"), or whose
+ * fields the server does not read (unknown, metadata) hold more than max_ignored_bytes of it,
+ * before jansson builds any of it (prism_oai_scan; issue 26).
  */
 #ifndef PRISM_ROUTER_OPENAI_REQ_H
 #define PRISM_ROUTER_OPENAI_REQ_H
@@ -127,6 +131,7 @@ typedef struct {
     bool skip_special_tokens; /* vLLM extension: default true */
     bool return_tokens_as_token_ids; /* vLLM extension: logprobs name tokens "token_id:<id>" */
     int n_images;             /* total image parts over all messages */
+    size_t parse_bytes;       /* what the parsed tree costs (estimated by prism_oai_scan) */
 } prism_oai_request_t;
 
 /* Why a request was refused, where the router counts it apart from other invalid requests. */
@@ -148,7 +153,10 @@ typedef struct {
     int max_messages;         /* 0 = 4096 */
     int max_depth;            /* JSON nesting depth; 0 = 64 */
     int max_prompt_token_ids; /* 0 = 1 << 20 */
-    int vocab;                /* logit_bias ids must be below it; 0 = not checked */
+    int vocab;                /* logit_bias and stop_token_ids must be below it; 0 = not checked */
+    size_t max_parse_bytes;   /* the parsed tree's cost; 0 = 96 MiB (a 64 MiB text prompt, 1 Mi token ids) */
+    size_t max_ignored_bytes; /* of that, the structure (all but string bytes) of fields the endpoint
+                               * does not read; 0 = 1 MiB (about 4,500 objects) */
 } prism_oai_parse_opts_t;
 
 /* opts may be NULL (defaults). On failure returns PRISM_EINVAL (or PRISM_ENOMEM), fills err and
@@ -156,5 +164,16 @@ typedef struct {
 int  prism_oai_parse(const char *body, size_t len, bool chat, const prism_oai_parse_opts_t *opts,
                      prism_oai_request_t *out, prism_oai_error_t *err);
 void prism_oai_request_free(prism_oai_request_t *r);
+
+/* The parse budget, for bodies parsed elsewhere too (/tokenize, /detokenize: PRISM_OAI_SCAN_ANY,
+ * every field counted as read). One pass, no allocation, valid or not: nesting past max_depth, a
+ * tree over max_parse_bytes or ignored fields over max_ignored_bytes fill err (400, param naming
+ * the field) and return PRISM_EINVAL; otherwise *tree_bytes is the tree's estimated cost. */
+enum { PRISM_OAI_SCAN_ANY = 0, PRISM_OAI_SCAN_CHAT = 1, PRISM_OAI_SCAN_COMPLETIONS = 2 };
+int prism_oai_scan(const char *body, size_t len, int endpoint, const prism_oai_parse_opts_t *opts, size_t *tree_bytes,
+                   prism_oai_error_t *err);
+/* The most one parse may hold in heap (opts' max_parse_bytes): what a memory plan counts per
+ * thread that parses bodies. */
+size_t prism_oai_parse_bound(const prism_oai_parse_opts_t *opts);
 
 #endif

@@ -105,7 +105,8 @@ json_t *prism_template_chat_context(const json_t *messages, const json_t *tools,
         goto fail;
     if (bos_token && json_object_set_new(ctx, "bos_token", json_string(bos_token))) goto fail;
     if (eos_token && json_object_set_new(ctx, "eos_token", json_string(eos_token))) goto fail;
-    if (extra && json_is_object(extra) && json_object_update(ctx, (json_t *)extra)) goto fail;
+    /* the caller's variables never replace the ones set above (the router refuses them too) */
+    if (extra && json_is_object(extra) && json_object_update_missing(ctx, (json_t *)extra)) goto fail;
     return ctx;
 fail:
     json_decref(msgs);

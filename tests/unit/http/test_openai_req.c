@@ -513,16 +513,112 @@ static void test_bounds_messages_depth(void **state)
     prism_oai_request_free(&r);
     prism_buf_free(&b);
 
-    /* past jansson's own limit: an error, not a crash */
+    /* past jansson's own limit: refused before jansson sees it */
     for (int i = 0; i < 5000; i++) prism_buf_append_str(&b, "[");
     assert_int_equal(prism_oai_parse(b.data, b.len, true, NULL, &r, &e), PRISM_EINVAL);
-    assert_non_null(strstr(e.message, "Invalid JSON"));
+    assert_non_null(strstr(e.message, "nesting is too deep"));
     prism_buf_free(&b);
 
     /* prompt token id count */
     o.max_prompt_token_ids = 3;
     assert_int_equal(parse("{\"prompt\":[1,2,3,4]}", false, &o, &r, &e), PRISM_EINVAL);
     assert_non_null(strstr(e.message, "Too many prompt token ids"));
+}
+
+/* The parse budget (issue 26 finding 2): what the tree would cost is bounded before jansson
+ * builds any of it. A body of "{}," in a field the server does not read cost 75 times its size. */
+static size_t g_json_allocs;
+static void *count_malloc(size_t n) { g_json_allocs++; return malloc(n); }
+
+static void test_parse_budget(void **state)
+{
+    (void)state;
+    prism_oai_request_t r;
+    prism_oai_error_t e;
+    prism_buf_t b = {0};
+    json_malloc_t m0;
+    json_free_t f0;
+    json_get_alloc_funcs(&m0, &f0);
+    json_set_alloc_funcs(count_malloc, free);
+    /* unknown bulk: refused naming the field, nothing built */
+    prism_buf_append_str(&b, "{" M1 ",\"metadata\":{\"a\":[");
+    for (int i = 0; i < 20000; i++) prism_buf_append_str(&b, i ? ",{}" : "{}");
+    prism_buf_append_str(&b, "]}}");
+    g_json_allocs = 0;
+    assert_int_equal(prism_oai_parse(b.data, b.len, true, NULL, &r, &e), PRISM_EINVAL);
+    assert_string_equal(e.param, "metadata");
+    assert_non_null(strstr(e.message, "too large"));
+    assert_int_equal(g_json_allocs, 0);
+    prism_buf_reset(&b);
+    /* a field it reads: the whole tree's budget */
+    prism_oai_parse_opts_t o = {.max_parse_bytes = 1 << 20};
+    prism_buf_append_str(&b, "{" M1 ",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"x\","
+                             "\"schema\":{\"enum\":[");
+    for (int i = 0; i < 20000; i++) prism_buf_append_str(&b, i ? ",[]" : "[]");
+    prism_buf_append_str(&b, "]}}}}");
+    g_json_allocs = 0;
+    assert_int_equal(prism_oai_parse(b.data, b.len, true, &o, &r, &e), PRISM_EINVAL);
+    assert_non_null(strstr(e.message, "too large to parse"));
+    assert_int_equal(g_json_allocs, 0);
+    json_set_alloc_funcs(m0, f0);
+    prism_buf_reset(&b);
+    /* what costs about its bytes passes: 2 MiB strings, read or not, and the estimate is close */
+    prism_buf_append_str(&b, "{\"messages\":[{\"role\":\"user\",\"content\":\"");
+    for (int i = 0; i < (2 << 20); i++) prism_buf_append(&b, "x", 1);
+    prism_buf_append_str(&b, "\"}],\"user\":\"someone\",\"metadata\":{\"k\":\"v\"},\"prediction\":{\"type\":\"content\",\"content\":\"");
+    for (int i = 0; i < (2 << 20); i++) prism_buf_append(&b, "y", 1);   /* unread text: costs its bytes */
+    prism_buf_append_str(&b, "\"}}");
+    assert_int_equal(prism_oai_parse(b.data, b.len, true, NULL, &r, &e), PRISM_OK);
+    assert_true(r.parse_bytes >= (4u << 20) && r.parse_bytes < (4u << 20) + 4096);
+    prism_oai_request_free(&r);
+    prism_buf_reset(&b);
+    /* 100,000 prompt token ids (completions) pass the default budget */
+    prism_buf_append_str(&b, "{\"prompt\":[");
+    for (int i = 0; i < 100000; i++) prism_buf_appendf(&b, i ? ",%d" : "%d", i % 1000);
+    prism_buf_append_str(&b, "]}");
+    assert_int_equal(prism_oai_parse(b.data, b.len, false, NULL, &r, &e), PRISM_OK);
+    assert_int_equal(r.n_prompt_token_ids, 100000);
+    prism_oai_request_free(&r);
+    prism_buf_free(&b);
+    /* the bound a memory plan counts */
+    assert_int_equal(prism_oai_parse_bound(&o), 1 << 20);
+    assert_true(prism_oai_parse_bound(NULL) >= (64u << 20));
+}
+
+/* Client errors a worker would refuse are 400s here, not 500s from prefill (issue 26 finding 13),
+ * and chat_template_kwargs cannot replace what the router sets (finding 12). */
+static void test_worker_limits_and_template_kwargs(void **state)
+{
+    (void)state;
+    prism_oai_request_t r;
+    prism_oai_error_t e;
+    prism_oai_parse_opts_t o = {.vocab = 1000};
+    static const struct { const char *extra, *param; } BAD[] = {
+        {"\"temperature\":1e308", "temperature"},
+        {"\"repetition_penalty\":1e300", "repetition_penalty"},
+        {"\"stop_token_ids\":[5,1000]", "stop_token_ids"},
+        {"\"chat_template_kwargs\":{\"messages\":[{\"role\":\"evil\",\"content\":\"x\"}]}", "chat_template_kwargs.messages"},
+        {"\"chat_template_kwargs\":{\"add_generation_prompt\":false}", "chat_template_kwargs.add_generation_prompt"},
+        {"\"chat_template_kwargs\":{\"bos_token\":\"<s>\"}", "chat_template_kwargs.bos_token"},
+        {"\"chat_template_kwargs\":{\"tools\":[]}", "chat_template_kwargs.tools"},
+        {"\"chat_template_kwargs\":\"x\"", "chat_template_kwargs"},
+    };
+    char body[512];
+    for (size_t i = 0; i < PRISM_ARRAY_LEN(BAD); i++) {
+        snprintf(body, sizeof body, "{" M1 ",%s}", BAD[i].extra);
+        if (parse(body, true, &o, &r, &e) != PRISM_EINVAL || e.status != 400 || strcmp(e.param, BAD[i].param))
+            fail_msg("%s: want a 400 naming %s, got status %d param '%s' (%s)", body, BAD[i].param, e.status, e.param,
+                     e.message);
+    }
+    static const char *const GOOD[] = {
+        "\"temperature\":3e38", "\"repetition_penalty\":1e30", "\"stop_token_ids\":[0,999]",
+        "\"chat_template_kwargs\":{\"enable_thinking\":false}", "\"chat_template_kwargs\":null",
+    };
+    for (size_t i = 0; i < PRISM_ARRAY_LEN(GOOD); i++) {
+        snprintf(body, sizeof body, "{" M1 ",%s}", GOOD[i]);
+        if (parse(body, true, &o, &r, &e) != PRISM_OK) fail_msg("%s: %s", body, e.message);
+        prism_oai_request_free(&r);
+    }
 }
 
 /* ------------------------------------------------------------------ completions */
@@ -1059,6 +1155,8 @@ int main(void)
         cmocka_unit_test(test_stop_length_limit),
         cmocka_unit_test(test_image_limits),
         cmocka_unit_test(test_bounds_messages_depth),
+        cmocka_unit_test(test_parse_budget),
+        cmocka_unit_test(test_worker_limits_and_template_kwargs),
         cmocka_unit_test(test_completions_prompts),
         cmocka_unit_test(test_json_string_escaping),
         cmocka_unit_test(test_logprob_numbers),
