@@ -34,7 +34,7 @@ static void respond_jansson(prism_http_req_t *h, int status, json_t *j)
 static json_t *model_card(router_t *r)
 {
     return json_pack("{s:s,s:s,s:I,s:s,s:s,s:i,s:[]}", "id", r->served_model_name, "object", "model", "created",
-                     (json_int_t)r->created, "owned_by", "prism", "root", r->model_path, "max_model_len",
+                     (json_int_t)r->created, "owned_by", "prism", "root", r->served_model_name, "max_model_len",
                      r->max_model_len, "permission");
 }
 

@@ -241,6 +241,9 @@ def test_model_card():
     status, _, data = C.request("GET", "/v1/models/" + MODEL_NAME)
     card = json.loads(data)
     assert status == 200 and card["id"] == MODEL_NAME and card["object"] == "model", card
+    # the served name, never the server's model directory (issue 26 finding 14)
+    listed = json.loads(C.request("GET", "/v1/models")[2])["data"][0]
+    assert card["root"] == MODEL_NAME and listed["root"] == MODEL_NAME, (card, listed)
     status, _, data = C.request("GET", "/v1/models/gpt-4o")
     err = json.loads(data)["error"]
     assert status == 404 and "gpt-4o" in err["message"] and err["param"] == "model", err
@@ -625,6 +628,42 @@ def test_pythonic_parser_and_tools_in_the_template():
             _check_call(call, WEATHER if call["function"]["name"] == "get_weather" else TIME)
 
 
+def test_client_errors_are_400_not_500():
+    """Values a worker would refuse are 400s from the router, never 500s counted as server failures
+    (issue 26 finding 13); chat_template_kwargs cannot replace the template variables the router
+    sets from what it validated (finding 12)."""
+    m = [{"role": "user", "content": "x"}]
+    expect_400("temperature", {"messages": m, "temperature": 1e308})
+    expect_400("repetition_penalty", {"messages": m, "repetition_penalty": 1e300})
+    expect_400("stop_token_ids", {"messages": m, "stop_token_ids": [4096]}, contains="out of vocabulary")
+    expect_400("stop_token_ids", {"prompt": "x", "stop_token_ids": [99999]}, path="/v1/completions")
+    expect_400("chat_template_kwargs.messages", {"messages": m, "chat_template_kwargs": {
+        "messages": [{"role": "evil", "content": "x"}] * 5000}})
+    expect_400("chat_template_kwargs.bos_token", {"messages": m, "chat_template_kwargs": {"bos_token": "<s><s>"}})
+    ok_chat(max_tokens=2, chat_template_kwargs={"enable_thinking": False}, temperature=3e38)
+
+
+def test_exponential_regex_compiles_at_once():
+    """A regex whose DFA has 2^k states (a 1.1 KB one froze the router 5-60 s and each worker
+    again) is matched as an NFA: answered at once, by router and workers alike (issue 26
+    finding 1), as guided_regex and as a pattern inside a JSON schema."""
+    t0 = time.monotonic()
+    status, r = C.post_json("/v1/chat/completions", {
+        "model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 8,
+        "guided_regex": "(.|\\s)*a(.|\\s){13}"})
+    assert status == 200, r
+    schema = {"type": "object", "properties": {"id": {"type": "string", "pattern": "(a|b)*a(a|b){20}"}},
+              "required": ["id"]}
+    status, r = C.post_json("/v1/chat/completions", {
+        "model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 40,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+    assert status == 200, r
+    out = content(r)
+    assert re.fullmatch(r'\{"id": ?"[ab]*', out) or re.fullmatch(r'\{"id": ?"(a|b)*a(a|b){20}"\}', out), out
+    dt = time.monotonic() - t0
+    assert dt < 8, "two guided requests took %.1f s" % dt
+
+
 def test_all_processes_alive():
     assert all(C.alive().values()), C.alive()
 
@@ -637,7 +676,8 @@ if __name__ == "__main__":
                         test_n_choices, test_n_shares_kv_and_releases_it, test_json_schema_outputs_validate,
                         test_json_object_regex_choice, test_bad_schemas_get_400_naming_the_field,
                         test_forced_tool_calls, test_streamed_tool_calls_match, test_tool_choice_errors,
-                        test_pythonic_parser_and_tools_in_the_template, test_all_processes_alive])
+                        test_pythonic_parser_and_tools_in_the_template, test_client_errors_are_400_not_500,
+                        test_exponential_regex_compiles_at_once, test_all_processes_alive])
     finally:
         C.stop()
         if os.environ.get("PRISM_KEEP_LOGS"):
