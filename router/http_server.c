@@ -67,6 +67,13 @@ struct prism_http_req {
 struct conn {
     uv_tcp_t tcp;
     uv_timer_t timer;        /* idle timeout, or linger deadline when discarding */
+    uv_timer_t wtimer;       /* the write deadline: unsent answer bytes (conn_arm_write) */
+    uint64_t w_total;        /* bytes ever passed to uv_write */
+    uint64_t w_t0, w_base;   /* the backlog began at loop time w_t0, with w_base bytes handed to the kernel */
+    bool w_active;           /* a backlog is being timed */
+    bool write_blocked;      /* the next pipelined request waits for the backlog to shrink */
+    const char *exec_start;  /* the bytes given to the current llhttp_execute */
+    char exec_prev;          /* the last byte given to the previous one */
     uv_shutdown_t shutdown_req;
     prism_http_server_t *srv;
     llhttp_t parser;
@@ -105,7 +112,7 @@ struct prism_http_server {
     size_t n_conns;
     size_t n_reqs;           /* requests tied to this server (r->srv) not yet freed: a handler may
                               * release one after the server stopped, and its body is uncharged here */
-    size_t n_active;         /* accepted, not rejected, not closing (read atomically) */
+    size_t n_active;         /* accepted, not rejected, socket not closed yet (read atomically) */
     bool stopping, listener_closed, resume_closed;
     bool draining, listener_closing;  /* prism_http_server_drain: no new connections, no keep-alive */
     uv_timer_t resume_timer; /* runs server_resume_bodies from the loop, never inside a caller's call */
@@ -121,6 +128,7 @@ static void conn_process(conn_t *c);
 static void conn_close_graceful(conn_t *c);
 static void conn_close_now(conn_t *c);
 static void conn_arm_timer(conn_t *c);
+static void conn_arm_write(conn_t *c);
 
 /* ------------------------------------------------------------------ small helpers */
 
@@ -411,7 +419,6 @@ static void conn_begin_close(conn_t *c)
     if (c->closing) return;
     c->closing = true;
     body_list_del(c);
-    if (!c->rejected) __atomic_sub_fetch(&c->srv->n_active, 1, __ATOMIC_RELAXED);
     if (c->reading) {
         uv_read_stop((uv_stream_t *)&c->tcp);
         c->reading = false;
@@ -433,12 +440,15 @@ static void conn_begin_close(conn_t *c)
     }
 }
 
+/* A closing connection (its answer still flushing) counts as open until here. */
 static void conn_close_handles(conn_t *c)
 {
     if (c->handles_closed) return;
     c->handles_closed = true;
+    if (!c->rejected) __atomic_sub_fetch(&c->srv->n_active, 1, __ATOMIC_RELAXED);
     uv_close((uv_handle_t *)&c->tcp, on_conn_handle_closed);
     uv_close((uv_handle_t *)&c->timer, on_conn_handle_closed);
+    uv_close((uv_handle_t *)&c->wtimer, on_conn_handle_closed);
 }
 
 static void conn_close_now(conn_t *c)
@@ -563,6 +573,48 @@ typedef struct {
     char data[];
 } wreq_t;
 
+static size_t conn_backlog(const conn_t *c)
+{
+    return c->handles_closed ? 0 : uv_stream_get_write_queue_size((const uv_stream_t *)&c->tcp);
+}
+
+static void on_write_timer(uv_timer_t *t)
+{
+    conn_t *c = t->data;
+    if (c->handles_closed || !c->w_active) return;
+    conn_arm_write(c);   /* progress since it was armed moves the deadline */
+    if (!c->w_active || uv_is_active((uv_handle_t *)&c->wtimer)) return;
+    PRISM_DEBUG("http: the client took too few of %zu unsent answer bytes in time; closing", conn_backlog(c));
+    c->srv->refused.slow_readers++;
+    conn_close_now(c);
+}
+
+/* The write deadline. From the moment answer bytes wait in our queue (the kernel's send buffer is
+ * full: the client does not read), the client has write_grace_s, plus 1/min_write_rate seconds per
+ * byte it takes meanwhile: a trickle falls behind. Computed from bytes the kernel took, never from
+ * bytes queued, so a producer that keeps writing cannot push it back. */
+static void conn_arm_write(conn_t *c)
+{
+    if (c->handles_closed) return;
+    size_t q = conn_backlog(c);
+    uint64_t now = uv_now(c->srv->loop);
+    if (q == 0) {
+        c->w_active = false;
+        uv_timer_stop(&c->wtimer);
+        return;
+    }
+    uint64_t taken = c->w_total - q;
+    if (!c->w_active) {
+        c->w_active = true;
+        c->w_t0 = now;
+        c->w_base = taken;
+    }
+    const prism_http_config_t *cfg = &c->srv->cfg;
+    uint64_t due = c->w_t0 + (uint64_t)(cfg->write_grace_s * 1000.0) + (taken - c->w_base) * 1000u / cfg->min_write_rate;
+    if (due > now) uv_timer_start(&c->wtimer, on_write_timer, due - now, 0);
+    else uv_timer_stop(&c->wtimer);   /* overdue: on_write_timer closes */
+}
+
 static void on_write(uv_write_t *w, int status)
 {
     wreq_t *wr = (wreq_t *)w;
@@ -571,6 +623,13 @@ static void on_write(uv_write_t *w, int status)
     if (status < 0 && status != UV_ECANCELED && !c->closing) {
         PRISM_DEBUG("http: write failed: %s", uv_strerror(status));
         conn_close_now(c);
+        return;
+    }
+    if (c->handles_closed) return;
+    conn_arm_write(c);
+    if (c->write_blocked && conn_backlog(c) <= c->srv->cfg.max_pipeline_bytes) {
+        c->write_blocked = false;
+        conn_process(c);   /* the next pipelined request may go */
     }
 }
 
@@ -599,6 +658,8 @@ static int conn_write(conn_t *c, const void *head, size_t hl, const void *body, 
         conn_break(c);
         return PRISM_EIO;
     }
+    c->w_total += total;
+    if (!c->w_active) conn_arm_write(c);   /* a running deadline is not pushed back by more bytes */
     return PRISM_OK;
 }
 
@@ -853,6 +914,16 @@ static int on_header_value(llhttp_t *p, const char *at, size_t len)
 {
     conn_t *c = p->data;
     if (hdr_account(c, len)) return -1;
+    /* obs-fold: llhttp hands a header line continued on the next ("X: a\r\n b") to us as a second
+     * piece of the value starting right after the line break (leading whitespace of a value is
+     * skipped, so no other piece starts with it there). RFC 9112 5.2: a server rejects it (400). */
+    char before = at > c->exec_start ? at[-1] : c->exec_prev;
+    if (len && (at[0] == ' ' || at[0] == '\t') && before == '\n') {
+        c->fail_status = 400;
+        snprintf(c->fail_msg, sizeof c->fail_msg, "Malformed HTTP request: a header line continued on the next "
+                 "(obs-fold).");
+        return -1;
+    }
     if (prism_buf_append(&c->req->hdrs, at, len)) {
         c->fail_status = 500;
         return -1;
@@ -871,6 +942,111 @@ static int on_header_value_complete(llhttp_t *p)
     }
     r->in_field = false;
     r->n_hdr++;
+    return 0;
+}
+
+/* ---- strict framing and the caller's request rules (http_server.h) ---- */
+
+bool prism_http_host_is_loopback(const char *host)
+{
+    if (!host) return false;
+    if (!strcasecmp(host, "localhost") || !strcmp(host, "::1") || !strcmp(host, "[::1]")) return true;
+    unsigned a, b, cc, d;
+    char tail;
+    return sscanf(host, "%u.%u.%u.%u%c", &a, &b, &cc, &d, &tail) == 4 && a == 127 && b < 256 && cc < 256 && d < 256;
+}
+
+/* The name in a Host header value, without the port ("[::1]:8000" -> "::1"): into out. */
+static void host_name(const char *v, char *out, size_t n)
+{
+    while (*v == ' ' || *v == '\t') v++;
+    size_t len;
+    if (*v == '[') {
+        const char *e = strchr(v, ']');
+        v++;
+        len = e ? (size_t)(e - v) : strlen(v);
+    } else {
+        const char *e = strchr(v, ':');
+        len = e ? (size_t)(e - v) : strlen(v);
+    }
+    while (len && (v[len - 1] == ' ' || v[len - 1] == '\t')) len--;
+    snprintf(out, n, "%.*s", (int)PRISM_MIN(len, n - 1), v);
+}
+
+/* Whether name is in the comma-separated list (entries may carry brackets or a port, ignored). */
+static bool host_listed(const char *list, const char *name)
+{
+    for (const char *p = list; *p;) {
+        const char *e = strchr(p, ',');
+        size_t len = e ? (size_t)(e - p) : strlen(p);
+        char entry[256], want[256];
+        snprintf(entry, sizeof entry, "%.*s", (int)PRISM_MIN(len, sizeof entry - 1), p);
+        host_name(entry, want, sizeof want);
+        if (want[0] && !strcasecmp(want, name)) return true;
+        p += len;
+        if (*p == ',') p++;
+    }
+    return false;
+}
+
+static bool media_type_is(const char *v, const char *type)
+{
+    while (*v == ' ' || *v == '\t') v++;
+    size_t n = strlen(type);
+    return !strncasecmp(v, type, n) && (v[n] == 0 || v[n] == ';' || v[n] == ' ' || v[n] == '\t');
+}
+
+/* Returns 0, or the status to refuse the request with (c->fail_msg filled). */
+static int check_framing(conn_t *c, const prism_http_req_t *r)
+{
+    const prism_http_config_t *cfg = &c->srv->cfg;
+    int n_host = 0, n_te = 0;
+    const char *host = NULL;
+    for (int i = 0; i < r->n_hdr; i++) {
+        const char *name = r->hdrs.data + r->hents[i].name_off, *value = r->hdrs.data + r->hents[i].value_off;
+        if (!strcasecmp(name, "host")) {
+            n_host++;
+            host = value;
+        } else if (!strcasecmp(name, "transfer-encoding")) {
+            /* llhttp reads "gzip, chunked" as chunked and ignores the gzip: refuse what we do not do */
+            n_te++;
+            const char *v = value;
+            while (*v == ' ' || *v == '\t') v++;
+            size_t len = strlen(v);
+            while (len && (v[len - 1] == ' ' || v[len - 1] == '\t')) len--;
+            if (len != 7 || strncasecmp(v, "chunked", 7)) {
+                snprintf(c->fail_msg, sizeof c->fail_msg, "Unsupported Transfer-Encoding '%.64s': only chunked is.", v);
+                return 400;
+            }
+        }
+    }
+    if (n_te > 1) {
+        snprintf(c->fail_msg, sizeof c->fail_msg, "Malformed HTTP request: several Transfer-Encoding headers.");
+        return 400;
+    }
+    if (n_host > 1 || (n_host == 0 && cfg->require_host && r->http_major == 1 && r->http_minor >= 1)) {
+        snprintf(c->fail_msg, sizeof c->fail_msg, "Malformed HTTP request: %s Host header.",
+                 n_host ? "more than one" : "no");
+        return 400;
+    }
+    if (cfg->allowed_hosts && *cfg->allowed_hosts && strcmp(cfg->allowed_hosts, "*")) {
+        char name[256] = "";
+        if (host) host_name(host, name, sizeof name);
+        if (!host_listed(cfg->allowed_hosts, name) && strcasecmp(name, cfg->host)) {
+            c->srv->refused.host++;
+            snprintf(c->fail_msg, sizeof c->fail_msg, "Host '%.64s' is not allowed here (the server's "
+                     "--allowed-hosts).", name);
+            return 403;
+        }
+    }
+    if (cfg->require_json && !strcmp(r->method, "POST")) {
+        const char *ct = prism_http_req_header(r, "content-type");
+        if (!ct || !media_type_is(ct, "application/json")) {
+            snprintf(c->fail_msg, sizeof c->fail_msg, "Send the body as JSON with 'Content-Type: application/json' "
+                     "(got '%.64s').", ct ? ct : "none");
+            return 415;
+        }
+    }
     return 0;
 }
 
@@ -902,6 +1078,12 @@ static int on_headers_complete(llhttp_t *p)
     r->srv = c->srv;
     r->srv->n_reqs++;
     r->declared_len = has_cl ? p->content_length : 0;
+    int st = check_framing(c, r);
+    if (st) {
+        if (st != 403) c->srv->refused.malformed++;
+        c->fail_status = st;
+        return -1;
+    }
     /* Refusals that need no body (an API key check) come before anything else is spent on it. */
     if (cfg->on_headers) {
         int st = cfg->on_headers(r, c->srv->ud, c->fail_msg, sizeof c->fail_msg);
@@ -1082,6 +1264,10 @@ static void conn_process(conn_t *c)
     for (;;) {
         if (c->closing || c->discard) break;
         if (c->req && c->req->dispatched) break;  /* one request at a time */
+        if (!c->req && conn_backlog(c) > c->srv->cfg.max_pipeline_bytes) {
+            c->write_blocked = true;               /* the client does not read its answers: on_write resumes */
+            break;
+        }
         if (conn_body_waits(c)) break;            /* its bytes stay unparsed until there is room */
         if (c->complete) {
             c->complete = false;
@@ -1091,12 +1277,15 @@ static void conn_process(conn_t *c)
         size_t avail = c->inbuf.len - c->in_off;
         if (avail == 0) break;
         const char *start = c->inbuf.data + c->in_off;
+        c->exec_start = start;
         llhttp_errno_t e = llhttp_execute(&c->parser, start, avail);
         if (e == HPE_OK) {
             c->in_off += avail;
+            c->exec_prev = start[avail - 1];
         } else if (e == HPE_PAUSED || e == HPE_PAUSED_UPGRADE) {
             const char *pos = llhttp_get_error_pos(&c->parser);
             c->in_off += (size_t)(pos - start);
+            if (pos > start) c->exec_prev = pos[-1];
             if (e == HPE_PAUSED) llhttp_resume(&c->parser);
             else llhttp_resume_after_upgrade(&c->parser);
             if (c->hold) {  /* on_headers_complete: the body waits for room (checked above) */
@@ -1223,6 +1412,9 @@ prism_http_config_t prism_http_config_default(void)
     c.min_body_rate = 8 * 1024;
     c.body_grace_s = 10.0;
     c.max_pause_s = 120.0;
+    c.write_grace_s = 10.0;
+    c.min_write_rate = 32 * 1024;
+    c.require_host = true;
     return c;
 }
 
@@ -1244,9 +1436,11 @@ static void on_connection(uv_stream_t *l, int status)
     c->srv = s;
     uv_tcp_init(s->loop, &c->tcp);
     uv_timer_init(s->loop, &c->timer);
+    uv_timer_init(s->loop, &c->wtimer);
     c->tcp.data = c;
     c->timer.data = c;
-    c->open_handles = 2;
+    c->wtimer.data = c;
+    c->open_handles = 3;
     c->next = s->conns;
     if (s->conns) s->conns->prev = c;
     s->conns = c;
@@ -1292,6 +1486,8 @@ int prism_http_server_start(uv_loop_t *loop, const prism_http_config_t *cfg_in, 
     if (!s->cfg.min_body_rate) s->cfg.min_body_rate = def.min_body_rate;
     if (s->cfg.body_grace_s <= 0) s->cfg.body_grace_s = def.body_grace_s;
     if (!(s->cfg.max_pause_s > 0)) s->cfg.max_pause_s = def.max_pause_s;
+    if (!(s->cfg.write_grace_s > 0)) s->cfg.write_grace_s = def.write_grace_s;
+    if (!s->cfg.min_write_rate) s->cfg.min_write_rate = def.min_write_rate;
     if (!s->cfg.max_pipeline_bytes) s->cfg.max_pipeline_bytes = s->cfg.max_header_bytes + HTTP_READ_CHUNK;
 
     llhttp_settings_init(&s->settings);

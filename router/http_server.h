@@ -94,7 +94,26 @@ typedef struct {
                                 * headers; 0 = 8 KiB/s; else 408 */
     double body_grace_s;       /* 0 = 10 s */
     size_t max_pipeline_bytes; /* bytes buffered from a client while its request is in flight;
-                                * 0 = max_header_bytes + 64 KiB. Beyond: stop reading (backpressure) */
+                                * 0 = max_header_bytes + 64 KiB. Beyond: stop reading (backpressure).
+                                * Also the unsent answer bytes past which the next pipelined request
+                                * waits (a client that sends requests but never reads) */
+    /* Unsent answer bytes (any answer, streamed or not, the connection closing or not): after
+     * write_grace_s (0 = 10 s) the client must take them at min_write_rate (0 = 32 KiB/s) on average,
+     * or the connection closes, freeing them (a client that sent Connection: close and never read
+     * used to pin its answer for good). A connection counts against max_connections until its
+     * socket is closed. */
+    double write_grace_s;
+    size_t min_write_rate;
+    /* HTTP framing is strict as nginx's: obs-fold (a header line continued on the next), a
+     * Transfer-Encoding other than "chunked", several Host headers, or none in HTTP/1.1 (unless
+     * require_host is false) are 400s: no front end may read a request otherwise than we do. */
+    bool require_host;         /* default true */
+    /* Host names a request's Host header may carry (port ignored), comma-separated: a page on
+     * another site reaching a loopback server by DNS rebinding sends its own name. The bind
+     * address is always allowed. NULL or "*": any. Beyond: 403. */
+    const char *allowed_hosts;
+    bool require_json;         /* POST needs Content-Type: application/json (no cross-site form can send
+                                * it without a CORS preflight); beyond: 415 */
     /* Optional: called on the loop thread once a request's headers are complete, before any body byte
      * is read or 100 Continue sent (method, path, query and headers are readable). Returns 0 to go on,
      * or an HTTP status to refuse the request at once with message (OpenAI error shape; 401 gets the
@@ -127,6 +146,11 @@ typedef struct {
 } prism_http_config_t;
 
 prism_http_config_t prism_http_config_default(void);
+/* Whether host (a bind address or a Host name) is this machine's loopback: 127.0.0.0/8, ::1,
+ * localhost. */
+bool prism_http_host_is_loopback(const char *host);
+/* The names a loopback server allows by default (with its bind address). */
+#define PRISM_HTTP_LOOPBACK_HOSTS "localhost,127.0.0.1,::1"
 
 /* Binds and listens; fails with PRISM_EIO when the address cannot be bound. */
 int  prism_http_server_start(uv_loop_t *loop, const prism_http_config_t *cfg, prism_http_handler_fn fn,
@@ -153,7 +177,9 @@ typedef struct {
     uint64_t body_bytes_in_flight; /* 503: max_body_bytes_total (from the header, or paused too long) */
     uint64_t body_gate;            /* 503: paused by body_gate longer than max_pause_s */
     uint64_t connections;          /* 503: max_connections */
-    uint64_t malformed;            /* 400 / 431 / 417 */
+    uint64_t malformed;            /* 400 / 431 / 417 / 415 */
+    uint64_t host;                 /* 403: a Host not in allowed_hosts */
+    uint64_t slow_readers;         /* connections closed with answer bytes the client did not take in time */
 } prism_http_refusals_t;
 void prism_http_server_refusals(const prism_http_server_t *s, prism_http_refusals_t *out);
 

@@ -61,7 +61,7 @@ static void on_signal(uv_signal_t *s, int sig)
 /* The router's flags as given (defaults in flags_parse). */
 typedef struct {
     const char *model_path, *tokenizer_path, *served, *host, *control, *chat_template, *api_key, *log_level,
-               *tool_parser, *curve_keys;
+               *tool_parser, *curve_keys, *allowed_hosts;
     bool insecure_no_curve, metrics_open, timing_header, no_early_encode;
     int64_t port, context_length, limit_mm, max_pixels, max_running, max_body, body_total, image_inflight, max_conn,
             min_body_rate, stream_pending, max_retries, max_migrations, prep_threads, max_image_bytes;
@@ -87,6 +87,9 @@ static int flags_parse(router_flags_t *f, int argc, char **argv)
         PRISM_FLAG_STR("tokenizer-path", &f->tokenizer_path, "Tokenizer directory (default: --model-path)"),
         PRISM_FLAG_STR("served-model-name", &f->served, "Model name clients use (default: the model directory's name)"),
         PRISM_FLAG_STR("host", &f->host, "HTTP bind address"),
+        PRISM_FLAG_STR("allowed-hosts", &f->allowed_hosts,
+                       "Host header names the HTTP API answers, comma-separated ('*': any; default: any, or only "
+                       "localhost, 127.0.0.1, ::1 and --host when --host is a loopback address: DNS rebinding)"),
         PRISM_FLAG_INT("port", &f->port, "HTTP port"),
         PRISM_FLAG_STR("control-endpoint", &f->control, "ZeroMQ endpoint workers connect to"),
         PRISM_FLAG_STR("curve-keys", &f->curve_keys,
@@ -309,6 +312,9 @@ static int start_io(router_t *r, const router_flags_t *f)
     hc.header_timeout_s = f->header_timeout;
     hc.min_body_rate = (size_t)f->min_body_rate;
     hc.on_headers = router_on_headers;
+    hc.allowed_hosts = f->allowed_hosts ? f->allowed_hosts
+                     : prism_http_host_is_loopback(f->host) ? PRISM_HTTP_LOOPBACK_HOSTS : NULL;
+    hc.require_json = true;   /* POST bodies are JSON: a cross-site form cannot send it without a preflight */
     hc.body_gate = router_body_gate;
     hc.image_check = router_image_check_early;
     hc.image_done = router_early_encode;

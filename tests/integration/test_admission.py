@@ -187,7 +187,7 @@ def test_body_bytes_in_flight_pause():
 
         def hold():
             a = socket.create_connection(("127.0.0.1", c.port), timeout=60)
-            a.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            a.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                       b"Content-Length: %d\r\n\r\n" % len(body))
             a.sendall(body[:limit - 50_000])
             wait_for(lambda: (c.metric("prism:router_body_bytes_in_flight") or 0) >= limit, 30, "the budget held")

@@ -254,7 +254,7 @@ def test_bomb_refused_on_its_first_bytes():
     before = (C.metric("prism:requests_refused_total", reason="image_too_large"),
               C.metric("prism:requests_refused_total", reason="bad_request"))
     s = socket.create_connection(("127.0.0.1", C.port), timeout=30)
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
               b"Content-Length: %d\r\n\r\n" % len(body) + body[:64 * 1024])
     data = b""
     while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + int(

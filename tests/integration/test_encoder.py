@@ -197,7 +197,7 @@ def test_image_encoded_before_the_body_ends():
         c.wait_ready()
         lookups = encoder_lookups(c)
         s = socket.create_connection(("127.0.0.1", c.port), timeout=60)
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n" % len(raw) + raw[:cut])
         wait_for("the early encode", lambda: c.metric("prism:router_early_encodes_total") == 1)
         wait_for("the encoder to encode it", lambda: encoder_lookups(c) == lookups + 1)
@@ -254,7 +254,7 @@ def test_early_job_of_a_hung_encoder_is_let_go():
         enc.send_signal(signal.SIGSTOP)
         try:
             s = socket.create_connection(("127.0.0.1", c.port), timeout=60)
-            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                       b"Content-Length: %d\r\n\r\n" % len(raw) + raw[:cut])
             wait_for("the early encode", lambda: c.metric("prism:router_early_encodes_total") == 1)
             wait_for("the early job let go", lambda: c.metric("prism:router_early_encodes_failed_total") == 1, 30)

@@ -199,7 +199,7 @@ def test_hundred_hung_up_streams_free_every_pool():
             body = json.dumps(chat_body("Tell me a long story %d" % i, [jpg] if i % 2 else [], max_tokens=1500,
                                         temperature=0, ignore_eos=True, stream=True)).encode()
             s = socket.create_connection(("127.0.0.1", c.port), timeout=30)
-            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             socks.append(s)
         # all held, every tier busy

@@ -16,8 +16,10 @@ import http.client
 import json
 import os
 import re
+import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -125,6 +127,76 @@ def check_big_image(port):
     print("  %.1f MB body -> 200" % (len(body) / 1e6), flush=True)
 
 
+def check_trickled_bodies_lock_no_one_out(port, n=8500, seconds=36):
+    """The audit's attack (issue 26 finding 6): n connections from one address, each sending its
+    headers and then one body byte every 15 s. Buffered by nginx, such bodies never reached a router
+    (whose minimum body rate would end them) and client_body_timeout counts between reads only: 8,392
+    of them held every connection nginx had and /health went unanswered. Now the trickles are ended
+    (429 past the per-address share, 408 from the routers) and /health answers, but while the burst
+    of connections itself is being refused (nginx cannot hold 8,500 at once: it accepts past its
+    worker_connections only as refused ones close), for at most 5 s."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, n + 1024)), hard))
+    n = min(n, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 512)
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000\r\n\r\n{")
+    socks, refused = [], 0
+    t0 = time.time()
+    for _ in range(n):
+        s = socket.socket()
+        s.settimeout(2)
+        try:
+            s.connect(("127.0.0.1", port))
+            s.sendall(head)
+            s.setblocking(False)
+            socks.append(s)
+        except OSError:
+            refused += 1
+            s.close()
+    print("  %d trickling connections opened in %.1fs (%d refused at once)" % (len(socks), time.time() - t0, refused),
+          flush=True)
+
+    def alive(s):
+        try:
+            return s.recv(65536, socket.MSG_PEEK) is None
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+
+    slow_probes, burst_probes, next_byte, t_end = [], 0, time.time() + 15, time.time() + seconds
+    t_burst = time.time()
+    try:
+        while time.time() < t_end:
+            t = time.time()
+            try:
+                status = at_port(port).request("GET", "/health", timeout=5)[0]
+            except OSError as e:
+                status = repr(e)
+            dt = time.time() - t
+            if (status != 200 or dt > 3) and t > t_burst + 5:
+                slow_probes.append((round(t - t0, 1), status, round(dt, 2)))
+            elif status != 200 or dt > 3:
+                burst_probes += 1
+            if time.time() >= next_byte:
+                for s in socks:
+                    try:
+                        s.send(b" ")
+                    except OSError:
+                        pass
+                next_byte = time.time() + 15
+            time.sleep(1)
+        open_left = sum(1 for s in socks if alive(s))
+    finally:
+        for s in socks:
+            s.close()
+    print("  /health through the balancer: %d slow or failed probes (%d more in the 5 s after the burst); "
+          "%d of %d trickles still open after %ds" % (len(slow_probes), burst_probes, open_left, len(socks), seconds),
+          flush=True)
+    assert not slow_probes, slow_probes
+    assert open_left <= 0.1 * max(len(socks), 1), (open_left, len(socks))
+
+
 class Load:
     """Client threads sending image requests (half streaming) until stopped; every outcome kept."""
 
@@ -184,7 +256,8 @@ def nginx_tests():
         def test_example_config_is_what_runs():
             site = open(os.path.join(c.run_dir, "nginx", "prism.conf")).read()
             example = open(os.path.join(ROOT, "deploy", "nginx", "prism.conf")).read()
-            for directive in ("least_conn;", "proxy_buffering off;", "client_max_body_size 64m;",
+            for directive in ("least_conn;", "proxy_buffering off;", "proxy_request_buffering off;",
+                              "limit_conn prism_per_client", "client_max_body_size 64m;",
                               "proxy_read_timeout 900s;", "proxy_next_upstream error timeout http_503 non_idempotent;"):
                 assert directive in example and directive in site, directive
             assert "server 127.0.0.1:%d max_fails=1" % r1 in site and "server 127.0.0.1:%d max_fails=1" % r2 in site
@@ -229,6 +302,9 @@ def nginx_tests():
             assert len(after) >= 10
             assert t_back - t_kill < 15, "router-1 took %.1fs to get its workers back" % (t_back - t_kill)
 
+        def test_trickled_bodies_lock_no_one_out():
+            check_trickled_bodies_lock_no_one_out(c.port)
+
         def test_ctrl_c_stops_nginx_too():
             nginx_pid = c.pid("nginx")
             assert nginx_pid
@@ -237,7 +313,8 @@ def nginx_tests():
             assert not c.leftovers(), c.leftovers()
 
         return run_tests([test_example_config_is_what_runs, test_sse_passes_through_unbuffered,
-                          test_ten_megabyte_image_body, test_sigkill_one_router_under_load, test_ctrl_c_stops_nginx_too])
+                          test_ten_megabyte_image_body, test_sigkill_one_router_under_load,
+                          test_trickled_bodies_lock_no_one_out, test_ctrl_c_stops_nginx_too])
     finally:
         c.__exit__()
 
@@ -318,8 +395,11 @@ def haproxy_tests():
         def test_ten_megabyte_image_body():
             check_big_image(front)
 
+        def test_trickled_bodies_lock_no_one_out():
+            check_trickled_bodies_lock_no_one_out(front)
+
         return run_tests([test_requests_through_haproxy_reach_both_routers, test_sse_passes_through_unbuffered,
-                          test_ten_megabyte_image_body])
+                          test_ten_megabyte_image_body, test_trickled_bodies_lock_no_one_out])
     finally:
         if hp:
             hp.terminate()

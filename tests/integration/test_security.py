@@ -371,7 +371,7 @@ def test_abort_before_kv_is_remembered():
                        "temperature": 0}).encode()
     plog0, dlog0 = len(C.log("prefill-0", tail=0)), len(C.log("decode-0", tail=0))
     s = socket.create_connection(("127.0.0.1", C.port), timeout=10)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
               % len(body) + body)
     # hang up once prefill is computing (an abort that reaches prefill before that drops the request there)
     m = wait_for(lambda: re.search(r"request (\d+): prefill of 1000 tokens started", C.log("prefill-0", tail=0)[plog0:]),
@@ -639,7 +639,7 @@ def test_api_key_checked_from_headers():
         # a large declared body and none sent: the 401 comes at once, the body is never awaited
         s = socket.create_connection(("127.0.0.1", c.port), timeout=5)
         t0 = time.time()
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer nope\r\n"
                   b"Content-Length: 60000000\r\n\r\n")
         data = s.recv(4096)
         s.close()

@@ -227,7 +227,7 @@ def _huge_prompt(n_bytes, seed=7):
 def _post_raw(path, body):
     """Sends the whole request; returns (socket, time the last byte was handed to the kernel)."""
     s = socket.create_connection(("127.0.0.1", C.port), timeout=300)
-    s.sendall(("POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+    s.sendall(("POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
                "Connection: close\r\n\r\n" % (path, len(body))).encode() + body)
     return s, time.monotonic()
 

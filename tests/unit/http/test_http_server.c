@@ -301,6 +301,21 @@ static void handler(prism_http_req_t *r, void *ud)
                          (unsigned long long)rf.connections, (unsigned long long)rf.malformed);
         prism_http_respond(r, 200, "text/plain", NULL, b, (size_t)n);
         prism_http_req_release(r);
+    } else if (strcmp(path, "/big") == 0) {
+        size_t n = (size_t)qint(r, "n", 1 << 20);
+        char *b = malloc(n);
+        memset(b, 'b', n);
+        prism_http_respond(r, 200, "application/octet-stream", NULL, b, n);
+        free(b);
+        prism_http_req_release(r);
+    } else if (strcmp(path, "/refusals_more") == 0) {
+        prism_http_refusals_t rf;
+        prism_http_server_refusals(h->srv, &rf);
+        char b[96];
+        int n = snprintf(b, sizeof b, "host=%llu slow=%llu bad=%llu", (unsigned long long)rf.host,
+                         (unsigned long long)rf.slow_readers, (unsigned long long)rf.malformed);
+        prism_http_respond(r, 200, "text/plain", NULL, b, (size_t)n);
+        prism_http_req_release(r);
     } else if (strcmp(path, "/error") == 0) {
         prism_http_respond_error(r, 404, "NotFoundError", "The model `x\"y` does not exist.", "model", NULL,
                                  "x-request-id: abc\r\n");
@@ -389,12 +404,16 @@ static void server_thread(void *arg)
     uv_run(&h->loop, UV_RUN_DEFAULT);
 }
 
+static bool g_strict_host;
+
 static harness_t *harness_start(const prism_http_config_t *cfg)
 {
     harness_t *h = calloc(1, sizeof *h);
     h->mem_base = prism_mem_used();
     if (cfg) h->cfg = *cfg;
     else h->cfg = prism_http_config_default();
+    /* most tests speak the least HTTP/1.1 there is (no Host); the framing tests ask for the default */
+    if (!g_strict_host) h->cfg.require_host = false;
     h->cfg.host = "127.0.0.1";
     h->cfg.port = 0;
     assert_int_equal(uv_loop_init(&h->loop), 0);
@@ -1969,6 +1988,179 @@ static void test_request_prepared_on_a_pool_thread(void **state)
 
 /* prism_http_req_drop (the router drops clients that stop reading a stream, finding 15): the
  * connection closes from the loop and the abort callback runs there, not inside drop. */
+/* ---- issue 26: answers a client never reads, strict framing, Host and media type ---- */
+
+static void refusals_more(harness_t *h, char *out, size_t n)
+{
+    client_t c;
+    resp_t r;
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "GET /refusals_more HTTP/1.1\r\nHost: localhost\r\n\r\n");
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    snprintf(out, n, "%s", r.body);
+    resp_free(&r);
+    client_close(&c);
+}
+
+/* "Connection: close" and never read: the answer is dropped once the client falls behind the write
+ * deadline, the connection counting as open until then (before: it left the count at once and kept
+ * the answer in memory for good). A client that pipelines requests and reads none of the answers
+ * gets no further answers queued past max_pipeline_bytes. */
+static void test_unread_answers_are_dropped(void **state)
+{
+    (void)state;
+    prism_http_config_t cfg = prism_http_config_default();
+    cfg.write_grace_s = 0.5;
+    cfg.min_write_rate = 64 * 1024;
+    harness_t *h = harness_start(&cfg);
+    client_t c;
+    assert_int_equal(client_connect(&c, h->port), 0);
+    int small = 4096;
+    setsockopt(c.fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
+    size_t m0 = prism_mem_used();
+    client_sendf(&c, "GET /big?n=16777216 HTTP/1.1\r\nConnection: close\r\n\r\n");
+    int held = 0;
+    for (int i = 0; i < 3000 && prism_mem_used() < m0 + (8u << 20); i++) usleep(1000);
+    if (prism_mem_used() >= m0 + (8u << 20)) held = 1;
+    assert_true(held);
+    usleep(200 * 1000);   /* the answer is queued, the connection closing */
+    assert_true(prism_mem_used() >= m0 + (8u << 20));
+    assert_int_equal(prism_http_server_active_connections(h->srv), 1);   /* closing, still counted */
+    uint64_t t0 = prism_now_ns();
+    for (int i = 0; i < 10000 && prism_mem_used() >= m0 + (1u << 20); i++) usleep(1000);
+    double dt = (double)(prism_now_ns() - t0) / 1e9;
+    if (prism_mem_used() >= m0 + (1u << 20)) fail_msg("the unread answer is still held after %.1f s", dt);
+    for (int i = 0; i < 2000 && prism_http_server_active_connections(h->srv) > 0; i++) usleep(1000);
+    assert_int_equal(prism_http_server_active_connections(h->srv), 0);
+    client_close(&c);
+    /* pipelined requests whose answers are never read */
+    assert_int_equal(client_connect(&c, h->port), 0);
+    setsockopt(c.fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
+    int before = atomic_load(&h->n_requests);
+    for (int i = 0; i < 40; i++) client_sendf(&c, "GET /big?n=1048576 HTTP/1.1\r\n\r\n");
+    usleep(300 * 1000);
+    int answered = atomic_load(&h->n_requests) - before;
+    if (answered > 8) fail_msg("%d of 40 unread answers were queued", answered);
+    for (int i = 0; i < 10000 && prism_http_server_active_connections(h->srv) > 0; i++) usleep(1000);
+    assert_int_equal(prism_http_server_active_connections(h->srv), 0);
+    client_close(&c);
+    char rf[96];
+    refusals_more(h, rf, sizeof rf);
+    assert_non_null(strstr(rf, "slow=2"));
+    /* a client that reads at a fair pace gets all of a big answer */
+    resp_t r;
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "GET /big?n=4194304 HTTP/1.1\r\nConnection: close\r\n\r\n");
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    assert_int_equal(r.status, 200);
+    assert_int_equal(r.body_len, 4194304);
+    resp_free(&r);
+    client_close(&c);
+    harness_stop(h);
+}
+
+/* Request framing as strict as nginx's (RFC 9112): obs-fold, a Transfer-Encoding other than
+ * chunked, several Host headers or none in HTTP/1.1 are 400s and the connection closes. */
+static void test_strict_framing(void **state)
+{
+    (void)state;
+    g_strict_host = true;
+    harness_t *h = harness_start(NULL);
+    g_strict_host = false;
+    static const char *const BAD[] = {
+        "GET /echo HTTP/1.1\r\nHost: a\r\nX-Test: one\r\n two\r\n\r\n",
+        "GET /echo HTTP/1.1\r\nHost: a\r\nX-Test: one\r\n\ttwo\r\n\r\n",
+        "POST /echo HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        "POST /echo HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: identity\r\nContent-Length: 3\r\n\r\nabc",
+        "GET /echo HTTP/1.1\r\n\r\n",
+        "GET /echo HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+        "GET /echo HTTP/1.0\r\nHost: a\r\nhost: a\r\n\r\n",
+    };
+    for (size_t i = 0; i < PRISM_ARRAY_LEN(BAD); i++) {
+        client_t c;
+        resp_t r;
+        assert_int_equal(client_connect(&c, h->port), 0);
+        client_sendf(&c, "%s", BAD[i]);
+        assert_int_equal(client_read_response(&c, &r, false), 0);
+        if (r.status != 400) fail_msg("request %zu answered %d, want 400", i, r.status);
+        resp_free(&r);
+        assert_true(client_sees_eof(&c));
+        client_close(&c);
+    }
+    /* what stays fine: one Host, HTTP/1.0 without one, chunked, a value split across reads */
+    static const char *const GOOD[] = {
+        "GET /echo HTTP/1.1\r\nHost: a\r\n\r\n",
+        "GET /echo HTTP/1.0\r\n\r\n",
+        "POST /echo HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: Chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+    };
+    for (size_t i = 0; i < PRISM_ARRAY_LEN(GOOD); i++) {
+        client_t c;
+        resp_t r;
+        assert_int_equal(client_connect(&c, h->port), 0);
+        client_sendf(&c, "%s", GOOD[i]);
+        assert_int_equal(client_read_response(&c, &r, false), 0);
+        if (r.status != 200) fail_msg("good request %zu answered %d", i, r.status);
+        resp_free(&r);
+        client_close(&c);
+    }
+    client_t c;
+    resp_t r;
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "GET /echo HTTP/1.1\r\nHost: a\r\nX-Test: one");
+    usleep(50 * 1000);
+    client_sendf(&c, " two\r\n\r\n");
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    assert_int_equal(r.status, 200);
+    char xe[32];
+    assert_non_null(resp_header(&r, "X-Echo", xe, sizeof xe));
+    assert_string_equal(xe, "one two");
+    resp_free(&r);
+    client_close(&c);
+    harness_stop(h);
+}
+
+/* Host against the allowed names (DNS rebinding reaches a loopback server under the attacker's
+ * name) and JSON bodies only (a cross-site form cannot send application/json). */
+static void test_allowed_hosts_and_json(void **state)
+{
+    (void)state;
+    prism_http_config_t cfg = prism_http_config_default();
+    cfg.allowed_hosts = "localhost,example.org:8000";
+    cfg.require_json = true;
+    harness_t *h = harness_start(&cfg);
+    static const struct { const char *req; int status; } T[] = {
+        {"GET /echo HTTP/1.1\r\nHost: evil.example\r\n\r\n", 403},
+        {"GET /echo HTTP/1.1\r\nHost: localhost.evil.example\r\n\r\n", 403},
+        {"GET /echo HTTP/1.1\r\nHost: [::1]:80\r\n\r\n", 403},
+        {"GET /echo HTTP/1.0\r\n\r\n", 403},
+        {"GET /echo HTTP/1.1\r\nHost: localhost:8000\r\n\r\n", 200},
+        {"GET /echo HTTP/1.1\r\nHost: LOCALHOST\r\n\r\n", 200},
+        {"GET /echo HTTP/1.1\r\nHost: example.org\r\n\r\n", 200},
+        {"GET /echo HTTP/1.1\r\nHost: 127.0.0.1:1234\r\n\r\n", 200},   /* the bind address */
+        {"POST /echo HTTP/1.1\r\nHost: localhost\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\n{}", 415},
+        {"POST /echo HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/x-www-form-urlencoded\r\n"
+         "Content-Length: 2\r\n\r\n{}", 415},
+        {"POST /echo HTTP/1.1\r\nHost: localhost\r\nContent-Length: 2\r\n\r\n{}", 415},
+        {"POST /echo HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/jsonx\r\nContent-Length: 2\r\n\r\n{}", 415},
+        {"POST /echo HTTP/1.1\r\nHost: localhost\r\nContent-Type: Application/JSON; charset=utf-8\r\n"
+         "Content-Length: 2\r\n\r\n{}", 200},
+    };
+    for (size_t i = 0; i < PRISM_ARRAY_LEN(T); i++) {
+        client_t c;
+        resp_t r;
+        assert_int_equal(client_connect(&c, h->port), 0);
+        client_sendf(&c, "%s", T[i].req);
+        assert_int_equal(client_read_response(&c, &r, false), 0);
+        if (r.status != T[i].status) fail_msg("request %zu answered %d, want %d: %s", i, r.status, T[i].status, r.body);
+        resp_free(&r);
+        client_close(&c);
+    }
+    char rf[96];
+    refusals_more(h, rf, sizeof rf);
+    assert_non_null(strstr(rf, "host=4"));
+    harness_stop(h);
+}
+
 static void test_drop_client(void **state)
 {
     (void)state;
@@ -2230,6 +2422,9 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_on_headers_refuses_before_body),
         cmocka_unit_test(test_failed_write_defers_abort),
         cmocka_unit_test(test_request_prepared_on_a_pool_thread),
+        cmocka_unit_test(test_unread_answers_are_dropped),
+        cmocka_unit_test(test_strict_framing),
+        cmocka_unit_test(test_allowed_hosts_and_json),
         cmocka_unit_test(test_drop_client),
         cmocka_unit_test(test_no_abort_after_release),
         cmocka_unit_test(test_random_garbage),
