@@ -967,7 +967,7 @@ static void host_name(const char *v, char *out, size_t n)
         len = e ? (size_t)(e - v) : strlen(v);
     } else {
         const char *e = strchr(v, ':');
-        len = e ? (size_t)(e - v) : strlen(v);
+        len = e && !strchr(e + 1, ':') ? (size_t)(e - v) : strlen(v);   /* a bare IPv6 address has no port */
     }
     while (len && (v[len - 1] == ' ' || v[len - 1] == '\t')) len--;
     snprintf(out, n, "%.*s", (int)PRISM_MIN(len, n - 1), v);

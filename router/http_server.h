@@ -14,7 +14,13 @@
  *   - chunk extensions of one request > max_header_bytes              -> 400, closed
  *   - refused by the on_headers hook (e.g. a bad API key)             -> its status, before the body is read
  *   - malformed HTTP, protocol upgrades after their answer            -> 400, connection closed
- *   - connections >= max_connections: the new one is accepted, answered 503 and closed
+ *   - lenient framing: obs-fold, a Transfer-Encoding other than chunked, none or several Host
+ *     headers (HTTP/1.1)                                                -> 400, connection closed
+ *   - a Host not in allowed_hosts (when set)                         -> 403; a POST not JSON (require_json) -> 415
+ *   - connections >= max_connections: the new one is accepted, answered 503 and closed (closing
+ *     ones count until their socket is closed)
+ *   - unsent answer bytes not taken by the client at min_write_rate after write_grace_s -> closed;
+ *     the next pipelined request waits while more than max_pipeline_bytes are unsent
  * These error answers use the OpenAI error shape {"error":{"message","type","param","code"}}.
  *
  * OWNERSHIP RULE (read this):

@@ -651,6 +651,82 @@ def test_api_key_checked_from_headers():
         assert c.request("GET", "/v1/models")[0] == 401
 
 
+def router_memory():
+    status, _, data = C.request("GET", "/metrics")
+    m = re.search(rb"^prism:router_memory_bytes(?:\{\})? ([0-9.e+]+)$", data, re.M)
+    return float(m.group(1))
+
+
+def raw_status(port, request, timeout=10):
+    """The status of the answer to raw request bytes."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    try:
+        s.sendall(request)
+        data = s.recv(4096)
+    finally:
+        s.close()
+    return int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else data
+
+
+def test_unread_answers_do_not_pin_memory():
+    """Issue 26 finding 3: four /tokenize requests with Connection: close whose answers (MBs) the
+    client never reads. Their answers used to stay in the router's heap for good (the closing
+    connection ran no timer and left the connection count); now the write deadline drops them."""
+    prompt = "ab cd " * 400000
+    body = json.dumps({"model": "prism-tiny-llava", "prompt": prompt}).encode()
+    base = router_memory()
+    socks = []
+    for _ in range(4):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", C.port))
+        s.sendall(b"POST /tokenize HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                  b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        socks.append(s)
+    try:
+        wait_for(lambda: router_memory() > base + 8e6, 60, "the answers to be written", interval=0.2)
+        peak = router_memory()
+        t0 = time.time()
+        wait_for(lambda: router_memory() < base + 2e6, 60, "the unread answers to be dropped", interval=0.2)
+        print("  %.1f MB of unread answers held, dropped %.1f s later" % ((peak - base) / 1e6, time.time() - t0))
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_dns_rebinding_and_form_posts_refused():
+    """Issue 26 finding 11: a router bound to loopback answers only its loopback names (a page that
+    reaches it by DNS rebinding sends its own), and POST bodies must be JSON (a cross-site form
+    cannot send that without a CORS preflight). --allowed-hosts names others."""
+    get = b"GET /v1/models HTTP/1.1\r\nHost: %s\r\n\r\n"
+    for host, want in ((b"evil.example", 403), (b"evil.example:%d" % C.port, 403), (b"127.0.0.1.evil.example", 403),
+                       (b"localhost:%d" % C.port, 200), (b"127.0.0.1:%d" % C.port, 200), (b"[::1]:%d" % C.port, 200)):
+        assert raw_status(C.port, get % host) == want, (host, want)
+    body = json.dumps(dict(PROMPT, max_tokens=1)).encode()
+    for ctype, want in ((b"text/plain", 415), (b"application/x-www-form-urlencoded", 415), (None, 415),
+                        (b"application/json; charset=utf-8", 200)):
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+        if ctype:
+            head += b"Content-Type: " + ctype + b"\r\n"
+        assert raw_status(C.port, head + b"Content-Length: %d\r\n\r\n" % len(body) + body) == want, (ctype, want)
+    with Cluster(encoders=0, prefills=0, decodes=0, router_args=["--allowed-hosts", "api.example"]) as c:
+        wait_http(c)
+        assert raw_status(c.port, get % b"api.example") == 200
+        assert raw_status(c.port, get % b"127.0.0.1") == 200    # the bind address, always
+        assert raw_status(c.port, get % b"localhost") == 403
+
+
+def test_lenient_framing_refused():
+    """Issue 26 finding 15: what a front end might read otherwise than the router is refused (400)."""
+    for req in (b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-A: a\r\n b\r\n\r\n",
+                b"POST /tokenize HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                b"Transfer-Encoding: gzip, chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+                b"GET /health HTTP/1.1\r\n\r\n",
+                b"GET /health HTTP/1.1\r\nHost: localhost\r\nHost: localhost\r\n\r\n"):
+        assert raw_status(C.port, req) == 400, req
+    assert raw_status(C.port, b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n") == 200
+
+
 if __name__ == "__main__":
     try:
         rc = run_tests([test_no_curve_refused, test_other_cluster_keys_refused, test_stranger_knowing_public_keys_refused,
@@ -663,7 +739,9 @@ if __name__ == "__main__":
                         test_encoder_freed_when_its_prefill_dies, test_cache_hits_not_shown_to_clients,
                         test_router_checks_tokens_from_the_holding_decode, test_registration_fields_checked,
                         test_junk_embeddings_cannot_fill_the_pool, test_embeddings_need_the_whole_request_id,
-                        test_tokens_need_the_whole_request_id, test_decode_told_to_stop_made_up_kv])
+                        test_tokens_need_the_whole_request_id, test_decode_told_to_stop_made_up_kv,
+                        test_unread_answers_do_not_pin_memory, test_dns_rebinding_and_form_posts_refused,
+                        test_lenient_framing_refused])
         assert all(C.alive().values()), C.alive()
     finally:
         C.stop()
