@@ -712,16 +712,24 @@ int prism_grammar_matcher_fill_mask(prism_grammar_matcher_t *m, int32_t *mask)
         c->work += e->acc_kind == GRAM_ACC_LIST ? e->n_acc / 8 : words / 8;
         if (!e->n_unc) continue;
         walk_begin(c, &top, 1);
+        /* levels are shared with the last token walked: a token skipped in between still shortens
+         * the prefix they share (its lcp with the next may be longer than the walked one's) */
+        int carry = INT32_MAX;
         for (uint32_t i = 0; i < e->n_unc; i++) {
             if (c->work > limit) {
                 gram_ctx_truncate(c, mark);
                 return PRISM_ELIMIT;
             }
             int32_t id = v->sorted[e->unc[i]];
-            if (prism_grammar_mask_test(mask, id)) continue;  /* another top already allows it */
+            int lcp = PRISM_MIN(carry, (int)e->unc_lcp[i]);
+            if (prism_grammar_mask_test(mask, id)) {   /* another top already allows it */
+                carry = lcp;
+                continue;
+            }
+            carry = INT32_MAX;
             uint32_t L;
             const uint8_t *bytes = gram_sorted_bytes(v, (uint32_t)e->unc[i], &L);
-            int k = walk_to(c, bytes, (int)L, e->unc_lcp[i]);
+            int k = walk_to(c, bytes, (int)L, lcp);
             if (k == (int)L && (c->lvl_n[L] > 0 || c->lvl_end[L])) set_bit(mask, id);
         }
         gram_ctx_truncate(c, mark);

@@ -240,6 +240,56 @@ static void run_choice(int which)
     mctx_free(&c, &t);
 }
 
+/* Every token a mask allows is accepted, on the regexes fuzz_grammar found refusing one (their
+ * seeds in tests/fuzz/corpus/fuzz_grammar, replayed here in every build): wide alternations kept as
+ * NFAs, whose many stacks (1) made the run from all of them prune what one alone accepts, and (2)
+ * made a walk of the uncertain tokens reuse levels of a token it had skipped. Random walks, with
+ * the bundled tokenizer and the synthetic one. */
+static void test_allowed_tokens_are_accepted(void **st)
+{
+    (void)st;
+    static const char *const SEEDS[] = { "regress-mask-allows-token-accept-prunes",
+                                         "regress-mask-walk-levels-after-skipped-token", "regress-subset-blowup-1k" };
+    for (int which = -1; which <= 0; which++) {
+        gt_tok_t t;
+        mctx_t c;
+        if (!mctx_init(&c, which, &t)) continue;
+        for (size_t f = 0; f < PRISM_ARRAY_LEN(SEEDS); f++) {
+            char path[1024];
+            tt_source_path(path, sizeof path, "tests/fuzz/corpus/fuzz_grammar/");
+            strncat(path, SEEDS[f], sizeof path - strlen(path) - 1);
+            char *text = NULL;
+            size_t len = 0;
+            assert_int_equal(prism_read_file(path, 1 << 20, &text, &len), PRISM_OK);
+            prism_grammar_t *g;
+            prism_grammar_error_t err;
+            if (prism_grammar_compile_regex(t.v, text + 1, len - 1, NULL, &g, &err) != PRISM_OK)
+                fail_msg("%s: %s", SEEDS[f], err.message);
+            uint64_t r = 7;
+            for (int walk = 0; walk < 24; walk++) {
+                prism_grammar_matcher_t *m;
+                assert_int_equal(prism_grammar_matcher_create(g, NULL, &m), PRISM_OK);
+                for (int step = 0; step < 16 && !prism_grammar_matcher_is_terminated(m); step++) {
+                    int n = prism_grammar_matcher_fill_mask(m, c.mask);
+                    assert_true(n >= 0);
+                    if (n == 0) break;
+                    int k = gt_randint(&r, n), seen = 0;
+                    int32_t pick = -1;
+                    for (size_t id = 0; id < c.nv && pick < 0; id++)
+                        if (prism_grammar_mask_test(c.mask, (int32_t)id) && seen++ == k) pick = (int32_t)id;
+                    if (prism_grammar_matcher_accept_token(m, pick) != PRISM_OK)
+                        fail_msg("%s (tokenizer %d, walk %d, step %d): token %d allowed but refused", SEEDS[f], which,
+                                 walk, step, pick);
+                }
+                prism_grammar_matcher_free(m);
+            }
+            prism_grammar_release(g);
+            prism_free(text);
+        }
+        mctx_free(&c, &t);
+    }
+}
+
 static void test_json_synth(void **s) { (void)s; run_json(-1); }
 static void test_regex_synth(void **s) { (void)s; run_regex(-1); }
 static void test_choice_synth(void **s) { (void)s; run_choice(-1); }
@@ -449,6 +499,7 @@ int main(void)
         cmocka_unit_test(test_no_alloc_rollback_pool),
         cmocka_unit_test(test_stack_depth_limit),
         cmocka_unit_test(test_threads),
+        cmocka_unit_test(test_allowed_tokens_are_accepted),
         cmocka_unit_test(test_json_synth),
         cmocka_unit_test(test_regex_synth),
         cmocka_unit_test(test_choice_synth),
