@@ -118,15 +118,30 @@ router_host=$host
 # ---------------------------------------------------------------- prepare the run directory
 # Everything a run needs is written here before any process starts: the supervisor's spec,
 # generated configs and (with internal-link authentication) key material.
+# A run directory holds the cluster's keys and the files the supervisor writes (as root, possibly):
+# one that another local user made first, or may write, would run the cluster on their keys and aim
+# our writes through their links (issue 26). So it is made here, private (mkdir fails if it exists:
+# no race), or adopted only when it is ours (or root's) and no one else may write it.
+private_dir() {  # DIR: owned by us or root, not group/other-writable
+  local owner mode
+  owner=$(stat -L -c %u "$1") && mode=$(stat -L -c %a "$1") || return 1
+  [ -d "$1" ] && { [ "$owner" = "$(id -u)" ] || [ "$owner" = 0 ]; } && [ $(( 8#$mode & 8#022 )) -eq 0 ]
+}
 own_run_dir=0
 if [ -z "$run_dir" ]; then
   run_dir=$(mktemp -d "${TMPDIR:-/tmp}/prism-run.XXXXXX")
   own_run_dir=1
+elif [ -e "$run_dir" ] || [ -L "$run_dir" ]; then
+  private_dir "$run_dir" || die "--run-dir $run_dir is not a private directory of this user (owned by another user, or writable by others); give a new path"
 else
-  mkdir -p "$run_dir"
+  mkdir -p "$(dirname "$run_dir")" && mkdir -m 700 "$run_dir" || die "cannot create --run-dir $run_dir"
 fi
 run_dir=$(cd "$run_dir" && pwd)
-if [ -n "$log_dir" ]; then mkdir -p "$log_dir"; log_dir=$(cd "$log_dir" && pwd); fi
+if [ -n "$log_dir" ]; then
+  [ -e "$log_dir" ] || mkdir -p -m 700 "$log_dir" || die "cannot create --log-dir $log_dir"
+  private_dir "$log_dir" || die "--log-dir $log_dir is not a private directory of this user (owned by another user, or writable by others)"
+  log_dir=$(cd "$log_dir" && pwd)
+fi
 cleanup_run_dir() { [ "$own_run_dir" -eq 0 ] || rm -rf "$run_dir"; }
 trap cleanup_run_dir EXIT
 

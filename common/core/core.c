@@ -364,6 +364,63 @@ bool prism_file_exists(const char *path)
     return stat(path, &st) == 0;
 }
 
+static bool owner_ok(const struct stat *st) { return st->st_uid == geteuid() || st->st_uid == 0; }
+
+int prism_fd_trusted(int fd, const char *path, char *err, size_t errlen)
+{
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        snprintf(err, errlen, "cannot stat %s: %s", path, strerror(errno));
+        return PRISM_EIO;
+    }
+    if (!S_ISREG(st.st_mode) || !owner_ok(&st) || (st.st_mode & 022)) {
+        snprintf(err, errlen, "%s is %s: it must be a file of this user (uid %d) or root that no one else may "
+                 "write", path, !S_ISREG(st.st_mode) ? "not a regular file" : !owner_ok(&st) ? "owned by another user"
+                 : "writable by other users", (int)geteuid());
+        return PRISM_EINVAL;
+    }
+    return PRISM_OK;
+}
+
+int prism_dir_trusted(const char *dir, char *err, size_t errlen)
+{
+    char *real = realpath(dir, NULL);   /* libc's allocation: free() */
+    if (!real) {
+        snprintf(err, errlen, "cannot resolve %s: %s", dir, strerror(errno));
+        return PRISM_EIO;
+    }
+    int rc = PRISM_OK;
+    /* the directory itself, then each one above it up to / */
+    for (bool first = true;; first = false) {
+        struct stat st;
+        if (stat(real, &st) != 0) {
+            snprintf(err, errlen, "cannot stat %s: %s", real, strerror(errno));
+            rc = PRISM_EIO;
+            break;
+        }
+        bool shared_ok = !first && (st.st_mode & S_ISVTX) && st.st_uid == 0;
+        if (!S_ISDIR(st.st_mode) || !owner_ok(&st) || ((st.st_mode & 022) && !shared_ok)) {
+            snprintf(err, errlen, "%s%s%s is %s: it must be a directory of this user (uid %d) or root that no one "
+                     "else may write", real, first ? "" : ", above ", first ? "" : dir,
+                     !S_ISDIR(st.st_mode) ? "not a directory" : !owner_ok(&st) ? "owned by another user"
+                     : "writable by other users", (int)geteuid());
+            rc = PRISM_EINVAL;
+            break;
+        }
+        char *slash = strrchr(real, '/');
+        if (!slash || slash == real) {
+            if (slash && real[1]) {   /* the last step: "/" itself */
+                real[1] = 0;
+                continue;
+            }
+            break;
+        }
+        *slash = 0;
+    }
+    free(real);
+    return rc;
+}
+
 int64_t prism_parse_bytes(const char *s)
 {
     if (!s || !*s) return -1;

@@ -125,6 +125,15 @@ int prism_read_file(const char *path, size_t max_bytes, char **out, size_t *out_
 /* Joins dir + "/" + name into out (size n); returns PRISM_ELIMIT if it does not fit. */
 int prism_path_join(char *out, size_t n, const char *dir, const char *name);
 bool prism_file_exists(const char *path);
+/* Files that decide who the cluster trusts (key directories, run directories) must be ours: a
+ * directory other local users can change, or a file they own, would let them plant keys or aim our
+ * writes. prism_dir_trusted: dir is a directory owned by the effective user or root, writable by
+ * no one else, and so is every directory above it, except that one writable by others is fine
+ * when sticky and root's (/tmp: others cannot rename or remove what is ours there).
+ * prism_fd_trusted: the open file is a regular file owned by the effective user or root and
+ * writable by no one else. Both return PRISM_OK or PRISM_EINVAL with a message naming path. */
+int prism_dir_trusted(const char *dir, char *err, size_t errlen);
+int prism_fd_trusted(int fd, const char *path, char *err, size_t errlen);
 /* Compares a secret with a presented value in time that depends only on the presented length
  * (API keys): no early exit on the first differing byte. */
 bool prism_ct_equal(const void *presented, size_t presented_len, const void *secret, size_t secret_len);

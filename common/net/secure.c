@@ -65,6 +65,12 @@ int prism_net_key_read(const char *path, char *out, char *err, size_t errlen)
         snprintf(err, errlen, "cannot read key file %s: %s", path, strerror(errno));
         return PRISM_EIO;
     }
+    /* a key another local user owns or may write is theirs, not the cluster's (issue 26) */
+    int trc = prism_fd_trusted(fd, path, err, errlen);
+    if (trc) {
+        close(fd);
+        return trc;
+    }
     char buf[128];
     ssize_t n = read(fd, buf, sizeof(buf) - 1);
     close(fd);
@@ -94,7 +100,10 @@ static int write_file(const char *path, const char *text, mode_t mode, char *err
 {
     char tmp[1100];
     snprintf(tmp, sizeof(tmp), "%s.tmp%d", path, (int)getpid());
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
+    /* never through a link someone left there, never into a file that exists */
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode);
+    if (fd < 0 && errno == EEXIST && unlink(tmp) == 0)   /* ours, left by a crash: the directory is trusted */
+        fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode);
     if (fd < 0) {
         snprintf(err, errlen, "cannot create %s: %s", tmp, strerror(errno));
         return PRISM_EIO;
@@ -116,6 +125,9 @@ int prism_net_keygen(const char *dir, unsigned roles_mask, bool overwrite, char 
         snprintf(err, errlen, "cannot create key directory %s: %s", dir, strerror(errno));
         return PRISM_EIO;
     }
+    /* a directory someone else made first (or may change) would hold their keys (issue 26) */
+    int trc = prism_dir_trusted(dir, err, errlen);
+    if (trc) return trc;
     for (int r = 1; r < PRISM_NET_ROLE_COUNT; r++) {
         if (!(roles_mask & PRISM_NET_ALLOW(r))) continue;
         char kpath[1024], ppath[1024], pub[PRISM_NET_KEY_Z85 + 1], sec[PRISM_NET_KEY_Z85 + 1], line[64];
@@ -362,6 +374,7 @@ int prism_net_create(const prism_net_opts_t *o, prism_net_t **out, char *err, si
     int rc = PRISM_OK;
     if (n->secure) {
         char path[1024];
+        if ((rc = prism_dir_trusted(o->curve_keys, err, errlen))) goto fail;
         snprintf(path, sizeof(path), "%s/%s.key", o->curve_keys, prism_net_role_name(o->role));
         struct stat st;
         /* Group access is allowed (Kubernetes mounts Secrets group-readable with fsGroup); others, never. */

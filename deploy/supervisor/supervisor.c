@@ -193,10 +193,15 @@ static int pid_file_write(const sv_t *s, const prism_supervisor_proc_t *p)
 {
     char tmp[4096], path[4096];
     if (pid_path(s, p, ".tmp", tmp, sizeof(tmp)) || pid_path(s, p, "", path, sizeof(path))) return PRISM_ELIMIT;
-    FILE *f = fopen(tmp, "w");
-    if (!f) return PRISM_EIO;
-    bool ok = fprintf(f, "%d\n", (int)p->pid) > 0;
-    ok = (fclose(f) == 0) && ok;
+    /* never through a link another user planted (the run directory is checked to be ours too) */
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd < 0 && errno == EEXIST && unlink(tmp) == 0)
+        fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd < 0) return PRISM_EIO;
+    char line[32];
+    int len = snprintf(line, sizeof line, "%d\n", (int)p->pid);
+    bool ok = write(fd, line, (size_t)len) == len;
+    ok = (close(fd) == 0) && ok;
     /* rename: a reader sees the old pid or the new one, never a half-written file */
     if (!ok || rename(tmp, path) != 0) {
         unlink(tmp);
@@ -231,7 +236,14 @@ static _Noreturn void child_exec(const sv_t *s, const prism_supervisor_proc_t *p
         if (in > 2) close(in);
     }
     if (log_path) {
-        int fd = open(log_path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+        /* not through a link, and only into a file of ours (as root we could append to any file) */
+        char why[256];
+        int fd = open(log_path, O_WRONLY | O_CREAT | O_APPEND | O_NOFOLLOW | O_CLOEXEC, 0644);
+        if (fd >= 0 && prism_fd_trusted(fd, log_path, why, sizeof why) != PRISM_OK) {
+            dprintf(2, "prism_supervisor: %s: not logging there\n", why);
+            close(fd);
+            fd = -1;
+        }
         if (fd >= 0) {
             dup2(fd, 1);
             dup2(fd, 2);
@@ -349,6 +361,14 @@ int prism_supervisor_run(prism_supervisor_spec_t *spec, const prism_supervisor_o
     }
     if (o->log_dir && access(o->log_dir, W_OK) != 0) {
         PRISM_ERROR("log directory %s is not writable: %s", o->log_dir, strerror(errno));
+        return 2;
+    }
+    /* Directories another local user may change would let them aim our writes (as root, at any
+     * file) through links named like our pid files and logs (issue 26). */
+    char why[512];
+    if (prism_dir_trusted(o->run_dir, why, sizeof why) != PRISM_OK ||
+        (o->log_dir && prism_dir_trusted(o->log_dir, why, sizeof why) != PRISM_OK)) {
+        PRISM_ERROR("%s", why);
         return 2;
     }
     /* A launcher's background job starts with SIGINT ignored and may have SIGCHLD ignored (which

@@ -17,8 +17,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import chat_body, make_image, run_tests  # noqa: E402
-from launched import SUPERVISOR, Launched, finish, pid_alive, wait_for  # noqa: E402
+from cluster import BUILD, MODEL, chat_body, make_image, run_tests  # noqa: E402
+from launched import LAUNCH, SUPERVISOR, Launched, finish, pid_alive, wait_for  # noqa: E402
 
 TMP = tempfile.mkdtemp(prefix="prism-sup-")
 JPG = make_image(os.path.join(TMP, "red_circle.jpg"), width=320, height=240, shape="circle", color="red")
@@ -27,8 +27,10 @@ JPG = make_image(os.path.join(TMP, "red_circle.jpg"), width=320, height=240, sha
 class Sup:
     """prism_supervisor on a spec of shell processes, its output in a file."""
 
-    def __init__(self, procs, *flags, parent_shell=False):
+    def __init__(self, procs, *flags, parent_shell=False, prepare=None):
         self.dir = tempfile.mkdtemp(prefix="sup-", dir=TMP)
+        if prepare:
+            prepare(self.dir)
         self.spec = os.path.join(self.dir, "spec")
         with open(self.spec, "w") as f:
             f.write("# test spec\n\n")
@@ -229,6 +231,59 @@ def test_a_bad_flag_fails_at_start_up_with_the_reason_and_leaves_nothing():
         c.__exit__()
 
 
+def test_writes_go_through_no_planted_link_and_the_run_dir_must_be_ours():
+    """Issue 26 finding 9: in a shared run directory another user aimed the supervisor's (root's)
+    writes at any file through links named like its pid and log files. The supervisor writes pid
+    files with O_EXCL | O_NOFOLLOW, logs with O_NOFOLLOW into files of its own, and refuses a run or
+    log directory others may write (finding 7)."""
+    victims = {n: os.path.join(TMP, "victim-" + n) for n in ("pid", "log")}
+    for v in victims.values():
+        with open(v, "w") as f:
+            f.write("precious\n")
+
+    def plant(d):
+        os.symlink(victims["pid"], os.path.join(d, "ok.pid.tmp"))
+        os.symlink(victims["log"], os.path.join(d, "ok.log"))
+
+    s = Sup({"ok": ["sh", "-c", "echo hello; sleep 30"]}, prepare=plant)
+    try:
+        wait_for("ok's pid file", lambda: s.child("ok"), 10)
+        time.sleep(0.3)
+        for name, v in victims.items():
+            assert open(v).read() == "precious\n", (name, open(v).read())
+        assert os.path.islink(os.path.join(s.dir, "ok.log"))      # left alone: no log written through it
+        os.kill(s.pid, signal.SIGTERM)
+        assert s.wait_exit(10) == 0
+    finally:
+        s.kill()
+    # a run directory others may write is refused before anything starts
+    shared = Sup({"ok": ["sh", "-c", "sleep 30"]}, prepare=lambda d: os.chmod(d, 0o777))
+    try:
+        assert shared.wait_exit(10) == 2
+        assert "writable by other users" in shared.text(), shared.text()
+        assert not shared.child("ok")
+    finally:
+        shared.kill()
+
+
+def test_launch_adopts_no_run_dir_another_user_may_change():
+    """Issue 26 finding 7: launch.sh --run-dir DIR on a DIR another local user made first ran the
+    cluster on that user's keys. Now it makes the directory itself (private, failing if it exists
+    by then) or adopts only one of its own that no one else may write; before anything starts."""
+    cases = [("world-writable", 0o777, None)]
+    if os.geteuid() == 0:
+        cases.append(("another user's", 0o700, 65534))
+    for what, mode, owner in cases:
+        d = tempfile.mkdtemp(prefix="run-", dir=TMP)
+        os.chmod(d, mode)
+        if owner is not None:
+            os.chown(d, owner, owner)
+        r = subprocess.run(["bash", LAUNCH, "--build-dir", BUILD, "--model-path", MODEL, "--run-dir", d,
+                            "--port", "1"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "not a private directory" in r.stderr, (what, r.returncode, r.stderr[-2000:])
+        assert not os.path.exists(os.path.join(d, "curve-keys")), what
+
+
 if __name__ == "__main__":
     sys.exit(finish(run_tests([
         test_backoff_doubles_is_capped_and_resets_after_a_healthy_run,
@@ -237,4 +292,6 @@ if __name__ == "__main__":
         test_the_supervisor_stops_everything_when_its_parent_dies,
         test_sigkill_each_role_it_comes_back_and_serves_then_ctrl_c_leaves_nothing,
         test_a_bad_flag_fails_at_start_up_with_the_reason_and_leaves_nothing,
+        test_writes_go_through_no_planted_link_and_the_run_dir_must_be_ours,
+        test_launch_adopts_no_run_dir_another_user_may_change,
     ]), TMP))

@@ -227,7 +227,7 @@ static void test_key_files_checked(void **state)
     assert_int_equal(chmod(path, 0600), 0);
     o.curve_keys = "/nonexistent-prism-keys";
     assert_int_equal(prism_net_create(&o, &n, err, sizeof(err)), PRISM_EIO);
-    assert_non_null(strstr(err, "decode.key"));
+    assert_non_null(strstr(err, "nonexistent-prism-keys"));
     /* keygen keeps existing keys unless asked */
     char before[64], after[64];
     snprintf(path, sizeof(path), "%s/router.pub", g_dir_a);
@@ -235,6 +235,66 @@ static void test_key_files_checked(void **state)
     assert_int_equal(prism_net_keygen(g_dir_a, PRISM_NET_ALLOW(PRISM_NET_ROLE_ROUTER), false, err, sizeof(err)), PRISM_OK);
     assert_int_equal(prism_net_key_read(path, after, err, sizeof(err)), PRISM_OK);
     assert_string_equal(before, after);
+}
+
+/* Key directories and files other local users own or may change are refused, by every process
+ * and by prism_keygen (issue 26 finding 7: a --run-dir another user made first ran the cluster on
+ * their keys); keygen writes nothing through a link planted where its temporary file goes (finding
+ * 9). The parts that need another owner run as root only. */
+static void test_key_directory_must_be_ours(void **state)
+{
+    (void)state;
+    char err[512], dir[256], path[512], cmd[600];
+    prism_net_t *n = NULL;
+    unsigned all = 0;
+    for (int r = 1; r < PRISM_NET_ROLE_COUNT; r++) all |= PRISM_NET_ALLOW(r);
+    snprintf(dir, sizeof dir, "/tmp/prism-test-keys-d-%d", (int)getpid());
+    assert_int_equal(prism_net_keygen(dir, all, false, err, sizeof err), PRISM_OK);
+    prism_net_opts_t o = {.role = PRISM_NET_ROLE_DECODE, .curve_keys = dir};
+    assert_int_equal(prism_net_create(&o, &n, err, sizeof err), PRISM_OK);
+    prism_net_destroy(n);
+    /* a directory others may write: a key could be swapped in */
+    assert_int_equal(chmod(dir, 0777), 0);
+    assert_int_equal(prism_net_create(&o, &n, err, sizeof err), PRISM_EINVAL);
+    assert_non_null(strstr(err, "writable by other users"));
+    assert_int_equal(prism_net_keygen(dir, all, false, err, sizeof err), PRISM_EINVAL);
+    assert_int_equal(chmod(dir, 0700), 0);
+    /* a public key others may write */
+    snprintf(path, sizeof path, "%s/prefill.pub", dir);
+    assert_int_equal(chmod(path, 0666), 0);
+    assert_int_equal(prism_net_create(&o, &n, err, sizeof err), PRISM_EINVAL);
+    assert_non_null(strstr(err, "prefill.pub"));
+    assert_int_equal(chmod(path, 0644), 0);
+    /* keygen: a link where its temporary file goes is replaced, its target untouched */
+    char victim[256], link[512];
+    snprintf(victim, sizeof victim, "/tmp/prism-test-victim-%d", (int)getpid());
+    FILE *f = fopen(victim, "w");
+    assert_non_null(f);
+    fputs("precious\n", f);
+    fclose(f);
+    snprintf(link, sizeof link, "%s/router.key.tmp%d", dir, (int)getpid());
+    assert_int_equal(symlink(victim, link), 0);
+    assert_int_equal(prism_net_keygen(dir, PRISM_NET_ALLOW(PRISM_NET_ROLE_ROUTER), true, err, sizeof err), PRISM_OK);
+    char buf[64] = "";
+    f = fopen(victim, "r");
+    assert_non_null(fgets(buf, sizeof buf, f));
+    fclose(f);
+    assert_string_equal(buf, "precious\n");
+    unlink(victim);
+    if (geteuid() == 0) {
+        /* owned by another user: the directory, or one key file */
+        assert_int_equal(chown(path, 65534, 65534), 0);
+        assert_int_equal(prism_net_create(&o, &n, err, sizeof err), PRISM_EINVAL);
+        assert_non_null(strstr(err, "owned by another user"));
+        assert_int_equal(chown(path, 0, 0), 0);
+        assert_int_equal(chown(dir, 65534, 65534), 0);
+        assert_int_equal(prism_net_create(&o, &n, err, sizeof err), PRISM_EINVAL);
+        assert_int_equal(prism_net_keygen(dir, all, false, err, sizeof err), PRISM_EINVAL);
+        assert_non_null(strstr(err, "owned by another user"));
+        assert_int_equal(chown(dir, 0, 0), 0);
+    }
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    assert_int_equal(system(cmd), 0);
 }
 
 /* ZMQ_MAXMSGSIZE: a frame above the bound never arrives (the link is dropped before anything is
@@ -290,6 +350,7 @@ int main(void)
         cmocka_unit_test(test_strangers_refused),
         cmocka_unit_test(test_data_socket_admits_one_role),
         cmocka_unit_test(test_key_files_checked),
+        cmocka_unit_test(test_key_directory_must_be_ours),
         cmocka_unit_test(test_oversized_frame_dropped),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
