@@ -398,7 +398,9 @@ int prism_dir_trusted(const char *dir, char *err, size_t errlen)
             rc = PRISM_EIO;
             break;
         }
-        bool shared_ok = !first && (st.st_mode & S_ISVTX) && st.st_uid == 0;
+        /* sticky and root's (/tmp, a Kubernetes Secret volume): others cannot replace what is ours
+         * there, and what they add is theirs, which the file check refuses */
+        bool shared_ok = (st.st_mode & S_ISVTX) && st.st_uid == 0;
         if (!S_ISDIR(st.st_mode) || !owner_ok(&st) || ((st.st_mode & 022) && !shared_ok)) {
             snprintf(err, errlen, "%s%s%s is %s: it must be a directory of this user (uid %d) or root that no one "
                      "else may write", real, first ? "" : ", above ", first ? "" : dir,

@@ -128,10 +128,11 @@ bool prism_file_exists(const char *path);
 /* Files that decide who the cluster trusts (key directories, run directories) must be ours: a
  * directory other local users can change, or a file they own, would let them plant keys or aim our
  * writes. prism_dir_trusted: dir is a directory owned by the effective user or root, writable by
- * no one else, and so is every directory above it, except that one writable by others is fine
- * when sticky and root's (/tmp: others cannot rename or remove what is ours there).
+ * no one else, and so is every directory above it; one writable by others is fine when sticky
+ * and root's (/tmp: others cannot rename or remove what is ours there).
  * prism_fd_trusted: the open file is a regular file owned by the effective user or root and
- * writable by no one else. Both return PRISM_OK or PRISM_EINVAL with a message naming path. */
+ * writable by no one else. (A Kubernetes Secret volume passes: root's files, a root-owned sticky
+ * directory.) Both return PRISM_OK or PRISM_EINVAL with a message naming path. */
 int prism_dir_trusted(const char *dir, char *err, size_t errlen);
 int prism_fd_trusted(int fd, const char *path, char *err, size_t errlen);
 /* Compares a secret with a presented value in time that depends only on the presented length
