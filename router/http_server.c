@@ -1039,15 +1039,19 @@ static int check_framing(conn_t *c, const prism_http_req_t *r)
             return 403;
         }
     }
-    if (cfg->require_json && !strcmp(r->method, "POST")) {
-        const char *ct = prism_http_req_header(r, "content-type");
-        if (!ct || !media_type_is(ct, "application/json")) {
-            snprintf(c->fail_msg, sizeof c->fail_msg, "Send the body as JSON with 'Content-Type: application/json' "
-                     "(got '%.64s').", ct ? ct : "none");
-            return 415;
-        }
-    }
     return 0;
+}
+
+/* After the caller's on_headers (a client without the API key learns nothing more than 401). */
+static int check_media_type(conn_t *c, const prism_http_req_t *r)
+{
+    if (!c->srv->cfg.require_json || strcmp(r->method, "POST")) return 0;
+    const char *ct = prism_http_req_header(r, "content-type");
+    if (ct && media_type_is(ct, "application/json")) return 0;
+    snprintf(c->fail_msg, sizeof c->fail_msg, "Send the body as JSON with 'Content-Type: application/json' "
+             "(got '%.64s').", ct ? ct : "none");
+    c->srv->refused.malformed++;
+    return 415;
 }
 
 static int on_headers_complete(llhttp_t *p)
@@ -1086,12 +1090,16 @@ static int on_headers_complete(llhttp_t *p)
     }
     /* Refusals that need no body (an API key check) come before anything else is spent on it. */
     if (cfg->on_headers) {
-        int st = cfg->on_headers(r, c->srv->ud, c->fail_msg, sizeof c->fail_msg);
+        st = cfg->on_headers(r, c->srv->ud, c->fail_msg, sizeof c->fail_msg);
         if (st) {
             c->fail_status = st;
             return -1;
         }
         c->fail_msg[0] = 0;
+    }
+    if ((st = check_media_type(c, r))) {
+        c->fail_status = st;
+        return -1;
     }
     /* Bodies held at once: one that could never fit is refused from the header; any other waits for
      * room (see body_list_add). Nothing is charged until bytes arrive (on_body), so declaring a large
