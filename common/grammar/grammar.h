@@ -77,7 +77,7 @@ typedef struct {
     int max_stacks;          /* parallel stacks in one matcher state [256] */
     int max_nodes;           /* per-matcher persistent stack node pool [4096] */
     int max_rollback;        /* tokens a matcher can roll back [16] */
-    /* Compiling one grammar: wall time [1000 ms] and the compiler's scratch memory [256 MiB]
+    /* Compiling one grammar: the compiling thread's CPU time [1000 ms] and the compiler's memory [256 MiB]
      * (PRISM_ELIMIT past either). A rule whose determinization costs more than a small multiple
      * of its NFA is not determinized (it is matched as an NFA), so `(a|b)*a(a|b){k}` compiles in
      * time linear in k; these budgets bound what remains. */
