@@ -9,6 +9,7 @@
 #          [--encoders N] [--prefills N] [--decodes N] [--decode-tp T] [--prefill-tp P] [--tp-port N] [--threads N]
 #          [--routers N] [--router-port N] [--control-port N] [--lb nginx|none]
 #          [--run-dir DIR] [--log-dir DIR] [--ready-timeout S] [--curve-keys DIR | --insecure-no-curve]
+#          [--api-key-file FILE]
 #          [--router-arg ARG]... [--worker-arg ARG]... [--encoder-arg ARG]... [--prefill-arg ARG]...
 #          [--decode-arg ARG]... [--supervisor-arg ARG]...
 #
@@ -29,6 +30,10 @@
 #   --curve-keys    CURVE key directory (prism_keygen) for every process; default: a fresh one made
 #                   in the run directory, so internal links are authenticated without any setup
 #   --insecure-no-curve  no CURVE on internal links (isolated networks only; every process warns)
+#   --api-key-file  the routers require this API key ("Authorization: Bearer KEY"); FILE must be
+#                   yours and readable by no other user. PRISM_API_KEY in the environment does the
+#                   same (written to a private file in the run directory). The key never goes on a
+#                   command line (every local user can read those): --router-arg --api-key is refused
 #   --*-arg ARG     one more flag for the routers / every worker / one kind / prism_supervisor
 #                   (e.g. --supervisor-arg --grace=5); repeatable
 # Process names: router-1..N, encoder-1.., prefill-1.., decode-1.., nginx.
@@ -40,7 +45,7 @@ port=8000 host=127.0.0.1 control_port=8100 router_port="" n_routers=1 lb=nginx
 model="$root/models/prism-tiny-llava" build="$root/build"
 n_enc=1 n_pre=1 n_dec=1 dec_tp=1 pre_tp=1 tp_port=8200 threads=1 run_dir="" log_dir="" ready_timeout=120
 router_args=() worker_args=() enc_args=() pre_args=() dec_args=() sup_args=()
-curve_keys="" insecure=0
+curve_keys="" insecure=0 api_key_file=""
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 die() { echo "launch.sh: $*" >&2; exit 2; }
 need_int() { [[ "$2" =~ ^[0-9]+$ ]] || die "$1 needs a non-negative integer, got '$2'"; }
@@ -73,6 +78,7 @@ while [ $# -gt 0 ]; do
     --decode-arg) dec_args+=("$2") ;;
     --supervisor-arg) sup_args+=("$2") ;;
     --curve-keys) curve_keys=$2 ;;
+    --api-key-file) api_key_file=$2 ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
@@ -84,9 +90,14 @@ done
 [ "$dec_tp" -ge 1 ] && [ "$dec_tp" -le 64 ] && [ "$pre_tp" -ge 1 ] && [ "$pre_tp" -le 64 ] ||
   die "--decode-tp and --prefill-tp must be 1..64"
 case "$lb" in nginx|none) ;; *) die "--lb must be nginx or none" ;; esac
+for a in ${router_args[@]+"${router_args[@]}"}; do
+  case "$a" in --api-key|--api-key=*) die "--router-arg --api-key would put the key on a command line: use --api-key-file FILE or PRISM_API_KEY" ;; esac
+done
+[ -z "$api_key_file" ] || [ -z "${PRISM_API_KEY:-}" ] || die "give the API key one way: --api-key-file or PRISM_API_KEY"
+[ -z "$api_key_file" ] || api_key_file=$(realpath -e "$api_key_file") || die "--api-key-file $api_key_file: no such file"
 [ -n "$router_port" ] || router_port=$((port + 1))
 # The supervisor's spec separates arguments with TABs, one process a line.
-for a in "$model" "$build" "$host" "$curve_keys" ${router_args[@]+"${router_args[@]}"} ${worker_args[@]+"${worker_args[@]}"} \
+for a in "$model" "$build" "$host" "$curve_keys" "$api_key_file" ${router_args[@]+"${router_args[@]}"} ${worker_args[@]+"${worker_args[@]}"} \
          ${enc_args[@]+"${enc_args[@]}"} ${pre_args[@]+"${pre_args[@]}"} ${dec_args[@]+"${dec_args[@]}"}; do
   case "$a" in *$'\t'*|*$'\n'*) die "arguments may not contain a TAB or a newline: '$a'" ;; esac
 done
@@ -157,6 +168,15 @@ else
   curve_keys=$(cd "$curve_keys" && pwd)
   sec=(--curve-keys "$curve_keys")
 fi
+# The API key: a file the routers read (never argv; the workers do not see it in their environment).
+if [ -n "${PRISM_API_KEY:-}" ]; then
+  api_key_file="$run_dir/api-key"
+  rm -f "$api_key_file"
+  (umask 077 && set -o noclobber && printf '%s\n' "$PRISM_API_KEY" > "$api_key_file") || die "cannot write $api_key_file"
+fi
+unset PRISM_API_KEY
+key_args=()
+[ -z "$api_key_file" ] || key_args=(--api-key-file "$api_key_file")
 
 if [ "$use_nginx" -eq 1 ]; then
   ngx="$run_dir/nginx"
@@ -204,7 +224,7 @@ proc() {  # NAME PROGRAM ARG...: one spec line, TAB-separated
 : > "$spec"
 for i in $(seq "$n_routers"); do
   proc "router-$i" "$build/router/router" --model-path "$model" --host "$router_host" --port "${rport[i]}" \
-       --control-endpoint "${rctl[i]}" "${sec[@]}" ${router_args[@]+"${router_args[@]}"}
+       --control-endpoint "${rctl[i]}" "${sec[@]}" ${key_args[@]+"${key_args[@]}"} ${router_args[@]+"${router_args[@]}"}
 done
 # A worker of tensor-parallel size T > 1 is T processes: NAME (rank 0, the leader: it alone talks to
 # the routers) and NAME.r1 .. NAME.r(T-1), joined over the group link tcp://127.0.0.1:PORT. When one

@@ -61,7 +61,7 @@ static void on_signal(uv_signal_t *s, int sig)
 /* The router's flags as given (defaults in flags_parse). */
 typedef struct {
     const char *model_path, *tokenizer_path, *served, *host, *control, *chat_template, *api_key, *log_level,
-               *tool_parser, *curve_keys, *allowed_hosts;
+               *tool_parser, *curve_keys, *allowed_hosts, *api_key_file;
     bool insecure_no_curve, metrics_open, timing_header, no_early_encode;
     int64_t port, context_length, limit_mm, max_pixels, max_running, max_body, body_total, image_inflight, max_conn,
             min_body_rate, stream_pending, max_retries, max_migrations, prep_threads, max_image_bytes;
@@ -99,7 +99,12 @@ static int flags_parse(router_flags_t *f, int argc, char **argv)
         PRISM_FLAG_STR("chat-template", &f->chat_template, "Jinja chat template file overriding the model's"),
         PRISM_FLAG_STR("tool-call-parser", &f->tool_parser,
                        "Tool-call format of the model's output: hermes or pythonic (llama4_pythonic); enables tools"),
-        PRISM_FLAG_STR("api-key", &f->api_key, "Require 'Authorization: Bearer KEY' (all but /health, /ready, /version)"),
+        PRISM_FLAG_STR("api-key", &f->api_key,
+                       "Require 'Authorization: Bearer KEY' (all but /health, /ready, /version). Every local user "
+                       "can read a process's arguments: prefer --api-key-file or PRISM_API_KEY"),
+        PRISM_FLAG_STR("api-key-file", &f->api_key_file,
+                       "Read the API key from FILE (this user's or root's, readable by no other user; "
+                       "surrounding whitespace dropped). Or set PRISM_API_KEY in the environment"),
         PRISM_FLAG_BOOL("metrics-open", &f->metrics_open, "Serve /metrics without the API key"),
         PRISM_FLAG_BOOL("timing-header", &f->timing_header,
                         "Add x-prism-timing (time split, image cache hits) to responses: for operators only, it tells "
@@ -157,6 +162,46 @@ static int flags_parse(router_flags_t *f, int argc, char **argv)
         fprintf(stderr, "router: flag out of range (see --help)\n");
         return 2;
     }
+    return -1;
+}
+
+/* The API key, from one of --api-key, --api-key-file or PRISM_API_KEY (vLLM reads VLLM_API_KEY):
+ * at least ROUTER_API_KEY_MIN printable characters, so a placeholder (deploy/k8s's "replace-me")
+ * or a guessable word never becomes the key. -1 to go on, else the exit code. */
+#define ROUTER_API_KEY_MIN 16
+static int api_key_load(router_flags_t *f)
+{
+    static char key[4096];
+    const char *env = getenv("PRISM_API_KEY"), *from = "--api-key";
+    if (env && !*env) env = NULL;
+    if (!!f->api_key + !!f->api_key_file + !!env > 1) {
+        fprintf(stderr, "router: give the API key one way: --api-key, --api-key-file or PRISM_API_KEY\n");
+        return 2;
+    }
+    if (f->api_key_file) {
+        char err[512];
+        if (prism_secret_file_read(f->api_key_file, key, sizeof key, err, sizeof err) != PRISM_OK) {
+            fprintf(stderr, "router: --api-key-file: %s\n", err);
+            return 2;
+        }
+        f->api_key = key;
+        from = "--api-key-file";
+    } else if (env) {
+        f->api_key = env;
+        from = "PRISM_API_KEY";
+    }
+    if (!f->api_key) return -1;
+    size_t n = strlen(f->api_key);
+    bool printable = true;
+    for (size_t i = 0; i < n; i++) printable &= f->api_key[i] > 0x20 && f->api_key[i] < 0x7f;
+    if (n < ROUTER_API_KEY_MIN || !printable) {
+        fprintf(stderr, "router: the API key (%s) must be at least %d printable characters without spaces "
+                "(a placeholder is not a key): make one with `openssl rand -hex 32`\n", from, ROUTER_API_KEY_MIN);
+        return 2;
+    }
+    if (!strcmp(from, "--api-key"))
+        PRISM_WARN("--api-key puts the key in this process's arguments, which every local user can read: use "
+                   "--api-key-file or PRISM_API_KEY");
     return -1;
 }
 
@@ -355,7 +400,7 @@ static int router_open(router_t *r, int argc, char **argv)
 {
     router_flags_t f;
     int rc = flags_parse(&f, argc, argv);
-    if (rc >= 0) return rc;
+    if (rc >= 0 || (rc = api_key_load(&f)) >= 0) return rc;
     json_set_alloc_funcs(prism_malloc, prism_free);  /* parsed bodies count in the router's memory */
     json_object_seed(0);   /* jansson's hash seed, drawn once here rather than racily by the first threads */
     r->started_s = prism_now_s();

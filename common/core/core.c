@@ -1,6 +1,7 @@
 #include "core/core.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -421,6 +422,57 @@ int prism_dir_trusted(const char *dir, char *err, size_t errlen)
     }
     free(real);
     return rc;
+}
+
+int prism_secret_file_read(const char *path, char *out, size_t cap, char *err, size_t errlen)
+{
+    PRISM_ASSERT(cap > 1);
+    out[0] = 0;
+    char *real = realpath(path, NULL);   /* libc's allocation: free(); a Secret volume's file is a link */
+    if (!real) {
+        snprintf(err, errlen, "cannot read %s: %s", path, strerror(errno));
+        return PRISM_EIO;
+    }
+    char *slash = strrchr(real, '/');
+    if (slash == real) slash[1] = 0;
+    else *slash = 0;
+    int rc = prism_dir_trusted(real, err, errlen);   /* else someone could put another file in its place */
+    free(real);
+    if (rc) return rc;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        snprintf(err, errlen, "cannot read %s: %s", path, strerror(errno));
+        return PRISM_EIO;
+    }
+    struct stat st;
+    if ((rc = prism_fd_trusted(fd, path, err, errlen)) == PRISM_OK && fstat(fd, &st) == 0 && (st.st_mode & 007)) {
+        snprintf(err, errlen, "%s is readable by other users: chmod 600 (or 640) it", path);
+        rc = PRISM_EINVAL;
+    }
+    ssize_t n = 0;
+    if (!rc && (n = read(fd, out, cap)) < 0) {
+        snprintf(err, errlen, "cannot read %s: %s", path, strerror(errno));
+        rc = PRISM_EIO;
+    }
+    close(fd);
+    if (!rc && (size_t)n >= cap) {
+        snprintf(err, errlen, "%s holds %zu bytes or more: not a secret of at most %zu", path, cap, cap - 1);
+        rc = PRISM_ELIMIT;
+    }
+    if (rc) {
+        memset(out, 0, cap);
+        return rc;
+    }
+    size_t s = 0, e = (size_t)n;
+    while (s < e && (out[s] == ' ' || out[s] == '\t' || out[s] == '\n' || out[s] == '\r')) s++;
+    while (e > s && (out[e - 1] == ' ' || out[e - 1] == '\t' || out[e - 1] == '\n' || out[e - 1] == '\r')) e--;
+    memmove(out, out + s, e - s);
+    memset(out + (e - s), 0, cap - (e - s));
+    if (e == s) {
+        snprintf(err, errlen, "%s is empty", path);
+        return PRISM_EINVAL;
+    }
+    return PRISM_OK;
 }
 
 int64_t prism_parse_bytes(const char *s)

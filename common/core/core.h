@@ -135,6 +135,12 @@ bool prism_file_exists(const char *path);
  * directory.) Both return PRISM_OK or PRISM_EINVAL with a message naming path. */
 int prism_dir_trusted(const char *dir, char *err, size_t errlen);
 int prism_fd_trusted(int fd, const char *path, char *err, size_t errlen);
+/* A secret kept in a file (an API key): the file and its directory trusted as above, and no other
+ * user may read the file (its group may: a Kubernetes Secret mounted with fsGroup). Its bytes,
+ * surrounding whitespace (a trailing newline) dropped, NUL-terminated into out[cap]. PRISM_OK, or
+ * PRISM_EIO / PRISM_EINVAL (untrusted, readable by others, empty) / PRISM_ELIMIT (cap - 1 bytes or
+ * more) with a message naming path. */
+int prism_secret_file_read(const char *path, char *out, size_t cap, char *err, size_t errlen);
 /* Compares a secret with a presented value in time that depends only on the presented length
  * (API keys): no early exit on the first differing byte. */
 bool prism_ct_equal(const void *presented, size_t presented_len, const void *secret, size_t secret_len);

@@ -105,7 +105,7 @@ def processes_mentioning(needle):
 
 
 class Launched(Cluster):
-    def __init__(self, routers=1, encoders=1, prefills=1, decodes=1, lb="nginx", args=()):
+    def __init__(self, routers=1, encoders=1, prefills=1, decodes=1, lb="nginx", args=(), env=None):
         self.n_routers = routers
         base = free_port_range(2 * routers + 1)
         self.port = base
@@ -130,7 +130,8 @@ class Launched(Cluster):
                       (["nginx"] if routers > 1 and lb == "nginx" else []))
         self._out = open(self.launcher_log, "wb")
         # Own session: signals from the test reach the launcher alone, as a user's kill would.
-        self.launcher = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.launcher = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env=dict(os.environ, **env) if env else None)
         self.t_start = time.time()
 
     # ---- state ----

@@ -72,11 +72,11 @@ def expect_refusal(c, status_want, text, reason, body, **kw):
 
 
 def test_api_key():
-    with Cluster(router_args=["--api-key", "sekret"]) as c:
+    with Cluster(router_args=["--api-key", "sekret-0123456789"]) as c:
         c.wait_ready()
         body = chat_body("Hi", max_tokens=2)
-        for hdr in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"},
-                    {"Authorization": "Bearer sekret2"}, {"Authorization": "Basic sekret"}):
+        for hdr in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret-0123456789"},
+                    {"Authorization": "Bearer sekret-01234567892"}, {"Authorization": "Basic sekret-0123456789"}):
             for method, path, b in (("POST", "/v1/chat/completions", body), ("GET", "/v1/models", None),
                                     ("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
                                     ("POST", "/tokenize", {"prompt": "Hi"})):
@@ -84,7 +84,7 @@ def test_api_key():
                 assert status == 401, (hdr, path, status, data[:200])
                 err = json.loads(data)["error"]
                 assert err["type"] == "AuthenticationError" and err["message"], err
-        ok = {"Authorization": "Bearer sekret"}
+        ok = {"Authorization": "Bearer sekret-0123456789"}
         status, _, data = c.request("POST", "/v1/chat/completions", body, headers=ok)
         assert status == 200, (status, data[:200])
         status, events, done = c.stream("/v1/chat/completions", dict(body, stream=True), headers=ok)

@@ -267,8 +267,8 @@ def k8s_tests():
                     if ref:
                         s = secrets[ref["name"]]
                         assert ref["key"] in s.get("stringData", {}) or ref["key"] in s.get("data", {}), ref
-                # key material never in args
-                assert not any("api-key=" in a and "$(" not in a for a in c.get("args", [])), c["name"]
+                # key material never in args, not even expanded from the environment (/proc/PID/cmdline)
+                assert not any(a.split("=", 1)[0] == "--api-key" for a in c.get("args", [])), c["name"]
 
     def test_router_probes_and_worker_arguments():
         router = get("Deployment", "prism-router")["spec"]["template"]["spec"]["containers"][0]
@@ -313,6 +313,30 @@ def k8s_tests():
                 assert {"name": "link-keys", "mountPath": "/etc/prism/keys", "readOnly": True} in c["volumeMounts"]
                 assert sorted(items) == sorted([role + ".key"] + ["%s.pub" % r for r in ROLE_BINARY]), items
 
+    def test_api_key_is_a_mounted_file_and_the_placeholder_is_refused():
+        """The router reads the API key from the Secret mounted as a file that no other user may
+        read (issue 26 finding 10); the Secret as shipped holds a placeholder the router refuses to
+        start with."""
+        spec = get("Deployment", "prism-router")["spec"]["template"]["spec"]
+        router = spec["containers"][0]
+        files = [a.split("=", 1)[1] for a in router["args"] if a.startswith("--api-key-file=")]
+        assert len(files) == 1, router["args"]
+        vol = {v["name"]: v for v in spec["volumes"]}["api-key"]["secret"]
+        assert vol["secretName"] == "prism-api-key" and oct(vol["defaultMode"])[-1] == "0", vol
+        mount = [m for m in router["volumeMounts"] if m["name"] == "api-key"][0]
+        assert mount["readOnly"] and files[0] == mount["mountPath"] + "/" + vol["items"][0]["path"], (mount, files)
+        assert not any(e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == "prism-api-key"
+                       for e in router.get("env", [])), "the key in the environment"
+        placeholder = get("Secret", "prism-api-key")["stringData"]["api-key"]
+        d = tempfile.mkdtemp(prefix="prism-apikey-", dir=TMP)
+        key = os.path.join(d, "api-key")
+        with open(key, "w") as f:
+            f.write(placeholder + "\n")
+        os.chmod(key, 0o440)
+        r = subprocess.run([binary("router"), "--api-key-file", key, "--port", "0"], capture_output=True, text=True,
+                           timeout=30)
+        assert r.returncode == 2 and "placeholder is not a key" in r.stderr, (r.returncode, r.stderr)
+
     def test_autoscaler_metric_is_the_adapter_rule():
         hpa = get("HorizontalPodAutoscaler", "prism-encoder")["spec"]["metrics"][0]
         rules = yaml.safe_load(get("ConfigMap", "prism-adapter-rules")["data"]["config.yaml"])["externalRules"]
@@ -321,6 +345,7 @@ def k8s_tests():
 
     return run_tests([test_every_manifest_validates_strictly, test_the_pieces_the_issue_asks_for_are_there,
                       test_selectors_services_and_references_fit_together, test_router_probes_and_worker_arguments,
+                      test_api_key_is_a_mounted_file_and_the_placeholder_is_refused,
                       test_autoscaler_metric_is_the_adapter_rule])
 
 

@@ -622,17 +622,29 @@ def wait_http(c, timeout=30):
     raise AssertionError("router not up: " + c.log("router"))
 
 
+KEY = "sekrit-0123456789"
+
+
+def key_file(key, mode=0o600):
+    d = tempfile.mkdtemp(prefix="apikey-", dir=TMP)
+    path = os.path.join(d, "api-key")
+    with open(path, "w") as f:
+        f.write(key + "\n")
+    os.chmod(path, mode)
+    return path
+
+
 def test_api_key_checked_from_headers():
     # finding 18: the key is compared in constant time from the headers, before the body is read;
     # /metrics needs it unless --metrics-open; /health, /ready (and /version) stay open
-    key = {"Authorization": "Bearer sekrit"}
-    with Cluster(encoders=0, prefills=0, decodes=0, router_args=["--api-key", "sekrit"]) as c:
+    key = {"Authorization": "Bearer " + KEY}
+    with Cluster(encoders=0, prefills=0, decodes=0, router_args=["--api-key", KEY]) as c:
         wait_http(c)
         assert c.request("GET", "/ready")[0] == 503  # open, just not ready
         assert c.request("GET", "/version")[0] == 200
         assert c.request("GET", "/metrics")[0] == 401
         assert c.request("GET", "/metrics", headers=key)[0] == 200
-        for bad in ("Bearer sekrit2", "Bearer sekri", "Bearer ", "Basic sekrit", "sekrit"):
+        for bad in ("Bearer " + KEY + "2", "Bearer " + KEY[:-1], "Bearer ", "Basic " + KEY, KEY):
             status, _, data = c.request("GET", "/v1/models", headers={"Authorization": bad})
             assert status == 401 and b"AuthenticationError" in data, (bad, status, data)
         assert c.request("GET", "/v1/models", headers=key)[0] == 200
@@ -645,10 +657,33 @@ def test_api_key_checked_from_headers():
         s.close()
         assert data.startswith(b"HTTP/1.1 401"), data
         assert time.time() - t0 < 3
-    with Cluster(encoders=0, prefills=0, decodes=0, router_args=["--api-key", "sekrit", "--metrics-open"]) as c:
+    with Cluster(encoders=0, prefills=0, decodes=0, router_args=["--api-key-file", key_file(KEY), "--metrics-open"]) as c:
         wait_http(c)
         assert c.request("GET", "/metrics")[0] == 200
         assert c.request("GET", "/v1/models")[0] == 401
+
+
+def test_api_key_from_a_file_or_the_environment():
+    """Issue 26 finding 10: the key was accepted only in argv (every local user reads
+    /proc/PID/cmdline). --api-key-file and PRISM_API_KEY give it without; the file must be readable
+    by no other user; one source at most; a key under 16 characters (the shipped placeholder
+    "replace-me") keeps the router from starting."""
+    for how, args, env in (("file", ["--api-key-file", key_file(KEY)], None), ("env", [], {"PRISM_API_KEY": KEY})):
+        with Cluster(encoders=0, prefills=0, decodes=0, router_args=args, worker_env={"router": env} if env else None) as c:
+            wait_http(c)
+            assert c.request("GET", "/v1/models")[0] == 401, how
+            assert c.request("GET", "/v1/models", headers={"Authorization": "Bearer " + KEY})[0] == 200, how
+            with open("/proc/%d/cmdline" % c.procs["router"].pid, "rb") as f:
+                assert KEY.encode() not in f.read(), how
+    for why, args, env, said in (
+            ("readable by others", ["--api-key-file", key_file(KEY, 0o644)], None, "readable by other users"),
+            ("a placeholder", ["--api-key-file", key_file("replace-me")], None, "placeholder is not a key"),
+            ("a short key", ["--api-key", "sekrit"], None, "at least 16"),
+            ("two sources", ["--api-key-file", key_file(KEY)], {"PRISM_API_KEY": KEY}, "one way"),
+            ("no such file", ["--api-key-file", "/nonexistent/api-key"], None, "cannot read")):
+        r = subprocess.run([binary("router"), "--port", "0", *args], capture_output=True, text=True, timeout=30,
+                           env=dict(os.environ, **(env or {})))
+        assert r.returncode == 2 and said in r.stderr, (why, r.returncode, r.stderr[-500:])
 
 
 def router_memory():
@@ -732,7 +767,7 @@ if __name__ == "__main__":
         rc = run_tests([test_no_curve_refused, test_other_cluster_keys_refused, test_stranger_knowing_public_keys_refused,
                         test_cluster_key_of_wrong_role_refused, test_wrong_role_per_data_socket,
                         test_oversized_frame_curve_cluster, test_oversized_frame_insecure_cluster,
-                        test_cluster_key_registers_and_metrics_stay_well_formed, test_api_key_checked_from_headers,
+                        test_cluster_key_registers_and_metrics_stay_well_formed, test_api_key_checked_from_headers, test_api_key_from_a_file_or_the_environment,
                         test_tokens_only_from_the_worker_holding_the_request, test_nul_identity_cannot_alias_a_worker,
                         test_key_of_another_role_cannot_register_it, test_request_ids_unguessable,
                         test_decode_checks_kv_sampling, test_abort_before_kv_is_remembered,

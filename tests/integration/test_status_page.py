@@ -17,7 +17,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(__file__))
 from cluster import BUILD, Cluster, chat_body, make_image, run_tests, wait_for  # noqa: E402
 
-KEY = "status-page-key"
+KEY = "status-page-key-0123"
 AUTH = {"Authorization": "Bearer " + KEY}
 OUT = os.environ.get("PRISM_TEST_OUTPUT_DIR") or os.path.join(BUILD, "test-output", "status_page")
 

@@ -18,7 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cluster import BUILD, MODEL, chat_body, make_image, run_tests  # noqa: E402
-from launched import LAUNCH, SUPERVISOR, Launched, finish, pid_alive, wait_for  # noqa: E402
+from launched import LAUNCH, SUPERVISOR, Launched, finish, pid_alive, processes_mentioning, wait_for  # noqa: E402
 
 TMP = tempfile.mkdtemp(prefix="prism-sup-")
 JPG = make_image(os.path.join(TMP, "red_circle.jpg"), width=320, height=240, shape="circle", color="red")
@@ -284,6 +284,32 @@ def test_launch_adopts_no_run_dir_another_user_may_change():
         assert not os.path.exists(os.path.join(d, "curve-keys")), what
 
 
+def test_launch_gives_the_routers_the_api_key_in_a_file():
+    """Issue 26 finding 10: the API key was accepted only in argv, which every local user reads in
+    /proc/PID/cmdline. launch.sh takes it from PRISM_API_KEY (or --api-key-file) and hands the
+    routers a private file: no process's command line holds the key, no worker's environment
+    either, and the API wants it. --router-arg --api-key is refused."""
+    key = "k" * 8 + os.urandom(12).hex()
+    c = Launched(env={"PRISM_API_KEY": key})
+    try:
+        c.wait_ready()
+        assert c.request("GET", "/v1/models")[0] == 401
+        assert c.request("GET", "/v1/models", headers={"Authorization": "Bearer " + key})[0] == 200
+        assert not processes_mentioning(key), processes_mentioning(key)
+        for name, pid in c.pids().items():
+            with open("/proc/%d/environ" % pid, "rb") as f:
+                assert key.encode() not in f.read(), name
+        kf = os.path.join(c.run_dir, "api-key")
+        assert os.stat(kf).st_mode & 0o077 == 0 and open(kf).read().strip() == key
+        assert "--api-key-file" in " ".join(cmd for _, cmd in processes_mentioning(c.run_dir))
+    finally:
+        c.stop()
+        c.__exit__()
+    r = subprocess.run(["bash", LAUNCH, "--build-dir", BUILD, "--model-path", MODEL, "--port", "1",
+                        "--router-arg", "--api-key=" + key], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--api-key-file" in r.stderr, (r.returncode, r.stderr[-2000:])
+
+
 if __name__ == "__main__":
     sys.exit(finish(run_tests([
         test_backoff_doubles_is_capped_and_resets_after_a_healthy_run,
@@ -294,4 +320,5 @@ if __name__ == "__main__":
         test_a_bad_flag_fails_at_start_up_with_the_reason_and_leaves_nothing,
         test_writes_go_through_no_planted_link_and_the_run_dir_must_be_ours,
         test_launch_adopts_no_run_dir_another_user_may_change,
+        test_launch_gives_the_routers_the_api_key_in_a_file,
     ]), TMP))

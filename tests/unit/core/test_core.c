@@ -5,7 +5,11 @@
 #include <setjmp.h>
 #include <cmocka.h>
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
+#include <stdlib.h>
+#include <unistd.h>
+#include <sys/stat.h>
 
 #include "core/core.h"
 #include "core/cli.h"
@@ -181,6 +185,49 @@ static void test_ct_equal(void **state)
     assert_false(prism_ct_equal("sekritsekrit", 12, "sekrit", 6));  /* the secret repeated */
 }
 
+/* An API key file (issue 26 finding 10): its bytes without the trailing newline; refused when
+ * others may read it, when it is empty or too long; a file through a link (a Kubernetes Secret
+ * volume's layout) is read. */
+static void test_secret_file(void **state)
+{
+    (void)state;
+    char dir[] = "/tmp/prism-secret-XXXXXX", path[256], link_path[256], out[64], err[256];
+    assert_non_null(mkdtemp(dir));
+    snprintf(path, sizeof path, "%s/key", dir);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs("  0123456789abcdef0123\n", f);
+    fclose(f);
+    assert_int_equal(chmod(path, 0600), 0);
+    assert_int_equal(prism_secret_file_read(path, out, sizeof out, err, sizeof err), PRISM_OK);
+    assert_string_equal(out, "0123456789abcdef0123");
+    snprintf(link_path, sizeof link_path, "%s/api-key", dir);
+    assert_int_equal(symlink("key", link_path), 0);
+    assert_int_equal(prism_secret_file_read(link_path, out, sizeof out, err, sizeof err), PRISM_OK);
+    assert_string_equal(out, "0123456789abcdef0123");
+    assert_int_equal(chmod(path, 0640), 0);   /* a Secret mounted group-readable (fsGroup) */
+    assert_int_equal(prism_secret_file_read(path, out, sizeof out, err, sizeof err), PRISM_OK);
+    assert_int_equal(chmod(path, 0644), 0);
+    assert_int_equal(prism_secret_file_read(path, out, sizeof out, err, sizeof err), PRISM_EINVAL);
+    assert_non_null(strstr(err, "readable by other users"));
+    assert_string_equal(out, "");
+    assert_int_equal(chmod(path, 0600), 0);
+    assert_int_equal(prism_secret_file_read(path, out, 8, err, sizeof err), PRISM_ELIMIT);
+    assert_int_equal(chmod(dir, 0777), 0);    /* anyone could swap the file */
+    assert_int_equal(prism_secret_file_read(path, out, sizeof out, err, sizeof err), PRISM_EINVAL);
+    assert_int_equal(chmod(dir, 0700), 0);
+    f = fopen(path, "w");
+    fputs(" \n", f);
+    fclose(f);
+    assert_int_equal(prism_secret_file_read(path, out, sizeof out, err, sizeof err), PRISM_EINVAL);
+    snprintf(path, sizeof path, "%s/absent", dir);
+    assert_int_equal(prism_secret_file_read(path, out, sizeof out, err, sizeof err), PRISM_EIO);
+    unlink(link_path);
+    snprintf(path, sizeof path, "%s/key", dir);
+    unlink(path);
+    rmdir(dir);
+}
+
 static void test_histogram(void **state)
 {
     prism_hist_t h;
@@ -317,7 +364,7 @@ int main(void)
         cmocka_unit_test(test_kv_blocks_shared_prefix),
         cmocka_unit_test(test_histogram),    cmocka_unit_test(test_embed_cache_lru),
         cmocka_unit_test(test_embed_cache_pinned_hit_survives_puts), cmocka_unit_test(test_embed_cache_multi_unit),
-        cmocka_unit_test(test_ct_equal),
+        cmocka_unit_test(test_ct_equal),     cmocka_unit_test(test_secret_file),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
