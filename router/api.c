@@ -68,12 +68,15 @@ static void handle_model(router_t *r, prism_http_req_t *h, const char *id)
     respond_jansson(h, 200, model_card(r));
 }
 
-/* /tokenize and /detokenize run on the thread pool, as a generation request's preparation does
- * (requests.c): a megabyte prompt keeps the tokenizer busy for a while, and the loop thread must go
- * on with every other client meanwhile. The job reads only its body and the router's immutable
- * tokenizer, template and configuration; the answer is written from the loop. */
+/* /tokenize and /detokenize run on the preparation threads, as a generation request's preparation
+ * does (requests.c): a megabyte prompt keeps the tokenizer busy for a while, and the loop thread
+ * must go on with every other client meanwhile. They are admitted as generation requests are (they
+ * count against --max-running-requests; 503 while draining) and wait in the utility lane
+ * (prep_pool.c): a generation request never waits behind them, and one whose client left before a
+ * thread took it never runs. The job reads only its body and the router's immutable tokenizer,
+ * template and configuration; the answer is written from the loop. */
 typedef struct {
-    uv_work_t work;
+    router_job_t job;         /* first: the pool's */
     router_t *r;
     prism_http_req_t *h;
     bool detokenize;
@@ -206,6 +209,7 @@ static void tok_job_done(uv_work_t *w, int wstatus)
 {
     tok_job_t *t = w->data;
     prism_http_req_t *h = t->h;
+    t->r->n_utility--;
     if (!t->gone && wstatus == 0) {
         prism_http_req_on_abort(h, NULL, NULL);
         if (t->status == 200)
@@ -220,13 +224,33 @@ static void tok_job_done(uv_work_t *w, int wstatus)
 
 static void on_tok_job_gone(prism_http_req_t *h, void *ud)
 {
-    (void)h;
-    ((tok_job_t *)ud)->gone = true;
+    tok_job_t *t = ud;
+    if (router_prep_cancel(t->r, &t->job)) {   /* still waiting: it never runs */
+        t->r->n_utility--;
+        prism_http_req_release(h);
+        prism_free(t);
+        return;
+    }
+    t->gone = true;   /* on a thread: tok_job_done lets it go */
 }
 
 /* Owns h from here (released when the job is done). */
 static void handle_tokenize(router_t *r, prism_http_req_t *h, bool detokenize)
 {
+    if (r->shutting_down) {
+        router_respond_error(h, 503, "The server is shutting down; retry on another instance.", NULL);
+        prism_http_req_release(h);
+        return;
+    }
+    if ((int)(r->n_reqs + r->n_preparing + r->n_utility) >= r->max_running) {
+        r->metrics.refused_limit[PRISM_REFUSE_QUEUE_FULL]++;
+        char msg[160];
+        snprintf(msg, sizeof(msg), "The server is at capacity (%d requests in flight); retry after a short wait.",
+                 r->max_running);
+        router_respond_error(h, 429, msg, NULL);
+        prism_http_req_release(h);
+        return;
+    }
     tok_job_t *t = prism_calloc(1, sizeof(*t));
     if (!t) {
         router_respond_error(h, 503, "The server is out of memory; try again shortly.", NULL);
@@ -234,14 +258,10 @@ static void handle_tokenize(router_t *r, prism_http_req_t *h, bool detokenize)
         return;
     }
     *t = (tok_job_t){.r = r, .h = h, .detokenize = detokenize};
-    t->work.data = t;
+    t->job.work.data = t;
+    r->n_utility++;
     prism_http_req_on_abort(h, on_tok_job_gone, t);
-    if (uv_queue_work(r->loop, &t->work, tok_job_run, tok_job_done) != 0) {
-        t->gone = true;   /* nothing ran: answer here */
-        prism_http_req_on_abort(h, NULL, NULL);
-        router_respond_error(h, 503, "The server could not queue the request; try again shortly.", NULL);
-        tok_job_done(&t->work, 0);
-    }
+    router_prep_submit(r, &t->job, ROUTER_LANE_UTILITY, tok_job_run, tok_job_done);
 }
 
 /* vLLM's serving metrics, then the router's own about requests, labelled with the model. */
@@ -334,6 +354,25 @@ static void metrics_router(const router_t *r, prism_buf_t *b)
     prism_metric_write(b, "prism:router_control_messages_refused_total", "counter",
                        "Control messages dropped: from an unregistered id or another key, a refused registration, "
                        "or results from a worker that does not hold the request.", "", (double)r->ctl_refused);
+    /* the preparation threads' lanes (prep_pool.c) */
+    static const char *const lane_names[ROUTER_LANE_COUNT] = {"generate", "utility"};
+    static const char *const lane_metrics[][3] = {
+        {"prism:router_prep_waiting", "gauge", "Jobs waiting for a preparation thread, by lane (generation "
+                                               "requests go first; utility: /tokenize, /detokenize)."},
+        {"prism:router_prep_jobs_total", "counter", "Jobs handed to a preparation thread, by lane."},
+        {"prism:router_prep_cancelled_total", "counter", "Waiting jobs whose client left before a thread took "
+                                                         "them: never run."},
+    };
+    for (size_t m = 0; m < PRISM_ARRAY_LEN(lane_metrics); m++) {
+        prism_buf_appendf(b, "# HELP %s %s\n# TYPE %s %s\n", lane_metrics[m][0], lane_metrics[m][2], lane_metrics[m][0],
+                          lane_metrics[m][1]);
+        for (int l = 0; l < ROUTER_LANE_COUNT; l++) {
+            const router_job_lane_t *ln = &r->lanes[l];
+            double v = m == 0 ? (double)ln->waiting : m == 1 ? (double)ln->started : (double)ln->cancelled;
+            snprintf(lbl, sizeof(lbl), "lane=\"%s\"", lane_names[l]);
+            prism_metric_write(b, lane_metrics[m][0], lane_metrics[m][1], NULL, lbl, v);
+        }
+    }
     /* images by URL: the fetcher's own (downloads, cache, refusals by reason), then the requests' wait */
     if (r->fetch) prism_fetch_metrics_write(r->fetch, b);
     prism_hist_write(&r->fetch_stage, b, "prism:request_image_fetch_seconds",

@@ -307,6 +307,7 @@ static void apply_flags(router_t *r, const router_flags_t *f)
     r->max_image_pixels = (uint64_t)f->max_pixels;
     r->max_image_bytes = (uint64_t)f->max_image_bytes;
     r->max_running = (int)f->max_running;
+    r->prep_threads = (int)f->prep_threads;
     r->max_image_bytes_inflight = (size_t)f->image_inflight;
     r->worker_timeout_s = f->worker_timeout;
     r->worker_stuck_timeout_s = f->worker_stuck_timeout;

@@ -80,7 +80,7 @@ router_req_t *router_req_alloc(router_t *r, prism_http_req_t *h, bool chat)
     q->h = h;
     q->chat = chat;
     q->time.start = q->time.wait = prism_now_s();
-    q->prep.work.data = q;
+    q->prep.job.work.data = q;
     return q;
 }
 

@@ -116,15 +116,17 @@ typedef struct {
     int cache_hits;               /* images found in an encoder's embedding cache */
 } router_times_t;
 
-/* Preparation on the thread pool (requests.c prep_run): the loop thread keeps off everything
- * else until prep_done reads what it found. */
+/* Preparation on the preparation threads (requests.c prep_run): the loop thread keeps off
+ * everything else until prep_done reads what it found. */
 typedef struct {
-    uv_work_t work;
+    router_job_t job;             /* on the preparation threads (prep_pool.c: generation lane) */
     bool gone;                    /* the client went away meanwhile */
     bool parsed;
     prism_oai_error_t perr;
+    int check;                    /* admit_check's: its model, its output constraint; 0 ok */
+    char param[128];              /* the field check refused */
     int status;                   /* of loading the images and building the prompt; 0 ok */
-    char msg[600];
+    char msg[600];                /* check's message, else status's */
     uint64_t refused[PRISM_REFUSE_COUNT];
 } router_prep_t;
 

@@ -526,8 +526,9 @@ void router_dispatch_queued(router_t *r)
 
 /* The request's output constraint (response_format / guided_*, or the grammar forcing a tool
  * call) compiled once here (cached by its text) so a bad one is a 400 naming the field; the
- * workers compile the same text against their own vocabularies. Returns 0 or an HTTP status
- * with msg / param filled. */
+ * workers compile the same text against their own vocabularies. On a preparation thread: a legal
+ * grammar may take its whole compile budget (grammar.h), which the loop must not wait for.
+ * Returns 0 or an HTTP status with msg / param filled. */
 static int guide_setup(router_t *r, router_req_t *q, char *msg, size_t n, char *param, size_t pn)
 {
     const prism_oai_request_t *o = &q->oai;
@@ -584,22 +585,38 @@ static int guide_setup(router_t *r, router_req_t *q, char *msg, size_t n, char *
     return 400;
 }
 
-/* Preparing a request is the CPU-heavy part of its life: parsing its JSON, decoding and hashing its
- * images, rendering the chat template, tokenizing. It runs on libuv's thread pool (--prep-threads),
- * so the loop thread only does I/O: an 8 MiB prompt no longer stalls every stream and every other
- * client for the second it takes to tokenize. prep_run reads only the request's body and the
- * router's configuration and model (tokenizer and template are immutable); everything the router
- * keeps (metrics, workers, the request map, the guide cache) is touched in prep_done, on the loop. */
+/* What refuses a parsed request before its images and prompt are prepared: its model, its output
+ * constraint. A preparation thread (reads only the router's configuration and its guide cache,
+ * which threads share). Returns 0, or an HTTP status with msg (and param) filled. */
+static int admit_check(router_t *r, router_req_t *q, char *msg, size_t n, char *param, size_t pn)
+{
+    if (q->oai.model && strcmp(q->oai.model, r->served_model_name) != 0) {
+        snprintf(msg, n, "The model `%s` does not exist.", q->oai.model);
+        return 404;
+    }
+    return guide_setup(r, q, msg, n, param, pn);
+}
+
+/* Preparing a request is the CPU-heavy part of its life: parsing its JSON, compiling its output
+ * constraint, decoding and hashing its images, rendering the chat template, tokenizing. It runs on
+ * the preparation threads (--prep-threads, prep_pool.c: generation lane), so the loop thread only
+ * does I/O: an 8 MiB prompt or a costly grammar no longer stalls every stream and every other client
+ * for the second it takes. prep_run reads only the request's body, the router's configuration and
+ * model (tokenizer and template are immutable) and the guide cache (locked, shared by threads);
+ * everything else the router keeps (metrics, workers, the request map) is touched in prep_done, on
+ * the loop. */
 static void prep_run(uv_work_t *w)
 {
     router_req_t *q = w->data;
-    const router_t *r = q->r;
+    router_t *r = q->r;
     router_prep_t *p = &q->prep;
     size_t blen = 0;
     const char *body = prism_http_req_body(q->h, &blen);
     prism_oai_parse_opts_t popts = {.max_images = r->max_images_per_prompt, .vocab = r->cfg.vocab};
     p->parsed = prism_oai_parse(body, blen, q->chat, &popts, &q->oai, &p->perr) == PRISM_OK;
     if (!p->parsed) return;
+    /* the guide compiles here, never on the loop: the cache is shared by these threads (guide.h) */
+    if ((p->check = admit_check(r, q, p->msg, sizeof p->msg, p->param, sizeof p->param))) return;
     if (q->chat)
         p->status = router_prompt_load_images(r, &q->prompt, &q->oai, q->h, p->refused, p->msg, sizeof p->msg);
     /* with images by URL, the placeholders are expanded once those are in (url_images.c, then
@@ -612,7 +629,13 @@ static void prep_run(uv_work_t *w)
 static void on_prep_gone(prism_http_req_t *h, void *ud)
 {
     (void)h;
-    ((router_req_t *)ud)->prep.gone = true;   /* prep_done lets it go */
+    router_req_t *q = ud;
+    if (router_prep_cancel(q->r, &q->prep.job)) {   /* no thread took it yet: it never runs */
+        q->r->n_preparing--;
+        req_destroy(q);
+        return;
+    }
+    q->prep.gone = true;   /* prep_done lets it go */
 }
 
 static void prep_done(uv_work_t *w, int wstatus);
@@ -624,8 +647,9 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
         prism_http_req_release(h);
         return;
     }
-    /* Requests being prepared count as in flight: the pool's queue is bounded by --max-running-requests. */
-    if ((int)(r->n_reqs + r->n_preparing) >= r->max_running) {
+    /* Requests being prepared count as in flight (so do /tokenize jobs): what waits for the
+     * preparation threads is bounded by --max-running-requests. */
+    if ((int)(r->n_reqs + r->n_preparing + r->n_utility) >= r->max_running) {
         r->metrics.refused_limit[PRISM_REFUSE_QUEUE_FULL]++;
         char msg[160];
         snprintf(msg, sizeof(msg), "The server is at capacity (%d requests in flight); retry after a short wait.",
@@ -641,15 +665,8 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
         return;
     }
     prism_http_req_on_abort(h, on_prep_gone, q);
-    if (uv_queue_work(r->loop, &q->prep.work, prep_run, prep_done) != 0) {
-        prism_http_req_on_abort(h, NULL, NULL);
-        router_respond_error(h, 503, "The server could not queue the request; try again shortly.", NULL);
-        q->h = NULL;
-        prism_http_req_release(h);
-        req_destroy(q);
-        return;
-    }
     r->n_preparing++;
+    router_prep_submit(r, &q->prep.job, ROUTER_LANE_GENERATE, prep_run, prep_done);
 }
 
 /* The parse error, as the parser worded it. */
@@ -664,17 +681,6 @@ static void refuse_unparsed(router_t *r, router_req_t *q)
     q->h = NULL;
     prism_http_req_release(h);
     req_destroy(q);
-}
-
-/* What can refuse a parsed request before its images by URL are downloaded: its model, its output
- * constraint. Returns 0, or an HTTP status with msg (and param) filled. */
-static int admit_check(router_t *r, router_req_t *q, char *msg, size_t n, char *param, size_t pn)
-{
-    if (q->oai.model && strcmp(q->oai.model, r->served_model_name) != 0) {
-        snprintf(msg, n, "The model `%s` does not exist.", q->oai.model);
-        return 404;
-    }
-    return guide_setup(r, q, msg, n, param, pn);
 }
 
 /* A parsed and prepared request (admit_check passed) becomes one in flight: its id, room for it, then
@@ -786,7 +792,11 @@ static void prep_done(uv_work_t *w, int wstatus)
         return;
     }
     char msg[600] = "", param[128] = "";
-    int status = admit_check(r, q, msg, sizeof(msg), param, sizeof(param));
+    int status = q->prep.check;   /* its model and output constraint (admit_check, on the thread) */
+    if (status) {
+        snprintf(msg, sizeof msg, "%s", q->prep.msg);
+        snprintf(param, sizeof param, "%s", q->prep.param);
+    }
     if (!status && !q->prep.status && q->prompt.n_urls) {
         /* still counted in n_preparing until images_fetched (or the client leaves) */
         prism_http_req_on_abort(h, on_fetch_gone, q);

@@ -5,6 +5,7 @@
  *               results in, silent workers dropped — the loop on top, it only calls down
  *   api.c       HTTP endpoints and metrics
  *   status.c    GET /status (JSON snapshot for operators) and GET / (the status page, embedded)
+ *   prep_pool.c the preparation threads in two lanes: generation requests before /tokenize jobs
  *   requests.c  life of one generation request: preparation, admission, results, retry and
  *               migration, the sweep (request.h: the request and the files below that carry it)
  *   sched.c     where a request runs: its workers' messages, plan and commit, the router's queue
@@ -98,7 +99,29 @@ typedef struct {
     double t_sent;               /* when sent, or when done */
 } router_early_t;
 
+/* prep_pool.c: a job for the preparation threads, in its lane (generation requests first, then
+ * utility jobs: /tokenize, /detokenize). work comes first (the pool finds the job from it) and
+ * work.data is the caller's; the rest is the pool's. */
+typedef enum { ROUTER_LANE_GENERATE, ROUTER_LANE_UTILITY, ROUTER_LANE_COUNT } router_lane_t;
+typedef enum { ROUTER_JOB_IDLE, ROUTER_JOB_WAITING, ROUTER_JOB_RUNNING } router_job_state_t;
+typedef struct router_job router_job_t;
+struct router_job {
+    uv_work_t work;
+    struct router *r;
+    router_lane_t lane;
+    router_job_state_t state;
+    uv_work_cb run;
+    uv_after_work_cb done;
+    router_job_t *prev, *next;    /* its lane, while it waits */
+};
 typedef struct {
+    router_job_t *head, *tail;    /* waiting, oldest first */
+    size_t waiting;
+    int running;                  /* on a thread */
+    uint64_t started, cancelled;  /* since start: handed to a thread; taken out (the client left) */
+} router_job_lane_t;
+
+typedef struct router {
     /* configuration */
     const char *model_path;
     const char *served_model_name;
@@ -172,6 +195,11 @@ typedef struct {
     size_t reqs_cap, n_reqs;
     size_t n_preparing;         /* requests on the thread pool (requests.c prep_run) or fetching their
                                  * images (url_images.c), not yet in the map */
+    size_t n_utility;           /* /tokenize and /detokenize requests being answered (api.c) */
+    /* the preparation threads (prep_pool.c) */
+    int prep_threads;
+    int prep_running;
+    router_job_lane_t lanes[ROUTER_LANE_COUNT];
     router_req_t *fetching;     /* requests whose image downloads run (url_images.c), a list */
     size_t image_bytes_inflight;
     /* requests accepted while every worker of a tier was at capacity, oldest first (ring) */
@@ -188,6 +216,14 @@ typedef struct {
     prism_hist_t heartbeat_interval[4];  /* by role: seconds between a worker's heartbeats */
     prism_hist_t fetch_stage;   /* seconds a request waited for its images by URL (url_images.c) */
 } router_t;
+
+/* prep_pool.c: run(work) on a preparation thread, then done(work, status) on the loop, as
+ * uv_queue_work does, once a thread is free for the job's lane (see prep_pool.c). j must stay valid
+ * until done runs, or until router_prep_cancel took it out. */
+void router_prep_submit(router_t *r, router_job_t *j, router_lane_t lane, uv_work_cb run, uv_after_work_cb done);
+/* Takes a job that still waits for a thread out of its lane: true (neither run nor done will be
+ * called); false when it is on a thread or done already. */
+bool router_prep_cancel(router_t *r, router_job_t *j);
 
 /* control.c */
 int  router_ctl_start(router_t *r, const char *endpoint);

@@ -664,6 +664,50 @@ def test_exponential_regex_compiles_at_once():
     assert dt < 8, "two guided requests took %.1f s" % dt
 
 
+def test_costly_grammar_compiles_off_the_loop():
+    """A legal output constraint may take the compiler most of its budget (grammar.h: 1 s of CPU):
+    three distinct 3 KB regexes of ~0.4 s each. They compile on the preparation threads, never on
+    the router's loop thread (issue 26 finding 1's second half): /health, polled all along, is
+    answered at once; on the loop each compile held every other client for its whole time."""
+    import threading
+    regexes = []
+    for seed in range(3):
+        rnd = random.Random(seed)
+        words = "|".join("".join(rnd.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(12)) for _ in range(250))
+        regexes.append("(%s){1,32}" % words)
+    stop, worst, answers = threading.Event(), [0.0], []
+
+    def probe():
+        while not stop.is_set():
+            t = time.monotonic()
+            assert C.request("GET", "/health", timeout=30)[0] == 200
+            worst[0] = max(worst[0], time.monotonic() - t)
+            time.sleep(0.01)
+
+    def guided(rx):
+        answers.append(C.post_json("/v1/chat/completions", {
+            "model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+            "guided_regex": rx}))
+    p = threading.Thread(target=probe)
+    p.start()
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    clients = [threading.Thread(target=guided, args=(rx,)) for rx in regexes]
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join(120)
+    took = time.monotonic() - t0
+    stop.set()
+    p.join(30)
+    # a sanitizer build may run past the compile budget: then a 400 that says so, still off the loop
+    for status, r in answers:
+        assert status == 200 or (status == 400 and "too complex" in r["error"]["message"]), (status, r)
+    print("  three costly regexes answered in %.2f s (%s); /health at worst %.3f s meanwhile" %
+          (took, [st for st, _ in answers], worst[0]))
+    assert len(answers) == 3 and worst[0] < 0.25, worst[0]
+
+
 def test_all_processes_alive():
     assert all(C.alive().values()), C.alive()
 
@@ -677,7 +721,8 @@ if __name__ == "__main__":
                         test_json_object_regex_choice, test_bad_schemas_get_400_naming_the_field,
                         test_forced_tool_calls, test_streamed_tool_calls_match, test_tool_choice_errors,
                         test_pythonic_parser_and_tools_in_the_template, test_client_errors_are_400_not_500,
-                        test_exponential_regex_compiles_at_once, test_all_processes_alive])
+                        test_exponential_regex_compiles_at_once, test_costly_grammar_compiles_off_the_loop,
+                        test_all_processes_alive])
     finally:
         C.stop()
         if os.environ.get("PRISM_KEEP_LOGS"):

@@ -10,6 +10,7 @@ Run: python3 tests/integration/test_security.py   (PRISM_BINARY_DIR=build dir)
 import http.client
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -729,6 +730,90 @@ def test_unread_answers_do_not_pin_memory():
             s.close()
 
 
+def tokenize_prompt(n_words, seed):
+    """A prompt of n_words varied words: about 0.2 s of tokenizing per MB on the development machine."""
+    rnd = random.Random(seed)
+    words = ["".join(rnd.choice("abcdefghij") for _ in range(rnd.randint(2, 7))) for _ in range(5000)]
+    return " ".join(rnd.choice(words) for _ in range(n_words))
+
+
+def post_raw(port, path, body, close=False):
+    """A socket that has sent one whole POST (the answer not read)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=120)
+    s.sendall(b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n%sContent-Length: %d\r\n\r\n"
+              % (path.encode(), b"Connection: close\r\n" if close else b"", len(body)) + body)
+    return s
+
+
+def read_status_to_end(s):
+    """The status of a Connection: close answer, read to its end."""
+    data = b""
+    while True:
+        chunk = s.recv(1 << 20)
+        if not chunk:
+            break
+        data += chunk
+    s.close()
+    return int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else None
+
+
+def test_tokenize_admitted_behind_generation_and_dropped_when_gone():
+    """Issue 26 finding 4: /tokenize and /detokenize skipped admission and shared the preparation
+    threads' FIFO with chat requests (49 queued 4 MiB jobs held a one-token chat 26 s), and a job
+    whose client left still ran. Now they count against --max-running-requests (429 beyond), wait
+    in a lane of their own that generation requests pass and that leaves one thread to them, and a
+    waiting job whose client left is taken out unrun."""
+    big = json.dumps({"model": "prism-tiny-llava", "prompt": tokenize_prompt(600000, 1)}).encode()   # ~3.3 MB
+    with Cluster(router_args=["--prep-threads", "2"]) as c:
+        c.wait_ready()
+        t0 = time.time()
+        assert c.request("POST", "/tokenize", big)[0] == 200
+        one = time.time() - t0
+        # eight big jobs sent first, their answers read as they come; then a one-token chat
+        done, lock = [], threading.Lock()
+
+        def tokenize(k):
+            st = read_status_to_end(post_raw(c.port, "/tokenize", big, close=True))
+            with lock:
+                done.append((time.time(), st))
+        threads = [threading.Thread(target=tokenize, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: (c.metric("prism:router_prep_waiting", lane="utility") or 0) >= 5, 30,
+                 "the /tokenize jobs to wait for a thread")
+        t_chat = time.time()
+        status, r = c.post_json("/v1/chat/completions", chat_body("Hi", max_tokens=1))
+        chat_s, t_chat_end = time.time() - t_chat, time.time()
+        for t in threads:
+            t.join(120)
+        assert status == 200, r
+        assert sorted(st for _, st in done) == [200] * 8, done
+        before = sum(1 for t, _ in done if t < t_chat_end)
+        print("  one 3.3 MB /tokenize %.2f s; a chat behind eight answered in %.2f s, after %d of them (all done "
+              "%.1f s after it)" % (one, chat_s, before, max(t for t, _ in done) - t_chat_end))
+        assert before <= 2, "the chat waited for %d /tokenize jobs (%.2f s)" % (before, chat_s)
+        # jobs whose clients left before a thread took them never run
+        started = c.metric("prism:router_prep_jobs_total", lane="utility")
+        for k in range(10):
+            post_raw(c.port, "/tokenize", big).close()
+        wait_for(lambda: (c.metric("prism:router_prep_cancelled_total", lane="utility") or 0) >= 7, 30,
+                 "the jobs of clients that left to be taken out")
+        t0 = time.time()
+        assert c.request("POST", "/tokenize", {"prompt": "Hi"})[0] == 200
+        small_s = time.time() - t0
+        ran = c.metric("prism:router_prep_jobs_total", lane="utility") - started - 1
+        print("  ten clients gone: %d of their jobs ran; a small /tokenize then took %.2f s" % (ran, small_s))
+        assert ran <= 3 and small_s < 3 * one + 1, (ran, small_s)
+    # the bound: /tokenize counts against --max-running-requests
+    with Cluster(encoders=0, prefills=0, decodes=0, router_args=["--prep-threads", "2", "--max-running-requests", "6"]) as c:
+        wait_http(c)
+        socks = [post_raw(c.port, "/tokenize", big, close=True) for _ in range(12)]
+        statuses = [read_status_to_end(s) for s in socks]
+        print("  12 /tokenize at --max-running-requests 6: %s" % statuses)
+        assert statuses.count(429) >= 3 and statuses.count(200) >= 6, statuses
+        assert c.metric("prism:requests_refused_total", reason="queue_full") == statuses.count(429)
+
+
 def test_dns_rebinding_and_form_posts_refused():
     """Issue 26 finding 11: a router bound to loopback answers only its loopback names (a page that
     reaches it by DNS rebinding sends its own), and POST bodies must be JSON (a cross-site form
@@ -775,7 +860,7 @@ if __name__ == "__main__":
                         test_router_checks_tokens_from_the_holding_decode, test_registration_fields_checked,
                         test_junk_embeddings_cannot_fill_the_pool, test_embeddings_need_the_whole_request_id,
                         test_tokens_need_the_whole_request_id, test_decode_told_to_stop_made_up_kv,
-                        test_unread_answers_do_not_pin_memory, test_dns_rebinding_and_form_posts_refused,
+                        test_unread_answers_do_not_pin_memory, test_tokenize_admitted_behind_generation_and_dropped_when_gone, test_dns_rebinding_and_form_posts_refused,
                         test_lenient_framing_refused])
         assert all(C.alive().values()), C.alive()
     finally:
