@@ -22,7 +22,8 @@
  * later in the same batch (or while the batch waits for prefill) cannot evict and overwrite them.
  *
  * An Encode without a prefill endpoint is an early job (router/early_encode.c: the image of a request
- * whose body is still arriving): encoded into the cache, answered to the router, sent nowhere. The
+ * whose body is still arriving): encoded into the cache, answered to the router, sent nowhere, and
+ * only when no request's image waits (a body that may never become a request never delays one). The
  * request's own Encode names it (early_id): while the job is still here the request takes it over
  * (adopt_early), else its image is a cache hit. A job whose image is already in the batch being
  * formed waits for the next batch (a cache hit then) rather than being encoded twice. */
@@ -431,12 +432,16 @@ static bool being_encoded(const encoder_t *e, uint64_t hash)
 
 /* ---- forming and finishing a batch (tiles or native resolution) ---- */
 
-static job_t *oldest_queued(encoder_t *e)
+/* The job a batch takes next: a request's image before any early job (which only fills the cache,
+ * for a body that may never become a request), each kind oldest first. */
+static job_t *next_queued(encoder_t *e)
 {
     job_t *best = NULL;
     for (int i = 0; i < e->max_queue; i++) {
         job_t *j = &e->jobs[i];
-        if (j->state == JOB_QUEUED && (!best || j->t_arrive < best->t_arrive)) best = j;
+        if (j->state != JOB_QUEUED) continue;
+        bool request = j->prefill_endpoint[0], best_request = best && best->prefill_endpoint[0];
+        if (!best || (request && !best_request) || (request == best_request && j->t_arrive < best->t_arrive)) best = j;
     }
     return best;
 }
@@ -502,7 +507,7 @@ static void run_batch_native(encoder_t *e)
     for (int pass = 0; pass < e->max_queue && e->n_batch < (int)PRISM_ARRAY_LEN(e->batch) &&
                        e->n_pix < (int)PRISM_ARRAY_LEN(e->pix_job) && e->n_pix < target;
          pass++) {
-        job_t *best = oldest_queued(e);
+        job_t *best = next_queued(e);
         if (!best) break;
         if (being_encoded(e, best->hash)) break;
         const uint8_t *data = zmq_msg_data(&best->image);
@@ -565,14 +570,15 @@ static void run_batch(encoder_t *e)
     int n_tiles = 0;
     e->n_pix = 0;
     double decode_s = 0;
-    /* Oldest first, while the pixel buffer has tiles for the next image (known from its header);
+    /* Oldest first (requests' images before early jobs), while the pixel buffer has tiles for the
+     * next image (known from its header);
      * cache hits cost nothing and do not count against the time bound. */
     /* Cache hits and refusals take no tiles: they do not count against the pixel buffer or the time
      * bound (the images after them still fill the batch). */
     for (int pass = 0; pass < e->max_queue && e->n_batch < (int)PRISM_ARRAY_LEN(e->batch) &&
                        e->n_pix < PRISM_MIN(e->cap_tiles, (int)PRISM_ARRAY_LEN(e->pix_job)) && e->n_pix < target;
          pass++) {
-        job_t *best = oldest_queued(e);
+        job_t *best = next_queued(e);
         if (!best) break;
         if (being_encoded(e, best->hash)) break;   /* next batch: then a cache hit, not encoded twice */
         const uint8_t *data = zmq_msg_data(&best->image);

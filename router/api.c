@@ -320,6 +320,13 @@ static void metrics_requests(const router_t *r, prism_buf_t *b)
     prism_metric_write(b, "prism:router_early_encodes_adopted_total", "counter",
                        "Early encodes still held when their request was dispatched: the request took the job over.",
                        lbl, (double)m->early_encodes_adopted);
+    prism_metric_write(b, "prism:router_early_encodes_abandoned_total", "counter",
+                       "Early encodes aborted because their body never became a request (the client left, the body "
+                       "or the request was refused) or their request ended without taking them over.", lbl,
+                       (double)m->early_encodes_abandoned);
+    prism_metric_write(b, "prism:router_early_encodes_preempted_total", "counter",
+                       "Early encodes aborted so that an admitted request could have their encoder slot.", lbl,
+                       (double)m->early_encodes_preempted);
     prism_metric_write(b, "prism:router_early_encodes_failed_total", "counter",
                        "Early encodes that failed, timed out or lost their encoder (the request encodes its image "
                        "as usual).", lbl, (double)m->early_encodes_failed);

@@ -19,7 +19,17 @@
  * Early jobs take encoder slots and queued bytes as requests do, only when no request waits in the
  * router's queue and an encoder with a cache has room (they never overtake a request), only for the
  * first --limit-mm-per-prompt images of a body, at most ROUTER_MAX_EARLY at once; one the encoder
- * has not answered within --stage-timeout is aborted and forgotten. One loop thread. */
+ * has not answered within --stage-timeout is aborted and forgotten.
+ *
+ * Work for a body that may never become a request is kept small (issue 26 finding 5: abandoned
+ * bodies cost an encode per image and held a real request 28 s behind them): one connection holds
+ * at most ROUTER_EARLY_PER_CONN unanswered early jobs (its further images wait for their request);
+ * a body that never reaches its handler (the client left, the body was refused or timed out:
+ * http_server's body_gone) or a request that ends (admitted and done, or refused) aborts the early
+ * jobs of its body still running; and admitted requests come first: a request that finds no
+ * encoder with room takes the slot of a running early job (router_early_preempt, the youngest
+ * first), and encoders run a request's image before any early job (encoder_worker run_batch). One
+ * loop thread. */
 #include "router.h"
 
 #include <string.h>
@@ -44,28 +54,42 @@ static void early_release(router_t *r, router_early_t *e)
     r->queue_dirty = true;   /* a slot freed: a queued request may go */
 }
 
+/* The job's encoder drops it (best effort), and its slot and bytes come back at once. */
+static void early_abort(router_t *r, router_early_t *e)
+{
+    router_worker_t *w = early_worker(r, e);
+    if (w) router_send_abort(r, w, e->rid);
+    early_release(r, e);
+    e->rid = 0;
+}
+
 /* How long a done job is remembered for its request (a body that ends later pays a counted hit). */
 static double keep_done_s(const router_t *r) { return r->stage_timeout_s > 0 ? r->stage_timeout_s : 60; }
 
 void router_early_encode(const prism_http_req_t *h, int index, const uint8_t *data, size_t len, void *ud)
 {
     if (strcmp(prism_http_req_method(h), "POST") || strcmp(prism_http_req_path(h), "/v1/chat/completions")) return;
-    router_early_send(ud, index, data, len);
+    router_early_send(ud, h, index, data, len);
 }
 
-void router_early_send(router_t *r, int index, const uint8_t *data, size_t len)
+void router_early_body_gone(const prism_http_req_t *h, void *ud)
+{
+    router_early_forget(ud, prism_http_req_id(h));
+}
+
+void router_early_send(router_t *r, const prism_http_req_t *h, int index, const uint8_t *data, size_t len)
 {
     if (!r->early_encode || !data || !len || r->queue_len || r->draining || index >= r->max_images_per_prompt) return;
+    uint64_t conn = prism_http_req_conn_id(h);
     router_early_t *e = NULL;   /* a free entry, else the oldest done one */
+    int running = 0;            /* this connection's unanswered jobs */
     for (int i = 0; i < ROUTER_MAX_EARLY; i++) {
         router_early_t *x = &r->early[i];
-        if (!x->rid) {
-            e = x;
-            break;
-        }
-        if (x->done && (!e || x->t_sent < e->t_sent)) e = x;
+        if (x->rid && !x->done && x->conn == conn) running++;
+        if (!x->rid && (!e || e->rid)) e = x;
+        else if (x->rid && x->done && (!e || (e->rid && x->t_sent < e->t_sent))) e = x;
     }
-    if (!e) return;
+    if (!e || running >= ROUTER_EARLY_PER_CONN) return;
     uint64_t hash = XXH3_64bits_withSecret(data, len, r->img_secret, sizeof(r->img_secret));
     bool any;
     router_worker_t *w = router_pick_slots(r, PRISM__ROLE__ROLE_ENCODER, hash, 1, len, &any);
@@ -84,7 +108,8 @@ void router_early_send(router_t *r, int index, const uint8_t *data, size_t len)
     env.encode = &en;
     prism_frame_t f = {data, len};
     if (router_send(r, w, &env, &f, 1) != PRISM_OK) return;
-    *e = (router_early_t){.rid = rid, .rid_hi = rid_hi, .instance = w->instance, .hash = hash, .bytes = len, .t_sent = prism_now_s()};
+    *e = (router_early_t){.rid = rid, .rid_hi = rid_hi, .instance = w->instance, .hash = hash, .bytes = len,
+                          .t_sent = prism_now_s(), .body = prism_http_req_id(h), .conn = conn};
     snprintf(e->encoder_id, sizeof e->encoder_id, "%s", w->id);
     w->inflight++;
     w->queued_bytes += len;
@@ -147,6 +172,34 @@ uint64_t router_early_take_done(router_t *r, uint64_t hash, const router_worker_
         return id;
     }
     return 0;
+}
+
+void router_early_forget(router_t *r, uint64_t body)
+{
+    for (int i = 0; body && i < ROUTER_MAX_EARLY; i++) {
+        router_early_t *e = &r->early[i];
+        if (!e->rid || e->done || e->body != body) continue;
+        PRISM_DEBUG("early encode %016llx: its body is gone; aborted", (unsigned long long)e->rid);
+        r->metrics.early_encodes_abandoned++;
+        early_abort(r, e);
+    }
+}
+
+bool router_early_preempt(router_t *r, const uint64_t *keep, int n_keep)
+{
+    router_early_t *young = NULL;
+    for (int i = 0; i < ROUTER_MAX_EARLY; i++) {
+        router_early_t *e = &r->early[i];
+        if (!e->rid || e->done || !early_worker(r, e)) continue;
+        bool kept = false;   /* an image of the request itself: it takes that job over instead */
+        for (int k = 0; k < n_keep; k++) kept |= keep[k] == e->hash;
+        if (!kept && (!young || e->t_sent > young->t_sent)) young = e;
+    }
+    if (!young) return false;
+    PRISM_DEBUG("early encode %016llx: its slot goes to a request", (unsigned long long)young->rid);
+    r->metrics.early_encodes_preempted++;
+    early_abort(r, young);
+    return true;
 }
 
 void router_early_encode_sweep(router_t *r, double now)

@@ -59,6 +59,8 @@ struct prism_http_req {
     int http_major, http_minor;
     bool keep_alive, is_head;
     bool dispatched, started, streaming, chunked_out, done, aborted;
+    bool images_told;        /* image_done told the caller of an image (body_gone is owed if undispatched) */
+    uint64_t id, conn_id;    /* prism_http_req_id, prism_http_req_conn_id */
     void (*abort_cb)(prism_http_req_t *r, void *ud);
     void *abort_ud;
     void *user;
@@ -76,6 +78,7 @@ struct conn {
     char exec_prev;          /* the last byte given to the previous one */
     uv_shutdown_t shutdown_req;
     prism_http_server_t *srv;
+    uint64_t id;             /* the connection's serial (prism_http_req_conn_id) */
     llhttp_t parser;
     prism_buf_t inbuf;       /* unparsed bytes starting at in_off */
     size_t in_off;
@@ -121,6 +124,7 @@ struct prism_http_server {
     conn_t *bodies, *bodies_tail;  /* connections with a body in progress, oldest first */
     prism_http_refusals_t refused;
     uint64_t pauses;         /* bodies that stopped reading for room (each pause once) */
+    uint64_t next_req_id, next_conn_id;   /* serials, from 1 */
     char scratch[HTTP_READ_CHUNK];  /* libuv reads here; read_cb copies into conn->inbuf */
 };
 
@@ -242,6 +246,8 @@ const char *prism_http_req_query(const prism_http_req_t *r) { return r->query; }
 int prism_http_req_http_minor(const prism_http_req_t *r) { return r->http_minor; }
 void prism_http_req_set_user(prism_http_req_t *r, void *user) { r->user = user; }
 void *prism_http_req_user(prism_http_req_t *r) { return r->user; }
+uint64_t prism_http_req_id(const prism_http_req_t *r) { return r->id; }
+uint64_t prism_http_req_conn_id(const prism_http_req_t *r) { return r->conn_id; }
 bool prism_http_req_aborted(const prism_http_req_t *r) { return r->aborted; }
 
 const char *prism_http_req_header(const prism_http_req_t *r, const char *name)
@@ -412,6 +418,14 @@ void prism_http_server_resume_bodies(prism_http_server_t *s)
     if (s) server_resume_bodies(s);
 }
 
+/* A request the handler never got is let go: the caller, told of its images, hears it once. */
+static void req_body_gone(conn_t *c, prism_http_req_t *r)
+{
+    if (r->dispatched || !r->images_told) return;
+    r->images_told = false;
+    if (c->srv->cfg.body_gone) c->srv->cfg.body_gone(r, c->srv->ud);
+}
+
 /* Logical close: detach the request (firing its abort callback when its response was not complete)
  * and stop reading. Handles are closed separately (now, or after a shutdown flushes writes). */
 static void conn_begin_close(conn_t *c)
@@ -428,6 +442,7 @@ static void conn_begin_close(conn_t *c)
     c->req = NULL;
     if (r) {
         r->conn = NULL;
+        req_body_gone(c, r);
         if (r->dispatched && !r->done) {
             r->aborted = true;
             if (r->abort_cb) {
@@ -689,6 +704,7 @@ static void conn_fail(conn_t *c, int status, const char *message)
     body_list_del(c);
     if (c->req) {
         PRISM_ASSERT(!c->req->dispatched);
+        req_body_gone(c, c->req);
         req_unref(c->req);
         c->req = NULL;
     }
@@ -855,6 +871,8 @@ static int on_message_begin(llhttp_t *p)
         return -1;
     }
     c->req->conn = c;
+    c->req->id = ++c->srv->next_req_id;
+    c->req->conn_id = c->id;
     return 0;
 }
 
@@ -1169,7 +1187,9 @@ static int lift_check_images(conn_t *c, prism_http_req_t *r)
     int passed = cfg->image_check ? r->img_asked : l->n;
     while (cfg->image_done && r->img_told < passed && l->img[r->img_told].done) {
         const prism_lift_image_t *im = &l->img[r->img_told++];
-        if (!im->bad && im->len) cfg->image_done(r, im->ordinal, im->data, im->len, c->srv->ud);
+        if (im->bad || !im->len) continue;
+        r->images_told = true;
+        cfg->image_done(r, im->ordinal, im->data, im->len, c->srv->ud);
     }
     return 0;
 }
@@ -1442,6 +1462,7 @@ static void on_connection(uv_stream_t *l, int status)
         return;
     }
     c->srv = s;
+    c->id = ++s->next_conn_id;
     uv_tcp_init(s->loop, &c->tcp);
     uv_timer_init(s->loop, &c->timer);
     uv_timer_init(s->loop, &c->wtimer);

@@ -149,6 +149,11 @@ typedef struct {
      * once per image, in body order, on the loop thread; data[0..len) stays the lifter's (read it
      * during the call). ud is the handler's. */
     void (*image_done)(const prism_http_req_t *r, int index, const uint8_t *data, size_t len, void *ud);
+    /* Optional, with image_done: a request whose body image_done told of an image will never reach
+     * the handler (the client left, or the server refused its body or timed it out), so what the
+     * caller started for those images may stop. Once per such request, on the loop thread; r is
+     * readable during the call (prism_http_req_id). ud is the handler's. */
+    void (*body_gone)(const prism_http_req_t *r, void *ud);
 } prism_http_config_t;
 
 prism_http_config_t prism_http_config_default(void);
@@ -211,6 +216,12 @@ int  prism_http_req_take_image(prism_http_req_t *r, int i, uint8_t **data, size_
 int  prism_http_req_peek_image(const prism_http_req_t *r, int i, const uint8_t **data, size_t *len, const char **mime,
                                bool *bad);
 int  prism_http_req_http_minor(const prism_http_req_t *r);     /* 0 for HTTP/1.0, 1 for HTTP/1.1 */
+
+/* The request's serial and its connection's (each unique since the server started, never 0): a
+ * caller's name for a body that may never reach its handler (image_done, body_gone), and for the
+ * connection that sent it (pipelined requests share it). */
+uint64_t prism_http_req_id(const prism_http_req_t *r);
+uint64_t prism_http_req_conn_id(const prism_http_req_t *r);
 
 void  prism_http_req_set_user(prism_http_req_t *r, void *user);
 void *prism_http_req_user(prism_http_req_t *r);

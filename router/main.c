@@ -364,6 +364,7 @@ static int start_io(router_t *r, const router_flags_t *f)
     hc.body_gate = router_body_gate;
     hc.image_check = router_image_check_early;
     hc.image_done = router_early_encode;
+    hc.body_gone = router_early_body_gone;
     if (prism_http_server_start(r->loop, &hc, router_on_http, r, &r->http) != PRISM_OK) {
         PRISM_ERROR("cannot listen on %s:%lld", f->host, (long long)f->port);
         return 1;

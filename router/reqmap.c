@@ -78,6 +78,7 @@ router_req_t *router_req_alloc(router_t *r, prism_http_req_t *h, bool chat)
     if (!q) return NULL;
     q->r = r;
     q->h = h;
+    q->body = prism_http_req_id(h);
     q->chat = chat;
     q->time.start = q->time.wait = prism_now_s();
     q->prep.job.work.data = q;

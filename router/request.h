@@ -154,6 +154,7 @@ struct router_req {
     uint64_t rid_hi;              /* the high half: a worker's message about it must carry both */
     router_t *r;
     prism_http_req_t *h;          /* NULL once released */
+    uint64_t body;                /* prism_http_req_id(h): its early encodes' owner (early_encode.c) */
     bool chat;
     router_stage_t stage;
     /* what was asked */

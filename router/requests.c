@@ -58,6 +58,7 @@ static void req_destroy(router_req_t *q)
 {
     router_t *r = q->r;
     router_url_images_cancel(q);
+    router_early_forget(r, q->body);   /* what its body started and it did not take over */
     router_req_del(r, q->rid);
     for (int i = 0; i < q->prompt.n_images; i++) router_sched_encode_done(q, i);
     router_sched_prefill_done(q);
@@ -640,11 +641,18 @@ static void on_prep_gone(prism_http_req_t *h, void *ud)
 
 static void prep_done(uv_work_t *w, int wstatus);
 
+/* A request refused before it was allocated: its answer, and its body's early encodes stop. */
+static void refuse_at_once(router_t *r, prism_http_req_t *h, int status, const char *msg)
+{
+    router_early_forget(r, prism_http_req_id(h));
+    router_respond_error(h, status, msg, NULL);
+    prism_http_req_release(h);
+}
+
 void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
 {
     if (r->shutting_down) {  /* a keep-alive connection's next request while draining */
-        router_respond_error(h, 503, "The server is shutting down; retry on another instance.", NULL);
-        prism_http_req_release(h);
+        refuse_at_once(r, h, 503, "The server is shutting down; retry on another instance.");
         return;
     }
     /* Requests being prepared count as in flight (so do /tokenize jobs): what waits for the
@@ -654,14 +662,12 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
         char msg[160];
         snprintf(msg, sizeof(msg), "The server is at capacity (%d requests in flight); retry after a short wait.",
                  r->max_running);
-        router_respond_error(h, 429, msg, NULL);
-        prism_http_req_release(h);
+        refuse_at_once(r, h, 429, msg);
         return;
     }
     router_req_t *q = router_req_alloc(r, h, chat);
     if (!q) {
-        router_respond_error(h, 503, "The server is out of memory; try again shortly.", NULL);
-        prism_http_req_release(h);
+        refuse_at_once(r, h, 503, "The server is out of memory; try again shortly.");
         return;
     }
     prism_http_req_on_abort(h, on_prep_gone, q);

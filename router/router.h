@@ -43,6 +43,7 @@
 #define ROUTER_MAX_WORKER_MSG (4 << 20)  /* largest frame a worker may send up (tokens with logprobs) */
 
 #define ROUTER_MAX_EARLY 64      /* early encodes in flight at once (early_encode.c) */
+#define ROUTER_EARLY_PER_CONN 4  /* ... of them one connection's unanswered at once */
 #define ROUTER_WORKER_ID_MAX 127  /* bytes of a worker id (its ZeroMQ identity) */
 
 typedef struct {
@@ -97,6 +98,7 @@ typedef struct {
     uint64_t hash;               /* the image's content hash */
     uint64_t bytes;              /* file bytes, counted in the encoder's queued_bytes */
     double t_sent;               /* when sent, or when done */
+    uint64_t body, conn;         /* the request (prism_http_req_id) and connection it came from */
 } router_early_t;
 
 /* prep_pool.c: a job for the preparation threads, in its lane (generation requests first, then
@@ -241,9 +243,17 @@ void router_send_abort_to(router_t *r, const char *worker_id, uint64_t rid);
 /* http_server image_done hook: a lifted image of h is whole and passed its checks; sent to an
  * encoder's cache when one has room and no request waits. ud: the router. */
 void router_early_encode(const prism_http_req_t *h, int index, const uint8_t *data, size_t len, void *ud);
-/* The same for image `index` of a request being prepared whose bytes are whole and checked (an image
+/* The same for image `index` of request h being prepared whose bytes are whole and checked (an image
  * fetched by URL while the request's other images still download). data is read during the call. */
-void router_early_send(router_t *r, int index, const uint8_t *data, size_t len);
+void router_early_send(router_t *r, const prism_http_req_t *h, int index, const uint8_t *data, size_t len);
+/* http_server body_gone hook: h never reaches the handler; router_early_forget of its body. */
+void router_early_body_gone(const prism_http_req_t *h, void *ud);
+/* The request whose body is `body` (prism_http_req_id) ended, or never became one: its early jobs
+ * still running are aborted (their slots and bytes back at once). Done ones stay known. */
+void router_early_forget(router_t *r, uint64_t body);
+/* A request found no encoder with room: the youngest running early job (of an image not in keep[],
+ * the request's own content hashes, which it would take over) is aborted for it. False when none. */
+bool router_early_preempt(router_t *r, const uint64_t *keep, int n_keep);
 /* EncodeDone for an id that is no request: an early job is released. False only when rid is an early
  * job of another encoder (the message is refused); an id of neither kind is a request that ended. */
 bool router_early_encode_done(router_t *r, const router_worker_t *from, uint64_t rid, uint64_t rid_hi,

@@ -314,6 +314,11 @@ int router_sched_dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
 {
     plan_t p;
     int status = plan(r, q, &p, msg, n);
+    /* An admitted request comes before early jobs (early_encode.c): when encoders alone lack room,
+     * the slots running early jobs hold are taken for it, one at a time, while that helps. */
+    while (status == ROUTER_DISPATCH_WAIT && p.wait_tiers == ROUTER_TIER_ENCODER &&
+           router_early_preempt(r, q->prompt.img_hash, q->prompt.n_images))
+        status = plan(r, q, &p, msg, n);
     q->place.waiting_for = p.waiting_for;
     if (status == 400) {
         r->metrics.refused_limit[PRISM_REFUSE_BAD_REQUEST]++;

@@ -133,7 +133,7 @@ static void on_done(prism_fetch_req_t *fq, const prism_fetch_result_t *res, void
         p->img_hash[i] = XXH3_64bits_withSecret(p->img[i], p->img_len[i], r->img_secret, sizeof r->img_secret);
     p->image_bytes += p->img_len[i];
     if (q->fetch->n_pending > 0) {
-        router_early_send(r, i, p->img[i], p->img_len[i]);   /* while the others still download */
+        router_early_send(r, q->h, i, p->img[i], p->img_len[i]);   /* while the others still download */
         return;
     }
     fetch_end(q);

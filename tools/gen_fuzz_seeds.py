@@ -427,6 +427,12 @@ def router_seeds():
         rrec(PRE, env_of(1, 0, b"", 0, None)) + rrec(ENC, env_of(1, 10, pb_int(1, 1) + pb_fixed64(13, 5), 0, None)) +
         rrec(PRE, tokens_msg(0, [17], 0, True)))
     done = pb_int(1, 0) + pb_int(2, 1) + pb_float(3, 1.5)
+    # issue 26 finding 5: a body that stops after its image (flag 0x80) sends an early job that the
+    # client's hang-up must abort (no answer), or that its encoder answers first (id 0: the early job)
+    ABANDON = 0x80
+    put(h, "regress-early-job-of-an-abandoned-body", bytes([ABANDON]))
+    put(h, "regress-early-job-answered-then-abandoned", bytes([ABANDON | ONE | CHAT | MT4]) +
+        rrec(ENC, env_of(7, 14, done, 1, None)) + rrec(PRE, tokens_msg(0, [17], 0, True)))
     put(h, "encode_done_unknown", bytes([0]) + rrec(ENC, env_of(7, 14, done, 0, None)) +
         rrec(ENC, env_of(7, 14, done + pb_bytes(5, "bad image") + pb_int(6, 1), 123456789, None)) +
         rrec(ENC, env_of(7, 0, b"", 5, None)) + rrec(DEC, env_of(99, 0, b"", 5, None)) + rrec(PRE, b"\x08\x01junk"))

@@ -48,6 +48,8 @@ typedef struct {
     uint64_t early_encodes;        /* images sent to an encoder's cache before their body ended */
     uint64_t early_encodes_failed; /* ... that failed, timed out or lost their encoder */
     uint64_t early_encodes_adopted; /* ... still running when their request came: it took the job over */
+    uint64_t early_encodes_abandoned; /* ... aborted: their body never became a request, or the request ended */
+    uint64_t early_encodes_preempted; /* ... aborted: a request needed the encoder slot */
     uint64_t refused_limit[16];   /* by prism_refusal_t (the HTTP server's own are added when exported) */
 } prism_router_metrics_t;
 

@@ -10,7 +10,9 @@
  * required (checked from the headers), whether lifted images are checked while they stream in (the
  * router's rules: media type, base64, header probe, a pixel limit) and whether the client half-closes;
  * chunking picks how the bytes are split between loop turns. After each input the client goes away and
- * the server must be back to zero connections and zero body bytes (no leak of either). */
+ * the server must be back to zero connections and zero body bytes (no leak of either), and every
+ * request told of an image either reached the handler or was declared gone (body_gone) once: the
+ * router aborts the early encodes of a body that never becomes a request on that word. */
 #include "fuzz_common.h"
 #include "body_lift.h"
 #include "http_server.h"
@@ -83,9 +85,36 @@ static void answer(prism_http_req_t *r, int how)
     else prism_http_respond(r, 200, "text/plain", NULL, prism_http_req_query(r), strlen(prism_http_req_query(r)));
 }
 
+/* Requests told of an image in this input: TOLD, then HANDLED (the handler ran) or GONE (body_gone). */
+enum { TOLD = 1, HANDLED, GONE };
+#define MAX_TOLD 64
+static uint64_t g_told_id[MAX_TOLD];
+static uint8_t g_told_state[MAX_TOLD];
+static int g_n_told;
+
+static int told_find(uint64_t id)
+{
+    for (int i = 0; i < g_n_told; i++)
+        if (g_told_id[i] == id) return i;
+    return -1;
+}
+
+static void body_gone(const prism_http_req_t *r, void *ud)
+{
+    (void)ud;
+    int k = told_find(prism_http_req_id(r));
+    FUZZ_ASSERT(k >= 0 && g_told_state[k] == TOLD);   /* only a body told of an image, never handled, once */
+    g_told_state[k] = GONE;
+}
+
 static void on_request(prism_http_req_t *r, void *ud)
 {
     (void)ud;
+    int k = told_find(prism_http_req_id(r));
+    if (k >= 0) {
+        FUZZ_ASSERT(g_told_state[k] == TOLD);
+        g_told_state[k] = HANDLED;
+    }
     (void)prism_http_req_header(r, "Authorization");
     (void)prism_http_req_header(r, "content-type");
     if (g_mode & 0x10) {  /* answer later, from the loop */
@@ -151,10 +180,18 @@ static int image_check(const prism_http_req_t *r, int index, const char *mime, c
 static volatile uint8_t g_sink;
 static void image_done(const prism_http_req_t *r, int index, const uint8_t *data, size_t len, void *ud)
 {
-    (void)r;
     (void)ud;
     FUZZ_ASSERT(data && len > 0 && index >= 0);
     g_sink = data[0] ^ data[len - 1];
+    uint64_t id = prism_http_req_id(r);
+    FUZZ_ASSERT(id != 0);
+    int k = told_find(id);
+    if (k < 0 && g_n_told < MAX_TOLD) {
+        g_told_id[g_n_told] = id;
+        g_told_state[g_n_told++] = TOLD;
+    } else if (k >= 0) {
+        FUZZ_ASSERT(g_told_state[k] == TOLD);   /* no image after the request was handled or gone */
+    }
 }
 
 static void init_server(void)
@@ -171,6 +208,7 @@ static void init_server(void)
     c.lift_data_urls = true;
     c.image_check = image_check;
     c.image_done = image_done;
+    c.body_gone = body_gone;
     if (prism_http_server_start(&g_loop, &c, on_request, NULL, &g_srv) != PRISM_OK) abort();
 }
 
@@ -206,6 +244,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (!g_srv) init_server();
     if (size < 2) return 0;
     g_mode = data[0];
+    g_n_told = 0;
     size_t chunk = 1 + (size_t)data[1] * 8;
     data += 2, size -= 2;
     int fd = client_connect();
@@ -228,5 +267,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         if (i > 100) usleep(100);
     }
     FUZZ_ASSERT(prism_http_server_active_connections(g_srv) == 0);
+    for (int i = 0; i < g_n_told; i++) FUZZ_ASSERT(g_told_state[i] != TOLD);   /* handled, or declared gone */
     return 0;
 }

@@ -7,14 +7,16 @@
  * what the router sends them (Prefill, Encode, Abort, acks) is read and checked to unpack.
  *
  * Input: flags:u8 (bits 0-1: HTTP requests opened first, 0-3; bit 2: streamed; bit 3: chat instead of
- * completions; bit 4: n = 2; bits 5-6: max_tokens 1, 4, 16 or 64), then records
+ * completions; bit 4: n = 2; bits 5-6: max_tokens 1, 4, 16 or 64; bit 7: one more client sends a chat
+ * body that stops right after its image, which goes to the encoder as an early job and never becomes
+ * a request), then records
  *   worker:u8 (mod 3: encoder, prefill, decode)  len:u16le  envelope[len]
  * each sent up from that worker's socket as it is; an envelope that unpacks and names a request id
  * below 16 is sent for the (id mod n)-th request the router dispatched in this input, both halves of
  * its id (ids are 128 random bits: a fuzzer could never guess one).
  * Invariants: the router stays up and answers what it sends well-formed; once every client hangs up,
  * no request is left (r->n_reqs == 0) and every registered worker is back at nothing in flight and no
- * image bytes queued. After each input the workers register again as new processes, so no input's
+ * image bytes queued (an abandoned body's early job included: issue 26 finding 5). After each input the workers register again as new processes, so no input's
  * registrations or load reach the next. */
 #define main router_main
 #include "../../router/main.c"
@@ -42,7 +44,7 @@ static const Prism__Role g_roles[N_WORKERS] = {PRISM__ROLE__ROLE_ENCODER, PRISM_
 static uint64_t g_rids[MAX_RIDS], g_rids_hi[MAX_RIDS];   /* 128-bit ids: both halves */
 static int g_n_rids;
 static int g_acks;
-static int g_fd[MAX_CLIENTS];
+static int g_fd[MAX_CLIENTS + 1];
 static int g_n_fd;
 
 static void note_rid(uint64_t rid, uint64_t hi)
@@ -139,9 +141,28 @@ static void open_client(uint8_t flags, int i)
     else
         snprintf(body, sizeof(body), "{\"prompt\":\"A red circle %d\",\"max_tokens\":%d,\"stream\":%s,\"n\":%d,"
                  "\"stop\":[\"x\"]}", i, mt, stream, n);
-    int len = snprintf(req, sizeof(req), "POST /v1/%s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    int len = snprintf(req, sizeof(req), "POST /v1/%s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                        "Content-Length: %zu\r\n\r\n%s", flags & 8 ? "chat/completions" : "completions", strlen(body),
                        body);
+    FUZZ_ASSERT(send(fd, req, (size_t)len, MSG_NOSIGNAL) == len);
+    g_fd[g_n_fd++] = fd;
+}
+
+/* A chat body that stops right after its image (a 16x16 PNG): the router sends the image to the
+ * encoder as an early job while it waits for the rest, which never comes. */
+static void open_abandoned_body(void)
+{
+    static const char png[] = "iVBORw0KGgoAAAANSUhEUgAAABAAAAAQCAIAAACQkWg2AAAATElEQVR4nGP8//8/AymAiSTV5GhgwRS6Ky8PZys/fEjABm"
+                              "TVmFx0DZjSmIJMuCRw6aF9KFGgATMEsUox4ZLAJYjuJDRpTCMYB1/iAwBQURsb8oJojgAAAABJRU5ErkJggg==";
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    FUZZ_ASSERT(fd >= 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)prism_http_server_port(g_r.http))};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    FUZZ_ASSERT(connect(fd, (struct sockaddr *)&a, sizeof(a)) == 0);
+    char req[1024];
+    int len = snprintf(req, sizeof(req), "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
+                       "application/json\r\nContent-Length: 4096\r\n\r\n{\"messages\":[{\"role\":\"user\",\"content\":"
+                       "[{\"type\":\"image_url\",\"image_url\":{\"url\":\"data:image/png;base64,%s\"}}", png);
     FUZZ_ASSERT(send(fd, req, (size_t)len, MSG_NOSIGNAL) == len);
     g_fd[g_n_fd++] = fd;
 }
@@ -183,6 +204,16 @@ static void init(void)
     FUZZ_ASSERT(router_count_workers(&g_r, PRISM__ROLE__ROLE_PREFILL) == 1);
 }
 
+/* Whether a registered worker has something in flight or image bytes queued (the router's view). */
+static bool workers_busy(void)
+{
+    for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
+        const router_worker_t *w = &g_r.workers[i];
+        if (w->used && (w->inflight || w->queued_bytes)) return true;
+    }
+    return false;
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     static bool ready_once;
@@ -198,6 +229,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     int n_clients = flags & 3;
     for (int i = 0; i < n_clients; i++) open_client(flags, i);
     wait_dispatched(n_clients);
+    if (flags & 128) {
+        int before = g_n_rids;
+        open_abandoned_body();
+        wait_dispatched(before + 1);   /* its early job's Encode (its id learnt like a request's) */
+    }
     while (size >= 3) {
         int k = data[0] % N_WORKERS;
         size_t len = (size_t)data[1] | (size_t)data[2] << 8;
@@ -227,7 +263,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     g_n_fd = 0;
     double t0 = prism_now_s();
-    while (g_r.n_reqs && prism_now_s() - t0 < 5) {   /* immediate on an idle machine; slack for a loaded one */
+    while ((g_r.n_reqs || workers_busy()) && prism_now_s() - t0 < 5) {   /* immediate on an idle machine; slack for a loaded one */
         pump(1);
         usleep(100);
     }
@@ -235,10 +271,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         fprintf(stderr, "router: %d requests dispatched, %zu left after the clients hung up, %llu control messages "
                 "refused\n", g_n_rids, g_r.n_reqs, (unsigned long long)g_r.ctl_refused);
     FUZZ_ASSERT(g_r.n_reqs == 0);
-    for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
-        const router_worker_t *w = &g_r.workers[i];
-        if (w->used) FUZZ_ASSERT(w->inflight == 0 && w->queued_bytes == 0);
-    }
+    FUZZ_ASSERT(!workers_busy());
     /* The next input starts from the same registry. */
     g_acks = 0;
     for (int k = 0; k < N_WORKERS; k++) register_worker(k);

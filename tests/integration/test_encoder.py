@@ -273,7 +273,152 @@ def test_early_job_of_a_hung_encoder_is_let_go():
         assert c.metric("prism:router_early_encodes_total") == 0
 
 
+def early_images(n, size=256, first=0):
+    """n distinct photo-like JPEGs (distinct bytes: distinct cache keys), seeds first.. first + n - 1."""
+    return [make_image(os.path.join(TMP, "early%d_%d.jpg" % (size, first + i)), width=size, height=size, photo=True,
+                       seed=1000 + first + i) for i in range(n)]
+
+
+def cut_body(images, **kw):
+    """A chat body with these images, and the offset just past the last image's data URL."""
+    body = chat_body("What is this?", images, max_tokens=1, temperature=0, **kw)
+    raw = json.dumps(body).encode()
+    url = body["messages"][0]["content"][len(images) - 1]["image_url"]["url"].encode()
+    return raw, raw.index(url) + len(url) + 1
+
+
+def send_part(c, raw, upto):
+    s = socket.create_connection(("127.0.0.1", c.port), timeout=60)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(raw) + raw[:upto])
+    return s
+
+
+def encoder_inflight(c):
+    st, _, data = c.request("GET", "/status")
+    return [w["inflight"] for w in json.loads(data)["workers"] if w["tier"] == "encoder"][0]
+
+
+def test_early_jobs_of_bodies_that_never_become_requests_are_aborted():
+    """Issue 26 finding 5: early encodes ran for bodies that never became requests, and nothing
+    aborted them when the client hung up (8 abandoned bodies cost 16 encodes). Now a body whose
+    client leaves, whose request is refused (by the router or by the HTTP server), aborts its early
+    jobs at once: the encoder's slots come back without waiting for --stage-timeout. One connection
+    holds at most 4 unanswered early jobs (its further images wait for their request)."""
+    imgs = early_images(15)   # each used once: an image sent to the encoder lately goes there no more
+    with Cluster(router_args=["--worker-timeout", "60", "--stage-timeout", "60"],
+                 worker_args={"encoder_worker": HB}) as c:
+        c.wait_ready()
+        enc = c.procs["encoder-0"]
+        enc.send_signal(signal.SIGSTOP)   # nothing is answered: only an abort frees the slots
+        try:
+            early = lambda: c.metric("prism:router_early_encodes_total")
+            gone = lambda: c.metric("prism:router_early_encodes_abandoned_total")
+            # the client hangs up after two images
+            raw, cut = cut_body(imgs[:2])
+            s = send_part(c, raw, cut)
+            wait_for("two early encodes", lambda: early() == 2 and encoder_inflight(c) == 2)
+            s.close()
+            wait_for("their slots back after the hang-up", lambda: encoder_inflight(c) == 0, 10)
+            assert gone() == 2
+            # the router refuses the request (an unknown model) once its body is in
+            raw, _ = cut_body(imgs[2:4], model="no-such-model")
+            status, _, data = c.request("POST", "/v1/chat/completions", raw)
+            assert status == 404, data
+            wait_for("the refused request's early jobs aborted", lambda: gone() == 4 and encoder_inflight(c) == 0, 10)
+            assert early() == 4
+            # the HTTP server refuses the body (a third image's bad base64) after two were told
+            bad = chat_body("What is this?", imgs[4:6], max_tokens=1)
+            bad["messages"][0]["content"].insert(2, {"type": "image_url",
+                                                     "image_url": {"url": "data:image/jpeg;base64,QU!D"}})
+            status, _, data = c.request("POST", "/v1/chat/completions", bad)
+            assert status == 400 and b"base64" in data, data
+            assert early() > 4   # the images before the refused one (told as they passed)
+            wait_for("the refused body's early jobs aborted", lambda: gone() == early() and encoder_inflight(c) == 0, 10)
+            sent = early()
+            # one connection: four unanswered early jobs at most; another connection has its own share
+            raw, cut = cut_body(imgs[6:12])
+            s1 = send_part(c, raw, cut)
+            raw2, cut2 = cut_body(imgs[12:14])
+            wait_for("the first connection's share", lambda: early() == sent + 4)
+            s2 = send_part(c, raw2, cut2)
+            wait_for("the second connection's", lambda: early() == sent + 6)
+            time.sleep(0.3)
+            assert early() == sent + 6 and encoder_inflight(c) == 6, (early() - sent, encoder_inflight(c))
+            s1.close()
+            s2.close()
+            wait_for("every slot back", lambda: encoder_inflight(c) == 0, 10)
+            assert gone() == early()
+        finally:
+            enc.send_signal(signal.SIGCONT)
+        body = chat_body("What is this?", imgs[14:15], max_tokens=2, temperature=0)
+        status, r = c.post_json("/v1/chat/completions", body)
+        assert status == 200, r
+
+
+def test_requests_come_before_early_jobs():
+    """Issue 26 finding 5: a real request waited 28 s behind early jobs of abandoned bodies. Now
+    (1) a request that finds every encoder slot held takes one from a running early job (the router
+    aborts it: prism:router_early_encodes_preempted_total) instead of waiting in the router's queue,
+    and (2) an encoder runs a request's image before any early job queued ahead of it."""
+    imgs = early_images(4, first=100)
+    mine = early_images(1, first=200)
+    with Cluster(router_args=["--worker-timeout", "60", "--stage-timeout", "60"],
+                 worker_args={"encoder_worker": HB + ["--max-queued-images", "4", "--max-batch-images", "4"]}) as c:
+        c.wait_ready()
+        enc = c.procs["encoder-0"]
+        enc.send_signal(signal.SIGSTOP)
+        try:
+            raw, cut = cut_body(imgs)
+            s = send_part(c, raw, cut)
+            wait_for("four early jobs filling the encoder", lambda: encoder_inflight(c) == 4)
+            with concurrent.futures.ThreadPoolExecutor(1) as ex:
+                fut = ex.submit(c.post_json, "/v1/chat/completions", chat_body("Hi", mine, max_tokens=1))
+                wait_for("the request sent to the encoder, not queued",
+                         lambda: c.metric("prism:router_early_encodes_preempted_total") == 1, 20)
+                st, _, data = c.request("GET", "/status")
+                assert json.loads(data)["requests_queued"] == 0 and encoder_inflight(c) == 4
+                enc.send_signal(signal.SIGCONT)
+                status, r = fut.result(60)
+            assert status == 200, r
+            s.close()
+        finally:
+            enc.send_signal(signal.SIGCONT)
+    # (2) sixteen early jobs queued on the encoder, then a request: its image is encoded first
+    imgs = early_images(16, size=1024, first=300)
+    with Cluster(router_args=["--worker-timeout", "60", "--stage-timeout", "60"],
+                 worker_args={"encoder_worker": HB + ["--max-batch-images", "1"]}) as c:
+        c.wait_ready()
+        enc = c.procs["encoder-0"]
+        enc.send_signal(signal.SIGSTOP)
+        socks = []
+        try:
+            for k in range(4):
+                raw, cut = cut_body(imgs[4 * k:4 * k + 4])
+                socks.append(send_part(c, raw, cut))
+            wait_for("sixteen early jobs", lambda: encoder_inflight(c) == 16)
+            with concurrent.futures.ThreadPoolExecutor(1) as ex:
+                fut = ex.submit(c.post_json, "/v1/chat/completions", chat_body("Hi", mine, max_tokens=1))
+                wait_for("the request sent to the encoder", lambda: encoder_inflight(c) == 17)
+                t0 = time.time()
+                enc.send_signal(signal.SIGCONT)
+                status, r = fut.result(60)
+                took, left = time.time() - t0, encoder_inflight(c)
+            assert status == 200, r
+            wait_for("the early jobs done", lambda: encoder_inflight(c) == 0, 60)
+            all_s = time.time() - t0
+            print("  a request behind 16 early jobs answered in %.2f s, %d early jobs still to encode (all done "
+                  "in %.2f s)" % (took, left, all_s))
+            assert left >= 4, "the request's image waited for %d early jobs" % (16 - left)
+        finally:
+            enc.send_signal(signal.SIGCONT)
+            for s in socks:
+                s.close()
+
+
 if __name__ == "__main__":
     sys.exit(run_tests([test_no_heap_allocations_for_any_image_kind, test_streaming_decode_memory,
                         test_cache_hit_keeps_its_own_embeddings, test_image_encoded_before_the_body_ends,
-                        test_early_job_of_a_hung_encoder_is_let_go]))
+                        test_early_job_of_a_hung_encoder_is_let_go,
+                        test_early_jobs_of_bodies_that_never_become_requests_are_aborted,
+                        test_requests_come_before_early_jobs]))

@@ -1278,10 +1278,13 @@ static size_t g_done_len[8];
 static int g_done_index[8];
 static uint8_t g_done_first[8];
 
+static _Atomic uint64_t g_done_req, g_gone_req;   /* prism_http_req_id of the last told / gone body */
+static atomic_int g_gone_n;
+
 static void image_done(const prism_http_req_t *r, int index, const uint8_t *data, size_t len, void *ud)
 {
-    (void)r;
     (void)ud;
+    atomic_store(&g_done_req, prism_http_req_id(r));
     int k = atomic_load(&g_done_n);
     if (k < 8) {
         g_done_len[k] = len;
@@ -1291,6 +1294,15 @@ static void image_done(const prism_http_req_t *r, int index, const uint8_t *data
     atomic_store(&g_done_n, k + 1);
 }
 
+/* body_gone: a body told of its images that never reaches the handler (issue 26 finding 5: the
+ * caller's early encodes stop). */
+static void body_gone(const prism_http_req_t *r, void *ud)
+{
+    (void)ud;
+    atomic_store(&g_gone_req, prism_http_req_id(r));
+    atomic_fetch_add(&g_gone_n, 1);
+}
+
 static void test_image_done_told_once_before_the_body_ends(void **state)
 {
     (void)state;
@@ -1298,6 +1310,8 @@ static void test_image_done_told_once_before_the_body_ends(void **state)
     cfg.lift_data_urls = true;
     cfg.image_check = image_check;
     cfg.image_done = image_done;
+    cfg.body_gone = body_gone;
+    atomic_store(&g_gone_n, 0);
     harness_t *h = harness_start(&cfg);
     client_t c;
     resp_t r;
@@ -1331,6 +1345,36 @@ static void test_image_done_told_once_before_the_body_ends(void **state)
     resp_free(&r);
     client_close(&c);
     assert_int_equal(atomic_load(&g_done_n), 2);
+    /* refused by the server after two images were told: gone, once, under the id they were told with */
+    for (int i = 0; i < 2000 && atomic_load(&g_gone_n) < 1; i++) usleep(1000);
+    assert_int_equal(atomic_load(&g_gone_n), 1);
+    assert_true(atomic_load(&g_gone_req) == atomic_load(&g_done_req) && atomic_load(&g_gone_req) != 0);
+    uint64_t first = atomic_load(&g_done_req);
+
+    /* the client hangs up after two images: gone; a body told of them that reaches the handler: not */
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "POST /lifted HTTP/1.1\r\nContent-Length: %zu\r\n\r\n", body.len);
+    assert_int_equal(client_send(&c, body.data, after_two), 0);
+    for (int i = 0; i < 5000 && atomic_load(&g_done_n) < 4; i++) usleep(1000);
+    assert_int_equal(atomic_load(&g_done_n), 4);
+    assert_true(atomic_load(&g_done_req) > first);
+    client_close(&c);
+    for (int i = 0; i < 2000 && atomic_load(&g_gone_n) < 2; i++) usleep(1000);
+    assert_int_equal(atomic_load(&g_gone_n), 2);
+    assert_true(atomic_load(&g_gone_req) == atomic_load(&g_done_req));
+    prism_buf_t good = {0};
+    image_body(&good, "AAAA", 100);
+    assert_int_equal(client_connect(&c, h->port), 0);
+    client_sendf(&c, "POST /lifted HTTP/1.1\r\nContent-Length: %zu\r\n\r\n%s", good.len, good.data);
+    assert_int_equal(client_read_response(&c, &r, false), 0);
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
+    client_close(&c);
+    prism_buf_free(&good);
+    assert_int_equal(atomic_load(&g_done_n), 5);
+    usleep(50000);
+    assert_int_equal(atomic_load(&g_gone_n), 2);
+    atomic_store(&g_done_n, 2);
 
     /* a refused image ("XXX...") is never told; nor is one whose body never ends */
     body.len = 0;
@@ -1349,6 +1393,8 @@ static void test_image_done_told_once_before_the_body_ends(void **state)
     assert_true(client_quiet(&c, 200));
     client_close(&c);
     assert_int_equal(atomic_load(&g_done_n), 2);
+    usleep(50000);
+    assert_int_equal(atomic_load(&g_gone_n), 2);   /* nothing told of them: nothing to hear */
     prism_buf_free(&body);
     for (int i = 0; i < 2000 && prism_http_server_body_bytes(h->srv) > 0; i++) usleep(1000);
     assert_int_equal(prism_http_server_body_bytes(h->srv), 0);
