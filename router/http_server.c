@@ -86,7 +86,9 @@ struct conn {
     size_t hdr_bytes;
     size_t ext_bytes;        /* chunk extensions of the current request */
     uint64_t t_req_start;    /* loop time (ms) of the current request's first byte */
-    uint64_t t_headers;      /* loop time its headers completed */
+    uint64_t t_rate;         /* loop time the body's rate window began: its headers, or the end of its
+                              * last pause (see conn_arm_timer) */
+    size_t raw_rate;         /* body bytes received before that */
     bool headers_done;
     int fail_status;
     char fail_msg[256];      /* message for fail_status when set (on_headers refusals, chunk extensions) */
@@ -527,7 +529,12 @@ static void conn_break(conn_t *c)
 
 /* Deadline of what the connection is waiting for: the next request (idle keep-alive), the headers
  * of the current one, or its body at the minimum rate. Each body byte moves the body deadline by
- * 1/min_body_rate seconds, never more, so a trickle falls behind and times out. */
+ * 1/min_body_rate seconds, never more, so a trickle falls behind and times out. The body is judged
+ * from the start of its rate window: its headers, or the end of its last pause. A pause is the
+ * router's doing, not the client's, and so is what follows it: while we did not read, the client's
+ * TCP saw a closed window and backs off its probes (seconds, growing with the pause), so after a
+ * pause the client gets the grace again before its rate counts. A paused body has its own deadline
+ * (max_pause_s). */
 static void conn_arm_timer(conn_t *c)
 {
     if (c->closing || c->handles_closed || c->discard || c->broken) return;
@@ -540,7 +547,8 @@ static void conn_arm_timer(conn_t *c)
     else if (!c->headers_done)
         due = c->t_req_start + (uint64_t)(cfg->header_timeout_s * 1000.0);
     else
-        due = c->t_headers + (uint64_t)(cfg->body_grace_s * 1000.0) + (uint64_t)r->body_raw * 1000u / cfg->min_body_rate;
+        due = c->t_rate + (uint64_t)(cfg->body_grace_s * 1000.0) +
+              (uint64_t)(r->body_raw - c->raw_rate) * 1000u / cfg->min_body_rate;
     uv_timer_start(&c->timer, on_timer, due > now ? due - now : 0, 0);
 }
 
@@ -1092,7 +1100,8 @@ static int on_headers_complete(llhttp_t *p)
     }
     bool has_cl = (p->flags & F_CONTENT_LENGTH) != 0;
     c->headers_done = true;
-    c->t_headers = uv_now(c->srv->loop);
+    c->t_rate = uv_now(c->srv->loop);
+    c->raw_rate = 0;
     if (has_cl && p->content_length > cfg->max_body_bytes) {
         c->fail_status = 413;
         return -1;
@@ -1410,9 +1419,11 @@ static void conn_update_reading(conn_t *c)
             c->paused = true;
             c->t_paused = uv_now(c->srv->loop);
         } else if (!wait && c->paused) {
-            /* time spent paused does not count against the body's minimum rate */
+            /* the pause and the client's way back from it do not count against the body's
+             * minimum rate: a new rate window (conn_arm_timer) */
             c->paused = false;
-            c->t_headers += uv_now(c->srv->loop) - c->t_paused;
+            c->t_rate = uv_now(c->srv->loop);
+            c->raw_rate = c->req ? c->req->body_raw : 0;
         }
         if (wait) want = false;
     }

@@ -97,7 +97,9 @@ typedef struct {
     double idle_timeout_s;     /* keep-alive idle timeout between requests; 0 = 60 s */
     double header_timeout_s;   /* request line + headers within this of the first byte; 0 = 30 s; else 408 */
     size_t min_body_rate;      /* bytes/s a body must average once body_grace_s have passed since its
-                                * headers; 0 = 8 KiB/s; else 408 */
+                                * headers, or since the end of its last pause (the time the server did
+                                * not read, and the client's way back, are not the client's); 0 = 8 KiB/s;
+                                * else 408 */
     double body_grace_s;       /* 0 = 10 s */
     size_t max_pipeline_bytes; /* bytes buffered from a client while its request is in flight;
                                 * 0 = max_header_bytes + 64 KiB. Beyond: stop reading (backpressure).

@@ -8,6 +8,7 @@ and normal service once the cause is gone.
   --max-image-bytes-in-flight    an image upload beyond it waits (reading paused); text requests go on;
                                  503 after --max-queue-wait
   --max-body-bytes-in-flight     a body beyond it waits (reading paused); 503 after --max-queue-wait
+  --http-min-body-rate           uploads the router paused longer than the grace are not 408s
   --max-queue-wait               503 for a request that waited that long for a free worker
   --request-timeout              a request still running then ends (SSE error when streaming), and
                                  the decode worker is told to stop
@@ -223,6 +224,70 @@ def test_body_bytes_in_flight_pause():
         assert status == 200, (status, data[:200])
 
 
+def test_paused_uploads_are_not_slow_clients():
+    """A burst of image uploads that the router pauses longer than the body-rate grace (10 s) is
+    answered 200, never 408: the time the router does not read, and the client's way back after it
+    (a TCP sender whose window was closed for seconds probes it again only after a back-off), are
+    not the client's slowness. Each client here lags 5 s before its image starts (inside the grace),
+    is paused ~12 s (the image bytes are held by a stopped request), and comes back 7 s after the
+    router resumes reading: the router judged the body from its headers with the pause taken out,
+    so the 5 s + 7 s counted against a 10 s grace (408); a pause now starts a new grace."""
+    size = os.path.getsize(JPG)
+    n, lag_s, pause_s, back_s = 6, 5.0, 12.0, 7.0
+    with Cluster(decodes=2, router_args=["--max-image-bytes-in-flight", str(size), "--max-queue-wait", "100",
+                                         "--http-min-body-rate", "1M", "--worker-timeout", "100"],
+                 common_worker_args=FAST_HB) as c:
+        c.wait_ready()
+        body = json.dumps(chat_body("What is in the image?", [JPG], max_tokens=2, temperature=0)).encode()
+        head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body))
+        at = body.index(b'{"type": "image_url"')       # chat_body: the image parts come first
+        cut = body.index(b"base64,") + 200             # into the image: the lifter has seen it
+        resumed = threading.Event()
+        out = [None] * n
+
+        def client(i):
+            s = socket.create_connection(("127.0.0.1", c.port), timeout=120)
+            try:
+                s.sendall(head + body[:at])
+                time.sleep(lag_s)                      # slow, but inside the grace
+                s.sendall(body[at:cut])                # the image starts: paused (its bytes are held)
+                resumed.wait(120)
+                time.sleep(back_s)                     # back after the pause, later than the grace left
+                s.sendall(body[cut:])
+                resp = b""
+                while b"\r\n\r\n" not in resp:
+                    d = s.recv(65536)
+                    if not d:
+                        break
+                    resp += d
+                out[i] = resp[:200]
+            except OSError as e:                       # a 408 closes the connection under the upload
+                out[i] = b"connection: %r" % e
+            finally:
+                s.close()
+
+        s, frozen = hold_image_frozen(c)
+        try:
+            paused0 = c.metric("prism:router_uploads_paused_total")
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+            t0 = time.time()
+            for t in threads:
+                t.start()
+            wait_for(lambda: c.metric("prism:router_uploads_paused_total") >= paused0 + n, 30, "every upload paused")
+            time.sleep(max(0.0, t0 + lag_s + pause_s - time.time()))
+        finally:
+            frozen.send_signal(signal.SIGCONT)
+        s.close()
+        wait_for(lambda: c.metric("prism:router_image_bytes_in_flight") == 0, 30, "the held image released")
+        resumed.set()
+        for t in threads:
+            t.join(120)
+        statuses = [o[9:12] if o and o.startswith(b"HTTP/1.1") else o for o in out]
+        assert all(st == b"200" for st in statuses), statuses
+        assert (c.metric("prism:requests_refused_total", reason="body_bytes_inflight") or 0) == 0
+
+
 def test_max_queue_wait_503():
     with Cluster(router_args=["--max-queue-wait", "1"],
                  worker_args={"decode_worker": ["--max-running-requests", "1"]}) as c:
@@ -316,6 +381,7 @@ def test_orphan_embeddings_dropped():
 
 if __name__ == "__main__":
     sys.exit(run_tests([test_api_key, test_requests_in_flight_429, test_image_bytes_in_flight_wait,
-                        test_body_bytes_in_flight_pause, test_max_queue_wait_503,
+                        test_body_bytes_in_flight_pause, test_paused_uploads_are_not_slow_clients,
+                        test_max_queue_wait_503,
                         test_request_timeout_ends_stream_and_aborts, test_no_worker_of_a_tier_503,
                         test_orphan_embeddings_dropped]))
