@@ -8,6 +8,7 @@
 #include "core/cli.h"
 
 #include <libgen.h>
+#include <malloc.h>
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
@@ -400,6 +401,12 @@ static int start_io(router_t *r, const router_flags_t *f)
  * HTTP listener, signals. Returns -1 to go on, else the exit code. */
 static int router_open(router_t *r, int argc, char **argv)
 {
+    /* Request bodies and images (megabytes each) straight from mmap, and back to the kernel when
+     * freed: glibc's threshold would otherwise rise to their size at the first free and keep later
+     * ones in the heap, whose pages stay resident after a burst (measured: 329 MiB resident after a
+     * burst of 384 image uploads under 128 MiB of body and image budgets, 58 MiB with this), and
+     * the memory plan bounds what is held, not what the allocator keeps. */
+    mallopt(M_MMAP_THRESHOLD, 128 << 10);
     router_flags_t f;
     int rc = flags_parse(&f, argc, argv);
     if (rc >= 0 || (rc = api_key_load(&f)) >= 0) return rc;

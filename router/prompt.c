@@ -253,6 +253,10 @@ void router_prompt_take_images(router_prompt_t *p, prism_http_req_t *h)
         (void)rc;
         p->img_lift[i] = 0;
     }
+    /* Held once: the router's copy for a retry and the frames ZeroMQ sends are the same bytes.
+     * Without memory for the small record an image stays owned here and is sent as a copy. */
+    for (int i = 0; i < p->n_images; i++)   /* a fetched image is shared already (img_blob) */
+        if (p->img[i] && !p->img_ref[i] && !p->img_blob[i]) p->img_ref[i] = prism_shared_take(p->img[i], p->img_len[i]);
 }
 
 void router_prompt_release_inputs(prism_oai_request_t *o)
@@ -434,8 +438,10 @@ int router_prompt_finish(const router_t *r, router_prompt_t *p, const prism_oai_
 void router_prompt_drop_image(router_prompt_t *p, int i)
 {
     if (p->img_blob[i]) prism_fetch_blob_unref(p->img_blob[i]);   /* the fetcher's buffer: our reference */
+    else if (p->img_ref[i]) prism_shared_unref(p->img_ref[i]);     /* frames in flight keep theirs */
     else if (!p->img_lift[i]) prism_free(p->img[i]);              /* else still the lifter's */
     p->img_blob[i] = NULL;
+    p->img_ref[i] = NULL;
     p->img[i] = NULL;
 }
 
@@ -445,12 +451,21 @@ static void release_blob(void *data, void *hint)
     prism_fetch_blob_unref(hint);   /* atomic: ZeroMQ's I/O thread may drop the last reference */
 }
 
+static void release_shared(void *data, void *hint)
+{
+    (void)data;
+    prism_shared_unref(hint);       /* the same */
+}
+
 prism_frame_t router_prompt_image_frame(const router_prompt_t *p, int i)
 {
     prism_frame_t f = {p->img[i], p->img_len[i], NULL, NULL};
     if (p->img_blob[i]) {
         f.release = release_blob;
         f.hint = prism_fetch_blob_ref(p->img_blob[i]);
+    } else if (p->img_ref[i]) {
+        f.release = release_shared;
+        f.hint = prism_shared_ref(p->img_ref[i]);
     }
     return f;
 }

@@ -333,6 +333,8 @@ typedef struct {
                                              * request: fetched before router_prompt_release_inputs) */
     size_t img_url_len[ROUTER_MAX_IMAGES];
     int n_urls;                             /* images given by URL */
+    prism_shared_t *img_ref[ROUTER_MAX_IMAGES]; /* img[] as shared bytes once taken (not fetched): the Encode
+                                             * frames that carry it are references, not copies (NULL: owned) */
     uint64_t img_hash[ROUTER_MAX_IMAGES];
     int img_w[ROUTER_MAX_IMAGES], img_h[ROUTER_MAX_IMAGES];   /* from the header */
     uint32_t img_offset[ROUTER_MAX_IMAGES]; /* first token of each image's span, found while expanding */
@@ -373,6 +375,8 @@ int  router_image_check(const router_t *r, int idx, const char *mime, size_t mim
 int  router_prompt_load_images(const router_t *r, router_prompt_t *p, const prism_oai_request_t *o,
                                const prism_http_req_t *h, uint64_t *refused, char *msg, size_t n);
 void router_prompt_take_images(router_prompt_t *p, prism_http_req_t *h);
+/* Lets image i's bytes go (no retry or migration will send them again); frames in flight keep theirs. */
+void router_prompt_drop_image(router_prompt_t *p, int i);
 /* Renders + tokenizes (chat) or tokenizes (completions), expands image placeholders, checks the
  * length against the context: router_prompt_tokens (the text's tokens, and as many placeholders as
  * images) then router_prompt_finish (each placeholder expanded, which needs every image's header for

@@ -253,10 +253,10 @@ static bool send_encode(router_t *r, router_req_t *q, const plan_t *p, int i)
     m->env.type = PRISM__MSG_TYPE__MSG_ENCODE;
     m->env.prefill = NULL;
     m->env.encode = &m->encode;
-    /* the kept bytes: a retry on another encoder sends them again (and a migration: they are freed
-     * at the first token only when no migration may follow) */
+    /* the kept bytes, by reference: a retry on another encoder sends them again (and a migration:
+     * they are let go at the first token only when no migration may follow) */
     PRISM_ASSERT(q->prompt.img[i]);
-    prism_frame_t f = router_prompt_image_frame(&q->prompt, i);   /* a fetched image: by reference */
+    prism_frame_t f = router_prompt_image_frame(&q->prompt, i);   /* by reference: no copy */
     if (router_send(r, enc, &m->env, &f, 1) != PRISM_OK) {
         PRISM_WARN("request %llu: encoder %s unreachable; the request waits", (unsigned long long)q->rid, enc->id);
         return false;

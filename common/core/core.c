@@ -292,6 +292,40 @@ void prism_buf_free(prism_buf_t *b)
     b->len = b->cap = 0;
 }
 
+/* ---------------------------------------------------------------- shared bytes */
+
+struct prism_shared {
+    atomic_int refs;
+    size_t len;
+    void *data;
+};
+
+prism_shared_t *prism_shared_take(void *data, size_t len)
+{
+    prism_shared_t *s = prism_malloc(sizeof *s);
+    if (!s) return NULL;
+    atomic_init(&s->refs, 1);
+    s->len = len;
+    s->data = data;
+    return s;
+}
+
+prism_shared_t *prism_shared_ref(prism_shared_t *s)
+{
+    atomic_fetch_add_explicit(&s->refs, 1, memory_order_relaxed);
+    return s;
+}
+
+void prism_shared_unref(prism_shared_t *s)
+{
+    if (!s || atomic_fetch_sub_explicit(&s->refs, 1, memory_order_acq_rel) != 1) return;
+    prism_free(s->data);
+    prism_free(s);
+}
+
+const uint8_t *prism_shared_data(const prism_shared_t *s) { return s->data; }
+size_t prism_shared_len(const prism_shared_t *s) { return s->len; }
+
 /* ---------------------------------------------------------------- time, files */
 
 uint64_t prism_now_ns(void)

@@ -111,6 +111,19 @@ int  prism_buf_append_str(prism_buf_t *b, const char *s);
 void prism_buf_reset(prism_buf_t *b);
 void prism_buf_free(prism_buf_t *b);
 
+/* ---- shared bytes: one buffer, several holders (any thread) ----
+ * A prism_malloc'd buffer with a reference count: the router's copy of an image and the ZeroMQ
+ * frames that carry it are the same bytes (net.h prism_frame_t.shared), freed when the last holder
+ * lets go, from whichever thread that is. The bytes never change once shared. */
+typedef struct prism_shared prism_shared_t;
+/* Takes data[0..len) over (one reference, the caller's); NULL when the small record cannot be
+ * allocated, and then data is still the caller's. */
+prism_shared_t *prism_shared_take(void *data, size_t len);
+prism_shared_t *prism_shared_ref(prism_shared_t *s);
+void prism_shared_unref(prism_shared_t *s);   /* NULL: nothing */
+const uint8_t *prism_shared_data(const prism_shared_t *s);
+size_t prism_shared_len(const prism_shared_t *s);
+
 /* ---- time, files, misc ---- */
 PRISM_API uint64_t prism_now_ns(void);   /* monotonic */
 PRISM_API double   prism_now_s(void);    /* monotonic, seconds */

@@ -160,6 +160,44 @@ static void test_send_by_reference(void **state)
     prism_free(pf.token_ids);
 }
 
+/* Shared bytes sent by reference (prism_shared_t, release = unref): twice here, and freed only once
+ * the holder and both frames have let go, whoever is last. */
+static void unref_hint(void *data, void *hint)
+{
+    (void)data;
+    prism_shared_unref(hint);
+}
+
+static void test_send_shared_by_reference(void **state)
+{
+    pair_t *p = *state;
+    size_t base = prism_mem_used();
+    size_t n = 4 << 20;
+    uint8_t *img = prism_malloc(n);
+    for (size_t i = 0; i < n; i++) img[i] = (uint8_t)(i * 7);
+    prism_shared_t *sh = prism_shared_take(img, n);
+    assert_non_null(sh);
+    Prism__Envelope env = PRISM__ENVELOPE__INIT;
+    env.type = PRISM__MSG_TYPE__MSG_ENCODE;
+    for (int k = 0; k < 2; k++) {
+        prism_frame_t f = {img, n, unref_hint, prism_shared_ref(sh)};
+        assert_int_equal(prism_msg_send(p->dealer, NULL, 0, &env, &f, 1, 0), PRISM_OK);
+    }
+    prism_shared_unref(sh);                           /* the holder lets go first: the frames keep it */
+    assert_true(prism_mem_used() >= base + n);        /* (a copy would have let it go here) */
+    for (int k = 0; k < 2; k++) {
+        prism_msg_t m;
+        assert_int_equal(prism_msg_recv(p->router, true, &m, 0), PRISM_OK);
+        size_t len;
+        const uint8_t *got = prism_msg_frame(&m, 0, &len);
+        assert_int_equal(len, n);
+        for (size_t i = 0; i < n; i += 4099) assert_int_equal(got[i], (uint8_t)(i * 7));
+        prism_msg_close(&m);
+    }
+    for (int i = 0; i < 5000 && prism_mem_used() > base + 65536; i++) usleep(1000);
+    assert_true(prism_mem_used() <= base + 65536);
+}
+
 static void test_corrupt_messages_dropped(void **state)
 {
     pair_t *p = *state;
@@ -219,6 +257,7 @@ int main(void)
         cmocka_unit_test(test_roundtrip_with_frames),
         cmocka_unit_test(test_send_take_frees),
         cmocka_unit_test(test_send_by_reference),
+        cmocka_unit_test(test_send_shared_by_reference),
         cmocka_unit_test(test_corrupt_messages_dropped),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
