@@ -332,6 +332,28 @@ static void metrics_requests(const router_t *r, prism_buf_t *b)
                        "as usual).", lbl, (double)m->early_encodes_failed);
 }
 
+/* The memory plan (plan.h), its budget, and what the process holds against it. */
+static void metrics_plan(const router_t *r, prism_buf_t *b)
+{
+    char lbl[64];
+    size_t rss, hwm;
+    router_mem_resident(&rss, &hwm);
+    prism_metric_write(b, "prism:router_memory_budget_bytes", "gauge", "The router's --mem-budget (0 = none).", "",
+                       (double)r->plan.budget);
+    prism_buf_appendf(b, "# HELP prism:router_memory_plan_bytes The router's memory plan by region (start-up, "
+                         "bounds from its flags or its budget).\n# TYPE prism:router_memory_plan_bytes gauge\n");
+    for (int i = 0; i < ROUTER_ROW_COUNT; i++) {
+        snprintf(lbl, sizeof lbl, "region=\"%s\"", router_plan_row_name((router_row_t)i));
+        prism_metric_write(b, "prism:router_memory_plan_bytes", "gauge", NULL, lbl, (double)r->plan.bytes[i]);
+    }
+    prism_metric_write(b, "prism:router_memory_planned_bytes", "gauge", "The router's memory plan total.", "",
+                       (double)r->plan.total);
+    prism_metric_write(b, "prism:router_memory_resident_bytes", "gauge", "The router's resident set (VmRSS).", "",
+                       (double)rss);
+    prism_metric_write(b, "prism:router_memory_resident_peak_bytes", "gauge",
+                       "The router's peak resident set since start (VmHWM).", "", (double)hwm);
+}
+
 /* The router's refusals and what it holds. */
 static void metrics_router(const router_t *r, prism_buf_t *b)
 {
@@ -355,6 +377,7 @@ static void metrics_router(const router_t *r, prism_buf_t *b)
                        "or requests queued for a worker) instead of refusing them.", "",
                        (double)prism_http_server_pauses(r->http));
     prism_metric_write(b, "prism:router_memory_bytes", "gauge", "Router heap bytes in use.", "", (double)prism_mem_used());
+    metrics_plan(r, b);
     prism_metric_write(b, "prism:router_peer_auth_failures_total", "counter",
                        "Peers the router's control socket refused at the CURVE handshake.", "",
                        (double)prism_net_refused(r->net));

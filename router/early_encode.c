@@ -18,7 +18,8 @@
  *
  * Early jobs take encoder slots and queued bytes as requests do, only when no request waits in the
  * router's queue and an encoder with a cache has room (they never overtake a request), only for the
- * first --limit-mm-per-prompt images of a body, at most ROUTER_MAX_EARLY at once; one the encoder
+ * first --limit-mm-per-prompt images of a body, at most ROUTER_MAX_EARLY and --max-early-encode-bytes
+ * of image bytes at once (their copies are the memory plan's "early encodes"); one the encoder
  * has not answered within --stage-timeout is aborted and forgotten.
  *
  * Work for a body that may never become a request is kept small (issue 26 finding 5: abandoned
@@ -52,6 +53,17 @@ static void early_release(router_t *r, router_early_t *e)
     }
     e->done = true;
     r->queue_dirty = true;   /* a slot freed: a queued request may go */
+}
+
+/* Image bytes of the jobs not answered yet: each went to ZeroMQ as a copy of the body's bytes (the
+ * request's own Encode shares its bytes; these cannot, the body still owns them), so they are a
+ * row of the memory plan of their own (--max-early-encode-bytes). */
+static size_t early_held(const router_t *r)
+{
+    size_t n = 0;
+    for (int i = 0; i < ROUTER_MAX_EARLY; i++)
+        if (r->early[i].rid && !r->early[i].done) n += r->early[i].bytes;
+    return n;
 }
 
 /* The job's encoder drops it (best effort), and its slot and bytes come back at once. */
@@ -89,7 +101,7 @@ void router_early_send(router_t *r, const prism_http_req_t *h, int index, const 
         if (!x->rid && (!e || e->rid)) e = x;
         else if (x->rid && x->done && (!e || (e->rid && x->t_sent < e->t_sent))) e = x;
     }
-    if (!e || running >= ROUTER_EARLY_PER_CONN) return;
+    if (!e || running >= ROUTER_EARLY_PER_CONN || early_held(r) + len > r->max_early_bytes) return;
     uint64_t hash = XXH3_64bits_withSecret(data, len, r->img_secret, sizeof(r->img_secret));
     bool any;
     router_worker_t *w = router_pick_slots(r, PRISM__ROLE__ROLE_ENCODER, hash, 1, len, &any);

@@ -272,6 +272,7 @@ void prism_http_req_drop_body(prism_http_req_t *r)
 }
 
 bool prism_http_req_has_images(const prism_http_req_t *r) { return r->lift && r->lift->n > 0; }
+size_t prism_http_req_image_bytes(const prism_http_req_t *r) { return r->lift ? prism_lift_held(r->lift) : 0; }
 
 int prism_http_req_take_image(prism_http_req_t *r, int i, uint8_t **data, size_t *len, const char **mime, bool *bad)
 {
@@ -386,7 +387,7 @@ static void on_resume_timer(uv_timer_t *t)
     prism_http_server_t *s = t->data;
     if (s->stopping) return;
     size_t room = s->body_bytes < s->cfg.max_body_bytes_total ? s->cfg.max_body_bytes_total - s->body_bytes : 0;
-    size_t n = room / HTTP_READ_CHUNK + 1;
+    size_t n = room / s->cfg.read_bytes + 1;
     conn_t *next;
     for (conn_t *c = s->bodies; c && n; c = next) {
         next = c->bnext;
@@ -1370,7 +1371,7 @@ static void conn_process(conn_t *c)
         c->inbuf.len = rest;
         c->in_off = 0;
     }
-    if (c->inbuf.len == 0 && c->inbuf.cap > 4 * HTTP_READ_CHUNK) prism_buf_free(&c->inbuf);
+    if (c->inbuf.len == 0) prism_buf_free(&c->inbuf);   /* an idle connection holds no buffer */
     c->in_process = false;
     conn_update_reading(c);
 }
@@ -1379,7 +1380,7 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
 {
     (void)suggested;
     conn_t *c = h->data;
-    *buf = uv_buf_init(c->srv->scratch, sizeof c->srv->scratch);
+    *buf = uv_buf_init(c->srv->scratch, (unsigned)c->srv->cfg.read_bytes);
 }
 
 static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
@@ -1457,6 +1458,18 @@ prism_http_config_t prism_http_config_default(void)
     return c;
 }
 
+size_t prism_http_conn_bytes(const prism_http_config_t *cfg_in)
+{
+    prism_http_config_t def = prism_http_config_default(), c = *cfg_in;
+    if (!c.max_header_bytes) c.max_header_bytes = def.max_header_bytes;
+    if (!c.max_pipeline_bytes) c.max_pipeline_bytes = c.max_header_bytes + HTTP_READ_CHUNK;
+    if (!c.read_bytes || c.read_bytes > HTTP_READ_CHUNK) c.read_bytes = HTTP_READ_CHUNK;
+    /* the request line and headers are copied as they are parsed (buffers growing by doubling);
+     * unparsed bytes wait in inbuf: less than max_pipeline_bytes, plus one read */
+    return sizeof(conn_t) + sizeof(prism_http_req_t) + sizeof(prism_lift_t) + HTTP_MAX_HEADERS * sizeof(hdr_ent_t) +
+           2 * c.max_header_bytes + 2 * (c.max_pipeline_bytes + c.read_bytes);
+}
+
 static void on_listener_closed(uv_handle_t *h);
 static void on_resume_closed(uv_handle_t *h);
 
@@ -1529,6 +1542,7 @@ int prism_http_server_start(uv_loop_t *loop, const prism_http_config_t *cfg_in, 
     if (!(s->cfg.write_grace_s > 0)) s->cfg.write_grace_s = def.write_grace_s;
     if (!s->cfg.min_write_rate) s->cfg.min_write_rate = def.min_write_rate;
     if (!s->cfg.max_pipeline_bytes) s->cfg.max_pipeline_bytes = s->cfg.max_header_bytes + HTTP_READ_CHUNK;
+    if (!s->cfg.read_bytes || s->cfg.read_bytes > HTTP_READ_CHUNK) s->cfg.read_bytes = HTTP_READ_CHUNK;
 
     llhttp_settings_init(&s->settings);
     s->settings.on_message_begin = on_message_begin;

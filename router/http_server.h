@@ -105,6 +105,7 @@ typedef struct {
                                 * 0 = max_header_bytes + 64 KiB. Beyond: stop reading (backpressure).
                                 * Also the unsent answer bytes past which the next pipelined request
                                 * waits (a client that sends requests but never reads) */
+    size_t read_bytes;         /* the most one read takes from a socket; 0 = 64 KiB (at most that) */
     /* Unsent answer bytes (any answer, streamed or not, the connection closing or not): after
      * write_grace_s (0 = 10 s) the client must take them at min_write_rate (0 = 32 KiB/s) on average,
      * or the connection closes, freeing them (a client that sent Connection: close and never read
@@ -164,6 +165,10 @@ prism_http_config_t prism_http_config_default(void);
 bool prism_http_host_is_loopback(const char *host);
 /* The names a loopback server allows by default (with its bind address). */
 #define PRISM_HTTP_LOOPBACK_HOSTS "localhost,127.0.0.1,::1"
+/* The most one open connection holds (its structures, a request's headers, read and pipelined
+ * bytes not parsed yet; a body's bytes are counted in max_body_bytes_total), under cfg's bounds:
+ * what a memory plan counts per connection. */
+size_t prism_http_conn_bytes(const prism_http_config_t *cfg);
 
 /* Binds and listens; fails with PRISM_EIO when the address cannot be bound. */
 int  prism_http_server_start(uv_loop_t *loop, const prism_http_config_t *cfg, prism_http_handler_fn fn,
@@ -209,6 +214,8 @@ const char *prism_http_req_body(const prism_http_req_t *r, size_t *len);
 void prism_http_req_drop_body(prism_http_req_t *r);
 /* The body has carried a lifted image data URL so far (its bytes, whole or in part, are held). */
 bool prism_http_req_has_images(const prism_http_req_t *r);
+/* Bytes its lifted images hold that were not taken (their buffers' capacity). */
+size_t prism_http_req_image_bytes(const prism_http_req_t *r);
 /* With lift_data_urls: hands lifted image i over (see prism_lift_take; *data is the caller's to
  * prism_free, its bytes no longer charged to the server). PRISM_EINVAL when there is no such image
  * or it was taken already. */

@@ -65,8 +65,10 @@ typedef struct {
                *tool_parser, *curve_keys, *allowed_hosts, *api_key_file;
     bool insecure_no_curve, metrics_open, timing_header, no_early_encode;
     int64_t port, context_length, limit_mm, max_pixels, max_running, max_body, body_total, image_inflight, max_conn,
-            min_body_rate, stream_pending, max_retries, max_migrations, prep_threads, max_image_bytes;
-    prism_fetch_config_t fetch;   /* image URLs (max_bytes: --max-image-bytes) */
+            min_body_rate, stream_pending, max_retries, max_migrations, prep_threads, max_image_bytes, mem_budget,
+            early_bytes, parse_bytes;
+    prism_fetch_config_t fetch;   /* image URLs (max_bytes: --max-image-bytes; max_inflight and cache_bytes -1:
+                                   * from --mem-budget) */
     double worker_timeout, worker_stuck_timeout, request_timeout, max_queue_wait, header_timeout, drain_timeout,
            stage_timeout;
 } router_flags_t;
@@ -77,12 +79,13 @@ static int flags_parse(router_flags_t *f, int argc, char **argv)
     *f = (router_flags_t){
         .model_path = "models/prism-tiny-llava", .host = "127.0.0.1", .control = "tcp://127.0.0.1:8100",
         .log_level = "info", .port = 8000, .limit_mm = 8, .max_pixels = 4096ll * 4096, .max_running = 256,
-        .max_body = 64ll << 20, .body_total = 1ll << 30, .image_inflight = 1ll << 30, .max_conn = 4096,
-        .min_body_rate = 8 << 10, .stream_pending = 4ll << 20, .max_retries = 2, .max_migrations = 2,
+        .mem_budget = ROUTER_DEFAULT_BUDGET, .min_body_rate = 8 << 10, .max_retries = 2, .max_migrations = 2,
         .prep_threads = 4, .worker_timeout = 10, .worker_stuck_timeout = 60, .request_timeout = 600,
         .max_queue_wait = 120, .header_timeout = 30, .drain_timeout = 20, .stage_timeout = 60,
         .max_image_bytes = 20ll << 20 /* OpenAI's own limit per image */};
     prism_fetch_config_default(&f->fetch);
+    f->fetch.max_inflight = -1;   /* auto: from --mem-budget (plan_memory) unless given */
+    f->fetch.cache_bytes = -1;
     prism_flag_t flags[] = {
         PRISM_FLAG_STR("model-path", &f->model_path, "HF model directory (config.json, tokenizer.json, tokenizer_config.json)"),
         PRISM_FLAG_STR("tokenizer-path", &f->tokenizer_path, "Tokenizer directory (default: --model-path)"),
@@ -120,11 +123,18 @@ static int flags_parse(router_flags_t *f, int argc, char **argv)
                          "Largest image file, data URL or fetched by URL; more gets 400 (a download is refused from "
                          "its Content-Length, or cut off)"),
         PRISM_FETCH_FLAGS(&f->fetch),
+        PRISM_FLAG_BYTES("mem-budget", &f->mem_budget,
+                         "Memory budget of the router (bytes, e.g. 512M; 0 = none): the bounds below left at auto "
+                         "share it, and explicit ones that do not fit refuse the start (see docs/ARCHITECTURE.md)"),
         PRISM_FLAG_INT("max-running-requests", &f->max_running, "Requests in flight; more get 429"),
-        PRISM_FLAG_BYTES("max-body-bytes", &f->max_body, "Largest request body; more gets 413"),
+        PRISM_FLAG_BYTES("max-body-bytes", &f->max_body, "Largest request body; more gets 413 (auto: from --mem-budget, at most 64 MiB)"),
         PRISM_FLAG_BYTES("max-body-bytes-in-flight", &f->body_total, "Request body bytes held at once; beyond, uploads pause (503 after --max-queue-wait)"),
         PRISM_FLAG_BYTES("max-image-bytes-in-flight", &f->image_inflight, "Image bytes held at once; beyond, uploads with images pause (503 after --max-queue-wait)"),
-        PRISM_FLAG_INT("max-connections", &f->max_conn, "Open HTTP connections at once; more get 503"),
+        PRISM_FLAG_BYTES("max-early-encode-bytes", &f->early_bytes,
+                         "Image bytes sent to encoders while their bodies still arrive (copies), at once"),
+        PRISM_FLAG_BYTES("max-parse-bytes", &f->parse_bytes,
+                         "What one parsed request body (its JSON tree) may cost; larger bodies are refused (400)"),
+        PRISM_FLAG_INT("max-connections", &f->max_conn, "Open HTTP connections at once; more get 503 (0: from --mem-budget, at most 4096)"),
         PRISM_FLAG_DOUBLE("http-header-timeout", &f->header_timeout, "Seconds for a request's line and headers; slower gets 408"),
         PRISM_FLAG_BYTES("http-min-body-rate", &f->min_body_rate,
                          "Bytes/s a request body must average after 10 s; slower gets 408 (slowloris)"),
@@ -156,9 +166,10 @@ static int flags_parse(router_flags_t *f, int argc, char **argv)
     if (rc) return rc > 0 ? 0 : 2;
     prism_log_init("router", prism_log_level_parse(f->log_level));
     if (f->port < 0 || f->port > 65535 || f->limit_mm < 0 || f->limit_mm > ROUTER_MAX_IMAGES || f->max_running < 1 ||
-        f->max_running > 1000000 || f->max_pixels < 1 || f->image_inflight < 1 || f->min_body_rate < 1 ||
+        f->max_running > 1000000 || f->max_pixels < 1 || f->image_inflight < 0 || f->min_body_rate < 1 ||
         f->max_image_bytes < 1 ||
-        !(f->header_timeout > 0) || f->stream_pending < 1 || !(f->worker_timeout > 0) ||
+        !(f->header_timeout > 0) || f->stream_pending < 0 || !(f->worker_timeout > 0) || f->mem_budget < 0 ||
+        f->max_conn < 0 || f->max_body < 0 || f->body_total < 0 || f->early_bytes < 0 || f->parse_bytes < 0 ||
         !(f->worker_stuck_timeout >= 0) || f->prep_threads < 1 || f->prep_threads > 256) {
         fprintf(stderr, "router: flag out of range (see --help)\n");
         return 2;
@@ -303,13 +314,15 @@ static void apply_flags(router_t *r, const router_flags_t *f)
     r->metrics_open = f->metrics_open;
     r->timing_header = f->timing_header;
     r->early_encode = !f->no_early_encode;
-    r->max_stream_pending = (size_t)f->stream_pending;
+    r->max_stream_pending = r->plan.stream_pending;
     r->max_images_per_prompt = f->limit_mm ? (int)f->limit_mm : -1;
     r->max_image_pixels = (uint64_t)f->max_pixels;
     r->max_image_bytes = (uint64_t)f->max_image_bytes;
     r->max_running = (int)f->max_running;
     r->prep_threads = (int)f->prep_threads;
-    r->max_image_bytes_inflight = (size_t)f->image_inflight;
+    r->max_image_bytes_inflight = r->plan.image_inflight;
+    r->max_early_bytes = r->plan.early_bytes;
+    r->max_parse_bytes = r->plan.parse_bound;
     r->worker_timeout_s = f->worker_timeout;
     r->worker_stuck_timeout_s = f->worker_stuck_timeout;
     r->request_timeout_s = f->request_timeout;
@@ -333,8 +346,73 @@ static void apply_flags(router_t *r, const router_flags_t *f)
     r->queue_scratch = prism_xcalloc(r->reqs_cap, sizeof(uint64_t));
 }
 
+/* The HTTP server's configuration; the plan's bounds (connections, bodies) are filled by plan_memory.
+ * Headers and pipelined bytes are bounded tighter than the server's defaults (16 KiB of headers, as
+ * uvicorn's h11; a pipelined request waits in the kernel until the one before is answered; reads
+ * of 16 KiB): each open connection may hold them, and the plan counts every connection. */
+static prism_http_config_t http_config(const router_flags_t *f)
+{
+    prism_http_config_t hc = prism_http_config_default();
+    hc.host = f->host;
+    hc.port = (int)f->port;
+    hc.max_header_bytes = 16 << 10;
+    hc.max_pipeline_bytes = 1;
+    hc.read_bytes = 16 << 10;
+    hc.max_pause_s = f->max_queue_wait;
+    hc.lift_data_urls = true;  /* image data URLs are decoded while the body streams in */
+    hc.header_timeout_s = f->header_timeout;
+    hc.min_body_rate = (size_t)f->min_body_rate;
+    hc.on_headers = router_on_headers;
+    hc.body_gate = router_body_gate;
+    hc.image_check = router_image_check_early;
+    hc.image_done = router_early_encode;
+    hc.body_gone = router_early_body_gone;
+    hc.allowed_hosts = f->allowed_hosts ? f->allowed_hosts
+                     : prism_http_host_is_loopback(f->host) ? PRISM_HTTP_LOOPBACK_HOSTS : NULL;
+    hc.require_json = true;   /* POST bodies are JSON: a cross-site form cannot send it without a preflight */
+    return hc;
+}
+
+/* The memory plan (plan.h): what start-up left resident, and every bound from its flag or from
+ * --mem-budget. -1 to go on, else the exit code (a plan the budget cannot hold). */
+static int plan_memory(router_t *r, const router_flags_t *f, prism_http_config_t *hc)
+{
+    size_t rss, hwm;
+    router_mem_resident(&rss, &hwm);
+    router_plan_in_t in = {
+        .budget = (size_t)f->mem_budget, .startup = PRISM_MAX(rss, hwm), .max_connections = f->max_conn,
+        .max_body = (size_t)f->max_body, .body_inflight = (size_t)f->body_total,
+        .image_inflight = (size_t)f->image_inflight, .early_bytes = (size_t)f->early_bytes,
+        .stream_pending = (size_t)f->stream_pending, .parse_bound = (size_t)f->parse_bytes,
+        .conn_bytes = prism_http_conn_bytes(hc), .max_running = (int)f->max_running, .prep_threads = (int)f->prep_threads,
+        .request_bytes = router_req_bytes_max(r), .parse_factor = ROUTER_PARSE_FACTOR};
+    /* image URLs: one download at its largest (the fetcher's own bound), downloads at once and the
+     * URL cache from their flags or the budget */
+    prism_fetch_config_t one = f->fetch;
+    one.max_bytes = f->max_image_bytes;
+    one.max_inflight = 1;
+    one.cache_bytes = 0;
+    prism_fetch_bounds_t fb;
+    prism_fetch_config_bounds(&one, &fb);
+    in.fetch = true;
+    in.fetch_max_bytes = (size_t)fb.downloads;
+    in.fetch_inflight = f->fetch.max_inflight > 0 ? f->fetch.max_inflight : 0;
+    in.fetch_cache_set = f->fetch.cache_bytes >= 0;
+    in.fetch_cache = in.fetch_cache_set ? (size_t)f->fetch.cache_bytes : 0;
+    char err[1024];
+    if (router_plan_make(&in, &r->plan, err, sizeof err) != PRISM_OK) {
+        PRISM_ERROR("%s", err);
+        return 2;
+    }
+    router_plan_log(&r->plan);
+    hc->max_connections = (int)r->plan.max_connections;
+    hc->max_body_bytes = r->plan.max_body;
+    hc->max_body_bytes_total = r->plan.body_inflight;
+    return -1;
+}
+
 /* The loop, the control socket, the HTTP listener and the signals: -1 to go on, else the exit code. */
-static int start_io(router_t *r, const router_flags_t *f)
+static int start_io(router_t *r, const router_flags_t *f, const prism_http_config_t *hc)
 {
     char host_name[64] = "host";
     gethostname(host_name, sizeof(host_name) - 1);
@@ -348,31 +426,15 @@ static int start_io(router_t *r, const router_flags_t *f)
         PRISM_ERROR("cannot bind the control endpoint %s", f->control);
         return 1;
     }
-    prism_http_config_t hc = prism_http_config_default();
-    hc.host = f->host;
-    hc.port = (int)f->port;
-    hc.max_body_bytes = (size_t)f->max_body;
-    hc.max_body_bytes_total = (size_t)f->body_total;
-    hc.max_pause_s = f->max_queue_wait;
-    hc.lift_data_urls = true;  /* image data URLs are decoded while the body streams in */
-    hc.max_connections = (int)f->max_conn;
-    hc.header_timeout_s = f->header_timeout;
-    hc.min_body_rate = (size_t)f->min_body_rate;
-    hc.on_headers = router_on_headers;
-    hc.allowed_hosts = f->allowed_hosts ? f->allowed_hosts
-                     : prism_http_host_is_loopback(f->host) ? PRISM_HTTP_LOOPBACK_HOSTS : NULL;
-    hc.require_json = true;   /* POST bodies are JSON: a cross-site form cannot send it without a preflight */
-    hc.body_gate = router_body_gate;
-    hc.image_check = router_image_check_early;
-    hc.image_done = router_early_encode;
-    hc.body_gone = router_early_body_gone;
-    if (prism_http_server_start(r->loop, &hc, router_on_http, r, &r->http) != PRISM_OK) {
+    if (prism_http_server_start(r->loop, hc, router_on_http, r, &r->http) != PRISM_OK) {
         PRISM_ERROR("cannot listen on %s:%lld", f->host, (long long)f->port);
         return 1;
     }
     /* Image URLs: fetched on this loop, each image keyed by the same secret as uploaded ones. */
     prism_fetch_config_t fc = f->fetch;
     fc.max_bytes = f->max_image_bytes;
+    fc.max_inflight = r->plan.fetch_inflight;   /* the plan's (given, or from --mem-budget) */
+    fc.cache_bytes = (int64_t)r->plan.fetch_cache;
     fc.hash_secret = r->img_secret;
     fc.hash_secret_len = sizeof r->img_secret;
     char why[512] = "";
@@ -414,8 +476,10 @@ static int router_open(router_t *r, int argc, char **argv)
     json_object_seed(0);   /* jansson's hash seed, drawn once here rather than racily by the first threads */
     r->started_s = prism_now_s();
     if ((rc = open_keys(r, &f)) >= 0 || (rc = load_model(r, &f)) >= 0) return rc;
+    prism_http_config_t hc = http_config(&f);
+    if ((rc = plan_memory(r, &f, &hc)) >= 0) return rc;
     apply_flags(r, &f);
-    if ((rc = start_io(r, &f)) >= 0) return rc;
+    if ((rc = start_io(r, &f, &hc)) >= 0) return rc;
     PRISM_INFO("router %s serving '%s' on http://%s:%d in %.2fs (control %s, context %d, %d image tokens per %s)",
                r->router_id, r->served_model_name, f.host, prism_http_server_port(r->http), prism_now_s() - r->started_s,
                f.control, r->max_model_len, r->cfg.image_seq_length, r->llama4 ? "tile" : "image");

@@ -259,24 +259,6 @@ void router_prompt_take_images(router_prompt_t *p, prism_http_req_t *h)
         if (p->img[i] && !p->img_ref[i] && !p->img_blob[i]) p->img_ref[i] = prism_shared_take(p->img[i], p->img_len[i]);
 }
 
-void router_prompt_release_inputs(prism_oai_request_t *o)
-{
-    for (int i = 0; i < o->n_messages; i++) {
-        prism_oai_message_t *m = &o->messages[i];
-        json_t *content = json_object_get(m->raw, "content");
-        size_t k;
-        json_t *part;
-        json_array_foreach(content, k, part) {
-            if (json_object_get(part, "image_url")) json_object_set_new(part, "image_url", json_null());
-        }
-        for (int p = 0; p < m->n_parts; p++)
-            if (m->parts[p].kind == PRISM_OAI_PART_IMAGE) {
-                m->parts[p].image_url = NULL;
-                m->parts[p].image_url_len = 0;
-            }
-    }
-}
-
 /* The prompt's tokens as the client gave them: the rendered chat template, the completion prompt's
  * text, or its token ids. Returns 0 or an HTTP status with msg filled. */
 static int prompt_tokens(const router_t *r, router_prompt_t *p, const prism_oai_request_t *o, bool chat, char *msg,

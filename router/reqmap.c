@@ -72,6 +72,11 @@ void router_req_rekey(router_t *r, router_req_t *q)
     PRISM_ASSERT(rc == PRISM_OK);
 }
 
+size_t router_req_bytes_max(const router_t *r)
+{
+    return sizeof(router_req_t) + 2 * (size_t)r->max_model_len * sizeof(int32_t) + ROUTER_REQ_OUTPUT_BYTES;
+}
+
 router_req_t *router_req_alloc(router_t *r, prism_http_req_t *h, bool chat)
 {
     router_req_t *q = prism_calloc(1, sizeof(*q));
@@ -83,6 +88,50 @@ router_req_t *router_req_alloc(router_t *r, prism_http_req_t *h, bool chat)
     q->time.start = q->time.wait = prism_now_s();
     q->prep.job.work.data = q;
     return q;
+}
+
+/* Copies s[0..n) (plus a NUL) to *at and moves *at on; returns the copy. */
+static char *keep(char **at, const char *s, size_t n)
+{
+    char *d = *at;
+    if (n) memcpy(d, s, n);
+    d[n] = 0;
+    *at += n + 1;
+    return d;
+}
+
+int router_req_keep_inputs(router_req_t *q)
+{
+    prism_oai_request_t *o = &q->oai;
+    if (!o->root) return PRISM_OK;
+    bool guide_in_tree = o->guide_kind && o->guide_text != o->guide_owned;
+    size_t need = (o->model ? strlen(o->model) + 1 : 0) + (guide_in_tree ? o->guide_len + 1 : 0) +
+                  (o->tool_name ? strlen(o->tool_name) + 1 : 0);
+    for (int i = 0; i < o->n_stop; i++) need += o->stop_len[i] + 1;
+    const router_prompt_t *p = &q->prompt;
+    for (int i = 0; i < p->n_images; i++) need += p->img_url[i] ? p->img_url_len[i] + 1 : 0;
+    char *buf = prism_malloc(need ? need : 1), *at = buf;
+    if (!buf) return PRISM_ENOMEM;
+    prism_oai_request_t tree = *o;   /* what goes: the tree and the parser's arrays over it */
+    tree.guide_owned = NULL;         /* these two stay the request's (not in the tree) */
+    tree.tools_text = NULL;
+    if (o->model) o->model = keep(&at, o->model, strlen(o->model));
+    if (guide_in_tree) o->guide_text = keep(&at, o->guide_text, o->guide_len);
+    if (o->tool_name) o->tool_name = keep(&at, o->tool_name, strlen(o->tool_name));
+    for (int i = 0; i < o->n_stop; i++) o->stop[i] = keep(&at, o->stop[i], o->stop_len[i]);
+    for (int i = 0; i < p->n_images; i++)   /* images by URL: fetched once the request is admitted */
+        if (p->img_url[i]) q->prompt.img_url[i] = keep(&at, p->img_url[i], p->img_url_len[i]);
+    o->root = o->tools = NULL;
+    o->messages = NULL;
+    o->n_messages = 0;
+    o->prompt = NULL;
+    o->prompt_len = 0;
+    o->prompt_token_ids = NULL;
+    o->n_prompt_token_ids = 0;
+    prism_oai_request_free(&tree);
+    prism_free(q->kept);
+    q->kept = buf;
+    return PRISM_OK;
 }
 
 void router_req_drop_held(router_req_t *q)
@@ -116,6 +165,7 @@ void router_req_free(router_req_t *q)
 {
     output_free(&q->out, router_req_n(q));
     prism_oai_request_free(&q->oai);
+    prism_free(q->kept);
     router_prompt_free(&q->prompt);
     prism_free(q->msg.ids);
     prism_free(q->mig.gen);

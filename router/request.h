@@ -24,6 +24,10 @@ typedef enum { STAGE_QUEUED, STAGE_SENT, STAGE_PREFILLED } router_stage_t;
 
 typedef struct prism_fetch_req prism_fetch_req_t;   /* fetch.h */
 
+/* A request's output state beyond its record (text, detokenizer, logprob and SSE scratch), as the
+ * memory plan counts it; a long answer with logprobs of many choices may hold more. */
+#define ROUTER_REQ_OUTPUT_BYTES ((size_t)64 << 10)
+
 /* A tool-call delta collected from the parser for the next chunk (name and id are copied: the
  * parser's pointers live only during its callback; arguments sit in choice.d_args). */
 typedef struct {
@@ -162,7 +166,11 @@ struct router_req {
     router_prompt_t prompt;       /* images, tokens, image spans, max_tokens (prompt.c) */
     prism_guide_spec_t guide;     /* output constraint sent in Sampling.guide (points into oai) */
     bool parse_tools;             /* tool_choice auto / required / named: outputs are parsed for calls */
-    bool bytes_counted;           /* prompt.image_bytes added to the router's in-flight total */
+    size_t image_charged;         /* its image bytes counted in the router's image_bytes_inflight: its
+                                   * lifted images from the moment its body is whole (the gate sees them
+                                   * before it is prepared), then prompt.image_bytes */
+    char *kept;                   /* what it reads of its body after preparation (model name, stop strings,
+                                   * guide text, tool name, image URLs), copied out of the parsed tree (owned) */
     router_msgs_t msg;
     router_placement_t place;
     Prism__Envelope **held;       /* decode Tokens that arrived before the prefill's, in order (owned) */
@@ -180,6 +188,11 @@ static inline int router_req_n(const router_req_t *q) { return q->oai.n > 0 ? q-
  * requests in flight (router.h: router_req_get, router_req_new_id, router_req_put, router_req_del). */
 router_req_t *router_req_alloc(router_t *r, prism_http_req_t *h, bool chat);
 void router_req_free(router_req_t *q);
+/* At the end of its preparation (a prep thread): the parsed body goes, so a parsed tree lives only
+ * while a prep thread works on it (the memory plan's "parsing" row is prep threads x the parse
+ * bound, whatever the requests in flight). What the request reads later is copied into q->kept and
+ * its pointers moved there; the scalars stay. PRISM_ENOMEM (the tree kept) without memory. */
+int  router_req_keep_inputs(router_req_t *q);
 /* A new id for a request in the map (a retry or a migration): late messages about the old one match
  * nothing, and no worker's memory of the old one's abort can catch it. */
 void router_req_rekey(router_t *r, router_req_t *q);

@@ -63,8 +63,8 @@ static void req_destroy(router_req_t *q)
     for (int i = 0; i < q->prompt.n_images; i++) router_sched_encode_done(q, i);
     router_sched_prefill_done(q);
     router_sched_decode_done(q);
-    if (q->bytes_counted) {
-        r->image_bytes_inflight -= q->prompt.image_bytes;
+    if (q->image_charged) {
+        r->image_bytes_inflight -= q->image_charged;
         prism_http_server_resume_bodies(r->http);   /* uploads that wait for image room go on */
         router_url_images_resume(r);                /* and downloads */
     }
@@ -625,6 +625,10 @@ static void prep_run(uv_work_t *w)
     if (!p->status)
         p->status = q->prompt.n_urls ? router_prompt_tokens(r, &q->prompt, &q->oai, q->chat, p->msg, sizeof p->msg)
                                      : router_prompt_build(r, &q->prompt, &q->oai, q->chat, p->msg, sizeof p->msg);
+    if (router_req_keep_inputs(q) != PRISM_OK && !p->status) {
+        p->status = 503;
+        snprintf(p->msg, sizeof p->msg, "The server is out of memory; try again shortly.");
+    }
 }
 
 static void on_prep_gone(prism_http_req_t *h, void *ud)
@@ -670,6 +674,11 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
         refuse_at_once(r, h, 503, "The server is out of memory; try again shortly.");
         return;
     }
+    /* Its images count from now, not from admission: the body gate (router_body_gate) holds other
+     * image uploads back while these wait for a prep thread, so the bytes held pass
+     * --max-image-bytes-in-flight by at most the one body that completed under it. */
+    q->image_charged = prism_http_req_image_bytes(h);
+    r->image_bytes_inflight += q->image_charged;
     prism_http_req_on_abort(h, on_prep_gone, q);
     r->n_preparing++;
     router_prep_submit(r, &q->prep.job, ROUTER_LANE_GENERATE, prep_run, prep_done);
@@ -709,7 +718,6 @@ static int admit(router_t *r, router_req_t *q, char *msg, size_t n)
         return q->prep.status;
     }
     prism_http_req_drop_body(q->h);
-    router_prompt_release_inputs(&q->oai);
     if (router_out_init(q) != PRISM_OK) {
         snprintf(msg, n, "The server is out of memory; try again shortly.");
         return 503;
@@ -738,8 +746,8 @@ static void prepared(router_t *r, router_req_t *q, int status, char *msg, size_t
         req_destroy(q);
         return;
     }
-    r->image_bytes_inflight += q->prompt.image_bytes;
-    q->bytes_counted = true;
+    r->image_bytes_inflight = r->image_bytes_inflight - q->image_charged + q->prompt.image_bytes;
+    q->image_charged = q->prompt.image_bytes;
     /* Behind older queued requests, or no worker has room: wait in the router's queue. */
     status = router_queue_blocks(r, q) ? ROUTER_DISPATCH_WAIT : router_sched_dispatch(r, q, msg, n);
     if (status == ROUTER_DISPATCH_WAIT && !router_queue_push(r, q->rid)) {

@@ -32,6 +32,7 @@
 #include "metrics/metrics.h"
 #include "image/llama4_proc.h"
 #include "image/qwenvl_proc.h"
+#include "plan.h"
 
 #include <jansson.h>
 #include <uv.h>
@@ -45,6 +46,9 @@
 #define ROUTER_MAX_EARLY 64      /* early encodes in flight at once (early_encode.c) */
 #define ROUTER_EARLY_PER_CONN 4  /* ... of them one connection's unanswered at once */
 #define ROUTER_WORKER_ID_MAX 127  /* bytes of a worker id (its ZeroMQ identity) */
+#define ROUTER_DEFAULT_BUDGET ((int64_t)512 << 20)   /* --mem-budget: a router in front of one node */
+#define ROUTER_PARSE_FACTOR 4     /* a body being prepared holds its tree, the template's copy of the
+                                   * messages, the rendered text and its tokens: about 4x the tree */
 
 typedef struct {
     bool used;
@@ -140,6 +144,9 @@ typedef struct router {
     uint64_t max_image_pixels;
     int max_running;            /* requests in flight; beyond: 429 */
     size_t max_image_bytes_inflight;
+    size_t max_early_bytes;     /* image bytes of early encodes not answered yet (early_encode.c) */
+    size_t max_parse_bytes;     /* what one parsed body may cost (the plan's parse bound) */
+    router_plan_t plan;         /* the memory plan (plan.h), exported in /metrics */
     double worker_timeout_s;
     double worker_stuck_timeout_s;  /* 0 = never judge a worker stuck */
     double request_timeout_s;
@@ -330,7 +337,7 @@ typedef struct {
     prism_fetch_blob_t *img_blob[ROUTER_MAX_IMAGES];  /* a fetched image: img[] points into it (a reference
                                              * to the fetcher's buffer, which its URL cache may share), else NULL */
     const char *img_url[ROUTER_MAX_IMAGES]; /* an image given by URL, until fetched (points into the parsed
-                                             * request: fetched before router_prompt_release_inputs) */
+                                             * request, then into the request's kept inputs: reqmap.c) */
     size_t img_url_len[ROUTER_MAX_IMAGES];
     int n_urls;                             /* images given by URL */
     prism_shared_t *img_ref[ROUTER_MAX_IMAGES]; /* img[] as shared bytes once taken (not fetched): the Encode
@@ -375,8 +382,6 @@ int  router_image_check(const router_t *r, int idx, const char *mime, size_t mim
 int  router_prompt_load_images(const router_t *r, router_prompt_t *p, const prism_oai_request_t *o,
                                const prism_http_req_t *h, uint64_t *refused, char *msg, size_t n);
 void router_prompt_take_images(router_prompt_t *p, prism_http_req_t *h);
-/* Lets image i's bytes go (no retry or migration will send them again); frames in flight keep theirs. */
-void router_prompt_drop_image(router_prompt_t *p, int i);
 /* Renders + tokenizes (chat) or tokenizes (completions), expands image placeholders, checks the
  * length against the context: router_prompt_tokens (the text's tokens, and as many placeholders as
  * images) then router_prompt_finish (each placeholder expanded, which needs every image's header for
@@ -388,15 +393,12 @@ int  router_prompt_build(const router_t *r, router_prompt_t *p, const prism_oai_
 int  router_prompt_tokens(const router_t *r, router_prompt_t *p, const prism_oai_request_t *o, bool chat, char *msg,
                           size_t n);
 int  router_prompt_finish(const router_t *r, router_prompt_t *p, const prism_oai_request_t *o, char *msg, size_t n);
-/* Image i's bytes are no longer needed (freed, or the fetched image's reference dropped). */
+/* Image i's bytes are no longer needed (freed, or its reference dropped: frames in flight keep theirs). */
 void router_prompt_drop_image(router_prompt_t *p, int i);
-/* The frame that sends image i to an encoder: a fetched image by reference (ZeroMQ drops the
- * reference the frame takes once sent: no copy of a shared image per request), others copied. */
+/* The frame that sends image i to an encoder: by reference (ZeroMQ drops the reference the frame
+ * takes once sent): a fetched image to the fetcher's buffer, an uploaded one to its shared bytes,
+ * so an image is held once however many Encodes carry it; copied when it could not be shared. */
 prism_frame_t router_prompt_image_frame(const router_prompt_t *p, int i);
-/* Once images are decoded and the prompt built, the base64 strings in the parsed JSON are dead
- * weight (the largest part of an image request): drops them so a request in flight holds only
- * its image bytes (with the HTTP body, which the caller drops). */
-void router_prompt_release_inputs(prism_oai_request_t *o);
 void router_prompt_free(router_prompt_t *p);
 /* An assistant message's tool-call arguments (JSON text in OpenAI's format) as objects, which is
  * what tool-use chat templates expect (vLLM does the same before rendering). In place. */
@@ -429,6 +431,9 @@ router_req_t *router_req_get(router_t *r, uint64_t rid);
 int  router_req_new_id(router_t *r, uint64_t *out, uint64_t *hi);
 int  router_req_put(router_t *r, uint64_t rid, router_req_t *q);
 void router_req_del(router_t *r, uint64_t rid);
+/* The most one request in flight holds, its parsed body not counted (freed once it is prepared): its
+ * record, prompt tokens and the tokens kept for a migration (the context each), output buffers. */
+size_t router_req_bytes_max(const router_t *r);
 
 /* api.c */
 void router_on_http(prism_http_req_t *h, void *ud);

@@ -8,7 +8,10 @@
 - backpressure: a prefill worker with a one-image receive pool makes the encoder wait, and every
   request still completes;
 - no heap allocation on the request path: each worker's allocation counter is flat while serving;
-- decompression bombs are refused from their header, without decoding.
+- decompression bombs are refused from their header, without decoding;
+- the router's memory is one budget: a burst of uploads under a small --mem-budget keeps its peak
+  resident set within it, and a budget that cannot hold its plan (or its explicit flags) refuses
+  to start, naming the numbers.
 """
 import concurrent.futures
 import json
@@ -62,6 +65,13 @@ def test_budget_too_small_refuses_to_start():
         assert p.returncode != 0, (kind, p.returncode)
         assert "memory plan needs" in p.stderr or "cannot hold" in p.stderr, (kind, p.stderr[-800:])
         assert "8.00 MiB" in p.stderr, (kind, p.stderr[-800:])
+    # the router too: a budget below its fixed rows, and explicit bounds its budget cannot hold
+    for extra, names in ((["--mem-budget", "8M"], ["8.00 MiB", "requests"]),
+                         (["--max-body-bytes-in-flight", "1G"], ["512.00 MiB", "--max-body-bytes-in-flight"])):
+        p = subprocess.run([binary("router"), "--model-path", MODEL, "--port", "0", "--control-endpoint",
+                            "tcp://127.0.0.1:0", "--insecure-no-curve", *extra], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2, (extra, p.returncode, p.stderr[-800:])
+        assert "memory plan needs" in p.stderr and all(n in p.stderr for n in names), (extra, p.stderr[-800:])
 
 
 # What each refusal says, and the reason it is counted under in prism:requests_refused_total.
@@ -79,8 +89,10 @@ def refused_counts(c):
 def test_overload_burst_and_recovery():
     budget = ["--mem-budget", str(BUDGET)]
     # default --worker-timeout: workers heartbeat from their I/O thread however long their batches
+    # the router's bounds given explicitly (its plan holds them in 1 GiB; the small-budget burst
+    # below leaves them to the plan)
     with Cluster(router_args=["--max-running-requests", "48", "--max-image-bytes-in-flight", "64M",
-                              "--max-body-bytes-in-flight", "256M"],
+                              "--max-body-bytes-in-flight", "256M", "--mem-budget", "1G"],
                  worker_args={"encoder_worker": budget, "prefill_worker": budget, "decode_worker": budget}) as c:
         c.wait_ready()
         body = json.dumps(chat_body("What is in the image?", [BIG], max_tokens=4, temperature=0)).encode()
@@ -131,13 +143,112 @@ def test_overload_burst_and_recovery():
                 # AddressSanitizer's shadow (1/8 of what is touched) and its quarantine of freed
                 # blocks (256 MiB by default) are resident too: not the product's memory
                 asan = "libasan" in f.read()
-            # the router holds at most 256 MiB of bodies + 64 MiB of images (+ its runtime)
-            limit = BUDGET if name != "router" else 768 << 20
+            # the router within its plan: 256 MiB of bodies + 64 MiB of images (+ start-up, connections...)
+            limit = BUDGET if name != "router" else c.metric("prism:router_memory_planned_bytes")
             assert hwm <= (limit * 9 // 8 + (256 << 20) if asan else limit), (name, hwm, asan)
         # serves normally right after
         for _ in range(3):
             s, r = c.post_json("/v1/chat/completions", chat_body("Describe the image.", [SMALL], max_tokens=4))
             assert s == 200, (s, r)
+
+
+def upload_burst(port, data, n, timeout=600):
+    """n clients that each write a whole request (data) at the same moment (a barrier), then read
+    the answer to its end: [(status, message)]."""
+    import threading
+    out, barrier = [None] * n, threading.Barrier(n)
+
+    def one(i):
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        except OSError as e:
+            barrier.wait()
+            out[i] = (0, "connect: %s" % e)
+            return
+        try:
+            barrier.wait()
+            try:
+                s.sendall(data)
+            except OSError:   # answered early and closed: read what it said
+                pass
+            buf = b""
+            while True:
+                d = s.recv(65536)
+                if not d:
+                    break
+                buf += d
+            head, _, body = buf.partition(b"\r\n\r\n")
+            st = int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/1.1 ") else 0
+            msg = ""
+            if st != 200:
+                try:
+                    msg = json.loads(body[body.find(b"{"):body.rfind(b"}") + 1])["error"]["message"]
+                except (ValueError, KeyError):
+                    msg = body[:200].decode("utf-8", "replace")
+            out[i] = (st, msg)
+        except OSError as e:
+            out[i] = (0, "connection: %s" % e)
+        finally:
+            s.close()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def vm_hwm(pid):
+    with open("/proc/%d/status" % pid) as f:
+        return [int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:")][0]
+
+
+def under_asan(pid):
+    with open("/proc/%d/maps" % pid) as f:
+        return "libasan" in f.read()
+
+
+def test_router_within_its_budget_under_a_burst():
+    """The router's memory is one budget: with --mem-budget 128M and every bound left to its plan, a
+    burst of 96 photo uploads sent at once (2.4 MB bodies: 230 MB in all, far more than the plan's
+    bodies and images) is answered 200 / 429 / 503 only, and the router's peak resident set stays
+    within 128 MiB (before the plan it held every body at once: 250+ MiB here); the plan is in
+    /metrics, rows adding up to its total within the budget; every worker within its own."""
+    img = make_image(os.path.join(TMP, "burst.jpg"), width=2048, height=2048, photo=True, quality=93, seed=11)
+    budget = 128 << 20
+    with Cluster(router_args=["--mem-budget", str(budget), "--max-running-requests", "32", "--prep-threads", "2"],
+                 worker_args={k: ["--mem-budget", str(BUDGET)] for k in ("encoder_worker", "prefill_worker",
+                                                                         "decode_worker")}) as c:
+        c.wait_ready()
+        plan = {lb["region"]: v for n, lb, v in c.metrics() if n == "prism:router_memory_plan_bytes"}
+        total = c.metric("prism:router_memory_planned_bytes")
+        assert c.metric("prism:router_memory_budget_bytes") == budget
+        assert abs(sum(plan.values()) - total) < 1 and total <= budget, (plan, total)
+        for region in ("start-up", "connections", "bodies in flight", "images held", "requests", "parsing",
+                       "URL fetches", "prefix index"):
+            assert region in plan, (region, plan)
+        body = json.dumps(chat_body("What is in the image?", [img], max_tokens=4, temperature=0, stream=True)).encode()
+        data = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body)) + body
+        paused0 = c.metric("prism:router_uploads_paused_total")
+        res = upload_burst(c.port, data, 96)
+        counts = {}
+        for st, _ in res:
+            counts[st] = counts.get(st, 0) + 1
+        print("burst statuses:", counts, "messages:", sorted({m for st, m in res if st != 200})[:4], flush=True)
+        assert set(counts) <= {200, 429, 503} and counts.get(200, 0) > 0, (counts, res[:3])
+        assert c.metric("prism:router_uploads_paused_total") > paused0, "the burst never waited: the bounds did not bite"
+        peak = c.metric("prism:router_memory_resident_peak_bytes")
+        assert peak == vm_hwm(c.procs["router"].pid) or peak > 0
+        router_pid = c.procs["router"].pid
+        if not under_asan(router_pid):   # ASan's shadow and quarantine are not the router's memory
+            assert vm_hwm(router_pid) <= budget, ("router peak resident set over its budget", vm_hwm(router_pid), plan)
+        for name, p in c.procs.items():
+            if name != "router" and not under_asan(p.pid):
+                assert vm_hwm(p.pid) <= BUDGET, (name, vm_hwm(p.pid))
+        status, r = c.post_json("/v1/chat/completions", chat_body("Describe the image.", [SMALL], max_tokens=4))
+        assert status == 200, (status, r)
 
 
 def test_backpressure_and_flat_allocations():
@@ -312,4 +423,4 @@ if __name__ == "__main__":
                         test_budget_too_small_refuses_to_start, test_backpressure_and_flat_allocations,
                         test_decode_admission_waits_for_kv, test_worker_failure_fails_requests_cleanly,
                         test_busy_encoder_keeps_heartbeating,
-                        test_overload_burst_and_recovery]))
+                        test_overload_burst_and_recovery, test_router_within_its_budget_under_a_burst]))
