@@ -121,11 +121,7 @@ static int tokenize_json(const router_t *r, const char *body, size_t blen, prism
         json_t *msgs = json_deep_copy(messages);   /* as the chat path renders them */
         size_t i;
         json_t *m;
-        json_array_foreach(msgs, i, m) {
-            json_t *role = json_object_get(m, "role");
-            if (json_is_string(role) && !strcmp(json_string_value(role), "assistant"))
-                router_prompt_tool_arguments_as_objects(m);
-        }
+        json_array_foreach(msgs, i, m) router_prompt_template_message(m);
         json_t *ctx = prism_template_chat_context(msgs, json_object_get(j, "tools"), agp ? json_is_true(agp) : true,
                                                   r->bos_token, r->eos_token, NULL);
         json_decref(msgs);

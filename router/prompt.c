@@ -41,6 +41,24 @@ void router_prompt_tool_arguments_as_objects(json_t *msg)
     }
 }
 
+/* A message as the chat template sees it, in place: tool-call arguments as objects (assistant), and
+ * each image part, whatever its form ("image_url", "image"), as {"type":"image"}, what HF
+ * processors' templates render as the image placeholder. /tokenize renders raw messages through
+ * this; the chat path builds the same parts from the parsed request (template_context). */
+void router_prompt_template_message(json_t *msg)
+{
+    json_t *role = json_object_get(msg, "role");
+    if (json_is_string(role) && !strcmp(json_string_value(role), "assistant")) router_prompt_tool_arguments_as_objects(msg);
+    json_t *content = json_object_get(msg, "content");
+    size_t i;
+    json_t *part;
+    json_array_foreach(content, i, part) {
+        const char *type = json_string_value(json_object_get(part, "type"));
+        if (type && (!strcmp(type, "image_url") || !strcmp(type, "image")))
+            json_array_set_new(content, i, json_pack("{s:s}", "type", "image"));
+    }
+}
+
 /* Builds the chat-template context the way transformers does, with image parts as
  * {"type":"image"} (what HF processors' templates expect). */
 static json_t *template_context(const router_t *r, const prism_oai_request_t *o)

@@ -403,6 +403,9 @@ void router_prompt_free(router_prompt_t *p);
 /* An assistant message's tool-call arguments (JSON text in OpenAI's format) as objects, which is
  * what tool-use chat templates expect (vLLM does the same before rendering). In place. */
 void router_prompt_tool_arguments_as_objects(json_t *msg);
+/* A raw message as the chat template sees it, in place (tool-call arguments as objects, image parts
+ * as {"type":"image"}): /tokenize renders what the chat path would. */
+void router_prompt_template_message(json_t *msg);
 
 /* requests.c */
 void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat);

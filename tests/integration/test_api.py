@@ -468,6 +468,15 @@ def test_json_object_regex_choice():
     r = ok_chat(max_tokens=300, temperature=0.8, seed=4, response_format={"type": "json_object"})
     if r["choices"][0]["finish_reason"] == "stop":
         assert isinstance(json.loads(content(r)), dict), content(r)
+    # max_tokens ends a constrained answer where it is (docs/API.md, "Answers"): a cut JSON object
+    # with finish_reason "length", what OpenAI and vLLM answer too
+    r = ok_chat(max_tokens=3, temperature=0, response_format={"type": "json_object"})
+    assert r["choices"][0]["finish_reason"] == "length" and content(r).startswith("{"), r
+    try:
+        json.loads(content(r))
+        raise AssertionError("3 tokens made a whole JSON object: the cut answer was not shown: %r" % content(r))
+    except ValueError:
+        pass
     for seed in range(4):
         r = ok_chat(max_tokens=40, temperature=1.0, seed=seed, guided_regex=r"[A-Z][a-z]{2,6} [0-9]{1,3}")
         assert re.fullmatch(r"[A-Z][a-z]{2,6} [0-9]{1,3}", content(r)), content(r)
