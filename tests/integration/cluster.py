@@ -386,6 +386,19 @@ def chat_body(text, images=(), **kw):
     return body
 
 
+class Skip(Exception):
+    """Raised by a test that cannot run here (something it needs is absent): counted as skipped,
+    never as passed. A test that may skip runs as its own ctest entry (see own_entry), so ctest
+    shows Skipped (exit 77) rather than a suite's Passed."""
+
+
+def own_entry(fn):
+    """Marks a test that runs only when named on the command line: its own ctest entry, so that
+    its Skip (exit 77) is what ctest reports for it."""
+    fn.own_entry = True
+    return fn
+
+
 def known_bug(reason):
     """Marks a test that fails because of a known, open bug. It runs only when named on the command
     line (its own ctest entry): a failure prints SKIP with the reason and counts as skipped (exit 77
@@ -406,7 +419,7 @@ def run_tests(tests):
     if names:
         tests = [t for t in tests if t.__name__ in names]
     else:
-        tests = [t for t in tests if not getattr(t, "known_bug", None)]
+        tests = [t for t in tests if not getattr(t, "known_bug", None) and not getattr(t, "own_entry", False)]
     passed = failed = skipped = 0
     for t in tests:
         t0 = time.time()
@@ -416,6 +429,9 @@ def run_tests(tests):
             passed += 1
             print("PASS %-45s %.2fs%s" % (t.__name__, time.time() - t0,
                                           "  (known bug looks fixed: remove @known_bug)" if bug else ""), flush=True)
+        except Skip as e:
+            skipped += 1
+            print("SKIP %-45s %s" % (t.__name__, e), flush=True)
         except Exception as e:  # noqa: BLE001 - report every failure and go on
             import traceback
             if bug:

@@ -76,11 +76,19 @@ def test_api_key():
     with Cluster(router_args=["--api-key", "sekret-0123456789"]) as c:
         c.wait_ready()
         body = chat_body("Hi", max_tokens=2)
-        for hdr in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret-0123456789"},
-                    {"Authorization": "Bearer sekret-01234567892"}, {"Authorization": "Basic sekret-0123456789"}):
+        # wrong, absent, another scheme, and the key's prefixes and extensions: the whole key, its
+        # length too (an empty or partial token must not pass a comparison that stops early)
+        k = "sekret-0123456789"
+        for hdr in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": k},
+                    {"Authorization": "Bearer " + k + "2"}, {"Authorization": "Basic " + k},
+                    {"Authorization": "Bearer "}, {"Authorization": "Bearer"}, {"Authorization": "Bearer " + k[:-1]},
+                    {"Authorization": "Bearer s"}, {"Authorization": "Bearer " + k + k},
+                    {"Authorization": "Bearer " + k + " "}, {"Authorization": "Bearer  " + k}):
             for method, path, b in (("POST", "/v1/chat/completions", body), ("GET", "/v1/models", None),
                                     ("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
-                                    ("POST", "/tokenize", {"prompt": "Hi"})):
+                                    ("POST", "/tokenize", {"prompt": "Hi"}), ("POST", "/detokenize", {"tokens": [1]}),
+                                    ("GET", "/v1/models/prism-tiny-llava", None), ("GET", "/status", None),
+                                    ("GET", "/metrics", None)):
                 status, _, data = c.request(method, path, b, headers=hdr)
                 assert status == 401, (hdr, path, status, data[:200])
                 err = json.loads(data)["error"]
@@ -91,7 +99,9 @@ def test_api_key():
         status, events, done = c.stream("/v1/chat/completions", dict(body, stream=True), headers=ok)
         assert status == 200 and done, (status, events[-1:])
         assert c.request("GET", "/v1/models", headers=ok)[0] == 200
+        assert c.request("GET", "/metrics", headers=ok)[0] == 200
         assert c.request("GET", "/health")[0] == 200  # liveness probes carry no key
+        assert c.request("GET", "/ready")[0] == 200
 
 
 def test_requests_in_flight_429():

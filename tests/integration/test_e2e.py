@@ -156,10 +156,21 @@ def test_disaggregated_equals_single_process():
 
 
 def test_seeded_sampling_reproducible():
-    body = chat_body("Describe the image.", [PNG], max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
-    a = ok_request(body)["choices"][0]["message"]["content"]
-    b = ok_request(body)["choices"][0]["message"]["content"]
+    """The client's seed reaches the sampler: one seed gives one answer, twice; other seeds give
+    other answers; temperature 0 is greedy (no seed changes it) and a temperature changes it. A router that drops the seed, or sends a constant one, or ignores the temperature fails."""
+    def text(**kw):
+        body = chat_body("Describe the image.", [PNG], max_tokens=16, ignore_eos=True, **kw)
+        return ok_request(body)["choices"][0]["message"]["content"]
+    a = text(temperature=0.9, top_p=0.9, top_k=50, seed=1234)
+    b = text(temperature=0.9, top_p=0.9, top_k=50, seed=1234)
     assert a == b, (a, b)
+    # the bundled model is sure of itself: at temperature 2 its tokens spread enough to show seeds
+    seeded = {seed: text(temperature=2.0, seed=seed) for seed in (1, 2, 3, 4, 5)}
+    assert len(set(seeded.values())) >= 3, ("other seeds, the same answers: the seed is not used", seeded)
+    assert all(text(temperature=2.0, seed=seed) == t for seed, t in list(seeded.items())[:2]), seeded
+    greedy = text(temperature=0, seed=1)
+    assert greedy == text(temperature=0, seed=2), "temperature 0 depends on the seed"
+    assert all(t != greedy for t in seeded.values()), ("temperature 2 answered as greedy", seeded, greedy)
 
 
 def test_logprobs():

@@ -59,6 +59,15 @@ def wait_for(what, pred, timeout=60):
     raise AssertionError("timed out waiting for " + what)
 
 
+def fresh_heartbeats(c, worker="encoder-0", n=2):
+    """Waits until worker has sent n more heartbeats: its numbers read afterwards were taken after
+    everything that happened before this call (a state, not a fixed sleep)."""
+    start = c.metric("prism:worker_heartbeats_total", worker=worker)
+    assert start is not None, "prism:worker_heartbeats_total is missing for %s" % worker
+    wait_for("%d fresh heartbeats from %s" % (n, worker),
+             lambda: c.metric("prism:worker_heartbeats_total", worker=worker) >= start + n)
+
+
 def encoder_lookups(c):
     m = metrics(c)
     return (m.get(("prism:worker_embedding_cache_hits_total", "encoder-0"), 0) +
@@ -213,7 +222,7 @@ def test_image_encoded_before_the_body_ends():
         s.close()
         check_answer(status, json.loads(data), ref, "early-encoded request")
         assert "cache_hits=1" in headers["x-prism-timing"], headers["x-prism-timing"]
-        time.sleep(0.3)   # a heartbeat more
+        fresh_heartbeats(c)
         # encoded once: the early job's miss; the request found that result, which is no repeat (not a hit)
         assert misses_hits(c) == (1, 0), misses_hits(c)
         assert c.metric("prism:router_early_encodes_failed_total") == 0
@@ -233,7 +242,7 @@ def test_image_encoded_before_the_body_ends():
         check_answer(status, r, ref2, "whole body")
         assert c.metric("prism:router_early_encodes_total") == 2
         wait_for("its lookup", lambda: encoder_lookups(c) >= lookups + 2)
-        time.sleep(0.3)   # a heartbeat more: no second lookup comes
+        fresh_heartbeats(c)   # numbers taken after its end: no second lookup came
         # taken over while queued, or found done: encoded once either way, no hit counted
         assert misses_hits(c) == (2, 0), misses_hits(c)
         assert c.metric("prism:router_early_encodes_failed_total") == 0
