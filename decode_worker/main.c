@@ -110,6 +110,7 @@ typedef struct {
     Prism__Envelope *staged_env;
     zmq_msg_t staged_frame;
     uint64_t steps, tokens_out, cancelled;
+    uint64_t tokens_sampled, aborted;   /* heartbeats: tokens sampled, sequences ended by an abort */
     uint64_t ns_forward;      /* wall time of the steps' forwards (plan sent, collectives included) */
     prism_abort_memo_t aborts;  /* aborts that came before their KV */
 } decode_t;
@@ -330,6 +331,7 @@ static void on_abort(decode_t *d, uint64_t rid, const char *router)
         seq_t *s = &d->seqs[i];
         if (s->seq.used && s->seq.rid == rid && !strcmp(s->seq.router_id, router)) {
             PRISM_DEBUG("request %llu aborted", (unsigned long long)rid);
+            if (!s->cancel) d->aborted++;
             if (s->in_step || s->finishing) s->cancel = true;   /* the device still writes its blocks */
             else seq_release(d, s);
             held = true;
@@ -451,6 +453,7 @@ static void end_step(decode_t *d)
         s->in_step = false;
         if (d->dropped[j] || s->cancel) {
             d->cancelled++;
+            if (!s->cancel) d->aborted++;   /* dropped by the between-layer hook before its Abort message */
             seq_release(d, s);
             continue;
         }
@@ -459,6 +462,7 @@ static void end_step(decode_t *d)
         out_t *o = &d->out[d->n_out++];
         o->slot = d->slot_of[j];
         o->tok = prism_seq_sample(&s->seq, &d->sampler, lg);
+        d->tokens_sampled++;
         s->last_token = o->tok;
         prism__tokens__init(&o->t);
         /* finish decided now, so the next step can leave the sequence out; logprobs read lg, which
@@ -536,7 +540,7 @@ static uint32_t publish_load(decode_t *d)
 {
     prism_worker_load_t load = {
         .running = (uint32_t)running(d), .waiting = d->staged ? 1 : 0, .kv_free_blocks = (uint32_t)d->blocks.n_free,
-        .kv_waits = d->kv_waits,
+        .kv_waits = d->kv_waits, .tokens_generated = d->tokens_sampled, .seqs_aborted = d->aborted,
     };
     load.pool_free = (uint32_t)d->max_running - load.running;
     prism_worker_set_load(&d->w, &load);

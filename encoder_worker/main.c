@@ -67,6 +67,7 @@ typedef struct {
     Prism__ErrorKind error_kind;  /* with error: CLIENT (the default: the image) unless set */
     bool cache_hit;
     bool after_early;         /* its Encode named an early job already done: that one counted the lookup */
+    bool waited;              /* its push found the prefill's pool full once (counted in sends_waited) */
     int cache_slot;           /* pinned cache entry while the job is in flight; -1 none */
     float decode_ms, vit_ms;
     double t_arrive;
@@ -113,6 +114,7 @@ typedef struct {
     size_t row_floats;        /* floats of one output row */
     int piece_rows;           /* rows per Embeddings message (and per cache unit) */
     prism_vgrid_t vgrid[256]; /* the vision batch's grids, in pix_job order */
+    uint64_t sends_waited;    /* jobs whose embeddings waited for a prefill's pool (heartbeats) */
 } encoder_t;
 
 static void publish_load(encoder_t *e)
@@ -122,7 +124,7 @@ static void publish_load(encoder_t *e)
     for (int i = 0; i < e->n_batch; i++) running += e->batch[i] >= 0;   /* -1: sent or dropped already */
     prism_worker_load_t l = {
         .running = (uint32_t)running, .waiting = (uint32_t)queued, .pool_free = (uint32_t)(e->max_queue - queued),
-        .cache_hits = e->cache.hits, .cache_misses = e->cache.misses,
+        .cache_hits = e->cache.hits, .cache_misses = e->cache.misses, .sends_waited = e->sends_waited,
     };
     prism_worker_set_load(&e->w, &l);
 }
@@ -340,7 +342,9 @@ static bool flush_batch(encoder_t *e, bool ready_only)
         job_t *j = &e->jobs[e->batch[i]];
         if (j->state != JOB_SEND) continue;
         int rc = j->prefill_endpoint[0] ? push_job(e, j) : PRISM_OK;   /* an early job: cached, done */
-        if (rc == PRISM_EAGAIN) {
+        if (rc == PRISM_EAGAIN) {   /* the prefill's pool is full: this batch waits (backpressure) */
+            if (!j->waited) e->sends_waited++;
+            j->waited = true;
             left++;
             continue;
         }

@@ -724,6 +724,7 @@ static void publish_load(prefill_t *p)
     prism_worker_load_t load = {
         .running = (uint32_t)pending, .waiting = p->kv_pending ? 1 : 0, .kv_free_blocks = (uint32_t)p->blocks.n_free,
         .pool_free = (uint32_t)emb_room(p),   /* images of the largest kind */
+        .prompts_aborted = p->cancelled,
     };
     prism_worker_set_load(&p->w, &load);
 }

@@ -429,6 +429,10 @@ static void metrics_workers(const router_t *r, prism_buf_t *b)
         {"prism:worker_peer_auth_failures_total", "Peers the worker refused at the CURVE handshake."},
         {"prism:worker_draining", "1 while the worker drains after SIGTERM (no new work goes to it)."},
         {"prism:worker_kv_waits_total", "KV transfers the decode worker held until blocks or a slot were free."},
+        {"prism:worker_tokens_generated_total", "Tokens the decode worker sampled."},
+        {"prism:worker_sequences_aborted_total", "Sequences the decode worker ended for an abort."},
+        {"prism:worker_prompts_aborted_total", "Prompts the prefill worker left mid-prompt for an abort."},
+        {"prism:worker_sends_waited_total", "Embeddings the encoder held until a prefill's pool had room."},
     };
     for (size_t g = 0; g < PRISM_ARRAY_LEN(gauges); g++) {
         prism_buf_appendf(b, "# HELP %s %s\n# TYPE %s %s\n", gauges[g][0], gauges[g][1], gauges[g][0],
@@ -440,7 +444,8 @@ static void metrics_workers(const router_t *r, prism_buf_t *b)
                           (double)w->mem_budget, w->kv_free_blocks, w->pool_free, (double)w->cache_hits,
                           (double)w->cache_misses, (double)w->alloc_count, (double)w->heartbeats,
                           (double)w->progress, w->busy, w->stuck, (double)w->peer_auth_failures,
-                          w->draining ? 1.0 : 0.0, (double)w->kv_waits};
+                          w->draining ? 1.0 : 0.0, (double)w->kv_waits, (double)w->tokens_generated,
+                          (double)w->seqs_aborted, (double)w->prompts_aborted, (double)w->sends_waited};
             _Static_assert(PRISM_ARRAY_LEN(v) == PRISM_ARRAY_LEN(gauges), "one value per gauge");
             prism_metric_label_value(wid, sizeof(wid), w->id);  /* ids come from the network */
             snprintf(lbl, sizeof(lbl), "tier=\"%s\",worker=\"%s\"", prism_role_name(w->role), wid);

@@ -101,6 +101,10 @@ bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat
     w->cache_hits = hb->cache_hits;
     w->cache_misses = hb->cache_misses;
     w->kv_waits = hb->kv_waits;
+    w->tokens_generated = hb->tokens_generated;
+    w->seqs_aborted = hb->seqs_aborted;
+    w->prompts_aborted = hb->prompts_aborted;
+    w->sends_waited = hb->sends_waited;
     w->alloc_count = hb->alloc_count;
     w->heartbeats++;
     w->peer_auth_failures = hb->peer_auth_failures;

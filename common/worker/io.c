@@ -427,6 +427,10 @@ static void io_heartbeat(prism_worker_t *w)
     hb.cache_hits = l.cache_hits;
     hb.cache_misses = l.cache_misses;
     hb.kv_waits = l.kv_waits;
+    hb.tokens_generated = l.tokens_generated;
+    hb.seqs_aborted = l.seqs_aborted;
+    hb.prompts_aborted = l.prompts_aborted;
+    hb.sends_waited = l.sends_waited;
     hb.mem_used = prism_mem_used();
     hb.mem_peak = prism_mem_peak();
     hb.mem_planned = w->reg.mem_planned;

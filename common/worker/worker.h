@@ -105,6 +105,11 @@ typedef struct {
     uint32_t running, waiting, kv_free_blocks, pool_free;
     uint64_t cache_hits, cache_misses;
     uint64_t kv_waits;       /* decode: KV transfers that waited for blocks or a slot (a counter) */
+    /* what aborts stopped, so a test sees work end rather than only a log line (counters) */
+    uint64_t tokens_generated;  /* decode: tokens sampled */
+    uint64_t seqs_aborted;      /* decode: sequences ended by an abort */
+    uint64_t prompts_aborted;   /* prefill: prompts left mid-prompt for an abort */
+    uint64_t sends_waited;      /* encoder: embeddings that waited for room in a prefill's pool */
 } prism_worker_load_t;
 
 /* An abort as the I/O thread saw it. */

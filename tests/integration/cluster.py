@@ -359,6 +359,39 @@ def wait_for(fn, timeout, what, interval=0.02):
         time.sleep(interval)
 
 
+def fresh_heartbeats(c, worker, n=2, timeout=30):
+    """Waits until worker has sent n more heartbeats than now: its numbers read afterwards were taken
+    after everything that happened before this call."""
+    start = c.metric("prism:worker_heartbeats_total", worker=worker)
+    assert start is not None, "prism:worker_heartbeats_total is missing for %s" % worker
+    wait_for(lambda: c.metric("prism:worker_heartbeats_total", worker=worker) >= start + n, timeout,
+             "%d fresh heartbeats from %s" % (n, worker))
+
+
+def work_counters(c, worker="decode-0"):
+    """What aborts stop, as the worker heartbeats it: {tokens, aborted, prompts_aborted, progress}."""
+    return {"tokens": c.metric("prism:worker_tokens_generated_total", worker=worker) or 0,
+            "aborted": c.metric("prism:worker_sequences_aborted_total", worker=worker) or 0,
+            "prompts_aborted": c.metric("prism:worker_prompts_aborted_total", worker=worker) or 0,
+            "progress": c.metric("prism:worker_progress_total", worker=worker) or 0}
+
+
+def assert_abort_stopped_decode(c, before, budget_tokens, worker="decode-0", timeout=10):
+    """An abort stopped the decode worker's sequence (not only its log line): its count of aborted
+    sequences rose, and once it is idle the tokens it sampled since `before` (work_counters taken
+    just before the abort) are far fewer than the request asked for (budget_tokens): a worker that
+    logs the abort and keeps generating samples them all, which the waits of a test cannot tell."""
+    wait_for(lambda: work_counters(c, worker)["aborted"] > before["aborted"], timeout,
+             "the decode worker to end the aborted sequence (prism:worker_sequences_aborted_total)")
+    wait_for(lambda: c.metric("prism:worker_running", worker=worker) == 0, timeout, "%s idle" % worker)
+    fresh_heartbeats(c, worker)
+    after = work_counters(c, worker)
+    assert after["tokens"] - before["tokens"] < budget_tokens // 4, (
+        "the decode worker went on after the abort: %d tokens sampled since, of %d asked" % (
+            after["tokens"] - before["tokens"], budget_tokens))
+    return after
+
+
 def image_url(path):
     with open(path, "rb") as f:
         data = f.read()

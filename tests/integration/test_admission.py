@@ -29,7 +29,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import Cluster, binary, chat_body, make_image, run_tests, run_tool, wait_for, MODEL  # noqa: E402
+from cluster import (Cluster, assert_abort_stopped_decode, binary, chat_body, make_image, run_tests,  # noqa: E402
+                     run_tool, wait_for, work_counters, MODEL)
 
 TMP = tempfile.mkdtemp(prefix="prism-admission-")
 JPG = make_image(os.path.join(TMP, "red_circle.jpg"), width=640, height=480, shape="circle", color="red")
@@ -319,6 +320,7 @@ def test_request_timeout_ends_stream_and_aborts():
                  worker_args={"decode_worker": ["--log-level", "debug"]}) as c:
         c.wait_ready()
         t0 = time.time()
+        before = work_counters(c)
         s = c.open_stream("/v1/chat/completions", long_stream_body())
         n_tokens, events = 0, []
         while True:
@@ -334,9 +336,9 @@ def test_request_timeout_ends_stream_and_aborts():
         assert events[-1] == "[DONE]", events[-2:]
         assert n_tokens < 1800, "the request finished before its deadline: the test did not exercise the timeout"
         assert 0.3 <= elapsed < 15, elapsed
-        # the decode worker was told to stop
+        # the decode worker was told to stop, and stopped
         c.wait_log("decode-0", "aborted", timeout=30)
-        wait_for(lambda: c.metric("prism:worker_running", tier="decode") == 0, 30, "the decode worker idle")
+        assert_abort_stopped_decode(c, before, 1800, timeout=30)
         # non-streaming: a clean 503
         status, _, data = c.request("POST", "/v1/chat/completions", dict(long_stream_body(), stream=False))
         assert status == 503 and "timed out" in json.loads(data)["error"]["message"], (status, data[:200])

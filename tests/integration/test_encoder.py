@@ -163,7 +163,10 @@ def test_cache_hit_keeps_its_own_embeddings():
         alias = ask(c, [b, b])   # what the bug answers
     assert [t for t, _ in ref] != [t for t, _ in alias] or any(
         abs(x - y) > 1e-3 for (_, x), (_, y) in zip(ref, alias)), "images too alike to tell"
-    with Cluster(worker_args={"encoder_worker": ["--embedding-cache-bytes", str(emb + 64),
+    # without early encodes: they would cache b before its request's batch (then a hit too), and the
+    # hit-and-miss batch this guards would never form
+    with Cluster(router_args=["--no-early-encode"],
+                 worker_args={"encoder_worker": ["--embedding-cache-bytes", str(emb + 64),
                                                  "--max-batch-images", "2"]}) as c:
         c.wait_ready()
         for rnd in range(6):

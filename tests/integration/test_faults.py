@@ -31,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cluster import (Cluster, check_answer, chat_body, distinct_requests, make_image, reference, run_tests,  # noqa: E402
-                     wait_for)
+                     wait_for, work_counters, assert_abort_stopped_decode)
 
 TMP = tempfile.mkdtemp(prefix="prism-faults-")
 FAST_HB = ["--heartbeat-interval", "0.1"]
@@ -210,9 +210,13 @@ def test_hundred_hung_up_streams_free_every_pool():
                  (c.metric("prism:worker_running", tier="prefill") or 0) >= 10, 120, "every tier busy")
         busy = pool_state(c)
         assert busy["decode_kv_free"] < idle["decode_kv_free"], (busy, idle)
+        before = work_counters(c)
         for s in socks:  # the clients hang up mid-stream
             s.close()
         wait_for(lambda: c.metric("prism:router_requests_in_flight") == 0, 60, "the router to forget every request")
+        # the sequences decode ran were ended, not run out for nobody (1500 tokens each)
+        after = assert_abort_stopped_decode(c, before, int(busy["decode_running"]) * 1500, timeout=60)
+        assert after["aborted"] - before["aborted"] >= busy["decode_running"], (before, after, busy)
         beats = c.metric("prism:worker_heartbeats_total")
         wait_for(lambda: pool_state(c) == idle and c.metric("prism:worker_heartbeats_total") > beats + 3, 60,
                  "every pool back to its idle value (idle %s, now %s)" % (idle, pool_state(c)))

@@ -17,6 +17,7 @@ import concurrent.futures
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +31,7 @@ TMP = tempfile.mkdtemp(prefix="prism-limits-")
 BIG = make_image(os.path.join(TMP, "big.jpg"), width=4096, height=4096, photo=True, quality=90, seed=5)
 SMALL = make_image(os.path.join(TMP, "small.png"), width=200, height=120, shape="triangle", color="green")
 BUDGET = 512 << 20
+PLAN_HEAP_MARGIN = 256 << 10   # what start-up may hold beyond the regions for a moment (a file read, a log line)
 
 
 def metrics(c):
@@ -251,9 +253,49 @@ def test_router_within_its_budget_under_a_burst():
         assert status == 200, (status, r)
 
 
+def test_every_worker_within_its_plan_under_load():
+    """Every worker's memory against its own plan after a mixed load (images of eight sizes, text,
+    n up to 3, long and short generations, 24 at once): the heap's peak (the counting allocator's,
+    prism:worker_memory_peak_bytes) within the plan's heap regions (pools and libraries, as the
+    worker logged them at start-up), and the resident peak (VmHWM) within the plan's total, which
+    counts the runtime and headroom too. A region left out of a plan (the prefill's KV cache), or
+    memory taken while serving that no region holds, fails here."""
+    imgs = [make_image(os.path.join(TMP, "plan%d.jpg" % i), width=640 + 256 * i, height=480 + 128 * i, photo=True,
+                       seed=i) for i in range(8)]
+    held = re.compile(r"memory plan: pools and libraries (\d+) bytes")
+    with Cluster(common_worker_args=FAST_HB + ["--mem-budget", str(BUDGET)]) as c:
+        c.wait_ready()
+
+        def one(i):
+            body = chat_body("Tell me a story %d" % i, [imgs[i % 8]] if i % 3 else [], max_tokens=300 if i % 2 else 24,
+                             temperature=0.7, seed=i, ignore_eos=True, n=1 + i % 3)
+            return c.post_json("/v1/chat/completions", body, timeout=300)[0]
+
+        with concurrent.futures.ThreadPoolExecutor(24) as ex:
+            statuses = list(ex.map(one, range(96)))
+        assert set(statuses) == {200}, statuses
+        wait_heartbeats(c)
+        for w in ("encoder-0", "prefill-0", "decode-0"):
+            planned = c.metric("prism:worker_memory_planned_bytes", worker=w)
+            peak = c.metric("prism:worker_memory_peak_bytes", worker=w)
+            heap_regions = int(held.search(c.log(w, tail=0)).group(1))
+            print("  %s: heap peak %d, the plan's heap regions %d (%+d); resident peak %d of a plan of %d" % (
+                w, peak, heap_regions, peak - heap_regions, vm_hwm(c.procs[w].pid), planned), flush=True)
+            assert peak <= heap_regions + PLAN_HEAP_MARGIN, (
+                "%s: its heap peaked %d bytes above its plan's pools and libraries" % (w, peak - heap_regions))
+            assert planned <= BUDGET, (w, planned)
+            if not under_asan(c.procs[w].pid):
+                assert vm_hwm(c.procs[w].pid) <= planned, (w, vm_hwm(c.procs[w].pid), planned)
+
+
 def test_backpressure_and_flat_allocations():
+    """A prefill worker with a one-image embedding pool, and 24 image requests at once: the pool
+    fills and the encoder waits (the prefill stopped meanwhile, so its pool and the sockets' buffers
+    are full for certain: counted in prism:worker_sends_waited_total), then every request completes;
+    and no worker allocates on the request path, in either burst."""
     pre = ["--embed-pool-images", "1", "--max-pending-requests", "64"]
-    with Cluster(worker_args={"prefill_worker": pre}, common_worker_args=FAST_HB) as c:
+    with Cluster(worker_args={"prefill_worker": pre}, common_worker_args=FAST_HB,
+                 router_args=["--worker-timeout", "60"]) as c:
         c.wait_ready()
         imgs = [make_image(os.path.join(TMP, "bp%d.jpg" % i), width=640 + 16 * i, height=480, shape="circle",
                            color="red", seed=i) for i in range(24)]
@@ -266,8 +308,19 @@ def test_backpressure_and_flat_allocations():
         assert all(s == 200 for s, _ in res), [s for s, _ in res]
         wait_heartbeats(c)
         before = metrics(c)
-        with concurrent.futures.ThreadPoolExecutor(24) as ex:
-            res = list(ex.map(one, range(24, 48)))
+        waited0 = c.metric("prism:worker_sends_waited_total", worker="encoder-0")
+        assert waited0 is not None, "prism:worker_sends_waited_total is missing"
+        prefill = c.procs["prefill-0"]
+        prefill.send_signal(signal.SIGSTOP)   # its pool (one image) fills, then the sockets': the encoder must wait
+        try:
+            with concurrent.futures.ThreadPoolExecutor(24) as ex:
+                futs = [ex.submit(one, i) for i in range(24, 48)]
+                wait_for(lambda: c.metric("prism:worker_sends_waited_total", worker="encoder-0") > waited0, 60,
+                         "the encoder to wait for the prefill's pool")
+                prefill.send_signal(signal.SIGCONT)
+                res = [f.result() for f in futs]
+        finally:
+            prefill.send_signal(signal.SIGCONT)
         assert all(s == 200 for s, _ in res), [s for s, _ in res]
         wait_heartbeats(c)
         after = metrics(c)
@@ -423,4 +476,5 @@ if __name__ == "__main__":
                         test_budget_too_small_refuses_to_start, test_backpressure_and_flat_allocations,
                         test_decode_admission_waits_for_kv, test_worker_failure_fails_requests_cleanly,
                         test_busy_encoder_keeps_heartbeating,
-                        test_overload_burst_and_recovery, test_router_within_its_budget_under_a_burst]))
+                        test_overload_burst_and_recovery, test_router_within_its_budget_under_a_burst,
+                        test_every_worker_within_its_plan_under_load]))

@@ -26,7 +26,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import Cluster, chat_body, make_image, run_tests, wait_for  # noqa: E402
+from cluster import (Cluster, assert_abort_stopped_decode, chat_body, make_image, run_tests, wait_for,  # noqa: E402
+                     work_counters)
 
 TMP = tempfile.mkdtemp(prefix="prism-stream-")
 JPG = make_image(os.path.join(TMP, "red_circle.jpg"), width=640, height=480, shape="circle", color="red")
@@ -108,6 +109,7 @@ def test_stop_string_aborts_generation():
         text = r["choices"][0]["message"]["content"]
         stop = text[4:9]
         t0 = time.time()
+        before = work_counters(c)
         s = c.open_stream("/v1/chat/completions", dict(body, max_tokens=1800, stop=[stop], stream=True))
         events = []
         while True:
@@ -119,8 +121,8 @@ def test_stop_string_aborts_generation():
                         if isinstance(e, dict) and e.get("choices"))
         assert text2 == text[:text.index(stop)], (text2, text, stop)
         c.wait_log("decode-0", "aborted", timeout=5)
-        wait_for(lambda: c.metric("prism:worker_running", tier="decode") == 0, 5, "the decode worker idle")
-        assert time.time() - t0 < 10
+        assert_abort_stopped_decode(c, before, 1800)
+        assert time.time() - t0 < 20
 
 
 def long_body():
@@ -169,14 +171,38 @@ def test_client_disconnect_aborts_generation():
         s = c.open_stream("/v1/chat/completions", long_body())
         read_content_events(s, 5)
         wait_for(lambda: c.metric("prism:worker_running", tier="decode") == 1, 10, "the decode worker running it")
+        before = work_counters(c)
         s.close()
         # the router forgets the request at once, tells the decode worker, which stops: its running
         # count returns to 0 long before 1800 tokens could have been generated
         wait_for(lambda: c.metric("prism:router_requests_in_flight") == 0, 5, "the router to drop the request")
         c.wait_log("decode-0", "aborted", timeout=5)
-        wait_for(lambda: c.metric("prism:worker_running", tier="decode") == 0, 5, "the decode worker idle")
+        assert_abort_stopped_decode(c, before, 1800)
         assert c.metric("vllm:request_success_total", finished_reason="abort") == aborts0 + 1
         # and it serves the next request
+        status, r = c.post_json("/v1/chat/completions", chat_body("Hi", max_tokens=4))
+        assert status == 200, (status, r)
+
+
+def test_client_disconnect_stops_prefill_mid_prompt():
+    """A client that leaves while its long prompt is in prefill (1800 one-token chunks) stops it
+    mid-prompt: the prefill worker counts the prompt left (prism:worker_prompts_aborted_total); a
+    prefill that logs the abort and runs the rest of the prompt fails here."""
+    import http.client
+    with Cluster(common_worker_args=FAST_HB, worker_args={"prefill_worker": ["--chunked-prefill-size", "1"]}) as c:
+        c.wait_ready()
+        before = work_counters(c, "prefill-0")
+        conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=60)
+        conn.request("POST", "/v1/chat/completions", headers={"Content-Type": "application/json"},
+                     body=json.dumps(chat_body("tell me " * 900, max_tokens=4)).encode())
+        wait_for(lambda: work_counters(c, "prefill-0")["progress"] > before["progress"] + 8, 60,
+                 "the prefill worker to start on the long prompt")
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        wait_for(lambda: work_counters(c, "prefill-0")["prompts_aborted"] == before["prompts_aborted"] + 1, 60,
+                 "the prefill worker to leave the prompt (prism:worker_prompts_aborted_total)")
+        assert "prefill stopped" in c.log("prefill-0", tail=0), c.log("prefill-0")
+        wait_for(lambda: c.metric("prism:worker_running", worker="prefill-0") == 0, 10, "the prefill worker idle")
         status, r = c.post_json("/v1/chat/completions", chat_body("Hi", max_tokens=4))
         assert status == 200, (status, r)
 
@@ -282,7 +308,8 @@ if __name__ == "__main__":
         rc = run_tests([test_stream_stop_string_spanning_many_tokens, test_stream_stop_string_never_completed_is_released,
                         test_stream_earliest_of_several_stop_strings_wins, test_stop_string_aborts_generation,
                         test_sse_error_event_when_worker_dies,
-                        test_client_disconnect_aborts_generation, test_worker_restart_same_id_ends_streams,
+                        test_client_disconnect_aborts_generation, test_client_disconnect_stops_prefill_mid_prompt,
+                        test_worker_restart_same_id_ends_streams,
                         test_loop_answers_while_a_huge_prompt_is_tokenized])
     finally:
         C.stop()

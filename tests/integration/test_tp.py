@@ -28,7 +28,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import Cluster, check_answer, chat_body, distinct_requests, link_ports, run_tests, wait_for  # noqa: E402
+from cluster import (Cluster, assert_abort_stopped_decode, check_answer, chat_body, distinct_requests,  # noqa: E402
+                     link_ports, run_tests, wait_for, work_counters)
 
 TMP = tempfile.mkdtemp(prefix="prism-tp-")
 _ALL = distinct_requests(TMP, max_tokens=12)
@@ -227,6 +228,7 @@ def test_aborts_and_overlap_in_groups():
 
         # a long prompt (1800 one-token chunks) whose client leaves while the group runs it
         p0 = c.metric("prism:worker_progress_total", worker="prefill-0") or 0
+        pa0 = c.metric("prism:worker_prompts_aborted_total", worker="prefill-0") or 0
         conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=60)
         conn.request("POST", "/v1/chat/completions", headers={"Content-Type": "application/json"},
                      body=json.dumps(chat_body("tell me " * 900, max_tokens=4)).encode())
@@ -238,6 +240,9 @@ def test_aborts_and_overlap_in_groups():
         m = re.search(r"after (\d+) of (\d+) prompt tokens \(tensor-parallel group: between chunks\)", log)
         assert m and 0 < int(m.group(1)) < int(m.group(2)), log[-2000:]
         print("  prefill group: the prompt stopped after %s of %s tokens" % m.groups(), flush=True)
+        # ... and left it (counted), not only said so
+        wait_for(lambda: (c.metric("prism:worker_prompts_aborted_total", worker="prefill-0") or 0) == pa0 + 1, 30,
+                 "the prefill group to count the prompt it left")
         wait_for(lambda: worker_gauge(c, "prism:worker_kv_free_blocks", "prefill", "prefill-0") == pkv0, 30,
                  "the prefill group to free the aborted prompt's blocks")
 
@@ -247,10 +252,12 @@ def test_aborts_and_overlap_in_groups():
         for _ in range(5):
             e = s.next_event()
             assert e is not None and e != "[DONE]", e
+        before = work_counters(c)
         s.close()
         wait_for(lambda: worker_gauge(c, "prism:worker_running", "decode", "decode-0") == 0 and
                  worker_gauge(c, "prism:worker_kv_free_blocks", "decode", "decode-0") == dkv0, 30,
                  "the decode group to free the aborted sequence")
+        assert_abort_stopped_decode(c, before, 1500, timeout=30)
         body, ref = REQS[0]
         answer(c, body, ref, True, "after the aborts")
         for n in ("decode-0.r1", "prefill-0.r1"):

@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""Mutation check of the guarantees in docs/TESTING.md: each mutant breaks one guarantee on purpose,
+and the test docs/TESTING.md names for that guarantee must fail on it (a test that passes on a
+broken product proves nothing).
+
+For every mutant (MUTANTS below) it applies the edit to a scratch worktree of the current commit,
+rebuilds there (ccache; CUDA off), runs the named test and expects it to fail; with --baseline it
+first runs each named test on the unmutated tree, where it must pass. The scratch tree and its build
+stay under --work (default BUILD/mutants) so later runs rebuild only what a mutant touches.
+
+  python3 tests/mutants/run.py                      # every mutant
+  python3 tests/mutants/run.py decode-abort-ignored router-ignores-seed --baseline
+  python3 tests/mutants/run.py --list
+
+Exit status 0 when every mutant was caught. One line per mutant: caught / MISSED, and the time.
+"""
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+IT = "python3 tests/integration/"
+# name: (what it breaks, [(file, text, replacement)], the test that must fail, build targets)
+MUTANTS = {
+    "decode-abort-ignored": (
+        "the decode worker logs an abort and keeps generating (issue 27)",
+        [("decode_worker/main.c",
+          "            if (!s->cancel) d->aborted++;\n"
+          "            if (s->in_step || s->finishing) s->cancel = true;   /* the device still writes its blocks */\n"
+          "            else seq_release(d, s);\n", ""),
+         ("decode_worker/main.c",
+          "    if (!prism_worker_aborted(&d->w, s->seq.rid, s->seq.router_id, &waited)) return false;",
+          "    if (!prism_worker_aborted(&d->w, s->seq.rid, s->seq.router_id, &waited) || 1) return false;")],
+        IT + "test_streaming.py test_client_disconnect_aborts_generation", ["decode_worker"]),
+    "prefill-no-midprompt-stop": (
+        "the prefill worker logs the abort of the prompt it runs and runs it to its end",
+        [("prefill_worker/main.c",
+          "    p->cur_dropped = true;\n    return true;\n}", "    return false;\n}")],
+        IT + "test_streaming.py test_client_disconnect_stops_prefill_mid_prompt", ["prefill_worker"]),
+    "encoder-libc-strdup": (
+        "a libc strdup / free per Encode in worker code (the counter sees only prism_malloc)",
+        [("encoder_worker/main.c",
+          "static void on_encode(encoder_t *e, prism_msg_t *m)\n{\n",
+          "#include <stdlib.h>\n#include <string.h>\n"
+          "static void on_encode(encoder_t *e, prism_msg_t *m)\n{\n"
+          "    char *copy = strdup(m->env->router_id ? m->env->router_id : \"\");\n"
+          "    if (copy && copy[0] == 1) e->failed++;\n    free(copy);\n")],
+        "ctest --test-dir $BUILD -R '^test_alloc_calls$' --output-on-failure", ["encoder_worker"]),
+    "plan-without-prefill-kv": (
+        "the prefill worker's memory plan leaves its KV cache out",
+        [("prefill_worker/main.c",
+          "    prism_mem_plan_add(pl, \"kv-cache\", (size_t)s->cap.kv_blocks * kv_block_bytes(p), PRISM_MEM_LIBRARY);",
+          "")],
+        IT + "test_limits.py test_every_worker_within_its_plan_under_load", ["prefill_worker"]),
+    "encoder-drops-on-full-pool": (
+        "a full prefill pool fails the image instead of making the encoder wait",
+        [("encoder_worker/main.c",
+          "        if (rc == PRISM_EAGAIN) {   /* the prefill's pool is full",
+          "        if (rc == PRISM_EAGAIN && 0) {   /* the prefill's pool is full")],
+        IT + "test_limits.py test_backpressure_and_flat_allocations", ["encoder_worker"]),
+    "embed-cache-ignores-pins": (
+        "a cache miss overwrites an entry a hit of the same batch still reads",
+        [("encoder_worker/embed_cache.c", "        } else if (!c->pins[i]) {", "        } else if (1) {"),
+         ("encoder_worker/embed_cache.c",
+          "if (c->used[i] && !c->pins[i] && (victim < 0 || c->stamp[i] < c->stamp[victim])) victim = i;",
+          "if (c->used[i] && (victim < 0 || c->stamp[i] < c->stamp[victim])) victim = i;")],
+        IT + "test_encoder.py test_cache_hit_keeps_its_own_embeddings", ["encoder_worker"]),
+    "router-ignores-seed": (
+        "the router drops the client's seed (the sampler draws its own)",
+        [("router/sched.c", "    sp->has_seed = o->has_seed;", "    sp->has_seed = false;")],
+        IT + "test_e2e.py test_seeded_sampling_reproducible", ["router"]),
+    "router-constant-seed": (
+        "the router sends one seed whatever the client asked",
+        [("router/sched.c", "    sp->seed = (uint64_t)o->seed;", "    sp->seed = 1;")],
+        IT + "test_e2e.py test_seeded_sampling_reproducible", ["router"]),
+    "api-key-prefix": (
+        "the API key compared without its length (an empty or partial Bearer token passes)",
+        [("common/core/core.c", "    uint8_t diff = (uint8_t)(presented_len != secret_len);", "    uint8_t diff = 0;")],
+        IT + "test_admission.py test_api_key", ["router"]),
+    "paused-upload-408": (
+        "a paused upload judged from its headers (pauses taken out, the way back counted): 408",
+        [("router/http_server.c",
+          "            c->t_rate = uv_now(c->srv->loop);\n            c->raw_rate = c->req ? c->req->body_raw : 0;",
+          "            c->t_rate += uv_now(c->srv->loop) - c->t_paused;")],
+        IT + "test_admission.py test_paused_uploads_are_not_slow_clients", ["router"]),
+    "router-no-budget": (
+        "the router's bounds ignore --mem-budget (the old defaults: 1 GiB of bodies, 1 GiB of images)",
+        [("router/plan.c", "    bool budget = in->budget > 0;", "    bool budget = false;")],
+        IT + "test_limits.py test_router_within_its_budget_under_a_burst", ["router"]),
+    "tokenize-drops-image": (
+        "/tokenize renders OpenAI image parts as they come (the template drops the placeholder)",
+        [("router/api.c", "        json_array_foreach(msgs, i, m) router_prompt_template_message(m);",
+          "        (void)i; (void)m;")],
+        IT + "test_llama4.py test_template_and_tokenizer_through_router", ["router"]),
+    "grammar-shared-skip-passes": (
+        "the grammar tests on the shared tokenizers pass when the tokenizers are absent",
+        [("tests/unit/grammar/gram_test_util.h", "    return missing ? 77 :", "    return missing ? 0 :")],
+        "PRISM_SHARED_DIR=/nonexistent $BUILD/tests/unit/grammar/test_grammar_json --shared; test $? -eq 77",
+        ["test_grammar_json"]),
+    "api-spec-skip-passes": (
+        "test_api's checks against the OpenAI spec pass when the spec is absent",
+        [("tests/integration/test_api.py",
+          "        raise Skip(\"the OpenAI spec is not at %s (PRISM_OPENAPI_DIR), or PyYAML is missing\" % SPEC_DIR)",
+          "        return")],
+        "PRISM_OPENAPI_DIR=/nonexistent " + IT + "test_api.py test_shapes_against_the_spec; test $? -eq 77", []),
+}
+
+
+def sh(cmd, cwd, env=None, log=None, timeout=None):
+    with open(log, "ab") if log else open(os.devnull, "wb") as out:
+        return subprocess.run(cmd, shell=True, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                              timeout=timeout).returncode
+
+
+def prepare(work, log):
+    """A scratch worktree of HEAD (made once, then reset to HEAD) and its configured build."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    src, build = os.path.join(work, "src"), os.path.join(work, "build")
+    if not os.path.isdir(os.path.join(src, ".git")) and not os.path.isfile(os.path.join(src, ".git")):
+        shutil.rmtree(src, ignore_errors=True)
+        subprocess.run(["git", "worktree", "prune"], cwd=ROOT, check=True)
+        subprocess.run(["git", "worktree", "add", "--detach", src, head], cwd=ROOT, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(["git", "checkout", "--detach", "-f", head], cwd=src, check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    subprocess.run(["git", "reset", "--hard", "-q"], cwd=src, check=True)
+    # the models and the shared folder sit beside the checkout (tests read ../shared)
+    if not os.path.exists(os.path.join(work, "shared")) and os.path.isdir(os.path.join(ROOT, "..", "shared")):
+        os.symlink(os.path.abspath(os.path.join(ROOT, "..", "shared")), os.path.join(work, "shared"))
+    if not os.path.isfile(os.path.join(build, "CMakeCache.txt")):
+        rc = sh("cmake -S %s -B %s -DCMAKE_BUILD_TYPE=Release -DPRISM_CUDA=OFF -DCMAKE_C_COMPILER_LAUNCHER=ccache "
+                "-DCMAKE_CUDA_COMPILER_LAUNCHER=ccache" % (src, build), src, log=log)
+        if rc:
+            sys.exit("cmake failed (see %s)" % log)
+    return src, build
+
+
+def build_all(src, build, log, jobs):
+    return sh("cmake --build %s -j%d" % (build, jobs), src, log=log)
+
+
+def run_test(cmd, src, build, log, timeout):
+    env = dict(os.environ, PRISM_BINARY_DIR=build, PRISM_SOURCE_DIR=src, BUILD=build)
+    try:
+        return sh(cmd.replace("$BUILD", build), src, env=env, log=log, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout"
+
+
+def apply(src, edits):
+    for rel, old, new in edits:
+        p = os.path.join(src, rel)
+        with open(p) as f:
+            text = f.read()
+        n = text.count(old)
+        if n != 1:
+            raise RuntimeError("%s: the text to mutate occurs %d times (the source moved: update the mutant)" % (rel, n))
+        with open(p, "w") as f:
+            f.write(text.replace(old, new))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    ap.add_argument("--work", default=os.path.join(ROOT, "build", "mutants"))
+    ap.add_argument("--baseline", action="store_true", help="first run each named test unmutated (it must pass)")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per test run")
+    ap.add_argument("--list", action="store_true")
+    args = ap.parse_args()
+    if args.list:
+        for n, (what, _, test, _) in MUTANTS.items():
+            print("%-28s %s\n%-28s   test: %s" % (n, what, "", test))
+        return 0
+    names = args.names or list(MUTANTS)
+    unknown = [n for n in names if n not in MUTANTS]
+    if unknown:
+        sys.exit("unknown mutants: %s (--list)" % unknown)
+    os.makedirs(args.work, exist_ok=True)
+    log = os.path.join(args.work, "run.log")
+    open(log, "w").close()
+    src, build = prepare(args.work, log)
+    print("scratch tree %s, build %s, log %s" % (src, build, log), flush=True)
+    if build_all(src, build, log, args.jobs):
+        sys.exit("the unmutated tree does not build (see %s)" % log)
+    if args.baseline:
+        for test in sorted({MUTANTS[n][2] for n in names}):
+            t0 = time.time()
+            rc = run_test(test, src, build, log, args.timeout)
+            print("baseline %-6s %5.0fs  %s" % ("ok" if rc == 0 else "FAILS(%s)" % rc, time.time() - t0, test), flush=True)
+            if rc != 0:
+                sys.exit("a named test fails unmutated: it cannot tell a mutant (see %s)" % log)
+    missed = []
+    for n in names:
+        what, edits, test, _targets = MUTANTS[n]
+        t0 = time.time()
+        subprocess.run(["git", "checkout", "-f", "-q", "--", "."], cwd=src, check=True)
+        with open(log, "a") as f:
+            f.write("\n===== mutant %s: %s\n" % (n, what))
+        apply(src, edits)
+        if build_all(src, build, log, args.jobs):
+            verdict = "BROKEN (does not build)"   # a mutant must build, or it shows nothing
+            missed.append(n)
+        else:
+            rc = run_test(test, src, build, log, args.timeout)
+            verdict = "caught" if rc != 0 else "MISSED"
+            if verdict == "MISSED":
+                missed.append(n)
+        print("%-28s %-24s %5.0fs  %s" % (n, verdict, time.time() - t0, test), flush=True)
+    subprocess.run(["git", "checkout", "-f", "-q", "--", "."], cwd=src, check=True)
+    build_all(src, build, log, args.jobs)   # leave the scratch build unmutated
+    print("%d mutants, %d caught, %d missed%s" % (len(names), len(names) - len(missed), len(missed),
+                                                 (": " + ", ".join(missed)) if missed else ""))
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
