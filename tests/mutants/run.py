@@ -11,6 +11,7 @@ stay under --work (default BUILD/mutants) so later runs rebuild only what a muta
   python3 tests/mutants/run.py                      # every mutant
   python3 tests/mutants/run.py decode-abort-ignored router-ignores-seed --baseline
   python3 tests/mutants/run.py --list
+  python3 tests/mutants/run.py --clean              # the scratch worktree (a registered git worktree) goes
 
 Exit status 0 when every mutant was caught. One line per mutant: caught / MISSED, and the time.
 """
@@ -171,7 +172,15 @@ def main():
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=900, help="seconds per test run")
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--clean", action="store_true", help="remove the scratch worktree and its build, then exit")
     args = ap.parse_args()
+    if args.clean:
+        src = os.path.join(args.work, "src")
+        if os.path.exists(src):
+            subprocess.run(["git", "worktree", "remove", "--force", src], cwd=ROOT)
+        shutil.rmtree(args.work, ignore_errors=True)
+        subprocess.run(["git", "worktree", "prune"], cwd=ROOT)
+        return 0
     if args.list:
         for n, (what, _, test, _) in MUTANTS.items():
             print("%-28s %s\n%-28s   test: %s" % (n, what, "", test))
