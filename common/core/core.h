@@ -113,8 +113,9 @@ void prism_buf_free(prism_buf_t *b);
 
 /* ---- shared bytes: one buffer, several holders (any thread) ----
  * A prism_malloc'd buffer with a reference count: the router's copy of an image and the ZeroMQ
- * frames that carry it are the same bytes (net.h prism_frame_t.shared), freed when the last holder
- * lets go, from whichever thread that is. The bytes never change once shared. */
+ * frames that carry it are the same bytes (net.h prism_frame_t.release drops a frame's reference),
+ * freed when the last holder lets go, from whichever thread that is. The bytes never change once
+ * shared. */
 typedef struct prism_shared prism_shared_t;
 /* Takes data[0..len) over (one reference, the caller's); NULL when the small record cannot be
  * allocated, and then data is still the caller's. */
