@@ -39,6 +39,7 @@
 #include "prep.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef enum { JOB_FREE, JOB_QUEUED, JOB_ENCODED, JOB_SEND } job_state_t;
@@ -115,6 +116,7 @@ typedef struct {
     int piece_rows;           /* rows per Embeddings message (and per cache unit) */
     prism_vgrid_t vgrid[256]; /* the vision batch's grids, in pix_job order */
     uint64_t sends_waited;    /* jobs whose embeddings waited for a prefill's pool (heartbeats) */
+    bool test_hold_ready;     /* test hook PRISM_TEST_HOLD_READY: see flush_batch */
 } encoder_t;
 
 static void publish_load(encoder_t *e)
@@ -336,6 +338,10 @@ static void on_msg(prism_worker_t *w, prism_msg_t *m, int source, void *ud)
  * whose early job was just encoded does not wait for this batch's images; they leave the batch. */
 static bool flush_batch(encoder_t *e, bool ready_only)
 {
+    /* Test hook: nothing leaves before the batch's vision tower has run, as when the prefill's pool
+     * is full at that moment; a cache hit then stays pinned while the misses of its batch are put
+     * (test_encoder.py::test_cache_hit_keeps_its_own_embeddings). */
+    if (ready_only && e->test_hold_ready) return false;
     int left = 0;
     for (int i = 0; i < e->n_batch; i++) {
         if (e->batch[i] < 0) continue;
@@ -718,6 +724,10 @@ static int encoder_size(void *ctx, prism_worker_startup_t *s)
     e->max_queue_bytes = (uint64_t)e->f.max_queue_bytes;
     e->max_batch_s = e->f.max_batch_s;
     s->cap = (prism_worker_capacity_t){.max_running = (uint32_t)e->max_queue, .max_queued_bytes = e->max_queue_bytes};
+    const char *hold = getenv("PRISM_TEST_HOLD_READY");
+    e->test_hold_ready = hold && *hold && strcmp(hold, "0");
+    if (e->test_hold_ready)
+        PRISM_WARN("test hook PRISM_TEST_HOLD_READY is set: results wait for their batch's vision tower");
     if (prism_model_native_vision(&e->cfg)) {
         /* native resolution: the largest image (hence the buffers) is sized with the plan */
         e->native = true;

@@ -181,8 +181,12 @@ def main():
     ap.add_argument("--router-args", default="", help="extra router flags (space separated)")
     ap.add_argument("--worker-args", default="--mem-budget 512M", help="flags of every worker (space separated)")
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--router-bin", default="", help="run this router binary instead of the build's (a variant)")
     args = ap.parse_args()
     cl.BUILD = os.path.abspath(args.build_dir)
+    if args.router_bin:
+        build_binary = cl.binary
+        cl.binary = lambda name: os.path.abspath(args.router_bin) if name == "router" else build_binary(name)
     tmp = tempfile.mkdtemp(prefix="prism-membench-")
     sizes = [int(x) for x in args.sizes.split(",") if x]
     if args.burst and 4096 not in sizes:

@@ -164,8 +164,10 @@ def test_cache_hit_keeps_its_own_embeddings():
     assert [t for t, _ in ref] != [t for t, _ in alias] or any(
         abs(x - y) > 1e-3 for (_, x), (_, y) in zip(ref, alias)), "images too alike to tell"
     # without early encodes: they would cache b before its request's batch (then a hit too), and the
-    # hit-and-miss batch this guards would never form
-    with Cluster(router_args=["--no-early-encode"],
+    # hit-and-miss batch this guards would never form; and with the hit held until the batch's tower
+    # has run (test hook PRISM_TEST_HOLD_READY, as when the prefill's pool is full): a hit is sent
+    # before the tower runs otherwise, and a miss's put could not reach it in time
+    with Cluster(router_args=["--no-early-encode"], worker_env={"encoder_worker": {"PRISM_TEST_HOLD_READY": "1"}},
                  worker_args={"encoder_worker": ["--embedding-cache-bytes", str(emb + 64),
                                                  "--max-batch-images", "2"]}) as c:
         c.wait_ready()

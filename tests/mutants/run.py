@@ -52,10 +52,10 @@ MUTANTS = {
           "    if (copy && copy[0] == 1) e->failed++;\n    free(copy);\n")],
         "ctest --test-dir $BUILD -R '^test_alloc_calls$' --output-on-failure", ["encoder_worker"]),
     "plan-without-prefill-kv": (
-        "the prefill worker's memory plan leaves its KV cache out",
+        "the prefill worker's memory plan leaves its KV cache out (one block of it counted)",
         [("prefill_worker/main.c",
           "    prism_mem_plan_add(pl, \"kv-cache\", (size_t)s->cap.kv_blocks * kv_block_bytes(p), PRISM_MEM_LIBRARY);",
-          "")],
+          "    prism_mem_plan_add(pl, \"kv-cache\", kv_block_bytes(p), PRISM_MEM_LIBRARY);")],
         IT + "test_limits.py test_every_worker_within_its_plan_under_load", ["prefill_worker"]),
     "encoder-drops-on-full-pool": (
         "a full prefill pool fails the image instead of making the encoder wait",
