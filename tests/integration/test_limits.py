@@ -76,6 +76,45 @@ def test_budget_too_small_refuses_to_start():
         assert "memory plan needs" in p.stderr and all(n in p.stderr for n in names), (extra, p.stderr[-800:])
 
 
+def start_outcome(kind, budget, extra=()):
+    """Starts a worker of kind (no router to reach) with --mem-budget budget and reads its log until
+    it refuses (exit, 'memory plan needs') or is past start-up ('pools and libraries'): ('refused' |
+    'started', the plan's total in bytes)."""
+    p = subprocess.Popen([binary(kind), "--model-path", MODEL, "--router", "tcp://127.0.0.1:1", "--insecure-no-curve",
+                          "--mem-budget", str(budget), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    total, outcome = None, None
+    try:
+        for line in p.stdout:
+            m = re.search(r"memory plan: total\s+.*\((\d+) bytes\)", line)
+            if m:
+                total = int(m.group(1))
+            if "memory plan needs" in line:
+                outcome = "refused"
+                break
+            if "memory plan: pools and libraries" in line:
+                outcome = "started"
+                break
+    finally:
+        p.kill()
+        p.wait()
+    return outcome, total
+
+
+def test_budget_is_checked_against_the_whole_plan():
+    """A worker's budget is held against its plan's total, to the byte: 4 MiB below the total it
+    refuses to start, 4 MiB above it starts (whether the total counts everything the worker holds is
+    test_every_worker_within_its_plan_under_load's question)."""
+    for kind, extra in (("encoder_worker", ()), ("prefill_worker", ()), ("decode_worker", ("--kv-blocks", "256"))):
+        outcome, total = start_outcome(kind, 1 << 30, extra)
+        assert outcome == "started" and total, (kind, outcome, total)
+        margin = 4 << 20
+        assert start_outcome(kind, total + margin, extra)[0] == "started", (kind, total)
+        outcome, seen = start_outcome(kind, total - margin, extra)
+        assert outcome == "refused", ("%s started under a budget %d bytes below its plan (%d): the plan checked "
+                                      "lacks what it holds" % (kind, margin, total), seen)
+
+
 # What each refusal says, and the reason it is counted under in prism:requests_refused_total.
 REFUSALS = {
     "Too many request bytes in flight": (503, "body_bytes_inflight"),
@@ -257,12 +296,13 @@ def test_every_worker_within_its_plan_under_load():
     """Every worker's memory against its own plan after a mixed load (48 requests, 24 at once: images
     of eight sizes, text, n up to 3, long and short generations): the heap's peak (the counting allocator's,
     prism:worker_memory_peak_bytes) within the plan's heap regions (pools and libraries, as the
-    worker logged them at start-up), and the resident peak (VmHWM) within the plan's total, which
+    budget check saw them), and the resident peak (VmHWM) within the plan's total, which
     counts the runtime and headroom too. A region left out of a plan (the prefill's KV cache), or
     memory taken while serving that no region holds, fails here."""
     imgs = [make_image(os.path.join(TMP, "plan%d.jpg" % i), width=640 + 256 * i, height=480 + 128 * i, photo=True,
                        seed=i) for i in range(8)]
-    held = re.compile(r"memory plan: pools and libraries (\d+) bytes")
+    # the regions as the budget check saw them (one line each, logged when it was checked)
+    region = re.compile(r"memory plan: (\S+)\s+.*\s(pool|library|outside)\s+\((\d+) bytes\)")
     with Cluster(common_worker_args=FAST_HB + ["--mem-budget", str(BUDGET)]) as c:
         c.wait_ready()
 
@@ -278,7 +318,9 @@ def test_every_worker_within_its_plan_under_load():
         for w in ("encoder-0", "prefill-0", "decode-0"):
             planned = c.metric("prism:worker_memory_planned_bytes", worker=w)
             peak = c.metric("prism:worker_memory_peak_bytes", worker=w)
-            heap_regions = int(held.search(c.log(w, tail=0)).group(1))
+            regions = [(m.group(2), int(m.group(3))) for m in region.finditer(c.log(w, tail=0))]
+            heap_regions = sum(b for kind, b in regions if kind != "outside")
+            assert regions and sum(b for _, b in regions) == planned, (w, planned, regions)
             print("  %s: heap peak %d, the plan's heap regions %d (%+d); resident peak %d of a plan of %d" % (
                 w, peak, heap_regions, peak - heap_regions, vm_hwm(c.procs[w].pid), planned), flush=True)
             assert peak <= heap_regions + PLAN_HEAP_MARGIN, (
@@ -473,7 +515,8 @@ def test_stream_client_that_stops_reading_is_dropped():
 
 if __name__ == "__main__":
     sys.exit(run_tests([test_stream_client_that_stops_reading_is_dropped,
-                        test_budget_too_small_refuses_to_start, test_backpressure_and_flat_allocations,
+                        test_budget_too_small_refuses_to_start, test_budget_is_checked_against_the_whole_plan,
+                        test_backpressure_and_flat_allocations,
                         test_decode_admission_waits_for_kv, test_worker_failure_fails_requests_cleanly,
                         test_busy_encoder_keeps_heartbeating,
                         test_overload_burst_and_recovery, test_router_within_its_budget_under_a_burst,
