@@ -176,7 +176,7 @@ def main():
     ap.add_argument("--sizes", default="512,2048,4096")
     ap.add_argument("--concurrency", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--burst", type=int, default=384, help="4096x4096 uploads at once after the matrix (0: none)")
-    ap.add_argument("--quality", type=int, default=94, help="JPEG quality (94: the 4096x4096 photo is ~7.6 MB)")
+    ap.add_argument("--quality", type=int, default=93, help="JPEG quality (93: the 4096x4096 photo is 7.6 MB)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--router-args", default="", help="extra router flags (space separated)")
     ap.add_argument("--worker-args", default="--mem-budget 512M", help="flags of every worker (space separated)")
