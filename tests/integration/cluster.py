@@ -77,6 +77,16 @@ def binary(name):
     return os.path.join(BUILD, sub, name)
 
 
+def sanitized():
+    """Whether the binaries are a sanitizer build (AddressSanitizer's shadow and quarantine are
+    resident: memory bounds are not the product's there, and start-up alone takes tens of MiB)."""
+    try:
+        out = subprocess.run(["ldd", binary("router")], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "libasan" in out or "libtsan" in out
+
+
 def make_keys(directory):
     """A cluster's CURVE key directory (prism_keygen): one keypair per role."""
     subprocess.run([binary("prism_keygen"), "--out", directory], check=True, stdout=subprocess.DEVNULL)
