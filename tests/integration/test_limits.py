@@ -453,8 +453,10 @@ def test_busy_encoder_keeps_heartbeating():
     4096x4096 image's ~150 ms) with --worker-timeout 0.3: alive and working, it must not be dropped."""
     huge = make_image(os.path.join(TMP, "huge.jpg"), width=8192, height=8192, photo=True, quality=85, seed=9)
     px = ["--max-image-pixels", str(8192 * 8192)]
-    # the image is larger than the default --max-image-bytes (20 MiB) too
-    with Cluster(router_args=["--worker-timeout", "0.3", "--max-body-bytes", "128M", "--max-image-bytes", "96M", *px],
+    # the image is larger than the default --max-image-bytes (20 MiB) too; a 128 MiB body (and a 96 MiB
+    # download, the URL fetcher's row) needs more than the router's default 512 MiB plan holds
+    with Cluster(router_args=["--worker-timeout", "0.3", "--max-body-bytes", "128M", "--max-image-bytes", "96M",
+                              "--mem-budget", "1G", *px],
                  common_worker_args=FAST_HB,
                  worker_args={"encoder_worker": ["--embedding-cache-bytes", "0", *px]}) as c:
         c.wait_ready()
