@@ -71,7 +71,9 @@ static size_t row_floor(const router_plan_in_t *in, const router_plan_t *p, rout
     case ROUTER_ROW_IMAGES:      return p->max_body + MIB;
     case ROUTER_ROW_STREAMS:     return (size_t)in->max_running * (16 << 10);
     case ROUTER_ROW_PARSING:     return (size_t)in->prep_threads * in->parse_factor * MIB;
-    case ROUTER_ROW_FETCH:       return in->fetch ? in->fetch_max_bytes : 0;
+    case ROUTER_ROW_FETCH:       /* what was given of it, and at least one download */
+        return in->fetch ? (size_t)PRISM_MAX(in->fetch_inflight, 1) * in->fetch_max_bytes +
+                           (in->fetch_cache_set ? in->fetch_cache : 0) : 0;
     default:                     return 0;
     }
 }

@@ -385,8 +385,11 @@ def main():
     try:
         NET.up()
         enter_netns(tf.CNS)
+        # 64 downloads at once, given explicitly (the router's plan derives 2 at its default budget):
+        # 64 x 8 MiB images within a 1 GiB budget
         C = Cluster(router_args=["--media-ca-file", os.path.join(NET.dir, "ca.crt"), "--allowed-local-media-path",
-                                 NET.media, "--timing-header"])
+                                 NET.media, "--timing-header", "--media-fetch-max-inflight", "64",
+                                 "--max-image-bytes", "8M", "--mem-budget", "1G"])
         try:
             C.wait_ready()
             return run_tests([test_url_gives_the_data_url_answer, test_refusals_are_clear_400s,

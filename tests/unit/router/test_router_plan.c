@@ -130,6 +130,37 @@ static void test_explicit_flags_kept_or_refused(void **state)
     assert_true(p.total <= 64 * MIB && p.body_inflight >= p.max_body);
 }
 
+static void test_fetch_row_half_given(void **state)
+{
+    (void)state;
+    char err[1024];
+    router_plan_t p;
+    /* downloads given, the cache derived: the row holds the downloads and shares the rest */
+    router_plan_in_t in = base(1024 * MIB);
+    in.fetch = true;
+    in.fetch_max_bytes = 8 * MIB;
+    in.fetch_inflight = 64;
+    assert_int_equal(router_plan_make(&in, &p, err, sizeof err), PRISM_OK);
+    check_rows(&in, &p);
+    assert_int_equal(p.fetch_inflight, 64);
+    assert_true(p.total <= 1024 * MIB);
+    /* the cache given (0: none), the downloads derived */
+    in.fetch_inflight = 0;
+    in.fetch_cache_set = true;
+    in.fetch_cache = 0;
+    assert_int_equal(router_plan_make(&in, &p, err, sizeof err), PRISM_OK);
+    check_rows(&in, &p);
+    assert_int_equal(p.fetch_cache, 0);
+    assert_true(p.fetch_inflight >= 1 && p.total <= 1024 * MIB);
+    /* more downloads than the budget holds: refused, naming the row */
+    in = base(512 * MIB);
+    in.fetch = true;
+    in.fetch_max_bytes = 20 * MIB;
+    in.fetch_inflight = 64;
+    assert_int_equal(router_plan_make(&in, &p, err, sizeof err), PRISM_ENOMEM);
+    assert_non_null(strstr(err, "URL fetches"));
+}
+
 static void test_explicit_max_body_sets_the_floor(void **state)
 {
     (void)state;
@@ -157,6 +188,7 @@ int main(void)
         cmocka_unit_test(test_default_budget_derives_usable_bounds),
         cmocka_unit_test(test_explicit_flags_kept_or_refused),
         cmocka_unit_test(test_explicit_max_body_sets_the_floor),
+        cmocka_unit_test(test_fetch_row_half_given),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
