@@ -1103,10 +1103,6 @@ static int on_headers_complete(llhttp_t *p)
     c->headers_done = true;
     c->t_rate = uv_now(c->srv->loop);
     c->raw_rate = 0;
-    if (has_cl && p->content_length > cfg->max_body_bytes) {
-        c->fail_status = 413;
-        return -1;
-    }
     r->srv = c->srv;
     r->srv->n_reqs++;
     r->declared_len = has_cl ? p->content_length : 0;
@@ -1127,6 +1123,10 @@ static int on_headers_complete(llhttp_t *p)
     }
     if ((st = check_media_type(c, r))) {
         c->fail_status = st;
+        return -1;
+    }
+    if (has_cl && p->content_length > cfg->max_body_bytes) {   /* after the key: no limit told to a stranger */
+        c->fail_status = 413;
         return -1;
     }
     /* Bodies held at once: one that could never fit is refused from the header; any other waits for
