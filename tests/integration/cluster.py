@@ -173,18 +173,22 @@ class Cluster:
         return wait_for(lambda: text in self.log(name, tail=0) and self.log(name, tail=0), timeout,
                         "%r in %s's log" % (text, name))
 
+    def plan_regions(self, worker):
+        """[(name, kind, bytes)] of worker's memory plan, as its budget check logged them."""
+        region = re.compile(r"memory plan: (\S+)\s+.*\s(pool|library|outside)\s+\((\d+) bytes\)")
+        return [(m.group(1), m.group(2), int(m.group(3))) for m in region.finditer(self.log(worker, tail=0))]
+
     def check_memory_plan(self, tiers=("encoder", "prefill", "decode")):
         """Each worker's memory plan is one table of regions (common/worker/start.h) that both totals
         the plan and carves the pools: registration's prism:worker_memory_planned_bytes is the sum of
         the regions the worker logged, and the regions held on the heap (pools and libraries, on the
         CPU backend) add up to the heap the counting allocator saw in use once start-up ended, within
         PLAN_MARGIN. One worker of each tier, named <tier>-0."""
-        region = re.compile(r"memory plan: (\S+)\s+.*\s(pool|library|outside)\s+\((\d+) bytes\)")
         total = re.compile(r"memory plan: total\s+.*\((\d+) bytes\)")
         held = re.compile(r"memory plan: pools and libraries (\d+) bytes; heap in use after start-up (\d+) bytes")
         for tier in tiers:
             log = self.log(tier + "-0", tail=0)
-            regions = [(m.group(1), m.group(2), int(m.group(3))) for m in region.finditer(log)]
+            regions = self.plan_regions(tier + "-0")
             planned = self.metric("prism:worker_memory_planned_bytes", tier=tier)
             assert regions and planned == sum(b for _, _, b in regions) == int(total.search(log).group(1)), \
                 (tier, planned, regions)

@@ -302,8 +302,6 @@ def test_every_worker_within_its_plan_under_load():
     memory taken while serving that no region holds, fails here."""
     imgs = [make_image(os.path.join(TMP, "plan%d.jpg" % i), width=640 + 256 * i, height=480 + 128 * i, photo=True,
                        seed=i) for i in range(8)]
-    # the regions as the budget check saw them (one line each, logged when it was checked)
-    region = re.compile(r"memory plan: (\S+)\s+.*\s(pool|library|outside)\s+\((\d+) bytes\)")
     with Cluster(common_worker_args=FAST_HB + ["--mem-budget", str(BUDGET)]) as c:
         c.wait_ready()
 
@@ -315,13 +313,14 @@ def test_every_worker_within_its_plan_under_load():
         with concurrent.futures.ThreadPoolExecutor(24) as ex:
             statuses = list(ex.map(one, range(48)))
         assert set(statuses) == {200}, statuses
+        c.check_memory_plan()   # and what each held once started
         wait_heartbeats(c)
         for w in ("encoder-0", "prefill-0", "decode-0"):
             planned = c.metric("prism:worker_memory_planned_bytes", worker=w)
             peak = c.metric("prism:worker_memory_peak_bytes", worker=w)
-            regions = [(m.group(2), int(m.group(3))) for m in region.finditer(c.log(w, tail=0))]
-            heap_regions = sum(b for kind, b in regions if kind != "outside")
-            assert regions and sum(b for _, b in regions) == planned, (w, planned, regions)
+            regions = c.plan_regions(w)   # as the budget check saw them
+            heap_regions = sum(b for _, kind, b in regions if kind != "outside")
+            assert regions and sum(b for _, _, b in regions) == planned, (w, planned, regions)
             print("  %s: heap peak %d, the plan's heap regions %d (%+d); resident peak %d of a plan of %d" % (
                 w, peak, heap_regions, peak - heap_regions, vm_hwm(c.procs[w].pid), planned), flush=True)
             assert peak <= heap_regions + PLAN_HEAP_MARGIN, (
