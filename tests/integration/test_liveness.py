@@ -273,8 +273,11 @@ def run_stall_cluster():
             assert worker_metric(c, "prism:worker_stuck", "encoder-0") == 1
             assert worker_metric(c, "prism:worker_busy", "encoder-0") == 1
             assert "encoder worker encoder-0 is stuck" in full_log(c, "router")
-            # still heartbeating: registered, not dropped, alive; but not given work (not ready)
-            time.sleep(2.5)
+            # still heartbeating: registered, not dropped, alive; but not given work (not ready). The
+            # router hears 25 more of its heartbeats (2.5 s at 0.1 s, past the 2 s worker timeout)
+            hb = worker_metric(c, "prism:worker_heartbeats_total", "encoder-0")
+            wait_until(lambda: worker_metric(c, "prism:worker_heartbeats_total", "encoder-0") >= hb + 25, 60,
+                       "25 heartbeats from the stuck encoder")
             assert lost(c, "dead") == 0
             assert c.procs["encoder-0"].poll() is None
             status, _, data = c.request("GET", "/ready")
