@@ -86,19 +86,21 @@ typedef struct {
     prism_buf_t out;          /* the answer's JSON, or the error message */
 } tok_job_t;
 
-/* The parse budget of generation requests (openai_req.h), before jansson builds anything. */
-static bool parse_budget_ok(const char *body, size_t blen, prism_buf_t *out)
+/* The parse budget of generation requests (openai_req.h), before jansson builds anything: the memory
+ * plan's parse bound (--max-parse-bytes), as for generation requests. */
+static bool parse_budget_ok(const router_t *r, const char *body, size_t blen, prism_buf_t *out)
 {
     size_t tree;
     prism_oai_error_t e;
-    if (prism_oai_scan(body, blen, PRISM_OAI_SCAN_ANY, NULL, &tree, &e) == PRISM_OK) return true;
+    prism_oai_parse_opts_t o = {.max_parse_bytes = r->max_parse_bytes};
+    if (prism_oai_scan(body, blen, PRISM_OAI_SCAN_ANY, &o, &tree, &e) == PRISM_OK) return true;
     prism_buf_append_str(out, e.message);
     return false;
 }
 
 static int tokenize_json(const router_t *r, const char *body, size_t blen, prism_buf_t *out)
 {
-    if (!parse_budget_ok(body, blen, out)) return 400;
+    if (!parse_budget_ok(r, body, blen, out)) return 400;
     json_error_t jerr;
     json_t *j = json_loadb(body, blen, JSON_REJECT_DUPLICATES, &jerr);
     if (!json_is_object(j)) {
@@ -152,7 +154,7 @@ static int tokenize_json(const router_t *r, const char *body, size_t blen, prism
 static int detokenize_json(const router_t *r, const char *body, size_t blen, prism_buf_t *out, const char **param)
 {
     *param = NULL;
-    if (!parse_budget_ok(body, blen, out)) return 400;
+    if (!parse_budget_ok(r, body, blen, out)) return 400;
     json_error_t jerr;
     json_t *j = json_loadb(body, blen, 0, &jerr);
     json_t *toks = json_is_object(j) ? json_object_get(j, "tokens") : NULL;

@@ -613,7 +613,8 @@ static void prep_run(uv_work_t *w)
     router_prep_t *p = &q->prep;
     size_t blen = 0;
     const char *body = prism_http_req_body(q->h, &blen);
-    prism_oai_parse_opts_t popts = {.max_images = r->max_images_per_prompt, .vocab = r->cfg.vocab};
+    prism_oai_parse_opts_t popts = {.max_images = r->max_images_per_prompt, .vocab = r->cfg.vocab,
+                                    .max_parse_bytes = r->max_parse_bytes};   /* the plan's "parsing" row */
     p->parsed = prism_oai_parse(body, blen, q->chat, &popts, &q->oai, &p->perr) == PRISM_OK;
     if (!p->parsed) return;
     /* the guide compiles here, never on the loop: the cache is shared by these threads (guide.h) */

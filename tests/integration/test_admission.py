@@ -250,7 +250,7 @@ def test_paused_uploads_are_not_slow_clients():
                  common_worker_args=FAST_HB) as c:
         c.wait_ready()
         body = json.dumps(chat_body("What is in the image?", [JPG], max_tokens=2, temperature=0)).encode()
-        head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                 b"Content-Length: %d\r\n\r\n" % len(body))
         at = body.index(b'{"type": "image_url"')       # chat_body: the image parts come first
         cut = body.index(b"base64,") + 200             # into the image: the lifter has seen it

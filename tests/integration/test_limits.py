@@ -250,12 +250,27 @@ def under_asan(pid):
         return "libasan" in f.read()
 
 
+def check_parse_bound(c, bound):
+    """The plan's parsing row holds: a body whose parsed tree would cost more than the parse bound is
+    refused before it is parsed (400), on the generation path and on /tokenize, and one of half the
+    bound is served. A text prompt costs about its bytes once parsed."""
+    bound = int(bound)
+    assert (1 << 20) <= bound <= (96 << 20), bound
+    over, under = "ab " * (bound // 3 + 4096), "ab " * (bound // 6)
+    for path, extra in (("/tokenize", {}), ("/v1/completions", {"max_tokens": 1})):
+        st, _, data = c.request("POST", path, dict({"model": "prism-tiny-llava", "prompt": over}, **extra))
+        assert st == 400 and b"too large to parse" in data, (path, bound, st, data[:300])
+    st, _, data = c.request("POST", "/tokenize", {"model": "prism-tiny-llava", "prompt": under})
+    assert st == 200, (bound, st, data[:300])
+
+
 def test_router_within_its_budget_under_a_burst():
     """The router's memory is one budget: with --mem-budget 128M and every bound left to its plan, a
     burst of 96 photo uploads sent at once (2.4 MB bodies: 230 MB in all, far more than the plan's
     bodies and images) is answered 200 / 429 / 503 only, and the router's peak resident set stays
     within 128 MiB (before the plan it held every body at once: 250+ MiB here); the plan is in
-    /metrics, rows adding up to its total within the budget; every worker within its own."""
+    /metrics, rows adding up to its total within the budget, its parse bound enforced
+    (check_parse_bound); every worker within its own."""
     img = make_image(os.path.join(TMP, "burst.jpg"), width=2048, height=2048, photo=True, quality=93, seed=11)
     # under ASan the router's start-up alone is tens of MiB (shadow): the same burst, a budget that fits
     budget = (384 if sanitized() else 128) << 20
@@ -270,8 +285,9 @@ def test_router_within_its_budget_under_a_burst():
         for region in ("start-up", "connections", "bodies in flight", "images held", "requests", "parsing",
                        "URL fetches", "prefix index"):
             assert region in plan, (region, plan)
+        check_parse_bound(c, plan["parsing"] / (2 * 4))   # --prep-threads 2, ROUTER_PARSE_FACTOR 4
         body = json.dumps(chat_body("What is in the image?", [img], max_tokens=4, temperature=0, stream=True)).encode()
-        data = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        data = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                 b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body)) + body
         paused0 = c.metric("prism:router_uploads_paused_total")
         res = upload_burst(c.port, data, 96)

@@ -92,6 +92,16 @@ MUTANTS = {
         "the router's bounds ignore --mem-budget (the old defaults: 1 GiB of bodies, 1 GiB of images)",
         [("router/plan.c", "    bool budget = in->budget > 0;", "    bool budget = false;")],
         IT + "test_limits.py test_router_within_its_budget_under_a_burst", ["router"]),
+    "router-parse-bound-ignored": (
+        "generation requests parsed under the scan's 96 MiB default, not the plan's parse bound",
+        [("router/requests.c", "                                    .max_parse_bytes = r->max_parse_bytes};",
+          "                                    };")],
+        IT + "test_limits.py test_router_within_its_budget_under_a_burst", ["router"]),
+    "tokenize-parse-bound-ignored": (
+        "/tokenize and /detokenize bodies scanned under the 96 MiB default, not the plan's parse bound",
+        [("router/api.c", "    prism_oai_parse_opts_t o = {.max_parse_bytes = r->max_parse_bytes};",
+          "    prism_oai_parse_opts_t o = {.max_parse_bytes = 0 * r->max_parse_bytes};")],
+        IT + "test_limits.py test_router_within_its_budget_under_a_burst", ["router"]),
     "tokenize-drops-image": (
         "/tokenize renders OpenAI image parts as they come (the template drops the placeholder)",
         [("router/api.c", "        json_array_foreach(msgs, i, m) router_prompt_template_message(m);",
