@@ -45,7 +45,10 @@ TIME = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {
         "zone": {"type": "string", "maxLength": 8}}, "required": ["zone"]}}}
 
-C = Cluster(router_args=["--tool-call-parser", "hermes", "--worker-timeout", "60"])  # API checks, not liveness: a loaded (sanitizer) machine must not make a busy worker look dead
+# API checks, not liveness: a loaded (sanitizer) machine must not make a busy worker look dead. The
+# parse bound given (the budget derives ~2.6 MiB, less under ASan, whose start-up is larger): bodies
+# of a few MB here test other things (5000 chat_template_kwargs messages: 3.3 MiB once parsed)
+C = Cluster(router_args=["--tool-call-parser", "hermes", "--worker-timeout", "60", "--max-parse-bytes", "8M"])
 C.wait_ready()
 
 

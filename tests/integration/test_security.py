@@ -31,7 +31,8 @@ PF_PORT, DC_PORT = free_port(), free_port()
 DATA = {"prefill_worker": ["--data-port", str(PF_PORT), "--log-level", "debug"],
         "decode_worker": ["--data-port", str(DC_PORT), "--log-level", "debug"]}
 # debug log: the tests that play a cluster worker read a running request's id from the router's log
-C = Cluster(encoders=1, worker_args=DATA, router_args=["--log-level", "debug"])
+# the parse bound given, not derived from the budget (less under ASan): /tokenize bodies of a few MB
+C = Cluster(encoders=1, worker_args=DATA, router_args=["--log-level", "debug", "--max-parse-bytes", "8M"])
 PROMPT = {"model": "prism-tiny-llava", "prompt": "A red circle on a white", "temperature": 0, "ignore_eos": True}
 # a stream long enough to outlast the intruder probe: 1.6 s on a 2-core machine in a release build;
 # the sanitizer build decodes ~40x slower (600 tokens: tens of seconds)
@@ -764,7 +765,7 @@ def test_tokenize_admitted_behind_generation_and_dropped_when_gone():
     in a lane of their own that generation requests pass and that leaves one thread to them, and a
     waiting job whose client left is taken out unrun."""
     big = json.dumps({"model": "prism-tiny-llava", "prompt": tokenize_prompt(600000, 1)}).encode()   # ~3.3 MB
-    with Cluster(router_args=["--prep-threads", "2"]) as c:
+    with Cluster(router_args=["--prep-threads", "2", "--max-parse-bytes", "8M"]) as c:   # the 3.3 MB body
         c.wait_ready()
         t0 = time.time()
         assert c.request("POST", "/tokenize", big)[0] == 200
@@ -805,7 +806,8 @@ def test_tokenize_admitted_behind_generation_and_dropped_when_gone():
         print("  ten clients gone: %d of their jobs ran; a small /tokenize then took %.2f s" % (ran, small_s))
         assert ran <= 3 and small_s < 3 * one + 1, (ran, small_s)
     # the bound: /tokenize counts against --max-running-requests
-    with Cluster(encoders=0, prefills=0, decodes=0, router_args=["--prep-threads", "2", "--max-running-requests", "6"]) as c:
+    with Cluster(encoders=0, prefills=0, decodes=0, router_args=["--prep-threads", "2", "--max-running-requests", "6",
+                                                                 "--max-parse-bytes", "8M"]) as c:
         wait_http(c)
         socks = [post_raw(c.port, "/tokenize", big, close=True) for _ in range(12)]
         statuses = [read_status_to_end(s) for s in socks]
