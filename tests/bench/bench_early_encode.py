@@ -24,7 +24,7 @@ import cluster as cl  # noqa: E402
 def upload(port, raw, rate):
     """Sends one request at `rate` bytes/s; returns seconds from its last byte to the whole answer."""
     s = socket.create_connection(("127.0.0.1", port), timeout=300)
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
               b"Content-Length: %d\r\n\r\n" % len(raw))
     t0, step = time.perf_counter(), 256 * 1024
     for at in range(0, len(raw), step):
