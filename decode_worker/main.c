@@ -12,9 +12,18 @@
  * messages handled and transfers admitted while the device runs it. On the CPU a step computes
  * inside prism_llm_forward_begin, so there tokens are sent first (nothing would overlap).
  *
- * Admission policy: reserve. A request is admitted only when blocks for prompt + max_tokens are
- * free, so a running sequence never runs out of KV and nothing is ever preempted; requests that
- * do not fit wait (one staged transfer, the rest stays in the senders: backpressure).
+ * Admission (--kv-admission). optimistic (the default, vLLM's): a sequence is admitted when blocks
+ * for its prompt and first token are free with --kv-watermark of the pool to spare, and takes a
+ * block each time it crosses one (grow, after every step). When the pool runs out, a sequence is
+ * preempted by recompute: lowest priority first (Sampling.priority, larger = lower), then the
+ * youngest (Sampling.arrival_us), so the oldest always progresses. Its blocks are dropped and its
+ * last Tokens message says so (Tokens.preempted): the router prefills its prompt and every token it
+ * generated again, as a migration does, and greedy or seeded output goes on token for token.
+ * Requests with n > 1 (whose choices' RNG streams cannot be recomputed) reserve as below.
+ * reserve: a request is admitted only when blocks for prompt + max_tokens are free, so a running
+ * sequence never runs out of KV and nothing is ever preempted. Either way, requests that do not
+ * fit wait (one staged transfer, the rest stays in the senders: backpressure). Preemption by
+ * migration to another decode worker or by swap to host memory is not built (docs/ARCHITECTURE.md).
  *
  * Tensor parallelism (--tp-size T > 1, tp/tp.h): rank 0 is the worker above, holding its shard;
  * it hands every other rank its KV heads of each admitted request and the plan of each step, and
@@ -55,6 +64,8 @@ typedef struct {
     bool in_step;             /* part of the step in flight */
     bool cancel;              /* aborted while in the step in flight: released when it ends */
     bool finishing;           /* its last token is waiting to be sent */
+    bool grows;               /* admitted optimistically: takes blocks as it goes, may be preempted */
+    bool preempt;             /* preempted: its blocks are gone, it leaves once its last tokens are sent */
 } seq_t;
 
 /* One sequence's result of a step, held until it is sent. */
@@ -68,7 +79,8 @@ typedef struct {
 typedef struct {
     struct {                      /* the tier's flags */
         int64_t kv_blocks, block_size, max_running, context_length;
-        const char *overlap;
+        const char *overlap, *admission;
+        double watermark;
     } f;
     prism_worker_t w;
     prism_model_config_t cfg;     /* this rank's (sharded) shapes */
@@ -99,6 +111,9 @@ typedef struct {
     out_t *out;               /* [max_running] results of the last step, not sent yet */
     int n_out;
     bool overlap;             /* the backend runs asynchronously: enqueue the next step before sending */
+    bool optimistic;          /* --kv-admission optimistic */
+    int watermark_blocks;     /* blocks an optimistic admission leaves free (--kv-watermark of the pool) */
+    uint64_t preempted;       /* sequences preempted by recompute (heartbeat preempt_recompute) */
     prism_model_hook_t hook;
     /* one staged KV transfer waiting for blocks */
     bool staged;
@@ -129,7 +144,7 @@ static void seq_release(decode_t *d, seq_t *s)
     prism_seq_detach(&s->seq);
     s->seq.used = false;
     s->n_blocks = 0;
-    s->cancel = s->finishing = s->in_step = false;
+    s->cancel = s->finishing = s->in_step = s->grows = s->preempt = false;
 }
 
 static void unstage(decode_t *d)
@@ -152,13 +167,12 @@ static int import_blocks(decode_t *d, const int32_t *blocks, int n, const uint8_
 /* Starts the staged request's sequences (one per choice that goes on after its first token) in
  * free slots. They share the prompt's full blocks; each gets its own copy of the prompt's last,
  * partial block and blocks for what it generates (prism_kv_blocks_for_shared). */
-static const char *admit_choices(decode_t *d, const Prism__Kv *kv, const int *slots, int k, Prism__ErrorKind *kind)
+static const char *admit_choices(decode_t *d, const Prism__Kv *kv, const int *slots, int k, int per, bool grows,
+                                 Prism__ErrorKind *kind)
 {
     int bs = d->blocks.block_size, n_prompt = (int)kv->n_tokens;
     /* a migrated request: n_tokens = prompt + the gen tokens generated before (the last ones) */
     int gen = (int)kv->sampling->generated;
-    int total = PRISM_MIN(n_prompt + (int)(kv->sampling->max_tokens - kv->sampling->generated), d->max_model_len);
-    int per = prism_kv_blocks_for_tokens(&d->blocks, total);
     int shared = k > 1 ? n_prompt / bs : 0;
     const uint8_t *bytes = zmq_msg_data(&d->staged_frame);
     int nb = (int)kv->n_blocks, lfb = (int)kv->local_first_block;
@@ -225,10 +239,18 @@ static const char *admit_choices(decode_t *d, const Prism__Kv *kv, const int *sl
     }
     for (int c = 0; c < k; c++) {
         d->seqs[slots[c]].seq.used = true;
+        d->seqs[slots[c]].grows = grows;
         PRISM_DEBUG("request %llu choice %u admitted: %d prompt tokens, %d blocks (%d shared)",
                     (unsigned long long)d->staged_rid, d->seqs[slots[c]].seq.index, n_prompt, per, shared);
     }
     return NULL;
+}
+
+static int running(const decode_t *d)
+{
+    int n = 0;
+    for (int i = 0; i < d->max_running; i++) n += d->seqs[i].seq.used;
+    return n;
 }
 
 /* Tries to admit the staged transfer. Returns true when the stage is empty afterwards. */
@@ -245,15 +267,21 @@ static bool admit_staged(decode_t *d)
                                (int64_t)d->max_model_len);
     int need = k > 1 ? prism_kv_blocks_for_shared(&d->blocks, (int)kv->n_tokens, total, k)
                      : prism_kv_blocks_for_tokens(&d->blocks, total);
+    /* optimistic: one sequence (n = 1) takes blocks for its prompt and its first token now, the
+     * rest as it goes; it waits until the watermark would still be free after it (an idle worker
+     * admits it anyway: a lone sequence always fits, decode_plan checked) */
+    bool grows = d->optimistic && k == 1 && kv->sampling->n <= 1;
+    int per = grows ? prism_kv_blocks_for_tokens(&d->blocks, (int)kv->n_tokens + 1) : need;
+    int room = per + (grows && running(d) ? d->watermark_blocks : 0);
     const char *why = NULL;
     Prism__ErrorKind kind = PRISM__ERROR_KIND__ERROR_CLIENT;   /* the request itself cannot be held */
     if (need > d->blocks.n_blocks) why = "the request's sequences need more KV blocks than the decode worker has";
-    else if (n_free < k || need > d->blocks.n_free) {   /* wait for room */
+    else if (n_free < k || room > d->blocks.n_free) {   /* wait for room */
         d->kv_waits += !d->staged_waited;
         d->staged_waited = true;
         return false;
     }
-    else why = admit_choices(d, kv, slots, k, &kind);
+    else why = admit_choices(d, kv, slots, k, grows ? per : prism_kv_blocks_for_tokens(&d->blocks, total), grows, &kind);
     if (why) {
         PRISM_WARN("request %llu refused: %s", (unsigned long long)d->staged_rid, why);
         send_error(d, d->staged_router, d->staged_rid, d->staged_rid_hi, kind, why);
@@ -332,7 +360,7 @@ static void on_abort(decode_t *d, uint64_t rid, const char *router)
         if (s->seq.used && s->seq.rid == rid && !strcmp(s->seq.router_id, router)) {
             PRISM_DEBUG("request %llu aborted", (unsigned long long)rid);
             if (!s->cancel) d->aborted++;
-            if (s->in_step || s->finishing) s->cancel = true;   /* the device still writes its blocks */
+            if (s->in_step || s->finishing || s->preempt) s->cancel = true;   /* the device still writes its blocks */
             else seq_release(d, s);
             held = true;
         }
@@ -408,7 +436,7 @@ static void launch_step(decode_t *d)
     int n = 0;
     for (int i = 0; i < d->max_running; i++) {
         seq_t *s = &d->seqs[i];
-        if (!s->seq.used || s->finishing || s->cancel) continue;
+        if (!s->seq.used || s->finishing || s->cancel || s->preempt) continue;
         d->tokens[n] = s->last_token;
         d->seq_start[n] = n;
         d->pos0[n] = s->seq.len;
@@ -434,6 +462,56 @@ static void launch_step(decode_t *d)
     if (rc == PRISM_OK) rc = prism_llm_forward_begin(d->llm, d->kv, &b);
     d->ns_forward += prism_now_ns() - t0;
     if (rc != PRISM_OK) fail_step(d, rc);
+}
+
+/* The preemption victim among the sequences of the step just sampled (d->out): an optimistic one
+ * that goes on, the lowest priority (the largest Sampling.priority), then the youngest; -1 none. */
+static int victim(const decode_t *d)
+{
+    int best = -1;
+    for (int k = 0; k < d->n_out; k++) {
+        const seq_t *s = &d->seqs[d->out[k].slot];
+        if (!s->grows || s->finishing || s->cancel || s->preempt) continue;
+        if (best < 0) {
+            best = k;
+            continue;
+        }
+        const Prism__Sampling *a = &s->seq.sampling, *b = &d->seqs[d->out[best].slot].seq.sampling;
+        if (a->priority > b->priority || (a->priority == b->priority && a->arrival_us > b->arrival_us)) best = k;
+    }
+    return best;
+}
+
+/* Optimistic admission: every sequence of the step just sampled that goes on takes the block its
+ * next position needs (its last token is fed at seq.len). When the pool is empty, a victim leaves
+ * (preempted by recompute): its blocks are freed at once (no step in flight uses them), and its
+ * Tokens message of this step, sent by send_out, tells its router to prefill it again. */
+static void grow(decode_t *d)
+{
+    for (int k = 0; k < d->n_out; k++) {
+        seq_t *s = &d->seqs[d->out[k].slot];
+        if (!s->grows || s->finishing || s->cancel) continue;
+        int need = prism_kv_blocks_for_tokens(&d->blocks, s->seq.len + 1);
+        while (!s->preempt && s->n_blocks < need) {
+            if (d->blocks.n_free > 0) {
+                int rc = prism_kv_blocks_alloc(&d->blocks, 1, s->blocks + s->n_blocks);
+                PRISM_ASSERT(rc == PRISM_OK);
+                (void)rc;
+                s->n_blocks++;
+                continue;
+            }
+            int v = victim(d);
+            PRISM_ASSERT(v >= 0);   /* s itself is one */
+            seq_t *vs = &d->seqs[d->out[v].slot];
+            prism_kv_blocks_release(&d->blocks, vs->blocks, vs->n_blocks);
+            vs->n_blocks = 0;
+            vs->preempt = true;
+            d->out[v].t.preempted = true;
+            d->preempted++;
+            PRISM_DEBUG("request %llu preempted (KV pool full): %d tokens to recompute, priority %d",
+                        (unsigned long long)vs->seq.rid, vs->seq.len + 1, vs->seq.sampling.priority);
+        }
+    }
 }
 
 /* Waits for the step in flight, samples, and keeps each sequence's Tokens message for send_out. */
@@ -471,6 +549,7 @@ static void end_step(decode_t *d)
         s->finishing = o->t.finish != PRISM__FINISH__FINISH_NONE;
     }
     d->n_step = 0;
+    grow(d);
 }
 
 /* Streams the last step's tokens to their routers; finished sequences leave. */
@@ -486,7 +565,7 @@ static void send_out(decode_t *d)
             prism_worker_reply(&d->w, s->seq.router_id, s->seq.rid, s->seq.rid_hi, &env);
             d->tokens_out++;
         }
-        if (s->finishing || s->cancel) seq_release(d, s);
+        if (s->finishing || s->cancel || s->preempt) seq_release(d, s);
     }
     d->n_out = 0;
 }
@@ -528,19 +607,13 @@ static void fail_group(decode_t *d)
                 d->w.worker_id, n);
 }
 
-static int running(const decode_t *d)
-{
-    int n = 0;
-    for (int i = 0; i < d->max_running; i++) n += d->seqs[i].seq.used;
-    return n;
-}
-
 /* What the next heartbeat says (the I/O thread sends it on its own clock); returns the running count. */
 static uint32_t publish_load(decode_t *d)
 {
     prism_worker_load_t load = {
         .running = (uint32_t)running(d), .waiting = d->staged ? 1 : 0, .kv_free_blocks = (uint32_t)d->blocks.n_free,
         .kv_waits = d->kv_waits, .tokens_generated = d->tokens_sampled, .seqs_aborted = d->aborted,
+        .preempt_recompute = d->preempted,
     };
     load.pool_free = (uint32_t)d->max_running - load.running;
     prism_worker_set_load(&d->w, &load);
@@ -555,6 +628,8 @@ static int decode_flags(void *ctx, prism_flag_t *t)
     d->f.block_size = 16;
     d->f.max_running = 64;
     d->f.overlap = "auto";
+    d->f.admission = "optimistic";
+    d->f.watermark = 0.01;
     prism_flag_t f[] = {
         PRISM_FLAG_INT("kv-blocks", &d->f.kv_blocks, "KV cache blocks (0 = fill --mem-budget, else 1024)"),
         PRISM_FLAG_INT("block-size", &d->f.block_size, "Tokens per KV block"),
@@ -562,6 +637,11 @@ static int decode_flags(void *ctx, prism_flag_t *t)
         PRISM_FLAG_INT("context-length", &d->f.context_length, "Max tokens per sequence (0 = model's max_position_embeddings, at most 131072)"),
         PRISM_FLAG_STR("overlap-steps", &d->f.overlap,
                        "auto (on for devices with streams), on or off: enqueue step n+1 before sending step n's tokens"),
+        PRISM_FLAG_STR("kv-admission", &d->f.admission,
+                       "optimistic (admit on the prompt's blocks, grow, preempt by recompute when the pool runs out) "
+                       "or reserve (admit only when blocks for prompt + max_tokens are free)"),
+        PRISM_FLAG_DOUBLE("kv-watermark", &d->f.watermark,
+                          "optimistic admission: fraction of the KV blocks left free when admitting (0..0.5)"),
     };
     memcpy(t, f, sizeof f);
     return (int)PRISM_ARRAY_LEN(f);
@@ -578,6 +658,12 @@ static int decode_size(void *ctx, prism_worker_startup_t *s)
         PRISM_ERROR("--overlap-steps must be auto, on or off");
         return 2;
     }
+    if ((strcmp(d->f.admission, "optimistic") && strcmp(d->f.admission, "reserve")) ||
+        !(d->f.watermark >= 0 && d->f.watermark <= 0.5)) {
+        PRISM_ERROR("--kv-admission must be optimistic or reserve, --kv-watermark 0..0.5");
+        return 2;
+    }
+    d->optimistic = !strcmp(d->f.admission, "optimistic");
     int bs = (int)d->f.block_size;
     d->max_running = (int)d->f.max_running;
     d->max_model_len = prism_model_context_length(&d->cfg, d->f.context_length);
@@ -692,6 +778,7 @@ static int decode_ready(void *ctx, prism_worker_startup_t *s)
     }
     s->kv = d->kv;
     s->logits = d->logits;
+    d->watermark_blocks = (int)(d->f.watermark * kv_blocks);
     prism_abort_memo_init(&d->aborts, 600.0);
     for (int i = 0; i < d->max_running; i++) d->seqs[i].blocks = d->block_pool + (size_t)i * d->max_blocks_per_seq;
     for (int i = 0; i < d->max_running * d->ring; i++) d->ring_pool[i] = i;
@@ -711,8 +798,8 @@ static int decode_ready(void *ctx, prism_worker_startup_t *s)
 static int decode_run(void *ctx)
 {
     decode_t *d = ctx;
-    PRISM_INFO("decode: %d KV blocks x %d tokens, batch %d%s%s", d->blocks.n_blocks, d->blocks.block_size,
-               d->max_running, d->overlap ? ", host work overlapped with the device" : "",
+    PRISM_INFO("decode: %d KV blocks x %d tokens, batch %d, %s admission%s%s", d->blocks.n_blocks,
+               d->blocks.block_size, d->max_running, d->optimistic ? "optimistic" : "reserve", d->overlap ? ", host work overlapped with the device" : "",
                d->ring ? ", chunked-attention layers in per-sequence rings" : "");
     if (d->ring) {
         char a[32], b2[32];

@@ -294,7 +294,8 @@ static void metrics_requests(const router_t *r, prism_buf_t *b)
     snprintf(lbl, sizeof(lbl), "model_name=\"%s\",finished_reason=\"abort\"", model);
     prism_metric_write(b, "vllm:request_success_total", "counter", NULL, lbl, (double)m->success_abort);
     snprintf(lbl, sizeof(lbl), "model_name=\"%s\"", model);
-    prism_metric_write(b, "vllm:num_preemptions_total", "counter", "Preemptions (always 0: decode reserves KV).", lbl, 0);
+    prism_metric_write(b, "vllm:num_preemptions_total", "counter",
+                       "Sequences a decode worker preempted because its KV pool ran out.", lbl, (double)m->preempted);
     prism_hist_write(&m->ttft, b, "vllm:time_to_first_token_seconds", "Time to first token.", lbl);
     prism_hist_write(&m->itl, b, "vllm:inter_token_latency_seconds", "Mean time per output token of each request.", lbl);
     prism_hist_write(&m->e2e, b, "vllm:e2e_request_latency_seconds", "End-to-end request latency.", lbl);
@@ -306,6 +307,13 @@ static void metrics_requests(const router_t *r, prism_buf_t *b)
     prism_metric_write(b, "prism:requests_migrated_total", "counter",
                        "Requests that went on from their last token on another prefill/decode pair after their decode "
                        "worker died mid-generation.", lbl, (double)m->migrated);
+    /* phase 1 preempts by recompute only (migrate and swap are not built: docs/ARCHITECTURE.md) */
+    prism_buf_appendf(b, "# HELP prism:preemptions_total Sequences preempted because a decode worker's KV pool ran "
+                         "out, by how they went on (recompute: prefilled again from their tokens).\n"
+                         "# TYPE prism:preemptions_total counter\n");
+    snprintf(lbl, sizeof(lbl), "model_name=\"%s\",how=\"recompute\"", model);
+    prism_metric_write(b, "prism:preemptions_total", "counter", NULL, lbl, (double)m->preempted);
+    snprintf(lbl, sizeof(lbl), "model_name=\"%s\"", model);
     prism_metric_write(b, "prism:workers_disconnected_total", "counter",
                        "Workers dropped at once because their connection closed (process died).", lbl,
                        (double)m->workers_disconnected);
@@ -435,6 +443,7 @@ static void metrics_workers(const router_t *r, prism_buf_t *b)
         {"prism:worker_sequences_aborted_total", "Sequences the decode worker ended for an abort."},
         {"prism:worker_prompts_aborted_total", "Prompts the prefill worker left mid-prompt for an abort."},
         {"prism:worker_sends_waited_total", "Embeddings the encoder held until a prefill's pool had room."},
+        {"prism:worker_preemptions_total", "Sequences the decode worker preempted because its KV pool ran out."},
     };
     for (size_t g = 0; g < PRISM_ARRAY_LEN(gauges); g++) {
         prism_buf_appendf(b, "# HELP %s %s\n# TYPE %s %s\n", gauges[g][0], gauges[g][1], gauges[g][0],
@@ -447,7 +456,8 @@ static void metrics_workers(const router_t *r, prism_buf_t *b)
                           (double)w->cache_misses, (double)w->alloc_count, (double)w->heartbeats,
                           (double)w->progress, w->busy, w->stuck, (double)w->peer_auth_failures,
                           w->draining ? 1.0 : 0.0, (double)w->kv_waits, (double)w->tokens_generated,
-                          (double)w->seqs_aborted, (double)w->prompts_aborted, (double)w->sends_waited};
+                          (double)w->seqs_aborted, (double)w->prompts_aborted, (double)w->sends_waited,
+                          (double)w->preemptions};
             _Static_assert(PRISM_ARRAY_LEN(v) == PRISM_ARRAY_LEN(gauges), "one value per gauge");
             prism_metric_label_value(wid, sizeof(wid), w->id);  /* ids come from the network */
             snprintf(lbl, sizeof(lbl), "tier=\"%s\",worker=\"%s\"", prism_role_name(w->role), wid);

@@ -139,7 +139,7 @@ static const field_rule_t k_fields[] = {
     {"service_tier", F_BOTH, F_META, NULL}, {"safety_identifier", F_BOTH, F_META, NULL},
     {"prompt_cache_key", F_BOTH, F_META, NULL}, {"prompt_cache_retention", F_BOTH, F_META, NULL},
     {"prompt_cache_options", F_BOTH, F_META, NULL}, {"prediction", F_BOTH, F_META, NULL},
-    {"request_id", F_BOTH, F_META, NULL}, {"priority", F_BOTH, F_META, NULL},
+    {"request_id", F_BOTH, F_META, NULL}, {"priority", F_BOTH, F_IMPL, NULL},
     /* refused: they would change the answer and are not implemented */
     {"audio", F_CHAT, F_REFUSE, NULL}, {"modalities", F_CHAT, F_REFUSE, "[\"text\"]"},
     {"web_search_options", F_CHAT, F_REFUSE, NULL}, {"moderation", F_CHAT, F_REFUSE, NULL},
@@ -631,7 +631,7 @@ static int parse_max_tokens(json_t *root, bool chat, prism_oai_request_t *out, p
     return PRISM_OK;
 }
 
-/* temperature, top_p, top_k, the penalties, seed. The workers take them as 32-bit floats: a
+/* temperature, top_p, top_k, the penalties, seed, priority. The workers take them as 32-bit floats: a
  * double past FLT_MAX (temperature 1e308) is infinite there and refused with a 500, so it is a
  * client error here. */
 static int parse_sampler(json_t *root, prism_oai_request_t *out, prism_oai_error_t *err)
@@ -663,7 +663,14 @@ static int parse_sampler(json_t *root, prism_oai_request_t *out, prism_oai_error
     if (!(out->repetition_penalty > 0 && out->repetition_penalty <= FLT_MAX))
         return oai_fail(err, "repetition_penalty", "repetition_penalty must be greater than zero and at most %g, got %g.",
                         (double)FLT_MAX, out->repetition_penalty);
-    return get_int(root, "seed", &out->seed, &out->has_seed, err);
+    if ((rc = get_int(root, "seed", &out->seed, &out->has_seed, err))) return rc;
+    if ((rc = get_int(root, "priority", &iv, &present, err))) return rc;
+    if (present) {
+        if (iv < -1000000 || iv > 1000000)
+            return oai_fail(err, "priority", "priority must be in [-1000000, 1000000], got %lld.", (long long)iv);
+        out->priority = (int32_t)iv;
+    }
+    return PRISM_OK;
 }
 
 static int parse_choices_logprobs(json_t *root, bool chat, prism_oai_request_t *out, prism_oai_error_t *err)

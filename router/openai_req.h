@@ -100,6 +100,7 @@ typedef struct {
     double repetition_penalty;/* default 1 (vLLM extension), > 0 */
     bool has_seed;
     int64_t seed;
+    int32_t priority;         /* vLLM's: lower runs first (router queue) and is preempted last (decode); 0 */
     const char *stop[PRISM_OAI_MAX_STOP];  /* [n_stop], each non-empty, <= PRISM_OAI_MAX_STOP_LEN bytes */
     size_t stop_len[PRISM_OAI_MAX_STOP];
     int n_stop;

@@ -14,7 +14,9 @@
  *
  * Workers that die: before the first token the request starts over elsewhere (req_retry); after
  * it, a request with n = 1 goes on from its last token on another prefill/decode pair
- * (req_migrate, up to --max-migrations times); anything else fails with 503.
+ * (req_migrate, up to --max-migrations times); anything else fails with 503. A decode worker whose
+ * KV pool ran out preempts a sequence (Tokens.preempted): it goes on the same way (req_migrate,
+ * not counted against --max-migrations), on whichever decode has room.
  *
  * A request ends in req_destroy, which gives its workers and bytes back and releases the HTTP
  * request exactly once; router_req_free (reqmap.c) frees what it owns. */
@@ -25,10 +27,16 @@
 
 /* ---------------------------------------------------------------- the end of a request */
 
-/* Whether the request could still go on elsewhere if its decode worker died (req_migrate). */
+/* Whether the request could go on from its tokens on another prefill/decode pair (req_migrate):
+ * after a preemption always (n = 1), after its decode died --max-migrations times. */
+static bool may_recompute(const router_req_t *q)
+{
+    return !q->mig.off && router_req_n(q) == 1;
+}
+
 static bool may_migrate(const router_req_t *q)
 {
-    return !q->mig.off && router_req_n(q) == 1 && q->mig.count < q->r->max_migrations;
+    return may_recompute(q) && q->mig.count < q->r->max_migrations;
 }
 
 /* Keeps the tokens just generated for a migration (tokens_valid bounded them by max_tokens).
@@ -36,7 +44,7 @@ static bool may_migrate(const router_req_t *q)
 static void gen_keep(router_req_t *q, const int32_t *ids, size_t n)
 {
     router_migration_t *m = &q->mig;
-    if (!may_migrate(q) || !n) return;
+    if (!may_recompute(q) || !n) return;
     if ((size_t)m->n_gen + n > (size_t)m->gen_cap) {
         size_t cap = m->gen_cap ? (size_t)m->gen_cap : 64;
         while (cap < (size_t)m->n_gen + n) cap *= 2;
@@ -201,11 +209,13 @@ static void tokens_first(router_t *r, router_req_t *q, const Prism__Tokens *t, d
         prism_hist_observe(&r->metrics.queue, t->queue_ms / 1e3);
     }
     q->stage = STAGE_PREFILLED;
-    /* no retry after the first token (req_retry): unless a migration may encode them again, the
-     * image bytes are dead weight from here (they stay counted in image_bytes_inflight until
-     * the request ends, so keeping them holds no more than was admitted) */
-    for (int i = 0; i < q->prompt.n_images && !may_migrate(q); i++) router_prompt_drop_image(&q->prompt, i);
+    /* no retry after the first token (req_retry): unless a migration or a preemption may encode
+     * them again, the image bytes are dead weight from here (they stay counted in
+     * image_bytes_inflight until the request ends, so keeping them holds no more than was admitted) */
+    for (int i = 0; i < q->prompt.n_images && !may_recompute(q); i++) router_prompt_drop_image(&q->prompt, i);
 }
+
+static bool req_migrate(router_req_t *q, const router_worker_t *w, const char *why);
 
 static void tokens_apply(router_t *r, router_req_t *q, const Prism__Tokens *t)
 {
@@ -225,7 +235,12 @@ static void tokens_apply(router_t *r, router_req_t *q, const Prism__Tokens *t)
     gen_keep(q, t->token_ids, t->n_token_ids);
     const char *finish = router_out_tokens(q, i, t);
     if (finish) choice_end(q, i, finish);
-    else router_out_progress(q, i);
+    else {
+        router_out_progress(q, i);
+        /* its decode dropped its KV: prefill it again from every token so far */
+        if (t->preempted && !req_migrate(q, NULL, "preempted by its decode worker (KV pool full)"))
+            req_fail(q, 503, "The decode worker ran out of KV cache for this request; retry after a short wait.");
+    }
 }
 
 /* Keeps a decode Tokens message that overtook the prefill's (see router.h). */
@@ -380,32 +395,43 @@ static bool req_retry(router_req_t *q, const char *why)
  * continues (text, detokenizer, stop-string holdback, logprobs, the stream): no gap, no repeat.
  * The images are encoded again from the bytes kept for it. A new id, as for a retry: what the old
  * workers still send matches nothing. n > 1 is not migrated (the choices' RNG streams fork at the
- * first token; their later states died with the worker): it fails as before. */
+ * first token; their later states died with the worker): it fails as before.
+ * w NULL: its decode worker preempted it (Tokens.preempted, its last message about it) and dropped
+ * its KV; that worker is neither avoided nor told to abort, and no migration is counted. */
 static bool req_migrate(router_req_t *q, const router_worker_t *w, const char *why)
 {
     router_t *r = q->r;
     router_choice_t *c = &q->out.choices[0];
-    if (q->stage != STAGE_PREFILLED || !may_migrate(q) || c->finish || c->n_out != q->mig.n_gen ||
-        q->mig.n_gen >= q->prompt.max_tokens || r->queue_len == r->reqs_cap)
+    if (q->stage != STAGE_PREFILLED || !(w ? may_migrate(q) : may_recompute(q)) || c->finish ||
+        c->n_out != q->mig.n_gen || q->mig.n_gen >= q->prompt.max_tokens || r->queue_len == r->reqs_cap)
         return false;
     if (router_sched_msgs_migrate(q) != PRISM_OK) return false;   /* no memory for its prompt: it fails */
     uint64_t old = q->rid;
-    avoid_worker(q, w->id);
-    q->place.n_avoid = PRISM_MIN(q->place.n_avoid, (int)PRISM_ARRAY_LEN(q->place.avoid));
+    if (w) {
+        avoid_worker(q, w->id);
+        q->place.n_avoid = PRISM_MIN(q->place.n_avoid, (int)PRISM_ARRAY_LEN(q->place.avoid));
+    } else {
+        router_sched_decode_done(q);   /* it holds nothing there any more: no abort */
+    }
     router_sched_release(q);
     c->got_first = c->worker_ended = false;
     q->place.n_first = q->place.n_worker_ended = 0;
     q->mig.decode_heard = false;
     q->stage = STAGE_QUEUED;
     q->place.attempts = 0;       /* the new pair gets --max-retries of its own */
-    q->mig.count++;
+    q->mig.count += w != NULL;
     q->time.wait = prism_now_s();   /* --max-queue-wait counts from now */
     bool queued = router_queue_push_front(r, q->rid);  /* room checked above */
     PRISM_ASSERT(queued);
-    r->metrics.migrated++;
+    if (w) r->metrics.migrated++;
+    else r->metrics.preempted++;
     r->queue_dirty = true;
-    PRISM_INFO("request %llu: %s; migrated as %llu after %d tokens (migration %d of %d)", (unsigned long long)old, why,
-               (unsigned long long)q->rid, q->mig.n_gen, q->mig.count, r->max_migrations);
+    if (w)
+        PRISM_INFO("request %llu: %s; migrated as %llu after %d tokens (migration %d of %d)", (unsigned long long)old,
+                   why, (unsigned long long)q->rid, q->mig.n_gen, q->mig.count, r->max_migrations);
+    else
+        PRISM_DEBUG("request %llu: %s; prefilled again as %llu after %d tokens", (unsigned long long)old, why,
+                    (unsigned long long)q->rid, q->mig.n_gen);
     return true;
 }
 

@@ -41,6 +41,10 @@ void router_sched_msgs_build(router_req_t *q)
     sp->logit_bias_ids = (int32_t *)o->logit_bias_ids;
     sp->logit_bias_values = (float *)o->logit_bias_values;
     sp->n = (uint32_t)router_req_n(q);
+    sp->priority = o->priority;
+    /* its arrival, on a clock every decode worker shares: among equal priorities the youngest is
+     * preempted first (a preempted request keeps it: the same messages go again) */
+    sp->arrival_us = (uint64_t)(prism_unix_time_us() - (int64_t)((prism_now_s() - q->time.start) * 1e6));
     if (q->guide.kind) {
         prism__guide__init(&m->guide);
         m->guide.kind = (Prism__GuideKind)q->guide.kind;

@@ -105,6 +105,7 @@ bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat
     w->seqs_aborted = hb->seqs_aborted;
     w->prompts_aborted = hb->prompts_aborted;
     w->sends_waited = hb->sends_waited;
+    w->preemptions = hb->preempt_recompute;
     w->alloc_count = hb->alloc_count;
     w->heartbeats++;
     w->peer_auth_failures = hb->peer_auth_failures;

@@ -353,6 +353,12 @@ int prism_random_bytes(void *out, size_t n)
 }
 
 int64_t prism_unix_time(void) { return (int64_t)time(NULL); }
+int64_t prism_unix_time_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
 
 int prism_read_file(const char *path, size_t max_bytes, char **out, size_t *out_len)
 {

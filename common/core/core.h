@@ -129,6 +129,7 @@ size_t prism_shared_len(const prism_shared_t *s);
 PRISM_API uint64_t prism_now_ns(void);   /* monotonic */
 PRISM_API double   prism_now_s(void);    /* monotonic, seconds */
 int64_t  prism_unix_time(void);       /* wall clock, seconds */
+int64_t  prism_unix_time_us(void);    /* wall clock, microseconds */
 /* n bytes from the kernel's CSPRNG (getrandom): for what must be unguessable (request ids, process
  * instance nonces). PRISM_EIO when the kernel cannot give them. */
 int      prism_random_bytes(void *out, size_t n);

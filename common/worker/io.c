@@ -431,6 +431,7 @@ static void io_heartbeat(prism_worker_t *w)
     hb.seqs_aborted = l.seqs_aborted;
     hb.prompts_aborted = l.prompts_aborted;
     hb.sends_waited = l.sends_waited;
+    hb.preempt_recompute = l.preempt_recompute;
     hb.mem_used = prism_mem_used();
     hb.mem_peak = prism_mem_peak();
     hb.mem_planned = w->reg.mem_planned;

@@ -110,6 +110,7 @@ typedef struct {
     uint64_t seqs_aborted;      /* decode: sequences ended by an abort */
     uint64_t prompts_aborted;   /* prefill: prompts left mid-prompt for an abort */
     uint64_t sends_waited;      /* encoder: embeddings that waited for room in a prefill's pool */
+    uint64_t preempt_recompute;  /* decode: sequences preempted because the KV pool ran out (a counter) */
 } prism_worker_load_t;
 
 /* An abort as the I/O thread saw it. */

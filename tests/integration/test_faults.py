@@ -463,10 +463,12 @@ def test_prefill_death_before_kv_reached_decode_migrates():
     has no KV room yet): the decode worker will never get it, so the request migrates too
     (the others the dead prefill worker held are retried, or migrated when their KV was on its way)."""
     # 64 KV blocks of 16 tokens (a 1024-token context): a 950-token request A takes almost all of
-    # them, so the streams' KV (9 blocks each) waits for room
+    # them, so the streams' KV (9 blocks each) waits for room (--kv-admission reserve: optimistic
+    # admission would take them in and preempt instead)
     ctx = ["--context-length", "1024"]
     with Cluster(prefills=2, router_args=["--worker-timeout", "120"] + ctx, common_worker_args=FAST_HB,
-                 worker_args={"prefill_worker": ctx, "decode_worker": ctx + ["--kv-blocks", "64"]}) as c:
+                 worker_args={"prefill_worker": ctx,
+                              "decode_worker": ctx + ["--kv-blocks", "64", "--kv-admission", "reserve"]}) as c:
         c.wait_ready()
         bodies = [chat_body("Tell me about the colour %s" % col, max_tokens=120, temperature=0, ignore_eos=True,
                             logprobs=True, return_tokens_as_token_ids=True, stream=True)

@@ -394,11 +394,12 @@ def test_backpressure_and_flat_allocations():
 
 
 def test_decode_admission_waits_for_kv():
-    """24 KV blocks of 16 tokens: room for two requests at a time; the rest wait (counted in
-    /metrics), none fails, waiting does not change a single token, and nothing is preempted."""
+    """--kv-admission reserve, 24 KV blocks of 16 tokens: room for two requests at a time; the rest
+    wait (counted in /metrics), none fails, waiting does not change a single token, and nothing is
+    preempted."""
     ctx = ["--context-length", "256"]
     with Cluster(router_args=ctx, worker_args={"prefill_worker": ctx,
-                                               "decode_worker": ctx + ["--kv-blocks", "24"]},
+                                               "decode_worker": ctx + ["--kv-blocks", "24", "--kv-admission", "reserve"]},
                  common_worker_args=FAST_HB) as c:
         c.wait_ready()
         # ~77 prompt tokens + 100 = 12 blocks each: two fit in 24 blocks, a third waits
@@ -435,6 +436,48 @@ def test_decode_admission_waits_for_kv():
         # more than the whole KV pool can hold is refused up front, not hung
         s, r = c.post_json("/v1/chat/completions", chat_body("hi", [SMALL], max_tokens=400))
         assert s == 400, (s, r)
+
+
+def _tokens(r):
+    """The token ids of a choice (return_tokens_as_token_ids) and how it ended."""
+    ch = r["choices"][0]
+    return [e["token"] for e in ch["logprobs"]["content"]], ch["finish_reason"]
+
+
+def test_decode_preempts_by_recompute():
+    """--kv-admission optimistic (the default), 24 KV blocks of 16 tokens, a 256-token context: four
+    requests without max_tokens run to the end of the context (16 blocks each), admitted on their
+    prompts' blocks. The pool runs out mid-decode: sequences are preempted (dropped, prefilled again
+    from their tokens), every request is answered, and each greedy or seeded answer is token for
+    token the one it gives alone."""
+    ctx = ["--context-length", "256"]
+    with Cluster(router_args=ctx, common_worker_args=FAST_HB,
+                 worker_args={"prefill_worker": ctx,
+                              "decode_worker": ctx + ["--kv-blocks", "24", "--max-running-requests", "4"]}) as c:
+        c.wait_ready()
+        bodies = [chat_body("Tell me a long story about the colour %s." % col, temperature=t, seed=7, ignore_eos=True,
+                            logprobs=True, return_tokens_as_token_ids=True)
+                  for col, t in (("red", 0), ("green", 0.8), ("blue", 0), ("yellow", 1.0))]
+        refs = []
+        for b in bodies:
+            s, r = c.post_json("/v1/chat/completions", b)
+            assert s == 200, (s, r)
+            refs.append(_tokens(r))
+            assert refs[-1][1] == "length" and r["usage"]["total_tokens"] == 256, r["usage"]
+        assert c.metric("vllm:num_preemptions_total") == 0, "one at a time, nothing to preempt"
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+            res = list(ex.map(lambda b: c.post_json("/v1/chat/completions", b), bodies))
+        for i, (s, r) in enumerate(res):
+            assert s == 200, (i, s, r)
+            assert _tokens(r) == refs[i], ("answer changed by preemption", i)
+        preempted = c.metric("vllm:num_preemptions_total")
+        print("preemptions:", preempted)
+        assert preempted > 0, "the pool never ran out: the test did not preempt"
+        assert c.metric("prism:preemptions_total", how="recompute") == preempted
+        hb = c.metric("prism:worker_heartbeats_total", tier="decode")
+        wait_for(lambda: c.metric("prism:worker_heartbeats_total", tier="decode") > hb + 1, 10, "a fresh heartbeat")
+        assert c.metric("prism:worker_preemptions_total", tier="decode") == preempted
+        assert c.metric("prism:worker_kv_free_blocks", tier="decode") == 24, "blocks leaked"
 
 
 def test_worker_failure_fails_requests_cleanly():
@@ -535,7 +578,8 @@ if __name__ == "__main__":
     sys.exit(run_tests([test_stream_client_that_stops_reading_is_dropped,
                         test_budget_too_small_refuses_to_start, test_budget_is_checked_against_the_whole_plan,
                         test_backpressure_and_flat_allocations,
-                        test_decode_admission_waits_for_kv, test_worker_failure_fails_requests_cleanly,
+                        test_decode_admission_waits_for_kv, test_decode_preempts_by_recompute,
+                        test_worker_failure_fails_requests_cleanly,
                         test_busy_encoder_keeps_heartbeating,
                         test_overload_burst_and_recovery, test_router_within_its_budget_under_a_burst,
                         test_every_worker_within_its_plan_under_load]))
