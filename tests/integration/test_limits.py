@@ -444,12 +444,13 @@ def _tokens(r):
     return [e["token"] for e in ch["logprobs"]["content"]], ch["finish_reason"]
 
 
-def test_decode_preempts_by_recompute():
+def test_decode_preempts_by_recompute_and_priority_overtakes():
     """--kv-admission optimistic (the default), 24 KV blocks of 16 tokens, a 256-token context: four
     requests without max_tokens run to the end of the context (16 blocks each), admitted on their
     prompts' blocks. The pool runs out mid-decode: sequences are preempted (dropped, prefilled again
     from their tokens), every request is answered, and each greedy or seeded answer is token for
-    token the one it gives alone."""
+    token the one it gives alone. Then with the decode's 4 slots busy, a request with priority -1
+    sent after three of priority 0 overtakes them in the router's queue."""
     ctx = ["--context-length", "256"]
     with Cluster(router_args=ctx, common_worker_args=FAST_HB,
                  worker_args={"prefill_worker": ctx,
@@ -478,6 +479,36 @@ def test_decode_preempts_by_recompute():
         wait_for(lambda: c.metric("prism:worker_heartbeats_total", tier="decode") > hb + 1, 10, "a fresh heartbeat")
         assert c.metric("prism:worker_preemptions_total", tier="decode") == preempted
         assert c.metric("prism:worker_kv_free_blocks", tier="decode") == 24, "blocks leaked"
+
+        # Priorities: four requests of priority -2 hold every decode slot (preempted, one goes back
+        # first); three of priority 0 queue in the router, then one of priority -1, which must get
+        # the next free slot (its first token first).
+        busy = chat_body("Count to ten.", max_tokens=200, temperature=0, ignore_eos=True, priority=-2)
+        first = {}
+
+        def one(name, prio):
+            st = c.open_stream("/v1/chat/completions", chat_body("Say %s." % name, max_tokens=4, temperature=0,
+                                                                 ignore_eos=True, stream=True, priority=prio))
+            while True:
+                ev = st.next_event()
+                if ev is None or ev == "[DONE]":
+                    break
+                if any(ch.get("delta", {}).get("content") for ch in ev.get("choices", [])):
+                    first.setdefault(name, time.time())
+
+        with concurrent.futures.ThreadPoolExecutor(8) as ex:
+            hold = [ex.submit(c.post_json, "/v1/chat/completions", busy) for _ in range(4)]
+            wait_for(lambda: c.metric("prism:worker_running", tier="decode") == 4, 30, "the decode slots all busy")
+            low = [ex.submit(one, "low%d" % i, 0) for i in range(3)]
+            time.sleep(0.2)
+            high = ex.submit(one, "high", -1)
+            for f in hold + low + [high]:
+                f.result()
+        assert all(f.result()[0] == 200 for f in hold)
+        assert set(first) == {"low0", "low1", "low2", "high"}, first
+        order = sorted(first, key=first.get)
+        print("first tokens in order:", order)
+        assert order[0] == "high", ("the high-priority request did not overtake the queue", order)
 
 
 def test_worker_failure_fails_requests_cleanly():
@@ -578,7 +609,7 @@ if __name__ == "__main__":
     sys.exit(run_tests([test_stream_client_that_stops_reading_is_dropped,
                         test_budget_too_small_refuses_to_start, test_budget_is_checked_against_the_whole_plan,
                         test_backpressure_and_flat_allocations,
-                        test_decode_admission_waits_for_kv, test_decode_preempts_by_recompute,
+                        test_decode_admission_waits_for_kv, test_decode_preempts_by_recompute_and_priority_overtakes,
                         test_worker_failure_fails_requests_cleanly,
                         test_busy_encoder_keeps_heartbeating,
                         test_overload_burst_and_recovery, test_router_within_its_budget_under_a_burst,
