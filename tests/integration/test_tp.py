@@ -213,7 +213,8 @@ def worker_gauge(c, name, tier, worker):
 
 def test_aborts_and_overlap_in_groups():
     with Cluster(decodes=0, prefills=0, common_worker_args=["--heartbeat-interval", "0.2"]) as c:
-        start_group(c, "decode-0", 2, extra=["--overlap-steps", "on"])
+        # 128 KV blocks: one 2048-token context, so three long answers preempt one another below
+        start_group(c, "decode-0", 2, extra=["--overlap-steps", "on", "--kv-blocks", "128"])
         start_group(c, "prefill-0", 2, "prefill_worker", extra=["--chunked-prefill-size", "1"])
         c.wait_ready(timeout=300)
         wait_for(lambda: worker_gauge(c, "prism:worker_kv_free_blocks", "prefill", "prefill-0"), 30,
@@ -260,6 +261,19 @@ def test_aborts_and_overlap_in_groups():
         assert_abort_stopped_decode(c, before, 1500, timeout=30)
         body, ref = REQS[0]
         answer(c, body, ref, True, "after the aborts")
+
+        # the pool runs out under overlapped steps in a group: sequences are preempted (dropped from
+        # the next plan, prefilled again) and each answer is token for token its answer alone
+        stories = [chat_body("Tell me a long story about %s" % w, max_tokens=700, temperature=0, ignore_eos=True)
+                   for w in ("cats", "ships", "rain")]
+        alone = [c.post_json("/v1/chat/completions", b)[1]["choices"][0]["message"]["content"] for b in stories]
+        p0 = c.metric("vllm:num_preemptions_total")
+        with concurrent.futures.ThreadPoolExecutor(3) as ex:
+            res = list(ex.map(lambda b: c.post_json("/v1/chat/completions", b), stories))
+        assert [r["choices"][0]["message"]["content"] for _, r in res] == alone, "answers changed by preemption"
+        assert c.metric("vllm:num_preemptions_total") > p0, "the pool never ran out: nothing was preempted"
+        wait_for(lambda: worker_gauge(c, "prism:worker_kv_free_blocks", "decode", "decode-0") == dkv0, 30,
+                 "the decode group to free every block")
         for n in ("decode-0.r1", "prefill-0.r1"):
             assert c.procs[n].poll() is None, c.log(n)
     # the ranks left with the leader's stop, not because the group broke
