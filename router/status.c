@@ -72,6 +72,8 @@ static json_t *worker_json(const router_worker_t *w, double now)
     case PRISM__ROLE__ROLE_DECODE:
         json_object_set_new(j, "kv_blocks", json_integer(w->kv_blocks));
         json_object_set_new(j, "kv_free_blocks", json_integer(w->kv_free_blocks));
+        json_object_set_new(j, "kv_waits", json_integer((json_int_t)w->kv_waits));
+        json_object_set_new(j, "preemptions", json_integer((json_int_t)w->preemptions));
         break;
     default:
         break;

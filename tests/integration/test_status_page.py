@@ -192,6 +192,7 @@ def test_status_page_shows_the_live_cluster():
                 assert cell("cache_hit_rate")["text"].startswith(expect), (w["id"], w["cache"], cell("cache_hit_rate")["text"])
             if w["tier"] == "decode":
                 assert cell("kv_free")["text"].startswith("%d / %d" % (w["kv_free_blocks"], w["kv_blocks"]))
+                assert "%d preempted" % w["preemptions"] in cell("kv_free")["text"], cell("kv_free")["text"]
             if w["tier"] == "prefill":
                 assert cell("pool_free")["text"].strip() == str(w["pool_free"])
             assert "%d in all" % w["completed"] in cell("completed_per_s")["text"], cell("completed_per_s")["text"]
