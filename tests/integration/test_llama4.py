@@ -352,6 +352,21 @@ def test_scout_context_is_capped():
         assert status == 200 and r["max_model_len"] == 4096, r
 
 
+def test_preempted_answers_unchanged():
+    """Four 300-token answers at once (greedy and seeded) on 64 KV blocks: sequences are preempted
+    and prefilled again from their tokens (in chunks of 50), their chunked-attention layers' rings
+    refilled from the transfer, and every answer is token for token its answer alone."""
+    bodies = [body("Tell me about %s." % w, max_tokens=300, temperature=0.7 if i % 2 else 0, seed=3)
+              for i, w in enumerate(("cats", "dogs", "ships", "rain"))]
+    alone = [ask(C, b)[0] for b in bodies]
+    p0 = C.metric("vllm:num_preemptions_total")
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+        res = list(ex.map(lambda b: ask(C, b)[0], bodies))
+    for i, (got, want) in enumerate(zip(res, alone)):
+        assert got == want, (i, len(got), len(want))
+    assert C.metric("vllm:num_preemptions_total") > p0, "the pool never ran out: nothing was preempted"
+
+
 def test_short_context_unsplit_cache():
     """A context no longer than one attention chunk: the decode worker keeps every layer in one pool
     (a ring would be the whole context), the transfer layout is the same, and a decode that crosses
@@ -428,13 +443,15 @@ def main():
                          test_malformed_llama4_embeddings_dropped])
     finally:
         C.stop()
+    # 64 KV blocks: one 1024-token context, so long answers at once outgrow the decode's pool
     C = Cluster(model=L4, common_worker_args=HB,
                 worker_args={"prefill_worker": ["--chunked-prefill-size", "50"],
-                             "encoder_worker": ["--max-batch-images", "2", "--max-queued-image-bytes", "1"]})
+                             "encoder_worker": ["--max-batch-images", "2", "--max-queued-image-bytes", "1"],
+                             "decode_worker": ["--kv-blocks", "64"]})
     try:
         C.wait_ready()
         rc |= run_tests([test_chunked_prefill_and_micro_batches, test_concurrent_distinct_images,
-                         test_encoder_queue_bounded_in_bytes])
+                         test_encoder_queue_bounded_in_bytes, test_preempted_answers_unchanged])
     finally:
         C.stop()
     rc |= run_tests([test_scout_context_is_capped, test_short_context_unsplit_cache,

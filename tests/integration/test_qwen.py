@@ -147,6 +147,25 @@ def test_concurrent_distinct():
         assert got == want, (i, got, want)
 
 
+def test_preempted_answers_unchanged():
+    """Four image conversations without max_tokens (to the end of the 512-token context) at once on
+    40 KV blocks: sequences are preempted and prefilled again from their tokens, in chunks, with
+    their images encoded again (M-RoPE positions and rope delta recomputed), and every answer is
+    token for token its answer alone."""
+    bodies = []
+    for case in GOLD["cases"][:4]:
+        b = body(case_messages(case))
+        del b["max_tokens"]
+        bodies.append(b)
+    alone = [ask(C, b)[0] for b in bodies]
+    p0 = C.metric("vllm:num_preemptions_total")
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+        res = list(ex.map(lambda b: ask(C, b)[0], bodies))
+    for i, (got, want) in enumerate(zip(res, alone)):
+        assert got == want, (i, len(got), len(want))
+    assert C.metric("vllm:num_preemptions_total") > p0, "the pool never ran out: nothing was preempted"
+
+
 def encoder_counts(c):
     return (c.metric("prism:worker_embedding_cache_hits_total", worker="encoder-0") or 0,
             c.metric("prism:worker_embedding_cache_misses_total", worker="encoder-0") or 0)
@@ -240,13 +259,17 @@ def main():
                          test_memory_plan_is_what_the_workers_allocate])
     finally:
         C.stop()
-    C = Cluster(model=QW, common_worker_args=HB,
+    # a 512-token context and 40 KV blocks (640 tokens): long answers outgrow the decode's pool
+    ctx = ["--context-length", "512"]
+    C = Cluster(model=QW, common_worker_args=HB, router_args=ctx,
                 worker_args={"encoder_worker": ["--embed-piece-rows", "16"],
-                             "prefill_worker": ["--chunked-prefill-size", "37"]})
+                             "prefill_worker": ["--chunked-prefill-size", "37"] + ctx,
+                             "decode_worker": ["--kv-blocks", "40"] + ctx})
     try:
         C.wait_ready()
         rc |= run_tests([test_pieces_and_chunks, test_concurrent_distinct, test_cache_hit_same_tokens,
-                         test_no_heap_allocations_while_serving, test_memory_plan_is_what_the_workers_allocate])
+                         test_no_heap_allocations_while_serving, test_preempted_answers_unchanged,
+                         test_memory_plan_is_what_the_workers_allocate])
     finally:
         C.stop()
     rc |= run_tests([test_tp_groups])
