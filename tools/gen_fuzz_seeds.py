@@ -147,8 +147,10 @@ def turn(n=1):
 
 
 def sampling(max_tokens=4, temperature=0.0, n=0, logprobs=0, stop=(), seed=None, generated=0, rep=0.0, guide=None,
-             top_k=0, top_p=0.0, bias=()):
+             top_k=0, top_p=0.0, bias=(), ignore_eos=False, priority=0):
     b = pb_float(1, temperature) + pb_int(6, max_tokens)
+    if ignore_eos:
+        b += pb_int(8, 1)
     if top_p:
         b += pb_float(2, top_p)
     if top_k:
@@ -169,6 +171,8 @@ def sampling(max_tokens=4, temperature=0.0, n=0, logprobs=0, stop=(), seed=None,
         b += pb_bytes(16, pb_int(1, guide[0]) + pb_bytes(2, guide[1]))
     if generated:
         b += pb_int(17, generated)
+    if priority:
+        b += pb_int(30, (priority << 1) ^ (priority >> 63))   # sint32: zigzag
     return b
 
 
@@ -312,6 +316,14 @@ def decode_seeds():
     put(h, "duplicate", kv(45, 6) + kv(45, 6) + turn() + kv(45, 6) + turn(4))
     put(h, "nan_kv", rec(OP_DATA, kv_msg(46, 6, samp=sampling(logprobs=3, temperature=0.7, top_p=0.5))[0],
                          [(KV_BLOCK_BYTES, b"\x00\x00\xc0\x7f")]) + turn(3))
+    # optimistic admission (the default): three sequences admitted on one block each outgrow the 5
+    # blocks past 16 tokens; the lowest priority (then the youngest) is preempted, the others go on
+    long = dict(max_tokens=25, ignore_eos=True)
+    put(h, "preempt", kv(50, 6, samp=sampling(**long)) + kv(51, 6, samp=sampling(priority=1, **long)) +
+        kv(52, 6, samp=sampling(**long)) + turn(30))
+    put(h, "preempt_overlap", bytes([OP_DATA | MODE_OVERLAP]) + kv(53, 6, samp=sampling(**long))[1:] +
+        kv(54, 6, samp=sampling(seed=5, temperature=0.8, **long)) + kv(55, 6, samp=sampling(**long)) + turn(16) +
+        rec(OP_ROUTER, abort_msg(53)) + turn(20))
     put(h, "other_router", kv(47, 6, router="r2") + kv(48, 6, router=None) + turn(5) +
         rec(OP_ROUTER, abort_msg(48, None)))
 

@@ -3,7 +3,8 @@
  * into the paged cache, shared prompt blocks of n > 1 choices; step: continuous batching over the
  * bundled tiny model on the CPU, sampling, the Tokens stream), on the worker its own start-up builds
  * (prism_worker_open with k_decode_tier) with small pools: 3 sequences, 5 blocks of 16 tokens, a 32-token context
- * (at most 32 steps of a sequence: an input's worst case stays well inside libFuzzer's timeout).
+ * (at most 32 steps of a sequence: an input's worst case stays well inside libFuzzer's timeout;
+ * optimistic admission, the default: three sequences past 16 tokens outgrow the 5 blocks and preempt).
  * Records: see fuzz_worker.h; the harness plays the I/O thread. The input's first byte picks the
  * mode: bit 6 overlaps steps with host work (the GPU pipeline, --overlap-steps on), bit 7 makes the
  * router give up on every request at the end instead of letting them finish.
@@ -88,9 +89,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     FUZZ_ASSERT(d->blocks.n_free == d->blocks.n_blocks);
 
     if (getenv("FUZZ_VERBOSE"))   /* what an input did: to check that a seed does what it says */
-        fprintf(stderr, "decode: %llu replies, %llu steps, %llu tokens, %llu cancelled, %llu KV waits\n",
+        fprintf(stderr, "decode: %llu replies, %llu steps, %llu tokens, %llu cancelled, %llu KV waits, %llu preempted\n",
                 (unsigned long long)g_io.replies, (unsigned long long)d->steps, (unsigned long long)d->tokens_out,
-                (unsigned long long)d->cancelled, (unsigned long long)d->kv_waits);
+                (unsigned long long)d->cancelled, (unsigned long long)d->kv_waits, (unsigned long long)d->preempted);
     fuzz_io_reset(&g_io, &d->w);
     prism_abort_memo_init(&d->aborts, 600.0);
     return 0;
