@@ -281,7 +281,8 @@ static bool admit_staged(decode_t *d)
         d->staged_waited = true;
         return false;
     }
-    else why = admit_choices(d, kv, slots, k, grows ? per : prism_kv_blocks_for_tokens(&d->blocks, total), grows, &kind);
+    else why = admit_choices(d, kv, slots, k, grows ? per : prism_kv_blocks_for_tokens(&d->blocks, total), grows,
+                             &kind);
     if (why) {
         PRISM_WARN("request %llu refused: %s", (unsigned long long)d->staged_rid, why);
         send_error(d, d->staged_router, d->staged_rid, d->staged_rid_hi, kind, why);
@@ -799,7 +800,8 @@ static int decode_run(void *ctx)
 {
     decode_t *d = ctx;
     PRISM_INFO("decode: %d KV blocks x %d tokens, batch %d, %s admission%s%s", d->blocks.n_blocks,
-               d->blocks.block_size, d->max_running, d->optimistic ? "optimistic" : "reserve", d->overlap ? ", host work overlapped with the device" : "",
+               d->blocks.block_size, d->max_running, d->optimistic ? "optimistic" : "reserve",
+               d->overlap ? ", host work overlapped with the device" : "",
                d->ring ? ", chunked-attention layers in per-sequence rings" : "");
     if (d->ring) {
         char a[32], b2[32];
@@ -825,11 +827,11 @@ static int decode_run(void *ctx)
     const prism_comm_t *comm = prism_group_comm(d->tp.g);
     /* tests/bench/bench_tp.py reads this line */
     PRISM_INFO("decode worker stopping: %llu steps, %llu tokens; step forward %.3f ms mean, collectives %.1f%% of it "
-               "(%llu ops, tp %d over %s); %llu sequences cancelled", (unsigned long long)d->steps,
+               "(%llu ops, tp %d over %s); %llu sequences cancelled, %llu preempted", (unsigned long long)d->steps,
                (unsigned long long)d->tokens_out, d->steps ? d->ns_forward / 1e6 / (double)d->steps : 0.0,
                d->ns_forward ? 100.0 * (double)comm->ns_in_ops / (double)d->ns_forward : 0.0,
                (unsigned long long)comm->n_ops, d->tp.size, prism_group_transport(d->tp.g),
-               (unsigned long long)d->cancelled);
+               (unsigned long long)d->cancelled, (unsigned long long)d->preempted);
     prism_seq_sampler_free(&d->sampler);
     return code;
 }

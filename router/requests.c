@@ -238,7 +238,8 @@ static void tokens_apply(router_t *r, router_req_t *q, const Prism__Tokens *t)
     else {
         router_out_progress(q, i);
         /* its decode dropped its KV: prefill it again from every token so far */
-        if (t->preempted && !req_migrate(q, NULL, "preempted by its decode worker (KV pool full)"))
+        if (t->preempted && !t->from_prefill &&
+            !req_migrate(q, NULL, "preempted by its decode worker (KV pool full)"))
             req_fail(q, 503, "The decode worker ran out of KV cache for this request; retry after a short wait.");
     }
 }
