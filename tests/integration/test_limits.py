@@ -445,16 +445,16 @@ def _tokens(r):
 
 
 def test_decode_preempts_by_recompute_and_priority_overtakes():
-    """--kv-admission optimistic (the default), 24 KV blocks of 16 tokens, a 256-token context: four
-    requests without max_tokens run to the end of the context (16 blocks each), admitted on their
+    """--kv-admission optimistic (the default), 12 KV blocks of 16 tokens, a 128-token context: four
+    requests without max_tokens run to the end of the context (8 blocks each), admitted on their
     prompts' blocks. The pool runs out mid-decode: sequences are preempted (dropped, prefilled again
     from their tokens), every request is answered, and each greedy or seeded answer is token for
     token the one it gives alone. Then with the decode's 4 slots busy, a request with priority -1
     sent after three of priority 0 overtakes them in the router's queue."""
-    ctx = ["--context-length", "256"]
+    ctx = ["--context-length", "128"]
     with Cluster(router_args=ctx, common_worker_args=FAST_HB,
                  worker_args={"prefill_worker": ctx,
-                              "decode_worker": ctx + ["--kv-blocks", "24", "--max-running-requests", "4"]}) as c:
+                              "decode_worker": ctx + ["--kv-blocks", "12", "--max-running-requests", "4"]}) as c:
         c.wait_ready()
         bodies = [chat_body("Tell me a long story about the colour %s." % col, temperature=t, seed=7, ignore_eos=True,
                             logprobs=True, return_tokens_as_token_ids=True)
@@ -464,7 +464,7 @@ def test_decode_preempts_by_recompute_and_priority_overtakes():
             s, r = c.post_json("/v1/chat/completions", b)
             assert s == 200, (s, r)
             refs.append(_tokens(r))
-            assert refs[-1][1] == "length" and r["usage"]["total_tokens"] == 256, r["usage"]
+            assert refs[-1][1] == "length" and r["usage"]["total_tokens"] == 128, r["usage"]
         assert c.metric("vllm:num_preemptions_total") == 0, "one at a time, nothing to preempt"
         with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
             res = list(ex.map(lambda b: c.post_json("/v1/chat/completions", b), bodies))
@@ -478,12 +478,12 @@ def test_decode_preempts_by_recompute_and_priority_overtakes():
         hb = c.metric("prism:worker_heartbeats_total", tier="decode")
         wait_for(lambda: c.metric("prism:worker_heartbeats_total", tier="decode") > hb + 1, 10, "a fresh heartbeat")
         assert c.metric("prism:worker_preemptions_total", tier="decode") == preempted
-        assert c.metric("prism:worker_kv_free_blocks", tier="decode") == 24, "blocks leaked"
+        assert c.metric("prism:worker_kv_free_blocks", tier="decode") == 12, "blocks leaked"
 
         # Priorities: four requests of priority -2 hold every decode slot (preempted, one goes back
         # first); three of priority 0 queue in the router, then one of priority -1, which must get
         # the next free slot (its first token first).
-        busy = chat_body("Count to ten.", max_tokens=200, temperature=0, ignore_eos=True, priority=-2)
+        busy = chat_body("Count to ten.", max_tokens=100, temperature=0, ignore_eos=True, priority=-2)
         first = {}
 
         def one(name, prio):
