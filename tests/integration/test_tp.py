@@ -213,8 +213,7 @@ def worker_gauge(c, name, tier, worker):
 
 def test_aborts_and_overlap_in_groups():
     with Cluster(decodes=0, prefills=0, common_worker_args=["--heartbeat-interval", "0.2"]) as c:
-        # 128 KV blocks: one 2048-token context, so three long answers preempt one another below
-        start_group(c, "decode-0", 2, extra=["--overlap-steps", "on", "--kv-blocks", "128"])
+        start_group(c, "decode-0", 2, extra=["--overlap-steps", "on"])
         start_group(c, "prefill-0", 2, "prefill_worker", extra=["--chunked-prefill-size", "1"])
         c.wait_ready(timeout=300)
         wait_for(lambda: worker_gauge(c, "prism:worker_kv_free_blocks", "prefill", "prefill-0"), 30,
@@ -261,24 +260,33 @@ def test_aborts_and_overlap_in_groups():
         assert_abort_stopped_decode(c, before, 1500, timeout=30)
         body, ref = REQS[0]
         answer(c, body, ref, True, "after the aborts")
-
-        # the pool runs out under overlapped steps in a group: sequences are preempted (dropped from
-        # the next plan, prefilled again) and each answer is token for token its answer alone
-        stories = [chat_body("Tell me a long story about %s" % w, max_tokens=700, temperature=0, ignore_eos=True)
-                   for w in ("cats", "ships", "rain")]
-        alone = [c.post_json("/v1/chat/completions", b)[1]["choices"][0]["message"]["content"] for b in stories]
-        p0 = c.metric("vllm:num_preemptions_total")
-        with concurrent.futures.ThreadPoolExecutor(3) as ex:
-            res = list(ex.map(lambda b: c.post_json("/v1/chat/completions", b), stories))
-        assert [r["choices"][0]["message"]["content"] for _, r in res] == alone, "answers changed by preemption"
-        assert c.metric("vllm:num_preemptions_total") > p0, "the pool never ran out: nothing was preempted"
-        wait_for(lambda: worker_gauge(c, "prism:worker_kv_free_blocks", "decode", "decode-0") == dkv0, 30,
-                 "the decode group to free every block")
         for n in ("decode-0.r1", "prefill-0.r1"):
             assert c.procs[n].poll() is None, c.log(n)
     # the ranks left with the leader's stop, not because the group broke
     for n in ("decode-0.r1", "prefill-0.r1"):
         assert re.search(r"leaves the group after \d+ steps \(stopped\)", c.log(n)), c.log(n)[-2000:]
+
+
+def test_preemption_in_a_group():
+    """A decode group of 2 with overlapped steps and 12 KV blocks (a 128-token context): four answers
+    without max_tokens (greedy and seeded) outgrow the pool, sequences are preempted (dropped from the
+    next plan, prefilled again from their tokens), and each answer is token for token its answer
+    alone; every block comes back."""
+    ctx = ["--context-length", "128"]
+    with Cluster(decodes=0, router_args=ctx, worker_args={"prefill_worker": ctx},
+                 common_worker_args=["--heartbeat-interval", "0.1"]) as c:
+        start_group(c, "decode-0", 2, extra=["--overlap-steps", "on", "--kv-blocks", "12"] + ctx)
+        c.wait_ready(timeout=300)
+        bodies = [chat_body("Tell me a long story about %s" % w, temperature=t, seed=4, ignore_eos=True)
+                  for w, t in (("cats", 0), ("ships", 0.8), ("rain", 0), ("bread", 1.0))]
+        alone = [c.post_json("/v1/chat/completions", b)[1]["choices"][0]["message"]["content"] for b in bodies]
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+            res = list(ex.map(lambda b: c.post_json("/v1/chat/completions", b), bodies))
+        assert [r["choices"][0]["message"]["content"] for _, r in res] == alone, "answers changed by preemption"
+        assert c.metric("vllm:num_preemptions_total") > 0, "the pool never ran out: nothing was preempted"
+        wait_for(lambda: worker_gauge(c, "prism:worker_kv_free_blocks", "decode", "decode-0") == 12, 30,
+                 "the decode group to free every block")
+        assert c.procs["decode-0.r1"].poll() is None, c.log("decode-0.r1")
 
 
 def test_launcher_decode_tp4_prefill_tp2():
@@ -316,5 +324,5 @@ if __name__ == "__main__":
     sys.exit(run_tests([test_tp2_equals_tp1, test_tp8_kv_heads_replicated, test_prefill_tp2_decode_tp1,
                         test_prefill_tp2_decode_tp4,
                         test_rank_killed_fails_cleanly_and_group_reforms, test_prefill_rank_killed,
-                        test_aborts_and_overlap_in_groups,
+                        test_aborts_and_overlap_in_groups, test_preemption_in_a_group,
                         test_launcher_decode_tp4_prefill_tp2]))
