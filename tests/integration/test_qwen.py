@@ -148,8 +148,8 @@ def test_concurrent_distinct():
 
 
 def test_preempted_answers_unchanged():
-    """Four image conversations without max_tokens (to the end of the 512-token context) at once on
-    40 KV blocks: sequences are preempted and prefilled again from their tokens, in chunks, with
+    """Four image conversations without max_tokens (to the end of the 256-token context) at once on
+    20 KV blocks: sequences are preempted and prefilled again from their tokens, in chunks, with
     their images encoded again (M-RoPE positions and rope delta recomputed), and every answer is
     token for token its answer alone."""
     bodies = []
@@ -259,12 +259,12 @@ def main():
                          test_memory_plan_is_what_the_workers_allocate])
     finally:
         C.stop()
-    # a 512-token context and 40 KV blocks (640 tokens): long answers outgrow the decode's pool
-    ctx = ["--context-length", "512"]
+    # a 256-token context and 20 KV blocks (320 tokens): long answers outgrow the decode's pool
+    ctx = ["--context-length", "256"]
     C = Cluster(model=QW, common_worker_args=HB, router_args=ctx,
                 worker_args={"encoder_worker": ["--embed-piece-rows", "16"],
                              "prefill_worker": ["--chunked-prefill-size", "37"] + ctx,
-                             "decode_worker": ["--kv-blocks", "40"] + ctx})
+                             "decode_worker": ["--kv-blocks", "20"] + ctx})
     try:
         C.wait_ready()
         rc |= run_tests([test_pieces_and_chunks, test_concurrent_distinct, test_cache_hit_same_tokens,
