@@ -449,11 +449,11 @@ def test_decode_preempts_by_recompute_and_priority_overtakes():
     requests without max_tokens run to the end of the context (8 blocks each), admitted on their
     prompts' blocks. The pool runs out mid-decode: sequences are preempted (dropped, prefilled again
     from their tokens), every request is answered, and each greedy or seeded answer is token for
-    token the one it gives alone. Then with the decode's 4 slots busy, a request with priority -1
-    sent after three of priority 0 overtakes them in the router's queue."""
+    token the one it gives alone. Then a request with priority -1 sent after three of priority 0
+    overtakes them in the router's queue."""
     ctx = ["--context-length", "128"]
     with Cluster(router_args=ctx, common_worker_args=FAST_HB,
-                 worker_args={"prefill_worker": ctx,
+                 worker_args={"prefill_worker": ctx + ["--max-pending-requests", "1"],
                               "decode_worker": ctx + ["--kv-blocks", "12", "--max-running-requests", "4"]}) as c:
         c.wait_ready()
         bodies = [chat_body("Tell me a long story about the colour %s." % col, temperature=t, seed=7, ignore_eos=True,
@@ -480,10 +480,10 @@ def test_decode_preempts_by_recompute_and_priority_overtakes():
         assert c.metric("prism:worker_preemptions_total", tier="decode") == preempted
         assert c.metric("prism:worker_kv_free_blocks", tier="decode") == 12, "blocks leaked"
 
-        # Priorities: four requests of priority -2 hold every decode slot (preempted, one goes back
-        # first); three of priority 0 queue in the router, then one of priority -1, which must get
-        # the next free slot (its first token first).
-        busy = chat_body("Count to ten.", max_tokens=100, temperature=0, ignore_eos=True, priority=-2)
+        # Priorities: the prefill worker takes one request at a time (--max-pending-requests 1) and is
+        # stopped (SIGSTOP) while a first request holds it; three of priority 0 queue in the router,
+        # then one of priority -1. Once the prefill worker goes on, the high one is sent next: its
+        # first token comes before the others'. (Nothing runs while it is stopped: no race.)
         first = {}
 
         def one(name, prio):
@@ -496,19 +496,25 @@ def test_decode_preempts_by_recompute_and_priority_overtakes():
                 if any(ch.get("delta", {}).get("content") for ch in ev.get("choices", [])):
                     first.setdefault(name, time.time())
 
-        with concurrent.futures.ThreadPoolExecutor(8) as ex:
-            hold = [ex.submit(c.post_json, "/v1/chat/completions", busy) for _ in range(4)]
-            wait_for(lambda: c.metric("prism:worker_running", tier="decode") == 4, 30, "the decode slots all busy")
-            low = [ex.submit(one, "low%d" % i, 0) for i in range(3)]
-            time.sleep(0.2)
-            high = ex.submit(one, "high", -1)
-            for f in hold + low + [high]:
+        pre = c.procs["prefill-0"]
+        with concurrent.futures.ThreadPoolExecutor(5) as ex:
+            pre.send_signal(signal.SIGSTOP)
+            try:
+                jobs = [ex.submit(one, "first", 0)]
+                time.sleep(0.3)
+                for name, prio in (("low0", 0), ("low1", 0), ("low2", 0), ("high", -1)):
+                    jobs.append(ex.submit(one, name, prio))
+                    time.sleep(0.1)
+                wait_for(lambda: c.metric("prism:router_requests_in_flight") == 5, 5, "every request in the router")
+                time.sleep(0.2)
+            finally:
+                pre.send_signal(signal.SIGCONT)
+            for f in jobs:
                 f.result()
-        assert all(f.result()[0] == 200 for f in hold)
-        assert set(first) == {"low0", "low1", "low2", "high"}, first
         order = sorted(first, key=first.get)
         print("first tokens in order:", order)
-        assert order[0] == "high", ("the high-priority request did not overtake the queue", order)
+        assert order == ["first", "high", "low0", "low1", "low2"], ("the high-priority request did not overtake "
+                                                                   "the queue", order)
 
 
 def test_worker_failure_fails_requests_cleanly():
