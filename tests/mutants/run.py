@@ -31,7 +31,7 @@ MUTANTS = {
         "the decode worker logs an abort and keeps generating (issue 27)",
         [("decode_worker/main.c",
           "            if (!s->cancel) d->aborted++;\n"
-          "            if (s->in_step || s->finishing) s->cancel = true;   /* the device still writes its blocks */\n"
+          "            if (s->in_step || s->finishing || s->preempt) s->cancel = true;   /* the device still writes its blocks */\n"
           "            else seq_release(d, s);\n", ""),
          ("decode_worker/main.c",
           "    if (!prism_worker_aborted(&d->w, s->seq.rid, s->seq.router_id, &waited)) return false;",
