@@ -66,6 +66,8 @@ typedef struct {
     bool finishing;           /* its last token is waiting to be sent */
     bool grows;               /* admitted optimistically: takes blocks as it goes, may be preempted */
     bool preempt;             /* preempted: its blocks are gone, it leaves once its last tokens are sent */
+    bool timed;               /* its first message (with the timings below) went out */
+    double t_kv, t_admit;     /* its KV arrived; it was admitted (the router's stage histograms) */
 } seq_t;
 
 /* One sequence's result of a step, held until it is sent. */
@@ -120,6 +122,7 @@ typedef struct {
     bool staged_waited;       /* counted in kv_waits once */
     uint64_t kv_waits;
     uint64_t staged_rid, staged_rid_hi;
+    double staged_t;          /* when it arrived */
     char staged_router[128];
     Prism__Kv *staged_kv;     /* owned copy of the header (unpacked message kept) */
     Prism__Envelope *staged_env;
@@ -191,6 +194,9 @@ static const char *admit_choices(decode_t *d, const Prism__Kv *kv, const int *sl
         s->last_token = kv->choice_first_token[started];
         s->rope_delta = kv->rope_delta;
         s->n_blocks = 0;
+        s->timed = false;
+        s->t_kv = d->staged_t;
+        s->t_admit = prism_now_s();
         if (prism_seq_needs_history(&s->seq) && gen && !prompt) {
             why = "a migrated request's KV came without the tokens it generated before";
             *kind = PRISM__ERROR_KIND__ERROR_INTERNAL;   /* a malformed transfer, not the request */
@@ -344,6 +350,7 @@ static void on_kv(decode_t *d, prism_msg_t *m)
     d->staged_waited = false;
     d->staged_rid = e->request_id;
     d->staged_rid_hi = e->request_id_hi;
+    d->staged_t = prism_now_s();
     snprintf(d->staged_router, sizeof(d->staged_router), "%s", router);
     zmq_msg_init(&d->staged_frame);
     zmq_msg_move(&d->staged_frame, &m->frames[0]);
@@ -563,6 +570,11 @@ static void send_out(decode_t *d)
             Prism__Envelope env = PRISM__ENVELOPE__INIT;
             env.type = PRISM__MSG_TYPE__MSG_TOKENS;
             env.tokens = &o->t;
+            if (!s->timed) {   /* its first message: the wait for admission and the first step */
+                o->t.queue_ms = (float)((s->t_admit - s->t_kv) * 1e3);
+                o->t.step_ms = (float)((prism_now_s() - s->t_admit) * 1e3);
+                s->timed = true;
+            }
             prism_worker_reply(&d->w, s->seq.router_id, s->seq.rid, s->seq.rid_hi, &env);
             d->tokens_out++;
         }

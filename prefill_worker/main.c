@@ -49,6 +49,7 @@ typedef struct {
     double t_arrive;
     int n_rows;
     int got_rows;             /* received so far (an image sent in pieces is ready when got_rows == n_rows) */
+    double t_done;            /* when got_rows reached n_rows */
     int32_t pages[MAX_PAGES]; /* pool pages holding rows [k * page_rows, (k + 1) * page_rows) */
 } emb_slot_t;
 
@@ -391,6 +392,7 @@ static void on_embeddings(prefill_t *p, prism_msg_t *m)
         }
         emb_copy_frames(p, s, m, (size_t)em->row_offset * row_bytes);
         s->got_rows += (int)em->n_tokens;
+        if (s->got_rows == s->n_rows) s->t_done = prism_now_s();
         return;
     }
     if (s) return;  /* duplicate */
@@ -429,6 +431,7 @@ static void on_embeddings(prefill_t *p, prism_msg_t *m)
     s->t_arrive = prism_now_s();
     s->n_rows = (int)total;
     s->got_rows = (int)em->n_tokens;
+    s->t_done = s->t_arrive;
     for (int k = 0; k < n_pages; k++) s->pages[k] = p->free_pages[--p->n_free_pages];
     emb_copy_frames(p, s, m, 0);
 }
@@ -548,6 +551,11 @@ static void run_one(prefill_t *p)
     if (prism_kv_blocks_alloc(&p->blocks, nb, p->table) != PRISM_OK) return;
     PRISM_DEBUG("request %llu: prefill of %d tokens started", (unsigned long long)r->seq.rid, r->n_tokens);
     double t0 = prism_now_s();
+    /* its wait for embeddings: from its arrival to its last image's last rows (the stage histograms) */
+    double t_embedded = r->t_arrive;
+    for (int i = 0; i < r->n_images; i++)
+        t_embedded = PRISM_MAX(t_embedded, emb_find(p, r->seq.rid, r->seq.rid_hi, r->seq.router_id, (uint32_t)i)->t_done);
+    t_embedded = PRISM_MIN(t_embedded, t0);
     const int32_t *tables[1] = {p->table};
     int rc = PRISM_OK, next_row[MAX_IMAGES] = {0};   /* rows of each image laid so far (chunks go in order) */
     p->cur = r;
@@ -620,7 +628,8 @@ static void run_one(prefill_t *p)
     int n_first = prism_seq_first_tokens(&r->seq, &p->sampler, p->logits, &p->cfg, p->max_model_len, &first);
     for (int i = 0; i < n_first; i++) {
         first[i].prefill_ms = (float)((t1 - t0) * 1e3);
-        first[i].queue_ms = (float)((t0 - r->t_arrive) * 1e3);
+        first[i].queue_ms = (float)((t0 - t_embedded) * 1e3);
+        first[i].embed_wait_ms = (float)((t_embedded - r->t_arrive) * 1e3);
         first[i].from_prefill = true;
         send_tokens(p, r->seq.router_id, r->seq.rid, r->seq.rid_hi, &first[i]);
     }

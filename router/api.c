@@ -414,6 +414,14 @@ static void metrics_router(const router_t *r, prism_buf_t *b)
     prism_hist_write(&r->fetch_stage, b, "prism:request_image_fetch_seconds",
                      "Seconds a request waited for its images given by URL (all of them, joined downloads and "
                      "cache hits included).", "");
+    /* where finished requests' time went: stages that partition vllm:e2e_request_latency_seconds */
+    for (int i = 0; i < ROUTER_TS_COUNT; i++) {
+        char lbl[64];
+        snprintf(lbl, sizeof lbl, "stage=\"%s\"", router_time_stage_names[i]);
+        prism_hist_write(&r->stage[i], b, "prism:request_stage_seconds",
+                         i ? NULL : "Seconds finished requests spent in each stage; the stages partition the "
+                                    "end-to-end latency (docs/API.md).", lbl);
+    }
 }
 
 /* Per worker, from its registration and heartbeats; workers lost; heartbeat intervals by tier. */

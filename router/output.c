@@ -192,6 +192,57 @@ void router_out_choice_end(router_req_t *q, int i)
 
 /* ---------------------------------------------------------------- completion */
 
+const char *const router_time_stage_names[ROUTER_TS_COUNT] = {
+    "prepare", "fetch", "router_queue", "encoder_wait", "image_decode", "vit", "prefill_queue", "prefill",
+    "dispatch", "kv_transfer", "decode_queue", "decode_first_step", "decode"};
+
+/* The span from *at to the router's mark (clamped so marks never run backwards or past now; 0: not
+ * reached, an empty span); *at moves to its end. */
+static double stage_span(double *at, double mark, double now)
+{
+    double to = mark > 0 ? PRISM_MIN(PRISM_MAX(mark, *at), now) : *at;
+    double d = to - *at;
+    *at = to;
+    return d;
+}
+
+/* Up to want seconds (a worker's measure) out of what is *left of a span: what it took. */
+static double stage_take(double *left, double want)
+{
+    double v = PRISM_MIN(PRISM_MAX(want, 0.0), *left);
+    *left -= v;
+    return v;
+}
+
+void router_out_stages(const router_req_t *q, double now, double s[ROUTER_TS_COUNT])
+{
+    /* The router's clock marks the spans (admitted, first attempt sent, the prefill's first token, the
+     * decode's first message, now), so the stages add up to now - start by construction. Inside a
+     * span, what the workers measured (durations on their own clocks) is taken in order, each at most
+     * what is left, and the span's rest is its remainder stage: nothing counted twice, no gap unnamed. */
+    const router_times_t *t = &q->time;
+    double at = t->start;
+    double left = stage_span(&at, t->admit, now);
+    s[ROUTER_TS_FETCH] = stage_take(&left, t->fetch_ms / 1e3);
+    s[ROUTER_TS_PREPARE] = left;
+    s[ROUTER_TS_ROUTER_QUEUE] = stage_span(&at, t->sent, now);
+    left = stage_span(&at, t->first, now);
+    s[ROUTER_TS_PREFILL_QUEUE] = stage_take(&left, t->queue_ms / 1e3);
+    s[ROUTER_TS_PREFILL] = stage_take(&left, t->prefill_ms / 1e3);
+    /* the prefill's wait for embeddings: the encoders' work (sums over images, so at most the wait
+     * when images ran side by side) and the rest, their queue and the embeddings' transfer */
+    double wait = stage_take(&left, t->embed_wait_ms / 1e3);
+    s[ROUTER_TS_IMAGE_DECODE] = stage_take(&wait, t->decode_ms / 1e3);
+    s[ROUTER_TS_VIT] = stage_take(&wait, t->vit_ms / 1e3);
+    s[ROUTER_TS_ENCODER_WAIT] = wait;
+    s[ROUTER_TS_DISPATCH] = left;
+    left = stage_span(&at, t->first_decode, now);
+    s[ROUTER_TS_DECODE_QUEUE] = stage_take(&left, t->dec_queue_ms / 1e3);
+    s[ROUTER_TS_DECODE_FIRST_STEP] = stage_take(&left, t->dec_step_ms / 1e3);
+    s[ROUTER_TS_KV_TRANSFER] = left;
+    s[ROUTER_TS_DECODE] = now - at;
+}
+
 void router_out_timing(const router_req_t *q, double now, char *out, size_t n)
 {
     const router_times_t *t = &q->time;
@@ -203,10 +254,20 @@ void router_out_timing(const router_req_t *q, double now, char *out, size_t n)
     /* router_ms: from the last body byte (the handler runs then) to the work handed to ZeroMQ, queueing
      * in the router for a free worker included, but not fetch_ms: the wait for its images by URL */
     double router_ms = t->sent > 0 ? PRISM_MAX((t->sent - t->start) * 1e3 - t->fetch_ms, 0.0) : 0;
+    /* stages_ms: the partition of e2e_ms (prism:request_stage_seconds); the other fields are the
+     * workers' raw measures (queue_ms: the prefill's arrival to its start, embeddings' wait included) */
+    double st[ROUTER_TS_COUNT];
+    router_out_stages(q, now, st);
+    char stages[ROUTER_TS_COUNT * 32];
+    size_t k = 0;
+    for (int i = 0; i < ROUTER_TS_COUNT && k < sizeof stages; i++)
+        k += (size_t)snprintf(stages + k, sizeof stages - k, "%s%s:%.2f", i ? "," : "", router_time_stage_names[i],
+                              st[i] * 1e3);
     snprintf(out, n, "images=%d cache_hits=%d fetch_ms=%.2f router_ms=%.2f image_decode_ms=%.2f vit_ms=%.2f "
-             "queue_ms=%.2f prefill_ms=%.2f ttft_ms=%.2f decode_tokens=%d decode_tok_s=%.1f e2e_ms=%.2f",
-             q->prompt.n_images, t->cache_hits, t->fetch_ms, router_ms, t->decode_ms, t->vit_ms, t->queue_ms,
-             t->prefill_ms, ttft, q->out.n_out > 0 ? q->out.n_out - n_seq : 0, tps, (now - t->start) * 1e3);
+             "queue_ms=%.2f prefill_ms=%.2f ttft_ms=%.2f decode_tokens=%d decode_tok_s=%.1f e2e_ms=%.2f stages_ms=%s",
+             q->prompt.n_images, t->cache_hits, t->fetch_ms, router_ms, t->decode_ms, t->vit_ms,
+             t->queue_ms + t->embed_wait_ms, t->prefill_ms, ttft, q->out.n_out > 0 ? q->out.n_out - n_seq : 0, tps,
+             (now - t->start) * 1e3, stages);
 }
 
 /* The whole (non-streaming) answer: one choice per sequence, tool calls parsed out of the text. */
@@ -241,7 +302,7 @@ static void respond_whole(router_req_t *q, const prism_oai_usage_t *u, const cha
         prism_free(calls);
     }
     prism_oai_write_response_end(b, u);
-    char extra[600];
+    char extra[1200];
     if (q->r->timing_header)
         snprintf(extra, sizeof(extra), "x-request-id: %s\r\nx-prism-timing: %s\r\n", q->out.meta.id, timing);
     else

@@ -113,9 +113,13 @@ typedef struct {
     double wait;                  /* the wait for workers began (start; a migration restarts it) */
     double sent;                  /* its first attempt was handed to ZeroMQ (x-prism-timing router_ms) */
     double dispatch;              /* the current attempt was sent (per-stage deadline) */
+    double admit;                 /* prepared and admitted (its images by URL in): it may be dispatched */
     double first, last;           /* its first and its latest token */
+    double first_decode;          /* its decode worker's first message (0: none yet) */
     float decode_ms, vit_ms;      /* encoders: image decode and vision tower (sums over images) */
-    float queue_ms, prefill_ms;   /* its prefill worker */
+    float queue_ms, prefill_ms;   /* its prefill worker: the wait for a start (embeddings in), the prefill */
+    float embed_wait_ms;          /* its prefill worker: from the request's arrival to its embeddings all in */
+    float dec_queue_ms, dec_step_ms;   /* its decode worker: KV in to admitted, admitted to its first message */
     float fetch_ms;               /* its images by URL: from their downloads' start to the last one's end */
     int cache_hits;               /* images found in an encoder's embedding cache */
 } router_times_t;
@@ -257,5 +261,8 @@ void router_out_complete(router_req_t *q, const prism_oai_usage_t *u, const char
 void router_out_error(router_req_t *q, int status, const char *message);
 /* "x-prism-timing" response header and log line: where the time of this request went. */
 void router_out_timing(const router_req_t *q, double now, char *out, size_t n);
+/* The request's stages in seconds (router_time_stage_t), finished at now: each >= 0, their sum
+ * now - time.start (to rounding). */
+void router_out_stages(const router_req_t *q, double now, double s[ROUTER_TS_COUNT]);
 
 #endif

@@ -98,7 +98,7 @@ static void req_complete(router_req_t *q)
     router_t *r = q->r;
     int n = router_req_n(q);
     double now = prism_now_s();
-    char timing[400];
+    char timing[900];
     router_out_timing(q, now, timing, sizeof(timing));
     PRISM_DEBUG("request %llu done (%s, %zu prompt tokens, %d choices): %s", (unsigned long long)q->rid,
                 q->out.choices[0].finish, q->prompt.n_tokens, n, timing);
@@ -109,6 +109,9 @@ static void req_complete(router_req_t *q)
     r->metrics.prompt_tokens += q->prompt.n_tokens;
     r->metrics.generation_tokens += (uint64_t)q->out.n_out;
     prism_hist_observe(&r->metrics.e2e, now - q->time.start);
+    double st[ROUTER_TS_COUNT];
+    router_out_stages(q, now, st);
+    for (int i = 0; i < ROUTER_TS_COUNT; i++) prism_hist_observe(&r->stage[i], st[i]);
     for (int i = 0; i < n; i++) {
         if (!strcmp(q->out.choices[i].finish, "length")) r->metrics.success_length++;
         else r->metrics.success_stop++;
@@ -205,8 +208,9 @@ static void tokens_first(router_t *r, router_req_t *q, const Prism__Tokens *t, d
         q->time.first = now;
         q->time.queue_ms = t->queue_ms;
         q->time.prefill_ms = t->prefill_ms;
+        q->time.embed_wait_ms = t->embed_wait_ms;
         prism_hist_observe(&r->metrics.ttft, now - q->time.start);
-        prism_hist_observe(&r->metrics.queue, t->queue_ms / 1e3);
+        prism_hist_observe(&r->metrics.queue, (t->queue_ms + t->embed_wait_ms) / 1e3);   /* all its wait in prefill */
     }
     q->stage = STAGE_PREFILLED;
     /* no retry after the first token (req_retry): unless a migration or a preemption may encode
@@ -229,6 +233,11 @@ static void tokens_apply(router_t *r, router_req_t *q, const Prism__Tokens *t)
     }
     double now = prism_now_s();
     if (!t->from_prefill) q->mig.decode_heard = true;
+    if (!t->from_prefill && !q->time.first_decode) {   /* the decode's first message: its timings */
+        q->time.first_decode = now;
+        q->time.dec_queue_ms = t->queue_ms;
+        q->time.dec_step_ms = t->step_ms;
+    }
     if (t->from_prefill && q->stage != STAGE_PREFILLED) tokens_first(r, q, t, now);
     q->time.last = now;
     if (q->out.choices[i].finish) return;   /* ended in the router (stop string): the rest of its sequence is not used */
@@ -796,6 +805,7 @@ static void prepared(router_t *r, router_req_t *q, int status, char *msg, size_t
     }
     r->image_bytes_inflight = r->image_bytes_inflight - q->image_charged + q->prompt.image_bytes;
     q->image_charged = q->prompt.image_bytes;
+    q->time.admit = prism_now_s();
     /* Behind older queued requests, or no worker has room: wait in the router's queue. */
     status = router_queue_blocks(r, q) ? ROUTER_DISPATCH_WAIT : router_sched_dispatch(r, q, msg, n);
     if (status == ROUTER_DISPATCH_WAIT && !router_queue_push(r, q->rid)) {

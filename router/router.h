@@ -96,6 +96,17 @@ typedef struct router_req router_req_t;
 typedef struct prism_fetch prism_fetch_t;             /* fetch.h: image URLs */
 typedef struct prism_fetch_blob prism_fetch_blob_t;
 
+/* Where a finished request's time went: stages that partition its end-to-end time (the last body
+ * byte to its completion) exactly, each gap a named stage, so their sums add up to the end-to-end
+ * histogram's. prism:request_stage_seconds{stage} and x-prism-timing (<name>_ms) use these names;
+ * output.c router_out_stages computes them, docs/API.md says what each covers. */
+typedef enum {
+    ROUTER_TS_PREPARE, ROUTER_TS_FETCH, ROUTER_TS_ROUTER_QUEUE, ROUTER_TS_ENCODER_WAIT, ROUTER_TS_IMAGE_DECODE,
+    ROUTER_TS_VIT, ROUTER_TS_PREFILL_QUEUE, ROUTER_TS_PREFILL, ROUTER_TS_DISPATCH, ROUTER_TS_KV_TRANSFER,
+    ROUTER_TS_DECODE_QUEUE, ROUTER_TS_DECODE_FIRST_STEP, ROUTER_TS_DECODE, ROUTER_TS_COUNT
+} router_time_stage_t;
+extern const char *const router_time_stage_names[ROUTER_TS_COUNT];
+
 /* An image sent to an encoder before its request exists (early_encode.c); rid 0: a free entry. */
 typedef struct {
     uint64_t rid, rid_hi;        /* the job's own 128-bit id (not a request's) */
@@ -227,6 +238,7 @@ typedef struct router {
     uint64_t workers_lost_dead, workers_lost_stuck;
     prism_hist_t heartbeat_interval[4];  /* by role: seconds between a worker's heartbeats */
     prism_hist_t fetch_stage;   /* seconds a request waited for its images by URL (url_images.c) */
+    prism_hist_t stage[ROUTER_TS_COUNT];   /* prism:request_stage_seconds: finished requests, by stage */
 } router_t;
 
 /* prep_pool.c: run(work) on a preparation thread, then done(work, status) on the loop, as

@@ -285,6 +285,8 @@ static int commit(router_t *r, router_req_t *q, const plan_t *p)
 {
     router_msgs_t *m = &q->msg;
     router_placement_t *pl = &q->place;
+    /* the time it is handed over: taken before the first send, as the prefill may start at once */
+    double now = prism_now_s();
     /* Prefill first: it must know the request before embeddings can be used (either order works). */
     m->prefill.decode_endpoint = p->decode->data_endpoint;
     m->env.type = PRISM__MSG_TYPE__MSG_PREFILL;
@@ -308,8 +310,8 @@ static int commit(router_t *r, router_req_t *q, const plan_t *p)
             return ROUTER_DISPATCH_WAIT;
         }
     q->stage = STAGE_SENT;
-    q->time.dispatch = prism_now_s();
-    if (!q->time.sent) q->time.sent = q->time.dispatch;
+    q->time.dispatch = now;
+    if (!q->time.sent) q->time.sent = now;
     pl->attempts++;
     return 0;
 }

@@ -298,6 +298,54 @@ def test_metrics():
     assert C.metric("vllm:num_preemptions_total") == 0
 
 
+STAGES = ("prepare", "fetch", "router_queue", "encoder_wait", "image_decode", "vit", "prefill_queue", "prefill",
+          "dispatch", "kv_transfer", "decode_queue", "decode_first_step", "decode")
+
+
+def stage_totals():
+    """{stage: (sum, count)} of prism:request_stage_seconds, and the e2e histogram's (sum, count)."""
+    m = C.metrics()
+    got = {lb["stage"]: [0.0, 0.0] for n, lb, v in m if n == "prism:request_stage_seconds_count"}
+    for n, lb, v in m:
+        if n in ("prism:request_stage_seconds_sum", "prism:request_stage_seconds_count"):
+            got[lb["stage"]][n.endswith("_count")] += v
+    e2e = (C.metric("vllm:e2e_request_latency_seconds_sum"), C.metric("vllm:e2e_request_latency_seconds_count"))
+    return got, e2e
+
+
+def test_stage_histograms_add_up():
+    """prism:request_stage_seconds partitions each finished request's end-to-end time: over text and
+    image requests (fresh images, streaming, n=2, a 1-token answer), the stages' sums add up to the e2e
+    histogram's sum and every stage counts every request; x-prism-timing's stages_ms add up to its
+    e2e_ms with the same names."""
+    before, e2e0 = stage_totals()
+    assert tuple(before) == STAGES, list(before)
+    img = make_image(os.path.join(TMP, "stages.jpg"), width=800, height=600, shape="square", color="green")
+    bodies = [chat_body("Say something.", [], max_tokens=6, temperature=0),
+              chat_body("What is in the image?", [img], max_tokens=6, temperature=0, ignore_eos=True),
+              chat_body("What is in the image?", [PNG], max_tokens=1),
+              chat_body("Describe the image.", [JPG], max_tokens=4, n=2, temperature=0.7, seed=3)]
+    for body in bodies:
+        status, headers, data = C.request("POST", "/v1/chat/completions", body)
+        assert status == 200, (status, data[:200])
+        t = dict(kv.split("=") for kv in {k.lower(): v for k, v in headers.items()}["x-prism-timing"].split())
+        st = dict((k, float(v)) for k, v in (x.split(":") for x in t["stages_ms"].split(",")))
+        assert tuple(st) == STAGES and min(st.values()) >= 0, t
+        assert abs(sum(st.values()) - float(t["e2e_ms"])) <= 0.01 * len(st) + 0.01, t
+    status, _, done = C.stream("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 5, "stream": True})
+    assert status == 200 and done, status
+    n_req = len(bodies) + 1
+    after, e2e1 = stage_totals()
+    assert e2e1[1] - e2e0[1] == n_req, (e2e0, e2e1)
+    for name in STAGES:
+        assert after[name][1] - before[name][1] == n_req, (name, before[name], after[name])
+    stage_sum = sum(after[k][0] - before[k][0] for k in STAGES)
+    e2e_sum = e2e1[0] - e2e0[0]
+    assert abs(stage_sum - e2e_sum) <= 0.02 * e2e_sum, (stage_sum, e2e_sum)
+    # the work shows where it happened: prefill and decode ran for these requests
+    assert after["prefill"][0] > before["prefill"][0] and after["decode"][0] > before["decode"][0], (before, after)
+
+
 def test_memory_plan_is_what_the_workers_allocate():
     """Each worker's memory plan is one table of regions (common/worker/start.h) that both totals the
     plan and carves the pools: registration's prism:worker_memory_planned_bytes is the sum of the
@@ -349,6 +397,7 @@ if __name__ == "__main__":
                         test_disaggregated_equals_single_process, test_seeded_sampling_reproducible, test_logprobs,
                         test_stop_string, test_concurrent_distinct_requests, test_malformed_requests,
                         test_bomb_refused_from_header, test_bomb_refused_on_its_first_bytes, test_metrics,
+                        test_stage_histograms_add_up,
                         test_memory_plan_is_what_the_workers_allocate, test_tokenize_detokenize,
                         test_chat_template_override_and_unsupported, test_all_processes_alive])
     finally:
