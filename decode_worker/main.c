@@ -188,6 +188,7 @@ static const char *admit_choices(decode_t *d, const Prism__Kv *kv, const int *sl
                               kv->choice_rng_state[started]);
         if (why) break;
         s->seq.rid_hi = d->staged_rid_hi;
+        s->seq.trace = (prism_trace_id_t){d->staged_env->trace_id_hi, d->staged_env->trace_id_lo};
         s->seq.index = kv->choice_index[started];
         s->seq.len = n_prompt;
         s->seq.generated = gen + 1;    /* prefill sampled the first token (after the gen before) */
@@ -259,10 +260,22 @@ static int running(const decode_t *d)
     return n;
 }
 
+static bool admit_staged_req(decode_t *d);
+
 /* Tries to admit the staged transfer. Returns true when the stage is empty afterwards. */
 static bool admit_staged(decode_t *d)
 {
     if (!d->staged) return true;
+    /* the lines logged meanwhile are about it (a copy: unstage frees the envelope) */
+    prism_log_ctx_t lc = {d->staged_rid, {d->staged_env->trace_id_hi, d->staged_env->trace_id_lo}};
+    const prism_log_ctx_t *prev = prism_log_ctx_enter(&lc);
+    bool empty = admit_staged_req(d);
+    prism_log_ctx_leave(prev);
+    return empty;
+}
+
+static bool admit_staged_req(decode_t *d)
+{
     const Prism__Kv *kv = d->staged_kv;
     int k = (int)kv->n_choice_index, slots[PRISM_SEQ_MAX_N], n_free = 0;
     for (int i = 0; i < d->max_running && n_free < k; i++)

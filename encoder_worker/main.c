@@ -51,6 +51,7 @@ typedef enum { JOB_FREE, JOB_QUEUED, JOB_ENCODED, JOB_SEND } job_state_t;
 typedef struct {
     job_state_t state;
     uint64_t rid, rid_hi;     /* the request's 128-bit id (an early job's own) */
+    prism_trace_id_t trace;   /* the request's (passed on to the prefill with the embeddings) */
     char router_id[128];
     uint32_t image_index;
     uint64_t hash;
@@ -213,6 +214,8 @@ static int push_job(encoder_t *e, job_t *j)
     env.type = PRISM__MSG_TYPE__MSG_EMBEDDINGS;
     env.request_id = j->rid;
     env.request_id_hi = j->rid_hi;
+    env.trace_id_hi = j->trace.hi;
+    env.trace_id_lo = j->trace.lo;
     env.router_id = j->router_id;
     env.embeddings = &em;
     if (e->native) return push_pieces(e, j, s, &env);
@@ -250,6 +253,7 @@ static bool adopt_early(encoder_t *e, const Prism__Envelope *env, const Prism__E
             continue;
         j->rid = env->request_id;
         j->rid_hi = env->request_id_hi;
+        j->trace = (prism_trace_id_t){env->trace_id_hi, env->trace_id_lo};
         j->image_index = en->image_index;
         snprintf(j->prefill_endpoint, sizeof(j->prefill_endpoint), "%s", en->prefill_endpoint);
         PRISM_DEBUG("request %llu image %u: took over early job %016llx", (unsigned long long)j->rid, j->image_index,
@@ -292,6 +296,7 @@ static void on_encode(encoder_t *e, prism_msg_t *m)
     j->state = JOB_QUEUED;
     j->rid = env->request_id;
     j->rid_hi = env->request_id_hi;
+    j->trace = (prism_trace_id_t){env->trace_id_hi, env->trace_id_lo};
     snprintf(j->router_id, sizeof(j->router_id), "%s", router);
     j->image_index = en->image_index;
     j->hash = en->content_hash;
@@ -301,6 +306,8 @@ static void on_encode(encoder_t *e, prism_msg_t *m)
     zmq_msg_move(&j->image, &m->frames[0]);
     j->has_image = true;
     j->t_arrive = prism_now_s();
+    PRISM_DEBUG("request %llu image %u: queued (%zu bytes)%s", (unsigned long long)j->rid, j->image_index,
+                zmq_msg_size(&j->image), j->prefill_endpoint[0] ? "" : ", an early job");
 }
 
 /* Frees a job the router no longer wants: queued, or encoded and waiting for its prefill to take

@@ -308,6 +308,7 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
         return;
     }
     r->seq.rid_hi = e->request_id_hi;
+    r->seq.trace = (prism_trace_id_t){e->trace_id_hi, e->trace_id_lo};
     r->n_tokens = (int)pf->n_token_ids;
     memcpy(r->tokens, pf->token_ids, sizeof(int32_t) * pf->n_token_ids);
     r->n_images = (int)pf->n_images;
@@ -485,6 +486,8 @@ static void try_send_kv(prefill_t *p)
     env.type = PRISM__MSG_TYPE__MSG_KV;
     env.request_id = q->rid;
     env.request_id_hi = q->rid_hi;
+    env.trace_id_hi = q->trace.hi;
+    env.trace_id_lo = q->trace.lo;
     env.router_id = q->router_id;
     env.kv = &p->kv_hdr;
     prism_frame_t f = {p->kv_out, p->kv_len};
@@ -517,6 +520,8 @@ static bool hook_cancelled(void *ud, int item)
 }
 
 /* Runs one whole request (chunked) if one is ready and its blocks fit. */
+static void run_req(prefill_t *p, preq_t *r);
+
 static void run_one(prefill_t *p)
 {
     if (p->kv_pending) return;
@@ -526,6 +531,15 @@ static void run_one(prefill_t *p)
         if (c->seq.used && ready(p, c) && (!r || c->t_arrive < r->t_arrive)) r = c;
     }
     if (!r) return;
+    /* every line logged while it runs is about it (a copy: its slot may be released) */
+    prism_log_ctx_t lc = {r->seq.rid, r->seq.trace};
+    const prism_log_ctx_t *prev = prism_log_ctx_enter(&lc);
+    run_req(p, r);
+    prism_log_ctx_leave(prev);
+}
+
+static void run_req(prefill_t *p, preq_t *r)
+{
     /* The rows each encoder sent must be exactly the image tokens the router laid out for them. */
     for (int i = 0; i < r->n_images; i++) {
         const emb_slot_t *e = emb_find(p, r->seq.rid, r->seq.rid_hi, r->seq.router_id, (uint32_t)i);

@@ -145,6 +145,9 @@ static void dispatch(router_t *r, prism_msg_t *m)
         w->t_conn = w->last_seen;
     }
     bool ok = true;
+    /* lines logged while a request's result is handled carry its id and trace */
+    prism_log_ctx_t lc = router_req_log(r, e->type != PRISM__MSG_TYPE__MSG_HEARTBEAT ? e->request_id : 0);
+    const prism_log_ctx_t *prev = prism_log_ctx_enter(lc.request_id ? &lc : NULL);
     switch (e->type) {
     case PRISM__MSG_TYPE__MSG_HEARTBEAT:
         on_heartbeat(r, w, m);
@@ -164,6 +167,7 @@ static void dispatch(router_t *r, prism_msg_t *m)
         ok = false;
         PRISM_WARN("unexpected message type %d from %s", e->type, w->id);
     }
+    prism_log_ctx_leave(prev);
     if (!ok) r->ctl_refused++;
 }
 

@@ -62,7 +62,7 @@ static void on_signal(uv_signal_t *s, int sig)
 /* The router's flags as given (defaults in flags_parse). */
 typedef struct {
     const char *model_path, *tokenizer_path, *served, *host, *control, *chat_template, *api_key, *log_level,
-               *tool_parser, *curve_keys, *allowed_hosts, *api_key_file;
+               *log_format, *tool_parser, *curve_keys, *allowed_hosts, *api_key_file;
     bool insecure_no_curve, metrics_open, timing_header, no_early_encode;
     int64_t port, context_length, limit_mm, max_pixels, max_running, max_body, body_total, image_inflight, max_conn,
             min_body_rate, stream_pending, max_retries, max_migrations, prep_threads, max_image_bytes, mem_budget,
@@ -83,6 +83,7 @@ static int flags_parse(router_flags_t *f, int argc, char **argv)
         .prep_threads = 4, .worker_timeout = 10, .worker_stuck_timeout = 60, .request_timeout = 600,
         .max_queue_wait = 120, .header_timeout = 30, .drain_timeout = 20, .stage_timeout = 60,
         .max_image_bytes = 20ll << 20 /* OpenAI's own limit per image */};
+    f->log_format = "text";
     prism_fetch_config_default(&f->fetch);
     f->fetch.max_inflight = -1;   /* auto: from --mem-budget (plan_memory) unless given */
     f->fetch.cache_bytes = -1;
@@ -159,12 +160,20 @@ static int flags_parse(router_flags_t *f, int argc, char **argv)
         PRISM_FLAG_INT("prep-threads", &f->prep_threads,
                        "Threads that prepare requests (JSON, images, chat template, tokenization) off the I/O loop"),
         PRISM_FLAG_STR("log-level", &f->log_level, "debug, info, warn or error"),
+        PRISM_FLAG_STR("log-format", &f->log_format,
+                       "text, or json: one object per line (time, level, process, worker_id, request_id, trace_id, message)"),
         PRISM_FLAG_END,
     };
     int rc = prism_cli_parse(argc, argv, "router",
                              "Prism router: OpenAI-compatible HTTP API in front of encoder, prefill and decode workers.", flags);
     if (rc) return rc > 0 ? 0 : 2;
     prism_log_init("router", prism_log_level_parse(f->log_level));
+    prism_log_format_t lf;
+    if (prism_log_format_parse(f->log_format, &lf) != PRISM_OK) {
+        fprintf(stderr, "router: --log-format must be text or json\n");
+        return 2;
+    }
+    prism_log_set_format(lf);
     if (f->port < 0 || f->port > 65535 || f->limit_mm < 0 || f->limit_mm > ROUTER_MAX_IMAGES || f->max_running < 1 ||
         f->max_running > 1000000 || f->max_pixels < 1 || f->image_inflight < 0 || f->min_body_rate < 1 ||
         f->max_image_bytes < 1 ||
@@ -418,6 +427,7 @@ static int start_io(router_t *r, const router_flags_t *f, const prism_http_confi
     char host_name[64] = "host";
     gethostname(host_name, sizeof(host_name) - 1);
     snprintf(r->router_id, sizeof(r->router_id), "router-%s-%d-%lld", host_name, (int)getpid(), (long long)f->port);
+    prism_log_set_worker(r->router_id);
     /* libuv's thread pool (requests.c prep_run, api.c) is sized from the environment on first use. */
     char nthreads[16];
     snprintf(nthreads, sizeof(nthreads), "%lld", (long long)f->prep_threads);

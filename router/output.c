@@ -101,11 +101,22 @@ static void write_out(router_req_t *q)
     }
 }
 
+/* "x-request-id: <id>" (vLLM's) and "traceparent: 00-<trace id>-<span id>-<flags>" (W3C: the
+ * client's trace, the router's span, named by the request's id), each with its CRLF. */
+static void id_headers(const router_req_t *q, char *out, size_t n)
+{
+    char trace[33];
+    prism_trace_id_hex(q->trace, trace);
+    snprintf(out, n, "x-request-id: %s\r\ntraceparent: 00-%s-%016llx-%02x\r\n", q->out.meta.id, trace,
+             (unsigned long long)q->rid, q->trace_flags);
+}
+
 static bool stream_begin(router_req_t *q)
 {
     if (q->out.streaming_started) return true;
-    char extra[128];
-    snprintf(extra, sizeof(extra), "Cache-Control: no-cache\r\nx-request-id: %s\r\n", q->out.meta.id);
+    char extra[256], ids[192];
+    id_headers(q, ids, sizeof ids);
+    snprintf(extra, sizeof(extra), "Cache-Control: no-cache\r\n%s", ids);
     if (prism_http_stream_begin(q->h, 200, "text/event-stream", extra) != PRISM_OK) return false;
     q->out.streaming_started = true;
     return true;
@@ -302,11 +313,12 @@ static void respond_whole(router_req_t *q, const prism_oai_usage_t *u, const cha
         prism_free(calls);
     }
     prism_oai_write_response_end(b, u);
-    char extra[1200];
+    char extra[1400], ids[192];
+    id_headers(q, ids, sizeof ids);
     if (q->r->timing_header)
-        snprintf(extra, sizeof(extra), "x-request-id: %s\r\nx-prism-timing: %s\r\n", q->out.meta.id, timing);
+        snprintf(extra, sizeof(extra), "%sx-prism-timing: %s\r\n", ids, timing);
     else
-        snprintf(extra, sizeof(extra), "x-request-id: %s\r\n", q->out.meta.id);
+        snprintf(extra, sizeof(extra), "%s", ids);
     prism_http_respond(q->h, 200, "application/json", extra, b->data, b->len);
 }
 

@@ -77,6 +77,31 @@ size_t router_req_bytes_max(const router_t *r)
     return sizeof(router_req_t) + 2 * (size_t)r->max_model_len * sizeof(int32_t) + ROUTER_REQ_OUTPUT_BYTES;
 }
 
+prism_log_ctx_t router_req_log(router_t *r, uint64_t rid)
+{
+    router_req_t *q = rid ? router_req_get(r, rid) : NULL;
+    return q ? (prism_log_ctx_t){q->rid, q->trace} : (prism_log_ctx_t){rid, {0, 0}};
+}
+
+/* The W3C traceparent "00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>": its trace id and
+ * flags, else a trace id drawn here (a trace starts at the router). */
+static void req_trace(router_req_t *q, const char *tp)
+{
+    q->trace_flags = 1;
+    if (tp && strlen(tp) >= 55 && tp[2] == '-' && tp[35] == '-' && tp[52] == '-' && strncmp(tp, "ff", 2) &&
+        (tp[55] == 0 || tp[55] == '-') && prism_trace_id_parse(tp + 3, &q->trace)) {
+        unsigned flags;
+        if (sscanf(tp + 53, "%2x", &flags) == 1) q->trace_flags = (uint8_t)flags;
+        return;
+    }
+    uint64_t id[2] = {0, 0};
+    if (prism_random_bytes(id, sizeof id) != PRISM_OK || !(id[0] | id[1])) {
+        id[0] = (uint64_t)(prism_now_s() * 1e9);   /* no randomness: unique enough for logs */
+        id[1] = (uint64_t)(uintptr_t)q;
+    }
+    q->trace = (prism_trace_id_t){id[0], id[1]};
+}
+
 router_req_t *router_req_alloc(router_t *r, prism_http_req_t *h, bool chat)
 {
     router_req_t *q = prism_calloc(1, sizeof(*q));
@@ -85,6 +110,7 @@ router_req_t *router_req_alloc(router_t *r, prism_http_req_t *h, bool chat)
     q->h = h;
     q->body = prism_http_req_id(h);
     q->chat = chat;
+    req_trace(q, h ? prism_http_req_header(h, "traceparent") : NULL);
     q->time.start = q->time.wait = prism_now_s();
     q->prep.job.work.data = q;
     return q;

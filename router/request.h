@@ -160,6 +160,8 @@ typedef struct {
 struct router_req {
     uint64_t rid;                 /* the low half of its 128-bit id: the map's key */
     uint64_t rid_hi;              /* the high half: a worker's message about it must carry both */
+    prism_trace_id_t trace;       /* W3C trace id: the client's traceparent's, else drawn (reqmap.c) */
+    uint8_t trace_flags;          /* the client's traceparent flags (01: sampled when it sent none) */
     router_t *r;
     prism_http_req_t *h;          /* NULL once released */
     uint64_t body;                /* prism_http_req_id(h): its early encodes' owner (early_encode.c) */

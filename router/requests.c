@@ -819,10 +819,11 @@ static void prepared(router_t *r, router_req_t *q, int status, char *msg, size_t
     }
     prism_http_req_set_user(h, q);
     prism_http_req_on_abort(h, on_client_gone, q);
-    PRISM_DEBUG("request %llu: %zu prompt tokens, %d images (%d by URL, %.1f ms), max_tokens %d, n %d%s (id high "
-                "half %016llx)", (unsigned long long)q->rid, q->prompt.n_tokens, q->prompt.n_images, q->prompt.n_urls,
-                q->time.fetch_ms, q->prompt.max_tokens, router_req_n(q), q->guide.kind ? ", guided" : "",
-                (unsigned long long)q->rid_hi);
+    prism_log_ctx_t lc = {q->rid, q->trace};   /* its id is known from here */
+    PRISM_LOGC(DEBUG, &lc, "request %llu: %zu prompt tokens, %d images (%d by URL, %.1f ms), max_tokens %d, n %d%s "
+               "(id high half %016llx)", (unsigned long long)q->rid, q->prompt.n_tokens, q->prompt.n_images,
+               q->prompt.n_urls, q->time.fetch_ms, q->prompt.max_tokens, router_req_n(q),
+               q->guide.kind ? ", guided" : "", (unsigned long long)q->rid_hi);
 }
 
 /* The client left while its images downloaded. */
@@ -839,14 +840,29 @@ static void on_fetch_gone(prism_http_req_t *h, void *ud)
 static void images_fetched(router_req_t *q)
 {
     router_t *r = q->r;
+    prism_log_ctx_t lc = {q->rid, q->trace};
+    const prism_log_ctx_t *prev = prism_log_ctx_enter(&lc);
     prism_http_req_on_abort(q->h, NULL, NULL);
     if (!q->prep.status)
         q->prep.status = router_prompt_finish(r, &q->prompt, &q->oai, q->prep.msg, sizeof q->prep.msg);
     char msg[600] = "";
     prepared(r, q, 0, msg, sizeof msg, NULL);
+    prism_log_ctx_leave(prev);
 }
 
+static void prep_done_req(uv_work_t *w, int wstatus);
+
+/* The lines logged meanwhile are about q (a copy of its context: q may end). */
 static void prep_done(uv_work_t *w, int wstatus)
+{
+    router_req_t *q = w->data;
+    prism_log_ctx_t lc = {q->rid, q->trace};
+    const prism_log_ctx_t *prev = prism_log_ctx_enter(&lc);
+    prep_done_req(w, wstatus);
+    prism_log_ctx_leave(prev);
+}
+
+static void prep_done_req(uv_work_t *w, int wstatus)
 {
     router_req_t *q = w->data;
     router_t *r = q->r;

@@ -445,6 +445,9 @@ void router_respond_error(prism_http_req_t *h, int status, const char *message, 
 
 /* reqmap.c: the requests in flight */
 router_req_t *router_req_get(router_t *r, uint64_t rid);
+/* The log context of request rid (its id and trace; zeros when it is not in flight): a copy, so the
+ * request may end while lines about it are logged (prism_log_ctx_enter). */
+prism_log_ctx_t router_req_log(router_t *r, uint64_t rid);
 /* A fresh request id from the kernel's CSPRNG, unique among the requests in flight; PRISM_EIO without randomness. */
 int  router_req_new_id(router_t *r, uint64_t *out, uint64_t *hi);
 int  router_req_put(router_t *r, uint64_t rid, router_req_t *q);

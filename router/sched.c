@@ -292,6 +292,8 @@ static int commit(router_t *r, router_req_t *q, const plan_t *p)
     m->env.type = PRISM__MSG_TYPE__MSG_PREFILL;
     m->env.request_id = q->rid;
     m->env.request_id_hi = q->rid_hi;
+    m->env.trace_id_hi = q->trace.hi;   /* the Encode messages share this envelope */
+    m->env.trace_id_lo = q->trace.lo;
     m->env.prefill = &m->prefill;
     m->env.encode = NULL;
     if (router_send(r, p->prefill, &m->env, NULL, 0) != PRISM_OK) {

@@ -1,4 +1,5 @@
 #include "core/core.h"
+#include "core/utf8.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -31,8 +32,11 @@ const char *prism_strerror(int status)
 /* ---------------------------------------------------------------- logging */
 
 static char g_proc[32] = "prism";
+static char g_worker[72];
 static prism_log_level_t g_level = PRISM_LOG_INFO;
+static prism_log_format_t g_format = PRISM_LOG_TEXT;
 static pthread_mutex_t g_log_mu = PTHREAD_MUTEX_INITIALIZER;
+static _Thread_local const prism_log_ctx_t *t_ctx;   /* the calling thread's current request */
 
 void prism_log_init(const char *process_name, prism_log_level_t min_level)
 {
@@ -44,6 +48,17 @@ void prism_log_init(const char *process_name, prism_log_level_t min_level)
 }
 
 void prism_log_set_level(prism_log_level_t min_level) { g_level = min_level; }
+void prism_log_set_format(prism_log_format_t format) { g_format = format; }
+void prism_log_set_worker(const char *worker_id) { snprintf(g_worker, sizeof g_worker, "%s", worker_id ? worker_id : ""); }
+
+int prism_log_format_parse(const char *s, prism_log_format_t *out)
+{
+    if (!s) return PRISM_EINVAL;
+    if (!strcmp(s, "text")) *out = PRISM_LOG_TEXT;
+    else if (!strcmp(s, "json")) *out = PRISM_LOG_JSON;
+    else return PRISM_EINVAL;
+    return PRISM_OK;
+}
 
 prism_log_level_t prism_log_level_parse(const char *s)
 {
@@ -54,7 +69,76 @@ prism_log_level_t prism_log_level_parse(const char *s)
     return PRISM_LOG_INFO;
 }
 
-static void log_v(const char *tag, const char *file, int line, const char *fmt, va_list ap)
+const prism_log_ctx_t *prism_log_ctx_enter(const prism_log_ctx_t *ctx)
+{
+    const prism_log_ctx_t *prev = t_ctx;
+    t_ctx = ctx;
+    return prev;
+}
+
+void prism_log_ctx_leave(const prism_log_ctx_t *previous) { t_ctx = previous; }
+
+bool prism_trace_id_parse(const char *hex, prism_trace_id_t *out)
+{
+    uint64_t h[2] = {0, 0};
+    for (int i = 0; i < 32; i++) {
+        char c = hex[i];
+        int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+        if (v < 0) return false;   /* W3C: lowercase hex only (the end of the string too) */
+        h[i / 16] = h[i / 16] << 4 | (uint64_t)v;
+    }
+    if (!h[0] && !h[1]) return false;   /* all zeros: invalid */
+    out->hi = h[0];
+    out->lo = h[1];
+    return true;
+}
+
+void prism_trace_id_hex(prism_trace_id_t t, char out[33])
+{
+    snprintf(out, 33, "%016llx%016llx", (unsigned long long)t.hi, (unsigned long long)t.lo);
+}
+
+/* s[0..n) as a JSON string's contents into out[0..cap): escapes, ill-formed UTF-8 as U+FFFD, cut
+ * short (never inside an escape) when out is full. prism_json_string's rules, but into a fixed buffer:
+ * a log line must not allocate (worker hot paths, any thread, the counting allocator's totals). */
+static size_t log_json_escape(char *out, size_t cap, const char *s, size_t n)
+{
+    static const char hexd[] = "0123456789abcdef";
+    size_t o = 0;
+    for (size_t i = 0; i < n;) {
+        unsigned char c = (unsigned char)s[i];
+        char e[8];
+        size_t el = 0, used = 1;
+        if (c >= 0x80) {
+            if (prism_utf8_next(s + i, n - i, &used) == PRISM_UTF8_OK) {
+                if (o + used >= cap) break;
+                memcpy(out + o, s + i, used);
+                o += used;
+                i += used;
+                continue;
+            }
+            memcpy(e, "\xEF\xBF\xBD", 3);
+            el = 3;
+        } else if (c == '"' || c == '\\') {
+            e[0] = '\\', e[1] = (char)c, el = 2;
+        } else if (c == '\n') {
+            memcpy(e, "\\n", 2), el = 2;
+        } else if (c < 0x20 || c == 0x7f) {
+            memcpy(e, "\\u00", 4), e[4] = hexd[c >> 4], e[5] = hexd[c & 15], el = 6;
+        } else {
+            e[0] = (char)c, el = 1;
+        }
+        if (o + el >= cap) break;
+        memcpy(out + o, e, el);
+        o += el;
+        i += used;
+    }
+    return o;
+}
+
+/* One line: text, or one JSON object (--log-format json). */
+static void log_v(const char *tag, const char *file, int line, const prism_log_ctx_t *ctx, const char *fmt,
+                  va_list ap)
 {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
@@ -62,23 +146,63 @@ static void log_v(const char *tag, const char *file, int line, const char *fmt, 
     gmtime_r(&ts.tv_sec, &tm);
     const char *base = strrchr(file, '/');
     base = base ? base + 1 : file;
+    if (!ctx) ctx = t_ctx;
+    bool traced = ctx && (ctx->trace.hi || ctx->trace.lo);
+    char trace[33] = "";
+    if (traced) prism_trace_id_hex(ctx->trace, trace);
+    if (g_format == PRISM_LOG_JSON) {
+        char msg[4096], esc[8192], proc[96], worker[224], rid[32] = "null", tid[40] = "null", lower[8];
+        int n = vsnprintf(msg, sizeof msg, fmt, ap);
+        size_t len = n < 0 ? 0 : PRISM_MIN((size_t)n, sizeof msg - 1);
+        esc[log_json_escape(esc, sizeof esc, msg, len)] = 0;
+        proc[log_json_escape(proc, sizeof proc, g_proc, strlen(g_proc))] = 0;
+        worker[log_json_escape(worker, sizeof worker, g_worker, strlen(g_worker))] = 0;
+        if (ctx && ctx->request_id) snprintf(rid, sizeof rid, "\"%llu\"", (unsigned long long)ctx->request_id);
+        if (traced) snprintf(tid, sizeof tid, "\"%s\"", trace);
+        size_t k = 0;
+        for (; tag[k] && k < sizeof lower - 1; k++) lower[k] = (char)(tag[k] | 0x20);
+        lower[k] = 0;
+        pthread_mutex_lock(&g_log_mu);
+        fprintf(stderr,
+                "{\"time\":\"%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ\",\"level\":\"%s\",\"process\":\"%s\",\"pid\":%d,"
+                "\"worker_id\":%s%s%s,\"request_id\":%s,\"trace_id\":%s,\"file\":\"%s\",\"line\":%d,\"message\":\"%s\"}\n",
+                tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000,
+                lower, proc, (int)getpid(), g_worker[0] ? "\"" : "", g_worker[0] ? worker : "null",
+                g_worker[0] ? "\"" : "", rid, tid, base, line, esc);
+        fflush(stderr);
+        pthread_mutex_unlock(&g_log_mu);
+        return;
+    }
     pthread_mutex_lock(&g_log_mu);
     fprintf(stderr, "%02d:%02d:%02d.%03ld %s[%d] %s %s:%d: ", tm.tm_hour, tm.tm_min, tm.tm_sec,
             ts.tv_nsec / 1000000, g_proc, (int)getpid(), tag, base, line);
+    if (traced) fprintf(stderr, "trace=%s ", trace);
     vfprintf(stderr, fmt, ap);
     fputc('\n', stderr);
     fflush(stderr);
     pthread_mutex_unlock(&g_log_mu);
 }
 
+static const char *const g_tags[] = {"DEBUG", "INFO", "WARN", "ERROR"};
+
 void prism_log(prism_log_level_t level, const char *file, int line, const char *fmt, ...)
 {
     if (level < g_level)
         return;
-    static const char *tags[] = {"DEBUG", "INFO", "WARN", "ERROR"};
     va_list ap;
     va_start(ap, fmt);
-    log_v(tags[level], file, line, fmt, ap);
+    log_v(g_tags[level], file, line, NULL, fmt, ap);
+    va_end(ap);
+}
+
+void prism_log_ctx(prism_log_level_t level, const char *file, int line, const prism_log_ctx_t *ctx, const char *fmt,
+                   ...)
+{
+    if (level < g_level)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    log_v(g_tags[level], file, line, ctx, fmt, ap);
     va_end(ap);
 }
 
@@ -86,7 +210,7 @@ void prism_abort(const char *file, int line, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    log_v("FATAL", file, line, fmt, ap);
+    log_v("FATAL", file, line, NULL, fmt, ap);
     va_end(ap);
     abort();
 }

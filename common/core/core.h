@@ -43,19 +43,62 @@ PRISM_API const char *prism_strerror(int status);
  * first seconds (sysexits' EX_TEMPFAIL). */
 #define PRISM_EXIT_PEER_LOST 75
 
-/* ---- logging ---- */
+/* ---- logging ----
+ * One line per call on stderr, as text ("12:00:00.123 router[42] WARN file.c:10: trace=<32 hex> msg")
+ * or, with prism_log_set_format(PRISM_LOG_JSON) (--log-format json), one JSON object per line:
+ *   {"time":"2026-01-02T12:00:00.123Z","level":"warn","process":"router","pid":42,"worker_id":"...",
+ *    "request_id":"123","trace_id":"4bf9...","file":"file.c","line":10,"message":"..."}
+ * (request_id and trace_id are null on lines about no request).
+ *
+ * A line about a request carries the request's log context (its id and its W3C trace id): given
+ * explicitly (prism_log_ctx, PRISM_LOGC), or as the calling thread's current request
+ * (prism_log_ctx_enter / _leave: a worker sets it where it handles one request's message or runs one
+ * request, the router's loop where it prepares one or handles a worker's result about it; every line
+ * logged meanwhile, in any function below, carries it). Setting it is a pointer store: cheap enough
+ * for every message. A line never allocates (formatted on the stack; a JSON message is cut at 4 KiB). */
 typedef enum { PRISM_LOG_DEBUG, PRISM_LOG_INFO, PRISM_LOG_WARN, PRISM_LOG_ERROR } prism_log_level_t;
+typedef enum { PRISM_LOG_TEXT, PRISM_LOG_JSON } prism_log_format_t;
+
+/* A W3C trace id (16 bytes; hi holds the first 8 as the hex reads them). {0, 0}: none. */
+typedef struct {
+    uint64_t hi, lo;
+} prism_trace_id_t;
+
+/* The 32 lowercase hex digits of a W3C trace id at hex (not NUL-terminated there): false when they
+ * are not, or all zeros (invalid in W3C). */
+bool prism_trace_id_parse(const char *hex, prism_trace_id_t *out);
+void prism_trace_id_hex(prism_trace_id_t t, char out[33]);
+
+/* What a line is about: one request (the low half of its id, as the router keys it) and its trace. */
+typedef struct {
+    uint64_t request_id;
+    prism_trace_id_t trace;
+} prism_log_ctx_t;
 
 void prism_log_init(const char *process_name, prism_log_level_t min_level);
 void prism_log_set_level(prism_log_level_t min_level);
 prism_log_level_t prism_log_level_parse(const char *s); /* "debug".."error"; INFO if unknown */
+void prism_log_set_format(prism_log_format_t format);
+/* "text" or "json": PRISM_OK, else PRISM_EINVAL (*out untouched). */
+int  prism_log_format_parse(const char *s, prism_log_format_t *out);
+/* The JSON lines' worker_id (a worker's --worker-id, the router's id); copied. */
+void prism_log_set_worker(const char *worker_id);
 PRISM_API void prism_log(prism_log_level_t level, const char *file, int line, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
+/* A line about the request ctx names (NULL: as prism_log). */
+void prism_log_ctx(prism_log_level_t level, const char *file, int line, const prism_log_ctx_t *ctx, const char *fmt,
+                   ...) __attribute__((format(printf, 5, 6)));
+/* The calling thread's current request from here (NULL: none); returns the one it replaces, to be
+ * given back to prism_log_ctx_leave. ctx must stay valid until then. */
+const prism_log_ctx_t *prism_log_ctx_enter(const prism_log_ctx_t *ctx);
+void prism_log_ctx_leave(const prism_log_ctx_t *previous);
 
 #define PRISM_DEBUG(...) prism_log(PRISM_LOG_DEBUG, __FILE__, __LINE__, __VA_ARGS__)
 #define PRISM_INFO(...)  prism_log(PRISM_LOG_INFO,  __FILE__, __LINE__, __VA_ARGS__)
 #define PRISM_WARN(...)  prism_log(PRISM_LOG_WARN,  __FILE__, __LINE__, __VA_ARGS__)
 #define PRISM_ERROR(...) prism_log(PRISM_LOG_ERROR, __FILE__, __LINE__, __VA_ARGS__)
+/* PRISM_LOGC(WARN, &q->log, "...", ...): a line about the request ctx names. */
+#define PRISM_LOGC(level, ctx, ...) prism_log_ctx(PRISM_LOG_##level, __FILE__, __LINE__, (ctx), __VA_ARGS__)
 
 /* ---- first error tier: broken invariants, always on ---- */
 PRISM_API _Noreturn void prism_abort(const char *file, int line, const char *fmt, ...)

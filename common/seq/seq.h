@@ -70,6 +70,7 @@ typedef struct {
     bool used;
     uint64_t rid;
     uint64_t rid_hi;              /* the high half of the request's 128-bit id (set by the worker) */
+    prism_trace_id_t trace;       /* its W3C trace id (set by the worker; passed on with its KV, in its logs) */
     char router_id[128];
     Prism__Sampling sampling;     /* as received (stop ids, logprobs and n clamped to the bounds
                                    * below); its repeated fields and guide are set by

@@ -121,6 +121,13 @@ static int parse(int argc, char **argv, const prism_worker_tier_t *t, prism_flag
     int rc = prism_cli_parse(argc, argv, prog, t->summary, flags);
     if (rc) return rc > 0 ? 0 : 2;
     prism_log_init(t->role, prism_log_level_parse(o->log_level));
+    prism_log_format_t lf;
+    if (prism_log_format_parse(o->log_format, &lf) != PRISM_OK) {
+        PRISM_ERROR("--log-format must be text or json");
+        return 2;
+    }
+    prism_log_set_format(lf);
+    prism_log_set_worker(o->worker_id);
     if (!(o->heartbeat_s >= 0.01 && o->heartbeat_s <= 3600)) {
         PRISM_ERROR("--heartbeat-interval must be between 0.01 and 3600 seconds");
         return 2;

@@ -24,7 +24,10 @@ PNG = make_image(os.path.join(TMP, "blue_square.png"), width=300, height=200, sh
 PROG = make_image(os.path.join(TMP, "photo_prog.jpg"), width=1024, height=768, photo=True, progressive=True)
 BOMB = make_image(os.path.join(TMP, "bomb.png"), bomb=65000)
 
-C = Cluster(router_args=["--timing-header"])  # the time split of each answer (operators' header)
+# --timing-header: the time split of each answer (operators' header); JSON logs at debug: the trace test
+# follows one request through every process's lines
+LOGS = ["--log-format", "json", "--log-level", "debug"]
+C = Cluster(router_args=["--timing-header", *LOGS], common_worker_args=LOGS)
 READY_S = C.wait_ready()
 print("cluster ready in %.2fs" % READY_S, flush=True)
 
@@ -346,6 +349,47 @@ def test_stage_histograms_add_up():
     assert after["prefill"][0] > before["prefill"][0] and after["decode"][0] > before["decode"][0], (before, after)
 
 
+def json_log(name):
+    """The JSON lines of one process's log, parsed (every line the logger wrote must parse)."""
+    out = []
+    for line in C.log(name, tail=0).splitlines():
+        if line.startswith("{"):
+            out.append(json.loads(line))
+    return out
+
+
+def test_trace_context_in_every_process():
+    """A W3C traceparent's trace id goes with the request to the encoder, prefill and decode: it is in
+    lines about the request in all four logs (JSON, one object per line, each with the fields log
+    pipelines key on) and in no line about another request; the answer carries x-request-id and a
+    traceparent of the same trace. Without one, the router makes one."""
+    trace = "%032x" % int.from_bytes(os.urandom(16), "big")
+    img = make_image(os.path.join(TMP, "traced.jpg"), width=320, height=240, shape="circle", color="blue")
+    body = chat_body("What is in the image?", [img], max_tokens=4, temperature=0, ignore_eos=True)
+    status, headers, data = C.request("POST", "/v1/chat/completions", body,
+                                      headers={"traceparent": "00-%s-00f067aa0ba902b7-01" % trace})
+    assert status == 200, (status, data[:200])
+    h = {k.lower(): v for k, v in headers.items()}
+    assert h["x-request-id"] == json.loads(data)["id"], h
+    assert re.fullmatch("00-%s-[0-9a-f]{16}-01" % trace, h["traceparent"]), h
+    status, headers, _ = C.request("POST", "/v1/chat/completions", chat_body("Hi", [], max_tokens=2))
+    made = {k.lower(): v for k, v in headers.items()}["traceparent"]
+    assert status == 200 and re.fullmatch("00-[0-9a-f]{32}-[0-9a-f]{16}-01", made) and trace not in made, made
+    time.sleep(0.3)   # the decode's last lines
+    for name, process in (("router", "router"), ("encoder-0", "encoder"), ("prefill-0", "prefill"),
+                          ("decode-0", "decode")):
+        lines = json_log(name)
+        assert lines, name
+        for ln in lines[-50:]:
+            assert set(ln) >= {"time", "level", "process", "worker_id", "request_id", "trace_id", "message"}, ln
+            assert ln["process"] == process and ln["worker_id"], ln
+        mine = [ln for ln in lines if ln["trace_id"] == trace]
+        assert mine, (name, lines[-5:])
+        # its lines name one request (the router's id of it), never another's trace
+        assert len({ln["request_id"] for ln in mine} - {None}) == 1, (name, mine)
+        assert all(trace not in ln["message"] for ln in lines if ln["trace_id"] != trace), name
+
+
 def test_memory_plan_is_what_the_workers_allocate():
     """Each worker's memory plan is one table of regions (common/worker/start.h) that both totals the
     plan and carves the pools: registration's prism:worker_memory_planned_bytes is the sum of the
@@ -397,7 +441,7 @@ if __name__ == "__main__":
                         test_disaggregated_equals_single_process, test_seeded_sampling_reproducible, test_logprobs,
                         test_stop_string, test_concurrent_distinct_requests, test_malformed_requests,
                         test_bomb_refused_from_header, test_bomb_refused_on_its_first_bytes, test_metrics,
-                        test_stage_histograms_add_up,
+                        test_stage_histograms_add_up, test_trace_context_in_every_process,
                         test_memory_plan_is_what_the_workers_allocate, test_tokenize_detokenize,
                         test_chat_template_override_and_unsupported, test_all_processes_alive])
     finally:

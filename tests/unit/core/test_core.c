@@ -356,6 +356,66 @@ static void test_embed_cache_multi_unit(void **state)
     prism_embed_cache_free(&c);
 }
 
+/* W3C trace ids: 32 lowercase hex digits, not all zeros; the hex written back is the hex read. */
+static void test_trace_id(void **state)
+{
+    (void)state;
+    prism_trace_id_t t;
+    assert_true(prism_trace_id_parse("4bf92f3577b34da6a3ce929d0e0e4736", &t));
+    assert_int_equal(t.hi, 0x4bf92f3577b34da6ull);
+    assert_int_equal(t.lo, 0xa3ce929d0e0e4736ull);
+    char hex[33];
+    prism_trace_id_hex(t, hex);
+    assert_string_equal(hex, "4bf92f3577b34da6a3ce929d0e0e4736");
+    assert_false(prism_trace_id_parse("4BF92F3577B34DA6A3CE929D0E0E4736", &t));   /* uppercase: invalid */
+    assert_false(prism_trace_id_parse("00000000000000000000000000000000", &t));   /* all zeros: invalid */
+    assert_false(prism_trace_id_parse("4bf92f3577b34da6a3ce929d0e0e47", &t));     /* short */
+}
+
+/* --log-format json: one object per line with the request's id and trace (given, or the thread's
+ * current request), the message escaped (quotes, control bytes, ill-formed UTF-8 as U+FFFD). */
+static void test_log_json(void **state)
+{
+    (void)state;
+    char path[] = "/tmp/prism-test-log-XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    int saved = dup(2);
+    dup2(fd, 2);
+    prism_log_init("unit", PRISM_LOG_INFO);
+    prism_log_set_format(PRISM_LOG_JSON);
+    prism_log_set_worker("w-1");
+    prism_log_ctx_t ctx = {42, {0x4bf92f3577b34da6ull, 0xa3ce929d0e0e4736ull}};
+    PRISM_LOGC(WARN, &ctx, "say \"%s\"\tnow\n%s", "hi", "\xff!");
+    const prism_log_ctx_t *prev = prism_log_ctx_enter(&ctx);
+    PRISM_INFO("inside");
+    prism_log_ctx_leave(prev);
+    PRISM_INFO("outside");
+    PRISM_DEBUG("below the level");
+    prism_log_set_format(PRISM_LOG_TEXT);
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    char buf[4096] = {0};
+    ssize_t n = pread(fd, buf, sizeof buf - 1, 0);
+    close(fd);
+    unlink(path);
+    assert_true(n > 0);
+    const char *l1 = buf, *l2 = strchr(l1, '\n') + 1, *l3 = strchr(l2, '\n') + 1;
+    assert_non_null(strstr(l1, "\"level\":\"warn\",\"process\":\"unit\""));
+    assert_non_null(strstr(l1, "\"worker_id\":\"w-1\",\"request_id\":\"42\",\"trace_id\":\"4bf92f3577b34da6a3ce929d0e0e4736\""));
+    assert_non_null(strstr(l1, "\"message\":\"say \\\"hi\\\"\\u0009now\\n\xEF\xBF\xBD!\"}\n"));
+    assert_non_null(strstr(l2, "\"request_id\":\"42\",\"trace_id\":\"4bf92f3577b34da6a3ce929d0e0e4736\""));
+    assert_non_null(strstr(l2, "\"message\":\"inside\""));
+    assert_non_null(strstr(l3, "\"request_id\":null,\"trace_id\":null"));
+    assert_non_null(strstr(l3, "\"message\":\"outside\"}\n"));
+    assert_null(strstr(buf, "below the level"));
+    prism_log_format_t f;
+    assert_int_equal(prism_log_format_parse("json", &f), PRISM_OK);
+    assert_int_equal(f, PRISM_LOG_JSON);
+    assert_int_equal(prism_log_format_parse("xml", &f), PRISM_EINVAL);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -364,7 +424,8 @@ int main(void)
         cmocka_unit_test(test_kv_blocks_shared_prefix),
         cmocka_unit_test(test_histogram),    cmocka_unit_test(test_embed_cache_lru),
         cmocka_unit_test(test_embed_cache_pinned_hit_survives_puts), cmocka_unit_test(test_embed_cache_multi_unit),
-        cmocka_unit_test(test_ct_equal),     cmocka_unit_test(test_secret_file),
+        cmocka_unit_test(test_ct_equal),     cmocka_unit_test(test_secret_file), cmocka_unit_test(test_trace_id),
+        cmocka_unit_test(test_log_json),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
