@@ -141,6 +141,14 @@ void router_handle_status(router_t *r, prism_http_req_t *h)
     }
     json_object_set_new(j, "router_memory_bytes", json_integer((json_int_t)prism_mem_used()));
     json_object_set_new(j, "image_fetch", fetch_json(r));
+    /* where finished requests' time went, by stage, in order (prism:request_stage_seconds) */
+    json_t *stages = json_array();
+    for (int i = 0; i < ROUTER_TS_COUNT; i++) {
+        json_t *st = hist_json(&r->stage[i]);
+        json_object_set_new(st, "stage", json_string(router_time_stage_names[i]));
+        json_array_append_new(stages, st);
+    }
+    json_object_set_new(j, "stages", stages);
     char *s = json_dumps(j, JSON_COMPACT | JSON_REAL_PRECISION(10));
     json_decref(j);
     if (!s) {

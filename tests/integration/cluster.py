@@ -425,6 +425,11 @@ def make_image(path, **opts):
     return path
 
 
+# prism:request_stage_seconds' stages, in order (router/router.h router_time_stage_t, docs/API.md)
+STAGES = ["prepare", "fetch", "router_queue", "encoder_wait", "image_decode", "vit", "prefill_queue", "prefill",
+          "dispatch", "kv_transfer", "decode_queue", "decode_first_step", "decode"]
+
+
 def chat_body(text, images=(), **kw):
     content = [{"type": "image_url", "image_url": {"url": image_url(p)}} for p in images]
     content.append({"type": "text", "text": text})

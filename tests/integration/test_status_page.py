@@ -9,13 +9,14 @@ BUILD/test-output/status_page). Skips (77) without chromium (deploy/install-deps
 """
 import html.parser
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import BUILD, Cluster, chat_body, make_image, run_tests, wait_for  # noqa: E402
+from cluster import BUILD, STAGES, Cluster, chat_body, make_image, run_tests, wait_for  # noqa: E402
 
 KEY = "status-page-key-0123"
 AUTH = {"Authorization": "Bearer " + KEY}
@@ -143,6 +144,9 @@ def test_status_page_shows_the_live_cluster():
         assert s["finished"]["stop"] + s["finished"]["length"] == 3, s["finished"]
         assert s["refusals"]["too_many_images"] == 1 and s["finished"]["refused"] >= 1, s["refusals"]
         assert s["ttft"]["count"] == 3, s["ttft"]
+        # where the time went: every stage, in order, counting the three requests, adding up to e2e
+        assert [h["stage"] for h in s["stages"]] == STAGES and all(h["count"] == 3 for h in s["stages"]), s["stages"]
+        assert abs(sum(h["sum"] for h in s["stages"]) - s["e2e"]["sum"]) <= 0.02 * s["e2e"]["sum"], s["stages"]
         for w in s["workers"]:
             assert w["memory"]["planned"] > 0 and w["memory"]["used"] > 0, w
             assert w["heartbeats"] > 0 and w["capacity"] > 0, w
@@ -201,6 +205,15 @@ def test_status_page_shows_the_live_cluster():
         # cluster numbers: TTFT from the router's histogram, the refusal by its reason
         ttft = dom.find(data_field="ttft_p50")[0]["text"]
         assert ttft.endswith(" ms") or ttft.endswith(" s"), ttft
+        # the breakdown: a row per stage with its numbers, and a bar segment per stage, together non-empty
+        for name in STAGES:
+            row = dom.find(tag="tr", data_stage=name)
+            assert len(row) == 1 and name in row[0]["text"], (name, row)
+            mean = dom.find(tag="td", data_stage=name, data_field="mean")[0]["text"]
+            assert mean.endswith(" ms") or mean.endswith(" s"), (name, mean)
+        widths = [float(re.search(r"width:([0-9.]+)%", e["attrs"]["style"]).group(1))
+                  for e in dom.elems if e["tag"] == "i" and "data-stage" in e["attrs"]]
+        assert len(widths) == len(STAGES) and abs(sum(widths) - 100) < 0.5 and max(widths) > 0, widths
         refusal = dom.find(data_reason="too_many_images", data_field="total")
         assert refusal and refusal[0]["text"] == "1", refusal
         assert dom.find(data_field="failed")[0]["text"] == "0"
