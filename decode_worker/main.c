@@ -424,9 +424,10 @@ static bool hook_cancelled(void *ud, int item)
     seq_t *s = &d->seqs[d->slot_of[item]];
     double waited = 0;
     if (!prism_worker_aborted(&d->w, s->seq.rid, s->seq.router_id, &waited)) return false;
+    prism_log_ctx_t lc = {s->seq.rid, s->seq.trace};   /* a step serves many requests: this line is about its one */
     if (!prism_worker_should_stop())
-        PRISM_DEBUG("request %llu aborted: dropped from the step after layer %d of %d, %.3fs after the abort "
-                    "arrived", (unsigned long long)s->seq.rid, d->w.layer.done, d->w.layer.total, waited);
+        PRISM_LOGC(DEBUG, &lc, "request %llu aborted: dropped from the step after layer %d of %d, %.3fs after the "
+                   "abort arrived", (unsigned long long)s->seq.rid, d->w.layer.done, d->w.layer.total, waited);
     d->dropped[item] = true;
     return true;
 }

@@ -389,8 +389,9 @@ static bool cancel_if_aborted(encoder_t *e, int i)
     double waited = 0;
     if (!prism_worker_aborted(&e->w, j->rid, j->router_id, &waited)) return false;
     e->n_live--;
+    prism_log_ctx_t lc = {j->rid, j->trace};   /* a batch serves many requests: this line is about its one */
     if (!prism_worker_should_stop())
-        PRISM_INFO("request %llu image %u: cancelled %.3fs after its abort arrived, after layer %d of %d "
+        PRISM_LOGC(INFO, &lc, "request %llu image %u: cancelled %.3fs after its abort arrived, after layer %d of %d "
                    "(%.3fs per layer): dropped from the batch, %d image(s) go on",
                    (unsigned long long)j->rid, j->image_index, waited, e->w.layer.done, e->w.layer.total, e->w.layer.last_s,
                    e->n_live);

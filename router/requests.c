@@ -516,10 +516,13 @@ void router_abort_all(router_t *r)
 static void on_client_gone(prism_http_req_t *h, void *ud)
 {
     router_req_t *q = ud;
+    prism_log_ctx_t lc = {q->rid, q->trace};   /* a copy: q ends here */
+    const prism_log_ctx_t *prev = prism_log_ctx_enter(&lc);
     q->r->metrics.success_abort++;
     PRISM_DEBUG("request %llu: client went away", (unsigned long long)q->rid);
     router_sched_abort(q);
     req_destroy(q);
+    prism_log_ctx_leave(prev);
 }
 
 /* ---------------------------------------------------------------- the queue */

@@ -8,6 +8,11 @@
 int router_send(router_t *r, router_worker_t *w, Prism__Envelope *env, const prism_frame_t *frames, int n)
 {
     env->router_id = r->router_id;
+    if (env->request_id && !(env->trace_id_hi | env->trace_id_lo)) {   /* an abort: its request's trace */
+        prism_log_ctx_t lc = router_req_log(r, env->request_id);
+        env->trace_id_hi = lc.trace.hi;
+        env->trace_id_lo = lc.trace.lo;
+    }
     int rc = prism_msg_send(r->ctl, w->id, strlen(w->id), env, frames, n, ZMQ_DONTWAIT);
     if (rc != PRISM_OK) {
         PRISM_WARN("send to %s worker %s failed: %s", prism_role_name(w->role), w->id, prism_strerror(rc));

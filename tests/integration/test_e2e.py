@@ -4,6 +4,7 @@ Run: python3 tests/integration/test_e2e.py   (PRISM_BINARY_DIR=build dir)
 """
 import concurrent.futures
 import base64
+import http.client
 import json
 import os
 import re
@@ -15,7 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cluster import (Cluster, binary, chat_body, check_answer, distinct_requests, image_url, make_image,  # noqa: E402
-                     reference, run_tests, tool_env, MODEL, STAGES)
+                     reference, run_tests, tool_env, wait_for, MODEL, STAGES)
 
 TMP = tempfile.mkdtemp(prefix="prism-e2e-")
 JPG = make_image(os.path.join(TMP, "red_circle.jpg"), width=640, height=480, shape="circle", color="red")
@@ -384,6 +385,25 @@ def test_trace_context_in_every_process():
         # its lines name one request (the router's id of it), never another's trace
         assert len({ln["request_id"] for ln in mine} - {None}) == 1, (name, mine)
         assert all(trace not in ln["message"] for ln in lines if ln["trace_id"] != trace), name
+    # a client that leaves mid-stream (decode holds the request by then): the router's line about it, and
+    # the decode's about the abort the router sent, carry the trace
+    gone = "%032x" % int.from_bytes(os.urandom(16), "big")
+    conn = http.client.HTTPConnection("127.0.0.1", C.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "Once", "max_tokens": 400, "ignore_eos": True,
+                                                              "stream": True}),
+                 headers={"Content-Type": "application/json", "traceparent": "00-%s-00f067aa0ba902b7-01" % gone})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("traceparent").startswith("00-" + gone), resp.getheaders()
+    seen = b""
+    while seen.count(b"data: ") < 4:   # tokens from decode
+        chunk = resp.read1(4096)
+        assert chunk, seen
+        seen += chunk
+    conn.close()
+    wait_for(lambda: any(ln["trace_id"] == gone and "went away" in ln["message"] for ln in json_log("router")), 20,
+             "the router's line about the client that left, with the trace")
+    wait_for(lambda: any(ln["trace_id"] == gone and " aborted" in ln["message"] for ln in json_log("decode-0")),
+             20, "the decode's line about the abort, with the trace")
 
 
 def test_memory_plan_is_what_the_workers_allocate():
