@@ -567,8 +567,10 @@ static void run_req(prefill_t *p, preq_t *r)
     double t0 = prism_now_s();
     /* its wait for embeddings: from its arrival to its last image's last rows (the stage histograms) */
     double t_embedded = r->t_arrive;
-    for (int i = 0; i < r->n_images; i++)
-        t_embedded = PRISM_MAX(t_embedded, emb_find(p, r->seq.rid, r->seq.rid_hi, r->seq.router_id, (uint32_t)i)->t_done);
+    for (int i = 0; i < r->n_images; i++) {
+        const emb_slot_t *e = emb_find(p, r->seq.rid, r->seq.rid_hi, r->seq.router_id, (uint32_t)i);
+        t_embedded = PRISM_MAX(t_embedded, e->t_done);
+    }
     t_embedded = PRISM_MIN(t_embedded, t0);
     const int32_t *tables[1] = {p->table};
     int rc = PRISM_OK, next_row[MAX_IMAGES] = {0};   /* rows of each image laid so far (chunks go in order) */

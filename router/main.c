@@ -161,7 +161,8 @@ static int flags_parse(router_flags_t *f, int argc, char **argv)
                        "Threads that prepare requests (JSON, images, chat template, tokenization) off the I/O loop"),
         PRISM_FLAG_STR("log-level", &f->log_level, "debug, info, warn or error"),
         PRISM_FLAG_STR("log-format", &f->log_format,
-                       "text, or json: one object per line (time, level, process, worker_id, request_id, trace_id, message)"),
+                       "text, or json: one object per line (time, level, process, worker_id, request_id, trace_id, "
+                       "message)"),
         PRISM_FLAG_END,
     };
     int rc = prism_cli_parse(argc, argv, "router",

@@ -49,7 +49,10 @@ void prism_log_init(const char *process_name, prism_log_level_t min_level)
 
 void prism_log_set_level(prism_log_level_t min_level) { g_level = min_level; }
 void prism_log_set_format(prism_log_format_t format) { g_format = format; }
-void prism_log_set_worker(const char *worker_id) { snprintf(g_worker, sizeof g_worker, "%s", worker_id ? worker_id : ""); }
+void prism_log_set_worker(const char *worker_id)
+{
+    snprintf(g_worker, sizeof g_worker, "%s", worker_id ? worker_id : "");
+}
 
 int prism_log_format_parse(const char *s, prism_log_format_t *out)
 {
@@ -165,7 +168,8 @@ static void log_v(const char *tag, const char *file, int line, const prism_log_c
         pthread_mutex_lock(&g_log_mu);
         fprintf(stderr,
                 "{\"time\":\"%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ\",\"level\":\"%s\",\"process\":\"%s\",\"pid\":%d,"
-                "\"worker_id\":%s%s%s,\"request_id\":%s,\"trace_id\":%s,\"file\":\"%s\",\"line\":%d,\"message\":\"%s\"}\n",
+                "\"worker_id\":%s%s%s,\"request_id\":%s,\"trace_id\":%s,\"file\":\"%s\",\"line\":%d,"
+                "\"message\":\"%s\"}\n",
                 tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000,
                 lower, proc, (int)getpid(), g_worker[0] ? "\"" : "", g_worker[0] ? worker : "null",
                 g_worker[0] ? "\"" : "", rid, tid, base, line, esc);

@@ -685,7 +685,8 @@ int prism_worker_poll(prism_worker_t *w, int timeout_ms, prism_worker_msg_fn fn,
         }
         if (h.source < 0) w->data_received++;
         /* every line logged while it handles a message about a request carries the request's id and trace */
-        prism_log_ctx_t lc = {h.env ? h.env->request_id : 0, {h.env ? h.env->trace_id_hi : 0, h.env ? h.env->trace_id_lo : 0}};
+        prism_log_ctx_t lc = {0, {0, 0}};
+        if (h.env) lc = (prism_log_ctx_t){h.env->request_id, {h.env->trace_id_hi, h.env->trace_id_lo}};
         const prism_log_ctx_t *prev = prism_log_ctx_enter(lc.request_id ? &lc : NULL);
         fn(w, &m, h.source, ud);
         prism_log_ctx_leave(prev);

@@ -85,7 +85,8 @@ int prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *t, int n)
         PRISM_FLAG_BYTES("mem-budget", &o->mem_budget, "Memory budget (bytes, e.g. 2G); start-up fails if the plan exceeds it"),
         PRISM_FLAG_STR("log-level", &o->log_level, "debug, info, warn or error"),
         PRISM_FLAG_STR("log-format", &o->log_format,
-                       "text, or json: one object per line (time, level, process, worker_id, request_id, trace_id, message)"),
+                       "text, or json: one object per line (time, level, process, worker_id, request_id, trace_id, "
+                       "message)"),
         PRISM_FLAG_DOUBLE("heartbeat-interval", &o->heartbeat_s, "Seconds between heartbeats"),
         PRISM_FLAG_BOOL("random-weights", &o->random_weights,
                         "Seeded random weights of config.json's shapes instead of safetensors (benchmarks)"),

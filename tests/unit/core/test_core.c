@@ -403,7 +403,8 @@ static void test_log_json(void **state)
     assert_true(n > 0);
     const char *l1 = buf, *l2 = strchr(l1, '\n') + 1, *l3 = strchr(l2, '\n') + 1;
     assert_non_null(strstr(l1, "\"level\":\"warn\",\"process\":\"unit\""));
-    assert_non_null(strstr(l1, "\"worker_id\":\"w-1\",\"request_id\":\"42\",\"trace_id\":\"4bf92f3577b34da6a3ce929d0e0e4736\""));
+    assert_non_null(strstr(l1, "\"worker_id\":\"w-1\",\"request_id\":\"42\","
+                               "\"trace_id\":\"4bf92f3577b34da6a3ce929d0e0e4736\""));
     assert_non_null(strstr(l1, "\"message\":\"say \\\"hi\\\"\\u0009now\\n\xEF\xBF\xBD!\"}\n"));
     assert_non_null(strstr(l2, "\"request_id\":\"42\",\"trace_id\":\"4bf92f3577b34da6a3ce929d0e0e4736\""));
     assert_non_null(strstr(l2, "\"message\":\"inside\""));
