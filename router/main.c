@@ -59,7 +59,7 @@ static void on_signal(uv_signal_t *s, int sig)
     uv_timer_start(&r->drain_timer, on_drain_tick, 0, 50);
 }
 
-/* The router's flags as given (defaults in flags_parse). */
+/* The router's flags as given (defaults in flags_default). */
 typedef struct {
     const char *model_path, *tokenizer_path, *served, *host, *control, *chat_template, *api_key, *log_level,
                *log_format, *tool_parser, *curve_keys, *allowed_hosts, *api_key_file;
@@ -73,8 +73,23 @@ typedef struct {
            stage_timeout;
 } router_flags_t;
 
-/* Parses and checks the flags, and starts logging: -1 to go on, else the exit code. */
-static int flags_parse(router_flags_t *f, int argc, char **argv)
+/* Whether the numeric flags are in range (the plan checks the memory bounds against the budget). */
+static bool flags_in_range(const router_flags_t *f)
+{
+    if (f->port < 0 || f->port > 65535 || f->limit_mm < 0 || f->limit_mm > ROUTER_MAX_IMAGES || f->max_running < 1 ||
+        f->max_running > 1000000 || f->max_pixels < 1 || f->image_inflight < 0 || f->min_body_rate < 1 ||
+        f->max_image_bytes < 1 ||
+        !(f->header_timeout > 0) || f->stream_pending < 0 || !(f->worker_timeout > 0) || f->mem_budget < 0 ||
+        f->max_conn < 0 || f->max_body < 0 || f->body_total < 0 || f->early_bytes < 0 || f->parse_bytes < 0 ||
+        !(f->worker_stuck_timeout >= 0) || f->prep_threads < 1 || f->prep_threads > 256) {
+        fprintf(stderr, "router: flag out of range (see --help)\n");
+        return false;
+    }
+    return true;
+}
+
+/* The flags' defaults: what the bundled model needs on one machine. */
+static void flags_default(router_flags_t *f)
 {
     *f = (router_flags_t){
         .model_path = "models/prism-tiny-llava", .host = "127.0.0.1", .control = "tcp://127.0.0.1:8100",
@@ -87,6 +102,12 @@ static int flags_parse(router_flags_t *f, int argc, char **argv)
     prism_fetch_config_default(&f->fetch);
     f->fetch.max_inflight = -1;   /* auto: from --mem-budget (plan_memory) unless given */
     f->fetch.cache_bytes = -1;
+}
+
+/* Parses and checks the flags, and starts logging: -1 to go on, else the exit code. */
+static int flags_parse(router_flags_t *f, int argc, char **argv)
+{
+    flags_default(f);
     prism_flag_t flags[] = {
         PRISM_FLAG_STR("model-path", &f->model_path, "HF model directory (config.json, tokenizer.json, tokenizer_config.json)"),
         PRISM_FLAG_STR("tokenizer-path", &f->tokenizer_path, "Tokenizer directory (default: --model-path)"),
@@ -175,16 +196,7 @@ static int flags_parse(router_flags_t *f, int argc, char **argv)
         return 2;
     }
     prism_log_set_format(lf);
-    if (f->port < 0 || f->port > 65535 || f->limit_mm < 0 || f->limit_mm > ROUTER_MAX_IMAGES || f->max_running < 1 ||
-        f->max_running > 1000000 || f->max_pixels < 1 || f->image_inflight < 0 || f->min_body_rate < 1 ||
-        f->max_image_bytes < 1 ||
-        !(f->header_timeout > 0) || f->stream_pending < 0 || !(f->worker_timeout > 0) || f->mem_budget < 0 ||
-        f->max_conn < 0 || f->max_body < 0 || f->body_total < 0 || f->early_bytes < 0 || f->parse_bytes < 0 ||
-        !(f->worker_stuck_timeout >= 0) || f->prep_threads < 1 || f->prep_threads > 256) {
-        fprintf(stderr, "router: flag out of range (see --help)\n");
-        return 2;
-    }
-    return -1;
+    return flags_in_range(f) ? -1 : 2;
 }
 
 /* The API key, from one of --api-key, --api-key-file or PRISM_API_KEY (vLLM reads VLLM_API_KEY):

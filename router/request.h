@@ -229,10 +229,12 @@ void router_sched_abort(router_req_t *q);
 void router_sched_release(router_req_t *q);
 /* Whether w holds it at its current stage. */
 bool router_sched_holds(const router_req_t *q, const router_worker_t *w);
-/* The router's queue (requests that wait for a worker, oldest first). */
+/* The router's queue (requests that wait for a worker: by priority, then oldest first). */
 unsigned router_sched_tiers(const router_req_t *q);
 bool router_queue_push(router_t *r, uint64_t rid);
 bool router_queue_push_front(router_t *r, uint64_t rid);
+/* Orders r->queue_scratch[0, n) (the queue taken out) by priority, then age. */
+void router_queue_order(router_t *r, size_t n);
 /* Whether a new request must queue behind waiting ones: they wait for a tier it needs too. */
 bool router_queue_blocks(router_t *r, const router_req_t *q);
 

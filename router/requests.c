@@ -527,25 +527,6 @@ static void on_client_gone(prism_http_req_t *h, void *ud)
 
 /* ---------------------------------------------------------------- the queue */
 
-/* The queue taken out (r->queue_scratch[0, n)) in the order it is tried: by `priority` (lower
- * first), oldest first among equals. A stable insertion sort: the queue goes back in this order, so
- * it is sorted but for the requests queued since (each costs at most one pass). */
-static void queue_order(router_t *r, size_t n)
-{
-    for (size_t k = 1; k < n; k++) {
-        uint64_t rid = r->queue_scratch[k];
-        const router_req_t *q = router_req_get(r, rid);
-        int32_t p = q ? q->oai.priority : 0;
-        size_t j = k;
-        for (; j > 0; j--) {
-            const router_req_t *o = router_req_get(r, r->queue_scratch[j - 1]);
-            if ((o ? o->oai.priority : 0) <= p) break;
-            r->queue_scratch[j] = r->queue_scratch[j - 1];
-        }
-        r->queue_scratch[j] = rid;
-    }
-}
-
 /* Tries the queued requests, by priority then oldest first. A request that must wait blocks the tiers it waits for:
  * younger requests that need one of them keep their place behind it (no overtaking inside a tier,
  * so a big request is not starved), but a younger request that needs none of them goes ahead: text
@@ -559,7 +540,7 @@ void router_dispatch_queued(router_t *r)
     size_t n = r->queue_len;
     for (size_t k = 0; k < n; k++) r->queue_scratch[k] = r->queue[(r->queue_head + k) % r->reqs_cap];
     r->queue_len = 0;
-    queue_order(r, n);
+    router_queue_order(r, n);
     unsigned blocked = 0;
     for (size_t k = 0; k < n; k++) {
         router_req_t *q = router_req_get(r, r->queue_scratch[k]);

@@ -367,6 +367,25 @@ bool router_queue_push_front(router_t *r, uint64_t rid)
     return true;
 }
 
+/* The queue taken out (r->queue_scratch[0, n)) in the order it is tried: by `priority` (lower
+ * first), oldest first among equals. A stable insertion sort: the queue goes back in this order, so
+ * it is sorted but for the requests queued since (each costs at most one pass). */
+void router_queue_order(router_t *r, size_t n)
+{
+    for (size_t k = 1; k < n; k++) {
+        uint64_t rid = r->queue_scratch[k];
+        const router_req_t *q = router_req_get(r, rid);
+        int32_t p = q ? q->oai.priority : 0;
+        size_t j = k;
+        for (; j > 0; j--) {
+            const router_req_t *o = router_req_get(r, r->queue_scratch[j - 1]);
+            if ((o ? o->oai.priority : 0) <= p) break;
+            r->queue_scratch[j] = r->queue_scratch[j - 1];
+        }
+        r->queue_scratch[j] = rid;
+    }
+}
+
 bool router_queue_blocks(router_t *r, const router_req_t *q)
 {
     unsigned blocked = 0;
