@@ -141,9 +141,13 @@ int router_req_keep_inputs(router_req_t *q)
     prism_oai_request_t tree = *o;   /* what goes: the tree and the parser's arrays over it */
     tree.guide_owned = NULL;         /* these two stay the request's (not in the tree) */
     tree.tools_text = NULL;
+    const char *tree_guide = o->guide_text, *tree_tool = o->tool_name;
     if (o->model) o->model = keep(&at, o->model, strlen(o->model));
     if (guide_in_tree) o->guide_text = keep(&at, o->guide_text, o->guide_len);
     if (o->tool_name) o->tool_name = keep(&at, o->tool_name, strlen(o->tool_name));
+    /* the output constraint (guide_setup, on the same preparation thread) names them too */
+    if (q->guide.text == tree_guide) q->guide.text = o->guide_text;
+    if (q->guide.tool_name == tree_tool) q->guide.tool_name = o->tool_name;
     for (int i = 0; i < o->n_stop; i++) o->stop[i] = keep(&at, o->stop[i], o->stop_len[i]);
     for (int i = 0; i < p->n_images; i++)   /* images by URL: fetched once the request is admitted */
         if (p->img_url[i]) q->prompt.img_url[i] = keep(&at, p->img_url[i], p->img_url_len[i]);
