@@ -354,18 +354,28 @@ static int parse_llama4_text(json_t *t, prism_model_config_t *c, char *err, size
     return PRISM_OK;
 }
 
+/* The vision_config object, or an empty one standing for transformers' defaults when it is absent
+ * or null (*empty: that one, the caller's to json_decref; NULL otherwise). */
+static int vision_object(json_t **v, json_t **empty, char *err, size_t errlen)
+{
+    *empty = NULL;
+    if (*v && !json_is_null(*v) && !json_is_object(*v)) {
+        ERR("config: vision_config must be an object");
+        return PRISM_ECORRUPT;
+    }
+    if (!*v || json_is_null(*v)) *v = *empty = json_object();
+    return *v ? PRISM_OK : PRISM_ENOMEM;
+}
+
 /* Llama4VisionConfig. transformers' vision tower ignores hidden_act (nn.GELU), norm_eps (nn.LayerNorm's
  * 1e-5), vision_feature_layer and multi_modal_projector_bias; the dimensions must chain the way its
  * modules are built or transformers itself fails, so mismatches are refused here. */
 static int parse_llama4_vision(json_t *v, prism_model_config_t *c, char *err, size_t errlen)
 {
-    if (v && !json_is_null(v) && !json_is_object(v)) {
-        ERR("config: vision_config must be an object");
-        return PRISM_ECORRUPT;
-    }
-    json_t *empty = NULL;
-    if (!v || json_is_null(v)) v = empty = json_object();
-    int rc = PRISM_ECORRUPT;
+    json_t *empty;
+    int rc = vision_object(&v, &empty, err, errlen);
+    if (rc != PRISM_OK) return rc;
+    rc = PRISM_ECORRUPT;
     const char *mt = get_str(v, "model_type");
     c->vision_arch = PRISM_VISION_LLAMA4;
     c->v_hidden = 768;
@@ -494,13 +504,11 @@ static int parse_qwenvl_rest(json_t *root, prism_model_config_t *c, const char *
  * fullatt_block_indexes; the dimensions must chain into the text model. */
 static int parse_qwen25_vision(json_t *v, prism_model_config_t *c, char *err, size_t errlen)
 {
-    if (v && !json_is_null(v) && !json_is_object(v)) {
-        ERR("config: vision_config must be an object");
-        return PRISM_ECORRUPT;
-    }
-    json_t *empty = NULL;
-    if (!v || json_is_null(v)) v = empty = json_object();
-    int rc = PRISM_ECORRUPT, out_hidden = 3584;
+    json_t *empty;
+    int rc = vision_object(&v, &empty, err, errlen);
+    if (rc != PRISM_OK) return rc;
+    rc = PRISM_ECORRUPT;
+    int out_hidden = 3584;
     c->vision_arch = PRISM_VISION_QWEN25;
     c->v_layers = 32;
     c->v_hidden = 3584;
@@ -599,13 +607,11 @@ static int parse_qwen25_vl(json_t *root, prism_model_config_t *c, char *err, siz
 /* Qwen3VLVisionConfig: every layer attends over the whole image (no windows); DeepStack layers. */
 static int parse_qwen3_vision(json_t *v, prism_model_config_t *c, char *err, size_t errlen)
 {
-    if (v && !json_is_null(v) && !json_is_object(v)) {
-        ERR("config: vision_config must be an object");
-        return PRISM_ECORRUPT;
-    }
-    json_t *empty = NULL;
-    if (!v || json_is_null(v)) v = empty = json_object();
-    int rc = PRISM_ECORRUPT, out_hidden = 3584;
+    json_t *empty;
+    int rc = vision_object(&v, &empty, err, errlen);
+    if (rc != PRISM_OK) return rc;
+    rc = PRISM_ECORRUPT;
+    int out_hidden = 3584;
     c->vision_arch = PRISM_VISION_QWEN3;
     c->v_layers = 27;
     c->v_hidden = 1152;
