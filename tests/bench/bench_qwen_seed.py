@@ -37,7 +37,7 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
 sys.path.insert(0, os.path.dirname(__file__))
 import cluster as cl  # noqa: E402
-from bench_router_memory import MIB, budgets, run_cell  # noqa: E402
+from bench_router_memory import MIB, budgets, run_cell, write_result  # noqa: E402
 
 QWEN = os.path.join(cl.ROOT, "tests", "data", "model", "qwen25vl_tiny")
 QUESTION = "What is in the image?"
@@ -178,11 +178,7 @@ def main():
             matrix_failed, outside, over or "none", over_own or "none", dead or "none"))
         failed |= bool(matrix_failed or outside or over or over_own or dead)
         if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            path = os.path.join(args.out, "bench_qwen_seed%s.json" % ("_" + args.tag if args.tag else ""))
-            with open(path, "w") as f:
-                json.dump(res, f, indent=1)
-            print("wrote %s" % path)
+            write_result(args.out, "bench_qwen_seed", args.tag, res)
     finally:
         c.stop()
         shutil.rmtree(tmp, ignore_errors=True)

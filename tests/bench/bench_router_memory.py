@@ -127,6 +127,15 @@ def budgets(c):
     return out
 
 
+def write_result(out, name, tag, res):
+    """The run's figures as out/NAME[_TAG].json."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "%s%s.json" % (name, "_" + tag if tag else ""))
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print("wrote %s" % path)
+
+
 def run_cell(c, data, n, timeout):
     pids = {name: p.pid for name, p in c.procs.items()}
     for pid in pids.values():
@@ -241,11 +250,7 @@ def main():
         print("answers outside 200/429/503: %d; over budget: %s; dead: %s" % (outside, over or "none", dead or "none"))
         failed |= bool(outside or over or dead)
         if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            path = os.path.join(args.out, "bench_router_memory%s.json" % ("_" + args.tag if args.tag else ""))
-            with open(path, "w") as f:
-                json.dump(res, f, indent=1)
-            print("wrote %s" % path)
+            write_result(args.out, "bench_router_memory", args.tag, res)
     finally:
         c.stop()
     print("BAR %s" % ("FAILED" if failed else "HOLDS"))
