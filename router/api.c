@@ -235,17 +235,10 @@ static void on_tok_job_gone(prism_http_req_t *h, void *ud)
 /* Owns h from here (released when the job is done). */
 static void handle_tokenize(router_t *r, prism_http_req_t *h, bool detokenize)
 {
-    if (r->shutting_down) {
-        router_respond_error(h, 503, "The server is shutting down; retry on another instance.", NULL);
-        prism_http_req_release(h);
-        return;
-    }
-    if ((int)(r->n_reqs + r->n_preparing + r->n_utility) >= r->max_running) {
-        r->metrics.refused_limit[PRISM_REFUSE_QUEUE_FULL]++;
-        char msg[160];
-        snprintf(msg, sizeof(msg), "The server is at capacity (%d requests in flight); retry after a short wait.",
-                 r->max_running);
-        router_respond_error(h, 429, msg, NULL);
+    char msg[160];
+    int status = router_refusal_at_arrival(r, msg, sizeof msg);
+    if (status) {
+        router_respond_error(h, status, msg, NULL);
         prism_http_req_release(h);
         return;
     }

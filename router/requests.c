@@ -694,20 +694,29 @@ static void refuse_at_once(router_t *r, prism_http_req_t *h, int status, const c
     prism_http_req_release(h);
 }
 
-void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
+int router_refusal_at_arrival(router_t *r, char *msg, size_t n)
 {
     if (r->shutting_down) {  /* a keep-alive connection's next request while draining */
-        refuse_at_once(r, h, 503, "The server is shutting down; retry on another instance.");
-        return;
+        snprintf(msg, n, "The server is shutting down; retry on another instance.");
+        return 503;
     }
     /* Requests being prepared count as in flight (so do /tokenize jobs): what waits for the
      * preparation threads is bounded by --max-running-requests. */
     if ((int)(r->n_reqs + r->n_preparing + r->n_utility) >= r->max_running) {
         r->metrics.refused_limit[PRISM_REFUSE_QUEUE_FULL]++;
-        char msg[160];
-        snprintf(msg, sizeof(msg), "The server is at capacity (%d requests in flight); retry after a short wait.",
+        snprintf(msg, n, "The server is at capacity (%d requests in flight); retry after a short wait.",
                  r->max_running);
-        refuse_at_once(r, h, 429, msg);
+        return 429;
+    }
+    return 0;
+}
+
+void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat)
+{
+    char msg[160];
+    int status = router_refusal_at_arrival(r, msg, sizeof msg);
+    if (status) {
+        refuse_at_once(r, h, status, msg);
         return;
     }
     router_req_t *q = router_req_alloc(r, h, chat);
