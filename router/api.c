@@ -465,6 +465,24 @@ static void metrics_workers(const router_t *r, prism_buf_t *b)
             prism_metric_write(b, gauges[g][0], "gauge", NULL, lbl, v[g]);
         }
     }
+    /* per worker, the stages of its tier: one slow worker among its tier's */
+    bool first = true;
+    for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
+        const router_worker_t *w = &r->workers[i];
+        if (!w->used) continue;
+        int n;
+        const router_time_stage_t *s = router_worker_stages(w->role, &n);
+        prism_metric_label_value(wid, sizeof(wid), w->id);
+        for (int k = 0; k < n; k++, first = false) {
+            snprintf(lbl, sizeof(lbl), "tier=\"%s\",worker=\"%s\",stage=\"%s\"", prism_role_name(w->role), wid,
+                     router_time_stage_names[s[k]]);
+            prism_hist_write(&w->stage[k], b, "prism:worker_stage_seconds",
+                             first ? "Seconds each worker took in the stages of its tier (encoders: per image; "
+                                     "prefill and decode: per finished request), as in "
+                                     "prism:request_stage_seconds." : NULL,
+                             lbl);
+        }
+    }
     prism_buf_appendf(b, "# HELP prism:workers_lost_total Workers given up on: dead (no heartbeat for --worker-timeout) "
                           "or stuck (busy without progress for --worker-stuck-timeout).\n"
                           "# TYPE prism:workers_lost_total counter\n");

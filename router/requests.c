@@ -112,6 +112,8 @@ static void req_complete(router_req_t *q)
     double st[ROUTER_TS_COUNT];
     router_out_stages(q, now, st);
     for (int i = 0; i < ROUTER_TS_COUNT; i++) prism_hist_observe(&r->stage[i], st[i]);
+    router_worker_observe(r, q->place.prefill_id, st);
+    router_worker_observe(r, q->place.decode_id, st);
     for (int i = 0; i < n; i++) {
         if (!strcmp(q->out.choices[i].finish, "length")) r->metrics.success_length++;
         else r->metrics.success_stop++;
@@ -344,6 +346,10 @@ bool router_handle_encode_done(router_t *r, const router_worker_t *from, uint64_
         return false;
     }
     router_sched_encode_done(q, (int)d->image_index);
+    if (!d->error || !*d->error) {
+        double st[ROUTER_TS_COUNT] = {[ROUTER_TS_IMAGE_DECODE] = d->decode_ms / 1e3, [ROUTER_TS_VIT] = d->vit_ms / 1e3};
+        router_worker_observe(r, from->id, st);
+    }
     q->time.decode_ms += d->decode_ms;
     q->time.vit_ms += d->vit_ms;
     q->time.cache_hits += d->cache_hit;

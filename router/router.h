@@ -38,6 +38,7 @@
 #include <uv.h>
 
 #define ROUTER_MAX_WORKERS 256
+#define ROUTER_WORKER_STAGES 3   /* most stages a tier's worker is timed on (decode: queue, first step, rest) */
 #define ROUTER_MAX_IMAGES 64
 #define ROUTER_MAX_HELD_TOKENS 256        /* decode Tokens messages held for the prefill's (requests.c) */
 #define ROUTER_AFFINITY_SLACK 2   /* requests in flight a warm encoder may have beyond the least loaded */
@@ -90,6 +91,9 @@ typedef struct {
     uint32_t cache_units;         /* encoders: tiles of their embedding cache (0: none, no early jobs) */
     uint64_t image_hashes[64];   /* recent images sent here: the router prefers a warm cache */
     int n_hashes;
+    /* prism:worker_stage_seconds: the stages of its tier (router_worker_stages) it took, so one slow
+     * worker stands out of its tier's; since it registered */
+    prism_hist_t stage[ROUTER_WORKER_STAGES];
 } router_worker_t;
 
 typedef struct router_req router_req_t;
@@ -304,6 +308,12 @@ bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat
 void router_worker_drop(router_worker_t *w);
 /* Remembers that an image with this content hash went to w (its embedding cache may hold it). */
 void router_worker_note_image(router_worker_t *w, uint64_t hash);
+/* The request stages a worker of role is timed on (its prism:worker_stage_seconds): encoders per
+ * image (image_decode, vit), prefill and decode per finished request; *n of them (0: none). */
+const router_time_stage_t *router_worker_stages(int role, int *n);
+/* Observes st[] (seconds by router_time_stage_t) in the histograms of worker id's tier stages (an id
+ * no longer registered: nothing). */
+void router_worker_observe(router_t *r, const char *id, const double *st);
 /* Least-loaded worker of a role with a free slot (inflight < its registered capacity) that is not
  * stuck, not draining and reachable; NULL when none has room. *any is set when at least one worker
  * of the role that is not stuck is registered (a draining one counts: the request waits for room).

@@ -57,6 +57,8 @@ int router_worker_register(router_t *r, const char *id, const char *peer_key, co
         }
         memset(w, 0, sizeof(*w));
         w->registered_at = prism_now_s();
+        for (int i = 0; i < ROUTER_WORKER_STAGES; i++)
+            prism_hist_init(&w->stage[i], prism_buckets_ttft, prism_buckets_ttft_n);
         PRISM_INFO("%s worker %s registered (data %s)", prism_role_name(g->role), id,
                    g->data_endpoint && *g->data_endpoint ? g->data_endpoint : "-");
     }
@@ -130,6 +132,29 @@ bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat
 void router_worker_drop(router_worker_t *w)
 {
     w->used = false;
+}
+
+const router_time_stage_t *router_worker_stages(int role, int *n)
+{
+    static const router_time_stage_t enc[] = {ROUTER_TS_IMAGE_DECODE, ROUTER_TS_VIT};
+    static const router_time_stage_t pre[] = {ROUTER_TS_PREFILL_QUEUE, ROUTER_TS_PREFILL};
+    static const router_time_stage_t dec[] = {ROUTER_TS_DECODE_QUEUE, ROUTER_TS_DECODE_FIRST_STEP, ROUTER_TS_DECODE};
+    _Static_assert(PRISM_ARRAY_LEN(dec) <= ROUTER_WORKER_STAGES, "a histogram per stage");
+    switch (role) {
+    case PRISM__ROLE__ROLE_ENCODER: *n = (int)PRISM_ARRAY_LEN(enc); return enc;
+    case PRISM__ROLE__ROLE_PREFILL: *n = (int)PRISM_ARRAY_LEN(pre); return pre;
+    case PRISM__ROLE__ROLE_DECODE: *n = (int)PRISM_ARRAY_LEN(dec); return dec;
+    default: *n = 0; return NULL;
+    }
+}
+
+void router_worker_observe(router_t *r, const char *id, const double *st)
+{
+    router_worker_t *w = *id ? router_worker_by_id(r, id) : NULL;
+    if (!w) return;
+    int n;
+    const router_time_stage_t *s = router_worker_stages(w->role, &n);
+    for (int i = 0; i < n; i++) prism_hist_observe(&w->stage[i], st[s[i]]);
 }
 
 void router_worker_note_image(router_worker_t *w, uint64_t hash)

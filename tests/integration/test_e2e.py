@@ -313,6 +313,16 @@ def stage_totals():
     return got, e2e
 
 
+def worker_stage_totals():
+    """{(tier, stage): [sum, count]} of prism:worker_stage_seconds over the tier's workers."""
+    got = {}
+    for n, lb, v in C.metrics():
+        if n in ("prism:worker_stage_seconds_sum", "prism:worker_stage_seconds_count"):
+            assert lb["worker"], lb
+            got.setdefault((lb["tier"], lb["stage"]), [0.0, 0.0])[n.endswith("_count")] += v
+    return got
+
+
 def test_stage_histograms_add_up():
     """prism:request_stage_seconds partitions each finished request's end-to-end time: over text and
     image requests (fresh images, streaming, n=2, a 1-token answer), the stages' sums add up to the e2e
@@ -320,6 +330,10 @@ def test_stage_histograms_add_up():
     e2e_ms with the same names."""
     before, e2e0 = stage_totals()
     assert list(before) == STAGES, list(before)
+    wbefore = worker_stage_totals()
+    assert sorted(wbefore) == sorted([("encoder", "image_decode"), ("encoder", "vit"), ("prefill", "prefill_queue"),
+                                      ("prefill", "prefill"), ("decode", "decode_queue"),
+                                      ("decode", "decode_first_step"), ("decode", "decode")]), sorted(wbefore)
     img = make_image(os.path.join(TMP, "stages.jpg"), width=800, height=600, shape="square", color="green")
     bodies = [chat_body("Say something.", [], max_tokens=6, temperature=0),
               chat_body("What is in the image?", [img], max_tokens=6, temperature=0, ignore_eos=True),
@@ -344,6 +358,17 @@ def test_stage_histograms_add_up():
     assert abs(stage_sum - e2e_sum) <= 0.02 * e2e_sum, (stage_sum, e2e_sum)
     # the work shows where it happened: prefill and decode ran for these requests
     assert after["prefill"][0] > before["prefill"][0] and after["decode"][0] > before["decode"][0], (before, after)
+    # per worker (prism:worker_stage_seconds): each finished request once on its prefill and its decode
+    # worker, with the very seconds of its request stages; the encoders timed each image they encoded
+    wafter = worker_stage_totals()
+    for (tier, name), (tot, cnt) in wafter.items():
+        dsum, dcnt = tot - wbefore[(tier, name)][0], cnt - wbefore[(tier, name)][1]
+        if tier == "encoder":
+            assert 1 <= dcnt <= 3, (name, dcnt)   # three requests with an image (early jobs: theirs)
+            continue
+        assert dcnt == n_req, (tier, name, dcnt)
+        want = after[name][0] - before[name][0]
+        assert abs(dsum - want) <= 1e-6 + 1e-6 * want, (tier, name, dsum, want)
 
 
 def json_log(name):
