@@ -118,6 +118,11 @@ void router_early_send(router_t *r, const prism_http_req_t *h, int index, const 
     env.request_id = rid;
     env.request_id_hi = rid_hi;
     env.encode = &en;
+    prism_trace_id_t trace;   /* its body's: the encoder's lines about the job show the request's trace */
+    uint8_t flags;
+    router_trace_of(r, h, &trace, &flags);
+    env.trace_id_hi = trace.hi;
+    env.trace_id_lo = trace.lo;
     prism_frame_t f = {data, len};
     if (router_send(r, w, &env, &f, 1) != PRISM_OK) return;
     *e = (router_early_t){.rid = rid, .rid_hi = rid_hi, .instance = w->instance, .hash = hash, .bytes = len,
@@ -127,7 +132,10 @@ void router_early_send(router_t *r, const prism_http_req_t *h, int index, const 
     w->queued_bytes += len;
     router_worker_note_image(w, hash);
     r->metrics.early_encodes++;
+    prism_log_ctx_t lc = {rid, trace};
+    const prism_log_ctx_t *prev = prism_log_ctx_enter(&lc);
     PRISM_DEBUG("early encode %016llx: %zu bytes to %s", (unsigned long long)rid, len, w->id);
+    prism_log_ctx_leave(prev);
 }
 
 bool router_early_encode_done(router_t *r, const router_worker_t *from, uint64_t rid, uint64_t rid_hi,

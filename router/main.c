@@ -263,6 +263,10 @@ static int open_keys(router_t *r, const router_flags_t *f)
     }
     if (XXH3_generateSecret(r->img_secret, sizeof(r->img_secret), seed, PRISM_NET_KEY_Z85) != XXH_OK) return 1;
     memset(seed, 0, sizeof(seed));
+    if (prism_random_bytes(&r->trace_seed, sizeof r->trace_seed) != PRISM_OK) {   /* ours alone, unlike the key */
+        PRISM_ERROR("no randomness from the kernel for trace ids");
+        return 1;
+    }
     return -1;
 }
 

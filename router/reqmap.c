@@ -84,22 +84,22 @@ prism_log_ctx_t router_req_log(router_t *r, uint64_t rid)
 }
 
 /* The W3C traceparent "00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>": its trace id and
- * flags, else a trace id drawn here (a trace starts at the router). */
-static void req_trace(router_req_t *q, const char *tp)
+ * flags, else one made here (a trace starts at the router). */
+void router_trace_of(const router_t *r, const prism_http_req_t *h, prism_trace_id_t *trace, uint8_t *flags)
 {
-    q->trace_flags = 1;
+    const char *tp = h ? prism_http_req_header(h, "traceparent") : NULL;
+    *flags = 1;
     if (tp && strlen(tp) >= 55 && tp[2] == '-' && tp[35] == '-' && tp[52] == '-' && strncmp(tp, "ff", 2) &&
-        (tp[55] == 0 || tp[55] == '-') && prism_trace_id_parse(tp + 3, &q->trace)) {
-        unsigned flags;
-        if (sscanf(tp + 53, "%2x", &flags) == 1) q->trace_flags = (uint8_t)flags;
+        (tp[55] == 0 || tp[55] == '-') && prism_trace_id_parse(tp + 3, trace)) {
+        unsigned f;
+        if (sscanf(tp + 53, "%2x", &f) == 1) *flags = (uint8_t)f;
         return;
     }
-    uint64_t id[2] = {0, 0};
-    if (prism_random_bytes(id, sizeof id) != PRISM_OK || !(id[0] | id[1])) {
-        id[0] = (uint64_t)(prism_now_s() * 1e9);   /* no randomness: unique enough for logs */
-        id[1] = (uint64_t)(uintptr_t)q;
-    }
-    q->trace = (prism_trace_id_t){id[0], id[1]};
+    /* the body's id under the router's seed: its early encodes (before its request exists) and its
+     * request get the same id without keeping one per body */
+    uint64_t what[2] = {h ? prism_http_req_id(h) : 0, h ? 0 : (uint64_t)(prism_now_s() * 1e9)};
+    XXH128_hash_t x = XXH3_128bits_withSeed(what, sizeof what, r->trace_seed);
+    *trace = (prism_trace_id_t){x.high64, x.low64 ? x.low64 : 1};   /* never all zero: W3C's invalid id */
 }
 
 router_req_t *router_req_alloc(router_t *r, prism_http_req_t *h, bool chat)
@@ -110,7 +110,7 @@ router_req_t *router_req_alloc(router_t *r, prism_http_req_t *h, bool chat)
     q->h = h;
     q->body = prism_http_req_id(h);
     q->chat = chat;
-    req_trace(q, h ? prism_http_req_header(h, "traceparent") : NULL);
+    router_trace_of(r, h, &q->trace, &q->trace_flags);
     q->time.start = q->time.wait = prism_now_s();
     q->prep.job.work.data = q;
     return q;

@@ -154,6 +154,7 @@ typedef struct router {
     bool timing_header;         /* x-prism-timing on responses (operators: it shows image cache hits) */
     bool early_encode;          /* whole images go to an encoder before their body ends (early_encode.c) */
     uint8_t img_secret[192];    /* XXH3 secret for image cache keys (a client cannot aim at a cached entry) */
+    uint64_t trace_seed;        /* this router's own (random): the trace ids it makes (router_trace_of) */
     uint64_t max_image_bytes;   /* one image's file bytes, data URL or fetched (--max-image-bytes) */
     bool fetch_urls;            /* image URLs are fetched (fetch is open); set once at start-up */
     size_t max_stream_pending;  /* bytes queued for a streaming client that stopped reading; beyond: dropped */
@@ -462,6 +463,10 @@ router_req_t *router_req_get(router_t *r, uint64_t rid);
 /* The log context of request rid (its id and trace; zeros when it is not in flight): a copy, so the
  * request may end while lines about it are logged (prism_log_ctx_enter). */
 prism_log_ctx_t router_req_log(router_t *r, uint64_t rid);
+/* The trace of body h (its request and its early encodes alike): the client's W3C traceparent's trace
+ * id and flags, else an id this router makes from h's id (unique among this router's bodies, apart
+ * from other routers' by trace_seed), flags 01. */
+void router_trace_of(const router_t *r, const prism_http_req_t *h, prism_trace_id_t *trace, uint8_t *flags);
 /* A fresh request id from the kernel's CSPRNG, unique among the requests in flight; PRISM_EIO without randomness. */
 int  router_req_new_id(router_t *r, uint64_t *out, uint64_t *hi);
 int  router_req_put(router_t *r, uint64_t rid, router_req_t *q);

@@ -201,7 +201,8 @@ def test_image_encoded_before_the_body_ends():
     encoded meanwhile (the router sent it to the encoder's cache as soon as its bytes were in; the
     request itself does not exist yet, and the early job's encoder slot is free again). Once the rest
     of the body arrives, the request is answered from the cache, with the answer it gets otherwise.
-    A request whose early job is still held takes it over: its image is encoded once."""
+    A request whose early job is still held takes it over: its image is encoded once. The early job
+    carries its request's trace id."""
     body, ref = distinct_requests(TMP, max_tokens=8)[1]
     raw = json.dumps(body).encode()
     url = body["messages"][0]["content"][0]["image_url"]["url"].encode()
@@ -227,6 +228,11 @@ def test_image_encoded_before_the_body_ends():
         s.close()
         check_answer(status, json.loads(data), ref, "early-encoded request")
         assert "cache_hits=1" in headers["x-prism-timing"], headers["x-prism-timing"]
+        # the early job carried the trace its request got (the client sent none: the router made it),
+        # so the encoder's lines about the job are found by the request's trace id
+        trace = headers["traceparent"].split("-")[1]
+        early_lines = [l for l in c.log("encoder-0", tail=0).splitlines() if l.endswith("an early job")]
+        assert early_lines and all("trace=%s " % trace in l for l in early_lines), (trace, early_lines)
         fresh_heartbeats(c)
         # encoded once: the early job's miss; the request found that result, which is no repeat (not a hit)
         assert misses_hits(c) == (1, 0), misses_hits(c)
