@@ -407,6 +407,9 @@ static void metrics_router(const router_t *r, prism_buf_t *b)
     prism_hist_write(&r->fetch_stage, b, "prism:request_image_fetch_seconds",
                      "Seconds a request waited for its images given by URL (all of them, joined downloads and "
                      "cache hits included).", "");
+    prism_hist_write(&r->upload, b, "prism:request_upload_seconds",
+                     "Seconds from a finished request's first byte to its last (headers and body: the client's "
+                     "upload, a body the router held back for image room); before the end-to-end latency.", "");
     /* where finished requests' time went: stages that partition vllm:e2e_request_latency_seconds */
     for (int i = 0; i < ROUTER_TS_COUNT; i++) {
         char lbl[64];

@@ -61,6 +61,7 @@ struct prism_http_req {
     bool dispatched, started, streaming, chunked_out, done, aborted;
     bool images_told;        /* image_done told the caller of an image (body_gone is owed if undispatched) */
     uint64_t id, conn_id;    /* prism_http_req_id, prism_http_req_conn_id */
+    double t_begin;          /* prism_now_s() at its first byte (prism_http_req_began) */
     void (*abort_cb)(prism_http_req_t *r, void *ud);
     void *abort_ud;
     void *user;
@@ -250,6 +251,7 @@ void prism_http_req_set_user(prism_http_req_t *r, void *user) { r->user = user; 
 void *prism_http_req_user(prism_http_req_t *r) { return r->user; }
 uint64_t prism_http_req_id(const prism_http_req_t *r) { return r->id; }
 uint64_t prism_http_req_conn_id(const prism_http_req_t *r) { return r->conn_id; }
+double prism_http_req_began(const prism_http_req_t *r) { return r->t_begin; }
 bool prism_http_req_aborted(const prism_http_req_t *r) { return r->aborted; }
 
 const char *prism_http_req_header(const prism_http_req_t *r, const char *name)
@@ -882,6 +884,7 @@ static int on_message_begin(llhttp_t *p)
     c->req->conn = c;
     c->req->id = ++c->srv->next_req_id;
     c->req->conn_id = c->id;
+    c->req->t_begin = prism_now_s();
     return 0;
 }
 

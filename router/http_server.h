@@ -231,6 +231,8 @@ int  prism_http_req_http_minor(const prism_http_req_t *r);     /* 0 for HTTP/1.0
  * connection that sent it (pipelined requests share it). */
 uint64_t prism_http_req_id(const prism_http_req_t *r);
 uint64_t prism_http_req_conn_id(const prism_http_req_t *r);
+/* When its first byte came (prism_now_s()): its headers and body took from then to its handler. */
+double prism_http_req_began(const prism_http_req_t *r);
 
 void  prism_http_req_set_user(prism_http_req_t *r, void *user);
 void *prism_http_req_user(prism_http_req_t *r);

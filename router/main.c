@@ -365,6 +365,7 @@ static void apply_flags(router_t *r, const router_flags_t *f)
         prism_hist_init(&r->heartbeat_interval[i], hb_buckets, (int)PRISM_ARRAY_LEN(hb_buckets));
     static const double fetch_buckets[] = {.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 20, 40};
     prism_hist_init(&r->fetch_stage, fetch_buckets, (int)PRISM_ARRAY_LEN(fetch_buckets));
+    prism_hist_init(&r->upload, prism_buckets_e2e, prism_buckets_e2e_n);
     for (int i = 0; i < ROUTER_TS_COUNT; i++) prism_hist_init(&r->stage[i], prism_buckets_ttft, prism_buckets_ttft_n);
     r->reqs_cap = 16;
     while (r->reqs_cap < (size_t)f->max_running * 2 + 2) r->reqs_cap *= 2;

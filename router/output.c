@@ -274,9 +274,9 @@ void router_out_timing(const router_req_t *q, double now, char *out, size_t n)
     for (int i = 0; i < ROUTER_TS_COUNT && k < sizeof stages; i++)
         k += (size_t)snprintf(stages + k, sizeof stages - k, "%s%s:%.2f", i ? "," : "", router_time_stage_names[i],
                               st[i] * 1e3);
-    snprintf(out, n, "images=%d cache_hits=%d fetch_ms=%.2f router_ms=%.2f image_decode_ms=%.2f vit_ms=%.2f "
+    snprintf(out, n, "upload_ms=%.2f images=%d cache_hits=%d fetch_ms=%.2f router_ms=%.2f image_decode_ms=%.2f vit_ms=%.2f "
              "queue_ms=%.2f prefill_ms=%.2f ttft_ms=%.2f decode_tokens=%d decode_tok_s=%.1f e2e_ms=%.2f stages_ms=%s",
-             q->prompt.n_images, t->cache_hits, t->fetch_ms, router_ms, t->decode_ms, t->vit_ms,
+             (t->start - t->began) * 1e3, q->prompt.n_images, t->cache_hits, t->fetch_ms, router_ms, t->decode_ms, t->vit_ms,
              t->queue_ms + t->embed_wait_ms, t->prefill_ms, ttft, q->out.n_out > 0 ? q->out.n_out - n_seq : 0, tps,
              (now - t->start) * 1e3, stages);
 }

@@ -112,6 +112,7 @@ router_req_t *router_req_alloc(router_t *r, prism_http_req_t *h, bool chat)
     q->chat = chat;
     router_trace_of(r, h, &q->trace, &q->trace_flags);
     q->time.start = q->time.wait = prism_now_s();
+    q->time.began = h ? PRISM_MIN(prism_http_req_began(h), q->time.start) : q->time.start;
     q->prep.job.work.data = q;
     return q;
 }

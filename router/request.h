@@ -109,6 +109,7 @@ typedef struct {
 
 /* Stage timings: the router's clock (prism_now_s) at each step, and what the workers measured. */
 typedef struct {
+    double began;                 /* its first byte (the upload: began to start) */
     double start;                 /* the last body byte: the handler ran */
     double wait;                  /* the wait for workers began (start; a migration restarts it) */
     double sent;                  /* its first attempt was handed to ZeroMQ (x-prism-timing router_ms) */

@@ -112,6 +112,7 @@ static void req_complete(router_req_t *q)
     double st[ROUTER_TS_COUNT];
     router_out_stages(q, now, st);
     for (int i = 0; i < ROUTER_TS_COUNT; i++) prism_hist_observe(&r->stage[i], st[i]);
+    prism_hist_observe(&r->upload, q->time.start - q->time.began);
     router_worker_observe(r, q->place.prefill_id, st);
     router_worker_observe(r, q->place.decode_id, st);
     for (int i = 0; i < n; i++) {

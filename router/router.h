@@ -243,6 +243,7 @@ typedef struct router {
     uint64_t workers_lost_dead, workers_lost_stuck;
     prism_hist_t heartbeat_interval[4];  /* by role: seconds between a worker's heartbeats */
     prism_hist_t fetch_stage;   /* seconds a request waited for its images by URL (url_images.c) */
+    prism_hist_t upload;        /* prism:request_upload_seconds: finished requests, first byte to last */
     prism_hist_t stage[ROUTER_TS_COUNT];   /* prism:request_stage_seconds: finished requests, by stage */
 } router_t;
 

@@ -371,6 +371,35 @@ def test_stage_histograms_add_up():
         assert abs(dsum - want) <= 1e-6 + 1e-6 * want, (tier, name, dsum, want)
 
 
+def test_upload_time_is_its_own_histogram():
+    """A body that takes 0.6 s to come is timed by prism:request_upload_seconds (first byte to last) and
+    x-prism-timing's upload_ms, and stays out of the end-to-end latency that the stages partition."""
+    body = json.dumps(chat_body("Say something.", [], max_tokens=2, temperature=0)).encode()
+    up0 = (C.metric("prism:request_upload_seconds_sum"), C.metric("prism:request_upload_seconds_count"))
+    e2e0 = C.metric("vllm:e2e_request_latency_seconds_sum")
+    s = socket.create_connection(("127.0.0.1", C.port), timeout=30)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body[:10])
+    time.sleep(0.6)
+    s.sendall(body[10:])
+    data = b""
+    while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + int(
+            re.search(rb"(?i)content-length: *(\d+)", data).group(1)):
+        chunk = s.recv(65536)
+        assert chunk, data
+        data += chunk
+    s.close()
+    assert data.startswith(b"HTTP/1.1 200"), data[:200]
+    timing = re.search(rb"(?i)x-prism-timing: *([^\r]*)", data).group(1).decode()
+    t = dict(kv.split("=") for kv in timing.split())
+    e2e_ms = float(t["e2e_ms"])
+    assert float(t["upload_ms"]) >= 600 and e2e_ms < float(t["upload_ms"]), t
+    up = C.metric("prism:request_upload_seconds_sum") - up0[0]
+    assert C.metric("prism:request_upload_seconds_count") - up0[1] == 1
+    assert abs(up - float(t["upload_ms"]) / 1e3) < 0.002, (up, t)
+    assert abs(C.metric("vllm:e2e_request_latency_seconds_sum") - e2e0 - e2e_ms / 1e3) < 0.002, t
+
+
 def json_log(name):
     """The JSON lines of one process's log, parsed (every line the logger wrote must parse)."""
     out = []
@@ -486,7 +515,8 @@ if __name__ == "__main__":
                         test_disaggregated_equals_single_process, test_seeded_sampling_reproducible, test_logprobs,
                         test_stop_string, test_concurrent_distinct_requests, test_malformed_requests,
                         test_bomb_refused_from_header, test_bomb_refused_on_its_first_bytes, test_metrics,
-                        test_stage_histograms_add_up, test_trace_context_in_every_process,
+                        test_stage_histograms_add_up, test_upload_time_is_its_own_histogram,
+                        test_trace_context_in_every_process,
                         test_memory_plan_is_what_the_workers_allocate, test_tokenize_detokenize,
                         test_chat_template_override_and_unsupported, test_all_processes_alive])
     finally:
