@@ -7,7 +7,9 @@ image sizes 512, 2048, 4096 (photo-like JPEGs of realistic file size) x concurre
 requests ok / refused (429, 503; with the reason the router counted in prism:requests_refused_total
 and the messages clients got) / failed (anything else), TTFT p50/p99, time per output token,
 throughput, and the peak RSS of every process during the cell (VmHWM, reset per cell through
-/proc/PID/clear_refs). Writes JSON and, when matplotlib is installed, a PNG plot.
+/proc/PID/clear_refs), and where the requests' time went (the means of prism:request_stage_seconds'
+stages over the cell, their sum against the router's end-to-end mean, the upload before it). Writes
+JSON and, when matplotlib is installed, a PNG plot.
 
   python3 tests/bench/bench_serving.py --build-dir build --out docs/bench
   python3 tests/bench/bench_serving.py --overload 512     # far above capacity: only 200/429/503
@@ -116,11 +118,36 @@ def refusal_counts(c):
     return {lb["reason"]: v for name, lb, v in c.metrics() if name == "prism:requests_refused_total"}
 
 
+def stage_sums(c):
+    """{stage: [sum, count]} of prism:request_stage_seconds, plus "e2e": vllm:e2e_request_latency_seconds'."""
+    got = {}
+    for name, lb, v in c.metrics():
+        if name.startswith("prism:request_stage_seconds_") and name.endswith(("_sum", "_count")):
+            got.setdefault(lb["stage"], [0.0, 0.0])[name.endswith("_count")] += v
+        elif name in ("vllm:e2e_request_latency_seconds_sum", "vllm:e2e_request_latency_seconds_count"):
+            got.setdefault("e2e", [0.0, 0.0])[name.endswith("_count")] += v
+        elif name in ("prism:request_upload_seconds_sum", "prism:request_upload_seconds_count"):
+            got.setdefault("upload", [0.0, 0.0])[name.endswith("_count")] += v
+    return got
+
+
+def stage_breakdown(before, after):
+    """Over a cell: each stage's mean (ms), the e2e mean, and the stage means' sum over the e2e mean."""
+    d = {k: (v[0] - before.get(k, [0, 0])[0], v[1] - before.get(k, [0, 0])[1]) for k, v in after.items()}
+    means = {k: 1e3 * s / n for k, (s, n) in d.items() if n > 0}
+    e2e = means.pop("e2e", None)
+    upload = means.pop("upload", None)
+    return {"stage_means_ms": means, "e2e_mean_ms": e2e, "upload_mean_ms": upload,
+            "stage_counts": {k: n for k, (s, n) in d.items()},
+            "stage_sum_over_e2e": sum(means.values()) / e2e if e2e else None}
+
+
 def run_cell(c, url, concurrency, n_requests, max_tokens, timeout):
     pids = {name: p.pid for name, p in c.procs.items()}
     for pid in pids.values():
         reset_peak(pid)
     refused_before = refusal_counts(c)
+    stages_before = stage_sums(c)
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as ex:
@@ -151,6 +178,8 @@ def run_cell(c, url, concurrency, n_requests, max_tokens, timeout):
                                  for w in ("encoder-0", "prefill-0", "decode-0")},
         "load_avg_1m": [load0, os.getloadavg()[0]],
         "alive": c.alive(),
+        "stages": stage_breakdown(stages_before, stage_sums(c)),
+        "client_e2e_mean_ms": 1e3 * statistics.mean(r["e2e"] for r in ok) if ok else None,
     }
 
 
@@ -255,12 +284,13 @@ def main():
                     cell = run_cell(c, url, conc, n, args.max_tokens, args.timeout)
                     results["cells"][s].append(cell)
                     print("%5dpx c=%-4d ok=%-4d refused=%-3d failed=%-3d ttft p50=%.3fs p99=%.3fs tpot=%.4fs "
-                          "%.1f tok/s  peak MiB router=%.0f enc=%.0f pre=%.0f dec=%.0f  refusals %s  load %.1f" % (
+                          "%.1f tok/s  peak MiB router=%.0f enc=%.0f pre=%.0f dec=%.0f  refusals %s  load %.1f  stages/e2e %.4f" % (
                               s, conc, cell["ok"], cell["refused"], cell["failed"], cell["ttft_p50_s"] or -1,
                               cell["ttft_p99_s"] or -1, cell["tpot_mean_s"] or -1, cell["throughput_tok_s"],
                               cell["peak_rss_mib"]["router"], cell["peak_rss_mib"]["encoder-0"],
                               cell["peak_rss_mib"]["prefill-0"], cell["peak_rss_mib"]["decode-0"],
-                              cell["refused_by_reason"] or "-", cell["load_avg_1m"][1]), flush=True)
+                              cell["refused_by_reason"] or "-", cell["load_avg_1m"][1],
+                              cell["stages"]["stage_sum_over_e2e"] or -1), flush=True)
             if args.tag:
                 name += "_" + args.tag
             else:
