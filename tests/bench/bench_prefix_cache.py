@@ -66,13 +66,22 @@ def counters(c):
 
 def settled(c, prompt_tokens):
     """The counters once the prefill's heartbeats have counted every prompt the router counted."""
-    cl.wait_for(lambda: counters(c)["computed"] + counters(c)["hits"] >= prompt_tokens, 30,
+    cl.wait_for(lambda: counters(c)["computed"] + counters(c)["hits"] >= prompt_tokens, 60,
                 "the prefill's heartbeats to count the burst")
     return counters(c)
 
 
+def text_of_tokens(c, n, seed):
+    """About n tokens of text (as the router's tokenizer counts them)."""
+    k = n
+    for _ in range(4):
+        got = c.post_json("/tokenize", {"prompt": words(k, seed), "add_special_tokens": False})[1]["count"]
+        k = max(1, int(k * n / got))
+    return words(k, seed)
+
+
 def shared_prompt(c, args, seed):
-    system = words(args.system_tokens, 0)
+    system = text_of_tokens(c, args.system_tokens, 0)
     bodies = [{"model": "prism-tiny-llava", "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
                "messages": [{"role": "system", "content": system},
                             {"role": "user", "content": "Question %d of round %d: %s?" % (i, seed, words(8, i + seed))}]}
@@ -95,7 +104,7 @@ def shared_prompt(c, args, seed):
 
 def chat(c, args, image):
     history = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": cl.image_url(image)}},
-                                            {"type": "text", "text": words(args.first_turn_tokens, 3) +
+                                            {"type": "text", "text": text_of_tokens(c, args.first_turn_tokens, 3) +
                                              ". What is in the image?"}]}]
     out = []
     for turn in range(args.turns):
@@ -126,15 +135,22 @@ def main():
     tmp = tempfile.mkdtemp(prefix="prism-prefix-")
     image = cl.make_image(os.path.join(tmp, "photo.jpg"), width=args.image_size, height=args.image_size, photo=True,
                           seed=29)
+    warm = cl.make_image(os.path.join(tmp, "warm.jpg"), width=args.image_size, height=args.image_size, photo=True,
+                         seed=30)
     res = {}
     for mode, flags in MODES:
         extra = args.worker_args.split()
         with cl.Cluster(common_worker_args=extra, worker_args={"prefill_worker": flags}) as c:
             c.wait_ready()
+            # warm up: one image request (another picture: nothing of it is cached for the chat)
             ttft_stream(c, {"model": "prism-tiny-llava", "max_tokens": 1,
-                            "messages": [{"role": "user", "content": "warm up"}]})
-            rounds = [shared_prompt(c, args, r) for r in range(args.rounds)]
+                            "messages": [{"role": "user", "content": [
+                                {"type": "image_url", "image_url": {"url": cl.image_url(warm)}},
+                                {"type": "text", "text": "warm up"}]}]})
+            settled(c, counters(c)["prompt"])
             turns = chat(c, args, image)
+            settled(c, counters(c)["prompt"])
+            rounds = [shared_prompt(c, args, r) for r in range(args.rounds)]
         res[mode] = {"rounds": rounds, "chat_ttft_s": turns}
         for i, r in enumerate(rounds):
             print("%-18s burst %d: %d requests in %.2fs (%.1f req/s), TTFT median %.0f ms; prompt tokens %d, "
