@@ -583,6 +583,10 @@ static void run_req(prefill_t *p, preq_t *r)
     if (p->prefix_on) {
         n_full = prism_kv_prefix_keys(&p->prefix, r->salt, strlen(r->salt), r->tokens, r->n_tokens, r->key_img,
                                       r->n_images, p->keys);
+        /* An image without its content hash (a router older than the cache sends none) has no
+         * identity: nothing from its first block on is looked up or kept. */
+        for (int i = 0; i < r->n_images; i++)
+            if (!r->key_img[i].content_hash) n_full = PRISM_MIN(n_full, (int)(r->key_img[i].offset / (uint32_t)bs));
         hit = prism_kv_prefix_match(&p->prefix, p->keys, PRISM_MIN(n_full, (r->n_tokens - 1) / bs), p->table);
     }
     if ((p->prefix_on ? prism_kv_prefix_alloc(&p->prefix, nb - hit, p->table + hit)
