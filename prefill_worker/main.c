@@ -27,6 +27,7 @@
 #include "worker/aborts.h"
 #include "tp/tp.h"
 #include "kv/kv.h"
+#include "kv/prefix.h"
 #include "sample/sample.h"
 #include "backend/backend.h"
 #include "model/model.h"
@@ -61,6 +62,8 @@ typedef struct {
     uint32_t span_off[MAX_IMAGES], span_len[MAX_IMAGES];
     int span_rows[MAX_IMAGES];   /* image-token positions in each span: the rows it needs */
     prism_mrope_image_t mrope[MAX_IMAGES];   /* M-RoPE models: the spans' LM-token grids */
+    prism_kv_image_t key_img[MAX_IMAGES];    /* the images as the prefix cache's keys see them */
+    char salt[PRISM_KV_PREFIX_MAX_SALT + 1];  /* Prefill.cache_salt */
     char decode_endpoint[256];
     double t_arrive;
 } preq_t;
@@ -69,6 +72,7 @@ typedef struct {
     struct {                      /* the tier's flags */
         int64_t kv_blocks, block_size, chunk, max_pending, emb_images, context_length, max_image_tokens;
         double orphan_timeout;
+        bool no_prefix_cache;
     } f;
     prism_worker_t w;
     prism_model_config_t cfg;     /* this rank's (sharded) shapes */
@@ -79,6 +83,12 @@ typedef struct {
     prism_llm_t *llm;
     prism_kv_cache_t *kv;
     prism_kv_blocks_t blocks;
+    /* Full blocks of finished prompts kept for later ones (kv/prefix.h): they live in the blocks
+     * above, which are free to hold them while no prompt needs them (a prompt evicts what it needs). */
+    bool prefix_on;
+    prism_kv_prefix_t prefix;
+    prism_kv_key_t *keys;    /* [max_blocks_per_seq] the running prompt's block keys */
+    uint64_t cache_queries, cache_hits, tokens_computed;   /* prompt tokens (heartbeat counters) */
     prism_seq_sampler_t sampler;  /* one slot: prompts run one at a time */
     size_t sampling_bytes;        /* what the sampler took at start-up (measured into the plan) */
     int max_pending, chunk, max_model_len, max_blocks_per_seq;
@@ -261,6 +271,7 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
     if (!pf || !pf->sampling || !pf->decode_endpoint) why = "malformed prefill request";
     else if (pf->n_token_ids == 0 || pf->n_token_ids >= (size_t)p->max_model_len) why = "prompt length out of range";
     else if (pf->n_images > MAX_IMAGES) why = "too many images";
+    else if (pf->cache_salt && strlen(pf->cache_salt) > PRISM_KV_PREFIX_MAX_SALT) why = "cache salt too long";
     else why = prism_seq_check(pf->sampling, p->cfg.vocab, p->max_model_len);
     /* a migrated request: prompt + the tokens generated before (the last Sampling.generated ids) */
     if (!why && pf->sampling->generated >= pf->n_token_ids) why = "generated tokens out of range";
@@ -320,7 +331,10 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
             r->span_rows[i] += r->tokens[t] == p->cfg.image_token_index;
         r->mrope[i] = (prism_mrope_image_t){(int32_t)pf->images[i]->offset, (int32_t)pf->images[i]->grid_rows,
                                             (int32_t)pf->images[i]->grid_cols};
+        r->key_img[i] = (prism_kv_image_t){pf->images[i]->offset, pf->images[i]->n_tokens, pf->images[i]->grid_rows,
+                                           pf->images[i]->grid_cols, pf->images[i]->content_hash};
     }
+    snprintf(r->salt, sizeof(r->salt), "%s", pf->cache_salt ? pf->cache_salt : "");
     snprintf(r->decode_endpoint, sizeof(r->decode_endpoint), "%s", pf->decode_endpoint);
     r->t_arrive = prism_now_s();
 }
@@ -561,8 +575,30 @@ static void run_req(prefill_t *p, preq_t *r)
         release_request(p, r->seq.rid, r->seq.router_id);
         return;
     }
-    int nb = prism_kv_blocks_for_tokens(&p->blocks, r->n_tokens);
-    if (prism_kv_blocks_alloc(&p->blocks, nb, p->table) != PRISM_OK) return;
+    int nb = prism_kv_blocks_for_tokens(&p->blocks, r->n_tokens), bs = p->blocks.block_size;
+    /* Prefix cache: the leading full blocks an earlier prompt computed (same salt, tokens and
+     * images up to there) are read, not computed. The last token is always computed: its logits
+     * give the first token. */
+    int n_full = 0, hit = 0;
+    if (p->prefix_on) {
+        n_full = prism_kv_prefix_keys(&p->prefix, r->salt, strlen(r->salt), r->tokens, r->n_tokens, r->key_img,
+                                      r->n_images, p->keys);
+        /* An image without its content hash (a router older than the cache sends none) has no
+         * identity: nothing from its first block on is looked up or kept. */
+        for (int i = 0; i < r->n_images; i++)
+            if (!r->key_img[i].content_hash) n_full = PRISM_MIN(n_full, (int)(r->key_img[i].offset / (uint32_t)bs));
+        hit = prism_kv_prefix_match(&p->prefix, p->keys, PRISM_MIN(n_full, (r->n_tokens - 1) / bs), p->table);
+    }
+    if ((p->prefix_on ? prism_kv_prefix_alloc(&p->prefix, nb - hit, p->table + hit)
+                      : prism_kv_blocks_alloc(&p->blocks, nb, p->table)) != PRISM_OK) {
+        prism_kv_blocks_release(&p->blocks, p->table, hit);   /* it waits for blocks, holding none */
+        return;
+    }
+    const int cached = hit * bs;   /* the first position computed */
+    if (p->prefix_on) {
+        p->cache_queries += (uint64_t)r->n_tokens;
+        p->cache_hits += (uint64_t)cached;
+    }
     PRISM_DEBUG("request %llu: prefill of %d tokens started", (unsigned long long)r->seq.rid, r->n_tokens);
     double t0 = prism_now_s();
     /* its wait for embeddings: from its arrival to its last image's last rows (the stage histograms) */
@@ -574,9 +610,12 @@ static void run_req(prefill_t *p, preq_t *r)
     t_embedded = PRISM_MIN(t_embedded, t0);
     const int32_t *tables[1] = {p->table};
     int rc = PRISM_OK, next_row[MAX_IMAGES] = {0};   /* rows of each image laid so far (chunks go in order) */
+    for (int i = 0; i < r->n_images; i++)   /* an image's rows before `cached` are in the cached blocks */
+        for (int t = (int)r->span_off[i]; t < PRISM_MIN((int)(r->span_off[i] + r->span_len[i]), cached); t++)
+            next_row[i] += r->tokens[t] == p->cfg.image_token_index;
     p->cur = r;
     p->cur_dropped = false;
-    for (int start = 0; start < r->n_tokens && rc == PRISM_OK && !p->cur_dropped; start += p->chunk) {
+    for (int start = cached; start < r->n_tokens && rc == PRISM_OK && !p->cur_dropped; start += p->chunk) {
         int n = PRISM_MIN(p->chunk, r->n_tokens - start);
         bool any = false;
         memset(p->chunk_rows, 0, sizeof(*p->chunk_rows) * (size_t)n);
@@ -608,6 +647,7 @@ static void run_req(prefill_t *p, preq_t *r)
         if (rc == PRISM_OK)
             rc = last ? prism_llm_forward(p->llm, p->kv, &b, p->logits) : prism_llm_forward_begin(p->llm, p->kv, &b);
         prism_worker_progress(&p->w, 1);
+        if (rc == PRISM_OK) p->tokens_computed += (uint64_t)n;
         if (rc == PRISM_OK && !last && p->tp.size > 1 && !p->cur_dropped) {
             /* A group's shards never drop the prompt between layers (model.h): the leader checks
              * for its abort between chunks instead. */
@@ -639,6 +679,9 @@ static void run_req(prefill_t *p, preq_t *r)
         return;
     }
     r->seq.len = r->n_tokens;
+    /* its full blocks hold the prompt's KV now: kept for later prompts (the cache holds them on
+     * after this request releases them below) */
+    if (p->prefix_on) prism_kv_prefix_insert(&p->prefix, p->keys, p->table, n_full);
     /* The first token of each of the request's n sequences (one Tokens message each). */
     Prism__Tokens *first;
     int n_first = prism_seq_first_tokens(&r->seq, &p->sampler, p->logits, &p->cfg, p->max_model_len, &first);
@@ -702,7 +745,7 @@ static void run_req(prefill_t *p, preq_t *r)
     prism_kv_blocks_release(&p->blocks, p->table, nb);
     release_request(p, r->seq.rid, r->seq.router_id);
     p->served++;
-    PRISM_DEBUG("%d prompt tokens prefilled in %.1f ms", r->n_tokens, (t1 - t0) * 1e3);
+    PRISM_DEBUG("%d prompt tokens prefilled in %.1f ms (%d from the prefix cache)", r->n_tokens, (t1 - t0) * 1e3, cached);
     try_send_kv(p);
 }
 
@@ -747,9 +790,13 @@ static void publish_load(prefill_t *p)
     int pending = 0;
     for (int i = 0; i < p->max_pending; i++) pending += p->reqs[i].seq.used;
     prism_worker_load_t load = {
-        .running = (uint32_t)pending, .waiting = p->kv_pending ? 1 : 0, .kv_free_blocks = (uint32_t)p->blocks.n_free,
+        .running = (uint32_t)pending, .waiting = p->kv_pending ? 1 : 0,
+        /* between two prompts no request holds a block: every cached one is free for the next */
+        .kv_free_blocks = (uint32_t)(p->blocks.n_free + (p->prefix_on ? p->prefix.n_cached : 0)),
         .pool_free = (uint32_t)emb_room(p),   /* images of the largest kind */
         .prompts_aborted = p->cancelled,
+        .prefix_cache_queries = p->cache_queries, .prefix_cache_hits = p->cache_hits,
+        .prompt_tokens_computed = p->tokens_computed,
     };
     prism_worker_set_load(&p->w, &load);
 }
@@ -774,6 +821,8 @@ static int prefill_flags(void *ctx, prism_flag_t *t)
         PRISM_FLAG_INT("context-length", &p->f.context_length, "Max tokens per sequence (0 = model's max_position_embeddings, at most 131072)"),
         PRISM_FLAG_DOUBLE("orphan-timeout", &p->f.orphan_timeout,
                           "Seconds before embeddings whose prefill request never arrives free their slot"),
+        PRISM_FLAG_BOOL("no-prefix-cache", &p->f.no_prefix_cache,
+                        "Compute every prompt whole: keep no KV blocks of finished prompts for later ones"),
     };
     memcpy(t, f, sizeof f);
     return (int)PRISM_ARRAY_LEN(f);
@@ -884,11 +933,16 @@ static int prefill_plan(void *ctx, prism_worker_startup_t *s)
 {
     prefill_t *p = ctx;
     prism_mem_plan_t *pl = &s->plan;
+    p->prefix_on = s->leader && !p->f.no_prefix_cache;   /* the leader owns the block tables */
     prism_mem_plan_add(pl, "weights", prism_llm_weight_bytes(p->llm), PRISM_MEM_LIBRARY);
     prism_mem_plan_add(pl, "activations", prism_llm_arena_bytes(&p->cfg, p->chunk, 1), PRISM_MEM_LIBRARY);
     prism_mem_plan_add(pl, "model-host", prism_llm_host_bytes(&p->cfg, p->chunk, 1), PRISM_MEM_LIBRARY);
     prism_mem_plan_add(pl, "sampling", p->sampling_bytes, PRISM_MEM_LIBRARY);
     prism_mem_plan_add(pl, "kv-cache", (size_t)s->cap.kv_blocks * kv_block_bytes(p), PRISM_MEM_LIBRARY);
+    /* the prefix cache's index over those blocks (its KV is the blocks themselves: no new budget) */
+    prism_mem_plan_add(pl, "prefix-index", p->prefix_on ? prism_kv_prefix_bytes((int)s->cap.kv_blocks) : 0,
+                       PRISM_MEM_LIBRARY);
+    PRISM_PLAN_POOL(pl, "prefix-keys", p->keys, p->prefix_on ? (size_t)p->max_blocks_per_seq : 0);
     /* the leader gathers a prompt's whole-model KV here for the decode worker */
     if (s->leader) PRISM_PLAN_POOL(pl, "kv-export", p->kv_out, (size_t)p->max_blocks_per_seq * p->block_bytes);
     PRISM_PLAN_POOL(pl, "embedding-pool", p->emb_pool, (size_t)p->n_pages * p->page_rows * p->row);
@@ -909,8 +963,10 @@ static int prefill_ready(void *ctx, prism_worker_startup_t *s)
     prefill_t *p = ctx;
     int kv_blocks = (int)s->cap.kv_blocks, bs = (int)p->f.block_size;   /* the group's */
     prism_mem_plan_set(&s->plan, "kv-cache", (size_t)kv_blocks * kv_block_bytes(p));
+    if (p->prefix_on) prism_mem_plan_set(&s->plan, "prefix-index", prism_kv_prefix_bytes(kv_blocks));
     if (prism_kv_cache_create(p->be, &p->cfg, kv_blocks, bs, &p->kv) != PRISM_OK ||
-        prism_kv_blocks_init(&p->blocks, kv_blocks, bs) != PRISM_OK) {
+        prism_kv_blocks_init(&p->blocks, kv_blocks, bs) != PRISM_OK ||
+        (p->prefix_on && prism_kv_prefix_init(&p->prefix, &p->blocks) != PRISM_OK)) {
         PRISM_ERROR("cannot allocate the prefill KV cache");
         return 1;
     }
@@ -933,6 +989,11 @@ static int prefill_run(void *ctx)
     prefill_t *p = ctx;
     PRISM_INFO("prefill: chunk %d tokens, embedding pool %d pages of %d rows (%d images of up to %d pages)", p->chunk,
                p->n_pages, p->page_rows, p->max_pages ? p->n_pages / p->max_pages : 0, p->max_pages);
+    if (p->prefix_on)
+        PRISM_INFO("prefix cache: on, in the %d KV blocks of %d tokens no prompt holds (a prompt takes at most %d)",
+                   p->blocks.n_blocks, p->blocks.block_size, p->max_blocks_per_seq);
+    else
+        PRISM_INFO("prefix cache: off (--no-prefix-cache)");
 
     int code = 0;
     while (!prism_worker_should_stop()) {
@@ -954,6 +1015,7 @@ static int prefill_run(void *ctx)
     PRISM_INFO("prefill worker stopping after %llu requests (%llu cancelled mid-prompt)", (unsigned long long)p->served,
                (unsigned long long)p->cancelled);
     prism_seq_sampler_free(&p->sampler);
+    if (p->prefix_on) prism_kv_prefix_free(&p->prefix);
     return code;
 }
 

@@ -289,6 +289,13 @@ static void metrics_requests(const router_t *r, prism_buf_t *b)
     snprintf(lbl, sizeof(lbl), "model_name=\"%s\"", model);
     prism_metric_write(b, "vllm:num_preemptions_total", "counter",
                        "Sequences a decode worker preempted because its KV pool ran out.", lbl, (double)m->preempted);
+    prism_metric_write(b, "vllm:prefix_cache_queries_total", "counter",
+                       "Prompt tokens looked up in the prefill workers' prefix caches.", lbl, (double)m->prefix_queries);
+    prism_metric_write(b, "vllm:prefix_cache_hits_total", "counter",
+                       "Prompt tokens found in the prefill workers' prefix caches.", lbl, (double)m->prefix_hits);
+    prism_metric_write(b, "prism:prefill_tokens_computed_total", "counter",
+                       "Prompt tokens the prefill workers' models computed (those not read from a prefix cache).", lbl,
+                       (double)m->prefill_computed);
     prism_hist_write(&m->ttft, b, "vllm:time_to_first_token_seconds", "Time to first token.", lbl);
     prism_hist_write(&m->itl, b, "vllm:inter_token_latency_seconds", "Mean time per output token of each request.", lbl);
     prism_hist_write(&m->e2e, b, "vllm:e2e_request_latency_seconds", "End-to-end request latency.", lbl);
@@ -448,6 +455,9 @@ static void metrics_workers(const router_t *r, prism_buf_t *b)
         {"prism:worker_prompts_aborted_total", "Prompts the prefill worker left mid-prompt for an abort."},
         {"prism:worker_sends_waited_total", "Embeddings the encoder held until a prefill's pool had room."},
         {"prism:worker_preemptions_total", "Sequences the decode worker preempted because its KV pool ran out."},
+        {"prism:worker_prefix_cache_queries_total", "Prompt tokens the prefill worker looked up in its prefix cache."},
+        {"prism:worker_prefix_cache_hits_total", "Prompt tokens the prefill worker found in its prefix cache."},
+        {"prism:worker_prompt_tokens_computed_total", "Prompt tokens the prefill worker's model computed."},
     };
     for (size_t g = 0; g < PRISM_ARRAY_LEN(gauges); g++) {
         prism_buf_appendf(b, "# HELP %s %s\n# TYPE %s %s\n", gauges[g][0], gauges[g][1], gauges[g][0],
@@ -461,7 +471,8 @@ static void metrics_workers(const router_t *r, prism_buf_t *b)
                           (double)w->progress, w->busy, w->stuck, (double)w->peer_auth_failures,
                           w->draining ? 1.0 : 0.0, (double)w->kv_waits, (double)w->tokens_generated,
                           (double)w->seqs_aborted, (double)w->prompts_aborted, (double)w->sends_waited,
-                          (double)w->preemptions};
+                          (double)w->preemptions, (double)w->prefix_queries, (double)w->prefix_hits,
+                          (double)w->prefill_computed};
             _Static_assert(PRISM_ARRAY_LEN(v) == PRISM_ARRAY_LEN(gauges), "one value per gauge");
             prism_metric_label_value(wid, sizeof(wid), w->id);  /* ids come from the network */
             snprintf(lbl, sizeof(lbl), "tier=\"%s\",worker=\"%s\"", prism_role_name(w->role), wid);

@@ -140,6 +140,7 @@ static const field_rule_t k_fields[] = {
     {"prompt_cache_key", F_BOTH, F_META, NULL}, {"prompt_cache_retention", F_BOTH, F_META, NULL},
     {"prompt_cache_options", F_BOTH, F_META, NULL}, {"prediction", F_BOTH, F_META, NULL},
     {"request_id", F_BOTH, F_META, NULL}, {"priority", F_BOTH, F_IMPL, NULL},
+    {"cache_salt", F_BOTH, F_IMPL, NULL},
     /* refused: they would change the answer and are not implemented */
     {"audio", F_CHAT, F_REFUSE, NULL}, {"modalities", F_CHAT, F_REFUSE, "[\"text\"]"},
     {"web_search_options", F_CHAT, F_REFUSE, NULL}, {"moderation", F_CHAT, F_REFUSE, NULL},
@@ -669,6 +670,18 @@ static int parse_sampler(json_t *root, prism_oai_request_t *out, prism_oai_error
         if (iv < -1000000 || iv > 1000000)
             return oai_fail(err, "priority", "priority must be in [-1000000, 1000000], got %lld.", (long long)iv);
         out->priority = (int32_t)iv;
+    }
+    /* vLLM's cache_salt: only requests with the same salt share cached prefix KV (docs/SECURITY.md) */
+    json_t *salt = json_object_get(root, "cache_salt");
+    if (salt && !json_is_null(salt)) {
+        if (!json_is_string(salt)) return oai_fail(err, "cache_salt", "cache_salt must be a string.");
+        size_t len = json_string_length(salt);
+        if (len == 0 || len > PRISM_OAI_MAX_CACHE_SALT)
+            return oai_fail(err, "cache_salt", "cache_salt must be 1 to %d bytes, got %zu.", PRISM_OAI_MAX_CACHE_SALT, len);
+        if (strlen(json_string_value(salt)) != len)   /* travels as a C string: "a\u0000b" would be "a" */
+            return oai_fail(err, "cache_salt", "cache_salt must not contain U+0000.");
+        memcpy(out->cache_salt, json_string_value(salt), len);
+        out->cache_salt[len] = 0;
     }
     return PRISM_OK;
 }

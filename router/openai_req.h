@@ -36,6 +36,7 @@
 
 #define PRISM_OAI_MAX_STOP           8
 #define PRISM_OAI_MAX_STOP_LEN       1024
+#define PRISM_OAI_MAX_CACHE_SALT     256   /* kv/prefix.h PRISM_KV_PREFIX_MAX_SALT */
 #define PRISM_OAI_MAX_STOP_TOKEN_IDS 16
 #define PRISM_OAI_MAX_TOP_LOGPROBS   20
 #define PRISM_OAI_MAX_LOGIT_BIAS     300
@@ -101,6 +102,7 @@ typedef struct {
     bool has_seed;
     int64_t seed;
     int32_t priority;         /* vLLM's: lower runs first (router queue) and is preempted last (decode); 0 */
+    char cache_salt[PRISM_OAI_MAX_CACHE_SALT + 1];  /* vLLM's: keys the prefix cache; "" = none (a copy: the body goes) */
     const char *stop[PRISM_OAI_MAX_STOP];  /* [n_stop], each non-empty, <= PRISM_OAI_MAX_STOP_LEN bytes */
     size_t stop_len[PRISM_OAI_MAX_STOP];
     int n_stop;

@@ -60,6 +60,7 @@ void router_sched_msgs_build(router_req_t *q)
         m->spans[s].n_tokens = q->prompt.img_span[s];
         m->spans[s].grid_rows = q->prompt.img_rows[s];   /* Qwen-VL: the LM-token grid (M-RoPE) */
         m->spans[s].grid_cols = q->prompt.img_cols[s];
+        m->spans[s].content_hash = q->prompt.img_hash[s];   /* the image's identity in the prefix cache */
         m->span_ptrs[s] = &m->spans[s];
     }
     prism__prefill__init(&m->prefill);
@@ -68,6 +69,7 @@ void router_sched_msgs_build(router_req_t *q)
     m->prefill.n_images = (size_t)q->prompt.n_images;
     m->prefill.images = m->span_ptrs;
     m->prefill.sampling = sp;
+    m->prefill.cache_salt = (char *)o->cache_salt;
     prism__encode__init(&m->encode);
     prism__envelope__init(&m->env);
 }

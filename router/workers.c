@@ -108,6 +108,15 @@ bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat
     w->prompts_aborted = hb->prompts_aborted;
     w->sends_waited = hb->sends_waited;
     w->preemptions = hb->preempt_recompute;
+    /* the router's totals grow by what each heartbeat adds: they stay monotonic when a worker goes
+     * (a counter that went back is a restarted worker counting from 0) */
+    r->metrics.prefix_queries += hb->prefix_cache_queries - (hb->prefix_cache_queries >= w->prefix_queries ? w->prefix_queries : 0);
+    r->metrics.prefix_hits += hb->prefix_cache_hits - (hb->prefix_cache_hits >= w->prefix_hits ? w->prefix_hits : 0);
+    r->metrics.prefill_computed +=
+        hb->prompt_tokens_computed - (hb->prompt_tokens_computed >= w->prefill_computed ? w->prefill_computed : 0);
+    w->prefix_queries = hb->prefix_cache_queries;
+    w->prefix_hits = hb->prefix_cache_hits;
+    w->prefill_computed = hb->prompt_tokens_computed;
     w->alloc_count = hb->alloc_count;
     w->heartbeats++;
     w->peer_auth_failures = hb->peer_auth_failures;

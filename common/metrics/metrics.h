@@ -51,6 +51,8 @@ typedef struct {
     uint64_t early_encodes_adopted; /* ... still running when their request came: it took the job over */
     uint64_t early_encodes_abandoned; /* ... aborted: their body never became a request, or the request ended */
     uint64_t early_encodes_preempted; /* ... aborted: a request needed the encoder slot */
+    /* prefill workers' prefix caches, summed from their heartbeats (vLLM counts tokens) */
+    uint64_t prefix_queries, prefix_hits, prefill_computed;
     uint64_t refused_limit[16];   /* by prism_refusal_t (the HTTP server's own are added when exported) */
 } prism_router_metrics_t;
 

@@ -432,6 +432,9 @@ static void io_heartbeat(prism_worker_t *w)
     hb.prompts_aborted = l.prompts_aborted;
     hb.sends_waited = l.sends_waited;
     hb.preempt_recompute = l.preempt_recompute;
+    hb.prefix_cache_queries = l.prefix_cache_queries;
+    hb.prefix_cache_hits = l.prefix_cache_hits;
+    hb.prompt_tokens_computed = l.prompt_tokens_computed;
     hb.mem_used = prism_mem_used();
     hb.mem_peak = prism_mem_peak();
     hb.mem_planned = w->reg.mem_planned;

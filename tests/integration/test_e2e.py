@@ -503,6 +503,165 @@ def test_chat_template_override_and_unsupported():
     assert p.returncode != 0 and "include" in p.stderr, (p.returncode, p.stderr[-500:])
 
 
+# ---- prefix cache (prefill: kv/prefix.h) ----
+
+def prefix_counters(c):
+    return (c.metric("vllm:prefix_cache_queries_total") or 0, c.metric("vllm:prefix_cache_hits_total") or 0,
+            c.metric("prism:prefill_tokens_computed_total") or 0)
+
+
+def counted_after(c, before, queries):
+    """The prefix-cache counters once the prefill's heartbeats have counted `queries` more tokens
+    looked up: (queries, hits, computed) added since `before`."""
+    wait_for(lambda: prefix_counters(c)[0] >= before[0] + queries, 20, "the prefill's heartbeat to count the prompt")
+    now = prefix_counters(c)
+    return tuple(now[i] - before[i] for i in range(3))
+
+
+def greedy_trace(r):
+    """(token texts, logprobs) of a chat answer asked with logprobs: the sampled tokens' and their
+    top alternatives' (more sensitive to the image than the sampled token's alone)."""
+    content = r["choices"][0]["logprobs"]["content"]
+    return ([e["token"] for e in content],
+            [e["logprob"] for e in content] + [t["logprob"] for e in content for t in e.get("top_logprobs", [])])
+
+
+def assert_same_answer(got, ref, where):
+    gt, gl = greedy_trace(got)
+    rt, rl = greedy_trace(ref)
+    assert gt == rt, "%s: tokens %r, uncached %r" % (where, gt, rt)
+    diff = max((abs(a - b) for a, b in zip(gl, rl)), default=0.0)
+    assert diff <= 1e-4, "%s: logprobs differ by %g from the uncached run" % (where, diff)
+
+
+SYSTEM = " ".join("Rule %d: answer briefly and truthfully about what the picture shows." % i for i in range(12))
+
+
+def test_prefix_cache_hits_and_salt():
+    """A prompt sent again reads every full block but its last from the cache (vLLM's counters, in
+    tokens, on the router's /metrics) and answers exactly as before; a cache_salt keys its own
+    cache (no hit across salts, hits within one); a bad cache_salt is a 400."""
+    def body(q, **kw):
+        b = chat_body(q, [PNG], max_tokens=6, temperature=0, logprobs=True, **kw)
+        b["messages"].insert(0, {"role": "system", "content": SYSTEM})
+        return b
+    before = prefix_counters(C)
+    cold = ok_request(body("What is it?", cache_salt="cold-%f" % time.time()))   # a fresh salt: a miss
+    n = cold["usage"]["prompt_tokens"]
+    assert n > 200, n
+    q, h, comp = counted_after(C, before, n)
+    assert (q, h, comp) == (n, 0, n), (q, h, comp, n)
+    before = prefix_counters(C)
+    warm0 = ok_request(body("What is it?"))
+    counted_after(C, before, n)
+    before = prefix_counters(C)
+    warm = ok_request(body("What is it?"))
+    q, h, comp = counted_after(C, before, n)
+    assert q == n and h == (n - 1) // 16 * 16 and comp == n - h, (q, h, comp, n)
+    assert_same_answer(warm, cold, "cached")
+    assert_same_answer(warm0, cold, "first unsalted")
+    # another question after the same system prompt and image: the shared blocks hit
+    before = prefix_counters(C)
+    ok_request(body("What colour is it?"))
+    q, h, comp = counted_after(C, before, n)
+    assert h >= n - 64 and comp == q - h, (q, h, n)
+    # salts: none shared across, shared within
+    before = prefix_counters(C)
+    ok_request(body("What is it?", cache_salt="alice"))
+    q, h, _ = counted_after(C, before, n)
+    assert h == 0, h
+    before = prefix_counters(C)
+    a2 = ok_request(body("What is it?", cache_salt="alice"))
+    q, h, _ = counted_after(C, before, n)
+    assert h == (n - 1) // 16 * 16, (h, n)
+    assert_same_answer(a2, cold, "salted, cached")
+    for bad in ("x" * 257, "", 7, "a\u0000b"):
+        status, r = C.post_json("/v1/chat/completions", body("What is it?", cache_salt=bad))
+        assert status == 400 and r["error"]["param"] == "cache_salt", (bad, status, r)
+    assert C.metric("prism:worker_prefix_cache_hits_total", worker="prefill-0") > 0
+
+
+def png_bytes(w, h, pixels, level=6):
+    """A truecolour PNG of pixels (bytes, w*h*3 RGB): written here so two files may differ by one pixel."""
+    import struct
+    import zlib
+    raw = b"".join(b"\x00" + pixels[y * w * 3:(y + 1) * w * 3] for y in range(h))
+
+    def chunk(t, d):
+        return struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d) & 0xffffffff)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)) +
+            chunk(b"IDAT", zlib.compress(raw, level)) + chunk(b"IEND", b""))
+
+
+def test_prefix_cache_never_aliases():
+    """Near-identical images (one pixel different; the same picture as JPEG and PNG; the same
+    picture at two sizes; the same pixels in two PNG encodings) and prompts that differ only after
+    the image, in a seeded random order, twice over, through a prefill whose KV pool holds one
+    context (--kv-blocks 16 of 16 tokens): every answer (greedy tokens and logprobs) equals the one
+    a --no-prefix-cache cluster gives, so no request ever read another's KV, and the cache, evicting
+    all the time, never served a stale block."""
+    import random
+    rnd = random.Random(29)
+    w = h = 112
+    pix = bytearray(rnd.getrandbits(8) for _ in range(w * h * 3))
+    imgs = []
+    for name, data in (("noise.png", png_bytes(w, h, bytes(pix))), ("noise_l1.png", png_bytes(w, h, bytes(pix), 1))):
+        imgs.append(os.path.join(TMP, name))
+        open(imgs[-1], "wb").write(data)
+    pix[(h // 2 * w + w // 2) * 3] ^= 0xff   # one pixel, one channel
+    imgs.append(os.path.join(TMP, "noise_px.png"))
+    open(imgs[-1], "wb").write(png_bytes(w, h, bytes(pix)))
+    for name, sw, sh in (("scene.jpg", 320, 240), ("scene.png", 320, 240), ("scene_big.png", 640, 480)):
+        imgs.append(make_image(os.path.join(TMP, name), width=sw, height=sh, shape="triangle", color="orange",
+                               background="white"))
+    texts = ["Describe the image in a few words please.", "Describe the image in a few words, thanks.",
+             "What is in the image? Answer in one short sentence."]
+    bodies = [chat_body(t, [im], max_tokens=5, temperature=0, logprobs=True, top_logprobs=5) for im in imgs for t in texts]
+    long_text = " ".join("word%d" % i for i in range(60))   # most of the context: evicts nearly everything
+    bodies.append(chat_body(long_text, max_tokens=3, temperature=0, logprobs=True, top_logprobs=5))
+
+    def same_pixels(i, j):   # noise.png and noise_l1.png: one picture in two encodings, the same text
+        return i % len(texts) == j % len(texts) and {i // len(texts), j // len(texts)} == {0, 1}
+    args = ["--context-length", "256"]
+    cached = Cluster(router_args=args, worker_args={"prefill_worker": args + ["--kv-blocks", "16"], "decode_worker": args})
+    plain = Cluster(router_args=args, worker_args={"prefill_worker": args + ["--no-prefix-cache"], "decode_worker": args})
+    try:
+        cached.wait_ready()
+        plain.wait_ready()
+        refs = []
+        for b in bodies:
+            status, r = plain.post_json("/v1/chat/completions", b)
+            assert status == 200, (status, r)
+            refs.append(r)
+        # the uncached answers of any two requests whose images differ in a pixel, or whose texts
+        # differ, are far apart (> 1e-3; cached runs stay within 1e-4 of their own): an answer
+        # computed over another request's KV could not pass
+        for i in range(len(refs)):
+            for j in range(i):
+                if same_pixels(i, j):
+                    continue
+                a, b = greedy_trace(refs[i]), greedy_trace(refs[j])
+                assert a[0] != b[0] or max(abs(x - y) for x, y in zip(a[1], b[1])) > 1e-3, (i, j, a, b)
+        # far more distinct full blocks than the pool's 16: the cache evicts all the time
+        assert sum(r["usage"]["prompt_tokens"] // 16 for r in refs) > 4 * 16
+        order = list(range(len(bodies))) * 2
+        rnd.shuffle(order)
+
+        def one(i):
+            status, r = cached.post_json("/v1/chat/completions", bodies[i])
+            assert status == 200, (status, r)
+            assert_same_answer(r, refs[i], "request %d" % i)
+        with concurrent.futures.ThreadPoolExecutor(3) as ex:
+            list(ex.map(one, order))
+        q, hits, comp = counted_after(cached, (0, 0, 0), sum(r["usage"]["prompt_tokens"] for r in refs) * 2)
+        assert hits > 0 and comp < q, (q, hits, comp)
+        assert prefix_counters(plain)[1] == 0
+        assert plain.metric("prism:prefill_tokens_computed_total") > 0
+    finally:
+        cached.stop()
+        plain.stop()
+
+
 def test_all_processes_alive():
     assert all(C.alive().values()), C.alive()
 
@@ -518,7 +677,8 @@ if __name__ == "__main__":
                         test_stage_histograms_add_up, test_upload_time_is_its_own_histogram,
                         test_trace_context_in_every_process,
                         test_memory_plan_is_what_the_workers_allocate, test_tokenize_detokenize,
-                        test_chat_template_override_and_unsupported, test_all_processes_alive])
+                        test_chat_template_override_and_unsupported, test_prefix_cache_hits_and_salt,
+                        test_prefix_cache_never_aliases, test_all_processes_alive])
     finally:
         C.stop()
         if os.environ.get("PRISM_KEEP_LOGS"):

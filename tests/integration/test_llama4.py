@@ -228,6 +228,30 @@ def test_cache_hit_same_tokens():
     assert again == first
 
 
+def test_prefix_cache_same_logprobs():
+    """The golden request (180 tokens: 7-tile image, 32-token attention chunks) read from the
+    prefill's prefix cache (176 tokens: the chunked-attention layers' chunk [160, 192) reads cached
+    positions 160-175) and a question that differs after the image (its blocks hit) answer as the
+    uncached run does (a fresh cache_salt): ids equal, logprobs and top-5 within 1e-4."""
+    def trace(b):
+        status, r = C.post_json("/v1/chat/completions", b)
+        assert status == 200, (status, r)
+        content = r["choices"][0]["logprobs"]["content"]
+        return ([t["token"] for t in content], [t["logprob"] for t in content] +
+                [x["logprob"] for t in content for x in t["top_logprobs"]])
+
+    def hits():
+        return C.metric("vllm:prefix_cache_hits_total") or 0
+    for q in (QUESTION, "Name the colours you see, then count them."):
+        ref = trace(body(q, [GOLD_IMG], max_tokens=12, top_logprobs=5, cache_salt="fresh-%f" % time.time()))
+        trace(body(q, [GOLD_IMG], max_tokens=12, top_logprobs=5))
+        h0 = hits()
+        got = trace(body(q, [GOLD_IMG], max_tokens=12, top_logprobs=5))
+        wait_for(lambda: hits() > h0, 10, "the prefill to count the cached prompt")
+        assert got[0] == ref[0], (q, got[0], ref[0])
+        assert max(abs(a - b) for a, b in zip(got[1], ref[1])) <= 1e-4, q
+
+
 def allocations(c):
     return {w: c.metric("prism:worker_heap_allocations_total", worker=w) for w in WORKERS}
 
@@ -439,7 +463,7 @@ def main():
         C.wait_ready()
         rc |= run_tests([test_golden_image_greedy, test_golden_image_stream, test_template_and_tokenizer_through_router,
                          test_image_prompt_length_equals_processor, test_text_and_images_match_prism_generate,
-                         test_cache_hit_same_tokens, test_no_heap_allocations_while_serving,
+                         test_cache_hit_same_tokens, test_prefix_cache_same_logprobs, test_no_heap_allocations_while_serving,
                          test_malformed_llama4_embeddings_dropped])
     finally:
         C.stop()

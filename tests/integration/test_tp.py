@@ -100,6 +100,9 @@ def check_group_equals_t1(size, prefill_size=1):
                 log = c.wait_log(name, "group capacity", timeout=60)
                 assert "rank 0 of %d" % n in log, log[-2000:]
         check_logprobs(c, "P=%d T=%d" % (prefill_size, size))
+        # again: the prefill (group) reads the prompt's full blocks from its prefix cache
+        check_logprobs(c, "P=%d T=%d, prefix cached" % (prefill_size, size))
+        wait_for(lambda: (c.metric("vllm:prefix_cache_hits_total") or 0) > 0, 10, "a prefix-cache hit")
         # n = 2 (greedy): the choices share the prompt's KV blocks, scattered to the ranks once
         body, ref = REQS[0]
         status, r = c.post_json("/v1/chat/completions", dict(body, n=2))

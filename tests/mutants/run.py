@@ -118,6 +118,14 @@ MUTANTS = {
           "        raise Skip(\"the OpenAI spec is not at %s (PRISM_OPENAPI_DIR), or PyYAML is missing\" % SPEC_DIR)",
           "        return")],
         "PRISM_OPENAPI_DIR=/nonexistent " + IT + "test_api.py test_shapes_against_the_spec; test $? -eq 77", []),
+    "prefix-key-without-image": (
+        "the prefix cache's block keys leave the image out (placeholder tokens alone name its KV)",
+        [("common/kv/prefix.c", "            XXH3_128bits_update(&st, rec, sizeof rec);", "            (void)rec;")],
+        IT + "test_e2e.py test_prefix_cache_never_aliases", ["prefill_worker"]),
+    "prefix-image-rows-from-zero": (
+        "a prompt that reads part of an image from the prefix cache lays that image's rows from its first",
+        [("prefill_worker/main.c", "            next_row[i] += r->tokens[t] == p->cfg.image_token_index;", "            (void)t;")],
+        IT + "test_llama4.py test_prefix_cache_same_logprobs", ["prefill_worker"]),
 }
 
 

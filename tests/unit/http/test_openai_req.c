@@ -50,6 +50,7 @@ static void test_chat_minimal_defaults(void **state)
     assert_int_equal(r.top_k, -1);
     assert_false(r.has_seed);
     assert_int_equal(r.priority, 0);
+    assert_string_equal(r.cache_salt, "");
     assert_int_equal(r.n_stop, 0);
     assert_int_equal(r.n_stop_token_ids, 0);
     assert_false(r.logprobs);
@@ -81,7 +82,7 @@ static void test_chat_full(void **state)
         "\"max_tokens\":100,\"max_completion_tokens\":50,\"temperature\":0,\"top_p\":0.5,\"top_k\":0,"
         "\"seed\":-9007199254740993,\"stop\":[\"\\n\\n\",\"END\"],\"stop_token_ids\":[2,32000],"
         "\"logprobs\":true,\"top_logprobs\":5,\"n\":1,\"ignore_eos\":true,\"add_generation_prompt\":false,"
-        "\"return_tokens_as_token_ids\":true,\"priority\":-3,"
+        "\"return_tokens_as_token_ids\":true,\"priority\":-3,\"cache_salt\":\"tenant-7\","
         "\"presence_penalty\":1.5,\"frequency_penalty\":-0.5,\"repetition_penalty\":1.1,"
         "\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":\"object\"}}}],"
         "\"user\":\"u\",\"logit_bias\":{\"1\":2,\"30\":-100.0},\"metadata\":{\"k\":\"v\"},\"store\":false,"
@@ -118,6 +119,7 @@ static void test_chat_full(void **state)
     assert_true(r.has_seed);
     assert_true(r.seed == -9007199254740993LL);
     assert_int_equal(r.priority, -3);
+    assert_string_equal(r.cache_salt, "tenant-7");
     assert_int_equal(r.n_stop, 2);
     assert_string_equal(r.stop[0], "\n\n");
     assert_int_equal(r.stop_len[1], 3);
@@ -322,6 +324,9 @@ static const bad_case_t k_bad[] = {
     {true, "{" M1 ",\"seed\":\"x\"}", "'seed' must be an integer", "seed"},
     {true, "{" M1 ",\"priority\":1.5}", "'priority' must be an integer", "priority"},
     {true, "{" M1 ",\"priority\":1000001}", "priority must be in", "priority"},
+    {true, "{" M1 ",\"cache_salt\":1}", "cache_salt must be a string", "cache_salt"},
+    {true, "{" M1 ",\"cache_salt\":\"\"}", "cache_salt must be 1 to 256 bytes, got 0", "cache_salt"},
+    {true, "{" M1 ",\"cache_salt\":\"a\\u0000b\"}", "must not contain U+0000", "cache_salt"},
     {true, "{" M1 ",\"n\":129}", "n must be between 1 and 128", "n"},
     {true, "{" M1 ",\"n\":0}", "n must be between 1 and 128", "n"},
     /* logit_bias */
