@@ -753,7 +753,7 @@ static int encoder_flags(void *ctx, prism_flag_t *t)
     e->f.cache_bytes = 64ll << 20;
     e->f.max_pixels = 4096ll * 4096;
     e->f.max_decode_pixels = 4096ll * 4096;
-    e->f.decode_threads = 0;
+    e->f.decode_threads = 2;
     e->f.image_threads = 0;
     e->f.dct = "auto";
     e->f.max_batch_s = 2.0;
@@ -775,9 +775,9 @@ static int encoder_flags(void *ctx, prism_flag_t *t)
                        "stream in rows and need none (0 = refuse what does not stream)"),
         PRISM_FLAG_STR("jpeg-dct-scaling", &e->f.dct, "always (decode JPEGs at a reduced size: faster, not identical to "
                        "transformers), auto or never (full size)"),
-        PRISM_FLAG_INT("decode-threads", &e->f.decode_threads, "Threads per image: 1 decodes and preprocesses on one "
-                       "thread; 2 preprocesses rows on a helper thread while the next ones decode (0 = 2 with one "
-                       "--image-threads, else 1: the images themselves keep the cores busy)"),
+        PRISM_FLAG_INT("decode-threads", &e->f.decode_threads, "Threads per image thread: 1 decodes and preprocesses "
+                       "on one thread; 2 preprocesses rows on a helper thread while the next ones decode (a lone "
+                       "image, the usual batch when requests trickle in, then takes two cores)"),
         PRISM_FLAG_INT("image-threads", &e->f.image_threads, "Images of a batch decoded and preprocessed at once, "
                        "each with memory of its own (0 = --threads; lowered to what --mem-budget holds)"),
         PRISM_FLAG_INT("max-image-tokens", &e->f.max_image_tokens, "Qwen-VL: the largest image, in LM tokens; the tower's "
@@ -800,7 +800,7 @@ static int encoder_size(void *ctx, prism_worker_startup_t *s)
         return 1;
     }
     if (e->f.max_batch < 1 || e->f.max_batch > 256 || e->f.max_queue < e->f.max_batch || e->f.max_queue > 65536 ||
-        e->f.max_queue_bytes < 1 || e->f.max_pixels < 1 || e->f.max_decode_pixels < 0 || e->f.decode_threads < 0 ||
+        e->f.max_queue_bytes < 1 || e->f.max_pixels < 1 || e->f.max_decode_pixels < 0 || e->f.decode_threads < 1 ||
         e->f.decode_threads > 2 || e->f.image_threads < 0 || e->f.image_threads > ENC_POOL_MAX || !(e->f.max_batch_s >= 0 && e->f.max_batch_s <= 3600) || e->f.max_image_tokens < 0 ||
         e->f.max_image_tokens > MAX_PARTS * PRISM_VISION_PIECE_ROWS || e->f.piece_rows < 1 ||
         e->f.piece_rows > PRISM_VISION_PIECE_ROWS) {
@@ -815,7 +815,7 @@ static int encoder_size(void *ctx, prism_worker_startup_t *s)
     }
     e->w_threads = s->o.threads;
     e->n_image_threads = (int)(e->f.image_threads ? e->f.image_threads : PRISM_MIN(PRISM_MAX(s->o.threads, 1), ENC_POOL_MAX));
-    int decode_threads = (int)(e->f.decode_threads ? e->f.decode_threads : e->n_image_threads > 1 ? 1 : 2);
+    int decode_threads = (int)e->f.decode_threads;
     if (enc_prep_plan(&e->prep, &e->cfg, s->o.model_path, (uint64_t)e->f.max_pixels, (uint64_t)e->f.max_decode_pixels,
                       decode_threads, dct_mode, err, sizeof(err)) != PRISM_OK) {
         PRISM_ERROR("image preprocessing: %s", err);
