@@ -801,7 +801,8 @@ static int encoder_size(void *ctx, prism_worker_startup_t *s)
     }
     if (e->f.max_batch < 1 || e->f.max_batch > 256 || e->f.max_queue < e->f.max_batch || e->f.max_queue > 65536 ||
         e->f.max_queue_bytes < 1 || e->f.max_pixels < 1 || e->f.max_decode_pixels < 0 || e->f.decode_threads < 1 ||
-        e->f.decode_threads > 2 || e->f.image_threads < 0 || e->f.image_threads > ENC_POOL_MAX || !(e->f.max_batch_s >= 0 && e->f.max_batch_s <= 3600) || e->f.max_image_tokens < 0 ||
+        e->f.decode_threads > 2 || e->f.image_threads < 0 || e->f.image_threads > ENC_POOL_MAX ||
+        !(e->f.max_batch_s >= 0 && e->f.max_batch_s <= 3600) || e->f.max_image_tokens < 0 ||
         e->f.max_image_tokens > MAX_PARTS * PRISM_VISION_PIECE_ROWS || e->f.piece_rows < 1 ||
         e->f.piece_rows > PRISM_VISION_PIECE_ROWS) {
         PRISM_ERROR("flag out of range (see --help)");
@@ -814,10 +815,10 @@ static int encoder_size(void *ctx, prism_worker_startup_t *s)
         return 2;
     }
     e->w_threads = s->o.threads;
-    e->n_image_threads = (int)(e->f.image_threads ? e->f.image_threads : PRISM_MIN(PRISM_MAX(s->o.threads, 1), ENC_POOL_MAX));
-    int decode_threads = (int)e->f.decode_threads;
+    e->n_image_threads = (int)(e->f.image_threads ? e->f.image_threads
+                                                  : PRISM_MIN(PRISM_MAX(s->o.threads, 1), ENC_POOL_MAX));
     if (enc_prep_plan(&e->prep, &e->cfg, s->o.model_path, (uint64_t)e->f.max_pixels, (uint64_t)e->f.max_decode_pixels,
-                      decode_threads, dct_mode, err, sizeof(err)) != PRISM_OK) {
+                      (int)e->f.decode_threads, dct_mode, err, sizeof(err)) != PRISM_OK) {
         PRISM_ERROR("image preprocessing: %s", err);
         return 1;
     }
