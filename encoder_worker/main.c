@@ -5,12 +5,14 @@
  * Jobs arrive from the router (through the worker's I/O thread, which keeps heartbeating while
  * this thread computes) with the image file as a raw frame, which is kept (zmq_msg_move, no copy)
  * in a job queue bounded in images and in file bytes (the router sends no more than
- * --max-queued-image-bytes of files: Register.max_queued_bytes). Each loop iteration forms a batch,
- * oldest first, of as many images as the pixel buffer has tiles for (a LLaVA image is one tile; a
- * Llama-4 image its canvas's tiles plus the global one, counted from the header before decoding)
- * and at most as many as finish within --max-batch-seconds at the measured cost per image; streams
- * each through the decoder into the preprocessor (prep.c: rows are resampled as they are decoded,
- * straight into the batch's tiles; no decoded image is ever held), runs the vision tower over the
+ * --max-queued-image-bytes of files: Register.max_queued_bytes). Each loop iteration forms a batch
+ * (requests' images before early jobs, small images before large ones, oldest first within a class,
+ * one class per batch: next_queued) of as many images as the pixel buffer has tiles for (a LLaVA
+ * image is one tile; a Llama-4 image its canvas's tiles plus the global one, counted from the header
+ * before decoding) and at most as many as finish within --max-batch-seconds at the measured cost per
+ * image; streams them through the decoders into the preprocessor, --image-threads images at once
+ * (decode_pool.h; prep.c: rows are resampled as they are decoded, straight into each image's own
+ * tiles; no decoded image is ever held), runs the vision tower over the
  * tiles in micro-batches of at most --max-batch-images (the activation arena holds that many),
  * then pushes the results. A 17-tile 4096x4096 Llama-4 image with --max-batch-images 4 is five
  * micro-batches: memory is set by the flags, never by the images or their number. An abort that
