@@ -6,7 +6,7 @@
 # first, SIGKILL after the grace period; nothing is left behind.
 #
 # Usage: deploy/launch.sh [--port N] [--host ADDR] [--model-path DIR] [--build-dir DIR]
-#          [--encoders N] [--prefills N] [--decodes N] [--decode-tp T] [--prefill-tp P] [--tp-port N] [--threads N]
+#          [--encoders N] [--prefills N] [--decodes N] [--decode-tp T] [--prefill-tp P] [--tp-port N] [--threads N|auto]
 #          [--routers N] [--router-port N] [--control-port N] [--lb nginx|none]
 #          [--run-dir DIR] [--log-dir DIR] [--ready-timeout S] [--curve-keys DIR | --insecure-no-curve]
 #          [--api-key-file FILE]
@@ -23,6 +23,12 @@
 #                   routers see) and decode-i.r1 .. decode-i.r(T-1) (default 1)
 #   --prefill-tp    the same for prefill workers (default 1)
 #   --tp-port       the first group link port (loopback); group g uses tp-port + g - 1 (default 8200)
+#   --threads       CPU threads of every worker (vision tower, prefill, decode kernels; the encoder
+#                   also decodes as many images at once), or auto (the default), from the C cores this
+#                   box gives us (nproc, lowered to a cgroup CPU quota): the kernels of all worker
+#                   processes share them (C / processes each, at least 1), and the encoders' image
+#                   threads take all of them (C / encoders each). --worker-arg, --encoder-arg ...
+#                   --threads N / --image-threads N still win (docs/DEPLOY.md, "Threads")
 #   --lb            what fronts several routers: nginx (Debian's; deploy/install-deps.sh --lb) or none
 #   --run-dir       pid files, spec, generated configs (default: a new temporary directory, removed
 #                   at exit); each process's pid is in RUN_DIR/NAME.pid while it runs
@@ -43,7 +49,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 # ---------------------------------------------------------------- options
 port=8000 host=127.0.0.1 control_port=8100 router_port="" n_routers=1 lb=nginx
 model="$root/models/prism-tiny-llava" build="$root/build"
-n_enc=1 n_pre=1 n_dec=1 dec_tp=1 pre_tp=1 tp_port=8200 threads=1 run_dir="" log_dir="" ready_timeout=120
+n_enc=1 n_pre=1 n_dec=1 dec_tp=1 pre_tp=1 tp_port=8200 threads=auto run_dir="" log_dir="" ready_timeout=120
 router_args=() worker_args=() enc_args=() pre_args=() dec_args=() sup_args=()
 curve_keys="" insecure=0 api_key_file=""
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
@@ -67,7 +73,7 @@ while [ $# -gt 0 ]; do
     --decode-tp) need_int "$1" "$2"; dec_tp=$2 ;;
     --prefill-tp) need_int "$1" "$2"; pre_tp=$2 ;;
     --tp-port) need_int "$1" "$2"; tp_port=$2 ;;
-    --threads) need_int "$1" "$2"; threads=$2 ;;
+    --threads) [ "$2" = auto ] || need_int "$1" "$2"; threads=$2 ;;
     --run-dir) run_dir=$2 ;;
     --log-dir) log_dir=$2 ;;
     --ready-timeout) need_int "$1" "$2"; ready_timeout=$2 ;;
@@ -86,7 +92,7 @@ while [ $# -gt 0 ]; do
 done
 [ "$n_routers" -ge 1 ] && [ "$n_routers" -le 64 ] || die "--routers must be 1..64"
 [ "$n_enc" -ge 1 ] && [ "$n_pre" -ge 1 ] && [ "$n_dec" -ge 1 ] || die "every tier needs at least one worker"
-[ "$threads" -ge 1 ] || die "--threads must be at least 1"
+[ "$threads" = auto ] || [ "$threads" -ge 1 ] || die "--threads must be at least 1 (or auto)"
 [ "$dec_tp" -ge 1 ] && [ "$dec_tp" -le 64 ] && [ "$pre_tp" -ge 1 ] && [ "$pre_tp" -le 64 ] ||
   die "--decode-tp and --prefill-tp must be 1..64"
 case "$lb" in nginx|none) ;; *) die "--lb must be nginx or none" ;; esac
@@ -112,6 +118,40 @@ if [ "$n_routers" -gt 1 ] && [ "$lb" = nginx ]; then
   nginx_bin=$(command -v nginx || true)
   [ -n "$nginx_bin" ] || [ ! -x /usr/sbin/nginx ] || nginx_bin=/usr/sbin/nginx
   [ -n "$nginx_bin" ] || die "--routers $n_routers puts nginx in front: install it (deploy/install-deps.sh --lb) or pass --lb none"
+fi
+
+# ---------------------------------------------------------------- threads
+# The cores this box gives us: the CPUs we may run on (nproc honours affinity and cpusets), lowered
+# to a CFS quota (cgroup v2 cpu.max of our cgroup or the root's; v1 cpu.cfs_quota_us), rounded up.
+box_cores() {
+  local n q="" p="" c f cg
+  n=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
+  cg=$(sed -n 's/^0:://p' /proc/self/cgroup 2>/dev/null | head -n 1)
+  for f in "/sys/fs/cgroup${cg}/cpu.max" /sys/fs/cgroup/cpu.max; do
+    if [ -r "$f" ]; then read -r q p < "$f"; break; fi
+  done
+  if [ -z "$q" ] && [ -r /sys/fs/cgroup/cpu/cpu.cfs_quota_us ]; then
+    q=$(cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us) p=$(cat /sys/fs/cgroup/cpu/cpu.cfs_period_us)
+  fi
+  if [[ "$q" =~ ^[0-9]+$ ]] && [[ "$p" =~ ^[0-9]+$ ]] && [ "$q" -gt 0 ] && [ "$p" -gt 0 ]; then
+    c=$(( (q + p - 1) / p ))
+    [ "$c" -ge "$n" ] || n=$c
+  fi
+  echo $(( n > 0 ? n : 1 ))
+}
+# The kernels' threads (vision tower, prefill, decode) meet at a barrier after every op: two
+# processes that oversubscribe the cores stall each other's barriers, so their threads share the
+# cores. Image decodes are independent tasks (no barrier; the encoder's decode phase and its vision
+# tower take turns), so the encoders' image threads take every core.
+cores=$(box_cores)
+share() { local t=$(( cores / $1 )); echo $(( t > 0 ? t : 1 )); }
+if [ "$threads" = auto ]; then
+  t_kern=$(share $((n_enc + n_pre * pre_tp + n_dec * dec_tp))) t_img=$(share "$n_enc")
+  echo "prism: threads auto, $cores core(s): each worker process's kernels $t_kern thread(s), each encoder" \
+       "decodes $t_img image(s) at once (--threads N sets both)" >&2
+else
+  t_kern=$threads t_img=$threads
+  echo "prism: --threads $threads for every worker and image decodes ($cores core(s) here)" >&2
 fi
 
 # ---------------------------------------------------------------- layout
@@ -233,7 +273,7 @@ done
 next_tp_port=$tp_port
 for kind in encoder prefill decode; do
   case $kind in
-    encoder) n=$n_enc; tp=1; extra=(${enc_args[@]+"${enc_args[@]}"}) ;;
+    encoder) n=$n_enc; tp=1; extra=(--image-threads "$t_img" ${enc_args[@]+"${enc_args[@]}"}) ;;
     prefill) n=$n_pre; tp=$pre_tp; extra=(${pre_args[@]+"${pre_args[@]}"}) ;;
     decode) n=$n_dec; tp=$dec_tp; extra=(${dec_args[@]+"${dec_args[@]}"}) ;;
   esac
@@ -248,7 +288,7 @@ for kind in encoder prefill decode; do
       [ "$r" -eq 0 ] || name="$kind-$i.r$r"
       [ "$tp" -eq 1 ] || rank=(--tp-rank "$r")
       proc "$name" "$build/${kind}_worker/${kind}_worker" --model-path "$model" --router "$ctl_list" \
-           --worker-id "$name" --threads "$threads" "${sec[@]}" ${group[@]+"${group[@]}"} ${rank[@]+"${rank[@]}"} \
+           --worker-id "$name" --threads "$t_kern" "${sec[@]}" ${group[@]+"${group[@]}"} ${rank[@]+"${rank[@]}"} \
            ${worker_args[@]+"${worker_args[@]}"} ${extra[@]+"${extra[@]}"}
     done
   done

@@ -5,12 +5,14 @@
  * Jobs arrive from the router (through the worker's I/O thread, which keeps heartbeating while
  * this thread computes) with the image file as a raw frame, which is kept (zmq_msg_move, no copy)
  * in a job queue bounded in images and in file bytes (the router sends no more than
- * --max-queued-image-bytes of files: Register.max_queued_bytes). Each loop iteration forms a batch,
- * oldest first, of as many images as the pixel buffer has tiles for (a LLaVA image is one tile; a
- * Llama-4 image its canvas's tiles plus the global one, counted from the header before decoding)
- * and at most as many as finish within --max-batch-seconds at the measured cost per image; streams
- * each through the decoder into the preprocessor (prep.c: rows are resampled as they are decoded,
- * straight into the batch's tiles; no decoded image is ever held), runs the vision tower over the
+ * --max-queued-image-bytes of files: Register.max_queued_bytes). Each loop iteration forms a batch
+ * (requests' images before early jobs, small images before large ones, oldest first within a class,
+ * one class per batch: next_queued) of as many images as the pixel buffer has tiles for (a LLaVA
+ * image is one tile; a Llama-4 image its canvas's tiles plus the global one, counted from the header
+ * before decoding) and at most as many as finish within --max-batch-seconds at the measured cost per
+ * image; streams them through the decoders into the preprocessor, --image-threads images at once
+ * (decode_pool.h; prep.c: rows are resampled as they are decoded, straight into each image's own
+ * tiles; no decoded image is ever held), runs the vision tower over the
  * tiles in micro-batches of at most --max-batch-images (the activation arena holds that many),
  * then pushes the results. A 17-tile 4096x4096 Llama-4 image with --max-batch-images 4 is five
  * micro-batches: memory is set by the flags, never by the images or their number. An abort that
@@ -37,6 +39,7 @@
 #include "image/image.h"
 #include "embed_cache.h"
 #include "prep.h"
+#include "decode_pool.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -73,11 +76,17 @@ typedef struct {
     int cache_slot;           /* pinned cache entry while the job is in flight; -1 none */
     float decode_ms, vit_ms;
     double t_arrive;
+    /* its file's width * height from the header (0: no header): which class it waits in */
+    uint64_t file_pixels;
+    int passed;               /* batches formed while it waited behind younger jobs (aging) */
+    int dec_rc;               /* the decode's result (a pool task's) */
+    size_t dec_at;            /* where its pixels go: floats into the pixel buffer */
 } job_t;
 
 typedef struct {
     struct {                  /* the tier's flags */
         int64_t max_batch, max_queue, max_queue_bytes, cache_bytes, max_pixels, max_decode_pixels, decode_threads;
+        int64_t image_threads;
         int64_t max_image_tokens, piece_rows;
         const char *dct;
         double max_batch_s;
@@ -86,7 +95,10 @@ typedef struct {
     prism_model_config_t cfg;
     prism_backend_t *be;
     prism_vision_t *vis;
-    enc_prep_t prep;          /* decoder, relay, preprocessor and its workspace */
+    enc_prep_t prep;          /* the preprocessor as planned: header checks; the pool's members are copies */
+    enc_pool_t pool;          /* image decoders, several images of a batch at once */
+    int n_image_threads;      /* the pool's members (--image-threads, lowered to what --mem-budget holds) */
+    int64_t w_threads;        /* --threads: the vision tower's (start-up's line says who got what) */
     prism_embed_cache_t cache;
     int max_batch, max_queue;
     uint64_t max_queue_bytes; /* image file bytes one router may have queued here (Register.max_queued_bytes) */
@@ -128,6 +140,7 @@ static void publish_load(encoder_t *e)
     prism_worker_load_t l = {
         .running = (uint32_t)running, .waiting = (uint32_t)queued, .pool_free = (uint32_t)(e->max_queue - queued),
         .cache_hits = e->cache.hits, .cache_misses = e->cache.misses, .sends_waited = e->sends_waited,
+        .image_decodes_peak = (uint32_t)atomic_load(&e->pool.peak),
     };
     prism_worker_set_load(&e->w, &l);
 }
@@ -306,6 +319,9 @@ static void on_encode(encoder_t *e, prism_msg_t *m)
     zmq_msg_move(&j->image, &m->frames[0]);
     j->has_image = true;
     j->t_arrive = prism_now_s();
+    prism_image_info_t info;   /* a header the decode refuses later: ranked small, it fails fast */
+    if (prism_image_probe(zmq_msg_data(&j->image), zmq_msg_size(&j->image), &info) == PRISM_OK)
+        j->file_pixels = (uint64_t)info.width * (uint64_t)info.height;
     PRISM_DEBUG("request %llu image %u: queued (%zu bytes)%s", (unsigned long long)j->rid, j->image_index,
                 zmq_msg_size(&j->image), j->prefill_endpoint[0] ? "" : ", an early job");
 }
@@ -450,18 +466,45 @@ static bool being_encoded(const encoder_t *e, uint64_t hash)
 
 /* ---- forming and finishing a batch (tiles or native resolution) ---- */
 
-/* The job a batch takes next: a request's image before any early job (which only fills the cache,
- * for a body that may never become a request), each kind oldest first. */
+/* Decode cost grows with the file's pixels: a 512x512 JPEG decodes in milliseconds, a 4096x4096 one
+ * in about a second on one core. Images up to this size are small: they go before large ones, and a
+ * batch holds one class only, so a small image never waits for a queue of large decodes, nor for
+ * the large ones of its own batch (issue 33). */
+#define ENC_SMALL_PIXELS ((uint64_t)1024 * 1024)
+/* A job left queued while this many batches took younger jobs ranks with the small ones (then
+ * oldest first): large images are not overtaken indefinitely by a stream of small ones. */
+#define ENC_MAX_PASSED 4
+
+static bool small_image(const job_t *j) { return j->file_pixels <= ENC_SMALL_PIXELS; }
+
+/* Lower goes first: a request's image before any early job (which only fills the cache, for a
+ * body that may never become a request), then small (or long passed over) before large. */
+static int job_rank(const job_t *j)
+{
+    return (j->prefill_endpoint[0] ? 0 : 2) + (small_image(j) || j->passed >= ENC_MAX_PASSED ? 0 : 1);
+}
+
+/* The job a batch takes next: the lowest rank, oldest first within it. */
 static job_t *next_queued(encoder_t *e)
 {
     job_t *best = NULL;
     for (int i = 0; i < e->max_queue; i++) {
         job_t *j = &e->jobs[i];
         if (j->state != JOB_QUEUED) continue;
-        bool request = j->prefill_endpoint[0], best_request = best && best->prefill_endpoint[0];
-        if (!best || (request && !best_request) || (request == best_request && j->t_arrive < best->t_arrive)) best = j;
+        int r = job_rank(j), rb = best ? job_rank(best) : 0;
+        if (!best || r < rb || (r == rb && j->t_arrive < best->t_arrive)) best = j;
     }
     return best;
+}
+
+/* After a batch was formed: each request's job still queued that a younger one overtook was passed
+ * over once more (newest: the youngest arrival the batch took). */
+static void age_queued(encoder_t *e, double newest)
+{
+    for (int i = 0; i < e->max_queue; i++) {
+        job_t *j = &e->jobs[i];
+        if (j->state == JOB_QUEUED && j->prefill_endpoint[0] && j->t_arrive < newest) j->passed++;
+    }
 }
 
 /* A job whose image's embeddings are in the cache takes them; false on a miss. The entry stays
@@ -480,15 +523,43 @@ static bool take_cached(encoder_t *e, job_t *j)
     return true;
 }
 
-/* Decodes and preprocesses a job's image into pixels (the decode timed); its file is not needed after. */
-static int decode_job(encoder_t *e, job_t *j, float *pixels)
+/* A pool task: image `task` of the vision batch decoded and preprocessed into its place in the
+ * pixel buffer (the decode timed). Touches only its job's bytes, pixels and error. */
+static int decode_task(void *ctx, int task, enc_prep_t *prep)
+{
+    encoder_t *e = ctx;
+    job_t *j = &e->jobs[e->pix_job[task]];
+    double t0 = prism_now_s();
+    j->dec_rc = enc_prep_run(prep, zmq_msg_data(&j->image), zmq_msg_size(&j->image), e->pixels + j->dec_at, j->error,
+                             sizeof(j->error));
+    j->decode_ms = (float)((prism_now_s() - t0) * 1e3);
+    return j->dec_rc;
+}
+
+/* The vision batch's images decoded on the pool, several at once; their files are not needed after.
+ * One that fails leaves the vision batch (its error travels to prefill and router; a tile image's
+ * tiles become holes the micro-batches skip). Returns the decode phase's wall seconds. */
+static double decode_batch(encoder_t *e)
 {
     double t0 = prism_now_s();
-    int rc = enc_prep_run(&e->prep, zmq_msg_data(&j->image), zmq_msg_size(&j->image), pixels, j->error,
-                          sizeof(j->error));
-    j->decode_ms = (float)((prism_now_s() - t0) * 1e3);
-    drop_image(j);
-    return rc;
+    enc_pool_run(&e->pool, e->n_pix, decode_task, e);
+    double wall = prism_now_s() - t0;
+    int kept = 0;
+    for (int i = 0; i < e->n_pix; i++) {
+        int idx = e->pix_job[i];
+        job_t *j = &e->jobs[idx];
+        drop_image(j);
+        if (j->dec_rc != PRISM_OK) {
+            for (int k = 0; !e->native && k < j->n_tiles; k++) e->tile_job[j->tile0 + k] = -1;
+            j->n_tiles = 0;
+            j->state = JOB_SEND;
+            continue;
+        }
+        e->vgrid[kept] = e->vgrid[i];
+        e->pix_job[kept++] = idx;
+    }
+    e->n_pix = kept;
+    return wall;
 }
 
 /* The cost per image (decode + tower) a batch that ran whole measured, smoothed. */
@@ -519,15 +590,19 @@ static void run_batch_native(encoder_t *e)
 {
     if (e->n_batch && !flush_batch(e, false)) return;  /* previous results still waiting for prefill */
     int target = batch_target(e);
-    int n_patches = 0, n_rows = 0;
+    int n_patches = 0, n_classes = 0;
+    bool small = false;
+    double newest = 0;
     e->n_pix = 0;
-    double decode_s = 0;
     for (int pass = 0; pass < e->max_queue && e->n_batch < (int)PRISM_ARRAY_LEN(e->batch) &&
                        e->n_pix < (int)PRISM_ARRAY_LEN(e->pix_job) && e->n_pix < target;
          pass++) {
         job_t *best = next_queued(e);
         if (!best) break;
         if (being_encoded(e, best->hash)) break;
+        if (n_classes++ && small_image(best) != small) break;   /* one class per batch */
+        small = small_image(best);
+        newest = PRISM_MAX(newest, best->t_arrive);
         const uint8_t *data = zmq_msg_data(&best->image);
         size_t len = zmq_msg_size(&best->image);
         int idx = (int)(best - e->jobs);
@@ -544,16 +619,26 @@ static void run_batch_native(encoder_t *e)
         best->n_rows = g.n_tokens;
         best->sent = 0;
         if (take_cached(e, best)) continue;
-        if (decode_job(e, best, e->pixels + (size_t)n_patches * e->patch_floats) != PRISM_OK) continue;
         best->state = JOB_ENCODED;
-        best->patch0 = n_patches;
-        best->row0 = n_rows;
+        best->dec_at = (size_t)n_patches * e->patch_floats;
         best->n_tiles = (g.n_tokens + e->piece_rows - 1) / e->piece_rows;
         n_patches += g.n_patches;
-        n_rows += g.n_tokens;
-        decode_s += best->decode_ms / 1e3;
         e->vgrid[e->n_pix] = best->grid;
         e->pix_job[e->n_pix++] = idx;
+    }
+    age_queued(e, newest);
+    double decode_s = e->n_pix ? decode_batch(e) : 0;
+    /* the images that decoded, packed (one that failed left a gap) and given their rows */
+    n_patches = 0;
+    int n_rows = 0;
+    for (int i = 0; i < e->n_pix; i++) {
+        job_t *j = &e->jobs[e->pix_job[i]];
+        size_t at = (size_t)n_patches * e->patch_floats, np = (size_t)j->grid.h * j->grid.w;
+        if (j->dec_at != at) memmove(e->pixels + at, e->pixels + j->dec_at, np * e->patch_floats * sizeof(float));
+        j->patch0 = n_patches;
+        j->row0 = n_rows;
+        n_patches += (int)np;
+        n_rows += j->n_rows;
     }
     if (e->n_pix) {
         int n_pix = e->n_pix;
@@ -585,20 +670,23 @@ static void run_batch(encoder_t *e)
     }
     if (e->n_batch && !flush_batch(e, false)) return;  /* previous results still waiting for prefill */
     int target = batch_target(e);
-    int n_tiles = 0;
+    int n_tiles = 0, n_classes = 0;
+    bool small = false;
+    double newest = 0;
     e->n_pix = 0;
-    double decode_s = 0;
-    /* Oldest first (requests' images before early jobs), while the pixel buffer has tiles for the
-     * next image (known from its header);
-     * cache hits cost nothing and do not count against the time bound. */
-    /* Cache hits and refusals take no tiles: they do not count against the pixel buffer or the time
-     * bound (the images after them still fill the batch). */
+    /* In rank order (next_queued), one class of image size per batch, while the pixel buffer has
+     * tiles for the next image (known from its header). Cache hits and refusals take no tiles: they
+     * do not count against the pixel buffer or the time bound (the images after them still fill the
+     * batch). The images are decoded after, together, on the pool. */
     for (int pass = 0; pass < e->max_queue && e->n_batch < (int)PRISM_ARRAY_LEN(e->batch) &&
                        e->n_pix < PRISM_MIN(e->cap_tiles, (int)PRISM_ARRAY_LEN(e->pix_job)) && e->n_pix < target;
          pass++) {
         job_t *best = next_queued(e);
         if (!best) break;
         if (being_encoded(e, best->hash)) break;   /* next batch: then a cache hit, not encoded twice */
+        if (n_classes++ && small_image(best) != small) break;   /* one class per batch */
+        small = small_image(best);
+        newest = PRISM_MAX(newest, best->t_arrive);
         const uint8_t *data = zmq_msg_data(&best->image);
         size_t len = zmq_msg_size(&best->image);
         int nt = 0, idx = (int)(best - e->jobs);
@@ -611,15 +699,16 @@ static void run_batch(encoder_t *e)
             continue;
         }
         if (take_cached(e, best)) continue;
-        if (decode_job(e, best, e->pixels + (size_t)n_tiles * e->tile_px) != PRISM_OK) continue;
         best->state = JOB_ENCODED;
         best->n_tiles = nt;
         best->tile0 = n_tiles;
+        best->dec_at = (size_t)n_tiles * e->tile_px;
         for (int k = 0; k < nt; k++) e->tile_job[n_tiles + k] = idx;
         n_tiles += nt;
-        decode_s += best->decode_ms / 1e3;
         e->pix_job[e->n_pix++] = idx;
     }
+    age_queued(e, newest);
+    double decode_s = e->n_pix ? decode_batch(e) : 0;
     if (e->n_pix) {
         int n_pix = e->n_pix;
         e->n_live = n_pix;
@@ -667,6 +756,7 @@ static int encoder_flags(void *ctx, prism_flag_t *t)
     e->f.max_pixels = 4096ll * 4096;
     e->f.max_decode_pixels = 4096ll * 4096;
     e->f.decode_threads = 2;
+    e->f.image_threads = 0;
     e->f.dct = "auto";
     e->f.max_batch_s = 2.0;
     e->f.piece_rows = PRISM_VISION_PIECE_ROWS;
@@ -687,8 +777,11 @@ static int encoder_flags(void *ctx, prism_flag_t *t)
                        "stream in rows and need none (0 = refuse what does not stream)"),
         PRISM_FLAG_STR("jpeg-dct-scaling", &e->f.dct, "always (decode JPEGs at a reduced size: faster, not identical to "
                        "transformers), auto or never (full size)"),
-        PRISM_FLAG_INT("decode-threads", &e->f.decode_threads, "1: decode and preprocess on the worker thread; 2: "
-                       "preprocess rows on a helper thread while the next ones decode"),
+        PRISM_FLAG_INT("decode-threads", &e->f.decode_threads, "Threads per image thread: 1 decodes and preprocesses "
+                       "on one thread; 2 preprocesses rows on a helper thread while the next ones decode (a lone "
+                       "image, the usual batch when requests trickle in, then takes two cores)"),
+        PRISM_FLAG_INT("image-threads", &e->f.image_threads, "Images of a batch decoded and preprocessed at once, "
+                       "each with memory of its own (0 = --threads; lowered to what --mem-budget holds)"),
         PRISM_FLAG_INT("max-image-tokens", &e->f.max_image_tokens, "Qwen-VL: the largest image, in LM tokens; the tower's "
                        "arena and the pixel and output buffers hold one such image (or several smaller ones), and a "
                        "larger image is refused with a 400 naming the max_pixels that would fit (0 = what the "
@@ -710,7 +803,8 @@ static int encoder_size(void *ctx, prism_worker_startup_t *s)
     }
     if (e->f.max_batch < 1 || e->f.max_batch > 256 || e->f.max_queue < e->f.max_batch || e->f.max_queue > 65536 ||
         e->f.max_queue_bytes < 1 || e->f.max_pixels < 1 || e->f.max_decode_pixels < 0 || e->f.decode_threads < 1 ||
-        e->f.decode_threads > 2 || !(e->f.max_batch_s >= 0 && e->f.max_batch_s <= 3600) || e->f.max_image_tokens < 0 ||
+        e->f.decode_threads > 2 || e->f.image_threads < 0 || e->f.image_threads > ENC_POOL_MAX ||
+        !(e->f.max_batch_s >= 0 && e->f.max_batch_s <= 3600) || e->f.max_image_tokens < 0 ||
         e->f.max_image_tokens > MAX_PARTS * PRISM_VISION_PIECE_ROWS || e->f.piece_rows < 1 ||
         e->f.piece_rows > PRISM_VISION_PIECE_ROWS) {
         PRISM_ERROR("flag out of range (see --help)");
@@ -722,6 +816,9 @@ static int encoder_size(void *ctx, prism_worker_startup_t *s)
         PRISM_ERROR("--jpeg-dct-scaling must be auto, always or never");
         return 2;
     }
+    e->w_threads = s->o.threads;
+    e->n_image_threads = (int)(e->f.image_threads ? e->f.image_threads
+                                                  : PRISM_MIN(PRISM_MAX(s->o.threads, 1), ENC_POOL_MAX));
     if (enc_prep_plan(&e->prep, &e->cfg, s->o.model_path, (uint64_t)e->f.max_pixels, (uint64_t)e->f.max_decode_pixels,
                       (int)e->f.decode_threads, dct_mode, err, sizeof(err)) != PRISM_OK) {
         PRISM_ERROR("image preprocessing: %s", err);
@@ -781,11 +878,14 @@ static void plan_regions(encoder_t *e, prism_mem_plan_t *p)
         prism_mem_plan_add(p, "weights", prism_vision_weight_bytes(e->vis), PRISM_MEM_LIBRARY);
         prism_mem_plan_add(p, "activations", prism_vision_arena_bytes(&e->cfg, e->max_batch), PRISM_MEM_LIBRARY);
     }
-    /* the decoder's region and the relay's ring; the relay's helper thread has a stack of its own */
+    /* per member of the image pool: the decoder's region and the relay's ring (the relay's helper
+     * thread has a stack of its own, as has each member but the loop thread's) */
+    size_t P = (size_t)e->n_image_threads;
     size_t relay_stack = e->prep.relay_bytes ? PRISM_IMAGE_RELAY_STACK_BYTES : 0;
-    prism_mem_plan_add(p, "decode", e->prep.dec_bytes + e->prep.relay_bytes - relay_stack, PRISM_MEM_LIBRARY);
-    prism_mem_plan_add(p, "decode-thread", relay_stack, PRISM_MEM_OUTSIDE);
-    prism_mem_plan_add(p, "preprocess", e->prep.ws_bytes, PRISM_MEM_LIBRARY);
+    prism_mem_plan_add(p, "decode", P * (e->prep.dec_bytes + e->prep.relay_bytes - relay_stack) + enc_pool_bytes((int)P),
+                       PRISM_MEM_LIBRARY);
+    prism_mem_plan_add(p, "decode-thread", P * relay_stack + (P - 1) * ENC_POOL_STACK_BYTES, PRISM_MEM_OUTSIDE);
+    prism_mem_plan_add(p, "preprocess", P * e->prep.ws_bytes, PRISM_MEM_LIBRARY);
     prism_mem_plan_add(p, "embedding-cache", prism_embed_cache_bytes((size_t)e->f.cache_bytes, e->emb_floats),
                        PRISM_MEM_LIBRARY);
     /* each router's queued image files, held as ZeroMQ frames */
@@ -843,10 +943,29 @@ static int plan_native(encoder_t *e, prism_worker_startup_t *s)
     return -1;
 }
 
+/* The image pool's members, fewer than asked when --mem-budget does not hold them all (with the
+ * largest image the processor allows, for native resolution: image size goes before parallelism). */
+static void plan_image_threads(encoder_t *e, prism_worker_startup_t *s)
+{
+    int asked = e->n_image_threads;
+    if (e->native) native_max_tokens(e, (int)(e->f.max_image_tokens ? e->f.max_image_tokens
+                                                                    : PRISM_MIN(prism_qwenvl_max_tokens(&e->prep.qw),
+                                                                                (int64_t)MAX_PARTS * PRISM_VISION_PIECE_ROWS)));
+    while (s->plan.budget && e->n_image_threads > 1) {
+        prism_mem_plan_t trial = s->plan;
+        plan_regions(e, &trial);
+        if (prism_mem_plan_total(&trial) <= s->plan.budget) break;
+        e->n_image_threads--;
+    }
+    if (e->n_image_threads < asked)
+        PRISM_INFO("--mem-budget holds %d image decoder(s) at once, not %d", e->n_image_threads, asked);
+}
+
 static int encoder_plan(void *ctx, prism_worker_startup_t *s)
 {
     encoder_t *e = ctx;
     int rc;
+    plan_image_threads(e, s);
     if (e->native && (rc = plan_native(e, s)) >= 0) return rc;
     plan_regions(e, &s->plan);
     return -1;
@@ -860,8 +979,8 @@ static int encoder_ready(void *ctx, prism_worker_startup_t *s)
         PRISM_ERROR("vision tower: %s", err);
         return 1;
     }
-    if (enc_prep_create(&e->prep) != PRISM_OK) {
-        PRISM_ERROR("cannot create the image decoder");
+    if (enc_pool_create(&e->pool, e->n_image_threads, &e->prep) != PRISM_OK) {
+        PRISM_ERROR("cannot create the image decoders");
         return 1;
     }
     /* cache units: a tile's embeddings, or a piece of a native-resolution image */
@@ -882,6 +1001,8 @@ static int encoder_ready(void *ctx, prism_worker_startup_t *s)
 static int encoder_run(void *ctx)
 {
     encoder_t *e = ctx;
+    PRISM_INFO("encoder: %d image decoder(s) at once (%d thread(s) each), vision tower on %lld thread(s)",
+               e->n_image_threads, e->prep.relay_bytes ? 2 : 1, (long long)e->w_threads);
     if (e->native)
         PRISM_INFO("encoder: images of up to %d LM tokens (%d patches) per batch, %.2gs batch bound, queue %d, cache %d "
                    "pieces", e->max_tokens, e->cap_patches, e->max_batch_s, e->max_queue, e->cache.n_units);
@@ -900,7 +1021,7 @@ static int encoder_run(void *ctx)
     PRISM_INFO("encoder worker stopping: %llu images encoded, %llu failed, %llu cancelled in a batch, "
                "cache %llu hits / %llu misses", (unsigned long long)e->encoded, (unsigned long long)e->failed,
                (unsigned long long)e->cancelled, (unsigned long long)e->cache.hits, (unsigned long long)e->cache.misses);
-    enc_prep_destroy(&e->prep);
+    enc_pool_destroy(&e->pool);
     return 0;
 }
 

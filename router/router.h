@@ -71,6 +71,7 @@ typedef struct {
     uint64_t sends_waited;        /* encoders: embeddings that waited for a prefill's pool (backpressure) */
     uint64_t preemptions;         /* decode: sequences it preempted (recompute) since it started */
     uint64_t prefix_queries, prefix_hits, prefill_computed;   /* prefill: prompt tokens (heartbeats) */
+    uint32_t image_decodes_peak;  /* encoders: most images decoded at once since start (its image pool) */
     uint64_t heartbeats;          /* received since registration: lets a reader wait for fresh numbers */
     double registered_at;         /* first registration of this slot (prism_now_s) */
     double send_failed_at;        /* last failed send (its connection is gone): not picked until it is heard again */

@@ -117,6 +117,7 @@ bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat
     w->prefix_queries = hb->prefix_cache_queries;
     w->prefix_hits = hb->prefix_cache_hits;
     w->prefill_computed = hb->prompt_tokens_computed;
+    w->image_decodes_peak = hb->image_decodes_peak;
     w->alloc_count = hb->alloc_count;
     w->heartbeats++;
     w->peer_auth_failures = hb->peer_auth_failures;

@@ -435,6 +435,7 @@ static void io_heartbeat(prism_worker_t *w)
     hb.prefix_cache_queries = l.prefix_cache_queries;
     hb.prefix_cache_hits = l.prefix_cache_hits;
     hb.prompt_tokens_computed = l.prompt_tokens_computed;
+    hb.image_decodes_peak = l.image_decodes_peak;
     hb.mem_used = prism_mem_used();
     hb.mem_peak = prism_mem_peak();
     hb.mem_planned = w->reg.mem_planned;

@@ -113,6 +113,7 @@ typedef struct {
     uint64_t preempt_recompute;  /* decode: sequences preempted because the KV pool ran out (a counter) */
     /* prefill: prompt tokens looked up in / found in the prefix cache, and computed (counters) */
     uint64_t prefix_cache_queries, prefix_cache_hits, prompt_tokens_computed;
+    uint32_t image_decodes_peak; /* encoder: most images decoded at once since start */
 } prism_worker_load_t;
 
 /* An abort as the I/O thread saw it. */

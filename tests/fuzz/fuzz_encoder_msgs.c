@@ -1,6 +1,6 @@
 /* libFuzzer: the encoder worker's message handlers (encoder_worker/main.c on_msg: Encode with its
  * image file, early jobs without a prefill endpoint and the Encode that takes one over, Abort) and
- * its loop (run_batch: batches formed oldest first, cache hits, JPEG/PNG decode and CLIP
+ * its loop (run_batch: batches formed in rank order, cache hits, JPEG/PNG decode on two image threads, CLIP
  * preprocessing, the bundled tiny model's vision tower on the CPU, the pushes to prefill and the
  * EncodeDone answers), on the worker its own start-up builds (prism_worker_open with k_encoder_tier) with small pools: 4
  * queued images, 48 KiB of queued files, micro-batches of 2, a 4-tile embedding cache. Records: see
@@ -87,7 +87,8 @@ static void init(void)
 {
     const char *extra[] = {"--max-batch-images", "2", "--max-queued-images", "4", "--max-queued-image-bytes", "48K",
                            "--embedding-cache-bytes", "300K", "--max-image-pixels", "65536",
-                           "--max-decode-pixels", "65536", "--decode-threads", "1", "--max-batch-seconds", "0"};
+                           "--max-decode-pixels", "65536", "--decode-threads", "1", "--max-batch-seconds", "0",
+                           "--image-threads", "2"};
     int argc;
     char **argv;
     fuzz_worker_argv("encoder_worker", extra, (int)PRISM_ARRAY_LEN(extra), &argc, &argv);

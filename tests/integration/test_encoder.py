@@ -10,7 +10,9 @@
 - the embedding cache never answers a request from another image: a hit and a miss in one batch,
   with room for one entry, each keep their own embeddings;
 - early encode: an image whose bytes are in goes to the encoder while the rest of its body is still
-  being uploaded; the request then takes its embeddings from the cache, and its answer is the same.
+  being uploaded; the request then takes its embeddings from the cache, and its answer is the same;
+- the image pool (issue 33): with two image threads two images of a batch decode at once (the
+  heartbeat's peak of decodes in flight), and a small image is answered before a queue of large ones.
 
 Run: python3 tests/integration/test_encoder.py   (PRISM_BINARY_DIR=build dir)
 """
@@ -436,9 +438,67 @@ def test_requests_come_before_early_jobs():
                 s.close()
 
 
+def post_timed(c, body):
+    status, r = c.post_json("/v1/chat/completions", body)
+    return status, r, time.perf_counter()
+
+
+def queue_on_stopped_encoder(c, groups):
+    """Sends each group of chat bodies while the encoder is stopped, waiting after each group until
+    the router has handed its images to the encoder (so they queue there in that order), then lets
+    the encoder go: [(status, answer, finish time)] per group."""
+    enc = c.procs["encoder-0"]
+    enc.send_signal(signal.SIGSTOP)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(sum(len(g) for g in groups)) as ex:
+            futs, n = [], 0
+            for g in groups:
+                futs.append([ex.submit(post_timed, c, b) for b in g])
+                n += len(g)
+                wait_for("%d images at the encoder" % n, lambda: encoder_inflight(c) == n, 30)
+            enc.send_signal(signal.SIGCONT)
+            return [[f.result(60) for f in fs] for fs in futs]
+    finally:
+        enc.send_signal(signal.SIGCONT)
+
+
+def test_images_decode_at_once():
+    """Two image threads: the images of a batch decode at once, not one after another (the peak of
+    decodes in flight, from the encoder's heartbeat, is 2; one thread at a time would make it 1)."""
+    imgs = early_images(6, size=1536, first=500)
+    with Cluster(worker_args={"encoder_worker": HB + ["--image-threads", "2", "--max-batch-seconds", "0",
+                                                      "--embedding-cache-bytes", "0"]}) as c:
+        c.wait_ready()
+        assert c.metric("prism:worker_image_decodes_peak", worker="encoder-0") == 0
+        res = queue_on_stopped_encoder(c, [[chat_body("What is this?", [p], max_tokens=1) for p in imgs]])[0]
+        assert all(s == 200 for s, _, _ in res), [r for s, r, _ in res if s != 200][:2]
+        fresh_heartbeats(c)
+        peak = c.metric("prism:worker_image_decodes_peak", worker="encoder-0")
+        print("  most images decoded at once: %s" % peak)
+        assert peak == 2, "decodes ran one at a time (peak %s)" % peak
+
+
+def test_small_image_not_behind_large_ones():
+    """Six 2048 px images queued on the encoder, then a 512 px one: one image per batch and one
+    image thread, so only the order decides; the small one goes before the large ones still queued
+    (they were first in arrival order)."""
+    large = early_images(6, size=2048, first=600)
+    small = early_images(1, size=512, first=700)
+    with Cluster(worker_args={"encoder_worker": HB + ["--image-threads", "1", "--max-batch-images", "1",
+                                                      "--embedding-cache-bytes", "0"]}) as c:
+        c.wait_ready()
+        big, little = queue_on_stopped_encoder(c, [[chat_body("What is this?", [p], max_tokens=1) for p in large],
+                                                   [chat_body("And this?", small, max_tokens=1)]])
+        assert all(s == 200 for s, _, _ in big + little), [r for s, r, _ in big + little if s != 200][:2]
+        after = sum(t > little[0][2] for _, _, t in big)
+        print("  large images answered after the small one: %d of %d" % (after, len(big)))
+        assert after >= 3, "the small image waited for %d of the %d large ones queued before it" % (6 - after, 6)
+
+
 if __name__ == "__main__":
     sys.exit(run_tests([test_no_heap_allocations_for_any_image_kind, test_streaming_decode_memory,
                         test_cache_hit_keeps_its_own_embeddings, test_image_encoded_before_the_body_ends,
                         test_early_job_of_a_hung_encoder_is_let_go,
                         test_early_jobs_of_bodies_that_never_become_requests_are_aborted,
-                        test_requests_come_before_early_jobs]))
+                        test_requests_come_before_early_jobs, test_images_decode_at_once,
+                        test_small_image_not_behind_large_ones]))

@@ -262,7 +262,8 @@ def main():
     # a 256-token context and 20 KV blocks (320 tokens): long answers outgrow the decode's pool
     ctx = ["--context-length", "256"]
     C = Cluster(model=QW, common_worker_args=HB, router_args=ctx,
-                worker_args={"encoder_worker": ["--embed-piece-rows", "16"],
+                # two image threads: native-resolution images of a batch decode at once (issue 33)
+                worker_args={"encoder_worker": ["--embed-piece-rows", "16", "--image-threads", "2"],
                              "prefill_worker": ["--chunked-prefill-size", "37"] + ctx,
                              "decode_worker": ["--kv-blocks", "20"] + ctx})
     try:
