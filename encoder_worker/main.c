@@ -75,6 +75,7 @@ typedef struct {
     bool waited;              /* its push found the prefill's pool full once (counted in sends_waited) */
     int cache_slot;           /* pinned cache entry while the job is in flight; -1 none */
     float decode_ms, vit_ms;
+    float queue_ms;           /* its arrival to its batch (EncodeDone.queue_ms) */
     double t_arrive;
     /* its file's width * height from the header (0: no header): which class it waits in */
     uint64_t file_pixels;
@@ -179,6 +180,7 @@ static void finish_job(encoder_t *e, job_t *j)
     d.cache_hit = j->cache_hit;
     d.decode_ms = j->decode_ms;
     d.vit_ms = j->vit_ms;
+    d.queue_ms = j->queue_ms;
     d.error = j->error;
     d.error_kind = !j->error[0] ? PRISM__ERROR_KIND__ERROR_NONE
                  : j->error_kind ? j->error_kind : PRISM__ERROR_KIND__ERROR_CLIENT;
@@ -603,6 +605,7 @@ static void run_batch_native(encoder_t *e)
         if (n_classes++ && small_image(best) != small) break;   /* one class per batch */
         small = small_image(best);
         newest = PRISM_MAX(newest, best->t_arrive);
+        best->queue_ms = (float)((prism_now_s() - best->t_arrive) * 1e3);
         const uint8_t *data = zmq_msg_data(&best->image);
         size_t len = zmq_msg_size(&best->image);
         int idx = (int)(best - e->jobs);
@@ -687,6 +690,7 @@ static void run_batch(encoder_t *e)
         if (n_classes++ && small_image(best) != small) break;   /* one class per batch */
         small = small_image(best);
         newest = PRISM_MAX(newest, best->t_arrive);
+        best->queue_ms = (float)((prism_now_s() - best->t_arrive) * 1e3);
         const uint8_t *data = zmq_msg_data(&best->image);
         size_t len = zmq_msg_size(&best->image);
         int nt = 0, idx = (int)(best - e->jobs);

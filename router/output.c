@@ -204,7 +204,7 @@ void router_out_choice_end(router_req_t *q, int i)
 /* ---------------------------------------------------------------- completion */
 
 const char *const router_time_stage_names[ROUTER_TS_COUNT] = {
-    "prepare", "fetch", "router_queue", "encoder_wait", "image_decode", "vit", "prefill_queue", "prefill",
+    "prepare", "fetch", "router_queue", "encoder_queue", "encoder_wait", "image_decode", "vit", "prefill_queue", "prefill",
     "dispatch", "kv_transfer", "decode_queue", "decode_first_step", "decode"};
 
 /* The span from *at to the router's mark (clamped so marks never run backwards or past now; 0: not
@@ -240,9 +240,11 @@ void router_out_stages(const router_req_t *q, double now, double s[ROUTER_TS_COU
     left = stage_span(&at, t->first, now);
     s[ROUTER_TS_PREFILL_QUEUE] = stage_take(&left, t->queue_ms / 1e3);
     s[ROUTER_TS_PREFILL] = stage_take(&left, t->prefill_ms / 1e3);
-    /* the prefill's wait for embeddings: the encoders' work (sums over images, so at most the wait
-     * when images ran side by side) and the rest, their queue and the embeddings' transfer */
+    /* the prefill's wait for embeddings: the encoders' queue and work (sums over images, so at most
+     * the wait when images ran side by side) and the rest: an early encode it waited on, the
+     * embeddings' transfer */
     double wait = stage_take(&left, t->embed_wait_ms / 1e3);
+    s[ROUTER_TS_ENCODER_QUEUE] = stage_take(&wait, t->enc_queue_ms / 1e3);
     s[ROUTER_TS_IMAGE_DECODE] = stage_take(&wait, t->decode_ms / 1e3);
     s[ROUTER_TS_VIT] = stage_take(&wait, t->vit_ms / 1e3);
     s[ROUTER_TS_ENCODER_WAIT] = wait;

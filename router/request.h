@@ -118,6 +118,7 @@ typedef struct {
     double first, last;           /* its first and its latest token */
     double first_decode;          /* its decode worker's first message (0: none yet) */
     float decode_ms, vit_ms;      /* encoders: image decode and vision tower (sums over images) */
+    float enc_queue_ms;           /* encoders: their queue (sum over images) */
     float queue_ms, prefill_ms;   /* its prefill worker: the wait for a start (embeddings in), the prefill */
     float embed_wait_ms;          /* its prefill worker: from the request's arrival to its embeddings all in */
     float dec_queue_ms, dec_step_ms;   /* its decode worker: KV in to admitted, admitted to its first message */

@@ -348,11 +348,13 @@ bool router_handle_encode_done(router_t *r, const router_worker_t *from, uint64_
     }
     router_sched_encode_done(q, (int)d->image_index);
     if (!d->error || !*d->error) {
-        double st[ROUTER_TS_COUNT] = {[ROUTER_TS_IMAGE_DECODE] = d->decode_ms / 1e3, [ROUTER_TS_VIT] = d->vit_ms / 1e3};
+        double st[ROUTER_TS_COUNT] = {[ROUTER_TS_ENCODER_QUEUE] = d->queue_ms / 1e3,
+                                      [ROUTER_TS_IMAGE_DECODE] = d->decode_ms / 1e3, [ROUTER_TS_VIT] = d->vit_ms / 1e3};
         router_worker_observe(r, from->id, st);
     }
     q->time.decode_ms += d->decode_ms;
     q->time.vit_ms += d->vit_ms;
+    q->time.enc_queue_ms += d->queue_ms;
     q->time.cache_hits += d->cache_hit;
     if (d->error && *d->error) {
         char msg[320];

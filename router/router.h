@@ -107,7 +107,8 @@ typedef struct prism_fetch_blob prism_fetch_blob_t;
  * histogram's. prism:request_stage_seconds{stage} and x-prism-timing (<name>_ms) use these names;
  * output.c router_out_stages computes them, docs/API.md says what each covers. */
 typedef enum {
-    ROUTER_TS_PREPARE, ROUTER_TS_FETCH, ROUTER_TS_ROUTER_QUEUE, ROUTER_TS_ENCODER_WAIT, ROUTER_TS_IMAGE_DECODE,
+    ROUTER_TS_PREPARE, ROUTER_TS_FETCH, ROUTER_TS_ROUTER_QUEUE, ROUTER_TS_ENCODER_QUEUE, ROUTER_TS_ENCODER_WAIT,
+    ROUTER_TS_IMAGE_DECODE,
     ROUTER_TS_VIT, ROUTER_TS_PREFILL_QUEUE, ROUTER_TS_PREFILL, ROUTER_TS_DISPATCH, ROUTER_TS_KV_TRANSFER,
     ROUTER_TS_DECODE_QUEUE, ROUTER_TS_DECODE_FIRST_STEP, ROUTER_TS_DECODE, ROUTER_TS_COUNT
 } router_time_stage_t;

@@ -146,7 +146,7 @@ void router_worker_drop(router_worker_t *w)
 
 const router_time_stage_t *router_worker_stages(int role, int *n)
 {
-    static const router_time_stage_t enc[] = {ROUTER_TS_IMAGE_DECODE, ROUTER_TS_VIT};
+    static const router_time_stage_t enc[] = {ROUTER_TS_ENCODER_QUEUE, ROUTER_TS_IMAGE_DECODE, ROUTER_TS_VIT};
     static const router_time_stage_t pre[] = {ROUTER_TS_PREFILL_QUEUE, ROUTER_TS_PREFILL};
     static const router_time_stage_t dec[] = {ROUTER_TS_DECODE_QUEUE, ROUTER_TS_DECODE_FIRST_STEP, ROUTER_TS_DECODE};
     _Static_assert(PRISM_ARRAY_LEN(dec) <= ROUTER_WORKER_STAGES, "a histogram per stage");
@@ -164,7 +164,10 @@ void router_worker_observe(router_t *r, const char *id, const double *st)
     if (!w) return;
     int n;
     const router_time_stage_t *s = router_worker_stages(w->role, &n);
-    for (int i = 0; i < n; i++) prism_hist_observe(&w->stage[i], st[s[i]]);
+    for (int i = 0; i < n; i++) {
+        double v = st[s[i]];   /* a worker's own measure (EncodeDone): never NaN, negative or absurd here */
+        prism_hist_observe(&w->stage[i], v >= 0 && v < 1e6 ? v : 0);
+    }
 }
 
 void router_worker_note_image(router_worker_t *w, uint64_t hash)

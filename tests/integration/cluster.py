@@ -426,7 +426,7 @@ def make_image(path, **opts):
 
 
 # prism:request_stage_seconds' stages, in order (router/router.h router_time_stage_t, docs/API.md)
-STAGES = ["prepare", "fetch", "router_queue", "encoder_wait", "image_decode", "vit", "prefill_queue", "prefill",
+STAGES = ["prepare", "fetch", "router_queue", "encoder_queue", "encoder_wait", "image_decode", "vit", "prefill_queue", "prefill",
           "dispatch", "kv_transfer", "decode_queue", "decode_first_step", "decode"]
 
 

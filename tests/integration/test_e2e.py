@@ -331,7 +331,8 @@ def test_stage_histograms_add_up():
     before, e2e0 = stage_totals()
     assert list(before) == STAGES, list(before)
     wbefore = worker_stage_totals()
-    assert sorted(wbefore) == sorted([("encoder", "image_decode"), ("encoder", "vit"), ("prefill", "prefill_queue"),
+    assert sorted(wbefore) == sorted([("encoder", "encoder_queue"), ("encoder", "image_decode"), ("encoder", "vit"),
+                                      ("prefill", "prefill_queue"),
                                       ("prefill", "prefill"), ("decode", "decode_queue"),
                                       ("decode", "decode_first_step"), ("decode", "decode")]), sorted(wbefore)
     img = make_image(os.path.join(TMP, "stages.jpg"), width=800, height=600, shape="square", color="green")

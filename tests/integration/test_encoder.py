@@ -481,7 +481,7 @@ def test_images_decode_at_once():
 def test_small_image_not_behind_large_ones():
     """Six 2048 px images queued on the encoder, then a 512 px one: one image per batch and one
     image thread, so only the order decides; the small one goes before the large ones still queued
-    (they were first in arrival order)."""
+    (they were first in arrival order). The queue's waits are timed (the encoder_queue stage)."""
     large = early_images(6, size=2048, first=600)
     small = early_images(1, size=512, first=700)
     with Cluster(worker_args={"encoder_worker": HB + ["--image-threads", "1", "--max-batch-images", "1",
@@ -493,6 +493,12 @@ def test_small_image_not_behind_large_ones():
         after = sum(t > little[0][2] for _, _, t in big)
         print("  large images answered after the small one: %d of %d" % (after, len(big)))
         assert after >= 3, "the small image waited for %d of the %d large ones queued before it" % (6 - after, 6)
+        # their waits in the encoder's queue are timed (EncodeDone.queue_ms): served one at a time, the
+        # images waited in all about three times their decodes (k-th waits for the k-1 before it)
+        stage = lambda name: c.metric("prism:worker_stage_seconds_sum", worker="encoder-0", stage=name)
+        assert c.metric("prism:worker_stage_seconds_count", worker="encoder-0", stage="encoder_queue") == 7
+        assert stage("encoder_queue") >= stage("image_decode") > 0, (stage("encoder_queue"), stage("image_decode"))
+        assert c.metric("prism:request_stage_seconds_sum", stage="encoder_queue") >= stage("image_decode")
 
 
 if __name__ == "__main__":
