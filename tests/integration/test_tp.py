@@ -90,10 +90,12 @@ def answer(c, body, ref, stream, where):
 
 
 def check_group_equals_t1(size, prefill_size=1):
+    traced = size <= 2 and prefill_size <= 2   # debug lines: the trace test below (small groups only)
+    debug = ("--log-level", "debug") if traced else ()
     with Cluster(decodes=0, prefills=0 if prefill_size > 1 else 1) as c:
-        start_group(c, "decode-0", size)
+        start_group(c, "decode-0", size, extra=debug)
         if prefill_size > 1:
-            start_group(c, "prefill-0", prefill_size, "prefill_worker")
+            start_group(c, "prefill-0", prefill_size, "prefill_worker", extra=debug)
         c.wait_ready(timeout=300)
         for name, n in (("decode-0", size), ("prefill-0", prefill_size)):
             if n > 1:
@@ -116,6 +118,13 @@ def check_group_equals_t1(size, prefill_size=1):
                                          "P=%d T=%d item %d stream %s" % (prefill_size, size, j[0], j[1])), jobs))
         for r in range(1, size):
             assert c.procs["decode-0.r%d" % r].poll() is None, c.log("decode-0.r%d" % r)
+        if traced:   # a request's trace id reaches each group's leader (issue 32), on its lines about it
+            trace = "%032x" % int.from_bytes(os.urandom(16), "big")
+            status, _, _ = c.request("POST", "/v1/chat/completions", REQS[0][0],
+                                     headers={"traceparent": "00-%s-00f067aa0ba902b7-01" % trace})
+            assert status == 200, status
+            for name in ("decode-0", "prefill-0") if prefill_size > 1 else ("decode-0",):
+                wait_for(lambda: "trace=%s" % trace in c.log(name, tail=0), 10, "the trace in %s's log" % name)
     # every rank ran the steps with the leader (12 tokens: 11 decode steps per request at least). The
     # cluster stops every process at once, so a rank may see the leader's link close before its own
     # SIGTERM: "the group failed" is a clean end too, once the requests are done.
