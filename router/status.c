@@ -68,6 +68,9 @@ static json_t *worker_json(const router_worker_t *w, double now)
     case PRISM__ROLE__ROLE_PREFILL:
         json_object_set_new(j, "pool_free", json_integer(w->pool_free));
         json_object_set_new(j, "kv_blocks", json_integer(w->kv_blocks));
+        /* prompt tokens looked up in its prefix cache, and found there */
+        json_object_set_new(j, "prefix_cache", json_pack("{s:I,s:I}", "queries", (json_int_t)w->prefix_queries,
+                                                         "hits", (json_int_t)w->prefix_hits));
         break;
     case PRISM__ROLE__ROLE_DECODE:
         json_object_set_new(j, "kv_blocks", json_integer(w->kv_blocks));

@@ -199,6 +199,9 @@ def test_status_page_shows_the_live_cluster():
                 assert "%d preempted" % w["preemptions"] in cell("kv_free")["text"], cell("kv_free")["text"]
             if w["tier"] == "prefill":
                 assert cell("pool_free")["text"].strip() == str(w["pool_free"])
+                p = w["prefix_cache"]   # prompt tokens found in its prefix cache, of those looked up
+                assert p["queries"] > 0 and "%" in cell("prefix_hit_rate")["text"], (p, cell("prefix_hit_rate"))
+                assert "%d of %d tokens" % (p["hits"], p["queries"]) in cell("prefix_hit_rate")["text"]
             assert "%d in all" % w["completed"] in cell("completed_per_s")["text"], cell("completed_per_s")["text"]
         # one encoder saw the image twice (affinity): 50% hit rate somewhere
         assert any(e["text"].startswith("50%") for e in dom.find(data_field="cache_hit_rate")), "no 50% cache hit rate"
