@@ -55,6 +55,7 @@ typedef struct {
     char router_id[128];
     uint32_t image_index;
     uint64_t hash;
+    int64_t min_pixels, max_pixels;   /* Qwen-VL: the request's mm_processor_kwargs (max_pixels 0: none) */
     char prefill_endpoint[256];
     zmq_msg_t image;          /* file bytes, owned while queued */
     bool has_image;
@@ -300,6 +301,8 @@ static void on_encode(encoder_t *e, prism_msg_t *m)
     snprintf(j->router_id, sizeof(j->router_id), "%s", router);
     j->image_index = en->image_index;
     j->hash = en->content_hash;
+    j->min_pixels = en->min_pixels;
+    j->max_pixels = en->max_pixels;
     j->after_early = en->early_id != 0;
     snprintf(j->prefill_endpoint, sizeof(j->prefill_endpoint), "%s", en->prefill_endpoint);
     zmq_msg_init(&j->image);
@@ -484,8 +487,8 @@ static bool take_cached(encoder_t *e, job_t *j)
 static int decode_job(encoder_t *e, job_t *j, float *pixels)
 {
     double t0 = prism_now_s();
-    int rc = enc_prep_run(&e->prep, zmq_msg_data(&j->image), zmq_msg_size(&j->image), pixels, j->error,
-                          sizeof(j->error));
+    int rc = enc_prep_run(&e->prep, zmq_msg_data(&j->image), zmq_msg_size(&j->image), j->min_pixels, j->max_pixels,
+                          pixels, j->error, sizeof(j->error));
     j->decode_ms = (float)((prism_now_s() - t0) * 1e3);
     drop_image(j);
     return rc;
@@ -532,7 +535,8 @@ static void run_batch_native(encoder_t *e)
         size_t len = zmq_msg_size(&best->image);
         int idx = (int)(best - e->jobs);
         prism_qwenvl_grid_t g;
-        bool bad = enc_prep_grid(&e->prep, data, len, e->max_tokens, &g, best->error, sizeof(best->error)) != PRISM_OK;
+        bool bad = enc_prep_grid(&e->prep, data, len, best->min_pixels, best->max_pixels, e->max_tokens, &g, best->error,
+                                 sizeof(best->error)) != PRISM_OK;
         if (!bad && n_patches + g.n_patches > e->cap_patches) break;   /* next batch: nothing overtakes it */
         e->batch[e->n_batch++] = idx;
         best->state = JOB_SEND;
