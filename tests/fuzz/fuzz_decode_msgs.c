@@ -12,7 +12,8 @@
  * Records: see fuzz_worker.h; the harness plays the I/O thread. The input's first byte picks the
  * mode: bit 6 overlaps steps with host work (the GPU pipeline, --overlap-steps on), bit 7 makes the
  * router give up on every request at the end instead of letting them finish.
- * Invariants: every reply is a Tokens message to the router; the loop does not wedge (every sequence
+ * Invariants: every reply is a Tokens message to the router; no step advances a sequence whose KV is
+ * still arriving; the loop does not wedge (every sequence
  * ends by the context length: once the input is over, the worker is idle within that many steps);
  * once every request finished or was aborted, every sequence slot and KV block is back, nothing is
  * staged and no step is in flight. */
@@ -39,7 +40,16 @@ static void turn(void)
     admit_staged(d);
     fuzz_poll(&g_io, &d->w, data_credit(d), on_msg, d);
     drain();
+    /* a sequence whose KV is still arriving is in no step (its blocks are partly written) */
+    int len[8];
+    bool rx[8];
+    FUZZ_ASSERT(d->max_running <= 8);
+    for (int i = 0; i < d->max_running; i++) {
+        rx[i] = d->seqs[i].seq.used && d->seqs[i].receiving;
+        len[i] = d->seqs[i].seq.len;
+    }
     step(d);
+    for (int i = 0; i < d->max_running; i++) FUZZ_ASSERT(!rx[i] || !d->seqs[i].seq.used || d->seqs[i].seq.len == len[i]);
     drain();
 }
 
