@@ -517,15 +517,16 @@ static void on_kv(decode_t *d, prism_msg_t *m)
      * the next token is in (prefill and decode compute it alike). The first piece holds
      * piece_blocks of the transfer's blocks (0: all of them), never more than a piece. */
     const char *why = kv ? prism_seq_check(kv->sampling, d->full.vocab, d->max_model_len) : "no Kv message";
-    int total = kv && !why ? 2 * (int)kv->n_blocks - (int)kv->local_first_block : 0;
-    int n = kv && kv->piece_blocks ? (int)kv->piece_blocks : total;
+    /* 64-bit: the fields are not checked yet (the checks below run in order) */
+    int64_t total = kv && !why ? 2 * (int64_t)kv->n_blocks - (int64_t)kv->local_first_block : 0;
+    int64_t n = kv && kv->piece_blocks ? (int64_t)kv->piece_blocks : total;
     if (why || m->n_frames != 1 || kv->block_size != (uint32_t)d->blocks.block_size ||
         kv->n_tokens == 0 || kv->n_tokens >= (uint32_t)d->max_model_len || kv->sampling->generated >= kv->n_tokens ||
         kv->n_blocks != (uint32_t)prism_kv_blocks_for_tokens(&d->blocks, (int)kv->n_tokens) ||
         kv->block_bytes != d->fbb || kv->local_block_bytes != d->lbb ||
         kv->local_first_block != (uint32_t)PRISM_MIN(prism_kv_local_first_block(&d->cfg, d->blocks.block_size,
                                                                                  (int)kv->n_tokens), (int)kv->n_blocks) ||
-        n < 1 || n > total || n > d->piece_blocks || len != piece_bytes(d, (int)kv->n_blocks, 0, n) ||
+        n < 1 || n > total || n > d->piece_blocks || len != piece_bytes(d, (int)kv->n_blocks, 0, (int)n) ||
         !choices_ok(d, kv)) {
         PRISM_WARN("request %llu: malformed KV transfer dropped (%s)", (unsigned long long)e->request_id,
                    why ? why : "sizes or choices");
