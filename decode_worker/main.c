@@ -25,6 +25,18 @@
  * fit wait (one staged transfer, the rest stays in the senders: backpressure). Preemption by
  * migration to another decode worker or by swap to host memory is not built (docs/ARCHITECTURE.md).
  *
+ * Transfers come in pieces of at most about 1 MiB (Kv.piece_first / piece_blocks, kv/kv.h), so what
+ * decode holds outside its block pool does not grow with the prompt (an image of 16k tokens is ~1 GiB
+ * of KV at 7B shapes). The first piece carries the header and is what admission decides on; once
+ * admitted, the sequences hold their slots and blocks while the rest arrives (seq_t.receiving, an
+ * rx_t each transfer) and every piece is imported as it comes. Pieces of several transfers (from
+ * several prefill workers) interleave on the one data socket, so decode keeps reading while any
+ * transfer is arriving; a first piece that does not fit then cannot wait (its later pieces would
+ * have nowhere to go): its request is preempted before it started (recomputed, as grow() does; 503
+ * when n > 1). A lone first piece with nothing arriving waits as a whole transfer did. A transfer
+ * whose pieces stop (its prefill died: the router aborts it; else after PRISM_KV_RX_TIMEOUT_S), come
+ * out of order, twice or larger than announced is failed and its blocks are freed.
+ *
  * Tensor parallelism (--tp-size T > 1, tp/tp.h): rank 0 is the worker above, holding its shard;
  * it hands every other rank its KV heads of each admitted request and the plan of each step, and
  * the ranks (which talk to no router and have no I/O thread) run the same forward on their shards.
@@ -66,9 +78,26 @@ typedef struct {
     bool finishing;           /* its last token is waiting to be sent */
     bool grows;               /* admitted optimistically: takes blocks as it goes, may be preempted */
     bool preempt;             /* preempted: its blocks are gone, it leaves once its last tokens are sent */
+    bool receiving;           /* admitted, its KV still arriving (rx_t): in no step yet */
     bool timed;               /* its first message (with the timings below) went out */
     double t_kv, t_admit;     /* its KV arrived; it was admitted (the router's stage histograms) */
 } seq_t;
+
+/* A transfer admitted and still arriving: its sequences hold their slots and blocks, and each piece
+ * goes straight into them. Pieces come in order over one connection: the next must start at next. */
+typedef struct {
+    bool used;
+    uint64_t rid, rid_hi;
+    char router[128];
+    int slots[PRISM_SEQ_MAX_N], k;
+    int nb, lfb, shared;      /* the transfer's layout: blocks of each part, prompt blocks the choices share */
+    int next, total;          /* the next piece's first block (frame order), of total */
+    double t_last;            /* when its last piece came */
+} rx_t;
+
+/* A transfer whose next piece does not come within this is failed (its prefill is gone and no
+ * router abort came: the router normally aborts it long before). */
+#define PRISM_KV_RX_TIMEOUT_S 60.0
 
 /* One sequence's result of a step, held until it is sent. */
 typedef struct {
@@ -127,6 +156,10 @@ typedef struct {
     Prism__Kv *staged_kv;     /* owned copy of the header (unpacked message kept) */
     Prism__Envelope *staged_env;
     zmq_msg_t staged_frame;
+    rx_t *rx;                 /* [max_running] transfers still arriving */
+    int n_rx;
+    int piece_blocks;         /* most blocks of one piece (kv/kv.h) */
+    uint64_t rx_failed;       /* transfers failed midway (malformed pieces, pieces that stopped) */
     uint64_t steps, tokens_out, cancelled;
     uint64_t tokens_sampled, aborted;   /* heartbeats: tokens sampled, sequences ended by an abort */
     uint64_t ns_forward;      /* wall time of the steps' forwards (plan sent, collectives included) */
@@ -147,7 +180,7 @@ static void seq_release(decode_t *d, seq_t *s)
     prism_seq_detach(&s->seq);
     s->seq.used = false;
     s->n_blocks = 0;
-    s->cancel = s->finishing = s->in_step = s->grows = s->preempt = false;
+    s->cancel = s->finishing = s->in_step = s->grows = s->preempt = s->receiving = false;
 }
 
 static void unstage(decode_t *d)
@@ -167,9 +200,88 @@ static int import_blocks(decode_t *d, const int32_t *blocks, int n, const uint8_
     return prism_kv_cache_import_class(d->kv, PRISM_KV_CLASS_FULL, blocks, n, bytes);
 }
 
+/* Bytes of the piece of n blocks from block first (frame order) of a transfer of nb blocks. */
+static size_t piece_bytes(const decode_t *d, int nb, int first, int n)
+{
+    return prism_kv_piece_offset(nb, d->fbb, d->lbb, first + n) - prism_kv_piece_offset(nb, d->fbb, d->lbb, first);
+}
+
+/* The most bytes of one piece: the data socket's frame limit (ZMQ_MAXMSGSIZE) and the plan's. */
+static size_t piece_max_bytes(const decode_t *d)
+{
+    return (size_t)d->piece_blocks * PRISM_MAX(d->fbb, d->lbb);
+}
+
+/* Imports blocks [first, first + n) (frame order) of an admitted transfer into its sequences: the
+ * first part's shared prompt blocks once (the first choice's, shared by the others), its other
+ * blocks into each choice's own; the chunked layers' part into each choice's ring (or blocks). */
+static int rx_import(decode_t *d, const rx_t *x, int first, int n, const uint8_t *bytes)
+{
+    int end = first + n, rc = PRISM_OK;
+    for (int c = 0; c < x->k && rc == PRISM_OK; c++) {
+        seq_t *s = &d->seqs[x->slots[c]];
+        int lo = PRISM_MAX(first, c ? x->shared : 0), hi = PRISM_MIN(end, x->nb);
+        if (lo < hi) rc = import_blocks(d, s->blocks + lo, hi - lo, bytes + piece_bytes(d, x->nb, first, lo - first));
+        lo = PRISM_MAX(first, x->nb);
+        if (rc != PRISM_OK || lo >= end) continue;
+        /* chunked layers (a split cache): from the block of the current chunk, into the slot's ring */
+        int r0 = lo - x->nb, m = end - lo;
+        for (int i = 0; d->ring && i < m; i++) d->ring_ids[i] = s->ring[(x->lfb + r0 + i) % d->ring];
+        rc = prism_kv_cache_import_class(d->kv, PRISM_KV_CLASS_LOCAL, d->ring ? d->ring_ids : s->blocks + x->lfb + r0,
+                                         m, bytes + piece_bytes(d, x->nb, first, lo - first));
+    }
+    return rc;
+}
+
+static rx_t *rx_find(decode_t *d, uint64_t rid, uint64_t rid_hi, const char *router)
+{
+    for (int i = 0; i < d->max_running; i++)
+        if (d->rx[i].used && d->rx[i].rid == rid && d->rx[i].rid_hi == rid_hi && !strcmp(d->rx[i].router, router))
+            return &d->rx[i];
+    return NULL;
+}
+
+/* The transfer is whole: its sequences join the next step. */
+static void rx_done(decode_t *d, rx_t *x)
+{
+    for (int c = 0; c < x->k; c++) d->seqs[x->slots[c]].receiving = false;
+    x->used = false;
+    d->n_rx--;
+}
+
+/* The transfer cannot go on: its sequences and blocks are freed, its router told (kind). */
+static void rx_fail(decode_t *d, rx_t *x, Prism__ErrorKind kind, const char *why)
+{
+    PRISM_WARN("request %llu: KV transfer failed after %d of %d blocks: %s", (unsigned long long)x->rid, x->next,
+               x->total, why);
+    send_error(d, x->router, x->rid, x->rid_hi, kind, why);
+    for (int c = 0; c < x->k; c++) seq_release(d, &d->seqs[x->slots[c]]);
+    x->used = false;
+    d->n_rx--;
+    d->rx_failed++;
+}
+
+/* Transfers whose next piece did not come in time (now: the clock, a parameter for the fuzzer). */
+static void rx_expire(decode_t *d, double now)
+{
+    for (int i = 0; i < d->max_running; i++)
+        if (d->rx[i].used && now - d->rx[i].t_last > PRISM_KV_RX_TIMEOUT_S)
+            rx_fail(d, &d->rx[i], PRISM__ERROR_KIND__ERROR_UNAVAILABLE,
+                    "the KV transfer from the prefill worker stopped before its end");
+}
+
+/* Data credit: one message at a time; none while a transfer waits for blocks with nothing else
+ * arriving (the rest stays in the senders: backpressure). While transfers arrive decode keeps
+ * reading, or they could never end. */
+static int data_credit(const decode_t *d)
+{
+    return d->staged && !d->n_rx ? 0 : 1;
+}
+
 /* Starts the staged request's sequences (one per choice that goes on after its first token) in
- * free slots. They share the prompt's full blocks; each gets its own copy of the prompt's last,
- * partial block and blocks for what it generates (prism_kv_blocks_for_shared). */
+ * free slots with their blocks, receiving (rx_import fills them). They share the prompt's full
+ * blocks; each gets its own copy of the prompt's last, partial block and blocks for what it
+ * generates (prism_kv_blocks_for_shared). */
 static const char *admit_choices(decode_t *d, const Prism__Kv *kv, const int *slots, int k, int per, bool grows,
                                  Prism__ErrorKind *kind)
 {
@@ -177,8 +289,6 @@ static const char *admit_choices(decode_t *d, const Prism__Kv *kv, const int *sl
     /* a migrated request: n_tokens = prompt + the gen tokens generated before (the last ones) */
     int gen = (int)kv->sampling->generated;
     int shared = k > 1 ? n_prompt / bs : 0;
-    const uint8_t *bytes = zmq_msg_data(&d->staged_frame);
-    int nb = (int)kv->n_blocks, lfb = (int)kv->local_first_block;
     const int32_t *prompt = kv->n_prompt_token_ids ? kv->prompt_token_ids : NULL;
     int started = 0;
     const char *why = NULL;
@@ -221,20 +331,9 @@ static const char *admit_choices(decode_t *d, const Prism__Kv *kv, const int *sl
         rc = prism_kv_blocks_alloc(&d->blocks, per - shared, s->blocks + shared);
         if (rc != PRISM_OK) break;
         s->n_blocks = per;
-        /* a group's leader sends each rank its heads (prism_tp_scatter_kv imports alone at T = 1) */
-        if (c == 0 && shared) rc = import_blocks(d, s->blocks, shared, bytes);
-        /* the rest of the prompt: all of it (one sequence) or its partial last block (a copy each) */
-        int rest = nb - shared;
-        if (rc == PRISM_OK && rest > 0) rc = import_blocks(d, s->blocks + shared, rest, bytes + (size_t)shared * d->fbb);
-        /* chunked layers (a split cache): from the block of the current chunk, into the slot's ring */
-        if (rc == PRISM_OK && nb > lfb) {
-            for (int i = 0; d->ring && i < nb - lfb; i++) d->ring_ids[i] = s->ring[(lfb + i) % d->ring];
-            rc = prism_kv_cache_import_class(d->kv, PRISM_KV_CLASS_LOCAL, d->ring ? d->ring_ids : s->blocks + lfb,
-                                             nb - lfb, bytes + (size_t)nb * d->fbb);
-        }
     }
     if (!why && rc != PRISM_OK) {
-        why = "decode worker could not import the KV cache";
+        why = "decode worker could not allocate the KV blocks";
         *kind = PRISM__ERROR_KIND__ERROR_INTERNAL;
     }
     if (why) {
@@ -246,6 +345,7 @@ static const char *admit_choices(decode_t *d, const Prism__Kv *kv, const int *sl
     }
     for (int c = 0; c < k; c++) {
         d->seqs[slots[c]].seq.used = true;
+        d->seqs[slots[c]].receiving = true;
         d->seqs[slots[c]].grows = grows;
         PRISM_DEBUG("request %llu choice %u admitted: %d prompt tokens, %d blocks (%d shared)",
                     (unsigned long long)d->staged_rid, d->seqs[slots[c]].seq.index, n_prompt, per, shared);
@@ -305,7 +405,26 @@ static bool admit_staged_req(decode_t *d)
     if (why) {
         PRISM_WARN("request %llu refused: %s", (unsigned long long)d->staged_rid, why);
         send_error(d, d->staged_router, d->staged_rid, d->staged_rid_hi, kind, why);
+        unstage(d);
+        return true;
     }
+    /* admitted: the first piece goes in now, the rest as it comes */
+    rx_t *x = NULL;
+    for (int i = 0; i < d->max_running && !x; i++)
+        if (!d->rx[i].used) x = &d->rx[i];
+    PRISM_ASSERT(x);   /* each holds a slot */
+    int nb = (int)kv->n_blocks, blocks = 2 * nb - (int)kv->local_first_block;
+    *x = (rx_t){.used = true, .rid = d->staged_rid, .rid_hi = d->staged_rid_hi, .k = k, .nb = nb,
+                .lfb = (int)kv->local_first_block, .shared = k > 1 ? (int)kv->n_tokens / d->blocks.block_size : 0,
+                .total = blocks, .t_last = prism_now_s()};
+    snprintf(x->router, sizeof(x->router), "%s", d->staged_router);
+    memcpy(x->slots, slots, sizeof(int) * (size_t)k);
+    d->n_rx++;
+    int n = kv->piece_blocks ? (int)kv->piece_blocks : blocks;
+    if (rx_import(d, x, 0, n, zmq_msg_data(&d->staged_frame)) != PRISM_OK)
+        rx_fail(d, x, PRISM__ERROR_KIND__ERROR_INTERNAL, "decode worker could not import the KV cache");
+    else if ((x->next = n) == blocks)
+        rx_done(d, x);
     unstage(d);
     return true;
 }
@@ -329,11 +448,64 @@ static bool choices_ok(const decode_t *d, const Prism__Kv *kv)
     return true;
 }
 
+/* A first piece that cannot wait for blocks while other transfers arrive (decode must keep reading
+ * for them, and this transfer's later pieces would have nowhere to go): its request is preempted
+ * before it started, as grow() preempts (the router prefills it again, and its later pieces here
+ * match nothing and are dropped); n > 1, whose choices cannot be recomputed, fails with a 503. */
+static void bounce(decode_t *d, const Prism__Envelope *e, const char *router)
+{
+    const Prism__Kv *kv = e->kv;
+    PRISM_DEBUG("request %llu preempted before admission: no KV blocks while %d transfers arrive",
+                (unsigned long long)e->request_id, d->n_rx);
+    if (kv->n_choice_index != 1 || kv->sampling->n > 1) {
+        send_error(d, router, e->request_id, e->request_id_hi, PRISM__ERROR_KIND__ERROR_UNAVAILABLE,
+                   "the decode worker has no KV blocks free for this request now");
+        return;
+    }
+    Prism__Tokens t = PRISM__TOKENS__INIT;
+    t.index = kv->choice_index[0];
+    t.preempted = true;
+    Prism__Envelope env = PRISM__ENVELOPE__INIT;
+    env.type = PRISM__MSG_TYPE__MSG_TOKENS;
+    env.tokens = &t;
+    prism_worker_reply(&d->w, router, e->request_id, e->request_id_hi, &env);
+    d->preempted++;
+}
+
+/* A piece after the first: straight into its transfer's blocks. */
+static void on_kv_piece(decode_t *d, prism_msg_t *m, const char *router)
+{
+    const Prism__Envelope *e = m->env;
+    rx_t *x = rx_find(d, e->request_id, e->request_id_hi, router);
+    if (!x) {   /* its transfer was aborted, failed or preempted before admission, or is over */
+        PRISM_DEBUG("request %llu: KV piece for no transfer dropped", (unsigned long long)e->request_id);
+        return;
+    }
+    size_t len = 0;
+    const uint8_t *bytes = m->n_frames == 1 ? prism_msg_frame(m, 0, &len) : NULL;
+    int first = (int)e->kv->piece_first, n = (int)e->kv->piece_blocks;
+    if (!bytes || first != x->next || n < 1 || n > d->piece_blocks || n > x->total - first ||
+        len != piece_bytes(d, x->nb, first, n)) {
+        rx_fail(d, x, PRISM__ERROR_KIND__ERROR_INTERNAL, "malformed KV transfer between prefill and decode");
+        return;
+    }
+    if (rx_import(d, x, first, n, bytes) != PRISM_OK) {
+        rx_fail(d, x, PRISM__ERROR_KIND__ERROR_INTERNAL, "decode worker could not import the KV cache");
+        return;
+    }
+    x->t_last = prism_now_s();
+    if ((x->next += n) == x->total) rx_done(d, x);
+}
+
 static void on_kv(decode_t *d, prism_msg_t *m)
 {
     const Prism__Envelope *e = m->env;
     const Prism__Kv *kv = e->kv;
     const char *router = e->router_id ? e->router_id : "";
+    if (kv && kv->piece_first) {
+        on_kv_piece(d, m, router);
+        return;
+    }
     if (prism_abort_memo_take(&d->aborts, e->request_id, router, prism_now_s())) {
         /* Its client is gone (the router sent the abort while prefill ran): nobody to decode for. */
         PRISM_DEBUG("request %llu: KV dropped, the request was aborted before it came", (unsigned long long)e->request_id);
@@ -342,20 +514,36 @@ static void on_kv(decode_t *d, prism_msg_t *m)
     size_t len = 0;
     prism_msg_frame(m, 0, &len);
     /* The layout is fixed by the model: the chunked layers' part starts at the block of the chunk
-     * the next token is in (prefill and decode compute it alike). */
+     * the next token is in (prefill and decode compute it alike). The first piece holds
+     * piece_blocks of the transfer's blocks (0: all of them), never more than a piece. */
     const char *why = kv ? prism_seq_check(kv->sampling, d->full.vocab, d->max_model_len) : "no Kv message";
+    /* 64-bit: the fields are not checked yet (the checks below run in order) */
+    int64_t total = kv && !why ? 2 * (int64_t)kv->n_blocks - (int64_t)kv->local_first_block : 0;
+    int64_t n = kv && kv->piece_blocks ? (int64_t)kv->piece_blocks : total;
     if (why || m->n_frames != 1 || kv->block_size != (uint32_t)d->blocks.block_size ||
         kv->n_tokens == 0 || kv->n_tokens >= (uint32_t)d->max_model_len || kv->sampling->generated >= kv->n_tokens ||
         kv->n_blocks != (uint32_t)prism_kv_blocks_for_tokens(&d->blocks, (int)kv->n_tokens) ||
         kv->block_bytes != d->fbb || kv->local_block_bytes != d->lbb ||
         kv->local_first_block != (uint32_t)PRISM_MIN(prism_kv_local_first_block(&d->cfg, d->blocks.block_size,
                                                                                  (int)kv->n_tokens), (int)kv->n_blocks) ||
-        len != (size_t)kv->n_blocks * d->fbb + (size_t)(kv->n_blocks - kv->local_first_block) * d->lbb ||
+        n < 1 || n > total || n > d->piece_blocks || len != piece_bytes(d, (int)kv->n_blocks, 0, (int)n) ||
         !choices_ok(d, kv)) {
         PRISM_WARN("request %llu: malformed KV transfer dropped (%s)", (unsigned long long)e->request_id,
                    why ? why : "sizes or choices");
         send_error(d, router, e->request_id, e->request_id_hi, PRISM__ERROR_KIND__ERROR_INTERNAL,
                    "malformed KV transfer between prefill and decode");
+        return;
+    }
+    rx_t *x = rx_find(d, e->request_id, e->request_id_hi, router);
+    if (x || (d->staged && d->staged_rid == e->request_id && d->staged_rid_hi == e->request_id_hi &&
+              !strcmp(d->staged_router, router))) {
+        /* a second first piece: the transfer held is not what prefill sent */
+        PRISM_WARN("request %llu: a second KV transfer for it dropped", (unsigned long long)e->request_id);
+        if (x) rx_fail(d, x, PRISM__ERROR_KIND__ERROR_INTERNAL, "malformed KV transfer between prefill and decode");
+        return;
+    }
+    if (d->staged) {   /* one transfer waits at most (a second can come only while others arrive) */
+        bounce(d, e, router);
         return;
     }
     /* Keep the message: move the frame (no copy) and take over the unpacked envelope. */
@@ -370,7 +558,11 @@ static void on_kv(decode_t *d, prism_msg_t *m)
     d->staged_env = m->env;
     d->staged_kv = m->env->kv;
     m->env = NULL;
-    admit_staged(d);
+    /* With transfers arriving, one of several pieces cannot wait: its next ones would follow. */
+    if (!admit_staged(d) && d->n_rx && n < total) {
+        bounce(d, d->staged_env, d->staged_router);
+        unstage(d);
+    }
 }
 
 static void on_abort(decode_t *d, uint64_t rid, const char *router)
@@ -386,6 +578,11 @@ static void on_abort(decode_t *d, uint64_t rid, const char *router)
             held = true;
         }
     }
+    for (int i = 0; i < d->max_running; i++)
+        if (d->rx[i].used && d->rx[i].rid == rid && !strcmp(d->rx[i].router, router)) {
+            d->rx[i].used = false;   /* its sequences were released above */
+            d->n_rx--;
+        }
     if (d->staged && d->staged_rid == rid && !strcmp(d->staged_router, router)) {
         unstage(d);
         held = true;
@@ -458,7 +655,7 @@ static void launch_step(decode_t *d)
     int n = 0;
     for (int i = 0; i < d->max_running; i++) {
         seq_t *s = &d->seqs[i];
-        if (!s->seq.used || s->finishing || s->cancel || s->preempt) continue;
+        if (!s->seq.used || s->finishing || s->cancel || s->preempt || s->receiving) continue;
         d->tokens[n] = s->last_token;
         d->seq_start[n] = n;
         d->pos0[n] = s->seq.len;
@@ -623,11 +820,11 @@ static void fail_group(decode_t *d)
         seq_release(d, s);
         n++;
     }
+    for (int i = 0; i < d->max_running; i++) d->rx[i].used = false;   /* their sequences were failed above */
+    d->n_rx = 0;
     if (d->staged) {
         send_error(d, d->staged_router, d->staged_rid, d->staged_rid_hi, kind, "the decode worker's tensor-parallel group lost a rank");
-        zmq_msg_close(&d->staged_frame);
-        prism_msg_env_free(d->staged_env);
-        d->staged = false;
+        unstage(d);
         n++;
     }
     PRISM_ERROR("decode group %s: a rank is gone: %d requests failed, the leader exits so the group restarts",
@@ -724,10 +921,11 @@ static int decode_load(void *ctx, prism_worker_startup_t *s)
      * every layer in it (the transfer layout is the same; the chunked layers' older blocks are
      * simply never written nor read). */
     if (d->ring >= d->max_blocks_per_seq) d->ring = 0;
-    /* The largest transfer: every block of the pool's layers, and the chunked layers' blocks from
-     * the chunk of the last position (at most a ring); whole-model heads (the leader scatters) */
+    /* Transfers come in pieces of whole-model heads (the leader scatters): the data socket's frames
+     * are at most one piece, whatever the prompt (a bigger one drops the sender's connection). */
     s->data_socket = true;
-    s->data_max_msg_bytes = (size_t)d->max_blocks_per_seq * d->fbb + (size_t)d->ring * d->lbb;
+    d->piece_blocks = prism_kv_piece_blocks(PRISM_MAX(d->fbb, d->lbb));
+    s->data_max_msg_bytes = piece_max_bytes(d);
     size_t heap0 = prism_mem_used();   /* token-count tables, matchers' slots, grammar vocabulary: measured */
     if (prism_seq_sampler_init(&d->sampler, &d->cfg, s->o.model_path, d->max_running) != PRISM_OK) {
         PRISM_ERROR("cannot allocate the sampler");
@@ -764,6 +962,10 @@ static int decode_plan(void *ctx, prism_worker_startup_t *s)
     PRISM_PLAN_POOL(p, "ring-import", d->ring_ids, d->ring);
     PRISM_PLAN_POOL(p, "logits", d->logits, (size_t)n * d->cfg.vocab);
     PRISM_PLAN_POOL(p, "step-results", d->out, n);
+    PRISM_PLAN_POOL(p, "kv-receiving", d->rx, n);
+    /* KV pieces outside the pool (ZeroMQ's): one being read off the wire, one in the data socket's
+     * queue (high-water mark 1) and one handed to the loop (credit 1), whatever the prompt's length */
+    prism_mem_plan_add(p, "kv-pieces", 3 * piece_max_bytes(d), PRISM_MEM_OUTSIDE);
     /* the step in flight, as the model takes it */
     PRISM_PLAN_POOL(p, "step-tokens", d->tokens, n);
     PRISM_PLAN_POOL(p, "step-positions", d->pos0, n);
@@ -845,8 +1047,16 @@ static int decode_run(void *ctx)
         }
         bool busy = publish_load(d) > 0;
         admit_staged(d);
-        prism_worker_accept_data(&d->w, d->staged ? 0 : 1);
+        prism_worker_accept_data(&d->w, data_credit(d));
         prism_worker_poll(&d->w, busy ? 0 : 50, on_msg, d);
+        /* transfers arriving: take the pieces already here (a few per step, each a copy into blocks) */
+        for (int k = 0; k < 16 && d->n_rx; k++) {
+            uint64_t got = d->w.data_received;
+            prism_worker_accept_data(&d->w, data_credit(d));
+            prism_worker_poll(&d->w, 1, on_msg, d);
+            if (d->w.data_received == got) break;
+        }
+        rx_expire(d, prism_now_s());
         step(d);
     }
     if (d->n_step && !code) prism_llm_forward_end(d->llm, d->logits);   /* let the device finish before exit */

@@ -58,6 +58,7 @@ typedef struct {
     char router_id[128];
     uint32_t image_index;
     uint64_t hash;
+    int64_t min_pixels, max_pixels;   /* Qwen-VL: the request's mm_processor_kwargs (max_pixels 0: none) */
     char prefill_endpoint[256];
     zmq_msg_t image;          /* file bytes, owned while queued */
     bool has_image;
@@ -315,6 +316,8 @@ static void on_encode(encoder_t *e, prism_msg_t *m)
     snprintf(j->router_id, sizeof(j->router_id), "%s", router);
     j->image_index = en->image_index;
     j->hash = en->content_hash;
+    j->min_pixels = en->min_pixels;
+    j->max_pixels = en->max_pixels;
     j->after_early = en->early_id != 0;
     snprintf(j->prefill_endpoint, sizeof(j->prefill_endpoint), "%s", en->prefill_endpoint);
     zmq_msg_init(&j->image);
@@ -532,8 +535,8 @@ static int decode_task(void *ctx, int task, enc_prep_t *prep)
     encoder_t *e = ctx;
     job_t *j = &e->jobs[e->pix_job[task]];
     double t0 = prism_now_s();
-    j->dec_rc = enc_prep_run(prep, zmq_msg_data(&j->image), zmq_msg_size(&j->image), e->pixels + j->dec_at, j->error,
-                             sizeof(j->error));
+    j->dec_rc = enc_prep_run(prep, zmq_msg_data(&j->image), zmq_msg_size(&j->image), j->min_pixels, j->max_pixels,
+                             e->pixels + j->dec_at, j->error, sizeof(j->error));
     j->decode_ms = (float)((prism_now_s() - t0) * 1e3);
     return j->dec_rc;
 }
@@ -610,7 +613,8 @@ static void run_batch_native(encoder_t *e)
         size_t len = zmq_msg_size(&best->image);
         int idx = (int)(best - e->jobs);
         prism_qwenvl_grid_t g;
-        bool bad = enc_prep_grid(&e->prep, data, len, e->max_tokens, &g, best->error, sizeof(best->error)) != PRISM_OK;
+        bool bad = enc_prep_grid(&e->prep, data, len, best->min_pixels, best->max_pixels, e->max_tokens, &g, best->error,
+                                 sizeof(best->error)) != PRISM_OK;
         if (!bad && n_patches + g.n_patches > e->cap_patches) break;   /* next batch: nothing overtakes it */
         e->batch[e->n_batch++] = idx;
         best->state = JOB_SEND;

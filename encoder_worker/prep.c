@@ -122,13 +122,26 @@ int enc_prep_tiles(const enc_prep_t *p, const uint8_t *data, size_t len, int *n_
     return PRISM_OK;
 }
 
-int enc_prep_grid(const enc_prep_t *p, const uint8_t *data, size_t len, int max_tokens, prism_qwenvl_grid_t *g,
-                  char *msg, size_t n)
+/* The processor at a request's limits (max_pixels 0: its own); the router kept them within its own
+ * max_pixels, which the workspace is planned for (checked per image all the same). */
+static prism_qwenvl_proc_t qw_at(const enc_prep_t *p, int64_t min_pixels, int64_t max_pixels)
+{
+    prism_qwenvl_proc_t q = p->qw;
+    if (max_pixels > 0) {
+        q.min_pixels = min_pixels;
+        q.max_pixels = max_pixels;
+    }
+    return q;
+}
+
+int enc_prep_grid(const enc_prep_t *p, const uint8_t *data, size_t len, int64_t min_pixels, int64_t max_pixels,
+                  int max_tokens, prism_qwenvl_grid_t *g, char *msg, size_t n)
 {
     prism_image_info_t info;
     int rc = probe(p, data, len, &info, msg, n);
     if (rc != PRISM_OK) return rc;
-    if (prism_qwenvl_grid(&p->qw, info.width, info.height, g) != PRISM_OK) {
+    prism_qwenvl_proc_t qw = qw_at(p, min_pixels, max_pixels);
+    if (prism_qwenvl_grid(&qw, info.width, info.height, g) != PRISM_OK) {
         snprintf(msg, n, "Image of %dx%d pixels cannot be resized for the model: its aspect ratio is above 200.",
                  info.width, info.height);
         return PRISM_ELIMIT;
@@ -139,14 +152,15 @@ int enc_prep_grid(const enc_prep_t *p, const uint8_t *data, size_t len, int max_
                  (long long)prism_qwenvl_max_pixels_for_tokens(&p->qw, max_tokens));
         return PRISM_ELIMIT;
     }
-    if (prism_qwenvl_workspace_bytes(&p->qw, info.width, info.height) > p->ws_bytes) {
+    if (prism_qwenvl_workspace_bytes(&qw, info.width, info.height) > p->ws_bytes) {
         snprintf(msg, n, "Image of %dx%d pixels needs more preprocessing memory than planned.", info.width, info.height);
         return PRISM_ELIMIT;
     }
     return PRISM_OK;
 }
 
-int enc_prep_run(enc_prep_t *p, const uint8_t *data, size_t len, float *pixels, char *msg, size_t n)
+int enc_prep_run(enc_prep_t *p, const uint8_t *data, size_t len, int64_t min_pixels, int64_t max_pixels,
+                 float *pixels, char *msg, size_t n)
 {
     prism_image_info_t info;
     int rc = probe(p, data, len, &info, msg, n);
@@ -159,7 +173,8 @@ int enc_prep_run(enc_prep_t *p, const uint8_t *data, size_t len, float *pixels, 
     if (p->arch == PRISM_VISION_LLAMA4) {
         sink = prism_llama4_stream_sink(&ls, &p->l4, p->ws, p->ws_bytes, pixels);
     } else if (qwenvl(p->arch)) {
-        sink = prism_qwenvl_stream_sink(&qs, &p->qw, 0, 0, p->ws, p->ws_bytes, pixels);
+        sink = prism_qwenvl_stream_sink(&qs, &p->qw, max_pixels > 0 ? min_pixels : 0, PRISM_MAX(max_pixels, 0), p->ws,
+                                        p->ws_bytes, pixels);
     } else {
         int tw, th;
         if (prism_clip_resize_target(&p->clip, info.width, info.height, &tw, &th) != PRISM_OK) {

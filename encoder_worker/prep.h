@@ -55,13 +55,16 @@ void enc_prep_destroy(enc_prep_t *p);
  * data that is not an image, PRISM_ELIMIT for limits). */
 int  enc_prep_tiles(const enc_prep_t *p, const uint8_t *data, size_t len, int *n_tiles, char *msg, size_t n);
 /* Native-resolution models: the image's patch grid and LM tokens, from its header (the router's
- * arithmetic); refused with a client-facing message when it cannot be resized (aspect ratio above
- * 200) or needs more than max_tokens LM tokens (0: no bound) or more preprocessing memory than
- * planned. */
-int  enc_prep_grid(const enc_prep_t *p, const uint8_t *data, size_t len, int max_tokens, prism_qwenvl_grid_t *g,
-                   char *msg, size_t n);
+ * arithmetic) at the request's min_pixels / max_pixels (Encode's mm_processor_kwargs; max_pixels 0:
+ * the processor's own); refused with a client-facing message when it cannot be resized (aspect
+ * ratio above 200) or needs more than max_tokens LM tokens (0: no bound) or more preprocessing
+ * memory than planned. */
+int  enc_prep_grid(const enc_prep_t *p, const uint8_t *data, size_t len, int64_t min_pixels, int64_t max_pixels,
+                   int max_tokens, prism_qwenvl_grid_t *g, char *msg, size_t n);
 /* Decodes and preprocesses the image into pixels ([n_tiles][3][tile][tile], room for what
- * enc_prep_tiles said; native resolution: [n_patches][3][p][p]). Fails with a client-facing message. */
-int  enc_prep_run(enc_prep_t *p, const uint8_t *data, size_t len, float *pixels, char *msg, size_t n);
+ * enc_prep_tiles said; native resolution: [n_patches][3][p][p], at min_pixels / max_pixels as for
+ * enc_prep_grid). Fails with a client-facing message. */
+int  enc_prep_run(enc_prep_t *p, const uint8_t *data, size_t len, int64_t min_pixels, int64_t max_pixels,
+                  float *pixels, char *msg, size_t n);
 
 #endif

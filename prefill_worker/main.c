@@ -116,6 +116,7 @@ typedef struct {
     char kv_endpoint[256];
     Prism__Kv kv_hdr;
     size_t kv_len;
+    int kv_next;             /* its first block (frame order) not sent yet: it goes in pieces (kv/kv.h) */
     preq_t *cur;             /* the prompt in the model now */
     bool cur_dropped;
     prism_model_hook_t hook;
@@ -503,12 +504,29 @@ static void try_send_kv(prefill_t *p)
     env.trace_id_hi = q->trace.hi;
     env.trace_id_lo = q->trace.lo;
     env.router_id = q->router_id;
-    env.kv = &p->kv_hdr;
-    prism_frame_t f = {p->kv_out, p->kv_len};
-    int rc = prism_msg_send(s, NULL, 0, &env, &f, 1, ZMQ_DONTWAIT);
-    if (rc == PRISM_EAGAIN) return;  /* decode is full: keep it and retry next iteration */
-    if (rc != PRISM_OK) send_error(p, q->router_id, q->rid, q->rid_hi, PRISM__ERROR_KIND__ERROR_UNAVAILABLE,
-                                  "KV transfer to the decode worker failed");
+    /* In pieces of at most prism_kv_piece_blocks blocks, in order: the first with the header, the
+     * others with their place only (decode copies each into its blocks as it comes). */
+    int nb = (int)p->kv_hdr.n_blocks, total = 2 * nb - (int)p->kv_hdr.local_first_block;
+    size_t fbb = p->kv_hdr.block_bytes, lbb = p->kv_hdr.local_block_bytes;
+    int per = prism_kv_piece_blocks(PRISM_MAX(fbb, lbb));
+    while (p->kv_next < total) {
+        int first = p->kv_next, n = PRISM_MIN(per, total - first);
+        Prism__Kv piece = PRISM__KV__INIT;
+        Prism__Kv *kv = first ? &piece : &p->kv_hdr;
+        kv->piece_first = (uint32_t)first;
+        kv->piece_blocks = (uint32_t)n;
+        env.kv = kv;
+        size_t off = prism_kv_piece_offset(nb, fbb, lbb, first);
+        prism_frame_t f = {p->kv_out + off, prism_kv_piece_offset(nb, fbb, lbb, first + n) - off};
+        int rc = prism_msg_send(s, NULL, 0, &env, &f, 1, ZMQ_DONTWAIT);
+        if (rc == PRISM_EAGAIN) return;  /* decode is full: keep the rest and retry next iteration */
+        if (rc != PRISM_OK) {
+            send_error(p, q->router_id, q->rid, q->rid_hi, PRISM__ERROR_KIND__ERROR_UNAVAILABLE,
+                       "KV transfer to the decode worker failed");
+            break;
+        }
+        p->kv_next += n;
+    }
     kv_done(p);
 }
 
@@ -741,6 +759,7 @@ static void run_req(prefill_t *p, preq_t *r)
         }
         snprintf(p->kv_endpoint, sizeof(p->kv_endpoint), "%s", r->decode_endpoint);
         p->kv_pending = true;
+        p->kv_next = 0;
     }
     prism_kv_blocks_release(&p->blocks, p->table, nb);
     release_request(p, r->seq.rid, r->seq.router_id);

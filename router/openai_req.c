@@ -134,6 +134,7 @@ static const field_rule_t k_fields[] = {
     {"parallel_tool_calls", F_CHAT, F_IMPL, NULL}, {"add_generation_prompt", F_CHAT, F_IMPL, NULL},
     {"add_special_tokens", F_BOTH, F_IMPL, NULL}, {"skip_special_tokens", F_BOTH, F_IMPL, NULL},
     {"chat_template_kwargs", F_CHAT, F_IMPL, NULL}, {"return_tokens_as_token_ids", F_BOTH, F_IMPL, NULL},
+    {"mm_processor_kwargs", F_BOTH, F_IMPL, NULL},
     /* metadata: cannot change the answer */
     {"user", F_BOTH, F_META, NULL}, {"metadata", F_BOTH, F_META, NULL}, {"store", F_BOTH, F_META, NULL},
     {"service_tier", F_BOTH, F_META, NULL}, {"safety_identifier", F_BOTH, F_META, NULL},
@@ -754,6 +755,38 @@ static int parse_template_kwargs(json_t *root, prism_oai_error_t *err)
     return PRISM_OK;
 }
 
+/* mm_processor_kwargs (vLLM's): the image processor's min_pixels / max_pixels for this request's
+ * images (Qwen-VL); any other key is refused rather than silently not applied. Whether the model has
+ * such a processor and the values fit it, the router checks (router_prompt). */
+static int parse_mm_kwargs(json_t *root, prism_oai_request_t *out, prism_oai_error_t *err)
+{
+    json_t *kw = field(root, "mm_processor_kwargs");
+    if (!kw) return PRISM_OK;
+    if (!json_is_object(kw))
+        return oai_fail(err, "mm_processor_kwargs", "'mm_processor_kwargs' must be an object, got %s.",
+                        json_type_name(kw));
+    const char *k;
+    json_t *v;
+    json_object_foreach(kw, k, v) {
+        char param[64];
+        snprintf(param, sizeof param, "mm_processor_kwargs.%.40s", k);
+        int64_t *at = !strcmp(k, "min_pixels") ? &out->mm_min_pixels : !strcmp(k, "max_pixels") ? &out->mm_max_pixels
+                                                                                                  : NULL;
+        if (!at) return oai_fail(err, param, "'%.40s' is not supported in mm_processor_kwargs (min_pixels and "
+                                 "max_pixels are).", k);
+        if (json_is_null(v)) continue;
+        int64_t iv;
+        if (!as_int64(v, &iv) || iv < 1 || iv > PRISM_OAI_MAX_MM_PIXELS)   /* 0: transformers refuses it too */
+            return oai_fail(err, param, "'%s' must be an integer in [1, %lld].", param,
+                            (long long)PRISM_OAI_MAX_MM_PIXELS);
+        *at = iv;
+    }
+    if (out->mm_min_pixels >= 0 && out->mm_max_pixels >= 0 && out->mm_min_pixels > out->mm_max_pixels)
+        return oai_fail(err, "mm_processor_kwargs.min_pixels", "min_pixels (%lld) must not exceed max_pixels (%lld).",
+                        (long long)out->mm_min_pixels, (long long)out->mm_max_pixels);
+    return PRISM_OK;
+}
+
 static int parse_sampling(json_t *root, bool chat, int vocab, prism_oai_request_t *out, prism_oai_error_t *err)
 {
     int rc;
@@ -767,6 +800,7 @@ static int parse_sampling(json_t *root, bool chat, int vocab, prism_oai_request_
     if ((rc = get_bool(root, "return_tokens_as_token_ids", &out->return_tokens_as_token_ids, err))) return rc;
     if (chat && (rc = get_bool(root, "add_generation_prompt", &out->add_generation_prompt, err))) return rc;
     if (chat && (rc = parse_template_kwargs(root, err))) return rc;
+    if ((rc = parse_mm_kwargs(root, out, err))) return rc;
     return parse_stop(root, vocab, out, err);
 }
 
@@ -1016,6 +1050,7 @@ int prism_oai_parse(const char *body, size_t len, bool chat, const prism_oai_par
     out->temperature = 1.0;
     out->top_p = 1.0;
     out->top_k = -1;
+    out->mm_min_pixels = out->mm_max_pixels = -1;
     out->repetition_penalty = 1.0;
     out->n = 1;
     out->add_generation_prompt = true;

@@ -44,6 +44,7 @@
 #define PRISM_OAI_MAX_TOOLS          128
 #define PRISM_OAI_MAX_TOOLS_BYTES    (1u << 20)   /* the tools array as JSON text (it travels to the workers) */
 #define PRISM_OAI_MAX_CHOICES        1024   /* guided_choice strings */
+#define PRISM_OAI_MAX_MM_PIXELS      (1ll << 40)   /* mm_processor_kwargs pixels (the model's own bound is lower) */
 
 typedef enum {
     PRISM_OAI_TOOL_NONE = 0,     /* no tool calls: tools (if any) only reach the chat template */
@@ -133,6 +134,8 @@ typedef struct {
     bool add_special_tokens;  /* vLLM extension: default false for chat, true for completions */
     bool skip_special_tokens; /* vLLM extension: default true */
     bool return_tokens_as_token_ids; /* vLLM extension: logprobs name tokens "token_id:<id>" */
+    int64_t mm_min_pixels;    /* mm_processor_kwargs (vLLM extension; Qwen-VL): -1 = the processor's; */
+    int64_t mm_max_pixels;    /*   1..PRISM_OAI_MAX_MM_PIXELS, min <= max when both are given */
     int n_images;             /* total image parts over all messages */
     size_t parse_bytes;       /* what the parsed tree costs (estimated by prism_oai_scan) */
 } prism_oai_request_t;

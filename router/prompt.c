@@ -341,7 +341,9 @@ static int expand_images(const router_t *r, router_prompt_t *p, char *msg, size_
                 p->img_span[k] = (uint32_t)grid[k].n_prompt_tokens;
             } else if (r->qwenvl) {
                 prism_qwenvl_grid_t g;
-                if (prism_qwenvl_grid(&r->qwproc, p->img_w[k], p->img_h[k], &g) != PRISM_OK) {
+                int64_t mn = p->max_pixels ? p->min_pixels : r->qwproc.min_pixels;
+                int64_t mx = p->max_pixels ? p->max_pixels : r->qwproc.max_pixels;
+                if (prism_qwenvl_grid_px(&r->qwproc, mn, mx, p->img_w[k], p->img_h[k], &g) != PRISM_OK) {
                     snprintf(msg, n, "Image %d: %dx%d pixels cannot be resized for the model (aspect ratio above 200).",
                              k, p->img_w[k], p->img_h[k]);
                     return 400;
@@ -407,9 +409,45 @@ int router_prompt_build(const router_t *r, router_prompt_t *p, const prism_oai_r
     return status ? status : router_prompt_finish(r, p, o, msg, n);
 }
 
+/* mm_processor_kwargs (Qwen-VL): this request's min_pixels / max_pixels, within the processor's
+ * max_pixels (what the encoder's preprocessing and prefill's embedding pool are planned for; the
+ * encoder still refuses an image beyond its --max-image-tokens with a 400). Images processed with
+ * other limits are other embeddings: their cache key (img_hash, the encoders' cache and early jobs)
+ * covers the limits. */
+static int mm_kwargs(const router_t *r, router_prompt_t *p, const prism_oai_request_t *o, char *msg, size_t n)
+{
+    if (o->mm_min_pixels < 0 && o->mm_max_pixels < 0) return 0;
+    if (!r->qwenvl) {
+        snprintf(msg, n, "mm_processor_kwargs min_pixels / max_pixels apply to Qwen-VL models only.");
+        return 400;
+    }
+    int64_t mn = o->mm_min_pixels >= 0 ? o->mm_min_pixels : r->qwproc.min_pixels;
+    int64_t mx = o->mm_max_pixels >= 0 ? o->mm_max_pixels : r->qwproc.max_pixels;
+    if (mx > r->qwproc.max_pixels) {
+        snprintf(msg, n, "mm_processor_kwargs: max_pixels %lld exceeds the model's max_pixels (%lld).", (long long)mx,
+                 (long long)r->qwproc.max_pixels);
+        return 400;
+    }
+    if (mn > mx) {
+        snprintf(msg, n, "mm_processor_kwargs: min_pixels %lld exceeds max_pixels %lld.", (long long)mn, (long long)mx);
+        return 400;
+    }
+    p->min_pixels = mn;
+    p->max_pixels = mx;
+    if (!p->mm_keyed) {
+        for (int k = 0; k < p->n_images; k++) {
+            uint64_t key[3] = {p->img_hash[k], (uint64_t)mn, (uint64_t)mx};
+            p->img_hash[k] = XXH3_64bits_withSecret(key, sizeof key, r->img_secret, sizeof(r->img_secret));
+        }
+        p->mm_keyed = true;
+    }
+    return 0;
+}
+
 int router_prompt_finish(const router_t *r, router_prompt_t *p, const prism_oai_request_t *o, char *msg, size_t n)
 {
-    int status = expand_images(r, p, msg, n);
+    int status = mm_kwargs(r, p, o, msg, n);
+    if (!status) status = expand_images(r, p, msg, n);
     if (status) return status;
     if (p->n_tokens == 0) {
         snprintf(msg, n, "The prompt is empty.");

@@ -378,6 +378,10 @@ typedef struct {
     uint32_t img_span[ROUTER_MAX_IMAGES];   /* tokens in that span: image_seq_length (LLaVA), the whole
                                              * expansion with separators (Llama-4), the pads (Qwen-VL) */
     uint32_t img_rows[ROUTER_MAX_IMAGES], img_cols[ROUTER_MAX_IMAGES];   /* Qwen-VL: LM-token grid */
+    int64_t min_pixels, max_pixels;         /* Qwen-VL with mm_processor_kwargs: the processor's limits for
+                                             * this request's images (Encode carries them); max_pixels 0: the
+                                             * processor's own (no kwargs) */
+    bool mm_keyed;                          /* img_hash covers them (once) */
     size_t image_bytes;
     int32_t *tokens;                        /* prompt, each image placeholder expanded */
     size_t n_tokens, cap;

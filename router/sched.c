@@ -254,6 +254,8 @@ static bool send_encode(router_t *r, router_req_t *q, const plan_t *p, int i)
     m->encode.image_index = (uint32_t)i;
     m->encode.content_hash = q->prompt.img_hash[i];
     m->encode.prefill_endpoint = p->prefill->data_endpoint;
+    m->encode.min_pixels = q->prompt.min_pixels;   /* mm_processor_kwargs (max_pixels 0: none) */
+    m->encode.max_pixels = q->prompt.max_pixels;
     /* a done early job of this image there: named too, so the encoder counts no hit for it */
     m->encode.early_id = p->early[i] ? p->early[i] : router_early_take_done(r, q->prompt.img_hash[i], enc);
     m->env.type = PRISM__MSG_TYPE__MSG_ENCODE;

@@ -269,8 +269,9 @@ KV_BLOCK_BYTES, KV_BLOCK = 65536, 16   # models/prism-tiny-llava's K/V of one 16
 
 
 def kv_msg(rid, n_tokens, samp=None, choices=((0, 17, 1),), prompt=None, router=ROUTER_ID, block_bytes=KV_BLOCK_BYTES,
-           n_blocks=None):
-    """A Kv transfer as prefill sends it, and its frame. choices: (index, first token, rng state)."""
+           n_blocks=None, piece_blocks=0):
+    """A Kv transfer as prefill sends it, and its frame (piece_blocks: the first piece of that many
+    blocks, 0 the whole transfer). choices: (index, first token, rng state)."""
     nb = n_blocks if n_blocks is not None else (n_tokens + KV_BLOCK - 1) // KV_BLOCK
     body = (pb_int(1, n_tokens) + pb_int(2, KV_BLOCK) + pb_int(3, nb) + pb_int(4, block_bytes) + pb_int(12, nb) +
             pb_int(13, 0) + pb_bytes(5, samp if samp is not None else sampling()) +
@@ -278,7 +279,14 @@ def kv_msg(rid, n_tokens, samp=None, choices=((0, 17, 1),), prompt=None, router=
             pb_packed(10, [c[2] for c in choices]))
     if prompt:
         body += pb_packed(11, prompt)
-    return env_of(9, 18, body, rid, router), [(nb * block_bytes, struct.pack("<f", 0.05))]
+    if piece_blocks:
+        body += pb_int(16, piece_blocks)
+    return env_of(9, 18, body, rid, router), [((piece_blocks or nb) * block_bytes, struct.pack("<f", 0.05))]
+
+
+def kv_piece_msg(rid, first, n, router=ROUTER_ID):
+    """A piece after the first of a Kv transfer: its place only."""
+    return env_of(9, 18, pb_int(15, first) + pb_int(16, n), rid, router)
 
 
 def decode_seeds():
@@ -326,6 +334,34 @@ def decode_seeds():
         rec(OP_ROUTER, abort_msg(53)) + turn(20))
     put(h, "other_router", kv(47, 6, router="r2") + kv(48, 6, router=None) + turn(5) +
         rec(OP_ROUTER, abort_msg(48, None)))
+    # bit 5: pieces of one block (a 20-token prompt's transfer is two)
+    MODE_PIECES = 0x20
+
+    def first(rid, n_tokens, pb=1, **kw):
+        return kv(rid, n_tokens, piece_blocks=pb, **kw)
+
+    def piece(rid, at, n=1, frame=None):
+        return rec(OP_DATA, kv_piece_msg(rid, at, n), [frame if frame is not None else (n * KV_BLOCK_BYTES, b"\0\0\0\0")])
+
+    def pieces_mode(rec_bytes, extra=0):
+        return bytes([rec_bytes[0] | MODE_PIECES | extra]) + rec_bytes[1:]
+
+    put(h, "pieces", pieces_mode(first(60, 20)) + piece(60, 1) + turn(6) +
+        first(61, 20, samp=sampling(max_tokens=4, temperature=1.0, n=3), choices=((0, 17, 1), (1, 18, 2), (2, 19, 3))) +
+        turn() + piece(61, 1) + turn(6))
+    # out of order, a second first piece, a piece larger than a piece, a frame of the wrong length, a
+    # piece of no transfer, a first piece larger than a piece, a transfer that stops midway
+    put(h, "pieces_faults", pieces_mode(first(62, 20)) + piece(62, 2) + first(63, 20) + first(63, 20) +
+        first(64, 20) + piece(64, 1, 2) + first(65, 20) + piece(65, 1, frame=b"kv") + piece(66, 1) +
+        first(67, 20, pb=2) + turn() + first(68, 20, samp=sampling(max_tokens=8)) + turn(3))
+    # two transfers arriving hold 4 of the 5 blocks: a third of two pieces cannot wait (preempted
+    # before admission), a single piece takes the last block, the next single piece waits (no slot)
+    # while the two go on, and one more first piece is turned away (one waits at most)
+    put(h, "pieces_interleaved", pieces_mode(first(70, 20, samp=sampling(max_tokens=10))) +
+        first(71, 20, samp=sampling(max_tokens=10)) + first(72, 20) + first(73, 6) + first(74, 6) +
+        first(75, 20, samp=sampling(n=2), choices=((0, 17, 1), (1, 18, 2))) + piece(70, 1) + turn() +
+        piece(72, 1) + piece(71, 1) + turn(12))
+    put(h, "pieces_give_up", pieces_mode(first(76, 20), 0x80) + turn() + first(77, 6) + turn())
 
 
 

@@ -2,7 +2,7 @@
 """Generates the Qwen2.5-VL and Qwen3-VL golden fixtures (fp32, CPU, Hugging Face transformers as the
 reference). Deterministic (seeded); rerun after changing a case:
 
-    python3 tools/gen_qwen_goldens.py [--only image,model,model3]   # needs torch, transformers, tokenizers, pillow
+    python3 tools/gen_qwen_goldens.py [--only image,model,model3,request]   # needs torch, transformers, tokenizers, pillow
 
 Writes:
   tests/data/image/qwenvl/       image-processor goldens (Qwen2VLImageProcessorPil, the class
@@ -99,16 +99,33 @@ def gen_image():
         ("qwen3", 640, 480, 14, False), ("qwen3", 100, 700, 15, False),
         ("scaled", 60, 900, 16, False), ("qwen25", 900, 7000, 17, False),   # tall: Pillow 13 resizes vertically first
     ]
+    # A request's mm_processor_kwargs (vLLM passes them to the processor call; a key left out is the
+    # config's): a lower max_pixels, a higher min_pixels, both.
+    request_cases = [
+        ("qwen25", 640, 480, 9, {"max_pixels": 28 * 28 * 64}), ("qwen25", 50, 40, 13, {"min_pixels": 28 * 28 * 16}),
+        ("scaled", 300, 200, 4, {"min_pixels": 28 * 28, "max_pixels": 28 * 28 * 4}),
+        ("qwen3", 100, 700, 15, {"min_pixels": 32 * 32 * 40, "max_pixels": 32 * 32 * 90}),
+    ]
+    cases += [(name, w, h, seed, False, kw) for name, w, h, seed, kw in request_cases]
     out = {"configs": configs, "cases": []}
-    for name, w, h, seed, store in cases:
+    for name, w, h, seed, store, *request in cases:
         proc = image_processor(configs[name])
         img = Image.fromarray(synth_image(w, h, seed), "RGB")
-        o = proc(images=[img], return_tensors="np")
+        kw = {}
+        if request:
+            c = configs[name]
+            size = c.get("size", {})
+            mn = request[0].get("min_pixels", c.get("min_pixels", size.get("shortest_edge")))
+            mx = request[0].get("max_pixels", c.get("max_pixels", size.get("longest_edge")))
+            kw = {"size": {"shortest_edge": mn, "longest_edge": mx}}
+        o = proc(images=[img], return_tensors="np", **kw)
         pv, grid = o["pixel_values"], o["image_grid_thw"][0].tolist()
         p = configs[name]["patch_size"]
         frame = one_frame(pv, configs[name]["temporal_patch_size"], p).astype("<f4")
         case = {"config": name, "w": w, "h": h, "seed": seed, "grid_thw": grid, "n_patches": int(frame.shape[0]),
                 "fnv1a64_f32": fnv1a64(frame.tobytes())}
+        if request:
+            case["request"] = request[0]
         if store:
             fn = "%s_%dx%d.f32" % (name, w, h)
             frame.tofile(os.path.join(IMAGE_OUT, fn))
@@ -441,9 +458,65 @@ def gen_model(variant="qwen25"):
         f.write("\n")
 
 
+# A request's mm_processor_kwargs on the committed checkpoint (the model cases above regenerate it):
+# (name, messages as MODEL_CASES, the request's kwargs, greedy tokens).
+REQUEST_CASES = [
+    ("max_pixels_request", [{"role": "user", "content": [{"type": "image", "image": (640, 480, 25)},
+                                                         {"type": "text", "text": "Describe the picture in one sentence."}]}],
+     {"max_pixels": 28 * 28 * 16}, 8),
+    ("min_pixels_request", [{"role": "user", "content": [{"type": "image", "image": (20, 30, 24)},
+                                                         {"type": "text", "text": "What is in the image?"}]}],
+     {"min_pixels": 28 * 28 * 20}, 8),
+]
+
+
+def gen_request(variant="qwen25"):
+    """golden_request.json beside the checkpoint: HF's prompt ids and greedy tokens when the processor
+    is called with a request's min_pixels / max_pixels (size {shortest_edge, longest_edge}: what
+    vLLM's mm_processor_kwargs become; a key left out is the checkpoint's)."""
+    import torch
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
+    V = VARIANTS[variant]
+    out = os.path.join(MODEL_OUT, V["dir"])
+    model = getattr(transformers, V["model_class"]).from_pretrained(out, torch_dtype=torch.float32,
+                                                                    attn_implementation="eager").eval()
+    improc = AutoImageProcessor.from_pretrained(out)
+
+    class NoVideoProcessor(getattr(transformers, V["proc_class"])):
+        def check_argument_for_proper_class(self, name, arg):
+            return None
+    proc = NoVideoProcessor(image_processor=improc, tokenizer=AutoTokenizer.from_pretrained(out),
+                            chat_template=V["template"])
+    pad = proc.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    cases = []
+    for name, msgs, kw, n_greedy in REQUEST_CASES:
+        hm, images = hf_messages(msgs)
+        size = {"shortest_edge": kw.get("min_pixels", V["preproc"]["min_pixels"]),
+                "longest_edge": kw.get("max_pixels", V["preproc"]["max_pixels"])}
+        text = proc.apply_chat_template(hm, tokenize=False, add_generation_prompt=True)
+        enc = proc(text=[text], images=images, images_kwargs={"size": size}, return_tensors="pt")
+        ids = enc["input_ids"]
+        mm = {k: enc[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids") if k in enc}
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, attention_mask=enc["attention_mask"], max_new_tokens=n_greedy,
+                                 do_sample=False, eos_token_id=None, pad_token_id=pad, **mm)
+        greedy = gen[0, ids.shape[1]:].tolist()
+        plain = [{"role": m["role"], "content": [{"type": "image"} if c["type"] == "image" else c
+                                                 for c in m["content"]]} for m in msgs]
+        cases.append({"name": name, "messages": plain, "mm_processor_kwargs": kw, "input_ids": ids[0].tolist(),
+                      "grid": enc["image_grid_thw"].tolist(), "greedy": greedy,
+                      "images": [{"w": m["image"][0], "h": m["image"][1], "seed": m["image"][2]}
+                                 for mm_ in msgs for m in mm_["content"] if m["type"] == "image"]})
+        print("request case %s: %d prompt tokens, grid %s, greedy %s" % (name, ids.shape[1], cases[-1]["grid"], greedy))
+    with open(os.path.join(out, "golden_request.json"), "w") as f:
+        json.dump({"cases": cases}, f, indent=1)
+        f.write("\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="image,model,model3")
+    ap.add_argument("--only", default="image,model,model3,request")
     a = ap.parse_args()
     only = set(a.only.split(","))
     if "image" in only:
@@ -452,6 +525,8 @@ def main():
         gen_model("qwen25")
     if "model3" in only:
         gen_model("qwen3")
+    if "request" in only:
+        gen_request("qwen25")
 
 
 if __name__ == "__main__":

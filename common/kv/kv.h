@@ -51,4 +51,22 @@ static inline double prism_kv_blocks_usage(const prism_kv_blocks_t *b)
     return b->n_blocks ? 1.0 - (double)b->n_free / b->n_blocks : 0.0;
 }
 
+/* KV transfers (prefill -> decode, Kv in prism.proto) travel in pieces of about PRISM_KV_PIECE_BYTES,
+ * so the receiver holds a few pieces outside its block pool whatever the prompt's length (a whole
+ * 16k-token prompt is ~1 GiB at 7B shapes). The transfer's blocks are numbered in frame order: the
+ * n_blocks of the first part (full_bytes each), then the second part's (local_bytes each). */
+#define PRISM_KV_PIECE_BYTES ((size_t)1 << 20)
+
+/* Blocks of one piece (at least one) when no block is larger than max_block_bytes. */
+static inline int prism_kv_piece_blocks(size_t max_block_bytes)
+{
+    return max_block_bytes >= PRISM_KV_PIECE_BYTES || !max_block_bytes ? 1 : (int)(PRISM_KV_PIECE_BYTES / max_block_bytes);
+}
+
+/* Byte offset of block i (frame order) in a transfer whose first part has n_blocks blocks. */
+static inline size_t prism_kv_piece_offset(int n_blocks, size_t full_bytes, size_t local_bytes, int i)
+{
+    return (size_t)PRISM_MIN(i, n_blocks) * full_bytes + (size_t)PRISM_MAX(i - n_blocks, 0) * local_bytes;
+}
+
 #endif

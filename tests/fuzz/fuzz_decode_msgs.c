@@ -5,10 +5,15 @@
  * (prism_worker_open with k_decode_tier) with small pools: 3 sequences, 5 blocks of 16 tokens, a 32-token context
  * (at most 32 steps of a sequence: an input's worst case stays well inside libFuzzer's timeout;
  * optimistic admission, the default: three sequences past 16 tokens outgrow the 5 blocks and preempt).
+ * Transfers in pieces (Kv.piece_first / piece_blocks): the tiny model's pieces would hold every block,
+ * so the harness lowers decode's piece to one block (d->piece_blocks = 1) for inputs whose mode has
+ * bit 5 set: first pieces, continuations in and out of order, twice, too large, for transfers never
+ * admitted, and transfers that stop midway (expired after the input as PRISM_KV_RX_TIMEOUT_S would).
  * Records: see fuzz_worker.h; the harness plays the I/O thread. The input's first byte picks the
  * mode: bit 6 overlaps steps with host work (the GPU pipeline, --overlap-steps on), bit 7 makes the
  * router give up on every request at the end instead of letting them finish.
- * Invariants: every reply is a Tokens message to the router; the loop does not wedge (every sequence
+ * Invariants: every reply is a Tokens message to the router; no step advances a sequence whose KV is
+ * still arriving; the loop does not wedge (every sequence
  * ends by the context length: once the input is over, the worker is idle within that many steps);
  * once every request finished or was aborted, every sequence slot and KV block is back, nothing is
  * staged and no step is in flight. */
@@ -20,6 +25,7 @@
 
 static decode_t g_d;
 static fuzz_io_t g_io;
+static int g_piece_blocks;   /* decode's own piece */
 
 static void drain(void)
 {
@@ -32,15 +38,24 @@ static void turn(void)
     decode_t *d = &g_d;
     publish_load(d);
     admit_staged(d);
-    fuzz_poll(&g_io, &d->w, d->staged ? 0 : 1, on_msg, d);
+    fuzz_poll(&g_io, &d->w, data_credit(d), on_msg, d);
     drain();
+    /* a sequence whose KV is still arriving is in no step (its blocks are partly written) */
+    int len[8];
+    bool rx[8];
+    FUZZ_ASSERT(d->max_running <= 8);
+    for (int i = 0; i < d->max_running; i++) {
+        rx[i] = d->seqs[i].seq.used && d->seqs[i].receiving;
+        len[i] = d->seqs[i].seq.len;
+    }
     step(d);
+    for (int i = 0; i < d->max_running; i++) FUZZ_ASSERT(!rx[i] || !d->seqs[i].seq.used || d->seqs[i].seq.len == len[i]);
     drain();
 }
 
 static bool idle(const decode_t *d)
 {
-    return !running(d) && !d->staged && !d->n_step && !d->n_out && !g_io.n;
+    return !running(d) && !d->staged && !d->n_rx && !d->n_step && !d->n_out && !g_io.n;
 }
 
 static void init(void)
@@ -55,8 +70,8 @@ static void init(void)
     sigaction(SIGTERM, NULL, &old_term);
     prism_worker_startup_t s = {.w = &g_d.w, .cfg = &g_d.cfg, .full = &g_d.full, .group = &g_d.tp};
     FUZZ_ASSERT(prism_worker_open(&k_decode_tier, &g_d, &s, argc, argv) == -1);
-    size_t max_kv = (size_t)g_d.max_blocks_per_seq * g_d.fbb + (size_t)g_d.ring * g_d.lbb;
-    fuzz_io_setup(&g_io, &g_d.w, &old_int, &old_term, max_kv);
+    fuzz_io_setup(&g_io, &g_d.w, &old_int, &old_term, piece_max_bytes(&g_d));
+    g_piece_blocks = g_d.piece_blocks;
     FUZZ_ASSERT(g_d.blocks.n_blocks == 5 && g_d.max_model_len == 32 && !g_d.ring);
     if (getenv("FUZZ_VERBOSE"))   /* the transfer layout the seeds are written for */
         fprintf(stderr, "decode: block bytes %zu + %zu, local_first_block(16 tokens) %d\n", g_d.fbb, g_d.lbb,
@@ -74,6 +89,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     decode_t *d = &g_d;
     uint8_t mode = size ? data[0] : 0;
     d->overlap = (mode & 0x40) != 0;
+    d->piece_blocks = (mode & 0x20) ? 1 : g_piece_blocks;
     fuzz_play(&g_io, &d->w, &data, &size, -1, turn);
     FUZZ_ASSERT(g_io.n == 0);
     if (mode & 0x80) {
@@ -82,16 +98,20 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             if (d->seqs[i].seq.used) fuzz_abort(&d->w, on_msg, d, d->seqs[i].seq.rid, d->seqs[i].seq.router_id);
         if (d->staged) fuzz_abort(&d->w, on_msg, d, d->staged_rid, d->staged_router);
     }
-    /* Every sequence ends by the context length; a staged transfer starts once they make room. */
+    /* Transfers whose pieces stopped are failed as the timeout would; every sequence ends by the
+     * context length; a staged transfer starts once they make room. */
+    rx_expire(d, prism_now_s() + 2 * PRISM_KV_RX_TIMEOUT_S);
     for (int k = 0; k < 2 * d->max_model_len + 4 && !idle(d); k++) turn();
     FUZZ_ASSERT(idle(d));   /* not wedged */
-    for (int i = 0; i < d->max_running; i++) FUZZ_ASSERT(!d->seqs[i].seq.used && !d->seqs[i].n_blocks);
+    for (int i = 0; i < d->max_running; i++) FUZZ_ASSERT(!d->seqs[i].seq.used && !d->seqs[i].n_blocks && !d->rx[i].used);
     FUZZ_ASSERT(d->blocks.n_free == d->blocks.n_blocks);
 
     if (getenv("FUZZ_VERBOSE"))   /* what an input did: to check that a seed does what it says */
-        fprintf(stderr, "decode: %llu replies, %llu steps, %llu tokens, %llu cancelled, %llu KV waits, %llu preempted\n",
+        fprintf(stderr, "decode: %llu replies, %llu steps, %llu tokens, %llu cancelled, %llu KV waits, %llu preempted, "
+                "%llu transfers failed midway\n",
                 (unsigned long long)g_io.replies, (unsigned long long)d->steps, (unsigned long long)d->tokens_out,
-                (unsigned long long)d->cancelled, (unsigned long long)d->kv_waits, (unsigned long long)d->preempted);
+                (unsigned long long)d->cancelled, (unsigned long long)d->kv_waits, (unsigned long long)d->preempted,
+                (unsigned long long)d->rx_failed);
     fuzz_io_reset(&g_io, &d->w);
     prism_abort_memo_init(&d->aborts, 600.0);
     return 0;

@@ -29,7 +29,9 @@ static void check_kv(prism_msg_t *m, void *ud)
     FUZZ_ASSERT(kv->block_size == (uint32_t)p->blocks.block_size && kv->n_tokens > 0 &&
                 kv->n_tokens < (uint32_t)p->max_model_len && kv->sampling->generated < kv->n_tokens);
     FUZZ_ASSERT(kv->n_blocks == (uint32_t)prism_kv_blocks_for_tokens(&p->blocks, (int)kv->n_tokens));
-    FUZZ_ASSERT(kv->local_first_block <= kv->n_blocks &&
+    /* one piece: the whole transfer (a 128-token context's KV is below prism_kv_piece_blocks' bound) */
+    FUZZ_ASSERT(kv->local_first_block <= kv->n_blocks && kv->piece_first == 0 &&
+                kv->piece_blocks == 2 * kv->n_blocks - kv->local_first_block &&
                 len == (size_t)kv->n_blocks * kv->block_bytes + (size_t)(kv->n_blocks - kv->local_first_block) *
                                                                   kv->local_block_bytes);
     size_t k = kv->n_choice_index;

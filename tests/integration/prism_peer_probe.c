@@ -203,6 +203,11 @@ int main(int argc, char **argv)
             env.kv = &kv;
             prism_frame_t f = {"kv", 2};
             send_or_warn(links[2].sock, &env, &f, 1);
+            Prism__Kv piece = PRISM__KV__INIT;   /* a later piece of it (of no transfer the decode holds) */
+            piece.piece_first = 1;
+            piece.piece_blocks = 1;
+            env.kv = &piece;
+            send_or_warn(links[2].sock, &env, &f, 1);
             Prism__Abort ab = PRISM__ABORT__INIT;
             prism__envelope__init(&env);
             env.type = PRISM__MSG_TYPE__MSG_ABORT;

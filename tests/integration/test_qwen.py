@@ -16,8 +16,12 @@ full-attention layers; its processor takes 56*56 .. 28*28*64 pixels).
 - Prefill and decode as tensor-parallel groups of 2 (the leaders' step plans carry the M-RoPE
   positions, the decode leader the rope delta): HF's tokens for every golden conversation.
 - An encoder with --max-image-tokens 20 refuses a 35-token image with a 400 naming the limit and
-  the max_pixels that would fit, and still serves a 6-token one; the router refuses an aspect
-  ratio above 200 with a 400.
+  the max_pixels that would fit, still serves a 6-token one, and serves the 35-token picture when
+  the request asks for that max_pixels (mm_processor_kwargs); the router refuses an aspect ratio
+  above 200 with a 400.
+- mm_processor_kwargs: the checkpoint's own limits give HF's tokens; a lower max_pixels gives the
+  prompt length transformers' smart_resize gives and a fresh encoding (the cache key covers the
+  limits); limits beyond the checkpoint's or crossed are 400s.
 
 Tokens are compared as ids (return_tokens_as_token_ids), never as text.
 """
@@ -120,6 +124,31 @@ def test_aspect_ratio_refused():
                                          {"type": "text", "text": "What is this?"}]}]
     status, r = C.post_json("/v1/chat/completions", body(msgs, max_tokens=2))
     assert status == 400 and "aspect ratio" in r["error"]["message"], (status, r)
+
+
+def test_mm_processor_kwargs():
+    """A request's mm_processor_kwargs (vLLM's) reach the router's prompt and the encoder's
+    preprocessing, and key the encoder's cache: the checkpoint's own limits give HF's golden tokens;
+    then, for the same picture bytes (whose default-limit embeddings are cached), max_pixels 12544
+    (the 640x480 picture at 84x112 px: 12 tokens instead of 54) and min_pixels 15680 (20x30 upscaled
+    to 12x8 patches) give HF's prompt length and greedy tokens with the processor called at those
+    limits (golden_request.json); limits beyond the checkpoint's, or crossed, are 400s."""
+    case = next(x for x in GOLD["cases"] if x["name"] == "max_pixels")
+    own = {"min_pixels": 3136, "max_pixels": 50176}   # the checkpoint's preprocessor_config.json
+    ids, usage = ask(C, dict(body(case_messages(case)), mm_processor_kwargs=own))
+    assert usage["prompt_tokens"] == len(case["input_ids"]) and ids == case["greedy"], (usage, ids, case["greedy"])
+    for rc in json.load(open(os.path.join(QW, "golden_request.json")))["cases"]:
+        ids, usage = ask(C, dict(body(case_messages(rc), max_tokens=len(rc["greedy"])),
+                                 mm_processor_kwargs=rc["mm_processor_kwargs"]))
+        assert usage["prompt_tokens"] == len(rc["input_ids"]) and ids == rc["greedy"], (rc["name"], usage, ids,
+                                                                                          rc["greedy"])
+    for kw, words in (({"max_pixels": 50177}, "exceeds the model's max_pixels (50176)"),
+                      ({"min_pixels": 9000, "max_pixels": 8000}, "min_pixels"),
+                      ({"min_pixels": 60000}, "min_pixels 60000 exceeds max_pixels 50176"),
+                      ({"size": 5}, "not supported")):
+        status, r = C.post_json("/v1/chat/completions", dict(body(case_messages(case), max_tokens=2),
+                                                             mm_processor_kwargs=kw))
+        assert status == 400 and words in r["error"]["message"], (kw, status, r)
 
 
 def test_memory_plan_is_what_the_workers_allocate():
@@ -247,6 +276,9 @@ def test_image_token_bound():
     assert "35 image tokens" in msg and "at most 20" in msg and "max_pixels of 15680" in msg, msg
     ids, usage = ask(C, body(case_messages(small)))
     assert ids == small["greedy"], (ids, small["greedy"])
+    # the max_pixels the 400 named, as the request's mm_processor_kwargs: 84x140 px, 15 tokens
+    ids, usage = ask(C, dict(body(case_messages(big), max_tokens=2), mm_processor_kwargs={"max_pixels": 15680}))
+    assert usage["prompt_tokens"] == len(big["input_ids"]) - 35 + 15, usage
 
 
 def main():
@@ -255,7 +287,7 @@ def main():
     C = Cluster(model=QW, common_worker_args=HB)
     try:
         C.wait_ready()
-        rc |= run_tests([test_golden_cases, test_tokenize_text_case, test_aspect_ratio_refused,
+        rc |= run_tests([test_golden_cases, test_tokenize_text_case, test_aspect_ratio_refused, test_mm_processor_kwargs,
                          test_memory_plan_is_what_the_workers_allocate])
     finally:
         C.stop()

@@ -630,6 +630,42 @@ static void test_worker_limits_and_template_kwargs(void **state)
     }
 }
 
+/* mm_processor_kwargs (vLLM's): min_pixels / max_pixels kept (unset -1), anything else a 400 naming
+ * the key; the model's own bounds are the router's (router_prompt). */
+static void test_mm_processor_kwargs(void **state)
+{
+    (void)state;
+    prism_oai_request_t r;
+    prism_oai_error_t e;
+    char body[512];
+    static const struct { const char *extra, *param; } BAD[] = {
+        {"\"mm_processor_kwargs\":[]", "mm_processor_kwargs"},
+        {"\"mm_processor_kwargs\":{\"fps\":2}", "mm_processor_kwargs.fps"},
+        {"\"mm_processor_kwargs\":{\"max_pixels\":0}", "mm_processor_kwargs.max_pixels"},
+        {"\"mm_processor_kwargs\":{\"min_pixels\":-1}", "mm_processor_kwargs.min_pixels"},
+        {"\"mm_processor_kwargs\":{\"max_pixels\":1.5}", "mm_processor_kwargs.max_pixels"},
+        {"\"mm_processor_kwargs\":{\"max_pixels\":\"3136\"}", "mm_processor_kwargs.max_pixels"},
+        {"\"mm_processor_kwargs\":{\"max_pixels\":2000000000000}", "mm_processor_kwargs.max_pixels"},
+        {"\"mm_processor_kwargs\":{\"min_pixels\":5000,\"max_pixels\":4000}", "mm_processor_kwargs.min_pixels"},
+    };
+    for (size_t i = 0; i < PRISM_ARRAY_LEN(BAD); i++) {
+        snprintf(body, sizeof body, "{" M1 ",%s}", BAD[i].extra);
+        if (parse(body, true, NULL, &r, &e) != PRISM_EINVAL || e.status != 400 || strcmp(e.param, BAD[i].param))
+            fail_msg("%s: want a 400 naming %s, got status %d param '%s' (%s)", body, BAD[i].param, e.status, e.param,
+                     e.message);
+    }
+    assert_int_equal(parse("{" M1 "}", true, NULL, &r, &e), PRISM_OK);
+    assert_true(r.mm_min_pixels == -1 && r.mm_max_pixels == -1);
+    prism_oai_request_free(&r);
+    assert_int_equal(parse("{" M1 ",\"mm_processor_kwargs\":{\"max_pixels\":50176}}", true, NULL, &r, &e), PRISM_OK);
+    assert_true(r.mm_min_pixels == -1 && r.mm_max_pixels == 50176);
+    prism_oai_request_free(&r);
+    assert_int_equal(parse("{\"prompt\":\"x\",\"mm_processor_kwargs\":{\"min_pixels\":3136,\"max_pixels\":null}}",
+                           false, NULL, &r, &e), PRISM_OK);
+    assert_true(r.mm_min_pixels == 3136 && r.mm_max_pixels == -1);
+    prism_oai_request_free(&r);
+}
+
 /* ------------------------------------------------------------------ completions */
 
 static void test_completions_prompts(void **state)
@@ -1176,6 +1212,7 @@ int main(void)
         cmocka_unit_test(test_completion_logprobs),
         cmocka_unit_test(test_writers_random_bytes),
         cmocka_unit_test(test_parse_mutations),
+        cmocka_unit_test(test_mm_processor_kwargs),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -6,7 +6,8 @@
  *    clipped by max_pixels to 238x272 patches) and Qwen3-VL's (patch 16, mean/std 0.5); tall
  *    images (123x457, 333x1999, 60x900, 900x7000) take Pillow 13's vertical-first pass order
  *    (seen failing with horizontal first); values for the small ones, FNV hashes of the float32
- *    bytes for the rest;
+ *    bytes for the rest; and 4 at a request's min_pixels / max_pixels (mm_processor_kwargs, as the
+ *    processor call takes them: the grid through prism_qwenvl_grid_px, the pixels at those limits);
  *  - smart_resize over 630 sizes at both real configs (aspect ratio > 200 refused as HF refuses);
  *  - M-RoPE positions (get_rope_index) on hand-checked layouts;
  *  - the config loader (size / min_pixels precedence, bad values);
@@ -87,7 +88,7 @@ static float *process(const prism_qwenvl_proc_t *p, int w, int h, uint32_t seed,
 static void test_pixels_bit_exact(void **state)
 {
     json_t *cases = json_object_get(goldens, "cases");
-    assert_true(json_array_size(cases) >= 17);
+    assert_true(json_array_size(cases) >= 21);
     for (size_t i = 0; i < json_array_size(cases); i++) {
         json_t *c = json_array_get(cases, i);
         prism_qwenvl_proc_t p;
@@ -95,6 +96,16 @@ static void test_pixels_bit_exact(void **state)
         int w = itu_int(c, "w"), h = itu_int(c, "h");
         json_t *grid = json_object_get(c, "grid_thw");
         prism_qwenvl_grid_t g;
+        json_t *req = json_object_get(c, "request");
+        if (req) {   /* a request's mm_processor_kwargs: the grid at its limits, and the processor at them */
+            json_t *mn = json_object_get(req, "min_pixels"), *mx = json_object_get(req, "max_pixels");
+            int64_t lo = mn ? json_integer_value(mn) : p.min_pixels, hi = mx ? json_integer_value(mx) : p.max_pixels;
+            assert_int_equal(prism_qwenvl_grid_px(&p, lo, hi, w, h, &g), PRISM_OK);
+            assert_int_equal(g.grid_h, json_integer_value(json_array_get(grid, 1)));
+            assert_int_equal(g.grid_w, json_integer_value(json_array_get(grid, 2)));
+            p.min_pixels = lo;
+            p.max_pixels = hi;
+        }
         float *out = process(&p, w, h, (uint32_t)itu_int(c, "seed"), &g);
         assert_int_equal(json_integer_value(json_array_get(grid, 0)), 1);
         assert_int_equal(g.grid_h, json_integer_value(json_array_get(grid, 1)));
