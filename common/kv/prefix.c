@@ -1,6 +1,6 @@
 #include "kv/prefix.h"
 
-#define XXH_INLINE_ALL
+#define XXH_STATIC_LINKING_ONLY  /* XXH3_state_t on the stack, XXH3_generateSecret (inlining all of xxhash would bring its malloc) */
 #include <xxhash.h>
 #include <string.h>
 
