@@ -6,6 +6,11 @@
 #      logs fails the test);
 #   3. build-fuzz/ (clang, libFuzzer + ASan + UBSan): every harness replays its seed corpus once.
 # GPU tests (ctest label "gpu") report themselves skipped when no GPU is present.
+# CI time (2 cores): the unit tests (one process each, state-based) run $(nproc) at a time; the
+# integration tests too, but each holds the ctest RESOURCE_LOCK prism_cluster unless it is one of
+# the few that mostly wait on timers (tests/integration/CMakeLists.txt, PRISM_TIMER_BOUND_TESTS):
+# two CPU-bound clusters never share the cores, a waiting one runs beside one of them, and the
+# tests with sub-2 s worker timeouts run alone. GPU tests (and anything else) run one at a time.
 # Ends with a line "N passed, N failed, N skipped".
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -38,7 +43,9 @@ run_ctest() {  # build_dir label_args...
 
 echo "== build (release)"
 if cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null && cmake --build build -j"$jobs"; then
-  run_ctest build
+  run_ctest build -L unit -j"$jobs"
+  run_ctest build -L integration -j"$jobs"
+  run_ctest build -LE "unit|integration"
 else
   echo "release build failed"
   failed=$((failed + 1))
@@ -48,11 +55,18 @@ echo "== build (ASan + UBSan, unit and integration tests)"
 # Not repeated under the sanitizers (CI time): the accuracy sweep (the e2e request path again over
 # ~80 images), the deployment tests (load balancers, supervisor, deployment files: configuration
 # and process management, no request-path code of their own) and the known-bug entries.
+# Shortened there (each file says why; every path still runs, only less of the same work): the
+# liveness test's CLIP-L tower has 8 layers (24 in release; its images still outlast the worker
+# timeout several times over), the security test's streams 240 tokens (600 before; they still outlast
+# the intruder), the overload burst of test_limits.py 120 bodies of 9.3 MB (300; still ~4x the
+# bounds, and the test checks that uploads waited).
 asan_skip="integration_(accuracy|lb_|deploy_|supervisor)|_known_"
 if cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DPRISM_SANITIZE=ON -DPRISM_CUDA=OFF >/dev/null &&
    cmake --build build-asan -j"$jobs"; then
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-    run_ctest build-asan -L "unit|integration" -E "$asan_skip"
+    run_ctest build-asan -L unit -E "$asan_skip" -j"$jobs"
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    run_ctest build-asan -L integration -E "$asan_skip" -j"$jobs"
 else
   echo "sanitizer build failed"
   failed=$((failed + 1))

@@ -34,9 +34,11 @@ DATA = {"prefill_worker": ["--data-port", str(PF_PORT), "--log-level", "debug"],
 # the parse bound given, not derived from the budget (less under ASan): /tokenize bodies of a few MB
 C = Cluster(encoders=1, worker_args=DATA, router_args=["--log-level", "debug", "--max-parse-bytes", "8M"])
 PROMPT = {"model": "prism-tiny-llava", "prompt": "A red circle on a white", "temperature": 0, "ignore_eos": True}
-# a stream long enough to outlast the intruder probe: 1.6 s on a 2-core machine in a release build;
-# the sanitizer build decodes ~40x slower (600 tokens: tens of seconds)
-MAX_TOKENS = 600 if os.environ.get("ASAN_OPTIONS") else 1900
+# a stream long enough to outlast the intruder probe (its --wait 1.5 s and start-up): 1.6 s on a 2-core
+# machine in a release build; the sanitizer build decodes ~40x slower, so 240 tokens take ~8 s there
+# (600 took tens of seconds, eight times over: the streams were most of this test's CI time). Too
+# short a stream fails the tests (t_end > t_probe), it cannot pass unnoticed.
+MAX_TOKENS = 240 if os.environ.get("ASAN_OPTIONS") else 1900
 INJECTED = 7  # token id the intruder tries to slip into answers
 
 
