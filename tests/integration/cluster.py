@@ -360,6 +360,23 @@ class SseStream:
         self.conn.close()
 
 
+def read_response(s):
+    """(status, headers, body) of one HTTP/1.1 response with a Content-Length, read from socket s."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, data
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    lines = head.decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (l.split(":", 1) for l in lines[1:])}
+    while len(body) < int(headers["content-length"]):
+        chunk = s.recv(65536)
+        assert chunk, body
+        body += chunk
+    return int(lines[0].split()[1]), headers, body
+
+
 def wait_for(fn, timeout, what, interval=0.02):
     """Polls fn until it returns something truthy (returned); fails naming `what` and the last value."""
     deadline = time.time() + timeout

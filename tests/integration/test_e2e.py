@@ -16,7 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cluster import (Cluster, binary, chat_body, check_answer, distinct_requests, image_url, make_image,  # noqa: E402
-                     reference, run_tests, tool_env, wait_for, MODEL, STAGES)
+                     read_response, reference, run_tests, tool_env, wait_for, MODEL, STAGES)
 
 TMP = tempfile.mkdtemp(prefix="prism-e2e-")
 JPG = make_image(os.path.join(TMP, "red_circle.jpg"), width=640, height=480, shape="circle", color="red")
@@ -271,15 +271,10 @@ def test_bomb_refused_on_its_first_bytes():
     s = socket.create_connection(("127.0.0.1", C.port), timeout=30)
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
               b"Content-Length: %d\r\n\r\n" % len(body) + body[:64 * 1024])
-    data = b""
-    while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + int(
-            re.search(rb"(?i)content-length: *(\d+)", data).group(1)):
-        chunk = s.recv(65536)
-        assert chunk, data
-        data += chunk
+    status, _, data = read_response(s)
     s.close()
-    assert data.startswith(b"HTTP/1.1 400"), data[:200]
-    err = json.loads(data[data.index(b"\r\n\r\n") + 4:])["error"]
+    assert status == 400, data[:200]
+    err = json.loads(data)["error"]
     assert "Image 0 is 65000x65000 pixels" in err["message"], err
     assert (C.metric("prism:requests_refused_total", reason="image_too_large"),
             C.metric("prism:requests_refused_total", reason="bad_request")) == (before[0] + 1, before[1] + 1)
@@ -383,16 +378,10 @@ def test_upload_time_is_its_own_histogram():
               b"Content-Length: %d\r\n\r\n" % len(body) + body[:10])
     time.sleep(0.6)
     s.sendall(body[10:])
-    data = b""
-    while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + int(
-            re.search(rb"(?i)content-length: *(\d+)", data).group(1)):
-        chunk = s.recv(65536)
-        assert chunk, data
-        data += chunk
+    status, headers, data = read_response(s)
     s.close()
-    assert data.startswith(b"HTTP/1.1 200"), data[:200]
-    timing = re.search(rb"(?i)x-prism-timing: *([^\r]*)", data).group(1).decode()
-    t = dict(kv.split("=") for kv in timing.split())
+    assert status == 200, data[:200]
+    t = dict(kv.split("=") for kv in headers["x-prism-timing"].split())
     e2e_ms = float(t["e2e_ms"])
     assert float(t["upload_ms"]) >= 600 and e2e_ms < float(t["upload_ms"]), t
     up = C.metric("prism:request_upload_seconds_sum") - up0[0]

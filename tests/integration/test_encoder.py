@@ -27,8 +27,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import (Cluster, ROOT, chat_body, check_answer, distinct_requests, make_image, run_tests,  # noqa: E402
-                     MODEL)
+from cluster import (Cluster, ROOT, chat_body, check_answer, distinct_requests, make_image, read_response,  # noqa: E402
+                     run_tests, MODEL)
 
 TMP = tempfile.mkdtemp(prefix="prism-encoder-")
 FIX = os.path.join(ROOT, "tests", "data", "image")
@@ -179,23 +179,6 @@ def test_cache_hit_keeps_its_own_embeddings():
             assert [t for t, _ in got] == [t for t, _ in ref], ("round %d answered from another image" % rnd, got, ref)
             for (_, x), (_, y) in zip(got, ref):
                 assert abs(x - y) < 1e-3, ("round %d: logprobs moved" % rnd, got, ref)
-
-
-def read_response(s):
-    """(status, headers, body) of one HTTP/1.1 response with a Content-Length, read from socket s."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = s.recv(65536)
-        assert chunk, data
-        data += chunk
-    head, body = data.split(b"\r\n\r\n", 1)
-    lines = head.decode().split("\r\n")
-    headers = {k.strip().lower(): v.strip() for k, v in (l.split(":", 1) for l in lines[1:])}
-    while len(body) < int(headers["content-length"]):
-        chunk = s.recv(65536)
-        assert chunk, body
-        body += chunk
-    return int(lines[0].split()[1]), headers, body
 
 
 def test_image_encoded_before_the_body_ends():
