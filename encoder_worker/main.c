@@ -6,8 +6,8 @@
  * this thread computes) with the image file as a raw frame, which is kept (zmq_msg_move, no copy)
  * in a job queue bounded in images and in file bytes (the router sends no more than
  * --max-queued-image-bytes of files: Register.max_queued_bytes). Each loop iteration forms a batch
- * (requests' images before early jobs, small images before large ones, oldest first within a class,
- * one class per batch: next_queued) of as many images as the pixel buffer has tiles for (a LLaVA
+ * (requests' images before early jobs, a request's lower `priority` first, small images before large
+ * ones, oldest first within a class, one class per batch: next_queued) of as many images as the pixel buffer has tiles for (a LLaVA
  * image is one tile; a Llama-4 image its canvas's tiles plus the global one, counted from the header
  * before decoding) and at most as many as finish within --max-batch-seconds at the measured cost per
  * image; streams them through the decoders into the preprocessor, --image-threads images at once
@@ -59,6 +59,7 @@ typedef struct {
     uint32_t image_index;
     uint64_t hash;
     int64_t min_pixels, max_pixels;   /* Qwen-VL: the request's mm_processor_kwargs (max_pixels 0: none) */
+    int32_t priority;         /* Encode.priority (a request's; lower first) */
     char prefill_endpoint[256];
     zmq_msg_t image;          /* file bytes, owned while queued */
     bool has_image;
@@ -271,6 +272,7 @@ static bool adopt_early(encoder_t *e, const Prism__Envelope *env, const Prism__E
         j->rid_hi = env->request_id_hi;
         j->trace = (prism_trace_id_t){env->trace_id_hi, env->trace_id_lo};
         j->image_index = en->image_index;
+        j->priority = en->priority;
         snprintf(j->prefill_endpoint, sizeof(j->prefill_endpoint), "%s", en->prefill_endpoint);
         PRISM_DEBUG("request %llu image %u: took over early job %016llx", (unsigned long long)j->rid, j->image_index,
                     (unsigned long long)en->early_id);
@@ -318,6 +320,7 @@ static void on_encode(encoder_t *e, prism_msg_t *m)
     j->hash = en->content_hash;
     j->min_pixels = en->min_pixels;
     j->max_pixels = en->max_pixels;
+    j->priority = en->priority;
     j->after_early = en->early_id != 0;
     snprintf(j->prefill_endpoint, sizeof(j->prefill_endpoint), "%s", en->prefill_endpoint);
     zmq_msg_init(&j->image);
@@ -489,15 +492,25 @@ static int job_rank(const job_t *j)
     return (j->prefill_endpoint[0] ? 0 : 2) + (small_image(j) || j->passed >= ENC_MAX_PASSED ? 0 : 1);
 }
 
-/* The job a batch takes next: the lowest rank, oldest first within it. */
+/* Whether job a goes before job b: requests' images before early jobs, then the lower priority value
+ * (the request's `priority`, as the router's queue orders it; early jobs have none), then the lower
+ * rank, then the older. Equal priorities keep the order of rank and age. */
+static bool goes_before(const job_t *a, const job_t *b)
+{
+    bool ea = !a->prefill_endpoint[0], eb = !b->prefill_endpoint[0];
+    if (ea != eb) return eb;
+    if (!ea && a->priority != b->priority) return a->priority < b->priority;
+    int ra = job_rank(a), rb = job_rank(b);
+    return ra < rb || (ra == rb && a->t_arrive < b->t_arrive);
+}
+
+/* The job a batch takes next: the first by goes_before. */
 static job_t *next_queued(encoder_t *e)
 {
     job_t *best = NULL;
     for (int i = 0; i < e->max_queue; i++) {
         job_t *j = &e->jobs[i];
-        if (j->state != JOB_QUEUED) continue;
-        int r = job_rank(j), rb = best ? job_rank(best) : 0;
-        if (!best || r < rb || (r == rb && j->t_arrive < best->t_arrive)) best = j;
+        if (j->state == JOB_QUEUED && (!best || goes_before(j, best))) best = j;
     }
     return best;
 }

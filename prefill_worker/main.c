@@ -557,10 +557,14 @@ static void run_req(prefill_t *p, preq_t *r);
 static void run_one(prefill_t *p)
 {
     if (p->kv_pending) return;
+    /* The next prompt: the lowest Sampling.priority (vLLM's `priority`: lower first, as the router's
+     * queue), oldest first among equals, of those whose embeddings are all in. */
     preq_t *r = NULL;
     for (int i = 0; i < p->max_pending; i++) {
         preq_t *c = &p->reqs[i];
-        if (c->seq.used && ready(p, c) && (!r || c->t_arrive < r->t_arrive)) r = c;
+        if (!c->seq.used || !ready(p, c)) continue;
+        int32_t pc = c->seq.sampling.priority, pr = r ? r->seq.sampling.priority : 0;
+        if (!r || pc < pr || (pc == pr && c->t_arrive < r->t_arrive)) r = c;
     }
     if (!r) return;
     /* every line logged while it runs is about it (a copy: its slot may be released) */

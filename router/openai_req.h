@@ -102,7 +102,7 @@ typedef struct {
     double repetition_penalty;/* default 1 (vLLM extension), > 0 */
     bool has_seed;
     int64_t seed;
-    int32_t priority;         /* vLLM's: lower runs first (router queue) and is preempted last (decode); 0 */
+    int32_t priority;         /* vLLM's: lower runs first (every tier's queue) and is preempted last (decode); 0 */
     char cache_salt[PRISM_OAI_MAX_CACHE_SALT + 1];  /* vLLM's: keys the prefix cache; "" = none (a copy: the body goes) */
     const char *stop[PRISM_OAI_MAX_STOP];  /* [n_stop], each non-empty, <= PRISM_OAI_MAX_STOP_LEN bytes */
     size_t stop_len[PRISM_OAI_MAX_STOP];

@@ -258,6 +258,7 @@ static bool send_encode(router_t *r, router_req_t *q, const plan_t *p, int i)
     m->encode.max_pixels = q->prompt.max_pixels;
     /* a done early job of this image there: named too, so the encoder counts no hit for it */
     m->encode.early_id = p->early[i] ? p->early[i] : router_early_take_done(r, q->prompt.img_hash[i], enc);
+    m->encode.priority = q->oai.priority;   /* the encoder's queue order, as the router's */
     m->env.type = PRISM__MSG_TYPE__MSG_ENCODE;
     m->env.prefill = NULL;
     m->env.encode = &m->encode;

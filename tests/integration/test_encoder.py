@@ -12,7 +12,9 @@
 - early encode: an image whose bytes are in goes to the encoder while the rest of its body is still
   being uploaded; the request then takes its embeddings from the cache, and its answer is the same;
 - the image pool (issue 33): with two image threads two images of a batch decode at once (the
-  heartbeat's peak of decodes in flight), and a small image is answered before a queue of large ones.
+  heartbeat's peak of decodes in flight), and a small image is answered before a queue of large ones;
+- `priority` (issue 28): a priority -10 image overtakes the encoder's queue, a priority -10 prompt the
+  prefill worker's.
 
 Run: python3 tests/integration/test_encoder.py   (PRISM_BINARY_DIR=build dir)
 """
@@ -299,9 +301,9 @@ def send_part(c, raw, upto):
     return s
 
 
-def encoder_inflight(c):
+def encoder_inflight(c, tier="encoder"):
     st, _, data = c.request("GET", "/status")
-    return [w["inflight"] for w in json.loads(data)["workers"] if w["tier"] == "encoder"][0]
+    return [w["inflight"] for w in json.loads(data)["workers"] if w["tier"] == tier][0]
 
 
 def test_early_jobs_of_bodies_that_never_become_requests_are_aborted():
@@ -426,19 +428,27 @@ def post_timed(c, body):
     return status, r, time.perf_counter()
 
 
-def queue_on_stopped_encoder(c, groups):
-    """Sends each group of chat bodies while the encoder is stopped, waiting after each group until
-    the router has handed its images to the encoder (so they queue there in that order), then lets
-    the encoder go: [(status, answer, finish time)] per group."""
-    enc = c.procs["encoder-0"]
+def post_staged(c, body):
+    """post_timed, with the answer's stages (x-prism-timing's stages_ms: the router's --timing-header)
+    in place of the answer."""
+    status, headers, _ = c.request("POST", "/v1/chat/completions", body)
+    t = dict(kv.split("=") for kv in {k.lower(): v for k, v in headers.items()}.get("x-prism-timing", "").split())
+    return status, dict((k, float(v)) for k, v in (x.split(":") for x in t["stages_ms"].split(","))), time.perf_counter()
+
+
+def queue_on_stopped_encoder(c, groups, tier="encoder", post=post_timed):
+    """Sends each group of chat bodies while the encoder (or the prefill worker: tier) is stopped,
+    waiting after each group until the router has handed them to it (so they queue there in that
+    order), then lets it go: [(status, answer, finish time)] per group."""
+    enc = c.procs[tier + "-0"]
     enc.send_signal(signal.SIGSTOP)
     try:
         with concurrent.futures.ThreadPoolExecutor(sum(len(g) for g in groups)) as ex:
             futs, n = [], 0
             for g in groups:
-                futs.append([ex.submit(post_timed, c, b) for b in g])
+                futs.append([ex.submit(post, c, b) for b in g])
                 n += len(g)
-                wait_for("%d images at the encoder" % n, lambda: encoder_inflight(c) == n, 30)
+                wait_for("%d requests at the %s" % (n, tier), lambda: encoder_inflight(c, tier) == n, 30)
             enc.send_signal(signal.SIGCONT)
             return [[f.result(60) for f in fs] for fs in futs]
     finally:
@@ -484,10 +494,37 @@ def test_small_image_not_behind_large_ones():
         assert c.metric("prism:request_stage_seconds_sum", stage="encoder_queue") >= stage("image_decode")
 
 
+def test_priority_first_in_encoder_and_prefill_queues():
+    """Issue 28: `priority` orders the workers' own queues, not only the router's. Five images of
+    priority 0 queued on the stopped encoder (one image per batch, one image thread: only the order
+    decides), then one of priority -10: it waits in the encoder's queue (its encoder_queue stage) less
+    than most of them. Then the same on the stopped prefill worker with six long text prompts (its
+    prefill_queue stage). (One may go before it: the worker may start the first its I/O thread hands
+    it before the rest are in.)"""
+    imgs = early_images(6, size=384, first=800)
+    with Cluster(router_args=["--timing-header"],
+                 worker_args={"encoder_worker": HB + ["--image-threads", "1", "--max-batch-images", "1",
+                                                      "--embedding-cache-bytes", "0"]}) as c:
+        c.wait_ready()
+        # prefill: distinct long prompts (no shared prefix to cache), each a few milliseconds of prefill
+        text = lambda k: "Story %d. " % k + " ".join("word%d" % (k * 1000 + i) for i in range(150))
+        for tier, stage, low, high in (
+                ("encoder", "encoder_queue", [chat_body("What is this?", [p], max_tokens=1) for p in imgs[:5]],
+                 chat_body("And this?", imgs[5:], max_tokens=1, priority=-10)),
+                ("prefill", "prefill_queue", [chat_body(text(k), max_tokens=1) for k in range(5)],
+                 chat_body(text(9), max_tokens=1, priority=-10))):
+            low, high = queue_on_stopped_encoder(c, [low, [high]], tier=tier, post=post_staged)
+            assert all(s == 200 for s, _, _ in low + high)
+            waits = [st[stage] for _, st, _ in low]
+            after = sum(w > high[0][1][stage] for w in waits)
+            print("  %s: %s ms for the priority -10 request, %s for the five of priority 0 queued before it"
+                  % (stage, high[0][1][stage], waits))
+            assert after >= 4, "the %s took %d of the 5 priority 0 requests before the priority -10 one" % (tier, 5 - after)
+
 if __name__ == "__main__":
     sys.exit(run_tests([test_no_heap_allocations_for_any_image_kind, test_streaming_decode_memory,
                         test_cache_hit_keeps_its_own_embeddings, test_image_encoded_before_the_body_ends,
                         test_early_job_of_a_hung_encoder_is_let_go,
                         test_early_jobs_of_bodies_that_never_become_requests_are_aborted,
                         test_requests_come_before_early_jobs, test_images_decode_at_once,
-                        test_small_image_not_behind_large_ones]))
+                        test_small_image_not_behind_large_ones, test_priority_first_in_encoder_and_prefill_queues]))

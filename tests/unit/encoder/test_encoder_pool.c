@@ -1,7 +1,7 @@
 /* Unit tests: the encoder's image pool (encoder_worker/decode_pool.h: tasks run at once, each on its
  * member's own preprocessing context, every task once) and its batch order (main.c next_queued /
- * age_queued: small images before large ones, oldest first, and no request overtaken
- * indefinitely). Timing-free: concurrency is shown by a task that waits for another to start. */
+ * age_queued: a request's lower priority first, small images before large ones, oldest first, and no
+ * request overtaken indefinitely). Timing-free: concurrency is shown by a task that waits for another to start. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
@@ -115,6 +115,25 @@ static void test_small_before_large_oldest_first(void **state)
     assert_null(take());
 }
 
+/* `priority` (Encode.priority, lower first) before size and age among requests' images; an early job
+ * (priority 0) still after a request of priority 5; equal priorities keep size, then age. */
+static void test_priority_first_among_requests(void **state)
+{
+    setup_queue();
+    job_t *early = queue(0, 256, 0.5, false);   /* first in the table: scanned first */
+    job_t *s_low = queue(1, 512, 1.0, true), *l_high = queue(2, 4096, 2.0, true);
+    job_t *s_high = queue(3, 512, 3.0, true), *late = queue(4, 512, 4.0, true);
+    s_low->priority = 5;
+    l_high->priority = s_high->priority = -10;
+    early->priority = -20;   /* never set by the router: an early job stays last whatever it holds */
+    assert_ptr_equal(take(), s_high);   /* priority -10: small before large */
+    assert_ptr_equal(take(), l_high);
+    assert_ptr_equal(take(), late);     /* priority 0 */
+    assert_ptr_equal(take(), s_low);    /* priority 5, the oldest request */
+    assert_ptr_equal(take(), early);
+    assert_null(take());
+}
+
 /* A large image under a steady stream of small ones: passed over by ENC_MAX_PASSED batches, then
  * taken before every younger small one. */
 static void test_large_not_overtaken_indefinitely(void **state)
@@ -140,6 +159,7 @@ int main(void)
         cmocka_unit_test(test_pool_runs_tasks_at_once),
         cmocka_unit_test(test_small_before_large_oldest_first),
         cmocka_unit_test(test_large_not_overtaken_indefinitely),
+        cmocka_unit_test(test_priority_first_among_requests),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
