@@ -37,21 +37,11 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
 sys.path.insert(0, os.path.dirname(__file__))
 import cluster as cl  # noqa: E402
-from bench_router_memory import MIB, budgets, run_cell, write_result  # noqa: E402
+from bench_router_memory import MIB, budgets, request_bytes, run_cell, write_result  # noqa: E402
 
 QWEN = os.path.join(cl.ROOT, "tests", "data", "model", "qwen25vl_tiny")
 QUESTION = "What is in the image?"
 WORKERS = ("encoder-0", "prefill-0", "decode-0")
-
-
-def request_bytes(port, model, url, max_tokens):
-    body = json.dumps({"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
-                       "ignore_eos": True,
-                       "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                                 {"type": "text", "text": QUESTION}]}]}).encode()
-    head = ("POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
-            "Content-Length: %d\r\nConnection: close\r\n\r\n" % (port, len(body))).encode()
-    return head + body
 
 
 def variant(src, max_pixels, tmp):
@@ -140,7 +130,7 @@ def main():
         cells = []
         for conc in [int(x) for x in args.concurrency.split(",") if x]:
             for s in (args.small, 4096):
-                cell = run_cell(c, request_bytes(c.port, name, urls[s], args.max_tokens), conc, args.timeout)
+                cell = run_cell(c, request_bytes(c.port, urls[s], args.max_tokens, name), conc, args.timeout)
                 cell["concurrency"], cell["size"] = conc, s
                 cell["worker_memory"] = worker_accounting(c)
                 res["matrix"].setdefault(s, []).append(cell)
@@ -149,9 +139,9 @@ def main():
                 for m, n in cell["non_200_messages"].items():
                     print("    %dx %s" % (n, m), flush=True)
         if args.burst:
-            cell = run_cell(c, request_bytes(c.port, name, urls[4096], args.max_tokens), args.burst, args.timeout)
+            cell = run_cell(c, request_bytes(c.port, urls[4096], args.max_tokens, name), args.burst, args.timeout)
             cell["worker_memory"] = worker_accounting(c)
-            after = run_cell(c, request_bytes(c.port, name, urls[args.small], args.max_tokens), 2, args.timeout)
+            after = run_cell(c, request_bytes(c.port, urls[args.small], args.max_tokens, name), 2, args.timeout)
             after["worker_memory"] = worker_accounting(c)
             res["burst"] = {"burst": cell, "after": after}
             cells += [cell, after]

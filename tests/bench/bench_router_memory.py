@@ -55,8 +55,8 @@ def reset_hwm(pid):
         pass
 
 
-def request_bytes(port, url, max_tokens):
-    body = json.dumps({"model": "prism-tiny-llava", "stream": True, "max_tokens": max_tokens, "temperature": 0,
+def request_bytes(port, url, max_tokens, model="prism-tiny-llava"):
+    body = json.dumps({"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
                        "ignore_eos": True,
                        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                                  {"type": "text", "text": QUESTION}]}]}).encode()
