@@ -15,15 +15,20 @@
  * Admission (--kv-admission). optimistic (the default, vLLM's): a sequence is admitted when blocks
  * for its prompt and first token are free with --kv-watermark of the pool to spare, and takes a
  * block each time it crosses one (grow, after every step). When the pool runs out, a sequence is
- * preempted by recompute: lowest priority first (Sampling.priority, larger = lower), then the
- * youngest (Sampling.arrival_us), so the oldest always progresses. Its blocks are dropped and its
- * last Tokens message says so (Tokens.preempted): the router prefills its prompt and every token it
- * generated again, as a migration does, and greedy or seeded output goes on token for token.
+ * preempted (preempt): lowest priority first (Sampling.priority, larger = lower), then the youngest
+ * (Sampling.arrival_us), so the oldest always progresses. By swap when its blocks fit in the free
+ * slots of the swap region (--kv-swap-bytes, swap.h): its KV is copied to host memory, it keeps its
+ * slot and every piece of its state here, sits out the steps and comes back (swap_in, before any
+ * new transfer is admitted, highest priority then oldest) once blocks are free again; its stream
+ * simply pauses. Else by recompute: its blocks are dropped and its last Tokens message says so
+ * (Tokens.preempted): the router prefills its prompt and every token it generated again, as a
+ * migration does. Either way greedy or seeded output goes on token for token. Tensor-parallel
+ * groups (whose ranks hold the other KV heads) never swap; Llama-4's rings stay with the slot.
  * Requests with n > 1 (whose choices' RNG streams cannot be recomputed) reserve as below.
  * reserve: a request is admitted only when blocks for prompt + max_tokens are free, so a running
  * sequence never runs out of KV and nothing is ever preempted. Either way, requests that do not
  * fit wait (one staged transfer, the rest stays in the senders: backpressure). Preemption by
- * migration to another decode worker or by swap to host memory is not built (docs/ARCHITECTURE.md).
+ * migration to another decode worker is not built (docs/ARCHITECTURE.md).
  *
  * Transfers come in pieces of at most about 1 MiB (Kv.piece_first / piece_blocks, kv/kv.h), so what
  * decode holds outside its block pool does not grow with the prompt (an image of 16k tokens is ~1 GiB
