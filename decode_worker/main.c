@@ -378,10 +378,9 @@ static int running(const decode_t *d)
 }
 
 static bool admit_staged_req(decode_t *d);
-
-/* Tries to admit the staged transfer. Returns true when the stage is empty afterwards. */
 static int swap_in(decode_t *d);
 
+/* Tries to admit the staged transfer. Returns true when the stage is empty afterwards. */
 static bool admit_staged(decode_t *d)
 {
     int swapped = swap_in(d);   /* swapped-out sequences come back first */
