@@ -1074,7 +1074,7 @@ static int swap_slots(const decode_t *d, const prism_worker_startup_t *s)
 {
     int64_t bytes = d->f.swap_bytes;
     if (bytes < 0) bytes = strcmp(d->be->device, "cpu") && s->o.mem_budget <= 0 ? (int64_t)4 << 30 : 0;
-    if (!d->optimistic || d->tp.size > 1) bytes = 0;
+    if (!d->optimistic || d->tp.opts.size > 1) bytes = 0;   /* tp.size is set when the group forms, after the plan */
     return (int)PRISM_MIN(bytes / (int64_t)kv_block_data_bytes(d), (int64_t)INT32_MAX);
 }
 
