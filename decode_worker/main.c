@@ -15,15 +15,20 @@
  * Admission (--kv-admission). optimistic (the default, vLLM's): a sequence is admitted when blocks
  * for its prompt and first token are free with --kv-watermark of the pool to spare, and takes a
  * block each time it crosses one (grow, after every step). When the pool runs out, a sequence is
- * preempted by recompute: lowest priority first (Sampling.priority, larger = lower), then the
- * youngest (Sampling.arrival_us), so the oldest always progresses. Its blocks are dropped and its
- * last Tokens message says so (Tokens.preempted): the router prefills its prompt and every token it
- * generated again, as a migration does, and greedy or seeded output goes on token for token.
+ * preempted (preempt): lowest priority first (Sampling.priority, larger = lower), then the youngest
+ * (Sampling.arrival_us), so the oldest always progresses. By swap when its blocks fit in the free
+ * slots of the swap region (--kv-swap-bytes, swap.h): its KV is copied to host memory, it keeps its
+ * slot and every piece of its state here, sits out the steps and comes back (swap_in, before any
+ * new transfer is admitted, highest priority then oldest) once blocks are free again; its stream
+ * simply pauses. Else by recompute: its blocks are dropped and its last Tokens message says so
+ * (Tokens.preempted): the router prefills its prompt and every token it generated again, as a
+ * migration does. Either way greedy or seeded output goes on token for token. Tensor-parallel
+ * groups (whose ranks hold the other KV heads) never swap; Llama-4's rings stay with the slot.
  * Requests with n > 1 (whose choices' RNG streams cannot be recomputed) reserve as below.
  * reserve: a request is admitted only when blocks for prompt + max_tokens are free, so a running
  * sequence never runs out of KV and nothing is ever preempted. Either way, requests that do not
  * fit wait (one staged transfer, the rest stays in the senders: backpressure). Preemption by
- * migration to another decode worker or by swap to host memory is not built (docs/ARCHITECTURE.md).
+ * migration to another decode worker is not built (docs/ARCHITECTURE.md).
  *
  * Transfers come in pieces of at most about 1 MiB (Kv.piece_first / piece_blocks, kv/kv.h), so what
  * decode holds outside its block pool does not grow with the prompt (an image of 16k tokens is ~1 GiB
@@ -61,6 +66,7 @@
 #include "sample/sample.h"
 #include "backend/backend.h"
 #include "model/model.h"
+#include "swap.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -78,6 +84,9 @@ typedef struct {
     bool finishing;           /* its last token is waiting to be sent */
     bool grows;               /* admitted optimistically: takes blocks as it goes, may be preempted */
     bool preempt;             /* preempted: its blocks are gone, it leaves once its last tokens are sent */
+    bool swapped;             /* preempted by swap: its KV is in swap_slots, it keeps its slot, is in no step */
+    int32_t *swap_slots;      /* [max_blocks_per_seq] its blocks' slots in the swap region (swapped) */
+    int n_swapped;            /* slots it holds there (0 unless swapped) */
     bool receiving;           /* admitted, its KV still arriving (rx_t): in no step yet */
     bool timed;               /* its first message (with the timings below) went out */
     double t_kv, t_admit;     /* its KV arrived; it was admitted (the router's stage histograms) */
@@ -112,6 +121,7 @@ typedef struct {
         int64_t kv_blocks, block_size, max_running, context_length;
         const char *overlap, *admission;
         double watermark;
+        int64_t swap_bytes;       /* --kv-swap-bytes: -1 = auto */
     } f;
     prism_worker_t w;
     prism_model_config_t cfg;     /* this rank's (sharded) shapes */
@@ -145,6 +155,11 @@ typedef struct {
     bool optimistic;          /* --kv-admission optimistic */
     int watermark_blocks;     /* blocks an optimistic admission leaves free (--kv-watermark of the pool) */
     uint64_t preempted;       /* sequences preempted by recompute (heartbeat preempt_recompute) */
+    prism_kv_swap_t swap;     /* the swap region (preemption by swap; n_blocks 0: off) */
+    uint8_t *swap_bytes;      /* [swap_slots][block bytes of the pool's layers] the region's host memory */
+    int32_t *swap_pool;       /* [max_running][max_blocks_per_seq] each sequence's swap slots */
+    int swap_n_slots;         /* planned slots (0: swap off) */
+    int n_swapped_seqs;       /* sequences swapped out now */
     prism_model_hook_t hook;
     /* one staged KV transfer waiting for blocks */
     bool staged;
@@ -177,10 +192,12 @@ static void send_error(decode_t *d, const char *router_id, uint64_t rid, uint64_
 static void seq_release(decode_t *d, seq_t *s)
 {
     prism_kv_blocks_release(&d->blocks, s->blocks, s->n_blocks);
+    prism_kv_swap_release(&d->swap, s->swap_slots, s->n_swapped);   /* it ended while swapped out */
+    d->n_swapped_seqs -= s->swapped;
     prism_seq_detach(&s->seq);
     s->seq.used = false;
-    s->n_blocks = 0;
-    s->cancel = s->finishing = s->in_step = s->grows = s->preempt = s->receiving = false;
+    s->n_blocks = s->n_swapped = 0;
+    s->cancel = s->finishing = s->in_step = s->grows = s->preempt = s->receiving = s->swapped = false;
 }
 
 static void unstage(decode_t *d)
@@ -361,11 +378,18 @@ static int running(const decode_t *d)
 }
 
 static bool admit_staged_req(decode_t *d);
+static int swap_in(decode_t *d);
 
 /* Tries to admit the staged transfer. Returns true when the stage is empty afterwards. */
 static bool admit_staged(decode_t *d)
 {
+    int swapped = swap_in(d);   /* swapped-out sequences come back first */
     if (!d->staged) return true;
+    if (swapped) {              /* and the transfer waits while one of them does */
+        d->kv_waits += !d->staged_waited;
+        d->staged_waited = true;
+        return false;
+    }
     /* the lines logged meanwhile are about it (a copy: unstage frees the envelope) */
     prism_log_ctx_t lc = {d->staged_rid, {d->staged_env->trace_id_hi, d->staged_env->trace_id_lo}};
     const prism_log_ctx_t *prev = prism_log_ctx_enter(&lc);
@@ -655,7 +679,7 @@ static void launch_step(decode_t *d)
     int n = 0;
     for (int i = 0; i < d->max_running; i++) {
         seq_t *s = &d->seqs[i];
-        if (!s->seq.used || s->finishing || s->cancel || s->preempt || s->receiving) continue;
+        if (!s->seq.used || s->finishing || s->cancel || s->preempt || s->receiving || s->swapped) continue;
         d->tokens[n] = s->last_token;
         d->seq_start[n] = n;
         d->pos0[n] = s->seq.len;
@@ -690,7 +714,7 @@ static int victim(const decode_t *d)
     int best = -1;
     for (int k = 0; k < d->n_out; k++) {
         const seq_t *s = &d->seqs[d->out[k].slot];
-        if (!s->grows || s->finishing || s->cancel || s->preempt) continue;
+        if (!s->grows || s->finishing || s->cancel || s->preempt || s->swapped) continue;
         if (best < 0) {
             best = k;
             continue;
@@ -701,17 +725,60 @@ static int victim(const decode_t *d)
     return best;
 }
 
+/* Preemption by swap: the sequence's blocks go to the swap region when they fit there (the region
+ * is off in a tensor-parallel group, whose ranks hold the other KV heads). It keeps its slot and
+ * its sampling state and sits out the steps until swap_in brings it back. False: it does not fit
+ * (or the copy failed), nothing changed. */
+static bool swap_out(decode_t *d, seq_t *s)
+{
+    if (!prism_kv_swap_fits(&d->swap, s->n_blocks)) return false;
+    int rc = prism_kv_swap_out(&d->swap, d->kv, s->blocks, s->n_blocks, s->swap_slots);
+    if (rc != PRISM_OK) {
+        PRISM_WARN("request %llu: swapping its KV out failed (%s): recomputed instead", (unsigned long long)s->seq.rid,
+                   prism_strerror(rc));
+        return false;
+    }
+    prism_kv_blocks_release(&d->blocks, s->blocks, s->n_blocks);
+    s->n_swapped = s->n_blocks;
+    s->n_blocks = 0;
+    s->swapped = true;
+    d->n_swapped_seqs++;
+    return true;
+}
+
+/* The victim d->out[k] leaves the pool, the first way that works: swapped out (its Tokens message
+ * of this step goes out as usual, marked Tokens.swapped for the router's count), else recompute:
+ * its blocks are dropped and the message tells its router to prefill it again. Either way its
+ * blocks are free at once (no step in flight uses them). Migration to another decode worker would
+ * be tried first. */
+static void preempt(decode_t *d, int k)
+{
+    seq_t *vs = &d->seqs[d->out[k].slot];
+    if (swap_out(d, vs)) {
+        d->out[k].t.swapped = true;
+        PRISM_DEBUG("request %llu swapped out (KV pool full): %d blocks, priority %d", (unsigned long long)vs->seq.rid,
+                    vs->n_swapped, vs->seq.sampling.priority);
+        return;
+    }
+    prism_kv_blocks_release(&d->blocks, vs->blocks, vs->n_blocks);
+    vs->n_blocks = 0;
+    vs->preempt = true;
+    d->out[k].t.preempted = true;
+    d->preempted++;
+    PRISM_DEBUG("request %llu preempted (KV pool full): %d tokens to recompute, priority %d",
+                (unsigned long long)vs->seq.rid, vs->seq.len + 1, vs->seq.sampling.priority);
+}
+
 /* Optimistic admission: every sequence of the step just sampled that goes on takes the block its
  * next position needs (its last token is fed at seq.len). When the pool is empty, a victim leaves
- * (preempted by recompute): its blocks are freed at once (no step in flight uses them), and its
- * Tokens message of this step, sent by send_out, tells its router to prefill it again. */
+ * (preempt). */
 static void grow(decode_t *d)
 {
     for (int k = 0; k < d->n_out; k++) {
         seq_t *s = &d->seqs[d->out[k].slot];
-        if (!s->grows || s->finishing || s->cancel) continue;
+        if (!s->grows || s->finishing || s->cancel || s->swapped) continue;
         int need = prism_kv_blocks_for_tokens(&d->blocks, s->seq.len + 1);
-        while (!s->preempt && s->n_blocks < need) {
+        while (!s->preempt && !s->swapped && s->n_blocks < need) {
             if (d->blocks.n_free > 0) {
                 int rc = prism_kv_blocks_alloc(&d->blocks, 1, s->blocks + s->n_blocks);
                 PRISM_ASSERT(rc == PRISM_OK);
@@ -721,16 +788,57 @@ static void grow(decode_t *d)
             }
             int v = victim(d);
             PRISM_ASSERT(v >= 0);   /* s itself is one */
-            seq_t *vs = &d->seqs[d->out[v].slot];
-            prism_kv_blocks_release(&d->blocks, vs->blocks, vs->n_blocks);
-            vs->n_blocks = 0;
-            vs->preempt = true;
-            d->out[v].t.preempted = true;
-            d->preempted++;
-            PRISM_DEBUG("request %llu preempted (KV pool full): %d tokens to recompute, priority %d",
-                        (unsigned long long)vs->seq.rid, vs->seq.len + 1, vs->seq.sampling.priority);
+            preempt(d, v);
         }
     }
+}
+
+/* Swapped-out sequences come back before any new transfer is admitted: the highest priority (the
+ * smallest Sampling.priority), then the oldest, each once blocks for its KV and its next token are
+ * free with the watermark to spare (none when nothing else holds blocks: a lone sequence always
+ * fits, decode_plan checked). The first that does not fit stops the others (no overtaking). A new
+ * step picks them up. Returns how many are still swapped out. */
+static int swap_in(decode_t *d)
+{
+    while (d->n_swapped_seqs > 0) {
+        int best = -1, active = 0;
+        for (int i = 0; i < d->max_running; i++) {
+            const seq_t *s = &d->seqs[i];
+            if (!s->seq.used) continue;
+            if (!s->swapped) {
+                active++;
+                continue;
+            }
+            if (best >= 0) {
+                const Prism__Sampling *a = &s->seq.sampling, *b = &d->seqs[best].seq.sampling;
+                if (a->priority > b->priority || (a->priority == b->priority && a->arrival_us >= b->arrival_us)) continue;
+            }
+            best = i;
+        }
+        PRISM_ASSERT(best >= 0);   /* n_swapped_seqs counts them */
+        seq_t *s = &d->seqs[best];
+        int need = prism_kv_blocks_for_tokens(&d->blocks, s->seq.len + 1), n = s->n_swapped;
+        if (need + (active ? d->watermark_blocks : 0) > d->blocks.n_free) break;
+        /* an abort releases a swapped-out sequence at once; one never enters a step */
+        PRISM_ASSERT(!s->cancel && !s->in_step && !s->finishing && n <= need);
+        int rc = prism_kv_blocks_alloc(&d->blocks, need, s->blocks);
+        PRISM_ASSERT(rc == PRISM_OK);
+        s->n_blocks = need;
+        s->n_swapped = 0;
+        s->swapped = false;
+        d->n_swapped_seqs--;
+        if ((rc = prism_kv_swap_in(&d->swap, d->kv, s->swap_slots, n, s->blocks)) != PRISM_OK) {
+            PRISM_ERROR("request %llu: its KV could not come back from the swap region: %s",
+                        (unsigned long long)s->seq.rid, prism_strerror(rc));
+            send_error(d, s->seq.router_id, s->seq.rid, s->seq.rid_hi, PRISM__ERROR_KIND__ERROR_INTERNAL,
+                       "decode worker could not bring the KV back from its swap region");
+            seq_release(d, s);
+            continue;
+        }
+        PRISM_DEBUG("request %llu swapped in: %d blocks back, %d free", (unsigned long long)s->seq.rid, n,
+                    d->blocks.n_free);
+    }
+    return d->n_swapped_seqs;
 }
 
 /* Waits for the step in flight, samples, and keeps each sequence's Tokens message for send_out. */
@@ -837,7 +945,8 @@ static uint32_t publish_load(decode_t *d)
     prism_worker_load_t load = {
         .running = (uint32_t)running(d), .waiting = d->staged ? 1 : 0, .kv_free_blocks = (uint32_t)d->blocks.n_free,
         .kv_waits = d->kv_waits, .tokens_generated = d->tokens_sampled, .seqs_aborted = d->aborted,
-        .preempt_recompute = d->preempted,
+        .preempt_recompute = d->preempted, .preempt_swap = d->swap.swapped_out,
+        .kv_swap_bytes = prism_kv_swap_used_bytes(&d->swap),
     };
     load.pool_free = (uint32_t)d->max_running - load.running;
     prism_worker_set_load(&d->w, &load);
@@ -854,6 +963,7 @@ static int decode_flags(void *ctx, prism_flag_t *t)
     d->f.overlap = "auto";
     d->f.admission = "optimistic";
     d->f.watermark = 0.01;
+    d->f.swap_bytes = -1;
     prism_flag_t f[] = {
         PRISM_FLAG_INT("kv-blocks", &d->f.kv_blocks, "KV cache blocks (0 = fill --mem-budget, else 1024)"),
         PRISM_FLAG_INT("block-size", &d->f.block_size, "Tokens per KV block"),
@@ -866,6 +976,10 @@ static int decode_flags(void *ctx, prism_flag_t *t)
                        "or reserve (admit only when blocks for prompt + max_tokens are free)"),
         PRISM_FLAG_DOUBLE("kv-watermark", &d->f.watermark,
                           "optimistic admission: fraction of the KV blocks left free when admitting (0..0.5)"),
+        PRISM_FLAG_BYTES("kv-swap-bytes", &d->f.swap_bytes,
+                         "optimistic admission: host memory a sequence's KV is swapped to when the pool runs out "
+                         "(it goes on there later; recompute when it does not fit); 0 = off, auto = 4G on a "
+                         "device without --mem-budget, else off (on the CPU the pool is host memory already)"),
     };
     memcpy(t, f, sizeof f);
     return (int)PRISM_ARRAY_LEN(f);
@@ -885,6 +999,10 @@ static int decode_size(void *ctx, prism_worker_startup_t *s)
     if ((strcmp(d->f.admission, "optimistic") && strcmp(d->f.admission, "reserve")) ||
         !(d->f.watermark >= 0 && d->f.watermark <= 0.5)) {
         PRISM_ERROR("--kv-admission must be optimistic or reserve, --kv-watermark 0..0.5");
+        return 2;
+    }
+    if (d->f.swap_bytes < -1) {
+        PRISM_ERROR("--kv-swap-bytes must be 0 or more");
         return 2;
     }
     d->optimistic = !strcmp(d->f.admission, "optimistic");
@@ -935,13 +1053,29 @@ static int decode_load(void *ctx, prism_worker_startup_t *s)
     return -1;
 }
 
-/* Bytes of one block of the pool: the layers that keep every position (every layer without a split),
- * and its entry in the block manager. */
-static size_t kv_block_bytes(const decode_t *d)
+/* Bytes of one block's K/V in the pool: the layers that keep every position (every layer without a
+ * split). A swap slot holds one. */
+static size_t kv_block_data_bytes(const decode_t *d)
 {
     int bs = (int)d->f.block_size;
-    return (d->ring ? prism_kv_cache_class_block_bytes(&d->cfg, bs, PRISM_KV_CLASS_FULL)
-                    : prism_kv_cache_block_bytes(&d->cfg, bs)) + prism_kv_blocks_bytes(1);
+    return d->ring ? prism_kv_cache_class_block_bytes(&d->cfg, bs, PRISM_KV_CLASS_FULL)
+                   : prism_kv_cache_block_bytes(&d->cfg, bs);
+}
+
+/* Bytes of one block of the pool: its K/V and its entry in the block manager. */
+static size_t kv_block_bytes(const decode_t *d) { return kv_block_data_bytes(d) + prism_kv_blocks_bytes(1); }
+
+/* The swap region's slots (--kv-swap-bytes in whole blocks). auto: vLLM's 4 GiB (swap_space) on a
+ * device of its own without a budget; off on the CPU, whose pool is host memory already (a bigger
+ * --kv-blocks serves better), and with --mem-budget (sized without it: ask for it). Off too under
+ * reserve admission (nothing is preempted) and in a tensor-parallel group (its ranks hold the other
+ * KV heads and would have to swap alike: recompute there). */
+static int swap_slots(const decode_t *d, const prism_worker_startup_t *s)
+{
+    int64_t bytes = d->f.swap_bytes;
+    if (bytes < 0) bytes = strcmp(d->be->device, "cpu") && s->o.mem_budget <= 0 ? (int64_t)4 << 30 : 0;
+    if (!d->optimistic || d->tp.opts.size > 1) bytes = 0;   /* tp.size is set when the group forms, after the plan */
+    return (int)PRISM_MIN(bytes / (int64_t)kv_block_data_bytes(d), (int64_t)INT32_MAX);
 }
 
 static int decode_plan(void *ctx, prism_worker_startup_t *s)
@@ -975,6 +1109,12 @@ static int decode_plan(void *ctx, prism_worker_startup_t *s)
     PRISM_PLAN_POOL(p, "step-rings", d->rings, n);
     PRISM_PLAN_POOL(p, "step-slots", d->slot_of, n);
     PRISM_PLAN_POOL(p, "step-dropped", d->dropped, n);
+    /* the swap region: host memory, whole blocks of the pool's layers, slots counted per sequence */
+    d->swap_n_slots = swap_slots(d, s);
+    PRISM_PLAN_POOL(p, "kv-swap", d->swap_bytes, (size_t)d->swap_n_slots * kv_block_data_bytes(d));
+    prism_mem_plan_add(p, "kv-swap-slots", d->swap_n_slots ? prism_kv_blocks_bytes(d->swap_n_slots) : 0,
+                       PRISM_MEM_LIBRARY);
+    PRISM_PLAN_POOL(p, "swap-tables", d->swap_pool, d->swap_n_slots ? (size_t)n * d->max_blocks_per_seq : 0);
     /* The KV block pool last: without --kv-blocks it takes what the budget leaves. */
     int64_t kv_blocks = d->f.kv_blocks;
     size_t per_block = kv_block_bytes(d);
@@ -1008,6 +1148,13 @@ static int decode_ready(void *ctx, prism_worker_startup_t *s)
     s->kv = d->kv;
     s->logits = d->logits;
     d->watermark_blocks = (int)(d->f.watermark * kv_blocks);
+    if (prism_kv_swap_init(&d->swap, d->swap_bytes, d->swap_n_slots, kv_block_data_bytes(d),
+                           d->ring ? PRISM_KV_CLASS_FULL : -1) != PRISM_OK) {
+        PRISM_ERROR("cannot set up the KV swap region (%d slots)", d->swap_n_slots);
+        return 1;
+    }
+    for (int i = 0; d->swap_pool && i < d->max_running; i++)
+        d->seqs[i].swap_slots = d->swap_pool + (size_t)i * d->max_blocks_per_seq;
     prism_abort_memo_init(&d->aborts, 600.0);
     for (int i = 0; i < d->max_running; i++) d->seqs[i].blocks = d->block_pool + (size_t)i * d->max_blocks_per_seq;
     for (int i = 0; i < d->max_running * d->ring; i++) d->ring_pool[i] = i;
@@ -1027,8 +1174,10 @@ static int decode_ready(void *ctx, prism_worker_startup_t *s)
 static int decode_run(void *ctx)
 {
     decode_t *d = ctx;
-    PRISM_INFO("decode: %d KV blocks x %d tokens, batch %d, %s admission%s%s", d->blocks.n_blocks,
+    char sw[32];
+    PRISM_INFO("decode: %d KV blocks x %d tokens, batch %d, %s admission, swap %s%s%s", d->blocks.n_blocks,
                d->blocks.block_size, d->max_running, d->optimistic ? "optimistic" : "reserve",
+               d->swap.slots.n_blocks ? prism_fmt_bytes(d->swap.slots.n_blocks * d->swap.slot_bytes, sw, sizeof sw) : "off",
                d->overlap ? ", host work overlapped with the device" : "",
                d->ring ? ", chunked-attention layers in per-sequence rings" : "");
     if (d->ring) {
@@ -1068,6 +1217,9 @@ static int decode_run(void *ctx)
                d->ns_forward ? 100.0 * (double)comm->ns_in_ops / (double)d->ns_forward : 0.0,
                (unsigned long long)comm->n_ops, d->tp.size, prism_group_transport(d->tp.g),
                (unsigned long long)d->cancelled, (unsigned long long)d->preempted);
+    PRISM_INFO("decode worker stopping: %llu sequences swapped out, %llu swapped in", (unsigned long long)d->swap.swapped_out,
+               (unsigned long long)d->swap.swapped_in);
+    prism_kv_swap_free(&d->swap);
     prism_seq_sampler_free(&d->sampler);
     return code;
 }

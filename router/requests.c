@@ -249,6 +249,7 @@ static void tokens_apply(router_t *r, router_req_t *q, const Prism__Tokens *t)
     if (finish) choice_end(q, i, finish);
     else {
         router_out_progress(q, i);
+        if (t->swapped && !t->from_prefill) r->metrics.swapped++;   /* it goes on there later: nothing to do */
         /* its decode dropped its KV: prefill it again from every token so far */
         if (t->preempted && !t->from_prefill &&
             !req_migrate(q, NULL, "preempted by its decode worker (KV pool full)"))

@@ -70,6 +70,7 @@ typedef struct {
     uint64_t tokens_generated, seqs_aborted, prompts_aborted;   /* what aborts stopped (heartbeats) */
     uint64_t sends_waited;        /* encoders: embeddings that waited for a prefill's pool (backpressure) */
     uint64_t preemptions;         /* decode: sequences it preempted (recompute) since it started */
+    uint64_t swaps, kv_swap_bytes;  /* decode: sequences it swapped out since it started; swap bytes in use */
     uint64_t prefix_queries, prefix_hits, prefill_computed;   /* prefill: prompt tokens (heartbeats) */
     uint32_t image_decodes_peak;  /* encoders: most images decoded at once since start (its image pool) */
     uint64_t heartbeats;          /* received since registration: lets a reader wait for fresh numbers */

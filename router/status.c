@@ -77,6 +77,8 @@ static json_t *worker_json(const router_worker_t *w, double now)
         json_object_set_new(j, "kv_free_blocks", json_integer(w->kv_free_blocks));
         json_object_set_new(j, "kv_waits", json_integer((json_int_t)w->kv_waits));
         json_object_set_new(j, "preemptions", json_integer((json_int_t)w->preemptions));
+        json_object_set_new(j, "swaps", json_integer((json_int_t)w->swaps));
+        json_object_set_new(j, "kv_swap_bytes", json_integer((json_int_t)w->kv_swap_bytes));
         break;
     default:
         break;

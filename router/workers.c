@@ -108,6 +108,8 @@ bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat
     w->prompts_aborted = hb->prompts_aborted;
     w->sends_waited = hb->sends_waited;
     w->preemptions = hb->preempt_recompute;
+    w->swaps = hb->preempt_swap;
+    w->kv_swap_bytes = hb->kv_swap_bytes;
     /* the router's totals grow by what each heartbeat adds: they stay monotonic when a worker goes
      * (a counter that went back is a restarted worker counting from 0) */
     r->metrics.prefix_queries += hb->prefix_cache_queries - (hb->prefix_cache_queries >= w->prefix_queries ? w->prefix_queries : 0);

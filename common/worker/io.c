@@ -432,6 +432,8 @@ static void io_heartbeat(prism_worker_t *w)
     hb.prompts_aborted = l.prompts_aborted;
     hb.sends_waited = l.sends_waited;
     hb.preempt_recompute = l.preempt_recompute;
+    hb.preempt_swap = l.preempt_swap;
+    hb.kv_swap_bytes = l.kv_swap_bytes;
     hb.prefix_cache_queries = l.prefix_cache_queries;
     hb.prefix_cache_hits = l.prefix_cache_hits;
     hb.prompt_tokens_computed = l.prompt_tokens_computed;

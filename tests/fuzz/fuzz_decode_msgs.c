@@ -4,19 +4,22 @@
  * bundled tiny model on the CPU, sampling, the Tokens stream), on the worker its own start-up builds
  * (prism_worker_open with k_decode_tier) with small pools: 3 sequences, 5 blocks of 16 tokens, a 32-token context
  * (at most 32 steps of a sequence: an input's worst case stays well inside libFuzzer's timeout;
- * optimistic admission, the default: three sequences past 16 tokens outgrow the 5 blocks and preempt).
+ * optimistic admission, the default: three sequences past 16 tokens outgrow the 5 blocks and preempt
+ * by recompute, or by swap for inputs whose mode has bit 4 set: the worker starts with a swap region of
+ * 2 blocks (--kv-swap-bytes 128K), which the harness takes away for the other inputs; a victim is
+ * swapped out while the region has room for it, else recomputed).
  * Transfers in pieces (Kv.piece_first / piece_blocks): the tiny model's pieces would hold every block,
  * so the harness lowers decode's piece to one block (d->piece_blocks = 1) for inputs whose mode has
  * bit 5 set: first pieces, continuations in and out of order, twice, too large, for transfers never
  * admitted, and transfers that stop midway (expired after the input as PRISM_KV_RX_TIMEOUT_S would).
  * Records: see fuzz_worker.h; the harness plays the I/O thread. The input's first byte picks the
- * mode: bit 6 overlaps steps with host work (the GPU pipeline, --overlap-steps on), bit 7 makes the
- * router give up on every request at the end instead of letting them finish.
+ * mode: bit 4 preempts by swap, bit 6 overlaps steps with host work (the GPU pipeline, --overlap-steps
+ * on), bit 7 makes the router give up on every request at the end instead of letting them finish.
  * Invariants: every reply is a Tokens message to the router; no step advances a sequence whose KV is
- * still arriving; the loop does not wedge (every sequence
+ * still arriving or that is swapped out; the loop does not wedge (every sequence
  * ends by the context length: once the input is over, the worker is idle within that many steps);
- * once every request finished or was aborted, every sequence slot and KV block is back, nothing is
- * staged and no step is in flight. */
+ * once every request finished or was aborted, every sequence slot, KV block and swap slot is back,
+ * nothing is staged and no step is in flight. */
 #define main decode_worker_main
 #include "../../decode_worker/main.c"
 #undef main
@@ -26,6 +29,7 @@
 static decode_t g_d;
 static fuzz_io_t g_io;
 static int g_piece_blocks;   /* decode's own piece */
+static prism_kv_swap_t g_swap, g_no_swap;   /* decode's swap region, and none (inputs without mode bit 4) */
 
 static void drain(void)
 {
@@ -45,7 +49,9 @@ static void turn(void)
     bool rx[8];
     FUZZ_ASSERT(d->max_running <= 8);
     for (int i = 0; i < d->max_running; i++) {
-        rx[i] = d->seqs[i].seq.used && d->seqs[i].receiving;
+        /* a swapped-out sequence is in no step either (it holds no blocks) */
+        rx[i] = d->seqs[i].seq.used && (d->seqs[i].receiving || d->seqs[i].swapped);
+        FUZZ_ASSERT(!d->seqs[i].swapped || (!d->seqs[i].n_blocks && d->seqs[i].n_swapped > 0));
         len[i] = d->seqs[i].seq.len;
     }
     step(d);
@@ -61,7 +67,7 @@ static bool idle(const decode_t *d)
 static void init(void)
 {
     const char *extra[] = {"--context-length", "32", "--max-running-requests", "3", "--kv-blocks", "5",
-                           "--block-size", "16"};
+                           "--block-size", "16", "--kv-swap-bytes", "128K"};
     int argc;
     char **argv;
     fuzz_worker_argv("decode_worker", extra, (int)PRISM_ARRAY_LEN(extra), &argc, &argv);
@@ -73,6 +79,9 @@ static void init(void)
     fuzz_io_setup(&g_io, &g_d.w, &old_int, &old_term, piece_max_bytes(&g_d));
     g_piece_blocks = g_d.piece_blocks;
     FUZZ_ASSERT(g_d.blocks.n_blocks == 5 && g_d.max_model_len == 32 && !g_d.ring);
+    FUZZ_ASSERT(g_d.swap.slots.n_blocks == 2);   /* the tiny model's block is 64 KiB */
+    g_swap = g_d.swap;
+    g_no_swap = (prism_kv_swap_t){.slot_bytes = g_swap.slot_bytes, .cls = g_swap.cls};
     if (getenv("FUZZ_VERBOSE"))   /* the transfer layout the seeds are written for */
         fprintf(stderr, "decode: block bytes %zu + %zu, local_first_block(16 tokens) %d\n", g_d.fbb, g_d.lbb,
                 prism_kv_local_first_block(&g_d.cfg, 16, 16));
@@ -90,6 +99,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     uint8_t mode = size ? data[0] : 0;
     d->overlap = (mode & 0x40) != 0;
     d->piece_blocks = (mode & 0x20) ? 1 : g_piece_blocks;
+    d->swap = (mode & 0x10) ? g_swap : g_no_swap;   /* every slot is free between inputs (asserted below) */
     fuzz_play(&g_io, &d->w, &data, &size, -1, turn);
     FUZZ_ASSERT(g_io.n == 0);
     if (mode & 0x80) {
@@ -103,15 +113,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     rx_expire(d, prism_now_s() + 2 * PRISM_KV_RX_TIMEOUT_S);
     for (int k = 0; k < 2 * d->max_model_len + 4 && !idle(d); k++) turn();
     FUZZ_ASSERT(idle(d));   /* not wedged */
-    for (int i = 0; i < d->max_running; i++) FUZZ_ASSERT(!d->seqs[i].seq.used && !d->seqs[i].n_blocks && !d->rx[i].used);
-    FUZZ_ASSERT(d->blocks.n_free == d->blocks.n_blocks);
+    for (int i = 0; i < d->max_running; i++)
+        FUZZ_ASSERT(!d->seqs[i].seq.used && !d->seqs[i].n_blocks && !d->seqs[i].n_swapped && !d->rx[i].used);
+    FUZZ_ASSERT(d->blocks.n_free == d->blocks.n_blocks && !d->n_swapped_seqs && !prism_kv_swap_used_bytes(&d->swap));
+    if (mode & 0x10) g_swap = d->swap;   /* its counters */
 
     if (getenv("FUZZ_VERBOSE"))   /* what an input did: to check that a seed does what it says */
         fprintf(stderr, "decode: %llu replies, %llu steps, %llu tokens, %llu cancelled, %llu KV waits, %llu preempted, "
-                "%llu transfers failed midway\n",
+                "%llu swapped out (counted since start), %llu transfers failed midway\n",
                 (unsigned long long)g_io.replies, (unsigned long long)d->steps, (unsigned long long)d->tokens_out,
                 (unsigned long long)d->cancelled, (unsigned long long)d->kv_waits, (unsigned long long)d->preempted,
-                (unsigned long long)d->rx_failed);
+                (unsigned long long)d->swap.swapped_out, (unsigned long long)d->rx_failed);
     fuzz_io_reset(&g_io, &d->w);
     prism_abort_memo_init(&d->aborts, 600.0);
     return 0;

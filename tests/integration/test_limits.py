@@ -449,13 +449,13 @@ def _tokens(r):
     return [e["token"] for e in ch["logprobs"]["content"]], ch["finish_reason"]
 
 
-def test_decode_preempts_by_recompute_and_priority_overtakes():
+def test_decode_preempts_by_recompute_or_swap_and_priority_overtakes():
     """--kv-admission optimistic (the default), 12 KV blocks of 16 tokens, a 128-token context: four
     requests without max_tokens run to the end of the context (8 blocks each), admitted on their
     prompts' blocks. The pool runs out mid-decode: sequences are preempted (dropped, prefilled again
     from their tokens), every request is answered, and each greedy or seeded answer is token for
     token the one it gives alone. Then a request with priority -1 sent after three of priority 0
-    overtakes them in the router's queue."""
+    overtakes them in the router's queue. In between, the same pool with a swap region (_preempt_by_swap)."""
     ctx = ["--context-length", "128"]
     with Cluster(router_args=ctx, common_worker_args=FAST_HB,
                  worker_args={"prefill_worker": ctx + ["--max-pending-requests", "1"],
@@ -484,6 +484,7 @@ def test_decode_preempts_by_recompute_and_priority_overtakes():
         wait_for(lambda: c.metric("prism:worker_heartbeats_total", tier="decode") > hb + 1, 10, "a fresh heartbeat")
         assert c.metric("prism:worker_preemptions_total", tier="decode") == preempted
         assert c.metric("prism:worker_kv_free_blocks", tier="decode") == 12, "blocks leaked"
+        _preempt_by_swap(c, bodies, refs)   # on decode workers started with a swap region
 
         # Priorities: the prefill worker takes one request at a time (--max-pending-requests 1) and is
         # stopped (SIGSTOP) while a first request holds it; three of priority 0 queue in the router,
@@ -520,6 +521,83 @@ def test_decode_preempts_by_recompute_and_priority_overtakes():
         print("first tokens in order:", order)
         assert order == ["first", "high", "low0", "low1", "low2"], ("the high-priority request did not overtake "
                                                                    "the queue", order)
+
+
+def _restart_decode(c, old, new, extra):
+    """Replaces decode worker `old` by `new`, started with `extra` flags; returns once it is serving."""
+    c.kill(old)
+    # dropped by the router first (its connection closed), or requests would still go to it and migrate
+    wait_for(lambda: c.metric("prism:worker_heartbeats_total", worker=old) is None, 30, old + " dropped")
+    c.start_worker(new, "decode_worker", extra)
+    wait_for(lambda: c.metric("prism:worker_heartbeats_total", worker=new), 30, new + " registered")
+    c.wait_ready()
+
+
+def _all_at_once(c, bodies, refs):
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+        res = list(ex.map(lambda b: c.post_json("/v1/chat/completions", b), bodies))
+    for i, (s, r) in enumerate(res):
+        assert s == 200, (i, s, r)
+        assert _tokens(r) == refs[i], ("answer changed by preemption", i)
+
+
+def _settled(c, worker):
+    """The decode worker's state once it is idle again: swap bytes in use, free blocks (fresh heartbeats)."""
+    hb = c.metric("prism:worker_heartbeats_total", worker=worker)
+    wait_for(lambda: c.metric("prism:worker_heartbeats_total", worker=worker) > hb + 1, 10, "a fresh heartbeat")
+    wait_for(lambda: c.metric("prism:worker_running", worker=worker) == 0, 20, worker + " idle")
+    return c.metric("prism:worker_kv_swap_bytes", worker=worker), c.metric("prism:worker_kv_free_blocks", worker=worker)
+
+
+def _preempt_by_swap(c, bodies, refs):
+    """--kv-swap-bytes on the same 12-block pool (a block of the tiny model is 64 KiB). (1) 4 MiB holds
+    every victim: sequences are swapped out and back in, none is recomputed, each answer is token for
+    token its answer alone, the swap bytes come back to 0. (2) the same four streamed, the client of
+    a swapped-out sequence gone: its swap slots are freed by the abort (the gauge back to 0), the
+    others end normally. (3) a 64 KiB region
+    holds no victim (each holds 2 blocks or more): every preemption is a recompute, answers unchanged."""
+    swap_args = ["--kv-swap-bytes", "4M", "--log-level", "debug"]
+    _restart_decode(c, "decode-0", "decode-1", swap_args)
+    rec0, swap0 = c.metric("prism:preemptions_total", how="recompute"), c.metric("prism:preemptions_total", how="swap")
+    _all_at_once(c, bodies, refs)
+    swaps = c.metric("prism:preemptions_total", how="swap") - swap0
+    print("swaps:", swaps)
+    assert swaps > 0, "nothing was swapped out: the test proved nothing"
+    assert c.metric("prism:preemptions_total", how="recompute") == rec0, "a victim that fitted was recomputed"
+    assert c.metric("vllm:num_preemptions_total") == rec0 + swap0 + swaps
+    assert _settled(c, "decode-1") == (0, 12), "swap slots or blocks leaked"
+    assert c.metric("prism:worker_swaps_total", worker="decode-1") == swaps
+
+    # (2) a client that leaves while its sequence is swapped out: the one of priority 1 is the victim
+    # (the lowest priority goes first) and comes back last; the worker is stopped while the client
+    # leaves, so its abort is what it hears next (checked in its log)
+    log0 = len(c.log("decode-1", tail=0))
+    streams = [c.open_stream("/v1/chat/completions", dict(b, stream=True, priority=int(i == 3)))
+               for i, b in enumerate(bodies)]
+    rid = wait_for(lambda: re.findall(r"request (\d+) swapped out \(KV pool full\): \d+ blocks, priority 1",
+                                      c.log("decode-1", tail=0)[log0:]), 30, "the low-priority sequence swapped out")[0]
+    dec = c.procs["decode-1"]
+    dec.send_signal(signal.SIGSTOP)
+    try:
+        streams[3].close()
+        time.sleep(0.3)
+    finally:
+        dec.send_signal(signal.SIGCONT)
+    for st in streams[:3]:   # the others go on to the end
+        while st.next_event() not in ("[DONE]", None):
+            pass
+        assert st.done, "a stream ended early"
+    assert _settled(c, "decode-1") == (0, 12), "an aborted sequence's swap slots (or blocks) were not freed"
+    events = re.findall(r"request %s (swapped out|swapped in|aborted)" % rid, c.log("decode-1", tail=0)[log0:])
+    assert events[-2:] == ["swapped out", "aborted"], ("not aborted while swapped out: the test proved nothing", events)
+
+    # (3) a region too small for any victim
+    _restart_decode(c, "decode-1", "decode-2", ["--kv-swap-bytes", "64K"])
+    rec0, swap0 = c.metric("prism:preemptions_total", how="recompute"), c.metric("prism:preemptions_total", how="swap")
+    _all_at_once(c, bodies, refs)
+    assert c.metric("prism:preemptions_total", how="recompute") > rec0, "nothing was preempted"
+    assert c.metric("prism:preemptions_total", how="swap") == swap0, "a victim was swapped into a 1-block region"
+    assert _settled(c, "decode-2") == (0, 12), "blocks leaked"
 
 
 def test_worker_failure_fails_requests_cleanly():
@@ -620,7 +698,7 @@ if __name__ == "__main__":
     sys.exit(run_tests([test_stream_client_that_stops_reading_is_dropped,
                         test_budget_too_small_refuses_to_start, test_budget_is_checked_against_the_whole_plan,
                         test_backpressure_and_flat_allocations,
-                        test_decode_admission_waits_for_kv, test_decode_preempts_by_recompute_and_priority_overtakes,
+                        test_decode_admission_waits_for_kv, test_decode_preempts_by_recompute_or_swap_and_priority_overtakes,
                         test_worker_failure_fails_requests_cleanly,
                         test_busy_encoder_keeps_heartbeating,
                         test_overload_burst_and_recovery, test_router_within_its_budget_under_a_burst,

@@ -377,10 +377,12 @@ def test_scout_context_is_capped():
 
 
 def test_preempted_answers_unchanged():
-    """Four 300-token answers at once (greedy and seeded) on 64 KV blocks: sequences are preempted
+    """Four 600-token answers at once (greedy and seeded) on 64 KV blocks (38 each at the end: even
+    staggered by their prefills they outgrow the pool): sequences are preempted
     and prefilled again from their tokens (in chunks of 50), their chunked-attention layers' rings
-    refilled from the transfer, and every answer is token for token its answer alone."""
-    bodies = [body("Tell me about %s." % w, max_tokens=300, temperature=0.7 if i % 2 else 0, seed=3)
+    refilled from the transfer, and every answer is token for token its answer alone. Then the same
+    on a decode worker with a swap region: preempted by swap (the rings kept by their slots)."""
+    bodies = [body("Tell me about %s." % w, max_tokens=600, temperature=0.7 if i % 2 else 0, seed=3)
               for i, w in enumerate(("cats", "dogs", "ships", "rain"))]
     alone = [ask(C, b)[0] for b in bodies]
     p0 = C.metric("vllm:num_preemptions_total")
@@ -389,6 +391,19 @@ def test_preempted_answers_unchanged():
     for i, (got, want) in enumerate(zip(res, alone)):
         assert got == want, (i, len(got), len(want))
     assert C.metric("vllm:num_preemptions_total") > p0, "the pool never ran out: nothing was preempted"
+    # The same with a swap region: the victims' pool blocks (the full-attention layers) go to host
+    # memory, their rings stay with their batch slots; nothing is recomputed, every answer unchanged.
+    C.kill("decode-0")
+    wait_for(lambda: C.metric("prism:worker_heartbeats_total", worker="decode-0") is None, 30, "decode-0 dropped")
+    C.start_worker("decode-0", "decode_worker", ["--kv-swap-bytes", "64M"])
+    wait_for(lambda: C.metric("prism:worker_heartbeats_total", worker="decode-0"), 60, "decode-0 back")
+    r0, s0 = C.metric("prism:preemptions_total", how="recompute"), C.metric("prism:preemptions_total", how="swap")
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+        res = list(ex.map(lambda b: ask(C, b)[0], bodies))
+    for i, (got, want) in enumerate(zip(res, alone)):
+        assert got == want, ("answer changed by a swap", i, len(got), len(want))
+    assert C.metric("prism:preemptions_total", how="swap") > s0, "nothing was swapped out"
+    assert C.metric("prism:preemptions_total", how="recompute") == r0, "a victim was recomputed"
 
 
 def test_short_context_unsplit_cache():

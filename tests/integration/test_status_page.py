@@ -196,7 +196,8 @@ def test_status_page_shows_the_live_cluster():
                 assert cell("cache_hit_rate")["text"].startswith(expect), (w["id"], w["cache"], cell("cache_hit_rate")["text"])
             if w["tier"] == "decode":
                 assert cell("kv_free")["text"].startswith("%d / %d" % (w["kv_free_blocks"], w["kv_blocks"]))
-                assert "%d preempted" % w["preemptions"] in cell("kv_free")["text"], cell("kv_free")["text"]
+                assert "%d recomputed" % w["preemptions"] in cell("kv_free")["text"], cell("kv_free")["text"]
+                assert "%d swapped" % w["swaps"] in cell("kv_free")["text"], cell("kv_free")["text"]
             if w["tier"] == "prefill":
                 assert cell("pool_free")["text"].strip() == str(w["pool_free"])
                 p = w["prefix_cache"]   # prompt tokens found in its prefix cache, of those looked up

@@ -283,11 +283,12 @@ def test_preemption_in_a_group():
     """A decode group of 2 with overlapped steps and 12 KV blocks (a 128-token context): four answers
     without max_tokens (greedy and seeded) outgrow the pool, sequences are preempted (dropped from the
     next plan, prefilled again from their tokens), and each answer is token for token its answer
-    alone; every block comes back."""
+    alone; every block comes back. The group is given a swap region, which it does not use (its ranks
+    hold the other KV heads): every preemption is a recompute."""
     ctx = ["--context-length", "128"]
     with Cluster(decodes=0, router_args=ctx, worker_args={"prefill_worker": ctx},
                  common_worker_args=["--heartbeat-interval", "0.1"]) as c:
-        start_group(c, "decode-0", 2, extra=["--overlap-steps", "on", "--kv-blocks", "12"] + ctx)
+        start_group(c, "decode-0", 2, extra=["--overlap-steps", "on", "--kv-blocks", "12", "--kv-swap-bytes", "4M"] + ctx)
         c.wait_ready(timeout=300)
         bodies = [chat_body("Tell me a long story about %s" % w, temperature=t, seed=4, ignore_eos=True)
                   for w, t in (("cats", 0), ("ships", 0.8), ("rain", 0), ("bread", 1.0))]
@@ -296,6 +297,7 @@ def test_preemption_in_a_group():
             res = list(ex.map(lambda b: c.post_json("/v1/chat/completions", b), bodies))
         assert [r["choices"][0]["message"]["content"] for _, r in res] == alone, "answers changed by preemption"
         assert c.metric("vllm:num_preemptions_total") > 0, "the pool never ran out: nothing was preempted"
+        assert c.metric("prism:preemptions_total", how="swap") == 0, "a tensor-parallel group swapped"
         wait_for(lambda: worker_gauge(c, "prism:worker_kv_free_blocks", "decode", "decode-0") == 12, 30,
                  "the decode group to free every block")
         assert c.procs["decode-0.r1"].poll() is None, c.log("decode-0.r1")
