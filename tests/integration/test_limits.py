@@ -522,6 +522,71 @@ def test_decode_preempts_by_recompute_and_priority_overtakes():
                                                                    "the queue", order)
 
 
+def test_decode_preempts_by_migration_and_survives_the_target_dying():
+    """Preemption by migration (issue 28): decode-0 has 12 KV blocks (a 128-token context), decode-1
+    room for every sequence. Four requests without max_tokens are all placed on decode-0 (the prefill
+    worker is stopped while they are dispatched and decode-1 starts only then): decode-0's pool runs
+    out mid-decode, the sequences it preempts go on on decode-1 with their KV moved there (no
+    prefill again), and each greedy or seeded answer is token for token its answer alone. Then the
+    same with a decode-1 that dies as the first migrated KV reaches it (a target killed
+    mid-migration): nothing is lost, the sequences are recomputed and the answers are unchanged."""
+    ctx = ["--context-length", "128"]
+    tiny = ctx + ["--kv-blocks", "12", "--max-running-requests", "4"]
+    with Cluster(decodes=0, router_args=ctx, common_worker_args=FAST_HB,
+                 worker_args={"prefill_worker": ctx, "decode_worker": ctx}) as c:
+        c.start_worker("decode-0", "decode_worker", tiny)
+        c.wait_ready()
+        bodies = [chat_body("Tell me a long story about the colour %s." % col, temperature=t, seed=11,
+                            ignore_eos=True, logprobs=True, return_tokens_as_token_ids=True)
+                  for col, t in (("red", 0), ("green", 0.8), ("blue", 0), ("yellow", 1.0))]
+        refs = []
+        for b in bodies:
+            s, r = c.post_json("/v1/chat/completions", b)
+            assert s == 200, (s, r)
+            refs.append(_tokens(r))
+        assert c.metric("vllm:num_preemptions_total") == 0, "one at a time, nothing to preempt"
+
+        def run_on_decode0_then(start_target):
+            """The four at once, all dispatched to decode-0 (the only decode worker then) while the
+            prefill worker is stopped; the target starts and registers before anything runs."""
+            pre = c.procs["prefill-0"]
+            with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+                pre.send_signal(signal.SIGSTOP)
+                try:
+                    jobs = [ex.submit(c.post_json, "/v1/chat/completions", b) for b in bodies]
+                    wait_for(lambda: c.metric("prism:router_requests_in_flight") == len(bodies), 10,
+                             "every request dispatched")
+                    start_target()
+                    wait_for(lambda: c.metric("prism:worker_heartbeats_total", worker="decode-1"), 30,
+                             "decode-1 registered")
+                finally:
+                    pre.send_signal(signal.SIGCONT)
+                res = [f.result() for f in jobs]
+            for i, (s, r) in enumerate(res):
+                assert s == 200, (i, s, r)
+                assert _tokens(r) == refs[i], ("answer changed by preemption", i)
+
+        run_on_decode0_then(lambda: c.start_worker("decode-1", "decode_worker"))
+        moved = c.metric("prism:preemptions_total", how="migrate")
+        print("preemptions: %s migrated, %s recomputed" % (moved, c.metric("prism:preemptions_total", how="recompute")))
+        assert moved > 0, "no sequence migrated"
+        assert c.metric("vllm:num_preemptions_total") == moved + c.metric("prism:preemptions_total", how="recompute")
+        hb = c.metric("prism:worker_heartbeats_total", worker="decode-0")
+        wait_for(lambda: c.metric("prism:worker_heartbeats_total", worker="decode-0") > hb + 1, 10, "a fresh heartbeat")
+        assert c.metric("prism:worker_preemptions_migrated_total", worker="decode-0") >= moved
+        assert c.metric("prism:worker_kv_free_blocks", worker="decode-0") == 12, "blocks leaked on the source"
+
+        # The target dies as the first migrated KV reaches it: those sequences are recomputed.
+        c.kill("decode-1")
+        wait_for(lambda: not c.metric("prism:worker_heartbeats_total", worker="decode-1"), 10, "decode-1 dropped")
+        c.worker_env["decode_worker"] = {"PRISM_TEST_DIE_ON_MIGRATED_KV": "1"}
+        recomputed = c.metric("prism:preemptions_total", how="recompute")
+        run_on_decode0_then(lambda: c.start_worker("decode-1", "decode_worker"))
+        assert c.procs["decode-1"].wait(timeout=10) == 3, "the target did not die mid-migration"
+        assert c.metric("prism:preemptions_total", how="migrate") == moved, "a migration completed on a dead target"
+        print("recomputed after the target died:", c.metric("prism:preemptions_total", how="recompute") - recomputed)
+
+
 def test_worker_failure_fails_requests_cleanly():
     """A decode worker killed mid-generation: its requests end with a clean error (never a hang), the
     router stays up, and a replacement worker that registers serves the next request. (Without
@@ -621,6 +686,7 @@ if __name__ == "__main__":
                         test_budget_too_small_refuses_to_start, test_budget_is_checked_against_the_whole_plan,
                         test_backpressure_and_flat_allocations,
                         test_decode_admission_waits_for_kv, test_decode_preempts_by_recompute_and_priority_overtakes,
+                        test_decode_preempts_by_migration_and_survives_the_target_dying,
                         test_worker_failure_fails_requests_cleanly,
                         test_busy_encoder_keeps_heartbeating,
                         test_overload_burst_and_recovery, test_router_within_its_budget_under_a_burst,
