@@ -672,7 +672,7 @@ static void on_migrate(decode_t *d, const Prism__Envelope *e, const char *router
             seq_release(d, s);
             return;
         }
-        if (strlen(to) >= sizeof(m->endpoint) || strncmp(to, "tcp://", 6) != 0 || !strcmp(to, d->w.data_endpoint)) {
+        if (strlen(to) >= sizeof(m->endpoint) || !strstr(to, "://") || !strcmp(to, d->w.data_endpoint)) {
             mig_drop(d, s, "the router named no other decode worker");
             return;
         }

@@ -1,5 +1,6 @@
 /* libFuzzer: the decode worker's message handlers (decode_worker/main.c on_msg: Kv transfers from
- * prefill workers on the data socket, Abort from routers) and its loop (admit_staged: the KV import
+ * prefill workers (and migrated ones from decode workers) on the data socket, Abort and Migrate from
+ * routers) and its loop (admit_staged: the KV import
  * into the paged cache, shared prompt blocks of n > 1 choices; step: continuous batching over the
  * bundled tiny model on the CPU, sampling, the Tokens stream), on the worker its own start-up builds
  * (prism_worker_open with k_decode_tier) with small pools: 3 sequences, 5 blocks of 16 tokens, a 32-token context
@@ -32,13 +33,24 @@ static void drain(void)
     fuzz_drain(&g_io, &g_d.w, PRISM__MSG_TYPE__MSG_TOKENS, NULL, NULL);
 }
 
+/* Migrate's target stays inside the process (fuzz_worker.h): the migrated KV is read back there. */
+static void on_msg_confined(prism_worker_t *w, prism_msg_t *m, int source, void *ud)
+{
+    Prism__Migrate *mg = m->env->type == PRISM__MSG_TYPE__MSG_MIGRATE ? m->env->migrate : NULL;
+    char buf[64], *saved = NULL;
+    if (mg) fuzz_confine(&mg->target_endpoint, &saved, buf, sizeof(buf));
+    on_msg(w, m, source, ud);
+    if (mg) mg->target_endpoint = saved;
+}
+
 /* One turn of main()'s loop, the poll being the harness's. */
 static void turn(void)
 {
     decode_t *d = &g_d;
     publish_load(d);
+    unstall(d);
     admit_staged(d);
-    fuzz_poll(&g_io, &d->w, data_credit(d), on_msg, d);
+    fuzz_poll(&g_io, &d->w, data_credit(d), on_msg_confined, d);
     drain();
     /* a sequence whose KV is still arriving is in no step (its blocks are partly written) */
     int len[8];
@@ -48,6 +60,7 @@ static void turn(void)
         rx[i] = d->seqs[i].seq.used && d->seqs[i].receiving;
         len[i] = d->seqs[i].seq.len;
     }
+    mig_tick(d, prism_now_s());
     step(d);
     for (int i = 0; i < d->max_running; i++) FUZZ_ASSERT(!rx[i] || !d->seqs[i].seq.used || d->seqs[i].seq.len == len[i]);
     drain();
@@ -101,6 +114,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     /* Transfers whose pieces stopped are failed as the timeout would; every sequence ends by the
      * context length; a staged transfer starts once they make room. */
     rx_expire(d, prism_now_s() + 2 * PRISM_KV_RX_TIMEOUT_S);
+    mig_tick(d, prism_now_s() + 2 * PRISM_MIGRATE_SEND_S);   /* parked ones the router never placed, or stuck */
     for (int k = 0; k < 2 * d->max_model_len + 4 && !idle(d); k++) turn();
     FUZZ_ASSERT(idle(d));   /* not wedged */
     for (int i = 0; i < d->max_running; i++) FUZZ_ASSERT(!d->seqs[i].seq.used && !d->seqs[i].n_blocks && !d->rx[i].used);
