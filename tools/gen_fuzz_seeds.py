@@ -332,6 +332,25 @@ def decode_seeds():
     put(h, "preempt_overlap", bytes([OP_DATA | MODE_OVERLAP]) + kv(53, 6, samp=sampling(**long))[1:] +
         kv(54, 6, samp=sampling(seed=5, temperature=0.8, **long)) + kv(55, 6, samp=sampling(**long)) + turn(16) +
         rec(OP_ROUTER, abort_msg(53)) + turn(20))
+    # preemption by migration: the victim is parked (no step, blocks held) and the others stall until
+    # the router's Migrate sends its KV to the harness's peer; duplicates, one for no parked sequence,
+    # "" (nowhere: dropped), a peer that takes nothing (given up after the input), none at all (the
+    # preempt seeds: given up), and penalties (recompute, no parking)
+    def migrate(rid, ep):
+        return rec(OP_ROUTER, env_of(12, 21, pb_bytes(1, ep), rid))
+    put(h, "migrate", kv(56, 6, samp=sampling(**long)) + kv(57, 6, samp=sampling(priority=1, **long)) +
+        kv(58, 6, samp=sampling(seed=3, temperature=0.9, **long)) + migrate(57, PEER_EP) + turn(12) +
+        migrate(57, PEER_EP) + turn(2) + migrate(57, PEER_EP) + migrate(57, PEER_EP) + migrate(99, PEER_EP) + turn(20))
+    put(h, "migrate_nowhere", bytes([OP_DATA | MODE_OVERLAP]) + kv(59, 6, samp=sampling(**long))[1:] +
+        kv(60, 6, samp=sampling(priority=1, **long)) + kv(61, 6, samp=sampling(**long)) + turn(12) +
+        migrate(60, "") + turn(2) + migrate(60, "") + turn(2) + migrate(61, STUCK_EP) + turn(20))
+    put(h, "migrate_abort", kv(62, 6, samp=sampling(**long)) + kv(63, 6, samp=sampling(priority=1, **long)) +
+        kv(64, 6, samp=sampling(**long)) + turn(14) + rec(OP_ROUTER, abort_msg(63)) + migrate(63, PEER_EP) +
+        turn(20))
+    ids6 = [1, 2, 3, 4, 5, 6]
+    put(h, "preempt_penalties", kv(65, 6, samp=sampling(rep=1.3, **long), prompt=ids6) +
+        kv(66, 6, samp=sampling(priority=1, rep=1.3, **long), prompt=ids6) +
+        kv(67, 6, samp=sampling(rep=1.3, **long), prompt=ids6) + turn(30))
     put(h, "other_router", kv(47, 6, router="r2") + kv(48, 6, router=None) + turn(5) +
         rec(OP_ROUTER, abort_msg(48, None)))
     # bit 5: pieces of one block (a 20-token prompt's transfer is two)
