@@ -333,7 +333,7 @@ router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash
 router_worker_t *router_pick_slots(router_t *r, Prism__Role role, uint64_t prefer_hash, int slots, uint64_t bytes,
                                    bool *any);
 /* Where a sequence that decode worker `from` parked (preemption by migration) goes: the decode worker
- * other than `from` with room for one more sequence and, by its last heartbeat, `blocks` free KV
+ * other than `from`, of its block size, with room for one more sequence and, by its last heartbeat, `blocks` free KV
  * blocks beyond 2% of its pool (its admission watermark), the most free first; NULL when none. */
 router_worker_t *router_pick_kv_target(router_t *r, const router_worker_t *from, uint64_t blocks);
 /* Load a plan being made puts on a worker without having counted it yet (sched.c). */

@@ -288,7 +288,9 @@ router_worker_t *router_pick_kv_target(router_t *r, const router_worker_t *from,
     router_worker_t *best = NULL;
     for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
         router_worker_t *w = &r->workers[i];
-        if (w == from || !candidate(w, &want) || !pickable(w, seen(w, &want), &want, false)) continue;
+        if (w == from || !candidate(w, &want) || !pickable(w, seen(w, &want), &want, false) ||
+            w->block_size != from->block_size)   /* the transfer's layout is the source's */
+            continue;
         if ((uint64_t)w->kv_free_blocks < blocks + w->kv_blocks / 50) continue;
         if (!best || w->kv_free_blocks > best->kv_free_blocks) best = w;
     }
