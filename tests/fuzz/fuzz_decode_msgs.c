@@ -122,10 +122,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
     if (getenv("FUZZ_VERBOSE"))   /* what an input did: to check that a seed does what it says */
         fprintf(stderr, "decode: %llu replies, %llu steps, %llu tokens, %llu cancelled, %llu KV waits, %llu preempted, "
-                "%llu transfers failed midway\n",
+                "%llu transfers failed midway, %llu migrated (%llu messages to peers)\n",
                 (unsigned long long)g_io.replies, (unsigned long long)d->steps, (unsigned long long)d->tokens_out,
                 (unsigned long long)d->cancelled, (unsigned long long)d->kv_waits, (unsigned long long)d->preempted,
-                (unsigned long long)d->rx_failed);
+                (unsigned long long)d->rx_failed, (unsigned long long)d->migrated_out,
+                (unsigned long long)g_io.transfers);
     fuzz_io_reset(&g_io, &d->w);
     prism_abort_memo_init(&d->aborts, 600.0);
     return 0;
