@@ -559,14 +559,17 @@ def test_decode_preempts_by_migration_and_survives_the_target_dying():
                     start_target()
                     wait_for(lambda: c.metric("prism:worker_heartbeats_total", worker="decode-1"), 30,
                              "decode-1 registered")
+                    free1 = c.metric("prism:worker_kv_free_blocks", worker="decode-1")   # idle: its whole pool
                 finally:
                     pre.send_signal(signal.SIGCONT)
                 res = [f.result() for f in jobs]
             for i, (s, r) in enumerate(res):
                 assert s == 200, (i, s, r)
                 assert _tokens(r) == refs[i], ("answer changed by preemption", i)
+            return free1
 
-        run_on_decode0_then(lambda: c.start_worker("decode-1", "decode_worker"))
+        computed = c.metric("prism:prefill_tokens_computed_total")
+        free1 = run_on_decode0_then(lambda: c.start_worker("decode-1", "decode_worker"))
         moved = c.metric("prism:preemptions_total", how="migrate")
         print("preemptions: %s migrated, %s recomputed" % (moved, c.metric("prism:preemptions_total", how="recompute")))
         assert moved > 0, "no sequence migrated"
@@ -575,16 +578,23 @@ def test_decode_preempts_by_migration_and_survives_the_target_dying():
         wait_for(lambda: c.metric("prism:worker_heartbeats_total", worker="decode-0") > hb + 1, 10, "a fresh heartbeat")
         assert c.metric("prism:worker_preemptions_migrated_total", worker="decode-0") >= moved
         assert c.metric("prism:worker_kv_free_blocks", worker="decode-0") == 12, "blocks leaked on the source"
+        hb = c.metric("prism:worker_heartbeats_total", worker="decode-1")
+        wait_for(lambda: c.metric("prism:worker_heartbeats_total", worker="decode-1") > hb + 1, 10, "a fresh heartbeat")
+        assert c.metric("prism:worker_kv_free_blocks", worker="decode-1") == free1, "blocks leaked on the target"
+        print("prompt tokens prefilled with migration:", c.metric("prism:prefill_tokens_computed_total") - computed)
 
         # The target dies as the first migrated KV reaches it: those sequences are recomputed.
         c.kill("decode-1")
         wait_for(lambda: not c.metric("prism:worker_heartbeats_total", worker="decode-1"), 10, "decode-1 dropped")
         c.worker_env["decode_worker"] = {"PRISM_TEST_DIE_ON_MIGRATED_KV": "1"}
         recomputed = c.metric("prism:preemptions_total", how="recompute")
+        computed = c.metric("prism:prefill_tokens_computed_total")
         run_on_decode0_then(lambda: c.start_worker("decode-1", "decode_worker"))
         assert c.procs["decode-1"].wait(timeout=10) == 3, "the target did not die mid-migration"
         assert c.metric("prism:preemptions_total", how="migrate") == moved, "a migration completed on a dead target"
-        print("recomputed after the target died:", c.metric("prism:preemptions_total", how="recompute") - recomputed)
+        print("recomputed after the target died: %s (prompt tokens prefilled: %s)" % (
+            c.metric("prism:preemptions_total", how="recompute") - recomputed,
+            c.metric("prism:prefill_tokens_computed_total") - computed))
 
 
 def test_worker_failure_fails_requests_cleanly():
