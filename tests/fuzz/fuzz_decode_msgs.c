@@ -111,12 +111,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             if (d->seqs[i].seq.used) fuzz_abort(&d->w, on_msg, d, d->seqs[i].seq.rid, d->seqs[i].seq.router_id);
         if (d->staged) fuzz_abort(&d->w, on_msg, d, d->staged_rid, d->staged_router);
     }
-    /* Transfers whose pieces stopped are failed as the timeout would; every sequence ends by the
-     * context length; a staged transfer starts once they make room. */
-    rx_expire(d, prism_now_s() + 2 * PRISM_KV_RX_TIMEOUT_S);
-    /* Sequences parked for migration (now or in these turns) that the router never places, or whose
-     * target takes nothing, are given up as the bounds would (the router says nothing after the input). */
+    /* Every sequence ends by the context length; a staged transfer starts once they make room. Nothing
+     * comes after the input: transfers whose pieces stopped (those admitted in these turns too) are
+     * failed as the timeout would, and sequences parked for migration (now or in these turns) that the
+     * router never places, or whose target takes nothing, are given up as the bounds would. */
     for (int k = 0; k < 2 * d->max_model_len + 4 && !idle(d); k++) {
+        rx_expire(d, prism_now_s() + 2 * PRISM_KV_RX_TIMEOUT_S);
         mig_tick(d, prism_now_s() + 2 * PRISM_MIGRATE_SEND_S);
         turn();
     }
