@@ -15,8 +15,10 @@
  * Workers that die: before the first token the request starts over elsewhere (req_retry); after
  * it, a request with n = 1 goes on from its last token on another prefill/decode pair
  * (req_migrate, up to --max-migrations times); anything else fails with 503. A decode worker whose
- * KV pool ran out preempts a sequence (Tokens.preempted): it goes on the same way (req_migrate,
- * not counted against --max-migrations), on whichever decode has room.
+ * KV pool ran out preempts a sequence: it parks it (Tokens.preempt_migrate) and the sequence's KV
+ * moves to another decode worker with room, which holds the request from then on (req_move_kv), or
+ * it drops it (Tokens.preempted) and the request goes on as after a decode death (req_migrate, not
+ * counted against --max-migrations), on whichever decode has room.
  *
  * A request ends in req_destroy, which gives its workers and bytes back and releases the HTTP
  * request exactly once; router_req_free (reqmap.c) frees what it owns. */
