@@ -529,7 +529,8 @@ def test_decode_preempts_by_migration_and_survives_the_target_dying():
     out mid-decode, the sequences it preempts go on on decode-1 with their KV moved there (no
     prefill again), and each greedy or seeded answer is token for token its answer alone. Then the
     same with a decode-1 that dies as the first migrated KV reaches it (a target killed
-    mid-migration): nothing is lost, the sequences are recomputed and the answers are unchanged."""
+    mid-migration): nothing is lost, the sequences are recomputed and the answers are unchanged. Then
+    clients that leave while their sequences migrate: both decode workers free everything."""
     ctx = ["--context-length", "128"]
     tiny = ctx + ["--kv-blocks", "12", "--max-running-requests", "4"]
     with Cluster(decodes=0, router_args=ctx, common_worker_args=FAST_HB,
@@ -595,6 +596,42 @@ def test_decode_preempts_by_migration_and_survives_the_target_dying():
         print("recomputed after the target died: %s (prompt tokens prefilled: %s)" % (
             c.metric("prism:preemptions_total", how="recompute") - recomputed,
             c.metric("prism:prefill_tokens_computed_total") - computed))
+
+        # Clients that leave while their sequences migrate: the target is stopped (SIGSTOP) once
+        # registered, so the KV decode-0 sent it waits there unread and the router still holds the
+        # request at both; every stream is closed then. Both workers end with nothing running and
+        # every block free.
+        del c.worker_env["decode_worker"]
+        pre, sent = c.procs["prefill-0"], c.metric("prism:worker_preemptions_migrated_total", worker="decode-0")
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+            pre.send_signal(signal.SIGSTOP)
+            try:
+                jobs = [ex.submit(c.open_stream, "/v1/chat/completions", dict(b, stream=True)) for b in bodies]
+                wait_for(lambda: c.metric("prism:router_requests_in_flight") == len(bodies), 10, "every request dispatched")
+                c.start_worker("decode-1", "decode_worker")
+                wait_for(lambda: c.metric("prism:worker_heartbeats_total", worker="decode-1"), 30, "decode-1 registered")
+                free1 = c.metric("prism:worker_kv_free_blocks", worker="decode-1")
+                c.procs["decode-1"].send_signal(signal.SIGSTOP)
+            finally:
+                pre.send_signal(signal.SIGCONT)
+            try:
+                streams = [f.result() for f in jobs]
+                wait_for(lambda: c.metric("prism:worker_preemptions_migrated_total", worker="decode-0") > sent, 10,
+                         "a sequence sent to the stopped target")
+                for st in streams:
+                    st.close()
+                wait_for(lambda: c.metric("prism:router_requests_in_flight") == 0, 10, "every request ended")
+            finally:
+                c.procs["decode-1"].send_signal(signal.SIGCONT)
+        for w, free in (("decode-0", 12), ("decode-1", free1)):
+            hb = c.metric("prism:worker_heartbeats_total", worker=w)
+            wait_for(lambda: c.metric("prism:worker_heartbeats_total", worker=w) > hb + 1, 10, "a fresh heartbeat")
+            wait_for(lambda: (c.metric("prism:worker_running", worker=w), c.metric("prism:worker_kv_free_blocks",
+                                                                                   worker=w)) == (0, free), 10,
+                     "%s: nothing running, every block free" % w)
+        # the target was told before it read the KV (the abort table is filled as the abort is read, and
+        # the router links are read before the data socket): it never decoded for those clients
+        assert c.metric("prism:worker_tokens_generated_total", worker="decode-1") == 0, "the target decoded for nobody"
 
 
 def test_worker_failure_fails_requests_cleanly():
