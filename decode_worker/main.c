@@ -1064,6 +1064,16 @@ static void fail_group(decode_t *d)
                 d->w.worker_id, n);
 }
 
+/* Whether a sequence could join the next step, or KV is arriving (the loop goes on at once). */
+static bool steppable(const decode_t *d)
+{
+    for (int i = 0; i < d->max_running; i++) {
+        const seq_t *s = &d->seqs[i];
+        if (s->seq.used && (s->receiving || !(s->migrating || s->stalled))) return true;
+    }
+    return d->n_rx > 0;
+}
+
 /* What the next heartbeat says (the I/O thread sends it on its own clock); returns the running count. */
 static uint32_t publish_load(decode_t *d)
 {
@@ -1290,7 +1300,8 @@ static int decode_run(void *ctx)
         unstall(d);   /* before admissions: the blocks freed go to the running sequences first */
         admit_staged(d);
         prism_worker_accept_data(&d->w, data_credit(d));
-        prism_worker_poll(&d->w, busy ? 0 : 50, on_msg, d);
+        /* only parked and stalled sequences: they wait for the router's Migrate or a piece sent (no spin) */
+        prism_worker_poll(&d->w, !busy ? 50 : d->n_parked && !steppable(d) ? 1 : 0, on_msg, d);
         /* transfers arriving: take the pieces already here (a few per step, each a copy into blocks) */
         for (int k = 0; k < 16 && d->n_rx; k++) {
             uint64_t got = d->w.data_received;
