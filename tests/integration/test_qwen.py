@@ -199,7 +199,7 @@ def test_preempted_answers_unchanged():
 def test_preempted_by_migration_answers_unchanged():
     """The same four conversations all placed on decode-0 (the prefill worker stopped while they are
     dispatched), with a second decode worker started then: the sequences decode-0 preempts go on
-    there with their KV moved (M-RoPE's rope delta with it; no prefill again, no image encoded again)
+    there with their KV moved (M-RoPE's rope delta with it: not prefilled, their images not encoded again)
     and every answer is token for token its answer alone."""
     bodies = []
     for case in GOLD["cases"][:4]:
