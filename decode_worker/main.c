@@ -17,7 +17,7 @@
  * block each time it crosses one (grow, after every step). When the pool runs out, a sequence is
  * preempted: lowest priority first (Sampling.priority, larger = lower), then the youngest
  * (Sampling.arrival_us), so the oldest always progresses. By migration when it can move whole (one
- * process, no chunked-attention layers, no penalty or guide: mig_possible): it is parked (no step,
+ * process, one choice, no penalty or guide: mig_possible): it is parked (no step,
  * blocks held; its Tokens message says Tokens.preempt_migrate), the sequences short of a block
  * stall until its blocks come back, and the router names a decode worker with room (Migrate), to
  * which its KV and decode state go as a KV transfer (Kv.migrated) before it is dropped here; no
@@ -623,14 +623,26 @@ static void on_kv(decode_t *d, prism_msg_t *m)
  * sequence is dropped and recomputed (Tokens.preempted, which the router takes from the source of a
  * migration too: it aborts the target). An abort drops it at any point. */
 
-/* Whether a victim can move as a whole: one process (a group's ranks hold the heads), one pool and
- * one part in the transfer (no chunked-attention layers), one choice, and a continuation that needs
- * no token history (penalties and guides are fed the ids, which decode does not keep). Others are
- * recomputed. */
+/* Whether a victim can move as a whole: one process (a group's ranks hold the heads: the leader
+ * would have to gather them between steps), one choice, and a continuation that needs no token
+ * history (penalties and guides are fed the ids, which decode does not keep). Others are recomputed.
+ * Chunked-attention layers (Llama-4) move too: their part of the transfer comes from the slot's ring. */
 static bool mig_possible(const decode_t *d, const seq_t *s)
 {
-    return d->tp.size <= 1 && d->lbb == 0 && !d->ring && prism_seq_n(&s->seq) == 1 && !s->seq.guide &&
-           !prism_penalty_active(&s->seq.pen);
+    return d->tp.size <= 1 && prism_seq_n(&s->seq) == 1 && !s->seq.guide && !prism_penalty_active(&s->seq.pen);
+}
+
+/* Exports blocks [k, k + n) (frame order, within one part) of a transfer of nb blocks whose second
+ * part starts at block lfb into d->mig_piece: the first part from the sequence's blocks, the second
+ * (chunked layers) from its ring, or its blocks when the cache is not split (rx_import's mirror). */
+static int mig_export(decode_t *d, const seq_t *s, int nb, int lfb, int k, int n)
+{
+    if (k < nb) return prism_kv_cache_export_class(d->kv, PRISM_KV_CLASS_FULL, s->blocks + k, n, d->mig_piece);
+    int j = lfb + (k - nb);   /* the block of the sequence */
+    PRISM_ASSERT(!d->ring || n <= d->ring);   /* the part spans the current chunk, which its ring holds */
+    for (int i = 0; d->ring && i < n; i++) d->ring_ids[i] = s->ring[(j + i) % d->ring];
+    return prism_kv_cache_export_class(d->kv, PRISM_KV_CLASS_LOCAL, d->ring ? d->ring_ids : s->blocks + j, n,
+                                       d->mig_piece);
 }
 
 /* Parks the victim d->out[k] for migration: true, or false when it cannot migrate. */
@@ -722,18 +734,19 @@ static bool mig_send(decode_t *d, int slot)
     env.trace_id_hi = s->seq.trace.hi;
     env.trace_id_lo = s->seq.trace.lo;
     env.router_id = s->seq.router_id;
-    while (m->next < nb) {   /* one part (mig_possible): the transfer's blocks are the sequence's */
-        int k = m->next, n = PRISM_MIN(d->piece_blocks, nb - k);
+    int lfb = (int)hdr.local_first_block, total = 2 * nb - lfb;
+    while (m->next < total) {
+        int k = m->next, n = PRISM_MIN(d->piece_blocks, (k < nb ? nb : total) - k);   /* within one part */
         Prism__Kv piece = PRISM__KV__INIT;
         Prism__Kv *kv = k ? &piece : &hdr;
         kv->piece_first = (uint32_t)k;
         kv->piece_blocks = (uint32_t)n;
         env.kv = kv;
-        if (prism_kv_cache_export_class(d->kv, PRISM_KV_CLASS_FULL, s->blocks + k, n, d->mig_piece) != PRISM_OK) {
+        if (mig_export(d, s, nb, lfb, k, n) != PRISM_OK) {
             mig_drop(d, s, "KV export failed");
             return false;
         }
-        prism_frame_t f = {d->mig_piece, (size_t)n * d->fbb};
+        prism_frame_t f = {d->mig_piece, piece_bytes(d, nb, k, n)};
         int rc = prism_msg_send(sock, NULL, 0, &env, &f, 1, ZMQ_DONTWAIT);
         if (rc == PRISM_EAGAIN) return false;   /* the target is busy: the rest next time */
         if (rc != PRISM_OK) {

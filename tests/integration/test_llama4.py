@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import struct
 import sys
 import tempfile
@@ -391,6 +392,43 @@ def test_preempted_answers_unchanged():
     assert C.metric("vllm:num_preemptions_total") > p0, "the pool never ran out: nothing was preempted"
 
 
+def test_preempted_by_migration_answers_unchanged():
+    """Six such answers on decode-0 at once (120 blocks' worth on its 64), with a second decode worker
+    started while they are dispatched: decode-0 is stopped (SIGSTOP) until every first token is out,
+    so all six transfers wait in its socket and run together (this tiny model decodes far faster than
+    it prefills: left alone, they hardly overlap). The sequences decode-0 preempts go on on decode-1 with their KV moved,
+    the chunked-attention layers' part from the slot's ring into the target's, and every answer is
+    token for token its answer alone."""
+    bodies = [body("Tell me about %s." % w, max_tokens=300, temperature=0.7 if i % 2 else 0, seed=3)
+              for i, w in enumerate(("cats", "dogs", "ships", "rain", "trees", "stars"))]
+    alone = [ask(C, b)[0] for b in bodies]
+    moved = C.metric("prism:preemptions_total", how="migrate")
+    firsts = C.metric("vllm:time_to_first_token_seconds_count")
+    dec = C.procs["decode-0"]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+            dec.send_signal(signal.SIGSTOP)
+            try:
+                jobs = [ex.submit(ask, C, b) for b in bodies]
+                wait_for(lambda: C.metric("prism:router_requests_in_flight") == len(bodies), 10,
+                         "every request dispatched (to decode-0, the only decode worker then)")
+                C.start_worker("decode-1", "decode_worker", ["--kv-blocks", "512"])
+                wait_for(lambda: C.metric("vllm:time_to_first_token_seconds_count") == firsts + len(bodies), 30,
+                         "every first token")
+                wait_for(lambda: C.metric("prism:worker_heartbeats_total", worker="decode-1"), 30,
+                         "decode-1 registered")
+            finally:
+                dec.send_signal(signal.SIGCONT)
+            res = [f.result()[0] for f in jobs]
+        for i, (got, want) in enumerate(zip(res, alone)):
+            assert got == want, (i, len(got), len(want))
+        print("migrated:", C.metric("prism:preemptions_total", how="migrate") - moved)
+        assert C.metric("prism:preemptions_total", how="migrate") > moved, "nothing migrated"
+    finally:
+        C.kill("decode-1")
+        wait_for(lambda: not C.metric("prism:worker_heartbeats_total", worker="decode-1"), 10, "decode-1 dropped")
+
+
 def test_short_context_unsplit_cache():
     """A context no longer than one attention chunk: the decode worker keeps every layer in one pool
     (a ring would be the whole context), the transfer layout is the same, and a decode that crosses
@@ -475,7 +513,8 @@ def main():
     try:
         C.wait_ready()
         rc |= run_tests([test_chunked_prefill_and_micro_batches, test_concurrent_distinct_images,
-                         test_encoder_queue_bounded_in_bytes, test_preempted_answers_unchanged])
+                         test_encoder_queue_bounded_in_bytes, test_preempted_answers_unchanged,
+                         test_preempted_by_migration_answers_unchanged])
     finally:
         C.stop()
     rc |= run_tests([test_scout_context_is_capped, test_short_context_unsplit_cache,
