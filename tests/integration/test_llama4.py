@@ -378,48 +378,54 @@ def test_scout_context_is_capped():
 
 
 def test_preempted_answers_unchanged():
-    """Four 300-token answers at once (greedy and seeded) on 64 KV blocks: sequences are preempted
+    """Four 300-token answers together (greedy and seeded) on 64 KV blocks: sequences are preempted
     and prefilled again from their tokens (in chunks of 50), their chunked-attention layers' rings
     refilled from the transfer, and every answer is token for token its answer alone."""
     bodies = [body("Tell me about %s." % w, max_tokens=300, temperature=0.7 if i % 2 else 0, seed=3)
               for i, w in enumerate(("cats", "dogs", "ships", "rain"))]
     alone = [ask(C, b)[0] for b in bodies]
     p0 = C.metric("vllm:num_preemptions_total")
-    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
-        res = list(ex.map(lambda b: ask(C, b)[0], bodies))
+    res = run_together(bodies)
     for i, (got, want) in enumerate(zip(res, alone)):
         assert got == want, (i, len(got), len(want))
     assert C.metric("vllm:num_preemptions_total") > p0, "the pool never ran out: nothing was preempted"
 
 
+def run_together(bodies, meanwhile=lambda: None):
+    """The answers to bodies sent at once, decoded together: decode-0 is stopped (SIGSTOP) until every
+    first token is out, so all their transfers wait in its socket (this tiny model decodes far faster
+    than it prefills: sent at once, they hardly overlap otherwise, and the pool may never run out).
+    meanwhile() runs while it is stopped, once every request is dispatched (to decode-0)."""
+    firsts = C.metric("vllm:time_to_first_token_seconds_count")
+    dec = C.procs["decode-0"]
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+        dec.send_signal(signal.SIGSTOP)
+        try:
+            jobs = [ex.submit(ask, C, b) for b in bodies]
+            wait_for(lambda: C.metric("prism:router_requests_in_flight") == len(bodies), 10, "every request dispatched")
+            meanwhile()
+            wait_for(lambda: C.metric("vllm:time_to_first_token_seconds_count") == firsts + len(bodies), 30,
+                     "every first token")
+        finally:
+            dec.send_signal(signal.SIGCONT)
+        return [f.result()[0] for f in jobs]
+
+
 def test_preempted_by_migration_answers_unchanged():
-    """Six such answers on decode-0 at once (120 blocks' worth on its 64), with a second decode worker
-    started while they are dispatched: decode-0 is stopped (SIGSTOP) until every first token is out,
-    so all six transfers wait in its socket and run together (this tiny model decodes far faster than
-    it prefills: left alone, they hardly overlap). The sequences decode-0 preempts go on on decode-1 with their KV moved,
-    the chunked-attention layers' part from the slot's ring into the target's, and every answer is
-    token for token its answer alone."""
+    """Six such answers together on decode-0 (120 blocks' worth on its 64), with a second decode worker
+    started while they are dispatched: the sequences decode-0 preempts go on on decode-1 with their
+    KV moved, the chunked-attention layers' part from the slot's ring into the target's, and every
+    answer is token for token its answer alone."""
     bodies = [body("Tell me about %s." % w, max_tokens=300, temperature=0.7 if i % 2 else 0, seed=3)
               for i, w in enumerate(("cats", "dogs", "ships", "rain", "trees", "stars"))]
     alone = [ask(C, b)[0] for b in bodies]
     moved = C.metric("prism:preemptions_total", how="migrate")
-    firsts = C.metric("vllm:time_to_first_token_seconds_count")
-    dec = C.procs["decode-0"]
+
+    def start_target():
+        C.start_worker("decode-1", "decode_worker", ["--kv-blocks", "512"])
+        wait_for(lambda: C.metric("prism:worker_heartbeats_total", worker="decode-1"), 30, "decode-1 registered")
     try:
-        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
-            dec.send_signal(signal.SIGSTOP)
-            try:
-                jobs = [ex.submit(ask, C, b) for b in bodies]
-                wait_for(lambda: C.metric("prism:router_requests_in_flight") == len(bodies), 10,
-                         "every request dispatched (to decode-0, the only decode worker then)")
-                C.start_worker("decode-1", "decode_worker", ["--kv-blocks", "512"])
-                wait_for(lambda: C.metric("vllm:time_to_first_token_seconds_count") == firsts + len(bodies), 30,
-                         "every first token")
-                wait_for(lambda: C.metric("prism:worker_heartbeats_total", worker="decode-1"), 30,
-                         "decode-1 registered")
-            finally:
-                dec.send_signal(signal.SIGCONT)
-            res = [f.result()[0] for f in jobs]
+        res = run_together(bodies, start_target)
         for i, (got, want) in enumerate(zip(res, alone)):
             assert got == want, (i, len(got), len(want))
         print("migrated:", C.metric("prism:preemptions_total", how="migrate") - moved)
