@@ -530,7 +530,8 @@ def test_decode_preempts_by_migration_and_survives_the_target_dying():
     prefill again), and each greedy or seeded answer is token for token its answer alone. Then the
     same with a decode-1 that dies as the first migrated KV reaches it (a target killed
     mid-migration): nothing is lost, the sequences are recomputed and the answers are unchanged. Then
-    clients that leave while their sequences migrate: both decode workers free everything."""
+    clients that leave while their sequences migrate: both decode workers free everything; and a source
+    that dies while its migration is in flight: every answer unchanged."""
     ctx = ["--context-length", "128"]
     tiny = ctx + ["--kv-blocks", "12", "--max-running-requests", "4"]
     with Cluster(decodes=0, router_args=ctx, common_worker_args=FAST_HB,
@@ -632,6 +633,35 @@ def test_decode_preempts_by_migration_and_survives_the_target_dying():
         # the target was told before it read the KV (the abort table is filled as the abort is read, and
         # the router links are read before the data socket): it never decoded for those clients
         assert c.metric("prism:worker_tokens_generated_total", worker="decode-1") == 0, "the target decoded for nobody"
+
+        # The source dies while a migration is in flight (the target stopped again, the KV sent to it
+        # unread): the router's decode-death migration covers it, every answer unchanged.
+        c.kill("decode-1")
+        wait_for(lambda: not c.metric("prism:worker_heartbeats_total", worker="decode-1"), 10, "decode-1 dropped")
+        sent = c.metric("prism:worker_preemptions_migrated_total", worker="decode-0")
+
+        def stopped_target():
+            c.start_worker("decode-1", "decode_worker")
+            wait_for(lambda: c.metric("prism:worker_heartbeats_total", worker="decode-1"), 30, "decode-1 registered")
+            c.procs["decode-1"].send_signal(signal.SIGSTOP)
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+            pre.send_signal(signal.SIGSTOP)
+            try:
+                jobs = [ex.submit(c.post_json, "/v1/chat/completions", b) for b in bodies]
+                wait_for(lambda: c.metric("prism:router_requests_in_flight") == len(bodies), 10, "every request dispatched")
+                stopped_target()
+            finally:
+                pre.send_signal(signal.SIGCONT)
+            try:
+                wait_for(lambda: c.metric("prism:worker_preemptions_migrated_total", worker="decode-0") > sent, 10,
+                         "a sequence sent to the stopped target")
+                c.kill("decode-0")
+            finally:
+                c.procs["decode-1"].send_signal(signal.SIGCONT)
+            res = [f.result() for f in jobs]
+        for i, (s, r) in enumerate(res):
+            assert s == 200, (i, s, r)
+            assert _tokens(r) == refs[i], ("answer changed by the source's death", i)
 
 
 def test_worker_failure_fails_requests_cleanly():
