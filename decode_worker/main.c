@@ -16,19 +16,31 @@
  * for its prompt and first token are free with --kv-watermark of the pool to spare, and takes a
  * block each time it crosses one (grow, after every step). When the pool runs out, a sequence is
  * preempted (preempt): lowest priority first (Sampling.priority, larger = lower), then the youngest
- * (Sampling.arrival_us), so the oldest always progresses. By swap when its blocks fit in the free
- * slots of the swap region (--kv-swap-bytes, swap.h): its KV is copied to host memory, it keeps its
- * slot and every piece of its state here, sits out the steps and comes back (swap_in, before any
- * new transfer is admitted, highest priority then oldest) once blocks are free again; its stream
- * simply pauses. Else by recompute: its blocks are dropped and its last Tokens message says so
- * (Tokens.preempted): the router prefills its prompt and every token it generated again, as a
- * migration does. Either way greedy or seeded output goes on token for token. Tensor-parallel
- * groups (whose ranks hold the other KV heads) never swap; Llama-4's rings stay with the slot.
- * Requests with n > 1 (whose choices' RNG streams cannot be recomputed) reserve as below.
+ * (Sampling.arrival_us), so the oldest always progresses. The first way that works:
+ * - swap, when its blocks fit in the free slots of the swap region (--kv-swap-bytes, swap.h): its
+ *   KV is copied to host memory, it keeps its slot and every piece of its state here, sits out the
+ *   steps and comes back (swap_in, before any new transfer is admitted, highest priority then
+ *   oldest) once blocks are free again; its stream simply pauses. Tried first because it is local:
+ *   no round trip and nothing else waits (docs/ARCHITECTURE.md says why this order);
+ * - migration, when it can move whole (one process, one choice, no penalty or guide:
+ *   mig_possible): it is parked (no step, blocks held; its Tokens message says
+ *   Tokens.preempt_migrate), the sequences short of a block stall until its blocks come back, and
+ *   the router names a decode worker with room (Migrate), to which its KV and decode state go as a
+ *   KV transfer (Kv.migrated) before it is dropped here; no room anywhere, no answer in time or a
+ *   target that takes nothing: recompute;
+ * - recompute: its blocks are dropped and its last Tokens message says so (Tokens.preempted): the
+ *   router prefills its prompt and every token it generated again, as a migration does.
+ * Every way greedy or seeded output goes on token for token. Tensor-parallel groups (whose ranks
+ * hold the other KV heads) only recompute; Llama-4's rings stay with the slot (swap) or travel in
+ * the transfer (migration). Requests with n > 1 (whose choices' RNG streams cannot be recomputed)
+ * reserve as below.
  * reserve: a request is admitted only when blocks for prompt + max_tokens are free, so a running
  * sequence never runs out of KV and nothing is ever preempted. Either way, requests that do not
- * fit wait (one staged transfer, the rest stays in the senders: backpressure). Preemption by
- * migration to another decode worker is not built (docs/ARCHITECTURE.md).
+ * fit wait (one staged transfer, the rest stays in the senders: backpressure).
+ *
+ * Requests arrive from other decode workers too (preemption by migration: Kv.migrated, the same
+ * pieces; the data socket admits decode keys beside prefill keys). Such a first piece is admitted
+ * at once or bounced (Tokens.preempted: its sender holds blocks meanwhile), never staged.
  *
  * Transfers come in pieces of at most about 1 MiB (Kv.piece_first / piece_blocks, kv/kv.h), so what
  * decode holds outside its block pool does not grow with the prompt (an image of 16k tokens is ~1 GiB
@@ -69,7 +81,9 @@
 #include "swap.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 
 typedef struct {
@@ -88,6 +102,8 @@ typedef struct {
     int32_t *swap_slots;      /* [max_blocks_per_seq] its blocks' slots in the swap region (swapped) */
     int n_swapped;            /* slots it holds there (0 unless swapped) */
     bool receiving;           /* admitted, its KV still arriving (rx_t): in no step yet */
+    bool migrating;           /* parked for a move to another decode worker (mig_t): in no step, blocks held */
+    bool stalled;             /* waits for the block its next position needs (a parked one's come back): in no step */
     bool timed;               /* its first message (with the timings below) went out */
     double t_kv, t_admit;     /* its KV arrived; it was admitted (the router's stage histograms) */
 } seq_t;
@@ -107,6 +123,19 @@ typedef struct {
 /* A transfer whose next piece does not come within this is failed (its prefill is gone and no
  * router abort came: the router normally aborts it long before). */
 #define PRISM_KV_RX_TIMEOUT_S 60.0
+
+/* A sequence parked for preemption by migration: its blocks stay until its KV went out in pieces to
+ * the decode worker the router named (Migrate), then it is dropped here. */
+typedef struct {
+    char endpoint[256];       /* the target's data endpoint; "" while the router has not answered */
+    int next;                 /* its next block to send */
+    double t;                 /* parked, or its last piece handed over (the bounds below) */
+} mig_t;
+
+/* A parked sequence the router does not place within this, or whose target takes no piece within
+ * this, is dropped and recomputed (Tokens.preempted): the pool it holds is what the others wait for. */
+#define PRISM_MIGRATE_ASK_S 2.0
+#define PRISM_MIGRATE_SEND_S 5.0
 
 /* One sequence's result of a step, held until it is sent. */
 typedef struct {
@@ -160,6 +189,11 @@ typedef struct {
     int32_t *swap_pool;       /* [max_running][max_blocks_per_seq] each sequence's swap slots */
     int swap_n_slots;         /* planned slots (0: swap off) */
     int n_swapped_seqs;       /* sequences swapped out now */
+    mig_t *mig;               /* [max_running] the outgoing migration of each slot's parked sequence */
+    int n_parked;             /* sequences parked (migrating): their blocks come back once their KV is out */
+    uint8_t *mig_piece;       /* [one piece] export scratch */
+    uint64_t migrated_out;    /* sequences preempted by migration, sent whole (heartbeat preempt_migrate) */
+    bool test_die_on_migrated;   /* test hook PRISM_TEST_DIE_ON_MIGRATED_KV (decode_ready): killed mid-migration */
     prism_model_hook_t hook;
     /* one staged KV transfer waiting for blocks */
     bool staged;
@@ -197,7 +231,9 @@ static void seq_release(decode_t *d, seq_t *s)
     prism_seq_detach(&s->seq);
     s->seq.used = false;
     s->n_blocks = s->n_swapped = 0;
+    d->n_parked -= s->migrating;
     s->cancel = s->finishing = s->in_step = s->grows = s->preempt = s->receiving = s->swapped = false;
+    s->migrating = s->stalled = false;
 }
 
 static void unstage(decode_t *d)
@@ -472,6 +508,20 @@ static bool choices_ok(const decode_t *d, const Prism__Kv *kv)
     return true;
 }
 
+/* Tells the router that sequence `index` of the request left this worker without its KV (preempted
+ * by recompute: the router prefills prompt + generated tokens again). */
+static void reply_preempted(decode_t *d, const char *router, uint64_t rid, uint64_t rid_hi, uint32_t index)
+{
+    Prism__Tokens t = PRISM__TOKENS__INIT;
+    t.index = index;
+    t.preempted = true;
+    Prism__Envelope env = PRISM__ENVELOPE__INIT;
+    env.type = PRISM__MSG_TYPE__MSG_TOKENS;
+    env.tokens = &t;
+    prism_worker_reply(&d->w, router, rid, rid_hi, &env);
+    d->preempted++;
+}
+
 /* A first piece that cannot wait for blocks while other transfers arrive (decode must keep reading
  * for them, and this transfer's later pieces would have nowhere to go): its request is preempted
  * before it started, as grow() preempts (the router prefills it again, and its later pieces here
@@ -486,14 +536,7 @@ static void bounce(decode_t *d, const Prism__Envelope *e, const char *router)
                    "the decode worker has no KV blocks free for this request now");
         return;
     }
-    Prism__Tokens t = PRISM__TOKENS__INIT;
-    t.index = kv->choice_index[0];
-    t.preempted = true;
-    Prism__Envelope env = PRISM__ENVELOPE__INIT;
-    env.type = PRISM__MSG_TYPE__MSG_TOKENS;
-    env.tokens = &t;
-    prism_worker_reply(&d->w, router, e->request_id, e->request_id_hi, &env);
-    d->preempted++;
+    reply_preempted(d, router, e->request_id, e->request_id_hi, kv->choice_index[0]);
 }
 
 /* A piece after the first: straight into its transfer's blocks. */
@@ -558,6 +601,10 @@ static void on_kv(decode_t *d, prism_msg_t *m)
                    "malformed KV transfer between prefill and decode");
         return;
     }
+    if (kv->migrated && d->test_die_on_migrated) {
+        PRISM_WARN("test hook PRISM_TEST_DIE_ON_MIGRATED_KV: exiting as a migrated sequence's KV arrives");
+        _exit(3);
+    }
     rx_t *x = rx_find(d, e->request_id, e->request_id_hi, router);
     if (x || (d->staged && d->staged_rid == e->request_id && d->staged_rid_hi == e->request_id_hi &&
               !strcmp(d->staged_router, router))) {
@@ -582,10 +629,201 @@ static void on_kv(decode_t *d, prism_msg_t *m)
     d->staged_env = m->env;
     d->staged_kv = m->env->kv;
     m->env = NULL;
-    /* With transfers arriving, one of several pieces cannot wait: its next ones would follow. */
-    if (!admit_staged(d) && d->n_rx && n < total) {
+    /* With transfers arriving, one of several pieces cannot wait: its next ones would follow. A
+     * migrated sequence does not wait either: its sender holds its blocks meanwhile (the router
+     * prefills it again, and the sender drops it at the router's abort). */
+    if (!admit_staged(d) && ((d->n_rx && n < total) || d->staged_kv->migrated)) {
         bounce(d, d->staged_env, d->staged_router);
         unstage(d);
+    }
+}
+
+/* ---- preemption by migration (issue 28): a victim's KV and decode state go to another decode ----
+ *
+ * grow() parks a victim that can migrate (mig_park) instead of dropping its blocks, and its Tokens
+ * message of that step says so (Tokens.preempt_migrate); the sequences that need a block meanwhile
+ * stall (no step) until the parked one's blocks come back. The router answers with Migrate: the
+ * data endpoint of a decode worker with room (it holds the request there from now on), or "" (none:
+ * it prefills it again). mig_send exports the blocks piece by piece (the prefill's transfer layout,
+ * Kv.migrated) and drops the sequence once every piece is handed over. Bounded: no answer within
+ * PRISM_MIGRATE_ASK_S, or a target that takes no piece within PRISM_MIGRATE_SEND_S, and the
+ * sequence is dropped and recomputed (Tokens.preempted, which the router takes from the source of a
+ * migration too: it aborts the target). An abort drops it at any point. */
+
+/* Whether a victim can move as a whole: one process (a group's ranks hold the heads: the leader
+ * would have to gather them between steps), one choice, and a continuation that needs no token
+ * history (penalties and guides are fed the ids, which decode does not keep). Others are recomputed.
+ * Chunked-attention layers (Llama-4) move too: their part of the transfer comes from the slot's ring. */
+static bool mig_possible(const decode_t *d, const seq_t *s)
+{
+    return d->tp.size <= 1 && prism_seq_n(&s->seq) == 1 && !s->seq.guide && !prism_penalty_active(&s->seq.pen);
+}
+
+/* Exports blocks [k, k + n) (frame order, within one part) of a transfer of nb blocks whose second
+ * part starts at block lfb into d->mig_piece: the first part from the sequence's blocks, the second
+ * (chunked layers) from its ring, or its blocks when the cache is not split (rx_import's mirror). */
+static int mig_export(decode_t *d, const seq_t *s, int nb, int lfb, int k, int n)
+{
+    if (k < nb) return prism_kv_cache_export_class(d->kv, PRISM_KV_CLASS_FULL, s->blocks + k, n, d->mig_piece);
+    int j = lfb + (k - nb);   /* the block of the sequence */
+    PRISM_ASSERT(!d->ring || n <= d->ring);   /* the part spans the current chunk, which its ring holds */
+    for (int i = 0; d->ring && i < n; i++) d->ring_ids[i] = s->ring[(j + i) % d->ring];
+    return prism_kv_cache_export_class(d->kv, PRISM_KV_CLASS_LOCAL, d->ring ? d->ring_ids : s->blocks + j, n,
+                                       d->mig_piece);
+}
+
+/* Parks the victim d->out[k] for migration: true, or false when it cannot migrate. */
+static bool mig_park(decode_t *d, int k)
+{
+    int slot = d->out[k].slot;
+    seq_t *s = &d->seqs[slot];
+    if (!mig_possible(d, s)) return false;
+    d->mig[slot] = (mig_t){.t = prism_now_s()};
+    s->migrating = true;
+    d->n_parked++;
+    d->out[k].t.preempt_migrate = true;
+    PRISM_DEBUG("request %llu parked for migration (KV pool full): %d tokens, %d blocks, priority %d",
+                (unsigned long long)s->seq.rid, s->seq.len, s->n_blocks, s->seq.sampling.priority);
+    return true;
+}
+
+/* The parked sequence cannot go: dropped here, recomputed by its router. */
+static void mig_drop(decode_t *d, seq_t *s, const char *why)
+{
+    PRISM_DEBUG("request %llu: migration given up (%s): recomputed", (unsigned long long)s->seq.rid, why);
+    reply_preempted(d, s->seq.router_id, s->seq.rid, s->seq.rid_hi, s->seq.index);
+    seq_release(d, s);
+}
+
+/* Router -> here: where the parked sequence of the request goes ("" : nowhere, drop it). */
+static void on_migrate(decode_t *d, const Prism__Envelope *e, const char *router)
+{
+    const char *to = e->migrate && e->migrate->target_endpoint ? e->migrate->target_endpoint : "";
+    for (int i = 0; i < d->max_running; i++) {
+        seq_t *s = &d->seqs[i];
+        if (!s->seq.used || !s->migrating || s->seq.rid != e->request_id || s->seq.rid_hi != e->request_id_hi ||
+            strcmp(s->seq.router_id, router) != 0)
+            continue;
+        mig_t *m = &d->mig[i];
+        if (m->endpoint[0]) return;   /* a duplicate: the first answer stands */
+        if (!*to) {                   /* the router prefills it again */
+            d->preempted++;
+            seq_release(d, s);
+            return;
+        }
+        if (strlen(to) >= sizeof(m->endpoint) || !strstr(to, "://") || !strcmp(to, d->w.data_endpoint)) {
+            mig_drop(d, s, "the router named no other decode worker");
+            return;
+        }
+        snprintf(m->endpoint, sizeof(m->endpoint), "%s", to);
+        m->next = 0;
+        m->t = prism_now_s();
+        return;
+    }
+    PRISM_DEBUG("request %llu: Migrate for no parked sequence dropped", (unsigned long long)e->request_id);
+}
+
+/* Sends the pieces of slot's parked sequence the target takes now: true once all went (the
+ * sequence is dropped), false while some wait; a failure drops it for recompute. */
+static bool mig_send(decode_t *d, int slot)
+{
+    seq_t *s = &d->seqs[slot];
+    mig_t *m = &d->mig[slot];
+    void *sock = prism_worker_peer_sock(&d->w, m->endpoint);
+    if (!sock) {
+        mig_drop(d, s, "cannot reach the target");
+        return false;
+    }
+    int bs = d->blocks.block_size, nb = prism_kv_blocks_for_tokens(&d->blocks, s->seq.len);
+    Prism__Sampling sp = *prism_seq_sampling(&s->seq);
+    sp.generated = (uint32_t)(s->seq.generated - 1);   /* those whose KV is here: all but the last */
+    uint32_t index = s->seq.index;
+    int32_t first = s->last_token;
+    uint64_t rng = s->seq.rng;
+    Prism__Kv hdr = PRISM__KV__INIT;
+    hdr.n_tokens = (uint32_t)s->seq.len;
+    hdr.block_size = (uint32_t)bs;
+    hdr.n_blocks = (uint32_t)nb;
+    hdr.block_bytes = d->fbb;
+    hdr.local_first_block = (uint32_t)PRISM_MIN(prism_kv_local_first_block(&d->cfg, bs, s->seq.len), nb);
+    hdr.local_block_bytes = d->lbb;
+    hdr.sampling = &sp;
+    hdr.n_choice_index = hdr.n_choice_first_token = hdr.n_choice_rng_state = 1;
+    hdr.choice_index = &index;
+    hdr.choice_first_token = &first;
+    hdr.choice_rng_state = &rng;
+    hdr.rope_delta = s->rope_delta;
+    hdr.migrated = true;
+    Prism__Envelope env = PRISM__ENVELOPE__INIT;
+    env.type = PRISM__MSG_TYPE__MSG_KV;
+    env.request_id = s->seq.rid;
+    env.request_id_hi = s->seq.rid_hi;
+    env.trace_id_hi = s->seq.trace.hi;
+    env.trace_id_lo = s->seq.trace.lo;
+    env.router_id = s->seq.router_id;
+    int lfb = (int)hdr.local_first_block, total = 2 * nb - lfb;
+    while (m->next < total) {
+        int k = m->next, n = PRISM_MIN(d->piece_blocks, (k < nb ? nb : total) - k);   /* within one part */
+        Prism__Kv piece = PRISM__KV__INIT;
+        Prism__Kv *kv = k ? &piece : &hdr;
+        kv->piece_first = (uint32_t)k;
+        kv->piece_blocks = (uint32_t)n;
+        env.kv = kv;
+        if (mig_export(d, s, nb, lfb, k, n) != PRISM_OK) {
+            mig_drop(d, s, "KV export failed");
+            return false;
+        }
+        prism_frame_t f = {d->mig_piece, piece_bytes(d, nb, k, n)};
+        int rc = prism_msg_send(sock, NULL, 0, &env, &f, 1, ZMQ_DONTWAIT);
+        if (rc == PRISM_EAGAIN) return false;   /* the target is busy: the rest next time */
+        if (rc != PRISM_OK) {
+            mig_drop(d, s, "KV transfer failed");
+            return false;
+        }
+        m->next += n;
+        m->t = prism_now_s();
+    }
+    PRISM_DEBUG("request %llu migrated: %d tokens, %d blocks to %s", (unsigned long long)s->seq.rid, s->seq.len, nb,
+                m->endpoint);
+    d->migrated_out++;
+    seq_release(d, s);
+    return true;
+}
+
+/* Every loop: parked sequences send what they can; those past their bounds are recomputed (now: the
+ * clock, a parameter for the fuzzer). */
+static void mig_tick(decode_t *d, double now)
+{
+    for (int i = 0; i < d->max_running && d->n_parked; i++) {
+        seq_t *s = &d->seqs[i];
+        if (!s->seq.used || !s->migrating) continue;
+        const mig_t *m = &d->mig[i];
+        if (!m->endpoint[0] && now - m->t > PRISM_MIGRATE_ASK_S) mig_drop(d, s, "no answer from the router");
+        else if (m->endpoint[0] && !mig_send(d, i) && s->seq.used && now - m->t > PRISM_MIGRATE_SEND_S)
+            mig_drop(d, s, "the target takes no KV");
+    }
+}
+
+/* Sequences that wait for a block take it once one is free; with none and no parked sequence to
+ * give blocks back, the waiting one is preempted by recompute (nothing else frees a block for it).
+ * Between steps' messages (no Tokens of theirs is pending). */
+static void unstall(decode_t *d)
+{
+    for (int i = 0; i < d->max_running; i++) {
+        seq_t *s = &d->seqs[i];
+        if (!s->seq.used || !s->stalled) continue;
+        int need = prism_kv_blocks_for_tokens(&d->blocks, s->seq.len + 1);
+        while (s->n_blocks < need && d->blocks.n_free > 0) {
+            int rc = prism_kv_blocks_alloc(&d->blocks, 1, s->blocks + s->n_blocks);
+            PRISM_ASSERT(rc == PRISM_OK);
+            (void)rc;
+            s->n_blocks++;
+        }
+        if (s->n_blocks >= need) s->stalled = false;
+        else if (!d->n_parked) {
+            reply_preempted(d, s->seq.router_id, s->seq.rid, s->seq.rid_hi, s->seq.index);
+            seq_release(d, s);
+        }
     }
 }
 
@@ -626,6 +864,9 @@ static void on_msg(prism_worker_t *w, prism_msg_t *m, int source, void *ud)
     case PRISM__MSG_TYPE__MSG_ABORT:
         /* Only routers abort (a prefill's key on the data socket does not make it one). */
         if (source >= 0) on_abort(d, m->env->request_id, m->env->router_id ? m->env->router_id : "");
+        break;
+    case PRISM__MSG_TYPE__MSG_MIGRATE:
+        if (source >= 0) on_migrate(d, m->env, m->env->router_id ? m->env->router_id : "");
         break;
     default:
         PRISM_WARN("unexpected message type %d", m->env->type);
@@ -679,7 +920,9 @@ static void launch_step(decode_t *d)
     int n = 0;
     for (int i = 0; i < d->max_running; i++) {
         seq_t *s = &d->seqs[i];
-        if (!s->seq.used || s->finishing || s->cancel || s->preempt || s->receiving || s->swapped) continue;
+        if (!s->seq.used || s->finishing || s->cancel || s->preempt || s->receiving || s->swapped || s->migrating ||
+            s->stalled)
+            continue;
         d->tokens[n] = s->last_token;
         d->seq_start[n] = n;
         d->pos0[n] = s->seq.len;
@@ -714,7 +957,7 @@ static int victim(const decode_t *d)
     int best = -1;
     for (int k = 0; k < d->n_out; k++) {
         const seq_t *s = &d->seqs[d->out[k].slot];
-        if (!s->grows || s->finishing || s->cancel || s->preempt || s->swapped) continue;
+        if (!s->grows || s->finishing || s->cancel || s->preempt || s->swapped || s->migrating) continue;
         if (best < 0) {
             best = k;
             continue;
@@ -747,10 +990,10 @@ static bool swap_out(decode_t *d, seq_t *s)
 }
 
 /* The victim d->out[k] leaves the pool, the first way that works: swapped out (its Tokens message
- * of this step goes out as usual, marked Tokens.swapped for the router's count), else recompute:
- * its blocks are dropped and the message tells its router to prefill it again. Either way its
- * blocks are free at once (no step in flight uses them). Migration to another decode worker would
- * be tried first. */
+ * of this step goes out as usual, marked Tokens.swapped for the router's count; its blocks are free
+ * at once), else parked for migration (mig_park: its blocks come back once its KV is out), else
+ * recompute: its blocks are dropped at once (no step in flight uses them) and the message tells its
+ * router to prefill it again. */
 static void preempt(decode_t *d, int k)
 {
     seq_t *vs = &d->seqs[d->out[k].slot];
@@ -760,6 +1003,7 @@ static void preempt(decode_t *d, int k)
                     vs->n_swapped, vs->seq.sampling.priority);
         return;
     }
+    if (mig_park(d, k)) return;
     prism_kv_blocks_release(&d->blocks, vs->blocks, vs->n_blocks);
     vs->n_blocks = 0;
     vs->preempt = true;
@@ -771,20 +1015,25 @@ static void preempt(decode_t *d, int k)
 
 /* Optimistic admission: every sequence of the step just sampled that goes on takes the block its
  * next position needs (its last token is fed at seq.len). When the pool is empty, a victim leaves
- * (preempt). */
+ * (preempt: swapped out, parked for migration or recomputed); while a parked sequence's blocks are
+ * on their way back, the sequences short of a block stall (unstall). */
 static void grow(decode_t *d)
 {
     for (int k = 0; k < d->n_out; k++) {
         seq_t *s = &d->seqs[d->out[k].slot];
         if (!s->grows || s->finishing || s->cancel || s->swapped) continue;
         int need = prism_kv_blocks_for_tokens(&d->blocks, s->seq.len + 1);
-        while (!s->preempt && !s->swapped && s->n_blocks < need) {
+        while (!s->preempt && !s->swapped && !s->migrating && s->n_blocks < need) {
             if (d->blocks.n_free > 0) {
                 int rc = prism_kv_blocks_alloc(&d->blocks, 1, s->blocks + s->n_blocks);
                 PRISM_ASSERT(rc == PRISM_OK);
                 (void)rc;
                 s->n_blocks++;
                 continue;
+            }
+            if (d->n_parked) {   /* a parked sequence's blocks come back once its KV is out */
+                s->stalled = true;
+                break;
             }
             int v = victim(d);
             PRISM_ASSERT(v >= 0);   /* s itself is one */
@@ -939,6 +1188,16 @@ static void fail_group(decode_t *d)
                 d->w.worker_id, n);
 }
 
+/* Whether a sequence could join the next step, or KV is arriving (the loop goes on at once). */
+static bool steppable(const decode_t *d)
+{
+    for (int i = 0; i < d->max_running; i++) {
+        const seq_t *s = &d->seqs[i];
+        if (s->seq.used && (s->receiving || !(s->migrating || s->stalled))) return true;
+    }
+    return d->n_rx > 0;
+}
+
 /* What the next heartbeat says (the I/O thread sends it on its own clock); returns the running count. */
 static uint32_t publish_load(decode_t *d)
 {
@@ -946,7 +1205,7 @@ static uint32_t publish_load(decode_t *d)
         .running = (uint32_t)running(d), .waiting = d->staged ? 1 : 0, .kv_free_blocks = (uint32_t)d->blocks.n_free,
         .kv_waits = d->kv_waits, .tokens_generated = d->tokens_sampled, .seqs_aborted = d->aborted,
         .preempt_recompute = d->preempted, .preempt_swap = d->swap.swapped_out,
-        .kv_swap_bytes = prism_kv_swap_used_bytes(&d->swap),
+        .kv_swap_bytes = prism_kv_swap_used_bytes(&d->swap), .preempt_migrate = d->migrated_out,
     };
     load.pool_free = (uint32_t)d->max_running - load.running;
     prism_worker_set_load(&d->w, &load);
@@ -1097,9 +1356,13 @@ static int decode_plan(void *ctx, prism_worker_startup_t *s)
     PRISM_PLAN_POOL(p, "logits", d->logits, (size_t)n * d->cfg.vocab);
     PRISM_PLAN_POOL(p, "step-results", d->out, n);
     PRISM_PLAN_POOL(p, "kv-receiving", d->rx, n);
+    PRISM_PLAN_POOL(p, "kv-migrations", d->mig, n);
+    PRISM_PLAN_POOL(p, "kv-migrate-piece", d->mig_piece, piece_max_bytes(d));   /* one piece exported at a time */
     /* KV pieces outside the pool (ZeroMQ's): one being read off the wire, one in the data socket's
      * queue (high-water mark 1) and one handed to the loop (credit 1), whatever the prompt's length */
     prism_mem_plan_add(p, "kv-pieces", 3 * piece_max_bytes(d), PRISM_MEM_OUTSIDE);
+    /* and one going out (a migration's piece in the sender's queue, high-water mark 1) */
+    prism_mem_plan_add(p, "kv-pieces-out", piece_max_bytes(d), PRISM_MEM_OUTSIDE);
     /* the step in flight, as the model takes it */
     PRISM_PLAN_POOL(p, "step-tokens", d->tokens, n);
     PRISM_PLAN_POOL(p, "step-positions", d->pos0, n);
@@ -1156,6 +1419,10 @@ static int decode_ready(void *ctx, prism_worker_startup_t *s)
     for (int i = 0; d->swap_pool && i < d->max_running; i++)
         d->seqs[i].swap_slots = d->swap_pool + (size_t)i * d->max_blocks_per_seq;
     prism_abort_memo_init(&d->aborts, 600.0);
+    /* Test hook (inert unless set): the process dies as the first piece of a migrated sequence comes,
+     * as a target killed mid-migration would (tests/integration/test_limits.py). */
+    const char *die = getenv("PRISM_TEST_DIE_ON_MIGRATED_KV");
+    d->test_die_on_migrated = die && *die && strcmp(die, "0") != 0;
     for (int i = 0; i < d->max_running; i++) d->seqs[i].blocks = d->block_pool + (size_t)i * d->max_blocks_per_seq;
     for (int i = 0; i < d->max_running * d->ring; i++) d->ring_pool[i] = i;
     for (int i = 0; d->ring && i < d->max_running; i++) d->seqs[i].ring = d->ring_pool + (size_t)i * d->ring;
@@ -1195,9 +1462,11 @@ static int decode_run(void *ctx)
             break;
         }
         bool busy = publish_load(d) > 0;
+        unstall(d);   /* before admissions: the blocks freed go to the running sequences first */
         admit_staged(d);
         prism_worker_accept_data(&d->w, data_credit(d));
-        prism_worker_poll(&d->w, busy ? 0 : 50, on_msg, d);
+        /* only parked and stalled sequences: they wait for the router's Migrate or a piece sent (no spin) */
+        prism_worker_poll(&d->w, !busy ? 50 : d->n_parked && !steppable(d) ? 1 : 0, on_msg, d);
         /* transfers arriving: take the pieces already here (a few per step, each a copy into blocks) */
         for (int k = 0; k < 16 && d->n_rx; k++) {
             uint64_t got = d->w.data_received;
@@ -1206,6 +1475,7 @@ static int decode_run(void *ctx)
             if (d->w.data_received == got) break;
         }
         rx_expire(d, prism_now_s());
+        mig_tick(d, prism_now_s());
         step(d);
     }
     if (d->n_step && !code) prism_llm_forward_end(d->llm, d->logits);   /* let the device finish before exit */

@@ -289,7 +289,7 @@ static void metrics_requests(const router_t *r, prism_buf_t *b)
     snprintf(lbl, sizeof(lbl), "model_name=\"%s\"", model);
     prism_metric_write(b, "vllm:num_preemptions_total", "counter",
                        "Sequences a decode worker preempted because its KV pool ran out.", lbl,
-                       (double)(m->preempted + m->swapped));
+                       (double)(m->preempted + m->swapped + m->preempted_migrate));
     prism_metric_write(b, "vllm:prefix_cache_queries_total", "counter",
                        "Prompt tokens looked up in the prefill workers' prefix caches.", lbl, (double)m->prefix_queries);
     prism_metric_write(b, "vllm:prefix_cache_hits_total", "counter",
@@ -309,13 +309,16 @@ static void metrics_requests(const router_t *r, prism_buf_t *b)
                        "Requests that went on from their last token on another prefill/decode pair after their decode "
                        "worker died mid-generation.", lbl, (double)m->migrated);
     prism_buf_appendf(b, "# HELP prism:preemptions_total Sequences preempted because a decode worker's KV pool ran "
-                         "out, by how they went on (swap: their KV kept in the worker's host swap region; recompute: "
+                         "out, by how they went on (migrate: their KV moved to another decode worker; swap: their KV "
+                         "kept in the worker's host swap region; recompute: "
                          "prefilled again from their tokens).\n"
                          "# TYPE prism:preemptions_total counter\n");
     snprintf(lbl, sizeof(lbl), "model_name=\"%s\",how=\"swap\"", model);
     prism_metric_write(b, "prism:preemptions_total", "counter", NULL, lbl, (double)m->swapped);
     snprintf(lbl, sizeof(lbl), "model_name=\"%s\",how=\"recompute\"", model);
     prism_metric_write(b, "prism:preemptions_total", "counter", NULL, lbl, (double)m->preempted);
+    snprintf(lbl, sizeof(lbl), "model_name=\"%s\",how=\"migrate\"", model);
+    prism_metric_write(b, "prism:preemptions_total", "counter", NULL, lbl, (double)m->preempted_migrate);
     snprintf(lbl, sizeof(lbl), "model_name=\"%s\"", model);
     prism_metric_write(b, "prism:workers_disconnected_total", "counter",
                        "Workers dropped at once because their connection closed (process died).", lbl,
@@ -457,7 +460,9 @@ static void metrics_workers(const router_t *r, prism_buf_t *b)
         {"prism:worker_sequences_aborted_total", "Sequences the decode worker ended for an abort."},
         {"prism:worker_prompts_aborted_total", "Prompts the prefill worker left mid-prompt for an abort."},
         {"prism:worker_sends_waited_total", "Embeddings the encoder held until a prefill's pool had room."},
-        {"prism:worker_preemptions_total", "Sequences the decode worker preempted by recompute because its KV pool ran out."},
+        {"prism:worker_preemptions_total", "Sequences the decode worker preempted because its KV pool ran out (every way)."},
+        {"prism:worker_preemptions_migrated_total",
+         "Sequences the decode worker preempted by sending their KV whole to another decode worker."},
         {"prism:worker_swaps_total", "Sequences the decode worker preempted by swapping their KV to its host swap region."},
         {"prism:worker_kv_swap_bytes", "Bytes of the decode worker's KV swap region in use (--kv-swap-bytes)."},
         {"prism:worker_prefix_cache_queries_total", "Prompt tokens the prefill worker looked up in its prefix cache."},
@@ -477,7 +482,8 @@ static void metrics_workers(const router_t *r, prism_buf_t *b)
                           (double)w->progress, w->busy, w->stuck, (double)w->peer_auth_failures,
                           w->draining ? 1.0 : 0.0, (double)w->kv_waits, (double)w->tokens_generated,
                           (double)w->seqs_aborted, (double)w->prompts_aborted, (double)w->sends_waited,
-                          (double)w->preemptions, (double)w->swaps, (double)w->kv_swap_bytes, (double)w->prefix_queries, (double)w->prefix_hits,
+                          (double)(w->preemptions + w->swaps + w->migrations_out), (double)w->migrations_out,
+                          (double)w->swaps, (double)w->kv_swap_bytes, (double)w->prefix_queries, (double)w->prefix_hits,
                           (double)w->prefill_computed, w->image_decodes_peak};
             _Static_assert(PRISM_ARRAY_LEN(v) == PRISM_ARRAY_LEN(gauges), "one value per gauge");
             prism_metric_label_value(wid, sizeof(wid), w->id);  /* ids come from the network */

@@ -75,6 +75,9 @@ typedef struct {
 typedef struct {
     char prefill_id[ROUTER_WORKER_ID_MAX + 1], decode_id[ROUTER_WORKER_ID_MAX + 1];
     bool prefill_pending, decode_pending;
+    /* preemption by migration in flight (requests.c req_move_kv): the decode worker the KV comes
+     * from ("" none); decode_id is its target. Cleared by the target's first token. */
+    char mig_from[ROUTER_WORKER_ID_MAX + 1];
     char encoder_id[ROUTER_MAX_IMAGES][ROUTER_WORKER_ID_MAX + 1];
     bool encode_pending[ROUTER_MAX_IMAGES];
     uint64_t early_id[ROUTER_MAX_IMAGES];   /* the early job its image's Encode adopts (early_encode.c), 0 none */

@@ -15,8 +15,10 @@
  * Workers that die: before the first token the request starts over elsewhere (req_retry); after
  * it, a request with n = 1 goes on from its last token on another prefill/decode pair
  * (req_migrate, up to --max-migrations times); anything else fails with 503. A decode worker whose
- * KV pool ran out preempts a sequence (Tokens.preempted): it goes on the same way (req_migrate,
- * not counted against --max-migrations), on whichever decode has room.
+ * KV pool ran out preempts a sequence: it parks it (Tokens.preempt_migrate) and the sequence's KV
+ * moves to another decode worker with room, which holds the request from then on (req_move_kv), or
+ * it drops it (Tokens.preempted) and the request goes on as after a decode death (req_migrate, not
+ * counted against --max-migrations), on whichever decode has room.
  *
  * A request ends in req_destroy, which gives its workers and bytes back and releases the HTTP
  * request exactly once; router_req_free (reqmap.c) frees what it owns. */
@@ -160,6 +162,9 @@ static bool tokens_allowed(const router_req_t *q, const router_worker_t *w, cons
         if (t->finish == PRISM__FINISH__FINISH_ERROR && t->n_token_ids == 0) return true;
         return pl->prefill_pending && t->index < (uint32_t)router_req_n(q) && !q->out.choices[t->index].got_first;
     }
+    /* the source of a migration in flight may only give it up (its KV stayed there: recompute) */
+    if (w->role == PRISM__ROLE__ROLE_DECODE && pl->mig_from[0] && !strcmp(pl->mig_from, w->id))
+        return t->preempted && !t->n_token_ids && !t->preempt_migrate;
     return w->role == PRISM__ROLE__ROLE_DECODE && pl->decode_pending && !strcmp(pl->decode_id, w->id);
 }
 
@@ -223,6 +228,7 @@ static void tokens_first(router_t *r, router_req_t *q, const Prism__Tokens *t, d
 }
 
 static bool req_migrate(router_req_t *q, const router_worker_t *w, const char *why);
+static void req_move_kv(router_req_t *q);
 
 static void tokens_apply(router_t *r, router_req_t *q, const Prism__Tokens *t)
 {
@@ -236,6 +242,10 @@ static void tokens_apply(router_t *r, router_req_t *q, const Prism__Tokens *t)
     }
     double now = prism_now_s();
     if (!t->from_prefill) q->mig.decode_heard = true;
+    if (!t->from_prefill && t->n_token_ids && q->place.mig_from[0]) {   /* the KV moved: its target goes on */
+        q->place.mig_from[0] = '\0';
+        r->metrics.preempted_migrate++;
+    }
     if (!t->from_prefill && !q->time.first_decode) {   /* the decode's first message: its timings */
         q->time.first_decode = now;
         q->time.dec_queue_ms = t->queue_ms;
@@ -250,9 +260,11 @@ static void tokens_apply(router_t *r, router_req_t *q, const Prism__Tokens *t)
     else {
         router_out_progress(q, i);
         if (t->swapped && !t->from_prefill) r->metrics.swapped++;   /* it goes on there later: nothing to do */
+        /* its decode parked it: its KV moves to another decode worker (or it is prefilled again) */
+        if (t->preempt_migrate && !t->from_prefill) req_move_kv(q);
         /* its decode dropped its KV: prefill it again from every token so far */
-        if (t->preempted && !t->from_prefill &&
-            !req_migrate(q, NULL, "preempted by its decode worker (KV pool full)"))
+        else if (t->preempted && !t->from_prefill &&
+                 !req_migrate(q, NULL, "preempted by its decode worker (KV pool full)"))
             req_fail(q, 503, "The decode worker ran out of KV cache for this request; retry after a short wait.");
     }
 }
@@ -430,9 +442,9 @@ static bool req_migrate(router_req_t *q, const router_worker_t *w, const char *w
     if (w) {
         avoid_worker(q, w->id);
         q->place.n_avoid = PRISM_MIN(q->place.n_avoid, (int)PRISM_ARRAY_LEN(q->place.avoid));
-    } else {
+    } else if (!q->place.mig_from[0]) {
         router_sched_decode_done(q);   /* it holds nothing there any more: no abort */
-    }
+    }   /* else a migration failed: its source and its target are both told (router_sched_release) */
     router_sched_release(q);
     c->got_first = c->worker_ended = false;
     q->place.n_first = q->place.n_worker_ended = 0;
@@ -453,6 +465,45 @@ static bool req_migrate(router_req_t *q, const router_worker_t *w, const char *w
         PRISM_DEBUG("request %llu: %s; prefilled again as %llu after %d tokens", (unsigned long long)old, why,
                     (unsigned long long)q->rid, q->mig.n_gen);
     return true;
+}
+
+/* Its decode worker parked it (KV pool full, Tokens.preempt_migrate): a decode worker with room takes
+ * its KV and decode state whole (Migrate names it to the source, which sends it over the KV transfer
+ * with the same request id) and holds the request from now on: the client's stream goes on from its
+ * tokens. The source is remembered (place.mig_from) until the target's first token: a source that
+ * gives up (Tokens.preempted), a target that bounces it or either one dying makes it go on by
+ * recompute (req_migrate), with both told to drop it. No worker with room: the source drops it
+ * (Migrate with no endpoint) and it is prefilled again. */
+static void req_move_kv(router_req_t *q)
+{
+    router_t *r = q->r;
+    router_placement_t *pl = &q->place;
+    router_worker_t *src = router_worker_by_id(r, pl->decode_id);
+    uint64_t bs = src ? PRISM_MAX(src->block_size, 1u) : 1;
+    uint64_t blocks = (q->prompt.n_tokens + (uint64_t)q->out.choices[0].n_out + bs) / bs;   /* and its next token */
+    router_worker_t *dst = src && !pl->mig_from[0] && may_recompute(q) ? router_pick_kv_target(r, src, blocks) : NULL;
+    Prism__Migrate m = PRISM__MIGRATE__INIT;
+    m.target_endpoint = dst ? dst->data_endpoint : "";
+    Prism__Envelope env = PRISM__ENVELOPE__INIT;
+    env.type = PRISM__MSG_TYPE__MSG_MIGRATE;
+    env.request_id = q->rid;
+    env.request_id_hi = q->rid_hi;
+    env.trace_id_hi = q->trace.hi;
+    env.trace_id_lo = q->trace.lo;
+    env.migrate = &m;
+    bool sent = src && router_send(r, src, &env, NULL, 0) == PRISM_OK;
+    if (!dst || !sent) {   /* dropped there (or its worker is gone: the source gives up on its own) */
+        if (!req_migrate(q, NULL, "preempted by its decode worker (KV pool full), no decode worker has room for its KV"))
+            req_fail(q, 503, "The decode worker ran out of KV cache for this request; retry after a short wait.");
+        return;
+    }
+    router_sched_decode_done(q);   /* the source's slot */
+    snprintf(pl->mig_from, sizeof pl->mig_from, "%s", src->id);
+    snprintf(pl->decode_id, sizeof pl->decode_id, "%s", dst->id);
+    pl->decode_pending = true;
+    dst->inflight++;
+    PRISM_DEBUG("request %llu: preempted by decode worker %s, its KV moves to %s after %d tokens",
+                (unsigned long long)q->rid, src->id, dst->id, q->out.choices[0].n_out);
 }
 
 void router_fail_worker_requests(router_t *r, const router_worker_t *w, const char *why)

@@ -71,6 +71,7 @@ typedef struct {
     uint64_t sends_waited;        /* encoders: embeddings that waited for a prefill's pool (backpressure) */
     uint64_t preemptions;         /* decode: sequences it preempted (recompute) since it started */
     uint64_t swaps, kv_swap_bytes;  /* decode: sequences it swapped out since it started; swap bytes in use */
+    uint64_t migrations_out;      /* decode: sequences it preempted by sending their KV to another decode */
     uint64_t prefix_queries, prefix_hits, prefill_computed;   /* prefill: prompt tokens (heartbeats) */
     uint32_t image_decodes_peak;  /* encoders: most images decoded at once since start (its image pool) */
     uint64_t heartbeats;          /* received since registration: lets a reader wait for fresh numbers */
@@ -332,6 +333,10 @@ router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash
  * encoder holding none takes an image of any size). */
 router_worker_t *router_pick_slots(router_t *r, Prism__Role role, uint64_t prefer_hash, int slots, uint64_t bytes,
                                    bool *any);
+/* Where a sequence that decode worker `from` parked (preemption by migration) goes: the decode worker
+ * other than `from`, of its block size, with room for one more sequence and, by its last heartbeat, `blocks` free KV
+ * blocks beyond 2% of its pool (its admission watermark), the most free first; NULL when none. */
+router_worker_t *router_pick_kv_target(router_t *r, const router_worker_t *from, uint64_t blocks);
 /* Load a plan being made puts on a worker without having counted it yet (sched.c). */
 typedef struct {
     const router_worker_t *w;

@@ -138,6 +138,7 @@ void router_sched_abort(router_req_t *q)
         }
     router_send_abort_to(r, pl->prefill_id, q->rid);
     if (pl->decode_pending) router_send_abort_to(r, pl->decode_id, q->rid);
+    if (pl->mig_from[0]) router_send_abort_to(r, pl->mig_from, q->rid);   /* it may hold the KV still */
 }
 
 void router_sched_release(router_req_t *q)
@@ -151,7 +152,7 @@ void router_sched_release(router_req_t *q)
     }
     router_sched_prefill_done(q);
     router_sched_decode_done(q);
-    pl->prefill_id[0] = pl->decode_id[0] = '\0';
+    pl->prefill_id[0] = pl->decode_id[0] = pl->mig_from[0] = '\0';
     router_req_drop_held(q);   /* the old attempt's decode tokens */
     router_req_rekey(q->r, q);
 }
@@ -160,7 +161,7 @@ bool router_sched_holds(const router_req_t *q, const router_worker_t *w)
 {
     const router_placement_t *pl = &q->place;
     bool held = (pl->prefill_pending && !strcmp(pl->prefill_id, w->id)) ||
-                (pl->decode_pending && !strcmp(pl->decode_id, w->id));
+                (pl->decode_pending && !strcmp(pl->decode_id, w->id)) || (pl->mig_from[0] && !strcmp(pl->mig_from, w->id));
     for (int k = 0; k < q->prompt.n_images; k++) held |= pl->encode_pending[k] && !strcmp(pl->encoder_id[k], w->id);
     return held;
 }

@@ -110,6 +110,7 @@ bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat
     w->preemptions = hb->preempt_recompute;
     w->swaps = hb->preempt_swap;
     w->kv_swap_bytes = hb->kv_swap_bytes;
+    w->migrations_out = hb->preempt_migrate;
     /* the router's totals grow by what each heartbeat adds: they stay monotonic when a worker goes
      * (a counter that went back is a restarted worker counting from 0) */
     r->metrics.prefix_queries += hb->prefix_cache_queries - (hb->prefix_cache_queries >= w->prefix_queries ? w->prefix_queries : 0);
@@ -281,6 +282,21 @@ router_worker_t *router_pick_want(router_t *r, const router_want_t *want, bool *
     router_worker_t *w = pick_pass(r, want, true, any);
     /* only the avoided ones have room: them rather than nothing */
     return w || !want->n_avoid ? w : pick_pass(r, want, false, any);
+}
+
+router_worker_t *router_pick_kv_target(router_t *r, const router_worker_t *from, uint64_t blocks)
+{
+    router_want_t want = {.role = PRISM__ROLE__ROLE_DECODE, .slots = 1};
+    router_worker_t *best = NULL;
+    for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
+        router_worker_t *w = &r->workers[i];
+        if (w == from || !candidate(w, &want) || !pickable(w, seen(w, &want), &want, false) ||
+            w->block_size != from->block_size)   /* the transfer's layout is the source's */
+            continue;
+        if ((uint64_t)w->kv_free_blocks < blocks + w->kv_blocks / 50) continue;
+        if (!best || w->kv_free_blocks > best->kv_free_blocks) best = w;
+    }
+    return best;
 }
 
 router_worker_t *router_pick(router_t *r, Prism__Role role, uint64_t prefer_hash, bool *any)

@@ -269,7 +269,7 @@ KV_BLOCK_BYTES, KV_BLOCK = 65536, 16   # models/prism-tiny-llava's K/V of one 16
 
 
 def kv_msg(rid, n_tokens, samp=None, choices=((0, 17, 1),), prompt=None, router=ROUTER_ID, block_bytes=KV_BLOCK_BYTES,
-           n_blocks=None, piece_blocks=0):
+           n_blocks=None, piece_blocks=0, migrated=False):
     """A Kv transfer as prefill sends it, and its frame (piece_blocks: the first piece of that many
     blocks, 0 the whole transfer). choices: (index, first token, rng state)."""
     nb = n_blocks if n_blocks is not None else (n_tokens + KV_BLOCK - 1) // KV_BLOCK
@@ -281,6 +281,8 @@ def kv_msg(rid, n_tokens, samp=None, choices=((0, 17, 1),), prompt=None, router=
         body += pb_packed(11, prompt)
     if piece_blocks:
         body += pb_int(16, piece_blocks)
+    if migrated:   # from a decode worker (preemption by migration): admitted at once or bounced
+        body += pb_int(17, 1)
     return env_of(9, 18, body, rid, router), [((piece_blocks or nb) * block_bytes, struct.pack("<f", 0.05))]
 
 
@@ -332,6 +334,32 @@ def decode_seeds():
     put(h, "preempt_overlap", bytes([OP_DATA | MODE_OVERLAP]) + kv(53, 6, samp=sampling(**long))[1:] +
         kv(54, 6, samp=sampling(seed=5, temperature=0.8, **long)) + kv(55, 6, samp=sampling(**long)) + turn(16) +
         rec(OP_ROUTER, abort_msg(53)) + turn(20))
+    # preemption by migration: the victim is parked (no step, blocks held) and the others stall until
+    # the router's Migrate sends its KV to the harness's peer; duplicates, one for no parked sequence,
+    # "" (nowhere: dropped), a peer that takes nothing (given up after the input), none at all (the
+    # preempt seeds: given up), and penalties (recompute, no parking)
+    def migrate(rid, ep):
+        return rec(OP_ROUTER, env_of(12, 21, pb_bytes(1, ep), rid))
+    put(h, "migrate", kv(56, 6, samp=sampling(**long)) + kv(57, 6, samp=sampling(priority=1, **long)) +
+        kv(58, 6, samp=sampling(seed=3, temperature=0.9, **long)) + migrate(57, PEER_EP) + turn(12) +
+        migrate(57, PEER_EP) + turn(2) + migrate(57, PEER_EP) + migrate(57, PEER_EP) + migrate(99, PEER_EP) + turn(20))
+    put(h, "migrate_nowhere", bytes([OP_DATA | MODE_OVERLAP]) + kv(59, 6, samp=sampling(**long))[1:] +
+        kv(60, 6, samp=sampling(priority=1, **long)) + kv(61, 6, samp=sampling(**long)) + turn(12) +
+        migrate(60, "") + turn(2) + migrate(60, "") + turn(2) + migrate(61, STUCK_EP) + turn(20))
+    put(h, "migrate_abort", kv(62, 6, samp=sampling(**long)) + kv(63, 6, samp=sampling(priority=1, **long)) +
+        kv(64, 6, samp=sampling(**long)) + turn(14) + rec(OP_ROUTER, abort_msg(63)) + migrate(63, PEER_EP) +
+        turn(20))
+    # KV migrated in from another decode worker: admitted when it fits (a sequence 10 tokens in, its
+    # last token not fed), bounced (Tokens.preempted) when it does not, never staged; pieces of one
+    # block with a bounced first piece's later pieces dropped
+    put(h, "migrated_in", kv(68, 20, samp=sampling(generated=10, seed=4, temperature=0.9, **long), migrated=True) +
+        b"".join(kv(69 + i, 6, samp=sampling(**long)) for i in range(3)) + turn(2) +
+        kv(72, 20, samp=sampling(generated=10, **long), migrated=True) + turn(4) +
+        kv(68, 20, samp=sampling(generated=10, **long), migrated=True) + turn(20))
+    ids6 = [1, 2, 3, 4, 5, 6]
+    put(h, "preempt_penalties", kv(65, 6, samp=sampling(rep=1.3, **long), prompt=ids6) +
+        kv(66, 6, samp=sampling(priority=1, rep=1.3, **long), prompt=ids6) +
+        kv(67, 6, samp=sampling(rep=1.3, **long), prompt=ids6) + turn(30))
     put(h, "other_router", kv(47, 6, router="r2") + kv(48, 6, router=None) + turn(5) +
         rec(OP_ROUTER, abort_msg(48, None)))
     # bit 5: pieces of one block (a 20-token prompt's transfer is two)

@@ -45,6 +45,7 @@ typedef struct {
     uint64_t migrated;             /* requests that went on elsewhere after their decode worker died mid-generation */
     uint64_t preempted;            /* sequences a decode worker preempted (KV pool full): prefilled again */
     uint64_t swapped;              /* sequences a decode worker preempted by swapping their KV to host memory */
+    uint64_t preempted_migrate;    /* ... whose KV moved to another decode worker instead (its first token came) */
     uint64_t stage_timeouts;       /* encode or prefill stages that overran --stage-timeout */
     uint64_t workers_disconnected; /* workers dropped because their connection closed */
     uint64_t early_encodes;        /* images sent to an encoder's cache before their body ended */

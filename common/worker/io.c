@@ -174,11 +174,13 @@ int prism_worker_init(prism_worker_t *w, Prism__Role role, const prism_worker_op
     }
     if (data_bind) {
         /* HWM 1: at most one message queued per peer; the rest waits in the senders (backpressure).
-         * Embeddings come from encoders only, KV from prefills only. */
+         * Embeddings come from encoders only, KV from prefills and (preemption by migration) other
+         * decode workers only. */
         prism_sock_opts_t so = {.type = ZMQ_PULL, .endpoint = data_bind, .hwm = 1,
                                 .max_msg_bytes = (int64_t)PRISM_MAX(data_max_msg_bytes, (size_t)PRISM_MSG_MAX_ENVELOPE),
-                                .allow = role == PRISM__ROLE__ROLE_PREFILL ? PRISM_NET_ALLOW(PRISM_NET_ROLE_ENCODER)
-                                                                          : PRISM_NET_ALLOW(PRISM_NET_ROLE_PREFILL)};
+                                .allow = role == PRISM__ROLE__ROLE_PREFILL
+                                             ? PRISM_NET_ALLOW(PRISM_NET_ROLE_ENCODER)
+                                             : PRISM_NET_ALLOW(PRISM_NET_ROLE_PREFILL) | PRISM_NET_ALLOW(PRISM_NET_ROLE_DECODE)};
         w->data_sock = prism_sock_bind(w->net, &so);
         if (!w->data_sock) return PRISM_EIO;
         prism_sock_last_endpoint(w->data_sock, w->data_endpoint, sizeof(w->data_endpoint));
@@ -434,6 +436,7 @@ static void io_heartbeat(prism_worker_t *w)
     hb.preempt_recompute = l.preempt_recompute;
     hb.preempt_swap = l.preempt_swap;
     hb.kv_swap_bytes = l.kv_swap_bytes;
+    hb.preempt_migrate = l.preempt_migrate;
     hb.prefix_cache_queries = l.prefix_cache_queries;
     hb.prefix_cache_hits = l.prefix_cache_hits;
     hb.prompt_tokens_computed = l.prompt_tokens_computed;
@@ -782,8 +785,8 @@ void *prism_worker_peer_sock(prism_worker_t *w, const char *endpoint)
         w->peers[lru] = w->peers[--w->n_peers];
         w->peers_closed++;
     }
-    /* Encoders push embeddings to prefills, prefills push KV to decodes; a PUSH socket never
-     * receives, so its message bound only matters for the handshake. */
+    /* Encoders push embeddings to prefills, prefills (and decodes migrating a sequence) push KV to
+     * decodes; a PUSH socket never receives, so its message bound only matters for the handshake. */
     prism_sock_opts_t so = {.type = ZMQ_PUSH, .endpoint = endpoint, .hwm = 1, .max_msg_bytes = 64 << 10,
                             .server = w->role == PRISM__ROLE__ROLE_ENCODER ? PRISM_NET_ROLE_PREFILL : PRISM_NET_ROLE_DECODE};
     void *s = prism_sock_connect(w->net, &so);

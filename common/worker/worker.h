@@ -110,9 +110,10 @@ typedef struct {
     uint64_t seqs_aborted;      /* decode: sequences ended by an abort */
     uint64_t prompts_aborted;   /* prefill: prompts left mid-prompt for an abort */
     uint64_t sends_waited;      /* encoder: embeddings that waited for room in a prefill's pool */
-    uint64_t preempt_recompute;  /* decode: sequences preempted because the KV pool ran out (a counter) */
+    uint64_t preempt_recompute;  /* decode: sequences preempted by recompute (KV pool ran out; a counter) */
     uint64_t preempt_swap;       /* decode: sequences preempted by swapping their KV to host memory (a counter) */
     uint64_t kv_swap_bytes;      /* decode: bytes of its swap region in use now */
+    uint64_t preempt_migrate;    /* decode: sequences preempted by sending their KV whole to another decode worker */
     /* prefill: prompt tokens looked up in / found in the prefix cache, and computed (counters) */
     uint64_t prefix_cache_queries, prefix_cache_hits, prompt_tokens_computed;
     uint32_t image_decodes_peak; /* encoder: most images decoded at once since start */

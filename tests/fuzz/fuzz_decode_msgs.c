@@ -1,5 +1,6 @@
 /* libFuzzer: the decode worker's message handlers (decode_worker/main.c on_msg: Kv transfers from
- * prefill workers on the data socket, Abort from routers) and its loop (admit_staged: the KV import
+ * prefill workers (and migrated ones from decode workers) on the data socket, Abort and Migrate from
+ * routers) and its loop (admit_staged: the KV import
  * into the paged cache, shared prompt blocks of n > 1 choices; step: continuous batching over the
  * bundled tiny model on the CPU, sampling, the Tokens stream), on the worker its own start-up builds
  * (prism_worker_open with k_decode_tier) with small pools: 3 sequences, 5 blocks of 16 tokens, a 32-token context
@@ -36,13 +37,24 @@ static void drain(void)
     fuzz_drain(&g_io, &g_d.w, PRISM__MSG_TYPE__MSG_TOKENS, NULL, NULL);
 }
 
+/* Migrate's target stays inside the process (fuzz_worker.h): the migrated KV is read back there. */
+static void on_msg_confined(prism_worker_t *w, prism_msg_t *m, int source, void *ud)
+{
+    Prism__Migrate *mg = m->env->type == PRISM__MSG_TYPE__MSG_MIGRATE ? m->env->migrate : NULL;
+    char buf[64], *saved = NULL;
+    if (mg) fuzz_confine(&mg->target_endpoint, &saved, buf, sizeof(buf));
+    on_msg(w, m, source, ud);
+    if (mg) mg->target_endpoint = saved;
+}
+
 /* One turn of main()'s loop, the poll being the harness's. */
 static void turn(void)
 {
     decode_t *d = &g_d;
     publish_load(d);
+    unstall(d);
     admit_staged(d);
-    fuzz_poll(&g_io, &d->w, data_credit(d), on_msg, d);
+    fuzz_poll(&g_io, &d->w, data_credit(d), on_msg_confined, d);
     drain();
     /* a sequence whose KV is still arriving is in no step (its blocks are partly written) */
     int len[8];
@@ -54,6 +66,7 @@ static void turn(void)
         FUZZ_ASSERT(!d->seqs[i].swapped || (!d->seqs[i].n_blocks && d->seqs[i].n_swapped > 0));
         len[i] = d->seqs[i].seq.len;
     }
+    mig_tick(d, prism_now_s());
     step(d);
     for (int i = 0; i < d->max_running; i++) FUZZ_ASSERT(!rx[i] || !d->seqs[i].seq.used || d->seqs[i].seq.len == len[i]);
     drain();
@@ -108,10 +121,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             if (d->seqs[i].seq.used) fuzz_abort(&d->w, on_msg, d, d->seqs[i].seq.rid, d->seqs[i].seq.router_id);
         if (d->staged) fuzz_abort(&d->w, on_msg, d, d->staged_rid, d->staged_router);
     }
-    /* Transfers whose pieces stopped are failed as the timeout would; every sequence ends by the
-     * context length; a staged transfer starts once they make room. */
-    rx_expire(d, prism_now_s() + 2 * PRISM_KV_RX_TIMEOUT_S);
-    for (int k = 0; k < 2 * d->max_model_len + 4 && !idle(d); k++) turn();
+    /* Every sequence ends by the context length; a staged transfer starts once they make room. Nothing
+     * comes after the input: transfers whose pieces stopped (those admitted in these turns too) are
+     * failed as the timeout would, and sequences parked for migration (now or in these turns) that the
+     * router never places, or whose target takes nothing, are given up as the bounds would. */
+    for (int k = 0; k < 2 * d->max_model_len + 4 && !idle(d); k++) {
+        rx_expire(d, prism_now_s() + 2 * PRISM_KV_RX_TIMEOUT_S);
+        mig_tick(d, prism_now_s() + 2 * PRISM_MIGRATE_SEND_S);
+        turn();
+    }
     FUZZ_ASSERT(idle(d));   /* not wedged */
     for (int i = 0; i < d->max_running; i++)
         FUZZ_ASSERT(!d->seqs[i].seq.used && !d->seqs[i].n_blocks && !d->seqs[i].n_swapped && !d->rx[i].used);
@@ -120,10 +138,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
     if (getenv("FUZZ_VERBOSE"))   /* what an input did: to check that a seed does what it says */
         fprintf(stderr, "decode: %llu replies, %llu steps, %llu tokens, %llu cancelled, %llu KV waits, %llu preempted, "
-                "%llu swapped out (counted since start), %llu transfers failed midway\n",
+                "%llu swapped out (counted since start), %llu transfers failed midway, %llu migrated "
+                "(%llu messages to peers)\n",
                 (unsigned long long)g_io.replies, (unsigned long long)d->steps, (unsigned long long)d->tokens_out,
                 (unsigned long long)d->cancelled, (unsigned long long)d->kv_waits, (unsigned long long)d->preempted,
-                (unsigned long long)d->swap.swapped_out, (unsigned long long)d->rx_failed);
+                (unsigned long long)d->swap.swapped_out, (unsigned long long)d->rx_failed,
+                (unsigned long long)d->migrated_out, (unsigned long long)g_io.transfers);
     fuzz_io_reset(&g_io, &d->w);
     prism_abort_memo_init(&d->aborts, 600.0);
     return 0;

@@ -600,6 +600,148 @@ def _preempt_by_swap(c, bodies, refs):
     assert _settled(c, "decode-2") == (0, 12), "blocks leaked"
 
 
+def test_decode_preempts_by_migration_and_survives_the_target_dying():
+    """Preemption by migration (issue 28): decode-0 has 12 KV blocks (a 128-token context), decode-1
+    room for every sequence. Four requests without max_tokens are all placed on decode-0 (the prefill
+    worker is stopped while they are dispatched and decode-1 starts only then): decode-0's pool runs
+    out mid-decode, the sequences it preempts go on on decode-1 with their KV moved there (no
+    prefill again), and each greedy or seeded answer is token for token its answer alone. Then the
+    same with a decode-1 that dies as the first migrated KV reaches it (a target killed
+    mid-migration): nothing is lost, the sequences are recomputed and the answers are unchanged. Then
+    clients that leave while their sequences migrate: both decode workers free everything; and a source
+    that dies while its migration is in flight: every answer unchanged."""
+    ctx = ["--context-length", "128"]
+    tiny = ctx + ["--kv-blocks", "12", "--max-running-requests", "4"]
+    with Cluster(decodes=0, router_args=ctx, common_worker_args=FAST_HB,
+                 worker_args={"prefill_worker": ctx, "decode_worker": ctx}) as c:
+        c.start_worker("decode-0", "decode_worker", tiny)
+        c.wait_ready()
+        bodies = [chat_body("Tell me a long story about the colour %s." % col, temperature=t, seed=11,
+                            ignore_eos=True, logprobs=True, return_tokens_as_token_ids=True)
+                  for col, t in (("red", 0), ("green", 0.8), ("blue", 0), ("yellow", 1.0))]
+        refs = []
+        for b in bodies:
+            s, r = c.post_json("/v1/chat/completions", b)
+            assert s == 200, (s, r)
+            refs.append(_tokens(r))
+        assert c.metric("vllm:num_preemptions_total") == 0, "one at a time, nothing to preempt"
+
+        def run_on_decode0_then(start_target):
+            """The four at once, all dispatched to decode-0 (the only decode worker then) while the
+            prefill worker is stopped; the target starts and registers before anything runs."""
+            pre = c.procs["prefill-0"]
+            with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+                pre.send_signal(signal.SIGSTOP)
+                try:
+                    jobs = [ex.submit(c.post_json, "/v1/chat/completions", b) for b in bodies]
+                    wait_for(lambda: c.metric("prism:router_requests_in_flight") == len(bodies), 10,
+                             "every request dispatched")
+                    start_target()
+                    wait_for(lambda: c.metric("prism:worker_heartbeats_total", worker="decode-1"), 30,
+                             "decode-1 registered")
+                    free1 = c.metric("prism:worker_kv_free_blocks", worker="decode-1")   # idle: its whole pool
+                finally:
+                    pre.send_signal(signal.SIGCONT)
+                res = [f.result() for f in jobs]
+            for i, (s, r) in enumerate(res):
+                assert s == 200, (i, s, r)
+                assert _tokens(r) == refs[i], ("answer changed by preemption", i)
+            return free1
+
+        computed = c.metric("prism:prefill_tokens_computed_total")
+        free1 = run_on_decode0_then(lambda: c.start_worker("decode-1", "decode_worker"))
+        moved = c.metric("prism:preemptions_total", how="migrate")
+        print("preemptions: %s migrated, %s recomputed" % (moved, c.metric("prism:preemptions_total", how="recompute")))
+        assert moved > 0, "no sequence migrated"
+        assert c.metric("vllm:num_preemptions_total") == moved + c.metric("prism:preemptions_total", how="recompute")
+        hb = c.metric("prism:worker_heartbeats_total", worker="decode-0")
+        wait_for(lambda: c.metric("prism:worker_heartbeats_total", worker="decode-0") > hb + 1, 10, "a fresh heartbeat")
+        assert c.metric("prism:worker_preemptions_migrated_total", worker="decode-0") >= moved
+        assert c.metric("prism:worker_kv_free_blocks", worker="decode-0") == 12, "blocks leaked on the source"
+        hb = c.metric("prism:worker_heartbeats_total", worker="decode-1")
+        wait_for(lambda: c.metric("prism:worker_heartbeats_total", worker="decode-1") > hb + 1, 10, "a fresh heartbeat")
+        assert c.metric("prism:worker_kv_free_blocks", worker="decode-1") == free1, "blocks leaked on the target"
+        print("prompt tokens prefilled with migration:", c.metric("prism:prefill_tokens_computed_total") - computed)
+
+        # The target dies as the first migrated KV reaches it: those sequences are recomputed.
+        c.kill("decode-1")
+        wait_for(lambda: not c.metric("prism:worker_heartbeats_total", worker="decode-1"), 10, "decode-1 dropped")
+        c.worker_env["decode_worker"] = {"PRISM_TEST_DIE_ON_MIGRATED_KV": "1"}
+        recomputed = c.metric("prism:preemptions_total", how="recompute")
+        computed = c.metric("prism:prefill_tokens_computed_total")
+        run_on_decode0_then(lambda: c.start_worker("decode-1", "decode_worker"))
+        assert c.procs["decode-1"].wait(timeout=10) == 3, "the target did not die mid-migration"
+        assert c.metric("prism:preemptions_total", how="migrate") == moved, "a migration completed on a dead target"
+        print("recomputed after the target died: %s (prompt tokens prefilled: %s)" % (
+            c.metric("prism:preemptions_total", how="recompute") - recomputed,
+            c.metric("prism:prefill_tokens_computed_total") - computed))
+
+        # Clients that leave while their sequences migrate: the target is stopped (SIGSTOP) once
+        # registered, so the KV decode-0 sent it waits there unread and the router still holds the
+        # request at both; every stream is closed then. Both workers end with nothing running and
+        # every block free.
+        del c.worker_env["decode_worker"]
+        pre, sent = c.procs["prefill-0"], c.metric("prism:worker_preemptions_migrated_total", worker="decode-0")
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+            pre.send_signal(signal.SIGSTOP)
+            try:
+                jobs = [ex.submit(c.open_stream, "/v1/chat/completions", dict(b, stream=True)) for b in bodies]
+                wait_for(lambda: c.metric("prism:router_requests_in_flight") == len(bodies), 10, "every request dispatched")
+                c.start_worker("decode-1", "decode_worker")
+                wait_for(lambda: c.metric("prism:worker_heartbeats_total", worker="decode-1"), 30, "decode-1 registered")
+                free1 = c.metric("prism:worker_kv_free_blocks", worker="decode-1")
+                c.procs["decode-1"].send_signal(signal.SIGSTOP)
+            finally:
+                pre.send_signal(signal.SIGCONT)
+            try:
+                streams = [f.result() for f in jobs]
+                wait_for(lambda: c.metric("prism:worker_preemptions_migrated_total", worker="decode-0") > sent, 10,
+                         "a sequence sent to the stopped target")
+                for st in streams:
+                    st.close()
+                wait_for(lambda: c.metric("prism:router_requests_in_flight") == 0, 10, "every request ended")
+            finally:
+                c.procs["decode-1"].send_signal(signal.SIGCONT)
+        for w, free in (("decode-0", 12), ("decode-1", free1)):
+            hb = c.metric("prism:worker_heartbeats_total", worker=w)
+            wait_for(lambda: c.metric("prism:worker_heartbeats_total", worker=w) > hb + 1, 10, "a fresh heartbeat")
+            wait_for(lambda: (c.metric("prism:worker_running", worker=w), c.metric("prism:worker_kv_free_blocks",
+                                                                                   worker=w)) == (0, free), 10,
+                     "%s: nothing running, every block free" % w)
+        # the target was told before it read the KV (the abort table is filled as the abort is read, and
+        # the router links are read before the data socket): it never decoded for those clients
+        assert c.metric("prism:worker_tokens_generated_total", worker="decode-1") == 0, "the target decoded for nobody"
+
+        # The source dies while a migration is in flight (the target stopped again, the KV sent to it
+        # unread): the router's decode-death migration covers it, every answer unchanged.
+        c.kill("decode-1")
+        wait_for(lambda: not c.metric("prism:worker_heartbeats_total", worker="decode-1"), 10, "decode-1 dropped")
+        sent = c.metric("prism:worker_preemptions_migrated_total", worker="decode-0")
+
+        def stopped_target():
+            c.start_worker("decode-1", "decode_worker")
+            wait_for(lambda: c.metric("prism:worker_heartbeats_total", worker="decode-1"), 30, "decode-1 registered")
+            c.procs["decode-1"].send_signal(signal.SIGSTOP)
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+            pre.send_signal(signal.SIGSTOP)
+            try:
+                jobs = [ex.submit(c.post_json, "/v1/chat/completions", b) for b in bodies]
+                wait_for(lambda: c.metric("prism:router_requests_in_flight") == len(bodies), 10, "every request dispatched")
+                stopped_target()
+            finally:
+                pre.send_signal(signal.SIGCONT)
+            try:
+                wait_for(lambda: c.metric("prism:worker_preemptions_migrated_total", worker="decode-0") > sent, 10,
+                         "a sequence sent to the stopped target")
+                c.kill("decode-0")
+            finally:
+                c.procs["decode-1"].send_signal(signal.SIGCONT)
+            res = [f.result() for f in jobs]
+        for i, (s, r) in enumerate(res):
+            assert s == 200, (i, s, r)
+            assert _tokens(r) == refs[i], ("answer changed by the source's death", i)
+
+
 def test_worker_failure_fails_requests_cleanly():
     """A decode worker killed mid-generation: its requests end with a clean error (never a hang), the
     router stays up, and a replacement worker that registers serves the next request. (Without
@@ -699,6 +841,7 @@ if __name__ == "__main__":
                         test_budget_too_small_refuses_to_start, test_budget_is_checked_against_the_whole_plan,
                         test_backpressure_and_flat_allocations,
                         test_decode_admission_waits_for_kv, test_decode_preempts_by_recompute_or_swap_and_priority_overtakes,
+                        test_decode_preempts_by_migration_and_survives_the_target_dying,
                         test_worker_failure_fails_requests_cleanly,
                         test_busy_encoder_keeps_heartbeating,
                         test_overload_burst_and_recovery, test_router_within_its_budget_under_a_burst,

@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import struct
 import sys
 import tempfile
@@ -376,34 +377,86 @@ def test_scout_context_is_capped():
         assert status == 200 and r["max_model_len"] == 4096, r
 
 
+def restart_decode0(extra):
+    """decode-0 again, started with the flags extra."""
+    C.kill("decode-0")
+    wait_for(lambda: C.metric("prism:worker_heartbeats_total", worker="decode-0") is None, 30, "decode-0 dropped")
+    C.start_worker("decode-0", "decode_worker", extra)
+    wait_for(lambda: C.metric("prism:worker_heartbeats_total", worker="decode-0"), 60, "decode-0 back")
+    # one answer through it: the prefill's link to the new worker is up (its CURVE handshake needs
+    # the worker running, and run_together stops it)
+    ask(C, body("Hello.", max_tokens=2))
+
+
 def test_preempted_answers_unchanged():
-    """Four 600-token answers at once (greedy and seeded) on 64 KV blocks (38 each at the end: even
-    staggered by their prefills they outgrow the pool): sequences are preempted
+    """Four 300-token answers together (greedy and seeded) on 64 KV blocks: sequences are preempted
     and prefilled again from their tokens (in chunks of 50), their chunked-attention layers' rings
     refilled from the transfer, and every answer is token for token its answer alone. Then the same
     on a decode worker with a swap region: preempted by swap (the rings kept by their slots)."""
-    bodies = [body("Tell me about %s." % w, max_tokens=600, temperature=0.7 if i % 2 else 0, seed=3)
+    bodies = [body("Tell me about %s." % w, max_tokens=300, temperature=0.7 if i % 2 else 0, seed=3)
               for i, w in enumerate(("cats", "dogs", "ships", "rain"))]
     alone = [ask(C, b)[0] for b in bodies]
     p0 = C.metric("vllm:num_preemptions_total")
-    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
-        res = list(ex.map(lambda b: ask(C, b)[0], bodies))
+    res = run_together(bodies)
     for i, (got, want) in enumerate(zip(res, alone)):
         assert got == want, (i, len(got), len(want))
     assert C.metric("vllm:num_preemptions_total") > p0, "the pool never ran out: nothing was preempted"
     # The same with a swap region: the victims' pool blocks (the full-attention layers) go to host
     # memory, their rings stay with their batch slots; nothing is recomputed, every answer unchanged.
-    C.kill("decode-0")
-    wait_for(lambda: C.metric("prism:worker_heartbeats_total", worker="decode-0") is None, 30, "decode-0 dropped")
-    C.start_worker("decode-0", "decode_worker", ["--kv-swap-bytes", "64M"])
-    wait_for(lambda: C.metric("prism:worker_heartbeats_total", worker="decode-0"), 60, "decode-0 back")
-    r0, s0 = C.metric("prism:preemptions_total", how="recompute"), C.metric("prism:preemptions_total", how="swap")
+    restart_decode0(["--kv-swap-bytes", "64M"])
+    try:
+        r0, s0 = C.metric("prism:preemptions_total", how="recompute"), C.metric("prism:preemptions_total", how="swap")
+        res = run_together(bodies)
+        for i, (got, want) in enumerate(zip(res, alone)):
+            assert got == want, ("answer changed by a swap", i, len(got), len(want))
+        assert C.metric("prism:preemptions_total", how="swap") > s0, "nothing was swapped out"
+        assert C.metric("prism:preemptions_total", how="recompute") == r0, "a victim was recomputed"
+    finally:
+        restart_decode0([])   # the tests after this one preempt by migration, which swap would go before
+
+
+def run_together(bodies, meanwhile=lambda: None):
+    """The answers to bodies sent at once, decoded together: decode-0 is stopped (SIGSTOP) until every
+    first token is out, so all their transfers wait in its socket (this tiny model decodes far faster
+    than it prefills: sent at once, they hardly overlap otherwise, and the pool may never run out).
+    meanwhile() runs while it is stopped, once every request is dispatched (to decode-0)."""
+    firsts = C.metric("vllm:time_to_first_token_seconds_count")
+    dec = C.procs["decode-0"]
     with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
-        res = list(ex.map(lambda b: ask(C, b)[0], bodies))
-    for i, (got, want) in enumerate(zip(res, alone)):
-        assert got == want, ("answer changed by a swap", i, len(got), len(want))
-    assert C.metric("prism:preemptions_total", how="swap") > s0, "nothing was swapped out"
-    assert C.metric("prism:preemptions_total", how="recompute") == r0, "a victim was recomputed"
+        dec.send_signal(signal.SIGSTOP)
+        try:
+            jobs = [ex.submit(ask, C, b) for b in bodies]
+            wait_for(lambda: C.metric("prism:router_requests_in_flight") == len(bodies), 10, "every request dispatched")
+            meanwhile()
+            wait_for(lambda: C.metric("vllm:time_to_first_token_seconds_count") == firsts + len(bodies), 30,
+                     "every first token")
+        finally:
+            dec.send_signal(signal.SIGCONT)
+        return [f.result()[0] for f in jobs]
+
+
+def test_preempted_by_migration_answers_unchanged():
+    """Six such answers together on decode-0 (120 blocks' worth on its 64), with a second decode worker
+    started while they are dispatched: the sequences decode-0 preempts go on on decode-1 with their
+    KV moved, the chunked-attention layers' part from the slot's ring into the target's, and every
+    answer is token for token its answer alone."""
+    bodies = [body("Tell me about %s." % w, max_tokens=300, temperature=0.7 if i % 2 else 0, seed=3)
+              for i, w in enumerate(("cats", "dogs", "ships", "rain", "trees", "stars"))]
+    alone = [ask(C, b)[0] for b in bodies]
+    moved = C.metric("prism:preemptions_total", how="migrate")
+
+    def start_target():
+        C.start_worker("decode-1", "decode_worker", ["--kv-blocks", "512"])
+        wait_for(lambda: C.metric("prism:worker_heartbeats_total", worker="decode-1"), 30, "decode-1 registered")
+    try:
+        res = run_together(bodies, start_target)
+        for i, (got, want) in enumerate(zip(res, alone)):
+            assert got == want, (i, len(got), len(want))
+        print("migrated:", C.metric("prism:preemptions_total", how="migrate") - moved)
+        assert C.metric("prism:preemptions_total", how="migrate") > moved, "nothing migrated"
+    finally:
+        C.kill("decode-1")
+        wait_for(lambda: not C.metric("prism:worker_heartbeats_total", worker="decode-1"), 10, "decode-1 dropped")
 
 
 def test_short_context_unsplit_cache():
@@ -490,7 +543,8 @@ def main():
     try:
         C.wait_ready()
         rc |= run_tests([test_chunked_prefill_and_micro_batches, test_concurrent_distinct_images,
-                         test_encoder_queue_bounded_in_bytes, test_preempted_answers_unchanged])
+                         test_encoder_queue_bounded_in_bytes, test_preempted_answers_unchanged,
+                         test_preempted_by_migration_answers_unchanged])
     finally:
         C.stop()
     rc |= run_tests([test_scout_context_is_capped, test_short_context_unsplit_cache,

@@ -28,6 +28,7 @@ Tokens are compared as ids (return_tokens_as_token_ids), never as text.
 import concurrent.futures
 import json
 import os
+import signal
 import sys
 import tempfile
 
@@ -195,6 +196,41 @@ def test_preempted_answers_unchanged():
     assert C.metric("vllm:num_preemptions_total") > p0, "the pool never ran out: nothing was preempted"
 
 
+def test_preempted_by_migration_answers_unchanged():
+    """The same four conversations all placed on decode-0 (the prefill worker stopped while they are
+    dispatched), with a second decode worker started then: the sequences decode-0 preempts go on
+    there with their KV moved (M-RoPE's rope delta with it: not prefilled, their images not encoded again)
+    and every answer is token for token its answer alone."""
+    bodies = []
+    for case in GOLD["cases"][:4]:
+        b = body(case_messages(case))
+        del b["max_tokens"]
+        bodies.append(b)
+    alone = [ask(C, b)[0] for b in bodies]
+    moved = C.metric("prism:preemptions_total", how="migrate")
+    pre = C.procs["prefill-0"]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+            pre.send_signal(signal.SIGSTOP)
+            try:
+                jobs = [ex.submit(ask, C, b) for b in bodies]
+                wait_for(lambda: C.metric("prism:router_requests_in_flight") == len(bodies), 10,
+                         "every request dispatched")
+                C.start_worker("decode-1", "decode_worker", ["--kv-blocks", "200"])
+                wait_for(lambda: C.metric("prism:worker_heartbeats_total", worker="decode-1"), 30,
+                         "decode-1 registered")
+            finally:
+                pre.send_signal(signal.SIGCONT)
+            res = [f.result()[0] for f in jobs]
+        for i, (got, want) in enumerate(zip(res, alone)):
+            assert got == want, (i, len(got), len(want))
+        print("migrated:", C.metric("prism:preemptions_total", how="migrate") - moved)
+        assert C.metric("prism:preemptions_total", how="migrate") > moved, "nothing migrated"
+    finally:
+        C.kill("decode-1")
+        wait_for(lambda: not C.metric("prism:worker_heartbeats_total", worker="decode-1"), 10, "decode-1 dropped")
+
+
 def encoder_counts(c):
     return (c.metric("prism:worker_embedding_cache_hits_total", worker="encoder-0") or 0,
             c.metric("prism:worker_embedding_cache_misses_total", worker="encoder-0") or 0)
@@ -302,6 +338,7 @@ def main():
         C.wait_ready()
         rc |= run_tests([test_pieces_and_chunks, test_concurrent_distinct, test_cache_hit_same_tokens,
                          test_no_heap_allocations_while_serving, test_preempted_answers_unchanged,
+                         test_preempted_by_migration_answers_unchanged,
                          test_memory_plan_is_what_the_workers_allocate])
     finally:
         C.stop()

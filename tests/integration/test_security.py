@@ -216,6 +216,10 @@ def test_wrong_role_per_data_socket():
     out, _ = probe(C.keys, "encoder", targets=("decode",), wait=1.0)
     assert out == {"decode-data": "handshake refused"}, out
     wait_counters_above(before, ["prefill-0", "decode-0"])
+    # the control: a decode key is admitted at decode data (preemption by migration moves KV between
+    # decode workers), as a prefill key is; it sends nothing here
+    out, _ = probe(C.keys, "decode", targets=("decode",), wait=1.0, rids=(1, 0))
+    assert out == {"decode-data": "handshake ok"}, out
 
 
 def control_refused():

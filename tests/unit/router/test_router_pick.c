@@ -1,7 +1,7 @@
 /* Unit tests: how the router picks a worker (router/workers.c) — least loaded with a free slot,
  * equally loaded workers in turn, embedding-cache affinity bounded by ROUTER_AFFINITY_SLACK, and a
  * worker whose last send failed passed over until it is heard from again; stuck and draining workers
- * are never picked, ties included. */
+ * are never picked, ties included; a migration's target (router_pick_kv_target). */
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
@@ -110,6 +110,34 @@ static void test_stuck_and_draining_workers_are_passed_over(void **state)
     assert_false(any);
 }
 
+static void test_migration_target(void **state)
+{
+    (void)state;
+    /* preemption by migration: another decode worker, of the source's block size, with a slot and the
+     * sequence's blocks + 2% of its pool free (its last heartbeat), the most free first */
+    router_worker_t *src = add("d0", PRISM__ROLE__ROLE_DECODE, 4), *a = add("d1", PRISM__ROLE__ROLE_DECODE, 4);
+    router_worker_t *b = add("d2", PRISM__ROLE__ROLE_DECODE, 4);
+    add("p0", PRISM__ROLE__ROLE_PREFILL, 4);
+    src->block_size = a->block_size = b->block_size = 16;
+    src->kv_free_blocks = 100;   /* the most free of all, but the source itself */
+    a->kv_free_blocks = 40;
+    b->kv_free_blocks = 30;
+    assert_ptr_equal(router_pick_kv_target(&R, src, 10), a);
+    assert_ptr_equal(router_pick_kv_target(&R, src, 28), a);   /* 28 + 2 <= 40 (and <= 30: the most free wins) */
+    assert_ptr_equal(router_pick_kv_target(&R, src, 38), a);
+    assert_null(router_pick_kv_target(&R, src, 39));   /* 39 + 2 > 40: none has room */
+    a->inflight = 4;                                   /* no slot */
+    assert_ptr_equal(router_pick_kv_target(&R, src, 10), b);
+    b->draining = true;
+    assert_null(router_pick_kv_target(&R, src, 10));
+    b->draining = false;
+    b->block_size = 32;                                /* another layout */
+    assert_null(router_pick_kv_target(&R, src, 10));
+    b->block_size = 16;
+    b->send_failed_at = b->last_seen + 1;              /* unreachable */
+    assert_null(router_pick_kv_target(&R, src, 10));
+}
+
 static void test_affinity_is_bounded(void **state)
 {
     (void)state;
@@ -140,6 +168,7 @@ int main(void)
         cmocka_unit_test_setup(test_full_and_unreachable_workers_are_passed_over, setup),
         cmocka_unit_test_setup(test_stuck_and_draining_workers_are_passed_over, setup),
         cmocka_unit_test_setup(test_affinity_is_bounded, setup),
+        cmocka_unit_test_setup(test_migration_target, setup),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
