@@ -43,6 +43,7 @@
 #define ROUTER_MAX_HELD_TOKENS 256        /* decode Tokens messages held for the prefill's (requests.c) */
 #define ROUTER_AFFINITY_SLACK 2   /* requests in flight a warm encoder may have beyond the least loaded */
 #define ROUTER_MAX_WORKER_MSG (4 << 20)  /* largest frame a worker may send up (tokens with logprobs) */
+#define ROUTER_IO_THREADS 3      /* ZeroMQ I/O threads (router/main.c open_keys) */
 #define ROUTER_ANSWER_EST_DEFAULT 256   /* tokens an answer is expected to take before any ended (sched.c) */
 
 #define ROUTER_MAX_EARLY 64      /* early encodes in flight at once (early_encode.c) */
