@@ -14,6 +14,7 @@
   its idle value) and the next request is served.
 """
 import concurrent.futures
+import json
 import os
 import signal
 import sys
@@ -46,6 +47,14 @@ def gen(text, max_tokens, **kw):
 
 
 # ---------------------------------------------------------------- routing by KV room
+
+def kv_view(c):
+    """The router's KV accounting per decode worker (GET /status): (expected, sent since heartbeat)."""
+    status, _, data = c.request("GET", "/status")
+    assert status == 200, status
+    return {w["id"]: (w["kv_expected_blocks"], w["kv_sent_blocks"]) for w in json.loads(data)["workers"]
+            if w["id"].startswith("decode")}
+
 
 def prompts_seen(c):
     """Prompt tokens the prefill tier took in (computed or found in its prefix cache)."""
@@ -82,6 +91,10 @@ def test_new_requests_go_where_kv_room_is():
                     for i in range(4)]
             # each prefilled: its decode worker was picked before
             wait_for(lambda: prompts_seen(c) >= seen + 4 * 10, 30, "the four new ones prefilled")
+            view = kv_view(c)
+            print("expected blocks, sent since the last heartbeat:", view)
+            # one 700-token answer on decode-0 (45 blocks of 16); two of them and four of 150 on decode-1
+            assert view["decode-0"][0] == 45 and view["decode-1"][0] >= 2 * 45 + 4 * 10, view
         finally:
             c.procs["decode-0"].send_signal(signal.SIGCONT)
             c.procs["decode-1"].send_signal(signal.SIGCONT)
@@ -94,6 +107,7 @@ def test_new_requests_go_where_kv_room_is():
         assert done == {"decode-0": 1, "decode-1": 6}, ("a new request went to the worker without KV room", done)
         fresh_heartbeats(c, "decode-0")
         assert worker_metric(c, "prism:worker_preemptions_total", "decode-0") == 0
+        assert kv_view(c) == {"decode-0": (0, 0), "decode-1": (0, 0)}, "the router's KV count was not given back"
 
 
 # ---------------------------------------------------------------- a first piece bounced
