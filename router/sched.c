@@ -179,12 +179,13 @@ static uint64_t decode_blocks_needed(const router_worker_t *w, const router_req_
 
 /* Tokens each sequence of this attempt is expected to add on its decode worker: what max_tokens
  * leaves it (after a migration or preemption the tokens generated are in its prompt), or, unless it
- * ignores EOS, the router's running mean of an answer's length when that is less. */
+ * ignores EOS, the router's running mean of an answer's length when that is less. n > 1 reserves
+ * what max_tokens leaves at decode admission: that. */
 static uint64_t kv_more(const router_t *r, const router_req_t *q)
 {
     uint64_t left = (uint64_t)PRISM_MAX(q->prompt.max_tokens - (int)q->msg.sampling.generated, 1);
     double est = r->answer_est > 0 ? r->answer_est : ROUTER_ANSWER_EST_DEFAULT;
-    return q->oai.ignore_eos ? left : PRISM_MIN(left, (uint64_t)est + 1);
+    return q->oai.ignore_eos || router_req_n(q) > 1 ? left : PRISM_MIN(left, (uint64_t)est + 1);
 }
 
 void router_sched_note_answer(router_t *r, int tokens)
