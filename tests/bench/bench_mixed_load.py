@@ -8,7 +8,8 @@ one distinct 4096x4096 photo-like JPEG each, all at once (mixed). Reports the te
 to first token (client side: request sent to first content chunk) p50 / p99 in both phases and
 the ratio of the p50s (the issue's bar: mixed within 1.5x of alone), the image requests' TTFT,
 and where requests' time went in each phase (means of prism:request_stage_seconds' stages over
-the phase; in the mixed phase text and image requests together).
+the phase; in the mixed phase text and image requests together), and the latency of GET /health
+sent again and again during each phase (answered on the router's loop at once: the loop's latency).
 
   nice -n 10 python3 tests/bench/bench_mixed_load.py --build-dir build [--rounds 3] [--text 16] [--images 16]
   # another router binary (one built from an older commit), to compare; --whole: where text's time went
@@ -22,6 +23,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
@@ -55,10 +57,27 @@ def text_whole(port, question, timeout):
         conn.close()
 
 
-def phase(c, text, image_bodies, max_tokens, timeout, whole):
+def probe(port, stop, out):
+    """GET /health on one kept-alive connection, again and again until stop is set: the router's loop
+    answers it at once, so its latency is the loop's (a turn busy with uploads shows here)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        conn.request("GET", "/health")
+        conn.getresponse().read()
+        out.append(time.perf_counter() - t0)
+        time.sleep(0.002)
+    conn.close()
+
+
+def phase(c, text, image_bodies, max_tokens, timeout, whole, loop_lat=None):
     """Sends len(text) text requests and the image requests' bodies (made before) at once; returns
-    (text results, image results, stage breakdown over the phase)."""
+    (text results, image results, stage breakdown over the phase). loop_lat: /health latencies
+    while the phase runs are appended there."""
     before = bs.stage_sums(c)
+    stop = threading.Event()
+    prober = threading.Thread(target=probe, args=(c.port, stop, loop_lat if loop_lat is not None else []))
+    prober.start()
     jobs = [(None, bs.request_body(None, max_tokens, t), t) for t in text] + [(b, b, None) for b in image_bodies]
 
     def one(j):
@@ -67,6 +86,8 @@ def phase(c, text, image_bodies, max_tokens, timeout, whole):
         return bs.one_request(c.port, None, max_tokens, timeout, body=j[1])
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as ex:
         res = list(ex.map(one, jobs))
+    stop.set()
+    prober.join()
     return res[:len(text)], res[len(text):], bs.stage_breakdown(before, bs.stage_sums(c))
 
 
@@ -120,9 +141,10 @@ def main():
         for _ in range(2):   # warm up
             bs.one_request(c.port, None, 4, args.timeout, body=bs.request_body(None, 4, "Warm up."))
         alone, mixed, images, stages = [], [], [], {"alone": [], "mixed": []}
+        lat_alone, lat_mixed = [], []
         for rnd in range(args.rounds):
-            a, _, st_a = phase(c, text, [], args.max_tokens, args.timeout, args.whole)
-            m, im, st_m = phase(c, text, bodies, args.max_tokens, args.timeout, args.whole)
+            a, _, st_a = phase(c, text, [], args.max_tokens, args.timeout, args.whole, lat_alone)
+            m, im, st_m = phase(c, text, bodies, args.max_tokens, args.timeout, args.whole, lat_mixed)
             if args.whole:
                 for name, rs in (("alone", a), ("mixed", m)):
                     print("  text %s, medians (ms): %s" % (name, ", ".join(
@@ -137,7 +159,9 @@ def main():
                 summary(im)["ttft_p50_s"] or -1, os.getloadavg()[0]), flush=True)
         out = {"command": " ".join(sys.argv), "cores": os.cpu_count(), "rounds": args.rounds,
                "text_alone": summary(alone), "text_mixed": summary(mixed), "images_mixed": summary(images),
-               "stages": stages, "alive": c.alive()}
+               "stages": stages, "alive": c.alive(),
+               "health_ms_alone": [1e3 * bs.pct(lat_alone, p) for p in (50, 99)],
+               "health_ms_mixed": [1e3 * bs.pct(lat_mixed, p) for p in (50, 99)]}
     ra, rm = out["text_alone"], out["text_mixed"]
     ratio = rm["ttft_p50_s"] / ra["ttft_p50_s"] if ra["ttft_p50_s"] and rm["ttft_p50_s"] else None
     out["p50_ratio"] = ratio
@@ -148,6 +172,8 @@ def main():
                                                           rm["ttft_p50_s"], rm["ttft_p99_s"]))
     print("text TTFT p50 mixed / alone: %.2fx (bar: 1.5x); image TTFT p50 %.3fs p99 %.3fs" % (
         ratio or -1, out["images_mixed"]["ttft_p50_s"] or -1, out["images_mixed"]["ttft_p99_s"] or -1))
+    print("GET /health during the phases (the loop's latency), p50 / p99: alone %.2f / %.2f ms, mixed %.2f / %.2f ms" % (
+        *out["health_ms_alone"], *out["health_ms_mixed"]))
     for name in ("alone", "mixed"):
         means = {}
         for st in stages[name]:
