@@ -99,7 +99,7 @@ struct conn {
     bool in_body;            /* on the server's list of bodies in progress (headers done, not dispatched) */
     bool hold;               /* the parser paused after the headers: the body waits for room */
     bool paused;             /* not reading its body: the budget is spent or the caller's gate holds it */
-    bool yielded;            /* its body filled a whole read: it reads on at the next loop turn (conn_yield) */
+    bool yielded;            /* its body filled a whole read: it reads on at the next loop turn (on_read) */
     bool complete;           /* the request is whole and waits only for the caller's gate to dispatch */
     uint64_t t_paused;       /* loop time the pause began */
     conn_t *bprev, *bnext;   /* bodies in progress, oldest first */
@@ -389,7 +389,7 @@ static void on_resume_timer(uv_timer_t *t)
 {
     prism_http_server_t *s = t->data;
     if (s->stopping) return;
-    for (conn_t *c = s->bodies; c; c = c->bnext)   /* bodies that gave way for one turn (conn_yield) */
+    for (conn_t *c = s->bodies; c; c = c->bnext)   /* bodies that gave way for one turn (on_read) */
         if (c->yielded) {
             c->yielded = false;
             conn_update_reading(c);
