@@ -35,6 +35,7 @@
 #include "image/qwenvl_proc.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_IMAGES 64
@@ -117,6 +118,8 @@ typedef struct {
     Prism__Kv kv_hdr;
     size_t kv_len;
     int kv_next;             /* its first block (frame order) not sent yet: it goes in pieces (kv/kv.h) */
+    double kv_gap_s;         /* test hook PRISM_TEST_KV_PIECE_GAP_S: a pause between two pieces (0: none) */
+    double kv_not_before;    /* the next piece goes no sooner (the hook) */
     preq_t *cur;             /* the prompt in the model now */
     bool cur_dropped;
     prism_model_hook_t hook;
@@ -488,7 +491,7 @@ static bool ready(prefill_t *p, const preq_t *r)
 
 static void try_send_kv(prefill_t *p)
 {
-    if (!p->kv_pending) return;
+    if (!p->kv_pending || (p->kv_gap_s > 0 && prism_now_s() < p->kv_not_before)) return;
     prism_seq_t *q = &p->kv_seq;
     void *s = prism_worker_peer_sock(&p->w, p->kv_endpoint);
     if (!s) {
@@ -526,6 +529,10 @@ static void try_send_kv(prefill_t *p)
             break;
         }
         p->kv_next += n;
+        if (p->kv_gap_s > 0 && p->kv_next < total) {   /* test hook: the transfer stops midway for a while */
+            p->kv_not_before = prism_now_s() + p->kv_gap_s;
+            return;
+        }
     }
     kv_done(p);
 }
@@ -996,6 +1003,13 @@ static int prefill_ready(void *ctx, prism_worker_startup_t *s)
     s->kv = p->kv;
     s->logits = p->logits;
     prism_abort_memo_init(&p->aborts, p->orphan_timeout_s);
+    const char *gap = getenv("PRISM_TEST_KV_PIECE_GAP_S");
+    if (gap && *gap) {
+        double g = strtod(gap, NULL);
+        p->kv_gap_s = g >= 0 && g <= 600 ? g : 0;
+        PRISM_WARN("test hook PRISM_TEST_KV_PIECE_GAP_S=%g is set: each KV transfer pauses that long between pieces",
+                   p->kv_gap_s);
+    }
     for (int i = 0; i < p->max_pending; i++) p->reqs[i].tokens = p->token_pool + (size_t)i * p->max_model_len;
     for (int i = 0; i < p->n_pages; i++) p->free_pages[p->n_free_pages++] = p->n_pages - 1 - i;
     if (s->leader) {

@@ -99,6 +99,7 @@ struct conn {
     bool in_body;            /* on the server's list of bodies in progress (headers done, not dispatched) */
     bool hold;               /* the parser paused after the headers: the body waits for room */
     bool paused;             /* not reading its body: the budget is spent or the caller's gate holds it */
+    bool yielded;            /* its body filled a whole read: it reads on at the next loop turn (on_read) */
     bool complete;           /* the request is whole and waits only for the caller's gate to dispatch */
     uint64_t t_paused;       /* loop time the pause began */
     conn_t *bprev, *bnext;   /* bodies in progress, oldest first */
@@ -388,6 +389,11 @@ static void on_resume_timer(uv_timer_t *t)
 {
     prism_http_server_t *s = t->data;
     if (s->stopping) return;
+    for (conn_t *c = s->bodies; c; c = c->bnext)   /* bodies that gave way for one turn (on_read) */
+        if (c->yielded) {
+            c->yielded = false;
+            conn_update_reading(c);
+        }
     size_t room = s->body_bytes < s->cfg.max_body_bytes_total ? s->cfg.max_body_bytes_total - s->body_bytes : 0;
     size_t n = room / s->cfg.read_bytes + 1;
     conn_t *next;
@@ -1409,11 +1415,21 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
     }
     conn_process(c);
     conn_arm_timer(c);
+    /* A body that filled the whole read has more waiting: libuv would read it again and again (up
+     * to 32 reads) in this turn; with many uploads at once that is megabytes of body work between
+     * two turns of everything else on the loop (a text request's bytes, the control socket). One
+     * read per body and turn: it reads on at the next turn (on_resume_timer). */
+    if (c->in_body && c->reading && !c->closing && (size_t)nread == c->srv->cfg.read_bytes) {
+        uv_read_stop((uv_stream_t *)&c->tcp);
+        c->reading = false;
+        c->yielded = true;
+        server_resume_bodies(c->srv);
+    }
 }
 
 static void conn_update_reading(conn_t *c)
 {
-    if (c->closing || c->handles_closed || c->broken) return;
+    if (c->closing || c->handles_closed || c->broken || c->yielded) return;
     bool want = c->discard || (c->inbuf.len - c->in_off) < c->srv->cfg.max_pipeline_bytes;
     if (!c->discard && c->in_body) {
         /* the body budget (spent: only the oldest body in progress reads on) and the caller's gate */

@@ -243,7 +243,12 @@ static int api_key_load(router_flags_t *f)
 static int open_keys(router_t *r, const router_flags_t *f)
 {
     char err[512] = "", path[1024];
-    prism_net_opts_t no = {.role = PRISM_NET_ROLE_ROUTER, .curve_keys = f->curve_keys, .insecure = f->insecure_no_curve};
+    /* Image files go to encoders over the same control socket as everything else, CURVE-encrypted
+     * by the connection's I/O thread (a 10 MB photo: milliseconds): with one I/O thread a prefill's
+     * Prefill and a decode's tokens waited behind every image being sent (docs/PERFORMANCE.md,
+     * "Mixed load"). Connections are spread over the threads as they are accepted. */
+    prism_net_opts_t no = {.role = PRISM_NET_ROLE_ROUTER, .curve_keys = f->curve_keys, .insecure = f->insecure_no_curve,
+                           .io_threads = ROUTER_IO_THREADS};
     if (prism_net_create(&no, &r->net, err, sizeof(err)) != PRISM_OK) {
         PRISM_ERROR("%s", err);
         return 2;

@@ -87,6 +87,7 @@ typedef struct {
     int n_avoid;
     const char *waiting_for;      /* while queued because a tier has no worker at all: its name */
     unsigned wait_tiers;          /* ROUTER_TIER_* bits it waited for at its last dispatch */
+    uint64_t kv_expect;           /* KV blocks counted in its decode worker's kv_expect (router_kv_room) */
 } router_placement_t;
 
 /* Migration (n = 1, see requests.c req_migrate): the tokens generated so far, kept while a migration
@@ -226,6 +227,9 @@ int  router_sched_dispatch(router_t *r, router_req_t *q, char *msg, size_t n);
 /* A stage is over: its worker's slots are free (a queued request may take them). */
 void router_sched_prefill_done(router_req_t *q);
 void router_sched_decode_done(router_req_t *q);
+/* An answer that stopped by itself (not at max_tokens) took `tokens`: the running mean the decode
+ * pick expects an answer's length from (r->answer_est). */
+void router_sched_note_answer(router_t *r, int tokens);
 void router_sched_encode_done(router_req_t *q, int image);
 /* Aborts every worker still holding it (after the last choice ended, an error or a client that went away). */
 void router_sched_abort(router_req_t *q);

@@ -118,8 +118,12 @@ static void req_complete(router_req_t *q)
     router_worker_observe(r, q->place.prefill_id, st);
     router_worker_observe(r, q->place.decode_id, st);
     for (int i = 0; i < n; i++) {
-        if (!strcmp(q->out.choices[i].finish, "length")) r->metrics.success_length++;
-        else r->metrics.success_stop++;
+        if (!strcmp(q->out.choices[i].finish, "length")) {
+            r->metrics.success_length++;
+        } else {
+            r->metrics.success_stop++;
+            router_sched_note_answer(r, q->out.choices[i].n_out);
+        }
     }
     int per = q->out.n_out / n;
     if (per > 1 && q->time.first > 0) prism_hist_observe(&r->metrics.itl, (q->time.last - q->time.first) / (per - 1));

@@ -43,6 +43,8 @@
 #define ROUTER_MAX_HELD_TOKENS 256        /* decode Tokens messages held for the prefill's (requests.c) */
 #define ROUTER_AFFINITY_SLACK 2   /* requests in flight a warm encoder may have beyond the least loaded */
 #define ROUTER_MAX_WORKER_MSG (4 << 20)  /* largest frame a worker may send up (tokens with logprobs) */
+#define ROUTER_IO_THREADS 3      /* ZeroMQ I/O threads (router/main.c open_keys) */
+#define ROUTER_ANSWER_EST_DEFAULT 256   /* tokens an answer is expected to take before any ended (sched.c) */
 
 #define ROUTER_MAX_EARLY 64      /* early encodes in flight at once (early_encode.c) */
 #define ROUTER_EARLY_PER_CONN 4  /* ... of them one connection's unanswered at once */
@@ -89,6 +91,10 @@ typedef struct {
     double t_conn;               /* when that connection was first seen: older disconnects are not its */
     /* our own view: requests we sent that have not finished on this worker */
     int inflight;
+    /* decode: KV blocks the requests we sent here are expected to hold at their end (their prompts
+     * plus their expected answers, sched.c), and the prompt blocks of those sent since its last
+     * heartbeat (not in its kv_free_blocks yet) */
+    uint64_t kv_expect, kv_sent;
     uint64_t completed;           /* parts of requests this worker finished or was released from */
     uint64_t queued_bytes;        /* encoders: image file bytes sent and not yet encoded */
     uint64_t max_queued_bytes;    /* encoders: their queue's byte bound from registration (0: none) */
@@ -222,6 +228,7 @@ typedef struct router {
 
     router_worker_t workers[ROUTER_MAX_WORKERS];
     uint32_t pick_turn[4];      /* by role: rotates ties between equally loaded workers */
+    double answer_est;          /* running mean of the tokens an answer that stopped by itself took (0: none yet) */
 
     /* requests in flight, by id */
     router_req_t **reqs;        /* open-addressing map, cap entries */
@@ -354,7 +361,18 @@ typedef struct {
     int n_planned;
     const char (*avoid)[ROUTER_WORKER_ID_MAX + 1];
     int n_avoid;
+    /* decode: the request's prompt tokens and the tokens each sequence is expected to add (kv_prompt
+     * 0: no KV counted for it); the pick weighs each worker's KV room after it (router_kv_room) */
+    uint64_t kv_prompt, kv_more;
 } router_want_t;
+/* KV blocks on decode worker w for n sequences of prompt + more tokens each (at most its context),
+ * sharing the prompt's full blocks when n > 1 (decode_worker's rule, prism_kv_blocks_for_shared). */
+uint64_t router_kv_blocks(const router_worker_t *w, uint64_t prompt, uint64_t more, int n);
+/* Blocks decode worker w is expected to have free once what runs there has grown as expected and
+ * want's request is in: its pool less the larger of (used at its last heartbeat + prompt blocks we
+ * sent since) and (the expected end footprint of what we sent there), less the request's own
+ * expected footprint. Negative: it would preempt. */
+int64_t router_kv_room(const router_worker_t *w, const router_want_t *want);
 router_worker_t *router_pick_want(router_t *r, const router_want_t *want, bool *any);
 router_worker_t *router_worker_by_id(router_t *r, const char *id);
 bool router_ready(const router_t *r, bool need_encoder);

@@ -110,6 +110,9 @@ void router_sched_decode_done(router_req_t *q)
 {
     if (!q->place.decode_pending) return;
     q->place.decode_pending = false;
+    router_worker_t *w = q->place.decode_id[0] ? router_worker_by_id(q->r, q->place.decode_id) : NULL;
+    if (w) w->kv_expect -= PRISM_MIN(w->kv_expect, q->place.kv_expect);
+    q->place.kv_expect = 0;
     worker_done(q->r, q->place.decode_id, router_req_n(q));   /* each sequence took a slot */
 }
 
@@ -168,14 +171,29 @@ bool router_sched_holds(const router_req_t *q, const router_worker_t *w)
 
 /* ---------------------------------------------------------------- plan */
 
-/* KV blocks a decode worker needs for the request's n sequences sharing the prompt's full blocks
- * (decode_worker's admission rule, prism_kv_blocks_for_shared). */
+/* KV blocks a decode worker needs for the request's n sequences at their longest (its admission
+ * rule for requests that reserve). */
 static uint64_t decode_blocks_needed(const router_worker_t *w, const router_req_t *q)
 {
-    uint64_t bs = PRISM_MAX(w->block_size, 1u), n = (uint64_t)router_req_n(q), prompt = q->prompt.n_tokens;
-    uint64_t total = PRISM_MIN(prompt + (uint64_t)q->prompt.max_tokens, (uint64_t)PRISM_MAX(w->max_model_len, 1u));
-    uint64_t per = (total + bs - 1) / bs, shared = n > 1 ? prompt / bs : 0;
-    return shared + n * (per - shared);
+    return router_kv_blocks(w, q->prompt.n_tokens, (uint64_t)q->prompt.max_tokens, router_req_n(q));
+}
+
+/* Tokens each sequence of this attempt is expected to add on its decode worker: what max_tokens
+ * leaves it (after a migration or preemption the tokens generated are in its prompt), or, unless it
+ * ignores EOS, the router's running mean of an answer's length when that is less. n > 1 reserves
+ * what max_tokens leaves at decode admission: that. */
+static uint64_t kv_more(const router_t *r, const router_req_t *q)
+{
+    uint64_t left = (uint64_t)PRISM_MAX(q->prompt.max_tokens - (int)q->msg.sampling.generated, 1);
+    double est = r->answer_est > 0 ? r->answer_est : ROUTER_ANSWER_EST_DEFAULT;
+    return q->oai.ignore_eos || router_req_n(q) > 1 ? left : PRISM_MIN(left, (uint64_t)est + 1);
+}
+
+void router_sched_note_answer(router_t *r, int tokens)
+{
+    /* a mean over about the last 16 answers: follows a change of load within a few dozen requests */
+    double x = PRISM_MAX(tokens, 1);
+    r->answer_est = r->answer_est > 0 ? r->answer_est + (x - r->answer_est) / 16 : x;
 }
 
 /* Whether some registered decode worker could ever hold the request (batch and KV). */
@@ -227,7 +245,10 @@ static int plan(router_t *r, const router_req_t *q, plan_t *p, char *msg, size_t
     int n_planned = 0;
     memset(p, 0, sizeof *p);
     p->prefill = pick(r, q, PRISM__ROLE__ROLE_PREFILL, 0, 1, 0, NULL, 0, &any_pf);
-    p->decode = pick(r, q, PRISM__ROLE__ROLE_DECODE, 0, router_req_n(q), 0, NULL, 0, &any_dc);
+    /* decode: by KV room after the request and the expected growth of what runs there */
+    router_want_t dw = {.role = PRISM__ROLE__ROLE_DECODE, .slots = router_req_n(q), .avoid = q->place.avoid,
+                        .n_avoid = q->place.n_avoid, .kv_prompt = q->msg.prefill.n_token_ids, .kv_more = kv_more(r, q)};
+    p->decode = router_pick_want(r, &dw, &any_dc);
     for (int i = 0; i < q->prompt.n_images && enc_room; i++) {
         uint64_t hash = q->prompt.img_hash[i];
         /* an early job of this image still held: the request takes it over (its slot is counted) */
@@ -312,6 +333,11 @@ static int commit(router_t *r, router_req_t *q, const plan_t *p)
     pl->prefill_pending = pl->decode_pending = true;
     p->prefill->inflight++;
     p->decode->inflight += router_req_n(q);   /* each sequence takes a slot of the decode batch */
+    /* its KV as the decode pick expects it (router_kv_room), until the decode is done with it */
+    uint64_t prompt = q->msg.prefill.n_token_ids;
+    pl->kv_expect = router_kv_blocks(p->decode, prompt, kv_more(r, q), router_req_n(q));
+    p->decode->kv_expect += pl->kv_expect;
+    p->decode->kv_sent += router_kv_blocks(p->decode, prompt, 1, router_req_n(q));
     for (int i = 0; i < q->prompt.n_images; i++)
         if (!send_encode(r, q, p, i)) {
             router_sched_release(q);

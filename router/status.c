@@ -75,6 +75,10 @@ static json_t *worker_json(const router_worker_t *w, double now)
     case PRISM__ROLE__ROLE_DECODE:
         json_object_set_new(j, "kv_blocks", json_integer(w->kv_blocks));
         json_object_set_new(j, "kv_free_blocks", json_integer(w->kv_free_blocks));
+        /* the router's view for its pick (router_kv_room): blocks what it sent there is expected to
+         * hold at its end, and prompt blocks sent since the last heartbeat */
+        json_object_set_new(j, "kv_expected_blocks", json_integer((json_int_t)w->kv_expect));
+        json_object_set_new(j, "kv_sent_blocks", json_integer((json_int_t)w->kv_sent));
         json_object_set_new(j, "kv_waits", json_integer((json_int_t)w->kv_waits));
         json_object_set_new(j, "preemptions", json_integer((json_int_t)w->preemptions));
         json_object_set_new(j, "swaps", json_integer((json_int_t)w->swaps));

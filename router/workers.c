@@ -96,6 +96,7 @@ bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat
     w->running = hb->running;
     w->waiting = hb->waiting;
     w->kv_free_blocks = PRISM_MIN(hb->kv_free_blocks, w->kv_blocks);   /* load_of divides by kv_blocks */
+    w->kv_sent = 0;   /* what we sent before it is in kv_free_blocks, or still in kv_expect */
     w->pool_free = hb->pool_free;
     w->mem_used = hb->mem_used;
     w->mem_peak = hb->mem_peak;
@@ -197,12 +198,34 @@ static seen_t seen(const router_worker_t *w, const router_want_t *want)
     return s;
 }
 
-static double load_of(const router_worker_t *w, seen_t s)
+uint64_t router_kv_blocks(const router_worker_t *w, uint64_t prompt, uint64_t more, int n)
+{
+    uint64_t bs = PRISM_MAX(w->block_size, 1u), seqs = (uint64_t)PRISM_MAX(n, 1);
+    uint64_t total = PRISM_MIN(prompt + more, (uint64_t)PRISM_MAX(w->max_model_len, 1u));
+    uint64_t per = (total + bs - 1) / bs, shared = seqs > 1 ? PRISM_MIN(prompt, total) / bs : 0;
+    return shared + seqs * (per - shared);
+}
+
+int64_t router_kv_room(const router_worker_t *w, const router_want_t *want)
+{
+    /* heartbeats are periodic: what we sent since the last one is not in its kv_free_blocks yet */
+    int64_t used = (int64_t)w->kv_blocks - (int64_t)w->kv_free_blocks + (int64_t)w->kv_sent;
+    int64_t expect = (int64_t)w->kv_expect;
+    int64_t need = want->kv_prompt ? (int64_t)router_kv_blocks(w, want->kv_prompt, want->kv_more, want->slots) : 0;
+    return (int64_t)w->kv_blocks - PRISM_MAX(used, expect) - need;
+}
+
+static double load_of(const router_worker_t *w, seen_t s, const router_want_t *want)
 {
     switch (w->role) {
-    case PRISM__ROLE__ROLE_DECODE:
-        /* Most free KV wins; our own in-flight count covers heartbeats not yet seen. */
-        return (double)s.inflight - (w->kv_blocks ? (double)w->kv_free_blocks / w->kv_blocks : 0);
+    case PRISM__ROLE__ROLE_DECODE: {
+        /* Most KV room after the request and the expected growth of what runs there wins (its share
+         * of the pool), then the fewest sequences for its batch; a worker where the request would not
+         * fit as expected (it would preempt) only when none has room. */
+        int64_t room = router_kv_room(w, want);
+        double full = (double)s.inflight / PRISM_MAX(w->max_running, 1u);
+        return full - (double)room / PRISM_MAX(w->kv_blocks, 1u) + (room < 0 ? 2.0 : 0.0);
+    }
     default:
         return (double)s.inflight;
     }
@@ -249,7 +272,7 @@ static router_worker_t *pick_pass(router_t *r, const router_want_t *want, bool a
         if (!pickable(w, s, want, avoid)) continue;  /* full (the request waits here), unreachable or draining */
         for (int k = 0; want->prefer_hash && !warm && k < w->n_hashes; k++)
             if (w->image_hashes[k] == want->prefer_hash) warm = w;  /* its embedding cache probably has it */
-        double l = load_of(w, s);
+        double l = load_of(w, s, want);
         if (!best || l < best_load) {
             best = w;
             best_load = l;
@@ -261,7 +284,7 @@ static router_worker_t *pick_pass(router_t *r, const router_want_t *want, bool a
     /* Affinity, within reason: a cache hit saves the image's decode and encode, but not the wait
      * behind the warm worker's queue. Without the bound, once every image of a repeating load had
      * been seen, workers added later never got a single request. */
-    if (warm && load_of(warm, seen(warm, want)) <= best_load + ROUTER_AFFINITY_SLACK) return warm;
+    if (warm && load_of(warm, seen(warm, want), want) <= best_load + ROUTER_AFFINITY_SLACK) return warm;
     if (n_ties < 2) return best;
     /* Several equally loaded workers: the turn-th of them (in table order), a new turn each time.
      * Always taking the first sent every request of a light load to one worker. */
@@ -271,7 +294,7 @@ static router_worker_t *pick_pass(router_t *r, const router_want_t *want, bool a
         router_worker_t *w = &r->workers[i];
         if (!candidate(w, want)) continue;
         seen_t s = seen(w, want);
-        if (pickable(w, s, want, avoid) && load_of(w, s) == best_load && k-- == 0) return w;
+        if (pickable(w, s, want, avoid) && load_of(w, s, want) == best_load && k-- == 0) return w;
     }
     PRISM_ASSERT(!"a tied worker vanished between two scans");
     return best;

@@ -83,6 +83,8 @@ typedef struct {
     prism_net_role_t role;   /* whose secret key this process holds */
     const char *curve_keys;  /* key directory (see above); required unless insecure */
     bool insecure;           /* --insecure-no-curve: plain ZMTP, no authentication (a warning is logged) */
+    int io_threads;          /* ZeroMQ I/O threads (ZMQ_IO_THREADS; 0: ZeroMQ's 1): each connection is
+                              * served (framed, CURVE-encrypted) by one of them */
 } prism_net_opts_t;
 
 /* One per process: the ZeroMQ context, this process's keys and the ZAP handler thread. */

@@ -408,7 +408,7 @@ int prism_net_create(const prism_net_opts_t *o, prism_net_t **out, char *err, si
                    "isolated network.");
     }
     n->zctx = zmq_ctx_new();
-    if (!n->zctx) {
+    if (!n->zctx || (o->io_threads > 0 && zmq_ctx_set(n->zctx, ZMQ_IO_THREADS, o->io_threads) != 0)) {
         snprintf(err, errlen, "zmq_ctx_new: %s", zmq_strerror(errno));
         rc = PRISM_EIO;
         goto fail;

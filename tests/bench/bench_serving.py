@@ -61,11 +61,19 @@ def reset_peak(pid):
 MODEL_NAME = "prism-tiny-llava"
 
 
-def one_request(port, url, max_tokens, timeout):
-    body = json.dumps({"model": MODEL_NAME, "stream": True, "max_tokens": max_tokens, "temperature": 0,
-                       "ignore_eos": True,
-                       "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                                 {"type": "text", "text": QUESTION}]}]}).encode()
+def request_body(url, max_tokens, question=None):
+    """A streaming chat request with the image at url (None: text only) and question (None: QUESTION)."""
+    content = ([{"type": "image_url", "image_url": {"url": url}}] if url else []) + \
+        [{"type": "text", "text": question or QUESTION}]
+    return json.dumps({"model": MODEL_NAME, "stream": True, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "messages": [{"role": "user", "content": content}]}).encode()
+
+
+def one_request(port, url, max_tokens, timeout, body=None):
+    """One request (request_body(url, max_tokens), or body made before: building a 10 MB body holds
+    Python's lock for tens of ms, which other threads' timings would count): its status,
+    client-side TTFT and end to end (bench_mixed_load.py too)."""
+    body = body or request_body(url, max_tokens)
     t0 = time.perf_counter()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:

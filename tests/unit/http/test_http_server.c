@@ -50,6 +50,8 @@ typedef struct {
     atomic_int n_dropped;
     atomic_int released;         /* /failrelease: the handler gave its request up */
     atomic_int abort_after_release;
+    uv_check_t turn_check;       /* counts the loop's turns (after each poll) */
+    atomic_int turns;
 } harness_t;
 
 static atomic_int g_pooled_done;   /* /pooled: work done on the pool, its request released on the loop */
@@ -301,6 +303,10 @@ static void handler(prism_http_req_t *r, void *ud)
                          (unsigned long long)rf.connections, (unsigned long long)rf.malformed);
         prism_http_respond(r, 200, "text/plain", NULL, b, (size_t)n);
         prism_http_req_release(r);
+    } else if (strcmp(path, "/sleep") == 0) {
+        usleep((useconds_t)qint(r, "ms", 10) * 1000);   /* holds the loop: other connections' bytes pile up */
+        prism_http_respond(r, 200, "text/plain", NULL, "", 0);
+        prism_http_req_release(r);
     } else if (strcmp(path, "/big") == 0) {
         size_t n = (size_t)qint(r, "n", 1 << 20);
         char *b = malloc(n);
@@ -392,7 +398,14 @@ static void on_stop(uv_async_t *a)
 {
     harness_t *h = a->data;
     prism_http_server_stop(h->srv);
+    uv_close((uv_handle_t *)&h->turn_check, NULL);
     uv_close((uv_handle_t *)a, NULL);
+}
+
+static void on_turn(uv_check_t *c)
+{
+    harness_t *h = c->data;
+    atomic_fetch_add(&h->turns, 1);
 }
 
 static void server_thread(void *arg)
@@ -419,6 +432,10 @@ static harness_t *harness_start(const prism_http_config_t *cfg)
     assert_int_equal(uv_loop_init(&h->loop), 0);
     uv_async_init(&h->loop, &h->stop_async, on_stop);
     h->stop_async.data = h;
+    uv_check_init(&h->loop, &h->turn_check);
+    h->turn_check.data = h;
+    uv_check_start(&h->turn_check, on_turn);
+    uv_unref((uv_handle_t *)&h->turn_check);
     uv_sem_init(&h->ready, 0);
     assert_int_equal(uv_thread_create(&h->thread, server_thread, h), 0);
     uv_sem_wait(&h->ready);
@@ -1859,6 +1876,46 @@ static void test_slow_bodies_charged_as_they_arrive(void **state)
 
 /* Finding 12 (slowloris, headers): every header byte used to restart the idle timer, so a client
  * sending one byte a while kept its connection forever. Headers have a deadline from the first byte. */
+/* A body whose bytes are all there is read one read per loop turn: 1 MiB waiting in the kernel takes
+ * at least 64 turns of 16 KiB reads, not 2 (libuv reads up to 32 times in a row), so the rest of the
+ * loop (other requests, the router's control socket) waits for one read per upload at most. */
+static void test_body_reads_give_way_each_turn(void **state)
+{
+    (void)state;
+    prism_http_config_t cfg = prism_http_config_default();
+    cfg.read_bytes = 16 << 10;
+    harness_t *h = harness_start(&cfg);
+    client_t a, b;
+    assert_int_equal(client_connect(&a, h->port), 0);
+    assert_int_equal(client_connect(&b, h->port), 0);
+    int big = 4 << 20;
+    setsockopt(b.fd, SOL_SOCKET, SO_SNDBUF, &big, sizeof big);   /* the whole body fits while the loop sleeps */
+    size_t n = 1 << 20;
+    char *body = malloc(n);
+    memset(body, 'x', n);
+    assert_int_equal(client_sendf(&b, "POST /echo HTTP/1.1\r\nContent-Length: %zu\r\n\r\n", n), 0);
+    usleep(50 * 1000);   /* its headers parsed: a body in progress */
+    int t0 = atomic_load(&h->turns);
+    assert_int_equal(client_sendf(&a, "GET /sleep?ms=300 HTTP/1.1\r\n\r\n"), 0);
+    usleep(50 * 1000);   /* the loop sleeps in the handler */
+    assert_int_equal(client_send(&b, body, n), 0);
+    resp_t r;
+    assert_int_equal(client_read_response(&a, &r, false), 0);
+    assert_int_equal(r.status, 200);
+    resp_free(&r);
+    assert_int_equal(client_read_response(&b, &r, false), 0);
+    assert_int_equal(r.status, 200);
+    assert_int_equal(r.body_len, strlen("POST /echo ? |") + n);
+    resp_free(&r);
+    int turns = atomic_load(&h->turns) - t0;
+    print_message("1 MiB body read in %d loop turns\n", turns);
+    assert_true(turns >= (int)(n / cfg.read_bytes));
+    free(body);
+    client_close(&a);
+    client_close(&b);
+    harness_stop(h);
+}
+
 static void test_slow_headers_408(void **state)
 {
     (void)state;
@@ -2463,6 +2520,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_stop_with_open_connections),
         cmocka_unit_test(test_upgrade_then_more_bytes),
         cmocka_unit_test(test_slow_bodies_charged_as_they_arrive),
+        cmocka_unit_test(test_body_reads_give_way_each_turn),
         cmocka_unit_test(test_slow_headers_408),
         cmocka_unit_test(test_chunk_extensions_bounded),
         cmocka_unit_test(test_on_headers_refuses_before_body),

@@ -161,6 +161,68 @@ static void test_affinity_is_bounded(void **state)
     assert_ptr_equal(pick(PRISM__ROLE__ROLE_ENCODER, 0xabc), cold);
 }
 
+static router_worker_t *add_decode(const char *id, uint32_t blocks, uint32_t slots)
+{
+    Prism__Register g = PRISM__REGISTER__INIT;
+    g.worker_id = (char *)id;
+    g.role = PRISM__ROLE__ROLE_DECODE;
+    g.data_endpoint = "tcp://127.0.0.1:1";
+    g.max_running = slots;
+    g.kv_blocks = blocks;
+    g.block_size = 16;
+    g.max_model_len = 1024;
+    char why[200];
+    assert_int_equal(router_worker_register(&R, id, "", &g, why, sizeof(why)), PRISM_OK);
+    return router_worker_by_id(&R, id);
+}
+
+static router_worker_t *pick_kv(uint64_t prompt, uint64_t more)
+{
+    bool any;
+    router_want_t want = {.role = PRISM__ROLE__ROLE_DECODE, .slots = 1, .kv_prompt = prompt, .kv_more = more};
+    return router_pick_want(&R, &want, &any);
+}
+
+/* The decode pick weighs KV room (issue 28 item 4): free blocks less the expected growth of what
+ * runs there and the request's own, not the count of sequences alone. */
+static void test_decode_pick_weighs_kv_room(void **state)
+{
+    (void)state;
+    router_worker_t *small = add_decode("d0", 48, 8), *big = add_decode("d1", 512, 8);
+    /* blocks for 20 + 200 tokens of 16: 14 */
+    assert_int_equal(router_kv_blocks(small, 20, 200, 1), 14);
+    assert_int_equal(router_kv_blocks(small, 20, 5000, 1), 64);      /* at most its context */
+    assert_int_equal(router_kv_blocks(small, 64, 64, 3), 4 + 3 * 4); /* n = 3 share the prompt's blocks */
+    /* small: one long sequence expected to grow to 39 blocks (10 used so far); big: two, more running */
+    small->inflight = 1;
+    small->kv_free_blocks = 38;
+    small->kv_expect = 39;
+    big->inflight = 2;
+    big->kv_free_blocks = 492;
+    big->kv_expect = 78;
+    assert_int_equal(router_kv_room(small, &(router_want_t){.slots = 1, .kv_prompt = 20, .kv_more = 200}), 48 - 39 - 14);
+    for (int i = 0; i < 4; i++) assert_ptr_equal(pick_kv(20, 200), big);
+    /* what was sent since the last heartbeat counts although its blocks are not reported yet ... */
+    small->kv_expect = 0;
+    small->kv_free_blocks = 48;
+    assert_ptr_equal(pick_kv(20, 10), small);
+    small->kv_sent = 40;
+    assert_ptr_equal(pick_kv(20, 10), big);
+    /* ... until a heartbeat reports the pool */
+    Prism__Heartbeat hb = PRISM__HEARTBEAT__INIT;
+    hb.kv_free_blocks = 48;
+    assert_true(router_worker_heartbeat(&R, "d0", &hb));
+    assert_int_equal(small->kv_sent, 0);
+    assert_ptr_equal(pick_kv(20, 10), small);
+    /* room anywhere beats none: the small one full, the big one busier but with room */
+    small->kv_expect = 60;
+    big->inflight = 7;
+    assert_ptr_equal(pick_kv(20, 200), big);
+    /* no room anywhere: one of them rather than nothing (the decode worker preempts) */
+    big->kv_expect = 600;
+    assert_non_null(pick_kv(20, 200));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -169,6 +231,7 @@ int main(void)
         cmocka_unit_test_setup(test_stuck_and_draining_workers_are_passed_over, setup),
         cmocka_unit_test_setup(test_affinity_is_bounded, setup),
         cmocka_unit_test_setup(test_migration_target, setup),
+        cmocka_unit_test_setup(test_decode_pick_weighs_kv_room, setup),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,0 +1,229 @@
+#!/usr/bin/env python3
+"""The decode tier's KV: where the router sends a request, and transfers that go wrong (issue 28).
+
+- Routing by KV room: of two decode workers, one with a small pool that one long request will
+  fill and the other with a large pool running more sequences, new requests go to the one with
+  room (a pick by sequence count sends them to the small one, which would preempt).
+- A first KV piece that arrives while another transfer is arriving and a third waits for blocks
+  cannot wait: its request is preempted before admission and answered by a recompute, token for
+  token as alone; with n = 2 (no recompute) it is answered 503 with an OpenAI error and every
+  other request is still answered.
+- A prefill worker SIGKILLed between two pieces of a KV transfer (test hook
+  PRISM_TEST_KV_PIECE_GAP_S): the request goes on through the other prefill worker (a migration),
+  the decode worker frees the blocks the half transfer held (prism:worker_kv_free_blocks back to
+  its idle value) and the next request is served.
+"""
+import concurrent.futures
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster import Cluster, chat_body, run_tests, wait_for, fresh_heartbeats  # noqa: E402
+
+FAST_HB = ["--heartbeat-interval", "0.1"]
+
+
+def worker_metric(c, name, worker):
+    return c.metric(name, worker=worker)
+
+
+def long_prompt(tag, words=135):
+    """A prompt of several KV pieces (a piece is 256 tokens of the bundled model)."""
+    return "Remember this list %s: " % tag + " ".join("w%d" % (i * 7 % 997) for i in range(words))
+
+
+def tokens_of(r):
+    ch = r["choices"]
+    return [[e["token"] for e in c["logprobs"]["content"]] for c in ch]
+
+
+def gen(text, max_tokens, **kw):
+    return chat_body(text, max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=True,
+                     return_tokens_as_token_ids=True, **kw)
+
+
+# ---------------------------------------------------------------- routing by KV room
+
+def kv_view(c):
+    """The router's KV accounting per decode worker (GET /status): (expected, sent since heartbeat)."""
+    status, _, data = c.request("GET", "/status")
+    assert status == 200, status
+    return {w["id"]: (w["kv_expected_blocks"], w["kv_sent_blocks"]) for w in json.loads(data)["workers"]
+            if w["id"].startswith("decode")}
+
+
+def prompts_seen(c):
+    """Prompt tokens the prefill tier took in (computed or found in its prefix cache)."""
+    return sum(c.metric(m, tier="prefill") or 0 for m in ("prism:worker_prompt_tokens_computed_total",
+                                                          "prism:worker_prefix_cache_hits_total"))
+
+
+
+def test_new_requests_go_where_kv_room_is():
+    """decode-0: 48 blocks of 16 tokens, one request there expected to grow to 45 of them; decode-1:
+    512 blocks, two such requests (more running). Both are stopped (SIGSTOP: what they run stays
+    in flight, nothing finishes under the test's feet) while four more requests are dispatched:
+    each goes to decode-1 (by sequence count, decode-0 would take every other one and run out)."""
+    ctx = ["--context-length", "768"]   # a sequence must fit the small pool
+    with Cluster(decodes=0, router_args=ctx + ["--worker-timeout", "120"], common_worker_args=FAST_HB,
+                 worker_args={"prefill_worker": ctx, "decode_worker": ctx}) as c:
+        c.start_worker("decode-0", "decode_worker", ["--kv-blocks", "48", "--max-running-requests", "8"])
+        c.expected["decodes"] = 1
+        c.wait_ready()
+        pool = concurrent.futures.ThreadPoolExecutor(8)
+        longs = [pool.submit(c.post_json, "/v1/chat/completions", gen("Count for me, one.", 700))]
+        wait_for(lambda: worker_metric(c, "prism:worker_running", "decode-0") == 1, 30, "the long one on decode-0")
+        c.procs["decode-0"].send_signal(signal.SIGSTOP)
+        try:
+            c.start_worker("decode-1", "decode_worker", ["--kv-blocks", "512", "--max-running-requests", "8"])
+            c.expected["decodes"] = 2
+            c.wait_ready()
+            for i in range(2):
+                longs.append(pool.submit(c.post_json, "/v1/chat/completions", gen("Count for me, %d." % (i + 2), 700)))
+                wait_for(lambda: worker_metric(c, "prism:worker_running", "decode-1") == i + 1, 30, "a long one on decode-1")
+            c.procs["decode-1"].send_signal(signal.SIGSTOP)
+            seen = prompts_seen(c)
+            news = [pool.submit(c.post_json, "/v1/chat/completions", gen("Name a colour, %d." % i, 150))
+                    for i in range(4)]
+            # each prefilled: its decode worker was picked before
+            wait_for(lambda: prompts_seen(c) >= seen + 4 * 10, 30, "the four new ones prefilled")
+            view = kv_view(c)
+            print("expected blocks, sent since the last heartbeat:", view)
+            # one 700-token answer on decode-0 (45 blocks of 16); two of them and four of 150 on decode-1
+            assert view["decode-0"][0] == 45 and view["decode-1"][0] >= 2 * 45 + 4 * 10, view
+        finally:
+            c.procs["decode-0"].send_signal(signal.SIGCONT)
+            c.procs["decode-1"].send_signal(signal.SIGCONT)
+        for f in longs + news:
+            s, r = f.result(300)
+            assert s == 200, (s, r)
+        pool.shutdown()
+        done = {w: c.metric("prism:worker_stage_seconds_count", worker=w, stage="decode") for w in ("decode-0", "decode-1")}
+        print("requests decoded per worker:", done)
+        assert done == {"decode-0": 1, "decode-1": 6}, ("a new request went to the worker without KV room", done)
+        fresh_heartbeats(c, "decode-0")
+        assert worker_metric(c, "prism:worker_preemptions_total", "decode-0") == 0
+        assert kv_view(c) == {"decode-0": (0, 0), "decode-1": (0, 0)}, "the router's KV count was not given back"
+
+
+# ---------------------------------------------------------------- a first piece bounced
+
+def bounce_round(c, n, n_tokens):
+    """Three long prompts (n_tokens in all) are sent to the decode worker while a reserving request
+    holds its pool and the worker is stopped (SIGSTOP); that request is aborted and the worker goes
+    on: the first transfer is admitted and arrives piece by piece, interleaved with the others'
+    first pieces: the second cannot fit and waits, the third cannot wait. Returns the three results."""
+    hold = c.open_stream("/v1/chat/completions", gen("Hold the pool.", 1200, stream=True))
+    ev = hold.next_event()
+    assert isinstance(ev, dict), ev
+    wait_for(lambda: c.metric("prism:worker_running", tier="decode") == 1, 30, "the pool held")
+    dec = c.procs["decode-0"]
+    dec.send_signal(signal.SIGSTOP)
+    try:
+        assert c.metric("prism:worker_running", tier="decode") == 1, "the held request ended too soon"
+        seen = prompts_seen(c)
+        bodies = [gen(long_prompt(tag), 8, n=n) for tag in ("alpha", "beta", "gamma")]
+        ex = concurrent.futures.ThreadPoolExecutor(3)
+        futs = [ex.submit(c.post_json, "/v1/chat/completions", b) for b in bodies]
+        # every prompt prefilled: the transfers wait in the sockets between the workers
+        wait_for(lambda: prompts_seen(c) >= seen + n_tokens and
+                 c.metric("prism:worker_running", tier="prefill") == 0, 60, "the three prompts prefilled")
+        hold.close()   # its abort frees the pool once the worker goes on
+        time.sleep(0.3)
+    finally:
+        dec.send_signal(signal.SIGCONT)
+    res = [f.result(300) for f in futs]
+    ex.shutdown()
+    return res
+
+
+def test_first_piece_bounced_while_others_arrive():
+    """--kv-admission reserve, 80 blocks: a 1200-token request holds 76; three 430-token prompts
+    (46 blocks each, in 2 pieces) come from three prefill workers. Released at once, the second
+    one in cannot fit and waits; the third cannot wait while the first arrives: preempted before
+    admission and recomputed (n = 1: every answer as alone), or 503 (n = 2)."""
+    ctx = ["--context-length", "1280"]
+    with Cluster(prefills=3, router_args=ctx, common_worker_args=FAST_HB,
+                 worker_args={"prefill_worker": ctx, "decode_worker": ctx + ["--kv-blocks", "80", "--kv-admission", "reserve",
+                                                "--max-running-requests", "8"]}) as c:
+        c.wait_ready()
+        refs, n_tokens = [], 0
+        for tag in ("alpha", "beta", "gamma"):
+            s, r = c.post_json("/v1/chat/completions", gen(long_prompt(tag), 8))
+            assert s == 200, (s, r)
+            print("prompt tokens:", r["usage"]["prompt_tokens"])
+            assert 400 < r["usage"]["prompt_tokens"] < 700, r["usage"]   # two pieces, 46 blocks
+            refs.append(tokens_of(r)[0])
+            n_tokens += r["usage"]["prompt_tokens"]
+        fresh_heartbeats(c, "decode-0")
+        before = c.metric("prism:worker_preemptions_total", tier="decode")
+        assert before == 0
+        res = bounce_round(c, 1, n_tokens)
+        for (s, r), ref in zip(res, refs):
+            assert s == 200, (s, r)
+            assert tokens_of(r) == [ref], "a recomputed answer changed"
+        fresh_heartbeats(c, "decode-0")
+        bounced = c.metric("prism:worker_preemptions_total", tier="decode") - before
+        print("preempted before admission:", bounced)
+        assert bounced >= 1, "no first piece was bounced: the test did not reach the spot"
+        # n = 2: the bounced one cannot be recomputed: 503, an OpenAI error; the others as alone
+        res = bounce_round(c, 2, n_tokens)
+        statuses = [s for s, _ in res]
+        print("n = 2 statuses:", statuses)
+        assert statuses.count(503) >= 1, res
+        for (s, r), ref in zip(res, refs):
+            if s == 503:
+                err = r["error"]
+                assert set(err) >= {"message", "type", "code"} and "KV" in err["message"], r
+                assert "choices" not in r
+            else:
+                assert s == 200 and tokens_of(r) == [ref, ref], (s, r)
+        s, r = c.post_json("/v1/chat/completions", gen("After.", 4))
+        assert s == 200, (s, r)
+        fresh_heartbeats(c, "decode-0")
+        assert c.metric("prism:worker_kv_free_blocks", tier="decode") == 80, "blocks leaked"
+        assert c.metric("prism:router_requests_in_flight") == 0
+
+
+# ---------------------------------------------------------------- prefill death mid-transfer
+
+def test_prefill_death_mid_transfer_frees_decode_blocks():
+    """prefill-0 pauses 60 s after each KV piece (test hook): a 430-token prompt's first piece is
+    admitted on the decode worker (its blocks taken), then prefill-0 is SIGKILLed. The request goes
+    on through prefill-1 (answer as alone), the decode worker's blocks all come back."""
+    with Cluster(prefills=1, common_worker_args=FAST_HB, router_args=["--worker-timeout", "120"],
+                 worker_env={"prefill_worker": {"PRISM_TEST_KV_PIECE_GAP_S": "60"}}) as c:
+        c.wait_ready()
+        fresh_heartbeats(c, "decode-0")
+        idle = c.metric("prism:worker_kv_free_blocks", tier="decode")
+        res = {}
+        t = threading.Thread(target=lambda: res.update(a=c.post_json("/v1/chat/completions",
+                                                                     gen(long_prompt("delta"), 8))))
+        t.start()
+        # the first piece admitted: the decode worker holds the request (receiving) and its blocks
+        wait_for(lambda: c.metric("prism:worker_running", tier="decode") == 1 and
+                 c.metric("prism:worker_kv_free_blocks", tier="decode") < idle, 30, "the first piece admitted")
+        del c.worker_env["prefill_worker"]   # the second prefill worker sends whole transfers
+        c.start_worker("prefill-1", "prefill_worker")
+        c.expected["prefills"] = 2
+        c.wait_ready()
+        c.kill("prefill-0")
+        t.join(300)
+        s, r = res["a"]
+        assert s == 200, (s, r)
+        assert c.metric("prism:requests_migrated_total") == 1, "the request did not go on through prefill-1"
+        s2, r2 = c.post_json("/v1/chat/completions", gen(long_prompt("delta"), 8))
+        assert s2 == 200 and tokens_of(r2) == tokens_of(r), "the answer after the death differs from one alone"
+        fresh_heartbeats(c, "decode-0")
+        assert c.metric("prism:worker_kv_free_blocks", tier="decode") == idle, "the half transfer's blocks leaked"
+        assert c.metric("prism:worker_running", tier="decode") == 0
+        assert c.metric("prism:router_requests_in_flight") == 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_tests([test_new_requests_go_where_kv_room_is, test_first_piece_bounced_while_others_arrive,
+                        test_prefill_death_mid_transfer_frees_decode_blocks]))
