@@ -63,6 +63,8 @@ typedef struct {
     int span_rows[MAX_IMAGES];   /* image-token positions in each span: the rows it needs */
     prism_mrope_image_t mrope[MAX_IMAGES];   /* M-RoPE models: the spans' LM-token grids */
     prism_kv_image_t key_img[MAX_IMAGES];    /* the images as the prefix cache's keys see them */
+    prism_kv_key_t *keys;    /* [max_blocks_per_seq] slice of the key pool: Prefill.block_keys */
+    int n_keys;              /* 0: none came (this worker computes them) */
     char salt[PRISM_KV_PREFIX_MAX_SALT + 1];  /* Prefill.cache_salt */
     char decode_endpoint[256];
     double t_arrive;
@@ -88,6 +90,7 @@ typedef struct {
     bool prefix_on;
     prism_kv_prefix_t prefix;
     prism_kv_key_t *keys;    /* [max_blocks_per_seq] the running prompt's block keys */
+    prism_kv_key_t *key_pool; /* [max_pending][max_blocks_per_seq] the router's keys of each prompt */
     uint64_t cache_queries, cache_hits, tokens_computed;   /* prompt tokens (heartbeat counters) */
     prism_seq_sampler_t sampler;  /* one slot: prompts run one at a time */
     size_t sampling_bytes;        /* what the sampler took at start-up (measured into the plan) */
@@ -273,6 +276,10 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
     else if (pf->n_token_ids == 0 || pf->n_token_ids >= (size_t)p->max_model_len) why = "prompt length out of range";
     else if (pf->n_images > MAX_IMAGES) why = "too many images";
     else if (pf->cache_salt && strlen(pf->cache_salt) > PRISM_KV_PREFIX_MAX_SALT) why = "cache salt too long";
+    /* the router's keys: one per full block, exactly (a count from elsewhere would index past the prompt) */
+    else if (pf->block_keys.len &&
+             pf->block_keys.len != (pf->n_token_ids / (size_t)p->f.block_size) * PRISM_KV_PREFIX_KEY_BYTES)
+        why = "block keys do not match the prompt's full blocks";
     else why = prism_seq_check(pf->sampling, p->cfg.vocab, p->max_model_len);
     /* a migrated request: prompt + the tokens generated before (the last Sampling.generated ids) */
     if (!why && pf->sampling->generated >= pf->n_token_ids) why = "generated tokens out of range";
@@ -335,6 +342,9 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
         r->key_img[i] = (prism_kv_image_t){pf->images[i]->offset, pf->images[i]->n_tokens, pf->images[i]->grid_rows,
                                            pf->images[i]->grid_cols, pf->images[i]->content_hash};
     }
+    r->n_keys = p->prefix_on ? (int)(pf->block_keys.len / PRISM_KV_PREFIX_KEY_BYTES) : 0;
+
+    if (r->n_keys) prism_kv_prefix_keys_get(pf->block_keys.data, r->n_keys, r->keys);
     snprintf(r->salt, sizeof(r->salt), "%s", pf->cache_salt ? pf->cache_salt : "");
     snprintf(r->decode_endpoint, sizeof(r->decode_endpoint), "%s", pf->decode_endpoint);
     r->t_arrive = prism_now_s();
@@ -551,6 +561,26 @@ static bool hook_cancelled(void *ud, int item)
     return true;
 }
 
+/* What the prefix cache kept and evicted since the last call, to every router (PrefixEvents): their
+ * indexes route prompts to the worker holding their prefix. */
+static void publish_prefix_events(prefill_t *p)
+{
+    prism_kv_prefix_log_t log;
+    if (!p->prefix_on || !prism_kv_prefix_events_take(&p->prefix, &log)) return;
+    uint8_t stored[PRISM_KV_PREFIX_EVENTS * PRISM_KV_PREFIX_KEY_BYTES];
+    uint8_t evicted[PRISM_KV_PREFIX_EVENTS * PRISM_KV_PREFIX_KEY_BYTES];
+    prism_kv_prefix_keys_put(log.stored, log.n_stored, stored);
+    prism_kv_prefix_keys_put(log.evicted, log.n_evicted, evicted);
+    Prism__PrefixEvents ev = PRISM__PREFIX_EVENTS__INIT;
+    ev.stored = (ProtobufCBinaryData){(size_t)log.n_stored * PRISM_KV_PREFIX_KEY_BYTES, stored};
+    ev.evicted = (ProtobufCBinaryData){(size_t)log.n_evicted * PRISM_KV_PREFIX_KEY_BYTES, evicted};
+    ev.reset = log.reset;
+    Prism__Envelope env = PRISM__ENVELOPE__INIT;
+    env.type = PRISM__MSG_TYPE__MSG_PREFIX_EVENTS;
+    env.prefix_events = &ev;
+    prism_worker_broadcast(&p->w, &env);
+}
+
 /* Runs one whole request (chunked) if one is ready and its blocks fit. */
 static void run_req(prefill_t *p, preq_t *r);
 
@@ -602,9 +632,14 @@ static void run_req(prefill_t *p, preq_t *r)
      * images up to there) are read, not computed. The last token is always computed: its logits
      * give the first token. */
     int n_full = 0, hit = 0;
-    if (p->prefix_on) {
+    if (p->prefix_on && r->n_keys) {   /* the router's (on_prefill checked the count): what the routers index */
+        n_full = r->n_keys;
+        memcpy(p->keys, r->keys, sizeof(*p->keys) * (size_t)n_full);
+    } else if (p->prefix_on) {
         n_full = prism_kv_prefix_keys(&p->prefix, r->salt, strlen(r->salt), r->tokens, r->n_tokens, r->key_img,
                                       r->n_images, p->keys);
+    }
+    if (p->prefix_on) {
         /* An image without its content hash (a router older than the cache sends none) has no
          * identity: nothing from its first block on is looked up or kept. */
         for (int i = 0; i < r->n_images; i++)
@@ -704,6 +739,8 @@ static void run_req(prefill_t *p, preq_t *r)
     /* its full blocks hold the prompt's KV now: kept for later prompts (the cache holds them on
      * after this request releases them below) */
     if (p->prefix_on) prism_kv_prefix_insert(&p->prefix, p->keys, p->table, n_full);
+    /* the routers learn what is kept before the first token: a client's next turn finds it indexed */
+    publish_prefix_events(p);
     /* The first token of each of the request's n sequences (one Tokens message each). */
     Prism__Tokens *first;
     int n_first = prism_seq_first_tokens(&r->seq, &p->sampler, p->logits, &p->cfg, p->max_model_len, &first);
@@ -966,6 +1003,8 @@ static int prefill_plan(void *ctx, prism_worker_startup_t *s)
     prism_mem_plan_add(pl, "prefix-index", p->prefix_on ? prism_kv_prefix_bytes((int)s->cap.kv_blocks) : 0,
                        PRISM_MEM_LIBRARY);
     PRISM_PLAN_POOL(pl, "prefix-keys", p->keys, p->prefix_on ? (size_t)p->max_blocks_per_seq : 0);
+    PRISM_PLAN_POOL(pl, "prompt-keys", p->key_pool,
+                    p->prefix_on ? (size_t)p->max_pending * p->max_blocks_per_seq : 0);
     /* the leader gathers a prompt's whole-model KV here for the decode worker */
     if (s->leader) PRISM_PLAN_POOL(pl, "kv-export", p->kv_out, (size_t)p->max_blocks_per_seq * p->block_bytes);
     PRISM_PLAN_POOL(pl, "embedding-pool", p->emb_pool, (size_t)p->n_pages * p->page_rows * p->row);
@@ -996,7 +1035,10 @@ static int prefill_ready(void *ctx, prism_worker_startup_t *s)
     s->kv = p->kv;
     s->logits = p->logits;
     prism_abort_memo_init(&p->aborts, p->orphan_timeout_s);
-    for (int i = 0; i < p->max_pending; i++) p->reqs[i].tokens = p->token_pool + (size_t)i * p->max_model_len;
+    for (int i = 0; i < p->max_pending; i++) {
+        p->reqs[i].tokens = p->token_pool + (size_t)i * p->max_model_len;
+        p->reqs[i].keys = p->key_pool ? p->key_pool + (size_t)i * p->max_blocks_per_seq : NULL;
+    }
     for (int i = 0; i < p->n_pages; i++) p->free_pages[p->n_free_pages++] = p->n_pages - 1 - i;
     if (s->leader) {
         p->hook = (prism_model_hook_t){hook_layer, hook_cancelled, p};
@@ -1026,6 +1068,7 @@ static int prefill_run(void *ctx)
             break;
         }
         publish_load(p);
+        publish_prefix_events(p);   /* evictions of a prompt that then waited for blocks */
         try_send_kv(p);
         bool work = false;
         for (int i = 0; i < p->max_pending && !p->kv_pending; i++)

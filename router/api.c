@@ -459,6 +459,7 @@ static void metrics_workers(const router_t *r, prism_buf_t *b)
         {"prism:worker_prefix_cache_hits_total", "Prompt tokens the prefill worker found in its prefix cache."},
         {"prism:worker_prompt_tokens_computed_total", "Prompt tokens the prefill worker's model computed."},
         {"prism:worker_image_decodes_peak", "Most images the encoder decoded at once since it started."},
+        {"prism:worker_prefix_index_blocks", "Prefix-cache blocks this router knows the prefill worker holds (its events)."},
     };
     for (size_t g = 0; g < PRISM_ARRAY_LEN(gauges); g++) {
         prism_buf_appendf(b, "# HELP %s %s\n# TYPE %s %s\n", gauges[g][0], gauges[g][1], gauges[g][0],
@@ -473,7 +474,7 @@ static void metrics_workers(const router_t *r, prism_buf_t *b)
                           w->draining ? 1.0 : 0.0, (double)w->kv_waits, (double)w->tokens_generated,
                           (double)w->seqs_aborted, (double)w->prompts_aborted, (double)w->sends_waited,
                           (double)w->preemptions, (double)w->prefix_queries, (double)w->prefix_hits,
-                          (double)w->prefill_computed, w->image_decodes_peak};
+                          (double)w->prefill_computed, w->image_decodes_peak, (double)w->prefix.n};
             _Static_assert(PRISM_ARRAY_LEN(v) == PRISM_ARRAY_LEN(gauges), "one value per gauge");
             prism_metric_label_value(wid, sizeof(wid), w->id);  /* ids come from the network */
             snprintf(lbl, sizeof(lbl), "tier=\"%s\",worker=\"%s\"", prism_role_name(w->role), wid);

@@ -198,6 +198,43 @@ static bool decode_fits(const router_t *r, const router_req_t *q, char *msg, siz
     return false;
 }
 
+/* The prompt's prefix-cache keys for the block size of the registered prefill workers (the first
+ * one's: a cluster runs one), kept until the prompt or that size changes. False without them (no
+ * prefill worker, no memory: the pick goes by load and every image is encoded). */
+static bool prefix_keys(router_t *r, router_req_t *q)
+{
+    router_msgs_t *m = &q->msg;
+    uint32_t bs = 0;
+    for (int i = 0; i < ROUTER_MAX_WORKERS && !bs; i++)
+        if (r->workers[i].used && r->workers[i].role == PRISM__ROLE__ROLE_PREFILL) bs = r->workers[i].block_size;
+    if (!bs) return false;
+    size_t n_tok = m->prefill.n_token_ids;
+    if (m->key_block_size == bs && m->keys_for == n_tok) return true;
+    int n = (int)(n_tok / bs);
+    prism_kv_key_t *keys = prism_realloc(m->keys, sizeof(*keys) * (size_t)PRISM_MAX(n, 1));
+    if (keys) m->keys = keys;
+    uint8_t *bytes = keys ? prism_realloc(m->key_bytes, (size_t)PRISM_MAX(n, 1) * PRISM_KV_PREFIX_KEY_BYTES) : NULL;
+    if (bytes) m->key_bytes = bytes;
+    m->key_block_size = 0;
+    if (!keys || !bytes) return false;
+    prism_kv_image_t img[ROUTER_MAX_IMAGES];
+    const router_prompt_t *p = &q->prompt;
+    for (int i = 0; i < p->n_images; i++)
+        img[i] = (prism_kv_image_t){p->img_offset[i], p->img_span[i], p->img_rows[i], p->img_cols[i], p->img_hash[i]};
+    const char *salt = q->oai.cache_salt;
+    m->n_keys = prism_kv_prefix_chain(r->prefix_secret, (int)bs, salt, strlen(salt), m->prefill.token_ids, (int)n_tok,
+                                      img, p->n_images, m->keys);
+    prism_kv_prefix_keys_put(m->keys, m->n_keys, m->key_bytes);
+    /* what a prefill looks up (prefill_worker run_req): never the last token's block, nothing from an
+     * image without identity on */
+    m->n_lookup = PRISM_MIN(m->n_keys, (int)((n_tok - 1) / bs));
+    for (int i = 0; i < p->n_images; i++)
+        if (!p->img_hash[i]) m->n_lookup = PRISM_MIN(m->n_lookup, (int)(p->img_offset[i] / bs));
+    m->key_block_size = bs;
+    m->keys_for = n_tok;
+    return true;
+}
+
 /* The workers one attempt goes to. */
 typedef struct {
     router_worker_t *prefill, *decode;
@@ -225,7 +262,15 @@ static int plan(router_t *r, const router_req_t *q, plan_t *p, char *msg, size_t
     router_load_t planned[ROUTER_MAX_IMAGES];
     int n_planned = 0;
     memset(p, 0, sizeof *p);
-    p->prefill = pick(r, q, PRISM__ROLE__ROLE_PREFILL, 0, 1, 0, NULL, 0, &any_pf);
+    const router_msgs_t *m = &q->msg;
+    router_want_t want = {.role = PRISM__ROLE__ROLE_PREFILL, .slots = 1, .avoid = q->place.avoid,
+                          .n_avoid = q->place.n_avoid};
+    if (prefix_keys(r, (router_req_t *)q)) {   /* the prefill holding the longest prefix, within the slack */
+        want.prefix_keys = m->keys;
+        want.n_prefix_keys = m->n_lookup;
+        want.prefix_block_size = m->key_block_size;
+    }
+    p->prefill = router_pick_want(r, &want, &any_pf);
     p->decode = pick(r, q, PRISM__ROLE__ROLE_DECODE, 0, router_req_n(q), 0, NULL, 0, &any_dc);
     for (int i = 0; i < q->prompt.n_images && enc_room; i++) {
         uint64_t hash = q->prompt.img_hash[i];
@@ -301,6 +346,11 @@ static int commit(router_t *r, router_req_t *q, const plan_t *p)
     m->env.trace_id_lo = q->trace.lo;
     m->env.prefill = &m->prefill;
     m->env.encode = NULL;
+    /* the keys it keeps blocks under, so every router's index reads its events (same block size only) */
+    bool keys = m->key_block_size && m->key_block_size == p->prefill->block_size &&
+                m->keys_for == m->prefill.n_token_ids;
+    m->prefill.block_keys = (ProtobufCBinaryData){keys ? (size_t)m->n_keys * PRISM_KV_PREFIX_KEY_BYTES : 0,
+                                                  keys ? m->key_bytes : NULL};
     if (router_send(r, p->prefill, &m->env, NULL, 0) != PRISM_OK) {
         PRISM_WARN("request %llu: prefill worker %s unreachable; the request waits", (unsigned long long)q->rid,
                    p->prefill->id);

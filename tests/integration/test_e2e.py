@@ -645,11 +645,69 @@ def test_prefix_cache_never_aliases():
             list(ex.map(one, order))
         q, hits, comp = counted_after(cached, (0, 0, 0), sum(r["usage"]["prompt_tokens"] for r in refs) * 2)
         assert hits > 0 and comp < q, (q, hits, comp)
+        # the plain prefill's heartbeat (every second) may not have counted its prompts yet
+        wait_for(lambda: (plain.metric("prism:prefill_tokens_computed_total") or 0) > 0, 20,
+                 "the plain prefill's heartbeat")
         assert prefix_counters(plain)[1] == 0
-        assert plain.metric("prism:prefill_tokens_computed_total") > 0
     finally:
         cached.stop()
         plain.stop()
+
+
+def chat_turns(c, turns, salt):
+    """A chat about PNG: each turn re-sends the image and the whole history (as chat clients do)
+    and asks one more question; returns each turn's answer (greedy, with top logprobs)."""
+    msgs = [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url(PNG)}},
+                                         {"type": "text", "text": "What is in this picture? Answer in one short "
+                                                                  "sentence, and be as precise as you can."}]}]
+    out = []
+    for t in range(turns):
+        if t:
+            msgs.append({"role": "user", "content": "And what about detail number %d of it?" % t})
+        body = {"model": "prism-tiny-llava", "messages": msgs, "max_tokens": 5, "temperature": 0, "logprobs": True,
+                "top_logprobs": 5, "cache_salt": salt}
+        status, r = c.post_json("/v1/chat/completions", body)
+        assert status == 200, (t, status, r)
+        out.append(r)
+        msgs = msgs + [{"role": "assistant", "content": r["choices"][0]["message"]["content"]}]
+    return out
+
+
+def worker_metric(c, name, worker):
+    return c.metric(name, worker=worker) or 0
+
+
+def test_prefix_aware_routing():
+    """Issue 29 item 3. Two prefill workers, a 4-turn chat about one image (each turn re-sends
+    the image and the history): turn 1 goes where the load says; turns 2+ go to the prefill whose
+    prefix cache holds the conversation (the router's index of its PrefixEvents: every hit is on that
+    worker, none is looked up on the other). Every answer (tokens and top logprobs) equals a
+    --no-prefix-cache cluster's."""
+    turns = 4
+    two = Cluster(prefills=2, common_worker_args=LOGS)
+    plain = Cluster(worker_args={"prefill_worker": ["--no-prefix-cache"]})
+    try:
+        for c in (two, plain):
+            c.wait_ready()
+        salt = "chat-%f" % time.time()
+        refs = chat_turns(plain, turns, salt)
+        got = chat_turns(two, turns, salt)
+        for t in range(turns):
+            assert_same_answer(got[t], refs[t], "turn %d" % (t + 1))
+        n_total = sum(r["usage"]["prompt_tokens"] for r in got)
+        wait_for(lambda: sum(worker_metric(two, "prism:worker_prefix_cache_queries_total", "prefill-%d" % i)
+                             for i in range(2)) >= n_total, 20, "the prefills' heartbeats to count every turn")
+        q = [worker_metric(two, "prism:worker_prefix_cache_queries_total", "prefill-%d" % i) for i in range(2)]
+        h = [worker_metric(two, "prism:worker_prefix_cache_hits_total", "prefill-%d" % i) for i in range(2)]
+        holder = 0 if q[0] >= q[1] else 1
+        # every turn on one worker: turn 1 there by load, turns 2+ there by its cached prefix
+        assert q[holder] == n_total and q[1 - holder] == 0, (q, n_total)
+        assert h[holder] >= sum(r["usage"]["prompt_tokens"] for r in got[:-1]) // 2 and h[1 - holder] == 0, h
+        assert two.metric("prism:worker_prefix_index_blocks", worker="prefill-%d" % holder) > 0
+    finally:
+        for c in (two, plain):
+            c.stop()
 
 
 def test_all_processes_alive():
@@ -668,7 +726,8 @@ if __name__ == "__main__":
                         test_trace_context_in_every_process,
                         test_memory_plan_is_what_the_workers_allocate, test_tokenize_detokenize,
                         test_chat_template_override_and_unsupported, test_prefix_cache_hits_and_salt,
-                        test_prefix_cache_never_aliases, test_all_processes_alive])
+                        test_prefix_cache_never_aliases, test_prefix_aware_routing,
+                        test_all_processes_alive])
     finally:
         C.stop()
         if os.environ.get("PRISM_KEEP_LOGS"):
