@@ -35,6 +35,7 @@
 #include "image/qwenvl_proc.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_IMAGES 64
@@ -63,6 +64,7 @@ typedef struct {
     int span_rows[MAX_IMAGES];   /* image-token positions in each span: the rows it needs */
     prism_mrope_image_t mrope[MAX_IMAGES];   /* M-RoPE models: the spans' LM-token grids */
     prism_kv_image_t key_img[MAX_IMAGES];    /* the images as the prefix cache's keys see them */
+    bool img_cached[MAX_IMAGES];             /* ImageSpan.cached: no embeddings come, the cache must cover it */
     prism_kv_key_t *keys;    /* [max_blocks_per_seq] slice of the key pool: Prefill.block_keys */
     int n_keys;              /* 0: none came (this worker computes them) */
     char salt[PRISM_KV_PREFIX_MAX_SALT + 1];  /* Prefill.cache_salt */
@@ -91,6 +93,10 @@ typedef struct {
     prism_kv_prefix_t prefix;
     prism_kv_key_t *keys;    /* [max_blocks_per_seq] the running prompt's block keys */
     prism_kv_key_t *key_pool; /* [max_pending][max_blocks_per_seq] the router's keys of each prompt */
+    uint64_t prefix_misses;  /* prompts refused: an image the router left unencoded was no longer cached */
+    /* test hook PRISM_TEST_PREFIX_EVICT_ON_ARRIVAL: a Prefill with an image marked cached finds the
+     * cache emptied first, as if prompts run in between had evicted it (the skip's race, on demand) */
+    bool test_evict_on_arrival;
     uint64_t cache_queries, cache_hits, tokens_computed;   /* prompt tokens (heartbeat counters) */
     prism_seq_sampler_t sampler;  /* one slot: prompts run one at a time */
     size_t sampling_bytes;        /* what the sampler took at start-up (measured into the plan) */
@@ -341,9 +347,14 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
                                             (int32_t)pf->images[i]->grid_cols};
         r->key_img[i] = (prism_kv_image_t){pf->images[i]->offset, pf->images[i]->n_tokens, pf->images[i]->grid_rows,
                                            pf->images[i]->grid_cols, pf->images[i]->content_hash};
+        r->img_cached[i] = pf->images[i]->cached;
     }
     r->n_keys = p->prefix_on ? (int)(pf->block_keys.len / PRISM_KV_PREFIX_KEY_BYTES) : 0;
-
+    bool any_cached = false;
+    for (int i = 0; i < r->n_images; i++) any_cached |= r->img_cached[i];
+    if (p->test_evict_on_arrival && p->prefix_on && any_cached)
+        PRISM_WARN("test hook: prefix cache emptied on the arrival of request %llu (%d blocks)",
+                   (unsigned long long)e->request_id, prism_kv_prefix_clear(&p->prefix));
     if (r->n_keys) prism_kv_prefix_keys_get(pf->block_keys.data, r->n_keys, r->keys);
     snprintf(r->salt, sizeof(r->salt), "%s", pf->cache_salt ? pf->cache_salt : "");
     snprintf(r->decode_endpoint, sizeof(r->decode_endpoint), "%s", pf->decode_endpoint);
@@ -490,6 +501,7 @@ static void on_msg(prism_worker_t *w, prism_msg_t *m, int source, void *ud)
 static bool ready(prefill_t *p, const preq_t *r)
 {
     for (int i = 0; i < r->n_images; i++) {
+        if (r->img_cached[i]) continue;   /* its KV is in the prefix cache: no embeddings come */
         const emb_slot_t *e = emb_find(p, r->seq.rid, r->seq.rid_hi, r->seq.router_id, (uint32_t)i);
         if (!e || e->got_rows < e->n_rows) return false;
     }
@@ -561,6 +573,15 @@ static bool hook_cancelled(void *ud, int item)
     return true;
 }
 
+/* Whether the cached prefix (its first `cached` positions) covers every image the router sent
+ * without embeddings. */
+static bool prefix_covers(const preq_t *r, int cached)
+{
+    for (int i = 0; i < r->n_images; i++)
+        if (r->img_cached[i] && r->span_off[i] + r->span_len[i] > (uint32_t)cached) return false;
+    return true;
+}
+
 /* What the prefix cache kept and evicted since the last call, to every router (PrefixEvents): their
  * indexes route prompts to the worker holding their prefix. */
 static void publish_prefix_events(prefill_t *p)
@@ -608,6 +629,7 @@ static void run_req(prefill_t *p, preq_t *r)
 {
     /* The rows each encoder sent must be exactly the image tokens the router laid out for them. */
     for (int i = 0; i < r->n_images; i++) {
+        if (r->img_cached[i]) continue;
         const emb_slot_t *e = emb_find(p, r->seq.rid, r->seq.rid_hi, r->seq.router_id, (uint32_t)i);
         if (e->n_rows != r->span_rows[i]) {
             PRISM_WARN("request %llu: image %d has %d embedding rows for %d image tokens", (unsigned long long)r->seq.rid,
@@ -646,6 +668,17 @@ static void run_req(prefill_t *p, preq_t *r)
             if (!r->key_img[i].content_hash) n_full = PRISM_MIN(n_full, (int)(r->key_img[i].offset / (uint32_t)bs));
         hit = prism_kv_prefix_match(&p->prefix, p->keys, PRISM_MIN(n_full, (r->n_tokens - 1) / bs), p->table);
     }
+    if (!prefix_covers(r, hit * bs)) {
+        /* evicted between the router's look and now: the router sends it again, every image encoded */
+        prism_kv_blocks_release(&p->blocks, p->table, hit);
+        p->prefix_misses++;
+        PRISM_INFO("request %llu: an image sent without embeddings is no longer in the prefix cache (%d tokens "
+                   "cached): refused for the router to encode it", (unsigned long long)r->seq.rid, hit * bs);
+        send_error(p, r->seq.router_id, r->seq.rid, r->seq.rid_hi, PRISM__ERROR_KIND__ERROR_PREFIX_MISS,
+                   "prefix no longer cached for an image sent without embeddings");
+        release_request(p, r->seq.rid, r->seq.router_id);
+        return;
+    }
     if ((p->prefix_on ? prism_kv_prefix_alloc(&p->prefix, nb - hit, p->table + hit)
                       : prism_kv_blocks_alloc(&p->blocks, nb, p->table)) != PRISM_OK) {
         prism_kv_blocks_release(&p->blocks, p->table, hit);   /* it waits for blocks, holding none */
@@ -662,7 +695,7 @@ static void run_req(prefill_t *p, preq_t *r)
     double t_embedded = r->t_arrive;
     for (int i = 0; i < r->n_images; i++) {
         const emb_slot_t *e = emb_find(p, r->seq.rid, r->seq.rid_hi, r->seq.router_id, (uint32_t)i);
-        t_embedded = PRISM_MAX(t_embedded, e->t_done);
+        if (e) t_embedded = PRISM_MAX(t_embedded, e->t_done);
     }
     t_embedded = PRISM_MIN(t_embedded, t0);
     const int32_t *tables[1] = {p->table};
@@ -677,6 +710,7 @@ static void run_req(prefill_t *p, preq_t *r)
         bool any = false;
         memset(p->chunk_rows, 0, sizeof(*p->chunk_rows) * (size_t)n);
         for (int i = 0; i < r->n_images; i++) {
+            if (r->img_cached[i]) continue;   /* wholly before `cached` (prefix_covers) */
             const emb_slot_t *e = emb_find(p, r->seq.rid, r->seq.rid_hi, r->seq.router_id, (uint32_t)i);
             int lo = PRISM_MAX((int)r->span_off[i], start);
             int hi = PRISM_MIN((int)(r->span_off[i] + r->span_len[i]), start + n);
@@ -1054,6 +1088,10 @@ static int prefill_run(void *ctx)
     prefill_t *p = ctx;
     PRISM_INFO("prefill: chunk %d tokens, embedding pool %d pages of %d rows (%d images of up to %d pages)", p->chunk,
                p->n_pages, p->page_rows, p->max_pages ? p->n_pages / p->max_pages : 0, p->max_pages);
+    p->test_evict_on_arrival = getenv("PRISM_TEST_PREFIX_EVICT_ON_ARRIVAL") != NULL;
+    if (p->test_evict_on_arrival)
+        PRISM_WARN("test hook PRISM_TEST_PREFIX_EVICT_ON_ARRIVAL is set: the prefix cache is emptied when a prompt "
+                   "with an image marked cached arrives");
     if (p->prefix_on)
         PRISM_INFO("prefix cache: on, in the %d KV blocks of %d tokens no prompt holds (a prompt takes at most %d)",
                    p->blocks.n_blocks, p->blocks.block_size, p->max_blocks_per_seq);

@@ -296,6 +296,12 @@ static void metrics_requests(const router_t *r, prism_buf_t *b)
     prism_metric_write(b, "prism:prefill_tokens_computed_total", "counter",
                        "Prompt tokens the prefill workers' models computed (those not read from a prefix cache).", lbl,
                        (double)m->prefill_computed);
+    prism_metric_write(b, "prism:encoder_skips_total", "counter",
+                       "Images sent to no encoder: the chosen prefill worker's prefix cache held their whole span.",
+                       lbl, (double)m->encoder_skips);
+    prism_metric_write(b, "prism:prefix_resent_total", "counter",
+                       "Requests sent again with every image encoded: the prefix a skipped image counted on was evicted.",
+                       lbl, (double)m->prefix_resent);
     prism_hist_write(&m->ttft, b, "vllm:time_to_first_token_seconds", "Time to first token.", lbl);
     prism_hist_write(&m->itl, b, "vllm:inter_token_latency_seconds", "Mean time per output token of each request.", lbl);
     prism_hist_write(&m->e2e, b, "vllm:e2e_request_latency_seconds", "End-to-end request latency.", lbl);

@@ -89,6 +89,7 @@ typedef struct {
     int attempts;                 /* dispatches so far; a retry is one more (bounded by --max-retries) */
     char avoid[4][ROUTER_WORKER_ID_MAX + 1];   /* workers an earlier attempt got stuck on: others first */
     int n_avoid;
+    bool no_skip;                 /* encode every image: the prefill's cache lost what a skip counted on */
     const char *waiting_for;      /* while queued because a tier has no worker at all: its name */
     unsigned wait_tiers;          /* ROUTER_TIER_* bits it waited for at its last dispatch */
 } router_placement_t;

@@ -238,6 +238,7 @@ static bool prefix_keys(router_t *r, router_req_t *q)
 /* The workers one attempt goes to. */
 typedef struct {
     router_worker_t *prefill, *decode;
+    bool skip[ROUTER_MAX_IMAGES];        /* sent to no encoder: the prefill's prefix cache covers its span */
     router_worker_t *enc[ROUTER_MAX_IMAGES];
     uint64_t early[ROUTER_MAX_IMAGES];   /* the early job image i's Encode adopts (its slot is counted), 0 none */
     const char *waiting_for;             /* a tier with no worker at all */
@@ -271,8 +272,16 @@ static int plan(router_t *r, const router_req_t *q, plan_t *p, char *msg, size_t
         want.prefix_block_size = m->key_block_size;
     }
     p->prefill = router_pick_want(r, &want, &any_pf);
+    /* Images wholly inside the prefix it holds need no encoder: their KV is read, not computed. */
+    int hit = p->prefill && !q->place.no_skip
+                  ? router_worker_prefix_hit(p->prefill, want.prefix_keys, want.n_prefix_keys, want.prefix_block_size)
+                  : 0;
+    for (int i = 0; i < q->prompt.n_images; i++)
+        p->skip[i] = q->prompt.img_hash[i] &&
+                     (uint64_t)q->prompt.img_offset[i] + q->prompt.img_span[i] <= (uint64_t)hit * m->key_block_size;
     p->decode = pick(r, q, PRISM__ROLE__ROLE_DECODE, 0, router_req_n(q), 0, NULL, 0, &any_dc);
     for (int i = 0; i < q->prompt.n_images && enc_room; i++) {
+        if (p->skip[i]) continue;
         uint64_t hash = q->prompt.img_hash[i];
         /* an early job of this image still held: the request takes it over (its slot is counted) */
         if ((p->enc[i] = router_early_claim(r, hash, p->early, i, &p->early[i]))) continue;
@@ -351,6 +360,7 @@ static int commit(router_t *r, router_req_t *q, const plan_t *p)
                 m->keys_for == m->prefill.n_token_ids;
     m->prefill.block_keys = (ProtobufCBinaryData){keys ? (size_t)m->n_keys * PRISM_KV_PREFIX_KEY_BYTES : 0,
                                                   keys ? m->key_bytes : NULL};
+    for (int i = 0; i < q->prompt.n_images; i++) m->spans[i].cached = p->skip[i];
     if (router_send(r, p->prefill, &m->env, NULL, 0) != PRISM_OK) {
         PRISM_WARN("request %llu: prefill worker %s unreachable; the request waits", (unsigned long long)q->rid,
                    p->prefill->id);
@@ -362,9 +372,14 @@ static int commit(router_t *r, router_req_t *q, const plan_t *p)
     p->prefill->inflight++;
     p->decode->inflight += router_req_n(q);   /* each sequence takes a slot of the decode batch */
     for (int i = 0; i < q->prompt.n_images; i++)
-        if (!send_encode(r, q, p, i)) {
+        if (!p->skip[i] && !send_encode(r, q, p, i)) {
             router_sched_release(q);
             return ROUTER_DISPATCH_WAIT;
+        }
+    for (int i = 0; i < q->prompt.n_images; i++)
+        if (p->skip[i]) {
+            r->metrics.encoder_skips++;
+            router_worker_note_image(p->prefill, q->prompt.img_hash[i]);   /* no early encode of it (early_encode.c) */
         }
     q->stage = STAGE_SENT;
     q->time.dispatch = now;

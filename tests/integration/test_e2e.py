@@ -678,17 +678,21 @@ def worker_metric(c, name, worker):
     return c.metric(name, worker=worker) or 0
 
 
-def test_prefix_aware_routing():
-    """Issue 29 item 3. Two prefill workers, a 4-turn chat about one image (each turn re-sends
+def test_prefix_routing_and_encoder_skip():
+    """Issue 29 items 3-4. Two prefill workers, a 4-turn chat about one image (each turn re-sends
     the image and the history): turn 1 goes where the load says; turns 2+ go to the prefill whose
     prefix cache holds the conversation (the router's index of its PrefixEvents: every hit is on that
-    worker, none is looked up on the other). Every answer (tokens and top logprobs) equals a
-    --no-prefix-cache cluster's."""
+    worker, none is looked up on the other), and the image is sent to no encoder again (the
+    encoder's embedding cache sees it once; prism:encoder_skips_total counts turns 2+). Every answer
+    (tokens and top logprobs) equals a --no-prefix-cache cluster's. The race: a prefill that lost
+    the prefix before the skipped request came (test hook PRISM_TEST_PREFIX_EVICT_ON_ARRIVAL) refuses
+    it, the router sends it again with the image encoded, and the answer is still the same."""
     turns = 4
     two = Cluster(prefills=2, common_worker_args=LOGS)
     plain = Cluster(worker_args={"prefill_worker": ["--no-prefix-cache"]})
+    race = Cluster(worker_env={"prefill_worker": {"PRISM_TEST_PREFIX_EVICT_ON_ARRIVAL": "1"}})
     try:
-        for c in (two, plain):
+        for c in (two, plain, race):
             c.wait_ready()
         salt = "chat-%f" % time.time()
         refs = chat_turns(plain, turns, salt)
@@ -705,8 +709,20 @@ def test_prefix_aware_routing():
         assert q[holder] == n_total and q[1 - holder] == 0, (q, n_total)
         assert h[holder] >= sum(r["usage"]["prompt_tokens"] for r in got[:-1]) // 2 and h[1 - holder] == 0, h
         assert two.metric("prism:worker_prefix_index_blocks", worker="prefill-%d" % holder) > 0
+        # the image was encoded once: later turns skipped the encoder entirely
+        assert two.metric("prism:encoder_skips_total") == turns - 1
+        assert two.metric("prism:worker_embedding_cache_misses_total", tier="encoder") == 1
+        assert two.metric("prism:worker_embedding_cache_hits_total", tier="encoder") == 0
+        assert plain.metric("prism:encoder_skips_total") == 0
+        # the race: turn 2 skipped, found nothing cached, was sent again encoded
+        lost = chat_turns(race, 2, salt)
+        for t in range(2):
+            assert_same_answer(lost[t], refs[t], "race, turn %d" % (t + 1))
+        assert race.metric("prism:encoder_skips_total") == 1
+        assert race.metric("prism:prefix_resent_total") == 1
+        assert "no longer in the prefix cache" in race.log("prefill-0", tail=0)
     finally:
-        for c in (two, plain):
+        for c in (two, plain, race):
             c.stop()
 
 
@@ -726,7 +742,7 @@ if __name__ == "__main__":
                         test_trace_context_in_every_process,
                         test_memory_plan_is_what_the_workers_allocate, test_tokenize_detokenize,
                         test_chat_template_override_and_unsupported, test_prefix_cache_hits_and_salt,
-                        test_prefix_cache_never_aliases, test_prefix_aware_routing,
+                        test_prefix_cache_never_aliases, test_prefix_routing_and_encoder_skip,
                         test_all_processes_alive])
     finally:
         C.stop()
