@@ -582,6 +582,29 @@ static bool prefix_covers(const preq_t *r, int cached)
     return true;
 }
 
+/* Prefix cache: the leading full blocks an earlier prompt computed (same salt, tokens and images
+ * up to there) are read, not computed: into p->table[0..return), held. The last token is always
+ * computed (its logits give the first token). *n_full: the prompt's full blocks kept after it, their
+ * keys in p->keys (the router's, which the routers index; else this worker's own). */
+static int prefix_lookup(prefill_t *p, const preq_t *r, int *n_full)
+{
+    int bs = p->blocks.block_size;
+    *n_full = 0;
+    if (!p->prefix_on) return 0;
+    if (r->n_keys) {   /* on_prefill checked the count */
+        *n_full = r->n_keys;
+        memcpy(p->keys, r->keys, sizeof(*p->keys) * (size_t)r->n_keys);
+    } else {
+        *n_full = prism_kv_prefix_keys(&p->prefix, r->salt, strlen(r->salt), r->tokens, r->n_tokens, r->key_img,
+                                       r->n_images, p->keys);
+    }
+    /* An image without its content hash (a router older than the cache sends none) has no identity:
+     * nothing from its first block on is looked up or kept. */
+    for (int i = 0; i < r->n_images; i++)
+        if (!r->key_img[i].content_hash) *n_full = PRISM_MIN(*n_full, (int)(r->key_img[i].offset / (uint32_t)bs));
+    return prism_kv_prefix_match(&p->prefix, p->keys, PRISM_MIN(*n_full, (r->n_tokens - 1) / bs), p->table);
+}
+
 /* What the prefix cache kept and evicted since the last call, to every router (PrefixEvents): their
  * indexes route prompts to the worker holding their prefix. */
 static void publish_prefix_events(prefill_t *p)
@@ -650,24 +673,7 @@ static void run_req(prefill_t *p, preq_t *r)
         return;
     }
     int nb = prism_kv_blocks_for_tokens(&p->blocks, r->n_tokens), bs = p->blocks.block_size;
-    /* Prefix cache: the leading full blocks an earlier prompt computed (same salt, tokens and
-     * images up to there) are read, not computed. The last token is always computed: its logits
-     * give the first token. */
-    int n_full = 0, hit = 0;
-    if (p->prefix_on && r->n_keys) {   /* the router's (on_prefill checked the count): what the routers index */
-        n_full = r->n_keys;
-        memcpy(p->keys, r->keys, sizeof(*p->keys) * (size_t)n_full);
-    } else if (p->prefix_on) {
-        n_full = prism_kv_prefix_keys(&p->prefix, r->salt, strlen(r->salt), r->tokens, r->n_tokens, r->key_img,
-                                      r->n_images, p->keys);
-    }
-    if (p->prefix_on) {
-        /* An image without its content hash (a router older than the cache sends none) has no
-         * identity: nothing from its first block on is looked up or kept. */
-        for (int i = 0; i < r->n_images; i++)
-            if (!r->key_img[i].content_hash) n_full = PRISM_MIN(n_full, (int)(r->key_img[i].offset / (uint32_t)bs));
-        hit = prism_kv_prefix_match(&p->prefix, p->keys, PRISM_MIN(n_full, (r->n_tokens - 1) / bs), p->table);
-    }
+    int n_full = 0, hit = prefix_lookup(p, r, &n_full);
     if (!prefix_covers(r, hit * bs)) {
         /* evicted between the router's look and now: the router sends it again, every image encoded */
         prism_kv_blocks_release(&p->blocks, p->table, hit);

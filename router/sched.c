@@ -266,7 +266,7 @@ static int plan(router_t *r, const router_req_t *q, plan_t *p, char *msg, size_t
     const router_msgs_t *m = &q->msg;
     router_want_t want = {.role = PRISM__ROLE__ROLE_PREFILL, .slots = 1, .avoid = q->place.avoid,
                           .n_avoid = q->place.n_avoid};
-    if (prefix_keys(r, (router_req_t *)q)) {   /* the prefill holding the longest prefix, within the slack */
+    if (m->key_block_size && m->keys_for == m->prefill.n_token_ids) {   /* the longest cached prefix, within the slack */
         want.prefix_keys = m->keys;
         want.n_prefix_keys = m->n_lookup;
         want.prefix_block_size = m->key_block_size;
@@ -391,6 +391,7 @@ static int commit(router_t *r, router_req_t *q, const plan_t *p)
 int router_sched_dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
 {
     plan_t p;
+    prefix_keys(r, q);   /* for the prefill pick and the encoder skip (none: by load, every image encoded) */
     int status = plan(r, q, &p, msg, n);
     /* An admitted request comes before early jobs (early_encode.c): when encoders alone lack room,
      * the slots running early jobs hold are taken for it, one at a time, while that helps. */

@@ -132,7 +132,7 @@ MUTANTS = {
         IT + "test_e2e.py test_prefix_routing_and_encoder_skip", ["router"]),
     "prefill-own-prefix-keys": (
         "the prefill keeps its blocks under keys of its own secret, not the router's (no index ever matches)",
-        [("prefill_worker/main.c", "    if (p->prefix_on && r->n_keys) {", "    if (0 && r->n_keys) {")],
+        [("prefill_worker/main.c", "    if (r->n_keys) {   /* on_prefill checked the count */", "    if (0) {")],
         IT + "test_e2e.py test_prefix_routing_and_encoder_skip", ["prefill_worker"]),
     "skip-without-coverage": (
         "a prefill runs a prompt whose skipped image its cache no longer covers (no embeddings behind it)",
