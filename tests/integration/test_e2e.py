@@ -15,8 +15,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import (Cluster, binary, chat_body, check_answer, distinct_requests, image_url, make_image,  # noqa: E402
-                     read_response, reference, run_tests, tool_env, wait_for, MODEL, STAGES)
+from cluster import (Cluster, binary, chat_body, check_answer, distinct_requests, fresh_heartbeats, image_url,  # noqa: E402
+                     make_image, read_response, reference, run_tests, tool_env, wait_for, MODEL, STAGES)
 
 TMP = tempfile.mkdtemp(prefix="prism-e2e-")
 JPG = make_image(os.path.join(TMP, "red_circle.jpg"), width=640, height=480, shape="circle", color="red")
@@ -709,8 +709,10 @@ def test_prefix_routing_and_encoder_skip():
         assert q[holder] == n_total and q[1 - holder] == 0, (q, n_total)
         assert h[holder] >= sum(r["usage"]["prompt_tokens"] for r in got[:-1]) // 2 and h[1 - holder] == 0, h
         assert two.metric("prism:worker_prefix_index_blocks", worker="prefill-%d" % holder) > 0
-        # the image was encoded once: later turns skipped the encoder entirely
+        # the image was encoded once: later turns skipped the encoder entirely (the encoder's
+        # counts come with its heartbeats: two more, and they hold everything the chat did)
         assert two.metric("prism:encoder_skips_total") == turns - 1
+        fresh_heartbeats(two, "encoder-0")
         assert two.metric("prism:worker_embedding_cache_misses_total", tier="encoder") == 1
         assert two.metric("prism:worker_embedding_cache_hits_total", tier="encoder") == 0
         assert plain.metric("prism:encoder_skips_total") == 0
