@@ -265,7 +265,7 @@ def prefill_seeds():
     # to no encoder (ImageSpan.cached): a cache that does not cover it refuses the prompt (ERROR_PREFIX_MISS)
     long_img = img + list(range(60, 80))
     keyed = lambda rid, keys, cached: env_of(5, 15, pb_packed(1, long_img) + pb_bytes(2, pb_int(1, spans[0][0]) + pb_int(
-        2, spans[0][1]) + pb_fixed64(5, 0xC0FFEE) + (pb_int(6, 1) if cached else b"")) + pb_bytes(3, sampling()) +
+        2, spans[0][1]) + pb_int(5, 0xC0FFEE) + (pb_int(6, 1) if cached else b"")) + pb_bytes(3, sampling()) +
         pb_bytes(4, PEER_EP) + pb_bytes(7, keys), rid, ROUTER_ID)
     n_blocks = len(long_img) // 16
     put(h, "block_keys_and_cached_image", rec(OP_ROUTER, keyed(45, bytes(range(16)) * n_blocks, False)) +
