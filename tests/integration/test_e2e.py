@@ -654,9 +654,10 @@ def test_prefix_cache_never_aliases():
         plain.stop()
 
 
-def chat_turns(c, turns, salt):
+def chat_turns(c, turns, salt, routers=1):
     """A chat about PNG: each turn re-sends the image and the whole history (as chat clients do)
-    and asks one more question; returns each turn's answer (greedy, with top logprobs)."""
+    and asks one more question, turn t through router t % routers (a balancer's round robin);
+    returns each turn's answer (greedy, with top logprobs)."""
     msgs = [{"role": "system", "content": SYSTEM},
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url(PNG)}},
                                          {"type": "text", "text": "What is in this picture? Answer in one short "
@@ -665,9 +666,14 @@ def chat_turns(c, turns, salt):
     for t in range(turns):
         if t:
             msgs.append({"role": "user", "content": "And what about detail number %d of it?" % t})
+        if t and routers > 1:
+            # each router reads the prefills' events on its own link: the one taking this turn has
+            # read those of the last turn (another router's client could race them: a missed hit)
+            wait_for(lambda: len({c.metric("prism:worker_prefix_index_blocks", router=r) for r in range(routers)}) == 1,
+                     10, "every router to index the same blocks")
         body = {"model": "prism-tiny-llava", "messages": msgs, "max_tokens": 5, "temperature": 0, "logprobs": True,
                 "top_logprobs": 5, "cache_salt": salt}
-        status, r = c.post_json("/v1/chat/completions", body)
+        status, r = c.post_json("/v1/chat/completions", body, router=t % routers)
         assert status == 200, (t, status, r)
         out.append(r)
         msgs = msgs + [{"role": "assistant", "content": r["choices"][0]["message"]["content"]}]
@@ -679,16 +685,20 @@ def worker_metric(c, name, worker):
 
 
 def test_prefix_routing_and_encoder_skip():
-    """Issue 29 items 3-4. Two prefill workers, a 4-turn chat about one image (each turn re-sends
-    the image and the history): turn 1 goes where the load says; turns 2+ go to the prefill whose
-    prefix cache holds the conversation (the router's index of its PrefixEvents: every hit is on that
-    worker, none is looked up on the other), and the image is sent to no encoder again (the
-    encoder's embedding cache sees it once; prism:encoder_skips_total counts turns 2+). Every answer
+    """Issue 29 items 3-4. Two routers (as behind a balancer: turns alternate between them) and two
+    prefill workers, a 4-turn chat about one image (each turn re-sends the image and the history):
+    turn 1 goes where the load says; turns 2+ go to the prefill whose prefix cache holds the
+    conversation (each router's own index of the prefills' PrefixEvents, keys from the secret both
+    derive from router.key: every hit is on that worker, none is looked up on the other), and the
+    image is sent to no encoder again (the encoder's embedding cache sees it once;
+    prism:encoder_skips_total, summed over the routers, counts turns 2+). Every answer
     (tokens and top logprobs) equals a --no-prefix-cache cluster's. The race: a prefill that lost
     the prefix before the skipped request came (test hook PRISM_TEST_PREFIX_EVICT_ON_ARRIVAL) refuses
     it, the router sends it again with the image encoded, and the answer is still the same."""
     turns = 4
-    two = Cluster(prefills=2, common_worker_args=LOGS)
+    # no early encodes: a router that has not seen the image would send it to the encoder's cache
+    # while the body uploads (an embedding-cache hit, no encode), which would blur what is checked
+    two = Cluster(prefills=2, routers=2, router_args=["--no-early-encode"], common_worker_args=LOGS)
     plain = Cluster(worker_args={"prefill_worker": ["--no-prefix-cache"]})
     race = Cluster(worker_env={"prefill_worker": {"PRISM_TEST_PREFIX_EVICT_ON_ARRIVAL": "1"}})
     try:
@@ -696,7 +706,7 @@ def test_prefix_routing_and_encoder_skip():
             c.wait_ready()
         salt = "chat-%f" % time.time()
         refs = chat_turns(plain, turns, salt)
-        got = chat_turns(two, turns, salt)
+        got = chat_turns(two, turns, salt, routers=2)
         for t in range(turns):
             assert_same_answer(got[t], refs[t], "turn %d" % (t + 1))
         n_total = sum(r["usage"]["prompt_tokens"] for r in got)
@@ -708,10 +718,12 @@ def test_prefix_routing_and_encoder_skip():
         # every turn on one worker: turn 1 there by load, turns 2+ there by its cached prefix
         assert q[holder] == n_total and q[1 - holder] == 0, (q, n_total)
         assert h[holder] >= sum(r["usage"]["prompt_tokens"] for r in got[:-1]) // 2 and h[1 - holder] == 0, h
-        assert two.metric("prism:worker_prefix_index_blocks", worker="prefill-%d" % holder) > 0
+        for r in range(2):   # both routers indexed the holder's blocks from its events
+            assert two.metric("prism:worker_prefix_index_blocks", router=r, worker="prefill-%d" % holder) > 0
         # the image was encoded once: later turns skipped the encoder entirely (the encoder's
         # counts come with its heartbeats: two more, and they hold everything the chat did)
-        assert two.metric("prism:encoder_skips_total") == turns - 1
+        assert sum(two.metric("prism:encoder_skips_total", router=r) for r in range(2)) == turns - 1
+        assert two.metric("prism:encoder_skips_total", router=1) >= 1   # the other router skipped too
         fresh_heartbeats(two, "encoder-0")
         assert two.metric("prism:worker_embedding_cache_misses_total", tier="encoder") == 1
         assert two.metric("prism:worker_embedding_cache_hits_total", tier="encoder") == 0
