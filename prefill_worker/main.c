@@ -97,6 +97,7 @@ typedef struct {
     /* test hook PRISM_TEST_PREFIX_EVICT_ON_ARRIVAL: a Prefill with an image marked cached finds the
      * cache emptied first, as if prompts run in between had evicted it (the skip's race, on demand) */
     bool test_evict_on_arrival;
+    uint64_t registrations_seen;   /* w.registrations at the last resync of the routers' indexes */
     uint64_t cache_queries, cache_hits, tokens_computed;   /* prompt tokens (heartbeat counters) */
     prism_seq_sampler_t sampler;  /* one slot: prompts run one at a time */
     size_t sampling_bytes;        /* what the sampler took at start-up (measured into the plan) */
@@ -610,7 +611,14 @@ static int prefix_lookup(prefill_t *p, const preq_t *r, int *n_full)
 static void publish_prefix_events(prefill_t *p)
 {
     prism_kv_prefix_log_t log;
-    if (!p->prefix_on || !prism_kv_prefix_events_take(&p->prefix, &log)) return;
+    if (!p->prefix_on) return;
+    /* a router that registered since knows nothing of the cache: every router starts again from a listing */
+    uint64_t reg = atomic_load(&p->w.registrations);
+    if (reg != p->registrations_seen) {
+        p->registrations_seen = reg;
+        prism_kv_prefix_events_resync(&p->prefix);
+    }
+    if (!prism_kv_prefix_events_take(&p->prefix, &log)) return;
     uint8_t stored[PRISM_KV_PREFIX_EVENTS * PRISM_KV_PREFIX_KEY_BYTES];
     uint8_t evicted[PRISM_KV_PREFIX_EVENTS * PRISM_KV_PREFIX_KEY_BYTES];
     prism_kv_prefix_keys_put(log.stored, log.n_stored, stored);

@@ -43,6 +43,7 @@ int prism_kv_prefix_init(prism_kv_prefix_t *c, prism_kv_blocks_t *b)
     for (uint32_t i = 0; i < ts; i++) c->slots[i] = -1;
     c->mask = ts - 1;
     c->lru = c->mru = -1;
+    c->log.resync_at = -1;
     return PRISM_OK;
 }
 
@@ -197,26 +198,36 @@ static void log_event(prism_kv_prefix_t *c, prism_kv_key_t k, bool stored)
 {
     prism_kv_prefix_log_t *l = &c->log;
     if (!l->stored || l->reset) return;   /* a reset lists what is held when taken */
+    /* while a resync lists the pool: a key kept in a block the cursor has not reached yet is listed
+     * by it (and evicted ones are simply not there), but an eviction of a listed block is news */
     if (log_cancel(stored ? l->evicted : l->stored, stored ? &l->n_evicted : &l->n_stored, k)) return;
     int *n = stored ? &l->n_stored : &l->n_evicted;
     if (*n == PRISM_KV_PREFIX_EVENTS) {
-        l->reset = true;
-        l->n_stored = l->n_evicted = 0;
+        prism_kv_prefix_events_resync(c);   /* lost: list everything again */
         return;
     }
     (stored ? l->stored : l->evicted)[(*n)++] = k;
 }
 
+void prism_kv_prefix_events_resync(prism_kv_prefix_t *c)
+{
+    prism_kv_prefix_log_t *l = &c->log;
+    l->reset = true;   /* what was logged is moot: the listing says what is held */
+    l->n_stored = l->n_evicted = 0;
+    l->resync_at = 0;
+}
+
 bool prism_kv_prefix_events_take(prism_kv_prefix_t *c, prism_kv_prefix_log_t *out)
 {
     prism_kv_prefix_log_t *l = &c->log;
-    if (!l->stored || (!l->reset && !l->n_stored && !l->n_evicted)) return false;
-    if (l->reset) {
-        l->n_evicted = 0;
-        l->n_stored = 0;
-        for (int32_t id = c->mru; id >= 0 && l->n_stored < PRISM_KV_PREFIX_EVENTS; id = c->prev[id])
-            l->stored[l->n_stored++] = c->keys[id];
+    if (!l->stored || (!l->reset && !l->n_stored && !l->n_evicted && l->resync_at < 0)) return false;
+    /* the next held keys of the pool: a key kept earlier in this take's events may come twice */
+    int32_t n = c->blocks->n_blocks;
+    while (l->resync_at >= 0 && l->resync_at < n && l->n_stored < PRISM_KV_PREFIX_EVENTS) {
+        int32_t id = l->resync_at++;
+        if (c->prev[id] != NOT_CACHED) l->stored[l->n_stored++] = c->keys[id];
     }
+    if (l->resync_at >= n) l->resync_at = -1;
     *out = *l;
     l->n_stored = l->n_evicted = 0;
     l->reset = false;

@@ -41,11 +41,15 @@ typedef struct {
 
 /* What the cache kept and evicted since the last prism_kv_prefix_events_take, net: a key kept and
  * evicted again in between is in neither list (it was never announced), one evicted and kept again
- * in neither (it is still held as announced). More than PRISM_KV_PREFIX_EVENTS of either: reset. */
+ * in neither (it is still held as announced). More than PRISM_KV_PREFIX_EVENTS of either, or a
+ * resync (a router that registered since: it knows nothing): reset, and then every key held is
+ * listed again as kept, a batch per take (a cursor over the pool's block ids: a block kept or
+ * evicted meanwhile is an event of its own), until the pool is covered. */
 typedef struct {
     prism_kv_key_t *stored, *evicted;   /* [PRISM_KV_PREFIX_EVENTS] each */
     int n_stored, n_evicted;
     bool reset;
+    int32_t resync_at;                  /* the next block id to list again; -1: none */
 } prism_kv_prefix_log_t;
 
 typedef struct {
@@ -100,9 +104,11 @@ void prism_kv_prefix_insert(prism_kv_prefix_t *c, const prism_kv_key_t *keys, co
 int prism_kv_prefix_alloc(prism_kv_prefix_t *c, int n, int32_t *out);
 
 /* The events logged since the last take (c->log, valid until the next call into the cache), then
- * an empty log. A reset log lists in stored the most recently used keys the cache holds, as many
- * as fit. False when there is nothing to say. */
+ * an empty log; while a resync runs, stored also lists the next held keys of the pool, as many as
+ * fit. False when there is nothing to say. */
 bool prism_kv_prefix_events_take(prism_kv_prefix_t *c, prism_kv_prefix_log_t *out);
+/* Starts a resync: the next take says reset, and the takes from then on list every key held. */
+void prism_kv_prefix_events_resync(prism_kv_prefix_t *c);
 
 /* Forgets every block only the cache holds (their ids free again); returns how many. */
 int prism_kv_prefix_clear(prism_kv_prefix_t *c);

@@ -240,6 +240,7 @@ static bool handle_ack(prism_worker_t *w, prism_msg_t *m, int ri)
         pthread_mutex_unlock(&w->mu);
         if (!was) {
             PRISM_INFO("registered with router %s (%s)", r->router_id, r->endpoint);
+            atomic_fetch_add(&w->registrations, 1);   /* after registered: a broadcast from now reaches it */
             w->last_heartbeat_s = 0;  /* a heartbeat at once: the router learns the load without waiting an interval */
         }
     } else {

@@ -181,6 +181,7 @@ typedef struct prism_worker {
     atomic_uint_fast64_t data_limit;    /* data messages the compute thread can take, ever */
     atomic_uint_fast64_t data_forwarded;
     atomic_bool io_stop;
+    atomic_uint_fast64_t registrations; /* routers that registered this worker (again): a new one knows nothing of it */
 } prism_worker_t;
 
 typedef struct prism_worker_opts prism_worker_opts_t;

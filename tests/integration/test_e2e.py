@@ -535,6 +535,7 @@ def test_prefix_cache_hits_and_salt():
         b = chat_body(q, [PNG], max_tokens=6, temperature=0, logprobs=True, **kw)
         b["messages"].insert(0, {"role": "system", "content": SYSTEM})
         return b
+    fresh_heartbeats(C, "prefill-0")   # the earlier tests' prompts counted before the first snapshot
     before = prefix_counters(C)
     cold = ok_request(body("What is it?", cache_salt="cold-%f" % time.time()))   # a fresh salt: a miss
     n = cold["usage"]["prompt_tokens"]
@@ -728,6 +729,18 @@ def test_prefix_routing_and_encoder_skip():
         assert two.metric("prism:worker_embedding_cache_misses_total", tier="encoder") == 1
         assert two.metric("prism:worker_embedding_cache_hits_total", tier="encoder") == 0
         assert plain.metric("prism:encoder_skips_total") == 0
+        # a router that starts after the chat was cached (a restart) learns the holder's blocks from
+        # the listing the prefill sends every router once a router registers: the chat's first turn,
+        # sent again through it, goes to the holder and skips the encoder
+        two.kill("router")
+        two._start("router", "router", ["--model-path", two.model, "--port", str(two.ports[0]), "--control-endpoint",
+                                        two.ctls[0], "--drain-timeout", "0", *two.sec, "--no-early-encode"])
+        two.wait_ready()
+        wait_for(lambda: (two.metric("prism:worker_prefix_index_blocks", worker="prefill-%d" % holder) or 0) > 0, 20,
+                 "the restarted router to index the holder's blocks")
+        again = chat_turns(two, 1, salt)
+        assert_same_answer(again[0], refs[0], "turn 1 again, through the restarted router")
+        assert two.metric("prism:encoder_skips_total") == 1
         # the race: turn 2 skipped, found nothing cached, was sent again encoded
         lost = chat_turns(race, 2, salt)
         for t in range(2):

@@ -245,7 +245,7 @@ static void test_events(void **state)
     prism_kv_blocks_release(&b, ids, 8);
     prism_kv_prefix_clear(&c);
     assert_false(prism_kv_prefix_events_take(&c, &log));
-    /* more keys than a message carries: a reset listing the most recent held keys */
+    /* more keys than a message carries: a reset, then every held key listed again, a message's worth per take */
     int32_t *big = malloc(sizeof(int32_t) * (size_t)N * BS), *bid = malloc(sizeof(int32_t) * N);
     prism_kv_key_t *bk = malloc(sizeof(prism_kv_key_t) * N);
     fill(big, N * BS, 9);
@@ -253,11 +253,25 @@ static void test_events(void **state)
     assert_int_equal(prism_kv_blocks_alloc(&b, N, bid), PRISM_OK);
     prism_kv_prefix_insert(&c, bk, bid, N);
     prism_kv_blocks_release(&b, bid, N);
+    int seen = 0;
     assert_true(prism_kv_prefix_events_take(&c, &log));
     assert_true(log.reset);
     assert_int_equal(log.n_stored, PRISM_KV_PREFIX_EVENTS);
     assert_int_equal(log.n_evicted, 0);
-    assert_true(listed(log.stored, log.n_stored, bk[0]));   /* the first block is the most recent */
+    for (int i = 0; i < N; i++) seen += listed(log.stored, log.n_stored, bk[i]);
+    assert_true(prism_kv_prefix_events_take(&c, &log));
+    assert_false(log.reset);
+    assert_int_equal(log.n_stored, N - PRISM_KV_PREFIX_EVENTS);
+    for (int i = 0; i < N; i++) seen += listed(log.stored, log.n_stored, bk[i]);
+    assert_int_equal(seen, N);   /* every held key, once */
+    assert_false(prism_kv_prefix_events_take(&c, &log));
+    /* a resync (a router registered): reset, then what is held */
+    prism_kv_prefix_events_resync(&c);
+    assert_true(prism_kv_prefix_events_take(&c, &log));
+    assert_true(log.reset);
+    assert_int_equal(log.n_stored, PRISM_KV_PREFIX_EVENTS);
+    assert_true(prism_kv_prefix_events_take(&c, &log) && !log.reset);
+    assert_false(prism_kv_prefix_events_take(&c, &log));
     free(big);
     free(bid);
     free(bk);
