@@ -496,7 +496,7 @@ def router_seeds():
     # prefix events (PrefixEvents: stored, evicted, reset) from the prefill, malformed and oversized ones,
     # and from workers of other tiers (refused); a prefill's ERROR_PREFIX_MISS (the request is sent again)
     key = lambda i: struct.pack("<QQ", 0x1000 + i, 0x77 + i)
-    ev = lambda stored=b"", evicted=b"", reset=False: env_of(12, 21, (pb_bytes(1, stored) if stored else b"") + (
+    ev = lambda stored=b"", evicted=b"", reset=False: env_of(13, 22, (pb_bytes(1, stored) if stored else b"") + (
         pb_bytes(2, evicted) if evicted else b"") + (pb_int(3, 1) if reset else b""), 0, None)
     put(h, "prefix_events", bytes([2 | CHAT | MT4]) + rrec(PRE, ev(key(0) + key(1) + key(2))) +
         rrec(PRE, ev(key(3), key(1))) + rrec(PRE, ev(key(4), reset=True)) + rrec(PRE, ev(b"\x05" * 17)) +
