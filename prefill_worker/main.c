@@ -64,6 +64,9 @@ typedef struct {
     int span_rows[MAX_IMAGES];   /* image-token positions in each span: the rows it needs */
     prism_mrope_image_t mrope[MAX_IMAGES];   /* M-RoPE models: the spans' LM-token grids */
     prism_kv_image_t key_img[MAX_IMAGES];    /* the images as the prefix cache's keys see them */
+    bool img_cached[MAX_IMAGES];             /* ImageSpan.cached: no embeddings come, the cache must cover it */
+    prism_kv_key_t *keys;    /* [max_blocks_per_seq] slice of the key pool: Prefill.block_keys */
+    int n_keys;              /* 0: none came (this worker computes them) */
     char salt[PRISM_KV_PREFIX_MAX_SALT + 1];  /* Prefill.cache_salt */
     char decode_endpoint[256];
     double t_arrive;
@@ -89,6 +92,12 @@ typedef struct {
     bool prefix_on;
     prism_kv_prefix_t prefix;
     prism_kv_key_t *keys;    /* [max_blocks_per_seq] the running prompt's block keys */
+    prism_kv_key_t *key_pool; /* [max_pending][max_blocks_per_seq] the router's keys of each prompt */
+    uint64_t prefix_misses;  /* prompts refused: an image the router left unencoded was no longer cached */
+    /* test hook PRISM_TEST_PREFIX_EVICT_ON_ARRIVAL: a Prefill with an image marked cached finds the
+     * cache emptied first, as if prompts run in between had evicted it (the skip's race, on demand) */
+    bool test_evict_on_arrival;
+    uint64_t registrations_seen;   /* w.registrations at the last resync of the routers' indexes */
     uint64_t cache_queries, cache_hits, tokens_computed;   /* prompt tokens (heartbeat counters) */
     prism_seq_sampler_t sampler;  /* one slot: prompts run one at a time */
     size_t sampling_bytes;        /* what the sampler took at start-up (measured into the plan) */
@@ -276,6 +285,10 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
     else if (pf->n_token_ids == 0 || pf->n_token_ids >= (size_t)p->max_model_len) why = "prompt length out of range";
     else if (pf->n_images > MAX_IMAGES) why = "too many images";
     else if (pf->cache_salt && strlen(pf->cache_salt) > PRISM_KV_PREFIX_MAX_SALT) why = "cache salt too long";
+    /* the router's keys: one per full block, exactly (a count from elsewhere would index past the prompt) */
+    else if (pf->block_keys.len &&
+             pf->block_keys.len != (pf->n_token_ids / (size_t)p->f.block_size) * PRISM_KV_PREFIX_KEY_BYTES)
+        why = "block keys do not match the prompt's full blocks";
     else why = prism_seq_check(pf->sampling, p->cfg.vocab, p->max_model_len);
     /* a migrated request: prompt + the tokens generated before (the last Sampling.generated ids) */
     if (!why && pf->sampling->generated >= pf->n_token_ids) why = "generated tokens out of range";
@@ -337,7 +350,15 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
                                             (int32_t)pf->images[i]->grid_cols};
         r->key_img[i] = (prism_kv_image_t){pf->images[i]->offset, pf->images[i]->n_tokens, pf->images[i]->grid_rows,
                                            pf->images[i]->grid_cols, pf->images[i]->content_hash};
+        r->img_cached[i] = pf->images[i]->cached;
     }
+    r->n_keys = p->prefix_on ? (int)(pf->block_keys.len / PRISM_KV_PREFIX_KEY_BYTES) : 0;
+    bool any_cached = false;
+    for (int i = 0; i < r->n_images; i++) any_cached |= r->img_cached[i];
+    if (p->test_evict_on_arrival && p->prefix_on && any_cached)
+        PRISM_WARN("test hook: prefix cache emptied on the arrival of request %llu (%d blocks)",
+                   (unsigned long long)e->request_id, prism_kv_prefix_clear(&p->prefix));
+    if (r->n_keys) prism_kv_prefix_keys_get(pf->block_keys.data, r->n_keys, r->keys);
     snprintf(r->salt, sizeof(r->salt), "%s", pf->cache_salt ? pf->cache_salt : "");
     snprintf(r->decode_endpoint, sizeof(r->decode_endpoint), "%s", pf->decode_endpoint);
     r->t_arrive = prism_now_s();
@@ -483,6 +504,7 @@ static void on_msg(prism_worker_t *w, prism_msg_t *m, int source, void *ud)
 static bool ready(prefill_t *p, const preq_t *r)
 {
     for (int i = 0; i < r->n_images; i++) {
+        if (r->img_cached[i]) continue;   /* its KV is in the prefix cache: no embeddings come */
         const emb_slot_t *e = emb_find(p, r->seq.rid, r->seq.rid_hi, r->seq.router_id, (uint32_t)i);
         if (!e || e->got_rows < e->n_rows) return false;
     }
@@ -558,6 +580,65 @@ static bool hook_cancelled(void *ud, int item)
     return true;
 }
 
+/* Whether the cached prefix (its first `cached` positions) covers every image the router sent
+ * without embeddings. */
+static bool prefix_covers(const preq_t *r, int cached)
+{
+    for (int i = 0; i < r->n_images; i++)
+        if (r->img_cached[i] && r->span_off[i] + r->span_len[i] > (uint32_t)cached) return false;
+    return true;
+}
+
+/* Prefix cache: the leading full blocks an earlier prompt computed (same salt, tokens and images
+ * up to there) are read, not computed: into p->table[0..return), held. The last token is always
+ * computed (its logits give the first token). *n_full: the prompt's full blocks kept after it, their
+ * keys in p->keys (the router's, which the routers index; else this worker's own). */
+static int prefix_lookup(prefill_t *p, const preq_t *r, int *n_full)
+{
+    int bs = p->blocks.block_size;
+    *n_full = 0;
+    if (!p->prefix_on) return 0;
+    if (r->n_keys) {   /* on_prefill checked the count */
+        *n_full = r->n_keys;
+        memcpy(p->keys, r->keys, sizeof(*p->keys) * (size_t)r->n_keys);
+    } else {
+        *n_full = prism_kv_prefix_keys(&p->prefix, r->salt, strlen(r->salt), r->tokens, r->n_tokens, r->key_img,
+                                       r->n_images, p->keys);
+    }
+    /* An image without its content hash (a router older than the cache sends none) has no identity:
+     * nothing from its first block on is looked up or kept. */
+    for (int i = 0; i < r->n_images; i++)
+        if (!r->key_img[i].content_hash) *n_full = PRISM_MIN(*n_full, (int)(r->key_img[i].offset / (uint32_t)bs));
+    return prism_kv_prefix_match(&p->prefix, p->keys, PRISM_MIN(*n_full, (r->n_tokens - 1) / bs), p->table);
+}
+
+/* What the prefix cache kept and evicted since the last call, to every router (PrefixEvents): their
+ * indexes route prompts to the worker holding their prefix. */
+static void publish_prefix_events(prefill_t *p)
+{
+    prism_kv_prefix_log_t log;
+    if (!p->prefix_on) return;
+    /* a router that registered since knows nothing of the cache: every router starts again from a listing */
+    uint64_t reg = atomic_load(&p->w.registrations);
+    if (reg != p->registrations_seen) {
+        p->registrations_seen = reg;
+        prism_kv_prefix_events_resync(&p->prefix);
+    }
+    if (!prism_kv_prefix_events_take(&p->prefix, &log)) return;
+    uint8_t stored[PRISM_KV_PREFIX_EVENTS * PRISM_KV_PREFIX_KEY_BYTES];
+    uint8_t evicted[PRISM_KV_PREFIX_EVENTS * PRISM_KV_PREFIX_KEY_BYTES];
+    prism_kv_prefix_keys_put(log.stored, log.n_stored, stored);
+    prism_kv_prefix_keys_put(log.evicted, log.n_evicted, evicted);
+    Prism__PrefixEvents ev = PRISM__PREFIX_EVENTS__INIT;
+    ev.stored = (ProtobufCBinaryData){(size_t)log.n_stored * PRISM_KV_PREFIX_KEY_BYTES, stored};
+    ev.evicted = (ProtobufCBinaryData){(size_t)log.n_evicted * PRISM_KV_PREFIX_KEY_BYTES, evicted};
+    ev.reset = log.reset;
+    Prism__Envelope env = PRISM__ENVELOPE__INIT;
+    env.type = PRISM__MSG_TYPE__MSG_PREFIX_EVENTS;
+    env.prefix_events = &ev;
+    prism_worker_broadcast(&p->w, &env);
+}
+
 /* Runs one whole request (chunked) if one is ready and its blocks fit. */
 static void run_req(prefill_t *p, preq_t *r);
 
@@ -585,6 +666,7 @@ static void run_req(prefill_t *p, preq_t *r)
 {
     /* The rows each encoder sent must be exactly the image tokens the router laid out for them. */
     for (int i = 0; i < r->n_images; i++) {
+        if (r->img_cached[i]) continue;
         const emb_slot_t *e = emb_find(p, r->seq.rid, r->seq.rid_hi, r->seq.router_id, (uint32_t)i);
         if (e->n_rows != r->span_rows[i]) {
             PRISM_WARN("request %llu: image %d has %d embedding rows for %d image tokens", (unsigned long long)r->seq.rid,
@@ -605,18 +687,17 @@ static void run_req(prefill_t *p, preq_t *r)
         return;
     }
     int nb = prism_kv_blocks_for_tokens(&p->blocks, r->n_tokens), bs = p->blocks.block_size;
-    /* Prefix cache: the leading full blocks an earlier prompt computed (same salt, tokens and
-     * images up to there) are read, not computed. The last token is always computed: its logits
-     * give the first token. */
-    int n_full = 0, hit = 0;
-    if (p->prefix_on) {
-        n_full = prism_kv_prefix_keys(&p->prefix, r->salt, strlen(r->salt), r->tokens, r->n_tokens, r->key_img,
-                                      r->n_images, p->keys);
-        /* An image without its content hash (a router older than the cache sends none) has no
-         * identity: nothing from its first block on is looked up or kept. */
-        for (int i = 0; i < r->n_images; i++)
-            if (!r->key_img[i].content_hash) n_full = PRISM_MIN(n_full, (int)(r->key_img[i].offset / (uint32_t)bs));
-        hit = prism_kv_prefix_match(&p->prefix, p->keys, PRISM_MIN(n_full, (r->n_tokens - 1) / bs), p->table);
+    int n_full = 0, hit = prefix_lookup(p, r, &n_full);
+    if (!prefix_covers(r, hit * bs)) {
+        /* evicted between the router's look and now: the router sends it again, every image encoded */
+        prism_kv_blocks_release(&p->blocks, p->table, hit);
+        p->prefix_misses++;
+        PRISM_INFO("request %llu: an image sent without embeddings is no longer in the prefix cache (%d tokens "
+                   "cached): refused for the router to encode it", (unsigned long long)r->seq.rid, hit * bs);
+        send_error(p, r->seq.router_id, r->seq.rid, r->seq.rid_hi, PRISM__ERROR_KIND__ERROR_PREFIX_MISS,
+                   "prefix no longer cached for an image sent without embeddings");
+        release_request(p, r->seq.rid, r->seq.router_id);
+        return;
     }
     if ((p->prefix_on ? prism_kv_prefix_alloc(&p->prefix, nb - hit, p->table + hit)
                       : prism_kv_blocks_alloc(&p->blocks, nb, p->table)) != PRISM_OK) {
@@ -634,7 +715,7 @@ static void run_req(prefill_t *p, preq_t *r)
     double t_embedded = r->t_arrive;
     for (int i = 0; i < r->n_images; i++) {
         const emb_slot_t *e = emb_find(p, r->seq.rid, r->seq.rid_hi, r->seq.router_id, (uint32_t)i);
-        t_embedded = PRISM_MAX(t_embedded, e->t_done);
+        if (e) t_embedded = PRISM_MAX(t_embedded, e->t_done);
     }
     t_embedded = PRISM_MIN(t_embedded, t0);
     const int32_t *tables[1] = {p->table};
@@ -649,6 +730,7 @@ static void run_req(prefill_t *p, preq_t *r)
         bool any = false;
         memset(p->chunk_rows, 0, sizeof(*p->chunk_rows) * (size_t)n);
         for (int i = 0; i < r->n_images; i++) {
+            if (r->img_cached[i]) continue;   /* wholly before `cached` (prefix_covers) */
             const emb_slot_t *e = emb_find(p, r->seq.rid, r->seq.rid_hi, r->seq.router_id, (uint32_t)i);
             int lo = PRISM_MAX((int)r->span_off[i], start);
             int hi = PRISM_MIN((int)(r->span_off[i] + r->span_len[i]), start + n);
@@ -711,6 +793,8 @@ static void run_req(prefill_t *p, preq_t *r)
     /* its full blocks hold the prompt's KV now: kept for later prompts (the cache holds them on
      * after this request releases them below) */
     if (p->prefix_on) prism_kv_prefix_insert(&p->prefix, p->keys, p->table, n_full);
+    /* the routers learn what is kept before the first token: a client's next turn finds it indexed */
+    publish_prefix_events(p);
     /* The first token of each of the request's n sequences (one Tokens message each). */
     Prism__Tokens *first;
     int n_first = prism_seq_first_tokens(&r->seq, &p->sampler, p->logits, &p->cfg, p->max_model_len, &first);
@@ -973,6 +1057,8 @@ static int prefill_plan(void *ctx, prism_worker_startup_t *s)
     prism_mem_plan_add(pl, "prefix-index", p->prefix_on ? prism_kv_prefix_bytes((int)s->cap.kv_blocks) : 0,
                        PRISM_MEM_LIBRARY);
     PRISM_PLAN_POOL(pl, "prefix-keys", p->keys, p->prefix_on ? (size_t)p->max_blocks_per_seq : 0);
+    PRISM_PLAN_POOL(pl, "prompt-keys", p->key_pool,
+                    p->prefix_on ? (size_t)p->max_pending * p->max_blocks_per_seq : 0);
     /* the leader gathers a prompt's whole-model KV here for the decode worker */
     if (s->leader) PRISM_PLAN_POOL(pl, "kv-export", p->kv_out, (size_t)p->max_blocks_per_seq * p->block_bytes);
     PRISM_PLAN_POOL(pl, "embedding-pool", p->emb_pool, (size_t)p->n_pages * p->page_rows * p->row);
@@ -1010,7 +1096,10 @@ static int prefill_ready(void *ctx, prism_worker_startup_t *s)
         PRISM_WARN("test hook PRISM_TEST_KV_PIECE_GAP_S=%g is set: each KV transfer pauses that long between pieces",
                    p->kv_gap_s);
     }
-    for (int i = 0; i < p->max_pending; i++) p->reqs[i].tokens = p->token_pool + (size_t)i * p->max_model_len;
+    for (int i = 0; i < p->max_pending; i++) {
+        p->reqs[i].tokens = p->token_pool + (size_t)i * p->max_model_len;
+        p->reqs[i].keys = p->key_pool ? p->key_pool + (size_t)i * p->max_blocks_per_seq : NULL;
+    }
     for (int i = 0; i < p->n_pages; i++) p->free_pages[p->n_free_pages++] = p->n_pages - 1 - i;
     if (s->leader) {
         p->hook = (prism_model_hook_t){hook_layer, hook_cancelled, p};
@@ -1026,6 +1115,10 @@ static int prefill_run(void *ctx)
     prefill_t *p = ctx;
     PRISM_INFO("prefill: chunk %d tokens, embedding pool %d pages of %d rows (%d images of up to %d pages)", p->chunk,
                p->n_pages, p->page_rows, p->max_pages ? p->n_pages / p->max_pages : 0, p->max_pages);
+    p->test_evict_on_arrival = getenv("PRISM_TEST_PREFIX_EVICT_ON_ARRIVAL") != NULL;
+    if (p->test_evict_on_arrival)
+        PRISM_WARN("test hook PRISM_TEST_PREFIX_EVICT_ON_ARRIVAL is set: the prefix cache is emptied when a prompt "
+                   "with an image marked cached arrives");
     if (p->prefix_on)
         PRISM_INFO("prefix cache: on, in the %d KV blocks of %d tokens no prompt holds (a prompt takes at most %d)",
                    p->blocks.n_blocks, p->blocks.block_size, p->max_blocks_per_seq);
@@ -1040,6 +1133,7 @@ static int prefill_run(void *ctx)
             break;
         }
         publish_load(p);
+        publish_prefix_events(p);   /* evictions of a prompt that then waited for blocks */
         try_send_kv(p);
         bool work = false;
         for (int i = 0; i < p->max_pending && !p->kv_pending; i++)

@@ -297,6 +297,12 @@ static void metrics_requests(const router_t *r, prism_buf_t *b)
     prism_metric_write(b, "prism:prefill_tokens_computed_total", "counter",
                        "Prompt tokens the prefill workers' models computed (those not read from a prefix cache).", lbl,
                        (double)m->prefill_computed);
+    prism_metric_write(b, "prism:encoder_skips_total", "counter",
+                       "Images sent to no encoder: the chosen prefill worker's prefix cache held their whole span.",
+                       lbl, (double)m->encoder_skips);
+    prism_metric_write(b, "prism:prefix_resent_total", "counter",
+                       "Requests sent again with every image encoded: the prefix a skipped image counted on was evicted.",
+                       lbl, (double)m->prefix_resent);
     prism_hist_write(&m->ttft, b, "vllm:time_to_first_token_seconds", "Time to first token.", lbl);
     prism_hist_write(&m->itl, b, "vllm:inter_token_latency_seconds", "Mean time per output token of each request.", lbl);
     prism_hist_write(&m->e2e, b, "vllm:e2e_request_latency_seconds", "End-to-end request latency.", lbl);
@@ -469,6 +475,7 @@ static void metrics_workers(const router_t *r, prism_buf_t *b)
         {"prism:worker_prefix_cache_hits_total", "Prompt tokens the prefill worker found in its prefix cache."},
         {"prism:worker_prompt_tokens_computed_total", "Prompt tokens the prefill worker's model computed."},
         {"prism:worker_image_decodes_peak", "Most images the encoder decoded at once since it started."},
+        {"prism:worker_prefix_index_blocks", "Prefix-cache blocks this router knows the prefill worker holds (its events)."},
     };
     for (size_t g = 0; g < PRISM_ARRAY_LEN(gauges); g++) {
         prism_buf_appendf(b, "# HELP %s %s\n# TYPE %s %s\n", gauges[g][0], gauges[g][1], gauges[g][0],
@@ -484,7 +491,7 @@ static void metrics_workers(const router_t *r, prism_buf_t *b)
                           (double)w->seqs_aborted, (double)w->prompts_aborted, (double)w->sends_waited,
                           (double)(w->preemptions + w->swaps + w->migrations_out), (double)w->migrations_out,
                           (double)w->swaps, (double)w->kv_swap_bytes, (double)w->prefix_queries, (double)w->prefix_hits,
-                          (double)w->prefill_computed, w->image_decodes_peak};
+                          (double)w->prefill_computed, w->image_decodes_peak, (double)w->prefix.n};
             _Static_assert(PRISM_ARRAY_LEN(v) == PRISM_ARRAY_LEN(gauges), "one value per gauge");
             prism_metric_label_value(wid, sizeof(wid), w->id);  /* ids come from the network */
             snprintf(lbl, sizeof(lbl), "tier=\"%s\",worker=\"%s\"", prism_role_name(w->role), wid);

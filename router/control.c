@@ -114,6 +114,19 @@ static void on_heartbeat(router_t *r, router_worker_t *w, const prism_msg_t *m)
     }
 }
 
+/* A prefill's PrefixEvents into its index (prefix_index.h). Refused: from another tier, or a key
+ * list that is no whole number of keys or longer than a worker sends (the index stays as it was). */
+static bool on_prefix_events(router_worker_t *w, const Prism__PrefixEvents *ev)
+{
+    if (w->role != PRISM__ROLE__ROLE_PREFILL) {
+        PRISM_WARN("%s worker %s sent prefix events: ignored", prism_role_name(w->role), w->id);
+        return false;
+    }
+    if (router_prefix_index_apply(&w->prefix, ev)) return true;
+    PRISM_WARN("prefill worker %s: malformed prefix events ignored", w->id);
+    return false;
+}
+
 static void dispatch(router_t *r, prism_msg_t *m)
 {
     const Prism__Envelope *e = m->env;
@@ -162,6 +175,9 @@ static void dispatch(router_t *r, prism_msg_t *m)
         break;
     case PRISM__MSG_TYPE__MSG_ENCODE_DONE:
         ok = e->encode_done && router_handle_encode_done(r, w, e->request_id, e->request_id_hi, e->encode_done);
+        break;
+    case PRISM__MSG_TYPE__MSG_PREFIX_EVENTS:
+        ok = on_prefix_events(w, e->prefix_events);
         break;
     default:
         ok = false;

@@ -108,6 +108,14 @@ void router_early_send(router_t *r, const prism_http_req_t *h, int index, const 
     if (!w || !w->cache_units) return;   /* an early job is only worth a cache entry */
     for (int k = 0; k < w->n_hashes; k++)
         if (w->image_hashes[k] == hash) return;   /* sent there lately: its cache probably has it */
+    /* a prefill's prefix cache covered it lately (sched.c: the request skipped its encoder): its next
+     * turn will likely skip it too */
+    for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
+        const router_worker_t *p = &r->workers[i];
+        if (!p->used || p->role != PRISM__ROLE__ROLE_PREFILL) continue;
+        for (int k = 0; k < p->n_hashes; k++)
+            if (p->image_hashes[k] == hash) return;
+    }
     uint64_t rid, rid_hi;
     if (router_req_new_id(r, &rid, &rid_hi) != PRISM_OK) return;
     Prism__Encode en = PRISM__ENCODE__INIT;

@@ -267,6 +267,9 @@ static int open_keys(router_t *r, const router_flags_t *f)
         return 1;
     }
     if (XXH3_generateSecret(r->img_secret, sizeof(r->img_secret), seed, PRISM_NET_KEY_Z85) != XXH_OK) return 1;
+    /* the prefix-cache keys' from the same seed (labelled apart): routers of a cluster agree on a
+     * prompt's keys, so each one's index reads the same prefill events */
+    if (prism_kv_prefix_secret(r->prefix_secret, seed, PRISM_NET_KEY_Z85) != PRISM_OK) return 1;
     memset(seed, 0, sizeof(seed));
     if (prism_random_bytes(&r->trace_seed, sizeof r->trace_seed) != PRISM_OK) {   /* ours alone, unlike the key */
         PRISM_ERROR("no randomness from the kernel for trace ids");

@@ -199,6 +199,8 @@ void router_req_free(router_req_t *q)
     prism_free(q->kept);
     router_prompt_free(&q->prompt);
     prism_free(q->msg.ids);
+    prism_free(q->msg.keys);
+    prism_free(q->msg.key_bytes);
     prism_free(q->mig.gen);
     router_req_drop_held(q);
     prism_free(q->held);

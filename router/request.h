@@ -69,6 +69,13 @@ typedef struct {
     Prism__Encode encode;         /* one image's, filled per image as it is sent */
     Prism__Envelope env;          /* around either */
     int32_t *ids;                 /* after a migration: the prompt and the tokens generated (owned) */
+    /* the prompt's prefix-cache keys (sched.c prefix_keys; Prefill.block_keys): for the prefill
+     * pick and the encoder skip; computed per block size and prompt length (a migration's is longer) */
+    prism_kv_key_t *keys;         /* [n_keys] (owned) */
+    uint8_t *key_bytes;           /* [n_keys * PRISM_KV_PREFIX_KEY_BYTES] as sent (owned) */
+    int n_keys, n_lookup;         /* keys; those a cache may match (no image without identity, not the last token) */
+    uint32_t key_block_size;      /* 0: none computed */
+    size_t keys_for;              /* the prompt length they were computed for */
 } router_msgs_t;
 
 /* Where it runs now (sched.c): this attempt's workers, and what the attempts so far learnt. */
@@ -85,6 +92,7 @@ typedef struct {
     int attempts;                 /* dispatches so far; a retry is one more (bounded by --max-retries) */
     char avoid[4][ROUTER_WORKER_ID_MAX + 1];   /* workers an earlier attempt got stuck on: others first */
     int n_avoid;
+    bool no_skip;                 /* encode every image: the prefill's cache lost what a skip counted on */
     const char *waiting_for;      /* while queued because a tier has no worker at all: its name */
     unsigned wait_tiers;          /* ROUTER_TIER_* bits it waited for at its last dispatch */
     uint64_t kv_expect;           /* KV blocks counted in its decode worker's kv_expect (router_kv_room) */

@@ -151,6 +151,7 @@ static int error_status(Prism__ErrorKind kind, int unset)
     case PRISM__ERROR_KIND__ERROR_OVERLOAD:    return 503;
     case PRISM__ERROR_KIND__ERROR_UNAVAILABLE: return 503;
     case PRISM__ERROR_KIND__ERROR_INTERNAL:    return 500;
+    case PRISM__ERROR_KIND__ERROR_PREFIX_MISS: return 503;   /* sent again already, or it could not be */
     default:                                   return unset;
     }
 }
@@ -233,10 +234,14 @@ static void tokens_first(router_t *r, router_req_t *q, const Prism__Tokens *t, d
 
 static bool req_migrate(router_req_t *q, const router_worker_t *w, const char *why);
 static void req_move_kv(router_req_t *q);
+static bool req_resend(router_req_t *q);
 
 static void tokens_apply(router_t *r, router_req_t *q, const Prism__Tokens *t)
 {
     int i = (int)t->index;
+    /* the prefill's cache lost the prefix a skipped image counted on: again, every image encoded
+     * (before the accounting: this attempt's choices did not end) */
+    if (t->error && *t->error && t->error_kind == PRISM__ERROR_KIND__ERROR_PREFIX_MISS && req_resend(q)) return;
     tokens_account(q, t);
     if (t->error && *t->error) {
         char msg[300];
@@ -419,6 +424,29 @@ static bool req_retry(router_req_t *q, const char *why)
     r->queue_dirty = true;
     PRISM_INFO("request %llu: %s; retried as %llu (attempt %d of %d)", (unsigned long long)old, why,
                (unsigned long long)q->rid, pl->attempts + 1, r->max_retries + 1);
+    return true;
+}
+
+/* Its prefill refused it (ERROR_PREFIX_MISS): an image sent to no encoder because the prefill's
+ * prefix cache held its span was evicted before the request came. Nothing was said to the client:
+ * it goes again, ahead of the queue, to a prefill by the same rules but with every image encoded
+ * (the image bytes are kept until the first token). Once per request: a second refusal fails it. */
+static bool req_resend(router_req_t *q)
+{
+    router_t *r = q->r;
+    if (q->stage != STAGE_SENT || q->place.no_skip || r->queue_len == r->reqs_cap) return false;
+    for (int i = 0; i < q->prompt.n_images; i++)
+        if (!q->prompt.img[i]) return false;   /* let go already: nothing to encode */
+    uint64_t old = q->rid;
+    q->place.no_skip = true;
+    router_sched_release(q);
+    q->stage = STAGE_QUEUED;
+    bool queued = router_queue_push_front(r, q->rid);   /* room checked above */
+    PRISM_ASSERT(queued);
+    r->metrics.prefix_resent++;
+    r->queue_dirty = true;
+    PRISM_INFO("request %llu: its prefill no longer holds the prefix of an image sent without embeddings; sent again "
+               "as %llu with every image encoded", (unsigned long long)old, (unsigned long long)q->rid);
     return true;
 }
 

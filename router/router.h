@@ -16,6 +16,7 @@
  *   prompt.c    what a request sends to workers: images, chat template, tokens, image spans
  *   send.c      messages to one worker (work, aborts) over the control socket
  *   workers.c   worker registry (a leaf: capacity, load, picking a worker; no sockets)
+ *   prefix_index.c  what each prefill's prefix cache holds (its PrefixEvents): prefix-aware picks
  */
 #ifndef PRISM_ROUTER_H
 #define PRISM_ROUTER_H
@@ -33,6 +34,7 @@
 #include "image/llama4_proc.h"
 #include "image/qwenvl_proc.h"
 #include "plan.h"
+#include "prefix_index.h"
 
 #include <jansson.h>
 #include <uv.h>
@@ -41,7 +43,8 @@
 #define ROUTER_WORKER_STAGES 3   /* most stages a tier's worker is timed on (decode: queue, first step, rest) */
 #define ROUTER_MAX_IMAGES 64
 #define ROUTER_MAX_HELD_TOKENS 256        /* decode Tokens messages held for the prefill's (requests.c) */
-#define ROUTER_AFFINITY_SLACK 2   /* requests in flight a warm encoder may have beyond the least loaded */
+#define ROUTER_AFFINITY_SLACK 2   /* requests in flight a warm encoder (or a prefill holding the
+                                   * prompt's prefix) may have beyond the least loaded */
 #define ROUTER_MAX_WORKER_MSG (4 << 20)  /* largest frame a worker may send up (tokens with logprobs) */
 #define ROUTER_IO_THREADS 3      /* ZeroMQ I/O threads (router/main.c open_keys) */
 #define ROUTER_ANSWER_EST_DEFAULT 256   /* tokens an answer is expected to take before any ended (sched.c) */
@@ -76,6 +79,7 @@ typedef struct {
     uint64_t migrations_out;      /* decode: sequences it preempted by sending their KV to another decode */
     uint64_t prefix_queries, prefix_hits, prefill_computed;   /* prefill: prompt tokens (heartbeats) */
     uint32_t image_decodes_peak;  /* encoders: most images decoded at once since start (its image pool) */
+    router_prefix_index_t prefix; /* prefill: the blocks its prefix cache holds, from its PrefixEvents */
     uint64_t heartbeats;          /* received since registration: lets a reader wait for fresh numbers */
     double registered_at;         /* first registration of this slot (prism_now_s) */
     double send_failed_at;        /* last failed send (its connection is gone): not picked until it is heard again */
@@ -165,6 +169,9 @@ typedef struct router {
     bool timing_header;         /* x-prism-timing on responses (operators: it shows image cache hits) */
     bool early_encode;          /* whole images go to an encoder before their body ends (early_encode.c) */
     uint8_t img_secret[192];    /* XXH3 secret for image cache keys (a client cannot aim at a cached entry) */
+    /* the prefix-cache key chain's (Prefill.block_keys): derived from router.key as img_secret is, so
+     * every router of a cluster names a prefix alike and reads the same workers' events */
+    uint8_t prefix_secret[PRISM_KV_PREFIX_SECRET_BYTES];
     uint64_t trace_seed;        /* this router's own (random): the trace ids it makes (router_trace_of) */
     uint64_t max_image_bytes;   /* one image's file bytes, data URL or fetched (--max-image-bytes) */
     bool fetch_urls;            /* image URLs are fetched (fetch is open); set once at start-up */
@@ -322,6 +329,9 @@ bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat
 void router_worker_drop(router_worker_t *w);
 /* Remembers that an image with this content hash went to w (its embedding cache may hold it). */
 void router_worker_note_image(router_worker_t *w, uint64_t hash);
+/* Leading blocks of keys[0..n) (of block_size tokens) w's prefix cache holds as its events told
+ * (0 for a worker of another block size). */
+int router_worker_prefix_hit(const router_worker_t *w, const prism_kv_key_t *keys, int n, uint32_t block_size);
 /* The request stages a worker of role is timed on (its prism:worker_stage_seconds): encoders per
  * image (image_decode, vit), prefill and decode per finished request; *n of them (0: none). */
 const router_time_stage_t *router_worker_stages(int role, int *n);
@@ -364,6 +374,11 @@ typedef struct {
     /* decode: the request's prompt tokens and the tokens each sequence is expected to add (kv_prompt
      * 0: no KV counted for it); the pick weighs each worker's KV room after it (router_kv_room) */
     uint64_t kv_prompt, kv_more;
+    /* prefill: the prompt's block keys (of prefix_block_size tokens): the worker whose index holds
+     * the longest leading run of them wins, within ROUTER_AFFINITY_SLACK of the least loaded */
+    const prism_kv_key_t *prefix_keys;
+    int n_prefix_keys;
+    uint32_t prefix_block_size;
 } router_want_t;
 /* KV blocks on decode worker w for n sequences of prompt + more tokens each (at most its context),
  * sharing the prompt's full blocks when n > 1 (decode_worker's rule, prism_kv_blocks_for_shared). */

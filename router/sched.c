@@ -217,9 +217,47 @@ static bool decode_fits(const router_t *r, const router_req_t *q, char *msg, siz
     return false;
 }
 
+/* The prompt's prefix-cache keys for the block size of the registered prefill workers (the first
+ * one's: a cluster runs one), kept until the prompt or that size changes. False without them (no
+ * prefill worker, no memory: the pick goes by load and every image is encoded). */
+static bool prefix_keys(router_t *r, router_req_t *q)
+{
+    router_msgs_t *m = &q->msg;
+    uint32_t bs = 0;
+    for (int i = 0; i < ROUTER_MAX_WORKERS && !bs; i++)
+        if (r->workers[i].used && r->workers[i].role == PRISM__ROLE__ROLE_PREFILL) bs = r->workers[i].block_size;
+    if (!bs) return false;
+    size_t n_tok = m->prefill.n_token_ids;
+    if (m->key_block_size == bs && m->keys_for == n_tok) return true;
+    int n = (int)(n_tok / bs);
+    prism_kv_key_t *keys = prism_realloc(m->keys, sizeof(*keys) * (size_t)PRISM_MAX(n, 1));
+    if (keys) m->keys = keys;
+    uint8_t *bytes = keys ? prism_realloc(m->key_bytes, (size_t)PRISM_MAX(n, 1) * PRISM_KV_PREFIX_KEY_BYTES) : NULL;
+    if (bytes) m->key_bytes = bytes;
+    m->key_block_size = 0;
+    if (!keys || !bytes) return false;
+    prism_kv_image_t img[ROUTER_MAX_IMAGES];
+    const router_prompt_t *p = &q->prompt;
+    for (int i = 0; i < p->n_images; i++)
+        img[i] = (prism_kv_image_t){p->img_offset[i], p->img_span[i], p->img_rows[i], p->img_cols[i], p->img_hash[i]};
+    const char *salt = q->oai.cache_salt;
+    m->n_keys = prism_kv_prefix_chain(r->prefix_secret, (int)bs, salt, strlen(salt), m->prefill.token_ids, (int)n_tok,
+                                      img, p->n_images, m->keys);
+    prism_kv_prefix_keys_put(m->keys, m->n_keys, m->key_bytes);
+    /* what a prefill looks up (prefill_worker run_req): never the last token's block, nothing from an
+     * image without identity on */
+    m->n_lookup = PRISM_MIN(m->n_keys, (int)((n_tok - 1) / bs));
+    for (int i = 0; i < p->n_images; i++)
+        if (!p->img_hash[i]) m->n_lookup = PRISM_MIN(m->n_lookup, (int)(p->img_offset[i] / bs));
+    m->key_block_size = bs;
+    m->keys_for = n_tok;
+    return true;
+}
+
 /* The workers one attempt goes to. */
 typedef struct {
     router_worker_t *prefill, *decode;
+    bool skip[ROUTER_MAX_IMAGES];        /* sent to no encoder: the prefill's prefix cache covers its span */
     router_worker_t *enc[ROUTER_MAX_IMAGES];
     uint64_t early[ROUTER_MAX_IMAGES];   /* the early job image i's Encode adopts (its slot is counted), 0 none */
     const char *waiting_for;             /* a tier with no worker at all */
@@ -244,12 +282,28 @@ static int plan(router_t *r, const router_req_t *q, plan_t *p, char *msg, size_t
     router_load_t planned[ROUTER_MAX_IMAGES];
     int n_planned = 0;
     memset(p, 0, sizeof *p);
-    p->prefill = pick(r, q, PRISM__ROLE__ROLE_PREFILL, 0, 1, 0, NULL, 0, &any_pf);
+    const router_msgs_t *m = &q->msg;
+    router_want_t want = {.role = PRISM__ROLE__ROLE_PREFILL, .slots = 1, .avoid = q->place.avoid,
+                          .n_avoid = q->place.n_avoid};
+    if (m->key_block_size && m->keys_for == m->prefill.n_token_ids) {   /* the longest cached prefix, within the slack */
+        want.prefix_keys = m->keys;
+        want.n_prefix_keys = m->n_lookup;
+        want.prefix_block_size = m->key_block_size;
+    }
+    p->prefill = router_pick_want(r, &want, &any_pf);
+    /* Images wholly inside the prefix it holds need no encoder: their KV is read, not computed. */
+    int hit = p->prefill && !q->place.no_skip
+                  ? router_worker_prefix_hit(p->prefill, want.prefix_keys, want.n_prefix_keys, want.prefix_block_size)
+                  : 0;
+    for (int i = 0; i < q->prompt.n_images; i++)
+        p->skip[i] = q->prompt.img_hash[i] &&
+                     (uint64_t)q->prompt.img_offset[i] + q->prompt.img_span[i] <= (uint64_t)hit * m->key_block_size;
     /* decode: by KV room after the request and the expected growth of what runs there */
     router_want_t dw = {.role = PRISM__ROLE__ROLE_DECODE, .slots = router_req_n(q), .avoid = q->place.avoid,
                         .n_avoid = q->place.n_avoid, .kv_prompt = q->msg.prefill.n_token_ids, .kv_more = kv_more(r, q)};
     p->decode = router_pick_want(r, &dw, &any_dc);
     for (int i = 0; i < q->prompt.n_images && enc_room; i++) {
+        if (p->skip[i]) continue;
         uint64_t hash = q->prompt.img_hash[i];
         /* an early job of this image still held: the request takes it over (its slot is counted) */
         if ((p->enc[i] = router_early_claim(r, hash, p->early, i, &p->early[i]))) continue;
@@ -323,6 +377,12 @@ static int commit(router_t *r, router_req_t *q, const plan_t *p)
     m->env.trace_id_lo = q->trace.lo;
     m->env.prefill = &m->prefill;
     m->env.encode = NULL;
+    /* the keys it keeps blocks under, so every router's index reads its events (same block size only) */
+    bool keys = m->key_block_size && m->key_block_size == p->prefill->block_size &&
+                m->keys_for == m->prefill.n_token_ids;
+    m->prefill.block_keys = (ProtobufCBinaryData){keys ? (size_t)m->n_keys * PRISM_KV_PREFIX_KEY_BYTES : 0,
+                                                  keys ? m->key_bytes : NULL};
+    for (int i = 0; i < q->prompt.n_images; i++) m->spans[i].cached = p->skip[i];
     if (router_send(r, p->prefill, &m->env, NULL, 0) != PRISM_OK) {
         PRISM_WARN("request %llu: prefill worker %s unreachable; the request waits", (unsigned long long)q->rid,
                    p->prefill->id);
@@ -339,9 +399,14 @@ static int commit(router_t *r, router_req_t *q, const plan_t *p)
     p->decode->kv_expect += pl->kv_expect;
     p->decode->kv_sent += router_kv_blocks(p->decode, prompt, 1, router_req_n(q));
     for (int i = 0; i < q->prompt.n_images; i++)
-        if (!send_encode(r, q, p, i)) {
+        if (!p->skip[i] && !send_encode(r, q, p, i)) {
             router_sched_release(q);
             return ROUTER_DISPATCH_WAIT;
+        }
+    for (int i = 0; i < q->prompt.n_images; i++)
+        if (p->skip[i]) {
+            r->metrics.encoder_skips++;
+            router_worker_note_image(p->prefill, q->prompt.img_hash[i]);   /* no early encode of it (early_encode.c) */
         }
     q->stage = STAGE_SENT;
     q->time.dispatch = now;
@@ -353,6 +418,7 @@ static int commit(router_t *r, router_req_t *q, const plan_t *p)
 int router_sched_dispatch(router_t *r, router_req_t *q, char *msg, size_t n)
 {
     plan_t p;
+    prefix_keys(r, q);   /* for the prefill pick and the encoder skip (none: by load, every image encoded) */
     int status = plan(r, q, &p, msg, n);
     /* An admitted request comes before early jobs (early_encode.c): when encoders alone lack room,
      * the slots running early jobs hold are taken for it, one at a time, while that helps. */

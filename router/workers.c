@@ -57,6 +57,7 @@ int router_worker_register(router_t *r, const char *id, const char *peer_key, co
         }
         memset(w, 0, sizeof(*w));
         w->registered_at = prism_now_s();
+        router_prefix_index_init(&w->prefix, g->role == PRISM__ROLE__ROLE_PREFILL ? g->kv_blocks : 0);
         for (int i = 0; i < ROUTER_WORKER_STAGES; i++)
             prism_hist_init(&w->stage[i], prism_buckets_ttft, prism_buckets_ttft_n);
         PRISM_INFO("%s worker %s registered (data %s)", prism_role_name(g->role), id,
@@ -145,6 +146,7 @@ bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat
 
 void router_worker_drop(router_worker_t *w)
 {
+    router_prefix_index_free(&w->prefix);
     w->used = false;
 }
 
@@ -258,11 +260,22 @@ static bool candidate(const router_worker_t *w, const router_want_t *want)
     return w->used && w->role == want->role && !w->stuck;
 }
 
+int router_worker_prefix_hit(const router_worker_t *w, const prism_kv_key_t *keys, int n, uint32_t block_size)
+{
+    if (n <= 0 || w->block_size != block_size) return 0;
+    return router_prefix_index_match(&w->prefix, keys, n);
+}
+
+static int prefix_hit(const router_worker_t *w, const router_want_t *want)
+{
+    return router_worker_prefix_hit(w, want->prefix_keys, want->n_prefix_keys, want->prefix_block_size);
+}
+
 static router_worker_t *pick_pass(router_t *r, const router_want_t *want, bool avoid, bool *any)
 {
     router_worker_t *best = NULL, *warm = NULL;
     double best_load = 0;
-    int n_ties = 0;
+    int n_ties = 0, warm_hit = 0;
     *any = false;
     for (int i = 0; i < ROUTER_MAX_WORKERS; i++) {
         router_worker_t *w = &r->workers[i];
@@ -272,6 +285,11 @@ static router_worker_t *pick_pass(router_t *r, const router_want_t *want, bool a
         if (!pickable(w, s, want, avoid)) continue;  /* full (the request waits here), unreachable or draining */
         for (int k = 0; want->prefer_hash && !warm && k < w->n_hashes; k++)
             if (w->image_hashes[k] == want->prefer_hash) warm = w;  /* its embedding cache probably has it */
+        int hit = prefix_hit(w, want);   /* the longest cached prefix; among equals, the less loaded */
+        if (hit > warm_hit || (hit && hit == warm_hit && load_of(w, s, want) < load_of(warm, seen(warm, want), want))) {
+            warm = w;
+            warm_hit = hit;
+        }
         double l = load_of(w, s, want);
         if (!best || l < best_load) {
             best = w;

@@ -261,6 +261,18 @@ def prefill_seeds():
     put(h, "wrong_high_half", rec(OP_ROUTER, prefill_msg(44, img, spans)) +
         rec(OP_DATA, embeddings_msg(44, rid_hi=0x5EC12E7), [ROWS]) + turn() +
         rec(OP_DATA, embeddings_msg(44), [ROWS]) + turn())
+    # the router's block keys (Prefill.block_keys, 16 bytes a full block: one here) and an image it sent
+    # to no encoder (ImageSpan.cached): a cache that does not cover it refuses the prompt (ERROR_PREFIX_MISS)
+    long_img = img + list(range(60, 80))
+    keyed = lambda rid, keys, cached: env_of(5, 15, pb_packed(1, long_img) + pb_bytes(2, pb_int(1, spans[0][0]) + pb_int(
+        2, spans[0][1]) + pb_int(5, 0xC0FFEE) + (pb_int(6, 1) if cached else b"")) + pb_bytes(3, sampling()) +
+        pb_bytes(4, PEER_EP) + pb_bytes(7, keys), rid, ROUTER_ID)
+    n_blocks = len(long_img) // 16
+    put(h, "block_keys_and_cached_image", rec(OP_ROUTER, keyed(45, bytes(range(16)) * n_blocks, False)) +
+        rec(OP_DATA, embeddings_msg(45), [ROWS]) + turn(2) +
+        rec(OP_ROUTER, keyed(46, bytes(range(16)) * n_blocks, True)) + turn(2) +
+        rec(OP_ROUTER, keyed(47, b"\x01" * 17, False)) + rec(OP_ROUTER, keyed(48, b"\x02" * (16 * n_blocks + 16), True)) +
+        turn())
     put(h, "nan_rows", rec(OP_ROUTER, prefill_msg(43, img, spans, sampling(logprobs=4))) +
         rec(OP_DATA, embeddings_msg(43), [(IMAGE_ROWS * HIDDEN * 4, b"\x00\x00\xc0\x7f")]) + turn())
 
@@ -509,6 +521,17 @@ def router_seeds():
     put(h, "regress-early-job-of-an-abandoned-body", bytes([ABANDON]))
     put(h, "regress-early-job-answered-then-abandoned", bytes([ABANDON | ONE | CHAT | MT4]) +
         rrec(ENC, env_of(7, 14, done, 1, None)) + rrec(PRE, tokens_msg(0, [17], 0, True)))
+    # prefix events (PrefixEvents: stored, evicted, reset) from the prefill, malformed and oversized ones,
+    # and from workers of other tiers (refused); a prefill's ERROR_PREFIX_MISS (the request is sent again)
+    key = lambda i: struct.pack("<QQ", 0x1000 + i, 0x77 + i)
+    ev = lambda stored=b"", evicted=b"", reset=False: env_of(13, 22, (pb_bytes(1, stored) if stored else b"") + (
+        pb_bytes(2, evicted) if evicted else b"") + (pb_int(3, 1) if reset else b""), 0, None)
+    put(h, "prefix_events", bytes([2 | CHAT | MT4]) + rrec(PRE, ev(key(0) + key(1) + key(2))) +
+        rrec(PRE, ev(key(3), key(1))) + rrec(PRE, ev(key(4), reset=True)) + rrec(PRE, ev(b"\x05" * 17)) +
+        rrec(PRE, ev(b"\x06" * (16 * 513))) + rrec(ENC, ev(key(5))) + rrec(DEC, ev(evicted=key(4))) +
+        rrec(PRE, tokens_msg(0, [], 4, True, "prefix no longer cached for an image sent without embeddings", 5)) +
+        rrec(PRE, tokens_msg(0, [], 4, True, "prefix no longer cached for an image sent without embeddings", 5)) +
+        rrec(PRE, tokens_msg(1, [17], LENGTH, True)))
     put(h, "encode_done_unknown", bytes([0]) + rrec(ENC, env_of(7, 14, done, 0, None)) +
         rrec(ENC, env_of(7, 14, done + pb_bytes(5, "bad image") + pb_int(6, 1), 123456789, None)) +
         rrec(ENC, env_of(7, 0, b"", 5, None)) + rrec(DEC, env_of(99, 0, b"", 5, None)) + rrec(PRE, b"\x08\x01junk"))

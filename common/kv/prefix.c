@@ -15,7 +15,8 @@ static uint32_t table_size(int n_blocks)
 
 size_t prism_kv_prefix_bytes(int n_blocks)
 {
-    return (size_t)n_blocks * (sizeof(prism_kv_key_t) + 2 * sizeof(int32_t)) + table_size(n_blocks) * sizeof(int32_t);
+    return (size_t)n_blocks * (sizeof(prism_kv_key_t) + 2 * sizeof(int32_t)) + table_size(n_blocks) * sizeof(int32_t) +
+           2 * PRISM_KV_PREFIX_EVENTS * sizeof(prism_kv_key_t);
 }
 
 int prism_kv_prefix_init(prism_kv_prefix_t *c, prism_kv_blocks_t *b)
@@ -32,7 +33,9 @@ int prism_kv_prefix_init(prism_kv_prefix_t *c, prism_kv_blocks_t *b)
     c->prev = prism_malloc(sizeof(int32_t) * (size_t)n);
     c->next = prism_malloc(sizeof(int32_t) * (size_t)n);
     c->slots = prism_malloc(sizeof(int32_t) * ts);
-    if (!c->keys || !c->prev || !c->next || !c->slots) {
+    c->log.stored = prism_malloc(sizeof(prism_kv_key_t) * PRISM_KV_PREFIX_EVENTS);
+    c->log.evicted = prism_malloc(sizeof(prism_kv_key_t) * PRISM_KV_PREFIX_EVENTS);
+    if (!c->keys || !c->prev || !c->next || !c->slots || !c->log.stored || !c->log.evicted) {
         prism_kv_prefix_free(c);
         return PRISM_ENOMEM;
     }
@@ -40,6 +43,7 @@ int prism_kv_prefix_init(prism_kv_prefix_t *c, prism_kv_blocks_t *b)
     for (uint32_t i = 0; i < ts; i++) c->slots[i] = -1;
     c->mask = ts - 1;
     c->lru = c->mru = -1;
+    c->log.resync_at = -1;
     return PRISM_OK;
 }
 
@@ -54,26 +58,29 @@ void prism_kv_prefix_free(prism_kv_prefix_t *c)
     prism_free(c->prev);
     prism_free(c->next);
     prism_free(c->slots);
+    prism_free(c->log.stored);
+    prism_free(c->log.evicted);
     memset(c, 0, sizeof *c);
 }
 
 /* ---- the chain ---- */
 
-int prism_kv_prefix_keys(const prism_kv_prefix_t *c, const void *salt, size_t salt_len, const int32_t *tokens,
-                         int n_tokens, const prism_kv_image_t *images, int n_images, prism_kv_key_t *out)
+int prism_kv_prefix_chain(const uint8_t *secret, int block_size, const void *salt, size_t salt_len,
+                          const int32_t *tokens, int n_tokens, const prism_kv_image_t *images, int n_images,
+                          prism_kv_key_t *out)
 {
-    int bs = c->blocks->block_size, n_full = n_tokens / bs, img = 0;
+    int bs = block_size, n_full = bs > 0 ? n_tokens / bs : 0, img = 0;
     XXH3_state_t st;
     /* the root: the salt, with its length so that no salt is another's prefix */
     uint64_t len = salt ? salt_len : 0;
-    XXH3_128bits_reset_withSecret(&st, c->secret, sizeof c->secret);
+    XXH3_128bits_reset_withSecret(&st, secret, PRISM_KV_PREFIX_SECRET_BYTES);
     XXH3_128bits_update(&st, "prism-prefix-root", 17);
     XXH3_128bits_update(&st, &len, sizeof len);
     if (len) XXH3_128bits_update(&st, salt, salt_len);
     XXH128_hash_t h = XXH3_128bits_digest(&st);
     for (int b = 0; b < n_full; b++) {
         uint32_t lo = (uint32_t)(b * bs), hi = lo + (uint32_t)bs;
-        XXH3_128bits_reset_withSecret(&st, c->secret, sizeof c->secret);
+        XXH3_128bits_reset_withSecret(&st, secret, PRISM_KV_PREFIX_SECRET_BYTES);
         XXH3_128bits_update(&st, &h, sizeof h);
         XXH3_128bits_update(&st, tokens + lo, sizeof(int32_t) * (size_t)bs);
         /* every image whose span touches the block: its placeholders stand for its embeddings */
@@ -88,6 +95,54 @@ int prism_kv_prefix_keys(const prism_kv_prefix_t *c, const void *salt, size_t sa
         out[b] = (prism_kv_key_t){h.low64, h.high64};
     }
     return n_full;
+}
+
+int prism_kv_prefix_keys(const prism_kv_prefix_t *c, const void *salt, size_t salt_len, const int32_t *tokens,
+                         int n_tokens, const prism_kv_image_t *images, int n_images, prism_kv_key_t *out)
+{
+    return prism_kv_prefix_chain(c->secret, c->blocks->block_size, salt, salt_len, tokens, n_tokens, images, n_images,
+                                 out);
+}
+
+int prism_kv_prefix_secret(uint8_t secret[PRISM_KV_PREFIX_SECRET_BYTES], const void *seed, size_t seed_len)
+{
+    /* a label first: the image cache's secret comes from the same seed */
+    uint8_t buf[256];
+    static const char label[] = "prism-prefix-secret";
+    if (seed_len > sizeof buf - sizeof label) return PRISM_EINVAL;
+    memcpy(buf, label, sizeof label);
+    memcpy(buf + sizeof label, seed, seed_len);
+    int rc = XXH3_generateSecret(secret, PRISM_KV_PREFIX_SECRET_BYTES, buf, sizeof label + seed_len) == XXH_OK
+                 ? PRISM_OK : PRISM_EINVAL;
+    memset(buf, 0, sizeof buf);
+    return rc;
+}
+
+static void put64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint64_t get64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
+    return v;
+}
+
+void prism_kv_prefix_keys_put(const prism_kv_key_t *keys, int n, uint8_t *out)
+{
+    for (int i = 0; i < n; i++) {
+        put64(out + (size_t)i * PRISM_KV_PREFIX_KEY_BYTES, keys[i].lo);
+        put64(out + (size_t)i * PRISM_KV_PREFIX_KEY_BYTES + 8, keys[i].hi);
+    }
+}
+
+void prism_kv_prefix_keys_get(const uint8_t *in, int n, prism_kv_key_t *keys)
+{
+    for (int i = 0; i < n; i++)
+        keys[i] = (prism_kv_key_t){get64(in + (size_t)i * PRISM_KV_PREFIX_KEY_BYTES),
+                                   get64(in + (size_t)i * PRISM_KV_PREFIX_KEY_BYTES + 8)};
 }
 
 /* ---- the index ---- */
@@ -126,6 +181,59 @@ static void touch(prism_kv_prefix_t *c, int32_t id)
     lru_push_mru(c, id);
 }
 
+/* ---- the event log (net: see prism_kv_prefix_log_t) ---- */
+
+/* Takes k out of list[0..*n) if there: true when it was. */
+static bool log_cancel(prism_kv_key_t *list, int *n, prism_kv_key_t k)
+{
+    for (int i = 0; i < *n; i++)
+        if (key_eq(list[i], k)) {
+            list[i] = list[--*n];
+            return true;
+        }
+    return false;
+}
+
+static void log_event(prism_kv_prefix_t *c, prism_kv_key_t k, bool stored)
+{
+    prism_kv_prefix_log_t *l = &c->log;
+    if (!l->stored || l->reset) return;   /* a reset lists what is held when taken */
+    /* while a resync lists the pool: a key kept in a block the cursor has not reached yet is listed
+     * by it (and evicted ones are simply not there), but an eviction of a listed block is news */
+    if (log_cancel(stored ? l->evicted : l->stored, stored ? &l->n_evicted : &l->n_stored, k)) return;
+    int *n = stored ? &l->n_stored : &l->n_evicted;
+    if (*n == PRISM_KV_PREFIX_EVENTS) {
+        prism_kv_prefix_events_resync(c);   /* lost: list everything again */
+        return;
+    }
+    (stored ? l->stored : l->evicted)[(*n)++] = k;
+}
+
+void prism_kv_prefix_events_resync(prism_kv_prefix_t *c)
+{
+    prism_kv_prefix_log_t *l = &c->log;
+    l->reset = true;   /* what was logged is moot: the listing says what is held */
+    l->n_stored = l->n_evicted = 0;
+    l->resync_at = 0;
+}
+
+bool prism_kv_prefix_events_take(prism_kv_prefix_t *c, prism_kv_prefix_log_t *out)
+{
+    prism_kv_prefix_log_t *l = &c->log;
+    if (!l->stored || (!l->reset && !l->n_stored && !l->n_evicted && l->resync_at < 0)) return false;
+    /* the next held keys of the pool: a key kept earlier in this take's events may come twice */
+    int32_t n = c->blocks->n_blocks;
+    while (l->resync_at >= 0 && l->resync_at < n && l->n_stored < PRISM_KV_PREFIX_EVENTS) {
+        int32_t id = l->resync_at++;
+        if (c->prev[id] != NOT_CACHED) l->stored[l->n_stored++] = c->keys[id];
+    }
+    if (l->resync_at >= n) l->resync_at = -1;
+    *out = *l;
+    l->n_stored = l->n_evicted = 0;
+    l->reset = false;
+    return true;
+}
+
 /* Takes block id out of the index and the list, and lets the cache's hold go. */
 static void evict(prism_kv_prefix_t *c, int32_t id)
 {
@@ -148,6 +256,7 @@ static void evict(prism_kv_prefix_t *c, int32_t id)
     c->prev[id] = c->next[id] = NOT_CACHED;
     c->n_cached--;
     c->evictions++;
+    log_event(c, c->keys[id], false);
     prism_kv_blocks_release(c->blocks, &id, 1);
 }
 
@@ -180,6 +289,7 @@ void prism_kv_prefix_insert(prism_kv_prefix_t *c, const prism_kv_key_t *keys, co
         c->slots[s] = id;
         lru_push_mru(c, id);
         c->n_cached++;
+        log_event(c, keys[i], true);
     }
 }
 

@@ -25,6 +25,8 @@
 
 #define PRISM_KV_PREFIX_SECRET_BYTES 192
 #define PRISM_KV_PREFIX_MAX_SALT 256   /* bytes of a request's cache salt (the router refuses longer) */
+#define PRISM_KV_PREFIX_EVENTS 512     /* keys kept / evicted one PrefixEvents message carries, each */
+#define PRISM_KV_PREFIX_KEY_BYTES 16   /* a key on the wire: lo then hi, little endian */
 
 typedef struct {
     uint64_t lo, hi;
@@ -37,6 +39,19 @@ typedef struct {
     uint64_t content_hash;           /* the router's keyed hash of the image file */
 } prism_kv_image_t;
 
+/* What the cache kept and evicted since the last prism_kv_prefix_events_take, net: a key kept and
+ * evicted again in between is in neither list (it was never announced), one evicted and kept again
+ * in neither (it is still held as announced). More than PRISM_KV_PREFIX_EVENTS of either, or a
+ * resync (a router that registered since: it knows nothing): reset, and then every key held is
+ * listed again as kept, a batch per take (a cursor over the pool's block ids: a block kept or
+ * evicted meanwhile is an event of its own), until the pool is covered. */
+typedef struct {
+    prism_kv_key_t *stored, *evicted;   /* [PRISM_KV_PREFIX_EVENTS] each */
+    int n_stored, n_evicted;
+    bool reset;
+    int32_t resync_at;                  /* the next block id to list again; -1: none */
+} prism_kv_prefix_log_t;
+
 typedef struct {
     prism_kv_blocks_t *blocks;   /* not owned */
     uint8_t secret[PRISM_KV_PREFIX_SECRET_BYTES];  /* keys the hash: drawn at init, never leaves the process */
@@ -47,6 +62,7 @@ typedef struct {
     int32_t lru, mru;            /* ends of the list: lru is evicted first */
     int n_cached;
     uint64_t evictions;
+    prism_kv_prefix_log_t log;   /* for the routers' indexes (PrefixEvents) */
 } prism_kv_prefix_t;
 
 /* Heap prism_kv_prefix_init takes for a pool of n_blocks (a worker's memory plan counts it). */
@@ -56,8 +72,21 @@ int  prism_kv_prefix_init(prism_kv_prefix_t *c, prism_kv_blocks_t *b);
 /* Releases every cached block into b and frees the index. */
 void prism_kv_prefix_free(prism_kv_prefix_t *c);
 
-/* The keys of the prompt's full blocks into out[0 .. n_tokens / block_size): returns how many.
- * images: the prompt's spans, in order, non-overlapping, inside the prompt. salt may be NULL. */
+/* The keys of a prompt's full blocks of block_size tokens into out[0 .. n_tokens / block_size),
+ * keyed by secret (PRISM_KV_PREFIX_SECRET_BYTES): returns how many. images: the prompt's spans, in
+ * order, non-overlapping, inside the prompt. salt may be NULL. The router computes them too
+ * (Prefill.block_keys), with a secret every router of a cluster derives alike. */
+int prism_kv_prefix_chain(const uint8_t *secret, int block_size, const void *salt, size_t salt_len,
+                          const int32_t *tokens, int n_tokens, const prism_kv_image_t *images, int n_images,
+                          prism_kv_key_t *out);
+/* A chain secret derived from seed (the routers: router.key's text), apart from any other secret
+ * derived from the same seed. */
+int prism_kv_prefix_secret(uint8_t secret[PRISM_KV_PREFIX_SECRET_BYTES], const void *seed, size_t seed_len);
+/* Keys on the wire (Prefill.block_keys, PrefixEvents) from and to n keys. */
+void prism_kv_prefix_keys_put(const prism_kv_key_t *keys, int n, uint8_t *out);
+void prism_kv_prefix_keys_get(const uint8_t *in, int n, prism_kv_key_t *keys);
+
+/* The key chain of the cache's own secret (prism_kv_prefix_chain): for prompts that come without keys. */
 int prism_kv_prefix_keys(const prism_kv_prefix_t *c, const void *salt, size_t salt_len, const int32_t *tokens,
                          int n_tokens, const prism_kv_image_t *images, int n_images, prism_kv_key_t *out);
 
@@ -73,6 +102,13 @@ void prism_kv_prefix_insert(prism_kv_prefix_t *c, const prism_kv_key_t *keys, co
 /* Allocates n blocks (prism_kv_blocks_alloc), evicting least-recently-used blocks only the cache
  * holds when fewer are free: PRISM_EAGAIN, with nothing allocated, when even that leaves too few. */
 int prism_kv_prefix_alloc(prism_kv_prefix_t *c, int n, int32_t *out);
+
+/* The events logged since the last take (c->log, valid until the next call into the cache), then
+ * an empty log; while a resync runs, stored also lists the next held keys of the pool, as many as
+ * fit. False when there is nothing to say. */
+bool prism_kv_prefix_events_take(prism_kv_prefix_t *c, prism_kv_prefix_log_t *out);
+/* Starts a resync: the next take says reset, and the takes from then on list every key held. */
+void prism_kv_prefix_events_resync(prism_kv_prefix_t *c);
 
 /* Forgets every block only the cache holds (their ids free again); returns how many. */
 int prism_kv_prefix_clear(prism_kv_prefix_t *c);

@@ -55,6 +55,8 @@ typedef struct {
     uint64_t early_encodes_preempted; /* ... aborted: a request needed the encoder slot */
     /* prefill workers' prefix caches, summed from their heartbeats (vLLM counts tokens) */
     uint64_t prefix_queries, prefix_hits, prefill_computed;
+    uint64_t encoder_skips;        /* images sent to no encoder: the chosen prefill's prefix cache covers them */
+    uint64_t prefix_resent;        /* requests sent again with every image encoded: the prefix was evicted meanwhile */
     uint64_t refused_limit[16];   /* by prism_refusal_t (the HTTP server's own are added when exported) */
 } prism_router_metrics_t;
 

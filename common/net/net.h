@@ -41,7 +41,7 @@
 #include "prism.pb-c.h"
 #include <zmq.h>
 
-#define PRISM_PROTOCOL_VERSION 4
+#define PRISM_PROTOCOL_VERSION 5
 /* Raw frames after the envelope: an image's embeddings travel as one frame per tile (Llama-4:
  * up to PRISM_LLAMA4_MAX_PATCHES + 1 = 65 tiles), everything else in one or two. */
 #define PRISM_MSG_MAX_FRAMES 72

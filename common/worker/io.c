@@ -242,6 +242,7 @@ static bool handle_ack(prism_worker_t *w, prism_msg_t *m, int ri)
         pthread_mutex_unlock(&w->mu);
         if (!was) {
             PRISM_INFO("registered with router %s (%s)", r->router_id, r->endpoint);
+            atomic_fetch_add(&w->registrations, 1);   /* after registered: a broadcast from now reaches it */
             w->last_heartbeat_s = 0;  /* a heartbeat at once: the router learns the load without waiting an interval */
         }
     } else {
@@ -739,6 +740,18 @@ int prism_worker_reply(prism_worker_t *w, const char *router_id, uint64_t reques
     env->request_id_hi = request_id_hi;
     env->router_id = (char *)router_id;
     return prism_msg_send(w->cpu_pair, &rt, sizeof(rt), env, NULL, 0, 0);
+}
+
+int prism_worker_broadcast(prism_worker_t *w, Prism__Envelope *env)
+{
+    route_t rt[PRISM_WORKER_MAX_ROUTERS];
+    int n = 0, sent = 0;
+    pthread_mutex_lock(&w->mu);
+    for (int i = 0; i < w->n_routers; i++)
+        if (w->routers[i].sock && w->routers[i].registered) rt[n++] = (route_t){i, w->routers[i].gen};
+    pthread_mutex_unlock(&w->mu);
+    for (int i = 0; i < n; i++) sent += prism_msg_send(w->cpu_pair, &rt[i], sizeof(rt[i]), env, NULL, 0, 0) == PRISM_OK;
+    return sent;
 }
 
 int prism_worker_reply_error(prism_worker_t *w, const char *router_id, uint64_t request_id, uint64_t request_id_hi,

@@ -184,6 +184,7 @@ typedef struct prism_worker {
     atomic_uint_fast64_t data_limit;    /* data messages the compute thread can take, ever */
     atomic_uint_fast64_t data_forwarded;
     atomic_bool io_stop;
+    atomic_uint_fast64_t registrations; /* routers that registered this worker (again): a new one knows nothing of it */
 } prism_worker_t;
 
 typedef struct prism_worker_opts prism_worker_opts_t;
@@ -220,6 +221,9 @@ void prism_worker_set_load(prism_worker_t *w, const prism_worker_load_t *load);
  * connected (reply dropped). */
 int  prism_worker_reply(prism_worker_t *w, const char *router_id, uint64_t request_id, uint64_t request_id_hi,
                         Prism__Envelope *env);
+/* Sends env (no raw frames, about no request) to every router this worker is registered with,
+ * through the I/O thread: the prefill's PrefixEvents. Returns how many routers it went to. */
+int  prism_worker_broadcast(prism_worker_t *w, Prism__Envelope *env);
 /* A Tokens reply that fails the request (FINISH_ERROR with msg and its kind: CLIENT, UNAVAILABLE,
  * INTERNAL); from_prefill as the prefill worker marks its Tokens. */
 int  prism_worker_reply_error(prism_worker_t *w, const char *router_id, uint64_t request_id, uint64_t request_id_hi,

@@ -9,10 +9,14 @@ fresh cluster per mode, the same requests.
    (throughput) and the median TTFT.
 2. Multi-turn chat: --turns turns (5) about one photo-like --image-size JPEG (2048), the first
    turn carrying ~--first-turn-tokens of text (1,000); each turn re-sends the photo and the whole
-   history, as chat clients do. Reports each turn's TTFT (streamed, first content chunk).
+   history, as chat clients do. Reports each turn's TTFT (streamed, first content chunk), and how
+   often the encoder ran for the chat's image (its embedding-cache misses: images encoded) and
+   how often the router skipped it (prism:encoder_skips_total: the prefill's prefix held it).
+   With --prefills 2 the chat also shows cache-aware routing (every turn on the worker holding it).
 
   python3 tests/bench/bench_prefix_cache.py --build-dir build [--concurrent 32] [--system-tokens 1500]
-                                            [--max-tokens 8] [--rounds 3] [--out DIR]
+                                            [--max-tokens 8] [--rounds 3] [--prefills 1] [--out DIR]
+  (--rounds 0: the chat only)
 """
 import argparse
 import concurrent.futures
@@ -102,11 +106,19 @@ def shared_prompt(c, args, seed):
             "prompt_tokens": d["prompt"], "computed": d["computed"], "queries": d["queries"], "hits": d["hits"]}
 
 
+def encoder_counts(c):
+    """(images the encoders encoded, found in their embedding cache, the router sent to none)."""
+    return (c.metric("prism:worker_embedding_cache_misses_total", tier="encoder") or 0,
+            c.metric("prism:worker_embedding_cache_hits_total", tier="encoder") or 0,
+            c.metric("prism:encoder_skips_total") or 0)
+
+
 def chat(c, args, image):
     history = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": cl.image_url(image)}},
                                             {"type": "text", "text": text_of_tokens(c, args.first_turn_tokens, 3) +
                                              ". What is in the image?"}]}]
     out = []
+    before = encoder_counts(c)
     for turn in range(args.turns):
         body = {"model": "prism-tiny-llava", "max_tokens": args.chat_max_tokens, "temperature": 0,
                 "messages": history}
@@ -114,7 +126,10 @@ def chat(c, args, image):
         out.append(t)
         history = history + [{"role": "assistant", "content": text},
                              {"role": "user", "content": "Turn %d: and %s?" % (turn + 2, words(6, turn))}]
-    return out
+    # the encoders' heartbeats (every second) carry their counts
+    cl.wait_for(lambda: sum(encoder_counts(c)) >= sum(before) + args.turns, 30,
+                "the encoder's heartbeat to count the chat's image")
+    return out, [a - b for a, b in zip(encoder_counts(c), before)]
 
 
 def main():
@@ -128,6 +143,7 @@ def main():
     ap.add_argument("--first-turn-tokens", type=int, default=1000)
     ap.add_argument("--chat-max-tokens", type=int, default=32)
     ap.add_argument("--image-size", type=int, default=2048)
+    ap.add_argument("--prefills", type=int, default=1, help="prefill workers (2: the chat is routed by its prefix)")
     ap.add_argument("--worker-args", default="", help="extra flags for every worker (e.g. '--device cuda')")
     ap.add_argument("--out", help="directory for the figures as JSON")
     args = ap.parse_args()
@@ -140,7 +156,7 @@ def main():
     res = {}
     for mode, flags in MODES:
         extra = args.worker_args.split()
-        with cl.Cluster(common_worker_args=extra, worker_args={"prefill_worker": flags}) as c:
+        with cl.Cluster(prefills=args.prefills, common_worker_args=extra, worker_args={"prefill_worker": flags}) as c:
             c.wait_ready()
             # warm up: one image request (another picture: nothing of it is cached for the chat)
             ttft_stream(c, {"model": "prism-tiny-llava", "max_tokens": 1,
@@ -148,34 +164,41 @@ def main():
                                 {"type": "image_url", "image_url": {"url": cl.image_url(warm)}},
                                 {"type": "text", "text": "warm up"}]}]})
             settled(c, counters(c)["prompt"])
-            turns = chat(c, args, image)
+            cl.wait_for(lambda: sum(encoder_counts(c)) >= 1, 30, "the encoder's heartbeat to count the warm-up image")
+            turns, (enc_runs, enc_hits, enc_skips) = chat(c, args, image)
             settled(c, counters(c)["prompt"])
             rounds = [shared_prompt(c, args, r) for r in range(args.rounds)]
-        res[mode] = {"rounds": rounds, "chat_ttft_s": turns}
+        res[mode] = {"rounds": rounds, "chat_ttft_s": turns, "chat_encoder_runs": enc_runs,
+                     "chat_encoder_cache_hits": enc_hits, "chat_encoder_skips": enc_skips}
         for i, r in enumerate(rounds):
             print("%-18s burst %d: %d requests in %.2fs (%.1f req/s), TTFT median %.0f ms; prompt tokens %d, "
                   "computed %d, prefix-cache hits %d of %d looked up"
                   % (mode, i, args.concurrent, r["wall_s"], r["req_per_s"], 1e3 * r["ttft_median_s"], r["prompt_tokens"],
                      r["computed"], r["hits"], r["queries"]), flush=True)
-        print("%-18s chat TTFT by turn: %s ms" % (mode, ", ".join("%.0f" % (1e3 * t) for t in turns)), flush=True)
+        print("%-18s chat TTFT by turn: %s ms; the image: encoded %d, from the encoder's cache %d, sent to no "
+              "encoder %d" % (mode, ", ".join("%.0f" % (1e3 * t) for t in turns), enc_runs, enc_hits, enc_skips),
+              flush=True)
     on, off = res["cache"], res["--no-prefix-cache"]
-    comp_on = sum(r["computed"] for r in on["rounds"])
-    comp_off = sum(r["computed"] for r in off["rounds"])
-    thr_on = statistics.median(r["req_per_s"] for r in on["rounds"])
-    thr_off = statistics.median(r["req_per_s"] for r in off["rounds"])
-    res["summary"] = {
-        "computed_fall": 1 - comp_on / comp_off, "throughput_ratio": thr_on / thr_off,
-        "chat_ttft_ratio_turns_2_on": [b / a for a, b in zip(on["chat_ttft_s"][1:], off["chat_ttft_s"][1:])],
-    }
-    print("prefill tokens computed: %d with the cache, %d without: %.1f%% fewer" % (comp_on, comp_off,
-                                                                                   100 * res["summary"]["computed_fall"]))
-    print("throughput (median burst): %.2f vs %.2f req/s: %.2fx" % (thr_on, thr_off, res["summary"]["throughput_ratio"]))
+    res["summary"] = {"chat_ttft_ratio_turns_2_on": [b / a for a, b in zip(on["chat_ttft_s"][1:], off["chat_ttft_s"][1:])]}
     print("chat TTFT turns 2-%d, off / on: %s" % (args.turns, ", ".join("%.1fx" % x for x in
                                                                        res["summary"]["chat_ttft_ratio_turns_2_on"])))
+    if args.rounds:
+        bursts(res, on, off)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "prefix_cache.json"), "w") as f:
             json.dump(res, f, indent=1)
+
+
+def bursts(res, on, off):
+    comp_on = sum(r["computed"] for r in on["rounds"])
+    comp_off = sum(r["computed"] for r in off["rounds"])
+    thr_on = statistics.median(r["req_per_s"] for r in on["rounds"])
+    thr_off = statistics.median(r["req_per_s"] for r in off["rounds"])
+    res["summary"].update({"computed_fall": 1 - comp_on / comp_off, "throughput_ratio": thr_on / thr_off})
+    print("prefill tokens computed: %d with the cache, %d without: %.1f%% fewer" % (comp_on, comp_off,
+                                                                                   100 * res["summary"]["computed_fall"]))
+    print("throughput (median burst): %.2f vs %.2f req/s: %.2fx" % (thr_on, thr_off, res["summary"]["throughput_ratio"]))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@
 
 #include "fuzz_common.h"
 #include "worker/worker.h"
+#include "kv/prefix.h"   /* PrefixEvents' bounds */
 
 #include <errno.h>
 #include <signal.h>
@@ -278,6 +279,16 @@ static inline void fuzz_drain(fuzz_io_t *io, prism_worker_t *w, Prism__MsgType r
         zmq_getsockopt(w->io_pair, ZMQ_RCVMORE, &more, &sz);
         FUZZ_ASSERT(!more);   /* replies carry no raw frames */
         Prism__Envelope *e = prism_msg_unpack(zmq_msg_data(&env), zmq_msg_size(&env));
+        if (e && e->type == PRISM__MSG_TYPE__MSG_PREFIX_EVENTS) {
+            /* a prefill's prefix-cache events, to every router: whole keys, within the bound */
+            const Prism__PrefixEvents *ev = e->prefix_events;
+            const size_t kb = PRISM_KV_PREFIX_KEY_BYTES, max = PRISM_KV_PREFIX_EVENTS * kb;
+            FUZZ_ASSERT(reply_type == PRISM__MSG_TYPE__MSG_TOKENS && ev && ev->stored.len % kb == 0 &&
+                        ev->evicted.len % kb == 0 && ev->stored.len <= max && ev->evicted.len <= max);
+            prism_msg_env_free(e);
+            zmq_msg_close(&env);
+            continue;
+        }
         FUZZ_ASSERT(e && e->type == reply_type && e->router_id && !strcmp(e->router_id, FUZZ_ROUTER_ID));
         FUZZ_ASSERT(reply_type != PRISM__MSG_TYPE__MSG_TOKENS || e->tokens);
         FUZZ_ASSERT(reply_type != PRISM__MSG_TYPE__MSG_ENCODE_DONE || e->encode_done);

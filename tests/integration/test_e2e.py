@@ -15,8 +15,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import (Cluster, binary, chat_body, check_answer, distinct_requests, image_url, make_image,  # noqa: E402
-                     read_response, reference, run_tests, tool_env, wait_for, MODEL, STAGES)
+from cluster import (Cluster, binary, chat_body, check_answer, distinct_requests, fresh_heartbeats, image_url,  # noqa: E402
+                     make_image, read_response, reference, run_tests, tool_env, wait_for, MODEL, STAGES)
 
 TMP = tempfile.mkdtemp(prefix="prism-e2e-")
 JPG = make_image(os.path.join(TMP, "red_circle.jpg"), width=640, height=480, shape="circle", color="red")
@@ -535,6 +535,7 @@ def test_prefix_cache_hits_and_salt():
         b = chat_body(q, [PNG], max_tokens=6, temperature=0, logprobs=True, **kw)
         b["messages"].insert(0, {"role": "system", "content": SYSTEM})
         return b
+    fresh_heartbeats(C, "prefill-0")   # the earlier tests' prompts counted before the first snapshot
     before = prefix_counters(C)
     cold = ok_request(body("What is it?", cache_salt="cold-%f" % time.time()))   # a fresh salt: a miss
     n = cold["usage"]["prompt_tokens"]
@@ -645,11 +646,111 @@ def test_prefix_cache_never_aliases():
             list(ex.map(one, order))
         q, hits, comp = counted_after(cached, (0, 0, 0), sum(r["usage"]["prompt_tokens"] for r in refs) * 2)
         assert hits > 0 and comp < q, (q, hits, comp)
+        # the plain prefill's heartbeat (every second) may not have counted its prompts yet
+        wait_for(lambda: (plain.metric("prism:prefill_tokens_computed_total") or 0) > 0, 20,
+                 "the plain prefill's heartbeat")
         assert prefix_counters(plain)[1] == 0
-        assert plain.metric("prism:prefill_tokens_computed_total") > 0
     finally:
         cached.stop()
         plain.stop()
+
+
+def chat_turns(c, turns, salt, routers=1):
+    """A chat about PNG: each turn re-sends the image and the whole history (as chat clients do)
+    and asks one more question, turn t through router t % routers (a balancer's round robin);
+    returns each turn's answer (greedy, with top logprobs)."""
+    msgs = [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url(PNG)}},
+                                         {"type": "text", "text": "What is in this picture? Answer in one short "
+                                                                  "sentence, and be as precise as you can."}]}]
+    out = []
+    for t in range(turns):
+        if t:
+            msgs.append({"role": "user", "content": "And what about detail number %d of it?" % t})
+        if t and routers > 1:
+            # each router reads the prefills' events on its own link: the one taking this turn has
+            # read those of the last turn (another router's client could race them: a missed hit)
+            wait_for(lambda: len({c.metric("prism:worker_prefix_index_blocks", router=r) for r in range(routers)}) == 1,
+                     10, "every router to index the same blocks")
+        body = {"model": "prism-tiny-llava", "messages": msgs, "max_tokens": 5, "temperature": 0, "logprobs": True,
+                "top_logprobs": 5, "cache_salt": salt}
+        status, r = c.post_json("/v1/chat/completions", body, router=t % routers)
+        assert status == 200, (t, status, r)
+        out.append(r)
+        msgs = msgs + [{"role": "assistant", "content": r["choices"][0]["message"]["content"]}]
+    return out
+
+
+def worker_metric(c, name, worker):
+    return c.metric(name, worker=worker) or 0
+
+
+def test_prefix_routing_and_encoder_skip():
+    """Issue 29 items 3-4. Two routers (as behind a balancer: turns alternate between them) and two
+    prefill workers, a 4-turn chat about one image (each turn re-sends the image and the history):
+    turn 1 goes where the load says; turns 2+ go to the prefill whose prefix cache holds the
+    conversation (each router's own index of the prefills' PrefixEvents, keys from the secret both
+    derive from router.key: every hit is on that worker, none is looked up on the other), and the
+    image is sent to no encoder again (the encoder's embedding cache sees it once;
+    prism:encoder_skips_total, summed over the routers, counts turns 2+). Every answer
+    (tokens and top logprobs) equals a --no-prefix-cache cluster's. The race: a prefill that lost
+    the prefix before the skipped request came (test hook PRISM_TEST_PREFIX_EVICT_ON_ARRIVAL) refuses
+    it, the router sends it again with the image encoded, and the answer is still the same."""
+    turns = 4
+    # no early encodes: a router that has not seen the image would send it to the encoder's cache
+    # while the body uploads (an embedding-cache hit, no encode), which would blur what is checked
+    two = Cluster(prefills=2, routers=2, router_args=["--no-early-encode"], common_worker_args=LOGS)
+    plain = Cluster(worker_args={"prefill_worker": ["--no-prefix-cache"]})
+    race = Cluster(worker_env={"prefill_worker": {"PRISM_TEST_PREFIX_EVICT_ON_ARRIVAL": "1"}})
+    try:
+        for c in (two, plain, race):
+            c.wait_ready()
+        salt = "chat-%f" % time.time()
+        refs = chat_turns(plain, turns, salt)
+        got = chat_turns(two, turns, salt, routers=2)
+        for t in range(turns):
+            assert_same_answer(got[t], refs[t], "turn %d" % (t + 1))
+        n_total = sum(r["usage"]["prompt_tokens"] for r in got)
+        wait_for(lambda: sum(worker_metric(two, "prism:worker_prefix_cache_queries_total", "prefill-%d" % i)
+                             for i in range(2)) >= n_total, 20, "the prefills' heartbeats to count every turn")
+        q = [worker_metric(two, "prism:worker_prefix_cache_queries_total", "prefill-%d" % i) for i in range(2)]
+        h = [worker_metric(two, "prism:worker_prefix_cache_hits_total", "prefill-%d" % i) for i in range(2)]
+        holder = 0 if q[0] >= q[1] else 1
+        # every turn on one worker: turn 1 there by load, turns 2+ there by its cached prefix
+        assert q[holder] == n_total and q[1 - holder] == 0, (q, n_total)
+        assert h[holder] >= sum(r["usage"]["prompt_tokens"] for r in got[:-1]) // 2 and h[1 - holder] == 0, h
+        for r in range(2):   # both routers indexed the holder's blocks from its events
+            assert two.metric("prism:worker_prefix_index_blocks", router=r, worker="prefill-%d" % holder) > 0
+        # the image was encoded once: later turns skipped the encoder entirely (the encoder's
+        # counts come with its heartbeats: two more, and they hold everything the chat did)
+        assert sum(two.metric("prism:encoder_skips_total", router=r) for r in range(2)) == turns - 1
+        assert two.metric("prism:encoder_skips_total", router=1) >= 1   # the other router skipped too
+        fresh_heartbeats(two, "encoder-0")
+        assert two.metric("prism:worker_embedding_cache_misses_total", tier="encoder") == 1
+        assert two.metric("prism:worker_embedding_cache_hits_total", tier="encoder") == 0
+        assert plain.metric("prism:encoder_skips_total") == 0
+        # a router that starts after the chat was cached (a restart) learns the holder's blocks from
+        # the listing the prefill sends every router once a router registers: the chat's first turn,
+        # sent again through it, goes to the holder and skips the encoder
+        two.kill("router")
+        two._start("router", "router", ["--model-path", two.model, "--port", str(two.ports[0]), "--control-endpoint",
+                                        two.ctls[0], "--drain-timeout", "0", *two.sec, "--no-early-encode"])
+        two.wait_ready()
+        wait_for(lambda: (two.metric("prism:worker_prefix_index_blocks", worker="prefill-%d" % holder) or 0) > 0, 20,
+                 "the restarted router to index the holder's blocks")
+        again = chat_turns(two, 1, salt)
+        assert_same_answer(again[0], refs[0], "turn 1 again, through the restarted router")
+        assert two.metric("prism:encoder_skips_total") == 1
+        # the race: turn 2 skipped, found nothing cached, was sent again encoded
+        lost = chat_turns(race, 2, salt)
+        for t in range(2):
+            assert_same_answer(lost[t], refs[t], "race, turn %d" % (t + 1))
+        assert race.metric("prism:encoder_skips_total") == 1
+        assert race.metric("prism:prefix_resent_total") == 1
+        assert "no longer in the prefix cache" in race.log("prefill-0", tail=0)
+    finally:
+        for c in (two, plain, race):
+            c.stop()
 
 
 def test_all_processes_alive():
@@ -668,7 +769,8 @@ if __name__ == "__main__":
                         test_trace_context_in_every_process,
                         test_memory_plan_is_what_the_workers_allocate, test_tokenize_detokenize,
                         test_chat_template_override_and_unsupported, test_prefix_cache_hits_and_salt,
-                        test_prefix_cache_never_aliases, test_all_processes_alive])
+                        test_prefix_cache_never_aliases, test_prefix_routing_and_encoder_skip,
+                        test_all_processes_alive])
     finally:
         C.stop()
         if os.environ.get("PRISM_KEEP_LOGS"):

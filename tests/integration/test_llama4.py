@@ -224,7 +224,8 @@ def test_cache_hit_same_tokens():
     img = synth_png(300, 200, 9)
     first, _ = ask(C, body("Once more.", [img], max_tokens=8))
     hits0, _ = wait_for(lambda: encoder_counts(C)[1] >= 1 and encoder_counts(C), 10, "encoder counters")
-    again, _ = ask(C, body("Once more.", [img], max_tokens=8))
+    # a salt of its own: the prompt's cached prefix would send the image to no encoder at all
+    again, _ = ask(C, dict(body("Once more.", [img], max_tokens=8), cache_salt="embedding-cache"))
     wait_for(lambda: encoder_counts(C)[0] > hits0, 10, "a cache hit")
     assert again == first
 
@@ -505,7 +506,7 @@ def test_abort_inside_tile_micro_batches():
         qx = Background(c, bd(x))
         wait_until(lambda: worker_metric(c, "prism:worker_running", "encoder-0") == 1, 60, "the first batch")
         qa = Background(c, bd(a))
-        qb = Background(c, bd(b))
+        qb = Background(c, dict(bd(b), cache_salt="again"))   # b's cached prefix would skip the encoder
         status, data = qx.result()
         assert status == 200, (status, data[:300])
         wait_until(lambda: worker_metric(c, "prism:worker_running", "encoder-0") == 2, 60, "the batch of two")

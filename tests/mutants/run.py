@@ -121,11 +121,30 @@ MUTANTS = {
     "prefix-key-without-image": (
         "the prefix cache's block keys leave the image out (placeholder tokens alone name its KV)",
         [("common/kv/prefix.c", "            XXH3_128bits_update(&st, rec, sizeof rec);", "            (void)rec;")],
-        IT + "test_e2e.py test_prefix_cache_never_aliases", ["prefill_worker"]),
+        IT + "test_e2e.py test_prefix_cache_never_aliases", ["prefill_worker", "router"]),   # the router computes the keys too
     "prefix-image-rows-from-zero": (
         "a prompt that reads part of an image from the prefix cache lays that image's rows from its first",
         [("prefill_worker/main.c", "            next_row[i] += r->tokens[t] == p->cfg.image_token_index;", "            (void)t;")],
         IT + "test_llama4.py test_prefix_cache_same_logprobs", ["prefill_worker"]),
+    "prefix-route-ignores-index": (
+        "the router's prefill pick ignores what each prefill's prefix cache holds (load alone)",
+        [("router/workers.c", "        int hit = prefix_hit(w, want);", "        int hit = 0;")],
+        IT + "test_e2e.py test_prefix_routing_and_encoder_skip", ["router"]),
+    "prefill-own-prefix-keys": (
+        "the prefill keeps its blocks under keys of its own secret, not the router's (no index ever matches)",
+        [("prefill_worker/main.c", "    if (r->n_keys) {   /* on_prefill checked the count */", "    if (0) {")],
+        IT + "test_e2e.py test_prefix_routing_and_encoder_skip", ["prefill_worker"]),
+    "skip-without-coverage": (
+        "a prefill runs a prompt whose skipped image its cache no longer covers (no embeddings behind it)",
+        [("prefill_worker/main.c",
+          "        if (r->img_cached[i] && r->span_off[i] + r->span_len[i] > (uint32_t)cached) return false;",
+          "        (void)cached;")],
+        IT + "test_e2e.py test_prefix_routing_and_encoder_skip", ["prefill_worker"]),
+    "prefix-miss-not-resent": (
+        "the router fails a request its prefill refused for a lost prefix instead of sending it again encoded",
+        [("router/requests.c", "    if (q->stage != STAGE_SENT || q->place.no_skip || r->queue_len == r->reqs_cap) return false;",
+          "    return false;")],
+        IT + "test_e2e.py test_prefix_routing_and_encoder_skip", ["router"]),
 }
 
 

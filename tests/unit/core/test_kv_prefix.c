@@ -169,12 +169,125 @@ static void test_random_against_reference(void **state)
     prism_kv_blocks_free_all(&b);
 }
 
+/* The routers' side of the keys: the chain under an explicit secret is the cache's own under its
+ * secret; derived secrets agree for one seed and differ across seeds; keys survive the wire. */
+static void test_chain_secret_and_wire(void **state)
+{
+    prism_kv_blocks_t b;
+    prism_kv_prefix_t c;
+    assert_int_equal(prism_kv_blocks_init(&b, 16, BS), PRISM_OK);
+    assert_int_equal(prism_kv_prefix_init(&c, &b), PRISM_OK);
+    int32_t t[24];
+    fill(t, 24, 3);
+    prism_kv_image_t img = {.offset = 5, .n_tokens = 6, .grid_rows = 2, .grid_cols = 3, .content_hash = 77};
+    prism_kv_key_t k[6], k2[6], k3[6];
+    prism_kv_prefix_keys(&c, "s", 1, t, 24, &img, 1, k);
+    assert_int_equal(prism_kv_prefix_chain(c.secret, BS, "s", 1, t, 24, &img, 1, k2), 6);
+    for (int i = 0; i < 6; i++) assert_true(same(k[i], k2[i]));
+    uint8_t s1[PRISM_KV_PREFIX_SECRET_BYTES], s2[PRISM_KV_PREFIX_SECRET_BYTES], s3[PRISM_KV_PREFIX_SECRET_BYTES];
+    assert_int_equal(prism_kv_prefix_secret(s1, "router-key-A", 12), PRISM_OK);
+    assert_int_equal(prism_kv_prefix_secret(s2, "router-key-A", 12), PRISM_OK);
+    assert_int_equal(prism_kv_prefix_secret(s3, "router-key-B", 12), PRISM_OK);
+    assert_memory_equal(s1, s2, sizeof s1);   /* two routers of one cluster name a prefix alike */
+    prism_kv_prefix_chain(s1, BS, NULL, 0, t, 24, NULL, 0, k);
+    prism_kv_prefix_chain(s3, BS, NULL, 0, t, 24, NULL, 0, k2);
+    for (int i = 0; i < 6; i++) assert_false(same(k[i], k2[i]));   /* another cluster never aliases */
+    uint8_t wire[6 * PRISM_KV_PREFIX_KEY_BYTES];
+    prism_kv_prefix_keys_put(k, 6, wire);
+    prism_kv_prefix_keys_get(wire, 6, k3);
+    for (int i = 0; i < 6; i++) assert_true(same(k[i], k3[i]));
+    assert_int_equal(wire[0], (uint8_t)k[0].lo);   /* little endian, lo first */
+    assert_int_equal(wire[8], (uint8_t)k[0].hi);
+    prism_kv_prefix_free(&c);
+    prism_kv_blocks_free_all(&b);
+    (void)state;
+}
+
+static bool listed(const prism_kv_key_t *l, int n, prism_kv_key_t k)
+{
+    for (int i = 0; i < n; i++)
+        if (same(l[i], k)) return true;
+    return false;
+}
+
+/* The event log: what was kept and evicted since the last take, net; past its bound a reset that
+ * lists the most recent keys held. */
+static void test_events(void **state)
+{
+    enum { N = PRISM_KV_PREFIX_EVENTS + 8 };
+    prism_kv_blocks_t b;
+    prism_kv_prefix_t c;
+    prism_kv_prefix_log_t log;
+    assert_int_equal(prism_kv_blocks_init(&b, N, BS), PRISM_OK);
+    assert_int_equal(prism_kv_prefix_init(&c, &b), PRISM_OK);
+    assert_false(prism_kv_prefix_events_take(&c, &log));
+    int32_t t[8 * BS], ids[8];
+    prism_kv_key_t k[8];
+    fill(t, 8 * BS, 5);
+    prism_kv_prefix_keys(&c, NULL, 0, t, 8 * BS, NULL, 0, k);
+    assert_int_equal(prism_kv_blocks_alloc(&b, 8, ids), PRISM_OK);
+    prism_kv_prefix_insert(&c, k, ids, 8);
+    prism_kv_blocks_release(&b, ids, 8);
+    assert_true(prism_kv_prefix_events_take(&c, &log));
+    assert_int_equal(log.n_stored, 8);
+    assert_int_equal(log.n_evicted, 0);
+    assert_false(log.reset);
+    for (int i = 0; i < 8; i++) assert_true(listed(log.stored, log.n_stored, k[i]));
+    assert_false(prism_kv_prefix_events_take(&c, &log));   /* taken: nothing new */
+    /* evicted: announced as such */
+    assert_int_equal(prism_kv_prefix_clear(&c), 8);
+    assert_true(prism_kv_prefix_events_take(&c, &log));
+    assert_int_equal(log.n_stored, 0);
+    assert_int_equal(log.n_evicted, 8);
+    /* kept and evicted between two takes: never announced */
+    assert_int_equal(prism_kv_blocks_alloc(&b, 8, ids), PRISM_OK);
+    prism_kv_prefix_insert(&c, k, ids, 8);
+    prism_kv_blocks_release(&b, ids, 8);
+    prism_kv_prefix_clear(&c);
+    assert_false(prism_kv_prefix_events_take(&c, &log));
+    /* more keys than a message carries: a reset, then every held key listed again, a message's worth per take */
+    int32_t *big = malloc(sizeof(int32_t) * (size_t)N * BS), *bid = malloc(sizeof(int32_t) * N);
+    prism_kv_key_t *bk = malloc(sizeof(prism_kv_key_t) * N);
+    fill(big, N * BS, 9);
+    prism_kv_prefix_keys(&c, NULL, 0, big, N * BS, NULL, 0, bk);
+    assert_int_equal(prism_kv_blocks_alloc(&b, N, bid), PRISM_OK);
+    prism_kv_prefix_insert(&c, bk, bid, N);
+    prism_kv_blocks_release(&b, bid, N);
+    int seen = 0;
+    assert_true(prism_kv_prefix_events_take(&c, &log));
+    assert_true(log.reset);
+    assert_int_equal(log.n_stored, PRISM_KV_PREFIX_EVENTS);
+    assert_int_equal(log.n_evicted, 0);
+    for (int i = 0; i < N; i++) seen += listed(log.stored, log.n_stored, bk[i]);
+    assert_true(prism_kv_prefix_events_take(&c, &log));
+    assert_false(log.reset);
+    assert_int_equal(log.n_stored, N - PRISM_KV_PREFIX_EVENTS);
+    for (int i = 0; i < N; i++) seen += listed(log.stored, log.n_stored, bk[i]);
+    assert_int_equal(seen, N);   /* every held key, once */
+    assert_false(prism_kv_prefix_events_take(&c, &log));
+    /* a resync (a router registered): reset, then what is held */
+    prism_kv_prefix_events_resync(&c);
+    assert_true(prism_kv_prefix_events_take(&c, &log));
+    assert_true(log.reset);
+    assert_int_equal(log.n_stored, PRISM_KV_PREFIX_EVENTS);
+    assert_true(prism_kv_prefix_events_take(&c, &log) && !log.reset);
+    assert_false(prism_kv_prefix_events_take(&c, &log));
+    free(big);
+    free(bid);
+    free(bk);
+    prism_kv_prefix_free(&c);
+    prism_kv_blocks_free_all(&b);
+    (void)state;
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chain_separates),
         cmocka_unit_test(test_match_insert_evict),
         cmocka_unit_test(test_random_against_reference),
+        cmocka_unit_test(test_chain_secret_and_wire),
+        cmocka_unit_test(test_events),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

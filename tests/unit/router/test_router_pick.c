@@ -176,6 +176,20 @@ static router_worker_t *add_decode(const char *id, uint32_t blocks, uint32_t slo
     return router_worker_by_id(&R, id);
 }
 
+static router_worker_t *add_prefill(const char *id, uint32_t kv_blocks)
+{
+    Prism__Register g = PRISM__REGISTER__INIT;
+    g.worker_id = (char *)id;
+    g.role = PRISM__ROLE__ROLE_PREFILL;
+    g.data_endpoint = "tcp://127.0.0.1:1";
+    g.max_running = 64;
+    g.kv_blocks = kv_blocks;
+    g.block_size = 16;
+    char why[200];
+    assert_int_equal(router_worker_register(&R, id, "", &g, why, sizeof(why)), PRISM_OK);
+    return router_worker_by_id(&R, id);
+}
+
 static router_worker_t *pick_kv(uint64_t prompt, uint64_t more)
 {
     bool any;
@@ -223,6 +237,76 @@ static void test_decode_pick_weighs_kv_room(void **state)
     assert_non_null(pick_kv(20, 200));
 }
 
+/* One PrefixEvents message into w's index: stored keys[lo, hi), evicted keys[elo, ehi). */
+static bool events(router_worker_t *w, const prism_kv_key_t *k, int lo, int hi, int elo, int ehi, bool reset)
+{
+    uint8_t st[64 * PRISM_KV_PREFIX_KEY_BYTES], ev[64 * PRISM_KV_PREFIX_KEY_BYTES];
+    prism_kv_prefix_keys_put(k + lo, hi - lo, st);
+    prism_kv_prefix_keys_put(k + elo, ehi - elo, ev);
+    Prism__PrefixEvents e = PRISM__PREFIX_EVENTS__INIT;
+    e.stored = (ProtobufCBinaryData){(size_t)(hi - lo) * PRISM_KV_PREFIX_KEY_BYTES, st};
+    e.evicted = (ProtobufCBinaryData){(size_t)(ehi - elo) * PRISM_KV_PREFIX_KEY_BYTES, ev};
+    e.reset = reset;
+    return router_prefix_index_apply(&w->prefix, &e);
+}
+
+static router_worker_t *pick_prefix(const prism_kv_key_t *k, int n)
+{
+    bool any;
+    router_want_t want = {.role = PRISM__ROLE__ROLE_PREFILL, .slots = 1, .prefix_keys = k, .n_prefix_keys = n,
+                          .prefix_block_size = 16};
+    return router_pick_want(&R, &want, &any);
+}
+
+/* A prompt goes to the prefill whose index (its events) holds its longest leading run of block
+ * keys, within ROUTER_AFFINITY_SLACK of the least loaded; evictions and resets shorten it; a
+ * malformed or oversized message changes nothing; the set never outgrows the worker's pool. */
+static void test_prefix_affinity_and_events(void **state)
+{
+    (void)state;
+    router_worker_t *a = add_prefill("p0", 64), *b = add_prefill("p1", 64);
+    prism_kv_key_t k[8];
+    for (int i = 0; i < 8; i++) k[i] = (prism_kv_key_t){0x1000 + (uint64_t)i * 977, 0x77 + (uint64_t)i};
+    assert_true(events(b, k, 0, 5, 0, 0, false));
+    assert_int_equal(router_worker_prefix_hit(b, k, 8, 16), 5);
+    assert_int_equal(router_worker_prefix_hit(b, k, 8, 32), 0);   /* another block size: no hit */
+    for (int load = 0; load <= ROUTER_AFFINITY_SLACK; load++) {
+        b->inflight = load;
+        assert_ptr_equal(pick_prefix(k, 8), b);
+    }
+    b->inflight = ROUTER_AFFINITY_SLACK + 1;   /* beyond the slack: the least loaded */
+    assert_ptr_equal(pick_prefix(k, 8), a);
+    b->inflight = 1;
+    /* the longest prefix wins: b loses block 2 (its run is 2), a holds 6 */
+    assert_true(events(b, k, 0, 0, 2, 3, false));
+    assert_int_equal(router_worker_prefix_hit(b, k, 8, 16), 2);
+    assert_true(events(a, k, 0, 6, 0, 0, false));
+    a->inflight = 2;
+    assert_ptr_equal(pick_prefix(k, 8), a);
+    /* malformed: not whole keys, or more than a message carries: refused, nothing changed */
+    Prism__PrefixEvents e = PRISM__PREFIX_EVENTS__INIT;
+    uint8_t junk[(PRISM_KV_PREFIX_EVENTS + 1) * PRISM_KV_PREFIX_KEY_BYTES] = {0};
+    e.stored = (ProtobufCBinaryData){17, junk};
+    e.reset = true;
+    assert_false(router_prefix_index_apply(&a->prefix, &e));
+    e.stored = (ProtobufCBinaryData){sizeof junk, junk};
+    assert_false(router_prefix_index_apply(&a->prefix, &e));
+    assert_false(router_prefix_index_apply(&a->prefix, NULL));
+    assert_int_equal(router_worker_prefix_hit(a, k, 8, 16), 6);
+    /* a reset forgets all (then lists what is held) */
+    assert_true(events(a, k, 0, 1, 0, 0, true));
+    assert_int_equal(router_worker_prefix_hit(a, k, 8, 16), 1);
+    assert_int_equal(a->prefix.n, 1);
+    /* bounded by the worker's pool: a worker of 4 blocks claiming 8 has its set started again */
+    router_worker_t *c = add_prefill("p2", 4);
+    assert_true(events(c, k, 0, 8, 0, 0, false));
+    assert_true(c->prefix.n <= 4);
+    assert_true(c->prefix.resets >= 1);
+    router_worker_drop(a);
+    router_worker_drop(b);
+    router_worker_drop(c);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -232,6 +316,7 @@ int main(void)
         cmocka_unit_test_setup(test_affinity_is_bounded, setup),
         cmocka_unit_test_setup(test_migration_target, setup),
         cmocka_unit_test_setup(test_decode_pick_weighs_kv_room, setup),
+        cmocka_unit_test_setup(test_prefix_affinity_and_events, setup),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
