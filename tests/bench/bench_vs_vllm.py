@@ -395,6 +395,17 @@ def table(res, cells):
     return "\n".join(lines)
 
 
+def scrubbed(res, args, workdir):
+    """res with this machine's paths replaced by names (the JSON goes into docs/bench)."""
+    text = json.dumps(res)
+    for path, name in ((workdir, "<work>"), (cl.ROOT, "<repo>"),
+                       (os.path.dirname(os.path.dirname(os.path.abspath(args.vllm_python))), "<vllm-venv>"),
+                       (os.path.dirname(os.path.dirname(os.path.abspath(args.aiperf))), "<aiperf-venv>")):
+        if len(path) > 1:
+            text = text.replace(json.dumps(path)[1:-1], name)
+    return json.loads(text)
+
+
 def on_signal(signum, frame):
     raise SystemExit(128 + signum)   # unwinds through the finally blocks that stop the server
 
@@ -463,7 +474,7 @@ def main():
         print("\n" + table(res, cells))
         print("\nall servers and cells in %.0fs" % res["total_s"])
         if args.out:
-            write_result(args.out, "bench_vs_vllm", args.tag, res)
+            write_result(args.out, "bench_vs_vllm", args.tag, scrubbed(res, args, workdir))
         if not args.keep:
             subprocess.run(["rm", "-rf", workdir])
     bad = [t for t, s in res["servers"].items()
