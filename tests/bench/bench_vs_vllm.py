@@ -302,6 +302,11 @@ def run_aiperf(args, cell, server, dataset, workdir, tag):
            "peak_rss_mib": server.mem.peak_rss / 1024.0, "peak_pss_mib": server.mem.peak_pss / 1024.0,
            "processes": server.mem.procs, "server_alive": server.proc.poll() is None,
            "aiperf_command": " ".join(a if len(a) < 200 else a[:60] + "..." for a in argv)}
+    if not args.keep:   # AIPerf's copy of the requests (1.3 GB at 4096 x 64)
+        try:
+            os.unlink(os.path.join(artifacts, "inputs.json"))
+        except OSError:
+            pass
     try:
         with open(os.path.join(artifacts, "profile_export_aiperf.json")) as f:
             s = json.load(f)
