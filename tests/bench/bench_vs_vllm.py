@@ -279,6 +279,37 @@ def metric(summary, tag, stat):
     return m.get(stat)
 
 
+def perf_start(args, server, name):
+    """`perf record` with DWARF call graphs (the release build keeps no frame pointers) on every
+    process of the server's tree (but launch.sh's shell and the supervisor: they only wait) while a
+    cell runs, with --perf DIR."""
+    if not args.perf:
+        return None
+    os.makedirs(args.perf, exist_ok=True)
+    pids = [p for p in tree(server.proc.pid) if comm(p) not in ("bash", "prism_supervisor")]
+    return subprocess.Popen(["perf", "record", "-F", "199", "--call-graph", "dwarf,16384", "-o", os.path.join(args.perf, name + ".data"),
+                             "-p", ",".join(map(str, pids))], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def perf_stop(prof):
+    if prof is not None:
+        prof.send_signal(signal.SIGINT)
+        try:
+            prof.wait(60)
+        except subprocess.TimeoutExpired:
+            prof.kill()
+            prof.wait()
+
+
+def comm(pid):
+    try:
+        with open("/proc/%d/comm" % pid) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def run_aiperf(args, cell, server, dataset, workdir, tag):
     n = requests_for(cell, args)
     artifacts = os.path.join(workdir, "aiperf_%s_%s" % (tag, cell["name"]))
@@ -288,6 +319,7 @@ def run_aiperf(args, cell, server, dataset, workdir, tag):
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    prof = perf_start(args, server, "%s_%s" % (tag, cell["name"]))
     try:
         rc = p.wait(args.cell_timeout)
     except subprocess.TimeoutExpired:
@@ -296,6 +328,7 @@ def run_aiperf(args, cell, server, dataset, workdir, tag):
         rc = "timeout"
     finally:
         log.close()
+        perf_stop(prof)
     wall = time.perf_counter() - t0
     server.mem.sample()
     out = {"requests": n, "aiperf_rc": rc, "wall_s": wall, "load_avg_1m": [load0, os.getloadavg()[0]],
@@ -441,6 +474,8 @@ def main():
     ap.add_argument("--cell-timeout", type=int, default=1800, help="AIPerf is killed after this many seconds")
     ap.add_argument("--out", default="", help="directory for bench_vs_vllm[_TAG].json (none: no file)")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--perf", default="", help="record a perf profile of the server's processes per cell into "
+                    "this folder (perf record --call-graph dwarf; read with perf report -i FILE --sort comm,sym)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, AIPerf artifacts, datasets)")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, on_signal)
