@@ -20,7 +20,8 @@ AIPerf's synthetic TOK-token prompts (the bundled tokenizer). Every request stre
   python3 tests/bench/bench_vs_vllm.py ... --cells 512x1,512x8,text256x1      # a subset
 
 Figures per cell and server: requests/s (AIPerf's request_throughput), TTFT p50/p99, failed
-requests, and the peak over the cell of the summed RSS (and PSS) of the server's process tree.
+requests, and the peak over the cell of the summed RSS (and PSS) of the server's process tree;
+for Prism also where the requests' time went (the means of prism:request_stage_seconds' stages).
 Prints a table with Prism / vLLM ratios and writes bench_vs_vllm[_TAG].json.
 """
 import argparse
@@ -42,6 +43,7 @@ sys.path.insert(0, HERE)
 import cluster as cl  # noqa: E402
 from bench_encoder_pool import unique_jpegs  # noqa: E402
 from bench_router_memory import QUESTION, write_result  # noqa: E402
+from bench_serving import stage_breakdown, stage_sums  # noqa: E402
 
 MODEL_NAME = "prism-tiny-llava"
 SEED_CELLS = ("512x1,512x8,512x32,2048x1,2048x8,2048x32,4096x1,4096x8,4096x32,4096x64,"
@@ -131,8 +133,12 @@ class Server:
     """One server process tree: started in a new session (its own process group), stopped with
     SIGTERM to the group, then SIGKILL to every process of the tree that is left."""
 
-    def __init__(self, name, argv, env, log_path, port, grace=30):
+    def __init__(self, name, argv, env, log_path, port, grace=30, prism=False):
         self.name, self.argv, self.port, self.grace = name, argv, port, grace
+        self.view = None
+        if prism:   # a cluster.Cluster view of the router: its /metrics (where a request's time went)
+            self.view = cl.Cluster.__new__(cl.Cluster)
+            self.view.port = port
         self.log = open(log_path, "ab")
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT,
@@ -205,7 +211,7 @@ def prism_server(args, threads, port, log):
     argv = ["bash", os.path.join(cl.ROOT, "deploy", "launch.sh"), "--build-dir", os.path.abspath(args.build_dir),
             "--port", str(port), "--control-port", str(port + 1), "--tp-port", str(port + 2), "--lb", "none",
             "--threads", threads] + args.prism_args.split()
-    return Server("prism(--threads %s)" % threads, argv, dict(os.environ), log, port)
+    return Server("prism(--threads %s)" % threads, argv, dict(os.environ), log, port, prism=True)
 
 
 def vllm_server(args, model, port, log):
@@ -315,6 +321,7 @@ def run_aiperf(args, cell, server, dataset, workdir, tag):
     artifacts = os.path.join(workdir, "aiperf_%s_%s" % (tag, cell["name"]))
     argv = aiperf_argv(args, cell, n, server.port, artifacts, dataset)
     server.mem.reset()
+    stages0 = stage_sums(server.view) if server.view else None
     log = open(os.path.join(workdir, "aiperf_%s_%s.log" % (tag, cell["name"])), "wb")
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -335,6 +342,9 @@ def run_aiperf(args, cell, server, dataset, workdir, tag):
            "peak_rss_mib": server.mem.peak_rss / 1024.0, "peak_pss_mib": server.mem.peak_pss / 1024.0,
            "processes": server.mem.procs, "server_alive": server.proc.poll() is None,
            "aiperf_command": " ".join(a if len(a) < 200 else a[:60] + "..." for a in argv)}
+    if stages0 is not None and out["server_alive"]:
+        st = stage_breakdown(stages0, stage_sums(server.view))
+        out["prism_stage_means_ms"] = {k: round(v, 2) for k, v in st["stage_means_ms"].items() if v >= 0.05}
     if not args.keep:   # AIPerf's copy of the requests (1.3 GB at 4096 x 64)
         try:
             os.unlink(os.path.join(artifacts, "inputs.json"))
@@ -400,9 +410,11 @@ def fmt(x, f="%.2f"):
 def cell_line(r):
     if "error" in r:
         return r["error"]
-    return "req/s %s  TTFT p50 %ss p99 %ss  failed %d  peak RSS %s MiB (PSS %s)  load %.1f" % (
+    st = r.get("prism_stage_means_ms")
+    return "req/s %s  TTFT p50 %ss p99 %ss  failed %d  peak RSS %s MiB (PSS %s)  load %.1f%s" % (
         fmt(r.get("requests_per_s")), fmt(r.get("ttft_p50_s"), "%.3f"), fmt(r.get("ttft_p99_s"), "%.3f"),
-        r["failed"], fmt(r["peak_rss_mib"], "%.0f"), fmt(r["peak_pss_mib"], "%.0f"), r["load_avg_1m"][1])
+        r["failed"], fmt(r["peak_rss_mib"], "%.0f"), fmt(r["peak_pss_mib"], "%.0f"), r["load_avg_1m"][1],
+        "\n               stage means (ms): " + ", ".join("%s %.1f" % kv for kv in st.items()) if st else "")
 
 
 def ratio(a, b):
