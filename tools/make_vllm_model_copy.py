@@ -6,17 +6,19 @@ benchmark of issue 33 (tests/bench/bench_vs_vllm.py). Never commit the copy.
 
 Two differences from the bundled folder, nothing else:
 
-* tensor names: the bundled checkpoint keeps transformers 4.x's LLaVA layout with the CLIP tower's
-  modules at the top of `vision_tower.` (`vision_tower.embeddings...`, `language_model.model...`).
-  vLLM's `LlavaForConditionalGeneration` maps transformers 5's names (`model.language_model.`,
-  `model.vision_tower.`, `model.multi_modal_projector.`, `lm_head.`) onto its modules and expects a
-  `CLIPVisionModel` under the tower (`vision_model.` inside it); it refuses the bundled names. The
-  copy stores every tensor under the transformers 5 name. The bytes of every tensor are copied as
-  they are (same dtype, same order): only the safetensors header changes.
+* tensor names: the bundled checkpoint (saved by transformers 5.24) keeps LLaVA's legacy top-level
+  prefixes (`language_model.model.`, `language_model.lm_head.`) and its CLIP tower's modules
+  directly under `vision_tower.`. vLLM 0.32's `LlavaForConditionalGeneration` maps the prefixes
+  of checkpoints saved since transformers 4.52 (`model.language_model.`, `model.vision_tower.`,
+  `model.multi_modal_projector.`, `lm_head.`) onto its modules, and its CLIP tower is a
+  `CLIPVisionModel` with the transformer under `vision_model.`: it refuses the bundled names. The
+  copy stores every tensor under those names (`model.vision_tower.vision_model.embeddings...`;
+  transformers 5 loads them too). The bytes of every tensor are copied as they are (same dtype,
+  same order): only the safetensors header changes.
 * BOS: Prism's router adds the tokenizer's BOS to a chat prompt (`add_bos_token`, unless the
   template wrote it), vLLM's chat endpoint tokenizes the rendered template without special tokens.
   The copy's chat template writes `{{ bos_token }}` first, so both servers see the same prompt
-  tokens (checked by bench_vs_vllm.py --check-prompt through `usage.prompt_tokens`).
+  tokens (bench_vs_vllm.py checks `usage.prompt_tokens` of both before it measures).
 
 Only the standard library is needed.
 """
@@ -31,7 +33,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 BUNDLED = os.path.join(ROOT, "models", "prism-tiny-llava")
 MAX_HEADER = 100 << 20   # safetensors' own limit on the JSON header
 
-# bundled prefix -> transformers 5 prefix, longest first
+# bundled prefix -> the prefix vLLM loads, longest first
 RENAMES = [("language_model.lm_head.", "lm_head."),
            ("language_model.model.", "model.language_model."),
            ("vision_tower.vision_model.", "model.vision_tower.vision_model."),
@@ -44,7 +46,7 @@ def new_name(name):
         if name.startswith(old):
             return new + name[len(old):]
     if name.startswith(("model.", "lm_head.")):
-        return name   # already transformers 5's
+        return name   # already the layout vLLM loads
     raise ValueError("unexpected tensor name %r: not a LLaVA checkpoint this tool knows" % name)
 
 
