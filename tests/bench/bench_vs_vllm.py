@@ -52,18 +52,24 @@ MIB = 1 << 20
 
 
 # ------------------------------------------------------------------ process trees and memory
+def stat_fields(pid):
+    """(ppid, start time in clock ticks) of a live process; None once it is gone."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            st = f.read()
+    except OSError:
+        return None
+    f = st[st.rindex(")") + 2:].split()   # after the command name, which may hold spaces
+    return int(f[1]), int(f[19])
+
+
 def children_map():
     kids = {}
     for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open("/proc/%s/stat" % d) as f:
-                st = f.read()
-        except OSError:
-            continue
-        ppid = int(st[st.rindex(")") + 2:].split()[1])
-        kids.setdefault(ppid, []).append(int(d))
+        if d.isdigit():
+            st = stat_fields(int(d))
+            if st:
+                kids.setdefault(st[0], []).append(int(d))
     return kids
 
 
@@ -94,10 +100,11 @@ def mem_kb(pid):
 
 class MemSampler:
     """Samples the summed RSS / PSS of a process tree every `interval` s; keeps the peak and every
-    pid it saw (so that a stop can reach processes that left their parent's group)."""
+    process it saw, {pid: start time} (so that a stop can reach processes that left their parent's
+    group, and never a later process that reuses one of their pids)."""
 
     def __init__(self, root, interval=0.25):
-        self.root, self.interval, self.seen = root, interval, set()
+        self.root, self.interval, self.seen = root, interval, {}
         self.peak_rss = self.peak_pss = 0
         self.procs = 0
         self._stop = threading.Event()
@@ -106,7 +113,10 @@ class MemSampler:
 
     def sample(self):
         pids = tree(self.root)
-        self.seen.update(pids)
+        for p in pids:
+            st = stat_fields(p)
+            if st:
+                self.seen.setdefault(p, st[1])
         rss = pss = 0
         for p in pids:
             r, s = mem_kb(p)
@@ -183,8 +193,8 @@ class Server:
             except subprocess.TimeoutExpired:
                 pass
         self.mem.close()
-        for pid in self.mem.seen:   # anything of the tree still alive (its own group, reparented)
-            if pid != os.getpid() and alive_from(pid, self.mem.seen):
+        for pid, start in self.mem.seen.items():   # anything of the tree still alive (own group, reparented)
+            if pid != os.getpid() and still_ours(pid, start):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -195,16 +205,10 @@ class Server:
         self.log.close()
 
 
-def alive_from(pid, seen):
-    """pid is alive and still one of ours (its start time has not been reused: it is in `seen` and
-    its parent is one of ours or init)."""
-    try:
-        with open("/proc/%d/stat" % pid) as f:
-            st = f.read()
-    except OSError:
-        return False
-    ppid = int(st[st.rindex(")") + 2:].split()[1])
-    return ppid in seen or ppid == 1
+def still_ours(pid, start):
+    """pid is alive and is the process the sampler saw (the same start time: not a reused pid)."""
+    st = stat_fields(pid)
+    return st is not None and st[1] == start
 
 
 def prism_server(args, threads, port, log):
