@@ -349,6 +349,9 @@ def run_aiperf(args, cell, server, dataset, workdir, tag):
     if stages0 is not None and out["server_alive"]:
         st = stage_breakdown(stages0, stage_sums(server.view))
         out["prism_stage_means_ms"] = {k: round(v, 2) for k, v in st["stage_means_ms"].items() if v >= 0.05}
+        # the body's upload before the stages start, and the router's own end-to-end mean: TTFT as
+        # the client sees it less these is time in the client or the network
+        out["prism_upload_mean_ms"], out["prism_e2e_mean_ms"] = st["upload_mean_ms"], st["e2e_mean_ms"]
     if not args.keep:   # AIPerf's copy of the requests (1.3 GB at 4096 x 64)
         try:
             os.unlink(os.path.join(artifacts, "inputs.json"))
@@ -418,7 +421,9 @@ def cell_line(r):
     return "req/s %s  TTFT p50 %ss p99 %ss  failed %d  peak RSS %s MiB (PSS %s)  load %.1f%s" % (
         fmt(r.get("requests_per_s")), fmt(r.get("ttft_p50_s"), "%.3f"), fmt(r.get("ttft_p99_s"), "%.3f"),
         r["failed"], fmt(r["peak_rss_mib"], "%.0f"), fmt(r["peak_pss_mib"], "%.0f"), r["load_avg_1m"][1],
-        "\n               stage means (ms): " + ", ".join("%s %.1f" % kv for kv in st.items()) if st else "")
+        "\n               stage means (ms): " + ", ".join("%s %.1f" % kv for kv in st.items()) +
+        "; upload %s, router e2e %s" % (fmt(r.get("prism_upload_mean_ms"), "%.1f"), fmt(r.get("prism_e2e_mean_ms"), "%.1f"))
+        if st else "")
 
 
 def ratio(a, b):
