@@ -536,6 +536,10 @@ def main():
                 raise SystemExit("unknown server %r (prism, vllm)" % name)
     finally:
         res["total_s"] = time.perf_counter() - t0
+        prompts = {t: json.dumps(s.get("prompt_tokens")) for t, s in res["servers"].items() if s.get("prompt_tokens")}
+        res["prompt_tokens_agree"] = len(set(prompts.values())) <= 1
+        if not res["prompt_tokens_agree"]:   # a BOS given one way only, another chat template
+            print("WARNING: the servers see different prompts: %s" % prompts)
         print("\n" + table(res, cells))
         print("\nall servers and cells in %.0fs" % res["total_s"])
         if args.out:
@@ -544,7 +548,7 @@ def main():
             subprocess.run(["rm", "-rf", workdir])
     bad = [t for t, s in res["servers"].items()
            if "error" in s or any(c.get("failed") for c in s.get("cells", {}).values())]
-    return 1 if bad else 0
+    return 1 if bad or not res["prompt_tokens_agree"] else 0
 
 
 if __name__ == "__main__":
