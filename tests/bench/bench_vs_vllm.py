@@ -12,7 +12,8 @@ of its tree after a grace period; at exit and on SIGINT/SIGTERM too), then the n
 Cells: SIZExCONC is SIZE x SIZE photo-like JPEGs (the seed's matrix: prism_imgtool --photo,
 quality 93, the 4096 px one 7.6 MB), one image of its own per request (the same picture with a
 distinct JPEG comment: no cache hit in either server), "What is in the image?"; textTOKxCONC is
-AIPerf's synthetic TOK-token prompts (the bundled tokenizer). Every request streams 16 tokens
+AIPerf's synthetic TOK-token prompts (the bundled tokenizer; a seed per cell: no two cells share
+a prompt). Every request streams 16 tokens
 (ignore_eos, temperature 0). The servers get the very same request files.
 
   python3 tests/bench/bench_vs_vllm.py --build-dir build --vllm-python VENV/bin/python \\
@@ -232,6 +233,8 @@ def vllm_server(args, model, port, log):
 
 # ------------------------------------------------------------------ cells and AIPerf
 def parse_cells(spec):
+    """Each cell with AIPerf's seed: its own, so that two text cells of a run never share prompts
+    (a server's prefix cache would answer the second from the first's); the same for every server."""
     cells = []
     for c in spec.split(","):
         kind, _, conc = c.strip().rpartition("x")
@@ -243,6 +246,9 @@ def parse_cells(spec):
             cells.append({"name": c.strip(), "size": int(kind), "concurrency": int(conc)})
         else:
             raise SystemExit("bad cell %r: SIZExCONC or textTOKENSxCONC" % c)
+        cells[-1]["seed"] = 33 + len(cells) - 1
+    if len({c["name"] for c in cells}) != len(cells):
+        raise SystemExit("a cell is named twice in --cells")
     return cells
 
 
@@ -269,7 +275,7 @@ def aiperf_argv(args, cell, n, port, artifacts, dataset):
             "--endpoint-type", "chat", "--streaming", "--concurrency", str(cell["concurrency"]),
             "--request-count", str(n), "--tokenizer", cl.MODEL, "--use-server-token-count",
             "--extra-inputs", json.dumps({"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0}),
-            "--request-timeout-seconds", str(args.request_timeout), "--random-seed", "33",
+            "--request-timeout-seconds", str(args.request_timeout), "--random-seed", str(cell["seed"]),
             "--artifact-dir", artifacts, "--ui-type", "none"]
     if dataset:
         argv += ["--input-file", dataset, "--custom-dataset-type", "single_turn"]
