@@ -285,17 +285,10 @@ def aiperf_argv(args, cell, n, port, artifacts, dataset):
 
 
 def metric(summary, tag, stat):
-    """A statistic of one metric in AIPerf's profile_export_aiperf.json (both of its layouts)."""
+    """A statistic of one metric in AIPerf 0.13's profile_export_aiperf.json ({tag: {stat: value}});
+    None when AIPerf did not report it (error_request_count is absent without errors)."""
     m = summary.get(tag)
-    if m is None:
-        for rec in summary.get("records", []) if isinstance(summary.get("records"), list) else []:
-            if rec.get("tag") == tag:
-                m = rec
-    if m is None and isinstance(summary.get("records"), dict):
-        m = summary["records"].get(tag)
-    if not isinstance(m, dict):
-        return None
-    return m.get(stat)
+    return m.get(stat) if isinstance(m, dict) else None
 
 
 def perf_start(args, server, name):
@@ -411,8 +404,8 @@ def run_server(args, make, tag, cells, datasets, workdir, photo):
             if not r["server_alive"]:
                 print("  %s died; the remaining cells are skipped" % tag, flush=True)
                 break
-    except RuntimeError as e:
-        res["error"] = str(e)
+    except (RuntimeError, OSError, ValueError, KeyError) as e:   # not ready, or its check answers refused
+        res["error"] = "%s: %s" % (type(e).__name__, e)
         print("%s: %s" % (tag, e), flush=True)
     finally:
         srv.stop()
