@@ -122,7 +122,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     for (int i = 0; i < e->max_queue; i++)
         if (e->jobs[i].state != JOB_FREE) fuzz_abort(&e->w, on_msg, e, e->jobs[i].rid, e->jobs[i].router_id);
     turn();
-    FUZZ_ASSERT(!held(e) && !e->n_batch);
+    FUZZ_ASSERT(!held(e) && !e->cur.n_batch && !e->nxt.n_batch);
     for (int i = 0; i < e->cache.n_units; i++) FUZZ_ASSERT(!e->cache.pins[i]);
 
     if (getenv("FUZZ_VERBOSE"))   /* what an input did: to check that a seed does what it says */
