@@ -577,20 +577,22 @@ def test_overlap_keeps_every_batch_its_own_pixels():
 
 
 def test_overlap_abort_frees_everything():
-    """--overlap-decode on: eight requests queued on the stopped encoder (one image per batch), then
-    every other client hangs up as the encoder goes on, while their images wait or decode in the next
-    batch: the aborted ones are dropped, the others answered, the encoder ends idle with every job
-    freed, the heap flat, and it serves again."""
-    imgs = overlap_images()
+    """--overlap-decode on: eight 2048 px photos queued on the stopped encoder (one image per batch).
+    Once its heartbeat shows a batch running (the first image decoded, in the tower, the second
+    decoding in the next batch), every other client hangs up: the aborted images are dropped (the
+    one in the next batch at least: its log says so), the others answered, the encoder ends idle
+    with every job freed, the heap flat, and it serves again."""
+    imgs = early_images(8, size=2048, first=950)
     with Cluster(router_args=["--no-early-encode"],
                  worker_args={"encoder_worker": HB + ["--embedding-cache-bytes", "0", "--max-batch-images", "1",
                                                       "--image-threads", "2", "--overlap-decode", "on"]}) as c:
         c.wait_ready()
-        ask_logprobs(c, chat_body("Warm up.", [imgs[0]], max_tokens=2, logprobs=True))   # first use of each path
-        ask_logprobs(c, chat_body("Warm up.", [imgs[6]], max_tokens=2, logprobs=True))
+        for p in imgs[:2]:   # first use of each path (two batches: the overlap's too)
+            ask_logprobs(c, chat_body("Warm up.", [p], max_tokens=2, logprobs=True))
         wait_for("idle workers", lambda: idle(c))
         fresh_heartbeats(c)
         heap0 = c.metric("prism:worker_heap_allocations_total", worker="encoder-0")
+        dropped0 = c.log("encoder-0", tail=0).count("dropped from the batch")
         enc = c.procs["encoder-0"]
         enc.send_signal(signal.SIGSTOP)
         socks = []
@@ -601,8 +603,9 @@ def test_overlap_abort_frees_everything():
             wait_for("%d requests at the encoder" % len(imgs), lambda: encoder_inflight(c) == len(imgs), 30)
         finally:
             enc.send_signal(signal.SIGCONT)
+        wait_for("a batch in the tower", lambda: c.metric("prism:worker_running", worker="encoder-0") >= 1, 30)
         for s in socks[1::2]:
-            s.close()   # the router aborts them at the encoder, queued or decoding
+            s.close()   # the router aborts them at the encoder: queued, or in a batch
         answered = 0
         for s in socks[0::2]:
             s.settimeout(120)
@@ -617,6 +620,10 @@ def test_overlap_abort_frees_everything():
         assert answered == len(socks[0::2]), answered
         wait_for("idle workers", lambda: idle(c))
         wait_for("encoder empty", lambda: encoder_inflight(c) == 0)
+        # aborts that reached an image in a batch (decoding in the next one, or in the tower), not only queued ones
+        dropped = c.log("encoder-0", tail=0).count("dropped from the batch") - dropped0
+        print("  aborted images dropped from a batch: %d of %d" % (dropped, len(socks[1::2])))
+        assert dropped >= 1, "no abort reached an image in a batch: the test did not test the overlap"
         fresh_heartbeats(c)
         assert c.metric("prism:worker_heap_allocations_total", worker="encoder-0") == heap0
         ask_logprobs(c, chat_body("Again?", [imgs[3]], max_tokens=2, logprobs=True))
