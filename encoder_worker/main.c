@@ -14,7 +14,8 @@
  * (decode_pool.h; prep.c: rows are resampled as they are decoded, straight into each image's own
  * tiles; no decoded image is ever held), runs the vision tower over the
  * tiles in micro-batches of at most --max-batch-images (the activation arena holds that many),
- * then pushes the results. A 17-tile 4096x4096 Llama-4 image with --max-batch-images 4 is five
+ * then pushes the results. With --overlap-decode the next batch is formed as the tower starts and
+ * its images decode on the pool into a second pixel buffer meanwhile (start_next, take_next). A 17-tile 4096x4096 Llama-4 image with --max-batch-images 4 is five
  * micro-batches: memory is set by the flags, never by the images or their number. An abort that
  * arrives during the batch drops its image's tiles between two layers (and skips those of later
  * micro-batches); the others go on. When a prefill worker's receive pool is full the push waits:
@@ -97,7 +98,6 @@ typedef struct {
     int n_tiles;              /* tiles of its images in the pixel buffer */
     float *pixels;            /* [cap_tiles][3][S][S] (native resolution: [cap_patches][patch_floats]) */
     int *tile_job;            /* [cap_tiles] job index of each tile in the pixel buffer (-1: cancelled) */
-    bool decoding;            /* its decodes were started on the pool and not waited for */
 } enc_batch_t;
 
 typedef struct {
@@ -617,7 +617,6 @@ static void start_next(encoder_t *e)
     if (!e->nxt.n_pix) return;
     e->dec = &e->nxt;
     enc_pool_start(&e->pool, e->nxt.n_pix, decode_task, e);
-    e->nxt.decoding = true;
 }
 
 /* The next batch becomes the one in flight (cur was sent whole): its decodes waited for and
@@ -631,7 +630,6 @@ static double take_next(encoder_t *e)
     e->cur = e->nxt;
     e->nxt = done;
     e->nxt.n_batch = e->nxt.n_pix = e->nxt.n_tiles = 0;
-    e->nxt.decoding = e->cur.decoding = false;
     collect_decodes(e);
     return waited;
 }
