@@ -850,7 +850,7 @@ static int encoder_flags(void *ctx, prism_flag_t *t)
     e->f.decode_threads = 2;
     e->f.image_threads = 0;
     e->f.dct = "auto";
-    e->f.overlap = "auto";
+    e->f.overlap = "on";
     e->f.max_batch_s = 2.0;
     e->f.piece_rows = PRISM_VISION_PIECE_ROWS;
     prism_flag_t f[] = {
@@ -876,9 +876,9 @@ static int encoder_flags(void *ctx, prism_flag_t *t)
         PRISM_FLAG_INT("image-threads", &e->f.image_threads, "Images of a batch decoded and preprocessed at once, "
                        "each with memory of its own (0 = --threads; lowered to what --mem-budget holds)"),
         PRISM_FLAG_STR("overlap-decode", &e->f.overlap, "Decode the next batch's images on the image threads while "
-                       "the vision tower runs this one's, into a second pixel buffer (on, off, or auto: on when the "
-                       "tower runs on a GPU, off on the CPU, where the two share the cores; not for native-"
-                       "resolution models)"),
+                       "the vision tower runs this one's, into a second pixel buffer: on (on a GPU the tower's work is "
+                       "on the device; on the CPU it paid on 2 loaded cores, docs/PERFORMANCE.md) or off; not for "
+                       "native-resolution models"),
         PRISM_FLAG_INT("max-image-tokens", &e->f.max_image_tokens, "Qwen-VL: the largest image, in LM tokens; the tower's "
                        "arena and the pixel and output buffers hold one such image (or several smaller ones), and a "
                        "larger image is refused with a 400 naming the max_pixels that would fit (0 = what the "
@@ -913,13 +913,11 @@ static int encoder_size(void *ctx, prism_worker_startup_t *s)
         PRISM_ERROR("--jpeg-dct-scaling must be auto, always or never");
         return 2;
     }
-    bool gpu = s->o.device && strcmp(s->o.device, "cpu");
-    if (!strcmp(e->f.overlap, "auto")) e->overlap = gpu;
-    else if (!strcmp(e->f.overlap, "on") || !strcmp(e->f.overlap, "off")) e->overlap = !strcmp(e->f.overlap, "on");
-    else {
-        PRISM_ERROR("--overlap-decode must be auto, on or off");
+    if (strcmp(e->f.overlap, "on") && strcmp(e->f.overlap, "off")) {
+        PRISM_ERROR("--overlap-decode must be on or off");
         return 2;
     }
+    e->overlap = !strcmp(e->f.overlap, "on");
     e->w_threads = s->o.threads;
     e->n_image_threads = (int)(e->f.image_threads ? e->f.image_threads
                                                   : PRISM_MIN(PRISM_MAX(s->o.threads, 1), ENC_POOL_MAX));
@@ -945,9 +943,7 @@ static int encoder_size(void *ctx, prism_worker_startup_t *s)
         e->row_floats = prism_vision_native_row_floats(&e->cfg);
         e->emb_floats = (size_t)e->piece_rows * e->row_floats;   /* a piece is a cache unit */
         e->cap_tiles = (int)PRISM_ARRAY_LEN(e->cur.pix_job);   /* images per batch at most */
-        if (e->overlap && strcmp(e->f.overlap, "auto"))
-            PRISM_WARN("--overlap-decode: not for native-resolution models (one batch at a time)");
-        e->overlap = false;
+        e->overlap = false;   /* native resolution: one batch at a time */
         return -1;
     }
     e->cap_tiles = PRISM_MAX(e->max_batch, e->prep.max_tiles);
