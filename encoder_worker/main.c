@@ -96,6 +96,7 @@ typedef struct {
     int pix_job[256];         /* job index of each image in the vision batch (-1: cancelled) */
     int n_pix;                /* images in the vision batch */
     int n_tiles;              /* tiles of its images in the pixel buffer */
+    int target;               /* images the time bound allowed when it was formed (batch_target) */
     float *pixels;            /* [cap_tiles][3][S][S] (native resolution: [cap_patches][patch_floats]) */
     int *tile_job;            /* [cap_tiles] job index of each tile in the pixel buffer (-1: cancelled) */
 } enc_batch_t;
@@ -742,7 +743,7 @@ static void run_batch_native(encoder_t *e)
  * fill the batch). Its images are decoded after, together, on the pool: their queue time ends here. */
 static void form_batch(encoder_t *e, enc_batch_t *b)
 {
-    int target = batch_target(e);
+    int target = b->target = batch_target(e);
     int n_classes = 0;
     bool small = false;
     double newest = 0;
@@ -817,7 +818,8 @@ static void run_batch(encoder_t *e)
     if (e->cur.n_pix) {
         int n_pix = e->cur.n_pix;
         e->n_live = n_pix;
-        PRISM_DEBUG("vision batch of %d image(s), %d tiles (%.3fs per image)", n_pix, n_tiles, e->cost_s);
+        PRISM_DEBUG("vision batch of %d image(s), %d tiles (time bound allows %d at %.3fs per image)", n_pix, n_tiles,
+                    e->cur.target, e->cost_s);
         flush_batch(e, true);
         publish_load(e);
         start_next(e);   /* --overlap-decode: the next batch's images decode while the tower runs */
