@@ -46,9 +46,15 @@ static void *member_main(void *raw)
     return NULL;
 }
 
-int enc_pool_create(enc_pool_t *p, int n, const enc_prep_t *planned)
+int enc_pool_threads(int n, bool detached)
+{
+    return detached ? n : n - 1;
+}
+
+int enc_pool_create(enc_pool_t *p, int n, const enc_prep_t *planned, bool detached)
 {
     memset(p, 0, sizeof *p);
+    p->detached = detached;
     PRISM_ASSERT(n >= 1 && n <= ENC_POOL_MAX);
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->start_cv, NULL);
@@ -68,15 +74,16 @@ int enc_pool_create(enc_pool_t *p, int n, const enc_prep_t *planned)
         p->n = i + 1;   /* created members are destroyed on failure */
         if (enc_prep_create(&p->preps[i]) != PRISM_OK) goto fail;
     }
-    for (int i = 1; i < n; i++) {
-        p->args[i - 1] = (enc_pool_arg_t){p, i};
+    int first = n - enc_pool_threads(n, detached);   /* member 0 is the caller's unless detached */
+    for (int i = first; i < n; i++) {
+        p->args[i - first] = (enc_pool_arg_t){p, i};
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setstacksize(&attr, ENC_POOL_STACK_BYTES);
-        int rc = pthread_create(&p->threads[i - 1], &attr, member_main, &p->args[i - 1]);
+        int rc = pthread_create(&p->threads[i - first], &attr, member_main, &p->args[i - first]);
         pthread_attr_destroy(&attr);
         if (rc != 0) goto fail;
-        p->n_started = i;
+        p->n_started = i - first + 1;
     }
     return PRISM_OK;
 fail:
@@ -86,6 +93,7 @@ fail:
 
 void enc_pool_destroy(enc_pool_t *p)
 {
+    enc_pool_wait(p);   /* the tasks of a started run still read the caller's data */
     pthread_mutex_lock(&p->mu);
     p->stop = true;
     pthread_cond_broadcast(&p->start_cv);
@@ -105,15 +113,16 @@ void enc_pool_destroy(enc_pool_t *p)
     pthread_cond_destroy(&p->done_cv);
 }
 
-void enc_pool_run(enc_pool_t *p, int n_tasks, enc_pool_task_fn fn, void *ctx)
+/* Sets the run's tasks and wakes the member threads (none for a run the caller takes alone). */
+static bool wake_members(enc_pool_t *p, int n_tasks, enc_pool_task_fn fn, void *ctx, bool caller_takes)
 {
-    if (n_tasks <= 0) return;
+    PRISM_ASSERT(!p->started);
     p->fn = fn;
     p->ctx = ctx;
     p->n_tasks = n_tasks;
     atomic_store(&p->next, 0);
-    /* one task: the loop thread alone, no hand-off */
-    bool wake = n_tasks > 1 && p->n_started > 0;
+    /* one task the caller takes: the loop thread alone, no hand-off */
+    bool wake = p->n_started > 0 && (n_tasks > 1 || !caller_takes);
     if (wake) {
         pthread_mutex_lock(&p->mu);
         p->busy = p->n_started;
@@ -121,10 +130,29 @@ void enc_pool_run(enc_pool_t *p, int n_tasks, enc_pool_task_fn fn, void *ctx)
         pthread_cond_broadcast(&p->start_cv);
         pthread_mutex_unlock(&p->mu);
     }
-    take_tasks(p, &p->preps[0]);
-    if (wake) {
-        pthread_mutex_lock(&p->mu);
-        while (p->busy > 0) pthread_cond_wait(&p->done_cv, &p->mu);
-        pthread_mutex_unlock(&p->mu);
-    }
+    p->started = wake;
+    return wake;
+}
+
+void enc_pool_wait(enc_pool_t *p)
+{
+    if (!p->started) return;
+    pthread_mutex_lock(&p->mu);
+    while (p->busy > 0) pthread_cond_wait(&p->done_cv, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+    p->started = false;
+}
+
+void enc_pool_start(enc_pool_t *p, int n_tasks, enc_pool_task_fn fn, void *ctx)
+{
+    PRISM_ASSERT(p->detached);
+    if (n_tasks > 0) wake_members(p, n_tasks, fn, ctx, false);
+}
+
+void enc_pool_run(enc_pool_t *p, int n_tasks, enc_pool_task_fn fn, void *ctx)
+{
+    if (n_tasks <= 0) return;
+    wake_members(p, n_tasks, fn, ctx, !p->detached);
+    if (!p->detached) take_tasks(p, &p->preps[0]);
+    enc_pool_wait(p);
 }

@@ -11,6 +11,14 @@
  *   enc_pool_run(&pool, n_tasks, fn, ctx);      // per batch: fn(ctx, task, prep) for every task
  *   enc_pool_destroy(&pool);
  *
+ * A detached pool (created with detached: the encoder's --overlap-decode) runs every member on a thread
+ * of its own, so the caller can start a batch's decodes and go on (the vision tower over the batch
+ * before) while they run:
+ *
+ *   enc_pool_start(&pool, n_tasks, fn, ctx);    // returns at once
+ *   ...                                         // the caller's own work; it touches no task's data
+ *   enc_pool_wait(&pool);                       // every task done
+ *
  * enc_pool_run is a fork-join: it returns when every task is done. Tasks are taken in their order
  * (0 first) by whichever member is free: the caller puts the images whose answers must not wait
  * first. Ownership: the caller keeps everything a task reads or writes; fn must touch only its
@@ -42,6 +50,8 @@ typedef struct {
     uint64_t generation;         /* bumped per run that wakes the members (under mu) */
     int busy;                    /* members not yet back from the current run (under mu) */
     bool stop;
+    bool detached;               /* every member on a thread (enc_pool_start); else member 0 is the caller */
+    bool started;                /* a run was started and not waited for (the caller's thread only) */
     enc_pool_task_fn fn;
     void *ctx;
     int n_tasks;
@@ -53,10 +63,18 @@ typedef struct {
 /* Bytes of the pool's own bookkeeping (the members' regions are prep.h's, times n). */
 size_t enc_pool_bytes(int n);
 /* Members that are copies of planned (sized by enc_prep_plan, not created), each created (counted),
- * and n - 1 threads. PRISM_ENOMEM (everything released). */
-int  enc_pool_create(enc_pool_t *p, int n, const enc_prep_t *planned);
+ * and n - 1 threads (detached: n). PRISM_ENOMEM (everything released). */
+int  enc_pool_create(enc_pool_t *p, int n, const enc_prep_t *planned, bool detached);
+/* Threads of a pool of n members (their stacks are the plan's). */
+int  enc_pool_threads(int n, bool detached);
 void enc_pool_destroy(enc_pool_t *p);
 /* fn(ctx, task, member's prep) for task 0..n_tasks-1, at most n at once; returns when all are done. */
 void enc_pool_run(enc_pool_t *p, int n_tasks, enc_pool_task_fn fn, void *ctx);
+/* Detached pools: fn(ctx, task, prep) for task 0..n_tasks-1 on the members' threads, started and
+ * not waited for; enc_pool_wait returns when they are all done (at once when none was started). One
+ * run at a time: start after the last run's wait. The caller keeps ctx and what the tasks touch until
+ * the wait; destroy waits too. */
+void enc_pool_start(enc_pool_t *p, int n_tasks, enc_pool_task_fn fn, void *ctx);
+void enc_pool_wait(enc_pool_t *p);
 
 #endif

@@ -14,7 +14,8 @@
  * (decode_pool.h; prep.c: rows are resampled as they are decoded, straight into each image's own
  * tiles; no decoded image is ever held), runs the vision tower over the
  * tiles in micro-batches of at most --max-batch-images (the activation arena holds that many),
- * then pushes the results. A 17-tile 4096x4096 Llama-4 image with --max-batch-images 4 is five
+ * then pushes the results. With --overlap-decode the next batch is formed as the tower starts and
+ * its images decode on the pool into a second pixel buffer meanwhile (start_next, take_next). A 17-tile 4096x4096 Llama-4 image with --max-batch-images 4 is five
  * micro-batches: memory is set by the flags, never by the images or their number. An abort that
  * arrives during the batch drops its image's tiles between two layers (and skips those of later
  * micro-batches); the others go on. When a prefill worker's receive pool is full the push waits:
@@ -86,12 +87,26 @@ typedef struct {
     size_t dec_at;            /* where its pixels go: floats into the pixel buffer */
 } job_t;
 
+/* A batch: the jobs it took and the images it decodes into a pixel buffer of its own. With
+ * --overlap-decode there are two: the next batch's images decode on the pool while the tower reads
+ * this one's pixels (the tower "batches what is ready", issue 33). */
+typedef struct {
+    int batch[256];           /* job indices of the batch (-1: sent or dropped) */
+    int n_batch;
+    int pix_job[256];         /* job index of each image in the vision batch (-1: cancelled) */
+    int n_pix;                /* images in the vision batch */
+    int n_tiles;              /* tiles of its images in the pixel buffer */
+    int target;               /* images the time bound allowed when it was formed (batch_target) */
+    float *pixels;            /* [cap_tiles][3][S][S] (native resolution: [cap_patches][patch_floats]) */
+    int *tile_job;            /* [cap_tiles] job index of each tile in the pixel buffer (-1: cancelled) */
+} enc_batch_t;
+
 typedef struct {
     struct {                  /* the tier's flags */
         int64_t max_batch, max_queue, max_queue_bytes, cache_bytes, max_pixels, max_decode_pixels, decode_threads;
         int64_t image_threads;
         int64_t max_image_tokens, piece_rows;
-        const char *dct;
+        const char *dct, *overlap;
         double max_batch_s;
     } f;
     prism_worker_t w;
@@ -107,16 +122,15 @@ typedef struct {
     uint64_t max_queue_bytes; /* image file bytes one router may have queued here (Register.max_queued_bytes) */
     int cap_tiles;            /* tiles of the pixel and output buffers: max(--max-batch-images, tiles of the largest image) */
     job_t *jobs;              /* [max_queue] */
-    int batch[256];           /* job indices of the batch in flight (-1: dropped) */
-    int n_batch;
-    int pix_job[256];         /* job index of each image in the vision batch (-1: cancelled) */
-    int n_pix, n_live;        /* images in the vision batch, those not cancelled */
-    int *tile_job;            /* [cap_tiles] job index of each tile in the pixel buffer (-1: cancelled) */
+    enc_batch_t cur;          /* the batch in flight: its decodes, the tower, its sends */
+    enc_batch_t nxt;          /* --overlap-decode: the next one, decoding while the tower reads cur */
+    enc_batch_t *dec;         /* the batch whose images the pool decodes (decode_task's) */
+    bool overlap;             /* --overlap-decode in effect (a tile model; the plan has the second buffer) */
+    int n_live;               /* images of cur's vision batch not cancelled */
     int tile_base;            /* first tile of the micro-batch in the vision tower */
     double max_batch_s;       /* time bound of one batch (0 = memory bound only) */
     double cost_s;            /* measured seconds per image (decode + ViT), 0 until measured */
     prism_model_hook_t hook;
-    float *pixels;            /* [cap_tiles][3][S][S] */
     float *out;               /* [cap_tiles][image_seq_length][hidden] */
     size_t tile_px;           /* floats of one tile's pixels */
     size_t emb_floats;        /* floats of one tile's embeddings (native resolution: of one piece); a cache unit */
@@ -139,7 +153,8 @@ static void publish_load(encoder_t *e)
 {
     int queued = 0, running = 0;
     for (int i = 0; i < e->max_queue; i++) queued += e->jobs[i].state != JOB_FREE;
-    for (int i = 0; i < e->n_batch; i++) running += e->batch[i] >= 0;   /* -1: sent or dropped already */
+    for (int i = 0; i < e->cur.n_batch; i++) running += e->cur.batch[i] >= 0;   /* -1: sent or dropped already */
+    for (int i = 0; i < e->nxt.n_batch; i++) running += e->nxt.batch[i] >= 0;
     prism_worker_load_t l = {
         .running = (uint32_t)running, .waiting = (uint32_t)queued, .pool_free = (uint32_t)(e->max_queue - queued),
         .cache_hits = e->cache.hits, .cache_misses = e->cache.misses, .sends_waited = e->sends_waited,
@@ -171,8 +186,10 @@ static void release_job(encoder_t *e, job_t *j)
 static void unbatch(encoder_t *e, const job_t *j)
 {
     int idx = (int)(j - e->jobs);
-    for (int i = 0; i < e->n_batch; i++)
-        if (e->batch[i] == idx) e->batch[i] = -1;
+    for (int i = 0; i < e->cur.n_batch; i++)
+        if (e->cur.batch[i] == idx) e->cur.batch[i] = -1;
+    for (int i = 0; i < e->nxt.n_batch; i++)   /* a cache hit or refusal of the next batch */
+        if (e->nxt.batch[i] == idx) e->nxt.batch[i] = -1;
 }
 
 static void finish_job(encoder_t *e, job_t *j)
@@ -374,9 +391,9 @@ static bool flush_batch(encoder_t *e, bool ready_only)
      * (test_encoder.py::test_cache_hit_keeps_its_own_embeddings). */
     if (ready_only && e->test_hold_ready) return false;
     int left = 0;
-    for (int i = 0; i < e->n_batch; i++) {
-        if (e->batch[i] < 0) continue;
-        job_t *j = &e->jobs[e->batch[i]];
+    for (int i = 0; i < e->cur.n_batch; i++) {
+        if (e->cur.batch[i] < 0) continue;
+        job_t *j = &e->jobs[e->cur.batch[i]];
         if (j->state != JOB_SEND) continue;
         int rc = j->prefill_endpoint[0] ? push_job(e, j) : PRISM_OK;   /* an early job: cached, done */
         if (rc == PRISM_EAGAIN) {   /* the prefill's pool is full: this batch waits (backpressure) */
@@ -392,9 +409,9 @@ static bool flush_batch(encoder_t *e, bool ready_only)
         if (j->error[0]) e->failed++;
         else e->encoded++;
         finish_job(e, j);
-        if (ready_only) e->batch[i] = -1;
+        if (ready_only) e->cur.batch[i] = -1;
     }
-    if (!left && !ready_only) e->n_batch = 0;
+    if (!left && !ready_only) e->cur.n_batch = 0;
     return left == 0;
 }
 
@@ -409,7 +426,7 @@ static bool hook_layer(void *ud, int done, int total)
  * micro-batch in the tower (the hook's answer) and skipped in later ones, its job freed. */
 static bool cancel_if_aborted(encoder_t *e, int i)
 {
-    job_t *j = &e->jobs[e->pix_job[i]];
+    job_t *j = &e->jobs[e->cur.pix_job[i]];
     double waited = 0;
     if (!prism_worker_aborted(&e->w, j->rid, j->router_id, &waited)) return false;
     e->n_live--;
@@ -419,8 +436,8 @@ static bool cancel_if_aborted(encoder_t *e, int i)
                    "(%.3fs per layer): dropped from the batch, %d image(s) go on",
                    (unsigned long long)j->rid, j->image_index, waited, e->w.layer.done, e->w.layer.total, e->w.layer.last_s,
                    e->n_live);
-    for (int k = 0; !e->native && k < j->n_tiles; k++) e->tile_job[j->tile0 + k] = -1;
-    e->pix_job[i] = -1;
+    for (int k = 0; !e->native && k < j->n_tiles; k++) e->cur.tile_job[j->tile0 + k] = -1;
+    e->cur.pix_job[i] = -1;
     unbatch(e, j);
     release_job(e, j);
     e->cancelled++;
@@ -433,11 +450,11 @@ static bool cancel_if_aborted(encoder_t *e, int i)
 static bool hook_cancelled(void *ud, int item)
 {
     encoder_t *e = ud;
-    if (e->native) return item < e->n_pix && e->pix_job[item] >= 0 ? cancel_if_aborted(e, item) : true;
-    int ji = e->tile_job[e->tile_base + item];
+    if (e->native) return item < e->cur.n_pix && e->cur.pix_job[item] >= 0 ? cancel_if_aborted(e, item) : true;
+    int ji = e->cur.tile_job[e->tile_base + item];
     if (ji < 0) return true;   /* its image was cancelled at an earlier tile */
-    for (int i = 0; i < e->n_pix; i++)
-        if (e->pix_job[i] == ji) return cancel_if_aborted(e, i);
+    for (int i = 0; i < e->cur.n_pix; i++)
+        if (e->cur.pix_job[i] == ji) return cancel_if_aborted(e, i);
     PRISM_ASSERT(!"tile of an image outside the vision batch");
     return false;
 }
@@ -446,9 +463,9 @@ static bool hook_cancelled(void *ud, int item)
  * asks only about the tiles in the tower). */
 static void drop_aborted(encoder_t *e, int next_tile)
 {
-    for (int i = 0; i < e->n_pix; i++) {
-        if (e->pix_job[i] < 0) continue;
-        const job_t *j = &e->jobs[e->pix_job[i]];
+    for (int i = 0; i < e->cur.n_pix; i++) {
+        if (e->cur.pix_job[i] < 0) continue;
+        const job_t *j = &e->jobs[e->cur.pix_job[i]];
         if (j->tile0 + j->n_tiles > next_tile) cancel_if_aborted(e, i);
     }
 }
@@ -463,12 +480,14 @@ static int batch_target(const encoder_t *e)
     return n >= e->cap_tiles ? e->cap_tiles : PRISM_MAX(1, (int)n);
 }
 
-/* Whether an image with this content hash is in the vision batch being formed (an early job and its
- * request's own job may both be queued). */
+/* Whether an image with this content hash is in a vision batch being formed or encoded (an early job
+ * and its request's own job may both be queued). */
 static bool being_encoded(const encoder_t *e, uint64_t hash)
 {
-    for (int i = 0; hash && i < e->n_pix; i++)
-        if (e->pix_job[i] >= 0 && e->jobs[e->pix_job[i]].hash == hash) return true;
+    for (int i = 0; hash && i < e->cur.n_pix; i++)
+        if (e->cur.pix_job[i] >= 0 && e->jobs[e->cur.pix_job[i]].hash == hash) return true;
+    for (int i = 0; hash && i < e->nxt.n_pix; i++)   /* the next batch's, formed during cur's tower */
+        if (e->nxt.pix_job[i] >= 0 && e->jobs[e->nxt.pix_job[i]].hash == hash) return true;
     return false;
 }
 
@@ -541,43 +560,79 @@ static bool take_cached(encoder_t *e, job_t *j)
     return true;
 }
 
-/* A pool task: image `task` of the vision batch decoded and preprocessed into its place in the
- * pixel buffer (the decode timed). Touches only its job's bytes, pixels and error. */
+/* A pool task: image `task` of the batch e->dec decoded and preprocessed into its place in that
+ * batch's pixel buffer (the decode timed). Touches only its job's bytes, pixels, error and result:
+ * with --overlap-decode the loop runs meanwhile, and touches none of these of a job it has not
+ * collected (its state is JOB_ENCODED: on_abort leaves it to drop_aborted). */
 static int decode_task(void *ctx, int task, enc_prep_t *prep)
 {
     encoder_t *e = ctx;
-    job_t *j = &e->jobs[e->pix_job[task]];
+    const enc_batch_t *b = e->dec;
+    job_t *j = &e->jobs[b->pix_job[task]];
     double t0 = prism_now_s();
     j->dec_rc = enc_prep_run(prep, zmq_msg_data(&j->image), zmq_msg_size(&j->image), j->min_pixels, j->max_pixels,
-                             e->pixels + j->dec_at, j->error, sizeof(j->error));
+                             b->pixels + j->dec_at, j->error, sizeof(j->error));
     j->decode_ms = (float)((prism_now_s() - t0) * 1e3);
     return j->dec_rc;
 }
 
 /* The vision batch's images decoded on the pool, several at once; their files are not needed after.
  * One that fails leaves the vision batch (its error travels to prefill and router; a tile image's
- * tiles become holes the micro-batches skip). Returns the decode phase's wall seconds. */
-static double decode_batch(encoder_t *e)
+ * tiles become holes the micro-batches skip). decode_batch returns the decode phase's wall seconds. */
+static void collect_decodes(encoder_t *e)
 {
-    double t0 = prism_now_s();
-    enc_pool_run(&e->pool, e->n_pix, decode_task, e);
-    double wall = prism_now_s() - t0;
     int kept = 0;
-    for (int i = 0; i < e->n_pix; i++) {
-        int idx = e->pix_job[i];
+    for (int i = 0; i < e->cur.n_pix; i++) {
+        int idx = e->cur.pix_job[i];
         job_t *j = &e->jobs[idx];
         drop_image(j);
         if (j->dec_rc != PRISM_OK) {
-            for (int k = 0; !e->native && k < j->n_tiles; k++) e->tile_job[j->tile0 + k] = -1;
+            for (int k = 0; !e->native && k < j->n_tiles; k++) e->cur.tile_job[j->tile0 + k] = -1;
             j->n_tiles = 0;
             j->state = JOB_SEND;
             continue;
         }
         e->vgrid[kept] = e->vgrid[i];
-        e->pix_job[kept++] = idx;
+        e->cur.pix_job[kept++] = idx;
     }
-    e->n_pix = kept;
+    e->cur.n_pix = kept;
+}
+
+static double decode_batch(encoder_t *e)
+{
+    double t0 = prism_now_s();
+    e->dec = &e->cur;
+    enc_pool_run(&e->pool, e->cur.n_pix, decode_task, e);
+    double wall = prism_now_s() - t0;
+    collect_decodes(e);
     return wall;
+}
+
+/* --overlap-decode: the next batch formed from the queue now, and its images' decodes started on
+ * the pool into its own pixel buffer, while the loop runs the tower over cur. */
+static void form_batch(encoder_t *e, enc_batch_t *b);
+static void start_next(encoder_t *e)
+{
+    if (!e->overlap || e->nxt.n_batch) return;
+    form_batch(e, &e->nxt);
+    if (!e->nxt.n_pix) return;
+    e->dec = &e->nxt;
+    enc_pool_start(&e->pool, e->nxt.n_pix, decode_task, e);
+}
+
+/* The next batch becomes the one in flight (cur was sent whole): its decodes waited for and
+ * collected. Returns the seconds the loop waited for them (the decode time the tower did not hide). */
+static double take_next(encoder_t *e)
+{
+    double t0 = prism_now_s();
+    enc_pool_wait(&e->pool);
+    double waited = prism_now_s() - t0;
+    enc_batch_t done = e->cur;   /* its arrays and pixel buffer serve the batch after */
+    e->cur = e->nxt;
+    e->nxt = done;
+    e->nxt.n_batch = e->nxt.n_pix = e->nxt.n_tiles = 0;
+    collect_decodes(e);
+    return waited;
 }
 
 /* The cost per image (decode + tower) a batch that ran whole measured, smoothed. */
@@ -606,14 +661,14 @@ static void image_encoded(encoder_t *e, job_t *j, int rc, double vit_ms, const f
  * --max-image-tokens was refused from its header. */
 static void run_batch_native(encoder_t *e)
 {
-    if (e->n_batch && !flush_batch(e, false)) return;  /* previous results still waiting for prefill */
+    if (e->cur.n_batch && !flush_batch(e, false)) return;  /* previous results still waiting for prefill */
     int target = batch_target(e);
     int n_patches = 0, n_classes = 0;
     bool small = false;
     double newest = 0;
-    e->n_pix = 0;
-    for (int pass = 0; pass < e->max_queue && e->n_batch < (int)PRISM_ARRAY_LEN(e->batch) &&
-                       e->n_pix < (int)PRISM_ARRAY_LEN(e->pix_job) && e->n_pix < target;
+    e->cur.n_pix = 0;
+    for (int pass = 0; pass < e->max_queue && e->cur.n_batch < (int)PRISM_ARRAY_LEN(e->cur.batch) &&
+                       e->cur.n_pix < (int)PRISM_ARRAY_LEN(e->cur.pix_job) && e->cur.n_pix < target;
          pass++) {
         job_t *best = next_queued(e);
         if (!best) break;
@@ -629,7 +684,7 @@ static void run_batch_native(encoder_t *e)
         bool bad = enc_prep_grid(&e->prep, data, len, best->min_pixels, best->max_pixels, e->max_tokens, &g, best->error,
                                  sizeof(best->error)) != PRISM_OK;
         if (!bad && n_patches + g.n_patches > e->cap_patches) break;   /* next batch: nothing overtakes it */
-        e->batch[e->n_batch++] = idx;
+        e->cur.batch[e->cur.n_batch++] = idx;
         best->state = JOB_SEND;
         if (bad) {
             drop_image(best);
@@ -643,63 +698,58 @@ static void run_batch_native(encoder_t *e)
         best->dec_at = (size_t)n_patches * e->patch_floats;
         best->n_tiles = (g.n_tokens + e->piece_rows - 1) / e->piece_rows;
         n_patches += g.n_patches;
-        e->vgrid[e->n_pix] = best->grid;
-        e->pix_job[e->n_pix++] = idx;
+        e->vgrid[e->cur.n_pix] = best->grid;
+        e->cur.pix_job[e->cur.n_pix++] = idx;
     }
     age_queued(e, newest);
-    double decode_s = e->n_pix ? decode_batch(e) : 0;
+    double decode_s = e->cur.n_pix ? decode_batch(e) : 0;
     /* the images that decoded, packed (one that failed left a gap) and given their rows */
     n_patches = 0;
     int n_rows = 0;
-    for (int i = 0; i < e->n_pix; i++) {
-        job_t *j = &e->jobs[e->pix_job[i]];
+    for (int i = 0; i < e->cur.n_pix; i++) {
+        job_t *j = &e->jobs[e->cur.pix_job[i]];
         size_t at = (size_t)n_patches * e->patch_floats, np = (size_t)j->grid.h * j->grid.w;
-        if (j->dec_at != at) memmove(e->pixels + at, e->pixels + j->dec_at, np * e->patch_floats * sizeof(float));
+        if (j->dec_at != at) memmove(e->cur.pixels + at, e->cur.pixels + j->dec_at, np * e->patch_floats * sizeof(float));
         j->patch0 = n_patches;
         j->row0 = n_rows;
         n_patches += (int)np;
         n_rows += j->n_rows;
     }
-    if (e->n_pix) {
-        int n_pix = e->n_pix;
+    if (e->cur.n_pix) {
+        int n_pix = e->cur.n_pix;
         e->n_live = n_pix;
         flush_batch(e, true);
         publish_load(e);
         double t0 = prism_now_s();
-        int rc = prism_vision_native_encode(e->nvis, e->pixels, e->vgrid, n_pix, e->out);
+        int rc = prism_vision_native_encode(e->nvis, e->cur.pixels, e->vgrid, n_pix, e->out);
         double vit_s = prism_now_s() - t0;
         prism_worker_progress(&e->w, (uint64_t)e->n_live);
         if (rc == PRISM_OK && e->n_live == n_pix) measure_cost(e, (decode_s + vit_s) / n_pix);
         for (int i = 0; i < n_pix; i++) {
-            if (e->pix_job[i] < 0) continue;   /* cancelled during the batch */
-            job_t *j = &e->jobs[e->pix_job[i]];
+            if (e->cur.pix_job[i] < 0) continue;   /* cancelled during the batch */
+            job_t *j = &e->jobs[e->cur.pix_job[i]];
             /* its patches' share of the time; its pieces read in place (the last one's tail, the next
              * image's rows or the buffer's padding, is never sent, and the cache stores whole units) */
             image_encoded(e, j, rc, vit_s * 1e3 * j->grid.h * j->grid.w / PRISM_MAX(n_patches, 1),
                           e->out + (size_t)j->row0 * e->row_floats);
         }
     }
-    if (e->n_batch) flush_batch(e, false);
+    if (e->cur.n_batch) flush_batch(e, false);
 }
 
-static void run_batch(encoder_t *e)
+/* Forms a batch into b: in rank order (next_queued), one class of image size per batch, while the
+ * pixel buffer has tiles for the next image (known from its header). Cache hits and refusals take no
+ * tiles: they do not count against the pixel buffer or the time bound (the images after them still
+ * fill the batch). Its images are decoded after, together, on the pool: their queue time ends here. */
+static void form_batch(encoder_t *e, enc_batch_t *b)
 {
-    if (e->native) {
-        run_batch_native(e);
-        return;
-    }
-    if (e->n_batch && !flush_batch(e, false)) return;  /* previous results still waiting for prefill */
-    int target = batch_target(e);
-    int n_tiles = 0, n_classes = 0;
+    int target = b->target = batch_target(e);
+    int n_classes = 0;
     bool small = false;
     double newest = 0;
-    e->n_pix = 0;
-    /* In rank order (next_queued), one class of image size per batch, while the pixel buffer has
-     * tiles for the next image (known from its header). Cache hits and refusals take no tiles: they
-     * do not count against the pixel buffer or the time bound (the images after them still fill the
-     * batch). The images are decoded after, together, on the pool. */
-    for (int pass = 0; pass < e->max_queue && e->n_batch < (int)PRISM_ARRAY_LEN(e->batch) &&
-                       e->n_pix < PRISM_MIN(e->cap_tiles, (int)PRISM_ARRAY_LEN(e->pix_job)) && e->n_pix < target;
+    b->n_pix = b->n_tiles = 0;
+    for (int pass = 0; pass < e->max_queue && b->n_batch < (int)PRISM_ARRAY_LEN(b->batch) &&
+                       b->n_pix < PRISM_MIN(e->cap_tiles, (int)PRISM_ARRAY_LEN(b->pix_job)) && b->n_pix < target;
          pass++) {
         job_t *best = next_queued(e);
         if (!best) break;
@@ -712,8 +762,8 @@ static void run_batch(encoder_t *e)
         size_t len = zmq_msg_size(&best->image);
         int nt = 0, idx = (int)(best - e->jobs);
         bool bad = enc_prep_tiles(&e->prep, data, len, &nt, best->error, sizeof(best->error)) != PRISM_OK;
-        if (!bad && n_tiles + nt > e->cap_tiles) break;   /* next batch: nothing overtakes it */
-        e->batch[e->n_batch++] = idx;
+        if (!bad && b->n_tiles + nt > e->cap_tiles) break;   /* next batch: nothing overtakes it */
+        b->batch[b->n_batch++] = idx;
         best->state = JOB_SEND;   /* an error travels to prefill and router */
         if (bad) {
             drop_image(best);
@@ -722,47 +772,70 @@ static void run_batch(encoder_t *e)
         if (take_cached(e, best)) continue;
         best->state = JOB_ENCODED;
         best->n_tiles = nt;
-        best->tile0 = n_tiles;
-        best->dec_at = (size_t)n_tiles * e->tile_px;
-        for (int k = 0; k < nt; k++) e->tile_job[n_tiles + k] = idx;
-        n_tiles += nt;
-        e->pix_job[e->n_pix++] = idx;
+        best->tile0 = b->n_tiles;
+        best->dec_at = (size_t)b->n_tiles * e->tile_px;
+        for (int k = 0; k < nt; k++) b->tile_job[b->n_tiles + k] = idx;
+        b->n_tiles += nt;
+        b->pix_job[b->n_pix++] = idx;
     }
     age_queued(e, newest);
-    double decode_s = e->n_pix ? decode_batch(e) : 0;
-    if (e->n_pix) {
-        int n_pix = e->n_pix;
+}
+
+/* The tiles of cur's images in micro-batches of at most --max-batch-images (the arena's size; tiles
+ * are independent sequences, so any split gives the same rows). Each micro-batch is a run of live
+ * tiles: an image cancelled during an earlier one is skipped. */
+static int run_tower(encoder_t *e)
+{
+    int rc = PRISM_OK, n_tiles = e->cur.n_tiles;
+    for (int t = 0; rc == PRISM_OK && e->n_live > 0;) {
+        drop_aborted(e, t);   /* aborts that came while decoding or during the last micro-batch */
+        while (t < n_tiles && e->cur.tile_job[t] < 0) t++;
+        if (t >= n_tiles) break;
+        int k = 1;
+        while (k < e->max_batch && t + k < n_tiles && e->cur.tile_job[t + k] >= 0) k++;
+        e->tile_base = t;
+        rc = prism_vision_encode(e->vis, e->cur.pixels + (size_t)t * e->tile_px, k, e->out + (size_t)t * e->emb_floats);
+        t += k;
+    }
+    return rc;
+}
+
+static void run_batch(encoder_t *e)
+{
+    if (e->native) {
+        run_batch_native(e);
+        return;
+    }
+    if (e->cur.n_batch && !flush_batch(e, false)) return;  /* previous results still waiting for prefill */
+    double decode_s;
+    if (e->nxt.n_batch) {   /* formed, and its images decoded, while the last batch was in the tower */
+        decode_s = take_next(e);
+    } else {
+        form_batch(e, &e->cur);
+        decode_s = e->cur.n_pix ? decode_batch(e) : 0;
+    }
+    int n_tiles = e->cur.n_tiles;
+    if (e->cur.n_pix) {
+        int n_pix = e->cur.n_pix;
         e->n_live = n_pix;
         PRISM_DEBUG("vision batch of %d image(s), %d tiles (time bound allows %d at %.3fs per image)", n_pix, n_tiles,
-                    target, e->cost_s);
+                    e->cur.target, e->cost_s);
         flush_batch(e, true);
         publish_load(e);
-        /* The tiles of every image in micro-batches of at most --max-batch-images (the arena's size;
-         * tiles are independent sequences, so any split gives the same rows). Each micro-batch is a
-         * run of live tiles: an image cancelled during an earlier one is skipped. */
+        start_next(e);   /* --overlap-decode: the next batch's images decode while the tower runs */
         double t0 = prism_now_s();
-        int rc = PRISM_OK;
-        for (int t = 0; rc == PRISM_OK && e->n_live > 0;) {
-            drop_aborted(e, t);   /* aborts that came while decoding or during the last micro-batch */
-            while (t < n_tiles && e->tile_job[t] < 0) t++;
-            if (t >= n_tiles) break;
-            int k = 1;
-            while (k < e->max_batch && t + k < n_tiles && e->tile_job[t + k] >= 0) k++;
-            e->tile_base = t;
-            rc = prism_vision_encode(e->vis, e->pixels + (size_t)t * e->tile_px, k, e->out + (size_t)t * e->emb_floats);
-            t += k;
-        }
+        int rc = run_tower(e);
         double vit_s = prism_now_s() - t0;
         prism_worker_progress(&e->w, (uint64_t)e->n_live);
         if (rc == PRISM_OK && e->n_live == n_pix) measure_cost(e, (decode_s + vit_s) / n_pix);
         for (int i = 0; i < n_pix; i++) {
-            if (e->pix_job[i] < 0) continue;   /* cancelled during the batch */
-            job_t *j = &e->jobs[e->pix_job[i]];
+            if (e->cur.pix_job[i] < 0) continue;   /* cancelled during the batch */
+            job_t *j = &e->jobs[e->cur.pix_job[i]];
             /* its tiles' share of the time */
             image_encoded(e, j, rc, vit_s * 1e3 * j->n_tiles / n_tiles, e->out + (size_t)j->tile0 * e->emb_floats);
         }
     }
-    if (e->n_batch) flush_batch(e, false);
+    if (e->cur.n_batch) flush_batch(e, false);
 }
 
 /* ---- start-up: the encoder tier's hooks (worker/start.h) ---- */
@@ -779,6 +852,7 @@ static int encoder_flags(void *ctx, prism_flag_t *t)
     e->f.decode_threads = 2;
     e->f.image_threads = 0;
     e->f.dct = "auto";
+    e->f.overlap = "on";
     e->f.max_batch_s = 2.0;
     e->f.piece_rows = PRISM_VISION_PIECE_ROWS;
     prism_flag_t f[] = {
@@ -803,6 +877,10 @@ static int encoder_flags(void *ctx, prism_flag_t *t)
                        "image, the usual batch when requests trickle in, then takes two cores)"),
         PRISM_FLAG_INT("image-threads", &e->f.image_threads, "Images of a batch decoded and preprocessed at once, "
                        "each with memory of its own (0 = --threads; lowered to what --mem-budget holds)"),
+        PRISM_FLAG_STR("overlap-decode", &e->f.overlap, "Decode the next batch's images on the image threads while "
+                       "the vision tower runs this one's, into a second pixel buffer: on (on a GPU the tower's work is "
+                       "on the device; on the CPU it paid on 2 loaded cores, docs/PERFORMANCE.md) or off; not for "
+                       "native-resolution models"),
         PRISM_FLAG_INT("max-image-tokens", &e->f.max_image_tokens, "Qwen-VL: the largest image, in LM tokens; the tower's "
                        "arena and the pixel and output buffers hold one such image (or several smaller ones), and a "
                        "larger image is refused with a 400 naming the max_pixels that would fit (0 = what the "
@@ -837,6 +915,11 @@ static int encoder_size(void *ctx, prism_worker_startup_t *s)
         PRISM_ERROR("--jpeg-dct-scaling must be auto, always or never");
         return 2;
     }
+    if (strcmp(e->f.overlap, "on") && strcmp(e->f.overlap, "off")) {
+        PRISM_ERROR("--overlap-decode must be on or off");
+        return 2;
+    }
+    e->overlap = !strcmp(e->f.overlap, "on");
     e->w_threads = s->o.threads;
     e->n_image_threads = (int)(e->f.image_threads ? e->f.image_threads
                                                   : PRISM_MIN(PRISM_MAX(s->o.threads, 1), ENC_POOL_MAX));
@@ -861,7 +944,8 @@ static int encoder_size(void *ctx, prism_worker_startup_t *s)
         e->patch_floats = prism_qwenvl_patch_floats(&e->prep.qw);
         e->row_floats = prism_vision_native_row_floats(&e->cfg);
         e->emb_floats = (size_t)e->piece_rows * e->row_floats;   /* a piece is a cache unit */
-        e->cap_tiles = (int)PRISM_ARRAY_LEN(e->pix_job);   /* images per batch at most */
+        e->cap_tiles = (int)PRISM_ARRAY_LEN(e->cur.pix_job);   /* images per batch at most */
+        e->overlap = false;   /* native resolution: one batch at a time */
         return -1;
     }
     e->cap_tiles = PRISM_MAX(e->max_batch, e->prep.max_tiles);
@@ -905,20 +989,25 @@ static void plan_regions(encoder_t *e, prism_mem_plan_t *p)
     size_t relay_stack = e->prep.relay_bytes ? PRISM_IMAGE_RELAY_STACK_BYTES : 0;
     prism_mem_plan_add(p, "decode", P * (e->prep.dec_bytes + e->prep.relay_bytes - relay_stack) + enc_pool_bytes((int)P),
                        PRISM_MEM_LIBRARY);
-    prism_mem_plan_add(p, "decode-thread", P * relay_stack + (P - 1) * ENC_POOL_STACK_BYTES, PRISM_MEM_OUTSIDE);
+    prism_mem_plan_add(p, "decode-thread", P * relay_stack + (size_t)enc_pool_threads((int)P, e->overlap) *
+                       ENC_POOL_STACK_BYTES, PRISM_MEM_OUTSIDE);
     prism_mem_plan_add(p, "preprocess", P * e->prep.ws_bytes, PRISM_MEM_LIBRARY);
     prism_mem_plan_add(p, "embedding-cache", prism_embed_cache_bytes((size_t)e->f.cache_bytes, e->emb_floats),
                        PRISM_MEM_LIBRARY);
     /* each router's queued image files, held as ZeroMQ frames */
     prism_mem_plan_add(p, "queued-images", (size_t)e->max_queue_bytes, PRISM_MEM_OUTSIDE);
     if (e->native) {
-        PRISM_PLAN_POOL(p, "pixels", e->pixels, (size_t)e->cap_patches * e->patch_floats);
+        PRISM_PLAN_POOL(p, "pixels", e->cur.pixels, (size_t)e->cap_patches * e->patch_floats);
         /* one piece of padding: the last piece of the last image is read whole by the cache */
         PRISM_PLAN_POOL(p, "outputs", e->out, ((size_t)e->max_tokens + e->piece_rows) * e->row_floats);
     } else {
-        PRISM_PLAN_POOL(p, "pixels", e->pixels, (size_t)e->cap_tiles * e->tile_px);
+        PRISM_PLAN_POOL(p, "pixels", e->cur.pixels, (size_t)e->cap_tiles * e->tile_px);
         PRISM_PLAN_POOL(p, "outputs", e->out, (size_t)e->cap_tiles * e->emb_floats);
-        PRISM_PLAN_POOL(p, "tile-jobs", e->tile_job, e->cap_tiles);
+        PRISM_PLAN_POOL(p, "tile-jobs", e->cur.tile_job, e->cap_tiles);
+        if (e->overlap) {   /* the next batch's, decoding while the tower reads the first */
+            PRISM_PLAN_POOL(p, "pixels-next", e->nxt.pixels, (size_t)e->cap_tiles * e->tile_px);
+            PRISM_PLAN_POOL(p, "tile-jobs-next", e->nxt.tile_job, e->cap_tiles);
+        }
     }
     PRISM_PLAN_POOL(p, "jobs", e->jobs, e->max_queue);
 }
@@ -964,20 +1053,34 @@ static int plan_native(encoder_t *e, prism_worker_startup_t *s)
     return -1;
 }
 
+/* Whether the plan as it stands plus the tier's regions fits --mem-budget (none: always). */
+static bool plan_fits(encoder_t *e, prism_worker_startup_t *s)
+{
+    if (!s->plan.budget) return true;
+    prism_mem_plan_t trial = s->plan;
+    plan_regions(e, &trial);
+    return prism_mem_plan_total(&trial) <= s->plan.budget;
+}
+
 /* The image pool's members, fewer than asked when --mem-budget does not hold them all (with the
- * largest image the processor allows, for native resolution: image size goes before parallelism). */
+ * largest image the processor allows, for native resolution: image size goes before parallelism;
+ * with --overlap-decode's second pixel buffer: the pool is lowered to hold it, and the overlap is
+ * given up only when one member and two buffers do not fit). */
 static void plan_image_threads(encoder_t *e, prism_worker_startup_t *s)
 {
     int asked = e->n_image_threads;
+    if (e->overlap) {
+        e->n_image_threads = 1;
+        if (!plan_fits(e, s)) {
+            PRISM_INFO("--mem-budget does not hold a second pixel buffer: --overlap-decode off");
+            e->overlap = false;
+        }
+        e->n_image_threads = asked;
+    }
     if (e->native) native_max_tokens(e, (int)(e->f.max_image_tokens ? e->f.max_image_tokens
                                                                     : PRISM_MIN(prism_qwenvl_max_tokens(&e->prep.qw),
                                                                                 (int64_t)MAX_PARTS * PRISM_VISION_PIECE_ROWS)));
-    while (s->plan.budget && e->n_image_threads > 1) {
-        prism_mem_plan_t trial = s->plan;
-        plan_regions(e, &trial);
-        if (prism_mem_plan_total(&trial) <= s->plan.budget) break;
-        e->n_image_threads--;
-    }
+    while (e->n_image_threads > 1 && !plan_fits(e, s)) e->n_image_threads--;
     if (e->n_image_threads < asked)
         PRISM_INFO("--mem-budget holds %d image decoder(s) at once, not %d", e->n_image_threads, asked);
 }
@@ -1000,7 +1103,7 @@ static int encoder_ready(void *ctx, prism_worker_startup_t *s)
         PRISM_ERROR("vision tower: %s", err);
         return 1;
     }
-    if (enc_pool_create(&e->pool, e->n_image_threads, &e->prep) != PRISM_OK) {
+    if (enc_pool_create(&e->pool, e->n_image_threads, &e->prep, e->overlap) != PRISM_OK) {
         PRISM_ERROR("cannot create the image decoders");
         return 1;
     }
@@ -1022,8 +1125,9 @@ static int encoder_ready(void *ctx, prism_worker_startup_t *s)
 static int encoder_run(void *ctx)
 {
     encoder_t *e = ctx;
-    PRISM_INFO("encoder: %d image decoder(s) at once (%d thread(s) each), vision tower on %lld thread(s)",
-               e->n_image_threads, e->prep.relay_bytes ? 2 : 1, (long long)e->w_threads);
+    PRISM_INFO("encoder: %d image decoder(s) at once (%d thread(s) each), vision tower on %lld thread(s), %s",
+               e->n_image_threads, e->prep.relay_bytes ? 2 : 1, (long long)e->w_threads,
+               e->overlap ? "the next batch decodes during the tower (--overlap-decode)" : "one batch at a time");
     if (e->native)
         PRISM_INFO("encoder: images of up to %d LM tokens (%d patches) per batch, %.2gs batch bound, queue %d, cache %d "
                    "pieces", e->max_tokens, e->cap_patches, e->max_batch_s, e->max_queue, e->cache.n_units);
@@ -1034,9 +1138,9 @@ static int encoder_run(void *ctx)
 
     while (!prism_worker_should_stop()) {
         publish_load(e);
-        bool work = false;
+        bool work = e->nxt.n_batch > 0;   /* the next batch is formed: take it at once */
         for (int i = 0; i < e->max_queue && !work; i++) work = e->jobs[i].state == JOB_QUEUED;
-        prism_worker_poll(&e->w, work ? 0 : (e->n_batch ? 2 : 50), on_msg, e);
+        prism_worker_poll(&e->w, work ? 0 : (e->cur.n_batch ? 2 : 50), on_msg, e);
         run_batch(e);
     }
     PRISM_INFO("encoder worker stopping: %llu images encoded, %llu failed, %llu cancelled in a batch, "

@@ -18,6 +18,10 @@ the embedding cache or waits for a twin's encode, and every decode does the full
 
   python3 tests/bench/bench_encoder_pool.py --build-dir build --out docs/bench
   python3 tests/bench/bench_encoder_pool.py --sizes 4096 --concurrency 8    # one cell
+  # `after` (--overlap-decode on, the default: the next batch's images decode during the tower)
+  # against `sync` (the same with --overlap-decode off: one batch at a time)
+  nice -n 10 python3 tests/bench/bench_encoder_pool.py --overlap --skip before --sizes 2048,4096 \
+      --concurrency 8,32 --repeat 2
 
 Only the standard library is needed.
 """
@@ -94,6 +98,10 @@ def main():
     ap.add_argument("--repeat", type=int, default=1, help="runs of each cell per mode, the modes in turn")
     ap.add_argument("--mode", action="append", default=[],
                     help="one more cluster: NAME:ENC_THREADS:PREFILL_THREADS:DECODE_THREADS[:ENCODER FLAGS] (a variant)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="one more cluster, `sync`: `after` with --overlap-decode off (one batch at a time; `after` "
+                         "decodes the next batch's images while the vision tower runs this one's)")
+    ap.add_argument("--skip", default="", help="modes left out, comma-separated (e.g. before)")
     args = ap.parse_args()
     cl.BUILD = os.path.abspath(args.build_dir)
     tmp = tempfile.mkdtemp(prefix="prism-poolbench-")
@@ -105,6 +113,11 @@ def main():
     modes = {"before": {w: ["--threads", "1"] for w in ("encoder_worker", "prefill_worker", "decode_worker")},
              "after": {w: ["--threads", kern] for w in ("encoder_worker", "prefill_worker", "decode_worker")}}
     modes["after"]["encoder_worker"] += ["--image-threads", str(args.cores)]
+    if args.overlap:
+        modes["sync"] = {w: list(a) for w, a in modes["after"].items()}
+        modes["sync"]["encoder_worker"] += ["--overlap-decode", "off"]
+    for m in args.skip.split(","):
+        modes.pop(m, None)
     for spec in args.mode:
         f = spec.split(":")
         modes[f[0]] = {"encoder_worker": ["--threads", f[1]] + (f[4].split() if len(f) > 4 else []),

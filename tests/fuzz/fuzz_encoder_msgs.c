@@ -3,7 +3,9 @@
  * its loop (run_batch: batches formed in rank order, cache hits, JPEG/PNG decode on two image threads, CLIP
  * preprocessing, the bundled tiny model's vision tower on the CPU, the pushes to prefill and the
  * EncodeDone answers), on the worker its own start-up builds (prism_worker_open with k_encoder_tier) with small pools: 4
- * queued images, 48 KiB of queued files, micro-batches of 2, a 4-tile embedding cache. Records: see
+ * queued images, 48 KiB of queued files, micro-batches of 2, a 4-tile embedding cache, and
+ * --overlap-decode on (the next batch formed and decoding while the tower runs: aborts, cache hits and
+ * refusals land in either batch; the first batch after an idle loop is still decoded synchronously). Records: see
  * fuzz_worker.h; the harness plays the I/O thread (an encoder has no data socket: op 1 is a router
  * message too).
  * Invariants: every reply is an EncodeDone to the router; every Embeddings push holds whole tiles of
@@ -88,7 +90,7 @@ static void init(void)
     const char *extra[] = {"--max-batch-images", "2", "--max-queued-images", "4", "--max-queued-image-bytes", "48K",
                            "--embedding-cache-bytes", "300K", "--max-image-pixels", "65536",
                            "--max-decode-pixels", "65536", "--decode-threads", "1", "--max-batch-seconds", "0",
-                           "--image-threads", "2"};
+                           "--image-threads", "2", "--overlap-decode", "on"};
     int argc;
     char **argv;
     fuzz_worker_argv("encoder_worker", extra, (int)PRISM_ARRAY_LEN(extra), &argc, &argv);
@@ -122,7 +124,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     for (int i = 0; i < e->max_queue; i++)
         if (e->jobs[i].state != JOB_FREE) fuzz_abort(&e->w, on_msg, e, e->jobs[i].rid, e->jobs[i].router_id);
     turn();
-    FUZZ_ASSERT(!held(e) && !e->n_batch);
+    FUZZ_ASSERT(!held(e) && !e->cur.n_batch && !e->nxt.n_batch);
     for (int i = 0; i < e->cache.n_units; i++) FUZZ_ASSERT(!e->cache.pins[i]);
 
     if (getenv("FUZZ_VERBOSE"))   /* what an input did: to check that a seed does what it says */

@@ -14,7 +14,11 @@
 - the image pool (issue 33): with two image threads two images of a batch decode at once (the
   heartbeat's peak of decodes in flight), and a small image is answered before a queue of large ones;
 - `priority` (issue 28): a priority -10 image overtakes the encoder's queue, a priority -10 prompt the
-  prefill worker's.
+  prefill worker's;
+- `--overlap-decode` (issue 33): the next batch's images decode into a second pixel buffer while the
+  tower reads this one's: every answer equals the one-batch-at-a-time cluster's; requests aborted
+  while their images decode in the next batch are dropped, everything is freed, and the heap stays
+  flat.
 
 Run: python3 tests/integration/test_encoder.py   (PRISM_BINARY_DIR=build dir)
 """
@@ -521,10 +525,115 @@ def test_priority_first_in_encoder_and_prefill_queues():
                   % (stage, high[0][1][stage], waits))
             assert after >= 4, "the %s took %d of the 5 priority 0 requests before the priority -10 one" % (tier, 5 - after)
 
+
+def overlap_images():
+    """Six images that answer differently (shapes and colours), of the size class that batches
+    together, and two large photos (a decode long enough to run during the tower)."""
+    shapes = [("circle", "red"), ("square", "blue"), ("triangle", "green"), ("circle", "yellow"),
+              ("square", "white"), ("triangle", "red")]
+    imgs = [make_image(os.path.join(TMP, "ov%d.png" % i), width=400 + 16 * i, height=300, shape=sh, color=co,
+                       background="black" if i % 2 else "white") for i, (sh, co) in enumerate(shapes)]
+    return imgs + early_images(2, size=1536, first=900)
+
+
+def ask_logprobs(c, body):
+    s, r = c.post_json("/v1/chat/completions", body)
+    assert s == 200, (s, r)
+    return [(e["token"], e["logprob"]) for e in r["choices"][0]["logprobs"]["content"]]
+
+
+def test_overlap_keeps_every_batch_its_own_pixels():
+    """--overlap-decode on: eight images queued on the stopped encoder, one image per batch, so every
+    batch's tower runs while the next one's image decodes into the other pixel buffer. Every answer
+    (tokens and logprobs) equals the one the same images get one batch at a time (--overlap-decode
+    off, asked one by one): a batch that encoded another batch's pixels, or pixels being overwritten,
+    answers differently."""
+    imgs = overlap_images()
+    bodies = [chat_body("Describe the image.", [p], max_tokens=4, temperature=0, ignore_eos=True, logprobs=True)
+              for p in imgs]
+    common = HB + ["--embedding-cache-bytes", "0", "--max-batch-images", "1", "--image-threads", "2"]
+    with Cluster(router_args=["--no-early-encode"],
+                 worker_args={"encoder_worker": common + ["--overlap-decode", "off"]}) as c:
+        c.wait_ready()
+        ref = [ask_logprobs(c, b) for b in bodies]
+    assert len({tuple(t for t, _ in r) for r in ref}) >= 3, ("images too alike to tell apart", ref)
+    with Cluster(router_args=["--no-early-encode"],
+                 worker_args={"encoder_worker": common + ["--overlap-decode", "on"]}) as c:
+        c.wait_ready()
+        for rnd in range(2):
+            with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+                enc = c.procs["encoder-0"]
+                enc.send_signal(signal.SIGSTOP)
+                try:
+                    futs = [ex.submit(ask_logprobs, c, b) for b in bodies]
+                    wait_for("%d requests at the encoder" % len(bodies), lambda: encoder_inflight(c) == len(bodies), 30)
+                finally:
+                    enc.send_signal(signal.SIGCONT)
+                got = [f.result(120) for f in futs]
+            for i, (g, r) in enumerate(zip(got, ref)):
+                assert [t for t, _ in g] == [t for t, _ in r], ("round %d image %d answered from other pixels" % (rnd, i), g, r)
+                for (_, x), (_, y) in zip(g, r):
+                    assert abs(x - y) < 1e-3, ("round %d image %d: logprobs moved" % (rnd, i), g, r)
+
+
+def test_overlap_abort_frees_everything():
+    """--overlap-decode on: eight 2048 px photos queued on the stopped encoder (one image per batch).
+    Once its heartbeat shows a batch running (the first image decoded, in the tower, the second
+    decoding in the next batch), every other client hangs up: the aborted images are dropped (the
+    one in the next batch at least: its log says so), the others answered, the encoder ends idle
+    with every job freed, the heap flat, and it serves again."""
+    imgs = early_images(8, size=2048, first=950)
+    with Cluster(router_args=["--no-early-encode"],
+                 worker_args={"encoder_worker": HB + ["--embedding-cache-bytes", "0", "--max-batch-images", "1",
+                                                      "--image-threads", "2", "--overlap-decode", "on"]}) as c:
+        c.wait_ready()
+        for p in imgs[:2]:   # first use of each path (two batches: the overlap's too)
+            ask_logprobs(c, chat_body("Warm up.", [p], max_tokens=2, logprobs=True))
+        wait_for("idle workers", lambda: idle(c))
+        fresh_heartbeats(c)
+        heap0 = c.metric("prism:worker_heap_allocations_total", worker="encoder-0")
+        dropped0 = c.log("encoder-0", tail=0).count("dropped from the batch")
+        enc = c.procs["encoder-0"]
+        enc.send_signal(signal.SIGSTOP)
+        socks = []
+        try:
+            for i, p in enumerate(imgs):
+                raw = json.dumps(chat_body("Image %d?" % i, [p], max_tokens=2)).encode()
+                socks.append(send_part(c, raw, len(raw)))
+            wait_for("%d requests at the encoder" % len(imgs), lambda: encoder_inflight(c) == len(imgs), 30)
+        finally:
+            enc.send_signal(signal.SIGCONT)
+        wait_for("a batch in the tower", lambda: c.metric("prism:worker_running", worker="encoder-0") >= 1, 30)
+        for s in socks[1::2]:
+            s.close()   # the router aborts them at the encoder: queued, or in a batch
+        answered = 0
+        for s in socks[0::2]:
+            s.settimeout(120)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+            answered += data.startswith(b"HTTP/1.1 200")
+            s.close()
+        assert answered == len(socks[0::2]), answered
+        wait_for("idle workers", lambda: idle(c))
+        wait_for("encoder empty", lambda: encoder_inflight(c) == 0)
+        # aborts that reached an image in a batch (decoding in the next one, or in the tower), not only queued ones
+        dropped = c.log("encoder-0", tail=0).count("dropped from the batch") - dropped0
+        print("  aborted images dropped from a batch: %d of %d" % (dropped, len(socks[1::2])))
+        assert dropped >= 1, "no abort reached an image in a batch: the test did not test the overlap"
+        fresh_heartbeats(c)
+        assert c.metric("prism:worker_heap_allocations_total", worker="encoder-0") == heap0
+        ask_logprobs(c, chat_body("Again?", [imgs[3]], max_tokens=2, logprobs=True))
+
+
 if __name__ == "__main__":
     sys.exit(run_tests([test_no_heap_allocations_for_any_image_kind, test_streaming_decode_memory,
                         test_cache_hit_keeps_its_own_embeddings, test_image_encoded_before_the_body_ends,
                         test_early_job_of_a_hung_encoder_is_let_go,
                         test_early_jobs_of_bodies_that_never_become_requests_are_aborted,
                         test_requests_come_before_early_jobs, test_images_decode_at_once,
-                        test_small_image_not_behind_large_ones, test_priority_first_in_encoder_and_prefill_queues]))
+                        test_small_image_not_behind_large_ones, test_priority_first_in_encoder_and_prefill_queues,
+                        test_overlap_keeps_every_batch_its_own_pixels, test_overlap_abort_frees_everything]))

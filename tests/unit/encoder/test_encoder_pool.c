@@ -53,7 +53,7 @@ static void test_pool_runs_tasks_at_once(void **state)
     planned.ws_bytes = 64;
     planned.max_width = 64;
     enc_pool_t pool;
-    assert_int_equal(enc_pool_create(&pool, 2, &planned), PRISM_OK);
+    assert_int_equal(enc_pool_create(&pool, 2, &planned, false), PRISM_OK);
     for (int round = 0; round < 3; round++) {   /* the members sleep between runs and wake again */
         rendezvous_t r = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
         enc_pool_run(&pool, 5, rendezvous_task, &r);
@@ -62,6 +62,39 @@ static void test_pool_runs_tasks_at_once(void **state)
         assert_ptr_not_equal(r.prep_of[0], r.prep_of[1]);   /* each member decodes with its own memory */
     }
     assert_int_equal(atomic_load(&pool.peak), 2);
+    enc_pool_destroy(&pool);
+}
+
+/* A detached pool (--overlap-decode): enc_pool_start returns while the tasks run on the members'
+ * threads (the caller sees two of them start without taking any, as the encoder's loop runs the
+ * vision tower meanwhile); enc_pool_wait returns when all are done. */
+static void test_detached_pool_runs_while_the_caller_works(void **state)
+{
+    enc_prep_t planned;
+    memset(&planned, 0, sizeof planned);
+    planned.dec_bytes = prism_image_decoder_bytes(64, 0);
+    planned.ws_bytes = 64;
+    planned.max_width = 64;
+    enc_pool_t pool;
+    assert_int_equal(enc_pool_create(&pool, 2, &planned, true), PRISM_OK);
+    assert_int_equal(pool.n_started, enc_pool_threads(2, true));
+    for (int round = 0; round < 3; round++) {
+        rendezvous_t r = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+        enc_pool_start(&pool, 5, rendezvous_task, &r);
+        pthread_mutex_lock(&r.mu);
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_sec += 5;
+        while (r.started < 2 && pthread_cond_timedwait(&r.cv, &r.mu, &until) == 0) {
+        }
+        int seen = r.started;
+        pthread_mutex_unlock(&r.mu);
+        assert_true(seen >= 2);   /* they ran while the caller was elsewhere */
+        enc_pool_wait(&pool);
+        assert_true(r.met);
+        for (int t = 0; t < 5; t++) assert_int_equal(r.ran[t], 1);
+    }
+    enc_pool_wait(&pool);   /* nothing started: returns at once */
     enc_pool_destroy(&pool);
 }
 
@@ -157,6 +190,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_pool_runs_tasks_at_once),
+        cmocka_unit_test(test_detached_pool_runs_while_the_caller_works),
         cmocka_unit_test(test_small_before_large_oldest_first),
         cmocka_unit_test(test_large_not_overtaken_indefinitely),
         cmocka_unit_test(test_priority_first_among_requests),
