@@ -300,13 +300,25 @@ def test_paused_uploads_are_not_slow_clients():
 
 
 def test_max_queue_wait_503():
-    with Cluster(router_args=["--max-queue-wait", "1"],
+    # --worker-timeout: the stopped decode worker stays registered (its missed heartbeats would drop
+    # it after the default 10 s, and a request wrongly sent to it would then fail another way)
+    with Cluster(router_args=["--max-queue-wait", "1", "--worker-timeout", "60"],
                  worker_args={"decode_worker": ["--max-running-requests", "1"]}) as c:
         c.wait_ready()
         s = hold_stream(c)  # the only decode slot
-        t0 = time.time()
-        expect_refusal(c, 503, "waited too long", "queue_wait", chat_body("Hi", max_tokens=2))
-        waited = time.time() - t0
+        # ... held for as long as the test needs, however fast this machine decodes: decode-0 stopped.
+        # Left running, the held answer (not read here) ends within a second either way: done on a
+        # fast machine, or its client dropped by --max-stream-pending-bytes once the router queued
+        # 100 KiB of it (0.85 s on a 2-core machine), and the waiting request went (200, not 503).
+        dec = c.procs["decode-0"]
+        dec.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.time()
+            # a bounded wait: a request let through to the stopped worker would hang (its slot miscounted)
+            expect_refusal(c, 503, "waited too long", "queue_wait", chat_body("Hi", max_tokens=2), timeout=20)
+            waited = time.time() - t0
+        finally:
+            dec.send_signal(signal.SIGCONT)
         assert 0.9 <= waited < 15, waited  # upper bound: the wait ended (slack for sanitizer builds on a loaded CI)
         s.close()
         status, r = c.post_json("/v1/chat/completions", chat_body("Hi", max_tokens=2))
