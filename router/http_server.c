@@ -27,7 +27,6 @@
 #define HTTP_LINGER_IDLE_MS  30000  /* a client starved of CPU may pause long mid-upload */
 #define HTTP_LINGER_MAX_MS   120000
 #define HTTP_LINGER_REJECTED_MS 5000
-#define HTTP_DRAIN_IDLE_MS   1000   /* a draining server's idle keep-alive connections stay open this long */
 #define HTTP_BODY_MIN_CAP    (16 * 1024)  /* first body allocation; then doubling, never past Content-Length */
 
 typedef struct conn conn_t;
@@ -1634,14 +1633,9 @@ void prism_http_server_drain(prism_http_server_t *s)
     if (!s || s->stopping || s->draining) return;
     s->draining = s->listener_closing = true;
     uv_close((uv_handle_t *)&s->listener, on_listener_closed);
-    /* Idle keep-alive connections close after HTTP_DRAIN_IDLE_MS, not at once: a proxy may be
-     * writing a request on one right now, and a request it sent is not passed to another server
-     * (nginx with proxy_request_buffering off: 502). Meanwhile a request on one is served and the
-     * connection closes after its answer (Connection: close), as the busy ones do: a proxy under
-     * load uses its pooled connections up that way, and then finds the listener closed. */
-    uint64_t grace = (uint64_t)PRISM_MIN((double)HTTP_DRAIN_IDLE_MS, s->cfg.idle_timeout_s * 1000.0);
+    /* Idle keep-alive connections have nothing to finish; the others end after their response. */
     for (conn_t *c = s->conns; c; c = c->next)
-        if (!c->req && c->inbuf.len == c->in_off && !c->closing && !c->broken) uv_timer_start(&c->timer, on_timer, grace, 0);
+        if (!c->req && c->inbuf.len == c->in_off && !c->closing) conn_close_now(c);
 }
 
 void prism_http_server_stop(prism_http_server_t *s)

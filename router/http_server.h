@@ -176,10 +176,10 @@ int  prism_http_server_start(uv_loop_t *loop, const prism_http_config_t *cfg, pr
 /* Closes the listener and every connection through uv_close callbacks (in-flight requests see their
  * abort callback). s is freed once the loop has run the close callbacks: do not use it afterwards. */
 void prism_http_server_stop(prism_http_server_t *s);
-/* Graceful: stops accepting connections; every connection ends after its current response
- * (Connection: close), and those idle then close after a second unless a request comes on one (a
- * proxy may be writing it right now); prism_http_server_stop still ends the rest. So each
- * connection carries at most one request begun after the drain, and the handler serves it. */
+/* Graceful: stops accepting connections, closes idle keep-alive ones, and ends the others after
+ * their current response (Connection: close); prism_http_server_stop still ends the rest. A request
+ * whose first bytes had arrived is still handed to the handler: every request it sees after a drain
+ * began before it. */
 void prism_http_server_drain(prism_http_server_t *s);
 int  prism_http_server_port(const prism_http_server_t *s);  /* the bound port (useful with port 0) */
 size_t prism_http_server_active_connections(const prism_http_server_t *s);

@@ -468,7 +468,7 @@ void router_prompt_template_message(json_t *msg);
 /* requests.c */
 /* Whether a request arriving now is refused before its preparation (requests in flight, being
  * prepared and /tokenize jobs at --max-running-requests: 429, counted; never for draining: what
- * arrives then is each connection's last request, and is served): its status with msg filled, or 0. */
+ * arrives then began before the drain, and is served): its status with msg filled, or 0. */
 int router_refusal_at_arrival(router_t *r, char *msg, size_t n);
 void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat);
 /* Results from worker `from`: taken only when it holds the request at that stage (prefill: the first
