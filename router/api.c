@@ -71,7 +71,7 @@ static void handle_model(router_t *r, prism_http_req_t *h, const char *id)
 /* /tokenize and /detokenize run on the preparation threads, as a generation request's preparation
  * does (requests.c): a megabyte prompt keeps the tokenizer busy for a while, and the loop thread
  * must go on with every other client meanwhile. They are admitted as generation requests are (they
- * count against --max-running-requests; 503 while draining) and wait in the utility lane
+ * count against --max-running-requests) and wait in the utility lane
  * (prep_pool.c): a generation request never waits behind them, and one whose client left before a
  * thread took it never runs. The job reads only its body and the router's immutable tokenizer,
  * template and configuration; the answer is written from the loop. */

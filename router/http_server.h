@@ -177,7 +177,9 @@ int  prism_http_server_start(uv_loop_t *loop, const prism_http_config_t *cfg, pr
  * abort callback). s is freed once the loop has run the close callbacks: do not use it afterwards. */
 void prism_http_server_stop(prism_http_server_t *s);
 /* Graceful: stops accepting connections, closes idle keep-alive ones, and ends the others after
- * their current response (Connection: close); prism_http_server_stop still ends the rest. */
+ * their current response (Connection: close); prism_http_server_stop still ends the rest. A request
+ * whose first bytes had arrived is still handed to the handler: every request it sees after a drain
+ * began before it. */
 void prism_http_server_drain(prism_http_server_t *s);
 int  prism_http_server_port(const prism_http_server_t *s);  /* the bound port (useful with port 0) */
 size_t prism_http_server_active_connections(const prism_http_server_t *s);

@@ -789,10 +789,11 @@ static void refuse_at_once(router_t *r, prism_http_req_t *h, int status, const c
 
 int router_refusal_at_arrival(router_t *r, char *msg, size_t n)
 {
-    if (r->shutting_down) {  /* a keep-alive connection's next request while draining */
-        snprintf(msg, n, "The server is shutting down; retry on another instance.");
-        return 503;
-    }
+    /* Draining is no refusal: the HTTP server closed every idle connection and ends the others after
+     * their current request, so a request that reaches us now began before the drain (its bytes had
+     * arrived). It is served as the requests in flight are: a 503 would lose it, as a load balancer
+     * does not pass a request on to another router once it has sent the body (nginx with
+     * proxy_request_buffering off). */
     /* Requests being prepared count as in flight (so do /tokenize jobs): what waits for the
      * preparation threads is bounded by --max-running-requests. */
     if ((int)(r->n_reqs + r->n_preparing + r->n_utility) >= r->max_running) {

@@ -481,9 +481,9 @@ void router_prompt_tool_arguments_as_objects(json_t *msg);
 void router_prompt_template_message(json_t *msg);
 
 /* requests.c */
-/* Whether a request arriving now is refused before its preparation (draining: 503; requests in
- * flight, being prepared and /tokenize jobs at --max-running-requests: 429, counted): its status
- * with msg filled, or 0. */
+/* Whether a request arriving now is refused before its preparation (requests in flight, being
+ * prepared and /tokenize jobs at --max-running-requests: 429, counted; never for draining: what
+ * arrives then began before the drain, and is served): its status with msg filled, or 0. */
 int router_refusal_at_arrival(router_t *r, char *msg, size_t n);
 void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat);
 /* Results from worker `from`: taken only when it holds the request at that stage (prefill: the first

@@ -264,6 +264,40 @@ def test_router_sigterm_drains_open_stream():
         assert "drained: every request finished" in c.log("router", tail=0)
 
 
+def test_router_sigterm_serves_request_begun_before():
+    """A request whose first bytes reached the router before its SIGTERM is served, as the requests in
+    flight are: the drain keeps its connection open (only idle ones close), and a 503 there is a
+    request lost, not one sent elsewhere: nginx does not pass a request on to another router once it
+    has sent its body (proxy_request_buffering off; test_rolling.py's one 503 in 1197 fits this).
+    Here its body arrives after the signal, as an upload in progress does."""
+    with Cluster(router_args=["--drain-timeout", "120"]) as c:
+        c.wait_ready()
+        body = json.dumps(chat_body("Hi", max_tokens=4, temperature=0)).encode()
+        head = ("POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
+                "Content-Length: %d\r\n\r\n" % (c.port, len(body))).encode()
+        sock = socket.create_connection(("127.0.0.1", c.port), timeout=30)
+        try:
+            sock.sendall(head + body[:10])
+            time.sleep(0.3)   # its headers read and parsed: the request has begun
+            router = c.procs["router"]
+            router.send_signal(signal.SIGTERM)
+            wait_for(lambda: connect_refused(c.port), 30, "the router to stop accepting connections")
+            assert router.poll() is None, "the router exited with a request begun"
+            sock.sendall(body[10:])
+            data = b""
+            while True:   # the router closes the connection after its answer (draining: no keep-alive)
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        finally:
+            sock.close()
+        status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else None
+        assert status == 200, data[:400]
+        assert b"connection: close" in data.lower(), data[:400]   # and nothing more on it
+        assert router.wait(60) == 0, "the router did not exit cleanly after draining"
+
+
 # ---- migration: a decode worker that dies mid-generation ----
 # Both decode workers hold each reply for 10 ms (test hook): the compute thread runs ahead, so when the
 # decode worker is killed the router has seen only part of the answer, whatever the machine's speed.
@@ -548,6 +582,7 @@ if __name__ == "__main__":
     sys.exit(run_tests([test_hung_encoder_requests_retried, test_hung_prefill_requests_retried,
                test_stage_timeout_retries_then_504, test_killed_worker_noticed_at_once, test_empty_tier_waits_for_restarted_worker, test_text_request_not_held_behind_a_missing_encoder,
                test_hundred_hung_up_streams_free_every_pool,
-               test_router_sigterm_drains_open_stream, test_decode_death_migrates,
+               test_router_sigterm_drains_open_stream, test_router_sigterm_serves_request_begun_before,
+               test_decode_death_migrates,
                test_decode_death_without_migration_fails, test_migrations_are_bounded,
                test_prefill_death_before_kv_reached_decode_migrates]))
