@@ -45,6 +45,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef enum { JOB_FREE, JOB_QUEUED, JOB_ENCODED, JOB_SEND } job_state_t;
 
@@ -147,6 +148,8 @@ typedef struct {
     prism_vgrid_t vgrid[256]; /* the vision batch's grids, in pix_job order */
     uint64_t sends_waited;    /* jobs whose embeddings waited for a prefill's pool (heartbeats) */
     bool test_hold_ready;     /* test hook PRISM_TEST_HOLD_READY: see flush_batch */
+    double test_hold_mixed_s; /* test hook PRISM_TEST_HOLD_MIXED_MICRO_BATCH_S: see hook_layer */
+    int tile_n;               /* tiles of the micro-batch in the tower (from tile_base) */
 } encoder_t;
 
 static void publish_load(encoder_t *e)
@@ -417,9 +420,37 @@ static bool flush_batch(encoder_t *e, bool ready_only)
 
 /* ---- between-layer hook of the vision tower ---- */
 
+/* Whether the micro-batch in the tower holds tiles of more than one image. */
+static bool mixed_micro_batch(const encoder_t *e)
+{
+    int first = -1;
+    for (int k = 0; !e->native && k < e->tile_n; k++) {
+        int ji = e->cur.tile_job[e->tile_base + k];
+        if (ji < 0) continue;
+        if (first >= 0 && ji != first) return true;
+        first = ji;
+    }
+    return false;
+}
+
+/* Test hook PRISM_TEST_HOLD_MIXED_MICRO_BATCH_S=S: after the first layer of a micro-batch that
+ * mixes images, the tower waits (at most S seconds) for an abort to arrive, so that a test can
+ * abort one image inside that micro-batch whatever the machine's speed. Inert unless set. */
+static void test_hold_for_abort(encoder_t *e)
+{
+    PRISM_WARN("test hook PRISM_TEST_HOLD_MIXED_MICRO_BATCH_S: the tower holds after layer 1 of a mixed micro-batch "
+               "until an abort arrives (at most %.1fs)", e->test_hold_mixed_s);
+    double until = prism_now_s() + e->test_hold_mixed_s;
+    struct timespec ts = {0, 5 * 1000 * 1000};
+    while (atomic_load(&e->w.abort_seq) == e->w.aborts_seen && !prism_worker_should_stop() && prism_now_s() < until)
+        nanosleep(&ts, NULL);
+}
+
 static bool hook_layer(void *ud, int done, int total)
 {
-    return prism_worker_layer_done(&((encoder_t *)ud)->w, done, total);
+    encoder_t *e = ud;
+    if (e->test_hold_mixed_s > 0 && done == 1 && mixed_micro_batch(e)) test_hold_for_abort(e);
+    return prism_worker_layer_done(&e->w, done, total);
 }
 
 /* Image i of the vision batch leaves it if its request was aborted: its tiles are dropped from the
@@ -794,6 +825,7 @@ static int run_tower(encoder_t *e)
         int k = 1;
         while (k < e->max_batch && t + k < n_tiles && e->cur.tile_job[t + k] >= 0) k++;
         e->tile_base = t;
+        e->tile_n = k;
         rc = prism_vision_encode(e->vis, e->cur.pixels + (size_t)t * e->tile_px, k, e->out + (size_t)t * e->emb_floats);
         t += k;
     }
@@ -937,6 +969,12 @@ static int encoder_size(void *ctx, prism_worker_startup_t *s)
     e->test_hold_ready = hold && *hold && strcmp(hold, "0");
     if (e->test_hold_ready)
         PRISM_WARN("test hook PRISM_TEST_HOLD_READY is set: results wait for their batch's vision tower");
+    const char *hold_mixed = getenv("PRISM_TEST_HOLD_MIXED_MICRO_BATCH_S");
+    double hm = hold_mixed && *hold_mixed ? strtod(hold_mixed, NULL) : 0;
+    e->test_hold_mixed_s = hm > 0 && hm <= 60 ? hm : 0;
+    if (e->test_hold_mixed_s > 0)
+        PRISM_WARN("test hook PRISM_TEST_HOLD_MIXED_MICRO_BATCH_S=%g is set: the tower waits for an abort in a mixed "
+                   "micro-batch", e->test_hold_mixed_s);
     if (prism_model_native_vision(&e->cfg)) {
         /* native resolution: the largest image (hence the buffers) is sized with the plan */
         e->native = true;

@@ -385,6 +385,12 @@ static void metrics_router(const router_t *r, prism_buf_t *b)
         prism_metric_write(b, "prism:requests_refused_total", "counter", NULL, lbl, (double)refused[i]);
     }
     prism_metric_write(b, "prism:router_requests_in_flight", "gauge", "Requests the router holds.", "", (double)r->n_reqs);
+    prism_metric_write(b, "prism:router_requests_queued", "gauge",
+                       "Admitted requests waiting in the router's queue for a worker (in priority order).", "",
+                       (double)r->queue_len);
+    prism_metric_write(b, "prism:router_requests_preparing", "gauge",
+                       "Requests being prepared (parsed, tokenized, their images fetched) before admission.", "",
+                       (double)r->n_preparing);
     prism_metric_write(b, "prism:router_image_bytes_in_flight", "gauge", "Image bytes the router holds.", "",
                        (double)r->image_bytes_inflight);
     prism_metric_write(b, "prism:router_body_bytes_in_flight", "gauge",

@@ -388,6 +388,8 @@ static int commit(router_t *r, router_req_t *q, const plan_t *p)
                    p->prefill->id);
         return ROUTER_DISPATCH_WAIT;
     }
+    PRISM_DEBUG("request %llu (%s): sent to prefill worker %s", (unsigned long long)q->rid, q->out.meta.id,
+                p->prefill->id);
     snprintf(pl->prefill_id, sizeof(pl->prefill_id), "%s", p->prefill->id);
     snprintf(pl->decode_id, sizeof(pl->decode_id), "%s", p->decode->id);
     pl->prefill_pending = pl->decode_pending = true;

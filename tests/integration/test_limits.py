@@ -489,8 +489,11 @@ def test_decode_preempts_by_recompute_or_swap_and_priority_overtakes():
         # Priorities: the prefill worker takes one request at a time (--max-pending-requests 1) and is
         # stopped (SIGSTOP) while a first request holds it; three of priority 0 queue in the router,
         # then one of priority -1. Once the prefill worker goes on, the high one is sent next: its
-        # first token comes before the others'. (Nothing runs while it is stopped: no race.)
-        first = {}
+        # first token comes before the others'. Each is sent once the one before is in the router's
+        # queue (the prism:router_requests_queued gauge; "first" is dispatched to the stopped worker):
+        # the router prepares requests on a thread pool, so requests sent 0.1 s apart by client threads
+        # could be queued in another order under load (low1 before low0 was seen once).
+        first, ids = {}, {}
 
         def one(name, prio):
             st = c.open_stream("/v1/chat/completions", chat_body("Say %s." % name, max_tokens=4, temperature=0,
@@ -499,6 +502,7 @@ def test_decode_preempts_by_recompute_or_swap_and_priority_overtakes():
                 ev = st.next_event()
                 if ev is None or ev == "[DONE]":
                     break
+                ids.setdefault(name, ev.get("id"))
                 if any(ch.get("delta", {}).get("content") for ch in ev.get("choices", [])):
                     first.setdefault(name, time.time())
 
@@ -507,18 +511,23 @@ def test_decode_preempts_by_recompute_or_swap_and_priority_overtakes():
             pre.send_signal(signal.SIGSTOP)
             try:
                 jobs = [ex.submit(one, "first", 0)]
-                time.sleep(0.3)
-                for name, prio in (("low0", 0), ("low1", 0), ("low2", 0), ("high", -1)):
+                wait_for(lambda: [c.metric("prism:router_requests_" + g) for g in ("in_flight", "preparing", "queued")]
+                         == [1, 0, 0], 10, "the first request dispatched (held, not preparing, not queued)")
+                for k, (name, prio) in enumerate((("low0", 0), ("low1", 0), ("low2", 0), ("high", -1))):
                     jobs.append(ex.submit(one, name, prio))
-                    time.sleep(0.1)
-                wait_for(lambda: c.metric("prism:router_requests_in_flight") == 5, 5, "every request in the router")
-                time.sleep(0.2)
+                    wait_for(lambda: c.metric("prism:router_requests_queued") == k + 1, 10, name + " queued")
             finally:
                 pre.send_signal(signal.SIGCONT)
             for f in jobs:
                 f.result()
-        order = sorted(first, key=first.get)
-        print("first tokens in order:", order)
+        # the order the router handed them to the (only) prefill worker, from its log: the client's
+        # arrival times of the first tokens, a few ms apart, could be read out of order by its threads
+        # on a loaded machine
+        with open(os.path.join(c.log_dir, "router.log"), "rb") as f:
+            sent = re.findall(r"\((chatcmpl-[0-9a-f]+)\): sent to prefill worker", f.read().decode("utf-8", "replace"))
+        order = sorted(ids, key=lambda n: sent.index(ids[n]) if ids[n] in sent else len(sent))
+        print("sent to the prefill in order:", order, "first tokens seen in order:", sorted(first, key=first.get))
+        assert sorted(first) == sorted(ids) and len(ids) == 5, (first, ids)
         assert order == ["first", "high", "low0", "low1", "low2"], ("the high-priority request did not overtake "
                                                                    "the queue", order)
 
