@@ -390,11 +390,13 @@ def restart_decode0(extra):
 
 
 def test_preempted_answers_unchanged():
-    """Four 300-token answers together (greedy and seeded) on 64 KV blocks: sequences are preempted
+    """Four 600-token answers together (greedy and seeded) on 64 KV blocks (38 each at the end: any
+    two running at once outgrow the pool, however the decode worker's credit staggers their
+    transfers): sequences are preempted
     and prefilled again from their tokens (in chunks of 50), their chunked-attention layers' rings
     refilled from the transfer, and every answer is token for token its answer alone. Then the same
     on a decode worker with a swap region: preempted by swap (the rings kept by their slots)."""
-    bodies = [body("Tell me about %s." % w, max_tokens=300, temperature=0.7 if i % 2 else 0, seed=3)
+    bodies = [body("Tell me about %s." % w, max_tokens=600, temperature=0.7 if i % 2 else 0, seed=3)
               for i, w in enumerate(("cats", "dogs", "ships", "rain"))]
     alone = [ask(C, b)[0] for b in bodies]
     p0 = C.metric("vllm:num_preemptions_total")
