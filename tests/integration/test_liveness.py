@@ -174,29 +174,19 @@ def run_clip_l_cluster():
         c.wait_ready(timeout=300)
 
         def busy_encoder_is_not_dead():
-            """Three images, a batch of two then one: each takes >= 2x the worker timeout, and
-            every request is served with no worker dropped. The encoder is stopped (SIGSTOP, well
-            inside the timeout) while the three are sent, so its first batch holds two images
-            whatever the machine's speed (an encoder that forms its next batch during the tower
-            would otherwise start on the first image alone); the stop is not counted."""
+            """Three images in two batches (one and two, or two and one: the encoder forms its next
+            batch while the tower runs): the longer batch takes >= 2x the worker timeout, and every
+            request is served with no worker dropped."""
             imgs = images("busy", 3, 10)
-            enc = c.procs["encoder-0"]
-            enc.send_signal(signal.SIGSTOP)
-            try:
-                t_stop = time.time()
-                reqs = [Background(c, chat_body("What is in the image?", [p], max_tokens=2)) for p in imgs]
-                wait_until(lambda: c.metric("prism:router_requests_in_flight") == 3, 10, "the three requests held")
-                time.sleep(0.5)   # their image files sent to the stopped encoder
-            finally:
-                enc.send_signal(signal.SIGCONT)
-                stopped = time.time() - t_stop
+            reqs = [Background(c, chat_body("What is in the image?", [p], max_tokens=2)) for p in imgs]
             for q in reqs:
                 status, data = q.result()
                 assert status == 200, (status, data[:300])
-            first = min(q.t1 - q.t0 for q in reqs) - stopped
-            print("  3 requests, first answered %.1fs after the encoder went on, last after %.1fs (worker timeout %.1fs)"
-                  % (first, max(q.t1 - q.t0 for q in reqs) - stopped, WORKER_TIMEOUT), flush=True)
-            assert first >= 2 * WORKER_TIMEOUT, "the encoder is too fast for this test: raise PRISM_TEST_CLIP_LAYERS"
+            done = sorted(q.t1 - q.t0 for q in reqs)
+            longest = max(done[0], done[-1] - done[0])   # the first batch's time, and the second's
+            print("  3 requests, first answered after %.1fs, last after %.1fs: the longer batch %.1fs (worker timeout %.1fs)"
+                  % (done[0], done[-1], longest, WORKER_TIMEOUT), flush=True)
+            assert longest >= 2 * WORKER_TIMEOUT, "the encoder is too fast for this test: raise PRISM_TEST_CLIP_LAYERS"
             assert lost(c, "dead") == 0 and lost(c, "stuck") == 0
             assert "missed heartbeats" not in full_log(c, "router")
             assert all(c.alive().values())
