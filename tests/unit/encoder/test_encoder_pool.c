@@ -45,13 +45,20 @@ static int rendezvous_task(void *ctx, int task, enc_prep_t *prep)
     return PRISM_OK;
 }
 
-static void test_pool_runs_tasks_at_once(void **state)
+/* What a member plans for: images at most 64 pixels wide. */
+static enc_prep_t small_plan(void)
 {
     enc_prep_t planned;
     memset(&planned, 0, sizeof planned);
     planned.dec_bytes = prism_image_decoder_bytes(64, 0);
     planned.ws_bytes = 64;
     planned.max_width = 64;
+    return planned;
+}
+
+static void test_pool_runs_tasks_at_once(void **state)
+{
+    enc_prep_t planned = small_plan();
     enc_pool_t pool;
     assert_int_equal(enc_pool_create(&pool, 2, &planned, false), PRISM_OK);
     for (int round = 0; round < 3; round++) {   /* the members sleep between runs and wake again */
@@ -70,11 +77,7 @@ static void test_pool_runs_tasks_at_once(void **state)
  * vision tower meanwhile); enc_pool_wait returns when all are done. */
 static void test_detached_pool_runs_while_the_caller_works(void **state)
 {
-    enc_prep_t planned;
-    memset(&planned, 0, sizeof planned);
-    planned.dec_bytes = prism_image_decoder_bytes(64, 0);
-    planned.ws_bytes = 64;
-    planned.max_width = 64;
+    enc_prep_t planned = small_plan();
     enc_pool_t pool;
     assert_int_equal(enc_pool_create(&pool, 2, &planned, true), PRISM_OK);
     assert_int_equal(pool.n_started, enc_pool_threads(2, true));
