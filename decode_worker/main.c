@@ -18,7 +18,7 @@
  * preempted (preempt): lowest priority first (Sampling.priority, larger = lower), then the youngest
  * (Sampling.arrival_us), so the oldest always progresses. The first way that works:
  * - swap, when its blocks fit in the free slots of the swap region (--kv-swap-bytes, swap.h): its
- *   KV is copied to host memory, it keeps its slot and every piece of its state here, sits out the
+ *   KV is copied to host memory (page-locked on a device: backend host_pin), it keeps its slot and every piece of its state here, sits out the
  *   steps and comes back (swap_in, before any new transfer is admitted, highest priority then
  *   oldest) once blocks are free again; its stream simply pauses. Tried first because it is local:
  *   no round trip and nothing else waits (docs/ARCHITECTURE.md says why this order);
@@ -32,8 +32,18 @@
  *   router prefills its prompt and every token it generated again, as a migration does.
  * Every way greedy or seeded output goes on token for token. Tensor-parallel groups (whose ranks
  * hold the other KV heads) only recompute; Llama-4's rings stay with the slot (swap) or travel in
- * the transfer (migration). Requests with n > 1 (whose choices' RNG streams cannot be recomputed)
- * reserve as below.
+ * the transfer (migration).
+ * Requests with n > 1: their choices share the prompt's full blocks (refcounted, kv/kv.h) and each
+ * has its own copy of the last, partial one. They are admitted the same way (the shared blocks once,
+ * one block each past them) but their choices can be neither recomputed (the router restarts a
+ * request whole and the choices' RNG streams fork at their first token) nor migrated (the transfer
+ * carries one KV its choices share, not k diverged ones); so a choice is a victim only when the swap
+ * region holds it now, and is swapped out alone (its shared blocks stay in the pool while a sibling
+ * holds them; it comes back with its own copy of each: admission counts every choice unshared).
+ * Otherwise the others are preempted, and a choice short of a block with no victim left waits for
+ * one (stalled; unstall) instead of being recomputed. So that such choices can never all wait for
+ * each other, an n > 1 request grows only while every growing choice of n > 1 requests could reach
+ * its end in the pool at once (kept); past that it reserves, as below.
  * reserve: a request is admitted only when blocks for prompt + max_tokens are free, so a running
  * sequence never runs out of KV and nothing is ever preempted. Either way, requests that do not
  * fit wait (one staged transfer, the rest stays in the senders: backpressure).
