@@ -737,15 +737,19 @@ def test_decode_preempts_by_migration_and_survives_the_target_dying():
             refs.append(_tokens(r))
         assert c.metric("vllm:num_preemptions_total") == 0, "one at a time, nothing to preempt"
 
-        def run_on_decode0_then(start_target):
-            """The four at once, all dispatched to decode-0 (the only decode worker then) while the
-            prefill worker is stopped; the target starts and registers before anything runs."""
+        multi = _multi_bodies(c)   # their answers alone, on decode-0
+
+        def run_on_decode0_then(start_target, multi=()):
+            """The four at once (and the n > 1 requests of multi), all dispatched to decode-0 (the
+            only decode worker then) while the prefill worker is stopped; the target starts and
+            registers before anything runs."""
             pre = c.procs["prefill-0"]
-            with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+            every = list(bodies) + [b for b, _ in multi]
+            with concurrent.futures.ThreadPoolExecutor(len(every)) as ex:
                 pre.send_signal(signal.SIGSTOP)
                 try:
-                    jobs = [ex.submit(c.post_json, "/v1/chat/completions", b) for b in bodies]
-                    wait_for(lambda: c.metric("prism:router_requests_in_flight") == len(bodies), 10,
+                    jobs = [ex.submit(c.post_json, "/v1/chat/completions", b) for b in every]
+                    wait_for(lambda: c.metric("prism:router_requests_in_flight") == len(every), 10,
                              "every request dispatched")
                     start_target()
                     wait_for(lambda: c.metric("prism:worker_heartbeats_total", worker="decode-1"), 30,
@@ -756,11 +760,14 @@ def test_decode_preempts_by_migration_and_survives_the_target_dying():
                 res = [f.result() for f in jobs]
             for i, (s, r) in enumerate(res):
                 assert s == 200, (i, s, r)
-                assert _tokens(r) == refs[i], ("answer changed by preemption", i)
+                if i < len(bodies):
+                    assert _tokens(r) == refs[i], ("answer changed by preemption", i)
+                else:   # n > 1: its choices stay on decode-0 (they cannot move), the others migrate
+                    assert _choices(r) == multi[i - len(bodies)][1], ("an n > 1 answer changed by preemption", i)
             return free1
 
         computed = c.metric("prism:prefill_tokens_computed_total")
-        free1 = run_on_decode0_then(lambda: c.start_worker("decode-1", "decode_worker"))
+        free1 = run_on_decode0_then(lambda: c.start_worker("decode-1", "decode_worker"), multi)
         moved = c.metric("prism:preemptions_total", how="migrate")
         print("preemptions: %s migrated, %s recomputed" % (moved, c.metric("prism:preemptions_total", how="recompute")))
         assert moved > 0, "no sequence migrated"
@@ -792,12 +799,14 @@ def test_decode_preempts_by_migration_and_survives_the_target_dying():
         # request at both; every stream is closed then. Both workers end with nothing running and
         # every block free.
         del c.worker_env["decode_worker"]
+        # The n > 1 requests too: their choices (which stay on decode-0) are freed there as well.
         pre, sent = c.procs["prefill-0"], c.metric("prism:worker_preemptions_migrated_total", worker="decode-0")
-        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+        every = list(bodies) + [b for b, _ in multi]
+        with concurrent.futures.ThreadPoolExecutor(len(every)) as ex:
             pre.send_signal(signal.SIGSTOP)
             try:
-                jobs = [ex.submit(c.open_stream, "/v1/chat/completions", dict(b, stream=True)) for b in bodies]
-                wait_for(lambda: c.metric("prism:router_requests_in_flight") == len(bodies), 10, "every request dispatched")
+                jobs = [ex.submit(c.open_stream, "/v1/chat/completions", dict(b, stream=True)) for b in every]
+                wait_for(lambda: c.metric("prism:router_requests_in_flight") == len(every), 10, "every request dispatched")
                 c.start_worker("decode-1", "decode_worker")
                 wait_for(lambda: c.metric("prism:worker_heartbeats_total", worker="decode-1"), 30, "decode-1 registered")
                 free1 = c.metric("prism:worker_kv_free_blocks", worker="decode-1")
