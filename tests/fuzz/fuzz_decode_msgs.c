@@ -17,7 +17,8 @@
  * Records: see fuzz_worker.h; the harness plays the I/O thread. The input's first byte picks the
  * mode: bit 4 preempts by swap, bit 6 overlaps steps with host work (the GPU pipeline, --overlap-steps
  * on), bit 7 makes the router give up on every request at the end instead of letting them finish.
- * Invariants: every reply is a Tokens message to the router; no step advances a sequence whose KV is
+ * Invariants: every reply is a Tokens message to the router; the choices of n > 1 that grow are
+ * counted in d->kept (within the pool) and are never recomputed (not by a preemption, not by unstall); no step advances a sequence whose KV is
  * still arriving or that is swapped out; the loop does not wedge (every sequence
  * ends by the context length: once the input is over, the worker is idle within that many steps);
  * once every request finished or was aborted, every sequence slot, KV block and swap slot is back,
@@ -53,7 +54,12 @@ static void turn(void)
 {
     decode_t *d = &g_d;
     publish_load(d);
+    /* unstall gives a waiting sequence a block or recomputes it: never a choice of n > 1 */
+    bool multi[8] = {false};
+    for (int i = 0; i < d->max_running && i < 8; i++)
+        multi[i] = d->seqs[i].seq.used && prism_seq_n(&d->seqs[i].seq) > 1;
     unstall(d);
+    for (int i = 0; i < d->max_running && i < 8; i++) FUZZ_ASSERT(!multi[i] || d->seqs[i].seq.used);
     admit_staged(d);
     fuzz_poll(&g_io, &d->w, data_credit(d), on_msg_confined, d);
     drain();
