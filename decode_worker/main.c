@@ -18,9 +18,10 @@
  * preempted (preempt): lowest priority first (Sampling.priority, larger = lower), then the youngest
  * (Sampling.arrival_us), so the oldest always progresses. The first way that works:
  * - swap, when its blocks fit in the free slots of the swap region (--kv-swap-bytes, swap.h): its
- *   KV is copied to host memory (page-locked on a device: backend host_pin), it keeps its slot and every piece of its state here, sits out the
- *   steps and comes back (swap_in, before any new transfer is admitted, highest priority then
- *   oldest) once blocks are free again; its stream simply pauses. Tried first because it is local:
+ *   KV is copied to host memory (page-locked on a device: backend host_pin), it keeps its slot and
+ *   every piece of its state here, sits out the steps and comes back (swap_in, before any new
+ *   transfer is admitted, highest priority then oldest) once blocks are free again; its stream
+ *   simply pauses. Tried first because it is local:
  *   no round trip and nothing else waits (docs/ARCHITECTURE.md says why this order);
  * - migration, when it can move whole (one process, one choice, no penalty or guide:
  *   mig_possible): it is parked (no step, blocks held; its Tokens message says
