@@ -18,9 +18,10 @@
  * preempted (preempt): lowest priority first (Sampling.priority, larger = lower), then the youngest
  * (Sampling.arrival_us), so the oldest always progresses. The first way that works:
  * - swap, when its blocks fit in the free slots of the swap region (--kv-swap-bytes, swap.h): its
- *   KV is copied to host memory, it keeps its slot and every piece of its state here, sits out the
- *   steps and comes back (swap_in, before any new transfer is admitted, highest priority then
- *   oldest) once blocks are free again; its stream simply pauses. Tried first because it is local:
+ *   KV is copied to host memory (page-locked on a device: backend host_pin), it keeps its slot and
+ *   every piece of its state here, sits out the steps and comes back (swap_in, before any new
+ *   transfer is admitted, highest priority then oldest) once blocks are free again; its stream
+ *   simply pauses. Tried first because it is local:
  *   no round trip and nothing else waits (docs/ARCHITECTURE.md says why this order);
  * - migration, when it can move whole (one process, one choice, no penalty or guide:
  *   mig_possible): it is parked (no step, blocks held; its Tokens message says
@@ -32,8 +33,18 @@
  *   router prefills its prompt and every token it generated again, as a migration does.
  * Every way greedy or seeded output goes on token for token. Tensor-parallel groups (whose ranks
  * hold the other KV heads) only recompute; Llama-4's rings stay with the slot (swap) or travel in
- * the transfer (migration). Requests with n > 1 (whose choices' RNG streams cannot be recomputed)
- * reserve as below.
+ * the transfer (migration).
+ * Requests with n > 1: their choices share the prompt's full blocks (refcounted, kv/kv.h) and each
+ * has its own copy of the last, partial one. They are admitted the same way (the shared blocks once,
+ * one block each past them) but their choices can be neither recomputed (the router restarts a
+ * request whole and the choices' RNG streams fork at their first token) nor migrated (the transfer
+ * carries one KV its choices share, not k diverged ones); so a choice is a victim only when the swap
+ * region holds it now, and is swapped out alone (its shared blocks stay in the pool while a sibling
+ * holds them; it comes back with its own copy of each: admission counts every choice unshared).
+ * Otherwise the others are preempted, and a choice short of a block with no victim left waits for
+ * one (stalled; unstall) instead of being recomputed. So that such choices can never all wait for
+ * each other, an n > 1 request grows only while every growing choice of n > 1 requests could reach
+ * its end in the pool at once (kept); past that it reserves, as below.
  * reserve: a request is admitted only when blocks for prompt + max_tokens are free, so a running
  * sequence never runs out of KV and nothing is ever preempted. Either way, requests that do not
  * fit wait (one staged transfer, the rest stays in the senders: backpressure).
@@ -97,6 +108,7 @@ typedef struct {
     bool cancel;              /* aborted while in the step in flight: released when it ends */
     bool finishing;           /* its last token is waiting to be sent */
     bool grows;               /* admitted optimistically: takes blocks as it goes, may be preempted */
+    int keep;                 /* n > 1 and grows: the blocks it may need at most, counted in decode_t.kept */
     bool preempt;             /* preempted: its blocks are gone, it leaves once its last tokens are sent */
     bool swapped;             /* preempted by swap: its KV is in swap_slots, it keeps its slot, is in no step */
     int32_t *swap_slots;      /* [max_blocks_per_seq] its blocks' slots in the swap region (swapped) */
@@ -183,6 +195,7 @@ typedef struct {
     bool overlap;             /* the backend runs asynchronously: enqueue the next step before sending */
     bool optimistic;          /* --kv-admission optimistic */
     int watermark_blocks;     /* blocks an optimistic admission leaves free (--kv-watermark of the pool) */
+    int kept;                 /* the most blocks the growing choices of n > 1 requests may hold (seq_t.keep) */
     uint64_t preempted;       /* sequences preempted by recompute (heartbeat preempt_recompute) */
     prism_kv_swap_t swap;     /* the swap region (preemption by swap; n_blocks 0: off) */
     uint8_t *swap_bytes;      /* [swap_slots][block bytes of the pool's layers] the region's host memory */
@@ -193,6 +206,7 @@ typedef struct {
     int n_parked;             /* sequences parked (migrating): their blocks come back once their KV is out */
     uint8_t *mig_piece;       /* [one piece] export scratch */
     uint64_t migrated_out;    /* sequences preempted by migration, sent whole (heartbeat preempt_migrate) */
+    bool swap_pinned;         /* the swap region is page-locked (backend host_pin) */
     bool test_die_on_migrated;   /* test hook PRISM_TEST_DIE_ON_MIGRATED_KV (decode_ready): killed mid-migration */
     prism_model_hook_t hook;
     /* one staged KV transfer waiting for blocks */
@@ -232,8 +246,18 @@ static void seq_release(decode_t *d, seq_t *s)
     s->seq.used = false;
     s->n_blocks = s->n_swapped = 0;
     d->n_parked -= s->migrating;
+    d->kept -= s->keep;
+    s->keep = 0;
     s->cancel = s->finishing = s->in_step = s->grows = s->preempt = s->receiving = s->swapped = false;
     s->migrating = s->stalled = false;
+}
+
+/* Whether its router can prefill the sequence again from its tokens (Tokens.preempted): n = 1 only
+ * (the router recomputes a request whole, and the RNG streams of n > 1's choices fork at their first
+ * token: it could not restart one choice of several). */
+static bool recomputable(const seq_t *s)
+{
+    return prism_seq_n(&s->seq) == 1;
 }
 
 static void unstage(decode_t *d)
@@ -446,12 +470,19 @@ static bool admit_staged_req(decode_t *d)
                                (int64_t)d->max_model_len);
     int need = k > 1 ? prism_kv_blocks_for_shared(&d->blocks, (int)kv->n_tokens, total, k)
                      : prism_kv_blocks_for_tokens(&d->blocks, total);
-    /* optimistic: one sequence (n = 1) takes blocks for its prompt and its first token now, the
-     * rest as it goes; it waits until the watermark would still be free after it (an idle worker
-     * admits it anyway: a lone sequence always fits, decode_plan checked) */
-    bool grows = d->optimistic && k == 1 && kv->sampling->n <= 1;
-    int per = grows ? prism_kv_blocks_for_tokens(&d->blocks, (int)kv->n_tokens + 1) : need;
-    int room = per + (grows && running(d) ? d->watermark_blocks : 0);
+    /* optimistic: each choice takes blocks for its prompt and its first token now (the choices of
+     * n > 1 share the prompt's full blocks), the rest as it goes; it waits until the watermark would
+     * still be free after it (an idle worker admits it anyway: a lone sequence always fits,
+     * decode_plan checked). The choices of n > 1 cannot be recomputed (nor migrated): they grow
+     * only while every growing choice of such requests could reach its end in the pool at once
+     * (kept, counted unshared: a choice swapped back in has its own copy of the prompt), so they
+     * never wait for each other for ever (grow); past that, such a request reserves. */
+    bool multi = k > 1 || kv->sampling->n > 1;
+    int keep = multi ? prism_kv_blocks_for_tokens(&d->blocks, total) : 0;   /* a choice's most, unshared */
+    bool grows = d->optimistic && (!multi || (int64_t)d->kept + (int64_t)k * keep <= d->blocks.n_blocks);
+    int per = prism_kv_blocks_for_tokens(&d->blocks, grows ? (int)kv->n_tokens + 1 : total);
+    int shared = k > 1 ? (int)kv->n_tokens / d->blocks.block_size : 0;
+    int room = shared + k * (per - shared) + (grows && running(d) ? d->watermark_blocks : 0);
     const char *why = NULL;
     Prism__ErrorKind kind = PRISM__ERROR_KIND__ERROR_CLIENT;   /* the request itself cannot be held */
     if (need > d->blocks.n_blocks) why = "the request's sequences need more KV blocks than the decode worker has";
@@ -460,14 +491,15 @@ static bool admit_staged_req(decode_t *d)
         d->staged_waited = true;
         return false;
     }
-    else why = admit_choices(d, kv, slots, k, grows ? per : prism_kv_blocks_for_tokens(&d->blocks, total), grows,
-                             &kind);
+    else why = admit_choices(d, kv, slots, k, per, grows, &kind);
     if (why) {
         PRISM_WARN("request %llu refused: %s", (unsigned long long)d->staged_rid, why);
         send_error(d, d->staged_router, d->staged_rid, d->staged_rid_hi, kind, why);
         unstage(d);
         return true;
     }
+    for (int c = 0; c < k && grows; c++) d->seqs[slots[c]].keep = keep;
+    d->kept += grows ? k * keep : 0;
     /* admitted: the first piece goes in now, the rest as it comes */
     rx_t *x = NULL;
     for (int i = 0; i < d->max_running && !x; i++)
@@ -805,8 +837,10 @@ static void mig_tick(decode_t *d, double now)
 }
 
 /* Sequences that wait for a block take it once one is free; with none and no parked sequence to
- * give blocks back, the waiting one is preempted by recompute (nothing else frees a block for it).
- * Between steps' messages (no Tokens of theirs is pending). */
+ * give blocks back, the waiting one is preempted by recompute (nothing else frees a block for it),
+ * unless it is a choice of n > 1 (not recomputable): it waits on, and gets the blocks the next
+ * sequence to end or be preempted gives back (admission kept every such choice's end within the
+ * pool: they cannot all wait). Between steps' messages (no Tokens of theirs is pending). */
 static void unstall(decode_t *d)
 {
     for (int i = 0; i < d->max_running; i++) {
@@ -820,7 +854,7 @@ static void unstall(decode_t *d)
             s->n_blocks++;
         }
         if (s->n_blocks >= need) s->stalled = false;
-        else if (!d->n_parked) {
+        else if (!d->n_parked && recomputable(s)) {
             reply_preempted(d, s->seq.router_id, s->seq.rid, s->seq.rid_hi, s->seq.index);
             seq_release(d, s);
         }
@@ -951,13 +985,15 @@ static void launch_step(decode_t *d)
 }
 
 /* The preemption victim among the sequences of the step just sampled (d->out): an optimistic one
- * that goes on, the lowest priority (the largest Sampling.priority), then the youngest; -1 none. */
+ * that goes on, the lowest priority (the largest Sampling.priority), then the youngest; -1 none. A
+ * choice of n > 1 is one only when the swap region holds it now (its one way out). */
 static int victim(const decode_t *d)
 {
     int best = -1;
     for (int k = 0; k < d->n_out; k++) {
         const seq_t *s = &d->seqs[d->out[k].slot];
-        if (!s->grows || s->finishing || s->cancel || s->preempt || s->swapped || s->migrating) continue;
+        if (!s->grows || s->finishing || s->cancel || s->preempt || s->swapped || s->migrating || s->stalled) continue;
+        if (!recomputable(s) && !prism_kv_swap_fits(&d->swap, s->n_blocks)) continue;
         if (best < 0) {
             best = k;
             continue;
@@ -1004,6 +1040,10 @@ static void preempt(decode_t *d, int k)
         return;
     }
     if (mig_park(d, k)) return;
+    if (!recomputable(vs)) {   /* n > 1 whose swap-out failed: it keeps its blocks and waits (grow) */
+        vs->stalled = true;
+        return;
+    }
     prism_kv_blocks_release(&d->blocks, vs->blocks, vs->n_blocks);
     vs->n_blocks = 0;
     vs->preempt = true;
@@ -1036,7 +1076,12 @@ static void grow(decode_t *d)
                 break;
             }
             int v = victim(d);
-            PRISM_ASSERT(v >= 0);   /* s itself is one */
+            if (v < 0) {   /* only choices of n > 1 that cannot swap: it waits for a block (unstall) */
+                PRISM_DEBUG("request %llu choice %u waits for a KV block (n > 1: not recomputed, not migrated)",
+                            (unsigned long long)s->seq.rid, s->seq.index);
+                s->stalled = true;
+                break;
+            }
             preempt(d, v);
         }
     }
@@ -1416,6 +1461,16 @@ static int decode_ready(void *ctx, prism_worker_startup_t *s)
         PRISM_ERROR("cannot set up the KV swap region (%d slots)", d->swap_n_slots);
         return 1;
     }
+    /* On a device the region is page-locked, so swapping copies by DMA (pageable memory would be
+     * staged through the driver's bounce buffers); the CPU backend has nothing to pin. A region
+     * that cannot be pinned still works, slower. */
+    size_t swap_len = (size_t)d->swap_n_slots * kv_block_data_bytes(d);
+    if (swap_len && d->be->i.host_pin) {
+        int rc = d->be->i.host_pin(d->be->ctx, d->swap_bytes, swap_len);
+        d->swap_pinned = rc == PRISM_OK;
+        if (rc != PRISM_OK) PRISM_WARN("the KV swap region could not be pinned (%s): swapping copies through pageable "
+                                       "memory", prism_strerror(rc));
+    }
     for (int i = 0; d->swap_pool && i < d->max_running; i++)
         d->seqs[i].swap_slots = d->swap_pool + (size_t)i * d->max_blocks_per_seq;
     prism_abort_memo_init(&d->aborts, 600.0);
@@ -1442,9 +1497,10 @@ static int decode_run(void *ctx)
 {
     decode_t *d = ctx;
     char sw[32];
-    PRISM_INFO("decode: %d KV blocks x %d tokens, batch %d, %s admission, swap %s%s%s", d->blocks.n_blocks,
+    PRISM_INFO("decode: %d KV blocks x %d tokens, batch %d, %s admission, swap %s%s%s%s", d->blocks.n_blocks,
                d->blocks.block_size, d->max_running, d->optimistic ? "optimistic" : "reserve",
                d->swap.slots.n_blocks ? prism_fmt_bytes(d->swap.slots.n_blocks * d->swap.slot_bytes, sw, sizeof sw) : "off",
+               d->swap_pinned ? " (pinned)" : "",
                d->overlap ? ", host work overlapped with the device" : "",
                d->ring ? ", chunked-attention layers in per-sequence rings" : "");
     if (d->ring) {
@@ -1465,8 +1521,9 @@ static int decode_run(void *ctx)
         unstall(d);   /* before admissions: the blocks freed go to the running sequences first */
         admit_staged(d);
         prism_worker_accept_data(&d->w, data_credit(d));
-        /* only parked and stalled sequences: they wait for the router's Migrate or a piece sent (no spin) */
-        prism_worker_poll(&d->w, !busy ? 50 : d->n_parked && !steppable(d) ? 1 : 0, on_msg, d);
+        /* only parked and stalled sequences: they wait for the router's Migrate, a piece sent or an
+         * abort (no spin) */
+        prism_worker_poll(&d->w, !busy ? 50 : !steppable(d) ? 1 : 0, on_msg, d);
         /* transfers arriving: take the pieces already here (a few per step, each a copy into blocks) */
         for (int k = 0; k < 16 && d->n_rx; k++) {
             uint64_t got = d->w.data_received;
@@ -1489,6 +1546,8 @@ static int decode_run(void *ctx)
                (unsigned long long)d->cancelled, (unsigned long long)d->preempted);
     PRISM_INFO("decode worker stopping: %llu sequences swapped out, %llu swapped in", (unsigned long long)d->swap.swapped_out,
                (unsigned long long)d->swap.swapped_in);
+    if (d->swap_pinned) d->be->i.host_unpin(d->be->ctx, d->swap_bytes);
+    d->swap_pinned = false;
     prism_kv_swap_free(&d->swap);
     prism_seq_sampler_free(&d->sampler);
     return code;

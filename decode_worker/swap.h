@@ -8,7 +8,8 @@
  * layers' rings belong to the sequence's batch slot and stay where they are).
  *
  * Memory: the caller owns the region's bytes (the decode worker carves them from its memory plan,
- * --kv-swap-bytes); the slot bookkeeping is a prism_kv_blocks_t (kv/kv.h, the pool's own free
+ * --kv-swap-bytes, and on a device page-locks them with the backend's host_pin, so the copies below
+ * are one DMA each); the slot bookkeeping is a prism_kv_blocks_t (kv/kv.h, the pool's own free
  * stack, prism_kv_blocks_bytes(n_slots) of heap). Copies go through the model's KV export/import
  * (prism_kv_cache_export / _class), so through the backend's blocks_to_host / blocks_from_host:
  * on a device they are device <-> host copies, on the CPU memcpy. Not thread-safe: the worker's

@@ -402,6 +402,21 @@ def decode_seeds():
         first(75, 20, samp=sampling(n=2), choices=((0, 17, 1), (1, 18, 2))) + piece(70, 1) + turn() +
         piece(72, 1) + piece(71, 1) + turn(12))
     put(h, "pieces_give_up", pieces_mode(first(76, 20), 0x80) + turn() + first(77, 6) + turn())
+    # n > 1 under optimistic admission (issue 28): an n = 2 request of 6 tokens running to the
+    # context (each choice at most 2 blocks: admitted to grow, 4 of the 5 blocks kept for them)
+    # beside a long n = 1: the pool runs out, the n = 1 is preempted and never a choice; with a swap
+    # region (mode bit 4) a choice of the n = 2 (priority 1) is swapped out alone, its sibling going on
+    MODE_SWAP = 0x10
+    two = dict(n=2, seed=9, temperature=0.9, **long)
+    put(h, "preempt_choices", kv(80, 6, samp=sampling(**long)) +
+        kv(81, 6, samp=sampling(priority=1, **two), choices=((0, 17, 1), (1, 18, 2))) + turn(30))
+    put(h, "preempt_choices_swap", bytes([OP_DATA | MODE_SWAP]) + kv(82, 6, samp=sampling(**long))[1:] +
+        kv(83, 6, samp=sampling(priority=1, **two), choices=((0, 17, 1), (1, 18, 2))) + turn(30))
+    # a choice with no victim: a transfer whose pieces stopped holds two blocks (not a victim: in no
+    # step); the n = 2 grows into the rest and its second choice waits for a block (stalled, not
+    # recomputed) until the stopped transfer fails after the input
+    put(h, "choices_wait", pieces_mode(first(84, 20)) +
+        first(85, 6, samp=sampling(**two), choices=((0, 17, 1), (1, 18, 2))) + turn(30))
 
 
 

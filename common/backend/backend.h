@@ -219,6 +219,12 @@ typedef struct prism_backend_i {
                           size_t block_bytes, const int32_t *ids, int n);
     int (*blocks_from_host)(void *ctx, void *base, size_t block_bytes, const int32_t *ids, int n,
                             const void *src_host, size_t host_stride);
+    /* host_pin / host_unpin: page-locks host memory the caller owns and keeps for a long time (the
+     * decode worker's KV swap region), so blocks_to_host / blocks_from_host copy it by DMA at full
+     * speed; unpin before the memory is freed. Optional: NULL = host memory is used as it is (the
+     * CPU backend, whose "device" is host memory). */
+    int  (*host_pin)(void *ctx, void *host, size_t bytes);
+    void (*host_unpin)(void *ctx, void *host);
 
     /* ---- sampling helpers ----
      * argmax over rows: out_host[r] = argmax(logits[r][vocab]) (first max on ties). Optional. */

@@ -6,7 +6,8 @@
  * (prism_worker_open with k_decode_tier) with small pools: 3 sequences, 5 blocks of 16 tokens, a 32-token context
  * (at most 32 steps of a sequence: an input's worst case stays well inside libFuzzer's timeout;
  * optimistic admission, the default: three sequences past 16 tokens outgrow the 5 blocks and preempt
- * by recompute, or by swap for inputs whose mode has bit 4 set: the worker starts with a swap region of
+ * by recompute (n = 1; a choice of n > 1, admitted to grow while every such choice's end fits the
+ * pool, is never recomputed: it waits for a block instead), or by swap for inputs whose mode has bit 4 set: the worker starts with a swap region of
  * 2 blocks (--kv-swap-bytes 128K), which the harness takes away for the other inputs; a victim is
  * swapped out while the region has room for it, else recomputed).
  * Transfers in pieces (Kv.piece_first / piece_blocks): the tiny model's pieces would hold every block,
@@ -16,7 +17,8 @@
  * Records: see fuzz_worker.h; the harness plays the I/O thread. The input's first byte picks the
  * mode: bit 4 preempts by swap, bit 6 overlaps steps with host work (the GPU pipeline, --overlap-steps
  * on), bit 7 makes the router give up on every request at the end instead of letting them finish.
- * Invariants: every reply is a Tokens message to the router; no step advances a sequence whose KV is
+ * Invariants: every reply is a Tokens message to the router; the choices of n > 1 that grow are
+ * counted in d->kept (within the pool) and are never recomputed (not by a preemption, not by unstall); no step advances a sequence whose KV is
  * still arriving or that is swapped out; the loop does not wedge (every sequence
  * ends by the context length: once the input is over, the worker is idle within that many steps);
  * once every request finished or was aborted, every sequence slot, KV block and swap slot is back,
@@ -52,20 +54,31 @@ static void turn(void)
 {
     decode_t *d = &g_d;
     publish_load(d);
+    /* unstall gives a waiting sequence a block or recomputes it: never a choice of n > 1 */
+    bool multi[8] = {false};
+    for (int i = 0; i < d->max_running && i < 8; i++)
+        multi[i] = d->seqs[i].seq.used && prism_seq_n(&d->seqs[i].seq) > 1;
     unstall(d);
+    for (int i = 0; i < d->max_running && i < 8; i++) FUZZ_ASSERT(!multi[i] || d->seqs[i].seq.used);
     admit_staged(d);
     fuzz_poll(&g_io, &d->w, data_credit(d), on_msg_confined, d);
     drain();
     /* a sequence whose KV is still arriving is in no step (its blocks are partly written) */
-    int len[8];
+    int len[8], kept = 0;
     bool rx[8];
     FUZZ_ASSERT(d->max_running <= 8);
     for (int i = 0; i < d->max_running; i++) {
+        /* the choices of n > 1 grow within the pool's bound (kept) and are never recomputed (their
+         * router could not restart one choice's RNG stream) */
+        kept += d->seqs[i].keep;
+        FUZZ_ASSERT(!d->seqs[i].keep || (d->seqs[i].seq.used && d->seqs[i].grows && prism_seq_n(&d->seqs[i].seq) > 1));
+        FUZZ_ASSERT(!d->seqs[i].seq.used || !d->seqs[i].preempt || prism_seq_n(&d->seqs[i].seq) == 1);
         /* a swapped-out sequence is in no step either (it holds no blocks) */
         rx[i] = d->seqs[i].seq.used && (d->seqs[i].receiving || d->seqs[i].swapped);
         FUZZ_ASSERT(!d->seqs[i].swapped || (!d->seqs[i].n_blocks && d->seqs[i].n_swapped > 0));
         len[i] = d->seqs[i].seq.len;
     }
+    FUZZ_ASSERT(kept == d->kept && kept <= d->blocks.n_blocks);
     mig_tick(d, prism_now_s());
     step(d);
     for (int i = 0; i < d->max_running; i++) FUZZ_ASSERT(!rx[i] || !d->seqs[i].seq.used || d->seqs[i].seq.len == len[i]);
@@ -133,7 +146,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     FUZZ_ASSERT(idle(d));   /* not wedged */
     for (int i = 0; i < d->max_running; i++)
         FUZZ_ASSERT(!d->seqs[i].seq.used && !d->seqs[i].n_blocks && !d->seqs[i].n_swapped && !d->rx[i].used);
-    FUZZ_ASSERT(d->blocks.n_free == d->blocks.n_blocks && !d->n_swapped_seqs && !prism_kv_swap_used_bytes(&d->swap));
+    FUZZ_ASSERT(d->blocks.n_free == d->blocks.n_blocks && !d->n_swapped_seqs && !prism_kv_swap_used_bytes(&d->swap) &&
+                !d->kept);
     if (mode & 0x10) g_swap = d->swap;   /* its counters */
 
     if (getenv("FUZZ_VERBOSE"))   /* what an input did: to check that a seed does what it says */

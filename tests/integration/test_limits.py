@@ -449,6 +449,54 @@ def _tokens(r):
     return [e["token"] for e in ch["logprobs"]["content"]], ch["finish_reason"]
 
 
+def _choices(r):
+    """Every choice's token ids and finish, by index (return_tokens_as_token_ids)."""
+    return [([e["token"] for e in ch["logprobs"]["content"]], ch["finish_reason"])
+            for ch in sorted(r["choices"], key=lambda ch: ch["index"])]
+
+
+def _multi_bodies(c):
+    """Requests with n > 1 for the 12-block pool of the preemption tests, with their answers alone
+    (nothing else runs: nothing preempted). Each choice may reach at most 6 blocks (n = 2) or 4
+    (n = 3), so that every choice of one of them can reach its end in the pool at once (the
+    admission's condition for growing; past it n > 1 reserves). n = 2 seeded and n = 3 greedy, both of
+    priority 1: the first victims while the swap region holds them."""
+    s, r = c.post_json("/v1/chat/completions", chat_body("Tell me a long story about the colour white.", max_tokens=1))
+    assert s == 200, (s, r)
+    prompt = r["usage"]["prompt_tokens"]
+    out = []
+    for n, blocks, t in ((2, 6, 0.9), (3, 4, 0)):
+        b = chat_body("Tell me a long story about the colour white.", n=n, temperature=t, seed=5, ignore_eos=True,
+                      max_tokens=blocks * 16 - prompt - 1, priority=1, logprobs=True, return_tokens_as_token_ids=True)
+        s, r = c.post_json("/v1/chat/completions", b)
+        assert s == 200, (s, r)
+        ch = _choices(r)
+        assert len(ch) == n and all(f == "length" for _, f in ch), ch
+        if t:
+            assert ch[0][0] != ch[1][0], "the seeded choices are alike: they would not show a mixed-up RNG stream"
+        out.append((b, ch))
+    return out
+
+
+def _all_at_once_multi(c, bodies, refs, multi, first=False):
+    """bodies (n = 1) and the n > 1 requests of _multi_bodies at once: every choice's answer as alone.
+    first: the n > 1 requests go first, of priority 0 (the router's queue would send those of
+    priority 1 last), so they run while the others come in and outgrow the pool."""
+    every = list(bodies) + [dict(b, priority=0) if first else b for b, _ in multi]
+    with concurrent.futures.ThreadPoolExecutor(len(every)) as ex:
+        late = [ex.submit(c.post_json, "/v1/chat/completions", b) for b in every[len(bodies):]] if first else []
+        if first:
+            time.sleep(0.05)
+        res = list(ex.map(lambda b: c.post_json("/v1/chat/completions", b), every[:len(every) - len(late)]))
+        res += [f.result() for f in late]
+    for i, (s, r) in enumerate(res):
+        assert s == 200, (i, s, r)
+        if i < len(bodies):
+            assert _tokens(r) == refs[i], ("answer changed by preemption", i)
+        else:
+            assert _choices(r) == multi[i - len(bodies)][1], ("an n > 1 answer changed by preemption", i)
+
+
 def test_decode_preempts_by_recompute_or_swap_and_priority_overtakes():
     """--kv-admission optimistic (the default), 12 KV blocks of 16 tokens, a 128-token context: four
     requests without max_tokens run to the end of the context (8 blocks each), admitted on their
@@ -459,7 +507,8 @@ def test_decode_preempts_by_recompute_or_swap_and_priority_overtakes():
     ctx = ["--context-length", "128"]
     with Cluster(router_args=ctx, common_worker_args=FAST_HB,
                  worker_args={"prefill_worker": ctx + ["--max-pending-requests", "1"],
-                              "decode_worker": ctx + ["--kv-blocks", "12", "--max-running-requests", "4"]}) as c:
+                              "decode_worker": ctx + ["--kv-blocks", "12", "--max-running-requests", "4",
+                                                      "--log-level", "debug"]}) as c:
         c.wait_ready()
         bodies = [chat_body("Tell me a long story about the colour %s." % col, temperature=t, seed=7, ignore_eos=True,
                             logprobs=True, return_tokens_as_token_ids=True)
@@ -484,7 +533,23 @@ def test_decode_preempts_by_recompute_or_swap_and_priority_overtakes():
         wait_for(lambda: c.metric("prism:worker_heartbeats_total", tier="decode") > hb + 1, 10, "a fresh heartbeat")
         assert c.metric("prism:worker_preemptions_total", tier="decode") == preempted
         assert c.metric("prism:worker_kv_free_blocks", tier="decode") == 12, "blocks leaked"
-        _preempt_by_swap(c, bodies, refs)   # on decode workers started with a swap region
+        # n > 1 beside them, no swap region: their choices can be neither recomputed nor migrated
+        # (one decode worker): they wait for the blocks the n = 1 sequences preempted give back
+        multi = _multi_bodies(c)
+        rec0 = c.metric("prism:preemptions_total", how="recompute")
+        log0 = len(c.log("decode-0", tail=0))
+        _all_at_once_multi(c, bodies, refs, multi, first=True)
+        assert c.metric("prism:preemptions_total", how="recompute") > rec0, "nothing was preempted"
+        assert c.metric("prism:preemptions_total", how="swap") == 0
+        # sequences were preempted while an n > 1 request ran (its choices grew in the pool then: a
+        # recomputed choice would have failed its request, a 503 above)
+        log = c.log("decode-0", tail=0)[log0:]
+        multi_in = [m.start() for m in re.finditer(r"choice [12] admitted", log)]
+        assert multi_in and re.search(r"(preempted|parked for migration) \(KV pool full\)", log[multi_in[0]:]), (
+            "no preemption beside an n > 1 request")
+        print("n > 1 choices that waited for a block:", len(re.findall(r"choice \d+ waits for a KV block", log)))
+        assert _settled(c, "decode-0")[1] == 12, "blocks leaked"
+        _preempt_by_swap(c, bodies, refs, multi)   # on decode workers started with a swap region
 
         # Priorities: the prefill worker takes one request at a time (--max-pending-requests 1) and is
         # stopped (SIGSTOP) while a first request holds it; three of priority 0 queue in the router,
@@ -558,7 +623,7 @@ def _settled(c, worker):
     return c.metric("prism:worker_kv_swap_bytes", worker=worker), c.metric("prism:worker_kv_free_blocks", worker=worker)
 
 
-def _preempt_by_swap(c, bodies, refs):
+def _preempt_by_swap(c, bodies, refs, multi):
     """--kv-swap-bytes on the same 12-block pool (a block of the tiny model is 64 KiB). (1) 4 MiB holds
     every victim: sequences are swapped out and back in, none is recomputed, each answer is token for
     token its answer alone, the swap bytes come back to 0. (2) the same four streamed, the client of
@@ -576,6 +641,43 @@ def _preempt_by_swap(c, bodies, refs):
     assert c.metric("vllm:num_preemptions_total") == rec0 + swap0 + swaps
     assert _settled(c, "decode-1") == (0, 12), "swap slots or blocks leaked"
     assert c.metric("prism:worker_swaps_total", worker="decode-1") == swaps
+
+    # (1b) n > 1 (priority 1: the first victims) beside the four: their choices are swapped out and
+    # back in one by one (the shared prompt blocks stay in the pool while a sibling holds them, each
+    # comes back with its own copy), none is recomputed, every choice's answer as alone
+    rec0, swap0 = c.metric("prism:preemptions_total", how="recompute"), c.metric("prism:preemptions_total", how="swap")
+    log0 = len(c.log("decode-1", tail=0))
+    _all_at_once_multi(c, bodies, refs, multi)
+    multi_swaps = re.findall(r"request \d+ swapped out \(KV pool full\): \d+ blocks, priority 1",
+                             c.log("decode-1", tail=0)[log0:])
+    print("n > 1 choices swapped out:", len(multi_swaps))
+    assert multi_swaps, "no choice of an n > 1 request was swapped out: the test proved nothing"
+    assert c.metric("prism:preemptions_total", how="recompute") == rec0, "a victim that fitted was recomputed"
+    assert _settled(c, "decode-1") == (0, 12), "swap slots or blocks leaked (n > 1)"
+
+    # (2b) the client of an n = 2 request leaves while one of its choices is swapped out: its other
+    # choice, its swap slots and its blocks (the shared ones once) are all freed
+    log0 = len(c.log("decode-1", tail=0))
+    streams = [c.open_stream("/v1/chat/completions", dict(b, stream=True)) for b in bodies[:3] + [multi[0][0]]]
+    rid = wait_for(lambda: re.findall(r"request (\d+) swapped out \(KV pool full\): \d+ blocks, priority 1",
+                                      c.log("decode-1", tail=0)[log0:]), 30, "an n = 2 choice swapped out")[0]
+    dec = c.procs["decode-1"]
+    dec.send_signal(signal.SIGSTOP)
+    try:
+        streams[3].close()
+        time.sleep(0.3)
+    finally:
+        dec.send_signal(signal.SIGCONT)
+    for st in streams[:3]:
+        while st.next_event() not in ("[DONE]", None):
+            pass
+        assert st.done, "a stream ended early"
+    assert _settled(c, "decode-1") == (0, 12), "an aborted n = 2 request's swap slots or blocks were not freed"
+    events = re.findall(r"request %s (?:choice \d+ )?(swapped out|swapped in|aborted)" % rid,
+                        c.log("decode-1", tail=0)[log0:])
+    before = events[:events.index("aborted")] if "aborted" in events else []
+    assert before.count("swapped out") > before.count("swapped in"), (
+        "not aborted while a choice was swapped out: the test proved nothing", events)
 
     # (2) a client that leaves while its sequence is swapped out: the one of priority 1 is the victim
     # (the lowest priority goes first) and comes back last; the worker is stopped while the client
@@ -603,7 +705,7 @@ def _preempt_by_swap(c, bodies, refs):
     # (3) a region too small for any victim
     _restart_decode(c, "decode-1", "decode-2", ["--kv-swap-bytes", "64K"])
     rec0, swap0 = c.metric("prism:preemptions_total", how="recompute"), c.metric("prism:preemptions_total", how="swap")
-    _all_at_once(c, bodies, refs)
+    _all_at_once_multi(c, bodies, refs, multi)
     assert c.metric("prism:preemptions_total", how="recompute") > rec0, "nothing was preempted"
     assert c.metric("prism:preemptions_total", how="swap") == swap0, "a victim was swapped into a 1-block region"
     assert _settled(c, "decode-2") == (0, 12), "blocks leaked"
@@ -635,15 +737,19 @@ def test_decode_preempts_by_migration_and_survives_the_target_dying():
             refs.append(_tokens(r))
         assert c.metric("vllm:num_preemptions_total") == 0, "one at a time, nothing to preempt"
 
-        def run_on_decode0_then(start_target):
-            """The four at once, all dispatched to decode-0 (the only decode worker then) while the
-            prefill worker is stopped; the target starts and registers before anything runs."""
+        multi = _multi_bodies(c)   # their answers alone, on decode-0
+
+        def run_on_decode0_then(start_target, multi=()):
+            """The four at once (and the n > 1 requests of multi), all dispatched to decode-0 (the
+            only decode worker then) while the prefill worker is stopped; the target starts and
+            registers before anything runs."""
             pre = c.procs["prefill-0"]
-            with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+            every = list(bodies) + [b for b, _ in multi]
+            with concurrent.futures.ThreadPoolExecutor(len(every)) as ex:
                 pre.send_signal(signal.SIGSTOP)
                 try:
-                    jobs = [ex.submit(c.post_json, "/v1/chat/completions", b) for b in bodies]
-                    wait_for(lambda: c.metric("prism:router_requests_in_flight") == len(bodies), 10,
+                    jobs = [ex.submit(c.post_json, "/v1/chat/completions", b) for b in every]
+                    wait_for(lambda: c.metric("prism:router_requests_in_flight") == len(every), 10,
                              "every request dispatched")
                     start_target()
                     wait_for(lambda: c.metric("prism:worker_heartbeats_total", worker="decode-1"), 30,
@@ -654,11 +760,14 @@ def test_decode_preempts_by_migration_and_survives_the_target_dying():
                 res = [f.result() for f in jobs]
             for i, (s, r) in enumerate(res):
                 assert s == 200, (i, s, r)
-                assert _tokens(r) == refs[i], ("answer changed by preemption", i)
+                if i < len(bodies):
+                    assert _tokens(r) == refs[i], ("answer changed by preemption", i)
+                else:   # n > 1: its choices stay on decode-0 (they cannot move), the others migrate
+                    assert _choices(r) == multi[i - len(bodies)][1], ("an n > 1 answer changed by preemption", i)
             return free1
 
         computed = c.metric("prism:prefill_tokens_computed_total")
-        free1 = run_on_decode0_then(lambda: c.start_worker("decode-1", "decode_worker"))
+        free1 = run_on_decode0_then(lambda: c.start_worker("decode-1", "decode_worker"), multi)
         moved = c.metric("prism:preemptions_total", how="migrate")
         print("preemptions: %s migrated, %s recomputed" % (moved, c.metric("prism:preemptions_total", how="recompute")))
         assert moved > 0, "no sequence migrated"
@@ -690,12 +799,14 @@ def test_decode_preempts_by_migration_and_survives_the_target_dying():
         # request at both; every stream is closed then. Both workers end with nothing running and
         # every block free.
         del c.worker_env["decode_worker"]
+        # The n > 1 requests too: their choices (which stay on decode-0) are freed there as well.
         pre, sent = c.procs["prefill-0"], c.metric("prism:worker_preemptions_migrated_total", worker="decode-0")
-        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+        every = list(bodies) + [b for b, _ in multi]
+        with concurrent.futures.ThreadPoolExecutor(len(every)) as ex:
             pre.send_signal(signal.SIGSTOP)
             try:
-                jobs = [ex.submit(c.open_stream, "/v1/chat/completions", dict(b, stream=True)) for b in bodies]
-                wait_for(lambda: c.metric("prism:router_requests_in_flight") == len(bodies), 10, "every request dispatched")
+                jobs = [ex.submit(c.open_stream, "/v1/chat/completions", dict(b, stream=True)) for b in every]
+                wait_for(lambda: c.metric("prism:router_requests_in_flight") == len(every), 10, "every request dispatched")
                 c.start_worker("decode-1", "decode_worker")
                 wait_for(lambda: c.metric("prism:worker_heartbeats_total", worker="decode-1"), 30, "decode-1 registered")
                 free1 = c.metric("prism:worker_kv_free_blocks", worker="decode-1")

@@ -378,6 +378,14 @@ def test_scout_context_is_capped():
         assert status == 200 and r["max_model_len"] == 4096, r
 
 
+def ask_all(c, b):
+    """(every choice's token ids by index, usage) of a chat request (not streamed)."""
+    status, r = c.post_json("/v1/chat/completions", b)
+    assert status == 200, (status, r)
+    return [[token_id(t["token"]) for t in ch["logprobs"]["content"]]
+            for ch in sorted(r["choices"], key=lambda ch: ch["index"])], r["usage"]
+
+
 def restart_decode0(extra):
     """decode-0 again, started with the flags extra."""
     C.kill("decode-0")
@@ -395,7 +403,10 @@ def test_preempted_answers_unchanged():
     transfers): sequences are preempted
     and prefilled again from their tokens (in chunks of 50), their chunked-attention layers' rings
     refilled from the transfer, and every answer is token for token its answer alone. Then the same
-    on a decode worker with a swap region: preempted by swap (the rings kept by their slots)."""
+    on a decode worker with a swap region: preempted by swap (the rings kept by their slots), with an
+    n = 2 seeded request of priority 1 beside them (each choice at most 32 blocks: admitted to
+    grow): its choices are swapped out one by one (their own rings stay with their slots), none is
+    recomputed, and each choice is token for token its answer alone."""
     bodies = [body("Tell me about %s." % w, max_tokens=600, temperature=0.7 if i % 2 else 0, seed=3)
               for i, w in enumerate(("cats", "dogs", "ships", "rain"))]
     alone = [ask(C, b)[0] for b in bodies]
@@ -406,19 +417,27 @@ def test_preempted_answers_unchanged():
     assert C.metric("vllm:num_preemptions_total") > p0, "the pool never ran out: nothing was preempted"
     # The same with a swap region: the victims' pool blocks (the full-attention layers) go to host
     # memory, their rings stay with their batch slots; nothing is recomputed, every answer unchanged.
-    restart_decode0(["--kv-swap-bytes", "64M"])
+    two = body("Tell me about owls.", max_tokens=1, n=2, temperature=0.7, seed=5, priority=1)
+    two["max_tokens"] = 32 * 16 - ask_all(C, two)[1]["prompt_tokens"] - 1
+    two_alone = ask_all(C, two)[0]
+    assert two_alone[0] != two_alone[1], "the seeded choices are alike: a mixed-up RNG stream would not show"
+    restart_decode0(["--kv-swap-bytes", "64M", "--log-level", "debug"])
     try:
         r0, s0 = C.metric("prism:preemptions_total", how="recompute"), C.metric("prism:preemptions_total", how="swap")
-        res = run_together(bodies)
+        log0 = len(C.log("decode-0", tail=0))
+        res = run_together(bodies + [two], fn=ask_all)
         for i, (got, want) in enumerate(zip(res, alone)):
-            assert got == want, ("answer changed by a swap", i, len(got), len(want))
+            assert got == [want], ("answer changed by a swap", i, len(got[0]), len(want))
+        assert res[-1] == two_alone, "an n = 2 answer changed by a swap"
+        assert re.search(r"swapped out \(KV pool full\): \d+ blocks, priority 1", C.log("decode-0", tail=0)[log0:]), (
+            "no choice of the n = 2 request was swapped out: the test proved nothing")
         assert C.metric("prism:preemptions_total", how="swap") > s0, "nothing was swapped out"
         assert C.metric("prism:preemptions_total", how="recompute") == r0, "a victim was recomputed"
     finally:
         restart_decode0([])   # the tests after this one preempt by migration, which swap would go before
 
 
-def run_together(bodies, meanwhile=lambda: None):
+def run_together(bodies, meanwhile=lambda: None, fn=ask):
     """The answers to bodies sent at once, decoded together: decode-0 is stopped (SIGSTOP) until every
     first token is out, so all their transfers wait in its socket (this tiny model decodes far faster
     than it prefills: sent at once, they hardly overlap otherwise, and the pool may never run out).
@@ -428,7 +447,7 @@ def run_together(bodies, meanwhile=lambda: None):
     with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
         dec.send_signal(signal.SIGSTOP)
         try:
-            jobs = [ex.submit(ask, C, b) for b in bodies]
+            jobs = [ex.submit(fn, C, b) for b in bodies]
             wait_for(lambda: C.metric("prism:router_requests_in_flight") == len(bodies), 10, "every request dispatched")
             meanwhile()
             wait_for(lambda: C.metric("vllm:time_to_first_token_seconds_count") == firsts + len(bodies), 30,

@@ -284,7 +284,10 @@ def test_preemption_in_a_group():
     without max_tokens (greedy and seeded) outgrow the pool, sequences are preempted (dropped from the
     next plan, prefilled again from their tokens), and each answer is token for token its answer
     alone; every block comes back. The group is given a swap region, which it does not use (its ranks
-    hold the other KV heads): every preemption is a recompute."""
+    hold the other KV heads): every preemption is a recompute. An n = 2 seeded request runs beside
+    them (each choice at most 6 blocks: admitted to grow): its choices can be neither swapped here nor
+    recomputed, so the others are preempted around it (a choice with no victim waits for a block),
+    and each choice answers as alone."""
     ctx = ["--context-length", "128"]
     with Cluster(decodes=0, router_args=ctx, worker_args={"prefill_worker": ctx},
                  common_worker_args=["--heartbeat-interval", "0.1"]) as c:
@@ -293,8 +296,22 @@ def test_preemption_in_a_group():
         bodies = [chat_body("Tell me a long story about %s" % w, temperature=t, seed=4, ignore_eos=True)
                   for w, t in (("cats", 0), ("ships", 0.8), ("rain", 0), ("bread", 1.0))]
         alone = [c.post_json("/v1/chat/completions", b)[1]["choices"][0]["message"]["content"] for b in bodies]
-        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+        two = chat_body("Tell me a long story about owls", n=2, temperature=0.9, seed=6, ignore_eos=True, priority=1)
+        prompt = c.post_json("/v1/chat/completions", dict(two, max_tokens=1))[1]["usage"]["prompt_tokens"]
+        two["max_tokens"] = 6 * 16 - prompt - 1
+
+        def texts(r):
+            return [ch["message"]["content"] for ch in sorted(r["choices"], key=lambda ch: ch["index"])]
+        s, r = c.post_json("/v1/chat/completions", two)
+        assert s == 200, (s, r)
+        two_alone = texts(r)
+        with concurrent.futures.ThreadPoolExecutor(len(bodies) + 1) as ex:
+            late = ex.submit(c.post_json, "/v1/chat/completions", two)
+            time.sleep(0.05)
             res = list(ex.map(lambda b: c.post_json("/v1/chat/completions", b), bodies))
+            s, r = late.result()
+        assert s == 200, (s, r)
+        assert texts(r) == two_alone, "an n = 2 answer changed by preemption"
         assert [r["choices"][0]["message"]["content"] for _, r in res] == alone, "answers changed by preemption"
         assert c.metric("vllm:num_preemptions_total") > 0, "the pool never ran out: nothing was preempted"
         assert c.metric("prism:preemptions_total", how="swap") == 0, "a tensor-parallel group swapped"

@@ -145,6 +145,19 @@ MUTANTS = {
         [("router/requests.c", "    if (q->stage != STAGE_SENT || q->place.no_skip || r->queue_len == r->reqs_cap) return false;",
           "    return false;")],
         IT + "test_e2e.py test_prefix_routing_and_encoder_skip", ["router"]),
+    "decode-recomputes-n2-choice": (
+        "a choice of an n > 1 request taken for recompute when the pool runs out (its router cannot restart one choice)",
+        [("decode_worker/main.c", "    return prism_seq_n(&s->seq) == 1;", "    return true;")],
+        IT + "test_limits.py test_decode_preempts_by_recompute_or_swap_and_priority_overtakes", ["decode_worker"]),
+    "decode-choices-share-unrefcounted": (
+        "the choices of n > 1 share the prompt's blocks without holding them (the first to end frees them)",
+        [("decode_worker/main.c", "            rc = prism_kv_blocks_share(&d->blocks, s->blocks, shared);",
+          "            rc = PRISM_OK;")],
+        IT + "test_limits.py test_decode_preempts_by_recompute_or_swap_and_priority_overtakes", ["decode_worker"]),
+    "kv-release-ignores-holders": (
+        "a shared KV block is freed at its first release, whoever else holds it",
+        [("common/kv/kv.c", "        if (--b->holders[ids[i]]) continue;", "        if (--b->holders[ids[i]] && 0) continue;")],
+        "ctest --test-dir $BUILD -R '^test_kv_swap$' --output-on-failure", ["test_kv_swap"]),
 }
 
 

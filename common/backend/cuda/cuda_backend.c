@@ -56,9 +56,23 @@ static size_t cu_pool_cap(void *ctx) { return ((prism_cuda_ctx_t *)ctx)->pool.ca
 
 /* Host -> device through the pinned buffers, alternating so the host fills one while the
  * other is in flight. Returns once the source may be reused; the copy itself is stream-ordered. */
+/* Whether [p, p + n) lies in a range host_pin registered. */
+static bool is_pinned(const prism_cuda_ctx_t *c, const void *p, size_t n)
+{
+    for (size_t i = 0; i < PRISM_ARRAY_LEN(c->pinned); i++)
+        if (c->pinned[i].p && (const uint8_t *)p >= c->pinned[i].p &&
+            (const uint8_t *)p + n <= c->pinned[i].p + c->pinned[i].n)
+            return true;
+    return false;
+}
+
 int prism_cuda_upload_raw(prism_cuda_ctx_t *c, void *dst, const void *src, size_t bytes)
 {
     int rc;
+    if (is_pinned(c, src, bytes)) {   /* one DMA; synchronous, as a staged copy's source is free at return */
+        if ((rc = PRISM_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream)))) return rc;
+        return PRISM_CUDA_TRY(cudaStreamSynchronize(c->stream));
+    }
     for (size_t off = 0; off < bytes; off += c->stage_bytes) {
         size_t n = PRISM_MIN(c->stage_bytes, bytes - off);
         int b = c->stage_next;
@@ -77,6 +91,10 @@ int prism_cuda_upload_raw(prism_cuda_ctx_t *c, void *dst, const void *src, size_
 int prism_cuda_download_raw(prism_cuda_ctx_t *c, void *dst, const void *src, size_t bytes)
 {
     int rc;
+    if (is_pinned(c, dst, bytes)) {
+        if ((rc = PRISM_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, c->stream)))) return rc;
+        return PRISM_CUDA_TRY(cudaStreamSynchronize(c->stream));
+    }
     for (size_t off = 0; off < bytes; off += c->stage_bytes) {
         size_t n = PRISM_MIN(c->stage_bytes, bytes - off);
         int b = c->stage_next;
@@ -228,6 +246,34 @@ static int cu_attn_dense(void *ctx, float *out, int ldo, const float *q, int ldq
 {
     return prism_cuda_attn_dense(ST(ctx), out, ldo, q, ldq, k, ldk, v, ldv, n_seqs, seq_len, n_heads, n_kv_heads,
                                  head_dim, scale, causal);
+}
+
+/* The KV swap region (backend.h host_pin): registered in place, portable to every context, and
+ * remembered so that copies to and from it skip the staging buffers. A few ranges at most. */
+static int cu_host_pin(void *ctx, void *host, size_t bytes)
+{
+    prism_cuda_ctx_t *c = ctx;
+    if (!host || !bytes) return PRISM_EINVAL;
+    size_t i = 0;
+    while (i < PRISM_ARRAY_LEN(c->pinned) && c->pinned[i].p) i++;
+    if (i == PRISM_ARRAY_LEN(c->pinned)) return PRISM_ENOMEM;
+    int rc = PRISM_CUDA_TRY(cudaHostRegister(host, bytes, cudaHostRegisterPortable));
+    if (rc == PRISM_OK) {
+        c->pinned[i].p = host;
+        c->pinned[i].n = bytes;
+    }
+    return rc;
+}
+
+static void cu_host_unpin(void *ctx, void *host)
+{
+    prism_cuda_ctx_t *c = ctx;
+    for (size_t i = 0; host && i < PRISM_ARRAY_LEN(c->pinned); i++)
+        if (c->pinned[i].p == host) {
+            (void)PRISM_CUDA_TRY(cudaHostUnregister(host));
+            c->pinned[i].p = NULL;
+            c->pinned[i].n = 0;
+        }
 }
 
 /* KV export: gather the blocks into the conversion scratch, one PCIe copy, then spread to the
@@ -496,6 +542,7 @@ prism_backend_t *prism_backend_cuda_create(int device, size_t pool_bytes, int *s
         .kv_write = cu_kv_write,
         .attn_paged = cu_attn_paged, .attn_decode = cu_attn_decode, .attn_dense = cu_attn_dense,
         .blocks_to_host = cu_blocks_to_host, .blocks_from_host = cu_blocks_from_host,
+        .host_pin = cu_host_pin, .host_unpin = cu_host_unpin,
         .argmax = cu_argmax,
         .sample = cu_sample, .penalties = cu_penalties, .token_counts_add = cu_token_counts_add,
         .logit_bias = cu_logit_bias, .token_mask = cu_token_mask,

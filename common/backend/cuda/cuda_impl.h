@@ -54,6 +54,8 @@ typedef struct {
     size_t stage_bytes;
     cudaEvent_t stage_ev[2];
     int stage_next;
+    /* host ranges page-locked by host_pin (the KV swap region): copied by DMA, not staged */
+    struct { const uint8_t *p; size_t n; } pinned[4];
 } prism_cuda_ctx_t;
 
 /* ---- host-side helpers in cuda_backend.c ---- */

@@ -113,6 +113,65 @@ static void test_swap_split_cache(void **state)
     prism_backend_destroy(be);
 }
 
+/* A choice of an n > 1 request swapped out while its sibling holds their shared prompt blocks (the
+ * decode worker's swap_out: copy every block of the choice, then release them in the pool): the
+ * shared blocks stay in the pool for the sibling (released once, not freed), only the choice's own
+ * block is free; it comes back into fresh blocks of its own (no longer shared) with its bytes, the
+ * sibling's untouched, and once both end every block is free. */
+static void test_swap_choice_with_shared_blocks(void **state)
+{
+    (void)state;
+    prism_model_config_t cfg = config("models/prism-tiny-llava");
+    prism_backend_t *be = prism_backend_cpu_create(1);
+    prism_kv_cache_t *kv = NULL;
+    assert_int_equal(prism_kv_cache_create(be, &cfg, 8, 16, &kv), PRISM_OK);
+    size_t bb = prism_kv_cache_block_bytes(&cfg, 16);
+    prism_kv_blocks_t pool;
+    assert_int_equal(prism_kv_blocks_init(&pool, 8, 16), PRISM_OK);
+    int32_t a[3], b[3];   /* two choices: 2 shared prompt blocks, 1 own each */
+    assert_int_equal(prism_kv_blocks_alloc(&pool, 2, a), PRISM_OK);
+    memcpy(b, a, 2 * sizeof *a);
+    assert_int_equal(prism_kv_blocks_share(&pool, b, 2), PRISM_OK);
+    assert_int_equal(prism_kv_blocks_alloc(&pool, 1, a + 2), PRISM_OK);
+    assert_int_equal(prism_kv_blocks_alloc(&pool, 1, b + 2), PRISM_OK);
+    assert_int_equal(pool.n_free, 4);
+    fill(kv, -1, a, 3, bb, 3);
+    fill(kv, -1, b + 2, 1, bb, 77);
+    uint8_t *want_a = read_blocks(kv, -1, a, 3, bb), *want_b = read_blocks(kv, -1, b, 3, bb);
+    uint8_t *region = prism_calloc(4, bb);
+    prism_kv_swap_t sw;
+    assert_int_equal(prism_kv_swap_init(&sw, region, 4, bb, -1), PRISM_OK);
+    int32_t slots[3];
+    assert_int_equal(prism_kv_swap_out(&sw, kv, b, 3, slots), PRISM_OK);
+    prism_kv_blocks_release(&pool, b, 3);
+    assert_int_equal(pool.n_free, 5);   /* its own block only: the shared ones are the sibling's too */
+    /* the pool's free block goes to another sequence meanwhile */
+    int32_t other;
+    assert_int_equal(prism_kv_blocks_alloc(&pool, 1, &other), PRISM_OK);
+    fill(kv, -1, &other, 1, bb, 200);
+    int32_t back[3];
+    assert_int_equal(prism_kv_blocks_alloc(&pool, 3, back), PRISM_OK);
+    for (int i = 0; i < 3; i++) assert_true(back[i] != a[0] && back[i] != a[1] && back[i] != a[2] && back[i] != other);
+    assert_int_equal(prism_kv_swap_in(&sw, kv, slots, 3, back), PRISM_OK);
+    uint8_t *got_b = read_blocks(kv, -1, back, 3, bb), *got_a = read_blocks(kv, -1, a, 3, bb);
+    assert_memory_equal(got_b, want_b, 3 * bb);
+    assert_memory_equal(got_a, want_a, 3 * bb);
+    prism_kv_blocks_release(&pool, back, 3);
+    prism_kv_blocks_release(&pool, a, 3);
+    prism_kv_blocks_release(&pool, &other, 1);
+    assert_int_equal(pool.n_free, 8);
+    assert_int_equal(prism_kv_swap_used_bytes(&sw), 0);
+    prism_kv_swap_free(&sw);
+    prism_kv_blocks_free_all(&pool);
+    prism_free(want_a);
+    prism_free(want_b);
+    prism_free(got_a);
+    prism_free(got_b);
+    prism_free(region);
+    prism_kv_cache_free(kv);
+    prism_backend_destroy(be);
+}
+
 static void test_swap_off_and_bad_args(void **state)
 {
     (void)state;
@@ -135,6 +194,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_swap_round_trip),
         cmocka_unit_test(test_swap_split_cache),
+        cmocka_unit_test(test_swap_choice_with_shared_blocks),
         cmocka_unit_test(test_swap_off_and_bad_args),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
