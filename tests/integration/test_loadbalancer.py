@@ -277,11 +277,16 @@ def nginx_tests():
                 old = c.pid("router-1")
                 t_kill = time.time()
                 os.kill(old, signal.SIGKILL)
-                # The process dies a moment after the signal: until its sockets are gone, nginx may
-                # still write a request on a kept-alive connection to it, and with bodies streamed
-                # (proxy_request_buffering off) it cannot pass a request whose body went out on to
-                # the other router. Requests sent once it is dead must all be answered.
-                wait_for("router-1 to die", lambda: not pid_alive(old), 10)
+                # The process dies a moment after the signal (2-160 ms here): until its sockets are
+                # gone, nginx may still write a request on a kept-alive connection to it, or connect
+                # into its listen backlog, and with bodies streamed (proxy_request_buffering off) it
+                # cannot pass a request whose body went out on to the other router: nginx cannot
+                # promise those, so they are not counted. Requests sent once it is dead must all be
+                # answered. Dead means every thread gone (pid_alive): the main thread is often a
+                # zombie while the last thread still frees the memory and only then closes the
+                # sockets (seen: Z 0.5 ms after the signal, connections accepted until 140 ms), so
+                # counted from the zombie a request sent into that window could fail this test.
+                wait_for("router-1 to die", lambda: not pid_alive(old), 10, interval=0.002)
                 t_dead = time.time()
                 new = c.wait_restarted("router-1", old, 30)
                 wait_for("the restarted router-1 to have every worker back",
@@ -296,11 +301,13 @@ def nginx_tests():
             in_flight = [r for r in results if r[0] < t_kill <= r[1]]
             failed = [r for r in results if not r[2]]
             after = [r for r in results if r[0] >= t_kill]
-            print("  %d requests: %d in flight at the kill, %d failed (%s); %d sent after it, all answered; "
-                  "router-1 back (pid %d, workers registered) %.2fs after SIGKILL, serving through nginx after %.2fs"
-                  % (len(results), len(in_flight), len(failed), ", ".join(sorted({r[3] for r in failed})) or "none",
-                     len(after), new, t_back - t_kill, t_rejoin - t_kill), flush=True)
             late = [r for r in failed if r[0] >= t_dead]
+            print("  %d requests: %d in flight at the kill, %d failed (%s); %d sent after it, %d of them once "
+                  "router-1 was dead (%.1f ms after SIGKILL), %d of those failed; router-1 back (pid %d, workers "
+                  "registered) %.2fs after SIGKILL, serving through nginx after %.2fs"
+                  % (len(results), len(in_flight), len(failed), ", ".join(sorted({r[3] for r in failed})) or "none",
+                     len(after), sum(1 for r in results if r[0] >= t_dead), (t_dead - t_kill) * 1e3, len(late),
+                     new, t_back - t_kill, t_rejoin - t_kill), flush=True)
             assert not late, "requests sent after router-1 died failed: %s" % [
                 ("%.3fs after its death" % (r[0] - t_dead), r[4][:40]) for r in late]
             early = [r for r in failed if r[1] < t_kill]
