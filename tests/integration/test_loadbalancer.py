@@ -261,6 +261,11 @@ def nginx_tests():
                               "proxy_read_timeout 900s;", "proxy_next_upstream error timeout http_503 non_idempotent;"):
                 assert directive in example and directive in site, directive
             assert "server 127.0.0.1:%d max_fails=1" % r1 in site and "server 127.0.0.1:%d max_fails=1" % r2 in site
+            # nginx ends idle connections to the routers before a router's idle timeout (60 s,
+            # http_server.c) would: a router closing one under a request nginx writes costs a 502.
+            upstream = re.search(r"^upstream prism_routers \{(.*?)^\}", site, re.M | re.S).group(1)
+            idle = re.search(r"^\s*keepalive_timeout (\d+)s;", upstream, re.M)
+            assert idle and int(idle.group(1)) < 60, "upstream keepalive_timeout: %s" % (idle and idle.group(0))
             assert "listen 127.0.0.1:%d;" % c.port in site
 
         def test_sse_passes_through_unbuffered():

@@ -145,6 +145,11 @@ MUTANTS = {
         [("router/requests.c", "    if (q->stage != STAGE_SENT || q->place.no_skip || r->queue_len == r->reqs_cap) return false;",
           "    return false;")],
         IT + "test_e2e.py test_prefix_routing_and_encoder_skip", ["router"]),
+    "nginx-keepalive-outlives-router": (
+        "nginx keeps idle connections to the routers as long as a router does (60 s): a router may close "
+        "one under a request nginx writes (502)",
+        [("deploy/nginx/prism.conf", "    keepalive_timeout 50s;\n}", "    keepalive_timeout 60s;\n}")],
+        IT + "test_loadbalancer.py nginx test_example_config_is_what_runs", []),
 }
 
 
