@@ -3,8 +3,10 @@
   test_loadbalancer.py nginx    deploy/launch.sh --routers 2 (Debian's nginx in front, from
                                 deploy/nginx/prism.conf): SSE passes through unbuffered, a 10 MB
                                 image body is accepted, and under load SIGKILL of one router fails
-                                at most the requests that were on it; every later request succeeds and
-                                the restarted router gets its workers back and traffic again.
+                                at most the requests that were on it or written to it while it died;
+                                every request sent once it is dead succeeds, and the restarted router
+                                gets its workers back and traffic again. The upstream keepalive
+                                timeout is under the router's idle timeout.
   test_loadbalancer.py haproxy  deploy/haproxy/prism.cfg passes `haproxy -c` and serves through real
                                 HAProxy to two routers (launch.sh --routers 2 --lb none); its active
                                 /ready check keeps a router without workers out of rotation.
