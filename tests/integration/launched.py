@@ -74,18 +74,29 @@ def wait_for(what, fn, timeout, interval=0.05):
 
 
 def pid_alive(pid):
+    """False once every thread of process pid has exited (a zombie is dead for our purposes). Not
+    only its main thread: a killed process's main thread is often a zombie first while its other
+    threads still exit, and the last one out frees its memory and only then closes its files (a
+    router's sockets stayed open up to 118 ms after /proc/PID/stat said Z, in 30 kills on a busy
+    2-core machine)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    # A zombie is dead for our purposes.
     try:
-        with open("/proc/%d/stat" % pid) as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        tids = os.listdir("/proc/%d/task" % pid)
     except OSError:
         return False
+    for tid in tids:
+        try:
+            with open("/proc/%d/task/%s/stat" % (pid, tid)) as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    return True
+        except OSError:
+            pass
+    return False
 
 
 def processes_mentioning(needle):

@@ -158,6 +158,11 @@ MUTANTS = {
         "a shared KV block is freed at its first release, whoever else holds it",
         [("common/kv/kv.c", "        if (--b->holders[ids[i]]) continue;", "        if (--b->holders[ids[i]] && 0) continue;")],
         "ctest --test-dir $BUILD -R '^test_kv_swap$' --output-on-failure", ["test_kv_swap"]),
+    "nginx-keepalive-outlives-router": (
+        "nginx keeps idle connections to the routers as long as a router does (60 s): a router may close "
+        "one under a request nginx writes (502)",
+        [("deploy/nginx/prism.conf", "    keepalive_timeout 50s;\n}", "    keepalive_timeout 60s;\n}")],
+        IT + "test_loadbalancer.py nginx test_example_config_is_what_runs", []),
 }
 
 
