@@ -297,6 +297,23 @@ static void run_remove(prefill_t *p, preq_t *r)
     r->in_model = false;
 }
 
+static void release_request(prefill_t *p, uint64_t rid, const char *router);
+
+/* An abort for a prompt in the model between two forwards (the Abort message, or the I/O thread's
+ * table first): it leaves now, counted. */
+static void leave_mid_prompt(prefill_t *p, preq_t *r)
+{
+    int done = 0;
+    for (int i = 0; i < p->n_run; i++)
+        if (p->run[i].r == r) done = p->run[i].done;
+    if (!prism_worker_should_stop())
+        PRISM_INFO("request %llu: cancelled after %d of %d prompt tokens (%s): prefill stopped",
+                   (unsigned long long)r->seq.rid, done, r->n_tokens,
+                   p->tp.size > 1 ? "tensor-parallel group: between chunks" : "between forwards");
+    release_request(p, r->seq.rid, r->seq.router_id);
+    p->cancelled++;
+}
+
 /* Frees a request's slot, its blocks when it is in the model, and its embedding slots (done,
  * failed or aborted). */
 static void release_request(prefill_t *p, uint64_t rid, const char *router)
@@ -557,8 +574,8 @@ static void on_msg(prism_worker_t *w, prism_msg_t *m, int source, void *ud)
     case PRISM__MSG_TYPE__MSG_ABORT:
         if (from_router) {
             const char *router = m->env->router_id ? m->env->router_id : "";
-            const preq_t *r = held_request(p, m->env->request_id, router);
-            if (r && r->in_model) p->cancelled++;   /* left mid-prompt: its blocks go back now */
+            preq_t *r = held_request(p, m->env->request_id, router);
+            if (r && r->in_model) leave_mid_prompt(p, r);   /* its blocks go back now */
             drop_request(p, m->env->request_id, router);
             prism_abort_memo_add(&p->aborts, m->env->request_id, router, prism_now_s());
         }
@@ -957,17 +974,9 @@ static void run_step(prefill_t *p)
     if (p->fwd_gap_s > 0 && prism_now_s() < p->fwd_not_before) return;   /* test hook */
     /* Aborts the I/O thread saw for prompts between two forwards (a group's shards never drop a
      * prompt inside one, model.h; the Abort message itself may not have been read yet). */
-    for (int i = p->n_run - 1; i >= 0; i--) {
-        double waited = 0;
-        preq_t *r = p->run[i].r;
-        if (!prism_worker_aborted(&p->w, r->seq.rid, r->seq.router_id, &waited)) continue;
-        if (!prism_worker_should_stop())
-            PRISM_INFO("request %llu: cancelled %.3fs after its abort arrived, after %d of %d prompt tokens "
-                       "(between forwards): prefill stopped", (unsigned long long)r->seq.rid, waited, p->run[i].done,
-                       r->n_tokens);
-        release_request(p, r->seq.rid, r->seq.router_id);
-        p->cancelled++;
-    }
+    for (int i = p->n_run - 1; i >= 0; i--)
+        if (prism_worker_aborted(&p->w, p->run[i].r->seq.rid, p->run[i].r->seq.router_id, NULL))
+            leave_mid_prompt(p, p->run[i].r);
     int budget = p->chunk, n = 0;
     for (; n < p->n_run && budget > 0; n++) {
         prun_t *x = &p->run[n];
@@ -1152,7 +1161,7 @@ static int prefill_size(void *ctx, prism_worker_startup_t *s)
     p->max_pending = (int)p->f.max_pending;
     /* Llama-4's chunked-attention layers run one prompt per forward: their masks and KV export have
      * a layout of their own, not checked against several prompts in one forward here. */
-    p->max_batch = (int)PRISM_MIN(p->f.max_batch, p->f.max_pending);
+    p->max_batch = (int)PRISM_MIN(PRISM_MIN(p->f.max_batch, p->f.max_pending), p->f.chunk);   /* a token each at least */
     if (prism_kv_local_ring(&p->cfg, (int)p->f.block_size, p->chunk) > 0) p->max_batch = 1;
     if (p->cfg.has_vision) {
         /* Pages of one tile's rows; the largest image needs max_pages of them. */
