@@ -169,13 +169,19 @@ def test_pieces_and_chunks():
 
 
 def test_concurrent_distinct():
-    """The golden conversations at once (several images in flight, in pieces): each its own answer."""
+    """The golden conversations at once (several images in flight, in pieces): each its own answer.
+    Batched prefill: their prompts share forwards, each with its own M-RoPE positions."""
+    def shared():   # prompts carried beyond one a forward (prefill worker's heartbeat)
+        return ((C.metric("prism:worker_prefill_forward_prompts_total", worker="prefill-0") or 0) -
+                (C.metric("prism:worker_prefill_forwards_total", worker="prefill-0") or 0))
+    before = shared()
     bodies = [body(case_messages(case), stream=i % 2 == 1) for i, case in enumerate(GOLD["cases"])] * 2
     with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
         res = list(ex.map(lambda b: ask(C, b)[0], bodies))
     for i, got in enumerate(res):
         want = GOLD["cases"][i % len(GOLD["cases"])]["greedy"]
         assert got == want, (i, got, want)
+    wait_for(lambda: shared() > before, 10, "a forward carrying two of the prompts")
 
 
 def test_preempted_answers_unchanged():
