@@ -297,7 +297,21 @@ static void run_remove(prefill_t *p, preq_t *r)
     r->in_model = false;
 }
 
-static void release_request(prefill_t *p, uint64_t rid, const char *router);
+/* Frees one request's slot, its blocks when it is in the model, and its embedding slots unless
+ * another slot holds the same id (a peer's duplicate Prefill: it must not pull the rows or blocks
+ * from under a prompt in the model). What the batch's own paths use: only this prompt goes. */
+static void release_req(prefill_t *p, preq_t *r)
+{
+    bool shared = false;
+    for (int i = 0; i < p->max_pending; i++)
+        shared |= &p->reqs[i] != r && owns(&p->reqs[i].seq, r->seq.rid, r->seq.router_id);
+    for (int i = 0; i < p->n_pages && !shared; i++)
+        if (p->emb[i].used && p->emb[i].rid == r->seq.rid && !strcmp(p->emb[i].router_id, r->seq.router_id))
+            emb_release(p, &p->emb[i]);
+    if (r->in_model) run_remove(p, r);
+    prism_seq_detach(&r->seq);
+    r->seq.used = false;
+}
 
 /* An abort for a prompt in the model between two forwards (the Abort message, or the I/O thread's
  * table first): it leaves now, counted. */
@@ -310,7 +324,7 @@ static void leave_mid_prompt(prefill_t *p, preq_t *r)
         PRISM_INFO("request %llu: cancelled after %d of %d prompt tokens (%s): prefill stopped",
                    (unsigned long long)r->seq.rid, done, r->n_tokens,
                    p->tp.size > 1 ? "tensor-parallel group: between chunks" : "between forwards");
-    release_request(p, r->seq.rid, r->seq.router_id);
+    release_req(p, r);
     p->cancelled++;
 }
 
@@ -322,11 +336,7 @@ static void release_request(prefill_t *p, uint64_t rid, const char *router)
         if (p->emb[i].used && p->emb[i].rid == rid && !strcmp(p->emb[i].router_id, router))
             emb_release(p, &p->emb[i]);
     for (int i = 0; i < p->max_pending; i++)
-        if (owns(&p->reqs[i].seq, rid, router)) {
-            if (p->reqs[i].in_model) run_remove(p, &p->reqs[i]);
-            prism_seq_detach(&p->reqs[i].seq);
-            p->reqs[i].seq.used = false;
-        }
+        if (owns(&p->reqs[i].seq, rid, router)) release_req(p, &p->reqs[i]);
 }
 
 /* The staged KV export is gone (sent, failed or dropped). */
@@ -729,7 +739,7 @@ static void publish_prefix_events(prefill_t *p)
 static void fail_request(prefill_t *p, preq_t *r, Prism__ErrorKind kind, const char *why)
 {
     send_error(p, r->seq.router_id, r->seq.rid, r->seq.rid_hi, kind, why);
-    release_request(p, r->seq.rid, r->seq.router_id);
+    release_req(p, r);
 }
 
 /* Admits a ready prompt into the model as run[n_run]: the checks before its first chunk (the
@@ -869,7 +879,7 @@ static void stage_export(prefill_t *p, prun_t *x)
     snprintf(p->kv_endpoint, sizeof(p->kv_endpoint), "%s", r->decode_endpoint);
     p->kv_pending = true;
     p->kv_next = 0;
-    release_request(p, r->seq.rid, r->seq.router_id);   /* kv_seq is a copy */
+    release_req(p, r);   /* kv_seq is a copy */
     p->served++;
 }
 
@@ -932,7 +942,7 @@ static void finish_prompt(prefill_t *p, prun_t *x, const float *logits, double t
         x->export_wait = true;   /* stage_exports */
         return;
     }
-    release_request(p, r->seq.rid, r->seq.router_id);
+    release_req(p, r);
     p->served++;
 }
 
@@ -1038,7 +1048,7 @@ static void run_step(prefill_t *p)
         const prism_log_ctx_t *prev = prism_log_ctx_enter(&lc);
         if (x->dropped) {
             /* aborted mid-forward: the router needs no answer; blocks and slots go back at once */
-            release_request(p, r->seq.rid, r->seq.router_id);
+            release_req(p, r);
             p->cancelled++;
         } else if (rc != PRISM_OK) {
             PRISM_ERROR("request %llu: prefill failed: %s", (unsigned long long)r->seq.rid, prism_strerror(rc));
