@@ -834,6 +834,64 @@ def test_batched_prefill_abort_and_prefix_hit():
         c.stop()
 
 
+def test_batched_prefill_prefix_miss():
+    """A PREFIX_MISS inside a batch refuses only its prompt. Both test hooks: the prefill empties its
+    prefix cache when a prompt with an image marked cached arrives (PRISM_TEST_PREFIX_EVICT_ON_ARRIVAL)
+    and pauses between forwards (PRISM_TEST_PREFILL_FORWARD_GAP_S). A long text prompt L is in the
+    model when a chat's turn 2 (its image skipped by the encoder, so missed) and a short prompt S
+    come: the forward of L's last chunk admits them, refuses turn 2 (the router sends it again with
+    the image encoded) and carries S beside L. Every answer is what it is alone."""
+    c = Cluster(common_worker_args=["--heartbeat-interval", "0.1"],
+                worker_args={"prefill_worker": ["--chunked-prefill-size", "256"]},
+                worker_env={"prefill_worker": {"PRISM_TEST_PREFIX_EVICT_ON_ARRIVAL": "1",
+                                               "PRISM_TEST_PREFILL_FORWARD_GAP_S": "0.3"}})
+
+    def text(words, salt):
+        status, r = c.post_json("/v1/completions", {"model": "prism-tiny-llava", "prompt": words, "max_tokens": 8,
+                                                     "temperature": 0, "ignore_eos": True, "cache_salt": salt})
+        assert status == 200, (status, r)
+        return r["choices"][0]["text"]
+
+    def pf(name):
+        return c.metric(name, worker="prefill-0") or 0
+
+    def shared():
+        return pf("prism:worker_prefill_forward_prompts_total") - pf("prism:worker_prefill_forwards_total")
+
+    try:
+        c.wait_ready()
+        salt = "miss-%f" % time.time()
+        l_words, s_words = "red green " * 500, "blue yellow " * 40
+        refs = {"l": text(l_words, "ref-l-" + salt), "s": text(s_words, "ref-s-" + salt)}
+        ref_turns = chat_turns(c, 2, "ref-chat-" + salt)   # turn 2 missed and was sent again, as below
+        resent0 = c.metric("prism:prefix_resent_total") or 0
+        assert resent0 == 1, resent0
+        first = chat_turns(c, 1, salt)   # cached: the router skips its image next time
+        assert_same_answer(first[0], ref_turns[0], "turn 1")
+        fresh_heartbeats(c, "prefill-0")
+        fwd0, shared0 = pf("prism:worker_prefill_forwards_total"), shared()
+        got = {}
+        tl = threading.Thread(target=lambda: got.update(l=text(l_words, salt)))
+        tl.start()
+        wait_for(lambda: pf("prism:worker_prefill_forwards_total") > fwd0, 20, "L's first forward")
+        t2 = threading.Thread(target=lambda: got.update(turn2=chat_turns(c, 2, salt)[1]))   # turns 1 and 2
+        t2.start()
+        time.sleep(0.05)
+        ts = threading.Thread(target=lambda: got.update(s=text(s_words, salt)))
+        ts.start()
+        for t in (tl, t2, ts):
+            t.join(60)
+        assert {k: got.get(k) for k in ("l", "s")} == refs, (got, refs)
+        assert_same_answer(got["turn2"], ref_turns[1], "turn 2, missed in a batch")
+        # both turns the thread sent (turn 1 again, then turn 2) were skipped, missed and sent again
+        assert (c.metric("prism:prefix_resent_total") or 0) == resent0 + 2, (c.metric("prism:prefix_resent_total"), resent0)
+        fresh_heartbeats(c, "prefill-0")
+        assert shared() > shared0, "no forward carried two prompts"
+        assert all(c.alive().values()), c.alive()
+    finally:
+        c.stop()
+
+
 def test_all_processes_alive():
     assert all(C.alive().values()), C.alive()
 
@@ -851,7 +909,8 @@ if __name__ == "__main__":
                         test_memory_plan_is_what_the_workers_allocate, test_tokenize_detokenize,
                         test_chat_template_override_and_unsupported, test_prefix_cache_hits_and_salt,
                         test_prefix_cache_never_aliases, test_prefix_routing_and_encoder_skip,
-                        test_batched_prefill_abort_and_prefix_hit, test_all_processes_alive])
+                        test_batched_prefill_abort_and_prefix_hit, test_batched_prefill_prefix_miss,
+                        test_all_processes_alive])
     finally:
         C.stop()
         if os.environ.get("PRISM_KEEP_LOGS"):
