@@ -1386,7 +1386,7 @@ static int prefill_run(void *ctx)
 
 static const prism_worker_tier_t k_prefill_tier = {
     .role = "prefill", .proto_role = PRISM__ROLE__ROLE_PREFILL,
-    .summary = "Prism prefill worker: chunked prefill, first token, KV export to decode workers.",
+    .summary = "Prism prefill worker: batched, chunked prefill, first token, KV export to decode workers.",
     .flags = prefill_flags, .size = prefill_size, .load = prefill_load, .plan = prefill_plan, .ready = prefill_ready,
     .run = prefill_run,
     .group = &prism_tp_group,
