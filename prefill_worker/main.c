@@ -9,14 +9,28 @@
  * (backpressure) — nothing is buffered without bound. Embeddings and the Prefill request travel on
  * different sockets and may arrive in either order. The rows are laid, in order, over the image
  * tokens of the image's span (the <|patch|> positions of a Llama-4 tile layout), read in place from
- * the pool. Prompts run in chunks of at most --chunked-prefill-size tokens. The worker's I/O thread
- * receives while a prompt runs; an abort for the prompt in flight stops it between two layers.
+ * the pool.
+ *
+ * Batched prefill (run_step): each forward carries the next chunks of up to --max-prefill-batch
+ * prompts, at most --chunked-prefill-size tokens in all (the activation arena's size): first the
+ * prompts already in the model, in the order they came in (the first gets a whole chunk, so none is
+ * overtaken for ever), then ready prompts by priority and age while tokens are left; a prompt longer
+ * than what is left is cut and goes on in the next forward (chunked prefill mixing short prompts
+ * beside a long one's chunk). A prompt is admitted with all its blocks (its cached prefix held), so
+ * the prompts in the model always finish. Those whose last chunk was in a forward get their first
+ * token from their row of its logits; their KV leaves one at a time through one export staging,
+ * and no forward runs while one waits for its decode worker (its flow control). Checks, errors and
+ * aborts are per prompt: one refused or cancelled leaves the others in the batch going. The I/O
+ * thread receives while a forward runs; an abort for a prompt in it drops that prompt between two
+ * layers, or between two forwards. Models with chunked-attention layers (Llama-4) run one prompt a
+ * forward; M-RoPE models (Qwen-VL) batch, each prompt with its own rotary positions.
  *
  * Tensor parallelism (--tp-size P > 1, tp/tp.h): rank 0 is the worker above; it sends every
- * other rank the plan of each chunk (tokens, block table, image embedding rows) and, once the prompt
+ * other rank the plan of each forward (tokens, block tables, image embedding rows) and, once the prompt
  * is done, gathers their KV heads into the whole-model blocks a decode worker of any TP size takes.
- * The ranks have no I/O thread; every rank must run every chunk it is sent, so a group stops an
- * aborted prompt between two chunks (the leader sends no further plan), not between two layers.
+ * The ranks have no I/O thread; every rank must run every forward it is sent (several prompts' chunks,
+ * as the leader's), so a group stops an aborted prompt between two forwards (the leader leaves it
+ * out of the next plan), not between two layers.
  * (Models with chunked-attention layers run at P = 1: their KV export has a layout of its own.) */
 #include "core/core.h"
 #include "core/cli.h"
@@ -70,11 +84,28 @@ typedef struct {
     char salt[PRISM_KV_PREFIX_MAX_SALT + 1];  /* Prefill.cache_salt */
     char decode_endpoint[256];
     double t_arrive;
+    bool in_model;           /* admitted: a prun_t holds its blocks */
 } preq_t;
+
+/* A prompt in the model (batched prefill): admitted with its blocks, its chunks riding in forwards
+ * beside other prompts' until its last; then, when decode takes its KV, it holds its blocks until
+ * the export staging (which holds one prompt) is free for it. */
+typedef struct {
+    preq_t *r;
+    int32_t *table;          /* [max_blocks_per_seq] slice of run_tables: its blocks */
+    prism_kv_key_t *keys;    /* [max_blocks_per_seq] slice of run_keys: its blocks' keys (prefix cache on) */
+    int nb, n_full, hit;     /* blocks held; full blocks kept after it; leading blocks the cache had */
+    int done;                /* positions in the cache: its next chunk starts here */
+    int take;                /* tokens of it in the forward being packed */
+    int next_row[MAX_IMAGES];   /* rows of each image laid so far (its chunks go in order) */
+    double t0, t_embedded;   /* its first forward; when its last image's last rows came (<= t0) */
+    bool dropped;            /* aborted inside a forward (hook_cancelled) */
+    bool export_wait;        /* computed and answered: its KV waits for the export staging */
+} prun_t;
 
 typedef struct {
     struct {                      /* the tier's flags */
-        int64_t kv_blocks, block_size, chunk, max_pending, emb_images, context_length, max_image_tokens;
+        int64_t kv_blocks, block_size, chunk, max_pending, emb_images, context_length, max_image_tokens, max_batch;
         double orphan_timeout;
         bool no_prefix_cache;
     } f;
@@ -91,7 +122,6 @@ typedef struct {
      * above, which are free to hold them while no prompt needs them (a prompt evicts what it needs). */
     bool prefix_on;
     prism_kv_prefix_t prefix;
-    prism_kv_key_t *keys;    /* [max_blocks_per_seq] the running prompt's block keys */
     prism_kv_key_t *key_pool; /* [max_pending][max_blocks_per_seq] the router's keys of each prompt */
     uint64_t prefix_misses;  /* prompts refused: an image the router left unencoded was no longer cached */
     /* test hook PRISM_TEST_PREFIX_EVICT_ON_ARRIVAL: a Prefill with an image marked cached finds the
@@ -99,7 +129,7 @@ typedef struct {
     bool test_evict_on_arrival;
     uint64_t registrations_seen;   /* w.registrations at the last resync of the routers' indexes */
     uint64_t cache_queries, cache_hits, tokens_computed;   /* prompt tokens (heartbeat counters) */
-    prism_seq_sampler_t sampler;  /* one slot: prompts run one at a time */
+    prism_seq_sampler_t sampler;  /* one slot: a prompt is attached to it just before its first token */
     size_t sampling_bytes;        /* what the sampler took at start-up (measured into the plan) */
     int max_pending, chunk, max_model_len, max_blocks_per_seq;
     int page_rows, max_pages;    /* rows per pool page (one tile), pages of the largest image */
@@ -111,10 +141,23 @@ typedef struct {
     int row;                 /* floats of an embedding row: hidden (Qwen3-VL: x (1 + DeepStack levels)) */
     float *emb_pool;         /* [n_pages][page_rows][row] */
     int32_t *free_pages;     /* [n_pages] stack */
+    /* Batched prefill: up to max_batch prompts in the model at once, their next chunks packed into
+     * one forward of at most `chunk` tokens (the activation arena's size), those admitted first
+     * first: the first always gets a whole chunk, so nothing is overtaken for ever. */
+    int max_batch;
+    prun_t *run;             /* [max_batch] the prompts in the model, in the order they were admitted */
+    int n_run;
+    int32_t *run_tables;     /* [max_batch][max_blocks_per_seq] */
+    prism_kv_key_t *run_keys; /* [max_batch][max_blocks_per_seq] (prefix cache on) */
+    int32_t *chunk_tokens;   /* [chunk] the forward's tokens, prompt after prompt */
     const float **chunk_rows; /* [chunk]: image embedding row of each token, or NULL */
-    int32_t *chunk_pos;      /* M-RoPE models: [3][chunk] rotary positions of the chunk's tokens */
-    int32_t *table;          /* [max_blocks_per_seq] */
-    float *logits;           /* [vocab] */
+    int32_t *chunk_pos;      /* M-RoPE models: [3][chunk] rotary positions of the forward's tokens */
+    int32_t *seq_start;      /* [max_batch + 1] */
+    int32_t *pos0;           /* [max_batch] */
+    const int32_t **tables;  /* [max_batch] */
+    float *logits;           /* [max_batch][vocab]: the last token of each prompt of a forward */
+    uint64_t forwards, forward_prompts;   /* heartbeat counters: forwards, the prompts they carried */
+    uint32_t batch_peak;     /* the most prompts one forward carried */
     uint8_t *kv_out;         /* [max_blocks_per_seq][block_bytes]: export staging (holds the transfer, which
                               * for chunked-attention models is smaller: Kv in prism.proto) */
     size_t block_bytes;      /* one block of the whole model (what decode receives) */
@@ -129,8 +172,10 @@ typedef struct {
     int kv_next;             /* its first block (frame order) not sent yet: it goes in pieces (kv/kv.h) */
     double kv_gap_s;         /* test hook PRISM_TEST_KV_PIECE_GAP_S: a pause between two pieces (0: none) */
     double kv_not_before;    /* the next piece goes no sooner (the hook) */
-    preq_t *cur;             /* the prompt in the model now */
-    bool cur_dropped;
+    double fwd_gap_s;        /* test hook PRISM_TEST_PREFILL_FORWARD_GAP_S: a pause between two forwards (0: none) */
+    double fwd_not_before;   /* the next forward goes no sooner (the hook: prompts meet in one batch) */
+    bool in_forward;         /* run[0..n_fwd) are the items of the forward running now (hook_cancelled) */
+    int n_fwd;
     prism_model_hook_t hook;
     uint64_t served, cancelled;
     prism_abort_memo_t aborts;   /* aborted requests: their embeddings still on the way are dropped */
@@ -235,17 +280,63 @@ static int emb_credit(const prefill_t *p)
     return n > 0 ? n : emb_evictable(p) != NULL;
 }
 
-/* Frees a request's slot and its embedding slots (done, failed or aborted). */
+/* Takes a prompt out of the model: its blocks go back (the prefix cache keeps what it kept), its
+ * slices of the run tables move to the end with its record, the others keep their order. Never
+ * inside a forward (its items are run[0..n_fwd)). */
+static void run_remove(prefill_t *p, preq_t *r)
+{
+    PRISM_ASSERT(!p->in_forward);
+    int i = 0;
+    while (i < p->n_run && p->run[i].r != r) i++;
+    PRISM_ASSERT(i < p->n_run);
+    prun_t x = p->run[i];
+    prism_kv_blocks_release(&p->blocks, x.table, x.nb);
+    memmove(&p->run[i], &p->run[i + 1], sizeof(*p->run) * (size_t)(p->n_run - i - 1));
+    p->n_run--;
+    p->run[p->n_run] = (prun_t){.table = x.table, .keys = x.keys};
+    r->in_model = false;
+}
+
+/* Frees one request's slot, its blocks when it is in the model, and its embedding slots unless
+ * another slot holds the same id (a peer's duplicate Prefill: it must not pull the rows or blocks
+ * from under a prompt in the model). What the batch's own paths use: only this prompt goes. */
+static void release_req(prefill_t *p, preq_t *r)
+{
+    bool shared = false;
+    for (int i = 0; i < p->max_pending; i++)
+        shared |= &p->reqs[i] != r && owns(&p->reqs[i].seq, r->seq.rid, r->seq.router_id);
+    for (int i = 0; i < p->n_pages && !shared; i++)
+        if (p->emb[i].used && p->emb[i].rid == r->seq.rid && !strcmp(p->emb[i].router_id, r->seq.router_id))
+            emb_release(p, &p->emb[i]);
+    if (r->in_model) run_remove(p, r);
+    prism_seq_detach(&r->seq);
+    r->seq.used = false;
+}
+
+/* An abort for a prompt in the model between two forwards (the Abort message, or the I/O thread's
+ * table first): it leaves now, counted. */
+static void leave_mid_prompt(prefill_t *p, preq_t *r)
+{
+    int done = 0;
+    for (int i = 0; i < p->n_run; i++)
+        if (p->run[i].r == r) done = p->run[i].done;
+    if (!prism_worker_should_stop())
+        PRISM_INFO("request %llu: cancelled after %d of %d prompt tokens (%s): prefill stopped",
+                   (unsigned long long)r->seq.rid, done, r->n_tokens,
+                   p->tp.size > 1 ? "tensor-parallel group: between chunks" : "between forwards");
+    release_req(p, r);
+    p->cancelled++;
+}
+
+/* Frees a request's slot, its blocks when it is in the model, and its embedding slots (done,
+ * failed or aborted). */
 static void release_request(prefill_t *p, uint64_t rid, const char *router)
 {
     for (int i = 0; i < p->n_pages; i++)
         if (p->emb[i].used && p->emb[i].rid == rid && !strcmp(p->emb[i].router_id, router))
             emb_release(p, &p->emb[i]);
     for (int i = 0; i < p->max_pending; i++)
-        if (owns(&p->reqs[i].seq, rid, router)) {
-            prism_seq_detach(&p->reqs[i].seq);
-            p->reqs[i].seq.used = false;
-        }
+        if (owns(&p->reqs[i].seq, rid, router)) release_req(p, &p->reqs[i]);
 }
 
 /* The staged KV export is gone (sent, failed or dropped). */
@@ -362,6 +453,7 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
     snprintf(r->salt, sizeof(r->salt), "%s", pf->cache_salt ? pf->cache_salt : "");
     snprintf(r->decode_endpoint, sizeof(r->decode_endpoint), "%s", pf->decode_endpoint);
     r->t_arrive = prism_now_s();
+    r->in_model = false;
 }
 
 /* The frames' bytes, in order, into the slot's pages from byte `at` of the image (frames may split
@@ -492,6 +584,8 @@ static void on_msg(prism_worker_t *w, prism_msg_t *m, int source, void *ud)
     case PRISM__MSG_TYPE__MSG_ABORT:
         if (from_router) {
             const char *router = m->env->router_id ? m->env->router_id : "";
+            preq_t *r = held_request(p, m->env->request_id, router);
+            if (r && r->in_model) leave_mid_prompt(p, r);   /* its blocks go back now */
             drop_request(p, m->env->request_id, router);
             prism_abort_memo_add(&p->aborts, m->env->request_id, router, prism_now_s());
         }
@@ -559,7 +653,7 @@ static void try_send_kv(prefill_t *p)
     kv_done(p);
 }
 
-/* ---- between-layer hook of the language model: one sequence per forward here ---- */
+/* ---- between-layer hook of the language model: the items are the prompts of the forward ---- */
 
 static bool hook_layer(void *ud, int done, int total)
 {
@@ -570,13 +664,15 @@ static bool hook_cancelled(void *ud, int item)
 {
     prefill_t *p = ud;
     double waited = 0;
-    (void)item;
-    if (!p->cur || !prism_worker_aborted(&p->w, p->cur->seq.rid, p->cur->seq.router_id, &waited)) return false;
+    if (!p->in_forward || item < 0 || item >= p->n_fwd) return false;
+    prun_t *x = &p->run[item];
+    if (x->dropped) return true;
+    if (!prism_worker_aborted(&p->w, x->r->seq.rid, x->r->seq.router_id, &waited)) return false;
     if (!prism_worker_should_stop())
         PRISM_INFO("request %llu: cancelled %.3fs after its abort arrived, after layer %d of %d (%.3fs per layer): "
-                   "prefill stopped", (unsigned long long)p->cur->seq.rid, waited, p->w.layer.done, p->w.layer.total,
+                   "prefill stopped", (unsigned long long)x->r->seq.rid, waited, p->w.layer.done, p->w.layer.total,
                    p->w.layer.last_s);
-    p->cur_dropped = true;
+    x->dropped = true;
     return true;
 }
 
@@ -590,26 +686,26 @@ static bool prefix_covers(const preq_t *r, int cached)
 }
 
 /* Prefix cache: the leading full blocks an earlier prompt computed (same salt, tokens and images
- * up to there) are read, not computed: into p->table[0..return), held. The last token is always
- * computed (its logits give the first token). *n_full: the prompt's full blocks kept after it, their
- * keys in p->keys (the router's, which the routers index; else this worker's own). */
-static int prefix_lookup(prefill_t *p, const preq_t *r, int *n_full)
+ * up to there) are read, not computed: into x->table[0..return), held. The last token is always
+ * computed (its logits give the first token). x->n_full: the prompt's full blocks kept after it,
+ * their keys in x->keys (the router's, which the routers index; else this worker's own). */
+static int prefix_lookup(prefill_t *p, const preq_t *r, prun_t *x)
 {
     int bs = p->blocks.block_size;
-    *n_full = 0;
+    x->n_full = 0;
     if (!p->prefix_on) return 0;
     if (r->n_keys) {   /* on_prefill checked the count */
-        *n_full = r->n_keys;
-        memcpy(p->keys, r->keys, sizeof(*p->keys) * (size_t)r->n_keys);
+        x->n_full = r->n_keys;
+        memcpy(x->keys, r->keys, sizeof(*x->keys) * (size_t)r->n_keys);
     } else {
-        *n_full = prism_kv_prefix_keys(&p->prefix, r->salt, strlen(r->salt), r->tokens, r->n_tokens, r->key_img,
-                                       r->n_images, p->keys);
+        x->n_full = prism_kv_prefix_keys(&p->prefix, r->salt, strlen(r->salt), r->tokens, r->n_tokens, r->key_img,
+                                         r->n_images, x->keys);
     }
     /* An image without its content hash (a router older than the cache sends none) has no identity:
      * nothing from its first block on is looked up or kept. */
     for (int i = 0; i < r->n_images; i++)
-        if (!r->key_img[i].content_hash) *n_full = PRISM_MIN(*n_full, (int)(r->key_img[i].offset / (uint32_t)bs));
-    return prism_kv_prefix_match(&p->prefix, p->keys, PRISM_MIN(*n_full, (r->n_tokens - 1) / bs), p->table);
+        if (!r->key_img[i].content_hash) x->n_full = PRISM_MIN(x->n_full, (int)(r->key_img[i].offset / (uint32_t)bs));
+    return prism_kv_prefix_match(&p->prefix, x->keys, PRISM_MIN(x->n_full, (r->n_tokens - 1) / bs), x->table);
 }
 
 /* What the prefix cache kept and evicted since the last call, to every router (PrefixEvents): their
@@ -639,30 +735,19 @@ static void publish_prefix_events(prefill_t *p)
     prism_worker_broadcast(&p->w, &env);
 }
 
-/* Runs one whole request (chunked) if one is ready and its blocks fit. */
-static void run_req(prefill_t *p, preq_t *r);
-
-static void run_one(prefill_t *p)
+/* A request's failure before or after the model (its slot, blocks and embeddings go). */
+static void fail_request(prefill_t *p, preq_t *r, Prism__ErrorKind kind, const char *why)
 {
-    if (p->kv_pending) return;
-    /* The next prompt: the lowest Sampling.priority (vLLM's `priority`: lower first, as the router's
-     * queue), oldest first among equals, of those whose embeddings are all in. */
-    preq_t *r = NULL;
-    for (int i = 0; i < p->max_pending; i++) {
-        preq_t *c = &p->reqs[i];
-        if (!c->seq.used || !ready(p, c)) continue;
-        int32_t pc = c->seq.sampling.priority, pr = r ? r->seq.sampling.priority : 0;
-        if (!r || pc < pr || (pc == pr && c->t_arrive < r->t_arrive)) r = c;
-    }
-    if (!r) return;
-    /* every line logged while it runs is about it (a copy: its slot may be released) */
-    prism_log_ctx_t lc = {r->seq.rid, r->seq.trace};
-    const prism_log_ctx_t *prev = prism_log_ctx_enter(&lc);
-    run_req(p, r);
-    prism_log_ctx_leave(prev);
+    send_error(p, r->seq.router_id, r->seq.rid, r->seq.rid_hi, kind, why);
+    release_req(p, r);
 }
 
-static void run_req(prefill_t *p, preq_t *r)
+/* Admits a ready prompt into the model as run[n_run]: the checks before its first chunk (the
+ * embedding rows, the sampler's view of it, the prefix cache's coverage of images sent without
+ * embeddings), then its blocks (the cached prefix's held, the rest allocated). 1: admitted; 0:
+ * refused (answered, released: the other prompts go on); -1: its blocks do not fit now (it waits,
+ * holding none). */
+static int admit(prefill_t *p, preq_t *r)
 {
     /* The rows each encoder sent must be exactly the image tokens the router laid out for them. */
     for (int i = 0; i < r->n_images; i++) {
@@ -671,38 +756,36 @@ static void run_req(prefill_t *p, preq_t *r)
         if (e->n_rows != r->span_rows[i]) {
             PRISM_WARN("request %llu: image %d has %d embedding rows for %d image tokens", (unsigned long long)r->seq.rid,
                        i, e->n_rows, r->span_rows[i]);
-            send_error(p, r->seq.router_id, r->seq.rid, r->seq.rid_hi, PRISM__ERROR_KIND__ERROR_INTERNAL,
-                       "image embeddings do not match the prompt's image tokens");
-            release_request(p, r->seq.rid, r->seq.router_id);
-            return;
+            fail_request(p, r, PRISM__ERROR_KIND__ERROR_INTERNAL, "image embeddings do not match the prompt's image tokens");
+            return 0;
         }
     }
-    /* a migrated request's generated tokens are counted and fed to its guide again */
+    /* a migrated request's generated tokens are counted and fed to its guide again (here to refuse
+     * it before any work; again before its first token, the slot being shared) */
     int n_gen = (int)r->seq.sampling.generated;
     const char *why = prism_seq_attach(&r->seq, &p->sampler, 0, r->tokens, (size_t)(r->n_tokens - n_gen),
                                        r->tokens + r->n_tokens - n_gen, (size_t)n_gen);
     if (why) {
-        send_error(p, r->seq.router_id, r->seq.rid, r->seq.rid_hi, PRISM__ERROR_KIND__ERROR_INTERNAL, why);
-        release_request(p, r->seq.rid, r->seq.router_id);
-        return;
+        fail_request(p, r, PRISM__ERROR_KIND__ERROR_INTERNAL, why);
+        return 0;
     }
+    prun_t *x = &p->run[p->n_run];
     int nb = prism_kv_blocks_for_tokens(&p->blocks, r->n_tokens), bs = p->blocks.block_size;
-    int n_full = 0, hit = prefix_lookup(p, r, &n_full);
+    int hit = prefix_lookup(p, r, x);
     if (!prefix_covers(r, hit * bs)) {
         /* evicted between the router's look and now: the router sends it again, every image encoded */
-        prism_kv_blocks_release(&p->blocks, p->table, hit);
+        prism_kv_blocks_release(&p->blocks, x->table, hit);
         p->prefix_misses++;
         PRISM_INFO("request %llu: an image sent without embeddings is no longer in the prefix cache (%d tokens "
                    "cached): refused for the router to encode it", (unsigned long long)r->seq.rid, hit * bs);
-        send_error(p, r->seq.router_id, r->seq.rid, r->seq.rid_hi, PRISM__ERROR_KIND__ERROR_PREFIX_MISS,
-                   "prefix no longer cached for an image sent without embeddings");
-        release_request(p, r->seq.rid, r->seq.router_id);
-        return;
+        fail_request(p, r, PRISM__ERROR_KIND__ERROR_PREFIX_MISS,
+                     "prefix no longer cached for an image sent without embeddings");
+        return 0;
     }
-    if ((p->prefix_on ? prism_kv_prefix_alloc(&p->prefix, nb - hit, p->table + hit)
-                      : prism_kv_blocks_alloc(&p->blocks, nb, p->table)) != PRISM_OK) {
-        prism_kv_blocks_release(&p->blocks, p->table, hit);   /* it waits for blocks, holding none */
-        return;
+    if ((p->prefix_on ? prism_kv_prefix_alloc(&p->prefix, nb - hit, x->table + hit)
+                      : prism_kv_blocks_alloc(&p->blocks, nb, x->table)) != PRISM_OK) {
+        prism_kv_blocks_release(&p->blocks, x->table, hit);   /* it waits for blocks, holding none */
+        return -1;
     }
     const int cached = hit * bs;   /* the first position computed */
     if (p->prefix_on) {
@@ -710,157 +793,273 @@ static void run_req(prefill_t *p, preq_t *r)
         p->cache_hits += (uint64_t)cached;
     }
     PRISM_DEBUG("request %llu: prefill of %d tokens started", (unsigned long long)r->seq.rid, r->n_tokens);
-    double t0 = prism_now_s();
+    x->r = r;
+    x->nb = nb;
+    x->hit = hit;
+    x->done = cached;
+    x->take = 0;
+    x->dropped = x->export_wait = false;
+    x->t0 = prism_now_s();
     /* its wait for embeddings: from its arrival to its last image's last rows (the stage histograms) */
-    double t_embedded = r->t_arrive;
+    x->t_embedded = r->t_arrive;
     for (int i = 0; i < r->n_images; i++) {
         const emb_slot_t *e = emb_find(p, r->seq.rid, r->seq.rid_hi, r->seq.router_id, (uint32_t)i);
-        if (e) t_embedded = PRISM_MAX(t_embedded, e->t_done);
+        if (e) x->t_embedded = PRISM_MAX(x->t_embedded, e->t_done);
     }
-    t_embedded = PRISM_MIN(t_embedded, t0);
-    const int32_t *tables[1] = {p->table};
-    int rc = PRISM_OK, next_row[MAX_IMAGES] = {0};   /* rows of each image laid so far (chunks go in order) */
-    for (int i = 0; i < r->n_images; i++)   /* an image's rows before `cached` are in the cached blocks */
+    x->t_embedded = PRISM_MIN(x->t_embedded, x->t0);
+    for (int i = 0; i < r->n_images; i++) {   /* an image's rows before `cached` are in the cached blocks */
+        x->next_row[i] = 0;
         for (int t = (int)r->span_off[i]; t < PRISM_MIN((int)(r->span_off[i] + r->span_len[i]), cached); t++)
-            next_row[i] += r->tokens[t] == p->cfg.image_token_index;
-    p->cur = r;
-    p->cur_dropped = false;
-    for (int start = cached; start < r->n_tokens && rc == PRISM_OK && !p->cur_dropped; start += p->chunk) {
-        int n = PRISM_MIN(p->chunk, r->n_tokens - start);
-        bool any = false;
-        memset(p->chunk_rows, 0, sizeof(*p->chunk_rows) * (size_t)n);
-        for (int i = 0; i < r->n_images; i++) {
-            if (r->img_cached[i]) continue;   /* wholly before `cached` (prefix_covers) */
-            const emb_slot_t *e = emb_find(p, r->seq.rid, r->seq.rid_hi, r->seq.router_id, (uint32_t)i);
-            int lo = PRISM_MAX((int)r->span_off[i], start);
-            int hi = PRISM_MIN((int)(r->span_off[i] + r->span_len[i]), start + n);
-            for (int t = lo; t < hi; t++) {
-                if (r->tokens[t] != p->cfg.image_token_index) continue;   /* separators keep their embedding */
-                p->chunk_rows[t - start] = emb_row(p, e, next_row[i]++);   /* read in place: no copy */
-                any = true;
-            }
-        }
-        int32_t seq_start[2] = {0, n}, pos0[1] = {start};
-        /* M-RoPE: the chunk's rotary positions from the image spans (transformers' get_rope_index) */
-        if (p->chunk_pos &&
-            prism_mrope_positions(r->mrope, r->n_images, start, n, p->chunk_pos, (size_t)n) != PRISM_OK) {
-            rc = PRISM_EINVAL;
-            break;
-        }
-        prism_llm_batch_t b = {
-            .n_seqs = 1, .n_tokens = n, .tokens = r->tokens + start, .seq_start = seq_start, .pos0 = pos0,
-            .block_tables = tables, .embed_rows = any ? p->chunk_rows : NULL, .rope_pos = p->chunk_pos,
-        };
-        /* Only the last chunk's logits are needed: the others are begun and never ended (no lm_head,
-         * no wait; on a device the chunks queue back to back). The ranks get each plan first. */
-        bool last = start + n >= r->n_tokens;
-        rc = prism_tp_send_step(&p->tp, &b, last);
-        if (rc == PRISM_OK)
-            rc = last ? prism_llm_forward(p->llm, p->kv, &b, p->logits) : prism_llm_forward_begin(p->llm, p->kv, &b);
-        prism_worker_progress(&p->w, 1);
-        if (rc == PRISM_OK) p->tokens_computed += (uint64_t)n;
-        if (rc == PRISM_OK && !last && p->tp.size > 1 && !p->cur_dropped) {
-            /* A group's shards never drop the prompt between layers (model.h): the leader checks
-             * for its abort between chunks instead. */
-            double waited = 0;
-            if (prism_worker_aborted(&p->w, r->seq.rid, r->seq.router_id, &waited)) {
-                if (!prism_worker_should_stop())
-                    PRISM_INFO("request %llu: cancelled %.3fs after its abort arrived, after %d of %d prompt tokens "
-                               "(tensor-parallel group: between chunks): prefill stopped",
-                               (unsigned long long)r->seq.rid, waited, start + n, r->n_tokens);
-                p->cur_dropped = true;
-            }
-        }
+            x->next_row[i] += r->tokens[t] == p->cfg.image_token_index;
     }
-    p->cur = NULL;
-    double t1 = prism_now_s();
-    if (rc != PRISM_OK && prism_tp_check(&p->tp) != PRISM_OK) p->group_failed = true;
-    if (p->cur_dropped) {
-        /* aborted mid-prompt: the router needs no answer; blocks and slots go back at once */
-        prism_kv_blocks_release(&p->blocks, p->table, nb);
-        release_request(p, r->seq.rid, r->seq.router_id);
-        p->cancelled++;
+    r->in_model = true;
+    p->n_run++;
+    return 1;
+}
+
+/* The next prompt to admit: the lowest Sampling.priority (vLLM's `priority`: lower first, as the
+ * router's queue), oldest first among equals, of those not in the model whose embeddings are all in. */
+static preq_t *next_ready(prefill_t *p)
+{
+    preq_t *r = NULL;
+    for (int i = 0; i < p->max_pending; i++) {
+        preq_t *c = &p->reqs[i];
+        if (!c->seq.used || c->in_model || !ready(p, c)) continue;
+        int32_t pc = c->seq.sampling.priority, pr = r ? r->seq.sampling.priority : 0;
+        if (!r || pc < pr || (pc == pr && c->t_arrive < r->t_arrive)) r = c;
+    }
+    return r;
+}
+
+/* Stages a computed prompt's KV for the decode worker (the sequences that go on share it there):
+ * the decode worker pulls it when it has room. Chunked-attention layers go only from the block of
+ * the current chunk's start: decode never reads earlier. A group's leader gathers every rank's
+ * heads (groups run models without chunked layers only). Its blocks go back either way. */
+static void stage_export(prefill_t *p, prun_t *x)
+{
+    preq_t *r = x->r;
+    int nb = x->nb;
+    size_t fbb = prism_kv_cache_class_block_bytes(&p->full, p->blocks.block_size, PRISM_KV_CLASS_FULL);
+    size_t lbb = prism_kv_cache_class_block_bytes(&p->full, p->blocks.block_size, PRISM_KV_CLASS_LOCAL);
+    int lfb = PRISM_MIN(prism_kv_local_first_block(&p->full, p->blocks.block_size, r->n_tokens), nb);
+    p->kv_len = (size_t)nb * fbb + (size_t)(nb - lfb) * lbb;
+    int erc;
+    if (p->tp.size > 1) {
+        erc = prism_tp_gather_kv(&p->tp, p->kv, x->table, nb, p->kv_out);
+    } else {
+        erc = prism_kv_cache_export_class(p->kv, PRISM_KV_CLASS_FULL, x->table, nb, p->kv_out);
+        if (erc == PRISM_OK && nb > lfb)
+            erc = prism_kv_cache_export_class(p->kv, PRISM_KV_CLASS_LOCAL, x->table + lfb, nb - lfb,
+                                              p->kv_out + (size_t)nb * fbb);
+    }
+    if (erc != PRISM_OK) {
+        PRISM_ERROR("request %llu: KV export failed", (unsigned long long)r->seq.rid);
+        if (prism_tp_check(&p->tp) != PRISM_OK) p->group_failed = true;
+        fail_request(p, r, PRISM__ERROR_KIND__ERROR_INTERNAL, "prefill could not export the KV cache");
         return;
     }
-    if (rc != PRISM_OK) {
-        PRISM_ERROR("request %llu: prefill failed: %s", (unsigned long long)r->seq.rid, prism_strerror(rc));
-        send_error(p, r->seq.router_id, r->seq.rid, r->seq.rid_hi, PRISM__ERROR_KIND__ERROR_INTERNAL, "prefill failed");
-        prism_kv_blocks_release(&p->blocks, p->table, nb);
-        release_request(p, r->seq.rid, r->seq.router_id);
-        return;
+    prism__kv__init(&p->kv_hdr);
+    p->kv_hdr.n_tokens = (uint32_t)r->n_tokens;
+    p->kv_hdr.block_size = (uint32_t)p->blocks.block_size;
+    p->kv_hdr.n_blocks = (uint32_t)nb;
+    p->kv_hdr.block_bytes = fbb;
+    p->kv_hdr.local_first_block = (uint32_t)lfb;
+    p->kv_hdr.local_block_bytes = lbb;
+    if (p->chunk_pos) p->kv_hdr.rope_delta = prism_mrope_delta(r->mrope, r->n_images);
+    prism_seq_copy(&p->kv_seq, &r->seq);
+    p->kv_hdr.n_choice_index = p->kv_hdr.n_choice_first_token = p->kv_hdr.n_choice_rng_state = (size_t)p->kv_seq.n_fork;
+    p->kv_hdr.choice_index = p->kv_seq.fork_index;
+    p->kv_hdr.choice_first_token = p->kv_seq.fork_first;
+    p->kv_hdr.choice_rng_state = p->kv_seq.fork_rng;
+    if (prism_seq_needs_history(&p->kv_seq)) {
+        memcpy(p->kv_prompt, r->tokens, sizeof(int32_t) * (size_t)r->n_tokens);
+        p->kv_hdr.n_prompt_token_ids = (size_t)r->n_tokens;
+        p->kv_hdr.prompt_token_ids = p->kv_prompt;
     }
+    snprintf(p->kv_endpoint, sizeof(p->kv_endpoint), "%s", r->decode_endpoint);
+    p->kv_pending = true;
+    p->kv_next = 0;
+    release_req(p, r);   /* kv_seq is a copy */
+    p->served++;
+}
+
+/* The prompts whose KV waits, in the order they were computed, into the staging while it is free
+ * (each sent at once unless the decode worker is full). */
+static void stage_exports(prefill_t *p)
+{
+    for (int i = 0; i < p->n_run && !p->kv_pending;) {
+        if (!p->run[i].export_wait) {
+            i++;
+            continue;
+        }
+        prism_log_ctx_t lc = {p->run[i].r->seq.rid, p->run[i].r->seq.trace};
+        const prism_log_ctx_t *prev = prism_log_ctx_enter(&lc);
+        stage_export(p, &p->run[i]);   /* takes it out of run[]: i is the next one now */
+        prism_log_ctx_leave(prev);
+        try_send_kv(p);
+    }
+}
+
+static bool exports_waiting(const prefill_t *p)
+{
+    for (int i = 0; i < p->n_run; i++)
+        if (p->run[i].export_wait) return true;
+    return false;
+}
+
+/* A prompt whose last chunk was in the forward that ended at t1: its blocks go to the prefix cache,
+ * its first token(s) to the router, its KV to the export queue (or its blocks back). */
+static void finish_prompt(prefill_t *p, prun_t *x, const float *logits, double t1)
+{
+    preq_t *r = x->r;
     r->seq.len = r->n_tokens;
     /* its full blocks hold the prompt's KV now: kept for later prompts (the cache holds them on
-     * after this request releases them below) */
-    if (p->prefix_on) prism_kv_prefix_insert(&p->prefix, p->keys, p->table, n_full);
+     * after this request releases them) */
+    if (p->prefix_on) prism_kv_prefix_insert(&p->prefix, x->keys, x->table, x->n_full);
     /* the routers learn what is kept before the first token: a client's next turn finds it indexed */
     publish_prefix_events(p);
+    /* the sampler's one slot is this prompt's now (another may have been attached since admission) */
+    int n_gen = (int)r->seq.sampling.generated;
+    const char *why = prism_seq_attach(&r->seq, &p->sampler, 0, r->tokens, (size_t)(r->n_tokens - n_gen),
+                                       r->tokens + r->n_tokens - n_gen, (size_t)n_gen);
+    if (why) {
+        fail_request(p, r, PRISM__ERROR_KIND__ERROR_INTERNAL, why);
+        return;
+    }
     /* The first token of each of the request's n sequences (one Tokens message each). */
     Prism__Tokens *first;
-    int n_first = prism_seq_first_tokens(&r->seq, &p->sampler, p->logits, &p->cfg, p->max_model_len, &first);
+    int n_first = prism_seq_first_tokens(&r->seq, &p->sampler, logits, &p->cfg, p->max_model_len, &first);
     for (int i = 0; i < n_first; i++) {
-        first[i].prefill_ms = (float)((t1 - t0) * 1e3);
-        first[i].queue_ms = (float)((t0 - t_embedded) * 1e3);
-        first[i].embed_wait_ms = (float)((t_embedded - r->t_arrive) * 1e3);
+        first[i].prefill_ms = (float)((t1 - x->t0) * 1e3);
+        first[i].queue_ms = (float)((x->t0 - x->t_embedded) * 1e3);
+        first[i].embed_wait_ms = (float)((x->t_embedded - r->t_arrive) * 1e3);
         first[i].from_prefill = true;
         send_tokens(p, r->seq.router_id, r->seq.rid, r->seq.rid_hi, &first[i]);
     }
-
+    PRISM_DEBUG("%d prompt tokens prefilled in %.1f ms (%d from the prefix cache)", r->n_tokens, (t1 - x->t0) * 1e3,
+                x->hit * p->blocks.block_size);
     if (r->seq.n_fork > 0) {
-        /* Stage the KV export for the sequences that go on (they share it in decode); the decode
-         * worker pulls it when it has room. Chunked-attention layers go only from the block of the
-         * current chunk's start: decode never reads earlier. A group's leader gathers every rank's
-         * heads (groups run models without chunked layers only). */
-        size_t fbb = prism_kv_cache_class_block_bytes(&p->full, p->blocks.block_size, PRISM_KV_CLASS_FULL);
-        size_t lbb = prism_kv_cache_class_block_bytes(&p->full, p->blocks.block_size, PRISM_KV_CLASS_LOCAL);
-        int lfb = PRISM_MIN(prism_kv_local_first_block(&p->full, p->blocks.block_size, r->n_tokens), nb);
-        p->kv_len = (size_t)nb * fbb + (size_t)(nb - lfb) * lbb;
-        int erc;
-        if (p->tp.size > 1) {
-            erc = prism_tp_gather_kv(&p->tp, p->kv, p->table, nb, p->kv_out);
-        } else {
-            erc = prism_kv_cache_export_class(p->kv, PRISM_KV_CLASS_FULL, p->table, nb, p->kv_out);
-            if (erc == PRISM_OK && nb > lfb)
-                erc = prism_kv_cache_export_class(p->kv, PRISM_KV_CLASS_LOCAL, p->table + lfb, nb - lfb,
-                                                  p->kv_out + (size_t)nb * fbb);
-        }
-        if (erc != PRISM_OK) {
-            PRISM_ERROR("request %llu: KV export failed", (unsigned long long)r->seq.rid);
-            send_error(p, r->seq.router_id, r->seq.rid, r->seq.rid_hi, PRISM__ERROR_KIND__ERROR_INTERNAL,
-                       "prefill could not export the KV cache");
-            if (prism_tp_check(&p->tp) != PRISM_OK) p->group_failed = true;
-            prism_kv_blocks_release(&p->blocks, p->table, nb);
-            release_request(p, r->seq.rid, r->seq.router_id);
-            return;
-        }
-        prism__kv__init(&p->kv_hdr);
-        p->kv_hdr.n_tokens = (uint32_t)r->n_tokens;
-        p->kv_hdr.block_size = (uint32_t)p->blocks.block_size;
-        p->kv_hdr.n_blocks = (uint32_t)nb;
-        p->kv_hdr.block_bytes = fbb;
-        p->kv_hdr.local_first_block = (uint32_t)lfb;
-        p->kv_hdr.local_block_bytes = lbb;
-        if (p->chunk_pos) p->kv_hdr.rope_delta = prism_mrope_delta(r->mrope, r->n_images);
-        prism_seq_copy(&p->kv_seq, &r->seq);
-        p->kv_hdr.n_choice_index = p->kv_hdr.n_choice_first_token = p->kv_hdr.n_choice_rng_state =
-            (size_t)p->kv_seq.n_fork;
-        p->kv_hdr.choice_index = p->kv_seq.fork_index;
-        p->kv_hdr.choice_first_token = p->kv_seq.fork_first;
-        p->kv_hdr.choice_rng_state = p->kv_seq.fork_rng;
-        if (prism_seq_needs_history(&p->kv_seq)) {
-            memcpy(p->kv_prompt, r->tokens, sizeof(int32_t) * (size_t)r->n_tokens);
-            p->kv_hdr.n_prompt_token_ids = (size_t)r->n_tokens;
-            p->kv_hdr.prompt_token_ids = p->kv_prompt;
-        }
-        snprintf(p->kv_endpoint, sizeof(p->kv_endpoint), "%s", r->decode_endpoint);
-        p->kv_pending = true;
-        p->kv_next = 0;
+        x->export_wait = true;   /* stage_exports */
+        return;
     }
-    prism_kv_blocks_release(&p->blocks, p->table, nb);
-    release_request(p, r->seq.rid, r->seq.router_id);
+    release_req(p, r);
     p->served++;
-    PRISM_DEBUG("%d prompt tokens prefilled in %.1f ms (%d from the prefix cache)", r->n_tokens, (t1 - t0) * 1e3, cached);
-    try_send_kv(p);
+}
+
+/* Lays prompt x's `take` tokens from x->done at offset `off` of the forward: ids, image rows, and
+ * (M-RoPE) rotary positions in rows of ld. Whether an image row was laid. */
+static bool pack_prompt(prefill_t *p, prun_t *x, int off, int ld, int *rc)
+{
+    const preq_t *r = x->r;
+    int start = x->done, n = x->take;
+    bool any = false;
+    memcpy(p->chunk_tokens + off, r->tokens + start, sizeof(int32_t) * (size_t)n);
+    memset(p->chunk_rows + off, 0, sizeof(*p->chunk_rows) * (size_t)n);
+    for (int i = 0; i < r->n_images; i++) {
+        if (r->img_cached[i]) continue;   /* wholly before the cached prefix (prefix_covers) */
+        const emb_slot_t *e = emb_find(p, r->seq.rid, r->seq.rid_hi, r->seq.router_id, (uint32_t)i);
+        int lo = PRISM_MAX((int)r->span_off[i], start);
+        int hi = PRISM_MIN((int)(r->span_off[i] + r->span_len[i]), start + n);
+        for (int t = lo; t < hi; t++) {
+            if (r->tokens[t] != p->cfg.image_token_index) continue;   /* separators keep their embedding */
+            p->chunk_rows[off + t - start] = emb_row(p, e, x->next_row[i]++);   /* read in place: no copy */
+            any = true;
+        }
+    }
+    /* M-RoPE: the chunk's rotary positions from the image spans (transformers' get_rope_index) */
+    if (p->chunk_pos && prism_mrope_positions(r->mrope, r->n_images, start, n, p->chunk_pos + off, (size_t)ld) != PRISM_OK)
+        *rc = PRISM_EINVAL;
+    return any;
+}
+
+/* One forward: the next chunk of each prompt in the model, in the order they were admitted, then
+ * ready prompts admitted in priority order, while tokens (--chunked-prefill-size) and places
+ * (--max-prefill-batch) last. A prompt longer than what is left is cut there and goes on in the next
+ * forward, first. Prompts whose last chunk was in it get their first token. Nothing runs while a
+ * computed prompt's KV waits for the decode worker (its flow control, as before). */
+static void run_step(prefill_t *p)
+{
+    stage_exports(p);
+    if (p->kv_pending || exports_waiting(p)) return;
+    if (p->fwd_gap_s > 0 && prism_now_s() < p->fwd_not_before) return;   /* test hook */
+    /* Aborts the I/O thread saw for prompts between two forwards (a group's shards never drop a
+     * prompt inside one, model.h; the Abort message itself may not have been read yet). */
+    for (int i = p->n_run - 1; i >= 0; i--)
+        if (prism_worker_aborted(&p->w, p->run[i].r->seq.rid, p->run[i].r->seq.router_id, NULL))
+            leave_mid_prompt(p, p->run[i].r);
+    int budget = p->chunk, n = 0;
+    for (; n < p->n_run && budget > 0; n++) {
+        prun_t *x = &p->run[n];
+        x->take = PRISM_MIN(budget, x->r->n_tokens - x->done);
+        budget -= x->take;
+    }
+    while (budget > 0 && n == p->n_run && p->n_run < p->max_batch) {
+        preq_t *r = next_ready(p);
+        if (!r) break;
+        /* every line logged about it carries its id (a copy: its slot may be released) */
+        prism_log_ctx_t lc = {r->seq.rid, r->seq.trace};
+        const prism_log_ctx_t *prev = prism_log_ctx_enter(&lc);
+        int a = admit(p, r);
+        prism_log_ctx_leave(prev);
+        if (a < 0) break;   /* no blocks: it stays first in line; nothing overtakes it */
+        if (a == 0) continue;
+        prun_t *x = &p->run[n++];
+        x->take = PRISM_MIN(budget, r->n_tokens - x->done);
+        budget -= x->take;
+    }
+    if (!n) return;
+    int total = p->chunk - budget, rc = PRISM_OK;
+    bool any_rows = false, last = false;
+    p->seq_start[0] = 0;
+    for (int i = 0; i < n; i++) {
+        prun_t *x = &p->run[i];
+        any_rows |= pack_prompt(p, x, p->seq_start[i], total, &rc);
+        p->seq_start[i + 1] = p->seq_start[i] + x->take;
+        p->pos0[i] = x->done;
+        p->tables[i] = x->table;
+        last |= x->done + x->take >= x->r->n_tokens;
+    }
+    prism_llm_batch_t b = {
+        .n_seqs = n, .n_tokens = total, .tokens = p->chunk_tokens, .seq_start = p->seq_start, .pos0 = p->pos0,
+        .block_tables = p->tables, .embed_rows = any_rows ? p->chunk_rows : NULL, .rope_pos = p->chunk_pos,
+    };
+    /* Logits only when some prompt ends here (the last token of each sequence, [n][vocab]); a forward
+     * of middle chunks is begun and never ended (no lm_head, no wait; on a device the forwards queue
+     * back to back). The ranks get each plan first. */
+    if (rc == PRISM_OK) rc = prism_tp_send_step(&p->tp, &b, last);
+    p->in_forward = true;
+    p->n_fwd = n;
+    if (rc == PRISM_OK)
+        rc = last ? prism_llm_forward(p->llm, p->kv, &b, p->logits) : prism_llm_forward_begin(p->llm, p->kv, &b);
+    p->in_forward = false;
+    prism_worker_progress(&p->w, 1);
+    double t1 = prism_now_s();
+    p->fwd_not_before = t1 + p->fwd_gap_s;
+    p->forwards++;
+    p->forward_prompts += (uint64_t)n;
+    p->batch_peak = PRISM_MAX(p->batch_peak, (uint32_t)n);
+    if (rc == PRISM_OK) p->tokens_computed += (uint64_t)total;
+    if (rc != PRISM_OK && prism_tp_check(&p->tp) != PRISM_OK) p->group_failed = true;
+    /* From the back: taking a prompt out moves only those after it. */
+    for (int i = n - 1; i >= 0; i--) {
+        prun_t *x = &p->run[i];
+        preq_t *r = x->r;
+        prism_log_ctx_t lc = {r->seq.rid, r->seq.trace};
+        const prism_log_ctx_t *prev = prism_log_ctx_enter(&lc);
+        if (x->dropped) {
+            /* aborted mid-forward: the router needs no answer; blocks and slots go back at once */
+            release_req(p, r);
+            p->cancelled++;
+        } else if (rc != PRISM_OK) {
+            PRISM_ERROR("request %llu: prefill failed: %s", (unsigned long long)r->seq.rid, prism_strerror(rc));
+            fail_request(p, r, PRISM__ERROR_KIND__ERROR_INTERNAL, "prefill failed");
+        } else {
+            x->done += x->take;
+            if (x->done >= r->n_tokens) finish_prompt(p, x, p->logits + (size_t)i * p->cfg.vocab, t1);
+        }
+        prism_log_ctx_leave(prev);
+    }
+    stage_exports(p);
 }
 
 /* A rank is gone: every request held here gets a clean error now and the leader exits, so the
@@ -901,16 +1100,24 @@ static void expire_orphans(prefill_t *p)
 /* What the next heartbeat says (the I/O thread sends it on its own clock). */
 static void publish_load(prefill_t *p)
 {
-    int pending = 0;
+    int pending = 0, waiting = p->kv_pending, held_cached = 0;
     for (int i = 0; i < p->max_pending; i++) pending += p->reqs[i].seq.used;
+    /* Cached blocks no prompt holds are free for the next one; a prompt in the model holds its
+     * cached prefix, and once computed (its export waiting) the full blocks it gave the cache. */
+    for (int i = 0; i < p->n_run; i++) {
+        waiting += p->run[i].export_wait;
+        held_cached += p->run[i].export_wait ? PRISM_MAX(p->run[i].hit, p->run[i].n_full) : p->run[i].hit;
+    }
+    int kv_free = p->blocks.n_free + (p->prefix_on ? p->prefix.n_cached - held_cached : 0);
     prism_worker_load_t load = {
-        .running = (uint32_t)pending, .waiting = p->kv_pending ? 1 : 0,
-        /* between two prompts no request holds a block: every cached one is free for the next */
-        .kv_free_blocks = (uint32_t)(p->blocks.n_free + (p->prefix_on ? p->prefix.n_cached : 0)),
+        .running = (uint32_t)pending, .waiting = (uint32_t)waiting,
+        .kv_free_blocks = (uint32_t)PRISM_MAX(kv_free, p->blocks.n_free),
         .pool_free = (uint32_t)emb_room(p),   /* images of the largest kind */
         .prompts_aborted = p->cancelled,
         .prefix_cache_queries = p->cache_queries, .prefix_cache_hits = p->cache_hits,
         .prompt_tokens_computed = p->tokens_computed,
+        .prefill_forwards = p->forwards, .prefill_forward_prompts = p->forward_prompts,
+        .prefill_batch_peak = p->batch_peak,
     };
     prism_worker_set_load(&p->w, &load);
 }
@@ -923,6 +1130,7 @@ static int prefill_flags(void *ctx, prism_flag_t *t)
     p->f.block_size = 16;
     p->f.chunk = 512;
     p->f.max_pending = 64;
+    p->f.max_batch = 16;
     p->f.emb_images = 0;   /* 32, or 4 for Qwen-VL (prefill_size) */
     p->f.orphan_timeout = 120;
     prism_flag_t f[] = {
@@ -930,6 +1138,10 @@ static int prefill_flags(void *ctx, prism_flag_t *t)
         PRISM_FLAG_INT("kv-blocks", &p->f.kv_blocks, "KV blocks for prompts in flight (0 = two full contexts)"),
         PRISM_FLAG_INT("block-size", &p->f.block_size, "Tokens per KV block (must match the decode workers)"),
         PRISM_FLAG_INT("max-pending-requests", &p->f.max_pending, "Prefill requests held at once"),
+        PRISM_FLAG_INT("max-prefill-batch", &p->f.max_batch,
+                       "Most prompts one forward carries (their chunks together at most --chunked-prefill-size "
+                       "tokens; at most --max-pending-requests; 1 = one prompt at a time; models with "
+                       "chunked-attention layers always run 1)"),
         PRISM_FLAG_INT("embed-pool-images", &p->f.emb_images, "Receive pool for image embeddings, in images of the largest kind (Llama-4: of max_patches + 1 tiles; Qwen-VL: of --max-image-tokens; smaller images take less). 0 = 32, or 4 for Qwen-VL"),
         PRISM_FLAG_INT("max-image-tokens", &p->f.max_image_tokens, "Qwen-VL: the largest image taken, in LM tokens (0 = what the processor's max_pixels allows)"),
         PRISM_FLAG_INT("context-length", &p->f.context_length, "Max tokens per sequence (0 = model's max_position_embeddings, at most 131072)"),
@@ -947,7 +1159,7 @@ static int prefill_size(void *ctx, prism_worker_startup_t *s)
     prefill_t *p = ctx;
     char err[512] = "";
     if (p->f.chunk < 1 || p->f.chunk > 65536 || p->f.block_size < 1 || p->f.block_size > 1024 || p->f.max_pending < 1 ||
-        p->f.max_pending > 4096 || p->f.emb_images < 0 || p->f.emb_images > 65536 || !(p->f.orphan_timeout > 0) ||
+        p->f.max_pending > 4096 || p->f.max_batch < 1 || p->f.emb_images < 0 || p->f.emb_images > 65536 || !(p->f.orphan_timeout > 0) ||
         p->f.max_image_tokens < 0 || p->f.max_image_tokens > (int64_t)MAX_PAGES * PRISM_VISION_PIECE_ROWS) {
         PRISM_ERROR("flag out of range (see --help)");
         return 2;
@@ -957,6 +1169,10 @@ static int prefill_size(void *ctx, prism_worker_startup_t *s)
     p->chunk = (int)p->f.chunk;
     p->orphan_timeout_s = p->f.orphan_timeout;
     p->max_pending = (int)p->f.max_pending;
+    /* Llama-4's chunked-attention layers run one prompt per forward: their masks and KV export have
+     * a layout of their own, not checked against several prompts in one forward here. */
+    p->max_batch = (int)PRISM_MIN(PRISM_MIN(p->f.max_batch, p->f.max_pending), p->f.chunk);   /* a token each at least */
+    if (prism_kv_local_ring(&p->cfg, (int)p->f.block_size, p->chunk) > 0) p->max_batch = 1;
     if (p->cfg.has_vision) {
         /* Pages of one tile's rows; the largest image needs max_pages of them. */
         p->page_rows = p->cfg.image_seq_length;
@@ -1005,7 +1221,7 @@ static int prefill_size(void *ctx, prism_worker_startup_t *s)
         return 1;
     }
     s->max_blocks_per_seq = p->max_blocks_per_seq;
-    s->batch_seqs = 1;   /* prompts run one at a time, a chunk per forward */
+    s->batch_seqs = p->max_batch;   /* prompts per forward, their chunks together at most `chunk` tokens */
     s->batch_tokens = p->chunk;
     /* embeddings: the largest data frame is one tile's rows, or one piece of a native-resolution image */
     s->data_socket = true;
@@ -1022,7 +1238,7 @@ static int prefill_load(void *ctx, prism_worker_startup_t *s)
     prefill_t *p = ctx;
     char err[512] = "";
     p->be = s->be;
-    if (prism_llm_load(p->be, &p->cfg, s->o.model_path, p->chunk, 1, &p->llm, err, sizeof(err)) != PRISM_OK) {
+    if (prism_llm_load(p->be, &p->cfg, s->o.model_path, p->chunk, p->max_batch, &p->llm, err, sizeof(err)) != PRISM_OK) {
         PRISM_ERROR("cannot load language model: %s", err);
         return 1;
     }
@@ -1049,14 +1265,14 @@ static int prefill_plan(void *ctx, prism_worker_startup_t *s)
     prism_mem_plan_t *pl = &s->plan;
     p->prefix_on = s->leader && !p->f.no_prefix_cache;   /* the leader owns the block tables */
     prism_mem_plan_add(pl, "weights", prism_llm_weight_bytes(p->llm), PRISM_MEM_LIBRARY);
-    prism_mem_plan_add(pl, "activations", prism_llm_arena_bytes(&p->cfg, p->chunk, 1), PRISM_MEM_LIBRARY);
-    prism_mem_plan_add(pl, "model-host", prism_llm_host_bytes(&p->cfg, p->chunk, 1), PRISM_MEM_LIBRARY);
+    prism_mem_plan_add(pl, "activations", prism_llm_arena_bytes(&p->cfg, p->chunk, p->max_batch), PRISM_MEM_LIBRARY);
+    prism_mem_plan_add(pl, "model-host", prism_llm_host_bytes(&p->cfg, p->chunk, p->max_batch), PRISM_MEM_LIBRARY);
     prism_mem_plan_add(pl, "sampling", p->sampling_bytes, PRISM_MEM_LIBRARY);
     prism_mem_plan_add(pl, "kv-cache", (size_t)s->cap.kv_blocks * kv_block_bytes(p), PRISM_MEM_LIBRARY);
     /* the prefix cache's index over those blocks (its KV is the blocks themselves: no new budget) */
     prism_mem_plan_add(pl, "prefix-index", p->prefix_on ? prism_kv_prefix_bytes((int)s->cap.kv_blocks) : 0,
                        PRISM_MEM_LIBRARY);
-    PRISM_PLAN_POOL(pl, "prefix-keys", p->keys, p->prefix_on ? (size_t)p->max_blocks_per_seq : 0);
+    PRISM_PLAN_POOL(pl, "prefix-keys", p->run_keys, p->prefix_on ? (size_t)p->max_batch * p->max_blocks_per_seq : 0);
     PRISM_PLAN_POOL(pl, "prompt-keys", p->key_pool,
                     p->prefix_on ? (size_t)p->max_pending * p->max_blocks_per_seq : 0);
     /* the leader gathers a prompt's whole-model KV here for the decode worker */
@@ -1067,10 +1283,16 @@ static int prefill_plan(void *ctx, prism_worker_startup_t *s)
     PRISM_PLAN_POOL(pl, "requests", p->reqs, p->max_pending);
     PRISM_PLAN_POOL(pl, "prompts", p->token_pool, (size_t)p->max_pending * p->max_model_len);
     PRISM_PLAN_POOL(pl, "export-prompt", p->kv_prompt, p->max_model_len);
+    PRISM_PLAN_POOL(pl, "chunk-tokens", p->chunk_tokens, p->chunk);
     PRISM_PLAN_POOL(pl, "chunk-rows", p->chunk_rows, p->chunk);
     PRISM_PLAN_POOL(pl, "chunk-positions", p->chunk_pos, prism_model_mrope(&p->cfg) ? 3 * (size_t)p->chunk : 0);
-    PRISM_PLAN_POOL(pl, "block-table", p->table, p->max_blocks_per_seq);
-    PRISM_PLAN_POOL(pl, "logits", p->logits, p->cfg.vocab);
+    /* the prompts in the model: their records, block tables, and the forward's per-prompt arrays */
+    PRISM_PLAN_POOL(pl, "prompts-in-model", p->run, p->max_batch);
+    PRISM_PLAN_POOL(pl, "block-tables", p->run_tables, (size_t)p->max_batch * p->max_blocks_per_seq);
+    PRISM_PLAN_POOL(pl, "forward-seq-start", p->seq_start, p->max_batch + 1);
+    PRISM_PLAN_POOL(pl, "forward-pos0", p->pos0, p->max_batch);
+    PRISM_PLAN_POOL(pl, "forward-tables", p->tables, p->max_batch);
+    PRISM_PLAN_POOL(pl, "logits", p->logits, (size_t)p->max_batch * p->cfg.vocab);
     return -1;
 }
 
@@ -1096,11 +1318,22 @@ static int prefill_ready(void *ctx, prism_worker_startup_t *s)
         PRISM_WARN("test hook PRISM_TEST_KV_PIECE_GAP_S=%g is set: each KV transfer pauses that long between pieces",
                    p->kv_gap_s);
     }
+    gap = getenv("PRISM_TEST_PREFILL_FORWARD_GAP_S");
+    if (gap && *gap) {
+        double g = strtod(gap, NULL);
+        p->fwd_gap_s = g >= 0 && g <= 600 ? g : 0;
+        PRISM_WARN("test hook PRISM_TEST_PREFILL_FORWARD_GAP_S=%g is set: the prefill pauses that long between forwards",
+                   p->fwd_gap_s);
+    }
     for (int i = 0; i < p->max_pending; i++) {
         p->reqs[i].tokens = p->token_pool + (size_t)i * p->max_model_len;
         p->reqs[i].keys = p->key_pool ? p->key_pool + (size_t)i * p->max_blocks_per_seq : NULL;
     }
     for (int i = 0; i < p->n_pages; i++) p->free_pages[p->n_free_pages++] = p->n_pages - 1 - i;
+    for (int i = 0; i < p->max_batch; i++) {
+        p->run[i].table = p->run_tables + (size_t)i * p->max_blocks_per_seq;
+        p->run[i].keys = p->run_keys ? p->run_keys + (size_t)i * p->max_blocks_per_seq : NULL;
+    }
     if (s->leader) {
         p->hook = (prism_model_hook_t){hook_layer, hook_cancelled, p};
         prism_llm_set_hook(p->llm, &p->hook);
@@ -1113,7 +1346,7 @@ static int prefill_ready(void *ctx, prism_worker_startup_t *s)
 static int prefill_run(void *ctx)
 {
     prefill_t *p = ctx;
-    PRISM_INFO("prefill: chunk %d tokens, embedding pool %d pages of %d rows (%d images of up to %d pages)", p->chunk,
+    PRISM_INFO("prefill: chunk %d tokens for up to %d prompts a forward, embedding pool %d pages of %d rows (%d images of up to %d pages)", p->chunk, p->max_batch,
                p->n_pages, p->page_rows, p->max_pages ? p->n_pages / p->max_pages : 0, p->max_pages);
     p->test_evict_on_arrival = getenv("PRISM_TEST_PREFIX_EVICT_ON_ARRIVAL") != NULL;
     if (p->test_evict_on_arrival)
@@ -1136,11 +1369,12 @@ static int prefill_run(void *ctx)
         publish_prefix_events(p);   /* evictions of a prompt that then waited for blocks */
         try_send_kv(p);
         bool work = false;
-        for (int i = 0; i < p->max_pending && !p->kv_pending; i++)
-            work |= p->reqs[i].seq.used && ready(p, &p->reqs[i]);
+        for (int i = 0; i < p->max_pending && !p->kv_pending && !work; i++)
+            work |= p->reqs[i].seq.used && (p->reqs[i].in_model || ready(p, &p->reqs[i]));
         prism_worker_accept_data(&p->w, emb_credit(p));
-        prism_worker_poll(&p->w, work ? 0 : (p->kv_pending ? 2 : 50), on_msg, p);
-        run_one(p);
+        /* (the forward-gap test hook waits without spinning) */
+        prism_worker_poll(&p->w, work ? (p->fwd_gap_s > 0 ? 2 : 0) : (p->kv_pending ? 2 : 50), on_msg, p);
+        run_step(p);
         expire_orphans(p);
     }
     PRISM_INFO("prefill worker stopping after %llu requests (%llu cancelled mid-prompt)", (unsigned long long)p->served,
@@ -1152,7 +1386,7 @@ static int prefill_run(void *ctx)
 
 static const prism_worker_tier_t k_prefill_tier = {
     .role = "prefill", .proto_role = PRISM__ROLE__ROLE_PREFILL,
-    .summary = "Prism prefill worker: chunked prefill, first token, KV export to decode workers.",
+    .summary = "Prism prefill worker: batched, chunked prefill, first token, KV export to decode workers.",
     .flags = prefill_flags, .size = prefill_size, .load = prefill_load, .plan = prefill_plan, .ready = prefill_ready,
     .run = prefill_run,
     .group = &prism_tp_group,

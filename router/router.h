@@ -79,6 +79,8 @@ typedef struct {
     uint64_t migrations_out;      /* decode: sequences it preempted by sending their KV to another decode */
     uint64_t prefix_queries, prefix_hits, prefill_computed;   /* prefill: prompt tokens (heartbeats) */
     uint32_t image_decodes_peak;  /* encoders: most images decoded at once since start (its image pool) */
+    uint64_t prefill_forwards, prefill_forward_prompts;   /* prefill: forwards, prompts they carried */
+    uint32_t prefill_batch_peak;  /* prefill: most prompts in one forward */
     router_prefix_index_t prefix; /* prefill: the blocks its prefix cache holds, from its PrefixEvents */
     uint64_t heartbeats;          /* received since registration: lets a reader wait for fresh numbers */
     double registered_at;         /* first registration of this slot (prism_now_s) */

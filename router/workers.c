@@ -123,6 +123,9 @@ bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat
     w->prefix_hits = hb->prefix_cache_hits;
     w->prefill_computed = hb->prompt_tokens_computed;
     w->image_decodes_peak = hb->image_decodes_peak;
+    w->prefill_forwards = hb->prefill_forwards;
+    w->prefill_forward_prompts = hb->prefill_forward_prompts;
+    w->prefill_batch_peak = hb->prefill_batch_peak;
     w->alloc_count = hb->alloc_count;
     w->heartbeats++;
     w->peer_auth_failures = hb->peer_auth_failures;

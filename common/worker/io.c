@@ -442,6 +442,9 @@ static void io_heartbeat(prism_worker_t *w)
     hb.prefix_cache_hits = l.prefix_cache_hits;
     hb.prompt_tokens_computed = l.prompt_tokens_computed;
     hb.image_decodes_peak = l.image_decodes_peak;
+    hb.prefill_forwards = l.prefill_forwards;
+    hb.prefill_forward_prompts = l.prefill_forward_prompts;
+    hb.prefill_batch_peak = l.prefill_batch_peak;
     hb.mem_used = prism_mem_used();
     hb.mem_peak = prism_mem_peak();
     hb.mem_planned = w->reg.mem_planned;

@@ -117,6 +117,9 @@ typedef struct {
     /* prefill: prompt tokens looked up in / found in the prefix cache, and computed (counters) */
     uint64_t prefix_cache_queries, prefix_cache_hits, prompt_tokens_computed;
     uint32_t image_decodes_peak; /* encoder: most images decoded at once since start */
+    /* prefill: forwards, the prompts they carried, the most in one forward (batched prefill) */
+    uint64_t prefill_forwards, prefill_forward_prompts;
+    uint32_t prefill_batch_peak;
 } prism_worker_load_t;
 
 /* An abort as the I/O thread saw it. */

@@ -1,6 +1,6 @@
 /* libFuzzer: the prefill worker's message handlers (prefill_worker/main.c on_msg: Prefill and Abort
- * from routers, Embeddings from encoders) and its loop (run_one: the prompt through the bundled tiny
- * model on the CPU, first tokens, the KV export and its push to the decode worker; expire_orphans),
+ * from routers, Embeddings from encoders) and its loop (run_step: one forward over the prompts in the
+ * bundled tiny model on the CPU (batched prefill), first tokens, the KV export and its push to the decode worker; expire_orphans),
  * on the worker its own start-up builds (prism_worker_open with k_prefill_tier) with small pools: 3 requests, 2 images, a
  * 128-token context. Records: see fuzz_worker.h; the harness plays the I/O thread.
  * Invariants: after every step each reply is a Tokens message to the router and each KV transfer
@@ -68,7 +68,7 @@ static void turn(void)
     try_send_kv(p);
     fuzz_poll(&g_io, &p->w, emb_credit(p), on_msg_confined, p);
     drain();
-    run_one(p);
+    run_step(p);
     expire_orphans(p);
     drain();
 }
@@ -78,7 +78,7 @@ static bool servable(prefill_t *p)
 {
     if (p->kv_pending) return false;
     for (int i = 0; i < p->max_pending; i++)
-        if (p->reqs[i].seq.used && ready(p, &p->reqs[i])) return true;
+        if (p->reqs[i].seq.used && (p->reqs[i].in_model || ready(p, &p->reqs[i]))) return true;
     return false;
 }
 
@@ -109,8 +109,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     prefill_t *p = &g_p;
     fuzz_play(&g_io, &p->w, &data, &size, -1, turn);
-    /* What the loop would do with nothing more coming. */
-    for (int k = 0; k <= p->max_pending; k++) turn();
+    /* What the loop would do with nothing more coming: a forward a turn, each prompt in chunks. */
+    for (int k = 0; k <= p->max_pending * (p->max_model_len / p->chunk + 2); k++) turn();
     FUZZ_ASSERT(g_io.n == 0);
     FUZZ_ASSERT(!servable(p));   /* not wedged */
 
@@ -132,7 +132,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         prism_kv_prefix_events_take(&p->prefix, &log);
     }
     FUZZ_ASSERT(p->blocks.n_free == p->blocks.n_blocks);
-    FUZZ_ASSERT(!p->kv_pending && !p->cur);
+    FUZZ_ASSERT(!p->kv_pending && p->n_run == 0);
 
     if (getenv("FUZZ_VERBOSE"))   /* what an input did: to check that a seed does what it says */
         fprintf(stderr, "prefill: %llu replies, %llu KV transfers, %llu served, %llu cancelled mid-prompt\n",

@@ -12,11 +12,13 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cluster import (Cluster, binary, chat_body, check_answer, distinct_requests, fresh_heartbeats, image_url,  # noqa: E402
-                     make_image, read_response, reference, run_tests, tool_env, wait_for, MODEL, STAGES)
+                     make_image, read_response, reference, run_tests, tool_env, wait_for, work_counters, MODEL,
+                     STAGES)
 
 TMP = tempfile.mkdtemp(prefix="prism-e2e-")
 JPG = make_image(os.path.join(TMP, "red_circle.jpg"), width=640, height=480, shape="circle", color="red")
@@ -753,6 +755,143 @@ def test_prefix_routing_and_encoder_skip():
             c.stop()
 
 
+def test_batched_prefill_abort_and_prefix_hit():
+    """Batched prefill (prefill_worker run_step): prompts share forwards. The test hook
+    PRISM_TEST_PREFILL_FORWARD_GAP_S pauses the prefill between forwards so that prompts meet in one.
+    A (300 tokens) is in the model when B (1200) comes: the next forward carries A's last chunk and
+    B's first; then B's client leaves. A and C (sent beside B) answer as they do alone, the prefill
+    counts B left mid-prompt, and every KV block is free afterwards (the free-block gauge). Then a
+    prompt whose prefix is cached rides in one forward beside a new prompt: it reads its cached
+    blocks (the hit counters) and both answer as alone."""
+    import http.client
+    blocks = 160
+    gap = 0.5
+    c = Cluster(common_worker_args=["--heartbeat-interval", "0.1"],
+                worker_args={"prefill_worker": ["--chunked-prefill-size", "256", "--kv-blocks", str(blocks)]},
+                worker_env={"prefill_worker": {"PRISM_TEST_PREFILL_FORWARD_GAP_S": str(gap)}})
+
+    def body(words, salt):
+        return {"model": "prism-tiny-llava", "prompt": words, "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True, "cache_salt": salt}
+
+    def text(words, salt):
+        status, r = c.post_json("/v1/completions", body(words, salt))
+        assert status == 200, (status, r)
+        return r["choices"][0]["text"]
+
+    def pf(name):
+        return c.metric(name, worker="prefill-0") or 0
+
+    try:
+        c.wait_ready()
+        salt = "batch-%f" % time.time()
+        a_words, b_words, c_words = "one two " * 150, "three four " * 600, "five six " * 150
+        refs = {k: text(w, "ref-%s-%s" % (k, salt)) for k, w in (("a", a_words), ("c", c_words))}
+        fresh_heartbeats(c, "prefill-0")
+        before = work_counters(c, "prefill-0")
+        fwd0 = pf("prism:worker_prefill_forwards_total")
+        got = {}
+        ta = threading.Thread(target=lambda: got.update(a=text(a_words, salt)))
+        ta.start()
+        wait_for(lambda: pf("prism:worker_prefill_forwards_total") > fwd0, 20, "A's first forward")
+        mixed0 = pf("prism:worker_prefill_forward_prompts_total") - pf("prism:worker_prefill_forwards_total")
+        conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=60)
+        conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                     body=json.dumps(dict(body(b_words, salt), stream=True)).encode())
+        tc = threading.Thread(target=lambda: got.update(c=text(c_words, salt)))
+        tc.start()
+        # a forward carried two prompts (A's last chunk and B's first): B is in the model, 1000 tokens to go
+        wait_for(lambda: pf("prism:worker_prefill_forward_prompts_total") - pf("prism:worker_prefill_forwards_total")
+                 > mixed0, 20, "a forward with A and B")
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        ta.join(60)
+        tc.join(60)
+        assert got == refs, (got, refs)
+        wait_for(lambda: work_counters(c, "prefill-0")["prompts_aborted"] == before["prompts_aborted"] + 1, 20,
+                 "the prefill worker to leave B mid-prompt")
+        wait_for(lambda: c.metric("prism:worker_running", worker="prefill-0") == 0, 20, "the prefill worker idle")
+        fresh_heartbeats(c, "prefill-0")
+        assert pf("prism:worker_kv_free_blocks") == blocks, (pf("prism:worker_kv_free_blocks"), blocks)
+        assert "test hook PRISM_TEST_PREFILL_FORWARD_GAP_S" in c.log("prefill-0", tail=0)
+        # a cached prefix beside a new prompt in one forward
+        p_words, q_words = "seven eight " * 150, "nine ten " * 100
+        p_ref = text(p_words, salt)
+        q_ref = text(q_words, "ref-q-" + salt)
+        fresh_heartbeats(c, "prefill-0")
+        hits0 = pf("prism:worker_prefix_cache_hits_total")
+        mixed0 = pf("prism:worker_prefill_forward_prompts_total") - pf("prism:worker_prefill_forwards_total")
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            fp, fq = ex.submit(text, p_words, salt), ex.submit(text, q_words, salt)
+            assert (fp.result(), fq.result()) == (p_ref, q_ref)
+        fresh_heartbeats(c, "prefill-0")
+        assert pf("prism:worker_prefix_cache_hits_total") - hits0 >= 256, (hits0, pf("prism:worker_prefix_cache_hits_total"))
+        assert pf("prism:worker_prefill_forward_prompts_total") - pf("prism:worker_prefill_forwards_total") > mixed0, \
+            "the cached prompt and the new one did not share a forward"
+        assert pf("prism:worker_kv_free_blocks") == blocks
+        assert all(c.alive().values()), c.alive()
+    finally:
+        c.stop()
+
+
+def test_batched_prefill_prefix_miss():
+    """A PREFIX_MISS inside a batch refuses only its prompt. Both test hooks: the prefill empties its
+    prefix cache when a prompt with an image marked cached arrives (PRISM_TEST_PREFIX_EVICT_ON_ARRIVAL)
+    and pauses between forwards (PRISM_TEST_PREFILL_FORWARD_GAP_S). A long text prompt L is in the
+    model when a chat's turn 2 (its image skipped by the encoder, so missed) and a short prompt S
+    come: the forward of L's last chunk admits them, refuses turn 2 (the router sends it again with
+    the image encoded) and carries S beside L. Every answer is what it is alone."""
+    c = Cluster(common_worker_args=["--heartbeat-interval", "0.1"],
+                worker_args={"prefill_worker": ["--chunked-prefill-size", "256"]},
+                worker_env={"prefill_worker": {"PRISM_TEST_PREFIX_EVICT_ON_ARRIVAL": "1",
+                                               "PRISM_TEST_PREFILL_FORWARD_GAP_S": "0.3"}})
+
+    def text(words, salt):
+        status, r = c.post_json("/v1/completions", {"model": "prism-tiny-llava", "prompt": words, "max_tokens": 8,
+                                                     "temperature": 0, "ignore_eos": True, "cache_salt": salt})
+        assert status == 200, (status, r)
+        return r["choices"][0]["text"]
+
+    def pf(name):
+        return c.metric(name, worker="prefill-0") or 0
+
+    def shared():
+        return pf("prism:worker_prefill_forward_prompts_total") - pf("prism:worker_prefill_forwards_total")
+
+    try:
+        c.wait_ready()
+        salt = "miss-%f" % time.time()
+        l_words, s_words = "red green " * 500, "blue yellow " * 40
+        refs = {"l": text(l_words, "ref-l-" + salt), "s": text(s_words, "ref-s-" + salt)}
+        ref_turns = chat_turns(c, 2, "ref-chat-" + salt)   # turn 2 missed and was sent again, as below
+        resent0 = c.metric("prism:prefix_resent_total") or 0
+        assert resent0 == 1, resent0
+        first = chat_turns(c, 1, salt)   # cached: the router skips its image next time
+        assert_same_answer(first[0], ref_turns[0], "turn 1")
+        fresh_heartbeats(c, "prefill-0")
+        fwd0, shared0 = pf("prism:worker_prefill_forwards_total"), shared()
+        got = {}
+        tl = threading.Thread(target=lambda: got.update(l=text(l_words, salt)))
+        tl.start()
+        wait_for(lambda: pf("prism:worker_prefill_forwards_total") > fwd0, 20, "L's first forward")
+        t2 = threading.Thread(target=lambda: got.update(turn2=chat_turns(c, 2, salt)[1]))   # turns 1 and 2
+        t2.start()
+        time.sleep(0.05)
+        ts = threading.Thread(target=lambda: got.update(s=text(s_words, salt)))
+        ts.start()
+        for t in (tl, t2, ts):
+            t.join(60)
+        assert {k: got.get(k) for k in ("l", "s")} == refs, (got, refs)
+        assert_same_answer(got["turn2"], ref_turns[1], "turn 2, missed in a batch")
+        # both turns the thread sent (turn 1 again, then turn 2) were skipped, missed and sent again
+        assert (c.metric("prism:prefix_resent_total") or 0) == resent0 + 2, (c.metric("prism:prefix_resent_total"), resent0)
+        fresh_heartbeats(c, "prefill-0")
+        assert shared() > shared0, "no forward carried two prompts"
+        assert all(c.alive().values()), c.alive()
+    finally:
+        c.stop()
+
+
 def test_all_processes_alive():
     assert all(C.alive().values()), C.alive()
 
@@ -770,6 +909,7 @@ if __name__ == "__main__":
                         test_memory_plan_is_what_the_workers_allocate, test_tokenize_detokenize,
                         test_chat_template_override_and_unsupported, test_prefix_cache_hits_and_salt,
                         test_prefix_cache_never_aliases, test_prefix_routing_and_encoder_skip,
+                        test_batched_prefill_abort_and_prefix_hit, test_batched_prefill_prefix_miss,
                         test_all_processes_alive])
     finally:
         C.stop()

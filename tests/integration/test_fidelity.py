@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import ROOT, Cluster, binary, run_tests  # noqa: E402
+from cluster import ROOT, Cluster, binary, fresh_heartbeats, run_tests  # noqa: E402
 
 DATA = os.environ.get("PRISM_E2E_GOLDEN_DIR") or os.path.join(ROOT, "tests", "data", "e2e")
 TOL = 1e-3          # |logprob - HF| bound (issue: "within 1e-3")
@@ -233,6 +233,38 @@ def check_stream(case):
     check_common(case, text, finish, usage, where)
 
 
+def batch_counters():
+    """(forwards, prompts they carried, most prompts in one forward) of the prefill worker, as its
+    latest heartbeat says."""
+    return tuple(C.metric(m, worker="prefill-0") or 0 for m in (
+        "prism:worker_prefill_forwards_total", "prism:worker_prefill_forward_prompts_total",
+        "prism:worker_prefill_batch_peak"))
+
+
+def check_batched(cases, where):
+    """Every case at once (batched prefill: their prompts share forwards, a long one's chunks beside
+    short ones, text beside images): each answer still HF's, and forwards carried several prompts."""
+    import concurrent.futures
+    fresh_heartbeats(C, "prefill-0")
+    before = batch_counters()
+    errors = []
+
+    def one(case):
+        try:
+            check_non_stream(case)
+        except AssertionError as e:
+            errors.append(str(e))
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as ex:
+        list(ex.map(one, cases))
+    assert not errors, "%s:\n%s" % (where, "\n".join(errors))
+    fresh_heartbeats(C, "prefill-0")
+    after = batch_counters()
+    fwd, prompts = after[0] - before[0], after[1] - before[1]
+    print("  %s: %d forwards carried %d prompts (%.2f a forward), at most %d in one" % (
+        where, fwd, prompts, prompts / max(fwd, 1), after[2]), flush=True)
+    assert after[2] > 1 and prompts > fwd, ("no forward carried two prompts", before, after)
+
+
 def make_test(fn, case, suffix):
     def t():
         fn(case)
@@ -257,6 +289,10 @@ def main():
         for case in CASES:
             tests += [make_test(check_prompt, case, "prompt_ids"), make_test(check_non_stream, case, "greedy"),
                       make_test(check_stream, case, "stream")]
+
+        def test_all_cases_at_once_batched():
+            check_batched(CASES, "all cases at once")
+        tests.append(test_all_cases_at_once_batched)
         rc = run_tests(tests)
         for name, r in REPORT.items():
             if "max_dlogprob" in r:
@@ -293,7 +329,11 @@ def main():
         C.wait_ready()
         print("--chunked-prefill-size %d: %s" % (CHUNK, ", ".join("%s (%d tokens)" % (c["name"], len(c["prompt_ids"]))
                                                                 for c in long_cases)), flush=True)
-        rc2 = run_tests([make_test(check_non_stream, c, "greedy_chunk%d" % CHUNK) for c in long_cases])
+        def test_all_cases_at_once_chunked():
+            # the long prompts in chunks of CHUNK tokens, the short ones riding beside their chunks
+            check_batched(CASES, "all cases at once, --chunked-prefill-size %d" % CHUNK)
+        rc2 = run_tests([make_test(check_non_stream, c, "greedy_chunk%d" % CHUNK) for c in long_cases] +
+                        [test_all_cases_at_once_chunked])
         if rc2:
             print("cluster logs: %s" % C.log_dir)
     finally:

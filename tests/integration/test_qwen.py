@@ -301,6 +301,28 @@ def test_tp_groups():
         check_cases(c)
 
 
+def test_batched_mrope():
+    """Batched prefill with M-RoPE: the golden conversations at once, twice, on a prefill that pauses
+    between forwards (test hook PRISM_TEST_PREFILL_FORWARD_GAP_S) so that the prompts whose images
+    are in meet in one forward, each with its own rotary positions: HF's tokens for every one, and
+    forwards carried several prompts."""
+    with Cluster(model=QW, common_worker_args=HB,
+                 worker_env={"prefill_worker": {"PRISM_TEST_PREFILL_FORWARD_GAP_S": "0.3"}}) as c:
+        c.wait_ready()
+
+        def shared():   # prompts carried beyond one a forward (the prefill worker's heartbeat)
+            return ((c.metric("prism:worker_prefill_forward_prompts_total", worker="prefill-0") or 0) -
+                    (c.metric("prism:worker_prefill_forwards_total", worker="prefill-0") or 0))
+        before = shared()
+        bodies = [body(case_messages(case), stream=i % 2 == 1) for i, case in enumerate(GOLD["cases"])] * 2
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+            res = list(ex.map(lambda b: ask(c, b)[0], bodies))
+        for i, got in enumerate(res):
+            want = GOLD["cases"][i % len(GOLD["cases"])]["greedy"]
+            assert got == want, (i, got, want)
+        wait_for(lambda: shared() > before, 10, "a forward carrying two of the prompts")
+
+
 # ---------------------------------------------------------------- cluster D: an image bound
 
 def test_image_token_bound():
@@ -345,6 +367,7 @@ def main():
     finally:
         C.stop()
     rc |= run_tests([test_tp_groups])
+    rc |= run_tests([test_batched_mrope])
     C = Cluster(model=QW, common_worker_args=HB, worker_args={"encoder_worker": ["--max-image-tokens", "20"]})
     try:
         C.wait_ready()

@@ -7,6 +7,7 @@
 - SIGKILL of one non-leader rank while a request streams: the request ends promptly with an error
   (no hang), the leader and the other ranks exit, the router drops the group; a new group started
   under the same id forms and serves again; a killed leader takes its ranks down too;
+- batched prefill in a prefill group: plans of several prompts at once, answers as T = 1;
 - aborts in groups (only the leader hears of them; the shards never drop anything between layers):
   a prefill group stops a long prompt whose client left between two chunks and frees its blocks; a
   decode group with --overlap-steps on answers exactly, and a stream left by its client frees its
@@ -156,6 +157,26 @@ def test_prefill_tp2_decode_tp1():
 def test_prefill_tp2_decode_tp4():
     """KV heads split 2 ways at prefill, 4 ways at decode (P != T)."""
     check_group_equals_t1(4, prefill_size=2)
+
+
+def test_prefill_group_batches():
+    """Batched prefill in a group of P = 2: the leader sends its ranks plans of several prompts
+    (their chunks side by side, a block table each). The leader pauses between forwards (test hook
+    PRISM_TEST_PREFILL_FORWARD_GAP_S, the leader's clock: the ranks follow its plans) so that the
+    requests sent at once meet in a forward; every answer is the T = 1 reference and forwards
+    carried several prompts."""
+    with Cluster(decodes=1, prefills=0, common_worker_args=["--heartbeat-interval", "0.1"],
+                 worker_env={"prefill_worker": {"PRISM_TEST_PREFILL_FORWARD_GAP_S": "0.3"}}) as c:
+        start_group(c, "prefill-0", 2, "prefill_worker")
+        c.wait_ready(timeout=300)
+        jobs = [(i, s) for i in range(len(REQS)) for s in (False, True)]
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as ex:
+            list(ex.map(lambda j: answer(c, REQS[j[0]][0], REQS[j[0]][1], j[1], "P=2 batched item %d stream %s" % j),
+                        jobs))
+        wait_for(lambda: (c.metric("prism:worker_prefill_forward_prompts_total", worker="prefill-0") or 0) >
+                 (c.metric("prism:worker_prefill_forwards_total", worker="prefill-0") or 0), 10,
+                 "a forward of the group carrying two prompts")
+        assert c.procs["prefill-0.r1"].poll() is None, c.log("prefill-0.r1")
 
 
 def test_rank_killed_fails_cleanly_and_group_reforms():
@@ -353,7 +374,7 @@ def test_launcher_decode_tp4_prefill_tp2():
 
 if __name__ == "__main__":
     sys.exit(run_tests([test_tp2_equals_tp1, test_tp8_kv_heads_replicated, test_prefill_tp2_decode_tp1,
-                        test_prefill_tp2_decode_tp4,
+                        test_prefill_tp2_decode_tp4, test_prefill_group_batches,
                         test_rank_killed_fails_cleanly_and_group_reforms, test_prefill_rank_killed,
                         test_aborts_and_overlap_in_groups, test_preemption_in_a_group,
                         test_launcher_decode_tp4_prefill_tp2]))
