@@ -29,8 +29,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import BUILD, MODEL, ROOT, binary, chat_body, make_image, run_tests  # noqa: E402
-from launched import Launched, at_port, finish, free_port_range, pid_alive, wait_for  # noqa: E402
+from cluster import BUILD, MODEL, ROOT, binary, chat_body, free_port_range, make_image, run_tests  # noqa: E402
+from launched import Launched, at_port, finish, pid_alive, wait_for  # noqa: E402
 
 SKIP = 77
 TMP = tempfile.mkdtemp(prefix="prism-lb-")
