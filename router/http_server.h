@@ -96,7 +96,9 @@ typedef struct {
     int max_connections;       /* 0 = 1024; beyond: accept, answer 503, close */
     double idle_timeout_s;     /* keep-alive idle timeout between requests; 0 = 60 s (a proxy in front
                                 * keeps its own shorter: deploy/nginx/prism.conf's upstream
-                                * keepalive_timeout, checked by test_loadbalancer.py) */
+                                * keepalive_timeout, deploy/haproxy/prism.cfg's timeout
+                                * http-keep-alive with http-reuse never; both checked by
+                                * test_loadbalancer.py) */
     double header_timeout_s;   /* request line + headers within this of the first byte; 0 = 30 s; else 408 */
     size_t min_body_rate;      /* bytes/s a body must average once body_grace_s have passed since its
                                 * headers, or since the end of its last pause (the time the server did

@@ -46,7 +46,7 @@ def random_model(tmp):
 def run(size, model, args, extra):
     wa = {"decode_worker": extra, "prefill_worker": extra, "encoder_worker": extra}
     with cl.Cluster(decodes=0, model=model, worker_args=wa) as c:
-        leader = "tcp://127.0.0.1:%d" % cl.link_ports(1)
+        leader = "tcp://127.0.0.1:%d" % cl.free_port()
         tp = ["--tp-size", str(size), "--tp-leader", leader]
         c.start_worker("decode-0", "decode_worker", extra=tp + ["--tp-rank", "0"])
         for r in range(1, size):

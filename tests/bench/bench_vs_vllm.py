@@ -388,7 +388,7 @@ def prompt_check(server, photo):
 
 def run_server(args, make, tag, cells, datasets, workdir, photo):
     """Starts one server, measures every cell on it, stops it. Returns its figures."""
-    port = args.port
+    port = args.port or cl.free_port_range(3)
     srv = make(port, os.path.join(workdir, "server_%s.log" % tag))
     res = {"command": " ".join(srv.argv), "cells": {}}
     try:
@@ -492,7 +492,8 @@ def main():
     ap.add_argument("--min-requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--quality", type=int, default=93, help="JPEG quality (93: the 4096 px photo is 7.6 MB)")
-    ap.add_argument("--port", type=int, default=25000, help="the server's HTTP port (Prism uses the next two too)")
+    ap.add_argument("--port", type=int, default=0, help="the server's HTTP port (Prism uses the next two too); "
+                    "default: three free ones from the test harness's picker (cluster.free_port_range)")
     ap.add_argument("--ready-timeout", type=int, default=600)
     ap.add_argument("--request-timeout", type=int, default=600)
     ap.add_argument("--cell-timeout", type=int, default=1800, help="AIPerf is killed after this many seconds")

@@ -3,6 +3,7 @@
 Only the Python standard library is used, so CI needs nothing beyond python3.
 """
 import base64
+import fcntl
 import http.client
 import json
 import os
@@ -31,30 +32,96 @@ SANITIZER_MARKS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime e
 PLAN_MARGIN = 48 << 10
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def ephemeral_port_range():
+    """(low, high): the kernel's range for the local ports of outgoing connections and of binds to
+    port 0 (net.ipv4.ip_local_port_range)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
-def link_ports(n):
-    """n consecutive free loopback ports below the kernel's ephemeral range, so that no port the
-    harness gets by binding port 0 (routers, launch.sh's range) can be one of them."""
-    rnd = random.Random()
-    for _ in range(200):
-        base = rnd.randrange(20000, 30000 - n)
-        socks = []
+_PORTS_HANDED_OUT = set()  # by this process: never handed out twice
+_PORT_LOCKS = []           # [fd] of the lock file; one locked byte per port handed out (see free_port_range)
+PORT_FLOOR = 10000         # well-known and registered-service ports stay out of it
+
+
+def _port_lock_fd():
+    """The shared lock file's descriptor, opened once (a POSIX lock goes when its process closes any
+    descriptor of the file, so there is only this one); None where it cannot be opened."""
+    if not _PORT_LOCKS:
+        path = os.path.join(tempfile.gettempdir(), "prism-test-ports.lock")
         try:
-            for p in range(base, base + n):
-                socks.append(socket.socket())
-                socks[-1].bind(("127.0.0.1", p))
-            return base
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                os.fchmod(fd, 0o666)  # every user's tests share it
+            except OSError:
+                pass
         except OSError:
+            fd = None
+        _PORT_LOCKS.append(fd)
+    return _PORT_LOCKS[0]
+
+
+def _reserve(port):
+    """Takes port for this process until it exits: False when another test process holds it."""
+    fd = _port_lock_fd()
+    if fd is None:
+        return True
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, port)
+        return True
+    except OSError:
+        return False
+
+
+def _bindable(port):
+    """Whether a server can listen on 127.0.0.1:port now, binding as the routers (libuv), ZeroMQ's tcp
+    binds, nginx and HAProxy do: with SO_REUSEADDR, so a port whose old connections sit in TIME_WAIT
+    counts as free, and listening, so another socket's bind or listen on it counts as taken."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen(1)
+            return True
+        except OSError:
+            return False
+
+
+def free_port_range(n=1):
+    """Base of n consecutive loopback ports for servers a test starts (routers, control endpoints,
+    link leaders, balancers, launch.sh's ports): free now, and below the kernel's ephemeral range
+    (ephemeral_port_range; above it if no room below). A port found free, closed and bound by a
+    server later is a race: a port from the ephemeral range (what binding port 0 gives) may meanwhile
+    become the local port of any outgoing connection (ZeroMQ reconnects, nginx's upstream connections,
+    curl), and the server's bind fails (about 1 cluster start in 100 did); ports outside it are never
+    handed to a connection. Ports handed out are not handed out again by this process, nor by another
+    test process while this one runs (one locked byte per port in a shared lock file)."""
+    low, high = ephemeral_port_range()
+    spans = [(a, b) for a, b in ((PORT_FLOOR, low - 1), (high + 1, 65535)) if b - a + 1 >= max(n, 1000)]
+    if not spans:
+        print("warning: no room for test ports outside the ephemeral range %d-%d; they may race outgoing "
+              "connections (narrow net.ipv4.ip_local_port_range)" % (low, high), file=sys.stderr, flush=True)
+        spans = [(PORT_FLOOR, 65535)]
+    rnd = random.Random()
+    for _ in range(500):
+        a, b = rnd.choice(spans)
+        base = rnd.randrange(a, b - n + 2)
+        ports = range(base, base + n)
+        if any(p in _PORTS_HANDED_OUT for p in ports) or not all(_bindable(p) for p in ports):
             continue
-        finally:
-            for k in socks:
-                k.close()
-    raise RuntimeError("no %d free ports" % n)
+        if all(_reserve(p) for p in ports):  # a port taken here stays taken: a later try skips it
+            _PORTS_HANDED_OUT.update(ports)
+            return base
+    raise RuntimeError("no %d consecutive free ports outside the ephemeral range %d-%d" % (n, low, high))
+
+
+def free_port():
+    """One port, as free_port_range(1)."""
+    return free_port_range(1)
 
 
 def tool_env():
@@ -103,8 +170,9 @@ class Cluster:
 
     def __init__(self, encoders=1, prefills=1, decodes=1, model=MODEL, router_args=(), worker_args=None,
                  log_dir=None, routers=1, common_worker_args=(), curve=True, worker_env=None):
-        self.ports = [free_port() for _ in range(routers)]
-        self.ctls = ["tcp://127.0.0.1:%d" % free_port() for _ in range(routers)]
+        base = free_port_range(2 * routers)
+        self.ports = [base + i for i in range(routers)]
+        self.ctls = ["tcp://127.0.0.1:%d" % (base + routers + i) for i in range(routers)]
         self.port = self.ports[0]
         self.ctl = ",".join(self.ctls)
         self.model = model
@@ -150,8 +218,11 @@ class Cluster:
                     raise RuntimeError("cluster not ready after %ss" % timeout)
                 for name, p in self.procs.items():
                     if p.poll() is not None:
-                        raise RuntimeError("%s exited during start-up (rc %s):\n%s" % (name, p.returncode,
-                                                                                      self.log(name)))
+                        log = self.log(name)
+                        clash = ("\n(a port it was given was taken between free_port_range's pick and its bind)"
+                                 if "address already in use" in log.lower() else "")
+                        raise RuntimeError("%s exited during start-up (rc %s):\n%s%s" % (name, p.returncode, log,
+                                                                                        clash))
                 try:
                     status, _, data = self.request("GET", "/ready", router=r)
                     # ready, and every worker this cluster started registered with this router

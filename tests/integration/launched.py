@@ -8,12 +8,11 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 
-from cluster import BUILD, MODEL, ROOT, Cluster
+from cluster import BUILD, MODEL, ROOT, Cluster, free_port_range
 
 LAUNCH = os.path.join(ROOT, "deploy", "launch.sh")
 SUPERVISOR = os.path.join(BUILD, "deploy", "prism_supervisor")
@@ -29,29 +28,6 @@ def finish(rc, *dirs):
     else:
         print("logs kept in: %s" % " ".join(TMP_DIRS + list(dirs)))
     return rc
-
-
-def free_port_range(n):
-    """A base port such that base..base+n-1 are all free on loopback now."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65000:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no range of %d free ports" % n)
 
 
 def at_port(port):

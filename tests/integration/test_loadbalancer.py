@@ -9,7 +9,8 @@
                                 timeout is under the router's idle timeout.
   test_loadbalancer.py haproxy  deploy/haproxy/prism.cfg passes `haproxy -c` and serves through real
                                 HAProxy to two routers (launch.sh --routers 2 --lb none); its active
-                                /ready check keeps a router without workers out of rotation.
+                                /ready check keeps a router without workers out of rotation. Its idle
+                                connections to the routers end before the router's idle timeout.
 
 Skips (exit 77) when the balancer is not installed (deploy/install-deps.sh --test installs both).
 """
@@ -29,8 +30,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import BUILD, MODEL, ROOT, binary, chat_body, make_image, run_tests  # noqa: E402
-from launched import Launched, at_port, finish, free_port_range, pid_alive, wait_for  # noqa: E402
+from cluster import BUILD, MODEL, ROOT, binary, chat_body, free_port_range, make_image, run_tests  # noqa: E402
+from launched import Launched, at_port, finish, pid_alive, wait_for  # noqa: E402
 
 SKIP = 77
 TMP = tempfile.mkdtemp(prefix="prism-lb-")
@@ -368,6 +369,38 @@ def haproxy_config(front, servers):
     return "\n".join(lines) + "\n"
 
 
+def haproxy_seconds(value):
+    """An HAProxy time ("50s", "1m", "50000": milliseconds without a unit) in seconds."""
+    m = re.fullmatch(r"(\d+)(us|ms|s|m|h|d)?", value)
+    assert m, value
+    return int(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1e-3}[m.group(2)]
+
+
+def check_haproxy_idle_connections(text, router_idle_s=60):
+    """HAProxy ends every idle connection to a router before the router's idle timeout (60 s,
+    http_server.c) would: a router closing one under a request HAProxy writes costs that request.
+    A pool of idle router connections shared between clients has no such bound (HAProxy purges it
+    when pool-purge-delay's estimate says so), so none (http-reuse never); a client's own router
+    connection lives as long as the client's idle connection, timeout http-keep-alive."""
+    sections, name = {}, None
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].rstrip()
+        if line and not line[0].isspace():
+            name = line.split()[0] + ((" " + line.split()[1]) if len(line.split()) > 1 else "")
+            sections[name] = []
+        elif line.strip() and name:
+            sections[name].append(line.split())
+    backends = [k for k in sections if k.startswith(("backend ", "listen "))]
+    assert backends, sections.keys()
+    for b in backends:
+        reuse = [w[1] for w in sections.get("defaults", []) + sections[b] if w[0] == "http-reuse"]
+        assert reuse and reuse[-1] == "never", "%s: http-reuse %s (idle router connections pooled)" % (b, reuse)
+    for f in [k for k in sections if k.startswith(("frontend ", "listen "))]:
+        ka = [w[2] for w in sections.get("defaults", []) + sections[f] if w[:2] == ["timeout", "http-keep-alive"]]
+        assert ka and haproxy_seconds(ka[-1]) < router_idle_s, \
+            "%s: timeout http-keep-alive %s, not under the router's %d s idle timeout" % (f, ka, router_idle_s)
+
+
 def haproxy_tests():
     hap = shutil.which("haproxy") or ("/usr/sbin/haproxy" if os.path.exists("/usr/sbin/haproxy") else None)
     if not hap:
@@ -400,6 +433,12 @@ def haproxy_tests():
                  lambda: "router-3 is DOWN" in open(os.path.join(TMP, "haproxy.log")).read(), 30)
         r1, r2 = c.router_ports
 
+        def test_example_config_is_what_runs():
+            running = open(cfg).read()
+            assert running == haproxy_config(front, c.router_ports + [lonely_port])
+            check_haproxy_idle_connections(open(example).read())
+            check_haproxy_idle_connections(running)
+
         def test_requests_through_haproxy_reach_both_routers():
             for i in range(8):
                 status, r = at_port(front).post_json(
@@ -419,7 +458,7 @@ def haproxy_tests():
         def test_trickled_bodies_lock_no_one_out():
             check_trickled_bodies_lock_no_one_out(front)
 
-        return run_tests([test_requests_through_haproxy_reach_both_routers, test_sse_passes_through_unbuffered,
+        return run_tests([test_example_config_is_what_runs, test_requests_through_haproxy_reach_both_routers, test_sse_passes_through_unbuffered,
                           test_ten_megabyte_image_body, test_trickled_bodies_lock_no_one_out])
     finally:
         if hp:

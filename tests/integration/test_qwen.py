@@ -34,7 +34,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import ROOT, Cluster, image_url, link_ports, run_tests, wait_for  # noqa: E402
+from cluster import ROOT, Cluster, free_port, image_url, run_tests, wait_for  # noqa: E402
 from test_llama4 import synth_png as l4_synth_png  # noqa: E402  (the same synthetic picture)
 
 QW = os.path.join(ROOT, "tests", "data", "model", "qwen25vl_tiny")
@@ -283,7 +283,7 @@ def test_no_heap_allocations_while_serving():
 # ---------------------------------------------------------------- cluster C: tensor-parallel groups
 
 def start_group(c, name, size, kind):
-    leader = "tcp://127.0.0.1:%d" % link_ports(1)
+    leader = "tcp://127.0.0.1:%d" % free_port()
     tp = ["--tp-size", str(size), "--tp-leader", leader]
     c.start_worker(name, kind, extra=tp + ["--tp-rank", "0"])
     for r in range(1, size):

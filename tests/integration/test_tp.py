@@ -30,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cluster import (Cluster, assert_abort_stopped_decode, check_answer, chat_body, distinct_requests,  # noqa: E402
-                     link_ports, run_tests, wait_for, work_counters)
+                     free_port, free_port_range, run_tests, wait_for, work_counters)
 
 TMP = tempfile.mkdtemp(prefix="prism-tp-")
 _ALL = distinct_requests(TMP, max_tokens=12)
@@ -69,7 +69,7 @@ def check_logprobs(c, where):
 def start_group(c, name, size, kind="decode_worker", extra=()):
     """Starts group `name` of `size` ranks: the leader as a worker of cluster c, the other ranks
     with the same model and keys and no router (every rank gets the extra flags)."""
-    leader = "tcp://127.0.0.1:%d" % link_ports(1)
+    leader = "tcp://127.0.0.1:%d" % free_port()
     tp = ["--tp-size", str(size), "--tp-leader", leader, *extra]
     c.start_worker(name, kind, extra=tp + ["--tp-rank", "0"])
     for r in range(1, size):
@@ -344,7 +344,7 @@ def test_preemption_in_a_group():
 def test_launcher_decode_tp4_prefill_tp2():
     from launched import Launched
     body, ref = REQS[0]
-    c = Launched(args=["--decode-tp", "4", "--prefill-tp", "2", "--tp-port", str(link_ports(2)), "--lb", "none"])
+    c = Launched(args=["--decode-tp", "4", "--prefill-tp", "2", "--tp-port", str(free_port_range(2)), "--lb", "none"])
     try:
         try:
             c.wait_ready(timeout=300)

@@ -163,6 +163,16 @@ MUTANTS = {
         "one under a request nginx writes (502)",
         [("deploy/nginx/prism.conf", "    keepalive_timeout 50s;\n}", "    keepalive_timeout 60s;\n}")],
         IT + "test_loadbalancer.py nginx test_example_config_is_what_runs", []),
+    "haproxy-keepalive-outlives-router": (
+        "HAProxy keeps a client's idle connection, and the router connection it holds, as long as a router "
+        "does (60 s): a router may close one under a request HAProxy writes",
+        [("deploy/haproxy/prism.cfg", "    timeout http-keep-alive 50s\n", "    timeout http-keep-alive 60s\n")],
+        IT + "test_loadbalancer.py haproxy test_example_config_is_what_runs", []),
+    "haproxy-pools-idle-router-connections": (
+        "HAProxy pools idle router connections between clients (http-reuse safe, its default): one stays "
+        "until a purge gets to it, with no bound under the router's idle timeout",
+        [("deploy/haproxy/prism.cfg", "    http-reuse never\n", "")],
+        IT + "test_loadbalancer.py haproxy test_example_config_is_what_runs", []),
 }
 
 
