@@ -615,6 +615,26 @@ def _all_at_once(c, bodies, refs):
         assert _tokens(r) == refs[i], ("answer changed by preemption", i)
 
 
+def _leave_while_swapped(c, streams, log0, what):
+    """Once a priority-1 sequence is swapped out on decode-1 (logged after log0), the client of
+    streams[3] leaves while the worker is stopped (so the abort is what it hears next); the other
+    three streams go on to the end. Returns the swapped request's id."""
+    rid = wait_for(lambda: re.findall(r"request (\d+) swapped out \(KV pool full\): \d+ blocks, priority 1",
+                                      c.log("decode-1", tail=0)[log0:]), 30, what)[0]
+    dec = c.procs["decode-1"]
+    dec.send_signal(signal.SIGSTOP)
+    try:
+        streams[3].close()
+        time.sleep(0.3)
+    finally:
+        dec.send_signal(signal.SIGCONT)
+    for st in streams[:3]:
+        while st.next_event() not in ("[DONE]", None):
+            pass
+        assert st.done, "a stream ended early"
+    return rid
+
+
 def _settled(c, worker):
     """The decode worker's state once it is idle again: swap bytes in use, free blocks (fresh heartbeats)."""
     hb = c.metric("prism:worker_heartbeats_total", worker=worker)
@@ -659,19 +679,7 @@ def _preempt_by_swap(c, bodies, refs, multi):
     # choice, its swap slots and its blocks (the shared ones once) are all freed
     log0 = len(c.log("decode-1", tail=0))
     streams = [c.open_stream("/v1/chat/completions", dict(b, stream=True)) for b in bodies[:3] + [multi[0][0]]]
-    rid = wait_for(lambda: re.findall(r"request (\d+) swapped out \(KV pool full\): \d+ blocks, priority 1",
-                                      c.log("decode-1", tail=0)[log0:]), 30, "an n = 2 choice swapped out")[0]
-    dec = c.procs["decode-1"]
-    dec.send_signal(signal.SIGSTOP)
-    try:
-        streams[3].close()
-        time.sleep(0.3)
-    finally:
-        dec.send_signal(signal.SIGCONT)
-    for st in streams[:3]:
-        while st.next_event() not in ("[DONE]", None):
-            pass
-        assert st.done, "a stream ended early"
+    rid = _leave_while_swapped(c, streams, log0, "an n = 2 choice swapped out")
     assert _settled(c, "decode-1") == (0, 12), "an aborted n = 2 request's swap slots or blocks were not freed"
     events = re.findall(r"request %s (?:choice \d+ )?(swapped out|swapped in|aborted)" % rid,
                         c.log("decode-1", tail=0)[log0:])
@@ -685,19 +693,7 @@ def _preempt_by_swap(c, bodies, refs, multi):
     log0 = len(c.log("decode-1", tail=0))
     streams = [c.open_stream("/v1/chat/completions", dict(b, stream=True, priority=int(i == 3)))
                for i, b in enumerate(bodies)]
-    rid = wait_for(lambda: re.findall(r"request (\d+) swapped out \(KV pool full\): \d+ blocks, priority 1",
-                                      c.log("decode-1", tail=0)[log0:]), 30, "the low-priority sequence swapped out")[0]
-    dec = c.procs["decode-1"]
-    dec.send_signal(signal.SIGSTOP)
-    try:
-        streams[3].close()
-        time.sleep(0.3)
-    finally:
-        dec.send_signal(signal.SIGCONT)
-    for st in streams[:3]:   # the others go on to the end
-        while st.next_event() not in ("[DONE]", None):
-            pass
-        assert st.done, "a stream ended early"
+    rid = _leave_while_swapped(c, streams, log0, "the low-priority sequence swapped out")
     assert _settled(c, "decode-1") == (0, 12), "an aborted sequence's swap slots (or blocks) were not freed"
     events = re.findall(r"request %s (swapped out|swapped in|aborted)" % rid, c.log("decode-1", tail=0)[log0:])
     assert events[-2:] == ["swapped out", "aborted"], ("not aborted while swapped out: the test proved nothing", events)
