@@ -112,6 +112,7 @@ typedef struct {
     bool preempt;             /* preempted: its blocks are gone, it leaves once its last tokens are sent */
     bool swapped;             /* preempted by swap: its KV is in swap_slots, it keeps its slot, is in no step */
     int32_t *swap_slots;      /* [max_blocks_per_seq] its blocks' slots in the swap region (swapped) */
+    double t_swapped;         /* when it was swapped out (the test hook PRISM_TEST_SWAP_HOLD_S) */
     int n_swapped;            /* slots it holds there (0 unless swapped) */
     bool receiving;           /* admitted, its KV still arriving (rx_t): in no step yet */
     bool migrating;           /* parked for a move to another decode worker (mig_t): in no step, blocks held */
@@ -208,6 +209,7 @@ typedef struct {
     uint64_t migrated_out;    /* sequences preempted by migration, sent whole (heartbeat preempt_migrate) */
     bool swap_pinned;         /* the swap region is page-locked (backend host_pin) */
     bool test_die_on_migrated;   /* test hook PRISM_TEST_DIE_ON_MIGRATED_KV (decode_ready): killed mid-migration */
+    double test_swap_hold_s;     /* test hook PRISM_TEST_SWAP_HOLD_S (decode_ready): seconds a swapped-out sequence stays out */
     prism_model_hook_t hook;
     /* one staged KV transfer waiting for blocks */
     bool staged;
@@ -1021,6 +1023,7 @@ static bool swap_out(decode_t *d, seq_t *s)
     s->n_swapped = s->n_blocks;
     s->n_blocks = 0;
     s->swapped = true;
+    s->t_swapped = prism_now_s();
     d->n_swapped_seqs++;
     return true;
 }
@@ -1111,6 +1114,7 @@ static int swap_in(decode_t *d)
         }
         PRISM_ASSERT(best >= 0);   /* n_swapped_seqs counts them */
         seq_t *s = &d->seqs[best];
+        if (d->test_swap_hold_s > 0 && prism_now_s() < s->t_swapped + d->test_swap_hold_s) break;
         int need = prism_kv_blocks_for_tokens(&d->blocks, s->seq.len + 1), n = s->n_swapped;
         if (need + (active ? d->watermark_blocks : 0) > d->blocks.n_free) break;
         /* an abort releases a swapped-out sequence at once; one never enters a step */
@@ -1478,6 +1482,10 @@ static int decode_ready(void *ctx, prism_worker_startup_t *s)
      * as a target killed mid-migration would (tests/integration/test_limits.py). */
     const char *die = getenv("PRISM_TEST_DIE_ON_MIGRATED_KV");
     d->test_die_on_migrated = die && *die && strcmp(die, "0") != 0;
+    /* Test hook (inert unless set): a swapped-out sequence stays out at least this long, so that a
+     * test can act while it is out (a client leaving) whatever the machine's speed. */
+    const char *hold = getenv("PRISM_TEST_SWAP_HOLD_S");
+    d->test_swap_hold_s = hold ? PRISM_MIN(PRISM_MAX(atof(hold), 0.0), 60.0) : 0;
     for (int i = 0; i < d->max_running; i++) d->seqs[i].blocks = d->block_pool + (size_t)i * d->max_blocks_per_seq;
     for (int i = 0; i < d->max_running * d->ring; i++) d->ring_pool[i] = i;
     for (int i = 0; d->ring && i < d->max_running; i++) d->seqs[i].ring = d->ring_pool + (size_t)i * d->ring;

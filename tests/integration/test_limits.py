@@ -651,7 +651,17 @@ def _preempt_by_swap(c, bodies, refs, multi):
     others end normally. (3) a 64 KiB region
     holds no victim (each holds 2 blocks or more): every preemption is a recompute, answers unchanged."""
     swap_args = ["--kv-swap-bytes", "4M", "--log-level", "debug"]
-    _restart_decode(c, "decode-0", "decode-1", swap_args)
+    # a swapped-out sequence stays out 2 s at least (test hook), so that (2) and (2b) find it out
+    # when its client leaves, however fast the machine brings it back
+    env = c.worker_env.get("decode_worker")
+    c.worker_env["decode_worker"] = dict(env or {}, PRISM_TEST_SWAP_HOLD_S="2")
+    try:
+        _restart_decode(c, "decode-0", "decode-1", swap_args)
+    finally:
+        if env is None:
+            del c.worker_env["decode_worker"]
+        else:
+            c.worker_env["decode_worker"] = env
     rec0, swap0 = c.metric("prism:preemptions_total", how="recompute"), c.metric("prism:preemptions_total", how="swap")
     _all_at_once(c, bodies, refs)
     swaps = c.metric("prism:preemptions_total", how="swap") - swap0
