@@ -758,8 +758,10 @@ def test_prefix_routing_and_encoder_skip():
 def test_batched_prefill_abort_and_prefix_hit():
     """Batched prefill (prefill_worker run_step): prompts share forwards. The test hook
     PRISM_TEST_PREFILL_FORWARD_GAP_S pauses the prefill between forwards so that prompts meet in one.
-    A (300 tokens) is in the model when B (1200) comes: the next forward carries A's last chunk and
-    B's first; then B's client leaves. A and C (sent beside B) answer as they do alone, the prefill
+    A (600 tokens: three forwards, time for B to come) is in the model when B (1200) comes: a forward
+    carries A's last chunk and B's first; then C is sent and B's client leaves (C is sent only once B
+    is in the model: sent beside B, it could take B's place beside A and B would leave before its
+    first forward). A and C answer as they do alone, the prefill
     counts B left mid-prompt, and every KV block is free afterwards (the free-block gauge). Then a
     prompt whose prefix is cached rides in one forward beside a new prompt: it reads its cached
     blocks (the hit counters) and both answer as alone."""
@@ -785,7 +787,7 @@ def test_batched_prefill_abort_and_prefix_hit():
     try:
         c.wait_ready()
         salt = "batch-%f" % time.time()
-        a_words, b_words, c_words = "one two " * 150, "three four " * 600, "five six " * 150
+        a_words, b_words, c_words = "one two " * 300, "three four " * 600, "five six " * 150
         refs = {k: text(w, "ref-%s-%s" % (k, salt)) for k, w in (("a", a_words), ("c", c_words))}
         fresh_heartbeats(c, "prefill-0")
         before = work_counters(c, "prefill-0")
@@ -798,11 +800,11 @@ def test_batched_prefill_abort_and_prefix_hit():
         conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=60)
         conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
                      body=json.dumps(dict(body(b_words, salt), stream=True)).encode())
-        tc = threading.Thread(target=lambda: got.update(c=text(c_words, salt)))
-        tc.start()
         # a forward carried two prompts (A's last chunk and B's first): B is in the model, 1000 tokens to go
         wait_for(lambda: pf("prism:worker_prefill_forward_prompts_total") - pf("prism:worker_prefill_forwards_total")
                  > mixed0, 20, "a forward with A and B")
+        tc = threading.Thread(target=lambda: got.update(c=text(c_words, salt)))
+        tc.start()
         conn.sock.shutdown(socket.SHUT_RDWR)
         conn.close()
         ta.join(60)
