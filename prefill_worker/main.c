@@ -273,10 +273,14 @@ static emb_slot_t *emb_evictable(const prefill_t *p)
 static int emb_credit(const prefill_t *p)
 {
     int n = emb_room(p);
-    /* An image arriving in pieces holds its pages already: one more message is always taken then,
-     * so its next piece cannot wait behind a full pool (which only its completion would empty). A
-     * new image's first piece taken on this credit that does not fit is refused (on_embeddings). */
-    if (emb_partial(p)) n++;
+    /* An image arriving in pieces holds its pages already: when the pool is full one message is
+     * still taken, so its next piece cannot wait behind a full pool (which only its completion would
+     * empty). Only then, and never on top of the room: a credit that the room does not cover is
+     * safe only while the next message is that image's next piece, which an encoder keeps so by
+     * sending an image's pieces back to back (encoder_worker: flush_batch). A new image's first
+     * piece that does not fit is refused (on_embeddings): with two encoders, one's first piece
+     * taken on this credit while the other's image is partial. */
+    if (n == 0 && emb_partial(p)) n = 1;
     return n > 0 ? n : emb_evictable(p) != NULL;
 }
 
