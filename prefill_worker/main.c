@@ -5,8 +5,9 @@
  * Image embeddings arrive straight from encoders on the data socket and land only in a fixed pool
  * of pages (one tile's rows each: a LLaVA image is one page, a Llama-4 image one page per tile),
  * sized for --embed-pool-images images of the largest kind. The data socket is read only while
- * the largest image would fit (or orphans may make room), so encoders wait when it would not
- * (backpressure) — nothing is buffered without bound. Embeddings and the Prefill request travel on
+ * the largest image would fit (or orphans may make room, or, the pool full, for the next piece of an
+ * image arriving in pieces: emb_credit), so encoders wait when it would not (backpressure) —
+ * nothing is buffered without bound. Embeddings and the Prefill request travel on
  * different sockets and may arrive in either order. The rows are laid, in order, over the image
  * tokens of the image's span (the <|patch|> positions of a Llama-4 tile layout), read in place from
  * the pool.
