@@ -19,7 +19,9 @@
  * micro-batches: memory is set by the flags, never by the images or their number. An abort that
  * arrives during the batch drops its image's tiles between two layers (and skips those of later
  * micro-batches); the others go on. When a prefill worker's receive pool is full the push waits:
- * the encoder takes no new batch (backpressure), so nothing grows.
+ * the encoder takes no new batch (backpressure), so nothing grows. An image's pieces go to a prefill
+ * back to back, never another image's between them (flush_batch: the prefill's pool credits an image
+ * arriving in pieces with its next piece only).
  *
  * Cache entries a batch answers from are pinned until their jobs are sent (or aborted), so a miss
  * later in the same batch (or while the batch waits for prefill) cannot evict and overwrite them.
@@ -393,26 +395,37 @@ static bool flush_batch(encoder_t *e, bool ready_only)
      * is full at that moment; a cache hit then stays pinned while the misses of its batch are put
      * (test_encoder.py::test_cache_hit_keeps_its_own_embeddings). */
     if (ready_only && e->test_hold_ready) return false;
-    int left = 0;
-    for (int i = 0; i < e->cur.n_batch; i++) {
-        if (e->cur.batch[i] < 0) continue;
-        job_t *j = &e->jobs[e->cur.batch[i]];
-        if (j->state != JOB_SEND) continue;
-        int rc = j->prefill_endpoint[0] ? push_job(e, j) : PRISM_OK;   /* an early job: cached, done */
-        if (rc == PRISM_EAGAIN) {   /* the prefill's pool is full: this batch waits (backpressure) */
-            if (!j->waited) e->sends_waited++;
-            j->waited = true;
-            left++;
-            continue;
+    /* A prefill takes the pieces of an image from this encoder back to back: its pool credits an
+     * image arriving in pieces with one more message only when it is full, and that message must be
+     * the image's next piece (prefill_worker: emb_credit), not another image's first. So a job whose
+     * pieces are partly sent goes first (pass 0), and a prefill found full gets nothing more from
+     * this pass (full[]): no other job starts sending to it between two pieces of one image. */
+    const char *full[PRISM_ARRAY_LEN(e->cur.batch)];
+    int left = 0, n_full = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        for (int i = 0; i < e->cur.n_batch; i++) {
+            if (e->cur.batch[i] < 0) continue;
+            job_t *j = &e->jobs[e->cur.batch[i]];
+            if (j->state != JOB_SEND || (pass == 0) != (j->sent > 0)) continue;
+            bool wait = false;
+            for (int k = 0; k < n_full && j->prefill_endpoint[0] && !wait; k++) wait = !strcmp(full[k], j->prefill_endpoint);
+            int rc = wait ? PRISM_EAGAIN : j->prefill_endpoint[0] ? push_job(e, j) : PRISM_OK;   /* an early job: cached, done */
+            if (rc == PRISM_EAGAIN) {   /* the prefill's pool is full: this batch waits (backpressure) */
+                if (!wait) full[n_full++] = j->prefill_endpoint;
+                if (!j->waited) e->sends_waited++;
+                j->waited = true;
+                left++;
+                continue;
+            }
+            if (rc != PRISM_OK && !j->error[0]) {
+                snprintf(j->error, sizeof(j->error), "embedding transfer failed");
+                j->error_kind = PRISM__ERROR_KIND__ERROR_UNAVAILABLE;
+            }
+            if (j->error[0]) e->failed++;
+            else e->encoded++;
+            finish_job(e, j);
+            if (ready_only) e->cur.batch[i] = -1;
         }
-        if (rc != PRISM_OK && !j->error[0]) {
-            snprintf(j->error, sizeof(j->error), "embedding transfer failed");
-            j->error_kind = PRISM__ERROR_KIND__ERROR_UNAVAILABLE;
-        }
-        if (j->error[0]) e->failed++;
-        else e->encoded++;
-        finish_job(e, j);
-        if (ready_only) e->cur.batch[i] = -1;
     }
     if (!left && !ready_only) e->cur.n_batch = 0;
     return left == 0;

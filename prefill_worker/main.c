@@ -5,8 +5,9 @@
  * Image embeddings arrive straight from encoders on the data socket and land only in a fixed pool
  * of pages (one tile's rows each: a LLaVA image is one page, a Llama-4 image one page per tile),
  * sized for --embed-pool-images images of the largest kind. The data socket is read only while
- * the largest image would fit (or orphans may make room), so encoders wait when it would not
- * (backpressure) — nothing is buffered without bound. Embeddings and the Prefill request travel on
+ * the largest image would fit (or orphans may make room, or, the pool full, for the next piece of an
+ * image arriving in pieces: emb_credit), so encoders wait when it would not (backpressure) —
+ * nothing is buffered without bound. Embeddings and the Prefill request travel on
  * different sockets and may arrive in either order. The rows are laid, in order, over the image
  * tokens of the image's span (the <|patch|> positions of a Llama-4 tile layout), read in place from
  * the pool.
@@ -273,10 +274,14 @@ static emb_slot_t *emb_evictable(const prefill_t *p)
 static int emb_credit(const prefill_t *p)
 {
     int n = emb_room(p);
-    /* An image arriving in pieces holds its pages already: one more message is always taken then,
-     * so its next piece cannot wait behind a full pool (which only its completion would empty). A
-     * new image's first piece taken on this credit that does not fit is refused (on_embeddings). */
-    if (emb_partial(p)) n++;
+    /* An image arriving in pieces holds its pages already: when the pool is full one message is
+     * still taken, so its next piece cannot wait behind a full pool (which only its completion would
+     * empty). Only then, and never on top of the room: a credit that the room does not cover is
+     * safe only while the next message is that image's next piece, which an encoder keeps so by
+     * sending an image's pieces back to back (encoder_worker: flush_batch). A new image's first
+     * piece that does not fit is refused (on_embeddings): with two encoders, one's first piece
+     * taken on this credit while the other's image is partial. */
+    if (n == 0 && emb_partial(p)) n = 1;
     return n > 0 ? n : emb_evictable(p) != NULL;
 }
 

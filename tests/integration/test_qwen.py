@@ -15,6 +15,8 @@ full-attention layers; its processor takes 56*56 .. 28*28*64 pixels).
   allocates on the request path.
 - Prefill and decode as tensor-parallel groups of 2 (the leaders' step plans carry the M-RoPE
   positions, the decode leader the rope delta): HF's tokens for every golden conversation.
+- A prefill embedding pool of one image, images in pieces, nine one-image requests at once: each
+  waits for the pool (the encoder holds it), none is refused with a 503.
 - An encoder with --max-image-tokens 20 refuses a 35-token image with a 400 naming the limit and
   the max_pixels that would fit, still serves a 6-token one, and serves the 35-token picture when
   the request asks for that max_pixels (mm_processor_kwargs); the router refuses an aspect ratio
@@ -323,6 +325,32 @@ def test_batched_mrope():
         wait_for(lambda: shared() > before, 10, "a forward carrying two of the prompts")
 
 
+def test_full_pool_waits():
+    """A prefill embedding pool of one image (--embed-pool-images 1), images in pieces of 16 rows,
+    a prefill pausing between forwards (test hook PRISM_TEST_PREFILL_FORWARD_GAP_S) and nine
+    one-image requests at once: each image waits for the pool (the encoder holds it) and every
+    request answers HF's tokens, none a 503 "prefill embedding pool is full". The pool credits an
+    image arriving in pieces with one message beyond its room, which must be that image's next
+    piece: the encoder sends an image's pieces back to back, never another image's first between
+    them (encoder_worker: flush_batch)."""
+    env = {"prefill_worker": {"PRISM_TEST_PREFILL_FORWARD_GAP_S": "0.05"}}
+    args = {"encoder_worker": ["--embed-piece-rows", "16"],
+            "prefill_worker": ["--embed-pool-images", "1", "--chunked-prefill-size", "37"]}
+    cases = [x for x in GOLD["cases"] if x["name"] in ("one_image", "max_pixels", "multi_turn")]
+    with Cluster(model=QW, common_worker_args=HB, worker_args=args, worker_env=env) as c:
+        c.wait_ready()
+        for rnd in range(2):
+            # salts of their own: a cached prefix would send its image to no encoder at all
+            bodies = [dict(body(case_messages(case), stream=i % 2 == 1), cache_salt="pool-%d-%d" % (rnd, i))
+                      for i, case in enumerate(cases * 3)]
+            with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
+                res = list(ex.map(lambda b: ask(c, b)[0], bodies))
+            for i, got in enumerate(res):
+                assert got == cases[i % len(cases)]["greedy"], (rnd, i, got)
+        wait_for(lambda: c.metric("prism:worker_sends_waited_total", worker="encoder-0"), 10,
+                 "embeddings held by the encoder until the pool had room")
+
+
 # ---------------------------------------------------------------- cluster D: an image bound
 
 def test_image_token_bound():
@@ -368,6 +396,7 @@ def main():
         C.stop()
     rc |= run_tests([test_tp_groups])
     rc |= run_tests([test_batched_mrope])
+    rc |= run_tests([test_full_pool_waits])
     C = Cluster(model=QW, common_worker_args=HB, worker_args={"encoder_worker": ["--max-image-tokens", "20"]})
     try:
         C.wait_ready()

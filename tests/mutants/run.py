@@ -60,9 +60,14 @@ MUTANTS = {
     "encoder-drops-on-full-pool": (
         "a full prefill pool fails the image instead of making the encoder wait",
         [("encoder_worker/main.c",
-          "        if (rc == PRISM_EAGAIN) {   /* the prefill's pool is full",
-          "        if (rc == PRISM_EAGAIN && 0) {   /* the prefill's pool is full")],
+          "            if (rc == PRISM_EAGAIN) {   /* the prefill's pool is full",
+          "            if (rc == PRISM_EAGAIN && 0) {   /* the prefill's pool is full")],
         IT + "test_limits.py test_backpressure_and_flat_allocations", ["encoder_worker"]),
+    "encoder-interleaves-images": (
+        "another image's first piece goes to a prefill between two pieces of an image (its pool's credit taken)",
+        [("encoder_worker/main.c", "                if (!wait) full[n_full++] = j->prefill_endpoint;",
+          "                if (!wait && 0) full[n_full++] = j->prefill_endpoint;")],
+        IT + "test_qwen.py test_full_pool_waits", ["encoder_worker"]),
     "embed-cache-ignores-pins": (
         "a cache miss overwrites an entry a hit of the same batch still reads",
         [("encoder_worker/embed_cache.c", "        } else if (!c->pins[i]) {", "        } else if (1) {"),
