@@ -40,7 +40,7 @@ MUTANTS = {
     "prefill-no-midprompt-stop": (
         "the prefill worker logs the abort of the prompt it runs and runs it to its end",
         [("prefill_worker/main.c",
-          "    p->cur_dropped = true;\n    return true;\n}", "    return false;\n}")],
+          "    x->dropped = true;\n    return true;\n}", "    return false;\n}")],
         IT + "test_streaming.py test_client_disconnect_stops_prefill_mid_prompt", ["prefill_worker"]),
     "encoder-libc-strdup": (
         "a libc strdup / free per Encode in worker code (the counter sees only prism_malloc)",
@@ -129,7 +129,7 @@ MUTANTS = {
         IT + "test_e2e.py test_prefix_cache_never_aliases", ["prefill_worker", "router"]),   # the router computes the keys too
     "prefix-image-rows-from-zero": (
         "a prompt that reads part of an image from the prefix cache lays that image's rows from its first",
-        [("prefill_worker/main.c", "            next_row[i] += r->tokens[t] == p->cfg.image_token_index;", "            (void)t;")],
+        [("prefill_worker/main.c", "            x->next_row[i] += r->tokens[t] == p->cfg.image_token_index;", "            (void)t;")],
         IT + "test_llama4.py test_prefix_cache_same_logprobs", ["prefill_worker"]),
     "prefix-route-ignores-index": (
         "the router's prefill pick ignores what each prefill's prefix cache holds (load alone)",
