@@ -516,7 +516,11 @@ def test_prefill_death_before_kv_reached_decode_migrates():
         long = threading.Thread(target=lambda: res.update(a=c.post_json("/v1/chat/completions", chat_body(
             "Hi", max_tokens=950, temperature=0, ignore_eos=True))))
         long.start()
-        wait_for(lambda: c.metric("prism:worker_running", tier="decode") == 1, 30, "A running on the decode worker")
+        # A holds its 60 blocks (fewer than a stream's 9 left free): the running count alone can be the
+        # last reference stream's sequence, not yet released, while A is still in a prefill
+        wait_for(lambda: c.metric("prism:worker_running", tier="decode") == 1
+                 and (c.metric("prism:worker_kv_free_blocks", worker="decode-0") or 64) < 9, 30,
+                 "A running on the decode worker")
         got, first = [[] for _ in bodies], [False] * len(bodies)
 
         def one(i):
