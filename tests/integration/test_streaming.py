@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cluster import (Cluster, assert_abort_stopped_decode, chat_body, make_image, run_tests, wait_for,  # noqa: E402
-                     work_counters)
+                     fresh_heartbeats, work_counters)
 
 TMP = tempfile.mkdtemp(prefix="prism-stream-")
 JPG = make_image(os.path.join(TMP, "red_circle.jpg"), width=640, height=480, shape="circle", color="red")
@@ -189,7 +189,9 @@ def test_client_disconnect_stops_prefill_mid_prompt():
     mid-prompt: the prefill worker counts the prompt left (prism:worker_prompts_aborted_total); a
     prefill that logs the abort and runs the rest of the prompt fails here."""
     import http.client
-    with Cluster(common_worker_args=FAST_HB, worker_args={"prefill_worker": ["--chunked-prefill-size", "1"]}) as c:
+    # 5 ms between forwards (test hook): the whole prompt would take 9 s, the abort comes in well under 1
+    with Cluster(common_worker_args=FAST_HB, worker_args={"prefill_worker": ["--chunked-prefill-size", "1"]},
+                 worker_env={"prefill_worker": {"PRISM_TEST_PREFILL_FORWARD_GAP_S": "0.005"}}) as c:
         c.wait_ready()
         before = work_counters(c, "prefill-0")
         conn = http.client.HTTPConnection("127.0.0.1", c.port, timeout=60)
@@ -203,6 +205,11 @@ def test_client_disconnect_stops_prefill_mid_prompt():
                  "the prefill worker to leave the prompt (prism:worker_prompts_aborted_total)")
         assert "prefill stopped" in c.log("prefill-0", tail=0), c.log("prefill-0")
         wait_for(lambda: c.metric("prism:worker_running", worker="prefill-0") == 0, 10, "the prefill worker idle")
+        # stopped, not only counted: the prompt's 1800 one-token forwards did not all run (a fresh heartbeat)
+        fresh_heartbeats(c, "prefill-0")
+        ran = work_counters(c, "prefill-0")["progress"] - before["progress"]
+        print("forwards run for the 1800-token prompt before it stopped:", ran)
+        assert ran < 1800, ("the prompt ran to its end", ran)
         status, r = c.post_json("/v1/chat/completions", chat_body("Hi", max_tokens=4))
         assert status == 200, (status, r)
 

@@ -38,9 +38,10 @@ MUTANTS = {
           "    if (!prism_worker_aborted(&d->w, s->seq.rid, s->seq.router_id, &waited) || 1) return false;")],
         IT + "test_streaming.py test_client_disconnect_aborts_generation", ["decode_worker"]),
     "prefill-no-midprompt-stop": (
-        "the prefill worker logs the abort of the prompt it runs and runs it to its end",
+        "the prefill worker logs and counts the abort of the prompt it runs and runs it to its end",
         [("prefill_worker/main.c",
-          "    x->dropped = true;\n    return true;\n}", "    return false;\n}")],
+          "    x->dropped = true;\n    return true;\n}", "    return false;\n}"),
+         ("prefill_worker/main.c", "    release_req(p, r);\n    p->cancelled++;\n}", "    p->cancelled++;\n}")],
         IT + "test_streaming.py test_client_disconnect_stops_prefill_mid_prompt", ["prefill_worker"]),
     "encoder-libc-strdup": (
         "a libc strdup / free per Encode in worker code (the counter sees only prism_malloc)",
