@@ -41,7 +41,9 @@ MUTANTS = {
         "the prefill worker logs and counts the abort of the prompt it runs and runs it to its end",
         [("prefill_worker/main.c",
           "    x->dropped = true;\n    return true;\n}", "    return false;\n}"),
-         ("prefill_worker/main.c", "    release_req(p, r);\n    p->cancelled++;\n}", "    p->cancelled++;\n}")],
+         ("prefill_worker/main.c", "    release_req(p, r);\n    p->cancelled++;\n}", "    p->cancelled++;\n}"),
+         ("prefill_worker/main.c", "            drop_request(p, m->env->request_id, router);\n",
+          "            if (!(r && r->in_model)) drop_request(p, m->env->request_id, router);\n")],
         IT + "test_streaming.py test_client_disconnect_stops_prefill_mid_prompt", ["prefill_worker"]),
     "encoder-libc-strdup": (
         "a libc strdup / free per Encode in worker code (the counter sees only prism_malloc)",
