@@ -140,5 +140,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                 (unsigned long long)p->cancelled);
     fuzz_io_reset(&g_io, &p->w);
     prism_abort_memo_init(&p->aborts, p->orphan_timeout_s);
+    prism_abort_memo_init(&p->lost, PRISM_MAX(600.0, p->orphan_timeout_s));
     return 0;
 }
