@@ -1247,7 +1247,7 @@ static int prefill_flags(void *ctx, prism_flag_t *t)
                        "Most prompts one forward carries (their chunks together at most --chunked-prefill-size "
                        "tokens; at most --max-pending-requests; 1 = one prompt at a time; models with "
                        "chunked-attention layers always run 1)"),
-        PRISM_FLAG_INT("embed-pool-images", &p->f.emb_images, "Receive pool for image embeddings, in images of the largest kind (Llama-4: of max_patches + 1 tiles; Qwen-VL: of --max-image-tokens; smaller images take less). 0 = 32, or 4 for Qwen-VL"),
+        PRISM_FLAG_INT("embed-pool-images", &p->f.emb_images, "Receive pool for image embeddings, in images of the largest kind (Llama-4: of max_patches + 1 tiles; Qwen-VL: of --max-image-tokens; smaller images take less). 0 = 32, or 4 for Qwen-VL. A prompt whose images need more is refused (400)"),
         PRISM_FLAG_INT("max-image-tokens", &p->f.max_image_tokens, "Qwen-VL: the largest image taken, in LM tokens (0 = what the processor's max_pixels allows)"),
         PRISM_FLAG_INT("context-length", &p->f.context_length, "Max tokens per sequence (0 = model's max_position_embeddings, at most 131072)"),
         PRISM_FLAG_DOUBLE("orphan-timeout", &p->f.orphan_timeout,
