@@ -276,14 +276,17 @@ static emb_slot_t *emb_evictable(const prefill_t *p)
 }
 
 /* A request's embeddings are dropped before its Prefill came (refused, evicted or expired orphans):
- * all of them go, later ones too, and its Prefill is answered with a 503 (on_prefill). */
-static void emb_lost(prefill_t *p, uint64_t rid, const char *router)
+ * all of them (by the whole id: a guess at a held request's low half touches nothing of it) go, and
+ * unless a request of that low half is held (one with another high half), its later embeddings too
+ * and its Prefill is answered with a 503 (on_prefill). */
+static void emb_lost(prefill_t *p, uint64_t rid, uint64_t rid_hi, const char *router)
 {
     char r[sizeof(p->emb[0].router_id)];
     snprintf(r, sizeof(r), "%s", router);   /* router may live in a slot freed below */
     for (int i = 0; i < p->n_pages; i++)
-        if (p->emb[i].used && p->emb[i].rid == rid && !strcmp(p->emb[i].router_id, r)) emb_release(p, &p->emb[i]);
-    prism_abort_memo_add(&p->lost, rid, r, prism_now_s());
+        if (p->emb[i].used && p->emb[i].rid == rid && p->emb[i].rid_hi == rid_hi && !strcmp(p->emb[i].router_id, r))
+            emb_release(p, &p->emb[i]);
+    if (!held_request(p, rid, r)) prism_abort_memo_add(&p->lost, rid, r, prism_now_s());
 }
 
 /* Embedding messages the pool can take now: images of the largest kind that fit in its free pages,
@@ -611,13 +614,13 @@ static void on_embeddings(prefill_t *p, prism_msg_t *m)
                            "prefill embedding pool is full");
                 drop_request(p, e->request_id, router);
             } else {
-                emb_lost(p, e->request_id, router);   /* its Prefill, when it comes, gets the 503 */
+                emb_lost(p, e->request_id, e->request_id_hi, router);   /* its Prefill, when it comes, gets the 503 */
             }
             return;
         }
         PRISM_WARN("dropping embeddings of request %llu: no prefill request came, and orphans fill the pool",
                    (unsigned long long)old->rid);
-        emb_lost(p, old->rid, old->router_id);
+        emb_lost(p, old->rid, old->rid_hi, old->router_id);
     }
     for (int i = 0; i < p->n_pages && !s; i++)
         if (!p->emb[i].used) s = &p->emb[i];
@@ -1159,7 +1162,7 @@ static void expire_orphans(prefill_t *p)
         if (!e->used || now - e->t_arrive < p->orphan_timeout_s) continue;
         if (emb_orphan(p, e)) {
             PRISM_WARN("dropping embeddings of request %llu: no prefill request came", (unsigned long long)e->rid);
-            emb_lost(p, e->rid, e->router_id);
+            emb_lost(p, e->rid, e->rid_hi, e->router_id);
         }
     }
 }
