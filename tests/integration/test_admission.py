@@ -17,7 +17,8 @@ and normal service once the cause is gone.
                                  freeing the receive-pool slot that held requests back
   prefill --embed-pool-images    a prompt whose images need more than the whole pool: 400 at once,
                                  naming the flag; a pool full of prompts that each wait for images
-                                 that cannot come: the youngest gets a 503 after a second (no hang)
+                                 that cannot come (beside an orphan, or two two-image prompts each
+                                 holding one): the youngest gets a 503 after a second (no hang)
 
 Run: python3 tests/integration/test_admission.py [test names]   (PRISM_BINARY_DIR=build dir)
 """
@@ -472,10 +473,67 @@ def test_full_pool_stall_broken():
         check_answer(status, r, ref, "after the stall")
 
 
+def inflight(c, tier):
+    st, _, data = c.request("GET", "/status")
+    return [w["inflight"] for w in json.loads(data)["workers"] if w["tier"] == tier][0]
+
+
+def test_two_prompts_each_holding_one_image():
+    """Two two-image prompts on a prefill pool of two images: each fits alone, but with the encoder
+    sending A's first image, then B's, the pool is full with one image of each and neither can go on
+    (the data socket is not read, so their second images never come). The order is made so: both
+    queued on the stopped encoder (one image a batch, one image thread, no cache), each a small
+    image (<= 1 MP) then a large one, and the encoder takes small images before large (job_rank).
+    Before, both waited until --request-timeout; now B (the younger) gets a 503 about a second
+    later and A is answered as prism_generate; B sent again is served. (The encoder may take A's
+    large image before B's small one is in its table: then nothing stalls and the pair is sent
+    again, under a new cache_salt, up to three times.)"""
+    big_a = make_image(os.path.join(TMP, "big_a.jpg"), width=1400, height=1000, shape="circle", color="yellow")
+    big_b = make_image(os.path.join(TMP, "big_b.jpg"), width=1400, height=1000, shape="square", color="white")
+    a_imgs, b_imgs = [JPG, big_a], [PNG, big_b]
+    with Cluster(common_worker_args=FAST_HB, router_args=["--no-early-encode"],
+                 worker_args={"prefill_worker": ["--embed-pool-images", "2"],
+                              "encoder_worker": ["--image-threads", "1", "--max-batch-images", "1",
+                                                 "--embedding-cache-bytes", "0"]}) as c:
+        c.wait_ready()
+        ref_a = reference(a_imgs, "What is in the images?", 4)
+        body = lambda imgs, salt: chat_body("What is in the images?", imgs, max_tokens=4, cache_salt=salt)
+        broken = lambda: c.log("prefill-0", tail=0).count("the youngest gives its pages back")
+        enc = c.procs["encoder-0"]
+        for attempt in range(3):
+            salt = "stall-%d" % attempt
+            enc.send_signal(signal.SIGSTOP)
+            try:
+                with concurrent.futures.ThreadPoolExecutor(2) as ex:
+                    fa = ex.submit(post_in_time, c, body(a_imgs, salt))
+                    wait_for(lambda: inflight(c, "encoder") == 2, 30, "A's images at the encoder")
+                    fb = ex.submit(post_in_time, c, body(b_imgs, salt))
+                    wait_for(lambda: inflight(c, "encoder") == 4, 30, "B's images at the encoder")
+                    enc.send_signal(signal.SIGCONT)
+                    (sa, ra, _), (sb, rb, took) = fa.result(), fb.result()
+            finally:
+                enc.send_signal(signal.SIGCONT)
+            check_answer(sa, ra, ref_a, "A, the older prompt")
+            if broken() == 0:
+                assert sb == 200, ("no stall, yet B failed", sb, rb)
+                print("  attempt %d: the encoder sent A's images first, nothing stalled" % attempt)
+                continue
+            assert broken() == 1, broken()
+            assert sb == 503 and "embedding pool is full" in rb["error"]["message"], (sb, rb)
+            assert took < 15, took
+            break
+        else:
+            raise AssertionError("no stall in three attempts: the test proved nothing")
+        # B again: served. Its answer is not compared: two-image requests one after another are
+        # sometimes answered differently from prism_generate on main as well (reported), with no
+        # stall at all.
+        status, r, _ = post_in_time(c, body(b_imgs, "again"))
+        assert status == 200, (status, r)
+
 if __name__ == "__main__":
     sys.exit(run_tests([test_api_key, test_requests_in_flight_429, test_image_bytes_in_flight_wait,
                         test_body_bytes_in_flight_pause, test_paused_uploads_are_not_slow_clients,
                         test_max_queue_wait_503,
                         test_request_timeout_ends_stream_and_aborts, test_no_worker_of_a_tier_503,
                         test_orphan_embeddings_dropped, test_prompt_larger_than_pool_refused,
-                        test_full_pool_stall_broken]))
+                        test_full_pool_stall_broken, test_two_prompts_each_holding_one_image]))
