@@ -180,6 +180,12 @@ typedef struct {
     prism_model_hook_t hook;
     uint64_t served, cancelled;
     prism_abort_memo_t aborts;   /* aborted requests: their embeddings still on the way are dropped */
+    /* Requests whose embeddings were dropped before their Prefill came (refused by a full pool,
+     * evicted or expired orphans): that Prefill gets a 503 at once, not a wait for images that
+     * never come; their later embeddings are dropped as an aborted request's. */
+    prism_abort_memo_t lost;
+    double stall_since;          /* the pool full with no prompt able to go on since then (0: not) */
+    uint64_t pool_deadlocks;     /* prompts failed to break such a stall (pool_break) */
 } prefill_t;
 
 /* Images of the largest kind the pool can still take (what the heartbeat reports and what gates
@@ -267,6 +273,20 @@ static emb_slot_t *emb_evictable(const prefill_t *p)
     int n;
     emb_slot_t *oldest = emb_oldest_orphan(p, &n);
     return 2 * n >= p->n_pages ? oldest : NULL;
+}
+
+/* A request's embeddings are dropped before its Prefill came (refused, evicted or expired orphans):
+ * all of them (by the whole id: a guess at a held request's low half touches nothing of it) go, and
+ * unless a request of that low half is held (one with another high half), its later embeddings too
+ * and its Prefill is answered with a 503 (on_prefill). */
+static void emb_lost(prefill_t *p, uint64_t rid, uint64_t rid_hi, const char *router)
+{
+    char r[sizeof(p->emb[0].router_id)];
+    snprintf(r, sizeof(r), "%s", router);   /* router may live in a slot freed below */
+    for (int i = 0; i < p->n_pages; i++)
+        if (p->emb[i].used && p->emb[i].rid == rid && p->emb[i].rid_hi == rid_hi && !strcmp(p->emb[i].router_id, r))
+            emb_release(p, &p->emb[i]);
+    if (!held_request(p, rid, r)) prism_abort_memo_add(&p->lost, rid, r, prism_now_s());
 }
 
 /* Embedding messages the pool can take now: images of the largest kind that fit in its free pages,
@@ -372,6 +392,25 @@ static void send_error(prefill_t *p, const char *router, uint64_t rid, uint64_t 
     prism_worker_reply_error(&p->w, router, rid, rid_hi, kind, msg, true);
 }
 
+/* Pool pages a prompt's images need to be sure to arrive (on_prefill checked its spans): the data
+ * socket is read only while an image of the largest kind fits, so before its last image comes the
+ * others may hold their pages and that much must still be free. The last to come is at worst the
+ * smallest: all but it, plus the largest kind. Images the prefix cache covers need none. */
+static int emb_pool_need(const prefill_t *p, const Prism__Prefill *pf)
+{
+    int sum = 0, least = 0, n = 0;
+    for (size_t i = 0; i < pf->n_images; i++) {
+        const Prism__ImageSpan *s = pf->images[i];
+        if (s->cached) continue;
+        int rows = 0;
+        for (uint32_t t = s->offset; t < s->offset + s->n_tokens; t++) rows += pf->token_ids[t] == p->cfg.image_token_index;
+        int pages = (rows + p->page_rows - 1) / p->page_rows;
+        sum += pages;
+        least = n++ ? PRISM_MIN(least, pages) : pages;
+    }
+    return n < 2 ? 0 : sum - least + p->max_pages;
+}
+
 static void on_prefill(prefill_t *p, const Prism__Envelope *e)
 {
     const Prism__Prefill *pf = e->prefill;
@@ -421,6 +460,28 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
         PRISM_WARN("request %llu refused: %s", (unsigned long long)e->request_id, why);
         send_error(p, router, e->request_id, e->request_id_hi, kind, why);
         drop_request(p, e->request_id, router);
+        return;
+    }
+    char msg[256];
+    if (prism_abort_memo_has(&p->lost, e->request_id, router, prism_now_s())) {
+        /* an image of it was dropped before this came: it would wait for ever */
+        PRISM_WARN("request %llu refused: its image embeddings were dropped before it came (pool full, or orphans "
+                   "timed out)", (unsigned long long)e->request_id);
+        send_error(p, router, e->request_id, e->request_id_hi, PRISM__ERROR_KIND__ERROR_OVERLOAD,
+                   "prefill embedding pool is full: this request's image embeddings were dropped; retry after a short wait");
+        drop_request(p, e->request_id, router);
+        return;
+    }
+    int need = emb_pool_need(p, pf);
+    if (need > p->n_pages) {
+        /* More pages than the whole pool: its images would wait for ever for room its own others hold. */
+        snprintf(msg, sizeof(msg), "The prompt's %zu images need more of the prefill's image embedding pool than it holds "
+                 "(%d of %d pages; --embed-pool-images %d); send fewer or smaller images in one prompt.",
+                 pf->n_images, need, p->n_pages, p->max_pages ? p->n_pages / p->max_pages : 0);
+        PRISM_WARN("request %llu refused: %s", (unsigned long long)e->request_id, msg);
+        send_error(p, router, e->request_id, e->request_id_hi, PRISM__ERROR_KIND__ERROR_CLIENT, msg);
+        drop_request(p, e->request_id, router);
+        prism_abort_memo_add(&p->aborts, e->request_id, router, prism_now_s());   /* its embeddings on the way */
         return;
     }
     why = prism_seq_start(&r->seq, &p->sampler, e->request_id, router, pf->sampling,
@@ -485,6 +546,7 @@ static void on_embeddings(prefill_t *p, prism_msg_t *m)
     const Prism__Embeddings *em = e->embeddings;
     const char *router = e->router_id ? e->router_id : "";
     if (prism_abort_memo_has(&p->aborts, e->request_id, router, prism_now_s())) return;  /* came after its abort */
+    if (prism_abort_memo_has(&p->lost, e->request_id, router, prism_now_s())) return;    /* an image of it was dropped */
     /* Only the encoder the router chose knows the whole id: embeddings naming a request held here by
      * its low half alone are someone else's guess, and touch nothing of it. */
     preq_t *held = held_request(p, e->request_id, router);
@@ -535,6 +597,7 @@ static void on_embeddings(prefill_t *p, prism_msg_t *m)
     if (s) return;  /* duplicate */
     if (pieces && em->row_offset != 0) {
         PRISM_WARN("request %llu: image %u: a piece without its first", (unsigned long long)e->request_id, em->image_index);
+        if (!held) prism_abort_memo_add(&p->lost, e->request_id, router, prism_now_s());
         return;   /* the rest of an image whose first piece was refused or dropped */
     }
     int n_pages = (int)((total + (uint32_t)p->page_rows - 1) / (uint32_t)p->page_rows);
@@ -550,12 +613,14 @@ static void on_embeddings(prefill_t *p, prism_msg_t *m)
                 send_error(p, router, e->request_id, e->request_id_hi, PRISM__ERROR_KIND__ERROR_OVERLOAD,
                            "prefill embedding pool is full");
                 drop_request(p, e->request_id, router);
+            } else {
+                emb_lost(p, e->request_id, e->request_id_hi, router);   /* its Prefill, when it comes, gets the 503 */
             }
             return;
         }
         PRISM_WARN("dropping embeddings of request %llu: no prefill request came, and orphans fill the pool",
                    (unsigned long long)old->rid);
-        emb_release(p, old);
+        emb_lost(p, old->rid, old->rid_hi, old->router_id);
     }
     for (int i = 0; i < p->n_pages && !s; i++)
         if (!p->emb[i].used) s = &p->emb[i];
@@ -1097,9 +1162,47 @@ static void expire_orphans(prefill_t *p)
         if (!e->used || now - e->t_arrive < p->orphan_timeout_s) continue;
         if (emb_orphan(p, e)) {
             PRISM_WARN("dropping embeddings of request %llu: no prefill request came", (unsigned long long)e->rid);
-            emb_release(p, e);
+            emb_lost(p, e->rid, e->rid_hi, e->router_id);
         }
     }
+}
+
+/* Prompts that each fit the pool alone but not together (several multi-image prompts each holding
+ * part of their images) can fill it with nothing able to go on: the data socket is not read
+ * (emb_credit 0), so the images they wait for never come. After PRISM_POOL_STALL_S of that, with no
+ * prompt in the model, none ready and no export waiting, the youngest prompt holding pages fails with
+ * a retryable 503 and its later embeddings are dropped: its pages free and the others go on. One a
+ * stall; the next only after the grace again. */
+#define PRISM_POOL_STALL_S 1.0
+static void pool_break(prefill_t *p)
+{
+    bool stalled = p->n_pages && emb_credit(p) == 0 && p->n_run == 0 && !p->kv_pending;
+    preq_t *young = NULL;
+    for (int i = 0; i < p->max_pending && stalled; i++) {
+        preq_t *r = &p->reqs[i];
+        if (!r->seq.used) continue;
+        if (ready(p, r)) stalled = false;   /* it goes next: not stuck */
+        bool holds = false;
+        for (int k = 0; k < p->n_pages && !holds; k++)
+            holds = p->emb[k].used && p->emb[k].rid == r->seq.rid && p->emb[k].rid_hi == r->seq.rid_hi &&
+                    !strcmp(p->emb[k].router_id, r->seq.router_id);
+        if (holds && (!young || r->t_arrive > young->t_arrive)) young = r;
+    }
+    if (!stalled || !young) {
+        p->stall_since = 0;
+        return;
+    }
+    double now = prism_now_s();
+    if (!p->stall_since) p->stall_since = now;
+    if (now - p->stall_since < PRISM_POOL_STALL_S) return;
+    p->stall_since = 0;
+    p->pool_deadlocks++;
+    PRISM_WARN("request %llu failed: the embedding pool is full of prompts each waiting for images that cannot come "
+               "(%d pages; --embed-pool-images); the youngest gives its pages back (%llu so far)",
+               (unsigned long long)young->seq.rid, p->n_pages, (unsigned long long)p->pool_deadlocks);
+    prism_abort_memo_add(&p->aborts, young->seq.rid, young->seq.router_id, now);   /* its images still on the way */
+    fail_request(p, young, PRISM__ERROR_KIND__ERROR_OVERLOAD,
+                 "prefill embedding pool is full with other prompts' images; retry after a short wait");
 }
 
 /* What the next heartbeat says (the I/O thread sends it on its own clock). */
@@ -1147,7 +1250,7 @@ static int prefill_flags(void *ctx, prism_flag_t *t)
                        "Most prompts one forward carries (their chunks together at most --chunked-prefill-size "
                        "tokens; at most --max-pending-requests; 1 = one prompt at a time; models with "
                        "chunked-attention layers always run 1)"),
-        PRISM_FLAG_INT("embed-pool-images", &p->f.emb_images, "Receive pool for image embeddings, in images of the largest kind (Llama-4: of max_patches + 1 tiles; Qwen-VL: of --max-image-tokens; smaller images take less). 0 = 32, or 4 for Qwen-VL"),
+        PRISM_FLAG_INT("embed-pool-images", &p->f.emb_images, "Receive pool for image embeddings, in images of the largest kind (Llama-4: of max_patches + 1 tiles; Qwen-VL: of --max-image-tokens; smaller images take less). 0 = 32, or 4 for Qwen-VL. A prompt whose images need more is refused (400)"),
         PRISM_FLAG_INT("max-image-tokens", &p->f.max_image_tokens, "Qwen-VL: the largest image taken, in LM tokens (0 = what the processor's max_pixels allows)"),
         PRISM_FLAG_INT("context-length", &p->f.context_length, "Max tokens per sequence (0 = model's max_position_embeddings, at most 131072)"),
         PRISM_FLAG_DOUBLE("orphan-timeout", &p->f.orphan_timeout,
@@ -1316,6 +1419,7 @@ static int prefill_ready(void *ctx, prism_worker_startup_t *s)
     s->kv = p->kv;
     s->logits = p->logits;
     prism_abort_memo_init(&p->aborts, p->orphan_timeout_s);
+    prism_abort_memo_init(&p->lost, PRISM_MAX(600.0, p->orphan_timeout_s));   /* the router's --request-timeout */
     const char *gap = getenv("PRISM_TEST_KV_PIECE_GAP_S");
     if (gap && *gap) {
         double g = strtod(gap, NULL);
@@ -1381,9 +1485,11 @@ static int prefill_run(void *ctx)
         prism_worker_poll(&p->w, work ? (p->fwd_gap_s > 0 ? 2 : 0) : (p->kv_pending ? 2 : 50), on_msg, p);
         run_step(p);
         expire_orphans(p);
+        pool_break(p);
     }
-    PRISM_INFO("prefill worker stopping after %llu requests (%llu cancelled mid-prompt)", (unsigned long long)p->served,
-               (unsigned long long)p->cancelled);
+    PRISM_INFO("prefill worker stopping after %llu requests (%llu cancelled mid-prompt, %llu failed to free a full "
+               "embedding pool)", (unsigned long long)p->served, (unsigned long long)p->cancelled,
+               (unsigned long long)p->pool_deadlocks);
     prism_seq_sampler_free(&p->sampler);
     if (p->prefix_on) prism_kv_prefix_free(&p->prefix);
     return code;

@@ -273,6 +273,12 @@ def prefill_seeds():
         rec(OP_ROUTER, keyed(46, bytes(range(16)) * n_blocks, True)) + turn(2) +
         rec(OP_ROUTER, keyed(47, b"\x01" * 17, False)) + rec(OP_ROUTER, keyed(48, b"\x02" * (16 * n_blocks + 16), True)) +
         turn())
+    # two orphans fill the pool (2 images); a third image pushes the oldest out: its Prefill, coming
+    # after, is answered at once (503) and its embeddings coming later are dropped
+    put(h, "orphan_pushed_out_then_prefill", rec(OP_DATA, embeddings_msg(60), [ROWS]) +
+        rec(OP_DATA, embeddings_msg(61), [ROWS]) + turn() + rec(OP_DATA, embeddings_msg(62), [ROWS]) + turn() +
+        rec(OP_ROUTER, prefill_msg(60, img, spans)) + turn() + rec(OP_DATA, embeddings_msg(60), [ROWS]) +
+        rec(OP_ROUTER, prefill_msg(62, img, spans)) + turn(2))
     put(h, "nan_rows", rec(OP_ROUTER, prefill_msg(43, img, spans, sampling(logprobs=4))) +
         rec(OP_DATA, embeddings_msg(43), [(IMAGE_ROWS * HIDDEN * 4, b"\x00\x00\xc0\x7f")]) + turn())
 

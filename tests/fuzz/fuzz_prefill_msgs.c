@@ -6,7 +6,7 @@
  * Invariants: after every step each reply is a Tokens message to the router and each KV transfer
  * passes the decode worker's own checks (sizes, blocks, choices); the loop does not wedge (once the
  * queues are empty and no KV waits for its decode worker, no request that has everything it needs
- * is left unserved); once every held request is aborted, every request slot, embedding page and KV
+ * is left unserved), and none held waits for embeddings dropped before it came; once every held request is aborted, every request slot, embedding page and KV
  * block is back and nothing is staged. */
 #define main prefill_worker_main
 #include "../../prefill_worker/main.c"
@@ -113,6 +113,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     for (int k = 0; k <= p->max_pending * (p->max_model_len / p->chunk + 2); k++) turn();
     FUZZ_ASSERT(g_io.n == 0);
     FUZZ_ASSERT(!servable(p));   /* not wedged */
+    /* none waits for images dropped before it came (on_prefill answers it at once) */
+    for (int i = 0; i < p->max_pending; i++)
+        FUZZ_ASSERT(!p->reqs[i].seq.used ||
+                    !prism_abort_memo_has(&p->lost, p->reqs[i].seq.rid, p->reqs[i].seq.router_id, prism_now_s()));
 
     /* The router gives up on everything held here (a KV stuck on its decode worker included). */
     for (int i = 0; i < p->max_pending; i++)
@@ -140,5 +144,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                 (unsigned long long)p->cancelled);
     fuzz_io_reset(&g_io, &p->w);
     prism_abort_memo_init(&p->aborts, p->orphan_timeout_s);
+    prism_abort_memo_init(&p->lost, PRISM_MAX(600.0, p->orphan_timeout_s));
     return 0;
 }

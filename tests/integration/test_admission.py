@@ -15,9 +15,14 @@ and normal service once the cause is gone.
   no worker of a tier            503 (and /ready 503)
   prefill --orphan-timeout       embeddings whose request never arrives are dropped (default 120 s),
                                  freeing the receive-pool slot that held requests back
+  prefill --embed-pool-images    a prompt whose images need more than the whole pool: 400 at once,
+                                 naming the flag; a pool full of prompts that each wait for images
+                                 that cannot come (beside an orphan, or two two-image prompts each
+                                 holding one): the youngest gets a 503 after a second (no hang)
 
 Run: python3 tests/integration/test_admission.py [test names]   (PRISM_BINARY_DIR=build dir)
 """
+import concurrent.futures
 import json
 import os
 import re
@@ -29,11 +34,14 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cluster import (Cluster, assert_abort_stopped_decode, binary, chat_body, make_image, run_tests,  # noqa: E402
-                     run_tool, wait_for, work_counters, MODEL)
+from cluster import (Cluster, assert_abort_stopped_decode, binary, chat_body, check_answer, make_image,  # noqa: E402
+                     reference, run_tests, run_tool, wait_for, work_counters, MODEL)
 
 TMP = tempfile.mkdtemp(prefix="prism-admission-")
 JPG = make_image(os.path.join(TMP, "red_circle.jpg"), width=640, height=480, shape="circle", color="red")
+PNG = make_image(os.path.join(TMP, "blue_square.png"), width=300, height=200, shape="square", color="blue",
+                 background="gray")
+GREEN = make_image(os.path.join(TMP, "green_circle.jpg"), width=320, height=240, shape="circle", color="green")
 FAST_HB = ["--heartbeat-interval", "0.1"]
 with open(os.path.join(MODEL, "config.json")) as f:
     CFG = json.load(f)
@@ -406,9 +414,126 @@ def test_orphan_embeddings_dropped():
         wait_for(lambda: c.metric("prism:worker_pool_free", tier="prefill") == 1, 30, "the pool slot free")
 
 
+def post_in_time(c, body, limit=30):
+    """A request that must be answered well before the router's --request-timeout (a hang fails)."""
+    t0 = time.time()
+    try:
+        status, r = c.post_json("/v1/chat/completions", body, timeout=limit)
+    except OSError as e:
+        raise AssertionError("no answer in %d s: the request hangs (%r)" % (limit, e))
+    return status, r, time.time() - t0
+
+
+def test_prompt_larger_than_pool_refused():
+    """A two-image prompt on a prefill whose pool holds one image (--embed-pool-images 1) can never
+    be served (its first image would wait for room its own holds): a 400 at once naming the flag,
+    not a wait until --request-timeout; the pool is free again and a one-image request is served."""
+    with Cluster(common_worker_args=FAST_HB, worker_args={"prefill_worker": ["--embed-pool-images", "1"]}) as c:
+        c.wait_ready()
+        status, r, took = post_in_time(c, chat_body("What is in the images?", [JPG, PNG], max_tokens=4))
+        assert status == 400, (status, r)
+        assert "--embed-pool-images 1" in r["error"]["message"], r
+        assert took < 10, took
+        ref = reference([JPG], "What is in the image?", 4)
+        status, r, _ = post_in_time(c, chat_body("What is in the image?", [JPG], max_tokens=4))
+        check_answer(status, r, ref, "one image after the refusal")
+        wait_for(lambda: c.metric("prism:worker_pool_free", tier="prefill") == 1, 30, "the pool free again")
+
+
+def test_full_pool_stall_broken():
+    """A pool of three images, one held by embeddings whose Prefill has not come (an orphan: under
+    half the pool, so not pushed out), and a three-image prompt beside a one-image one: the
+    three-image prompt fits the pool alone, but with the orphan its first two images fill it and
+    nothing can go on (the data socket is not read: its third image never comes). Before, it waited
+    for --orphan-timeout (here 600 s: the router's timeout first); now the stalled prompt gets a 503
+    about a second later, the one-image prompt is answered as prism_generate, and so is one after."""
+    pre = ["--embed-pool-images", "3", "--orphan-timeout", "600"]
+    with Cluster(common_worker_args=FAST_HB, worker_args={"prefill_worker": pre}) as c:
+        c.wait_ready()
+        log = c.wait_log("prefill-0", "ready in")
+        endpoint = re.search(r"data (tcp://[^,\s]+)", log).group(1)
+        wait_for(lambda: c.metric("prism:worker_pool_free", tier="prefill") == 3, 30, "a heartbeat with the pool")
+        run_tool([binary("prism_wire"), "--endpoint", endpoint, "--request-id", "999997", "--router-id",
+                  "no-such-router", "--n-tokens", str(CFG["image_seq_length"]), "--hidden",
+                  str(CFG["text_config"]["hidden_size"]), *c.sec], timeout=30)
+        wait_for(lambda: c.metric("prism:worker_pool_free", tier="prefill") == 2, 30, "the orphan in the pool")
+        ref = reference([PNG], "What is in the image?", 4)
+        three = chat_body("What is in the images?", [JPG, PNG, GREEN], max_tokens=4)
+        one = chat_body("What is in the image?", [PNG], max_tokens=4)
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            f3 = ex.submit(post_in_time, c, three)
+            time.sleep(0.2)
+            f1 = ex.submit(post_in_time, c, one)
+            (s3, r3, took), (s1, r1, _) = f3.result(), f1.result()
+        assert s3 == 503 and "embedding pool is full" in r3["error"]["message"], (s3, r3)
+        assert took < 15, took
+        check_answer(s1, r1, ref, "the one-image prompt beside the stalled one")
+        assert "the youngest gives its pages back" in c.log("prefill-0", tail=0)
+        status, r, _ = post_in_time(c, one)
+        check_answer(status, r, ref, "after the stall")
+
+
+def inflight(c, tier):
+    st, _, data = c.request("GET", "/status")
+    return [w["inflight"] for w in json.loads(data)["workers"] if w["tier"] == tier][0]
+
+
+def test_two_prompts_each_holding_one_image():
+    """Two two-image prompts on a prefill pool of two images: each fits alone, but with the encoder
+    sending A's first image, then B's, the pool is full with one image of each and neither can go on
+    (the data socket is not read, so their second images never come). The order is made so: both
+    queued on the stopped encoder (one image a batch, one image thread, no cache), each a small
+    image (<= 1 MP) then a large one, and the encoder takes small images before large (job_rank).
+    Before, both waited until --request-timeout; now B (the younger) gets a 503 about a second
+    later and A is answered as prism_generate; B sent again is served. (The encoder may take A's
+    large image before B's small one is in its table: then nothing stalls and the pair is sent
+    again, under a new cache_salt, up to three times.)"""
+    big_a = make_image(os.path.join(TMP, "big_a.jpg"), width=1400, height=1000, shape="circle", color="yellow")
+    big_b = make_image(os.path.join(TMP, "big_b.jpg"), width=1400, height=1000, shape="square", color="white")
+    a_imgs, b_imgs = [JPG, big_a], [PNG, big_b]
+    with Cluster(common_worker_args=FAST_HB, router_args=["--no-early-encode"],
+                 worker_args={"prefill_worker": ["--embed-pool-images", "2"],
+                              "encoder_worker": ["--image-threads", "1", "--max-batch-images", "1",
+                                                 "--embedding-cache-bytes", "0"]}) as c:
+        c.wait_ready()
+        ref_a = reference(a_imgs, "What is in the images?", 4)
+        body = lambda imgs, salt: chat_body("What is in the images?", imgs, max_tokens=4, cache_salt=salt)
+        broken = lambda: c.log("prefill-0", tail=0).count("the youngest gives its pages back")
+        enc = c.procs["encoder-0"]
+        for attempt in range(3):
+            salt = "stall-%d" % attempt
+            enc.send_signal(signal.SIGSTOP)
+            try:
+                with concurrent.futures.ThreadPoolExecutor(2) as ex:
+                    fa = ex.submit(post_in_time, c, body(a_imgs, salt))
+                    wait_for(lambda: inflight(c, "encoder") == 2, 30, "A's images at the encoder")
+                    fb = ex.submit(post_in_time, c, body(b_imgs, salt))
+                    wait_for(lambda: inflight(c, "encoder") == 4, 30, "B's images at the encoder")
+                    enc.send_signal(signal.SIGCONT)
+                    (sa, ra, _), (sb, rb, took) = fa.result(), fb.result()
+            finally:
+                enc.send_signal(signal.SIGCONT)
+            check_answer(sa, ra, ref_a, "A, the older prompt")
+            if broken() == 0:
+                assert sb == 200, ("no stall, yet B failed", sb, rb)
+                print("  attempt %d: the encoder sent A's images first, nothing stalled" % attempt)
+                continue
+            assert broken() == 1, broken()
+            assert sb == 503 and "embedding pool is full" in rb["error"]["message"], (sb, rb)
+            assert took < 15, took
+            break
+        else:
+            raise AssertionError("no stall in three attempts: the test proved nothing")
+        # B again: served. Its answer is not compared: two-image requests one after another are
+        # sometimes answered differently from prism_generate on main as well (reported), with no
+        # stall at all.
+        status, r, _ = post_in_time(c, body(b_imgs, "again"))
+        assert status == 200, (status, r)
+
 if __name__ == "__main__":
     sys.exit(run_tests([test_api_key, test_requests_in_flight_429, test_image_bytes_in_flight_wait,
                         test_body_bytes_in_flight_pause, test_paused_uploads_are_not_slow_clients,
                         test_max_queue_wait_503,
                         test_request_timeout_ends_stream_and_aborts, test_no_worker_of_a_tier_503,
-                        test_orphan_embeddings_dropped]))
+                        test_orphan_embeddings_dropped, test_prompt_larger_than_pool_refused,
+                        test_full_pool_stall_broken, test_two_prompts_each_holding_one_image]))

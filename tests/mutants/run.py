@@ -71,6 +71,15 @@ MUTANTS = {
         [("encoder_worker/main.c", "                if (!wait) full[n_full++] = j->prefill_endpoint;",
           "                if (!wait && 0) full[n_full++] = j->prefill_endpoint;")],
         IT + "test_qwen.py test_full_pool_waits", ["encoder_worker"]),
+    "prefill-pool-need-unchecked": (
+        "a prompt whose images need more than the prefill's embedding pool is admitted (it waits for ever)",
+        [("prefill_worker/main.c", "    if (need > p->n_pages) {", "    if (need > p->n_pages && 0) {")],
+        IT + "test_admission.py test_prompt_larger_than_pool_refused", ["prefill_worker"]),
+    "prefill-pool-stall-kept": (
+        "a prefill pool full of prompts waiting for images that cannot come is never broken",
+        [("prefill_worker/main.c", "    if (now - p->stall_since < PRISM_POOL_STALL_S) return;",
+          "    if (now - p->stall_since < PRISM_POOL_STALL_S || 1) return;")],
+        IT + "test_admission.py test_full_pool_stall_broken", ["prefill_worker"]),
     "embed-cache-ignores-pins": (
         "a cache miss overwrites an entry a hit of the same batch still reads",
         [("encoder_worker/embed_cache.c", "        } else if (!c->pins[i]) {", "        } else if (1) {"),
