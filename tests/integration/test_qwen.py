@@ -170,14 +170,19 @@ def test_pieces_and_chunks():
     check_cases(C, stream_every=3)
 
 
-def test_concurrent_distinct():
-    """The golden conversations at once (several images in flight, in pieces): each its own answer."""
+def golden_at_once(cluster):
+    """The golden conversations twice, all at once (every other one streamed): each HF's answer."""
     bodies = [body(case_messages(case), stream=i % 2 == 1) for i, case in enumerate(GOLD["cases"])] * 2
     with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
-        res = list(ex.map(lambda b: ask(C, b)[0], bodies))
+        res = list(ex.map(lambda b: ask(cluster, b)[0], bodies))
     for i, got in enumerate(res):
         want = GOLD["cases"][i % len(GOLD["cases"])]["greedy"]
         assert got == want, (i, got, want)
+
+
+def test_concurrent_distinct():
+    """The golden conversations at once (several images in flight, in pieces): each its own answer."""
+    golden_at_once(C)
 
 
 def test_preempted_answers_unchanged():
@@ -316,12 +321,7 @@ def test_batched_mrope():
             return ((c.metric("prism:worker_prefill_forward_prompts_total", worker="prefill-0") or 0) -
                     (c.metric("prism:worker_prefill_forwards_total", worker="prefill-0") or 0))
         before = shared()
-        bodies = [body(case_messages(case), stream=i % 2 == 1) for i, case in enumerate(GOLD["cases"])] * 2
-        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:
-            res = list(ex.map(lambda b: ask(c, b)[0], bodies))
-        for i, got in enumerate(res):
-            want = GOLD["cases"][i % len(GOLD["cases"])]["greedy"]
-            assert got == want, (i, got, want)
+        golden_at_once(c)
         wait_for(lambda: shared() > before, 10, "a forward carrying two of the prompts")
 
 
