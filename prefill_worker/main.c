@@ -396,14 +396,22 @@ static void send_error(prefill_t *p, const char *router, uint64_t rid, uint64_t 
  * socket is read only while an image of the largest kind fits, so before its last image comes the
  * others may hold their pages and that much must still be free. The last to come is at worst the
  * smallest: all but it, plus the largest kind. Images the prefix cache covers need none. */
+/* Image-token rows of a span of a prompt: the embedding rows its image fills (separators keep
+ * their own embedding). */
+static int span_image_rows(const prefill_t *p, const int32_t *tokens, uint32_t off, uint32_t n)
+{
+    int rows = 0;
+    for (uint32_t t = off; t < off + n; t++) rows += tokens[t] == p->cfg.image_token_index;
+    return rows;
+}
+
 static int emb_pool_need(const prefill_t *p, const Prism__Prefill *pf)
 {
     int sum = 0, least = 0, n = 0;
     for (size_t i = 0; i < pf->n_images; i++) {
         const Prism__ImageSpan *s = pf->images[i];
         if (s->cached) continue;
-        int rows = 0;
-        for (uint32_t t = s->offset; t < s->offset + s->n_tokens; t++) rows += pf->token_ids[t] == p->cfg.image_token_index;
+        int rows = span_image_rows(p, pf->token_ids, s->offset, s->n_tokens);
         int pages = (rows + p->page_rows - 1) / p->page_rows;
         sum += pages;
         least = n++ ? PRISM_MIN(least, pages) : pages;
@@ -439,8 +447,7 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
                 break;
             }
             prev_end = (uint64_t)s->offset + s->n_tokens;
-            int rows = 0;
-            for (uint32_t t = s->offset; t < s->offset + s->n_tokens; t++) rows += pf->token_ids[t] == p->cfg.image_token_index;
+            int rows = span_image_rows(p, pf->token_ids, s->offset, s->n_tokens);
             if (rows == 0 || rows > p->max_pages * p->page_rows) why = "image span holds no image tokens, or too many";
             /* M-RoPE: the span is the image's pads exactly, rows x cols of them */
             else if (prism_model_mrope(&p->cfg) &&
@@ -500,9 +507,7 @@ static void on_prefill(prefill_t *p, const Prism__Envelope *e)
     for (int i = 0; i < r->n_images; i++) {
         r->span_off[i] = pf->images[i]->offset;
         r->span_len[i] = pf->images[i]->n_tokens;
-        r->span_rows[i] = 0;
-        for (uint32_t t = r->span_off[i]; t < r->span_off[i] + r->span_len[i]; t++)
-            r->span_rows[i] += r->tokens[t] == p->cfg.image_token_index;
+        r->span_rows[i] = span_image_rows(p, r->tokens, r->span_off[i], r->span_len[i]);
         r->mrope[i] = (prism_mrope_image_t){(int32_t)pf->images[i]->offset, (int32_t)pf->images[i]->grid_rows,
                                             (int32_t)pf->images[i]->grid_cols};
         r->key_img[i] = (prism_kv_image_t){pf->images[i]->offset, pf->images[i]->n_tokens, pf->images[i]->grid_rows,
