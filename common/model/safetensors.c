@@ -273,6 +273,19 @@ int prism_st_open_memory(const void *buf, size_t len, prism_st_t **out, char *er
     return PRISM_OK;
 }
 
+int prism_st_matrix_dtype(const prism_st_t *st, prism_st_dtype_t *out)
+{
+    bool any = false;
+    for (int i = 0; i < st->n; i++) {
+        const prism_st_tensor_t *t = &st->tensors[i];
+        if (t->ndim < 2) continue;
+        if (any && t->dtype != *out) return PRISM_EINVAL;
+        *out = t->dtype;
+        any = true;
+    }
+    return any ? PRISM_OK : PRISM_ENOTFOUND;
+}
+
 static int open_index(const char *dir, const char *path, prism_st_t **out, char *err, size_t errlen);
 
 int prism_st_open_dir(const char *dir, prism_st_t **out, char *err, size_t errlen)

@@ -51,6 +51,9 @@ int  prism_st_count(const prism_st_t *st);
 const prism_st_tensor_t *prism_st_get(const prism_st_t *st, int i);
 const prism_st_tensor_t *prism_st_find(const prism_st_t *st, const char *name);
 size_t prism_st_dtype_size(prism_st_dtype_t t);
+/* The dtype every tensor of two or more dimensions is stored in (the matrices a model multiplies by,
+ * its embeddings); PRISM_ENOTFOUND when there is none, PRISM_EINVAL when they differ. */
+int  prism_st_matrix_dtype(const prism_st_t *st, prism_st_dtype_t *out);
 
 /* Converts a F32/BF16/F16 tensor's elements [off, off+n) to float32. PRISM_ENOTSUP for others. */
 int  prism_st_read_f32(const prism_st_tensor_t *t, int64_t off, int64_t n, float *dst);

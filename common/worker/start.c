@@ -1,5 +1,6 @@
 /* Worker start-up, once for every tier (the steps: start.h), and the memory plan's table. */
 #include "worker/start.h"
+#include "model/safetensors.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -164,21 +165,40 @@ static int parse(int argc, char **argv, const prism_worker_tier_t *t, prism_flag
     return -1;
 }
 
-/* The compute backend of --device and --threads, storing weights as --weight-dtype. */
+/* Whether every matrix of the checkpoint at path is stored as bf16: then bf16 storage holds
+ * exactly the weights HF computes with. A checkpoint that cannot be read answers false here; the
+ * model load says why. */
+static bool checkpoint_is_bf16(const char *path)
+{
+    prism_st_t *st;
+    char err[256];
+    if (prism_st_open_dir(path, &st, err, sizeof err) != PRISM_OK) return false;
+    prism_st_dtype_t dt;
+    bool bf16 = prism_st_matrix_dtype(st, &dt) == PRISM_OK && dt == PRISM_ST_BF16;
+    prism_st_close(st);
+    return bf16;
+}
+
+/* The compute backend of --device and --threads, storing weights as --weight-dtype. auto is the
+ * device's own, except that a device keeping fp32 (the CPU) keeps a bf16 checkpoint as bf16: the
+ * same weights, half the memory and half the bytes a decode step reads. */
 static int backend_create(const prism_worker_opts_t *o, prism_backend_t **out)
 {
     if (prism_backend_create(o->device, (int)o->threads, 0, out) != PRISM_OK) {
         PRISM_ERROR("cannot create backend '%s'", o->device);
         return 1;
     }
-    if (strcmp(o->weight_dtype, "auto") == 0) return -1;
-    prism_dtype_t dt = strcmp(o->weight_dtype, "bf16") == 0 ? PRISM_DTYPE_BF16 : PRISM_DTYPE_F32;
+    bool autodt = strcmp(o->weight_dtype, "auto") == 0;
+    if (autodt && ((*out)->weight_dtype != PRISM_DTYPE_F32 || o->random_weights || !checkpoint_is_bf16(o->model_path)))
+        return -1;
+    prism_dtype_t dt = autodt || strcmp(o->weight_dtype, "bf16") == 0 ? PRISM_DTYPE_BF16 : PRISM_DTYPE_F32;
     if (prism_backend_set_weight_dtype(*out, dt) != PRISM_OK) {
+        if (autodt) return -1;
         PRISM_ERROR("--weight-dtype %s is not supported on %s (it stores weights as %s)", o->weight_dtype,
                     (*out)->device, prism_dtype_name((*out)->weight_dtype));
         return 1;
     }
-    PRISM_INFO("weights stored as %s", prism_dtype_name(dt));
+    PRISM_INFO("weights stored as %s%s", prism_dtype_name(dt), autodt ? " (the checkpoint's own dtype)" : "");
     return -1;
 }
 

@@ -79,8 +79,9 @@ int prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *t, int n)
         PRISM_FLAG_STR("device", &o->device, "Compute device: cpu or cuda"),
         PRISM_FLAG_INT("threads", &o->threads, "CPU backend threads"),
         PRISM_FLAG_STR("weight-dtype", &o->weight_dtype,
-                       "Matmul weights and embeddings stored as: auto (the device's own: f32 on cpu, bf16 on "
-                       "cuda), f32 or bf16 (on cpu: half the memory and the bytes a decode step reads; fp32 "
+                       "Matmul weights and embeddings stored as: auto (the device's own: bf16 on cuda; on cpu "
+                       "bf16 when every matrix of the checkpoint is bf16, which keeps them exactly, else f32), "
+                       "f32 or bf16 (on cpu: half the memory and the bytes a decode step reads; fp32 "
                        "arithmetic on bf16-rounded weights)"),
         PRISM_FLAG_BYTES("mem-budget", &o->mem_budget, "Memory budget (bytes, e.g. 2G); start-up fails if the plan exceeds it"),
         PRISM_FLAG_STR("log-level", &o->log_level, "debug, info, warn or error"),

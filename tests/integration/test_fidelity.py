@@ -5,9 +5,10 @@ OpenAI's format (chat: logprobs + top_logprobs; completions: logprobs=N) must ma
 log-softmax within 1e-3. Checked non-streaming and streaming. The prompt ids the router builds are
 checked separately through /tokenize, so a failure says which stage differs. Prompts longer than
 4 x CHUNK tokens (three images, a ~490-token text: positions well beyond 151) run a second time on a
-cluster whose prefill worker takes CHUNK tokens per step. Every case also runs (non-streaming) on a
-cluster whose workers store their weights as bf16 (--weight-dtype bf16): the bundled checkpoint is
-bf16, so the same goldens hold.
+cluster whose prefill worker takes CHUNK tokens per step. The first cluster's workers store their
+weights as fp32 (--weight-dtype f32); every case also runs (non-streaming) on a cluster left to
+--weight-dtype auto, which keeps the bundled checkpoint's bf16 matrices as bf16 (the same weights,
+so the same goldens hold), as does the chunked cluster.
 
 Run: python3 tests/integration/test_fidelity.py   (PRISM_BINARY_DIR=build dir)
      FIDELITY_CASES=name1,name2 limits the cases; PRISM_E2E_GOLDEN_DIR=dir reads goldens made with
@@ -279,9 +280,12 @@ CHUNK = 32
 
 def main():
     global C, SERVED
-    C = Cluster(model=os.path.join(ROOT, GOLD["model_dir"]), router_args=())
+    C = Cluster(model=os.path.join(ROOT, GOLD["model_dir"]), router_args=(),
+                common_worker_args=["--weight-dtype", "f32"])
     try:
         ready = C.wait_ready()
+        for w in ("encoder-0", "prefill-0", "decode-0"):
+            C.wait_log(w, "weights stored as f32")
         SERVED = json.loads(C.request("GET", "/v1/models")[2])["data"][0]["id"]
         print("cluster ready in %.2fs; %d golden cases from %s (HF %s, %s)" % (
             ready, len(CASES), GOLD["generator"], GOLD["transformers"], GOLD["image_processor"]), flush=True)
@@ -301,15 +305,15 @@ def main():
             print("cluster logs: %s" % C.log_dir)
     finally:
         C.stop()
-    # Every worker with --weight-dtype bf16: the bundled checkpoint is bf16, so the weights are HF's
-    # own and the answers must still match HF's fp32 goldens (tokens, logprobs within TOL).
-    C = Cluster(model=os.path.join(ROOT, GOLD["model_dir"]), router_args=(),
-                common_worker_args=["--weight-dtype", "bf16"])
+    # Every worker left to --weight-dtype auto, which keeps the bundled checkpoint's bf16 matrices
+    # as bf16: the weights are HF's own and the answers must still match HF's fp32 goldens (tokens,
+    # logprobs within TOL).
+    C = Cluster(model=os.path.join(ROOT, GOLD["model_dir"]), router_args=())
     try:
         C.wait_ready()
         for w in ("encoder-0", "prefill-0", "decode-0"):
-            C.wait_log(w, "weights stored as bf16")
-        print("--weight-dtype bf16 on every worker", flush=True)
+            C.wait_log(w, "weights stored as bf16 (the checkpoint's own dtype)")
+        print("--weight-dtype auto: bf16 on every worker", flush=True)
         # a dtype no worker computes with is refused at start-up, before any model loads
         for kind in ("encoder_worker", "prefill_worker", "decode_worker"):
             p = subprocess.run([binary(kind), "--weight-dtype", "f16", "--insecure-no-curve"], capture_output=True,

@@ -203,6 +203,32 @@ static void test_sharded(void **state)
     assert_int_equal(prism_st_open_dir("/nonexistent/prism", &st, err, sizeof err), PRISM_ENOTFOUND);
 }
 
+/* The dtype of a checkpoint's matrices (what --weight-dtype auto keeps on the CPU): tensors of one
+ * dimension or none (norms, biases, scalars) do not count; two matrix dtypes are no answer. */
+static void test_matrix_dtype(void **state)
+{
+    (void)state;
+    static const struct { const char *hdr; size_t data; int rc; prism_st_dtype_t dt; } cases[] = {
+        {"{\"w\":{\"dtype\":\"BF16\",\"shape\":[2,2],\"data_offsets\":[0,8]},"
+         "\"n\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,16]}}", 16, PRISM_OK, PRISM_ST_BF16},
+        {"{\"w\":{\"dtype\":\"BF16\",\"shape\":[2,2],\"data_offsets\":[0,8]},"
+         "\"v\":{\"dtype\":\"F32\",\"shape\":[1,2],\"data_offsets\":[8,16]}}", 16, PRISM_EINVAL, 0},
+        {"{\"w\":{\"dtype\":\"F16\",\"shape\":[1,1,2],\"data_offsets\":[0,4]}}", 4, PRISM_OK, PRISM_ST_F16},
+        {"{\"n\":{\"dtype\":\"BF16\",\"shape\":[2],\"data_offsets\":[0,4]}}", 4, PRISM_ENOTFOUND, 0},
+        {"{}", 0, PRISM_ENOTFOUND, 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        prism_st_t *st;
+        uint8_t *img;
+        assert_int_equal(open_hdr(cases[i].hdr, cases[i].data, &st, &img), PRISM_OK);
+        prism_st_dtype_t dt = (prism_st_dtype_t)-1;
+        assert_int_equal(prism_st_matrix_dtype(st, &dt), cases[i].rc);
+        if (cases[i].rc == PRISM_OK) assert_int_equal(dt, cases[i].dt);
+        prism_st_close(st);
+        free(img);
+    }
+}
+
 static void test_bundled_model(void **state)
 {
     (void)state;
@@ -215,6 +241,9 @@ static void test_bundled_model(void **state)
     assert_non_null(t);
     assert_int_equal(t->dtype, PRISM_ST_BF16);
     assert_int_equal(t->shape[1], 256);
+    prism_st_dtype_t dt;
+    assert_int_equal(prism_st_matrix_dtype(st, &dt), PRISM_OK);
+    assert_int_equal(dt, PRISM_ST_BF16);
     prism_st_close(st);
 }
 
@@ -225,7 +254,7 @@ int main(void)
         cmocka_unit_test(test_valid), cmocka_unit_test(test_empty_header),
         cmocka_unit_test(test_corrupt),
         cmocka_unit_test(test_sharded),
-        cmocka_unit_test(test_bundled_model),
+        cmocka_unit_test(test_matrix_dtype), cmocka_unit_test(test_bundled_model),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
