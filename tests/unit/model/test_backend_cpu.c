@@ -165,7 +165,7 @@ static void test_attn_paged_chunked(void **state)
  * rounding. Paths this CPU lacks are reported as not run; PRISM_CPU_ISA forces a path below the
  * detected one for the backend-level comparisons. */
 
-static const char *k_isa_names[] = {"scalar", "avx2", "avx512"};
+static const char *k_isa_names[] = {"scalar", "avx2", "avx512", "avx512bf16"};
 #ifdef PRISM_TEST_EMU16
 extern const prism_cpu_kern_t prism_cpu_kern_emu16;   /* cpu_kern_emu16.c */
 #endif
@@ -207,8 +207,8 @@ static void test_kernel_tables_agree(void **state)
     size_t ns = sizeof special / sizeof special[0];
     for (size_t i = 0; i < NX; i++) x[i] = i < ns ? special[i] : -30.0f + 60.0f * (float)(i - ns) / (NX - ns);
     /* the tables the CPU runs, and the 16-lane emulation of the AVX-512 one where AVX2 runs */
-    for (int path = 0; path < 3; path++) {
-        int isa = path == 2 ? PRISM_CPU_ISA_AVX2 : PRISM_CPU_ISA_AVX2 + path;
+    for (int path = 0; path < 4; path++) {
+        int isa = path == 2 ? PRISM_CPU_ISA_AVX2 : path == 3 ? PRISM_CPU_ISA_AVX512BF16 : PRISM_CPU_ISA_AVX2 + path;
         const char *name = path == 2 ? "emu16 (AVX-512 lane logic on AVX2)" : k_isa_names[isa];
         if ((prism_cpu_isa_t)isa > best) {
             print_message("kernel path %s: not run (this CPU lacks it)\n", name);
