@@ -229,7 +229,7 @@ static uint64_t read_stream(const uint8_t *p, size_t n)
 {
 #if defined(__x86_64__) && defined(__GNUC__)
     prism_cpu_isa_t isa = prism_cpu_isa_detect();   /* the backend's own cpuid + OS-state check */
-    if (isa == PRISM_CPU_ISA_AVX512) return read_stream_64(p, n);
+    if (isa >= PRISM_CPU_ISA_AVX512) return read_stream_64(p, n);
     if (isa == PRISM_CPU_ISA_AVX2) return read_stream_32(p, n);
 #endif
     return read_stream_16(p, n);
@@ -304,13 +304,16 @@ static int load_cfg(const char *dir, bool checkpoint, prism_model_config_t *cfg)
     return 0;
 }
 
-static bool g_bf16;   /* --bf16-weights */
+static bool g_bf16;     /* --bf16-weights */
+static bool g_bf16dp;   /* --bf16-compute */
 
-/* The backend the vit and llm modes run on: weights bf16 with --bf16-weights. */
+/* The backend the vit and llm modes run on: weights bf16 with --bf16-weights, bf16 arithmetic too
+ * with --bf16-compute. */
 static prism_backend_t *model_backend(int threads)
 {
     prism_backend_t *be = prism_backend_cpu_create(threads);
     if (be && g_bf16 && prism_backend_set_weight_dtype(be, PRISM_DTYPE_BF16)) PRISM_FATAL("bf16 weights refused");
+    if (be && g_bf16dp && prism_backend_set_compute_dtype(be, PRISM_DTYPE_BF16)) PRISM_FATAL("bf16 compute refused");
     return be;
 }
 
@@ -491,6 +494,7 @@ int main(int argc, char **argv)
         PRISM_FLAG_STR("model-path", &model, "Directory with config.json (vit, llm)"),
         PRISM_FLAG_BOOL("checkpoint", &checkpoint, "Read the safetensors instead of seeded random weights"),
         PRISM_FLAG_BOOL("bf16-weights", &g_bf16, "vit, llm: store the weights as bf16 (--weight-dtype bf16)"),
+        PRISM_FLAG_BOOL("bf16-compute", &g_bf16dp, "vit, llm: bf16 dot-product matmuls (--compute-dtype bf16)"),
         PRISM_FLAG_INT("threads", &threads, "Backend threads (OpenBLAS threads for sgemm, copy threads for copy)"),
         PRISM_FLAG_INT("reps", &reps, "Timed repetitions after one warm-up (median reported, at most 64)"),
         PRISM_FLAG_INT("m", &m, "sgemm rows of x"),
