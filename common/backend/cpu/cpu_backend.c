@@ -1,9 +1,10 @@
 /* CPU backend: fp32 activations; weights fp32, or bf16 when asked (prism_backend_set_weight_dtype:
  * half the bytes a decode step streams); with --compute-dtype bf16 (prism_backend_set_compute_dtype)
- * the matmuls on bf16 weights round x to bf16 and run AVX-512 BF16 dot products. Matmuls are OpenBLAS sgemm (or a vectorised gemv for a
- * few rows) on column slices spread over the backend's own thread pool; attention is tiled matrix
- * products (cpu_attn.c); elementwise and row ops run the kernel table chosen at create for this
- * CPU (cpu_kern.h: scalar / AVX2 / AVX-512), split over the pool once they are big enough to pay
+ * the matmuls on bf16 weights round x to bf16 and run AVX-512 BF16 dot products. Matmuls are
+ * OpenBLAS sgemm (or a vectorised gemv for a few rows) on column slices spread over the backend's
+ * own thread pool; attention is tiled matrix products (cpu_attn.c); elementwise and row ops run
+ * the kernel table chosen at create for this CPU (cpu_kern.h: scalar / AVX2 / AVX-512 / AVX-512
+ * BF16), split over the pool once they are big enough to pay
  * for the hand-off. It is the reference other backends are tested against: every vector path
  * equals the scalar one within fp32 rounding (tests/unit/model/test_backend_cpu.c). */
 #include "backend/cpu/cpu_impl.h"

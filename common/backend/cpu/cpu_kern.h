@@ -9,9 +9,9 @@
  * polynomial (within ~2 ulp of libm), so vector results equal the scalar ones within fp32
  * rounding, not bit for bit. A fourth table, avx512bf16 (AVX-512 with the BF16 extension: Zen 4,
  * Cooper Lake, Sapphire Rapids and later), is the avx512 one plus the bf16 dot-product matmul
- * (vdpbf16ps) that --compute-dtype bf16 runs. PRISM_CPU_ISA=scalar|avx2|avx512|avx512bf16 forces a path (a path the CPU
- * lacks falls back to the best one it has, with a warning) so tests can compare every path the
- * machine can run. */
+ * (vdpbf16ps) that --compute-dtype bf16 runs. PRISM_CPU_ISA=scalar|avx2|avx512|avx512bf16 forces
+ * a path (a path the CPU lacks falls back to the best one it has, with a warning) so tests can
+ * compare every path the machine can run. */
 #ifndef PRISM_BACKEND_CPU_KERN_H
 #define PRISM_BACKEND_CPU_KERN_H
 
@@ -107,8 +107,8 @@ prism_cpu_isa_t prism_cpu_isa_detect(void);
 bool prism_cpu_has_avx512_skx(void);
 /* AVX-512 BF16 (cpuid leaf 7 subleaf 1, EAX bit 5) on top of prism_cpu_has_avx512_skx. */
 bool prism_cpu_has_avx512_bf16(void);
-/* The table to use: the detected ISA, or the one `force` names ("scalar", "avx2", "avx512", "avx512bf16";
- * NULL or "" = detect) when the CPU runs it; otherwise the best one below it. */
+/* The table to use: the detected ISA, or the one `force` names ("scalar", "avx2", "avx512",
+ * "avx512bf16"; NULL or "" = detect) when the CPU runs it; otherwise the best one below it. */
 const prism_cpu_kern_t *prism_cpu_kern_select(const char *force);
 const char *prism_cpu_isa_name(prism_cpu_isa_t isa);
 
