@@ -127,6 +127,19 @@ int prism_backend_set_weight_dtype(prism_backend_t *be, prism_dtype_t dt)
     return rc;
 }
 
+int prism_backend_set_compute_dtype(prism_backend_t *be, prism_dtype_t dt)
+{
+    if (dt == be->compute_dtype) return PRISM_OK;
+    if (!be->i.set_compute_dtype) return PRISM_ENOTSUP;
+    if (dt == PRISM_DTYPE_BF16) {
+        int rc = prism_backend_set_weight_dtype(be, PRISM_DTYPE_BF16);
+        if (rc != PRISM_OK) return rc;
+    }
+    int rc = be->i.set_compute_dtype(be->ctx, dt);
+    if (rc == PRISM_OK) be->compute_dtype = dt;
+    return rc;
+}
+
 void prism_backend_destroy(prism_backend_t *be)
 {
     if (!be) return;

@@ -289,6 +289,11 @@ typedef struct prism_backend_i {
      * by prism_backend_set_weight_dtype before a model loads. Optional: NULL = the backend takes
      * only its default weight_dtype. */
     int (*set_weight_dtype)(void *ctx, prism_dtype_t dt);
+    /* set_compute_dtype: the arithmetic of matmuls on bf16 weights (--compute-dtype): fp32 (x as
+     * it is), or bf16 (x rounded to bf16, exact products summed in fp32: the CPU's vdpbf16ps);
+     * called once by prism_backend_set_compute_dtype, after set_weight_dtype(bf16), before a model
+     * loads. Optional: NULL = the backend computes only in its default compute_dtype. */
+    int (*set_compute_dtype)(void *ctx, prism_dtype_t dt);
 
     void (*destroy)(void *ctx);
 } prism_backend_i;
@@ -298,6 +303,7 @@ struct prism_backend {
     void *ctx;
     const char *device;           /* "cpu" | "cuda" */
     prism_dtype_t weight_dtype;   /* dtype the model loader stores matmul weights/embeddings in */
+    prism_dtype_t compute_dtype;  /* what a matmul rounds x to: f32 (the CPU's default) or bf16 (CUDA) */
     int n_threads;
 };
 typedef struct prism_backend prism_backend_t;
@@ -318,6 +324,11 @@ int  prism_backend_create(const char *device, int n_threads, size_t pool_bytes, 
 /* Stores the weights of models loaded from now on as dt (the CPU takes fp32 or bf16; CUDA its
  * bf16 only): PRISM_ENOTSUP when the backend cannot compute with it. */
 int  prism_backend_set_weight_dtype(prism_backend_t *be, prism_dtype_t dt);
+/* Matmuls round their input x to dt before multiplying (products summed in fp32): f32 keeps it,
+ * bf16 also stores the weights as bf16 (set_weight_dtype). The CPU takes both (bf16 runs AVX-512
+ * BF16 dot products, or emulates them with a warning on a CPU without); CUDA computes in bf16
+ * only. PRISM_ENOTSUP when the backend cannot. */
+int  prism_backend_set_compute_dtype(prism_backend_t *be, prism_dtype_t dt);
 void prism_backend_destroy(prism_backend_t *be);
 bool prism_backend_has_cuda(void);
 /* dlopen()s a shared module of this build (RTLD_NOW | RTLD_LOCAL), looking in $PRISM_BACKEND_DIR,

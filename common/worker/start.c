@@ -153,6 +153,15 @@ static int parse(int argc, char **argv, const prism_worker_tier_t *t, prism_flag
         PRISM_ERROR("--weight-dtype must be auto, f32 or bf16");
         return 2;
     }
+    if (strcmp(o->compute_dtype, "auto") && strcmp(o->compute_dtype, "f32") && strcmp(o->compute_dtype, "bf16")) {
+        PRISM_ERROR("--compute-dtype must be auto, f32 or bf16");
+        return 2;
+    }
+    if (!strcmp(o->compute_dtype, "bf16") && !strcmp(o->weight_dtype, "f32")) {
+        PRISM_ERROR("--compute-dtype bf16 multiplies bf16 weights: it contradicts --weight-dtype f32 (drop it, or "
+                    "give --weight-dtype bf16)");
+        return 2;
+    }
     prism_worker_install_signals();
     char err[512] = "";
     if (prism_model_config_load(o->model_path, s->cfg, err, sizeof(err)) != PRISM_OK) {
@@ -179,9 +188,10 @@ static bool checkpoint_is_bf16(const char *path)
     return bf16;
 }
 
-/* The compute backend of --device and --threads, storing weights as --weight-dtype. auto is the
- * device's own, except that a device keeping fp32 (the CPU) keeps a bf16 checkpoint as bf16: the
- * same weights, half the memory and half the bytes a decode step reads. */
+/* The compute backend of --device and --threads, storing weights as --weight-dtype and computing
+ * matmuls in --compute-dtype (bf16 implies bf16 weights). --weight-dtype auto is the device's own,
+ * except that a device keeping fp32 (the CPU) keeps a bf16 checkpoint as bf16: the same weights,
+ * half the memory and half the bytes a decode step reads. */
 static int backend_create(const prism_worker_opts_t *o, prism_backend_t **out)
 {
     if (prism_backend_create(o->device, (int)o->threads, 0, out) != PRISM_OK) {
@@ -189,16 +199,26 @@ static int backend_create(const prism_worker_opts_t *o, prism_backend_t **out)
         return 1;
     }
     bool autodt = strcmp(o->weight_dtype, "auto") == 0;
-    if (autodt && ((*out)->weight_dtype != PRISM_DTYPE_F32 || o->random_weights || !checkpoint_is_bf16(o->model_path)))
-        return -1;
-    prism_dtype_t dt = autodt || strcmp(o->weight_dtype, "bf16") == 0 ? PRISM_DTYPE_BF16 : PRISM_DTYPE_F32;
-    if (prism_backend_set_weight_dtype(*out, dt) != PRISM_OK) {
-        if (autodt) return -1;
-        PRISM_ERROR("--weight-dtype %s is not supported on %s (it stores weights as %s)", o->weight_dtype,
-                    (*out)->device, prism_dtype_name((*out)->weight_dtype));
-        return 1;
+    if (!autodt || ((*out)->weight_dtype == PRISM_DTYPE_F32 && !o->random_weights && checkpoint_is_bf16(o->model_path))) {
+        prism_dtype_t dt = autodt || strcmp(o->weight_dtype, "bf16") == 0 ? PRISM_DTYPE_BF16 : PRISM_DTYPE_F32;
+        if (prism_backend_set_weight_dtype(*out, dt) == PRISM_OK)
+            PRISM_INFO("weights stored as %s%s", prism_dtype_name(dt), autodt ? " (the checkpoint's own dtype)" : "");
+        else if (!autodt) {
+            PRISM_ERROR("--weight-dtype %s is not supported on %s (it stores weights as %s)", o->weight_dtype,
+                        (*out)->device, prism_dtype_name((*out)->weight_dtype));
+            return 1;
+        }
     }
-    PRISM_INFO("weights stored as %s%s", prism_dtype_name(dt), autodt ? " (the checkpoint's own dtype)" : "");
+    if (strcmp(o->compute_dtype, "auto") != 0) {
+        prism_dtype_t dt = strcmp(o->compute_dtype, "bf16") == 0 ? PRISM_DTYPE_BF16 : PRISM_DTYPE_F32;
+        if (prism_backend_set_compute_dtype(*out, dt) != PRISM_OK) {
+            PRISM_ERROR("--compute-dtype %s is not supported on %s (its matmuls compute in %s)", o->compute_dtype,
+                        (*out)->device, prism_dtype_name((*out)->compute_dtype));
+            return 1;
+        }
+        PRISM_INFO("matmuls compute in %s (weights stored as %s)", prism_dtype_name(dt),
+                   prism_dtype_name((*out)->weight_dtype));
+    }
     return -1;
 }
 

@@ -8,7 +8,7 @@
  *   BLAS      prism_backend_cpu_blas_setup (before any other thread runs)
  *   group     shard: this rank's slice of the model, and whether it leads          tier->group->shard
  *   context   the tier's flags checked, its sizes (context, slots, pages, tiles)   tier->size
- *   backend   --device / --threads / --weight-dtype
+ *   backend   --device / --threads / --weight-dtype / --compute-dtype
  *   model     weights and activation arena on the backend                           tier->load
  *   plan      the memory plan: a table of regions, checked against --mem-budget    tier->plan (+ group)
  *   join      the leader's sockets (a rank: its group link), the group formed      tier->group->join

@@ -48,6 +48,7 @@ void prism_worker_opts_defaults(prism_worker_opts_t *o, const char *role)
     o->device = "cpu";
     o->threads = 1;
     o->weight_dtype = "auto";
+    o->compute_dtype = "auto";
     o->mem_budget = 0;
     o->log_level = "info";
     o->log_format = "text";
@@ -83,6 +84,10 @@ int prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *t, int n)
                        "bf16 when every matrix of the checkpoint is bf16, which keeps them exactly, else f32), "
                        "f32 or bf16 (on cpu: half the memory and the bytes a decode step reads; fp32 "
                        "arithmetic on bf16-rounded weights)"),
+        PRISM_FLAG_STR("compute-dtype", &o->compute_dtype,
+                       "Matmul arithmetic: auto (the device's own: f32 on cpu, bf16 on cuda), f32, or bf16 (x rounded "
+                       "to bf16, products summed in fp32; implies --weight-dtype bf16; on cpu: AVX-512 BF16 dot "
+                       "products, about 2-4x the matmul speed of f32, emulated with a warning on a CPU without them)"),
         PRISM_FLAG_BYTES("mem-budget", &o->mem_budget, "Memory budget (bytes, e.g. 2G); start-up fails if the plan exceeds it"),
         PRISM_FLAG_STR("log-level", &o->log_level, "debug, info, warn or error"),
         PRISM_FLAG_STR("log-format", &o->log_format,

@@ -268,6 +268,7 @@ struct prism_worker_opts {
     const char *device;
     int64_t threads;
     const char *weight_dtype;    /* "auto" (the device's own), "f32" or "bf16" */
+    const char *compute_dtype;   /* matmul arithmetic: "auto" (the device's own), "f32" or "bf16" */
     int64_t mem_budget;
     const char *log_level;
     const char *log_format;      /* text or json (one object per line) */
@@ -282,7 +283,7 @@ struct prism_worker_opts {
     double drain_timeout_s;      /* SIGTERM: longest wait for held requests before exiting */
 };
 
-#define PRISM_WORKER_N_FLAGS 20
+#define PRISM_WORKER_N_FLAGS 21
 void prism_worker_opts_defaults(prism_worker_opts_t *o, const char *role);
 /* Appends the common flags to table (which must have room for PRISM_WORKER_N_FLAGS more entries + END). */
 int  prism_worker_opts_flags(prism_worker_opts_t *o, prism_flag_t *table, int n);

@@ -3,6 +3,8 @@
  *
  *   prism_bench_model --mode sgemm  --threads 1 --m 577 --n 4096 --k 1024   OpenBLAS sgemm GFLOP/s
  *   prism_bench_model --mode matmul --threads 1 --m 577 --n 4096 --k 1024   the backend's matmul, same shape
+ *   prism_bench_model --mode mmdtype --threads 1 --m 16 --n 688 --k 256     the backend's matmul with fp32 weights,
+ *                                   bf16 weights (fp32 arithmetic) and --compute-dtype bf16, best GFLOP/s
  *   prism_bench_model --mode copy   --threads 1                             memcpy and read-only bandwidth GB/s
  *   prism_bench_model --mode vit    --threads 1 --model-path DIR            ViT + projector ms/image
  *   prism_bench_model --mode llm    --threads 1 --model-path DIR --tokens 2048 --decode-tokens 32
@@ -137,6 +139,50 @@ static int run_matmul(int threads, int reps, int M, int N, int K)
     return 0;
 }
 
+/* ---- the backend's matmul per dtype: f32 weights, bf16 weights (--weight-dtype bf16) and bf16 dot
+ * products (--compute-dtype bf16), interleaved run by run so a busy machine hurts all alike ---- */
+
+static int run_mmdtype(int threads, int reps, int M, int N, int K)
+{
+    prism_backend_t *be[3] = {prism_backend_cpu_create(threads), prism_backend_cpu_create(threads),
+                              prism_backend_cpu_create(threads)};
+    static const char *const name[3] = {"f32", "bf16_weights", "bf16_compute"};
+    float *x = prism_malloc_aligned(sizeof(float) * (size_t)M * K, 64);
+    float *w = prism_malloc_aligned(sizeof(float) * (size_t)N * K, 64);
+    uint16_t *wb = prism_malloc_aligned(sizeof(uint16_t) * (size_t)N * K, 64);
+    float *y = prism_malloc_aligned(sizeof(float) * (size_t)M * N, 64);
+    if (!be[0] || !be[1] || !be[2] || !x || !w || !wb || !y) PRISM_FATAL("mmdtype: out of memory");
+    if (prism_backend_set_weight_dtype(be[1], PRISM_DTYPE_BF16) ||
+        prism_backend_set_compute_dtype(be[2], PRISM_DTYPE_BF16))
+        PRISM_FATAL("mmdtype: bf16 refused");
+    fill_rand(x, (size_t)M * K, 1);
+    fill_rand(w, (size_t)N * K, 2);
+    for (size_t i = 0; i < (size_t)N * K; i++) wb[i] = prism_f32_to_bf16(w[i]);
+    /* enough calls per timing for ~20 ms */
+    int calls = (int)PRISM_MAX(1, PRISM_MIN(100000, 2e7 / ((double)M * N * K)));
+    double best[3] = {0};
+    if (reps > 64) reps = 64;
+    for (int r = -1; r < reps; r++)
+        for (int d = 0; d < 3; d++) {
+            const void *wt = d ? (const void *)wb : (const void *)w;
+            prism_dtype_t dt = d ? PRISM_DTYPE_BF16 : PRISM_DTYPE_F32;
+            double t0 = prism_now_s();
+            for (int c = 0; c < calls; c++)
+                if (be[d]->i.matmul(be[d]->ctx, y, N, x, K, wt, dt, NULL, M, N, K, false)) PRISM_FATAL("matmul");
+            double g = 2.0 * M * N * K * calls / (prism_now_s() - t0) / 1e9;
+            if (r >= 0 && g > best[d]) best[d] = g;
+        }
+    printf("{\"mode\":\"mmdtype\",\"threads\":%d,\"m\":%d,\"n\":%d,\"k\":%d", threads, M, N, K);
+    for (int d = 0; d < 3; d++) printf(",\"%s_gflops\":%.2f", name[d], best[d]);
+    printf(",\"bf16_compute_vs_f32\":%.2f}\n", best[2] / best[0]);
+    prism_free_aligned(x);
+    prism_free_aligned(w);
+    prism_free_aligned(wb);
+    prism_free_aligned(y);
+    for (int d = 0; d < 3; d++) prism_backend_destroy(be[d]);
+    return 0;
+}
+
 /* ---- memory bandwidth: buffers far beyond the last-level cache, split over threads ----
  * Two references for a decode step, which only reads its weights:
  *   copy: memcpy, GB/s counting bytes read + bytes written, as STREAM counts copy;
@@ -183,7 +229,7 @@ static uint64_t read_stream(const uint8_t *p, size_t n)
 {
 #if defined(__x86_64__) && defined(__GNUC__)
     prism_cpu_isa_t isa = prism_cpu_isa_detect();   /* the backend's own cpuid + OS-state check */
-    if (isa == PRISM_CPU_ISA_AVX512) return read_stream_64(p, n);
+    if (isa >= PRISM_CPU_ISA_AVX512) return read_stream_64(p, n);
     if (isa == PRISM_CPU_ISA_AVX2) return read_stream_32(p, n);
 #endif
     return read_stream_16(p, n);
@@ -258,13 +304,16 @@ static int load_cfg(const char *dir, bool checkpoint, prism_model_config_t *cfg)
     return 0;
 }
 
-static bool g_bf16;   /* --bf16-weights */
+static bool g_bf16;     /* --bf16-weights */
+static bool g_bf16dp;   /* --bf16-compute */
 
-/* The backend the vit and llm modes run on: weights bf16 with --bf16-weights. */
+/* The backend the vit and llm modes run on: weights bf16 with --bf16-weights, bf16 arithmetic too
+ * with --bf16-compute. */
 static prism_backend_t *model_backend(int threads)
 {
     prism_backend_t *be = prism_backend_cpu_create(threads);
     if (be && g_bf16 && prism_backend_set_weight_dtype(be, PRISM_DTYPE_BF16)) PRISM_FATAL("bf16 weights refused");
+    if (be && g_bf16dp && prism_backend_set_compute_dtype(be, PRISM_DTYPE_BF16)) PRISM_FATAL("bf16 compute refused");
     return be;
 }
 
@@ -441,10 +490,11 @@ int main(int argc, char **argv)
     int64_t threads = 1, reps = 3, m = 577, n = 4096, k = 1024, tokens = 2048, chunk = 0, prompt = 128, dec = 32;
     bool checkpoint = false;
     prism_flag_t flags[] = {
-        PRISM_FLAG_STR("mode", &mode, "sgemm | matmul | copy | vit | llm"),
+        PRISM_FLAG_STR("mode", &mode, "sgemm | matmul | mmdtype | copy | vit | llm"),
         PRISM_FLAG_STR("model-path", &model, "Directory with config.json (vit, llm)"),
         PRISM_FLAG_BOOL("checkpoint", &checkpoint, "Read the safetensors instead of seeded random weights"),
         PRISM_FLAG_BOOL("bf16-weights", &g_bf16, "vit, llm: store the weights as bf16 (--weight-dtype bf16)"),
+        PRISM_FLAG_BOOL("bf16-compute", &g_bf16dp, "vit, llm: bf16 dot-product matmuls (--compute-dtype bf16)"),
         PRISM_FLAG_INT("threads", &threads, "Backend threads (OpenBLAS threads for sgemm, copy threads for copy)"),
         PRISM_FLAG_INT("reps", &reps, "Timed repetitions after one warm-up (median reported, at most 64)"),
         PRISM_FLAG_INT("m", &m, "sgemm rows of x"),
@@ -471,6 +521,7 @@ int main(int argc, char **argv)
     if (!strcmp(mode, "sgemm")) return run_sgemm((int)threads, (int)reps, (int)m, (int)n, (int)k);
     if (!strcmp(mode, "copy")) return run_copy((int)threads, (int)reps);
     if (!strcmp(mode, "matmul")) return run_matmul((int)threads, (int)reps, (int)m, (int)n, (int)k);
+    if (!strcmp(mode, "mmdtype")) return run_mmdtype((int)threads, (int)reps, (int)m, (int)n, (int)k);
     if (!model) {
         fprintf(stderr, "prism_bench_model: --model-path is required for --mode %s\n", mode);
         return 2;

@@ -288,13 +288,27 @@ def test_launch_gives_the_routers_the_api_key_in_a_file():
     """Issue 26 finding 10: the API key was accepted only in argv, which every local user reads in
     /proc/PID/cmdline. launch.sh takes it from PRISM_API_KEY (or --api-key-file) and hands the
     routers a private file: no process's command line holds the key, no worker's environment
-    either, and the API wants it. --router-arg --api-key is refused."""
+    either, and the API wants it. --router-arg --api-key is refused.
+    The same cluster runs launch.sh --compute-dtype bf16 (issue 33): every worker computes its
+    matmuls in bf16 and a chat request with an image is served end to end."""
     key = "k" * 8 + os.urandom(12).hex()
-    c = Launched(env={"PRISM_API_KEY": key})
+    c = Launched(env={"PRISM_API_KEY": key}, args=["--compute-dtype", "bf16"])
     try:
         c.wait_ready()
         assert c.request("GET", "/v1/models")[0] == 401
         assert c.request("GET", "/v1/models", headers={"Authorization": "Bearer " + key})[0] == 200
+        status, r = c.post_json("/v1/chat/completions", chat_body("What is in the image?", [JPG], max_tokens=8,
+                                                                  temperature=0),
+                                headers={"Authorization": "Bearer " + key}, timeout=60)
+        assert status == 200 and r["usage"]["completion_tokens"] >= 1, (status, r)
+        for name in ("encoder-1", "prefill-1", "decode-1"):
+            assert "matmuls compute in bf16" in c.log(name), c.log(name)[-2000:]
+            # bf16 arithmetic multiplies bf16 weights: an explicit --weight-dtype f32 contradicts it
+            kind = name[:-2]
+            p = subprocess.run([os.path.join(BUILD, kind + "_worker", kind + "_worker"), "--compute-dtype", "bf16",
+                                "--weight-dtype", "f32", "--insecure-no-curve"], capture_output=True, text=True,
+                               timeout=30)
+            assert p.returncode == 2 and "contradicts --weight-dtype f32" in p.stderr + p.stdout, (kind, p)
         assert not processes_mentioning(key), processes_mentioning(key)
         for name, pid in c.pids().items():
             with open("/proc/%d/environ" % pid, "rb") as f:

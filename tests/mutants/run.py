@@ -175,6 +175,33 @@ MUTANTS = {
         "a shared KV block is freed at its first release, whoever else holds it",
         [("common/kv/kv.c", "        if (--b->holders[ids[i]]) continue;", "        if (--b->holders[ids[i]] && 0) continue;")],
         "ctest --test-dir $BUILD -R '^test_kv_swap$' --output-on-failure", ["test_kv_swap"]),
+    "bf16dp-drops-k-tail": (
+        "the AVX-512 BF16 matmul drops the last K % 32 products (issue 33)",
+        [("common/backend/cpu/cpu_kern_avx512bf16.c", "    if (k < K) {\n        __mmask32 m",
+          "    if (0 && k < K) {\n        __mmask32 m")],
+        "ctest --test-dir $BUILD -R '^(test_backend_cpu|test_model_golden)$' --output-on-failure",
+        ["test_backend_cpu", "test_model_golden"]),
+    "bf16-compute-ignored": (
+        "--compute-dtype bf16 accepted but the matmuls keep fp32 arithmetic (x not rounded)",
+        [("common/backend/cpu/cpu_backend.c", "mm_mode_t mode = !bf16 ? MM_F32 : !c->bf16dp ? MM_BF16W",
+          "mm_mode_t mode = !bf16 ? MM_F32 : 1 ? MM_BF16W")],
+        "ctest --test-dir $BUILD -R '^test_backend_cpu$' --output-on-failure", ["test_backend_cpu"]),
+    "bf16-emulation-unrounded": (
+        "the emulation of --compute-dtype bf16 (a CPU without AVX-512 BF16) leaves x unrounded",
+        [("common/backend/cpu/cpu_backend.c",
+          "                t->k->round_bf16(xr + (size_t)r * t->K, x + (size_t)(r0 + r) * t->ldx, (size_t)t->K);",
+          "                memcpy(xr + (size_t)r * t->K, x + (size_t)(r0 + r) * t->ldx, (size_t)t->K * 4);")],
+        "ctest --test-dir $BUILD -R '^test_backend_cpu$' --output-on-failure", ["test_backend_cpu"]),
+    "launch-drops-compute-dtype": (
+        "deploy/launch.sh takes --compute-dtype but does not pass it to the workers",
+        [("deploy/launch.sh", ' --compute-dtype "$compute_dtype"', "")],
+        IT + "test_supervisor.py test_launch_gives_the_routers_the_api_key_in_a_file", ["encoder_worker"]),
+    "compute-dtype-contradiction-accepted": (
+        "a worker takes --compute-dtype bf16 beside an explicit --weight-dtype f32",
+        [("common/worker/start.c", '    if (!strcmp(o->compute_dtype, "bf16") && !strcmp(o->weight_dtype, "f32")) {',
+          "    if (0) {")],
+        IT + "test_supervisor.py test_launch_gives_the_routers_the_api_key_in_a_file",
+        ["encoder_worker", "prefill_worker", "decode_worker"]),
     "nginx-keepalive-outlives-router": (
         "nginx keeps idle connections to the routers as long as a router does (60 s): a router may close "
         "one under a request nginx writes (502)",

@@ -1,8 +1,10 @@
 /* CPU backend: fp32 activations; weights fp32, or bf16 when asked (prism_backend_set_weight_dtype:
- * half the bytes a decode step streams). Matmuls are OpenBLAS sgemm (or a vectorised gemv for a
- * few rows) on column slices spread over the backend's own thread pool; attention is tiled matrix
- * products (cpu_attn.c); elementwise and row ops run the kernel table chosen at create for this
- * CPU (cpu_kern.h: scalar / AVX2 / AVX-512), split over the pool once they are big enough to pay
+ * half the bytes a decode step streams); with --compute-dtype bf16 (prism_backend_set_compute_dtype)
+ * the matmuls on bf16 weights round x to bf16 and run AVX-512 BF16 dot products. Matmuls are
+ * OpenBLAS sgemm (or a vectorised gemv for a few rows) on column slices spread over the backend's
+ * own thread pool; attention is tiled matrix products (cpu_attn.c); elementwise and row ops run
+ * the kernel table chosen at create for this CPU (cpu_kern.h: scalar / AVX2 / AVX-512 / AVX-512
+ * BF16), split over the pool once they are big enough to pay
  * for the hand-off. It is the reference other backends are tested against: every vector path
  * equals the scalar one within fp32 rounding (tests/unit/model/test_backend_cpu.c). */
 #include "backend/cpu/cpu_impl.h"
@@ -101,24 +103,54 @@ static int cpu_sync(void *ctx) { return PRISM_OK; }
  * ours never oversubscribe the cores). For a few rows of x (decode) it runs the vectorised gemv
  * instead, which streams each weight row once for all rows of x. bf16 weights: the gemv widens
  * them in registers; sgemm gets each thread's slice widened chunk by chunk into its scratch (a
- * cost of K·N conversions against M·N·K multiply-adds). Products and sums stay fp32. */
+ * cost of K·N conversions against M·N·K multiply-adds). Products and sums stay fp32.
+ * --compute-dtype bf16 (MM_BF16DP): the table's matmul_bf16dp on each thread's block, for every M
+ * (same thread grid), rounding the block's x rows into the widen scratch; it has no sgemm. */
 
 #define GEMV_MAX_M 16             /* up to this many rows of x the gemv beats OpenBLAS sgemm (which packs all of W) */
+
+typedef enum {
+    MM_F32,                       /* fp32 weights */
+    MM_BF16W,                     /* bf16 weights widened, fp32 arithmetic (--weight-dtype bf16) */
+    MM_BF16DP,                    /* --compute-dtype bf16: the table's matmul_bf16dp */
+    MM_BF16DP_EMUL,               /* --compute-dtype bf16 on a table without it: x rounded to bf16 into
+                                   * the upper half of the scratch, then MM_BF16W on it (same numerics) */
+} mm_mode_t;
 
 typedef struct {
     const prism_cpu_kern_t *k;
     float *y; int ldy;
     const float *x; int ldx;
-    const void *w;                /* fp32, or bf16 when widen */
+    const void *w;                /* fp32, or bf16 (every mode but MM_F32) */
     const float *b;
     int M, N, K;
     bool accumulate;
+    mm_mode_t mode;
     int pm, pn;                   /* thread grid: row blocks x column slices */
-    float *widen;                 /* bf16 weights: the per-thread widen scratch; NULL: fp32 */
-    int cw;                       /* bf16, many rows: columns widened per chunk */
+    float *widen;                 /* the per-thread widen scratch (bf16 weights) */
+    size_t widen_floats;          /* of each thread's scratch, what may be used */
+    int cw;                       /* MM_BF16W / _EMUL, many rows: columns widened per chunk */
+    int rx;                       /* MM_BF16DP_EMUL: rows of x rounded per chunk */
 } mm_task_t;
 
 #define MM_MIN_COLS 256           /* narrower column slices split the rows of x instead */
+
+/* bf16 weights, fp32 arithmetic: the gemv widens them in registers, sgemm gets them widened chunk
+ * by chunk into buf */
+static void mm_bf16w(const mm_task_t *t, float *y, const float *x, int ldx, const uint16_t *w, int mm, int nn,
+                     bool acc, float *buf)
+{
+    if (t->M <= GEMV_MAX_M) {
+        t->k->gemv_bf16(y, t->ldy, x, ldx, w, t->K, mm, nn, t->K, acc);
+        return;
+    }
+    for (int c0 = 0; c0 < nn; c0 += t->cw) {
+        int c = PRISM_MIN(t->cw, nn - c0);
+        t->k->bf16_to_f32(buf, w + (size_t)c0 * t->K, (size_t)c * t->K);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, mm, c, t->K, 1.0f, x, ldx, buf, t->K,
+                    acc ? 1.0f : 0.0f, y + c0, t->ldy);
+    }
+}
 
 static void mm_worker(void *arg, int ith, int nth)
 {
@@ -143,7 +175,7 @@ static void mm_worker(void *arg, int ith, int nth)
         }
         acc = true;
     }
-    if (!t->widen) {
+    if (t->mode == MM_F32) {
         const float *w = (const float *)t->w + (size_t)n0 * t->K;
         if (t->M <= GEMV_MAX_M)
             t->k->gemv(y, t->ldy, x, t->ldx, w, t->K, mm, nn, t->K, acc);
@@ -153,16 +185,23 @@ static void mm_worker(void *arg, int ith, int nth)
         return;
     }
     const uint16_t *w = (const uint16_t *)t->w + (size_t)n0 * t->K;
-    if (t->M <= GEMV_MAX_M) {
-        t->k->gemv_bf16(y, t->ldy, x, t->ldx, w, t->K, mm, nn, t->K, acc);
-        return;
-    }
     float *buf = t->widen + (size_t)ith * PRISM_CPU_WIDEN_FLOATS;
-    for (int c0 = 0; c0 < nn; c0 += t->cw) {
-        int c = PRISM_MIN(t->cw, nn - c0);
-        t->k->bf16_to_f32(buf, w + (size_t)c0 * t->K, (size_t)c * t->K);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, mm, c, t->K, 1.0f, x, t->ldx, buf, t->K,
-                    acc ? 1.0f : 0.0f, y + c0, t->ldy);
+    switch (t->mode) {
+    case MM_BF16W: mm_bf16w(t, y, x, t->ldx, w, mm, nn, acc, buf); break;
+    case MM_BF16DP:
+        t->k->matmul_bf16dp(y, t->ldy, x, t->ldx, w, t->K, mm, nn, t->K, acc, (uint16_t *)buf, 2 * t->widen_floats);
+        break;
+    case MM_BF16DP_EMUL: {
+        float *xr = buf + t->widen_floats / 2;
+        for (int r0 = 0; r0 < mm; r0 += t->rx) {
+            int rows = PRISM_MIN(t->rx, mm - r0);
+            for (int r = 0; r < rows; r++)
+                t->k->round_bf16(xr + (size_t)r * t->K, x + (size_t)(r0 + r) * t->ldx, (size_t)t->K);
+            mm_bf16w(t, y + (size_t)r0 * t->ldy, xr, t->K, w, rows, nn, acc, buf);
+        }
+        break;
+    }
+    default: break;
     }
 }
 
@@ -173,14 +212,24 @@ static int cpu_matmul(void *vctx, float *y, int ldy, const float *x, int ldx, co
     bool bf16 = wdt == PRISM_DTYPE_BF16;
     if (wdt != PRISM_DTYPE_F32 && !(bf16 && c->widen_scratch)) return PRISM_ENOTSUP;
     if (M < 0 || N <= 0 || K <= 0 || ldy < N || ldx < K) return PRISM_EINVAL;
-    int cw = bf16 ? prism_cpu_widen_cols(c, K) : 0;
-    if (bf16 && M > GEMV_MAX_M && !cw) return PRISM_ENOTSUP;
+    mm_mode_t mode = !bf16 ? MM_F32 : !c->bf16dp ? MM_BF16W : c->k->matmul_bf16dp ? MM_BF16DP : MM_BF16DP_EMUL;
+    /* the scratch a thread may fill: all of it, or its lower half beside the rounded x rows */
+    size_t room = mode == MM_BF16DP_EMUL ? c->widen_floats / 2 : c->widen_floats;
+    int cw = K > 0 && (size_t)K * 16 <= room ? (int)(room / (size_t)K / 16 * 16) : 0;
+    int rx = (int)PRISM_MIN((size_t)M, room / (size_t)K);
+    if ((mode == MM_BF16W || mode == MM_BF16DP_EMUL) && M > GEMV_MAX_M && !cw) return PRISM_ENOTSUP;
+    if (mode == MM_BF16DP_EMUL && M && rx < 1) return PRISM_ENOTSUP;
+    if (mode == MM_BF16DP &&
+        (size_t)PRISM_CPU_BF16DP_ROWS * ((K + PRISM_CPU_BF16DP_KPAD - 1) / PRISM_CPU_BF16DP_KPAD * PRISM_CPU_BF16DP_KPAD) >
+            2 * c->widen_floats)
+        return PRISM_ENOTSUP;
     if (M == 0) return PRISM_OK;
     int nth = prism_cpu_nth(c, (size_t)M * N * K, PRISM_CPU_MATMUL_GRAIN);
     /* gemv: columns only (each weight row streamed once); sgemm: rows too once slices narrow */
     int pn = M <= GEMV_MAX_M ? PRISM_MIN(nth, (N + 15) / 16) : PRISM_MAX(1, PRISM_MIN(nth, N / MM_MIN_COLS));
     int pm = M <= GEMV_MAX_M ? 1 : PRISM_MAX(1, PRISM_MIN(nth / pn, M / 64));
-    mm_task_t t = {c->k, y, ldy, x, ldx, w, b, M, N, K, accumulate, pm, pn, bf16 ? c->widen_scratch : NULL, cw};
+    mm_task_t t = {c->k, y, ldy, x, ldx, w, b, M, N, K, accumulate, mode, pm, pn, c->widen_scratch, c->widen_floats,
+                   cw, rx};
     prism_cpu_pool_run(&c->pool, pm * pn, mm_worker, &t);
     return PRISM_OK;
 }
@@ -471,6 +520,24 @@ static int cpu_set_weight_dtype(void *vctx, prism_dtype_t dt)
     return PRISM_OK;
 }
 
+/* --compute-dtype: bf16 needs the widen scratch of bf16 weights (prism_backend_set_compute_dtype
+ * sets those first). A table without matmul_bf16dp (a CPU without AVX-512 BF16, or PRISM_CPU_ISA
+ * forcing a lower path) emulates it: the same numerics on fp32 arithmetic, no faster than f32. */
+static int cpu_set_compute_dtype(void *vctx, prism_dtype_t dt)
+{
+    prism_cpu_ctx_t *c = vctx;
+    if (dt != PRISM_DTYPE_F32 && dt != PRISM_DTYPE_BF16) return PRISM_ENOTSUP;
+    if (dt == PRISM_DTYPE_BF16 && !c->widen_scratch) return PRISM_ENOTSUP;
+    c->bf16dp = dt == PRISM_DTYPE_BF16;
+    if (c->bf16dp && !c->k->matmul_bf16dp)
+        PRISM_WARN("cpu backend: --compute-dtype bf16 without AVX-512 BF16 (%s kernels%s): x is rounded to bf16 as "
+                   "asked, but the products run in fp32 arithmetic (same results, no faster than f32)",
+                   c->k->name, prism_cpu_has_avx512_bf16() ? ", PRISM_CPU_ISA forces them" : "");
+    else if (c->bf16dp)
+        PRISM_INFO("cpu backend: matmuls compute in bf16 (AVX-512 BF16 dot products, fp32 sums)");
+    return PRISM_OK;
+}
+
 static void cpu_destroy(void *vctx)
 {
     prism_cpu_ctx_t *c = vctx;
@@ -555,12 +622,13 @@ prism_backend_t *prism_backend_cpu_create_pool(int n_threads, size_t pool_bytes)
         .moe_route = prism_cpu_moe_route, .matmul_grouped = prism_cpu_matmul_grouped,
         .moe_combine = prism_cpu_moe_combine, .pixel_shuffle = prism_cpu_pixel_shuffle,
         .rope_multi = cpu_rope_multi, .attn_varlen = prism_cpu_attn_varlen, .add_rows = cpu_add_rows,
-        .set_weight_dtype = cpu_set_weight_dtype,
+        .set_weight_dtype = cpu_set_weight_dtype, .set_compute_dtype = cpu_set_compute_dtype,
         .destroy = cpu_destroy,
     };
     be->ctx = c;
     be->device = "cpu";
     be->weight_dtype = PRISM_DTYPE_F32;
+    be->compute_dtype = PRISM_DTYPE_F32;
     be->n_threads = n_threads;
     PRISM_INFO("cpu backend: %d threads, %s kernels", n_threads, c->k->name);
     return be;

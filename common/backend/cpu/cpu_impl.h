@@ -48,7 +48,8 @@ void prism_cpu_pool_run(prism_cpu_pool_t *p, int nth, prism_cpu_task_fn fn, void
 /* Per-thread fp32 copy of a bf16 weight slice (floats, 16 MiB): a matmul of many rows widens its
  * columns chunk by chunk into it for sgemm. Chunks must stay wide: at 256 columns (a 4 MiB
  * scratch, K 4096) a 2,048-token prefill ran 1.1-1.35x slower than with fp32 weights; at 16 MiB
- * within a few %. Bounds K of a bf16 matmul to this / 16. */
+ * within a few %. Bounds K of a bf16 matmul to this / 16 (/ 32 when --compute-dtype bf16 runs
+ * without the bf16 dot products: half of it then holds the rounded x rows). */
 #define PRISM_CPU_WIDEN_FLOATS (1 << 22)
 
 typedef struct {
@@ -57,6 +58,8 @@ typedef struct {
     float *attn_scratch;          /* [n_threads][PRISM_CPU_ATTN_SCRATCH], carved at create */
     float *widen_scratch;         /* [n_threads][PRISM_CPU_WIDEN_FLOATS] once weights are bf16, else NULL */
     size_t widen_floats;          /* of each thread's scratch, what a chunk may fill (tests narrow it) */
+    bool bf16dp;                  /* --compute-dtype bf16: matmuls on bf16 weights round x to bf16; the
+                                   * widen scratch then holds the rounded rows of x */
     size_t pool_cap, pool_used, pool_peak;   /* memory pool accounting (bytes) */
     pthread_mutex_t mem_mu;
 } prism_cpu_ctx_t;

@@ -7,9 +7,11 @@
  *   avx512  AVX-512F, chosen only when cpuid reports it (and the OS saves zmm state).
  * The vector tables share one source (cpu_kern_simd.h) instantiated per ISA; their exp/erf are
  * polynomial (within ~2 ulp of libm), so vector results equal the scalar ones within fp32
- * rounding, not bit for bit. PRISM_CPU_ISA=scalar|avx2|avx512 forces a path (a path the CPU
- * lacks falls back to the best one it has, with a warning) so tests can compare every path the
- * machine can run. */
+ * rounding, not bit for bit. A fourth table, avx512bf16 (AVX-512 with the BF16 extension: Zen 4,
+ * Cooper Lake, Sapphire Rapids and later), is the avx512 one plus the bf16 dot-product matmul
+ * (vdpbf16ps) that --compute-dtype bf16 runs. PRISM_CPU_ISA=scalar|avx2|avx512|avx512bf16 forces
+ * a path (a path the CPU lacks falls back to the best one it has, with a warning) so tests can
+ * compare every path the machine can run. */
 #ifndef PRISM_BACKEND_CPU_KERN_H
 #define PRISM_BACKEND_CPU_KERN_H
 
@@ -19,7 +21,13 @@ typedef enum {
     PRISM_CPU_ISA_SCALAR = 0,
     PRISM_CPU_ISA_AVX2   = 1,
     PRISM_CPU_ISA_AVX512 = 2,
+    PRISM_CPU_ISA_AVX512BF16 = 3,
 } prism_cpu_isa_t;
+
+/* x rows the bf16 dot-product matmul rounds at once into its scratch, and the K granule it pads
+ * them to (with zeros): its scratch holds at least PRISM_CPU_BF16DP_ROWS rows of K rounded up. */
+#define PRISM_CPU_BF16DP_ROWS 4
+#define PRISM_CPU_BF16DP_KPAD 32
 
 /* Attention tiles are at most this many keys wide (the packed Kᵀ and score rows). */
 #define PRISM_CPU_ATTN_NK 64
@@ -51,6 +59,17 @@ typedef struct prism_cpu_kern {
                       bool accumulate);
     /* y[i] = x[i] widened from bf16 (exact) */
     void (*bf16_to_f32)(float *y, const uint16_t *x, size_t n);
+    /* y[i] = x[i] rounded to bf16 (nearest even) and kept as fp32 (y may equal x): the emulation
+     * of --compute-dtype bf16 where the table has no matmul_bf16dp */
+    void (*round_bf16)(float *y, const float *x, size_t n);
+    /* --compute-dtype bf16: y[m][n] (+)= Σ_k bf16(x[m][k])·w[n][k], x rounded to bf16 (nearest
+     * even), each product exact in fp32, sums in fp32 (vdpbf16ps: pairs of k at a time, so the
+     * order differs from the scalar reference's; denormal inputs count as 0). xb is scratch of
+     * xb_len bf16 values for the rounded rows of x: at least PRISM_CPU_BF16DP_ROWS rows of K
+     * rounded up to PRISM_CPU_BF16DP_KPAD (the scalar reference needs none). NULL in the tables
+     * without bf16 dot products (avx2, avx512): the backend then emulates it with round_bf16. */
+    void (*matmul_bf16dp)(float *y, int ldy, const float *x, int ldx, const uint16_t *w, int ldw, int M, int N,
+                          int K, bool accumulate, uint16_t *xb, size_t xb_len);
 
     /* ---- attention tiles (rows = (token, q head) pairs of one kv head) ----
      * pack_kt: Kt[d][j] = krows[j][d] for j < n, d < hd; columns n..ldk-1 zeroed (ldk >= n,
@@ -75,15 +94,21 @@ extern const prism_cpu_kern_t prism_cpu_kern_scalar;
 #define PRISM_CPU_X86 1
 extern const prism_cpu_kern_t prism_cpu_kern_avx2;
 extern const prism_cpu_kern_t prism_cpu_kern_avx512;
+extern const prism_cpu_kern_t prism_cpu_kern_avx512bf16;
 #endif
+/* The scalar round_bf16, shared by every table (the compiler vectorises it well enough: it runs
+ * once per x element against N multiply-adds). */
+void prism_cpu_round_bf16(float *y, const float *x, size_t n);
 
 /* The best ISA this CPU runs (cpuid + OS xsave state). */
 prism_cpu_isa_t prism_cpu_isa_detect(void);
 /* AVX-512 with the BW, DQ and VL subsets (Skylake-SP and later: what OpenBLAS's SkylakeX kernels
  * need), with the OS saving the registers. */
 bool prism_cpu_has_avx512_skx(void);
-/* The table to use: the detected ISA, or the one `force` names ("scalar", "avx2", "avx512";
- * NULL or "" = detect) when the CPU runs it; otherwise the best one below it. */
+/* AVX-512 BF16 (cpuid leaf 7 subleaf 1, EAX bit 5) on top of prism_cpu_has_avx512_skx. */
+bool prism_cpu_has_avx512_bf16(void);
+/* The table to use: the detected ISA, or the one `force` names ("scalar", "avx2", "avx512",
+ * "avx512bf16"; NULL or "" = detect) when the CPU runs it; otherwise the best one below it. */
 const prism_cpu_kern_t *prism_cpu_kern_select(const char *force);
 const char *prism_cpu_isa_name(prism_cpu_isa_t isa);
 

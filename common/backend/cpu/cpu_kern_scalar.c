@@ -126,6 +126,28 @@ static void s_bf16_to_f32(float *y, const uint16_t *x, size_t n)
     for (size_t i = 0; i < n; i++) y[i] = prism_bf16_to_f32(x[i]);
 }
 
+void prism_cpu_round_bf16(float *y, const float *x, size_t n)
+{
+    for (size_t i = 0; i < n; i++) y[i] = prism_bf16_to_f32(prism_f32_to_bf16(x[i]));
+}
+
+/* The reference of the bf16 dot products: x rounded to bf16, each product exact in fp32 (8-bit
+ * by 8-bit significands), summed in fp32 in k order. */
+static void s_matmul_bf16dp(float *y, int ldy, const float *x, int ldx, const uint16_t *w, int ldw, int M, int N,
+                            int K, bool accumulate, uint16_t *xb, size_t xb_len)
+{
+    (void)xb, (void)xb_len;
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+            const float *xr = x + (size_t)m * ldx;
+            const uint16_t *wr = w + (size_t)n * ldw;
+            float s = 0;
+            for (int k = 0; k < K; k++)
+                s += prism_bf16_to_f32(prism_f32_to_bf16(xr[k])) * prism_bf16_to_f32(wr[k]);
+            y[(size_t)m * ldy + n] = accumulate ? y[(size_t)m * ldy + n] + s : s;
+        }
+}
+
 static void s_pack_kt(float *Kt, int ldk, const float *const *krows, int n, int hd)
 {
     for (int d = 0; d < hd; d++) {
@@ -212,6 +234,8 @@ const prism_cpu_kern_t prism_cpu_kern_scalar = {
     .gemv = s_gemv,
     .gemv_bf16 = s_gemv_bf16,
     .bf16_to_f32 = s_bf16_to_f32,
+    .round_bf16 = prism_cpu_round_bf16,
+    .matmul_bf16dp = s_matmul_bf16dp,
     .pack_kt = s_pack_kt,
     .qk = s_qk,
     .qk_rows = s_qk_rows,

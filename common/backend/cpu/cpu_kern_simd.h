@@ -10,6 +10,7 @@
  *   VLOADBF16(p)            VL bf16 values from p, widened to fp32
  *   KSUM_D KSUMSQ_D KSUMSQDEV_D   double-precision sums of a row (as the scalar reference sums)
  *   KTABLE / KNAME / KISA  the table symbol, its name and ISA
+ *   KMATMUL_BF16DP          optional: the table's bf16 dot-product matmul (NULL when not defined)
  *
  * The polynomial exp and erf here are within about 2 ulp of libm (fits in tools/fit_cpu_erf.py);
  * everything else does the scalar reference's arithmetic in a different order. */
@@ -597,6 +598,10 @@ const prism_cpu_kern_t KTABLE = {
     .gemv = k_gemv,
     .gemv_bf16 = k_gemv_bf16,
     .bf16_to_f32 = k_bf16_to_f32,
+    .round_bf16 = prism_cpu_round_bf16,
+#ifdef KMATMUL_BF16DP
+    .matmul_bf16dp = KMATMUL_BF16DP,
+#endif
     .pack_kt = k_pack_kt,
     .qk = k_qk,
     .qk_rows = k_qk_rows,

@@ -555,6 +555,7 @@ prism_backend_t *prism_backend_cuda_create(int device, size_t pool_bytes, int *s
     be->ctx = c;
     be->device = "cuda";
     be->weight_dtype = PRISM_DTYPE_BF16;
+    be->compute_dtype = PRISM_DTYPE_BF16;   /* cu_matmul rounds x to bf16 for the tensor cores */
     be->n_threads = 1;
     {
         char a[32], b[32];

@@ -165,7 +165,7 @@ static void test_attn_paged_chunked(void **state)
  * rounding. Paths this CPU lacks are reported as not run; PRISM_CPU_ISA forces a path below the
  * detected one for the backend-level comparisons. */
 
-static const char *k_isa_names[] = {"scalar", "avx2", "avx512"};
+static const char *k_isa_names[] = {"scalar", "avx2", "avx512", "avx512bf16"};
 #ifdef PRISM_TEST_EMU16
 extern const prism_cpu_kern_t prism_cpu_kern_emu16;   /* cpu_kern_emu16.c */
 #endif
@@ -207,8 +207,8 @@ static void test_kernel_tables_agree(void **state)
     size_t ns = sizeof special / sizeof special[0];
     for (size_t i = 0; i < NX; i++) x[i] = i < ns ? special[i] : -30.0f + 60.0f * (float)(i - ns) / (NX - ns);
     /* the tables the CPU runs, and the 16-lane emulation of the AVX-512 one where AVX2 runs */
-    for (int path = 0; path < 3; path++) {
-        int isa = path == 2 ? PRISM_CPU_ISA_AVX2 : PRISM_CPU_ISA_AVX2 + path;
+    for (int path = 0; path < 4; path++) {
+        int isa = path == 2 ? PRISM_CPU_ISA_AVX2 : path == 3 ? PRISM_CPU_ISA_AVX512BF16 : PRISM_CPU_ISA_AVX2 + path;
         const char *name = path == 2 ? "emu16 (AVX-512 lane logic on AVX2)" : k_isa_names[isa];
         if ((prism_cpu_isa_t)isa > best) {
             print_message("kernel path %s: not run (this CPU lacks it)\n", name);
@@ -883,6 +883,137 @@ static void test_bf16_weights(void **state)
     free(x); free(wf); free(yf); free(yb); free(bias); free(wb);
 }
 
+/* Σ_k |bf16(x[m][k])·w[n][k]| (double): the scale of a bf16 dot product's fp32 rounding */
+static void bf16dp_abs(double *a, const float *x, int ldx, const uint16_t *w, int M, int N, int K)
+{
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+            double s = 0;
+            for (int k = 0; k < K; k++)
+                s += fabs((double)prism_bf16_to_f32(prism_f32_to_bf16(x[(size_t)m * ldx + k])) *
+                          prism_bf16_to_f32(w[(size_t)n * K + k]));
+            a[(size_t)m * N + n] = s;
+        }
+}
+
+/* |a - b| <= tol * scale (+ a little for the sums near 0) everywhere */
+static void assert_within(const float *a, const float *b, const double *scale, size_t n, double tol, const char *what)
+{
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - b[i]);
+        if (!(d <= tol * scale[i] + 1e-6)) fail_msg("%s[%zu]: %.9g vs %.9g (diff %.3g, scale %.3g)", what, i, a[i], b[i], d, scale[i]);
+    }
+}
+
+/* --compute-dtype bf16: the AVX-512 BF16 kernel equals the scalar reference (x rounded to bf16,
+ * exact products, fp32 sums) within fp32 summation rounding for every tile edge — rows 1..33 and
+ * 64..300 (row blocks, a 4-row scratch too), columns 1..8 and not a multiple of 16, K odd, even,
+ * shorter than 32 and with tails, accumulate. */
+static void test_bf16dp_kernel(void **state)
+{
+    (void)state;
+    if (!prism_cpu_has_avx512_bf16()) {
+        printf("skipped: this CPU has no AVX-512 BF16 (the emulated path is tested in test_bf16_compute)\n");
+        skip();
+        return;
+    }
+    enum { MM = 300, NN = 45, KK = 300 };
+    static const int ks[] = {1, 2, 7, 31, 32, 33, 64, 129, 256, 300};
+    static const int ns[] = {1, 3, 5, 8, 13, 45};
+    float *x = malloc(sizeof(float) * MM * KK), *y = malloc(sizeof(float) * MM * NN), *yr = malloc(sizeof(float) * MM * NN);
+    uint16_t *w = malloc(sizeof(uint16_t) * NN * KK), *xb = malloc(sizeof(uint16_t) * 64 * 320);
+    double *sc = malloc(sizeof(double) * MM * NN);
+    fill(x, (size_t)MM * KK);
+    for (int i = 0; i < NN * KK; i++) w[i] = prism_f32_to_bf16(frand());
+    const prism_cpu_kern_t *kb = &prism_cpu_kern_avx512bf16, *ks_ = &prism_cpu_kern_scalar;
+    int checked = 0;
+    for (int M = 1; M <= MM; M = M < 33 ? M + 1 : M < 64 ? 64 : M + 59)
+        for (size_t ki = 0; ki < PRISM_ARRAY_LEN(ks); ki++)
+            for (size_t ni = 0; ni < PRISM_ARRAY_LEN(ns); ni++) {
+                int K = ks[ki], N = ns[ni];
+                if ((M * 7 + K + N) % 3 && M > 8 && M < 64) continue;   /* a third of the middle rows */
+                bool acc = (M + K + N) & 1;
+                size_t kp = (size_t)(K + 31) / 32 * 32;
+                size_t xb_len = M % 2 ? 4 * kp : 64 * 320;              /* a 4-row scratch: many row blocks */
+                for (int i = 0; i < M * N; i++) y[i] = yr[i] = (float)(i % 5) - 2;
+                kb->matmul_bf16dp(y, N, x, KK, w, K, M, N, K, acc, xb, xb_len);
+                ks_->matmul_bf16dp(yr, N, x, KK, w, K, M, N, K, acc, NULL, 0);
+                bf16dp_abs(sc, x, KK, w, M, N, K);
+                if (acc) for (int i = 0; i < M * N; i++) sc[i] += fabs(yr[i]);
+                /* two fp32 sums of K terms in different orders: within 2·K·2^-24 of the magnitudes */
+                assert_within(y, yr, sc, (size_t)M * N, 2.0 * K * 0x1p-24, "bf16dp kernel vs scalar");
+                checked++;
+            }
+    assert_true(checked > 500);
+    free(x); free(y); free(yr); free(w); free(xb); free(sc);
+}
+
+/* --compute-dtype bf16 through the backend: refused for other dtypes, it stores weights as bf16;
+ * every thread grid (1 and 3 threads, rows and columns split), bias and accumulate; the result
+ * equals the fp32 matmul of bf16-rounded x (fp32 rounding), is within the bf16 rounding of x of
+ * the fp32 matmul of x, and is NOT that fp32 result bit for bit (x really was rounded). The
+ * emulation (PRISM_CPU_ISA=avx512: a table without bf16 dot products) gives the same numerics. */
+static void test_bf16_compute(void **state)
+{
+    (void)state;
+    enum { R = 300, D = 300, N = 700 };
+    prism_backend_t *f32 = prism_backend_cpu_create(1), *b1 = prism_backend_cpu_create(1),
+                    *b3 = prism_backend_cpu_create(3), *bf = prism_backend_cpu_create(1);
+    setenv("PRISM_CPU_ISA", "avx512", 1);
+    prism_backend_t *emul = prism_backend_cpu_create(2);
+    unsetenv("PRISM_CPU_ISA");
+    float *x = malloc(sizeof(float) * R * D), *xr = malloc(sizeof(float) * R * D), *wf = malloc(sizeof(float) * N * D);
+    float *yf = malloc(sizeof(float) * R * N), *yb = malloc(sizeof(float) * R * N), *yx = malloc(sizeof(float) * R * N);
+    float *bias = malloc(sizeof(float) * N);
+    double *sc = malloc(sizeof(double) * R * N);
+    uint16_t *wb = malloc(sizeof(uint16_t) * N * D);
+    fill(x, (size_t)R * D);
+    fill(bias, N);
+    for (size_t i = 0; i < (size_t)R * D; i++) xr[i] = prism_bf16_to_f32(prism_f32_to_bf16(x[i]));
+    for (size_t i = 0; i < (size_t)N * D; i++) {
+        wb[i] = prism_f32_to_bf16(frand());
+        wf[i] = prism_bf16_to_f32(wb[i]);
+    }
+    assert_int_equal(f32->compute_dtype, PRISM_DTYPE_F32);
+    assert_int_equal(prism_backend_set_compute_dtype(b1, PRISM_DTYPE_F16), PRISM_ENOTSUP);
+    assert_int_equal(prism_backend_set_weight_dtype(bf, PRISM_DTYPE_BF16), PRISM_OK);
+    prism_backend_t *bs[3] = {b1, b3, emul};
+    for (int bi = 0; bi < 3; bi++) {
+        assert_int_equal(prism_backend_set_compute_dtype(bs[bi], PRISM_DTYPE_BF16), PRISM_OK);
+        assert_int_equal(bs[bi]->compute_dtype, PRISM_DTYPE_BF16);
+        assert_int_equal(bs[bi]->weight_dtype, PRISM_DTYPE_BF16);
+    }
+    assert_true(((prism_cpu_ctx_t *)emul->ctx)->k->matmul_bf16dp == NULL);
+    double max_vs_f32 = 0;
+    for (int bi = 0; bi < 3; bi++)
+        for (int M = 1; M <= R; M = M < 20 ? M + 3 : M * 2 + 7) {
+            int K = M % 2 ? D : D - 1;   /* odd K too */
+            bool acc = M % 3 != 0;
+            const float *b = M % 4 ? bias : NULL;
+            for (int i = 0; i < M * N; i++) yf[i] = yb[i] = yx[i] = (float)(i % 7);
+            assert_int_equal(bs[bi]->i.matmul(bs[bi]->ctx, yb, N, x, D, wb, PRISM_DTYPE_BF16, b, M, N, K, acc), PRISM_OK);
+            /* the fp32 matmul of the rounded x: the same products, summed in another order */
+            assert_int_equal(f32->i.matmul(f32->ctx, yx, N, xr, D, wf, PRISM_DTYPE_F32, b, M, N, K, acc), PRISM_OK);
+            /* the fp32 path (--weight-dtype bf16 alone) on x as it is */
+            assert_int_equal(bf->i.matmul(bf->ctx, yf, N, x, D, wb, PRISM_DTYPE_BF16, b, M, N, K, acc), PRISM_OK);
+            for (int m = 0; m < M; m++)
+                for (int n = 0; n < N; n++) {
+                    double s = fabs((double)(acc ? (float)((m * N + n) % 7) : 0.0f)) + (b ? fabs(b[n]) : 0);
+                    for (int k = 0; k < K; k++) s += fabs((double)x[(size_t)m * D + k] * wf[(size_t)n * D + k]);
+                    sc[(size_t)m * N + n] = s;
+                }
+            assert_within(yb, yx, sc, (size_t)M * N, 2.0 * (K + 2) * 0x1p-24, "bf16 compute vs fp32 of rounded x");
+            /* rounding x to bf16 moves each product by at most 2^-9 of it (plus the sums' rounding) */
+            assert_within(yb, yf, sc, (size_t)M * N, 0x1p-9 + 2.0 * (K + 2) * 0x1p-24, "bf16 compute vs fp32");
+            max_vs_f32 = PRISM_MAX(max_vs_f32, maxdiff(yb, yf, (size_t)M * N));
+        }
+    printf("bf16 compute vs fp32: max |diff| %.3g\n", max_vs_f32);
+    assert_true(max_vs_f32 > 1e-4);   /* x was rounded: the bf16 path ran */
+    prism_backend_t *all[5] = {f32, b1, b3, bf, emul};
+    for (int i = 0; i < 5; i++) prism_backend_destroy(all[i]);
+    free(x); free(xr); free(wf); free(yf); free(yb); free(yx); free(bias); free(sc); free(wb);
+}
+
 /* OpenBLAS runs kernels this CPU has: after a backend is created its generic Prescott (SSE3)
  * fallback, which a CPU model newer than the library gets (Emerald Rapids under 0.3.21, 4-5x
  * slower sgemm), is never left on a CPU with AVX2 — unless the operator asked for it. */
@@ -921,6 +1052,8 @@ int main(void)
         cmocka_unit_test(test_backend_paths_agree),
         cmocka_unit_test(test_threads_agree),
         cmocka_unit_test(test_bf16_weights),
+        cmocka_unit_test(test_bf16dp_kernel),
+        cmocka_unit_test(test_bf16_compute),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

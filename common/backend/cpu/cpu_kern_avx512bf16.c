@@ -1,0 +1,148 @@
+/* AVX-512 BF16 instantiation: the avx512 table's kernels plus the bf16 dot-product matmul of
+ * --compute-dtype bf16 (this file alone is compiled with -mavx512bf16 and the F/BW/DQ/VL subsets;
+ * its table is used only when cpuid reports them, cpu_kern.c).
+ *
+ * The matmul keeps the weights in their [N][K] row-major layout (tied embeddings and tensor-parallel
+ * slices share it; nothing is repacked at load). Per call it rounds a block of x rows to bf16 into
+ * the caller's scratch (zero-padded to a multiple of 32), then walks register tiles of up to 4 x
+ * rows by 4 (or 8) weight rows: each step loads 32 k of each, and each vdpbf16ps multiplies 32 bf16
+ * pairs into 16 fp32 lanes of the tile's accumulator for that (row, column). The K tail is a masked
+ * load of the weights (the padded x is zero there). At the end a transpose-add folds each 4
+ * accumulators of a row into 4 outputs. The row block stays in L1 while the weight rows of a tile
+ * are reused by every row tile of the block. */
+#include "backend/cpu/cpu_kern_avx512.h"
+
+#define BF16DP_BLOCK_BYTES (24 << 10)   /* rounded x rows per block: within L1 with the weight tile */
+
+/* rows of x rounded to bf16 (nearest even) into xb, row stride kp (a multiple of 32), zero-padded */
+static void round_rows(uint16_t *xb, int kp, const float *x, int ldx, int rows, int K)
+{
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (size_t)r * ldx;
+        uint16_t *o = xb + (size_t)r * kp;
+        int k = 0;
+        for (; k + 16 <= K; k += 16)
+            _mm256_storeu_si256((__m256i *)(o + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xr + k)));
+        if (k < K) {
+            _mm256_storeu_si256((__m256i *)(o + k),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(LANES(K - k), xr + k)));
+            k += 16;
+        }
+        for (; k < kp; k += 16) _mm256_storeu_si256((__m256i *)(o + k), _mm256_setzero_si256());
+    }
+}
+
+/* [Σa, Σb, Σc, Σd]: four accumulators folded by a transpose-add */
+static inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d)
+{
+    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));   /* a0+a2 b0+b2 a1+a3 b1+b3 */
+    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+    __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));            /* a b c d per 128 bits */
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* y[r][c] (+)= Σ_k xb[r][k]·w[c][k] for r < mr, c < nr (compile-time constants at every call) */
+static inline __attribute__((always_inline)) void dp_tile(int mr, int nr, float *y, int ldy, const uint16_t *xb,
+                                                           int kp, const uint16_t *w, int ldw, int K, bool accumulate)
+{
+    __m512 acc[4][8];
+    #pragma GCC unroll 4
+    for (int r = 0; r < mr; r++)
+        #pragma GCC unroll 8
+        for (int c = 0; c < nr; c++) acc[r][c] = _mm512_setzero_ps();
+    __m512bh xv[4], wv[8];
+    int k = 0;
+    for (; k + 32 <= K; k += 32) {
+        #pragma GCC unroll 4
+        for (int r = 0; r < mr; r++) xv[r] = (__m512bh)_mm512_loadu_si512(xb + (size_t)r * kp + k);
+        #pragma GCC unroll 8
+        for (int c = 0; c < nr; c++) wv[c] = (__m512bh)_mm512_loadu_si512(w + (size_t)c * ldw + k);
+        #pragma GCC unroll 4
+        for (int r = 0; r < mr; r++)
+            #pragma GCC unroll 8
+            for (int c = 0; c < nr; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv[r], wv[c]);
+    }
+    if (k < K) {
+        __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
+        #pragma GCC unroll 4
+        for (int r = 0; r < mr; r++) xv[r] = (__m512bh)_mm512_loadu_si512(xb + (size_t)r * kp + k);
+        #pragma GCC unroll 8
+        for (int c = 0; c < nr; c++) wv[c] = (__m512bh)_mm512_maskz_loadu_epi16(m, w + (size_t)c * ldw + k);
+        #pragma GCC unroll 4
+        for (int r = 0; r < mr; r++)
+            #pragma GCC unroll 8
+            for (int c = 0; c < nr; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv[r], wv[c]);
+    }
+    __m512 z = _mm512_setzero_ps();
+    #pragma GCC unroll 4
+    for (int r = 0; r < mr; r++)
+        #pragma GCC unroll 8
+        for (int c = 0; c < nr; c += 4) {
+            int n = nr - c < 4 ? nr - c : 4;
+            __m128 s = hsum4(acc[r][c], n > 1 ? acc[r][c + 1] : z, n > 2 ? acc[r][c + 2] : z, n > 3 ? acc[r][c + 3] : z);
+            float *yr = y + (size_t)r * ldy + c;
+            __mmask8 lm = (__mmask8)((1u << n) - 1);
+            if (accumulate) s = _mm_add_ps(s, _mm_maskz_loadu_ps(lm, yr));
+            _mm_mask_storeu_ps(yr, lm, s);
+        }
+}
+
+#define DP_TILE_N(mr, nr, ...)                        \
+    switch (nr) {                                     \
+    case 8: dp_tile(mr, 8, __VA_ARGS__); break;       \
+    case 7: dp_tile(mr, 7, __VA_ARGS__); break;       \
+    case 6: dp_tile(mr, 6, __VA_ARGS__); break;       \
+    case 5: dp_tile(mr, 5, __VA_ARGS__); break;       \
+    case 4: dp_tile(mr, 4, __VA_ARGS__); break;       \
+    case 3: dp_tile(mr, 3, __VA_ARGS__); break;       \
+    case 2: dp_tile(mr, 2, __VA_ARGS__); break;       \
+    default: dp_tile(mr, 1, __VA_ARGS__); break;      \
+    }
+
+static void k_matmul_bf16dp(float *y, int ldy, const float *x, int ldx, const uint16_t *w, int ldw, int M, int N,
+                            int K, bool accumulate, uint16_t *xb, size_t xb_len)
+{
+    int kp = (K + PRISM_CPU_BF16DP_KPAD - 1) / PRISM_CPU_BF16DP_KPAD * PRISM_CPU_BF16DP_KPAD;
+    size_t fit = BF16DP_BLOCK_BYTES / 2 / (size_t)kp;
+    if (fit > xb_len / (size_t)kp) fit = xb_len / (size_t)kp;
+    int rb = fit < PRISM_CPU_BF16DP_ROWS ? PRISM_CPU_BF16DP_ROWS : (int)fit / 4 * 4;
+    for (int m0 = 0; m0 < M; m0 += rb) {
+        int mb = M - m0 < rb ? M - m0 : rb;
+        round_rows(xb, kp, x + (size_t)m0 * ldx, ldx, mb, K);
+        float *yb = y + (size_t)m0 * ldy;
+        /* 4-row tiles take 4 columns at a time, 1-2 row tiles 8 (16 accumulators at most of the 32
+         * zmm registers) */
+        int mfull = mb / 4 * 4, mrest = mb - mfull;
+        for (int n0 = 0; n0 < N; n0 += 8) {
+            int nb = N - n0 < 8 ? N - n0 : 8;
+            const uint16_t *wn = w + (size_t)n0 * ldw;
+            for (int r = 0; r < mfull; r += 4) {
+                float *yt = yb + (size_t)r * ldy + n0;
+                const uint16_t *xt = xb + (size_t)r * kp;
+                DP_TILE_N(4, nb > 4 ? 4 : nb, yt, ldy, xt, kp, wn, ldw, K, accumulate)
+                if (nb > 4) DP_TILE_N(4, nb - 4, yt + 4, ldy, xt, kp, wn + (size_t)4 * ldw, ldw, K, accumulate)
+            }
+            if (mrest) {
+                float *yt = yb + (size_t)mfull * ldy + n0;
+                const uint16_t *xt = xb + (size_t)mfull * kp;
+                if (mrest == 3) {
+                    DP_TILE_N(3, nb > 4 ? 4 : nb, yt, ldy, xt, kp, wn, ldw, K, accumulate)
+                    if (nb > 4) DP_TILE_N(3, nb - 4, yt + 4, ldy, xt, kp, wn + (size_t)4 * ldw, ldw, K, accumulate)
+                } else if (mrest == 2) {
+                    DP_TILE_N(2, nb, yt, ldy, xt, kp, wn, ldw, K, accumulate)
+                } else {
+                    DP_TILE_N(1, nb, yt, ldy, xt, kp, wn, ldw, K, accumulate)
+                }
+            }
+        }
+    }
+}
+
+#define KMATMUL_BF16DP k_matmul_bf16dp
+#define KTABLE prism_cpu_kern_avx512bf16
+#define KNAME  "avx512bf16"
+#define KISA   PRISM_CPU_ISA_AVX512BF16
+#include "backend/cpu/cpu_kern_simd.h"
