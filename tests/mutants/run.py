@@ -202,6 +202,15 @@ MUTANTS = {
           "    if (0) {")],
         IT + "test_supervisor.py test_launch_gives_the_routers_the_api_key_in_a_file",
         ["encoder_worker", "prefill_worker", "decode_worker"]),
+    "weight-auto-keeps-f32": (
+        "--weight-dtype auto widens a checkpoint whose matrices are all bf16 to fp32 on the CPU",
+        [("common/worker/start.c", "    bool bf16 = prism_st_matrix_dtype(st, &dt) == PRISM_OK && dt == PRISM_ST_BF16;",
+          "    bool bf16 = prism_st_matrix_dtype(st, &dt) == PRISM_OK && 0;")],
+        "FIDELITY_CASES=text_hello " + IT + "test_fidelity.py", ["encoder_worker", "prefill_worker", "decode_worker"]),
+    "matrix-dtype-ignores-mix": (
+        "a checkpoint whose matrices mix dtypes answers the last one's (auto would round the others to bf16)",
+        [("common/model/safetensors.c", "        if (any && t->dtype != *out) return PRISM_EINVAL;", "")],
+        "ctest --test-dir $BUILD -R '^test_safetensors$' --output-on-failure", ["test_safetensors"]),
     "nginx-keepalive-outlives-router": (
         "nginx keeps idle connections to the routers as long as a router does (60 s): a router may close "
         "one under a request nginx writes (502)",
