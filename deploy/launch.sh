@@ -33,7 +33,7 @@
 #   --compute-dtype matmul arithmetic of every worker (default auto: the device's own, f32 on cpu):
 #                   bf16 rounds each matmul's input to bf16 and sums exact products in fp32 (weights
 #                   stored as bf16); on the CPU it runs AVX-512 BF16 dot products, 2-4x the matmul
-#                   speed of f32 (docs/DEPLOY.md, "Compute dtype")
+#                   speed of f32 (docs/DEPLOY.md, "Weight and compute dtype")
 #   --lb            what fronts several routers: nginx (Debian's; deploy/install-deps.sh --lb) or none
 #   --run-dir       pid files, spec, generated configs (default: a new temporary directory, removed
 #                   at exit); each process's pid is in RUN_DIR/NAME.pid while it runs

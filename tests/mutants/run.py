@@ -206,7 +206,7 @@ MUTANTS = {
         "--weight-dtype auto widens a checkpoint whose matrices are all bf16 to fp32 on the CPU",
         [("common/worker/start.c", "    bool bf16 = prism_st_matrix_dtype(st, &dt) == PRISM_OK && dt == PRISM_ST_BF16;",
           "    bool bf16 = prism_st_matrix_dtype(st, &dt) == PRISM_OK && 0;")],
-        "FIDELITY_CASES=text_hello " + IT + "test_fidelity.py", ["encoder_worker", "prefill_worker", "decode_worker"]),
+        "FIDELITY_CASES=text_hello,text_unicode " + IT + "test_fidelity.py", ["encoder_worker", "prefill_worker", "decode_worker"]),
     "matrix-dtype-ignores-mix": (
         "a checkpoint whose matrices mix dtypes answers the last one's (auto would round the others to bf16)",
         [("common/model/safetensors.c", "        if (any && t->dtype != *out) return PRISM_EINVAL;", "")],
