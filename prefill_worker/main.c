@@ -1230,7 +1230,7 @@ static void publish_load(prefill_t *p)
         .prefix_cache_queries = p->cache_queries, .prefix_cache_hits = p->cache_hits,
         .prompt_tokens_computed = p->tokens_computed,
         .prefill_forwards = p->forwards, .prefill_forward_prompts = p->forward_prompts,
-        .prefill_batch_peak = p->batch_peak,
+        .prefill_batch_peak = p->batch_peak, .prefill_pool_breaks = p->pool_deadlocks,
     };
     prism_worker_set_load(&p->w, &load);
 }

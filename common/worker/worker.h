@@ -120,6 +120,7 @@ typedef struct {
     /* prefill: forwards, the prompts they carried, the most in one forward (batched prefill) */
     uint64_t prefill_forwards, prefill_forward_prompts;
     uint32_t prefill_batch_peak;
+    uint64_t prefill_pool_breaks;   /* prefill: prompts failed to break a full embedding pool's stall */
 } prism_worker_load_t;
 
 /* An abort as the I/O thread saw it. */

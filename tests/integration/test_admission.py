@@ -457,6 +457,7 @@ def test_full_pool_stall_broken():
                   "no-such-router", "--n-tokens", str(CFG["image_seq_length"]), "--hidden",
                   str(CFG["text_config"]["hidden_size"]), *c.sec], timeout=30)
         wait_for(lambda: c.metric("prism:worker_pool_free", tier="prefill") == 2, 30, "the orphan in the pool")
+        assert c.metric("prism:worker_prefill_pool_breaks_total", tier="prefill") == 0
         ref = reference([PNG], "What is in the image?", 4)
         three = chat_body("What is in the images?", [JPG, PNG, GREEN], max_tokens=4)
         one = chat_body("What is in the image?", [PNG], max_tokens=4)
@@ -469,6 +470,9 @@ def test_full_pool_stall_broken():
         assert took < 15, took
         check_answer(s1, r1, ref, "the one-image prompt beside the stalled one")
         assert "the youngest gives its pages back" in c.log("prefill-0", tail=0)
+        # counted where it is exported: the router's /metrics, from the prefill's heartbeat
+        wait_for(lambda: c.metric("prism:worker_prefill_pool_breaks_total", tier="prefill") == 1, 30,
+                 "the stall broken once in the prefill's counter")
         status, r, _ = post_in_time(c, one)
         check_answer(status, r, ref, "after the stall")
 
