@@ -6,6 +6,8 @@
  *   prism_bench_model --mode mmdtype --threads 1 --m 16 --n 688 --k 256     the backend's matmul with fp32 weights,
  *                                   bf16 weights (fp32 arithmetic) and --compute-dtype bf16, best GFLOP/s
  *   prism_bench_model --mode copy   --threads 1                             memcpy and read-only bandwidth GB/s
+ *   prism_bench_model --mode qkrows --k 32                                  the selected table's qk_rows (decode
+ *                                   attention scores) ns/call for m 1..8 query rows x n 16..2048 keys
  *   prism_bench_model --mode vit    --threads 1 --model-path DIR            ViT + projector ms/image
  *   prism_bench_model --mode llm    --threads 1 --model-path DIR --tokens 2048 --decode-tokens 32
  *                                   prefill ms and batch-1 decode tokens/s
@@ -180,6 +182,45 @@ static int run_mmdtype(int threads, int reps, int M, int N, int K)
     prism_free_aligned(wb);
     prism_free_aligned(y);
     for (int d = 0; d < 3; d++) prism_backend_destroy(be[d]);
+    return 0;
+}
+
+/* ---- qk_rows: decode attention scores S[i][j] = Q[i]·K[j] over key rows given as pointers, as
+ * cpu_attn.c passes them (rows of a paged cache: here every other row of a strided block) ---- */
+
+static int run_qkrows(int reps, int hd)
+{
+    const prism_cpu_kern_t *kk = prism_cpu_kern_select(getenv("PRISM_CPU_ISA"));
+    enum { NMAX = 2048, MMAX = 8 };
+    int ld = hd + 16;
+    float *kv = prism_malloc_aligned(sizeof(float) * (size_t)2 * NMAX * ld, 64);
+    float *Q = prism_malloc_aligned(sizeof(float) * (size_t)MMAX * hd, 64);
+    float *S = prism_malloc_aligned(sizeof(float) * (size_t)MMAX * NMAX, 64);
+    const float **kr = malloc(sizeof(*kr) * NMAX);
+    if (!kv || !Q || !S || !kr) PRISM_FATAL("qkrows: out of memory");
+    fill_rand(kv, (size_t)2 * NMAX * ld, 1);
+    fill_rand(Q, (size_t)MMAX * hd, 2);
+    for (int j = 0; j < NMAX; j++) kr[j] = kv + (size_t)2 * j * ld;
+    static const int ns[] = {16, 64, 256, 2048};
+    if (reps > 64) reps = 64;
+    for (int m = 1; m <= MMAX; m++)
+        for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
+            int n = ns[ni];
+            int calls = (int)PRISM_MAX(1, 2e6 / ((double)m * n * hd));   /* ~1 ms a timing */
+            double best = 1e30;
+            for (int r = -1; r < reps; r++) {
+                double t0 = prism_now_s();
+                for (int c = 0; c < calls; c++) kk->qk_rows(S, NMAX, Q, hd, kr, m, n, hd);
+                double dt = (prism_now_s() - t0) / calls;
+                if (r >= 0 && dt < best) best = dt;
+            }
+            printf("{\"mode\":\"qkrows\",\"isa\":\"%s\",\"hd\":%d,\"m\":%d,\"n\":%d,\"ns\":%.1f,"
+                   "\"gflops\":%.2f}\n", kk->name, hd, m, n, best * 1e9, 2.0 * m * n * hd / best / 1e9);
+        }
+    free(kr);
+    prism_free_aligned(kv);
+    prism_free_aligned(Q);
+    prism_free_aligned(S);
     return 0;
 }
 
@@ -490,7 +531,7 @@ int main(int argc, char **argv)
     int64_t threads = 1, reps = 3, m = 577, n = 4096, k = 1024, tokens = 2048, chunk = 0, prompt = 128, dec = 32;
     bool checkpoint = false;
     prism_flag_t flags[] = {
-        PRISM_FLAG_STR("mode", &mode, "sgemm | matmul | mmdtype | copy | vit | llm"),
+        PRISM_FLAG_STR("mode", &mode, "sgemm | matmul | mmdtype | qkrows | copy | vit | llm"),
         PRISM_FLAG_STR("model-path", &model, "Directory with config.json (vit, llm)"),
         PRISM_FLAG_BOOL("checkpoint", &checkpoint, "Read the safetensors instead of seeded random weights"),
         PRISM_FLAG_BOOL("bf16-weights", &g_bf16, "vit, llm: store the weights as bf16 (--weight-dtype bf16)"),
@@ -499,7 +540,7 @@ int main(int argc, char **argv)
         PRISM_FLAG_INT("reps", &reps, "Timed repetitions after one warm-up (median reported, at most 64)"),
         PRISM_FLAG_INT("m", &m, "sgemm rows of x"),
         PRISM_FLAG_INT("n", &n, "sgemm rows of W (output features)"),
-        PRISM_FLAG_INT("k", &k, "sgemm inner dimension"),
+        PRISM_FLAG_INT("k", &k, "sgemm inner dimension (qkrows: head_dim)"),
         PRISM_FLAG_INT("tokens", &tokens, "llm: prefill length"),
         PRISM_FLAG_INT("chunk", &chunk, "llm: prefill tokens per forward (0: the whole prompt at once)"),
         PRISM_FLAG_INT("prompt", &prompt, "llm: prompt length before the timed decode steps"),
@@ -519,6 +560,7 @@ int main(int argc, char **argv)
     }
     prism_backend_cpu_blas_setup();   /* the same OpenBLAS kernels the backend uses, for the sgemm reference too */
     if (!strcmp(mode, "sgemm")) return run_sgemm((int)threads, (int)reps, (int)m, (int)n, (int)k);
+    if (!strcmp(mode, "qkrows")) return run_qkrows((int)reps, (int)k);
     if (!strcmp(mode, "copy")) return run_copy((int)threads, (int)reps);
     if (!strcmp(mode, "matmul")) return run_matmul((int)threads, (int)reps, (int)m, (int)n, (int)k);
     if (!strcmp(mode, "mmdtype")) return run_mmdtype((int)threads, (int)reps, (int)m, (int)n, (int)k);

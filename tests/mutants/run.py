@@ -192,6 +192,11 @@ MUTANTS = {
           "                t->k->round_bf16(xr + (size_t)r * t->K, x + (size_t)(r0 + r) * t->ldx, (size_t)t->K);",
           "                memcpy(xr + (size_t)r * t->K, x + (size_t)(r0 + r) * t->ldx, (size_t)t->K * 4);")],
         "ctest --test-dir $BUILD -R '^test_backend_cpu$' --output-on-failure", ["test_backend_cpu"]),
+    "qkrows-drops-key-tail": (
+        "the vector qk_rows (decode attention scores) leaves the last key of an n % 4 tail unscored",
+        [("common/backend/cpu/cpu_kern_simd.h", "        for (; j < n; j++) qkr_tail((mr), s + j,",
+          "        for (; j + 1 < n; j++) qkr_tail((mr), s + j,")],
+        "ctest --test-dir $BUILD -R '^test_backend_cpu$' --output-on-failure", ["test_backend_cpu"]),
     "launch-drops-compute-dtype": (
         "deploy/launch.sh takes --compute-dtype but does not pass it to the workers",
         [("deploy/launch.sh", ' --compute-dtype "$compute_dtype"', "")],

@@ -53,7 +53,14 @@ static inline float hmax8(__m256 v)
     x = _mm_max_ss(x, _mm_movehdup_ps(x));
     return _mm_cvtss_f32(x);
 }
+/* [Σa, Σb, Σc, Σd]: four accumulators folded by two horizontal adds and one cross-lane add */
+static inline __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 d)
+{
+    __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));   /* a b c d per 128 bits */
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
 #define VHSUM(v) hsum8(v)
+#define VHSUM4(a, b, c, d) hsum4x8((a), (b), (c), (d))
 #define VHMAX(v) hmax8(v)
 #define VLOADBF16(p) \
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))

@@ -42,8 +42,21 @@ typedef __mmask16 vmask;
 #define VIOTA             _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 #define VHSUM(v)          _mm512_reduce_add_ps(v)
 #define VHMAX(v)          _mm512_reduce_max_ps(v)
+#define VHSUM4(a, b, c, d) hsum4((a), (b), (c), (d))
 #define VLOADBF16(p) \
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+
+/* [Σa, Σb, Σc, Σd]: four accumulators folded by a transpose-add */
+static inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d)
+{
+    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));   /* a0+a2 b0+b2 a1+a3 b1+b3 */
+    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+    __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));            /* a b c d per 128 bits */
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
 
 static double sum_d(const float *x, int n)
 {

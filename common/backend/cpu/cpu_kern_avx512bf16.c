@@ -32,18 +32,6 @@ static void round_rows(uint16_t *xb, int kp, const float *x, int ldx, int rows, 
     }
 }
 
-/* [Σa, Σb, Σc, Σd]: four accumulators folded by a transpose-add */
-static inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d)
-{
-    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));   /* a0+a2 b0+b2 a1+a3 b1+b3 */
-    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-    __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
-    __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));            /* a b c d per 128 bits */
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
 /* y[r][c] (+)= Σ_k xb[r][k]·w[c][k] for r < mr, c < nr (compile-time constants at every call) */
 static inline __attribute__((always_inline)) void dp_tile(int mr, int nr, float *y, int ldy, const uint16_t *xb,
                                                            int kp, const uint16_t *w, int ldw, int K, bool accumulate)

@@ -7,6 +7,7 @@
  *   VFMA(a, b, c) = a*b + c   VFNMA(a, b, c) = c - a*b
  *   VLT VGE (masks) and VSEL(m, t, f) = m ? t : f;  VPOW2I(n) = 2^n for integral n in [-126, 127]
  *   VCOPYSIGN(mag, sgn) VHSUM VHMAX VIOTA (0, 1, ..., VL-1)
+ *   VHSUM4(a, b, c, d)      __m128 [Σa, Σb, Σc, Σd] (one transpose-add for four sums)
  *   VLOADBF16(p)            VL bf16 values from p, widened to fp32
  *   KSUM_D KSUMSQ_D KSUMSQDEV_D   double-precision sums of a row (as the scalar reference sums)
  *   KTABLE / KNAME / KISA  the table symbol, its name and ISA
@@ -436,23 +437,81 @@ static void k_qk(float *S, int lds, const float *Q, int ldq, const float *Kt, in
     }
 }
 
+/* Scores of mr query rows against 4 key rows: 4·mr accumulators, each row's 4 folded by one
+ * transpose-add (VHSUM4) into 4 scores, instead of a full horizontal sum per score; with short
+ * heads (hd 32 at VL 16: 2 FMAs a score) the reductions were most of the work. */
+INL void qkr_tile4(int mr, float *S, int lds, const float *Q, int ldq, const float *const *kr, int hd)
+{
+    vf a[4][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < mr; i++)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) a[i][c] = VZERO();
+    int d = 0;
+    for (; d + VL <= hd; d += VL) {
+        vf kv[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) kv[c] = VLOAD(kr[c] + d);
+#pragma GCC unroll 4
+        for (int i = 0; i < mr; i++) {
+            vf q = VLOAD(Q + (size_t)i * ldq + d);
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) a[i][c] = VFMA(q, kv[c], a[i][c]);
+        }
+    }
+    if (d < hd) {
+        vf kv[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) kv[c] = VLOADN(kr[c] + d, hd - d);
+#pragma GCC unroll 4
+        for (int i = 0; i < mr; i++) {
+            vf q = VLOADN(Q + (size_t)i * ldq + d, hd - d);
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) a[i][c] = VFMA(q, kv[c], a[i][c]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < mr; i++) _mm_storeu_ps(S + (size_t)i * lds, VHSUM4(a[i][0], a[i][1], a[i][2], a[i][3]));
+}
+
+/* the n % 4 last keys, one score at a time */
+INL void qkr_tail(int mr, float *S, int lds, const float *Q, int ldq, const float *k, int hd)
+{
+    vf a[4];
+    for (int i = 0; i < mr; i++) a[i] = VZERO();
+    int d = 0;
+    for (; d + VL <= hd; d += VL) {
+        vf kv = VLOAD(k + d);
+        for (int i = 0; i < mr; i++) a[i] = VFMA(VLOAD(Q + (size_t)i * ldq + d), kv, a[i]);
+    }
+    if (d < hd) {
+        vf kv = VLOADN(k + d, hd - d);
+        for (int i = 0; i < mr; i++) a[i] = VFMA(VLOADN(Q + (size_t)i * ldq + d, hd - d), kv, a[i]);
+    }
+    for (int i = 0; i < mr; i++) S[(size_t)i * lds] = VHSUM(a[i]);
+}
+
+/* query rows per tile: 4 x 4 accumulators fit AVX-512's 32 registers, AVX2's 16 hold 2 x 4 */
+#define QKR_MR (VL >= 16 ? 4 : 2)
+
+#define QKR_ROWS(mr)                                                                        \
+    do {                                                                                    \
+        int j = 0;                                                                          \
+        for (; j + 4 <= n; j += 4) qkr_tile4((mr), s + j, lds, q, ldq, krows + j, hd);      \
+        for (; j < n; j++) qkr_tail((mr), s + j, lds, q, ldq, krows[j], hd);                \
+    } while (0)
+
 static void k_qk_rows(float *S, int lds, const float *Q, int ldq, const float *const *krows, int m, int n, int hd)
 {
-    for (int i0 = 0; i0 < m; i0 += 4) {
-        int mr = m - i0 < 4 ? m - i0 : 4;
-        for (int j = 0; j < n; j++) {
-            const float *k = krows[j];
-            vf a[4] = {VZERO(), VZERO(), VZERO(), VZERO()};
-            int d = 0;
-            for (; d + VL <= hd; d += VL) {
-                vf kv = VLOAD(k + d);
-                for (int i = 0; i < mr; i++) a[i] = VFMA(VLOAD(Q + (size_t)(i0 + i) * ldq + d), kv, a[i]);
-            }
-            if (d < hd) {
-                vf kv = VLOADN(k + d, hd - d);
-                for (int i = 0; i < mr; i++) a[i] = VFMA(VLOADN(Q + (size_t)(i0 + i) * ldq + d, hd - d), kv, a[i]);
-            }
-            for (int i = 0; i < mr; i++) S[(size_t)(i0 + i) * lds + j] = VHSUM(a[i]);
+    for (int i0 = 0; i0 < m; i0 += QKR_MR) {
+        int mr = m - i0 < QKR_MR ? m - i0 : QKR_MR;
+        const float *q = Q + (size_t)i0 * ldq;
+        float *s = S + (size_t)i0 * lds;
+        switch (mr) {
+        case 4: QKR_ROWS(4); break;
+        case 3: QKR_ROWS(3); break;
+        case 2: QKR_ROWS(2); break;
+        default: QKR_ROWS(1); break;
         }
     }
 }

@@ -83,6 +83,14 @@ static inline float e_hmax(vf v)
     return _mm_cvtss_f32(x);
 }
 
+static inline __m128 e_hsum4(vf a, vf b, vf c, vf d)
+{
+    __m256 ab = _mm256_hadd_ps(_mm256_add_ps(a.lo, a.hi), _mm256_add_ps(b.lo, b.hi));
+    __m256 cd = _mm256_hadd_ps(_mm256_add_ps(c.lo, c.hi), _mm256_add_ps(d.lo, d.hi));
+    __m256 s = _mm256_hadd_ps(ab, cd);
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
 #define VFMA(a, b, c)      e_fma((a), (b), (c))
 #define VFNMA(a, b, c)     e_fnma((a), (b), (c))
 #define VABS(a)            mk(abs8((a).lo), abs8((a).hi))
@@ -96,6 +104,7 @@ static inline float e_hmax(vf v)
 #define VIOTA              mk(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15))
 #define VHSUM(v)           e_hsum(v)
 #define VHMAX(v)           e_hmax(v)
+#define VHSUM4(a, b, c, d) e_hsum4((a), (b), (c), (d))
 #define BF8(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define VLOADBF16(p)       mk(BF8(p), BF8((const uint16_t *)(p) + 8))
 
