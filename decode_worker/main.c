@@ -210,6 +210,8 @@ typedef struct {
     bool swap_pinned;         /* the swap region is page-locked (backend host_pin) */
     bool test_die_on_migrated;   /* test hook PRISM_TEST_DIE_ON_MIGRATED_KV (decode_ready): killed mid-migration */
     double test_swap_hold_s;     /* test hook PRISM_TEST_SWAP_HOLD_S (decode_ready): seconds a swapped-out sequence stays out */
+    double test_step_gap_s;      /* test hook PRISM_TEST_DECODE_STEP_GAP_S: least seconds between two steps */
+    double step_not_before;      /* ... and when the next may start */
     prism_model_hook_t hook;
     /* one staged KV transfer waiting for blocks */
     bool staged;
@@ -1205,9 +1207,11 @@ static void send_out(decode_t *d)
 static void step(decode_t *d)
 {
     if (d->group_failed) return;
+    if (!d->n_step && d->test_step_gap_s > 0 && prism_now_s() < d->step_not_before) return;   /* test hook */
     if (!d->n_step) launch_step(d);
     if (!d->n_step) return;
     end_step(d);
+    d->step_not_before = prism_now_s() + d->test_step_gap_s;
     if (d->overlap && !d->group_failed) launch_step(d);
     send_out(d);
 }
@@ -1486,6 +1490,13 @@ static int decode_ready(void *ctx, prism_worker_startup_t *s)
      * test can act while it is out (a client leaving) whatever the machine's speed. */
     const char *hold = getenv("PRISM_TEST_SWAP_HOLD_S");
     d->test_swap_hold_s = hold ? PRISM_MIN(PRISM_MAX(atof(hold), 0.0), 60.0) : 0;
+    /* Test hook (inert unless set): steps start at least this far apart, so that a test can act
+     * while a stream is still generating whatever the machine's speed (it waits without spinning). */
+    const char *gap = getenv("PRISM_TEST_DECODE_STEP_GAP_S");
+    d->test_step_gap_s = gap ? PRISM_MIN(PRISM_MAX(atof(gap), 0.0), 1.0) : 0;
+    if (d->test_step_gap_s > 0)
+        PRISM_WARN("test hook PRISM_TEST_DECODE_STEP_GAP_S is set: decode steps start %.3f s apart at least",
+                   d->test_step_gap_s);
     for (int i = 0; i < d->max_running; i++) d->seqs[i].blocks = d->block_pool + (size_t)i * d->max_blocks_per_seq;
     for (int i = 0; i < d->max_running * d->ring; i++) d->ring_pool[i] = i;
     for (int i = 0; d->ring && i < d->max_running; i++) d->seqs[i].ring = d->ring_pool + (size_t)i * d->ring;
@@ -1531,7 +1542,7 @@ static int decode_run(void *ctx)
         prism_worker_accept_data(&d->w, data_credit(d));
         /* only parked and stalled sequences: they wait for the router's Migrate, a piece sent or an
          * abort (no spin) */
-        prism_worker_poll(&d->w, !busy ? 50 : !steppable(d) ? 1 : 0, on_msg, d);
+        prism_worker_poll(&d->w, !busy ? 50 : !steppable(d) || d->test_step_gap_s > 0 ? 1 : 0, on_msg, d);
         /* transfers arriving: take the pieces already here (a few per step, each a copy into blocks) */
         for (int k = 0; k < 16 && d->n_rx; k++) {
             uint64_t got = d->w.data_received;

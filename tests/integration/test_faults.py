@@ -499,10 +499,13 @@ def test_prefill_death_before_kv_reached_decode_migrates():
     # 64 KV blocks of 16 tokens (a 1024-token context): a 950-token request A takes almost all of
     # them, so the streams' KV (9 blocks each) waits for room (--kv-admission reserve: optimistic
     # admission would take them in and preempt instead)
+    # (A's decode steps 5 ms apart at least, test hook: A holds its blocks about 5 s whatever this
+    # machine's decode speed, so the kill comes while the streams' KV still waits)
     ctx = ["--context-length", "1024"]
     with Cluster(prefills=2, router_args=["--worker-timeout", "120"] + ctx, common_worker_args=FAST_HB,
                  worker_args={"prefill_worker": ctx,
-                              "decode_worker": ctx + ["--kv-blocks", "64", "--kv-admission", "reserve"]}) as c:
+                              "decode_worker": ctx + ["--kv-blocks", "64", "--kv-admission", "reserve"]},
+                 worker_env={"decode_worker": {"PRISM_TEST_DECODE_STEP_GAP_S": "0.005"}}) as c:
         c.wait_ready()
         bodies = [chat_body("Tell me about the colour %s" % col, max_tokens=120, temperature=0, ignore_eos=True,
                             logprobs=True, return_tokens_as_token_ids=True, stream=True)

@@ -32,13 +32,17 @@ DATA = {"prefill_worker": ["--data-port", str(PF_PORT), "--log-level", "debug"],
         "decode_worker": ["--data-port", str(DC_PORT), "--log-level", "debug"]}
 # debug log: the tests that play a cluster worker read a running request's id from the router's log
 # the parse bound given, not derived from the budget (less under ASan): /tokenize bodies of a few MB
-C = Cluster(encoders=1, worker_args=DATA, router_args=["--log-level", "debug", "--max-parse-bytes", "8M"])
+# the decode worker's steps start 4 ms apart at least (test hook): a stream's length no longer
+# depends on how fast this machine decodes
+C = Cluster(encoders=1, worker_args=DATA, router_args=["--log-level", "debug", "--max-parse-bytes", "8M"],
+            worker_env={"decode_worker": {"PRISM_TEST_DECODE_STEP_GAP_S": "0.004"}})
 PROMPT = {"model": "prism-tiny-llava", "prompt": "A red circle on a white", "temperature": 0, "ignore_eos": True}
-# a stream long enough to outlast the intruder probe (its --wait 1.5 s and start-up): 1.6 s on a 2-core
-# machine in a release build; the sanitizer build decodes ~40x slower, so 240 tokens take ~8 s there
-# (600 took tens of seconds, eight times over: the streams were most of this test's CI time). Too
-# short a stream fails the tests (t_end > t_probe), it cannot pass unnoticed.
-MAX_TOKENS = 240 if os.environ.get("ASAN_OPTIONS") else 1900
+# a stream long enough to outlast the intruder probe (its --wait 1.5 s and start-up): at least 2.8 s
+# in a release build (700 steps 4 ms apart; 1900 tokens unpaced took 1.6 s until bf16 weight storage
+# made the decode faster, and then less than the probe); the sanitizer build decodes ~40x slower, so
+# 240 tokens take ~8 s there (600 took tens of seconds, eight times over: the streams were most of
+# this test's CI time). Too short a stream fails the tests (t_end > t_probe), it cannot pass unnoticed.
+MAX_TOKENS = 240 if os.environ.get("ASAN_OPTIONS") else 700
 INJECTED = 7  # token id the intruder tries to slip into answers
 
 
