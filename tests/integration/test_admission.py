@@ -334,10 +334,12 @@ def test_max_queue_wait_503():
 
 
 def test_request_timeout_ends_stream_and_aborts():
-    # 1800 tokens of the bundled model take ~1.5 s on a loaded 2-core machine: a deadline well inside
+    # 1800 tokens of the bundled model take at least 3.6 s with the decode's steps 2 ms apart (test
+    # hook; unpaced a faster decode once finished them inside the deadline): a deadline well inside
     # that (the router checks deadlines every 250 ms)
     with Cluster(router_args=["--request-timeout", "0.4"], common_worker_args=FAST_HB,
-                 worker_args={"decode_worker": ["--log-level", "debug"]}) as c:
+                 worker_args={"decode_worker": ["--log-level", "debug"]},
+                 worker_env={"decode_worker": {"PRISM_TEST_DECODE_STEP_GAP_S": "0.002"}}) as c:
         c.wait_ready()
         t0 = time.time()
         before = work_counters(c)

@@ -41,6 +41,12 @@ def tokens_of(r):
     return [[e["token"] for e in c["logprobs"]["content"]] for c in ch]
 
 
+# Decode steps start 5 ms apart at least (test hook PRISM_TEST_DECODE_STEP_GAP_S): a request meant to
+# hold the pool while the test looks and stops the worker still runs then, however fast this machine
+# decodes (bf16 weight storage and the faster attention once made them end first).
+PACED = {"decode_worker": {"PRISM_TEST_DECODE_STEP_GAP_S": "0.005"}}
+
+
 def gen(text, max_tokens, **kw):
     return chat_body(text, max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=True,
                      return_tokens_as_token_ids=True, **kw)
@@ -69,8 +75,9 @@ def test_new_requests_go_where_kv_room_is():
     in flight, nothing finishes under the test's feet) while four more requests are dispatched:
     each goes to decode-1 (by sequence count, decode-0 would take every other one and run out)."""
     ctx = ["--context-length", "768"]   # a sequence must fit the small pool
+    # decode steps 5 ms apart at least (test hook): a long one still runs when the test looks
     with Cluster(decodes=0, router_args=ctx + ["--worker-timeout", "120"], common_worker_args=FAST_HB,
-                 worker_args={"prefill_worker": ctx, "decode_worker": ctx}) as c:
+                 worker_args={"prefill_worker": ctx, "decode_worker": ctx}, worker_env=PACED) as c:
         c.start_worker("decode-0", "decode_worker", ["--kv-blocks", "48", "--max-running-requests", "8"])
         c.expected["decodes"] = 1
         c.wait_ready()
@@ -149,7 +156,7 @@ def test_first_piece_bounced_while_others_arrive():
     ctx = ["--context-length", "1280"]
     with Cluster(prefills=3, router_args=ctx, common_worker_args=FAST_HB,
                  worker_args={"prefill_worker": ctx, "decode_worker": ctx + ["--kv-blocks", "80", "--kv-admission", "reserve",
-                                                "--max-running-requests", "8"]}) as c:
+                                                "--max-running-requests", "8"]}, worker_env=PACED) as c:
         c.wait_ready()
         refs, n_tokens = [], 0
         for tag in ("alpha", "beta", "gamma"):
