@@ -110,6 +110,29 @@ void prism_tp_close(prism_tp_t *t)
 
 int prism_tp_check(prism_tp_t *t) { return prism_group_check(t->g); }
 
+/* A rank's group looks dead, but the leader's stop may still be on its way: the leader sends it to
+ * the ranks one after another, so a rank that got its own stop may exit (and be seen gone) before
+ * the next rank's arrives, and the monitor's disconnect races the delivery of the leader's last
+ * message. A stop that arrives within a short grace is returned (the rank leaves cleanly); anything
+ * else, or nothing, makes the group dead (PRISM_EIO). The leader gets no grace. */
+#define TP_LAST_WORDS_MS 500
+
+static int last_words(prism_tp_t *t, void *sock, prism_msg_t *m)
+{
+    if (t->rank == 0) return PRISM_EIO;
+    uint64_t deadline = prism_now_ns() + (uint64_t)TP_LAST_WORDS_MS * 1000000ull;
+    for (;;) {
+        if (prism_msg_recv(sock, false, m, ZMQ_DONTWAIT) == PRISM_OK) {
+            if (m->env->type == PRISM__MSG_TYPE__MSG_TP_STOP) return PRISM_OK;
+            prism_msg_close(m);
+        }
+        uint64_t now = prism_now_ns();
+        if (now >= deadline) return PRISM_EIO;
+        zmq_pollitem_t it = {.socket = sock, .events = ZMQ_POLLIN};
+        zmq_poll(&it, 1, (long)((deadline - now) / 1000000ull + 1));
+    }
+}
+
 /* Waits for one message on the link; PRISM_EAGAIN after timeout_ms, PRISM_EIO when the group died. */
 static int link_recv(prism_tp_t *t, prism_msg_t *m, int timeout_ms)
 {
@@ -119,7 +142,7 @@ static int link_recv(prism_tp_t *t, prism_msg_t *m, int timeout_ms)
         int rc = prism_msg_recv(sock, t->rank == 0, m, ZMQ_DONTWAIT);
         if (rc == PRISM_OK) return rc;
         if (rc != PRISM_EAGAIN && rc != PRISM_ECORRUPT) return PRISM_EIO;
-        if (prism_group_check(t->g) != PRISM_OK) return PRISM_EIO;
+        if (prism_group_check(t->g) != PRISM_OK) return last_words(t, sock, m);
         if (prism_worker_should_stop()) return PRISM_EAGAIN;
         uint64_t now = prism_now_ns();
         if (now >= deadline) return PRISM_EAGAIN;
@@ -418,6 +441,11 @@ void prism_tp_stop(prism_tp_t *t)
     Prism__Envelope env = PRISM__ENVELOPE__INIT;
     env.type = PRISM__MSG_TYPE__MSG_TP_STOP;
     send_all(t, &env, NULL, 0);
+    /* Links linger 0 ms (a dead peer must not hold up a close), which would drop a stop still
+     * queued when the leader closes the group: the ranks would see the link close and exit as if
+     * the leader had died. The stop waits up to a second to leave. */
+    int linger = 1000;
+    zmq_setsockopt(prism_group_link(t->g), ZMQ_LINGER, &linger, sizeof linger);
 }
 
 /* ---------------------------------------------------------------- ranks */
