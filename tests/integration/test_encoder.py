@@ -503,9 +503,12 @@ def test_priority_first_in_encoder_and_prefill_queues():
     priority 0 queued on the stopped encoder (one image per batch, one image thread: only the order
     decides), then one of priority -10: it waits in the encoder's queue (its encoder_queue stage) less
     than most of them. Then the same on the stopped prefill worker with six long text prompts (its
-    prefill_queue stage). (One may go before it: the worker may start the first its I/O thread hands
-    it before the rest are in.)"""
-    imgs = early_images(6, size=384, first=800)
+    prefill_queue stage). (Up to two may go before it: the worker may start the first its I/O thread
+    hands it before the rest are in, and the encoder decodes the next batch during the tower
+    (--overlap-decode), so a second may start at once too. The five are 1024 px images, a few
+    milliseconds of decode each, so that the I/O thread has handed over the rest by then: with 384 px
+    ones a loaded machine let the worker take two before the last message was in.)"""
+    imgs = early_images(5, size=1024, first=800) + early_images(1, size=384, first=805)
     with Cluster(router_args=["--timing-header"],
                  worker_args={"encoder_worker": HB + ["--image-threads", "1", "--max-batch-images", "1",
                                                       "--embedding-cache-bytes", "0"]}) as c:
@@ -523,7 +526,7 @@ def test_priority_first_in_encoder_and_prefill_queues():
             after = sum(w > high[0][1][stage] for w in waits)
             print("  %s: %s ms for the priority -10 request, %s for the five of priority 0 queued before it"
                   % (stage, high[0][1][stage], waits))
-            assert after >= 4, "the %s took %d of the 5 priority 0 requests before the priority -10 one" % (tier, 5 - after)
+            assert after >= 3, "the %s took %d of the 5 priority 0 requests before the priority -10 one" % (tier, 5 - after)
 
 
 def overlap_images():
