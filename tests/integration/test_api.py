@@ -671,7 +671,8 @@ def test_exponential_regex_compiles_at_once():
         "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
     assert status == 200, r
     out = content(r)
-    assert re.fullmatch(r'\{"id": ?"[ab]*', out) or re.fullmatch(r'\{"id": ?"(a|b)*a(a|b){20}"\}', out), out
+    # max_tokens may cut the object anywhere: inside the string, or after its closing quote
+    assert re.fullmatch(r'\{"id": ?"[ab]*', out) or re.fullmatch(r'\{"id": ?"(a|b)*a(a|b){20}"\s*\}?', out), out
     dt = time.monotonic() - t0
     assert dt < 8, "two guided requests took %.1f s" % dt
 
