@@ -117,6 +117,15 @@ int prism_tp_check(prism_tp_t *t) { return prism_group_check(t->g); }
  * else, or nothing, makes the group dead (PRISM_EIO). The leader gets no grace. */
 #define TP_LAST_WORDS_MS 500
 
+/* Waits until the link has a message, the deadline passes or cap_ms elapse, whichever is first. */
+static void wait_link(void *sock, uint64_t deadline, uint64_t cap_ms)
+{
+    uint64_t now = prism_now_ns();
+    if (now >= deadline) return;
+    zmq_pollitem_t it = {.socket = sock, .events = ZMQ_POLLIN};
+    zmq_poll(&it, 1, (long)PRISM_MIN((deadline - now) / 1000000ull + 1, cap_ms));
+}
+
 static int last_words(prism_tp_t *t, void *sock, prism_msg_t *m)
 {
     if (t->rank == 0) return PRISM_EIO;
@@ -126,10 +135,8 @@ static int last_words(prism_tp_t *t, void *sock, prism_msg_t *m)
             if (m->env->type == PRISM__MSG_TYPE__MSG_TP_STOP) return PRISM_OK;
             prism_msg_close(m);
         }
-        uint64_t now = prism_now_ns();
-        if (now >= deadline) return PRISM_EIO;
-        zmq_pollitem_t it = {.socket = sock, .events = ZMQ_POLLIN};
-        zmq_poll(&it, 1, (long)((deadline - now) / 1000000ull + 1));
+        if (prism_now_ns() >= deadline) return PRISM_EIO;
+        wait_link(sock, deadline, TP_LAST_WORDS_MS);
     }
 }
 
@@ -144,11 +151,8 @@ static int link_recv(prism_tp_t *t, prism_msg_t *m, int timeout_ms)
         if (rc != PRISM_EAGAIN && rc != PRISM_ECORRUPT) return PRISM_EIO;
         if (prism_group_check(t->g) != PRISM_OK) return last_words(t, sock, m);
         if (prism_worker_should_stop()) return PRISM_EAGAIN;
-        uint64_t now = prism_now_ns();
-        if (now >= deadline) return PRISM_EAGAIN;
-        zmq_pollitem_t it = {.socket = sock, .events = ZMQ_POLLIN};
-        uint64_t left = (deadline - now) / 1000000ull;
-        zmq_poll(&it, 1, (long)PRISM_MIN(left + 1, (uint64_t)100));
+        if (prism_now_ns() >= deadline) return PRISM_EAGAIN;
+        wait_link(sock, deadline, 100);   /* a 100 ms cap: the group's liveness is checked between waits */
     }
 }
 

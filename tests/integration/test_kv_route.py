@@ -75,7 +75,6 @@ def test_new_requests_go_where_kv_room_is():
     in flight, nothing finishes under the test's feet) while four more requests are dispatched:
     each goes to decode-1 (by sequence count, decode-0 would take every other one and run out)."""
     ctx = ["--context-length", "768"]   # a sequence must fit the small pool
-    # decode steps 5 ms apart at least (test hook): a long one still runs when the test looks
     with Cluster(decodes=0, router_args=ctx + ["--worker-timeout", "120"], common_worker_args=FAST_HB,
                  worker_args={"prefill_worker": ctx, "decode_worker": ctx}, worker_env=PACED) as c:
         c.start_worker("decode-0", "decode_worker", ["--kv-blocks", "48", "--max-running-requests", "8"])
