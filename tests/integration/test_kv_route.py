@@ -118,11 +118,14 @@ def test_new_requests_go_where_kv_room_is():
 
 # ---------------------------------------------------------------- a first piece bounced
 
+PIECE_GAP_S = 3   # between a transfer's two pieces: longer than sending the prompts takes until SIGCONT
+
+
 def bounce_round(c, n, n_tokens):
     """Three long prompts (n_tokens in all) are sent to the decode worker while a reserving request
     holds its pool and the worker is stopped (SIGSTOP); that request is aborted and the worker goes
-    on: the first transfer is admitted and arrives piece by piece, interleaved with the others'
-    first pieces: the second cannot fit and waits, the third cannot wait. Returns the three results."""
+    on with the three first pieces and the abort queued (the second pieces follow PIECE_GAP_S after):
+    at least one first piece cannot fit while another transfer arrives. Returns the three results."""
     hold = c.open_stream("/v1/chat/completions", gen("Hold the pool.", 1200, stream=True))
     ev = hold.next_event()
     assert isinstance(ev, dict), ev
@@ -134,12 +137,14 @@ def bounce_round(c, n, n_tokens):
         seen = prompts_seen(c)
         bodies = [gen(long_prompt(tag), 8, n=n) for tag in ("alpha", "beta", "gamma")]
         ex = concurrent.futures.ThreadPoolExecutor(3)
+        t_sent = time.monotonic()
         futs = [ex.submit(c.post_json, "/v1/chat/completions", b) for b in bodies]
         # every prompt prefilled: the transfers wait in the sockets between the workers
         wait_for(lambda: prompts_seen(c) >= seen + n_tokens and
                  c.metric("prism:worker_running", tier="prefill") == 0, 60, "the three prompts prefilled")
         hold.close()   # its abort frees the pool once the worker goes on
         time.sleep(0.3)
+        assert time.monotonic() - t_sent < PIECE_GAP_S - 0.5, "too slow: the second pieces may be on their way"
     finally:
         dec.send_signal(signal.SIGCONT)
     res = [f.result(300) for f in futs]
@@ -148,14 +153,21 @@ def bounce_round(c, n, n_tokens):
 
 
 def test_first_piece_bounced_while_others_arrive():
-    """--kv-admission reserve, 80 blocks: a 1200-token request holds 76; three 430-token prompts
-    (46 blocks each, in 2 pieces) come from three prefill workers. Released at once, the second
-    one in cannot fit and waits; the third cannot wait while the first arrives: preempted before
-    admission and recomputed (n = 1: every answer as alone), or 503 (n = 2)."""
+    """--kv-admission reserve, 80 blocks of 16 tokens: a 1200-token request holds 76; three
+    430-token prompts (27 transfer blocks each, in 2 pieces; 28 blocks reserved, 30 with n = 2)
+    come from three prefill workers. Each prefill worker pauses 3 s between a transfer's two
+    pieces (test hook PRISM_TEST_KV_PIECE_GAP_S, PIECE_GAP_S), so when the decode worker goes on only the first
+    pieces and the hold's abort wait for it, in whatever order its sockets give them: the abort
+    first, two are admitted and the third cannot fit while they arrive; the abort last, the first
+    one in waits for blocks and the others cannot wait. Either way at least one first piece is
+    preempted before admission: recomputed (n = 1: every answer as alone), or 503 (n = 2). Without
+    the pause the second pieces could come with the first ones: a transfer whole before the next
+    first piece leaves nothing arriving, and a piece that does not fit then waits (CI saw it)."""
     ctx = ["--context-length", "1280"]
+    env = dict(PACED, prefill_worker={"PRISM_TEST_KV_PIECE_GAP_S": str(PIECE_GAP_S)})
     with Cluster(prefills=3, router_args=ctx, common_worker_args=FAST_HB,
                  worker_args={"prefill_worker": ctx, "decode_worker": ctx + ["--kv-blocks", "80", "--kv-admission", "reserve",
-                                                "--max-running-requests", "8"]}, worker_env=PACED) as c:
+                                                "--max-running-requests", "8"]}, worker_env=env) as c:
         c.wait_ready()
         refs, n_tokens = [], 0
         for tag in ("alpha", "beta", "gamma"):
