@@ -12,6 +12,8 @@
  * are reused by every row tile of the block. */
 #include "backend/cpu/cpu_kern_avx512.h"
 
+#include <string.h>
+
 #define BF16DP_BLOCK_BYTES (24 << 10)   /* rounded x rows per block: within L1 with the weight tile */
 
 /* rows of x rounded to bf16 (nearest even) into xb, row stride kp (a multiple of 32), zero-padded */
@@ -129,7 +131,170 @@ static void k_matmul_bf16dp(float *y, int ldy, const float *x, int ldx, const ui
     }
 }
 
+/* ---- packed weights (prism_cpu_bf16p_pack): outer products ----
+ * A tile is mr rows of x by nr panels of 16 columns; each step loads one k pair of each panel (a
+ * zmm of 16 pairs), broadcasts the pair x[r][2j..2j+1] of each row (an embedded 32-bit broadcast)
+ * and runs mr x nr vdpbf16ps into accumulators that already hold 16 contiguous outputs: the
+ * stores are plain (masked in the last panel), no horizontal sums. 6 x 4 tiles take 24 of the 32
+ * zmm registers (4 for the panels, the broadcasts fold into the instruction); blocks of 1-2 rows
+ * (decode) take 8 panels, so 8-16 independent sums hide the instruction's latency. */
+#define BF16P_MR 6
+#define BF16P_NR 4
+#define BF16P_NR_FEW 8    /* panels per tile when the block has at most 2 rows */
+#ifndef BF16P_PF
+#define BF16P_PF 16
+#endif
+
+static inline __attribute__((always_inline)) void p_tile(int mr, int nr, float *y, int ldy, const uint16_t *xb,
+                                                          int kp, const uint16_t *wp, size_t pstride, int pairs,
+                                                          __mmask16 last, bool accumulate)
+{
+    __m512 acc[BF16P_MR][BF16P_NR_FEW];
+    #pragma GCC unroll 6
+    for (int r = 0; r < mr; r++)
+        #pragma GCC unroll 8
+        for (int c = 0; c < nr; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int j = 0; j < pairs; j++) {
+        __m512bh wv[BF16P_NR_FEW];
+        #pragma GCC unroll 8
+        for (int c = 0; c < nr; c++) {
+            wv[c] = (__m512bh)_mm512_loadu_si512(wp + c * pstride + (size_t)j * 32);
+            _mm_prefetch((const char *)(wp + c * pstride + (size_t)(j + BF16P_PF) * 32), _MM_HINT_T0);
+        }
+        #pragma GCC unroll 6
+        for (int r = 0; r < mr; r++) {
+            int32_t pair;
+            memcpy(&pair, xb + (size_t)r * kp + 2 * j, sizeof pair);
+            __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            #pragma GCC unroll 8
+            for (int c = 0; c < nr; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv[c], xv);
+        }
+    }
+    #pragma GCC unroll 6
+    for (int r = 0; r < mr; r++)
+        #pragma GCC unroll 8
+        for (int c = 0; c < nr; c++) {
+            float *yr = y + (size_t)r * ldy + c * PRISM_CPU_BF16P_COLS;
+            __mmask16 m = c == nr - 1 ? last : (__mmask16)0xffff;
+            __m512 s = acc[r][c];
+            if (accumulate) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(m, yr));
+            _mm512_mask_storeu_ps(yr, m, s);
+        }
+}
+
+/* 1-2 rows (decode) by one panel: the panel is one contiguous stream (what the hardware prefetcher
+ * follows best once the weights outgrow L2), its k pairs dealt round-robin over BF16P_KS sums per
+ * row so the instruction's latency hides, the sums added at the end (no horizontal sums) */
+#define BF16P_KS 8
+static inline __attribute__((always_inline)) void p_tile_ks(int mr, float *y, int ldy, const uint16_t *xb, int kp,
+                                                             const uint16_t *wp, int pairs, __mmask16 m,
+                                                             bool accumulate)
+{
+    __m512 acc[2][BF16P_KS];
+    #pragma GCC unroll 2
+    for (int r = 0; r < mr; r++)
+        #pragma GCC unroll 8
+        for (int u = 0; u < BF16P_KS; u++) acc[r][u] = _mm512_setzero_ps();
+    int j = 0;
+    for (; j + BF16P_KS <= pairs; j += BF16P_KS)
+        #pragma GCC unroll 8
+        for (int u = 0; u < BF16P_KS; u++) {
+            __m512bh wv = (__m512bh)_mm512_loadu_si512(wp + (size_t)(j + u) * 32);
+            #pragma GCC unroll 2
+            for (int r = 0; r < mr; r++) {
+                int32_t pair;
+                memcpy(&pair, xb + (size_t)r * kp + 2 * (j + u), sizeof pair);
+                acc[r][u] = _mm512_dpbf16_ps(acc[r][u], wv, (__m512bh)_mm512_set1_epi32(pair));
+            }
+        }
+    for (; j < pairs; j++) {
+        __m512bh wv = (__m512bh)_mm512_loadu_si512(wp + (size_t)j * 32);
+        #pragma GCC unroll 2
+        for (int r = 0; r < mr; r++) {
+            int32_t pair;
+            memcpy(&pair, xb + (size_t)r * kp + 2 * j, sizeof pair);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], wv, (__m512bh)_mm512_set1_epi32(pair));
+        }
+    }
+    #pragma GCC unroll 2
+    for (int r = 0; r < mr; r++) {
+        #pragma GCC unroll 8
+        for (int u = BF16P_KS / 2; u > 0; u /= 2)
+            #pragma GCC unroll 8
+            for (int i = 0; i < u; i++) acc[r][i] = _mm512_add_ps(acc[r][i], acc[r][i + u]);
+        float *yr = y + (size_t)r * ldy;
+        __m512 s = acc[r][0];
+        if (accumulate) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(m, yr));
+        _mm512_mask_storeu_ps(yr, m, s);
+    }
+}
+
+#define P_TILE_N4(mr, nr, ...)                       \
+    switch (nr) {                                    \
+    case 4: p_tile(mr, 4, __VA_ARGS__); break;       \
+    case 3: p_tile(mr, 3, __VA_ARGS__); break;       \
+    case 2: p_tile(mr, 2, __VA_ARGS__); break;       \
+    default: p_tile(mr, 1, __VA_ARGS__); break;      \
+    }
+#define P_TILE_N8(mr, nr, ...)                       \
+    switch (nr) {                                    \
+    case 8: p_tile(mr, 8, __VA_ARGS__); break;       \
+    case 7: p_tile(mr, 7, __VA_ARGS__); break;       \
+    case 6: p_tile(mr, 6, __VA_ARGS__); break;       \
+    case 5: p_tile(mr, 5, __VA_ARGS__); break;       \
+    default: P_TILE_N4(mr, nr, __VA_ARGS__)          \
+    }
+
+static void k_matmul_bf16p(float *y, int ldy, const float *x, int ldx, const uint16_t *wp, int M, int N, int K,
+                           bool accumulate, uint16_t *xb, size_t xb_len)
+{
+    int kp = (K + PRISM_CPU_BF16DP_KPAD - 1) / PRISM_CPU_BF16DP_KPAD * PRISM_CPU_BF16DP_KPAD;
+    const size_t pstride = prism_cpu_bf16p_panel(K);
+    const int pairs = (K + 1) / 2, np = (N + PRISM_CPU_BF16P_COLS - 1) / PRISM_CPU_BF16P_COLS;
+    const __mmask16 lastm = N % PRISM_CPU_BF16P_COLS ? LANES(N % PRISM_CPU_BF16P_COLS) : (__mmask16)0xffff;
+    size_t fit = BF16DP_BLOCK_BYTES / 2 / (size_t)kp;
+    if (fit > xb_len / (size_t)kp) fit = xb_len / (size_t)kp;
+    int rb = fit < PRISM_CPU_BF16DP_ROWS ? PRISM_CPU_BF16DP_ROWS : fit < BF16P_MR ? (int)fit : (int)fit / BF16P_MR * BF16P_MR;
+    for (int m0 = 0; m0 < M; m0 += rb) {
+        int mb = M - m0 < rb ? M - m0 : rb;
+        round_rows(xb, kp, x + (size_t)m0 * ldx, ldx, mb, K);
+        float *yb = y + (size_t)m0 * ldy;
+        if (mb <= 2) {
+            for (int p = 0; p < np; p++) {
+                __mmask16 m = p == np - 1 ? lastm : (__mmask16)0xffff;
+                float *yt = yb + (size_t)p * PRISM_CPU_BF16P_COLS;
+                if (mb == 2) p_tile_ks(2, yt, ldy, xb, kp, wp + (size_t)p * pstride, pairs, m, accumulate);
+                else p_tile_ks(1, yt, ldy, xb, kp, wp + (size_t)p * pstride, pairs, m, accumulate);
+            }
+            continue;
+        }
+        /* the panels of a tile stay in L1/L2 while every row tile of the block runs over them */
+        const int ntile = mb <= 2 ? BF16P_NR_FEW : BF16P_NR;
+        int mfull = mb / BF16P_MR * BF16P_MR, mrest = mb - mfull;
+        for (int p0 = 0; p0 < np; p0 += ntile) {
+            int nr = np - p0 < ntile ? np - p0 : ntile;
+            __mmask16 last = p0 + nr == np ? lastm : (__mmask16)0xffff;
+            const uint16_t *wt = wp + (size_t)p0 * pstride;
+            float *yt = yb + (size_t)p0 * PRISM_CPU_BF16P_COLS;
+            for (int r = 0; r < mfull; r += BF16P_MR)
+                P_TILE_N4(BF16P_MR, nr, yt + (size_t)r * ldy, ldy, xb + (size_t)r * kp, kp, wt, pstride, pairs, last,
+                          accumulate)
+            float *yr = yt + (size_t)mfull * ldy;
+            const uint16_t *xr = xb + (size_t)mfull * kp;
+            switch (mrest) {
+            case 5: P_TILE_N4(5, nr, yr, ldy, xr, kp, wt, pstride, pairs, last, accumulate) break;
+            case 4: P_TILE_N4(4, nr, yr, ldy, xr, kp, wt, pstride, pairs, last, accumulate) break;
+            case 3: P_TILE_N4(3, nr, yr, ldy, xr, kp, wt, pstride, pairs, last, accumulate) break;
+            case 2: P_TILE_N8(2, nr, yr, ldy, xr, kp, wt, pstride, pairs, last, accumulate) break;
+            case 1: P_TILE_N8(1, nr, yr, ldy, xr, kp, wt, pstride, pairs, last, accumulate) break;
+            default: break;
+            }
+        }
+    }
+}
+
 #define KMATMUL_BF16DP k_matmul_bf16dp
+#define KMATMUL_BF16P  k_matmul_bf16p
 #define KTABLE prism_cpu_kern_avx512bf16
 #define KNAME  "avx512bf16"
 #define KISA   PRISM_CPU_ISA_AVX512BF16
