@@ -133,29 +133,28 @@ static void k_matmul_bf16dp(float *y, int ldy, const float *x, int ldx, const ui
 
 /* ---- packed weights (prism_cpu_bf16p_pack): outer products ----
  * A tile is mr rows of x by nr panels of 16 columns; each step loads one k pair of each panel (a
- * zmm of 16 pairs), broadcasts the pair x[r][2j..2j+1] of each row (an embedded 32-bit broadcast)
- * and runs mr x nr vdpbf16ps into accumulators that already hold 16 contiguous outputs: the
+ * zmm of 16 pairs), broadcasts the pair x[r][2j..2j+1] of each row (vpbroadcastd from the rounded
+ * rows) and runs mr x nr vdpbf16ps into accumulators that already hold 16 contiguous outputs: the
  * stores are plain (masked in the last panel), no horizontal sums. 6 x 4 tiles take 24 of the 32
- * zmm registers (4 for the panels, the broadcasts fold into the instruction); blocks of 1-2 rows
- * (decode) take 8 panels, so 8-16 independent sums hide the instruction's latency. */
+ * zmm registers (4 more for the panels, 1 for the broadcast). The 4 panels of a tile are 4 streams
+ * 16·K elements apart, which the hardware prefetcher follows poorly once they come from L3 (an
+ * lm_head of 4096 x 256 at 16 rows ran at 0.8x of matmul_bf16dp): each step prefetches its lines
+ * BF16P_PF steps ahead. Blocks of 1-2 rows (decode) run p_tile_ks instead. */
 #define BF16P_MR 6
 #define BF16P_NR 4
-#define BF16P_NR_FEW 8    /* panels per tile when the block has at most 2 rows */
-#ifndef BF16P_PF
-#define BF16P_PF 16
-#endif
+#define BF16P_PF 16       /* steps ahead (one 64-byte line of each panel per step) */
 
 static inline __attribute__((always_inline)) void p_tile(int mr, int nr, float *y, int ldy, const uint16_t *xb,
                                                           int kp, const uint16_t *wp, size_t pstride, int pairs,
                                                           __mmask16 last, bool accumulate)
 {
-    __m512 acc[BF16P_MR][BF16P_NR_FEW];
+    __m512 acc[BF16P_MR][BF16P_NR];
     #pragma GCC unroll 6
     for (int r = 0; r < mr; r++)
         #pragma GCC unroll 8
         for (int c = 0; c < nr; c++) acc[r][c] = _mm512_setzero_ps();
     for (int j = 0; j < pairs; j++) {
-        __m512bh wv[BF16P_NR_FEW];
+        __m512bh wv[BF16P_NR];
         #pragma GCC unroll 8
         for (int c = 0; c < nr; c++) {
             wv[c] = (__m512bh)_mm512_loadu_si512(wp + c * pstride + (size_t)j * 32);
@@ -236,14 +235,6 @@ static inline __attribute__((always_inline)) void p_tile_ks(int mr, float *y, in
     case 2: p_tile(mr, 2, __VA_ARGS__); break;       \
     default: p_tile(mr, 1, __VA_ARGS__); break;      \
     }
-#define P_TILE_N8(mr, nr, ...)                       \
-    switch (nr) {                                    \
-    case 8: p_tile(mr, 8, __VA_ARGS__); break;       \
-    case 7: p_tile(mr, 7, __VA_ARGS__); break;       \
-    case 6: p_tile(mr, 6, __VA_ARGS__); break;       \
-    case 5: p_tile(mr, 5, __VA_ARGS__); break;       \
-    default: P_TILE_N4(mr, nr, __VA_ARGS__)          \
-    }
 
 static void k_matmul_bf16p(float *y, int ldy, const float *x, int ldx, const uint16_t *wp, int M, int N, int K,
                            bool accumulate, uint16_t *xb, size_t xb_len)
@@ -269,7 +260,7 @@ static void k_matmul_bf16p(float *y, int ldy, const float *x, int ldx, const uin
             continue;
         }
         /* the panels of a tile stay in L1/L2 while every row tile of the block runs over them */
-        const int ntile = mb <= 2 ? BF16P_NR_FEW : BF16P_NR;
+        const int ntile = BF16P_NR;
         int mfull = mb / BF16P_MR * BF16P_MR, mrest = mb - mfull;
         for (int p0 = 0; p0 < np; p0 += ntile) {
             int nr = np - p0 < ntile ? np - p0 : ntile;
@@ -285,8 +276,8 @@ static void k_matmul_bf16p(float *y, int ldy, const float *x, int ldx, const uin
             case 5: P_TILE_N4(5, nr, yr, ldy, xr, kp, wt, pstride, pairs, last, accumulate) break;
             case 4: P_TILE_N4(4, nr, yr, ldy, xr, kp, wt, pstride, pairs, last, accumulate) break;
             case 3: P_TILE_N4(3, nr, yr, ldy, xr, kp, wt, pstride, pairs, last, accumulate) break;
-            case 2: P_TILE_N8(2, nr, yr, ldy, xr, kp, wt, pstride, pairs, last, accumulate) break;
-            case 1: P_TILE_N8(1, nr, yr, ldy, xr, kp, wt, pstride, pairs, last, accumulate) break;
+            case 2: P_TILE_N4(2, nr, yr, ldy, xr, kp, wt, pstride, pairs, last, accumulate) break;
+            case 1: P_TILE_N4(1, nr, yr, ldy, xr, kp, wt, pstride, pairs, last, accumulate) break;
             default: break;
             }
         }
