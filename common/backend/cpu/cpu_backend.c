@@ -1,6 +1,7 @@
 /* CPU backend: fp32 activations; weights fp32, or bf16 when asked (prism_backend_set_weight_dtype:
  * half the bytes a decode step streams); with --compute-dtype bf16 (prism_backend_set_compute_dtype)
- * the matmuls on bf16 weights round x to bf16 and run AVX-512 BF16 dot products. Matmuls are
+ * the matmuls on bf16 weights round x to bf16 and run AVX-512 BF16 dot products, on weights the
+ * model loader had packed into 16-column panels (weight_pack) where it could. Matmuls are
  * OpenBLAS sgemm (or a vectorised gemv for a few rows) on column slices spread over the backend's
  * own thread pool; attention is tiled matrix products (cpu_attn.c); elementwise and row ops run
  * the kernel table chosen at create for this CPU (cpu_kern.h: scalar / AVX2 / AVX-512 / AVX-512

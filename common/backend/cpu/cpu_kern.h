@@ -8,8 +8,8 @@
  * The vector tables share one source (cpu_kern_simd.h) instantiated per ISA; their exp/erf are
  * polynomial (within ~2 ulp of libm), so vector results equal the scalar ones within fp32
  * rounding, not bit for bit. A fourth table, avx512bf16 (AVX-512 with the BF16 extension: Zen 4,
- * Cooper Lake, Sapphire Rapids and later), is the avx512 one plus the bf16 dot-product matmul
- * (vdpbf16ps) that --compute-dtype bf16 runs. PRISM_CPU_ISA=scalar|avx2|avx512|avx512bf16 forces
+ * Cooper Lake, Sapphire Rapids and later), is the avx512 one plus the bf16 matmuls (vdpbf16ps)
+ * that --compute-dtype bf16 runs: on [N][K] weights, and on weights packed at load. PRISM_CPU_ISA=scalar|avx2|avx512|avx512bf16 forces
  * a path (a path the CPU lacks falls back to the best one it has, with a warning) so tests can
  * compare every path the machine can run. */
 #ifndef PRISM_BACKEND_CPU_KERN_H

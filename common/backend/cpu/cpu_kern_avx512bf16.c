@@ -1,15 +1,25 @@
-/* AVX-512 BF16 instantiation: the avx512 table's kernels plus the bf16 dot-product matmul of
- * --compute-dtype bf16 (this file alone is compiled with -mavx512bf16 and the F/BW/DQ/VL subsets;
- * its table is used only when cpuid reports them, cpu_kern.c).
+/* AVX-512 BF16 instantiation: the avx512 table's kernels plus the bf16 matmuls of --compute-dtype
+ * bf16 (this file alone is compiled with -mavx512bf16 and the F/BW/DQ/VL subsets; its table is used
+ * only when cpuid reports them, cpu_kern.c). Both round a block of x rows to bf16 (nearest even)
+ * into the caller's scratch, zero-padded to a multiple of 32, and sum exact products in fp32 with
+ * vdpbf16ps (16 fp32 lanes, each a pair of k per instruction).
  *
- * The matmul keeps the weights in their [N][K] row-major layout (tied embeddings and tensor-parallel
- * slices share it; nothing is repacked at load). Per call it rounds a block of x rows to bf16 into
- * the caller's scratch (zero-padded to a multiple of 32), then walks register tiles of up to 4 x
- * rows by 4 (or 8) weight rows: each step loads 32 k of each, and each vdpbf16ps multiplies 32 bf16
- * pairs into 16 fp32 lanes of the tile's accumulator for that (row, column). The K tail is a masked
- * load of the weights (the padded x is zero there). At the end a transpose-add folds each 4
- * accumulators of a row into 4 outputs. The row block stays in L1 while the weight rows of a tile
- * are reused by every row tile of the block. */
+ * matmul_bf16p, the one the model's weights take: the loader packs every weight only matmul reads
+ * (cpu_backend.c weight_pack) into panels of 16 columns with k pairs interleaved (cpu_kern.h), so
+ * a step is one 64-byte load per panel against a broadcast pair of x per row, an outer product
+ * into accumulators of 16 contiguous outputs: tiles of 6 rows x 4 panels, no horizontal sums, the
+ * stores plain (masked past N). 1-2 rows (decode) take one panel at a time with the k pairs dealt
+ * over 8 sums. Measured on a 2-core Zen 5 (docs/PERFORMANCE.md, "packed bf16 weights"): 1.1x the
+ * dot-product kernel at 512 rows (both near the core's vdpbf16ps peak), 1.4x at 1 row.
+ *
+ * matmul_bf16dp keeps weights in their [N][K] row-major layout: the embedding table a tied
+ * lm_head shares with get_rows, tensor-parallel slices handed to matmul by hand, any weight not
+ * packed. It walks register tiles of up to 4 x rows by 4 (or 8) weight rows: each step loads 32 k
+ * of each, and each vdpbf16ps multiplies 32 bf16 pairs into 16 fp32 lanes of the tile's
+ * accumulator for that (row, column). The K tail is a masked load of the weights (the padded x is
+ * zero there). At the end a transpose-add folds each 4 accumulators of a row into 4 outputs (at
+ * K = 256 about a tenth of its time: what the packed kernel saves). The row block stays in L1
+ * while the weight rows of a tile are reused by every row tile of the block. */
 #include "backend/cpu/cpu_kern_avx512.h"
 
 #include <string.h>
