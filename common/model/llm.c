@@ -478,8 +478,10 @@ int prism_llm_load(prism_backend_t *be, const prism_model_config_t *cfg, const c
     llm_layout(cfg, max_batch_tokens, max_seqs, m);
     {
         char a[32], b[32];
-        PRISM_INFO("llm: %s weights (%d tensors, %s) + %s arena for %d tokens / %d seqs in %.2fs%s",
-                   cfg->arch, w.n_tensors, prism_fmt_bytes(m->wbytes, a, sizeof a),
+        char packed[48] = "";
+        if (w.n_packed) snprintf(packed, sizeof packed, ", %d matmul weights packed", w.n_packed);
+        PRISM_INFO("llm: %s weights (%d tensors, %s%s) + %s arena for %d tokens / %d seqs in %.2fs%s",
+                   cfg->arch, w.n_tensors, prism_fmt_bytes(m->wbytes, a, sizeof a), packed,
                    prism_fmt_bytes(m->abytes, b, sizeof b), max_batch_tokens, max_seqs, prism_now_s() - t0,
                    shard.size > 1 ? " (tensor-parallel shard)" : "");
         if (shard.size > 1)

@@ -25,6 +25,7 @@ typedef struct {
     bool random;           /* no checkpoint: fill every tensor from a seeded RNG */
     uint64_t seed;
     size_t read_bytes;     /* bytes read from the checkpoint (its dtype): only a rank's slices */
+    int n_packed;          /* matmul weights the backend rearranged (prism_wload_pack_matmul) */
 } prism_wload_t;
 
 /* A range [lo, hi) along the sliced axis of prism_wload_fill_slice. */
