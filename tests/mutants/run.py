@@ -193,6 +193,11 @@ MUTANTS = {
           "const __mmask16 lastm = N % PRISM_CPU_BF16P_COLS ? LANES(N % PRISM_CPU_BF16P_COLS) : (__mmask16)0xffff;",
           "const __mmask16 lastm = (__mmask16)0xffff;")],
         "ctest --test-dir $BUILD -R '^test_backend_cpu$' --output-on-failure", ["test_backend_cpu"]),
+    "bf16p-tp-pack-whole-k": (
+        "a tensor-parallel rank packs its o_proj column slice as if it held every column",
+        [("common/model/llm.c", "(rc = prism_wload_pack_matmul(w, ly->wo, H, nq_l)))",
+          "(rc = prism_wload_pack_matmul(w, ly->wo, H, nq)))")],
+        "ctest --test-dir $BUILD -R '^test_model_tp$' --output-on-failure", ["test_model_tp"]),
     "bf16-compute-ignored": (
         "--compute-dtype bf16 accepted but the matmuls keep fp32 arithmetic (x not rounded)",
         [("common/backend/cpu/cpu_backend.c", "mm_mode_t mode = !bf16 ? MM_F32 : !c->bf16dp ? MM_BF16W",
