@@ -26,7 +26,7 @@ int prism_wload_pack_matmul(prism_wload_t *w, void *dst, int64_t N, int64_t K)
     const prism_backend_i *o = &w->be->i;
     if (!w->base || !o->weight_pack) return PRISM_OK;
     int rc = o->weight_pack(w->be->ctx, dst, (int)N, (int)K);
-    if (rc == PRISM_OK && o->weight_pack_bytes(w->be->ctx, (int)N, (int)K)) w->n_packed++;
+    if (rc == PRISM_OK && o->weight_pack_bytes && o->weight_pack_bytes(w->be->ctx, (int)N, (int)K)) w->n_packed++;
     if (rc != PRISM_OK) ERR("weights: packing a %lld x %lld matmul weight failed: %s", (long long)N, (long long)K, prism_strerror(rc));
     return rc;
 }
