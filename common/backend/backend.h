@@ -294,6 +294,19 @@ typedef struct prism_backend_i {
      * called once by prism_backend_set_compute_dtype, after set_weight_dtype(bf16), before a model
      * loads. Optional: NULL = the backend computes only in its default compute_dtype. */
     int (*set_compute_dtype)(void *ctx, prism_dtype_t dt);
+    /* Matmul weights in a layout of the backend's own (optional pair: NULL = weights stay [N][K]
+     * row-major, as everywhere else; both NULL on CUDA). For a weight W[N][K] of weight_dtype that
+     * only matmul reads (not an embedding table get_rows also reads, e.g. a tied lm_head):
+     * weight_pack_bytes: the bytes the loader reserves for it, at least N*K elements (more when
+     *   the layout pads N or K), or 0 when this backend keeps such a weight as it is (the CPU
+     *   packs only under --compute-dtype bf16 with AVX-512 BF16 dot products).
+     * weight_pack: after W was written as [N][K] at the front of those bytes (after any tensor-
+     *   parallel slicing), rearranges it in place, once, at load time (it may allocate then).
+     *   PRISM_OK without touching it when weight_pack_bytes is 0. From then on w may be passed to
+     *   matmul only whole (this pointer, with these N and K), until the block holding it is freed.
+     * Both are answered by the compute dtype set before the model loads. */
+    size_t (*weight_pack_bytes)(void *ctx, int N, int K);
+    int (*weight_pack)(void *ctx, void *w, int N, int K);
 
     void (*destroy)(void *ctx);
 } prism_backend_i;

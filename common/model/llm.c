@@ -32,6 +32,7 @@
 typedef struct {
     float *attn_norm, *mlp_norm;  /* [hidden] */
     float *q_norm, *k_norm;       /* PRISM_LAYER_QK_RMS: [head_dim] per-head RMSNorm weights (Qwen3) */
+    /* matmul weights below: [N][K] as commented, or the backend's packed layout of it (load_weights) */
     void *wqkv;                   /* [(n_heads + 2*n_kv)*head_dim][hidden]: q rows, k rows, v rows */
     float *bqkv;                  /* [(n_heads + 2*n_kv)*head_dim] or NULL */
     void *wo;                     /* [hidden][n_heads*head_dim] */
@@ -54,7 +55,7 @@ struct prism_llm {
     size_t wbytes;
     void *embed;                  /* [vocab][hidden] */
     float *norm;                  /* [hidden] */
-    void *lm_head;                /* [vocab][hidden]; == embed when tied */
+    void *lm_head;                /* [vocab][hidden]; == embed when tied (then never packed) */
     float *inv_freq;              /* [head_dim/2] */
     bool mrope;                   /* M-RoPE: rotary positions from meta mpos [3][T], rows per rsec */
     prism_rope_sections_t rsec;   /* M-RoPE: the position row (t, h, w) of each rotary pair */
@@ -259,7 +260,10 @@ static const char *const k_text_prefixes[] = {"language_model.model.", "model.la
 /* Loads this rank's part of every tensor (the whole tensor at T = 1): row slices (q/k/v, gate/up,
  * embedding and lm_head rows, expert down rows) and column slices (o_proj, down, expert gate/up
  * columns) are read straight from the checkpoint; norms, biases of row-parallel layers and the MoE
- * router are replicated. */
+ * router are replicated. The weights only matmul reads (qkv, o, gate/up, down, router, an untied
+ * lm_head) then go into the backend's matmul layout (prism_wload_pack_matmul: the CPU's packed
+ * panels under --compute-dtype bf16, [N][K] elsewhere); the embedding table, which get_rows reads
+ * (and a tied lm_head with it), and the grouped experts stay [N][K]. */
 static int load_weights(struct prism_llm *m, prism_wload_t *w, const char *pfx, const char *head_name)
 {
     const prism_model_config_t *c = &m->cfg;
@@ -288,7 +292,10 @@ static int load_weights(struct prism_llm *m, prism_wload_t *w, const char *pfx, 
                 snprintf(w->err, w->errlen, "weights: lm_head.weight not found (and tie_word_embeddings is false)");
             return PRISM_ENOTFOUND;
         }
-        if ((rc = prism_wload_tensor_slice(w, &m->lm_head, wdt, head_name, 2, SHAPE(V, H), 0, 1, &vrows))) return rc;
+        m->lm_head = prism_wload_reserve_matmul(w, sh->n_vocab, H);
+        if ((rc = prism_wload_fill_slice(w, m->lm_head, wdt, head_name, 2, SHAPE(V, H), 0, 1, &vrows)) ||
+            (rc = prism_wload_pack_matmul(w, m->lm_head, sh->n_vocab, H)))
+            return rc;
     }
     size_t es = prism_dtype_size(wdt);
     for (int L = 0; L < c->n_layers; L++) {
@@ -297,11 +304,12 @@ static int load_weights(struct prism_llm *m, prism_wload_t *w, const char *pfx, 
         snprintf(p, sizeof p, "%slayers.%d.", pfx, L);
         if ((rc = prism_wload_tensor(w, (void **)&ly->attn_norm, PRISM_DTYPE_F32, NAME("%sinput_layernorm.weight", p), 1, SHAPE(H)))) return rc;
         if ((rc = prism_wload_tensor(w, (void **)&ly->mlp_norm, PRISM_DTYPE_F32, NAME("%spost_attention_layernorm.weight", p), 1, SHAPE(H)))) return rc;
-        ly->wqkv = prism_wload_reserve(w, (size_t)(nq_l + 2 * nkv_l) * H * es);
+        ly->wqkv = prism_wload_reserve_matmul(w, nq_l + 2 * nkv_l, H);
         uint8_t *q = ly->wqkv;
         if ((rc = prism_wload_fill_slice(w, q, wdt, NAME("%sself_attn.q_proj.weight", p), 2, SHAPE(nq, H), 0, 1, &qr))) return rc;
         if ((rc = prism_wload_fill_slice(w, q ? q + nq_l * H * es : NULL, wdt, NAME("%sself_attn.k_proj.weight", p), 2, SHAPE(nkv, H), 0, 1, &kr))) return rc;
         if ((rc = prism_wload_fill_slice(w, q ? q + (nq_l + nkv_l) * H * es : NULL, wdt, NAME("%sself_attn.v_proj.weight", p), 2, SHAPE(nkv, H), 0, 1, &kr))) return rc;
+        if ((rc = prism_wload_pack_matmul(w, ly->wqkv, nq_l + 2 * nkv_l, H))) return rc;
         if (c->attention_bias) {
             ly->bqkv = prism_wload_reserve(w, (size_t)(nq_l + 2 * nkv_l) * 4);
             float *b = ly->bqkv;
@@ -309,7 +317,10 @@ static int load_weights(struct prism_llm *m, prism_wload_t *w, const char *pfx, 
             if ((rc = prism_wload_fill_slice(w, b ? b + nq_l : NULL, PRISM_DTYPE_F32, NAME("%sself_attn.k_proj.bias", p), 1, SHAPE(nkv), 0, 1, &kr))) return rc;
             if ((rc = prism_wload_fill_slice(w, b ? b + nq_l + nkv_l : NULL, PRISM_DTYPE_F32, NAME("%sself_attn.v_proj.bias", p), 1, SHAPE(nkv), 0, 1, &kr))) return rc;
         }
-        if ((rc = prism_wload_tensor_slice(w, &ly->wo, wdt, NAME("%sself_attn.o_proj.weight", p), 2, SHAPE(H, nq), 1, 1, &qr))) return rc;
+        ly->wo = prism_wload_reserve_matmul(w, H, nq_l);
+        if ((rc = prism_wload_fill_slice(w, ly->wo, wdt, NAME("%sself_attn.o_proj.weight", p), 2, SHAPE(H, nq), 1, 1, &qr)) ||
+            (rc = prism_wload_pack_matmul(w, ly->wo, H, nq_l)))
+            return rc;
         if (c->o_bias &&
             (rc = prism_wload_tensor(w, (void **)&ly->bo, PRISM_DTYPE_F32, NAME("%sself_attn.o_proj.bias", p), 1, SHAPE(H)))) return rc;
         if (c->layer_flags[L] & PRISM_LAYER_QK_RMS) {   /* replicated: every rank norms its own heads */
@@ -326,11 +337,15 @@ static int load_weights(struct prism_llm *m, prism_wload_t *w, const char *pfx, 
         char f[160];
         bool l4_names = strncmp(c->arch, "llama4", 6) == 0;   /* Llama-4 checkpoints say feed_forward */
         snprintf(f, sizeof f, "%s%s", p, l4_names ? (moe ? "feed_forward.shared_expert." : "feed_forward.") : "mlp.");
-        ly->wgu = prism_wload_reserve(w, (size_t)(2 * I_l) * H * es);
+        ly->wgu = prism_wload_reserve_matmul(w, 2 * I_l, H);
         uint8_t *g = ly->wgu;
         if ((rc = prism_wload_fill_slice(w, g, wdt, NAME("%sgate_proj.weight", f), 2, SHAPE(I, H), 0, 1, &fr))) return rc;
         if ((rc = prism_wload_fill_slice(w, g ? g + I_l * H * es : NULL, wdt, NAME("%sup_proj.weight", f), 2, SHAPE(I, H), 0, 1, &fr))) return rc;
-        if ((rc = prism_wload_tensor_slice(w, &ly->wdown, wdt, NAME("%sdown_proj.weight", f), 2, SHAPE(H, I), 1, 1, &fr))) return rc;
+        if ((rc = prism_wload_pack_matmul(w, ly->wgu, 2 * I_l, H))) return rc;
+        ly->wdown = prism_wload_reserve_matmul(w, H, I_l);
+        if ((rc = prism_wload_fill_slice(w, ly->wdown, wdt, NAME("%sdown_proj.weight", f), 2, SHAPE(H, I), 1, 1, &fr)) ||
+            (rc = prism_wload_pack_matmul(w, ly->wdown, H, I_l)))
+            return rc;
         if (c->mlp_bias) {
             ly->bgu = prism_wload_reserve(w, (size_t)2 * I_l * 4);
             if ((rc = prism_wload_fill_slice(w, ly->bgu, PRISM_DTYPE_F32, NAME("%sgate_proj.bias", f), 1, SHAPE(I), 0, 1, &fr))) return rc;
@@ -338,7 +353,10 @@ static int load_weights(struct prism_llm *m, prism_wload_t *w, const char *pfx, 
             if ((rc = prism_wload_tensor(w, (void **)&ly->bdown, PRISM_DTYPE_F32, NAME("%sdown_proj.bias", f), 1, SHAPE(H)))) return rc;
         }
         if (moe) {
-            if ((rc = prism_wload_tensor(w, &ly->router, wdt, NAME("%sfeed_forward.router.weight", p), 2, SHAPE(E, H)))) return rc;
+            ly->router = prism_wload_reserve_matmul(w, E, H);
+            if ((rc = prism_wload_fill(w, ly->router, wdt, NAME("%sfeed_forward.router.weight", p), 2, SHAPE(E, H))) ||
+                (rc = prism_wload_pack_matmul(w, ly->router, E, H)))
+                return rc;
             /* gate_up_proj [E][H][2*EI]: this rank's gate columns then its up columns, per row */
             if ((rc = prism_wload_tensor_slice(w, &ly->exp_gu, wdt, NAME("%sfeed_forward.experts.gate_up_proj", p), 3,
                                                SHAPE(E, H, 2 * EI), 2, 2, egu))) return rc;
@@ -460,8 +478,10 @@ int prism_llm_load(prism_backend_t *be, const prism_model_config_t *cfg, const c
     llm_layout(cfg, max_batch_tokens, max_seqs, m);
     {
         char a[32], b[32];
-        PRISM_INFO("llm: %s weights (%d tensors, %s) + %s arena for %d tokens / %d seqs in %.2fs%s",
-                   cfg->arch, w.n_tensors, prism_fmt_bytes(m->wbytes, a, sizeof a),
+        char packed[48] = "";
+        if (w.n_packed) snprintf(packed, sizeof packed, ", %d matmul weights packed", w.n_packed);
+        PRISM_INFO("llm: %s weights (%d tensors, %s%s) + %s arena for %d tokens / %d seqs in %.2fs%s",
+                   cfg->arch, w.n_tensors, prism_fmt_bytes(m->wbytes, a, sizeof a), packed,
                    prism_fmt_bytes(m->abytes, b, sizeof b), max_batch_tokens, max_seqs, prism_now_s() - t0,
                    shard.size > 1 ? " (tensor-parallel shard)" : "");
         if (shard.size > 1)

@@ -25,6 +25,7 @@ typedef struct {
     bool random;           /* no checkpoint: fill every tensor from a seeded RNG */
     uint64_t seed;
     size_t read_bytes;     /* bytes read from the checkpoint (its dtype): only a rank's slices */
+    int n_packed;          /* matmul weights the backend rearranged (prism_wload_pack_matmul) */
 } prism_wload_t;
 
 /* A range [lo, hi) along the sliced axis of prism_wload_fill_slice. */
@@ -50,6 +51,13 @@ int prism_wload_fill_slice(prism_wload_t *w, void *dst, prism_dtype_t dt, const 
                            const int64_t *shape, int axis, int n_ranges, const prism_wload_range_t *ranges);
 int prism_wload_tensor_slice(prism_wload_t *w, void **out, prism_dtype_t dt, const char *name, int ndim,
                              const int64_t *shape, int axis, int n_ranges, const prism_wload_range_t *ranges);
+/* A matmul weight [N][K] of the backend's weight dtype that nothing but matmul reads (not an
+ * embedding table: a tied lm_head stays as it is): reserve_matmul reserves what the backend's own
+ * layout takes (backend.h weight_pack_bytes; [N][K] when it has none, as on CUDA and under fp32
+ * compute), the caller fills it as [N][K] (whole or sliced), then pack_matmul rearranges it in
+ * place in pass 2 (nothing in pass 1 or where the backend keeps [N][K]). */
+void *prism_wload_reserve_matmul(prism_wload_t *w, int64_t N, int64_t K);
+int prism_wload_pack_matmul(prism_wload_t *w, void *dst, int64_t N, int64_t K);
 /* Reserve + fill for one tensor; *out gets the device pointer (NULL in pass 1). */
 int prism_wload_tensor(prism_wload_t *w, void **out, prism_dtype_t dt, const char *name, int ndim, const int64_t *shape);
 /* First prefix p in prefixes[] for which p+suffix exists; NULL when none. */

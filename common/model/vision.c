@@ -18,6 +18,7 @@
 
 typedef struct {
     float *ln1_w, *ln1_b, *ln2_w, *ln2_b;  /* [v_hidden] */
+    /* matrices: [N][K] as commented, or the backend's packed layout of it (load_weights: MAT) */
     void *wqkv;                            /* [3*v_hidden][v_hidden] q, k, v rows */
     float *bqkv;                           /* [3*v_hidden] */
     void *wo;                              /* [v_hidden][v_hidden] */
@@ -192,10 +193,19 @@ static int load_weights(struct prism_vision *v, prism_wload_t *w, const vit_name
 #define SHAPE(...) ((const int64_t[]){__VA_ARGS__})
 #define F32(dst, shp, ...) \
     if ((rc = prism_wload_tensor(w, (void **)&(dst), PRISM_DTYPE_F32, NAME(__VA_ARGS__), 1, SHAPE(shp)))) return rc
-#define MAT(dst, rows, cols, ...) \
-    if ((rc = prism_wload_tensor(w, &(dst), wdt, NAME(__VA_ARGS__), 2, SHAPE(rows, cols)))) return rc
-    if (nm->patch_ndim == 4) {
-        if ((rc = prism_wload_tensor(w, &v->patch_w, wdt, NAME("%s%s", vp, nm->patch), 4, SHAPE(VH, C, P, P)))) return rc;
+/* every matrix here is read by matmul only: the backend's matmul layout (prism_wload_pack_matmul) */
+#define MAT(dst, rows, cols, ...)                                                                 \
+    do {                                                                                          \
+        (dst) = prism_wload_reserve_matmul(w, rows, cols);                                        \
+        if ((rc = prism_wload_fill(w, (dst), wdt, NAME(__VA_ARGS__), 2, SHAPE(rows, cols))) ||    \
+            (rc = prism_wload_pack_matmul(w, (dst), rows, cols)))                                 \
+            return rc;                                                                            \
+    } while (0)
+    if (nm->patch_ndim == 4) {   /* Conv2d [VH][C][P][P]: the matmul's [VH][C*P*P] */
+        v->patch_w = prism_wload_reserve_matmul(w, VH, C * P * P);
+        if ((rc = prism_wload_fill(w, v->patch_w, wdt, NAME("%s%s", vp, nm->patch), 4, SHAPE(VH, C, P, P))) ||
+            (rc = prism_wload_pack_matmul(w, v->patch_w, VH, C * P * P)))
+            return rc;
     } else {
         MAT(v->patch_w, VH, C * P * P, "%s%s", vp, nm->patch);
     }
@@ -215,7 +225,7 @@ static int load_weights(struct prism_vision *v, prism_wload_t *w, const vit_name
         F32(ly->ln1_b, VH, "%s%s.bias", p, nm->ln1);
         F32(ly->ln2_w, VH, "%s%s.weight", p, nm->ln2);
         F32(ly->ln2_b, VH, "%s%s.bias", p, nm->ln2);
-        ly->wqkv = prism_wload_reserve(w, (size_t)(3 * VH * VH) * es);
+        ly->wqkv = prism_wload_reserve_matmul(w, 3 * VH, VH);
         ly->bqkv = prism_wload_reserve(w, (size_t)(3 * VH) * 4);
         static const char *const qkv[3] = {"q", "k", "v"};
         for (int j = 0; j < 3; j++) {
@@ -224,6 +234,7 @@ static int load_weights(struct prism_vision *v, prism_wload_t *w, const vit_name
             if ((rc = prism_wload_fill(w, wd, wdt, NAME("%sself_attn.%s_proj.weight", p, qkv[j]), 2, SHAPE(VH, VH)))) return rc;
             if ((rc = prism_wload_fill(w, bd, PRISM_DTYPE_F32, NAME("%sself_attn.%s_proj.bias", p, qkv[j]), 1, SHAPE(VH)))) return rc;
         }
+        if ((rc = prism_wload_pack_matmul(w, ly->wqkv, 3 * VH, VH))) return rc;
         MAT(ly->wo, VH, VH, "%sself_attn.%s.weight", p, nm->o_proj);
         F32(ly->bo, VH, "%sself_attn.%s.bias", p, nm->o_proj);
         MAT(ly->fc1, VI, VH, "%smlp.fc1.weight", p);
@@ -356,9 +367,11 @@ int prism_vision_load(prism_backend_t *be, const prism_model_config_t *cfg, cons
     if (v->l4 && (rc = l4_rope_tables(v)) != PRISM_OK) goto fail;
     {
         char a[32], b[32];
-        PRISM_INFO("vision: %s %dpx/%d, %d of %d layers, %s weights + %s arena for %d images",
+        char packed[48] = "";
+        if (w.n_packed) snprintf(packed, sizeof packed, " (%d matmul weights packed)", w.n_packed);
+        PRISM_INFO("vision: %s %dpx/%d, %d of %d layers, %s weights%s + %s arena for %d images",
                    v->l4 ? "Llama-4" : "CLIP", cfg->v_image_size, cfg->v_patch, v->n_run, cfg->v_layers, prism_fmt_bytes(v->wbytes, a, sizeof a),
-                   prism_fmt_bytes(v->abytes, b, sizeof b), max_images);
+                   packed, prism_fmt_bytes(v->abytes, b, sizeof b), max_images);
     }
     *out = v;
     return PRISM_OK;

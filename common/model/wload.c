@@ -13,6 +13,24 @@ void *prism_wload_reserve(prism_wload_t *w, size_t bytes)
     return w->base ? w->base + o : NULL;
 }
 
+void *prism_wload_reserve_matmul(prism_wload_t *w, int64_t N, int64_t K)
+{
+    const prism_backend_i *o = &w->be->i;
+    size_t plain = (size_t)(N * K) * prism_dtype_size(w->be->weight_dtype);
+    size_t own = o->weight_pack_bytes && N <= INT32_MAX && K <= INT32_MAX ? o->weight_pack_bytes(w->be->ctx, (int)N, (int)K) : 0;
+    return prism_wload_reserve(w, PRISM_MAX(plain, own));
+}
+
+int prism_wload_pack_matmul(prism_wload_t *w, void *dst, int64_t N, int64_t K)
+{
+    const prism_backend_i *o = &w->be->i;
+    if (!w->base || !o->weight_pack) return PRISM_OK;
+    int rc = o->weight_pack(w->be->ctx, dst, (int)N, (int)K);
+    if (rc == PRISM_OK && o->weight_pack_bytes && o->weight_pack_bytes(w->be->ctx, (int)N, (int)K)) w->n_packed++;
+    if (rc != PRISM_OK) ERR("weights: packing a %lld x %lld matmul weight failed: %s", (long long)N, (long long)K, prism_strerror(rc));
+    return rc;
+}
+
 static uint64_t name_hash(const char *s, uint64_t seed)
 {
     uint64_t h = 1469598103934665603ull ^ seed;

@@ -4,7 +4,8 @@
  *   prism_bench_model --mode sgemm  --threads 1 --m 577 --n 4096 --k 1024   OpenBLAS sgemm GFLOP/s
  *   prism_bench_model --mode matmul --threads 1 --m 577 --n 4096 --k 1024   the backend's matmul, same shape
  *   prism_bench_model --mode mmdtype --threads 1 --m 16 --n 688 --k 256     the backend's matmul with fp32 weights,
- *                                   bf16 weights (fp32 arithmetic) and --compute-dtype bf16, best GFLOP/s
+ *                                   bf16 weights (fp32 arithmetic) and --compute-dtype bf16 on [N][K] and on
+ *                                   packed weights (as the model loader packs them), best GFLOP/s
  *   prism_bench_model --mode copy   --threads 1                             memcpy and read-only bandwidth GB/s
  *   prism_bench_model --mode qkrows --k 32                                  the selected table's qk_rows (decode
  *                                   attention scores) ns/call for m 1..8 query rows x n 16..2048 keys
@@ -141,33 +142,44 @@ static int run_matmul(int threads, int reps, int M, int N, int K)
     return 0;
 }
 
-/* ---- the backend's matmul per dtype: f32 weights, bf16 weights (--weight-dtype bf16) and bf16 dot
- * products (--compute-dtype bf16), interleaved run by run so a busy machine hurts all alike ---- */
+/* ---- the backend's matmul per dtype: f32 weights, bf16 weights (--weight-dtype bf16), bf16 dot
+ * products (--compute-dtype bf16) on [N][K] weights (matmul_bf16dp) and on the packed weights the
+ * model loader gives it (weight_pack: matmul_bf16p; 0 where the backend does not pack), interleaved
+ * run by run so a busy machine hurts all alike ---- */
 
 static int run_mmdtype(int threads, int reps, int M, int N, int K)
 {
-    prism_backend_t *be[3] = {prism_backend_cpu_create(threads), prism_backend_cpu_create(threads),
-                              prism_backend_cpu_create(threads)};
-    static const char *const name[3] = {"f32", "bf16_weights", "bf16_compute"};
+    enum { D = 4 };
+    prism_backend_t *be[D];
+    for (int d = 0; d < D; d++) be[d] = prism_backend_cpu_create(threads);
+    static const char *const name[D] = {"f32", "bf16_weights", "bf16_compute", "bf16_packed"};
     float *x = prism_malloc_aligned(sizeof(float) * (size_t)M * K, 64);
     float *w = prism_malloc_aligned(sizeof(float) * (size_t)N * K, 64);
     uint16_t *wb = prism_malloc_aligned(sizeof(uint16_t) * (size_t)N * K, 64);
     float *y = prism_malloc_aligned(sizeof(float) * (size_t)M * N, 64);
-    if (!be[0] || !be[1] || !be[2] || !x || !w || !wb || !y) PRISM_FATAL("mmdtype: out of memory");
+    if (!be[0] || !be[1] || !be[2] || !be[3] || !x || !w || !wb || !y) PRISM_FATAL("mmdtype: out of memory");
     if (prism_backend_set_weight_dtype(be[1], PRISM_DTYPE_BF16) ||
-        prism_backend_set_compute_dtype(be[2], PRISM_DTYPE_BF16))
+        prism_backend_set_compute_dtype(be[2], PRISM_DTYPE_BF16) ||
+        prism_backend_set_compute_dtype(be[3], PRISM_DTYPE_BF16))
         PRISM_FATAL("mmdtype: bf16 refused");
     fill_rand(x, (size_t)M * K, 1);
     fill_rand(w, (size_t)N * K, 2);
     for (size_t i = 0; i < (size_t)N * K; i++) wb[i] = prism_f32_to_bf16(w[i]);
+    size_t pbytes = be[3]->i.weight_pack_bytes ? be[3]->i.weight_pack_bytes(be[3]->ctx, N, K) : 0;
+    void *wp = pbytes ? prism_backend_buf_alloc(be[3], pbytes) : NULL;
+    if (wp) {
+        memcpy(wp, wb, sizeof(uint16_t) * (size_t)N * K);
+        if (be[3]->i.weight_pack(be[3]->ctx, wp, N, K)) PRISM_FATAL("mmdtype: packing refused");
+    }
     /* enough calls per timing for ~20 ms */
     int calls = (int)PRISM_MAX(1, PRISM_MIN(100000, 2e7 / ((double)M * N * K)));
-    double best[3] = {0};
+    double best[D] = {0};
     if (reps > 64) reps = 64;
     for (int r = -1; r < reps; r++)
-        for (int d = 0; d < 3; d++) {
-            const void *wt = d ? (const void *)wb : (const void *)w;
+        for (int d = 0; d < D; d++) {
+            const void *wt = d == 3 ? wp : d ? (const void *)wb : (const void *)w;
             prism_dtype_t dt = d ? PRISM_DTYPE_BF16 : PRISM_DTYPE_F32;
+            if (!wt) continue;
             double t0 = prism_now_s();
             for (int c = 0; c < calls; c++)
                 if (be[d]->i.matmul(be[d]->ctx, y, N, x, K, wt, dt, NULL, M, N, K, false)) PRISM_FATAL("matmul");
@@ -175,13 +187,14 @@ static int run_mmdtype(int threads, int reps, int M, int N, int K)
             if (r >= 0 && g > best[d]) best[d] = g;
         }
     printf("{\"mode\":\"mmdtype\",\"threads\":%d,\"m\":%d,\"n\":%d,\"k\":%d", threads, M, N, K);
-    for (int d = 0; d < 3; d++) printf(",\"%s_gflops\":%.2f", name[d], best[d]);
-    printf(",\"bf16_compute_vs_f32\":%.2f}\n", best[2] / best[0]);
+    for (int d = 0; d < D; d++) printf(",\"%s_gflops\":%.2f", name[d], best[d]);
+    printf(",\"bf16_compute_vs_f32\":%.2f,\"bf16_packed_vs_compute\":%.2f}\n", best[2] / best[0], best[3] / best[2]);
+    prism_backend_buf_free(be[3], wp);
     prism_free_aligned(x);
     prism_free_aligned(w);
     prism_free_aligned(wb);
     prism_free_aligned(y);
-    for (int d = 0; d < 3; d++) prism_backend_destroy(be[d]);
+    for (int d = 0; d < D; d++) prism_backend_destroy(be[d]);
     return 0;
 }
 

@@ -181,6 +181,23 @@ MUTANTS = {
           "    if (0 && k < K) {\n        __mmask32 m")],
         "ctest --test-dir $BUILD -R '^(test_backend_cpu|test_model_golden)$' --output-on-failure",
         ["test_backend_cpu", "test_model_golden"]),
+    "bf16p-pairs-swapped": (
+        "the packed bf16 weights swap the two k of each interleaved pair (issue 33)",
+        [("common/backend/cpu/cpu_kern_scalar.c", "d[((size_t)j * C + c) * 2 + e] = c < cols",
+          "d[((size_t)j * C + c) * 2 + (1 - e)] = c < cols")],
+        "ctest --test-dir $BUILD -R '^(test_backend_cpu|test_model_golden)$' --output-on-failure",
+        ["test_backend_cpu", "test_model_golden"]),
+    "bf16p-tail-unmasked": (
+        "the packed bf16 matmul stores all 16 columns of a partial last panel (past N)",
+        [("common/backend/cpu/cpu_kern_avx512bf16.c",
+          "const __mmask16 lastm = N % PRISM_CPU_BF16P_COLS ? LANES(N % PRISM_CPU_BF16P_COLS) : (__mmask16)0xffff;",
+          "const __mmask16 lastm = (__mmask16)0xffff;")],
+        "ctest --test-dir $BUILD -R '^test_backend_cpu$' --output-on-failure", ["test_backend_cpu"]),
+    "bf16p-tp-pack-whole-k": (
+        "a tensor-parallel rank packs its o_proj column slice as if it held every column",
+        [("common/model/llm.c", "(rc = prism_wload_pack_matmul(w, ly->wo, H, nq_l)))",
+          "(rc = prism_wload_pack_matmul(w, ly->wo, H, nq)))")],
+        "ctest --test-dir $BUILD -R '^test_model_tp$' --output-on-failure", ["test_model_tp"]),
     "bf16-compute-ignored": (
         "--compute-dtype bf16 accepted but the matmuls keep fp32 arithmetic (x not rounded)",
         [("common/backend/cpu/cpu_backend.c", "mm_mode_t mode = !bf16 ? MM_F32 : !c->bf16dp ? MM_BF16W",

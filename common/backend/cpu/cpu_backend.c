@@ -1,6 +1,7 @@
 /* CPU backend: fp32 activations; weights fp32, or bf16 when asked (prism_backend_set_weight_dtype:
  * half the bytes a decode step streams); with --compute-dtype bf16 (prism_backend_set_compute_dtype)
- * the matmuls on bf16 weights round x to bf16 and run AVX-512 BF16 dot products. Matmuls are
+ * the matmuls on bf16 weights round x to bf16 and run AVX-512 BF16 dot products, on weights the
+ * model loader had packed into 16-column panels (weight_pack) where it could. Matmuls are
  * OpenBLAS sgemm (or a vectorised gemv for a few rows) on column slices spread over the backend's
  * own thread pool; attention is tiled matrix products (cpu_attn.c); elementwise and row ops run
  * the kernel table chosen at create for this CPU (cpu_kern.h: scalar / AVX2 / AVX-512 / AVX-512
@@ -52,6 +53,14 @@ static void cpu_free(void *vctx, void *p)
     memcpy(&bytes, raw, sizeof bytes);
     pthread_mutex_lock(&c->mem_mu);
     c->pool_used -= bytes;
+    /* packed weights inside the block go with it (sorted: one run) */
+    int a = 0, e;
+    while (a < c->n_packed && c->packed[a].p < (const uint8_t *)p) a++;
+    for (e = a; e < c->n_packed && c->packed[e].p < (const uint8_t *)p + bytes; e++) {}
+    if (e > a) {
+        memmove(c->packed + a, c->packed + e, (size_t)(c->n_packed - e) * sizeof *c->packed);
+        c->n_packed -= e - a;
+    }
     pthread_mutex_unlock(&c->mem_mu);
     prism_free_aligned(raw);
 }
@@ -105,7 +114,9 @@ static int cpu_sync(void *ctx) { return PRISM_OK; }
  * them in registers; sgemm gets each thread's slice widened chunk by chunk into its scratch (a
  * cost of K·N conversions against M·N·K multiply-adds). Products and sums stay fp32.
  * --compute-dtype bf16 (MM_BF16DP): the table's matmul_bf16dp on each thread's block, for every M
- * (same thread grid), rounding the block's x rows into the widen scratch; it has no sgemm. */
+ * (same thread grid), rounding the block's x rows into the widen scratch; it has no sgemm. A weight
+ * the loader had packed (cpu_weight_pack) runs the table's matmul_bf16p instead: the column
+ * slices are whole 16-column groups, so each starts on a panel. */
 
 #define GEMV_MAX_M 16             /* up to this many rows of x the gemv beats OpenBLAS sgemm (which packs all of W) */
 
@@ -126,6 +137,7 @@ typedef struct {
     int M, N, K;
     bool accumulate;
     mm_mode_t mode;
+    bool packed;                  /* MM_BF16DP: w is in matmul_bf16p's packed layout */
     int pm, pn;                   /* thread grid: row blocks x column slices */
     float *widen;                 /* the per-thread widen scratch (bf16 weights) */
     size_t widen_floats;          /* of each thread's scratch, what may be used */
@@ -189,7 +201,13 @@ static void mm_worker(void *arg, int ith, int nth)
     switch (t->mode) {
     case MM_BF16W: mm_bf16w(t, y, x, t->ldx, w, mm, nn, acc, buf); break;
     case MM_BF16DP:
-        t->k->matmul_bf16dp(y, t->ldy, x, t->ldx, w, t->K, mm, nn, t->K, acc, (uint16_t *)buf, 2 * t->widen_floats);
+        if (t->packed)
+            t->k->matmul_bf16p(y, t->ldy, x, t->ldx,
+                               (const uint16_t *)t->w + (size_t)(n0 / PRISM_CPU_BF16P_COLS) * prism_cpu_bf16p_panel(t->K),
+                               mm, nn, t->K, acc, (uint16_t *)buf, 2 * t->widen_floats);
+        else
+            t->k->matmul_bf16dp(y, t->ldy, x, t->ldx, w, t->K, mm, nn, t->K, acc, (uint16_t *)buf,
+                                2 * t->widen_floats);
         break;
     case MM_BF16DP_EMUL: {
         float *xr = buf + t->widen_floats / 2;
@@ -203,6 +221,26 @@ static void mm_worker(void *arg, int ith, int nth)
     }
     default: break;
     }
+}
+
+/* Whether w lies in a packed weight (its entry copied to *out), under mem_mu: entries change only
+ * at load and free. */
+static bool packed_find(prism_cpu_ctx_t *c, const void *w, prism_cpu_packed_t *out)
+{
+    bool hit = false;
+    pthread_mutex_lock(&c->mem_mu);
+    int lo = 0, hi = c->n_packed;   /* lo: the first entry starting above w */
+    while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (c->packed[mid].p <= (const uint8_t *)w) lo = mid + 1;
+        else hi = mid;
+    }
+    if (lo > 0 && (const uint8_t *)w < c->packed[lo - 1].p + c->packed[lo - 1].bytes) {
+        *out = c->packed[lo - 1];
+        hit = true;
+    }
+    pthread_mutex_unlock(&c->mem_mu);
+    return hit;
 }
 
 static int cpu_matmul(void *vctx, float *y, int ldy, const float *x, int ldx, const void *w,
@@ -223,13 +261,20 @@ static int cpu_matmul(void *vctx, float *y, int ldy, const float *x, int ldx, co
         (size_t)PRISM_CPU_BF16DP_ROWS * ((K + PRISM_CPU_BF16DP_KPAD - 1) / PRISM_CPU_BF16DP_KPAD * PRISM_CPU_BF16DP_KPAD) >
             2 * c->widen_floats)
         return PRISM_ENOTSUP;
+    bool packed = false;
+    if (bf16 && c->n_packed) {
+        prism_cpu_packed_t pk;
+        packed = packed_find(c, w, &pk);
+        /* a packed weight is taken whole only (backend.h: weight_pack) */
+        if (packed && ((const uint8_t *)w != pk.p || N != pk.N || K != pk.K || mode != MM_BF16DP)) return PRISM_EINVAL;
+    }
     if (M == 0) return PRISM_OK;
     int nth = prism_cpu_nth(c, (size_t)M * N * K, PRISM_CPU_MATMUL_GRAIN);
     /* gemv: columns only (each weight row streamed once); sgemm: rows too once slices narrow */
     int pn = M <= GEMV_MAX_M ? PRISM_MIN(nth, (N + 15) / 16) : PRISM_MAX(1, PRISM_MIN(nth, N / MM_MIN_COLS));
     int pm = M <= GEMV_MAX_M ? 1 : PRISM_MAX(1, PRISM_MIN(nth / pn, M / 64));
-    mm_task_t t = {c->k, y, ldy, x, ldx, w, b, M, N, K, accumulate, mode, pm, pn, c->widen_scratch, c->widen_floats,
-                   cw, rx};
+    mm_task_t t = {c->k, y, ldy, x, ldx, w, b, M, N, K, accumulate, mode, packed, pm, pn, c->widen_scratch,
+                   c->widen_floats, cw, rx};
     prism_cpu_pool_run(&c->pool, pm * pn, mm_worker, &t);
     return PRISM_OK;
 }
@@ -528,6 +573,7 @@ static int cpu_set_compute_dtype(void *vctx, prism_dtype_t dt)
     prism_cpu_ctx_t *c = vctx;
     if (dt != PRISM_DTYPE_F32 && dt != PRISM_DTYPE_BF16) return PRISM_ENOTSUP;
     if (dt == PRISM_DTYPE_BF16 && !c->widen_scratch) return PRISM_ENOTSUP;
+    if (c->n_packed && dt != PRISM_DTYPE_BF16) return PRISM_EINVAL;   /* packed weights need the bf16 kernels */
     c->bf16dp = dt == PRISM_DTYPE_BF16;
     if (c->bf16dp && !c->k->matmul_bf16dp)
         PRISM_WARN("cpu backend: --compute-dtype bf16 without AVX-512 BF16 (%s kernels%s): x is rounded to bf16 as "
@@ -538,10 +584,58 @@ static int cpu_set_compute_dtype(void *vctx, prism_dtype_t dt)
     return PRISM_OK;
 }
 
+/* Packing: only under --compute-dtype bf16 with the table's packed kernel (AVX-512 BF16); fp32
+ * compute, the emulation and the other tables keep [N][K] and today's kernels. */
+static size_t cpu_weight_pack_bytes(void *vctx, int N, int K)
+{
+    prism_cpu_ctx_t *c = vctx;
+    if (!c->bf16dp || !c->k->matmul_bf16p || N <= 0 || K <= 0) return 0;
+    return prism_cpu_bf16p_elems(N, K) * sizeof(uint16_t);
+}
+
+static int cpu_weight_pack(void *vctx, void *w, int N, int K)
+{
+    prism_cpu_ctx_t *c = vctx;
+    size_t bytes = cpu_weight_pack_bytes(c, N, K);
+    if (!bytes) return PRISM_OK;
+    if (!w) return PRISM_EINVAL;
+    uint16_t *tmp = prism_malloc((size_t)PRISM_CPU_BF16P_COLS * (size_t)K * sizeof *tmp);
+    if (!tmp) return PRISM_ENOMEM;
+    int rc = PRISM_OK;
+    pthread_mutex_lock(&c->mem_mu);
+    if (c->n_packed == c->cap_packed) {
+        int cap = c->cap_packed ? 2 * c->cap_packed : 64;
+        prism_cpu_packed_t *g = prism_realloc(c->packed, (size_t)cap * sizeof *g);
+        if (!g) {
+            rc = PRISM_ENOMEM;
+            goto out;
+        }
+        c->packed = g;
+        c->cap_packed = cap;
+    }
+    const uint8_t *p = w;
+    int at = c->n_packed;
+    while (at > 0 && c->packed[at - 1].p > p) at--;
+    if ((at > 0 && c->packed[at - 1].p + c->packed[at - 1].bytes > p) ||
+        (at < c->n_packed && p + bytes > c->packed[at].p)) {
+        rc = PRISM_EINVAL;   /* packed twice, or overlapping another packed weight */
+        goto out;
+    }
+    prism_cpu_bf16p_pack(w, N, K, tmp);
+    memmove(c->packed + at + 1, c->packed + at, (size_t)(c->n_packed - at) * sizeof *c->packed);
+    c->packed[at] = (prism_cpu_packed_t){p, bytes, N, K};
+    c->n_packed++;
+out:
+    pthread_mutex_unlock(&c->mem_mu);
+    prism_free(tmp);
+    return rc;
+}
+
 static void cpu_destroy(void *vctx)
 {
     prism_cpu_ctx_t *c = vctx;
     if (!c) return;
+    prism_free(c->packed);
     prism_cpu_pool_free(&c->pool);
     prism_free_aligned(c->attn_scratch);
     prism_free_aligned(c->widen_scratch);
@@ -623,6 +717,7 @@ prism_backend_t *prism_backend_cpu_create_pool(int n_threads, size_t pool_bytes)
         .moe_combine = prism_cpu_moe_combine, .pixel_shuffle = prism_cpu_pixel_shuffle,
         .rope_multi = cpu_rope_multi, .attn_varlen = prism_cpu_attn_varlen, .add_rows = cpu_add_rows,
         .set_weight_dtype = cpu_set_weight_dtype, .set_compute_dtype = cpu_set_compute_dtype,
+        .weight_pack_bytes = cpu_weight_pack_bytes, .weight_pack = cpu_weight_pack,
         .destroy = cpu_destroy,
     };
     be->ctx = c;

@@ -52,6 +52,13 @@ void prism_cpu_pool_run(prism_cpu_pool_t *p, int nth, prism_cpu_task_fn fn, void
  * without the bf16 dot products: half of it then holds the rounded x rows). */
 #define PRISM_CPU_WIDEN_FLOATS (1 << 22)
 
+/* One packed matmul weight: [N][K] bf16 rearranged into bytes at p (prism_cpu_bf16p_pack). */
+typedef struct {
+    const uint8_t *p;
+    size_t bytes;
+    int N, K;
+} prism_cpu_packed_t;
+
 typedef struct {
     prism_cpu_pool_t pool;
     const prism_cpu_kern_t *k;    /* kernels for this CPU (or PRISM_CPU_ISA) */
@@ -60,6 +67,10 @@ typedef struct {
     size_t widen_floats;          /* of each thread's scratch, what a chunk may fill (tests narrow it) */
     bool bf16dp;                  /* --compute-dtype bf16: matmuls on bf16 weights round x to bf16; the
                                    * widen scratch then holds the rounded rows of x */
+    /* weights in matmul_bf16p's packed layout (cpu_weight_pack), sorted by address: matmul looks
+     * its w up here; freeing the block that holds one drops it (under mem_mu) */
+    prism_cpu_packed_t *packed;
+    int n_packed, cap_packed;
     size_t pool_cap, pool_used, pool_peak;   /* memory pool accounting (bytes) */
     pthread_mutex_t mem_mu;
 } prism_cpu_ctx_t;

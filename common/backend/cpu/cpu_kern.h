@@ -8,8 +8,8 @@
  * The vector tables share one source (cpu_kern_simd.h) instantiated per ISA; their exp/erf are
  * polynomial (within ~2 ulp of libm), so vector results equal the scalar ones within fp32
  * rounding, not bit for bit. A fourth table, avx512bf16 (AVX-512 with the BF16 extension: Zen 4,
- * Cooper Lake, Sapphire Rapids and later), is the avx512 one plus the bf16 dot-product matmul
- * (vdpbf16ps) that --compute-dtype bf16 runs. PRISM_CPU_ISA=scalar|avx2|avx512|avx512bf16 forces
+ * Cooper Lake, Sapphire Rapids and later), is the avx512 one plus the bf16 matmuls (vdpbf16ps)
+ * that --compute-dtype bf16 runs: on [N][K] weights, and on weights packed at load. PRISM_CPU_ISA=scalar|avx2|avx512|avx512bf16 forces
  * a path (a path the CPU lacks falls back to the best one it has, with a warning) so tests can
  * compare every path the machine can run. */
 #ifndef PRISM_BACKEND_CPU_KERN_H
@@ -28,6 +28,23 @@ typedef enum {
  * them to (with zeros): its scratch holds at least PRISM_CPU_BF16DP_ROWS rows of K rounded up. */
 #define PRISM_CPU_BF16DP_ROWS 4
 #define PRISM_CPU_BF16DP_KPAD 32
+
+/* The packed ("VNNI") layout of a bf16 weight [N][K] for matmul_bf16p: panels of 16 columns (rows
+ * of W), panel p at p * prism_cpu_bf16p_panel(K) elements; inside a panel the k pairs interleave,
+ * [K/2][16][2]: pair j (k = 2j, 2j+1) of column c at (j * 16 + c) * 2, so one 64-byte load is one
+ * k pair of 16 columns, the operand of a vdpbf16ps against a broadcast pair of x. K rounds up to
+ * even and N to 16 with zeros: with K even and N a multiple of 16 it takes exactly the bytes of
+ * [N][K], otherwise prism_cpu_bf16p_elems. */
+#define PRISM_CPU_BF16P_COLS 16
+static inline size_t prism_cpu_bf16p_panel(int K) { return (size_t)PRISM_CPU_BF16P_COLS * (size_t)((K + 1) & ~1); }
+static inline size_t prism_cpu_bf16p_elems(int N, int K)
+{
+    return (size_t)((N + PRISM_CPU_BF16P_COLS - 1) / PRISM_CPU_BF16P_COLS) * prism_cpu_bf16p_panel(K);
+}
+/* Rearranges w, [N][K] at the front of prism_cpu_bf16p_elems(N, K) elements, into the packed
+ * layout in place (panels from the last to the first: a panel never lands on the rows of an
+ * earlier one); tmp holds 16 * K elements. */
+void prism_cpu_bf16p_pack(uint16_t *w, int N, int K, uint16_t *tmp);
 
 /* Attention tiles are at most this many keys wide (the packed Kᵀ and score rows). */
 #define PRISM_CPU_ATTN_NK 64
@@ -70,6 +87,13 @@ typedef struct prism_cpu_kern {
      * without bf16 dot products (avx2, avx512): the backend then emulates it with round_bf16. */
     void (*matmul_bf16dp)(float *y, int ldy, const float *x, int ldx, const uint16_t *w, int ldw, int M, int N,
                           int K, bool accumulate, uint16_t *xb, size_t xb_len);
+    /* The same product on a weight in the packed layout (prism_cpu_bf16p_pack): wp is the panel of
+     * column 0 of this call's N columns (a slice starts on a panel), the last panel's columns past
+     * N are not stored. Same scratch contract; outer products, no horizontal sums (sums of each
+     * output in k-pair order, so within fp32 rounding of matmul_bf16dp, not bit for bit). NULL
+     * where matmul_bf16dp is NULL, and in the scalar table (the backend then keeps [N][K]). */
+    void (*matmul_bf16p)(float *y, int ldy, const float *x, int ldx, const uint16_t *wp, int M, int N, int K,
+                         bool accumulate, uint16_t *xb, size_t xb_len);
 
     /* ---- attention tiles (rows = (token, q head) pairs of one kv head) ----
      * pack_kt: Kt[d][j] = krows[j][d] for j < n, d < hd; columns n..ldk-1 zeroed (ldk >= n,

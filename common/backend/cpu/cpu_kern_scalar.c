@@ -131,6 +131,24 @@ void prism_cpu_round_bf16(float *y, const float *x, size_t n)
     for (size_t i = 0; i < n; i++) y[i] = prism_bf16_to_f32(prism_f32_to_bf16(x[i]));
 }
 
+void prism_cpu_bf16p_pack(uint16_t *w, int N, int K, uint16_t *tmp)
+{
+    const int C = PRISM_CPU_BF16P_COLS;
+    const size_t panel = prism_cpu_bf16p_panel(K);
+    const int pairs = (K + 1) / 2;
+    for (int p = (N + C - 1) / C - 1; p >= 0; p--) {
+        int cols = PRISM_MIN(C, N - p * C);
+        memcpy(tmp, w + (size_t)p * C * K, (size_t)cols * K * sizeof *w);
+        uint16_t *d = w + (size_t)p * panel;
+        for (int j = 0; j < pairs; j++)
+            for (int c = 0; c < C; c++)
+                for (int e = 0; e < 2; e++) {
+                    int k = 2 * j + e;
+                    d[((size_t)j * C + c) * 2 + e] = c < cols && k < K ? tmp[(size_t)c * K + k] : 0;
+                }
+    }
+}
+
 /* The reference of the bf16 dot products: x rounded to bf16, each product exact in fp32 (8-bit
  * by 8-bit significands), summed in fp32 in k order. */
 static void s_matmul_bf16dp(float *y, int ldy, const float *x, int ldx, const uint16_t *w, int ldw, int M, int N,

@@ -12,6 +12,7 @@
  *   KSUM_D KSUMSQ_D KSUMSQDEV_D   double-precision sums of a row (as the scalar reference sums)
  *   KTABLE / KNAME / KISA  the table symbol, its name and ISA
  *   KMATMUL_BF16DP          optional: the table's bf16 dot-product matmul (NULL when not defined)
+ *   KMATMUL_BF16P           optional: the same on packed weights (NULL when not defined)
  *
  * The polynomial exp and erf here are within about 2 ulp of libm (fits in tools/fit_cpu_erf.py);
  * everything else does the scalar reference's arithmetic in a different order. */
@@ -660,6 +661,9 @@ const prism_cpu_kern_t KTABLE = {
     .round_bf16 = prism_cpu_round_bf16,
 #ifdef KMATMUL_BF16DP
     .matmul_bf16dp = KMATMUL_BF16DP,
+#endif
+#ifdef KMATMUL_BF16P
+    .matmul_bf16p = KMATMUL_BF16P,
 #endif
     .pack_kt = k_pack_kt,
     .qk = k_qk,

@@ -16,6 +16,7 @@
 #include <math.h>
 
 #include "image/qwenvl_proc.h"
+#include "backend/cpu/cpu_impl.h"
 #include "model/model.h"
 #include "model/safetensors.h"
 #include "tp_fork.h"
@@ -33,6 +34,7 @@ typedef struct {
     float top_lp[NSEQ][NSTEP][NTOP];
     size_t read_bytes, weight_bytes, kv_block_bytes;
     int hook_layers, hook_cancelled;   /* calls of the between-layer hook (hook_rank0) */
+    int n_packed;                      /* matmul weights the backend packed at load */
     int done;
 } result_t;
 
@@ -40,6 +42,8 @@ typedef struct {
     char dir[1024];
     const char *config_json;      /* random weights of this config instead of the checkpoint in dir */
     bool hook_rank0;              /* T > 1: rank 0 gets a hook that reports every sequence cancelled */
+    bool bf16dp;                  /* every backend (T = 1 and the ranks) under --compute-dtype bf16 */
+    double lp_tol;                /* bound on |dlogprob| against T = 1 (0: LP_TOL) */
     int32_t ids[64];
     int n_ids;
     result_t res[PRISM_TP_MAX];   /* per rank (index 0 also holds the T = 1 reference) */
@@ -188,6 +192,8 @@ static int load_and_run(const job_t *job, prism_backend_t *be, int size, int ran
     cfg.random_seed = 7;
     if (rc == PRISM_OK && size > 1) rc = prism_model_config_set_tp(&cfg, size, rank, err, sizeof err);
     prism_llm_t *llm = NULL;
+    if (rc == PRISM_OK && job->bf16dp && (rc = prism_backend_set_compute_dtype(be, PRISM_DTYPE_BF16)) != PRISM_OK)
+        snprintf(err, sizeof err, "--compute-dtype bf16 refused");
     if (rc == PRISM_OK) rc = prism_llm_load(be, &cfg, job->dir, 64, NSEQ, &llm, err, sizeof err);
     if (rc != PRISM_OK) {
         fprintf(stderr, "rank %d: load: %s\n", rank, err);
@@ -199,6 +205,7 @@ static int load_and_run(const job_t *job, prism_backend_t *be, int size, int ran
     prism_kv_cache_t *kv = NULL;
     if (prism_kv_cache_create(be, &cfg, 10, BS, &kv) != PRISM_OK) return 1;
     out->read_bytes = prism_llm_read_bytes(llm);
+    out->n_packed = ((prism_cpu_ctx_t *)be->ctx)->n_packed;
     out->weight_bytes = prism_llm_weight_bytes(llm);
     out->kv_block_bytes = prism_kv_cache_block_bytes(&cfg, BS);
     int code = workload(llm, kv, job, out);
@@ -310,8 +317,11 @@ static void check_job(job_t *job, const char *model_rel, const int *sizes, int n
         }
         fprintf(stderr, "  %s T=%d: tokens identical, max |dlogprob| %.2e, rank 0 reads %zu of %zu checkpoint bytes, "
                 "%d KV head(s) per rank\n", model_rel, T, worst, job->res[0].read_bytes, ref.read_bytes, kv_l);
-        assert_true(worst <= LP_TOL);
+        assert_true(worst <= (job->lp_tol > 0 ? job->lp_tol : LP_TOL));
+        /* packed (--compute-dtype bf16 with AVX-512 BF16) or not, every rank as T = 1 */
+        for (int r = 0; r < T; r++) assert_int_equal(job->res[r].n_packed, ref.n_packed);
     }
+    if (job->bf16dp && prism_cpu_has_avx512_bf16()) assert_true(ref.n_packed > 0);
     munmap(job, sizeof *job);
 }
 
@@ -320,6 +330,18 @@ static void test_bundled_model(void **state)
     (void)state;
     /* 8 query heads, 4 KV heads: T = 8 replicates every KV head on two ranks */
     check_model("models/prism-tiny-llava", "tests/data/model/tiny_llava", (const int[]){2, 4, 8}, 3);
+}
+
+/* --compute-dtype bf16: each rank packs its own slices (q/k/v and gate/up rows, o and down columns,
+ * lm_head rows) after slicing them; the same tokens as T = 1, the logprobs within the bf16 rounding of
+ * x that a row-parallel layer's different partial sums can move (measured below) */
+static void test_bundled_model_bf16_compute(void **state)
+{
+    (void)state;
+    job_t *job = job_for("models/prism-tiny-llava", "tests/data/model/tiny_llava");
+    job->bf16dp = true;
+    job->lp_tol = 1e-2;
+    check_job(job, "models/prism-tiny-llava (bf16 compute)", (const int[]){2, 4}, 2);
 }
 
 static void test_llava_like_tied(void **state)
@@ -477,6 +499,7 @@ int main(void)
         cmocka_unit_test(test_qwen25vl_mrope),
         cmocka_unit_test(test_llama4_moe_chunked),
         cmocka_unit_test(test_bundled_model),
+        cmocka_unit_test(test_bundled_model_bf16_compute),
         cmocka_unit_test(test_uneven_widths_random_weights),
         cmocka_unit_test(test_group_hook_never_drops),
     };

@@ -953,6 +953,190 @@ static void test_bf16dp_kernel(void **state)
     free(x); free(y); free(yr); free(w); free(xb); free(sc);
 }
 
+/* The packed layout (prism_cpu_bf16p_pack, in place): element k of column c of panel p at
+ * p*panel + ((k/2)*16 + c%16)*2 + k%2, zeros past K (odd K) and past N (a partial last panel). */
+static void test_bf16p_pack_layout(void **state)
+{
+    (void)state;
+    static const int ns[] = {1, 15, 16, 17, 33}, ks[] = {1, 2, 31, 33};
+    for (size_t ni = 0; ni < PRISM_ARRAY_LEN(ns); ni++)
+        for (size_t ki = 0; ki < PRISM_ARRAY_LEN(ks); ki++) {
+            int N = ns[ni], K = ks[ki];
+            size_t n = prism_cpu_bf16p_elems(N, K), panel = prism_cpu_bf16p_panel(K);
+            assert_int_equal(n, (size_t)((N + 15) / 16 * 16) * (size_t)((K + 1) / 2 * 2));
+            uint16_t *w = malloc(n * 2), *tmp = malloc(16 * (size_t)K * 2);
+            for (size_t i = 0; i < n; i++) w[i] = i < (size_t)N * K ? (uint16_t)(i + 1) : 0xdead;
+            prism_cpu_bf16p_pack(w, N, K, tmp);
+            for (int c = 0; c < (N + 15) / 16 * 16; c++)
+                for (int k = 0; k < (K + 1) / 2 * 2; k++) {
+                    uint16_t want = c < N && k < K ? (uint16_t)(c * K + k + 1) : 0;
+                    size_t at = (size_t)(c / 16) * panel + ((size_t)(k / 2) * 16 + c % 16) * 2 + k % 2;
+                    if (w[at] != want) fail_msg("N %d K %d: column %d k %d holds %u, not %u", N, K, c, k, w[at], want);
+                }
+            free(w); free(tmp);
+        }
+}
+
+/* The packed kernel (matmul_bf16p) against Σ_k bf16(x)·w in double, every edge of its tiles: rows
+ * 1..512 (6-row tiles, 1-5 row tails, the 8-panel tiles of 1-2 rows, row blocks, a 4-row scratch),
+ * columns 1..688 (partial last panels: nothing stored past N), K odd, even, below and above 32,
+ * accumulate on and off, strided x and y. Two fp32 roundings per term at most (the sums in k-pair
+ * order, one more for accumulate): within (K + 2)·2^-24 of the magnitudes. */
+static void test_bf16p_kernel(void **state)
+{
+    (void)state;
+    if (!prism_cpu_has_avx512_bf16()) {
+        printf("skipped: this CPU has no AVX-512 BF16\n");
+        skip();
+        return;
+    }
+    static const int ms[] = {1, 2, 3, 5, 7, 8, 16, 17, 64, 512};
+    static const int ns[] = {1, 15, 16, 17, 33, 128, 688};
+    static const int ks[] = {1, 2, 31, 32, 33, 256, 688};
+    enum { MM = 512, NN = 688, KK = 688, LDX = KK + 3, LDY = NN + 5 };
+    const prism_cpu_kern_t *kb = &prism_cpu_kern_avx512bf16;
+    assert_non_null(kb->matmul_bf16p);
+    assert_null(prism_cpu_kern_avx512.matmul_bf16p);
+    assert_null(prism_cpu_kern_scalar.matmul_bf16p);
+    float *x = malloc(sizeof(float) * MM * LDX), *y = malloc(sizeof(float) * MM * LDY), *y0 = malloc(sizeof(float) * MM * LDY);
+    uint16_t *w = malloc(sizeof(uint16_t) * prism_cpu_bf16p_elems(NN, KK)), *tmp = malloc(sizeof(uint16_t) * 16 * KK);
+    size_t xb_big = (size_t)MM * 704;
+    uint16_t *xb = malloc(sizeof(uint16_t) * xb_big);
+    double *xr = malloc(sizeof(double) * MM * KK), *wr = malloc(sizeof(double) * NN * KK);
+    double *ref = malloc(sizeof(double) * MM * NN), *sc = malloc(sizeof(double) * MM * NN);
+    fill(x, (size_t)MM * LDX);
+    for (int m = 0; m < MM; m++)
+        for (int k = 0; k < KK; k++) xr[(size_t)m * KK + k] = prism_bf16_to_f32(prism_f32_to_bf16(x[(size_t)m * LDX + k]));
+    int checked = 0;
+    for (size_t ki = 0; ki < PRISM_ARRAY_LEN(ks); ki++)
+        for (size_t ni = 0; ni < PRISM_ARRAY_LEN(ns); ni++) {
+            int K = ks[ki], N = ns[ni];
+            for (int i = 0; i < N * K; i++) {
+                w[i] = prism_f32_to_bf16(frand());
+                wr[(size_t)(i / K) * KK + i % K] = prism_bf16_to_f32(w[i]);
+            }
+            prism_cpu_bf16p_pack(w, N, K, tmp);
+            for (size_t mi = 0; mi < PRISM_ARRAY_LEN(ms); mi++) {
+                int M = ms[mi];
+                for (int m = 0; m < M; m++)
+                    for (int n = 0; n < N; n++) {
+                        double s = 0, a = 0;
+                        const double *xm = xr + (size_t)m * KK, *wn = wr + (size_t)n * KK;
+                        for (int k = 0; k < K; k++) {
+                            s += xm[k] * wn[k];
+                            a += fabs(xm[k] * wn[k]);
+                        }
+                        ref[(size_t)m * N + n] = s;
+                        sc[(size_t)m * N + n] = a;
+                    }
+                size_t kp = (size_t)(K + 31) / 32 * 32;
+                size_t xb_len = M % 2 ? PRISM_CPU_BF16DP_ROWS * kp : xb_big;   /* a 4-row scratch: many blocks */
+                for (int acc = 0; acc < 2; acc++) {
+                    for (int i = 0; i < M * LDY; i++) y[i] = y0[i] = (float)(i % 5) - 2;
+                    kb->matmul_bf16p(y, LDY, x, LDX, w, M, N, K, acc, xb, xb_len);
+                    for (int m = 0; m < M; m++) {
+                        for (int n = 0; n < N; n++) {
+                            size_t i = (size_t)m * LDY + n, r = (size_t)m * N + n;
+                            double want = ref[r] + (acc ? y0[i] : 0.0), tol = (K + 2) * 0x1p-24 * (sc[r] + fabs(want));
+                            if (!(fabs(y[i] - want) <= tol))
+                                fail_msg("M %d N %d K %d acc %d: y[%d][%d] = %.9g, want %.9g (tol %.3g)", M, N, K, acc,
+                                         m, n, y[i], want, tol);
+                        }
+                        for (int n = N; n < LDY; n++)
+                            if (y[(size_t)m * LDY + n] != y0[(size_t)m * LDY + n])
+                                fail_msg("M %d N %d K %d: y[%d][%d] past N was written", M, N, K, m, n);
+                    }
+                    checked++;
+                }
+            }
+        }
+    assert_int_equal(checked, 2 * 10 * 7 * 7);
+    free(x); free(y); free(y0); free(w); free(tmp); free(xb); free(xr); free(wr); free(ref); free(sc);
+}
+
+/* Packing through the backend (weight_pack_bytes / weight_pack): only under --compute-dtype bf16
+ * with the packed kernel; the packed weight's matmul equals the unpacked one's (matmul_bf16dp)
+ * within fp32 summation rounding on 1 and 3 threads, every M (decode gemv grid and row blocks),
+ * bias, accumulate, a partial last panel, odd K; taken only whole; freeing its block forgets it. */
+static void test_bf16p_backend(void **state)
+{
+    (void)state;
+    prism_backend_t *f32 = prism_backend_cpu_create(1), *bw = prism_backend_cpu_create(1);
+    setenv("PRISM_CPU_ISA", "avx512", 1);
+    prism_backend_t *emul = prism_backend_cpu_create(1);
+    unsetenv("PRISM_CPU_ISA");
+    assert_int_equal(prism_backend_set_weight_dtype(bw, PRISM_DTYPE_BF16), PRISM_OK);
+    assert_int_equal(prism_backend_set_compute_dtype(emul, PRISM_DTYPE_BF16), PRISM_OK);
+    /* fp32 compute (weights bf16 or not) and the emulation keep [N][K] */
+    prism_backend_t *keep[3] = {f32, bw, emul};
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(keep[i]->i.weight_pack_bytes(keep[i]->ctx, 33, 31), 0);
+        uint16_t one = 7;
+        assert_int_equal(keep[i]->i.weight_pack(keep[i]->ctx, &one, 1, 1), PRISM_OK);
+        assert_int_equal(one, 7);
+    }
+    prism_backend_destroy(f32);
+    prism_backend_destroy(bw);
+    prism_backend_destroy(emul);
+    if (!prism_cpu_has_avx512_bf16()) {
+        printf("skipped the packed matmul: this CPU has no AVX-512 BF16\n");
+        skip();
+        return;
+    }
+    enum { R = 300, D = 301, N = 700 };
+    prism_backend_t *bs[2] = {prism_backend_cpu_create(1), prism_backend_cpu_create(3)};
+    float *x = malloc(sizeof(float) * R * D), *bias = malloc(sizeof(float) * N);
+    float *yp = malloc(sizeof(float) * R * N), *yu = malloc(sizeof(float) * R * N);
+    double *sc = malloc(sizeof(double) * R * N);
+    uint16_t *wu = malloc(sizeof(uint16_t) * N * D);
+    fill(x, (size_t)R * D);
+    fill(bias, N);
+    for (size_t i = 0; i < (size_t)N * D; i++) wu[i] = prism_f32_to_bf16(frand());
+    for (int bi = 0; bi < 2; bi++) {
+        prism_backend_t *be = bs[bi];
+        prism_cpu_ctx_t *c = be->ctx;
+        assert_int_equal(prism_backend_set_compute_dtype(be, PRISM_DTYPE_BF16), PRISM_OK);
+        for (int K = D - 1; K <= D; K++) {   /* even K: the bytes of [N][K] plus the panel padding; odd K: more */
+            size_t bytes = be->i.weight_pack_bytes(be->ctx, N, K);
+            assert_int_equal(bytes, prism_cpu_bf16p_elems(N, K) * 2);
+            assert_true(bytes >= (size_t)N * K * 2);
+            uint16_t *wp = prism_backend_buf_alloc(be, bytes);
+            assert_non_null(wp);
+            memcpy(wp, wu, (size_t)N * K * 2);
+            assert_int_equal(be->i.weight_pack(be->ctx, wp, N, K), PRISM_OK);
+            assert_int_equal(c->n_packed, 1);
+            assert_int_equal(be->i.weight_pack(be->ctx, wp, N, K), PRISM_EINVAL);   /* twice */
+            uint64_t allocs = prism_mem_alloc_count();
+            for (int M = 1; M <= R; M = M < 20 ? M + 3 : M * 2 + 7) {
+                bool acc = M % 3 != 0;
+                const float *b = M % 4 ? bias : NULL;
+                for (int i = 0; i < M * N; i++) yp[i] = yu[i] = (float)(i % 7);
+                assert_int_equal(be->i.matmul(be->ctx, yp, N, x, D, wp, PRISM_DTYPE_BF16, b, M, N, K, acc), PRISM_OK);
+                assert_int_equal(be->i.matmul(be->ctx, yu, N, x, D, wu, PRISM_DTYPE_BF16, b, M, N, K, acc), PRISM_OK);
+                for (int m = 0; m < M; m++)
+                    for (int n = 0; n < N; n++) {
+                        double s = (acc ? (double)((m * N + n) % 7) : 0.0) + (b ? fabs(b[n]) : 0);
+                        for (int k = 0; k < K; k++)
+                            s += fabs((double)x[(size_t)m * D + k] * prism_bf16_to_f32(wu[(size_t)n * K + k]));
+                        sc[(size_t)m * N + n] = s;
+                    }
+                assert_within(yp, yu, sc, (size_t)M * N, 2.0 * (K + 2) * 0x1p-24, "packed vs unpacked bf16 matmul");
+            }
+            assert_int_equal(prism_mem_alloc_count(), allocs);   /* the look-up allocates nothing */
+            /* only the whole weight: not a slice of it, not another shape */
+            assert_int_equal(be->i.matmul(be->ctx, yp, N, x, D, wp + 16 * K, PRISM_DTYPE_BF16, NULL, 1, N - 16, K, false),
+                             PRISM_EINVAL);
+            assert_int_equal(be->i.matmul(be->ctx, yp, N, x, D, wp, PRISM_DTYPE_BF16, NULL, 1, N - 1, K, false),
+                             PRISM_EINVAL);
+            assert_int_equal(prism_backend_set_compute_dtype(be, PRISM_DTYPE_F32), PRISM_EINVAL);
+            prism_backend_buf_free(be, wp);
+            assert_int_equal(c->n_packed, 0);
+        }
+        prism_backend_destroy(be);
+    }
+    free(x); free(bias); free(yp); free(yu); free(sc); free(wu);
+}
+
 /* --compute-dtype bf16 through the backend: refused for other dtypes, it stores weights as bf16;
  * every thread grid (1 and 3 threads, rows and columns split), bias and accumulate; the result
  * equals the fp32 matmul of bf16-rounded x (fp32 rounding), is within the bf16 rounding of x of
@@ -1058,6 +1242,9 @@ int main(void)
         cmocka_unit_test(test_threads_agree),
         cmocka_unit_test(test_bf16_weights),
         cmocka_unit_test(test_bf16dp_kernel),
+        cmocka_unit_test(test_bf16p_pack_layout),
+        cmocka_unit_test(test_bf16p_kernel),
+        cmocka_unit_test(test_bf16p_backend),
         cmocka_unit_test(test_bf16_compute),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

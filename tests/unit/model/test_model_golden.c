@@ -16,10 +16,12 @@
 #include <string.h>
 
 #include "model/model.h"
+#include "backend/cpu/cpu_impl.h"
 
 #define BS 16
 #define MAX_PROMPT 512
 #define N_GREEDY 32
+#define GREEDY_TIE 0.01   /* test_bf16_compute_effect: logits this close are a tie */
 
 typedef struct {
     const char *name;
@@ -44,6 +46,7 @@ typedef struct {
     prism_vision_t *vis;
     float *embeds;   /* [n_prompt][hidden] from our vision output (or NULL) */
     uint8_t *mask;   /* [n_prompt] */
+    int packed_llm, packed_all;   /* matmul weights the backend packed after the llm's load, after the tower's */
 } golden_t;
 
 static const char *source_dir(void)
@@ -122,6 +125,7 @@ static int golden_setup(void **state)
     rc = prism_llm_load(g->be, &g->cfg, g->model_dir, MAX_PROMPT, 4, &g->llm, err, sizeof err);
     if (rc) fprintf(stderr, "llm: %s\n", err);
     assert_int_equal(rc, PRISM_OK);
+    g->packed_llm = g->packed_all = ((prism_cpu_ctx_t *)g->be->ctx)->n_packed;
     if (g->n_images) {
         assert_true(g->cfg.has_vision);
         assert_int_equal(g->cfg.image_seq_length, g->image_seq);
@@ -129,6 +133,7 @@ static int golden_setup(void **state)
         rc = prism_vision_load(g->be, &g->cfg, g->model_dir, g->n_images, &g->vis, err, sizeof err);
         if (rc) fprintf(stderr, "vision: %s\n", err);
         assert_int_equal(rc, PRISM_OK);
+        g->packed_all = ((prism_cpu_ctx_t *)g->be->ctx)->n_packed;
         /* Prompt embeddings from OUR encoder output (checked against HF in its own test). */
         float *feats = malloc((size_t)g->n_images * g->image_seq * g->hidden * sizeof(float));
         assert_int_equal(prism_vision_encode(g->vis, g->pixels, g->n_images, feats), PRISM_OK);
@@ -495,6 +500,13 @@ static void test_bf16_rounding_effect(void **state)
 static void test_bf16_compute_effect(void **state)
 {
     golden_t *g = *state;
+    /* with AVX-512 BF16 the loaders packed the matmul weights of every layer (qkv, o, gate/up, down),
+     * an untied lm_head and the vision tower's, never the embedding table; all below run on them */
+    if (prism_cpu_has_avx512_bf16()) {
+        assert_int_equal(g->packed_llm, 4 * g->cfg.n_layers + !g->cfg.tie_word_embeddings);
+        /* and the tower's: the patch embedding, 4 per layer, the projector's 1-2 */
+        if (g->n_images) assert_true(g->packed_all >= g->packed_llm + 6);
+    }
     double dv = 0;
     if (g->n_images) {
         size_t n = (size_t)g->n_images * g->image_seq * g->hidden;
@@ -518,20 +530,31 @@ static void test_bf16_compute_effect(void **state)
     seq_t s = {.next = &next};
     float *l1 = malloc((size_t)g->vocab * sizeof(float));
     assert_int_equal(run_seq(g, kv, &s, g->ids, g->n_prompt, g->embeds, g->mask, false, l1), PRISM_OK);
+    /* tokens equal to HF's from the first; where they part, how far our logit of HF's token is
+     * below our choice */
     int32_t out[N_GREEDY];
+    int agree = 0;
+    double tie_gap = 0;
     out[0] = argmax(l1, g->vocab);
+    if (out[0] == g->greedy[0]) agree = 1;
+    else tie_gap = l1[out[0]] - l1[g->greedy[0]];
     for (int i = 1; i < N_GREEDY; i++) {
         assert_int_equal(run_seq(g, kv, &s, &out[i - 1], 1, NULL, NULL, false, l1), PRISM_OK);
         out[i] = argmax(l1, g->vocab);
+        if (agree == i && out[i] != g->greedy[i]) tie_gap = l1[out[i]] - l1[g->greedy[i]];
+        if (agree == i && out[i] == g->greedy[i]) agree++;
     }
-    int agree = 0;
-    while (agree < N_GREEDY && out[agree] == g->greedy[agree]) agree++;
     printf("  %s (--compute-dtype bf16): vision features max |diff| %.3g, logits max |diff| %.3g, top token equal "
-           "at %d of %d positions, greedy equal to HF for the first %d of %d tokens\n", g->name, dv, d, same_top,
+           "at %d of %d positions, greedy equal to HF for the first %d of %d tokens", g->name, dv, d, same_top,
            g->n_prompt, agree, N_GREEDY);
+    if (agree < N_GREEDY) printf(" (then HF's token %.4f below ours)", tie_gap);
+    printf("\n");
     assert_true(dv <= g->tol_feat_bf16);
     assert_true(d <= g->tol_bf16);
-    assert_true(agree >= g->min_greedy);
+    /* Fewer than min_greedy only at a near tie: HF's token within GREEDY_TIE of ours, a tenth of the
+     * logit error rounding x to bf16 costs here (0.02-0.15): which of the two wins is not
+     * determined by bf16 arithmetic, and the answers part there. */
+    assert_true(agree >= g->min_greedy || tie_gap <= GREEDY_TIE);
     free(l1);
     prism_kv_cache_free(kv);
 }
