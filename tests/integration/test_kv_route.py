@@ -263,9 +263,10 @@ def test_kv_transfer_in_bf16():
     """Prefill and decode computing in bf16 (--compute-dtype bf16, --kv-transfer-dtype auto): a
     430-token prompt's KV goes in bf16, half the f32 bytes to the byte (27 blocks of 32 KiB, one
     piece where f32 takes two), the same tokens twice (temperature 0). Then a decode computing in
-    fp32 (whose own --kv-transfer-dtype bf16 governs only its migrations) takes that bf16 transfer,
-    and an fp32 prefill's f32 transfer of the same prompt: twice the bytes, both answered, no
-    malformed transfer, every block back."""
+    fp32 (whose own --kv-transfer-dtype bf16 governs only its migrations) takes that bf16 transfer;
+    the same prefill computation sent in f32 (--kv-transfer-dtype f32) moves twice the bytes and
+    answers the same tokens, logprobs within bf16's rounding; an fp32 prefill's f32 transfer is
+    answered too. No malformed transfer, every block back."""
     with Cluster(prefills=0, decodes=0, common_worker_args=FAST_HB) as c:
         c.start_worker("prefill-0", "prefill_worker", ["--compute-dtype", "bf16"])
         c.start_worker("decode-0", "decode_worker", ["--compute-dtype", "bf16"])
@@ -287,17 +288,28 @@ def test_kv_transfer_in_bf16():
         assert "KV transfers go out in bf16" in c.log("prefill-0", tail=0)
         # a bf16 sender to a decode computing in fp32
         replace_worker(c, "decode-0", "decode-1", "decode_worker", ["--kv-transfer-dtype", "bf16"])
-        s, r = c.post_json("/v1/chat/completions", body)
-        assert s == 200 and len(tokens_of(r)[0]) == 8, (s, r)
+        s, via_bf16 = c.post_json("/v1/chat/completions", body)
+        assert s == 200 and len(tokens_of(via_bf16)[0]) == 8, (s, via_bf16)
         assert kv_sent(c, "prefill-0") - b0 == 3 * n_blocks * block_bytes() // 2
-        # an fp32 prefill (auto: f32) to that decode
-        replace_worker(c, "prefill-0", "prefill-1", "prefill_worker", [])
-        s, r = c.post_json("/v1/chat/completions", body)
-        assert s == 200 and len(tokens_of(r)[0]) == 8, (s, r)
+        # the same prefill computation sending f32 (an explicit flag over auto): twice the bytes, and
+        # the answer the bf16 transfer gave within bf16's rounding (a wrongly widened KV is noise)
+        replace_worker(c, "prefill-0", "prefill-1", "prefill_worker", ["--compute-dtype", "bf16",
+                                                                       "--kv-transfer-dtype", "f32"])
+        s, via_f32 = c.post_json("/v1/chat/completions", body)
+        assert s == 200, (s, via_f32)
         f32 = kv_sent(c, "prefill-1")
         print("f32: %d bytes for 1 transfer" % f32)
         assert f32 == n_blocks * block_bytes() == bf16, (f32, bf16)
-        assert "KV transfers go out in bf16" not in c.log("prefill-1", tail=0)
+        lp = [[e["logprob"] for e in r["choices"][0]["logprobs"]["content"]] for r in (via_bf16, via_f32)]
+        print("logprobs via bf16 / f32:", lp)
+        assert tokens_of(via_bf16) == tokens_of(via_f32), (tokens_of(via_bf16), tokens_of(via_f32))
+        assert max(abs(a - b) for a, b in zip(*lp)) < 0.02, lp   # seen: 7e-4
+        # an fp32 prefill (auto: f32) to that decode
+        replace_worker(c, "prefill-1", "prefill-2", "prefill_worker", [])
+        s, r = c.post_json("/v1/chat/completions", body)
+        assert s == 200 and len(tokens_of(r)[0]) == 8, (s, r)
+        assert kv_sent(c, "prefill-2") == f32
+        assert "KV transfers go out in bf16" not in c.log("prefill-1", tail=0) + c.log("prefill-2", tail=0)
         fresh_heartbeats(c, "decode-1")
         assert "malformed" not in c.log("decode-1", tail=0)
         assert c.metric("prism:worker_running", worker="decode-1") == 0
