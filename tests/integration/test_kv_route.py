@@ -303,7 +303,7 @@ def test_kv_transfer_in_bf16():
         lp = [[e["logprob"] for e in r["choices"][0]["logprobs"]["content"]] for r in (via_bf16, via_f32)]
         print("logprobs via bf16 / f32:", lp)
         assert tokens_of(via_bf16) == tokens_of(via_f32), (tokens_of(via_bf16), tokens_of(via_f32))
-        assert max(abs(a - b) for a, b in zip(*lp)) < 0.02, lp   # seen: 7e-4
+        assert max(abs(a - b) for a, b in zip(*lp)) < 0.02, lp   # seen: 3e-3
         # an fp32 prefill (auto: f32) to that decode
         replace_worker(c, "prefill-1", "prefill-2", "prefill_worker", [])
         s, r = c.post_json("/v1/chat/completions", body)
