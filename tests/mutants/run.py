@@ -266,6 +266,11 @@ MUTANTS = {
           "        if (d->wire == PRISM_KV_WIRE_BF16) prism_kv_wire_narrow(d->mig_piece, piece_bytes(d, nb, k, n) / sizeof(float));\n",
           "")],
         IT + "test_limits.py test_migration_in_bf16", ["decode_worker"]),
+    "prefill-group-unnarrowed": (
+        "a prefill group's leader sends the KV it gathered unnarrowed under a bf16 header",
+        [("prefill_worker/main.c", "    if (erc == PRISM_OK && p->wire == PRISM_KV_WIRE_BF16) {",
+          "    if (erc == PRISM_OK && p->wire == PRISM_KV_WIRE_BF16 && p->tp.size <= 1) {")],
+        IT + "test_tp.py test_bf16_transfer_between_groups", ["prefill_worker"]),
     "kv-narrow-truncates": (
         "fp32 -> bf16 on the wire truncates instead of rounding to nearest even",
         [("common/kv/kv.c", "        uint16_t h = prism_f32_to_bf16(f);",
