@@ -271,6 +271,11 @@ MUTANTS = {
         [("prefill_worker/main.c", "    if (erc == PRISM_OK && p->wire == PRISM_KV_WIRE_BF16) {",
           "    if (erc == PRISM_OK && p->wire == PRISM_KV_WIRE_BF16 && p->tp.size <= 1) {")],
         IT + "test_tp.py test_bf16_transfer_between_groups", ["prefill_worker"]),
+    "prefill-narrows-full-part-only": (
+        "the prefill narrows the full layers' part of a transfer and leaves the chunked layers' part fp32",
+        [("prefill_worker/main.c", "        prism_kv_wire_narrow(p->kv_out, p->kv_len / sizeof(float));",
+          "        prism_kv_wire_narrow(p->kv_out, (size_t)nb * fbb / sizeof(float));")],
+        IT + "test_llama4.py test_bf16_transfer_with_chunked_layers", ["prefill_worker"]),
     "kv-narrow-truncates": (
         "fp32 -> bf16 on the wire truncates instead of rounding to nearest even",
         [("common/kv/kv.c", "        uint16_t h = prism_f32_to_bf16(f);",
