@@ -65,6 +65,11 @@
  * whose pieces stop (its prefill died: the router aborts it; else after PRISM_KV_RX_TIMEOUT_S), come
  * out of order, twice or larger than announced is failed and its blocks are freed.
  *
+ * The frames are fp32 or bf16 (Kv.wire_dtype of the first piece; the sender's --kv-transfer-dtype,
+ * kv/kv.h): decode takes either whatever its own flags, checks the sizes against its own for that
+ * type and widens a bf16 piece into d->wide before the import (the cache, swap, the group's scatter
+ * stay fp32); its migrations go out in its own --kv-transfer-dtype.
+ *
  * Tensor parallelism (--tp-size T > 1, tp/tp.h): rank 0 is the worker above, holding its shard;
  * it hands every other rank its KV heads of each admitted request and the plan of each step, and
  * the ranks (which talk to no router and have no I/O thread) run the same forward on their shards.
@@ -1358,7 +1363,8 @@ static int decode_size(void *ctx, prism_worker_startup_t *s)
         PRISM_ERROR("--kv-transfer-dtype must be auto, f32 or bf16");
         return 2;
     }
-    if (d->wire == PRISM_KV_WIRE_BF16) PRISM_INFO("KV migrations go out in bf16 (--kv-transfer-dtype)");
+    if (d->wire == PRISM_KV_WIRE_BF16)
+        PRISM_INFO("KV migrations go out in %s (--kv-transfer-dtype)", prism_kv_wire_name(d->wire));
     d->optimistic = !strcmp(d->f.admission, "optimistic");
     int bs = (int)d->f.block_size;
     d->max_running = (int)d->f.max_running;

@@ -1293,7 +1293,8 @@ static int prefill_size(void *ctx, prism_worker_startup_t *s)
         PRISM_ERROR("--kv-transfer-dtype must be auto, f32 or bf16");
         return 2;
     }
-    if (p->wire == PRISM_KV_WIRE_BF16) PRISM_INFO("KV transfers go out in bf16 (--kv-transfer-dtype)");
+    if (p->wire == PRISM_KV_WIRE_BF16)
+        PRISM_INFO("KV transfers go out in %s (--kv-transfer-dtype)", prism_kv_wire_name(p->wire));
     int bs = (int)p->f.block_size;
     p->row = prism_model_embed_row_floats(&p->cfg);
     p->chunk = (int)p->f.chunk;
