@@ -751,6 +751,8 @@ def main():
                                              pb_bytes(4, "tcp://127.0.0.1:6000") + pb_bytes(5, "decode-0")))
     put("fuzz_envelope", "kv", envelope(9, 18, pb_int(1, 5) + pb_int(2, 16) + pb_int(3, 1) + pb_int(4, 65536) +
                                         pb_bytes(5, pb_int(6, 4)) + pb_int(6, 42)))
+    put("fuzz_envelope", "kv_bf16", envelope(9, 18, pb_int(1, 5) + pb_int(2, 16) + pb_int(3, 1) + pb_int(4, 32768) +
+                                             pb_bytes(5, pb_int(6, 4)) + pb_int(18, 1) + pb_int(18, 7)))
     put("fuzz_envelope", "abort", envelope(10, 19, pb_bytes(1, "client gone")))
     prefill_seeds()
     decode_seeds()
