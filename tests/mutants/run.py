@@ -276,6 +276,13 @@ MUTANTS = {
         [("prefill_worker/main.c", "        prism_kv_wire_narrow(p->kv_out, p->kv_len / sizeof(float));",
           "        prism_kv_wire_narrow(p->kv_out, (size_t)nb * fbb / sizeof(float));")],
         IT + "test_llama4.py test_bf16_transfer_with_chunked_layers", ["prefill_worker"]),
+    "kv-wire-auto-ignores-compute": (
+        "--kv-transfer-dtype auto stays f32 under --compute-dtype bf16",
+        [("common/kv/kv.c",
+          '*out = compute_dtype && !strcmp(compute_dtype, "bf16") ? PRISM_KV_WIRE_BF16 : PRISM_KV_WIRE_F32;',
+          "*out = PRISM_KV_WIRE_F32;")],
+        IT + "test_supervisor.py test_launch_gives_the_routers_the_api_key_in_a_file",
+        ["prefill_worker", "decode_worker"]),
     "kv-narrow-truncates": (
         "fp32 -> bf16 on the wire truncates instead of rounding to nearest even",
         [("common/kv/kv.c", "        uint16_t h = prism_f32_to_bf16(f);",
