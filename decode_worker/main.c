@@ -65,6 +65,11 @@
  * whose pieces stop (its prefill died: the router aborts it; else after PRISM_KV_RX_TIMEOUT_S), come
  * out of order, twice or larger than announced is failed and its blocks are freed.
  *
+ * The frames are fp32 or bf16 (Kv.wire_dtype of the first piece; the sender's --kv-transfer-dtype,
+ * kv/kv.h): decode takes either whatever its own flags, checks the sizes against its own for that
+ * type and widens a bf16 piece into d->wide before the import (the cache, swap, the group's scatter
+ * stay fp32); its migrations go out in its own --kv-transfer-dtype.
+ *
  * Tensor parallelism (--tp-size T > 1, tp/tp.h): rank 0 is the worker above, holding its shard;
  * it hands every other rank its KV heads of each admitted request and the plan of each step, and
  * the ranks (which talk to no router and have no I/O thread) run the same forward on their shards.
@@ -130,6 +135,7 @@ typedef struct {
     int slots[PRISM_SEQ_MAX_N], k;
     int nb, lfb, shared;      /* the transfer's layout: blocks of each part, prompt blocks the choices share */
     int next, total;          /* the next piece's first block (frame order), of total */
+    prism_kv_wire_t wire;     /* its frames' element type (the first piece's Kv.wire_dtype) */
     double t_last;            /* when its last piece came */
 } rx_t;
 
@@ -164,6 +170,7 @@ typedef struct {
         const char *overlap, *admission;
         double watermark;
         int64_t swap_bytes;       /* --kv-swap-bytes: -1 = auto */
+        const char *kv_wire;      /* --kv-transfer-dtype */
     } f;
     prism_worker_t w;
     prism_model_config_t cfg;     /* this rank's (sharded) shapes */
@@ -181,7 +188,10 @@ typedef struct {
     int32_t *ring_pool;       /* [max_running][ring] */
     int32_t *ring_ids;        /* [ring] import scratch */
     const int32_t **rings;    /* [max_running] step scratch */
-    size_t fbb, lbb;          /* block bytes of the full-attention / chunked layers (transfer layout) */
+    size_t fbb, lbb;          /* block bytes of the full-attention / chunked layers (transfer layout, fp32) */
+    prism_kv_wire_t wire;     /* what its migrations send (--kv-transfer-dtype); it takes either */
+    uint8_t *wide;            /* [a bf16 piece's blocks in fp32] a bf16 piece widened before import */
+    uint64_t kv_sent_bytes;   /* migrations' frame bytes sent (heartbeat kv_sent_bytes) */
     seq_t *seqs;              /* [max_running] */
     int32_t *block_pool;      /* [max_running][max_blocks_per_seq] */
     /* step scratch, sized at start-up */
@@ -205,7 +215,7 @@ typedef struct {
     int n_swapped_seqs;       /* sequences swapped out now */
     mig_t *mig;               /* [max_running] the outgoing migration of each slot's parked sequence */
     int n_parked;             /* sequences parked (migrating): their blocks come back once their KV is out */
-    uint8_t *mig_piece;       /* [one piece] export scratch */
+    uint8_t *mig_piece;       /* [one piece of d->wire, in fp32] export scratch (narrowed in place for bf16) */
     uint64_t migrated_out;    /* sequences preempted by migration, sent whole (heartbeat preempt_migrate) */
     bool swap_pinned;         /* the swap region is page-locked (backend host_pin) */
     bool test_die_on_migrated;   /* test hook PRISM_TEST_DIE_ON_MIGRATED_KV (decode_ready): killed mid-migration */
@@ -225,7 +235,7 @@ typedef struct {
     zmq_msg_t staged_frame;
     rx_t *rx;                 /* [max_running] transfers still arriving */
     int n_rx;
-    int piece_blocks;         /* most blocks of one piece (kv/kv.h) */
+    int piece_blocks[2];      /* most blocks of one piece, by wire type (kv/kv.h: bf16 pieces hold twice as many) */
     uint64_t rx_failed;       /* transfers failed midway (malformed pieces, pieces that stopped) */
     uint64_t steps, tokens_out, cancelled;
     uint64_t tokens_sampled, aborted;   /* heartbeats: tokens sampled, sequences ended by an abort */
@@ -281,16 +291,27 @@ static int import_blocks(decode_t *d, const int32_t *blocks, int n, const uint8_
     return prism_kv_cache_import_class(d->kv, PRISM_KV_CLASS_FULL, blocks, n, bytes);
 }
 
-/* Bytes of the piece of n blocks from block first (frame order) of a transfer of nb blocks. */
+/* Bytes in the fp32 cache layout of the piece of n blocks from block first (frame order) of a
+ * transfer of nb blocks (on the wire: prism_kv_wire_bytes of it). */
 static size_t piece_bytes(const decode_t *d, int nb, int first, int n)
 {
     return prism_kv_piece_offset(nb, d->fbb, d->lbb, first + n) - prism_kv_piece_offset(nb, d->fbb, d->lbb, first);
 }
 
-/* The most bytes of one piece: the data socket's frame limit (ZMQ_MAXMSGSIZE) and the plan's. */
+/* The most bytes of one piece on the wire, of either type: the data socket's frame limit
+ * (ZMQ_MAXMSGSIZE) and the plan's. */
 static size_t piece_max_bytes(const decode_t *d)
 {
-    return (size_t)d->piece_blocks * PRISM_MAX(d->fbb, d->lbb);
+    size_t f32 = (size_t)d->piece_blocks[PRISM_KV_WIRE_F32] * PRISM_MAX(d->fbb, d->lbb);
+    size_t bf16 = (size_t)d->piece_blocks[PRISM_KV_WIRE_BF16] * prism_kv_wire_bytes(PRISM_KV_WIRE_BF16, PRISM_MAX(d->fbb, d->lbb));
+    return PRISM_MAX(f32, bf16);
+}
+
+/* The fp32 bytes of the largest piece of type w (what a bf16 piece widens into, what a migration
+ * exports before narrowing). */
+static size_t piece_f32_bytes(const decode_t *d, prism_kv_wire_t w)
+{
+    return (size_t)d->piece_blocks[w] * PRISM_MAX(d->fbb, d->lbb);
 }
 
 /* Imports blocks [first, first + n) (frame order) of an admitted transfer into its sequences: the
@@ -312,6 +333,16 @@ static int rx_import(decode_t *d, const rx_t *x, int first, int n, const uint8_t
                                          m, bytes + piece_bytes(d, x->nb, first, lo - first));
     }
     return rc;
+}
+
+/* rx_import of a piece as it came: bf16 frames are widened into d->wide first (exact). */
+static int rx_take(decode_t *d, const rx_t *x, int first, int n, const uint8_t *bytes)
+{
+    if (x->wire == PRISM_KV_WIRE_BF16) {
+        prism_kv_wire_widen(bytes, piece_bytes(d, x->nb, first, n) / sizeof(float), d->wide);
+        bytes = d->wide;
+    }
+    return rx_import(d, x, first, n, bytes);
 }
 
 static rx_t *rx_find(decode_t *d, uint64_t rid, uint64_t rid_hi, const char *router)
@@ -512,12 +543,12 @@ static bool admit_staged_req(decode_t *d)
     int nb = (int)kv->n_blocks, blocks = 2 * nb - (int)kv->local_first_block;
     *x = (rx_t){.used = true, .rid = d->staged_rid, .rid_hi = d->staged_rid_hi, .k = k, .nb = nb,
                 .lfb = (int)kv->local_first_block, .shared = k > 1 ? (int)kv->n_tokens / d->blocks.block_size : 0,
-                .total = blocks, .t_last = prism_now_s()};
+                .total = blocks, .wire = (prism_kv_wire_t)kv->wire_dtype, .t_last = prism_now_s()};
     snprintf(x->router, sizeof(x->router), "%s", d->staged_router);
     memcpy(x->slots, slots, sizeof(int) * (size_t)k);
     d->n_rx++;
     int n = kv->piece_blocks ? (int)kv->piece_blocks : blocks;
-    if (rx_import(d, x, 0, n, zmq_msg_data(&d->staged_frame)) != PRISM_OK)
+    if (rx_take(d, x, 0, n, zmq_msg_data(&d->staged_frame)) != PRISM_OK)
         rx_fail(d, x, PRISM__ERROR_KIND__ERROR_INTERNAL, "decode worker could not import the KV cache");
     else if ((x->next = n) == blocks)
         rx_done(d, x);
@@ -587,12 +618,12 @@ static void on_kv_piece(decode_t *d, prism_msg_t *m, const char *router)
     size_t len = 0;
     const uint8_t *bytes = m->n_frames == 1 ? prism_msg_frame(m, 0, &len) : NULL;
     int first = (int)e->kv->piece_first, n = (int)e->kv->piece_blocks;
-    if (!bytes || first != x->next || n < 1 || n > d->piece_blocks || n > x->total - first ||
-        len != piece_bytes(d, x->nb, first, n)) {
+    if (!bytes || first != x->next || n < 1 || n > d->piece_blocks[x->wire] || n > x->total - first ||
+        len != prism_kv_wire_bytes(x->wire, piece_bytes(d, x->nb, first, n))) {
         rx_fail(d, x, PRISM__ERROR_KIND__ERROR_INTERNAL, "malformed KV transfer between prefill and decode");
         return;
     }
-    if (rx_import(d, x, first, n, bytes) != PRISM_OK) {
+    if (rx_take(d, x, first, n, bytes) != PRISM_OK) {
         rx_fail(d, x, PRISM__ERROR_KIND__ERROR_INTERNAL, "decode worker could not import the KV cache");
         return;
     }
@@ -618,21 +649,25 @@ static void on_kv(decode_t *d, prism_msg_t *m)
     prism_msg_frame(m, 0, &len);
     /* The layout is fixed by the model: the chunked layers' part starts at the block of the chunk
      * the next token is in (prefill and decode compute it alike). The first piece holds
-     * piece_blocks of the transfer's blocks (0: all of them), never more than a piece. */
+     * piece_blocks of the transfer's blocks (0: all of them), never more than a piece. Sizes are
+     * the wire's (Kv.wire_dtype: f32 or bf16, whatever this worker sends itself). */
     const char *why = kv ? prism_seq_check(kv->sampling, d->full.vocab, d->max_model_len) : "no Kv message";
     /* 64-bit: the fields are not checked yet (the checks below run in order) */
     int64_t total = kv && !why ? 2 * (int64_t)kv->n_blocks - (int64_t)kv->local_first_block : 0;
     int64_t n = kv && kv->piece_blocks ? (int64_t)kv->piece_blocks : total;
-    if (why || m->n_frames != 1 || kv->block_size != (uint32_t)d->blocks.block_size ||
+    bool wire_ok = kv && (kv->wire_dtype == PRISM__KV_DTYPE__KV_DTYPE_F32 || kv->wire_dtype == PRISM__KV_DTYPE__KV_DTYPE_BF16);
+    prism_kv_wire_t w = wire_ok ? (prism_kv_wire_t)kv->wire_dtype : PRISM_KV_WIRE_F32;
+    if (why || !wire_ok || m->n_frames != 1 || kv->block_size != (uint32_t)d->blocks.block_size ||
         kv->n_tokens == 0 || kv->n_tokens >= (uint32_t)d->max_model_len || kv->sampling->generated >= kv->n_tokens ||
         kv->n_blocks != (uint32_t)prism_kv_blocks_for_tokens(&d->blocks, (int)kv->n_tokens) ||
-        kv->block_bytes != d->fbb || kv->local_block_bytes != d->lbb ||
+        kv->block_bytes != prism_kv_wire_bytes(w, d->fbb) || kv->local_block_bytes != prism_kv_wire_bytes(w, d->lbb) ||
         kv->local_first_block != (uint32_t)PRISM_MIN(prism_kv_local_first_block(&d->cfg, d->blocks.block_size,
                                                                                  (int)kv->n_tokens), (int)kv->n_blocks) ||
-        n < 1 || n > total || n > d->piece_blocks || len != piece_bytes(d, (int)kv->n_blocks, 0, (int)n) ||
+        n < 1 || n > total || n > d->piece_blocks[w] ||
+        len != prism_kv_wire_bytes(w, piece_bytes(d, (int)kv->n_blocks, 0, (int)n)) ||
         !choices_ok(d, kv)) {
         PRISM_WARN("request %llu: malformed KV transfer dropped (%s)", (unsigned long long)e->request_id,
-                   why ? why : "sizes or choices");
+                   why ? why : !wire_ok ? "unknown wire dtype" : "sizes or choices");
         send_error(d, router, e->request_id, e->request_id_hi, PRISM__ERROR_KIND__ERROR_INTERNAL,
                    "malformed KV transfer between prefill and decode");
         return;
@@ -780,9 +815,10 @@ static bool mig_send(decode_t *d, int slot)
     hdr.n_tokens = (uint32_t)s->seq.len;
     hdr.block_size = (uint32_t)bs;
     hdr.n_blocks = (uint32_t)nb;
-    hdr.block_bytes = d->fbb;
+    hdr.block_bytes = prism_kv_wire_bytes(d->wire, d->fbb);
     hdr.local_first_block = (uint32_t)PRISM_MIN(prism_kv_local_first_block(&d->cfg, bs, s->seq.len), nb);
-    hdr.local_block_bytes = d->lbb;
+    hdr.local_block_bytes = prism_kv_wire_bytes(d->wire, d->lbb);
+    hdr.wire_dtype = (Prism__KvDtype)d->wire;
     hdr.sampling = &sp;
     hdr.n_choice_index = hdr.n_choice_first_token = hdr.n_choice_rng_state = 1;
     hdr.choice_index = &index;
@@ -799,7 +835,7 @@ static bool mig_send(decode_t *d, int slot)
     env.router_id = s->seq.router_id;
     int lfb = (int)hdr.local_first_block, total = 2 * nb - lfb;
     while (m->next < total) {
-        int k = m->next, n = PRISM_MIN(d->piece_blocks, (k < nb ? nb : total) - k);   /* within one part */
+        int k = m->next, n = PRISM_MIN(d->piece_blocks[d->wire], (k < nb ? nb : total) - k);   /* within one part */
         Prism__Kv piece = PRISM__KV__INIT;
         Prism__Kv *kv = k ? &piece : &hdr;
         kv->piece_first = (uint32_t)k;
@@ -809,7 +845,8 @@ static bool mig_send(decode_t *d, int slot)
             mig_drop(d, s, "KV export failed");
             return false;
         }
-        prism_frame_t f = {d->mig_piece, piece_bytes(d, nb, k, n)};
+        prism_frame_t f = {d->mig_piece, prism_kv_wire_bytes(d->wire, piece_bytes(d, nb, k, n))};
+        if (d->wire == PRISM_KV_WIRE_BF16) prism_kv_wire_narrow(d->mig_piece, piece_bytes(d, nb, k, n) / sizeof(float));
         int rc = prism_msg_send(sock, NULL, 0, &env, &f, 1, ZMQ_DONTWAIT);
         if (rc == PRISM_EAGAIN) return false;   /* the target is busy: the rest next time */
         if (rc != PRISM_OK) {
@@ -818,6 +855,7 @@ static bool mig_send(decode_t *d, int slot)
         }
         m->next += n;
         m->t = prism_now_s();
+        d->kv_sent_bytes += f.len;
     }
     PRISM_DEBUG("request %llu migrated: %d tokens, %d blocks to %s", (unsigned long long)s->seq.rid, s->seq.len, nb,
                 m->endpoint);
@@ -1259,6 +1297,7 @@ static uint32_t publish_load(decode_t *d)
         .kv_waits = d->kv_waits, .tokens_generated = d->tokens_sampled, .seqs_aborted = d->aborted,
         .preempt_recompute = d->preempted, .preempt_swap = d->swap.swapped_out,
         .kv_swap_bytes = prism_kv_swap_used_bytes(&d->swap), .preempt_migrate = d->migrated_out,
+        .kv_sent_bytes = d->kv_sent_bytes,
     };
     load.pool_free = (uint32_t)d->max_running - load.running;
     prism_worker_set_load(&d->w, &load);
@@ -1276,6 +1315,7 @@ static int decode_flags(void *ctx, prism_flag_t *t)
     d->f.admission = "optimistic";
     d->f.watermark = 0.01;
     d->f.swap_bytes = -1;
+    d->f.kv_wire = "auto";
     prism_flag_t f[] = {
         PRISM_FLAG_INT("kv-blocks", &d->f.kv_blocks, "KV cache blocks (0 = fill --mem-budget, else 1024)"),
         PRISM_FLAG_INT("block-size", &d->f.block_size, "Tokens per KV block"),
@@ -1292,6 +1332,8 @@ static int decode_flags(void *ctx, prism_flag_t *t)
                          "optimistic admission: host memory a sequence's KV is swapped to when the pool runs out "
                          "(it goes on there later; recompute when it does not fit); 0 = off, auto = 4G on a "
                          "device without --mem-budget, else off (on the CPU the pool is host memory already)"),
+        PRISM_FLAG_STR("kv-transfer-dtype", &d->f.kv_wire, PRISM_KV_WIRE_FLAG_HELP " (a decode worker sends "
+                       "only migrations)"),
     };
     memcpy(t, f, sizeof f);
     return (int)PRISM_ARRAY_LEN(f);
@@ -1317,6 +1359,12 @@ static int decode_size(void *ctx, prism_worker_startup_t *s)
         PRISM_ERROR("--kv-swap-bytes must be 0 or more");
         return 2;
     }
+    if (prism_kv_wire_parse(d->f.kv_wire, s->o.compute_dtype, &d->wire) != PRISM_OK) {
+        PRISM_ERROR("--kv-transfer-dtype must be auto, f32 or bf16");
+        return 2;
+    }
+    if (d->wire == PRISM_KV_WIRE_BF16)
+        PRISM_INFO("KV migrations go out in %s (--kv-transfer-dtype)", prism_kv_wire_name(d->wire));
     d->optimistic = !strcmp(d->f.admission, "optimistic");
     int bs = (int)d->f.block_size;
     d->max_running = (int)d->f.max_running;
@@ -1354,7 +1402,8 @@ static int decode_load(void *ctx, prism_worker_startup_t *s)
     /* Transfers come in pieces of whole-model heads (the leader scatters): the data socket's frames
      * are at most one piece, whatever the prompt (a bigger one drops the sender's connection). */
     s->data_socket = true;
-    d->piece_blocks = prism_kv_piece_blocks(PRISM_MAX(d->fbb, d->lbb));
+    for (int w = PRISM_KV_WIRE_F32; w <= PRISM_KV_WIRE_BF16; w++)
+        d->piece_blocks[w] = prism_kv_piece_blocks(prism_kv_wire_bytes((prism_kv_wire_t)w, PRISM_MAX(d->fbb, d->lbb)));
     s->data_max_msg_bytes = piece_max_bytes(d);
     size_t heap0 = prism_mem_used();   /* token-count tables, matchers' slots, grammar vocabulary: measured */
     if (prism_seq_sampler_init(&d->sampler, &d->cfg, s->o.model_path, d->max_running) != PRISM_OK) {
@@ -1410,7 +1459,8 @@ static int decode_plan(void *ctx, prism_worker_startup_t *s)
     PRISM_PLAN_POOL(p, "step-results", d->out, n);
     PRISM_PLAN_POOL(p, "kv-receiving", d->rx, n);
     PRISM_PLAN_POOL(p, "kv-migrations", d->mig, n);
-    PRISM_PLAN_POOL(p, "kv-migrate-piece", d->mig_piece, piece_max_bytes(d));   /* one piece exported at a time */
+    PRISM_PLAN_POOL(p, "kv-migrate-piece", d->mig_piece, piece_f32_bytes(d, d->wire));   /* one piece exported at a time */
+    PRISM_PLAN_POOL(p, "kv-widen", d->wide, piece_f32_bytes(d, PRISM_KV_WIRE_BF16));   /* one bf16 piece imported at a time */
     /* KV pieces outside the pool (ZeroMQ's): one being read off the wire, one in the data socket's
      * queue (high-water mark 1) and one handed to the loop (credit 1), whatever the prompt's length */
     prism_mem_plan_add(p, "kv-pieces", 3 * piece_max_bytes(d), PRISM_MEM_OUTSIDE);

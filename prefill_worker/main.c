@@ -109,6 +109,7 @@ typedef struct {
         int64_t kv_blocks, block_size, chunk, max_pending, emb_images, context_length, max_image_tokens, max_batch;
         double orphan_timeout;
         bool no_prefix_cache;
+        const char *kv_wire;      /* --kv-transfer-dtype */
     } f;
     prism_worker_t w;
     prism_model_config_t cfg;     /* this rank's (sharded) shapes */
@@ -169,7 +170,9 @@ typedef struct {
     int32_t *kv_prompt;      /* [max_model_len] its prompt ids, when a penalty needs them in decode */
     char kv_endpoint[256];
     Prism__Kv kv_hdr;
-    size_t kv_len;
+    size_t kv_len;           /* the transfer's bytes in kv_out, as sent (wire) */
+    prism_kv_wire_t wire;    /* the element type it sends (--kv-transfer-dtype) */
+    uint64_t kv_sent_bytes;  /* frame bytes sent (heartbeat kv_sent_bytes) */
     int kv_next;             /* its first block (frame order) not sent yet: it goes in pieces (kv/kv.h) */
     double kv_gap_s;         /* test hook PRISM_TEST_KV_PIECE_GAP_S: a pause between two pieces (0: none) */
     double kv_not_before;    /* the next piece goes no sooner (the hook) */
@@ -720,6 +723,7 @@ static void try_send_kv(prefill_t *p)
             break;
         }
         p->kv_next += n;
+        p->kv_sent_bytes += f.len;
         if (p->kv_gap_s > 0 && p->kv_next < total) {   /* test hook: the transfer stops midway for a while */
             p->kv_not_before = prism_now_s() + p->kv_gap_s;
             return;
@@ -927,6 +931,10 @@ static void stage_export(prefill_t *p, prun_t *x)
             erc = prism_kv_cache_export_class(p->kv, PRISM_KV_CLASS_LOCAL, x->table + lfb, nb - lfb,
                                               p->kv_out + (size_t)nb * fbb);
     }
+    if (erc == PRISM_OK && p->wire == PRISM_KV_WIRE_BF16) {   /* in place: kv_out's first half goes out */
+        prism_kv_wire_narrow(p->kv_out, p->kv_len / sizeof(float));
+        p->kv_len /= 2;
+    }
     if (erc != PRISM_OK) {
         PRISM_ERROR("request %llu: KV export failed", (unsigned long long)r->seq.rid);
         if (prism_tp_check(&p->tp) != PRISM_OK) p->group_failed = true;
@@ -937,9 +945,10 @@ static void stage_export(prefill_t *p, prun_t *x)
     p->kv_hdr.n_tokens = (uint32_t)r->n_tokens;
     p->kv_hdr.block_size = (uint32_t)p->blocks.block_size;
     p->kv_hdr.n_blocks = (uint32_t)nb;
-    p->kv_hdr.block_bytes = fbb;
+    p->kv_hdr.block_bytes = prism_kv_wire_bytes(p->wire, fbb);
     p->kv_hdr.local_first_block = (uint32_t)lfb;
-    p->kv_hdr.local_block_bytes = lbb;
+    p->kv_hdr.local_block_bytes = prism_kv_wire_bytes(p->wire, lbb);
+    p->kv_hdr.wire_dtype = (Prism__KvDtype)p->wire;
     if (p->chunk_pos) p->kv_hdr.rope_delta = prism_mrope_delta(r->mrope, r->n_images);
     prism_seq_copy(&p->kv_seq, &r->seq);
     p->kv_hdr.n_choice_index = p->kv_hdr.n_choice_first_token = p->kv_hdr.n_choice_rng_state = (size_t)p->kv_seq.n_fork;
@@ -1231,6 +1240,7 @@ static void publish_load(prefill_t *p)
         .prompt_tokens_computed = p->tokens_computed,
         .prefill_forwards = p->forwards, .prefill_forward_prompts = p->forward_prompts,
         .prefill_batch_peak = p->batch_peak, .prefill_pool_breaks = p->pool_deadlocks,
+        .kv_sent_bytes = p->kv_sent_bytes,
     };
     prism_worker_set_load(&p->w, &load);
 }
@@ -1246,6 +1256,7 @@ static int prefill_flags(void *ctx, prism_flag_t *t)
     p->f.max_batch = 16;
     p->f.emb_images = 0;   /* 32, or 4 for Qwen-VL (prefill_size) */
     p->f.orphan_timeout = 120;
+    p->f.kv_wire = "auto";
     prism_flag_t f[] = {
         PRISM_FLAG_INT("chunked-prefill-size", &p->f.chunk, "Most prompt tokens per forward step"),
         PRISM_FLAG_INT("kv-blocks", &p->f.kv_blocks, "KV blocks for prompts in flight (0 = two full contexts)"),
@@ -1262,6 +1273,7 @@ static int prefill_flags(void *ctx, prism_flag_t *t)
                           "Seconds before embeddings whose prefill request never arrives free their slot"),
         PRISM_FLAG_BOOL("no-prefix-cache", &p->f.no_prefix_cache,
                         "Compute every prompt whole: keep no KV blocks of finished prompts for later ones"),
+        PRISM_FLAG_STR("kv-transfer-dtype", &p->f.kv_wire, PRISM_KV_WIRE_FLAG_HELP),
     };
     memcpy(t, f, sizeof f);
     return (int)PRISM_ARRAY_LEN(f);
@@ -1277,6 +1289,12 @@ static int prefill_size(void *ctx, prism_worker_startup_t *s)
         PRISM_ERROR("flag out of range (see --help)");
         return 2;
     }
+    if (prism_kv_wire_parse(p->f.kv_wire, s->o.compute_dtype, &p->wire) != PRISM_OK) {
+        PRISM_ERROR("--kv-transfer-dtype must be auto, f32 or bf16");
+        return 2;
+    }
+    if (p->wire == PRISM_KV_WIRE_BF16)
+        PRISM_INFO("KV transfers go out in %s (--kv-transfer-dtype)", prism_kv_wire_name(p->wire));
     int bs = (int)p->f.block_size;
     p->row = prism_model_embed_row_floats(&p->cfg);
     p->chunk = (int)p->f.chunk;

@@ -487,6 +487,8 @@ static void metrics_workers(const router_t *r, prism_buf_t *b)
         {"prism:worker_prefill_batch_peak", "Most prompts one forward of the prefill worker carried since it started."},
         {"prism:worker_prefill_pool_breaks_total",
          "Prompts the prefill worker failed (503, retryable) to break a stall of its full embedding pool."},
+        {"prism:worker_kv_sent_bytes_total",
+         "Bytes of KV transfers the worker sent, as they went on the wire (prefill: prompts' KV; decode: migrations)."},
         {"prism:worker_prefix_index_blocks", "Prefix-cache blocks this router knows the prefill worker holds (its events)."},
     };
     for (size_t g = 0; g < PRISM_ARRAY_LEN(gauges); g++) {
@@ -505,7 +507,7 @@ static void metrics_workers(const router_t *r, prism_buf_t *b)
                           (double)w->swaps, (double)w->kv_swap_bytes, (double)w->prefix_queries, (double)w->prefix_hits,
                           (double)w->prefill_computed, w->image_decodes_peak, (double)w->prefill_forwards,
                           (double)w->prefill_forward_prompts, w->prefill_batch_peak, (double)w->prefill_pool_breaks,
-                          (double)w->prefix.n};
+                          (double)w->kv_sent_bytes, (double)w->prefix.n};
             _Static_assert(PRISM_ARRAY_LEN(v) == PRISM_ARRAY_LEN(gauges), "one value per gauge");
             prism_metric_label_value(wid, sizeof(wid), w->id);  /* ids come from the network */
             snprintf(lbl, sizeof(lbl), "tier=\"%s\",worker=\"%s\"", prism_role_name(w->role), wid);

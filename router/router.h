@@ -82,6 +82,7 @@ typedef struct {
     uint64_t prefill_forwards, prefill_forward_prompts;   /* prefill: forwards, prompts they carried */
     uint32_t prefill_batch_peak;  /* prefill: most prompts in one forward */
     uint64_t prefill_pool_breaks; /* prefill: prompts failed to break a full embedding pool's stall */
+    uint64_t kv_sent_bytes;       /* prefill, decode: KV transfer frame bytes sent (on the wire) */
     router_prefix_index_t prefix; /* prefill: the blocks its prefix cache holds, from its PrefixEvents */
     uint64_t heartbeats;          /* received since registration: lets a reader wait for fresh numbers */
     double registered_at;         /* first registration of this slot (prism_now_s) */

@@ -127,6 +127,7 @@ bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat
     w->prefill_forward_prompts = hb->prefill_forward_prompts;
     w->prefill_batch_peak = hb->prefill_batch_peak;
     w->prefill_pool_breaks = hb->prefill_pool_breaks;
+    w->kv_sent_bytes = hb->kv_sent_bytes;
     w->alloc_count = hb->alloc_count;
     w->heartbeats++;
     w->peer_auth_failures = hb->peer_auth_failures;

@@ -286,11 +286,14 @@ def prefill_seeds():
 KV_BLOCK_BYTES, KV_BLOCK = 65536, 16   # models/prism-tiny-llava's K/V of one 16-token block (float32)
 
 
-def kv_msg(rid, n_tokens, samp=None, choices=((0, 17, 1),), prompt=None, router=ROUTER_ID, block_bytes=KV_BLOCK_BYTES,
-           n_blocks=None, piece_blocks=0, migrated=False):
+def kv_msg(rid, n_tokens, samp=None, choices=((0, 17, 1),), prompt=None, router=ROUTER_ID, block_bytes=None,
+           n_blocks=None, piece_blocks=0, migrated=False, wire=0):
     """A Kv transfer as prefill sends it, and its frame (piece_blocks: the first piece of that many
-    blocks, 0 the whole transfer). choices: (index, first token, rng state)."""
+    blocks, 0 the whole transfer). choices: (index, first token, rng state). wire: Kv.wire_dtype
+    (1: bf16, whose blocks are half the bytes unless block_bytes says otherwise)."""
     nb = n_blocks if n_blocks is not None else (n_tokens + KV_BLOCK - 1) // KV_BLOCK
+    if block_bytes is None:
+        block_bytes = KV_BLOCK_BYTES // 2 if wire == 1 else KV_BLOCK_BYTES
     body = (pb_int(1, n_tokens) + pb_int(2, KV_BLOCK) + pb_int(3, nb) + pb_int(4, block_bytes) + pb_int(12, nb) +
             pb_int(13, 0) + pb_bytes(5, samp if samp is not None else sampling()) +
             pb_packed(8, [c[0] for c in choices]) + pb_packed(9, [c[1] for c in choices]) +
@@ -301,6 +304,8 @@ def kv_msg(rid, n_tokens, samp=None, choices=((0, 17, 1),), prompt=None, router=
         body += pb_int(16, piece_blocks)
     if migrated:   # from a decode worker (preemption by migration): admitted at once or bounced
         body += pb_int(17, 1)
+    if wire:
+        body += pb_int(18, wire)
     return env_of(9, 18, body, rid, router), [((piece_blocks or nb) * block_bytes, struct.pack("<f", 0.05))]
 
 
@@ -408,6 +413,19 @@ def decode_seeds():
         first(75, 20, samp=sampling(n=2), choices=((0, 17, 1), (1, 18, 2))) + piece(70, 1) + turn() +
         piece(72, 1) + piece(71, 1) + turn(12))
     put(h, "pieces_give_up", pieces_mode(first(76, 20), 0x80) + turn() + first(77, 6) + turn())
+    # bf16 transfers (Kv.wire_dtype 1, half the bytes, widened into the fp32 cache): whole, n = 3,
+    # and in pieces; then refused ones: bf16 claiming fp32 blocks, fp32 claiming bf16 blocks, a
+    # frame of the other type's length, an unknown wire type, a bf16 piece of fp32 length
+    half = KV_BLOCK_BYTES // 2
+    put(h, "bf16", kv(90, 6, wire=1, samp=sampling(max_tokens=8)) +
+        kv(91, 20, wire=1, samp=sampling(max_tokens=4, temperature=1.0, n=3), choices=((0, 17, 1), (1, 18, 2), (2, 19, 3))) +
+        turn(8))
+    put(h, "bf16_pieces", pieces_mode(first(92, 20, wire=1)) + piece(92, 1, frame=(half, b"\x80\x3f")) + turn(4) +
+        first(93, 20, wire=1) + piece(93, 1) + turn(2))
+    env, frames = kv_msg(94, 6, wire=1)
+    put(h, "bf16_malformed", kv(95, 6, wire=1, block_bytes=KV_BLOCK_BYTES) + kv(96, 6, block_bytes=half) +
+        rec(OP_DATA, env, [(KV_BLOCK_BYTES, b"\0\0\0\0")]) + kv(97, 6, wire=7) + kv(98, 6, wire=7, block_bytes=half) +
+        kv(99, 6, wire=2 ** 31 - 1) + turn(3))
     # n > 1 under optimistic admission (issue 28): an n = 2 request of 6 tokens running to the
     # context (each choice at most 2 blocks: admitted to grow, 4 of the 5 blocks kept for them)
     # beside a long n = 1: the pool runs out, the n = 1 is preempted and never a choice; with a swap
@@ -733,6 +751,8 @@ def main():
                                              pb_bytes(4, "tcp://127.0.0.1:6000") + pb_bytes(5, "decode-0")))
     put("fuzz_envelope", "kv", envelope(9, 18, pb_int(1, 5) + pb_int(2, 16) + pb_int(3, 1) + pb_int(4, 65536) +
                                         pb_bytes(5, pb_int(6, 4)) + pb_int(6, 42)))
+    put("fuzz_envelope", "kv_bf16", envelope(9, 18, pb_int(1, 5) + pb_int(2, 16) + pb_int(3, 1) + pb_int(4, 32768) +
+                                             pb_bytes(5, pb_int(6, 4)) + pb_int(18, 1) + pb_int(18, 7)))
     put("fuzz_envelope", "abort", envelope(10, 19, pb_bytes(1, "client gone")))
     prefill_seeds()
     decode_seeds()

@@ -15,7 +15,7 @@ int main(int argc, char **argv)
     const char *endpoint = NULL, *router_id = "prism-wire", *type = "embeddings", *error = NULL, *keys = NULL;
     bool insecure = false;
     int64_t request_id = 1, request_id_hi = 0, image_index = 0, n_tokens = 64, hidden = 256, bytes = -1, count = 1;
-    int64_t block_size = 16, block_bytes = 0, max_tokens = 16, first_token = 1, local_first_block = -1;
+    int64_t block_size = 16, block_bytes = 0, max_tokens = 16, first_token = 1, local_first_block = -1, kv_dtype = 0;
     prism_flag_t flags[] = {
         PRISM_FLAG_STR("endpoint", &endpoint, "Data endpoint to PUSH to, e.g. tcp://127.0.0.1:5555 (required)"),
         PRISM_FLAG_STR("type", &type, "Message type: embeddings (to a prefill, as an encoder) or kv (to a decode, as a prefill)"),
@@ -29,6 +29,9 @@ int main(int argc, char **argv)
         PRISM_FLAG_INT("local-first-block", &local_first_block,
                        "KV: first block of the chunked-attention layers' part (default: the block count, as for a "
                        "model without such layers)"),
+        PRISM_FLAG_INT("kv-dtype", &kv_dtype,
+                       "KV: Kv.wire_dtype, the frame's element type (0 f32, 1 bf16: --block-bytes is the wire's; "
+                       "any other number is sent as it is)"),
         PRISM_FLAG_INT("max-tokens", &max_tokens, "KV: Sampling.max_tokens (sent as uint32: -1 is 0xFFFFFFFF)"),
         PRISM_FLAG_INT("first-token", &first_token, "KV: the token prefill sampled"),
         PRISM_FLAG_INT("hidden", &hidden, "Embeddings: hidden size of the language model"),
@@ -46,7 +49,7 @@ int main(int argc, char **argv)
     bool kv = !strcmp(type, "kv");
     if (!endpoint || (!kv && strcmp(type, "embeddings") != 0) || n_tokens < 0 || hidden < 0 || count < 1 ||
         n_tokens * hidden > ((int64_t)1 << 28) || block_size < 1 || block_bytes < 0 || block_bytes > (1 << 24) ||
-        n_tokens > (1 << 20)) {
+        n_tokens > (1 << 20) || kv_dtype < INT32_MIN || kv_dtype > INT32_MAX) {
         fprintf(stderr, "prism_wire: --endpoint is required, --type must be embeddings or kv, sizes in range (see --help)\n");
         return 2;
     }
@@ -95,6 +98,7 @@ int main(int argc, char **argv)
         k.n_blocks = (uint32_t)n_blocks;
         k.block_bytes = (uint64_t)block_bytes;
         k.local_first_block = (uint32_t)(local_first_block < 0 ? n_blocks : local_first_block);
+        k.wire_dtype = (Prism__KvDtype)kv_dtype;
         k.sampling = &sp;
         k.n_choice_index = k.n_choice_first_token = k.n_choice_rng_state = 1;   /* one choice */
         k.choice_index = &choice;

@@ -1,5 +1,9 @@
 #include "kv/kv.h"
 
+#include <string.h>
+
+#include "backend/dtype.h"
+
 int prism_kv_blocks_init(prism_kv_blocks_t *b, int n_blocks, int block_size)
 {
     if (n_blocks <= 0 || block_size <= 0) return PRISM_EINVAL;
@@ -60,5 +64,39 @@ void prism_kv_blocks_release(prism_kv_blocks_t *b, const int32_t *ids, int n)
         if (--b->holders[ids[i]]) continue;
         PRISM_ASSERT(b->n_free < b->n_blocks);
         b->free_ids[b->n_free++] = ids[i];
+    }
+}
+
+int prism_kv_wire_parse(const char *flag, const char *compute_dtype, prism_kv_wire_t *out)
+{
+    if (!strcmp(flag, "auto")) *out = compute_dtype && !strcmp(compute_dtype, "bf16") ? PRISM_KV_WIRE_BF16 : PRISM_KV_WIRE_F32;
+    else if (!strcmp(flag, "f32")) *out = PRISM_KV_WIRE_F32;
+    else if (!strcmp(flag, "bf16")) *out = PRISM_KV_WIRE_BF16;
+    else return PRISM_EINVAL;
+    return PRISM_OK;
+}
+
+const char *prism_kv_wire_name(prism_kv_wire_t w) { return w == PRISM_KV_WIRE_BF16 ? "bf16" : "f32"; }
+
+void prism_kv_wire_narrow(void *buf, size_t n)
+{
+    uint8_t *b = buf;
+    for (size_t i = 0; i < n; i++) {
+        float f;
+        memcpy(&f, b + 4 * i, 4);
+        uint16_t h = prism_f32_to_bf16(f);
+        memcpy(b + 2 * i, &h, 2);
+    }
+}
+
+void prism_kv_wire_widen(const void *src, size_t n, void *dst)
+{
+    const uint8_t *s = src;
+    uint8_t *d = dst;
+    for (size_t i = 0; i < n; i++) {
+        uint16_t h;
+        memcpy(&h, s + 2 * i, 2);
+        float f = prism_bf16_to_f32(h);
+        memcpy(d + 4 * i, &f, 4);
     }
 }

@@ -69,4 +69,32 @@ static inline size_t prism_kv_piece_offset(int n_blocks, size_t full_bytes, size
     return (size_t)PRISM_MIN(i, n_blocks) * full_bytes + (size_t)PRISM_MAX(i - n_blocks, 0) * local_bytes;
 }
 
+/* The element type of a transfer's frames (Kv.wire_dtype, the same values): fp32 as the caches hold
+ * it (bit-exact), or bf16 (half the bytes; rounded to nearest even by the sender, widened exactly by
+ * the receiver into its fp32 cache). Every block size in the header is the wire's. */
+typedef enum { PRISM_KV_WIRE_F32 = 0, PRISM_KV_WIRE_BF16 = 1 } prism_kv_wire_t;
+
+/* Bytes on the wire of what the fp32 caches hold in f32_bytes (a multiple of 4). */
+static inline size_t prism_kv_wire_bytes(prism_kv_wire_t w, size_t f32_bytes)
+{
+    return w == PRISM_KV_WIRE_BF16 ? f32_bytes / 2 : f32_bytes;
+}
+
+/* --kv-transfer-dtype (what a prefill or decode worker sends): "auto" is bf16 when the worker
+ * computes in bf16 (compute_dtype, its --compute-dtype, is "bf16"), else f32. PRISM_EINVAL for
+ * another value. */
+#define PRISM_KV_WIRE_FLAG_HELP                                                                              \
+    "KV transfers this worker sends: auto (bf16 when --compute-dtype bf16, else f32), f32 (the cache's "    \
+    "values, bit-exact) or bf16 (half the bytes; rounded to nearest even; a receiver widens them into "     \
+    "its fp32 cache, whatever its own flags)"
+int prism_kv_wire_parse(const char *flag, const char *compute_dtype, prism_kv_wire_t *out);
+const char *prism_kv_wire_name(prism_kv_wire_t w);
+
+/* Rounds n fp32 values at buf to bf16 (nearest even) in place: they end up as n bf16 at buf's start
+ * (each write lands below every value not read yet). No allocation: a sender narrows its export
+ * staging. */
+void prism_kv_wire_narrow(void *buf, size_t n);
+/* Widens n bf16 values at src into n fp32 at dst (exact; dst does not overlap src). */
+void prism_kv_wire_widen(const void *src, size_t n, void *dst);
+
 #endif

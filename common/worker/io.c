@@ -446,6 +446,7 @@ static void io_heartbeat(prism_worker_t *w)
     hb.prefill_forward_prompts = l.prefill_forward_prompts;
     hb.prefill_batch_peak = l.prefill_batch_peak;
     hb.prefill_pool_breaks = l.prefill_pool_breaks;
+    hb.kv_sent_bytes = l.kv_sent_bytes;
     hb.mem_used = prism_mem_used();
     hb.mem_peak = prism_mem_peak();
     hb.mem_planned = w->reg.mem_planned;

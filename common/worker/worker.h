@@ -121,6 +121,7 @@ typedef struct {
     uint64_t prefill_forwards, prefill_forward_prompts;
     uint32_t prefill_batch_peak;
     uint64_t prefill_pool_breaks;   /* prefill: prompts failed to break a full embedding pool's stall */
+    uint64_t kv_sent_bytes;      /* prefill, decode: KV transfer frame bytes sent (wire dtype; a counter) */
 } prism_worker_load_t;
 
 /* An abort as the I/O thread saw it. */

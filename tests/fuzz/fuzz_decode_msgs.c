@@ -11,7 +11,7 @@
  * 2 blocks (--kv-swap-bytes 128K), which the harness takes away for the other inputs; a victim is
  * swapped out while the region has room for it, else recomputed).
  * Transfers in pieces (Kv.piece_first / piece_blocks): the tiny model's pieces would hold every block,
- * so the harness lowers decode's piece to one block (d->piece_blocks = 1) for inputs whose mode has
+ * so the harness lowers decode's piece to one block (d->piece_blocks[] = 1) for inputs whose mode has
  * bit 5 set: first pieces, continuations in and out of order, twice, too large, for transfers never
  * admitted, and transfers that stop midway (expired after the input as PRISM_KV_RX_TIMEOUT_S would).
  * Records: see fuzz_worker.h; the harness plays the I/O thread. The input's first byte picks the
@@ -31,7 +31,7 @@
 
 static decode_t g_d;
 static fuzz_io_t g_io;
-static int g_piece_blocks;   /* decode's own piece */
+static int g_piece_blocks[2];   /* decode's own pieces (f32, bf16) */
 static prism_kv_swap_t g_swap, g_no_swap;   /* decode's swap region, and none (inputs without mode bit 4) */
 
 static void drain(void)
@@ -103,7 +103,7 @@ static void init(void)
     prism_worker_startup_t s = {.w = &g_d.w, .cfg = &g_d.cfg, .full = &g_d.full, .group = &g_d.tp};
     FUZZ_ASSERT(prism_worker_open(&k_decode_tier, &g_d, &s, argc, argv) == -1);
     fuzz_io_setup(&g_io, &g_d.w, &old_int, &old_term, piece_max_bytes(&g_d));
-    g_piece_blocks = g_d.piece_blocks;
+    memcpy(g_piece_blocks, g_d.piece_blocks, sizeof g_piece_blocks);
     FUZZ_ASSERT(g_d.blocks.n_blocks == 5 && g_d.max_model_len == 32 && !g_d.ring);
     FUZZ_ASSERT(g_d.swap.slots.n_blocks == 2);   /* the tiny model's block is 64 KiB */
     g_swap = g_d.swap;
@@ -124,7 +124,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     decode_t *d = &g_d;
     uint8_t mode = size ? data[0] : 0;
     d->overlap = (mode & 0x40) != 0;
-    d->piece_blocks = (mode & 0x20) ? 1 : g_piece_blocks;
+    for (int w = 0; w < 2; w++) d->piece_blocks[w] = (mode & 0x20) ? 1 : g_piece_blocks[w];
     d->swap = (mode & 0x10) ? g_swap : g_no_swap;   /* every slot is free between inputs (asserted below) */
     fuzz_play(&g_io, &d->w, &data, &size, -1, turn);
     FUZZ_ASSERT(g_io.n == 0);

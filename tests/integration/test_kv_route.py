@@ -12,6 +12,9 @@
   PRISM_TEST_KV_PIECE_GAP_S): the request goes on through the other prefill worker (a migration),
   the decode worker frees the blocks the half transfer held (prism:worker_kv_free_blocks back to
   its idle value) and the next request is served.
+- KV on the wire in bf16 (issue 33, --kv-transfer-dtype): a prefill computing in bf16 sends half the
+  bytes (prism:worker_kv_sent_bytes_total), the same answer twice; a decode computing in fp32 takes
+  bf16 transfers, and an fp32 prefill's f32 transfers go to a decode whose own flag says bf16.
 """
 import concurrent.futures
 import json
@@ -22,7 +25,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster import Cluster, chat_body, run_tests, wait_for, fresh_heartbeats  # noqa: E402
+from cluster import MODEL, Cluster, chat_body, run_tests, wait_for, fresh_heartbeats  # noqa: E402
 
 FAST_HB = ["--heartbeat-interval", "0.1"]
 
@@ -242,6 +245,90 @@ def test_prefill_death_mid_transfer_frees_decode_blocks():
         assert c.metric("prism:router_requests_in_flight") == 0
 
 
+# ---------------------------------------------------------------- KV on the wire in bf16
+
+def block_bytes():
+    """One 16-token block of the bundled model's K/V in fp32 (the decode cache's and the f32 wire's)."""
+    with open(os.path.join(MODEL, "config.json")) as f:
+        tc = json.load(f)["text_config"]
+    return tc["num_hidden_layers"] * 2 * 16 * tc["num_key_value_heads"] * tc["head_dim"] * 4
+
+
+def kv_sent(c, worker):
+    """The worker's KV transfer bytes sent so far, from a heartbeat taken after what came before."""
+    fresh_heartbeats(c, worker)
+    return c.metric("prism:worker_kv_sent_bytes_total", worker=worker)
+
+
+def replace_worker(c, old, new, kind, args):
+    """Drains old (SIGTERM: the routers send it nothing new; it exits once released) and starts new,
+    the tier's only worker from then on."""
+    p = c.procs.pop(old)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(30) == 0, "%s did not drain cleanly" % old
+    c.start_worker(new, kind, args)
+    c.wait_ready()
+    wait_for(lambda: c.metric("prism:worker_heartbeats_total", worker=new), 30, new + " registered")
+
+
+def test_kv_transfer_in_bf16():
+    """Prefill and decode computing in bf16 (--compute-dtype bf16, --kv-transfer-dtype auto): a
+    600-token prompt's KV goes in bf16, half the f32 bytes to the byte (38 blocks of 32 KiB, two
+    pieces where f32 takes three), the same tokens twice (temperature 0). Then a decode computing in
+    fp32 (whose own --kv-transfer-dtype bf16 governs only its migrations) takes that bf16 transfer;
+    the same prefill computation sent in f32 (--kv-transfer-dtype f32) moves twice the bytes and
+    answers the same tokens, logprobs within bf16's rounding; an fp32 prefill's f32 transfer is
+    answered too. No malformed transfer, every block back."""
+    with Cluster(prefills=0, decodes=0, common_worker_args=FAST_HB) as c:
+        c.start_worker("prefill-0", "prefill_worker", ["--compute-dtype", "bf16"])
+        c.start_worker("decode-0", "decode_worker", ["--compute-dtype", "bf16"])
+        c.expected.update(prefills=1, decodes=1)
+        c.wait_ready()
+        body = gen(long_prompt("epsilon", words=190), 8)
+        b0 = kv_sent(c, "prefill-0")
+        assert b0 == 0, b0
+        s, r1 = c.post_json("/v1/chat/completions", body)
+        assert s == 200, (s, r1)
+        s, r2 = c.post_json("/v1/chat/completions", body)
+        assert s == 200, (s, r2)
+        assert tokens_of(r1) == tokens_of(r2) and len(tokens_of(r1)[0]) == 8, "a bf16 transfer's answer is not deterministic"
+        n_blocks = (r1["usage"]["prompt_tokens"] + 15) // 16
+        assert 32 < n_blocks <= 64, n_blocks   # two bf16 pieces (32 blocks each), three f32 ones
+        bf16 = kv_sent(c, "prefill-0") - b0
+        print("bf16: %d bytes for 2 transfers of %d blocks" % (bf16, n_blocks))
+        assert bf16 == 2 * n_blocks * block_bytes() // 2, (bf16, n_blocks)
+        assert "KV transfers go out in bf16" in c.log("prefill-0", tail=0)
+        # a bf16 sender to a decode computing in fp32
+        replace_worker(c, "decode-0", "decode-1", "decode_worker", ["--kv-transfer-dtype", "bf16"])
+        s, via_bf16 = c.post_json("/v1/chat/completions", body)
+        assert s == 200 and len(tokens_of(via_bf16)[0]) == 8, (s, via_bf16)
+        assert kv_sent(c, "prefill-0") - b0 == 3 * n_blocks * block_bytes() // 2
+        # the same prefill computation sending f32 (an explicit flag over auto): twice the bytes, and
+        # the answer the bf16 transfer gave within bf16's rounding (a wrongly widened KV is noise)
+        replace_worker(c, "prefill-0", "prefill-1", "prefill_worker", ["--compute-dtype", "bf16",
+                                                                       "--kv-transfer-dtype", "f32"])
+        s, via_f32 = c.post_json("/v1/chat/completions", body)
+        assert s == 200, (s, via_f32)
+        f32 = kv_sent(c, "prefill-1")
+        print("f32: %d bytes for 1 transfer" % f32)
+        assert f32 == n_blocks * block_bytes() == bf16, (f32, bf16)
+        lp = [[e["logprob"] for e in r["choices"][0]["logprobs"]["content"]] for r in (via_bf16, via_f32)]
+        print("logprobs via bf16 / f32:", lp)
+        assert tokens_of(via_bf16) == tokens_of(via_f32), (tokens_of(via_bf16), tokens_of(via_f32))
+        assert max(abs(a - b) for a, b in zip(*lp)) < 0.02, lp   # seen: 3e-3
+        # an fp32 prefill (auto: f32) to that decode
+        replace_worker(c, "prefill-1", "prefill-2", "prefill_worker", [])
+        s, r = c.post_json("/v1/chat/completions", body)
+        assert s == 200 and len(tokens_of(r)[0]) == 8, (s, r)
+        assert kv_sent(c, "prefill-2") == f32
+        assert "KV transfers go out in bf16" not in c.log("prefill-1", tail=0) + c.log("prefill-2", tail=0)
+        fresh_heartbeats(c, "decode-1")
+        assert "malformed" not in c.log("decode-1", tail=0)
+        assert c.metric("prism:worker_running", worker="decode-1") == 0
+        assert c.metric("prism:worker_kv_free_blocks", worker="decode-1") == 1024, "blocks leaked"
+        assert c.metric("prism:router_requests_in_flight") == 0
+
+
 if __name__ == "__main__":
     sys.exit(run_tests([test_new_requests_go_where_kv_room_is, test_first_piece_bounced_while_others_arrive,
-                        test_prefill_death_mid_transfer_frees_decode_blocks]))
+                        test_prefill_death_mid_transfer_frees_decode_blocks, test_kv_transfer_in_bf16]))

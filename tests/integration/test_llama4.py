@@ -37,7 +37,7 @@ import zlib
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cluster import (ROOT, Cluster, binary, image_url, make_image, run_tool, run_tests,  # noqa: E402
-                     wait_for)
+                     fresh_heartbeats, wait_for)
 
 L4 = os.path.join(ROOT, "tests", "data", "model", "llama4_tiny")
 GOLD = json.load(open(os.path.join(L4, "golden.json")))
@@ -497,6 +497,29 @@ def test_short_context_unsplit_cache():
         assert same_as_reference(ids, ref["token_ids"], 24), (ids, ref)
 
 
+def test_bf16_transfer_with_chunked_layers():
+    """KV on the wire in bf16 (--kv-transfer-dtype bf16 on the prefill) with chunked-attention layers:
+    a 201-token prompt's transfer is its 13 blocks of the full layer plus the chunked layers' block of
+    the current chunk (from block 12), at half the fp32 bytes, widened into the decode's pool and ring;
+    the greedy answer is prism_generate's (fp32 KV; seen: logprobs within 7e-3 of an f32 transfer's)."""
+    with Cluster(model=L4, common_worker_args=HB,
+                 worker_args={"prefill_worker": ["--kv-transfer-dtype", "bf16"]}) as c:
+        c.wait_ready()
+        text = "Tell me everything about " + " ".join("w%d" % i for i in range(60))
+        ids, usage = ask(c, body(text, max_tokens=16))
+        fresh_heartbeats(c, "prefill-0")
+        sent = c.metric("prism:worker_kv_sent_bytes_total", worker="prefill-0")
+    tc = CFG["text_config"]
+    layer = 2 * 16 * tc["num_key_value_heads"] * tc["head_dim"] * 4   # one block's K and V of one layer, fp32
+    chunk, n = tc["attention_chunk_size"], usage["prompt_tokens"]
+    nb, lfb = (n + 15) // 16, n // chunk * chunk // 16
+    n_local = sum(tc["no_rope_layers"])   # the RoPE layers are the chunked ones
+    assert n == 201 and nb - lfb == 1, (n, nb, lfb)
+    assert sent == (nb * (tc["num_hidden_layers"] - n_local) + (nb - lfb) * n_local) * layer // 2, sent
+    ref = reference([], text, 16)
+    assert same_as_reference(ids, ref["token_ids"], 16), (ids, ref)
+
+
 def test_abort_inside_tile_micro_batches():
     """An image aborted while the tower runs the batch's tiles in micro-batches (a 5-tile image and a
     1-tile one in one batch, micro-batches of 2 tiles, one of them mixed) leaves it between two
@@ -575,7 +598,7 @@ def main():
     finally:
         C.stop()
     rc |= run_tests([test_scout_context_is_capped, test_short_context_unsplit_cache,
-                     test_abort_inside_tile_micro_batches])
+                     test_abort_inside_tile_micro_batches, test_bf16_transfer_with_chunked_layers])
     return rc
 
 

@@ -355,6 +355,43 @@ def test_decode_checks_kv_sampling():
     assert C.metric("prism:worker_running", worker="decode-0") == 0
 
 
+def test_decode_checks_kv_wire_dtype():
+    # issue 33: Kv.wire_dtype says what a transfer's frames hold (f32, or bf16 at half the bytes; block
+    # sizes are the wire's). A first piece claiming bf16 with f32-sized blocks, f32 with bf16-sized ones,
+    # or an unknown type (with either size) is refused as malformed: nothing admitted, no block held, the
+    # worker up. A well-formed bf16 one (made up, for a router that does not exist) decodes and ends.
+    with open(os.path.join(MODEL, "config.json")) as f:
+        tc = json.load(f)["text_config"]
+    bb = tc["num_hidden_layers"] * 2 * 16 * tc["num_key_value_heads"] * tc["head_dim"] * 4
+    hb = C.metric("prism:worker_heartbeats_total", worker="decode-0")
+    wait_for(lambda: C.metric("prism:worker_heartbeats_total", worker="decode-0") > hb + 1, 20, "decode heartbeats")
+    free0 = C.metric("prism:worker_kv_free_blocks", worker="decode-0")
+    log0 = len(C.log("decode-0", tail=0))
+
+    def send(rid, dtype, block_bytes, max_tokens=16):
+        run_tool([binary("prism_wire"), "--endpoint", "tcp://127.0.0.1:%d" % DC_PORT, "--type", "kv",
+                  "--curve-keys", C.keys, "--n-tokens", "16", "--block-size", "16", "--block-bytes", str(block_bytes),
+                  "--kv-dtype", str(dtype), "--max-tokens", str(max_tokens), "--request-id", str(rid),
+                  "--router-id", "no-such-router"], timeout=30)
+
+    for rid, dtype, size in ((7301, 1, bb), (7302, 0, bb // 2), (7303, 7, bb // 2), (7304, 7, bb), (7305, -1, bb)):
+        send(rid, dtype, size)
+    wait_for(lambda: C.log("decode-0", tail=0)[log0:].count("malformed KV transfer dropped") == 5, 20,
+             "decode refusing the five transfers")
+    assert C.log("decode-0", tail=0)[log0:].count("dropped (unknown wire dtype)") == 3
+    tokens0 = C.metric("prism:worker_tokens_generated_total", worker="decode-0")
+    send(7306, 1, bb // 2, max_tokens=4)
+    # 3 tokens: the first is the sender's
+    wait_for(lambda: C.metric("prism:worker_tokens_generated_total", worker="decode-0") >= tokens0 + 3, 20,
+             "the bf16 transfer decoded")
+    status, r = C.post_json("/v1/completions", dict(PROMPT, max_tokens=4))
+    assert status == 200, (status, r)
+    assert C.log("decode-0", tail=0)[log0:].count("malformed KV transfer") == 5, "the bf16 transfer was refused"
+    wait_for(lambda: (C.metric("prism:worker_running", worker="decode-0"),
+                      C.metric("prism:worker_kv_free_blocks", worker="decode-0")) == (0, free0), 20,
+             "nothing running, no block held (a leak stays)")
+
+
 def test_decode_told_to_stop_made_up_kv():
     # a peer holding a prefill key pushes KV for a made-up request naming our router: decode cannot know
     # it was never dispatched, but its first Tokens reach a router that holds no such request, which
@@ -867,7 +904,7 @@ if __name__ == "__main__":
                         test_cluster_key_registers_and_metrics_stay_well_formed, test_api_key_checked_from_headers, test_api_key_from_a_file_or_the_environment,
                         test_tokens_only_from_the_worker_holding_the_request, test_nul_identity_cannot_alias_a_worker,
                         test_key_of_another_role_cannot_register_it, test_request_ids_unguessable,
-                        test_decode_checks_kv_sampling, test_abort_before_kv_is_remembered,
+                        test_decode_checks_kv_sampling, test_decode_checks_kv_wire_dtype, test_abort_before_kv_is_remembered,
                         test_encoder_freed_when_its_prefill_dies, test_cache_hits_not_shown_to_clients,
                         test_router_checks_tokens_from_the_holding_decode, test_registration_fields_checked,
                         test_junk_embeddings_cannot_fill_the_pool, test_embeddings_need_the_whole_request_id,

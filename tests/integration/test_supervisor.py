@@ -290,7 +290,8 @@ def test_launch_gives_the_routers_the_api_key_in_a_file():
     routers a private file: no process's command line holds the key, no worker's environment
     either, and the API wants it. --router-arg --api-key is refused.
     The same cluster runs launch.sh --compute-dtype bf16 (issue 33): every worker computes its
-    matmuls in bf16 and a chat request with an image is served end to end."""
+    matmuls in bf16, the prefill and decode workers send their KV in bf16 (--kv-transfer-dtype auto)
+    and a chat request with an image is served end to end."""
     key = "k" * 8 + os.urandom(12).hex()
     c = Launched(env={"PRISM_API_KEY": key}, args=["--compute-dtype", "bf16"])
     try:
@@ -303,6 +304,7 @@ def test_launch_gives_the_routers_the_api_key_in_a_file():
         assert status == 200 and r["usage"]["completion_tokens"] >= 1, (status, r)
         for name in ("encoder-1", "prefill-1", "decode-1"):
             assert "matmuls compute in bf16" in c.log(name), c.log(name)[-2000:]
+            assert ("go out in bf16 (--kv-transfer-dtype)" in c.log(name)) == (name != "encoder-1"), name
             # bf16 arithmetic multiplies bf16 weights: an explicit --weight-dtype f32 contradicts it
             kind = name[:-2]
             p = subprocess.run([os.path.join(BUILD, kind + "_worker", kind + "_worker"), "--compute-dtype", "bf16",

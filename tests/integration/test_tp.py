@@ -164,6 +164,30 @@ def test_prefill_tp2_decode_tp4():
     check_group_equals_t1(4, prefill_size=2)
 
 
+def test_bf16_transfer_between_groups():
+    """KV on the wire in bf16 (issue 33, --kv-transfer-dtype bf16 on the prefill) between a prefill
+    group of 2 (its leader narrows the heads it gathered) and a decode group of 2 (its leader widens
+    each piece, then scatters fp32 heads): the logprobs of the same bf16 transfer between workers of
+    T = 1, within 1e-4 (as every group equals T = 1)."""
+    bf16 = ["--kv-transfer-dtype", "bf16"]
+    with Cluster(worker_args={"prefill_worker": bf16}) as c:
+        c.wait_ready(timeout=300)
+        ref = logprobs_of(c)
+    with Cluster(decodes=0, prefills=0) as c:
+        start_group(c, "decode-0", 2)
+        start_group(c, "prefill-0", 2, "prefill_worker", extra=bf16)
+        c.wait_ready(timeout=300)
+        got = logprobs_of(c)
+        assert "KV transfers go out in bf16" in c.log("prefill-0", tail=0)
+        fresh_heartbeats(c, "prefill-0")
+        sent = c.metric("prism:worker_kv_sent_bytes_total", worker="prefill-0")
+    assert len(got) == len(ref) == 8, (got, ref)
+    for (tok, lp, top), (rtok, rlp, rtop) in zip(got, ref):
+        assert tok == rtok and [t for t, _ in top] == [t for t, _ in rtop], (got, ref)
+        assert abs(lp - rlp) < 1e-4 and all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(top, rtop)), (got, ref)
+    assert sent and sent % (65536 // 2) == 0, sent   # whole bf16 blocks of the bundled model
+
+
 def test_prefill_group_batches():
     """Batched prefill in a group of P = 2: the leader sends its ranks plans of several prompts
     (their chunks side by side, a block table each). The leader pauses between forwards (test hook
@@ -379,7 +403,7 @@ def test_launcher_decode_tp4_prefill_tp2():
 
 if __name__ == "__main__":
     sys.exit(run_tests([test_tp2_equals_tp1, test_tp8_kv_heads_replicated, test_prefill_tp2_decode_tp1,
-                        test_prefill_tp2_decode_tp4, test_prefill_group_batches,
+                        test_prefill_tp2_decode_tp4, test_bf16_transfer_between_groups, test_prefill_group_batches,
                         test_rank_killed_fails_cleanly_and_group_reforms, test_prefill_rank_killed,
                         test_aborts_and_overlap_in_groups, test_preemption_in_a_group,
                         test_launcher_decode_tp4_prefill_tp2]))

@@ -248,6 +248,63 @@ MUTANTS = {
         "until a purge gets to it, with no bound under the router's idle timeout",
         [("deploy/haproxy/prism.cfg", "    http-reuse never\n", "")],
         IT + "test_loadbalancer.py haproxy test_example_config_is_what_runs", []),
+    # KV on the wire in bf16 (issue 33, --kv-transfer-dtype)
+    "kv-wire-dtype-unchecked": (
+        "the decode worker takes a Kv first piece of any wire_dtype (an unknown one read as f32)",
+        [("decode_worker/main.c",
+          "    bool wire_ok = kv && (kv->wire_dtype == PRISM__KV_DTYPE__KV_DTYPE_F32 || kv->wire_dtype == PRISM__KV_DTYPE__KV_DTYPE_BF16);",
+          "    bool wire_ok = kv != NULL;")],
+        IT + "test_security.py test_decode_checks_kv_wire_dtype", ["decode_worker"]),
+    "kv-widen-half": (
+        "a bf16 piece widened by its wire length (half its values): the rest of the import is stale",
+        [("decode_worker/main.c",
+          "        prism_kv_wire_widen(bytes, piece_bytes(d, x->nb, first, n) / sizeof(float), d->wide);",
+          "        prism_kv_wire_widen(bytes, prism_kv_wire_bytes(x->wire, piece_bytes(d, x->nb, first, n)) / sizeof(float), "
+          "d->wide);")],
+        IT + "test_kv_route.py test_kv_transfer_in_bf16", ["decode_worker"]),
+    "kv-piece-f32-length": (
+        "a later piece of a bf16 transfer checked against its f32 length",
+        [("decode_worker/main.c", "        len != prism_kv_wire_bytes(x->wire, piece_bytes(d, x->nb, first, n))) {",
+          "        len != piece_bytes(d, x->nb, first, n)) {")],
+        IT + "test_kv_route.py test_kv_transfer_in_bf16", ["decode_worker"]),
+    "kv-piece-f32-blocks": (
+        "a bf16 first piece held to an f32 piece's block count (bf16 pieces hold twice the blocks)",
+        [("decode_worker/main.c", "        n < 1 || n > total || n > d->piece_blocks[w] ||",
+          "        n < 1 || n > total || n > d->piece_blocks[PRISM_KV_WIRE_F32] ||")],
+        IT + "test_kv_route.py test_kv_transfer_in_bf16", ["decode_worker"]),
+    "prefill-bf16-f32-header": (
+        "the prefill sends bf16 frames under a header giving the fp32 block size",
+        [("prefill_worker/main.c", "    p->kv_hdr.block_bytes = prism_kv_wire_bytes(p->wire, fbb);",
+          "    p->kv_hdr.block_bytes = fbb;")],
+        IT + "test_kv_route.py test_kv_transfer_in_bf16", ["prefill_worker"]),
+    "migration-unnarrowed": (
+        "a decode worker migrating in bf16 sends the first half of its fp32 export (not narrowed)",
+        [("decode_worker/main.c",
+          "        if (d->wire == PRISM_KV_WIRE_BF16) prism_kv_wire_narrow(d->mig_piece, piece_bytes(d, nb, k, n) / sizeof(float));\n",
+          "")],
+        IT + "test_limits.py test_migration_in_bf16", ["decode_worker"]),
+    "prefill-group-unnarrowed": (
+        "a prefill group's leader sends the KV it gathered unnarrowed under a bf16 header",
+        [("prefill_worker/main.c", "    if (erc == PRISM_OK && p->wire == PRISM_KV_WIRE_BF16) {",
+          "    if (erc == PRISM_OK && p->wire == PRISM_KV_WIRE_BF16 && p->tp.size <= 1) {")],
+        IT + "test_tp.py test_bf16_transfer_between_groups", ["prefill_worker"]),
+    "prefill-narrows-full-part-only": (
+        "the prefill narrows the full layers' part of a transfer and leaves the chunked layers' part fp32",
+        [("prefill_worker/main.c", "        prism_kv_wire_narrow(p->kv_out, p->kv_len / sizeof(float));",
+          "        prism_kv_wire_narrow(p->kv_out, (size_t)nb * fbb / sizeof(float));")],
+        IT + "test_llama4.py test_bf16_transfer_with_chunked_layers", ["prefill_worker"]),
+    "kv-wire-auto-ignores-compute": (
+        "--kv-transfer-dtype auto stays f32 under --compute-dtype bf16",
+        [("common/kv/kv.c",
+          '*out = compute_dtype && !strcmp(compute_dtype, "bf16") ? PRISM_KV_WIRE_BF16 : PRISM_KV_WIRE_F32;',
+          "*out = PRISM_KV_WIRE_F32;")],
+        IT + "test_supervisor.py test_launch_gives_the_routers_the_api_key_in_a_file",
+        ["prefill_worker", "decode_worker"]),
+    "kv-narrow-truncates": (
+        "fp32 -> bf16 on the wire truncates instead of rounding to nearest even",
+        [("common/kv/kv.c", "        uint16_t h = prism_f32_to_bf16(f);",
+          "        uint32_t u_;\n        memcpy(&u_, &f, 4);\n        uint16_t h = (uint16_t)(u_ >> 16);")],
+        "ctest --test-dir $BUILD -R '^test_core$' --output-on-failure", ["test_core"]),
 }
 
 

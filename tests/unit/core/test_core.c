@@ -172,6 +172,58 @@ static void test_kv_blocks_shared_prefix(void **state)
     prism_kv_blocks_free_all(&b);
 }
 
+/* KV transfers in bf16 (Kv.wire_dtype): --kv-transfer-dtype, the wire sizes, and the narrowing in
+ * place (nearest even, the export staging's first half) and widening (exact) around the wire. */
+static void test_kv_wire(void **state)
+{
+    (void)state;
+    prism_kv_wire_t w = PRISM_KV_WIRE_BF16;
+    assert_int_equal(prism_kv_wire_parse("auto", "auto", &w), PRISM_OK);
+    assert_int_equal(w, PRISM_KV_WIRE_F32);
+    assert_int_equal(prism_kv_wire_parse("auto", "f32", &w), PRISM_OK);
+    assert_int_equal(w, PRISM_KV_WIRE_F32);
+    assert_int_equal(prism_kv_wire_parse("auto", "bf16", &w), PRISM_OK);
+    assert_int_equal(w, PRISM_KV_WIRE_BF16);
+    assert_int_equal(prism_kv_wire_parse("f32", "bf16", &w), PRISM_OK);
+    assert_int_equal(w, PRISM_KV_WIRE_F32);
+    assert_int_equal(prism_kv_wire_parse("bf16", "f32", &w), PRISM_OK);
+    assert_int_equal(w, PRISM_KV_WIRE_BF16);
+    assert_int_equal(prism_kv_wire_parse("fp16", "f32", &w), PRISM_EINVAL);
+    assert_string_equal(prism_kv_wire_name(PRISM_KV_WIRE_BF16), "bf16");
+    assert_int_equal(prism_kv_wire_bytes(PRISM_KV_WIRE_F32, 65536), 65536);
+    assert_int_equal(prism_kv_wire_bytes(PRISM_KV_WIRE_BF16, 65536), 32768);
+    /* a bf16 piece holds twice the blocks in the same wire bytes (at most a piece) */
+    assert_int_equal(prism_kv_piece_blocks(prism_kv_wire_bytes(PRISM_KV_WIRE_BF16, 65536)), 2 * prism_kv_piece_blocks(65536));
+    assert_true((size_t)prism_kv_piece_blocks(32768) * 32768 <= PRISM_KV_PIECE_BYTES);
+
+    /* 1 + 2^-8 ties to 1 (even), 1 + 3 * 2^-8 ties up to 1 + 2^-6 (even), 1 + 2^-8 + 2^-20 rounds
+     * up; signed zeros, a large value, a denormal, infinity keep their bf16 (bit patterns as torch's
+     * .to(torch.bfloat16)) */
+    const float in[] = {1.0f, 1.00390625f, 1.01171875f, 1.0039072f, -2.5f, 0.0f, -0.0f, 3.0e38f, 1e-40f, INFINITY};
+    const uint16_t want[] = {0x3f80, 0x3f80, 0x3f82, 0x3f81, 0xc020, 0x0000, 0x8000, 0x7f62, 0x0001, 0x7f80};
+    enum { N = sizeof in / sizeof in[0] };
+    float buf[N + 1];
+    memcpy(buf, in, sizeof in);
+    buf[N] = NAN;
+    prism_kv_wire_narrow(buf, N + 1);   /* in place: the first half of buf holds them now */
+    assert_memory_equal(buf, want, sizeof want);
+    float back[N + 1];
+    prism_kv_wire_widen(buf, N + 1, back);
+    for (int i = 0; i < N; i++) {
+        uint32_t u;
+        memcpy(&u, &back[i], 4);
+        assert_int_equal(u, (uint32_t)want[i] << 16);
+    }
+    assert_true(isnan(back[N]));
+    /* widening is exact: a bf16 value narrows back to itself */
+    uint16_t h[4] = {0x3f80, 0xc020, 0x0001, 0x7f7f}, h2[8];
+    float f[4];
+    prism_kv_wire_widen(h, 4, f);
+    memcpy(h2, f, sizeof f);
+    prism_kv_wire_narrow(h2, 4);
+    assert_memory_equal(h, h2, sizeof h);
+}
+
 static void test_ct_equal(void **state)
 {
     (void)state;
@@ -423,6 +475,7 @@ int main(void)
         cmocka_unit_test(test_alloc_counts), cmocka_unit_test(test_arena),      cmocka_unit_test(test_buf),
         cmocka_unit_test(test_parse_bytes),  cmocka_unit_test(test_cli),        cmocka_unit_test(test_kv_blocks),
         cmocka_unit_test(test_kv_blocks_shared_prefix),
+        cmocka_unit_test(test_kv_wire),
         cmocka_unit_test(test_histogram),    cmocka_unit_test(test_embed_cache_lru),
         cmocka_unit_test(test_embed_cache_pinned_hit_survives_puts), cmocka_unit_test(test_embed_cache_multi_unit),
         cmocka_unit_test(test_ct_equal),     cmocka_unit_test(test_secret_file), cmocka_unit_test(test_trace_id),
