@@ -8,6 +8,8 @@
 
 #include "core/core.h"
 
+#include <string.h>
+
 typedef enum {
     PRISM_DTYPE_F32  = 0,
     PRISM_DTYPE_BF16 = 1,
@@ -30,9 +32,23 @@ typedef enum {
 /* Parses an HF hidden_act string ("gelu", "quick_gelu", "silu", ...); -1 when unknown. */
 int prism_act_parse(const char *s);
 
-/* bf16/f16 <-> f32 on the host (loader and tests). */
-float    prism_bf16_to_f32(uint16_t h);
-uint16_t prism_f32_to_bf16(float f);   /* round to nearest even */
+/* bf16/f16 <-> f32 on the host (loader, KV transfers, tests). The bf16 pair is inline and
+ * branch-free so that loops over arrays of them vectorize. */
+static inline float prism_bf16_to_f32(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t prism_f32_to_bf16(float f)   /* round to nearest even; a NaN stays a (quiet) NaN */
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t nan = (u & 0x7fffffffu) > 0x7f800000u, r = (u + 0x7fffu + ((u >> 16) & 1)) >> 16;
+    return (uint16_t)(nan ? (u >> 16) | 0x40 : r);
+}
 float    prism_f16_to_f32(uint16_t h);
 uint16_t prism_f32_to_f16(float f);
 

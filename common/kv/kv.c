@@ -78,14 +78,23 @@ int prism_kv_wire_parse(const char *flag, const char *compute_dtype, prism_kv_wi
 
 const char *prism_kv_wire_name(prism_kv_wire_t w) { return w == PRISM_KV_WIRE_BF16 ? "bf16" : "f32"; }
 
+/* Both in chunks through local arrays: the values are read before any is written (narrow works in
+ * place), and the loops over the arrays vectorize. */
+#define WIRE_CHUNK 256
+
 void prism_kv_wire_narrow(void *buf, size_t n)
 {
     uint8_t *b = buf;
-    for (size_t i = 0; i < n; i++) {
-        float f;
-        memcpy(&f, b + 4 * i, 4);
-        uint16_t h = prism_f32_to_bf16(f);
-        memcpy(b + 2 * i, &h, 2);
+    float f[WIRE_CHUNK];
+    uint16_t h[WIRE_CHUNK];
+    for (size_t i = 0; i < n; i += WIRE_CHUNK) {
+        size_t m = PRISM_MIN((size_t)WIRE_CHUNK, n - i);
+        memcpy(f, b + 4 * i, 4 * m);   /* its output [2i, 2i + 2m) lies below what is left to read */
+        if (m == WIRE_CHUNK)   /* a constant count: vectorized at -O2 too */
+            for (size_t j = 0; j < WIRE_CHUNK; j++) h[j] = prism_f32_to_bf16(f[j]);
+        else
+            for (size_t j = 0; j < m; j++) h[j] = prism_f32_to_bf16(f[j]);
+        memcpy(b + 2 * i, h, 2 * m);
     }
 }
 
@@ -93,10 +102,15 @@ void prism_kv_wire_widen(const void *src, size_t n, void *dst)
 {
     const uint8_t *s = src;
     uint8_t *d = dst;
-    for (size_t i = 0; i < n; i++) {
-        uint16_t h;
-        memcpy(&h, s + 2 * i, 2);
-        float f = prism_bf16_to_f32(h);
-        memcpy(d + 4 * i, &f, 4);
+    uint16_t h[WIRE_CHUNK];
+    float f[WIRE_CHUNK];
+    for (size_t i = 0; i < n; i += WIRE_CHUNK) {
+        size_t m = PRISM_MIN((size_t)WIRE_CHUNK, n - i);
+        memcpy(h, s + 2 * i, 2 * m);
+        if (m == WIRE_CHUNK)
+            for (size_t j = 0; j < WIRE_CHUNK; j++) f[j] = prism_bf16_to_f32(h[j]);
+        else
+            for (size_t j = 0; j < m; j++) f[j] = prism_bf16_to_f32(h[j]);
+        memcpy(d + 4 * i, f, 4 * m);
     }
 }

@@ -13,6 +13,7 @@
 
 #include "core/core.h"
 #include "core/cli.h"
+#include "backend/dtype.h"
 #include "kv/kv.h"
 #include "metrics/metrics.h"
 #include "embed_cache.h"
@@ -222,6 +223,31 @@ static void test_kv_wire(void **state)
     memcpy(h2, f, sizeof f);
     prism_kv_wire_narrow(h2, 4);
     assert_memory_equal(h, h2, sizeof h);
+    /* a piece's worth: whole chunks (the vectorized loops) and a tail, in place, every value as
+     * alone, the cases above scattered through it */
+    enum { LONG = 1000 };
+    float *big = malloc(LONG * sizeof(float)), *wide = malloc(LONG * sizeof(float));
+    uint16_t *one = malloc(LONG * sizeof(uint16_t));
+    assert_non_null(big);
+    assert_non_null(wide);
+    assert_non_null(one);
+    for (int i = 0; i < LONG; i++) {
+        big[i] = i % 7 == 3 ? in[i % N] : (float)(i - 500) * 1.00390625f / 3.0f;
+        one[i] = prism_f32_to_bf16(big[i]);
+    }
+    big[777] = NAN;
+    one[777] = prism_f32_to_bf16(NAN);
+    prism_kv_wire_narrow(big, LONG);
+    assert_memory_equal(big, one, LONG * sizeof(uint16_t));
+    prism_kv_wire_widen(big, LONG, wide);
+    for (int i = 0; i < LONG; i++) {
+        uint32_t u;
+        memcpy(&u, &wide[i], 4);
+        assert_int_equal(u, (uint32_t)one[i] << 16);
+    }
+    free(big);
+    free(wide);
+    free(one);
 }
 
 static void test_ct_equal(void **state)
