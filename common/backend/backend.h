@@ -299,7 +299,8 @@ typedef struct prism_backend_i {
      * only matmul reads (not an embedding table get_rows also reads, e.g. a tied lm_head):
      * weight_pack_bytes: the bytes the loader reserves for it, at least N*K elements (more when
      *   the layout pads N or K), or 0 when this backend keeps such a weight as it is (the CPU
-     *   packs only under --compute-dtype bf16 with AVX-512 BF16 dot products).
+     *   packs bf16 weights under --compute-dtype bf16 with AVX-512 BF16 dot products, and under the
+     *   default fp32 compute on AVX-512).
      * weight_pack: after W was written as [N][K] at the front of those bytes (after any tensor-
      *   parallel slicing), rearranges it in place, once, at load time (it may allocate then).
      *   PRISM_OK without touching it when weight_pack_bytes is 0. From then on w may be passed to

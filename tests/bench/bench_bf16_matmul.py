@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The CPU backend's matmul per dtype on the bundled model's shapes (issue 33): fp32 weights, bf16
 weights with fp32 arithmetic (--weight-dtype bf16) and bf16 dot products (--compute-dtype bf16) on
-[N][K] weights and on the packed ones the model loader makes under --compute-dtype bf16, GFLOP/s,
+[N][K] weights and on the packed ones the model loader makes under --compute-dtype bf16, and bf16
+weights packed under the default fp32 compute (matmul_f32p, AVX-512), GFLOP/s,
 best of --reps, one thread. Drives prism_bench_model --mode mmdtype; prints a markdown
 table (docs/PERFORMANCE.md, "bf16 dot products").
 
@@ -30,17 +31,18 @@ def main():
     exe = os.path.join(args.build_dir, "tests", "unit", "model", "prism_bench_model")
     rows = [int(m) for m in args.rows.split(",")]
     print("| shape | N x K | M | f32 GFLOP/s | bf16 weights | bf16 compute | bf16 compute / f32 | bf16 packed |"
-          " packed / unpacked |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          " packed / unpacked | f32 packed | f32 packed / bf16 weights |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, n, k in SHAPES:
         for m in rows:
             out = subprocess.run([exe, "--mode", "mmdtype", "--threads", str(args.threads), "--reps", str(args.reps),
                                   "--m", str(m), "--n", str(n), "--k", str(k)], capture_output=True, text=True,
                                  check=True).stdout
             r = json.loads(out.strip().splitlines()[-1])
-            print("| %s | %d x %d | %d | %.0f | %.0f | %.0f | %.2fx | %.0f | %.2fx |" % (
+            print("| %s | %d x %d | %d | %.0f | %.0f | %.0f | %.2fx | %.0f | %.2fx | %.0f | %.2fx |" % (
                 name, n, k, m, r["f32_gflops"], r["bf16_weights_gflops"], r["bf16_compute_gflops"],
-                r["bf16_compute_vs_f32"], r["bf16_packed_gflops"], r["bf16_packed_vs_compute"]), flush=True)
+                r["bf16_compute_vs_f32"], r["bf16_packed_gflops"], r["bf16_packed_vs_compute"],
+                r["f32_packed_gflops"], r["f32_packed_vs_bf16_weights"]), flush=True)
     return 0
 
 

@@ -5,7 +5,8 @@
  *   prism_bench_model --mode matmul --threads 1 --m 577 --n 4096 --k 1024   the backend's matmul, same shape
  *   prism_bench_model --mode mmdtype --threads 1 --m 16 --n 688 --k 256     the backend's matmul with fp32 weights,
  *                                   bf16 weights (fp32 arithmetic) and --compute-dtype bf16 on [N][K] and on
- *                                   packed weights (as the model loader packs them), best GFLOP/s
+ *                                   packed weights (as the model loader packs them), and bf16 weights packed
+ *                                   under fp32 compute (matmul_f32p), best GFLOP/s
  *   prism_bench_model --mode copy   --threads 1                             memcpy and read-only bandwidth GB/s
  *   prism_bench_model --mode qkrows --k 32                                  the selected table's qk_rows (decode
  *                                   attention scores) ns/call for m 1..8 query rows x n 16..2048 keys
@@ -149,18 +150,19 @@ static int run_matmul(int threads, int reps, int M, int N, int K)
 
 static int run_mmdtype(int threads, int reps, int M, int N, int K)
 {
-    enum { D = 4 };
+    enum { D = 5 };
     prism_backend_t *be[D];
     for (int d = 0; d < D; d++) be[d] = prism_backend_cpu_create(threads);
-    static const char *const name[D] = {"f32", "bf16_weights", "bf16_compute", "bf16_packed"};
+    static const char *const name[D] = {"f32", "bf16_weights", "bf16_compute", "bf16_packed", "f32_packed"};
     float *x = prism_malloc_aligned(sizeof(float) * (size_t)M * K, 64);
     float *w = prism_malloc_aligned(sizeof(float) * (size_t)N * K, 64);
     uint16_t *wb = prism_malloc_aligned(sizeof(uint16_t) * (size_t)N * K, 64);
     float *y = prism_malloc_aligned(sizeof(float) * (size_t)M * N, 64);
-    if (!be[0] || !be[1] || !be[2] || !be[3] || !x || !w || !wb || !y) PRISM_FATAL("mmdtype: out of memory");
+    if (!be[0] || !be[1] || !be[2] || !be[3] || !be[4] || !x || !w || !wb || !y) PRISM_FATAL("mmdtype: out of memory");
     if (prism_backend_set_weight_dtype(be[1], PRISM_DTYPE_BF16) ||
         prism_backend_set_compute_dtype(be[2], PRISM_DTYPE_BF16) ||
-        prism_backend_set_compute_dtype(be[3], PRISM_DTYPE_BF16))
+        prism_backend_set_compute_dtype(be[3], PRISM_DTYPE_BF16) ||
+        prism_backend_set_weight_dtype(be[4], PRISM_DTYPE_BF16))
         PRISM_FATAL("mmdtype: bf16 refused");
     fill_rand(x, (size_t)M * K, 1);
     fill_rand(w, (size_t)N * K, 2);
@@ -171,13 +173,20 @@ static int run_mmdtype(int threads, int reps, int M, int N, int K)
         memcpy(wp, wb, sizeof(uint16_t) * (size_t)N * K);
         if (be[3]->i.weight_pack(be[3]->ctx, wp, N, K)) PRISM_FATAL("mmdtype: packing refused");
     }
+    /* bf16 weights under fp32 compute, packed where the table has matmul_f32p (AVX-512) */
+    size_t fbytes = be[4]->i.weight_pack_bytes ? be[4]->i.weight_pack_bytes(be[4]->ctx, N, K) : 0;
+    void *wf = fbytes ? prism_backend_buf_alloc(be[4], fbytes) : NULL;
+    if (wf) {
+        memcpy(wf, wb, sizeof(uint16_t) * (size_t)N * K);
+        if (be[4]->i.weight_pack(be[4]->ctx, wf, N, K)) PRISM_FATAL("mmdtype: packing refused");
+    }
     /* enough calls per timing for ~20 ms */
     int calls = (int)PRISM_MAX(1, PRISM_MIN(100000, 2e7 / ((double)M * N * K)));
     double best[D] = {0};
     if (reps > 64) reps = 64;
     for (int r = -1; r < reps; r++)
         for (int d = 0; d < D; d++) {
-            const void *wt = d == 3 ? wp : d ? (const void *)wb : (const void *)w;
+            const void *wt = d == 4 ? wf : d == 3 ? wp : d ? (const void *)wb : (const void *)w;
             prism_dtype_t dt = d ? PRISM_DTYPE_BF16 : PRISM_DTYPE_F32;
             if (!wt) continue;
             double t0 = prism_now_s();
@@ -188,8 +197,10 @@ static int run_mmdtype(int threads, int reps, int M, int N, int K)
         }
     printf("{\"mode\":\"mmdtype\",\"threads\":%d,\"m\":%d,\"n\":%d,\"k\":%d", threads, M, N, K);
     for (int d = 0; d < D; d++) printf(",\"%s_gflops\":%.2f", name[d], best[d]);
-    printf(",\"bf16_compute_vs_f32\":%.2f,\"bf16_packed_vs_compute\":%.2f}\n", best[2] / best[0], best[3] / best[2]);
+    printf(",\"bf16_compute_vs_f32\":%.2f,\"bf16_packed_vs_compute\":%.2f,\"f32_packed_vs_bf16_weights\":%.2f}\n",
+           best[2] / best[0], best[3] / best[2], best[4] / best[1]);
     prism_backend_buf_free(be[3], wp);
+    prism_backend_buf_free(be[4], wf);
     prism_free_aligned(x);
     prism_free_aligned(w);
     prism_free_aligned(wb);

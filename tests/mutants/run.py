@@ -193,6 +193,20 @@ MUTANTS = {
           "const __mmask16 lastm = N % PRISM_CPU_BF16P_COLS ? LANES(N % PRISM_CPU_BF16P_COLS) : (__mmask16)0xffff;",
           "const __mmask16 lastm = (__mmask16)0xffff;")],
         "ctest --test-dir $BUILD -R '^test_backend_cpu$' --output-on-failure", ["test_backend_cpu"]),
+    "f32p-pairs-swapped": (
+        "the fp32 kernel on packed bf16 weights widens the two k of each pair the wrong way round",
+        [("common/backend/cpu/cpu_kern_avx512.c",
+          "            __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));\n"
+          "            __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(v, hi));",
+          "            __m512 wo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));\n"
+          "            __m512 we = _mm512_castsi512_ps(_mm512_and_si512(v, hi));")],
+        "ctest --test-dir $BUILD -R '^(test_backend_cpu|test_model_golden)$' --output-on-failure",
+        ["test_backend_cpu", "test_model_golden"]),
+    "f32p-odd-k-dropped": (
+        "the fp32 kernel on packed bf16 weights drops the last k of an odd K",
+        [("common/backend/cpu/cpu_kern_avx512.c", "    if (K & 1)   /* the last k alone",
+          "    if (0 && (K & 1))   /* the last k alone")],
+        "ctest --test-dir $BUILD -R '^test_backend_cpu$' --output-on-failure", ["test_backend_cpu"]),
     "bf16p-tp-pack-whole-k": (
         "a tensor-parallel rank packs its o_proj column slice as if it held every column",
         [("common/model/llm.c", "(rc = prism_wload_pack_matmul(w, ly->wo, H, nq_l)))",

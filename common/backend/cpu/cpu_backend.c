@@ -1,7 +1,8 @@
 /* CPU backend: fp32 activations; weights fp32, or bf16 when asked (prism_backend_set_weight_dtype:
  * half the bytes a decode step streams); with --compute-dtype bf16 (prism_backend_set_compute_dtype)
  * the matmuls on bf16 weights round x to bf16 and run AVX-512 BF16 dot products, on weights the
- * model loader had packed into 16-column panels (weight_pack) where it could. Matmuls are
+ * model loader had packed into 16-column panels (weight_pack) where it could (on AVX-512 the
+ * default fp32 compute packs bf16 weights too, and runs fp32 FMAs on them). Matmuls are
  * OpenBLAS sgemm (or a vectorised gemv for a few rows) on column slices spread over the backend's
  * own thread pool; attention is tiled matrix products (cpu_attn.c); elementwise and row ops run
  * the kernel table chosen at create for this CPU (cpu_kern.h: scalar / AVX2 / AVX-512 / AVX-512
@@ -116,7 +117,9 @@ static int cpu_sync(void *ctx) { return PRISM_OK; }
  * --compute-dtype bf16 (MM_BF16DP): the table's matmul_bf16dp on each thread's block, for every M
  * (same thread grid), rounding the block's x rows into the widen scratch; it has no sgemm. A weight
  * the loader had packed (cpu_weight_pack) runs the table's matmul_bf16p instead: the column
- * slices are whole 16-column groups, so each starts on a panel. */
+ * slices are whole 16-column groups, so each starts on a panel. Under the default fp32 compute a
+ * bf16 weight the loader packed (AVX-512 tables) runs matmul_f32p for every M instead of the gemv
+ * and the widened sgemm: x stays fp32, the weight pairs widen in registers (same grid). */
 
 #define GEMV_MAX_M 16             /* up to this many rows of x the gemv beats OpenBLAS sgemm (which packs all of W) */
 
@@ -137,7 +140,8 @@ typedef struct {
     int M, N, K;
     bool accumulate;
     mm_mode_t mode;
-    bool packed;                  /* MM_BF16DP: w is in matmul_bf16p's packed layout */
+    bool packed;                  /* MM_BF16DP / MM_BF16W: w is in the packed layout (matmul_bf16p /
+                                   * matmul_f32p) */
     int pm, pn;                   /* thread grid: row blocks x column slices */
     float *widen;                 /* the per-thread widen scratch (bf16 weights) */
     size_t widen_floats;          /* of each thread's scratch, what may be used */
@@ -199,7 +203,14 @@ static void mm_worker(void *arg, int ith, int nth)
     const uint16_t *w = (const uint16_t *)t->w + (size_t)n0 * t->K;
     float *buf = t->widen + (size_t)ith * PRISM_CPU_WIDEN_FLOATS;
     switch (t->mode) {
-    case MM_BF16W: mm_bf16w(t, y, x, t->ldx, w, mm, nn, acc, buf); break;
+    case MM_BF16W:
+        if (t->packed)
+            t->k->matmul_f32p(y, t->ldy, x, t->ldx,
+                              (const uint16_t *)t->w + (size_t)(n0 / PRISM_CPU_BF16P_COLS) * prism_cpu_bf16p_panel(t->K),
+                              mm, nn, t->K, acc);
+        else
+            mm_bf16w(t, y, x, t->ldx, w, mm, nn, acc, buf);
+        break;
     case MM_BF16DP:
         if (t->packed)
             t->k->matmul_bf16p(y, t->ldy, x, t->ldx,
@@ -266,7 +277,8 @@ static int cpu_matmul(void *vctx, float *y, int ldy, const float *x, int ldx, co
         prism_cpu_packed_t pk;
         packed = packed_find(c, w, &pk);
         /* a packed weight is taken whole only (backend.h: weight_pack) */
-        if (packed && ((const uint8_t *)w != pk.p || N != pk.N || K != pk.K || mode != MM_BF16DP)) return PRISM_EINVAL;
+        if (packed && ((const uint8_t *)w != pk.p || N != pk.N || K != pk.K || (mode != MM_BF16DP && mode != MM_BF16W)))
+            return PRISM_EINVAL;
     }
     if (M == 0) return PRISM_OK;
     int nth = prism_cpu_nth(c, (size_t)M * N * K, PRISM_CPU_MATMUL_GRAIN);
@@ -573,7 +585,8 @@ static int cpu_set_compute_dtype(void *vctx, prism_dtype_t dt)
     prism_cpu_ctx_t *c = vctx;
     if (dt != PRISM_DTYPE_F32 && dt != PRISM_DTYPE_BF16) return PRISM_ENOTSUP;
     if (dt == PRISM_DTYPE_BF16 && !c->widen_scratch) return PRISM_ENOTSUP;
-    if (c->n_packed && dt != PRISM_DTYPE_BF16) return PRISM_EINVAL;   /* packed weights need the bf16 kernels */
+    if (c->n_packed && (dt == PRISM_DTYPE_BF16) != c->bf16dp)
+        return PRISM_EINVAL;   /* packed weights need the kernel of the compute dtype they were packed for */
     c->bf16dp = dt == PRISM_DTYPE_BF16;
     if (c->bf16dp && !c->k->matmul_bf16dp)
         PRISM_WARN("cpu backend: --compute-dtype bf16 without AVX-512 BF16 (%s kernels%s): x is rounded to bf16 as "
@@ -584,12 +597,15 @@ static int cpu_set_compute_dtype(void *vctx, prism_dtype_t dt)
     return PRISM_OK;
 }
 
-/* Packing: only under --compute-dtype bf16 with the table's packed kernel (AVX-512 BF16); fp32
- * compute, the emulation and the other tables keep [N][K] and today's kernels. */
+/* Packing, bf16 weights only, where the table has the packed kernel of the compute dtype:
+ * --compute-dtype bf16 with matmul_bf16p (AVX-512 BF16), the default fp32 compute with matmul_f32p
+ * (both AVX-512 tables). The emulation, fp32 weights and the other tables keep [N][K] and today's
+ * kernels. */
 static size_t cpu_weight_pack_bytes(void *vctx, int N, int K)
 {
     prism_cpu_ctx_t *c = vctx;
-    if (!c->bf16dp || !c->k->matmul_bf16p || N <= 0 || K <= 0) return 0;
+    bool ok = c->bf16dp ? c->k->matmul_bf16p != NULL : c->widen_scratch && c->k->matmul_f32p;
+    if (!ok || N <= 0 || K <= 0) return 0;
     return prism_cpu_bf16p_elems(N, K) * sizeof(uint16_t);
 }
 

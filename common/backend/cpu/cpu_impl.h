@@ -67,8 +67,9 @@ typedef struct {
     size_t widen_floats;          /* of each thread's scratch, what a chunk may fill (tests narrow it) */
     bool bf16dp;                  /* --compute-dtype bf16: matmuls on bf16 weights round x to bf16; the
                                    * widen scratch then holds the rounded rows of x */
-    /* weights in matmul_bf16p's packed layout (cpu_weight_pack), sorted by address: matmul looks
-     * its w up here; freeing the block that holds one drops it (under mem_mu) */
+    /* weights in the packed layout (cpu_weight_pack) of matmul_bf16p (bf16 compute) or matmul_f32p
+     * (fp32 compute; the compute dtype cannot change once one is here), sorted by address: matmul
+     * looks its w up here; freeing the block that holds one drops it (under mem_mu) */
     prism_cpu_packed_t *packed;
     int n_packed, cap_packed;
     size_t pool_cap, pool_used, pool_peak;   /* memory pool accounting (bytes) */

@@ -9,7 +9,8 @@
  * polynomial (within ~2 ulp of libm), so vector results equal the scalar ones within fp32
  * rounding, not bit for bit. A fourth table, avx512bf16 (AVX-512 with the BF16 extension: Zen 4,
  * Cooper Lake, Sapphire Rapids and later), is the avx512 one plus the bf16 matmuls (vdpbf16ps)
- * that --compute-dtype bf16 runs: on [N][K] weights, and on weights packed at load. PRISM_CPU_ISA=scalar|avx2|avx512|avx512bf16 forces
+ * that --compute-dtype bf16 runs: on [N][K] weights, and on weights packed at load. Both AVX-512
+ * tables run the default fp32 compute on packed bf16 weights too (matmul_f32p). PRISM_CPU_ISA=scalar|avx2|avx512|avx512bf16 forces
  * a path (a path the CPU lacks falls back to the best one it has, with a warning) so tests can
  * compare every path the machine can run. */
 #ifndef PRISM_BACKEND_CPU_KERN_H
@@ -94,6 +95,13 @@ typedef struct prism_cpu_kern {
      * where matmul_bf16dp is NULL, and in the scalar table (the backend then keeps [N][K]). */
     void (*matmul_bf16p)(float *y, int ldy, const float *x, int ldx, const uint16_t *wp, int M, int N, int K,
                          bool accumulate, uint16_t *xb, size_t xb_len);
+    /* The default --compute-dtype fp32 on a bf16 weight in the same packed layout: y[m][n] (+)=
+     * Σ_k x[m][k]·w[n][k] with x as it is (fp32, not rounded), each weight pair widened exactly in
+     * registers, fp32 products and sums (as gemv_bf16 and the widened sgemm, only the summation
+     * order differs). wp as for matmul_bf16p; no scratch. NULL outside the AVX-512 tables (the
+     * backend then keeps [N][K]). */
+    void (*matmul_f32p)(float *y, int ldy, const float *x, int ldx, const uint16_t *wp, int M, int N, int K,
+                        bool accumulate);
 
     /* ---- attention tiles (rows = (token, q head) pairs of one kv head) ----
      * pack_kt: Kt[d][j] = krows[j][d] for j < n, d < hd; columns n..ldk-1 zeroed (ldk >= n,

@@ -100,4 +100,9 @@ static double sumsqdev_d(const float *x, int n, double mean)
 #define KSUMSQ_D(x, n)           sumsq_d((x), (n))
 #define KSUMSQDEV_D(x, n, mean)  sumsqdev_d((x), (n), (mean))
 
+/* fp32 x times a bf16 weight in the packed layout (cpu_kern.h), the default --compute-dtype fp32
+ * on AVX-512 (cpu_kern_avx512.c; both AVX-512 tables point at it). */
+void prism_cpu_avx512_matmul_f32p(float *y, int ldy, const float *x, int ldx, const uint16_t *wp, int M, int N,
+                                  int K, bool accumulate);
+
 #endif

@@ -308,6 +308,7 @@ static void k_matmul_bf16p(float *y, int ldy, const float *x, int ldx, const uin
 
 #define KMATMUL_BF16DP k_matmul_bf16dp
 #define KMATMUL_BF16P  k_matmul_bf16p
+#define KMATMUL_F32P   prism_cpu_avx512_matmul_f32p
 #define KTABLE prism_cpu_kern_avx512bf16
 #define KNAME  "avx512bf16"
 #define KISA   PRISM_CPU_ISA_AVX512BF16

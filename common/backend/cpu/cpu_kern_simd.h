@@ -13,6 +13,7 @@
  *   KTABLE / KNAME / KISA  the table symbol, its name and ISA
  *   KMATMUL_BF16DP          optional: the table's bf16 dot-product matmul (NULL when not defined)
  *   KMATMUL_BF16P           optional: the same on packed weights (NULL when not defined)
+ *   KMATMUL_F32P            optional: fp32 x times packed bf16 weights (NULL when not defined)
  *
  * The polynomial exp and erf here are within about 2 ulp of libm (fits in tools/fit_cpu_erf.py);
  * everything else does the scalar reference's arithmetic in a different order. */
@@ -664,6 +665,9 @@ const prism_cpu_kern_t KTABLE = {
 #endif
 #ifdef KMATMUL_BF16P
     .matmul_bf16p = KMATMUL_BF16P,
+#endif
+#ifdef KMATMUL_F32P
+    .matmul_f32p = KMATMUL_F32P,
 #endif
     .pack_kt = k_pack_kt,
     .qk = k_qk,

@@ -1067,9 +1067,12 @@ static void test_bf16p_backend(void **state)
     unsetenv("PRISM_CPU_ISA");
     assert_int_equal(prism_backend_set_weight_dtype(bw, PRISM_DTYPE_BF16), PRISM_OK);
     assert_int_equal(prism_backend_set_compute_dtype(emul, PRISM_DTYPE_BF16), PRISM_OK);
-    /* fp32 compute (weights bf16 or not) and the emulation keep [N][K] */
-    prism_backend_t *keep[3] = {f32, bw, emul};
-    for (int i = 0; i < 3; i++) {
+    /* fp32 weights and the emulation keep [N][K]; bf16 weights under fp32 compute pack only where
+     * the table has matmul_f32p (test_f32p_backend) */
+    assert_int_equal(bw->i.weight_pack_bytes(bw->ctx, 33, 31) != 0,
+                     ((prism_cpu_ctx_t *)bw->ctx)->k->matmul_f32p != NULL);
+    prism_backend_t *keep[2] = {f32, emul};
+    for (int i = 0; i < 2; i++) {
         assert_int_equal(keep[i]->i.weight_pack_bytes(keep[i]->ctx, 33, 31), 0);
         uint16_t one = 7;
         assert_int_equal(keep[i]->i.weight_pack(keep[i]->ctx, &one, 1, 1), PRISM_OK);
@@ -1129,6 +1132,157 @@ static void test_bf16p_backend(void **state)
             assert_int_equal(be->i.matmul(be->ctx, yp, N, x, D, wp, PRISM_DTYPE_BF16, NULL, 1, N - 1, K, false),
                              PRISM_EINVAL);
             assert_int_equal(prism_backend_set_compute_dtype(be, PRISM_DTYPE_F32), PRISM_EINVAL);
+            prism_backend_buf_free(be, wp);
+            assert_int_equal(c->n_packed, 0);
+        }
+        prism_backend_destroy(be);
+    }
+    free(x); free(bias); free(yp); free(yu); free(sc); free(wu);
+}
+
+/* The fp32 packed kernel (matmul_f32p: x as it is, the bf16 weight pairs widened in registers)
+ * against Σ_k x·w in double over the shapes of test_bf16p_kernel (tile edges, 1-2 row split sums,
+ * row blocks, partial last panels, odd K), accumulate on and off, strided x and y, nothing written
+ * past N. One fp32 rounding per product-sum step (+1 for accumulate): within (K + 2)·2^-24. x is NOT
+ * rounded: the result is far nearer the fp32 reference than bf16(x) would allow. Both AVX-512
+ * tables share it; the scalar and AVX2 tables have none. */
+static void test_f32p_kernel(void **state)
+{
+    (void)state;
+    assert_null(prism_cpu_kern_scalar.matmul_f32p);
+    assert_null(prism_cpu_kern_avx2.matmul_f32p);
+    if (prism_cpu_isa_detect() < PRISM_CPU_ISA_AVX512) {
+        printf("skipped: this CPU has no AVX-512\n");
+        skip();
+        return;
+    }
+    const prism_cpu_kern_t *kb = &prism_cpu_kern_avx512;
+    assert_non_null(kb->matmul_f32p);
+    assert_ptr_equal(kb->matmul_f32p, prism_cpu_kern_avx512bf16.matmul_f32p);
+    static const int ms[] = {1, 2, 3, 5, 7, 8, 16, 17, 64, 512};
+    static const int ns[] = {1, 15, 16, 17, 33, 128, 688};
+    static const int ks[] = {1, 2, 31, 32, 33, 256, 688};
+    enum { MM = 512, NN = 688, KK = 688, LDX = KK + 3, LDY = NN + 5 };
+    float *x = malloc(sizeof(float) * MM * LDX), *y = malloc(sizeof(float) * MM * LDY), *y0 = malloc(sizeof(float) * MM * LDY);
+    uint16_t *w = malloc(sizeof(uint16_t) * prism_cpu_bf16p_elems(NN, KK)), *tmp = malloc(sizeof(uint16_t) * 16 * KK);
+    double *wr = malloc(sizeof(double) * NN * KK), *ref = malloc(sizeof(double) * MM * NN), *sc = malloc(sizeof(double) * MM * NN);
+    fill(x, (size_t)MM * LDX);
+    double worst_bf16x = 0;   /* the largest error relative to tol: x must not have been rounded */
+    int checked = 0;
+    for (size_t ki = 0; ki < PRISM_ARRAY_LEN(ks); ki++)
+        for (size_t ni = 0; ni < PRISM_ARRAY_LEN(ns); ni++) {
+            int K = ks[ki], N = ns[ni];
+            for (int i = 0; i < N * K; i++) {
+                w[i] = prism_f32_to_bf16(frand());
+                wr[(size_t)(i / K) * KK + i % K] = prism_bf16_to_f32(w[i]);
+            }
+            prism_cpu_bf16p_pack(w, N, K, tmp);
+            for (size_t mi = 0; mi < PRISM_ARRAY_LEN(ms); mi++) {
+                int M = ms[mi];
+                for (int m = 0; m < M; m++)
+                    for (int n = 0; n < N; n++) {
+                        double s = 0, a = 0;
+                        const float *xm = x + (size_t)m * LDX;
+                        const double *wn = wr + (size_t)n * KK;
+                        for (int k = 0; k < K; k++) {
+                            s += xm[k] * wn[k];
+                            a += fabs(xm[k] * wn[k]);
+                        }
+                        ref[(size_t)m * N + n] = s;
+                        sc[(size_t)m * N + n] = a;
+                    }
+                for (int acc = 0; acc < 2; acc++) {
+                    for (int i = 0; i < M * LDY; i++) y[i] = y0[i] = (float)(i % 5) - 2;
+                    kb->matmul_f32p(y, LDY, x, LDX, w, M, N, K, acc);
+                    for (int m = 0; m < M; m++) {
+                        for (int n = 0; n < N; n++) {
+                            size_t i = (size_t)m * LDY + n, r = (size_t)m * N + n;
+                            double want = ref[r] + (acc ? y0[i] : 0.0), tol = (K + 2) * 0x1p-24 * (sc[r] + fabs(want));
+                            if (!(fabs(y[i] - want) <= tol))
+                                fail_msg("M %d N %d K %d acc %d: y[%d][%d] = %.9g, want %.9g (tol %.3g)", M, N, K, acc,
+                                         m, n, y[i], want, tol);
+                            if (sc[r] > 0) worst_bf16x = fmax(worst_bf16x, fabs(y[i] - want) / (sc[r] + fabs(want)));
+                        }
+                        for (int n = N; n < LDY; n++)
+                            if (y[(size_t)m * LDY + n] != y0[(size_t)m * LDY + n])
+                                fail_msg("M %d N %d K %d: y[%d][%d] past N was written", M, N, K, m, n);
+                    }
+                    checked++;
+                }
+            }
+        }
+    assert_int_equal(checked, 2 * 10 * 7 * 7);
+    assert_true(worst_bf16x < 0x1p-12);   /* bf16(x) would cost up to 2^-9 of the magnitudes */
+    free(x); free(y); free(y0); free(w); free(tmp); free(wr); free(ref); free(sc);
+}
+
+/* Packing under the default fp32 compute: bf16 weights on an AVX-512 table pack (weight_pack_bytes
+ * as under bf16 compute), fp32 weights and the AVX2 table do not; the packed weight's matmul equals
+ * the unpacked one's (gemv_bf16 for few rows, widened sgemm for many) within fp32 summation rounding
+ * on 1 and 3 threads, every M, bias, accumulate, a partial last panel, odd K; taken only whole;
+ * the compute dtype may not change under it; freeing its block forgets it. */
+static void test_f32p_backend(void **state)
+{
+    (void)state;
+    prism_backend_t *f32 = prism_backend_cpu_create(1);
+    setenv("PRISM_CPU_ISA", "avx2", 1);
+    prism_backend_t *a2 = prism_backend_cpu_create(1);
+    unsetenv("PRISM_CPU_ISA");
+    assert_int_equal(prism_backend_set_weight_dtype(a2, PRISM_DTYPE_BF16), PRISM_OK);
+    assert_int_equal(f32->i.weight_pack_bytes(f32->ctx, 33, 32), 0);
+    assert_int_equal(a2->i.weight_pack_bytes(a2->ctx, 33, 32), 0);
+    prism_backend_destroy(f32);
+    prism_backend_destroy(a2);
+    if (prism_cpu_isa_detect() < PRISM_CPU_ISA_AVX512) {
+        printf("skipped the packed fp32 matmul: this CPU has no AVX-512\n");
+        skip();
+        return;
+    }
+    enum { R = 300, D = 301, N = 700 };
+    prism_backend_t *bs[2] = {prism_backend_cpu_create(1), prism_backend_cpu_create(3)};
+    float *x = malloc(sizeof(float) * R * D), *bias = malloc(sizeof(float) * N);
+    float *yp = malloc(sizeof(float) * R * N), *yu = malloc(sizeof(float) * R * N);
+    double *sc = malloc(sizeof(double) * R * N);
+    uint16_t *wu = malloc(sizeof(uint16_t) * N * D);
+    fill(x, (size_t)R * D);
+    fill(bias, N);
+    for (size_t i = 0; i < (size_t)N * D; i++) wu[i] = prism_f32_to_bf16(frand());
+    for (int bi = 0; bi < 2; bi++) {
+        prism_backend_t *be = bs[bi];
+        prism_cpu_ctx_t *c = be->ctx;
+        assert_int_equal(prism_backend_set_weight_dtype(be, PRISM_DTYPE_BF16), PRISM_OK);
+        assert_int_equal(be->compute_dtype, PRISM_DTYPE_F32);
+        for (int K = D - 1; K <= D; K++) {
+            size_t bytes = be->i.weight_pack_bytes(be->ctx, N, K);
+            assert_int_equal(bytes, prism_cpu_bf16p_elems(N, K) * 2);
+            uint16_t *wp = prism_backend_buf_alloc(be, bytes);
+            assert_non_null(wp);
+            memcpy(wp, wu, (size_t)N * K * 2);
+            assert_int_equal(be->i.weight_pack(be->ctx, wp, N, K), PRISM_OK);
+            assert_int_equal(c->n_packed, 1);
+            assert_int_equal(be->i.weight_pack(be->ctx, wp, N, K), PRISM_EINVAL);   /* twice */
+            uint64_t allocs = prism_mem_alloc_count();
+            for (int M = 1; M <= R; M = M < 20 ? M + 3 : M * 2 + 7) {
+                bool acc = M % 3 != 0;
+                const float *b = M % 4 ? bias : NULL;
+                for (int i = 0; i < M * N; i++) yp[i] = yu[i] = (float)(i % 7);
+                assert_int_equal(be->i.matmul(be->ctx, yp, N, x, D, wp, PRISM_DTYPE_BF16, b, M, N, K, acc), PRISM_OK);
+                assert_int_equal(be->i.matmul(be->ctx, yu, N, x, D, wu, PRISM_DTYPE_BF16, b, M, N, K, acc), PRISM_OK);
+                for (int m = 0; m < M; m++)
+                    for (int n = 0; n < N; n++) {
+                        double s = (acc ? (double)((m * N + n) % 7) : 0.0) + (b ? fabs(b[n]) : 0);
+                        for (int k = 0; k < K; k++)
+                            s += fabs((double)x[(size_t)m * D + k] * prism_bf16_to_f32(wu[(size_t)n * K + k]));
+                        sc[(size_t)m * N + n] = s;
+                    }
+                assert_within(yp, yu, sc, (size_t)M * N, 2.0 * (K + 2) * 0x1p-24, "packed vs unpacked fp32 matmul");
+            }
+            assert_int_equal(prism_mem_alloc_count(), allocs);
+            assert_int_equal(be->i.matmul(be->ctx, yp, N, x, D, wp + 16 * K, PRISM_DTYPE_BF16, NULL, 1, N - 16, K, false),
+                             PRISM_EINVAL);
+            assert_int_equal(be->i.matmul(be->ctx, yp, N, x, D, wp, PRISM_DTYPE_BF16, NULL, 1, N - 1, K, false),
+                             PRISM_EINVAL);
+            assert_int_equal(prism_backend_set_compute_dtype(be, PRISM_DTYPE_BF16), PRISM_EINVAL);
             prism_backend_buf_free(be, wp);
             assert_int_equal(c->n_packed, 0);
         }
@@ -1245,6 +1399,8 @@ int main(void)
         cmocka_unit_test(test_bf16p_pack_layout),
         cmocka_unit_test(test_bf16p_kernel),
         cmocka_unit_test(test_bf16p_backend),
+        cmocka_unit_test(test_f32p_kernel),
+        cmocka_unit_test(test_f32p_backend),
         cmocka_unit_test(test_bf16_compute),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
