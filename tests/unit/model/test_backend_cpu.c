@@ -1054,6 +1054,72 @@ static void test_bf16p_kernel(void **state)
     free(x); free(y); free(y0); free(w); free(tmp); free(xb); free(xr); free(wr); free(ref); free(sc);
 }
 
+/* test_bf16p_backend / test_f32p_backend: bf16 weights packed under the compute dtype `compute`
+ * against the same weights unpacked, on 1 and 3 threads: every M (decode gemv grid and row blocks),
+ * bias, accumulate, a partial last panel, odd K; no allocation per call; taken only whole; packed
+ * twice refused; the compute dtype may not change under it; freeing its block forgets it. */
+static void check_packed_backend(prism_dtype_t compute, const char *what)
+{
+    enum { R = 300, D = 301, N = 700 };
+    prism_backend_t *bs[2] = {prism_backend_cpu_create(1), prism_backend_cpu_create(3)};
+    float *x = malloc(sizeof(float) * R * D), *bias = malloc(sizeof(float) * N);
+    float *yp = malloc(sizeof(float) * R * N), *yu = malloc(sizeof(float) * R * N);
+    double *sc = malloc(sizeof(double) * R * N);
+    uint16_t *wu = malloc(sizeof(uint16_t) * N * D);
+    fill(x, (size_t)R * D);
+    fill(bias, N);
+    for (size_t i = 0; i < (size_t)N * D; i++) wu[i] = prism_f32_to_bf16(frand());
+    for (int bi = 0; bi < 2; bi++) {
+        prism_backend_t *be = bs[bi];
+        prism_cpu_ctx_t *c = be->ctx;
+        if (compute == PRISM_DTYPE_BF16) {
+            assert_int_equal(prism_backend_set_compute_dtype(be, PRISM_DTYPE_BF16), PRISM_OK);
+        } else {
+            assert_int_equal(prism_backend_set_weight_dtype(be, PRISM_DTYPE_BF16), PRISM_OK);
+            assert_int_equal(be->compute_dtype, PRISM_DTYPE_F32);
+        }
+        for (int K = D - 1; K <= D; K++) {   /* even K: the bytes of [N][K] plus the panel padding; odd K: more */
+            size_t bytes = be->i.weight_pack_bytes(be->ctx, N, K);
+            assert_int_equal(bytes, prism_cpu_bf16p_elems(N, K) * 2);
+            assert_true(bytes >= (size_t)N * K * 2);
+            uint16_t *wp = prism_backend_buf_alloc(be, bytes);
+            assert_non_null(wp);
+            memcpy(wp, wu, (size_t)N * K * 2);
+            assert_int_equal(be->i.weight_pack(be->ctx, wp, N, K), PRISM_OK);
+            assert_int_equal(c->n_packed, 1);
+            assert_int_equal(be->i.weight_pack(be->ctx, wp, N, K), PRISM_EINVAL);   /* twice */
+            uint64_t allocs = prism_mem_alloc_count();
+            for (int M = 1; M <= R; M = M < 20 ? M + 3 : M * 2 + 7) {
+                bool acc = M % 3 != 0;
+                const float *b = M % 4 ? bias : NULL;
+                for (int i = 0; i < M * N; i++) yp[i] = yu[i] = (float)(i % 7);
+                assert_int_equal(be->i.matmul(be->ctx, yp, N, x, D, wp, PRISM_DTYPE_BF16, b, M, N, K, acc), PRISM_OK);
+                assert_int_equal(be->i.matmul(be->ctx, yu, N, x, D, wu, PRISM_DTYPE_BF16, b, M, N, K, acc), PRISM_OK);
+                for (int m = 0; m < M; m++)
+                    for (int n = 0; n < N; n++) {
+                        double s = (acc ? (double)((m * N + n) % 7) : 0.0) + (b ? fabs(b[n]) : 0);
+                        for (int k = 0; k < K; k++)
+                            s += fabs((double)x[(size_t)m * D + k] * prism_bf16_to_f32(wu[(size_t)n * K + k]));
+                        sc[(size_t)m * N + n] = s;
+                    }
+                assert_within(yp, yu, sc, (size_t)M * N, 2.0 * (K + 2) * 0x1p-24, what);
+            }
+            assert_int_equal(prism_mem_alloc_count(), allocs);   /* the look-up allocates nothing */
+            /* only the whole weight: not a slice of it, not another shape */
+            assert_int_equal(be->i.matmul(be->ctx, yp, N, x, D, wp + 16 * K, PRISM_DTYPE_BF16, NULL, 1, N - 16, K, false),
+                             PRISM_EINVAL);
+            assert_int_equal(be->i.matmul(be->ctx, yp, N, x, D, wp, PRISM_DTYPE_BF16, NULL, 1, N - 1, K, false),
+                             PRISM_EINVAL);
+            prism_dtype_t other = compute == PRISM_DTYPE_BF16 ? PRISM_DTYPE_F32 : PRISM_DTYPE_BF16;
+            assert_int_equal(prism_backend_set_compute_dtype(be, other), PRISM_EINVAL);
+            prism_backend_buf_free(be, wp);
+            assert_int_equal(c->n_packed, 0);
+        }
+        prism_backend_destroy(be);
+    }
+    free(x); free(bias); free(yp); free(yu); free(sc); free(wu);
+}
+
 /* Packing through the backend (weight_pack_bytes / weight_pack): only under --compute-dtype bf16
  * with the packed kernel; the packed weight's matmul equals the unpacked one's (matmul_bf16dp)
  * within fp32 summation rounding on 1 and 3 threads, every M (decode gemv grid and row blocks),
@@ -1086,58 +1152,7 @@ static void test_bf16p_backend(void **state)
         skip();
         return;
     }
-    enum { R = 300, D = 301, N = 700 };
-    prism_backend_t *bs[2] = {prism_backend_cpu_create(1), prism_backend_cpu_create(3)};
-    float *x = malloc(sizeof(float) * R * D), *bias = malloc(sizeof(float) * N);
-    float *yp = malloc(sizeof(float) * R * N), *yu = malloc(sizeof(float) * R * N);
-    double *sc = malloc(sizeof(double) * R * N);
-    uint16_t *wu = malloc(sizeof(uint16_t) * N * D);
-    fill(x, (size_t)R * D);
-    fill(bias, N);
-    for (size_t i = 0; i < (size_t)N * D; i++) wu[i] = prism_f32_to_bf16(frand());
-    for (int bi = 0; bi < 2; bi++) {
-        prism_backend_t *be = bs[bi];
-        prism_cpu_ctx_t *c = be->ctx;
-        assert_int_equal(prism_backend_set_compute_dtype(be, PRISM_DTYPE_BF16), PRISM_OK);
-        for (int K = D - 1; K <= D; K++) {   /* even K: the bytes of [N][K] plus the panel padding; odd K: more */
-            size_t bytes = be->i.weight_pack_bytes(be->ctx, N, K);
-            assert_int_equal(bytes, prism_cpu_bf16p_elems(N, K) * 2);
-            assert_true(bytes >= (size_t)N * K * 2);
-            uint16_t *wp = prism_backend_buf_alloc(be, bytes);
-            assert_non_null(wp);
-            memcpy(wp, wu, (size_t)N * K * 2);
-            assert_int_equal(be->i.weight_pack(be->ctx, wp, N, K), PRISM_OK);
-            assert_int_equal(c->n_packed, 1);
-            assert_int_equal(be->i.weight_pack(be->ctx, wp, N, K), PRISM_EINVAL);   /* twice */
-            uint64_t allocs = prism_mem_alloc_count();
-            for (int M = 1; M <= R; M = M < 20 ? M + 3 : M * 2 + 7) {
-                bool acc = M % 3 != 0;
-                const float *b = M % 4 ? bias : NULL;
-                for (int i = 0; i < M * N; i++) yp[i] = yu[i] = (float)(i % 7);
-                assert_int_equal(be->i.matmul(be->ctx, yp, N, x, D, wp, PRISM_DTYPE_BF16, b, M, N, K, acc), PRISM_OK);
-                assert_int_equal(be->i.matmul(be->ctx, yu, N, x, D, wu, PRISM_DTYPE_BF16, b, M, N, K, acc), PRISM_OK);
-                for (int m = 0; m < M; m++)
-                    for (int n = 0; n < N; n++) {
-                        double s = (acc ? (double)((m * N + n) % 7) : 0.0) + (b ? fabs(b[n]) : 0);
-                        for (int k = 0; k < K; k++)
-                            s += fabs((double)x[(size_t)m * D + k] * prism_bf16_to_f32(wu[(size_t)n * K + k]));
-                        sc[(size_t)m * N + n] = s;
-                    }
-                assert_within(yp, yu, sc, (size_t)M * N, 2.0 * (K + 2) * 0x1p-24, "packed vs unpacked bf16 matmul");
-            }
-            assert_int_equal(prism_mem_alloc_count(), allocs);   /* the look-up allocates nothing */
-            /* only the whole weight: not a slice of it, not another shape */
-            assert_int_equal(be->i.matmul(be->ctx, yp, N, x, D, wp + 16 * K, PRISM_DTYPE_BF16, NULL, 1, N - 16, K, false),
-                             PRISM_EINVAL);
-            assert_int_equal(be->i.matmul(be->ctx, yp, N, x, D, wp, PRISM_DTYPE_BF16, NULL, 1, N - 1, K, false),
-                             PRISM_EINVAL);
-            assert_int_equal(prism_backend_set_compute_dtype(be, PRISM_DTYPE_F32), PRISM_EINVAL);
-            prism_backend_buf_free(be, wp);
-            assert_int_equal(c->n_packed, 0);
-        }
-        prism_backend_destroy(be);
-    }
-    free(x); free(bias); free(yp); free(yu); free(sc); free(wu);
+    check_packed_backend(PRISM_DTYPE_BF16, "packed vs unpacked bf16 matmul");
 }
 
 /* The fp32 packed kernel (matmul_f32p: x as it is, the bf16 weight pairs widened in registers)
@@ -1238,57 +1253,7 @@ static void test_f32p_backend(void **state)
         skip();
         return;
     }
-    enum { R = 300, D = 301, N = 700 };
-    prism_backend_t *bs[2] = {prism_backend_cpu_create(1), prism_backend_cpu_create(3)};
-    float *x = malloc(sizeof(float) * R * D), *bias = malloc(sizeof(float) * N);
-    float *yp = malloc(sizeof(float) * R * N), *yu = malloc(sizeof(float) * R * N);
-    double *sc = malloc(sizeof(double) * R * N);
-    uint16_t *wu = malloc(sizeof(uint16_t) * N * D);
-    fill(x, (size_t)R * D);
-    fill(bias, N);
-    for (size_t i = 0; i < (size_t)N * D; i++) wu[i] = prism_f32_to_bf16(frand());
-    for (int bi = 0; bi < 2; bi++) {
-        prism_backend_t *be = bs[bi];
-        prism_cpu_ctx_t *c = be->ctx;
-        assert_int_equal(prism_backend_set_weight_dtype(be, PRISM_DTYPE_BF16), PRISM_OK);
-        assert_int_equal(be->compute_dtype, PRISM_DTYPE_F32);
-        for (int K = D - 1; K <= D; K++) {
-            size_t bytes = be->i.weight_pack_bytes(be->ctx, N, K);
-            assert_int_equal(bytes, prism_cpu_bf16p_elems(N, K) * 2);
-            uint16_t *wp = prism_backend_buf_alloc(be, bytes);
-            assert_non_null(wp);
-            memcpy(wp, wu, (size_t)N * K * 2);
-            assert_int_equal(be->i.weight_pack(be->ctx, wp, N, K), PRISM_OK);
-            assert_int_equal(c->n_packed, 1);
-            assert_int_equal(be->i.weight_pack(be->ctx, wp, N, K), PRISM_EINVAL);   /* twice */
-            uint64_t allocs = prism_mem_alloc_count();
-            for (int M = 1; M <= R; M = M < 20 ? M + 3 : M * 2 + 7) {
-                bool acc = M % 3 != 0;
-                const float *b = M % 4 ? bias : NULL;
-                for (int i = 0; i < M * N; i++) yp[i] = yu[i] = (float)(i % 7);
-                assert_int_equal(be->i.matmul(be->ctx, yp, N, x, D, wp, PRISM_DTYPE_BF16, b, M, N, K, acc), PRISM_OK);
-                assert_int_equal(be->i.matmul(be->ctx, yu, N, x, D, wu, PRISM_DTYPE_BF16, b, M, N, K, acc), PRISM_OK);
-                for (int m = 0; m < M; m++)
-                    for (int n = 0; n < N; n++) {
-                        double s = (acc ? (double)((m * N + n) % 7) : 0.0) + (b ? fabs(b[n]) : 0);
-                        for (int k = 0; k < K; k++)
-                            s += fabs((double)x[(size_t)m * D + k] * prism_bf16_to_f32(wu[(size_t)n * K + k]));
-                        sc[(size_t)m * N + n] = s;
-                    }
-                assert_within(yp, yu, sc, (size_t)M * N, 2.0 * (K + 2) * 0x1p-24, "packed vs unpacked fp32 matmul");
-            }
-            assert_int_equal(prism_mem_alloc_count(), allocs);
-            assert_int_equal(be->i.matmul(be->ctx, yp, N, x, D, wp + 16 * K, PRISM_DTYPE_BF16, NULL, 1, N - 16, K, false),
-                             PRISM_EINVAL);
-            assert_int_equal(be->i.matmul(be->ctx, yp, N, x, D, wp, PRISM_DTYPE_BF16, NULL, 1, N - 1, K, false),
-                             PRISM_EINVAL);
-            assert_int_equal(prism_backend_set_compute_dtype(be, PRISM_DTYPE_BF16), PRISM_EINVAL);
-            prism_backend_buf_free(be, wp);
-            assert_int_equal(c->n_packed, 0);
-        }
-        prism_backend_destroy(be);
-    }
-    free(x); free(bias); free(yp); free(yu); free(sc); free(wu);
+    check_packed_backend(PRISM_DTYPE_F32, "packed vs unpacked fp32 matmul");
 }
 
 /* --compute-dtype bf16 through the backend: refused for other dtypes, it stores weights as bf16;
