@@ -169,6 +169,7 @@ void router_req_drop_held(router_req_t *q)
 {
     for (int i = 0; i < q->n_held; i++) prism_msg_env_free(q->held[i]);
     q->n_held = 0;
+    q->held_tokens = 0;
 }
 
 static void choice_free(router_choice_t *c)

@@ -195,6 +195,7 @@ struct router_req {
     router_placement_t place;
     Prism__Envelope **held;       /* decode Tokens that arrived before the prefill's, in order (owned) */
     int n_held, held_cap;
+    int64_t held_tokens;          /* token ids in them */
     router_migration_t mig;
     router_output_t out;
     router_times_t time;

@@ -278,10 +278,17 @@ static void tokens_apply(router_t *r, router_req_t *q, const Prism__Tokens *t)
     }
 }
 
-/* Keeps a decode Tokens message that overtook the prefill's (see router.h). */
+/* Keeps a decode Tokens message that overtook the prefill's (see router.h). The prefill's reply
+ * may trail its KV by as long as its I/O thread waits for a core: a fast decode on a loaded machine
+ * runs hundreds of steps meanwhile (seen: 256 of a 300-token answer). So the bound is what the decode
+ * may legally send this request, n x max_tokens token ids (each message at least one, but for
+ * the few that carry none: a finish, a swap), not a fixed count; a decode that sends more is
+ * refused as soon as it passes it. */
 static bool tokens_hold(router_req_t *q, Prism__Envelope *env)
 {
-    if (q->n_held == ROUTER_MAX_HELD_TOKENS) {
+    int64_t may = (int64_t)router_req_n(q) * q->prompt.max_tokens;
+    size_t n_ids = env->tokens->n_token_ids;
+    if (q->held_tokens + (int64_t)n_ids > may || q->n_held >= may + ROUTER_MAX_HELD_TOKENS) {
         req_fail(q, 500, "the first token from the prefill worker never arrived");
         return false;
     }
@@ -296,6 +303,7 @@ static bool tokens_hold(router_req_t *q, Prism__Envelope *env)
         q->held_cap = cap;
     }
     q->held[q->n_held++] = env;
+    q->held_tokens += (int64_t)n_ids;
     return true;
 }
 
@@ -351,7 +359,10 @@ bool router_handle_tokens(router_t *r, const router_worker_t *from, Prism__Envel
         }
         prism_msg_env_free(held);
     }
-    if (q && !q->place.prefill_pending) q->n_held = 0;
+    if (q && !q->place.prefill_pending) {
+        q->n_held = 0;
+        q->held_tokens = 0;
+    }
     return true;
 }
 

@@ -42,7 +42,8 @@
 #define ROUTER_MAX_WORKERS 256
 #define ROUTER_WORKER_STAGES 3   /* most stages a tier's worker is timed on (decode: queue, first step, rest) */
 #define ROUTER_MAX_IMAGES 64
-#define ROUTER_MAX_HELD_TOKENS 256        /* decode Tokens messages held for the prefill's (requests.c) */
+#define ROUTER_MAX_HELD_TOKENS 256        /* decode Tokens messages held for the prefill's beyond what the
+                                             request may legally be sent (requests.c tokens_hold) */
 #define ROUTER_AFFINITY_SLACK 2   /* requests in flight a warm encoder (or a prefill holding the
                                    * prompt's prefix) may have beyond the least loaded */
 #define ROUTER_MAX_WORKER_MSG (4 << 20)  /* largest frame a worker may send up (tokens with logprobs) */
@@ -494,8 +495,9 @@ void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat);
  * token or its error, once; decode: the rest; encoder: its image); false when refused. The prefill's
  * Tokens (the first token) and the decode's (the rest) come from two processes over two connections,
  * so the decode's may arrive first: those are held, in order, until the prefill's arrives (at most
- * ROUTER_MAX_HELD_TOKENS messages; beyond, the request fails). *kept: env was kept (the caller must
- * not free it). */
+ * the tokens the request may be sent, n x max_tokens, in at most that many messages plus
+ * ROUTER_MAX_HELD_TOKENS; beyond, the request fails). *kept: env was kept (the caller must not free
+ * it). */
 bool router_handle_tokens(router_t *r, const router_worker_t *from, Prism__Envelope *env, bool *kept);
 bool router_handle_encode_done(router_t *r, const router_worker_t *from, uint64_t rid, uint64_t rid_hi,
                                const Prism__EncodeDone *d);

@@ -529,6 +529,12 @@ def router_seeds():
     put(h, "decode_before_prefill", bytes([2 | MT4]) + rrec(DEC, tokens_msg(1, [30])) + rrec(DEC, tokens_msg(1, [31])) +
         rrec(PRE, tokens_msg(1, [29], 0, True)) + rrec(DEC, tokens_msg(1, [32], LENGTH)) +
         rrec(PRE, tokens_msg(0, [5], 0, True)))
+    # a decode that runs ahead of the prefill's first token sends more than the request may get (4
+    # tokens): held up to n x max_tokens token ids, then the request fails (500); later messages, the
+    # first token included, find no request
+    put(h, "decode_overruns_before_first_token", bytes([ONE | MT4]) +
+        b"".join(rrec(DEC, tokens_msg(0, [30 + i])) for i in range(6)) + rrec(DEC, tokens_msg(0, [])) +
+        rrec(PRE, tokens_msg(0, [29], 0, True)))
     put(h, "wrong_workers", bytes([ONE | MT4]) + rrec(ENC, tokens_msg(0, [17], 0, True)) +
         rrec(DEC, tokens_msg(0, [17], 0, True)) + rrec(PRE, tokens_msg(0, [17], 0, False)) +
         rrec(PRE, env_of(7, 14, pb_int(1, 0), 0, None)) + rrec(PRE, tokens_msg(0, [17], 0, True)) +

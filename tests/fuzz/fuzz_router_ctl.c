@@ -14,7 +14,8 @@
  * each sent up from that worker's socket as it is; an envelope that unpacks and names a request id
  * below 16 is sent for the (id mod n)-th request the router dispatched in this input, both halves of
  * its id (ids are 128 random bits: a fuzzer could never guess one).
- * Invariants: the router stays up and answers what it sends well-formed; once every client hangs up,
+ * Invariants: the router stays up and answers what it sends well-formed; decode Tokens held for a
+ * first token stay within the request's n x max_tokens token ids; once every client hangs up,
  * no request is left (r->n_reqs == 0) and every registered worker is back at nothing in flight and no
  * image bytes queued (an abandoned body's early job included: issue 26 finding 5). After each input the workers register again as new processes, so no input's
  * registrations or load reach the next. */
@@ -22,6 +23,7 @@
 #include "../../router/main.c"
 #undef main
 
+#include "../../router/request.h"
 #include "fuzz_common.h"
 
 #include <arpa/inet.h>
@@ -214,6 +216,17 @@ static bool workers_busy(void)
     return false;
 }
 
+/* Decode Tokens held for a prefill's first token stay within what the request may be sent. */
+static void check_held(void)
+{
+    for (size_t i = 0; i < g_r.reqs_cap; i++) {
+        const router_req_t *q = g_r.reqs[i];
+        if (!q) continue;
+        int64_t may = (int64_t)router_req_n(q) * q->prompt.max_tokens;
+        FUZZ_ASSERT(q->held_tokens <= may && q->n_held <= may + ROUTER_MAX_HELD_TOKENS);
+    }
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     static bool ready_once;
@@ -251,6 +264,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         prism_msg_env_free(e);
         data += len, size -= len;
         pump(3);
+        check_held();
     }
     pump(3);
     /* Every client hangs up: the router forgets every request (and tells the workers). */
