@@ -13,6 +13,8 @@
   being uploaded; the request then takes its embeddings from the cache, and its answer is the same;
 - the image pool (issue 33): with two image threads two images of a batch decode at once (the
   heartbeat's peak of decodes in flight), and a small image is answered before a queue of large ones;
+- an encoder's stage timings (`prism:worker_stage_seconds`) count every image once, also when its
+  EncodeDone comes after the answer ended (test hook PRISM_TEST_DELAY_REPLIES_S), early jobs or not;
 - `priority` (issue 28): a priority -10 image overtakes the encoder's queue, a priority -10 prompt the
   prefill worker's;
 - `--overlap-decode` (issue 33): the next batch's images decode into a second pixel buffer while the
@@ -532,6 +534,28 @@ def test_encoder_timed_when_its_answer_comes_after_the_request():
         assert c.metric("prism:worker_stage_seconds_sum", worker="encoder-0", stage="vit") > 0
 
 
+def test_early_encoded_image_timed_once():
+    """The same with early encode on (and the embedding cache): each image goes to the encoder first
+    as an early job (its own id), then with its request, which takes the job over or finds its result
+    in the cache. Both answers are held 2 s; the early job's is not the request's and is never timed,
+    the request's is timed once, however late: the encoder_queue count rises by exactly the number of
+    images (early jobs counted too would make it twice that)."""
+    imgs = early_images(2, size=256, first=1010)
+    with Cluster(router_args=["--worker-timeout", "30"],
+                 worker_env={"encoder_worker": {"PRISM_TEST_DELAY_REPLIES_S": "2"}},
+                 worker_args={"encoder_worker": HB}) as c:
+        c.wait_ready()
+        count = lambda: c.metric("prism:worker_stage_seconds_count", worker="encoder-0", stage="encoder_queue") or 0
+        with concurrent.futures.ThreadPoolExecutor(len(imgs)) as ex:
+            res = list(ex.map(lambda p: c.post_json("/v1/chat/completions", chat_body("What is this?", [p], max_tokens=1)),
+                              imgs))
+        assert all(st == 200 for st, _ in res), res
+        assert c.metric("prism:router_early_encodes_total") == len(imgs)
+        wait_for("%d encoder_queue observations" % len(imgs), lambda: count() >= len(imgs), 30)
+        fresh_heartbeats(c)   # the encoder's replies all forwarded (its I/O thread heartbeats after them)
+        assert count() == len(imgs), count()
+
+
 def test_priority_first_in_encoder_and_prefill_queues():
     """Issue 28: `priority` orders the workers' own queues, not only the router's. Five images of
     priority 0 queued on the stopped encoder (one image per batch, one image thread: only the order
@@ -673,6 +697,6 @@ if __name__ == "__main__":
                         test_early_jobs_of_bodies_that_never_become_requests_are_aborted,
                         test_requests_come_before_early_jobs, test_images_decode_at_once,
                         test_small_image_not_behind_large_ones,
-                        test_encoder_timed_when_its_answer_comes_after_the_request,
+                        test_encoder_timed_when_its_answer_comes_after_the_request, test_early_encoded_image_timed_once,
                         test_priority_first_in_encoder_and_prefill_queues,
                         test_overlap_keeps_every_batch_its_own_pixels, test_overlap_abort_frees_everything]))

@@ -149,6 +149,12 @@ MUTANTS = {
           "    for (int i = 0; i < q->prompt.n_images; i++) router_sched_encode_let_go(q, i);",
           "    for (int i = 0; i < q->prompt.n_images; i++) router_sched_encode_done(q, i);")],
         IT + "test_encoder.py test_encoder_timed_when_its_answer_comes_after_the_request", ["router"]),
+    "router-times-early-encode-done": (
+        "the router times every EncodeDone of an id that is no request (an early job's too: its image twice)",
+        [("router/requests.c",
+          "    if (!q) return router_early_encode_done(r, from, rid, rid_hi, d);  /* an early job, or a request that ended */",
+          "    if (!q) { encode_observe(r, from, d); return router_early_encode_done(r, from, rid, rid_hi, d); }")],
+        IT + "test_encoder.py test_early_encoded_image_timed_once", ["router"]),
     "router-late-encode-done-twice": (
         "the router times a late EncodeDone each time it comes (a duplicate, or another encoder's)",
         [("router/workers.c", "        e->rid = 0;   /* once */", "        (void)0;")],
