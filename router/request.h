@@ -239,7 +239,12 @@ void router_sched_decode_done(router_req_t *q);
 /* An answer that stopped by itself (not at max_tokens) took `tokens`: the running mean the decode
  * pick expects an answer's length from (r->answer_est). */
 void router_sched_note_answer(router_t *r, int tokens);
+/* An encoder answered image `image` (or the request dropped it): its slot and bytes come back. */
 void router_sched_encode_done(router_req_t *q, int image);
+/* The request stops waiting for image `image`'s EncodeDone (it ends, or its attempt is released):
+ * the same, and the image is remembered (router_worker_note_let_go) so that its encoder's answer,
+ * when it comes under this id, is still timed. */
+void router_sched_encode_let_go(router_req_t *q, int image);
 /* Aborts every worker still holding it (after the last choice ended, an error or a client that went away). */
 void router_sched_abort(router_req_t *q);
 /* Gives every worker back (aborting those that hold it), as if it had never been dispatched, under a

@@ -70,7 +70,9 @@ static void req_destroy(router_req_t *q)
     router_url_images_cancel(q);
     router_early_forget(r, q->body);   /* what its body started and it did not take over */
     router_req_del(r, q->rid);
-    for (int i = 0; i < q->prompt.n_images; i++) router_sched_encode_done(q, i);
+    /* an image still encoding (its EncodeDone may come after the answer: the encoder sends it once
+     * the prefill has the embeddings) is still timed when it comes */
+    for (int i = 0; i < q->prompt.n_images; i++) router_sched_encode_let_go(q, i);
     router_sched_prefill_done(q);
     router_sched_decode_done(q);
     if (q->image_charged) {
@@ -366,10 +368,26 @@ bool router_handle_tokens(router_t *r, const router_worker_t *from, Prism__Envel
     return true;
 }
 
+/* The encoder's measures of an image it encoded (or found in its cache), in its stage histograms. */
+static void encode_observe(router_t *r, const router_worker_t *from, const Prism__EncodeDone *d)
+{
+    if (d->error && *d->error) return;
+    double st[ROUTER_TS_COUNT] = {[ROUTER_TS_ENCODER_QUEUE] = d->queue_ms / 1e3,
+                                  [ROUTER_TS_IMAGE_DECODE] = d->decode_ms / 1e3, [ROUTER_TS_VIT] = d->vit_ms / 1e3};
+    router_worker_observe(r, from->id, st);
+}
+
 bool router_handle_encode_done(router_t *r, const router_worker_t *from, uint64_t rid, uint64_t rid_hi,
                                const Prism__EncodeDone *d)
 {
     router_req_t *q = router_req_get(r, rid);
+    if (!q && router_worker_take_let_go(r, from, rid, rid_hi, d->image_index)) {
+        /* its request ended (or this attempt was let go) before the answer came: the work was done */
+        PRISM_DEBUG("request %llu: EncodeDone for image %u from %s after it was let go: timed",
+                    (unsigned long long)rid, d->image_index, from->id);
+        encode_observe(r, from, d);
+        return true;
+    }
     if (!q) return router_early_encode_done(r, from, rid, rid_hi, d);  /* an early job, or a request that ended */
     /* Only the encoder this image went to, once, naming the whole id. */
     if (rid_hi != q->rid_hi || d->image_index >= (uint32_t)q->prompt.n_images ||
@@ -380,11 +398,7 @@ bool router_handle_encode_done(router_t *r, const router_worker_t *from, uint64_
         return false;
     }
     router_sched_encode_done(q, (int)d->image_index);
-    if (!d->error || !*d->error) {
-        double st[ROUTER_TS_COUNT] = {[ROUTER_TS_ENCODER_QUEUE] = d->queue_ms / 1e3,
-                                      [ROUTER_TS_IMAGE_DECODE] = d->decode_ms / 1e3, [ROUTER_TS_VIT] = d->vit_ms / 1e3};
-        router_worker_observe(r, from->id, st);
-    }
+    encode_observe(r, from, d);
     q->time.decode_ms += d->decode_ms;
     q->time.vit_ms += d->vit_ms;
     q->time.enc_queue_ms += d->queue_ms;

@@ -51,6 +51,7 @@
 #define ROUTER_ANSWER_EST_DEFAULT 256   /* tokens an answer is expected to take before any ended (sched.c) */
 
 #define ROUTER_MAX_EARLY 64      /* early encodes in flight at once (early_encode.c) */
+#define ROUTER_MAX_ENC_LATE 512  /* images let go unanswered whose EncodeDone is still timed (workers.c) */
 #define ROUTER_EARLY_PER_CONN 4  /* ... of them one connection's unanswered at once */
 #define ROUTER_WORKER_ID_MAX 127  /* bytes of a worker id (its ZeroMQ identity) */
 #define ROUTER_DEFAULT_BUDGET ((int64_t)512 << 20)   /* --mem-budget: a router in front of one node */
@@ -142,6 +143,17 @@ typedef struct {
     double t_sent;               /* when sent, or when done */
     uint64_t body, conn;         /* the request (prism_http_req_id) and connection it came from */
 } router_early_t;
+
+/* An image its request sent to an encoder and stopped waiting for (the request ended, or its attempt
+ * was let go) before the EncodeDone came: the encoder did (or does) the work, so its answer, when it
+ * comes, is still timed in its prism:worker_stage_seconds, once (workers.c router_worker_take_let_go).
+ * Only what the router sent is here: an EncodeDone it cannot match counts nothing. rid 0: free. */
+typedef struct {
+    uint64_t rid, rid_hi;        /* the request's 128-bit id at the time (a retry rekeys it) */
+    uint64_t instance;           /* the encoder process it went to */
+    uint32_t image;              /* its index among the request's images */
+    uint16_t worker;             /* that encoder's slot in r->workers */
+} router_enc_late_t;
 
 /* prep_pool.c: a job for the preparation threads, in its lane (generation requests first, then
  * utility jobs: /tokenize, /detokenize). work comes first (the pool finds the job from it) and
@@ -263,6 +275,8 @@ typedef struct router {
     uint64_t ctl_refused;       /* control messages dropped: unregistered sender, wrong key, not the request's worker */
 
     router_early_t early[ROUTER_MAX_EARLY];
+    router_enc_late_t enc_late[ROUTER_MAX_ENC_LATE];   /* a ring: when full, the oldest is overwritten */
+    uint32_t enc_late_next;
     prism_router_metrics_t metrics;
     uint64_t workers_lost_dead, workers_lost_stuck;
     prism_hist_t heartbeat_interval[4];  /* by role: seconds between a worker's heartbeats */
@@ -306,8 +320,9 @@ void router_early_forget(router_t *r, uint64_t body);
 /* A request found no encoder with room: the youngest running early job (of an image not in keep[],
  * the request's own content hashes, which it would take over) is aborted for it. False when none. */
 bool router_early_preempt(router_t *r, const uint64_t *keep, int n_keep);
-/* EncodeDone for an id that is no request: an early job is released. False only when rid is an early
- * job of another encoder (the message is refused); an id of neither kind is a request that ended. */
+/* EncodeDone for an id that is no request (nor an image let go unanswered:
+ * router_worker_take_let_go): an early job is released. False only when rid is an early job of another
+ * encoder (the message is refused); an id of neither kind is a request that ended. */
 bool router_early_encode_done(router_t *r, const router_worker_t *from, uint64_t rid, uint64_t rid_hi,
                               const Prism__EncodeDone *d);
 /* Early jobs unanswered past --stage-timeout, or on an encoder gone or stuck: aborted and released. */
@@ -334,6 +349,14 @@ bool router_worker_heartbeat(router_t *r, const char *id, const Prism__Heartbeat
 void router_worker_drop(router_worker_t *w);
 /* Remembers that an image with this content hash went to w (its embedding cache may hold it). */
 void router_worker_note_image(router_worker_t *w, uint64_t hash);
+/* An image of request rid (its index `image`) sent to encoder w that the request stopped waiting for
+ * (it ended, or its attempt was let go): remembered in r->enc_late, the oldest overwritten when full,
+ * so that w's EncodeDone for it, when it comes, is still timed. */
+void router_worker_note_let_go(router_t *r, const router_worker_t *w, uint64_t rid, uint64_t rid_hi, uint32_t image);
+/* An EncodeDone for an id that is no request in flight: true when it answers an image noted above,
+ * under its whole id, from the encoder it went to (the same process), which is then forgotten: a
+ * second one, or one from another worker, counts nothing. */
+bool router_worker_take_let_go(router_t *r, const router_worker_t *from, uint64_t rid, uint64_t rid_hi, uint32_t image);
 /* Leading blocks of keys[0..n) (of block_size tokens) w's prefix cache holds as its events told
  * (0 for a worker of another block size). */
 int router_worker_prefix_hit(const router_worker_t *w, const prism_kv_key_t *keys, int n, uint32_t block_size);
@@ -492,7 +515,8 @@ void router_prompt_template_message(json_t *msg);
 int router_refusal_at_arrival(router_t *r, char *msg, size_t n);
 void router_handle_generate(router_t *r, prism_http_req_t *h, bool chat);
 /* Results from worker `from`: taken only when it holds the request at that stage (prefill: the first
- * token or its error, once; decode: the rest; encoder: its image); false when refused. The prefill's
+ * token or its error, once; decode: the rest; encoder: its image, or, after the request ended or its
+ * attempt was let go, only its timings, once per image sent to it); false when refused. The prefill's
  * Tokens (the first token) and the decode's (the rest) come from two processes over two connections,
  * so the decode's may arrive first: those are held, in order, until the prefill's arrives (at most
  * the tokens the request may be sent, n x max_tokens, in at most that many messages plus

@@ -126,6 +126,14 @@ void router_sched_encode_done(router_req_t *q, int i)
     worker_done(q->r, q->place.encoder_id[i], 1);
 }
 
+void router_sched_encode_let_go(router_req_t *q, int i)
+{
+    if (!q->place.encode_pending[i]) return;
+    const router_worker_t *w = q->place.encoder_id[i][0] ? router_worker_by_id(q->r, q->place.encoder_id[i]) : NULL;
+    if (w) router_worker_note_let_go(q->r, w, q->rid, q->rid_hi, (uint32_t)i);   /* one gone never answers */
+    router_sched_encode_done(q, i);
+}
+
 /* The prefill always hears it (after its first token it may still hold the KV export); the decode
  * only while it may hold or still receive the request: a decode remembers aborts for requests it
  * has not seen (their KV may be on its way), so it is not told about requests that ended without it. */
@@ -149,7 +157,7 @@ void router_sched_release(router_req_t *q)
     router_placement_t *pl = &q->place;
     router_sched_abort(q);
     for (int i = 0; i < q->prompt.n_images; i++) {
-        router_sched_encode_done(q, i);
+        router_sched_encode_let_go(q, i);   /* its answer for the old id is still timed */
         pl->encoder_id[i][0] = '\0';
         pl->early_id[i] = 0;
     }

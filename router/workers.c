@@ -1,6 +1,6 @@
-/* Worker registry: who is registered, their capacity and last reported load, and the choice of
- * a worker for a request. A leaf: no sockets, no request life; control.c feeds it and acts on
- * its answers. */
+/* Worker registry: who is registered, their capacity and last reported load, the choice of a worker
+ * for a request, and the images requests let go unanswered (whose encoders' answers are still timed).
+ * A leaf: no sockets, no request life; control.c feeds it and acts on its answers. */
 #include "router.h"
 
 #include <stdio.h>
@@ -185,6 +185,24 @@ void router_worker_note_image(router_worker_t *w, uint64_t hash)
 {
     w->image_hashes[w->n_hashes % (int)PRISM_ARRAY_LEN(w->image_hashes)] = hash;
     if (w->n_hashes < (int)PRISM_ARRAY_LEN(w->image_hashes)) w->n_hashes++;
+}
+
+void router_worker_note_let_go(router_t *r, const router_worker_t *w, uint64_t rid, uint64_t rid_hi, uint32_t image)
+{
+    r->enc_late[r->enc_late_next++ % ROUTER_MAX_ENC_LATE] = (router_enc_late_t){
+        .rid = rid, .rid_hi = rid_hi, .instance = w->instance, .image = image, .worker = (uint16_t)(w - r->workers)};
+}
+
+bool router_worker_take_let_go(router_t *r, const router_worker_t *from, uint64_t rid, uint64_t rid_hi, uint32_t image)
+{
+    for (int k = 0; rid && k < ROUTER_MAX_ENC_LATE; k++) {
+        router_enc_late_t *e = &r->enc_late[k];
+        if (e->rid != rid || e->rid_hi != rid_hi || e->image != image) continue;
+        if (from != &r->workers[e->worker] || from->instance != e->instance) return false;
+        e->rid = 0;   /* once */
+        return true;
+    }
+    return false;
 }
 
 /* A worker as a pick sees it: what the registry counts plus what the plan being made puts on it

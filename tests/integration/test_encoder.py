@@ -13,6 +13,8 @@
   being uploaded; the request then takes its embeddings from the cache, and its answer is the same;
 - the image pool (issue 33): with two image threads two images of a batch decode at once (the
   heartbeat's peak of decodes in flight), and a small image is answered before a queue of large ones;
+- an encoder's stage timings (`prism:worker_stage_seconds`) count every image once, also when its
+  EncodeDone comes after the answer ended (test hook PRISM_TEST_DELAY_REPLIES_S), early jobs or not;
 - `priority` (issue 28): a priority -10 image overtakes the encoder's queue, a priority -10 prompt the
   prefill worker's;
 - `--overlap-decode` (issue 33): the next batch's images decode into a second pixel buffer while the
@@ -498,6 +500,62 @@ def test_small_image_not_behind_large_ones():
         assert c.metric("prism:request_stage_seconds_sum", stage="encoder_queue") >= stage("image_decode")
 
 
+def test_encoder_timed_when_its_answer_comes_after_the_request():
+    """The encoder sends EncodeDone once the prefill worker has the image's embeddings, so a short
+    answer can end before the router hears it (CI once saw 6 of 7 encoder_queue observations in
+    test_small_image_not_behind_large_ones). Test hook PRISM_TEST_DELAY_REPLIES_S=2 on the encoder
+    holds each EncodeDone 2 s: every one-token answer ends first (its x-prism-timing shows no vision
+    tower time: the router had not heard the encoder), yet the encoder's encoder_queue count rises by
+    exactly the number of images: the late answers are still timed, each once (the router remembers
+    the images it let go unanswered: router_sched_encode_late)."""
+    imgs = early_images(3, size=256, first=1000)
+    with Cluster(router_args=["--timing-header", "--no-early-encode", "--worker-timeout", "30"],
+                 worker_env={"encoder_worker": {"PRISM_TEST_DELAY_REPLIES_S": "2"}},
+                 worker_args={"encoder_worker": HB + ["--embedding-cache-bytes", "0"]}) as c:
+        c.wait_ready()
+        count = lambda: c.metric("prism:worker_stage_seconds_count", worker="encoder-0", stage="encoder_queue") or 0
+        assert count() == 0
+
+        def post(body):
+            status, headers, data = c.request("POST", "/v1/chat/completions", body)
+            assert status == 200, (status, data[:200])
+            t = dict(kv.split("=") for kv in {k.lower(): v for k, v in headers.items()}["x-prism-timing"].split())
+            return float(t["vit_ms"])
+
+        with concurrent.futures.ThreadPoolExecutor(len(imgs)) as ex:
+            vit = list(ex.map(post, [chat_body("What is this?", [p], max_tokens=1) for p in imgs]))
+        late = sum(v == 0 for v in vit)
+        print("  answers that ended before their EncodeDone came: %d of %d (vit_ms %s)" % (late, len(imgs), vit))
+        assert late >= 1, "every EncodeDone came before its answer ended: the test proves nothing (%s)" % vit
+        wait_for("%d encoder_queue observations" % len(imgs), lambda: count() >= len(imgs), 30)
+        fresh_heartbeats(c)   # nothing more comes: each image timed once
+        assert count() == len(imgs), count()
+        assert c.metric("prism:worker_stage_seconds_count", worker="encoder-0", stage="vit") == len(imgs)
+        assert c.metric("prism:worker_stage_seconds_sum", worker="encoder-0", stage="vit") > 0
+
+
+def test_early_encoded_image_timed_once():
+    """The same with early encode on (and the embedding cache): each image goes to the encoder first
+    as an early job (its own id), then with its request, which takes the job over or finds its result
+    in the cache. Both answers are held 2 s; the early job's is not the request's and is never timed,
+    the request's is timed once, however late: the encoder_queue count rises by exactly the number of
+    images (early jobs counted too would make it twice that)."""
+    imgs = early_images(2, size=256, first=1010)
+    with Cluster(router_args=["--worker-timeout", "30"],
+                 worker_env={"encoder_worker": {"PRISM_TEST_DELAY_REPLIES_S": "2"}},
+                 worker_args={"encoder_worker": HB}) as c:
+        c.wait_ready()
+        count = lambda: c.metric("prism:worker_stage_seconds_count", worker="encoder-0", stage="encoder_queue") or 0
+        with concurrent.futures.ThreadPoolExecutor(len(imgs)) as ex:
+            res = list(ex.map(lambda p: c.post_json("/v1/chat/completions", chat_body("What is this?", [p], max_tokens=1)),
+                              imgs))
+        assert all(st == 200 for st, _ in res), res
+        assert c.metric("prism:router_early_encodes_total") == len(imgs)
+        wait_for("%d encoder_queue observations" % len(imgs), lambda: count() >= len(imgs), 30)
+        fresh_heartbeats(c)   # the encoder's replies all forwarded (its I/O thread heartbeats after them)
+        assert count() == len(imgs), count()
+
+
 def test_priority_first_in_encoder_and_prefill_queues():
     """Issue 28: `priority` orders the workers' own queues, not only the router's. Five images of
     priority 0 queued on the stopped encoder (one image per batch, one image thread: only the order
@@ -638,5 +696,7 @@ if __name__ == "__main__":
                         test_early_job_of_a_hung_encoder_is_let_go,
                         test_early_jobs_of_bodies_that_never_become_requests_are_aborted,
                         test_requests_come_before_early_jobs, test_images_decode_at_once,
-                        test_small_image_not_behind_large_ones, test_priority_first_in_encoder_and_prefill_queues,
+                        test_small_image_not_behind_large_ones,
+                        test_encoder_timed_when_its_answer_comes_after_the_request, test_early_encoded_image_timed_once,
+                        test_priority_first_in_encoder_and_prefill_queues,
                         test_overlap_keeps_every_batch_its_own_pixels, test_overlap_abort_frees_everything]))

@@ -143,6 +143,22 @@ MUTANTS = {
         "a prompt that reads part of an image from the prefix cache lays that image's rows from its first",
         [("prefill_worker/main.c", "            x->next_row[i] += r->tokens[t] == p->cfg.image_token_index;", "            (void)t;")],
         IT + "test_llama4.py test_prefix_cache_same_logprobs", ["prefill_worker"]),
+    "router-drops-late-encode-done": (
+        "the router drops the timings of an EncodeDone that comes after its request ended (a short answer)",
+        [("router/requests.c",
+          "    for (int i = 0; i < q->prompt.n_images; i++) router_sched_encode_let_go(q, i);",
+          "    for (int i = 0; i < q->prompt.n_images; i++) router_sched_encode_done(q, i);")],
+        IT + "test_encoder.py test_encoder_timed_when_its_answer_comes_after_the_request", ["router"]),
+    "router-times-early-encode-done": (
+        "the router times every EncodeDone of an id that is no request (an early job's too: its image twice)",
+        [("router/requests.c",
+          "    if (!q) return router_early_encode_done(r, from, rid, rid_hi, d);  /* an early job, or a request that ended */",
+          "    if (!q) { encode_observe(r, from, d); return router_early_encode_done(r, from, rid, rid_hi, d); }")],
+        IT + "test_encoder.py test_early_encoded_image_timed_once", ["router"]),
+    "router-late-encode-done-twice": (
+        "the router times a late EncodeDone each time it comes (a duplicate, or another encoder's)",
+        [("router/workers.c", "        e->rid = 0;   /* once */", "        (void)0;")],
+        "ctest --test-dir $BUILD -R '^test_router_pick$' --output-on-failure", ["test_router_pick"]),
     "prefix-route-ignores-index": (
         "the router's prefill pick ignores what each prefill's prefix cache holds (load alone)",
         [("router/workers.c", "        int hit = prefix_hit(w, want);", "        int hit = 0;")],

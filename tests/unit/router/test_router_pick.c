@@ -1,7 +1,8 @@
 /* Unit tests: how the router picks a worker (router/workers.c) — least loaded with a free slot,
  * equally loaded workers in turn, embedding-cache affinity bounded by ROUTER_AFFINITY_SLACK, and a
  * worker whose last send failed passed over until it is heard from again; stuck and draining workers
- * are never picked, ties included; a migration's target (router_pick_kv_target). */
+ * are never picked, ties included; a migration's target (router_pick_kv_target); the images requests
+ * let go unanswered, whose late EncodeDone is taken once from the encoder they went to. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
@@ -307,6 +308,37 @@ static void test_prefix_affinity_and_events(void **state)
     router_worker_drop(c);
 }
 
+/* Images a request let go unanswered (it ended before its encoder's EncodeDone came, or its attempt
+ * was released): the answer is taken once, under the whole id, from the encoder it went to, the same
+ * process; nothing else matches. The table is a ring of ROUTER_MAX_ENC_LATE: when full, the oldest
+ * goes (never grown), so a flood of ids costs nothing but late timings. */
+static void test_let_go_answers_taken_once(void **state)
+{
+    (void)state;
+    router_worker_t *e0 = add("e0", PRISM__ROLE__ROLE_ENCODER, 4), *e1 = add("e1", PRISM__ROLE__ROLE_ENCODER, 4);
+    e0->instance = 7;
+    e1->instance = 8;
+    router_worker_note_let_go(&R, e0, 100, 1, 0);
+    router_worker_note_let_go(&R, e0, 100, 1, 1);
+    assert_false(router_worker_take_let_go(&R, e1, 100, 1, 0));   /* another encoder */
+    assert_false(router_worker_take_let_go(&R, e0, 100, 2, 0));   /* the low half only */
+    assert_false(router_worker_take_let_go(&R, e0, 101, 1, 0));   /* an id never let go */
+    assert_false(router_worker_take_let_go(&R, e0, 100, 1, 2));   /* an image not sent there */
+    assert_false(router_worker_take_let_go(&R, e0, 0, 0, 0));     /* a free entry */
+    e0->instance = 9;                                             /* it restarted under the same id */
+    assert_false(router_worker_take_let_go(&R, e0, 100, 1, 0));
+    e0->instance = 7;
+    assert_true(router_worker_take_let_go(&R, e0, 100, 1, 0));
+    assert_false(router_worker_take_let_go(&R, e0, 100, 1, 0));   /* once: a duplicate counts nothing */
+    assert_true(router_worker_take_let_go(&R, e0, 100, 1, 1));
+    /* bounded: the ring overwrites its oldest */
+    for (uint64_t k = 0; k < ROUTER_MAX_ENC_LATE + 10; k++) router_worker_note_let_go(&R, e1, 1000 + k, 5, 3);
+    for (uint64_t k = 0; k < 10; k++) assert_false(router_worker_take_let_go(&R, e1, 1000 + k, 5, 3));
+    for (uint64_t k = 10; k < ROUTER_MAX_ENC_LATE + 10; k++) assert_true(router_worker_take_let_go(&R, e1, 1000 + k, 5, 3));
+    router_worker_drop(e0);
+    router_worker_drop(e1);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -317,6 +349,7 @@ int main(void)
         cmocka_unit_test_setup(test_migration_target, setup),
         cmocka_unit_test_setup(test_decode_pick_weighs_kv_room, setup),
         cmocka_unit_test_setup(test_prefix_affinity_and_events, setup),
+        cmocka_unit_test_setup(test_let_go_answers_taken_once, setup),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
