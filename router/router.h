@@ -42,8 +42,8 @@
 #define ROUTER_MAX_WORKERS 256
 #define ROUTER_WORKER_STAGES 3   /* most stages a tier's worker is timed on (decode: queue, first step, rest) */
 #define ROUTER_MAX_IMAGES 64
-#define ROUTER_MAX_HELD_TOKENS 256        /* decode Tokens messages held for the prefill's beyond what the
-                                             request may legally be sent (requests.c tokens_hold) */
+#define ROUTER_MAX_HELD_TOKENS 256        /* decode Tokens messages held for the prefill's first token beyond
+                                             n x max_tokens (ones with no token id; requests.c tokens_hold) */
 #define ROUTER_AFFINITY_SLACK 2   /* requests in flight a warm encoder (or a prefill holding the
                                    * prompt's prefix) may have beyond the least loaded */
 #define ROUTER_MAX_WORKER_MSG (4 << 20)  /* largest frame a worker may send up (tokens with logprobs) */
