@@ -505,7 +505,8 @@ def test_decode_preempts_by_recompute_or_swap_and_priority_overtakes():
     token the one it gives alone. Then a request with priority -1 sent after three of priority 0
     overtakes them in the router's queue. In between, the same pool with a swap region (_preempt_by_swap)."""
     ctx = ["--context-length", "128"]
-    with Cluster(router_args=ctx, common_worker_args=FAST_HB,
+    # the router at debug: the priority check below reads its 'sent to prefill worker' lines
+    with Cluster(router_args=ctx + ["--log-level", "debug"], common_worker_args=FAST_HB,
                  worker_args={"prefill_worker": ctx + ["--max-pending-requests", "1"],
                               "decode_worker": ctx + ["--kv-blocks", "12", "--max-running-requests", "4",
                                                       "--log-level", "debug"]}) as c:
@@ -585,14 +586,19 @@ def test_decode_preempts_by_recompute_or_swap_and_priority_overtakes():
                 pre.send_signal(signal.SIGCONT)
             for f in jobs:
                 f.result()
-        # the order the router handed them to the (only) prefill worker, from its log: the client's
-        # arrival times of the first tokens, a few ms apart, could be read out of order by its threads
-        # on a loaded machine
+        # the order the router handed them to the (only) prefill worker, from its log (a debug line:
+        # the router runs at --log-level debug above). Not the client's arrival times of the first
+        # tokens, nor the order its threads first heard of each stream: a few ms apart, its threads read
+        # them out of order on a loaded machine (low2 before low1, seen in CI). Every request must be
+        # in the log: a router at info logs none of them, and sorting on a missing index fell back to
+        # the client's order silently, which is how that flake survived a first fix.
         with open(os.path.join(c.log_dir, "router.log"), "rb") as f:
             sent = re.findall(r"\((chatcmpl-[0-9a-f]+)\): sent to prefill worker", f.read().decode("utf-8", "replace"))
-        order = sorted(ids, key=lambda n: sent.index(ids[n]) if ids[n] in sent else len(sent))
-        print("sent to the prefill in order:", order, "first tokens seen in order:", sorted(first, key=first.get))
         assert sorted(first) == sorted(ids) and len(ids) == 5, (first, ids)
+        assert all(i in sent for i in ids.values()), ("a request's send to the prefill is not in the router's log "
+                                                      "(is it at --log-level debug?)", ids, sent)
+        order = sorted(ids, key=lambda n: sent.index(ids[n]))   # its first send (a retry keeps its id)
+        print("sent to the prefill in order:", order, "first tokens seen in order:", sorted(first, key=first.get))
         assert order == ["first", "high", "low0", "low1", "low2"], ("the high-priority request did not overtake "
                                                                    "the queue", order)
 
