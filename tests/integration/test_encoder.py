@@ -507,7 +507,7 @@ def test_encoder_timed_when_its_answer_comes_after_the_request():
     holds each EncodeDone 2 s: every one-token answer ends first (its x-prism-timing shows no vision
     tower time: the router had not heard the encoder), yet the encoder's encoder_queue count rises by
     exactly the number of images: the late answers are still timed, each once (the router remembers
-    the images it let go unanswered: router_sched_encode_late)."""
+    the images it let go unanswered: router_sched_encode_let_go)."""
     imgs = early_images(3, size=256, first=1000)
     with Cluster(router_args=["--timing-header", "--no-early-encode", "--worker-timeout", "30"],
                  worker_env={"encoder_worker": {"PRISM_TEST_DELAY_REPLIES_S": "2"}},
