@@ -143,6 +143,12 @@ MUTANTS = {
         "a prompt that reads part of an image from the prefix cache lays that image's rows from its first",
         [("prefill_worker/main.c", "            x->next_row[i] += r->tokens[t] == p->cfg.image_token_index;", "            (void)t;")],
         IT + "test_llama4.py test_prefix_cache_same_logprobs", ["prefill_worker"]),
+    "router-held-tokens-fixed-bound": (
+        "the router holds at most 256 decode messages for a first token that trails them (a long answer fails)",
+        [("router/requests.c",
+          "    if (q->held_tokens + (int64_t)n_ids > may || q->n_held >= may + ROUTER_MAX_HELD_TOKENS) {",
+          "    if (q->n_held >= ROUTER_MAX_HELD_TOKENS) {")],
+        IT + "test_liveness.py", ["router"]),
     "router-drops-late-encode-done": (
         "the router drops the timings of an EncodeDone that comes after its request ended (a short answer)",
         [("router/requests.c",
